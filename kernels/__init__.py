@@ -1,0 +1,16 @@
+"""Triton kernels and their launchers. No model knowledge here (DESIGN.md, "Layout").
+
+Entry points used by :mod:`visionattn.api` and :mod:`visionattn.window`:
+
+* :func:`elsa_attention` — dense ELSA forward (single pass / split-KV + merge),
+  modes fp32, fp32-ieee, tf32, fp16, bf16;
+* :func:`pasa_attention` — FP16-score-accumulation forward with PASA shifting
+  (``shift=True``) or without (the ``fp16-acc16`` baseline);
+* :func:`window_attention_fwd` — Swin / Swin-v2 window attention;
+* :func:`unsupported_reason` — why a call cannot run on the kernels (or None).
+"""
+from .elsa_fwd import elsa_attention, unsupported_reason
+from .pasa_fwd import pasa_attention
+from .window_fwd import window_attention_fwd
+
+__all__ = ["elsa_attention", "pasa_attention", "window_attention_fwd", "unsupported_reason"]

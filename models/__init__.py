@@ -1,0 +1,1 @@
+"""VGGT and FastVGGT (being written: issue 7)."""

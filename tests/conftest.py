@@ -1,0 +1,30 @@
+"""Shared test setup.
+
+Without a CUDA device the Triton kernels run in the interpreter; the variable
+must be set before triton is imported, so it is set here, first.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHOTOS = os.path.join(REPO, "tests", "data", "photos")  # OpenCV sample photos, licence in tests/data
+MULTIVIEW = os.path.join(REPO, "demos", "data")  # aloe/, stereo_rig/, suzanne/ (OpenCV samples)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (run `pytest -m gpu` on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,80 @@
+"""Precision modes of visionattn and their accuracy contracts.
+
+A mode fixes three things: the dtype the inputs are cast to before the kernel
+(``compute_dtype``), the arithmetic of the two products (``input_precision`` for
+Triton ``tl.dot``: ``"ieee"``, ``"tf32x3"`` or ``"tf32"``; half modes use the
+tensor cores natively) and the accuracy contract: the relative L2 error of the
+output against the float64 oracle on N(0, 1) inputs (DESIGN.md, "Modes").
+
+``fp16-acc16`` is not a production mode: it is the FP16-score-accumulation
+baseline that PASA fixes (PASA paper, Sec. 2), kept so the overflow can be shown
+side by side. It can return inf/NaN by design.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Mode", "MODES", "get_mode", "mode_names"]
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One precision mode.
+
+    Attributes:
+        name: the string users pass (``mode="fp16"``).
+        compute_dtype: dtype q, k, v are cast to before the kernel runs.
+        input_precision: Triton ``tl.dot`` precision for FP32 operands
+            (``"ieee"``, ``"tf32x3"``, ``"tf32"``), ``None`` for half inputs.
+        rel_tol: contract, max relative L2 output error vs the float64 oracle.
+        half_scores: scores accumulated in FP16 (``pasa``, ``fp16-acc16``).
+        description: one line for tables and ``--help``.
+    """
+
+    name: str
+    compute_dtype: torch.dtype
+    input_precision: str | None
+    rel_tol: float
+    half_scores: bool
+    description: str
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("fp32", torch.float32, "tf32x3", 2e-6, False,
+             "FP32 inputs, FP32-accurate products (3xTF32 or IEEE FMA), FP32 state"),
+        Mode("fp32-ieee", torch.float32, "ieee", 2e-6, False,
+             "strict IEEE FP32 FMA products, no tensor cores, FP32 state"),
+        Mode("tf32", torch.float32, "tf32", 3e-3, False,
+             "TF32 tensor-core products, FP32 state"),
+        Mode("fp16", torch.float16, None, 2e-3, False,
+             "FP16 inputs, FP32 score accumulation and state"),
+        Mode("bf16", torch.bfloat16, None, 1e-2, False,
+             "BF16 inputs, FP32 score accumulation and state"),
+        Mode("pasa", torch.float16, None, 4e-3, True,
+             "FP16 inputs, FP16 score accumulation with online pseudo-average shifting (cannot overflow)"),
+        Mode("fp16-acc16", torch.float16, None, 4e-3, True,
+             "diagnostic baseline: FP16 score accumulation without shifting (may overflow)"),
+    )
+}
+
+
+def mode_names() -> list[str]:
+    """All accepted mode strings, in table order."""
+    return list(MODES)
+
+
+def get_mode(mode: str | Mode) -> Mode:
+    """Look up a mode by name.
+
+    Raises:
+        ValueError: ``mode`` is not one of :func:`mode_names`.
+    """
+    if isinstance(mode, Mode):
+        return mode
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not a visionattn mode; expected one of {mode_names()}")
+    return MODES[mode]

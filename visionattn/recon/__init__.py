@@ -1,0 +1,1 @@
+"""Reconstruction helpers: image loading, export, preview, metrics (issue 8)."""

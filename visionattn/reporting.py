@@ -1,0 +1,68 @@
+"""Small I/O helpers shared by tools: environment record, atomic writes, markdown tables."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from typing import Any, Iterable, Sequence
+
+import torch
+
+__all__ = ["environment", "command_line", "write_text_atomic", "write_json_atomic", "markdown_table"]
+
+
+def command_line() -> str:
+    """The command that started this process, shell-quoted."""
+    return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.argv)
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware every committed result must name (GPU, torch, triton, timm, Python)."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})",
+        "command": command_line(),
+    }
+    for name in ("triton", "timm", "diffusers"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    return env
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder and a rename (no partial files)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """JSON-dump ``obj`` (indent 2) atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def markdown_table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
+    """A GitHub markdown table; floats shown with 4 significant digits."""
+    def fmt(x):
+        if isinstance(x, float):
+            return f"{x:.4g}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
