@@ -1,5 +1,383 @@
-"""Window attention forward (being written: issue 5)."""
+"""Window attention forward for Swin / Swin-v2 (Triton).
+
+Computes, for every window ``b`` (``b = image * nW + w``) and head ``h``,
+
+    y = softmax(c * q k^T + bias[h] + mask[b mod nW]) v
+
+with ``c = scale`` (Swin) or, for Swin-v2 cosine attention,
+``q, k <- q / max(||q||, 1e-12), k / max(||k||, 1e-12)`` and
+``c = exp(min(logit_scale[h], log 100))``. The relative position bias
+``[H, N, N]`` and the shift mask ``[nW, N, N]`` are read per window and never
+expanded to ``[B*nW, H, N, N]`` (DESIGN.md, "Kernels").
+
+Two kernels, chosen by the window area ``N``:
+
+* ``_window_small_kernel`` (N <= 128): the whole window (N padded to a power of
+  two, e.g. 49 -> 64) lives in registers. One program owns one (head, window
+  slot) pair and loops over a chunk of images: bias[h] + mask[w] is loaded once
+  per program, pre-combined, and reused for every image of the chunk, so the
+  bias/mask traffic is ``O(H*N^2 + nW*N^2)`` per chunk instead of per window.
+* ``_window_tiled_kernel`` (larger windows, 144 / 256 / 576 tokens): the ELSA
+  (m, S, W) fold over key blocks (FlashAttention-style online softmax) with
+  bias / mask blocks indexed per window.
+
+Precision modes (:mod:`visionattn.modes`) are constexprs: FP32 modes pass
+``input_precision`` (``tf32x3`` / ``ieee`` / ``tf32``) explicitly; ``fp16`` /
+``bf16`` multiply on tensor cores with FP32 accumulation and round P to half
+before ``P @ V``; ``pasa`` accumulates the scores in FP16 after shifting K by
+its window mean (see :func:`window_attention_fwd`); ``fp16-acc16`` is the same
+without the shift (the overflow baseline).
+
+The output is returned as a ``[B*nW, H, N, Dv]`` view of a ``[B*nW, N, H, Dv]``
+buffer, so the caller's ``x.transpose(1, 2).reshape(B*nW, N, H*Dv)`` (timm) is free.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N"]
+
+LOG2E = 1.4426950408889634
+SMALL_MAX_N = 128  # windows up to this many tokens run fully in registers
+_COMPUTE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_MODE_TABLE = {
+    # name: (compute dtype, input_precision for fp32 dots, half_scores, pasa_shift)
+    "fp32": (torch.float32, "tf32x3", False, False),
+    "fp32-ieee": (torch.float32, "ieee", False, False),
+    "tf32": (torch.float32, "tf32", False, False),
+    "fp16": (torch.float16, None, False, False),
+    "bf16": (torch.bfloat16, None, False, False),
+    "pasa": (torch.float16, None, True, True),
+    "fp16-acc16": (torch.float16, None, True, False),
+}
 
 
-def window_attention_fwd(*args, **kwargs):
-    raise NotImplementedError("window kernels are being written (issue 5)")
+# ----------------------------------------------------------------------------- jit helpers
+@triton.jit
+def _to_compute(x, COMPUTE: tl.constexpr):
+    if COMPUTE == 1:
+        y = x.to(tl.float16)
+    elif COMPUTE == 2:
+        y = x.to(tl.bfloat16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _prep_rows(x, mult, COMPUTE: tl.constexpr, COSINE: tl.constexpr, SCALE_ROWS: tl.constexpr):
+    """Round a [rows, D] tile to the compute dtype; cosine: L2-normalize rows; optional row scale."""
+    x = _to_compute(x, COMPUTE)
+    if COSINE:
+        xf = x.to(tl.float32)
+        nrm = tl.sqrt(tl.sum(xf * xf, axis=1))
+        xf = xf / tl.maximum(nrm, 1e-12)[:, None]
+        if SCALE_ROWS:
+            xf = xf * mult
+        x = _to_compute(xf, COMPUTE)
+    elif SCALE_ROWS:
+        x = _to_compute(x.to(tl.float32) * mult, COMPUTE)
+    return x
+
+
+@triton.jit
+def _scores(q, k, IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, COMPUTE: tl.constexpr):
+    """q [M, D] @ k[N, D]^T in the mode's arithmetic, returned as float32 [M, N]."""
+    if HALF_SCORES:
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
+    elif COMPUTE == 0:
+        s = tl.dot(q, tl.trans(k), input_precision=IN_PREC)
+    else:
+        s = tl.dot(q, tl.trans(k))
+    return s
+
+
+@triton.jit
+def _pv(p, v, IN_PREC: tl.constexpr, COMPUTE: tl.constexpr):
+    if COMPUTE == 0:
+        o = tl.dot(p, v, input_precision=IN_PREC)
+    else:
+        o = tl.dot(p.to(v.dtype), v)
+    return o
+
+
+@triton.jit
+def _logit_mult(LS, h, stride_ls, scale, COSINE: tl.constexpr):
+    if COSINE:
+        mult = tl.exp(tl.minimum(tl.load(LS + h * stride_ls).to(tl.float32), 4.605170185988092))  # log(100)
+    else:
+        mult = scale
+    return mult
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _window_small_kernel(
+    Q, K, V, O, BIAS, MASK, LS,
+    sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
+    sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls,
+    n_img, n_slot, N, D, DV, scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IMGS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
+    IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr,
+):
+    # program (pid0 = h * n_slot + w, pid1 = image chunk); window index b = img * n_slot + w
+    pid0 = tl.program_id(0)
+    pid1 = tl.program_id(1)
+    h = pid0 // n_slot
+    w = pid0 % n_slot
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_n < N
+    col_ok = offs_n[None, :] < N
+
+    # bias[h] + mask[w] (log2 domain), padded key columns -inf: loaded once per program.
+    cb = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
+    tile_ok = row_ok[:, None] & col_ok
+    if HAS_BIAS:
+        cb += tl.load(BIAS + h * sb_h + offs_n[:, None] * sb_i + offs_n[None, :] * sb_j,
+                      mask=tile_ok, other=0.0).to(tl.float32)
+    if HAS_MASK:
+        cb += tl.load(MASK + w * sm_w + offs_n[:, None] * sm_i + offs_n[None, :] * sm_j,
+                      mask=tile_ok, other=0.0).to(tl.float32)
+    cb = tl.where(col_ok, cb * 1.4426950408889634, float("-inf"))
+
+    mult = _logit_mult(LS, h, s_ls, scale, COSINE)
+    if HALF_SCORES:
+        post = 1.4426950408889634  # the logit scale is folded into q before the FP16 product
+    else:
+        post = mult * 1.4426950408889634
+
+    img0 = pid1 * IMGS
+    n_here = tl.minimum(IMGS, n_img - img0)
+    qd_ok = row_ok[:, None] & (offs_d[None, :] < D)
+    vd_ok = row_ok[:, None] & (offs_dv[None, :] < DV)
+    for i in range(0, n_here):
+        b = ((img0 + i) * n_slot + w).to(tl.int64)
+        q = tl.load(Q + b * sq_b + h * sq_h + offs_n[:, None] * sq_n + offs_d[None, :] * sq_d,
+                    mask=qd_ok, other=0.0)
+        k = tl.load(K + b * sk_b + h * sk_h + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                    mask=qd_ok, other=0.0)
+        v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d,
+                    mask=vd_ok, other=0.0)
+        q = _prep_rows(q, mult, COMPUTE, COSINE, HALF_SCORES)
+        k = _prep_rows(k, 1.0, COMPUTE, COSINE, False)
+        if PASA_SHIFT:
+            kf = k.to(tl.float32)
+            kbar = tl.sum(kf, axis=0) / N  # padded rows are zero
+            k = (kf - kbar[None, :]).to(tl.float16)
+        v = _to_compute(v, COMPUTE)
+        s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post + cb
+        m = tl.max(s, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        p = tl.math.exp2(s - m[:, None])
+        l = tl.sum(p, axis=1)
+        acc = _pv(p, v, IN_PREC, COMPUTE)
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(O + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_dv[None, :] * so_d,
+                 out.to(O.dtype.element_ty), mask=vd_ok)
+
+
+@triton.jit
+def _window_tiled_kernel(
+    Q, K, V, O, BIAS, MASK, LS,
+    sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
+    sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls,
+    H, n_mask, N, D, DV, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
+    IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr,
+):
+    # program (pid0 = query block, pid1 = b * H + h); ELSA fold over key blocks.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    w = b % n_mask
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < N
+    mult = _logit_mult(LS, h, s_ls, scale, COSINE)
+    if HALF_SCORES:
+        post = 1.4426950408889634
+    else:
+        post = mult * 1.4426950408889634
+
+    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
+                mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q = _prep_rows(q, mult, COMPUTE, COSINE, HALF_SCORES)
+    k_base = K + b * sk_b + h * sk_h
+    v_base = V + b * sv_b + h * sv_h
+
+    if PASA_SHIFT:  # window-wide key mean: one shift for all key blocks, so no recovery is needed
+        ksum = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            offs_n = start + offs_n0
+            kt = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                         mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+            kt = _prep_rows(kt, 1.0, COMPUTE, COSINE, False)
+            ksum += tl.sum(kt.to(tl.float32), axis=0)
+        kbar = ksum / N
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + offs_n0
+        n_ok = offs_n < N
+        k = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
+                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d,
+                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        k = _prep_rows(k, 1.0, COMPUTE, COSINE, False)
+        if PASA_SHIFT:
+            k = (k.to(tl.float32) - kbar[None, :]).to(tl.float16)
+        v = _to_compute(v, COMPUTE)
+        s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post
+        tile_ok = m_ok[:, None] & n_ok[None, :]
+        if HAS_BIAS:
+            s += tl.load(BIAS + h * sb_h + offs_m[:, None] * sb_i + offs_n[None, :] * sb_j,
+                         mask=tile_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        if HAS_MASK:
+            s += tl.load(MASK + w * sm_w + offs_m[:, None] * sm_i + offs_n[None, :] * sm_j,
+                         mask=tile_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _pv(p, v, IN_PREC, COMPUTE)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_dv[None, :] * so_d,
+             out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+# ----------------------------------------------------------------------------- configuration
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: few programs keep CPU tests fast
+
+
+def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot: int,
+               device: torch.device) -> dict:
+    """Launch configuration chosen by shape (overridable through ``config=``).
+
+    Returns a dict with ``kernel`` (``"small"`` / ``"tiled"``), ``num_warps``,
+    ``num_stages`` and, for ``small``, ``imgs`` (images per program, so that
+    about 8 programs per SM exist while bias/mask are reused across the chunk),
+    for ``tiled`` ``block_m`` / ``block_n``.
+    """
+    if n_tokens <= SMALL_MAX_N:
+        block = max(16, triton.next_power_of_2(n_tokens))
+        n_img = n_windows // n_slot
+        base = heads * n_slot
+        target = 8 * _num_sms(device)
+        imgs = 1
+        while imgs < 32 and base * triton.cdiv(n_img, imgs * 2) >= target:
+            imgs *= 2
+        return {"kernel": "small", "imgs": imgs, "num_warps": 4 if block <= 64 else 8, "num_stages": 2}
+    bm = 64 if n_tokens <= 256 else 128
+    return {"kernel": "tiled", "block_m": bm, "block_n": 64, "num_warps": 4, "num_stages": 2}
+
+
+# ----------------------------------------------------------------------------- launcher
+def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, scale: float, mode: str,
+            config: dict | None) -> torch.Tensor:
+    compute, in_prec, half_scores, pasa_shift = _MODE_TABLE[mode]
+    BW, H, N, D = q.shape
+    DV = v.shape[-1]
+    # [BW, N, H, DV] buffer viewed as [BW, H, N, DV]: timm's transpose(1, 2).reshape is then a view.
+    out = torch.empty((BW, N, H, DV), device=q.device, dtype=q.dtype).transpose(1, 2)
+    dummy = q  # never read when the matching HAS_* flag is off
+    b_t = bias if bias is not None else dummy
+    m_t = mask if mask is not None else dummy
+    ls_t = logit_scale if logit_scale is not None else dummy
+    b_str = tuple(bias.stride()) if bias is not None else (0, 0, 0)
+    m_str = tuple(mask.stride()) if mask is not None else (0, 0, 0)
+    ls_str = logit_scale.stride(0) if logit_scale is not None else 0
+    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *b_str, *m_str, ls_str)
+    cfg = dict(config) if config else get_config(BW, H, N, D, n_slot_mask if mask is not None else 1, q.device)
+    flags = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=bool(cosine),
+                 COMPUTE=_COMPUTE_CODE[compute], IN_PREC=in_prec or "ieee", HALF_SCORES=half_scores,
+                 PASA_SHIFT=pasa_shift, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    block_d = max(16, triton.next_power_of_2(D))
+    block_dv = max(16, triton.next_power_of_2(DV))
+    if cfg["kernel"] == "small":
+        if N > SMALL_MAX_N:
+            raise ValueError(f"config kernel='small' needs N <= {SMALL_MAX_N}, got N={N}")
+        n_slot = n_slot_mask if mask is not None else 1
+        n_img = BW // n_slot
+        imgs = int(cfg["imgs"])
+        grid = (H * n_slot, triton.cdiv(n_img, imgs))
+        _window_small_kernel[grid](
+            q, k, v, out, b_t, m_t, ls_t, *strides, n_img, n_slot, N, D, DV, float(scale),
+            BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags)
+    elif cfg["kernel"] == "tiled":
+        grid = (triton.cdiv(N, cfg["block_m"]), BW * H)
+        _window_tiled_kernel[grid](
+            q, k, v, out, b_t, m_t, ls_t, *strides, H, n_slot_mask if mask is not None else 1, N, D, DV,
+            float(scale), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv,
+            **flags)
+    else:
+        raise ValueError(f"config kernel={cfg['kernel']!r}; expected 'small' or 'tiled'")
+    return out
+
+
+# torch custom op: torch.compile / CUDA graphs trace around the kernel (fake impl gives the layout).
+@torch.library.custom_op("visionattn::window_attention_fwd", mutates_args=())
+def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+               mask: torch.Tensor | None, logit_scale: torch.Tensor | None, num_windows: int, cosine: bool,
+               scale: float, mode: str) -> torch.Tensor:
+    return _launch(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode, None)
+
+
+@_window_op.register_fake
+def _(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode):
+    BW, H, N, _ = q.shape
+    return q.new_empty((BW, N, H, v.shape[-1])).transpose(1, 2)
+
+
+def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale,
+                         scale, mode, *, config: dict | None = None) -> torch.Tensor:
+    """Launch the window attention kernel (inputs already validated by :func:`visionattn.window_attention`).
+
+    Args:
+        q, k: [B*nW, H, N, D]; v: [B*nW, H, N, Dv]; one dtype (fp16 / bf16 / fp32), any
+            strides (timm's ``qkv.unbind`` views are read in place). Cast to the mode's
+            compute dtype inside the kernel.
+        relative_position_bias: float [H, N, N] or None, any strides.
+        shift_mask: float additive [nW, N, N] (0 / -inf or timm's -100) or None; window
+            ``b`` reads ``shift_mask[b % nW]``.
+        num_windows: nW (divides B*nW).
+        cosine: Swin-v2 cosine attention (q, k L2-normalized, eps 1e-12, in the kernel).
+        logit_scale: [H, 1, 1] or [H] (timm's parameter) when ``cosine``; the logits are
+            multiplied by ``exp(min(logit_scale, log 100))``; None otherwise.
+        scale: logit scale for non-cosine attention (ignored when ``cosine``).
+        mode: a :mod:`visionattn.modes` name. ``pasa``: K is shifted by its window mean
+            (PASA paper Eq. 11-12 with beta = 1) before the FP16-accumulated product;
+            the window is one softmax block (or every key block gets the same shift), so
+            the per-row shift cancels in the softmax and PASA's global recovery
+            (Theorem 2.1, which needs beta < 1 to invert M) is not needed.
+        config: optional launch override (see :func:`get_config`); used by the benchmark.
+
+    Returns:
+        [B*nW, H, N, Dv] in q's dtype, a view of a contiguous [B*nW, N, H, Dv] buffer.
+    """
+    if mode not in _MODE_TABLE:
+        raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
+    if logit_scale is not None:
+        logit_scale = logit_scale.reshape(-1)
+    if config is None:
+        return _window_op(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows),
+                          bool(cosine), float(scale), mode)
+    return _launch(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows), bool(cosine),
+                   float(scale), mode, config)
+

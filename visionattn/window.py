@@ -1,5 +1,291 @@
-"""Window attention (being written: issue 5)."""
+"""Window attention for Swin and Swin-v2: relative position bias and shift mask fused, never expanded.
+
+Swin (Liu et al. 2021) attends inside non-overlapping windows of N = ws*ws
+tokens; every window adds the same relative position bias [H, N, N] and, in
+shifted blocks, one of nW shift masks [nW, N, N] (window ``b`` uses
+``mask[b % nW]``). timm expands both to [B*nW, H, N, N] for its SDPA path;
+here they are indexed per window inside the kernel (DESIGN.md, "Kernels").
+Swin-v2 (Liu et al. 2022) adds cosine attention: q and k are L2-normalized and
+the logits multiplied by a per-head ``exp(min(logit_scale, log 100))``, with the
+bias ``16 * sigmoid(cpb_mlp(...))`` computed once per forward by the caller.
+
+* :func:`window_attention` — the public function (validation, dispatch);
+* :func:`window_attention_reference` — the PyTorch reference in a mode's
+  arithmetic (CPU path, differentiable fallback, float64 oracle with
+  ``state_dtype=torch.float64``);
+* :func:`timm_window_forward` — timm's ``WindowAttention.forward`` (Swin v1 and
+  v2) with the attention computed by :func:`window_attention`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch
+from .modes import Mode, get_mode
+
+__all__ = ["window_attention", "window_attention_reference", "validate_window_inputs", "timm_window_forward"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_KERNEL_HEAD_DIM = 256
+_LOG_100 = math.log(100.0)
 
 
-def window_attention(*args, **kwargs):
-    raise NotImplementedError("window_attention is being written (issue 5)")
+def validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale):
+    """Check window attention inputs; return ``(bias [H, N, N] | None, mask [nW, N, N] float | None,
+    logit_scale [H] | None)``.
+
+    A bias of shape [1, H, N, N] (timm's ``_get_rel_pos_bias()``) is accepted and
+    viewed as [H, N, N]; a boolean mask (True = attend) is turned into an additive
+    float mask (0 / -inf) of the same [nW, N, N] size.
+
+    Raises:
+        TypeError: non-tensors, non-float q/k/v/bias/logit_scale, mixed q/k/v dtypes.
+        ValueError: wrong ranks or shapes, ``num_windows`` not dividing the window
+            batch, mask windows != ``num_windows``, ``cosine`` without ``logit_scale``
+            (or ``logit_scale`` without ``cosine``), mixed devices.
+    """
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [B*nW, H, N, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected float16, bfloat16, float32 or float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"query, key, value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    BW, H, N, D = q.shape
+    if tuple(k.shape) != (BW, H, N, D):
+        raise ValueError(f"key shape {tuple(k.shape)} must equal query shape {tuple(q.shape)} "
+                         f"(window attention is self-attention inside a window)")
+    if tuple(v.shape[:3]) != (BW, H, N):
+        raise ValueError(f"value shape {tuple(v.shape)} must be [B*nW={BW}, H={H}, N={N}, Dv]")
+    if isinstance(num_windows, bool) or not isinstance(num_windows, int) or num_windows < 1:
+        raise ValueError(f"num_windows={num_windows!r}; expected a positive int (windows per image, nW)")
+    if BW % num_windows:
+        raise ValueError(f"num_windows={num_windows} does not divide the window batch B*nW={BW}")
+    device = q.device
+    for name, t in (("key", k), ("value", v), ("relative_position_bias", relative_position_bias),
+                    ("shift_mask", shift_mask), ("logit_scale", logit_scale)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but query is on {device}; move all inputs to one device")
+    bias = relative_position_bias
+    if bias is not None:
+        if not bias.is_floating_point():
+            raise TypeError(f"relative_position_bias must be a float tensor, got {bias.dtype}")
+        if bias.dim() == 4 and bias.shape[0] == 1:
+            bias = bias[0]
+        if tuple(bias.shape) != (H, N, N):
+            raise ValueError(f"relative_position_bias has shape {tuple(relative_position_bias.shape)}; "
+                             f"expected [H, N, N] = [{H}, {N}, {N}] (shared by all windows)")
+    mask = shift_mask
+    if mask is not None:
+        if mask.dim() != 3 or tuple(mask.shape) != (num_windows, N, N):
+            raise ValueError(f"shift_mask has shape {tuple(mask.shape)}; expected [nW, N, N] = "
+                             f"[{num_windows}, {N}, {N}] with nW = num_windows")
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~mask, float("-inf"))
+        elif not mask.is_floating_point():
+            raise TypeError(f"shift_mask must be an additive float mask (0 / -inf or -100) or bool, got {mask.dtype}")
+    if cosine:
+        if logit_scale is None:
+            raise ValueError("cosine=True (Swin-v2) needs logit_scale, the per-head [H, 1, 1] parameter")
+        if not logit_scale.is_floating_point() or logit_scale.numel() != H:
+            raise ValueError(f"logit_scale must be a float tensor with H={H} elements ([H, 1, 1] or [H]), "
+                             f"got {logit_scale.dtype} {tuple(logit_scale.shape)}")
+        logit_scale = logit_scale.reshape(H)
+    elif logit_scale is not None:
+        raise ValueError("logit_scale is only used with cosine=True (Swin-v2); pass cosine=True or drop it")
+    return bias, mask, logit_scale
+
+
+def window_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, relative_position_bias: torch.Tensor | None = None,
+    shift_mask: torch.Tensor | None = None, num_windows: int = 1, cosine: bool = False,
+    logit_scale: torch.Tensor | None = None, scale: float | None = None, mode: str | Mode = "fp32",
+    state_dtype: torch.dtype = torch.float32, max_chunk_elems: int = 1 << 24,
+) -> torch.Tensor:
+    """Window attention in PyTorch, emulating a mode's arithmetic (the CPU path).
+
+    Same arguments as :func:`window_attention` (already validated; ``shift_mask``
+    additive float). Windows are processed in chunks of whole images, scores
+    viewed as [images, nW, H, N, N] so bias and mask broadcast per group: the bias
+    is never expanded over B*nW. The arithmetic mirrors the kernel: inputs
+    rounded to the mode's compute dtype, cosine normalization in ``state_dtype``
+    then rounded again, FP32 scores and state, P rounded to half before ``P @ V``
+    in half modes; ``pasa`` / ``fp16-acc16`` round the (pre-scaled, for pasa
+    mean-shifted) scores to FP16 (an emulation of FP16 accumulation). ``tf32``
+    runs FP32 (inside its contract). ``state_dtype=torch.float64`` skips all
+    rounding: the float64 oracle.
+
+    Returns:
+        [B*nW, H, N, Dv] in ``state_dtype``. Differentiable.
+    """
+    md = get_mode(mode)
+    BW, H, N, D = q.shape
+    oracle = state_dtype == torch.float64
+    rnd = (lambda t: t) if oracle else (lambda t: t.to(md.compute_dtype).to(state_dtype))
+    qc, kc, vc = (rnd(t.to(state_dtype)) if oracle else rnd(t) for t in (q, k, v))
+    if cosine:
+        qc = rnd(F.normalize(qc, dim=-1, eps=1e-12))
+        kc = rnd(F.normalize(kc, dim=-1, eps=1e-12))
+        mult = torch.exp(torch.clamp(logit_scale.reshape(H).to(state_dtype), max=_LOG_100)).view(1, H, 1, 1)
+    else:
+        mult = D ** -0.5 if scale is None else float(scale)
+    n_slot = num_windows if shift_mask is not None else 1
+    bias = None if relative_position_bias is None else relative_position_bias.reshape(H, N, N).to(state_dtype)
+    mask = None if shift_mask is None else shift_mask.to(state_dtype)
+    half_p = (not oracle) and md.compute_dtype in (torch.float16, torch.bfloat16)
+    imgs_per_chunk = max(1, max_chunk_elems // max(1, n_slot * H * N * N))
+    outs = []
+    for start in range(0, BW, imgs_per_chunk * n_slot):
+        stop = min(BW, start + imgs_per_chunk * n_slot)
+        qb, kb, vb = qc[start:stop], kc[start:stop], vc[start:stop]
+        if md.half_scores and not oracle:
+            ks = kb - kb.mean(dim=-2, keepdim=True) if md.name == "pasa" else kb
+            s = (rnd(qb * mult) @ rnd(ks).transpose(-1, -2)).to(torch.float16).to(state_dtype)
+        else:
+            s = (qb @ kb.transpose(-1, -2)) * mult
+        s = s.view(-1, n_slot, H, N, N)
+        if bias is not None:
+            s = s + bias
+        if mask is not None:
+            s = s + mask.unsqueeze(1)
+        s = s.view(-1, H, N, N)
+        m = s.amax(dim=-1, keepdim=True)
+        e = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
+        l = e.sum(dim=-1, keepdim=True)
+        pe = e.to(md.compute_dtype).to(state_dtype) if half_p else e
+        outs.append((pe @ vb) / torch.where(l > 0, l, torch.ones_like(l)))
+    return torch.cat(outs, dim=0)
+
+
+def window_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, relative_position_bias: torch.Tensor | None = None,
+    shift_mask: torch.Tensor | None = None, num_windows: int, cosine: bool = False,
+    logit_scale: torch.Tensor | None = None, scale: float | None = None, mode: str | Mode = "fp32",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Swin / Swin-v2 window attention with fused relative position bias and shift mask.
+
+    ``y[b, h] = softmax(c * q[b, h] k[b, h]^T + bias[h] + shift_mask[b % nW]) v[b, h]``
+    where ``c = scale`` (Swin) or, with ``cosine=True`` (Swin-v2), q and k are
+    L2-normalized (``F.normalize``, eps 1e-12) and ``c = exp(min(logit_scale[h], log 100))``.
+    Computed per window as one ELSA (m, S, W) fold (ELSA supplement, Alg. 1); the
+    bias and mask are read per window, never expanded to [B*nW, H, N, N].
+
+    Args:
+        q, k: [B*nW, H, N, D] (N = window area: 49, 64, 144, 256, 576, ...); float16 /
+            bfloat16 / float32 / float64; any strides (timm's ``qkv.unbind`` views).
+        v: [B*nW, H, N, Dv].
+        relative_position_bias: float [H, N, N] (or [1, H, N, N]) shared by all windows;
+            Swin-v2 callers pass ``16 * sigmoid(cpb)`` already computed.
+        shift_mask: [nW, N, N], additive float (0 / -inf, or timm's -100) or bool
+            (True = attend); window ``b`` uses ``shift_mask[b % nW]``.
+        num_windows: nW, windows per image (must divide B*nW).
+        cosine: Swin-v2 cosine attention.
+        logit_scale: timm's per-head parameter [H, 1, 1] (required iff ``cosine``).
+        scale: logit scale for non-cosine attention, default ``D ** -0.5``; ignored when ``cosine``.
+        mode: precision mode (:data:`visionattn.modes.MODES`); inputs are cast to the mode's
+            dtype inside the kernel, the output has q's dtype.
+        backend: ``auto`` / ``triton`` / ``reference`` (default :func:`visionattn.get_backend`).
+
+    Returns:
+        [B*nW, H, N, Dv] in q's dtype. On the Triton path it is a view of a contiguous
+        [B*nW, N, H, Dv] buffer, so ``y.transpose(1, 2).reshape(B*nW, N, H*Dv)`` is free.
+        Rows whose keys are all masked return zeros.
+
+    Raises:
+        TypeError / ValueError: see :func:`validate_window_inputs`; unknown mode or backend.
+        RuntimeError: ``backend='triton'`` on CPU tensors without ``TRITON_INTERPRET=1``.
+
+    The kernels are forward-only: when autograd needs gradients the call runs the
+    differentiable PyTorch reference (with a one-time warning).
+    """
+    md = get_mode(mode)
+    bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows,
+                                            bool(cosine), logit_scale)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    which = dispatch.resolve_backend(backend, q.device.type)
+    if which == "triton":
+        reason = _kernel_unsupported(q, v, bias, mask, ls)
+        if reason is None:
+            from .kernels.window_fwd import window_attention_fwd  # lazy: triton import is slow
+
+            return window_attention_fwd(q, k, v, bias, mask, num_windows, bool(cosine), ls, float(scale), md.name)
+        dispatch.warn_once(f"window-fallback:{reason}",
+                           f"visionattn.window_attention: the Triton window kernel does not cover this call "
+                           f"({reason}); running the exact PyTorch reference instead")
+    out = window_attention_reference(q, k, v, relative_position_bias=bias, shift_mask=mask,
+                                     num_windows=num_windows, cosine=bool(cosine), logit_scale=ls, scale=scale,
+                                     mode=md)
+    return out.to(q.dtype)
+
+
+def _kernel_unsupported(q, v, bias, mask, ls) -> str | None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, v, bias, mask, ls)):
+        return "gradients requested; the window kernel is forward-only"
+    if q.dtype not in _KERNEL_DTYPES:
+        return f"dtype {q.dtype}"
+    if max(q.shape[-1], v.shape[-1]) > _MAX_KERNEL_HEAD_DIM:
+        return f"head dim > {_MAX_KERNEL_HEAD_DIM}"
+    return None
+
+
+def timm_window_forward(module, x: torch.Tensor, mask: torch.Tensor | None = None, *, mode: str = "fp32",
+                        backend: str | None = None) -> torch.Tensor:
+    """timm's ``WindowAttention.forward`` (Swin v1 or v2) with :func:`window_attention` inside.
+
+    Args:
+        module: ``timm.models.swin_transformer.WindowAttention`` or
+            ``timm.models.swin_transformer_v2.WindowAttention``.
+        x: [B*nW, N, C] window tokens; mask: the block's shift mask [nW, N, N] or None.
+        mode, backend: as :func:`window_attention`.
+
+    Returns:
+        [B*nW, N, C], the module's output.
+
+    Raises:
+        TypeError: ``module`` is neither class.
+        ValueError: training with attention dropout > 0 (not implemented by the kernel).
+    """
+    from timm.models import swin_transformer as sw1
+    from timm.models import swin_transformer_v2 as sw2
+
+    if module.training and module.attn_drop.p > 0:
+        raise ValueError("attention dropout is not supported by window_attention; call module.eval() "
+                         "or set attn_drop=0")
+    BW, N, _ = x.shape
+    nw = mask.shape[0] if mask is not None else 1
+    if type(module) is sw1.WindowAttention:
+        qkv = module.qkv(x).reshape(BW, N, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        y = window_attention(q, k, v, relative_position_bias=module._get_rel_pos_bias(), shift_mask=mask,
+                             num_windows=nw, scale=module.scale, mode=mode, backend=backend)
+    elif type(module) is sw2.WindowAttention:
+        if module.q_bias is None:
+            qkv = module.qkv(x)
+        else:
+            qkv_bias = torch.cat((module.q_bias, module.k_bias, module.v_bias))
+            if module.qkv_bias_separate:
+                qkv = module.qkv(x) + qkv_bias
+            else:
+                qkv = F.linear(x, weight=module.qkv.weight, bias=qkv_bias)
+        qkv = qkv.reshape(BW, N, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        table = module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads)
+        bias = table[module.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
+        y = window_attention(q, k, v, relative_position_bias=16 * torch.sigmoid(bias), shift_mask=mask,
+                             num_windows=nw, cosine=True, logit_scale=module.logit_scale, mode=mode,
+                             backend=backend)
+    else:
+        raise TypeError(f"timm_window_forward supports timm's Swin v1 / v2 WindowAttention, got "
+                        f"{type(module).__module__}.{type(module).__name__}")
+    y = y.transpose(1, 2).reshape(BW, N, -1)
+    return module.proj_drop(module.proj(y))

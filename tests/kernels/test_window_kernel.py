@@ -1,0 +1,172 @@
+"""Triton window attention kernels: interpreter tests at small shapes (CPU CI) and real Swin sizes on a GPU.
+
+The oracle expands bias and mask explicitly to [B*nW, H, N, N] in float64 (independent of the kernel
+and of visionattn.window's reference); tolerances are the modes' contracts (visionattn.modes).
+"""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from visionattn.kernels.window_fwd import get_config, window_attention_fwd
+from visionattn.metrics import rel_l2
+from visionattn.modes import get_mode
+from visionattn.reference import oracle_attention
+from visionattn.window import timm_window_forward, window_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def oracle(q, k, v, bias, mask, nw, cosine=False, ls=None, scale=None):
+    BW, H, N, D = q.shape
+    qd, kd = q.double(), k.double()
+    if cosine:
+        mult = torch.exp(torch.clamp(ls.double().reshape(1, H, 1, 1), max=math.log(100)))
+        qd, kd, scale = F.normalize(qd, dim=-1) * mult, F.normalize(kd, dim=-1), 1.0
+    full = torch.zeros(BW, H, N, N, dtype=torch.float64, device=q.device)
+    if bias is not None:
+        full = full + bias.double().reshape(1, H, N, N)
+    if mask is not None:
+        full = full + mask.double().repeat(BW // nw, 1, 1).unsqueeze(1)
+    return oracle_attention(qd, kd, v.double(), bias=full, scale=scale)
+
+
+def inputs(n_img, nw, h, n, d, dtype=torch.float32, seed=0, mask_fill=-100.0, device=DEV, mean=0.0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(n_img * nw, n, 3, h, d, generator=g, device=device) + mean
+    q, k, v = qkv.to(dtype).permute(2, 0, 3, 1, 4).unbind(0)  # timm's strided views
+    bias = torch.randn(n, n, h, generator=g, device=device).permute(2, 0, 1)  # non-contiguous [H, N, N]
+    region = torch.randint(0, 3, (nw, n), generator=g, device=device)
+    mask = torch.zeros(nw, n, n, device=device).masked_fill(region[:, None] != region[:, :, None], mask_fill)
+    ls = torch.log(torch.rand(h, 1, 1, generator=g, device=device) * 40 + 5)
+    return q, k, v, bias, mask, ls
+
+
+def _tol(mode, cosine, ls, d):
+    # cosine logits are amplified by exp(logit_scale): half-precision input rounding grows with it
+    md = get_mode(mode)
+    if cosine and md.compute_dtype != torch.float32:
+        return md.rel_tol * max(1.0, float(torch.exp(ls).max()) * d ** 0.5 / 8)
+    return md.rel_tol
+
+
+# ----------------------------------------------------------------------------- interpreter (CPU) and GPU
+@pytest.mark.parametrize("n", [49, 64])
+@pytest.mark.parametrize("cosine", [False, True])
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "pasa"])
+def test_small_kernel_matches_oracle(n, cosine, mode):
+    q, k, v, bias, mask, ls = inputs(2, 3, 2, n, 32, seed=n)
+    out = window_attention_fwd(q, k, v, bias, mask, 3, cosine, ls if cosine else None, 32 ** -0.5, mode,
+                               config={"kernel": "small", "imgs": 2, "num_warps": 4, "num_stages": 1})
+    gold = oracle(q, k, v, bias, mask, 3, cosine, ls, 32 ** -0.5)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_l2(out, gold) <= _tol(mode, cosine, ls, 32)
+
+
+@pytest.mark.parametrize("cosine", [False, True])
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "pasa"])
+def test_tiled_kernel_folds_key_blocks(cosine, mode):
+    # N=49 with 16x16 blocks: 4 key blocks per row, last one partial -> the (m, S, W) merge is exercised.
+    q, k, v, bias, mask, ls = inputs(2, 2, 2, 49, 16, seed=7, mask_fill=float("-inf"))
+    out = window_attention_fwd(q, k, v, bias, mask, 2, cosine, ls if cosine else None, 0.3, mode,
+                               config={"kernel": "tiled", "block_m": 16, "block_n": 16, "num_warps": 4,
+                                       "num_stages": 1})
+    gold = oracle(q, k, v, bias, mask, 2, cosine, ls, 0.3)
+    assert rel_l2(out, gold) <= _tol(mode, cosine, ls, 16)
+
+
+def test_no_bias_no_mask_head_dim_not_power_of_two_and_dv_differs():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q, k = (torch.randn(4, 2, 49, 20, generator=g, device=DEV) for _ in range(2))
+    v = torch.randn(4, 2, 49, 24, generator=g, device=DEV)
+    out = window_attention(q, k, v, num_windows=1, backend="triton")
+    assert rel_l2(out, oracle(q, k, v, None, None, 1, scale=20 ** -0.5)) <= 2e-6
+
+
+def test_fully_masked_row_is_zero_and_output_layout_makes_timm_reshape_free():
+    q, k, v, bias, mask, _ = inputs(2, 2, 2, 49, 16, seed=9, mask_fill=float("-inf"))
+    mask[1, 4, :] = float("-inf")
+    out = window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=2, backend="triton")
+    assert torch.isfinite(out).all()
+    assert out[1::2, :, 4].abs().max() == 0 and out[0::2, :, 4].abs().max() > 0
+    flat = out.transpose(1, 2).reshape(out.shape[0], 49, -1)
+    assert flat.data_ptr() == out.data_ptr() and flat.is_contiguous()
+
+
+def test_pasa_stays_finite_where_fp16_score_accumulation_overflows():
+    # keys with a large common offset (PASA paper Sec. 4: large mean): q.k exceeds the FP16 range
+    q, k, v, bias, mask, _ = inputs(1, 2, 2, 49, 32, seed=11)
+    k = k + 120.0
+    q = q + 20.0
+    cfg = {"kernel": "small", "imgs": 1, "num_warps": 4, "num_stages": 1}
+    args = (bias, mask, 2, False, None, 1.0)
+    base = window_attention_fwd(q, k, v, *args, "fp16-acc16", config=cfg)
+    pasa = window_attention_fwd(q, k, v, *args, "pasa", config=cfg)
+    fp16 = window_attention_fwd(q, k, v, *args, "fp16", config=cfg)
+    gold = oracle(q.half(), k.half(), v.half(), bias, mask, 2, scale=1.0)  # same input rounding as the modes
+    assert not torch.isfinite(base).all()
+    assert torch.isfinite(pasa).all()
+    assert rel_l2(pasa, gold) <= 2 * rel_l2(fp16, gold) + get_mode("pasa").rel_tol
+
+
+def test_get_config_uses_small_kernel_for_swin_windows_and_tiles_large_ones():
+    dev = torch.device("cpu")
+    assert get_config(4096, 4, 49, 32, 64, dev)["kernel"] == "small"
+    assert get_config(4096, 4, 64, 32, 64, dev)["kernel"] == "small"
+    assert get_config(1024, 4, 144, 32, 64, dev)["kernel"] == "tiled"
+    assert get_config(64, 4, 576, 32, 1, dev)["kernel"] == "tiled"
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa"])
+@pytest.mark.parametrize("cosine", [False, True])
+def test_gpu_swin_b_stage1_all_modes(mode, cosine):
+    q, k, v, bias, mask, ls = inputs(64, 64, 4, 49, 32, seed=1)
+    out = window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=64, cosine=cosine,
+                           logit_scale=ls if cosine else None, mode=mode)
+    sl = slice(0, 512)  # oracle on 8 images (512 windows) to bound memory; the kernel ran the full batch
+    gold = oracle(q[sl], k[sl], v[sl], bias, mask, 64, cosine, ls, 32 ** -0.5)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out[sl], gold) <= _tol(mode, cosine, ls, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,nw", [(64, 64), (144, 16), (256, 16), (576, 4)])
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "fp32"), (torch.float16, "fp16"), (torch.float16, "pasa")])
+def test_gpu_window_sizes_8_12_16_24(n, nw, dtype, mode):
+    q, k, v, bias, mask, ls = inputs(4, nw, 4, n, 32, dtype=dtype, seed=n)
+    for cosine in (False, True):
+        out = window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=nw,
+                               cosine=cosine, logit_scale=ls if cosine else None, mode=mode)
+        gold = oracle(q, k, v, bias, mask, nw, cosine, ls, 32 ** -0.5)
+        assert out.dtype == dtype
+        assert rel_l2(out, gold) <= _tol(mode, cosine, ls, 32) + (1e-3 if dtype == torch.float16 else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["v1", "v2"])
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
+def test_gpu_equivalence_with_timm_modules_real_size(family, shift, mode):
+    from timm.models.swin_transformer import SwinTransformerBlock
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    torch.manual_seed(0)
+    if family == "v1":  # Swin-B stage 1
+        blk = SwinTransformerBlock(128, (56, 56), num_heads=4, window_size=7, shift_size=3 if shift else 0)
+    else:  # Swin-v2-B (window 16) stage 1
+        blk = SwinTransformerV2Block(128, (64, 64), num_heads=4, window_size=16, shift_size=8 if shift else 0)
+    attn, mask = blk.attn.to(DEV).eval(), None if blk.attn_mask is None else blk.attn_mask.to(DEV)
+    if family == "v1":
+        with torch.no_grad():
+            attn.relative_position_bias_table.normal_(0, 1)
+    n = attn.relative_position_index.shape[0]
+    nw = 64 if family == "v1" else 16
+    x = torch.randn(8 * nw, n, 128, device=DEV)
+    with torch.no_grad():
+        gold = copy.deepcopy(attn).double()(x.double(), mask=None if mask is None else mask.double())
+        ours = timm_window_forward(attn, x, mask, mode=mode)
+    assert rel_l2(ours, gold) <= get_mode(mode).rel_tol * (4 if family == "v2" else 1)

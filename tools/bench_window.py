@@ -1,0 +1,502 @@
+"""Benchmark Swin / Swin-v2 window attention: visionattn vs timm eager, timm SDPA and FlexAttention.
+
+Attention only (q, k, v given as timm's ``qkv.unbind`` views, bias + shift mask) for
+every stage of the models in ``configs/bench_window.yaml`` at several batch sizes,
+fp16 and fp32; then the WindowAttention module (qkv + attention + proj) and whole
+models (random weights), patched with :func:`visionattn.window.timm_window_forward`
+vs unpatched timm. Times are medians of ``triton.testing.do_bench`` (CUDA events,
+L2 flushed between runs); memory is the peak allocated during one call beyond the
+inputs. Writes ``<out>.md``, ``<out>.json`` and ``<out>.png``.
+
+This tool sets no global precision flags: timm eager fp32 runs with PyTorch's
+defaults (``torch.backends.cuda.matmul.allow_tf32 = False``), recorded in the output.
+
+    python tools/bench_window.py --out docs/benchmarks/window_h100
+    python tools/bench_window.py --batches 64 --models swin_base_224 --methods visionattn,eager
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+import yaml
+from tqdm import tqdm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_window.yaml"),
+                    help="YAML sweep definition (models, batches, dtypes, flex cases, key case, sweep)")
+parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "window_bench"),
+                    help="output prefix: writes <out>.md, <out>.json, <out>.png")
+parser.add_argument("--models", default=None, help="comma-separated model names from the config (default: all)")
+parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: config)")
+parser.add_argument("--dtypes", default=None, help="comma-separated subset of fp16,fp32 (default: config)")
+parser.add_argument("--methods", default=None,
+                    help="comma-separated subset of visionattn,eager,sdpa,flex (default: config)")
+parser.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep on the key case")
+parser.add_argument("--no-module", action="store_true", help="skip the WindowAttention module timings")
+parser.add_argument("--no-models", action="store_true", help="skip the whole-model latency table")
+parser.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up time per measurement (ms)")
+parser.add_argument("--rep-ms", type=float, default=None, help="do_bench measuring time per measurement (ms)")
+parser.add_argument("--max-cases", type=int, default=None, help="stop after this many attention cases (smoke runs)")
+
+
+# ----------------------------------------------------------------------------- environment / io
+def environment() -> dict:
+    import timm
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "timm": timm.__version__,
+            "cuda": torch.version.cuda, "python": platform.python_version(),
+            "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+
+
+def _atomic_write(path: str, data, mode: str = "w") -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, mode) as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- shapes
+def stage_shapes(model: dict) -> list[dict]:
+    """Window-attention shape of each stage of a Swin / Swin-v2 config (dict from the YAML)."""
+    out = []
+    for i, heads in enumerate(model["heads"]):
+        res = model["img"] // 4 // (2 ** i)
+        ws = min(model["window"], res)
+        out.append({"stage": i, "res": res, "window": ws, "N": ws * ws, "nW": (res // ws) ** 2,
+                    "heads": heads, "dim": model["embed_dim"] * 2 ** i, "shifted": res > ws})
+    return out
+
+
+def make_block(kind: str, st: dict, device, dtype):
+    """timm block of this stage (shifted when the stage shifts): returns (WindowAttention, shift mask | None)."""
+    from timm.models.swin_transformer import SwinTransformerBlock
+    from timm.models.swin_transformer_v2 import SwinTransformerV2Block
+
+    cls = SwinTransformerBlock if kind == "v1" else SwinTransformerV2Block
+    shift = st["window"] // 2 if st["shifted"] else 0
+    blk = cls(st["dim"], (st["res"], st["res"]), num_heads=st["heads"], window_size=st["window"],
+              shift_size=shift).to(device=device, dtype=dtype).eval()
+    with torch.no_grad():  # non-trivial bias (timm initializes the v1 table at std 0.02)
+        if kind == "v1":
+            blk.attn.relative_position_bias_table.normal_(0, 1)
+        else:
+            blk.attn.logit_scale.uniform_(math.log(5), math.log(50))
+    return blk.attn, blk.attn_mask
+
+
+def attn_inputs(attn, kind: str, batch: int, st: dict, mask, device, dtype):
+    """q, k, v views of one qkv tensor [B*nW, N, 3, H, D] and the bias the module would use."""
+    BW, N, H = batch * st["nW"], st["N"], st["heads"]
+    D = st["dim"] // H
+    qkv = torch.randn(BW, N, 3, H, D, device=device, dtype=dtype).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    with torch.no_grad():
+        if kind == "v1":
+            bias = attn._get_rel_pos_bias()[0]
+        else:
+            table = attn.cpb_mlp(attn.relative_coords_table).view(-1, H)
+            bias = 16 * torch.sigmoid(table[attn.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1))
+    return q, k, v, bias
+
+
+# ----------------------------------------------------------------------------- methods (attention only)
+def eager_fn(kind, attn, q, k, v, bias, mask):
+    """timm's eager attention lines (swin_transformer[_v2].WindowAttention.forward)."""
+    H, N = q.shape[1], q.shape[2]
+
+    def run():
+        if kind == "v1":
+            a = (q * attn.scale) @ k.transpose(-2, -1)
+        else:
+            a = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+            a = a * torch.clamp(attn.logit_scale, max=math.log(1. / 0.01)).exp()
+        a = a + bias.unsqueeze(0)
+        if mask is not None:
+            nw = mask.shape[0]
+            a = a.view(-1, nw, H, N, N) + mask.unsqueeze(1).unsqueeze(0)
+            a = a.view(-1, H, N, N)
+        return a.softmax(-1) @ v
+    return run
+
+
+def sdpa_fn(kind, attn, q, k, v, bias, mask):
+    """timm's fused path (TIMM_FUSED_ATTN, Swin v1 only): bias + mask expanded to [B*nW, H, N, N]."""
+    if kind != "v1":
+        return None
+    H, N, BW = q.shape[1], q.shape[2], q.shape[0]
+
+    def run():
+        am = bias.unsqueeze(0)
+        if mask is not None:
+            nw = mask.shape[0]
+            am = am + mask.view(1, nw, 1, N, N).expand(BW // nw, -1, H, -1, -1).reshape(-1, H, N, N)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=am)
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_fn(kind, attn, q, k, v, bias, mask):
+    """FlexAttention with a score_mod adding bias[h] and mask[b % nW] (Swin-v2: normalize q, k outside)."""
+    flex = _compiled_flex()
+    nw = mask.shape[0] if mask is not None else 1
+    mask_t = mask if mask is not None else torch.zeros(1, 1, 1, device=q.device, dtype=q.dtype)
+    if kind == "v1":
+        def score_mod(score, b, h, qi, kj):
+            return score + bias[h, qi, kj] + mask_t[b % nw, qi, kj]
+
+        return lambda: flex(q, k, v, score_mod=score_mod, scale=attn.scale)
+    ls = torch.clamp(attn.logit_scale.detach(), max=math.log(100.0)).exp().reshape(-1)
+
+    def score_mod2(score, b, h, qi, kj):
+        return score * ls[h] + bias[h, qi, kj] + mask_t[b % nw, qi, kj]
+
+    return lambda: flex(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, score_mod=score_mod2, scale=1.0)
+
+
+def visionattn_fn(kind, attn, q, k, v, bias, mask, mode, config=None):
+    from visionattn.window import validate_window_inputs
+    from visionattn.kernels.window_fwd import window_attention_fwd
+
+    nw = mask.shape[0] if mask is not None else 1
+    cosine = kind == "v2"
+    ls = attn.logit_scale.detach() if cosine else None
+    b, m, ls = validate_window_inputs(q, k, v, bias, mask, nw, cosine, ls)
+    scale = attn.scale if kind == "v1" else 1.0
+    return lambda: window_attention_fwd(q, k, v, b, m, nw, cosine, ls, scale, mode, config=config)
+
+
+# ----------------------------------------------------------------------------- measuring
+def measure(fn, warmup: float, rep: float) -> dict:
+    """Median ms (do_bench) and peak extra memory (MiB) of ``fn``; errors are recorded, not raised."""
+    import triton.testing
+
+    try:
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+        return {"ms": float(ms), "peak_mib": float(peak)}
+    except Exception as e:  # noqa: BLE001 - a failing baseline is a result, not a crash
+        torch.cuda.empty_cache()
+        return {"ms": None, "peak_mib": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def io_floor_ms(q, v, bytes_per_s: float | None) -> float | None:
+    if not bytes_per_s:
+        return None
+    n = q.numel() * 2 + v.numel() * 2  # read q, k, v; write the output
+    return n * q.element_size() / bytes_per_s * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Measured device copy bandwidth (bytes/s, read + write) with a 1 GiB buffer."""
+    import triton.testing
+
+    x = torch.empty(2 ** 28, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median")
+    return 2 * x.numel() * 4 / (ms * 1e-3)
+
+
+def _accuracy(kind, attn, q, k, v, bias, mask, mode) -> float:
+    from visionattn.metrics import rel_l2
+    from visionattn.window import window_attention_reference
+
+    nw = mask.shape[0] if mask is not None else 1
+    sl = slice(0, min(q.shape[0], 4 * nw))
+    kw = dict(relative_position_bias=bias, shift_mask=mask, num_windows=nw, cosine=kind == "v2",
+              logit_scale=attn.logit_scale.detach() if kind == "v2" else None,
+              scale=attn.scale if kind == "v1" else None)
+    ref = window_attention_reference(q[sl], k[sl], v[sl], **kw, state_dtype=torch.float64)
+    out = visionattn_fn(kind, attn, q[sl], k[sl], v[sl], bias, mask, mode)()
+    return rel_l2(out, ref)
+
+
+# ----------------------------------------------------------------------------- parts
+def bench_attention(cfg, args, env, rows: list, save=lambda: None) -> list[dict]:
+    models = [m for m in cfg["models"] if not args.models or m["name"] in args.models.split(",")]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else cfg["batches"]
+    dtypes = args.dtypes.split(",") if args.dtypes else cfg["dtypes"]
+    methods = args.methods.split(",") if args.methods else cfg["methods"]
+    flex_cases = {(c["model"], c["stage"], c["batch"]) for c in cfg.get("flex_cases", [])}
+    jobs = [(m, st, b, dt) for m in models for st in stage_shapes(m) for b in batches for dt in dtypes]
+    if args.max_cases:
+        jobs = jobs[:args.max_cases]
+    for m, st, batch, dt in tqdm(jobs, desc="attention cases"):
+        dtype = torch.float16 if dt == "fp16" else torch.float32
+        attn, mask = make_block(m["kind"], st, "cuda", dtype)
+        q, k, v, bias = attn_inputs(attn, m["kind"], batch, st, mask, "cuda", dtype)
+        row = {"model": m["name"], "kind": m["kind"], **st, "batch": batch, "dtype": dt,
+               "windows": q.shape[0], "D": q.shape[-1],
+               "io_floor_ms": io_floor_ms(q, v, env.get("copy_bytes_per_s"))}
+        for meth in methods:
+            if meth == "flex" and (m["name"], st["stage"], batch) not in flex_cases:
+                continue
+            if meth == "visionattn":
+                fn = visionattn_fn(m["kind"], attn, q, k, v, bias, mask, dt)
+            else:
+                fn = {"eager": eager_fn, "sdpa": sdpa_fn, "flex": flex_fn}[meth](m["kind"], attn, q, k, v, bias, mask)
+            if fn is not None:
+                row[meth] = measure(fn, args.warmup_ms, args.rep_ms)
+        if "visionattn" in methods:
+            row["visionattn_rel_l2_vs_fp64"] = _accuracy(m["kind"], attn, q, k, v, bias, mask, dt)
+        rows.append(row)
+        if len(rows) % 8 == 0:
+            save()
+        del q, k, v, bias, attn, mask
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_sweep(cfg, args) -> list[dict]:
+    from visionattn.kernels.window_fwd import get_config
+
+    kc = cfg["key_case"]
+    model = next(m for m in cfg["models"] if m["name"] == kc["model"])
+    st = stage_shapes(model)[kc["stage"]]
+    rows = []
+    for dt in ("fp16", "fp32"):
+        dtype = torch.float16 if dt == "fp16" else torch.float32
+        attn, mask = make_block(model["kind"], st, "cuda", dtype)
+        q, k, v, bias = attn_inputs(attn, model["kind"], kc["batch"], st, mask, "cuda", dtype)
+        default = get_config(q.shape[0], st["heads"], st["N"], q.shape[-1], st["nW"], q.device)
+        for c in tqdm([None] + list(cfg.get("sweep", [])), desc=f"config sweep {dt}"):
+            conf = None if c is None else {"kernel": "small", **c}
+            r = measure(visionattn_fn(model["kind"], attn, q, k, v, bias, mask, dt, config=conf),
+                        args.warmup_ms, args.rep_ms)
+            rows.append({"dtype": dt, "config": conf or {"default": default}, **r})
+    return rows
+
+
+def bench_module(cfg, args) -> list[dict]:
+    """WindowAttention module (qkv + attention + proj): timm eager / timm fused vs timm_window_forward."""
+    from visionattn.window import timm_window_forward
+
+    kc = cfg["key_case"]
+    rows = []
+    for m in cfg["models"]:
+        st = stage_shapes(m)[0]
+        for dt in ("fp16", "fp32"):
+            dtype = torch.float16 if dt == "fp16" else torch.float32
+            attn, mask = make_block(m["kind"], st, "cuda", dtype)
+            x = torch.randn(kc["batch"] * st["nW"], st["N"], st["dim"], device="cuda", dtype=dtype)
+            row = {"model": m["name"], "stage": 0, "batch": kc["batch"], "dtype": dt}
+            if m["kind"] == "v1":
+                attn.fused_attn = False
+            row["timm_eager"] = measure(lambda: attn(x, mask=mask), args.warmup_ms, args.rep_ms)
+            if m["kind"] == "v1":
+                attn.fused_attn = True
+                row["timm_sdpa"] = measure(lambda: attn(x, mask=mask), args.warmup_ms, args.rep_ms)
+                attn.fused_attn = False
+            row["visionattn"] = measure(lambda: timm_window_forward(attn, x, mask, mode=dt),
+                                        args.warmup_ms, args.rep_ms)
+            rows.append(row)
+    return rows
+
+
+def patch_window_attention(model, mode: str) -> int:
+    """Bench-local patch: route every timm WindowAttention.forward through timm_window_forward."""
+    from timm.models import swin_transformer as sw1
+    from timm.models import swin_transformer_v2 as sw2
+    from visionattn.window import timm_window_forward
+
+    n = 0
+    for mod in model.modules():
+        if type(mod) in (sw1.WindowAttention, sw2.WindowAttention):
+            mod.forward = functools.partial(timm_window_forward, mod, mode=mode)
+            n += 1
+    return n
+
+
+def bench_models(cfg, args) -> list[dict]:
+    import timm
+
+    rows = []
+    for spec in cfg.get("model_latency", []):
+        for dt in ("fp16", "fp32"):
+            dtype = torch.float16 if dt == "fp16" else torch.float32
+            row = {"model": spec["timm_name"], "batch": spec["batch"], "dtype": dt}
+            try:
+                model = timm.create_model(spec["timm_name"], pretrained=False).to("cuda", dtype).eval()
+                with torch.no_grad():  # Swin-v2 zero-inits its res-post-norm weights: attention would not matter
+                    for mod in model.modules():
+                        if isinstance(mod, torch.nn.LayerNorm) and mod.weight is not None:
+                            mod.weight.fill_(1.0)
+                x = torch.randn(spec["batch"], 3, spec["img"], spec["img"], device="cuda", dtype=dtype)
+                row["unpatched"] = measure(lambda: model(x), args.warmup_ms, args.rep_ms)
+                with torch.no_grad():
+                    ref = model(x).float()
+                row["patched_modules"] = patch_window_attention(model, dt)
+                row["patched"] = measure(lambda: model(x), args.warmup_ms, args.rep_ms)
+                with torch.no_grad():
+                    out = model(x).float()
+                row["logits_rel_l2_patched_vs_unpatched"] = float((out - ref).norm() / ref.norm())
+                del model, x
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            torch.cuda.empty_cache()
+            rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+def _fmt(r: dict | None) -> str:
+    if not r:
+        return "-"
+    if r.get("ms") is None:
+        return "err"
+    return f"{r['ms']:.4f}"
+
+
+def to_markdown(res: dict) -> str:
+    env = res["environment"]
+    lines = ["# Window attention benchmark (Swin / Swin-v2)", "",
+             f"GPU: **{env['gpu']}**; torch {env['torch']}, triton {env['triton']}, timm {env['timm']}, "
+             f"CUDA {env['cuda']}; {env['date']}.", "",
+             f"Command: `{env['command']}`", "",
+             f"Measured copy bandwidth: {env.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s (read+write). "
+             "Times: median ms of `triton.testing.do_bench` (L2 flushed). Peak: extra MiB allocated during one call. "
+             f"timm eager fp32 runs with torch defaults (allow_tf32 matmul = {env['allow_tf32_matmul']}).", ""]
+    kc = res.get("key_case")
+    if kc:
+        lines += ["## Key case: Swin-B stage 1 (64 images x 64 windows, 4 heads, N=49, D=32, bias + shift mask)", "",
+                  "| dtype | visionattn | eager | SDPA (expanded bias) | FlexAttention | I/O floor | visionattn peak MiB | SDPA peak MiB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in kc:
+            lines.append(f"| {r['dtype']} | {_fmt(r.get('visionattn'))} | {_fmt(r.get('eager'))} | {_fmt(r.get('sdpa'))} | "
+                         f"{_fmt(r.get('flex'))} | {r['io_floor_ms'] or 0:.4f} | "
+                         f"{(r.get('visionattn') or {}).get('peak_mib') or 0:.1f} | {(r.get('sdpa') or {}).get('peak_mib') or 0:.1f} |")
+        lines.append("")
+    if res.get("sweep"):
+        lines += ["## Launch-config sweep on the key case", "", "| dtype | config | ms |", "|---|---|---|"]
+        for r in res["sweep"]:
+            lines.append(f"| {r['dtype']} | `{json.dumps(r['config'])}` | {_fmt(r)} |")
+        lines.append("")
+    if res.get("attention"):
+        lines += ["## Attention only, every stage", "",
+                  "| model | stage | N | nW | H | batch | dtype | visionattn | eager | SDPA | Flex | floor | speed-up vs best other | rel L2 vs fp64 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res["attention"]:
+            others = [r[m]["ms"] for m in ("eager", "sdpa", "flex") if r.get(m) and r[m].get("ms")]
+            va = (r.get("visionattn") or {}).get("ms")
+            sp = f"{min(others) / va:.1f}x" if (others and va) else "-"
+            acc = r.get("visionattn_rel_l2_vs_fp64")
+            acc_s = "-" if acc is None else f"{acc:.1e}"
+            lines.append(f"| {r['model']} | {r['stage'] + 1} | {r['N']} | {r['nW']} | {r['heads']} | {r['batch']} | {r['dtype']} | "
+                         f"{_fmt(r.get('visionattn'))} | {_fmt(r.get('eager'))} | {_fmt(r.get('sdpa'))} | {_fmt(r.get('flex'))} | "
+                         f"{r['io_floor_ms'] or 0:.4f} | {sp} | {acc_s} |")
+        lines.append("")
+    if res.get("module"):
+        lines += ["## WindowAttention module (qkv + attention + proj), stage 1, key-case batch", "",
+                  "| model | dtype | timm eager | timm SDPA | visionattn (timm_window_forward) |", "|---|---|---|---|---|"]
+        for r in res["module"]:
+            lines.append(f"| {r['model']} | {r['dtype']} | {_fmt(r.get('timm_eager'))} | {_fmt(r.get('timm_sdpa'))} | "
+                         f"{_fmt(r.get('visionattn'))} |")
+        lines.append("")
+    if res.get("models"):
+        lines += ["## Whole model (random weights), ms per forward", "",
+                  "| model | batch | dtype | unpatched timm | patched | rel L2 logits | note |", "|---|---|---|---|---|---|---|"]
+        for r in res["models"]:
+            d = r.get("logits_rel_l2_patched_vs_unpatched")
+            lines.append(f"| {r['model']} | {r['batch']} | {r['dtype']} | {_fmt(r.get('unpatched'))} | {_fmt(r.get('patched'))} | "
+                         f"{'-' if d is None else f'{d:.1e}'} | {r.get('error', '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res.get("attention", []) if r["stage"] == 0]
+    models = sorted({r["model"] for r in rows})
+    if not models:
+        return
+    fig, axes = plt.subplots(2, len(models), figsize=(3.2 * len(models), 6), squeeze=False)
+    for j, mname in enumerate(models):
+        for i, dt in enumerate(("fp16", "fp32")):
+            ax = axes[i][j]
+            sel = sorted((r for r in rows if r["model"] == mname and r["dtype"] == dt), key=lambda r: r["batch"])
+            for meth in ("visionattn", "eager", "sdpa"):
+                pts = [(r["batch"], r[meth]["ms"]) for r in sel if r.get(meth) and r[meth].get("ms")]
+                if pts:
+                    ax.loglog(*zip(*pts), marker="o", label=meth)
+            pts = [(r["batch"], r["io_floor_ms"]) for r in sel if r.get("io_floor_ms")]
+            if pts:
+                ax.loglog(*zip(*pts), ls="--", color="gray", label="I/O floor")
+            ax.set_title(f"{mname} stage 1 {dt}", fontsize=8)
+            ax.set_xlabel("batch")
+            ax.set_ylabel("ms")
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def main(args) -> dict:
+    """Run the benchmark described by ``args`` (see ``--help``); returns the result dict."""
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_window.py needs a CUDA GPU (the window kernel is a Triton GPU kernel)")
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else cfg.get("warmup_ms", 10)
+    args.rep_ms = args.rep_ms if args.rep_ms is not None else cfg.get("rep_ms", 40)
+    env = environment()
+    env["copy_bytes_per_s"] = copy_bandwidth()
+    res: dict = {"environment": env, "config": cfg}
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(out_dir, exist_ok=True)
+
+    def save():
+        _atomic_write(args.out + ".json", json.dumps(res, indent=1))
+        _atomic_write(args.out + ".md", to_markdown(res))
+
+    if not args.no_sweep:
+        res["sweep"] = bench_sweep(cfg, args)
+        save()
+    res["attention"] = []
+    bench_attention(cfg, args, env, res["attention"], save)
+    kc = cfg["key_case"]
+    res["key_case"] = [r for r in res["attention"] if r["model"] == kc["model"] and r["stage"] == kc["stage"]
+                       and r["batch"] == kc["batch"]]
+    save()
+    if not args.no_module:
+        res["module"] = bench_module(cfg, args)
+        save()
+    if not args.no_models:
+        res["models"] = bench_models(cfg, args)
+    save()
+    plot(res, args.out + ".png")
+    return res
+
+
+if __name__ == "__main__":
+    main(parser.parse_args())
