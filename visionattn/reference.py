@@ -135,9 +135,13 @@ def reduce_states(states: Sequence[State], order: str = "left", *, seed: int | N
 
 
 def finalize(state: State) -> torch.Tensor:
-    """Output ``W / S`` [..., Nq, Dv]; rows with ``S = 0`` (all keys masked) give zeros."""
+    """Output ``W / S`` [..., Nq, Dv]; rows with ``S = 0`` (all keys masked) give zeros.
+
+    NaN in the state (NaN inputs) propagates to the output, as in SDPA.
+    """
     s = state.s.unsqueeze(-1)
-    return torch.where(s > 0, state.w / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(state.w))
+    empty = s == 0
+    return torch.where(empty, torch.zeros_like(state.w), state.w / torch.where(empty, torch.ones_like(s), s))
 
 
 def scores_and_mask(
@@ -188,7 +192,7 @@ def oracle_attention(
     m = s.amax(dim=-1, keepdim=True)
     e = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
     denom = e.sum(dim=-1, keepdim=True)
-    p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
+    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)  # all-masked rows: P = 0, Y = 0
     y = p @ v.double()
     return (y, p) if return_probs else y
 

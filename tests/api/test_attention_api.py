@@ -107,3 +107,14 @@ def test_backend_override_context_restores():
     assert dispatch.get_backend() == before
     with pytest.raises(ValueError):
         va.set_backend("nope")
+
+
+@pytest.mark.parametrize("where", ["key", "value", "query"])
+def test_nan_inputs_propagate_like_sdpa(where):
+    q, k, v = _qkv()
+    target = {"query": q, "key": k, "value": v}[where]
+    target[0, 0, 2, 3] = float("nan")
+    out = va.attention(q, k, v)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.isnan(out).any()
