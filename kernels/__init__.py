@@ -7,10 +7,12 @@ Entry points used by :mod:`visionattn.api` and :mod:`visionattn.window`:
 * :func:`pasa_attention` — FP16-score-accumulation forward with PASA shifting
   (``shift=True``) or without (the ``fp16-acc16`` baseline);
 * :func:`window_attention_fwd` — Swin / Swin-v2 window attention;
-* :func:`unsupported_reason` — why a call cannot run on the kernels (or None).
+* :func:`unsupported_reason` / :func:`pasa_unsupported_reason` — why a call cannot run on
+  the dense / PASA kernels (or None).
 """
 from .elsa_fwd import elsa_attention, unsupported_reason
-from .pasa_fwd import pasa_attention
+from .pasa_fwd import pasa_attention, pasa_unsupported_reason
 from .window_fwd import window_attention_fwd
 
-__all__ = ["elsa_attention", "pasa_attention", "window_attention_fwd", "unsupported_reason"]
+__all__ = ["elsa_attention", "pasa_attention", "window_attention_fwd", "unsupported_reason",
+           "pasa_unsupported_reason"]

@@ -1,5 +1,278 @@
-"""PASA forward (being written: issue 4)."""
+"""PASA forward in Triton: FP16 score accumulation that cannot overflow (PASA paper, Alg. 1).
+
+Two kernels and a launcher:
+
+* :func:`_pasa_shift_keys_kernel` — Alg. 1 lines 5-7, the pre-processing
+  ``K'_j = K_j^T M`` per KV block of ``BLOCK_N`` keys with the FP16-rounded shifting
+  matrix ``M = (a I - b J) * scale`` (Eq. 10-11, 21/23):
+  ``K' = fl16(scale * (a k - b sum_block k))``, written once to a [B, H, Nk, D]
+  FP16 buffer (the paper's batched GEMM, done as a row reduction + FMA).
+* :func:`_pasa_fwd_kernel` — the tile loop: ``S' = Q K'^T`` on the tensor cores with
+  **FP16 accumulation** (``tl.dot(..., out_dtype=tl.float16)``), the block's row mean
+  ``mean(S')`` (line 13), the running global pseudo-average ``F`` (line 14 / Eq. 15),
+  the recovery ``f * (mean - F)`` with ``f = beta / (1 - beta)`` (Eq. 14, lines 15-17)
+  applied to the scores and to the running max, then the usual online softmax in
+  FP32 (P rounded to FP16 for ``P @ V`` with FP32 accumulation).
+  With ``SHIFT=False`` (mode ``fp16-acc16``) the raw keys are used and the FP16
+  product is scaled afterwards: plain FP16-score-accumulation flash attention.
+* :func:`pasa_attention` — validates, computes beta and the coefficients, launches.
+
+The CPU reference with the same arithmetic is :func:`visionattn.pasa.pasa_attention_reference`;
+its module docstring lists what is rounded where. Kernels never import upward
+(DESIGN.md), so the optimal-accuracy beta (Eq. 20-22) is computed here by
+:func:`_optimal_beta` as well; ``tests/kernels/test_pasa_kernel.py`` checks it equals
+:func:`visionattn.pasa.optimal_beta`.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["pasa_attention", "pasa_unsupported_reason", "BLOCK_N", "MAX_HEAD_DIM"]
+
+BLOCK_N = 128  # keys per KV block = size of the shifting matrix M (the paper's s2)
+_BETA0 = 1.0 - 2.0 ** -6  # the paper's adopted initial value (-> 0.984497 for n = 128)
+MAX_HEAD_DIM = 256
 
 
-def pasa_attention(q, k, v, bias, attn_mask, is_causal, scale, shift=True, beta=None):
-    raise NotImplementedError("PASA kernel is being written (issue 4)")
+# ----------------------------------------------------------------------------------- host math
+def _fl16(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).half().double())
+
+
+@functools.lru_cache(maxsize=None)
+def _optimal_beta(n: int) -> float:
+    """Fixed point of Eq. 22 for FP16 and block size n (see visionattn.pasa.optimal_beta)."""
+    beta = _BETA0
+    for _ in range(100):
+        b = _fl16(beta / n)
+        a = _fl16(1.0 - beta / n) + b
+        f = b * n / (a * (a - b * n)) + (1.0 - a) / a
+        new = f / (1.0 + f)
+        if abs(new - beta) <= 1e-12 * beta:
+            return new
+        beta = new
+    raise RuntimeError(f"optimal beta did not converge for block size {n}")
+
+
+def _coefficients(n: int, beta: float | None) -> tuple[float, float, float]:
+    # (a, b, f): K' = scale (a k - b sum k) with the FP16-rounded M (Eq. 21/23); f = beta / (1 - beta).
+    beta = _optimal_beta(n) if beta is None else float(beta)
+    b = _fl16(beta / n)
+    return _fl16(1.0 - beta / n) + b, b, beta / (1.0 - beta)
+
+
+# ------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _pasa_shift_keys_kernel(
+    K, KP, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
+    a_full, b_full, a_tail, b_tail, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_n[:, None] < N_K) & (offs_d[None, :] < D)
+    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=ok, other=0.0).to(tl.float32)
+    full = (N_K - pid_n * BLOCK_N) >= BLOCK_N
+    a = tl.where(full, a_full, a_tail)
+    b = tl.where(full, b_full, b_tail)
+    ksum = tl.sum(k, axis=0)
+    kp = (scale * (a * k - b * ksum[None, :])).to(tl.float16)
+    # KP is a contiguous [B*H, N_K, D] buffer
+    tl.store(KP + pid_bh.to(tl.int64) * N_K * D + offs_n[:, None] * D + offs_d[None, :], kp, mask=ok)
+
+
+@triton.jit
+def _pasa_fwd_kernel(
+    Q, K, V, O, BIAS, MASK,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, N_Q, N_K, D, DV, post_scale, f_full, f_tail,
+    SHIFT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // H).to(tl.int64)
+    off_h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < N_Q
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    k_base = K + off_b * stride_kb + off_h * stride_kh
+    v_base = V + off_b * stride_vb + off_h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    F = tl.zeros([BLOCK_M], tl.float32)  # running global pseudo-average of rowmean(S'), Eq. 15
+    j = 0.0
+    hi = N_K
+    if IS_CAUSAL:
+        hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < N_K
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        # FP16 score accumulation: the product whose overflow PASA prevents.
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
+        if SHIFT:
+            n_valid = tl.minimum(N_K - start_n, BLOCK_N)
+            f = tl.where(n_valid == BLOCK_N, f_full, f_tail)
+            mean = tl.sum(tl.where(col_ok[None, :], s, 0.0), axis=1) / n_valid.to(tl.float32)
+            j += 1.0
+            F_new = F + (mean - F) / j
+            s = s + (f * (mean - F_new))[:, None]  # scores relative to f * F_new
+            m_old = m_i + f * (F - F_new)  # previous max moved to the new frame
+            F = F_new
+        else:
+            s = s * post_scale
+            m_old = m_i
+        valid = row_ok[:, None] & col_ok[None, :]
+        if HAS_BIAS:
+            s += tl.load(BIAS + off_b * stride_bb + off_h * stride_bh + offs_m[:, None] * stride_bm
+                         + offs_n[None, :] * stride_bn, mask=valid, other=0.0).to(tl.float32)
+        keep = col_ok[None, :]
+        if HAS_MASK:
+            mk = tl.load(MASK + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mm
+                         + offs_n[None, :] * stride_mn, mask=valid, other=0)
+            keep = keep & (mk != 0)
+        if IS_CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_old, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_old - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+        m_i = m_new
+    # l == 0 only for fully masked rows (-> zeros); an overflow (NaN/inf) propagates.
+    out = tl.where(l_i[:, None] == 0.0, 0.0, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None])
+    tl.store(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
+             + offs_dv[None, :] * stride_od, out.to(tl.float16),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+def _get_config(d: int, interpret: bool) -> dict:
+    """Launch configuration by head-dim bucket (BLOCK_N is fixed: it is the size of M)."""
+    if interpret:
+        return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
+    if d <= 64:
+        return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}  # H100 sweep, docs/benchmarks/pasa_h100.md
+    return {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3}  # H100 sweep: 2.65 ms vs 3.02 (2 stages)
+
+
+def pasa_unsupported_reason(q, k, v, bias, attn_mask) -> str | None:
+    """Why :func:`pasa_attention` cannot run this call, or ``None`` if it can.
+
+    Inputs as :func:`visionattn.attention` passes them after validation (any float dtype:
+    the launcher needs them cast to float16). Reasons: head dim above :data:`MAX_HEAD_DIM`,
+    tensors not on CUDA (unless ``TRITON_INTERPRET=1``), autograd (forward only).
+    """
+    import os
+
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return f"tensors on {q.device.type} (the Triton kernels need CUDA or TRITON_INTERPRET=1)"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        return "autograd: the PASA kernel is forward-only"
+    return None
+
+
+def _strides4(t):
+    return (0, 0, 0, 0) if t is None else tuple(t.stride())
+
+
+# ------------------------------------------------------------------------------------ launcher
+def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                   attn_mask: torch.Tensor | None, is_causal: bool, scale: float, shift: bool = True,
+                   beta: float | None = None, config: dict | None = None) -> torch.Tensor:
+    """PASA (``shift=True``) or FP16-score-accumulation (``shift=False``) attention forward.
+
+    Args:
+        q: [B, H, Nq, D] float16; k: [B, H, Nk, D] float16; v: [B, H, Nk, Dv] float16;
+            CUDA tensors (or CPU with ``TRITON_INTERPRET=1``); any strides. D, Dv <= 256.
+        bias: None or a float [B, H, Nq, Nk] view (stride-0 broadcast allowed), added after recovery.
+        attn_mask: None or a bool [B, H, Nq, Nk] view, True = attend.
+        is_causal: top-left causal mask.
+        scale: logit scale.
+        shift: True = PASA (mode ``pasa``), False = no shift (mode ``fp16-acc16``, may overflow).
+        beta: shift strength in [0, 1); None = the optimal-accuracy beta of each block size
+            (Eq. 20-22; 0.984497 for the 128-key blocks). Ignored when ``shift=False``.
+        config: override the launch config (``BLOCK_M``, ``num_warps``, ``num_stages``).
+
+    Returns:
+        [B, H, Nq, Dv] float16, contiguous. Fully masked rows are zeros; with ``shift=False``
+        overflowing rows are inf/NaN by design.
+
+    Raises:
+        TypeError: q/k/v not float16, or a non-bool mask.
+        ValueError: bad shapes, D or Dv > 256, ``beta`` outside [0, 1).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float16:
+            raise TypeError(f"pasa_attention: {name} must be float16 (the api casts), got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"pasa_attention: {name} must be [B, H, N, D], got shape {tuple(t.shape)}")
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    if k.shape != (B, H, Nk, D) or v.shape[:3] != (B, H, Nk):
+        raise ValueError(f"pasa_attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         f"do not match [B, H, Nq, D], [B, H, Nk, D], [B, H, Nk, Dv]")
+    if D > MAX_HEAD_DIM or Dv > MAX_HEAD_DIM:
+        raise ValueError(f"pasa_attention: head dims D={D}, Dv={Dv}; the kernel supports up to {MAX_HEAD_DIM}")
+    if beta is not None and not 0.0 <= float(beta) < 1.0:
+        raise ValueError(f"pasa_attention: beta={beta!r}; expected None or a float in [0, 1)")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise TypeError(f"pasa_attention: attn_mask must be bool, got {attn_mask.dtype}")
+        attn_mask = attn_mask.expand(B, H, Nq, Nk).view(torch.uint8)
+    if bias is not None:
+        bias = bias.expand(B, H, Nq, Nk)
+    out = torch.empty((B, H, Nq, Dv), dtype=torch.float16, device=q.device)
+    if B * H * Nq * Dv == 0:
+        return out
+    if Nk == 0:
+        return out.zero_()
+    interpret = q.device.type != "cuda"
+    cfg = dict(_get_config(D, interpret), **(config or {}))
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    BLOCK_DV = max(16, triton.next_power_of_2(Dv))
+    if shift:
+        tail = Nk % BLOCK_N or BLOCK_N
+        a_f, b_f, f_f = _coefficients(BLOCK_N, beta)
+        a_t, b_t, f_t = _coefficients(tail, beta)
+        kp = torch.empty((B, H, Nk, D), dtype=torch.float16, device=q.device)
+        _pasa_shift_keys_kernel[(triton.cdiv(Nk, BLOCK_N), B * H)](
+            k, kp, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
+            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=4)
+        keys, post_scale = kp, 1.0
+    else:
+        keys, post_scale, f_f, f_t = k, float(scale), 0.0, 0.0
+    grid = (triton.cdiv(Nq, cfg["BLOCK_M"]), B * H)
+    _pasa_fwd_kernel[grid](
+        q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q,
+        *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias), *_strides4(attn_mask),
+        H, Nq, Nk, D, Dv, post_scale, f_f, f_t,
+        SHIFT=bool(shift), HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
+        IS_CAUSAL=bool(is_causal), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        BLOCK_DV=BLOCK_DV, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out

@@ -1,1 +1,21 @@
-"""VGGT and FastVGGT (being written: issue 7)."""
+"""VGGT and FastVGGT, written for visionattn (parameter names of the official VGGT-1B checkpoint).
+
+    from visionattn.models import VGGT, vggt_tiny_config, FASTVGGT_MERGING
+    model = VGGT.from_pretrained("facebook/VGGT-1B")          # or a local dir / file
+    fast = VGGT(merging=FASTVGGT_MERGING)                     # FastVGGT token merging
+    out = model.infer(images)                                 # images [S, 3, H, W] in [0, 1]
+
+Every attention goes through :func:`visionattn.attention` with the model's
+``attn_mode`` (or PyTorch SDPA with ``attn_mode=None``).
+"""
+from .geometry import (closed_form_inverse_se3, confidence_mask, extri_intri_to_pose_encoding,
+                       pose_encoding_to_extri_intri, unproject_depth_map_to_point_map)
+from .hub import CheckpointNotFoundError
+from .merging import FASTVGGT_MERGING, TokenMerging
+from .vggt import DEFAULT_REPO, VGGT, vggt_tiny_config
+
+__all__ = [
+    "VGGT", "vggt_tiny_config", "FASTVGGT_MERGING", "TokenMerging", "DEFAULT_REPO", "CheckpointNotFoundError",
+    "pose_encoding_to_extri_intri", "extri_intri_to_pose_encoding", "unproject_depth_map_to_point_map",
+    "closed_form_inverse_se3", "confidence_mask",
+]

@@ -132,7 +132,10 @@ def _run(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, which: str, num_s
     if which == "triton":
         from . import kernels  # lazy: triton import is slow and optional on CPU
 
-        reason = kernels.unsupported_reason(q, k, v, bias, attn_mask, md.name)
+        if md.half_scores:
+            reason = kernels.pasa_unsupported_reason(q, k, v, bias, attn_mask)
+        else:
+            reason = kernels.unsupported_reason(q, k, v, bias, attn_mask, md.name)
         if reason is None:
             qc, kc, vc = (t.to(md.compute_dtype) for t in (q, k, v))
             if md.half_scores:

@@ -1,5 +1,323 @@
-"""PASA reference (being written: issue 4)."""
+"""PASA: online pseudo-average shifting attention, CPU reference (PASA paper, Alg. 1).
+
+PASA ("Online Pseudo-average Shifting Attention", Cheng et al.) lets the score
+product ``S = Q K^T`` be *accumulated in FP16* without overflowing. Per KV block
+of ``n`` keys the key block is multiplied by the shifting matrix (Eq. 10-11)
+
+    M = (I - (beta / n) J) / alpha,        alpha = 1 / scale = sqrt(D),
+
+i.e. ``K'_j = scale * (K_j - beta * mean_block(K))``, so the FP16 product
+``S' = Q K'^T`` carries neither the large common bias of the keys nor the
+``sqrt(D)`` amplitude. Because ``rowmean(S') = (1 - beta) rowmean(scale * S)``
+(Theorem 2.1, Eq. 13-14), the removed part of each row is recovered exactly as
+``beta / (1 - beta) * rowmean(S')``; the online softmax keeps its running max
+relative to the running global pseudo-average ``F`` (Eq. 15, Alg. 1 lines
+13-20), so the result is softmax attention in exact arithmetic.
+
+``beta`` comes from the optimal-accuracy condition (Eq. 16, 20-22,
+:func:`optimal_beta`): the entries of ``M`` are rounded to FP16, and beta is
+the fixed point at which the recovery factor ``beta / (1 - beta)`` equals the
+factor the *rounded* matrix actually applies.
+
+What this module emulates (and the Triton kernel :mod:`visionattn.kernels.pasa_fwd` does):
+
+* q, k, v are rounded to FP16 (the caller's dtype may be anything).
+* Shift (``shift=True``): with ``b = fl16(beta/n)`` and ``a = fl16(1 - beta/n) + b``
+  (the rounded matrix ``M = a I - b J``, Eq. 21/23), ``K' = fl16(scale * (a k - b sum_block k))``
+  computed in FP32 and rounded once to FP16. ``n`` is the number of keys in the block
+  (the last block may be shorter; it gets its own beta).
+* FP16 score accumulation (:func:`fp16_accumulated_matmul`): products of FP16
+  numbers are exact in FP32; each 16-wide chunk of the head dimension (one
+  tensor-core MMA k-step) is summed in FP32 and added to an FP16 accumulator,
+  which is rounded to FP16 (round-to-nearest-even, ``|x| >= 65520 -> inf``)
+  after every chunk. The GPU's tensor cores may round the last bit differently
+  inside a k-step; the overflow behaviour (an FP16 partial sum out of range is inf) is the same.
+* Everything after the product is FP32 (as mode ``fp16``): the recovery terms,
+  bias and masks, the running max / sum / output; the unnormalized
+  probabilities are rounded to FP16 before ``P @ V`` (FP32 accumulation).
+* ``shift=False`` (mode ``fp16-acc16``): ``S = fl16acc(Q K^T)`` on the *unscaled*
+  keys, then ``scale * S`` in FP32 — plain FlashAttention with FP16 score
+  accumulation (the paper's "partially low-precision" allocation, Fig. 2), which
+  overflows when ``|q.k| > 65504``.
+
+``beta = 0`` gives ``M = I / alpha``: plain FP16-accumulation flash attention on the
+keys pre-scaled by ``scale`` (the paper: "PASA degrades into FA 2.0"). It equals
+``shift=False`` run on ``(q, fl16(scale * k))`` with ``scale=1`` exactly, bit for bit.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = ["optimal_beta", "shift_coefficients", "fp16_accumulated_matmul", "shift_keys",
+           "pasa_attention_reference", "benchmark_inputs", "BENCHMARK_KINDS", "FP16_ACC_CHUNK",
+           "DEFAULT_BLOCK"]
+
+FP16_ACC_CHUNK = 16  # head-dim chunk summed before each FP16 rounding (one MMA k-step)
+DEFAULT_BLOCK = 128  # the paper's KV block s2 (and the Triton kernel's BLOCK_N)
+_PAPER_BETA0 = 1.0 - 2.0 ** -6  # the paper's adopted initial value (-> 0.984497 for n = 128)
 
 
-def pasa_attention_reference(*args, **kwargs):
-    raise NotImplementedError("PASA is being written (issue 4)")
+def _round(x: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).to(dtype).double())
+
+
+def _practical_invariance(beta: float, n: int, dtype: torch.dtype) -> float:
+    # Eq. 20-21: f(beta) = b n / (a (a - b n)) + (1 - a) / a with b = fl(beta/n), a = fl(1 - beta/n) + b.
+    b = _round(beta / n, dtype)
+    a = _round(1.0 - beta / n, dtype) + b
+    return b * n / (a * (a - b * n)) + (1.0 - a) / a
+
+
+@functools.lru_cache(maxsize=None)
+def _optimal_beta_cached(n: int, dtype: torch.dtype, beta0: float, tol: float, max_iter: int) -> float:
+    beta = beta0
+    for _ in range(max_iter):
+        f = _practical_invariance(beta, n, dtype)
+        new = f / (1.0 + f)  # Eq. 22
+        if abs(new - beta) <= tol * abs(beta):
+            return new
+        beta = new
+    raise RuntimeError(f"optimal_beta: fixed-point iteration did not converge for block_size={n}, "
+                       f"beta0={beta0} in {max_iter} steps")
+
+
+def optimal_beta(block_size: int, dtype: torch.dtype = torch.float16, *, beta0: float = _PAPER_BETA0,
+                 tol: float = 1e-12, max_iter: int = 100) -> float:
+    """Shift strength beta from the optimal-accuracy condition (PASA paper, Eq. 16, 20-22).
+
+    Solves ``beta / (1 - beta) = f(beta)`` by the fixed-point iteration
+    ``beta_{k+1} = f(beta_k) / (1 + f(beta_k))`` in float64, where ``f`` is the
+    pseudo-average factor the FP16-rounded shifting matrix really applies:
+    ``f(beta) = b n / (a (a - b n)) + (1 - a) / a``, ``b = fl(beta / n)``,
+    ``a = fl(1 - beta / n) + b`` (Eq. 20-21, ``fl`` = rounding to ``dtype``).
+    At the fixed point the recovery factor ``beta / (1 - beta)`` carries no
+    rounding error of its own (Appendix A, Table 3).
+
+    For ``block_size=128`` and FP16 the paper's initial values ``1 - 2^-4``,
+    ``1 - 2^-5``, ``1 - 2^-6`` converge to 0.9375, 0.968994 and 0.984497 (the
+    paper adopts the last, which is the default here).
+
+    Args:
+        block_size: keys per KV block ``n`` (the size of M), >= 1.
+        dtype: the low precision M is rounded to (``torch.float16`` or ``torch.bfloat16``).
+        beta0: initial value of the iteration, in (0, 1).
+        tol: relative change at which the iteration stops.
+        max_iter: iteration limit.
+
+    Returns:
+        beta as a Python float in (0, 1).
+
+    Raises:
+        ValueError: ``block_size < 1``, ``beta0`` outside (0, 1), or a non-half ``dtype``.
+        RuntimeError: no convergence within ``max_iter`` steps.
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}; expected a positive int (keys per KV block)")
+    if not 0.0 < beta0 < 1.0:
+        raise ValueError(f"beta0={beta0!r}; expected a value in (0, 1)")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype={dtype}; expected torch.float16 or torch.bfloat16 (the precision of M)")
+    return _optimal_beta_cached(block_size, dtype, float(beta0), float(tol), int(max_iter))
+
+
+def _check_beta(beta) -> None:
+    if beta is not None and not (isinstance(beta, (int, float)) and 0.0 <= float(beta) < 1.0):
+        raise ValueError(f"beta={beta!r}; expected None (optimal-accuracy beta) or a float in [0, 1)")
+
+
+def shift_coefficients(n: int, beta: float | None) -> tuple[float, float, float]:
+    """Coefficients of the FP16-rounded shifting matrix for a block of ``n`` keys.
+
+    Returns:
+        ``(a, b, f)``: ``K' = scale * (a k - b sum_block k)`` (Eq. 21/23, ``a`` and ``b``
+        as rounded to FP16 and combined in float64) and the recovery factor
+        ``f = beta / (1 - beta)`` (Eq. 14). ``beta=None`` uses :func:`optimal_beta` (n).
+
+    Raises:
+        ValueError: ``beta`` outside [0, 1) or ``n < 1``.
+    """
+    _check_beta(beta)
+    beta = optimal_beta(n) if beta is None else float(beta)
+    if n < 1:
+        raise ValueError(f"n={n}; a KV block has at least one key")
+    b = _round(beta / n, torch.float16)
+    a = _round(1.0 - beta / n, torch.float16) + b
+    return a, b, beta / (1.0 - beta)
+
+
+def fp16_accumulated_matmul(a: torch.Tensor, b: torch.Tensor, chunk: int = FP16_ACC_CHUNK) -> torch.Tensor:
+    """``a @ b^T`` with FP16 accumulation, emulated exactly on any device.
+
+    Products of FP16 values are exact in FP32; each ``chunk``-wide slice of the
+    inner dimension is summed in FP32 and added to the FP16 accumulator, which
+    is rounded to FP16 after every chunk (so a partial sum beyond 65504 becomes
+    inf, as on the tensor cores with ``out_dtype=float16``).
+
+    Args:
+        a: [..., M, D] float16.
+        b: [..., N, D] float16 (note: rows are the second operand's rows, no transpose needed).
+        chunk: inner-dimension chunk per rounding (16 = one FP16 MMA k-step).
+
+    Returns:
+        [..., M, N] float16.
+
+    Raises:
+        TypeError: ``a`` or ``b`` is not float16.
+    """
+    if a.dtype != torch.float16 or b.dtype != torch.float16:
+        raise TypeError(f"fp16_accumulated_matmul needs float16 operands, got {a.dtype} and {b.dtype}")
+    d = a.shape[-1]
+    acc = None
+    for c0 in range(0, d, chunk):
+        part = a[..., c0:c0 + chunk].float() @ b[..., c0:c0 + chunk].float().transpose(-1, -2)
+        acc = part.half() if acc is None else (acc.float() + part).half()
+    return acc
+
+
+def shift_keys(k16: torch.Tensor, scale: float, a: float, b: float) -> torch.Tensor:
+    """PASA's shifted key block ``K' = K^T M`` (Eq. 11): ``fl16(scale * (a k - b sum_rows k))``.
+
+    Args:
+        k16: key block [..., n, D] float16.
+        scale, a, b: logit scale and the rounded-matrix coefficients of :func:`shift_coefficients`.
+
+    Returns:
+        [..., n, D] float16.
+    """
+    kf = k16.float()
+    return (scale * (a * kf - b * kf.sum(dim=-2, keepdim=True))).half()
+
+
+def pasa_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float, shift: bool = True,
+    block_size: int = DEFAULT_BLOCK, beta: float | None = None,
+) -> torch.Tensor:
+    """PASA (``shift=True``) or FP16-score-accumulation (``shift=False``) attention, emulated.
+
+    Follows PASA Algorithm 1 block by block in torch arithmetic (see the module
+    docstring for exactly what is rounded where); the Triton kernel
+    :func:`visionattn.kernels.pasa_fwd.pasa_attention` does the same on the GPU.
+
+    Args:
+        q: [B, H, Nq, D]; k: [B, H, Nk, D]; v: [B, H, Nk, Dv]; any float dtype
+            (rounded to float16 here), any device, any strides.
+        bias: None or additive float bias broadcastable to [B, H, Nq, Nk], added after the recovery.
+        attn_mask: None or bool (True = attend) broadcastable to [B, H, Nq, Nk].
+        is_causal: top-left causal mask (key j visible to query i iff j <= i).
+        scale: logit scale (``1/sqrt(D)`` for standard attention).
+        shift: True = PASA; False = no shift (mode ``fp16-acc16``; may return inf/NaN).
+        block_size: keys per KV block (the size of M).
+        beta: shift strength in [0, 1); None = :func:`optimal_beta` of each block's size.
+
+    Returns:
+        [B, H, Nq, Dv] float32. Fully masked rows are zeros.
+
+    Raises:
+        ValueError: ``beta`` outside [0, 1), ``block_size < 1``.
+    """
+    _check_beta(beta)
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}; expected a positive int")
+    q16, k16, v16 = q.half(), k.half(), v.half()
+    if bias is not None:
+        bias = torch.broadcast_to(bias, q.shape[:-1] + (k.shape[-2],))
+    if attn_mask is not None:
+        attn_mask = torch.broadcast_to(attn_mask, q.shape[:-1] + (k.shape[-2],))
+    lead, nq, nk = q.shape[:-1], q.shape[-2], k.shape[-2]
+    dev = q.device
+    m = torch.full(lead, float("-inf"), device=dev)
+    l = torch.zeros(lead, device=dev)
+    acc = torch.zeros(lead + (v.shape[-1],), device=dev)
+    F = torch.zeros(lead, device=dev)  # running global pseudo-average of rowmean(S') (Eq. 15)
+    for j, start in enumerate(range(0, nk, block_size), start=1):
+        stop = min(start + block_size, nk)
+        kb = k16[..., start:stop, :]
+        if shift:
+            a, b, f = shift_coefficients(stop - start, beta)
+            sp = fp16_accumulated_matmul(q16, shift_keys(kb, scale, a, b)).float()
+            mean = sp.mean(dim=-1)  # Alg. 1 line 13
+            F_new = F + (mean - F) / j  # line 14 / Eq. 15
+            t = sp + (f * (mean - F_new)).unsqueeze(-1)  # scores relative to f * F_new
+            m_old = m + f * (F - F_new)  # line 15-16: previous max in the new frame
+            F = F_new
+        else:
+            t = fp16_accumulated_matmul(q16, kb).float() * scale
+            m_old = m
+        if bias is not None:
+            t = t + bias[..., start:stop].float()
+        if attn_mask is not None:
+            t = t.masked_fill(~attn_mask[..., start:stop], float("-inf"))
+        if is_causal:
+            kj = torch.arange(start, stop, device=dev)
+            qi = torch.arange(nq, device=dev).unsqueeze(-1)
+            t = t.masked_fill(kj > qi, float("-inf"))
+        m_new = torch.maximum(m_old, t.amax(dim=-1))
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m_old - m_safe)
+        p = torch.exp(t - m_safe.unsqueeze(-1))
+        l = alpha * l + p.sum(dim=-1)
+        acc = alpha.unsqueeze(-1) * acc + p.half().float() @ v16[..., start:stop, :].float()
+        m = m_new
+    den = l.unsqueeze(-1)  # 0 only for fully masked rows; NaN/inf (an overflow) propagates
+    return torch.where(den == 0, torch.zeros_like(acc), acc / torch.where(den == 0, torch.ones_like(den), den))
+
+
+# ----------------------------------------------------------------------------------------------
+# The paper's random benchmark inputs (Sec. 3.1, Eq. 17-18) and a resonance case (Sec. 3.3.2).
+# ----------------------------------------------------------------------------------------------
+
+BENCHMARK_KINDS = ("uniform", "hybrid", "resonance-aligned", "resonance-opposed")
+
+
+def benchmark_inputs(kind: str, x0: float, am: float, shape=(1, 16, 1280, 128), *, seed: int = 0,
+                     device="cpu", period: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (float32) for the PASA paper's random benchmarks.
+
+    * ``uniform``: ``U(x0 - am, x0 + am)`` (Eq. 17), for q, k and v.
+    * ``hybrid``: ``N(x0, 1) + N(0, am^2) * Bernoulli(0.001)`` (Eq. 18), for q, k and v.
+    * ``resonance-aligned`` / ``resonance-opposed``: q and k carry the same periodic
+      pattern ``am * sin(2 pi d / period)`` along the head dimension d, in phase
+      (0 degrees: large positive scores) or shifted by 180 degrees (large negative
+      scores), with per-token amplitude jitter ``1 + 0.05 N(0,1)``, plus
+      ``x0 + N(0, 1)`` noise; v ~ N(0, 1). This is the resonance the paper finds
+      between Q and K in Qwen2 and SVD (Fig. 6-7).
+
+    Args:
+        kind: one of :data:`BENCHMARK_KINDS`.
+        x0: mean value; am: amplitude (uniform half-width, outlier std, or resonance amplitude).
+        shape: (B, H, N, D) of q, k and v.
+        seed: generator seed (CPU generator; tensors are then moved to ``device``).
+        period: resonance period along the head dimension.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(shape)
+
+    def normal(*s):
+        return torch.randn(*s, generator=g)
+
+    if kind == "uniform":
+        q, k, v = (x0 + am * (2 * torch.rand(shape, generator=g) - 1) for _ in range(3))
+    elif kind == "hybrid":
+        def one():
+            outl = torch.bernoulli(torch.full(shape, 0.001), generator=g)
+            return x0 + normal(*shape) + am * normal(*shape) * outl
+        q, k, v = one(), one(), one()
+    elif kind in ("resonance-aligned", "resonance-opposed"):
+        d = torch.arange(shape[-1], dtype=torch.float32)
+        wave = torch.sin(2 * math.pi * d / period)
+        phase = 1.0 if kind == "resonance-aligned" else -1.0
+
+        def pattern(sign):
+            jitter = 1 + 0.05 * normal(*shape[:-1], 1)
+            return sign * am * jitter * wave + x0 + normal(*shape)
+        q, k, v = pattern(1.0), pattern(phase), normal(*shape)
+    else:
+        raise ValueError(f"kind={kind!r}; expected one of {BENCHMARK_KINDS}")
+    return q.to(device), k.to(device), v.to(device)

@@ -1,13 +1,15 @@
-"""Model patching (being written: issue 6)."""
+"""Putting visionattn into existing models.
 
+* :func:`patch_model` / :func:`unpatch_model` — exact-class patchers for timm
+  (ViT / DeiT / EVA / rope ViTs, Swin, Swin-v2), native visionattn modules (VGGT)
+  and diffusers models (delegated to :mod:`visionattn.patching.diffusers`);
+* :func:`sdpa_override` — a context manager routing any
+  ``F.scaled_dot_product_attention`` call to :func:`visionattn.attention`.
 
-def patch_model(model, mode="fp32", **options):
-    raise NotImplementedError("patch_model is being written (issue 6)")
+timm is imported only when a model is patched (:mod:`visionattn.patching.timm`).
+"""
+from .core import PatchReport, PatchSpec, patch_model, registered_patches, unpatch_model
+from .sdpa import SDPAOverride, sdpa_override
 
-
-def unpatch_model(model):
-    raise NotImplementedError("unpatch_model is being written (issue 6)")
-
-
-def sdpa_override(mode="fp32", **options):
-    raise NotImplementedError("sdpa_override is being written (issue 6)")
+__all__ = ["patch_model", "unpatch_model", "sdpa_override", "SDPAOverride", "PatchReport", "PatchSpec",
+           "registered_patches"]

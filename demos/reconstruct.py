@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Reconstruct a folder of images with VGGT / FastVGGT: point cloud, cameras, depth, preview.
+
+    python demos/reconstruct.py --out out/recon --weights random-tiny --device cpu   # quick start, CPU
+    python demos/reconstruct.py my_photos/ --out out/mine                              # VGGT-1B (downloads)
+    python demos/reconstruct.py my_photos/ --out out/mine --weights /ckpt/VGGT-1B --mode bf16
+
+Thin CLI over :func:`visionattn.recon.pipeline.reconstruct`. Exit codes: 0 ok;
+2 for a problem with the input (missing, empty or unreadable folder, corrupt
+image, unusable --out, weights not available) -- reported before anything is
+written, so no OUT_DIR is created.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_IMAGE_DIR = os.path.join(REPO, "demos", "data", "aloe")
+
+OUTPUTS = """outputs (in OUT_DIR, written to a temporary folder and renamed at the end):
+  points.ply            coloured point cloud, points under the confidence percentile dropped (open3d)
+  cameras.json          per image: extrinsic 3x4 (OpenCV camera-from-world, world = first camera),
+                        intrinsic 3x3 (preprocessed frame) and intrinsic_original (source image), sizes
+  sparse/*.txt          COLMAP text model (cameras.txt, images.txt, points3D.txt) in source-image
+                        pixels, for COLMAP / nerfstudio / gsplat
+  depth/NAME.png, .npy  depth maps: 16-bit PNG (depth = value / depth_scale, scale in the PNG's text
+                        chunk and in cameras.json) and float32 .npy
+  confidence/NAME.npy   depth confidence, float32
+  preview.png           the point cloud seen from the first camera and from an oblique view, depth maps
+  summary.json          frames, tokens, points kept, time, peak memory, mode, environment
+
+exit codes: 0 success; 2 bad input (folder missing/empty/unreadable, corrupt image, --out not usable,
+weights unavailable offline): the message says why and no OUT_DIR is created."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, MODELS
+
+    p = argparse.ArgumentParser(
+        prog="reconstruct.py", description=__doc__.split("\n\n")[0],
+        epilog=OUTPUTS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("image_dir", nargs="?", default=DEFAULT_IMAGE_DIR,
+                   help="folder of images (any format Pillow reads; EXIF orientation, grayscale and RGBA "
+                        "handled; files sorted naturally; non-image files skipped with a note). Default: "
+                        "demos/data/aloe, the Middlebury 'Aloe' stereo pair (2 real views of a static scene, "
+                        "from OpenCV's samples; other bundled sets: demos/data/stereo_rig (6 grayscale "
+                        "frames), demos/data/suzanne (2 rendered views))")
+    p.add_argument("--out", required=True, metavar="OUT_DIR",
+                   help="output folder; must not exist, be empty, or hold an earlier reconstruction "
+                        "(which is then replaced)")
+    p.add_argument("--model", choices=MODELS, default="vggt",
+                   help="vggt: plain VGGT; fastvggt: VGGT with token merging in global attention "
+                        "(FastVGGT) (default: %(default)s)")
+    p.add_argument("--mode", choices=ATTN_MODES, default="fp32",
+                   help="attention precision: fp32 (FP32-accurate), fp32-ieee, tf32, fp16, bf16, pasa "
+                        "(robust FP16), or sdpa (PyTorch's own attention, a baseline). Only attention changes; "
+                        "the rest of the network stays FP32 (default: %(default)s)")
+    p.add_argument("--weights", default=DEFAULT_WEIGHTS,
+                   help="facebook/VGGT-1B (hub download, cached), a local checkpoint PATH (folder or "
+                        ".safetensors/.pt), 'random' (full VGGT-1B configuration, random weights: timing "
+                        "and precision studies) or 'random-tiny' (tiny configuration: CPU quick start, "
+                        "CI). Offline, the hub id fails fast and says to pass --weights PATH "
+                        "(default: %(default)s)")
+    p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto (cuda if available) "
+                                                    "(default: %(default)s)")
+    p.add_argument("--conf-percentile", type=float, default=50.0, metavar="P",
+                   help="drop points whose confidence is below this percentile (0..100; 0 keeps all) "
+                        "(default: %(default)s)")
+    p.add_argument("--max-frames", type=int, default=None, metavar="N",
+                   help="use only the first N images in natural order (default: all)")
+    p.add_argument("--size", type=int, default=518,
+                   help="preprocessed width (crop) or longest side (pad) in pixels, a multiple of 14; "
+                        "518 for VGGT-1B (default: %(default)s)")
+    p.add_argument("--preprocess", choices=("crop", "pad"), default="crop",
+                   help="VGGT preprocessing: crop (width to SIZE, height centre-cropped to at most SIZE) or "
+                        "pad (longest side to SIZE, padded to a square with white) (default: %(default)s)")
+    p.add_argument("--points-from", choices=("depth", "pointmap"), default="depth",
+                   help="point cloud source: depth maps unprojected with the predicted cameras (VGGT's "
+                        "recommendation) or the point-map head (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="untimed forward passes before the timed one; the first pass on a GPU includes "
+                        "Triton compilation, so use 1 or more for timings (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights (default: %(default)s)")
+    p.add_argument("--no-preview", action="store_true", help="skip preview.png")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or notes (summary line only)")
+    return p
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def main(argv=None) -> dict:
+    """Run the demo; returns the summary dict (with ``exit_code``). Never calls sys.exit itself."""
+    from visionattn.recon.pipeline import USER_ERRORS, reconstruct
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # argument values: parser.error prints usage + message and exits with code 2, before any output
+    if args.size <= 0 or args.size % 14:
+        parser.error(f"--size {args.size} must be a positive multiple of 14 (e.g. 518)")
+    if not 0.0 <= args.conf_percentile <= 100.0:
+        parser.error(f"--conf-percentile {args.conf_percentile} must be in [0, 100]")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup} must be >= 0")
+    if args.max_frames is not None and args.max_frames < 1:
+        parser.error(f"--max-frames {args.max_frames} must be >= 1")
+    if args.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is available here; use --device cpu")
+    log = (lambda *a: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
+    try:
+        summary = reconstruct(
+            args.image_dir, args.out, model=args.model, mode=args.mode, weights=args.weights,
+            device=args.device, conf_percentile=args.conf_percentile, max_frames=args.max_frames,
+            size=args.size, preprocess=args.preprocess, point_source=args.points_from, seed=args.seed,
+            preview=not args.no_preview, progress=not args.quiet, warmup=args.warmup, log=log)
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return {"exit_code": 2, "error": str(exc)}
+    summary["command"] = shlex.join(["demos/reconstruct.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"reconstructed {summary['frames']} frames ({summary['image_hw'][0]}x{summary['image_hw'][1]}), "
+          f"{summary['tokens']} tokens, {summary['points_kept']:,} points kept | "
+          f"inference {summary['inference_seconds']:.2f} s, total {summary['total_seconds']:.1f} s, "
+          f"peak memory {_gib(summary['peak_memory_bytes'])} ({summary['peak_memory_kind']}) | "
+          f"{summary['model']} mode={summary['mode']} weights={summary['weights']} on {summary['device']} "
+          f"-> {summary['out_dir']}")
+    summary["exit_code"] = 0
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main()["exit_code"])

@@ -1,0 +1,116 @@
+"""VGGT aggregator: DINOv2 patch embed + alternating frame / global attention.
+
+Tokens per frame: [camera (1), registers (4), patches (h*w)], patch start
+index 5. ``frame_blocks[i]`` attends within each frame (tokens as [B*S, P, C]);
+``global_blocks[i]`` over all frames ([B, S*P, C], frame-major). After each
+frame + global pair the two outputs are concatenated on channels, giving
+``depth`` outputs [B, S, P, 2C] (VGGT, Wang et al. CVPR 2025, Sec. 3.2).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import AUTO_MODE, Block, DinoV2, rope_tables
+from .merging import TokenMerging
+
+__all__ = ["Aggregator", "PATCH_START_IDX"]
+
+PATCH_START_IDX = 5
+_MEAN = (0.485, 0.456, 0.406)
+_STD = (0.229, 0.224, 0.225)
+
+
+def _first_and_rest(token: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """[1, 2, n, C] -> [B*S, n, C]: slot 0 for frame 0, slot 1 for frames 1..S-1."""
+    first = token[:, :1].expand(B, 1, *token.shape[2:])
+    rest = token[:, 1:].expand(B, S - 1, *token.shape[2:])
+    return torch.cat([first, rest], dim=1).reshape(B * S, *token.shape[2:])
+
+
+class Aggregator(nn.Module):
+    """Alternating-attention aggregator.
+
+    Args:
+        img_size, patch_size, embed_dim: 518, 14, 1024 for VGGT-1B.
+        depth: number of frame blocks = global blocks (24).
+        num_heads, mlp_ratio: 16, 4.
+        num_register_tokens: 4 (aggregator and DINOv2 alike).
+        patch_embed_depth, patch_embed_heads: DINOv2 depth / heads (24 / 16 for ViT-L).
+        rope_base: 2-D RoPE base frequency (100).
+        attn_mode: initial ``visionattn_mode`` of every attention.
+    """
+
+    def __init__(self, img_size: int = 518, patch_size: int = 14, embed_dim: int = 1024, depth: int = 24,
+                 num_heads: int = 16, mlp_ratio: float = 4.0, num_register_tokens: int = 4,
+                 patch_embed_depth: int = 24, patch_embed_heads: int = 16, rope_base: float = 100.0,
+                 attn_mode: str | None = AUTO_MODE):
+        super().__init__()
+        self.patch_size = patch_size
+        self.depth = depth
+        self.rope_base = rope_base
+        self.head_dim = embed_dim // num_heads
+        self.patch_start_idx = 1 + num_register_tokens
+        self.camera_token = nn.Parameter(torch.randn(1, 2, 1, embed_dim) * 1e-6)
+        self.register_token = nn.Parameter(torch.randn(1, 2, num_register_tokens, embed_dim) * 1e-6)
+        self.patch_embed = DinoV2(img_size, patch_size, embed_dim, patch_embed_depth, patch_embed_heads, mlp_ratio,
+                                  num_register_tokens, init_values=1.0, attn_mode=attn_mode)
+        self.frame_blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, 0.01, qk_norm=True,
+                                                attn_mode=attn_mode) for _ in range(depth))
+        self.global_blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, 0.01, qk_norm=True,
+                                                 attn_mode=attn_mode) for _ in range(depth))
+        self.register_buffer("_resnet_mean", torch.tensor(_MEAN).reshape(1, 1, 3, 1, 1), persistent=False)
+        self.register_buffer("_resnet_std", torch.tensor(_STD).reshape(1, 1, 3, 1, 1), persistent=False)
+
+    def positions(self, BS: int, h: int, w: int, device) -> torch.Tensor:
+        """[BS, P, 2] long (y, x): special tokens at (0, 0), patch (i, j) at (i + 1, j + 1)."""
+        ys, xs = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+        grid = torch.stack([ys, xs], dim=-1).reshape(h * w, 2) + 1
+        pos = torch.cat([torch.zeros(self.patch_start_idx, 2, dtype=torch.long, device=device), grid])
+        return pos[None].expand(BS, -1, -1)
+
+    def forward(self, images: torch.Tensor, merging: TokenMerging | None = None,
+                keep_layers: tuple[int, ...] | None = None) -> tuple[list, int]:
+        """Aggregate frames.
+
+        Args:
+            images: [B, S, 3, H, W] in [0, 1]; H, W multiples of patch_size.
+            merging: FastVGGT token merging in the global blocks (None = off).
+            keep_layers: keep only these outputs (others are None), freeing memory
+                as FastVGGT does; None keeps all ``depth`` outputs.
+
+        Returns:
+            (list of ``depth`` tensors [B, S, P, 2C] or None, patch_start_idx).
+
+        Raises:
+            ValueError: wrong rank, channels or a size not divisible by patch_size.
+        """
+        if images.dim() != 5 or images.shape[2] != 3:
+            raise ValueError(f"images must be [B, S, 3, H, W], got {tuple(images.shape)}")
+        B, S, _, H, W = images.shape
+        p = self.patch_size
+        if H % p or W % p:
+            raise ValueError(f"image size {H}x{W} must be a multiple of patch_size={p} (resize or crop first)")
+        h, w = H // p, W // p
+        x = (images - self._resnet_mean) / self._resnet_std
+        patches = self.patch_embed(x.reshape(B * S, 3, H, W))
+        del x
+        tokens = torch.cat([_first_and_rest(self.camera_token, B, S), _first_and_rest(self.register_token, B, S),
+                            patches], dim=1)
+        del patches
+        BS, P, C = tokens.shape
+        rope = rope_tables(self.positions(BS, h, w, images.device), self.head_dim, self.rope_base,
+                           dtype=torch.float32)
+        rope_global = rope.view(B, S * P)
+        outputs = []
+        for i in range(self.depth):
+            tokens = self.frame_blocks[i](tokens.reshape(BS, P, C), rope)
+            frame_out = tokens.reshape(B, S, P, C)
+            use_merge = merging if (merging is not None and i >= merging.start_block) else None
+            tokens = self.global_blocks[i](tokens.reshape(B, S * P, C), rope_global, use_merge, (S, h, w))
+            if keep_layers is None or i in keep_layers:
+                outputs.append(torch.cat([frame_out, tokens.reshape(B, S, P, C)], dim=-1))
+            else:
+                outputs.append(None)
+            del frame_out
+        return outputs, self.patch_start_idx

@@ -1,0 +1,275 @@
+"""VGGT (Wang et al., "VGGT: Visual Geometry Grounded Transformer", CVPR 2025) and FastVGGT.
+
+A thin top model: :class:`~visionattn.models.aggregator.Aggregator` + camera,
+depth, point and track heads, switched by flags. Parameter names and shapes are
+those of the official ``facebook/VGGT-1B`` checkpoint (1,797 keys,
+1,256,537,516 parameters). FastVGGT is the same model with ``merging=``
+(:data:`~visionattn.models.merging.FASTVGGT_MERGING`).
+
+    model = VGGT.from_pretrained("facebook/VGGT-1B").cuda().eval()
+    out = model.infer(images)               # images [S, 3, H, W] in [0, 1], H, W multiples of 14
+    extr, intr = pose_encoding_to_extri_intri(out["pose_enc"], images.shape[-2:])
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import tempfile
+
+import torch
+from torch import nn
+
+from .aggregator import Aggregator
+from .heads import CameraHead, DPTHead, TrackHead
+from .hub import WEIGHT_FILES, load_state_dict_file, resolve_checkpoint
+from .layers import AUTO_MODE
+from .merging import TokenMerging, as_merging
+
+__all__ = ["VGGT", "vggt_tiny_config", "DEFAULT_REPO", "autocast"]
+
+DEFAULT_REPO = "facebook/VGGT-1B"
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def _check_mode(mode):
+    if mode is None or mode == AUTO_MODE:
+        return mode
+    from visionattn.modes import get_mode
+
+    return get_mode(mode).name  # raises ValueError naming the valid modes
+
+
+class VGGT(nn.Module):
+    """VGGT / FastVGGT.
+
+    Args:
+        img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, num_register_tokens:
+            aggregator (518, 14, 1024, 24, 16, 4, 4 for VGGT-1B).
+        patch_embed_depth, patch_embed_heads: DINOv2 patch embed (24, 16 = ViT-L/14).
+        camera_trunk_depth: camera head trunk blocks (4).
+        dpt_features, dpt_out_channels, dpt_layers: DPT heads (256, (256, 512, 1024, 1024), (4, 11, 17, 23)).
+        track_*: track head (features 128, 7 correlation levels, radius 4, hidden 384, 6 layers,
+            8 heads, 64 virtual tracks, 4 iterations).
+        enable_camera, enable_depth, enable_point, enable_track: which heads exist.
+        attn_mode: precision of every attention: a visionattn mode (``"fp32"``, ``"tf32"``,
+            ``"bf16"``, ...), ``"auto"`` (follow q's dtype: fp32 / bf16 / fp16) or None
+            (PyTorch SDPA, as the official code). Change later with :meth:`set_attn_mode` or
+            :func:`visionattn.patch_model`.
+        merging: FastVGGT token merging in the global blocks: None / 0 (off: exactly VGGT),
+            :data:`FASTVGGT_MERGING`, a :class:`TokenMerging` or a dict of its fields. When on,
+            the aggregator keeps only the layers the heads use (FastVGGT's memory discipline).
+        frames_chunk_size: frames per DPT chunk (8).
+
+    forward(images, query_points=None) -> dict:
+        images [S, 3, H, W] or [B, S, 3, H, W], float in [0, 1], H and W multiples of 14;
+        query_points [N, 2] or [B, N, 2] pixel (x, y) in frame 0 (track head).
+        Returns ``pose_enc`` [B, S, 9], ``pose_enc_list`` (4 x [B, S, 9]), ``depth`` [B, S, H, W, 1],
+        ``depth_conf`` [B, S, H, W], ``world_points`` [B, S, H, W, 3], ``world_points_conf``
+        [B, S, H, W], ``images`` [B, S, 3, H, W] (eval mode) and, with query points,
+        ``track`` [B, S, N, 2], ``vis`` [B, S, N], ``conf`` [B, S, N]. Heads run in FP32.
+    """
+
+    def __init__(self, img_size: int = 518, patch_size: int = 14, embed_dim: int = 1024, depth: int = 24,
+                 num_heads: int = 16, mlp_ratio: float = 4.0, num_register_tokens: int = 4,
+                 patch_embed_depth: int = 24, patch_embed_heads: int = 16, camera_trunk_depth: int = 4,
+                 dpt_features: int = 256, dpt_out_channels=(256, 512, 1024, 1024), dpt_layers=(4, 11, 17, 23),
+                 track_features: int = 128, track_corr_levels: int = 7, track_corr_radius: int = 4,
+                 track_hidden: int = 384, track_depth: int = 6, track_heads: int = 8,
+                 track_virtual_tracks: int = 64, track_iters: int = 4, enable_camera: bool = True,
+                 enable_depth: bool = True, enable_point: bool = True, enable_track: bool = True,
+                 attn_mode: str | None = AUTO_MODE, merging=None, frames_chunk_size: int | None = 8):
+        args = dict(locals())
+        super().__init__()
+        attn_mode = _check_mode(attn_mode)
+        if img_size % patch_size:
+            raise ValueError(f"img_size={img_size} must be a multiple of patch_size={patch_size}")
+        if max(dpt_layers) >= depth:
+            raise ValueError(f"dpt_layers={tuple(dpt_layers)} must be < depth={depth}")
+        self.config = {k: v for k, v in args.items() if k not in ("self", "__class__", "merging", "attn_mode")}
+        self.config["dpt_out_channels"] = list(dpt_out_channels)
+        self.config["dpt_layers"] = list(dpt_layers)
+        self.patch_size = patch_size
+        dim2 = 2 * embed_dim
+        self.aggregator = Aggregator(img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio,
+                                     num_register_tokens, patch_embed_depth, patch_embed_heads, attn_mode=attn_mode)
+        self.camera_head = CameraHead(dim2, camera_trunk_depth, num_heads, mlp_ratio,
+                                      attn_mode=attn_mode) if enable_camera else None
+        dpt = dict(patch_size=patch_size, features=dpt_features, out_channels=dpt_out_channels,
+                   intermediate_layer_idx=dpt_layers, frames_chunk_size=frames_chunk_size)
+        self.point_head = DPTHead(dim2, output_dim=4, activation="inv_log", **dpt) if enable_point else None
+        self.depth_head = DPTHead(dim2, output_dim=2, activation="exp", **dpt) if enable_depth else None
+        self.track_head = TrackHead(dim2, patch_size, track_features, track_iters, dpt_out_channels, dpt_layers,
+                                    corr_levels=track_corr_levels, corr_radius=track_corr_radius,
+                                    hidden_size=track_hidden, depth=track_depth, num_heads=track_heads,
+                                    num_virtual_tracks=track_virtual_tracks, max_scale=img_size,
+                                    frames_chunk_size=frames_chunk_size, attn_mode=attn_mode) if enable_track else None
+        self.merging = merging
+        self._head_layers = tuple(sorted(set(dpt_layers) | {depth - 1}))
+
+    @property
+    def merging(self) -> TokenMerging | None:
+        """FastVGGT token merging (None = off); settable with anything :func:`as_merging` accepts."""
+        return self._merging
+
+    @merging.setter
+    def merging(self, value) -> None:
+        self._merging = as_merging(value)
+
+    # ------------------------------------------------------------------ precision
+    def set_attn_mode(self, mode: str | None) -> "VGGT":
+        """Set ``visionattn_mode`` of every attention module (a mode, ``"auto"`` or None = SDPA); returns self."""
+        mode = _check_mode(mode)
+        for m in self.modules():
+            if getattr(type(m), "_visionattn_native", False):
+                m.visionattn_mode = mode
+        return self
+
+    @property
+    def attn_mode(self):
+        """The attention mode of the first attention module (all share one unless patched per module)."""
+        return next(m.visionattn_mode for m in self.modules() if getattr(type(m), "_visionattn_native", False))
+
+    def inference_dtype(self, device=None, requested=None) -> torch.dtype:
+        """Autocast dtype as the official demos choose it.
+
+        bfloat16 on CUDA compute capability >= 8 (Ampere, Hopper), float16 on older
+        GPUs, float32 on CPU or when ``requested`` (``"fp32"``, ``torch.float32``, ...) says so.
+
+        Raises:
+            ValueError: an unknown ``requested`` dtype.
+        """
+        if requested is not None:
+            dt = _DTYPES.get(requested) if isinstance(requested, str) else requested
+            if dt not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"requested={requested!r}; expected fp32, bf16 or fp16 (or a torch dtype)")
+            return dt
+        if device is None:
+            device = next(self.parameters()).device
+        device = torch.device(device)
+        if device.type != "cuda":
+            return torch.float32
+        major, _ = torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float16
+
+    @torch.no_grad()
+    def infer(self, images: torch.Tensor, query_points: torch.Tensor | None = None, dtype=None) -> dict:
+        """forward under ``torch.no_grad`` and autocast with :meth:`inference_dtype` (weights stay FP32)."""
+        dt = self.inference_dtype(images.device, dtype)
+        with autocast(images.device.type, dt):
+            return self(images, query_points)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, images: torch.Tensor, query_points: torch.Tensor | None = None) -> dict:
+        if images.dim() == 4:
+            images = images[None]
+        if images.dim() != 5 or images.shape[2] != 3:
+            raise ValueError(f"images must be [S, 3, H, W] or [B, S, 3, H, W], got {tuple(images.shape)}")
+        if not images.is_floating_point():
+            raise TypeError(f"images must be float in [0, 1], got {images.dtype}")
+        if query_points is not None and query_points.dim() == 2:
+            query_points = query_points[None]
+        keep = self._head_layers if (self.merging is not None and not self.training) else None
+        tokens, ps = self.aggregator(images, merging=self.merging, keep_layers=keep)
+        out = {}
+        with torch.autocast(images.device.type, enabled=False):
+            if self.camera_head is not None:
+                poses = self.camera_head(tokens)
+                out["pose_enc"], out["pose_enc_list"] = poses[-1], poses
+            if self.depth_head is not None:
+                out["depth"], out["depth_conf"] = self.depth_head(tokens, images, ps)
+            if self.point_head is not None:
+                out["world_points"], out["world_points_conf"] = self.point_head(tokens, images, ps)
+        if self.track_head is not None and query_points is not None:
+            tracks, vis, conf = self.track_head(tokens, images, ps, query_points)
+            out["track"], out["vis"], out["conf"] = tracks[-1], vis, conf
+        if not self.training:
+            out["images"] = images
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike = DEFAULT_REPO, strict: bool = True,
+                        revision: str | None = None, **config_overrides) -> "VGGT":
+        """Load weights from the hub (``"facebook/VGGT-1B"``), a directory or a checkpoint file.
+
+        The model is built on the meta device and the weights are assigned (no
+        random initialisation of 1.26 B parameters). A directory's ``config.json``
+        (from :meth:`save_pretrained` or the hub) sets the config; ``config_overrides``
+        (e.g. ``attn_mode="bf16"``, ``merging=FASTVGGT_MERGING``) win over it.
+
+        Raises:
+            visionattn.models.hub.CheckpointNotFoundError: not local and not downloadable
+                (the message names the cache folder and how to pass a local file).
+            RuntimeError: missing / unexpected keys or shape mismatches with ``strict=True``.
+        """
+        path = resolve_checkpoint(name_or_path, revision=revision)
+        cfg = _read_config(os.path.join(os.path.dirname(path), "config.json"))
+        cfg.update(config_overrides)
+        sd = load_state_dict_file(path)
+        with torch.device("meta"):
+            model = cls(**cfg)
+        result = model.load_state_dict(sd, strict=strict, assign=True)
+        missing = [n for n, p in model.named_parameters() if p.is_meta]
+        if missing:  # strict=False and keys absent: give them a fresh initialisation on the CPU
+            fresh = cls(**cfg)
+            fsd = fresh.state_dict()
+            model.load_state_dict({n: fsd[n] for n in missing}, strict=False, assign=True)
+        agg = model.aggregator
+        from .aggregator import _MEAN, _STD
+
+        agg._resnet_mean = torch.tensor(_MEAN).reshape(1, 1, 3, 1, 1)
+        agg._resnet_std = torch.tensor(_STD).reshape(1, 1, 3, 1, 1)
+        model.load_result = result
+        return model.eval()
+
+    def save_pretrained(self, directory: str | os.PathLike) -> str:
+        """Write ``model.safetensors`` + ``config.json`` (atomically) to ``directory``; returns the weights path."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        target = os.path.join(os.fspath(directory), WEIGHT_FILES[0])
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        os.close(fd)
+        save_file(sd, tmp)
+        os.replace(tmp, target)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.config, f, indent=1)
+        os.replace(tmp, os.path.join(directory, "config.json"))
+        return target
+
+
+def autocast(device_type: str, dtype: torch.dtype | None):
+    """``torch.autocast(device_type, dtype)`` for half dtypes; a no-op context for None / float32."""
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def _read_config(path: str) -> dict:
+    """Constructor kwargs from a config.json next to the weights (unknown keys ignored); {} if absent."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    accepted = set(inspect.signature(VGGT.__init__).parameters) - {"self"}
+    return {k: v for k, v in raw.items() if k in accepted}
+
+
+def vggt_tiny_config(**overrides) -> dict:
+    """A tiny VGGT config for CPU tests (embed 64, 2 blocks, 4 heads, img 56): ``VGGT(**vggt_tiny_config())``.
+
+    Same architecture as VGGT-1B, scaled down (DPT on layers (0, 0, 1, 1), track
+    head with 3 correlation levels so 56 px images still have a pyramid).
+    """
+    cfg = dict(img_size=56, patch_size=14, embed_dim=64, depth=2, num_heads=4, mlp_ratio=2.0,
+               num_register_tokens=4, patch_embed_depth=2, patch_embed_heads=4, camera_trunk_depth=1,
+               dpt_features=16, dpt_out_channels=(8, 16, 32, 32), dpt_layers=(0, 0, 1, 1), track_features=16,
+               track_corr_levels=3, track_corr_radius=2, track_hidden=32, track_depth=1, track_heads=2,
+               track_virtual_tracks=4, track_iters=2)
+    cfg.update(overrides)
+    return cfg

@@ -1,0 +1,28 @@
+"""tools/bench_models.py runs end to end on CPU and writes consistent markdown / JSON / PNG."""
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tools"))
+
+import bench_models  # noqa: E402
+
+
+def test_bench_models_cpu_smoke(tmp_path):
+    out = str(tmp_path / "models")
+    args = bench_models.parser.parse_args(["--quick", "--device", "cpu", "--modes", "fp32",
+                                           "--cases", "vit_tiny_patch16_224:32:2", "--rep-ms", "1", "--out", out])
+    result = bench_models.main(args)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"unpatched", "no-attention", "fp32"}
+    patched = rows["fp32"]
+    assert patched["patched"] == {"timm.layers.attention.Attention": 12}
+    assert patched["logits_rel_l2_vs_unpatched"] <= 1e-5 and patched["top1_agree"] == 1.0
+    assert patched["speedup"] == rows["unpatched"]["median_ms"] / patched["median_ms"]
+    assert patched["img_per_s"] == 2 / (patched["median_ms"] / 1e3)
+    with open(out + ".json") as f:
+        assert json.load(f)["rows"] == json.loads(json.dumps(result["rows"], default=str))
+    md = open(out + ".md").read()
+    assert "vit_tiny_patch16_224" in md and "'allow_tf32_matmul': False" in md
+    assert os.path.getsize(out + ".png") > 0 and result["environment"]["command"]

@@ -1,0 +1,281 @@
+"""demos/reconstruct.py and tools/eval_reconstruction.py end to end on the bundled images (tiny random VGGT, CPU)."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import MULTIVIEW, REPO
+
+try:  # skip only when open3d is not installed; an installed but broken open3d (no libusb) fails loudly
+    import open3d as o3d
+except ModuleNotFoundError:
+    pytest.skip("open3d not installed: pip install -e '.[recon]'", allow_module_level=True)
+
+SIZE = 182  # small frames keep the CPU run short; the pipeline is the same as at 518
+TINY = ["--weights", "random-tiny", "--device", "cpu", "--size", str(SIZE), "--quiet"]
+
+
+def _load(name, rel):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, rel))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+demo = _load("reconstruct_demo", "demos/reconstruct.py")
+evaltool = _load("eval_reconstruction_tool", "tools/eval_reconstruction.py")
+
+
+@pytest.fixture(scope="module")
+def recon(tmp_path_factory):
+    """One demo run on the 6 stereo_rig frames (grayscale JPEGs) with a non-image file beside them."""
+    src = tmp_path_factory.mktemp("src") / "rig"
+    shutil.copytree(os.path.join(MULTIVIEW, "stereo_rig"), src)
+    (src / "README.txt").write_text("not an image")
+    out = tmp_path_factory.mktemp("out") / "recon"
+    summary = demo.main([str(src), "--out", str(out), *TINY])
+    return summary, out, src
+
+
+def _read_colmap(folder):
+    cams, imgs, pts = {}, {}, []
+    for line in open(folder / "cameras.txt"):
+        if line.startswith("#") or not line.strip():
+            continue
+        e = line.split()
+        cams[int(e[0])] = (e[1], int(e[2]), int(e[3]), np.array([float(x) for x in e[4:]]))
+    lines = [ln for ln in open(folder / "images.txt") if not ln.startswith("#")]
+    for k in range(0, len(lines), 2):  # two lines per image; the second (2D points) may be empty
+        e = lines[k].split()
+        imgs[int(e[0])] = (np.array([float(x) for x in e[1:5]]), np.array([float(x) for x in e[5:8]]),
+                           int(e[8]), e[9])
+    for line in open(folder / "points3D.txt"):
+        if line.startswith("#") or not line.strip():
+            continue
+        e = line.split()
+        pts.append([float(x) for x in e[1:4]] + [int(x) for x in e[4:7]])
+    return cams, imgs, np.array(pts)
+
+
+def _quat_to_R(q):
+    w, x, y, z = q / np.linalg.norm(q)
+    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)],
+                     [2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)],
+                     [2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)]])
+
+
+def test_demo_writes_every_output(recon):
+    summary, out, src = recon
+    assert summary["exit_code"] == 0 and summary["frames"] == 6
+    assert summary["skipped"] == ["README.txt"]
+    H, W = summary["image_hw"]
+    assert W == SIZE and H % 14 == 0
+    assert summary["tokens"] == 6 * (5 + (H // 14) * (W // 14))
+    names = ["left01", "left02", "left03", "right01", "right02", "right03"]
+    for sub in ["points.ply", "cameras.json", "preview.png", "summary.json", "sparse/cameras.txt",
+                "sparse/images.txt", "sparse/points3D.txt"] + [f"depth/{n}.png" for n in names] + \
+            [f"depth/{n}.npy" for n in names] + [f"confidence/{n}.npy" for n in names]:
+        assert (out / sub).is_file(), sub
+    assert not [p for p in os.listdir(out.parent) if p.startswith(".")]  # no temp folders left
+
+    cams = json.load(open(out / "cameras.json"))
+    assert [f["name"] for f in cams["frames"]] == names
+    # ply: open3d reads it back, coloured, as many points as reported
+    pcd = o3d.io.read_point_cloud(str(out / "points.ply"))
+    xyz, rgb = np.asarray(pcd.points), np.asarray(pcd.colors)
+    assert len(xyz) == summary["points_kept"] == cams["points_kept"] > 0 and rgb.shape == xyz.shape
+    assert np.isfinite(xyz).all() and rgb.min() >= 0 and rgb.max() <= 1
+    # the stereo rig is grayscale: the colours must be gray (R = G = B)
+    assert np.abs(rgb[:, 0] - rgb[:, 1]).max() < 1e-6
+    # kept points are the confidence-filtered unprojections of the saved depth maps with the saved
+    # cameras (independent numpy unprojection: X = R^T (d K^-1 [u, v, 1] - t))
+    all_pts = []
+    for f in cams["frames"]:
+        d = np.load(out / "depth" / f"{f['name']}.npy")
+        assert d.shape == (H, W)
+        K, E = np.array(f["intrinsic"]), np.array(f["extrinsic"])
+        v, u = np.mgrid[0:H, 0:W]
+        rays = np.stack([u, v, np.ones_like(u)], -1).reshape(-1, 3) @ np.linalg.inv(K).T
+        cam = rays * d.reshape(-1, 1)
+        all_pts.append((cam - E[:, 3]) @ E[:, :3])
+    all_pts = np.concatenate(all_pts)
+    ref = o3d.geometry.PointCloud(o3d.utility.Vector3dVector(all_pts))
+    dist = np.asarray(pcd.compute_point_cloud_distance(ref))
+    scale = np.abs(all_pts).max()
+    assert dist.max() < 1e-4 * scale
+    # 50th percentile of confidence: about half the pixels are kept
+    assert 0.4 < len(xyz) / len(all_pts) <= 0.5 + 1e-3
+
+
+def test_depth_png_and_confidence(recon):
+    _, out, _ = recon
+    cams = json.load(open(out / "cameras.json"))
+    for f in cams["frames"]:
+        d = np.load(out / "depth" / f"{f['name']}.npy")
+        png = Image.open(out / "depth" / f"{f['name']}.png")
+        arr = np.asarray(png).astype(np.float64)
+        assert arr.dtype != np.uint8 and arr.shape == d.shape
+        scale = float(png.text["depth_scale"])
+        assert scale == pytest.approx(f["depth_png_scale"])
+        np.testing.assert_allclose(arr / scale, d, atol=0.51 / scale)
+        c = np.load(out / "confidence" / f"{f['name']}.npy")
+        assert c.shape == d.shape and c.dtype == np.float32 and np.isfinite(c).all()
+
+
+def test_colmap_text_model_parses_and_matches_cameras_json(recon):
+    _, out, src = recon
+    cams_json = json.load(open(out / "cameras.json"))
+    cams, imgs, pts = _read_colmap(out / "sparse")
+    assert len(cams) == len(imgs) == 6
+    assert 0 < len(pts) <= 200_000 and pts.shape[1] == 6
+    assert pts[:, 3:].min() >= 0 and pts[:, 3:].max() <= 255
+    rng = np.random.default_rng(0)
+    for image_id, (q, t, cam_id, name) in imgs.items():
+        f = cams_json["frames"][image_id - 1]
+        assert name == f["file"] and (src / name).is_file()
+        E = np.array(f["extrinsic"])
+        np.testing.assert_allclose(_quat_to_R(q), E[:, :3], atol=1e-6)
+        np.testing.assert_allclose(t, E[:, 3], atol=1e-6)
+        model, w, h, (fx, fy, cx, cy) = cams[cam_id]
+        assert model == "PINHOLE" and (w, h) == (640, 480)  # the source image, not the 182 px frame
+        # a 3D point projects to the same place via COLMAP (source pixels) and via cameras.json
+        # (preprocessed pixels) once mapped back with the resize factors
+        X = rng.normal(size=3) + np.array([0, 0, 5.0])
+        xc = E[:, :3] @ X + E[:, 3]
+        u_src = np.array([fx * xc[0] / xc[2] + cx, fy * xc[1] / xc[2] + cy])
+        K = np.array(f["intrinsic"])
+        u_pre = (K @ xc)[:2] / xc[2]
+        sx, sy = f["width"] / 640, f["height"] / 480  # resized, no crop (the height stays under SIZE)
+        expected_pre = np.array([sx * (u_src[0] + 0.5) - 0.5, sy * (u_src[1] + 0.5) - 0.5])
+        np.testing.assert_allclose(u_pre, expected_pre, atol=1e-6 * max(1, np.abs(u_pre).max()))
+
+
+def test_preview_png_is_a_real_picture(recon):
+    _, out, _ = recon
+    im = np.asarray(Image.open(out / "preview.png").convert("RGB")).astype(np.float64)
+    assert im.shape[0] > 300 and im.shape[1] > 500
+    assert im.std() > 20  # not blank
+    # the point-cloud panels drew points: many distinct colours, not just the dark background
+    assert len(np.unique(im.reshape(-1, 3), axis=0)) > 500
+
+
+def test_rerun_replaces_earlier_output(recon, tmp_path):
+    _, out, src = recon
+    target = tmp_path / "again"
+    shutil.copytree(out, target)
+    (target / "stale.txt").write_text("from an earlier run")
+    res = demo.main([str(src), "--out", str(target), "--max-frames", "2", *TINY])
+    assert res["exit_code"] == 0 and res["frames"] == 2
+    assert not (target / "stale.txt").exists()
+    assert len(json.load(open(target / "cameras.json"))["frames"]) == 2
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no_images", "corrupt", "out_not_ours", "bad_size"])
+def test_bad_input_exit_2_and_no_output(case, tmp_path, capsys):
+    folder = tmp_path / "in"
+    out = tmp_path / "out"
+    extra = []
+    if case != "missing":
+        folder.mkdir()
+    if case == "no_images":
+        (folder / "notes.txt").write_text("hello")
+    if case == "corrupt":
+        shutil.copy(os.path.join(MULTIVIEW, "aloe", "aloeL.jpg"), folder / "a.jpg")
+        (folder / "b.jpg").write_bytes(b"\xff\xd8\xff\xe0 corrupt")
+    if case in ("out_not_ours", "bad_size"):
+        shutil.copy(os.path.join(MULTIVIEW, "aloe", "aloeL.jpg"), folder / "a.jpg")
+    if case == "out_not_ours":
+        out.mkdir()
+        (out / "precious.txt").write_text("user data")
+    if case == "bad_size":
+        extra = ["--size", "100"]
+    try:
+        res = demo.main([str(folder), "--out", str(out), *TINY, *extra])
+        code = res["exit_code"]
+    except SystemExit as exc:  # argparse errors exit 2 themselves
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error" in err
+    if case == "out_not_ours":
+        assert os.listdir(out) == ["precious.txt"]
+    else:
+        assert not out.exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_offline_hub_weights_fail_fast_with_fix(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}  # empty cache
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "demos", "reconstruct.py"), "--out",
+                           str(tmp_path / "out"), "--weights", "facebook/VGGT-1B", "--device", "cpu", "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--weights PATH" in proc.stderr and "random-tiny" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_modes_agreement(tmp_path):
+    res = evaltool.main(["modes", os.path.join(MULTIVIEW, "aloe"), "--modes", "fp32,fp16,bf16,pasa",
+                         "--out", str(tmp_path), "--weights", "random-tiny", "--device", "cpu",
+                         "--size", "140", "--quiet"])
+    assert res["exit_code"] == 0
+    runs = res["runs"]
+    assert list(runs) == ["fp32", "fp16", "bf16", "pasa"]
+    ref = runs["fp32"]
+    assert ref["depth_rel_l2"] == 0 and ref["points_rel_l2"] == 0 and ref["rot_max_deg"] == 0
+    for m in ("fp16", "bf16", "pasa"):
+        r = runs[m]
+        assert r["nonfinite"] == 0
+        assert 0 < r["points_rel_l2"] < 0.05  # half-precision attention changes the output, a little
+        assert r["depth_rel_l2"] < 0.05
+    # bf16 (8 mantissa bits) disagrees more than fp16 (11)
+    assert runs["bf16"]["points_rel_l2"] > runs["fp16"]["points_rel_l2"]
+    doc = json.load(open(tmp_path / "eval_reconstruction_modes.json"))
+    assert doc["runs"]["fp16"]["depth_rel_l2"] == pytest.approx(runs["fp16"]["depth_rel_l2"])
+    md = open(tmp_path / "eval_reconstruction_modes.md").read()
+    assert "| pasa |" in md and "torch" in md
+
+
+def test_eval_accuracy_on_generic_layout(recon, tmp_path):
+    """Ground truth = the demo's own output (same seed, same size): AUC 1 and Chamfer ~0.
+    A second copy with camera 2 rotated by 10 degrees about its centre scores exactly that."""
+    _, out, src = recon
+    scene = tmp_path / "data" / "rig"
+    shutil.copytree(src, scene / "images")
+    shutil.copy(out / "cameras.json", scene / "cameras.json")
+    shutil.copy(out / "points.ply", scene / "points.ply")
+    doc = json.load(open(out / "cameras.json"))
+    E = np.array(doc["frames"][2]["extrinsic"])
+    a = np.radians(10.0)
+    Q = np.array([[np.cos(a), 0, np.sin(a)], [0, 1, 0], [-np.sin(a), 0, np.cos(a)]])
+    doc["frames"][2]["extrinsic"] = (Q @ E).tolist()
+    pert = tmp_path / "data" / "rig_perturbed"
+    shutil.copytree(src, pert / "images")
+    json.dump(doc, open(pert / "cameras.json", "w"))
+    res = evaltool.main(["accuracy", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "rep"),
+                         "--weights", "random-tiny", "--device", "cpu", "--size", str(SIZE), "--quiet"])
+    assert res["exit_code"] == 0
+    exact, perturbed = res["scenes"]
+    assert exact["scene"] == "rig" and exact["pose"]["pairs"] == 15
+    assert exact["pose"]["auc@3"] == pytest.approx(1.0)
+    assert exact["pose"]["rot_err_mean_deg"] < 1e-3
+    scale = np.abs(np.asarray(o3d.io.read_point_cloud(str(out / "points.ply")).points)).max()
+    assert exact["cloud"]["chamfer"] < 1e-4 * scale and exact["sim3_scale"] == pytest.approx(1.0, abs=1e-4)
+    assert "cloud" not in perturbed  # no points.ply there
+    # 5 of 15 pairs involve camera 2: their rotation error is 10 degrees, the others ~0
+    assert perturbed["pose"]["rra@5"] == pytest.approx(10 / 15)
+    assert perturbed["pose"]["rot_err_mean_deg"] == pytest.approx(10 * 5 / 15, abs=1e-2)
+    assert (tmp_path / "rep" / "eval_reconstruction_accuracy.md").is_file()
+
+
+def test_eval_bad_dataset_exit_2(tmp_path, capsys):
+    res = evaltool.main(["accuracy", "--data", str(tmp_path), "--out", str(tmp_path / "rep"),
+                         "--weights", "random-tiny", "--device", "cpu", "--quiet"])
+    assert res["exit_code"] == 2 and "no scene" in capsys.readouterr().err
+    assert not (tmp_path / "rep").exists()

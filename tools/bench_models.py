@@ -1,0 +1,426 @@
+"""Benchmark whole timm models patched with visionattn vs the same models unpatched.
+
+For each case of ``configs/bench_models.yaml`` (timm model with random weights,
+image size, batch) and each mode: median latency (CUDA events, warm-up, many
+reps), throughput (img/s) and peak memory, for the model patched with
+:func:`visionattn.patch_model` and for the unpatched model in the same precision
+(fp32 / fp32-ieee / tf32 modes: float32 model; fp16 / pasa: float16; bf16:
+bfloat16). The baseline is timm's default attention path (SDPA for ViT / DeiT,
+eager for Swin and Swin-v2; the ``fused_attn`` flags are recorded).
+
+Attention share: the patched model is also timed with its attention core replaced
+by a zero-cost stand-in (returns v; :func:`visionattn.patching.timm.override_cores`),
+so ``share = 1 - t_rest / t_model`` for both the unpatched and the patched model.
+Each patched run also reports the logits' relative L2 difference to the unpatched
+model and the top-1 agreement (random inputs).
+
+Process-wide settings made by this tool (and written to the output): TF32 off for
+PyTorch matmuls and cuDNN (``allow_tf32 = False``), so "fp32" means FP32 on both sides.
+
+    python tools/bench_models.py --out docs/benchmarks/models_h100            # full sweep
+    python tools/bench_models.py --quick --out /tmp/models_quick              # ~1 min smoke run
+    python tools/bench_models.py --cases vit_base_patch16_224:1024:8 --modes fp32,fp16
+    python tools/bench_models.py --quick --device cpu --modes fp32 --cases vit_tiny_patch16_224:64:2
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import yaml
+from tqdm import tqdm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, REPO)
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_models.yaml"),
+                    help="YAML sweep definition (cases, modes, timing, targets, quick subset)")
+parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "models_bench"),
+                    help="output prefix: writes <out>.md, <out>.json and <out>.png")
+parser.add_argument("--quick", action="store_true", help="run the config's small 'quick' subset with short timing")
+parser.add_argument("--cases", default=None,
+                    help="comma-separated model:img:batch cases replacing the config's (e.g. vit_base_patch16_224:1024:8)")
+parser.add_argument("--modes", default=None, help="comma-separated visionattn modes replacing every case's modes")
+parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (smoke runs; wall-clock timing)")
+parser.add_argument("--rep-ms", type=float, default=None, help="timed milliseconds per measurement (default: config)")
+parser.add_argument("--warmup", type=int, default=None, help="untimed calls before each measurement (default: config)")
+parser.add_argument("--no-share", action="store_true", help="skip the attention-share measurement (one timing less per dtype)")
+parser.add_argument("--max-cases", type=int, default=None, help="stop after this many cases")
+parser.add_argument("--case-slice", default=None,
+                    help="python-style start:stop over the case list, to split a long sweep over several runs (e.g. 0:5)")
+
+_MODE_DTYPE = {"fp32": torch.float32, "fp32-ieee": torch.float32, "tf32": torch.float32,
+               "fp16": torch.float16, "pasa": torch.float16, "fp16-acc16": torch.float16, "bf16": torch.bfloat16}
+_DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+# ----------------------------------------------------------------------------- measurement
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_call(fn, device: str, *, warmup: int, rep_ms: float, min_reps: int, max_reps: int) -> dict:
+    """Median / p10 / p90 milliseconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(max(warmup, 1)):
+        fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    est_ms = (time.perf_counter() - t0) * 1e3
+    reps = int(min(max_reps, max(min_reps, math.ceil(rep_ms / max(est_ms, 1e-3)))))
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return {"median_ms": statistics.median(times), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": reps}
+
+
+def peak_memory(fn, device: str) -> dict:
+    """Peak allocated memory (MiB) during one ``fn()`` call, total and beyond what was allocated before."""
+    if device != "cuda":
+        return {"peak_mib": None, "peak_extra_mib": None}
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_mib": peak / 2**20, "peak_extra_mib": (peak - before) / 2**20}
+
+
+def _stub_dense(q, k, v, **kw):
+    return v
+
+
+def _stub_window(q, k, v, **kw):
+    return v
+
+
+# ----------------------------------------------------------------------------- one case
+def build_model(name: str, img: int, device: str):
+    """A random-weight timm model (no download) for ``img`` px inputs, in eval mode on ``device``.
+
+    All-zero LayerNorm weights (Swin-v2's post-norm init) are set to 1 so that the
+    logits comparison sees the attention branch; timing is unaffected.
+    """
+    import timm
+
+    kwargs = {"img_size": img}
+    with torch.device(device):
+        model = timm.create_model(name, pretrained=False, **kwargs)
+    with torch.no_grad():  # Swin-v2 zero-inits its post-norms: attention would not reach the logits
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm) and m.weight is not None and not m.weight.any():
+                m.weight.fill_(1.0)
+    return model.eval()
+
+
+def _fused_flags(model) -> dict:
+    flags = {}
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            key = f"{type(m).__module__}.{type(m).__name__}"
+            flags.setdefault(key, set()).add(bool(m.fused_attn))
+    return {k: sorted(v) for k, v in flags.items()}
+
+
+def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: bool) -> list[dict]:
+    """All rows (unpatched baseline, attention-free reference, each mode) of one model/img/batch case."""
+    import visionattn as va
+    from visionattn.patching import timm as vt
+
+    rows = []
+    base = {"model": case["model"], "img": case["img"], "batch": case["batch"]}
+    try:
+        model = build_model(case["model"], case["img"], device)
+    except Exception as err:  # noqa: BLE001 - record and go on: one bad name must not stop a sweep
+        return [{**base, "mode": "-", "error": f"build failed: {type(err).__name__}: {err}"}]
+    base["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+    base["baseline_fused_attn"] = _fused_flags(model)
+    g = torch.Generator(device=device).manual_seed(0)
+    x32 = torch.randn(case["batch"], 3, case["img"], case["img"], generator=g, device=device)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for mode in modes:
+        by_dtype.setdefault(_MODE_DTYPE[mode], []).append(mode)
+    for dtype, dmodes in by_dtype.items():
+        model.to(dtype)
+        x = x32.to(dtype)
+        common = {**base, "dtype": _DTYPE_NAME[dtype]}
+
+        def run():
+            with torch.no_grad():
+                return model(x)
+
+        def measure(label: str) -> dict:
+            try:
+                out = run()
+                row = {**common, "mode": label, **time_call(run, device, **timing), **peak_memory(run, device)}
+                row["img_per_s"] = case["batch"] / (row["median_ms"] / 1e3)
+                return row, out
+            except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the sweep going
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                first = (str(err).splitlines() or [""])[0][:200]
+                return {**common, "mode": label, "error": f"{type(err).__name__}: {first}"}, None
+
+        va.unpatch_model(model)
+        base_row, base_out = measure("unpatched")
+        rows.append(base_row)
+        rest_row = None
+        if share:
+            with warnings_silenced():
+                va.patch_model(model, dmodes[0])
+            with vt.override_cores(dense=_stub_dense, window=_stub_window):
+                rest_row, _ = measure("no-attention")
+            rows.append(rest_row)
+            if "error" not in rest_row and "error" not in base_row:
+                base_row["attn_share"] = 1 - rest_row["median_ms"] / base_row["median_ms"]
+        for mode in dmodes:
+            va.patch_model(model, mode)
+            row, out = measure(mode)
+            row["patched"] = dict(model.visionattn_report.patched)
+            if out is not None and base_out is not None:
+                row["logits_rel_l2_vs_unpatched"] = va.metrics.rel_l2(out.float(), base_out.float())
+                row["top1_agree"] = float((out.argmax(-1) == base_out.argmax(-1)).float().mean())
+            if "error" not in row and "error" not in base_row:
+                row["speedup"] = base_row["median_ms"] / row["median_ms"]
+                if row["peak_mib"] is not None:
+                    row["mem_ratio"] = row["peak_mib"] / base_row["peak_mib"]
+                if rest_row is not None and "error" not in rest_row:
+                    row["attn_share"] = 1 - rest_row["median_ms"] / row["median_ms"]
+            rows.append(row)
+        va.unpatch_model(model)
+        del base_out
+    del model, x32
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+@contextlib.contextmanager
+def warnings_silenced():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# ----------------------------------------------------------------------------- config / report
+def parse_cases(text: str) -> list[dict]:
+    """``"name:img:batch,..."`` -> case dicts. Raises ValueError naming the bad item."""
+    cases = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        parts = item.split(":")
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            raise ValueError(f"--cases item {item!r}: expected model:img:batch, e.g. vit_base_patch16_224:224:64")
+        cases.append({"model": parts[0], "img": int(parts[1]), "batch": int(parts[2])})
+    return cases
+
+
+def check_targets(rows: list[dict], targets: list[dict]) -> list[dict]:
+    """Evaluate the config's targets against the measured rows."""
+    out = []
+    for t in targets:
+        match = [r for r in rows if r.get("mode") == t["mode"] and r["model"] == t["model"]
+                 and r["img"] == t["img"] and r["batch"] == t["batch"]]
+        res = {**t, "measured": bool(match) and "speedup" in match[0]}
+        if res["measured"]:
+            r = match[0]
+            res["speedup"], res["mem_ratio"], res["attn_share_unpatched"] = r["speedup"], r.get("mem_ratio"), None
+            base = [b for b in rows if b.get("mode") == "unpatched" and b["model"] == r["model"]
+                    and b["img"] == r["img"] and b["batch"] == r["batch"] and b["dtype"] == r["dtype"]]
+            if base:
+                res["attn_share_unpatched"] = base[0].get("attn_share")
+            ok = r["speedup"] >= t.get("min_speedup", 0)
+            if t.get("max_mem_ratio") is not None and r.get("mem_ratio") is not None:
+                ok = ok and r["mem_ratio"] <= t["max_mem_ratio"]
+            res["met"] = ok
+        out.append(res)
+    return out
+
+
+def _fmt(x, digits=3):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def render_markdown(result: dict) -> str:
+    env, rows = result["environment"], result["rows"]
+    lines = [f"# Whole-model benchmark: visionattn.patch_model vs unpatched timm", "",
+             f"* device: {env.get('device')}; torch {env.get('torch')}, triton {env.get('triton')}, "
+             f"timm {env.get('timm')}, CUDA {env.get('cuda')}",
+             f"* command: `{env.get('command')}`",
+             f"* settings: {result['settings']}",
+             "* random weights; latency = median of per-call timings (CUDA events on GPU, wall clock on CPU); throughput = batch / median; "
+             "peak = max allocated during one forward (MiB); attention share = 1 - t(no attention core) / t(model); "
+             "speedup = t(unpatched) / t(patched) in the same dtype.", ""]
+    if result["targets"]:
+        lines += ["## Targets (issue 6)", "",
+                  "| model | img | batch | mode | speedup | target | mem ratio | target | attn share (unpatched) | met |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for t in result["targets"]:
+            lines.append(f"| {t['model']} | {t['img']} | {t['batch']} | {t['mode']} | {_fmt(t.get('speedup'))} | "
+                         f">= {t.get('min_speedup', '-')} | {_fmt(t.get('mem_ratio'))} | "
+                         f"{'<= ' + str(t['max_mem_ratio']) if t.get('max_mem_ratio') is not None else '-'} | "
+                         f"{_fmt(t.get('attn_share_unpatched'), 2)} | "
+                         f"{('yes' if t.get('met') else 'NO') if t['measured'] else 'not measured'} |")
+        lines.append("")
+    lines += ["## All cases", "",
+              "| model | img | batch | dtype | mode | ms (median) | img/s | peak MiB | attn share | speedup | mem ratio "
+              "| logits rel L2 | top-1 agree |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['img']} | {r['batch']} | {r.get('dtype', '-')} | {r['mode']} | "
+                         f"{r['error']} | | | | | | | |")
+            continue
+        lines.append(f"| {r['model']} | {r['img']} | {r['batch']} | {r['dtype']} | {r['mode']} | "
+                     f"{_fmt(r['median_ms'], 4)} | {_fmt(r['img_per_s'], 4)} | {_fmt(r['peak_mib'], 5)} | "
+                     f"{_fmt(r.get('attn_share'), 2)} | {_fmt(r.get('speedup'))} | {_fmt(r.get('mem_ratio'))} | "
+                     f"{_fmt(r.get('logits_rel_l2_vs_unpatched'), 2)} | {_fmt(r.get('top1_agree'), 3)} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_png(result: dict, path: str) -> bool:
+    """Bar chart of speedups per case and mode, unpatched attention share in the labels. False if no data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "speedup" in r]
+    if not rows:
+        return False
+    shares = {(r["model"], r["img"], r["batch"], r["dtype"]): r.get("attn_share") for r in result["rows"]
+              if r.get("mode") == "unpatched"}
+    modes = sorted({r["mode"] for r in rows}, key=list(_MODE_DTYPE).index)
+    cases = list(dict.fromkeys((r["model"], r["img"], r["batch"]) for r in rows))
+    width = 0.8 / len(modes)
+    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * len(modes) + 3), 5))
+    for i, mode in enumerate(modes):
+        xs, ys = [], []
+        for j, c in enumerate(cases):
+            hit = [r for r in rows if (r["model"], r["img"], r["batch"]) == c and r["mode"] == mode]
+            if hit:
+                xs.append(j + i * width)
+                ys.append(hit[0]["speedup"])
+        ax.bar(xs, ys, width, label=mode)
+    labels = []
+    for c in cases:
+        s = shares.get((*c, "float32"))
+        labels.append(f"{c[0].replace('_patch', '/').replace('_window', '/w')}\n{c[1]}px b{c[2]}"
+                      + (f"\nattn {s:.0%}" if s is not None else ""))
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], labels, rotation=45, ha="right", fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("speedup vs unpatched (same dtype)")
+    ax.set_title(f"visionattn.patch_model, {result['environment'].get('device')}")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
+
+
+# ----------------------------------------------------------------------------- main
+def main(args) -> dict:
+    """Run the sweep described by ``args``; write <out>.md/.json/.png; return the result dict."""
+    from visionattn.modes import get_mode
+    from visionattn.reporting import environment, write_json_atomic, write_text_atomic
+
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"--device {device!r}: expected cuda or cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu for a smoke run")
+    section = cfg["quick"] if args.quick else cfg
+    cases = parse_cases(args.cases) if args.cases else section["cases"]
+    if args.case_slice:
+        try:
+            start, stop = (int(p) if p else None for p in args.case_slice.split(":"))
+        except ValueError:
+            raise ValueError(f"--case-slice {args.case_slice!r}: expected start:stop, e.g. 0:5") from None
+        cases = cases[start:stop]
+    if args.max_cases is not None:
+        cases = cases[:args.max_cases]
+    default_modes = cfg.get("modes", ["fp32", "fp16"])
+    forced_modes = [m.strip() for m in args.modes.split(",") if m.strip()] if args.modes else None
+    for m in forced_modes or []:
+        get_mode(m)  # ValueError naming the mode
+    timing = {"warmup": args.warmup if args.warmup is not None else cfg.get("warmup", 3),
+              "rep_ms": args.rep_ms if args.rep_ms is not None else section.get("rep_ms", cfg.get("rep_ms", 400)),
+              "min_reps": cfg.get("min_reps", 5), "max_reps": cfg.get("max_reps", 50)}
+    if args.quick and device == "cpu":
+        timing.update(warmup=1, min_reps=2, max_reps=3)
+
+    # Process-wide: compare like with like (FP32 really FP32 on both sides).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    settings = {"device": device, "allow_tf32_matmul": False, "allow_tf32_cudnn": False, **timing,
+                "quick": bool(args.quick), "attention_share": not args.no_share}
+    env = environment()
+    print(f"[bench_models] {env['device']} torch {env['torch']} triton {env.get('triton')} timm {env.get('timm')}; "
+          f"TF32 off (torch.backends.cuda.matmul.allow_tf32 = cudnn.allow_tf32 = False)", flush=True)
+
+    rows: list[dict] = []
+    for case in tqdm(cases, desc="cases"):
+        modes = forced_modes or case.get("modes") or default_modes
+        for m in modes:
+            get_mode(m)
+        case_rows = bench_case(case, modes, device, timing, share=not args.no_share)
+        for r in case_rows:
+            if "error" in r:
+                tqdm.write(f"  {r['model']} {r['img']}px b{r['batch']} {r['mode']}: {r['error']}")
+            elif r["mode"] not in ("unpatched", "no-attention"):
+                tqdm.write(f"  {r['model']} {r['img']}px b{r['batch']} {r['mode']:9s} {r['median_ms']:8.2f} ms "
+                           f"x{r.get('speedup', float('nan')):.3f}  mem x{r.get('mem_ratio') or float('nan'):.3f}  "
+                           f"share {r.get('attn_share', float('nan')):.2f}")
+        rows.extend(case_rows)
+
+    result = {"environment": env, "settings": settings, "rows": rows,
+              "targets": check_targets(rows, cfg.get("targets", []))}
+    if args.quick or args.cases or args.case_slice or args.max_cases:  # partial run: only what was measured
+        result["targets"] = [t for t in result["targets"] if t["measured"]]
+    write_json_atomic(args.out + ".json", result)
+    write_text_atomic(args.out + ".md", render_markdown(result))
+    result["png"] = render_png(result, args.out + ".png")
+    print(render_markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(parser.parse_args())

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""Multi-view reconstruction evaluation for VGGT / FastVGGT (markdown + JSON).
+
+    # (a) pose AUC@30/15/5/3 over all pairs, (b) point-cloud accuracy when GT clouds exist
+    python tools/eval_reconstruction.py accuracy --data /data/co3dv2 --layout co3d --out out/eval_co3d
+    python tools/eval_reconstruction.py accuracy --data my_scene/ --out out/eval   # images/ + cameras.json
+    # (c) agreement of each attention mode with the fp32 run on one scene
+    python tools/eval_reconstruction.py modes demos/data/stereo_rig --weights random --out out/modes
+
+Writes OUT/eval_reconstruction_<task>.json and .md (atomically), with the
+environment (GPU, versions, exact command). Thin CLI over
+:mod:`visionattn.recon.evaluate`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_MODES = "fp32,tf32,fp16,bf16,pasa"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, MODELS
+
+    p = argparse.ArgumentParser(prog="eval_reconstruction.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = p.add_subparsers(dest="task", required=True, metavar="{accuracy,modes}")
+
+    def common(sp):
+        sp.add_argument("--out", required=True, help="folder for the JSON and markdown reports")
+        sp.add_argument("--model", choices=MODELS, default="vggt", help="vggt or fastvggt (default: %(default)s)")
+        sp.add_argument("--weights", default=DEFAULT_WEIGHTS,
+                        help="hub id, local checkpoint PATH, 'random' (full config) or 'random-tiny' "
+                             "(default: %(default)s)")
+        sp.add_argument("--device", default="auto", help="cuda, cpu or auto (default: %(default)s)")
+        sp.add_argument("--size", type=int, default=518,
+                        help="preprocessed image width in pixels, multiple of 14 (default: %(default)s)")
+        sp.add_argument("--seed", type=int, default=0, help="seed for random weights (default: %(default)s)")
+        sp.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    a = sub.add_parser("accuracy", help="(a) pose AUC and (b) point-cloud accuracy against ground truth",
+                       description="(a) relative rotation / translation errors over all frame pairs and "
+                                   "AUC@30/15/5/3 (VGGT protocol); (b) accuracy / completeness / Chamfer after "
+                                   "Umeyama Sim(3) alignment of the predicted cameras, for scenes with a "
+                                   "ground-truth point cloud (CO3D pointcloud.ply, generic points.ply)")
+    a.add_argument("--data", required=True,
+                   help="dataset root: CO3Dv2 release (CATEGORY/frame_annotations.jgz) or generic layout "
+                        "(SCENE/cameras.json + SCENE/images/, one scene or a folder of scenes)")
+    a.add_argument("--layout", choices=("auto", "generic", "co3d"), default="auto",
+                   help="dataset layout; auto detects CO3D by its annotation files (default: %(default)s)")
+    a.add_argument("--categories", default=None,
+                   help="CO3D: comma-separated categories (default: every category found)")
+    a.add_argument("--max-sequences", type=int, default=None,
+                   help="CO3D: first N sequences per category (default: all)")
+    a.add_argument("--num-frames", type=int, default=10,
+                   help="CO3D: random frames per sequence, seeded, as VGGT's protocol (default: %(default)s)")
+    a.add_argument("--mode", choices=ATTN_MODES, default="fp32", help="attention mode (default: %(default)s)")
+    a.add_argument("--conf-percentile", type=float, default=50.0,
+                   help="(b) drop predicted points under this confidence percentile (default: %(default)s)")
+    a.add_argument("--cloud-threshold", type=float, default=None,
+                   help="(b) also report precision / recall / F-score at this distance (GT units)")
+    common(a)
+
+    m = sub.add_parser("modes", help="(c) per-mode agreement with the fp32 run on one scene",
+                       description="Run one scene with the same weights in each attention mode and report "
+                                   "camera / depth / point differences to the fp32 run, plus time and memory")
+    m.add_argument("image_dir", help="folder of images (e.g. demos/data/stereo_rig)")
+    m.add_argument("--modes", default=DEFAULT_MODES,
+                   help=f"comma-separated attention modes from {', '.join(ATTN_MODES)} "
+                        "(default: %(default)s)")
+    m.add_argument("--max-frames", type=int, default=None, help="first N images only (default: all)")
+    m.add_argument("--warmup", type=int, default=0,
+                   help="untimed passes per mode before the timed one; use 1+ on a GPU, where the first "
+                        "call compiles the Triton kernels (default: %(default)s)")
+    common(m)
+    return p
+
+
+class DatasetError(ValueError):
+    """The --data folder holds no usable scene."""
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _markdown_accuracy(res: dict) -> str:
+    from visionattn.reporting import markdown_table
+
+    rows = []
+    for r in res["scenes"]:
+        p, c = r["pose"], r.get("cloud", {})
+        rows.append([r["scene"], r["frames"], p["auc@30"], p["auc@15"], p["auc@5"], p["auc@3"],
+                     p["rot_err_median_deg"], p["trans_err_median_deg"],
+                     c.get("accuracy", "-"), c.get("completeness", "-"), c.get("chamfer", "-"), r["seconds"]])
+    mean = res["mean"]
+    rows.append(["**mean**", "", mean["pose.auc@30"], mean["pose.auc@15"], mean["pose.auc@5"], mean["pose.auc@3"],
+                 mean["pose.rot_err_median_deg"], mean["pose.trans_err_median_deg"],
+                 mean.get("cloud.accuracy", "-"), mean.get("cloud.completeness", "-"),
+                 mean.get("cloud.chamfer", "-"), ""])
+    head = ["scene", "frames", "AUC@30", "AUC@15", "AUC@5", "AUC@3", "rot err med (deg)", "trans err med (deg)",
+            "accuracy", "completeness", "chamfer", "seconds"]
+    return (f"# Reconstruction accuracy: {res['model']} ({res['weights']}), attention {res['mode']}\n\n"
+            "Pose: all frame pairs, VGGT protocol (AUC of max(rot, trans) error on 1..T degrees). "
+            "Cloud: after Sim(3) alignment of predicted to ground-truth cameras, in ground-truth units.\n\n"
+            + markdown_table(rows, head) + _env_md(res["environment"]))
+
+
+def _markdown_modes(res: dict) -> str:
+    from visionattn.reporting import markdown_table
+
+    keys = ["seconds", "rot_max_deg", "center_rel_l2", "focal_rel_max", "depth_rel_l2", "depth_max_rel",
+            "points_rel_l2", "points_from_depth_rel_l2", "auc@3", "nonfinite"]
+    rows = [[m] + [r.get(k, "-") for k in keys] for m, r in res["runs"].items()]
+    return (f"# Attention-mode agreement: {res['model']} ({res['weights']}), {res['frames']} frames "
+            f"{res['image_hw'][0]}x{res['image_hw'][1]}\n\nDifferences to the `{res['reference']}` run "
+            "(same weights, same images). rel_l2 = ||x - ref|| / ||ref||; rot in degrees; auc@3: pose "
+            "protocol with the reference as ground truth.\n\n" + markdown_table(rows, ["mode"] + keys)
+            + _env_md(res["environment"]))
+
+
+def _env_md(env: dict) -> str:
+    return "\n## Environment\n\n" + "".join(f"- {k}: `{v}`\n" for k, v in env.items())
+
+
+def main(argv=None) -> dict:
+    """Run the chosen evaluation; writes JSON + markdown into ``--out`` and returns the result dict."""
+    from visionattn.recon.datasets import load_scenes
+    from visionattn.recon.evaluate import evaluate_scenes, mode_agreement
+    from visionattn.recon.images import load_images
+    from visionattn.recon.pipeline import ATTN_MODES, USER_ERRORS
+    from visionattn.reporting import environment, write_json_atomic, write_text_atomic
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.size <= 0 or args.size % 14:
+        parser.error(f"--size {args.size} must be a positive multiple of 14")
+    device = _device(args.device)
+    progress = not args.quiet
+    try:
+        if args.task == "accuracy":
+            cats = args.categories.split(",") if args.categories else None
+            try:
+                scenes = load_scenes(args.data, args.layout, cats, args.max_sequences, args.num_frames, args.seed)
+            except ValueError as exc:  # no scene / unreadable annotations: a data problem, not a bug
+                raise DatasetError(str(exc)) from exc
+            res = evaluate_scenes(scenes, args.model, args.weights, args.mode, device, args.size,
+                                  args.conf_percentile, args.cloud_threshold, args.seed, progress)
+            res["environment"] = environment()
+            md = _markdown_accuracy(res)
+        else:
+            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+            bad = [m for m in modes if m not in ATTN_MODES]
+            if bad:
+                parser.error(f"--modes: unknown {bad}; choose from {', '.join(ATTN_MODES)}")
+            loaded = load_images(args.image_dir, size=args.size, max_frames=args.max_frames, progress=progress)
+            res = mode_agreement(loaded.images, modes, args.model, args.weights, device, args.seed,
+                                 warmup=args.warmup, progress=progress)
+            res["image_dir"] = args.image_dir
+            res["environment"] = environment()
+            md = _markdown_modes(res)
+    except (*USER_ERRORS, DatasetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return {"exit_code": 2, "error": str(exc)}
+    stem = os.path.join(args.out, f"eval_reconstruction_{args.task}")
+    write_json_atomic(stem + ".json", res)
+    write_text_atomic(stem + ".md", md)
+    print(md)
+    res["exit_code"] = 0
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main()["exit_code"])

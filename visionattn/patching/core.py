@@ -1,0 +1,344 @@
+"""patch_model / unpatch_model: the registry of patchers and the patch report.
+
+A *patcher* replaces the attention computation of one exact module class by a
+forward that calls :func:`visionattn.attention` (dense) or
+:func:`visionattn.window_attention` (Swin windows). It is a module-level
+subclass of the original class with only ``forward`` overridden; patching swaps
+the instance's ``__class__`` to it and stores the mode on the instance
+(``visionattn_mode``, ``visionattn_options``). That choice keeps every property
+the issue asks for: parameters, buffers and ``state_dict()`` keys are untouched
+(no new parameters, no wrappers), ``.to()`` / ``deepcopy`` / ``pickle`` work
+(the class is importable by name), patching twice only updates the mode, and
+``unpatch_model`` restores the original class exactly.
+
+Matching is by exact class (``type(module) is cls``), never by attribute
+guessing: a user subclass of a supported class may override ``forward`` and is
+reported as skipped. Other attention-like modules (``nn.MultiheadAttention``,
+classes named ``*Attention*`` / ``*Attn*``) are reported as skipped with the
+reason, and a model with nothing to patch warns.
+
+Two more kinds of modules are handled:
+
+* *native* modules that call :func:`visionattn.attention` themselves (the VGGT
+  layers in :mod:`visionattn.models`) declare the class attribute
+  ``_visionattn_native = True`` and an instance attribute
+  ``visionattn_mode: str | None`` (``None`` = PyTorch SDPA); patching sets it,
+  unpatching restores the previous value;
+* diffusers models (``diffusers.ModelMixin``) are delegated to
+  :mod:`visionattn.patching.diffusers`, which goes through ``set_attn_processor``.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+from torch import nn
+
+from ..modes import get_mode
+
+__all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "registered_patches", "check_options"]
+
+#: Modules providing ``PATCHES: tuple[PatchSpec, ...]``; imported on first use so that
+#: ``import visionattn`` does not import timm.
+_PROVIDERS = ("visionattn.patching.timm",)
+
+_OPTION_NAMES = ("backend", "num_splits")
+_ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
+
+
+class PatchSpec(NamedTuple):
+    """One registry row.
+
+    Attributes:
+        family: short family name for reports (``"vit"``, ``"swin"``, ...).
+        original: the exact class that is replaced.
+        patched: its module-level subclass whose ``forward`` calls visionattn.
+        check: optional ``check(module) -> str | None``: a reason the instance
+            cannot be patched (e.g. an attribute missing in this timm version).
+    """
+
+    family: str
+    original: type
+    patched: type
+    check: Callable[[nn.Module], str | None] | None = None
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch_model` did; stored as ``model.visionattn_report``.
+
+    Attributes:
+        mode: the precision mode the model now runs.
+        patched: ``{qualified class name: count}`` of replaced modules.
+        native: ``{qualified class name: count}`` of native visionattn modules switched.
+        skipped: ``[(module name, qualified class name, reason)]`` of attention-like
+            modules left as they are.
+        delegated: ``"diffusers"`` when the diffusers patcher did the work.
+        details: the delegate's own report (a dict), if any.
+    """
+
+    mode: str
+    patched: dict[str, int] = field(default_factory=dict)
+    native: dict[str, int] = field(default_factory=dict)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    delegated: str | None = None
+    details: dict | None = None
+
+    @property
+    def num_patched(self) -> int:
+        """Modules now running visionattn through this patcher (patched + native)."""
+        return sum(self.patched.values()) + sum(self.native.values())
+
+    def as_dict(self) -> dict:
+        """JSON-friendly dict."""
+        return {"mode": self.mode, "patched": dict(self.patched), "native": dict(self.native),
+                "skipped": [list(s) for s in self.skipped], "delegated": self.delegated, "details": self.details}
+
+    def __str__(self) -> str:
+        lines = [f"visionattn patch report (mode={self.mode})"]
+        for name, n in sorted(self.patched.items()):
+            lines.append(f"  patched {n:4d} x {name}")
+        for name, n in sorted(self.native.items()):
+            lines.append(f"  native  {n:4d} x {name}")
+        if self.delegated:
+            lines.append(f"  delegated to {self.delegated}: {self.details}")
+        for mod, cls, why in self.skipped:
+            lines.append(f"  skipped {mod or '<root>'} ({cls}): {why}")
+        return "\n".join(lines)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_registry: dict[type, PatchSpec] | None = None
+_patched_to_spec: dict[type, PatchSpec] = {}
+
+
+def registered_patches() -> dict[type, PatchSpec]:
+    """The registry ``{original class: PatchSpec}`` (providers imported on first call)."""
+    global _registry
+    if _registry is None:
+        table: dict[type, PatchSpec] = {}
+        for provider in _PROVIDERS:
+            for spec in importlib.import_module(provider).PATCHES:
+                if spec.original in table:
+                    raise RuntimeError(f"two patchers registered for {_qualname(spec.original)}")
+                table[spec.original] = spec
+                _patched_to_spec[spec.patched] = spec
+        _registry = table
+    return _registry
+
+
+def check_options(options: dict) -> dict:
+    """Validate ``patch_model`` / ``sdpa_override`` options; return them with defaults filled.
+
+    Options: ``backend`` (``None`` | ``"auto"`` | ``"triton"`` | ``"reference"``, passed to
+    :func:`visionattn.attention`) and ``num_splits`` (``None`` or int >= 1).
+
+    Raises:
+        TypeError: an unknown option name.
+        ValueError: a bad option value.
+    """
+    unknown = sorted(set(options) - set(_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; visionattn patching accepts {list(_OPTION_NAMES)}")
+    out = {name: options.get(name) for name in _OPTION_NAMES}
+    if out["backend"] is not None:
+        from ..dispatch import BACKENDS
+
+        if out["backend"] not in BACKENDS:
+            raise ValueError(f"backend={out['backend']!r}; expected None or one of {BACKENDS}")
+    ns = out["num_splits"]
+    if ns is not None and (not isinstance(ns, int) or isinstance(ns, bool) or ns < 1):
+        raise ValueError(f"num_splits={ns!r}; expected None or a positive int")
+    return out
+
+
+def _is_native(module: nn.Module) -> bool:
+    return getattr(type(module), "_visionattn_native", False) is True
+
+
+def _is_diffusers_model(model: nn.Module) -> bool:
+    # diffusers is optional: only a model whose class comes from it can be a ModelMixin.
+    if not any(c.__module__.startswith("diffusers") for c in type(model).__mro__):
+        return False
+    from diffusers import ModelMixin
+
+    return isinstance(model, ModelMixin)
+
+
+def _skip_reason(module: nn.Module, registry: dict[type, PatchSpec]) -> str | None:
+    """Why an unpatched module that looks like attention is left alone (None: not attention-like)."""
+    cls = type(module)
+    for base in cls.__mro__[1:]:
+        if base in registry:
+            overrides = cls.forward is not base.forward
+            return (f"subclass of supported {_qualname(base)}"
+                    + (" that overrides forward" if overrides else "")
+                    + "; only exact classes are patched (register a PatchSpec for it)")
+    if isinstance(module, nn.MultiheadAttention):
+        return ("torch.nn.MultiheadAttention is not patched (its inference fast path is a fused native "
+                "kernel); its SDPA path (need_weights=False) can run under visionattn.sdpa_override")
+    if cls.__module__.startswith("diffusers"):
+        return "diffusers module: call patch_model on the diffusers ModelMixin model to patch it"
+    if _ATTENTION_LIKE.search(cls.__name__):
+        return "attention-like class without a visionattn patcher"
+    return None
+
+
+def _innermost(skipped: list[tuple[str, str, str]], touched: list[str]) -> list[tuple[str, str, str]]:
+    """Drop name-matched containers (``AttnBlock``, ...) holding handled or skipped attention modules."""
+    inner = [n for n, _, _ in skipped] + touched
+
+    def is_container(name: str) -> bool:
+        prefix = name + "." if name else ""
+        return any(other != name and other.startswith(prefix) for other in inner)
+
+    return [s for s in skipped if not (s[2].startswith("attention-like class") and is_container(s[0]))]
+
+
+def patch_model(model: nn.Module, mode: str = "fp32", **options) -> nn.Module:
+    """Run every supported attention module of ``model`` through visionattn, in place.
+
+    Supported (exact classes, :mod:`visionattn.patching.timm`): ``timm.layers.Attention``
+    (ViT, DeiT, ...), ``timm.layers.AttentionRope``, ``timm.models.eva.EvaAttention``,
+    ``timm.models.swin_transformer.WindowAttention``,
+    ``timm.models.swin_transformer_v2.WindowAttention``; native visionattn modules
+    (``_visionattn_native = True``); diffusers ``ModelMixin`` models (delegated).
+    Patching an already patched model updates its mode and options.
+
+    Args:
+        model: any ``nn.Module``; its parameters, buffers and dtype are not touched.
+        mode: a visionattn mode (:data:`visionattn.MODES`); inputs of attention are cast to
+            the mode's dtype and the result cast back, so a FP32 model can run ``fp16`` attention.
+        **options: ``backend`` and ``num_splits``, passed to :func:`visionattn.attention`.
+
+    Returns:
+        ``model`` itself, with ``model.visionattn_report`` (:class:`PatchReport`).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or an unknown option.
+        ValueError: unknown mode or bad option value.
+
+    Warns:
+        RuntimeWarning: nothing in ``model`` could be patched.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    mode = get_mode(mode).name
+    if _is_diffusers_model(model):
+        from .diffusers import patch_diffusers
+
+        details = dict(patch_diffusers(model, mode, **options))
+        report = PatchReport(mode=mode, delegated="diffusers", details=details)
+        report.patched = {f"diffusers processor {name}": n for name, n in details.get("replaced", {}).items()}
+        report.skipped = [(s["name"], s["processor"], s["reason"]) for s in details.get("skipped", [])]
+        if report.num_patched == 0:
+            warnings.warn(f"visionattn.patch_model: nothing to patch in {type(model).__name__} (no diffusers "
+                          f"Attention module with a default processor); the model runs unchanged",
+                          RuntimeWarning, stacklevel=2)
+        model.visionattn_report = report
+        return model
+    opts = check_options(options)
+    registry = registered_patches()
+    report = PatchReport(mode=mode)
+    touched: list[str] = []  # names of patched / native modules
+    for name, module in model.named_modules():
+        cls = type(module)
+        spec = registry.get(cls) or _patched_to_spec.get(cls)
+        if spec is not None or _is_native(module):
+            touched.append(name)
+        if spec is not None:
+            reason = spec.check(module) if spec.check is not None else None
+            if reason is not None:
+                report.skipped.append((name, _qualname(cls), reason))
+                continue
+            if cls is spec.original:
+                module.__class__ = spec.patched
+            module.visionattn_mode = mode
+            module.visionattn_options = dict(opts)
+            key = _qualname(spec.original)
+            report.patched[key] = report.patched.get(key, 0) + 1
+        elif _is_native(module):
+            if "_visionattn_prev_mode" not in module.__dict__:
+                module._visionattn_prev_mode = module.visionattn_mode
+            module.visionattn_mode = mode
+            key = _qualname(cls)
+            report.native[key] = report.native.get(key, 0) + 1
+        else:
+            reason = _skip_reason(module, registry)
+            if reason is not None:
+                report.skipped.append((name, _qualname(cls), reason))
+    report.skipped = _innermost(report.skipped, touched)
+    if report.num_patched == 0:
+        warnings.warn(
+            f"visionattn.patch_model: nothing to patch in {type(model).__name__} (no module of a supported "
+            f"class: {sorted(_qualname(c) for c in registry)}); the model runs unchanged"
+            + (f"; attention-like modules skipped: {sorted({s[1] for s in report.skipped})}"
+               if report.skipped else "")
+            + ". For other models use `with visionattn.sdpa_override(mode):`.",
+            RuntimeWarning, stacklevel=2)
+    model.visionattn_report = report
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_model` in place: original classes, previous native modes, no report.
+
+    Safe on a model that was never patched (returns it unchanged).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if _is_diffusers_model(model):
+        from .diffusers import is_patched, unpatch_diffusers
+
+        if is_patched(model):
+            unpatch_diffusers(model)
+    else:
+        registered_patches()
+        for module in model.modules():
+            spec = _patched_to_spec.get(type(module))
+            if spec is not None:
+                module.__class__ = spec.original
+                for attr in ("visionattn_mode", "visionattn_options"):
+                    module.__dict__.pop(attr, None)
+            elif _is_native(module) and "_visionattn_prev_mode" in module.__dict__:
+                module.visionattn_mode = module.__dict__.pop("_visionattn_prev_mode")
+    model.__dict__.pop("visionattn_report", None)
+    return model
+
+
+def attention_kwargs(module: nn.Module) -> dict:
+    """``mode`` / ``backend`` / ``num_splits`` keyword arguments stored on a patched module."""
+    opts = module.visionattn_options
+    kw = {"mode": module.visionattn_mode}
+    if opts["backend"] is not None:
+        kw["backend"] = opts["backend"]
+    if opts["num_splits"] is not None:
+        kw["num_splits"] = opts["num_splits"]
+    return kw
+
+
+def dropout_fallback(module: nn.Module) -> bool:
+    """True when ``module`` must run its original forward: training with attention dropout > 0.
+
+    visionattn computes exact attention without dropout on the probabilities; rather
+    than silently dropping the regularizer, the module runs timm's own path (warned once).
+    """
+    if module.training and module.attn_drop.p > 0:
+        from ..dispatch import warn_once
+
+        warn_once(f"patch-dropout:{type(module).__name__}",
+                  f"visionattn: {_qualname(type(module).__mro__[1])} is in training mode with attention "
+                  f"dropout p={module.attn_drop.p}; visionattn does not apply dropout to attention "
+                  f"probabilities, so these calls run the original timm path (call model.eval() or set "
+                  f"attn_drop.p=0 to use visionattn)")
+        return True
+    return False

@@ -1,0 +1,304 @@
+"""Image folder -> VGGT / FastVGGT predictions -> reconstruction on disk.
+
+:func:`build_model` makes the network (released weights, a local checkpoint, or
+random weights in the full or a tiny configuration), :func:`run_model` runs it
+on a preprocessed batch and returns numpy predictions with cameras decoded, and
+:func:`reconstruct` is the whole demo: load, infer, export, preview, summary.
+Every anticipated user error (bad folder, corrupt image, unusable ``out_dir``,
+weights not available offline) raises :class:`ReconstructionError` subclasses
+(all ``ValueError``) before anything is written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+import numpy as np
+import torch
+
+from visionattn.reporting import environment
+
+from .images import ImageFolderError, LoadedImages, load_images
+from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, check_output_dir,
+                     require_open3d, write_reconstruction)
+
+__all__ = [
+    "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "USER_ERRORS", "build_model",
+    "run_model", "count_tokens", "reconstruct",
+]
+
+DEFAULT_WEIGHTS = "facebook/VGGT-1B"
+MODELS = ("vggt", "fastvggt")
+# visionattn precision modes the demo offers, plus "sdpa" (PyTorch's own attention, as a baseline)
+ATTN_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa", "sdpa")
+
+
+class WeightsError(ValueError):
+    """The requested weights cannot be loaded (offline hub, missing file)."""
+
+
+# errors a CLI reports as a message + exit code 2 (nothing has been written when they are raised)
+USER_ERRORS = (ImageFolderError, OutputDirError, WeightsError, MissingDependencyError)
+
+
+def _models_api():
+    try:
+        from visionattn.models import FASTVGGT_MERGING, VGGT, vggt_tiny_config
+        from visionattn.models.geometry import pose_encoding_to_extri_intri, unproject_depth_map_to_point_map
+    except ImportError as exc:  # the model package is a separate install unit; say exactly what failed
+        raise ImportError(f"the reconstruction pipeline needs visionattn.models (VGGT): {exc}") from exc
+    return VGGT, vggt_tiny_config, FASTVGGT_MERGING, pose_encoding_to_extri_intri, unproject_depth_map_to_point_map
+
+
+def _check_mode(mode: str) -> str | None:
+    if mode not in ATTN_MODES:
+        raise ValueError(f"mode={mode!r} is not known; expected one of {ATTN_MODES}")
+    return None if mode == "sdpa" else mode
+
+
+_HUB_HELP = ("Without network access pass a local checkpoint with `--weights PATH` (a folder or a "
+             ".safetensors/.pt file of facebook/VGGT-1B), or run with random weights: `--weights random` "
+             "(full model) or `--weights random-tiny` (tiny, CPU).")
+
+
+def _reachable_weights(weights: str, timeout: float = 3.0) -> str:
+    """``weights`` itself if it is a local path, offline mode is on, or the hub answers; else the cached file.
+
+    huggingface_hub retries an unreachable host for about a minute before it gives
+    up; one TCP connect with a short timeout tells the same in seconds. When the
+    hub is unreachable, a cached ``model.safetensors`` / ``model.pt`` of the repo
+    is used directly; without one, :class:`WeightsError` is raised at once.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    if os.path.exists(weights):
+        return weights
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE:
+        return weights  # huggingface_hub resolves from its cache without touching the network
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return weights
+    except OSError as exc:
+        reason = f"cannot reach {url.hostname} ({exc})"
+    try:
+        for fname in ("model.safetensors", "model.pt"):
+            cached = try_to_load_from_cache(weights, fname)
+            if isinstance(cached, str):
+                return cached
+    except ValueError as exc:  # not a valid repo id either
+        raise WeightsError(f"--weights {weights!r} is neither an existing path nor a hub repo id ({exc}). "
+                           + _HUB_HELP) from exc
+    raise WeightsError(f"cannot load weights {weights!r}: {reason} and it is not in the Hugging Face cache "
+                       f"({constants.HF_HUB_CACHE}).\n" + _HUB_HELP)
+
+
+def build_model(model: str = "vggt", weights: str = DEFAULT_WEIGHTS, mode: str = "fp32",
+                device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
+    """Build VGGT or FastVGGT in eval mode on ``device``.
+
+    Args:
+        model: ``"vggt"`` or ``"fastvggt"`` (token merging in global attention).
+        weights: a hub id (``facebook/VGGT-1B``), a local checkpoint path,
+            ``"random"`` (full VGGT-1B configuration, random init) or
+            ``"random-tiny"`` (tiny configuration for CPU / CI).
+        mode: attention precision, one of :data:`ATTN_MODES` (``"sdpa"``: PyTorch SDPA).
+        seed: seed for random weights (same seed -> same model).
+
+    Raises:
+        ValueError: unknown ``model`` / ``mode``.
+        WeightsError: hub weights unavailable (offline) or a path that does not exist.
+    """
+    VGGT, tiny_config, merging_cfg, _, _ = _models_api()
+    if model not in MODELS:
+        raise ValueError(f"model={model!r} is not known; expected one of {MODELS}")
+    attn_mode = _check_mode(mode)
+    kwargs = {"attn_mode": attn_mode}
+    if model == "fastvggt":
+        kwargs["merging"] = merging_cfg
+    if weights in ("random", "random-tiny"):
+        if weights == "random-tiny":
+            kwargs = {**tiny_config(), **kwargs}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            net = VGGT(**kwargs)
+    else:
+        source = _reachable_weights(weights)
+        try:
+            net = VGGT.from_pretrained(source, **kwargs)
+        except (OSError, RuntimeError, ValueError) as exc:  # hub offline / not cached / bad file
+            raise WeightsError(f"cannot load weights {weights!r}: {exc}\n" + _HUB_HELP) from exc
+    return net.to(device).eval()
+
+
+def count_tokens(model: torch.nn.Module, frames: int, hw: tuple[int, int], patch: int = 14) -> int:
+    """Tokens in one global-attention sequence: frames x (special tokens + patches)."""
+    special = int(model.aggregator.patch_start_idx)
+    return frames * (special + (hw[0] // patch) * (hw[1] // patch))
+
+
+def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.device = "cpu",
+              progress: bool = True, warmup: int = 0) -> dict:
+    """Run VGGT on one scene and decode cameras.
+
+    Args:
+        model: from :func:`build_model`.
+        images: float32 [S, 3, H, W] in [0, 1], H and W multiples of 14.
+        warmup: untimed forward passes first (the first call compiles Triton kernels).
+
+    Returns:
+        dict of numpy arrays: ``extrinsic`` [S, 3, 4] (OpenCV camera-from-world),
+        ``intrinsic`` [S, 3, 3], ``depth`` [S, H, W], ``depth_conf`` [S, H, W],
+        ``world_points`` [S, H, W, 3], ``world_points_conf`` [S, H, W],
+        ``world_points_from_depth`` [S, H, W, 3], ``images`` [S, H, W, 3] (colours),
+        ``intrinsic_fallback`` [S] bool (see :func:`_usable_intrinsics`);
+        plus ``seconds`` (forward time, synchronised) and ``peak_memory_bytes``
+        (CUDA max allocated, or process peak RSS on CPU) and ``peak_memory_kind``.
+    """
+    from tqdm.auto import tqdm
+
+    *_, to_extri_intri, unproject = _models_api()
+    dev = torch.device(device)
+    x = images.to(dev, torch.float32)
+    H, W = x.shape[-2:]
+    bar = tqdm(total=1 + warmup, desc="inference", unit="pass", disable=not progress)
+    with torch.inference_mode():
+        for _ in range(warmup):
+            model(x)
+            bar.update()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model(x)
+        extr, intr = to_extri_intri(out["pose_enc"], (H, W))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - t0
+    bar.update()
+    bar.close()
+    if dev.type == "cuda":
+        peak, kind = int(torch.cuda.max_memory_allocated(dev)), "cuda_max_allocated"
+    else:
+        peak, kind = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "process_peak_rss"
+
+    def np32(t):
+        return t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float32)
+
+    intr, fixed = _usable_intrinsics(intr[0], (H, W))
+    extr = extr[0]
+    pred = {
+        "extrinsic": np32(extr).astype(np.float64), "intrinsic": np32(intr).astype(np.float64),
+        "intrinsic_fallback": fixed,
+        "depth": np32(out["depth"][0])[..., 0], "depth_conf": np32(out["depth_conf"][0]),
+        "world_points": np32(out["world_points"][0]), "world_points_conf": np32(out["world_points_conf"][0]),
+        "images": images.permute(0, 2, 3, 1).float().cpu().numpy(),
+    }
+    pred["world_points_from_depth"] = np32(unproject(out["depth"][0], extr, intr))
+    pred.update(seconds=seconds, peak_memory_bytes=peak, peak_memory_kind=kind)
+    return pred
+
+
+FALLBACK_HFOV_DEG = 60.0
+
+
+def _usable_intrinsics(K: torch.Tensor, hw) -> tuple[torch.Tensor, np.ndarray]:
+    """Replace unusable predicted intrinsics [S, 3, 3] (non-finite or non-positive focal length).
+
+    A predicted field of view of 0 (the camera head's ReLU, typical of random
+    weights) gives an infinite focal length, which would collapse the depth
+    unprojection onto the optical axis. Such frames get a pinhole with a 60 degree
+    horizontal field of view instead; a warning names them and the returned mask
+    marks them (also recorded in cameras.json as ``intrinsic_fallback``).
+    """
+    from visionattn.dispatch import warn_once
+
+    K = K.clone()
+    f = torch.stack([K[:, 0, 0], K[:, 1, 1]], -1)
+    bad = ~(torch.isfinite(K).all(-1).all(-1) & (f > 0).all(-1))
+    if bool(bad.any()):
+        H, W = hw
+        focal = (W / 2.0) / np.tan(np.radians(FALLBACK_HFOV_DEG) / 2.0)
+        K[bad] = torch.tensor([[focal, 0.0, W / 2.0], [0.0, focal, H / 2.0], [0.0, 0.0, 1.0]],
+                              dtype=K.dtype, device=K.device)
+        warn_once("recon-fallback-intrinsics",
+                  f"predicted focal length unusable (inf/NaN/<=0, e.g. random weights) in frames "
+                  f"{bad.nonzero().flatten().tolist()}: using a {FALLBACK_HFOV_DEG:g} degree horizontal "
+                  "field of view for them (marked intrinsic_fallback in cameras.json)")
+    return K, bad.cpu().numpy()
+
+
+def _resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but no CUDA device is available; use --device cpu")
+    return device
+
+
+def reconstruct(image_dir: str, out_dir: str, model: str = "vggt", mode: str = "fp32",
+                weights: str = DEFAULT_WEIGHTS, device: str | None = None, conf_percentile: float = 50.0,
+                max_frames: int | None = None, size: int = 518, preprocess: str = "crop",
+                point_source: str = "depth", seed: int = 0, preview: bool = True,
+                progress: bool = True, warmup: int = 0, log=print) -> dict:
+    """The whole demo: folder of images -> ``out_dir`` with points, cameras, depth, preview.
+
+    Outputs are described in :mod:`visionattn.recon.export`; they are written to
+    a temporary folder and renamed to ``out_dir`` at the end. Nothing is
+    written if loading the images or the weights fails.
+
+    Returns:
+        summary dict: frames, tokens, points kept, seconds (inference / total),
+        peak memory, mode, model, weights, image size, skipped files, out_dir.
+
+    Raises:
+        ImageFolderError, OutputDirError, WeightsError, MissingDependencyError: user errors
+            (no output written).
+        ValueError: bad arguments.
+    """
+    t_start = time.perf_counter()
+    if not 0.0 <= conf_percentile <= 100.0:
+        raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
+    _check_mode(mode)
+    dev = _resolve_device(device)
+    check_output_dir(out_dir)
+    require_open3d()  # points.ply needs it: fail now, not after inference
+    if weights not in ("random", "random-tiny"):
+        _reachable_weights(weights)  # fail in seconds when offline, before decoding any image
+    loaded: LoadedImages = load_images(image_dir, size=size, mode=preprocess, max_frames=max_frames,
+                                       progress=progress)
+    for name, why in loaded.skipped:
+        log(f"note: skipped {name!r} ({why})")
+    net = build_model(model, weights, mode, dev, seed)
+    pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup)
+    S, H, W = pred["depth"].shape
+    tokens = count_tokens(net, S, (H, W))
+    summary = {"frames": S, "image_hw": [H, W], "tokens": tokens, "model": model, "mode": mode,
+               "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "warmup": warmup,
+               "peak_memory_bytes": pred["peak_memory_bytes"], "peak_memory_kind": pred["peak_memory_kind"],
+               "conf_percentile": conf_percentile, "point_source": point_source,
+               "skipped": [n for n, _ in loaded.skipped], "image_dir": os.path.abspath(image_dir),
+               "intrinsic_fallback_frames": [int(i) for i in np.flatnonzero(pred["intrinsic_fallback"])],
+               "environment": environment()}
+    with atomic_output_dir(out_dir) as tmp:
+        res = write_reconstruction(tmp, pred, loaded, conf_percentile, point_source, progress,
+                                   extra={"model": model, "mode": mode, "weights": weights})
+        summary["points_kept"] = res["points"]
+        if preview:
+            from .preview import render_preview
+            title = (f"{model} {mode} weights={weights} | {S} frames, {tokens} tokens, "
+                     f"{res['points']:,} points, {pred['seconds']:.2f} s")
+            render_preview(os.path.join(tmp, "preview.png"), res["xyz"], res["rgb"], pred["extrinsic"],
+                           pred["intrinsic"], pred["depth"], loaded.names, title)
+        summary["total_seconds"] = time.perf_counter() - t_start
+        summary["out_dir"] = os.path.abspath(out_dir)
+        with open(os.path.join(tmp, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1, allow_nan=False)
+    return summary
