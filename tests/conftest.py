@@ -11,9 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHOTOS = os.path.join(REPO, "tests", "data", "photos")  # OpenCV sample photos, licence in tests/data
-MULTIVIEW = os.path.join(REPO, "demos", "data")  # aloe/, stereo_rig/, suzanne/ (OpenCV samples)
+from testdata import MULTIVIEW, PHOTOS, REPO  # noqa: E402,F401  (re-exported for fixtures)
 
 
 def pytest_collection_modifyitems(config, items):

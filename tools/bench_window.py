@@ -3,7 +3,7 @@
 Attention only (q, k, v given as timm's ``qkv.unbind`` views, bias + shift mask) for
 every stage of the models in ``configs/bench_window.yaml`` at several batch sizes,
 fp16 and fp32; then the WindowAttention module (qkv + attention + proj) and whole
-models (random weights), patched with :func:`visionattn.window.timm_window_forward`
+models (random weights), patched with :func:`visionattn.patch_model`
 vs unpatched timm. Times are medians of ``triton.testing.do_bench`` (CUDA events,
 L2 flushed between runs); memory is the peak allocated during one call beyond the
 inputs. Writes ``<out>.md``, ``<out>.json`` and ``<out>.png``.
@@ -294,8 +294,10 @@ def bench_sweep(cfg, args) -> list[dict]:
 
 
 def bench_module(cfg, args) -> list[dict]:
-    """WindowAttention module (qkv + attention + proj): timm eager / timm fused vs timm_window_forward."""
-    from visionattn.window import timm_window_forward
+    """WindowAttention module (qkv + attention + proj): timm eager / timm fused vs a patch_model'd copy."""
+    import copy
+
+    import visionattn
 
     kc = cfg["key_case"]
     rows = []
@@ -313,24 +315,17 @@ def bench_module(cfg, args) -> list[dict]:
                 attn.fused_attn = True
                 row["timm_sdpa"] = measure(lambda: attn(x, mask=mask), args.warmup_ms, args.rep_ms)
                 attn.fused_attn = False
-            row["visionattn"] = measure(lambda: timm_window_forward(attn, x, mask, mode=dt),
-                                        args.warmup_ms, args.rep_ms)
+            patched = visionattn.patch_model(copy.deepcopy(attn), mode=dt)  # patched once, outside the timing
+            row["visionattn"] = measure(lambda: patched(x, mask), args.warmup_ms, args.rep_ms)
             rows.append(row)
     return rows
 
 
 def patch_window_attention(model, mode: str) -> int:
-    """Bench-local patch: route every timm WindowAttention.forward through timm_window_forward."""
-    from timm.models import swin_transformer as sw1
-    from timm.models import swin_transformer_v2 as sw2
-    from visionattn.window import timm_window_forward
+    """Patch ``model`` in place with :func:`visionattn.patch_model`; return the number of patched modules."""
+    import visionattn
 
-    n = 0
-    for mod in model.modules():
-        if type(mod) in (sw1.WindowAttention, sw2.WindowAttention):
-            mod.forward = functools.partial(timm_window_forward, mod, mode=mode)
-            n += 1
-    return n
+    return visionattn.patch_model(model, mode=mode).visionattn_report.num_patched
 
 
 def bench_models(cfg, args) -> list[dict]:
@@ -413,7 +408,7 @@ def to_markdown(res: dict) -> str:
         lines.append("")
     if res.get("module"):
         lines += ["## WindowAttention module (qkv + attention + proj), stage 1, key-case batch", "",
-                  "| model | dtype | timm eager | timm SDPA | visionattn (timm_window_forward) |", "|---|---|---|---|---|"]
+                  "| model | dtype | timm eager | timm SDPA | visionattn (patch_model) |", "|---|---|---|---|---|"]
         for r in res["module"]:
             lines.append(f"| {r['model']} | {r['dtype']} | {_fmt(r.get('timm_eager'))} | {_fmt(r.get('timm_sdpa'))} | "
                          f"{_fmt(r.get('visionattn'))} |")

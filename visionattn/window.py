@@ -12,9 +12,7 @@ bias ``16 * sigmoid(cpb_mlp(...))`` computed once per forward by the caller.
 * :func:`window_attention` — the public function (validation, dispatch);
 * :func:`window_attention_reference` — the PyTorch reference in a mode's
   arithmetic (CPU path, differentiable fallback, float64 oracle with
-  ``state_dtype=torch.float64``);
-* :func:`timm_window_forward` — timm's ``WindowAttention.forward`` (Swin v1 and
-  v2) with the attention computed by :func:`window_attention`.
+  ``state_dtype=torch.float64``).
 """
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ import torch.nn.functional as F
 from . import dispatch
 from .modes import Mode, get_mode
 
-__all__ = ["window_attention", "window_attention_reference", "validate_window_inputs", "timm_window_forward"]
+__all__ = ["window_attention", "window_attention_reference", "validate_window_inputs"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -237,55 +235,3 @@ def _kernel_unsupported(q, v, bias, mask, ls) -> str | None:
         return f"head dim > {_MAX_KERNEL_HEAD_DIM}"
     return None
 
-
-def timm_window_forward(module, x: torch.Tensor, mask: torch.Tensor | None = None, *, mode: str = "fp32",
-                        backend: str | None = None) -> torch.Tensor:
-    """timm's ``WindowAttention.forward`` (Swin v1 or v2) with :func:`window_attention` inside.
-
-    Args:
-        module: ``timm.models.swin_transformer.WindowAttention`` or
-            ``timm.models.swin_transformer_v2.WindowAttention``.
-        x: [B*nW, N, C] window tokens; mask: the block's shift mask [nW, N, N] or None.
-        mode, backend: as :func:`window_attention`.
-
-    Returns:
-        [B*nW, N, C], the module's output.
-
-    Raises:
-        TypeError: ``module`` is neither class.
-        ValueError: training with attention dropout > 0 (not implemented by the kernel).
-    """
-    from timm.models import swin_transformer as sw1
-    from timm.models import swin_transformer_v2 as sw2
-
-    if module.training and module.attn_drop.p > 0:
-        raise ValueError("attention dropout is not supported by window_attention; call module.eval() "
-                         "or set attn_drop=0")
-    BW, N, _ = x.shape
-    nw = mask.shape[0] if mask is not None else 1
-    if type(module) is sw1.WindowAttention:
-        qkv = module.qkv(x).reshape(BW, N, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        y = window_attention(q, k, v, relative_position_bias=module._get_rel_pos_bias(), shift_mask=mask,
-                             num_windows=nw, scale=module.scale, mode=mode, backend=backend)
-    elif type(module) is sw2.WindowAttention:
-        if module.q_bias is None:
-            qkv = module.qkv(x)
-        else:
-            qkv_bias = torch.cat((module.q_bias, module.k_bias, module.v_bias))
-            if module.qkv_bias_separate:
-                qkv = module.qkv(x) + qkv_bias
-            else:
-                qkv = F.linear(x, weight=module.qkv.weight, bias=qkv_bias)
-        qkv = qkv.reshape(BW, N, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        table = module.cpb_mlp(module.relative_coords_table).view(-1, module.num_heads)
-        bias = table[module.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
-        y = window_attention(q, k, v, relative_position_bias=16 * torch.sigmoid(bias), shift_mask=mask,
-                             num_windows=nw, cosine=True, logit_scale=module.logit_scale, mode=mode,
-                             backend=backend)
-    else:
-        raise TypeError(f"timm_window_forward supports timm's Swin v1 / v2 WindowAttention, got "
-                        f"{type(module).__module__}.{type(module).__name__}")
-    y = y.transpose(1, 2).reshape(BW, N, -1)
-    return module.proj_drop(module.proj(y))

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 from timm.models.swin_transformer import SwinTransformerBlock
 from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 
+import visionattn
 from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode
 from visionattn.reference import oracle_attention
-from visionattn.window import timm_window_forward, window_attention, window_attention_reference
+from visionattn.window import window_attention, window_attention_reference
 
 
 def expanded_oracle(q, k, v, bias, mask, nw, cosine=False, logit_scale=None, scale=None):
@@ -142,10 +143,12 @@ def test_equivalence_with_timm_window_attention(family, shift, mode, backend):
     n, nw = attn.relative_position_index.shape[0], 4
     x = torch.randn(2 * nw, n, 32, generator=torch.Generator().manual_seed(5))
     oracle_mod = copy.deepcopy(attn).double()
+    patched = visionattn.patch_model(copy.deepcopy(attn), mode=mode, backend=backend)
+    assert patched.visionattn_report.num_patched == 1
     with torch.no_grad():
         gold = oracle_mod(x.double(), mask=None if mask is None else mask.double())
         timm_fp32 = attn(x, mask=mask)
-        ours = timm_window_forward(attn, x, mask, mode=mode, backend=backend)
+        ours = patched(x, mask)
     assert ours.shape == gold.shape and ours.dtype == x.dtype
     err, timm_err = rel_l2(ours, gold), rel_l2(timm_fp32, gold)
     if mode == "fp32":  # same precision as timm's own fp32 forward: within a small multiple of its error

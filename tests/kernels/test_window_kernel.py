@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import visionattn
 from visionattn.kernels.window_fwd import get_config, window_attention_fwd
 from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode
 from visionattn.reference import oracle_attention
-from visionattn.window import timm_window_forward, window_attention
+from visionattn.window import window_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -166,7 +167,9 @@ def test_gpu_equivalence_with_timm_modules_real_size(family, shift, mode):
     n = attn.relative_position_index.shape[0]
     nw = 64 if family == "v1" else 16
     x = torch.randn(8 * nw, n, 128, device=DEV)
+    patched = visionattn.patch_model(copy.deepcopy(attn), mode=mode)
+    assert patched.visionattn_report.num_patched == 1
     with torch.no_grad():
         gold = copy.deepcopy(attn).double()(x.double(), mask=None if mask is None else mask.double())
-        ours = timm_window_forward(attn, x, mask, mode=mode)
+        ours = patched(x, mask)
     assert rel_l2(ours, gold) <= get_mode(mode).rel_tol * (4 if family == "v2" else 1)

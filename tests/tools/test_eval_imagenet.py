@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from timm.data import ImageNetInfo
 
-from conftest import PHOTOS, REPO
+from testdata import PHOTOS, REPO
 from visionattn import imagenet
 
 SYNSETS = ImageNetInfo("imagenet-1k").label_names()

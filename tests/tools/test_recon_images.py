@@ -9,7 +9,7 @@ from PIL import Image
 from visionattn.recon.images import (ImageFolderError, load_images, natural_key, preprocess_image,
                                      read_image)
 
-from conftest import MULTIVIEW
+from testdata import MULTIVIEW
 
 
 def _gradient(w, h):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import MULTIVIEW, REPO
+from testdata import MULTIVIEW, REPO
 
 try:  # skip only when open3d is not installed; an installed but broken open3d (no libusb) fails loudly
     import open3d as o3d

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks behind docs/benchmarks/, in steps that fit a 10-minute call.
+#
+#   bash tools/gpu_suite.sh OUT_DIR STEP [STEP ...]
+#
+# Steps: tests (pytest -m gpu), models (bench_models --quick), imagenet (eval_imagenet, random
+# weights, 512 synthetic crops of tests/data/photos), recon (per-mode VGGT-1B agreement + timing on
+# demos/data/stereo_rig), vggt (bench_vggt 10/50 frames), vggt100 (100 frames fp32 vs SDPA),
+# fastvggt500, svd (attention at real SVD shapes; needs diffusers). Every step logs to OUT_DIR/STEP.log
+# and a failing step does not stop the next one. Machine-wide settings are left alone.
+set -uo pipefail
+out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+python - >> "$out/gpu.txt" 2>&1 <<'EOF'
+import torch, triton, timm; print("torch", torch.__version__, "triton", triton.__version__, "timm", timm.__version__)
+EOF
+
+run() {  # run NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  echo "step $name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/steps.txt"
+}
+
+for step in "$@"; do
+  case $step in
+    tests) run tests 420 python -m pytest -m gpu -q -x --timeout=300 -p no:cacheprovider tests ;;
+    tests-k) run tests-k 300 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider tests/kernels tests/api ;;
+    tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching tests/tools ;;
+    models) run models 300 python tools/bench_models.py --quick --out "$out/models_bench" ;;
+    imagenet) run imagenet 300 python tools/eval_imagenet.py --random-weights --synthetic-from tests/data/photos \
+        --limit 512 --batch-size 64 --model vit_base_patch16_224 --model deit_small_patch16_224 \
+        --model swin_tiny_patch4_window7_224 --model swinv2_tiny_window8_256 --out "$out/imagenet.json" ;;
+    recon) run recon 300 python tools/eval_reconstruction.py modes demos/data/stereo_rig --weights random \
+        --modes fp32,tf32,fp16,bf16,pasa,sdpa --warmup 1 --out "$out/recon_modes" ;;
+    vggt) run vggt 420 python tools/bench_vggt.py --models vggt fastvggt --frames 10 50 --out "$out/vggt_bench" ;;
+    vggt100) run vggt100 420 python tools/bench_vggt.py --models vggt --rows sdpa-fp32 fp32 sdpa-bf16 bf16 \
+        --frames 100 --out "$out/vggt_bench" ;;
+    fastvggt500) run fastvggt500 300 python tools/bench_vggt.py --models fastvggt --rows bf16 --frames 500 \
+        --out "$out/vggt_bench" ;;
+    svd) run svd 300 python tools/eval_svd.py --attention-bench --bench-levels 2 --out "$out/svd_attention" ;;
+    *) echo "unknown step $step" | tee -a "$out/steps.txt" ;;
+  esac
+done
