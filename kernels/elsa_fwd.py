@@ -1,9 +1,552 @@
-"""Dense ELSA forward (being written: issue 3)."""
+"""Dense ELSA forward: Triton kernels for exact softmax attention.
+
+The ELSA view (ELSA paper, Sec. 3; supplement Alg. 1): for one query row the keys
+fold into a state ``(m, S, W)`` — running max logit ``m``, normalizer
+``S = sum_j exp(s_j - m)`` and unnormalized output ``W = sum_j exp(s_j - m) v_j`` —
+under the associative merge
+
+    m = max(m_a, m_b),  S = S_a 2^(m_a - m) + S_b 2^(m_b - m),  W likewise,
+
+with identity ``(-inf, 0, 0)`` and output ``y = W / S``. Logits are kept in base 2
+(``log2(e)`` is folded into the scale, so every exponential is one ``exp2``).
+
+Two paths, both over the same inner step :func:`_fold_tile`:
+
+* **single pass** (:func:`_elsa_fwd_kernel` with ``SPLIT=False``): one program per
+  (query tile, head, batch) streams all KV tiles with the state in registers and
+  writes ``W / S`` (FlashAttention's online softmax). Extra memory: the output.
+* **split-KV** (``SPLIT=True`` + :func:`_elsa_merge_kernel`): the KV tiles of each
+  query tile are cut into P contiguous partitions; each program writes its partial
+  ``(m, S, W)`` (W unnormalized, FP32) to a workspace, and the merge kernel folds the
+  P partials with the monoid merge (Flash-Decoding / LeanAttention). Chosen
+  automatically when ``B * H * ceil(Nq / BLOCK_M)`` programs cannot fill the GPU.
+
+Modes (:mod:`visionattn.modes`): ``fp32`` (3xTF32 products, ``tl.dot``
+``input_precision="tf32x3"``), ``fp32-ieee`` (``"ieee"``: FP32 FMA, no tensor
+cores), ``tf32`` (``"tf32"``), ``fp16`` / ``bf16`` (half tensor-core products,
+P rounded to the input dtype before ``P @ V``); scores, state and accumulation are
+FP32 in every mode.
+
+Public entry points (called by :func:`visionattn.attention`):
+:func:`elsa_attention`, :func:`unsupported_reason`; for tools and tuning:
+:func:`get_config`, :func:`choose_num_splits`, :class:`TileConfig`.
+The launcher is registered as the torch custom op ``visionattn::elsa_fwd`` so
+``torch.compile`` and CUDA graphs treat it as one opaque node.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+import triton.runtime.errors
+
+__all__ = [
+    "elsa_attention", "unsupported_reason", "TileConfig", "get_config", "choose_num_splits",
+    "KERNEL_MODES", "MAX_HEAD_DIM", "SHORT_KV",
+]
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+
+# mode -> (compute dtype, tl.dot input_precision for the FP32 operands; half modes ignore it)
+KERNEL_MODES: dict[str, tuple[torch.dtype, str]] = {
+    "fp32": (torch.float32, "tf32x3"),
+    "fp32-ieee": (torch.float32, "ieee"),
+    "tf32": (torch.float32, "tf32"),
+    "fp16": (torch.float16, "tf32"),
+    "bf16": (torch.bfloat16, "tf32"),
+}
 
 
-def unsupported_reason(q, k, v, bias, attn_mask, mode):
-    return "the Triton ELSA kernels are not built yet"
+# --------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _fold_tile(acc, l_i, m_i, q, k_base, v_base, b_base, msk_base, start_n,
+               offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+               skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
+               BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+               HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+               PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Fold one KV tile [start_n, start_n + BLOCK_N) into the per-row state (acc=W, l_i=S, m_i=m).
+
+    BOUNDARY tiles mask keys >= Nk and (causal) keys after the query; interior tiles skip both.
+    DOT_UPCAST (interpreter only, whose bf16 ``tl.dot`` is broken): products of the bf16
+    operands in FP32, which is exact, as the tensor cores compute them.
+    """
+    cols = start_n + offs_n
+    col_ok = cols < Nk
+    start_n64 = start_n + tl.zeros([], dtype=tl.int64)  # 64-bit tile offsets (loop var may be a Python int)
+    k_ptrs = k_base + start_n64 * skn + offs_n[:, None] * skn + offs_d[None, :] * skd
+    if BOUNDARY:
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=col_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+    if DOT_UPCAST:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if HAS_BIAS:
+        b_ptrs = b_base + start_n64 * sbn + offs_m[:, None] * sbm + offs_n[None, :] * sbn
+        bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        qk += bias.to(tl.float32) * 1.4426950408889634
+    if HAS_MASK:
+        mk_ptrs = msk_base + start_n64 * smn + offs_m[:, None] * smm + offs_n[None, :] * smn
+        keep = tl.load(mk_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
+        qk = tl.where(keep != 0, qk, float("-inf"))
+    if BOUNDARY:
+        valid = col_ok[None, :]
+        if IS_CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # a row with every key so far masked keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v_ptrs = v_base + start_n64 * svn + offs_n[:, None] * svn + offs_dv[None, :] * svd
+    if BOUNDARY:
+        if EVEN_DV:
+            v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv < Dv)[None, :], other=0.0)
+    else:
+        if EVEN_DV:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=(offs_dv < Dv)[None, :], other=0.0)
+    if DOT_UPCAST:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
+    elif PRECISION == "ieee":
+        # FMA dots accumulate product by product into `acc`: over 65536 keys that is 65536
+        # roundings against a large sum (rel err ~5e-6). Sum this tile apart and add it once
+        # (one rounding per tile, as the MMA does). The start value `acc * 0.0` is not a known
+        # zero, so the compiler cannot fold the add back into the dot.
+        acc += tl.dot(p, v, acc * 0.0, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return acc, l_i, m_new
 
 
-def elsa_attention(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits=None):
-    raise NotImplementedError("Triton ELSA kernels are being written (issue 3)")
+@triton.jit
+def _elsa_fwd_kernel(
+    Q, K, V, Bias, Mask, Out, WsM, WsS, WsW,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
+    B, H, Nq, Nk, D, Dv, qk_scale, n_splits, tiles_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """One (query tile, [KV partition,] head, batch) program; grid (n_m_tiles * P, H, B)."""
+    pid = tl.program_id(0)
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    if SPLIT:
+        pid_m = pid // n_splits
+        split = pid % n_splits
+    else:
+        pid_m = pid
+        split = 0
+    start_m = pid_m * BLOCK_M
+    start_m64 = start_m.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = start_m + offs_m
+    row_ok = rows < Nq
+
+    q_ptrs = Q + off_b * sqb + off_h * sqh + start_m64 * sqm + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    k_base = K + off_b * skb + off_h * skh
+    v_base = V + off_b * svb + off_h * svh
+    b_base = Bias
+    msk_base = Mask
+    if HAS_BIAS:
+        b_base = Bias + off_b * sbb + off_h * sbh + start_m64 * sbm
+    if HAS_MASK:
+        msk_base = Mask + off_b * smb + off_h * smh + start_m64 * smm
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    hi = Nk
+    if IS_CAUSAL:
+        hi = tl.minimum(Nk, start_m + BLOCK_M)  # later KV tiles are fully masked: skipped
+    n_tiles = tl.cdiv(hi, BLOCK_N)
+    n_full = Nk // BLOCK_N  # tiles needing neither the Nk tail mask nor the causal mask
+    if IS_CAUSAL:
+        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    lo_t = 0
+    hi_t = n_tiles
+    if SPLIT:
+        lo_t = split * tiles_per_split
+        hi_t = tl.minimum(lo_t + tiles_per_split, n_tiles)
+    mid_t = tl.maximum(tl.minimum(n_full, hi_t), lo_t)
+    for t in range(lo_t, mid_t):
+        acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, k_base, v_base, b_base, msk_base, t * BLOCK_N,
+                                   offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+                                   skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
+                                   False, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+    for t in range(mid_t, hi_t):
+        acc, l_i, m_i = _fold_tile(acc, l_i, m_i, q, k_base, v_base, b_base, msk_base, t * BLOCK_N,
+                                   offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+                                   skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
+                                   True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+
+    dv_ok = offs_dv < Dv
+    if SPLIT:
+        # partial state of partition `split`: workspace [P, B, H, Nq] (m, S) and [P, B, H, Nq, Dv] (W)
+        row_id = ((split * B + off_b) * H + off_h) * Nq + start_m64 + offs_m
+        tl.store(WsM + row_id, m_i, mask=row_ok)
+        tl.store(WsS + row_id, l_i, mask=row_ok)
+        w_ptrs = WsW + row_id[:, None] * Dv + offs_dv[None, :]
+        tl.store(w_ptrs, acc, mask=row_ok[:, None] & dv_ok[None, :])
+    else:
+        l_div = tl.where(l_i > 0.0, l_i, 1.0)  # fully masked rows: W = 0, S = 0 -> output 0
+        out = acc / l_div[:, None]
+        o_ptrs = Out + off_b * sob + off_h * soh + start_m64 * som + offs_m[:, None] * som + offs_dv[None, :] * sod
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def _elsa_merge_kernel(WsM, WsS, WsW, Out, sob, soh, som, sod, B, H, Nq, Dv, n_splits,
+                       BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Fold the P partial states of each query row with the monoid merge; write W / S.
+
+    Grid (cdiv(Nq, BLOCK_M), H, B). Partials of a partition that saw no visible key are
+    the identity (-inf, 0, 0) and drop out.
+    """
+    pid_m = tl.program_id(0)
+    off_h = tl.program_id(1).to(tl.int64)
+    off_b = tl.program_id(2).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Nq
+    dv_ok = offs_dv < Dv
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    w = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    plane = B * H * Nq
+    base = (off_b * H + off_h) * Nq + rows
+    for p in range(0, n_splits):
+        row_id = p * plane + base
+        m_p = tl.load(WsM + row_id, mask=row_ok, other=float("-inf"))
+        s_p = tl.load(WsS + row_id, mask=row_ok, other=0.0)
+        w_p = tl.load(WsW + row_id[:, None] * Dv + offs_dv[None, :], mask=row_ok[:, None] & dv_ok[None, :],
+                      other=0.0)
+        m_new = tl.maximum(m, m_p)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.math.exp2(m - m_safe)
+        b = tl.math.exp2(m_p - m_safe)
+        s = s * a + s_p * b
+        w = w * a[:, None] + w_p * b[:, None]
+        m = m_new
+    out = w / tl.where(s > 0.0, s, 1.0)[:, None]
+    o_ptrs = Out + off_b * sob + off_h * soh + rows[:, None].to(tl.int64) * som + offs_dv[None, :] * sod
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+
+
+# --------------------------------------------------------------------------- configuration
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch configuration of :func:`_elsa_fwd_kernel`.
+
+    Attributes:
+        block_m: query rows per program (power of two, >= 16).
+        block_n: keys per KV tile (power of two, >= 16).
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the KV loop.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Keyed by (precision kind, padded head dim, short KV): "half" = fp16/bf16 inputs; the FP32
+# kinds are the tl.dot input precisions; "short" = Nk <= SHORT_KV (ViT-sized sequences, where
+# narrower KV tiles waste less on the tail). Measured on an H200 with
+# `tools/bench_attention.py --tune` (B=1,H=8,N=8192 and B=64,H=12,N=197; D=64 and 128);
+# the D=16/32/256 rows are extrapolated (smaller tiles where registers/shared memory run out).
+SHORT_KV = 512
+_CONFIGS: dict[tuple[str, int, bool], TileConfig] = {}
+for _short in (False, True):
+    _CONFIGS.update({
+        ("half", 16, _short): TileConfig(128, 64, 4, 3),
+        ("half", 32, _short): TileConfig(128, 32 if _short else 64, 4, 3),
+        ("half", 64, _short): TileConfig(128, 32 if _short else 64, 4, 3),
+        ("half", 128, _short): TileConfig(128, 128, 8, 3) if not _short else TileConfig(128, 64, 8, 3),
+        ("half", 256, _short): TileConfig(64, 32, 4, 2),
+        ("tf32", 16, _short): TileConfig(128, 64, 4, 2),
+        ("tf32", 32, _short): TileConfig(128, 64, 4, 2),
+        ("tf32", 64, _short): TileConfig(128, 32, 4, 3) if _short else TileConfig(128, 64, 4, 2),
+        ("tf32", 128, _short): TileConfig(128, 32, 4, 3),
+        ("tf32", 256, _short): TileConfig(64, 32, 4, 2),
+        ("tf32x3", 16, _short): TileConfig(128, 64, 8, 2),
+        ("tf32x3", 32, _short): TileConfig(128, 64, 8, 2),
+        ("tf32x3", 64, _short): TileConfig(128, 64, 8, 2),
+        ("tf32x3", 128, _short): TileConfig(128, 32, 8, 3),
+        ("tf32x3", 256, _short): TileConfig(64, 32, 4, 2),
+        ("ieee", 16, _short): TileConfig(64, 64, 4, 2),
+        ("ieee", 32, _short): TileConfig(64, 64, 4, 2),
+        ("ieee", 64, _short): TileConfig(128, 64, 8, 2) if _short else TileConfig(64, 64, 4, 2),
+        ("ieee", 128, _short): TileConfig(32, 32, 4, 2),
+        ("ieee", 256, _short): TileConfig(32, 32, 4, 1),
+    })
+del _short
+
+
+def _kind(mode: str) -> str:
+    dtype, precision = KERNEL_MODES[mode]
+    return "half" if dtype in (torch.float16, torch.bfloat16) else precision
+
+
+def _pad_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, n_k: int | None = None) -> TileConfig:
+    """Tile configuration for ``mode``, head dims (D, Dv) (the larger padded dim decides) and key count.
+
+    ``n_k`` <= :data:`SHORT_KV` selects the short-sequence row (ViT-sized); ``None`` = long.
+
+    Raises:
+        ValueError: unknown mode, or a head dim outside 1..:data:`MAX_HEAD_DIM`.
+    """
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(KERNEL_MODES)}")
+    dmax = max(head_dim, head_dim_v or head_dim)
+    if not 1 <= dmax <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {dmax} outside 1..{MAX_HEAD_DIM}")
+    return _CONFIGS[(_kind(mode), _pad_dim(dmax), n_k is not None and n_k <= SHORT_KV)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, device: torch.device) -> int:
+    """Number of KV partitions P for the split-KV path (1 = single pass).
+
+    Split only when the single pass launches fewer programs than the GPU has SMs
+    (few queries, long KV; LeanAttention's regime): P fills the SMs about twice
+    while keeping at least two KV tiles per partition, at most 64 partitions.
+    """
+    if device.type != "cuda":
+        return 1
+    programs = batch_heads * triton.cdiv(n_q, config.block_m)
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    n_tiles = triton.cdiv(n_k, config.block_n)
+    return max(1, min(triton.cdiv(2 * sms, programs), n_tiles // 2, 64))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def unsupported_reason(q, k, v, bias, attn_mask, mode: str) -> str | None:
+    """Why the dense kernels cannot run this call, or ``None`` if they can.
+
+    Inputs as :func:`visionattn.attention` validated them (it calls this before casting
+    to the mode's dtype, so the dtype is not checked here). Reasons: a mode without a dense kernel (PASA modes
+    have their own kernel), a head dim above :data:`MAX_HEAD_DIM`, tensors not on
+    CUDA (unless ``TRITON_INTERPRET=1``), or autograd being required (these kernels
+    are forward-only).
+    """
+    if mode not in KERNEL_MODES:
+        return f"mode {mode!r} has no dense ELSA kernel"
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
+    if q.device.type != "cuda" and not _interpreting():
+        return f"tensors on {q.device.type} (the Triton kernels need CUDA or TRITON_INTERPRET=1)"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        return "autograd: the dense kernels are forward-only"
+    return None
+
+
+# --------------------------------------------------------------------------- launcher
+
+def _smaller_configs(cfg: TileConfig) -> list[TileConfig]:
+    """Configs to try, in order, when ``cfg`` exceeds the GPU's shared memory.
+
+    Bias / mask tiles are pipelined too, so a config measured without them can overflow:
+    first fewer stages (down to 2), then narrower KV tiles, then 1 stage, then fewer query rows.
+    """
+    out, c = [], cfg
+    while c.num_stages > 2:
+        c = replace(c, num_stages=c.num_stages - 1)
+        out.append(c)
+    while c.block_n > 16:
+        c = replace(c, block_n=c.block_n // 2)
+        out.append(c)
+    if c.num_stages > 1:
+        c = replace(c, num_stages=1)
+        out.append(c)
+    while c.block_m > 16:
+        c = replace(c, block_m=c.block_m // 2, num_warps=min(c.num_warps, 4))
+        out.append(c)
+    return out
+
+
+# launch key -> the config that fitted after an out-of-shared-memory retry (per process)
+_FITTED: dict[tuple, TileConfig] = {}
+
+
+def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,
+            config: TileConfig | None = None) -> torch.Tensor:
+    """Validate, allocate, choose the path, launch. ``num_splits`` 0 = automatic.
+
+    Without an explicit ``config`` the table's config is used; if the compiled kernel needs
+    more shared memory than the GPU has (bias/mask tiles add to it), the next smaller config
+    of :func:`_smaller_configs` is tried and remembered for this kernel variant.
+    """
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(KERNEL_MODES)}")
+    dtype = KERNEL_MODES[mode][0]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; mode {mode!r} computes in {dtype} (cast first)")
+    if num_splits < 0:
+        raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 / None = automatic)")
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    out = torch.empty((B, H, Nq, Dv), device=q.device, dtype=dtype)
+    if B * H * Nq == 0 or Dv == 0:
+        return out
+    if Nk == 0:
+        return out.zero_()
+    if config is not None:
+        _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, config, out)
+        return out
+    table = get_config(mode, D, Dv, Nk)
+    key = (mode, _pad_dim(D), _pad_dim(Dv), Nk <= SHORT_KV, bias is not None and bias.dtype,
+           attn_mask is not None, bool(is_causal))
+    cfg = _FITTED.get(key, table)
+    candidates = [cfg] + _smaller_configs(cfg)
+    for i, c in enumerate(candidates):
+        try:
+            _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, c, out)
+        except triton.runtime.errors.OutOfResources:
+            if i + 1 == len(candidates):
+                raise
+            continue
+        if c != cfg:
+            _FITTED[key] = c
+        return out
+    return out
+
+
+def _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, cfg: TileConfig, out):
+    """Plan (split count, workspace, grid) for ``cfg`` and launch the forward (+ merge) kernels into ``out``."""
+    dtype, precision = KERNEL_MODES[mode]
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    n_tiles = triton.cdiv(Nk, cfg.block_n)
+    P = num_splits or choose_num_splits(B * H, Nq, Nk, cfg, q.device)
+    P = max(1, min(P, n_tiles))
+    tiles_per_split = triton.cdiv(n_tiles, P)
+    P = triton.cdiv(n_tiles, tiles_per_split)  # no empty trailing partitions
+    BLOCK_D, BLOCK_DV = _pad_dim(D), _pad_dim(Dv)
+
+    has_bias, has_mask = bias is not None, attn_mask is not None
+    bias_t = bias if has_bias else q  # dummy pointer, never read
+    mask_t = attn_mask if has_mask else q
+    sb = bias.stride() if has_bias else (0, 0, 0, 0)
+    sm = attn_mask.stride() if has_mask else (0, 0, 0, 0)
+    split = P > 1
+    if split:
+        ws_m = torch.empty((P, B, H, Nq), device=q.device, dtype=torch.float32)
+        ws_s = torch.empty_like(ws_m)
+        ws_w = torch.empty((P, B, H, Nq, Dv), device=q.device, dtype=torch.float32)
+    else:
+        ws_m = ws_s = ws_w = out  # unused
+    n_m = triton.cdiv(Nq, cfg.block_m)
+    grid = (n_m * P, H, B)
+    _elsa_fwd_kernel[grid](
+        q, k, v, bias_t, mask_t, out, ws_m, ws_s, ws_w,
+        *q.stride(), *k.stride(), *v.stride(), *sb, *sm, *out.stride(),
+        B, H, Nq, Nk, D, Dv, scale * LOG2E, P, tiles_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
+        PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=has_bias, HAS_MASK=has_mask,
+        SPLIT=split, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
+        DOT_UPCAST=dtype == torch.bfloat16 and _interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        merge_m = 64 if BLOCK_DV <= 128 else 32
+        _elsa_merge_kernel[(triton.cdiv(Nq, merge_m), H, B)](
+            ws_m, ws_s, ws_w, out, *out.stride(), B, H, Nq, Dv, P,
+            BLOCK_M=merge_m, BLOCK_DV=BLOCK_DV, num_warps=4,
+        )
+
+
+@torch.library.custom_op("visionattn::elsa_fwd", mutates_args=())
+def _elsa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                 attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, mode: str,
+                 num_splits: int) -> torch.Tensor:
+    return _launch(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits)
+
+
+@_elsa_fwd_op.register_fake
+def _elsa_fwd_fake(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits):
+    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+
+def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                   attn_mask: torch.Tensor | None, is_causal: bool, scale: float, mode: str,
+                   num_splits: int | None = None) -> torch.Tensor:
+    """Exact attention ``softmax(scale q k^T + bias, masked) v`` by the ELSA Triton kernels.
+
+    Args:
+        q: [B, H, Nq, D] in the mode's compute dtype (fp32 for ``fp32`` / ``fp32-ieee`` /
+            ``tf32``, float16 for ``fp16``, bfloat16 for ``bf16``); any strides (no copy).
+        k: [B, H, Nk, D], same dtype/device; v: [B, H, Nk, Dv] (Dv may differ from D).
+            D, Dv in 1..256 (padded to a power of two >= 16 inside the kernel).
+        bias: None or an additive float bias viewed as [B, H, Nq, Nk] (stride-0 broadcast
+            views are read through their strides, any float dtype).
+        attn_mask: None or a bool mask viewed as [B, H, Nq, Nk]; True = keep.
+        is_causal: top-left causal mask (key j visible to query i iff j <= i); KV tiles
+            entirely after a query tile are skipped.
+        scale: logit scale (``log2 e`` is folded in for ``exp2``).
+        mode: ``fp32``, ``fp32-ieee``, ``tf32``, ``fp16`` or ``bf16``.
+        num_splits: KV partitions of the split-KV path; ``None`` = automatic (split only
+            when the single pass cannot fill the SMs), 1 = single pass (memory-lean);
+            clamped to the number of KV tiles.
+
+    Returns:
+        [B, H, Nq, Dv] contiguous, in the compute dtype. Rows whose keys are all masked are 0.
+
+    Raises:
+        ValueError: unknown mode, head dim > 256, ``num_splits`` < 1.
+        TypeError: q/k/v dtype differs from the mode's compute dtype.
+    """
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits={num_splits}; expected a positive int or None")
+    n = int(num_splits or 0)
+    if torch.compiler.is_compiling():
+        return _elsa_fwd_op(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, n)
+    # eager: skip the dispatcher round trip (same launcher, same result)
+    return _launch(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, n)

@@ -8,7 +8,18 @@ VGGT and diffusers models. See README.md and DESIGN.md.
     out = va.attention(q, k, v, mode="fp32")        # q [B, H, Nq, D]
     va.patch_model(model, mode="fp16")               # timm / VGGT / diffusers, in place
 """
-from .api import attention
+import os as _os
+
+# In a source checkout imported without an editable install (PYTHONPATH=repo, or a
+# setuptools too old for package-dir mappings), this folder shadows the installed
+# package and `visionattn.kernels` / `visionattn.models` (the repo's kernels/ and
+# models/ folders) would not resolve: let the package also search the repo root.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
+        _os.path.join(_root, "kernels", "__init__.py")) and _root not in __path__:
+    __path__.append(_root)
+
+from .api import attention  # noqa: E402
 from .dispatch import get_backend, set_backend, use_backend
 from .modes import MODES, Mode, get_mode, mode_names
 from .patching import patch_model, sdpa_override, unpatch_model

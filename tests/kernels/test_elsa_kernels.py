@@ -1,0 +1,131 @@
+"""CPU tests of the dense ELSA Triton kernels (``TRITON_INTERPRET=1``, set by tests/conftest.py).
+
+Every variant — each mode, padded head dims (16, 64, 80), ragged N, Nq != Nk, broadcast bias,
+boolean mask, causal, fully masked rows, non-contiguous views, split-KV with P = 1, 2, 3 —
+is compared with the float64 oracle (:func:`visionattn.reference.oracle_attention`) against
+the mode's contract (:mod:`visionattn.modes`). In the interpreter ``tf32`` / ``tf32x3`` dots
+run in FP32, so those modes are checked for control flow and masking, not TF32 rounding
+(the GPU tests in test_elsa_gpu.py cover that).
+"""
+import warnings
+
+import pytest
+import torch
+
+import visionattn
+from visionattn.kernels import elsa_fwd
+from visionattn.kernels.elsa_fwd import KERNEL_MODES, elsa_attention, unsupported_reason
+from visionattn.metrics import rel_l2
+from visionattn.modes import get_mode
+from visionattn.reference import oracle_attention
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; GPU runs test_elsa_gpu.py")
+
+MODES = list(KERNEL_MODES)
+
+
+def _qkv(B, H, Nq, Nk, D, dtype, Dv=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda n, d: torch.randn(B, H, n, d, generator=g).to(dtype)  # noqa: E731
+    return mk(Nq, D), mk(Nk, D), mk(Nk, Dv or D)
+
+
+def _check(y, ref, mode, what):
+    assert y.dtype == KERNEL_MODES[mode][0]
+    assert torch.isfinite(y).all(), what
+    err = rel_l2(y, ref)
+    assert err <= get_mode(mode).rel_tol, f"{mode} {what}: rel err {err:.3e} > {get_mode(mode).rel_tol}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("Nq,Nk,D,Dv", [(1, 1, 16, 16), (7, 65, 80, 80), (130, 7, 64, 32)])
+def test_shapes(mode, Nq, Nk, D, Dv):
+    """Ragged N (1, 7, 65, 130), Nq != Nk, padded head dims (80 -> 128), Dv != D."""
+    q, k, v = _qkv(1, 2, Nq, Nk, D, KERNEL_MODES[mode][0], Dv=Dv)
+    y = elsa_attention(q, k, v, None, None, False, D ** -0.5, mode)
+    assert y.shape == (1, 2, Nq, Dv)
+    _check(y, oracle_attention(q, k, v), mode, f"Nq={Nq} Nk={Nk} D={D} Dv={Dv}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+def test_bias_mask_causal_split(mode, num_splits):
+    """Broadcast bias [H, Nq, Nk] (fp16), bool mask with one fully masked row, causal, P = 1, 2, 3."""
+    B, H, Nq, Nk, D = 2, 2, 40, 130, 64
+    q, k, v = _qkv(B, H, Nq, Nk, D, KERNEL_MODES[mode][0], seed=num_splits)
+    g = torch.Generator().manual_seed(7)
+    bias = torch.randn(H, Nq, Nk, generator=g).half()
+    mask = torch.rand(Nq, Nk, generator=g) > 0.3
+    mask[3] = False
+    causal = num_splits != 2
+    y = elsa_attention(q, k, v, bias.expand(B, H, Nq, Nk), mask.expand(B, H, Nq, Nk), causal, 0.2, mode,
+                       num_splits)
+    assert (y[:, :, 3] == 0).all(), "a fully masked row must give zeros"
+    ref = oracle_attention(q, k, v, bias=bias, attn_mask=mask, is_causal=causal, scale=0.2)
+    _check(y, ref, mode, f"P={num_splits} causal={causal}")
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16"])
+def test_api_unbind_views(mode):
+    """visionattn.attention(backend="triton") on timm-style qkv.unbind views, fp32 inputs, no fallback warning."""
+    B, N, H, D = 2, 65, 3, 16
+    qkv = torch.randn(B, N, 3, H, D).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    assert not q.is_contiguous()
+    bias = torch.randn(1, H, N, N)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to the reference would warn
+        y = visionattn.attention(q, k, v, bias=bias, is_causal=True, mode=mode, backend="triton")
+    assert y.dtype == torch.float32 and y.shape == (B, H, N, D)
+    qc, kc, vc = (t.to(get_mode(mode).compute_dtype) for t in (q, k, v))
+    ref = oracle_attention(qc, kc, vc, bias=bias, is_causal=True)
+    assert rel_l2(y, ref) <= get_mode(mode).rel_tol
+
+
+def test_all_keys_masked_by_bias_and_causal_wide():
+    """-inf bias rows give zeros; causal with Nq > Nk (top-left) keeps every row defined."""
+    q, k, v = _qkv(1, 1, 70, 20, 16, torch.float32)
+    bias = torch.zeros(1, 1, 70, 20)
+    bias[..., 5, :] = float("-inf")
+    y = elsa_attention(q, k, v, bias, None, True, 0.25, "fp32-ieee", 2)
+    assert (y[0, 0, 5] == 0).all() and torch.isfinite(y).all()
+    _check(y, oracle_attention(q, k, v, bias=bias, is_causal=True, scale=0.25), "fp32-ieee", "-inf bias")
+
+
+def test_custom_op_opcheck():
+    """The torch custom op (schema, fake impl, dispatcher) passes torch.library.opcheck."""
+    q, k, v = _qkv(1, 2, 17, 33, 16, torch.float32)
+    mask = (torch.rand(17, 33) > 0.5).expand(1, 2, 17, 33)
+    torch.library.opcheck(torch.ops.visionattn.elsa_fwd.default, (q, k, v, None, mask, False, 0.25, "fp32", 2),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_unsupported_reason():
+    q, k, v = _qkv(1, 1, 4, 4, 16, torch.float32)
+    assert unsupported_reason(q, k, v, None, None, "fp32") is None
+    assert "pasa" in unsupported_reason(q, k, v, None, None, "pasa")
+    big = torch.randn(1, 1, 4, 320)
+    assert "head dim" in unsupported_reason(big, big, big, None, None, "fp32")
+    assert unsupported_reason(q, k, v, None, None, "fp16") is None  # api.py casts after asking
+    assert "autograd" in unsupported_reason(q.requires_grad_(), k, v, None, None, "fp32")
+
+
+def test_errors_name_the_argument():
+    q, k, v = _qkv(1, 1, 4, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_splits"):
+        elsa_attention(q, k, v, None, None, False, 1.0, "fp32", 0)
+    with pytest.raises(TypeError, match="dtype"):
+        elsa_attention(q.half(), k.half(), v.half(), None, None, False, 1.0, "fp32")
+    with pytest.raises(ValueError, match="mode"):
+        elsa_attention(q, k, v, None, None, False, 1.0, "fp64")
+    assert elsa_fwd.choose_num_splits(1, 4, 4096, elsa_fwd.get_config("fp32", 16), torch.device("cpu")) == 1
+
+
+def test_shared_memory_fallback_sequence_shrinks():
+    """Out-of-shared-memory retries only ever shrink the pipelined footprint and end at 16x16 tiles."""
+    from visionattn.kernels.elsa_fwd import TileConfig, _smaller_configs
+
+    seq = [TileConfig(128, 128, 8, 3)] + _smaller_configs(TileConfig(128, 128, 8, 3))
+    foot = [c.num_stages * c.block_n + c.block_m for c in seq]  # K/V/bias stage buffers + Q rows
+    assert all(b < a for a, b in zip(foot, foot[1:]))
+    assert (seq[-1].block_m, seq[-1].block_n, seq[-1].num_stages) == (16, 16, 1)

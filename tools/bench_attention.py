@@ -1,0 +1,380 @@
+#!/usr/bin/env python
+"""Benchmark the ELSA Triton kernels against PyTorch SDPA and FlexAttention (issue 3).
+
+For every shape of the config and every visionattn mode, in one process on the same
+inputs: median time (``triton.testing.do_bench``, which flushes L2 between runs, so
+inputs always come from HBM), TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
+(``torch.cuda.max_memory_allocated`` above the inputs) and the relative L2 error
+against the float64 oracle on a random subsample of query rows. Baselines per input
+dtype: SDPA MATH (TF32 off), EFFICIENT_ATTENTION, FLASH_ATTENTION, CUDNN_ATTENTION
+(via ``torch.nn.attention.sdpa_kernel``) and compiled FlexAttention (FP32 inputs: IEEE
+and TF32). Writes ``bench.md``, ``bench.json`` and ``bench.png`` (TFLOP/s vs N) to
+``--out``.
+
+Process-wide settings (tools may set them, library code never does): TF32 matmul is
+switched OFF (``torch.backends.cuda.matmul.allow_tf32 = False``) so SDPA math and
+FlexAttention FP32 are true FP32; it is switched ON only around the "flex-tf32" rows.
+
+``--tune`` instead times a few tile configurations per (mode, head dim) and prints the
+fastest, to fill ``visionattn.kernels.elsa_fwd._CONFIGS``.
+
+Usage: python tools/bench_attention.py --out runs/bench [--quick] [--config configs/bench_attention.yaml]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+import zlib
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from visionattn.kernels import elsa_fwd
+from visionattn.metrics import rel_l2
+from visionattn.reference import oracle_attention
+from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
+    "fp32": (torch.float32, ["fp32", "fp32-ieee", "tf32"], ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),
+    "fp16": (torch.float16, ["fp16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "flex"]),
+    "bf16": (torch.bfloat16, ["bf16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "flex"]),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=os.path.join(REPO, "configs", "bench_attention.yaml"),
+                   help="YAML sweep (shapes, modes, timing)")
+    p.add_argument("--out", default=os.path.join(REPO, "runs", "bench_attention"),
+                   help="output folder for bench.md / bench.json / bench.png")
+    p.add_argument("--quick", action="store_true", help="only the shapes marked quick: true, shorter timing")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
+    p.add_argument("--modes", default=None, help="comma-separated visionattn modes (default: the config's)")
+    p.add_argument("--shapes", default=None, help="comma-separated shape names from the config (default: all)")
+    p.add_argument("--tune", action="store_true", help="time candidate tile configs instead of the sweep")
+    return p
+
+
+# --------------------------------------------------------------------------- runners
+
+def _sdpa(backend_name):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa-math": SDPBackend.MATH, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    return run
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+_FLEX = {}
+
+
+def _flex(tf32: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if tf32 not in _FLEX:
+        # one compiled graph per shape and dtype: allow enough recompiles (tool-level setting)
+        for opt in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, opt):
+                setattr(torch._dynamo.config, opt, 256)
+        _FLEX[tf32] = torch.compile(flex_attention, dynamic=False)
+    fn = _FLEX[tf32]
+
+    def run(q, k, v):
+        with _tf32(tf32):
+            return fn(q, k, v)
+
+    return run
+
+
+def _ours(mode):
+    def run(q, k, v):
+        return elsa_fwd.elsa_attention(q, k, v, None, None, False, q.shape[-1] ** -0.5, mode)
+
+    return run
+
+
+def _runner(name):
+    if name.startswith("sdpa-"):
+        return _sdpa(name)
+    if name.startswith("flex"):
+        return _flex(name == "flex-tf32")
+    return _ours(name)
+
+
+def _measure(fn, q, k, v, warmup, rep):
+    """(median ms, peak extra MiB, output) of ``fn(q, k, v)``; raises if the backend refuses."""
+    import triton.testing
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn(q, k, v)  # first call: compile + correctness sample
+    torch.cuda.synchronize()
+    del out
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(q, k, v)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep, return_mode="median")
+    return ms, peak, out
+
+
+def _fits_math(B, H, N, dtype):
+    free, _ = torch.cuda.mem_get_info()
+    return 3 * B * H * N * N * max(4, torch.finfo(dtype).bits // 8) < 0.5 * free
+
+
+# --------------------------------------------------------------------------- sweep
+
+def run_sweep(args, cfg) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    modes = args.modes.split(",") if args.modes else cfg["modes"]
+    shapes = [s for s in cfg["shapes"] if (not args.quick or s.get("quick"))]
+    if args.shapes:
+        wanted = set(args.shapes.split(","))
+        shapes = [s for s in shapes if s["name"] in wanted]
+    warmup, rep = (10, 40) if args.quick else (cfg["warmup_ms"], cfg["rep_ms"])
+    records = []
+    jobs = []
+    for shape in shapes:
+        for group, (dtype, group_modes, baselines) in GROUPS.items():
+            ours = [m for m in group_modes if m in modes]
+            if not ours:
+                continue
+            base = [b for b in baselines if not (b.startswith("flex") and (args.no_flex or not shape.get("flex")))]
+            jobs.append((shape, group, dtype, ours + base))
+    for shape, group, dtype, backends in tqdm(jobs, desc="shapes x dtypes"):
+        B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]
+        g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{shape['name']}/{group}".encode()))
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype) for _ in range(3))
+        rows = torch.randperm(N, device="cuda", generator=g)[: min(N, cfg.get("oracle_rows", 256))]
+        ref = oracle_attention(q[:, :, rows], k, v, scale=D ** -0.5)
+        flops = 4 * B * H * N * N * D
+        for name in backends:
+            rec = {"shape": shape["name"], "B": B, "H": H, "N": N, "D": D, "dtype": group, "backend": name,
+                   "ours": name in elsa_fwd.KERNEL_MODES}
+            if name == "sdpa-math" and not _fits_math(B, H, N, dtype):
+                rec["skipped"] = "O(N^2) memory does not fit"
+                records.append(rec)
+                continue
+            try:
+                ms, peak, out = _measure(_runner(name), q, k, v, warmup, rep)
+            except (RuntimeError, torch.OutOfMemoryError, Exception) as exc:  # backend refuses this case
+                rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                records.append(rec)
+                torch.cuda.empty_cache()
+                continue
+            rec.update(ms=ms, tflops=flops / ms / 1e9, peak_mib=peak, rel_err=rel_l2(out[:, :, rows], ref))
+            del out
+            records.append(rec)
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+    return {"environment": environment(), "tf32_matmul": "off (on only inside flex-tf32)",
+            "records": records, "targets": _targets(records)}
+
+
+def _get(records, shape, dtype, backend):
+    for r in records:
+        if r["shape"] == shape and r["dtype"] == dtype and r["backend"] == backend and "ms" in r:
+            return r
+    return None
+
+
+def _targets(records) -> list[dict]:
+    """Issue-3 targets per shape: (ours, baseline, required ratio or absolute TFLOP/s)."""
+    rules = [
+        ("fp32", "fp32", "sdpa-efficient", 2.0, None), ("fp32-ieee", "fp32", "flex-ieee", 1.3, 25.0),
+        ("tf32", "fp32", "flex-tf32", 1.4, 180.0),
+        ("fp16", "fp16", "sdpa-flash", 1.2, None), ("fp16", "fp16", "flex", 1.1, None),
+        ("fp16", "fp16", "sdpa-cudnn", 0.95, None),
+        ("bf16", "bf16", "sdpa-flash", 1.2, None), ("bf16", "bf16", "flex", 1.1, None),
+        ("bf16", "bf16", "sdpa-cudnn", 0.95, None),
+    ]
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in records):
+        for mode, dtype, base, ratio, absolute in rules:
+            ours, other = _get(records, shape, dtype, mode), _get(records, shape, dtype, base)
+            if ours is None:
+                continue
+            vit = ours["N"] < 4096
+            need = 1.0 if (vit and base == "sdpa-cudnn") else ratio
+            row = {"shape": shape, "mode": mode, "vs": base, "ours_tflops": ours["tflops"]}
+            if other is not None:
+                row.update(base_tflops=other["tflops"], ratio=ours["tflops"] / other["tflops"], need_ratio=need,
+                           met=ours["tflops"] / other["tflops"] >= need)
+            elif absolute is not None and not vit:
+                row.update(need_tflops=absolute, met=ours["tflops"] >= absolute)
+            else:
+                continue
+            out.append(row)
+        for mode in ("fp32", "fp16", "bf16"):
+            dtype = mode
+            ours = _get(records, shape, dtype, mode)
+            eff = _get(records, shape, dtype, "sdpa-efficient")
+            if ours and eff:
+                out.append({"shape": shape, "mode": mode, "vs": "sdpa-efficient memory",
+                            "ours_mib": ours["peak_mib"], "base_mib": eff["peak_mib"],
+                            "met": ours["peak_mib"] <= 1.1 * eff["peak_mib"] + 1e-6})
+    return out
+
+
+def write_report(result: dict, out_dir: str) -> dict:
+    env = result["environment"]
+    lines = [f"# Attention benchmark: {env['device']}", "",
+             f"* command: `{env['command']}`",
+             f"* torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, timm {env['timm']}, "
+             f"python {env['python']}",
+             "* median of `triton.testing.do_bench` (L2 flushed between runs); TFLOP/s = 4*B*H*N*N*D / t; "
+             "peak extra memory = max_memory_allocated above the inputs; rel err = relative L2 vs the float64 "
+             "oracle on a random subsample of query rows, same inputs for every backend",
+             f"* TF32 matmul: {result['tf32_matmul']}", ""]
+    for shape in dict.fromkeys(r["shape"] for r in result["records"]):
+        rs = [r for r in result["records"] if r["shape"] == shape]
+        r0 = rs[0]
+        lines += [f"## {shape} (B={r0['B']}, H={r0['H']}, N={r0['N']}, D={r0['D']})", ""]
+        rows = []
+        for r in rs:
+            name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
+            if "ms" in r:
+                rows.append([r["dtype"], name, r["ms"], r["tflops"], r["peak_mib"], f"{r['rel_err']:.2e}"])
+            else:
+                rows.append([r["dtype"], name, "-", "-", "-", r["skipped"]])
+        lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "peak extra MiB", "rel err"]))
+    lines += ["## Targets of issue 3", ""]
+    trows = []
+    for t in result["targets"]:
+        if "ours_mib" in t:
+            trows.append([t["shape"], t["mode"], t["vs"], f"{t['ours_mib']:.1f} vs {t['base_mib']:.1f} MiB",
+                          "<= 1.1x", "met" if t["met"] else "NOT met"])
+        elif "base_tflops" in t:
+            trows.append([t["shape"], t["mode"], t["vs"], f"{t['ours_tflops']:.1f} vs {t['base_tflops']:.1f}",
+                          f"{t['ratio']:.2f}x (need {t['need_ratio']}x)", "met" if t["met"] else "NOT met"])
+        else:
+            trows.append([t["shape"], t["mode"], "absolute", f"{t['ours_tflops']:.1f}",
+                          f"need {t['need_tflops']}", "met" if t["met"] else "NOT met"])
+    lines.append(markdown_table(trows, ["shape", "mode", "vs", "TFLOP/s or memory", "ratio", "status"]))
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"md": os.path.join(out_dir, "bench.md"), "json": os.path.join(out_dir, "bench.json"),
+             "png": os.path.join(out_dir, "bench.png")}
+    write_text_atomic(paths["md"], "\n".join(lines))
+    write_json_atomic(paths["json"], result)
+    _plot(result, paths["png"])
+    return paths
+
+
+def _plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in result["records"] if "ms" in r and r["B"] == 1 and r["H"] == 8 and r["D"] == 64]
+    groups = [g for g in GROUPS if any(r["dtype"] == g for r in recs)]
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        gr = [r for r in recs if r["dtype"] == group]
+        for backend in dict.fromkeys(r["backend"] for r in gr):
+            pts = sorted((r["N"], r["tflops"]) for r in gr if r["backend"] == backend)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    lw=2.5 if backend in elsa_fwd.KERNEL_MODES else 1.2,
+                    label=("visionattn " + backend) if backend in elsa_fwd.KERNEL_MODES else backend)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (B=1, H=8, D=64)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{group} inputs")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(result["environment"]["device"])
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- tuning
+
+TUNE_CANDIDATES = {
+    "half": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
+    "tf32": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2)],
+    "tf32x3": [(64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)],
+    "ieee": [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2), (64, 16, 4, 2)],
+}
+TUNE_MODES = {"half": "fp16", "tf32": "tf32", "tf32x3": "fp32", "ieee": "fp32-ieee"}
+
+
+def run_tune(args) -> dict:
+    import triton.testing
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    shapes = [(1, 8, 8192, 64), (64, 12, 197, 64), (1, 8, 8192, 128)]
+    results = []
+    for kind, cands in TUNE_CANDIDATES.items():
+        mode = TUNE_MODES[kind]
+        dtype = elsa_fwd.KERNEL_MODES[mode][0]
+        for (B, H, N, D) in shapes:
+            q, k, v = (torch.randn(B, H, N, D, device="cuda").to(dtype) for _ in range(3))
+            flops = 4 * B * H * N * N * D
+            for c in cands:
+                cfg = elsa_fwd.TileConfig(*c)
+                if D == 128 and cfg.block_m * D * (4 if dtype == torch.float32 else 2) > 64 * 1024:
+                    continue
+                try:
+                    fn = lambda: elsa_fwd._launch(q, k, v, None, None, False, D ** -0.5, mode, 1, cfg)  # noqa: E731
+                    fn()
+                    ms = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+                    results.append({"kind": kind, "shape": [B, H, N, D], "config": c, "ms": ms,
+                                    "tflops": flops / ms / 1e9})
+                except Exception as exc:  # out of shared memory / registers for this config
+                    results.append({"kind": kind, "shape": [B, H, N, D], "config": c,
+                                    "error": str(exc).splitlines()[0][:120]})
+                print(json.dumps(results[-1]), flush=True)
+    return {"environment": environment(), "tune": results}
+
+
+def main(args) -> dict:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py needs a CUDA GPU (H100/H200)")
+    print("environment:", json.dumps(environment()), flush=True)
+    print("note: this tool sets torch.backends.cuda.matmul.allow_tf32 = False (TF32 only inside flex-tf32 rows)")
+    t0 = time.perf_counter()
+    if args.tune:
+        result = run_tune(args)
+        os.makedirs(args.out, exist_ok=True)
+        write_json_atomic(os.path.join(args.out, "tune.json"), result)
+        return result
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    result = run_sweep(args, cfg)
+    result["seconds"] = time.perf_counter() - t0
+    result["paths"] = write_report(result, args.out)
+    print(open(result["paths"]["md"]).read())
+    return result
+
+
+if __name__ == "__main__":
+    main(build_parser().parse_args())
