@@ -26,11 +26,11 @@ run() {  # run NAME SECONDS CMD...
 
 for step in "$@"; do
   case $step in
-    tests) run tests 420 python -m pytest -m gpu -q -x --timeout=300 -p no:cacheprovider tests ;;
+    tests) run tests 330 python -m pytest -m gpu -q -rf --timeout=150 -p no:cacheprovider --durations=15 tests ;;
     tests-k) run tests-k 300 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider tests/kernels tests/api ;;
     tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching tests/tools ;;
     models) run models 300 python tools/bench_models.py --quick --out "$out/models_bench" ;;
-    imagenet) run imagenet 300 python tools/eval_imagenet.py --random-weights --synthetic-from tests/data/photos \
+    imagenet) run imagenet 200 python tools/eval_imagenet.py --random-weights --synthetic-from tests/data/photos \
         --limit 512 --batch-size 64 --model vit_base_patch16_224 --model deit_small_patch16_224 \
         --model swin_tiny_patch4_window7_224 --model swinv2_tiny_window8_256 --out "$out/imagenet.json" ;;
     recon) run recon 300 python tools/eval_reconstruction.py modes demos/data/stereo_rig --weights random \
