@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from visionattn import imagenet
-from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic
+from visionattn.reporting import environment, markdown_table, tf32_disabled, write_json_atomic, write_text_atomic
 
 ALL_MODES = "native,fp32,fp32-ieee,tf32,fp16,bf16,pasa"
 
@@ -146,21 +146,18 @@ def main(argv=None) -> dict:
 
     split = (imagenet.synthetic_sources(args.synthetic_from) if args.synthetic_from
              else imagenet.scan_imagenet(args.data, args.labels, args.devkit_synsets))
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     argv_used = sys.argv[1:] if argv is None else list(argv)
     res = {
         "environment": environment(),
         "visionattn": va.__version__,
         "command": " ".join(shlex.quote(a) for a in ["python", "tools/eval_imagenet.py", *argv_used]),
-        "process_options": {"torch.backends.cuda.matmul.allow_tf32": False,
-                            "torch.backends.cudnn.allow_tf32": False},
+        "process_options": None,
         "data": {"layout": split.layout, "root": split.root, "labels_file": split.labels_file,
                  "notes": split.notes, "images": None},
         "modes": modes, "models": {}, "results": [],
     }
-    try:
+    with tf32_disabled() as process_options:
+        res["process_options"] = process_options
         for name in args.model:
             torch.manual_seed(args.seed)
             model = imagenet.create_timm_model(name, pretrained=pretrained, checkpoint=args.checkpoint,
@@ -184,8 +181,6 @@ def main(argv=None) -> dict:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     write_json_atomic(args.out, res)
     md = os.path.splitext(args.out)[0] + ".md"
     write_text_atomic(md, to_markdown(res))

@@ -53,7 +53,7 @@ from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode, mode_names
 from visionattn.patching.diffusers import (ELSAAttnProcessor, overflow_counts, patch_diffusers,
                                            reset_overflow_counts, unpatch_diffusers)
-from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic
+from visionattn.reporting import environment, markdown_table, tf32_disabled, write_json_atomic, write_text_atomic
 
 MODEL_IDS = ("stabilityai/stable-video-diffusion-img2vid", "stabilityai/stable-video-diffusion-img2vid-xt")
 NATIVE = {"native": None, "native-fp32": torch.float32, "native-fp16": torch.float16, "native-bf16": torch.bfloat16}
@@ -689,8 +689,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    """Parse ``argv`` and run the generation study or a benchmark; returns the results dict."""
+    """Parse ``argv`` and run the generation study or a benchmark; returns the results dict.
+
+    TF32 is off for PyTorch matmuls and cuDNN convolutions while it runs (said in
+    the output), so fp32 runs compare FP32 with FP32.
+    """
     args = build_parser().parse_args(argv)
+    with tf32_disabled() as settings:
+        print(f"process-wide settings for this run: {settings}")
+        return _main(args)
+
+
+def _main(args) -> dict:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.warmup is None:

@@ -1,6 +1,7 @@
 """Small I/O helpers shared by tools: environment record, atomic writes, markdown tables."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -11,7 +12,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-__all__ = ["environment", "command_line", "write_text_atomic", "write_json_atomic", "markdown_table"]
+__all__ = ["environment", "command_line", "write_text_atomic", "write_json_atomic", "markdown_table",
+           "tf32_disabled"]
 
 
 def command_line() -> str:
@@ -66,3 +68,23 @@ def markdown_table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(fmt(x) for x in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def tf32_disabled():
+    """Turn TF32 off for PyTorch matmuls and cuDNN convolutions, restoring the old settings after.
+
+    Process-wide: for tools and tests only (library code never flips global
+    precision). Without it, cuDNN convolutions run in TF32 by default, and FP32
+    comparisons measure the convolutions, not attention.
+
+    Yields:
+        The settings in force, for the tool's record.
+    """
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield {"torch.backends.cuda.matmul.allow_tf32": False, "torch.backends.cudnn.allow_tf32": False}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

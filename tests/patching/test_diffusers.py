@@ -18,6 +18,7 @@ from diffusers.models.attention_processor import (  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import get_mode  # noqa: E402
+from visionattn.reporting import tf32_disabled  # noqa: E402
 from visionattn.patching.diffusers import (  # noqa: E402
     ELSAAttnProcessor, is_patched, overflow_counts, patch_diffusers, reset_overflow_counts, unpatch_diffusers)
 
@@ -269,7 +270,7 @@ def test_gpu_patched_unet_within_contract(mode):
         oracle = copy.deepcopy(unet).double()(*unet_inputs(torch.float64)).sample
     unet.cuda()
     patch_diffusers(unet, mode)
-    with torch.no_grad():
+    with torch.no_grad(), tf32_disabled():  # cuDNN convolutions default to TF32 on the GPU
         y = unet(*[a.cuda() for a in unet_inputs()]).sample.cpu()
     assert overflow_counts(unet)["overflow_events"] == 0
     unpatch_diffusers(unet)
