@@ -29,18 +29,18 @@ for step in "$@"; do
     tests) run tests 330 python -m pytest -m gpu -q -rf --timeout=150 -p no:cacheprovider --durations=15 tests ;;
     tests-k) run tests-k 300 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider tests/kernels tests/api ;;
     tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching tests/tools ;;
-    models) run models 300 python tools/bench_models.py --quick --out "$out/models_bench" ;;
+    models) run models 120 python tools/bench_models.py --quick --out "$out/models_bench" ;;
     imagenet) run imagenet 200 python tools/eval_imagenet.py --random-weights --synthetic-from tests/data/photos \
         --limit 512 --batch-size 64 --model vit_base_patch16_224 --model deit_small_patch16_224 \
         --model swin_tiny_patch4_window7_224 --model swinv2_tiny_window8_256 --out "$out/imagenet.json" ;;
-    recon) run recon 300 python tools/eval_reconstruction.py modes demos/data/stereo_rig --weights random \
+    recon) run recon 80 python tools/eval_reconstruction.py modes demos/data/stereo_rig --weights random \
         --modes fp32,tf32,fp16,bf16,pasa,sdpa --warmup 1 --out "$out/recon_modes" ;;
     vggt) run vggt 420 python tools/bench_vggt.py --models vggt fastvggt --frames 10 50 --out "$out/vggt_bench" ;;
-    vggt100) run vggt100 420 python tools/bench_vggt.py --models vggt --rows sdpa-fp32 fp32 sdpa-bf16 bf16 \
+    vggt100) run vggt100 200 python tools/bench_vggt.py --models vggt --rows sdpa-fp32 fp32 sdpa-bf16 bf16 \
         --frames 100 --out "$out/vggt_bench" ;;
-    fastvggt500) run fastvggt500 300 python tools/bench_vggt.py --models fastvggt --rows bf16 --frames 500 \
+    fastvggt500) run fastvggt500 120 python tools/bench_vggt.py --models fastvggt --rows bf16 --frames 500 \
         --out "$out/vggt_bench" ;;
-    svd) run svd 300 python tools/eval_svd.py --attention-bench --bench-levels 2 --out "$out/svd_attention" ;;
+    svd) run svd 40 python tools/eval_svd.py --attention-bench --bench-levels 2 --out "$out/svd_attention" ;;
     *) echo "unknown step $step" | tee -a "$out/steps.txt" ;;
   esac
 done
