@@ -150,10 +150,17 @@ def _elsa_fwd_kernel(
     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    """One (query tile, [KV partition,] head, batch) program; grid (n_m_tiles * P, H, B)."""
-    pid = tl.program_id(0)
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    """One (query tile, [KV partition,] head, batch) program; 1-D grid n_m_tiles * P * H * B.
+
+    One grid axis: axes 1 and 2 stop at 65,535, and B * H reaches ~100k in SVD's
+    temporal attention. Tiles of one (batch, head) are adjacent, so they share K/V in L2.
+    """
+    tiles = tl.cdiv(Nq, BLOCK_M) * n_splits
+    pid0 = tl.program_id(0)
+    pid = pid0 % tiles
+    bh = (pid0 // tiles).to(tl.int64)
+    off_h = bh % H
+    off_b = bh // H
     if SPLIT:
         pid_m = pid // n_splits
         split = pid % n_splits
@@ -231,12 +238,15 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, sob, soh, som, sod, B, H, Nq, Dv, n_s
                        BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Fold the P partial states of each query row with the monoid merge; write W / S.
 
-    Grid (cdiv(Nq, BLOCK_M), H, B). Partials of a partition that saw no visible key are
+    1-D grid cdiv(Nq, BLOCK_M) * H * B. Partials of a partition that saw no visible key are
     the identity (-inf, 0, 0) and drop out.
     """
-    pid_m = tl.program_id(0)
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    tiles = tl.cdiv(Nq, BLOCK_M)
+    pid0 = tl.program_id(0)
+    pid_m = pid0 % tiles
+    bh = (pid0 // tiles).to(tl.int64)
+    off_h = bh % H
+    off_b = bh // H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < Nq
@@ -484,7 +494,7 @@ def _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, c
     else:
         ws_m = ws_s = ws_w = out  # unused
     n_m = triton.cdiv(Nq, cfg.block_m)
-    grid = (n_m * P, H, B)
+    grid = (n_m * P * H * B,)
     _elsa_fwd_kernel[grid](
         q, k, v, bias_t, mask_t, out, ws_m, ws_s, ws_w,
         *q.stride(), *k.stride(), *v.stride(), *sb, *sm, *out.stride(),
@@ -497,7 +507,7 @@ def _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, c
     )
     if split:
         merge_m = 64 if BLOCK_DV <= 128 else 32
-        _elsa_merge_kernel[(triton.cdiv(Nq, merge_m), H, B)](
+        _elsa_merge_kernel[(triton.cdiv(Nq, merge_m) * H * B,)](
             ws_m, ws_s, ws_w, out, *out.stride(), B, H, Nq, Dv, P,
             BLOCK_M=merge_m, BLOCK_DV=BLOCK_DV, num_warps=4,
         )

@@ -71,8 +71,10 @@ def _pasa_shift_keys_kernel(
     K, KP, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
     a_full, b_full, a_tail, b_tail, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # 1-D grid (B * H can exceed the 65,535 limit of grid axes 1 and 2).
+    tiles = tl.cdiv(N_K, BLOCK_N)
+    pid_n = tl.program_id(0) % tiles
+    pid_bh = tl.program_id(0) // tiles
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,8 +104,9 @@ def _pasa_fwd_kernel(
     SHIFT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    tiles = tl.cdiv(N_Q, BLOCK_M)  # 1-D grid, as in _pasa_shift_keys_kernel
+    pid_m = tl.program_id(0) % tiles
+    pid_bh = tl.program_id(0) // tiles
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -261,13 +264,13 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         a_f, b_f, f_f = _coefficients(BLOCK_N, beta)
         a_t, b_t, f_t = _coefficients(tail, beta)
         kp = torch.empty((B, H, Nk, D), dtype=torch.float16, device=q.device)
-        _pasa_shift_keys_kernel[(triton.cdiv(Nk, BLOCK_N), B * H)](
+        _pasa_shift_keys_kernel[(triton.cdiv(Nk, BLOCK_N) * B * H,)](
             k, kp, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
             BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=4)
         keys, post_scale = kp, 1.0
     else:
         keys, post_scale, f_f, f_t = k, float(scale), 0.0, 0.0
-    grid = (triton.cdiv(Nq, cfg["BLOCK_M"]), B * H)
+    grid = (triton.cdiv(Nq, cfg["BLOCK_M"]) * B * H,)
     _pasa_fwd_kernel[grid](
         q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q,
         *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias), *_strides4(attn_mask),

@@ -105,6 +105,15 @@ def test_large_batch_heads():
     assert rel_l2(y, oracle_attention(q, k, v)) <= get_mode("fp16").rel_tol
 
 
+@pytest.mark.parametrize("mode, num_splits", [("fp32", None), ("fp32", 2), ("fp16", None), ("fp16", 2),
+                                              ("pasa", None)])  # PASA has no split-KV path
+def test_batch_heads_beyond_grid_axis_limit(mode, num_splits):
+    """B*H = 92,160 > 65,535 (SVD temporal attention: 2 x 9216 positions x 5 heads, 14 frames)."""
+    q, k, v = _qkv(18432, 5, 14, 14, 64, torch.float16, seed=5)
+    y = visionattn.attention(q, k, v, mode=mode, num_splits=num_splits)
+    assert rel_l2(y, oracle_attention(q, k, v)) <= get_mode(mode).rel_tol
+
+
 def test_torch_compile_and_cuda_graph():
     """visionattn.attention inside torch.compile (custom op) and inside a captured CUDA graph."""
     q, k, v = _qkv(2, 4, 300, 300, 64, torch.float32, seed=4)
