@@ -36,7 +36,8 @@ from tqdm import tqdm
 from visionattn.kernels import elsa_fwd
 from visionattn.metrics import rel_l2
 from visionattn.reference import oracle_attention
-from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic
+from visionattn.reporting import (environment, markdown_table, save_figure_atomic, write_json_atomic,
+                                  write_text_atomic)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
@@ -310,9 +311,7 @@ def _plot(result, path):
         ax.legend(fontsize=7)
     fig.suptitle(result["environment"]["device"])
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -319,6 +319,8 @@ def render_png(result: dict, path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from visionattn.reporting import save_figure_atomic
+
     rows = [r for r in result["rows"] if "speedup" in r]
     if not rows:
         return False
@@ -347,10 +349,8 @@ def render_png(result: dict, path: str) -> bool:
     ax.set_title(f"visionattn.patch_model, {result['environment'].get('device')}")
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
     return True
 
 

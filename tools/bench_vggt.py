@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
-import tempfile
 import time
 
 import torch
+
+from visionattn import reporting
 
 ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row)
     "sdpa-fp32": (None, None, "sdpa-fp32"),
@@ -55,20 +54,12 @@ parser.add_argument("--seed", type=int, default=0, help="seed of weights and ima
 
 
 def environment() -> dict:
-    import triton
-
-    try:
-        import timm
-
-        timm_v = timm.__version__
-    except ImportError:
-        timm_v = None
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "timm": timm_v,
-            "python": platform.python_version(), "command": " ".join([sys.executable] + sys.argv),
-            "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    """visionattn.reporting.environment() plus this tool's keys (gpu, process TF32 flags, date)."""
+    return reporting.environment({
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
 
 
 def build(model: str, seed: int):
@@ -106,15 +97,6 @@ def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: 
     times.sort()
     return {"time_s": times[len(times) // 2], "peak_gb": peak / 2 ** 30, "extra_gb": (peak - base) / 2 ** 30,
             "finite": finite, "tokens_per_frame": 5 + (H // 14) * (W // 14)}
-
-
-def _write_atomic(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def to_markdown(res: dict) -> str:
@@ -184,12 +166,12 @@ def main(args) -> dict:
                 print(name, row, fr, json.dumps(p), flush=True)
                 if args.max_seconds and p.get("time_s", 0) > args.max_seconds:
                     skip = True
-                _write_atomic(path, json.dumps(res, indent=1))
-                _write_atomic(args.out + ".md", to_markdown(res))
+                reporting.write_json_atomic(path, res, indent=1)
+                reporting.write_text_atomic(args.out + ".md", to_markdown(res))
         del model
         torch.cuda.empty_cache()
-    _write_atomic(path, json.dumps(res, indent=1))
-    _write_atomic(args.out + ".md", to_markdown(res))
+    reporting.write_json_atomic(path, res, indent=1)
+    reporting.write_text_atomic(args.out + ".md", to_markdown(res))
     return res
 
 

@@ -22,13 +22,13 @@ import functools
 import json
 import math
 import os
-import platform
-import sys
 
 import torch
 import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
+
+from visionattn import reporting
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
@@ -52,22 +52,11 @@ parser.add_argument("--max-cases", type=int, default=None, help="stop after this
 
 # ----------------------------------------------------------------------------- environment / io
 def environment() -> dict:
-    import timm
-    import triton
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "timm": timm.__version__,
-            "cuda": torch.version.cuda, "python": platform.python_version(),
-            "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
-
-
-def _atomic_write(path: str, data, mode: str = "w") -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, mode) as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """visionattn.reporting.environment() plus this tool's keys (gpu, TF32 matmul flag, UTC date)."""
+    return reporting.environment({
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -451,9 +440,7 @@ def plot(res: dict, path: str) -> None:
             ax.set_ylabel("ms")
             ax.legend(fontsize=6)
     fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    reporting.save_figure_atomic(fig, path, dpi=110)
 
 
 def main(args) -> dict:
@@ -471,8 +458,8 @@ def main(args) -> dict:
     os.makedirs(out_dir, exist_ok=True)
 
     def save():
-        _atomic_write(args.out + ".json", json.dumps(res, indent=1))
-        _atomic_write(args.out + ".md", to_markdown(res))
+        reporting.write_json_atomic(args.out + ".json", res, indent=1)
+        reporting.write_text_atomic(args.out + ".md", to_markdown(res))
 
     if not args.no_sweep:
         res["sweep"] = bench_sweep(cfg, args)

@@ -42,7 +42,8 @@ from tqdm import tqdm
 import visionattn
 from visionattn.pasa import benchmark_inputs
 from visionattn.reference import oracle_attention
-from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic
+from visionattn.reporting import (environment, markdown_table, save_figure_atomic, write_json_atomic,
+                                  write_text_atomic)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -252,10 +253,8 @@ def plot(results: dict, path: str) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"PASA vs FP16 accumulation — {results['environment']['device']}", fontsize=9)
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=110)
+    save_figure_atomic(fig, path, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def _default_tag(device) -> str:

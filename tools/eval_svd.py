@@ -42,7 +42,6 @@ import contextlib
 import math
 import os
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -53,7 +52,8 @@ from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode, mode_names
 from visionattn.patching.diffusers import (ELSAAttnProcessor, overflow_counts, patch_diffusers,
                                            reset_overflow_counts, unpatch_diffusers)
-from visionattn.reporting import environment, markdown_table, tf32_disabled, write_json_atomic, write_text_atomic
+from visionattn.reporting import (atomic_path, environment, markdown_table, tf32_disabled, write_json_atomic,
+                                  write_text_atomic)
 
 MODEL_IDS = ("stabilityai/stable-video-diffusion-img2vid", "stabilityai/stable-video-diffusion-img2vid-xt")
 NATIVE = {"native": None, "native-fp32": torch.float32, "native-fp16": torch.float16, "native-bf16": torch.bfloat16}
@@ -317,21 +317,6 @@ def _summary(values: list, worst) -> float | None:
 # ------------------------------------------------------------------------------------------------
 # outputs
 # ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _atomic_file(path: str):
-    """Yield a temp path next to ``path`` (same extension); rename it to ``path`` on success."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _to_uint8(frames: np.ndarray) -> np.ndarray:
     return (np.nan_to_num(frames, nan=0.0, posinf=1.0, neginf=0.0).clip(0, 1) * 255).round().astype(np.uint8)
 
@@ -357,12 +342,12 @@ def write_video(path: str, frames: np.ndarray, fps: int) -> None:
     """mp4 via diffusers.utils.export_to_video (imageio-ffmpeg), written atomically."""
     from diffusers.utils import export_to_video
 
-    with _atomic_file(path) as tmp:
+    with atomic_path(path) as tmp:
         export_to_video(list(_to_uint8(frames)), tmp, fps=fps)
 
 
 def write_png(path: str, image) -> None:
-    with _atomic_file(path) as tmp:
+    with atomic_path(path) as tmp:
         image.save(tmp, format="PNG")
 
 

@@ -8,12 +8,12 @@ import platform
 import shlex
 import sys
 import tempfile
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["environment", "command_line", "write_text_atomic", "write_json_atomic", "markdown_table",
-           "tf32_disabled"]
+__all__ = ["environment", "command_line", "atomic_path", "write_text_atomic", "write_json_atomic",
+           "save_figure_atomic", "markdown_table", "tf32_disabled"]
 
 
 def command_line() -> str:
@@ -21,8 +21,12 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.argv)
 
 
-def environment() -> dict[str, Any]:
-    """Versions and hardware every committed result must name (GPU, torch, triton, timm, Python)."""
+def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Versions and hardware every committed result must name (GPU, torch, triton, timm, Python).
+
+    Args:
+        extra: tool-specific entries merged in last (they win over the standard keys).
+    """
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -35,27 +39,45 @@ def environment() -> dict[str, Any]:
             env[name] = __import__(name).__version__
         except ImportError:
             env[name] = None
+    if extra:
+        env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def atomic_path(path: str) -> Iterator[str]:
+    """Yield a temp path next to ``path`` (same name ending, so writers that go by the extension work);
+    rename it to ``path`` when the block succeeds, delete it otherwise (no partial files)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    os.close(fd)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; outputs get the usual permissions
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def write_text_atomic(path: str, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same folder and a rename (no partial files)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
 
 
-def write_json_atomic(path: str, obj: Any) -> None:
-    """JSON-dump ``obj`` (indent 2) atomically."""
-    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+def write_json_atomic(path: str, obj: Any, indent: int = 2) -> None:
+    """JSON-dump ``obj`` (``indent``, default 2) atomically."""
+    write_text_atomic(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def save_figure_atomic(fig: Any, path: str, **savefig_kwargs: Any) -> None:
+    """``fig.savefig(path, **savefig_kwargs)`` atomically; the figure is left open (close it yourself)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, **savefig_kwargs)
 
 
 def markdown_table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
