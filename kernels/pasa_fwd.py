@@ -6,22 +6,28 @@ Two kernels and a launcher:
   ``K'_j = K_j^T M`` per KV block of ``BLOCK_N`` keys with the FP16-rounded shifting
   matrix ``M = (a I - b J) * scale`` (Eq. 10-11, 21/23):
   ``K' = fl16(scale * (a k - b sum_block k))``, written once to a [B, H, Nk, D]
-  FP16 buffer (the paper's batched GEMM, done as a row reduction + FMA).
-* :func:`_pasa_fwd_kernel` — the tile loop: ``S' = Q K'^T`` on the tensor cores with
-  **FP16 accumulation** (``tl.dot(..., out_dtype=tl.float16)``), the block's row mean
-  ``mean(S')`` (line 13), the running global pseudo-average ``F`` (line 14 / Eq. 15),
-  the recovery ``f * (mean - F)`` with ``f = beta / (1 - beta)`` (Eq. 14, lines 15-17)
-  applied to the scores and to the running max, then the usual online softmax in
-  FP32 (P rounded to FP16 for ``P @ V`` with FP32 accumulation).
-  With ``SHIFT=False`` (mode ``fp16-acc16``) the raw keys are used and the FP16
-  product is scaled afterwards: plain FP16-score-accumulation flash attention.
-* :func:`pasa_attention` — validates, computes beta and the coefficients, launches.
+  FP16 buffer (the paper's batched GEMM, done as a row reduction + FMA). With
+  ``RECOVER`` it also writes, in FP32, the per-key term ``c_j = mu . K'_j`` of the
+  query centering and the block's recovery vector ``w = scale (b / a) sum_block k``.
+* :func:`_pasa_fwd_kernel` — the tile loop: ``S' = (Q - mu) K'^T`` on the tensor cores
+  with **FP16 accumulation** (``tl.dot(..., out_dtype=tl.float16)``), the block's
+  removed pseudo-average ``R = q . w`` (an FP32 dot per row, line 13), the running
+  global pseudo-average ``F`` (line 14 / Eq. 15), the recovered scores
+  ``(S' + c) / a + (R - F)`` and the running max moved by ``F_old - F`` (lines 15-17),
+  then the usual online softmax in FP32 (P rounded to FP16 for ``P @ V`` with FP32
+  accumulation). With ``RECOVER=False`` (mode ``fp16-acc16``, or PASA with ``beta=0``)
+  the keys are used as given and the FP16 product is scaled afterwards: plain
+  FP16-score-accumulation flash attention.
+* :func:`pasa_attention` — validates, computes beta, the coefficients and the query
+  centre ``mu``, launches.
 
-The CPU reference with the same arithmetic is :func:`visionattn.pasa.pasa_attention_reference`;
-its module docstring lists what is rounded where. Kernels never import upward
-(DESIGN.md), so the optimal-accuracy beta (Eq. 20-22) is computed here by
-:func:`_optimal_beta` as well; ``tests/kernels/test_pasa_kernel.py`` checks it equals
-:func:`visionattn.pasa.optimal_beta`.
+The recovery from FP32 quantities and the query centering deviate from the paper's
+Algorithm 1 for accuracy (both are exact in exact arithmetic); the CPU reference with
+the same arithmetic, :func:`visionattn.pasa.pasa_attention_reference`, explains them in
+its module docstring and lists what is rounded where. Kernels never import upward
+(DESIGN.md), so the optimal-accuracy beta (Eq. 20-22) and ``mu`` are computed here by
+:func:`_optimal_beta` and :func:`_query_center` as well; ``tests/kernels/test_pasa_kernel.py``
+checks they equal :func:`visionattn.pasa.optimal_beta` and :func:`visionattn.pasa.query_center`.
 """
 from __future__ import annotations
 
@@ -59,17 +65,31 @@ def _optimal_beta(n: int) -> float:
 
 
 def _coefficients(n: int, beta: float | None) -> tuple[float, float, float]:
-    # (a, b, f): K' = scale (a k - b sum k) with the FP16-rounded M (Eq. 21/23); f = beta / (1 - beta).
+    # (a, b, f): K' = scale (a k - b sum k) with the FP16-rounded M (Eq. 21/23); f = beta / (1 - beta)
+    # (the paper's recovery factor; the kernel recovers with a and b directly).
     beta = _optimal_beta(n) if beta is None else float(beta)
     b = _fl16(beta / n)
     return _fl16(1.0 - beta / n) + b, b, beta / (1.0 - beta)
 
 
+def _query_center(q: torch.Tensor) -> torch.Tensor:
+    """The query centre mu, [..., D] float32 (FP16 values; see visionattn.pasa.query_center).
+
+    ``mu_d = fl16(mean_i q_id)``, or 0 where ``max_i |q_id - mu_d| > max_i |q_id|``.
+    ``q``: [..., Nq, D] float16 with ``Nq > 0``.
+    """
+    mu = torch.mean(q, dim=-2, dtype=torch.float32).half().float()
+    lo, hi = (t.float() for t in torch.aminmax(q, dim=-2))
+    ok = torch.maximum(hi - mu, mu - lo) <= torch.maximum(hi.abs(), lo.abs())
+    return torch.where(ok, mu, torch.zeros_like(mu))
+
+
 # ------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _pasa_shift_keys_kernel(
-    K, KP, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
-    a_full, b_full, a_tail, b_tail, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    K, KP, MU, C, W, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
+    a_full, b_full, a_tail, b_tail, w_full, w_tail,
+    RECOVER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # 1-D grid (B * H can exceed the 65,535 limit of grid axes 1 and 2).
     tiles = tl.cdiv(N_K, BLOCK_N)
@@ -89,19 +109,26 @@ def _pasa_shift_keys_kernel(
     kp = (scale * (a * k - b * ksum[None, :])).to(tl.float16)
     # KP is a contiguous [B*H, N_K, D] buffer
     tl.store(KP + pid_bh.to(tl.int64) * N_K * D + offs_n[:, None] * D + offs_d[None, :], kp, mask=ok)
+    if RECOVER:
+        # MU [B*H, D], C [B*H, N_K], W [B*H, tiles, D]: contiguous FP32 buffers
+        mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
+        c = tl.sum(mu[None, :] * kp.to(tl.float32), axis=1)  # mu . K'_j, per key
+        tl.store(C + pid_bh.to(tl.int64) * N_K + offs_n, c, mask=offs_n < N_K)
+        w = tl.where(full, w_full, w_tail) * ksum  # scale (b / a) sum_block k
+        tl.store(W + (pid_bh.to(tl.int64) * tiles + pid_n) * D + offs_d, w, mask=offs_d < D)
 
 
 @triton.jit
 def _pasa_fwd_kernel(
-    Q, K, V, O, BIAS, MASK,
+    Q, K, V, O, BIAS, MASK, MU, C, W,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    H, N_Q, N_K, D, DV, post_scale, f_full, f_tail,
-    SHIFT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    H, N_Q, N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
+    RECOVER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     tiles = tl.cdiv(N_Q, BLOCK_M)  # 1-D grid, as in _pasa_shift_keys_kernel
@@ -115,13 +142,19 @@ def _pasa_fwd_kernel(
     row_ok = offs_m < N_Q
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    if RECOVER:
+        # query centering: q' = fl16(q - mu) feeds the FP16 product; R uses the uncentred q
+        mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
+        qs = (q.to(tl.float32) - mu[None, :]).to(tl.float16)
+    else:
+        qs = q
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    F = tl.zeros([BLOCK_M], tl.float32)  # running global pseudo-average of rowmean(S'), Eq. 15
+    F = tl.zeros([BLOCK_M], tl.float32)  # running global pseudo-average (mean of the blocks' R), Eq. 15
     j = 0.0
     hi = N_K
     if IS_CAUSAL:
@@ -132,15 +165,18 @@ def _pasa_fwd_kernel(
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                     mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         # FP16 score accumulation: the product whose overflow PASA prevents.
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
-        if SHIFT:
+        s = tl.dot(qs, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
+        if RECOVER:
             n_valid = tl.minimum(N_K - start_n, BLOCK_N)
-            f = tl.where(n_valid == BLOCK_N, f_full, f_tail)
-            mean = tl.sum(tl.where(col_ok[None, :], s, 0.0), axis=1) / n_valid.to(tl.float32)
+            inv_a = tl.where(n_valid == BLOCK_N, inv_a_full, inv_a_tail)
+            c = tl.load(C + pid_bh.to(tl.int64) * N_K + offs_n, mask=col_ok, other=0.0)
+            w = tl.load(W + (pid_bh.to(tl.int64) * tl.cdiv(N_K, BLOCK_N) + start_n // BLOCK_N) * D + offs_d,
+                        mask=offs_d < D, other=0.0)
+            r = tl.sum(q.to(tl.float32) * w[None, :], axis=1)  # the block's removed pseudo-average, FP32 (line 13)
             j += 1.0
-            F_new = F + (mean - F) / j
-            s = s + (f * (mean - F_new))[:, None]  # scores relative to f * F_new
-            m_old = m_i + f * (F - F_new)  # previous max moved to the new frame
+            F_new = F + (r - F) / j
+            s = (s + c[None, :]) * inv_a + (r - F_new)[:, None]  # scale q.k - F_new
+            m_old = m_i + (F - F_new)  # previous max moved to the new frame
             F = F_new
         else:
             s = s * post_scale
@@ -219,7 +255,9 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         scale: logit scale.
         shift: True = PASA (mode ``pasa``), False = no shift (mode ``fp16-acc16``, may overflow).
         beta: shift strength in [0, 1); None = the optimal-accuracy beta of each block size
-            (Eq. 20-22; 0.984497 for the 128-key blocks). Ignored when ``shift=False``.
+            (Eq. 20-22; 0.984497 for the 128-key blocks). ``beta=0`` switches the shift, the query
+            centering and the recovery off (plain FP16 accumulation on ``fl16(scale * k)``).
+            Ignored when ``shift=False``.
         config: override the launch config (``BLOCK_M``, ``num_warps``, ``num_stages``).
 
     Returns:
@@ -259,23 +297,33 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     cfg = dict(_get_config(D, interpret), **(config or {}))
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_DV = max(16, triton.next_power_of_2(Dv))
+    # beta = 0: M = scale * I, no centering, no recovery: plain FP16 accumulation on fl16(scale * k).
+    recover = bool(shift) and (beta is None or float(beta) != 0.0)
+    inv_a_f = inv_a_t = 1.0
+    mu = c = w = q  # dummies unless recover
     if shift:
         tail = Nk % BLOCK_N or BLOCK_N
-        a_f, b_f, f_f = _coefficients(BLOCK_N, beta)
-        a_t, b_t, f_t = _coefficients(tail, beta)
+        a_f, b_f, _ = _coefficients(BLOCK_N, beta)
+        a_t, b_t, _ = _coefficients(tail, beta)
         kp = torch.empty((B, H, Nk, D), dtype=torch.float16, device=q.device)
+        if recover:
+            mu = _query_center(q).contiguous()  # [B, H, D] float32
+            c = torch.empty((B, H, Nk), dtype=torch.float32, device=q.device)
+            w = torch.empty((B, H, triton.cdiv(Nk, BLOCK_N), D), dtype=torch.float32, device=q.device)
+            inv_a_f, inv_a_t = 1.0 / a_f, 1.0 / a_t
         _pasa_shift_keys_kernel[(triton.cdiv(Nk, BLOCK_N) * B * H,)](
-            k, kp, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
-            BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=4)
+            k, kp, mu, c, w, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
+            float(scale) * b_f / a_f, float(scale) * b_t / a_t,
+            RECOVER=recover, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=4)
         keys, post_scale = kp, 1.0
     else:
-        keys, post_scale, f_f, f_t = k, float(scale), 0.0, 0.0
+        keys, post_scale = k, float(scale)
     grid = (triton.cdiv(Nq, cfg["BLOCK_M"]) * B * H,)
     _pasa_fwd_kernel[grid](
-        q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q,
+        q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q, mu, c, w,
         *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias), *_strides4(attn_mask),
-        H, Nq, Nk, D, Dv, post_scale, f_f, f_t,
-        SHIFT=bool(shift), HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
+        H, Nq, Nk, D, Dv, post_scale, inv_a_f, inv_a_t,
+        RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
         IS_CAUSAL=bool(is_causal), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         BLOCK_DV=BLOCK_DV, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out

@@ -54,9 +54,10 @@ MODES: dict[str, Mode] = {
              "FP16 inputs, FP32 score accumulation and state"),
         Mode("bf16", torch.bfloat16, None, 1e-2, False,
              "BF16 inputs, FP32 score accumulation and state"),
-        # PASA's shift amplifies the rounding of each block's FP16 row mean by
-        # beta / (1 - beta) ~ 63 (PASA paper, Eq. 16): measured 4.0e-3 at N=4096 on an H100.
-        Mode("pasa", torch.float16, None, 6e-3, True,
+        # The shifted scores are accumulated in FP16 but the shift is undone in FP32
+        # (visionattn.pasa): 8.6e-4 (D=64) / 1.0e-3 (D=128) measured on the CPU emulation;
+        # the margin over fp16's 2e-3 covers GPU accumulation order (not yet re-measured).
+        Mode("pasa", torch.float16, None, 3e-3, True,
              "FP16 inputs, FP16 score accumulation with online pseudo-average shifting (cannot overflow)"),
         Mode("fp16-acc16", torch.float16, None, 6e-3, True,
              "diagnostic baseline: FP16 score accumulation without shifting (may overflow)"),

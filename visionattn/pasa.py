@@ -8,16 +8,41 @@ of ``n`` keys the key block is multiplied by the shifting matrix (Eq. 10-11)
 
 i.e. ``K'_j = scale * (K_j - beta * mean_block(K))``, so the FP16 product
 ``S' = Q K'^T`` carries neither the large common bias of the keys nor the
-``sqrt(D)`` amplitude. Because ``rowmean(S') = (1 - beta) rowmean(scale * S)``
-(Theorem 2.1, Eq. 13-14), the removed part of each row is recovered exactly as
-``beta / (1 - beta) * rowmean(S')``; the online softmax keeps its running max
-relative to the running global pseudo-average ``F`` (Eq. 15, Alg. 1 lines
-13-20), so the result is softmax attention in exact arithmetic.
+``sqrt(D)`` amplitude. The removed part of each row is the block's
+pseudo-average; the online softmax keeps its running max relative to the
+running global pseudo-average ``F`` (Eq. 15, Alg. 1 lines 13-20), so the result
+is softmax attention in exact arithmetic. ``beta`` comes from the
+optimal-accuracy condition (Eq. 16, 20-22, :func:`optimal_beta`).
 
-``beta`` comes from the optimal-accuracy condition (Eq. 16, 20-22,
-:func:`optimal_beta`): the entries of ``M`` are rounded to FP16, and beta is
-the fixed point at which the recovery factor ``beta / (1 - beta)`` equals the
-factor the *rounded* matrix actually applies.
+Deviations from Algorithm 1 (accuracy; both are exact in exact arithmetic):
+
+1. **Recovery from FP32 quantities.** The paper recovers the removed part as
+   ``beta / (1 - beta) * rowmean(S')`` from the FP16 product (Theorem 2.1,
+   Eq. 13-14). ``beta / (1 - beta) ~ 63.5`` multiplies the FP16 rounding of that
+   row mean, a per-(row, block) offset ~5.6x the rounding error of one score
+   (the pasa / fp16 RMSE was 2.0-6.2 on the paper's Table 4 cases). Here the
+   rounded matrix ``M = scale (a I - b J)`` is inverted exactly instead: per
+   block, ``scale * q.k_j = (q.K'_j + R) / a`` with the row's recovery term
+   ``R = scale (b / a) q . sum_block k`` (``= f_M rowmean(q K'^T)`` exactly, with
+   ``f_M = b n / (a (a - b n))`` the first term of Eq. 20),
+   computed in FP32 from the FP16 inputs (one D-long FP32 dot per row and
+   block). The recovered logits are then exact up to the FP16 roundings of
+   ``K'`` and of the FP16 product, and do not depend on beta satisfying Eq. 16
+   (beta still comes from it and sets how much of the key bias leaves the FP16
+   product). ``F`` is the running mean of ``R`` (Eq. 15) and scores are kept
+   relative to it: ``t = scale q.k_j - F``, as Alg. 1's frame.
+2. **Query centering.** Shifting the keys removes the per-row part of the
+   scores but not the per-key part ``mu . k_j`` that a common query bias ``mu``
+   creates; with uniform U(5, 35) inputs ``|S'|`` reaches ~900 (rms 200; rms 75
+   once centred) and the FP16 rounding of the product (ulp 0.25-0.5 there)
+   dominated the error (pasa / fp16 RMSE 2.8 with deviation 1 alone). So the queries
+   are centred too: ``q' = fl16(q - mu)`` with ``mu = fl16(mean over the queries
+   of (batch, head))``, and the per-key term ``c_j = mu . K'_j`` (FP32) is added
+   back: ``S' = fl16acc(q' K'^T) + c``. ``mu_d`` is set to 0 in a head dimension
+   where centering would enlarge the range (``max |q_d - mu_d| > max |q_d|``), so
+   ``|q'_d| <= max_i |q_id|`` and the FP16 product is bounded as in the paper's
+   PASA (no new overflow). ``q' + mu = q`` is exact unless ``|q|`` is much
+   smaller than ``|mu|`` (then ``q'`` carries one extra FP16 rounding).
 
 What this module emulates (and the Triton kernel :mod:`visionattn.kernels.pasa_fwd` does):
 
@@ -25,24 +50,26 @@ What this module emulates (and the Triton kernel :mod:`visionattn.kernels.pasa_f
 * Shift (``shift=True``): with ``b = fl16(beta/n)`` and ``a = fl16(1 - beta/n) + b``
   (the rounded matrix ``M = a I - b J``, Eq. 21/23), ``K' = fl16(scale * (a k - b sum_block k))``
   computed in FP32 and rounded once to FP16. ``n`` is the number of keys in the block
-  (the last block may be shorter; it gets its own beta).
-* FP16 score accumulation (:func:`fp16_accumulated_matmul`): products of FP16
+  (the last block may be shorter; it gets its own beta). ``q' = fl16(q - mu)`` as above.
+* FP16 score accumulation (:func:`fp16_accumulated_matmul`) of ``q' K'^T``: products of FP16
   numbers are exact in FP32; each 16-wide chunk of the head dimension (one
   tensor-core MMA k-step) is summed in FP32 and added to an FP16 accumulator,
   which is rounded to FP16 (round-to-nearest-even, ``|x| >= 65520 -> inf``)
   after every chunk. The GPU's tensor cores may round the last bit differently
   inside a k-step; the overflow behaviour (an FP16 partial sum out of range is inf) is the same.
-* Everything after the product is FP32 (as mode ``fp16``): the recovery terms,
-  bias and masks, the running max / sum / output; the unnormalized
-  probabilities are rounded to FP16 before ``P @ V`` (FP32 accumulation).
+* Everything after the product is FP32 (as mode ``fp16``): ``c``, ``R``, ``F``, the
+  recovered scores ``t = (S' + c) / a + (R - F_new)``, bias and masks, the running
+  max / sum / output; the unnormalized probabilities are rounded to FP16 before
+  ``P @ V`` (FP32 accumulation).
 * ``shift=False`` (mode ``fp16-acc16``): ``S = fl16acc(Q K^T)`` on the *unscaled*
   keys, then ``scale * S`` in FP32 — plain FlashAttention with FP16 score
   accumulation (the paper's "partially low-precision" allocation, Fig. 2), which
   overflows when ``|q.k| > 65504``.
 
-``beta = 0`` gives ``M = I / alpha``: plain FP16-accumulation flash attention on the
-keys pre-scaled by ``scale`` (the paper: "PASA degrades into FA 2.0"). It equals
-``shift=False`` run on ``(q, fl16(scale * k))`` with ``scale=1`` exactly, bit for bit.
+``beta = 0`` gives ``M = I / alpha`` and switches off the query centering and the
+recovery (``R = 0``): plain FP16-accumulation flash attention on the keys pre-scaled
+by ``scale`` (the paper: "PASA degrades into FA 2.0"). It equals ``shift=False`` run on
+``(q, fl16(scale * k))`` with ``scale=1`` exactly, bit for bit.
 """
 from __future__ import annotations
 
@@ -52,7 +79,7 @@ import math
 import torch
 
 __all__ = ["optimal_beta", "shift_coefficients", "fp16_accumulated_matmul", "shift_keys",
-           "pasa_attention_reference", "benchmark_inputs", "BENCHMARK_KINDS", "FP16_ACC_CHUNK",
+           "query_center", "pasa_attention_reference", "benchmark_inputs", "BENCHMARK_KINDS", "FP16_ACC_CHUNK",
            "DEFAULT_BLOCK"]
 
 FP16_ACC_CHUNK = 16  # head-dim chunk summed before each FP16 rounding (one MMA k-step)
@@ -133,8 +160,11 @@ def shift_coefficients(n: int, beta: float | None) -> tuple[float, float, float]
 
     Returns:
         ``(a, b, f)``: ``K' = scale * (a k - b sum_block k)`` (Eq. 21/23, ``a`` and ``b``
-        as rounded to FP16 and combined in float64) and the recovery factor
-        ``f = beta / (1 - beta)`` (Eq. 14). ``beta=None`` uses :func:`optimal_beta` (n).
+        as rounded to FP16 and combined in float64) and the paper's recovery factor
+        ``f = beta / (1 - beta)`` (Eq. 14; equal to the rounded matrix's invariance at the
+        optimal beta). The reference and the kernel recover with ``a`` and ``b`` directly
+        (module docstring, deviation 1) and do not use ``f``. ``beta=None`` uses
+        :func:`optimal_beta` (n).
 
     Raises:
         ValueError: ``beta`` outside [0, 1) or ``n < 1``.
@@ -191,6 +221,28 @@ def shift_keys(k16: torch.Tensor, scale: float, a: float, b: float) -> torch.Ten
     return (scale * (a * kf - b * kf.sum(dim=-2, keepdim=True))).half()
 
 
+def query_center(q16: torch.Tensor) -> torch.Tensor:
+    """The query centre ``mu`` of PASA's query centering (module docstring, deviation 2).
+
+    ``mu_d = fl16(mean_i q_id)`` over the queries of each (batch, head), in FP32, except
+    ``mu_d = 0`` where ``max_i |q_id - mu_d| > max_i |q_id|`` (centering would enlarge
+    the range of that dimension, and with it the bound on the FP16 product).
+
+    Args:
+        q16: [..., Nq, D] float16.
+
+    Returns:
+        [..., 1, D] float16 (zeros when ``Nq == 0``).
+    """
+    if q16.shape[-2] == 0:
+        return torch.zeros(q16.shape[:-2] + (1, q16.shape[-1]), dtype=torch.float16, device=q16.device)
+    mu = torch.mean(q16, dim=-2, keepdim=True, dtype=torch.float32).half()
+    lo, hi = (t.float() for t in torch.aminmax(q16, dim=-2, keepdim=True))
+    muf = mu.float()
+    ok = torch.maximum(hi - muf, muf - lo) <= torch.maximum(hi.abs(), lo.abs())
+    return torch.where(ok, mu, torch.zeros_like(mu))
+
+
 def pasa_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float, shift: bool = True,
@@ -198,8 +250,9 @@ def pasa_attention_reference(
 ) -> torch.Tensor:
     """PASA (``shift=True``) or FP16-score-accumulation (``shift=False``) attention, emulated.
 
-    Follows PASA Algorithm 1 block by block in torch arithmetic (see the module
-    docstring for exactly what is rounded where); the Triton kernel
+    Follows PASA Algorithm 1 block by block in torch arithmetic, with the FP32
+    recovery and the query centering of the module docstring (which also says
+    exactly what is rounded where); the Triton kernel
     :func:`visionattn.kernels.pasa_fwd.pasa_attention` does the same on the GPU.
 
     Args:
@@ -232,21 +285,32 @@ def pasa_attention_reference(
     m = torch.full(lead, float("-inf"), device=dev)
     l = torch.zeros(lead, device=dev)
     acc = torch.zeros(lead + (v.shape[-1],), device=dev)
-    F = torch.zeros(lead, device=dev)  # running global pseudo-average of rowmean(S') (Eq. 15)
+    F = torch.zeros(lead, device=dev)  # running global pseudo-average: the mean of the blocks' R (Eq. 15)
+    recover = shift and beta != 0  # beta = 0: M = scale * I, no centering, R = 0 (plain FP16 accumulation)
+    if recover:
+        mu = query_center(q16)  # deviation 2
+        qs = (q16.float() - mu.float()).half()
+        q32 = q16.float()
     for j, start in enumerate(range(0, nk, block_size), start=1):
         stop = min(start + block_size, nk)
         kb = k16[..., start:stop, :]
-        if shift:
-            a, b, f = shift_coefficients(stop - start, beta)
-            sp = fp16_accumulated_matmul(q16, shift_keys(kb, scale, a, b)).float()
-            mean = sp.mean(dim=-1)  # Alg. 1 line 13
-            F_new = F + (mean - F) / j  # line 14 / Eq. 15
-            t = sp + (f * (mean - F_new)).unsqueeze(-1)  # scores relative to f * F_new
-            m_old = m + f * (F - F_new)  # line 15-16: previous max in the new frame
-            F = F_new
-        else:
+        if not shift:
             t = fp16_accumulated_matmul(q16, kb).float() * scale
             m_old = m
+        elif not recover:
+            t = fp16_accumulated_matmul(q16, shift_keys(kb, scale, 1.0, 0.0)).float()
+            m_old = m
+        else:
+            a, b, _ = shift_coefficients(stop - start, beta)
+            kp = shift_keys(kb, scale, a, b)  # Alg. 1 line 6
+            sp = fp16_accumulated_matmul(qs, kp).float()  # line 11, FP16 accumulation
+            c = (mu.float() * kp.float()).sum(dim=-1).unsqueeze(-2)  # per-key term mu . K'_j (FP32)
+            w = float(scale * b / a) * kb.float().sum(dim=-2)  # [..., D]: scale (b / a) sum_block k (FP32)
+            R = (q32 * w.unsqueeze(-2)).sum(dim=-1)  # the block's removed pseudo-average (line 13, exact)
+            F_new = F + (R - F) / j  # line 14 / Eq. 15
+            t = (sp + c) * float(1.0 / a) + (R - F_new).unsqueeze(-1)  # scale q.k_j - F_new
+            m_old = m + (F - F_new)  # lines 15-16: previous max in the new frame
+            F = F_new
         if bias is not None:
             t = t + bias[..., start:stop].float()
         if attn_mask is not None:
