@@ -41,6 +41,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 
+from visionattn.reporting import call_ms  # noqa: E402
+
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_models.yaml"),
@@ -80,20 +82,7 @@ def time_call(fn, device: str, *, warmup: int, rep_ms: float, min_reps: int, max
     _sync(device)
     est_ms = (time.perf_counter() - t0) * 1e3
     reps = int(min(max_reps, max(min_reps, math.ceil(rep_ms / max(est_ms, 1e-3)))))
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    times.sort()
+    times = sorted(call_ms(fn, device) for _ in range(reps))
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     return {"median_ms": statistics.median(times), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": reps}
 

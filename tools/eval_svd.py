@@ -52,8 +52,8 @@ from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode, mode_names
 from visionattn.patching.diffusers import (ELSAAttnProcessor, overflow_counts, patch_diffusers,
                                            reset_overflow_counts, unpatch_diffusers)
-from visionattn.reporting import (atomic_path, environment, markdown_table, tf32_disabled, write_json_atomic,
-                                  write_text_atomic)
+from visionattn.reporting import (atomic_path, call_ms, environment, markdown_table, tf32_disabled,
+                                  write_json_atomic, write_text_atomic)
 
 MODEL_IDS = ("stabilityai/stable-video-diffusion-img2vid", "stabilityai/stable-video-diffusion-img2vid-xt")
 NATIVE = {"native": None, "native-fp32": torch.float32, "native-fp16": torch.float16, "native-bf16": torch.bfloat16}
@@ -492,21 +492,9 @@ def _time_call(fn, device: str, reps: int, warmup: int) -> tuple[float, float | 
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+        times = [call_ms(fn, device) for _ in range(reps)]
         return float(np.median(times)), (torch.cuda.max_memory_allocated() - base) / 2**30
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return float(np.median(times)), None
+    return float(np.median([call_ms(fn, device) for _ in range(reps)])), None
 
 
 def attention_bench(args) -> dict:

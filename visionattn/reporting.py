@@ -8,12 +8,13 @@ import platform
 import shlex
 import sys
 import tempfile
-from typing import Any, Iterable, Iterator, Sequence
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 __all__ = ["environment", "command_line", "atomic_path", "write_text_atomic", "write_json_atomic",
-           "save_figure_atomic", "markdown_table", "tf32_disabled"]
+           "save_figure_atomic", "markdown_table", "tf32_disabled", "call_ms"]
 
 
 def command_line() -> str:
@@ -110,3 +111,20 @@ def tf32_disabled():
         yield {"torch.backends.cuda.matmul.allow_tf32": False, "torch.backends.cudnn.allow_tf32": False}
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def call_ms(fn: Callable[[], Any], device: str) -> float:
+    """Milliseconds of one ``fn()``: CUDA events on a CUDA ``device``, ``perf_counter`` otherwise.
+
+    The CUDA path waits for the end event, so the GPU work ``fn`` queued is inside the time.
+    """
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
