@@ -1,34 +1,17 @@
 """visionattn.window_attention: validation, CPU reference vs float64 oracle, equivalence with timm's
 own Swin v1 / v2 WindowAttention modules (random weights, shifted and unshifted blocks)."""
 import copy
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from timm.models.swin_transformer import SwinTransformerBlock
 from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 
 import visionattn
 from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode
-from visionattn.reference import oracle_attention
 from visionattn.window import window_attention, window_attention_reference
-
-
-def expanded_oracle(q, k, v, bias, mask, nw, cosine=False, logit_scale=None, scale=None):
-    """Independent float64 oracle: bias and mask explicitly expanded to [B*nW, H, N, N] (test sizes only)."""
-    BW, H, N, D = q.shape
-    qd, kd = q.double(), k.double()
-    if cosine:
-        mult = torch.exp(torch.clamp(logit_scale.double().reshape(1, H, 1, 1), max=math.log(100)))
-        qd, kd, scale = F.normalize(qd, dim=-1) * mult, F.normalize(kd, dim=-1), 1.0
-    full = torch.zeros(BW, H, N, N, dtype=torch.float64)
-    if bias is not None:
-        full = full + bias.double().reshape(1, H, N, N)
-    if mask is not None:
-        full = full + mask.double().repeat(BW // nw, 1, 1).unsqueeze(1)
-    return oracle_attention(qd, kd, v.double(), bias=full, scale=scale)
+from window_oracle import expanded_window_oracle
 
 
 def make_inputs(n_img=2, nw=4, h=2, n=49, d=16, seed=0, mask_kind="timm"):
@@ -76,7 +59,7 @@ def test_reference_path_meets_mode_contract(mode, cosine):
     kw = dict(relative_position_bias=bias, shift_mask=mask, num_windows=4, cosine=cosine,
               logit_scale=ls if cosine else None)
     out = window_attention(q, k, v, **kw, mode=mode, backend="reference")
-    gold = expanded_oracle(q, k, v, bias, mask, 4, cosine, ls, q.shape[-1] ** -0.5)
+    gold = expanded_window_oracle(q, k, v, bias, mask, 4, cosine, ls, q.shape[-1] ** -0.5)
     assert out.dtype == q.dtype and out.shape == q.shape
     # cosine logits are amplified by exp(logit_scale) (up to 45 here): the half-precision input
     # rounding error grows with it; allow that factor over the N(0,1) contract.
@@ -88,7 +71,7 @@ def test_reference_float64_state_equals_expanded_oracle_and_bool_mask_equals_inf
     q, k, v, bias, mask, _ = make_inputs(seed=2, mask_kind="inf")
     got = window_attention_reference(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=4,
                                      state_dtype=torch.float64)
-    assert rel_l2(got, expanded_oracle(q, k, v, bias, mask, 4, scale=0.25)) < 1e-12
+    assert rel_l2(got, expanded_window_oracle(q, k, v, bias, mask, 4, scale=0.25)) < 1e-12
     a = window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=4)
     b = window_attention(q, k, v, relative_position_bias=bias, shift_mask=~torch.isinf(mask), num_windows=4)
     assert torch.equal(a, b)
@@ -109,7 +92,7 @@ def test_gradients_through_triton_backend_use_differentiable_reference():
         out = window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=4, backend="triton")
     out.square().sum().backward()
     qd = q.detach().double().requires_grad_(True)
-    expanded_oracle(qd, k, v, bias, mask, 4, scale=0.25).square().sum().backward()
+    expanded_window_oracle(qd, k, v, bias, mask, 4, scale=0.25).square().sum().backward()
     assert rel_l2(q.grad, qd.grad) < 1e-5
 
 

@@ -4,34 +4,18 @@ The oracle expands bias and mask explicitly to [B*nW, H, N, N] in float64 (indep
 and of visionattn.window's reference); tolerances are the modes' contracts (visionattn.modes).
 """
 import copy
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import visionattn
 from visionattn.kernels.window_fwd import get_config, window_attention_fwd
 from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode
-from visionattn.reference import oracle_attention
 from visionattn.window import window_attention
+from window_oracle import expanded_window_oracle
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def oracle(q, k, v, bias, mask, nw, cosine=False, ls=None, scale=None):
-    BW, H, N, D = q.shape
-    qd, kd = q.double(), k.double()
-    if cosine:
-        mult = torch.exp(torch.clamp(ls.double().reshape(1, H, 1, 1), max=math.log(100)))
-        qd, kd, scale = F.normalize(qd, dim=-1) * mult, F.normalize(kd, dim=-1), 1.0
-    full = torch.zeros(BW, H, N, N, dtype=torch.float64, device=q.device)
-    if bias is not None:
-        full = full + bias.double().reshape(1, H, N, N)
-    if mask is not None:
-        full = full + mask.double().repeat(BW // nw, 1, 1).unsqueeze(1)
-    return oracle_attention(qd, kd, v.double(), bias=full, scale=scale)
 
 
 def inputs(n_img, nw, h, n, d, dtype=torch.float32, seed=0, mask_fill=-100.0, device=DEV, mean=0.0):
@@ -61,7 +45,7 @@ def test_small_kernel_matches_oracle(n, cosine, mode):
     q, k, v, bias, mask, ls = inputs(2, 3, 2, n, 32, seed=n)
     out = window_attention_fwd(q, k, v, bias, mask, 3, cosine, ls if cosine else None, 32 ** -0.5, mode,
                                config={"kernel": "small", "imgs": 2, "num_warps": 4, "num_stages": 1})
-    gold = oracle(q, k, v, bias, mask, 3, cosine, ls, 32 ** -0.5)
+    gold = expanded_window_oracle(q, k, v, bias, mask, 3, cosine, ls, 32 ** -0.5)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert rel_l2(out, gold) <= _tol(mode, cosine, ls, 32)
 
@@ -74,7 +58,7 @@ def test_tiled_kernel_folds_key_blocks(cosine, mode):
     out = window_attention_fwd(q, k, v, bias, mask, 2, cosine, ls if cosine else None, 0.3, mode,
                                config={"kernel": "tiled", "block_m": 16, "block_n": 16, "num_warps": 4,
                                        "num_stages": 1})
-    gold = oracle(q, k, v, bias, mask, 2, cosine, ls, 0.3)
+    gold = expanded_window_oracle(q, k, v, bias, mask, 2, cosine, ls, 0.3)
     assert rel_l2(out, gold) <= _tol(mode, cosine, ls, 16)
 
 
@@ -83,7 +67,7 @@ def test_no_bias_no_mask_head_dim_not_power_of_two_and_dv_differs():
     q, k = (torch.randn(4, 2, 49, 20, generator=g, device=DEV) for _ in range(2))
     v = torch.randn(4, 2, 49, 24, generator=g, device=DEV)
     out = window_attention(q, k, v, num_windows=1, backend="triton")
-    assert rel_l2(out, oracle(q, k, v, None, None, 1, scale=20 ** -0.5)) <= 2e-6
+    assert rel_l2(out, expanded_window_oracle(q, k, v, None, None, 1, scale=20 ** -0.5)) <= 2e-6
 
 
 def test_fully_masked_row_is_zero_and_output_layout_makes_timm_reshape_free():
@@ -106,7 +90,7 @@ def test_pasa_stays_finite_where_fp16_score_accumulation_overflows():
     base = window_attention_fwd(q, k, v, *args, "fp16-acc16", config=cfg)
     pasa = window_attention_fwd(q, k, v, *args, "pasa", config=cfg)
     fp16 = window_attention_fwd(q, k, v, *args, "fp16", config=cfg)
-    gold = oracle(q.half(), k.half(), v.half(), bias, mask, 2, scale=1.0)  # same input rounding as the modes
+    gold = expanded_window_oracle(q.half(), k.half(), v.half(), bias, mask, 2, scale=1.0)  # same input rounding as the modes
     assert not torch.isfinite(base).all()
     assert torch.isfinite(pasa).all()
     assert rel_l2(pasa, gold) <= 2 * rel_l2(fp16, gold) + get_mode("pasa").rel_tol
@@ -129,7 +113,7 @@ def test_gpu_swin_b_stage1_all_modes(mode, cosine):
     out = window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=64, cosine=cosine,
                            logit_scale=ls if cosine else None, mode=mode)
     sl = slice(0, 512)  # oracle on 8 images (512 windows) to bound memory; the kernel ran the full batch
-    gold = oracle(q[sl], k[sl], v[sl], bias, mask, 64, cosine, ls, 32 ** -0.5)
+    gold = expanded_window_oracle(q[sl], k[sl], v[sl], bias, mask, 64, cosine, ls, 32 ** -0.5)
     assert torch.isfinite(out).all()
     assert rel_l2(out[sl], gold) <= _tol(mode, cosine, ls, 32)
 
@@ -142,7 +126,7 @@ def test_gpu_window_sizes_8_12_16_24(n, nw, dtype, mode):
     for cosine in (False, True):
         out = window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=nw,
                                cosine=cosine, logit_scale=ls if cosine else None, mode=mode)
-        gold = oracle(q, k, v, bias, mask, nw, cosine, ls, 32 ** -0.5)
+        gold = expanded_window_oracle(q, k, v, bias, mask, nw, cosine, ls, 32 ** -0.5)
         assert out.dtype == dtype
         assert rel_l2(out, gold) <= _tol(mode, cosine, ls, 32) + (1e-3 if dtype == torch.float16 else 0)
 
