@@ -11,8 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from testdata import MULTIVIEW, PHOTOS, REPO  # noqa: E402,F401  (re-exported for fixtures)
-
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

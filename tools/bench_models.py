@@ -266,7 +266,7 @@ def _fmt(x, digits=3):
 
 def render_markdown(result: dict) -> str:
     env, rows = result["environment"], result["rows"]
-    lines = [f"# Whole-model benchmark: visionattn.patch_model vs unpatched timm", "",
+    lines = ["# Whole-model benchmark: visionattn.patch_model vs unpatched timm", "",
              f"* device: {env.get('device')}; torch {env.get('torch')}, triton {env.get('triton')}, "
              f"timm {env.get('timm')}, CUDA {env.get('cuda')}",
              f"* command: `{env.get('command')}`",
