@@ -35,7 +35,10 @@ import functools
 
 import torch
 import triton
+import triton.runtime.errors
 import triton.language as tl
+
+from ._host import cdiv, pad_pow2
 
 __all__ = ["pasa_attention", "pasa_unsupported_reason", "BLOCK_N", "MAX_HEAD_DIM"]
 
@@ -215,7 +218,23 @@ def _get_config(d: int, interpret: bool) -> dict:
         return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
     if d <= 64:
         return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}  # H100 sweep, docs/benchmarks/pasa_h100.md
-    return {"BLOCK_M": 128, "num_warps": 8, "num_stages": 3}  # H100 sweep: 2.65 ms vs 3.02 (2 stages)
+    if d <= 128:
+        # 3 stages (faster before the recovery terms were added) now needs 232,960 B of shared
+        # memory with triton 3.6, over the H100/H200's 232,448
+        return {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
+
+
+def _smaller_configs(cfg: dict) -> list[dict]:
+    """Configs to try in order when ``cfg`` exceeds shared memory: fewer stages, then fewer query rows."""
+    out, c = [], dict(cfg)
+    while c["num_stages"] > 1:
+        c = dict(c, num_stages=c["num_stages"] - 1)
+        out.append(c)
+    while c["BLOCK_M"] > 16:
+        c = dict(c, BLOCK_M=c["BLOCK_M"] // 2, num_warps=min(c["num_warps"], 4))
+        out.append(c)
+    return out
 
 
 def pasa_unsupported_reason(q, k, v, bias, attn_mask) -> str | None:
@@ -295,8 +314,8 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         return out.zero_()
     interpret = q.device.type != "cuda"
     cfg = dict(_get_config(D, interpret), **(config or {}))
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_DV = max(16, triton.next_power_of_2(Dv))
+    BLOCK_D = pad_pow2(D)
+    BLOCK_DV = pad_pow2(Dv)
     # beta = 0: M = scale * I, no centering, no recovery: plain FP16 accumulation on fl16(scale * k).
     recover = bool(shift) and (beta is None or float(beta) != 0.0)
     inv_a_f = inv_a_t = 1.0
@@ -309,21 +328,27 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         if recover:
             mu = _query_center(q).contiguous()  # [B, H, D] float32
             c = torch.empty((B, H, Nk), dtype=torch.float32, device=q.device)
-            w = torch.empty((B, H, triton.cdiv(Nk, BLOCK_N), D), dtype=torch.float32, device=q.device)
+            w = torch.empty((B, H, cdiv(Nk, BLOCK_N), D), dtype=torch.float32, device=q.device)
             inv_a_f, inv_a_t = 1.0 / a_f, 1.0 / a_t
-        _pasa_shift_keys_kernel[(triton.cdiv(Nk, BLOCK_N) * B * H,)](
+        _pasa_shift_keys_kernel[(cdiv(Nk, BLOCK_N) * B * H,)](
             k, kp, mu, c, w, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
             float(scale) * b_f / a_f, float(scale) * b_t / a_t,
             RECOVER=recover, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=4)
         keys, post_scale = kp, 1.0
     else:
         keys, post_scale = k, float(scale)
-    grid = (triton.cdiv(Nq, cfg["BLOCK_M"]) * B * H,)
-    _pasa_fwd_kernel[grid](
-        q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q, mu, c, w,
-        *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias), *_strides4(attn_mask),
-        H, Nq, Nk, D, Dv, post_scale, inv_a_f, inv_a_t,
-        RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
-        IS_CAUSAL=bool(is_causal), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-        BLOCK_DV=BLOCK_DV, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    candidates = [cfg] + ([] if config else _smaller_configs(cfg))
+    for i, cf in enumerate(candidates):
+        try:
+            _pasa_fwd_kernel[(cdiv(Nq, cf["BLOCK_M"]) * B * H,)](
+                q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q,
+                mu, c, w, *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias),
+                *_strides4(attn_mask), H, Nq, Nk, D, Dv, post_scale, inv_a_f, inv_a_t,
+                RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
+                IS_CAUSAL=bool(is_causal), BLOCK_M=cf["BLOCK_M"], BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+                BLOCK_DV=BLOCK_DV, num_warps=cf["num_warps"], num_stages=cf["num_stages"])
+            return out
+        except triton.runtime.errors.OutOfResources:  # bias/mask tiles add shared memory
+            if i + 1 == len(candidates):
+                raise
     return out

@@ -21,10 +21,27 @@ Two kernels, chosen by the window area ``N``:
   (m, S, W) fold over key blocks (FlashAttention-style online softmax) with
   bias / mask blocks indexed per window.
 
-Precision modes (:mod:`visionattn.modes`) are constexprs: FP32 modes pass
-``input_precision`` (``tf32x3`` / ``ieee`` / ``tf32``) explicitly; ``fp16`` /
-``bf16`` multiply on tensor cores with FP32 accumulation and round P to half
-before ``P @ V``; ``pasa`` accumulates the scores in FP16 after shifting K by
+Precision modes (:mod:`visionattn.modes`) are constexprs. The FP32 modes' products
+(``IN_PREC``):
+
+* ``fp32`` -> ``"f16x3"`` and ``tf32`` -> ``"f16x1"``: split-FP16 products on the FP16
+  tensor cores, as in :mod:`visionattn.kernels.elsa_fwd` (whose jit helpers
+  ``_exponent`` / ``_pow2`` / ``_split16_rows`` are used here). q and k rows are
+  scaled by exact powers of two (row max in [2^12, 2^13)) and split ``x = hi + lo``
+  (two FP16 parts of 11 significant bits); ``s = lo_q hi_k^T + hi_q lo_k^T +
+  hi_q hi_k^T`` in FP32 accumulation (``f16x1``: ``hi_q hi_k^T`` only), times the
+  inverse row / column scales. P (<= 1) is scaled by 2^15 and V by an exact power
+  of two per column (small kernel: one scale per window; tiled kernel: a running
+  per-column exponent, undone like the softmax max) and split the same way;
+  ``P V = p_lo v_hi + p_hi v_lo + p_hi v_hi``, each key tile summed apart before it
+  is added to the FP32 accumulator. Cosine (Swin-v2) rows are L2-normalized in FP32
+  (after an exact power-of-two prescale, so |x| up to FP32's range cannot over- or
+  underflow the norm) and then split.
+* ``fp32-ieee`` -> ``"ieee"`` (FP32 FMA); ``"tf32x3"`` / ``"tf32"`` (Triton's 3xTF32 /
+  TF32 ``tl.dot``) stay selectable through ``precision=`` for comparison.
+
+``fp16`` / ``bf16`` multiply on tensor cores with FP32 accumulation and round P to
+half before ``P @ V``; ``pasa`` accumulates the scores in FP16 after shifting K by
 its window mean (see :func:`window_attention_fwd`); ``fp16-acc16`` is the same
 without the shift (the overflow baseline).
 
@@ -37,21 +54,27 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N"]
+from ._host import cdiv, pad_pow2
+
+from .elsa_fwd import _exponent, _pow2, _split16_rows
+
+__all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N", "PRECISIONS"]
 
 LOG2E = 1.4426950408889634
 SMALL_MAX_N = 128  # windows up to this many tokens run fully in registers
 _COMPUTE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MODE_TABLE = {
     # name: (compute dtype, input_precision for fp32 dots, half_scores, pasa_shift)
-    "fp32": (torch.float32, "tf32x3", False, False),
+    "fp32": (torch.float32, "f16x3", False, False),
     "fp32-ieee": (torch.float32, "ieee", False, False),
-    "tf32": (torch.float32, "tf32", False, False),
+    "tf32": (torch.float32, "f16x1", False, False),
     "fp16": (torch.float16, None, False, False),
     "bf16": (torch.bfloat16, None, False, False),
     "pasa": (torch.float16, None, True, True),
     "fp16-acc16": (torch.float16, None, True, False),
 }
+# product precisions the FP32 modes accept through ``precision=`` (tools compare them)
+PRECISIONS = ("f16x3", "f16x1", "tf32x3", "tf32", "ieee")
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -67,13 +90,72 @@ def _to_compute(x, COMPUTE: tl.constexpr):
 
 
 @triton.jit
+def _l2_normalize_rows(x):
+    """x / max(||x||, 1e-12) per row of FP32 ``x`` [R, C], without over- / underflow in the norm.
+
+    Each row is first scaled by the exact power of two 2^-e that puts its largest |entry| in
+    [1, 2) (``e = floor(log2 max|x|)``), so the sum of squares lies in [1, C * 4) for any finite
+    nonzero row (plain ``sum(x * x)`` overflows for |x| > ~1e19 and loses bits below ~1e-19).
+    Then ``x / max(||x||, eps) = xs / max(||xs||, eps * 2^-e)``; zero rows stay zero.
+    """
+    e = _exponent(tl.max(tl.abs(x), 1))
+    xs = x * _pow2(-e)[:, None]
+    nrm = tl.sqrt(tl.sum(xs * xs, axis=1))
+    return xs / tl.maximum(nrm, 1e-12 * _pow2(-e))[:, None]
+
+
+@triton.jit
+def _split16_cols(x, e):
+    """FP16 split of FP32 ``x`` [R, C] with column exponents ``e`` [C] (int32, >= every |x| exponent).
+
+    Returns (hi, lo) with ``x * 2^(12 - e) = hi + lo`` (columns scaled into [-2^13, 2^13)).
+    """
+    xs = x * _pow2(12 - e)[None, :]
+    hi = xs.to(tl.float16)
+    lo = (xs - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo
+
+
+@triton.jit
+def _scores_split16(q_hi, q_lo, k_hi, k_lo, IN_PREC: tl.constexpr):
+    """Scaled scores from the FP16 parts: lo_q hi_k^T + hi_q lo_k^T + hi_q hi_k^T (f16x3, small terms
+    first) or hi_q hi_k^T (f16x1), FP32 accumulation, [M, N]. The caller undoes the row/column scales."""
+    kt = tl.trans(k_hi)
+    if IN_PREC == "f16x3":
+        s = tl.dot(q_lo, kt)
+        s = tl.dot(q_hi, tl.trans(k_lo), s)
+        s = tl.dot(q_hi, kt, s)
+    else:
+        s = tl.dot(q_hi, kt)
+    return s
+
+
+@triton.jit
+def _pv_split16(p, v_hi, v_lo, IN_PREC: tl.constexpr):
+    """2^15 P @ V_scaled from the FP16 parts (P <= 1 scaled by 2^15 and split here), FP32 [M, DV]:
+    p_lo v_hi + p_hi v_lo + p_hi v_hi (f16x3) or p_hi v_hi (f16x1), summed apart from any accumulator."""
+    ps = p * 32768.0
+    p_hi = ps.to(tl.float16)
+    if IN_PREC == "f16x3":
+        o = tl.dot((ps - p_hi.to(tl.float32)).to(tl.float16), v_hi)
+        o = tl.dot(p_hi, v_lo, o)
+        o = tl.dot(p_hi, v_hi, o)
+    else:
+        o = tl.dot(p_hi, v_hi)
+    return o
+
+
+@triton.jit
 def _prep_rows(x, mult, COMPUTE: tl.constexpr, COSINE: tl.constexpr, SCALE_ROWS: tl.constexpr):
     """Round a [rows, D] tile to the compute dtype; cosine: L2-normalize rows; optional row scale."""
     x = _to_compute(x, COMPUTE)
     if COSINE:
         xf = x.to(tl.float32)
-        nrm = tl.sqrt(tl.sum(xf * xf, axis=1))
-        xf = xf / tl.maximum(nrm, 1e-12)[:, None]
+        if COMPUTE == 0:
+            xf = _l2_normalize_rows(xf)
+        else:
+            nrm = tl.sqrt(tl.sum(xf * xf, axis=1))
+            xf = xf / tl.maximum(nrm, 1e-12)[:, None]
         if SCALE_ROWS:
             xf = xf * mult
         x = _to_compute(xf, COMPUTE)
@@ -121,7 +203,7 @@ def _window_small_kernel(
     n_img, n_slot, N, D, DV, scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IMGS: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
-    IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr,
+    IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
 ):
     # program (pid0 = h * n_slot + w, pid1 = image chunk); window index b = img * n_slot + w
     pid0 = tl.program_id(0)
@@ -170,13 +252,26 @@ def _window_small_kernel(
             kbar = tl.sum(kf, axis=0) / N  # padded rows are zero
             k = (kf - kbar[None, :]).to(tl.float16)
         v = _to_compute(v, COMPUTE)
-        s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post + cb
+        if SPLIT16:
+            q_hi, q_lo, q_inv = _split16_rows(q)
+            k_hi, k_lo, k_inv = _split16_rows(k)
+            s = _scores_split16(q_hi, q_lo, k_hi, k_lo, IN_PREC)
+            s = s * ((q_inv * post)[:, None] * k_inv[None, :]) + cb
+        else:
+            s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post + cb
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
         p = tl.math.exp2(s - m[:, None])
         l = tl.sum(p, axis=1)
-        acc = _pv(p, v, IN_PREC, COMPUTE)
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        if SPLIT16:  # one window = one key tile: one exponent per V column
+            v_exp = _exponent(tl.max(tl.abs(v), axis=0))
+            v_hi, v_lo = _split16_cols(v, v_exp)
+            acc = _pv_split16(p, v_hi, v_lo, IN_PREC)
+            # divide first (acc itself may exceed FP32 once unscaled), then undo the V and P scales
+            out = acc / tl.where(l > 0, l, 1.0)[:, None] * (_pow2(v_exp - 12) * (1.0 / 32768.0))[None, :]
+        else:
+            acc = _pv(p, v, IN_PREC, COMPUTE)
+            out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(O + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_dv[None, :] * so_d,
                  out.to(O.dtype.element_ty), mask=vd_ok)
 
@@ -189,7 +284,7 @@ def _window_tiled_kernel(
     H, n_mask, N, D, DV, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
-    IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr,
+    IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
 ):
     # program (pid0 = query block, pid1 = b * H + h); ELSA fold over key blocks.
     pid_m = tl.program_id(0)
@@ -211,6 +306,11 @@ def _window_tiled_kernel(
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
                 mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     q = _prep_rows(q, mult, COMPUTE, COSINE, HALF_SCORES)
+    q_lo = q
+    q_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if SPLIT16:
+        q, q_lo, q_inv = _split16_rows(q)
+        q_inv = q_inv * post
     k_base = K + b * sk_b + h * sk_h
     v_base = V + b * sv_b + h * sv_h
 
@@ -227,6 +327,8 @@ def _window_tiled_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    # SPLIT16: acc is held scaled by 2^(12 - v_exp + 15) per column, v_exp the largest V exponent so far
+    v_exp = tl.full((BLOCK_DV,), -114, dtype=tl.int32)
     for start in range(0, N, BLOCK_N):
         offs_n = start + offs_n0
         n_ok = offs_n < N
@@ -238,7 +340,11 @@ def _window_tiled_kernel(
         if PASA_SHIFT:
             k = (k.to(tl.float32) - kbar[None, :]).to(tl.float16)
         v = _to_compute(v, COMPUTE)
-        s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post
+        if SPLIT16:
+            k_hi, k_lo, k_inv = _split16_rows(k)
+            s = _scores_split16(q, q_lo, k_hi, k_lo, IN_PREC) * (q_inv[:, None] * k_inv[None, :])
+        else:
+            s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post
         tile_ok = m_ok[:, None] & n_ok[None, :]
         if HAS_BIAS:
             s += tl.load(BIAS + h * sb_h + offs_m[:, None] * sb_i + offs_n[None, :] * sb_j,
@@ -252,9 +358,23 @@ def _window_tiled_kernel(
         alpha = tl.math.exp2(m_i - m_safe)
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _pv(p, v, IN_PREC, COMPUTE)
+        if SPLIT16:
+            e_new = tl.maximum(v_exp, _exponent(tl.max(tl.abs(v), axis=0)))
+            acc = acc * alpha[:, None] * _pow2(v_exp - e_new)[None, :]
+            v_exp = e_new
+            v_hi, v_lo = _split16_cols(v, v_exp)
+            # the tile's P V is summed apart and added once: FP16 MMAs accumulating into acc tile
+            # after tile lose accuracy ~N (see elsa_fwd._fold_tile)
+            if IN_PREC == "f16x3":
+                acc += _pv_split16(p, v_hi, v_lo, IN_PREC)
+            else:  # TF32-class anyway: accumulate in the MMA
+                acc = tl.dot((p * 32768.0).to(tl.float16), v_hi, acc)
+        else:
+            acc = acc * alpha[:, None] + _pv(p, v, IN_PREC, COMPUTE)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT16:
+        out = out * (_pow2(v_exp - 12) * (1.0 / 32768.0))[None, :]  # undo the V and P scales
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_dv[None, :] * so_d,
              out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
 
@@ -276,12 +396,12 @@ def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot:
     for ``tiled`` ``block_m`` / ``block_n``.
     """
     if n_tokens <= SMALL_MAX_N:
-        block = max(16, triton.next_power_of_2(n_tokens))
+        block = pad_pow2(n_tokens)
         n_img = n_windows // n_slot
         base = heads * n_slot
         target = 8 * _num_sms(device)
         imgs = 1
-        while imgs < 32 and base * triton.cdiv(n_img, imgs * 2) >= target:
+        while imgs < 32 and base * cdiv(n_img, imgs * 2) >= target:
             imgs *= 2
         return {"kernel": "small", "imgs": imgs, "num_warps": 4 if block <= 64 else 8, "num_stages": 2}
     bm = 64 if n_tokens <= 256 else 128
@@ -289,9 +409,24 @@ def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot:
 
 
 # ----------------------------------------------------------------------------- launcher
+def _precision(mode: str, precision: str | None) -> str | None:
+    """The FP32 product precision of ``mode``, or the explicit override (FP32 modes only)."""
+    compute, in_prec = _MODE_TABLE[mode][:2]
+    if precision is None:
+        return in_prec
+    if compute != torch.float32:
+        raise ValueError(f"precision={precision!r} applies to the FP32 modes (fp32, fp32-ieee, tf32) only; "
+                         f"mode {mode!r} computes in {compute}: pass precision=None")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; expected one of {PRECISIONS}")
+    return precision
+
+
 def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, scale: float, mode: str,
-            config: dict | None) -> torch.Tensor:
-    compute, in_prec, half_scores, pasa_shift = _MODE_TABLE[mode]
+            config: dict | None, precision: str | None = None) -> torch.Tensor:
+    """Allocate the output and launch the small or tiled kernel (``precision`` overrides the FP32 products)."""
+    compute, _, half_scores, pasa_shift = _MODE_TABLE[mode]
+    in_prec = _precision(mode, precision)
     BW, H, N, D = q.shape
     DV = v.shape[-1]
     # [BW, N, H, DV] buffer viewed as [BW, H, N, DV]: timm's transpose(1, 2).reshape is then a view.
@@ -307,21 +442,22 @@ def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, sc
     cfg = dict(config) if config else get_config(BW, H, N, D, n_slot_mask if mask is not None else 1, q.device)
     flags = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=bool(cosine),
                  COMPUTE=_COMPUTE_CODE[compute], IN_PREC=in_prec or "ieee", HALF_SCORES=half_scores,
-                 PASA_SHIFT=pasa_shift, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    block_d = max(16, triton.next_power_of_2(D))
-    block_dv = max(16, triton.next_power_of_2(DV))
+                 PASA_SHIFT=pasa_shift, SPLIT16=in_prec in ("f16x3", "f16x1"),
+                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    block_d = pad_pow2(D)
+    block_dv = pad_pow2(DV)
     if cfg["kernel"] == "small":
         if N > SMALL_MAX_N:
             raise ValueError(f"config kernel='small' needs N <= {SMALL_MAX_N}, got N={N}")
         n_slot = n_slot_mask if mask is not None else 1
         n_img = BW // n_slot
         imgs = int(cfg["imgs"])
-        grid = (H * n_slot, triton.cdiv(n_img, imgs))
+        grid = (H * n_slot, cdiv(n_img, imgs))
         _window_small_kernel[grid](
             q, k, v, out, b_t, m_t, ls_t, *strides, n_img, n_slot, N, D, DV, float(scale),
-            BLOCK_N=max(16, triton.next_power_of_2(N)), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags)
+            BLOCK_N=pad_pow2(N), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags)
     elif cfg["kernel"] == "tiled":
-        grid = (triton.cdiv(N, cfg["block_m"]), BW * H)
+        grid = (cdiv(N, cfg["block_m"]), BW * H)
         _window_tiled_kernel[grid](
             q, k, v, out, b_t, m_t, ls_t, *strides, H, n_slot_mask if mask is not None else 1, N, D, DV,
             float(scale), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv,
@@ -346,7 +482,7 @@ def _(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode):
 
 
 def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale,
-                         scale, mode, *, config: dict | None = None) -> torch.Tensor:
+                         scale, mode, *, config: dict | None = None, precision: str | None = None) -> torch.Tensor:
     """Launch the window attention kernel (inputs already validated by :func:`visionattn.window_attention`).
 
     Args:
@@ -366,18 +502,28 @@ def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_window
             the window is one softmax block (or every key block gets the same shift), so
             the per-row shift cancels in the softmax and PASA's global recovery
             (Theorem 2.1, which needs beta < 1 to invert M) is not needed.
+            FP32 modes: ``fp32`` multiplies in split FP16 (``"f16x3"``, FP32-accurate),
+            ``tf32`` in ``"f16x1"`` (TF32-class), ``fp32-ieee`` in FP32 FMA (module docstring).
         config: optional launch override (see :func:`get_config`); used by the benchmark.
+        precision: optional override of the FP32 modes' product precision, one of
+            :data:`PRECISIONS` (``"f16x3"``, ``"f16x1"``, ``"tf32x3"``, ``"tf32"``, ``"ieee"``);
+            used by ``tools/bench_window.py`` to compare them. None = the mode's own.
 
     Returns:
         [B*nW, H, N, Dv] in q's dtype, a view of a contiguous [B*nW, N, H, Dv] buffer.
+
+    Raises:
+        ValueError: unknown ``mode``; ``precision`` not in :data:`PRECISIONS` or given for a
+            half-precision mode; a ``config`` naming an unknown kernel or ``small`` with N > 128.
     """
     if mode not in _MODE_TABLE:
         raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
+    _precision(mode, precision)  # validate before launching
     if logit_scale is not None:
         logit_scale = logit_scale.reshape(-1)
-    if config is None:
+    if config is None and precision is None:
         return _window_op(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows),
                           bool(cosine), float(scale), mode)
     return _launch(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows), bool(cosine),
-                   float(scale), mode, config)
+                   float(scale), mode, config, precision)
 

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default=None, help="comma-separated visionattn modes (default: the config's)")
     p.add_argument("--shapes", default=None, help="comma-separated shape names from the config (default: all)")
     p.add_argument("--tune", action="store_true", help="time candidate tile configs instead of the sweep")
+    p.add_argument("--tune-kinds", default=None,
+                   help=f"comma-separated kinds for --tune (default all: {','.join(TUNE_CANDIDATES)})")
     return p
 
 
@@ -321,37 +323,48 @@ TUNE_CANDIDATES = {
     "half": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)],
     "tf32": [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 4, 2)],
     "tf32x3": [(64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)],
-    "ieee": [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2), (64, 16, 4, 2)],
+    "ieee": [(64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2), (32, 32, 4, 2), (128, 32, 8, 2), (64, 16, 4, 2),
+             (64, 64, 4, 3), (128, 64, 4, 2), (64, 32, 2, 2), (128, 32, 4, 3), (32, 64, 2, 2)],
+    "f16x3": [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+              (64, 32, 4, 3)],
+    "f16x1": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
 }
-TUNE_MODES = {"half": "fp16", "tf32": "tf32", "tf32x3": "fp32", "ieee": "fp32-ieee"}
+# kind -> (mode, product precision override; None = the mode's own)
+TUNE_MODES = {"half": ("fp16", None), "tf32": ("tf32", "tf32"), "tf32x3": ("fp32", "tf32x3"),
+              "ieee": ("fp32-ieee", "ieee"), "f16x3": ("fp32", "f16x3"), "f16x1": ("tf32", "f16x1")}
 
 
 def run_tune(args) -> dict:
+    """Time each candidate tile config of each kind (+ its rel err vs the float64 oracle)."""
     import triton.testing
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    shapes = [(1, 8, 8192, 64), (64, 12, 197, 64), (1, 8, 8192, 128)]
+    shapes = [(1, 8, 8192, 64), (64, 12, 197, 64), (1, 8, 8192, 128), (8, 12, 1025, 64)]
+    kinds = args.tune_kinds.split(",") if args.tune_kinds else list(TUNE_CANDIDATES)
     results = []
-    for kind, cands in TUNE_CANDIDATES.items():
-        mode = TUNE_MODES[kind]
+    for kind in kinds:
+        mode, precision = TUNE_MODES[kind]
         dtype = elsa_fwd.KERNEL_MODES[mode][0]
         for (B, H, N, D) in shapes:
-            q, k, v = (torch.randn(B, H, N, D, device="cuda").to(dtype) for _ in range(3))
+            g = torch.Generator(device="cuda").manual_seed(N + D)
+            q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype) for _ in range(3))
+            rows = torch.randperm(N, device="cuda", generator=g)[:128]
+            ref = oracle_attention(q[:, :, rows], k, v, scale=D ** -0.5)
             flops = 4 * B * H * N * N * D
-            for c in cands:
+            for c in TUNE_CANDIDATES[kind]:
                 cfg = elsa_fwd.TileConfig(*c)
-                if D == 128 and cfg.block_m * D * (4 if dtype == torch.float32 else 2) > 64 * 1024:
-                    continue
+                rec = {"kind": kind, "shape": [B, H, N, D], "config": c}
                 try:
-                    fn = lambda: elsa_fwd._launch(q, k, v, None, None, False, D ** -0.5, mode, 1, cfg)  # noqa: E731
-                    fn()
+                    fn = lambda: elsa_fwd._launch(q, k, v, None, None, False, D ** -0.5, mode, 1, cfg,  # noqa: E731
+                                                  precision)
+                    err = rel_l2(fn()[:, :, rows], ref)
                     ms = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
-                    results.append({"kind": kind, "shape": [B, H, N, D], "config": c, "ms": ms,
-                                    "tflops": flops / ms / 1e9})
+                    rec.update(ms=ms, tflops=flops / ms / 1e9, rel_err=err)
                 except Exception as exc:  # out of shared memory / registers for this config
-                    results.append({"kind": kind, "shape": [B, H, N, D], "config": c,
-                                    "error": str(exc).splitlines()[0][:120]})
-                print(json.dumps(results[-1]), flush=True)
+                    rec["error"] = str(exc).splitlines()[0][:120]
+                results.append(rec)
+                print(json.dumps(rec), flush=True)
+            del q, k, v, ref
     return {"environment": environment(), "tune": results}
 
 

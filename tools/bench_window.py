@@ -13,6 +13,12 @@ defaults (``torch.backends.cuda.matmul.allow_tf32 = False``), recorded in the ou
 
     python tools/bench_window.py --out docs/benchmarks/window_h100
     python tools/bench_window.py --batches 64 --models swin_base_224 --methods visionattn,eager
+    python tools/bench_window.py --models swin_base_224 --batches 64 --dtypes fp32,tf32,fp16 \
+        --methods visionattn --precisions f16x3,tf32x3,f16x1,tf32 --no-sweep --no-module --no-models
+
+``--precisions`` times the FP32 modes' product precisions side by side in the same run
+(:data:`visionattn.kernels.window_fwd.PRECISIONS`: split-FP16 ``f16x3`` / ``f16x1`` vs
+Triton's ``tf32x3`` / ``tf32`` / ``ieee``), each with its error against the float64 reference.
 """
 from __future__ import annotations
 
@@ -39,7 +45,9 @@ parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "w
                     help="output prefix: writes <out>.md, <out>.json, <out>.png")
 parser.add_argument("--models", default=None, help="comma-separated model names from the config (default: all)")
 parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: config)")
-parser.add_argument("--dtypes", default=None, help="comma-separated subset of fp16,fp32 (default: config)")
+parser.add_argument("--dtypes", default=None,
+                    help="comma-separated subset of fp16,fp32,tf32 (visionattn modes; tf32 runs on fp32 inputs; "
+                         "default: config)")
 parser.add_argument("--methods", default=None,
                     help="comma-separated subset of visionattn,eager,sdpa,flex (default: config)")
 parser.add_argument("--no-sweep", action="store_true", help="skip the launch-config sweep on the key case")
@@ -47,6 +55,9 @@ parser.add_argument("--no-module", action="store_true", help="skip the WindowAtt
 parser.add_argument("--no-models", action="store_true", help="skip the whole-model latency table")
 parser.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up time per measurement (ms)")
 parser.add_argument("--rep-ms", type=float, default=None, help="do_bench measuring time per measurement (ms)")
+parser.add_argument("--precisions", default=None,
+                    help="comma-separated FP32 product precisions to compare on the fp32/tf32 rows "
+                         "(f16x3,tf32x3,ieee apply to fp32; f16x1,tf32 to tf32), e.g. f16x3,tf32x3,f16x1,tf32")
 parser.add_argument("--max-cases", type=int, default=None, help="stop after this many attention cases (smoke runs)")
 
 
@@ -163,7 +174,7 @@ def flex_fn(kind, attn, q, k, v, bias, mask):
     return lambda: flex(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, score_mod=score_mod2, scale=1.0)
 
 
-def visionattn_fn(kind, attn, q, k, v, bias, mask, mode, config=None):
+def visionattn_fn(kind, attn, q, k, v, bias, mask, mode, config=None, precision=None):
     from visionattn.window import validate_window_inputs
     from visionattn.kernels.window_fwd import window_attention_fwd
 
@@ -172,7 +183,8 @@ def visionattn_fn(kind, attn, q, k, v, bias, mask, mode, config=None):
     ls = attn.logit_scale.detach() if cosine else None
     b, m, ls = validate_window_inputs(q, k, v, bias, mask, nw, cosine, ls)
     scale = attn.scale if kind == "v1" else 1.0
-    return lambda: window_attention_fwd(q, k, v, b, m, nw, cosine, ls, scale, mode, config=config)
+    return lambda: window_attention_fwd(q, k, v, b, m, nw, cosine, ls, scale, mode, config=config,
+                                        precision=precision)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -212,7 +224,7 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 4 / (ms * 1e-3)
 
 
-def _accuracy(kind, attn, q, k, v, bias, mask, mode) -> float:
+def _accuracy(kind, attn, q, k, v, bias, mask, mode, precision=None) -> float:
     from visionattn.metrics import rel_l2
     from visionattn.window import window_attention_reference
 
@@ -222,8 +234,23 @@ def _accuracy(kind, attn, q, k, v, bias, mask, mode) -> float:
               logit_scale=attn.logit_scale.detach() if kind == "v2" else None,
               scale=attn.scale if kind == "v1" else None)
     ref = window_attention_reference(q[sl], k[sl], v[sl], **kw, state_dtype=torch.float64)
-    out = visionattn_fn(kind, attn, q[sl], k[sl], v[sl], bias, mask, mode)()
+    out = visionattn_fn(kind, attn, q[sl], k[sl], v[sl], bias, mask, mode, precision=precision)()
     return rel_l2(out, ref)
+
+
+# FP32 product precisions comparable with each mode's own (same accuracy class)
+PRECISION_CLASS = {"fp32": ("f16x3", "tf32x3", "ieee"), "fp32-ieee": ("f16x3", "tf32x3", "ieee"),
+                   "tf32": ("f16x1", "tf32")}
+
+
+def precisions_for(mode: str, requested: list[str]) -> list[str]:
+    """The requested precisions that belong to ``mode``'s accuracy class (none for half modes)."""
+    from visionattn.kernels.window_fwd import PRECISIONS
+
+    bad = [p for p in requested if p not in PRECISIONS]
+    if bad:
+        raise SystemExit(f"--precisions: unknown {bad}; expected a subset of {list(PRECISIONS)}")
+    return [p for p in requested if p in PRECISION_CLASS.get(mode, ())]
 
 
 # ----------------------------------------------------------------------------- parts
@@ -254,6 +281,11 @@ def bench_attention(cfg, args, env, rows: list, save=lambda: None) -> list[dict]
                 row[meth] = measure(fn, args.warmup_ms, args.rep_ms)
         if "visionattn" in methods:
             row["visionattn_rel_l2_vs_fp64"] = _accuracy(m["kind"], attn, q, k, v, bias, mask, dt)
+        for prec in precisions_for(dt, args.precisions.split(",") if args.precisions else []):
+            r = measure(visionattn_fn(m["kind"], attn, q, k, v, bias, mask, dt, precision=prec),
+                        args.warmup_ms, args.rep_ms)
+            r["rel_l2_vs_fp64"] = _accuracy(m["kind"], attn, q, k, v, bias, mask, dt, precision=prec)
+            row.setdefault("precisions", {})[prec] = r
         rows.append(row)
         if len(rows) % 8 == 0:
             save()
@@ -375,6 +407,19 @@ def to_markdown(res: dict) -> str:
             lines.append(f"| {r['dtype']} | {_fmt(r.get('visionattn'))} | {_fmt(r.get('eager'))} | {_fmt(r.get('sdpa'))} | "
                          f"{_fmt(r.get('flex'))} | {r['io_floor_ms'] or 0:.4f} | "
                          f"{(r.get('visionattn') or {}).get('peak_mib') or 0:.1f} | {(r.get('sdpa') or {}).get('peak_mib') or 0:.1f} |")
+        lines.append("")
+    prec_rows = [r for r in res.get("attention", []) if r.get("precisions")]
+    if prec_rows:
+        lines += ["## FP32 product precisions (visionattn, same run)", "",
+                  "| model | stage | N | batch | mode | precision | ms | rel L2 vs fp64 | ms / mode default |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in prec_rows:
+            base = (r.get("visionattn") or {}).get("ms")
+            for prec, p in r["precisions"].items():
+                ratio = f"{p['ms'] / base:.2f}" if (base and p.get("ms")) else "-"
+                acc = p.get("rel_l2_vs_fp64")
+                lines.append(f"| {r['model']} | {r['stage'] + 1} | {r['N']} | {r['batch']} | {r['dtype']} | {prec} | "
+                             f"{_fmt(p)} | {'-' if acc is None else f'{acc:.1e}'} | {ratio} |")
         lines.append("")
     if res.get("sweep"):
         lines += ["## Launch-config sweep on the key case", "", "| dtype | config | ms |", "|---|---|---|"]

@@ -1,10 +1,11 @@
 """Precision modes of visionattn and their accuracy contracts.
 
 A mode fixes three things: the dtype the inputs are cast to before the kernel
-(``compute_dtype``), the arithmetic of the two products (``input_precision`` for
-Triton ``tl.dot``: ``"ieee"``, ``"tf32x3"`` or ``"tf32"``; half modes use the
-tensor cores natively) and the accuracy contract: the relative L2 error of the
-output against the float64 oracle on N(0, 1) inputs (DESIGN.md, "Modes").
+(``compute_dtype``), the arithmetic of the two products (``input_precision``:
+``"ieee"`` FP32 FMA; ``"f16x3"`` / ``"f16x1"`` split-FP16 products on the FP16
+tensor cores, see :mod:`visionattn.kernels.elsa_fwd`; half modes use the tensor
+cores natively) and the accuracy contract: the relative L2 error of the output
+against the float64 oracle on N(0, 1) inputs (DESIGN.md, "Modes").
 
 ``fp16-acc16`` is not a production mode: it is the FP16-score-accumulation
 baseline that PASA fixes (PASA paper, Sec. 2), kept so the overflow can be shown
@@ -26,8 +27,8 @@ class Mode:
     Attributes:
         name: the string users pass (``mode="fp16"``).
         compute_dtype: dtype q, k, v are cast to before the kernel runs.
-        input_precision: Triton ``tl.dot`` precision for FP32 operands
-            (``"ieee"``, ``"tf32x3"``, ``"tf32"``), ``None`` for half inputs.
+        input_precision: product precision for FP32 operands (``"ieee"``, ``"f16x3"``,
+            ``"f16x1"``), ``None`` for half inputs.
         rel_tol: contract, max relative L2 output error vs the float64 oracle.
         half_scores: scores accumulated in FP16 (``pasa``, ``fp16-acc16``).
         description: one line for tables and ``--help``.
@@ -44,12 +45,13 @@ class Mode:
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
-        Mode("fp32", torch.float32, "tf32x3", 2e-6, False,
-             "FP32 inputs, FP32-accurate products (3xTF32 or IEEE FMA), FP32 state"),
+        Mode("fp32", torch.float32, "f16x3", 2e-6, False,
+             "FP32 inputs, FP32-accurate products (split-FP16 hi/lo, 22 significant bits like 3xTF32), "
+             "FP32 state"),
         Mode("fp32-ieee", torch.float32, "ieee", 2e-6, False,
              "strict IEEE FP32 FMA products, no tensor cores, FP32 state"),
-        Mode("tf32", torch.float32, "tf32", 3e-3, False,
-             "TF32 tensor-core products, FP32 state"),
+        Mode("tf32", torch.float32, "f16x1", 3e-3, False,
+             "TF32-class products (operands rounded to TF32's 11 significant bits), FP32 state"),
         Mode("fp16", torch.float16, None, 2e-3, False,
              "FP16 inputs, FP32 score accumulation and state"),
         Mode("bf16", torch.bfloat16, None, 1e-2, False,

@@ -3,9 +3,10 @@
 Every variant — each mode, padded head dims (16, 64, 80), ragged N, Nq != Nk, broadcast bias,
 boolean mask, causal, fully masked rows, non-contiguous views, split-KV with P = 1, 2, 3 —
 is compared with the float64 oracle (:func:`visionattn.reference.oracle_attention`) against
-the mode's contract (:mod:`visionattn.modes`). In the interpreter ``tf32`` / ``tf32x3`` dots
-run in FP32, so those modes are checked for control flow and masking, not TF32 rounding
-(the GPU tests in test_elsa_gpu.py cover that).
+the mode's contract (:mod:`visionattn.modes`). The split-FP16 products (``f16x3`` for ``fp32``,
+``f16x1`` for ``tf32``) round as on the GPU (FP16 parts, FP32 accumulation); the interpreter runs
+the ``tf32`` / ``tf32x3`` precisions of ``tl.dot`` in FP32, so those are checked for control flow
+only (test_elsa_gpu.py covers their rounding).
 """
 import warnings
 
@@ -129,3 +130,27 @@ def test_shared_memory_fallback_sequence_shrinks():
     foot = [c.num_stages * c.block_n + c.block_m for c in seq]  # K/V/bias stage buffers + Q rows
     assert all(b < a for a, b in zip(foot, foot[1:]))
     assert (seq[-1].block_m, seq[-1].block_n, seq[-1].num_stages) == (16, 16, 1)
+
+
+@pytest.mark.parametrize("precision,tol", [("f16x3", 2e-6), ("f16x1", 3e-3), ("tf32x3", 2e-6), ("ieee", 2e-6)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_precision_overrides(precision, tol, num_splits):
+    """Every FP32 product precision meets its contract, single pass and split-KV."""
+    q, k, v = _qkv(1, 2, 70, 300, 64, torch.float32, seed=11)
+    y = elsa_fwd._launch(q, k, v, None, None, False, 0.125, "fp32", num_splits, precision=precision)
+    err = rel_l2(y, oracle_attention(q, k, v, scale=0.125))
+    assert err <= tol, f"{precision}: rel err {err:.3e} > {tol}"
+
+
+@pytest.mark.parametrize("sq,sk,sv", [(1e-20, 1e20, 1.0), (1e15, 1e-16, 1e30), (1.0, 1.0, 1e-38), (3e-3, 1e-2, 1e-4)])
+def test_split_fp16_is_scale_invariant(sq, sk, sv):
+    """fp32 (split-FP16 products) stays FP32-accurate far outside FP16's range: q, k, v scaled by
+    1e-38..1e30, key rows 1e5 apart and a V block 1e6 larger than the rest (the power-of-two
+    scaling of rows, of P and of the running V exponent must all be undone exactly)."""
+    q, k, v = _qkv(1, 1, 40, 200, 64, torch.float32, seed=5)
+    q, k, v = q * sq, k * sk, v * sv
+    k[..., ::7, :] *= 1e5
+    v[..., 100:, :] *= 1e6
+    for num_splits in (1, 2):
+        y = elsa_attention(q, k, v, None, None, False, 0.125, "fp32", num_splits)
+        _check(y, oracle_attention(q, k, v, scale=0.125), "fp32", f"scales {sq}, {sk}, {sv}, P={num_splits}")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import visionattn
+from visionattn.kernels import window_fwd
 from visionattn.kernels.window_fwd import get_config, window_attention_fwd
 from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode
@@ -104,6 +105,79 @@ def test_get_config_uses_small_kernel_for_swin_windows_and_tiles_large_ones():
     assert get_config(64, 4, 576, 32, 1, dev)["kernel"] == "tiled"
 
 
+# ----------------------------------------------------------------------------- split-FP16 products (fp32 / tf32)
+SMALL = {"kernel": "small", "imgs": 2, "num_warps": 4, "num_stages": 1}
+TILED = {"kernel": "tiled", "block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}  # 4 key blocks at N=49
+
+
+def _run(q, k, v, bias, mask, nw, cosine, ls, mode, cfg, precision=None, scale=32 ** -0.5):
+    out = window_attention_fwd(q, k, v, bias, mask, nw, cosine, ls if cosine else None, scale, mode,
+                               config=cfg, precision=precision)
+    return out, expanded_window_oracle(q, k, v, bias, mask, nw, cosine, ls, scale)
+
+
+def test_fp32_and_tf32_modes_use_split_fp16_products():
+    assert window_fwd._MODE_TABLE["fp32"][1] == get_mode("fp32").input_precision == "f16x3"
+    assert window_fwd._MODE_TABLE["tf32"][1] == get_mode("tf32").input_precision == "f16x1"
+
+
+@pytest.mark.parametrize("cfg", [SMALL, TILED], ids=["small", "tiled"])
+@pytest.mark.parametrize("cosine", [False, True])
+@pytest.mark.parametrize("extreme", [False, True], ids=["unit", "extreme"])
+def test_fp32_f16x3_matches_oracle_with_bias_mask_and_extreme_scales(cfg, cosine, extreme):
+    # q * 1e-20, k * 1e20, v * 1e-30: far outside FP16's range; the exact power-of-two scalings keep every
+    # FP16 part in range. Cosine: q * 1e25 (sum of squares overflows FP32 unless the rows are prescaled) and
+    # k * 1e-5 (a tiny q would hit normalize's eps = 1e-12 and give uniform attention, hiding errors).
+    q, k, v, bias, mask, ls = inputs(1, 2, 2, 49, 32, seed=21, mask_fill=float("-inf"))
+    if extreme:
+        sq, sk = (1e25, 1e-5) if cosine else (1e-20, 1e20)
+        q, k, v = q * sq, k * sk, v * 1e-30
+    out, gold = _run(q, k, v, bias, mask, 2, cosine, ls, "fp32", cfg)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, gold) <= get_mode("fp32").rel_tol
+
+
+@pytest.mark.parametrize("cfg", [SMALL, TILED], ids=["small", "tiled"])
+def test_tf32_f16x1_within_contract_and_coarser_than_f16x3(cfg):
+    q, k, v, bias, mask, ls = inputs(1, 2, 2, 49, 32, seed=22)
+    out1, gold = _run(q, k, v, bias, mask, 2, False, ls, "tf32", cfg)
+    out3, _ = _run(q, k, v, bias, mask, 2, False, ls, "fp32", cfg)
+    err1, err3 = rel_l2(out1, gold), rel_l2(out3, gold)
+    assert err1 <= get_mode("tf32").rel_tol
+    assert err1 > 10 * err3  # hi*hi alone: 11-bit operands, so the override really selects another product
+
+
+def test_tiled_running_v_exponent_rescales_across_key_blocks():
+    # |v| grows by ~1e12 from the first key block to the last, and columns differ by 1e6: the running
+    # per-column V exponent must rescale the accumulator when a larger block arrives.
+    q, k, v, bias, mask, ls = inputs(1, 2, 2, 49, 16, seed=23)
+    rows = 10.0 ** torch.linspace(-6, 6, 49, device=DEV)
+    cols = 10.0 ** torch.linspace(-3, 3, 16, device=DEV)
+    q = q * 0.1  # flatter softmax: small-|v| blocks still carry weight
+    v = v * rows[:, None] * cols
+    out, gold = _run(q, k, v, bias, mask, 2, False, ls, "fp32", TILED)
+    assert rel_l2(out, gold) <= get_mode("fp32").rel_tol
+    # per column too: the small columns are not swamped by the large ones
+    dims = (0, 1, 2)
+    colerr = torch.linalg.vector_norm(out.double() - gold, dim=dims) / torch.linalg.vector_norm(gold, dim=dims)
+    assert colerr.max() <= 4 * get_mode("fp32").rel_tol
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "ieee", "tf32"])
+def test_precision_override_keeps_tl_dot_products(precision):
+    q, k, v, bias, mask, ls = inputs(1, 2, 2, 49, 32, seed=24)
+    out, gold = _run(q, k, v, bias, mask, 2, True, ls, "fp32", SMALL, precision=precision)
+    assert rel_l2(out, gold) <= (get_mode("tf32") if precision == "tf32" else get_mode("fp32")).rel_tol
+
+
+def test_precision_override_is_validated():
+    q, k, v, bias, mask, ls = inputs(1, 2, 1, 49, 16, seed=25)
+    with pytest.raises(ValueError, match="precision"):
+        window_attention_fwd(q, k, v, bias, mask, 2, False, None, 0.25, "fp32", precision="bf16x9")
+    with pytest.raises(ValueError, match="FP32 modes"):
+        window_attention_fwd(q, k, v, bias, mask, 2, False, None, 0.25, "fp16", precision="f16x3")
+
+
 # ----------------------------------------------------------------------------- GPU, real sizes
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa"])
@@ -129,6 +203,21 @@ def test_gpu_window_sizes_8_12_16_24(n, nw, dtype, mode):
         gold = expanded_window_oracle(q, k, v, bias, mask, nw, cosine, ls, 32 ** -0.5)
         assert out.dtype == dtype
         assert rel_l2(out, gold) <= _tol(mode, cosine, ls, 32) + (1e-3 if dtype == torch.float16 else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,nw", [(49, 64), (144, 16)])
+@pytest.mark.parametrize("precision", ["f16x3", "tf32x3", "f16x1"])
+@pytest.mark.parametrize("extreme", [False, True], ids=["unit", "extreme"])
+def test_gpu_fp32_split16_products_real_size(n, nw, precision, extreme):
+    # Swin-B stage 1 (small kernel) and a 12x12 window (tiled); split-FP16 vs Triton's 3xTF32 on the tensor cores
+    q, k, v, bias, mask, ls = inputs(8, nw, 4, n, 32, seed=31)
+    if extreme:
+        q, k, v = q * 1e-20, k * 1e20, v * 1e-30
+    out = window_attention_fwd(q, k, v, bias, mask, nw, False, None, 32 ** -0.5, "fp32", precision=precision)
+    gold = expanded_window_oracle(q, k, v, bias, mask, nw, scale=32 ** -0.5)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, gold) <= get_mode("tf32" if precision == "f16x1" else "fp32").rel_tol
 
 
 @pytest.mark.gpu
