@@ -122,7 +122,7 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
     """Fold one KV tile [start_n, start_n + BLOCK_N) into the per-row state (acc=W, l_i=S, m_i=m).
 
     Split-FP16 precisions ("f16x3", "f16x1"): ``q`` / ``q_lo`` are the row-scaled FP16 parts of the
-    query tile and ``q_inv`` their inverse row scales; ``acc`` is held scaled by
+    query tile times the logit scale and ``q_inv`` their inverse row scales; ``acc`` is held scaled by
     2^(12 - v_exp + 15), ``v_exp`` being the largest V exponent seen so far.
 
     BOUNDARY tiles mask keys >= Nk and (causal) keys after the query; interior tiles skip both.
@@ -152,7 +152,7 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
             qk = tl.dot(q, k_hi, qk)
         else:
             qk = tl.dot(q, k_hi)
-        qk = qk * (q_inv[:, None] * k_inv[None, :])  # q_inv carries qk_scale
+        qk = qk * (q_inv[:, None] * k_inv[None, :])  # powers of two: exact
     elif DOT_UPCAST:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
     else:
@@ -187,10 +187,6 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
         else:
             v = tl.load(v_ptrs, mask=(offs_dv < Dv)[None, :], other=0.0)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
-        # With huge logits (~1e9) the compiler's FMA contraction of `qk * scale - m` can land an
-        # ulp of qk (~64) above the max it was rounded against: p = 2^64 would overflow P's FP16
-        # parts (FP32 P only carries it into S and W alike). Clip to 1, in S as well.
-        p = tl.minimum(p, 1.0)
         l_i = l_i * alpha + tl.sum(p, 1)
         e_new = tl.maximum(v_exp, _exponent(tl.max(tl.max(tl.abs(v), 1), 0)))
         acc = acc * (alpha * _pow2(v_exp - e_new))[:, None]
@@ -268,8 +264,11 @@ def _elsa_fwd_kernel(
     q_lo = q
     q_inv = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
-        q, q_lo, q_inv = _split16_rows(q)
-        q_inv = q_inv * qk_scale
+        # The logit scale goes into q before the split, so the scores are the product times
+        # exact powers of two only: an FMA-contracted `qk * scale - m` then rounds exactly as the
+        # `qk` the row max was taken from, and p = exp2(qk - m) never exceeds 1 (P's FP16 parts
+        # hold up to 2^15 * 2). With a non-power-of-two scale, logits of ~1e9 gave p = 2^64.
+        q, q_lo, q_inv = _split16_rows(q * qk_scale)
     v_exp = tl.full([], -114, dtype=tl.int32)
     k_base = K + off_b * skb + off_h * skh
     v_base = V + off_b * svb + off_h * svh

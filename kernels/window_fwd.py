@@ -253,10 +253,12 @@ def _window_small_kernel(
             k = (kf - kbar[None, :]).to(tl.float16)
         v = _to_compute(v, COMPUTE)
         if SPLIT16:
-            q_hi, q_lo, q_inv = _split16_rows(q)
+            # logit scale folded into q: the scores are then scaled by powers of two only (exact),
+            # so p = exp2(s - max s) <= 1 also under FMA contraction (see elsa_fwd)
+            q_hi, q_lo, q_inv = _split16_rows(q * post)
             k_hi, k_lo, k_inv = _split16_rows(k)
             s = _scores_split16(q_hi, q_lo, k_hi, k_lo, IN_PREC)
-            s = s * ((q_inv * post)[:, None] * k_inv[None, :]) + cb
+            s = s * (q_inv[:, None] * k_inv[None, :]) + cb
         else:
             s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post + cb
         m = tl.max(s, axis=1)
@@ -309,8 +311,7 @@ def _window_tiled_kernel(
     q_lo = q
     q_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if SPLIT16:
-        q, q_lo, q_inv = _split16_rows(q)
-        q_inv = q_inv * post
+        q, q_lo, q_inv = _split16_rows(q * post)  # logit scale in q: exact score scaling (see elsa_fwd)
     k_base = K + b * sk_b + h * sk_h
     v_base = V + b * sv_b + h * sv_h
 
