@@ -40,7 +40,7 @@ for step in "$@"; do
         --frames 100 --out "$out/vggt_bench" ;;
     fastvggt500) run fastvggt500 120 python tools/bench_vggt.py --models fastvggt --rows bf16 --frames 500 \
         --out "$out/vggt_bench" ;;
-    svd) run svd 40 python tools/eval_svd.py --attention-bench --bench-levels 2 --out "$out/svd_attention" ;;
+    svd) run svd 170 python tools/eval_svd.py --attention-bench --bench-levels 2 --bench-reps 5 --out "$out/svd_attention" ;;
     *) echo "unknown step $step" | tee -a "$out/steps.txt" ;;
   esac
 done
