@@ -539,6 +539,14 @@ def _smaller_configs(cfg: TileConfig) -> list[TileConfig]:
     return out
 
 
+def _new_output(q: torch.Tensor, n_q: int, dv: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, Nq, Dv] view of a contiguous [B, Nq, H, Dv] buffer, the layout SDPA's flash path
+    returns: the callers' ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` (timm, diffusers, VGGT)
+    is then a view instead of a copy."""
+    B, H = q.shape[0], q.shape[1]
+    return torch.empty((B, n_q, H, dv), device=q.device, dtype=dtype).transpose(1, 2)
+
+
 # launch key -> the config that fitted after an out-of-shared-memory retry (per process)
 _FITTED: dict[tuple, TileConfig] = {}
 
@@ -563,7 +571,7 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
         raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 / None = automatic)")
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    out = torch.empty((B, H, Nq, Dv), device=q.device, dtype=dtype)
+    out = _new_output(q, Nq, Dv, dtype)
     if B * H * Nq == 0 or Dv == 0:
         return out
     if Nk == 0:
@@ -649,7 +657,7 @@ def _elsa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Option
 
 @_elsa_fwd_op.register_fake
 def _elsa_fwd_fake(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits):
-    return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+    return _new_output(q, q.shape[2], v.shape[3], q.dtype)
 
 
 def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
@@ -674,7 +682,9 @@ def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
             clamped to the number of KV tiles.
 
     Returns:
-        [B, H, Nq, Dv] contiguous, in the compute dtype. Rows whose keys are all masked are 0.
+        [B, H, Nq, Dv] in the compute dtype, a view of a contiguous [B, Nq, H, Dv] buffer (as
+        SDPA's flash path returns), so ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is free.
+        Rows whose keys are all masked are 0.
 
     Raises:
         ValueError: unknown mode, head dim > 256, ``num_splits`` < 1.

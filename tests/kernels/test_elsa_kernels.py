@@ -154,3 +154,16 @@ def test_split_fp16_is_scale_invariant(sq, sk, sv):
     for num_splits in (1, 2):
         y = elsa_attention(q, k, v, None, None, False, 0.125, "fp32", num_splits)
         _check(y, oracle_attention(q, k, v, scale=0.125), "fp32", f"scales {sq}, {sk}, {sv}, P={num_splits}")
+
+
+def test_output_layout_makes_the_head_merge_free():
+    """The output is a [B, H, N, Dv] view of a [B, N, H, Dv] buffer (SDPA flash's layout): the
+    callers' transpose(1, 2).reshape(B, N, H * Dv) returns the same memory without a copy, and the
+    values equal those of the contiguous reference."""
+    B, H, N, D = 2, 3, 33, 16
+    q, k, v = _qkv(B, H, N, N, D, torch.float32, seed=9)
+    y = elsa_attention(q, k, v, None, None, False, D ** -0.5, "fp32")
+    flat = y.transpose(1, 2).reshape(B, N, H * D)
+    assert flat.data_ptr() == y.data_ptr() and flat.is_contiguous()
+    ref = oracle_attention(q, k, v).transpose(1, 2).reshape(B, N, H * D)
+    assert rel_l2(flat, ref) <= get_mode("fp32").rel_tol
