@@ -1,0 +1,50 @@
+"""Offline sm_90 compiles (visionattn.kernels.introspect): no GPU needed, Triton's bundled ptxas.
+
+The test session runs the kernels interpreted (TRITON_INTERPRET=1, tests/conftest.py), which
+cannot compile, so the compiles run in a child process with TRITON_INTERPRET=0.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_CHILD = r"""
+import json
+from visionattn.kernels import elsa_fwd
+from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch
+ptr = {n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "WsM", "WsS", "WsW")}
+ptr["Mask"] = "*i1"
+def run(precision, stages):
+    const = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=16, BLOCK_DV=16, PRECISION=precision, IS_CAUSAL=False,
+                 HAS_BIAS=False, HAS_MASK=False, SPLIT=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
+    r = compile_for_arch(elsa_fwd._elsa_fwd_kernel, ptr, const, num_warps=4, num_stages=stages,
+                         unit_ints=("sqd", "skd", "svd", "sod", "sbn", "smn"), float_args=("qk_scale",))
+    return {"shared": r.shared_bytes, "wgmma": r.wgmma}
+print(json.dumps({"limit": HOPPER_SHARED_LIMIT, "f16x3_1": run("f16x3", 1), "f16x3_3": run("f16x3", 3),
+                  "ieee_2": run("ieee", 2)}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_shared_memory_grows_with_pipelining_and_tensor_core_paths_use_wgmma():
+    """More pipeline stages buffer more K/V tiles; the split-FP16 products run as Hopper wgmma
+    (3 dots x 2 per KV-loop copy for f16x3), the IEEE FMA path has none."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=550)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0 < r["f16x3_1"]["shared"] < r["f16x3_3"]["shared"] <= r["limit"]
+    assert r["f16x3_3"]["wgmma"] >= 6
+    assert r["ieee_2"]["wgmma"] == 0
+
+
+def test_interpreted_kernels_are_refused_with_the_fix():
+    from visionattn.kernels import elsa_fwd
+    from visionattn.kernels.introspect import compile_for_arch
+
+    if hasattr(elsa_fwd._elsa_fwd_kernel, "cache_key"):
+        pytest.skip("kernels are compiled (TRITON_INTERPRET=0) in this session")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=0"):
+        compile_for_arch(elsa_fwd._elsa_fwd_kernel, {}, {}, num_warps=4, num_stages=1)

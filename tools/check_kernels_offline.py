@@ -1,0 +1,146 @@
+"""Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory vs the limit.
+
+Walks the dense ELSA config table (every precision kind x padded head dim x short/long KV, with
+and without bias + mask), the PASA configs (head dims 16..256, with and without recovery, bias +
+mask) and the window kernels at the Swin / Swin-v2 window sizes, compiles each for sm_90 through
+:func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared memory each needs
+against the H100/H200 limit (232,448 bytes) and whether the products use wgmma. A config over
+the limit is not a crash (the launchers retry smaller configs), but it is a slow first call and
+a different config than the table says.
+
+The figures match the GPU's only for the same Triton version: the lent GPUs run triton 3.6, so
+
+    pip install --target /tmp/tri36 triton==3.6.0
+    PYTHONPATH=/tmp/tri36:$PWD python tools/check_kernels_offline.py --out runs/kernels_sm90
+
+Writes ``OUT.md`` and ``OUT.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import triton  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from visionattn.kernels import elsa_fwd, pasa_fwd, window_fwd  # noqa: E402
+from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
+from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
+
+_TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernels", default="elsa,pasa,window", help="comma-separated: elsa, pasa, window")
+    p.add_argument("--quick", action="store_true", help="head dims 64 and 128 only, no bias/mask variants")
+    p.add_argument("--out", default=os.path.join(REPO, "runs", "kernels_sm90"), help="output prefix (.md, .json)")
+    return p
+
+
+def _elsa_jobs(quick: bool):
+    for (kind, d, short), cfg in sorted(elsa_fwd._CONFIGS.items()):
+        if quick and d not in (64, 128):
+            continue
+        ptr = _TL[kind]
+        pointers = {n: ptr for n in ("Q", "K", "V", "Bias", "Out")}
+        pointers.update(WsM="*fp32", WsS="*fp32", WsW="*fp32", Mask="*i1")
+        for extras in ((False,) if quick else (False, True)):
+            const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d,
+                         PRECISION="tf32" if kind == "half" else kind, IS_CAUSAL=False, HAS_BIAS=extras,
+                         HAS_MASK=extras, SPLIT=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
+            yield ({"kernel": "elsa", "variant": f"{kind} D={d} {'short' if short else 'long'}"
+                    + (" +bias+mask" if extras else ""), "config": list(vars(cfg).values())},
+                   dict(kernel=elsa_fwd._elsa_fwd_kernel, pointer_types=pointers, constexprs=const,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        unit_ints=("sqd", "skd", "svd", "sod", "sbn", "smn"), float_args=("qk_scale",)))
+
+
+def _pasa_jobs(quick: bool):
+    for d in ((64, 128) if quick else (16, 32, 64, 128, 256)):
+        cfg = pasa_fwd._get_config(d, False)
+        pointers = {n: "*fp16" for n in ("Q", "K", "V", "O", "BIAS")}
+        pointers.update(MASK="*u8", MU="*fp32", C="*fp32", W="*fp32")
+        for recover, extras in ((True, False),) if quick else ((True, False), (False, False), (True, True)):
+            const = dict(RECOVER=recover, HAS_BIAS=extras, HAS_MASK=extras, IS_CAUSAL=False,
+                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=pasa_fwd.BLOCK_N, BLOCK_D=d, BLOCK_DV=d)
+            yield ({"kernel": "pasa", "variant": f"D={d}" + ("" if recover else " no-shift")
+                    + (" +bias+mask" if extras else ""), "config": list(cfg.values())},
+                   dict(kernel=pasa_fwd._pasa_fwd_kernel, pointer_types=pointers, constexprs=const,
+                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                        unit_ints=("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_bn", "stride_mn"),
+                        float_args=("post_scale", "inv_a_full", "inv_a_tail")))
+
+
+def _window_jobs(quick: bool):
+    import torch
+
+    codes = window_fwd._COMPUTE_CODE
+    for n in ((49, 144) if quick else (49, 64, 144, 256, 576)):
+        cfg = window_fwd.get_config(64 * 64, 4, n, 32, 64, torch.device("cpu"))
+        for mode, (dtype, prec, half_scores, shift) in window_fwd._MODE_TABLE.items():
+            ptr = "*fp16" if dtype != torch.float32 else "*fp32"
+            pointers = {n_: ptr for n_ in ("Q", "K", "V", "O")}
+            pointers.update(BIAS="*fp32", MASK="*fp32", LS="*fp32")
+            const = dict(BLOCK_N=pad(n), BLOCK_D=32, BLOCK_DV=32, HAS_BIAS=True, HAS_MASK=True, COSINE=False,
+                         COMPUTE=codes[dtype], IN_PREC=prec or "ieee", HALF_SCORES=half_scores, PASA_SHIFT=shift,
+                         SPLIT16=prec in ("f16x3", "f16x1"))
+            if cfg["kernel"] == "small":
+                kernel, const["IMGS"] = window_fwd._window_small_kernel, cfg["imgs"]
+            else:
+                kernel = window_fwd._window_tiled_kernel
+                const.update(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"])
+            yield ({"kernel": f"window-{cfg['kernel']}", "variant": f"N={n} D=32 {mode} +bias+mask",
+                    "config": [cfg.get("block_m", pad(n)), cfg.get("block_n", pad(n)), cfg["num_warps"],
+                               cfg["num_stages"]]},
+                   dict(kernel=kernel, pointer_types=pointers, constexprs=const, num_warps=cfg["num_warps"],
+                        num_stages=cfg["num_stages"], unit_ints=("sq_d", "sk_d", "sv_d", "so_d", "sb_j", "sm_j"),
+                        float_args=("scale",)))
+
+
+def pad(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def main(args) -> dict:
+    jobs = []
+    wanted = args.kernels.split(",")
+    for name, gen in (("elsa", _elsa_jobs), ("pasa", _pasa_jobs), ("window", _window_jobs)):
+        if name in wanted:
+            jobs += list(gen(args.quick))
+    rows, t0 = [], time.perf_counter()
+    for meta, job in tqdm(jobs, desc="compiling for sm_90"):
+        try:
+            rep = compile_for_arch(**job)
+            meta.update(shared_bytes=rep.shared_bytes, wgmma=rep.wgmma,
+                        fits=rep.shared_bytes <= HOPPER_SHARED_LIMIT)
+        except Exception as exc:  # a variant that does not compile is a finding, not a crash
+            meta.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+        rows.append(meta)
+    over = [r for r in rows if r.get("fits") is False]
+    failed = [r for r in rows if "error" in r]
+    env = environment({"triton_compiled_with": triton.__version__})
+    result = {"environment": env, "limit_bytes": HOPPER_SHARED_LIMIT, "rows": rows, "over_limit": len(over),
+              "failed": len(failed), "seconds": time.perf_counter() - t0}
+    table = markdown_table([[r["kernel"], r["variant"], r["config"], r.get("shared_bytes", r.get("error")),
+                             {True: "yes", False: "**NO**"}.get(r.get("fits"), "-"), r.get("wgmma", "-")]
+                            for r in rows],
+                           ["kernel", "variant", "config (M, N, warps, stages)", "shared bytes", "fits", "wgmma"])
+    md = (f"# Kernel configs compiled for sm_90 (offline)\n\n* triton {triton.__version__} (the lent GPUs run 3.6: "
+          f"only the same version gives the GPU's figures); limit {HOPPER_SHARED_LIMIT} bytes per block\n"
+          f"* command: `{env.get('command', '')}`\n* {len(rows)} variants, {len(over)} over the limit "
+          f"(the launcher then retries smaller configs), {len(failed)} failed to compile\n\n{table}\n")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_text_atomic(args.out + ".md", md)
+    write_json_atomic(args.out + ".json", result)
+    print(md)
+    return result
+
+
+if __name__ == "__main__":
+    main(build_parser().parse_args())
