@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from visionattn import imagenet
 from visionattn.reporting import environment, markdown_table, tf32_disabled, write_json_atomic, write_text_atomic
 
-ALL_MODES = "native,fp32,fp32-ieee,tf32,fp16,bf16,pasa"
+ALL_MODES = "native,fp32,fp32-ieee,tf32,fp16,bf16,pasa,native-fp16,native-bf16"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,9 +130,10 @@ def main(argv=None) -> dict:
     import visionattn as va
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m != "native" and m not in va.mode_names()]
+    unknown = [m for m in modes if m != "native" and m not in imagenet.NATIVE_HALF_MODES and m not in va.mode_names()]
     if unknown:
-        raise SystemExit(f"--modes: {unknown} are not known; expected 'native' or one of {va.mode_names()}")
+        raise SystemExit(f"--modes: {unknown} are not known; expected 'native', one of "
+                         f"{list(imagenet.NATIVE_HALF_MODES)} or one of {va.mode_names()}")
     if args.checkpoint and len(args.model) > 1:
         raise SystemExit("--checkpoint applies to one model; pass a single --model with it")
     try:

@@ -42,6 +42,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 __all__ = [
+    "NATIVE_HALF_MODES",
     "DatasetLayoutError", "WeightsUnavailableError", "ImageNetSplit", "SYNSET_RE", "LOC_CSV_NAME", "DEVKIT_GT_NAME",
     "model_synsets", "scan_imagenet", "read_loc_val_solution", "read_devkit_ground_truth",
     "synthetic_sources", "targets_for", "subsample", "ImageListDataset", "SyntheticCrops",
@@ -651,6 +652,34 @@ def run_pass(model: torch.nn.Module, loader: DataLoader, device: torch.device | 
     return out
 
 
+# Native attention in half precision: timm's own SDPA call with q, k, v cast to the dtype. The
+# agreement of these runs with native FP32 is what the fp16 / bf16 modes should be judged against
+# (with random weights, near-tied top-1 logits flip under any half-precision attention).
+NATIVE_HALF_MODES = {"native-fp16": torch.float16, "native-bf16": torch.bfloat16}
+
+
+class _SDPAIn(torch.overrides.TorchFunctionMode):
+    """Inside the ``with`` block, run every ``F.scaled_dot_product_attention`` on q, k, v (and a float
+    mask) cast to ``dtype``; the output is cast back to q's dtype. ``calls`` counts the cast calls."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.calls = dtype, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            out_dtype = args[0].dtype
+            args = tuple(a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                         for a in args)
+            mask = kwargs.get("attn_mask")
+            if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+                kwargs["attn_mask"] = mask.to(self.dtype)
+            self.calls += 1
+            return func(*args, **kwargs).to(out_dtype)
+        return func(*args, **kwargs)
+
+
 def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[str], device: torch.device | str,
                    *, warmup: int = 1, desc: str = "", patch_options: dict | None = None) -> list[dict[str, Any]]:
     """Native pass, then one pass per visionattn mode, on the same model and data.
@@ -663,8 +692,9 @@ def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[s
     Args:
         model: timm classifier in eval mode, on ``device``, not patched.
         loader: deterministic DataLoader of (images, targets).
-        modes: names from ``visionattn.mode_names()`` and/or ``"native"``; native always runs first
-            (it is the reference) and is reported once.
+        modes: names from ``visionattn.mode_names()``, ``"native"`` (always runs first: it is the
+            reference, reported once) and/or ``"native-fp16"`` / ``"native-bf16"`` (timm's own SDPA
+            with q, k, v cast to half: the agreement a half-precision attention can be expected to reach).
         device: where the model runs.
         warmup: untimed warm-up forwards per input shape before each pass.
         desc: prefix of the progress-bar labels (e.g. the model name).
@@ -681,9 +711,10 @@ def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[s
     """
     import visionattn as va
 
-    unknown = [m for m in modes if m != "native" and m not in va.mode_names()]
+    unknown = [m for m in modes if m != "native" and m not in NATIVE_HALF_MODES and m not in va.mode_names()]
     if unknown:
-        raise ValueError(f"modes {unknown} are not known; expected 'native' or one of {va.mode_names()}")
+        raise ValueError(f"modes {unknown} are not known; expected 'native', one of {list(NATIVE_HALF_MODES)} "
+                         f"or one of {va.mode_names()}")
     n = len(loader.dataset)
     bs = loader.batch_size or 1
     shape = tuple(loader.dataset[0][0].shape)
@@ -695,6 +726,15 @@ def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[s
     results = [native]
     for mode in modes:
         if mode == "native":
+            continue
+        if mode in NATIVE_HALF_MODES:
+            with _SDPAIn(NATIVE_HALF_MODES[mode]) as cast:
+                r = run_pass(model, loader, device, reference_logits=ref, warmup_shapes=warmup_shapes,
+                             warmup=warmup, desc=f"{desc} {mode}".strip())
+            r.update(mode=mode, patch_report=None, patched_modules=0, sdpa_calls_cast=cast.calls,
+                     speedup_vs_native=(r["img_per_s"] / native["img_per_s"]
+                                        if r["img_per_s"] and native["img_per_s"] else None))
+            results.append(r)
             continue
         va.patch_model(model, mode=mode, **(patch_options or {}))
         try:

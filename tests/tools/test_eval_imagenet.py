@@ -24,7 +24,7 @@ FOLDERS = {SYNSETS[812]: PHOTO_FILES[0:3], SYNSETS[7]: PHOTO_FILES[3:5], SYNSETS
            SYNSETS[999]: PHOTO_FILES[7:8]}
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwargs", '{"depth": 2}', "--img-size", "32",
         "--batch-size", "3"]
-ALL_MODES = ["native", "fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa"]
+ALL_MODES = ["native", "fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa", "native-fp16", "native-bf16"]
 
 
 def _load_tool():
@@ -108,7 +108,10 @@ def test_every_mode_on_imagefolder(imagefolder, tmp_path):
     for r in res["results"]:
         assert r["images"] == 8 and r["nonfinite_logits"] == 0 and r["img_per_s"] > 0
         assert r["timing"] == ("cuda-events" if torch.cuda.is_available() else "wall")
-        assert r["patched_modules"] == (0 if r["mode"] == "native" else 2)  # depth 2: every attention patched
+        native_like = r["mode"] == "native" or r["mode"] in imagenet.NATIVE_HALF_MODES
+        assert r["patched_modules"] == (0 if native_like else 2)  # depth 2: every attention patched
+    # native-bf16 is timm's own SDPA on bf16-cast q/k/v: every attention call was cast, and the logits moved
+    assert by["native-bf16"]["sdpa_calls_cast"] > 0 and by["native-bf16"]["max_abs_logit_diff"] > 0
     # patching took effect: bf16 attention (8-bit mantissa) cannot reproduce FP32 logits bit for bit
     assert by["bf16"]["max_abs_logit_diff"] > 0
     assert by["fp32"]["max_abs_logit_diff"] < by["bf16"]["max_abs_logit_diff"]
