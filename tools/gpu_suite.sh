@@ -6,6 +6,7 @@
 # Steps: tests (pytest -m gpu), models (bench_models --quick), imagenet (eval_imagenet, random
 # weights, 512 synthetic crops of tests/data/photos), recon (per-mode VGGT-1B agreement + timing on
 # demos/data/stereo_rig), vggt (bench_vggt 10/50 frames), vggt100 (100 frames fp32 vs SDPA),
+# vggt-agree (VGGT-1B mode-vs-SDPA agreement tests), fastvggt (FastVGGT 100/200 frames, every row),
 # fastvggt500, svd (attention at real SVD shapes; needs diffusers). Every step logs to OUT_DIR/STEP.log
 # and a failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
@@ -30,7 +31,11 @@ for step in "$@"; do
     tests-k) run tests-k 300 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider tests/kernels tests/api ;;
     tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching tests/tools ;;
     models) run models 120 python tools/bench_models.py --quick --out "$out/models_bench" ;;
-    imagenet) run imagenet 200 python tools/eval_imagenet.py --random-weights --synthetic-from tests/data/photos \
+    vggt-agree) run vggt-agree 250 python -m pytest -m gpu -q -rf --timeout=200 -p no:cacheprovider \
+        tests/models/test_vggt_gpu.py ;;
+    fastvggt) run fastvggt 300 python tools/bench_vggt.py --models fastvggt --frames 100 200 \
+        --out "$out/fastvggt_bench" ;;
+    imagenet) run imagenet 300 python tools/eval_imagenet.py --random-weights --synthetic-from tests/data/photos \
         --limit 512 --batch-size 64 --model vit_base_patch16_224 --model deit_small_patch16_224 \
         --model swin_tiny_patch4_window7_224 --model swinv2_tiny_window8_256 --out "$out/imagenet.json" ;;
     recon) run recon 80 python tools/eval_reconstruction.py modes demos/data/stereo_rig --weights random \
