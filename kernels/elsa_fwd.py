@@ -54,9 +54,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+import triton.runtime.errors
 
 from ._host import cdiv, pad_pow2
-import triton.runtime.errors
 
 __all__ = [
     "elsa_attention", "unsupported_reason", "TileConfig", "get_config", "choose_num_splits",

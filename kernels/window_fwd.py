@@ -57,7 +57,6 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, pad_pow2
-
 from .elsa_fwd import _exponent, _pow2, _split16_rows
 
 __all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N", "PRECISIONS"]
