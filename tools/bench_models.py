@@ -56,6 +56,9 @@ parser.add_argument("--modes", default=None, help="comma-separated visionattn mo
 parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (smoke runs; wall-clock timing)")
 parser.add_argument("--rep-ms", type=float, default=None, help="timed milliseconds per measurement (default: config)")
 parser.add_argument("--warmup", type=int, default=None, help="untimed calls before each measurement (default: config)")
+parser.add_argument("--rounds", type=int, default=None,
+                    help="interleaved timing rounds per case (unpatched, no-attention, each mode, repeated); "
+                         "the timed budget is split across rounds (default: config 'rounds', else 3)")
 parser.add_argument("--no-share", action="store_true", help="skip the attention-share measurement (one timing less per dtype)")
 parser.add_argument("--max-cases", type=int, default=None, help="stop after this many cases")
 parser.add_argument("--case-slice", default=None,
@@ -72,8 +75,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_call(fn, device: str, *, warmup: int, rep_ms: float, min_reps: int, max_reps: int) -> dict:
-    """Median / p10 / p90 milliseconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU)."""
+def sample_times(fn, device: str, *, warmup: int, rep_ms: float, min_reps: int, max_reps: int) -> list[float]:
+    """Per-call milliseconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU), after ``warmup`` calls;
+    as many calls as fit in ``rep_ms``, clamped to [min_reps, max_reps]."""
     for _ in range(max(warmup, 1)):
         fn()
     _sync(device)
@@ -82,9 +86,14 @@ def time_call(fn, device: str, *, warmup: int, rep_ms: float, min_reps: int, max
     _sync(device)
     est_ms = (time.perf_counter() - t0) * 1e3
     reps = int(min(max_reps, max(min_reps, math.ceil(rep_ms / max(est_ms, 1e-3)))))
-    times = sorted(call_ms(fn, device) for _ in range(reps))
+    return [call_ms(fn, device) for _ in range(reps)]
+
+
+def summarize_times(times: list[float]) -> dict:
+    """Median / p10 / p90 milliseconds and the sample count."""
+    times = sorted(times)
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
-    return {"median_ms": statistics.median(times), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": reps}
+    return {"median_ms": statistics.median(times), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": len(times)}
 
 
 def peak_memory(fn, device: str) -> dict:
@@ -138,7 +147,8 @@ def _fused_flags(model) -> dict:
     return {k: sorted(v) for k, v in flags.items()}
 
 
-def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: bool) -> list[dict]:
+def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: bool,
+               rounds: int = 1) -> list[dict]:
     """All rows (unpatched baseline, attention-free reference, each mode) of one model/img/batch case."""
     import visionattn as va
     from visionattn.patching import timm as vt
@@ -165,35 +175,60 @@ def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: b
             with torch.no_grad():
                 return model(x)
 
-        def measure(label: str) -> dict:
-            try:
-                out = run()
-                row = {**common, "mode": label, **time_call(run, device, **timing), **peak_memory(run, device)}
-                row["img_per_s"] = case["batch"] / (row["median_ms"] / 1e3)
-                return row, out
-            except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the sweep going
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                first = (str(err).splitlines() or [""])[0][:200]
-                return {**common, "mode": label, "error": f"{type(err).__name__}: {first}"}, None
+        # Variants of this dtype, timed in `rounds` interleaved rounds (A B C A B C ...) so that clock or
+        # thermal drift during the case hits every variant alike; the pooled samples give the median.
+        def unpatched():
+            va.unpatch_model(model)
+            return contextlib.nullcontext()
 
-        va.unpatch_model(model)
-        base_row, base_out = measure("unpatched")
-        rows.append(base_row)
-        rest_row = None
+        def patched(mode):
+            va.patch_model(model, mode)
+            return contextlib.nullcontext()
+
+        variants = [("unpatched", unpatched)]
         if share:
-            with warnings_silenced():
-                va.patch_model(model, dmodes[0])
-            with vt.override_cores(dense=_stub_dense, window=_stub_window):
-                rest_row, _ = measure("no-attention")
+            def no_attention():
+                with warnings_silenced():
+                    va.patch_model(model, dmodes[0])
+                return vt.override_cores(dense=_stub_dense, window=_stub_window)
+            variants.append(("no-attention", no_attention))
+        for mode in dmodes:
+            variants.append((mode, lambda mode=mode: patched(mode)))
+        per_round = dict(timing, rep_ms=timing["rep_ms"] / rounds, min_reps=max(1, -(-timing["min_reps"] // rounds)),
+                         max_reps=max(1, -(-timing["max_reps"] // rounds)))
+        rows_by, outs, samples = {}, {}, {label: [] for label, _ in variants}
+        for r in range(rounds):
+            for label, configure in variants:
+                if label in rows_by and "error" in rows_by[label]:
+                    continue
+                try:
+                    with configure():
+                        if r == 0:
+                            outs[label] = run()
+                            rows_by[label] = {**common, "mode": label, **peak_memory(run, device)}
+                            if label in dmodes:
+                                rows_by[label]["patched"] = dict(model.visionattn_report.patched)
+                        samples[label] += sample_times(run, device, **per_round)
+                except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the sweep going
+                    gc.collect()
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                    first = (str(err).splitlines() or [""])[0][:200]
+                    rows_by[label] = {**common, "mode": label, "error": f"{type(err).__name__}: {first}"}
+                    outs[label] = None
+        for label, row in rows_by.items():
+            if "error" not in row:
+                row.update(summarize_times(samples[label]), rounds=rounds)
+                row["img_per_s"] = case["batch"] / (row["median_ms"] / 1e3)
+        base_row, base_out = rows_by["unpatched"], outs["unpatched"]
+        rows.append(base_row)
+        rest_row = rows_by.get("no-attention")
+        if rest_row is not None:
             rows.append(rest_row)
             if "error" not in rest_row and "error" not in base_row:
                 base_row["attn_share"] = 1 - rest_row["median_ms"] / base_row["median_ms"]
         for mode in dmodes:
-            va.patch_model(model, mode)
-            row, out = measure(mode)
-            row["patched"] = dict(model.visionattn_report.patched)
+            row, out = rows_by[mode], outs[mode]
             if out is not None and base_out is not None:
                 row["logits_rel_l2_vs_unpatched"] = va.metrics.rel_l2(out.float(), base_out.float())
                 row["top1_agree"] = float((out.argmax(-1) == base_out.argmax(-1)).float().mean())
@@ -271,7 +306,7 @@ def render_markdown(result: dict) -> str:
              f"timm {env.get('timm')}, CUDA {env.get('cuda')}",
              f"* command: `{env.get('command')}`",
              f"* settings: {result['settings']}",
-             "* random weights; latency = median of per-call timings (CUDA events on GPU, wall clock on CPU); throughput = batch / median; "
+             "* random weights; latency = median of per-call timings pooled over the interleaved rounds (every variant of a case timed once per round, A B C A B C ...; CUDA events on GPU, wall clock on CPU); throughput = batch / median; "
              "peak = max allocated during one forward (MiB); attention share = 1 - t(no attention core) / t(model); "
              "speedup = t(unpatched) / t(patched) in the same dtype.", ""]
     if result["targets"]:
@@ -373,13 +408,16 @@ def main(args) -> dict:
     timing = {"warmup": args.warmup if args.warmup is not None else cfg.get("warmup", 3),
               "rep_ms": args.rep_ms if args.rep_ms is not None else section.get("rep_ms", cfg.get("rep_ms", 400)),
               "min_reps": cfg.get("min_reps", 5), "max_reps": cfg.get("max_reps", 50)}
+    rounds = args.rounds if args.rounds is not None else cfg.get("rounds", 3)
+    if rounds < 1:
+        raise ValueError(f"--rounds {rounds}: expected >= 1")
     if args.quick and device == "cpu":
         timing.update(warmup=1, min_reps=2, max_reps=3)
 
     # Process-wide: compare like with like (FP32 really FP32 on both sides).
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    settings = {"device": device, "allow_tf32_matmul": False, "allow_tf32_cudnn": False, **timing,
+    settings = {"device": device, "allow_tf32_matmul": False, "allow_tf32_cudnn": False, **timing, "rounds": rounds,
                 "quick": bool(args.quick), "attention_share": not args.no_share}
     env = environment()
     print(f"[bench_models] {env['device']} torch {env['torch']} triton {env.get('triton')} timm {env.get('timm')}; "
@@ -390,7 +428,7 @@ def main(args) -> dict:
         modes = forced_modes or case.get("modes") or default_modes
         for m in modes:
             get_mode(m)
-        case_rows = bench_case(case, modes, device, timing, share=not args.no_share)
+        case_rows = bench_case(case, modes, device, timing, share=not args.no_share, rounds=rounds)
         for r in case_rows:
             if "error" in r:
                 tqdm.write(f"  {r['model']} {r['img']}px b{r['batch']} {r['mode']}: {r['error']}")

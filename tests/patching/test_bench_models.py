@@ -12,7 +12,8 @@ import bench_models  # noqa: E402
 def test_bench_models_cpu_smoke(tmp_path):
     out = str(tmp_path / "models")
     args = bench_models.parser.parse_args(["--quick", "--device", "cpu", "--modes", "fp32",
-                                           "--cases", "vit_tiny_patch16_224:32:2", "--rep-ms", "1", "--out", out])
+                                           "--cases", "vit_tiny_patch16_224:32:2", "--rep-ms", "1", "--rounds", "2",
+                                           "--out", out])
     result = bench_models.main(args)
     rows = {r["mode"]: r for r in result["rows"]}
     assert set(rows) == {"unpatched", "no-attention", "fp32"}
@@ -21,6 +22,9 @@ def test_bench_models_cpu_smoke(tmp_path):
     assert patched["logits_rel_l2_vs_unpatched"] <= 1e-5 and patched["top1_agree"] == 1.0
     assert patched["speedup"] == rows["unpatched"]["median_ms"] / patched["median_ms"]
     assert patched["img_per_s"] == 2 / (patched["median_ms"] / 1e3)
+    # interleaved rounds: every variant sampled in each of the 2 rounds, samples pooled
+    assert all(r["rounds"] == 2 and r["reps"] >= 2 for r in rows.values())
+    assert patched["p10_ms"] <= patched["median_ms"] <= patched["p90_ms"]
     with open(out + ".json") as f:
         assert json.load(f)["rows"] == json.loads(json.dumps(result["rows"], default=str))
     md = open(out + ".md").read()
