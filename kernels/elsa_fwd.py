@@ -79,20 +79,25 @@ KERNEL_MODES: dict[str, tuple[torch.dtype, str]] = {
 # --------------------------------------------------------------------------- kernels
 
 # Split-FP16 products ("f16x3" / "f16x1"): each FP32 operand x is scaled by an exact power of
-# two so its largest entry lies in [2^12, 2^13), then split x = hi + lo with
+# two so its largest entry lies in [2^SPLIT_EXP, 2^(SPLIT_EXP+1)) = [2^14, 2^15), then split x = hi + lo with
 # hi = fp16(x), lo = fp16(x - hi). hi and lo keep 11 significant bits each, as TF32's hi and lo
 # do in 3xTF32, so hi*hi + hi*lo + lo*hi (FP32 accumulation) is as accurate as 3xTF32, and
 # hi*hi alone is TF32-class; FP16 tensor cores run at twice TF32's rate. The scaling keeps
 # every part inside FP16's range: per row for q and k (undone on the score's rows/columns),
-# a running per-program exponent for V (undone like the softmax max), 2^15 for P <= 1.
-# Exact for any FP32 input whose rows (q, k) / tiles (V) span less than ~2^100 in magnitude.
+# a running per-column exponent for V (undone like the softmax max), 2^15 for P <= 1.
+# Entries down to 2^-14 of their row's (column's) largest keep all 22 bits; smaller ones keep
+# fewer (their lo part turns FP16-subnormal). With one q channel 2^r times the others (and the
+# matching k channel 2^-r): rel err 3.0e-7 at r=16, 9.1e-7 at 20, 3.5e-6 at 22, 1.4e-5 at 24
+# (3xTF32: 2.9e-7 throughout). Rows spanning more than ~2^20 want fp32-ieee (or tf32x3).
+SPLIT_EXP = tl.constexpr(14)
 
 
 @triton.jit
 def _exponent(x):
-    """floor(log2 x) of FP32 x >= 0 from its exponent bits, clamped below to -114 (0 -> -114)."""
+    """floor(log2 x) of FP32 x >= 0 from its exponent bits, clamped below to SPLIT_EXP - 126 (so
+    that 2^(SPLIT_EXP - e) and 2^(e - SPLIT_EXP) stay normal; 0 -> the clamp)."""
     e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.maximum(e, -114)
+    return tl.maximum(e, SPLIT_EXP - 126)
 
 
 @triton.jit
@@ -106,10 +111,10 @@ def _pow2(e):
 def _split16_rows(x):
     """Row-scaled FP16 split of FP32 ``x`` [R, C]: (hi, lo, inv) with x = (hi + lo) * inv[:, None]."""
     e = _exponent(tl.max(tl.abs(x), 1))
-    xs = x * _pow2(12 - e)[:, None]
+    xs = x * _pow2(-e + SPLIT_EXP)[:, None]
     hi = xs.to(tl.float16)
     lo = (xs - hi.to(tl.float32)).to(tl.float16)
-    return hi, lo, _pow2(e - 12)
+    return hi, lo, _pow2(e - SPLIT_EXP)
 
 
 @triton.jit
@@ -123,7 +128,8 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
 
     Split-FP16 precisions ("f16x3", "f16x1"): ``q`` / ``q_lo`` are the row-scaled FP16 parts of the
     query tile times the logit scale and ``q_inv`` their inverse row scales; ``acc`` is held scaled by
-    2^(12 - v_exp + 15), ``v_exp`` being the largest V exponent seen so far.
+    2^(SPLIT_EXP - v_exp + 15) per column, ``v_exp`` [BLOCK_DV] being the largest V exponent seen so
+    far in each column.
 
     BOUNDARY tiles mask keys >= Nk and (causal) keys after the query; interior tiles skip both.
     DOT_UPCAST (interpreter only, whose bf16 ``tl.dot`` is broken): products of the bf16
@@ -188,10 +194,10 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
             v = tl.load(v_ptrs, mask=(offs_dv < Dv)[None, :], other=0.0)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
         l_i = l_i * alpha + tl.sum(p, 1)
-        e_new = tl.maximum(v_exp, _exponent(tl.max(tl.max(tl.abs(v), 1), 0)))
-        acc = acc * (alpha * _pow2(v_exp - e_new))[:, None]
+        e_new = tl.maximum(v_exp, _exponent(tl.max(tl.abs(v), 0)))
+        acc = acc * alpha[:, None] * _pow2(v_exp - e_new)[None, :]
         v_exp = e_new
-        vs = v * _pow2(12 - e_new)
+        vs = v * _pow2(-e_new + SPLIT_EXP)[None, :]
         v_hi = vs.to(tl.float16)
         ps = p * 32768.0
         p_hi = ps.to(tl.float16)
@@ -269,7 +275,7 @@ def _elsa_fwd_kernel(
         # `qk` the row max was taken from, and p = exp2(qk - m) never exceeds 1 (P's FP16 parts
         # hold up to 2^15 * 2). With a non-power-of-two scale, logits of ~1e9 gave p = 2^64.
         q, q_lo, q_inv = _split16_rows(q * qk_scale)
-    v_exp = tl.full([], -114, dtype=tl.int32)
+    v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
     k_base = K + off_b * skb + off_h * skh
     v_base = V + off_b * svb + off_h * svh
     b_base = Bias
@@ -308,19 +314,19 @@ def _elsa_fwd_kernel(
                                    True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
 
     dv_ok = offs_dv < Dv
-    v_unscale = 1.0
+    v_unscale = tl.full([BLOCK_DV], 1.0, dtype=tl.float32)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
-        v_unscale = _pow2(v_exp - 12) * (1.0 / 32768.0)  # undoes the V and P scales
+        v_unscale = _pow2(v_exp - SPLIT_EXP) * (1.0 / 32768.0)  # undoes the V and P scales
     if SPLIT:
         # partial state of partition `split`: workspace [P, B, H, Nq] (m, S) and [P, B, H, Nq, Dv] (W)
         row_id = ((split * B + off_b) * H + off_h) * Nq + start_m64 + offs_m
         tl.store(WsM + row_id, m_i, mask=row_ok)
         tl.store(WsS + row_id, l_i, mask=row_ok)
         w_ptrs = WsW + row_id[:, None] * Dv + offs_dv[None, :]
-        tl.store(w_ptrs, acc * v_unscale, mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(w_ptrs, acc * v_unscale[None, :], mask=row_ok[:, None] & dv_ok[None, :])
     else:
         l_div = tl.where(l_i > 0.0, l_i, 1.0)  # fully masked rows: W = 0, S = 0 -> output 0
-        out = acc / l_div[:, None] * v_unscale  # divide first: acc itself may exceed FP32 once unscaled
+        out = acc / l_div[:, None] * v_unscale[None, :]  # divide first: acc may exceed FP32 once unscaled
         o_ptrs = Out + off_b * sob + off_h * soh + start_m64 * som + offs_m[:, None] * som + offs_dv[None, :] * sod
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 

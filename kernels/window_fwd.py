@@ -27,7 +27,7 @@ Precision modes (:mod:`visionattn.modes`) are constexprs. The FP32 modes' produc
 * ``fp32`` -> ``"f16x3"`` and ``tf32`` -> ``"f16x1"``: split-FP16 products on the FP16
   tensor cores, as in :mod:`visionattn.kernels.elsa_fwd` (whose jit helpers
   ``_exponent`` / ``_pow2`` / ``_split16_rows`` are used here). q and k rows are
-  scaled by exact powers of two (row max in [2^12, 2^13)) and split ``x = hi + lo``
+  scaled by exact powers of two (row max in [2^14, 2^15)) and split ``x = hi + lo``
   (two FP16 parts of 11 significant bits); ``s = lo_q hi_k^T + hi_q lo_k^T +
   hi_q hi_k^T`` in FP32 accumulation (``f16x1``: ``hi_q hi_k^T`` only), times the
   inverse row / column scales. P (<= 1) is scaled by 2^15 and V by an exact power
@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, pad_pow2
-from .elsa_fwd import _exponent, _pow2, _split16_rows
+from .elsa_fwd import SPLIT_EXP, _exponent, _pow2, _split16_rows
 
 __all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N", "PRECISIONS"]
 
@@ -109,9 +109,9 @@ def _l2_normalize_rows(x):
 def _split16_cols(x, e):
     """FP16 split of FP32 ``x`` [R, C] with column exponents ``e`` [C] (int32, >= every |x| exponent).
 
-    Returns (hi, lo) with ``x * 2^(12 - e) = hi + lo`` (columns scaled into [-2^13, 2^13)).
+    Returns (hi, lo) with ``x * 2^(SPLIT_EXP - e) = hi + lo`` (columns scaled into (-2^15, 2^15)).
     """
-    xs = x * _pow2(12 - e)[None, :]
+    xs = x * _pow2(-e + SPLIT_EXP)[None, :]
     hi = xs.to(tl.float16)
     lo = (xs - hi.to(tl.float32)).to(tl.float16)
     return hi, lo
@@ -271,7 +271,7 @@ def _window_small_kernel(
             v_hi, v_lo = _split16_cols(v, v_exp)
             acc = _pv_split16(p, v_hi, v_lo, IN_PREC)
             # divide first (acc itself may exceed FP32 once unscaled), then undo the V and P scales
-            out = acc / tl.where(l > 0, l, 1.0)[:, None] * (_pow2(v_exp - 12) * (1.0 / 32768.0))[None, :]
+            out = acc / tl.where(l > 0, l, 1.0)[:, None] * (_pow2(v_exp - SPLIT_EXP) * (1.0 / 32768.0))[None, :]
         else:
             acc = _pv(p, v, IN_PREC, COMPUTE)
             out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -329,8 +329,8 @@ def _window_tiled_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    # SPLIT16: acc is held scaled by 2^(12 - v_exp + 15) per column, v_exp the largest V exponent so far
-    v_exp = tl.full((BLOCK_DV,), -114, dtype=tl.int32)
+    # SPLIT16: acc is held scaled by 2^(SPLIT_EXP - v_exp + 15) per column, v_exp the largest V exponent so far
+    v_exp = tl.full((BLOCK_DV,), SPLIT_EXP - 126, dtype=tl.int32)
     for start in range(0, N, BLOCK_N):
         offs_n = start + offs_n0
         n_ok = offs_n < N
@@ -376,7 +376,7 @@ def _window_tiled_kernel(
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT16:
-        out = out * (_pow2(v_exp - 12) * (1.0 / 32768.0))[None, :]  # undo the V and P scales
+        out = out * (_pow2(v_exp - SPLIT_EXP) * (1.0 / 32768.0))[None, :]  # undo the V and P scales
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_dv[None, :] * so_d,
              out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
 

@@ -167,3 +167,20 @@ def test_output_layout_makes_the_head_merge_free():
     assert flat.data_ptr() == y.data_ptr() and flat.is_contiguous()
     ref = oracle_attention(q, k, v).transpose(1, 2).reshape(B, N, H * D)
     assert rel_l2(flat, ref) <= get_mode("fp32").rel_tol
+
+
+@pytest.mark.parametrize("ratio", [2.0 ** 12, 2.0 ** 20])
+def test_split_fp16_within_row_spread(ratio):
+    """One q channel `ratio` times the others (the matching k channel 1/ratio, so it does not
+    dominate the scores) and one V column 2^30 times the others: fp32 still meets 2e-6, and the
+    small output columns meet it on their own (V is scaled per column: one scale per tile would
+    push the small columns into FP16's subnormals)."""
+    q, k, v = _qkv(1, 2, 64, 256, 64, torch.float32, seed=4)
+    q[..., 0] *= ratio
+    k[..., 0] /= ratio
+    v[..., 0] *= 2.0 ** 30
+    y = elsa_attention(q, k, v, None, None, False, 0.125, "fp32")
+    ref = oracle_attention(q, k, v, scale=0.125)
+    _check(y, ref, "fp32", f"spread {ratio:g}")
+    small = rel_l2(y[..., 1:], ref[..., 1:])
+    assert small <= get_mode("fp32").rel_tol, f"small V columns: rel err {small:.3e}"
