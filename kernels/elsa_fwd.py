@@ -27,7 +27,8 @@ Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODE
   power of two and split into two FP16 parts of 11 significant bits each (the same
   22 bits 3xTF32 keeps), and hi*hi + hi*lo + lo*hi run on the FP16 tensor cores,
   which are twice as fast as TF32's: 101 TFLOP/s vs 53 for ``tl.dot``'s ``"tf32x3"``
-  at B=1,H=8,N=8192,D=64 on an H100, rel err 3.9e-7 vs 5.0e-7.
+  at B=1,H=8,N=8192,D=64 on an H100, rel err 3.9e-7 vs 5.0e-7 (measured before V got
+  per-column scales; docs/benchmarks/attention_h100.md).
 * ``fp32-ieee``: ``"ieee"``, FP32 FMA, no tensor cores.
 * ``tf32``: ``"f16x1"``, the hi*hi product alone: operands rounded to 11 significant
   bits as TF32 rounds them (TF32-class accuracy, 4.3e-4 vs TF32's 1.6e-3 at N=8192), on
