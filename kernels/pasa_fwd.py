@@ -122,6 +122,76 @@ def _pasa_shift_keys_kernel(
 
 
 @triton.jit
+def _pasa_tile(acc, l_i, m_i, F, j, qs, qf, start_n, offs_m, offs_d, offs_dv, row_ok,
+               k_base, v_base, c_base, w_base, b_base, mk_base,
+               stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+               N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
+               BOUNDARY: tl.constexpr, RECOVER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+               IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr):
+    """Fold the KV block [start_n, start_n + BLOCK_N) into (acc, l_i, m_i) and the running pseudo-average F.
+
+    BOUNDARY blocks mask keys >= N_K and (causal) keys after the query; interior blocks are full
+    and entirely visible, so their loads and scores need no key mask.
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N_K
+    d_ok = offs_d < D
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    if BOUNDARY:
+        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+    # FP16 score accumulation: the product whose overflow PASA prevents.
+    s = tl.dot(qs, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
+    if RECOVER:
+        if BOUNDARY:
+            n_valid = tl.minimum(N_K - start_n, BLOCK_N)
+            inv_a = tl.where(n_valid == BLOCK_N, inv_a_full, inv_a_tail)
+            c = tl.load(c_base + offs_n, mask=col_ok, other=0.0)
+        else:
+            inv_a = inv_a_full
+            c = tl.load(c_base + offs_n)
+        w = tl.load(w_base + (start_n // BLOCK_N) * D + offs_d, mask=d_ok, other=0.0)
+        r = tl.sum(qf * w[None, :], axis=1)  # the block's removed pseudo-average, FP32 (line 13)
+        j += 1.0
+        F_new = F + (r - F) / j
+        s = (s + c[None, :]) * inv_a + (r - F_new)[:, None]  # scale q.k - F_new
+        m_old = m_i + (F - F_new)  # previous max moved to the new frame
+        F = F_new
+    else:
+        s = s * post_scale
+        m_old = m_i
+    if HAS_BIAS:
+        s += tl.load(b_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_MASK:
+        mk = tl.load(mk_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                     mask=row_ok[:, None] & col_ok[None, :], other=0)
+        s = tl.where(mk != 0, s, float("-inf"))
+    if BOUNDARY:
+        keep = col_ok[None, :]
+        if IS_CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_old, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_old - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    if BOUNDARY:
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    elif EVEN_DV:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=(offs_dv[None, :] < DV), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+    return acc, l_i, m_new, F, j
+
+
+@triton.jit
 def _pasa_fwd_kernel(
     Q, K, V, O, BIAS, MASK, MU, C, W,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -133,26 +203,33 @@ def _pasa_fwd_kernel(
     H, N_Q, N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
     RECOVER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
 ):
     tiles = tl.cdiv(N_Q, BLOCK_M)  # 1-D grid, as in _pasa_shift_keys_kernel
     pid_m = tl.program_id(0) % tiles
     pid_bh = tl.program_id(0) // tiles
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < N_Q
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    qf = q.to(tl.float32)  # R uses the uncentred q (hoisted: loop-invariant)
     if RECOVER:
-        # query centering: q' = fl16(q - mu) feeds the FP16 product; R uses the uncentred q
+        # query centering: q' = fl16(q - mu) feeds the FP16 product
         mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
-        qs = (q.to(tl.float32) - mu[None, :]).to(tl.float16)
+        qs = (qf - mu[None, :]).to(tl.float16)
     else:
         qs = q
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
+    c_base = C + pid_bh.to(tl.int64) * N_K
+    w_base = W + pid_bh.to(tl.int64) * tl.cdiv(N_K, BLOCK_N) * D
+    b_base = BIAS + off_b * stride_bb + off_h * stride_bh
+    mk_base = MASK + off_b * stride_mb + off_h * stride_mh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -161,50 +238,26 @@ def _pasa_fwd_kernel(
     j = 0.0
     hi = N_K
     if IS_CAUSAL:
-        hi = tl.minimum(N_K, (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < N_K
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        # FP16 score accumulation: the product whose overflow PASA prevents.
-        s = tl.dot(qs, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
-        if RECOVER:
-            n_valid = tl.minimum(N_K - start_n, BLOCK_N)
-            inv_a = tl.where(n_valid == BLOCK_N, inv_a_full, inv_a_tail)
-            c = tl.load(C + pid_bh.to(tl.int64) * N_K + offs_n, mask=col_ok, other=0.0)
-            w = tl.load(W + (pid_bh.to(tl.int64) * tl.cdiv(N_K, BLOCK_N) + start_n // BLOCK_N) * D + offs_d,
-                        mask=offs_d < D, other=0.0)
-            r = tl.sum(q.to(tl.float32) * w[None, :], axis=1)  # the block's removed pseudo-average, FP32 (line 13)
-            j += 1.0
-            F_new = F + (r - F) / j
-            s = (s + c[None, :]) * inv_a + (r - F_new)[:, None]  # scale q.k - F_new
-            m_old = m_i + (F - F_new)  # previous max moved to the new frame
-            F = F_new
-        else:
-            s = s * post_scale
-            m_old = m_i
-        valid = row_ok[:, None] & col_ok[None, :]
-        if HAS_BIAS:
-            s += tl.load(BIAS + off_b * stride_bb + off_h * stride_bh + offs_m[:, None] * stride_bm
-                         + offs_n[None, :] * stride_bn, mask=valid, other=0.0).to(tl.float32)
-        keep = col_ok[None, :]
-        if HAS_MASK:
-            mk = tl.load(MASK + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mm
-                         + offs_n[None, :] * stride_mn, mask=valid, other=0)
-            keep = keep & (mk != 0)
-        if IS_CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_old, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_old - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                    mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
-        m_i = m_new
+        hi = tl.minimum(N_K, start_m + BLOCK_M)  # later blocks are fully masked: skipped
+    n_tiles = tl.cdiv(hi, BLOCK_N)
+    n_full = N_K // BLOCK_N  # blocks needing neither the N_K tail mask nor the causal mask
+    if IS_CAUSAL:
+        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    n_full = tl.minimum(n_full, n_tiles)
+    for t in range(0, n_full):
+        acc, l_i, m_i, F, j = _pasa_tile(
+            acc, l_i, m_i, F, j, qs, qf, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
+            k_base, v_base, c_base, w_base, b_base, mk_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+            N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
+            False, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
+    for t in range(n_full, n_tiles):
+        acc, l_i, m_i, F, j = _pasa_tile(
+            acc, l_i, m_i, F, j, qs, qf, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
+            k_base, v_base, c_base, w_base, b_base, mk_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
+            N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
+            True, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
     # l == 0 only for fully masked rows (-> zeros); an overflow (NaN/inf) propagates.
     out = tl.where(l_i[:, None] == 0.0, 0.0, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None])
     tl.store(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
@@ -346,7 +399,8 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
                 *_strides4(attn_mask), H, Nq, Nk, D, Dv, post_scale, inv_a_f, inv_a_t,
                 RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
                 IS_CAUSAL=bool(is_causal), BLOCK_M=cf["BLOCK_M"], BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                BLOCK_DV=BLOCK_DV, num_warps=cf["num_warps"], num_stages=cf["num_stages"])
+                BLOCK_DV=BLOCK_DV, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
+                num_warps=cf["num_warps"], num_stages=cf["num_stages"])
             return out
         except triton.runtime.errors.OutOfResources:  # bias/mask tiles add shared memory
             if i + 1 == len(candidates):
