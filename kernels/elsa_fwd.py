@@ -23,7 +23,7 @@ Two paths, both over the same inner step :func:`_fold_tile`:
 
 Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODES`):
 
-* ``fp32``: ``"f16x3"``, split-FP16 products. Each FP32 operand is scaled by an exact
+* ``fp32``: ``"f16x3"``, split-FP16 products (:mod:`.split16`). Each FP32 operand is scaled by an exact
   power of two and split into two FP16 parts of 11 significant bits each (the same
   22 bits 3xTF32 keeps), and hi*hi + hi*lo + lo*hi run on the FP16 tensor cores,
   which are twice as fast as TF32's: 101 TFLOP/s vs 53 for ``tl.dot``'s ``"tf32x3"``
@@ -47,7 +47,6 @@ The launcher is registered as the torch custom op ``visionattn::elsa_fwd`` so
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -57,7 +56,8 @@ import triton
 import triton.language as tl
 import triton.runtime.errors
 
-from ._host import cdiv, pad_pow2
+from ._host import cdiv, pad_pow2, sm_count
+from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
 __all__ = [
     "elsa_attention", "unsupported_reason", "TileConfig", "get_config", "choose_num_splits",
@@ -79,43 +79,20 @@ KERNEL_MODES: dict[str, tuple[torch.dtype, str]] = {
 
 # --------------------------------------------------------------------------- kernels
 
-# Split-FP16 products ("f16x3" / "f16x1"): each FP32 operand x is scaled by an exact power of
-# two so its largest entry lies in [2^SPLIT_EXP, 2^(SPLIT_EXP+1)) = [2^14, 2^15), then split x = hi + lo with
-# hi = fp16(x), lo = fp16(x - hi). hi and lo keep 11 significant bits each, as TF32's hi and lo
-# do in 3xTF32, so hi*hi + hi*lo + lo*hi (FP32 accumulation) is as accurate as 3xTF32, and
-# hi*hi alone is TF32-class; FP16 tensor cores run at twice TF32's rate. The scaling keeps
-# every part inside FP16's range: per row for q and k (undone on the score's rows/columns),
-# a running per-column exponent for V (undone like the softmax max), 2^15 for P <= 1.
-# Entries down to 2^-14 of their row's (column's) largest keep all 22 bits; smaller ones keep
-# fewer (their lo part turns FP16-subnormal). With one q channel 2^r times the others (and the
-# matching k channel 2^-r): rel err 3.0e-7 at r=16, 9.1e-7 at 20, 3.5e-6 at 22, 1.4e-5 at 24
-# (3xTF32: 2.9e-7 throughout). Rows spanning more than ~2^20 want fp32-ieee (or tf32x3).
-SPLIT_EXP = tl.constexpr(14)
-
-
 @triton.jit
-def _exponent(x):
-    """floor(log2 x) of FP32 x >= 0 from its exponent bits, clamped below to SPLIT_EXP - 126 (so
-    that 2^(SPLIT_EXP - e) and 2^(e - SPLIT_EXP) stay normal; 0 -> the clamp)."""
-    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    return tl.maximum(e, SPLIT_EXP - 126)
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as FP32 for integer e (int32), exact; e clamped to the normal range [-126, 127]."""
-    e = tl.minimum(tl.maximum(e, -126), 127)
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _split16_rows(x):
-    """Row-scaled FP16 split of FP32 ``x`` [R, C]: (hi, lo, inv) with x = (hi + lo) * inv[:, None]."""
-    e = _exponent(tl.max(tl.abs(x), 1))
-    xs = x * _pow2(-e + SPLIT_EXP)[:, None]
-    hi = xs.to(tl.float16)
-    lo = (xs - hi.to(tl.float32)).to(tl.float16)
-    return hi, lo, _pow2(e - SPLIT_EXP)
+def load_kv_tile(ptrs, rows_ok, offs_c, n_c, BOUNDARY: tl.constexpr, EVEN: tl.constexpr):
+    """Load a [BLOCK_N, BLOCK_C] K or V tile. BOUNDARY tiles mask rows (keys) outside ``rows_ok``;
+    unless EVEN (n_c == BLOCK_C), columns >= ``n_c`` (head-dim padding) are masked too. Masked -> 0."""
+    if BOUNDARY:
+        if EVEN:
+            x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows_ok[:, None] & (offs_c < n_c)[None, :], other=0.0)
+    elif EVEN:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(offs_c < n_c)[None, :], other=0.0)
+    return x
 
 
 @triton.jit
@@ -139,27 +116,11 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
     cols = start_n + offs_n
     col_ok = cols < Nk
     start_n64 = start_n + tl.zeros([], dtype=tl.int64)  # 64-bit tile offsets (loop var may be a Python int)
-    k_ptrs = k_base + start_n64 * skn + offs_n[:, None] * skn + offs_d[None, :] * skd
-    if BOUNDARY:
-        if EVEN_D:
-            k = tl.load(k_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=col_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-    else:
-        if EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+    k = load_kv_tile(k_base + start_n64 * skn + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                     col_ok, offs_d, D, BOUNDARY, EVEN_D)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
-        k_hi, k_lo, k_inv = _split16_rows(k)
-        k_hi = tl.trans(k_hi)
-        if PRECISION == "f16x3":  # small terms first
-            qk = tl.dot(q_lo, k_hi)
-            qk = tl.dot(q, tl.trans(k_lo), qk)
-            qk = tl.dot(q, k_hi, qk)
-        else:
-            qk = tl.dot(q, k_hi)
-        qk = qk * (q_inv[:, None] * k_inv[None, :])  # powers of two: exact
+        k_hi, k_lo, k_inv = split_rows(k)
+        qk = split_scores(q, q_lo, k_hi, k_lo, PRECISION) * (q_inv[:, None] * k_inv[None, :])  # powers of 2
     elif DOT_UPCAST:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
     else:
@@ -182,35 +143,11 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
-    v_ptrs = v_base + start_n64 * svn + offs_n[:, None] * svn + offs_dv[None, :] * svd
-    if BOUNDARY:
-        if EVEN_DV:
-            v = tl.load(v_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv < Dv)[None, :], other=0.0)
-    else:
-        if EVEN_DV:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=(offs_dv < Dv)[None, :], other=0.0)
+    v = load_kv_tile(v_base + start_n64 * svn + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+                     col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
         l_i = l_i * alpha + tl.sum(p, 1)
-        e_new = tl.maximum(v_exp, _exponent(tl.max(tl.abs(v), 0)))
-        acc = acc * alpha[:, None] * _pow2(v_exp - e_new)[None, :]
-        v_exp = e_new
-        vs = v * _pow2(-e_new + SPLIT_EXP)[None, :]
-        v_hi = vs.to(tl.float16)
-        ps = p * 32768.0
-        p_hi = ps.to(tl.float16)
-        if PRECISION == "f16x3":
-            # The tile's products are summed apart and added once: FP16 MMAs accumulating into
-            # `acc` tile after tile gave rel err growing ~N (2.9e-5 at N=8192 on an H100,
-            # 3.7e-6 at 1025); the lone FP32 add rounds to nearest.
-            pv = tl.dot((ps - p_hi.to(tl.float32)).to(tl.float16), v_hi)
-            pv = tl.dot(p_hi, (vs - v_hi.to(tl.float32)).to(tl.float16), pv)
-            acc += tl.dot(p_hi, v_hi, pv)
-        else:
-            acc = tl.dot(p_hi, v_hi, acc)
+        acc, v_exp = fold_pv(acc, alpha, v_exp, p, v, PRECISION)
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -275,7 +212,7 @@ def _elsa_fwd_kernel(
         # exact powers of two only: an FMA-contracted `qk * scale - m` then rounds exactly as the
         # `qk` the row max was taken from, and p = exp2(qk - m) never exceeds 1 (P's FP16 parts
         # hold up to 2^15 * 2). With a non-power-of-two scale, logits of ~1e9 gave p = 2^64.
-        q, q_lo, q_inv = _split16_rows(q * qk_scale)
+        q, q_lo, q_inv = split_rows(q * qk_scale)
     v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
     k_base = K + off_b * skb + off_h * skh
     v_base = V + off_b * svb + off_h * svh
@@ -317,7 +254,7 @@ def _elsa_fwd_kernel(
     dv_ok = offs_dv < Dv
     v_unscale = tl.full([BLOCK_DV], 1.0, dtype=tl.float32)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
-        v_unscale = _pow2(v_exp - SPLIT_EXP) * (1.0 / 32768.0)  # undoes the V and P scales
+        v_unscale = pv_unscale(v_exp)
     if SPLIT:
         # partial state of partition `split`: workspace [P, B, H, Nq] (m, S) and [P, B, H, Nq, Dv] (W)
         row_id = ((split * B + off_b) * H + off_h) * Nq + start_m64 + offs_m
@@ -476,11 +413,6 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, n_k: int
     return _CONFIGS[(_kind(mode, precision), _pad_dim(dmax), n_k is not None and n_k <= SHORT_KV)]
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, device: torch.device) -> int:
     """Number of KV partitions P for the split-KV path (1 = single pass).
 
@@ -491,7 +423,7 @@ def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, 
     if device.type != "cuda":
         return 1
     programs = batch_heads * cdiv(n_q, config.block_m)
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
     if programs >= sms:
         return 1
     n_tiles = cdiv(n_k, config.block_n)

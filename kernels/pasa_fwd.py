@@ -39,6 +39,7 @@ import triton.runtime.errors
 import triton.language as tl
 
 from ._host import cdiv, pad_pow2
+from .elsa_fwd import load_kv_tile
 
 __all__ = ["pasa_attention", "pasa_unsupported_reason", "BLOCK_N", "MAX_HEAD_DIM"]
 
@@ -136,13 +137,8 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, qf, start_n, offs_m, offs_d, offs_dv, ro
     offs_n = start_n + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N_K
     d_ok = offs_d < D
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    if BOUNDARY:
-        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+    k = load_kv_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                     col_ok, offs_d, D, BOUNDARY, EVEN_D)
     # FP16 score accumulation: the product whose overflow PASA prevents.
     s = tl.dot(qs, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
     if RECOVER:
@@ -180,13 +176,8 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, qf, start_n, offs_m, offs_d, offs_dv, ro
     alpha = tl.exp(m_old - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    if BOUNDARY:
-        v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    elif EVEN_DV:
-        v = tl.load(v_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=(offs_dv[None, :] < DV), other=0.0)
+    v = load_kv_tile(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                     col_ok, offs_dv, DV, BOUNDARY, EVEN_DV)
     acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
     return acc, l_i, m_new, F, j
 

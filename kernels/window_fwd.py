@@ -25,8 +25,7 @@ Precision modes (:mod:`visionattn.modes`) are constexprs. The FP32 modes' produc
 (``IN_PREC``):
 
 * ``fp32`` -> ``"f16x3"`` and ``tf32`` -> ``"f16x1"``: split-FP16 products on the FP16
-  tensor cores, as in :mod:`visionattn.kernels.elsa_fwd` (whose jit helpers
-  ``_exponent`` / ``_pow2`` / ``_split16_rows`` are used here). q and k rows are
+  tensor cores (:mod:`visionattn.kernels.split16`, shared with the dense kernel). q and k rows are
   scaled by exact powers of two (row max in [2^14, 2^15)) and split ``x = hi + lo``
   (two FP16 parts of 11 significant bits); ``s = lo_q hi_k^T + hi_q lo_k^T +
   hi_q hi_k^T`` in FP32 accumulation (``f16x1``: ``hi_q hi_k^T`` only), times the
@@ -50,14 +49,12 @@ buffer, so the caller's ``x.transpose(1, 2).reshape(B*nW, N, H*Dv)`` (timm) is f
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2
-from .elsa_fwd import SPLIT_EXP, _exponent, _pow2, _split16_rows
+from ._host import cdiv, pad_pow2, sm_count
+from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
 __all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N", "PRECISIONS"]
 
@@ -99,51 +96,10 @@ def _l2_normalize_rows(x):
     nonzero row (plain ``sum(x * x)`` overflows for |x| > ~1e19 and loses bits below ~1e-19).
     Then ``x / max(||x||, eps) = xs / max(||xs||, eps * 2^-e)``; zero rows stay zero.
     """
-    e = _exponent(tl.max(tl.abs(x), 1))
-    xs = x * _pow2(-e)[:, None]
+    e = exponent(tl.max(tl.abs(x), 1))
+    xs = x * pow2(-e)[:, None]
     nrm = tl.sqrt(tl.sum(xs * xs, axis=1))
-    return xs / tl.maximum(nrm, 1e-12 * _pow2(-e))[:, None]
-
-
-@triton.jit
-def _split16_cols(x, e):
-    """FP16 split of FP32 ``x`` [R, C] with column exponents ``e`` [C] (int32, >= every |x| exponent).
-
-    Returns (hi, lo) with ``x * 2^(SPLIT_EXP - e) = hi + lo`` (columns scaled into (-2^15, 2^15)).
-    """
-    xs = x * _pow2(-e + SPLIT_EXP)[None, :]
-    hi = xs.to(tl.float16)
-    lo = (xs - hi.to(tl.float32)).to(tl.float16)
-    return hi, lo
-
-
-@triton.jit
-def _scores_split16(q_hi, q_lo, k_hi, k_lo, IN_PREC: tl.constexpr):
-    """Scaled scores from the FP16 parts: lo_q hi_k^T + hi_q lo_k^T + hi_q hi_k^T (f16x3, small terms
-    first) or hi_q hi_k^T (f16x1), FP32 accumulation, [M, N]. The caller undoes the row/column scales."""
-    kt = tl.trans(k_hi)
-    if IN_PREC == "f16x3":
-        s = tl.dot(q_lo, kt)
-        s = tl.dot(q_hi, tl.trans(k_lo), s)
-        s = tl.dot(q_hi, kt, s)
-    else:
-        s = tl.dot(q_hi, kt)
-    return s
-
-
-@triton.jit
-def _pv_split16(p, v_hi, v_lo, IN_PREC: tl.constexpr):
-    """2^15 P @ V_scaled from the FP16 parts (P <= 1 scaled by 2^15 and split here), FP32 [M, DV]:
-    p_lo v_hi + p_hi v_lo + p_hi v_hi (f16x3) or p_hi v_hi (f16x1), summed apart from any accumulator."""
-    ps = p * 32768.0
-    p_hi = ps.to(tl.float16)
-    if IN_PREC == "f16x3":
-        o = tl.dot((ps - p_hi.to(tl.float32)).to(tl.float16), v_hi)
-        o = tl.dot(p_hi, v_lo, o)
-        o = tl.dot(p_hi, v_hi, o)
-    else:
-        o = tl.dot(p_hi, v_hi)
-    return o
+    return xs / tl.maximum(nrm, 1e-12 * pow2(-e))[:, None]
 
 
 @triton.jit
@@ -256,9 +212,9 @@ def _window_small_kernel(
         if SPLIT16:
             # logit scale folded into q: the scores are then scaled by powers of two only (exact),
             # so p = exp2(s - max s) <= 1 also under FMA contraction (see elsa_fwd)
-            q_hi, q_lo, q_inv = _split16_rows(q * post)
-            k_hi, k_lo, k_inv = _split16_rows(k)
-            s = _scores_split16(q_hi, q_lo, k_hi, k_lo, IN_PREC)
+            q_hi, q_lo, q_inv = split_rows(q * post)
+            k_hi, k_lo, k_inv = split_rows(k)
+            s = split_scores(q_hi, q_lo, k_hi, k_lo, IN_PREC)
             s = s * (q_inv[:, None] * k_inv[None, :]) + cb
         else:
             s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post + cb
@@ -266,12 +222,11 @@ def _window_small_kernel(
         m = tl.where(m == float("-inf"), 0.0, m)
         p = tl.math.exp2(s - m[:, None])
         l = tl.sum(p, axis=1)
-        if SPLIT16:  # one window = one key tile: one exponent per V column
-            v_exp = _exponent(tl.max(tl.abs(v), axis=0))
-            v_hi, v_lo = _split16_cols(v, v_exp)
-            acc = _pv_split16(p, v_hi, v_lo, IN_PREC)
+        if SPLIT16:  # one window = one key tile: one fold from the empty state
+            acc, v_exp = fold_pv(tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32), tl.full((BLOCK_N,), 1.0, tl.float32),
+                                 tl.full((BLOCK_DV,), SPLIT_EXP - 126, dtype=tl.int32), p, v, IN_PREC)
             # divide first (acc itself may exceed FP32 once unscaled), then undo the V and P scales
-            out = acc / tl.where(l > 0, l, 1.0)[:, None] * (_pow2(v_exp - SPLIT_EXP) * (1.0 / 32768.0))[None, :]
+            out = acc / tl.where(l > 0, l, 1.0)[:, None] * pv_unscale(v_exp)[None, :]
         else:
             acc = _pv(p, v, IN_PREC, COMPUTE)
             out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -312,7 +267,7 @@ def _window_tiled_kernel(
     q_lo = q
     q_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if SPLIT16:
-        q, q_lo, q_inv = _split16_rows(q * post)  # logit scale in q: exact score scaling (see elsa_fwd)
+        q, q_lo, q_inv = split_rows(q * post)  # logit scale in q: exact score scaling (see elsa_fwd)
     k_base = K + b * sk_b + h * sk_h
     v_base = V + b * sv_b + h * sv_h
 
@@ -343,8 +298,8 @@ def _window_tiled_kernel(
             k = (k.to(tl.float32) - kbar[None, :]).to(tl.float16)
         v = _to_compute(v, COMPUTE)
         if SPLIT16:
-            k_hi, k_lo, k_inv = _split16_rows(k)
-            s = _scores_split16(q, q_lo, k_hi, k_lo, IN_PREC) * (q_inv[:, None] * k_inv[None, :])
+            k_hi, k_lo, k_inv = split_rows(k)
+            s = split_scores(q, q_lo, k_hi, k_lo, IN_PREC) * (q_inv[:, None] * k_inv[None, :])
         else:
             s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post
         tile_ok = m_ok[:, None] & n_ok[None, :]
@@ -361,22 +316,13 @@ def _window_tiled_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if SPLIT16:
-            e_new = tl.maximum(v_exp, _exponent(tl.max(tl.abs(v), axis=0)))
-            acc = acc * alpha[:, None] * _pow2(v_exp - e_new)[None, :]
-            v_exp = e_new
-            v_hi, v_lo = _split16_cols(v, v_exp)
-            # the tile's P V is summed apart and added once: FP16 MMAs accumulating into acc tile
-            # after tile lose accuracy ~N (see elsa_fwd._fold_tile)
-            if IN_PREC == "f16x3":
-                acc += _pv_split16(p, v_hi, v_lo, IN_PREC)
-            else:  # TF32-class anyway: accumulate in the MMA
-                acc = tl.dot((p * 32768.0).to(tl.float16), v_hi, acc)
+            acc, v_exp = fold_pv(acc, alpha, v_exp, p, v, IN_PREC)
         else:
             acc = acc * alpha[:, None] + _pv(p, v, IN_PREC, COMPUTE)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT16:
-        out = out * (_pow2(v_exp - SPLIT_EXP) * (1.0 / 32768.0))[None, :]  # undo the V and P scales
+        out = out * pv_unscale(v_exp)[None, :]  # undo the V and P scales
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_dv[None, :] * so_d,
              out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
 
@@ -384,13 +330,8 @@ def _window_tiled_kernel(
 # ----------------------------------------------------------------------------- configuration
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        return sm_count(device)
     return 4  # interpreter: few programs keep CPU tests fast
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot: int,

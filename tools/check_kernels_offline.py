@@ -29,6 +29,7 @@ import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from visionattn.kernels import elsa_fwd, pasa_fwd, window_fwd  # noqa: E402
+from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
 
@@ -88,7 +89,7 @@ def _window_jobs(quick: bool):
             ptr = "*fp16" if dtype != torch.float32 else "*fp32"
             pointers = {n_: ptr for n_ in ("Q", "K", "V", "O")}
             pointers.update(BIAS="*fp32", MASK="*fp32", LS="*fp32")
-            const = dict(BLOCK_N=pad(n), BLOCK_D=32, BLOCK_DV=32, HAS_BIAS=True, HAS_MASK=True, COSINE=False,
+            const = dict(BLOCK_N=pad_pow2(n), BLOCK_D=32, BLOCK_DV=32, HAS_BIAS=True, HAS_MASK=True, COSINE=False,
                          COMPUTE=codes[dtype], IN_PREC=prec or "ieee", HALF_SCORES=half_scores, PASA_SHIFT=shift,
                          SPLIT16=prec in ("f16x3", "f16x1"))
             if cfg["kernel"] == "small":
@@ -97,15 +98,11 @@ def _window_jobs(quick: bool):
                 kernel = window_fwd._window_tiled_kernel
                 const.update(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"])
             yield ({"kernel": f"window-{cfg['kernel']}", "variant": f"N={n} D=32 {mode} +bias+mask",
-                    "config": [cfg.get("block_m", pad(n)), cfg.get("block_n", pad(n)), cfg["num_warps"],
+                    "config": [cfg.get("block_m", pad_pow2(n)), cfg.get("block_n", pad_pow2(n)), cfg["num_warps"],
                                cfg["num_stages"]]},
                    dict(kernel=kernel, pointer_types=pointers, constexprs=const, num_warps=cfg["num_warps"],
                         num_stages=cfg["num_stages"], unit_ints=("sq_d", "sk_d", "sv_d", "so_d", "sb_j", "sm_j"),
                         float_args=("scale",)))
-
-
-def pad(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
 
 
 def main(args) -> dict:
