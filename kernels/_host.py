@@ -1,12 +1,16 @@
-"""Host-side helpers for the launchers: integer tile math and the GPU's SM count.
+"""Host-side helpers for the launchers: integer tile math, the GPU's SM count, config fallback.
 
 ``triton.cdiv`` / ``triton.next_power_of_2`` are Triton constexpr functions: called from Python
 they go through the JIT call path (~2 us each), and a launcher calls them several times per
 attention call. These are the plain-integer equivalents.
 """
 import functools
+from typing import Callable, TypeVar
 
 import torch
+import triton.runtime.errors
+
+C = TypeVar("C")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,3 +31,24 @@ def _sm_count(device_index: int) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of CUDA ``device`` (cached: the property query costs microseconds)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def run_first_that_fits(run: Callable[[C], None], config: C, smaller: Callable[[C], list[C]]) -> C:
+    """``run(config)``; if the compiled kernel needs more shared memory than the GPU has (bias / mask
+    tiles are pipelined too), ``run`` each of ``smaller(config)`` in order until one fits.
+
+    Returns the config that ran. Raises the last ``triton.runtime.errors.OutOfResources`` when
+    none fits (at once when ``smaller(config)`` is empty); ``smaller`` is only called on failure.
+    """
+    try:
+        run(config)
+        return config
+    except triton.runtime.errors.OutOfResources as exc:
+        err = exc
+    for c in smaller(config):
+        try:
+            run(c)
+            return c
+        except triton.runtime.errors.OutOfResources as exc:
+            err = exc
+    raise err

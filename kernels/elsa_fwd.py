@@ -54,9 +54,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-import triton.runtime.errors
 
-from ._host import cdiv, pad_pow2, sm_count
+from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
 __all__ = [
@@ -523,22 +522,11 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
     key = (mode, precision, _pad_dim(D), _pad_dim(Dv), Nk <= SHORT_KV, bias is not None and bias.dtype,
            attn_mask is not None, bool(is_causal))
     cfg = _FITTED.get(key, table)
-    try:
-        _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, cfg, out, precision)
-        return out
-    except triton.runtime.errors.OutOfResources:
-        smaller = _smaller_configs(cfg)
-        if not smaller:
-            raise
-    for i, c in enumerate(smaller):
-        try:
-            _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, c, out, precision)
-        except triton.runtime.errors.OutOfResources:
-            if i + 1 == len(smaller):
-                raise
-            continue
-        _FITTED[key] = c
-        return out
+    ran = run_first_that_fits(
+        lambda c: _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, c, out, precision),
+        cfg, _smaller_configs)
+    if ran != cfg:
+        _FITTED[key] = ran
     return out
 
 

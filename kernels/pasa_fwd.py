@@ -35,10 +35,9 @@ import functools
 
 import torch
 import triton
-import triton.runtime.errors
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2
+from ._host import cdiv, pad_pow2, run_first_that_fits
 from .elsa_fwd import load_kv_tile
 
 __all__ = ["pasa_attention", "pasa_unsupported_reason", "BLOCK_N", "MAX_HEAD_DIM"]
@@ -381,19 +380,17 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         keys, post_scale = kp, 1.0
     else:
         keys, post_scale = k, float(scale)
-    candidates = [cfg] + ([] if config else _smaller_configs(cfg))
-    for i, cf in enumerate(candidates):
-        try:
-            _pasa_fwd_kernel[(cdiv(Nq, cf["BLOCK_M"]) * B * H,)](
-                q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q,
-                mu, c, w, *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias),
-                *_strides4(attn_mask), H, Nq, Nk, D, Dv, post_scale, inv_a_f, inv_a_t,
-                RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
-                IS_CAUSAL=bool(is_causal), BLOCK_M=cf["BLOCK_M"], BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
-                BLOCK_DV=BLOCK_DV, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
-                num_warps=cf["num_warps"], num_stages=cf["num_stages"])
-            return out
-        except triton.runtime.errors.OutOfResources:  # bias/mask tiles add shared memory
-            if i + 1 == len(candidates):
-                raise
+
+    def launch(cf):
+        _pasa_fwd_kernel[(cdiv(Nq, cf["BLOCK_M"]) * B * H,)](
+            q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q,
+            mu, c, w, *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias),
+            *_strides4(attn_mask), H, Nq, Nk, D, Dv, post_scale, inv_a_f, inv_a_t,
+            RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
+            IS_CAUSAL=bool(is_causal), BLOCK_M=cf["BLOCK_M"], BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            BLOCK_DV=BLOCK_DV, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
+            num_warps=cf["num_warps"], num_stages=cf["num_stages"])
+
+    # an explicit config is run as given; the default one falls back on out-of-shared-memory
+    run_first_that_fits(launch, cfg, (lambda _: []) if config else _smaller_configs)
     return out

@@ -184,3 +184,32 @@ def test_split_fp16_within_row_spread(ratio):
     _check(y, ref, "fp32", f"spread {ratio:g}")
     small = rel_l2(y[..., 1:], ref[..., 1:])
     assert small <= get_mode("fp32").rel_tol, f"small V columns: rel err {small:.3e}"
+
+
+def test_run_first_that_fits_falls_back_in_order_and_reraises():
+    """The shared out-of-shared-memory fallback of the dense and PASA launchers: the first config
+    that runs wins, the smaller list is only built on failure, and when nothing fits the last
+    OutOfResources propagates (at once if there is nothing smaller)."""
+    import triton.runtime.errors as terr
+
+    from visionattn.kernels._host import run_first_that_fits
+
+    def run_fitting(limit, tried):
+        def run(c):
+            tried.append(c)
+            if c > limit:
+                raise terr.OutOfResources(c, limit, "shared memory")
+        return run
+
+    built = []
+    smaller = lambda c: built.append(c) or [c - 1, c - 2, c - 3]  # noqa: E731
+    tried = []
+    assert run_first_that_fits(run_fitting(10, tried), 8, smaller) == 8 and built == [] and tried == [8]
+    tried = []
+    assert run_first_that_fits(run_fitting(6, tried), 8, smaller) == 6 and tried == [8, 7, 6]
+    with pytest.raises(terr.OutOfResources):
+        run_first_that_fits(run_fitting(0, []), 8, smaller)
+    tried = []
+    with pytest.raises(terr.OutOfResources):
+        run_first_that_fits(run_fitting(0, tried), 8, lambda c: [])
+    assert tried == [8]
