@@ -370,11 +370,18 @@ def _precision(mode: str, precision: str | None) -> str | None:
     return precision
 
 
+def mode_constexprs(mode: str, precision: str | None, has_bias: bool, has_mask: bool, cosine: bool) -> dict:
+    """The mode / feature constexprs both window kernels take (tools compile them offline from this)."""
+    compute, _, half_scores, pasa_shift = _MODE_TABLE[mode]
+    in_prec = _precision(mode, precision)
+    return dict(HAS_BIAS=has_bias, HAS_MASK=has_mask, COSINE=bool(cosine), COMPUTE=_COMPUTE_CODE[compute],
+                IN_PREC=in_prec or "ieee", HALF_SCORES=half_scores, PASA_SHIFT=pasa_shift,
+                SPLIT16=in_prec in ("f16x3", "f16x1"))
+
+
 def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, scale: float, mode: str,
             config: dict | None, precision: str | None = None) -> torch.Tensor:
     """Allocate the output and launch the small or tiled kernel (``precision`` overrides the FP32 products)."""
-    compute, _, half_scores, pasa_shift = _MODE_TABLE[mode]
-    in_prec = _precision(mode, precision)
     BW, H, N, D = q.shape
     DV = v.shape[-1]
     # [BW, N, H, DV] buffer viewed as [BW, H, N, DV]: timm's transpose(1, 2).reshape is then a view.
@@ -388,9 +395,7 @@ def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, sc
     ls_str = logit_scale.stride(0) if logit_scale is not None else 0
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *b_str, *m_str, ls_str)
     cfg = dict(config) if config else get_config(BW, H, N, D, n_slot_mask if mask is not None else 1, q.device)
-    flags = dict(HAS_BIAS=bias is not None, HAS_MASK=mask is not None, COSINE=bool(cosine),
-                 COMPUTE=_COMPUTE_CODE[compute], IN_PREC=in_prec or "ieee", HALF_SCORES=half_scores,
-                 PASA_SHIFT=pasa_shift, SPLIT16=in_prec in ("f16x3", "f16x1"),
+    flags = dict(mode_constexprs(mode, precision, bias is not None, mask is not None, cosine),
                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     block_d = pad_pow2(D)
     block_dv = pad_pow2(DV)

@@ -82,16 +82,14 @@ def _pasa_jobs(quick: bool):
 def _window_jobs(quick: bool):
     import torch
 
-    codes = window_fwd._COMPUTE_CODE
     for n in ((49, 144) if quick else (49, 64, 144, 256, 576)):
         cfg = window_fwd.get_config(64 * 64, 4, n, 32, 64, torch.device("cpu"))
-        for mode, (dtype, prec, half_scores, shift) in window_fwd._MODE_TABLE.items():
+        for mode, (dtype, *_) in window_fwd._MODE_TABLE.items():
             ptr = "*fp16" if dtype != torch.float32 else "*fp32"
             pointers = {n_: ptr for n_ in ("Q", "K", "V", "O")}
             pointers.update(BIAS="*fp32", MASK="*fp32", LS="*fp32")
-            const = dict(BLOCK_N=pad_pow2(n), BLOCK_D=32, BLOCK_DV=32, HAS_BIAS=True, HAS_MASK=True, COSINE=False,
-                         COMPUTE=codes[dtype], IN_PREC=prec or "ieee", HALF_SCORES=half_scores, PASA_SHIFT=shift,
-                         SPLIT16=prec in ("f16x3", "f16x1"))
+            const = dict(window_fwd.mode_constexprs(mode, None, True, True, False),
+                         BLOCK_N=pad_pow2(n), BLOCK_D=32, BLOCK_DV=32)
             if cfg["kernel"] == "small":
                 kernel, const["IMGS"] = window_fwd._window_small_kernel, cfg["imgs"]
             else:
