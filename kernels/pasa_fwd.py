@@ -38,13 +38,15 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, pad_pow2, run_first_that_fits
-from .elsa_fwd import load_kv_tile
+from .elsa_fwd import LOG2E, load_kv_tile
+from .split16 import SPLIT_EXP, exponent, pow2
 
 __all__ = ["pasa_attention", "pasa_unsupported_reason", "BLOCK_N", "MAX_HEAD_DIM"]
 
 BLOCK_N = 128  # keys per KV block = size of the shifting matrix M (the paper's s2)
 _BETA0 = 1.0 - 2.0 ** -6  # the paper's adopted initial value (-> 0.984497 for n = 128)
 MAX_HEAD_DIM = 256
+_LOG2E = tl.constexpr(LOG2E)  # kernels read globals only as constexprs
 
 
 # ----------------------------------------------------------------------------------- host math
@@ -90,7 +92,7 @@ def _query_center(q: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _pasa_shift_keys_kernel(
-    K, KP, MU, C, W, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
+    K, KP, MU, C, W, W_INV, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
     a_full, b_full, a_tail, b_tail, w_full, w_tail,
     RECOVER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -113,25 +115,40 @@ def _pasa_shift_keys_kernel(
     # KP is a contiguous [B*H, N_K, D] buffer
     tl.store(KP + pid_bh.to(tl.int64) * N_K * D + offs_n[:, None] * D + offs_d[None, :], kp, mask=ok)
     if RECOVER:
-        # MU [B*H, D], C [B*H, N_K], W [B*H, tiles, D]: contiguous FP32 buffers
+        # MU [B*H, D], C [B*H, N_K]: contiguous FP32 buffers
         mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
         c = tl.sum(mu[None, :] * kp.to(tl.float32), axis=1)  # mu . K'_j, per key
         tl.store(C + pid_bh.to(tl.int64) * N_K + offs_n, c, mask=offs_n < N_K)
         w = tl.where(full, w_full, w_tail) * ksum  # scale (b / a) sum_block k
-        tl.store(W + (pid_bh.to(tl.int64) * tiles + pid_n) * D + offs_d, w, mask=offs_d < D)
+        # w as three FP16 parts of a power-of-two-scaled copy (~33 significant bits), so the tile
+        # loop gets R = q . w from one small FP32-accumulating MMA: W16 [B*H, tiles, 3, D], W_INV [B*H, tiles]
+        e = exponent(tl.max(tl.abs(w), 0))
+        ws = w * pow2(-e + SPLIT_EXP)
+        w_hi = ws.to(tl.float16)
+        rest = ws - w_hi.to(tl.float32)
+        w_mid = rest.to(tl.float16)
+        w_lo = (rest - w_mid.to(tl.float32)).to(tl.float16)
+        tile_id = pid_bh.to(tl.int64) * tiles + pid_n
+        d_ok = offs_d < D
+        tl.store(W + tile_id * 3 * D + offs_d, w_hi, mask=d_ok)
+        tl.store(W + tile_id * 3 * D + D + offs_d, w_mid, mask=d_ok)
+        tl.store(W + tile_id * 3 * D + 2 * D + offs_d, w_lo, mask=d_ok)
+        tl.store(W_INV + tile_id, pow2(e - SPLIT_EXP))
 
 
 @triton.jit
-def _pasa_tile(acc, l_i, m_i, F, j, qs, qf, start_n, offs_m, offs_d, offs_dv, row_ok,
-               k_base, v_base, c_base, w_base, b_base, mk_base,
+def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row_ok,
+               k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
                N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
                BOUNDARY: tl.constexpr, RECOVER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
                IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr):
     """Fold the KV block [start_n, start_n + BLOCK_N) into (acc, l_i, m_i) and the running pseudo-average F.
 
-    BOUNDARY blocks mask keys >= N_K and (causal) keys after the query; interior blocks are full
-    and entirely visible, so their loads and scores need no key mask.
+    Scores and the running max ``m_i`` are in log2 units (``log2 e`` folded into ``inv_a`` /
+    ``post_scale`` and the per-row terms), so every exponential is one ``exp2``; ``F`` stays in
+    natural units. BOUNDARY blocks mask keys >= N_K and (causal) keys after the query; interior
+    blocks are full and entirely visible, so their loads and scores need no key mask.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N_K
@@ -148,19 +165,24 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, qf, start_n, offs_m, offs_d, offs_dv, ro
         else:
             inv_a = inv_a_full
             c = tl.load(c_base + offs_n)
-        w = tl.load(w_base + (start_n // BLOCK_N) * D + offs_d, mask=d_ok, other=0.0)
-        r = tl.sum(qf * w[None, :], axis=1)  # the block's removed pseudo-average, FP32 (line 13)
+        # the block's removed pseudo-average R = q . w (line 13) from w's three FP16 parts: one
+        # [BLOCK_M, 16] x D MMA with FP32 accumulation (rows 3..15 of the w tile are zero)
+        tile = start_n // BLOCK_N
+        offs_p = tl.arange(0, 16)
+        w = tl.load(w_base + tile * 3 * D + offs_p[:, None] * D + offs_d[None, :],
+                    mask=(offs_p[:, None] < 3) & d_ok[None, :], other=0.0)
+        r = tl.sum(tl.dot(q, tl.trans(w)), axis=1) * tl.load(winv_base + tile)
         j += 1.0
         F_new = F + (r - F) / j
-        s = (s + c[None, :]) * inv_a + (r - F_new)[:, None]  # scale q.k - F_new
-        m_old = m_i + (F - F_new)  # previous max moved to the new frame
+        s = (s + c[None, :]) * inv_a + ((r - F_new) * _LOG2E)[:, None]  # log2(e) (scale q.k - F_new)
+        m_old = m_i + (F - F_new) * _LOG2E  # previous max moved to the new frame
         F = F_new
     else:
         s = s * post_scale
         m_old = m_i
     if HAS_BIAS:
         s += tl.load(b_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
-                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                     mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32) * _LOG2E
     if HAS_MASK:
         mk = tl.load(mk_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
                      mask=row_ok[:, None] & col_ok[None, :], other=0)
@@ -172,8 +194,8 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, qf, start_n, offs_m, offs_d, offs_dv, ro
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_old, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_old - m_safe)
-    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_old - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = load_kv_tile(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                      col_ok, offs_dv, DV, BOUNDARY, EVEN_DV)
@@ -183,7 +205,7 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, qf, start_n, offs_m, offs_d, offs_dv, ro
 
 @triton.jit
 def _pasa_fwd_kernel(
-    Q, K, V, O, BIAS, MASK, MU, C, W,
+    Q, K, V, O, BIAS, MASK, MU, C, W, W_INV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -207,17 +229,18 @@ def _pasa_fwd_kernel(
     row_ok = offs_m < N_Q
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    qf = q.to(tl.float32)  # R uses the uncentred q (hoisted: loop-invariant)
     if RECOVER:
-        # query centering: q' = fl16(q - mu) feeds the FP16 product
+        # query centering: q' = fl16(q - mu) feeds the FP16 product (R uses the uncentred q)
         mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
-        qs = (qf - mu[None, :]).to(tl.float16)
+        qs = (q.to(tl.float32) - mu[None, :]).to(tl.float16)
     else:
         qs = q
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
     c_base = C + pid_bh.to(tl.int64) * N_K
-    w_base = W + pid_bh.to(tl.int64) * tl.cdiv(N_K, BLOCK_N) * D
+    n_blocks = tl.cdiv(N_K, BLOCK_N)
+    w_base = W + pid_bh.to(tl.int64) * n_blocks * 3 * D
+    winv_base = W_INV + pid_bh.to(tl.int64) * n_blocks
     b_base = BIAS + off_b * stride_bb + off_h * stride_bh
     mk_base = MASK + off_b * stride_mb + off_h * stride_mh
 
@@ -236,15 +259,15 @@ def _pasa_fwd_kernel(
     n_full = tl.minimum(n_full, n_tiles)
     for t in range(0, n_full):
         acc, l_i, m_i, F, j = _pasa_tile(
-            acc, l_i, m_i, F, j, qs, qf, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
-            k_base, v_base, c_base, w_base, b_base, mk_base,
+            acc, l_i, m_i, F, j, qs, q, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
+            k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
             False, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
     for t in range(n_full, n_tiles):
         acc, l_i, m_i, F, j = _pasa_tile(
-            acc, l_i, m_i, F, j, qs, qf, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
-            k_base, v_base, c_base, w_base, b_base, mk_base,
+            acc, l_i, m_i, F, j, qs, q, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
+            k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
             True, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
@@ -320,7 +343,8 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
             (Eq. 20-22; 0.984497 for the 128-key blocks). ``beta=0`` switches the shift, the query
             centering and the recovery off (plain FP16 accumulation on ``fl16(scale * k)``).
             Ignored when ``shift=False``.
-        config: override the launch config (``BLOCK_M``, ``num_warps``, ``num_stages``).
+        config: override the launch config (``BLOCK_M``, ``num_warps``, ``num_stages``, and
+            ``BLOCK_N``, the KV block = size of M, default :data:`BLOCK_N`; beta follows it).
 
     Returns:
         [B, H, Nq, Dv] float16, contiguous. Fully masked rows are zeros; with ``shift=False``
@@ -328,7 +352,8 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
 
     Raises:
         TypeError: q/k/v not float16, or a non-bool mask.
-        ValueError: bad shapes, D or Dv > 256, ``beta`` outside [0, 1).
+        ValueError: bad shapes, D or Dv > 256, ``beta`` outside [0, 1), a config ``BLOCK_N`` that is
+            not a power of two in 16..256.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != torch.float16:
@@ -359,35 +384,39 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     cfg = dict(_get_config(D, interpret), **(config or {}))
     BLOCK_D = pad_pow2(D)
     BLOCK_DV = pad_pow2(Dv)
+    block_n = cfg.get("BLOCK_N", BLOCK_N)  # KV block = size of M; beta is computed for it
+    if block_n not in (16, 32, 64, 128, 256):
+        raise ValueError(f"pasa_attention: config BLOCK_N={block_n!r}; expected a power of two in 16..256")
     # beta = 0: M = scale * I, no centering, no recovery: plain FP16 accumulation on fl16(scale * k).
     recover = bool(shift) and (beta is None or float(beta) != 0.0)
     inv_a_f = inv_a_t = 1.0
-    mu = c = w = q  # dummies unless recover
+    mu = c = w = w_inv = q  # dummies unless recover
     if shift:
-        tail = Nk % BLOCK_N or BLOCK_N
-        a_f, b_f, _ = _coefficients(BLOCK_N, beta)
+        tail = Nk % block_n or block_n
+        a_f, b_f, _ = _coefficients(block_n, beta)
         a_t, b_t, _ = _coefficients(tail, beta)
         kp = torch.empty((B, H, Nk, D), dtype=torch.float16, device=q.device)
         if recover:
             mu = _query_center(q).contiguous()  # [B, H, D] float32
             c = torch.empty((B, H, Nk), dtype=torch.float32, device=q.device)
-            w = torch.empty((B, H, cdiv(Nk, BLOCK_N), D), dtype=torch.float32, device=q.device)
-            inv_a_f, inv_a_t = 1.0 / a_f, 1.0 / a_t
-        _pasa_shift_keys_kernel[(cdiv(Nk, BLOCK_N) * B * H,)](
-            k, kp, mu, c, w, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
+            w = torch.empty((B, H, cdiv(Nk, block_n), 3, D), dtype=torch.float16, device=q.device)
+            w_inv = torch.empty((B, H, cdiv(Nk, block_n)), dtype=torch.float32, device=q.device)
+            inv_a_f, inv_a_t = LOG2E / a_f, LOG2E / a_t
+        _pasa_shift_keys_kernel[(cdiv(Nk, block_n) * B * H,)](
+            k, kp, mu, c, w, w_inv, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
             float(scale) * b_f / a_f, float(scale) * b_t / a_t,
-            RECOVER=recover, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, num_warps=4)
-        keys, post_scale = kp, 1.0
+            RECOVER=recover, BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=4)
+        keys, post_scale = kp, LOG2E
     else:
-        keys, post_scale = k, float(scale)
+        keys, post_scale = k, float(scale) * LOG2E
 
     def launch(cf):
         _pasa_fwd_kernel[(cdiv(Nq, cf["BLOCK_M"]) * B * H,)](
             q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q,
-            mu, c, w, *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias),
+            mu, c, w, w_inv, *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias),
             *_strides4(attn_mask), H, Nq, Nk, D, Dv, post_scale, inv_a_f, inv_a_t,
             RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
-            IS_CAUSAL=bool(is_causal), BLOCK_M=cf["BLOCK_M"], BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            IS_CAUSAL=bool(is_causal), BLOCK_M=cf["BLOCK_M"], BLOCK_N=block_n, BLOCK_D=BLOCK_D,
             BLOCK_DV=BLOCK_DV, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
             num_warps=cf["num_warps"], num_stages=cf["num_stages"])
 

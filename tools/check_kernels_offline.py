@@ -66,10 +66,10 @@ def _pasa_jobs(quick: bool):
     for d in ((64, 128) if quick else (16, 32, 64, 128, 256)):
         cfg = pasa_fwd._get_config(d, False)
         pointers = {n: "*fp16" for n in ("Q", "K", "V", "O", "BIAS")}
-        pointers.update(MASK="*u8", MU="*fp32", C="*fp32", W="*fp32")
+        pointers.update(MASK="*u8", MU="*fp32", C="*fp32", W="*fp16", W_INV="*fp32")
         for recover, extras in ((True, False),) if quick else ((True, False), (False, False), (True, True)):
             const = dict(RECOVER=recover, HAS_BIAS=extras, HAS_MASK=extras, IS_CAUSAL=False,
-                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=pasa_fwd.BLOCK_N, BLOCK_D=d, BLOCK_DV=d,
+                         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg.get("BLOCK_N", pasa_fwd.BLOCK_N), BLOCK_D=d, BLOCK_DV=d,
                          EVEN_D=True, EVEN_DV=True)
             yield ({"kernel": "pasa", "variant": f"D={d}" + ("" if recover else " no-shift")
                     + (" +bias+mask" if extras else ""), "config": list(cfg.values())},

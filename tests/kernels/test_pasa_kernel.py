@@ -106,12 +106,27 @@ def test_kernel_masks_bias_causal_and_strides():
     assert rel_l2(out, gold) <= max(2 * rel_l2(ref, gold), PASA_TOL)
 
 
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_kernel_other_kv_block_matches_reference_of_that_block(block_n):
+    # BLOCK_N is the size of the shifting matrix M: beta, a and b follow it, in kernel and reference.
+    q, k, v = pasa.benchmark_inputs("uniform", 30, 0.5, shape=(1, 2, 70, 32), seed=4)  # overflows FP16
+    gold = oracle_attention(q, k, v)
+    dev = [t.half().to(DEV) for t in (q, k, v)]
+    out = pasa_fwd.pasa_attention(*dev, None, None, False, 32 ** -0.5,
+                                  config={"BLOCK_M": 32, "BLOCK_N": block_n, "num_warps": 4, "num_stages": 1})
+    ref = pasa.pasa_attention_reference(q, k, v, scale=32 ** -0.5, block_size=block_n)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out.float().cpu(), gold) <= 2 * rel_l2(ref, gold) + 1e-4
+
+
 def test_kernel_rejects_bad_inputs():
     q = torch.randn(1, 1, 8, 16, device=DEV)
     with pytest.raises(TypeError, match="float16"):
         pasa_fwd.pasa_attention(q, q, q, None, None, False, 0.25)
     with pytest.raises(ValueError, match="beta"):
         pasa_fwd.pasa_attention(q.half(), q.half(), q.half(), None, None, False, 0.25, beta=1.0)
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        pasa_fwd.pasa_attention(q.half(), q.half(), q.half(), None, None, False, 0.25, config={"BLOCK_N": 48})
 
 
 @pytest.mark.gpu
