@@ -163,7 +163,9 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
     return acc, l_i, m_new, v_exp
 
 
-@triton.jit
+# Sequence lengths are not specialized on (divisibility by 16, == 1): a new length, e.g. FastVGGT's
+# data-dependent merged length, then never triggers a recompile in the middle of a timed run.
+@triton.jit(do_not_specialize=["Nq", "Nk", "tiles_per_split"])
 def _elsa_fwd_kernel(
     Q, K, V, Bias, Mask, Out, WsM, WsS, WsW,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,

@@ -7,7 +7,8 @@
 # weights, 512 synthetic crops of tests/data/photos), recon (per-mode VGGT-1B agreement + timing on
 # demos/data/stereo_rig), vggt (bench_vggt 10/50 frames), vggt100 (100 frames fp32 vs SDPA),
 # vggt-agree (VGGT-1B mode-vs-SDPA agreement tests), fastvggt (FastVGGT 100/200 frames, every row),
-# fastvggt500, svd (attention at real SVD shapes; needs diffusers). Every step logs to OUT_DIR/STEP.log
+# fastvggt500, svd (attention at real SVD shapes; needs diffusers), pasa (PASA kernel GPU tests + speed
+# sweep), attention (bench_attention, every shape and backend). Every step logs to OUT_DIR/STEP.log
 # and a failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
@@ -46,6 +47,10 @@ for step in "$@"; do
     fastvggt500) run fastvggt500 120 python tools/bench_vggt.py --models fastvggt --rows bf16 --frames 500 \
         --out "$out/vggt_bench" ;;
     svd) run svd 170 python tools/eval_svd.py --attention-bench --bench-levels 2 --bench-reps 5 --out "$out/svd_attention" ;;
+    pasa) run pasa-tests 150 python -m pytest -m gpu -q -rf --timeout=120 -p no:cacheprovider \
+        tests/kernels/test_pasa_kernel.py
+      run pasa 200 python tools/eval_pasa.py --bench-only --out "$out/pasa" ;;
+    attention) run attention 300 python tools/bench_attention.py --out "$out/attention" ;;
     *) echo "unknown step $step" | tee -a "$out/steps.txt" ;;
   esac
 done

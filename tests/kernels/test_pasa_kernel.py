@@ -38,7 +38,12 @@ def test_kernel_query_center_equals_reference():
     g = torch.Generator().manual_seed(5)
     q = (torch.randn(2, 3, 50, 24, generator=g) * torch.rand(24, generator=g) * 4
          + torch.randn(24, generator=g) * 3).half()
-    assert torch.equal(pasa_fwd._query_center(q), pasa.query_center(q).squeeze(-2).float())
+    q[:, :, :, 7] = 5.0
+    q[:, :, 3, 7] = -5.0  # centering would enlarge this dimension's range: mu must be 0 there
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, N, H, D] memory, as timm's views
+    ref = pasa.query_center(q).squeeze(-2).float()
+    assert (ref[..., 7] == 0).all() and (ref != 0).sum() > 100
+    assert torch.equal(pasa_fwd._query_center(q), ref)
 
 
 @pytest.mark.parametrize("nq,nk,d,dv", [(64, 200, 128, 128), (33, 97, 59, 40)])
