@@ -81,39 +81,72 @@ def _coefficients(n: int, beta: float | None) -> tuple[float, float, float]:
 def _query_center(q: torch.Tensor) -> torch.Tensor:
     """The query centre mu, [B, H, D] float32 (FP16 values; see visionattn.pasa.query_center).
 
-    ``mu_d = fl16(mean_i q_id)``, or 0 where ``max_i |q_id - mu_d| > max_i |q_id|``; one launch of
-    :func:`_query_center_kernel` (the torch version took ~10 small launches, ~0.1 ms of host time).
+    ``mu_d = fl16(mean_i q_id)``, or 0 where ``max_i |q_id - mu_d| > max_i |q_id|``. Two launches
+    (the torch version took ~10, ~0.1 ms of host time): per-chunk FP32 sums / minima / maxima over
+    query rows, then their fixed-order combination (deterministic, unlike atomics).
     ``q``: [B, H, Nq, D] float16, any strides, ``Nq > 0``.
     """
     B, H, Nq, D = q.shape
+    block_d = pad_pow2(D)
+    chunk = max(_CENTER_ROWS, triton.next_power_of_2(cdiv(Nq, _CENTER_CHUNKS)))
+    n_chunks = cdiv(Nq, chunk)
+    part = torch.empty((3, B * H, n_chunks, D), dtype=torch.float32, device=q.device)
+    _center_partials_kernel[(n_chunks, B * H)](q, part, *q.stride(), H, Nq, D, chunk, B * H * n_chunks * D,
+                                               BLOCK_M=_CENTER_ROWS, BLOCK_D=block_d)
     mu = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
-    _query_center_kernel[(B * H,)](q, mu, *q.stride(), H, Nq, D, BLOCK_M=32, BLOCK_D=pad_pow2(D))
+    _center_combine_kernel[(B * H,)](part, mu, Nq, D, n_chunks, B * H * n_chunks * D,
+                                     BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_D=block_d)
     return mu
 
 
-# ------------------------------------------------------------------------------------- kernels
+_CENTER_ROWS = 64  # query rows per loop step of _center_partials_kernel
+_CENTER_CHUNKS = 64  # at most this many row chunks (programs) per (batch, head)
+
+
 @triton.jit
-def _query_center_kernel(Q, MU, stride_qb, stride_qh, stride_qm, stride_qd, H, N_Q, D,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program per (batch, head): FP32 sum, min and max of every query dimension over N_Q rows.
-    pid = tl.program_id(0)
-    q_base = Q + (pid // H).to(tl.int64) * stride_qb + (pid % H).to(tl.int64) * stride_qh
+def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd, H, N_Q, D, CHUNK, PLANE,
+                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (chunk, batch*head): FP32 sum, min and max of every query dimension over rows
+    # [chunk * CHUNK, (chunk + 1) * CHUNK) -> PART [3, B*H, n_chunks, D] (PLANE = B*H*n_chunks*D).
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    q_base = Q + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     total = tl.zeros([BLOCK_D], tl.float32)
     lo = tl.full([BLOCK_D], float("inf"), tl.float32)
     hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
-    for start in range(0, N_Q, BLOCK_M):
-        ok = ((start + offs_m) < N_Q)[:, None] & d_ok[None, :]
-        x = tl.load(q_base + (start + offs_m)[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
+    start = chunk * CHUNK
+    stop = tl.minimum(start + CHUNK, N_Q)
+    for m in range(start, stop, BLOCK_M):
+        ok = ((m + offs_m) < stop)[:, None] & d_ok[None, :]
+        x = tl.load(q_base + (m + offs_m)[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
                     mask=ok, other=0.0).to(tl.float32)
         total += tl.sum(x, axis=0)
         lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(ok, x, float("-inf")), axis=0))
+    out = PART + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * D + offs_d
+    tl.store(out, total, mask=d_ok)
+    tl.store(out + PLANE, lo, mask=d_ok)
+    tl.store(out + 2 * PLANE, hi, mask=d_ok)
+
+
+@triton.jit
+def _center_combine_kernel(PART, MU, N_Q, D, N_CHUNKS, PLANE, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (batch*head): combine the chunk partials in a fixed order, then mu = fl16(mean) or 0
+    # where centering would enlarge the dimension's range.
+    bh = tl.program_id(0)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_c < N_CHUNKS)[:, None] & (offs_d < D)[None, :]
+    ptrs = PART + (bh.to(tl.int64) * N_CHUNKS + offs_c)[:, None] * D + offs_d[None, :]
+    total = tl.sum(tl.load(ptrs, mask=ok, other=0.0), axis=0)
+    lo = tl.min(tl.load(ptrs + PLANE, mask=ok, other=float("inf")), axis=0)
+    hi = tl.max(tl.load(ptrs + 2 * PLANE, mask=ok, other=float("-inf")), axis=0)
     mu = (total / N_Q).to(tl.float16).to(tl.float32)
     keep = tl.maximum(hi - mu, mu - lo) <= tl.maximum(tl.abs(hi), tl.abs(lo))
-    tl.store(MU + pid.to(tl.int64) * D + offs_d, tl.where(keep, mu, 0.0), mask=d_ok)
+    tl.store(MU + bh.to(tl.int64) * D + offs_d, tl.where(keep, mu, 0.0), mask=offs_d < D)
 
 
 @triton.jit
@@ -229,7 +262,8 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row
     return acc, l_i, m_new, F, j
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])  # as _elsa_fwd_kernel: no recompile per length
+# N_K is specialized on (unlike _elsa_fwd_kernel's lengths): the per-head C rows start at pid_bh * N_K
+@triton.jit
 def _pasa_fwd_kernel(
     Q, K, V, O, BIAS, MASK, MU, C, W, W_INV,
     stride_qb, stride_qh, stride_qm, stride_qd,
