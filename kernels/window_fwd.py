@@ -442,8 +442,10 @@ def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_window
         q, k: [B*nW, H, N, D]; v: [B*nW, H, N, Dv]; one dtype (fp16 / bf16 / fp32), any
             strides (timm's ``qkv.unbind`` views are read in place). Cast to the mode's
             compute dtype inside the kernel.
-        relative_position_bias: float [H, N, N] or None, any strides.
-        shift_mask: float additive [nW, N, N] (0 / -inf or timm's -100) or None; window
+        relative_position_bias: float [H, N, N] or None, any strides (copied once when the last
+            stride is not 1).
+        shift_mask: float additive [nW, N, N] (0 / -inf or timm's -100) or None (copied once
+            when the last stride is not 1); window
             ``b`` reads ``shift_mask[b % nW]``.
         num_windows: nW (divides B*nW).
         cosine: Swin-v2 cosine attention (q, k L2-normalized, eps 1e-12, in the kernel).
@@ -474,6 +476,13 @@ def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_window
     _precision(mode, precision)  # validate before launching
     if logit_scale is not None:
         logit_scale = logit_scale.reshape(-1)
+    # Every program reads whole bias / mask rows: with a non-unit last stride (e.g. timm's v2 bias
+    # before its .contiguous()) each element costs a memory sector, up to ~25x slower on an H200.
+    # One copy of these small [H, N, N] / [nW, N, N] tensors per call is far cheaper.
+    if relative_position_bias is not None and relative_position_bias.stride(-1) != 1:
+        relative_position_bias = relative_position_bias.contiguous()
+    if shift_mask is not None and shift_mask.stride(-1) != 1:
+        shift_mask = shift_mask.contiguous()
     if config is None and precision is None and torch.compiler.is_compiling():
         return _window_op(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows),
                           bool(cosine), float(scale), mode)

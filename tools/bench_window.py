@@ -113,7 +113,8 @@ def attn_inputs(attn, kind: str, batch: int, st: dict, mask, device, dtype):
             bias = attn._get_rel_pos_bias()[0]
         else:
             table = attn.cpb_mlp(attn.relative_coords_table).view(-1, H)
-            bias = 16 * torch.sigmoid(table[attn.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1))
+            rel = table[attn.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
+            bias = 16 * torch.sigmoid(rel)  # as timm's (and the patched) Swin-v2 module
     return q, k, v, bias
 
 
