@@ -341,7 +341,7 @@ for _short in (False, True):
     _CONFIGS.update({
         ("half", 16, _short): TileConfig(128, 64, 4, 3),
         ("half", 32, _short): TileConfig(128, 32 if _short else 64, 4, 3),
-        ("half", 64, _short): TileConfig(128, 32 if _short else 64, 4, 3),
+        ("half", 64, _short): TileConfig(128, 32, 4, 3) if _short else TileConfig(128, 64, 8, 3),  # H100 --tune, session 3
         ("half", 128, _short): TileConfig(128, 128, 8, 3) if not _short else TileConfig(128, 64, 8, 3),
         ("half", 256, _short): TileConfig(64, 32, 4, 2),
         ("tf32", 16, _short): TileConfig(128, 64, 4, 2),
@@ -367,7 +367,7 @@ for _short in (False, True):
         ("f16x1", 256, _short): TileConfig(64, 32, 4, 2),
         ("f16x3", 16, _short): TileConfig(128, 64, 4, 3),
         ("f16x3", 32, _short): TileConfig(128, 64, 4, 3),
-        ("f16x3", 64, _short): TileConfig(128, 64, 8, 3) if _short else TileConfig(128, 64, 4, 3),
+        ("f16x3", 64, _short): TileConfig(128, 32, 4, 3) if _short else TileConfig(128, 64, 4, 3),  # short: session 3 (0.168 vs 0.223 ms at ViT-B 224)
         ("f16x3", 128, _short): TileConfig(128, 64, 8, 2),
         ("f16x3", 256, _short): TileConfig(64, 32, 4, 2),
     })
