@@ -180,58 +180,24 @@ def _pasa_shift_keys_kernel(
         tl.store(C + pid_bh.to(tl.int64) * N_K + offs_n, c, mask=offs_n < N_K)
         w = tl.where(full, w_full, w_tail) * ksum  # scale (b / a) sum_block k
         # w as three FP16 parts of a power-of-two-scaled copy (~33 significant bits), so the tile
-        # loop gets R = q . w of 16 blocks at a time from small FP32-accumulating MMAs (_group_averages):
-        # W [B*H, groups, 3, 16, D] (block = group * 16 + slot; part-major), W_INV [B*H, groups * 16]
+        # loop gets R = q . w from one small FP32-accumulating MMA: W16 [B*H, tiles, 3, D], W_INV [B*H, tiles]
         e = exponent(tl.max(tl.abs(w), 0))
         ws = w * pow2(-e + SPLIT_EXP)
         w_hi = ws.to(tl.float16)
         rest = ws - w_hi.to(tl.float32)
         w_mid = rest.to(tl.float16)
         w_lo = (rest - w_mid.to(tl.float32)).to(tl.float16)
-        groups = tl.cdiv(tiles, 16)
-        part0 = W + ((pid_bh.to(tl.int64) * groups + pid_n // 16) * 3 * 16 + pid_n % 16) * D + offs_d
+        tile_id = pid_bh.to(tl.int64) * tiles + pid_n
         d_ok = offs_d < D
-        tl.store(part0, w_hi, mask=d_ok)
-        tl.store(part0 + 16 * D, w_mid, mask=d_ok)
-        tl.store(part0 + 32 * D, w_lo, mask=d_ok)
-        tl.store(W_INV + pid_bh.to(tl.int64) * groups * 16 + pid_n, pow2(e - SPLIT_EXP))
+        tl.store(W + tile_id * 3 * D + offs_d, w_hi, mask=d_ok)
+        tl.store(W + tile_id * 3 * D + D + offs_d, w_mid, mask=d_ok)
+        tl.store(W + tile_id * 3 * D + 2 * D + offs_d, w_lo, mask=d_ok)
+        tl.store(W_INV + tile_id, pow2(e - SPLIT_EXP))
 
 
 @triton.jit
-def _group_averages(q, w_base, winv_base, g, offs_d, D, EVEN_D: tl.constexpr):
-    """R = q . w of the 16 KV blocks of group ``g``: [BLOCK_M, 16] FP32, one column per block.
-
-    ``q`` is the uncentred FP16 query tile; w's three FP16 parts (hi, mid, lo) are multiplied
-    smallest first with FP32 accumulation, then each column gets its block's power-of-two scale.
-    Blocks past the last one have zero parts (their columns are never picked).
-    """
-    offs_s = tl.arange(0, 16)
-    g64 = g + tl.zeros([], dtype=tl.int64)  # the loop variable may be a Python int
-    ptrs = w_base + g64 * 3 * 16 * D + offs_s[:, None] * D + offs_d[None, :]
-    if EVEN_D:
-        lo = tl.load(ptrs + 32 * D)
-        mid = tl.load(ptrs + 16 * D)
-        hi = tl.load(ptrs)
-    else:
-        d_ok = (offs_d < D)[None, :]
-        lo = tl.load(ptrs + 32 * D, mask=d_ok, other=0.0)
-        mid = tl.load(ptrs + 16 * D, mask=d_ok, other=0.0)
-        hi = tl.load(ptrs, mask=d_ok, other=0.0)
-    r = tl.dot(q, tl.trans(lo))
-    r = tl.dot(q, tl.trans(mid), r)
-    r = tl.dot(q, tl.trans(hi), r)
-    return r * tl.load(winv_base + g64 * 16 + offs_s)[None, :]
-
-
-@triton.jit
-def _pick(r16, slot):
-    """Column ``slot`` of the [BLOCK_M, 16] group averages: the R of one block, [BLOCK_M]."""
-    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == slot, r16, 0.0), axis=1)
-
-
-@triton.jit
-def _pasa_tile(acc, l_i, m_i, F, j, qs, r, start_n, offs_m, offs_d, offs_dv, row_ok,
-               k_base, v_base, c_base, b_base, mk_base,
+def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row_ok,
+               k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
                N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
                BOUNDARY: tl.constexpr, RECOVER: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -245,6 +211,7 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, r, start_n, offs_m, offs_d, offs_dv, row
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N_K
+    d_ok = offs_d < D
     k = load_kv_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                      col_ok, offs_d, D, BOUNDARY, EVEN_D)
     # FP16 score accumulation: the product whose overflow PASA prevents.
@@ -257,7 +224,13 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, r, start_n, offs_m, offs_d, offs_dv, row
         else:
             inv_a = inv_a_full
             c = tl.load(c_base + offs_n)
-        # r: the block's removed pseudo-average R = q . w (line 13), from the caller's _group_averages
+        # the block's removed pseudo-average R = q . w (line 13) from w's three FP16 parts: one
+        # [BLOCK_M, 16] x D MMA with FP32 accumulation (rows 3..15 of the w tile are zero)
+        tile = start_n // BLOCK_N
+        offs_p = tl.arange(0, 16)
+        w = tl.load(w_base + tile * 3 * D + offs_p[:, None] * D + offs_d[None, :],
+                    mask=(offs_p[:, None] < 3) & d_ok[None, :], other=0.0)
+        r = tl.sum(tl.dot(q, tl.trans(w)), axis=1) * tl.load(winv_base + tile)
         j += 1.0
         F_new = F + (r - F) / j
         s = (s + c[None, :]) * inv_a + ((r - F_new) * _LOG2E)[:, None]  # log2(e) (scale q.k - F_new)
@@ -325,9 +298,9 @@ def _pasa_fwd_kernel(
     k_base = K + off_b * stride_kb + off_h * stride_kh
     v_base = V + off_b * stride_vb + off_h * stride_vh
     c_base = C + pid_bh.to(tl.int64) * N_K
-    groups = tl.cdiv(tl.cdiv(N_K, BLOCK_N), 16)
-    w_base = W + pid_bh.to(tl.int64) * groups * 3 * 16 * D
-    winv_base = W_INV + pid_bh.to(tl.int64) * groups * 16
+    n_blocks = tl.cdiv(N_K, BLOCK_N)
+    w_base = W + pid_bh.to(tl.int64) * n_blocks * 3 * D
+    winv_base = W_INV + pid_bh.to(tl.int64) * n_blocks
     b_base = BIAS + off_b * stride_bb + off_h * stride_bh
     mk_base = MASK + off_b * stride_mb + off_h * stride_mh
 
@@ -344,36 +317,17 @@ def _pasa_fwd_kernel(
     if IS_CAUSAL:
         n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
     n_full = tl.minimum(n_full, n_tiles)
-    r = F  # R of the block being folded (RECOVER); the no-shift kernel ignores it
-    t_lo = 0
-    if RECOVER:
-        # R for 16 blocks per small MMA set (one per block cost ~20 % of the loop on an H100)
-        for g in range(0, n_full // 16):
-            r16 = _group_averages(q, w_base, winv_base, g, offs_d, D, EVEN_D)
-            for slot in range(0, 16):
-                acc, l_i, m_i, F, j = _pasa_tile(
-                    acc, l_i, m_i, F, j, qs, _pick(r16, slot), (g * 16 + slot) * BLOCK_N, offs_m, offs_d,
-                    offs_dv, row_ok, k_base, v_base, c_base, b_base, mk_base,
-                    stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
-                    N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
-                    False, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
-        t_lo = (n_full // 16) * 16
-        r16 = _group_averages(q, w_base, winv_base, n_full // 16, offs_d, D, EVEN_D)
-    for t in range(t_lo, n_full):  # RECOVER: the < 16 interior blocks left, all in group n_full // 16
-        if RECOVER:
-            r = _pick(r16, t - t_lo)
+    for t in range(0, n_full):
         acc, l_i, m_i, F, j = _pasa_tile(
-            acc, l_i, m_i, F, j, qs, r, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
-            k_base, v_base, c_base, b_base, mk_base,
+            acc, l_i, m_i, F, j, qs, q, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
+            k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
             False, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
-    for t in range(n_full, n_tiles):  # tail / causal-diagonal blocks: few, R fetched per block
-        if RECOVER:
-            r = _pick(_group_averages(q, w_base, winv_base, t // 16, offs_d, D, EVEN_D), t % 16)
+    for t in range(n_full, n_tiles):
         acc, l_i, m_i, F, j = _pasa_tile(
-            acc, l_i, m_i, F, j, qs, r, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
-            k_base, v_base, c_base, b_base, mk_base,
+            acc, l_i, m_i, F, j, qs, q, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
+            k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
             True, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
@@ -505,9 +459,8 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         if recover:
             mu = _query_center(q)  # [B, H, D] float32
             c = torch.empty((B, H, Nk), dtype=torch.float32, device=q.device)
-            groups = cdiv(cdiv(Nk, block_n), 16)  # zeros past the last block: whole groups are read
-            w = torch.zeros((B, H, groups, 3, 16, D), dtype=torch.float16, device=q.device)
-            w_inv = torch.zeros((B, H, groups * 16), dtype=torch.float32, device=q.device)
+            w = torch.empty((B, H, cdiv(Nk, block_n), 3, D), dtype=torch.float16, device=q.device)
+            w_inv = torch.empty((B, H, cdiv(Nk, block_n)), dtype=torch.float32, device=q.device)
             inv_a_f, inv_a_t = LOG2E / a_f, LOG2E / a_t
         _pasa_shift_keys_kernel[(cdiv(Nk, block_n) * B * H,)](
             k, kp, mu, c, w, w_inv, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
