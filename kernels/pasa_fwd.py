@@ -91,8 +91,9 @@ def _query_center(q: torch.Tensor) -> torch.Tensor:
     chunk = max(_CENTER_ROWS, triton.next_power_of_2(cdiv(Nq, _CENTER_CHUNKS)))
     n_chunks = cdiv(Nq, chunk)
     part = torch.empty((3, B * H, n_chunks, D), dtype=torch.float32, device=q.device)
-    _center_partials_kernel[(n_chunks, B * H)](q, part, *q.stride(), H, Nq, D, chunk, B * H * n_chunks * D,
-                                               BLOCK_M=_CENTER_ROWS, BLOCK_D=block_d)
+    # 1-D grid: B * H reaches ~100k in SVD's temporal attention, over grid axis 1's 65,535
+    _center_partials_kernel[(n_chunks * B * H,)](q, part, *q.stride(), H, Nq, D, chunk, n_chunks,
+                                                 B * H * n_chunks * D, BLOCK_M=_CENTER_ROWS, BLOCK_D=block_d)
     mu = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
     _center_combine_kernel[(B * H,)](part, mu, Nq, D, n_chunks, B * H * n_chunks * D,
                                      BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_D=block_d)
@@ -104,12 +105,12 @@ _CENTER_CHUNKS = 64  # at most this many row chunks (programs) per (batch, head)
 
 
 @triton.jit
-def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd, H, N_Q, D, CHUNK, PLANE,
-                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Program (chunk, batch*head): FP32 sum, min and max of every query dimension over rows
+def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd, H, N_Q, D, CHUNK, N_CHUNKS,
+                            PLANE, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program bh * N_CHUNKS + chunk: FP32 sum, min and max of every query dimension over rows
     # [chunk * CHUNK, (chunk + 1) * CHUNK) -> PART [3, B*H, n_chunks, D] (PLANE = B*H*n_chunks*D).
-    chunk = tl.program_id(0)
-    bh = tl.program_id(1)
+    chunk = tl.program_id(0) % N_CHUNKS
+    bh = tl.program_id(0) // N_CHUNKS
     q_base = Q + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -126,7 +127,7 @@ def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd,
         total += tl.sum(x, axis=0)
         lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(ok, x, float("-inf")), axis=0))
-    out = PART + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * D + offs_d
+    out = PART + (bh.to(tl.int64) * N_CHUNKS + chunk) * D + offs_d
     tl.store(out, total, mask=d_ok)
     tl.store(out + PLANE, lo, mask=d_ok)
     tl.store(out + 2 * PLANE, hi, mask=d_ok)
