@@ -1,6 +1,6 @@
 """PASA forward in Triton: FP16 score accumulation that cannot overflow (PASA paper, Alg. 1).
 
-Two kernels and a launcher:
+Four kernels and a launcher:
 
 * :func:`_pasa_shift_keys_kernel` — Alg. 1 lines 5-7, the pre-processing
   ``K'_j = K_j^T M`` per KV block of ``BLOCK_N`` keys with the FP16-rounded shifting
@@ -8,18 +8,21 @@ Two kernels and a launcher:
   ``K' = fl16(scale * (a k - b sum_block k))``, written once to a [B, H, Nk, D]
   FP16 buffer (the paper's batched GEMM, done as a row reduction + FMA). With
   ``RECOVER`` it also writes, in FP32, the per-key term ``c_j = mu . K'_j`` of the
-  query centering and the block's recovery vector ``w = scale (b / a) sum_block k``.
+  query centering, and the block's recovery vector ``w = scale (b / a) sum_block k`` as
+  three FP16 parts of a power-of-two-scaled copy (~33 significant bits) plus the scale.
 * :func:`_pasa_fwd_kernel` — the tile loop: ``S' = (Q - mu) K'^T`` on the tensor cores
   with **FP16 accumulation** (``tl.dot(..., out_dtype=tl.float16)``), the block's
-  removed pseudo-average ``R = q . w`` (an FP32 dot per row, line 13), the running
+  removed pseudo-average ``R = q . w`` (line 13: one small MMA of the FP16 query tile with
+  w's three parts, FP32 accumulation, ~FP32 accuracy), the running
   global pseudo-average ``F`` (line 14 / Eq. 15), the recovered scores
   ``(S' + c) / a + (R - F)`` and the running max moved by ``F_old - F`` (lines 15-17),
-  then the usual online softmax in FP32 (P rounded to FP16 for ``P @ V`` with FP32
-  accumulation). With ``RECOVER=False`` (mode ``fp16-acc16``, or PASA with ``beta=0``)
+  then the usual online softmax in FP32 with ``exp2`` (P rounded to FP16 for ``P @ V``
+  with FP32 accumulation). With ``RECOVER=False`` (mode ``fp16-acc16``, or PASA with ``beta=0``)
   the keys are used as given and the FP16 product is scaled afterwards: plain
   FP16-score-accumulation flash attention.
-* :func:`pasa_attention` — validates, computes beta, the coefficients and the query
-  centre ``mu``, launches.
+* :func:`_center_partials_kernel` / :func:`_center_combine_kernel` — the query centre
+  ``mu``: per-chunk FP32 sums / minima / maxima over query rows, combined in a fixed order.
+* :func:`pasa_attention` — validates, computes beta and the coefficients, launches.
 
 The recovery from FP32 quantities and the query centering deviate from the paper's
 Algorithm 1 for accuracy (both are exact in exact arithmetic); the CPU reference with
