@@ -91,7 +91,7 @@ def _query_center(q: torch.Tensor) -> torch.Tensor:
     """
     B, H, Nq, D = q.shape
     block_d = pad_pow2(D)
-    chunk = max(_CENTER_ROWS, triton.next_power_of_2(cdiv(Nq, _CENTER_CHUNKS)))
+    chunk = pad_pow2(cdiv(Nq, _CENTER_CHUNKS), lo=_CENTER_ROWS)
     n_chunks = cdiv(Nq, chunk)
     part = torch.empty((3, B * H, n_chunks, D), dtype=torch.float32, device=q.device)
     # 1-D grid: B * H reaches ~100k in SVD's temporal attention, over grid axis 1's 65,535
@@ -99,7 +99,7 @@ def _query_center(q: torch.Tensor) -> torch.Tensor:
                                                  B * H * n_chunks * D, BLOCK_M=_CENTER_ROWS, BLOCK_D=block_d)
     mu = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
     _center_combine_kernel[(B * H,)](part, mu, Nq, D, n_chunks, B * H * n_chunks * D,
-                                     BLOCK_C=triton.next_power_of_2(n_chunks), BLOCK_D=block_d)
+                                     BLOCK_C=pad_pow2(n_chunks, lo=1), BLOCK_D=block_d)
     return mu
 
 
