@@ -682,9 +682,9 @@ class _SDPAIn(torch.overrides.TorchFunctionMode):
 
 @torch.inference_mode()
 def _spin_up(model: torch.nn.Module, shape: tuple[int, ...], device, seconds: float = 1.0) -> None:
-    """Untimed forwards for ``seconds`` on CUDA before the first (native) pass: a GPU coming out of
-    idle runs at low clocks for a while, and the native pass, timed first, read ~35% slow (ViT-B/16
-    on an H100: 786 img/s against 1200 for the same SDPA run later). No-op on CPU."""
+    """Untimed forwards for ``seconds`` on CUDA before the first (native) pass, so that pass does not
+    also carry the GPU's ramp out of idle (clocks, allocator, cuDNN/cuBLAS heuristics); the modes
+    after it run on a warm GPU. No-op on CPU."""
     import time
 
     device = torch.device(device)
