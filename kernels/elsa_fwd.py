@@ -487,12 +487,15 @@ def _new_output(q: torch.Tensor, n_q: int, dv: int, dtype: torch.dtype) -> torch
     return torch.empty((B, n_q, H, dv), device=q.device, dtype=dtype).transpose(1, 2)
 
 
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 # launch key -> the config that fitted after an out-of-shared-memory retry (per process)
 _FITTED: dict[tuple, TileConfig] = {}
 
 
 def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,
-            config: TileConfig | None = None, precision: str | None = None) -> torch.Tensor:
+            config: TileConfig | None = None, precision: str | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Validate, allocate, choose the path, launch. ``num_splits`` 0 = automatic.
 
     ``precision`` overrides the product precision of the FP32 modes (tools compare them).
@@ -511,7 +514,10 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
         raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 / None = automatic)")
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    out = _new_output(q, Nq, Dv, dtype)
+    out_dtype = out_dtype or dtype
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype}; expected one of {_OUT_DTYPES}")
+    out = _new_output(q, Nq, Dv, out_dtype)
     if B * H * Nq == 0 or Dv == 0:
         return out
     if Nk == 0:
@@ -580,18 +586,18 @@ def _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, c
 @torch.library.custom_op("visionattn::elsa_fwd", mutates_args=())
 def _elsa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                  attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, mode: str,
-                 num_splits: int) -> torch.Tensor:
-    return _launch(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits)
+                 num_splits: int, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return _launch(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype=out_dtype)
 
 
 @_elsa_fwd_op.register_fake
-def _elsa_fwd_fake(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits):
-    return _new_output(q, q.shape[2], v.shape[3], q.dtype)
+def _elsa_fwd_fake(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
+    return _new_output(q, q.shape[2], v.shape[3], out_dtype or q.dtype)
 
 
 def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, is_causal: bool, scale: float, mode: str,
-                   num_splits: int | None = None) -> torch.Tensor:
+                   num_splits: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Exact attention ``softmax(scale q k^T + bias, masked) v`` by the ELSA Triton kernels.
 
     Args:
@@ -609,20 +615,23 @@ def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         num_splits: KV partitions of the split-KV path; ``None`` = automatic (split only
             when the single pass cannot fill the SMs), 1 = single pass (memory-lean);
             clamped to the number of KV tiles.
+        out_dtype: dtype of the output (float16, bfloat16 or float32); ``None`` = the compute
+            dtype. The FP32 state is divided and rounded once to it, so a FP32 caller of a half
+            mode gets ``W / S`` without an intermediate half rounding (and no cast kernel).
 
     Returns:
-        [B, H, Nq, Dv] in the compute dtype, a view of a contiguous [B, Nq, H, Dv] buffer (as
+        [B, H, Nq, Dv] in ``out_dtype``, a view of a contiguous [B, Nq, H, Dv] buffer (as
         SDPA's flash path returns), so ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is free.
         Rows whose keys are all masked are 0.
 
     Raises:
         ValueError: unknown mode, head dim > 256, ``num_splits`` < 1.
-        TypeError: q/k/v dtype differs from the mode's compute dtype.
+        TypeError: q/k/v dtype differs from the mode's compute dtype; an unsupported ``out_dtype``.
     """
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits}; expected a positive int or None")
     n = int(num_splits or 0)
     if torch.compiler.is_compiling():
-        return _elsa_fwd_op(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, n)
+        return _elsa_fwd_op(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, n, out_dtype)
     # eager: skip the dispatcher round trip (same launcher, same result)
-    return _launch(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, n)
+    return _launch(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, n, out_dtype=out_dtype)

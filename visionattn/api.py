@@ -141,7 +141,11 @@ def _run(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, which: str, num_s
             if md.half_scores:
                 return kernels.pasa_attention(qc, kc, vc, bias, attn_mask, is_causal, scale,
                                               shift=md.name == "pasa")
-            return kernels.elsa_attention(qc, kc, vc, bias, attn_mask, is_causal, scale, md.name, num_splits)
+            # the kernel writes the caller's dtype straight from its FP32 state (no half rounding of
+            # the output of an FP32 caller in a half mode, as the CPU reference)
+            out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
+            return kernels.elsa_attention(qc, kc, vc, bias, attn_mask, is_causal, scale, md.name, num_splits,
+                                          out_dtype=out_dtype)
         dispatch.warn_once(f"fallback:{reason}", f"visionattn: Triton kernels do not cover this call ({reason}); "
                                                  f"running the exact PyTorch monoid reference instead")
     if md.half_scores:

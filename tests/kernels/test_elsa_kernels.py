@@ -97,8 +97,10 @@ def test_custom_op_opcheck():
     """The torch custom op (schema, fake impl, dispatcher) passes torch.library.opcheck."""
     q, k, v = _qkv(1, 2, 17, 33, 16, torch.float32)
     mask = (torch.rand(17, 33) > 0.5).expand(1, 2, 17, 33)
-    torch.library.opcheck(torch.ops.visionattn.elsa_fwd.default, (q, k, v, None, mask, False, 0.25, "fp32", 2),
-                          test_utils=("test_schema", "test_faketensor"))
+    for out_dtype in (None, torch.float16):
+        torch.library.opcheck(torch.ops.visionattn.elsa_fwd.default,
+                              (q, k, v, None, mask, False, 0.25, "fp32", 2, out_dtype),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_unsupported_reason():
@@ -213,3 +215,50 @@ def test_run_first_that_fits_falls_back_in_order_and_reraises():
     with pytest.raises(terr.OutOfResources):
         run_first_that_fits(run_fitting(0, tried), 8, lambda c: [])
     assert tried == [8]
+
+
+@pytest.mark.parametrize("mode", ["fp32-ieee", "fp16", "bf16"])
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.125])
+def test_scale_sign_and_mask(mode, scale):
+    """The raw-max order (max of q.k, then one FMA per score) holds only for scale > 0: negative and
+    zero scales (allowed by SDPA) take the scale-first order; a boolean mask with a fully masked row
+    and ragged Nk run through both."""
+    q, k, v = _qkv(1, 2, 33, 70, 64, KERNEL_MODES[mode][0], seed=5)
+    mask = torch.rand(33, 70, generator=torch.Generator().manual_seed(2)) > 0.4
+    mask[4] = False
+    y = elsa_attention(q, k, v, None, mask.expand(1, 2, 33, 70), False, scale, mode)
+    assert (y[:, :, 4] == 0).all()
+    _check(y, oracle_attention(q, k, v, attn_mask=mask, scale=scale), mode, f"scale={scale}")
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_out_dtype_fp32_from_half_mode(mode, num_splits):
+    """A FP32 caller of a half mode gets W / S rounded once to FP32: it rounds to the half output
+    (within one half ulp: double rounding) and is closer to the oracle of the half inputs."""
+    half = KERNEL_MODES[mode][0]
+    q, k, v = _qkv(2, 2, 50, 90, 64, half, seed=9)
+    y_half = elsa_attention(q, k, v, None, None, False, 0.125, mode, num_splits)
+    y32 = elsa_attention(q, k, v, None, None, False, 0.125, mode, num_splits, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32 and y_half.dtype == half
+    assert y32.shape == y_half.shape and y32.transpose(1, 2).is_contiguous()
+    ulp = torch.finfo(half).eps * y32.abs().clamp_min(torch.finfo(half).tiny)
+    assert ((y32 - y_half.float()).abs() <= ulp).all()
+    ref = oracle_attention(q, k, v, scale=0.125)
+    assert rel_l2(y32, ref) < rel_l2(y_half, ref)
+
+
+def test_out_dtype_rejected():
+    q, k, v = _qkv(1, 1, 4, 4, 16, torch.float16)
+    with pytest.raises(TypeError, match="out_dtype"):
+        elsa_attention(q, k, v, None, None, False, 0.25, "fp16", out_dtype=torch.float64)
+
+
+def test_api_fp32_caller_half_mode_not_rounded():
+    """visionattn.attention with FP32 inputs in bf16 mode returns the kernel's FP32 output, not a
+    bf16-rounded one (values off the bf16 grid), within the bf16 contract."""
+    q, k, v = _qkv(1, 2, 40, 40, 32, torch.float32, seed=3)
+    y = visionattn.attention(q, k, v, mode="bf16", backend="triton")
+    assert y.dtype == torch.float32
+    assert (y != y.to(torch.bfloat16).float()).any()
+    assert rel_l2(y, oracle_attention(q, k, v)) <= get_mode("bf16").rel_tol
