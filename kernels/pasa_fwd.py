@@ -8,7 +8,7 @@ Four kernels and a launcher:
   ``K' = fl16(scale * (a k - b sum_block k))``, written once to a [B, H, Nk, D]
   FP16 buffer (the paper's batched GEMM, done as a row reduction + FMA). With
   ``RECOVER`` it also writes, in FP32, the per-key term ``c_j = mu . K'_j`` of the
-  query centering, and the block's recovery vector ``w = scale (b / a) sum_block k`` as
+  query centering (times ``log2 e / a`` of its block, so the tile loop recovers with one FMA), and the block's recovery vector ``w = scale (b / a) sum_block k`` as
   three FP16 parts of a power-of-two-scaled copy (~33 significant bits) plus the scale.
 * :func:`_pasa_fwd_kernel` — the tile loop: ``S' = (Q - mu) K'^T`` on the tensor cores
   with **FP16 accumulation** (``tl.dot(..., out_dtype=tl.float16)``), the block's
@@ -156,7 +156,7 @@ def _center_combine_kernel(PART, MU, N_Q, D, N_CHUNKS, PLANE, BLOCK_C: tl.conste
 @triton.jit
 def _pasa_shift_keys_kernel(
     K, KP, MU, C, W, W_INV, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
-    a_full, b_full, a_tail, b_tail, w_full, w_tail,
+    a_full, b_full, a_tail, b_tail, w_full, w_tail, inv_a_full, inv_a_tail,
     RECOVER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # 1-D grid (B * H can exceed the 65,535 limit of grid axes 1 and 2).
@@ -180,7 +180,8 @@ def _pasa_shift_keys_kernel(
     if RECOVER:
         # MU [B*H, D], C [B*H, N_K]: contiguous FP32 buffers
         mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
-        c = tl.sum(mu[None, :] * kp.to(tl.float32), axis=1)  # mu . K'_j, per key
+        # mu . K'_j per key, times the block's log2(e) / a: the tile loop recovers the score with one FMA
+        c = tl.sum(mu[None, :] * kp.to(tl.float32), axis=1) * tl.where(full, inv_a_full, inv_a_tail)
         tl.store(C + pid_bh.to(tl.int64) * N_K + offs_n, c, mask=offs_n < N_K)
         w = tl.where(full, w_full, w_tail) * ksum  # scale (b / a) sum_block k
         # w as three FP16 parts of a power-of-two-scaled copy (~33 significant bits), so the tile
@@ -237,11 +238,15 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row
         r = tl.sum(tl.dot(q, tl.trans(w)), axis=1) * tl.load(winv_base + tile)
         j += 1.0
         F_new = F + (r - F) / j
-        s = (s + c[None, :]) * inv_a + ((r - F_new) * _LOG2E)[:, None]  # log2(e) (scale q.k - F_new)
+        # log2(e) (scale q.k - F_new) = s' log2(e) / a + c_j + row; `row` joins per row (in the max
+        # and the exp2 shift) instead of per score
+        s = s * inv_a + c[None, :]
+        row = (r - F_new) * _LOG2E
         m_old = m_i + (F - F_new) * _LOG2E  # previous max moved to the new frame
         F = F_new
     else:
         s = s * post_scale
+        row = tl.zeros_like(m_i)
         m_old = m_i
     if HAS_BIAS:
         s += tl.load(b_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
@@ -255,10 +260,10 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row
         if IS_CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         s = tl.where(keep, s, float("-inf"))
-    m_new = tl.maximum(m_old, tl.max(s, axis=1))
+    m_new = tl.maximum(m_old, tl.max(s, axis=1) + row)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_old - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s - (m_safe - row)[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = load_kv_tile(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                      col_ok, offs_dv, DV, BOUNDARY, EVEN_DV)
@@ -468,7 +473,7 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
             inv_a_f, inv_a_t = LOG2E / a_f, LOG2E / a_t
         _pasa_shift_keys_kernel[(cdiv(Nk, block_n) * B * H,)](
             k, kp, mu, c, w, w_inv, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
-            float(scale) * b_f / a_f, float(scale) * b_t / a_t,
+            float(scale) * b_f / a_f, float(scale) * b_t / a_t, LOG2E / a_f, LOG2E / a_t,
             RECOVER=recover, BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=4)
         keys, post_scale = kp, LOG2E
     else:

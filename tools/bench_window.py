@@ -363,6 +363,8 @@ def patch_window_attention(model, mode: str) -> int:
 def bench_models(cfg, args) -> list[dict]:
     import timm
 
+    from visionattn.imagenet import wake_zero_init_norms
+
     rows = []
     for spec in cfg.get("model_latency", []):
         for dt in ("fp16", "fp32"):
@@ -370,10 +372,7 @@ def bench_models(cfg, args) -> list[dict]:
             row = {"model": spec["timm_name"], "batch": spec["batch"], "dtype": dt}
             try:
                 model = timm.create_model(spec["timm_name"], pretrained=False).to("cuda", dtype).eval()
-                with torch.no_grad():  # Swin-v2 zero-inits its res-post-norm weights: attention would not matter
-                    for mod in model.modules():
-                        if isinstance(mod, torch.nn.LayerNorm) and mod.weight is not None:
-                            mod.weight.fill_(1.0)
+                wake_zero_init_norms(model)  # Swin-v2's zero-init post-norms: attention would not matter
                 x = torch.randn(spec["batch"], 3, spec["img"], spec["img"], device="cuda", dtype=dtype)
                 row["unpatched"] = measure(lambda: model(x), args.warmup_ms, args.rep_ms)
                 with torch.no_grad():

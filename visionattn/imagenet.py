@@ -494,6 +494,22 @@ def _weights_cached(pretrained_cfg: dict) -> bool:
     return any(isinstance(try_to_load_from_cache(repo, n), str) for n in names)
 
 
+def wake_zero_init_norms(model: torch.nn.Module) -> int:
+    """Set every all-zero LayerNorm weight of a random-initialized model to 1; return how many.
+
+    timm's Swin-v2 zero-initializes its res-post-norm weights (so each block starts as the
+    identity): with random weights its attention then never reaches the logits, and a
+    patched-vs-native comparison could not fail. Pretrained models have no such norms.
+    """
+    woken = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm) and m.weight is not None and not m.weight.any():
+                m.weight.fill_(1.0)
+                woken += 1
+    return woken
+
+
 def create_timm_model(name: str, *, pretrained: bool = True, checkpoint: str | None = None,
                       img_size: int | None = None, **kwargs) -> torch.nn.Module:
     """``timm.create_model`` in eval mode, with weights from the hub (default), a local file, or none.
@@ -519,7 +535,9 @@ def create_timm_model(name: str, *, pretrained: bool = True, checkpoint: str | N
             raise FileNotFoundError(f"checkpoint={checkpoint!r} does not exist")
         return timm.create_model(name, pretrained=False, checkpoint_path=checkpoint, **kwargs).eval()
     if not pretrained:
-        return timm.create_model(name, pretrained=False, **kwargs).eval()
+        model = timm.create_model(name, pretrained=False, **kwargs).eval()
+        wake_zero_init_norms(model)  # random weights: let every attention layer reach the logits
+        return model
 
     from huggingface_hub import constants
 

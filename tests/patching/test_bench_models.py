@@ -30,3 +30,18 @@ def test_bench_models_cpu_smoke(tmp_path):
     md = open(out + ".md").read()
     assert "vit_tiny_patch16_224" in md and "'allow_tf32_matmul': False" in md
     assert os.path.getsize(out + ".png") > 0 and result["environment"]["command"]
+
+
+def test_memory_target_in_mib_with_slack():
+    """A patched peak 63 KiB above a 1.6 GiB unpatched one meets "<= 1.0"; 16 MiB above does not."""
+    base = dict(model="m", img=224, batch=8, dtype="float32")
+    target = dict(model="m", img=224, batch=8, mode="fp32", min_speedup=1.0, max_mem_ratio=1.0)
+
+    def met(extra_mib):
+        rows = [dict(base, mode="unpatched", peak_mib=1622.97, attn_share=0.5),
+                dict(base, mode="fp32", speedup=1.5, peak_mib=1622.97 + extra_mib,
+                     mem_ratio=(1622.97 + extra_mib) / 1622.97)]
+        return bench_models.check_targets(rows, [target])[0]["met"]
+
+    assert met(0.06) and met(-5.0)
+    assert not met(16.0)

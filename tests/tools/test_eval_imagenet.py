@@ -260,3 +260,26 @@ def test_pretrained_offline_names_the_fix(monkeypatch, tmp_path):
         imagenet.create_timm_model("vit_tiny_patch16_224", pretrained=True, img_size=32, depth=1)
     with pytest.raises(FileNotFoundError, match="checkpoint="):
         imagenet.create_timm_model("vit_tiny_patch16_224", checkpoint=str(tmp_path / "none.pth"))
+
+
+def test_random_swinv2_attention_reaches_the_logits():
+    """timm zero-initializes Swin-v2's res-post-norms, which would make a random-weight patched-vs-native
+    comparison blind to attention; create_timm_model(pretrained=False) wakes them, so replacing every
+    attention output by zeros changes the logits."""
+    import timm
+
+    kw = dict(img_size=64, window_size=4, embed_dim=24, depths=(1, 1), num_heads=(2, 2))
+    raw = timm.create_model("swinv2_tiny_window8_256", pretrained=False, **kw)
+    assert any(isinstance(m, torch.nn.LayerNorm) and not m.weight.any() for m in raw.modules())
+    model = imagenet.create_timm_model("swinv2_tiny_window8_256", pretrained=False, **kw)
+    assert not any(isinstance(m, torch.nn.LayerNorm) and not m.weight.any() for m in model.modules())
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(x)
+        hooks = [m.register_forward_hook(lambda mod, inp, out: torch.zeros_like(out))
+                 for m in model.modules() if type(m).__name__ == "WindowAttention"]
+        blind = model(x)
+        for h in hooks:
+            h.remove()
+    assert len(hooks) == 2
+    assert (ref - blind).abs().max() > 1e-3
