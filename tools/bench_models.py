@@ -59,6 +59,9 @@ parser.add_argument("--warmup", type=int, default=None, help="untimed calls befo
 parser.add_argument("--rounds", type=int, default=None,
                     help="interleaved timing rounds per case (unpatched, no-attention, each mode, repeated); "
                          "the timed budget is split across rounds (default: config 'rounds', else 3)")
+parser.add_argument("--cuda-graph", action="store_true",
+                    help="time replays of each variant's forward captured in a CUDA graph (no Python / launch "
+                         "overhead on either side: the GPU time of a host-bound model)")
 parser.add_argument("--no-share", action="store_true", help="skip the attention-share measurement (one timing less per dtype)")
 parser.add_argument("--max-cases", type=int, default=None, help="stop after this many cases")
 parser.add_argument("--case-slice", default=None,
@@ -87,6 +90,21 @@ def sample_times(fn, device: str, *, warmup: int, rep_ms: float, min_reps: int, 
     est_ms = (time.perf_counter() - t0) * 1e3
     reps = int(min(max_reps, max(min_reps, math.ceil(rep_ms / max(est_ms, 1e-3)))))
     return [call_ms(fn, device) for _ in range(reps)]
+
+
+def graphed(fn):
+    """``fn``'s GPU work captured once in a CUDA graph (after two warm-up calls on a side stream, as
+    ``torch.cuda.graphs`` asks); returns the graph's replay, which holds the graph and its memory pool."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def summarize_times(times: list[float]) -> dict:
@@ -154,8 +172,12 @@ def _fused_flags(model) -> dict:
 
 
 def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: bool,
-               rounds: int = 1) -> list[dict]:
-    """All rows (unpatched baseline, attention-free reference, each mode) of one model/img/batch case."""
+               rounds: int = 1, cuda_graph: bool = False) -> list[dict]:
+    """All rows (unpatched baseline, attention-free reference, each mode) of one model/img/batch case.
+
+    ``cuda_graph``: time replays of a CUDA graph of each variant's forward (captured anew each round)
+    instead of eager calls; outputs and peak memory still come from eager calls.
+    """
     import visionattn as va
     from visionattn.patching import timm as vt
 
@@ -214,7 +236,9 @@ def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: b
                             rows_by[label] = {**common, "mode": label, **peak_memory(run, device)}
                             if label in dmodes:
                                 rows_by[label]["patched"] = dict(model.visionattn_report.patched)
-                        samples[label] += sample_times(run, device, **per_round)
+                        timed = graphed(run) if cuda_graph else run
+                        samples[label] += sample_times(timed, device, **per_round)
+                        del timed  # frees the graph's memory pool before the next variant
                 except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the sweep going
                     gc.collect()
                     if device == "cuda":
@@ -317,7 +341,12 @@ def render_markdown(result: dict) -> str:
              f"* settings: {result['settings']}",
              "* random weights; latency = median of per-call timings pooled over the interleaved rounds (every variant of a case timed once per round, A B C A B C ...; CUDA events on GPU, wall clock on CPU); throughput = batch / median; "
              "peak = max allocated during one forward (MiB); attention share = 1 - t(no attention core) / t(model); "
-             "speedup = t(unpatched) / t(patched) in the same dtype.", ""]
+             "speedup = t(unpatched) / t(patched) in the same dtype."]
+    if result["settings"].get("cuda_graph"):
+        lines.append("* **CUDA-graph timing** (`--cuda-graph`): every variant's forward (unpatched included) is "
+                     "captured in a CUDA graph and its replays are timed, so host-side Python and launch overhead "
+                     "drop out on both sides: this is the models' GPU time, not what an eager caller waits.")
+    lines.append("")
     if result["targets"]:
         lines += ["## Targets (issue 6)", "",
                   "| model | img | batch | mode | speedup | target | mem ratio | target | attn share (unpatched) | met |",
@@ -420,6 +449,8 @@ def main(args) -> dict:
     rounds = args.rounds if args.rounds is not None else cfg.get("rounds", 3)
     if rounds < 1:
         raise ValueError(f"--rounds {rounds}: expected >= 1")
+    if args.cuda_graph and device != "cuda":
+        raise ValueError(f"--cuda-graph needs a CUDA device, got --device {device}")
     if args.quick and device == "cpu":
         timing.update(warmup=1, min_reps=2, max_reps=3)
 
@@ -427,7 +458,7 @@ def main(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     settings = {"device": device, "allow_tf32_matmul": False, "allow_tf32_cudnn": False, **timing, "rounds": rounds,
-                "quick": bool(args.quick), "attention_share": not args.no_share}
+                "quick": bool(args.quick), "attention_share": not args.no_share, "cuda_graph": bool(args.cuda_graph)}
     env = environment()
     print(f"[bench_models] {env['device']} torch {env['torch']} triton {env.get('triton')} timm {env.get('timm')}; "
           f"TF32 off (torch.backends.cuda.matmul.allow_tf32 = cudnn.allow_tf32 = False)", flush=True)
@@ -437,7 +468,8 @@ def main(args) -> dict:
         modes = forced_modes or case.get("modes") or default_modes
         for m in modes:
             get_mode(m)
-        case_rows = bench_case(case, modes, device, timing, share=not args.no_share, rounds=rounds)
+        case_rows = bench_case(case, modes, device, timing, share=not args.no_share, rounds=rounds,
+                               cuda_graph=args.cuda_graph)
         for r in case_rows:
             if "error" in r:
                 tqdm.write(f"  {r['model']} {r['img']}px b{r['batch']} {r['mode']}: {r['error']}")
