@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2, sm_count
+from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
 __all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N", "PRECISIONS"]
@@ -334,26 +334,49 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: few programs keep CPU tests fast
 
 
+# Programs per SM the small kernel aims for (images per program grow until fewer would exist), and
+# its pipeline depth over a program's images. H100, CUDA-graph timing, every Swin-T/B and Swin-v2-T
+# stage at batch 1-128 (docs/benchmarks/logs/window_config_ab_h100_session4.json): 3 stages beat 2
+# when a program loops over >= 2 images (Swin-B stage 1 batch 64 fp16 0.0846 -> 0.0815 ms) and
+# lose a few % on single-image programs; FP32 programs do ~3x the work per window (split-FP16
+# products), so fewer, longer ones win (3 per SM: Swin-B stage 1 batch 64 fp32 0.236 -> 0.187 ms),
+# while half-precision ones lost up to 20 % at 12 per SM where that cut a chunk to one image.
+_SMALL_PROGRAMS_PER_SM = {"half": 8, "fp32": 3}
+_SMALL_STAGES = 3  # for programs over >= 2 images; single-image programs keep 2
+
+
 def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot: int,
-               device: torch.device) -> dict:
-    """Launch configuration chosen by shape (overridable through ``config=``).
+               device: torch.device, *, mode: str) -> dict:
+    """Launch configuration chosen by shape and mode (overridable through ``config=``).
 
     Returns a dict with ``kernel`` (``"small"`` / ``"tiled"``), ``num_warps``,
-    ``num_stages`` and, for ``small``, ``imgs`` (images per program, so that
-    about 8 programs per SM exist while bias/mask are reused across the chunk),
-    for ``tiled`` ``block_m`` / ``block_n``.
+    ``num_stages`` and, for ``small``, ``imgs`` (images per program: bias/mask are reused
+    across the chunk; the chunk grows while at least :data:`_SMALL_PROGRAMS_PER_SM` programs
+    per SM remain), for ``tiled`` ``block_m`` / ``block_n``.
+
+    Raises:
+        ValueError: unknown ``mode``.
     """
+    if mode not in _MODE_TABLE:
+        raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
     if n_tokens <= SMALL_MAX_N:
         block = pad_pow2(n_tokens)
         n_img = n_windows // n_slot
         base = heads * n_slot
-        target = 8 * _num_sms(device)
+        kind = "fp32" if _MODE_TABLE[mode][0] == torch.float32 else "half"
+        target = _SMALL_PROGRAMS_PER_SM[kind] * _num_sms(device)
         imgs = 1
         while imgs < 32 and base * cdiv(n_img, imgs * 2) >= target:
             imgs *= 2
-        return {"kernel": "small", "imgs": imgs, "num_warps": 4 if block <= 64 else 8, "num_stages": 2}
+        return {"kernel": "small", "imgs": imgs, "num_warps": 4 if block <= 64 else 8,
+                "num_stages": _SMALL_STAGES if block <= 64 and imgs >= 2 else 2}
     bm = 64 if n_tokens <= 256 else 128
     return {"kernel": "tiled", "block_m": bm, "block_n": 64, "num_warps": 4, "num_stages": 2}
+
+
+def _fewer_stages(cfg: dict) -> list[dict]:
+    """Configs to try in order when ``cfg`` exceeds shared memory (large head dims): fewer stages."""
+    return [dict(cfg, num_stages=n) for n in range(cfg["num_stages"] - 1, 0, -1)]
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -394,9 +417,9 @@ def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, sc
     m_str = tuple(mask.stride()) if mask is not None else (0, 0, 0)
     ls_str = logit_scale.stride(0) if logit_scale is not None else 0
     strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *b_str, *m_str, ls_str)
-    cfg = dict(config) if config else get_config(BW, H, N, D, n_slot_mask if mask is not None else 1, q.device)
-    flags = dict(mode_constexprs(mode, precision, bias is not None, mask is not None, cosine),
-                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    cfg = dict(config) if config else get_config(BW, H, N, D, n_slot_mask if mask is not None else 1, q.device,
+                                                 mode=mode)
+    flags = mode_constexprs(mode, precision, bias is not None, mask is not None, cosine)
     block_d = pad_pow2(D)
     block_dv = pad_pow2(DV)
     if cfg["kernel"] == "small":
@@ -406,17 +429,24 @@ def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, sc
         n_img = BW // n_slot
         imgs = int(cfg["imgs"])
         grid = (H * n_slot, cdiv(n_img, imgs))
-        _window_small_kernel[grid](
-            q, k, v, out, b_t, m_t, ls_t, *strides, n_img, n_slot, N, D, DV, float(scale),
-            BLOCK_N=pad_pow2(N), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags)
+
+        def launch(c):
+            _window_small_kernel[grid](
+                q, k, v, out, b_t, m_t, ls_t, *strides, n_img, n_slot, N, D, DV, float(scale),
+                BLOCK_N=pad_pow2(N), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags,
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
     elif cfg["kernel"] == "tiled":
         grid = (cdiv(N, cfg["block_m"]), BW * H)
-        _window_tiled_kernel[grid](
-            q, k, v, out, b_t, m_t, ls_t, *strides, H, n_slot_mask if mask is not None else 1, N, D, DV,
-            float(scale), BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv,
-            **flags)
+
+        def launch(c):
+            _window_tiled_kernel[grid](
+                q, k, v, out, b_t, m_t, ls_t, *strides, H, n_slot_mask if mask is not None else 1, N, D, DV,
+                float(scale), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv,
+                **flags, num_warps=c["num_warps"], num_stages=c["num_stages"])
     else:
         raise ValueError(f"config kernel={cfg['kernel']!r}; expected 'small' or 'tiled'")
+    # an explicit config runs as given; the default one drops pipeline stages on out-of-shared-memory
+    run_first_that_fits(launch, cfg, (lambda _: []) if config else _fewer_stages)
     return out
 
 

@@ -316,7 +316,7 @@ def bench_sweep(cfg, args) -> list[dict]:
         dtype = torch.float16 if dt == "fp16" else torch.float32
         attn, mask = make_block(model["kind"], st, "cuda", dtype)
         q, k, v, bias = attn_inputs(attn, model["kind"], kc["batch"], st, mask, "cuda", dtype)
-        default = get_config(q.shape[0], st["heads"], st["N"], q.shape[-1], st["nW"], q.device)
+        default = get_config(q.shape[0], st["heads"], st["N"], q.shape[-1], st["nW"], q.device, mode=dt)
         for c in tqdm([None] + list(cfg.get("sweep", [])), desc=f"config sweep {dt}"):
             conf = None if c is None else {"kernel": "small", **c}
             r = measure(visionattn_fn(model["kind"], attn, q, k, v, bias, mask, dt, config=conf),

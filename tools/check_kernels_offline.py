@@ -83,8 +83,8 @@ def _window_jobs(quick: bool):
     import torch
 
     for n in ((49, 144) if quick else (49, 64, 144, 256, 576)):
-        cfg = window_fwd.get_config(64 * 64, 4, n, 32, 64, torch.device("cpu"))
         for mode, (dtype, *_) in window_fwd._MODE_TABLE.items():
+            cfg = window_fwd.get_config(64 * 64, 4, n, 32, 64, torch.device("cpu"), mode=mode)
             ptr = "*fp16" if dtype != torch.float32 else "*fp32"
             pointers = {n_: ptr for n_ in ("Q", "K", "V", "O")}
             pointers.update(BIAS="*fp32", MASK="*fp32", LS="*fp32")

@@ -99,10 +99,16 @@ def test_pasa_stays_finite_where_fp16_score_accumulation_overflows():
 
 def test_get_config_uses_small_kernel_for_swin_windows_and_tiles_large_ones():
     dev = torch.device("cpu")
-    assert get_config(4096, 4, 49, 32, 64, dev)["kernel"] == "small"
-    assert get_config(4096, 4, 64, 32, 64, dev)["kernel"] == "small"
-    assert get_config(1024, 4, 144, 32, 64, dev)["kernel"] == "tiled"
-    assert get_config(64, 4, 576, 32, 1, dev)["kernel"] == "tiled"
+    for mode in ("fp16", "fp32"):
+        assert get_config(4096, 4, 49, 32, 64, dev, mode=mode)["kernel"] == "small"
+        assert get_config(4096, 4, 64, 32, 64, dev, mode=mode)["kernel"] == "small"
+        assert get_config(1024, 4, 144, 32, 64, dev, mode=mode)["kernel"] == "tiled"
+        assert get_config(64, 4, 576, 32, 1, dev, mode=mode)["kernel"] == "tiled"
+    # FP32 programs do ~3x the work per window: longer image chunks, fewer programs
+    assert (get_config(4096, 4, 49, 32, 64, dev, mode="fp32")["imgs"]
+            >= get_config(4096, 4, 49, 32, 64, dev, mode="fp16")["imgs"])
+    with pytest.raises(ValueError, match="mode="):
+        get_config(4096, 4, 49, 32, 64, dev, mode="fp8")
 
 
 # ----------------------------------------------------------------------------- split-FP16 products (fp32 / tf32)
