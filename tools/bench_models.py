@@ -225,27 +225,36 @@ def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: b
         per_round = dict(timing, rep_ms=timing["rep_ms"] / rounds, min_reps=max(1, -(-timing["min_reps"] // rounds)),
                          max_reps=max(1, -(-timing["max_reps"] // rounds)))
         rows_by, outs, samples = {}, {}, {label: [] for label, _ in variants}
-        for r in range(rounds):
+
+        def record_error(label, err):
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            first = (str(err).splitlines() or [""])[0][:200]
+            rows_by[label] = {**common, "mode": label, "error": f"{type(err).__name__}: {first}"}
+            outs[label] = None
+
+        # outputs and peak memory of every variant first (eager), before any CUDA graph holds a pool
+        for label, configure in variants:
+            try:
+                with configure():
+                    outs[label] = run()
+                    rows_by[label] = {**common, "mode": label, **peak_memory(run, device)}
+                    if label in dmodes:
+                        rows_by[label]["patched"] = dict(model.visionattn_report.patched)
+            except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the sweep going
+                record_error(label, err)
+        for _ in range(rounds):
             for label, configure in variants:
-                if label in rows_by and "error" in rows_by[label]:
+                if "error" in rows_by[label]:
                     continue
                 try:
                     with configure():
-                        if r == 0:
-                            outs[label] = run()
-                            rows_by[label] = {**common, "mode": label, **peak_memory(run, device)}
-                            if label in dmodes:
-                                rows_by[label]["patched"] = dict(model.visionattn_report.patched)
                         timed = graphed(run) if cuda_graph else run
                         samples[label] += sample_times(timed, device, **per_round)
                         del timed  # frees the graph's memory pool before the next variant
-                except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the sweep going
-                    gc.collect()
-                    if device == "cuda":
-                        torch.cuda.empty_cache()
-                    first = (str(err).splitlines() or [""])[0][:200]
-                    rows_by[label] = {**common, "mode": label, "error": f"{type(err).__name__}: {first}"}
-                    outs[label] = None
+                except Exception as err:  # noqa: BLE001
+                    record_error(label, err)
         for label, row in rows_by.items():
             if "error" not in row:
                 row.update(summarize_times(samples[label]), rounds=rounds)
