@@ -3,7 +3,9 @@
 #
 #   bash tools/gpu_suite.sh OUT_DIR STEP [STEP ...]
 #
-# Steps: tests (pytest -m gpu), models (bench_models --quick), imagenet (eval_imagenet, random
+# Steps: tests (pytest -m gpu), models (bench_models --quick), models-graph (the same with CUDA-graph
+# timing on both sides), window-key (bench_window --cuda-graph: Swin-B / Swin-v2-B batch 64, every
+# stage, the key case's launch-config sweep, whole models), imagenet (eval_imagenet, random
 # weights, 512 synthetic crops of tests/data/photos), recon (per-mode VGGT-1B agreement + timing on
 # demos/data/stereo_rig), vggt (bench_vggt 10/50 frames), vggt100 (100 frames fp32 vs SDPA),
 # vggt-agree (VGGT-1B mode-vs-SDPA agreement tests), fastvggt (FastVGGT 100/200 frames, every row),
@@ -32,6 +34,9 @@ for step in "$@"; do
     tests-k) run tests-k 300 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider tests/kernels tests/api ;;
     tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching tests/tools ;;
     models) run models 120 python tools/bench_models.py --quick --out "$out/models_bench" ;;
+    models-graph) run models-graph 150 python tools/bench_models.py --quick --cuda-graph --out "$out/models_bench_graph" ;;
+    window-key) run window-key 200 python tools/bench_window.py --cuda-graph --models swin_base_224,swinv2_base_w16_256 \
+        --batches 64 --no-module --out "$out/window_key" ;;
     vggt-agree) run vggt-agree 250 python -m pytest -m gpu -q -rf --timeout=200 -p no:cacheprovider \
         tests/models/test_vggt_gpu.py ;;
     fastvggt) run fastvggt 300 python tools/bench_vggt.py --models fastvggt --frames 100 200 \
