@@ -117,6 +117,16 @@ def summarize_times(times: list[float]) -> dict:
 MEM_SLACK_MIB = 1.0  # memory targets allow this much over ratio * unpatched peak (allocator granularity)
 
 
+def _met(t: dict) -> str:
+    if not t["measured"]:
+        return "not measured"
+    if t.get("met"):
+        return "yes"
+    bound = t.get("amdahl_bound")
+    beyond = bound is not None and t.get("min_speedup", 0) > bound
+    return "NO (target above the bound)" if beyond else "NO"
+
+
 def _mem_target(t: dict) -> str:
     return "-" if t.get("max_mem_ratio") is None else f"<= {t['max_mem_ratio']} (+{MEM_SLACK_MIB:g} MiB)"
 
@@ -321,7 +331,10 @@ def check_targets(rows: list[dict], targets: list[dict]) -> list[dict]:
             base = [b for b in rows if b.get("mode") == "unpatched" and b["model"] == r["model"]
                     and b["img"] == r["img"] and b["batch"] == r["batch"] and b["dtype"] == r["dtype"]]
             if base:
-                res["attn_share_unpatched"] = base[0].get("attn_share")
+                res["attn_share_unpatched"] = share = base[0].get("attn_share")
+                if share is not None and 0.0 <= share < 1.0:
+                    # Amdahl: even a zero-cost attention core cannot beat 1 / (1 - share)
+                    res["amdahl_bound"] = 1.0 / (1.0 - share)
             ok = r["speedup"] >= t.get("min_speedup", 0)
             if t.get("max_mem_ratio") is not None and r.get("mem_ratio") is not None and base:
                 # judged in MiB with MEM_SLACK_MIB of slack: a ratio of 1.00004 (63 KiB of small
@@ -358,14 +371,15 @@ def render_markdown(result: dict) -> str:
     lines.append("")
     if result["targets"]:
         lines += ["## Targets (issue 6)", "",
-                  "| model | img | batch | mode | speedup | target | mem ratio | target | attn share (unpatched) | met |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | img | batch | mode | speedup | target | mem ratio | target | attn share (unpatched) "
+                  "| bound 1/(1-share) | met |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for t in result["targets"]:
             lines.append(f"| {t['model']} | {t['img']} | {t['batch']} | {t['mode']} | {_fmt(t.get('speedup'))} | "
                          f">= {t.get('min_speedup', '-')} | {_fmt(t.get('mem_ratio'))} | "
                          f"{_mem_target(t)} | "
-                         f"{_fmt(t.get('attn_share_unpatched'), 2)} | "
-                         f"{('yes' if t.get('met') else 'NO') if t['measured'] else 'not measured'} |")
+                         f"{_fmt(t.get('attn_share_unpatched'), 2)} | {_fmt(t.get('amdahl_bound'))} | "
+                         f"{_met(t)} |")
         lines.append("")
     lines += ["## All cases", "",
               "| model | img | batch | dtype | mode | ms (median) | img/s | peak MiB | attn share | speedup | mem ratio "

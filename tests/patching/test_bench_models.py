@@ -45,3 +45,16 @@ def test_memory_target_in_mib_with_slack():
 
     assert met(0.06) and met(-5.0)
     assert not met(16.0)
+
+
+def test_targets_report_the_amdahl_bound():
+    """share 0.15 of the unpatched time in attention: no attention kernel can give more than 1/0.85."""
+    base = dict(model="m", img=224, batch=64, dtype="float32")
+    rows = [dict(base, mode="unpatched", peak_mib=100.0, attn_share=0.15),
+            dict(base, mode="fp32", speedup=1.14, peak_mib=100.0, mem_ratio=1.0)]
+    targets = [dict(model="m", img=224, batch=64, mode="fp32", min_speedup=1.3),
+               dict(model="m", img=224, batch=64, mode="fp32", min_speedup=1.1)]
+    hard, easy = bench_models.check_targets(rows, targets)
+    assert abs(hard["amdahl_bound"] - 1 / 0.85) < 1e-12
+    assert not hard["met"] and easy["met"]
+    assert bench_models._met(hard) == "NO (target above the bound)" and bench_models._met(easy) == "yes"
