@@ -121,6 +121,11 @@ def to_markdown(res: dict) -> str:
                   f"weights: {info['weights']}; input {info['input_size']}; {info['params_m']:.2f} M params\n",
                   markdown_table(rows, ["mode", "patched modules", "top-1 %", "top-5 %", "agree w/ native %",
                                         r"max \|Δlogit\|", "non-finite", "img/s", "vs native", "peak MiB"])]
+        uncast = [r["mode"] for r in res["results"] if r["model"] == name and r.get("sdpa_calls_cast") == 0]
+        if uncast:
+            lines.append(f"\n{' / '.join(uncast)}: the model made no `scaled_dot_product_attention` call (its "
+                         f"attention runs eagerly, as timm's Swin and Swin-v2 do by default), so nothing was "
+                         f"cast: these rows are the native FP32 model again, not a half-precision reference.\n")
     return "\n".join(lines)
 
 

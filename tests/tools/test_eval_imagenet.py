@@ -123,6 +123,20 @@ def test_every_mode_on_imagefolder(imagefolder, tmp_path):
     rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| mode")]
     assert [ln.split("|")[1].strip() for ln in rows] == ALL_MODES
     assert "allow_tf32=False" in md and "Command:" in md
+    assert "made no `scaled_dot_product_attention` call" not in md  # ViT's attention is SDPA: cast
+
+
+def test_native_half_rows_of_an_eager_attention_model_are_flagged(tmp_path):
+    """timm's Swin-v2 never calls SDPA: its native-fp16 / native-bf16 rows are the FP32 model again,
+    and the markdown says so instead of presenting them as a half-precision reference."""
+    kw = '{"window_size": 4, "embed_dim": 24, "depths": [1, 1], "num_heads": [2, 2]}'
+    out = tmp_path / "v2.json"
+    res = tool.main(["--model", "swinv2_tiny_window8_256", "--model-kwargs", kw, "--img-size", "64",
+                     "--batch-size", "2", "--random-weights", "--synthetic-from", PHOTOS, "--limit", "4",
+                     "--workers", "0", "--modes", "native,native-bf16", "--out", str(out)])
+    by = {r["mode"]: r for r in res["results"]}
+    assert by["native-bf16"]["sdpa_calls_cast"] == 0 and by["native-bf16"]["max_abs_logit_diff"] == 0
+    assert "native-bf16: the model made no `scaled_dot_product_attention` call" in (tmp_path / "v2.md").read_text()
 
 
 def test_checkpoint_labels_in_timm_order(imagefolder, biased_checkpoint, tmp_path):
