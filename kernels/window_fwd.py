@@ -374,6 +374,10 @@ def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot:
     return {"kernel": "tiled", "block_m": bm, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
+# (mode, precision, padded N / D / Dv, bias, mask, cosine, default config) -> the config that ran
+_FITTED: dict[tuple, dict] = {}
+
+
 def _fewer_stages(cfg: dict) -> list[dict]:
     """Configs to try in order when ``cfg`` exceeds shared memory (large head dims): fewer stages."""
     return [dict(cfg, num_stages=n) for n in range(cfg["num_stages"] - 1, 0, -1)]
@@ -445,8 +449,15 @@ def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, sc
                 **flags, num_warps=c["num_warps"], num_stages=c["num_stages"])
     else:
         raise ValueError(f"config kernel={cfg['kernel']!r}; expected 'small' or 'tiled'")
-    # an explicit config runs as given; the default one drops pipeline stages on out-of-shared-memory
-    run_first_that_fits(launch, cfg, (lambda _: []) if config else _fewer_stages)
+    if config:  # an explicit config runs as given
+        run_first_that_fits(launch, cfg, lambda _: [])
+        return out
+    # the default drops pipeline stages on out-of-shared-memory (large head dims); the config that
+    # fitted is remembered, so later calls of the same variant do not fail and retry again
+    key = (mode, precision, pad_pow2(N), block_d, block_dv, bias is not None, mask is not None, bool(cosine),
+           tuple(sorted(cfg.items())))
+    ran = run_first_that_fits(launch, _FITTED.get(key, cfg), _fewer_stages)
+    _FITTED[key] = ran
     return out
 
 

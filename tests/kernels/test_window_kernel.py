@@ -252,3 +252,31 @@ def test_gpu_equivalence_with_timm_modules_real_size(family, shift, mode):
         gold = copy.deepcopy(attn).double()(x.double(), mask=None if mask is None else mask.double())
         ours = patched(x, mask)
     assert rel_l2(ours, gold) <= get_mode(mode).rel_tol * (4 if family == "v2" else 1)
+
+
+def test_default_config_drops_stages_on_out_of_shared_memory_and_remembers(monkeypatch):
+    """A default small-kernel config over the GPU's shared memory (simulated: 3 stages refused) runs with
+    fewer stages, gives the oracle's answer, and later calls go straight to the config that fitted."""
+    import triton.runtime.errors as terr
+
+    q, k, v, bias, mask, _ = inputs(4, 2, 2, 49, 32, seed=31)
+    window_fwd._FITTED.clear()
+    monkeypatch.setattr(window_fwd, "get_config", lambda *a, **kw: {"kernel": "small", "imgs": 2, "num_warps": 4,
+                                                                   "num_stages": 3})
+    real, stages = window_fwd._window_small_kernel, []
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*args, num_stages, **kw):
+                stages.append(num_stages)
+                if num_stages > 2:
+                    raise terr.OutOfResources(300_000, 232_448, "shared memory")
+                return real[grid](*args, num_stages=num_stages, **kw)
+            return launch
+
+    monkeypatch.setattr(window_fwd, "_window_small_kernel", Refusing())
+    gold = expanded_window_oracle(q, k, v, bias, mask, 2, False, None, 0.2)
+    for _ in range(2):
+        out = window_attention_fwd(q, k, v, bias, mask, 2, False, None, 0.2, "fp16")
+        assert rel_l2(out, gold) <= get_mode("fp16").rel_tol
+    assert stages == [3, 2, 2]  # the second call did not try 3 stages again
