@@ -8,8 +8,9 @@ Four kernels and a launcher:
   ``K' = fl16(scale * (a k - b sum_block k))``, written once to a [B, H, Nk, D]
   FP16 buffer (the paper's batched GEMM, done as a row reduction + FMA). With
   ``RECOVER`` it also writes, in FP32, the per-key term ``c_j = mu . K'_j`` of the
-  query centering (times ``log2 e / a`` of its block, so the tile loop recovers with one FMA), and the block's recovery vector ``w = scale (b / a) sum_block k`` as
-  three FP16 parts of a power-of-two-scaled copy (~33 significant bits) plus the scale.
+  query centering (times ``log2 e / a`` of its block, so the tile loop recovers with one
+  FMA), and the block's recovery vector ``w = scale (b / a) sum_block k`` as three FP16
+  parts of a power-of-two-scaled copy (~33 significant bits) plus the scale.
 * :func:`_pasa_fwd_kernel` — the tile loop: ``S' = (Q - mu) K'^T`` on the tensor cores
   with **FP16 accumulation** (``tl.dot(..., out_dtype=tl.float16)``), the block's
   removed pseudo-average ``R = q . w`` (line 13: one small MMA of the FP16 query tile with
@@ -473,7 +474,7 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
             inv_a_f, inv_a_t = LOG2E / a_f, LOG2E / a_t
         _pasa_shift_keys_kernel[(cdiv(Nk, block_n) * B * H,)](
             k, kp, mu, c, w, w_inv, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
-            float(scale) * b_f / a_f, float(scale) * b_t / a_t, LOG2E / a_f, LOG2E / a_t,
+            float(scale) * b_f / a_f, float(scale) * b_t / a_t, inv_a_f, inv_a_t,
             RECOVER=recover, BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=4)
         keys, post_scale = kp, LOG2E
     else:
