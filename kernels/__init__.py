@@ -8,11 +8,13 @@ Entry points used by :mod:`visionattn.api` and :mod:`visionattn.window`:
   (``shift=True``) or without (the ``fp16-acc16`` baseline);
 * :func:`window_attention_fwd` — Swin / Swin-v2 window attention;
 * :func:`unsupported_reason` / :func:`pasa_unsupported_reason` — why a call cannot run on
-  the dense / PASA kernels (or None).
+  the dense / PASA kernels (or None);
+* :data:`OUT_DTYPES` — the output dtypes the dense and PASA kernels can write (``out_dtype=``).
 """
+from ._host import OUT_DTYPES
 from .elsa_fwd import elsa_attention, unsupported_reason
 from .pasa_fwd import pasa_attention, pasa_unsupported_reason
 from .window_fwd import window_attention_fwd
 
 __all__ = ["elsa_attention", "pasa_attention", "window_attention_fwd", "unsupported_reason",
-           "pasa_unsupported_reason"]
+           "pasa_unsupported_reason", "OUT_DTYPES"]

@@ -23,6 +23,24 @@ def pad_pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+# dtypes the kernels can write their output in (the FP32 state is divided and rounded once to it)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def heads_inner_output(q: torch.Tensor, n_q: int, dv: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, H, Nq, Dv] view of a contiguous [B, Nq, H, Dv] buffer, the layout SDPA's flash path
+    returns: the callers' ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` (timm, diffusers, VGGT)
+    is then a view instead of a copy.
+
+    Raises:
+        TypeError: ``dtype`` not in :data:`OUT_DTYPES`.
+    """
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype={dtype}; expected one of {OUT_DTYPES}")
+    B, H = q.shape[0], q.shape[1]
+    return torch.empty((B, n_q, H, dv), device=q.device, dtype=dtype).transpose(1, 2)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
+from ._host import OUT_DTYPES, cdiv, heads_inner_output, pad_pow2, run_first_that_fits, sm_count
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
 __all__ = [
@@ -479,16 +479,6 @@ def _smaller_configs(cfg: TileConfig) -> list[TileConfig]:
     return out
 
 
-def _new_output(q: torch.Tensor, n_q: int, dv: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, H, Nq, Dv] view of a contiguous [B, Nq, H, Dv] buffer, the layout SDPA's flash path
-    returns: the callers' ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` (timm, diffusers, VGGT)
-    is then a view instead of a copy."""
-    B, H = q.shape[0], q.shape[1]
-    return torch.empty((B, n_q, H, dv), device=q.device, dtype=dtype).transpose(1, 2)
-
-
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 # launch key -> the config that fitted after an out-of-shared-memory retry (per process)
 _FITTED: dict[tuple, TileConfig] = {}
 
@@ -514,10 +504,7 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
         raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 / None = automatic)")
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    out_dtype = out_dtype or dtype
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"out_dtype={out_dtype}; expected one of {_OUT_DTYPES}")
-    out = _new_output(q, Nq, Dv, out_dtype)
+    out = heads_inner_output(q, Nq, Dv, out_dtype or dtype)
     if B * H * Nq == 0 or Dv == 0:
         return out
     if Nk == 0:
@@ -592,7 +579,7 @@ def _elsa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Option
 
 @_elsa_fwd_op.register_fake
 def _elsa_fwd_fake(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
-    return _new_output(q, q.shape[2], v.shape[3], out_dtype or q.dtype)
+    return heads_inner_output(q, q.shape[2], v.shape[3], out_dtype or q.dtype)
 
 
 def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2, run_first_that_fits
+from ._host import cdiv, heads_inner_output, pad_pow2, run_first_that_fits
 from .elsa_fwd import LOG2E, load_kv_tile
 from .split16 import SPLIT_EXP, exponent, pow2
 
@@ -344,7 +344,7 @@ def _pasa_fwd_kernel(
     # l == 0 only for fully masked rows (-> zeros); an overflow (NaN/inf) propagates.
     out = tl.where(l_i[:, None] == 0.0, 0.0, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None])
     tl.store(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
-             + offs_dv[None, :] * stride_od, out.to(tl.float16),
+             + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
 
 
@@ -398,7 +398,8 @@ def _strides4(t):
 # ------------------------------------------------------------------------------------ launcher
 def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                    attn_mask: torch.Tensor | None, is_causal: bool, scale: float, shift: bool = True,
-                   beta: float | None = None, config: dict | None = None) -> torch.Tensor:
+                   beta: float | None = None, config: dict | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """PASA (``shift=True``) or FP16-score-accumulation (``shift=False``) attention forward.
 
     Args:
@@ -416,12 +417,17 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         config: override the launch config (``BLOCK_M``, ``num_warps``, ``num_stages``, and
             ``BLOCK_N``, the KV block = size of M, default :data:`BLOCK_N`; beta follows it).
 
+        out_dtype: dtype of the output (float16, bfloat16 or float32); ``None`` = float16. The FP32
+            state ``W / S`` is rounded once to it, so a FP32 caller gets no intermediate FP16 rounding
+            (as the CPU reference, which returns FP32).
+
     Returns:
-        [B, H, Nq, Dv] float16, contiguous. Fully masked rows are zeros; with ``shift=False``
-        overflowing rows are inf/NaN by design.
+        [B, H, Nq, Dv] in ``out_dtype``, a view of a contiguous [B, Nq, H, Dv] buffer (as SDPA's
+        flash path returns), so ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` is free. Fully
+        masked rows are zeros; with ``shift=False`` overflowing rows are inf/NaN by design.
 
     Raises:
-        TypeError: q/k/v not float16, or a non-bool mask.
+        TypeError: q/k/v not float16, a non-bool mask, or an unsupported ``out_dtype``.
         ValueError: bad shapes, D or Dv > 256, ``beta`` outside [0, 1), a config ``BLOCK_N`` that is
             not a power of two in 16..256.
     """
@@ -445,7 +451,7 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         attn_mask = attn_mask.expand(B, H, Nq, Nk).view(torch.uint8)
     if bias is not None:
         bias = bias.expand(B, H, Nq, Nk)
-    out = torch.empty((B, H, Nq, Dv), dtype=torch.float16, device=q.device)
+    out = heads_inner_output(q, Nq, Dv, out_dtype or torch.float16)
     if B * H * Nq * Dv == 0:
         return out
     if Nk == 0:

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
+from ._host import cdiv, heads_inner_output, pad_pow2, run_first_that_fits, sm_count
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
 __all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N", "PRECISIONS"]
@@ -411,8 +411,7 @@ def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, sc
     """Allocate the output and launch the small or tiled kernel (``precision`` overrides the FP32 products)."""
     BW, H, N, D = q.shape
     DV = v.shape[-1]
-    # [BW, N, H, DV] buffer viewed as [BW, H, N, DV]: timm's transpose(1, 2).reshape is then a view.
-    out = torch.empty((BW, N, H, DV), device=q.device, dtype=q.dtype).transpose(1, 2)
+    out = heads_inner_output(q, N, DV, q.dtype)  # timm's transpose(1, 2).reshape is then a view
     dummy = q  # never read when the matching HAS_* flag is off
     b_t = bias if bias is not None else dummy
     m_t = mask if mask is not None else dummy

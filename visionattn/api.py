@@ -138,12 +138,12 @@ def _run(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, which: str, num_s
             reason = kernels.unsupported_reason(q, k, v, bias, attn_mask, md.name)
         if reason is None:
             qc, kc, vc = (t.to(md.compute_dtype) for t in (q, k, v))
+            # the kernels write the caller's dtype straight from their FP32 state (no half rounding of
+            # the output of an FP32 caller in a half mode, as the CPU references)
+            out_dtype = q.dtype if q.dtype in kernels.OUT_DTYPES else None
             if md.half_scores:
                 return kernels.pasa_attention(qc, kc, vc, bias, attn_mask, is_causal, scale,
-                                              shift=md.name == "pasa")
-            # the kernel writes the caller's dtype straight from its FP32 state (no half rounding of
-            # the output of an FP32 caller in a half mode, as the CPU reference)
-            out_dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16, torch.float32) else None
+                                              shift=md.name == "pasa", out_dtype=out_dtype)
             return kernels.elsa_attention(qc, kc, vc, bias, attn_mask, is_causal, scale, md.name, num_splits,
                                           out_dtype=out_dtype)
         dispatch.warn_once(f"fallback:{reason}", f"visionattn: Triton kernels do not cover this call ({reason}); "

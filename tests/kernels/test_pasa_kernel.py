@@ -135,6 +135,47 @@ def test_kernel_rejects_bad_inputs():
         pasa_fwd.pasa_attention(q.half(), q.half(), q.half(), None, None, False, 0.25, config={"BLOCK_N": 48})
 
 
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_kernel_out_dtype_fp32_rounds_once(shift):
+    """out_dtype=float32 gives W / S rounded once from the FP32 state: it rounds to the FP16 output
+    (within one FP16 ulp: double rounding), agrees with the CPU reference (which returns FP32) at least
+    as well as the FP16 output does, and comes back in the [B, Nq, H, Dv] layout."""
+    g = torch.Generator().manual_seed(11)
+    q, k = torch.randn(2, 2, 40, 64, generator=g) + 2, torch.randn(2, 2, 90, 64, generator=g) + 2
+    v = torch.randn(2, 2, 90, 48, generator=g)
+    args = (q.half().to(DEV), k.half().to(DEV), v.half().to(DEV), None, None, False, 0.125)
+    y16 = pasa_fwd.pasa_attention(*args, shift=shift)
+    y32 = pasa_fwd.pasa_attention(*args, shift=shift, out_dtype=torch.float32)
+    assert y16.dtype == torch.float16 and y32.dtype == torch.float32
+    for y in (y16, y32):
+        assert y.shape == (2, 2, 40, 48) and y.transpose(1, 2).is_contiguous()
+    y16, y32 = y16.float().cpu(), y32.cpu()
+    ulp = torch.finfo(torch.float16).eps * y32.abs().clamp_min(torch.finfo(torch.float16).tiny)
+    assert ((y32 - y16).abs() <= ulp).all()
+    assert (y32 != y16).any()  # not the FP16 output cast back
+    ref = pasa.pasa_attention_reference(q, k, v, scale=0.125, shift=shift)
+    assert rel_l2(y32, ref) <= rel_l2(y16, ref)
+
+
+def test_kernel_out_dtype_rejected():
+    x = torch.randn(1, 1, 8, 16).half().to(DEV)
+    with pytest.raises(TypeError, match="out_dtype"):
+        pasa_fwd.pasa_attention(x, x, x, None, None, False, 0.25, out_dtype=torch.float64)
+
+
+def test_api_fp32_caller_pasa_not_rounded():
+    """visionattn.attention with FP32 inputs in pasa mode returns the kernel's FP32 output (values off
+    the FP16 grid), within the pasa contract."""
+    import visionattn
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=g).to(DEV) for _ in range(3))
+    y = visionattn.attention(q, k, v, mode="pasa", backend="triton")
+    assert y.dtype == torch.float32
+    assert (y != y.half().float()).any()
+    assert rel_l2(y.cpu(), oracle_attention(q.cpu(), k.cpu(), v.cpu())) <= PASA_TOL
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,x0,am", [("uniform", 30, 0.5), ("uniform", 20, 15), ("uniform", 20, 20),
                                         ("hybrid", 30, 10), ("hybrid", 20, 50), ("hybrid", 20, 100)])
