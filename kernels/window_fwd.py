@@ -334,14 +334,19 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: few programs keep CPU tests fast
 
 
-# Programs per SM the small kernel aims for (images per program grow until fewer would exist), and
-# its pipeline depth over a program's images. H100, CUDA-graph timing, every Swin-T/B and Swin-v2-T
-# stage at batch 1-128 (docs/benchmarks/logs/window_config_ab_h100_session4.json): 3 stages beat 2
-# when a program loops over >= 2 images (Swin-B stage 1 batch 64 fp16 0.0846 -> 0.0815 ms) and
-# lose a few % on single-image programs; FP32 programs do ~3x the work per window (split-FP16
-# products), so fewer, longer ones win (3 per SM: Swin-B stage 1 batch 64 fp32 0.236 -> 0.187 ms),
-# while half-precision ones lost up to 20 % at 12 per SM where that cut a chunk to one image.
-_SMALL_PROGRAMS_PER_SM = {"half": 8, "fp32": 3}
+# Programs per SM the small kernel aims for (images per program grow until fewer would exist, up to
+# _SMALL_MAX_IMGS), and its pipeline depth over a program's images. Measured with CUDA-graph timing over
+# every Swin-T/B and Swin-v2-T stage at batch 1-128 (docs/benchmarks/logs/window_config_ab_*):
+# * half: long chunks win. H200, session 5: 2 programs / SM with chunks up to 64 images against 8 / SM
+#   (chunks up to 32): median 1.07x, up to 1.6x (Swin-B stage 1 batch 8), Swin-B stage 1 batch 64
+#   0.0679 -> 0.0637 ms; the worst cells 0.96-0.98x (a 4-us kernel; Swin-v2-T stage 1 batch 128).
+# * fp32: programs do ~3x the work per window (split-FP16 products); 3 per SM (chunks up to 32) beat
+#   2 per SM (chunks up to 64, 0.78-0.98x on H200) and 8 per SM (H100, session 4: Swin-B stage 1
+#   batch 64 0.236 -> 0.187 ms).
+# * 3 stages beat 2 when a program loops over >= 2 images and lose a few % on single-image programs;
+#   4 stages were no better (H200, session 5).
+_SMALL_PROGRAMS_PER_SM = {"half": 2, "fp32": 3}
+_SMALL_MAX_IMGS = {"half": 64, "fp32": 32}  # longest image chunk per program
 _SMALL_STAGES = 3  # for programs over >= 2 images; single-image programs keep 2
 
 
@@ -366,7 +371,7 @@ def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot:
         kind = "fp32" if _MODE_TABLE[mode][0] == torch.float32 else "half"
         target = _SMALL_PROGRAMS_PER_SM[kind] * _num_sms(device)
         imgs = 1
-        while imgs < 32 and base * cdiv(n_img, imgs * 2) >= target:
+        while imgs < _SMALL_MAX_IMGS[kind] and base * cdiv(n_img, imgs * 2) >= target:
             imgs *= 2
         return {"kernel": "small", "imgs": imgs, "num_warps": 4 if block <= 64 else 8,
                 "num_stages": _SMALL_STAGES if block <= 64 and imgs >= 2 else 2}

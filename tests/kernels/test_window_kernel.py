@@ -104,9 +104,17 @@ def test_get_config_uses_small_kernel_for_swin_windows_and_tiles_large_ones():
         assert get_config(4096, 4, 64, 32, 64, dev, mode=mode)["kernel"] == "small"
         assert get_config(1024, 4, 144, 32, 64, dev, mode=mode)["kernel"] == "tiled"
         assert get_config(64, 4, 576, 32, 1, dev, mode=mode)["kernel"] == "tiled"
-    # FP32 programs do ~3x the work per window: longer image chunks, fewer programs
-    assert (get_config(4096, 4, 49, 32, 64, dev, mode="fp32")["imgs"]
-            >= get_config(4096, 4, 49, 32, 64, dev, mode="fp16")["imgs"])
+    # the image chunk is the longest that still leaves the target number of programs per SM (or the cap)
+    from visionattn.kernels import window_fwd
+
+    sms = window_fwd._num_sms(dev)
+    for mode, kind in (("fp16", "half"), ("bf16", "half"), ("fp32", "fp32"), ("tf32", "fp32")):
+        target = window_fwd._SMALL_PROGRAMS_PER_SM[kind] * sms
+        for n_img, heads, n_slot in ((64, 4, 64), (1, 4, 64), (8, 3, 64), (128, 24, 1), (2, 6, 16)):
+            imgs = get_config(n_img * n_slot, heads, 49, 32, n_slot, dev, mode=mode)["imgs"]
+            programs = lambda c: heads * n_slot * -(-n_img // c)  # noqa: E731
+            assert imgs == 1 or programs(imgs) >= target
+            assert imgs == window_fwd._SMALL_MAX_IMGS[kind] or programs(imgs * 2) < target
     with pytest.raises(ValueError, match="mode="):
         get_config(4096, 4, 49, 32, 64, dev, mode="fp8")
 
