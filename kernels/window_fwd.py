@@ -337,9 +337,10 @@ def _num_sms(device: torch.device) -> int:
 # Programs per SM the small kernel aims for (images per program grow until fewer would exist, up to
 # _SMALL_MAX_IMGS), and its pipeline depth over a program's images. Measured with CUDA-graph timing over
 # every Swin-T/B and Swin-v2-T stage at batch 1-128 (docs/benchmarks/logs/window_config_ab_*):
-# * half: long chunks win. H200, session 5: 2 programs / SM with chunks up to 64 images against 8 / SM
-#   (chunks up to 32): median 1.07x, up to 1.6x (Swin-B stage 1 batch 8), Swin-B stage 1 batch 64
-#   0.0679 -> 0.0637 ms; the worst cells 0.96-0.98x (a 4-us kernel; Swin-v2-T stage 1 batch 128).
+# * half: long chunks win. Session 5, 2 programs / SM with chunks up to 64 images against 8 / SM
+#   (chunks up to 32): H200 median 1.07x (0.96-1.60x; Swin-B stage 1 batch 64 0.0679 -> 0.0637 ms),
+#   H100 median 1.01x (0.97-1.63x: up to 3 % slower on the largest cases, e.g. Swin-B stage 1 batch
+#   128, and 1.2-1.6x where batch 8 or a late stage left the old rule one image per program).
 # * fp32: programs do ~3x the work per window (split-FP16 products); 3 per SM (chunks up to 32) beat
 #   2 per SM (chunks up to 64, 0.78-0.98x on H200) and 8 per SM (H100, session 4: Swin-B stage 1
 #   batch 64 0.236 -> 0.187 ms).
