@@ -1,4 +1,4 @@
-"""Compile a Triton kernel for a GPU architecture without the GPU: shared memory and IR.
+"""Compile a Triton kernel for a GPU architecture without the GPU: shared memory, registers and IR.
 
 Device time is scarce; whether a tile config fits the 227 KiB of shared memory of an
 H100/H200 (``232,448`` bytes per block) can be answered on any machine. Triton compiles
@@ -8,19 +8,30 @@ constants, other ints divisible by 16), the shared-memory figure equals the one 
 reports at launch (checked: 232,960 bytes for the PASA D=128 3-stage config, on the
 device and here, both with triton 3.6). The figure depends on the Triton version: use
 the device's (``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``).
+
+Registers per thread and local-memory (spill) bytes are read from the compiled cubin with
+Triton's bundled ``cuobjdump -res-usage``; with them and the shared memory, the number of
+programs an SM can hold at once follows from the Hopper limits (:func:`programs_per_sm`).
 """
 from __future__ import annotations
 
 import inspect
+import os
+import re
+import subprocess
+import tempfile
 from dataclasses import dataclass
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-__all__ = ["CompileReport", "compile_for_arch", "HOPPER_SHARED_LIMIT"]
+__all__ = ["CompileReport", "compile_for_arch", "programs_per_sm", "HOPPER_SHARED_LIMIT"]
 
 HOPPER_SHARED_LIMIT = 232_448  # bytes per block on sm_90 (H100 / H200)
+# per SM on sm_90 (CUDA occupancy rules): registers, shared memory (228 KiB, of which 1 KiB is reserved
+# per resident block), warps and blocks
+_SM_REGISTERS, _SM_SHARED, _BLOCK_RESERVED_SHARED, _SM_WARPS, _SM_BLOCKS = 65_536, 233_472, 1_024, 64, 32
 
 
 @dataclass(frozen=True)
@@ -31,11 +42,63 @@ class CompileReport:
         shared_bytes: dynamic shared memory per block the kernel needs at launch.
         wgmma: number of Hopper warp-group MMAs in the TTGIR (0 = no wgmma path).
         ttgir: the TritonGPU IR text (for inspection).
+        registers: registers per thread (``None`` when ``cuobjdump`` is unavailable).
+        local_bytes: local memory per thread, i.e. register spills (``None`` likewise).
+        num_warps: warps per program.
     """
 
     shared_bytes: int
     wgmma: int
     ttgir: str
+    registers: int | None = None
+    local_bytes: int | None = None
+    num_warps: int = 4
+
+    @property
+    def programs_per_sm(self) -> int | None:
+        """Programs one SM holds at once (:func:`programs_per_sm`); ``None`` without a register count."""
+        if self.registers is None:
+            return None
+        return programs_per_sm(self.registers, self.shared_bytes, self.num_warps)
+
+
+def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
+    """Resident programs (thread blocks) per Hopper SM for a kernel's resources.
+
+    Registers are allocated per warp in units of 256 (per-thread counts rounded up to 8); each block
+    also reserves 1 KiB of shared memory. The minimum over registers (65,536 per SM), shared memory
+    (228 KiB per SM), warps (64) and blocks (32); 0 when one program does not fit at all.
+
+    Args:
+        registers: registers per thread; shared_bytes: dynamic shared memory per program;
+        num_warps: warps per program.
+    """
+    per_warp = -(-registers * 32 // 256) * 256
+    by_regs = (_SM_REGISTERS // per_warp) // num_warps if per_warp else _SM_BLOCKS
+    by_shared = _SM_SHARED // (shared_bytes + _BLOCK_RESERVED_SHARED)
+    return max(0, min(by_regs, by_shared, _SM_WARPS // num_warps, _SM_BLOCKS))
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers per thread, local bytes per thread) of the one kernel in ``cubin`` via Triton's bundled
+    ``cuobjdump -res-usage``; ``(None, None)`` if the tool is missing or its output is not understood."""
+    try:
+        from triton import knobs
+
+        tool = knobs.nvidia.cuobjdump.path
+    except Exception:  # an older Triton without the knob: no register figures, the rest still works
+        return None, None
+    fd, path = tempfile.mkstemp(suffix=".cubin")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    finally:
+        os.unlink(path)
+    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
 
 
 def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *, num_warps: int,
@@ -84,5 +147,6 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ttgir = compiled.asm.get("ttgir", "")
+    registers, local_bytes = _resource_usage(compiled.asm["cubin"]) if "cubin" in compiled.asm else (None, None)
     return CompileReport(shared_bytes=int(compiled.metadata.shared), wgmma=ttgir.count("ttng.warp_group_dot "),
-                         ttgir=ttgir)
+                         ttgir=ttgir, registers=registers, local_bytes=local_bytes, num_warps=num_warps)

@@ -1,10 +1,11 @@
-"""Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory vs the limit.
+"""Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory, registers, occupancy.
 
 Walks the dense ELSA config table (every precision kind x padded head dim x short/long KV, with
 and without bias + mask), the PASA configs (head dims 16..256, with and without recovery, bias +
 mask) and the window kernels at the Swin / Swin-v2 window sizes, compiles each for sm_90 through
 :func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared memory each needs
-against the H100/H200 limit (232,448 bytes) and whether the products use wgmma. A config over
+against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read from
+the cubin), how many programs an SM holds at once, and whether the products use wgmma. A config over
 the limit is not a crash (the launchers retry smaller configs), but it is a slow first call and
 a different config than the table says.
 
@@ -103,6 +104,12 @@ def _window_jobs(quick: bool):
                         float_args=("scale",)))
 
 
+def _spill(local_bytes) -> str:
+    if local_bytes is None:
+        return "-"
+    return f"**{local_bytes}**" if local_bytes else "0"
+
+
 def main(args) -> dict:
     jobs = []
     wanted = args.kernels.split(",")
@@ -114,7 +121,8 @@ def main(args) -> dict:
         try:
             rep = compile_for_arch(**job)
             meta.update(shared_bytes=rep.shared_bytes, wgmma=rep.wgmma,
-                        fits=rep.shared_bytes <= HOPPER_SHARED_LIMIT)
+                        fits=rep.shared_bytes <= HOPPER_SHARED_LIMIT, registers=rep.registers,
+                        local_bytes=rep.local_bytes, programs_per_sm=rep.programs_per_sm)
         except Exception as exc:  # a variant that does not compile is a finding, not a crash
             meta.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         rows.append(meta)
@@ -124,13 +132,18 @@ def main(args) -> dict:
     result = {"environment": env, "limit_bytes": HOPPER_SHARED_LIMIT, "rows": rows, "over_limit": len(over),
               "failed": len(failed), "seconds": time.perf_counter() - t0}
     table = markdown_table([[r["kernel"], r["variant"], r["config"], r.get("shared_bytes", r.get("error")),
-                             {True: "yes", False: "**NO**"}.get(r.get("fits"), "-"), r.get("wgmma", "-")]
+                             {True: "yes", False: "**NO**"}.get(r.get("fits"), "-"), r.get("registers", "-"),
+                             _spill(r.get("local_bytes")), r.get("programs_per_sm", "-"), r.get("wgmma", "-")]
                             for r in rows],
-                           ["kernel", "variant", "config (M, N, warps, stages)", "shared bytes", "fits", "wgmma"])
+                           ["kernel", "variant", "config (M, N, warps, stages)", "shared bytes", "fits",
+                            "registers / thread", "spill bytes", "programs / SM", "wgmma"])
     md = (f"# Kernel configs compiled for sm_90 (offline)\n\n* triton {triton.__version__} (the lent GPUs run 3.6: "
           f"only the same version gives the GPU's figures); limit {HOPPER_SHARED_LIMIT} bytes per block\n"
           f"* command: `{env.get('command', '')}`\n* {len(rows)} variants, {len(over)} over the limit "
-          f"(the launcher then retries smaller configs), {len(failed)} failed to compile\n\n{table}\n")
+          f"(the launcher then retries smaller configs), {len(failed)} failed to compile\n"
+          f"* registers and spill (local) bytes per thread from the cubin (`cuobjdump -res-usage`); programs / SM = "
+          f"programs one SM holds at once by the Hopper occupancy rules (registers, 228 KiB shared memory with 1 KiB "
+          f"reserved per program, 64 warps, 32 programs); a config over the shared-memory limit shows 0\n\n{table}\n")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_text_atomic(args.out + ".md", md)
     write_json_atomic(args.out + ".json", result)

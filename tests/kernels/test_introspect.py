@@ -21,7 +21,8 @@ def run(precision, stages):
                  HAS_BIAS=False, HAS_MASK=False, SPLIT=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
     r = compile_for_arch(elsa_fwd._elsa_fwd_kernel, ptr, const, num_warps=4, num_stages=stages,
                          unit_ints=("sqd", "skd", "svd", "sod", "sbn", "smn"), float_args=("qk_scale",))
-    return {"shared": r.shared_bytes, "wgmma": r.wgmma}
+    return {"shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes,
+            "programs": r.programs_per_sm}
 print(json.dumps({"limit": HOPPER_SHARED_LIMIT, "f16x3_1": run("f16x3", 1), "f16x3_3": run("f16x3", 3),
                   "ieee_2": run("ieee", 2)}))
 """
@@ -38,6 +39,22 @@ def test_shared_memory_grows_with_pipelining_and_tensor_core_paths_use_wgmma():
     assert 0 < r["f16x3_1"]["shared"] < r["f16x3_3"]["shared"] <= r["limit"]
     assert r["f16x3_3"]["wgmma"] >= 6
     assert r["ieee_2"]["wgmma"] == 0
+    for v in (r["f16x3_1"], r["f16x3_3"], r["ieee_2"]):  # read from the cubin by Triton's bundled cuobjdump
+        assert 0 < v["regs"] <= 255 and v["local"] >= 0 and v["programs"] >= 1
+
+
+def test_programs_per_sm_follows_the_occupancy_rules():
+    from visionattn.kernels.introspect import programs_per_sm
+
+    # registers are allocated per warp in units of 256: 159 -> 160 per thread, 5,120 per warp, 12 warps
+    assert programs_per_sm(159, 40_960, 4) == 3
+    assert programs_per_sm(95, 40_960, 4) == 5  # 96 regs: 21 warps -> 5 programs; shared: 5 x 41 KiB
+    assert programs_per_sm(255, 0, 8) == 1
+    assert programs_per_sm(32, 0, 1) == 32  # the block limit
+    assert programs_per_sm(32, 200_000, 4) == 1 and programs_per_sm(32, 240_000, 4) == 0
+    regs = [programs_per_sm(r, 16_384, 4) for r in range(16, 256, 8)]
+    shared = [programs_per_sm(64, b, 4) for b in range(0, 230_000, 4_096)]
+    assert regs == sorted(regs, reverse=True) and shared == sorted(shared, reverse=True)
 
 
 def test_interpreted_kernels_are_refused_with_the_fix():
