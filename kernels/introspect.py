@@ -113,7 +113,8 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
         constexprs: values of the ``tl.constexpr`` arguments.
         num_warps, num_stages: launch options.
         unit_ints: int arguments equal to 1 at run time (inner strides), which Triton folds into
-            constants; every other int argument is taken as divisible by 16.
+            constants; every other int argument is taken as divisible by 16, except those the kernel
+            declares ``do_not_specialize`` (a launch does not specialize them either).
         float_args: arguments passed as Python floats.
         arch: compute capability (90 = Hopper).
 
@@ -129,6 +130,7 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
         raise RuntimeError(f"{getattr(kernel, '__name__', kernel)!r} is an interpreted kernel (TRITON_INTERPRET=1); "
                            f"offline compiles need TRITON_INTERPRET=0 in the environment before triton is imported")
     sig, attrs, consts = {}, {}, dict(constexprs)
+    unspecialized = {p.name for p in getattr(kernel, "params", ()) if getattr(p, "do_not_specialize", False)}
     for i, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in pointer_types:
             sig[name] = pointer_types[name]
@@ -142,7 +144,8 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
             consts[name] = 1
         else:
             sig[name] = "i32"
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if name not in unspecialized:  # a launch specializes these on divisibility by 16
+                attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
