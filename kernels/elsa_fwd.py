@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import OUT_DTYPES, cdiv, heads_inner_output, pad_pow2, run_first_that_fits, sm_count
+from ._host import cdiv, heads_inner_output, pad_pow2, run_first_that_fits, sm_count
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
 __all__ = [

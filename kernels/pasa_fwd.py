@@ -416,7 +416,6 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
             Ignored when ``shift=False``.
         config: override the launch config (``BLOCK_M``, ``num_warps``, ``num_stages``, and
             ``BLOCK_N``, the KV block = size of M, default :data:`BLOCK_N`; beta follows it).
-
         out_dtype: dtype of the output (float16, bfloat16 or float32); ``None`` = float16. The FP32
             state ``W / S`` is rounded once to it, so a FP32 caller gets no intermediate FP16 rounding
             (as the CPU reference, which returns FP32).

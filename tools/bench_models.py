@@ -161,15 +161,10 @@ def build_model(name: str, img: int, device: str):
     All-zero LayerNorm weights (Swin-v2's post-norm init) are set to 1 so that the
     logits comparison sees the attention branch; timing is unaffected.
     """
-    import timm
+    from visionattn.imagenet import create_timm_model
 
-    from visionattn.imagenet import wake_zero_init_norms
-
-    kwargs = {"img_size": img}
     with torch.device(device):
-        model = timm.create_model(name, pretrained=False, **kwargs)
-    wake_zero_init_norms(model)
-    return model.eval()
+        return create_timm_model(name, pretrained=False, img_size=img)
 
 
 def _fused_flags(model) -> dict:

@@ -361,9 +361,7 @@ def patch_window_attention(model, mode: str) -> int:
 
 
 def bench_models(cfg, args) -> list[dict]:
-    import timm
-
-    from visionattn.imagenet import wake_zero_init_norms
+    from visionattn.imagenet import create_timm_model
 
     rows = []
     for spec in cfg.get("model_latency", []):
@@ -371,8 +369,8 @@ def bench_models(cfg, args) -> list[dict]:
             dtype = torch.float16 if dt == "fp16" else torch.float32
             row = {"model": spec["timm_name"], "batch": spec["batch"], "dtype": dt}
             try:
-                model = timm.create_model(spec["timm_name"], pretrained=False).to("cuda", dtype).eval()
-                wake_zero_init_norms(model)  # Swin-v2's zero-init post-norms: attention would not matter
+                # random weights, Swin-v2's zero-init post-norms woken: attention reaches the logits
+                model = create_timm_model(spec["timm_name"], pretrained=False).to("cuda", dtype)
                 x = torch.randn(spec["batch"], 3, spec["img"], spec["img"], device="cuda", dtype=dtype)
                 row["unpatched"] = measure(lambda: model(x), args.warmup_ms, args.rep_ms)
                 with torch.no_grad():
