@@ -29,7 +29,8 @@ Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODE
   which are twice as fast as TF32's: 101 TFLOP/s vs 53 for ``tl.dot``'s ``"tf32x3"``
   at B=1,H=8,N=8192,D=64 on an H100, rel err 3.9e-7 vs 5.0e-7 (measured before V got
   per-column scales; docs/benchmarks/attention_h100.md).
-* ``fp32-ieee``: ``"ieee"``, FP32 FMA, no tensor cores.
+* ``fp32-ieee``: ``"ieee"``, FP32 FMA, no tensor cores. On CUDA, calls within its scope (D = Dv in
+  {32, 64}, no bias / mask / causal) run the Gluon kernel of :mod:`.ieee_gluon` instead, ~2x faster.
 * ``tf32``: ``"f16x1"``, the hi*hi product alone: operands rounded to 11 significant
   bits as TF32 rounds them (TF32-class accuracy, 4.3e-4 vs TF32's 1.6e-3 at N=8192), on
   the FP16 tensor cores (188 TFLOP/s vs 130 for ``"tf32"`` on the same shape).
@@ -48,6 +49,7 @@ The launcher is registered as the torch custom op ``visionattn::elsa_fwd`` so
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -55,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import ieee_gluon
 from ._host import cdiv, heads_inner_output, pad_pow2, run_first_that_fits, sm_count
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
@@ -504,12 +507,16 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
         raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 / None = automatic)")
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
+    precision = _precision(mode, precision)
+    if precision == "ieee" and config is None and B * H * Nq * Nk * Dv > 0:
+        out = _gluon_ieee(q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype)
+        if out is not None:
+            return out
     out = heads_inner_output(q, Nq, Dv, out_dtype or dtype)
     if B * H * Nq == 0 or Dv == 0:
         return out
     if Nk == 0:
         return out.zero_()
-    precision = _precision(mode, precision)
     if config is not None:
         _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, config, out, precision)
         return out
@@ -523,6 +530,31 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
     if ran != cfg:
         _FITTED[key] = ran
     return out
+
+
+_GLUON_IEEE_FAILED: list[str] = []  # the first failure of the Gluon fp32-ieee kernel in this process
+
+
+def _gluon_ieee(q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype) -> torch.Tensor | None:
+    """The ``fp32-ieee`` call on the Gluon FMA kernel (:mod:`.ieee_gluon`, ~2x this module's IEEE
+    loop), or ``None`` when it does not take the call: outside its scope, or where the split-KV path
+    would run (few query tiles), or after it failed to compile once in this process (warned once)."""
+    if _GLUON_IEEE_FAILED or ieee_gluon.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale,
+                                                          num_splits) is not None:
+        return None
+    B, H, Nq, _ = q.shape
+    cfg = ieee_gluon.get_config(k.shape[2])
+    tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["STAGES"])
+    if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
+        return None
+    try:
+        return ieee_gluon.ieee_attention(q, k, v, scale, out_dtype)
+    except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
+        _GLUON_IEEE_FAILED.append(f"{type(exc).__name__}: {exc}"[:500])
+        warnings.warn(f"visionattn: the Gluon fp32-ieee kernel failed ({_GLUON_IEEE_FAILED[0]}); mode "
+                      f"'fp32-ieee' uses the Triton kernel (about half the speed) for the rest of this process",
+                      RuntimeWarning, stacklevel=3)
+        return None
 
 
 def _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, cfg: TileConfig, out,

@@ -104,7 +104,7 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
 def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *, num_warps: int,
                      num_stages: int, unit_ints: tuple[str, ...] = (), float_args: tuple[str, ...] = (),
                      arch: int = 90) -> CompileReport:
-    """Compile ``kernel`` (a ``@triton.jit`` function) for ``cuda:arch`` as a launch would.
+    """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for ``cuda:arch`` as a launch would.
 
     Args:
         kernel: the JIT function.
@@ -146,7 +146,10 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
             sig[name] = "i32"
             if name not in unspecialized:  # a launch specializes these on divisibility by 16
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():  # Gluon kernels carry their layouts: their own front end
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ttgir = compiled.asm.get("ttgir", "")

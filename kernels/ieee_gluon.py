@@ -1,0 +1,220 @@
+"""FP32-IEEE attention forward in Gluon: FMA products on a register-blocked layout.
+
+Mode ``fp32-ieee`` computes every product with FP32 FMAs, no tensor cores. Triton's
+``tl.dot(..., input_precision="ieee")`` picks its own thread layout for FMA dots, in which each
+thread re-reads far more operands from shared memory than it multiplies; it tops out at
+~18 TFLOP/s on an H100 with every tile tried (docs/benchmarks/logs/ieee_sweep_h100_session5.jsonl).
+Gluon (Triton's explicit-layout dialect) lets the layout be chosen: each thread owns
+``SPT_M x 4`` scores per 32-column repeat, reads 16-byte vectors of Q / K (or P / V) chunks of
+16 along the reduction dim, and multiplies them with ``gl.dot_fma``. The shared tiles are
+swizzled so the lanes of a warp hit distinct banks. Same (m, S, W) fold as
+:func:`kernels.elsa_fwd._fold_tile`'s ``"ieee"`` path, including one rounding per tile for
+``P @ V`` (the tile's sum is formed apart and added once).
+
+Scope (:func:`unsupported_reason`): CUDA tensors of compute capability >= 8.0 (``cp.async``),
+head dim 32 or 64 for both Q/K and V (128 spills registers), no bias / mask / causal, no split-KV,
+16-byte-aligned rows with a contiguous head dim. Other calls take the Triton kernel. Gluon cannot
+run under ``TRITON_INTERPRET=1``; CPU tests compile it offline for sm_90 and check the dispatch,
+``pytest -m gpu`` checks its results against the float64 oracle.
+
+Measured on an H100 (docs/benchmarks/logs/gluon_ieee_h100_session6.jsonl): 35.9-39.5 TFLOP/s
+at B=1, H=8, N=4096..65536, D=64 (Triton's IEEE loop: 18.1-18.7), rel err unchanged (3-4e-7).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._host import cdiv, heads_inner_output
+
+try:  # Gluon is experimental: its API moves between Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    # renamed from thread_barrier to barrier after triton 3.6
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _IMPORT_ERROR: str | None = None
+except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
+
+__all__ = ["ieee_attention", "unsupported_reason", "get_config", "HEAD_DIMS"]
+
+HEAD_DIMS = (32, 64)
+_LOG2E = 1.4426950408889634
+
+
+def get_config(n_k: int) -> dict:
+    """Launch config by key count (H100, session 6): 32-key tiles waste less on ViT-sized tails
+    (22 vs 13 TFLOP/s at N=197, 29 vs 27 at 1025), 64-key tiles win from 4096 keys (36-40 vs 35-36)."""
+    return {"BLOCK_M": 64, "BLOCK_N": 32 if n_k <= 2048 else 64, "KC": 16, "STAGES": 2, "SPT_M": 4,
+            "num_warps": 4}
+
+
+def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
+    """Why :func:`ieee_attention` cannot run this call (the Triton kernel then does), or ``None``.
+
+    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, H, Nk, D], v [B, H, Nk, Dv]
+    float32; ``num_splits`` 0 = automatic (the launcher splits only when the grid cannot fill the GPU).
+    """
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if bias is not None or attn_mask is not None or is_causal:
+        return "bias, mask or causal"
+    if not scale > 0:
+        return f"scale {scale!r} <= 0 (the row max is taken before scaling)"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D != Dv or D not in HEAD_DIMS:
+        return f"head dims ({D}, {Dv}); the Gluon kernel takes equal head dims in {HEAD_DIMS}"
+    if num_splits > 1:
+        return "split-KV requested"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or any(s % 4 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name} rows are not 16-byte aligned with a contiguous head dim"
+    if q.device.type != "cuda":
+        return f"tensors on {q.device.type}"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "compute capability below 8.0 (no cp.async)"
+    return None
+
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _issue_kv(k_smem, v_smem, k_base, v_base, skn, svn, tile, Nk, offs_ln, offs_ld,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # cp.async K and V tile `tile` into ring slot tile % STAGES (keys >= Nk -> 0), one commit group
+        slot = tile % STAGES
+        rows = tile * BLOCK_N + offs_ln
+        ok = (rows < Nk)[:, None]
+        rows64 = rows.to(gl.int64)[:, None]
+        async_copy.async_copy_global_to_shared(k_smem.index(slot), k_base + rows64 * skn + offs_ld[None, :], mask=ok)
+        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_base + rows64 * svn + offs_ld[None, :], mask=ok)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _fold_tile(acc, m_i, l_i, t, q_smem, k_smem, v_smem, p_smem, Nk, qk_scale, offs_sn,
+                   blk: gl.constexpr, a_l: gl.constexpr, b_l: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, KC: gl.constexpr,
+                   STAGES: gl.constexpr, TAIL: gl.constexpr):
+        # fold KV tile t into (acc, m_i, l_i); TAIL masks keys >= Nk (the last tile only)
+        slot = t % STAGES
+        k_t = k_smem.index(slot)
+        v_t = v_smem.index(slot)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=blk)
+        for kk in gl.static_range(0, HEAD_D, KC):
+            s = gl.dot_fma(q_smem.slice(kk, KC, dim=1).load(a_l),
+                           k_t.slice(kk, KC, dim=1).permute((1, 0)).load(b_l), s)
+        if TAIL:
+            s = gl.where(((t * BLOCK_N + offs_sn) < Nk)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # qk_scale > 0 (the dispatcher checks)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p_smem.store(p)
+        _cta_barrier()
+        pv = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=blk)
+        for kk in gl.static_range(0, BLOCK_N, KC):
+            pv = gl.dot_fma(p_smem.slice(kk, KC, dim=1).load(a_l), v_t.slice(kk, KC, dim=0).load(b_l), pv)
+        return acc * alpha[:, None] + pv, m_new, l_i
+
+    @gluon.jit
+    def _ieee_fwd_kernel(Q, K, V, O, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+                         H, Nq, Nk, qk_scale,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, KC: gl.constexpr,
+                         STAGES: gl.constexpr, SPT_M: gl.constexpr, NUM_WARPS: gl.constexpr):
+        # One (query tile, head, batch) program, 1-D grid as the Triton kernel. Scores / output: each
+        # thread holds SPT_M rows x 4 columns per 32-column repeat, 8 lanes share a row.
+        blk: gl.constexpr = gl.BlockedLayout(size_per_thread=[SPT_M, 4], threads_per_warp=[4, 8],
+                                             warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=blk, k_width=0)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=blk, k_width=0)
+        TPW_D: gl.constexpr = HEAD_D // 4
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // TPW_D, TPW_D],
+                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        # Q / P rows are read SPT_M apart by the lanes of a warp, K rows 4 apart: XOR-swizzle the 16-byte
+        # vectors by row // SPT_M so those reads hit distinct banks; V is read along its rows (no conflict)
+        swz: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=SPT_M, max_phase=8, order=[1, 0])
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+
+        tiles_m = gl.cdiv(Nq, BLOCK_M)
+        pid = gl.program_id(0)
+        bh = (pid // tiles_m).to(gl.int64)
+        off_h = bh % H
+        off_b = bh // H
+        start_m = (pid % tiles_m) * BLOCK_M
+
+        q_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], swz)
+        k_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, HEAD_D], swz)
+        v_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, HEAD_D], plain)
+        p_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], swz)
+
+        offs_ln = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+        offs_ld = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld))
+        q_rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+        async_copy.async_copy_global_to_shared(
+            q_smem, Q + off_b * sqb + off_h * sqh + q_rows.to(gl.int64)[:, None] * sqm + offs_ld[None, :],
+            mask=(q_rows < Nq)[:, None])
+        k_base = K + off_b * skb + off_h * skh
+        v_base = V + off_b * svb + off_h * svh
+        n_tiles = gl.cdiv(Nk, BLOCK_N)
+        for st in gl.static_range(STAGES - 1):  # Q travels in tile 0's commit group
+            _issue_kv(k_smem, v_smem, k_base, v_base, skn, svn, st, Nk, offs_ln, offs_ld, BLOCK_N, STAGES)
+
+        offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, blk))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, blk))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, blk))
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=blk)
+        for t in range(0, n_tiles - 1):
+            _cta_barrier()  # every warp is done with ring slot (t - 1) % STAGES and with P
+            _issue_kv(k_smem, v_smem, k_base, v_base, skn, svn, t + STAGES - 1, Nk, offs_ln, offs_ld,
+                      BLOCK_N, STAGES)
+            async_copy.wait_group(STAGES - 1)  # tile t has landed (this thread's copies) ...
+            _cta_barrier()  # ... and every thread's
+            acc, m_i, l_i = _fold_tile(acc, m_i, l_i, t, q_smem, k_smem, v_smem, p_smem, Nk, qk_scale, offs_sn,
+                                       blk, a_l, b_l, BLOCK_M, BLOCK_N, HEAD_D, KC, STAGES, False)
+        _cta_barrier()
+        async_copy.wait_group(0)
+        _cta_barrier()
+        acc, m_i, l_i = _fold_tile(acc, m_i, l_i, n_tiles - 1, q_smem, k_smem, v_smem, p_smem, Nk, qk_scale,
+                                   offs_sn, blk, a_l, b_l, BLOCK_M, BLOCK_N, HEAD_D, KC, STAGES, True)
+        out = acc / l_i[:, None]
+        offs_om = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+        offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
+        gl.store(O + off_b * sob + off_h * soh + offs_om.to(gl.int64)[:, None] * som + offs_od[None, :],
+                 out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
+
+
+def ieee_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   out_dtype: torch.dtype | None = None, config: dict | None = None) -> torch.Tensor:
+    """``softmax(scale q k^T) v`` with FP32 FMA products (mode ``fp32-ieee``), Gluon kernel.
+
+    Args:
+        q: [B, H, Nq, D] float32 CUDA; k: [B, H, Nk, D]; v: [B, H, Nk, D]; D in :data:`HEAD_DIMS`;
+            any strides with a contiguous head dim and 16-byte-aligned rows (see :func:`unsupported_reason`).
+        scale: logit scale, > 0 (the row max is taken on the unscaled product).
+        out_dtype: output dtype (float32 default, or float16 / bfloat16), rounded once from ``W / S``.
+        config: launch-config override (keys of :func:`get_config`).
+
+    Returns:
+        [B, H, Nq, D], a view of a contiguous [B, Nq, H, D] buffer, as the Triton kernels return.
+
+    Raises:
+        ValueError: a call :func:`unsupported_reason` refuses (``scale <= 0`` among them).
+    """
+    reason = unsupported_reason(q, k, v, None, None, False, scale, 1)
+    if reason is not None:
+        raise ValueError(f"ieee_attention: {reason}; use kernels.elsa_fwd.elsa_attention(mode='fp32-ieee')")
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    out = heads_inner_output(q, Nq, D, out_dtype or torch.float32)
+    if B * H * Nq == 0:
+        return out
+    if Nk == 0:
+        return out.zero_()
+    cfg = dict(get_config(Nk), **(config or {}))
+    _ieee_fwd_kernel[(cdiv(Nq, cfg["BLOCK_M"]) * B * H,)](
+        q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        H, Nq, Nk, float(scale) * _LOG2E,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=D, KC=cfg["KC"], STAGES=cfg["STAGES"],
+        SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"])
+    return out
