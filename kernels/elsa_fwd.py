@@ -30,7 +30,7 @@ Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODE
   at B=1,H=8,N=8192,D=64 on an H100, rel err 3.9e-7 vs 5.0e-7 (measured before V got
   per-column scales; docs/benchmarks/attention_h100.md).
 * ``fp32-ieee``: ``"ieee"``, FP32 FMA, no tensor cores. On CUDA, calls within its scope (D = Dv in
-  {32, 64}, no bias / mask / causal) run the Gluon kernel of :mod:`.ieee_gluon` instead, ~2x faster.
+  {32, 64, 128}, no bias / mask / causal) run the Gluon kernel of :mod:`.ieee_gluon` instead, ~2x faster.
 * ``tf32``: ``"f16x1"``, the hi*hi product alone: operands rounded to 11 significant
   bits as TF32 rounds them (TF32-class accuracy, 4.3e-4 vs TF32's 1.6e-3 at N=8192), on
   the FP16 tensor cores (188 TFLOP/s vs 130 for ``"tf32"`` on the same shape).
@@ -543,7 +543,7 @@ def _gluon_ieee(q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtyp
                                                           num_splits) is not None:
         return None
     B, H, Nq, _ = q.shape
-    cfg = ieee_gluon.get_config(k.shape[2])
+    cfg = ieee_gluon.get_config(k.shape[2], q.shape[3])
     tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["STAGES"])
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
         return None

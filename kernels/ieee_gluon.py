@@ -12,13 +12,14 @@ swizzled so the lanes of a warp hit distinct banks. Same (m, S, W) fold as
 ``P @ V`` (the tile's sum is formed apart and added once).
 
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability >= 8.0 (``cp.async``),
-head dim 32 or 64 for both Q/K and V (128 spills registers), no bias / mask / causal, no split-KV,
+head dim 32, 64 or 128 for both Q/K and V, no bias / mask / causal, no split-KV,
 16-byte-aligned rows with a contiguous head dim. Other calls take the Triton kernel. Gluon cannot
 run under ``TRITON_INTERPRET=1``; CPU tests compile it offline for sm_90 and check the dispatch,
 ``pytest -m gpu`` checks its results against the float64 oracle.
 
 Measured on an H100 (docs/benchmarks/logs/gluon_ieee_h100_session6.jsonl): 35.9-39.5 TFLOP/s
-at B=1, H=8, N=4096..65536, D=64 (Triton's IEEE loop: 18.1-18.7), rel err unchanged (3-4e-7).
+at B=1, H=8, N=4096..65536, D=64 (Triton's IEEE loop: 18.1-18.7), 18.2-18.5 at D=128 (Triton: 9.1-9.2),
+rel err unchanged (3-5e-7).
 """
 from __future__ import annotations
 
@@ -39,13 +40,17 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 
 __all__ = ["ieee_attention", "unsupported_reason", "get_config", "HEAD_DIMS"]
 
-HEAD_DIMS = (32, 64)
+HEAD_DIMS = (32, 64, 128)
 _LOG2E = 1.4426950408889634
 
 
-def get_config(n_k: int) -> dict:
-    """Launch config by key count (H100, session 6): 32-key tiles waste less on ViT-sized tails
-    (22 vs 13 TFLOP/s at N=197, 29 vs 27 at 1025), 64-key tiles win from 4096 keys (36-40 vs 35-36)."""
+def get_config(n_k: int, head_dim: int = 64) -> dict:
+    """Launch config by key count and head dim (H100, session 6). D <= 64: 32-key tiles waste less on
+    ViT-sized tails (22 vs 13 TFLOP/s at N=197, 29 vs 27 at 1025), 64-key tiles win from 4096 keys
+    (36-40 vs 35-36). D = 128: 32 x 32 tiles, 2 rows per thread (64-row tiles spill registers):
+    18.2-18.5 TFLOP/s at N=4096-16384, the Triton loop 9.1-9.2."""
+    if head_dim > 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "KC": 16, "STAGES": 2, "SPT_M": 2, "num_warps": 4}
     return {"BLOCK_M": 64, "BLOCK_N": 32 if n_k <= 2048 else 64, "KC": 16, "STAGES": 2, "SPT_M": 4,
             "num_warps": 4}
 
@@ -132,8 +137,9 @@ if _IMPORT_ERROR is None:
         ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // TPW_D, TPW_D],
                                             warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
         # Q / P rows are read SPT_M apart by the lanes of a warp, K rows 4 apart: XOR-swizzle the 16-byte
-        # vectors by row // SPT_M so those reads hit distinct banks; V is read along its rows (no conflict)
+        # vectors by row // SPT_M (row // 4) so those reads hit distinct banks; V is read along its rows
         swz: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=SPT_M, max_phase=8, order=[1, 0])
+        swz_k: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=8, order=[1, 0])
         plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
         tiles_m = gl.cdiv(Nq, BLOCK_M)
@@ -144,7 +150,7 @@ if _IMPORT_ERROR is None:
         start_m = (pid % tiles_m) * BLOCK_M
 
         q_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_D], swz)
-        k_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, HEAD_D], swz)
+        k_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, HEAD_D], swz_k)
         v_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, HEAD_D], plain)
         p_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], swz)
 
@@ -211,7 +217,7 @@ def ieee_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         return out
     if Nk == 0:
         return out.zero_()
-    cfg = dict(get_config(Nk), **(config or {}))
+    cfg = dict(get_config(Nk, D), **(config or {}))
     _ieee_fwd_kernel[(cdiv(Nq, cfg["BLOCK_M"]) * B * H,)](
         q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         H, Nq, Nk, float(scale) * _LOG2E,
