@@ -18,8 +18,8 @@ run under ``TRITON_INTERPRET=1``; CPU tests compile it offline for sm_90 and che
 ``pytest -m gpu`` checks its results against the float64 oracle.
 
 Measured on an H100 (docs/benchmarks/logs/gluon_ieee_h100_session6.jsonl): 35.9-39.5 TFLOP/s
-at B=1, H=8, N=4096..65536, D=64 (Triton's IEEE loop: 18.1-18.7), 18.2-18.5 at D=128 (Triton: 9.1-9.2),
-rel err unchanged (3-5e-7).
+at B=1, H=8, N=4096..65536, D=64 (Triton's IEEE loop: 18.1-18.7), 25.1-25.3 at D=128 (Triton: 9.0-9.2),
+rel err unchanged (3-8e-7); docs/benchmarks/attention_ieee_h100.md, attention_ieee_d128_h100.md.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def get_config(n_k: int, head_dim: int = 64) -> dict:
     """Launch config by key count and head dim (H100, session 6). D <= 64: 32-key tiles waste less on
     ViT-sized tails (22 vs 13 TFLOP/s at N=197, 29 vs 27 at 1025), 64-key tiles win from 4096 keys
     (36-40 vs 35-36). D = 128: 32 x 32 tiles, 2 rows per thread (64-row tiles spill registers):
-    18.2-18.5 TFLOP/s at N=4096-16384, the Triton loop 9.1-9.2."""
+    25.1-25.3 TFLOP/s at N=4096-16384, the Triton loop 9.0-9.2."""
     if head_dim > 64:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "KC": 16, "STAGES": 2, "SPT_M": 2, "num_warps": 4}
     return {"BLOCK_M": 64, "BLOCK_N": 32 if n_k <= 2048 else 64, "KC": 16, "STAGES": 2, "SPT_M": 4,
