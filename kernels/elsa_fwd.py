@@ -127,13 +127,19 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    # interior tiles mask bias / mask loads by row only: a mask uniform along the key axis lets them
+    # load as vectors, pipelined like K and V (the key mask depends on the unspecialized Nk)
+    if BOUNDARY:
+        bm_ok = row_ok[:, None] & col_ok[None, :]
+    else:
+        bm_ok = row_ok[:, None]
     if HAS_BIAS:
         b_ptrs = b_base + start_n64 * sbn + offs_m[:, None] * sbm + offs_n[None, :] * sbn
-        bias = tl.load(b_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        bias = tl.load(b_ptrs, mask=bm_ok, other=0.0)
         qk += bias.to(tl.float32) * 1.4426950408889634
     if HAS_MASK:
         mk_ptrs = msk_base + start_n64 * smn + offs_m[:, None] * smm + offs_n[None, :] * smn
-        keep = tl.load(mk_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0)
+        keep = tl.load(mk_ptrs, mask=bm_ok, other=0)
         qk = tl.where(keep != 0, qk, float("-inf"))
     if BOUNDARY:
         valid = col_ok[None, :]
