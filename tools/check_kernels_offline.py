@@ -1,7 +1,7 @@
 """Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory, registers, occupancy.
 
 Walks the dense ELSA config table (every precision kind x padded head dim x short/long KV, with
-and without bias + mask), the PASA configs (head dims 16..256, with and without recovery, bias +
+and without bias + mask), the Gluon fp32-ieee kernel's configs, the PASA configs (head dims 16..256, with and without recovery, bias +
 mask) and the window kernels at the Swin / Swin-v2 window sizes, compiles each for sm_90 through
 :func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared memory each needs
 against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read from
@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from visionattn.kernels import elsa_fwd, pasa_fwd, window_fwd  # noqa: E402
+from visionattn.kernels import elsa_fwd, ieee_gluon, pasa_fwd, window_fwd  # noqa: E402
 from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
@@ -39,7 +39,8 @@ _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="elsa,pasa,window", help="comma-separated: elsa, pasa, window")
+    p.add_argument("--kernels", default="elsa,ieee-gluon,pasa,window",
+                   help="comma-separated: elsa, ieee-gluon, pasa, window")
     p.add_argument("--quick", action="store_true", help="head dims 64 and 128 only, no bias/mask variants")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "kernels_sm90"), help="output prefix (.md, .json)")
     return p
@@ -80,6 +81,20 @@ def _pasa_jobs(quick: bool):
                         float_args=("post_scale", "inv_a_full", "inv_a_tail")))
 
 
+def _ieee_gluon_jobs(quick: bool):
+    if ieee_gluon._IMPORT_ERROR is not None:
+        return
+    for d in ((64, 128) if quick else ieee_gluon.HEAD_DIMS):
+        for n_k in ((4096,) if d > 64 else (197, 4096)):
+            cfg = ieee_gluon.get_config(n_k, d)
+            const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=d, KC=cfg["KC"], STAGES=cfg["STAGES"],
+                         SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"])
+            yield ({"kernel": "ieee-gluon", "variant": f"D={d} Nk={n_k}",
+                    "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["STAGES"]]},
+                   dict(kernel=ieee_gluon._ieee_fwd_kernel, pointer_types={n: "*fp32" for n in "QKVO"},
+                        constexprs=const, num_warps=cfg["num_warps"], num_stages=1, float_args=("qk_scale",)))
+
+
 def _window_jobs(quick: bool):
     import torch
 
@@ -113,7 +128,8 @@ def _spill(local_bytes) -> str:
 def main(args) -> dict:
     jobs = []
     wanted = args.kernels.split(",")
-    for name, gen in (("elsa", _elsa_jobs), ("pasa", _pasa_jobs), ("window", _window_jobs)):
+    for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("pasa", _pasa_jobs),
+                      ("window", _window_jobs)):
         if name in wanted:
             jobs += list(gen(args.quick))
     rows, t0 = [], time.perf_counter()
