@@ -545,8 +545,12 @@ def _gluon_ieee(q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtyp
     """The ``fp32-ieee`` call on the Gluon FMA kernel (:mod:`.ieee_gluon`, ~2x this module's IEEE
     loop), or ``None`` when it does not take the call: outside its scope, or where the split-KV path
     would run (few query tiles), or after it failed to compile once in this process (warned once)."""
-    if _GLUON_IEEE_FAILED or ieee_gluon.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale,
-                                                          num_splits) is not None:
+    if _GLUON_IEEE_FAILED:
+        return None
+    if ieee_gluon._IMPORT_ERROR is not None and q.is_cuda:
+        _gluon_ieee_failed(ieee_gluon._IMPORT_ERROR)
+        return None
+    if ieee_gluon.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits) is not None:
         return None
     B, H, Nq, _ = q.shape
     cfg = ieee_gluon.get_config(k.shape[2], q.shape[3])
@@ -556,11 +560,16 @@ def _gluon_ieee(q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtyp
     try:
         return ieee_gluon.ieee_attention(q, k, v, scale, out_dtype)
     except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
-        _GLUON_IEEE_FAILED.append(f"{type(exc).__name__}: {exc}"[:500])
-        warnings.warn(f"visionattn: the Gluon fp32-ieee kernel failed ({_GLUON_IEEE_FAILED[0]}); mode "
-                      f"'fp32-ieee' uses the Triton kernel (about half the speed) for the rest of this process",
-                      RuntimeWarning, stacklevel=3)
+        _gluon_ieee_failed(f"{type(exc).__name__}: {exc}")
         return None
+
+
+def _gluon_ieee_failed(why: str) -> None:
+    """Record why the Gluon fp32-ieee kernel cannot run in this process and warn, once."""
+    _GLUON_IEEE_FAILED.append(why[:500])
+    warnings.warn(f"visionattn: the Gluon fp32-ieee kernel cannot run ({_GLUON_IEEE_FAILED[0]}); mode 'fp32-ieee' "
+                  f"uses the Triton kernel (about half the speed) for the rest of this process", RuntimeWarning,
+                  stacklevel=4)
 
 
 def _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, cfg: TileConfig, out,

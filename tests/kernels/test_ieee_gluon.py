@@ -119,3 +119,29 @@ def test_vit_unbind_views_and_half_output():
     assert rel_l2(ieee_gluon.ieee_attention(q, k, v, D ** -0.5), ref) <= 2e-6
     y16 = ieee_gluon.ieee_attention(q, k, v, D ** -0.5, out_dtype=torch.float16)
     assert y16.dtype == torch.float16 and rel_l2(y16, ref) <= 1e-3
+
+
+@pytest.mark.skipif(ieee_gluon._IMPORT_ERROR is not None, reason="this Triton has no usable Gluon")
+def test_a_failing_gluon_kernel_warns_once_and_the_triton_kernel_takes_over(monkeypatch):
+    """No silent fallback: if this Triton's Gluon cannot build the kernel, the first fp32-ieee call
+    warns with the reason and every call (that one included) runs the Triton kernel."""
+    from visionattn.kernels import elsa_fwd
+
+    calls = []
+    monkeypatch.setattr(elsa_fwd, "_GLUON_IEEE_FAILED", [])
+    monkeypatch.setattr(ieee_gluon, "unsupported_reason", lambda *a: None)  # as if on a GPU, in scope
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("no such Gluon op")
+
+    monkeypatch.setattr(ieee_gluon, "ieee_attention", broken)
+    q, k, v = _qkv(16, 16, 32)
+    with pytest.warns(RuntimeWarning, match="no such Gluon op"):
+        assert elsa_fwd._gluon_ieee(q, k, v, None, None, False, 0.125, 1, None) is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert elsa_fwd._gluon_ieee(q, k, v, None, None, False, 0.125, 1, None) is None
+    assert calls == [1]  # not retried
