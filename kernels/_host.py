@@ -36,7 +36,8 @@ def heads_inner_output(q: torch.Tensor, n_q: int, dv: int, dtype: torch.dtype) -
         TypeError: ``dtype`` not in :data:`OUT_DTYPES`.
     """
     if dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype={dtype}; expected one of {OUT_DTYPES}")
+        raise TypeError(f"output dtype {dtype} (the out_dtype argument, or the inputs' dtype where none is "
+                        f"given); the kernels write one of {OUT_DTYPES}")
     B, H = q.shape[0], q.shape[1]
     return torch.empty((B, n_q, H, dv), device=q.device, dtype=dtype).transpose(1, 2)
 

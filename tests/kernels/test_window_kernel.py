@@ -288,3 +288,14 @@ def test_default_config_drops_stages_on_out_of_shared_memory_and_remembers(monke
         out = window_attention_fwd(q, k, v, bias, mask, 2, False, None, 0.2, "fp16")
         assert rel_l2(out, gold) <= get_mode("fp16").rel_tol
     assert stages == [3, 2, 2]  # the second call did not try 3 stages again
+
+
+def test_float64_inputs_are_refused_with_the_output_dtype_named():
+    """A direct FP64 caller of the window kernel (no out_dtype argument) gets an error naming the
+    output dtype and the dtypes the kernels write, not a bare reference to an argument it never passed."""
+    import torch
+    from visionattn.kernels._host import heads_inner_output
+
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"output dtype torch.float64 .*write one of"):
+        heads_inner_output(q, 4, 8, q.dtype)
