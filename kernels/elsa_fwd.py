@@ -558,7 +558,7 @@ def _gluon_ieee(q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtyp
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
         return None
     try:
-        return ieee_gluon.ieee_attention(q, k, v, scale, out_dtype)
+        return ieee_gluon.launch(q, k, v, scale, out_dtype, cfg)  # checked above: no second validation
     except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
         _gluon_ieee_failed(f"{type(exc).__name__}: {exc}")
         return None

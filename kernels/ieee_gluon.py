@@ -38,7 +38,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["ieee_attention", "unsupported_reason", "get_config", "HEAD_DIMS"]
+__all__ = ["ieee_attention", "launch", "unsupported_reason", "get_config", "kernel_constexprs", "HEAD_DIMS"]
 
 HEAD_DIMS = (32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -210,6 +210,20 @@ def ieee_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     reason = unsupported_reason(q, k, v, None, None, False, scale, 1)
     if reason is not None:
         raise ValueError(f"ieee_attention: {reason}; use kernels.elsa_fwd.elsa_attention(mode='fp32-ieee')")
+    return launch(q, k, v, scale, out_dtype, dict(get_config(k.shape[2], q.shape[3]), **(config or {})))
+
+
+def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
+    """The constexpr arguments of :func:`_ieee_fwd_kernel` for a :func:`get_config` dict (launches,
+    offline compiles and their tests build the kernel from this one mapping)."""
+    return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, KC=cfg["KC"], STAGES=cfg["STAGES"],
+                SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"])
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_dtype: torch.dtype | None,
+           cfg: dict) -> torch.Tensor:
+    """:func:`ieee_attention` without its checks, for a caller that ran :func:`unsupported_reason`
+    and :func:`get_config` already (the dense launcher: no second validation on the hot path)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     out = heads_inner_output(q, Nq, D, out_dtype or torch.float32)
@@ -217,10 +231,7 @@ def ieee_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         return out
     if Nk == 0:
         return out.zero_()
-    cfg = dict(get_config(Nk, D), **(config or {}))
     _ieee_fwd_kernel[(cdiv(Nq, cfg["BLOCK_M"]) * B * H,)](
         q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        H, Nq, Nk, float(scale) * _LOG2E,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=D, KC=cfg["KC"], STAGES=cfg["STAGES"],
-        SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"])
+        H, Nq, Nk, float(scale) * _LOG2E, **kernel_constexprs(cfg, D), num_warps=cfg["num_warps"])
     return out

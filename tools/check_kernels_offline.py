@@ -87,12 +87,11 @@ def _ieee_gluon_jobs(quick: bool):
     for d in ((64, 128) if quick else ieee_gluon.HEAD_DIMS):
         for n_k in ((4096,) if d > 64 else (197, 4096)):
             cfg = ieee_gluon.get_config(n_k, d)
-            const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=d, KC=cfg["KC"], STAGES=cfg["STAGES"],
-                         SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"])
             yield ({"kernel": "ieee-gluon", "variant": f"D={d} Nk={n_k}",
                     "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["STAGES"]]},
                    dict(kernel=ieee_gluon._ieee_fwd_kernel, pointer_types={n: "*fp32" for n in "QKVO"},
-                        constexprs=const, num_warps=cfg["num_warps"], num_stages=1, float_args=("qk_scale",)))
+                        constexprs=ieee_gluon.kernel_constexprs(cfg, d), num_warps=cfg["num_warps"], num_stages=1,
+                        float_args=("qk_scale",)))
 
 
 def _window_jobs(quick: bool):

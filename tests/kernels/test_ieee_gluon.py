@@ -21,9 +21,7 @@ from visionattn.kernels.introspect import compile_for_arch
 out = {}
 for d, n_k in ((64, 4096), (64, 197), (32, 4096), (128, 4096)):
     cfg = ieee_gluon.get_config(n_k, d)
-    const = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=d, KC=cfg["KC"], STAGES=cfg["STAGES"],
-                 SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"])
-    r = compile_for_arch(ieee_gluon._ieee_fwd_kernel, {n: "*fp32" for n in "QKVO"}, const,
+    r = compile_for_arch(ieee_gluon._ieee_fwd_kernel, {n: "*fp32" for n in "QKVO"}, ieee_gluon.kernel_constexprs(cfg, d),
                          num_warps=cfg["num_warps"], num_stages=1, float_args=("qk_scale",))
     out[f"{d}_{cfg['BLOCK_N']}_{cfg['BLOCK_M']}"] = {"shared": r.shared_bytes, "wgmma": r.wgmma, "dots": r.ttgir.count("tt.dot "),
                                     "regs": r.registers, "local": r.local_bytes, "programs": r.programs_per_sm}
@@ -135,7 +133,7 @@ def test_a_failing_gluon_kernel_warns_once_and_the_triton_kernel_takes_over(monk
         calls.append(1)
         raise RuntimeError("no such Gluon op")
 
-    monkeypatch.setattr(ieee_gluon, "ieee_attention", broken)
+    monkeypatch.setattr(ieee_gluon, "launch", broken)
     q, k, v = _qkv(16, 16, 32)
     with pytest.warns(RuntimeWarning, match="no such Gluon op"):
         assert elsa_fwd._gluon_ieee(q, k, v, None, None, False, 0.125, 1, None) is None
