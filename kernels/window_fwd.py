@@ -462,7 +462,8 @@ def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, sc
     key = (mode, precision, pad_pow2(N), block_d, block_dv, bias is not None, mask is not None, bool(cosine),
            tuple(sorted(cfg.items())))
     ran = run_first_that_fits(launch, _FITTED.get(key, cfg), _fewer_stages)
-    _FITTED[key] = ran
+    if ran != cfg:  # as the dense launcher: only a fallback is remembered
+        _FITTED[key] = ran
     return out
 
 
