@@ -4,7 +4,8 @@ Entry points used by :mod:`visionattn.api` and :mod:`visionattn.window`:
 
 * :func:`elsa_attention` — dense ELSA forward (single pass / split-KV + merge),
   modes fp32, fp32-ieee, tf32, fp16, bf16 (fp32-ieee on CUDA mostly through the Gluon
-  kernel of :mod:`.ieee_gluon`);
+  kernel of :mod:`.ieee_gluon`; long fp16 / bf16 sequences on Hopper through the warp-specialized
+  Gluon kernel of :mod:`.half_gluon`);
 * :func:`pasa_attention` — FP16-score-accumulation forward with PASA shifting
   (``shift=True``) or without (the ``fp16-acc16`` baseline);
 * :func:`window_attention_fwd` — Swin / Swin-v2 window attention;

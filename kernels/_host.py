@@ -42,6 +42,22 @@ def heads_inner_output(q: torch.Tensor, n_q: int, dv: int, dtype: torch.dtype) -
     return torch.empty((B, n_q, H, dv), device=q.device, dtype=dtype).transpose(1, 2)
 
 
+def allocate_output(q: torch.Tensor, n_k: int, dv: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """The :func:`heads_inner_output` for queries ``q`` [B, H, Nq, D], and whether a kernel must fill it:
+    ``False`` when it is empty, or when there are no keys (then it is zeros: W = 0 over no keys).
+
+    Raises:
+        TypeError: ``dtype`` not in :data:`OUT_DTYPES`.
+    """
+    B, H, n_q = q.shape[:3]
+    out = heads_inner_output(q, n_q, dv, dtype)
+    if B * H * n_q == 0 or dv == 0:
+        return out, False
+    if n_k == 0:
+        return out.zero_(), False
+    return out, True
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from ._host import cdiv, heads_inner_output
+from ._gluon import scope_reason
+from ._host import allocate_output, cdiv
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    from ._gluon import online_softmax
 
     # renamed from thread_barrier to barrier after triton 3.6
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -61,26 +64,11 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
     Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, H, Nk, D], v [B, H, Nk, Dv]
     float32; ``num_splits`` 0 = automatic (the launcher splits only when the grid cannot fill the GPU).
     """
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
-    if bias is not None or attn_mask is not None or is_causal:
-        return "bias, mask or causal"
-    if not scale > 0:
-        return f"scale {scale!r} <= 0 (the row max is taken before scaling)"
-    D, Dv = q.shape[-1], v.shape[-1]
-    if D != Dv or D not in HEAD_DIMS:
-        return f"head dims ({D}, {Dv}); the Gluon kernel takes equal head dims in {HEAD_DIMS}"
-    if num_splits > 1:
-        return "split-KV requested"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 or any(s % 4 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name} rows are not 16-byte aligned with a contiguous head dim"
-    if q.device.type != "cuda":
-        return f"tensors on {q.device.type}"
-    if torch.cuda.get_device_capability(q.device) < (8, 0):
-        return "compute capability below 8.0 (no cp.async)"
-    return None
-
+    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=(torch.float32,),
+                        head_dims=HEAD_DIMS, stride_elems=4,
+                        stride_text="rows are not 16-byte aligned with a contiguous head dim",
+                        capable=lambda cc: cc >= (8, 0), capable_text="compute capability below 8.0 (no cp.async)",
+                        import_error=_IMPORT_ERROR)
 
 if _IMPORT_ERROR is None:
 
@@ -109,12 +97,7 @@ if _IMPORT_ERROR is None:
         for kk in gl.static_range(0, HEAD_D, KC):
             s = gl.dot_fma(q_smem.slice(kk, KC, dim=1).load(a_l),
                            k_t.slice(kk, KC, dim=1).permute((1, 0)).load(b_l), s)
-        if TAIL:
-            s = gl.where(((t * BLOCK_N + offs_sn) < Nk)[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)  # qk_scale > 0 (the dispatcher checks)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        p, m_new, l_i, alpha = online_softmax(s, m_i, l_i, t, Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
         p_smem.store(p)
         _cta_barrier()
         pv = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=blk)
@@ -226,11 +209,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_
     and :func:`get_config` already (the dense launcher: no second validation on the hot path)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    out = heads_inner_output(q, Nq, D, out_dtype or torch.float32)
-    if B * H * Nq == 0:
+    out, needs_kernel = allocate_output(q, Nk, D, out_dtype or torch.float32)
+    if not needs_kernel:
         return out
-    if Nk == 0:
-        return out.zero_()
     _ieee_fwd_kernel[(cdiv(Nq, cfg["BLOCK_M"]) * B * H,)](
         q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         H, Nq, Nk, float(scale) * _LOG2E, **kernel_constexprs(cfg, D), num_warps=cfg["num_warps"])

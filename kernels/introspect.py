@@ -103,13 +103,14 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
 
 def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *, num_warps: int,
                      num_stages: int, unit_ints: tuple[str, ...] = (), float_args: tuple[str, ...] = (),
-                     arch: int = 90) -> CompileReport:
+                     arch: int = 90, maxnreg: int | None = None) -> CompileReport:
     """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for ``cuda:arch`` as a launch would.
 
     Args:
         kernel: the JIT function.
         pointer_types: argument name -> Triton pointer type (``"*fp32"``, ``"*fp16"``, ``"*u8"``);
-            every pointer is taken as 16-byte aligned.
+            every pointer is taken as 16-byte aligned. Gluon TMA descriptors go here too, as
+            ``"tensordesc<fp16[1,1,64,64],{shared layout repr}>"`` (:func:`.half_gluon.descriptor_types`).
         constexprs: values of the ``tl.constexpr`` arguments.
         num_warps, num_stages: launch options.
         unit_ints: int arguments equal to 1 at run time (inner strides), which Triton folds into
@@ -117,9 +118,10 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
             declares ``do_not_specialize`` (a launch does not specialize them either).
         float_args: arguments passed as Python floats.
         arch: compute capability (90 = Hopper).
+        maxnreg: register cap per thread, as the launch option of that name.
 
     Returns:
-        :class:`CompileReport`.
+        :class:`CompileReport`; its ``num_warps`` counts every warp a warp-specialized kernel launches.
 
     Raises:
         RuntimeError: ``TRITON_INTERPRET=1`` is set (kernels are then interpreted functions,
@@ -134,7 +136,8 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
     for i, name in enumerate(inspect.signature(kernel.fn).parameters):
         if name in pointer_types:
             sig[name] = pointer_types[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if not sig[name].startswith("tensordesc"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in consts:
             sig[name] = "constexpr"
         elif name in float_args:
@@ -150,9 +153,12 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
     if getattr(kernel, "is_gluon", lambda: False)():  # Gluon kernels carry their layouts: their own front end
         from triton.experimental.gluon._runtime import GluonASTSource as source
     src = source(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     ttgir = compiled.asm.get("ttgir", "")
     registers, local_bytes = _resource_usage(compiled.asm["cubin"]) if "cubin" in compiled.asm else (None, None)
     return CompileReport(shared_bytes=int(compiled.metadata.shared), wgmma=ttgir.count("ttng.warp_group_dot "),
-                         ttgir=ttgir, registers=registers, local_bytes=local_bytes, num_warps=num_warps)
+                         ttgir=ttgir, registers=registers, local_bytes=local_bytes,
+                         num_warps=int(getattr(compiled.metadata, "num_warps", num_warps)))

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, heads_inner_output, pad_pow2, run_first_that_fits
+from ._host import allocate_output, cdiv, pad_pow2, run_first_that_fits
 from .elsa_fwd import LOG2E, load_kv_tile
 from .split16 import SPLIT_EXP, exponent, pow2
 
@@ -450,11 +450,9 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         attn_mask = attn_mask.expand(B, H, Nq, Nk).view(torch.uint8)
     if bias is not None:
         bias = bias.expand(B, H, Nq, Nk)
-    out = heads_inner_output(q, Nq, Dv, out_dtype or torch.float16)
-    if B * H * Nq * Dv == 0:
+    out, needs_kernel = allocate_output(q, Nk, Dv, out_dtype or torch.float16)
+    if not needs_kernel:
         return out
-    if Nk == 0:
-        return out.zero_()
     interpret = q.device.type != "cuda"
     cfg = dict(_get_config(D, interpret), **(config or {}))
     BLOCK_D = pad_pow2(D)

@@ -1,7 +1,7 @@
 """Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory, registers, occupancy.
 
 Walks the dense ELSA config table (every precision kind x padded head dim x short/long KV, with
-and without bias + mask), the Gluon fp32-ieee kernel's configs, the PASA configs (head dims 16..256, with and without recovery, bias +
+and without bias + mask), the Gluon fp32-ieee and Hopper fp16 / bf16 kernels' configs, the PASA configs (head dims 16..256, with and without recovery, bias +
 mask) and the window kernels at the Swin / Swin-v2 window sizes, compiles each for sm_90 through
 :func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared memory each needs
 against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read from
@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from visionattn.kernels import elsa_fwd, ieee_gluon, pasa_fwd, window_fwd  # noqa: E402
+from visionattn.kernels import elsa_fwd, half_gluon, ieee_gluon, pasa_fwd, window_fwd  # noqa: E402
 from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
@@ -39,8 +39,8 @@ _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="elsa,ieee-gluon,pasa,window",
-                   help="comma-separated: elsa, ieee-gluon, pasa, window")
+    p.add_argument("--kernels", default="elsa,ieee-gluon,half-gluon,pasa,window",
+                   help="comma-separated: elsa, ieee-gluon, half-gluon, pasa, window")
     p.add_argument("--quick", action="store_true", help="head dims 64 and 128 only, no bias/mask variants")
     p.add_argument("--out", default=os.path.join(REPO, "runs", "kernels_sm90"), help="output prefix (.md, .json)")
     return p
@@ -94,6 +94,24 @@ def _ieee_gluon_jobs(quick: bool):
                         float_args=("qk_scale",)))
 
 
+def _half_gluon_jobs(quick: bool):
+    import torch
+
+    if half_gluon._IMPORT_ERROR is not None:
+        return
+    for d in half_gluon.HEAD_DIMS:
+        for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
+            cfg = half_gluon.get_config(4096, d)
+            tname = str(dtype).split(".")[-1]
+            yield ({"kernel": "half-gluon", "variant": f"D={d} {tname}" + (" ping-pong" if cfg["PINGPONG"] else ""),
+                    "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 8, cfg["STAGES"]]},
+                   dict(kernel=half_gluon._half_fwd_kernel,
+                        pointer_types=dict(half_gluon.descriptor_types(cfg, d, dtype),
+                                           O="*fp16" if dtype == torch.float16 else "*bf16"),
+                        constexprs=half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1,
+                        float_args=("qk_scale",), maxnreg=cfg["maxnreg"]))
+
+
 def _window_jobs(quick: bool):
     import torch
 
@@ -127,8 +145,8 @@ def _spill(local_bytes) -> str:
 def main(args) -> dict:
     jobs = []
     wanted = args.kernels.split(",")
-    for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("pasa", _pasa_jobs),
-                      ("window", _window_jobs)):
+    for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
+                      ("pasa", _pasa_jobs), ("window", _window_jobs)):
         if name in wanted:
             jobs += list(gen(args.quick))
     rows, t0 = [], time.perf_counter()
@@ -158,7 +176,9 @@ def main(args) -> dict:
           f"(the launcher then retries smaller configs), {len(failed)} failed to compile\n"
           f"* registers and spill (local) bytes per thread from the cubin (`cuobjdump -res-usage`); programs / SM = "
           f"programs one SM holds at once by the Hopper occupancy rules (registers, 228 KiB shared memory with 1 KiB "
-          f"reserved per program, 64 warps, 32 programs); a config over the shared-memory limit shows 0\n\n{table}\n")
+          f"reserved per program, 64 warps, 32 programs); a config over the shared-memory limit shows 0\n"
+          f"* half-gluon (warp-specialized): registers are the launch cap over its 12 warps; `setmaxnreg` then gives "
+          f"each consumer thread 240 and each producer thread 24\n\n{table}\n")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_text_atomic(args.out + ".md", md)
     write_json_atomic(args.out + ".json", result)

@@ -4,14 +4,11 @@ Gluon does not run under TRITON_INTERPRET=1, so on CPU the kernel is compiled of
 sm_90 with the installed Triton (in a child process with TRITON_INTERPRET=0) and the dispatch
 rules are checked; the results are checked on a GPU (``pytest -m gpu``) against the float64 oracle.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from offline_compile import compile_in_child
 from visionattn.kernels import ieee_gluon
 
 _CHILD = r"""
@@ -34,10 +31,7 @@ print(json.dumps(out))
 def test_compiles_for_hopper_as_fma_products_without_spills():
     """With the installed Triton the kernel builds for sm_90: FMA dots only (no wgmma), one per
     16-wide chunk of D (QK^T) and of the KV tile (P V), no register spills, two programs per SM."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=550)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = compile_in_child(_CHILD)
     assert set(r) == {"64_64_64", "64_32_64", "32_64_64", "128_32_32"}
     for key, v in r.items():
         d, bn, bm = map(int, key.split("_"))
@@ -117,29 +111,3 @@ def test_vit_unbind_views_and_half_output():
     assert rel_l2(ieee_gluon.ieee_attention(q, k, v, D ** -0.5), ref) <= 2e-6
     y16 = ieee_gluon.ieee_attention(q, k, v, D ** -0.5, out_dtype=torch.float16)
     assert y16.dtype == torch.float16 and rel_l2(y16, ref) <= 1e-3
-
-
-@pytest.mark.skipif(ieee_gluon._IMPORT_ERROR is not None, reason="this Triton has no usable Gluon")
-def test_a_failing_gluon_kernel_warns_once_and_the_triton_kernel_takes_over(monkeypatch):
-    """No silent fallback: if this Triton's Gluon cannot build the kernel, the first fp32-ieee call
-    warns with the reason and every call (that one included) runs the Triton kernel."""
-    from visionattn.kernels import elsa_fwd
-
-    calls = []
-    monkeypatch.setattr(elsa_fwd, "_GLUON_IEEE_FAILED", [])
-    monkeypatch.setattr(ieee_gluon, "unsupported_reason", lambda *a: None)  # as if on a GPU, in scope
-
-    def broken(*a, **kw):
-        calls.append(1)
-        raise RuntimeError("no such Gluon op")
-
-    monkeypatch.setattr(ieee_gluon, "launch", broken)
-    q, k, v = _qkv(16, 16, 32)
-    with pytest.warns(RuntimeWarning, match="no such Gluon op"):
-        assert elsa_fwd._gluon_ieee(q, k, v, None, None, False, 0.125, 1, None) is None
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert elsa_fwd._gluon_ieee(q, k, v, None, None, False, 0.125, 1, None) is None
-    assert calls == [1]  # not retried

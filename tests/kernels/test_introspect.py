@@ -3,12 +3,9 @@
 The test session runs the kernels interpreted (TRITON_INTERPRET=1, tests/conftest.py), which
 cannot compile, so the compiles run in a child process with TRITON_INTERPRET=0.
 """
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+from offline_compile import compile_in_child
 
 _CHILD = r"""
 import json
@@ -32,10 +29,7 @@ print(json.dumps({"limit": HOPPER_SHARED_LIMIT, "f16x3_1": run("f16x3", 1), "f16
 def test_shared_memory_grows_with_pipelining_and_tensor_core_paths_use_wgmma():
     """More pipeline stages buffer more K/V tiles; the split-FP16 products run as Hopper wgmma
     (3 dots x 2 per KV-loop copy for f16x3), the IEEE FMA path has none."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=550)
-    assert out.returncode == 0, out.stderr[-2000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = compile_in_child(_CHILD)
     assert 0 < r["f16x3_1"]["shared"] < r["f16x3_3"]["shared"] <= r["limit"]
     assert r["f16x3_3"]["wgmma"] >= 6
     assert r["ieee_2"]["wgmma"] == 0

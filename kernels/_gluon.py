@@ -1,0 +1,77 @@
+"""What the two Gluon kernels (:mod:`.ieee_gluon`, :mod:`.half_gluon`) share: the scope check and
+the online-softmax step of the (m, S, W) fold.
+
+Gluon is Triton's explicit-layout dialect (``triton.experimental.gluon``); it is experimental and its
+API moves between releases, so every import is guarded and a missing piece becomes a reason string
+(the dense launcher then warns once and keeps its Triton kernel).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    IMPORT_ERROR: str | None = None
+except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
+    IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
+
+__all__ = ["scope_reason", "IMPORT_ERROR"]
+
+
+def scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int, *,
+                 dtypes: tuple[torch.dtype, ...], head_dims: tuple[int, ...], stride_elems: int, stride_text: str,
+                 capable: Callable[[tuple[int, int]], bool], capable_text: str, import_error: str | None) -> str | None:
+    """Why a Gluon kernel cannot run a call, or ``None``; the import error is reported last, so a call
+    that names it is one the kernel would have taken (the launcher warns only for those).
+
+    Args:
+        q, k, v, bias, attn_mask, is_causal, scale, num_splits: the call as the dense launcher sees it
+            (q [B, H, Nq, D], k [B, H, Nk, D], v [B, H, Nk, Dv]; ``num_splits`` 0 = automatic).
+        dtypes: input dtypes the kernel takes (q, k and v must share one).
+        head_dims: head dims it takes (D = Dv).
+        stride_elems: every stride but the head dim's, and the base address, must be a multiple of this
+            many elements (16 bytes: cp.async vectors / TMA); ``stride_text`` says why in the reason.
+        capable: predicate on the CUDA compute capability; ``capable_text`` names what fails it.
+        import_error: the kernel module's import failure, if any.
+    """
+    if bias is not None or attn_mask is not None or is_causal:
+        return "bias, mask or causal"
+    if not scale > 0:
+        return f"scale {scale!r} <= 0 (the row max is taken before scaling)"
+    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes ({q.dtype}, {k.dtype}, {v.dtype}); the Gluon kernel takes one of {dtypes}"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D != Dv or D not in head_dims:
+        return f"head dims ({D}, {Dv}); the Gluon kernel takes equal head dims in {head_dims}"
+    if num_splits > 1:
+        return "split-KV requested"
+    align = stride_elems * q.element_size()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or any(s % stride_elems for s in t.stride()[:-1]) or t.data_ptr() % align:
+            return f"{name} {stride_text}"
+    if q.device.type != "cuda":
+        return f"tensors on {q.device.type}"
+    if not capable(torch.cuda.get_device_capability(q.device)):
+        return capable_text
+    return import_error
+
+
+if IMPORT_ERROR is None:
+
+    @gluon.jit
+    def online_softmax(s, m_i, l_i, t, Nk, qk_scale, offs_sn, BLOCK_N: gl.constexpr, TAIL: gl.constexpr):
+        """Fold the raw scores ``s`` [BLOCK_M, BLOCK_N] of KV tile ``t`` into the row state: returns
+        ``(p, m_new, l_new, alpha)`` with ``p = 2^(s * qk_scale - m_new)``, the base-2 running max
+        ``m_new``, ``l_new = l_i * alpha + sum(p)`` and the rescale ``alpha = 2^(m_i - m_new)`` of what
+        was folded before (ELSA supplement, Alg. 1). ``TAIL`` masks keys >= Nk (the last tile only);
+        ``qk_scale`` > 0 (the max is taken on the unscaled scores)."""
+        if TAIL:
+            s = gl.where(((t * BLOCK_N + offs_sn) < Nk)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha

@@ -1,0 +1,282 @@
+"""FP16 / BF16 attention forward for Hopper in Gluon: TMA producer warp, two consumer warpgroups.
+
+The Triton kernel of :mod:`.elsa_fwd` issues its loads and both GEMMs from the same warps, in
+lockstep, and reaches 0.80-0.93x SDPA-cuDNN on an H100. This kernel schedules the way
+FlashAttention-3 does (Shah et al. 2024, Sec. 3.1-3.2), which Gluon (Triton's explicit-layout
+dialect) can express:
+
+* **warp specialization**: one producer warp TMA-loads the CTA's two 64-row Q tiles and a ring of
+  K / V tiles (``ready`` / ``empty`` mbarriers; 4-D [B, H, N, D] descriptors, so strided views such
+  as timm's ``qkv.unbind`` need no copy, and rows past N arrive as zeros); the two consumer
+  warpgroups get 240 registers each, the producer 24;
+* **intra-warpgroup overlap**: each consumer issues ``S_{t+1} = Q K_{t+1}^T`` and
+  ``O += P_t V_t`` as async wgmmas and runs the softmax of ``S_{t+1}`` while ``P_t V_t`` is in flight;
+* **ping-pong** (D = 128 only): two ``turn`` mbarriers make the consumers take turns issuing
+  their wgmmas, so one group's softmax overlaps the other's GEMMs. At D = 64 the GEMMs are too
+  short for it to pay (0.94-0.96x vs 0.95-0.99x cuDNN without it), as in FlashAttention-3.
+
+The fold is the (m, S, W) recurrence of :mod:`.elsa_fwd` (ELSA supplement, Alg. 1) in base 2:
+FP32 scores and state, P rounded to the input dtype before ``P @ V``, FP32 accumulation, one
+division and rounding at the end. Results match the Triton kernel's error (rel err ~2.7e-4 fp16,
+~2.1e-3 bf16 vs float64).
+
+Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x (wgmma, TMA,
+``setmaxnreg``), fp16 or bf16 q / k / v of one dtype, head dim 64 or 128 for both Q/K and V, no bias /
+mask / causal, no split-KV, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
+The dense launcher takes it from :data:`MIN_KEYS` keys on. Gluon cannot run under
+``TRITON_INTERPRET=1``: CPU tests compile it offline for sm_90 and check the dispatch; ``pytest -m gpu``
+checks its results against the float64 oracle.
+
+Measured on an H100 (docs/benchmarks/logs/gluon_pp_h100_session7.jsonl, CUDA-graph medians),
+vs SDPA-cuDNN: D = 64, N = 4096-65536: 0.94-0.99x (Triton kernel 0.90-0.92x); D = 128, N = 4096-16384:
+0.98-1.02x (Triton kernel 0.80-0.82x).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._gluon import scope_reason
+from ._host import allocate_output, cdiv
+
+try:  # Gluon is experimental: its API moves between Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ._gluon import online_softmax
+
+    _IMPORT_ERROR: str | None = None
+except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
+
+__all__ = ["half_attention", "launch", "unsupported_reason", "get_config", "kernel_constexprs", "descriptor_types",
+           "HEAD_DIMS", "MIN_KEYS"]
+
+HEAD_DIMS = (64, 128)
+# From this many keys the dense launcher prefers this kernel. Below, the Triton kernel wins: at ViT-B/16
+# sizes (N = 197, 1025) it is 0.93x / 1.02x cuDNN, this kernel 0.59x / 0.90x (two 64-row tiles per CTA
+# and a 128-key tile waste more on short sequences).
+MIN_KEYS = 2048
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def get_config(n_k: int, head_dim: int = 64) -> dict:
+    """Launch config by head dim (H100, session 7, CUDA-graph medians vs cuDNN at N = 4096 / 16384 / 65536);
+    ``n_k`` is unused (one config from :data:`MIN_KEYS` keys on), kept for the launcher's common signature.
+    128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages starve the
+    consumers (0.67x at D = 64), 4 gain nothing.
+    Registers: 168 per thread at launch (12 warps: two consumer warpgroups, the producer warp padded to a
+    warpgroup), redistributed by ``setmaxnreg`` to 240 per consumer thread and 24 per producer thread."""
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": head_dim > 64, "maxnreg": 168,
+            "consumer_regs": 240}
+
+
+def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
+    """Why :func:`half_attention` cannot run this call (the Triton kernel then does), or ``None``.
+
+    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, H, Nk, D], v [B, H, Nk, Dv];
+    ``num_splits`` 0 = automatic (the launcher splits only when the grid cannot fill the GPU).
+    """
+    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=_DTYPES, head_dims=HEAD_DIMS,
+                        stride_elems=8,
+                        stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",
+                        capable=lambda cc: cc[0] == 9, capable_text="not a compute capability 9.x GPU (wgmma and TMA "
+                        "are Hopper's)", import_error=_IMPORT_ERROR)
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, off_b, off_h, start_m, Nk,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # one warp: both Q tiles, then K / V tile t into ring slot t % STAGES once both consumers freed it
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], q_bar, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + BLOCK_M, 0], q_bar, q_smem.index(1))
+        for t in range(gl.cdiv(Nk, BLOCK_N)):
+            slot = t % STAGES
+            mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, t * BLOCK_N, 0], bar, k_smem.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, t * BLOCK_N, 0], bar, v_smem.index(slot))
+
+    @gluon.jit
+    def _step(acc, p16, m_i, l_i, t, q_t, k_smem, v_smem, l_smem, ready, empty, my_turn, other_turn, Nk,
+              qk_scale, offs_sn, s_zero, WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, TAIL: gl.constexpr, PINGPONG: gl.constexpr):
+        # S_{t+1} = Q K_{t+1}^T and O += P_t V_t in flight together; the softmax of S_{t+1} runs under P_t V_t
+        nxt = (t + 1) % STAGES
+        mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1)
+        k_t = k_smem.index(nxt).reshape([BLOCK_N, HEAD_D])
+        v_t = v_smem.index(t % STAGES).reshape([BLOCK_N, HEAD_D])
+        if PINGPONG:  # this group's (t + 1)-th turn to issue
+            mbarrier.wait(my_turn, (t + 1 + (WG == 0)) & 1)
+        s_tok = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        o_tok = warpgroup_mma(p16, v_t, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, t + 1, Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
+        # ptxas would sink the softmax below the next wait (no overlap) unless it must finish first: a store
+        # of its row sums does that
+        l_smem.store(l_i)
+        acc, p16 = warpgroup_mma_wait(0, deps=[o_tok, p16])
+        mbarrier.arrive(empty.index(t % STAGES))  # this group is done with K_t and V_t
+        p16 = gl.convert_layout(p.to(p16.dtype), p16.type.layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        return acc, p16, m_i, l_i
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, l_smem, q_bar, ready, empty, turn, O, off_b, off_h, sob, soh, som,
+                  start_m, Nq, Nk, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+        # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) over every KV tile
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        # turns go 0, 1, 0, 1, ...: group 0's first wait passes on the fresh barrier (parity 1)
+        my_turn = turn.index(WG)
+        other_turn = turn.index(1 - WG)
+        l_mine = l_smem.slice(WG * BLOCK_M, BLOCK_M)
+        offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        n_tiles = gl.cdiv(Nk, BLOCK_N)
+
+        q_t = q_smem.index(WG).reshape([BLOCK_M, HEAD_D])
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(ready.index(0), 0)
+        if PINGPONG:
+            mbarrier.wait(my_turn, (WG == 0) & 1)
+        s_tok = warpgroup_mma(q_t, k_smem.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), s_zero,
+                              use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, 0, Nk, qk_scale, offs_sn, BLOCK_N, True)
+        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        for t in range(0, n_tiles - 2):
+            acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, q_t, k_smem, v_smem, l_mine, ready, empty, my_turn,
+                                       other_turn, Nk, qk_scale, offs_sn, s_zero, WG, BLOCK_N, HEAD_D, STAGES,
+                                       False, PINGPONG)
+        if n_tiles > 1:
+            acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, n_tiles - 2, q_t, k_smem, v_smem, l_mine, ready, empty,
+                                       my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero, WG, BLOCK_N, HEAD_D,
+                                       STAGES, True, PINGPONG)
+        if PINGPONG:
+            mbarrier.wait(my_turn, (n_tiles + (WG == 0)) & 1)
+        o_tok = warpgroup_mma(p16, v_smem.index((n_tiles - 1) % STAGES).reshape([BLOCK_N, HEAD_D]), acc,
+                              is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        gl.store(O + off_b * sob + off_h * soh + offs_om.to(gl.int64)[:, None] * som + offs_od[None, :],
+                 out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
+
+    @gluon.jit
+    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, sob, soh, som, H, Nq, Nk, qk_scale,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        # One CTA per (2 * BLOCK_M query rows, head, batch), 1-D grid as the Triton kernel.
+        dtype: gl.constexpr = q_desc.dtype
+        tiles_m = gl.cdiv(Nq, 2 * BLOCK_M)
+        pid = gl.program_id(0)
+        bh = pid // tiles_m
+        off_h = bh % H
+        off_b = bh // H
+        start_m = (pid % tiles_m) * 2 * BLOCK_M
+        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        ob = off_b.to(gl.int64)
+        oh = off_h.to(gl.int64)
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, l_smem, q_bar, ready, empty, turn, O, ob, oh, sob, soh, som,
+                         start_m, Nq, Nk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+            (_consumer, (q_smem, k_smem, v_smem, l_smem, q_bar, ready, empty, turn, O, ob, oh, sob, soh, som,
+                         start_m, Nq, Nk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, off_b, off_h, start_m,
+                         Nk, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
+    """The constexpr arguments of :func:`_half_fwd_kernel` for a :func:`get_config` dict (launches,
+    offline compiles and their tests build the kernel from this one mapping)."""
+    return dict(BLOCK_M=cfg["BLOCK_M"] // 2, BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
+                PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"])
+
+
+def _smem_layout(block: list[int], dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(block, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype])
+
+
+def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
+    """Signature types of the three descriptor arguments (``q_desc`` ...) for an offline compile."""
+    tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    out = {}
+    for name, rows in (("q_desc", cfg["BLOCK_M"] // 2), ("k_desc", cfg["BLOCK_N"]), ("v_desc", cfg["BLOCK_N"])):
+        block = [1, 1, rows, head_dim]
+        out[name] = f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(block, dtype)!r}>"
+    return out
+
+
+def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``softmax(scale q k^T) v`` with FP16 / BF16 tensor-core products on Hopper, Gluon kernel.
+
+    Args:
+        q: [B, H, Nq, D] float16 or bfloat16 CUDA (compute capability 9.x); k: [B, H, Nk, D];
+            v: [B, H, Nk, D], same dtype; D in :data:`HEAD_DIMS`; any TMA-legal strides (see
+            :func:`unsupported_reason`).
+        scale: logit scale, > 0 (the row max is taken on the unscaled product).
+        out_dtype: output dtype (the inputs' by default, or float32), rounded once from ``W / S``.
+
+    Returns:
+        [B, H, Nq, D], a view of a contiguous [B, Nq, H, D] buffer, as the Triton kernels return.
+
+    Raises:
+        ValueError: a call :func:`unsupported_reason` refuses (``scale <= 0`` among them).
+    """
+    reason = unsupported_reason(q, k, v, None, None, False, scale, 1)
+    if reason is not None:
+        raise ValueError(f"half_attention: {reason}; use kernels.elsa_fwd.elsa_attention(mode='fp16' / 'bf16')")
+    return launch(q, k, v, scale, out_dtype, get_config(k.shape[2], q.shape[3]))
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_dtype: torch.dtype | None,
+           cfg: dict) -> torch.Tensor:
+    """:func:`half_attention` without its checks, for a caller that ran :func:`unsupported_reason`
+    and :func:`get_config` already (the dense launcher: no second validation on the hot path)."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    out, needs_kernel = allocate_output(q, Nk, D, out_dtype or q.dtype)
+    if not needs_kernel:
+        return out
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    descs = [TensorDescriptor.from_tensor(t, block, _smem_layout(block, q.dtype))
+             for t, block in ((q, [1, 1, bm // 2, D]), (k, [1, 1, bn, D]), (v, [1, 1, bn, D]))]
+    _half_fwd_kernel[(cdiv(Nq, bm) * B * H,)](
+        *descs, out, *out.stride()[:3], H, Nq, Nk, float(scale) * _LOG2E, **kernel_constexprs(cfg, D),
+        num_warps=4, maxnreg=cfg["maxnreg"])
+    return out

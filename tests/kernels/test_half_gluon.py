@@ -1,0 +1,206 @@
+"""The warp-specialized Hopper fp16 / bf16 kernel (visionattn.kernels.half_gluon), and the dense
+launcher's dispatch to both Gluon kernels.
+
+Gluon does not run under TRITON_INTERPRET=1, so on CPU the kernel is compiled offline for sm_90 with
+the installed Triton (in a child process with TRITON_INTERPRET=0) and the dispatch rules are checked;
+the results are checked on a Hopper GPU (``pytest -m gpu``) against the float64 oracle.
+"""
+import warnings
+
+import pytest
+import torch
+
+from offline_compile import compile_in_child
+from visionattn.kernels import elsa_fwd, half_gluon, ieee_gluon
+
+_CHILD = r"""
+import json, torch
+from visionattn.kernels import half_gluon
+from visionattn.kernels.introspect import compile_for_arch
+out = {}
+for d in half_gluon.HEAD_DIMS:
+    for dt, tname in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        cfg = half_gluon.get_config(4096, d)
+        r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt), O="*" + tname),
+                             half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1, float_args=("qk_scale",),
+                             maxnreg=cfg["maxnreg"])
+        out[f"{d}_{tname}"] = {"shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes,
+                               "warps": r.num_warps, "ws": r.ttgir.count("ttg.warp_specialize"),
+                               "programs": r.programs_per_sm}
+print(json.dumps(out))
+"""
+
+needs_gluon = pytest.mark.skipif(half_gluon._IMPORT_ERROR is not None, reason="this Triton has no Gluon Hopper API")
+
+
+@pytest.mark.timeout(600)
+@needs_gluon
+def test_compiles_for_hopper_warp_specialized_without_spills():
+    """With the installed Triton the kernel builds for sm_90 at both head dims and dtypes: wgmma products,
+    one warp-specialized region (12 warps: two consumer warpgroups + the producer's), the 168-register
+    launch cap, no spills, the Q / K / V tiles within the 227 KiB of shared memory."""
+    from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
+
+    r = compile_in_child(_CHILD)
+    assert set(r) == {"64_fp16", "64_bf16", "128_fp16", "128_bf16"}
+    for key, v in r.items():
+        d = int(key.split("_")[0])
+        cfg = half_gluon.get_config(4096, d)
+        tiles = 2 * (cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)  # Q tiles, K / V ring (2 bytes)
+        assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
+        assert v["wgmma"] > 0 and v["ws"] == 1 and v["warps"] == 12, (key, v)
+        assert v["local"] == 0 and v["regs"] == cfg["maxnreg"] and v["programs"] == 1, (key, v)
+
+
+def _qkv(n_q=64, n_k=2048, d=64, dtype=torch.float16, device="cpu"):
+    return tuple(torch.randn(1, 2, n, d, device=device).to(dtype) for n in (n_q, n_k, n_k))
+
+
+@needs_gluon
+def test_unsupported_reasons_name_the_cause():
+    q, k, v = _qkv()
+    reason = half_gluon.unsupported_reason
+    assert "bias" in reason(q, k, v, torch.zeros(64, 2048), None, False, 0.125, 0)
+    assert "causal" in reason(q, k, v, None, None, True, 0.125, 0)
+    assert "scale" in reason(q, k, v, None, None, False, -0.125, 0)
+    assert "dtypes" in reason(q.float(), k.float(), v.float(), None, None, False, 0.125, 0)
+    assert "dtypes" in reason(q, k.bfloat16(), v, None, None, False, 0.125, 0)
+    q8, k8, v8 = _qkv(d=80)
+    assert "head dims (80, 80)" in reason(q8, k8, v8, None, None, False, 0.125, 0)
+    assert "head dims (64, 32)" in reason(q, k, v[..., :32], None, None, False, 0.125, 0)
+    assert "split" in reason(q, k, v, None, None, False, 0.125, 4)
+    assert "k strides" in reason(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v, None, None, False, 0.125, 0)
+    odd = torch.randn(1, 2, 2048, 68).half()[..., :64]  # rows of 136 bytes: not a TMA stride
+    assert "v strides" in reason(q, k, odd, None, None, False, 0.125, 0)
+    assert reason(q, k, v, None, None, False, 0.125, 1) == "tensors on cpu"  # everything else fits
+
+
+@needs_gluon
+def test_dispatch_takes_long_in_scope_calls_only(monkeypatch):
+    """The launcher hands an in-scope fp16 / bf16 call to the Gluon kernel from MIN_KEYS keys on, and keeps
+    the Triton kernel below (faster at ViT sizes) or when an explicit num_splits asks for split-KV."""
+    taken = []
+    monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    monkeypatch.setattr(half_gluon, "unsupported_reason",
+                        lambda *a: "split-KV requested" if a[-1] > 1 else None)  # as if on a Hopper GPU
+    monkeypatch.setattr(half_gluon, "launch", lambda q, *a: taken.append(q.shape) or q)
+    for n_k in (half_gluon.MIN_KEYS - 1, half_gluon.MIN_KEYS):
+        q, k, v = _qkv(n_k=n_k)
+        elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 0, None)
+        assert elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 2, None) is None
+    assert taken == [(1, 2, 64, 64)]
+
+
+def test_the_launcher_offers_each_mode_to_its_gluon_kernel(monkeypatch):
+    """fp16 / bf16 calls go to the Hopper kernel's dispatch, fp32-ieee calls to the FMA kernel's, the other FP32
+    modes and explicit tile configs straight to the Triton kernel."""
+    seen = []
+    monkeypatch.setattr(elsa_fwd, "_gluon", lambda kernel, q, *a: seen.append((kernel, q.dtype)) or "gluon")
+    for mode, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32-ieee", torch.float32)):
+        q, k, v = _qkv(16, 16, 16, dtype)
+        assert elsa_fwd._launch(q, k, v, None, None, False, 0.25, mode, 0) == "gluon"
+    assert seen == [("half", torch.float16), ("half", torch.bfloat16), ("fp32-ieee", torch.float32)]
+    q, k, v = _qkv(16, 16, 16, torch.float32)
+    for mode in ("fp32", "tf32"):
+        assert isinstance(elsa_fwd._launch(q, k, v, None, None, False, 0.25, mode, 0), torch.Tensor)
+    q, k, v = _qkv(16, 16, 16, torch.float16)
+    cfg = elsa_fwd.get_config("fp16", 16)
+    assert isinstance(elsa_fwd._launch(q, k, v, None, None, False, 0.25, "fp16", 0, config=cfg), torch.Tensor)
+    assert len(seen) == 3
+
+
+@needs_gluon
+@pytest.mark.parametrize("kernel", ["fp32-ieee", "half"])
+def test_a_failing_gluon_kernel_warns_once_and_the_triton_kernel_takes_over(monkeypatch, kernel):
+    """No silent fallback: if this Triton's Gluon cannot build a kernel, the first call it would take
+    warns with the reason and every call (that one included) goes to the Triton kernel (``None`` here)."""
+    module, dtype = {"fp32-ieee": (ieee_gluon, torch.float32), "half": (half_gluon, torch.float16)}[kernel]
+    calls = []
+    monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    monkeypatch.setattr(module, "unsupported_reason", lambda *a: None)  # as if on a GPU, in scope
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("no such Gluon op")
+
+    monkeypatch.setattr(module, "launch", broken)
+    q, k, v = _qkv(16, half_gluon.MIN_KEYS, 64, dtype)
+    with pytest.warns(RuntimeWarning, match=f"Gluon {kernel} kernel cannot run .RuntimeError: no such Gluon op"):
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 1, None) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 1, None) is None
+    assert calls == [1]  # not retried
+
+
+@pytest.mark.parametrize("kernel", ["fp32-ieee", "half"])
+def test_a_missing_gluon_api_warns_once_only_for_calls_the_kernel_would_take(monkeypatch, kernel):
+    """A Triton without the Gluon pieces a kernel needs: the launcher warns once, naming the import error,
+    when a call would otherwise have been in scope (the error is the last reason); no warning for a call the
+    kernel would not have taken anyway."""
+    module, dtype = {"fp32-ieee": (ieee_gluon, torch.float32), "half": (half_gluon, torch.float16)}[kernel]
+    monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    monkeypatch.setattr(module, "_IMPORT_ERROR", "Gluon unavailable in this Triton (test)")
+    q, k, v = _qkv(16, half_gluon.MIN_KEYS, 64, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, True, 0.125, 0, None) is None  # causal: out of scope
+    monkeypatch.setattr(module, "unsupported_reason", lambda *a: module._IMPORT_ERROR)  # as if on a capable GPU
+    with pytest.warns(RuntimeWarning, match=r"Gluon unavailable in this Triton \(test\)"):
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 0, None) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 0, None) is None
+
+
+# --------------------------------------------------------------------------------------- GPU
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-only (wgmma, TMA)")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,H,Nq,Nk,D", [(1, 8, 4096, 4096, 64), (2, 3, 1000, 2049, 64), (1, 1, 1, 2048, 64),
+                                         (1, 2, 4097, 4100, 128), (2, 3, 300, 2100, 128), (1, 4, 129, 65536, 64)])
+def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, dtype):
+    """Same error vs the float64 oracle as the Triton kernel, odd row / key counts (TMA zero-fills the
+    tails, the last key tile is masked), and ``elsa_attention`` returns exactly this kernel's output."""
+    from visionattn.kernels.elsa_fwd import _launch, elsa_attention, get_config
+    from visionattn.metrics import rel_l2
+    from visionattn.reference import oracle_attention
+
+    mode = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, D, device="cuda", generator=g).to(dtype) for n in (Nq, Nk, Nk))
+    scale = D ** -0.5
+    y = half_gluon.half_attention(q, k, v, scale)
+    rows = torch.randperm(Nq, device="cuda")[:256]
+    ref = oracle_attention(q[:, :, rows], k, v, scale=scale)
+    err = rel_l2(y[:, :, rows], ref)
+    triton_y = _launch(q, k, v, None, None, False, scale, mode, 1, config=get_config(mode, D, D, Nk))
+    triton_err = rel_l2(triton_y[:, :, rows], ref)
+    assert torch.isfinite(y).all() and err <= 1.25 * triton_err + 1e-5, (err, triton_err)
+    if B * H * -(-Nq // 128) >= torch.cuda.get_device_properties(0).multi_processor_count:
+        assert torch.equal(elsa_attention(q, k, v, None, None, False, scale, mode), y)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_unbind_views_and_float32_output():
+    """timm-style qkv.unbind views (strided, no copy) and a float32 output divided once from W / S."""
+    from visionattn.metrics import rel_l2
+    from visionattn.reference import oracle_attention
+
+    B, N, H, D = 2, 4096, 12, 64
+    q, k, v = torch.randn(B, N, 3, H, D, device="cuda").half().permute(2, 0, 3, 1, 4).unbind(0)
+    assert half_gluon.unsupported_reason(q, k, v, None, None, False, 0.125, 0) is None
+    rows = torch.arange(0, N, 17, device="cuda")
+    ref = oracle_attention(q[:, :, rows], k, v)
+    y = half_gluon.half_attention(q, k, v, D ** -0.5)
+    assert y.dtype == torch.float16 and rel_l2(y[:, :, rows], ref) <= 1e-3
+    y32 = half_gluon.half_attention(q, k, v, D ** -0.5, out_dtype=torch.float32)
+    assert y32.dtype == torch.float32 and rel_l2(y32[:, :, rows], ref) <= rel_l2(y[:, :, rows], ref)
