@@ -36,7 +36,7 @@ Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODE
   the FP16 tensor cores (188 TFLOP/s vs 130 for ``"tf32"`` on the same shape).
 * ``fp16`` / ``bf16``: half tensor-core products, P rounded to the input dtype before
   ``P @ V``. On Hopper, calls within its scope (D = Dv in {64, 128}, no bias / mask / causal, from
-  :data:`.half_gluon.MIN_KEYS` keys) run the warp-specialized Gluon kernel of :mod:`.half_gluon`
+  :func:`.half_gluon.min_keys` keys) run the warp-specialized Gluon kernel of :mod:`.half_gluon`
   instead: ~1.05x faster at D = 64, ~1.2x at D = 128.
 
 Scores, state and accumulation are FP32 in every mode. ``"tf32x3"`` and ``"tf32"`` stay
@@ -541,8 +541,8 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
 
 # Gluon kernel ("fp32-ieee" / "half") -> why it could not run in this process (first failure; warned once)
 _GLUON_FAILED: dict[str, str] = {}
-# kernel -> (module, fewest keys it takes a call from: below, this module's kernel is faster)
-_GLUON_KERNELS = {"fp32-ieee": (ieee_gluon, 0), "half": (half_gluon, half_gluon.MIN_KEYS)}
+# kernel -> (module, head dim -> fewest keys it takes a call from: below, this module's kernel is faster)
+_GLUON_KERNELS = {"fp32-ieee": (ieee_gluon, lambda head_dim: 0), "half": (half_gluon, half_gluon.min_keys)}
 
 
 def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype) -> torch.Tensor | None:
@@ -551,7 +551,7 @@ def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, 
     ``None`` when it does not take the call: too few keys, outside its scope, where the split-KV path would
     run (few query tiles), or after it failed to import or compile once in this process (warned once)."""
     module, min_keys = _GLUON_KERNELS[kernel]
-    if kernel in _GLUON_FAILED or k.shape[2] < min_keys:
+    if kernel in _GLUON_FAILED or k.shape[2] < min_keys(q.shape[3]):
         return None
     reason = module.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits)
     if reason is not None:

@@ -23,7 +23,7 @@ division and rounding at the end. Results match the Triton kernel's error (rel e
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x (wgmma, TMA,
 ``setmaxnreg``), fp16 or bf16 q / k / v of one dtype, head dim 64 or 128 for both Q/K and V, no bias /
 mask / causal, no split-KV, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
-The dense launcher takes it from :data:`MIN_KEYS` keys on. Gluon cannot run under
+The dense launcher takes it from :func:`min_keys` keys on (1024 or 2048 by head dim). Gluon cannot run under
 ``TRITON_INTERPRET=1``: CPU tests compile it offline for sm_90 and check the dispatch; ``pytest -m gpu``
 checks its results against the float64 oracle.
 
@@ -51,20 +51,26 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
 
 __all__ = ["half_attention", "launch", "unsupported_reason", "get_config", "kernel_constexprs", "descriptor_types",
-           "HEAD_DIMS", "MIN_KEYS"]
+           "HEAD_DIMS", "min_keys"]
 
 HEAD_DIMS = (64, 128)
-# From this many keys the dense launcher prefers this kernel. Below, the Triton kernel wins: at ViT-B/16
-# sizes (N = 197, 1025) it is 0.93x / 1.02x cuDNN, this kernel 0.59x / 0.90x (two 64-row tiles per CTA
-# and a 128-key tile waste more on short sequences).
-MIN_KEYS = 2048
+
+
+def min_keys(head_dim: int) -> int:
+    """From this many keys the dense launcher prefers this kernel (H100, CUDA-graph medians,
+    docs/benchmarks/logs/ab_half_h100_session7.jsonl). D = 64: the Triton kernel wins below 2048 keys
+    (ViT-B/16 sizes: 1.02x cuDNN at N = 1025 vs 0.89x here; two 64-row tiles per CTA and 128-key tiles waste
+    more on short sequences), they tie at 2048. D = 128: this kernel wins from 1025 keys (1.00x vs 0.79x)."""
+    return 2048 if head_dim <= 64 else 1024
+
+
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
 def get_config(n_k: int, head_dim: int = 64) -> dict:
     """Launch config by head dim (H100, session 7, CUDA-graph medians vs cuDNN at N = 4096 / 16384 / 65536);
-    ``n_k`` is unused (one config from :data:`MIN_KEYS` keys on), kept for the launcher's common signature.
+    ``n_k`` is unused (one config from :func:`min_keys` keys on), kept for the launcher's common signature.
     128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages starve the
     consumers (0.67x at D = 64), 4 gain nothing.
     Registers: 168 per thread at launch (12 warps: two consumer warpgroups, the producer warp padded to a

@@ -77,18 +77,21 @@ def test_unsupported_reasons_name_the_cause():
 
 @needs_gluon
 def test_dispatch_takes_long_in_scope_calls_only(monkeypatch):
-    """The launcher hands an in-scope fp16 / bf16 call to the Gluon kernel from MIN_KEYS keys on, and keeps
-    the Triton kernel below (faster at ViT sizes) or when an explicit num_splits asks for split-KV."""
+    """The launcher hands an in-scope fp16 / bf16 call to the Gluon kernel from min_keys(D) keys on (fewer
+    at D = 128 than at 64), and keeps the Triton kernel below (faster at ViT-B sizes) or when an explicit
+    num_splits asks for split-KV."""
     taken = []
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
     monkeypatch.setattr(half_gluon, "unsupported_reason",
                         lambda *a: "split-KV requested" if a[-1] > 1 else None)  # as if on a Hopper GPU
     monkeypatch.setattr(half_gluon, "launch", lambda q, *a: taken.append(q.shape) or q)
-    for n_k in (half_gluon.MIN_KEYS - 1, half_gluon.MIN_KEYS):
-        q, k, v = _qkv(n_k=n_k)
-        elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 0, None)
-        assert elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 2, None) is None
-    assert taken == [(1, 2, 64, 64)]
+    assert half_gluon.min_keys(128) < half_gluon.min_keys(64)
+    for d in half_gluon.HEAD_DIMS:
+        for n_k in (half_gluon.min_keys(d) - 1, half_gluon.min_keys(d)):
+            q, k, v = _qkv(n_k=n_k, d=d)
+            elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 0, None)
+            assert elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 2, None) is None
+    assert taken == [(1, 2, 64, 64), (1, 2, 64, 128)]
 
 
 def test_the_launcher_offers_each_mode_to_its_gluon_kernel(monkeypatch):
@@ -124,7 +127,7 @@ def test_a_failing_gluon_kernel_warns_once_and_the_triton_kernel_takes_over(monk
         raise RuntimeError("no such Gluon op")
 
     monkeypatch.setattr(module, "launch", broken)
-    q, k, v = _qkv(16, half_gluon.MIN_KEYS, 64, dtype)
+    q, k, v = _qkv(16, half_gluon.min_keys(64), 64, dtype)
     with pytest.warns(RuntimeWarning, match=f"Gluon {kernel} kernel cannot run .RuntimeError: no such Gluon op"):
         assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 1, None) is None
     with warnings.catch_warnings():
@@ -141,7 +144,7 @@ def test_a_missing_gluon_api_warns_once_only_for_calls_the_kernel_would_take(mon
     module, dtype = {"fp32-ieee": (ieee_gluon, torch.float32), "half": (half_gluon, torch.float16)}[kernel]
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
     monkeypatch.setattr(module, "_IMPORT_ERROR", "Gluon unavailable in this Triton (test)")
-    q, k, v = _qkv(16, half_gluon.MIN_KEYS, 64, dtype)
+    q, k, v = _qkv(16, half_gluon.min_keys(64), 64, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert elsa_fwd._gluon(kernel, q, k, v, None, None, True, 0.125, 0, None) is None  # causal: out of scope
