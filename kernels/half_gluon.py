@@ -33,6 +33,8 @@ vs SDPA-cuDNN: D = 64, N = 4096-65536: 0.94-0.99x (Triton kernel 0.90-0.92x); D 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._gluon import scope_reason
@@ -233,8 +235,11 @@ def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
                 PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"])
 
 
-def _smem_layout(block: list[int], dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype])
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
+    # the NVMMA (wgmma / TMA) shared layout of a descriptor block; cached: it is Python work on every launch
+    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gdtype)
 
 
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
@@ -243,7 +248,7 @@ def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float1
     out = {}
     for name, rows in (("q_desc", cfg["BLOCK_M"] // 2), ("k_desc", cfg["BLOCK_N"]), ("v_desc", cfg["BLOCK_N"])):
         block = [1, 1, rows, head_dim]
-        out[name] = f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(block, dtype)!r}>"
+        out[name] = f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(tuple(block), dtype)!r}>"
     return out
 
 
@@ -280,7 +285,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_
     if not needs_kernel:
         return out
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    descs = [TensorDescriptor.from_tensor(t, block, _smem_layout(block, q.dtype))
+    descs = [TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), q.dtype))
              for t, block in ((q, [1, 1, bm // 2, D]), (k, [1, 1, bn, D]), (v, [1, 1, bn, D]))]
     _half_fwd_kernel[(cdiv(Nq, bm) * B * H,)](
         *descs, out, *out.stride()[:3], H, Nq, Nk, float(scale) * _LOG2E, **kernel_constexprs(cfg, D),
