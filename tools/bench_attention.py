@@ -3,7 +3,8 @@
 
 For every shape of the config and every visionattn mode, in one process on the same
 inputs: median time (``triton.testing.do_bench``, which flushes L2 between runs, so
-inputs always come from HBM), TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
+inputs always come from HBM; with ``--cuda-graph``, replays of a CUDA graph, which leave out the
+Python launch path that otherwise decides sub-0.1 ms readings), TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
 (``torch.cuda.max_memory_allocated`` above the inputs) and the relative L2 error
 against the float64 oracle on a random subsample of query rows. Baselines per input
 dtype: SDPA MATH (TF32 off), EFFICIENT_ATTENTION, FLASH_ATTENTION, CUDNN_ATTENTION
@@ -36,7 +37,7 @@ from tqdm import tqdm
 from visionattn.kernels import elsa_fwd
 from visionattn.metrics import rel_l2
 from visionattn.reference import oracle_attention
-from visionattn.reporting import (environment, markdown_table, save_figure_atomic, write_json_atomic,
+from visionattn.reporting import (environment, kernel_ms, markdown_table, save_figure_atomic, write_json_atomic,
                                   write_text_atomic)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output folder for bench.md / bench.json / bench.png")
     p.add_argument("--quick", action="store_true", help="only the shapes marked quick: true, shorter timing")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time CUDA-graph replays (do_bench_cudagraph) for every backend: GPU time without Python "
+                        "launch overhead, which otherwise decides the sub-0.1 ms readings; L2 is not flushed")
     p.add_argument("--modes", default=None, help="comma-separated visionattn modes (default: the config's)")
     p.add_argument("--shapes", default=None, help="comma-separated shape names from the config (default: all)")
     p.add_argument("--tune", action="store_true", help="time candidate tile configs instead of the sweep")
@@ -124,10 +128,9 @@ def _runner(name):
     return _ours(name)
 
 
-def _measure(fn, q, k, v, warmup, rep):
-    """(median ms, peak extra MiB, output) of ``fn(q, k, v)``; raises if the backend refuses."""
-    import triton.testing
-
+def _measure(fn, q, k, v, warmup, rep, cuda_graph=False):
+    """(median ms, peak extra MiB, output) of ``fn(q, k, v)``; raises if the backend refuses.
+    ``cuda_graph``: time replays of a CUDA graph (:func:`visionattn.reporting.kernel_ms`)."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -139,7 +142,7 @@ def _measure(fn, q, k, v, warmup, rep):
     out = fn(q, k, v)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep, return_mode="median")
+    ms = kernel_ms(lambda: fn(q, k, v), warmup, rep, cuda_graph)
     return ms, peak, out
 
 
@@ -183,7 +186,7 @@ def run_sweep(args, cfg) -> dict:
                 records.append(rec)
                 continue
             try:
-                ms, peak, out = _measure(_runner(name), q, k, v, warmup, rep)
+                ms, peak, out = _measure(_runner(name), q, k, v, warmup, rep, args.cuda_graph)
             except (RuntimeError, torch.OutOfMemoryError, Exception) as exc:  # backend refuses this case
                 rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 records.append(rec)
@@ -194,7 +197,10 @@ def run_sweep(args, cfg) -> dict:
             records.append(rec)
         del q, k, v, ref
         torch.cuda.empty_cache()
-    return {"environment": environment(), "tf32_matmul": "off (on only inside flex-tf32)",
+    timing = ("median of `triton.testing.do_bench_cudagraph` (CUDA-graph replays: GPU time without Python launch "
+              "overhead; L2 not flushed)" if args.cuda_graph else
+              "median of `triton.testing.do_bench` (L2 flushed between runs)")
+    return {"environment": environment(), "tf32_matmul": "off (on only inside flex-tf32)", "timing": timing,
             "records": records, "targets": _targets(records)}
 
 
@@ -249,7 +255,8 @@ def write_report(result: dict, out_dir: str) -> dict:
              f"* command: `{env['command']}`",
              f"* torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, timm {env['timm']}, "
              f"python {env['python']}",
-             "* median of `triton.testing.do_bench` (L2 flushed between runs); TFLOP/s = 4*B*H*N*N*D / t; "
+             f"* {result.get('timing', 'median of `triton.testing.do_bench` (L2 flushed between runs)')}; "
+             "TFLOP/s = 4*B*H*N*N*D / t; "
              "peak extra memory = max_memory_allocated above the inputs; rel err = relative L2 vs the float64 "
              "oracle on a random subsample of query rows, same inputs for every backend",
              f"* TF32 matmul: {result['tf32_matmul']}", ""]

@@ -198,8 +198,6 @@ _TIMER = {"cuda_graph": False}  # set from --cuda-graph in main()
 def measure(fn, warmup: float, rep: float) -> dict:
     """Median ms (do_bench, or do_bench_cudagraph with --cuda-graph) and peak extra memory (MiB) of
     ``fn``; errors are recorded, not raised."""
-    import triton.testing
-
     try:
         with torch.no_grad():
             torch.cuda.synchronize()
@@ -208,10 +206,7 @@ def measure(fn, warmup: float, rep: float) -> dict:
             fn()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-            if _TIMER["cuda_graph"]:
-                ms = triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-            else:
-                ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+            ms = reporting.kernel_ms(fn, warmup, rep, _TIMER["cuda_graph"])
         return {"ms": float(ms), "peak_mib": float(peak)}
     except Exception as e:  # noqa: BLE001 - a failing baseline is a result, not a crash
         torch.cuda.empty_cache()

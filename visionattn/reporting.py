@@ -128,3 +128,19 @@ def call_ms(fn: Callable[[], Any], device: str) -> float:
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
+
+
+def kernel_ms(fn: Callable[[], Any], warmup: float, rep: float, cuda_graph: bool = False) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA device.
+
+    ``cuda_graph=False``: ``triton.testing.do_bench`` (CUDA events around each call, L2 flushed
+    between calls); a call whose Python launch path outlasts its GPU work reads as the launch time.
+    ``cuda_graph=True``: ``triton.testing.do_bench_cudagraph`` (the calls replayed from a CUDA graph:
+    GPU time without launch overhead, L2 not flushed). ``warmup`` / ``rep`` are milliseconds
+    (``warmup`` unused with a graph: the capture runs ``fn`` first).
+    """
+    import triton.testing
+
+    if cuda_graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
