@@ -14,6 +14,9 @@ dialect) can express:
 * **ping-pong** (D = 128 only): two ``turn`` mbarriers make the consumers take turns issuing
   their wgmmas, so one group's softmax overlaps the other's GEMMs. At D = 64 the GEMMs are too
   short for it to pay (0.94-0.96x vs 0.95-0.99x cuDNN without it), as in FlashAttention-3.
+* **persistent grid**: one program per SM takes work tiles (128 query rows of one head) in turn; the
+  barrier phases run on across tiles, so the producer loads the next tile's Q and K / V while the
+  consumers finish the last one's ``P V`` and store it (+0.5-2.5 % over one tile per program).
 
 The fold is the (m, S, W) recurrence of :mod:`.elsa_fwd` (ELSA supplement, Alg. 1) in base 2:
 FP32 scores and state, P rounded to the input dtype before ``P @ V``, FP32 accumulation, one
@@ -27,9 +30,10 @@ The dense launcher takes it from :func:`min_keys` keys on (1024 or 2048 by head 
 ``TRITON_INTERPRET=1``: CPU tests compile it offline for sm_90 and check the dispatch; ``pytest -m gpu``
 checks its results against the float64 oracle.
 
-Measured on an H100 (docs/benchmarks/logs/gluon_pp_h100_session7.jsonl, CUDA-graph medians),
-vs SDPA-cuDNN: D = 64, N = 4096-65536: 0.94-0.99x (Triton kernel 0.90-0.92x); D = 128, N = 4096-16384:
-0.98-1.02x (Triton kernel 0.80-0.82x).
+Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/logs/gluon_pp_h100_session7.jsonl,
+ab_half_persistent_h100_session7.jsonl): D = 64, N = 4096 / 8192 / 16384 / 65536: 0.94-0.96 / 0.95-0.965 /
+0.945-0.965 / 0.97-0.98x (Triton kernel 0.89-0.92x); D = 128, N = 4096-16384: 0.97-1.03x (Triton kernel
+0.80-0.82x); VGGT's global attention (B=1, H=16, N=10410): 1.05-1.06x.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import functools
 import torch
 
 from ._gluon import scope_reason
-from ._host import allocate_output, cdiv
+from ._host import allocate_output, cdiv, sm_count
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -74,11 +78,12 @@ def get_config(n_k: int, head_dim: int = 64) -> dict:
     """Launch config by head dim (H100, session 7, CUDA-graph medians vs cuDNN at N = 4096 / 16384 / 65536);
     ``n_k`` is unused (one config from :func:`min_keys` keys on), kept for the launcher's common signature.
     128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages starve the
-    consumers (0.67x at D = 64), 4 gain nothing.
+    consumers (0.67x at D = 64), 4 gain nothing, 256-key tiles lose 5-25 %. ``persistent``: one program per
+    SM looping over work tiles (False: one program per work tile).
     Registers: 168 per thread at launch (12 warps: two consumer warpgroups, the producer warp padded to a
     warpgroup), redistributed by ``setmaxnreg`` to 240 per consumer thread and 24 per producer thread."""
     return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": head_dim > 64, "maxnreg": 168,
-            "consumer_regs": 240}
+            "consumer_regs": 240, "persistent": True}
 
 
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
@@ -96,31 +101,48 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
 if _IMPORT_ERROR is None:
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, off_b, off_h, start_m, Nk,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        # one warp: both Q tiles, then K / V tile t into ring slot t % STAGES once both consumers freed it
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], q_bar, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + BLOCK_M, 0], q_bar, q_smem.index(1))
-        for t in range(gl.cdiv(Nk, BLOCK_N)):
-            slot = t % STAGES
-            mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, t * BLOCK_N, 0], bar, k_smem.index(slot))
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, t * BLOCK_N, 0], bar, v_smem.index(slot))
+    def _tile_coords(tile, tiles_m, H, BLOCK_M: gl.constexpr):
+        # work tile -> (batch, head, first query row); tiles of one head are consecutive (K / V stay in L2)
+        bh = tile // tiles_m
+        return bh // H, bh % H, (tile % tiles_m) * 2 * BLOCK_M
 
     @gluon.jit
-    def _step(acc, p16, m_i, l_i, t, q_t, k_smem, v_smem, l_smem, ready, empty, my_turn, other_turn, Nk,
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk, n_work,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # one warp: per work tile, both Q tiles once the consumers are done with the last ones, then K / V
+        # tile t into ring slot g % STAGES (g counts KV tiles over every work tile) once both consumers freed it
+        tiles_m = gl.cdiv(Nq, 2 * BLOCK_M)
+        n_tiles = gl.cdiv(Nk, BLOCK_N)
+        i = 0
+        for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, BLOCK_M)
+            mbarrier.wait(q_empty, (i & 1) ^ 1)
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + BLOCK_M, 0], q_ready, q_smem.index(1))
+            for t in range(n_tiles):
+                g = i * n_tiles + t
+                slot = g % STAGES
+                mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [off_b, off_h, t * BLOCK_N, 0], bar, k_smem.index(slot))
+                tma.async_copy_global_to_shared(v_desc, [off_b, off_h, t * BLOCK_N, 0], bar, v_smem.index(slot))
+            i += 1
+
+    @gluon.jit
+    def _step(acc, p16, m_i, l_i, t, g, turns, q_t, k_smem, v_smem, l_smem, ready, empty, my_turn, other_turn, Nk,
               qk_scale, offs_sn, s_zero, WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, TAIL: gl.constexpr, PINGPONG: gl.constexpr):
-        # S_{t+1} = Q K_{t+1}^T and O += P_t V_t in flight together; the softmax of S_{t+1} runs under P_t V_t
-        nxt = (t + 1) % STAGES
-        mbarrier.wait(ready.index(nxt), ((t + 1) // STAGES) & 1)
+        # S_{t+1} = Q K_{t+1}^T and O += P_t V_t in flight together; the softmax of S_{t+1} runs under P_t V_t.
+        # g: KV tile t's count over the program's work tiles (ring slot and phase); turns: this group's turns
+        # taken before this step
+        nxt = (g + 1) % STAGES
+        mbarrier.wait(ready.index(nxt), ((g + 1) // STAGES) & 1)
         k_t = k_smem.index(nxt).reshape([BLOCK_N, HEAD_D])
-        v_t = v_smem.index(t % STAGES).reshape([BLOCK_N, HEAD_D])
-        if PINGPONG:  # this group's (t + 1)-th turn to issue
-            mbarrier.wait(my_turn, (t + 1 + (WG == 0)) & 1)
+        v_t = v_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D])
+        if PINGPONG:
+            mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
         s_tok = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         o_tok = warpgroup_mma(p16, v_t, acc, is_async=True)
         if PINGPONG:
@@ -131,100 +153,107 @@ if _IMPORT_ERROR is None:
         # of its row sums does that
         l_smem.store(l_i)
         acc, p16 = warpgroup_mma_wait(0, deps=[o_tok, p16])
-        mbarrier.arrive(empty.index(t % STAGES))  # this group is done with K_t and V_t
+        mbarrier.arrive(empty.index(g % STAGES))  # this group is done with K_t and V_t
         p16 = gl.convert_layout(p.to(p16.dtype), p16.type.layout)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
         return acc, p16, m_i, l_i
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, l_smem, q_bar, ready, empty, turn, O, off_b, off_h, sob, soh, som,
-                  start_m, Nq, Nk, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H, Nq,
+                  Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
-        # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) over every KV tile
+        # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, HEAD_D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        # turns go 0, 1, 0, 1, ...: group 0's first wait passes on the fresh barrier (parity 1)
+        # turns go 0, 1, 0, 1, ... (n_tiles + 1 per group and work tile): group 0's first wait passes on the
+        # fresh barrier (parity 1)
         my_turn = turn.index(WG)
         other_turn = turn.index(1 - WG)
         l_mine = l_smem.slice(WG * BLOCK_M, BLOCK_M)
         offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        n_tiles = gl.cdiv(Nk, BLOCK_N)
-
-        q_t = q_smem.index(WG).reshape([BLOCK_M, HEAD_D])
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(ready.index(0), 0)
-        if PINGPONG:
-            mbarrier.wait(my_turn, (WG == 0) & 1)
-        s_tok = warpgroup_mma(q_t, k_smem.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), s_zero,
-                              use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(other_turn)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, 0, Nk, qk_scale, offs_sn, BLOCK_N, True)
-        p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        for t in range(0, n_tiles - 2):
-            acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, q_t, k_smem, v_smem, l_mine, ready, empty, my_turn,
-                                       other_turn, Nk, qk_scale, offs_sn, s_zero, WG, BLOCK_N, HEAD_D, STAGES,
-                                       False, PINGPONG)
-        if n_tiles > 1:
-            acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, n_tiles - 2, q_t, k_smem, v_smem, l_mine, ready, empty,
-                                       my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero, WG, BLOCK_N, HEAD_D,
-                                       STAGES, True, PINGPONG)
-        if PINGPONG:
-            mbarrier.wait(my_turn, (n_tiles + (WG == 0)) & 1)
-        o_tok = warpgroup_mma(p16, v_smem.index((n_tiles - 1) % STAGES).reshape([BLOCK_N, HEAD_D]), acc,
-                              is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(other_turn)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
-        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
         offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        gl.store(O + off_b * sob + off_h * soh + offs_om.to(gl.int64)[:, None] * som + offs_od[None, :],
-                 out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        q_t = q_smem.index(WG).reshape([BLOCK_M, HEAD_D])
+        tiles_m = gl.cdiv(Nq, 2 * BLOCK_M)
+        n_tiles = gl.cdiv(Nk, BLOCK_N)
+        i = 0
+        for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
+            off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, BLOCK_M)
+            g0 = i * n_tiles
+            turns = i * (n_tiles + 1)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
+            mbarrier.wait(q_ready, i & 1)
+            mbarrier.wait(ready.index(g0 % STAGES), (g0 // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
+            s_tok = warpgroup_mma(q_t, k_smem.index(g0 % STAGES).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
+                                  s_zero, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(other_turn)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, 0, Nk, qk_scale, offs_sn, BLOCK_N, True)
+            p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            for t in range(0, n_tiles - 2):
+                acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem, l_mine,
+                                           ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero, WG,
+                                           BLOCK_N, HEAD_D, STAGES, False, PINGPONG)
+            if n_tiles > 1:
+                t = n_tiles - 2
+                acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem, l_mine,
+                                           ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero, WG,
+                                           BLOCK_N, HEAD_D, STAGES, True, PINGPONG)
+            mbarrier.arrive(q_empty)  # every Q K^T of this work tile is done: the producer may load the next Q
+            last = (g0 + n_tiles - 1) % STAGES
+            if PINGPONG:
+                mbarrier.wait(my_turn, (turns + n_tiles + (WG == 0)) & 1)
+            o_tok = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(other_turn)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(empty.index(last))
+            # the epilogue overlaps the producer's loads for the next work tile
+            out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+            offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+            gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som
+                     + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
+            i += 1
 
     @gluon.jit
-    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, sob, soh, som, H, Nq, Nk, qk_scale,
+    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, sob, soh, som, H, Nq, Nk, n_work, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        # One CTA per (2 * BLOCK_M query rows, head, batch), 1-D grid as the Triton kernel.
+        # Work tile = (2 * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p, p + grid,
+        # ... (one tile each when the grid covers them all; a persistent grid of one program per SM otherwise,
+        # so a tile's epilogue overlaps the next tile's loads).
         dtype: gl.constexpr = q_desc.dtype
-        tiles_m = gl.cdiv(Nq, 2 * BLOCK_M)
-        pid = gl.program_id(0)
-        bh = pid // tiles_m
-        off_h = bh % H
-        off_b = bh // H
-        start_m = (pid % tiles_m) * 2 * BLOCK_M
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)  # both consumers release the Q tiles
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
-        ob = off_b.to(gl.int64)
-        oh = off_h.to(gl.int64)
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, l_smem, q_bar, ready, empty, turn, O, ob, oh, sob, soh, som,
-                         start_m, Nq, Nk, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
-            (_consumer, (q_smem, k_smem, v_smem, l_smem, q_bar, ready, empty, turn, O, ob, oh, sob, soh, som,
-                         start_m, Nq, Nk, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, off_b, off_h, start_m,
-                         Nk, BLOCK_M, BLOCK_N, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                         Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+            (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                         Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
+                         n_work, BLOCK_M, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -287,7 +316,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     descs = [TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), q.dtype))
              for t, block in ((q, [1, 1, bm // 2, D]), (k, [1, 1, bn, D]), (v, [1, 1, bn, D]))]
-    _half_fwd_kernel[(cdiv(Nq, bm) * B * H,)](
-        *descs, out, *out.stride()[:3], H, Nq, Nk, float(scale) * _LOG2E, **kernel_constexprs(cfg, D),
+    n_work = cdiv(Nq, bm) * B * H
+    grid = min(n_work, sm_count(q.device)) if cfg["persistent"] else n_work
+    _half_fwd_kernel[(grid,)](
+        *descs, out, *out.stride()[:3], H, Nq, Nk, n_work, float(scale) * _LOG2E, **kernel_constexprs(cfg, D),
         num_warps=4, maxnreg=cfg["maxnreg"])
     return out
