@@ -13,7 +13,7 @@ dialect) can express:
   ``O += P_t V_t`` as async wgmmas and runs the softmax of ``S_{t+1}`` while ``P_t V_t`` is in flight;
 * **ping-pong** (D = 128 only): two ``turn`` mbarriers make the consumers take turns issuing
   their wgmmas, so one group's softmax overlaps the other's GEMMs. At D = 64 the GEMMs are too
-  short for it to pay (0.94-0.96x vs 0.95-0.99x cuDNN without it), as in FlashAttention-3.
+  short for it to pay (0.94-0.96x vs 0.95-0.99x cuDNN without it), as in FlashAttention-3;
 * **persistent grid**: one program per SM takes work tiles (128 query rows of one head) in turn; the
   barrier phases run on across tiles, so the producer loads the next tile's Q and K / V while the
   consumers finish the last one's ``P V`` and store it (+0.5-2.5 % over one tile per program).
@@ -97,6 +97,7 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
                         stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",
                         capable=lambda cc: cc[0] == 9, capable_text="not a compute capability 9.x GPU (wgmma and TMA "
                         "are Hopper's)", import_error=_IMPORT_ERROR)
+
 
 if _IMPORT_ERROR is None:
 

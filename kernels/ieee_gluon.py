@@ -70,6 +70,7 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
                         capable=lambda cc: cc >= (8, 0), capable_text="compute capability below 8.0 (no cp.async)",
                         import_error=_IMPORT_ERROR)
 
+
 if _IMPORT_ERROR is None:
 
     @gluon.jit
