@@ -211,3 +211,36 @@ def test_unbind_views_and_float32_output():
     assert y.dtype == torch.float16 and rel_l2(y[:, :, rows], ref) <= 1e-3
     y32 = half_gluon.half_attention(q, k, v, D ** -0.5, out_dtype=torch.float32)
     assert y32.dtype == torch.float32 and rel_l2(y32[:, :, rows], ref) <= rel_l2(y[:, :, rows], ref)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_inside_torch_compile_and_a_cuda_graph():
+    """The Gluon path through visionattn.attention under torch.compile (the custom op) and replayed from a
+    captured CUDA graph with new inputs (the TMA descriptors are kernel parameters, captured by value)."""
+    import visionattn
+    from visionattn.metrics import rel_l2
+    from visionattn.reference import oracle_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, N, D = 1, 8, 4096, 64
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g).half() for _ in range(3))
+    rows = torch.arange(0, N, 31, device="cuda")
+
+    def f(q, k, v):
+        return visionattn.attention(q, k, v, mode="fp16", backend="triton") * 2.0
+
+    y = torch.compile(f, fullgraph=True)(q, k, v)
+    assert rel_l2(y[:, :, rows] / 2.0, oracle_attention(q[:, :, rows], k, v)) <= 1e-3
+    assert torch.equal(y / 2.0, half_gluon.half_attention(q, k, v, D ** -0.5))  # it took the Gluon kernel
+
+    static = [t.clone() for t in (q, k, v)]
+    f(*static)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f(*static)
+    q2, k2, v2 = (torch.randn(B, H, N, D, device="cuda", generator=g).half() for _ in range(3))
+    for s, t in zip(static, (q2, k2, v2)):
+        s.copy_(t)
+    graph.replay()
+    assert rel_l2(out[:, :, rows] / 2.0, oracle_attention(q2[:, :, rows], k2, v2)) <= 1e-3
