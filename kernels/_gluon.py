@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from ._host import allocate_output
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -19,7 +21,7 @@ try:
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["scope_reason", "IMPORT_ERROR"]
+__all__ = ["scope_reason", "checked_call", "IMPORT_ERROR"]
 
 
 def scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int, *,
@@ -58,6 +60,23 @@ def scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_sp
     if not capable(torch.cuda.get_device_capability(q.device)):
         return capable_text
     return import_error
+
+
+def checked_call(caller: str, modes: str, reason: str | None, q: torch.Tensor, k: torch.Tensor,
+                 out_dtype: torch.dtype, launch: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """A Gluon kernel's public entry: refuse a call outside its scope, else allocate the heads-inner output
+    and run ``launch(out)`` unless there is nothing to compute.
+
+    Raises:
+        ValueError: ``reason`` is not ``None`` (it names the cause; the message points at ``modes``).
+        TypeError: ``out_dtype`` is not one the kernels write.
+    """
+    if reason is not None:
+        raise ValueError(f"{caller}: {reason}; use kernels.elsa_fwd.elsa_attention(mode={modes})")
+    out, needs_kernel = allocate_output(q, k.shape[2], q.shape[3], out_dtype)
+    if needs_kernel:
+        launch(out)
+    return out
 
 
 if IMPORT_ERROR is None:

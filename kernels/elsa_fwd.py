@@ -516,13 +516,12 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
     precision = _precision(mode, precision)
-    gluon = "fp32-ieee" if precision == "ieee" else "half" if dtype != torch.float32 else None
-    if gluon is not None and config is None and B * H * Nq * Nk * Dv > 0:
-        out = _gluon(gluon, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype)
-        if out is not None:
-            return out
     out, needs_kernel = allocate_output(q, Nk, Dv, out_dtype or dtype)
     if not needs_kernel:
+        return out
+    gluon = "fp32-ieee" if precision == "ieee" else "half" if dtype != torch.float32 else None
+    if gluon is not None and config is None and _gluon(gluon, q, k, v, bias, attn_mask, is_causal, scale,
+                                                       num_splits, out):
         return out
     if config is not None:
         _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, config, out, precision)
@@ -545,29 +544,31 @@ _GLUON_FAILED: dict[str, str] = {}
 _GLUON_KERNELS = {"fp32-ieee": (ieee_gluon, lambda head_dim: 0), "half": (half_gluon, half_gluon.min_keys)}
 
 
-def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype) -> torch.Tensor | None:
-    """The call on a Gluon kernel: ``"fp32-ieee"`` on the FMA kernel of :mod:`.ieee_gluon` (~2x this
-    module's IEEE loop), ``"half"`` (fp16 / bf16) on the warp-specialized Hopper kernel of :mod:`.half_gluon`.
-    ``None`` when it does not take the call: too few keys, outside its scope, where the split-KV path would
-    run (few query tiles), or after it failed to import or compile once in this process (warned once)."""
+def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out: torch.Tensor) -> bool:
+    """Run the call on a Gluon kernel into ``out`` (allocated, validated): ``"fp32-ieee"`` on the FMA kernel of
+    :mod:`.ieee_gluon` (~2x this module's IEEE loop), ``"half"`` (fp16 / bf16) on the warp-specialized Hopper
+    kernel of :mod:`.half_gluon`. ``False`` when it does not take the call: too few keys, outside its scope,
+    where the split-KV path would run (few query tiles), or after it failed to import or compile once in this
+    process (warned once)."""
     module, min_keys = _GLUON_KERNELS[kernel]
     if kernel in _GLUON_FAILED or k.shape[2] < min_keys(q.shape[3]):
-        return None
+        return False
     reason = module.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits)
     if reason is not None:
         if reason == module._IMPORT_ERROR:  # reported last: the call was otherwise in scope
             _gluon_failed(kernel, reason)
-        return None
+        return False
     B, H, Nq, D = q.shape
     cfg = module.get_config(k.shape[2], D)
     tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
-        return None
+        return False
     try:
-        return module.launch(q, k, v, scale, out_dtype, cfg)  # checked above: no second validation
+        module.launch(q, k, v, scale, out, cfg)  # checked above: no second validation
+        return True
     except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
         _gluon_failed(kernel, f"{type(exc).__name__}: {exc}")
-        return None
+        return False
 
 
 _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (about half the speed)",

@@ -41,8 +41,8 @@ import functools
 
 import torch
 
-from ._gluon import scope_reason
-from ._host import allocate_output, cdiv, sm_count
+from ._gluon import checked_call, scope_reason
+from ._host import cdiv, sm_count
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -298,22 +298,19 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
     Raises:
         ValueError: a call :func:`unsupported_reason` refuses (``scale <= 0`` among them).
+        TypeError: an ``out_dtype`` the kernels do not write.
     """
-    reason = unsupported_reason(q, k, v, None, None, False, scale, 1)
-    if reason is not None:
-        raise ValueError(f"half_attention: {reason}; use kernels.elsa_fwd.elsa_attention(mode='fp16' / 'bf16')")
-    return launch(q, k, v, scale, out_dtype, get_config(k.shape[2], q.shape[3]))
+    cfg = get_config(k.shape[2], q.shape[3])
+    return checked_call("half_attention", "'fp16' / 'bf16'", unsupported_reason(q, k, v, None, None, False, scale, 1),
+                        q, k, out_dtype or q.dtype, lambda out: launch(q, k, v, scale, out, cfg))
 
 
-def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_dtype: torch.dtype | None,
-           cfg: dict) -> torch.Tensor:
-    """:func:`half_attention` without its checks, for a caller that ran :func:`unsupported_reason`
-    and :func:`get_config` already (the dense launcher: no second validation on the hot path)."""
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
+    """:func:`half_attention`'s kernel launch into ``out`` (an :func:`._host.allocate_output` that needs a
+    kernel), without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already
+    (the dense launcher: no second validation on the hot path)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    out, needs_kernel = allocate_output(q, Nk, D, out_dtype or q.dtype)
-    if not needs_kernel:
-        return out
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     descs = [TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), q.dtype))
              for t, block in ((q, [1, 1, bm // 2, D]), (k, [1, 1, bn, D]), (v, [1, 1, bn, D]))]
@@ -322,4 +319,3 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_
     _half_fwd_kernel[(grid,)](
         *descs, out, *out.stride()[:3], H, Nq, Nk, n_work, float(scale) * _LOG2E, **kernel_constexprs(cfg, D),
         num_warps=4, maxnreg=cfg["maxnreg"])
-    return out

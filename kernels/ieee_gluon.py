@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ._gluon import scope_reason
-from ._host import allocate_output, cdiv
+from ._gluon import checked_call, scope_reason
+from ._host import cdiv
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -190,11 +190,11 @@ def ieee_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
     Raises:
         ValueError: a call :func:`unsupported_reason` refuses (``scale <= 0`` among them).
+        TypeError: an ``out_dtype`` the kernels do not write.
     """
-    reason = unsupported_reason(q, k, v, None, None, False, scale, 1)
-    if reason is not None:
-        raise ValueError(f"ieee_attention: {reason}; use kernels.elsa_fwd.elsa_attention(mode='fp32-ieee')")
-    return launch(q, k, v, scale, out_dtype, dict(get_config(k.shape[2], q.shape[3]), **(config or {})))
+    cfg = dict(get_config(k.shape[2], q.shape[3]), **(config or {}))
+    return checked_call("ieee_attention", "'fp32-ieee'", unsupported_reason(q, k, v, None, None, False, scale, 1),
+                        q, k, out_dtype or torch.float32, lambda out: launch(q, k, v, scale, out, cfg))
 
 
 def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
@@ -204,16 +204,11 @@ def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
                 SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"])
 
 
-def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out_dtype: torch.dtype | None,
-           cfg: dict) -> torch.Tensor:
-    """:func:`ieee_attention` without its checks, for a caller that ran :func:`unsupported_reason`
-    and :func:`get_config` already (the dense launcher: no second validation on the hot path)."""
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
+    """:func:`ieee_attention`'s kernel launch into ``out`` (an :func:`._host.allocate_output` that needs a
+    kernel), without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already
+    (the dense launcher: no second validation on the hot path)."""
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    out, needs_kernel = allocate_output(q, Nk, D, out_dtype or torch.float32)
-    if not needs_kernel:
-        return out
     _ieee_fwd_kernel[(cdiv(Nq, cfg["BLOCK_M"]) * B * H,)](
         q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        H, Nq, Nk, float(scale) * _LOG2E, **kernel_constexprs(cfg, D), num_warps=cfg["num_warps"])
-    return out
+        H, Nq, k.shape[2], float(scale) * _LOG2E, **kernel_constexprs(cfg, D), num_warps=cfg["num_warps"])

@@ -84,13 +84,14 @@ def test_dispatch_takes_long_in_scope_calls_only(monkeypatch):
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
     monkeypatch.setattr(half_gluon, "unsupported_reason",
                         lambda *a: "split-KV requested" if a[-1] > 1 else None)  # as if on a Hopper GPU
-    monkeypatch.setattr(half_gluon, "launch", lambda q, *a: taken.append(q.shape) or q)
+    monkeypatch.setattr(half_gluon, "launch", lambda q, *a: taken.append(q.shape))
     assert half_gluon.min_keys(128) < half_gluon.min_keys(64)
     for d in half_gluon.HEAD_DIMS:
         for n_k in (half_gluon.min_keys(d) - 1, half_gluon.min_keys(d)):
             q, k, v = _qkv(n_k=n_k, d=d)
-            elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 0, None)
-            assert elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 2, None) is None
+            taken_here = elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 0, None)
+            assert taken_here is (n_k >= half_gluon.min_keys(d))
+            assert elsa_fwd._gluon("half", q, k, v, None, None, False, 0.125, 2, None) is False
     assert taken == [(1, 2, 64, 64), (1, 2, 64, 128)]
 
 
@@ -98,10 +99,16 @@ def test_the_launcher_offers_each_mode_to_its_gluon_kernel(monkeypatch):
     """fp16 / bf16 calls go to the Hopper kernel's dispatch, fp32-ieee calls to the FMA kernel's, the other FP32
     modes and explicit tile configs straight to the Triton kernel."""
     seen = []
-    monkeypatch.setattr(elsa_fwd, "_gluon", lambda kernel, q, *a: seen.append((kernel, q.dtype)) or "gluon")
+
+    def gluon(kernel, q, *args):  # stands in for a Gluon kernel: marks the output it was given
+        seen.append((kernel, q.dtype))
+        args[-1].fill_(7.0)
+        return True
+
+    monkeypatch.setattr(elsa_fwd, "_gluon", gluon)
     for mode, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32-ieee", torch.float32)):
         q, k, v = _qkv(16, 16, 16, dtype)
-        assert elsa_fwd._launch(q, k, v, None, None, False, 0.25, mode, 0) == "gluon"
+        assert (elsa_fwd._launch(q, k, v, None, None, False, 0.25, mode, 0) == 7.0).all()
     assert seen == [("half", torch.float16), ("half", torch.bfloat16), ("fp32-ieee", torch.float32)]
     q, k, v = _qkv(16, 16, 16, torch.float32)
     for mode in ("fp32", "tf32"):
@@ -110,6 +117,21 @@ def test_the_launcher_offers_each_mode_to_its_gluon_kernel(monkeypatch):
     cfg = elsa_fwd.get_config("fp16", 16)
     assert isinstance(elsa_fwd._launch(q, k, v, None, None, False, 0.25, "fp16", 0, config=cfg), torch.Tensor)
     assert len(seen) == 3
+
+
+@needs_gluon
+def test_a_bad_out_dtype_is_refused_before_any_gluon_kernel_is_tried(monkeypatch):
+    """A caller's bad ``out_dtype`` raises TypeError before dispatch, so it neither reaches a Gluon kernel nor
+    marks one as failed (which would warn and keep it off for the rest of the process)."""
+    monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    monkeypatch.setattr(half_gluon, "unsupported_reason", lambda *a: None)  # as if on a Hopper GPU
+    monkeypatch.setattr(half_gluon, "launch", lambda *a: pytest.fail("launched with a bad out_dtype"))
+    q, k, v = _qkv(16, half_gluon.min_keys(64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match="output dtype torch.int8"):
+            elsa_fwd._launch(q, k, v, None, None, False, 0.125, "fp16", 0, out_dtype=torch.int8)
+    assert elsa_fwd._GLUON_FAILED == {}
 
 
 @needs_gluon
@@ -128,11 +150,12 @@ def test_a_failing_gluon_kernel_warns_once_and_the_triton_kernel_takes_over(monk
 
     monkeypatch.setattr(module, "launch", broken)
     q, k, v = _qkv(16, half_gluon.min_keys(64), 64, dtype)
+    out = torch.empty_like(q)
     with pytest.warns(RuntimeWarning, match=f"Gluon {kernel} kernel cannot run .RuntimeError: no such Gluon op"):
-        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 1, None) is None
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 1, out) is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 1, None) is None
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 1, out) is False
     assert calls == [1]  # not retried
 
 
@@ -145,15 +168,16 @@ def test_a_missing_gluon_api_warns_once_only_for_calls_the_kernel_would_take(mon
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
     monkeypatch.setattr(module, "_IMPORT_ERROR", "Gluon unavailable in this Triton (test)")
     q, k, v = _qkv(16, half_gluon.min_keys(64), 64, dtype)
+    out = torch.empty_like(q)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert elsa_fwd._gluon(kernel, q, k, v, None, None, True, 0.125, 0, None) is None  # causal: out of scope
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, True, 0.125, 0, out) is False  # causal: out of scope
     monkeypatch.setattr(module, "unsupported_reason", lambda *a: module._IMPORT_ERROR)  # as if on a capable GPU
     with pytest.warns(RuntimeWarning, match=r"Gluon unavailable in this Triton \(test\)"):
-        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 0, None) is None
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 0, out) is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 0, None) is None
+        assert elsa_fwd._gluon(kernel, q, k, v, None, None, False, 0.125, 0, out) is False
 
 
 # --------------------------------------------------------------------------------------- GPU
