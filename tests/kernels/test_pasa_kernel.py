@@ -135,7 +135,6 @@ def test_kernel_rejects_bad_inputs():
         pasa_fwd.pasa_attention(q.half(), q.half(), q.half(), None, None, False, 0.25, config={"BLOCK_N": 48})
 
 
-
 @pytest.mark.parametrize("shift", [True, False])
 def test_kernel_out_dtype_fp32_rounds_once(shift):
     """out_dtype=float32 gives W / S rounded once from the FP32 state: it rounds to the FP16 output
@@ -175,6 +174,7 @@ def test_api_fp32_caller_pasa_not_rounded():
     assert y.dtype == torch.float32
     assert (y != y.half().float()).any()
     assert rel_l2(y.cpu(), oracle_attention(q.cpu(), k.cpu(), v.cpu())) <= PASA_TOL
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,x0,am", [("uniform", 30, 0.5), ("uniform", 20, 15), ("uniform", 20, 20),
