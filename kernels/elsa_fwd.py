@@ -37,7 +37,7 @@ Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODE
 * ``fp16`` / ``bf16``: half tensor-core products, P rounded to the input dtype before
   ``P @ V``. On Hopper, calls within its scope (D = Dv in {64, 128}, no bias / mask / causal, from
   :func:`.half_gluon.min_keys` keys) run the warp-specialized Gluon kernel of :mod:`.half_gluon`
-  instead: ~1.05x faster at D = 64, ~1.2x at D = 128.
+  instead: ~1.05-1.1x faster at D = 64, ~1.2-1.3x at D = 128.
 
 Scores, state and accumulation are FP32 in every mode. ``"tf32x3"`` and ``"tf32"`` stay
 selectable (``precision=`` of :func:`get_config` / the launcher) for comparison.

@@ -16,7 +16,12 @@ dialect) can express:
   short for it to pay (0.94-0.96x vs 0.95-0.99x cuDNN without it), as in FlashAttention-3;
 * **persistent grid**: one program per SM takes work tiles (128 query rows of one head) in turn; the
   barrier phases run on across tiles, so the producer loads the next tile's Q and K / V while the
-  consumers finish the last one's ``P V`` and store it (+0.5-2.5 % over one tile per program).
+  consumers finish the last one's ``P V`` and store it (+0.5-2.5 % over one tile per program). At D = 64
+  Q is double-buffered, so the next tile's Q load starts with the current tile (+8-14 % at N = 197-1025,
+  neutral from 4096; D = 128 has no shared memory left for it);
+* **cut last key tile**: the last of a row's key tiles multiplies only the keys it holds, rounded up
+  to a power of two (16 at least): 1025 keys cost 8 tiles and 16 keys, not 9 tiles (ViT-B/16 at 512:
+  +6-7 %).
 
 The fold is the (m, S, W) recurrence of :mod:`.elsa_fwd` (ELSA supplement, Alg. 1) in base 2:
 FP32 scores and state, P rounded to the input dtype before ``P @ V``, FP32 accumulation, one
@@ -26,14 +31,14 @@ division and rounding at the end. Results match the Triton kernel's error (rel e
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x (wgmma, TMA,
 ``setmaxnreg``), fp16 or bf16 q / k / v of one dtype, head dim 64 or 128 for both Q/K and V, no bias /
 mask / causal, no split-KV, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
-The dense launcher takes it from :func:`min_keys` keys on (1024 or 2048 by head dim). Gluon cannot run under
+The dense launcher takes it from :func:`min_keys` keys on (384 at D = 64, any at D = 128). Gluon cannot run under
 ``TRITON_INTERPRET=1``: CPU tests compile it offline for sm_90 and check the dispatch; ``pytest -m gpu``
 checks its results against the float64 oracle.
 
-Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/logs/gluon_pp_h100_session7.jsonl,
-ab_half_persistent_h100_session7.jsonl): D = 64, N = 4096 / 8192 / 16384 / 65536: 0.94-0.96 / 0.95-0.965 /
-0.945-0.965 / 0.97-0.98x (Triton kernel 0.89-0.92x); D = 128, N = 4096-16384: 0.97-1.03x (Triton kernel
-0.80-0.82x); VGGT's global attention (B=1, H=16, N=10410): 1.05-1.06x.
+Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/logs/ab_tail_h100_session8.jsonl,
+ab_thresh_h100_session8.jsonl): D = 64, N = 4096 / 8192: 0.95-0.97 / 0.955-0.98x (Triton kernel
+0.89-0.92x); ViT-B/16 at 512 (B=8, H=12, N=1025): 1.07-1.11x (Triton kernel 1.01-1.03x); VGGT's global
+attention (B=1, H=16, N=10410): 1.10-1.12x; D = 128, N = 1025: 1.01x (Triton kernel 0.79x).
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ import functools
 import torch
 
 from ._gluon import checked_call, scope_reason
-from ._host import cdiv, sm_count
+from ._host import cdiv, pad_pow2, sm_count
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -63,11 +68,13 @@ HEAD_DIMS = (64, 128)
 
 
 def min_keys(head_dim: int) -> int:
-    """From this many keys the dense launcher prefers this kernel (H100, CUDA-graph medians,
-    docs/benchmarks/logs/ab_half_h100_session7.jsonl). D = 64: the Triton kernel wins below 2048 keys
-    (ViT-B/16 sizes: 1.02x cuDNN at N = 1025 vs 0.89x here; two 64-row tiles per CTA and 128-key tiles waste
-    more on short sequences), they tie at 2048. D = 128: this kernel wins from 1025 keys (1.00x vs 0.79x)."""
-    return 2048 if head_dim <= 64 else 1024
+    """From this many keys the dense launcher prefers this kernel (H100, CUDA-graph medians vs cuDNN,
+    docs/benchmarks/logs/ab_thresh_h100_session8.jsonl). D = 64: the Triton kernel wins at 197 and 257 keys
+    (0.94x / 1.08x vs 0.84x / 0.98x here: 128-row work tiles and 128-key tiles waste more on short
+    sequences), this one from 384 on (384 / 513 / 768 / 1025: 0.88 / 1.13 / 0.92 / 1.07-1.11x vs
+    0.82 / 1.04 / 0.87 / 1.01x). D = 128: this one at every length measured (64 to 16384 keys; 0.80x vs
+    0.68x at 64, 1.01x vs 0.79x at 1025)."""
+    return 384 if head_dim <= 64 else 1
 
 
 _LOG2E = 1.4426950408889634
@@ -75,15 +82,19 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 
 def get_config(n_k: int, head_dim: int = 64) -> dict:
-    """Launch config by head dim (H100, session 7, CUDA-graph medians vs cuDNN at N = 4096 / 16384 / 65536);
-    ``n_k`` is unused (one config from :func:`min_keys` keys on), kept for the launcher's common signature.
+    """Launch config by head dim and key count (H100, sessions 7-8, CUDA-graph medians vs cuDNN).
     128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages starve the
     consumers (0.67x at D = 64), 4 gain nothing, 256-key tiles lose 5-25 %. ``persistent``: one program per
-    SM looping over work tiles (False: one program per work tile).
+    SM looping over work tiles (False: one program per work tile). ``q_buffers``: Q tiles in flight (2 at
+    D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the last of 2+ key
+    tiles multiplies, ``n_k``'s remainder rounded up to a power of two, 16 at least (Triton tensors are
+    powers of two; wgmma takes 16-key steps); one kernel build per distinct value.
     Registers: 168 per thread at launch (12 warps: two consumer warpgroups, the producer warp padded to a
     warpgroup), redistributed by ``setmaxnreg`` to 240 per consumer thread and 24 per producer thread."""
+    rem = n_k - (cdiv(n_k, 128) - 1) * 128
     return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": head_dim > 64, "maxnreg": 168,
-            "consumer_regs": 240, "persistent": True}
+            "consumer_regs": 240, "persistent": True, "q_buffers": 2 if head_dim <= 64 else 1,
+            "tail_keys": 128 if n_k <= 128 else pad_pow2(rem)}
 
 
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
@@ -109,7 +120,7 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk, n_work,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
         # one warp: per work tile, both Q tiles once the consumers are done with the last ones, then K / V
         # tile t into ring slot g % STAGES (g counts KV tiles over every work tile) once both consumers freed it
         tiles_m = gl.cdiv(Nq, 2 * BLOCK_M)
@@ -117,10 +128,13 @@ if _IMPORT_ERROR is None:
         i = 0
         for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
             off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, BLOCK_M)
-            mbarrier.wait(q_empty, (i & 1) ^ 1)
-            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], q_ready, q_smem.index(0))
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + BLOCK_M, 0], q_ready, q_smem.index(1))
+            qb = i % Q_BUFS
+            q_bar = q_ready.index(qb)
+            mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], q_bar, q_smem.index(2 * qb))
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + BLOCK_M, 0], q_bar,
+                                            q_smem.index(2 * qb + 1))
             for t in range(n_tiles):
                 g = i * n_tiles + t
                 slot = g % STAGES
@@ -140,7 +154,7 @@ if _IMPORT_ERROR is None:
         # taken before this step
         nxt = (g + 1) % STAGES
         mbarrier.wait(ready.index(nxt), ((g + 1) // STAGES) & 1)
-        k_t = k_smem.index(nxt).reshape([BLOCK_N, HEAD_D])
+        k_t = k_smem.index(nxt).reshape([BLOCK_N, HEAD_D]).slice(0, s_zero.shape[1])  # the tail tile's keys only
         v_t = v_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D])
         if PINGPONG:
             mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
@@ -149,20 +163,42 @@ if _IMPORT_ERROR is None:
         if PINGPONG:
             mbarrier.arrive(other_turn)
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, t + 1, Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
+        rows: gl.constexpr = gl.SliceLayout(1, s.type.layout)  # the tail tile's S has a narrower wgmma layout
+        p, m_new, l_new, alpha = online_softmax(s, gl.convert_layout(m_i, rows), gl.convert_layout(l_i, rows), t + 1,
+                                                Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
+        m_i = gl.convert_layout(m_new, m_i.type.layout)
+        l_i = gl.convert_layout(l_new, l_i.type.layout)
         # ptxas would sink the softmax below the next wait (no overlap) unless it must finish first: a store
         # of its row sums does that
         l_smem.store(l_i)
-        acc, p16 = warpgroup_mma_wait(0, deps=[o_tok, p16])
+        # P_t is not in the deps: ptxas keeps the registers an in-flight wgmma reads, and listing a 16-bit
+        # tensor there made the compiler repack it (32 PRMT per tile, 1-2 % at D = 64)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(empty.index(g % STAGES))  # this group is done with K_t and V_t
         p16 = gl.convert_layout(p.to(p16.dtype), p16.type.layout)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
         return acc, p16, m_i, l_i
 
     @gluon.jit
+    def _last_pv(acc, p16, v_smem, q_free, empty, last, my_turn, other_turn, turns, WG: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PINGPONG: gl.constexpr):
+        # O += P V of a work tile's last KV tile (ring slot ``last``; P [BLOCK_M, keys of that tile])
+        mbarrier.arrive(q_free)  # every Q K^T of this work tile is done: the producer may load the next Q
+        if PINGPONG:
+            mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
+        v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_D]).slice(0, p16.shape[1])
+        o_tok = warpgroup_mma(p16, v_t, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(empty.index(last))
+        return acc
+
+    @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H, Nq,
                   Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                  Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr):
         # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -177,7 +213,11 @@ if _IMPORT_ERROR is None:
         offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        q_t = q_smem.index(WG).reshape([BLOCK_M, HEAD_D])
+        # the last KV tile of a work tile (2+ tiles): S and P V on its first TAIL_N keys only (:func:`get_config`)
+        s_tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, TAIL_N, 16])
+        offs_sn_tail = gl.arange(0, TAIL_N, layout=gl.SliceLayout(0, s_tail_layout))
+        s_zero_tail = gl.zeros([BLOCK_M, TAIL_N], gl.float32, layout=s_tail_layout)
         tiles_m = gl.cdiv(Nq, 2 * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
@@ -188,7 +228,9 @@ if _IMPORT_ERROR is None:
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
-            mbarrier.wait(q_ready, i & 1)
+            qb = i % Q_BUFS
+            mbarrier.wait(q_ready.index(qb), (i // Q_BUFS) & 1)
+            q_t = q_smem.index(2 * qb + WG).reshape([BLOCK_M, HEAD_D])
             mbarrier.wait(ready.index(g0 % STAGES), (g0 // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
@@ -203,20 +245,17 @@ if _IMPORT_ERROR is None:
                 acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem, l_mine,
                                            ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero, WG,
                                            BLOCK_N, HEAD_D, STAGES, False, PINGPONG)
+            last = (g0 + n_tiles - 1) % STAGES
             if n_tiles > 1:
                 t = n_tiles - 2
-                acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem, l_mine,
-                                           ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero, WG,
-                                           BLOCK_N, HEAD_D, STAGES, True, PINGPONG)
-            mbarrier.arrive(q_empty)  # every Q K^T of this work tile is done: the producer may load the next Q
-            last = (g0 + n_tiles - 1) % STAGES
-            if PINGPONG:
-                mbarrier.wait(my_turn, (turns + n_tiles + (WG == 0)) & 1)
-            o_tok = warpgroup_mma(p16, v_smem.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(other_turn)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(empty.index(last))
+                acc, p_tail, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem,
+                                              l_mine, ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn_tail,
+                                              s_zero_tail, WG, BLOCK_N, HEAD_D, STAGES, True, PINGPONG)
+                acc = _last_pv(acc, p_tail, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
+                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG)
+            else:
+                acc = _last_pv(acc, p16, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
+                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG)
             # the epilogue overlaps the producer's loads for the next work tile
             out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
             offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
@@ -227,22 +266,24 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _half_fwd_kernel(q_desc, k_desc, v_desc, O, sob, soh, som, H, Nq, Nk, n_work, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr):
         # Work tile = (2 * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p, p + grid,
         # ... (one tile each when the grid covers them all; a persistent grid of one program per SM otherwise,
         # so a tile's epilogue overlaps the next tile's loads).
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(q_empty, count=2)  # both consumers release the Q tiles
+        for i in gl.static_range(Q_BUFS):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # both consumers release the Q tiles
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
@@ -250,11 +291,11 @@ if _IMPORT_ERROR is None:
         mbarrier.init(turn.index(1), count=1)
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                         Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+                         Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N)),
             (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                         Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG)),
+                         Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
-                         n_work, BLOCK_M, BLOCK_N, STAGES)),
+                         n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -262,7 +303,8 @@ def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
     """The constexpr arguments of :func:`_half_fwd_kernel` for a :func:`get_config` dict (launches,
     offline compiles and their tests build the kernel from this one mapping)."""
     return dict(BLOCK_M=cfg["BLOCK_M"] // 2, BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
-                PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"])
+                PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"],
+                Q_BUFS=cfg["q_buffers"], TAIL_N=cfg["tail_keys"])
 
 
 @functools.lru_cache(maxsize=None)

@@ -19,8 +19,8 @@ from visionattn.kernels import half_gluon
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
 for d in half_gluon.HEAD_DIMS:
-    for dt, tname in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
-        cfg = half_gluon.get_config(4096, d)
+    for (dt, tname), n_k in (((torch.float16, "fp16"), 4096), ((torch.bfloat16, "bf16"), 1025)):
+        cfg = half_gluon.get_config(n_k, d)  # 1025 keys: a 16-key last tile
         r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt), O="*" + tname),
                              half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1, float_args=("qk_scale",),
                              maxnreg=cfg["maxnreg"])
@@ -38,15 +38,15 @@ needs_gluon = pytest.mark.skipif(half_gluon._IMPORT_ERROR is not None, reason="t
 def test_compiles_for_hopper_warp_specialized_without_spills():
     """With the installed Triton the kernel builds for sm_90 at both head dims and dtypes: wgmma products,
     one warp-specialized region (12 warps: two consumer warpgroups + the producer's), the 168-register
-    launch cap, no spills, the Q / K / V tiles within the 227 KiB of shared memory."""
+    launch cap, no spills, the Q / K / V tiles within the 227 KiB of shared memory (bf16: with a 16-key last tile)."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
     assert set(r) == {"64_fp16", "64_bf16", "128_fp16", "128_bf16"}
     for key, v in r.items():
         d = int(key.split("_")[0])
-        cfg = half_gluon.get_config(4096, d)
-        tiles = 2 * (cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)  # Q tiles, K / V ring (2 bytes)
+        cfg = half_gluon.get_config(4096 if key.endswith("fp16") else 1025, d)
+        tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)  # Q, K / V ring
         assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
         assert v["wgmma"] > 0 and v["ws"] == 1 and v["warps"] == 12, (key, v)
         assert v["local"] == 0 and v["regs"] == cfg["maxnreg"] and v["programs"] == 1, (key, v)
@@ -193,10 +193,11 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-on
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,H,Nq,Nk,D", [(1, 8, 4096, 4096, 64), (2, 3, 1000, 2049, 64), (1, 1, 1, 2048, 64),
                                          (1, 2, 4097, 4100, 128), (2, 3, 300, 2100, 128), (1, 4, 129, 65536, 64),
-                                         (4, 48, 300, 100, 64), (3, 40, 257, 200, 128), (2, 70, 1000, 2049, 64)])
+                                         (4, 48, 300, 100, 64), (3, 40, 257, 200, 128), (2, 70, 1000, 2049, 64),
+                                         (2, 3, 300, 1050, 64), (1, 2, 500, 10410, 64), (64, 12, 197, 197, 128)])
 def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, dtype):
     """Same error vs the float64 oracle as the Triton kernel, odd row / key counts (TMA zero-fills the
-    tails, the last key tile is masked), one or two key tiles, programs that take several work tiles (the
+    tails, the last key tile is masked and cut to 16 / 32 / 64 / 128 keys), one or two key tiles, programs that take several work tiles (the
     persistent grid: barrier phases carried from tile to tile), and ``elsa_attention`` returns exactly this
     kernel's output where it dispatches to it."""
     from visionattn.kernels.elsa_fwd import _launch, elsa_attention, get_config
