@@ -46,6 +46,9 @@ parser.add_argument("--frames", nargs="+", type=int, default=[10, 50, 100, 200],
 parser.add_argument("--height", type=int, default=392, help="image height (multiple of 14)")
 parser.add_argument("--width", type=int, default=518, help="image width (multiple of 14)")
 parser.add_argument("--repeats", type=int, default=1, help="timed runs per point (median reported)")
+parser.add_argument("--no-point-warmup", action="store_true",
+                    help="skip the untimed forward at each point's frame count (faster; the first timed run then "
+                         "includes kernel builds for new sequence lengths)")
 parser.add_argument("--quick", action="store_true", help="smoke test: frames 2 and 8 only (output prefix gets _quick when --out is default)")
 parser.add_argument("--max-seconds", type=float, default=None,
                     help="skip larger frame counts of a row once one run took longer than this")
@@ -72,8 +75,10 @@ def build(model: str, seed: int):
     return m.eval()
 
 
-def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: int) -> dict:
-    """One timed point: ``repeats`` forwards of ``frames`` random images; median time, peak memory."""
+def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: int, warmup: bool = False) -> dict:
+    """One timed point: ``repeats`` forwards of ``frames`` random images; median time, peak memory. ``warmup``:
+    one untimed forward first (kernels built for these sequence lengths: the Hopper fp16 / bf16 kernel has one
+    build per size of the last key tile, cuDNN one plan per shape)."""
     from visionattn.models.vggt import autocast
 
     mode, dt, _ = ROWS[row]
@@ -81,6 +86,9 @@ def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: 
     g = torch.Generator(device="cuda").manual_seed(seed + frames)
     images = torch.rand(frames, 3, H, W, device="cuda", generator=g)
     times = []
+    if warmup:
+        with torch.no_grad(), autocast("cuda", dt):
+            model(images)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -106,7 +114,8 @@ def to_markdown(res: dict) -> str:
              f"{env.get('date')}.", f"Command (last run): `{env.get('command')}`", "",
              "Random weights, camera + depth + point heads, images "
              f"{res.get('height')}x{res.get('width')} ({res.get('tokens_per_frame')} tokens per frame). Time: one "
-             "forward (median of repeats) after a 2-frame warm-up; Mem: peak allocated (weights included). "
+             "forward (median of repeats) after a 2-frame warm-up and, unless `--no-point-warmup`, one untimed forward "
+             "at the same frame count; Mem: peak allocated (weights included). "
              "Speedup vs the SDPA row of the same arithmetic (FP32/TF32 vs SDPA-FP32, BF16 vs SDPA-BF16). "
              f"Process TF32 flags left at defaults (matmul {env.get('allow_tf32_matmul')}, cudnn "
              f"{env.get('allow_tf32_cudnn')}).", ""]
@@ -157,7 +166,8 @@ def main(args) -> dict:
                 if skip:  # a smaller count ran out of memory or over --max-seconds
                     continue
                 try:
-                    p = run_point(model, row, fr, args.height, args.width, args.repeats, args.seed)
+                    p = run_point(model, row, fr, args.height, args.width, args.repeats, args.seed,
+                                  warmup=not args.no_point_warmup)
                 except torch.cuda.OutOfMemoryError:
                     p = {"oom": True}
                     skip = True
