@@ -20,8 +20,11 @@ dialect) can express:
   Q is double-buffered, so the next tile's Q load starts with the current tile (+8-14 % at N = 197-1025,
   neutral from 4096; D = 128 has no shared memory left for it);
 * **cut last key tile**: the last of a row's key tiles multiplies only the keys it holds, rounded up
-  to a power of two (16 at least): 1025 keys cost 8 tiles and 16 keys, not 9 tiles (ViT-B/16 at 512:
-  +6-7 %).
+  to 16 in one or (D = 64) two power-of-two parts: 1025 keys cost 8 tiles and 16 keys, not 9 tiles
+  (ViT-B/16 at 512: +6-7 %); 197 keys cost 128 + 64 + 16;
+* **one consumer per CTA below 1536 keys** (D = 64): 64-row work tiles, two CTAs per SM that drift out of
+  phase, so one's softmax runs under the other's products where a work tile has too few key tiles to
+  overlap within (257 keys: 1.31x cuDNN vs 0.99x with two consumers per CTA).
 
 The fold is the (m, S, W) recurrence of :mod:`.elsa_fwd` (ELSA supplement, Alg. 1) in base 2:
 FP32 scores and state, P rounded to the input dtype before ``P @ V``, FP32 accumulation, one
@@ -31,14 +34,15 @@ division and rounding at the end. Results match the Triton kernel's error (rel e
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x (wgmma, TMA,
 ``setmaxnreg``), fp16 or bf16 q / k / v of one dtype, head dim 64 or 128 for both Q/K and V, no bias /
 mask / causal, no split-KV, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
-The dense launcher takes it from :func:`min_keys` keys on (384 at D = 64, any at D = 128). Gluon cannot run under
+The dense launcher takes it from :func:`min_keys` keys on (256 at D = 64, any at D = 128). Gluon cannot run under
 ``TRITON_INTERPRET=1``: CPU tests compile it offline for sm_90 and check the dispatch; ``pytest -m gpu``
 checks its results against the float64 oracle.
 
-Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/logs/ab_tail_h100_session8.jsonl,
-ab_thresh_h100_session8.jsonl): D = 64, N = 4096 / 8192: 0.95-0.97 / 0.955-0.98x (Triton kernel
-0.89-0.92x); ViT-B/16 at 512 (B=8, H=12, N=1025): 1.07-1.11x (Triton kernel 1.01-1.03x); VGGT's global
-attention (B=1, H=16, N=10410): 1.10-1.12x; D = 128, N = 1025: 1.01x (Triton kernel 0.79x).
+Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/logs/ab_one_h100_session8.jsonl,
+ab_thresh_h100_session8.jsonl): D = 64, N = 4096: 0.94-0.98x (Triton kernel 0.90-0.92x); ViT-B/16 at 512
+(B=8, H=12, N=1025): 1.11-1.14x (Triton kernel 1.01-1.02x); VGGT's global attention (B=1, H=16, N=10410):
+1.09-1.12x; D = 128, N = 1025: 1.01x (Triton kernel 0.79x). ViT-B/16 at 224 (197 keys) stays on the
+Triton kernel (0.93x).
 """
 from __future__ import annotations
 
@@ -69,32 +73,60 @@ HEAD_DIMS = (64, 128)
 
 def min_keys(head_dim: int) -> int:
     """From this many keys the dense launcher prefers this kernel (H100, CUDA-graph medians vs cuDNN,
-    docs/benchmarks/logs/ab_thresh_h100_session8.jsonl). D = 64: the Triton kernel wins at 197 and 257 keys
-    (0.94x / 1.08x vs 0.84x / 0.98x here: 128-row work tiles and 128-key tiles waste more on short
-    sequences), this one from 384 on (384 / 513 / 768 / 1025: 0.88 / 1.13 / 0.92 / 1.07-1.11x vs
-    0.82 / 1.04 / 0.87 / 1.01x). D = 128: this one at every length measured (64 to 16384 keys; 0.80x vs
-    0.68x at 64, 1.01x vs 0.79x at 1025)."""
-    return 384 if head_dim <= 64 else 1
+    docs/benchmarks/logs/ab_one_h100_session8.jsonl, ab_thresh_h100_session8.jsonl). D = 64: the Triton kernel
+    wins at 197 keys (0.93-0.94x vs 0.90-0.92x here: 64-row query tiles and 16-key steps still pad 197 rows and
+    keys to 256 and 208, the Triton kernel's 32-key tiles to 224), this one from 257 on (257 / 513 / 1025:
+    1.31 / 1.17-1.19 / 1.11-1.14x vs 1.10 / 1.04 / 1.01-1.02x). D = 128: this one at every length measured
+    (64 to 16384 keys; 0.80x vs 0.68x at 64, 1.01x vs 0.79x at 1025)."""
+    return 256 if head_dim <= 64 else 1
 
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
-def get_config(n_k: int, head_dim: int = 64) -> dict:
+# D = 64 calls with fewer keys than this run one consumer warpgroup per CTA and two CTAs per SM (see get_config):
+# H100, docs/benchmarks/logs/ab_one_h100_session8.jsonl: 1.31x / 1.17-1.19x / 1.11-1.14x cuDNN at 257 / 513 / 1025
+# keys (two per CTA: 0.99x / 1.14x / 1.08-1.10x), a tie at 384; two per CTA ahead from 1536 keys (0.95 vs 0.93x)
+ONE_CONSUMER_BELOW = 1536
+
+
+def _tail_keys(rem: int, split: bool) -> tuple[int, int]:
+    # keys the last key tile multiplies, in one or two power-of-two parts (Triton tensors are powers of two,
+    # wgmma takes 16-key steps): 1 -> (16, 0), 42 -> (32, 16), 69 -> (64, 16), 100 -> (128, 0)
+    r16 = cdiv(rem, 16) * 16
+    first = 1 << (r16.bit_length() - 1)
+    second = r16 - first
+    if second == 0:
+        return first, 0
+    if split and second & (second - 1) == 0:
+        return first, second
+    return pad_pow2(rem), 0
+
+
+def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = None) -> dict:
     """Launch config by head dim and key count (H100, sessions 7-8, CUDA-graph medians vs cuDNN).
-    128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages starve the
-    consumers (0.67x at D = 64), 4 gain nothing, 256-key tiles lose 5-25 %. ``persistent``: one program per
-    SM looping over work tiles (False: one program per work tile). ``q_buffers``: Q tiles in flight (2 at
-    D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the last of 2+ key
-    tiles multiplies, ``n_k``'s remainder rounded up to a power of two, 16 at least (Triton tensors are
-    powers of two; wgmma takes 16-key steps); one kernel build per distinct value.
-    Registers: 168 per thread at launch (12 warps: two consumer warpgroups, the producer warp padded to a
-    warpgroup), redistributed by ``setmaxnreg`` to 240 per consumer thread and 24 per producer thread."""
+
+    * Long calls: 128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages
+      starve the consumers (0.67x at D = 64), 4 gain nothing, 256-key tiles lose 5-25 %. Registers: 168 per
+      thread at launch (12 warps: two consumer warpgroups, the producer warp padded to a warpgroup),
+      redistributed by ``setmaxnreg`` to 240 per consumer thread and 24 per producer thread.
+    * D = 64 below ``one_consumer_below`` keys (default :data:`ONE_CONSUMER_BELOW`): one consumer warpgroup
+      (64 rows) per CTA at 128 registers per thread (232 per consumer thread after ``setmaxnreg``), so two
+      CTAs share an SM and run out of phase: one's softmax under the other's products.
+    * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
+      flight (2 at D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the
+      last of 2+ key tiles multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64) two
+      power-of-two parts; one kernel build per distinct pair.
+    """
+    if one_consumer_below is None:
+        one_consumer_below = ONE_CONSUMER_BELOW
+    one = head_dim <= 64 and n_k < one_consumer_below
     rem = n_k - (cdiv(n_k, 128) - 1) * 128
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": head_dim > 64, "maxnreg": 168,
-            "consumer_regs": 240, "persistent": True, "q_buffers": 2 if head_dim <= 64 else 1,
-            "tail_keys": 128 if n_k <= 128 else pad_pow2(rem)}
+    return {"BLOCK_M": 64 if one else 128, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": head_dim > 64,
+            "maxnreg": 128 if one else 168, "consumer_regs": 240, "persistent": True, "consumers": 1 if one else 2,
+            "ctas_per_sm": 2 if one else 1, "q_buffers": 2 if head_dim <= 64 else 1,
+            "tail_keys": (128, 0) if n_k <= 128 else _tail_keys(rem, split=head_dim <= 64)}
 
 
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
@@ -113,28 +145,29 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
 if _IMPORT_ERROR is None:
 
     @gluon.jit
-    def _tile_coords(tile, tiles_m, H, BLOCK_M: gl.constexpr):
+    def _tile_coords(tile, tiles_m, H, ROWS: gl.constexpr):
         # work tile -> (batch, head, first query row); tiles of one head are consecutive (K / V stay in L2)
         bh = tile // tiles_m
-        return bh // H, bh % H, (tile % tiles_m) * 2 * BLOCK_M
+        return bh // H, bh % H, (tile % tiles_m) * ROWS
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk, n_work,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                  CONSUMERS: gl.constexpr):
         # one warp: per work tile, both Q tiles once the consumers are done with the last ones, then K / V
         # tile t into ring slot g % STAGES (g counts KV tiles over every work tile) once both consumers freed it
-        tiles_m = gl.cdiv(Nq, 2 * BLOCK_M)
+        tiles_m = gl.cdiv(Nq, CONSUMERS * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
         for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, BLOCK_M)
+            off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, CONSUMERS * BLOCK_M)
             qb = i % Q_BUFS
             q_bar = q_ready.index(qb)
             mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
-            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], q_bar, q_smem.index(2 * qb))
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + BLOCK_M, 0], q_bar,
-                                            q_smem.index(2 * qb + 1))
+            mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+            for c in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar,
+                                                q_smem.index(CONSUMERS * qb + c))
             for t in range(n_tiles):
                 g = i * n_tiles + t
                 slot = g % STAGES
@@ -148,14 +181,19 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _step(acc, p16, m_i, l_i, t, g, turns, q_t, k_smem, v_smem, l_smem, ready, empty, my_turn, other_turn, Nk,
               qk_scale, offs_sn, s_zero, WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, TAIL: gl.constexpr, PINGPONG: gl.constexpr):
+              STAGES: gl.constexpr, TAIL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_AT: gl.constexpr):
         # S_{t+1} = Q K_{t+1}^T and O += P_t V_t in flight together; the softmax of S_{t+1} runs under P_t V_t.
         # g: KV tile t's count over the program's work tiles (ring slot and phase); turns: this group's turns
-        # taken before this step
-        nxt = (g + 1) % STAGES
-        mbarrier.wait(ready.index(nxt), ((g + 1) // STAGES) & 1)
-        k_t = k_smem.index(nxt).reshape([BLOCK_N, HEAD_D]).slice(0, s_zero.shape[1])  # the tail tile's keys only
-        v_t = v_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D])
+        # taken before this step. SPLIT_AT > 0: the second part of a last tile split in two (no ping-pong): its
+        # keys [SPLIT_AT, SPLIT_AT + n) against P V of the first part, all in ring slot g
+        if SPLIT_AT > 0:
+            k_t = k_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D]).slice(SPLIT_AT, s_zero.shape[1])
+            v_t = v_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D]).slice(0, SPLIT_AT)
+        else:
+            nxt = (g + 1) % STAGES
+            mbarrier.wait(ready.index(nxt), ((g + 1) // STAGES) & 1)
+            k_t = k_smem.index(nxt).reshape([BLOCK_N, HEAD_D]).slice(0, s_zero.shape[1])  # a cut last tile: its keys
+            v_t = v_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D])
         if PINGPONG:
             mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
         s_tok = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -174,19 +212,20 @@ if _IMPORT_ERROR is None:
         # P_t is not in the deps: ptxas keeps the registers an in-flight wgmma reads, and listing a 16-bit
         # tensor there made the compiler repack it (32 PRMT per tile, 1-2 % at D = 64)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
-        mbarrier.arrive(empty.index(g % STAGES))  # this group is done with K_t and V_t
+        if SPLIT_AT == 0:
+            mbarrier.arrive(empty.index(g % STAGES))  # this group is done with K_t and V_t
         p16 = gl.convert_layout(p.to(p16.dtype), p16.type.layout)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
         return acc, p16, m_i, l_i
 
     @gluon.jit
     def _last_pv(acc, p16, v_smem, q_free, empty, last, my_turn, other_turn, turns, WG: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PINGPONG: gl.constexpr):
-        # O += P V of a work tile's last KV tile (ring slot ``last``; P [BLOCK_M, keys of that tile])
+                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PINGPONG: gl.constexpr, V_START: gl.constexpr):
+        # O += P V of a work tile's last KV tile (ring slot ``last``; P [BLOCK_M, keys from V_START on])
         mbarrier.arrive(q_free)  # every Q K^T of this work tile is done: the producer may load the next Q
         if PINGPONG:
             mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
-        v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_D]).slice(0, p16.shape[1])
+        v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_D]).slice(V_START, p16.shape[1])
         o_tok = warpgroup_mma(p16, v_t, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
@@ -198,7 +237,7 @@ if _IMPORT_ERROR is None:
     def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H, Nq,
                   Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                  Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr):
+                  Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr, CONSUMERS: gl.constexpr):
         # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -218,11 +257,11 @@ if _IMPORT_ERROR is None:
                                                                 instr_shape=[16, TAIL_N, 16])
         offs_sn_tail = gl.arange(0, TAIL_N, layout=gl.SliceLayout(0, s_tail_layout))
         s_zero_tail = gl.zeros([BLOCK_M, TAIL_N], gl.float32, layout=s_tail_layout)
-        tiles_m = gl.cdiv(Nq, 2 * BLOCK_M)
+        tiles_m = gl.cdiv(Nq, CONSUMERS * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
         for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
-            off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, BLOCK_M)
+            off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, CONSUMERS * BLOCK_M)
             g0 = i * n_tiles
             turns = i * (n_tiles + 1)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -230,7 +269,7 @@ if _IMPORT_ERROR is None:
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
             qb = i % Q_BUFS
             mbarrier.wait(q_ready.index(qb), (i // Q_BUFS) & 1)
-            q_t = q_smem.index(2 * qb + WG).reshape([BLOCK_M, HEAD_D])
+            q_t = q_smem.index(CONSUMERS * qb + WG).reshape([BLOCK_M, HEAD_D])
             mbarrier.wait(ready.index(g0 % STAGES), (g0 // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
@@ -244,18 +283,29 @@ if _IMPORT_ERROR is None:
             for t in range(0, n_tiles - 2):
                 acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem, l_mine,
                                            ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero, WG,
-                                           BLOCK_N, HEAD_D, STAGES, False, PINGPONG)
+                                           BLOCK_N, HEAD_D, STAGES, False, PINGPONG, 0)
             last = (g0 + n_tiles - 1) % STAGES
             if n_tiles > 1:
                 t = n_tiles - 2
                 acc, p_tail, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem,
                                               l_mine, ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn_tail,
-                                              s_zero_tail, WG, BLOCK_N, HEAD_D, STAGES, True, PINGPONG)
-                acc = _last_pv(acc, p_tail, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
-                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG)
+                                              s_zero_tail, WG, BLOCK_N, HEAD_D, STAGES, True, PINGPONG, 0)
+                if TAIL_N2 > 0:  # the last tile in two parts: keys [0, TAIL_N) done, now [TAIL_N, TAIL_N + TAIL_N2)
+                    s2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                        instr_shape=[16, TAIL_N2, 16])
+                    offs_sn2 = TAIL_N + gl.arange(0, TAIL_N2, layout=gl.SliceLayout(0, s2_layout))
+                    s_zero2 = gl.zeros([BLOCK_M, TAIL_N2], gl.float32, layout=s2_layout)
+                    acc, p_tail2, m_i, l_i = _step(acc, p_tail, m_i, l_i, t, g0 + t + 1, 0, q_t, k_smem, v_smem,
+                                                   l_mine, ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn2,
+                                                   s_zero2, WG, BLOCK_N, HEAD_D, STAGES, True, False, TAIL_N)
+                    acc = _last_pv(acc, p_tail2, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
+                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N)
+                else:
+                    acc = _last_pv(acc, p_tail, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
+                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0)
             else:
                 acc = _last_pv(acc, p16, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
-                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG)
+                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0)
             # the epilogue overlaps the producer's loads for the next work tile
             out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
             offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
@@ -267,15 +317,16 @@ if _IMPORT_ERROR is None:
     def _half_fwd_kernel(q_desc, k_desc, v_desc, O, sob, soh, som, H, Nq, Nk, n_work, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr):
+                         Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
+                         CONSUMERS: gl.constexpr):
         # Work tile = (2 * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p, p + grid,
         # ... (one tile each when the grid covers them all; a persistent grid of one program per SM otherwise,
         # so a tile's epilogue overlaps the next tile's loads).
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [2 * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        l_smem = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        l_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -283,28 +334,40 @@ if _IMPORT_ERROR is None:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(Q_BUFS):
             mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)  # both consumers release the Q tiles
+            mbarrier.init(q_empty.index(i), count=CONSUMERS)  # every consumer releases the Q tiles
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer releases a slot
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
-        gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                         Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N)),
-            (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                         Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
-                         n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                             Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                             Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
+                             n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                             Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
+                             n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+            ], [1], [24])
 
 
 def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
     """The constexpr arguments of :func:`_half_fwd_kernel` for a :func:`get_config` dict (launches,
     offline compiles and their tests build the kernel from this one mapping)."""
-    return dict(BLOCK_M=cfg["BLOCK_M"] // 2, BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
-                PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"],
-                Q_BUFS=cfg["q_buffers"], TAIL_N=cfg["tail_keys"])
+    return dict(BLOCK_M=cfg["BLOCK_M"] // cfg["consumers"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim,
+                STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"],
+                Q_BUFS=cfg["q_buffers"], TAIL_N=cfg["tail_keys"][0], TAIL_N2=cfg["tail_keys"][1],
+                CONSUMERS=cfg["consumers"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,7 +381,8 @@ def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float1
     """Signature types of the three descriptor arguments (``q_desc`` ...) for an offline compile."""
     tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     out = {}
-    for name, rows in (("q_desc", cfg["BLOCK_M"] // 2), ("k_desc", cfg["BLOCK_N"]), ("v_desc", cfg["BLOCK_N"])):
+    for name, rows in (("q_desc", cfg["BLOCK_M"] // cfg["consumers"]), ("k_desc", cfg["BLOCK_N"]),
+                       ("v_desc", cfg["BLOCK_N"])):
         block = [1, 1, rows, head_dim]
         out[name] = f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(tuple(block), dtype)!r}>"
     return out
@@ -355,9 +419,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out:
     Nk = k.shape[2]
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     descs = [TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), q.dtype))
-             for t, block in ((q, [1, 1, bm // 2, D]), (k, [1, 1, bn, D]), (v, [1, 1, bn, D]))]
+             for t, block in ((q, [1, 1, bm // cfg["consumers"], D]), (k, [1, 1, bn, D]), (v, [1, 1, bn, D]))]
     n_work = cdiv(Nq, bm) * B * H
-    grid = min(n_work, sm_count(q.device)) if cfg["persistent"] else n_work
+    grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
     _half_fwd_kernel[(grid,)](
         *descs, out, *out.stride()[:3], H, Nq, Nk, n_work, float(scale) * _LOG2E, **kernel_constexprs(cfg, D),
         num_warps=4, maxnreg=cfg["maxnreg"])

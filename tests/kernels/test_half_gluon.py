@@ -37,8 +37,9 @@ needs_gluon = pytest.mark.skipif(half_gluon._IMPORT_ERROR is not None, reason="t
 @needs_gluon
 def test_compiles_for_hopper_warp_specialized_without_spills():
     """With the installed Triton the kernel builds for sm_90 at both head dims and dtypes: wgmma products,
-    one warp-specialized region (12 warps: two consumer warpgroups + the producer's), the 168-register
-    launch cap, no spills, the Q / K / V tiles within the 227 KiB of shared memory (bf16: with a 16-key last tile)."""
+    one warp-specialized region (two consumer warpgroups + the producer's at 4096 keys; at D = 64 and 1025
+    keys one consumer warpgroup, 128 registers and two CTAs per SM, and a 16-key last tile), the launch
+    register cap, no spills, the Q / K / V tiles within the 227 KiB of shared memory."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
@@ -48,8 +49,9 @@ def test_compiles_for_hopper_warp_specialized_without_spills():
         cfg = half_gluon.get_config(4096 if key.endswith("fp16") else 1025, d)
         tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)  # Q, K / V ring
         assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
-        assert v["wgmma"] > 0 and v["ws"] == 1 and v["warps"] == 12, (key, v)
-        assert v["local"] == 0 and v["regs"] == cfg["maxnreg"] and v["programs"] == 1, (key, v)
+        warps = 4 * cfg["consumers"] + 4  # the producer warp is padded to a warpgroup
+        assert v["wgmma"] > 0 and v["ws"] == 1 and v["warps"] == warps, (key, v)
+        assert v["local"] == 0 and v["regs"] == cfg["maxnreg"] and v["programs"] == cfg["ctas_per_sm"], (key, v)
 
 
 def _qkv(n_q=64, n_k=2048, d=64, dtype=torch.float16, device="cpu"):
@@ -194,10 +196,12 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-on
 @pytest.mark.parametrize("B,H,Nq,Nk,D", [(1, 8, 4096, 4096, 64), (2, 3, 1000, 2049, 64), (1, 1, 1, 2048, 64),
                                          (1, 2, 4097, 4100, 128), (2, 3, 300, 2100, 128), (1, 4, 129, 65536, 64),
                                          (4, 48, 300, 100, 64), (3, 40, 257, 200, 128), (2, 70, 1000, 2049, 64),
-                                         (2, 3, 300, 1050, 64), (1, 2, 500, 10410, 64), (64, 12, 197, 197, 128)])
+                                         (2, 3, 300, 1050, 64), (1, 2, 500, 10410, 64), (64, 12, 197, 197, 128),
+                                         (8, 12, 197, 197, 64), (2, 3, 300, 1066, 64)])
 def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, dtype):
     """Same error vs the float64 oracle as the Triton kernel, odd row / key counts (TMA zero-fills the
-    tails, the last key tile is masked and cut to 16 / 32 / 64 / 128 keys), one or two key tiles, programs that take several work tiles (the
+    tails, the last key tile is masked and cut to 16 / 32 / 64 / 128 keys or split in two parts: 64 + 16, 32 + 16),
+    one or two key tiles, one or two consumer warpgroups per CTA, programs that take several work tiles (the
     persistent grid: barrier phases carried from tile to tile), and ``elsa_attention`` returns exactly this
     kernel's output where it dispatches to it."""
     from visionattn.kernels.elsa_fwd import _launch, elsa_attention, get_config
