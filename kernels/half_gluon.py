@@ -124,7 +124,8 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     one = head_dim <= 64 and n_k < one_consumer_below
     rem = n_k - (cdiv(n_k, 128) - 1) * 128
     return {"BLOCK_M": 64 if one else 128, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": head_dim > 64,
-            "maxnreg": 128 if one else 168, "consumer_regs": 240, "persistent": True, "consumers": 1 if one else 2,
+            "maxnreg": 128 if one else 168, "consumer_regs": 240,  # with one consumer it takes the rest: 232
+            "persistent": True, "consumers": 1 if one else 2,
             "ctas_per_sm": 2 if one else 1, "q_buffers": 2 if head_dim <= 64 else 1,
             "tail_keys": (128, 0) if n_k <= 128 else _tail_keys(rem, split=head_dim <= 64)}
 
@@ -322,6 +323,8 @@ if _IMPORT_ERROR is None:
         # Work tile = (2 * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p, p + grid,
         # ... (one tile each when the grid covers them all; a persistent grid of one program per SM otherwise,
         # so a tile's epilogue overlaps the next tile's loads).
+        gl.static_assert(not (PINGPONG and (CONSUMERS == 1 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
+                         "one part per last key tile (the turn counts)")
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)

@@ -19,8 +19,8 @@ from visionattn.kernels import half_gluon
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
 for d in half_gluon.HEAD_DIMS:
-    for (dt, tname), n_k in (((torch.float16, "fp16"), 4096), ((torch.bfloat16, "bf16"), 1025)):
-        cfg = half_gluon.get_config(n_k, d)  # 1025 keys: a 16-key last tile
+    for (dt, tname), n_k in (((torch.float16, "fp16"), 4096), ((torch.bfloat16, "bf16"), 1066)):
+        cfg = half_gluon.get_config(n_k, d)  # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys)
         r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt), O="*" + tname),
                              half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1, float_args=("qk_scale",),
                              maxnreg=cfg["maxnreg"])
@@ -37,16 +37,16 @@ needs_gluon = pytest.mark.skipif(half_gluon._IMPORT_ERROR is not None, reason="t
 @needs_gluon
 def test_compiles_for_hopper_warp_specialized_without_spills():
     """With the installed Triton the kernel builds for sm_90 at both head dims and dtypes: wgmma products,
-    one warp-specialized region (two consumer warpgroups + the producer's at 4096 keys; at D = 64 and 1025
-    keys one consumer warpgroup, 128 registers and two CTAs per SM, and a 16-key last tile), the launch
-    register cap, no spills, the Q / K / V tiles within the 227 KiB of shared memory."""
+    one warp-specialized region (two consumer warpgroups + the producer's at 4096 keys; at D = 64 and 1066
+    keys one consumer warpgroup, 128 registers and two CTAs per SM, and a last key tile in two parts), the
+    launch register cap, no spills, the Q / K / V tiles within the 227 KiB of shared memory."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
     assert set(r) == {"64_fp16", "64_bf16", "128_fp16", "128_bf16"}
     for key, v in r.items():
         d = int(key.split("_")[0])
-        cfg = half_gluon.get_config(4096 if key.endswith("fp16") else 1025, d)
+        cfg = half_gluon.get_config(4096 if key.endswith("fp16") else 1066, d)
         tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)  # Q, K / V ring
         assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
         warps = 4 * cfg["consumers"] + 4  # the producer warp is padded to a warpgroup
