@@ -5,10 +5,10 @@ lockstep, and reaches 0.80-0.93x SDPA-cuDNN on an H100. This kernel schedules th
 FlashAttention-3 does (Shah et al. 2024, Sec. 3.1-3.2), which Gluon (Triton's explicit-layout
 dialect) can express:
 
-* **warp specialization**: one producer warp TMA-loads the CTA's two 64-row Q tiles and a ring of
-  K / V tiles (``ready`` / ``empty`` mbarriers; 4-D [B, H, N, D] descriptors, so strided views such
-  as timm's ``qkv.unbind`` need no copy, and rows past N arrive as zeros); the two consumer
-  warpgroups get 240 registers each, the producer 24;
+* **warp specialization**: one producer warp TMA-loads the CTA's 64-row Q tiles (one per consumer)
+  and a ring of K / V tiles (``ready`` / ``empty`` mbarriers; 4-D [B, H, N, D] descriptors, so strided
+  views such as timm's ``qkv.unbind`` need no copy, and rows past N arrive as zeros); two consumer
+  warpgroups get 240 registers each (one alone: 232), the producer 24;
 * **intra-warpgroup overlap**: each consumer issues ``S_{t+1} = Q K_{t+1}^T`` and
   ``O += P_t V_t`` as async wgmmas and runs the softmax of ``S_{t+1}`` while ``P_t V_t`` is in flight;
 * **ping-pong** (D = 128 only): two ``turn`` mbarriers make the consumers take turns issuing
@@ -155,8 +155,8 @@ if _IMPORT_ERROR is None:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk, n_work,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                   CONSUMERS: gl.constexpr):
-        # one warp: per work tile, both Q tiles once the consumers are done with the last ones, then K / V
-        # tile t into ring slot g % STAGES (g counts KV tiles over every work tile) once both consumers freed it
+        # one warp: per work tile, each consumer's Q tile into a free Q buffer, then K / V tile t into ring slot
+        # g % STAGES (g counts KV tiles over every work tile) once every consumer freed it
         tiles_m = gl.cdiv(Nq, CONSUMERS * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
@@ -320,9 +320,9 @@ if _IMPORT_ERROR is None:
                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
                          CONSUMERS: gl.constexpr):
-        # Work tile = (2 * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p, p + grid,
-        # ... (one tile each when the grid covers them all; a persistent grid of one program per SM otherwise,
-        # so a tile's epilogue overlaps the next tile's loads).
+        # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
+        # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
+        # programs per SM, so a tile's epilogue overlaps the next tile's loads).
         gl.static_assert(not (PINGPONG and (CONSUMERS == 1 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
                          "one part per last key tile (the turn counts)")
         dtype: gl.constexpr = q_desc.dtype
