@@ -77,6 +77,36 @@ def test_unsupported_reasons_name_the_cause():
     assert reason(q, k, v, None, None, False, 0.125, 1) == "tensors on cpu"  # everything else fits
 
 
+def test_the_last_key_tile_is_cut_to_the_keys_it_holds():
+    """The last of 2+ key tiles multiplies its remainder rounded up to 16 keys, in power-of-two parts of 16-128
+    (Triton shapes, wgmma's 16-key steps): two parts at D = 64 where that saves keys, one at D = 128 (ping-pong
+    counts one part); calls of one key tile keep the full tile."""
+    for d in half_gluon.HEAD_DIMS:
+        for n_k in range(1, 4200):
+            cfg = half_gluon.get_config(n_k, d)
+            first, second = cfg["tail_keys"]
+            if n_k <= cfg["BLOCK_N"]:
+                assert (first, second) == (cfg["BLOCK_N"], 0)
+                continue
+            rem = n_k - (n_k - 1) // cfg["BLOCK_N"] * cfg["BLOCK_N"]
+            for part in (first, second) if second else (first,):
+                assert 16 <= part <= cfg["BLOCK_N"] and part & (part - 1) == 0, (n_k, d, cfg["tail_keys"])
+            assert rem <= first + second <= max(16, 1 << (rem - 1).bit_length()), (n_k, d, cfg["tail_keys"])
+            assert second == 0 or d == 64
+    assert half_gluon.get_config(197, 64)["tail_keys"] == (64, 16)  # ViT-B/16 224: 128 + 64 + 16 keys
+    assert half_gluon.get_config(1025, 64)["tail_keys"] == (16, 0)  # ViT-B/16 512: 8 tiles + 16 keys
+
+
+def test_short_calls_at_head_dim_64_take_one_consumer_per_cta():
+    """Below ONE_CONSUMER_BELOW keys at D = 64: one consumer warpgroup (64 query rows) per CTA at 128 registers,
+    two CTAs per SM; otherwise two consumers (128 rows) at 168 registers, one CTA per SM."""
+    below = half_gluon.ONE_CONSUMER_BELOW
+    for d, n_k, one in ((64, below - 1, True), (64, below, False), (128, 256, False)):
+        cfg = half_gluon.get_config(n_k, d)
+        assert (cfg["consumers"], cfg["ctas_per_sm"], cfg["BLOCK_M"]) == ((1, 2, 64) if one else (2, 1, 128))
+        assert cfg["maxnreg"] * 32 * (4 * cfg["consumers"] + 4) * cfg["ctas_per_sm"] <= 65536  # the register file
+
+
 @needs_gluon
 def test_dispatch_takes_long_in_scope_calls_only(monkeypatch):
     """The launcher hands an in-scope fp16 / bf16 call to the Gluon kernel from min_keys(D) keys on (fewer
