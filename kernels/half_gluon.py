@@ -380,15 +380,17 @@ def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gdtype)
 
 
+def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
+    # the TMA block of each descriptor argument: one consumer's Q tile, a K / V tile ([B, H, N, D] order)
+    rows = {"q_desc": cfg["BLOCK_M"] // cfg["consumers"], "k_desc": cfg["BLOCK_N"], "v_desc": cfg["BLOCK_N"]}
+    return {name: (1, 1, n, head_dim) for name, n in rows.items()}
+
+
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
     """Signature types of the three descriptor arguments (``q_desc`` ...) for an offline compile."""
     tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    out = {}
-    for name, rows in (("q_desc", cfg["BLOCK_M"] // cfg["consumers"]), ("k_desc", cfg["BLOCK_N"]),
-                       ("v_desc", cfg["BLOCK_N"])):
-        block = [1, 1, rows, head_dim]
-        out[name] = f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(tuple(block), dtype)!r}>"
-    return out
+    return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(block, dtype)!r}>"
+            for name, block in _descriptor_blocks(cfg, head_dim).items()}
 
 
 def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -420,10 +422,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out:
     (the dense launcher: no second validation on the hot path)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    descs = [TensorDescriptor.from_tensor(t, block, _smem_layout(tuple(block), q.dtype))
-             for t, block in ((q, [1, 1, bm // cfg["consumers"], D]), (k, [1, 1, bn, D]), (v, [1, 1, bn, D]))]
-    n_work = cdiv(Nq, bm) * B * H
+    descs = [TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, q.dtype))
+             for t, block in zip((q, k, v), _descriptor_blocks(cfg, D).values())]
+    n_work = cdiv(Nq, cfg["BLOCK_M"]) * B * H
     grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
     _half_fwd_kernel[(grid,)](
         *descs, out, *out.stride()[:3], H, Nq, Nk, n_work, float(scale) * _LOG2E, **kernel_constexprs(cfg, D),
