@@ -35,9 +35,9 @@ Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODE
   bits as TF32 rounds them (TF32-class accuracy, 4.3e-4 vs TF32's 1.6e-3 at N=8192), on
   the FP16 tensor cores (188 TFLOP/s vs 130 for ``"tf32"`` on the same shape).
 * ``fp16`` / ``bf16``: half tensor-core products, P rounded to the input dtype before
-  ``P @ V``. On Hopper, calls within its scope (D = Dv in {64, 128}, no bias / mask / causal, from
-  :func:`.half_gluon.min_keys` keys) run the warp-specialized Gluon kernel of :mod:`.half_gluon`
-  instead: ~1.05-1.1x faster at D = 64, ~1.2-1.3x at D = 128.
+  ``P @ V``. On Hopper, calls within its scope (D = Dv in {64, 128}, no bias / mask / causal, the
+  lengths :func:`.half_gluon.preferred` names) run the warp-specialized Gluon kernel of :mod:`.half_gluon`
+  instead: ~1.05-1.4x faster at D = 64, ~1.2-1.3x at D = 128.
 
 Scores, state and accumulation are FP32 in every mode. ``"tf32x3"`` and ``"tf32"`` stay
 selectable (``precision=`` of :func:`get_config` / the launcher) for comparison.
@@ -540,18 +540,19 @@ def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, 
 
 # Gluon kernel ("fp32-ieee" / "half") -> why it could not run in this process (first failure; warned once)
 _GLUON_FAILED: dict[str, str] = {}
-# kernel -> (module, head dim -> fewest keys it takes a call from: below, this module's kernel is faster)
-_GLUON_KERNELS = {"fp32-ieee": (ieee_gluon, lambda head_dim: 0), "half": (half_gluon, half_gluon.min_keys)}
+# kernel -> (module, (n_q, n_k, head dim) -> whether it is ahead of this module's kernel on an in-scope call)
+_GLUON_KERNELS = {"fp32-ieee": (ieee_gluon, lambda n_q, n_k, head_dim: True),
+                  "half": (half_gluon, half_gluon.preferred)}
 
 
 def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out: torch.Tensor) -> bool:
     """Run the call on a Gluon kernel into ``out`` (allocated, validated): ``"fp32-ieee"`` on the FMA kernel of
     :mod:`.ieee_gluon` (~2x this module's IEEE loop), ``"half"`` (fp16 / bf16) on the warp-specialized Hopper
-    kernel of :mod:`.half_gluon`. ``False`` when it does not take the call: too few keys, outside its scope,
-    where the split-KV path would run (few query tiles), or after it failed to import or compile once in this
-    process (warned once)."""
-    module, min_keys = _GLUON_KERNELS[kernel]
-    if kernel in _GLUON_FAILED or k.shape[2] < min_keys(q.shape[3]):
+    kernel of :mod:`.half_gluon`. ``False`` when it does not take the call: lengths it is not preferred at,
+    outside its scope, where the split-KV path would run (few query tiles), or after it failed to import or
+    compile once in this process (warned once)."""
+    module, preferred = _GLUON_KERNELS[kernel]
+    if kernel in _GLUON_FAILED or not preferred(q.shape[2], k.shape[2], q.shape[3]):
         return False
     reason = module.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits)
     if reason is not None:
@@ -559,7 +560,7 @@ def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, 
             _gluon_failed(kernel, reason)
         return False
     B, H, Nq, D = q.shape
-    cfg = module.get_config(k.shape[2], D)
+    cfg = module.get_config(k.shape[2], D, n_q=Nq)
     tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
         return False

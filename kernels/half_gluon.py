@@ -1,4 +1,4 @@
-"""FP16 / BF16 attention forward for Hopper in Gluon: TMA producer warp, two consumer warpgroups.
+"""FP16 / BF16 attention forward for Hopper in Gluon: TMA producer warp, one, two or four consumer warpgroups.
 
 The Triton kernel of :mod:`.elsa_fwd` issues its loads and both GEMMs from the same warps, in
 lockstep, and reaches 0.80-0.93x SDPA-cuDNN on an H100. This kernel schedules the way
@@ -24,7 +24,10 @@ dialect) can express:
   (ViT-B/16 at 512: +6-7 %); 197 keys cost 128 + 64 + 16;
 * **one consumer per CTA below 1536 keys** (D = 64): 64-row work tiles, two CTAs per SM that drift out of
   phase, so one's softmax runs under the other's products where a work tile has too few key tiles to
-  overlap within (257 keys: 1.31x cuDNN vs 0.99x with two consumers per CTA).
+  overlap within (257 keys: 1.31x cuDNN vs 0.99x with two consumers per CTA);
+* **four consumers per CTA at 193-224 query rows** (D = 64, <= 256 keys): a work tile is a whole head, four 64-row
+  chains of dependent products side by side over one K / V ring of 64-key tiles. ViT-B/16 at 224 (197 rows)
+  would otherwise pay a whole chain for its last 5 rows: 1.00-1.01x cuDNN vs 0.90-0.91x with one consumer per CTA.
 
 The fold is the (m, S, W) recurrence of :mod:`.elsa_fwd` (ELSA supplement, Alg. 1) in base 2:
 FP32 scores and state, P rounded to the input dtype before ``P @ V``, FP32 accumulation, one
@@ -34,15 +37,15 @@ division and rounding at the end. Results match the Triton kernel's error (rel e
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x (wgmma, TMA,
 ``setmaxnreg``), fp16 or bf16 q / k / v of one dtype, head dim 64 or 128 for both Q/K and V, no bias /
 mask / causal, no split-KV, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
-The dense launcher takes it from :func:`min_keys` keys on (256 at D = 64, any at D = 128). Gluon cannot run under
+The dense launcher takes the calls :func:`preferred` names (all but 65-128 keys at D = 64). Gluon cannot run under
 ``TRITON_INTERPRET=1``: CPU tests compile it offline for sm_90 and check the dispatch; ``pytest -m gpu``
 checks its results against the float64 oracle.
 
 Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/logs/ab_one_h100_session8.jsonl,
-ab_thresh_h100_session8.jsonl): D = 64, N = 4096: 0.94-0.98x (Triton kernel 0.90-0.92x); ViT-B/16 at 512
-(B=8, H=12, N=1025): 1.11-1.14x (Triton kernel 1.01-1.02x); VGGT's global attention (B=1, H=16, N=10410):
-1.09-1.12x; D = 128, N = 1025: 1.01x (Triton kernel 0.79x). ViT-B/16 at 224 (197 keys) stays on the
-Triton kernel (0.93x).
+ab_thresh_h100_session8.jsonl, ab_four_h100_session9.jsonl): D = 64, N = 4096: 0.94-0.98x (Triton kernel
+0.90-0.92x); ViT-B/16 at 224 (B=64, H=12, N=197): 1.00-1.01x (Triton kernel 0.93-0.95x); at 512 (B=8, H=12,
+N=1025): 1.11-1.14x (Triton kernel 1.01-1.02x); VGGT's global attention (B=1, H=16, N=10410): 1.09-1.12x;
+ViT-B/32 at 224 (N=50): 1.5x (Triton kernel 1.1x); D = 128, N = 1025: 1.01x (Triton kernel 0.79x).
 """
 from __future__ import annotations
 
@@ -66,19 +69,20 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
 
 __all__ = ["half_attention", "launch", "unsupported_reason", "get_config", "kernel_constexprs", "descriptor_types",
-           "HEAD_DIMS", "min_keys"]
+           "HEAD_DIMS", "preferred", "FOUR_CONSUMER_ROWS"]
 
 HEAD_DIMS = (64, 128)
 
 
-def min_keys(head_dim: int) -> int:
-    """From this many keys the dense launcher prefers this kernel (H100, CUDA-graph medians vs cuDNN,
-    docs/benchmarks/logs/ab_one_h100_session8.jsonl, ab_thresh_h100_session8.jsonl). D = 64: the Triton kernel
-    wins at 197 keys (0.93-0.94x vs 0.90-0.92x here: 64-row query tiles and 16-key steps still pad 197 rows and
-    keys to 256 and 208, the Triton kernel's 32-key tiles to 224), this one from 257 on (257 / 513 / 1025:
-    1.31 / 1.17-1.19 / 1.11-1.14x vs 1.10 / 1.04 / 1.01-1.02x). D = 128: this one at every length measured
-    (64 to 16384 keys; 0.80x vs 0.68x at 64, 1.01x vs 0.79x at 1025)."""
-    return 256 if head_dim <= 64 else 1
+def preferred(n_q: int, n_k: int, head_dim: int) -> bool:
+    """Whether the dense launcher runs an in-scope call of ``n_q`` query rows and ``n_k`` keys on this kernel rather
+    than the Triton kernel (H100, CUDA-graph medians vs cuDNN; docs/benchmarks/logs/ab_four_h100_session9.jsonl,
+    ab_one_h100_session8.jsonl, ab_thresh_h100_session8.jsonl). D = 128: at every length measured (64 to 16384
+    keys; 0.80x vs 0.68x at 64, 1.01x vs 0.79x at 1025). D = 64: everywhere but 65-128 keys, where one key tile
+    of 128 is multiplied in full and the Triton kernel's 32-key tiles pad less (65 / 80 / 128 keys: 0.77 / 0.81 /
+    0.88x here vs 0.95 / 0.91 / 0.90x). Ahead elsewhere: 16 / 50 keys 2.3 / 1.5x vs 1.7 / 1.1x; ViT-B/16 at 224
+    (197, on four consumers) 1.00-1.01x vs 0.93-0.95x; 257 / 1025 keys 1.31 / 1.11-1.14x vs 1.10 / 1.01-1.02x."""
+    return head_dim > 64 or not 64 < n_k <= 128
 
 
 _LOG2E = 1.4426950408889634
@@ -104,8 +108,18 @@ def _tail_keys(rem: int, split: bool) -> tuple[int, int]:
     return pad_pow2(rem), 0
 
 
-def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = None) -> dict:
-    """Launch config by head dim and key count (H100, sessions 7-8, CUDA-graph medians vs cuDNN).
+# D = 64 calls with this many query rows and at most FOUR_CONSUMER_MAX_KEYS keys run four consumer warpgroups per
+# CTA, one head per work tile (see get_config). 197 rows (ViT-B/16 at 224) take four 64-row tiles, the last with 5
+# rows: one consumer per CTA pays for that tile as a whole chain of dependent products (4 per head, 0.90-0.91x
+# cuDNN), four per CTA run the head's four chains side by side over shared K / V (1.00-1.04x; H100,
+# docs/benchmarks/logs/ab_four_h100_session9.jsonl). At 192 or 145 rows, or from 257 keys, one per CTA is ahead.
+FOUR_CONSUMER_ROWS = range(193, 225)
+FOUR_CONSUMER_MAX_KEYS = 256
+
+
+def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = None, n_q: int | None = None) -> dict:
+    """Launch config by head dim, key count and (for one case) query count (H100, sessions 7-9, CUDA-graph medians
+    vs cuDNN).
 
     * Long calls: 128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages
       starve the consumers (0.67x at D = 64), 4 gain nothing, 256-key tiles lose 5-25 %. Registers: 168 per
@@ -114,6 +128,9 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     * D = 64 below ``one_consumer_below`` keys (default :data:`ONE_CONSUMER_BELOW`): one consumer warpgroup
       (64 rows) per CTA at 128 registers per thread (232 per consumer thread after ``setmaxnreg``), so two
       CTAs share an SM and run out of phase: one's softmax under the other's products.
+    * D = 64, ``n_q`` in :data:`FOUR_CONSUMER_ROWS` and at most :data:`FOUR_CONSUMER_MAX_KEYS` keys: four consumer
+      warpgroups (256 rows: a whole head) per CTA over 64-key tiles, 4 stages; 96 registers per thread at launch
+      (20 warps), 112-120 per consumer thread and 24 per producer thread after ``setmaxnreg``.
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
       flight (2 at D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the
       last of 2+ key tiles multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64) two
@@ -121,13 +138,19 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     """
     if one_consumer_below is None:
         one_consumer_below = ONE_CONSUMER_BELOW
-    one = head_dim <= 64 and n_k < one_consumer_below
-    rem = n_k - (cdiv(n_k, 128) - 1) * 128
-    return {"BLOCK_M": 64 if one else 128, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": head_dim > 64,
-            "maxnreg": 128 if one else 168, "consumer_regs": 240,  # with one consumer it takes the rest: 232
-            "persistent": True, "consumers": 1 if one else 2,
-            "ctas_per_sm": 2 if one else 1, "q_buffers": 2 if head_dim <= 64 else 1,
-            "tail_keys": (128, 0) if n_k <= 128 else _tail_keys(rem, split=head_dim <= 64)}
+    if head_dim <= 64 and n_q in FOUR_CONSUMER_ROWS and n_k <= FOUR_CONSUMER_MAX_KEYS:
+        cfg = {"BLOCK_M": 256, "BLOCK_N": 64, "STAGES": 4, "maxnreg": 96, "consumer_regs": 112, "consumers": 4,
+               "ctas_per_sm": 1}
+    elif head_dim <= 64 and n_k < one_consumer_below:
+        cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 128, "consumer_regs": 240,  # it takes 232
+               "consumers": 1, "ctas_per_sm": 2}
+    else:
+        cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 168, "consumer_regs": 240, "consumers": 2,
+               "ctas_per_sm": 1}
+    block_n = cfg["BLOCK_N"]
+    rem = n_k - (cdiv(n_k, block_n) - 1) * block_n
+    return dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 else 1,
+                tail_keys=(block_n, 0) if n_k <= block_n else _tail_keys(rem, split=head_dim <= 64))
 
 
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
@@ -247,8 +270,8 @@ if _IMPORT_ERROR is None:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         # turns go 0, 1, 0, 1, ... (n_tiles + 1 per group and work tile): group 0's first wait passes on the
         # fresh barrier (parity 1)
-        my_turn = turn.index(WG)
-        other_turn = turn.index(1 - WG)
+        my_turn = turn.index(WG % 2)  # ping-pong has two consumers; the turns of 1 or 4 are never waited on
+        other_turn = turn.index(1 - WG % 2)
         l_mine = l_smem.slice(WG * BLOCK_M, BLOCK_M)
         offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
@@ -323,8 +346,9 @@ if _IMPORT_ERROR is None:
         # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
         # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
         # programs per SM, so a tile's epilogue overlaps the next tile's loads).
-        gl.static_assert(not (PINGPONG and (CONSUMERS == 1 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
+        gl.static_assert(not (PINGPONG and (CONSUMERS != 2 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
                          "one part per last key tile (the turn counts)")
+        gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2 or CONSUMERS == 4, "1, 2 or 4 consumer warpgroups")
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -343,7 +367,16 @@ if _IMPORT_ERROR is None:
             mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer releases a slot
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
-        if CONSUMERS == 2:
+        # one branch per consumer count: the partition list is built at trace time, one entry per warpgroup
+        if CONSUMERS == 1:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                             Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
+                             n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+            ], [1], [24])
+        elif CONSUMERS == 2:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
@@ -359,9 +392,18 @@ if _IMPORT_ERROR is None:
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
                              TAIL_N2, CONSUMERS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                             Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                             Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
+                             Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
-            ], [1], [24])
+            ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
@@ -411,7 +453,7 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         ValueError: a call :func:`unsupported_reason` refuses (``scale <= 0`` among them).
         TypeError: an ``out_dtype`` the kernels do not write.
     """
-    cfg = get_config(k.shape[2], q.shape[3])
+    cfg = get_config(k.shape[2], q.shape[3], n_q=q.shape[2])
     return checked_call("half_attention", "'fp16' / 'bf16'", unsupported_reason(q, k, v, None, None, False, scale, 1),
                         q, k, out_dtype or q.dtype, lambda out: launch(q, k, v, scale, out, cfg))
 

@@ -47,8 +47,9 @@ HEAD_DIMS = (32, 64, 128)
 _LOG2E = 1.4426950408889634
 
 
-def get_config(n_k: int, head_dim: int = 64) -> dict:
-    """Launch config by key count and head dim (H100, session 6). D <= 64: 32-key tiles waste less on
+def get_config(n_k: int, head_dim: int = 64, n_q: int | None = None) -> dict:
+    """Launch config by key count and head dim (H100, session 6); ``n_q`` (the dispatcher passes it to both
+    Gluon kernels) does not change it. D <= 64: 32-key tiles waste less on
     ViT-sized tails (22 vs 13 TFLOP/s at N=197, 29 vs 27 at 1025), 64-key tiles win from 4096 keys
     (36-40 vs 35-36). D = 128: 32 x 32 tiles, 2 rows per thread (64-row tiles spill registers):
     25.1-25.3 TFLOP/s at N=4096-16384, the Triton loop 9.0-9.2."""

@@ -43,7 +43,7 @@ class CompileReport:
         wgmma: number of Hopper warp-group MMAs in the TTGIR (0 = no wgmma path).
         ttgir: the TritonGPU IR text (for inspection).
         registers: registers per thread (``None`` when ``cuobjdump`` is unavailable).
-        local_bytes: local memory per thread, i.e. register spills (``None`` likewise).
+        local_bytes: local memory per thread (stack frame + local arrays), i.e. register spills (``None`` likewise).
         num_warps: warps per program.
     """
 
@@ -81,7 +81,8 @@ def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
 
 def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers per thread, local bytes per thread) of the one kernel in ``cubin`` via Triton's bundled
-    ``cuobjdump -res-usage``; ``(None, None)`` if the tool is missing or its output is not understood."""
+    ``cuobjdump -res-usage``; ``(None, None)`` if the tool is missing or its output is not understood. Local bytes
+    count the stack frame too: that is where ptxas spills registers (it reports ``LOCAL:0`` with them)."""
     try:
         from triton import knobs
 
@@ -97,8 +98,8 @@ def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
         return None, None
     finally:
         os.unlink(path)
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", out)
-    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    m = re.search(r"REG:(\d+) STACK:(\d+).*?LOCAL:(\d+)", out)
+    return (int(m.group(1)), int(m.group(2)) + int(m.group(3))) if m else (None, None)
 
 
 def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *, num_warps: int,

@@ -99,12 +99,14 @@ def _half_gluon_jobs(quick: bool):
 
     if half_gluon._IMPORT_ERROR is not None:
         return
-    # 4096 keys: two consumer warpgroups per CTA; 1025 keys at D = 64: one per CTA, two CTAs per SM, a cut last tile
-    for d, n_k in ((64, 4096), (64, 1025), (128, 4096)):
+    # 4096 keys: two consumer warpgroups per CTA; 1025 keys at D = 64: one per CTA, two CTAs per SM, a cut last tile;
+    # 197 rows and keys at D = 64: four per CTA
+    for d, n_k, n_q in ((64, 4096, None), (64, 1025, None), (64, 197, 197), (128, 4096, None)):
         for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
-            cfg = half_gluon.get_config(n_k, d)
+            cfg = half_gluon.get_config(n_k, d, n_q=n_q)
             tname = str(dtype).split(".")[-1]
-            shape = " ping-pong" if cfg["PINGPONG"] else " one consumer" if cfg["consumers"] == 1 else ""
+            shape = (" ping-pong" if cfg["PINGPONG"] else " one consumer" if cfg["consumers"] == 1
+                     else " four consumers" if cfg["consumers"] == 4 else "")
             yield ({"kernel": "half-gluon", "variant": f"D={d} {tname}{shape}",
                     "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 4 * cfg["consumers"] + 4, cfg["STAGES"]]},
                    dict(kernel=half_gluon._half_fwd_kernel,
