@@ -560,7 +560,7 @@ def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, 
             _gluon_failed(kernel, reason)
         return False
     B, H, Nq, D = q.shape
-    cfg = module.get_config(k.shape[2], D, n_q=Nq)
+    cfg = module.config_for(q, k)
     tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
         return False

@@ -69,7 +69,7 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
 
 __all__ = ["half_attention", "launch", "unsupported_reason", "get_config", "kernel_constexprs", "descriptor_types",
-           "HEAD_DIMS", "preferred", "FOUR_CONSUMER_ROWS"]
+           "HEAD_DIMS", "preferred", "config_for", "FOUR_CONSUMER_ROWS", "FOUR_CONSUMER_MAX_KEYS"]
 
 HEAD_DIMS = (64, 128)
 
@@ -151,6 +151,15 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     rem = n_k - (cdiv(n_k, block_n) - 1) * block_n
     return dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 else 1,
                 tail_keys=(block_n, 0) if n_k <= block_n else _tail_keys(rem, split=head_dim <= 64))
+
+
+def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """:func:`get_config` for a call's q [B, H, Nq, D] and k [B, H, Nk, D] on q's device: four consumers (one head
+    per work tile) only where the B * H heads give every SM one; fewer heads take 64-row work tiles instead (off
+    CUDA, where nothing launches, the SM count is not asked)."""
+    B, H, n_q, head_dim = q.shape
+    fills = q.device.type != "cuda" or B * H >= sm_count(q.device)
+    return get_config(k.shape[2], head_dim, n_q=n_q if fills else None)
 
 
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
@@ -453,7 +462,7 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         ValueError: a call :func:`unsupported_reason` refuses (``scale <= 0`` among them).
         TypeError: an ``out_dtype`` the kernels do not write.
     """
-    cfg = get_config(k.shape[2], q.shape[3], n_q=q.shape[2])
+    cfg = config_for(q, k)
     return checked_call("half_attention", "'fp16' / 'bf16'", unsupported_reason(q, k, v, None, None, False, scale, 1),
                         q, k, out_dtype or q.dtype, lambda out: launch(q, k, v, scale, out, cfg))
 

@@ -41,15 +41,15 @@ try:  # Gluon is experimental: its API moves between Triton releases
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["ieee_attention", "launch", "unsupported_reason", "get_config", "kernel_constexprs", "HEAD_DIMS"]
+__all__ = ["ieee_attention", "launch", "unsupported_reason", "get_config", "config_for", "kernel_constexprs",
+           "HEAD_DIMS"]
 
 HEAD_DIMS = (32, 64, 128)
 _LOG2E = 1.4426950408889634
 
 
-def get_config(n_k: int, head_dim: int = 64, n_q: int | None = None) -> dict:
-    """Launch config by key count and head dim (H100, session 6); ``n_q`` (the dispatcher passes it to both
-    Gluon kernels) does not change it. D <= 64: 32-key tiles waste less on
+def get_config(n_k: int, head_dim: int = 64) -> dict:
+    """Launch config by key count and head dim (H100, session 6). D <= 64: 32-key tiles waste less on
     ViT-sized tails (22 vs 13 TFLOP/s at N=197, 29 vs 27 at 1025), 64-key tiles win from 4096 keys
     (36-40 vs 35-36). D = 128: 32 x 32 tiles, 2 rows per thread (64-row tiles spill registers):
     25.1-25.3 TFLOP/s at N=4096-16384, the Triton loop 9.0-9.2."""
@@ -196,6 +196,11 @@ def ieee_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     cfg = dict(get_config(k.shape[2], q.shape[3]), **(config or {}))
     return checked_call("ieee_attention", "'fp32-ieee'", unsupported_reason(q, k, v, None, None, False, scale, 1),
                         q, k, out_dtype or torch.float32, lambda out: launch(q, k, v, scale, out, cfg))
+
+
+def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """:func:`get_config` for a call's q [B, H, Nq, D] and k [B, H, Nk, D] (the dispatcher's entry point)."""
+    return get_config(k.shape[2], q.shape[3])
 
 
 def kernel_constexprs(cfg: dict, head_dim: int) -> dict:

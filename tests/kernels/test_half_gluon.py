@@ -249,12 +249,13 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-on
                                          (1, 2, 4097, 4100, 128), (2, 3, 300, 2100, 128), (1, 4, 129, 65536, 64),
                                          (4, 48, 300, 100, 64), (3, 40, 257, 200, 128), (2, 70, 1000, 2049, 64),
                                          (2, 3, 300, 1050, 64), (1, 2, 500, 10410, 64), (64, 12, 197, 197, 128),
-                                         (8, 12, 197, 197, 64), (2, 3, 300, 1066, 64), (3, 5, 210, 256, 64),
-                                         (2, 3, 193, 100, 64), (1, 1, 224, 17, 64)])
+                                         (8, 12, 197, 197, 64), (2, 3, 300, 1066, 64), (16, 12, 197, 197, 64),
+                                         (2, 80, 210, 256, 64), (2, 70, 193, 100, 64), (1, 140, 224, 17, 64)])
 def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, dtype):
     """Same error vs the float64 oracle as the Triton kernel, odd row / key counts (TMA zero-fills the
     tails, the last key tile is masked and cut to 16 / 32 / 64 / 128 keys or split in two parts: 64 + 16, 32 + 16),
-    one or two key tiles, one, two or four consumer warpgroups per CTA (four: 193-224 rows, 64-key tiles), programs that take several work tiles (the
+    one or two key tiles, one, two or four consumer warpgroups per CTA (four: 193-224 rows, 64-key tiles, where
+    the heads fill the SMs; 8 x 12 heads at 197 rows take one consumer), programs that take several work tiles (the
     persistent grid: barrier phases carried from tile to tile), and ``elsa_attention`` returns exactly this
     kernel's output where it dispatches to it."""
     from visionattn.kernels.elsa_fwd import _launch, elsa_attention, get_config
@@ -273,6 +274,8 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
     triton_err = rel_l2(triton_y[:, :, rows], ref)
     assert torch.isfinite(y).all() and err <= 1.25 * triton_err + 1e-5, (err, triton_err)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    four = D == 64 and Nq in half_gluon.FOUR_CONSUMER_ROWS and Nk <= half_gluon.FOUR_CONSUMER_MAX_KEYS and B * H >= sms
+    assert (half_gluon.config_for(q, k)["consumers"] == 4) is four
     if B * H * -(-Nq // 128) >= sms and half_gluon.preferred(Nq, Nk, D):
         assert torch.equal(elsa_attention(q, k, v, None, None, False, scale, mode), y)
 
