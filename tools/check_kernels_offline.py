@@ -178,11 +178,13 @@ def main(args) -> dict:
           f"only the same version gives the GPU's figures); limit {HOPPER_SHARED_LIMIT} bytes per block\n"
           f"* command: `{env.get('command', '')}`\n* {len(rows)} variants, {len(over)} over the limit "
           f"(the launcher then retries smaller configs), {len(failed)} failed to compile\n"
-          f"* registers and spill (local) bytes per thread from the cubin (`cuobjdump -res-usage`); programs / SM = "
+          f"* registers and spill bytes per thread (stack frame + local memory, where ptxas spills) from the cubin "
+          f"(`cuobjdump -res-usage`); programs / SM = "
           f"programs one SM holds at once by the Hopper occupancy rules (registers, 228 KiB shared memory with 1 KiB "
           f"reserved per program, 64 warps, 32 programs); a config over the shared-memory limit shows 0\n"
           f"* half-gluon (warp-specialized): registers are the launch cap over its 12 warps (8 with one consumer "
-          f"warpgroup); `setmaxnreg` then gives each consumer thread 240 (232 with one) and each producer thread 24"
+          f"warpgroup, 20 with four); `setmaxnreg` then gives each consumer thread 240 (232 with one, 112-120 with "
+          f"four) and each producer thread 24"
           f"\n\n{table}\n")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_text_atomic(args.out + ".md", md)
