@@ -8,7 +8,7 @@ dialect) can express:
 * **warp specialization**: one producer warp TMA-loads the CTA's 64-row Q tiles (one per consumer)
   and a ring of K / V tiles (``ready`` / ``empty`` mbarriers; 4-D [B, H, N, D] descriptors, so strided
   views such as timm's ``qkv.unbind`` need no copy, and rows past N arrive as zeros); two consumer
-  warpgroups get 240 registers each (one alone: 232), the producer 24;
+  warpgroups get 240 registers each (one alone: 232; four: 112-120), the producer 24;
 * **intra-warpgroup overlap**: each consumer issues ``S_{t+1} = Q K_{t+1}^T`` and
   ``O += P_t V_t`` as async wgmmas and runs the softmax of ``S_{t+1}`` while ``P_t V_t`` is in flight;
 * **ping-pong** (D = 128 only): two ``turn`` mbarriers make the consumers take turns issuing
