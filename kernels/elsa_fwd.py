@@ -559,7 +559,7 @@ def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, 
         if reason == module._IMPORT_ERROR:  # reported last: the call was otherwise in scope
             _gluon_failed(kernel, reason)
         return False
-    B, H, Nq, D = q.shape
+    B, H, Nq = q.shape[:3]
     cfg = module.config_for(q, k)
     tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
