@@ -105,7 +105,7 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
                skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
                BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-               PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+               PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, LAZY_V: tl.constexpr):
     """Fold one KV tile [start_n, start_n + BLOCK_N) into the per-row state (acc=W, l_i=S, m_i=m).
 
     Split-FP16 precisions ("f16x3", "f16x1"): ``q`` / ``q_lo`` are the row-scaled FP16 parts of the
@@ -124,7 +124,11 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
                      col_ok, offs_d, D, BOUNDARY, EVEN_D)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
         k_hi, k_lo, k_inv = split_rows(k)
-        qk = split_scores(q, q_lo, k_hi, k_lo, PRECISION) * (q_inv[:, None] * k_inv[None, :])  # powers of 2
+        # scores = product * q_inv (rows) * k_inv (columns), exact powers of two; the row factor joins
+        # later (the row max of product * k_inv times q_inv is the scores' max; the exp2's FMA takes it)
+        qk = split_scores(q, q_lo, k_hi, k_lo, PRECISION) * k_inv[None, :]
+        if HAS_BIAS:
+            qk = qk * q_inv[:, None]
     elif DOT_UPCAST:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
     else:
@@ -148,16 +152,28 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
         if IS_CAUSAL:
             valid = valid & (cols[None, :] <= rows[:, None])
         qk = tl.where(valid, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if (PRECISION == "f16x3" or PRECISION == "f16x1") and not HAS_BIAS:
+        m_tile = tl.max(qk, 1) * q_inv
+    else:
+        m_tile = tl.max(qk, 1)
+    if PRECISION == "f16x1":
+        # m_i is the row max minus 15, so p = exp2(score - m_i) <= 2^15 carries P's FP16 scale itself (one
+        # multiply per score fewer; the sum l_i carries it too until the kernel's end). Past 2^23 the subtraction
+        # could round m_i down and p overflow FP16: such rows keep p <= 1 (TF32-class is lost there anyway).
+        m_tile = tl.where(tl.abs(m_tile) < 8388608.0, m_tile - 15.0, m_tile)
+    m_new = tl.maximum(m_i, m_tile)
     # a row with every key so far masked keeps m = -inf; shift by 0 there so exp2 gives 0, not NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_safe[:, None])
+    if (PRECISION == "f16x3" or PRECISION == "f16x1") and not HAS_BIAS:
+        p = tl.math.exp2(qk * q_inv[:, None] - m_safe[:, None])  # one FMA: qk * q_inv is exact
+    else:
+        p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     v = load_kv_tile(v_base + start_n64 * svn + offs_n[:, None] * svn + offs_dv[None, :] * svd,
                      col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc, v_exp = fold_pv(acc, alpha, v_exp, p, v, PRECISION)
+        acc, v_exp = fold_pv(acc, alpha, v_exp, p, v, PRECISION, PRECISION == "f16x1", LAZY_V)
     else:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -185,6 +201,7 @@ def _elsa_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    LAZY_V: tl.constexpr,
 ):
     """One (query tile, [KV partition,] head, batch) program; 1-D grid n_m_tiles * P * H * B.
 
@@ -256,17 +273,19 @@ def _elsa_fwd_kernel(
         acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base, t * BLOCK_N,
                                    offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                                    skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
-                                   False, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+                                   False, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST, LAZY_V)
     for t in range(mid_t, hi_t):
         acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base, t * BLOCK_N,
                                    offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                                    skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
-                                   True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+                                   True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST, LAZY_V)
 
     dv_ok = offs_dv < Dv
     v_unscale = tl.full([BLOCK_DV], 1.0, dtype=tl.float32)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
         v_unscale = pv_unscale(v_exp)
+    if PRECISION == "f16x1":
+        l_i = l_i * (1.0 / 32768.0)  # P's 2^15 was in each p (see _fold_tile); acc's goes with v_unscale
     if SPLIT:
         # partial state of partition `split`: workspace [P, B, H, Nq] (m, S) and [P, B, H, Nq, Dv] (W)
         row_id = ((split * B + off_b) * H + off_h) * Nq + start_m64 + offs_m
@@ -384,6 +403,11 @@ for _short in (False, True):
     })
 del _short
 
+
+# fp32 (f16x3) over more keys than this rescales the accumulator's columns only when a V column exponent
+# grows (:func:`.split16.fold_pv`'s LAZY_V). H100, session 10 (logs/ab_fold2_h100_session10.jsonl): fp32 D=64
+# 4k / 16k / 1025 keys +2-3 %, 197 keys -2 %; tf32 (f16x1) loses 2-7 % with it at every length, so never.
+LAZY_V_MIN_KEYS = SHORT_KV
 
 PRECISIONS = ("tf32x3", "ieee", "tf32", "f16x3", "f16x1")
 
@@ -618,6 +642,7 @@ def _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, c
         PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=has_bias, HAS_MASK=has_mask,
         SPLIT=split, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
         DOT_UPCAST=dtype == torch.bfloat16 and _interpreting(),
+        LAZY_V=precision == "f16x3" and Nk > LAZY_V_MIN_KEYS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:

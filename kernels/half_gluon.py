@@ -78,10 +78,11 @@ def preferred(n_q: int, n_k: int, head_dim: int) -> bool:
     """Whether the dense launcher runs an in-scope call of ``n_q`` query rows and ``n_k`` keys on this kernel rather
     than the Triton kernel (H100, CUDA-graph medians vs cuDNN; docs/benchmarks/logs/ab_four_h100_session9.jsonl,
     ab_one_h100_session8.jsonl, ab_thresh_h100_session8.jsonl). D = 128: at every length measured (64 to 16384
-    keys; 0.80x vs 0.68x at 64, 1.01x vs 0.79x at 1025). D = 64: everywhere but 65-128 keys, where one key tile
-    of 128 is multiplied in full and the Triton kernel's 32-key tiles pad less (65 / 80 / 128 keys: 0.77 / 0.81 /
-    0.88x here vs 0.95 / 0.91 / 0.90x). Ahead elsewhere: 16 / 50 keys 2.3 / 1.5x vs 1.7 / 1.1x; ViT-B/16 at 224
-    (197, on four consumers) 1.00-1.01x vs 0.93-0.95x; 257 / 1025 keys 1.31 / 1.11-1.14x vs 1.10 / 1.01-1.02x."""
+    keys; with the one key tile cut, 1.17-1.19x vs 0.70x at 16, 0.94x vs 0.64x at 64). D = 64: everywhere but
+    65-128 keys, where the Triton kernel's 32-key tiles pad less than this kernel's one 128-key tile, even cut
+    to 64 + 16 or 128 keys (65 / 80 / 100 / 128 keys: 0.84 / 0.80 / 0.74 / 0.89x here vs 0.96 / 0.91 / 0.77 /
+    0.90x; ab_onetile_h100_session10.jsonl). Ahead elsewhere: 16 / 50 keys 2.8 / 1.6x vs 1.7 / 1.1x; ViT-B/16 at
+    224 (197, on four consumers) 1.00-1.01x vs 0.93-0.95x; 257 / 1025 keys 1.31 / 1.11-1.14x vs 1.10 / 1.01-1.02x."""
     return head_dim > 64 or not 64 < n_k <= 128
 
 
@@ -133,8 +134,10 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
       (20 warps), 112-120 per consumer thread and 24 per producer thread after ``setmaxnreg``.
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
       flight (2 at D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the
-      last of 2+ key tiles multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64) two
-      power-of-two parts; one kernel build per distinct pair.
+      last key tile multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64) two power-of-two
+      parts; one kernel build per distinct pair. ``one_tile``: every key in one tile, cut the same way (at
+      14-50 keys 2.5-2.8x cuDNN at D = 64 and 1.05-1.2x at D = 128, against 1.6 / 0.7x on the Triton
+      kernel; H100, docs/benchmarks/logs/ab_onetile_h100_session10.jsonl).
     """
     if one_consumer_below is None:
         one_consumer_below = ONE_CONSUMER_BELOW
@@ -150,7 +153,7 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     block_n = cfg["BLOCK_N"]
     rem = n_k - (cdiv(n_k, block_n) - 1) * block_n
     return dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 else 1,
-                tail_keys=(block_n, 0) if n_k <= block_n else _tail_keys(rem, split=head_dim <= 64))
+                one_tile=n_k <= block_n, tail_keys=_tail_keys(rem, split=head_dim <= 64))
 
 
 def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
@@ -270,7 +273,8 @@ if _IMPORT_ERROR is None:
     def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H, Nq,
                   Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                  Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr, CONSUMERS: gl.constexpr):
+                  Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr, CONSUMERS: gl.constexpr,
+                  ONE_TILE: gl.constexpr):
         # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -306,19 +310,45 @@ if _IMPORT_ERROR is None:
             mbarrier.wait(ready.index(g0 % STAGES), (g0 // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
-            s_tok = warpgroup_mma(q_t, k_smem.index(g0 % STAGES).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
-                                  s_zero, use_acc=False, is_async=True)
+            if ONE_TILE:  # every key in the first tile: S on its first TAIL_N keys only
+                s_tok = warpgroup_mma(q_t, k_smem.index(g0 % STAGES).reshape([BLOCK_N, HEAD_D]).slice(0, TAIL_N)
+                                      .permute((1, 0)), s_zero_tail, use_acc=False, is_async=True)
+            else:
+                s_tok = warpgroup_mma(q_t, k_smem.index(g0 % STAGES).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
+                                      s_zero, use_acc=False, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(other_turn)
             s = warpgroup_mma_wait(0, deps=[s_tok])
-            p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, 0, Nk, qk_scale, offs_sn, BLOCK_N, True)
+            if ONE_TILE:
+                p, m_i, l_i, alpha = online_softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, s_tail_layout)),
+                                                    gl.convert_layout(l_i, gl.SliceLayout(1, s_tail_layout)), 0, Nk,
+                                                    qk_scale, offs_sn_tail, BLOCK_N, True)
+                m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
+                l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
+            else:
+                p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, 0, Nk, qk_scale, offs_sn, BLOCK_N, True)
             p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-            for t in range(0, n_tiles - 2):
-                acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem, l_mine,
-                                           ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero, WG,
-                                           BLOCK_N, HEAD_D, STAGES, False, PINGPONG, 0)
+            if not ONE_TILE:
+                for t in range(0, n_tiles - 2):
+                    acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem,
+                                               l_mine, ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero,
+                                               WG, BLOCK_N, HEAD_D, STAGES, False, PINGPONG, 0)
             last = (g0 + n_tiles - 1) % STAGES
-            if n_tiles > 1:
+            if ONE_TILE:
+                if TAIL_N2 > 0:  # the one tile in two parts: keys [0, TAIL_N) done, then [TAIL_N, + TAIL_N2)
+                    s1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                        instr_shape=[16, TAIL_N2, 16])
+                    offs_sn1 = TAIL_N + gl.arange(0, TAIL_N2, layout=gl.SliceLayout(0, s1_layout))
+                    s_zero1 = gl.zeros([BLOCK_M, TAIL_N2], gl.float32, layout=s1_layout)
+                    acc, p_one, m_i, l_i = _step(acc, p16, m_i, l_i, -1, g0, 0, q_t, k_smem, v_smem, l_mine, ready,
+                                                 empty, my_turn, other_turn, Nk, qk_scale, offs_sn1, s_zero1, WG,
+                                                 BLOCK_N, HEAD_D, STAGES, True, False, TAIL_N)
+                    acc = _last_pv(acc, p_one, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
+                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N)
+                else:
+                    acc = _last_pv(acc, p16, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
+                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0)
+            elif n_tiles > 1:
                 t = n_tiles - 2
                 acc, p_tail, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem,
                                               l_mine, ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn_tail,
@@ -351,7 +381,7 @@ if _IMPORT_ERROR is None:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
-                         CONSUMERS: gl.constexpr):
+                         CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr):
         # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
         # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
         # programs per SM, so a tile's epilogue overlaps the next tile's loads).
@@ -381,7 +411,7 @@ if _IMPORT_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS)),
+                             TAIL_N2, CONSUMERS, ONE_TILE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [1], [24])
@@ -389,10 +419,10 @@ if _IMPORT_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS)),
+                             TAIL_N2, CONSUMERS, ONE_TILE)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS)),
+                             TAIL_N2, CONSUMERS, ONE_TILE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [4, 1], [CONSUMER_REGS, 24])
@@ -400,16 +430,16 @@ if _IMPORT_ERROR is None:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS)),
+                             TAIL_N2, CONSUMERS, ONE_TILE)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS)),
+                             TAIL_N2, CONSUMERS, ONE_TILE)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS)),
+                             TAIL_N2, CONSUMERS, ONE_TILE)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
                              Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS)),
+                             TAIL_N2, CONSUMERS, ONE_TILE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -421,7 +451,7 @@ def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
     return dict(BLOCK_M=cfg["BLOCK_M"] // cfg["consumers"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim,
                 STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"],
                 Q_BUFS=cfg["q_buffers"], TAIL_N=cfg["tail_keys"][0], TAIL_N2=cfg["tail_keys"][1],
-                CONSUMERS=cfg["consumers"])
+                CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"])
 
 
 @functools.lru_cache(maxsize=None)

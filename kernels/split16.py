@@ -85,20 +85,30 @@ def _pv(p, v_hi, v_lo):
 
 
 @triton.jit
-def fold_pv(acc, alpha, v_exp, p, v, PREC: tl.constexpr):
+def fold_pv(acc, alpha, v_exp, p, v, PREC: tl.constexpr, P_SCALED: tl.constexpr, LAZY_V: tl.constexpr):
     """``acc * alpha + P V`` with V split per column; returns (acc, v_exp).
 
     ``acc`` [M, DV] is held scaled by 2^(SPLIT_EXP - v_exp + 15) per column, ``v_exp`` [DV] (int32)
     being the largest V exponent seen so far in each column (start: SPLIT_EXP - 126); a larger one
-    rescales ``acc`` like the softmax max does. f16x3 sums this tile's product apart and adds it once:
-    FP16 MMAs accumulating into ``acc`` tile after tile gave rel err growing ~N (2.9e-5 at N=8192 on
-    an H100). f16x1 (TF32-class anyway) accumulates in the MMA.
+    rescales ``acc`` like the softmax max does. ``LAZY_V``: only when some exponent grew (a branch on a
+    reduction; over long sequences the exponents settle after a few tiles, and the multiply per
+    accumulator entry is then skipped; over a few tiles the reduction costs more than it saves). ``P_SCALED``: ``p`` already carries the 2^15
+    (f16x1's exp2 adds 15 to its argument); else it is multiplied in here. f16x3 sums this tile's
+    product apart and adds it once: FP16 MMAs accumulating into ``acc`` tile after tile gave rel err
+    growing ~N (2.9e-5 at N=8192 on an H100). f16x1 (TF32-class anyway) accumulates in the MMA.
     """
     e_new = tl.maximum(v_exp, exponent(tl.max(tl.abs(v), 0)))
-    acc = acc * alpha[:, None] * pow2(v_exp - e_new)[None, :]
+    if LAZY_V:
+        acc = acc * alpha[:, None]
+        if tl.max(e_new - v_exp, 0) > 0:
+            acc = acc * pow2(v_exp - e_new)[None, :]
+    else:
+        acc = acc * alpha[:, None] * pow2(v_exp - e_new)[None, :]
     v_hi, v_lo = split_cols(v, e_new)
     if PREC == "f16x3":
         acc += _pv(p, v_hi, v_lo)
+    elif P_SCALED:
+        acc = tl.dot(p.to(tl.float16), v_hi, acc)
     else:
         acc = tl.dot((p * 32768.0).to(tl.float16), v_hi, acc)
     return acc, e_new

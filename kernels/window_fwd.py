@@ -224,7 +224,7 @@ def _window_small_kernel(
         l = tl.sum(p, axis=1)
         if SPLIT16:  # one window = one key tile: one fold from the empty state
             acc, v_exp = fold_pv(tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32), tl.full((BLOCK_N,), 1.0, tl.float32),
-                                 tl.full((BLOCK_DV,), SPLIT_EXP - 126, dtype=tl.int32), p, v, IN_PREC)
+                                 tl.full((BLOCK_DV,), SPLIT_EXP - 126, dtype=tl.int32), p, v, IN_PREC, False, False)
             # divide first (acc itself may exceed FP32 once unscaled), then undo the V and P scales
             out = acc / tl.where(l > 0, l, 1.0)[:, None] * pv_unscale(v_exp)[None, :]
         else:
@@ -316,7 +316,7 @@ def _window_tiled_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if SPLIT16:
-            acc, v_exp = fold_pv(acc, alpha, v_exp, p, v, IN_PREC)
+            acc, v_exp = fold_pv(acc, alpha, v_exp, p, v, IN_PREC, False, False)
         else:
             acc = acc * alpha[:, None] + _pv(p, v, IN_PREC, COMPUTE)
         m_i = m_new

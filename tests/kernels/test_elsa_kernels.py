@@ -134,9 +134,18 @@ def test_shared_memory_fallback_sequence_shrinks():
     assert (seq[-1].block_m, seq[-1].block_n, seq[-1].num_stages) == (16, 16, 1)
 
 
+@pytest.fixture(params=[False, True], ids=["eager_v", "lazy_v"])
+def lazy_v(request, monkeypatch):
+    """Both ways of rescaling the split-FP16 accumulator's V columns: every tile, or only when an exponent
+    grows (fp32's f16x3 picks the latter past ``LAZY_V_MIN_KEYS`` keys, more than these tests use)."""
+    if request.param:
+        monkeypatch.setattr(elsa_fwd, "LAZY_V_MIN_KEYS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("precision,tol", [("f16x3", 2e-6), ("f16x1", 3e-3), ("tf32x3", 2e-6), ("ieee", 2e-6)])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_precision_overrides(precision, tol, num_splits):
+def test_precision_overrides(precision, tol, num_splits, lazy_v):
     """Every FP32 product precision meets its contract, single pass and split-KV."""
     q, k, v = _qkv(1, 2, 70, 300, 64, torch.float32, seed=11)
     y = elsa_fwd._launch(q, k, v, None, None, False, 0.125, "fp32", num_splits, precision=precision)
@@ -144,8 +153,23 @@ def test_precision_overrides(precision, tol, num_splits):
     assert err <= tol, f"{precision}: rel err {err:.3e} > {tol}"
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_tf32_huge_logits_stay_finite(num_splits):
+    """tf32 (f16x1) shifts its running row max by 15 so P carries FP16's 2^15 scale; past |max| = 2^23 that
+    shift could round and P overflow FP16. Logits ~1e9 must still give a convex combination of V's rows
+    (finite, inside each column's range) and match the oracle, whose softmax is one-hot there."""
+    q, k, v = _qkv(1, 2, 33, 150, 64, torch.float32, seed=3)
+    q = q * 3e8
+    y = elsa_attention(q, k, v, None, None, False, 0.125, "tf32", num_splits)
+    assert torch.isfinite(y).all()
+    lo, hi = v.amin(-2, keepdim=True), v.amax(-2, keepdim=True)
+    assert ((y >= lo - 1e-3 * hi.abs()) & (y <= hi + 1e-3 * hi.abs())).all()
+    ref = oracle_attention(q, k, v, scale=0.125)
+    assert rel_l2(y, ref) <= get_mode("tf32").rel_tol
+
+
 @pytest.mark.parametrize("sq,sk,sv", [(1e-20, 1e20, 1.0), (1e15, 1e-16, 1e30), (1.0, 1.0, 1e-38), (3e-3, 1e-2, 1e-4)])
-def test_split_fp16_is_scale_invariant(sq, sk, sv):
+def test_split_fp16_is_scale_invariant(sq, sk, sv, lazy_v):
     """fp32 (split-FP16 products) stays FP32-accurate far outside FP16's range: q, k, v scaled by
     1e-38..1e30, key rows 1e5 apart and a V block 1e6 larger than the rest (the power-of-two
     scaling of rows, of P and of the running V exponent must all be undone exactly)."""
@@ -154,8 +178,9 @@ def test_split_fp16_is_scale_invariant(sq, sk, sv):
     k[..., ::7, :] *= 1e5
     v[..., 100:, :] *= 1e6
     for num_splits in (1, 2):
-        y = elsa_attention(q, k, v, None, None, False, 0.125, "fp32", num_splits)
-        _check(y, oracle_attention(q, k, v, scale=0.125), "fp32", f"scales {sq}, {sk}, {sv}, P={num_splits}")
+        for mode in ("fp32", "tf32"):
+            y = elsa_attention(q, k, v, None, None, False, 0.125, mode, num_splits)
+            _check(y, oracle_attention(q, k, v, scale=0.125), mode, f"scales {sq}, {sk}, {sv}, P={num_splits}")
 
 
 def test_output_layout_makes_the_head_merge_free():

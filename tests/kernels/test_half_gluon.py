@@ -89,14 +89,12 @@ def test_unsupported_reasons_name_the_cause():
 def test_the_last_key_tile_is_cut_to_the_keys_it_holds():
     """The last of 2+ key tiles multiplies its remainder rounded up to 16 keys, in power-of-two parts of 16-128
     (Triton shapes, wgmma's 16-key steps): two parts at D = 64 where that saves keys, one at D = 128 (ping-pong
-    counts one part); calls of one key tile keep the full tile."""
+    counts one part); a call of one key tile cuts that tile the same way."""
     for d, n_q in ((64, None), (64, 200), (128, None)):  # 200 rows at D = 64: four consumers, 64-key tiles
         for n_k in range(1, 4200):
             cfg = half_gluon.get_config(n_k, d, n_q=n_q)
             first, second = cfg["tail_keys"]
-            if n_k <= cfg["BLOCK_N"]:
-                assert (first, second) == (cfg["BLOCK_N"], 0)
-                continue
+            assert cfg["one_tile"] is (n_k <= cfg["BLOCK_N"])  # then the one tile is cut the same way
             rem = n_k - (n_k - 1) // cfg["BLOCK_N"] * cfg["BLOCK_N"]
             for part in (first, second) if second else (first,):
                 assert 16 <= part <= cfg["BLOCK_N"] and part & (part - 1) == 0, (n_k, d, cfg["tail_keys"])
@@ -249,7 +247,8 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-on
                                          (4, 48, 300, 100, 64), (3, 40, 257, 200, 128), (2, 70, 1000, 2049, 64),
                                          (2, 3, 300, 1050, 64), (1, 2, 500, 10410, 64), (64, 12, 197, 197, 128),
                                          (8, 12, 197, 197, 64), (2, 3, 300, 1066, 64), (16, 12, 197, 197, 64),
-                                         (2, 80, 210, 256, 64), (2, 70, 193, 100, 64), (1, 140, 224, 17, 64)])
+                                         (2, 80, 210, 256, 64), (2, 70, 193, 100, 64), (1, 140, 224, 17, 64),
+                                         (64, 12, 50, 50, 64), (8, 12, 80, 80, 64), (2, 6, 300, 25, 128)])
 def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, dtype):
     """Same error vs the float64 oracle as the Triton kernel, odd row / key counts (TMA zero-fills the
     tails, the last key tile is masked and cut to 16 / 32 / 64 / 128 keys or split in two parts: 64 + 16, 32 + 16),
