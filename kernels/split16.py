@@ -6,7 +6,7 @@ lo = fp16(x - hi). hi and lo keep 11 significant bits each, as TF32's hi and lo 
 so hi*hi + hi*lo + lo*hi (FP32 accumulation) is as accurate as 3xTF32, and hi*hi alone is
 TF32-class; FP16 tensor cores run at twice TF32's rate. The scaling keeps every part inside
 FP16's range: per row for q and k (undone on the score's rows/columns), a running per-column
-exponent for V (undone like the softmax max), 2^15 for P <= 1.
+exponent for V (undone like the softmax max), 2^15 for P <= 1 (f16x1 takes it inside the exp2).
 
 Entries down to 2^-14 of their row's (column's) largest keep all 22 bits; smaller ones keep
 fewer (their lo part turns FP16-subnormal). With one q channel 2^r times the others (and the
@@ -91,11 +91,12 @@ def fold_pv(acc, alpha, v_exp, p, v, PREC: tl.constexpr, P_SCALED: tl.constexpr,
     ``acc`` [M, DV] is held scaled by 2^(SPLIT_EXP - v_exp + 15) per column, ``v_exp`` [DV] (int32)
     being the largest V exponent seen so far in each column (start: SPLIT_EXP - 126); a larger one
     rescales ``acc`` like the softmax max does. ``LAZY_V``: only when some exponent grew (a branch on a
-    reduction; over long sequences the exponents settle after a few tiles, and the multiply per
-    accumulator entry is then skipped; over a few tiles the reduction costs more than it saves). ``P_SCALED``: ``p`` already carries the 2^15
-    (f16x1's exp2 adds 15 to its argument); else it is multiplied in here. f16x3 sums this tile's
-    product apart and adds it once: FP16 MMAs accumulating into ``acc`` tile after tile gave rel err
-    growing ~N (2.9e-5 at N=8192 on an H100). f16x1 (TF32-class anyway) accumulates in the MMA.
+    reduction: over long sequences the exponents settle after a few tiles and the multiply per
+    accumulator entry is then skipped; over few tiles the reduction costs more than it saves).
+    ``P_SCALED``: ``p`` already carries the 2^15 (f16x1 shifts its exp2 argument by 15); else it is
+    multiplied in here. f16x3 sums this tile's product apart and adds it once: FP16 MMAs accumulating
+    into ``acc`` tile after tile gave rel err growing ~N (2.9e-5 at N=8192 on an H100). f16x1
+    (TF32-class anyway) accumulates in the MMA.
     """
     e_new = tl.maximum(v_exp, exponent(tl.max(tl.abs(v), 0)))
     if LAZY_V:
