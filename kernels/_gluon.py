@@ -88,9 +88,15 @@ if IMPORT_ERROR is None:
         ``m_new``, ``l_new = l_i * alpha + sum(p)`` and the rescale ``alpha = 2^(m_i - m_new)`` of what
         was folded before (ELSA supplement, Alg. 1). ``TAIL`` masks keys >= Nk (the last tile only);
         ``qk_scale`` > 0 (the max is taken on the unscaled scores)."""
+        p, m_new, alpha = softmax_tile(s, m_i, t, Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
+        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+    @gluon.jit
+    def softmax_tile(s, m_i, t, Nk, qk_scale, offs_sn, BLOCK_N: gl.constexpr, TAIL: gl.constexpr):
+        """:func:`online_softmax` without the row sums: ``(p, m_new, alpha)``."""
         if TAIL:
             s = gl.where(((t * BLOCK_N + offs_sn) < Nk)[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+        return p, m_new, alpha

@@ -27,7 +27,10 @@ dialect) can express:
   overlap within (257 keys: 1.31x cuDNN vs 0.99x with two consumers per CTA);
 * **four consumers per CTA at 193-224 query rows** (D = 64, <= 256 keys): a work tile is a whole head, four 64-row
   chains of dependent products side by side over one K / V ring of 64-key tiles. ViT-B/16 at 224 (197 rows)
-  would otherwise pay a whole chain for its last 5 rows: 1.00-1.01x cuDNN vs 0.90-0.91x with one consumer per CTA.
+  would otherwise pay a whole chain for its last 5 rows: 1.00-1.01x cuDNN vs 0.90-0.91x with one consumer per CTA;
+* **row sums kept per thread**: each thread adds up its own columns of P's rows into [rows, 4] parts, summed
+  across a row's four threads once, in the epilogue: two shuffles per row and key tile fewer (+1-5 % everywhere,
+  docs/benchmarks/logs/ab_rowparts_h100_session10.jsonl).
 
 The fold is the (m, S, W) recurrence of :mod:`.elsa_fwd` (ELSA supplement, Alg. 1) in base 2:
 FP32 scores and state, P rounded to the input dtype before ``P @ V``, FP32 accumulation, one
@@ -41,11 +44,12 @@ The dense launcher takes the calls :func:`preferred` names (all but 65-128 keys 
 ``TRITON_INTERPRET=1``: CPU tests compile it offline for sm_90 and check the dispatch; ``pytest -m gpu``
 checks its results against the float64 oracle.
 
-Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/logs/ab_one_h100_session8.jsonl,
-ab_thresh_h100_session8.jsonl, ab_four_h100_session9.jsonl): D = 64, N = 4096: 0.94-0.98x (Triton kernel
-0.90-0.92x); ViT-B/16 at 224 (B=64, H=12, N=197): 1.00-1.01x (Triton kernel 0.93-0.95x); at 512 (B=8, H=12,
-N=1025): 1.11-1.14x (Triton kernel 1.01-1.02x); VGGT's global attention (B=1, H=16, N=10410): 1.09-1.12x;
-ViT-B/32 at 224 (N=50): 1.5x (Triton kernel 1.1x); D = 128, N = 1025: 1.01x (Triton kernel 0.79x).
+Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/attention_h100_cudagraph.md,
+docs/benchmarks/logs/ab_one_h100_session8.jsonl, ab_thresh_h100_session8.jsonl, ab_four_h100_session9.jsonl,
+ab_rowparts_h100_session10.jsonl): D = 64, N = 4096-65536: 0.97-1.01x (Triton kernel 0.90-0.92x); ViT-B/16 at
+224 (B=64, H=12, N=197): 1.01-1.03x (Triton kernel 0.93-0.95x); at 512 (B=8, H=12, N=1025): 1.14-1.18x (Triton
+kernel 1.01-1.02x); VGGT's global attention (B=1, H=16, N=10410): 1.09-1.12x (session 9); ViT-B/32 at 224
+(N=50): 1.6x (Triton kernel 1.1x); D = 128, N = 1025: 1.01x (Triton kernel 0.79x; session 8).
 """
 from __future__ import annotations
 
@@ -62,7 +66,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._gluon import online_softmax
+    from ._gluon import softmax_tile
 
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
@@ -187,6 +191,18 @@ if _IMPORT_ERROR is None:
         return bh // H, bh % H, (tile % tiles_m) * ROWS
 
     @gluon.jit
+    def _row_parts(p):
+        # partial row sums of p [M, N] in a wgmma layout, [M, 4]: a thread holds the column pairs 8j + 2t + {0, 1}
+        # of its rows (t = lane % 4), so summing over j and the pair needs no shuffle; the epilogue sums the four
+        return gl.sum(gl.sum(gl.reshape(p, [p.shape[0], p.shape[1] // 8, 4, 2]), axis=3), axis=1)
+
+    @gluon.jit
+    def _fold_parts(l_i, alpha, p):
+        # l_i [M, 4] (see _row_parts) rescaled by alpha [M] plus this tile's parts, in l_i's layout
+        parts = gl.convert_layout(_row_parts(p), l_i.type.layout)
+        return l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + parts
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk, n_work,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                   CONSUMERS: gl.constexpr):
@@ -238,13 +254,12 @@ if _IMPORT_ERROR is None:
             mbarrier.arrive(other_turn)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         rows: gl.constexpr = gl.SliceLayout(1, s.type.layout)  # the tail tile's S has a narrower wgmma layout
-        p, m_new, l_new, alpha = online_softmax(s, gl.convert_layout(m_i, rows), gl.convert_layout(l_i, rows), t + 1,
-                                                Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
+        p, m_new, alpha = softmax_tile(s, gl.convert_layout(m_i, rows), t + 1, Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
         m_i = gl.convert_layout(m_new, m_i.type.layout)
-        l_i = gl.convert_layout(l_new, l_i.type.layout)
+        l_i = _fold_parts(l_i, alpha, p)
         # ptxas would sink the softmax below the next wait (no overlap) unless it must finish first: a store
         # of its row sums does that
-        l_smem.store(l_i)
+        l_smem.store(l_i.to(gl.float16))
         # P_t is not in the deps: ptxas keeps the registers an in-flight wgmma reads, and listing a 16-bit
         # tensor there made the compiler repack it (32 PRMT per tile, 1-2 % at D = 64)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
@@ -302,7 +317,7 @@ if _IMPORT_ERROR is None:
             g0 = i * n_tiles
             turns = i * (n_tiles + 1)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+            l_i = _row_parts(s_zero)  # [BLOCK_M, 4] zeros in the layout the row parts take
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
             qb = i % Q_BUFS
             mbarrier.wait(q_ready.index(qb), (i // Q_BUFS) & 1)
@@ -320,13 +335,13 @@ if _IMPORT_ERROR is None:
                 mbarrier.arrive(other_turn)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             if ONE_TILE:
-                p, m_i, l_i, alpha = online_softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, s_tail_layout)),
-                                                    gl.convert_layout(l_i, gl.SliceLayout(1, s_tail_layout)), 0, Nk,
-                                                    qk_scale, offs_sn_tail, BLOCK_N, True)
+                p, m_i, alpha = softmax_tile(s, gl.convert_layout(m_i, gl.SliceLayout(1, s_tail_layout)), 0, Nk,
+                                             qk_scale, offs_sn_tail, BLOCK_N, True)
                 m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
-                l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
+                l_i = _fold_parts(l_i, alpha, p)
             else:
-                p, m_i, l_i, alpha = online_softmax(s, m_i, l_i, 0, Nk, qk_scale, offs_sn, BLOCK_N, True)
+                p, m_i, alpha = softmax_tile(s, m_i, 0, Nk, qk_scale, offs_sn, BLOCK_N, True)
+                l_i = _fold_parts(l_i, alpha, p)
             p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
             if not ONE_TILE:
                 for t in range(0, n_tiles - 2):
@@ -370,7 +385,7 @@ if _IMPORT_ERROR is None:
                 acc = _last_pv(acc, p16, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
                                turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0)
             # the epilogue overlaps the producer's loads for the next work tile
-            out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+            out = acc / gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, o_layout))[:, None]
             offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
             gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som
                      + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
@@ -392,7 +407,10 @@ if _IMPORT_ERROR is None:
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        l_smem = gl.allocate_shared_memory(gl.float32, [CONSUMERS * BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # [rows, 4] partial row sums, stored as FP16 (never read back): 256 bytes more than one FP32 per row, so two
+        # one-consumer CTAs still share an SM (FP32 parts would need 768 and leave one)
+        l_smem = gl.allocate_shared_memory(gl.float16, [CONSUMERS * BLOCK_M, 4],
+                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
