@@ -33,7 +33,9 @@ Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODE
   {32, 64, 128}, no bias / mask / causal) run the Gluon kernel of :mod:`.ieee_gluon` instead, ~2x faster.
 * ``tf32``: ``"f16x1"``, the hi*hi product alone: operands rounded to 11 significant
   bits as TF32 rounds them (TF32-class accuracy, 4.3e-4 vs TF32's 1.6e-3 at N=8192), on
-  the FP16 tensor cores (188 TFLOP/s vs 130 for ``"tf32"`` on the same shape).
+  the FP16 tensor cores (188 TFLOP/s vs 130 for ``"tf32"`` on the same shape; session 10's fold, which
+  takes P's FP16 scale into the exp2 argument, reads 190-202 TFLOP/s at N=4096-65536, CUDA graphs,
+  docs/benchmarks/attention_h100_cudagraph.md).
 * ``fp16`` / ``bf16``: half tensor-core products, P rounded to the input dtype before
   ``P @ V``. On Hopper, calls within its scope (D = Dv in {64, 128}, no bias / mask / causal, the
   lengths :func:`.half_gluon.preferred` names) run the warp-specialized Gluon kernel of :mod:`.half_gluon`

@@ -86,7 +86,7 @@ def preferred(n_q: int, n_k: int, head_dim: int) -> bool:
     65-128 keys, where the Triton kernel's 32-key tiles pad less than this kernel's one 128-key tile, even cut
     to 64 + 16 or 128 keys (65 / 80 / 100 / 128 keys: 0.84 / 0.80 / 0.74 / 0.89x here vs 0.96 / 0.91 / 0.77 /
     0.90x; ab_onetile_h100_session10.jsonl). Ahead elsewhere: 16 / 50 keys 2.8 / 1.6x vs 1.7 / 1.1x; ViT-B/16 at
-    224 (197, on four consumers) 1.00-1.01x vs 0.93-0.95x; 257 / 1025 keys 1.31 / 1.11-1.14x vs 1.10 / 1.01-1.02x."""
+    224 (197, on four consumers) 1.01-1.03x vs 0.93-0.95x; 257 / 1025 keys 1.31 / 1.14-1.18x vs 1.10 / 1.01-1.02x."""
     return head_dim > 64 or not 64 < n_k <= 128
 
 
