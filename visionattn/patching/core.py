@@ -30,6 +30,7 @@ Two more kinds of modules are handled:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -41,9 +42,10 @@ from ..modes import get_mode
 
 __all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "registered_patches", "check_options"]
 
-#: Modules providing ``PATCHES: tuple[PatchSpec, ...]``; imported on first use so that
-#: ``import visionattn`` does not import timm.
-_PROVIDERS = ("visionattn.patching.timm",)
+#: ``(module providing PATCHES: tuple[PatchSpec, ...], the library it patches)``; imported on first
+#: use so that ``import visionattn`` does not import timm. Without that library installed no model
+#: can hold its classes, so the provider is left out instead of failing the call.
+_PROVIDERS = (("visionattn.patching.timm", "timm"),)
 
 _OPTION_NAMES = ("backend", "num_splits")
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
@@ -119,11 +121,17 @@ _patched_to_spec: dict[type, PatchSpec] = {}
 
 
 def registered_patches() -> dict[type, PatchSpec]:
-    """The registry ``{original class: PatchSpec}`` (providers imported on first call)."""
+    """The registry ``{original class: PatchSpec}`` (providers imported on first call).
+
+    A provider whose library is not installed (e.g. timm without the ``[timm]`` extra)
+    contributes no rows: no model can hold the classes it would replace.
+    """
     global _registry
     if _registry is None:
         table: dict[type, PatchSpec] = {}
-        for provider in _PROVIDERS:
+        for provider, library in _PROVIDERS:
+            if importlib.util.find_spec(library) is None:
+                continue
             for spec in importlib.import_module(provider).PATCHES:
                 if spec.original in table:
                     raise RuntimeError(f"two patchers registered for {_qualname(spec.original)}")
