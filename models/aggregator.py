@@ -76,8 +76,8 @@ class Aggregator(nn.Module):
         Args:
             images: [B, S, 3, H, W] in [0, 1]; H, W multiples of patch_size.
             merging: FastVGGT token merging in the global blocks (None = off).
-            keep_layers: keep only these outputs (others are None), freeing memory
-                as FastVGGT does; None keeps all ``depth`` outputs.
+            keep_layers: keep only these outputs (the others are None and never built: each
+                concatenation [B, S, P, 2C] costs 2 * B*S*P*C elements); None keeps all ``depth``.
 
         Returns:
             (list of ``depth`` tensors [B, S, P, 2C] or None, patch_start_idx).

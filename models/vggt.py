@@ -59,9 +59,15 @@ class VGGT(nn.Module):
             (PyTorch SDPA, as the official code). Change later with :meth:`set_attn_mode` or
             :func:`visionattn.patch_model`.
         merging: FastVGGT token merging in the global blocks: None / 0 (off: exactly VGGT),
-            :data:`FASTVGGT_MERGING`, a :class:`TokenMerging` or a dict of its fields. When on,
-            the aggregator keeps only the layers the heads use (FastVGGT's memory discipline).
+            :data:`FASTVGGT_MERGING`, a :class:`TokenMerging` or a dict of its fields.
         frames_chunk_size: frames per DPT chunk (8).
+
+    Memory: the aggregator keeps only the layer outputs [B, S, P, 2C] that the enabled heads
+    read (``dpt_layers`` for the depth / point / track heads, the last layer for the camera
+    head) and ``forward`` drops each one after the last head that reads it (VGGT and
+    FastVGGT alike; outputs are bit-identical to keeping all layers). With grad enabled
+    autograd still holds what backward needs. Set ``keep_all_layers = True`` for the
+    official behaviour (all ``depth`` outputs held until the heads finish).
 
     forward(images, query_points=None) -> dict:
         images [S, 3, H, W] or [B, S, 3, H, W], float in [0, 1], H and W multiples of 14;
@@ -107,7 +113,40 @@ class VGGT(nn.Module):
                                     num_virtual_tracks=track_virtual_tracks, max_scale=img_size,
                                     frames_chunk_size=frames_chunk_size, attn_mode=attn_mode) if enable_track else None
         self.merging = merging
-        self._head_layers = tuple(sorted(set(dpt_layers) | {depth - 1}))
+        self.keep_all_layers = False
+
+    def layer_readers(self, with_tracks: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+        """The enabled heads in the order ``forward`` runs them, each with the aggregator layers it reads.
+
+        Args:
+            with_tracks: include the track head (it runs only when query points are given).
+
+        Returns:
+            [(head name, sorted layer indices)], e.g. ``[("camera_head", (23,)), ("depth_head",
+            (4, 11, 17, 23)), ("point_head", (4, 11, 17, 23))]`` for VGGT-1B.
+        """
+        last = self.aggregator.depth - 1
+        readers = [] if self.camera_head is None else [("camera_head", (last,))]
+        for name in ("depth_head", "point_head"):
+            head = getattr(self, name)
+            if head is not None:
+                readers.append((name, tuple(sorted(set(head.intermediate_layer_idx)))))
+        if with_tracks and self.track_head is not None:
+            layers = self.track_head.feature_extractor.intermediate_layer_idx
+            readers.append(("track_head", tuple(sorted(set(layers)))))
+        return readers
+
+    def _release_plan(self, with_tracks: bool) -> tuple[tuple[int, ...] | None, dict[str, tuple[int, ...]]]:
+        """(layers the aggregator keeps or None for all, {head: layers to drop after it runs})."""
+        readers = self.layer_readers(with_tracks)
+        if self.keep_all_layers:
+            return None, {}
+        last_reader = {}
+        for name, layers in readers:
+            for i in layers:
+                last_reader[i] = name
+        drop = {name: tuple(i for i in layers if last_reader[i] == name) for name, layers in readers}
+        return tuple(sorted(last_reader)), drop
 
     @property
     def merging(self) -> TokenMerging | None:
@@ -171,20 +210,30 @@ class VGGT(nn.Module):
             raise TypeError(f"images must be float in [0, 1], got {images.dtype}")
         if query_points is not None and query_points.dim() == 2:
             query_points = query_points[None]
-        keep = self._head_layers if (self.merging is not None and not self.training) else None
+        keep, drop = self._release_plan(query_points is not None)
         tokens, ps = self.aggregator(images, merging=self.merging, keep_layers=keep)
+
+        def done(head: str) -> None:  # drop the layers this head read last
+            for i in drop.get(head, ()):
+                tokens[i] = None
+
         out = {}
         with torch.autocast(images.device.type, enabled=False):
             if self.camera_head is not None:
                 poses = self.camera_head(tokens)
                 out["pose_enc"], out["pose_enc_list"] = poses[-1], poses
+                done("camera_head")
             if self.depth_head is not None:
                 out["depth"], out["depth_conf"] = self.depth_head(tokens, images, ps)
+                done("depth_head")
             if self.point_head is not None:
                 out["world_points"], out["world_points_conf"] = self.point_head(tokens, images, ps)
+                done("point_head")
         if self.track_head is not None and query_points is not None:
             tracks, vis, conf = self.track_head(tokens, images, ps, query_points)
             out["track"], out["vis"], out["conf"] = tracks[-1], vis, conf
+            done("track_head")
+        del tokens
         if not self.training:
             out["images"] = images
         return out
