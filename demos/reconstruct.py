@@ -95,6 +95,7 @@ def _gib(n: int) -> str:
 
 def main(argv=None) -> dict:
     """Run the demo; returns the summary dict (with ``exit_code``). Never calls sys.exit itself."""
+    from visionattn.recon.outdir import Terminated, handle_sigterm
     from visionattn.recon.pipeline import USER_ERRORS, reconstruct
 
     parser = build_parser()
@@ -114,14 +115,19 @@ def main(argv=None) -> dict:
             parser.error("--device cuda: no CUDA device is available here; use --device cpu")
     log = (lambda *a: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     try:
-        summary = reconstruct(
-            args.image_dir, args.out, model=args.model, mode=args.mode, weights=args.weights,
-            device=args.device, conf_percentile=args.conf_percentile, max_frames=args.max_frames,
-            size=args.size, preprocess=args.preprocess, point_source=args.points_from, seed=args.seed,
-            preview=not args.no_preview, progress=not args.quiet, warmup=args.warmup, log=log)
+        with handle_sigterm():
+            summary = reconstruct(
+                args.image_dir, args.out, model=args.model, mode=args.mode, weights=args.weights,
+                device=args.device, conf_percentile=args.conf_percentile, max_frames=args.max_frames,
+                size=args.size, preprocess=args.preprocess, point_source=args.points_from, seed=args.seed,
+                preview=not args.no_preview, progress=not args.quiet, warmup=args.warmup, log=log)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM turned into Terminated: temp folder already removed
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+        print(f"{how}: nothing was written to {args.out}", file=sys.stderr)
+        return {"exit_code": 143 if isinstance(exc, Terminated) else 130, "error": how}
     summary["command"] = shlex.join(["demos/reconstruct.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"reconstructed {summary['frames']} frames ({summary['image_hw'][0]}x{summary['image_hw'][1]}), "
           f"{summary['tokens']} tokens, {summary['points_kept']:,} points kept | "
@@ -134,4 +140,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main()["exit_code"])
+    try:
+        sys.exit(main()["exit_code"])
+    except KeyboardInterrupt:  # Ctrl-C before main's own handler is in place (imports): no traceback
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -165,15 +165,14 @@ def test_preview_png_is_a_real_picture(recon):
     assert len(np.unique(im.reshape(-1, 3), axis=0)) > 500
 
 
-def test_rerun_replaces_earlier_output(recon, tmp_path):
+def test_rerun_replaces_untouched_earlier_output(recon, tmp_path):
     _, out, src = recon
     target = tmp_path / "again"
     shutil.copytree(out, target)
-    (target / "stale.txt").write_text("from an earlier run")
     res = demo.main([str(src), "--out", str(target), "--max-frames", "2", *TINY])
     assert res["exit_code"] == 0 and res["frames"] == 2
-    assert not (target / "stale.txt").exists()
     assert len(json.load(open(target / "cameras.json"))["frames"]) == 2
+    assert not (target / "depth" / "left03.npy").exists()  # the earlier run's frames are gone
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "no_images", "corrupt", "out_not_ours", "bad_size"])

@@ -1,4 +1,4 @@
-"""Multi-view reconstruction with VGGT / FastVGGT: image folders in, point clouds and cameras out (issue 8).
+"""Multi-view reconstruction with VGGT / FastVGGT: image folders in, point clouds and cameras out.
 
 Modules (import the one you need; none is imported here, so ``import
 visionattn.recon`` stays cheap and open3d stays optional until used):
@@ -6,6 +6,8 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
 * :mod:`~visionattn.recon.images`   folder listing (natural sort), decoding (EXIF, grayscale, RGBA),
   VGGT crop / pad preprocessing -> ``load_images(folder) -> LoadedImages`` ([S, 3, H, W] in [0, 1]).
 * :mod:`~visionattn.recon.pipeline` ``build_model``, ``run_model``, ``reconstruct`` (the demo's work).
+* :mod:`~visionattn.recon.outdir`   the output folder: manifest, refusal to replace foreign folders or
+  inputs, atomic temp-then-rename writing, SIGTERM handled like Ctrl-C.
 * :mod:`~visionattn.recon.export`   points.ply (open3d), cameras.json, COLMAP text model, 16-bit depth
   PNG + npy, confidence npy; atomic output folder.
 * :mod:`~visionattn.recon.preview`  headless matplotlib preview.png.
@@ -17,4 +19,4 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
 Command line: ``python demos/reconstruct.py --help``.
 """
 
-__all__ = ["images", "pipeline", "export", "preview", "metrics", "datasets", "evaluate"]
+__all__ = ["images", "pipeline", "outdir", "export", "preview", "metrics", "datasets", "evaluate"]

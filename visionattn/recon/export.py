@@ -21,24 +21,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from contextlib import contextmanager
-
 import numpy as np
 
+from .outdir import OutputDirError, atomic_output_dir, check_output_dir
+
 __all__ = [
-    "OutputDirError", "MissingDependencyError", "require_open3d", "check_output_dir", "atomic_output_dir", "select_points", "write_ply", "rotmat_to_quat",
-    "quat_to_rotmat", "original_intrinsics", "write_cameras_json", "write_colmap_text",
-    "write_depth", "write_reconstruction", "MARKER",
+    "OutputDirError", "MissingDependencyError", "require_open3d", "check_output_dir", "atomic_output_dir",
+    "select_points", "write_ply", "rotmat_to_quat", "quat_to_rotmat", "original_intrinsics",
+    "write_cameras_json", "write_colmap_text", "write_depth", "write_reconstruction",
 ]
 
-MARKER = "cameras.json"  # a folder holding this file is a previous output and may be replaced
 _MAX_COLMAP_POINTS = 200_000
-
-
-class OutputDirError(ValueError):
-    """``OUT_DIR`` cannot be used (exists and is not a previous reconstruction, or is a file)."""
 
 
 class MissingDependencyError(ImportError):
@@ -59,54 +52,6 @@ def require_open3d():
             "`pip install \"visionattn[recon]\"`; on Debian/Ubuntu open3d also needs "
             "`apt-get install libusb-1.0-0`.") from exc
     return open3d
-
-
-def check_output_dir(out_dir: str) -> None:
-    """Raise :class:`OutputDirError` if ``out_dir`` exists and is not a previous output.
-
-    A missing folder, an empty folder, or a folder holding ``cameras.json`` (an
-    earlier run) are accepted; anything else is refused rather than deleted.
-    """
-    if not os.path.lexists(out_dir):
-        return
-    if not os.path.isdir(out_dir) or os.path.islink(out_dir):
-        raise OutputDirError(f"--out {out_dir!r} exists and is not a folder; choose another path")
-    entries = os.listdir(out_dir)
-    if entries and MARKER not in entries:
-        raise OutputDirError(
-            f"--out {out_dir!r} exists and is not an earlier reconstruction (no {MARKER}); "
-            "refusing to replace it: choose a new or empty folder")
-
-
-@contextmanager
-def atomic_output_dir(out_dir: str):
-    """Yield a temporary folder beside ``out_dir``; on success rename it to ``out_dir``.
-
-    An existing earlier output at ``out_dir`` is replaced only after the new one is
-    complete. On an exception the temporary folder is removed and ``out_dir`` is
-    left as it was.
-
-    Raises:
-        OutputDirError: see :func:`check_output_dir`.
-    """
-    out_dir = os.path.abspath(out_dir)
-    check_output_dir(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-        os.rmdir(old)
-        os.rename(out_dir, old)
-    os.rename(tmp, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,

@@ -268,10 +268,18 @@ def reconstruct(image_dir: str, out_dir: str, model: str = "vggt", mode: str = "
         raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
     _check_mode(mode)
     dev = _resolve_device(device)
-    check_output_dir(out_dir)
+    check_output_dir(out_dir, inputs=[image_dir])
     require_open3d()  # points.ply needs it: fail now, not after inference
     if weights not in ("random", "random-tiny"):
         _reachable_weights(weights)  # fail in seconds when offline, before decoding any image
+    # the temporary output folder exists from here on: an unwritable --out fails before any decoding
+    with atomic_output_dir(out_dir, inputs=[image_dir], warn=log) as tmp:
+        return _reconstruct_into(tmp, t_start, image_dir, out_dir, model, mode, weights, dev, conf_percentile,
+                                 max_frames, size, preprocess, point_source, seed, preview, progress, warmup, log)
+
+
+def _reconstruct_into(tmp, t_start, image_dir, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
+                      size, preprocess, point_source, seed, preview, progress, warmup, log) -> dict:
     loaded: LoadedImages = load_images(image_dir, size=size, mode=preprocess, max_frames=max_frames,
                                        progress=progress)
     for name, why in loaded.skipped:
@@ -287,18 +295,17 @@ def reconstruct(image_dir: str, out_dir: str, model: str = "vggt", mode: str = "
                "skipped": [n for n, _ in loaded.skipped], "image_dir": os.path.abspath(image_dir),
                "intrinsic_fallback_frames": [int(i) for i in np.flatnonzero(pred["intrinsic_fallback"])],
                "environment": environment()}
-    with atomic_output_dir(out_dir) as tmp:
-        res = write_reconstruction(tmp, pred, loaded, conf_percentile, point_source, progress,
-                                   extra={"model": model, "mode": mode, "weights": weights})
-        summary["points_kept"] = res["points"]
-        if preview:
-            from .preview import render_preview
-            title = (f"{model} {mode} weights={weights} | {S} frames, {tokens} tokens, "
-                     f"{res['points']:,} points, {pred['seconds']:.2f} s")
-            render_preview(os.path.join(tmp, "preview.png"), res["xyz"], res["rgb"], pred["extrinsic"],
-                           pred["intrinsic"], pred["depth"], loaded.names, title)
-        summary["total_seconds"] = time.perf_counter() - t_start
-        summary["out_dir"] = os.path.abspath(out_dir)
-        with open(os.path.join(tmp, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1, allow_nan=False)
+    res = write_reconstruction(tmp, pred, loaded, conf_percentile, point_source, progress,
+                               extra={"model": model, "mode": mode, "weights": weights})
+    summary["points_kept"] = res["points"]
+    if preview:
+        from .preview import render_preview
+        title = (f"{model} {mode} weights={weights} | {S} frames, {tokens} tokens, "
+                 f"{res['points']:,} points, {pred['seconds']:.2f} s")
+        render_preview(os.path.join(tmp, "preview.png"), res["xyz"], res["rgb"], pred["extrinsic"],
+                       pred["intrinsic"], pred["depth"], loaded.names, title)
+    summary["total_seconds"] = time.perf_counter() - t_start
+    summary["out_dir"] = os.path.abspath(out_dir)
+    with open(os.path.join(tmp, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, allow_nan=False)
     return summary

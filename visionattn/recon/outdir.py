@@ -1,0 +1,281 @@
+"""The output folder of a reconstruction: safe replacement, atomic writing, a manifest.
+
+Every output folder this package writes holds a manifest, ``.visionattn-recon.json``,
+listing every file and folder written into it. An existing ``OUT_DIR`` is
+replaced only when
+
+* it is empty, or
+* its manifest is valid and the folder holds nothing the manifest does not list
+  (an earlier output of this tool, untouched since), and
+* it is not an input, does not contain an input and does not lie inside an
+  input folder.
+
+Anything else raises :class:`OutputDirError` before any work is done. Outputs
+are written into a hidden temporary sibling (``.NAME.tmp-*``) created up front
+(which also proves the location is writable) and renamed into place at the
+end; on an error, Ctrl-C or SIGTERM the temporary folder is removed and
+``OUT_DIR`` is left as it was. When an earlier output is replaced, only the
+entries its manifest lists are deleted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+from contextlib import contextmanager
+
+__all__ = ["MANIFEST", "TOOL_ID", "OutputDirError", "Terminated", "check_output_dir", "atomic_output_dir",
+           "read_manifest", "list_tree", "handle_sigterm"]
+
+MANIFEST = ".visionattn-recon.json"
+TOOL_ID = "visionattn.recon"
+
+
+class OutputDirError(ValueError):
+    """``OUT_DIR`` cannot be used: not ours to replace, overlaps an input, or not writable."""
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by the SIGTERM handler of :func:`handle_sigterm`.
+
+    A ``KeyboardInterrupt`` subclass, so SIGTERM takes the same clean-up path as Ctrl-C.
+    """
+
+
+@contextmanager
+def handle_sigterm():
+    """Turn SIGTERM into :class:`Terminated` while the block runs (main thread only; else a no-op)."""
+    def _raise(signum, frame):
+        raise Terminated(f"terminated by signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def list_tree(folder: str) -> tuple[list[str], list[str]]:
+    """(files, dirs) under ``folder`` as sorted relative POSIX paths; links count as files, never followed."""
+    files, dirs = [], []
+    for root, dnames, fnames in os.walk(folder, followlinks=False):
+        rel = os.path.relpath(root, folder)
+        for d in list(dnames):
+            full = os.path.join(root, d)
+            path = d if rel == "." else f"{rel}/{d}".replace(os.sep, "/")
+            if os.path.islink(full):
+                files.append(path)
+                dnames.remove(d)
+            else:
+                dirs.append(path)
+        for f in fnames:
+            files.append(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/"))
+    return sorted(files), sorted(dirs)
+
+
+def _safe_rel(p) -> bool:
+    return (isinstance(p, str) and p != "" and not p.startswith("/") and "\\" not in p
+            and all(part not in ("", ".", "..") for part in p.split("/")))
+
+
+def read_manifest(folder: str) -> dict | None:
+    """The manifest of ``folder`` if it is a valid one of this tool, else None.
+
+    Returns:
+        dict with ``files`` and ``dirs`` (relative POSIX paths, no ``..``).
+    """
+    try:
+        with open(os.path.join(folder, MANIFEST)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("tool") != TOOL_ID:
+        return None
+    files, dirs = doc.get("files"), doc.get("dirs")
+    if not isinstance(files, list) or not isinstance(dirs, list):
+        return None
+    if not all(_safe_rel(p) for p in files + dirs):
+        return None
+    return doc
+
+
+def _inside(child: str, parent: str) -> bool:
+    """Whether real path ``child`` equals or lies under real path ``parent``."""
+    try:
+        return os.path.commonpath([child, parent]) == parent
+    except ValueError:
+        return False
+
+
+def _check_overlap(out_real: str, inputs) -> None:
+    for inp in inputs:
+        if inp is None:
+            continue
+        in_real = os.path.realpath(inp)
+        if out_real == in_real:
+            raise OutputDirError(f"--out {out_real!r} is the input itself; choose a folder outside the input")
+        if _inside(in_real, out_real):
+            raise OutputDirError(f"--out {out_real!r} contains the input {in_real!r}; "
+                                 "choose a folder that does not hold the input")
+        if os.path.isdir(in_real) and _inside(out_real, in_real):
+            raise OutputDirError(f"--out {out_real!r} lies inside the input folder {in_real!r}; "
+                                 "choose a folder outside the input")
+
+
+def check_output_dir(out_dir: str, inputs=()) -> None:
+    """Raise :class:`OutputDirError` unless ``out_dir`` may be created or replaced.
+
+    Args:
+        out_dir: the requested output folder.
+        inputs: input paths (image folder, video file) ``out_dir`` must not be, contain or lie in.
+
+    Raises:
+        OutputDirError: ``out_dir`` overlaps an input, is a file or a link, cannot
+            be listed, or holds anything this tool did not write (listed in its manifest).
+    """
+    out_abs = os.path.abspath(out_dir)
+    _check_overlap(os.path.realpath(out_abs), inputs)
+    if not os.path.lexists(out_abs):
+        return
+    if os.path.islink(out_abs) or not os.path.isdir(out_abs):
+        raise OutputDirError(f"--out {out_dir!r} exists and is not a folder; choose another path")
+    try:
+        entries = os.listdir(out_abs)
+        if not entries:
+            return
+        manifest = read_manifest(out_abs)
+        if manifest is None:
+            shown = ", ".join(repr(e) for e in sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+            raise OutputDirError(
+                f"--out {out_dir!r} is not empty and is not an earlier output of this tool (no valid {MANIFEST}; "
+                f"it holds {shown}); refusing to replace it: choose a new or empty folder")
+        files, dirs = list_tree(out_abs)
+    except OSError as exc:
+        raise OutputDirError(f"--out {out_dir!r} cannot be read ({exc.strerror or exc}); choose another folder") \
+            from exc
+    extra = sorted((set(files) - set(manifest["files"]) - {MANIFEST}) | (set(dirs) - set(manifest["dirs"])))
+    if extra:
+        shown = ", ".join(repr(e) for e in extra[:3]) + (", ..." if len(extra) > 3 else "")
+        raise OutputDirError(
+            f"--out {out_dir!r} is an earlier output of this tool but now also holds {shown}, which it did not "
+            "write; refusing to replace it: move those files or choose a new folder")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _remove_listed(folder: str, manifest: dict) -> bool:
+    """Delete the entries ``manifest`` lists (and the manifest) from ``folder``; True if it ends up gone."""
+    steps = [(os.unlink, rel) for rel in list(manifest["files"]) + [MANIFEST]]
+    steps += [(os.rmdir, rel) for rel in sorted(manifest["dirs"], key=lambda p: -p.count("/"))]
+    for remove, rel in steps:
+        try:
+            remove(os.path.join(folder, *rel.split("/")))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+    try:
+        os.rmdir(folder)
+    except OSError:
+        return False
+    return True
+
+
+def _write_manifest(tmp: str, extra: dict | None) -> None:
+    files, dirs = list_tree(tmp)
+    doc = {"tool": TOOL_ID,
+           "note": "every file and folder this tool wrote here; the folder is replaced by a later run "
+                   "only while it holds nothing else",
+           "files": [f for f in files if f != MANIFEST], "dirs": dirs, **(extra or {})}
+    with open(os.path.join(tmp, MANIFEST), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def _remove_empty(folders) -> None:
+    for d in folders:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
+
+
+@contextmanager
+def atomic_output_dir(out_dir: str, inputs=(), manifest_extra: dict | None = None, warn=None):
+    """Check ``out_dir``, yield a fresh temporary sibling folder, and on success rename it into place.
+
+    The temporary folder is created on entry, so an unwritable location (read-only
+    folder, ``/proc``, a path under a file) fails here, before any work. On exit
+    the manifest is written, the folder gets the permissions of the folder it
+    replaces (or ``0777 & ~umask`` for a new one) and is renamed to ``out_dir``;
+    an earlier output there is removed entry by entry from its manifest. Signals
+    (SIGINT, SIGTERM) are held back during that final swap. On any exception,
+    Ctrl-C or SIGTERM included, the temporary folder is removed, along with any
+    parent folders created for it, and ``out_dir`` is untouched.
+
+    Args:
+        out_dir: destination folder.
+        inputs: input paths ``out_dir`` must not overlap (see :func:`check_output_dir`).
+        manifest_extra: extra keys for the manifest.
+        warn: callable(str) for a note when an earlier output cannot be fully removed.
+
+    Raises:
+        OutputDirError: see :func:`check_output_dir`; or the location is not writable.
+    """
+    out_abs = os.path.abspath(out_dir)
+    check_output_dir(out_dir, inputs)
+    parent = os.path.dirname(out_abs)
+    created = []
+    probe = parent
+    while not os.path.lexists(probe):
+        created.append(probe)
+        probe = os.path.dirname(probe)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_abs)}.tmp-", dir=parent)
+    except OSError as exc:
+        _remove_empty(created)
+        raise OutputDirError(f"--out {out_dir!r} cannot be written ({exc.strerror or exc}); "
+                             "choose a writable folder") from exc
+    try:
+        yield tmp
+        _write_manifest(tmp, manifest_extra)
+        blocked = {signal.SIGINT, signal.SIGTERM}
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+        try:
+            _swap_into_place(tmp, out_dir, out_abs, inputs, warn)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        raise
+
+
+def _swap_into_place(tmp: str, out_dir: str, out_abs: str, inputs, warn) -> None:
+    check_output_dir(out_dir, inputs)  # again: the folder may have changed while we worked
+    parent = os.path.dirname(out_abs)
+    if os.path.isdir(out_abs):
+        os.chmod(tmp, os.stat(out_abs).st_mode & 0o7777)
+        previous = read_manifest(out_abs)
+        if previous is None:  # empty folder (checked just above): rename replaces it
+            os.rename(tmp, out_abs)
+            return
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_abs)}.old-", dir=parent)
+        os.rmdir(old)
+        os.rename(out_abs, old)
+        os.rename(tmp, out_abs)
+        if not _remove_listed(old, previous) and warn is not None:
+            warn(f"note: the earlier output was moved to {old!r} but could not be removed completely")
+    else:
+        os.chmod(tmp, 0o777 & ~_umask())
+        os.rename(tmp, out_abs)
