@@ -8,6 +8,7 @@
 Every attention goes through :func:`visionattn.attention` with the model's
 ``attn_mode`` (or PyTorch SDPA with ``attn_mode=None``).
 """
+from .convert import predictions_to_numpy
 from .geometry import (closed_form_inverse_se3, confidence_mask, extri_intri_to_pose_encoding,
                        pose_encoding_to_extri_intri, unproject_depth_map_to_point_map)
 from .hub import CheckpointNotFoundError
@@ -17,5 +18,5 @@ from .vggt import DEFAULT_REPO, VGGT, vggt_tiny_config
 __all__ = [
     "VGGT", "vggt_tiny_config", "FASTVGGT_MERGING", "TokenMerging", "DEFAULT_REPO", "CheckpointNotFoundError",
     "pose_encoding_to_extri_intri", "extri_intri_to_pose_encoding", "unproject_depth_map_to_point_map",
-    "closed_form_inverse_se3", "confidence_mask",
+    "closed_form_inverse_se3", "confidence_mask", "predictions_to_numpy",
 ]

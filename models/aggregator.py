@@ -39,7 +39,15 @@ class Aggregator(nn.Module):
         patch_embed_depth, patch_embed_heads: DINOv2 depth / heads (24 / 16 for ViT-L).
         rope_base: 2-D RoPE base frequency (100).
         attn_mode: initial ``visionattn_mode`` of every attention.
+
+    Attribute ``frames_chunk_size`` (None = all at once): frames per DINOv2 patch-embed
+    chunk; each chunk's patch tokens are written into the preallocated token tensor
+    [B*S, P, C] (no concatenation copy). Frames are independent in the patch embed, so
+    chunking changes the result at most by FP rounding (GEMMs over another row count; see
+    :class:`~visionattn.models.layers.Block`).
     """
+
+    frames_chunk_size: int | None = None
 
     def __init__(self, img_size: int = 518, patch_size: int = 14, embed_dim: int = 1024, depth: int = 24,
                  num_heads: int = 16, mlp_ratio: float = 4.0, num_register_tokens: int = 4,
@@ -69,6 +77,30 @@ class Aggregator(nn.Module):
         pos = torch.cat([torch.zeros(self.patch_start_idx, 2, dtype=torch.long, device=device), grid])
         return pos[None].expand(BS, -1, -1)
 
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [B, S, 3, H, W] in [0, 1] -> initial tokens [B*S, P, C] (camera, registers, DINOv2 patches).
+
+        The dtype is that of ``torch.cat`` of the special tokens and the patch tokens (FP32
+        under autocast: DINOv2 ends in a LayerNorm). Runs ``frames_chunk_size`` frames at a time.
+        """
+        B, S, _, H, W = images.shape
+        frames = images.reshape(B * S, 3, H, W)
+        mean, std = self._resnet_mean[0], self._resnet_std[0]
+        n_special = self.patch_start_idx
+        step = self.frames_chunk_size or B * S
+        tokens = None
+        for s0 in range(0, B * S, step):
+            patches = self.patch_embed((frames[s0:s0 + step] - mean) / std)
+            if tokens is None:
+                dt = torch.promote_types(self.camera_token.dtype, patches.dtype)
+                tokens = torch.empty(B * S, n_special + patches.shape[1], patches.shape[2], dtype=dt,
+                                     device=patches.device)
+            tokens[s0:s0 + step, n_special:] = patches
+            del patches
+        tokens[:, :1] = _first_and_rest(self.camera_token, B, S)
+        tokens[:, 1:n_special] = _first_and_rest(self.register_token, B, S)
+        return tokens
+
     def forward(self, images: torch.Tensor, merging: TokenMerging | None = None,
                 keep_layers: tuple[int, ...] | None = None) -> tuple[list, int]:
         """Aggregate frames.
@@ -92,12 +124,7 @@ class Aggregator(nn.Module):
         if H % p or W % p:
             raise ValueError(f"image size {H}x{W} must be a multiple of patch_size={p} (resize or crop first)")
         h, w = H // p, W // p
-        x = (images - self._resnet_mean) / self._resnet_std
-        patches = self.patch_embed(x.reshape(B * S, 3, H, W))
-        del x
-        tokens = torch.cat([_first_and_rest(self.camera_token, B, S), _first_and_rest(self.register_token, B, S),
-                            patches], dim=1)
-        del patches
+        tokens = self.embed(images)
         BS, P, C = tokens.shape
         rope = rope_tables(self.positions(BS, h, w, images.device), self.head_dim, self.rope_base,
                            dtype=torch.float32)

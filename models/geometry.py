@@ -114,13 +114,16 @@ def depth_to_cam_points(depth: torch.Tensor, intrinsics: torch.Tensor) -> torch.
     return torch.stack([(u - cx) * depth / fx, (v - cy) * depth / fy, depth], dim=-1)
 
 
-def unproject_depth_map_to_point_map(depth, extrinsics, intrinsics):
+def unproject_depth_map_to_point_map(depth, extrinsics, intrinsics, frames_chunk_size: int | None = None):
     """Depth maps -> world points with the (predicted) cameras.
 
     Args:
         depth: [S, H, W, 1] or [S, H, W] (torch or numpy).
         extrinsics: [S, 3, 4] camera-from-world (OpenCV).
         intrinsics: [S, 3, 3].
+        frames_chunk_size: frames per chunk (None = all at once); each chunk's points are
+            written into the preallocated result, so the temporaries stay one chunk large.
+            Frames are independent: the result does not depend on it.
 
     Returns:
         world points [S, H, W, 3], same array type (torch / numpy) and float dtype as ``depth``.
@@ -139,12 +142,23 @@ def unproject_depth_map_to_point_map(depth, extrinsics, intrinsics):
         raise ValueError(f"expected depth [S, H, W(, 1)], extrinsics [S, 3, 4], intrinsics [S, 3, 3]; got "
                          f"{tuple(d.shape)}, {tuple(E.shape)}, {tuple(K.shape)}")
     work = torch.float64 if d.dtype == torch.float64 else torch.float32
+    step = frames_chunk_size or max(d.shape[0], 1)
+    if step >= d.shape[0]:
+        world = _unproject(d, E, K, work)
+    else:
+        world = torch.empty(*d.shape, 3, dtype=d.dtype, device=d.device)
+        for s0 in range(0, d.shape[0], step):
+            world[s0:s0 + step] = _unproject(d[s0:s0 + step], E[s0:s0 + step], K[s0:s0 + step], work)
+    return world.numpy() if is_np else world
+
+
+def _unproject(d, E, K, work):
+    """[s, H, W] depth, [s, 3, 4], [s, 3, 3] -> [s, H, W, 3] world points in d's dtype."""
     cam = depth_to_cam_points(d.to(work), K.to(work).to(d.device))
     E = E.to(work).to(d.device)
     R, t = E[:, :3, :3], E[:, :3, 3]
     world = torch.einsum("sji,shwj->shwi", R, cam - t[:, None, None, :])  # R^T (x - t)
-    world = world.to(d.dtype)
-    return world.numpy() if is_np else world
+    return world.to(d.dtype)
 
 
 def confidence_mask(conf, percentile: float | None = 50.0, threshold: float | None = None):

@@ -60,6 +60,9 @@ class CameraHead(nn.Module):
     detached running prediction), modulates the normalised tokens with adaLN
     (shift, scale, gate from ``poseLN_modulation``), runs the ``trunk`` (attention
     across the S camera tokens) and adds ``pose_branch``'s delta to the running pose.
+    Its activations are a few [B, S, 2C] tensors (one token per frame: 8 MB per tensor
+    at 1000 frames in FP32), so it runs over all frames at once; the trunk's attention
+    needs them together anyway.
     """
 
     def __init__(self, dim_in: int = 2048, trunk_depth: int = 4, num_heads: int = 16, mlp_ratio: float = 4.0,
@@ -225,10 +228,16 @@ class DPTHead(nn.Module):
         step = self.frames_chunk_size or S
         if step >= S:
             return self._forward(tokens_list, images, patch_start_idx, 0, S)
-        parts = [self._forward(tokens_list, images, patch_start_idx, s, min(s + step, S)) for s in range(0, S, step)]
-        if self.feature_only:
-            return torch.cat(parts, dim=1)
-        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+        outs = None  # preallocated full outputs; each chunk is written in (no list of parts + concatenation)
+        for s0 in range(0, S, step):
+            part = self._forward(tokens_list, images, patch_start_idx, s0, min(s0 + step, S))
+            part = (part,) if self.feature_only else part
+            if outs is None:
+                outs = tuple(p.new_empty(p.shape[:1] + (S,) + p.shape[2:]) for p in part)
+            for o, p in zip(outs, part):
+                o[:, s0:s0 + step] = p
+            del part
+        return outs[0] if self.feature_only else outs
 
     def _forward(self, tokens_list, images, patch_start_idx, s0, s1):
         B, _, _, H, W = images.shape
@@ -340,12 +349,13 @@ class Tracker(nn.Module):
     """Iterative point tracker (VGGSfM / CoTracker style) over feature maps [B, S, C, h, w].
 
     Correlation pyramid of ``corr_levels`` levels (2x average pooling), windows of
-    radius ``corr_radius``; ``iters`` updates of coordinates and track features.
+    radius ``corr_radius``; ``iters`` updates of coordinates and track features. The
+    correlation volumes are built ``frames_chunk_size`` frames at a time (None = all).
     """
 
     def __init__(self, latent_dim: int = 128, stride: int = 2, corr_levels: int = 7, corr_radius: int = 4,
                  hidden_size: int = 384, depth: int = 6, num_heads: int = 8, num_virtual_tracks: int = 64,
-                 max_scale: int = 518, attn_mode: str | None = AUTO_MODE):
+                 max_scale: int = 518, attn_mode: str | None = AUTO_MODE, frames_chunk_size: int | None = 8):
         super().__init__()
         self.stride = stride
         self.latent_dim = latent_dim
@@ -362,9 +372,22 @@ class Tracker(nn.Module):
         self.ffeat_updater = nn.Sequential(nn.Linear(latent_dim, latent_dim), nn.GELU())
         self.vis_predictor = nn.Sequential(nn.Linear(latent_dim, 1))
         self.conf_predictor = nn.Sequential(nn.Linear(latent_dim, 1))
+        self.frames_chunk_size = frames_chunk_size
 
     def _corr(self, pyramid, feats, coords):
-        """feats [B, S, N, C], coords [B, S, N, 2] (x, y) -> [B, S, N, levels * (2r+1)^2]."""
+        """feats [B, S, N, C], coords [B, S, N, 2] (x, y) -> [B, S, N, levels * (2r+1)^2].
+
+        Frames are independent here; ``frames_chunk_size`` frames at a time bound the
+        correlation volume [B, s, N, h*w] (N query points times the level-0 feature map).
+        """
+        S = feats.shape[1]
+        step = self.frames_chunk_size or S
+        if step >= S:
+            return self._corr_frames(pyramid, feats, coords)
+        return torch.cat([self._corr_frames([fm[:, s0:s0 + step] for fm in pyramid], feats[:, s0:s0 + step],
+                                            coords[:, s0:s0 + step]) for s0 in range(0, S, step)], dim=1)
+
+    def _corr_frames(self, pyramid, feats, coords):
         B, S, N, C = feats.shape
         r = self.corr_radius
         d = torch.linspace(-r, r, 2 * r + 1, device=coords.device, dtype=coords.dtype)
@@ -435,7 +458,7 @@ class TrackHead(nn.Module):
                                          intermediate_layer_idx=intermediate_layer_idx, pos_embed=False,
                                          feature_only=True, down_ratio=2, frames_chunk_size=frames_chunk_size)
         self.tracker = Tracker(features, stride, corr_levels, corr_radius, hidden_size, depth, num_heads,
-                               num_virtual_tracks, max_scale, attn_mode)
+                               num_virtual_tracks, max_scale, attn_mode, frames_chunk_size)
         self.iters = iters
 
     def forward(self, tokens_list: list, images: torch.Tensor, patch_start_idx: int, query_points: torch.Tensor,

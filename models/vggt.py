@@ -24,7 +24,7 @@ from torch import nn
 from .aggregator import Aggregator
 from .heads import CameraHead, DPTHead, TrackHead
 from .hub import WEIGHT_FILES, load_state_dict_file, resolve_checkpoint
-from .layers import AUTO_MODE
+from .layers import AUTO_MODE, Block
 from .merging import TokenMerging, as_merging
 
 __all__ = ["VGGT", "vggt_tiny_config", "DEFAULT_REPO", "autocast"]
@@ -60,7 +60,14 @@ class VGGT(nn.Module):
             :func:`visionattn.patch_model`.
         merging: FastVGGT token merging in the global blocks: None / 0 (off: exactly VGGT),
             :data:`FASTVGGT_MERGING`, a :class:`TokenMerging` or a dict of its fields.
-        frames_chunk_size: frames per DPT chunk (8).
+        frames_chunk_size: frames per chunk of the DPT heads and of the track head's
+            correlation volumes (8; None = all frames at once).
+        patch_embed_chunk_size: frames per DINOv2 patch-embed chunk (32; None = all).
+        tokens_chunk_size: token rows per MLP chunk of every transformer block when grad is
+            disabled (65536; None = all). See :meth:`set_chunking`. Rows and frames are
+            independent in the chunked stages, so the chunk sizes change the outputs only by
+            FP rounding (GEMM / convolution kernels may order a reduction differently for another
+            row or batch count); for given chunk sizes the outputs are deterministic.
 
     Memory: the aggregator keeps only the layer outputs [B, S, P, 2C] that the enabled heads
     read (``dpt_layers`` for the depth / point / track heads, the last layer for the camera
@@ -86,7 +93,8 @@ class VGGT(nn.Module):
                  track_hidden: int = 384, track_depth: int = 6, track_heads: int = 8,
                  track_virtual_tracks: int = 64, track_iters: int = 4, enable_camera: bool = True,
                  enable_depth: bool = True, enable_point: bool = True, enable_track: bool = True,
-                 attn_mode: str | None = AUTO_MODE, merging=None, frames_chunk_size: int | None = 8):
+                 attn_mode: str | None = AUTO_MODE, merging=None, frames_chunk_size: int | None = 8,
+                 patch_embed_chunk_size: int | None = 32, tokens_chunk_size: int | None = 65536):
         args = dict(locals())
         super().__init__()
         attn_mode = _check_mode(attn_mode)
@@ -114,6 +122,38 @@ class VGGT(nn.Module):
                                     frames_chunk_size=frames_chunk_size, attn_mode=attn_mode) if enable_track else None
         self.merging = merging
         self.keep_all_layers = False
+        self.set_chunking(frames_chunk_size, patch_embed_chunk_size, tokens_chunk_size)
+
+    def set_chunking(self, frames_chunk_size: int | None = 8, patch_embed_chunk_size: int | None = 32,
+                     tokens_chunk_size: int | None = 65536) -> "VGGT":
+        """Set the chunk sizes of the stages that scale with frames (None = unchunked); returns self.
+
+        Args:
+            frames_chunk_size: frames per DPT-head chunk (depth, point, track features) and per
+                chunk of the tracker's correlation volumes.
+            patch_embed_chunk_size: frames per DINOv2 patch-embed chunk.
+            tokens_chunk_size: token rows per MLP chunk in every :class:`~visionattn.models.layers.Block`
+                (aggregator, DINOv2, camera trunk), grad disabled only.
+
+        Raises:
+            ValueError: a size that is not a positive int or None.
+        """
+        for name, v in (("frames_chunk_size", frames_chunk_size), ("patch_embed_chunk_size", patch_embed_chunk_size),
+                        ("tokens_chunk_size", tokens_chunk_size)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name}={v!r} must be a positive int or None")
+            self.config[name] = v
+        for head in (self.depth_head, self.point_head):
+            if head is not None:
+                head.frames_chunk_size = frames_chunk_size
+        if self.track_head is not None:
+            self.track_head.feature_extractor.frames_chunk_size = frames_chunk_size
+            self.track_head.tracker.frames_chunk_size = frames_chunk_size
+        self.aggregator.frames_chunk_size = patch_embed_chunk_size
+        for m in self.modules():
+            if isinstance(m, Block):
+                m.tokens_chunk_size = tokens_chunk_size
+        return self
 
     def layer_readers(self, with_tracks: bool = False) -> list[tuple[str, tuple[int, ...]]]:
         """The enabled heads in the order ``forward`` runs them, each with the aggregator layers it reads.

@@ -77,3 +77,67 @@ def test_training_gradients_unchanged_by_trimming():
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 100
     for n in grads[0]:
         assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+# ----------------------------------------------------------------------------- frame / token chunking
+@pytest.mark.parametrize("merging", [None, FASTVGGT_MERGING])
+def test_chunked_stages_match_unchunked(merging):
+    """Chunking over frames / token rows changes only the GEMM and convolution row or batch
+    counts; the CPU kernels then may block the K reduction differently, so the outputs agree to
+    FP32 rounding (a few ulp), not bit for bit. The patch-embed chunking alone is bit-identical here."""
+    from visionattn.metrics import rel_l2
+
+    model = _tiny(merging=merging)
+    x = torch.rand(5, 3, 42, 56)
+    qp = torch.tensor([[5.0, 7.0], [30.0, 20.0], [50.0, 3.0]])
+    with torch.no_grad():
+        model.set_chunking(None, None, None)
+        ref = model(x, qp)
+        model.set_chunking(None, 2, None)
+        _assert_equal(model(x, qp), ref)
+        model.set_chunking(frames_chunk_size=2, patch_embed_chunk_size=3, tokens_chunk_size=37)
+        got = model(x, qp)
+    for k in KEYS:
+        assert rel_l2(got[k].double(), ref[k].double()) < 2e-6, k
+    assert model.config["tokens_chunk_size"] == 37 and model.aggregator.frames_chunk_size == 3
+    assert model.track_head.tracker.frames_chunk_size == 2
+    with pytest.raises(ValueError, match="tokens_chunk_size"):
+        model.set_chunking(8, 32, 0)
+
+
+def test_chunked_mlp_inactive_with_grad():
+    """With grad enabled the block runs its MLP unchunked (no in-place update of an autograd tensor)."""
+    model = _tiny(enable_track=False, tokens_chunk_size=11).train()
+    out = model(torch.rand(2, 3, 28, 28))
+    out["depth"].mean().backward()
+    assert model.aggregator.frame_blocks[0].mlp.fc1.weight.grad is not None
+
+
+def test_predictions_to_numpy_chunked_and_memmapped(tmp_path):
+    import numpy as np
+
+    from visionattn.models import predictions_to_numpy
+
+    model = _tiny()
+    with torch.no_grad():
+        out = model(torch.rand(5, 3, 28, 42), torch.tensor([[3.0, 4.0]]))
+    ref = {k: out[k][0].float().numpy() for k in ("depth", "world_points", "pose_enc", "track")}
+    got = predictions_to_numpy(out, frames_chunk_size=2)
+    disk = predictions_to_numpy(out, keys=list(ref), frames_chunk_size=3, out_dir=tmp_path / "npy")
+    for k, v in ref.items():
+        assert np.array_equal(got[k], v) and np.array_equal(disk[k], v), k
+        assert np.array_equal(np.load(tmp_path / "npy" / f"{k}.npy"), v), k
+    with pytest.raises(KeyError):
+        predictions_to_numpy(out, keys=["nope"])
+
+
+def test_unproject_chunked_equals_whole():
+    from visionattn.models import unproject_depth_map_to_point_map as unproject
+
+    torch.manual_seed(3)
+    depth = torch.rand(5, 14, 21, 1) + 0.5
+    E = torch.cat([torch.linalg.qr(torch.randn(5, 3, 3))[0], torch.randn(5, 3, 1)], dim=-1)
+    K = torch.tensor([[20.0, 0, 10], [0, 20.0, 7], [0, 0, 1]]).expand(5, 3, 3)
+    whole = unproject(depth, E, K)
+    assert torch.equal(unproject(depth, E, K, frames_chunk_size=2), whole)
+    assert (unproject(depth.numpy(), E.numpy(), K.numpy(), frames_chunk_size=3) == whole.numpy()).all()
