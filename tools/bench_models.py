@@ -27,11 +27,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import math
 import os
 import statistics
 import sys
-import time
 
 import torch
 import yaml
@@ -40,8 +38,11 @@ from tqdm import tqdm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from visionattn.reporting import call_ms  # noqa: E402
+from _timm_models import create_timm_model  # noqa: E402
+
+from visionattn.reporting import sample_ms  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -73,25 +74,6 @@ _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 
 
 # ----------------------------------------------------------------------------- measurement
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def sample_times(fn, device: str, *, warmup: int, rep_ms: float, min_reps: int, max_reps: int) -> list[float]:
-    """Per-call milliseconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU), after ``warmup`` calls;
-    as many calls as fit in ``rep_ms``, clamped to [min_reps, max_reps]."""
-    for _ in range(max(warmup, 1)):
-        fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    est_ms = (time.perf_counter() - t0) * 1e3
-    reps = int(min(max_reps, max(min_reps, math.ceil(rep_ms / max(est_ms, 1e-3)))))
-    return [call_ms(fn, device) for _ in range(reps)]
-
-
 def graphed(fn):
     """``fn``'s GPU work captured once in a CUDA graph (after two warm-up calls on a side stream, as
     ``torch.cuda.graphs`` asks); returns the graph's replay, which holds the graph and its memory pool."""
@@ -161,8 +143,6 @@ def build_model(name: str, img: int, device: str):
     All-zero LayerNorm weights (Swin-v2's post-norm init) are set to 1 so that the
     logits comparison sees the attention branch; timing is unaffected.
     """
-    from visionattn.imagenet import create_timm_model
-
     with torch.device(device):
         return create_timm_model(name, pretrained=False, img_size=img)
 
@@ -227,7 +207,7 @@ def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: b
             variants.append(("no-attention", no_attention))
         for mode in dmodes:
             variants.append((mode, lambda mode=mode: patched(mode)))
-        per_round = dict(timing, rep_ms=timing["rep_ms"] / rounds, min_reps=max(1, -(-timing["min_reps"] // rounds)),
+        per_round = dict(timing, warmup=max(timing["warmup"], 1), rep_ms=timing["rep_ms"] / rounds, min_reps=max(1, -(-timing["min_reps"] // rounds)),
                          max_reps=max(1, -(-timing["max_reps"] // rounds)))
         rows_by, outs, samples = {}, {}, {label: [] for label, _ in variants}
 
@@ -256,7 +236,7 @@ def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: b
                 try:
                     with configure():
                         timed = graphed(run) if cuda_graph else run
-                        samples[label] += sample_times(timed, device, **per_round)
+                        samples[label] += sample_ms(timed, device, **per_round)
                         del timed  # frees the graph's memory pool before the next variant
                 except Exception as err:  # noqa: BLE001
                     record_error(label, err)

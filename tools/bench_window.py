@@ -28,15 +28,18 @@ import functools
 import json
 import math
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
 
-from visionattn import reporting
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _timm_models import create_timm_model  # noqa: E402
+
+from visionattn import reporting  # noqa: E402
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_window.yaml"),
@@ -356,8 +359,6 @@ def patch_window_attention(model, mode: str) -> int:
 
 
 def bench_models(cfg, args) -> list[dict]:
-    from visionattn.imagenet import create_timm_model
-
     rows = []
     for spec in cfg.get("model_latency", []):
         for dt in ("fp16", "fp32"):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -14,7 +15,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 __all__ = ["environment", "command_line", "atomic_path", "write_text_atomic", "write_json_atomic",
-           "save_figure_atomic", "markdown_table", "tf32_disabled", "call_ms"]
+           "save_figure_atomic", "markdown_table", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
+           "kernel_ms"]
 
 
 def command_line() -> str:
@@ -113,21 +115,95 @@ def tf32_disabled():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def call_ms(fn: Callable[[], Any], device: str) -> float:
-    """Milliseconds of one ``fn()``: CUDA events on a CUDA ``device``, ``perf_counter`` otherwise.
+class Stopwatch:
+    """Total time of the regions between :meth:`start` and :meth:`stop` (or ``with stopwatch:``).
+
+    On a CUDA ``device`` the regions are timed with CUDA events (the GPU time of the work queued
+    inside them, with no synchronization inside the loop); elsewhere with ``perf_counter`` (wall
+    time). :attr:`seconds` waits for the last event.
+
+    Attributes:
+        kind: ``"cuda-events"`` or ``"wall"``, for the record of a result.
+        count: regions timed so far.
+    """
+
+    def __init__(self, device: str | torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.kind = "cuda-events" if self.cuda else "wall"
+        self.count = 0
+        self._events: list[tuple[Any, Any]] = []
+        self._wall = 0.0
+        self._open: Any = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._open = torch.cuda.Event(enable_timing=True)
+            self._open.record()
+        else:
+            self._open = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._open is None:
+            raise RuntimeError("Stopwatch.stop() without a start()")
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._open, end))
+        else:
+            self._wall += time.perf_counter() - self._open
+        self._open = None
+        self.count += 1
+
+    def __enter__(self) -> "Stopwatch":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def seconds(self) -> float:
+        """Total seconds of the timed regions."""
+        if self.cuda:
+            if self._events:
+                self._events[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        return self._wall
+
+
+def call_ms(fn: Callable[[], Any], device: str | torch.device) -> float:
+    """Milliseconds of one ``fn()`` (:class:`Stopwatch`: CUDA events on CUDA, ``perf_counter`` otherwise).
 
     The CUDA path waits for the end event, so the GPU work ``fn`` queued is inside the time.
     """
-    if device.startswith("cuda"):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    watch = Stopwatch(device)
+    with watch:
         fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    return watch.seconds * 1e3
+
+
+def sample_ms(fn: Callable[[], Any], device: str | torch.device, *, warmup: int = 1, reps: int | None = None,
+              rep_ms: float | None = None, min_reps: int = 1, max_reps: int = 1000) -> list[float]:
+    """Per-call milliseconds of ``fn()`` (each timed by :func:`call_ms`) after ``warmup`` untimed calls.
+
+    ``reps`` calls when given; otherwise as many as fit in ``rep_ms`` (estimated from one more
+    untimed call), clamped to ``[min_reps, max_reps]``.
+    """
+    if (reps is None) == (rep_ms is None):
+        raise ValueError("pass exactly one of reps or rep_ms")
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if reps is None:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        est_ms = (time.perf_counter() - t0) * 1e3
+        reps = int(min(max_reps, max(min_reps, math.ceil(rep_ms / max(est_ms, 1e-3)))))
+    return [call_ms(fn, device) for _ in range(reps)]
 
 
 def kernel_ms(fn: Callable[[], Any], warmup: float, rep: float, cuda_graph: bool = False) -> float:

@@ -1,4 +1,5 @@
-"""tools/eval_imagenet.py and visionattn.imagenet: layouts, label mapping, per-mode evaluation (issue 9).
+"""tools/eval_imagenet.py and its helpers (tools/_imagenet_data.py, tools/_timm_models.py): layouts, label
+mapping, per-mode evaluation, argument checks.
 
 References: timm's own ImageNetInfo (class order), the unpatched timm model (native), and a checkpoint
 whose head has known biases (so the expected top-1 / top-5 follow from the folder sizes alone).
@@ -15,7 +16,6 @@ from safetensors.torch import save_file
 from timm.data import ImageNetInfo
 
 from testdata import PHOTOS, REPO
-from visionattn import imagenet
 
 SYNSETS = ImageNetInfo("imagenet-1k").label_names()
 PHOTO_FILES = sorted(f for f in os.listdir(PHOTOS) if f.lower().endswith(".jpg"))
@@ -35,6 +35,8 @@ def _load_tool():
 
 
 tool = _load_tool()
+imagenet = tool.data  # tools/_imagenet_data.py, as the tool imports it
+import _timm_models as timm_models  # noqa: E402  (tools/ is on sys.path once the tool is loaded)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def test_every_mode_on_imagefolder(imagefolder, tmp_path):
     for r in res["results"]:
         assert r["images"] == 8 and r["nonfinite_logits"] == 0 and r["img_per_s"] > 0
         assert r["timing"] == ("cuda-events" if torch.cuda.is_available() else "wall")
-        native_like = r["mode"] == "native" or r["mode"] in imagenet.NATIVE_HALF_MODES
+        native_like = r["mode"] == "native" or r["mode"] in tool.NATIVE_HALF_MODES
         assert r["patched_modules"] == (0 if native_like else 2)  # depth 2: every attention patched
     # native-bf16 is timm's own SDPA on bf16-cast q/k/v: every attention call was cast, and the logits moved
     assert by["native-bf16"]["sdpa_calls_cast"] > 0 and by["native-bf16"]["max_abs_logit_diff"] > 0
@@ -225,9 +227,10 @@ def test_wrong_layouts_name_found_and_expected(tmp_path, imagefolder):
         imagenet.scan_imagenet(str(flat), labels_file=str(tmp_path / "bad.csv"))
     with pytest.raises(err, match="not classes of the model.*'n99999999'"):
         imagenet.targets_for([("x.jpg", "n99999999")], SYNSETS)
-    # the tool raises the same error (and its __main__ turns it into a one-line exit message)
-    with pytest.raises(err, match="expected one of"):
+    # the tool turns it into one line and exit status 2
+    with pytest.raises(SystemExit) as e:
         tool.main(TINY + ["--random-weights", "--data", str(empty), "--out", str(tmp_path / "r.json")])
+    assert e.value.code == 2
 
 
 def test_synthetic_crops_with_workers(tmp_path):
@@ -265,15 +268,15 @@ def test_pretrained_offline_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     # hub host unreachable (closed port on this machine): fails at once with the way out
     monkeypatch.setattr(constants, "ENDPOINT", "https://127.0.0.1:9")
-    with pytest.raises(imagenet.WeightsUnavailableError,
+    with pytest.raises(timm_models.WeightsUnavailableError,
                        match=r"not reachable.*--checkpoint.*HF_HUB_OFFLINE=1.*--random-weights"):
-        imagenet.create_timm_model("vit_tiny_patch16_224", pretrained=True, img_size=32, depth=1)
+        timm_models.create_timm_model("vit_tiny_patch16_224", pretrained=True, img_size=32, depth=1)
     # HF_HUB_OFFLINE=1 with an empty cache
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(imagenet.WeightsUnavailableError, match=r"--checkpoint.*HF_HOME.*--random-weights"):
-        imagenet.create_timm_model("vit_tiny_patch16_224", pretrained=True, img_size=32, depth=1)
+    with pytest.raises(timm_models.WeightsUnavailableError, match=r"--checkpoint.*HF_HOME.*--random-weights"):
+        timm_models.create_timm_model("vit_tiny_patch16_224", pretrained=True, img_size=32, depth=1)
     with pytest.raises(FileNotFoundError, match="checkpoint="):
-        imagenet.create_timm_model("vit_tiny_patch16_224", checkpoint=str(tmp_path / "none.pth"))
+        timm_models.create_timm_model("vit_tiny_patch16_224", checkpoint=str(tmp_path / "none.pth"))
 
 
 def test_random_swinv2_attention_reaches_the_logits():
@@ -285,7 +288,7 @@ def test_random_swinv2_attention_reaches_the_logits():
     kw = dict(img_size=64, window_size=4, embed_dim=24, depths=(1, 1), num_heads=(2, 2))
     raw = timm.create_model("swinv2_tiny_window8_256", pretrained=False, **kw)
     assert any(isinstance(m, torch.nn.LayerNorm) and not m.weight.any() for m in raw.modules())
-    model = imagenet.create_timm_model("swinv2_tiny_window8_256", pretrained=False, **kw)
+    model = timm_models.create_timm_model("swinv2_tiny_window8_256", pretrained=False, **kw)
     assert not any(isinstance(m, torch.nn.LayerNorm) and not m.weight.any() for m in model.modules())
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -297,3 +300,49 @@ def test_random_swinv2_attention_reaches_the_logits():
             h.remove()
     assert len(hooks) == 2
     assert (ref - blind).abs().max() > 1e-3
+
+
+GOOD = ["--model", "vit_tiny_patch16_224", "--model-kwargs", '{"depth": 2}', "--img-size", "32", "--batch-size", "3",
+        "--random-weights", "--synthetic-from", PHOTOS, "--limit", "4", "--workers", "0", "--modes", "native,fp32"]
+
+
+@pytest.mark.parametrize("bad, flag", [
+    (["--limit", "0"], "--limit"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--workers", "-1"], "--workers"),
+    (["--img-size", "3"], "--img-size"),
+    (["--model", "vit_no_such_model"], "--model"),
+    (["--modes", "native,fp33"], "--modes"),
+    (["--model-kwargs", '{"no_such_argument": 1}'], "--model-kwargs"),
+])
+def test_bad_arguments_exit_2_with_one_line_before_any_work(bad, flag, tmp_path, capsys, monkeypatch):
+    def must_not_run(*a, **k):
+        raise AssertionError("the evaluation started although an argument is bad")
+
+    monkeypatch.setattr(tool, "evaluate_modes", must_not_run)
+    out = tmp_path / "new_folder" / "r.json"
+    with pytest.raises(SystemExit) as e:
+        tool.main(GOOD + bad + ["--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and flag in err, err
+    assert not (tmp_path / "new_folder").exists()  # nothing created
+
+
+def test_unwritable_output_found_before_the_evaluation(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tool, "evaluate_modes", lambda *a, **k: pytest.fail("evaluated before checking --out"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SystemExit) as e:
+        tool.main(GOOD + ["--out", str(blocker / "r.json")])
+    assert e.value.code == 2
+    assert "--out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(GOOD + ["--out", str(tmp_path)])  # a folder where a file is expected
+
+
+def test_default_output_is_out_folder_of_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = tool.main(GOOD)
+    assert res["data"]["images"] == 4
+    assert sorted(os.listdir(tmp_path / "out")) == ["eval_imagenet.json", "eval_imagenet.md"]

@@ -1,5 +1,4 @@
-"""ImageNet-1K validation data in its usual layouts, mapped to timm's class order, and the
-per-mode evaluation loop behind ``tools/eval_imagenet.py`` (issue 9).
+"""ImageNet-1K validation data for tools/eval_imagenet.py: folder layouts, labels in timm's class order.
 
 Layouts read by :func:`scan_imagenet`:
 
@@ -11,19 +10,17 @@ Layouts read by :func:`scan_imagenet`:
 * **flat + devkit ground truth**: the same images with the devkit's
   ``ILSVRC2012_validation_ground_truth.txt`` (line i = ILSVRC2012_ID of image i, 1-based).
   ILSVRC2012_IDs are *not* timm's (sorted-synset) order; they are turned into synsets with the
-  devkit's ``meta.mat`` (read with scipy, optional) or a text file with one synset per
-  ILSVRC2012_ID (``devkit_synsets``).
+  devkit's ``meta.mat`` (read with scipy) or a text file with one synset per ILSVRC2012_ID
+  (``devkit_synsets``).
 
 Labels become class indices through the synset list of the model's ImageNet subset, taken
 from timm (:func:`timm.data.infer_imagenet_subset`, :class:`timm.data.ImageNetInfo`), so a
 1k model, a 12k model or a 22k model each get their own order; nothing is hand-written here.
 
 :class:`SyntheticCrops` makes N deterministic random crops + flips of a few real photos
-(for speed / agreement runs where no ImageNet copy exists, e.g. the GPU run with random weights).
+(for speed / agreement runs where no ImageNet copy exists, e.g. a GPU run with random weights).
 
-:func:`evaluate_modes` runs one pass over the data per mode (the unpatched "native" model first,
-then ``visionattn.patch_model(model, mode=...)`` for each mode) and returns top-1 / top-5,
-agreement of predictions with native, max |logit difference| vs native, throughput and peak memory.
+Needs the ``[eval]`` extra (timm, pillow; scipy for the devkit's meta.mat).
 """
 from __future__ import annotations
 
@@ -31,22 +28,17 @@ import math
 import os
 import random
 import re
-import socket
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-from urllib.parse import urlparse
+from typing import Callable, Sequence
 
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 __all__ = [
-    "NATIVE_HALF_MODES",
-    "DatasetLayoutError", "WeightsUnavailableError", "ImageNetSplit", "SYNSET_RE", "LOC_CSV_NAME", "DEVKIT_GT_NAME",
+    "DatasetLayoutError", "ImageNetSplit", "SYNSET_RE", "LOC_CSV_NAME", "DEVKIT_GT_NAME",
     "model_synsets", "scan_imagenet", "read_loc_val_solution", "read_devkit_ground_truth",
-    "synthetic_sources", "targets_for", "subsample", "ImageListDataset", "SyntheticCrops",
-    "create_timm_model", "eval_transform", "evaluate_modes", "run_pass",
+    "synthetic_sources", "targets_for", "subsample", "ImageListDataset", "SyntheticCrops", "eval_transform",
 ]
 
 SYNSET_RE = re.compile(r"^n\d{8}$")
@@ -66,9 +58,6 @@ _EXPECTED = (
 class DatasetLayoutError(ValueError):
     """The data folder or labels file is not one of the ImageNet layouts; says what was found."""
 
-
-class WeightsUnavailableError(RuntimeError):
-    """Pretrained weights cannot be had (offline, not cached); the message names the ways around it."""
 
 
 @dataclass
@@ -463,102 +452,6 @@ class SyntheticCrops(Dataset):
         return self.transform(img), target
 
 
-def _hub_address(pretrained_cfg: dict) -> tuple[str, int] | None:
-    """(host, port) the weights of ``pretrained_cfg`` would be downloaded from, None if it names no source."""
-    if pretrained_cfg.get("hf_hub_id"):
-        from huggingface_hub import constants
-        url = urlparse(constants.ENDPOINT)
-    elif pretrained_cfg.get("url"):
-        url = urlparse(pretrained_cfg["url"])
-    else:
-        return None
-    return url.hostname, url.port or (80 if url.scheme == "http" else 443)
-
-
-def _reachable(address: tuple[str, int], timeout: float = 5.0) -> bool:
-    try:
-        socket.create_connection(address, timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def _weights_cached(pretrained_cfg: dict) -> bool:
-    repo = pretrained_cfg.get("hf_hub_id")
-    if not repo:
-        return False
-    from huggingface_hub import try_to_load_from_cache
-
-    names = [pretrained_cfg.get("hf_hub_filename")] if pretrained_cfg.get("hf_hub_filename") else \
-        ["model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin", "open_clip_model.safetensors"]
-    return any(isinstance(try_to_load_from_cache(repo, n), str) for n in names)
-
-
-def wake_zero_init_norms(model: torch.nn.Module) -> int:
-    """Set every all-zero LayerNorm weight of a random-initialized model to 1; return how many.
-
-    timm's Swin-v2 zero-initializes its res-post-norm weights (so each block starts as the
-    identity): with random weights its attention then never reaches the logits, and a
-    patched-vs-native comparison could not fail. Pretrained models have no such norms.
-    """
-    woken = 0
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm) and m.weight is not None and not m.weight.any():
-                m.weight.fill_(1.0)
-                woken += 1
-    return woken
-
-
-def create_timm_model(name: str, *, pretrained: bool = True, checkpoint: str | None = None,
-                      img_size: int | None = None, **kwargs) -> torch.nn.Module:
-    """``timm.create_model`` in eval mode, with weights from the hub (default), a local file, or none.
-
-    Args:
-        name: timm model name (``vit_base_patch16_224``, ``swin_tiny_patch4_window7_224`` ...).
-        pretrained: download / load timm's pretrained weights through huggingface_hub (cached).
-        checkpoint: local ``.safetensors`` / ``.pth`` with the model's state dict (overrides ``pretrained``).
-        img_size: passed to the model constructor when given.
-        **kwargs: further constructor arguments (e.g. ``depth=2`` for tiny test models).
-
-    Raises:
-        FileNotFoundError: ``checkpoint`` does not exist.
-        WeightsUnavailableError: (a RuntimeError) pretrained weights cannot be had (no network, no local
-            cache); the message names ``--checkpoint``, ``HF_HUB_OFFLINE=1`` with ``HF_HOME`` and ``--random-weights``.
-    """
-    import timm
-
-    if img_size is not None:
-        kwargs["img_size"] = img_size
-    if checkpoint is not None:
-        if not os.path.isfile(checkpoint):
-            raise FileNotFoundError(f"checkpoint={checkpoint!r} does not exist")
-        return timm.create_model(name, pretrained=False, checkpoint_path=checkpoint, **kwargs).eval()
-    if not pretrained:
-        model = timm.create_model(name, pretrained=False, **kwargs).eval()
-        wake_zero_init_norms(model)  # random weights: let every attention layer reach the logits
-        return model
-
-    from huggingface_hub import constants
-
-    cfg = timm.models.get_pretrained_cfg(name)
-    cfg = cfg.to_dict() if cfg is not None else {}
-    fix = (f"pass --checkpoint PATH (a .safetensors/.pth state dict for {name}), or a local hub cache: "
-           f"HF_HOME=/path/to/cache (holding {cfg.get('hf_hub_id') or name}) with HF_HUB_OFFLINE=1, or "
-           f"--random-weights for a speed / agreement-only run")
-    if not constants.HF_HUB_OFFLINE and not _weights_cached(cfg):
-        address = _hub_address(cfg)
-        if address is not None and not _reachable(address):
-            raise WeightsUnavailableError(
-                f"cannot download pretrained weights for {name}: {address[0]}:{address[1]} is not reachable "
-                f"(offline?) and they are not in the hub cache ({constants.HF_HUB_CACHE}); {fix}")
-    try:
-        return timm.create_model(name, pretrained=True, **kwargs).eval()
-    except (OSError, ValueError, RuntimeError) as e:  # hub errors derive from OSError / ValueError
-        raise WeightsUnavailableError(
-            f"cannot load pretrained weights for {name}: {type(e).__name__}: {e}; {fix}") from e
-
-
 def eval_transform(model: torch.nn.Module, img_size: int | None = None):
     """timm's eval transform for ``model`` (``resolve_data_config`` + ``create_transform``).
 
@@ -570,217 +463,3 @@ def eval_transform(model: torch.nn.Module, img_size: int | None = None):
     cfg = resolve_data_config(args, model=model)
     return create_transform(**cfg, is_training=False), cfg
 
-
-def _timer(device: torch.device):
-    """(start, stop) callables: CUDA events on CUDA (GPU time), perf_counter elsewhere (wall time)."""
-    if device.type == "cuda":
-        events = []
-
-        def start():
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            events.append([e, None])
-
-        def stop():
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            events[-1][1] = e
-
-        def total() -> float:
-            torch.cuda.synchronize()
-            return sum(a.elapsed_time(b) for a, b in events) / 1000.0
-        return start, stop, total, "cuda-events"
-    t = [0.0, 0.0]
-
-    def start():
-        t[1] = time.perf_counter()
-
-    def stop():
-        t[0] += time.perf_counter() - t[1]
-    return start, stop, lambda: t[0], "wall"
-
-
-@torch.inference_mode()
-def run_pass(model: torch.nn.Module, loader: DataLoader, device: torch.device | str, *,
-             reference_logits: torch.Tensor | None = None, warmup_shapes: Sequence[tuple[int, ...]] = (),
-             warmup: int = 1, desc: str = "", keep_logits: bool = False) -> dict[str, Any]:
-    """One pass of ``model`` over ``loader``; accuracy, agreement with ``reference_logits``, speed, memory.
-
-    Args:
-        model: classifier in eval mode on ``device``; outputs logits [B, C].
-        loader: yields (images [B, 3, H, W] float, targets [B] int64) in a fixed order.
-        device: where the model runs.
-        reference_logits: [N, C] float32 CPU logits of the native run over the same loader (same order);
-            when given, agreement of argmax and max |logit difference| are computed.
-        warmup_shapes: input shapes run ``warmup`` times on random data before timing (kernel compilation
-            and autotuning stay out of the timed region).
-        desc: tqdm label.
-        keep_logits: return all logits [N, C] (float32, CPU) under ``"logits"``.
-
-    Returns:
-        dict with images, top1, top5 (fractions), agree_native, max_abs_logit_diff (None without reference),
-        nonfinite_logits, seconds (model time only, data loading excluded), img_per_s, timing
-        ("cuda-events" or "wall"), peak_mem_mib (CUDA max allocated during the pass, None on CPU).
-    """
-    from tqdm.auto import tqdm
-
-    device = torch.device(device)
-    for shape in warmup_shapes:
-        x = torch.randn(shape, device=device)
-        for _ in range(warmup):
-            model(x)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    start, stop, total, timing = _timer(device)
-    n = correct1 = correct5 = agree = nonfinite = 0
-    max_diff = 0.0
-    kept = []
-    for images, targets in tqdm(loader, desc=desc, unit="batch", leave=False):
-        images = images.to(device, non_blocking=True)
-        start()
-        logits = model(images)
-        stop()
-        logits = logits.float().cpu()
-        b = logits.shape[0]
-        k = min(5, logits.shape[1])
-        top = logits.topk(k, dim=1).indices
-        correct1 += (top[:, 0] == targets).sum().item()
-        correct5 += (top == targets[:, None]).any(dim=1).sum().item()
-        nonfinite += (~torch.isfinite(logits)).sum().item()
-        if reference_logits is not None:
-            ref = reference_logits[n:n + b]
-            agree += (logits.argmax(dim=1) == ref.argmax(dim=1)).sum().item()
-            max_diff = max(max_diff, (logits - ref).abs().max().item())
-        if keep_logits:
-            kept.append(logits)
-        n += b
-    seconds = total()
-    out = {
-        "images": n,
-        "top1": correct1 / max(n, 1), "top5": correct5 / max(n, 1),
-        "agree_native": agree / max(n, 1) if reference_logits is not None else None,
-        "max_abs_logit_diff": max_diff if reference_logits is not None else None,
-        "nonfinite_logits": nonfinite,
-        "seconds": seconds, "img_per_s": n / seconds if seconds > 0 else None, "timing": timing,
-        "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
-    }
-    if keep_logits:
-        out["logits"] = torch.cat(kept) if kept else torch.empty(0)
-    return out
-
-
-# Native attention in half precision: timm's own SDPA call with q, k, v cast to the dtype. The
-# agreement of these runs with native FP32 is what the fp16 / bf16 modes should be judged against
-# (with random weights, near-tied top-1 logits flip under any half-precision attention).
-NATIVE_HALF_MODES = {"native-fp16": torch.float16, "native-bf16": torch.bfloat16}
-
-
-class _SDPAIn(torch.overrides.TorchFunctionMode):
-    """Inside the ``with`` block, run every ``F.scaled_dot_product_attention`` on q, k, v (and a float
-    mask) cast to ``dtype``; the output is cast back to q's dtype. ``calls`` counts the cast calls."""
-
-    def __init__(self, dtype: torch.dtype):
-        super().__init__()
-        self.dtype, self.calls = dtype, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            out_dtype = args[0].dtype
-            args = tuple(a.to(self.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                         for a in args)
-            mask = kwargs.get("attn_mask")
-            if isinstance(mask, torch.Tensor) and mask.is_floating_point():
-                kwargs["attn_mask"] = mask.to(self.dtype)
-            self.calls += 1
-            return func(*args, **kwargs).to(out_dtype)
-        return func(*args, **kwargs)
-
-
-@torch.inference_mode()
-def _spin_up(model: torch.nn.Module, shape: tuple[int, ...], device, seconds: float = 1.0) -> None:
-    """Untimed forwards for ``seconds`` on CUDA before the first (native) pass, so that pass does not
-    also carry the GPU's ramp out of idle (clocks, allocator, cuDNN/cuBLAS heuristics); the modes
-    after it run on a warm GPU. No-op on CPU."""
-    import time
-
-    device = torch.device(device)
-    if device.type != "cuda":
-        return
-    x = torch.randn(shape, device=device)
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        model(x)
-        torch.cuda.synchronize(device)
-
-
-def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[str], device: torch.device | str,
-                   *, warmup: int = 1, desc: str = "", patch_options: dict | None = None) -> list[dict[str, Any]]:
-    """Native pass, then one pass per visionattn mode, on the same model and data.
-
-    "native" is ``model`` unpatched (timm's own attention) in its own precision; every other mode runs
-    ``visionattn.patch_model(model, mode=mode, **patch_options)`` for its pass and
-    ``visionattn.unpatch_model(model)`` after it (also on error). Predictions and logits of each mode are
-    compared with the native run over the identical inputs (``loader`` must be deterministic, unshuffled).
-
-    Args:
-        model: timm classifier in eval mode, on ``device``, not patched.
-        loader: deterministic DataLoader of (images, targets).
-        modes: names from ``visionattn.mode_names()``, ``"native"`` (always runs first: it is the
-            reference, reported once) and/or ``"native-fp16"`` / ``"native-bf16"`` (timm's own SDPA
-            with q, k, v cast to half: the agreement a half-precision attention can be expected to reach).
-        device: where the model runs.
-        warmup: untimed warm-up forwards per input shape before each pass.
-        desc: prefix of the progress-bar labels (e.g. the model name).
-        patch_options: extra keyword arguments of ``patch_model``.
-
-    Returns:
-        One dict per mode (native first): ``mode`` plus :func:`run_pass`'s fields, ``speedup_vs_native``,
-        ``patch_report`` (``model.visionattn_report.as_dict()`` after patching, None for native) and
-        ``patched_modules`` (attention modules running visionattn in that pass; 0 would mean the mode's
-        numbers are timm's own).
-
-    Raises:
-        ValueError: an unknown mode name.
-    """
-    import visionattn as va
-
-    unknown = [m for m in modes if m != "native" and m not in NATIVE_HALF_MODES and m not in va.mode_names()]
-    if unknown:
-        raise ValueError(f"modes {unknown} are not known; expected 'native', one of {list(NATIVE_HALF_MODES)} "
-                         f"or one of {va.mode_names()}")
-    n = len(loader.dataset)
-    bs = loader.batch_size or 1
-    shape = tuple(loader.dataset[0][0].shape)
-    warmup_shapes = [(min(bs, n), *shape)] + ([(n % bs, *shape)] if n > bs and n % bs else [])
-    _spin_up(model, warmup_shapes[0], device)
-    native = run_pass(model, loader, device, warmup_shapes=warmup_shapes, warmup=warmup,
-                      desc=f"{desc} native".strip(), keep_logits=True)
-    ref = native.pop("logits")
-    native.update(mode="native", speedup_vs_native=1.0, patch_report=None, patched_modules=0)
-    results = [native]
-    for mode in modes:
-        if mode == "native":
-            continue
-        if mode in NATIVE_HALF_MODES:
-            with _SDPAIn(NATIVE_HALF_MODES[mode]) as cast:
-                r = run_pass(model, loader, device, reference_logits=ref, warmup_shapes=warmup_shapes,
-                             warmup=warmup, desc=f"{desc} {mode}".strip())
-            r.update(mode=mode, patch_report=None, patched_modules=0, sdpa_calls_cast=cast.calls,
-                     speedup_vs_native=(r["img_per_s"] / native["img_per_s"]
-                                        if r["img_per_s"] and native["img_per_s"] else None))
-            results.append(r)
-            continue
-        va.patch_model(model, mode=mode, **(patch_options or {}))
-        try:
-            r = run_pass(model, loader, device, reference_logits=ref, warmup_shapes=warmup_shapes, warmup=warmup,
-                         desc=f"{desc} {mode}".strip())
-            report = model.visionattn_report
-        finally:
-            va.unpatch_model(model)
-        r.update(mode=mode, patch_report=report.as_dict(), patched_modules=report.num_patched,
-                 speedup_vs_native=(r["img_per_s"] / native["img_per_s"]
-                                    if r["img_per_s"] and native["img_per_s"] else None))
-        results.append(r)
-    return results
