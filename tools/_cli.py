@@ -12,8 +12,8 @@ import argparse
 import math
 import os
 
-__all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "percentile", "default_out",
-           "check_output"]
+__all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
+           "default_out", "check_output"]
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -61,6 +61,14 @@ def positive_float(text: str) -> float:
     x = _float(text)
     if x <= 0:
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return x
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    x = _float(text)
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return x
 
 

@@ -48,12 +48,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from visionattn.metrics import rel_l2
-from visionattn.modes import get_mode, mode_names
-from visionattn.patching.diffusers import (ELSAAttnProcessor, overflow_counts, patch_diffusers,
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import (ToolParser, check_output, default_out, nonnegative_int, positive_int,  # noqa: E402
+                  nonnegative_float)
+
+from visionattn.metrics import rel_l2  # noqa: E402
+from visionattn.modes import get_mode, mode_names  # noqa: E402
+from visionattn.patching.diffusers import (  # noqa: E402
+    ELSAAttnProcessor, overflow_counts, patch_diffusers,
                                            reset_overflow_counts, unpatch_diffusers)
-from visionattn.reporting import (atomic_path, call_ms, environment, markdown_table, tf32_disabled,
-                                  write_json_atomic, write_text_atomic)
+from visionattn.reporting import (Stopwatch, atomic_path, environment, markdown_table, sample_ms,  # noqa: E402
+                                  tf32_disabled, write_json_atomic, write_text_atomic)
 
 MODEL_IDS = ("stabilityai/stable-video-diffusion-img2vid", "stabilityai/stable-video-diffusion-img2vid-xt")
 NATIVE = {"native": None, "native-fp32": torch.float32, "native-fp16": torch.float16, "native-bf16": torch.bfloat16}
@@ -196,22 +201,12 @@ def _sync(device: str) -> None:
 
 @contextlib.contextmanager
 def _timed_module(module, device: str):
-    """Accumulate the wall time of ``module``'s forward calls into the yielded dict."""
-    acc = {"seconds": 0.0, "calls": 0}
-    start = {}
-
-    def pre(_m, _a):
-        _sync(device)
-        start["t"] = time.perf_counter()
-
-    def post(_m, _a, _o):
-        _sync(device)
-        acc["seconds"] += time.perf_counter() - start["t"]
-        acc["calls"] += 1
-
-    hooks = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    """Time ``module``'s forward calls (a :class:`~visionattn.reporting.Stopwatch`, yielded)."""
+    watch = Stopwatch(device)
+    hooks = [module.register_forward_pre_hook(lambda _m, _a: watch.start()),
+             module.register_forward_hook(lambda _m, _a, _o: watch.stop())]
     try:
-        yield acc
+        yield watch
     finally:
         for h in hooks:
             h.remove()
@@ -251,7 +246,7 @@ def generate(pipe, image, args, device: str) -> dict:
         seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
     frames = np.asarray(frames, dtype=np.float32)
-    return {"frames": frames, "latency_s": seconds, "unet_s": unet_time["seconds"], "unet_calls": unet_time["calls"],
+    return {"frames": frames, "latency_s": seconds, "unet_s": unet_time.seconds, "unet_calls": unet_time.count,
             "peak_memory_gib": peak, "nonfinite_latent_steps": bad_steps}
 
 
@@ -398,10 +393,7 @@ def evaluate(args) -> dict:
 
     device = args.device
     runs = parse_modes(args.modes, args.reference)
-    if args.image is None or not os.path.isfile(args.image):
-        raise FileNotFoundError(f"--image {args.image!r} is not a file; pass a photo (e.g. tests/data/photos/*.jpg)")
     image = Image.open(args.image).convert("RGB").resize((args.width, args.height), Image.BICUBIC)
-    os.makedirs(args.out, exist_ok=True)
     plan = [(name, run_dtype(name, args.dtype, device)) for name in runs]
     order = sorted(range(len(plan)), key=lambda i: (DTYPE_NAMES[plan[i][1]], i))  # one load per dtype
     res = {"environment": environment(), "config": {k: v for k, v in vars(args).items()}, "runs": {}}
@@ -485,16 +477,17 @@ def svd_attention_cases(height: int, width: int, frames: int, levels: int, batch
 
 def _time_call(fn, device: str, reps: int, warmup: int) -> tuple[float, float | None]:
     """Median ms of ``fn()`` and its peak extra GiB (CUDA) — CUDA events on GPU, perf_counter on CPU."""
+    cuda = device.startswith("cuda")
     for _ in range(warmup):
         fn()
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        times = [call_ms(fn, device) for _ in range(reps)]
-        return float(np.median(times)), (torch.cuda.max_memory_allocated() - base) / 2**30
-    return float(np.median([call_ms(fn, device) for _ in range(reps)])), None
+    times = sample_ms(fn, device, warmup=0, reps=reps)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+    return float(np.median(times)), peak
 
 
 def attention_bench(args) -> dict:
@@ -620,7 +613,7 @@ def unet_bench(args) -> dict:
 # CLI
 # ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ToolParser(prog="eval_svd.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--image", help="conditioning photo (jpg/png); resized to --width x --height")
     p.add_argument("--model", default=MODEL_IDS[0],
                    help=f"hub id ({', '.join(MODEL_IDS)}), a local diffusers directory, or tiny-random")
@@ -630,23 +623,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", default="fp32", help="run every other run is compared with (added if missing)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="pipeline dtype for non-native runs; auto: the mode's dtype on CUDA, fp32 on CPU")
-    p.add_argument("--frames", type=int, default=14, help="video frames (14 for img2vid, 25 for img2vid-xt)")
-    p.add_argument("--steps", type=int, default=25, help="denoising steps")
+    p.add_argument("--frames", type=positive_int, default=14, help="video frames (14 for img2vid, 25 for img2vid-xt)")
+    p.add_argument("--steps", type=positive_int, default=25, help="denoising steps")
     p.add_argument("--seed", type=int, default=0, help="seed of the latents, noise augmentation and tiny weights")
-    p.add_argument("--height", type=int, default=576, help="video height in pixels (multiple of 8)")
-    p.add_argument("--width", type=int, default=1024, help="video width in pixels (multiple of 8)")
-    p.add_argument("--fps", type=int, default=7, help="fps conditioning and mp4 frame rate")
-    p.add_argument("--motion-bucket-id", type=int, default=127, help="SVD motion conditioning")
-    p.add_argument("--noise-aug", type=float, default=0.02, help="noise augmentation strength of the image")
-    p.add_argument("--decode-chunk-size", type=int, default=8, help="frames decoded by the VAE at once")
+    p.add_argument("--height", type=positive_int, default=576, help="video height in pixels (multiple of 8)")
+    p.add_argument("--width", type=positive_int, default=1024, help="video width in pixels (multiple of 8)")
+    p.add_argument("--fps", type=positive_int, default=7, help="fps conditioning and mp4 frame rate")
+    p.add_argument("--motion-bucket-id", type=nonnegative_int, default=127, help="SVD motion conditioning")
+    p.add_argument("--noise-aug", type=nonnegative_float, default=0.02, help="noise augmentation strength of the image")
+    p.add_argument("--decode-chunk-size", type=positive_int, default=8, help="frames decoded by the VAE at once")
     p.add_argument("--patch-vae", action="store_true", help="also run the VAE's mid-block attention in the mode")
     p.add_argument("--no-count-overflow", action="store_true",
                    help="skip the processor's NaN/inf counters (three isfinite reductions per attention call)")
-    p.add_argument("--warmup", type=int, default=None,
+    p.add_argument("--warmup", type=nonnegative_int, default=None,
                    help="untimed 1-step generations per run before the measured one (default 1 on CUDA, 0 on CPU)")
-    p.add_argument("--grid-cols", type=int, default=8, help="frames per row in the PNG grids")
-    p.add_argument("--out", default="runs/eval_svd",
-                   help="output folder (generation) or path without extension (--attention-bench / --unet-bench)")
+    p.add_argument("--grid-cols", type=positive_int, default=8, help="frames per row in the PNG grids")
+    p.add_argument("--out", default=None,
+                   help="output folder (generation; default out/eval_svd) or path without extension "
+                        "(--attention-bench / --unet-bench; default out/svd_attention, out/svd_unet)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--attention-bench", action="store_true",
                    help="time SVD's attention modules at real shapes per mode instead of generating")
@@ -655,36 +649,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unet-config", default="svd", choices=["svd", "tiny"],
                    help="--unet-bench UNet: the released SVD config (1.5B parameters) or the tiny-random one (tests)")
     p.add_argument("--bench-levels", type=int, default=4, choices=[1, 2, 3, 4], help="UNet levels in --attention-bench")
-    p.add_argument("--bench-reps", type=int, default=10, help="timed repetitions per benchmark case")
-    p.add_argument("--bench-warmup", type=int, default=2, help="untimed repetitions per benchmark case")
+    p.add_argument("--bench-reps", type=positive_int, default=10, help="timed repetitions per benchmark case")
+    p.add_argument("--bench-warmup", type=nonnegative_int, default=2, help="untimed repetitions per benchmark case")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
+def check_args(parser: ToolParser, args) -> None:
+    """Every argument checked (exit 2 with one line) and the defaults resolved, before any work."""
+    if args.attention_bench and args.unet_bench:
+        parser.error("--attention-bench / --unet-bench: pass one of them per call")
+    bench = args.attention_bench or args.unet_bench
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here; pass --device cpu")
+    if args.warmup is None:
+        args.warmup = 1 if device.type == "cuda" else 0
+    if args.height % 8 or args.width % 8:
+        parser.error(f"--height {args.height} / --width {args.width}: both must be multiples of 8")
+    if bench and args.modes == parser.get_default("modes"):
+        args.modes = "native-fp32,native-fp16,fp32,tf32,fp16,pasa"
+    try:
+        parse_modes(args.modes, args.reference)
+    except ValueError as e:
+        parser.error(str(e))
+    if not bench:
+        if args.image is None or not os.path.isfile(args.image):
+            parser.error(f"--image {args.image!r} is not a file; pass a photo (e.g. tests/data/photos/apple.jpg)")
+        local = args.model.startswith((".", "/", "~")) or os.sep in args.model.strip("/").split("/", 1)[-1]
+        if args.model != "tiny-random" and local and not os.path.isdir(args.model):
+            parser.error(f"--model {args.model!r} is not a directory; pass a local diffusers folder of "
+                         f"{MODEL_IDS[0]} (or -xt), a hub id, or tiny-random")
+    if args.out is None:
+        args.out = default_out("svd_attention" if args.attention_bench else "svd_unet" if args.unet_bench
+                               else "eval_svd")
+    check_output(parser, args.out, folder=not bench)
+
+
 def main(argv=None) -> dict:
-    """Parse ``argv`` and run the generation study or a benchmark; returns the results dict.
+    """Parse ``argv``, check it, and run the generation study or a benchmark; returns the results dict.
 
     TF32 is off for PyTorch matmuls and cuDNN convolutions while it runs (said in
     the output), so fp32 runs compare FP32 with FP32.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     with tf32_disabled() as settings:
         print(f"process-wide settings for this run: {settings}")
         return _main(args)
 
 
 def _main(args) -> dict:
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.warmup is None:
-        args.warmup = 1 if args.device.startswith("cuda") else 0
-    if args.height % 8 or args.width % 8:
-        raise ValueError(f"--height {args.height} / --width {args.width} must be multiples of 8")
     if args.attention_bench or args.unet_bench:
-        if args.attention_bench and args.unet_bench:
-            raise ValueError("pass one of --attention-bench / --unet-bench per call")
-        if args.modes == build_parser().get_default("modes"):
-            args.modes = "native-fp32,native-fp16,fp32,tf32,fp16,pasa"
         res = attention_bench(args) if args.attention_bench else unet_bench(args)
         print(open(args.out + ".md").read())
         return res

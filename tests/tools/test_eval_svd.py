@@ -143,3 +143,38 @@ def test_unet_bench_tiny_config_cpu(tmp_path):
     assert res["runs"]["native-fp32"]["rel_l2_vs_native_fp32"] == 0.0
     assert res["runs"]["fp32"]["rel_l2_vs_native_fp32"] <= 1e-5
     assert res["runs"]["fp32"]["overflow"]["calls"] > 0 and res["runs"]["native-fp32"]["overflow"] is None
+
+
+GEN = ["--model", "tiny-random", "--image", os.path.join(PHOTOS, "apple.jpg"), "--frames", "2", "--steps", "1",
+       "--height", "64", "--width", "64", "--modes", "fp32", "--device", "cpu", "--quiet"]
+
+
+@pytest.mark.parametrize("bad, flag", [
+    (["--height", "60"], "--height"),
+    (["--frames", "0"], "--frames"),
+    (["--steps", "-1"], "--steps"),
+    (["--modes", "fp8"], "--modes"),
+    (["--image", "no/such/photo.jpg"], "--image"),
+    (["--model", "./no/such/svd"], "--model"),
+    (["--attention-bench", "--unet-bench"], "--attention-bench"),
+    (["--noise-aug", "-0.5"], "--noise-aug"),
+    (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+])
+def test_bad_arguments_exit_2_with_one_line_and_no_folder(bad, flag, tmp_path, capsys):
+    out = tmp_path / "svd_out"
+    with pytest.raises(SystemExit) as e:
+        eval_svd.main(GEN + bad + ["--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and flag in err, err
+    assert not out.exists()  # no empty output folder left behind
+
+
+def test_unwritable_output_found_first(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        eval_svd.main(GEN + ["--out", str(blocker / "svd")])
+    assert e.value.code == 2 and "--out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a bench writes OUT.json / OUT.md: a folder there is refused
+        eval_svd.main(["--attention-bench", "--device", "cpu", "--out", str(tmp_path)])
