@@ -158,7 +158,7 @@ def _finite_list(a) -> list:
 
 
 def write_cameras_json(path: str, names, files, extrinsics, intrinsics, image_hw, original_sizes=None,
-                       affines=None, depth_scales=None, fallback=None, extra=None) -> dict:
+                       affines=None, depth_scales=None, fallback=None, extra=None, image_files=None) -> dict:
     """Write ``cameras.json`` and return its content.
 
     Args:
@@ -169,6 +169,7 @@ def write_cameras_json(path: str, names, files, extrinsics, intrinsics, image_hw
         affines: per frame (sx, sy, ox, oy) original -> preprocessed pixels (optional).
         depth_scales: per frame, ``depth = png16 / scale`` for ``depth/NAME.png`` (optional).
         fallback: per frame bool, intrinsics replaced because the prediction was unusable (optional).
+        image_files: per frame, the stored frame's path relative to the output folder (optional).
         extra: extra top-level keys (model, mode, ...).
     """
     frames = []
@@ -179,6 +180,8 @@ def write_cameras_json(path: str, names, files, extrinsics, intrinsics, image_hw
             "intrinsic": _finite_list(intrinsics[i]),
             "width": int(image_hw[1]), "height": int(image_hw[0]),
         }
+        if image_files:
+            fr["image"] = image_files[i]
         if original_sizes is not None:
             fr["original_width"], fr["original_height"] = (int(v) for v in original_sizes[i])
         if affines is not None:
@@ -309,7 +312,8 @@ def write_reconstruction(folder: str, pred: dict, loaded, conf_percentile: float
                        pred["extrinsic"], pred["intrinsic"], loaded.shape_hw, loaded.original_sizes,
                        loaded.affines, scales, pred.get("intrinsic_fallback"),
                        extra={"point_source": point_source, "conf_percentile": conf_percentile,
-                              "points_kept": int(len(xyz)), **(extra or {})})
+                              "points_kept": int(len(xyz)), **(extra or {})},
+                       image_files=[f"images/{f}" for f in loaded.image_files])
     steps.update()
     k_orig = [original_intrinsics(K, a) for K, a in zip(pred["intrinsic"], loaded.affines)]
     write_colmap_text(os.path.join(folder, "sparse"), loaded.paths, pred["extrinsic"], k_orig,

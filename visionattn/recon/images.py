@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import stat
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,8 +26,8 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 __all__ = [
-    "ImageFolderError", "LoadedImages", "PATCH_SIZE", "natural_key", "list_images",
-    "read_image", "preprocess_image", "load_images",
+    "ImageFolderError", "LoadedImages", "PATCH_SIZE", "MAX_ASPECT_RATIO", "natural_key", "list_images",
+    "read_image", "to_uint8", "check_aspect", "preprocess_image", "unique_names", "load_images",
 ]
 
 PATCH_SIZE = 14
@@ -54,6 +57,10 @@ class LoadedImages:
             original image lands at (sx * x + ox, sy * y + oy) in the preprocessed
             frame (resize, crop and padding included). Used to express the predicted
             intrinsics in original-image pixels (COLMAP export).
+        image_files: per frame, the file name under ``frames_dir`` holding the
+            original-resolution frame (empty when no ``frames_dir`` was given).
+        sources: per frame, a human-readable source (file name, or ``video.mp4#frame=12``).
+        extra: loader-specific metadata (video: fps, frame indices, timestamps).
     """
 
     images: torch.Tensor
@@ -63,6 +70,9 @@ class LoadedImages:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     mode: str = "crop"
     affines: list[tuple[float, float, float, float]] = field(default_factory=list)
+    image_files: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
 
     @property
     def shape_hw(self) -> tuple[int, int]:
@@ -80,7 +90,8 @@ def list_images(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
 
     Returns:
         (paths, skipped) where ``skipped`` is a list of (file name, reason) for
-        non-image files and sub-folders.
+        non-image files, sub-folders, unreadable entries and anything that is not a
+        regular file (FIFOs, sockets, devices: reading those could block forever).
 
     Raises:
         ImageFolderError: ``folder`` does not exist, is not a directory, cannot be
@@ -99,8 +110,15 @@ def list_images(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
         full = os.path.join(folder, name)
         if name.startswith("."):
             continue
-        if os.path.isdir(full):
+        try:
+            mode = os.stat(full).st_mode  # follows links: a link to a regular file is used
+        except OSError as exc:
+            skipped.append((name, f"cannot be read ({exc.strerror or exc})"))
+            continue
+        if stat.S_ISDIR(mode):
             skipped.append((name, "sub-folder (not searched)"))
+        elif not stat.S_ISREG(mode):  # a FIFO or device would block or never end when read
+            skipped.append((name, "not a regular file (FIFO, socket or device)"))
         elif os.path.splitext(name)[1].lower() in _IMAGE_EXTS:
             paths.append(full)
         else:
@@ -111,33 +129,104 @@ def list_images(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
     return paths, skipped
 
 
+def _check_pixels(path: str, w: int, h: int) -> None:
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and w * h > limit:
+        raise ImageFolderError(
+            f"image {path!r} declares {w}x{h} = {w * h:,} pixels, more than the {limit:,} allowed (a decompression "
+            "bomb, or an image far larger than the model needs); downscale it first")
+
+
 def read_image(path: str) -> Image.Image:
-    """Decode ``path`` fully into an RGB :class:`PIL.Image.Image`.
+    """Decode ``path`` fully into an 8-bit RGB :class:`PIL.Image.Image`.
 
     EXIF orientation is applied (phone photos stand upright); images with
     transparency (RGBA, LA, palette with alpha) are composited over white, as in
-    VGGT's loader; grayscale / CMYK / 16-bit inputs are converted to 8-bit RGB.
+    VGGT's loader; grayscale / CMYK inputs are converted to RGB. High-bit-depth
+    and float images are mapped to 8 bit by their range, not clipped (see
+    :func:`to_uint8`).
 
     Raises:
-        ImageFolderError: the file cannot be opened or decoded (corrupt/truncated).
+        ImageFolderError: the file cannot be opened or decoded (corrupt/truncated),
+            or it declares more pixels than ``PIL.Image.MAX_IMAGE_PIXELS`` (a
+            decompression bomb); checked from the header, before decoding.
     """
+    return _decode(path)[0]
+
+
+def _decode(path: str) -> tuple[Image.Image, bool]:
+    """read_image, plus whether the file's own bytes are that RGB image (a plain JPEG / PNG, upright)."""
     try:
-        with Image.open(path) as im:
-            im.load()  # force a full decode: truncated files fail here, not later
-            im = ImageOps.exif_transpose(im)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # refuse, not just warn
+            with Image.open(path) as im:
+                _check_pixels(path, *im.size)
+                im.load()  # force a full decode: truncated files fail here, not later
+                plain = (im.format in ("JPEG", "PNG") and im.mode in ("RGB", "L")
+                         and im.getexif().get(0x0112, 1) == 1)
+                im = ImageOps.exif_transpose(im)
+    except ImageFolderError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageFolderError(f"image {path!r} is a decompression bomb or far larger than the model needs "
+                               f"({exc}); downscale it first") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, MemoryError) as exc:
         raise ImageFolderError(f"cannot read image {path!r}: {exc}") from exc
-    if im.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16/32-bit grayscale: rescale to 8 bit
-        arr = np.asarray(im, dtype=np.float64)
-        hi = arr.max() if arr.size and arr.max() > 0 else 1.0
-        im = Image.fromarray(np.clip(arr / hi * 255.0 + 0.5, 0, 255).astype(np.uint8), "L")
+    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        im = Image.fromarray(to_uint8(np.asarray(im)), "L")
     if im.mode == "P":
         im = im.convert("RGBA" if "transparency" in im.info else "RGB")
     if im.mode in ("RGBA", "LA", "PA"):
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         im = Image.alpha_composite(background, rgba)
-    return im.convert("RGB")
+    return im.convert("RGB"), plain
+
+
+def to_uint8(arr: np.ndarray) -> np.ndarray:
+    """Map a high-bit-depth or float image [H, W] (or [H, W, C]) to uint8 by its range.
+
+    * float: values in [0, 1] (the usual convention) are scaled by 255; any other
+      range is mapped linearly from [min, max] of the finite values to [0, 255].
+      Non-finite values become 0.
+    * integer: divided by the maximum (``[0, max] -> [0, 255]``; a negative
+      minimum extends the range down to it), so a 16-bit image is neither
+      clipped nor left dark.
+
+    Returns:
+        uint8 array of the same shape.
+    """
+    a = np.asarray(arr, dtype=np.float64)
+    finite = np.isfinite(a)
+    if not finite.any():
+        return np.zeros(a.shape, np.uint8)
+    lo, hi = float(a[finite].min()), float(a[finite].max())
+    if np.issubdtype(np.asarray(arr).dtype, np.floating) and lo >= 0.0 and hi <= 1.0:
+        lo, hi = 0.0, 1.0
+    else:
+        lo = min(lo, 0.0) if not np.issubdtype(np.asarray(arr).dtype, np.floating) else lo
+    span = hi - lo if hi > lo else 1.0
+    out = np.where(finite, (a - lo) / span * 255.0 + 0.5, 0.0)
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+MAX_ASPECT_RATIO = 8.0
+
+
+def check_aspect(width: int, height: int, name: str = "image") -> None:
+    """Raise :class:`ImageFolderError` for an empty image or one more elongated than 8:1.
+
+    Such images (a 1-pixel column, a scan strip) carry no usable view for the
+    model and, stretched to the model's input width, cost memory out of all
+    proportion.
+    """
+    if width < 1 or height < 1:
+        raise ImageFolderError(f"{name} is {width}x{height} pixels: empty")
+    ratio = max(width, height) / min(width, height)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ImageFolderError(
+            f"{name} is {width}x{height} pixels (aspect ratio {ratio:.0f}:1); images more elongated than "
+            f"{MAX_ASPECT_RATIO:g}:1 are not supported: crop it or leave it out")
 
 
 def _round14(x: float) -> int:
@@ -153,8 +242,12 @@ def preprocess_image(img: Image.Image, size: int = 518, mode: str = "crop") -> t
     multiple of 14), then pad with white (1.0) to ``size x size``.
     Resampling is bicubic, as in the reference loader.
 
+    The resized image never exceeds ``size x size`` pixels (crop mode resamples
+    only the rows it keeps).
+
     Raises:
         ValueError: ``size`` is not a positive multiple of 14, or ``mode`` unknown.
+        ImageFolderError: the image is empty or more elongated than 8:1 (see :func:`check_aspect`).
     """
     return _preprocess(img, size, mode)[0]
 
@@ -166,19 +259,25 @@ def _preprocess(img: Image.Image, size: int, mode: str):
     if mode not in ("crop", "pad"):
         raise ValueError(f"mode={mode!r} must be 'crop' or 'pad'")
     w, h = img.size
+    check_aspect(w, h)
     if mode == "pad" and h > w:
         new_h, new_w = size, _round14(w * size / h)
     else:
         new_w, new_h = size, _round14(h * size / w)
-    img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    t = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
     sx, sy = new_w / w, new_h / h
     # pixel centres: (x + 0.5) * s - 0.5 after resizing
     ox, oy = 0.5 * sx - 0.5, 0.5 * sy - 0.5
     if mode == "crop" and new_h > size:
+        # Resample only the rows the centre crop keeps: widths first (PIL's own first pass, so its
+        # rounding is kept), then the kept rows through a box. Same pixels as resizing to new_h and
+        # cropping, without ever holding the tall intermediate image (new_h can be 8x size).
         top = (new_h - size) // 2
-        t = t[:, top:top + size, :]
+        img = img.resize((new_w, h), Image.Resampling.BICUBIC)
+        img = img.resize((new_w, size), Image.Resampling.BICUBIC, box=(0.0, top / sy, float(new_w), (top + size) / sy))
         oy -= top
+    else:
+        img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
+    t = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
     if mode == "pad":
         left, top = (size - t.shape[2]) // 2, (size - t.shape[1]) // 2
         t = _pad_white(t, size, size)
@@ -194,19 +293,65 @@ def _pad_white(t: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (left, dw - left, top, dh - top), mode="constant", value=1.0)
 
 
-def _unique_names(paths: list[str]) -> list[str]:
-    names, seen = [], {}
-    for p in paths:
-        stem = os.path.splitext(os.path.basename(p))[0]
-        stem = re.sub(r"[^\w.\-]+", "_", stem) or "image"
-        n = seen.get(stem, 0)
-        seen[stem] = n + 1
-        names.append(stem if n == 0 else f"{stem}_{n}")
+def unique_names(paths: list[str]) -> list[str]:
+    """Per-file output names: unique (also ignoring case), file-system safe, traceable to the source.
+
+    A file's stem is its name when no other file shares that stem; files that
+    share a stem (``a.jpg``, ``a.png``) get the extension appended (``a_jpg``,
+    ``a_png``), and a counter only if that is still taken (``a_png`` next to a
+    file named ``a_png.tif`` becomes ``a_png_2``). Characters outside
+    ``[A-Za-z0-9_.-]`` become ``_``. The output's cameras.json maps each name
+    back to its source file.
+
+    Returns:
+        list of names, same order and length as ``paths``.
+    """
+    def clean(text):
+        return re.sub(r"[^\w.\-]+", "_", text, flags=re.ASCII).strip(".") or "image"
+
+    stems = [clean(os.path.splitext(os.path.basename(p))[0]) for p in paths]
+    counts: dict[str, int] = {}
+    for st in stems:
+        counts[st.casefold()] = counts.get(st.casefold(), 0) + 1
+    names: list[str | None] = [st if counts[st.casefold()] == 1 else None for st in stems]
+    used = {n.casefold() for n in names if n is not None}
+    for i, p in enumerate(paths):
+        if names[i] is not None:
+            continue
+        ext = clean(os.path.splitext(p)[1].lstrip(".")) if os.path.splitext(p)[1] else "file"
+        base = cand = f"{stems[i]}_{ext}"
+        k = 2
+        while cand.casefold() in used:
+            cand, k = f"{base}_{k}", k + 1
+        used.add(cand.casefold())
+        names[i] = cand
     return names
 
 
+def store_frame(frames_dir: str, name: str, img: Image.Image, source: str | None = None, ext: str = ".png") -> str:
+    """Put one frame into ``frames_dir`` under ``name``; returns the file name used.
+
+    A ``source`` file whose bytes already are the decoded RGB image (plain JPEG /
+    PNG, no EXIF rotation) is hard-linked (copied across file systems) with its
+    extension; anything else (rotated, RGBA, 16-bit, float, other formats, video
+    frames) is written as the decoded, upright 8-bit RGB with extension ``ext``
+    (``.png``; ``.jpg`` is saved at quality 95, as for video frames).
+    """
+    if source is not None:
+        file = f"{name}{os.path.splitext(source)[1].lower()}"
+        dest = os.path.join(frames_dir, file)
+        try:
+            os.link(source, dest)
+        except OSError:
+            shutil.copyfile(source, dest)
+        return file
+    file = f"{name}{ext}"
+    img.save(os.path.join(frames_dir, file), **({"quality": 95} if ext in (".jpg", ".jpeg") else {}))
+    return file
+
+
 def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | None = None,
-                progress: bool = True) -> LoadedImages:
+                progress: bool = True, frames_dir: str | None = None) -> LoadedImages:
     """Load a folder (or a list of files) into one VGGT batch.
 
     Args:
@@ -215,6 +360,8 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
         mode: ``"crop"`` or ``"pad"`` (see :func:`preprocess_image`).
         max_frames: keep only the first N frames in natural order (None: all).
         progress: show a tqdm bar.
+        frames_dir: if given (an existing folder), each frame is stored there under
+            its output name (see :func:`store_frame`), for COLMAP / nerfstudio.
 
     Returns:
         :class:`LoadedImages` with ``images`` float32 [S, 3, H, W] in [0, 1].
@@ -235,13 +382,17 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
             raise ImageFolderError("no image paths given")
     if max_frames is not None:
         paths = paths[:max_frames]
-    tensors, sizes, affines = [], [], []
-    for p in tqdm(paths, desc="loading images", unit="img", disable=not progress):
-        img = read_image(p)
+    names = unique_names(paths)
+    tensors, sizes, affines, files = [], [], [], []
+    for i, p in enumerate(tqdm(paths, desc="loading images", unit="img", disable=not progress)):
+        img, plain = _decode(p)
+        check_aspect(*img.size, name=f"image {p!r}")
         sizes.append(img.size)
         t, affine = _preprocess(img, size, mode)
         tensors.append(t)
         affines.append(affine)
+        if frames_dir is not None:
+            files.append(store_frame(frames_dir, names[i], img, p if plain else None))
     height = max(t.shape[1] for t in tensors)
     width = max(t.shape[2] for t in tensors)
     batch = []
@@ -249,5 +400,6 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
         sx, sy, ox, oy = affines[i]
         affines[i] = (sx, sy, ox + (width - t.shape[2]) // 2, oy + (height - t.shape[1]) // 2)
         batch.append(_pad_white(t, height, width))
-    return LoadedImages(images=torch.stack(batch), paths=paths, names=_unique_names(paths),
-                        original_sizes=sizes, skipped=skipped, mode=mode, affines=affines)
+    return LoadedImages(images=torch.stack(batch), paths=paths, names=names, original_sizes=sizes,
+                        skipped=skipped, mode=mode, affines=affines, image_files=files,
+                        sources=[os.path.basename(p) for p in paths])

@@ -25,7 +25,8 @@ from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, 
                      require_open3d, write_reconstruction)
 
 __all__ = [
-    "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "USER_ERRORS", "build_model",
+    "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "DeviceError", "USER_ERRORS",
+    "check_checkpoint", "resolve_device", "build_model",
     "run_model", "count_tokens", "reconstruct",
 ]
 
@@ -36,11 +37,15 @@ ATTN_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa", "sdpa")
 
 
 class WeightsError(ValueError):
-    """The requested weights cannot be loaded (offline hub, missing file)."""
+    """The requested weights cannot be loaded (offline hub, missing or corrupt file)."""
+
+
+class DeviceError(ValueError):
+    """The requested device does not exist or is not available here."""
 
 
 # errors a CLI reports as a message + exit code 2 (nothing has been written when they are raised)
-USER_ERRORS = (ImageFolderError, OutputDirError, WeightsError, MissingDependencyError)
+USER_ERRORS = (ImageFolderError, OutputDirError, WeightsError, DeviceError, MissingDependencyError)
 
 
 def _models_api():
@@ -96,7 +101,7 @@ def _reachable_weights(weights: str, timeout: float = 3.0) -> str:
         raise WeightsError(f"--weights {weights!r} is neither an existing path nor a hub repo id ({exc}). "
                            + _HUB_HELP) from exc
     raise WeightsError(f"cannot load weights {weights!r}: {reason} and it is not in the Hugging Face cache "
-                       f"({constants.HF_HUB_CACHE}).\n" + _HUB_HELP)
+                       f"({constants.HF_HUB_CACHE}). " + _HUB_HELP)
 
 
 def build_model(model: str = "vggt", weights: str = DEFAULT_WEIGHTS, mode: str = "fp32",
@@ -132,8 +137,9 @@ def build_model(model: str = "vggt", weights: str = DEFAULT_WEIGHTS, mode: str =
         source = _reachable_weights(weights)
         try:
             net = VGGT.from_pretrained(source, **kwargs)
-        except (OSError, RuntimeError, ValueError) as exc:  # hub offline / not cached / bad file
-            raise WeightsError(f"cannot load weights {weights!r}: {exc}\n" + _HUB_HELP) from exc
+        except Exception as exc:  # hub offline / not cached / bad file: one line naming the fix
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise WeightsError(f"cannot load weights {weights!r}: {why}. " + _HUB_HELP) from exc
     return net.to(device).eval()
 
 
@@ -235,12 +241,69 @@ def _usable_intrinsics(K: torch.Tensor, hw) -> tuple[torch.Tensor, np.ndarray]:
     return K, bad.cpu().numpy()
 
 
-def _resolve_device(device: str | None) -> str:
+def resolve_device(device: str | None) -> str:
+    """``"auto"`` / None -> ``"cuda"`` if available else ``"cpu"``; anything else validated.
+
+    Raises:
+        DeviceError: not a device name torch knows (``--device foo``), CUDA / MPS not
+            available, or a CUDA index beyond the devices present.
+    """
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but no CUDA device is available; use --device cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise DeviceError(f"--device {device!r} is not a device: use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise DeviceError(f"--device {device!r}: no CUDA device is available here; use --device cpu")
+        if dev.index is not None and dev.index >= n:
+            raise DeviceError(f"--device {device!r}: only {n} CUDA device(s) here (cuda:0..cuda:{n - 1})")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise DeviceError(f"--device {device!r}: MPS is not available here; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"--device {device!r}: only cpu, cuda[:N] and mps are supported")
     return device
+
+
+_CHECKPOINT_FILES = ("model.safetensors", "model.pt")
+
+
+def check_checkpoint(path: str) -> str:
+    """Open a local checkpoint's header (no tensor data read) and return the file to load.
+
+    A folder must hold ``model.safetensors`` or ``model.pt``. A ``.safetensors``
+    header is parsed; a ``.pt`` / ``.pth`` / ``.bin`` is memory-mapped with
+    ``torch.load(weights_only=True, mmap=True)``, which reads its index only.
+
+    Raises:
+        WeightsError: no checkpoint file in the folder, an unknown extension, or a
+            file that is truncated / not a checkpoint (one line naming the file).
+    """
+    file = path
+    if os.path.isdir(path):
+        found = [os.path.join(path, f) for f in _CHECKPOINT_FILES if os.path.isfile(os.path.join(path, f))]
+        if not found:
+            raise WeightsError(f"--weights {path!r} is a folder without {' or '.join(_CHECKPOINT_FILES)}")
+        file = found[0]
+    try:
+        if file.endswith(".safetensors"):
+            from safetensors import safe_open
+            with safe_open(file, framework="pt") as f:
+                if not list(f.keys()):
+                    raise ValueError("no tensors in it")
+        elif file.endswith((".pt", ".pth", ".bin")):
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        else:
+            raise WeightsError(f"--weights {file!r}: unknown checkpoint format; expected .safetensors or .pt")
+    except WeightsError:
+        raise
+    except Exception as exc:  # safetensors, pickle and zip errors share no base class beyond Exception
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise WeightsError(f"--weights {file!r} is not a readable checkpoint ({why}); re-download it or pass "
+                           "another file") from exc
+    return file
 
 
 def reconstruct(image_dir: str, out_dir: str, model: str = "vggt", mode: str = "fp32",
@@ -267,11 +330,14 @@ def reconstruct(image_dir: str, out_dir: str, model: str = "vggt", mode: str = "
     if not 0.0 <= conf_percentile <= 100.0:
         raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
     _check_mode(mode)
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     check_output_dir(out_dir, inputs=[image_dir])
     require_open3d()  # points.ply needs it: fail now, not after inference
     if weights not in ("random", "random-tiny"):
-        _reachable_weights(weights)  # fail in seconds when offline, before decoding any image
+        if os.path.exists(weights):
+            check_checkpoint(weights)  # a corrupt file fails now, in one line, not after decoding
+        else:
+            _reachable_weights(weights)  # fail in seconds when offline, before decoding any image
     # the temporary output folder exists from here on: an unwritable --out fails before any decoding
     with atomic_output_dir(out_dir, inputs=[image_dir], warn=log) as tmp:
         return _reconstruct_into(tmp, t_start, image_dir, out_dir, model, mode, weights, dev, conf_percentile,
@@ -280,8 +346,10 @@ def reconstruct(image_dir: str, out_dir: str, model: str = "vggt", mode: str = "
 
 def _reconstruct_into(tmp, t_start, image_dir, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
                       size, preprocess, point_source, seed, preview, progress, warmup, log) -> dict:
+    frames_dir = os.path.join(tmp, "images")
+    os.makedirs(frames_dir)
     loaded: LoadedImages = load_images(image_dir, size=size, mode=preprocess, max_frames=max_frames,
-                                       progress=progress)
+                                       progress=progress, frames_dir=frames_dir)
     for name, why in loaded.skipped:
         log(f"note: skipped {name!r} ({why})")
     net = build_model(model, weights, mode, dev, seed)
