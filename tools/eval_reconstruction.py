@@ -17,15 +17,19 @@ import argparse
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import (ToolParser, check_output, nonnegative_int, percentile, positive_float,  # noqa: E402
+                  positive_int)
+
 DEFAULT_MODES = "fp32,tf32,fp16,bf16,pasa"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ToolParser:
     from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, MODELS
 
-    p = argparse.ArgumentParser(prog="eval_reconstruction.py", description=__doc__.split("\n\n")[0],
+    p = ToolParser(prog="eval_reconstruction.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    sub = p.add_subparsers(dest="task", required=True, metavar="{accuracy,modes}")
+    sub = p.add_subparsers(dest="task", required=True, metavar="{accuracy,modes}", parser_class=ToolParser)
 
     def common(sp):
         sp.add_argument("--out", required=True, help="folder for the JSON and markdown reports")
@@ -34,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="hub id, local checkpoint PATH, 'random' (full config) or 'random-tiny' "
                              "(default: %(default)s)")
         sp.add_argument("--device", default="auto", help="cuda, cpu or auto (default: %(default)s)")
-        sp.add_argument("--size", type=int, default=518,
+        sp.add_argument("--size", type=positive_int, default=518,
                         help="preprocessed image width in pixels, multiple of 14 (default: %(default)s)")
         sp.add_argument("--seed", type=int, default=0, help="seed for random weights (default: %(default)s)")
         sp.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -51,14 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dataset layout; auto detects CO3D by its annotation files (default: %(default)s)")
     a.add_argument("--categories", default=None,
                    help="CO3D: comma-separated categories (default: every category found)")
-    a.add_argument("--max-sequences", type=int, default=None,
+    a.add_argument("--max-sequences", type=positive_int, default=None,
                    help="CO3D: first N sequences per category (default: all)")
-    a.add_argument("--num-frames", type=int, default=10,
+    a.add_argument("--num-frames", type=positive_int, default=10,
                    help="CO3D: random frames per sequence, seeded, as VGGT's protocol (default: %(default)s)")
     a.add_argument("--mode", choices=ATTN_MODES, default="fp32", help="attention mode (default: %(default)s)")
-    a.add_argument("--conf-percentile", type=float, default=50.0,
+    a.add_argument("--conf-percentile", type=percentile, default=50.0,
                    help="(b) drop predicted points under this confidence percentile (default: %(default)s)")
-    a.add_argument("--cloud-threshold", type=float, default=None,
+    a.add_argument("--cloud-threshold", type=positive_float, default=None,
                    help="(b) also report precision / recall / F-score at this distance (GT units)")
     common(a)
 
@@ -69,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--modes", default=DEFAULT_MODES,
                    help=f"comma-separated attention modes from {', '.join(ATTN_MODES)} "
                         "(default: %(default)s)")
-    m.add_argument("--max-frames", type=int, default=None, help="first N images only (default: all)")
-    m.add_argument("--warmup", type=int, default=0,
+    m.add_argument("--max-frames", type=positive_int, default=None, help="first N images only (default: all)")
+    m.add_argument("--warmup", type=nonnegative_int, default=0,
                    help="untimed passes per mode before the timed one; use 1+ on a GPU, where the first "
                         "call compiles the Triton kernels (default: %(default)s)")
     common(m)
@@ -136,11 +140,29 @@ def main(argv=None) -> dict:
     from visionattn.recon.pipeline import ATTN_MODES, USER_ERRORS
     from visionattn.reporting import environment, write_json_atomic, write_text_atomic
 
+    import torch
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.size <= 0 or args.size % 14:
-        parser.error(f"--size {args.size} must be a positive multiple of 14")
-    device = _device(args.device)
+    if args.size % 14:
+        parser.error(f"--size {args.size} must be a multiple of 14 (e.g. {max(14, args.size // 14 * 14)})")
+    if args.task == "modes":
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in ATTN_MODES]
+        if bad or not modes:
+            parser.error(f"--modes: unknown {bad or 'empty list'}; choose from {', '.join(ATTN_MODES)}")
+        if not os.path.isdir(args.image_dir):
+            parser.error(f"image_dir {args.image_dir!r} is not a folder")
+    elif not os.path.isdir(args.data):
+        parser.error(f"--data {args.data!r} is not a folder")
+    try:
+        device = _device(args.device)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA device here; pass --device cpu")
+        torch.device(device)
+    except RuntimeError as e:
+        parser.error(f"--device {args.device!r}: {e}")
+    check_output(parser, args.out, folder=True)
     progress = not args.quiet
     try:
         if args.task == "accuracy":
@@ -154,10 +176,6 @@ def main(argv=None) -> dict:
             res["environment"] = environment()
             md = _markdown_accuracy(res)
         else:
-            modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-            bad = [m for m in modes if m not in ATTN_MODES]
-            if bad:
-                parser.error(f"--modes: unknown {bad}; choose from {', '.join(ATTN_MODES)}")
             loaded = load_images(args.image_dir, size=args.size, max_frames=args.max_frames, progress=progress)
             res = mode_agreement(loaded.images, modes, args.model, args.weights, device, args.seed,
                                  warmup=args.warmup, progress=progress)
