@@ -19,14 +19,14 @@ FlexAttention FP32 are true FP32; it is switched ON only around the "flex-tf32" 
 ``--tune`` instead times a few tile configurations per (mode, head dim) and prints the
 fastest, to fill ``visionattn.kernels.elsa_fwd._CONFIGS``.
 
-Usage: python tools/bench_attention.py --out runs/bench [--quick] [--config configs/bench_attention.yaml]
+Usage: python tools/bench_attention.py --out out/bench_attention [--quick] [--config configs/bench_attention.yaml]
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 import zlib
 
@@ -34,7 +34,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from visionattn.kernels import elsa_fwd
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import ToolParser, check_output, default_out  # noqa: E402
+
+from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2
 from visionattn.reference import oracle_attention
 from visionattn.reporting import (environment, kernel_ms, markdown_table, save_figure_atomic, write_json_atomic,
@@ -48,12 +51,12 @@ GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> ToolParser:
+    p = ToolParser(prog="bench_attention.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=os.path.join(REPO, "configs", "bench_attention.yaml"),
                    help="YAML sweep (shapes, modes, timing)")
-    p.add_argument("--out", default=os.path.join(REPO, "runs", "bench_attention"),
-                   help="output folder for bench.md / bench.json / bench.png")
+    p.add_argument("--out", default=default_out("bench_attention"),
+                   help="output folder for bench.md / bench.json / bench.png (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="only the shapes marked quick: true, shorter timing")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     p.add_argument("--cuda-graph", action="store_true",
@@ -378,8 +381,12 @@ def run_tune(args) -> dict:
 
 
 def main(args) -> dict:
+    parser = build_parser()
+    if not args.tune and not os.path.isfile(args.config):
+        parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_attention.yaml")
+    check_output(parser, args.out, folder=True)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_attention.py needs a CUDA GPU (H100/H200)")
+        parser.error("needs a CUDA GPU (H100/H200); none is visible here")
     print("environment:", json.dumps(environment()), flush=True)
     print("note: this tool sets torch.backends.cuda.matmul.allow_tf32 = False (TF32 only inside flex-tf32 rows)")
     t0 = time.perf_counter()

@@ -17,7 +17,7 @@ model and the top-1 agreement (random inputs).
 Process-wide settings made by this tool (and written to the output): TF32 off for
 PyTorch matmuls and cuDNN (``allow_tf32 = False``), so "fp32" means FP32 on both sides.
 
-    python tools/bench_models.py --out docs/benchmarks/models_h100            # full sweep
+    python tools/bench_models.py --out out/models_h100                        # full sweep
     python tools/bench_models.py --quick --out /tmp/models_quick              # ~1 min smoke run
     python tools/bench_models.py --cases vit_base_patch16_224:1024:8 --modes fp32,fp16
     python tools/bench_models.py --quick --device cpu --modes fp32 --cases vit_tiny_patch16_224:64:2
@@ -40,16 +40,17 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
+from _cli import ToolParser, check_output, default_out  # noqa: E402
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.reporting import sample_ms  # noqa: E402
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+parser = ToolParser(prog="bench_models.py", description=__doc__.split("\n")[0],
+                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_models.yaml"),
                     help="YAML sweep definition (cases, modes, timing, targets, quick subset)")
-parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "models_bench"),
-                    help="output prefix: writes <out>.md, <out>.json and <out>.png")
+parser.add_argument("--out", default=default_out("models_bench"),
+                    help="output prefix: writes <out>.md, <out>.json and <out>.png (default: %(default)s)")
 parser.add_argument("--quick", action="store_true", help="run the config's small 'quick' subset with short timing")
 parser.add_argument("--cases", default=None,
                     help="comma-separated model:img:batch cases replacing the config's (e.g. vit_base_patch16_224:1024:8)")
@@ -420,13 +421,16 @@ def main(args) -> dict:
     from visionattn.modes import get_mode
     from visionattn.reporting import environment, write_json_atomic, write_text_atomic
 
-    with open(args.config) as f:
-        cfg = yaml.safe_load(f)
+    if not os.path.isfile(args.config):
+        parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_models.yaml")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cuda", "cpu"):
-        raise ValueError(f"--device {device!r}: expected cuda or cpu")
+        parser.error(f"--device {device!r}: expected cuda or cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but no CUDA device is visible; use --device cpu for a smoke run")
+        parser.error("--device cuda: no CUDA device is visible; use --device cpu for a smoke run")
+    check_output(parser, args.out)
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
     section = cfg["quick"] if args.quick else cfg
     cases = parse_cases(args.cases) if args.cases else section["cases"]
     if args.case_slice:

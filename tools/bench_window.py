@@ -11,7 +11,7 @@ inputs. Writes ``<out>.md``, ``<out>.json`` and ``<out>.png``.
 This tool sets no global precision flags: timm eager fp32 runs with PyTorch's
 defaults (``torch.backends.cuda.matmul.allow_tf32 = False``), recorded in the output.
 
-    python tools/bench_window.py --out docs/benchmarks/window_h100
+    python tools/bench_window.py --out out/window_h100
     python tools/bench_window.py --batches 64 --models swin_base_224 --methods visionattn,eager
     python tools/bench_window.py --models swin_base_224 --batches 64 --dtypes fp32,tf32,fp16 \
         --methods visionattn --precisions f16x3,tf32x3,f16x1,tf32 --no-sweep --no-module --no-models
@@ -37,15 +37,16 @@ from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import ToolParser, check_output, default_out  # noqa: E402
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn import reporting  # noqa: E402
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = ToolParser(prog="bench_window.py", description=__doc__.split("\n")[0],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_window.yaml"),
                     help="YAML sweep definition (models, batches, dtypes, flex cases, key case, sweep)")
-parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "window_bench"),
-                    help="output prefix: writes <out>.md, <out>.json, <out>.png")
+parser.add_argument("--out", default=default_out("window_bench"),
+                    help="output prefix: writes <out>.md, <out>.json, <out>.png (default: %(default)s)")
 parser.add_argument("--models", default=None, help="comma-separated model names from the config (default: all)")
 parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: config)")
 parser.add_argument("--dtypes", default=None,
@@ -498,6 +499,9 @@ def plot(res: dict, path: str) -> None:
 
 def main(args) -> dict:
     """Run the benchmark described by ``args`` (see ``--help``); returns the result dict."""
+    if not os.path.isfile(args.config):
+        parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_window.yaml")
+    check_output(parser, args.out)
     if not torch.cuda.is_available():
         raise SystemExit("bench_window.py needs a CUDA GPU (the window kernel is a Triton GPU kernel)")
     with open(args.config) as f:

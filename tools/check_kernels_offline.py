@@ -12,13 +12,12 @@ a different config than the table says.
 The figures match the GPU's only for the same Triton version: the lent GPUs run triton 3.6, so
 
     pip install --target /tmp/tri36 triton==3.6.0
-    PYTHONPATH=/tmp/tri36:$PWD python tools/check_kernels_offline.py --out runs/kernels_sm90
+    PYTHONPATH=/tmp/tri36:$PWD python tools/check_kernels_offline.py --out out/kernels_sm90_offline
 
 Writes ``OUT.md`` and ``OUT.json``.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -34,15 +33,19 @@ from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import ToolParser, check_output, default_out  # noqa: E402
+
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def build_parser() -> ToolParser:
+    p = ToolParser(prog="check_kernels_offline.py", description=__doc__.split("\n")[0])
     p.add_argument("--kernels", default="elsa,ieee-gluon,half-gluon,pasa,window",
                    help="comma-separated: elsa, ieee-gluon, half-gluon, pasa, window")
     p.add_argument("--quick", action="store_true", help="head dims 64 and 128 only, no bias/mask variants")
-    p.add_argument("--out", default=os.path.join(REPO, "runs", "kernels_sm90"), help="output prefix (.md, .json)")
+    p.add_argument("--out", default=default_out("kernels_sm90_offline"),
+                   help="output prefix: writes OUT.md and OUT.json (default: %(default)s)")
     return p
 
 
@@ -147,9 +150,17 @@ def _spill(local_bytes) -> str:
     return f"**{local_bytes}**" if local_bytes else "0"
 
 
+KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window")
+
+
 def main(args) -> dict:
+    parser = build_parser()
+    wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in wanted if k not in KERNELS]
+    if unknown or not wanted:
+        parser.error(f"--kernels: unknown {unknown or 'empty list'}; choose from {', '.join(KERNELS)}")
+    check_output(parser, args.out)
     jobs = []
-    wanted = args.kernels.split(",")
     for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
                       ("pasa", _pasa_jobs), ("window", _window_jobs)):
         if name in wanted:
@@ -187,7 +198,6 @@ def main(args) -> dict:
           f"warpgroup, 20 with four); `setmaxnreg` then gives each consumer thread 240 (232 with one, 112-120 with "
           f"four) and each producer thread 24"
           f"\n\n{table}\n")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_text_atomic(args.out + ".md", md)
     write_json_atomic(args.out + ".json", result)
     print(md)

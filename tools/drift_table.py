@@ -13,18 +13,26 @@ once in float64 (what the paper's magnitudes correspond to) and once in FP32 (wh
 the fp32 mode guarantees). The six drift metrics (supplement Sec. C.2) are reported
 at p95 over query rows; argmax disagreement must be 0.
 
-Usage: python tools/drift_table.py [--out docs/benchmarks/drift_table1_cpu] [--quick]
+Usage: python tools/drift_table.py [--out out/drift_table1_cpu] [--quick]
+
+The committed table, docs/benchmarks/drift_table1_cpu.md, is regenerated with
+``--out docs/benchmarks/drift_table1_cpu``; without ``--out`` the tool writes under out/.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 
-from visionattn.metrics import METRIC_NAMES, drift_metrics
-from visionattn.reference import blocked_attention_with_probs, oracle_attention
-from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import ToolParser, check_output, default_out, positive_int  # noqa: E402
+
+from visionattn.metrics import METRIC_NAMES, drift_metrics  # noqa: E402
+from visionattn.reference import blocked_attention_with_probs, oracle_attention  # noqa: E402
+from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
 
 SCENARIOS = {
     "regular": dict(b=2, h=8, n=512, d=64, stress=False),
@@ -80,13 +88,20 @@ def to_markdown(results: dict) -> str:
     return "\n".join(text)
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="docs/benchmarks/drift_table1_cpu",
-                        help="output path without extension; writes OUT.md and OUT.json")
-    parser.add_argument("--block-size", type=int, default=128, help="keys per monoid block (paper: 128)")
+def build_parser() -> ToolParser:
+    parser = ToolParser(prog="drift_table.py", description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=default_out("drift_table1_cpu"),
+                        help="output path without extension; writes OUT.md and OUT.json (default: %(default)s)")
+    parser.add_argument("--block-size", type=positive_int, default=128, help="keys per monoid block (paper: 128)")
     parser.add_argument("--quick", action="store_true", help="4x shorter sequences (for tests)")
+    return parser
+
+
+def main(argv=None) -> dict:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    check_output(parser, args.out)
     results = run(args)
     write_json_atomic(args.out + ".json", results)
     write_text_atomic(args.out + ".md", to_markdown(results))

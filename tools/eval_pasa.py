@@ -23,15 +23,16 @@ not cover the call, as its warning says). On CPU every mode runs
 N = 4096..65536, D = 64 and 128 with ``triton.testing.do_bench``.
 
 Usage:
-    python tools/eval_pasa.py                       # GPU, full sizes -> docs/benchmarks/pasa_<gpu>.*
+    python tools/eval_pasa.py                       # GPU, full sizes -> out/pasa_<gpu>.*
     python tools/eval_pasa.py --bench               # ... plus the speed table
-    python tools/eval_pasa.py --cpu --quick         # CPU, reduced sizes -> docs/benchmarks/pasa_cpu.*
+    python tools/eval_pasa.py --cpu --quick         # CPU, reduced sizes -> out/pasa_cpu.*
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import sys
 import re
 import time
 
@@ -39,7 +40,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
-import visionattn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import ToolParser, check_output, default_out  # noqa: E402
+
+import visionattn  # noqa: E402
 from visionattn.pasa import benchmark_inputs
 from visionattn.reference import oracle_attention
 from visionattn.reporting import (environment, markdown_table, save_figure_atomic, write_json_atomic,
@@ -265,13 +269,13 @@ def _default_tag(device) -> str:
     return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "_", name)).replace(" ", "")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ToolParser:
+    p = ToolParser(prog="eval_pasa.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(REPO, "configs", "eval_pasa.yaml"),
                    help="YAML with shapes, sweeps and bench sizes")
     p.add_argument("--out", default=None,
                    help="output path without extension (writes .md, .json, .png); default "
-                        "docs/benchmarks/pasa_<gpu or cpu>")
+                        "out/pasa_<gpu or cpu>")
     p.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is available")
     p.add_argument("--quick", action="store_true", help="reduced shape (config quick_shape), no SVD-like shapes")
     p.add_argument("--bench", action="store_true", help="also time pasa / fp16-acc16 / fp16 / SDPA-flash (CUDA)")
@@ -281,13 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
-    with open(args.config) as f:
-        cfg = yaml.safe_load(f)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.config):
+        parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/eval_pasa.yaml")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     if (args.bench or args.bench_only) and device.type != "cuda":
-        raise SystemExit("--bench needs a CUDA device (drop --cpu / run on a GPU)")
-    out = args.out or os.path.join(REPO, "docs", "benchmarks", f"pasa_{_default_tag(device)}")
+        parser.error("--bench / --bench-only need a CUDA device (drop them, or run on a GPU without --cpu)")
+    out = check_output(parser, args.out or default_out(f"pasa_{_default_tag(device)}"))
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
     notes = []
     if device.type == "cuda":
         notes.append("pasa / fp16-acc16: Triton kernel visionattn.kernels.pasa_fwd; fp32 / fp16: visionattn.attention")

@@ -29,11 +29,11 @@ attention, each mode vs diffusers' default processor, random weights.
 ``--unet-bench`` times one forward of the full-size SVD UNet (random weights).
 
 Usage:
-  python tools/eval_svd.py --image tests/data/photos/squirrel_cls.jpg --out runs/svd \\
+  python tools/eval_svd.py --image tests/data/photos/squirrel_cls.jpg --out out/svd \\
       --model stabilityai/stable-video-diffusion-img2vid-xt --frames 25 --modes native-fp16,fp16,pasa,fp32
   python tools/eval_svd.py --model tiny-random --image tests/data/photos/apple.jpg --frames 4 --steps 2 \\
       --height 64 --width 64 --out /tmp/svd_tiny
-  python tools/eval_svd.py --attention-bench --out docs/benchmarks/svd_attention_h100   # GPU
+  python tools/eval_svd.py --attention-bench --out out/svd_attention_h100   # GPU
 """
 from __future__ import annotations
 
