@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark the ELSA Triton kernels against PyTorch SDPA and FlexAttention (issue 3).
+"""Benchmark the ELSA Triton kernels against PyTorch SDPA and FlexAttention.
 
 For every shape of the config and every visionattn mode, in one process on the same
 inputs: median time (``triton.testing.do_bench``, which flushes L2 between runs, so
@@ -215,7 +215,7 @@ def _get(records, shape, dtype, backend):
 
 
 def _targets(records) -> list[dict]:
-    """Issue-3 targets per shape: (ours, baseline, required ratio or absolute TFLOP/s)."""
+    """Speed targets per shape: (ours, baseline, required ratio or absolute TFLOP/s)."""
     rules = [
         ("fp32", "fp32", "sdpa-efficient", 2.0, None), ("fp32-ieee", "fp32", "flex-ieee", 1.3, 25.0),
         ("tf32", "fp32", "flex-tf32", 1.4, 180.0),
@@ -275,7 +275,7 @@ def write_report(result: dict, out_dir: str) -> dict:
             else:
                 rows.append([r["dtype"], name, "-", "-", "-", r["skipped"]])
         lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "peak extra MiB", "rel err"]))
-    lines += ["## Targets of issue 3", ""]
+    lines += ["## Targets", ""]
     trows = []
     for t in result["targets"]:
         if "ours_mib" in t:

@@ -346,7 +346,7 @@ def render_markdown(result: dict) -> str:
                      "drop out on both sides: this is the models' GPU time, not what an eager caller waits.")
     lines.append("")
     if result["targets"]:
-        lines += ["## Targets (issue 6)", "",
+        lines += ["## Targets", "",
                   "| model | img | batch | mode | speedup | target | mem ratio | target | attn share (unpatched) "
                   "| bound 1/(1-share) | met |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]

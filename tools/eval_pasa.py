@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""PASA accuracy and overflow benchmarks (PASA paper, Sec. 3, App. D-E) and speed (issue 4).
+"""PASA accuracy and overflow benchmarks (PASA paper, Sec. 3, App. D-E) and speed.
 
 For each input case and each of the modes fp32, fp16 (FP32 score accumulation),
 fp16-acc16 (FP16 score accumulation, no shift) and pasa, it reports the share of

@@ -2,7 +2,7 @@
 
 References are diffusers' own modules: the unpatched model (default processor,
 PyTorch SDPA) run in float64 is the oracle each mode's contract is measured
-against (DESIGN.md, "Modes"); the overflow case follows the PASA paper's
+against (docs/design.md, "Modes"); the overflow case follows the PASA paper's
 large-bias inputs (Table 4, uniform x0 = 30, Am = 0.5, D = 128).
 """
 import copy

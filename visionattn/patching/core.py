@@ -6,7 +6,7 @@ forward that calls :func:`visionattn.attention` (dense) or
 subclass of the original class with only ``forward`` overridden; patching swaps
 the instance's ``__class__`` to it and stores the mode on the instance
 (``visionattn_mode``, ``visionattn_options``). That choice keeps every property
-the issue asks for: parameters, buffers and ``state_dict()`` keys are untouched
+a patcher needs: parameters, buffers and ``state_dict()`` keys are untouched
 (no new parameters, no wrappers), ``.to()`` / ``deepcopy`` / ``pickle`` work
 (the class is importable by name), patching twice only updates the mode, and
 ``unpatch_model`` restores the original class exactly.
