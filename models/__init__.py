@@ -12,6 +12,7 @@ from .convert import predictions_to_numpy
 from .geometry import (closed_form_inverse_se3, confidence_mask, extri_intri_to_pose_encoding,
                        pose_encoding_to_extri_intri, unproject_depth_map_to_point_map)
 from .hub import CheckpointNotFoundError
+from .memory import LiveBytes, estimate_memory, max_frames_that_fit
 from .merging import FASTVGGT_MERGING, TokenMerging
 from .vggt import DEFAULT_REPO, VGGT, vggt_tiny_config
 
@@ -19,4 +20,5 @@ __all__ = [
     "VGGT", "vggt_tiny_config", "FASTVGGT_MERGING", "TokenMerging", "DEFAULT_REPO", "CheckpointNotFoundError",
     "pose_encoding_to_extri_intri", "extri_intri_to_pose_encoding", "unproject_depth_map_to_point_map",
     "closed_form_inverse_se3", "confidence_mask", "predictions_to_numpy",
+    "estimate_memory", "max_frames_that_fit", "LiveBytes",
 ]

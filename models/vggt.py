@@ -13,6 +13,7 @@ those of the official ``facebook/VGGT-1B`` checkpoint (1,797 keys,
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -32,6 +33,18 @@ __all__ = ["VGGT", "vggt_tiny_config", "DEFAULT_REPO", "autocast"]
 DEFAULT_REPO = "facebook/VGGT-1B"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
+
+
+class _ClassOrInstanceMethod:
+    """Descriptor: ``VGGT.f(...)`` passes None (the VGGT-1B defaults), ``model.f(...)`` passes the model."""
+
+    def __init__(self, func):
+        self.__func__ = func
+        self.__doc__ = func.__doc__
+        self.__name__ = func.__name__
+
+    def __get__(self, obj, owner=None):
+        return functools.partial(self.__func__, obj)
 
 
 def _check_mode(mode):
@@ -277,6 +290,25 @@ class VGGT(nn.Module):
         if not self.training:
             out["images"] = images
         return out
+
+    # ------------------------------------------------------------------ memory
+    @_ClassOrInstanceMethod
+    def estimate_memory(self, frames: int, height: int, width: int, mode: str = "fp32", **kwargs) -> int:
+        """Peak device bytes of one inference forward: weights + activations at the peak point.
+
+        ``VGGT.estimate_memory(200, 392, 518, "fp32")`` models VGGT-1B (default heads, no
+        track queries); ``model.estimate_memory(...)`` models that instance (its heads, chunk
+        sizes, ``keep_all_layers``). ``mode``: ``"fp32"`` / ``"tf32"`` or ``"bf16"`` / ``"fp16"``
+        (half autocast). Keyword arguments (``batch``, ``query_points``, ``keep_all_layers``,
+        ``include_weights``) and the model are described in
+        :func:`visionattn.models.memory.estimate_memory`.
+
+        Raises:
+            ValueError: unknown mode, frames < 1, or an image size not divisible by the patch size.
+        """
+        from .memory import estimate_memory
+
+        return estimate_memory(self, frames, height, width, mode, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod

@@ -141,3 +141,47 @@ def test_unproject_chunked_equals_whole():
     whole = unproject(depth, E, K)
     assert torch.equal(unproject(depth, E, K, frames_chunk_size=2), whole)
     assert (unproject(depth.numpy(), E.numpy(), K.numpy(), frames_chunk_size=3) == whole.numpy()).all()
+
+
+# ----------------------------------------------------------------------------- memory model
+def test_estimate_memory_vggt_1b_structure():
+    from visionattn.models import max_frames_that_fit
+
+    est = [VGGT.estimate_memory(s, 392, 518, "fp32") for s in (1, 10, 50, 100, 200)]
+    assert all(a < b for a, b in zip(est, est[1:])), est
+    weights = 1_256_537_516 * 4
+    assert weights < est[0] < weights + 2 * 2 ** 30
+    official = VGGT.estimate_memory(200, 392, 518, "fp32", keep_all_layers=True)
+    assert est[-1] <= 0.45 * official  # the kept-layer trimming is what the model is meant to show
+    assert VGGT.estimate_memory(200, 392, 518, "bf16") < est[-1]
+    n = max_frames_that_fit(80 * 2 ** 30, 392, 518, "fp32", margin=0.0)
+    assert VGGT.estimate_memory(n, 392, 518, "fp32") <= 80 * 2 ** 30 < VGGT.estimate_memory(n + 1, 392, 518, "fp32")
+    assert max_frames_that_fit(2 ** 30, 392, 518, "fp32") == 0  # not even the weights fit
+    with pytest.raises(ValueError, match="mode"):
+        VGGT.estimate_memory(10, 392, 518, "fp8")
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        VGGT.estimate_memory(10, 390, 518)
+
+
+@pytest.mark.parametrize("config,hw", [
+    (dict(), (56, 56)),
+    (dict(img_size=56, embed_dim=256, depth=6, dpt_layers=(1, 2, 3, 4), patch_embed_depth=1, enable_track=False),
+     (28, 42)),
+])
+def test_estimate_memory_matches_measured_live_bytes(config, hw):
+    """Analytic peak vs the live tensor bytes counted on the CPU (weights included), FP32 and bf16 autocast."""
+    from visionattn.models import LiveBytes
+    from visionattn.models.vggt import autocast
+
+    model = VGGT(**vggt_tiny_config(**config), attn_mode=None).eval()
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    for mode, dt in (("fp32", None), ("bf16", torch.bfloat16)):
+        prev = 0
+        for frames in (4, 24):
+            x = torch.rand(frames, 3, *hw)
+            with torch.no_grad(), autocast("cpu", dt), LiveBytes(base=weights) as meter:
+                model(x)
+            est = model.estimate_memory(frames, *hw, mode)
+            assert 0.9 <= est / meter.peak <= 1.25, (mode, frames, est, meter.peak)
+            assert est > prev
+            prev = est
