@@ -2,7 +2,8 @@
 
 Parameter names follow the official VGGT-1B checkpoint. The heads run in FP32:
 the top model calls them with autocast disabled and they cast the aggregator
-tokens to FP32 (VGGT, Sec. 3.3).
+tokens to FP32 (VGGT, Sec. 3.3) -- unless ``VGGT.heads_dtype`` asks for half
+autocast, where activations and the running pose are still computed in FP32.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class CameraHead(nn.Module):
             x = gate * (self.adaln_norm(tokens) * (1 + scale) + shift) + tokens
             for blk in self.trunk:
                 x = blk(x)
-            delta = self.pose_branch(self.trunk_norm(x))
+            delta = self.pose_branch(self.trunk_norm(x)).float()  # the running pose stays FP32 (half heads)
             pred = delta if pred is None else pred + delta
             preds.append(activate_pose(pred))
         return preds
@@ -264,7 +265,7 @@ class DPTHead(nn.Module):
             out = _uv_embed(out, W, H)
         if self.feature_only:
             return out.reshape(B, S, *out.shape[1:])
-        val, conf = activate_head(self.scratch.output_conv2(out), self.activation)
+        val, conf = activate_head(self.scratch.output_conv2(out).float(), self.activation)  # FP32 activations
         return val.reshape(B, S, *val.shape[1:]), conf.reshape(B, S, *conf.shape[1:])
 
 

@@ -81,6 +81,11 @@ class VGGT(nn.Module):
             independent in the chunked stages, so the chunk sizes change the outputs only by
             FP rounding (GEMM / convolution kernels may order a reduction differently for another
             row or batch count); for given chunk sizes the outputs are deterministic.
+        heads_dtype: precision of the camera, depth and point heads: None / ``"fp32"`` (FP32 with
+            autocast off, as the official model) or ``"bf16"`` / ``"fp16"`` (the heads run under
+            autocast of that dtype whatever the caller's autocast; confidences, activations and the
+            running pose stay FP32, outputs are FP32). Chosen inside ``forward``; no global flag
+            is touched. Settable later as ``model.heads_dtype``.
 
     Memory: the aggregator keeps only the layer outputs [B, S, P, 2C] that the enabled heads
     read (``dpt_layers`` for the depth / point / track heads, the last layer for the camera
@@ -107,7 +112,8 @@ class VGGT(nn.Module):
                  track_virtual_tracks: int = 64, track_iters: int = 4, enable_camera: bool = True,
                  enable_depth: bool = True, enable_point: bool = True, enable_track: bool = True,
                  attn_mode: str | None = AUTO_MODE, merging=None, frames_chunk_size: int | None = 8,
-                 patch_embed_chunk_size: int | None = 32, tokens_chunk_size: int | None = 65536):
+                 patch_embed_chunk_size: int | None = 32, tokens_chunk_size: int | None = 65536,
+                 heads_dtype: str | None = None):
         args = dict(locals())
         super().__init__()
         attn_mode = _check_mode(attn_mode)
@@ -135,6 +141,7 @@ class VGGT(nn.Module):
                                     frames_chunk_size=frames_chunk_size, attn_mode=attn_mode) if enable_track else None
         self.merging = merging
         self.keep_all_layers = False
+        self.heads_dtype = heads_dtype
         self.set_chunking(frames_chunk_size, patch_embed_chunk_size, tokens_chunk_size)
 
     def set_chunking(self, frames_chunk_size: int | None = 8, patch_embed_chunk_size: int | None = 32,
@@ -200,6 +207,20 @@ class VGGT(nn.Module):
                 last_reader[i] = name
         drop = {name: tuple(i for i in layers if last_reader[i] == name) for name, layers in readers}
         return tuple(sorted(last_reader)), drop
+
+    @property
+    def heads_dtype(self) -> str | None:
+        """Precision of the camera / depth / point heads: None (FP32), ``"bf16"`` or ``"fp16"``."""
+        return self._heads_dtype
+
+    @heads_dtype.setter
+    def heads_dtype(self, value: str | None) -> None:
+        if value in ("fp32", "float32"):
+            value = None
+        if value is not None and _DTYPES.get(value) not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"heads_dtype={value!r}; expected None / 'fp32', 'bf16' or 'fp16'")
+        self._heads_dtype = value
+        self.config["heads_dtype"] = value
 
     @property
     def merging(self) -> TokenMerging | None:
@@ -271,7 +292,10 @@ class VGGT(nn.Module):
                 tokens[i] = None
 
         out = {}
-        with torch.autocast(images.device.type, enabled=False):
+        head_dt = _DTYPES[self.heads_dtype] if self.heads_dtype else torch.float32
+        heads_ctx = (torch.autocast(images.device.type, enabled=False) if head_dt == torch.float32
+                     else torch.autocast(images.device.type, dtype=head_dt))
+        with heads_ctx:
             if self.camera_head is not None:
                 poses = self.camera_head(tokens)
                 out["pose_enc"], out["pose_enc_list"] = poses[-1], poses

@@ -185,3 +185,28 @@ def test_estimate_memory_matches_measured_live_bytes(config, hw):
             assert 0.9 <= est / meter.peak <= 1.25, (mode, frames, est, meter.peak)
             assert est > prev
             prev = est
+
+
+# ----------------------------------------------------------------------------- head precision
+def test_half_heads_option():
+    from visionattn.metrics import rel_l2
+
+    model = _tiny(enable_track=False)
+    x = torch.rand(3, 3, 42, 56)
+    seen = []
+    hook = model.depth_head.scratch.output_conv1.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    with torch.no_grad():
+        ref = model(x)
+        model.heads_dtype = "bf16"
+        got = model(x)
+    hook.remove()
+    assert seen == [torch.float32, torch.bfloat16]  # chosen inside forward, per call
+    assert model.config["heads_dtype"] == "bf16"
+    for k in ("pose_enc", "depth", "depth_conf", "world_points", "world_points_conf"):
+        assert got[k].dtype == torch.float32, k
+        assert rel_l2(got[k].double(), ref[k].double()) < 5e-2, k
+    assert torch.equal(got["images"], ref["images"])
+    model.heads_dtype = "fp32"
+    assert model.heads_dtype is None
+    with pytest.raises(ValueError, match="heads_dtype"):
+        model.heads_dtype = "int8"
