@@ -1,0 +1,676 @@
+"""Dense ELSA backward: deterministic FlashAttention-2-style gradients from the saved log-sum-exp.
+
+The forward (:mod:`.elsa_fwd`) folds the keys of each query row into the ELSA monoid state
+``(m, S, W)`` and keeps only ``lse_i = m_i + log S_i`` (natural log), the log of the softmax
+normalizer. That one number per row makes the probabilities exactly recomputable tile by tile:
+
+    s_ij = scale * q_i . k_j + bias_ij        (-inf where masked / after the causal diagonal)
+    P_ij = exp(s_ij - lse_i)
+
+so the backward never stores the [Nq, Nk] matrix (FlashAttention-2, Alg. 2). With
+``dO = grad_out`` and ``O = out``:
+
+    delta_i = sum_d dO_id O_id                 (= sum_j P_ij dP_ij)
+    dV_j    = sum_i P_ij dO_i
+    dP_ij   = dO_i . v_j
+    dS_ij   = P_ij (dP_ij - delta_i)          (= dL / ds_ij = dL / dbias_ij)
+    dQ_i    = scale * sum_j dS_ij k_j
+    dK_j    = scale * sum_i dS_ij q_i
+
+Three kernels, none with atomics, so every gradient is bit-for-bit reproducible:
+
+* :func:`_bwd_preprocess_kernel`: ``delta`` and the base-2 ``lse2 = lse * log2(e)`` per row
+  (``+inf`` for a row whose keys are all masked, ``lse = -inf``: every ``exp2(s - lse2)`` of that row
+  is then 0, so such rows give exactly zero gradients, never NaN).
+* :func:`_bwd_dkdv_kernel`: one program per (key tile, head, batch) holds ``K_j, V_j`` and the ``dK_j, dV_j``
+  accumulators and streams the query tiles (causal: from the diagonal on).
+* :func:`_bwd_dq_kernel`: one program per (query tile, bias-gradient slot, chunk) holds ``Q_i, dO_i`` and the
+  ``dQ_i`` accumulator and streams the key tiles (causal: up to the diagonal). It also writes ``dS`` when the
+  bias needs a gradient (below).
+
+Logits are kept in base 2 (``log2 e`` folded into the scale; one ``exp2`` per score), as in the forward.
+
+**dBias** (``bias_requires_grad=True``): ``dBias = dS`` summed over every dimension the bias is broadcast
+along. The bias view's batch / head dimensions with stride 0 (e.g. a relative position bias ``[H, Nq, Nk]``
+expanded over the batch) are reduced inside the dQ kernel: a program owns one (query tile, output
+batch / head slot) and loops over the batch / head entries that map onto it in a fixed order, adding each
+entry's ``dS`` tile into its own rows of an FP32 buffer (read-modify-write by the one program that owns
+those rows, so no atomics and a fixed summation order). When that leaves too few programs to fill the GPU,
+the entries are cut into ``G`` contiguous chunks, each writing a partial buffer, and the ``G`` partials are
+summed by ``torch.sum`` (deterministic). Memory: ``G * prod(reduced shape)`` FP32, where the reduced
+shape is the view's shape with its stride-0 batch / head dims set to 1 (``G = 1`` on CPU, <= 32 on CUDA);
+``[B, H, Nq, Nk]`` is never materialised for such a bias. Query / key dims with stride 0 (e.g. a
+key-padding bias ``[B, 1, 1, Nk]``) are computed in full, ``[.., Nq, Nk]`` FP32, and then summed by torch.
+
+Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax algebra in FP32):
+
+* ``fp32``: ``input_precision="tf32x3"`` (3xTF32: FP32-accurate products on tensor cores); the tile products
+  of the accumulating dots are summed apart and then added, so long loops do not lose their low bits.
+* ``fp32-ieee``: ``"ieee"`` (FP32 FMA), same accumulation.
+* ``tf32``: ``"tf32"``.
+* ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
+  FlashAttention-2 does), FP32 accumulation.
+
+Public entry points: :func:`elsa_backward`, :func:`bias_grad_shape`, :func:`reduce_bias_grad`;
+for tools and tuning :func:`get_config`, :class:`BwdConfig`, :class:`KernelTiles`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
+from .elsa_fwd import load_kv_tile
+
+__all__ = ["elsa_backward", "bias_grad_shape", "reduce_bias_grad", "get_config", "BwdConfig", "KernelTiles",
+           "BWD_MODES", "MAX_HEAD_DIM"]
+
+LOG2E = 1.4426950408889634
+MAX_HEAD_DIM = 256
+MAX_BIAS_SPLITS = 32
+
+# mode -> (compute dtype of q / k / v, tl.dot input_precision of the FP32 operands)
+BWD_MODES: dict[str, tuple[torch.dtype, str]] = {
+    "fp32": (torch.float32, "tf32x3"),
+    "fp32-ieee": (torch.float32, "ieee"),
+    "tf32": (torch.float32, "tf32"),
+    "fp16": (torch.float16, "tf32"),
+    "bf16": (torch.bfloat16, "tf32"),
+}
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+@triton.jit
+def _mm(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``a @ b`` in FP32. DOT_UPCAST (interpreter only, whose bf16 ``tl.dot`` is broken): the bf16 operands
+    are multiplied in FP32, which is exact, as the tensor cores compute them."""
+    if DOT_UPCAST:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PRECISION)
+    return r
+
+
+@triton.jit
+def _mm_acc(acc, a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``acc + a @ b``. FP32 operands: the tile product is formed apart and then added (an FMA dot or the
+    3xTF32 terms accumulating into a large ``acc`` over thousands of tiles lose the low bits of each tile);
+    half operands accumulate in the MMA."""
+    if a.dtype == tl.float32 or DOT_UPCAST:
+        acc += _mm(a, b, PRECISION, DOT_UPCAST)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _tile_and_head(n, BLOCK: tl.constexpr, H):
+    """(tile, batch, head, batch * H + head) of this program in a 1-D grid of cdiv(n, BLOCK) * H * B programs."""
+    tiles = tl.cdiv(n, BLOCK)
+    pid = tl.program_id(0)
+    bh = (pid // tiles).to(tl.int64)
+    return pid % tiles, bh // H, bh % H, bh
+
+
+@triton.jit
+def _bias_mask(s, b_ptrs, m_ptrs, ok, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Base-2 logits ``s`` plus the bias tile (times log2 e), ``-inf`` where the mask tile is False."""
+    if HAS_BIAS:
+        s += tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    if HAS_MASK:
+        s = tl.where(tl.load(m_ptrs, mask=ok, other=0) != 0, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, Lse2,
+                           sob, soh, som, sod, sdb, sdh, sdm, sdd, slb, slh, slm,
+                           H, Nq, Dv,
+                           BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Per row: ``delta = sum_d dO * O`` (dO rounded to the compute dtype, as the other kernels read it) and
+    ``lse2 = lse * log2 e`` (``+inf`` where ``lse = -inf``). Both FP32, contiguous [B * H, Nq].
+    1-D grid cdiv(Nq, BLOCK_M) * H * B."""
+    pid_m, off_b, off_h, bh = _tile_and_head(Nq, BLOCK_M, H)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < Nq
+    ok = row_ok[:, None] & (offs_dv < Dv)[None, :]
+    o = tl.load(O + off_b * sob + off_h * soh + rows[:, None] * som + offs_dv[None, :] * sod, mask=ok, other=0.0)
+    do = tl.load(DO + off_b * sdb + off_h * sdh + rows[:, None] * sdm + offs_dv[None, :] * sdd, mask=ok, other=0.0)
+    do = do.to(Q.dtype.element_ty).to(tl.float32)  # Q: only its element type (the compute dtype) is read
+    delta = tl.sum(o.to(tl.float32) * do, 1)
+    lse = tl.load(LSE + off_b * slb + off_h * slh + rows * slm, mask=row_ok, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(Delta + bh * Nq + rows, delta, mask=row_ok)
+    tl.store(Lse2 + bh * Nq + rows, lse2, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, m_base, lse2_base, delta_base, start_m, offs_m, offs_d,
+               offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, smm, smn, qk_scale,
+               DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr,
+               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Add the query tile at ``start_m`` to (dK, dV) of the key tile ``cols`` ([keys, queries] orientation).
+    DIAGONAL tiles (causal) mask the queries before each key."""
+    rows = start_m + offs_m
+    row_ok = rows < Nq
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    q = load_kv_tile(q_base + rows64[:, None] * sqm + offs_d[None, :] * sqd, row_ok, offs_d, D, True, EVEN_D)
+    do = load_kv_tile(do_base + rows64[:, None] * sdm + offs_dv[None, :] * sdd, row_ok, offs_dv, Dv, True, EVEN_DV)
+    do = do.to(q.dtype)
+    lse2 = tl.load(lse2_base + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+    st = _mm(k, tl.trans(q), PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
+    st = _bias_mask(st, b_base + cols64[:, None] * sbn + rows64[None, :] * sbm,
+                    m_base + cols64[:, None] * smn + rows64[None, :] * smm, col_ok[:, None] & row_ok[None, :],
+                    HAS_BIAS, HAS_MASK)
+    if DIAGONAL:
+        st = tl.where(cols[:, None] <= rows[None, :], st, float("-inf"))
+    pt = tl.math.exp2(st - lse2[None, :])
+    dv = _mm_acc(dv, pt.to(q.dtype), do, PRECISION, DOT_UPCAST)
+    dpt = _mm(v, tl.trans(do), PRECISION, DOT_UPCAST)
+    dst = pt * (dpt - delta[None, :])
+    dk = _mm_acc(dk, dst.to(q.dtype), q, PRECISION, DOT_UPCAST)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DK, DV,
+                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
+                     sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                     H, Nq, Nk, D, Dv, qk_scale, scale,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                     DOT_UPCAST: tl.constexpr):
+    """dK, dV of one key tile: ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale * sum_i dS_ij q_i`` over the query tiles.
+
+    Works in the transposed orientation ([keys, queries] tiles) so both accumulators are row blocks.
+    1-D grid cdiv(Nk, BLOCK_N) * H * B; outputs contiguous [B, H, Nk, D | Dv] in the input dtype.
+    Keys >= Nk are not masked: they only reach their own (unstored) rows of dK / dV. Queries >= Nq read
+    ``lse2 = +inf`` and dO = 0, so their P and dS are 0.
+    """
+    pid_n, off_b, off_h, bh = _tile_and_head(Nk, BLOCK_N, H)
+    start_n = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = start_n + offs_n
+    col_ok = cols < Nk
+
+    k = load_kv_tile(K + off_b * skb + off_h * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
+                     col_ok, offs_d, D, True, EVEN_D)
+    v = load_kv_tile(V + off_b * svb + off_h * svh + cols[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
+                     col_ok, offs_dv, Dv, True, EVEN_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    q_base = Q + off_b * sqb + off_h * sqh
+    do_base = DO + off_b * sdb + off_h * sdh
+    row_base = bh * Nq
+    b_base = Bias + off_b * sbb + off_h * sbh
+    m_base = Mask + off_b * smb + off_h * smh
+
+    n_m = tl.cdiv(Nq, BLOCK_M)
+    lo = 0
+    mid = 0
+    if IS_CAUSAL:
+        lo = start_n // BLOCK_M  # earlier query tiles see none of these keys
+        mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), n_m)  # tiles from here see every key here
+        mid = tl.maximum(mid, lo)
+    for t in range(lo, mid):
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, m_base, Lse2 + row_base, Delta + row_base,
+                            t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd,
+                            sbm, sbn, smm, smn, qk_scale, True, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV,
+                            PRECISION, DOT_UPCAST)
+    for t in range(mid, n_m):
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, m_base, Lse2 + row_base, Delta + row_base,
+                            t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd,
+                            sbm, sbn, smm, smn, qk_scale, False, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV,
+                            PRECISION, DOT_UPCAST)
+    dk = dk * scale
+    out_ok = col_ok[:, None]
+    dk_ptrs = DK + bh * Nk * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
+    dv_ptrs = DV + bh * Nk * Dv + cols[:, None].to(tl.int64) * Dv + offs_dv[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_ok & (offs_d < D)[None, :])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_ok & (offs_dv < Dv)[None, :])
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, b_base, m_base, db_base, start_n, rows, row_ok,
+             offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn, db_old, qk_scale,
+             BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+             WRITE_DB: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+             DOT_UPCAST: tl.constexpr):
+    """``dq + dS K`` for the key tile at ``start_n`` (``scale`` applied by the caller); writes dS into the dBias
+    buffer when WRITE_DB (added to what is there when ``db_old``). BOUNDARY tiles mask keys >= Nk and
+    (causal) keys after the query; interior tiles skip both."""
+    cols = start_n + offs_n
+    col_ok = cols < Nk
+    cols64 = cols.to(tl.int64)
+    k = load_kv_tile(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, col_ok, offs_d, D, BOUNDARY, EVEN_D)
+    v = load_kv_tile(v_base + cols64[:, None] * svn + offs_dv[None, :] * svd, col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
+    s = _mm(q, tl.trans(k), PRECISION, DOT_UPCAST) * qk_scale
+    ok = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    s = _bias_mask(s, b_base + rows64[:, None] * sbm + cols64[None, :] * sbn,
+                   m_base + rows64[:, None] * smm + cols64[None, :] * smn, ok, HAS_BIAS, HAS_MASK)
+    if BOUNDARY:
+        valid = col_ok[None, :]
+        if IS_CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        s = tl.where(valid, s, float("-inf"))
+    p = tl.math.exp2(s - lse2[:, None])
+    dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
+    ds = p * (dp - delta[:, None])
+    dq = _mm_acc(dq, ds.to(q.dtype), k, PRECISION, DOT_UPCAST)
+    if WRITE_DB:
+        db_ptrs = db_base + rows64[:, None] * Nk + cols64[None, :]
+        old = tl.load(db_ptrs, mask=ok & db_old, other=0.0)
+        tl.store(db_ptrs, old + ds, mask=ok)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DQ, DB,
+                   sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
+                   sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                   H, Nq, Nk, D, Dv, qk_scale, scale, B_OUT, H_OUT, R_H, n_red, per_chunk,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_MASK: tl.constexpr, WRITE_DB: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr):
+    """dQ of one query tile (``dQ_i = scale * sum_j dS_ij k_j``) for each (batch, head) entry of its slot.
+
+    1-D grid cdiv(Nq, BLOCK_M) * B_OUT * H_OUT * G. A slot (b_out, h_out) is one entry of the dBias buffer
+    [G, B_OUT, H_OUT, Nq, Nk]; the n_red = R_B * R_H (batch, head) entries reduced onto it (R_B = B when the
+    bias is broadcast over the batch, else 1; R_H likewise) are cut into G chunks of ``per_chunk``; this
+    program runs chunk g's entries in order, each writing its dQ rows and adding its dS into the slot's
+    partial (the first entry stores). Without WRITE_DB: B_OUT = B, H_OUT = H, n_red = G = 1.
+    """
+    tiles = tl.cdiv(Nq, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % tiles
+    rest = pid // tiles
+    n_slots = B_OUT * H_OUT
+    slot = rest % n_slots
+    g = rest // n_slots
+    b_out = slot // H_OUT
+    h_out = slot % H_OUT
+    start_m = pid_m * BLOCK_M
+    rows = start_m + tl.arange(0, BLOCK_M)
+    row_ok = rows < Nq
+    rows64 = rows.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    db_base = DB + ((g * B_OUT + b_out) * H_OUT + h_out).to(tl.int64) * Nq * Nk
+
+    hi = Nk
+    if IS_CAUSAL:
+        hi = tl.minimum(Nk, start_m + BLOCK_M)  # later key tiles are fully masked
+    n_tiles = tl.cdiv(hi, BLOCK_N)
+    n_full = Nk // BLOCK_N
+    if IS_CAUSAL:
+        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    n_full = tl.minimum(n_full, n_tiles)
+
+    r_lo = g * per_chunk
+    r_hi = tl.minimum(r_lo + per_chunk, n_red)
+    for r in range(r_lo, r_hi):
+        off_b = (b_out + r // R_H).to(tl.int64)
+        off_h = (h_out + r % R_H).to(tl.int64)
+        bh = off_b * H + off_h
+        q = load_kv_tile(Q + off_b * sqb + off_h * sqh + rows64[:, None] * sqm + offs_d[None, :] * sqd,
+                         row_ok, offs_d, D, True, EVEN_D)
+        do = load_kv_tile(DO + off_b * sdb + off_h * sdh + rows64[:, None] * sdm + offs_dv[None, :] * sdd,
+                          row_ok, offs_dv, Dv, True, EVEN_DV).to(q.dtype)
+        lse2 = tl.load(Lse2 + bh * Nq + rows, mask=row_ok, other=float("inf"))
+        delta = tl.load(Delta + bh * Nq + rows, mask=row_ok, other=0.0)
+        k_base = K + off_b * skb + off_h * skh
+        v_base = V + off_b * svb + off_h * svh
+        b_base = Bias + off_b * sbb + off_h * sbh
+        m_base = Mask + off_b * smb + off_h * smh
+        db_old = r > r_lo
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for t in range(0, n_full):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, b_base, m_base, db_base, t * BLOCK_N, rows,
+                          row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn,
+                          db_old, qk_scale, False, IS_CAUSAL, HAS_BIAS, HAS_MASK, WRITE_DB, EVEN_D, EVEN_DV,
+                          PRECISION, DOT_UPCAST)
+        for t in range(n_full, n_tiles):
+            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, b_base, m_base, db_base, t * BLOCK_N, rows,
+                          row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn,
+                          db_old, qk_scale, True, IS_CAUSAL, HAS_BIAS, HAS_MASK, WRITE_DB, EVEN_D, EVEN_DV,
+                          PRECISION, DOT_UPCAST)
+        dq = dq * scale
+        dq_ptrs = DQ + bh * Nq * D + rows64[:, None] * D + offs_d[None, :]
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
+        if WRITE_DB:
+            tl.debug_barrier()  # the next entry's read of the dBias tile sees every thread's store of this one
+
+
+# --------------------------------------------------------------------------- configuration
+
+@dataclass(frozen=True)
+class KernelTiles:
+    """Launch configuration of one backward kernel.
+
+    Attributes:
+        block_m: query rows per tile (power of two, >= 16).
+        block_n: keys per tile (power of two, >= 16).
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the streamed loop.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tiles of the dK/dV kernel (streams query tiles: ``block_n`` keys held) and of the dQ kernel (streams key
+    tiles: ``block_m`` queries held)."""
+
+    dkdv: KernelTiles
+    dq: KernelTiles
+
+
+# Keyed by (operand kind, padded head dim): "half" = fp16 / bf16 operands, "fp32" = FP32 operands (tf32x3 /
+# ieee / tf32 products). The held tile is the wide one (FlashAttention-2 / the Triton tutorial's split:
+# 128 held rows, 32-64 streamed); FP32 operands take twice the registers and shared memory per tile.
+# Starting points, not yet measured on a GPU (tools/bench_backward.py times them).
+_CONFIGS: dict[tuple[str, int], BwdConfig] = {
+    ("half", 16): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
+    ("half", 32): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
+    ("half", 64): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
+    ("half", 128): BwdConfig(KernelTiles(32, 128, 8, 2), KernelTiles(128, 32, 8, 2)),
+    ("half", 256): BwdConfig(KernelTiles(16, 64, 4, 1), KernelTiles(64, 16, 4, 1)),
+    ("fp32", 16): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
+    ("fp32", 32): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
+    ("fp32", 64): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
+    ("fp32", 128): BwdConfig(KernelTiles(32, 64, 8, 2), KernelTiles(64, 32, 8, 2)),
+    ("fp32", 256): BwdConfig(KernelTiles(16, 32, 4, 1), KernelTiles(32, 16, 4, 1)),
+}
+
+
+def get_config(mode: str, head_dim: int, head_dim_v: int | None = None) -> BwdConfig:
+    """Backward tile configuration for ``mode`` and head dims (D, Dv): the larger, padded to a power of two, decides.
+
+    Raises:
+        ValueError: unknown ``mode``; a head dim outside 1..:data:`MAX_HEAD_DIM`.
+    """
+    if mode not in BWD_MODES:
+        raise ValueError(f"mode={mode!r} has no dense backward kernel; expected one of {list(BWD_MODES)}")
+    dmax = max(head_dim, head_dim_v or head_dim)
+    if not 1 <= dmax <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {dmax} outside 1..{MAX_HEAD_DIM}")
+    kind = "fp32" if BWD_MODES[mode][0] == torch.float32 else "half"
+    return _CONFIGS[(kind, pad_pow2(dmax))]
+
+
+def _smaller(t: KernelTiles) -> list[KernelTiles]:
+    """Tiles to try, in order, when ``t`` exceeds the GPU's shared memory: fewer stages, then narrower tiles."""
+    out, c = [], t
+    while c.num_stages > 1:
+        c = replace(c, num_stages=c.num_stages - 1)
+        out.append(c)
+    while c.block_n > 16 or c.block_m > 16:
+        if c.block_n >= c.block_m:
+            c = replace(c, block_n=c.block_n // 2)
+        else:
+            c = replace(c, block_m=c.block_m // 2)
+        out.append(c)
+    return out
+
+
+# (kernel, launch key) -> the tiles that fitted after an out-of-shared-memory retry (per process)
+_FITTED: dict[tuple, KernelTiles] = {}
+
+
+def _run_fitting(name: str, key: tuple, tiles: KernelTiles, explicit: bool, run) -> None:
+    """``run(tiles)``; unless ``explicit``, fall back to smaller tiles on out-of-shared-memory and remember them."""
+    if explicit:
+        run(tiles)
+        return
+    start = _FITTED.get((name, key), tiles)
+    ran = run_first_that_fits(run, start, _smaller)
+    if ran != tiles:
+        _FITTED[(name, key)] = ran
+
+
+# --------------------------------------------------------------------------- bias-gradient shapes
+
+def bias_grad_shape(bias: torch.Tensor, shape4: tuple[int, int, int, int] | None = None) -> tuple[int, ...]:
+    """Shape of the dBias :func:`elsa_backward` returns for ``bias``: ``bias.shape`` with every dimension of
+    size > 1 and stride 0 (an ``expand``-ed dimension) set to 1, i.e. the shape of the memory the view reads.
+    A bias passed un-expanded (``[H, Nq, Nk]``, ``[1, H, Nq, Nk]``) gets its own shape back.
+    ``shape4``, when given, is the [B, H, Nq, Nk] the bias broadcasts to (only its rank is checked here)."""
+    if shape4 is not None and bias.dim() > len(shape4):
+        raise ValueError(f"bias has {bias.dim()} dims; expected at most {len(shape4)}")
+    return tuple(1 if (s > 1 and st == 0) else s for s, st in zip(bias.shape, bias.stride()))
+
+
+def reduce_bias_grad(grad: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """Sum ``grad`` (broadcastable to nothing smaller than ``shape``) down to ``shape``, deterministically.
+
+    ``torch.Tensor.sum_to_size`` over the broadcast dims (reductions, no atomics), then a reshape when
+    ``shape`` drops leading unit dims (``[1, H, Nq, Nk]`` -> ``[H, Nq, Nk]``).
+
+    Raises:
+        ValueError: ``grad`` cannot be summed to ``shape``.
+    """
+    shape = tuple(shape)
+    lead = len(grad.shape) - len(shape)
+    padded = (1,) * max(lead, 0) + shape
+    try:
+        out = grad.sum_to_size(padded) if tuple(grad.shape) != padded else grad
+    except RuntimeError as exc:
+        raise ValueError(f"grad of shape {tuple(grad.shape)} cannot be reduced to {shape}") from exc
+    return out.reshape(shape)
+
+
+# --------------------------------------------------------------------------- launcher
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check_inputs(q, k, v, out, grad_out, lse, bias, attn_mask, mode):
+    if mode not in BWD_MODES:
+        raise ValueError(f"mode={mode!r} has no dense backward kernel; expected one of {list(BWD_MODES)}")
+    dtype = BWD_MODES[mode][0]
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("grad_out", grad_out), ("lse", lse)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected 4 dims [B, H, N, D]")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; mode {mode!r} computes in {dtype} (cast first)")
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    if k.shape[:2] != (B, H) or k.shape[3] != D:
+        raise ValueError(f"k has shape {tuple(k.shape)}; expected [{B}, {H}, Nk, {D}] for q {tuple(q.shape)}")
+    if v.shape[:3] != (B, H, Nk):
+        raise ValueError(f"v has shape {tuple(v.shape)}; expected [{B}, {H}, {Nk}, Dv]")
+    if max(D, Dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dim {max(D, Dv)} > {MAX_HEAD_DIM}")
+    for name, t in (("out", out), ("grad_out", grad_out)):
+        if tuple(t.shape) != (B, H, Nq, Dv):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected [{B}, {H}, {Nq}, {Dv}]")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} has dtype {t.dtype}; expected a floating dtype")
+    if tuple(lse.shape) != (B, H, Nq):
+        raise ValueError(f"lse has shape {tuple(lse.shape)}; expected [{B}, {H}, {Nq}]")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse has dtype {lse.dtype}; expected torch.float32")
+    for name, t in (("k", k), ("v", v), ("out", out), ("grad_out", grad_out), ("lse", lse)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}; q is on {q.device}")
+    shape4 = (B, H, Nq, Nk)
+    _check_broadcast("bias", bias, "a floating tensor", lambda t: t.is_floating_point(), shape4, q.device)
+    _check_broadcast("attn_mask", attn_mask, "a bool tensor", lambda t: t.dtype == torch.bool, shape4, q.device)
+
+
+def _check_broadcast(name, t, kind: str, kind_ok, shape4, device) -> None:
+    """``t`` is None or a tensor of ``kind`` on ``device`` broadcastable to ``shape4`` with at most 4 dims."""
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or not kind_ok(t):
+        raise TypeError(f"{name} must be {kind}, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; q is on {device}")
+    if t.dim() > 4:
+        raise ValueError(f"{name} has {t.dim()} dims; expected at most 4")
+    try:
+        torch.broadcast_shapes(t.shape, shape4)
+    except RuntimeError as exc:
+        raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to {list(shape4)}") from exc
+
+
+def _bias_splits(n_red: int, programs: int, device: torch.device, requested: int | None) -> int:
+    if requested is not None:
+        return max(1, min(int(requested), n_red))
+    if n_red <= 1 or device.type != "cuda":
+        return 1
+    return max(1, min(n_red, cdiv(2 * sm_count(device), max(programs, 1)), MAX_BIAS_SPLITS))
+
+
+def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
+                  lse: torch.Tensor, bias: torch.Tensor | None, attn_mask: torch.Tensor | None, is_causal: bool,
+                  scale: float, mode: str, bias_requires_grad: bool = False, *, config: BwdConfig | None = None,
+                  bias_splits: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients of ``out = softmax(scale q k^T + bias, masked) v`` by the deterministic ELSA backward kernels.
+
+    Args:
+        q: [B, H, Nq, D] in the mode's compute dtype (float32 for ``fp32`` / ``fp32-ieee`` / ``tf32``, float16
+            for ``fp16``, bfloat16 for ``bf16``); any strides (read in place).
+        k: [B, H, Nk, D]; v: [B, H, Nk, Dv]; same dtype and device. D, Dv in 1..256 (padded to a power of
+            two >= 16 inside the kernels); D != Dv and Nq != Nk allowed.
+        out: the forward output [B, H, Nq, Dv], any float dtype, any strides.
+        grad_out: dL/d out, [B, H, Nq, Dv], any float dtype (rounded to the compute dtype, as the forward's
+            operands are), any strides.
+        lse: float32 [B, H, Nq], any strides: the natural-log log-sum-exp of each row's logits,
+            ``lse_i = log sum_j exp(scale q_i . k_j + bias_ij)`` over the unmasked keys; ``-inf`` for a row
+            whose keys are all masked (its gradients are then exactly 0).
+        bias: None or an additive float bias broadcastable to [B, H, Nq, Nk] (e.g. [H, Nq, Nk], or a stride-0
+            ``expand``-ed view), any float dtype, read through its strides.
+        attn_mask: None or a bool mask broadcastable to [B, H, Nq, Nk]; True = keep.
+        is_causal: top-left causal mask (key j visible to query i iff j <= i).
+        scale: the logit scale.
+        mode: ``fp32``, ``fp32-ieee``, ``tf32``, ``fp16`` or ``bf16`` (products as the module docstring says).
+        bias_requires_grad: also return dBias.
+        config: tile override (tools, tests); None = :func:`get_config`'s, shrunk if it exceeds shared memory.
+        bias_splits: chunks G of the batch / head entries reduced onto each dBias slot (module docstring);
+            None = automatic (1 on CPU).
+
+    Returns:
+        ``(dq, dk, dv, dbias)``: dq [B, H, Nq, D], dk [B, H, Nk, D], dv [B, H, Nk, Dv], contiguous, in q's
+        dtype (FP32 accumulation); dbias None unless ``bias_requires_grad`` (and a bias is given), else
+        ``dS`` summed to :func:`bias_grad_shape` of ``bias`` in ``bias.dtype``. Nq == 0 or Nk == 0 give
+        zero / empty gradients without launching a kernel.
+
+    Raises:
+        ValueError: unknown mode; shapes that do not match (naming the argument); head dim > 256; tensors on
+            different devices; ``bias_requires_grad`` without a bias.
+        TypeError: q / k / v not in the mode's compute dtype; lse not float32; a non-bool mask or non-float bias.
+    """
+    _check_inputs(q, k, v, out, grad_out, lse, bias, attn_mask, mode)
+    if bias_requires_grad and bias is None:
+        raise ValueError("bias_requires_grad=True needs a bias")
+    dtype, precision = BWD_MODES[mode]
+    B, H, Nq, D = q.shape
+    Nk, Dv = k.shape[2], v.shape[3]
+    dq = torch.zeros((B, H, Nq, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
+    dv = torch.empty((B, H, Nk, Dv), device=q.device, dtype=q.dtype)
+    db_shape = bias_grad_shape(bias) if bias_requires_grad else None
+    if B * H == 0 or Nq == 0 or Nk == 0 or D == 0 or Dv == 0:
+        dk.zero_()
+        dv.zero_()
+        dbias = torch.zeros(db_shape, device=q.device, dtype=bias.dtype) if bias_requires_grad else None
+        return dq, dk, dv, dbias
+    dq = torch.empty_like(dq)
+    shape4 = (B, H, Nq, Nk)
+    bias4 = bias.expand(shape4) if bias is not None else None
+    mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
+    cfg = config or get_config(mode, D, Dv)
+    BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
+    upcast = dtype == torch.bfloat16 and _interpreting()
+    qk_scale = float(scale) * LOG2E
+
+    # preprocess: delta and lse2, FP32 [B * H, Nq]
+    delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta)
+    pre_m = 64 if BLOCK_DV <= 128 else 32
+    _bwd_preprocess_kernel[(cdiv(Nq, pre_m) * B * H,)](
+        q, out, grad_out, lse, delta, lse2, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
+        BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, num_warps=4)
+
+    sb = bias4.stride() if bias4 is not None else (0, 0, 0, 0)
+    sm = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
+    bias_t = bias4 if bias4 is not None else q  # dummy pointer, never read
+    mask_t = mask4 if mask4 is not None else q
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *sb, *sm)
+    flags = dict(PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=bias4 is not None,
+                 HAS_MASK=mask4 is not None, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV, DOT_UPCAST=upcast)
+    key = (mode, BLOCK_D, BLOCK_DV, bias4 is not None and bias4.dtype, mask4 is not None, bool(is_causal))
+
+    def run_dkdv(t: KernelTiles):
+        _bwd_dkdv_kernel[(cdiv(Nk, t.block_n) * B * H,)](
+            q, k, v, grad_out, bias_t, mask_t, delta, lse2, dk, dv, *strides,
+            H, Nq, Nk, D, Dv, qk_scale, float(scale),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags,
+            num_warps=t.num_warps, num_stages=t.num_stages)
+
+    _run_fitting("dkdv", key, cfg.dkdv, config is not None, run_dkdv)
+
+    # dQ (+ dBias): slots of the dBias buffer and the (batch, head) entries reduced onto each
+    write_db = bool(bias_requires_grad)
+    if write_db:
+        red_b = B > 1 and bias4.stride(0) == 0
+        red_h = H > 1 and bias4.stride(1) == 0
+    else:
+        red_b = red_h = False
+    B_OUT, R_B = (1, B) if red_b else (B, 1)
+    H_OUT, R_H = (1, H) if red_h else (H, 1)
+    n_red = R_B * R_H
+
+    made: dict[str, torch.Tensor] = {}
+
+    def run_dq(t: KernelTiles):
+        n_m = cdiv(Nq, t.block_m)
+        G = _bias_splits(n_red, n_m * B_OUT * H_OUT, q.device, bias_splits)
+        per_chunk = cdiv(n_red, G)
+        G = cdiv(n_red, per_chunk)  # no empty chunks
+        # causal: the key tiles after the diagonal are never visited; their dS is 0
+        alloc = torch.zeros if is_causal else torch.empty
+        db = alloc((G, B_OUT, H_OUT, Nq, Nk), device=q.device, dtype=torch.float32) if write_db else delta
+        made["db"] = db
+        _bwd_dq_kernel[(n_m * B_OUT * H_OUT * G,)](
+            q, k, v, grad_out, bias_t, mask_t, delta, lse2, dq, db, *strides,
+            H, Nq, Nk, D, Dv, qk_scale, float(scale), B_OUT, H_OUT, R_H, n_red, per_chunk,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, WRITE_DB=write_db, **flags,
+            num_warps=t.num_warps, num_stages=t.num_stages)
+
+    _run_fitting("dq", key + (write_db,), cfg.dq, config is not None, run_dq)
+    dbias = None
+    if write_db:
+        db = made["db"]
+        db = db.sum(0) if db.shape[0] > 1 else db[0]  # [B_OUT, H_OUT, Nq, Nk], FP32
+        dims = [d for d in (2, 3) if shape4[d] > 1 and bias4.stride(d) == 0]
+        if dims:
+            db = db.sum(dim=dims, keepdim=True)
+        # db is now the 4-D grad of the bias's memory; drop the leading dims the bias did not have
+        dbias = db.reshape(db_shape).to(bias.dtype)
+    return dq, dk, dv, dbias

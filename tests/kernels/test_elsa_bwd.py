@@ -1,0 +1,291 @@
+"""Dense ELSA backward kernels against float64 autograd.
+
+CPU: the kernels run in the interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py) at small shapes;
+``gpu``: real sizes (ViT, long sequences) on an NVIDIA GPU. The oracle is torch autograd in float64 on the
+inputs rounded to the mode's compute dtype, loss ``(out * grad_out).sum()``; ``lse`` comes from
+``torch.logsumexp`` of the float64 logits. FP32 modes must meet rel L2 <= 1e-5 on every gradient; fp16 / bf16
+(and tf32 on the GPU) at most 2x the error of the same attention written in PyTorch and differentiated by
+autograd in that precision (FlashAttention's test rule). The interpreter computes ``tf32x3`` / ``tf32`` dots in
+FP32, so there those modes check control flow only.
+"""
+import math
+
+import pytest
+import torch
+
+from visionattn.kernels.elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, bias_grad_shape, elsa_backward,
+                                         reduce_bias_grad)
+from visionattn.metrics import rel_l2
+from visionattn.reference import scores_and_mask
+
+MODES = list(BWD_MODES)
+FP32_TOL = 1e-5
+SMALL = BwdConfig(KernelTiles(16, 16, 4, 1), KernelTiles(16, 16, 4, 1))  # many tiles at small N
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; the gpu tests cover CUDA")
+
+
+# --------------------------------------------------------------------------- oracle
+
+def _attention(q, k, v, bias, mask, causal, scale):
+    """softmax(scale q k^T + bias, masked) v in the inputs' dtype (all-masked rows: 0) and the FP32 lse."""
+    s = scores_and_mask(q, k, scale=scale, bias=bias, attn_mask=mask, is_causal=causal)
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    p = e / torch.where(den == 0, torch.ones_like(den), den)
+    return p.to(v.dtype) @ v, torch.logsumexp(s.detach().double(), -1).float()
+
+
+def autograd_grads(dtype, q, k, v, grad_out, bias=None, mask=None, causal=False, scale=0.125, chunk=None):
+    """(out, lse, [dq, dk, dv, dbias]) by autograd in ``dtype`` (float64 = the oracle). ``chunk``: query rows per
+    pass (long sequences: the [Nq, Nk] matrices of one chunk at a time; dK, dV, dBias accumulate)."""
+    qd, kd, vd = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    bd = bias.detach().to(dtype).requires_grad_() if bias is not None else None
+    Nq = q.shape[2]
+    chunk = chunk or max(Nq, 1)
+    outs, lses = [], []
+    for i in range(0, Nq, chunk):
+        sl = slice(i, min(i + chunk, Nq))
+        b_i = bd.expand(*q.shape[:2], Nq, k.shape[2])[:, :, sl] if bd is not None else None
+        m_i = mask.expand(*q.shape[:2], Nq, k.shape[2])[:, :, sl] if mask is not None else None
+        s_off = _attention_rows(qd[:, :, sl], kd, vd, b_i, m_i, causal, scale, i)
+        o, lse = s_off
+        (o.double() * grad_out[:, :, sl].double()).sum().backward()
+        outs.append(o.detach())
+        lses.append(lse)
+    grads = [qd.grad, kd.grad, vd.grad, bd.grad if bd is not None else None]
+    return torch.cat(outs, 2), torch.cat(lses, 2), grads
+
+
+def _attention_rows(q, k, v, bias, mask, causal, scale, q_offset):
+    if not causal or q_offset == 0:
+        return _attention(q, k, v, bias, mask, causal, scale)
+    keep = torch.arange(k.shape[2], device=q.device) <= torch.arange(q.shape[2], device=q.device)[:, None] + q_offset
+    mask = keep if mask is None else mask & keep
+    return _attention(q, k, v, bias, mask, False, scale)
+
+
+def _inputs(B, H, Nq, Nk, D, Dv=None, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda n, d: torch.randn(B, H, n, d, generator=g, device=device).to(dtype)  # noqa: E731
+    return mk(Nq, D), mk(Nk, D), mk(Nk, Dv or D), torch.randn(B, H, Nq, Dv or D, generator=g, device=device)
+
+
+def check_mode(mode, q, k, v, do, bias=None, mask=None, causal=False, scale=0.125, config=None, chunk=None,
+               bias_splits=None):
+    """Run the kernels and the oracle; assert the mode's bound on every gradient. Returns the kernel grads."""
+    dtype = BWD_MODES[mode][0]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out64, lse, gold = autograd_grads(torch.float64, q, k, v, do, bias, mask, causal, scale, chunk)
+    got = elsa_backward(q, k, v, out64.to(dtype), do.to(dtype), lse, bias, mask, causal, scale, mode,
+                        bias is not None, config=config, bias_splits=bias_splits)
+    names = ("dq", "dk", "dv", "dbias")
+    if dtype == torch.float32 and (mode != "tf32" or not q.is_cuda):
+        bounds = [FP32_TOL] * 4
+    else:
+        prev = torch.get_float32_matmul_precision()  # tf32: PyTorch's own TF32 matmuls
+        torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
+        try:
+            _, _, same = autograd_grads(dtype, q, k, v, do, bias, mask, causal, scale, chunk)
+        finally:
+            torch.set_float32_matmul_precision(prev)
+        bounds = [2 * rel_l2(s, g) + 1e-6 if g is not None else None for s, g in zip(same, gold)]
+    for name, x, g, bound in zip(names, got, gold, bounds):
+        if g is None:
+            assert x is None
+            continue
+        assert x.shape == g.shape, f"{name}: shape {tuple(x.shape)} vs {tuple(g.shape)}"
+        assert x.dtype == (q.dtype if name != "dbias" else bias.dtype)
+        assert torch.isfinite(x).all(), f"{mode} {name}: non-finite"
+        err = rel_l2(x, g)
+        assert err <= bound, f"{mode} {name}: rel err {err:.3e} > {bound:.3e}"
+    return got
+
+
+# --------------------------------------------------------------------------- CPU (interpreter)
+
+@cpu_only
+@pytest.mark.parametrize("mode", MODES)
+def test_modes_with_bias_grad(mode):
+    """Every mode, relative position bias [H, Nq, Nk] shared over the batch (dBias = batch sum), Nq != Nk."""
+    q, k, v, do = _inputs(2, 2, 37, 50, 64, seed=1)
+    bias = torch.randn(2, 37, 50, generator=torch.Generator().manual_seed(2))
+    check_mode(mode, q, k, v, do, bias=bias)
+
+
+@cpu_only
+@pytest.mark.parametrize("Nq,Nk,D,Dv", [(1, 5, 16, 16), (17, 97, 59, 40), (97, 17, 40, 59)])
+@pytest.mark.parametrize("mode", ["fp32-ieee", "fp16"])
+def test_awkward_sizes(mode, Nq, Nk, D, Dv):
+    """Nq = 1 (one key would make dQ, dK exactly 0), 17, 97 over 16-wide tiles (ragged last tiles), padded head dims (59, 40 -> 64), D != Dv."""
+    q, k, v, do = _inputs(1, 2, Nq, Nk, D, Dv, seed=Nq)
+    check_mode(mode, q, k, v, do, scale=D ** -0.5, config=SMALL)
+
+
+@cpu_only
+@pytest.mark.parametrize("Nq,Nk", [(40, 40), (45, 23), (23, 45)])
+@pytest.mark.parametrize("mode", ["fp32-ieee", "bf16"])
+def test_causal_mask_fully_masked_rows(mode, Nq, Nk):
+    """Causal (top-left, Nq != Nk both ways), bool mask with two fully masked rows: those rows give exactly
+    zero dQ and contribute nothing; no NaN anywhere; bias gradient zero on masked entries."""
+    q, k, v, do = _inputs(1, 2, Nq, Nk, 32, seed=Nq + Nk)
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(Nq, Nk, generator=g) > 0.3
+    mask[3] = False
+    mask[Nq - 1] = False
+    bias = torch.randn(1, 2, Nq, Nk, generator=g)
+    dq, dk, dv, db = check_mode(mode, q, k, v, do, bias=bias, mask=mask, causal=True, config=SMALL)
+    assert (dq[:, :, 3] == 0).all() and (dq[:, :, Nq - 1] == 0).all()
+    assert (db[..., ~mask] == 0).all()
+
+
+@cpu_only
+@pytest.mark.parametrize("bias_shape,splits", [((1, 3, 20, 33), None), ((3, 20, 33), 2), ("expanded", 3),
+                                               ((4, 1, 1, 33), None), ((20, 33), 5)])
+def test_bias_broadcast_shapes(bias_shape, splits):
+    """dBias has the bias's own (un-expanded) shape: batch sum of [1, H, Nq, Nk] / [H, Nq, Nk] in the kernel
+    (chunked in 2, 3, 5 partials), a stride-0 expanded [B, H, Nq, Nk] view reduced to [1, H, Nq, Nk], a
+    key-padding bias [B, 1, 1, Nk] and a [Nq, Nk] bias shared by every batch and head."""
+    B, H, Nq, Nk = 4, 3, 20, 33
+    q, k, v, do = _inputs(B, H, Nq, Nk, 16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    if bias_shape == "expanded":
+        bias = torch.randn(H, Nq, Nk, generator=g).expand(B, H, Nq, Nk)
+        want = (1, H, Nq, Nk)
+    else:
+        bias = torch.randn(bias_shape, generator=g)
+        want = bias_shape
+    assert bias_grad_shape(bias) == tuple(want)
+    dtype = torch.float32
+    out64, lse, gold = autograd_grads(torch.float64, q, k, v, do, bias)
+    dq, dk, dv, db = elsa_backward(q, k, v, out64.to(dtype), do, lse, bias, None, False, 0.125, "fp32-ieee", True,
+                                   config=SMALL, bias_splits=splits)
+    gold_db = reduce_bias_grad(gold[3], want) if bias_shape == "expanded" else gold[3]
+    assert db.shape == tuple(want) and db.dtype == bias.dtype
+    assert rel_l2(db, gold_db) <= FP32_TOL
+    assert rel_l2(dq, gold[0]) <= FP32_TOL and rel_l2(dk, gold[1]) <= FP32_TOL
+
+
+@cpu_only
+def test_half_bias_dtype_and_unbind_views():
+    """timm-style qkv.unbind views (non-contiguous q, k, v), transposed out / grad_out / lse, an fp16 bias
+    in fp16 mode: gradients contiguous in the input dtype, dBias in the bias dtype."""
+    B, N, H, D = 2, 33, 2, 32
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(B, N, 3, H, D, generator=g).half().permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    assert not q.is_contiguous()
+    do = torch.randn(B, N, H, D, generator=g).transpose(1, 2)
+    bias = torch.randn(H, N, N, generator=g).half()
+    out64, lse, gold = autograd_grads(torch.float64, q, k, v, do, bias, scale=D ** -0.5)
+    out = out64.half().transpose(1, 2).contiguous().transpose(1, 2)
+    lse_t = lse.transpose(1, 2).contiguous().transpose(1, 2)
+    got = elsa_backward(q, k, v, out, do.half(), lse_t, bias, None, False, D ** -0.5, "fp16", True)
+    _, _, same = autograd_grads(torch.float16, q, k, v, do, bias, scale=D ** -0.5)
+    for x, gd, s in zip(got, gold, same):
+        assert x.is_contiguous() and x.dtype == torch.float16
+        assert rel_l2(x, gd) <= 2 * rel_l2(s, gd) + 1e-6
+
+
+@cpu_only
+def test_deterministic():
+    """Two runs (dBias chunked over the batch, causal, mask) are bit-identical."""
+    q, k, v, do = _inputs(3, 2, 30, 30, 16, seed=6)
+    bias = torch.randn(2, 30, 30)
+    mask = torch.rand(30, 30) > 0.2
+    out64, lse, _ = autograd_grads(torch.float64, q, k, v, do, bias, mask, True)
+    runs = [elsa_backward(q, k, v, out64.float(), do, lse, bias, mask, True, 0.125, "fp32", True, config=SMALL,
+                          bias_splits=2) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@cpu_only
+@pytest.mark.parametrize("Nq,Nk", [(0, 5), (5, 0), (0, 0)])
+def test_empty(Nq, Nk):
+    """No queries or no keys: zero / empty gradients of the right shapes, dBias zeros."""
+    q, k, v, do = _inputs(1, 2, Nq, Nk, 16, Dv=8)
+    lse = torch.full((1, 2, Nq), float("-inf"))
+    bias = torch.randn(2, Nq, Nk)
+    dq, dk, dv, db = elsa_backward(q, k, v, torch.zeros(1, 2, Nq, 8), do, lse, bias, None, False, 0.25, "fp32",
+                                   True)
+    assert dq.shape == (1, 2, Nq, 16) and dk.shape == (1, 2, Nk, 16) and dv.shape == (1, 2, Nk, 8)
+    assert db.shape == (2, Nq, Nk)
+    for t in (dq, dk, dv, db):
+        assert (t == 0).all()
+
+
+@cpu_only
+def test_errors_name_the_argument():
+    q, k, v, do = _inputs(1, 1, 4, 4, 16)
+    lse = torch.zeros(1, 1, 4)
+    args = lambda **kw: {**dict(q=q, k=k, v=v, out=do, grad_out=do, lse=lse, bias=None, attn_mask=None,  # noqa: E731
+                                is_causal=False, scale=0.25, mode="fp32"), **kw}
+    with pytest.raises(ValueError, match="mode"):
+        elsa_backward(**args(mode="fp64"))
+    with pytest.raises(TypeError, match="q has dtype"):
+        elsa_backward(**args(mode="fp16"))
+    with pytest.raises(TypeError, match="lse"):
+        elsa_backward(**args(lse=lse.double()))
+    with pytest.raises(ValueError, match="lse"):
+        elsa_backward(**args(lse=torch.zeros(1, 1, 5)))
+    with pytest.raises(ValueError, match="grad_out"):
+        elsa_backward(**args(grad_out=do[..., :8]))
+    with pytest.raises(TypeError, match="attn_mask"):
+        elsa_backward(**args(attn_mask=torch.ones(4, 4)))
+    with pytest.raises(ValueError, match="bias"):
+        elsa_backward(**args(bias=torch.zeros(3, 4)))
+    with pytest.raises(ValueError, match="bias_requires_grad"):
+        elsa_backward(**args(), bias_requires_grad=True)
+    with pytest.raises(ValueError, match="head dim"):
+        big = torch.zeros(1, 1, 4, 320)
+        elsa_backward(**args(q=big, k=big, v=big, out=big, grad_out=big))
+
+
+def test_reduce_bias_grad():
+    g = torch.arange(24.0).reshape(2, 3, 2, 2)
+    assert torch.equal(reduce_bias_grad(g, (3, 2, 2)), g.sum(0))
+    assert torch.equal(reduce_bias_grad(g, (2, 1, 2, 2)), g.sum(1, keepdim=True))
+    assert torch.equal(reduce_bias_grad(g, (2, 3, 2, 2)), g)
+    with pytest.raises(ValueError, match="reduced"):
+        reduce_bias_grad(g, (5, 2, 2))
+
+
+# --------------------------------------------------------------------------- GPU (real sizes)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("B,H,N,D", [(8, 12, 197, 64), (2, 4, 1025, 128), (1, 2, 4096, 64)])
+def test_gpu_shapes(mode, B, H, N, D):
+    """ViT-B/16 224 (197 tokens, a relative position bias shared over the batch), a ragged 1025, 4096."""
+    q, k, v, do = _inputs(B, H, N, N, D, seed=N, device="cuda")
+    bias = torch.randn(H, N, N, device="cuda") if N <= 1025 else None
+    check_mode(mode, q, k, v, do, bias=bias, scale=D ** -0.5, chunk=1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_long_causal_mask(mode):
+    """N = 16384 (one head), and a causal + masked 3000 x 5000 call with fully masked rows."""
+    q, k, v, do = _inputs(1, 1, 16384, 16384, 64, seed=1, device="cuda")
+    check_mode(mode, q, k, v, do, chunk=1024)
+    q, k, v, do = _inputs(2, 2, 3000, 5000, 64, seed=2, device="cuda")
+    mask = torch.rand(3000, 5000, device="cuda") > 0.5
+    mask[7] = False
+    dq = check_mode(mode, q, k, v, do, mask=mask, causal=True, chunk=1024)[0]
+    assert (dq[:, :, 7] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_bias_grad():
+    """Bit-identical gradients over repeated runs with the batch-chunked dBias reduction (ViT-sized)."""
+    q, k, v, do = _inputs(64, 12, 197, 64, seed=3, device="cuda")
+    bias = torch.randn(12, 197, 197, device="cuda")
+    out = torch.randn(64, 12, 197, 64, device="cuda")
+    lse = torch.logsumexp((q @ k.transpose(-1, -2)) * 0.125 + bias, -1)
+    runs = [elsa_backward(q, k, v, out, do, lse, bias, None, False, 0.125, "fp32", True) for _ in range(3)]
+    for r in runs[1:]:
+        for a, b in zip(runs[0], r):
+            assert torch.equal(a, b)
+    assert math.isfinite(float(runs[0][3].abs().sum()))
