@@ -13,7 +13,7 @@ import math
 import os
 
 __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
-           "default_out", "check_output"]
+           "default_out", "check_output", "check_device"]
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -40,44 +40,36 @@ def _float(text: str) -> float:
     return x
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    n = _int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
-    return n
+def _bounded(parse, low: float, high: float, low_open: bool, what: str, doc: str):
+    """An argparse type: ``parse(text)`` within [low, high] (``low_open``: above ``low``), else a clear error."""
+    def check(text: str):
+        x = parse(text)
+        if x < low or x > high or (low_open and x == low):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return x
+    check.__doc__ = doc
+    return check
 
 
-def nonnegative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    n = _int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {n}")
-    return n
+positive_int = _bounded(_int, 1, math.inf, False, "an integer >= 1", "argparse type: an integer >= 1.")
+nonnegative_int = _bounded(_int, 0, math.inf, False, "an integer >= 0", "argparse type: an integer >= 0.")
+positive_float = _bounded(_float, 0, math.inf, True, "a number > 0", "argparse type: a finite number > 0.")
+nonnegative_float = _bounded(_float, 0, math.inf, False, "a number >= 0", "argparse type: a finite number >= 0.")
+percentile = _bounded(_float, 0, 100, False, "a percentile in [0, 100]",
+                      "argparse type: a percentile, a number in [0, 100].")
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    x = _float(text)
-    if x <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return x
+def check_device(parser: argparse.ArgumentParser, name: str, flag: str = "--device"):
+    """``torch.device(name)``, or exit 2 if the name is invalid or names CUDA on a machine without it."""
+    import torch
 
-
-def nonnegative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    x = _float(text)
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return x
-
-
-def percentile(text: str) -> float:
-    """argparse type: a percentile, a number in [0, 100]."""
-    x = _float(text)
-    if not 0 <= x <= 100:
-        raise argparse.ArgumentTypeError(f"must be a percentile in [0, 100], got {text}")
-    return x
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        parser.error(f"{flag} {name!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"{flag} {name}: no CUDA device here; pass {flag} cpu")
+    return device
 
 
 def default_out(name: str) -> str:

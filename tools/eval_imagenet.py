@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_cli, ...)
 import _imagenet_data as data  # noqa: E402
-from _cli import ToolParser, check_output, default_out, nonnegative_int, positive_int  # noqa: E402
+from _cli import ToolParser, check_device, check_output, default_out, nonnegative_int, positive_int  # noqa: E402
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 from visionattn.reporting import (Stopwatch, environment, markdown_table, tf32_disabled,  # noqa: E402
@@ -342,12 +342,7 @@ def check_args(parser: ToolParser, args) -> tuple[list[str], dict]:
         parser.error(f"--model-kwargs must be a JSON object, e.g. '{{\"depth\": 2}}': {e}")
     if not isinstance(model_kwargs, dict):
         parser.error(f"--model-kwargs must be a JSON object, got {args.model_kwargs!r}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        parser.error(f"--device {args.device!r}: {e}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device here; pass --device cpu")
+    check_device(parser, args.device)
     pretrained = args.pretrained and not args.random_weights and not args.checkpoint
     for name in args.model:
         problem = model_problem(name, args.img_size, **model_kwargs)

@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_output, default_out, nonnegative_int, positive_int,  # noqa: E402
+from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, positive_int,  # noqa: E402
                   nonnegative_float)
 
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -662,12 +662,7 @@ def check_args(parser: ToolParser, args) -> None:
     bench = args.attention_bench or args.unet_bench
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        parser.error(f"--device {args.device!r}: {e}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device here; pass --device cpu")
+    device = check_device(parser, args.device)
     if args.warmup is None:
         args.warmup = 1 if device.type == "cuda" else 0
     if args.height % 8 or args.width % 8:
