@@ -8,16 +8,27 @@ Speedup is against the SDPA row of the same arithmetic: FP32 / TF32 rows vs
 BF16 rows vs ``SDPA-BF16`` (flash). BF16 rows run the model under bf16 autocast
 as the official demo does (weights FP32, heads FP32).
 
+The ``official-*`` rows are the official model's equivalent: PyTorch SDPA
+(``attn_mode=None``) with all 24 aggregator layers held until the heads finish
+(``keep_all_layers=True``); every other row keeps only the layers the heads read.
+``--long`` runs the long-sequence table: frames from 10 up to the most that fit
+(each row stops at its first out-of-memory, recorded as OOM), with the memory
+model's estimate (:meth:`VGGT.estimate_memory`) beside the measured peak and a
+PNG of time and peak memory vs frames. Times are eager (one forward, synchronised).
+
 Results merge into ``<out>.json`` (so a sweep can be split over several calls:
-``--models``, ``--rows``, ``--frames``) and ``<out>.md`` is rewritten from it.
+``--models``, ``--rows``, ``--frames``) and ``<out>.md`` / ``<out>.png`` are rewritten from it.
 
     python tools/bench_vggt.py --quick                       # smoke test, a minute
     python tools/bench_vggt.py --models vggt --frames 10 50 100
     python tools/bench_vggt.py --models fastvggt --rows bf16 sdpa-bf16 --frames 200 500
+    python tools/bench_vggt.py --long --out docs/benchmarks/vggt_long   # 10 .. OOM, both models, all rows
+    python tools/bench_vggt.py --tiny --device cpu --long --max-frames 8 --out /tmp/vggt_tiny  # CPU check
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -26,15 +37,20 @@ import torch
 
 from visionattn import reporting
 
-ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row)
-    "sdpa-fp32": (None, None, "sdpa-fp32"),
-    "fp32": ("fp32", None, "sdpa-fp32"),
-    "tf32": ("tf32", None, "sdpa-fp32"),
-    "sdpa-bf16": (None, torch.bfloat16, "sdpa-bf16"),
-    "bf16": ("bf16", torch.bfloat16, "sdpa-bf16"),
+ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row, all layers kept)
+    "official-fp32": (None, None, "official-fp32", True),
+    "sdpa-fp32": (None, None, "sdpa-fp32", False),
+    "fp32": ("fp32", None, "sdpa-fp32", False),
+    "tf32": ("tf32", None, "sdpa-fp32", False),
+    "official-bf16": (None, torch.bfloat16, "official-bf16", True),
+    "sdpa-bf16": (None, torch.bfloat16, "sdpa-bf16", False),
+    "bf16": ("bf16", torch.bfloat16, "sdpa-bf16", False),
 }
-LABELS = {"sdpa-fp32": "SDPA-FP32 (efficient)", "fp32": "visionattn fp32", "tf32": "visionattn tf32",
-          "sdpa-bf16": "SDPA-BF16 (autocast)", "bf16": "visionattn bf16 (autocast)"}
+LABELS = {"official-fp32": "official-equivalent FP32 (SDPA, all layers)", "sdpa-fp32": "SDPA-FP32 (efficient)",
+          "fp32": "visionattn fp32", "tf32": "visionattn tf32",
+          "official-bf16": "official-equivalent BF16 (SDPA, all layers)", "sdpa-bf16": "SDPA-BF16 (autocast)",
+          "bf16": "visionattn bf16 (autocast)"}
+LONG_FRAMES = (10, 20, 50, 100, 200, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000)
 MODELS = ("vggt", "fastvggt")
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -52,8 +68,15 @@ parser.add_argument("--no-point-warmup", action="store_true",
 parser.add_argument("--quick", action="store_true", help="smoke test: frames 2 and 8 only (output prefix gets _quick when --out is default)")
 parser.add_argument("--max-seconds", type=float, default=None,
                     help="skip larger frame counts of a row once one run took longer than this")
-parser.add_argument("--out", default="docs/benchmarks/vggt_bench", help="output prefix (.json and .md)")
+parser.add_argument("--out", default="docs/benchmarks/vggt_bench", help="output prefix (.json, .md and .png)")
 parser.add_argument("--seed", type=int, default=0, help="seed of weights and images")
+parser.add_argument("--device", default="cuda", help="cuda (peak = torch.cuda.max_memory_allocated) or cpu (peak = "
+                    "live tensor bytes, visionattn.models.LiveBytes)")
+parser.add_argument("--tiny", action="store_true", help="tiny random config (vggt_tiny_config, 56x70 images by "
+                    "default) instead of VGGT-1B: a quick CPU check of the tool")
+parser.add_argument("--long", action="store_true", help="long-sequence table: frames from 10 upwards (%s) up to "
+                    "--max-frames, each row until its first OOM" % ", ".join(map(str, LONG_FRAMES)))
+parser.add_argument("--max-frames", type=int, default=None, help="largest frame count of --long")
 
 
 def environment() -> dict:
@@ -65,45 +88,69 @@ def environment() -> dict:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
 
 
-def build(model: str, seed: int):
-    """Random-weight VGGT-1B (no track head) on the GPU; FastVGGT with default merging."""
-    from visionattn.models import FASTVGGT_MERGING, VGGT
+def build(model: str, seed: int, device: str = "cuda", tiny: bool = False):
+    """Random-weight VGGT-1B (no track head; ``tiny``: the tiny config) on ``device``; FastVGGT with merging."""
+    from visionattn.models import FASTVGGT_MERGING, VGGT, vggt_tiny_config
 
     torch.manual_seed(seed)
-    with torch.device("cuda"):
-        m = VGGT(enable_track=False, merging=FASTVGGT_MERGING if model == "fastvggt" else None)
+    cfg = vggt_tiny_config() if tiny else {}
+    with torch.device(device):
+        m = VGGT(**{**cfg, "enable_track": False}, merging=FASTVGGT_MERGING if model == "fastvggt" else None)
     return m.eval()
 
 
-def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: int, warmup: bool = False) -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: int, warmup: bool = False,
+              measure: bool = True) -> dict:
     """One timed point: ``repeats`` forwards of ``frames`` random images; median time, peak memory. ``warmup``:
     one untimed forward first (kernels built for these sequence lengths: the Hopper fp16 / bf16 kernel has one
-    build per size of the last key tile, cuDNN one plan per shape)."""
+    build per size of the last key tile, cuDNN one plan per shape). Peak: CUDA max allocated, or on the CPU the
+    live tensor bytes (weights included; ``measure=False`` skips that slow count). ``est_gb``:
+    :meth:`VGGT.estimate_memory` for the same point."""
+    from visionattn.models import LiveBytes
     from visionattn.models.vggt import autocast
 
-    mode, dt, _ = ROWS[row]
+    mode, dt, _, keep_all = ROWS[row]
     model.set_attn_mode(mode)
-    g = torch.Generator(device="cuda").manual_seed(seed + frames)
-    images = torch.rand(frames, 3, H, W, device="cuda", generator=g)
+    model.keep_all_layers = keep_all
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed + frames)
+    images = torch.rand(frames, 3, H, W, device=dev, generator=g)
     times = []
     if warmup:
-        with torch.no_grad(), autocast("cuda", dt):
+        with torch.no_grad(), autocast(dev.type, dt):
             model(images)
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    else:
+        base = weights + images.numel() * images.element_size()
+    peak = 0
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync(dev)
+        meter = LiveBytes(base) if dev.type != "cuda" and measure else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with torch.no_grad(), autocast("cuda", dt):
+        with torch.no_grad(), autocast(dev.type, dt), meter:
             out = model(images)
-        torch.cuda.synchronize()
+        _sync(dev)
         times.append(time.perf_counter() - t0)
         finite = bool(torch.isfinite(out["depth"]).all())
         del out
-    peak = torch.cuda.max_memory_allocated()
+        if dev.type != "cuda" and measure:
+            peak = max(peak, meter.peak)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(dev)
+    model.keep_all_layers = False
     times.sort()
-    return {"time_s": times[len(times) // 2], "peak_gb": peak / 2 ** 30, "extra_gb": (peak - base) / 2 ** 30,
+    est = model.estimate_memory(frames, H, W, "fp32" if dt is None else "bf16", keep_all_layers=keep_all)
+    return {"time_s": times[len(times) // 2], "time_per_frame_s": times[len(times) // 2] / frames,
+            "peak_gb": peak / 2 ** 30, "extra_gb": (peak - base) / 2 ** 30, "est_gb": est / 2 ** 30,
             "finite": finite, "tokens_per_frame": 5 + (H // 14) * (W // 14)}
 
 
@@ -112,10 +159,12 @@ def to_markdown(res: dict) -> str:
     lines = ["# VGGT / FastVGGT inference: visionattn modes vs PyTorch SDPA", "",
              f"GPU: {env.get('gpu')}; torch {env.get('torch')}, triton {env.get('triton')}, timm {env.get('timm')}; "
              f"{env.get('date')}.", f"Command (last run): `{env.get('command')}`", "",
+             ("Tiny random config (tool check, not a result). " if res.get("tiny") else "") +
              "Random weights, camera + depth + point heads, images "
              f"{res.get('height')}x{res.get('width')} ({res.get('tokens_per_frame')} tokens per frame). Time: one "
              "forward (median of repeats) after a 2-frame warm-up and, unless `--no-point-warmup`, one untimed forward "
-             "at the same frame count; Mem: peak allocated (weights included). "
+             "at the same frame count; Mem: peak allocated (weights included; on the CPU live tensor bytes); "
+             "Est.: VGGT.estimate_memory. Official-equivalent rows: SDPA with all 24 layer outputs held. "
              "Speedup vs the SDPA row of the same arithmetic (FP32/TF32 vs SDPA-FP32, BF16 vs SDPA-BF16). "
              f"Process TF32 flags left at defaults (matmul {env.get('allow_tf32_matmul')}, cudnn "
              f"{env.get('allow_tf32_cudnn')}).", ""]
@@ -125,42 +174,89 @@ def to_markdown(res: dict) -> str:
             continue
         title = "VGGT baseline (cf. ELSA supplement Table 3)" if model == "vggt" else \
             "FastVGGT, token merging (cf. ELSA supplement Table 4)"
-        lines += [f"## {title}", "", "| Method | Frames | Time (s) | Mem (GB) | Speedup |", "|---|---:|---:|---:|---:|"]
+        lines += [f"## {title}", "", "| Method | Frames | Time (s) | s / frame | Mem (GB) | Est. (GB) | Speedup |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for row in ROWS:
             if row not in pts:
                 continue
             for fr in sorted(pts[row], key=int):
                 p = pts[row][fr]
                 if p.get("oom"):
-                    lines.append(f"| {LABELS[row]} | {fr} | OOM | OOM | – |")
+                    est = f"{p['est_gb']:.2f}" if "est_gb" in p else "–"
+                    lines.append(f"| {LABELS[row]} | {fr} | OOM | – | OOM | {est} | – |")
                     continue
                 base = pts.get(ROWS[row][2], {}).get(fr)
                 sp = f"{base['time_s'] / p['time_s']:.2f}x" if base and not base.get("oom") else "–"
                 flag = "" if p.get("finite", True) else " (non-finite!)"
-                lines.append(f"| {LABELS[row]} | {fr} | {p['time_s']:.2f} | {p['peak_gb']:.2f} | {sp}{flag} |")
+                est = f"{p['est_gb']:.2f}" if "est_gb" in p else "–"
+                lines.append(f"| {LABELS[row]} | {fr} | {p['time_s']:.2f} | {p['time_s'] / int(fr):.3f} | "
+                             f"{p['peak_gb']:.2f} | {est} | {sp}{flag} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
+def plot(res: dict, path: str) -> None:
+    """PNG: time (s) and peak memory (GB) vs frames, one line per model and row (OOM points left out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for model, rows in res.get("points", {}).items():
+        for row, pts in rows.items():
+            fr = sorted((int(f), p) for f, p in pts.items() if not p.get("oom"))
+            if not fr:
+                continue
+            style = "--" if row.startswith("official") else "-"
+            label = f"{model} {LABELS.get(row, row)}"
+            ax_t.plot([f for f, _ in fr], [p["time_s"] for _, p in fr], style, marker="o", label=label)
+            ax_m.plot([f for f, _ in fr], [p["peak_gb"] for _, p in fr], style, marker="o", label=label)
+    env = res.get("environment", {})
+    for ax, name in ((ax_t, "time per forward (s)"), (ax_m, "peak memory (GB)")):
+        ax.set_xlabel("frames")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    ax_m.legend(fontsize=7)
+    fig.suptitle(f"VGGT / FastVGGT inference vs frames, {res.get('height')}x{res.get('width')}, {env.get('gpu')}")
+    fig.tight_layout()
+    reporting.save_figure_atomic(fig, path, dpi=120)
+    plt.close(fig)
+
+
 def main(args) -> dict:
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_vggt.py needs a CUDA GPU")
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_vggt.py --device cuda needs a CUDA GPU (or pass --device cpu --tiny)")
     from tqdm import tqdm
 
-    frames = [2, 8] if args.quick else args.frames
+    if args.tiny and args.height == parser.get_default("height") and args.width == parser.get_default("width"):
+        args.height, args.width = 56, 70
+    if args.long:
+        frames = [f for f in LONG_FRAMES if args.max_frames is None or f <= args.max_frames]
+        if args.max_frames is not None and args.max_frames not in frames and args.max_frames < LONG_FRAMES[0]:
+            frames = [args.max_frames]
+    else:
+        frames = [2, 8] if args.quick else args.frames
     if args.quick and args.out == parser.get_default("out"):
         args.out += "_quick"
     path = args.out + ".json"
     res = json.load(open(path)) if os.path.isfile(path) else {}
-    res.update({"environment": environment(), "height": args.height, "width": args.width,
+    res.update({"environment": environment(), "height": args.height, "width": args.width, "tiny": args.tiny,
                 "tokens_per_frame": 5 + (args.height // 14) * (args.width // 14)})
     res.setdefault("points", {})
     print(json.dumps(res["environment"]), flush=True)
+
+    def save():
+        reporting.write_json_atomic(path, res, indent=1)
+        reporting.write_text_atomic(args.out + ".md", to_markdown(res))
+        plot(res, args.out + ".png")
+
     for name in args.models:
-        model = build(name, args.seed)
+        model = build(name, args.seed, args.device, args.tiny)
         pts = res["points"].setdefault(name, {})
         for row in args.rows:
-            run_point(model, row, 2, args.height, args.width, 1, args.seed)  # warm-up / autotune
+            run_point(model, row, 2, args.height, args.width, 1, args.seed, measure=False)  # warm-up / autotune
             skip = False
             for fr in tqdm(frames, desc=f"{name} {row}"):
                 if skip:  # a smaller count ran out of memory or over --max-seconds
@@ -168,20 +264,24 @@ def main(args) -> dict:
                 try:
                     p = run_point(model, row, fr, args.height, args.width, args.repeats, args.seed,
                                   warmup=not args.no_point_warmup)
-                except torch.cuda.OutOfMemoryError:
-                    p = {"oom": True}
+                except (torch.cuda.OutOfMemoryError, MemoryError):
+                    model.keep_all_layers = False
+                    est = model.estimate_memory(fr, args.height, args.width,
+                                                "fp32" if ROWS[row][1] is None else "bf16",
+                                                keep_all_layers=ROWS[row][3])
+                    p = {"oom": True, "est_gb": est / 2 ** 30}
                     skip = True
-                    torch.cuda.empty_cache()
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
                 pts.setdefault(row, {})[str(fr)] = p
                 print(name, row, fr, json.dumps(p), flush=True)
                 if args.max_seconds and p.get("time_s", 0) > args.max_seconds:
                     skip = True
-                reporting.write_json_atomic(path, res, indent=1)
-                reporting.write_text_atomic(args.out + ".md", to_markdown(res))
+                save()
         del model
-        torch.cuda.empty_cache()
-    reporting.write_json_atomic(path, res, indent=1)
-    reporting.write_text_atomic(args.out + ".md", to_markdown(res))
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
     return res
 
 

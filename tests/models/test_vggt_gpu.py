@@ -86,3 +86,40 @@ def test_fastvggt_disabled_is_vggt_and_enabled_runs(setup):
     for k in KEYS:
         assert torch.equal(base[k], same[k]), k
         assert torch.isfinite(fast[k]).all() and fast[k].shape == base[k].shape, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,dtype", [("fp32", None), ("bf16", torch.bfloat16)])
+def test_trimmed_layers_bit_identical_8_frames(setup, mode, dtype):
+    """Keeping only the layers the heads read (and dropping each after its last reader) changes no output bit."""
+    model, images, qp, _ = setup
+    model.set_attn_mode(mode)
+    try:
+        with torch.no_grad(), autocast("cuda", dtype):
+            model.keep_all_layers = True
+            ref = model(images, qp)
+            model.keep_all_layers = False
+            got = model(images, qp)
+    finally:
+        model.keep_all_layers = False
+        model.set_attn_mode("auto")
+    for k in KEYS:
+        assert torch.equal(got[k], ref[k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("frames,mode", [(10, "fp32"), (100, "fp32"), (10, "bf16"), (100, "bf16")])
+def test_estimate_memory_within_10_percent(setup, frames, mode):
+    """VGGT-1B at 392x518 (no track queries): analytic peak vs torch.cuda.max_memory_allocated."""
+    model, _, _, _ = setup
+    images = torch.rand(frames, 3, 392, 518, device="cuda")
+    dtype = torch.bfloat16 if mode == "bf16" else None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad(), autocast("cuda", dtype):
+        out = model(images)
+    del out
+    peak = torch.cuda.max_memory_allocated()  # weights, these images, and the fixture's 8-frame tensors (~0.1 GB)
+    est = model.estimate_memory(frames, 392, 518, mode)
+    print(f"{frames} frames {mode}: estimate {est / 2**30:.2f} GiB, measured {peak / 2**30:.2f} GiB")
+    assert abs(est - peak) <= 0.10 * peak
