@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""Reconstruct a folder of images with VGGT / FastVGGT: point cloud, cameras, depth, preview.
+"""Reconstruct a folder of images or a video with VGGT / FastVGGT: point cloud, cameras, depth, COLMAP, nerfstudio, glTF.
 
     python demos/reconstruct.py --out out/recon --weights random-tiny --device cpu   # quick start, CPU
     python demos/reconstruct.py my_photos/ --out out/mine                              # VGGT-1B (downloads)
+    python demos/reconstruct.py walk.mp4 --fps 2 --max-frames 64 --out out/walk      # a video, 2 frames/s
     python demos/reconstruct.py my_photos/ --out out/mine --weights /ckpt/VGGT-1B --mode bf16
 
 Thin CLI over :func:`visionattn.recon.pipeline.reconstruct`. Exit codes: 0 ok;
-2 for a problem with the input (missing, empty or unreadable folder, corrupt
-image, unusable --out, weights not available) -- reported before anything is
-written, so no OUT_DIR is created.
+2 for a problem with the input (missing, empty or unreadable input, corrupt
+image, unusable --out, bad --device, weights not available or corrupt) --
+reported in one line before any heavy work, and no OUT_DIR is created; 130
+(Ctrl-C) and 143 (SIGTERM): stopped, nothing written.
 """
 from __future__ import annotations
 
@@ -20,20 +22,34 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_IMAGE_DIR = os.path.join(REPO, "demos", "data", "aloe")
 
-OUTPUTS = """outputs (in OUT_DIR, written to a temporary folder and renamed at the end):
-  points.ply            coloured point cloud, points under the confidence percentile dropped (open3d)
-  cameras.json          per image: extrinsic 3x4 (OpenCV camera-from-world, world = first camera),
-                        intrinsic 3x3 (preprocessed frame) and intrinsic_original (source image), sizes
-  sparse/*.txt          COLMAP text model (cameras.txt, images.txt, points3D.txt) in source-image
-                        pixels, for COLMAP / nerfstudio / gsplat
-  depth/NAME.png, .npy  depth maps: 16-bit PNG (depth = value / depth_scale, scale in the PNG's text
-                        chunk and in cameras.json) and float32 .npy
-  confidence/NAME.npy   depth confidence, float32
-  preview.png           the point cloud seen from the first camera and from an oblique view, depth maps
-  summary.json          frames, tokens, points kept, time, peak memory, mode, environment
+OUTPUTS = """outputs (in OUT_DIR, all written to a hidden temporary folder and renamed at the end):
+  points.ply            coloured point cloud, points under the confidence percentile dropped
+                        -> open3d, MeshLab, CloudCompare, Blender
+  scene.glb             point cloud + one frustum per camera -> any glTF viewer (Blender, three.js,
+                        gltf-viewer.donmccurdy.com), trimesh. Axes turned to glTF's y-up (x, -y, -z)
+  sparse/0/             COLMAP model: cameras, images, points3D as .txt (always) and .bin (with
+                        pycolmap); PINHOLE per image in source-image pixels, points with tracks
+                        -> COLMAP, pycolmap, nerfstudio (ns-process-data / colmap), gsplat
+  images/               the frames under the names the models use (links or copies of the
+                        sources; decoded video frames as JPEG) -> read by COLMAP, nerfstudio, gsplat
+  transforms.json       nerfstudio: OpenGL camera-to-world, per-frame intrinsics, depth_file_path,
+                        one depth_unit_scale_factor, ply_file_path -> ns-train ... --data OUT_DIR
+  depth/NAME.png        16-bit depth in source-image pixels, one scale for all frames:
+                        depth = value / depth_png_scale (cameras.json) = value * depth_unit_scale_factor
+                        (transforms.json); 0 = no depth
+  depth/NAME.npy        float32 depth of the model's frame (numpy)
+  confidence/NAME.npy   depth confidence, float32 (numpy)
+  cameras.json          per frame: name, source file (video: FILE#frame=N), image, extrinsic 3x4 (OpenCV
+                        camera-from-world, world = first camera), intrinsic 3x3 (model's frame) and
+                        intrinsic_original (source image) -> tools/eval_reconstruction.py, your code
+  preview.png           the point cloud from the first camera and from an oblique view, depth maps
+  summary.json          frames, tokens, points kept, time, peak memory (host RSS, CUDA), mode, environment
+  .visionattn-recon.json  manifest of every file written: a later run replaces OUT_DIR only while
+                        it holds exactly these files
 
-exit codes: 0 success; 2 bad input (folder missing/empty/unreadable, corrupt image, --out not usable,
-weights unavailable offline): the message says why and no OUT_DIR is created."""
+exit codes: 0 success; 2 bad input (input missing/empty/unreadable, corrupt image or video, --out not
+usable, bad --device, weights unavailable or corrupt): one line says why, before any heavy work, and no
+OUT_DIR is created; 130 Ctrl-C, 143 SIGTERM (temporary folder removed)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,15 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="reconstruct.py", description=__doc__.split("\n\n")[0],
         epilog=OUTPUTS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("image_dir", nargs="?", default=DEFAULT_IMAGE_DIR,
-                   help="folder of images (any format Pillow reads; EXIF orientation, grayscale and RGBA "
-                        "handled; files sorted naturally; non-image files skipped with a note). Default: "
+    p.add_argument("input", nargs="?", default=DEFAULT_IMAGE_DIR, metavar="INPUT",
+                   help="a folder of images (any format Pillow reads; EXIF orientation, grayscale, RGBA, "
+                        "16-bit and float handled; files sorted naturally; non-image and non-regular files "
+                        "skipped with a note) or a video file (anything OpenCV reads: .mp4, .avi, .mov, .mkv, "
+                        "...; decoded as a stream, see --fps / --every). Default: "
                         "demos/data/aloe, the Middlebury 'Aloe' stereo pair (2 real views of a static scene, "
                         "from OpenCV's samples; other bundled sets: demos/data/stereo_rig (6 grayscale "
                         "frames), demos/data/suzanne (2 rendered views))")
     p.add_argument("--out", required=True, metavar="OUT_DIR",
-                   help="output folder; must not exist, be empty, or hold an earlier reconstruction "
-                        "(which is then replaced)")
+                   help="output folder: new, empty, or an earlier output of this tool holding only the files "
+                        "its manifest lists (then replaced); never the input, inside it or around it")
     p.add_argument("--model", choices=MODELS, default="vggt",
                    help="vggt: plain VGGT; fastvggt: VGGT with token merging in global attention "
                         "(FastVGGT) (default: %(default)s)")
@@ -70,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop points whose confidence is below this percentile (0..100; 0 keeps all) "
                         "(default: %(default)s)")
     p.add_argument("--max-frames", type=int, default=None, metavar="N",
-                   help="use only the first N images in natural order (default: all)")
+                   help="use only the first N images in natural order, or the first N sampled video frames "
+                        "(decoding stops there) (default: all)")
+    p.add_argument("--fps", type=float, default=None, metavar="F",
+                   help="video: keep about F frames per second of video (the first frame of each 1/F s)")
+    p.add_argument("--every", type=int, default=None, metavar="N",
+                   help="video: keep every N-th frame (0, N, 2N, ...); exclusive with --fps "
+                        "(default for a video: every frame)")
     p.add_argument("--size", type=int, default=518,
                    help="preprocessed width (crop) or longest side (pad) in pixels, a multiple of 14; "
                         "518 for VGGT-1B (default: %(default)s)")
@@ -109,14 +133,21 @@ def main(argv=None) -> dict:
         parser.error(f"--warmup {args.warmup} must be >= 0")
     if args.max_frames is not None and args.max_frames < 1:
         parser.error(f"--max-frames {args.max_frames} must be >= 1")
+    if args.fps is not None and args.every is not None:
+        parser.error("--fps and --every are exclusive: pass one of them")
+    if args.fps is not None and not args.fps > 0:
+        parser.error(f"--fps {args.fps} must be > 0")
+    if args.every is not None and args.every < 1:
+        parser.error(f"--every {args.every} must be >= 1")
     log = (lambda *a: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     try:
         with handle_sigterm():
             summary = reconstruct(
-                args.image_dir, args.out, model=args.model, mode=args.mode, weights=args.weights,
+                args.input, args.out, model=args.model, mode=args.mode, weights=args.weights,
                 device=args.device, conf_percentile=args.conf_percentile, max_frames=args.max_frames,
                 size=args.size, preprocess=args.preprocess, point_source=args.points_from, seed=args.seed,
-                preview=not args.no_preview, progress=not args.quiet, warmup=args.warmup, log=log)
+                preview=not args.no_preview, progress=not args.quiet, warmup=args.warmup, log=log,
+                fps=args.fps, every=args.every)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
@@ -128,7 +159,10 @@ def main(argv=None) -> dict:
     print(f"reconstructed {summary['frames']} frames ({summary['image_hw'][0]}x{summary['image_hw'][1]}), "
           f"{summary['tokens']} tokens, {summary['points_kept']:,} points kept | "
           f"inference {summary['inference_seconds']:.2f} s, total {summary['total_seconds']:.1f} s, "
-          f"peak memory {_gib(summary['peak_memory_bytes'])} ({summary['peak_memory_kind']}) | "
+          f"peak memory {_gib(summary['peak_memory_bytes'])} ({summary['peak_memory_kind']}), "
+          f"host RSS {_gib(summary['peak_host_rss_bytes'])}"
+          + (f", CUDA {_gib(summary['peak_cuda_allocated_bytes'])}" if 'peak_cuda_allocated_bytes' in summary else "")
+          + " | "
           f"{summary['model']} mode={summary['mode']} weights={summary['weights']} on {summary['device']} "
           f"-> {summary['out_dir']}")
     summary["exit_code"] = 0

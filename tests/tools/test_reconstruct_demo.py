@@ -59,7 +59,7 @@ def _read_colmap(folder):
         if line.startswith("#") or not line.strip():
             continue
         e = line.split()
-        pts.append([float(x) for x in e[1:4]] + [int(x) for x in e[4:7]])
+        pts.append([float(x) for x in e[1:4]] + [int(x) for x in e[4:7]] + [len(e[8:]) // 2])
     return cams, imgs, np.array(pts)
 
 
@@ -78,8 +78,9 @@ def test_demo_writes_every_output(recon):
     assert W == SIZE and H % 14 == 0
     assert summary["tokens"] == 6 * (5 + (H // 14) * (W // 14))
     names = ["left01", "left02", "left03", "right01", "right02", "right03"]
-    for sub in ["points.ply", "cameras.json", "preview.png", "summary.json", "sparse/cameras.txt",
-                "sparse/images.txt", "sparse/points3D.txt"] + [f"depth/{n}.png" for n in names] + \
+    for sub in ["points.ply", "cameras.json", "preview.png", "summary.json", "transforms.json", "scene.glb",
+                "sparse/0/cameras.txt", "sparse/0/images.txt", "sparse/0/points3D.txt"] + \
+            [f"depth/{n}.png" for n in names] + [f"images/{n}.jpg" for n in names] + \
             [f"depth/{n}.npy" for n in names] + [f"confidence/{n}.npy" for n in names]:
         assert (out / sub).is_file(), sub
     assert not [p for p in os.listdir(out.parent) if p.startswith(".")]  # no temp folders left
@@ -114,16 +115,23 @@ def test_demo_writes_every_output(recon):
 
 
 def test_depth_png_and_confidence(recon):
+    """Depth PNGs: source-image pixels (640x480, aligned with images/), one scale for every frame."""
     _, out, _ = recon
     cams = json.load(open(out / "cameras.json"))
+    scale = cams["depth_png_scale"]
+    all_depth = np.stack([np.load(out / "depth" / f"{f['name']}.npy") for f in cams["frames"]])
+    assert scale == pytest.approx(65535 / all_depth[np.isfinite(all_depth)].max())
     for f in cams["frames"]:
         d = np.load(out / "depth" / f"{f['name']}.npy")
         png = Image.open(out / "depth" / f"{f['name']}.png")
         arr = np.asarray(png).astype(np.float64)
-        assert arr.dtype != np.uint8 and arr.shape == d.shape
-        scale = float(png.text["depth_scale"])
-        assert scale == pytest.approx(f["depth_png_scale"])
-        np.testing.assert_allclose(arr / scale, d, atol=0.51 / scale)
+        assert png.mode.startswith("I") and arr.shape == (480, 640)
+        assert float(png.text["depth_scale"]) == pytest.approx(scale)
+        # source pixel (x, y) shows the depth of the model pixel its centre lands on (resize only, no crop)
+        sx, sy = f["width"] / 640, f["height"] / 480
+        u = np.round(sx * np.arange(640) + 0.5 * sx - 0.5).astype(int)
+        v = np.round(sy * np.arange(480) + 0.5 * sy - 0.5).astype(int)
+        np.testing.assert_allclose(arr / scale, d[np.ix_(v, u)], atol=0.51 / scale)
         c = np.load(out / "confidence" / f"{f['name']}.npy")
         assert c.shape == d.shape and c.dtype == np.float32 and np.isfinite(c).all()
 
@@ -131,14 +139,15 @@ def test_depth_png_and_confidence(recon):
 def test_colmap_text_model_parses_and_matches_cameras_json(recon):
     _, out, src = recon
     cams_json = json.load(open(out / "cameras.json"))
-    cams, imgs, pts = _read_colmap(out / "sparse")
+    cams, imgs, pts = _read_colmap(out / "sparse" / "0")
     assert len(cams) == len(imgs) == 6
-    assert 0 < len(pts) <= 200_000 and pts.shape[1] == 6
-    assert pts[:, 3:].min() >= 0 and pts[:, 3:].max() <= 255
+    assert 0 < len(pts) <= 200_000 and pts.shape[1] == 7
+    assert pts[:, 3:6].min() >= 0 and pts[:, 3:6].max() <= 255
+    assert pts[:, 6].min() >= 1  # every point has a track: at least the frame it came from
     rng = np.random.default_rng(0)
     for image_id, (q, t, cam_id, name) in imgs.items():
         f = cams_json["frames"][image_id - 1]
-        assert name == f["file"] and (src / name).is_file()
+        assert "images/" + name == f["image"] and (out / f["image"]).is_file() and (src / f["file"]).is_file()
         E = np.array(f["extrinsic"])
         np.testing.assert_allclose(_quat_to_R(q), E[:, :3], atol=1e-6)
         np.testing.assert_allclose(t, E[:, 3], atol=1e-6)
@@ -152,7 +161,7 @@ def test_colmap_text_model_parses_and_matches_cameras_json(recon):
         K = np.array(f["intrinsic"])
         u_pre = (K @ xc)[:2] / xc[2]
         sx, sy = f["width"] / 640, f["height"] / 480  # resized, no crop (the height stays under SIZE)
-        expected_pre = np.array([sx * (u_src[0] + 0.5) - 0.5, sy * (u_src[1] + 0.5) - 0.5])
+        expected_pre = np.array([sx * u_src[0], sy * u_src[1]])  # continuous pixels: a pure scale
         np.testing.assert_allclose(u_pre, expected_pre, atol=1e-6 * max(1, np.abs(u_pre).max()))
 
 

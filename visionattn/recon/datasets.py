@@ -87,7 +87,11 @@ def load_generic_scene(scene_dir: str) -> Scene:
         raise ValueError(f"{path!r} lists no frames")
     images, E, K = [], [], []
     for fr in frames:
-        images.append(_resolve_image(scene_dir, fr["file"]))
+        stored = fr.get("image")  # the demo's outputs name their stored frame (images/NAME.EXT)
+        if isinstance(stored, str) and os.path.isfile(os.path.join(scene_dir, stored)):
+            images.append(os.path.join(scene_dir, stored))
+        else:
+            images.append(_resolve_image(scene_dir, fr["file"]))
         E.append(np.asarray(fr["extrinsic"], dtype=np.float64)[:3, :4])
         k = fr.get("intrinsic_original", fr.get("intrinsic"))
         K.append(None if k is None else np.asarray(k, dtype=np.float64))

@@ -27,7 +27,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 __all__ = [
     "ImageFolderError", "LoadedImages", "PATCH_SIZE", "MAX_ASPECT_RATIO", "natural_key", "list_images",
-    "read_image", "to_uint8", "check_aspect", "preprocess_image", "unique_names", "load_images",
+    "read_image", "to_uint8", "check_aspect", "preprocess_image", "unique_names", "stack_padded",
+    "store_frame", "load_images",
 ]
 
 PATCH_SIZE = 14
@@ -293,6 +294,21 @@ def _pad_white(t: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (left, dw - left, top, dh - top), mode="constant", value=1.0)
 
 
+def stack_padded(tensors: list[torch.Tensor], affines: list) -> torch.Tensor:
+    """Stack frames [3, h_i, w_i] into [S, 3, H, W], padding smaller ones with white, centred.
+
+    ``affines`` (per frame (sx, sy, ox, oy)) are shifted in place by each frame's padding offset.
+    """
+    height = max(t.shape[1] for t in tensors)
+    width = max(t.shape[2] for t in tensors)
+    batch = []
+    for i, t in enumerate(tensors):
+        sx, sy, ox, oy = affines[i]
+        affines[i] = (sx, sy, ox + (width - t.shape[2]) // 2, oy + (height - t.shape[1]) // 2)
+        batch.append(_pad_white(t, height, width))
+    return torch.stack(batch)
+
+
 def unique_names(paths: list[str]) -> list[str]:
     """Per-file output names: unique (also ignoring case), file-system safe, traceable to the source.
 
@@ -393,13 +409,6 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
         affines.append(affine)
         if frames_dir is not None:
             files.append(store_frame(frames_dir, names[i], img, p if plain else None))
-    height = max(t.shape[1] for t in tensors)
-    width = max(t.shape[2] for t in tensors)
-    batch = []
-    for i, t in enumerate(tensors):  # mixed shapes: pad to the largest with white, centred
-        sx, sy, ox, oy = affines[i]
-        affines[i] = (sx, sy, ox + (width - t.shape[2]) // 2, oy + (height - t.shape[1]) // 2)
-        batch.append(_pad_white(t, height, width))
-    return LoadedImages(images=torch.stack(batch), paths=paths, names=names, original_sizes=sizes,
+    return LoadedImages(images=stack_padded(tensors, affines), paths=paths, names=names, original_sizes=sizes,
                         skipped=skipped, mode=mode, affines=affines, image_files=files,
                         sources=[os.path.basename(p) for p in paths])

@@ -26,7 +26,7 @@ from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, 
 
 __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "DeviceError", "USER_ERRORS",
-    "check_checkpoint", "resolve_device", "build_model",
+    "check_checkpoint", "resolve_device", "load_source", "build_model",
     "run_model", "count_tokens", "reconstruct",
 ]
 
@@ -306,24 +306,52 @@ def check_checkpoint(path: str) -> str:
     return file
 
 
-def reconstruct(image_dir: str, out_dir: str, model: str = "vggt", mode: str = "fp32",
+def load_source(source: str, size: int = 518, preprocess: str = "crop", max_frames: int | None = None,
+                fps: float | None = None, every: int | None = None, progress: bool = True,
+                frames_dir: str | None = None) -> LoadedImages:
+    """Load a folder of images or a video file (see :func:`~visionattn.recon.video.load_video`).
+
+    Raises:
+        ImageFolderError: unusable input; ``--fps`` / ``--every`` given for a folder.
+    """
+    from .video import is_video, load_video
+
+    if is_video(source):
+        return load_video(source, size=size, mode=preprocess, fps=fps, every=every, max_frames=max_frames,
+                          progress=progress, frames_dir=frames_dir)
+    if fps is not None or every is not None:
+        raise ImageFolderError(f"--fps / --every sample videos; {source!r} is not a video file "
+                               "(for a folder use --max-frames)")
+    return load_images(source, size=size, mode=preprocess, max_frames=max_frames, progress=progress,
+                       frames_dir=frames_dir)
+
+
+def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp32",
                 weights: str = DEFAULT_WEIGHTS, device: str | None = None, conf_percentile: float = 50.0,
                 max_frames: int | None = None, size: int = 518, preprocess: str = "crop",
                 point_source: str = "depth", seed: int = 0, preview: bool = True,
-                progress: bool = True, warmup: int = 0, log=print) -> dict:
-    """The whole demo: folder of images -> ``out_dir`` with points, cameras, depth, preview.
+                progress: bool = True, warmup: int = 0, log=print, fps: float | None = None,
+                every: int | None = None) -> dict:
+    """The whole demo: folder of images or video -> ``out_dir`` with points, cameras, depth, preview.
 
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
-    a temporary folder and renamed to ``out_dir`` at the end. Nothing is
-    written if loading the images or the weights fails.
+    a temporary folder (created before any decoding, so an unwritable ``out_dir``
+    fails at once) and renamed to ``out_dir`` at the end. Nothing is left behind
+    if loading the input or the weights fails, or on Ctrl-C / SIGTERM (see
+    :func:`~visionattn.recon.outdir.handle_sigterm`).
+
+    Args:
+        source: a folder of images or a video file.
+        fps, every: video sampling (see :func:`~visionattn.recon.video.frame_selector`).
 
     Returns:
         summary dict: frames, tokens, points kept, seconds (inference / total),
-        peak memory, mode, model, weights, image size, skipped files, out_dir.
+        peak memory (inference: CUDA max allocated or host RSS; plus the process's
+        peak host RSS), mode, model, weights, image size, skipped files, out_dir.
 
     Raises:
-        ImageFolderError, OutputDirError, WeightsError, MissingDependencyError: user errors
-            (no output written).
+        ImageFolderError, OutputDirError, WeightsError, DeviceError, MissingDependencyError:
+            user errors (no output written).
         ValueError: bad arguments.
     """
     t_start = time.perf_counter()
@@ -331,25 +359,28 @@ def reconstruct(image_dir: str, out_dir: str, model: str = "vggt", mode: str = "
         raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
     _check_mode(mode)
     dev = resolve_device(device)
-    check_output_dir(out_dir, inputs=[image_dir])
+    check_output_dir(out_dir, inputs=[source])
     require_open3d()  # points.ply needs it: fail now, not after inference
     if weights not in ("random", "random-tiny"):
         if os.path.exists(weights):
             check_checkpoint(weights)  # a corrupt file fails now, in one line, not after decoding
         else:
             _reachable_weights(weights)  # fail in seconds when offline, before decoding any image
+    opts = dict(source=source, out_dir=out_dir, model=model, mode=mode, weights=weights, dev=dev,
+                conf_percentile=conf_percentile, max_frames=max_frames, size=size, preprocess=preprocess,
+                point_source=point_source, seed=seed, preview=preview, progress=progress, warmup=warmup,
+                log=log, fps=fps, every=every)
     # the temporary output folder exists from here on: an unwritable --out fails before any decoding
-    with atomic_output_dir(out_dir, inputs=[image_dir], warn=log) as tmp:
-        return _reconstruct_into(tmp, t_start, image_dir, out_dir, model, mode, weights, dev, conf_percentile,
-                                 max_frames, size, preprocess, point_source, seed, preview, progress, warmup, log)
+    with atomic_output_dir(out_dir, inputs=[source], warn=log) as tmp:
+        return _reconstruct_into(tmp, t_start, **opts)
 
 
-def _reconstruct_into(tmp, t_start, image_dir, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
-                      size, preprocess, point_source, seed, preview, progress, warmup, log) -> dict:
+def _reconstruct_into(tmp, t_start, source, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
+                      size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
-    loaded: LoadedImages = load_images(image_dir, size=size, mode=preprocess, max_frames=max_frames,
-                                       progress=progress, frames_dir=frames_dir)
+    loaded = load_source(source, size=size, preprocess=preprocess, max_frames=max_frames, fps=fps, every=every,
+                         progress=progress, frames_dir=frames_dir)
     for name, why in loaded.skipped:
         log(f"note: skipped {name!r} ({why})")
     net = build_model(model, weights, mode, dev, seed)
@@ -360,12 +391,17 @@ def _reconstruct_into(tmp, t_start, image_dir, out_dir, model, mode, weights, de
                "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "warmup": warmup,
                "peak_memory_bytes": pred["peak_memory_bytes"], "peak_memory_kind": pred["peak_memory_kind"],
                "conf_percentile": conf_percentile, "point_source": point_source,
-               "skipped": [n for n, _ in loaded.skipped], "image_dir": os.path.abspath(image_dir),
+               "skipped": [n for n, _ in loaded.skipped], "input": os.path.abspath(source),
+               "sources": dict(zip(loaded.names, loaded.sources)),
                "intrinsic_fallback_frames": [int(i) for i in np.flatnonzero(pred["intrinsic_fallback"])],
                "environment": environment()}
+    if loaded.extra:
+        summary["video"] = loaded.extra
     res = write_reconstruction(tmp, pred, loaded, conf_percentile, point_source, progress,
-                               extra={"model": model, "mode": mode, "weights": weights})
+                               extra={"model": model, "mode": mode, "weights": weights}, warn=log)
     summary["points_kept"] = res["points"]
+    summary["colmap"] = res["colmap"]
+    summary["depth_png_scale"] = res["depth_png_scale"]
     if preview:
         from .preview import render_preview
         title = (f"{model} {mode} weights={weights} | {S} frames, {tokens} tokens, "
@@ -373,6 +409,9 @@ def _reconstruct_into(tmp, t_start, image_dir, out_dir, model, mode, weights, de
         render_preview(os.path.join(tmp, "preview.png"), res["xyz"], res["rgb"], pred["extrinsic"],
                        pred["intrinsic"], pred["depth"], loaded.names, title)
     summary["total_seconds"] = time.perf_counter() - t_start
+    summary["peak_host_rss_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    if torch.device(dev).type == "cuda":
+        summary["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated(torch.device(dev)))
     summary["out_dir"] = os.path.abspath(out_dir)
     with open(os.path.join(tmp, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, allow_nan=False)

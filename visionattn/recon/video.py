@@ -1,0 +1,141 @@
+"""Video files -> VGGT input tensors, decoded as a stream.
+
+Anything OpenCV's ``VideoCapture`` reads (MP4/H.264, AVI/MJPEG, MOV, MKV, ...)
+is decoded frame by frame; only the sampled frames are converted, and each is
+preprocessed (see :mod:`visionattn.recon.images`) and, optionally, stored as a
+JPEG at its original resolution right away, so memory holds one full-resolution
+frame at a time plus the preprocessed batch.
+
+Sampling: every frame by default; ``every=N`` keeps frames 0, N, 2N, ...;
+``fps=F`` keeps the first frame of each 1/F-second interval (by the container's
+frame rate); ``max_frames`` stops decoding once that many frames are kept.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from .images import ImageFolderError, LoadedImages, _preprocess, check_aspect, stack_padded, store_frame
+
+__all__ = ["VIDEO_EXTS", "is_video", "frame_selector", "load_video"]
+
+VIDEO_EXTS = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".wmv", ".flv",
+                        ".3gp", ".ts", ".mts", ".m2ts", ".ogv"})
+
+
+def is_video(path: str) -> bool:
+    """True if ``path`` is a regular file with a video extension."""
+    return os.path.isfile(path) and os.path.splitext(path)[1].lower() in VIDEO_EXTS
+
+
+def frame_selector(video_fps: float, fps: float | None = None, every: int | None = None):
+    """A predicate ``keep(index) -> bool`` over frame indices 0, 1, 2, ... (called in order).
+
+    Args:
+        video_fps: the container's frame rate (frames per second; <= 0 if unknown).
+        fps: keep about this many frames per second of video (None: no time sampling).
+        every: keep every N-th frame (None: no index sampling).
+
+    Raises:
+        ValueError: both ``fps`` and ``every`` given, ``every`` < 1, ``fps`` <= 0, or
+            ``fps`` given for a video whose frame rate is unknown.
+    """
+    if fps is not None and every is not None:
+        raise ValueError("--fps and --every are exclusive: pass one of them")
+    if every is not None:
+        if every < 1:
+            raise ValueError(f"--every {every} must be >= 1")
+        return lambda i: i % every == 0
+    if fps is not None:
+        if not fps > 0:
+            raise ValueError(f"--fps {fps} must be > 0")
+        if not video_fps > 0:
+            raise ImageFolderError("the video does not state its frame rate, so --fps cannot sample it; "
+                                   "use --every N instead")
+        state = {"next": 0}
+
+        def keep(i):
+            bucket = math.floor(i * fps / video_fps + 1e-9)  # which 1/fps interval frame i starts in
+            if bucket >= state["next"]:
+                state["next"] = bucket + 1
+                return True
+            return False
+        return keep
+    return lambda i: True
+
+
+def load_video(path: str, size: int = 518, mode: str = "crop", fps: float | None = None,
+               every: int | None = None, max_frames: int | None = None, progress: bool = True,
+               frames_dir: str | None = None) -> LoadedImages:
+    """Decode, sample and preprocess a video into one VGGT batch.
+
+    Args:
+        path: a video file OpenCV reads.
+        size, mode: preprocessing (see :func:`visionattn.recon.images.preprocess_image`).
+        fps, every: sampling (see :func:`frame_selector`).
+        max_frames: stop after this many kept frames (None: to the end).
+        progress: tqdm bar over the decoded frames.
+        frames_dir: if given, each kept frame is stored there as ``frame_NNNNNN.jpg``
+            (original resolution; NNNNNN = frame index in the video).
+
+    Returns:
+        :class:`~visionattn.recon.images.LoadedImages`: ``images`` float32 [S, 3, H, W]
+        in [0, 1], names ``frame_NNNNNN``, sources ``VIDEO#frame=N``, and ``extra``
+        with ``video`` (path), ``video_fps``, ``video_frames`` (as the container states),
+        ``frame_indices`` and ``timestamps_s``.
+
+    Raises:
+        ImageFolderError: the file cannot be opened or decoded, no frame is kept,
+            or the frames are degenerate (see :func:`~visionattn.recon.images.check_aspect`).
+        ValueError: bad sampling arguments.
+    """
+    import cv2
+    from PIL import Image
+    from tqdm.auto import tqdm
+
+    if max_frames is not None and max_frames < 1:
+        raise ValueError(f"max_frames={max_frames} must be >= 1 (or None for all frames)")
+    cap = cv2.VideoCapture(path)
+    if not cap.isOpened():
+        raise ImageFolderError(f"cannot open video {path!r}: OpenCV's VideoCapture does not read it "
+                               "(unknown container or codec, or not a video)")
+    try:
+        video_fps = float(cap.get(cv2.CAP_PROP_FPS) or 0.0)
+        total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT) or 0)
+        keep = frame_selector(video_fps, fps, every)
+        name = os.path.basename(path)
+        tensors, affines, sizes, indices, files = [], [], [], [], []
+        bar = tqdm(total=total if total > 0 else None, desc="decoding video", unit="frame",
+                   disable=not progress)
+        index = 0
+        while max_frames is None or len(indices) < max_frames:
+            if not cap.grab():  # decodes, but converts nothing: skipped frames stay cheap
+                break
+            bar.update()
+            if keep(index):
+                ok, bgr = cap.retrieve()
+                if not ok or bgr is None:
+                    raise ImageFolderError(f"cannot decode frame {index} of video {path!r}")
+                img = Image.fromarray(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+                del bgr
+                check_aspect(*img.size, name=f"video {path!r}")
+                t, affine = _preprocess(img, size, mode)
+                tensors.append(t)
+                affines.append(affine)
+                sizes.append(img.size)
+                indices.append(index)
+                if frames_dir is not None:
+                    files.append(store_frame(frames_dir, f"frame_{index:06d}", img, ext=".jpg"))
+            index += 1
+        bar.close()
+    finally:
+        cap.release()
+    if not tensors:
+        raise ImageFolderError(f"no frame decoded from video {path!r} ({index} frames read)")
+    times = [i / video_fps if video_fps > 0 else None for i in indices]
+    return LoadedImages(
+        images=stack_padded(tensors, affines), paths=[path] * len(indices), names=[f"frame_{i:06d}" for i in indices],
+        original_sizes=sizes, mode=mode, affines=affines, image_files=files,
+        sources=[f"{name}#frame={i}" for i in indices],
+        extra={"video": os.path.abspath(path), "video_fps": video_fps, "video_frames": total,
+               "frame_indices": indices, "timestamps_s": times, "frames_read": index})
