@@ -21,7 +21,7 @@ Two paths, both over the same inner step :func:`_fold_tile`:
   P partials with the monoid merge (Flash-Decoding / LeanAttention). Chosen
   automatically when ``B * H * ceil(Nq / BLOCK_M)`` programs cannot fill the GPU.
 
-Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODES`):
+Modes (:data:`.modes.MODES` whose ``kernels`` name the dense family) and their product precisions:
 
 * ``fp32``: ``"f16x3"``, split-FP16 products (:mod:`.split16`). Each FP32 operand is scaled by an exact
   power of two and split into two FP16 parts of 11 significant bits each (the same
@@ -44,43 +44,37 @@ Modes (:mod:`visionattn.modes`) and their product precisions (:data:`KERNEL_MODE
 Scores, state and accumulation are FP32 in every mode. ``"tf32x3"`` and ``"tf32"`` stay
 selectable (``precision=`` of :func:`get_config` / the launcher) for comparison.
 
-Public entry points (called by :func:`visionattn.attention`):
-:func:`elsa_attention`, :func:`unsupported_reason`; for tools and tuning:
-:func:`get_config`, :func:`choose_num_splits`, :class:`TileConfig`.
-The launcher is registered as the torch custom op ``visionattn::elsa_fwd`` so
-``torch.compile`` and CUDA graphs treat it as one opaque node.
+Public entry points: :func:`dense_forward` (what :mod:`visionattn.ops` calls: a cached launch
+plan per call signature, see :mod:`._launch`), :func:`elsa_attention` (the same, output only),
+:func:`unsupported_reason`; for tools and tuning: :func:`get_config`, :func:`choose_num_splits`,
+:class:`TileConfig`. The torch custom op that ``torch.compile`` sees is ``visionattn::attention``
+(:mod:`visionattn.ops`).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
 from . import half_gluon, ieee_gluon
-from ._host import allocate_output, cdiv, heads_inner_output, pad_pow2, run_first_that_fits, sm_count
+from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits, sm_count
+from ._launch import KernelCall, PlanCache, interpreting
+from .modes import MODES
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
 __all__ = [
-    "elsa_attention", "unsupported_reason", "TileConfig", "get_config", "choose_num_splits",
-    "KERNEL_MODES", "MAX_HEAD_DIM", "SHORT_KV",
+    "elsa_attention", "dense_forward", "unsupported_reason", "TileConfig", "get_config", "choose_num_splits",
+    "DENSE_MODES", "MAX_HEAD_DIM", "SHORT_KV", "PLANS",
 ]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
-# mode -> (compute dtype, tl.dot input_precision for the FP32 operands; half modes ignore it)
-KERNEL_MODES: dict[str, tuple[torch.dtype, str]] = {
-    "fp32": (torch.float32, "f16x3"),
-    "fp32-ieee": (torch.float32, "ieee"),
-    "tf32": (torch.float32, "f16x1"),
-    "fp16": (torch.float16, "tf32"),
-    "bf16": (torch.bfloat16, "tf32"),
-}
+# modes this module's kernels serve (the facts about each live in .modes.MODES)
+DENSE_MODES: tuple[str, ...] = tuple(name for name, m in MODES.items() if "dense" in m.kernels)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -133,6 +127,8 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
             qk = qk * q_inv[:, None]
     elif DOT_UPCAST:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+    elif PRECISION == "half":
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
     else:
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     # interior tiles mask bias / mask loads by row only: a mask uniform along the key axis lets them
@@ -187,6 +183,8 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
             # (one rounding per tile, as the MMA does). The start value `acc * 0.0` is not a known
             # zero, so the compiler cannot fold the add back into the dot.
             acc += tl.dot(p, v, acc * 0.0, input_precision="ieee")
+        elif PRECISION == "half":
+            acc = tl.dot(p.to(v.dtype), v, acc)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
     return acc, l_i, m_new, v_exp
@@ -194,21 +192,25 @@ def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk
 
 # Sequence lengths are not specialized on (divisibility by 16, == 1): a new length, e.g. FastVGGT's
 # data-dependent merged length, then never triggers a recompile in the middle of a timed run.
-@triton.jit(do_not_specialize=["Nq", "Nk", "tiles_per_split"])
+@triton.jit(do_not_specialize=["B", "H", "Nq", "Nk", "n_splits", "tiles_per_split"])
 def _elsa_fwd_kernel(
-    Q, K, V, Bias, Mask, Out, WsM, WsS, WsW,
+    Q, K, V, Bias, Mask, Out, Lse, WsM, WsS, WsW, qk_scale,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
-    B, H, Nq, Nk, D, Dv, qk_scale, n_splits, tiles_per_split,
+    B, H, Nq, Nk, D, Dv, n_splits, tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    LAZY_V: tl.constexpr,
+    LAZY_V: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """One (query tile, [KV partition,] head, batch) program; 1-D grid n_m_tiles * P * H * B.
 
     One grid axis: axes 1 and 2 stop at 65,535, and B * H reaches ~100k in SVD's
     temporal attention. Tiles of one (batch, head) are adjacent, so they share K/V in L2.
+    Per-call arguments come first (pointers, then ``qk_scale``), the plan's fixed ints after
+    them. ``WRITE_LSE``: the single pass also writes each row's natural-log log-sum-exp of
+    the scaled, biased logits to ``Lse`` [B, H, Nq] FP32 (-inf for a fully masked row), the
+    state the backward recomputes from.
     """
     tiles = tl.cdiv(Nq, BLOCK_M) * n_splits
     pid0 = tl.program_id(0)
@@ -286,8 +288,15 @@ def _elsa_fwd_kernel(
     v_unscale = tl.full([BLOCK_DV], 1.0, dtype=tl.float32)
     if PRECISION == "f16x3" or PRECISION == "f16x1":
         v_unscale = pv_unscale(v_exp)
+    if WRITE_LSE and not SPLIT:
+        # log2 sum_j 2^(s_j) = m + log2(sum_j 2^(s_j - m)) with the raw running sum (before f16x1's 2^-15)
+        lse_ptrs = Lse + (off_b * H + off_h) * Nq + start_m64 + offs_m
+        tl.store(lse_ptrs, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
     if PRECISION == "f16x1":
         l_i = l_i * (1.0 / 32768.0)  # P's 2^15 was in each p (see _fold_tile); acc's goes with v_unscale
+        # (m + 15, S / 2^15) is the same state as (m, S): stored that way, partitions whose rows took
+        # the minus-15 shift and those past 2^23 that did not merge consistently
+        m_i = m_i + 15.0
     if SPLIT:
         # partial state of partition `split`: workspace [P, B, H, Nq] (m, S) and [P, B, H, Nq, Dv] (W)
         row_id = ((split * B + off_b) * H + off_h) * Nq + start_m64 + offs_m
@@ -302,10 +311,11 @@ def _elsa_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
-@triton.jit
-def _elsa_merge_kernel(WsM, WsS, WsW, Out, sob, soh, som, sod, B, H, Nq, Dv, n_splits,
-                       BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Fold the P partial states of each query row with the monoid merge; write W / S.
+@triton.jit(do_not_specialize=["B", "H", "Nq", "n_splits"])
+def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv, n_splits,
+                       BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Fold the P partial states of each query row with the monoid merge; write W / S (and, with
+    ``WRITE_LSE``, the row's log-sum-exp ``(m + log2 S) ln 2`` to ``Lse`` [B, H, Nq]).
 
     1-D grid cdiv(Nq, BLOCK_M) * H * B. Partials of a partition that saw no visible key are
     the identity (-inf, 0, 0) and drop out.
@@ -339,6 +349,8 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, sob, soh, som, sod, B, H, Nq, Dv, n_s
         w = w * a[:, None] + w_p * b[:, None]
         m = m_new
     out = w / tl.where(s > 0.0, s, 1.0)[:, None]
+    if WRITE_LSE:
+        tl.store(Lse + base, (m + tl.math.log2(s)) * 0.6931471805599453, mask=row_ok)
     o_ptrs = Out + off_b * sob + off_h * soh + rows[:, None].to(tl.int64) * som + offs_dv[None, :] * sod
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
@@ -415,18 +427,16 @@ PRECISIONS = ("tf32x3", "ieee", "tf32", "f16x3", "f16x1")
 
 
 def _precision(mode: str, precision: str | None) -> str:
-    """The tl.dot precision of ``mode`` or the explicit override (FP32 modes only)."""
-    dtype, default = KERNEL_MODES[mode]
-    if precision is None or dtype != torch.float32:
-        return default
+    """The kernel's PRECISION constexpr for ``mode``: its FP32 product precision (or the explicit override,
+    FP32 modes only), ``"half"`` for the half modes (native tensor-core products)."""
+    md = MODES[mode]
+    if md.compute_dtype != torch.float32:
+        return "half"
+    if precision is None:
+        return md.input_precision
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}; expected one of {PRECISIONS}")
     return precision
-
-
-def _kind(mode: str, precision: str | None = None) -> str:
-    dtype = KERNEL_MODES[mode][0]
-    return "half" if dtype in (torch.float16, torch.bfloat16) else _precision(mode, precision)
 
 
 def _pad_dim(d: int) -> int:
@@ -443,12 +453,12 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, n_k: int
     Raises:
         ValueError: unknown mode, or a head dim outside 1..:data:`MAX_HEAD_DIM`.
     """
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(KERNEL_MODES)}")
+    if mode not in DENSE_MODES:
+        raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(DENSE_MODES)}")
     dmax = max(head_dim, head_dim_v or head_dim)
     if not 1 <= dmax <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {dmax} outside 1..{MAX_HEAD_DIM}")
-    return _CONFIGS[(_kind(mode, precision), _pad_dim(dmax), n_k is not None and n_k <= SHORT_KV)]
+    return _CONFIGS[(_precision(mode, precision), _pad_dim(dmax), n_k is not None and n_k <= SHORT_KV)]
 
 
 def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, device: torch.device) -> int:
@@ -468,31 +478,23 @@ def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, 
     return max(1, min(cdiv(2 * sms, programs), n_tiles // 2, 64))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def unsupported_reason(q, k, v, bias, attn_mask, mode: str) -> str | None:
     """Why the dense kernels cannot run this call, or ``None`` if they can.
 
-    Inputs as :func:`visionattn.attention` validated them (it calls this before casting
-    to the mode's dtype, so the dtype is not checked here). Reasons: a mode without a dense kernel (PASA modes
-    have their own kernel), a head dim above :data:`MAX_HEAD_DIM`, tensors not on
-    CUDA (unless ``TRITON_INTERPRET=1``), or autograd being required (these kernels
-    are forward-only).
+    Inputs as :func:`visionattn.attention` validated them (before casting to the mode's dtype, so the
+    dtype is not checked here). Reasons: a mode without a dense kernel (PASA modes have their own), a
+    head dim above :data:`MAX_HEAD_DIM`, tensors not on CUDA (unless ``TRITON_INTERPRET=1``).
     """
-    if mode not in KERNEL_MODES:
+    if mode not in DENSE_MODES:
         return f"mode {mode!r} has no dense ELSA kernel"
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not interpreting():
         return f"tensors on {q.device.type} (the Triton kernels need CUDA or TRITON_INTERPRET=1)"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
-        return "autograd: the dense kernels are forward-only"
     return None
 
 
-# --------------------------------------------------------------------------- launcher
+# --------------------------------------------------------------------------- launch plans
 
 def _smaller_configs(cfg: TileConfig) -> list[TileConfig]:
     """Configs to try, in order, when ``cfg`` exceeds the GPU's shared memory.
@@ -516,52 +518,103 @@ def _smaller_configs(cfg: TileConfig) -> list[TileConfig]:
     return out
 
 
-# launch key -> the config that fitted after an out-of-shared-memory retry (per process)
-_FITTED: dict[tuple, TileConfig] = {}
+class _TritonPlan:
+    """The Triton forward (plus the split-KV merge when ``P`` > 1) for one call signature: grid,
+    constexprs and every integer argument fixed; a call allocates the output (and LSE / workspace) and
+    launches."""
+
+    __slots__ = ("main", "merge", "fixed", "merge_fixed", "o_shape", "o_stride", "o_dtype", "device",
+                 "lse_shape", "ws_shape", "ws_w_shape", "config")
+
+    def __init__(self, q, k, v, bias, attn_mask, is_causal, mode, num_splits, cfg: TileConfig, precision,
+                 out_dtype, with_lse):
+        B, H, Nq, D = q.shape
+        Nk, Dv = k.shape[2], v.shape[3]
+        n_tiles = cdiv(Nk, cfg.block_n)
+        P = num_splits or choose_num_splits(B * H, Nq, Nk, cfg, q.device)
+        P = max(1, min(P, n_tiles))
+        tiles_per_split = cdiv(n_tiles, P)
+        P = cdiv(n_tiles, tiles_per_split)  # no empty trailing partitions
+        block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
+        self.config, self.device, self.o_dtype = cfg, q.device, out_dtype
+        self.o_shape = (B, H, Nq, Dv)
+        self.o_stride = (Nq * H * Dv, Dv, H * Dv, 1)  # heads-inner, as SDPA's flash path returns
+        self.lse_shape = (B, H, Nq) if with_lse else None
+        sb = bias.stride() if bias is not None else (0, 0, 0, 0)
+        sm = attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0)
+        self.fixed = (*q.stride(), *k.stride(), *v.stride(), *sb, *sm, *self.o_stride,
+                      B, H, Nq, Nk, D, Dv, P, tiles_per_split)
+        self.main = KernelCall(_elsa_fwd_kernel, (cdiv(Nq, cfg.block_m) * P * H * B,), dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=bias is not None,
+            HAS_MASK=attn_mask is not None, SPLIT=P > 1, EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
+            DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting(),
+            LAZY_V=precision == "f16x3" and Nk > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse)),
+            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        self.merge = None
+        self.ws_shape = self.ws_w_shape = None
+        if P > 1:
+            merge_m = 64 if block_dv <= 128 else 32
+            self.ws_shape, self.ws_w_shape = (P, B, H, Nq), (P, B, H, Nq, Dv)
+            self.merge = KernelCall(_elsa_merge_kernel, (cdiv(Nq, merge_m) * H * B,),
+                                    dict(BLOCK_M=merge_m, BLOCK_DV=block_dv, WRITE_LSE=bool(with_lse)),
+                                    dict(num_warps=4))
+            self.merge_fixed = (*self.o_stride, B, H, Nq, Dv, P)
+
+    def __call__(self, q, k, v, bias, attn_mask, scale):
+        dev = self.device
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=dev)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        lse_t = out if lse is None else lse  # never written without WRITE_LSE
+        b_t = q if bias is None else bias  # dummy pointers, never read (HAS_BIAS / HAS_MASK off)
+        m_t = q if attn_mask is None else attn_mask
+        if self.merge is None:
+            self.main(q, k, v, b_t, m_t, out, lse_t, out, out, out, scale * LOG2E, *self.fixed)
+        else:
+            ws_m = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
+            ws_s = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
+            ws_w = torch.empty(self.ws_w_shape, dtype=torch.float32, device=dev)
+            self.main(q, k, v, b_t, m_t, out, lse_t, ws_m, ws_s, ws_w, scale * LOG2E, *self.fixed)
+            self.merge(ws_m, ws_s, ws_w, out, lse_t, *self.merge_fixed)
+        return out, lse
 
 
-def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,
-            config: TileConfig | None = None, precision: str | None = None,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Validate, allocate, choose the path, launch. ``num_splits`` 0 = automatic.
+class _GluonPlan:
+    """A Gluon kernel (:mod:`.ieee_gluon` / :mod:`.half_gluon`) for one call signature."""
 
-    ``precision`` overrides the product precision of the FP32 modes (tools compare them).
+    __slots__ = ("launch", "o_shape", "o_stride", "o_dtype", "device")
 
-    Without an explicit ``config`` the table's config is used; if the compiled kernel needs
-    more shared memory than the GPU has (bias/mask tiles add to it), the next smaller config
-    of :func:`_smaller_configs` is tried and remembered for this kernel variant.
-    """
-    if mode not in KERNEL_MODES:
-        raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(KERNEL_MODES)}")
-    dtype = KERNEL_MODES[mode][0]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}; mode {mode!r} computes in {dtype} (cast first)")
-    if num_splits < 0:
-        raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 / None = automatic)")
-    B, H, Nq, D = q.shape
-    Nk, Dv = k.shape[2], v.shape[3]
-    precision = _precision(mode, precision)
-    out, needs_kernel = allocate_output(q, Nk, Dv, out_dtype or dtype)
-    if not needs_kernel:
-        return out
-    gluon = "fp32-ieee" if precision == "ieee" else "half" if dtype != torch.float32 else None
-    if gluon is not None and config is None and _gluon(gluon, q, k, v, bias, attn_mask, is_causal, scale,
-                                                       num_splits, out):
-        return out
-    if config is not None:
-        _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, config, out, precision)
-        return out
-    table = get_config(mode, D, Dv, Nk, precision)
-    key = (mode, precision, _pad_dim(D), _pad_dim(Dv), Nk <= SHORT_KV, bias is not None and bias.dtype,
-           attn_mask is not None, bool(is_causal))
-    cfg = _FITTED.get(key, table)
-    ran = run_first_that_fits(
-        lambda c: _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, c, out, precision),
-        cfg, _smaller_configs)
-    if ran != cfg:
-        _FITTED[key] = ran
-    return out
+    def __init__(self, launch, q, v, out_dtype):
+        B, H, Nq = q.shape[:3]
+        Dv = v.shape[3]
+        self.launch, self.device, self.o_dtype = launch, q.device, out_dtype
+        self.o_shape, self.o_stride = (B, H, Nq, Dv), (Nq * H * Dv, Dv, H * Dv, 1)
+
+    def __call__(self, q, k, v, bias, attn_mask, scale):
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
+        self.launch(q, k, v, scale, out)
+        return out, None
+
+
+class _EmptyPlan:
+    """Nothing to compute: no rows, no value columns, or no keys (then W = 0: zero output, LSE -inf)."""
+
+    __slots__ = ("o_shape", "o_stride", "o_dtype", "device", "lse_shape", "zero")
+
+    def __init__(self, q, k, v, out_dtype, with_lse):
+        B, H, Nq = q.shape[:3]
+        Dv = v.shape[3]
+        self.device, self.o_dtype = q.device, out_dtype
+        self.o_shape, self.o_stride = (B, H, Nq, Dv), (Nq * H * Dv, Dv, H * Dv, 1)
+        self.lse_shape = (B, H, Nq) if with_lse else None
+        self.zero = k.shape[2] == 0
+
+    def __call__(self, q, k, v, bias, attn_mask, scale):
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
+        if self.zero:
+            out.zero_()
+        lse = None if self.lse_shape is None else torch.full(self.lse_shape, float("-inf"), device=self.device)
+        return out, lse
 
 
 # Gluon kernel ("fp32-ieee" / "half") -> why it could not run in this process (first failure; warned once)
@@ -569,35 +622,6 @@ _GLUON_FAILED: dict[str, str] = {}
 # kernel -> (module, (n_q, n_k, head dim) -> whether it is ahead of this module's kernel on an in-scope call)
 _GLUON_KERNELS = {"fp32-ieee": (ieee_gluon, lambda n_q, n_k, head_dim: True),
                   "half": (half_gluon, half_gluon.preferred)}
-
-
-def _gluon(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out: torch.Tensor) -> bool:
-    """Run the call on a Gluon kernel into ``out`` (allocated, validated): ``"fp32-ieee"`` on the FMA kernel of
-    :mod:`.ieee_gluon` (~2x this module's IEEE loop), ``"half"`` (fp16 / bf16) on the warp-specialized Hopper
-    kernel of :mod:`.half_gluon`. ``False`` when it does not take the call: lengths it is not preferred at,
-    outside its scope, where the split-KV path would run (few query tiles), or after it failed to import or
-    compile once in this process (warned once)."""
-    module, preferred = _GLUON_KERNELS[kernel]
-    if kernel in _GLUON_FAILED or not preferred(q.shape[2], k.shape[2], q.shape[3]):
-        return False
-    reason = module.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits)
-    if reason is not None:
-        if reason == module._IMPORT_ERROR:  # reported last: the call was otherwise in scope
-            _gluon_failed(kernel, reason)
-        return False
-    B, H, Nq = q.shape[:3]
-    cfg = module.config_for(q, k)
-    tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
-    if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
-        return False
-    try:
-        module.launch(q, k, v, scale, out, cfg)  # checked above: no second validation
-        return True
-    except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
-        _gluon_failed(kernel, f"{type(exc).__name__}: {exc}")
-        return False
-
-
 _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (about half the speed)",
                         "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)"}
 
@@ -606,65 +630,121 @@ def _gluon_failed(kernel: str, why: str) -> None:
     """Record why the Gluon ``kernel`` ("fp32-ieee" / "half") cannot run in this process and warn, once."""
     _GLUON_FAILED[kernel] = why[:500]
     warnings.warn(f"visionattn: the Gluon {kernel} kernel cannot run ({_GLUON_FAILED[kernel]}); "
-                  f"{_GLUON_FALLBACK_COST[kernel]} for the rest of this process", RuntimeWarning, stacklevel=4)
+                  f"{_GLUON_FALLBACK_COST[kernel]} for the rest of this process", RuntimeWarning, stacklevel=5)
 
 
-def _run_kernels(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, cfg: TileConfig, out,
-                 precision: str):
-    """Plan (split count, workspace, grid) for ``cfg`` and launch the forward (+ merge) kernels into ``out``."""
-    dtype = KERNEL_MODES[mode][0]
+def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype):
+    """A :class:`_GluonPlan` on ``kernel`` ("fp32-ieee": the FMA kernel of :mod:`.ieee_gluon`, ~2x this
+    module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`), or ``None`` when it
+    does not take the call: lengths it is not preferred at, outside its scope, where the split-KV path would
+    run (few query tiles), or after it failed to import or compile once in this process (warned once)."""
+    module, preferred = _GLUON_KERNELS[kernel]
+    if kernel in _GLUON_FAILED or not preferred(q.shape[2], k.shape[2], q.shape[3]):
+        return None
+    reason = module.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits)
+    if reason is not None:
+        if reason == module._IMPORT_ERROR:  # reported last: the call was otherwise in scope
+            _gluon_failed(kernel, reason)
+        return None
+    B, H, Nq = q.shape[:3]
+    cfg = module.config_for(q, k)
+    tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
+    if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
+        return None
+    return _GluonPlan(module.planned_launch(q, k, v, cfg), q, v, out_dtype)
+
+
+def _check_call(q, k, v, mode: str, num_splits: int, out_dtype) -> None:
+    dtype = MODES[mode].compute_dtype
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; mode {mode!r} computes in {dtype} (cast first)")
+    if num_splits < 0:
+        raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 / None = automatic)")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"output dtype {out_dtype} (the out_dtype argument, or the inputs' dtype where none is "
+                        f"given); the kernels write one of {OUT_DTYPES}")
+
+
+def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype, with_lse,
+                  config: TileConfig | None = None, precision: str | None = None):
+    """Build the plan of a call signature by running it once: ``(plan, (out, lse))``.
+
+    Order: nothing to compute -> :class:`_EmptyPlan`; a Gluon kernel that takes the call (not with an
+    explicit ``config`` / ``precision``, nor when the LSE is wanted: the Gluon kernels do not write it);
+    else the Triton kernel with the table's config, and on out-of-shared-memory (bias / mask tiles add to
+    it) the next smaller of :func:`_smaller_configs`.
+    """
+    if mode not in DENSE_MODES:
+        raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(DENSE_MODES)}")
+    dtype = MODES[mode].compute_dtype
+    out_dtype = out_dtype or dtype
+    _check_call(q, k, v, mode, num_splits, out_dtype)
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    n_tiles = cdiv(Nk, cfg.block_n)
-    P = num_splits or choose_num_splits(B * H, Nq, Nk, cfg, q.device)
-    P = max(1, min(P, n_tiles))
-    tiles_per_split = cdiv(n_tiles, P)
-    P = cdiv(n_tiles, tiles_per_split)  # no empty trailing partitions
-    BLOCK_D, BLOCK_DV = _pad_dim(D), _pad_dim(Dv)
+    if B * H * Nq == 0 or Dv == 0 or Nk == 0:
+        plan = _EmptyPlan(q, k, v, out_dtype, with_lse)
+        return plan, plan(q, k, v, bias, attn_mask, scale)
+    prec = _precision(mode, precision)
+    gluon = "fp32-ieee" if prec == "ieee" else "half" if dtype != torch.float32 else None
+    if gluon is not None and config is None and precision is None and not with_lse:
+        plan = _gluon_plan(gluon, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype)
+        if plan is not None:
+            try:
+                return plan, plan(q, k, v, bias, attn_mask, scale)
+            except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
+                _gluon_failed(gluon, f"{type(exc).__name__}: {exc}")
+    result = []
 
-    has_bias, has_mask = bias is not None, attn_mask is not None
-    bias_t = bias if has_bias else q  # dummy pointer, never read
-    mask_t = attn_mask if has_mask else q
-    sb = bias.stride() if has_bias else (0, 0, 0, 0)
-    sm = attn_mask.stride() if has_mask else (0, 0, 0, 0)
-    split = P > 1
-    if split:
-        ws_m = torch.empty((P, B, H, Nq), device=q.device, dtype=torch.float32)
-        ws_s = torch.empty_like(ws_m)
-        ws_w = torch.empty((P, B, H, Nq, Dv), device=q.device, dtype=torch.float32)
-    else:
-        ws_m = ws_s = ws_w = out  # unused
-    n_m = cdiv(Nq, cfg.block_m)
-    grid = (n_m * P * H * B,)
-    _elsa_fwd_kernel[grid](
-        q, k, v, bias_t, mask_t, out, ws_m, ws_s, ws_w,
-        *q.stride(), *k.stride(), *v.stride(), *sb, *sm, *out.stride(),
-        B, H, Nq, Nk, D, Dv, scale * LOG2E, P, tiles_per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-        PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=has_bias, HAS_MASK=has_mask,
-        SPLIT=split, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
-        DOT_UPCAST=dtype == torch.bfloat16 and _interpreting(),
-        LAZY_V=precision == "f16x3" and Nk > LAZY_V_MIN_KEYS,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if split:
-        merge_m = 64 if BLOCK_DV <= 128 else 32
-        _elsa_merge_kernel[(cdiv(Nq, merge_m) * H * B,)](
-            ws_m, ws_s, ws_w, out, *out.stride(), B, H, Nq, Dv, P,
-            BLOCK_M=merge_m, BLOCK_DV=BLOCK_DV, num_warps=4,
-        )
+    def run(cfg):
+        plan = _TritonPlan(q, k, v, bias, attn_mask, is_causal, mode, num_splits, cfg, prec, out_dtype, with_lse)
+        result.append((plan, plan(q, k, v, bias, attn_mask, scale)))
+
+    first = config if config is not None else get_config(mode, D, Dv, Nk, precision)
+    run_first_that_fits(run, first, (lambda _: []) if config is not None else _smaller_configs)
+    return result[-1]
 
 
-@torch.library.custom_op("visionattn::elsa_fwd", mutates_args=())
-def _elsa_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                 attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, mode: str,
-                 num_splits: int, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
-    return _launch(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype=out_dtype)
+# call signature -> plan (see _launch); PLANS.hits / PLANS.builds count reuses and builds
+PLANS = PlanCache()
 
 
-@_elsa_fwd_op.register_fake
-def _elsa_fwd_fake(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
-    return heads_inner_output(q, q.shape[2], v.shape[3], out_dtype or q.dtype)
+def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                  attn_mask: torch.Tensor | None, is_causal: bool, scale: float, mode: str, num_splits: int = 0,
+                  out_dtype: torch.dtype | None = None, with_lse: bool = False):
+    """The dense forward from a cached launch plan: ``(out, lse)``, ``lse`` None unless ``with_lse``.
+
+    Arguments as :func:`elsa_attention` (``num_splits`` 0 = automatic). The plan key holds what decides
+    the launch and Triton's specialisation: mode, shapes, strides, dtypes, device, bias / mask strides,
+    causal, splits, output dtype, LSE, and each data pointer's 16-byte alignment. The first call of a key
+    validates, chooses the kernel and config and launches through Triton's JIT; later calls allocate the
+    output and launch from the plan (see :mod:`._launch`).
+
+    ``lse``: [B, H, Nq] float32, ``log sum_j exp(scale q_i . k_j + bias_ij)`` over the visible keys, -inf
+    for a fully masked row: what the backward recomputes P from (FlashAttention-2's ``softmax_lse``).
+    """
+    key = (mode, q.shape, k.shape, v.shape[3], q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), None if bias is None else (bias.stride(), bias.dtype, bias.data_ptr() & 15),
+           None if attn_mask is None else (attn_mask.stride(), attn_mask.data_ptr() & 15),
+           is_causal, num_splits, out_dtype, with_lse, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan(q, k, v, bias, attn_mask, scale)
+    plan, result = _plan_and_run(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, int(num_splits),
+                                 out_dtype, bool(with_lse))
+    PLANS.put(key, plan)
+    return result
+
+
+def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,
+            config: TileConfig | None = None, precision: str | None = None,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One uncached launch with an explicit tile ``config`` and / or product ``precision`` (tools and tests
+    compare them): the output only. Without either it is :func:`dense_forward`."""
+    if config is None and precision is None:
+        return dense_forward(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)[0]
+    return _plan_and_run(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, int(num_splits),
+                         out_dtype, False, config, precision)[1][0]
 
 
 def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
@@ -702,8 +782,5 @@ def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     """
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits={num_splits}; expected a positive int or None")
-    n = int(num_splits or 0)
-    if torch.compiler.is_compiling():
-        return _elsa_fwd_op(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, n, out_dtype)
-    # eager: skip the dispatcher round trip (same launcher, same result)
-    return _launch(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, n, out_dtype=out_dtype)
+    return dense_forward(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, int(num_splits or 0),
+                         out_dtype)[0]

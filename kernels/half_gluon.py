@@ -59,6 +59,7 @@ import torch
 
 from ._gluon import checked_call, scope_reason
 from ._host import cdiv, pad_pow2, sm_count
+from ._launch import KernelCall
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -73,7 +74,7 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
 
 __all__ = ["half_attention", "launch", "unsupported_reason", "get_config", "kernel_constexprs", "descriptor_types",
-           "HEAD_DIMS", "preferred", "config_for", "FOUR_CONSUMER_ROWS", "FOUR_CONSUMER_MAX_KEYS"]
+           "HEAD_DIMS", "preferred", "config_for", "planned_launch", "FOUR_CONSUMER_ROWS", "FOUR_CONSUMER_MAX_KEYS"]
 
 HEAD_DIMS = (64, 128)
 
@@ -111,6 +112,13 @@ def _tail_keys(rem: int, split: bool) -> tuple[int, int]:
     if split and second & (second - 1) == 0:
         return first, second
     return pad_pow2(rem), 0
+
+
+# The last key tile is cut to the keys it holds (one kernel build per cut) only up to this many keys: image
+# models have few such lengths, each a sizeable gain; past it the whole tile runs masked (at most 1/16 of the
+# work, the masked part less) so that a new long length, e.g. another frame count of VGGT's global attention,
+# never compiles a new kernel (docs/tuning.md: "Gluon tail cut").
+TAIL_CUT_MAX_KEYS = 2048
 
 
 # D = 64 calls with this many query rows and at most FOUR_CONSUMER_MAX_KEYS keys run four consumer warpgroups per
@@ -156,8 +164,9 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
                "ctas_per_sm": 1}
     block_n = cfg["BLOCK_N"]
     rem = n_k - (cdiv(n_k, block_n) - 1) * block_n
+    tail = _tail_keys(rem, split=head_dim <= 64) if n_k <= TAIL_CUT_MAX_KEYS else (block_n, 0)
     return dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 else 1,
-                one_tile=n_k <= block_n, tail_keys=_tail_keys(rem, split=head_dim <= 64))
+                one_tile=n_k <= block_n, tail_keys=tail)
 
 
 def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
@@ -391,7 +400,7 @@ if _IMPORT_ERROR is None:
                      + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
             i += 1
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
     def _half_fwd_kernel(q_desc, k_desc, v_desc, O, sob, soh, som, H, Nq, Nk, n_work, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -515,16 +524,37 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                         q, k, out_dtype or q.dtype, lambda out: launch(q, k, v, scale, out, cfg))
 
 
-def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
-    """:func:`half_attention`'s kernel launch into ``out`` (an :func:`._host.allocate_output` that needs a
-    kernel), without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already
-    (the dense launcher: no second validation on the hot path)."""
+def _rebased(template, base: torch.Tensor):
+    # a copy of descriptor ``template`` on another tensor of the same shape, strides and alignment class:
+    # the dataclass's validation ran once, on the template
+    d = object.__new__(type(template))
+    d.__dict__.update(template.__dict__)
+    d.base = base
+    return d
+
+
+def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict):
+    """The launch of :func:`half_attention`'s kernel for this call signature (shapes, strides, alignment,
+    ``cfg``), as a callable ``(q, k, v, scale, out) -> None`` for later calls with the same signature, without
+    checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
+    launcher's plans). The TMA descriptors are built and validated once, here; a call copies them onto its
+    tensors."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    descs = [TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, q.dtype))
-             for t, block in zip((q, k, v), _descriptor_blocks(cfg, D).values())]
+    templates = [TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, q.dtype))
+                 for t, block in zip((q, k, v), _descriptor_blocks(cfg, D).values())]
     n_work = cdiv(Nq, cfg["BLOCK_M"]) * B * H
     grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
-    _half_fwd_kernel[(grid,)](
-        *descs, out, *out.stride()[:3], H, Nq, Nk, n_work, float(scale) * _LOG2E, **kernel_constexprs(cfg, D),
-        num_warps=4, maxnreg=cfg["maxnreg"])
+    call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D), dict(num_warps=4, maxnreg=cfg["maxnreg"]))
+    fixed = (Nq * H * D, D, H * D, H, Nq, Nk, n_work)
+    tq, tk, tv = templates
+
+    def launch(q, k, v, scale, out):
+        call(_rebased(tq, q), _rebased(tk, k), _rebased(tv, v), out, *fixed, scale * _LOG2E)
+
+    return launch
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
+    """One :func:`planned_launch` into ``out`` (heads-inner, as :func:`._host.allocate_output` makes it)."""
+    planned_launch(q, k, v, cfg)(q, k, v, float(scale), out)

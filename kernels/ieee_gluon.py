@@ -27,6 +27,7 @@ import torch
 
 from ._gluon import checked_call, scope_reason
 from ._host import cdiv
+from ._launch import KernelCall
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -41,7 +42,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["ieee_attention", "launch", "unsupported_reason", "get_config", "config_for", "kernel_constexprs",
+__all__ = ["ieee_attention", "launch", "planned_launch", "unsupported_reason", "get_config", "config_for", "kernel_constexprs",
            "HEAD_DIMS"]
 
 HEAD_DIMS = (32, 64, 128)
@@ -107,7 +108,7 @@ if _IMPORT_ERROR is None:
             pv = gl.dot_fma(p_smem.slice(kk, KC, dim=1).load(a_l), v_t.slice(kk, KC, dim=0).load(b_l), pv)
         return acc * alpha[:, None] + pv, m_new, l_i
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
     def _ieee_fwd_kernel(Q, K, V, O, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                          H, Nq, Nk, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, KC: gl.constexpr,
@@ -210,11 +211,23 @@ def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
                 SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"])
 
 
-def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
-    """:func:`ieee_attention`'s kernel launch into ``out`` (an :func:`._host.allocate_output` that needs a
-    kernel), without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already
-    (the dense launcher: no second validation on the hot path)."""
+def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict):
+    """The launch of :func:`ieee_attention`'s kernel for this call signature (shapes, strides, ``cfg``), as a
+    callable ``(q, k, v, scale, out) -> None`` for any later call with the same shapes and strides, without
+    checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
+    launcher's plans). ``out`` is a heads-inner [B, H, Nq, D] buffer (:func:`._host.allocate_output`)."""
     B, H, Nq, D = q.shape
-    _ieee_fwd_kernel[(cdiv(Nq, cfg["BLOCK_M"]) * B * H,)](
-        q, k, v, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        H, Nq, k.shape[2], float(scale) * _LOG2E, **kernel_constexprs(cfg, D), num_warps=cfg["num_warps"])
+    o_stride = (Nq * H * D, D, H * D)
+    call = KernelCall(_ieee_fwd_kernel, (cdiv(Nq, cfg["BLOCK_M"]) * B * H,), kernel_constexprs(cfg, D),
+                      dict(num_warps=cfg["num_warps"]))
+    fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_stride, H, Nq, k.shape[2])
+
+    def launch(q, k, v, scale, out):
+        call(q, k, v, out, *fixed, scale * _LOG2E)
+
+    return launch
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
+    """One :func:`planned_launch` into ``out`` (heads-inner, as :func:`._host.allocate_output` makes it)."""
+    planned_launch(q, k, v, cfg)(q, k, v, float(scale), out)

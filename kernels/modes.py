@@ -1,11 +1,15 @@
-"""Precision modes of visionattn and their accuracy contracts.
+"""Precision modes: the one table of what each mode means.
 
-A mode fixes three things: the dtype the inputs are cast to before the kernel
+A mode fixes the dtype the inputs are cast to before a kernel runs
 (``compute_dtype``), the arithmetic of the two products (``input_precision``:
 ``"ieee"`` FP32 FMA; ``"f16x3"`` / ``"f16x1"`` split-FP16 products on the FP16
-tensor cores, see :mod:`visionattn.kernels.elsa_fwd`; half modes use the tensor
-cores natively) and the accuracy contract: the relative L2 error of the output
-against the float64 oracle on N(0, 1) inputs (DESIGN.md, "Modes").
+tensor cores, see :mod:`visionattn.kernels.split16`; half modes use the tensor
+cores natively), where the scores accumulate (``half_scores``), whether PASA's
+shift runs (``pasa_shift``), which kernel families serve it (``kernels``) and the
+accuracy contract: the relative L2 error of the output against the float64
+oracle on N(0, 1) inputs (docs/design.md, "Modes"). The public API
+(:mod:`visionattn.modes` re-exports this module), the kernels' launchers and the
+tests all read this table; nothing else lists modes.
 
 ``fp16-acc16`` is not a production mode: it is the FP16-score-accumulation
 baseline that PASA fixes (PASA paper, Sec. 2), kept so the overflow can be shown
@@ -32,6 +36,11 @@ class Mode:
         rel_tol: contract, max relative L2 output error vs the float64 oracle.
         half_scores: scores accumulated in FP16 (``pasa``, ``fp16-acc16``).
         description: one line for tables and ``--help``.
+        pasa_shift: PASA's online pseudo-average shift runs (``pasa`` only).
+        kernels: the kernel families that serve the mode on CUDA: ``"dense"``
+            (:mod:`.elsa_fwd`), ``"pasa"`` (:mod:`.pasa_fwd`), ``"window"`` (:mod:`.window_fwd`).
+        state_dtype: dtype of the (m, S, W) state and of the score accumulation after the
+            products (FP32 in every mode).
     """
 
     name: str
@@ -40,6 +49,9 @@ class Mode:
     rel_tol: float
     half_scores: bool
     description: str
+    pasa_shift: bool = False
+    kernels: frozenset = frozenset({"dense", "window"})
+    state_dtype: torch.dtype = torch.float32
 
 
 MODES: dict[str, Mode] = {
@@ -58,11 +70,13 @@ MODES: dict[str, Mode] = {
              "BF16 inputs, FP32 score accumulation and state"),
         # The shifted scores are accumulated in FP16 but the shift is undone in FP32
         # (visionattn.pasa): 8.6e-4 (D=64) / 1.0e-3 (D=128) measured on the CPU emulation;
-        # the margin over fp16's 2e-3 covers GPU accumulation order (not yet re-measured).
+        # the margin over fp16's 2e-3 covers the GPU's accumulation order.
         Mode("pasa", torch.float16, None, 3e-3, True,
-             "FP16 inputs, FP16 score accumulation with online pseudo-average shifting (cannot overflow)"),
+             "FP16 inputs, FP16 score accumulation with online pseudo-average shifting (cannot overflow)",
+             pasa_shift=True, kernels=frozenset({"pasa", "window"})),
         Mode("fp16-acc16", torch.float16, None, 6e-3, True,
-             "diagnostic baseline: FP16 score accumulation without shifting (may overflow)"),
+             "diagnostic baseline: FP16 score accumulation without shifting (may overflow)",
+             kernels=frozenset({"pasa", "window"})),
     )
 }
 

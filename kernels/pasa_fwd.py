@@ -29,9 +29,9 @@ The recovery from FP32 quantities and the query centering deviate from the paper
 Algorithm 1 for accuracy (both are exact in exact arithmetic); the CPU reference with
 the same arithmetic, :func:`visionattn.pasa.pasa_attention_reference`, explains them in
 its module docstring and lists what is rounded where. Kernels never import upward
-(DESIGN.md), so the optimal-accuracy beta (Eq. 20-22) and ``mu`` are computed here by
-:func:`_optimal_beta` and :func:`_query_center` as well; ``tests/kernels/test_pasa_kernel.py``
-checks they equal :func:`visionattn.pasa.optimal_beta` and :func:`visionattn.pasa.query_center`.
+(docs/design.md): the optimal-accuracy beta (Eq. 20-22) comes from :mod:`.pasa_math`, which the
+reference re-exports, and ``mu`` is computed here by :func:`_query_center`;
+``tests/kernels/test_pasa_kernel.py`` checks it equals :func:`visionattn.pasa.query_center`.
 """
 from __future__ import annotations
 
@@ -41,74 +41,69 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import allocate_output, cdiv, pad_pow2, run_first_that_fits
+from ._host import OUT_DTYPES, allocate_output, cdiv, pad_pow2, run_first_that_fits
+from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import LOG2E, load_kv_tile
+from .pasa_math import optimal_beta, shift_coefficients
 from .split16 import SPLIT_EXP, exponent, pow2
 
 __all__ = ["pasa_attention", "pasa_unsupported_reason", "BLOCK_N", "MAX_HEAD_DIM"]
 
 BLOCK_N = 128  # keys per KV block = size of the shifting matrix M (the paper's s2)
-_BETA0 = 1.0 - 2.0 ** -6  # the paper's adopted initial value (-> 0.984497 for n = 128)
 MAX_HEAD_DIM = 256
 _LOG2E = tl.constexpr(LOG2E)  # kernels read globals only as constexprs
 
 
 # ----------------------------------------------------------------------------------- host math
-def _fl16(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float64).half().double())
-
-
-@functools.lru_cache(maxsize=None)
 def _optimal_beta(n: int) -> float:
-    """Fixed point of Eq. 22 for FP16 and block size n (see visionattn.pasa.optimal_beta)."""
-    beta = _BETA0
-    for _ in range(100):
-        b = _fl16(beta / n)
-        a = _fl16(1.0 - beta / n) + b
-        f = b * n / (a * (a - b * n)) + (1.0 - a) / a
-        new = f / (1.0 + f)
-        if abs(new - beta) <= 1e-12 * beta:
-            return new
-        beta = new
-    raise RuntimeError(f"optimal beta did not converge for block size {n}")
+    """The optimal-accuracy beta of a block of ``n`` keys (:func:`.pasa_math.optimal_beta`, FP16)."""
+    return optimal_beta(n)
 
 
-@functools.lru_cache(maxsize=None)
-def _coefficients(n: int, beta: float | None) -> tuple[float, float, float]:
-    # (a, b, f): K' = scale (a k - b sum k) with the FP16-rounded M (Eq. 21/23); f = beta / (1 - beta)
-    # (the paper's recovery factor; the kernel recovers with a and b directly).
-    beta = _optimal_beta(n) if beta is None else float(beta)
-    b = _fl16(beta / n)
-    return _fl16(1.0 - beta / n) + b, b, beta / (1.0 - beta)
+_coefficients = functools.lru_cache(maxsize=None)(shift_coefficients)
+
+
+class _CenterPlan:
+    """The query centre mu, [B, H, D] float32 (FP16 values; see visionattn.pasa.query_center), for one
+    query shape: ``mu_d = fl16(mean_i q_id)``, or 0 where ``max_i |q_id - mu_d| > max_i |q_id|``. Two
+    launches: per-chunk FP32 sums / minima / maxima over query rows, then their fixed-order combination
+    (deterministic, unlike atomics). ``q``: [B, H, Nq, D] float16, any strides, ``Nq > 0``."""
+
+    __slots__ = ("partials", "combine", "part_shape", "mu_shape", "fixed", "combine_fixed", "device")
+
+    def __init__(self, q: torch.Tensor):
+        B, H, Nq, D = q.shape
+        block_d = pad_pow2(D)
+        chunk = pad_pow2(cdiv(Nq, _CENTER_CHUNKS), lo=_CENTER_ROWS)
+        n_chunks = cdiv(Nq, chunk)
+        plane = B * H * n_chunks * D
+        self.device = q.device
+        self.part_shape, self.mu_shape = (3, B * H, n_chunks, D), (B, H, D)
+        # 1-D grid: B * H reaches ~100k in SVD's temporal attention, over grid axis 1's 65,535
+        self.partials = KernelCall(_center_partials_kernel, (n_chunks * B * H,),
+                                   dict(BLOCK_M=_CENTER_ROWS, BLOCK_D=block_d), {})
+        self.fixed = (*q.stride(), H, Nq, D, chunk, n_chunks, plane)
+        self.combine = KernelCall(_center_combine_kernel, (B * H,), dict(BLOCK_C=_CENTER_CHUNKS, BLOCK_D=block_d), {})
+        self.combine_fixed = (Nq, D, n_chunks, plane)
+
+    def __call__(self, q: torch.Tensor) -> torch.Tensor:
+        part = torch.empty(self.part_shape, dtype=torch.float32, device=self.device)
+        self.partials(q, part, *self.fixed)
+        mu = torch.empty(self.mu_shape, dtype=torch.float32, device=self.device)
+        self.combine(part, mu, *self.combine_fixed)
+        return mu
 
 
 def _query_center(q: torch.Tensor) -> torch.Tensor:
-    """The query centre mu, [B, H, D] float32 (FP16 values; see visionattn.pasa.query_center).
-
-    ``mu_d = fl16(mean_i q_id)``, or 0 where ``max_i |q_id - mu_d| > max_i |q_id|``. Two launches
-    (the torch version took ~10, ~0.1 ms of host time): per-chunk FP32 sums / minima / maxima over
-    query rows, then their fixed-order combination (deterministic, unlike atomics).
-    ``q``: [B, H, Nq, D] float16, any strides, ``Nq > 0``.
-    """
-    B, H, Nq, D = q.shape
-    block_d = pad_pow2(D)
-    chunk = pad_pow2(cdiv(Nq, _CENTER_CHUNKS), lo=_CENTER_ROWS)
-    n_chunks = cdiv(Nq, chunk)
-    part = torch.empty((3, B * H, n_chunks, D), dtype=torch.float32, device=q.device)
-    # 1-D grid: B * H reaches ~100k in SVD's temporal attention, over grid axis 1's 65,535
-    _center_partials_kernel[(n_chunks * B * H,)](q, part, *q.stride(), H, Nq, D, chunk, n_chunks,
-                                                 B * H * n_chunks * D, BLOCK_M=_CENTER_ROWS, BLOCK_D=block_d)
-    mu = torch.empty((B, H, D), dtype=torch.float32, device=q.device)
-    _center_combine_kernel[(B * H,)](part, mu, Nq, D, n_chunks, B * H * n_chunks * D,
-                                     BLOCK_C=pad_pow2(n_chunks, lo=1), BLOCK_D=block_d)
-    return mu
+    """The query centre mu of ``q`` [B, H, Nq, D] float16 (:class:`_CenterPlan`), [B, H, D] float32."""
+    return _CenterPlan(q)(q)
 
 
 _CENTER_ROWS = 64  # query rows per loop step of _center_partials_kernel
 _CENTER_CHUNKS = 64  # at most this many row chunks (programs) per (batch, head)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "N_Q", "CHUNK", "N_CHUNKS", "PLANE"])
 def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd, H, N_Q, D, CHUNK, N_CHUNKS,
                             PLANE, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     # Program bh * N_CHUNKS + chunk: FP32 sum, min and max of every query dimension over rows
@@ -137,7 +132,7 @@ def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd,
     tl.store(out + 2 * PLANE, hi, mask=d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q", "N_CHUNKS", "PLANE"])
 def _center_combine_kernel(PART, MU, N_Q, D, N_CHUNKS, PLANE, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     # Program (batch*head): combine the chunk partials in a fixed order, then mu = fl16(mean) or 0
     # where centering would enlarge the dimension's range.
@@ -154,7 +149,7 @@ def _center_combine_kernel(PART, MU, N_Q, D, N_CHUNKS, PLANE, BLOCK_C: tl.conste
     tl.store(MU + bh.to(tl.int64) * D + offs_d, tl.where(keep, mu, 0.0), mask=offs_d < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "N_K"])
 def _pasa_shift_keys_kernel(
     K, KP, MU, C, W, W_INV, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
     a_full, b_full, a_tail, b_tail, w_full, w_tail, inv_a_full, inv_a_tail,
@@ -273,7 +268,7 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row
 
 
 # N_K is specialized on (unlike _elsa_fwd_kernel's lengths): the per-head C rows start at pid_bh * N_K
-@triton.jit
+@triton.jit(do_not_specialize=["H", "N_Q", "N_K"])
 def _pasa_fwd_kernel(
     Q, K, V, O, BIAS, MASK, MU, C, W, W_INV,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -378,21 +373,14 @@ def pasa_unsupported_reason(q, k, v, bias, attn_mask) -> str | None:
 
     Inputs as :func:`visionattn.attention` passes them after validation (any float dtype:
     the launcher needs them cast to float16). Reasons: head dim above :data:`MAX_HEAD_DIM`,
-    tensors not on CUDA (unless ``TRITON_INTERPRET=1``), autograd (forward only).
+    tensors not on CUDA (unless ``TRITON_INTERPRET=1``). The kernel is forward-only: the op layer
+    routes calls that need gradients elsewhere.
     """
-    import os
-
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if q.device.type != "cuda" and not interpreting():
         return f"tensors on {q.device.type} (the Triton kernels need CUDA or TRITON_INTERPRET=1)"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
-        return "autograd: the PASA kernel is forward-only"
     return None
-
-
-def _strides4(t):
-    return (0, 0, 0, 0) if t is None else tuple(t.stride())
 
 
 # ------------------------------------------------------------------------------------ launcher
@@ -447,52 +435,124 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
             raise TypeError(f"pasa_attention: attn_mask must be bool, got {attn_mask.dtype}")
-        attn_mask = attn_mask.expand(B, H, Nq, Nk).view(torch.uint8)
+        attn_mask = attn_mask.expand(B, H, Nq, Nk)
     if bias is not None:
         bias = bias.expand(B, H, Nq, Nk)
-    out, needs_kernel = allocate_output(q, Nk, Dv, out_dtype or torch.float16)
-    if not needs_kernel:
-        return out
-    interpret = q.device.type != "cuda"
-    cfg = dict(_get_config(D, interpret), **(config or {}))
-    BLOCK_D = pad_pow2(D)
-    BLOCK_DV = pad_pow2(Dv)
+    if beta is None and config is None:
+        return pasa_forward(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
+    cfg = dict(_get_config(D, q.device.type != "cuda"), **(config or {}))
     block_n = cfg.get("BLOCK_N", BLOCK_N)  # KV block = size of M; beta is computed for it
     if block_n not in (16, 32, 64, 128, 256):
         raise ValueError(f"pasa_attention: config BLOCK_N={block_n!r}; expected a power of two in 16..256")
-    # beta = 0: M = scale * I, no centering, no recovery: plain FP16 accumulation on fl16(scale * k).
-    recover = bool(shift) and (beta is None or float(beta) != 0.0)
-    inv_a_f = inv_a_t = 1.0
-    mu = c = w = w_inv = q  # dummies unless recover
-    if shift:
-        tail = Nk % block_n or block_n
-        a_f, b_f, _ = _coefficients(block_n, beta)
-        a_t, b_t, _ = _coefficients(tail, beta)
-        kp = torch.empty((B, H, Nk, D), dtype=torch.float16, device=q.device)
-        if recover:
-            mu = _query_center(q)  # [B, H, D] float32
-            c = torch.empty((B, H, Nk), dtype=torch.float32, device=q.device)
-            w = torch.empty((B, H, cdiv(Nk, block_n), 3, D), dtype=torch.float16, device=q.device)
-            w_inv = torch.empty((B, H, cdiv(Nk, block_n)), dtype=torch.float32, device=q.device)
-            inv_a_f, inv_a_t = LOG2E / a_f, LOG2E / a_t
-        _pasa_shift_keys_kernel[(cdiv(Nk, block_n) * B * H,)](
-            k, kp, mu, c, w, w_inv, *k.stride(), H, Nk, D, float(scale), a_f, b_f, a_t, b_t,
-            float(scale) * b_f / a_f, float(scale) * b_t / a_t, inv_a_f, inv_a_t,
-            RECOVER=recover, BLOCK_N=block_n, BLOCK_D=BLOCK_D, num_warps=4)
-        keys, post_scale = kp, LOG2E
-    else:
-        keys, post_scale = k, float(scale) * LOG2E
+    out_dtype = out_dtype or torch.float16
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype}; the kernels write one of {OUT_DTYPES}")
+    return _plan_and_run(q, k, v, bias, attn_mask, bool(is_causal), float(scale), bool(shift), beta, cfg,
+                         out_dtype, explicit=config is not None)[1]
 
-    def launch(cf):
-        _pasa_fwd_kernel[(cdiv(Nq, cf["BLOCK_M"]) * B * H,)](
-            q, keys, v, out, bias if bias is not None else q, attn_mask if attn_mask is not None else q,
-            mu, c, w, w_inv, *q.stride(), *keys.stride(), *v.stride(), *out.stride(), *_strides4(bias),
-            *_strides4(attn_mask), H, Nq, Nk, D, Dv, post_scale, inv_a_f, inv_a_t,
-            RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None,
-            IS_CAUSAL=bool(is_causal), BLOCK_M=cf["BLOCK_M"], BLOCK_N=block_n, BLOCK_D=BLOCK_D,
-            BLOCK_DV=BLOCK_DV, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
-            num_warps=cf["num_warps"], num_stages=cf["num_stages"])
 
-    # an explicit config is run as given; the default one falls back on out-of-shared-memory
-    run_first_that_fits(launch, cfg, (lambda _: []) if config else _smaller_configs)
+class _PasaPlan:
+    """The PASA launches for one call signature: query centre, key shift, the tile loop."""
+
+    __slots__ = ("center", "shift_call", "main", "fixed_shift", "fixed_main", "coef", "recover", "shift",
+                 "o_shape", "o_stride", "o_dtype", "device", "kp_shape", "c_shape", "w_shape", "winv_shape")
+
+    def __init__(self, q, k, v, bias, attn_mask, is_causal, shift, beta, cfg, out_dtype):
+        B, H, Nq, D = q.shape
+        Nk, Dv = k.shape[2], v.shape[3]
+        block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
+        block_n = cfg.get("BLOCK_N", BLOCK_N)
+        self.device, self.o_dtype, self.shift = q.device, out_dtype, bool(shift)
+        self.o_shape, self.o_stride = (B, H, Nq, Dv), (Nq * H * Dv, Dv, H * Dv, 1)
+        # beta = 0: M = scale * I, no centering, no recovery: plain FP16 accumulation on fl16(scale * k).
+        self.recover = recover = self.shift and (beta is None or float(beta) != 0.0)
+        self.center = _CenterPlan(q) if recover else None
+        n_blocks = cdiv(Nk, block_n)
+        self.kp_shape, self.c_shape = (B, H, Nk, D), (B, H, Nk)
+        self.w_shape, self.winv_shape = (B, H, n_blocks, 3, D), (B, H, n_blocks)
+        if self.shift:
+            tail = Nk % block_n or block_n
+            a_f, b_f, _ = _coefficients(block_n, beta)
+            a_t, b_t, _ = _coefficients(tail, beta)
+            inv = (LOG2E / a_f, LOG2E / a_t) if recover else (1.0, 1.0)
+            self.coef = (a_f, b_f, a_t, b_t, b_f / a_f, b_t / a_t, *inv)
+            self.shift_call = KernelCall(_pasa_shift_keys_kernel, (n_blocks * B * H,),
+                                         dict(RECOVER=recover, BLOCK_N=block_n, BLOCK_D=block_d), dict(num_warps=4))
+            self.fixed_shift = (*k.stride(), H, Nk, D)
+            k_strides = (H * Nk * D, Nk * D, D, 1)  # the contiguous shifted keys [B, H, Nk, D]
+        else:
+            self.coef = (1.0, 1.0)
+            k_strides = tuple(k.stride())
+        sb = tuple(bias.stride()) if bias is not None else (0, 0, 0, 0)
+        sm = tuple(attn_mask.stride()) if attn_mask is not None else (0, 0, 0, 0)
+        self.main = KernelCall(_pasa_fwd_kernel, (cdiv(Nq, cfg["BLOCK_M"]) * B * H,), dict(
+            RECOVER=recover, HAS_BIAS=bias is not None, HAS_MASK=attn_mask is not None, IS_CAUSAL=bool(is_causal),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=D == block_d,
+            EVEN_DV=Dv == block_dv), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+        self.fixed_main = (*q.stride(), *k_strides, *v.stride(), *self.o_stride, *sb, *sm, H, Nq, Nk, D, Dv)
+
+    def __call__(self, q, k, v, bias, attn_mask, scale):
+        dev = self.device
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=dev)
+        mu = c = w = w_inv = q  # dummies unless recover
+        if self.shift:
+            a_f, b_f, a_t, b_t, wf, wt, inv_f, inv_t = self.coef
+            kp = torch.empty(self.kp_shape, dtype=torch.float16, device=dev)
+            if self.recover:
+                mu = self.center(q)
+                c = torch.empty(self.c_shape, dtype=torch.float32, device=dev)
+                w = torch.empty(self.w_shape, dtype=torch.float16, device=dev)
+                w_inv = torch.empty(self.winv_shape, dtype=torch.float32, device=dev)
+            self.shift_call(k, kp, mu, c, w, w_inv, *self.fixed_shift, scale, a_f, b_f, a_t, b_t,
+                            scale * wf, scale * wt, inv_f, inv_t)
+            keys, post_scale = kp, LOG2E
+        else:
+            inv_f, inv_t = self.coef
+            keys, post_scale = k, scale * LOG2E
+        mask = attn_mask.view(torch.uint8) if attn_mask is not None else q
+        self.main(q, keys, v, out, q if bias is None else bias, mask, mu, c, w, w_inv, *self.fixed_main,
+                  post_scale, inv_f, inv_t)
+        return out
+
+
+def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, shift, beta, cfg, out_dtype, explicit: bool):
+    """Build the plan of a call signature by running it once: ``(plan, out)``; the default config falls back
+    on out-of-shared-memory (an explicit one runs as given)."""
+    if q.shape[0] * q.shape[1] * q.shape[2] == 0 or v.shape[3] == 0 or k.shape[2] == 0:
+        out, _ = allocate_output(q, k.shape[2], v.shape[3], out_dtype)
+        return None, out
+    result = []
+
+    def run(cf):
+        plan = _PasaPlan(q, k, v, bias, attn_mask, is_causal, shift, beta, cf, out_dtype)
+        result.append((plan, plan(q, k, v, bias, attn_mask, scale)))
+
+    run_first_that_fits(run, cfg, (lambda _: []) if explicit else _smaller_configs)
+    return result[-1]
+
+
+# call signature -> plan (see ._launch)
+PLANS = PlanCache()
+
+
+def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                 attn_mask: torch.Tensor | None, is_causal: bool, scale: float, shift: bool = True,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`pasa_attention` with the optimal beta and the default config, from a cached launch plan (the op
+    layer's entry; inputs validated: float16 q / k / v, bias / mask as [B, H, Nq, Nk] views)."""
+    key = (q.shape, k.shape, v.shape[3], q.stride(), k.stride(), v.stride(), q.get_device(),
+           None if bias is None else (bias.stride(), bias.dtype, bias.data_ptr() & 15),
+           None if attn_mask is None else (attn_mask.stride(), attn_mask.data_ptr() & 15),
+           is_causal, shift, out_dtype, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan(q, k, v, bias, attn_mask, scale)
+    out_dtype = out_dtype or torch.float16
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype}; the kernels write one of {OUT_DTYPES}")
+    cfg = _get_config(q.shape[3], q.device.type != "cuda")
+    plan, out = _plan_and_run(q, k, v, bias, attn_mask, bool(is_causal), float(scale), bool(shift), None, cfg,
+                              out_dtype, explicit=False)
+    if plan is not None:
+        PLANS.put(key, plan)
     return out

@@ -53,10 +53,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, heads_inner_output, pad_pow2, run_first_that_fits, sm_count
+from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
+from ._launch import KernelCall, PlanCache
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
-__all__ = ["window_attention_fwd", "get_config", "SMALL_MAX_N", "PRECISIONS"]
+__all__ = ["window_attention_fwd", "window_forward", "get_config", "SMALL_MAX_N", "PRECISIONS", "PLANS"]
 
 LOG2E = 1.4426950408889634
 SMALL_MAX_N = 128  # windows up to this many tokens run fully in registers
@@ -152,7 +153,7 @@ def _logit_mult(LS, h, stride_ls, scale, COSINE: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- kernels
-@triton.jit
+@triton.jit(do_not_specialize=["n_img"])  # a new batch size compiles nothing new
 def _window_small_kernel(
     Q, K, V, O, BIAS, MASK, LS,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
@@ -380,10 +381,6 @@ def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot:
     return {"kernel": "tiled", "block_m": bm, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
-# (mode, precision, padded N / D / Dv, bias, mask, cosine, default config) -> the config that ran
-_FITTED: dict[tuple, dict] = {}
-
-
 def _fewer_stages(cfg: dict) -> list[dict]:
     """Configs to try in order when ``cfg`` exceeds shared memory (large head dims): fewer stages."""
     return [dict(cfg, num_stages=n) for n in range(cfg["num_stages"] - 1, 0, -1)]
@@ -412,73 +409,92 @@ def mode_constexprs(mode: str, precision: str | None, has_bias: bool, has_mask: 
                 SPLIT16=in_prec in ("f16x3", "f16x1"))
 
 
-def _launch(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, scale: float, mode: str,
-            config: dict | None, precision: str | None = None) -> torch.Tensor:
-    """Allocate the output and launch the small or tiled kernel (``precision`` overrides the FP32 products)."""
+class _WindowPlan:
+    """The small or tiled window kernel for one call signature: grid, constexprs and strides fixed."""
+
+    __slots__ = ("call", "fixed", "o_shape", "o_stride", "o_dtype", "device", "config")
+
+    def __init__(self, q, k, v, bias, mask, logit_scale, n_slot_mask, cosine, mode, cfg, precision):
+        BW, H, N, D = q.shape
+        DV = v.shape[-1]
+        self.config, self.device, self.o_dtype = cfg, q.device, q.dtype
+        self.o_shape, self.o_stride = (BW, H, N, DV), (N * H * DV, DV, H * DV, 1)  # heads-inner (timm's reshape)
+        b_str = tuple(bias.stride()) if bias is not None else (0, 0, 0)
+        m_str = tuple(mask.stride()) if mask is not None else (0, 0, 0)
+        ls_str = logit_scale.stride(0) if logit_scale is not None else 0
+        strides = (*q.stride(), *k.stride(), *v.stride(), *self.o_stride, *b_str, *m_str, ls_str)
+        flags = mode_constexprs(mode, precision, bias is not None, mask is not None, cosine)
+        block_d, block_dv = pad_pow2(D), pad_pow2(DV)
+        options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        n_slot = n_slot_mask if mask is not None else 1
+        if cfg["kernel"] == "small":
+            if N > SMALL_MAX_N:
+                raise ValueError(f"config kernel='small' needs N <= {SMALL_MAX_N}, got N={N}")
+            n_img = BW // n_slot
+            imgs = int(cfg["imgs"])
+            self.call = KernelCall(_window_small_kernel, (H * n_slot, cdiv(n_img, imgs)), dict(
+                BLOCK_N=pad_pow2(N), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags), options)
+            self.fixed = (*strides, n_img, n_slot, N, D, DV)
+        elif cfg["kernel"] == "tiled":
+            self.call = KernelCall(_window_tiled_kernel, (cdiv(N, cfg["block_m"]), BW * H), dict(
+                BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, **flags),
+                options)
+            self.fixed = (*strides, H, n_slot, N, D, DV)
+        else:
+            raise ValueError(f"config kernel={cfg['kernel']!r}; expected 'small' or 'tiled'")
+
+    def __call__(self, q, k, v, bias, mask, logit_scale, scale):
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
+        self.call(q, k, v, out, q if bias is None else bias, q if mask is None else mask,
+                  q if logit_scale is None else logit_scale, *self.fixed, scale)
+        return out
+
+
+def _plan_and_run(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, scale: float, mode: str,
+                  config: dict | None, precision: str | None = None):
+    """Build the plan of a call signature by running it once: ``(plan, out)``. The default config drops
+    pipeline stages on out-of-shared-memory (large head dims); an explicit ``config`` runs as given."""
     BW, H, N, D = q.shape
-    DV = v.shape[-1]
-    out = heads_inner_output(q, N, DV, q.dtype)  # timm's transpose(1, 2).reshape is then a view
-    dummy = q  # never read when the matching HAS_* flag is off
-    b_t = bias if bias is not None else dummy
-    m_t = mask if mask is not None else dummy
-    ls_t = logit_scale if logit_scale is not None else dummy
-    b_str = tuple(bias.stride()) if bias is not None else (0, 0, 0)
-    m_str = tuple(mask.stride()) if mask is not None else (0, 0, 0)
-    ls_str = logit_scale.stride(0) if logit_scale is not None else 0
-    strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *b_str, *m_str, ls_str)
     cfg = dict(config) if config else get_config(BW, H, N, D, n_slot_mask if mask is not None else 1, q.device,
                                                  mode=mode)
-    flags = mode_constexprs(mode, precision, bias is not None, mask is not None, cosine)
-    block_d = pad_pow2(D)
-    block_dv = pad_pow2(DV)
-    if cfg["kernel"] == "small":
-        if N > SMALL_MAX_N:
-            raise ValueError(f"config kernel='small' needs N <= {SMALL_MAX_N}, got N={N}")
-        n_slot = n_slot_mask if mask is not None else 1
-        n_img = BW // n_slot
-        imgs = int(cfg["imgs"])
-        grid = (H * n_slot, cdiv(n_img, imgs))
+    result = []
 
-        def launch(c):
-            _window_small_kernel[grid](
-                q, k, v, out, b_t, m_t, ls_t, *strides, n_img, n_slot, N, D, DV, float(scale),
-                BLOCK_N=pad_pow2(N), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags,
-                num_warps=c["num_warps"], num_stages=c["num_stages"])
-    elif cfg["kernel"] == "tiled":
-        grid = (cdiv(N, cfg["block_m"]), BW * H)
+    def run(c):
+        plan = _WindowPlan(q, k, v, bias, mask, logit_scale, n_slot_mask, cosine, mode, c, precision)
+        result.append((plan, plan(q, k, v, bias, mask, logit_scale, scale)))
 
-        def launch(c):
-            _window_tiled_kernel[grid](
-                q, k, v, out, b_t, m_t, ls_t, *strides, H, n_slot_mask if mask is not None else 1, N, D, DV,
-                float(scale), BLOCK_M=c["block_m"], BLOCK_N=c["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv,
-                **flags, num_warps=c["num_warps"], num_stages=c["num_stages"])
-    else:
-        raise ValueError(f"config kernel={cfg['kernel']!r}; expected 'small' or 'tiled'")
-    if config:  # an explicit config runs as given
-        launch(cfg)
-        return out
-    # the default drops pipeline stages on out-of-shared-memory (large head dims); the config that
-    # fitted is remembered, so later calls of the same variant do not fail and retry again
-    key = (mode, precision, pad_pow2(N), block_d, block_dv, bias is not None, mask is not None, bool(cosine),
-           tuple(sorted(cfg.items())))
-    ran = run_first_that_fits(launch, _FITTED.get(key, cfg), _fewer_stages)
-    if ran != cfg:  # as the dense launcher: only a fallback is remembered
-        _FITTED[key] = ran
+    run_first_that_fits(run, cfg, (lambda _: []) if config else _fewer_stages)
+    return result[-1]
+
+
+# call signature -> plan (see ._launch)
+PLANS = PlanCache()
+
+
+def window_forward(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows: int, cosine: bool,
+                   scale: float, mode: str) -> torch.Tensor:
+    """:func:`window_attention_fwd` from a cached launch plan (the op layer's entry; no ``config`` /
+    ``precision`` overrides). The key holds shapes, strides, dtypes, device, alignment and the flags."""
+    if relative_position_bias is not None and relative_position_bias.stride(-1) != 1:
+        relative_position_bias = relative_position_bias.contiguous()
+    if shift_mask is not None and shift_mask.stride(-1) != 1:
+        shift_mask = shift_mask.contiguous()
+    if logit_scale is not None and logit_scale.dim() != 1:
+        logit_scale = logit_scale.reshape(-1)
+    b, m, ls = relative_position_bias, shift_mask, logit_scale
+    key = (mode, q.shape, q.stride(), k.stride(), v.shape[3], v.stride(), q.dtype, q.get_device(),
+           None if b is None else (b.shape, b.stride(), b.dtype, b.data_ptr() & 15),
+           None if m is None else (m.shape, m.stride(), m.dtype, m.data_ptr() & 15),
+           None if ls is None else (ls.stride(), ls.dtype, ls.data_ptr() & 15),
+           num_windows, cosine, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan(q, k, v, b, m, ls, scale)
+    if mode not in _MODE_TABLE:
+        raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
+    plan, out = _plan_and_run(q, k, v, b, m, ls, int(num_windows), bool(cosine), float(scale), mode, None)
+    PLANS.put(key, plan)
     return out
-
-
-# torch custom op: torch.compile / CUDA graphs trace around the kernel (fake impl gives the layout).
-@torch.library.custom_op("visionattn::window_attention_fwd", mutates_args=())
-def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-               mask: torch.Tensor | None, logit_scale: torch.Tensor | None, num_windows: int, cosine: bool,
-               scale: float, mode: str) -> torch.Tensor:
-    return _launch(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode, None)
-
-
-@_window_op.register_fake
-def _(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode):
-    BW, H, N, _ = q.shape
-    return q.new_empty((BW, N, H, v.shape[-1])).transpose(1, 2)
 
 
 def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale,
@@ -518,6 +534,9 @@ def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_window
         ValueError: unknown ``mode``; ``precision`` not in :data:`PRECISIONS` or given for a
             half-precision mode; a ``config`` naming an unknown kernel or ``small`` with N > 128.
     """
+    if config is None and precision is None:
+        return window_forward(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows, cosine, scale,
+                              mode)
     if mode not in _MODE_TABLE:
         raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
     _precision(mode, precision)  # validate before launching
@@ -530,10 +549,5 @@ def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_window
         relative_position_bias = relative_position_bias.contiguous()
     if shift_mask is not None and shift_mask.stride(-1) != 1:
         shift_mask = shift_mask.contiguous()
-    if config is None and precision is None and torch.compiler.is_compiling():
-        return _window_op(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows),
-                          bool(cosine), float(scale), mode)
-    # eager: skip the custom-op dispatcher round trip (~20 us of a ~40 us host path; same launcher)
-    return _launch(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows), bool(cosine),
-                   float(scale), mode, config, precision)
-
+    return _plan_and_run(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows), bool(cosine),
+                         float(scale), mode, config, precision)[1]

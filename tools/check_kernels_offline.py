@@ -55,12 +55,12 @@ def _elsa_jobs(quick: bool):
             continue
         ptr = _TL[kind]
         pointers = {n: ptr for n in ("Q", "K", "V", "Bias", "Out")}
-        pointers.update(WsM="*fp32", WsS="*fp32", WsW="*fp32", Mask="*i1")
+        pointers.update(Lse="*fp32", WsM="*fp32", WsS="*fp32", WsW="*fp32", Mask="*i1")
         for extras in ((False,) if quick else (False, True)):
             const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=d, BLOCK_DV=d,
-                         PRECISION="tf32" if kind == "half" else kind, IS_CAUSAL=False, HAS_BIAS=extras,
+                         PRECISION=kind, IS_CAUSAL=False, HAS_BIAS=extras,
                          HAS_MASK=extras, SPLIT=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False,
-                         LAZY_V=kind == "f16x3" and not short)
+                         LAZY_V=kind == "f16x3" and not short, WRITE_LSE=False)
             yield ({"kernel": "elsa", "variant": f"{kind} D={d} {'short' if short else 'long'}"
                     + (" +bias+mask" if extras else ""), "config": list(vars(cfg).values())},
                    dict(kernel=elsa_fwd._elsa_fwd_kernel, pointer_types=pointers, constexprs=const,

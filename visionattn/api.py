@@ -1,13 +1,16 @@
 """The public attention function: validation, mode casting, backend dispatch."""
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from . import dispatch
-from .modes import Mode, get_mode
+from .modes import MODES, Mode, get_mode
 from .reference import blocked_attention
 
-__all__ = ["attention", "validate_attention_inputs"]
+__all__ = ["attention", "validate_attention_inputs", "check_flags", "cast_checked"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -41,41 +44,94 @@ def validate_attention_inputs(q, k, v, bias=None, attn_mask=None):
     Raises:
         TypeError: a non-tensor, an integer/bool q/k/v, mixed q/k/v dtypes, a
             non-float bias or a non-bool attn_mask.
-        ValueError: wrong ranks, mismatched batch/heads/head_dim/key counts, a
+        ValueError: wrong ranks, mismatched batch/heads/head_dim/key counts, a head dim of 0, a
             bias or mask not broadcastable to [B, H, Nq, Nk], mixed devices.
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
-        _check_tensor(name, t)
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _FLOAT_DTYPES:
+            _check_tensor(name, t)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query, key, value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    devices = {t.device for t in (q, k, v)}
-    for name, t in (("bias", bias), ("attn_mask", attn_mask)):
-        if t is not None:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-            devices.add(t.device)
-    if len(devices) > 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(str(d) for d in devices)}")
+    device = q.device
+    if k.device != device or v.device != device or (bias is not None and getattr(bias, "device", device) != device) \
+            or (attn_mask is not None and getattr(attn_mask, "device", device) != device):
+        devices = {str(t.device) for t in (q, k, v, bias, attn_mask) if isinstance(t, torch.Tensor)}
+        raise ValueError(f"all inputs must be on one device, got {sorted(devices)}")
     B, H, Nq, D = q.shape
     if k.shape[:2] != (B, H) or v.shape[:2] != (B, H):
         raise ValueError(f"batch/heads mismatch: query {tuple(q.shape)}, key {tuple(k.shape)}, "
                          f"value {tuple(v.shape)}; expected key/value [B={B}, H={H}, Nk, D]")
     if k.shape[-1] != D:
         raise ValueError(f"head_dim mismatch: query has D={D}, key has D={k.shape[-1]}")
+    if D == 0:
+        raise ValueError("query and key have head_dim 0; attention needs head_dim >= 1 (the last dim of "
+                         "[B, H, N, D])")
     if v.shape[2] != k.shape[2]:
         raise ValueError(f"key has Nk={k.shape[2]} tokens but value has {v.shape[2]}")
+    if bias is None and attn_mask is None:
+        return None, None
     target = (B, H, Nq, k.shape[2])
     if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if not bias.is_floating_point():
             raise TypeError(f"bias must be a floating tensor (additive), got {bias.dtype}; "
                             f"pass boolean masks as attn_mask")
         bias = _broadcast_to("bias", bias, target)
     if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
         if attn_mask.dtype != torch.bool:
             raise TypeError(f"attn_mask must be torch.bool (True = keep), got {attn_mask.dtype}; "
                             f"pass additive float masks as bias")
         attn_mask = _broadcast_to("attn_mask", attn_mask, target)
     return bias, attn_mask
+
+
+def check_flags(is_causal, scale, head_dim: int) -> float:
+    """Check ``is_causal`` (a bool, as SDPA requires) and ``scale`` (None or a finite real number); return the
+    logit scale as a float (``head_dim ** -0.5`` for None).
+
+    Raises:
+        TypeError: ``is_causal`` not a bool; ``scale`` not a real number (a string, a tensor of more than
+            one element, a complex number).
+        ValueError: ``scale`` not finite.
+    """
+    if is_causal is not True and is_causal is not False:
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__} {is_causal!r}")
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.is_complex():
+            raise TypeError(f"scale must be a real number, got a tensor of shape {tuple(scale.shape)}")
+        scale = scale.item()
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r}; expected a finite number (default 1/sqrt(head_dim))")
+    return scale
+
+
+def cast_checked(t: torch.Tensor, dtype: torch.dtype, name: str, mode: str) -> torch.Tensor:
+    """``t`` cast to the mode's ``dtype``; a cast to float16 that overflows (|x| > 65504) raises instead of
+    returning inf / NaN silently.
+
+    The check reads the cast tensor back (one device synchronisation), so it runs only where a cast to
+    float16 happens outside CUDA-graph capture and compilation.
+
+    Raises:
+        ValueError: finite inputs that float16 cannot hold.
+    """
+    if t.dtype == dtype:
+        return t
+    c = t.to(dtype)
+    if dtype == torch.float16 and not torch.compiler.is_compiling() and not (
+            c.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if bool(torch.isinf(c).any()) and bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} has values beyond float16's range (|x| > 65504) and mode={mode!r} computes "
+                             f"in float16; use mode='fp32', 'tf32' or 'bf16', or rescale the inputs")
+    return c
 
 
 def attention(
@@ -86,20 +142,21 @@ def attention(
     """Exact softmax attention ``softmax(scale * q k^T + bias, masked) v``.
 
     Computed as the ELSA (m, S, W) fold over KV tiles (ELSA supplement, Alg. 1);
-    on CUDA by the Triton kernels of :mod:`visionattn.kernels`, on CPU by
+    on CUDA by the Triton kernels of :mod:`visionattn.kernels` through the ops of
+    :mod:`visionattn.ops` (a cached launch plan per call signature), on CPU by
     :func:`visionattn.reference.blocked_attention` (PASA modes by
     :mod:`visionattn.pasa`). Semantics follow
     ``torch.nn.functional.scaled_dot_product_attention``.
 
     Args:
-        q: query [B, H, Nq, D]; float16 / bfloat16 / float32 / float64; any strides.
+        q: query [B, H, Nq, D]; float16 / bfloat16 / float32 / float64; any strides; D >= 1.
         k: key [B, H, Nk, D], same dtype and device.
         v: value [B, H, Nk, Dv].
         bias: additive float bias broadcastable to [B, H, Nq, Nk] (e.g. a
             relative position bias [H, Nq, Nk] or [1, H, Nq, Nk]); never expanded in memory.
         attn_mask: boolean mask broadcastable to [B, H, Nq, Nk]; True = attend.
-        is_causal: causal mask, top-left aligned (key j visible to query i iff j <= i).
-        scale: logit scale; default ``1 / sqrt(D)``.
+        is_causal: causal mask (a bool), top-left aligned (key j visible to query i iff j <= i).
+        scale: logit scale, a real number; default ``1 / sqrt(D)``.
         mode: precision mode (:data:`visionattn.modes.MODES`): ``fp32``, ``fp32-ieee``,
             ``tf32``, ``fp16``, ``bf16``, ``pasa`` (or the ``fp16-acc16`` baseline).
             Inputs are cast to the mode's dtype; the output is cast back.
@@ -110,51 +167,91 @@ def attention(
 
     Returns:
         [B, H, Nq, Dv] in q's dtype. A query row whose keys are all masked
-        returns zeros (not NaN).
+        returns zeros (not NaN). Differentiable: with inputs that need gradients the dense
+        modes run the backward kernels (:data:`visionattn.ops.BACKWARD_MODES`); other calls
+        needing gradients run the differentiable reference (warned once).
 
     Raises:
-        TypeError / ValueError: see :func:`validate_attention_inputs`; unknown mode;
-            ``num_splits`` < 1.
+        TypeError / ValueError: see :func:`validate_attention_inputs` and :func:`check_flags`;
+            unknown mode; ``num_splits`` < 1; FP32 / FP64 inputs beyond float16's range in a
+            float16 mode (``fp16``, ``pasa``, ``fp16-acc16``).
     """
-    md = get_mode(mode)
+    md = MODES.get(mode) if isinstance(mode, str) else None
+    if md is None:
+        md = get_mode(mode)
     bias, attn_mask = validate_attention_inputs(q, k, v, bias, attn_mask)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    scale = float(scale)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+    scale = check_flags(is_causal, scale, q.shape[-1])
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}; expected a positive int or None")
-    which = dispatch.resolve_backend(backend, q.device.type)
-    out = _run(q, k, v, bias, attn_mask, bool(is_causal), scale, md, which, num_splits)
-    return out.to(q.dtype)
-
-
-def _run(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, which: str, num_splits):
+    if q.is_cuda and backend is None and dispatch._backend == "auto":
+        which = "triton"
+    else:
+        which = dispatch.resolve_backend(backend, q.device.type)
     if which == "triton":
-        from . import kernels  # lazy: triton import is slow and optional on CPU
-
-        if md.half_scores:
-            reason = kernels.pasa_unsupported_reason(q, k, v, bias, attn_mask)
-        else:
-            reason = kernels.unsupported_reason(q, k, v, bias, attn_mask, md.name)
-        if reason is None:
-            qc, kc, vc = (t.to(md.compute_dtype) for t in (q, k, v))
-            # the kernels write the caller's dtype straight from their FP32 state (no half rounding of
-            # the output of an FP32 caller in a half mode, as the CPU references)
-            out_dtype = q.dtype if q.dtype in kernels.OUT_DTYPES else None
-            if md.half_scores:
-                return kernels.pasa_attention(qc, kc, vc, bias, attn_mask, is_causal, scale,
-                                              shift=md.name == "pasa", out_dtype=out_dtype)
-            return kernels.elsa_attention(qc, kc, vc, bias, attn_mask, is_causal, scale, md.name, num_splits,
-                                          out_dtype=out_dtype)
-        dispatch.warn_once(f"fallback:{reason}", f"visionattn: Triton kernels do not cover this call ({reason}); "
-                                                 f"running the exact PyTorch monoid reference instead")
+        out = _kernels(q, k, v, bias, attn_mask, is_causal, scale, md, num_splits)
+        if out is not None:
+            return out
     if md.half_scores:
         from .pasa import pasa_attention_reference
 
-        return pasa_attention_reference(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal,
-                                        scale=scale, shift=md.name == "pasa")
-    return blocked_attention(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                             mode=md, block_size=_cpu_block(k.shape[-2]))
+        out = pasa_attention_reference(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal,
+                                       scale=scale, shift=md.pasa_shift)
+    else:
+        out = blocked_attention(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                mode=md, block_size=_cpu_block(k.shape[-2]))
+    return out.to(q.dtype)
+
+
+_ops = None
+
+
+def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits):
+    """Run the call on the kernels, or return None (after a one-time warning naming why) when they do not
+    cover it and the reference must run."""
+    global _ops
+    ops = _ops
+    if ops is None:
+        from . import ops as ops_module  # lazy: importing triton is slow and not needed on CPU
+
+        ops = _ops = ops_module
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    reason = _STATIC_REASONS.get((md.name, q.shape[-1] > _MAX_HEAD_DIM or v.shape[-1] > _MAX_HEAD_DIM,
+                                  q.is_cuda or dispatch.triton_interpreting()))
+    if reason is None and grad and not ops.has_backward(md.name):
+        reason = (f"autograd: mode {md.name!r} has no backward kernel" if not md.half_scores
+                  else f"autograd: mode {md.name!r} is forward-only on the kernels")
+    if reason is not None:
+        dispatch.warn_once(f"fallback:{reason}", f"visionattn: Triton kernels do not cover this call ({reason}); "
+                                                 f"running the exact PyTorch monoid reference instead")
+        return None
+    dtype = md.compute_dtype
+    qc = cast_checked(q, dtype, "query", md.name)
+    kc = cast_checked(k, dtype, "key", md.name)
+    vc = cast_checked(v, dtype, "value", md.name)
+    # the kernels write the caller's dtype straight from their FP32 state (no half rounding of the output of
+    # an FP32 caller in a half mode); float64 callers get FP32 and one cast
+    out_dtype = q.dtype if q.dtype != torch.float64 else torch.float32
+    if md.half_scores:
+        out = ops.pasa(qc, kc, vc, bias, attn_mask, is_causal, scale, md.pasa_shift, out_dtype)
+    else:
+        out = ops.dense(qc, kc, vc, bias, attn_mask, is_causal, scale, md.name, num_splits or 0, out_dtype, grad,
+                        None if bias is None else _bias_shape(bias))
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _bias_shape(bias: torch.Tensor) -> tuple[int, ...]:
+    # the [B, H, Nq, Nk] broadcast view's own extent: stride-0 dims were broadcast (their gradient is summed)
+    return tuple(1 if s == 0 else n for n, s in zip(bias.shape, bias.stride()))
+
+
+_MAX_HEAD_DIM = 256
+# (mode, head dim over the kernels' limit, on CUDA or interpreted) -> why the kernels cannot run it, or None
+_STATIC_REASONS: dict[tuple[str, bool, bool], str | None] = {
+    (name, big, dev): ("tensors not on CUDA (the Triton kernels need CUDA or TRITON_INTERPRET=1)" if not dev
+                       else f"head dim > {_MAX_HEAD_DIM}" if big else None)
+    for name in MODES for big in (False, True) for dev in (False, True)
+}
 
 
 def _cpu_block(nk: int) -> int:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
+from .api import check_flags
 from .modes import Mode, get_mode
 
 __all__ = ["window_attention", "window_attention_reference", "validate_window_inputs"]
@@ -208,15 +209,14 @@ def window_attention(
     md = get_mode(mode)
     bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows,
                                             bool(cosine), logit_scale)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    scale = check_flags(False, scale, q.shape[-1])
     which = dispatch.resolve_backend(backend, q.device.type)
     if which == "triton":
-        reason = _kernel_unsupported(q, v, bias, mask, ls)
+        reason = _kernel_unsupported(q, k, v, bias, mask, ls)
         if reason is None:
-            from .kernels.window_fwd import window_attention_fwd  # lazy: triton import is slow
+            from . import ops  # lazy: importing triton is slow and not needed on CPU
 
-            return window_attention_fwd(q, k, v, bias, mask, num_windows, bool(cosine), ls, float(scale), md.name)
+            return ops.window(q, k, v, bias, mask, ls, num_windows, bool(cosine), float(scale), md.name)
         dispatch.warn_once(f"window-fallback:{reason}",
                            f"visionattn.window_attention: the Triton window kernel does not cover this call "
                            f"({reason}); running the exact PyTorch reference instead")
@@ -226,12 +226,11 @@ def window_attention(
     return out.to(q.dtype)
 
 
-def _kernel_unsupported(q, v, bias, mask, ls) -> str | None:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, v, bias, mask, ls)):
+def _kernel_unsupported(q, k, v, bias, mask, ls) -> str | None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, mask, ls)):
         return "gradients requested; the window kernel is forward-only"
     if q.dtype not in _KERNEL_DTYPES:
         return f"dtype {q.dtype}"
     if max(q.shape[-1], v.shape[-1]) > _MAX_KERNEL_HEAD_DIM:
         return f"head dim > {_MAX_KERNEL_HEAD_DIM}"
     return None
-

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import visionattn
-from visionattn.kernels.elsa_fwd import KERNEL_MODES, choose_num_splits, elsa_attention, get_config
+from visionattn.kernels.elsa_fwd import DENSE_MODES, choose_num_splits, elsa_attention, get_config
 from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode
 from visionattn.reference import oracle_attention
 
 pytestmark = pytest.mark.gpu
 
-MODES = list(KERNEL_MODES)
+MODES = list(DENSE_MODES)
 
 
 def _qkv(B, H, Nq, Nk, D, dtype, seed=0, Dv=None):
@@ -58,7 +58,7 @@ def test_fp32_product_precisions(precision, tol, scales):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("N,D", [(4096, 64), (65536, 64), (8192, 128)])
 def test_long_sequences(mode, N, D):
-    dtype = KERNEL_MODES[mode][0]
+    dtype = get_mode(mode).compute_dtype
     q, k, v = _qkv(1, 4 if N > 8192 else 8, N, N, D, dtype)
     y = elsa_attention(q, k, v, None, None, False, D ** -0.5, mode)
     rows = torch.randperm(N, device="cuda")[:128]
@@ -70,7 +70,7 @@ def test_long_sequences(mode, N, D):
 @pytest.mark.parametrize("mode", MODES)
 def test_bias_mask_causal(mode):
     """Broadcast bias [H, Nq, Nk], bool mask [Nq, Nk] and causal at an awkward size (N=1041, D=80)."""
-    dtype = KERNEL_MODES[mode][0]
+    dtype = get_mode(mode).compute_dtype
     B, H, Nq, Nk, D = 2, 3, 1041, 1041, 80
     q, k, v = _qkv(B, H, Nq, Nk, D, dtype, seed=1)
     bias = torch.randn(H, Nq, Nk, device="cuda")
@@ -88,7 +88,7 @@ def test_bias_mask_causal(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_vit_shape_unbind_views(mode):
     """timm ViT-B/16 attention: B=64, H=12, N=197, D=64 from qkv.unbind (non-contiguous, no copy)."""
-    dtype = KERNEL_MODES[mode][0]
+    dtype = get_mode(mode).compute_dtype
     B, N, H, D = 64, 197, 12, 64
     qkv = torch.randn(B, N, 3, H, D, device="cuda").to(dtype).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
@@ -102,7 +102,7 @@ def test_vit_shape_unbind_views(mode):
 @pytest.mark.parametrize("num_splits", [None, 1, 2, 7])
 def test_split_kv(mode, num_splits):
     """Few query rows, long KV (the split-KV regime); forced and automatic partition counts."""
-    dtype = KERNEL_MODES[mode][0]
+    dtype = get_mode(mode).compute_dtype
     q, k, v = _qkv(1, 2, 50, 20000, 128, dtype, seed=2, Dv=64)
     bias = torch.randn(1, 1, 50, 20000, device="cuda", dtype=torch.float16)
     for causal in (False, True):

@@ -15,14 +15,14 @@ import torch
 
 import visionattn
 from visionattn.kernels import elsa_fwd
-from visionattn.kernels.elsa_fwd import KERNEL_MODES, elsa_attention, unsupported_reason
+from visionattn.kernels.elsa_fwd import DENSE_MODES, elsa_attention, unsupported_reason
 from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode
 from visionattn.reference import oracle_attention
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; GPU runs test_elsa_gpu.py")
 
-MODES = list(KERNEL_MODES)
+MODES = list(DENSE_MODES)
 
 
 def _qkv(B, H, Nq, Nk, D, dtype, Dv=None, seed=0):
@@ -32,7 +32,7 @@ def _qkv(B, H, Nq, Nk, D, dtype, Dv=None, seed=0):
 
 
 def _check(y, ref, mode, what):
-    assert y.dtype == KERNEL_MODES[mode][0]
+    assert y.dtype == get_mode(mode).compute_dtype
     assert torch.isfinite(y).all(), what
     err = rel_l2(y, ref)
     assert err <= get_mode(mode).rel_tol, f"{mode} {what}: rel err {err:.3e} > {get_mode(mode).rel_tol}"
@@ -42,7 +42,7 @@ def _check(y, ref, mode, what):
 @pytest.mark.parametrize("Nq,Nk,D,Dv", [(1, 1, 16, 16), (7, 65, 80, 80), (130, 7, 64, 32)])
 def test_shapes(mode, Nq, Nk, D, Dv):
     """Ragged N (1, 7, 65, 130), Nq != Nk, padded head dims (80 -> 128), Dv != D."""
-    q, k, v = _qkv(1, 2, Nq, Nk, D, KERNEL_MODES[mode][0], Dv=Dv)
+    q, k, v = _qkv(1, 2, Nq, Nk, D, get_mode(mode).compute_dtype, Dv=Dv)
     y = elsa_attention(q, k, v, None, None, False, D ** -0.5, mode)
     assert y.shape == (1, 2, Nq, Dv)
     _check(y, oracle_attention(q, k, v), mode, f"Nq={Nq} Nk={Nk} D={D} Dv={Dv}")
@@ -53,7 +53,7 @@ def test_shapes(mode, Nq, Nk, D, Dv):
 def test_bias_mask_causal_split(mode, num_splits):
     """Broadcast bias [H, Nq, Nk] (fp16), bool mask with one fully masked row, causal, P = 1, 2, 3."""
     B, H, Nq, Nk, D = 2, 2, 40, 130, 64
-    q, k, v = _qkv(B, H, Nq, Nk, D, KERNEL_MODES[mode][0], seed=num_splits)
+    q, k, v = _qkv(B, H, Nq, Nk, D, get_mode(mode).compute_dtype, seed=num_splits)
     g = torch.Generator().manual_seed(7)
     bias = torch.randn(H, Nq, Nk, generator=g).half()
     mask = torch.rand(Nq, Nk, generator=g) > 0.3
@@ -93,14 +93,16 @@ def test_all_keys_masked_by_bias_and_causal_wide():
     _check(y, oracle_attention(q, k, v, bias=bias, is_causal=True, scale=0.25), "fp32-ieee", "-inf bias")
 
 
-def test_custom_op_opcheck():
-    """The torch custom op (schema, fake impl, dispatcher) passes torch.library.opcheck."""
+def test_custom_ops_opcheck():
+    """The dense ops (schema, fake impl, dispatcher) pass torch.library.opcheck."""
+    import visionattn.ops  # noqa: F401  (registers the ops)
+
     q, k, v = _qkv(1, 2, 17, 33, 16, torch.float32)
     mask = (torch.rand(17, 33) > 0.5).expand(1, 2, 17, 33)
-    for out_dtype in (None, torch.float16):
-        torch.library.opcheck(torch.ops.visionattn.elsa_fwd.default,
-                              (q, k, v, None, mask, False, 0.25, "fp32", 2, out_dtype),
-                              test_utils=("test_schema", "test_faketensor"))
+    for op in (torch.ops.visionattn.attention.default, torch.ops.visionattn.attention_lse.default):
+        for out_dtype in (None, torch.float16):
+            torch.library.opcheck(op, (q, k, v, None, mask, False, 0.25, "fp32", 2, out_dtype),
+                                  test_utils=("test_schema", "test_faketensor"))
 
 
 def test_unsupported_reason():
@@ -110,7 +112,6 @@ def test_unsupported_reason():
     big = torch.randn(1, 1, 4, 320)
     assert "head dim" in unsupported_reason(big, big, big, None, None, "fp32")
     assert unsupported_reason(q, k, v, None, None, "fp16") is None  # api.py casts after asking
-    assert "autograd" in unsupported_reason(q.requires_grad_(), k, v, None, None, "fp32")
 
 
 def test_errors_name_the_argument():
@@ -248,7 +249,7 @@ def test_scale_sign_and_mask(mode, scale):
     """The raw-max order (max of q.k, then one FMA per score) holds only for scale > 0: negative and
     zero scales (allowed by SDPA) take the scale-first order; a boolean mask with a fully masked row
     and ragged Nk run through both."""
-    q, k, v = _qkv(1, 2, 33, 70, 64, KERNEL_MODES[mode][0], seed=5)
+    q, k, v = _qkv(1, 2, 33, 70, 64, get_mode(mode).compute_dtype, seed=5)
     mask = torch.rand(33, 70, generator=torch.Generator().manual_seed(2)) > 0.4
     mask[4] = False
     y = elsa_attention(q, k, v, None, mask.expand(1, 2, 33, 70), False, scale, mode)
@@ -261,7 +262,7 @@ def test_scale_sign_and_mask(mode, scale):
 def test_out_dtype_fp32_from_half_mode(mode, num_splits):
     """A FP32 caller of a half mode gets W / S rounded once to FP32: it rounds to the half output
     (within one half ulp: double rounding) and is closer to the oracle of the half inputs."""
-    half = KERNEL_MODES[mode][0]
+    half = get_mode(mode).compute_dtype
     q, k, v = _qkv(2, 2, 50, 90, 64, half, seed=9)
     y_half = elsa_attention(q, k, v, None, None, False, 0.125, mode, num_splits)
     y32 = elsa_attention(q, k, v, None, None, False, 0.125, mode, num_splits, out_dtype=torch.float32)

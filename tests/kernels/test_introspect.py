@@ -11,12 +11,12 @@ _CHILD = r"""
 import json
 from visionattn.kernels import elsa_fwd
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch
-ptr = {n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "WsM", "WsS", "WsW")}
+ptr = {n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "Lse", "WsM", "WsS", "WsW")}
 ptr["Mask"] = "*i1"
 def run(precision, stages):
     const = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=16, BLOCK_DV=16, PRECISION=precision, IS_CAUSAL=False,
                  HAS_BIAS=False, HAS_MASK=False, SPLIT=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False,
-                 LAZY_V=False)
+                 LAZY_V=False, WRITE_LSE=False)
     r = compile_for_arch(elsa_fwd._elsa_fwd_kernel, ptr, const, num_warps=4, num_stages=stages,
                          unit_ints=("sqd", "skd", "svd", "sod", "sbn", "smn"), float_args=("qk_scale",))
     return {"shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes,

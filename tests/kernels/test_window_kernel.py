@@ -267,8 +267,10 @@ def test_default_config_drops_stages_on_out_of_shared_memory_and_remembers(monke
     fewer stages, gives the oracle's answer, and later calls go straight to the config that fitted."""
     import triton.runtime.errors as terr
 
+    from visionattn.kernels._launch import PlanCache
+
     q, k, v, bias, mask, _ = inputs(4, 2, 2, 49, 32, seed=31)
-    window_fwd._FITTED.clear()
+    monkeypatch.setattr(window_fwd, "PLANS", PlanCache())
     monkeypatch.setattr(window_fwd, "get_config", lambda *a, **kw: {"kernel": "small", "imgs": 2, "num_warps": 4,
                                                                    "num_stages": 3})
     real, stages = window_fwd._window_small_kernel, []

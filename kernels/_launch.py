@@ -1,0 +1,153 @@
+"""Cheap kernel launches from cached launch plans.
+
+A call of :func:`visionattn.attention` decides once per *plan key* what to launch
+(kernel, tile config, KV splits, grid, constexprs) and keeps the decision in a
+plan; every later call with the same key only allocates its outputs and launches.
+Two pieces live here:
+
+* :class:`KernelCall` — one launch of a ``@triton.jit`` / ``@gluon.jit`` kernel with a
+  fixed grid, constexprs and launch options. Its first call goes through Triton's
+  JIT path (argument binding, specialisation, compile or cache lookup, ~20-60 us of
+  host time); it keeps the compiled kernel that path returns and hands later
+  calls' arguments straight to the compiled kernel's launcher (a few us).
+* :class:`PlanCache` — a bounded dict from plan keys to plans, with hit / build counters
+  (tests read them to prove a second call reuses the plan).
+
+Reusing a compiled kernel is only correct for arguments Triton would have
+specialised the same way: equal integer arguments (strides, sizes that are not
+``do_not_specialize``), equal dtypes and the same 16-byte alignment of every
+pointer. Plan keys therefore hold the exact shapes and strides of every tensor
+and the alignment class of every data pointer; a new sequence length makes a new
+plan (one slow call), never a new compile (lengths are not specialised on).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["KernelCall", "PlanCache", "interpreting", "aligned16", "empty_heads_inner"]
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``), read per call: tests set it."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def aligned16(*tensors: torch.Tensor | None) -> bool:
+    """Whether every given data pointer is 16-byte aligned (Triton specialises pointers on it)."""
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def empty_heads_inner(batch: int, heads: int, n_q: int, dv: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """[B, H, Nq, Dv] view of a new contiguous [B, Nq, H, Dv] buffer (SDPA flash's output layout), in one
+    allocation call."""
+    return torch.empty_strided((batch, heads, n_q, dv), (n_q * heads * dv, dv, heads * dv, 1), dtype=dtype,
+                               device=device)
+
+
+def _launch_hooks_set() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - Triton releases before knobs
+        return False
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+
+
+class KernelCall:
+    """One launch of a Triton kernel with a fixed grid, constexprs and launch options.
+
+    Args:
+        fn: the ``@triton.jit`` (or ``@gluon.jit``) kernel.
+        grid: the launch grid, 1 to 3 ints.
+        constexprs: every ``tl.constexpr`` parameter of ``fn`` by name; in ``fn``'s signature they must
+            follow all runtime parameters (the fast path appends their values to the runtime arguments).
+        options: launch options (``num_warps``, ``num_stages``, ``maxnreg`` ...).
+
+    Calling it with the runtime arguments (in signature order) launches on the current stream. The
+    first call compiles or finds the kernel through Triton's JIT; later calls go to the compiled
+    kernel's launcher directly. Under the interpreter, with Triton launch hooks set (profilers), or
+    with a Triton whose compiled kernels lack that launcher, every call takes the JIT path.
+
+    Raises:
+        ValueError: a constexpr parameter precedes a runtime one in ``fn``'s signature, or ``constexprs``
+            does not name exactly ``fn``'s constexpr parameters.
+    """
+
+    __slots__ = ("fn", "grid", "constexprs", "options", "_tail", "_fast", "_grid3")
+
+    def __init__(self, fn, grid: tuple[int, ...], constexprs: dict[str, Any], options: dict[str, Any]):
+        self.fn, self.grid, self.constexprs, self.options = fn, tuple(grid), constexprs, options
+        names = list(getattr(fn, "arg_names", []))
+        is_constexpr = [p.is_constexpr for p in getattr(fn, "params", [])]
+        if names and is_constexpr:
+            first = is_constexpr.index(True) if True in is_constexpr else len(names)
+            if not all(is_constexpr[first:]):
+                raise ValueError(f"{names}: constexpr parameters must follow the runtime ones")
+            if set(names[first:]) != set(constexprs):
+                raise ValueError(f"constexprs {sorted(constexprs)} != the kernel's {names[first:]}")
+            self._tail = tuple(constexprs[n] for n in names[first:])
+        else:  # pragma: no cover - a JIT object without the introspection used above: JIT path only
+            self._tail = None
+        self._fast: Callable | None = None
+        self._grid3 = (self.grid + (1, 1))[:3]
+
+    def __call__(self, *args) -> None:
+        fast = self._fast
+        if fast is not None:
+            fast(*args)
+            return
+        compiled = self.fn[self.grid](*args, **self.constexprs, **self.options)
+        if compiled is not None and self._tail is not None and not interpreting() and not _launch_hooks_set():
+            self._fast = self._direct(compiled)
+
+    def _direct(self, compiled) -> Callable | None:
+        try:
+            run = compiled.run  # a property that loads the module on first access in recent releases
+            function, packed = compiled.function, compiled.packed_metadata
+            from triton.runtime import driver
+
+            active = driver.active
+            current_device, current_stream = active.get_current_device, active.get_current_stream
+        except (AttributeError, ImportError):  # pragma: no cover - another Triton layout: keep the JIT path
+            return None
+        g0, g1, g2 = self._grid3
+        tail = self._tail
+
+        def launch(*args):
+            run(g0, g1, g2, current_stream(current_device()), function, packed, None, None, None, *args, *tail)
+
+        return launch
+
+
+class PlanCache:
+    """Plans by key, at most ``max_size`` of them (the oldest half is dropped when full).
+
+    ``hits`` / ``builds`` count lookups that found a plan and plans built; tests read them.
+    """
+
+    def __init__(self, max_size: int = 4096):
+        self.max_size = max_size
+        self.plans: dict = {}
+        self.hits = 0
+        self.builds = 0
+
+    def get(self, key):
+        plan = self.plans.get(key)
+        if plan is not None:
+            self.hits += 1
+        return plan
+
+    def put(self, key, plan):
+        if len(self.plans) >= self.max_size:
+            for old in list(self.plans)[: self.max_size // 2]:
+                del self.plans[old]
+        self.plans[key] = plan
+        self.builds += 1
+        return plan
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.hits = self.builds = 0
