@@ -1,0 +1,163 @@
+"""The op layer: custom ops (opcheck), cached launch plans, and the inputs the public functions refuse.
+
+Kernels run in the Triton interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1`` without a GPU).
+"""
+import pytest
+import torch
+
+import visionattn as va
+from visionattn import ops  # noqa: F401  (registers the custom ops)
+from visionattn.kernels import elsa_fwd, pasa_fwd, window_fwd
+from visionattn.kernels._launch import PlanCache
+from visionattn.metrics import rel_l2
+from visionattn.modes import get_mode
+from visionattn.reference import oracle_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _qkv(B=1, H=2, Nq=17, Nk=33, D=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=g).to(DEV, dtype) for n in (Nq, Nk, Nk))
+
+
+# ----------------------------------------------------------------------------- opcheck
+def test_every_custom_op_passes_opcheck():
+    """Schema, fake (meta) implementation and dispatcher of each op: dense, dense with LSE, PASA, window."""
+    q, k, v = _qkv()
+    mask = (torch.rand(17, 33) > 0.3).to(DEV).expand(1, 2, 17, 33)
+    bias = torch.randn(2, 17, 33, device=DEV).expand(1, 2, 17, 33)
+    checks = ("test_schema", "test_faketensor")
+    for op in (torch.ops.visionattn.attention.default, torch.ops.visionattn.attention_lse.default):
+        torch.library.opcheck(op, (q, k, v, bias, mask, False, 0.25, "fp32", 0, None), test_utils=checks)
+    qh, kh, vh = (t.half() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.visionattn.pasa_attention.default,
+                          (qh, kh, vh, None, mask, False, 0.25, True, torch.float32), test_utils=checks)
+    qw, kw, vw = _qkv(B=8, H=2, Nq=16, Nk=16, D=16)
+    rpb = torch.randn(2, 16, 16, device=DEV)
+    shift = torch.zeros(4, 16, 16, device=DEV)
+    shift[:, :, 8:] = -100.0
+    torch.library.opcheck(torch.ops.visionattn.window_attention.default,
+                          (qw, kw, vw, rpb, shift, None, 4, False, 0.25, "fp32"), test_utils=checks)
+    ls = torch.full((2,), 2.3, device=DEV)
+    torch.library.opcheck(torch.ops.visionattn.window_attention.default,
+                          (qw, kw, vw, rpb, None, ls, 4, True, 0.25, "fp16"), test_utils=checks)
+
+
+def test_the_ops_compute_what_the_public_functions_compute():
+    """The custom op (what torch.compile sees) and the eager path give the same output, bit for bit."""
+    q, k, v = _qkv(seed=3)
+    eager = va.attention(q, k, v, mode="fp32", backend="triton")
+    op = torch.ops.visionattn.attention(q, k, v, None, None, False, 16 ** -0.5, "fp32", 0, torch.float32)
+    assert torch.equal(eager, op)
+    out, lse = torch.ops.visionattn.attention_lse(q, k, v, None, None, False, 16 ** -0.5, "fp32", 0, None)
+    assert torch.equal(out, eager)
+    ref = torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5, dim=-1)
+    assert (lse.double() - ref).abs().max() <= 1e-5
+
+
+# ----------------------------------------------------------------------------- plan cache
+def test_the_plan_is_built_once_per_key_and_rebuilt_when_the_key_changes(monkeypatch):
+    """Second call with the same signature: a cache hit, no new plan. A new stride pattern, dtype, length or
+    mode: a new plan. Outputs stay equal to the oracle throughout."""
+    cache = PlanCache()
+    monkeypatch.setattr(elsa_fwd, "PLANS", cache)
+    q, k, v = _qkv()
+
+    def call(q, k, v, mode="fp32"):
+        y = va.attention(q, k, v, mode=mode, backend="triton")
+        assert rel_l2(y, oracle_attention(q, k, v)) <= get_mode(mode).rel_tol
+        return y
+
+    call(q, k, v)
+    assert (cache.builds, cache.hits) == (1, 0)
+    q2, k2, v2 = _qkv(seed=1)  # new tensors, same signature
+    call(q2, k2, v2)
+    assert (cache.builds, cache.hits) == (1, 1)
+    qt = torch.randn(1, 17, 2, 16, device=DEV).transpose(1, 2)  # same shape, other strides
+    call(qt, k, v)
+    assert (cache.builds, cache.hits) == (2, 1)
+    call(*_qkv(Nk=300))  # another length (and length bucket of the tile configs)
+    assert cache.builds == 3
+    call(q.half(), k.half(), v.half(), mode="fp16")  # another dtype and mode
+    assert cache.builds == 4
+    call(q2, k2, v2)
+    assert (cache.builds, cache.hits) == (4, 2)
+
+
+def test_window_and_pasa_plans_are_reused(monkeypatch):
+    wcache, pcache = PlanCache(), PlanCache()
+    monkeypatch.setattr(window_fwd, "PLANS", wcache)
+    monkeypatch.setattr(pasa_fwd, "PLANS", pcache)
+    rpb = torch.randn(2, 16, 16, device=DEV)
+    for seed in range(2):
+        qw, kw, vw = _qkv(B=4, Nq=16, Nk=16, seed=seed)
+        va.window_attention(qw, kw, vw, relative_position_bias=rpb, num_windows=2, mode="fp32", backend="triton")
+        va.attention(*_qkv(seed=seed), mode="pasa", backend="triton")
+    assert (wcache.builds, wcache.hits, pcache.builds, pcache.hits) == (1, 1, 1, 1)
+
+
+def test_a_reused_plan_never_reads_a_misaligned_pointer_as_aligned(monkeypatch):
+    """Triton specialises pointers on 16-byte alignment: a view starting mid-row is another plan."""
+    cache = PlanCache()
+    monkeypatch.setattr(elsa_fwd, "PLANS", cache)
+    base = torch.randn(1, 2, 18, 16, device=DEV)
+    q_aligned, q_shifted = base[:, :, :17], base.flatten()[1:].view(-1)[: 1 * 2 * 17 * 16].view(1, 2, 17, 16)
+    _, k, v = _qkv()
+    for q in (q_aligned, q_shifted):
+        y = va.attention(q, k, v, backend="triton")
+        assert rel_l2(y, oracle_attention(q, k, v)) <= 2e-6
+    assert cache.builds == 2
+
+
+# ----------------------------------------------------------------------------- inputs
+@pytest.mark.parametrize("bad", ["no", 1, None, torch.tensor(True)])
+def test_is_causal_must_be_a_bool(bad):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        va.attention(q, k, v, is_causal=bad)
+
+
+@pytest.mark.parametrize("bad", ["0.5", "abc", torch.tensor([0.5, 0.5]), 1j])
+def test_scale_must_be_a_real_number(bad):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        va.attention(q, k, v, scale=bad)
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        va.window_attention(q, q, q, num_windows=1, scale=bad)
+
+
+def test_scale_accepts_numbers_and_one_element_tensors():
+    q, k, v = _qkv()
+    ref = va.attention(q, k, v, scale=0.3)
+    assert torch.equal(va.attention(q, k, v, scale=torch.tensor(0.3)), ref)
+    with pytest.raises(ValueError, match="finite"):
+        va.attention(q, k, v, scale=float("nan"))
+
+
+def test_head_dim_zero_is_a_value_error():
+    q = torch.randn(1, 1, 4, 0)
+    with pytest.raises(ValueError, match="head_dim 0"):
+        va.attention(q, q, q)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "pasa"])
+def test_fp32_inputs_beyond_the_fp16_range_raise_in_fp16_modes(mode):
+    """Casting 1e5 to float16 gives inf and an all-NaN output; the call names the range and the fix instead."""
+    q, k, v = _qkv()
+    q = q.clone()
+    q[0, 0, 0, 0] = 1e5
+    with pytest.raises(ValueError, match=r"float16's range.*'fp32', 'tf32' or 'bf16'"):
+        va.attention(q, k, v, mode=mode, backend="triton")
+    assert torch.isfinite(va.attention(q, k, v, mode="bf16", backend="triton")).all()
+
+
+def test_window_attention_with_only_key_requiring_grad_is_differentiable():
+    """A gradient for k alone must not be silently dropped by the forward-only kernel."""
+    q, k, v = _qkv(B=4, Nq=16, Nk=16)
+    k = k.clone().requires_grad_(True)
+    with pytest.warns(RuntimeWarning):
+        y = va.window_attention(q, k, v, num_windows=2, mode="fp32", backend="triton")
+    assert y.grad_fn is not None
+    y.sum().backward()
+    assert k.grad is not None and torch.isfinite(k.grad).all()
