@@ -336,23 +336,48 @@ class VGGT(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike = DEFAULT_REPO, strict: bool = True,
-                        revision: str | None = None, **config_overrides) -> "VGGT":
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike = DEFAULT_REPO, *,
+                        force_download: bool = False, token: str | bool | None = None, cache_dir=None,
+                        local_files_only: bool = False, revision: str | None = None, strict: bool = True,
+                        **model_kwargs) -> "VGGT":
         """Load weights from the hub (``"facebook/VGGT-1B"``), a directory or a checkpoint file.
 
-        The model is built on the meta device and the weights are assigned (no
-        random initialisation of 1.26 B parameters). A directory's ``config.json``
-        (from :meth:`save_pretrained` or the hub) sets the config; ``config_overrides``
+        Same call as huggingface_hub's ``PyTorchModelHubMixin.from_pretrained``. Licence: the
+        ``facebook/VGGT-1B`` weights are for non-commercial use only (CC BY-NC 4.0 per its model
+        card; ``facebook/VGGT-1B-Commercial`` is the gated commercial variant); downloading them
+        logs this note. A hub id is resolved with :func:`visionattn.models.hub.hub_file`: the local
+        cache first, then one online attempt with a short timeout, so offline it fails in seconds.
+
+        The model is built on the meta device and the weights are assigned (no random
+        initialisation of 1.26 B parameters). The ``config.json`` beside the weights
+        (from :meth:`save_pretrained` or the hub) sets the config; ``model_kwargs``
         (e.g. ``attn_mode="bf16"``, ``merging=FASTVGGT_MERGING``) win over it.
+
+        Args:
+            pretrained_model_name_or_path: hub repo id, a directory holding ``model.safetensors`` /
+                ``model.pt``, or such a file.
+            force_download, token, cache_dir, local_files_only, revision: as ``hf_hub_download``.
+            strict: refuse missing / unexpected keys (with False, missing ones get a fresh init).
 
         Raises:
             visionattn.models.hub.CheckpointNotFoundError: not local and not downloadable
                 (the message names the cache folder and how to pass a local file).
             RuntimeError: missing / unexpected keys or shape mismatches with ``strict=True``.
         """
-        path = resolve_checkpoint(name_or_path, revision=revision)
-        cfg = _read_config(os.path.join(os.path.dirname(path), "config.json"))
-        cfg.update(config_overrides)
+        from .hub import CheckpointNotFoundError, hub_file
+
+        src = os.fspath(pretrained_model_name_or_path)
+        hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only,
+                   force_download=force_download)
+        path = resolve_checkpoint(src, **hub)
+        config_path = os.path.join(os.path.dirname(path), "config.json")
+        if not os.path.exists(src) and not os.path.isfile(config_path):
+            try:  # the hub repo's config.json, same strategy; a repo without one keeps the defaults
+                config_path = hub_file(src, ("config.json",), **hub)
+            except CheckpointNotFoundError:
+                pass
+        cfg = _read_config(config_path)
+        cfg.update(model_kwargs)
         sd = load_state_dict_file(path)
         with torch.device("meta"):
             model = cls(**cfg)
@@ -370,22 +395,57 @@ class VGGT(nn.Module):
         model.load_result = result
         return model.eval()
 
-    def save_pretrained(self, directory: str | os.PathLike) -> str:
-        """Write ``model.safetensors`` + ``config.json`` (atomically) to ``directory``; returns the weights path."""
+    def save_pretrained(self, save_directory: str | os.PathLike, *, config: dict | None = None,
+                        repo_id: str | None = None, push_to_hub: bool = False, **push_to_hub_kwargs) -> str | None:
+        """Write ``model.safetensors`` + ``config.json`` (each atomically) to ``save_directory``.
+
+        Same call as ``PyTorchModelHubMixin.save_pretrained``: ``config`` adds entries to the
+        saved config; ``push_to_hub=True`` then uploads the folder to ``repo_id`` (default: the
+        folder name) with :meth:`push_to_hub` (``push_to_hub_kwargs`` passed on).
+
+        Returns:
+            the weights path, or the commit URL when pushed.
+        """
         from safetensors.torch import save_file
 
+        directory = os.fspath(save_directory)
         os.makedirs(directory, exist_ok=True)
         sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        target = os.path.join(os.fspath(directory), WEIGHT_FILES[0])
+        target = os.path.join(directory, WEIGHT_FILES[0])
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         os.close(fd)
-        save_file(sd, tmp)
+        save_file(sd, tmp, metadata={"format": "pt"})
         os.replace(tmp, target)
         fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump(self.config, f, indent=1)
+            json.dump({**self.config, **(config or {})}, f, indent=1)
         os.replace(tmp, os.path.join(directory, "config.json"))
+        if push_to_hub:
+            return self.push_to_hub(repo_id or os.path.basename(os.path.abspath(directory)), config=config,
+                                    **push_to_hub_kwargs)
         return target
+
+    def push_to_hub(self, repo_id: str, *, config: dict | None = None,
+                    commit_message: str = "Push model using huggingface_hub.", private: bool | None = None,
+                    token: str | None = None, branch: str | None = None, create_pr: bool | None = None,
+                    allow_patterns=None, ignore_patterns=None, delete_patterns=None) -> str:
+        """Upload ``model.safetensors`` + ``config.json`` to a hub repo (created if needed), as the mixin does.
+
+        Returns:
+            the commit URL.
+
+        Raises:
+            huggingface_hub errors (authentication, network) unchanged.
+        """
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, config=config)
+            return str(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message,
+                                         revision=branch, create_pr=create_pr, allow_patterns=allow_patterns,
+                                         ignore_patterns=ignore_patterns, delete_patterns=delete_patterns))
 
 
 def autocast(device_type: str, dtype: torch.dtype | None):
