@@ -2,15 +2,17 @@
 """Benchmark the ELSA Triton kernels against PyTorch SDPA and FlexAttention.
 
 For every shape of the config and every visionattn mode, in one process on the same
-inputs: median time (``triton.testing.do_bench``, which flushes L2 between runs, so
-inputs always come from HBM; with ``--cuda-graph``, replays of a CUDA graph, which leave out the
-Python launch path that otherwise decides sub-0.1 ms readings), TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
+inputs, two timings side by side: **eager** (CUDA events around back-to-back calls of the public
+function, ``visionattn.attention`` / ``F.scaled_dot_product_attention``: the Python launch path
+counts, as in an eager model) and **graph** (replays of a CUDA graph of the same calls:
+GPU time alone; ``--cuda-graph`` keeps only this one); TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
 (``torch.cuda.max_memory_allocated`` above the inputs) and the relative L2 error
 against the float64 oracle on a random subsample of query rows. Baselines per input
 dtype: SDPA MATH (TF32 off), EFFICIENT_ATTENTION, FLASH_ATTENTION, CUDNN_ATTENTION
 (via ``torch.nn.attention.sdpa_kernel``) and compiled FlexAttention (FP32 inputs: IEEE
-and TF32). Writes ``bench.md``, ``bench.json`` and ``bench.png`` (TFLOP/s vs N) to
-``--out``.
+and TF32). A host-overhead table comes first: host time per call at B=1 H=1 N=64 D=64 of every mode
+and of ``window_attention`` beside SDPA's, in the same process. Writes ``bench.md``, ``bench.json``
+and ``bench.png`` (TFLOP/s vs N) to ``--out``.
 
 Process-wide settings (tools may set them, library code never does): TF32 matmul is
 switched OFF (``torch.backends.cuda.matmul.allow_tf32 = False``) so SDPA math and
@@ -38,10 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' sha
 from _cli import ToolParser, check_output, default_out  # noqa: E402
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
-from visionattn.metrics import rel_l2
-from visionattn.reference import oracle_attention
-from visionattn.reporting import (environment, kernel_ms, markdown_table, save_figure_atomic, write_json_atomic,
-                                  write_text_atomic)
+from visionattn.metrics import rel_l2  # noqa: E402
+from visionattn.modes import MODES  # noqa: E402
+from visionattn.reference import oracle_attention  # noqa: E402
+from visionattn.reporting import (environment, eager_ms, host_us, kernel_ms, markdown_table,  # noqa: E402
+                                  save_figure_atomic, write_json_atomic, write_text_atomic)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
@@ -60,8 +63,8 @@ def build_parser() -> ToolParser:
     p.add_argument("--quick", action="store_true", help="only the shapes marked quick: true, shorter timing")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     p.add_argument("--cuda-graph", action="store_true",
-                   help="time CUDA-graph replays (do_bench_cudagraph) for every backend: GPU time without Python "
-                        "launch overhead, which otherwise decides the sub-0.1 ms readings; L2 is not flushed")
+                   help="time only CUDA-graph replays (GPU time without the Python launch path), not eager calls")
+    p.add_argument("--no-host", action="store_true", help="skip the host-overhead table (tiny calls)")
     p.add_argument("--modes", default=None, help="comma-separated visionattn modes (default: the config's)")
     p.add_argument("--shapes", default=None, help="comma-separated shape names from the config (default: all)")
     p.add_argument("--tune", action="store_true", help="time candidate tile configs instead of the sweep")
@@ -117,8 +120,10 @@ def _flex(tf32: bool):
 
 
 def _ours(mode):
+    import visionattn
+
     def run(q, k, v):
-        return elsa_fwd.elsa_attention(q, k, v, None, None, False, q.shape[-1] ** -0.5, mode)
+        return visionattn.attention(q, k, v, mode=mode)  # the public path users call
 
     return run
 
@@ -131,9 +136,9 @@ def _runner(name):
     return _ours(name)
 
 
-def _measure(fn, q, k, v, warmup, rep, cuda_graph=False):
-    """(median ms, peak extra MiB, output) of ``fn(q, k, v)``; raises if the backend refuses.
-    ``cuda_graph``: time replays of a CUDA graph (:func:`visionattn.reporting.kernel_ms`)."""
+def _measure(fn, q, k, v, rep, graph_only=False):
+    """(timings, peak extra MiB, output) of ``fn(q, k, v)``: ``{"eager": ms, "graph": ms}`` (eager left out with
+    ``graph_only``); raises if the backend refuses."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -145,8 +150,38 @@ def _measure(fn, q, k, v, warmup, rep, cuda_graph=False):
     out = fn(q, k, v)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = kernel_ms(lambda: fn(q, k, v), warmup, rep, cuda_graph)
-    return ms, peak, out
+    timings = {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}
+    if not graph_only:
+        one = max(timings["graph"], 0.005)
+        timings["eager"] = eager_ms(lambda: fn(q, k, v), calls=int(min(200, max(10, rep / one))))
+    return timings, peak, out
+
+
+def host_overhead(modes) -> list[dict]:
+    """Host time per call (us) of tiny calls, every mode and window_attention beside SDPA, one process."""
+    import visionattn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", generator=g).to(dtype) for _ in range(3))
+        rows.append({"call": "F.scaled_dot_product_attention", "dtype": str(dtype).split(".")[1],
+                     "us": host_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))})
+        for mode in modes:
+            if visionattn.get_mode(mode).compute_dtype != dtype and not (dtype == torch.float16 and mode == "pasa"):
+                continue
+            rows.append({"call": f"visionattn.attention mode={mode}", "dtype": rows[-1]["dtype"],
+                         "us": host_us(lambda: visionattn.attention(q, k, v, mode=mode))})
+        qw = torch.randn(4, 1, 49, 32, device="cuda", generator=g).to(dtype)
+        rpb = torch.randn(1, 49, 49, device="cuda", generator=g)
+        wmode = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+        rows.append({"call": f"visionattn.window_attention mode={wmode}", "dtype": rows[-1]["dtype"],
+                     "us": host_us(lambda: visionattn.window_attention(qw, qw, qw, relative_position_bias=rpb,
+                                                                       num_windows=1, mode=wmode))})
+    for r in rows:
+        sdpa = next(x["us"] for x in rows if x["dtype"] == r["dtype"] and x["call"].startswith("F."))
+        r["x_sdpa"] = r["us"] / sdpa
+    return rows
 
 
 def _fits_math(B, H, N, dtype):
@@ -164,7 +199,7 @@ def run_sweep(args, cfg) -> dict:
     if args.shapes:
         wanted = set(args.shapes.split(","))
         shapes = [s for s in shapes if s["name"] in wanted]
-    warmup, rep = (10, 40) if args.quick else (cfg["warmup_ms"], cfg["rep_ms"])
+    rep = 40 if args.quick else cfg["rep_ms"]
     records = []
     jobs = []
     for shape in shapes:
@@ -183,28 +218,35 @@ def run_sweep(args, cfg) -> dict:
         flops = 4 * B * H * N * N * D
         for name in backends:
             rec = {"shape": shape["name"], "B": B, "H": H, "N": N, "D": D, "dtype": group, "backend": name,
-                   "ours": name in elsa_fwd.KERNEL_MODES}
+                   "ours": name in MODES}
             if name == "sdpa-math" and not _fits_math(B, H, N, dtype):
                 rec["skipped"] = "O(N^2) memory does not fit"
                 records.append(rec)
                 continue
             try:
-                ms, peak, out = _measure(_runner(name), q, k, v, warmup, rep, args.cuda_graph)
+                timings, peak, out = _measure(_runner(name), q, k, v, rep, args.cuda_graph)
             except (RuntimeError, torch.OutOfMemoryError, Exception) as exc:  # backend refuses this case
                 rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 records.append(rec)
                 torch.cuda.empty_cache()
                 continue
-            rec.update(ms=ms, tflops=flops / ms / 1e9, peak_mib=peak, rel_err=rel_l2(out[:, :, rows], ref))
+            ms = timings.get("eager", timings["graph"])  # what an eager model sees, unless graph-only
+            rec.update(ms=ms, tflops=flops / ms / 1e9, peak_mib=peak, rel_err=rel_l2(out[:, :, rows], ref),
+                       ms_graph=timings["graph"], tflops_graph=flops / timings["graph"] / 1e9)
+            if "eager" in timings:
+                rec.update(ms_eager=timings["eager"], eager_over_graph=timings["eager"] / timings["graph"])
             del out
             records.append(rec)
         del q, k, v, ref
         torch.cuda.empty_cache()
-    timing = ("median of `triton.testing.do_bench_cudagraph` (CUDA-graph replays: GPU time without Python launch "
-              "overhead; L2 not flushed)" if args.cuda_graph else
-              "median of `triton.testing.do_bench` (L2 flushed between runs)")
+    timing = ("CUDA-graph replays only (`triton.testing.do_bench_cudagraph`, median; L2 not flushed)"
+              if args.cuda_graph else
+              "eager: CUDA events around back-to-back calls of the public function (median of 5 windows; the "
+              "Python launch path counts) -- ms and TFLOP/s columns; graph: CUDA-graph replays of the same calls "
+              "(`triton.testing.do_bench_cudagraph`, median) -- graph ms column")
+    host = [] if args.no_host else host_overhead(modes + ["pasa"])
     return {"environment": environment(), "tf32_matmul": "off (on only inside flex-tf32)", "timing": timing,
-            "records": records, "targets": _targets(records)}
+            "host_overhead": host, "records": records, "targets": _targets(records)}
 
 
 def _get(records, shape, dtype, backend):
@@ -241,6 +283,11 @@ def _targets(records) -> list[dict]:
             else:
                 continue
             out.append(row)
+        for mode, dtype in (("fp32", "fp32"), ("tf32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16")):
+            ours = _get(records, shape, dtype, mode)
+            if ours and "eager_over_graph" in ours and ours["N"] < 4096:  # ViT-sized: launch path matters most
+                out.append({"shape": shape, "mode": mode, "vs": "own CUDA-graph replay",
+                            "eager_over_graph": ours["eager_over_graph"], "met": ours["eager_over_graph"] <= 1.1})
         for mode in ("fp32", "fp16", "bf16"):
             dtype = mode
             ours = _get(records, shape, dtype, mode)
@@ -263,6 +310,10 @@ def write_report(result: dict, out_dir: str) -> dict:
              "peak extra memory = max_memory_allocated above the inputs; rel err = relative L2 vs the float64 "
              "oracle on a random subsample of query rows, same inputs for every backend",
              f"* TF32 matmul: {result['tf32_matmul']}", ""]
+    if result.get("host_overhead"):
+        lines += ["## Host time per call (B=1 H=1 N=64 D=64; window: 4 windows x 49 tokens, D=32)", "",
+                  markdown_table([[r["dtype"], r["call"], f"{r['us']:.1f}", f"{r['x_sdpa']:.2f}x"]
+                                  for r in result["host_overhead"]], ["inputs", "call", "us / call", "vs SDPA"]), ""]
     for shape in dict.fromkeys(r["shape"] for r in result["records"]):
         rs = [r for r in result["records"] if r["shape"] == shape]
         r0 = rs[0]
@@ -271,14 +322,20 @@ def write_report(result: dict, out_dir: str) -> dict:
         for r in rs:
             name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
             if "ms" in r:
-                rows.append([r["dtype"], name, r["ms"], r["tflops"], r["peak_mib"], f"{r['rel_err']:.2e}"])
+                rows.append([r["dtype"], name, r["ms"], r["tflops"], r["ms_graph"],
+                             f"{r['eager_over_graph']:.2f}" if "eager_over_graph" in r else "-", r["peak_mib"],
+                             f"{r['rel_err']:.2e}"])
             else:
-                rows.append([r["dtype"], name, "-", "-", "-", r["skipped"]])
-        lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "peak extra MiB", "rel err"]))
+                rows.append([r["dtype"], name, "-", "-", "-", "-", "-", r["skipped"]])
+        lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph",
+                                           "peak extra MiB", "rel err"]))
     lines += ["## Targets", ""]
     trows = []
     for t in result["targets"]:
-        if "ours_mib" in t:
+        if "eager_over_graph" in t:
+            trows.append([t["shape"], t["mode"], t["vs"], "eager / graph time", f"{t['eager_over_graph']:.2f}x "
+                          "(need <= 1.1x)", "met" if t["met"] else "NOT met"])
+        elif "ours_mib" in t:
             trows.append([t["shape"], t["mode"], t["vs"], f"{t['ours_mib']:.1f} vs {t['base_mib']:.1f} MiB",
                           "<= 1.1x", "met" if t["met"] else "NOT met"])
         elif "base_tflops" in t:
@@ -313,8 +370,8 @@ def _plot(result, path):
         for backend in dict.fromkeys(r["backend"] for r in gr):
             pts = sorted((r["N"], r["tflops"]) for r in gr if r["backend"] == backend)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    lw=2.5 if backend in elsa_fwd.KERNEL_MODES else 1.2,
-                    label=("visionattn " + backend) if backend in elsa_fwd.KERNEL_MODES else backend)
+                    lw=2.5 if backend in MODES else 1.2,
+                    label=("visionattn " + backend) if backend in MODES else backend)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (B=1, H=8, D=64)")
         ax.set_ylabel("TFLOP/s")
@@ -356,7 +413,7 @@ def run_tune(args) -> dict:
     results = []
     for kind in kinds:
         mode, precision = TUNE_MODES[kind]
-        dtype = elsa_fwd.KERNEL_MODES[mode][0]
+        dtype = MODES[mode].compute_dtype
         for (B, H, N, D) in shapes:
             g = torch.Generator(device="cuda").manual_seed(N + D)
             q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype) for _ in range(3))

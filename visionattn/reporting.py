@@ -220,3 +220,40 @@ def kernel_ms(fn: Callable[[], Any], warmup: float, rep: float, cuda_graph: bool
     if cuda_graph:
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def eager_ms(fn: Callable[[], Any], calls: int = 50, warmup: int = 5, repeats: int = 5) -> float:
+    """Milliseconds per call of ``fn()`` run back to back in eager PyTorch on the current CUDA device: CUDA events
+    around ``calls`` consecutive calls (no synchronisation between them), the median over ``repeats`` such
+    windows. The Python launch path counts: a call whose host work outlasts its GPU work reads as the host
+    time, which is what an eager model sees."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return float(sorted(times)[len(times) // 2])
+
+
+def host_us(fn: Callable[[], Any], calls: int = 200, warmup: int = 20, repeats: int = 5) -> float:
+    """Host microseconds per call of ``fn()``: wall time of ``calls`` back-to-back calls without synchronising,
+    median over ``repeats`` windows (the GPU work of a tiny call finishes long before the next launch, so this
+    is the Python + dispatch + launch path alone)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return float(sorted(times)[len(times) // 2])

@@ -161,3 +161,31 @@ def test_window_attention_with_only_key_requiring_grad_is_differentiable():
     assert y.grad_fn is not None
     y.sum().backward()
     assert k.grad is not None and torch.isfinite(k.grad).all()
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa"])
+def test_later_calls_launch_the_compiled_kernel_directly_with_the_same_result(monkeypatch, mode):
+    """After the first call of a signature (Triton's JIT path) the plan launches the compiled kernel directly;
+    outputs are bit-identical across calls and match the oracle, also for fresh inputs of the same signature
+    and for a bias / mask call."""
+    cache, pcache = PlanCache(), PlanCache()
+    monkeypatch.setattr(elsa_fwd, "PLANS", cache)
+    monkeypatch.setattr(pasa_fwd, "PLANS", pcache)
+    for B, H, N, D in ((64, 12, 197, 64), (1, 8, 1025, 128), (2, 3, 77, 40)):
+        q, k, v = (torch.randn(B, H, N, D, device="cuda") for _ in range(3))
+        outs = [va.attention(q, k, v, mode=mode) for _ in range(3)]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+        y = va.attention(q2, k2, v2, mode=mode)
+        rows = slice(0, 32)
+        assert rel_l2(y[:, :, rows], oracle_attention(q2[:, :, rows], k2, v2)) <= get_mode(mode).rel_tol
+    bias = torch.randn(H, N, N, device="cuda")
+    mask = torch.rand(N, N, device="cuda") > 0.2
+    for _ in range(2):
+        y = va.attention(q, k, v, bias=bias, attn_mask=mask, mode=mode)
+    assert rel_l2(y, oracle_attention(q, k, v, bias=bias, attn_mask=mask)) <= get_mode(mode).rel_tol
+    plans = list((pcache if mode == "pasa" else cache).plans.values())
+    calls = [p.main for p in plans if hasattr(p, "main")]
+    assert calls and all(c._fast is not None for c in calls)
