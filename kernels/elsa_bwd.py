@@ -19,16 +19,20 @@ so the backward never stores the [Nq, Nk] matrix (FlashAttention-2, Alg. 2). Wit
 
 Three kernels, none with atomics, so every gradient is bit-for-bit reproducible:
 
-* :func:`_bwd_preprocess_kernel`: ``delta`` and the base-2 ``lse2 = lse * log2(e)`` per row
-  (``+inf`` for a row whose keys are all masked, ``lse = -inf``: every ``exp2(s - lse2)`` of that row
-  is then 0, so such rows give exactly zero gradients, never NaN).
+* :func:`_bwd_preprocess_kernel`: ``delta`` per row and a contiguous copy of ``lse`` with ``+inf`` for a row
+  whose keys are all masked (``lse = -inf``): every ``exp(s - lse)`` of that row is then 0, so such rows
+  give exactly zero gradients, never NaN.
 * :func:`_bwd_dkdv_kernel`: one program per (key tile, head, batch) holds ``K_j, V_j`` and the ``dK_j, dV_j``
   accumulators and streams the query tiles (causal: from the diagonal on).
 * :func:`_bwd_dq_kernel`: one program per (query tile, bias-gradient slot, chunk) holds ``Q_i, dO_i`` and the
   ``dQ_i`` accumulator and streams the key tiles (causal: up to the diagonal). It also writes ``dS`` when the
   bias needs a gradient (below).
 
-Logits are kept in base 2 (``log2 e`` folded into the scale; one ``exp2`` per score), as in the forward.
+The logits are formed in natural units, exactly as the forward's contract defines them, and
+``P = exp2((s - lse) log2 e)``: the argument is rounded relative to ``s - lse`` (small for the
+probabilities that matter), not relative to ``s``, and the logits and ``lse`` share one rounded ``log2 e``,
+so a rounded ``scale * log2 e`` cannot act as a slightly different temperature (that error dominated the
+Swin-v2 logit-scale gradient).
 
 **dBias** (``bias_requires_grad=True``): ``dBias = dS`` summed over every dimension the bias is broadcast
 along. The bias view's batch / head dimensions with stride 0 (e.g. a relative position bias ``[H, Nq, Nk]``
@@ -38,7 +42,8 @@ entry's ``dS`` tile into its own rows of an FP32 buffer (read-modify-write by th
 those rows, so no atomics and a fixed summation order). When that leaves too few programs to fill the GPU,
 the entries are cut into ``G`` contiguous chunks, each writing a partial buffer, and the ``G`` partials are
 summed by ``torch.sum`` (deterministic). Memory: ``G * prod(reduced shape)`` FP32, where the reduced
-shape is the view's shape with its stride-0 batch / head dims set to 1 (``G = 1`` on CPU, <= 32 on CUDA);
+shape is the view's shape with its stride-0 batch / head dims set to 1 (``G = 1`` on CPU; on CUDA enough
+chunks for ~4 programs per SM, with ``G`` > 1 only while the partials stay under :data:`BIAS_WORKSPACE_BYTES`);
 ``[B, H, Nq, Nk]`` is never materialised for such a bias. Query / key dims with stride 0 (e.g. a
 key-padding bias ``[B, 1, 1, Nk]``) are computed in full, ``[.., Nq, Nk]`` FP32, and then summed by torch.
 
@@ -51,7 +56,11 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
   FlashAttention-2 does), FP32 accumulation.
 
-Public entry points: :func:`elsa_backward`, :func:`bias_grad_shape`, :func:`reduce_bias_grad`;
+The same kernels serve the window op (:mod:`.window_bwd`): an additive mask indexed by ``batch mod n``
+(Swin's shift mask), a logit scale per head (Swin-v2) and its gradient ``sum dS * q k^T``.
+
+Public entry points: :func:`elsa_backward`, :func:`bias_grad_shape`, :func:`reduce_bias_grad`,
+:func:`launch_backward` (validated inputs, window extras);
 for tools and tuning :func:`get_config`, :class:`BwdConfig`, :class:`KernelTiles`.
 """
 from __future__ import annotations
@@ -66,12 +75,11 @@ import triton.language as tl
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from .elsa_fwd import load_kv_tile
 
-__all__ = ["elsa_backward", "bias_grad_shape", "reduce_bias_grad", "get_config", "BwdConfig", "KernelTiles",
-           "BWD_MODES", "MAX_HEAD_DIM"]
+__all__ = ["elsa_backward", "launch_backward", "bias_grad_shape", "reduce_bias_grad", "get_config", "BwdConfig",
+           "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES"]
 
-LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
-MAX_BIAS_SPLITS = 32
+BIAS_WORKSPACE_BYTES = 256 << 20  # dBias partials beyond the first stay under this
 
 # mode -> (compute dtype of q / k / v, tl.dot input_precision of the FP32 operands)
 BWD_MODES: dict[str, tuple[torch.dtype, str]] = {
@@ -118,22 +126,32 @@ def _tile_and_head(n, BLOCK: tl.constexpr, H):
 
 
 @triton.jit
-def _bias_mask(s, b_ptrs, m_ptrs, ok, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Base-2 logits ``s`` plus the bias tile (times log2 e), ``-inf`` where the mask tile is False."""
+def _head_scale(HS, off_h, scale, HEAD_SCALE: tl.constexpr):
+    """The logit scale of head ``off_h``: ``HS[off_h]`` when HEAD_SCALE, else ``scale``."""
+    if HEAD_SCALE:
+        scale = tl.load(HS + off_h)
+    return scale
+
+
+@triton.jit
+def _bias_mask(s, b_ptrs, a_ptrs, m_ptrs, ok, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Logits ``s`` plus the bias and additive-mask tiles, ``-inf`` where the bool mask tile is False."""
     if HAS_BIAS:
-        s += tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        s += tl.load(b_ptrs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        s += tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
     if HAS_MASK:
         s = tl.where(tl.load(m_ptrs, mask=ok, other=0) != 0, s, float("-inf"))
     return s
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, Lse2,
+def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
                            sob, soh, som, sod, sdb, sdh, sdm, sdd, slb, slh, slm,
                            H, Nq, Dv,
                            BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Per row: ``delta = sum_d dO * O`` (dO rounded to the compute dtype, as the other kernels read it) and
-    ``lse2 = lse * log2 e`` (``+inf`` where ``lse = -inf``). Both FP32, contiguous [B * H, Nq].
+    ``lse`` (``+inf`` where ``lse = -inf``). Both FP32, contiguous [B * H, Nq].
     1-D grid cdiv(Nq, BLOCK_M) * H * B."""
     pid_m, off_b, off_h, bh = _tile_and_head(Nq, BLOCK_M, H)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -145,15 +163,16 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, Lse2,
     do = do.to(Q.dtype.element_ty).to(tl.float32)  # Q: only its element type (the compute dtype) is read
     delta = tl.sum(o.to(tl.float32) * do, 1)
     lse = tl.load(LSE + off_b * slb + off_h * slh + rows * slm, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
     tl.store(Delta + bh * Nq + rows, delta, mask=row_ok)
-    tl.store(Lse2 + bh * Nq + rows, lse2, mask=row_ok)
+    tl.store(LseRow + bh * Nq + rows, lse, mask=row_ok)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, m_base, lse2_base, delta_base, start_m, offs_m, offs_d,
-               offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, smm, smn, qk_scale,
-               DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr,
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, start_m, offs_m,
+               offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale,
+               DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr,
+               EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """Add the query tile at ``start_m`` to (dK, dV) of the key tile ``cols`` ([keys, queries] orientation).
     DIAGONAL tiles (causal) mask the queries before each key."""
@@ -164,15 +183,16 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, m_base, lse2_base, delta_b
     q = load_kv_tile(q_base + rows64[:, None] * sqm + offs_d[None, :] * sqd, row_ok, offs_d, D, True, EVEN_D)
     do = load_kv_tile(do_base + rows64[:, None] * sdm + offs_dv[None, :] * sdd, row_ok, offs_dv, Dv, True, EVEN_DV)
     do = do.to(q.dtype)
-    lse2 = tl.load(lse2_base + rows, mask=row_ok, other=float("inf"))
+    lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-    st = _mm(k, tl.trans(q), PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_N, BLOCK_M], base 2
+    st = _mm(k, tl.trans(q), PRECISION, DOT_UPCAST) * scale  # [BLOCK_N, BLOCK_M]
     st = _bias_mask(st, b_base + cols64[:, None] * sbn + rows64[None, :] * sbm,
+                    a_base + cols64[:, None] * san + rows64[None, :] * sam,
                     m_base + cols64[:, None] * smn + rows64[None, :] * smm, col_ok[:, None] & row_ok[None, :],
-                    HAS_BIAS, HAS_MASK)
+                    HAS_BIAS, HAS_ADD, HAS_MASK)
     if DIAGONAL:
         st = tl.where(cols[:, None] <= rows[None, :], st, float("-inf"))
-    pt = tl.math.exp2(st - lse2[None, :])
+    pt = tl.math.exp2((st - lse[None, :]) * 1.4426950408889634)
     dv = _mm_acc(dv, pt.to(q.dtype), do, PRECISION, DOT_UPCAST)
     dpt = _mm(v, tl.trans(do), PRECISION, DOT_UPCAST)
     dst = pt * (dpt - delta[None, :])
@@ -181,20 +201,20 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, m_base, lse2_base, delta_b
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DK, DV,
+def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                     sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                     H, Nq, Nk, D, Dv, qk_scale, scale,
+                     sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
+                     H, Nq, Nk, D, Dv, scale, n_add,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-                     DOT_UPCAST: tl.constexpr):
+                     HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
+                     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """dK, dV of one key tile: ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale * sum_i dS_ij q_i`` over the query tiles.
 
     Works in the transposed orientation ([keys, queries] tiles) so both accumulators are row blocks.
     1-D grid cdiv(Nk, BLOCK_N) * H * B; outputs contiguous [B, H, Nk, D | Dv] in the input dtype.
     Keys >= Nk are not masked: they only reach their own (unstored) rows of dK / dV. Queries >= Nq read
-    ``lse2 = +inf`` and dO = 0, so their P and dS are 0.
+    ``lse = +inf`` and dO = 0, so their P and dS are 0.
     """
     pid_n, off_b, off_h, bh = _tile_and_head(Nk, BLOCK_N, H)
     start_n = pid_n * BLOCK_N
@@ -216,6 +236,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DK, DV,
     row_base = bh * Nq
     b_base = Bias + off_b * sbb + off_h * sbh
     m_base = Mask + off_b * smb + off_h * smh
+    a_base = Add + (off_b % n_add) * saw
+    scale = _head_scale(HS, off_h, scale, HEAD_SCALE)
 
     n_m = tl.cdiv(Nq, BLOCK_M)
     lo = 0
@@ -225,14 +247,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DK, DV,
         mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), n_m)  # tiles from here see every key here
         mid = tl.maximum(mid, lo)
     for t in range(lo, mid):
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, m_base, Lse2 + row_base, Delta + row_base,
-                            t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd,
-                            sbm, sbn, smm, smn, qk_scale, True, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV,
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, LseRow + row_base,
+                            Delta + row_base, t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm,
+                            sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, True, HAS_BIAS, HAS_ADD,
+                            HAS_MASK, EVEN_D, EVEN_DV,
                             PRECISION, DOT_UPCAST)
     for t in range(mid, n_m):
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, m_base, Lse2 + row_base, Delta + row_base,
-                            t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd,
-                            sbm, sbn, smm, smn, qk_scale, False, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV,
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, LseRow + row_base,
+                            Delta + row_base, t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm,
+                            sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, False, HAS_BIAS, HAS_ADD,
+                            HAS_MASK, EVEN_D, EVEN_DV,
                             PRECISION, DOT_UPCAST)
     dk = dk * scale
     out_ok = col_ok[:, None]
@@ -243,49 +267,71 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DK, DV,
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, b_base, m_base, db_base, start_n, rows, row_ok,
-             offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn, db_old, qk_scale,
-             BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-             WRITE_DB: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
-             DOT_UPCAST: tl.constexpr):
+def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
+             start_n, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam, san, smm,
+             smn, db_old, scale,
+             BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+             HAS_MASK: tl.constexpr, WRITE_DB: tl.constexpr, WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr,
+             EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """``dq + dS K`` for the key tile at ``start_n`` (``scale`` applied by the caller); writes dS into the dBias
-    buffer when WRITE_DB (added to what is there when ``db_old``). BOUNDARY tiles mask keys >= Nk and
-    (causal) keys after the query; interior tiles skip both."""
+    buffer when WRITE_DB (added to what is there when ``db_old``). BOUNDARY tiles mask keys >= Nk and (causal)
+    keys after the query; interior tiles skip both.
+
+    WRITE_DHS: adds this tile's row sums of dS * qk, dS, P * qk and P (qk = q k^T, unscaled) to ``hs_a``,
+    ``hs_z``, ``hs_w``, ``hs_p``. Exactly, sum_j dS_ij = 0; the P recomputed from the saved lse and the
+    delta from the saved output break that by rounding, and a row's error along P, times the row's mean qk,
+    would dominate the head-scale gradient (cancelling sum). :func:`_head_scale_grad` projects it out."""
     cols = start_n + offs_n
     col_ok = cols < Nk
     cols64 = cols.to(tl.int64)
     k = load_kv_tile(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, col_ok, offs_d, D, BOUNDARY, EVEN_D)
     v = load_kv_tile(v_base + cols64[:, None] * svn + offs_dv[None, :] * svd, col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
-    s = _mm(q, tl.trans(k), PRECISION, DOT_UPCAST) * qk_scale
+    qk = _mm(q, tl.trans(k), PRECISION, DOT_UPCAST)
+    s = qk * scale
     ok = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
     s = _bias_mask(s, b_base + rows64[:, None] * sbm + cols64[None, :] * sbn,
-                   m_base + rows64[:, None] * smm + cols64[None, :] * smn, ok, HAS_BIAS, HAS_MASK)
+                   a_base + rows64[:, None] * sam + cols64[None, :] * san,
+                   m_base + rows64[:, None] * smm + cols64[None, :] * smn, ok, HAS_BIAS, HAS_ADD, HAS_MASK)
     if BOUNDARY:
         valid = col_ok[None, :]
         if IS_CAUSAL:
             valid = valid & (cols[None, :] <= rows[:, None])
         s = tl.where(valid, s, float("-inf"))
-    p = tl.math.exp2(s - lse2[:, None])
+    p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
     dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
     ds = p * (dp - delta[:, None])
     dq = _mm_acc(dq, ds.to(q.dtype), k, PRECISION, DOT_UPCAST)
+    if WRITE_DHS:
+        hs_a += tl.sum(ds * qk, 1)
+        hs_z += tl.sum(ds, 1)
+        hs_w += tl.sum(p * qk, 1)
+        hs_p += tl.sum(p, 1)
     if WRITE_DB:
         db_ptrs = db_base + rows64[:, None] * Nk + cols64[None, :]
         old = tl.load(db_ptrs, mask=ok & db_old, other=0.0)
         tl.store(db_ptrs, old + ds, mask=ok)
-    return dq
+    return dq, hs_a, hs_z, hs_w, hs_p
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DQ, DB,
+def _head_scale_grad(a, z, w, p):
+    """sum_i (a_i - z_i w_i / p_i) / p_i: the rows' sum_j dS_ij qk_ij after removing each row's dS component
+    along P (z_i / p_i times P_i, which sums to z_i and would add z_i * w_i / p_i), and with P renormalised to
+    sum 1 (the rounded lse scales a whole row of P by 1 + O(|lse| u)); rows without keys give 0."""
+    p_safe = tl.where(p > 0.0, p, 1.0)
+    return tl.sum((a - z * w / p_safe) / p_safe, 0)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                   sbb, sbh, sbm, sbn, smb, smh, smm, smn,
-                   H, Nq, Nk, D, Dv, qk_scale, scale, B_OUT, H_OUT, R_H, n_red, per_chunk,
+                   sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
+                   H, Nq, Nk, D, Dv, scale0, n_add, B_OUT, H_OUT, R_H, n_red, per_chunk,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_MASK: tl.constexpr, WRITE_DB: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr):
+                   HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr,
+                   WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """dQ of one query tile (``dQ_i = scale * sum_j dS_ij k_j``) for each (batch, head) entry of its slot.
 
     1-D grid cdiv(Nq, BLOCK_M) * B_OUT * H_OUT * G. A slot (b_out, h_out) is one entry of the dBias buffer
@@ -293,6 +339,8 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DQ, DB,
     bias is broadcast over the batch, else 1; R_H likewise) are cut into G chunks of ``per_chunk``; this
     program runs chunk g's entries in order, each writing its dQ rows and adding its dS into the slot's
     partial (the first entry stores). Without WRITE_DB: B_OUT = B, H_OUT = H, n_red = G = 1.
+    WRITE_DHS: the entry's ``sum(dS * q k^T)`` over this query tile (the gradient of its head's logit scale,
+    HEAD_SCALE) goes to ``DHS[b * H + h, tile]``.
     """
     tiles = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -331,27 +379,37 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Mask, Delta, Lse2, DQ, DB,
                          row_ok, offs_d, D, True, EVEN_D)
         do = load_kv_tile(DO + off_b * sdb + off_h * sdh + rows64[:, None] * sdm + offs_dv[None, :] * sdd,
                           row_ok, offs_dv, Dv, True, EVEN_DV).to(q.dtype)
-        lse2 = tl.load(Lse2 + bh * Nq + rows, mask=row_ok, other=float("inf"))
+        lse = tl.load(LseRow + bh * Nq + rows, mask=row_ok, other=float("inf"))
         delta = tl.load(Delta + bh * Nq + rows, mask=row_ok, other=0.0)
         k_base = K + off_b * skb + off_h * skh
         v_base = V + off_b * svb + off_h * svh
         b_base = Bias + off_b * sbb + off_h * sbh
         m_base = Mask + off_b * smb + off_h * smh
+        a_base = Add + (off_b % n_add) * saw
+        scale = _head_scale(HS, off_h, scale0, HEAD_SCALE)
         db_old = r > r_lo
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        hs_a = tl.zeros([BLOCK_M], dtype=tl.float32)
+        hs_z = tl.zeros([BLOCK_M], dtype=tl.float32)
+        hs_w = tl.zeros([BLOCK_M], dtype=tl.float32)
+        hs_p = tl.zeros([BLOCK_M], dtype=tl.float32)
         for t in range(0, n_full):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, b_base, m_base, db_base, t * BLOCK_N, rows,
-                          row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn,
-                          db_old, qk_scale, False, IS_CAUSAL, HAS_BIAS, HAS_MASK, WRITE_DB, EVEN_D, EVEN_DV,
-                          PRECISION, DOT_UPCAST)
+            dq, hs_a, hs_z, hs_w, hs_p = _dq_tile(
+                dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
+                t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam,
+                san, smm, smn, db_old, scale, False, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, WRITE_DB, WRITE_DHS,
+                EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
         for t in range(n_full, n_tiles):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, b_base, m_base, db_base, t * BLOCK_N, rows,
-                          row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn,
-                          db_old, qk_scale, True, IS_CAUSAL, HAS_BIAS, HAS_MASK, WRITE_DB, EVEN_D, EVEN_DV,
-                          PRECISION, DOT_UPCAST)
+            dq, hs_a, hs_z, hs_w, hs_p = _dq_tile(
+                dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
+                t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam,
+                san, smm, smn, db_old, scale, True, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, WRITE_DB, WRITE_DHS,
+                EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
         dq = dq * scale
         dq_ptrs = DQ + bh * Nq * D + rows64[:, None] * D + offs_d[None, :]
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
+        if WRITE_DHS:
+            tl.store(DHS + bh * tiles + pid_m, _head_scale_grad(hs_a, hs_z, hs_w, hs_p))
         if WRITE_DB:
             tl.debug_barrier()  # the next entry's read of the dBias tile sees every thread's store of this one
 
@@ -537,12 +595,15 @@ def _check_broadcast(name, t, kind: str, kind_ok, shape4, device) -> None:
         raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to {list(shape4)}") from exc
 
 
-def _bias_splits(n_red: int, programs: int, device: torch.device, requested: int | None) -> int:
+def _bias_splits(n_red: int, programs: int, partial_bytes: int, device: torch.device, requested: int | None) -> int:
+    """Chunks G of the dBias reduction: enough programs for ~4 per SM, partials within
+    :data:`BIAS_WORKSPACE_BYTES` (at least 1), never more than the entries reduced; 1 off CUDA."""
     if requested is not None:
         return max(1, min(int(requested), n_red))
     if n_red <= 1 or device.type != "cuda":
         return 1
-    return max(1, min(n_red, cdiv(2 * sm_count(device), max(programs, 1)), MAX_BIAS_SPLITS))
+    return max(1, min(n_red, cdiv(4 * sm_count(device), max(programs, 1)),
+                      BIAS_WORKSPACE_BYTES // max(partial_bytes, 1)))
 
 
 def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
@@ -588,6 +649,25 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     _check_inputs(q, k, v, out, grad_out, lse, bias, attn_mask, mode)
     if bias_requires_grad and bias is None:
         raise ValueError("bias_requires_grad=True needs a bias")
+    dq, dk, dv, dbias, _ = launch_backward(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, is_causal,
+                                           scale, mode, bias_requires_grad, False, config, bias_splits)
+    return dq, dk, dv, dbias
+
+
+def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, is_causal: bool,
+                    scale: float, mode: str, bias_requires_grad: bool, head_scale_requires_grad: bool,
+                    config: BwdConfig | None, bias_splits: int | None, default: BwdConfig | None = None):
+    """Allocate, plan and launch the three kernels on validated inputs (shared with :mod:`.window_bwd`).
+
+    Beyond :func:`elsa_backward`'s arguments: ``add_mask`` None or a float [n_add, Nq, Nk] additive mask, batch
+    entry b reading ``add_mask[b % n_add]`` (Swin's shift mask; no gradient); ``head_scale`` None or a contiguous
+    float32 [H] logit scale per head replacing ``scale``; ``head_scale_requires_grad``: also return
+    ``d head_scale_h = sum_(b, i, j) dS_bhij q_bhi . k_bhj`` (FP32 [H], summed by torch over per-tile partials).
+
+    ``config`` runs as given; otherwise ``default`` (or :func:`get_config`'s), shrunk if it exceeds shared memory.
+
+    Returns (dq, dk, dv, dbias or None, dhead_scale or None).
+    """
     dtype, precision = BWD_MODES[mode]
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
@@ -599,37 +679,41 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         dk.zero_()
         dv.zero_()
         dbias = torch.zeros(db_shape, device=q.device, dtype=bias.dtype) if bias_requires_grad else None
-        return dq, dk, dv, dbias
+        dhs = torch.zeros(H, device=q.device, dtype=torch.float32) if head_scale_requires_grad else None
+        return dq, dk, dv, dbias, dhs
     dq = torch.empty_like(dq)
     shape4 = (B, H, Nq, Nk)
     bias4 = bias.expand(shape4) if bias is not None else None
     mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
-    cfg = config or get_config(mode, D, Dv)
+    cfg = config or default or get_config(mode, D, Dv)
     BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
     upcast = dtype == torch.bfloat16 and _interpreting()
-    qk_scale = float(scale) * LOG2E
 
-    # preprocess: delta and lse2, FP32 [B * H, Nq]
+    # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
     delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
-    lse2 = torch.empty_like(delta)
+    lse_row = torch.empty_like(delta)
     pre_m = 64 if BLOCK_DV <= 128 else 32
     _bwd_preprocess_kernel[(cdiv(Nq, pre_m) * B * H,)](
-        q, out, grad_out, lse, delta, lse2, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
+        q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
         BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, num_warps=4)
 
     sb = bias4.stride() if bias4 is not None else (0, 0, 0, 0)
+    sa = add_mask.stride() if add_mask is not None else (0, 0, 0)
     sm = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
-    bias_t = bias4 if bias4 is not None else q  # dummy pointer, never read
-    mask_t = mask4 if mask4 is not None else q
-    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *sb, *sm)
+    n_add = add_mask.shape[0] if add_mask is not None else 1
+    # dummy pointers (never read) where a tensor is absent
+    tensors = [t if t is not None else q for t in (bias4, add_mask, mask4, head_scale)]
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *sb, *sa, *sm)
     flags = dict(PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=bias4 is not None,
-                 HAS_MASK=mask4 is not None, EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV, DOT_UPCAST=upcast)
-    key = (mode, BLOCK_D, BLOCK_DV, bias4 is not None and bias4.dtype, mask4 is not None, bool(is_causal))
+                 HAS_ADD=add_mask is not None, HAS_MASK=mask4 is not None, HEAD_SCALE=head_scale is not None,
+                 EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV, DOT_UPCAST=upcast)
+    key = (mode, BLOCK_D, BLOCK_DV, bias4 is not None and bias4.dtype, add_mask is not None and add_mask.dtype,
+           mask4 is not None, head_scale is not None, bool(is_causal), cfg)
 
     def run_dkdv(t: KernelTiles):
         _bwd_dkdv_kernel[(cdiv(Nk, t.block_n) * B * H,)](
-            q, k, v, grad_out, bias_t, mask_t, delta, lse2, dk, dv, *strides,
-            H, Nq, Nk, D, Dv, qk_scale, float(scale),
+            q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, *strides,
+            H, Nq, Nk, D, Dv, float(scale), n_add,
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags,
             num_warps=t.num_warps, num_stages=t.num_stages)
 
@@ -637,6 +721,7 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
     # dQ (+ dBias): slots of the dBias buffer and the (batch, head) entries reduced onto each
     write_db = bool(bias_requires_grad)
+    write_dhs = bool(head_scale_requires_grad)
     if write_db:
         red_b = B > 1 and bias4.stride(0) == 0
         red_h = H > 1 and bias4.stride(1) == 0
@@ -650,20 +735,21 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
     def run_dq(t: KernelTiles):
         n_m = cdiv(Nq, t.block_m)
-        G = _bias_splits(n_red, n_m * B_OUT * H_OUT, q.device, bias_splits)
+        G = _bias_splits(n_red, n_m * B_OUT * H_OUT, 4 * B_OUT * H_OUT * Nq * Nk, q.device, bias_splits)
         per_chunk = cdiv(n_red, G)
         G = cdiv(n_red, per_chunk)  # no empty chunks
         # causal: the key tiles after the diagonal are never visited; their dS is 0
         alloc = torch.zeros if is_causal else torch.empty
         db = alloc((G, B_OUT, H_OUT, Nq, Nk), device=q.device, dtype=torch.float32) if write_db else delta
-        made["db"] = db
+        dhs = torch.empty((B, H, n_m), device=q.device, dtype=torch.float32) if write_dhs else delta
+        made["db"], made["dhs"] = db, dhs
         _bwd_dq_kernel[(n_m * B_OUT * H_OUT * G,)](
-            q, k, v, grad_out, bias_t, mask_t, delta, lse2, dq, db, *strides,
-            H, Nq, Nk, D, Dv, qk_scale, float(scale), B_OUT, H_OUT, R_H, n_red, per_chunk,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, WRITE_DB=write_db, **flags,
-            num_warps=t.num_warps, num_stages=t.num_stages)
+            q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, *strides,
+            H, Nq, Nk, D, Dv, float(scale), n_add, B_OUT, H_OUT, R_H, n_red, per_chunk,
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, WRITE_DB=write_db,
+            WRITE_DHS=write_dhs, **flags, num_warps=t.num_warps, num_stages=t.num_stages)
 
-    _run_fitting("dq", key + (write_db,), cfg.dq, config is not None, run_dq)
+    _run_fitting("dq", key + (write_db, write_dhs), cfg.dq, config is not None, run_dq)
     dbias = None
     if write_db:
         db = made["db"]
@@ -673,4 +759,5 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
             db = db.sum(dim=dims, keepdim=True)
         # db is now the 4-D grad of the bias's memory; drop the leading dims the bias did not have
         dbias = db.reshape(db_shape).to(bias.dtype)
-    return dq, dk, dv, dbias
+    dhs = made["dhs"].sum(dim=(0, 2)) if write_dhs else None
+    return dq, dk, dv, dbias, dhs

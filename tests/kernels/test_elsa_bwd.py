@@ -118,7 +118,8 @@ def test_modes_with_bias_grad(mode):
 @pytest.mark.parametrize("Nq,Nk,D,Dv", [(1, 5, 16, 16), (17, 97, 59, 40), (97, 17, 40, 59)])
 @pytest.mark.parametrize("mode", ["fp32-ieee", "fp16"])
 def test_awkward_sizes(mode, Nq, Nk, D, Dv):
-    """Nq = 1 (one key would make dQ, dK exactly 0), 17, 97 over 16-wide tiles (ragged last tiles), padded head dims (59, 40 -> 64), D != Dv."""
+    """Nq = 1 (one key would make dQ, dK exactly 0), 17, 97 over 16-wide tiles (ragged last tiles), padded head
+    dims (59, 40 -> 64), D != Dv."""
     q, k, v, do = _inputs(1, 2, Nq, Nk, D, Dv, seed=Nq)
     check_mode(mode, q, k, v, do, scale=D ** -0.5, config=SMALL)
 

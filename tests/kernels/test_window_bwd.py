@@ -1,0 +1,161 @@
+"""Window attention backward (Swin shift mask + relative position bias, Swin-v2 per-head logit scale) against
+float64 autograd.
+
+The oracle expands bias and mask to [B*nW, H, N, N] in float64 and differentiates
+``softmax(c_h q k^T + bias[h] + mask[b mod nW]) v`` with autograd (loss ``(out * grad_out).sum()``); the
+kernels get the forward's output and ``lse`` from it. Bounds as tests/kernels/test_elsa_bwd.py: 1e-5 for the
+FP32 modes, 2x PyTorch's own backward in the same precision for fp16 / bf16. CPU: interpreter, small shapes;
+``gpu``: Swin-B / Swin-v2-B stage-1 sizes.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from visionattn.kernels.elsa_bwd import BWD_MODES, BwdConfig, KernelTiles
+from visionattn.kernels.window_bwd import get_config, window_backward
+from visionattn.metrics import rel_l2
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; the gpu tests cover CUDA")
+FP32_TOL = 1e-5
+NAMES = ("dq", "dk", "dv", "dbias", "dhead_scale")
+
+
+def window_inputs(n_img, nw, h, n, d, seed=0, device="cpu", cosine=False):
+    """timm-style strided q, k, v views, grad_out, bias [H, N, N] (non-contiguous), shift mask [nW, N, N] of
+    0 / -100, and for cosine the per-head scale exp(min(logit_scale, log 100)) with q, k normalised."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(n_img * nw, n, 3, h, d, generator=g, device=device)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    if cosine:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    do = torch.randn(n_img * nw, h, n, d, generator=g, device=device)
+    bias = torch.randn(n, n, h, generator=g, device=device).permute(2, 0, 1)
+    region = torch.randint(0, 3, (nw, n), generator=g, device=device)
+    mask = torch.zeros(nw, n, n, device=device).masked_fill(region[:, None] != region[:, :, None], -100.0)
+    hs = None
+    if cosine:
+        ls = torch.log(torch.rand(h, generator=g, device=device) * 40 + 5)
+        hs = torch.exp(torch.clamp(ls, max=math.log(100)))
+    return q, k, v, do, bias, mask, hs
+
+
+def window_autograd(dtype, q, k, v, do, bias, mask, nw, scale, hs):
+    """(out, lse, grads [dq, dk, dv, dbias, dhead_scale]) by autograd in ``dtype`` (float64 = the oracle)."""
+    BW, H, N, _ = q.shape
+    ts = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    bd = bias.detach().to(dtype).requires_grad_() if bias is not None else None
+    hd = hs.detach().to(dtype).requires_grad_() if hs is not None else None
+    c = hd.reshape(1, H, 1, 1) if hd is not None else scale
+    s = (ts[0] @ ts[1].transpose(-1, -2)) * c
+    if bd is not None:
+        s = s + bd.unsqueeze(0)
+    if mask is not None:
+        s = s + mask.to(dtype).repeat(BW // nw, 1, 1).unsqueeze(1)
+    o = torch.softmax(s, -1) @ ts[2]
+    (o.double() * do.double()).sum().backward()
+    lse = torch.logsumexp(s.detach().double(), -1).float()
+    grads = [t.grad for t in ts] + [bd.grad if bd is not None else None, hd.grad if hd is not None else None]
+    return o.detach(), lse, grads
+
+
+def check_window(mode, q, k, v, do, bias, mask, nw, scale=0.2, hs=None, config=None, bias_splits=None):
+    dtype = BWD_MODES[mode][0]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out64, lse, gold = window_autograd(torch.float64, q, k, v, do, bias, mask, nw, scale, hs)
+    got = window_backward(q, k, v, out64.to(dtype), do.to(dtype), lse, bias, mask, nw, scale, mode, hs,
+                          bias is not None, hs is not None, config=config, bias_splits=bias_splits)
+    if dtype == torch.float32:
+        bounds = [FP32_TOL] * 5
+    else:
+        _, _, same = window_autograd(dtype, q, k, v, do, bias, mask, nw, scale, hs)
+        bounds = [2 * rel_l2(s, g) + 1e-6 if g is not None else None for s, g in zip(same, gold)]
+    for name, x, g, bound in zip(NAMES, got, gold, bounds):
+        if g is None:
+            assert x is None, name
+            continue
+        assert x.shape == g.shape, f"{name}: {tuple(x.shape)} vs {tuple(g.shape)}"
+        assert torch.isfinite(x).all(), f"{mode} {name}: non-finite"
+        err = rel_l2(x, g)
+        assert err <= bound, f"{mode} {name}: rel err {err:.3e} > {bound:.3e}"
+    return got
+
+
+# --------------------------------------------------------------------------- CPU (interpreter)
+
+@cpu_only
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
+def test_swin_shift_window(mode):
+    """Swin: 49-token windows, bias [H, N, N] (gradient summed over 2 images x 3 windows), shift mask
+    -100 read per window (b mod nW)."""
+    q, k, v, do, bias, mask, _ = window_inputs(2, 3, 2, 49, 32, seed=1)
+    dq, dk, dv, db, dhs = check_window(mode, q, k, v, do, bias, mask, 3)
+    assert db.shape == (2, 49, 49) and dhs is None and dq.is_contiguous()
+
+
+@cpu_only
+@pytest.mark.parametrize("mode", ["fp32-ieee", "bf16"])
+def test_swin_v2_head_scale(mode):
+    """Swin-v2: normalised q, k, per-head logit scale (up to 45) with its gradient, bias and shift mask."""
+    q, k, v, do, bias, mask, hs = window_inputs(2, 2, 3, 49, 16, seed=2, cosine=True)
+    dq, dk, dv, db, dhs = check_window(mode, q, k, v, do, bias, mask, 2, hs=hs)
+    assert dhs.shape == (3,)
+
+
+@cpu_only
+def test_tiled_window_no_mask_bias_splits():
+    """144 tokens over 32 x 32 tiles (ragged last tile), no shift mask (nW = 1), dBias in 3 partial chunks,
+    [H, 1, 1] head scale as timm stores logit_scale."""
+    q, k, v, do, bias, _, hs = window_inputs(3, 1, 1, 144, 16, seed=3, cosine=True)
+    cfg = BwdConfig(KernelTiles(32, 32, 4, 1), KernelTiles(32, 32, 4, 1))
+    got = check_window("fp32-ieee", q, k, v, do, bias, None, 1, hs=hs.reshape(1, 1, 1), config=cfg, bias_splits=3)
+    assert got[4].shape == (1, 1, 1)
+
+
+@cpu_only
+def test_deterministic():
+    q, k, v, do, bias, mask, hs = window_inputs(4, 2, 2, 20, 16, seed=4, cosine=True)
+    out64, lse, _ = window_autograd(torch.float64, q, k, v, do, bias, mask, 2, 0.2, hs)
+    runs = [window_backward(q, k, v, out64.float(), do, lse, bias, mask, 2, 0.2, "fp32", hs, True, True,
+                            bias_splits=3) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@cpu_only
+def test_errors_name_the_argument():
+    q, k, v, do, bias, mask, hs = window_inputs(1, 2, 2, 16, 16)
+    lse = torch.zeros(2, 2, 16)
+    base = dict(q=q, k=k, v=v, out=do, grad_out=do, lse=lse, relative_position_bias=bias, shift_mask=mask,
+                num_windows=2, scale=0.25, mode="fp32")
+    with pytest.raises(ValueError, match="num_windows"):
+        window_backward(**{**base, "num_windows": 3})
+    with pytest.raises(ValueError, match="shift_mask"):
+        window_backward(**{**base, "shift_mask": mask[:1]})
+    with pytest.raises(ValueError, match="relative_position_bias"):
+        window_backward(**{**base, "relative_position_bias": bias[:1]})
+    with pytest.raises(ValueError, match="head_scale"):
+        window_backward(**base, head_scale=torch.ones(3))
+    with pytest.raises(ValueError, match="head_scale_requires_grad"):
+        window_backward(**base, head_scale_requires_grad=True)
+    with pytest.raises(TypeError, match="q has dtype"):
+        window_backward(**{**base, "mode": "bf16"})
+    with pytest.raises(ValueError, match="mode"):
+        get_config("pasa", 49, 32)
+
+
+# --------------------------------------------------------------------------- GPU (real sizes)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(BWD_MODES))
+@pytest.mark.parametrize("cosine", [False, True])
+def test_gpu_swin_stage1(mode, cosine):
+    """Swin-B / Swin-v2-B stage 1 shapes: 49 tokens, 64 windows x 8 images, 4 heads, D = 32 (v1), and
+    256-token windows (Swin-v2 window 16), 16 windows x 4 images."""
+    if cosine:
+        q, k, v, do, bias, mask, hs = window_inputs(4, 16, 4, 256, 32, seed=5, device="cuda", cosine=True)
+        check_window(mode, q, k, v, do, bias, mask, 16, hs=hs)
+    else:
+        q, k, v, do, bias, mask, _ = window_inputs(8, 64, 4, 49, 32, seed=6, device="cuda")
+        check_window(mode, q, k, v, do, bias, mask, 64, scale=32 ** -0.5)
