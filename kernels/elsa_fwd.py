@@ -26,20 +26,20 @@ Modes (:data:`.modes.MODES` whose ``kernels`` name the dense family) and their p
 * ``fp32``: ``"f16x3"``, split-FP16 products (:mod:`.split16`). Each FP32 operand is scaled by an exact
   power of two and split into two FP16 parts of 11 significant bits each (the same
   22 bits 3xTF32 keeps), and hi*hi + hi*lo + lo*hi run on the FP16 tensor cores,
-  which are twice as fast as TF32's: 101 TFLOP/s vs 53 for ``tl.dot``'s ``"tf32x3"``
-  at B=1,H=8,N=8192,D=64 on an H100, rel err 3.9e-7 vs 5.0e-7 (measured before V got
-  per-column scales; docs/benchmarks/attention_h100.md).
+  which are twice as fast as TF32's, at 3xTF32's accuracy (docs/tuning.md: fp32 products:
+  split-FP16 (f16x3)).
 * ``fp32-ieee``: ``"ieee"``, FP32 FMA, no tensor cores. On CUDA, calls within its scope (D = Dv in
-  {32, 64, 128}, no bias / mask / causal) run the Gluon kernel of :mod:`.ieee_gluon` instead, ~2x faster.
+  {32, 64, 128}, no bias / mask / causal) run the Gluon kernel of :mod:`.ieee_gluon` instead, about twice as
+  fast (docs/tuning.md: fp32-ieee on a Gluon register-blocked FMA kernel (not `tl.dot(..., "ieee")`)).
 * ``tf32``: ``"f16x1"``, the hi*hi product alone: operands rounded to 11 significant
-  bits as TF32 rounds them (TF32-class accuracy, 4.3e-4 vs TF32's 1.6e-3 at N=8192), on
-  the FP16 tensor cores (188 TFLOP/s vs 130 for ``"tf32"`` on the same shape; session 10's fold, which
-  takes P's FP16 scale into the exp2 argument, reads 190-202 TFLOP/s at N=4096-65536, CUDA graphs,
-  docs/benchmarks/attention_h100_cudagraph.md).
+  bits as TF32 rounds them (TF32-class accuracy), on the FP16 tensor cores, faster than
+  ``"tf32"``; P's FP16 scale is folded into the exp2 argument (docs/tuning.md: tf32 products: one
+  FP16 product of 11-bit operands (f16x1)).
 * ``fp16`` / ``bf16``: half tensor-core products, P rounded to the input dtype before
   ``P @ V``. On Hopper, calls within its scope (D = Dv in {64, 128}, no bias / mask / causal, the
   lengths :func:`.half_gluon.preferred` names) run the warp-specialized Gluon kernel of :mod:`.half_gluon`
-  instead: ~1.05-1.4x faster at D = 64, ~1.2-1.3x at D = 128.
+  instead (docs/tuning.md: Hopper fp16 / bf16: a warp-specialized Gluon kernel (FlashAttention-3 schedule)
+  beside the Triton kernel).
 
 Scores, state and accumulation are FP32 in every mode. ``"tf32x3"`` and ``"tf32"`` stay
 selectable (``precision=`` of :func:`get_config` / the launcher) for comparison.
@@ -376,16 +376,17 @@ class TileConfig:
 
 # Keyed by (precision kind, padded head dim, short KV): "half" = fp16/bf16 inputs; the FP32
 # kinds are the tl.dot input precisions; "short" = Nk <= SHORT_KV (ViT-sized sequences, where
-# narrower KV tiles waste less on the tail). Measured on an H200 with
-# `tools/bench_attention.py --tune` (B=1,H=8,N=8192 and B=64,H=12,N=197; D=64 and 128);
-# the D=16/32/256 rows are extrapolated (smaller tiles where registers/shared memory run out).
+# narrower KV tiles waste less on the tail). Chosen with `tools/bench_attention.py --tune`; the
+# D=16/32/256 rows use smaller tiles where registers / shared memory run out (docs/tuning.md: tile
+# configs by (precision, head dim, short KV <= 512 keys)).
 SHORT_KV = 512
 _CONFIGS: dict[tuple[str, int, bool], TileConfig] = {}
 for _short in (False, True):
     _CONFIGS.update({
         ("half", 16, _short): TileConfig(128, 64, 4, 3),
         ("half", 32, _short): TileConfig(128, 32 if _short else 64, 4, 3),
-        ("half", 64, _short): TileConfig(128, 32, 4, 3) if _short else TileConfig(128, 64, 8, 3),  # H100 --tune, session 3
+        # tuned on an H100 (docs/tuning.md: half D=64: (128, 32, 4, 3) short, (128, 64, 8, 3) long)
+        ("half", 64, _short): TileConfig(128, 32, 4, 3) if _short else TileConfig(128, 64, 8, 3),
         ("half", 128, _short): TileConfig(128, 128, 8, 3) if not _short else TileConfig(128, 64, 8, 3),
         ("half", 256, _short): TileConfig(64, 32, 4, 2),
         ("tf32", 16, _short): TileConfig(128, 64, 4, 2),
@@ -403,15 +404,17 @@ for _short in (False, True):
         ("ieee", 64, _short): TileConfig(128, 64, 8, 2) if _short else TileConfig(64, 64, 4, 2),
         ("ieee", 128, _short): TileConfig(32, 32, 4, 2),
         ("ieee", 256, _short): TileConfig(32, 32, 4, 1),
-        # f16x1 / f16x3: H100 `--tune` (B=1,H=8,N=8192 D=64/128; B=64,H=12,N=197; B=8,H=12,N=1025)
+        # f16x1 / f16x3: `--tune` on an H100
         ("f16x1", 16, _short): TileConfig(128, 64, 4, 3),
         ("f16x1", 32, _short): TileConfig(128, 64, 4, 3),
-        ("f16x1", 64, _short): TileConfig(128, 64, 4, 3),  # session 3 --tune: short (128, 32, 4, 3) was 2x slower
-        ("f16x1", 128, _short): TileConfig(128, 128, 8, 2),  # session 3 --tune: 1.88 vs 1.99 ms at N=8192
+        # 32-key tiles are slower here even for short KV (docs/tuning.md: f16x1 D=64: (128, 64, 4, 3) also for short KV)
+        ("f16x1", 64, _short): TileConfig(128, 64, 4, 3),
+        ("f16x1", 128, _short): TileConfig(128, 128, 8, 2),  # (docs/tuning.md: f16x1 D=128: (128, 128, 8, 2))
         ("f16x1", 256, _short): TileConfig(64, 32, 4, 2),
         ("f16x3", 16, _short): TileConfig(128, 64, 4, 3),
         ("f16x3", 32, _short): TileConfig(128, 64, 4, 3),
-        ("f16x3", 64, _short): TileConfig(128, 32, 4, 3) if _short else TileConfig(128, 64, 4, 3),  # short: session 3 (0.168 vs 0.223 ms at ViT-B 224)
+        # 32-key tiles pad less on ViT-sized KV (docs/tuning.md: f16x3 D=64 short KV: (128, 32, 4, 3))
+        ("f16x3", 64, _short): TileConfig(128, 32, 4, 3) if _short else TileConfig(128, 64, 4, 3),
         ("f16x3", 128, _short): TileConfig(128, 64, 8, 2),
         ("f16x3", 256, _short): TileConfig(64, 32, 4, 2),
     })
@@ -419,8 +422,9 @@ del _short
 
 
 # fp32 (f16x3) over more keys than this rescales the accumulator's columns only when a V column exponent
-# grows (:func:`.split16.fold_pv`'s LAZY_V). H100, session 10 (logs/ab_fold2_h100_session10.jsonl): fp32 D=64
-# 4k / 16k / 1025 keys +2-3 %, 197 keys -2 %; tf32 (f16x1) loses 2-7 % with it at every length, so never.
+# grows (:func:`.split16.fold_pv`'s LAZY_V): it pays over long sequences, where the exponents settle, and costs
+# over few tiles; tf32 (f16x1) never takes it (docs/tuning.md: lazy V-column rescale (fp32 from 512 keys,
+# never tf32)).
 LAZY_V_MIN_KEYS = SHORT_KV
 
 PRECISIONS = ("tf32x3", "ieee", "tf32", "f16x3", "f16x1")

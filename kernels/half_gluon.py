@@ -1,9 +1,9 @@
 """FP16 / BF16 attention forward for Hopper in Gluon: TMA producer warp, one, two or four consumer warpgroups.
 
 The Triton kernel of :mod:`.elsa_fwd` issues its loads and both GEMMs from the same warps, in
-lockstep, and reaches 0.80-0.93x SDPA-cuDNN on an H100. This kernel schedules the way
-FlashAttention-3 does (Shah et al. 2024, Sec. 3.1-3.2), which Gluon (Triton's explicit-layout
-dialect) can express:
+lockstep. This kernel schedules the way FlashAttention-3 does (Shah et al. 2024, Sec. 3.1-3.2),
+which Gluon (Triton's explicit-layout dialect) can express (docs/tuning.md: Hopper fp16 / bf16: a
+warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kernel):
 
 * **warp specialization**: one producer warp TMA-loads the CTA's 64-row Q tiles (one per consumer)
   and a ring of K / V tiles (``ready`` / ``empty`` mbarriers; 4-D [B, H, N, D] descriptors, so strided
@@ -13,24 +13,26 @@ dialect) can express:
   ``O += P_t V_t`` as async wgmmas and runs the softmax of ``S_{t+1}`` while ``P_t V_t`` is in flight;
 * **ping-pong** (D = 128 only): two ``turn`` mbarriers make the consumers take turns issuing
   their wgmmas, so one group's softmax overlaps the other's GEMMs. At D = 64 the GEMMs are too
-  short for it to pay (0.94-0.96x vs 0.95-0.99x cuDNN without it), as in FlashAttention-3;
+  short for it to pay, as in FlashAttention-3 (docs/tuning.md: ping-pong between consumers at D=128 only);
 * **persistent grid**: one program per SM takes work tiles (128 query rows of one head) in turn; the
   barrier phases run on across tiles, so the producer loads the next tile's Q and K / V while the
-  consumers finish the last one's ``P V`` and store it (+0.5-2.5 % over one tile per program). At D = 64
-  Q is double-buffered, so the next tile's Q load starts with the current tile (+8-14 % at N = 197-1025,
-  neutral from 4096; D = 128 has no shared memory left for it);
+  consumers finish the last one's ``P V`` and store it (docs/tuning.md: persistent grid, next tile's loads
+  under the current tile's P V). At D = 64 Q is double-buffered, so the next tile's Q load starts with the
+  current tile; D = 128 has no shared memory left for it (docs/tuning.md: double-buffered Q at D=64);
 * **cut last key tile**: the last of a row's key tiles multiplies only the keys it holds, rounded up
-  to 16 in one or (D = 64) two power-of-two parts: 1025 keys cost 8 tiles and 16 keys, not 9 tiles
-  (ViT-B/16 at 512: +6-7 %); 197 keys cost 128 + 64 + 16;
+  to 16 in one or (D = 64) two power-of-two parts: 1025 keys cost 8 tiles and 16 keys, not 9 tiles;
+  197 keys cost 128 + 64 + 16 (docs/tuning.md: cut last key tile (16-key steps, one or two power-of-two
+  parts)); up to :data:`TAIL_CUT_MAX_KEYS` keys only;
 * **one consumer per CTA below 1536 keys** (D = 64): 64-row work tiles, two CTAs per SM that drift out of
   phase, so one's softmax runs under the other's products where a work tile has too few key tiles to
-  overlap within (257 keys: 1.31x cuDNN vs 0.99x with two consumers per CTA);
+  overlap within (docs/tuning.md: one consumer warpgroup per CTA below 1536 keys (D=64));
 * **four consumers per CTA at 193-224 query rows** (D = 64, <= 256 keys): a work tile is a whole head, four 64-row
   chains of dependent products side by side over one K / V ring of 64-key tiles. ViT-B/16 at 224 (197 rows)
-  would otherwise pay a whole chain for its last 5 rows: 1.00-1.01x cuDNN vs 0.90-0.91x with one consumer per CTA;
+  would otherwise pay a whole chain for its last 5 rows (docs/tuning.md: four consumers per CTA at 193-224
+  query rows and <= 256 keys (D=64));
 * **row sums kept per thread**: each thread adds up its own columns of P's rows into [rows, 4] parts, summed
-  across a row's four threads once, in the epilogue: two shuffles per row and key tile fewer (+1-5 % everywhere,
-  docs/benchmarks/logs/ab_rowparts_h100_session10.jsonl).
+  across a row's four threads once, in the epilogue: two shuffles per row and key tile fewer (docs/tuning.md:
+  P's row sums kept per thread ([rows, 4] parts, summed once in the epilogue)).
 
 The fold is the (m, S, W) recurrence of :mod:`.elsa_fwd` (ELSA supplement, Alg. 1) in base 2:
 FP32 scores and state, P rounded to the input dtype before ``P @ V``, FP32 accumulation, one
@@ -42,14 +44,8 @@ Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x (wgmm
 mask / causal, no split-KV, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
 The dense launcher takes the calls :func:`preferred` names (all but 65-128 keys at D = 64). Gluon cannot run under
 ``TRITON_INTERPRET=1``: CPU tests compile it offline for sm_90 and check the dispatch; ``pytest -m gpu``
-checks its results against the float64 oracle.
-
-Measured on an H100 (CUDA-graph medians vs SDPA-cuDNN; docs/benchmarks/attention_h100_cudagraph.md,
-docs/benchmarks/logs/ab_one_h100_session8.jsonl, ab_thresh_h100_session8.jsonl, ab_four_h100_session9.jsonl,
-ab_rowparts_h100_session10.jsonl): D = 64, N = 4096-65536: 0.97-1.01x (Triton kernel 0.90-0.92x); ViT-B/16 at
-224 (B=64, H=12, N=197): 1.01-1.03x (Triton kernel 0.93-0.95x); at 512 (B=8, H=12, N=1025): 1.14-1.18x (Triton
-kernel 1.01-1.02x); VGGT's global attention (B=1, H=16, N=10410): 1.09-1.12x (session 9); ViT-B/32 at 224
-(N=50): 1.6x (Triton kernel 1.1x); D = 128, N = 1025: 1.01x (Triton kernel 0.79x; session 8).
+checks its results against the float64 oracle. Speed against SDPA-cuDNN and the Triton kernel, per shape:
+docs/tuning.md and docs/benchmarks/attention_h100_cudagraph.md.
 """
 from __future__ import annotations
 
@@ -81,13 +77,10 @@ HEAD_DIMS = (64, 128)
 
 def preferred(n_q: int, n_k: int, head_dim: int) -> bool:
     """Whether the dense launcher runs an in-scope call of ``n_q`` query rows and ``n_k`` keys on this kernel rather
-    than the Triton kernel (H100, CUDA-graph medians vs cuDNN; docs/benchmarks/logs/ab_four_h100_session9.jsonl,
-    ab_one_h100_session8.jsonl, ab_thresh_h100_session8.jsonl). D = 128: at every length measured (64 to 16384
-    keys; with the one key tile cut, 1.17-1.19x vs 0.70x at 16, 0.94x vs 0.64x at 64). D = 64: everywhere but
+    than the Triton kernel. D = 128: at every length (with the one key tile cut). D = 64: everywhere but
     65-128 keys, where the Triton kernel's 32-key tiles pad less than this kernel's one 128-key tile, even cut
-    to 64 + 16 or 128 keys (65 / 80 / 100 / 128 keys: 0.84 / 0.80 / 0.74 / 0.89x here vs 0.96 / 0.91 / 0.77 /
-    0.90x; ab_onetile_h100_session10.jsonl). Ahead elsewhere: 16 / 50 keys 2.8 / 1.6x vs 1.7 / 1.1x; ViT-B/16 at
-    224 (197, on four consumers) 1.01-1.03x vs 0.93-0.95x; 257 / 1025 keys 1.31 / 1.14-1.18x vs 1.10 / 1.01-1.02x."""
+    to 64 + 16 or 128 keys (docs/tuning.md: fp16 / bf16 on the warp-specialized Gluon kernel (`preferred`):
+    every length at D=128, all but 65-128 keys at D=64)."""
     return head_dim > 64 or not 64 < n_k <= 128
 
 
@@ -96,8 +89,8 @@ _DTYPES = (torch.float16, torch.bfloat16)
 
 
 # D = 64 calls with fewer keys than this run one consumer warpgroup per CTA and two CTAs per SM (see get_config):
-# H100, docs/benchmarks/logs/ab_one_h100_session8.jsonl: 1.31x / 1.17-1.19x / 1.11-1.14x cuDNN at 257 / 513 / 1025
-# keys (two per CTA: 0.99x / 1.14x / 1.08-1.10x), a tie at 384; two per CTA ahead from 1536 keys (0.95 vs 0.93x)
+# with few key tiles per work tile, two out-of-phase CTAs overlap softmax and products better than two consumers
+# of one CTA (docs/tuning.md: one consumer warpgroup per CTA below 1536 keys (D=64))
 ONE_CONSUMER_BELOW = 1536
 
 
@@ -117,27 +110,27 @@ def _tail_keys(rem: int, split: bool) -> tuple[int, int]:
 # The last key tile is cut to the keys it holds (one kernel build per cut) only up to this many keys: image
 # models have few such lengths, each a sizeable gain; past it the whole tile runs masked (at most 1/16 of the
 # work, the masked part less) so that a new long length, e.g. another frame count of VGGT's global attention,
-# never compiles a new kernel (docs/tuning.md: "Gluon tail cut").
+# never compiles a new kernel (docs/tuning.md: Gluon tail cut only up to 2048 keys).
 TAIL_CUT_MAX_KEYS = 2048
 
 
 # D = 64 calls with this many query rows and at most FOUR_CONSUMER_MAX_KEYS keys run four consumer warpgroups per
 # CTA, one head per work tile (see get_config). 197 rows (ViT-B/16 at 224) take four 64-row tiles, the last with 5
-# rows: one consumer per CTA pays for that tile as a whole chain of dependent products (4 per head, 0.90-0.91x
-# cuDNN), four per CTA run the head's four chains side by side over shared K / V (1.00-1.04x; H100,
-# docs/benchmarks/logs/ab_four_h100_session9.jsonl). At 192 or 145 rows, or from 257 keys, one per CTA is ahead.
+# rows: one consumer per CTA pays for that tile as a whole chain of dependent products (4 per head), four per CTA
+# run the head's four chains side by side over shared K / V. At 192 or 145 rows, or from 257 keys, one per CTA is
+# ahead (docs/tuning.md: four consumers per CTA at 193-224 query rows and <= 256 keys (D=64)).
 FOUR_CONSUMER_ROWS = range(193, 225)
 FOUR_CONSUMER_MAX_KEYS = 256
 
 
 def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = None, n_q: int | None = None) -> dict:
-    """Launch config by head dim, key count and (for one case) query count (H100, sessions 7-9, CUDA-graph medians
-    vs cuDNN).
+    """Launch config by head dim, key count and (for one case) query count, tuned on an H100.
 
     * Long calls: 128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages
-      starve the consumers (0.67x at D = 64), 4 gain nothing, 256-key tiles lose 5-25 %. Registers: 168 per
-      thread at launch (12 warps: two consumer warpgroups, the producer warp padded to a warpgroup),
-      redistributed by ``setmaxnreg`` to 240 per consumer thread and 24 per producer thread.
+      starve the consumers, 4 gain nothing, 256-key tiles are slower (docs/tuning.md: long calls: 128 query rows
+      per CTA, 128-key tiles, 3 stages). Registers: 168 per thread at launch (12 warps: two consumer
+      warpgroups, the producer warp padded to a warpgroup), redistributed by ``setmaxnreg`` to 240 per
+      consumer thread and 24 per producer thread.
     * D = 64 below ``one_consumer_below`` keys (default :data:`ONE_CONSUMER_BELOW`): one consumer warpgroup
       (64 rows) per CTA at 128 registers per thread (232 per consumer thread after ``setmaxnreg``), so two
       CTAs share an SM and run out of phase: one's softmax under the other's products.
@@ -147,9 +140,8 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
       flight (2 at D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the
       last key tile multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64) two power-of-two
-      parts; one kernel build per distinct pair. ``one_tile``: every key in one tile, cut the same way (at
-      14-50 keys 2.5-2.8x cuDNN at D = 64 and 1.05-1.2x at D = 128, against 1.6 / 0.7x on the Triton
-      kernel; H100, docs/benchmarks/logs/ab_onetile_h100_session10.jsonl).
+      parts; one kernel build per distinct pair. ``one_tile``: every key in one tile, cut the same way
+      (docs/tuning.md: cut last key tile (16-key steps, one or two power-of-two parts)).
     """
     if one_consumer_below is None:
         one_consumer_below = ONE_CONSUMER_BELOW
@@ -270,7 +262,7 @@ if _IMPORT_ERROR is None:
         # of its row sums does that
         l_smem.store(l_i.to(gl.float16))
         # P_t is not in the deps: ptxas keeps the registers an in-flight wgmma reads, and listing a 16-bit
-        # tensor there made the compiler repack it (32 PRMT per tile, 1-2 % at D = 64)
+        # tensor there makes the compiler repack it (docs/tuning.md: P_t left out of the deps of the wgmma wait)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         if SPLIT_AT == 0:
             mbarrier.arrive(empty.index(g % STAGES))  # this group is done with K_t and V_t

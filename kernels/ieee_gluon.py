@@ -2,12 +2,11 @@
 
 Mode ``fp32-ieee`` computes every product with FP32 FMAs, no tensor cores. Triton's
 ``tl.dot(..., input_precision="ieee")`` picks its own thread layout for FMA dots, in which each
-thread re-reads far more operands from shared memory than it multiplies; it tops out at
-~18 TFLOP/s on an H100 with every tile tried (docs/benchmarks/logs/ieee_sweep_h100_session5.jsonl).
-Gluon (Triton's explicit-layout dialect) lets the layout be chosen: each thread owns
-``SPT_M x 4`` scores per 32-column repeat, reads 16-byte vectors of Q / K (or P / V) chunks of
-16 along the reduction dim, and multiplies them with ``gl.dot_fma``. The shared tiles are
-swizzled so the lanes of a warp hit distinct banks. Same (m, S, W) fold as
+thread re-reads far more operands from shared memory than it multiplies, whatever the tile, which
+caps its throughput well below the FP32 FMA peak. Gluon (Triton's explicit-layout dialect) lets the
+layout be chosen: each thread owns ``SPT_M x 4`` scores per 32-column repeat, reads 16-byte vectors
+of Q / K (or P / V) chunks of 16 along the reduction dim, and multiplies them with ``gl.dot_fma``. The
+shared tiles are swizzled so the lanes of a warp hit distinct banks. Same (m, S, W) fold as
 :func:`kernels.elsa_fwd._fold_tile`'s ``"ieee"`` path, including one rounding per tile for
 ``P @ V`` (the tile's sum is formed apart and added once).
 
@@ -15,11 +14,9 @@ Scope (:func:`unsupported_reason`): CUDA tensors of compute capability >= 8.0 (`
 head dim 32, 64 or 128 for both Q/K and V, no bias / mask / causal, no split-KV,
 16-byte-aligned rows with a contiguous head dim. Other calls take the Triton kernel. Gluon cannot
 run under ``TRITON_INTERPRET=1``; CPU tests compile it offline for sm_90 and check the dispatch,
-``pytest -m gpu`` checks its results against the float64 oracle.
-
-Measured on an H100 (docs/benchmarks/logs/gluon_ieee_h100_session6.jsonl): 35.9-39.5 TFLOP/s
-at B=1, H=8, N=4096..65536, D=64 (Triton's IEEE loop: 18.1-18.7), 25.1-25.3 at D=128 (Triton: 9.0-9.2),
-rel err unchanged (3-8e-7); docs/benchmarks/attention_ieee_h100.md, attention_ieee_d128_h100.md.
+``pytest -m gpu`` checks its results against the float64 oracle. It runs about twice as fast as
+Triton's IEEE loop at the same error (docs/tuning.md: fp32-ieee on a Gluon register-blocked FMA
+kernel (not `tl.dot(..., "ieee")`)).
 """
 from __future__ import annotations
 
@@ -50,10 +47,10 @@ _LOG2E = 1.4426950408889634
 
 
 def get_config(n_k: int, head_dim: int = 64) -> dict:
-    """Launch config by key count and head dim (H100, session 6). D <= 64: 32-key tiles waste less on
-    ViT-sized tails (22 vs 13 TFLOP/s at N=197, 29 vs 27 at 1025), 64-key tiles win from 4096 keys
-    (36-40 vs 35-36). D = 128: 32 x 32 tiles, 2 rows per thread (64-row tiles spill registers):
-    25.1-25.3 TFLOP/s at N=4096-16384, the Triton loop 9.0-9.2."""
+    """Launch config by key count and head dim, tuned on an H100. D <= 64: 32-key tiles waste less on
+    ViT-sized tails, 64-key tiles win on long sequences (docs/tuning.md: fp32-ieee D <= 64: 32-key tiles up
+    to 2048 keys, 64-key tiles beyond). D = 128: 32 x 32 tiles, 2 rows per thread, as 64-row tiles spill
+    registers (docs/tuning.md: fp32-ieee D=128: 32 x 32 tiles, 2 rows per thread)."""
     if head_dim > 64:
         return {"BLOCK_M": 32, "BLOCK_N": 32, "KC": 16, "STAGES": 2, "SPT_M": 2, "num_warps": 4}
     return {"BLOCK_M": 64, "BLOCK_N": 32 if n_k <= 2048 else 64, "KC": 16, "STAGES": 2, "SPT_M": 4,

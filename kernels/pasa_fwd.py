@@ -177,6 +177,8 @@ def _pasa_shift_keys_kernel(
         # MU [B*H, D], C [B*H, N_K]: contiguous FP32 buffers
         mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
         # mu . K'_j per key, times the block's log2(e) / a: the tile loop recovers the score with one FMA
+        # (docs/tuning.md: PASA: per-key centring term stored times its block's log2(e)/a (one FMA per score),
+        # per-row term in the row max)
         c = tl.sum(mu[None, :] * kp.to(tl.float32), axis=1) * tl.where(full, inv_a_full, inv_a_tail)
         tl.store(C + pid_bh.to(tl.int64) * N_K + offs_n, c, mask=offs_n < N_K)
         w = tl.where(full, w_full, w_tail) * ksum  # scale (b / a) sum_block k
@@ -348,10 +350,11 @@ def _get_config(d: int, interpret: bool) -> dict:
     if interpret:
         return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
     if d <= 64:
-        return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}  # H100 sweep, docs/benchmarks/pasa_h100.md
+        # (docs/tuning.md: PASA D <= 64: BLOCK_M 64, 4 warps, 2 stages)
+        return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}
     if d <= 128:
-        # 3 stages (faster before the recovery terms were added) now needs 232,960 B of shared
-        # memory with triton 3.6, over the H100/H200's 232,448
+        # 3 stages need more shared memory than an H100 / H200 block has (docs/tuning.md: PASA D=128:
+        # BLOCK_M 128, 8 warps, 2 stages)
         return {"BLOCK_M": 128, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
 

@@ -95,8 +95,8 @@ def fold_pv(acc, alpha, v_exp, p, v, PREC: tl.constexpr, P_SCALED: tl.constexpr,
     accumulator entry is then skipped; over few tiles the reduction costs more than it saves).
     ``P_SCALED``: ``p`` already carries the 2^15 (f16x1 shifts its exp2 argument by 15); else it is
     multiplied in here. f16x3 sums this tile's product apart and adds it once: FP16 MMAs accumulating
-    into ``acc`` tile after tile gave rel err growing ~N (2.9e-5 at N=8192 on an H100). f16x1
-    (TF32-class anyway) accumulates in the MMA.
+    into ``acc`` tile after tile make the error grow with N (docs/tuning.md: f16x3 sums each tile's P V
+    apart and adds it once). f16x1 (TF32-class anyway) accumulates in the MMA.
     """
     e_new = tl.maximum(v_exp, exponent(tl.max(tl.abs(v), 0)))
     if LAZY_V:

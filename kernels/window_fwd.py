@@ -8,7 +8,7 @@ with ``c = scale`` (Swin) or, for Swin-v2 cosine attention,
 ``q, k <- q / max(||q||, 1e-12), k / max(||k||, 1e-12)`` and
 ``c = exp(min(logit_scale[h], log 100))``. The relative position bias
 ``[H, N, N]`` and the shift mask ``[nW, N, N]`` are read per window and never
-expanded to ``[B*nW, H, N, N]`` (DESIGN.md, "Kernels").
+expanded to ``[B*nW, H, N, N]`` (docs/design.md, "How a call reaches a kernel").
 
 Two kernels, chosen by the window area ``N``:
 
@@ -336,17 +336,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 # Programs per SM the small kernel aims for (images per program grow until fewer would exist, up to
-# _SMALL_MAX_IMGS), and its pipeline depth over a program's images. Measured with CUDA-graph timing over
-# every Swin-T/B and Swin-v2-T stage at batch 1-128 (docs/benchmarks/logs/window_config_ab_*):
-# * half: long chunks win. Session 5, 2 programs / SM with chunks up to 64 images against 8 / SM
-#   (chunks up to 32): H200 median 1.07x (0.96-1.60x; Swin-B stage 1 batch 64 0.0679 -> 0.0637 ms),
-#   H100 median 1.01x (0.97-1.63x: up to 3 % slower on the largest cases, e.g. Swin-B stage 1 batch
-#   128, and 1.2-1.6x where batch 8 or a late stage left the old rule one image per program).
-# * fp32: programs do ~3x the work per window (split-FP16 products); 3 per SM (chunks up to 32) beat
-#   2 per SM (chunks up to 64, 0.78-0.98x on H200) and 8 per SM (H100, session 4: Swin-B stage 1
-#   batch 64 0.236 -> 0.187 ms).
-# * 3 stages beat 2 when a program loops over >= 2 images and lose a few % on single-image programs;
-#   4 stages were no better (H200, session 5).
+# _SMALL_MAX_IMGS), and its pipeline depth over a program's images:
+# * half: long chunks win, as they reuse bias / mask over more images (docs/tuning.md: window small kernel,
+#   half modes: 2 programs per SM, image chunks up to 64).
+# * fp32: programs do ~3x the work per window (split-FP16 products), so more, shorter programs win
+#   (docs/tuning.md: window small kernel, fp32: 3 programs per SM, chunks up to 32).
+# * 3 stages pay when a program loops over >= 2 images, not on single-image programs (docs/tuning.md:
+#   window small kernel: 3 stages for programs over >= 2 images, 2 for single-image programs; not 4).
 _SMALL_PROGRAMS_PER_SM = {"half": 2, "fp32": 3}
 _SMALL_MAX_IMGS = {"half": 64, "fp32": 32}  # longest image chunk per program
 _SMALL_STAGES = 3  # for programs over >= 2 images; single-image programs keep 2
@@ -543,8 +539,8 @@ def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_window
     if logit_scale is not None:
         logit_scale = logit_scale.reshape(-1)
     # Every program reads whole bias / mask rows: with a non-unit last stride (e.g. timm's v2 bias
-    # before its .contiguous()) each element costs a memory sector, up to ~25x slower on an H200.
-    # One copy of these small [H, N, N] / [nW, N, N] tensors per call is far cheaper.
+    # before its .contiguous()) each element costs a memory sector. One copy of these small [H, N, N] /
+    # [nW, N, N] tensors per call is far cheaper (docs/tuning.md: strided window bias copied once per call).
     if relative_position_bias is not None and relative_position_bias.stride(-1) != 1:
         relative_position_bias = relative_position_bias.contiguous()
     if shift_mask is not None and shift_mask.stride(-1) != 1:

@@ -2,22 +2,41 @@
 
 ELSA's (m, S, W) monoid run as tiled Triton kernels in FP32, TF32, FP16/BF16
 and PASA, window variants for Swin / Swin-v2, and one-call patching of timm,
-VGGT and diffusers models. See README.md and DESIGN.md.
+VGGT and diffusers models. See README.md and docs/design.md.
 
     import visionattn as va
     out = va.attention(q, k, v, mode="fp32")        # q [B, H, Nq, D]
     va.patch_model(model, mode="fp16")               # timm / VGGT / diffusers, in place
 """
+import importlib.util as _util
 import os as _os
+import sys as _sys
 
-# In a source checkout imported without an editable install (PYTHONPATH=repo, or a
-# setuptools too old for package-dir mappings), this folder shadows the installed
-# package and `visionattn.kernels` / `visionattn.models` (the repo's kernels/ and
-# models/ folders) would not resolve: let the package also search the repo root.
+# pyproject.toml maps two folders of the checkout into this package: kernels/ -> visionattn.kernels and
+# models/ -> visionattn.models. An install (editable or not) resolves them. In a source checkout imported
+# without an install (PYTHONPATH=repo), or with a setuptools too old for package-dir mappings, they would not
+# resolve: a finder then maps exactly these two names to their folders. Nothing else of the checkout (tools/,
+# tests/, ...) becomes importable as visionattn.<folder>.
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
-        _os.path.join(_root, "kernels", "__init__.py")) and _root not in __path__:
-    __path__.append(_root)
+_CHECKOUT_PACKAGES = {__name__ + ".kernels": "kernels", __name__ + ".models": "models"}
+
+
+class _CheckoutFinder:
+    """Meta-path finder for the mapped folders of a source checkout, and for nothing else."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        folder = _CHECKOUT_PACKAGES.get(fullname)
+        if folder is None:
+            return None
+        return _util.spec_from_file_location(fullname, _os.path.join(_root, folder, "__init__.py"),
+                                             submodule_search_locations=[_os.path.join(_root, folder)])
+
+
+if (_os.path.isfile(_os.path.join(_root, "pyproject.toml"))
+        and _os.path.isfile(_os.path.join(_root, "kernels", "__init__.py"))
+        and _util.find_spec(__name__ + ".kernels") is None):
+    _sys.meta_path.append(_CheckoutFinder)
 
 from .api import attention  # noqa: E402
 from .dispatch import get_backend, set_backend, use_backend

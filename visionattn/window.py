@@ -4,7 +4,7 @@ Swin (Liu et al. 2021) attends inside non-overlapping windows of N = ws*ws
 tokens; every window adds the same relative position bias [H, N, N] and, in
 shifted blocks, one of nW shift masks [nW, N, N] (window ``b`` uses
 ``mask[b % nW]``). timm expands both to [B*nW, H, N, N] for its SDPA path;
-here they are indexed per window inside the kernel (DESIGN.md, "Kernels").
+here they are indexed per window inside the kernel (docs/design.md, "How a call reaches a kernel").
 Swin-v2 (Liu et al. 2022) adds cosine attention: q and k are L2-normalized and
 the logits multiplied by a per-head ``exp(min(logit_scale, log 100))``, with the
 bias ``16 * sigmoid(cpb_mlp(...))`` computed once per forward by the caller.

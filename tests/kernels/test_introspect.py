@@ -1,6 +1,6 @@
 """Offline sm_90 compiles (visionattn.kernels.introspect): no GPU needed, Triton's bundled ptxas.
 
-The test session runs the kernels interpreted (TRITON_INTERPRET=1, tests/conftest.py), which
+The test run executes the kernels interpreted (TRITON_INTERPRET=1, tests/conftest.py), which
 cannot compile, so the compiles run in a child process with TRITON_INTERPRET=0.
 """
 
@@ -57,6 +57,6 @@ def test_interpreted_kernels_are_refused_with_the_fix():
     from visionattn.kernels.introspect import compile_for_arch
 
     if hasattr(elsa_fwd._elsa_fwd_kernel, "cache_key"):
-        pytest.skip("kernels are compiled (TRITON_INTERPRET=0) in this session")
+        pytest.skip("kernels are compiled (TRITON_INTERPRET=0) in this test run")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=0"):
         compile_for_arch(elsa_fwd._elsa_fwd_kernel, {}, {}, num_warps=4, num_stages=1)
