@@ -49,11 +49,14 @@ def empty_heads_inner(batch: int, heads: int, n_q: int, dv: int, dtype: torch.dt
 
 
 def _launch_hooks_set() -> bool:
+    """Whether a Triton launch hook (a profiler's) is installed; recent releases keep an always-present
+    ``HookChain`` whose ``calls`` list is empty when none is."""
     try:
         from triton import knobs
     except ImportError:  # pragma: no cover - Triton releases before knobs
         return False
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
 class KernelCall:
@@ -68,15 +71,16 @@ class KernelCall:
 
     Calling it with the runtime arguments (in signature order) launches on the current stream. The
     first call compiles or finds the kernel through Triton's JIT; later calls go to the compiled
-    kernel's launcher directly. Under the interpreter, with Triton launch hooks set (profilers), or
-    with a Triton whose compiled kernels lack that launcher, every call takes the JIT path.
+    kernel's launcher directly. Under the interpreter, with Triton launch hooks set (profilers) when the
+    first call runs, or with a Triton whose compiled kernels lack that launcher, every call takes the JIT
+    path (``slow_reason`` says why).
 
     Raises:
         ValueError: a constexpr parameter precedes a runtime one in ``fn``'s signature, or ``constexprs``
             does not name exactly ``fn``'s constexpr parameters.
     """
 
-    __slots__ = ("fn", "grid", "constexprs", "options", "_tail", "_fast", "_grid3")
+    __slots__ = ("fn", "grid", "constexprs", "options", "_tail", "_fast", "_grid3", "slow_reason")
 
     def __init__(self, fn, grid: tuple[int, ...], constexprs: dict[str, Any], options: dict[str, Any]):
         self.fn, self.grid, self.constexprs, self.options = fn, tuple(grid), constexprs, options
@@ -93,6 +97,7 @@ class KernelCall:
             self._tail = None
         self._fast: Callable | None = None
         self._grid3 = (self.grid + (1, 1))[:3]
+        self.slow_reason: str | None = None  # why calls stay on the JIT path, once known
 
     def __call__(self, *args) -> None:
         fast = self._fast
@@ -100,7 +105,15 @@ class KernelCall:
             fast(*args)
             return
         compiled = self.fn[self.grid](*args, **self.constexprs, **self.options)
-        if compiled is not None and self._tail is not None and not interpreting() and not _launch_hooks_set():
+        if self.slow_reason is not None:
+            return
+        if compiled is None or interpreting():
+            self.slow_reason = "interpreted"
+        elif self._tail is None:
+            self.slow_reason = "the kernel does not list its parameters"
+        elif _launch_hooks_set():
+            self.slow_reason = "Triton launch hooks are set"
+        else:
             self._fast = self._direct(compiled)
 
     def _direct(self, compiled) -> Callable | None:
@@ -111,7 +124,8 @@ class KernelCall:
 
             active = driver.active
             current_device, current_stream = active.get_current_device, active.get_current_stream
-        except (AttributeError, ImportError):  # pragma: no cover - another Triton layout: keep the JIT path
+        except (AttributeError, ImportError) as exc:  # pragma: no cover - another Triton layout: keep the JIT path
+            self.slow_reason = f"{type(exc).__name__}: {exc}"
             return None
         g0, g1, g2 = self._grid3
         tail = self._tail
