@@ -66,7 +66,7 @@ from .modes import MODES
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
 __all__ = [
-    "elsa_attention", "dense_forward", "unsupported_reason", "TileConfig", "get_config", "choose_num_splits",
+    "elsa_attention", "dense_forward", "plan_for", "unsupported_reason", "TileConfig", "get_config", "choose_num_splits",
     "DENSE_MODES", "MAX_HEAD_DIM", "SHORT_KV", "PLANS",
 ]
 
@@ -569,17 +569,21 @@ class _TritonPlan:
         dev = self.device
         out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=dev)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
-        lse_t = out if lse is None else lse  # never written without WRITE_LSE
-        b_t = q if bias is None else bias  # dummy pointers, never read (HAS_BIAS / HAS_MASK off)
-        m_t = q if attn_mask is None else attn_mask
+        # unused pointers (no bias / mask / LSE / workspace) are never read: a null pointer on the direct path,
+        # a tensor on the first (JIT) call, whose pointer types the compiled kernel keeps
+        dummy = 0 if self.main._fast is not None else q
+        lse_t = dummy if lse is None else lse
+        b_t = dummy if bias is None else bias
+        m_t = dummy if attn_mask is None else attn_mask
         if self.merge is None:
-            self.main(q, k, v, b_t, m_t, out, lse_t, out, out, out, scale * LOG2E, *self.fixed)
+            self.main(q, k, v, b_t, m_t, out, lse_t, dummy, dummy, dummy, scale * LOG2E, *self.fixed)
         else:
             ws_m = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
             ws_s = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
             ws_w = torch.empty(self.ws_w_shape, dtype=torch.float32, device=dev)
             self.main(q, k, v, b_t, m_t, out, lse_t, ws_m, ws_s, ws_w, scale * LOG2E, *self.fixed)
-            self.merge(ws_m, ws_s, ws_w, out, lse_t, *self.merge_fixed)
+            merge_lse = lse if lse is not None else (0 if self.merge._fast is not None else q)
+            self.merge(ws_m, ws_s, ws_w, out, merge_lse, *self.merge_fixed)
         return out, lse
 
 
@@ -713,6 +717,26 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
 PLANS = PlanCache()
 
 
+def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+             attn_mask: torch.Tensor | None, is_causal: bool, scale: float, mode: str, num_splits: int = 0,
+             out_dtype: torch.dtype | None = None, with_lse: bool = False):
+    """``(plan, (out, lse))``: the cached launch plan of this call signature (built by running the call
+    when new) and this call's result. A plan takes ``(q, k, v, bias, attn_mask, scale)`` of any later call
+    with the same signature; it reads ``bias`` / ``attn_mask`` only through their data pointers (the strides
+    of the [B, H, Nq, Nk] views are part of the plan). Arguments and key as :func:`dense_forward`."""
+    key = (mode, q.shape, k.shape, v.shape[3], q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+           q.get_device(), None if bias is None else (bias.stride(), bias.dtype, bias.data_ptr() & 15),
+           None if attn_mask is None else (attn_mask.stride(), attn_mask.data_ptr() & 15),
+           is_causal, num_splits, out_dtype, with_lse, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan, plan(q, k, v, bias, attn_mask, scale)
+    plan, result = _plan_and_run(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, int(num_splits),
+                                 out_dtype, bool(with_lse))
+    PLANS.put(key, plan)
+    return plan, result
+
+
 def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
                   attn_mask: torch.Tensor | None, is_causal: bool, scale: float, mode: str, num_splits: int = 0,
                   out_dtype: torch.dtype | None = None, with_lse: bool = False):
@@ -727,17 +751,7 @@ def dense_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     ``lse``: [B, H, Nq] float32, ``log sum_j exp(scale q_i . k_j + bias_ij)`` over the visible keys, -inf
     for a fully masked row: what the backward recomputes P from (FlashAttention-2's ``softmax_lse``).
     """
-    key = (mode, q.shape, k.shape, v.shape[3], q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-           q.get_device(), None if bias is None else (bias.stride(), bias.dtype, bias.data_ptr() & 15),
-           None if attn_mask is None else (attn_mask.stride(), attn_mask.data_ptr() & 15),
-           is_causal, num_splits, out_dtype, with_lse, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
-    plan = PLANS.get(key)
-    if plan is not None:
-        return plan(q, k, v, bias, attn_mask, scale)
-    plan, result = _plan_and_run(q, k, v, bias, attn_mask, bool(is_causal), float(scale), mode, int(num_splits),
-                                 out_dtype, bool(with_lse))
-    PLANS.put(key, plan)
-    return result
+    return plan_for(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype, with_lse)[1]
 
 
 def _launch(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,

@@ -47,7 +47,7 @@ from .elsa_fwd import LOG2E, load_kv_tile
 from .pasa_math import optimal_beta, shift_coefficients
 from .split16 import SPLIT_EXP, exponent, pow2
 
-__all__ = ["pasa_attention", "pasa_unsupported_reason", "BLOCK_N", "MAX_HEAD_DIM"]
+__all__ = ["pasa_attention", "pasa_forward", "plan_for", "pasa_unsupported_reason", "BLOCK_N", "MAX_HEAD_DIM", "PLANS"]
 
 BLOCK_N = 128  # keys per KV block = size of the shifting matrix M (the paper's s2)
 MAX_HEAD_DIM = 256
@@ -512,8 +512,13 @@ class _PasaPlan:
         else:
             inv_f, inv_t = self.coef
             keys, post_scale = k, scale * LOG2E
-        mask = attn_mask.view(torch.uint8) if attn_mask is not None else q
-        self.main(q, keys, v, out, q if bias is None else bias, mask, mu, c, w, w_inv, *self.fixed_main,
+        if self.main._fast is not None:  # unused pointers: null on the direct path
+            mu, c, w, w_inv = (0 if t is q else t for t in (mu, c, w, w_inv))
+            dummy = 0
+        else:
+            dummy = q
+        mask = attn_mask.view(torch.uint8) if attn_mask is not None else dummy
+        self.main(q, keys, v, out, dummy if bias is None else bias, mask, mu, c, w, w_inv, *self.fixed_main,
                   post_scale, inv_f, inv_t)
         return out
 
@@ -538,18 +543,19 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, shift, beta, cfg, 
 PLANS = PlanCache()
 
 
-def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-                 attn_mask: torch.Tensor | None, is_causal: bool, scale: float, shift: bool = True,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """:func:`pasa_attention` with the optimal beta and the default config, from a cached launch plan (the op
-    layer's entry; inputs validated: float16 q / k / v, bias / mask as [B, H, Nq, Nk] views)."""
+def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+             attn_mask: torch.Tensor | None, is_causal: bool, scale: float, shift: bool = True,
+             out_dtype: torch.dtype | None = None):
+    """``(plan, out)``: the cached launch plan of this call signature (built by running the call when new;
+    ``None`` for an empty call) and this call's output. Arguments as :func:`pasa_forward`; a plan reads
+    ``bias`` / ``attn_mask`` through their data pointers only."""
     key = (q.shape, k.shape, v.shape[3], q.stride(), k.stride(), v.stride(), q.get_device(),
            None if bias is None else (bias.stride(), bias.dtype, bias.data_ptr() & 15),
            None if attn_mask is None else (attn_mask.stride(), attn_mask.data_ptr() & 15),
            is_causal, shift, out_dtype, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
     plan = PLANS.get(key)
     if plan is not None:
-        return plan(q, k, v, bias, attn_mask, scale)
+        return plan, plan(q, k, v, bias, attn_mask, scale)
     out_dtype = out_dtype or torch.float16
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype}; the kernels write one of {OUT_DTYPES}")
@@ -558,4 +564,12 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
                               out_dtype, explicit=False)
     if plan is not None:
         PLANS.put(key, plan)
-    return out
+    return plan, out
+
+
+def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                 attn_mask: torch.Tensor | None, is_causal: bool, scale: float, shift: bool = True,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`pasa_attention` with the optimal beta and the default config, from a cached launch plan (the op
+    layer's entry; inputs validated: float16 q / k / v, bias / mask as [B, H, Nq, Nk] views)."""
+    return plan_for(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)[1]

@@ -57,7 +57,7 @@ from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
-__all__ = ["window_attention_fwd", "window_forward", "get_config", "SMALL_MAX_N", "PRECISIONS", "PLANS"]
+__all__ = ["window_attention_fwd", "window_forward", "plan_for", "get_config", "SMALL_MAX_N", "PRECISIONS", "PLANS"]
 
 LOG2E = 1.4426950408889634
 SMALL_MAX_N = 128  # windows up to this many tokens run fully in registers
@@ -441,8 +441,9 @@ class _WindowPlan:
 
     def __call__(self, q, k, v, bias, mask, logit_scale, scale):
         out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
-        self.call(q, k, v, out, q if bias is None else bias, q if mask is None else mask,
-                  q if logit_scale is None else logit_scale, *self.fixed, scale)
+        dummy = 0 if self.call._fast is not None else q  # unused pointers: null on the direct path
+        self.call(q, k, v, out, dummy if bias is None else bias, dummy if mask is None else mask,
+                  dummy if logit_scale is None else logit_scale, *self.fixed, scale)
         return out
 
 
@@ -467,6 +468,27 @@ def _plan_and_run(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bo
 PLANS = PlanCache()
 
 
+def plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows: int, cosine: bool, scale: float,
+             mode: str):
+    """``(plan, out)``: the cached launch plan of this call signature (built by running the call when new) and
+    this call's output. ``relative_position_bias`` [H, N, N] and ``shift_mask`` [nW, N, N] with a unit last
+    stride, ``logit_scale`` [H]: a plan reads them through their data pointers only."""
+    b, m, ls = relative_position_bias, shift_mask, logit_scale
+    key = (mode, q.shape, q.stride(), k.stride(), v.shape[3], v.stride(), q.dtype, q.get_device(),
+           None if b is None else (b.shape, b.stride(), b.dtype, b.data_ptr() & 15),
+           None if m is None else (m.shape, m.stride(), m.dtype, m.data_ptr() & 15),
+           None if ls is None else (ls.stride(), ls.dtype, ls.data_ptr() & 15),
+           num_windows, cosine, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan, plan(q, k, v, b, m, ls, scale)
+    if mode not in _MODE_TABLE:
+        raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
+    plan, out = _plan_and_run(q, k, v, b, m, ls, int(num_windows), bool(cosine), float(scale), mode, None)
+    PLANS.put(key, plan)
+    return plan, out
+
+
 def window_forward(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows: int, cosine: bool,
                    scale: float, mode: str) -> torch.Tensor:
     """:func:`window_attention_fwd` from a cached launch plan (the op layer's entry; no ``config`` /
@@ -477,20 +499,7 @@ def window_forward(q, k, v, relative_position_bias, shift_mask, logit_scale, num
         shift_mask = shift_mask.contiguous()
     if logit_scale is not None and logit_scale.dim() != 1:
         logit_scale = logit_scale.reshape(-1)
-    b, m, ls = relative_position_bias, shift_mask, logit_scale
-    key = (mode, q.shape, q.stride(), k.stride(), v.shape[3], v.stride(), q.dtype, q.get_device(),
-           None if b is None else (b.shape, b.stride(), b.dtype, b.data_ptr() & 15),
-           None if m is None else (m.shape, m.stride(), m.dtype, m.data_ptr() & 15),
-           None if ls is None else (ls.stride(), ls.dtype, ls.data_ptr() & 15),
-           num_windows, cosine, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
-    plan = PLANS.get(key)
-    if plan is not None:
-        return plan(q, k, v, b, m, ls, scale)
-    if mode not in _MODE_TABLE:
-        raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
-    plan, out = _plan_and_run(q, k, v, b, m, ls, int(num_windows), bool(cosine), float(scale), mode, None)
-    PLANS.put(key, plan)
-    return out
+    return plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows, cosine, scale, mode)[1]
 
 
 def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale,

@@ -7,10 +7,24 @@ import numbers
 import torch
 
 from . import dispatch
+from .kernels._launch import PlanCache
 from .modes import MODES, Mode, get_mode
 from .reference import blocked_attention
 
-__all__ = ["attention", "validate_attention_inputs", "check_flags", "cast_checked"]
+__all__ = ["attention", "validate_attention_inputs", "check_flags", "cast_checked", "CALLS", "tensor_key"]
+
+# public call signature -> a runner that launches from the call's cached plan without validating again (the
+# signature was validated when the runner was built); see attention()
+CALLS = PlanCache()
+_HALF_OR_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def tensor_key(t: torch.Tensor | None):
+    """What a plan depends on of an optional tensor argument: shape, strides, dtype, device, the 16-byte
+    alignment of its data pointer, whether it needs gradients."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, t.requires_grad
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -176,9 +190,24 @@ def attention(
             unknown mode; ``num_splits`` < 1; FP32 / FP64 inputs beyond float16's range in a
             float16 mode (``fp16``, ``pasa``, ``fp16-acc16``).
     """
+    key = None
+    if num_splits is None and not torch.compiler.is_compiling():
+        # a signature seen before was validated then: launch from its plan (same checks, done once)
+        try:
+            key = (mode, backend, dispatch._backend, is_causal is True, is_causal is False, q.shape, k.shape,
+                   v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+                   q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, tensor_key(bias),
+                   tensor_key(attn_mask), torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                                       or v.requires_grad))
+            run = CALLS.get(key)
+        except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable: the checks below say why
+            key = run = None
+        if run is not None and (scale is None or (type(scale) is float and math.isfinite(scale))):
+            return run(q, k, v, bias, attn_mask, scale)
     md = MODES.get(mode) if isinstance(mode, str) else None
     if md is None:
         md = get_mode(mode)
+    raw_bias = bias
     bias, attn_mask = validate_attention_inputs(q, k, v, bias, attn_mask)
     scale = check_flags(is_causal, scale, q.shape[-1])
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
@@ -188,7 +217,7 @@ def attention(
     else:
         which = dispatch.resolve_backend(backend, q.device.type)
     if which == "triton":
-        out = _kernels(q, k, v, bias, attn_mask, is_causal, scale, md, num_splits)
+        out = _kernels(q, k, v, bias, attn_mask, is_causal, scale, md, num_splits, key, raw_bias)
         if out is not None:
             return out
     if md.half_scores:
@@ -205,9 +234,10 @@ def attention(
 _ops = None
 
 
-def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits):
+def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, key=None, raw_bias=None):
     """Run the call on the kernels, or return None (after a one-time warning naming why) when they do not
-    cover it and the reference must run."""
+    cover it and the reference must run. With a ``key`` (an eager call of a cacheable signature), an eager
+    call without gradients on a float16 / bfloat16 / float32 input also stores its runner in :data:`CALLS`."""
     global _ops
     ops = _ops
     if ops is None:
@@ -226,6 +256,8 @@ def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits):
                                                  f"running the exact PyTorch monoid reference instead")
         return None
     dtype = md.compute_dtype
+    if key is not None and not grad and q.dtype in _HALF_OR_FP32:
+        return _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md)
     qc = cast_checked(q, dtype, "query", md.name)
     kc = cast_checked(k, dtype, "key", md.name)
     vc = cast_checked(v, dtype, "value", md.name)
@@ -235,14 +267,37 @@ def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits):
     if md.half_scores:
         out = ops.pasa(qc, kc, vc, bias, attn_mask, is_causal, scale, md.pasa_shift, out_dtype)
     else:
-        out = ops.dense(qc, kc, vc, bias, attn_mask, is_causal, scale, md.name, num_splits or 0, out_dtype, grad,
-                        None if bias is None else _bias_shape(bias))
+        # the caller's own bias tensor (its gradient comes back in its shape); the mask as validated
+        out = ops.dense(qc, kc, vc, raw_bias if raw_bias is not None else bias, attn_mask, is_causal, scale,
+                        md.name, num_splits or 0, out_dtype, grad)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _bias_shape(bias: torch.Tensor) -> tuple[int, ...]:
-    # the [B, H, Nq, Nk] broadcast view's own extent: stride-0 dims were broadcast (their gradient is summed)
-    return tuple(1 if s == 0 else n for n, s in zip(bias.shape, bias.stride()))
+def _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md: Mode):
+    """Run an eager call without gradients from its plan and keep a runner for its signature in :data:`CALLS`.
+    The runner takes the caller's raw bias / mask (the plan reads them by data pointer, with the strides of
+    their [B, H, Nq, Nk] views) and casts q / k / v when the mode computes in another dtype."""
+    dtype, name, out_dtype = md.compute_dtype, md.name, q.dtype
+    cast = q.dtype != dtype
+
+    def prepare(q, k, v):
+        if not cast:
+            return q, k, v
+        return (cast_checked(q, dtype, "query", name), cast_checked(k, dtype, "key", name),
+                cast_checked(v, dtype, "value", name))
+
+    if md.half_scores:
+        plan, out = _ops.pasa_plan(*prepare(q, k, v), bias, attn_mask, is_causal, scale, md.pasa_shift, out_dtype)
+    else:
+        plan, out = _ops.dense_plan(*prepare(q, k, v), bias, attn_mask, is_causal, scale, name, out_dtype)
+    if plan is not None:
+        default = q.shape[-1] ** -0.5
+
+        def run(q, k, v, bias, attn_mask, scale):
+            return plan(*prepare(q, k, v), bias, attn_mask, default if scale is None else scale)
+
+        CALLS.put(key, run)
+    return out
 
 
 _MAX_HEAD_DIM = 256

@@ -26,7 +26,7 @@ import torch
 from .kernels import elsa_fwd, pasa_fwd, window_fwd
 from .kernels.modes import MODES
 
-__all__ = ["dense", "pasa", "window", "BACKWARD_MODES", "has_backward"]
+__all__ = ["dense", "pasa", "window", "dense_plan", "pasa_plan", "window_plan", "BACKWARD_MODES", "has_backward"]
 
 # modes whose dense backward kernels exist (kernels/elsa_bwd.py); empty until they are importable
 try:
@@ -43,11 +43,18 @@ def has_backward(mode: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- dense
+def _views(q: torch.Tensor, k: torch.Tensor, bias, attn_mask):
+    """``bias`` / ``attn_mask`` as [B, H, Nq, Nk] views (stride-0 broadcast, no copy) of what the caller passed."""
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return (None if bias is None else bias.expand(shape)), (None if attn_mask is None else attn_mask.expand(shape))
+
+
 @torch.library.custom_op("visionattn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                   attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, mode: str, num_splits: int,
                   out_dtype: Optional[torch.dtype]) -> torch.Tensor:
-    return elsa_fwd.dense_forward(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)[0]
+    return elsa_fwd.dense_forward(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode, num_splits,
+                                  out_dtype)[0]
 
 
 def _heads_inner_like(q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,8 +72,8 @@ def _(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
 def _attention_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                       attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, mode: str, num_splits: int,
                       out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
-    return elsa_fwd.dense_forward(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype,
-                                  with_lse=True)
+    return elsa_fwd.dense_forward(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode, num_splits,
+                                  out_dtype, with_lse=True)
 
 
 @_attention_lse_op.register_fake
@@ -74,14 +81,11 @@ def _(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
     return _heads_inner_like(q, v, out_dtype or q.dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode, bias_grad):
-    """(dq, dk, dv, dbias) by the backward kernels; dbias reduced to ``bias_grad`` (the bias's own shape)
-    or None."""
-    dq, dk, dv, dbias = _elsa_bwd.elsa_backward(q, k, v, out, grad_out, lse, bias, attn_mask, is_causal, scale,
-                                                mode, bias_requires_grad=bias_grad is not None)
-    if dbias is not None and tuple(dbias.shape) != tuple(bias_grad):
-        dbias = _elsa_bwd.reduce_bias_grad(dbias, bias_grad)
-    return dq, dk, dv, dbias
+def _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode, bias_grad: bool):
+    """(dq, dk, dv, dbias) by the backward kernels (FlashAttention-2's recomputation from the saved LSE);
+    ``bias`` as the caller passed it, so dbias comes back in its own shape (broadcast dims summed)."""
+    return _elsa_bwd.elsa_backward(q, k, v, out, grad_out, lse, bias, attn_mask, is_causal, scale, mode,
+                                   bias_requires_grad=bias_grad)
 
 
 def _setup_context(ctx, inputs, output):
@@ -94,9 +98,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
     is_causal, scale, mode = ctx.args
-    want_bias = bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out.contiguous(), is_causal,
-                                        scale, mode, tuple(bias.shape) if want_bias else None)
+    dq, dk, dv, dbias = _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode,
+                                        bias is not None and ctx.needs_input_grad[3])
     return dq, dk, dv, dbias, None, None, None, None, None, None
 
 
@@ -109,38 +112,38 @@ class _DenseFunction(torch.autograd.Function):
     the recomputing backward kernels (FlashAttention-2, Alg. 2)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, attn_mask, bias_shape, is_causal, scale, mode, num_splits, out_dtype):
-        out, lse = elsa_fwd.dense_forward(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype,
-                                          with_lse=True)
+    def forward(ctx, q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
+        out, lse = elsa_fwd.dense_forward(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode,
+                                          num_splits, out_dtype, with_lse=True)
         ctx.save_for_backward(q, k, v, bias, attn_mask, out, lse)
-        ctx.args = (is_causal, scale, mode, bias_shape)
+        ctx.args = (is_causal, scale, mode)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
-        is_causal, scale, mode, bias_shape = ctx.args
-        want_bias = bias is not None and ctx.needs_input_grad[3]
+        is_causal, scale, mode = ctx.args
         dq, dk, dv, dbias = _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode,
-                                            bias_shape if want_bias else None)
-        return dq, dk, dv, dbias, None, None, None, None, None, None, None
+                                            bias is not None and ctx.needs_input_grad[3])
+        return dq, dk, dv, dbias, None, None, None, None, None, None
 
 
 def dense(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,
-          out_dtype: torch.dtype | None, grad: bool, bias_shape: tuple | None = None) -> torch.Tensor:
+          out_dtype: torch.dtype | None, grad: bool) -> torch.Tensor:
     """Dense ELSA attention on the kernels, inputs validated and cast to the mode's dtype.
 
-    ``grad``: the inputs need gradients (the mode must be in :data:`BACKWARD_MODES`); ``bias_shape``:
-    the caller's bias shape before broadcasting, the shape its gradient is reduced to.
+    ``bias`` / ``attn_mask``: as the caller passed them (broadcastable to [B, H, Nq, Nk]; viewed, never
+    copied), so a bias gradient comes back in the bias's own shape. ``grad``: the inputs need gradients (the
+    mode must be in :data:`BACKWARD_MODES`).
     """
     if torch.compiler.is_compiling():
         if grad:
             return _attention_lse_op(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)[0]
         return _attention_op(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)
     if grad:
-        return _DenseFunction.apply(q, k, v, bias, attn_mask, bias_shape, is_causal, scale, mode, num_splits,
-                                    out_dtype)
-    return elsa_fwd.dense_forward(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)[0]
+        return _DenseFunction.apply(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)
+    return elsa_fwd.dense_forward(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode, num_splits,
+                                  out_dtype)[0]
 
 
 # ----------------------------------------------------------------------------- PASA
@@ -182,3 +185,23 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
     if torch.compiler.is_compiling():
         return _window_op(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
     return window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
+
+
+# ----------------------------------------------------------------------------- eager plans
+def dense_plan(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, out_dtype: torch.dtype):
+    """Eager, no gradients: ``(plan, out)`` of a dense call (:func:`visionattn.kernels.elsa_fwd.plan_for`); the
+    public function keeps the plan for later calls of the same signature."""
+    plan, (out, _) = elsa_fwd.plan_for(q, k, v, bias, attn_mask, is_causal, scale, mode, 0, out_dtype)
+    return (lambda q, k, v, b, m, s: plan(q, k, v, b, m, s)[0]), out
+
+
+def pasa_plan(q, k, v, bias, attn_mask, is_causal: bool, scale: float, shift: bool, out_dtype: torch.dtype):
+    """Eager: ``(plan, out)`` of a PASA call (:func:`visionattn.kernels.pasa_fwd.plan_for`; plan None when empty)."""
+    return pasa_fwd.plan_for(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
+
+
+def window_plan(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, scale: float, mode: str):
+    """Eager: ``(plan, out)`` of a window call (:func:`visionattn.kernels.window_fwd.plan_for`); bias / mask
+    with a unit last stride, ``logit_scale`` [H]."""
+    return window_fwd.plan_for(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
+

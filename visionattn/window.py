@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .api import check_flags
+from .api import CALLS, check_flags, tensor_key
 from .modes import Mode, get_mode
 
 __all__ = ["window_attention", "window_attention_reference", "validate_window_inputs"]
@@ -206,6 +206,20 @@ def window_attention(
     The kernels are forward-only: when autograd needs gradients the call runs the
     differentiable PyTorch reference (with a one-time warning).
     """
+    key = None
+    if not torch.compiler.is_compiling():
+        # a signature seen before was validated then: launch from its plan (same checks, done once)
+        try:
+            key = (mode, backend, dispatch._backend, num_windows, cosine is True, cosine is False, q.shape, k.shape,
+                   v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+                   q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, tensor_key(relative_position_bias),
+                   tensor_key(shift_mask), tensor_key(logit_scale), torch.is_grad_enabled()
+                   and (q.requires_grad or k.requires_grad or v.requires_grad))
+            run = CALLS.get(key)
+        except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable: the checks below say why
+            key = run = None
+        if run is not None and (scale is None or (type(scale) is float and math.isfinite(scale))):
+            return run(q, k, v, relative_position_bias, shift_mask, logit_scale, scale)
     md = get_mode(mode)
     bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows,
                                             bool(cosine), logit_scale)
@@ -216,6 +230,16 @@ def window_attention(
         if reason is None:
             from . import ops  # lazy: importing triton is slow and not needed on CPU
 
+            # the runner reads the caller's bias / mask / logit_scale by data pointer: only where validation
+            # made views of them (a bool mask becomes a new float tensor; a strided one is copied)
+            if key is not None and mask is shift_mask and all(
+                    t is None or (t.stride(-1) == 1 and t.data_ptr() == raw.data_ptr())
+                    for t, raw in ((bias, relative_position_bias), (mask, shift_mask), (ls, logit_scale))):
+                plan, out = ops.window_plan(q, k, v, bias, mask, ls, num_windows, bool(cosine), float(scale),
+                                            md.name)
+                default = q.shape[-1] ** -0.5
+                CALLS.put(key, lambda q, k, v, b, m, ls, s: plan(q, k, v, b, m, ls, default if s is None else s))
+                return out
             return ops.window(q, k, v, bias, mask, ls, num_windows, bool(cosine), float(scale), md.name)
         dispatch.warn_once(f"window-fallback:{reason}",
                            f"visionattn.window_attention: the Triton window kernel does not cover this call "

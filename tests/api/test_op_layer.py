@@ -58,49 +58,59 @@ def test_the_ops_compute_what_the_public_functions_compute():
 
 # ----------------------------------------------------------------------------- plan cache
 def test_the_plan_is_built_once_per_key_and_rebuilt_when_the_key_changes(monkeypatch):
-    """Second call with the same signature: a cache hit, no new plan. A new stride pattern, dtype, length or
-    mode: a new plan. Outputs stay equal to the oracle throughout."""
-    cache = PlanCache()
-    monkeypatch.setattr(elsa_fwd, "PLANS", cache)
+    """Second call with the same signature: the public call's runner is found (no validation, no new plan). A new
+    stride pattern, dtype, length or mode: a new runner and a new launch plan. Outputs stay equal to the oracle
+    throughout, the default scale included after a call that passed its own."""
+    calls, plans = PlanCache(), PlanCache()
+    monkeypatch.setattr(va.api, "CALLS", calls)
+    monkeypatch.setattr(elsa_fwd, "PLANS", plans)
     q, k, v = _qkv()
 
-    def call(q, k, v, mode="fp32"):
-        y = va.attention(q, k, v, mode=mode, backend="triton")
-        assert rel_l2(y, oracle_attention(q, k, v)) <= get_mode(mode).rel_tol
+    def call(q, k, v, mode="fp32", scale=None):
+        y = va.attention(q, k, v, mode=mode, backend="triton", scale=scale)
+        assert rel_l2(y, oracle_attention(q, k, v, scale=scale)) <= get_mode(mode).rel_tol
         return y
 
-    call(q, k, v)
-    assert (cache.builds, cache.hits) == (1, 0)
+    call(q, k, v, scale=0.3)
+    assert (calls.builds, calls.hits, plans.builds) == (1, 0, 1)
     q2, k2, v2 = _qkv(seed=1)  # new tensors, same signature
     call(q2, k2, v2)
-    assert (cache.builds, cache.hits) == (1, 1)
+    assert (calls.builds, calls.hits, plans.builds, plans.hits) == (1, 1, 1, 0)
     qt = torch.randn(1, 17, 2, 16, device=DEV).transpose(1, 2)  # same shape, other strides
     call(qt, k, v)
-    assert (cache.builds, cache.hits) == (2, 1)
+    assert (calls.builds, plans.builds) == (2, 2)
     call(*_qkv(Nk=300))  # another length (and length bucket of the tile configs)
-    assert cache.builds == 3
+    assert (calls.builds, plans.builds) == (3, 3)
     call(q.half(), k.half(), v.half(), mode="fp16")  # another dtype and mode
-    assert cache.builds == 4
+    assert (calls.builds, plans.builds) == (4, 4)
+    call(q, k, v, mode="fp16")  # FP32 inputs cast to the mode, FP32 output written by the kernel: a new plan
+    assert (calls.builds, plans.builds) == (5, 5)
     call(q2, k2, v2)
-    assert (cache.builds, cache.hits) == (4, 2)
+    assert (calls.builds, calls.hits) == (5, 2)
+    with torch.no_grad():  # nothing needs a gradient either way: the same runner
+        call(q2, k2, v2)
+    assert (calls.builds, calls.hits) == (5, 3)
+    qg = q2.clone().requires_grad_(True)  # a call that needs gradients is not served by a runner
+    y = va.attention(qg, k2, v2, backend="triton")
+    assert y.grad_fn is not None and (calls.builds, calls.hits) == (5, 3)
 
 
-def test_window_and_pasa_plans_are_reused(monkeypatch):
-    wcache, pcache = PlanCache(), PlanCache()
-    monkeypatch.setattr(window_fwd, "PLANS", wcache)
-    monkeypatch.setattr(pasa_fwd, "PLANS", pcache)
-    rpb = torch.randn(2, 16, 16, device=DEV)
-    for seed in range(2):
-        qw, kw, vw = _qkv(B=4, Nq=16, Nk=16, seed=seed)
-        va.window_attention(qw, kw, vw, relative_position_bias=rpb, num_windows=2, mode="fp32", backend="triton")
-        va.attention(*_qkv(seed=seed), mode="pasa", backend="triton")
-    assert (wcache.builds, wcache.hits, pcache.builds, pcache.hits) == (1, 1, 1, 1)
+def test_a_cached_signature_still_refuses_bad_flags(monkeypatch):
+    """The runner of a validated signature is not taken for a call whose flags are bad."""
+    q, k, v = _qkv()
+    va.attention(q, k, v, backend="triton")
+    for kwargs in ({"is_causal": 1}, {"is_causal": "no"}, {"scale": "0.5"}, {"num_splits": True}):
+        with pytest.raises((TypeError, ValueError)):
+            va.attention(q, k, v, backend="triton", **kwargs)
+    with pytest.raises(ValueError, match="finite"):
+        va.attention(q, k, v, backend="triton", scale=float("inf"))
 
 
 def test_a_reused_plan_never_reads_a_misaligned_pointer_as_aligned(monkeypatch):
     """Triton specialises pointers on 16-byte alignment: a view starting mid-row is another plan."""
     cache = PlanCache()
     monkeypatch.setattr(elsa_fwd, "PLANS", cache)
+    monkeypatch.setattr(va.api, "CALLS", PlanCache())
     base = torch.randn(1, 2, 18, 16, device=DEV)
     q_aligned, q_shifted = base[:, :, :17], base.flatten()[1:].view(-1)[: 1 * 2 * 17 * 16].view(1, 2, 17, 16)
     _, k, v = _qkv()
@@ -152,8 +162,9 @@ def test_fp32_inputs_beyond_the_fp16_range_raise_in_fp16_modes(mode):
     assert torch.isfinite(va.attention(q, k, v, mode="bf16", backend="triton")).all()
 
 
-def test_window_attention_with_only_key_requiring_grad_is_differentiable():
+def test_window_attention_with_only_key_requiring_grad_is_differentiable(monkeypatch):
     """A gradient for k alone must not be silently dropped by the forward-only kernel."""
+    monkeypatch.setattr(va.dispatch, "_warned", set())  # the fallback warns once per process
     q, k, v = _qkv(B=4, Nq=16, Nk=16)
     k = k.clone().requires_grad_(True)
     with pytest.warns(RuntimeWarning):
@@ -173,6 +184,7 @@ def test_later_calls_launch_the_compiled_kernel_directly_with_the_same_result(mo
     cache, pcache = PlanCache(), PlanCache()
     monkeypatch.setattr(elsa_fwd, "PLANS", cache)
     monkeypatch.setattr(pasa_fwd, "PLANS", pcache)
+    monkeypatch.setattr(va.api, "CALLS", PlanCache())
     for B, H, N, D in ((64, 12, 197, 64), (1, 8, 1025, 128), (2, 3, 77, 40)):
         q, k, v = (torch.randn(B, H, N, D, device="cuda") for _ in range(3))
         outs = [va.attention(q, k, v, mode=mode) for _ in range(3)]
