@@ -201,3 +201,21 @@ def test_later_calls_launch_the_compiled_kernel_directly_with_the_same_result(mo
     plans = list((pcache if mode == "pasa" else cache).plans.values())
     calls = [p.main for p in plans if hasattr(p, "main")]
     assert calls and all(c._fast is not None for c in calls)
+
+
+@pytest.mark.gpu
+def test_fullgraph_compile_of_patched_vit_and_swin_blocks():
+    """torch.compile(fullgraph=True) traces a patched timm ViT block and Swin block without graph breaks (the ops
+    are opaque custom ops), and the compiled output equals the eager patched output."""
+    timm = pytest.importorskip("timm")
+    from timm.models.swin_transformer import SwinTransformerBlock
+
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_base_patch16_224", pretrained=False).blocks[0].cuda().eval()
+    swin = SwinTransformerBlock(128, (56, 56), num_heads=4, window_size=7, shift_size=3).cuda().eval()
+    for block, x in ((vit, torch.randn(8, 197, 768, device="cuda")), (swin, torch.randn(8, 56, 56, 128, device="cuda"))):
+        va.patch_model(block, mode="fp32")
+        with torch.no_grad():
+            eager = block(x)
+            compiled = torch.compile(block, fullgraph=True)(x)
+        assert rel_l2(compiled, eager) <= 1e-5

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""What the first call costs: kernel compilation in a fresh process with an empty Triton cache.
+
+Each measurement runs in a new Python process whose ``TRITON_CACHE_DIR`` is a new empty folder, so every
+kernel a call needs is compiled inside it, as on a fresh machine:
+
+* **attention**: per mode, the first and the second call of ``visionattn.attention`` at ViT-B/16 224
+  (B=64 H=12 N=197 D=64) and at VGGT's global-attention length (B=1 H=16 N=104100 / 10 frames' 10410);
+* **vggt**: VGGT-1B (random weights, 392x518 frames) in ``--mode``: the first forward at ``--frames``, the
+  second, then a forward at ``--other-frames``, counting the kernels Triton compiled during it (files added
+  to the cache folder): zero when no kernel specialises on the sequence length.
+
+Writes ``cold_start.md`` and ``cold_start.json`` to ``--out``.
+
+    python tools/bench_cold_start.py --out out/cold_start --frames 100 --other-frames 60 --mode fp32
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import ToolParser, check_output, default_out, positive_int  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_ATTENTION_CHILD = r"""
+import json, sys, time, torch
+import visionattn as va
+mode, B, H, N, D = sys.argv[1], *map(int, sys.argv[2:6])
+dtype = va.get_mode(mode).compute_dtype
+q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+times = []
+for _ in range(2):
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    va.attention(q, k, v, mode=mode); torch.cuda.synchronize()
+    times.append(time.perf_counter() - t0)
+print(json.dumps({"first_s": times[0], "second_s": times[1]}))
+"""
+
+_VGGT_CHILD = r"""
+import json, os, sys, time, torch
+from visionattn.models import VGGT
+from visionattn.models.vggt import autocast
+mode, frames, other, H, W = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+cache = os.environ["TRITON_CACHE_DIR"]
+count = lambda: sum(len(f) for _, _, f in os.walk(cache))
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = VGGT(enable_track=False).eval()
+model.set_attn_mode(mode)
+dt = torch.bfloat16 if mode == "bf16" else None
+def forward(n):
+    images = torch.rand(n, 3, H, W, device="cuda")
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    with torch.no_grad(), autocast("cuda", dt):
+        model(images)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+first = forward(frames); files_after_first = count()
+second = forward(frames)
+before = count(); third = forward(other); added = count() - before
+print(json.dumps({"first_s": first, "second_s": second, "other_frames_s": third, "cache_files_after_first": files_after_first,
+                  "cache_files_added_by_other_frames": added}))
+"""
+
+
+def build_parser() -> ToolParser:
+    p = ToolParser(prog="bench_cold_start.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=default_out("cold_start"), help="output folder (default: %(default)s)")
+    p.add_argument("--modes", default="fp32,tf32,fp16,bf16", help="modes of the attention rows (default: %(default)s)")
+    p.add_argument("--mode", default="fp32", help="VGGT's attention mode (default: %(default)s)")
+    p.add_argument("--frames", type=positive_int, default=100, help="VGGT frames (default: %(default)s)")
+    p.add_argument("--other-frames", type=positive_int, default=60,
+                   help="the second frame count, which must compile nothing new (default: %(default)s)")
+    p.add_argument("--height", type=positive_int, default=392, help="frame height (default: %(default)s)")
+    p.add_argument("--width", type=positive_int, default=518, help="frame width (default: %(default)s)")
+    p.add_argument("--skip-vggt", action="store_true", help="only the attention rows")
+    return p
+
+
+def _child(code: str, args: list[str], timeout: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="triton-cold-") as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0:
+            return {"error": proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else "failed"}
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result["process_s"] = time.perf_counter() - t0
+        return result
+
+
+def main(args) -> dict:
+    import torch
+
+    from visionattn.modes import mode_names
+    from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic
+
+    parser = build_parser()
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes + [args.mode]:
+        if m not in mode_names():
+            parser.error(f"unknown mode {m!r}; expected one of {mode_names()}")
+    check_output(parser, args.out, folder=True)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (H100/H200); none is visible here")
+    rows = []
+    for mode in modes:
+        for shape in ((64, 12, 197, 64), (1, 16, 10410, 64)):
+            r = _child(_ATTENTION_CHILD, [mode, *map(str, shape)], 600)
+            rows.append({"what": f"attention {mode} B,H,N,D={shape}", **r})
+            print(json.dumps(rows[-1]), flush=True)
+    if not args.skip_vggt:
+        r = _child(_VGGT_CHILD, [args.mode, str(args.frames), str(args.other_frames), str(args.height),
+                                 str(args.width)], 900)
+        rows.append({"what": f"VGGT-1B {args.mode} {args.frames} frames, then {args.other_frames}", **r})
+        print(json.dumps(rows[-1]), flush=True)
+    result = {"environment": environment(), "rows": rows}
+    env = result["environment"]
+    lines = [f"# First-call cost (empty Triton cache): {env['device']}", "", f"* command: `{env['command']}`",
+             f"* torch {env['torch']}, triton {env['triton']}; every row in a new process with a new empty "
+             "TRITON_CACHE_DIR; first - second = compilation and first-use cost", ""]
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([r["what"], "-", "-", "-", "-", r["error"]])
+            continue
+        table.append([r["what"], f"{r['first_s']:.2f}", f"{r['second_s']:.3f}", f"{r['first_s'] - r['second_s']:.2f}",
+                      f"{r.get('other_frames_s', float('nan')):.2f}", r.get("cache_files_added_by_other_frames", "-")])
+    lines.append(markdown_table(table, ["call", "first s", "second s", "first - second s", "other length s",
+                                        "cache files added by the other length"]))
+    os.makedirs(args.out, exist_ok=True)
+    write_text_atomic(os.path.join(args.out, "cold_start.md"), "\n".join(lines) + "\n")
+    write_json_atomic(os.path.join(args.out, "cold_start.json"), result)
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main(build_parser().parse_args())

@@ -1,0 +1,141 @@
+"""Compile the kernels a model family uses into Triton's on-disk cache before the first real call.
+
+    python -m visionattn.warmup                                  # fp32, tf32, fp16, bf16 at head dims 64, 128
+    python -m visionattn.warmup --modes fp32,bf16 --head-dims 64 --lengths 197,1041 --training
+
+Kernels are specialised on what changes their code (mode, head dim, bias / mask / causal, tile config, the
+split-KV and log-sum-exp variants, and for the Hopper fp16 / bf16 kernel the cut of a last key tile up to 2048
+keys), never on sequence lengths: a few calls per mode and head dim at short (<= 512 keys) and long lengths,
+with and without a bias, build every variant a model of that family meets, and a later process finds them in
+Triton's cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``). ``--lengths`` adds the lengths of your
+model below 2048 keys (ViT-B/16 at 224 px: 197). ``--training`` also builds the backward kernels.
+
+Exit codes: 0 done; 2 bad arguments or no CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+__all__ = ["warm_up", "main"]
+
+DEFAULT_MODES = ("fp32", "tf32", "fp16", "bf16")
+DEFAULT_HEAD_DIMS = (64, 128)
+# a short (<= 512 keys) length and long ones: each tile-config bucket, the Gluon cut / uncut tails, split-KV
+DEFAULT_LENGTHS = (197, 1041, 4096)
+
+
+def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LENGTHS, *, training: bool = False,
+            window: bool = True, device: str = "cuda", progress=print) -> dict:
+    """Run one small call of every kernel variant the given modes, head dims and lengths use.
+
+    Args:
+        modes: :data:`visionattn.modes.MODES` names.
+        head_dims: head dims D (= Dv).
+        lengths: sequence lengths (queries = keys); lengths up to 2048 each build their own last-key-tile cut of
+            the Hopper fp16 / bf16 kernel, longer ones share one build.
+        training: also run a forward + backward per variant (the backward kernels and the LSE-writing forward).
+        window: also Swin (49-token windows, D = 32) and Swin-v2 (64 / 256-token windows) window kernels.
+        device: a CUDA device.
+
+    Returns:
+        ``{"calls": n, "seconds": s}``.
+
+    Raises:
+        ValueError: an unknown mode; a non-positive head dim or length.
+        RuntimeError: ``device`` is not a CUDA device.
+    """
+    import visionattn as va
+
+    for m in modes:
+        va.get_mode(m)
+    if any(int(d) < 1 for d in head_dims) or any(int(n) < 1 for n in lengths):
+        raise ValueError(f"head dims {list(head_dims)} and lengths {list(lengths)} must be positive")
+    if torch.device(device).type != "cuda":
+        raise RuntimeError(f"device={device!r}: warming up needs a CUDA GPU (the kernels compile for it)")
+    t0, calls = time.perf_counter(), 0
+    for mode in modes:
+        dtype = va.get_mode(mode).compute_dtype
+        for d in head_dims:
+            for n in lengths:
+                # B * H large enough for a single pass, and B = H = 1 for the split-KV path of long sequences
+                grad = training and mode in _backward_modes()
+                for b, h in ((8, 16), (1, 1)):
+                    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=grad)
+                               for _ in range(3))
+                    for bias in (None, torch.randn(h, n, n, device=device, dtype=dtype) if n <= 4096 else None):
+                        out = va.attention(q, k, v, bias=bias, mode=mode)
+                        if grad:
+                            out.sum().backward()
+                        calls += 1
+            progress(f"warm-up: {mode} D={d} done ({time.perf_counter() - t0:.0f} s)")
+        if window:
+            for n, d, cosine in ((49, 32, False), (64, 32, True), (256, 32, True)):
+                q = torch.randn(16, 4, n, d, device=device, dtype=dtype)
+                kw = dict(logit_scale=torch.zeros(4, 1, 1, device=device)) if cosine else {}
+                mask = torch.zeros(4, n, n, device=device)
+                for shift in (None, mask):
+                    va.window_attention(q, q, q, relative_position_bias=torch.randn(4, n, n, device=device),
+                                        shift_mask=shift, num_windows=4, cosine=cosine, mode=mode, **kw)
+                    calls += 1
+    torch.cuda.synchronize()
+    return {"calls": calls, "seconds": time.perf_counter() - t0}
+
+
+def _backward_modes():
+    from . import ops
+
+    return ops.BACKWARD_MODES
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{name} must be positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m visionattn.warmup", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help="comma-separated precision modes (default: %(default)s)")
+    p.add_argument("--head-dims", type=lambda t: _ints(t, "--head-dims"), default=DEFAULT_HEAD_DIMS,
+                   help="comma-separated head dims (default: 64,128)")
+    p.add_argument("--lengths", type=lambda t: _ints(t, "--lengths"), default=DEFAULT_LENGTHS,
+                   help="comma-separated sequence lengths (default: 197,1041,4096)")
+    p.add_argument("--training", action="store_true", help="also build the backward kernels")
+    p.add_argument("--no-window", action="store_true", help="skip the Swin / Swin-v2 window kernels")
+    p.add_argument("--device", default="cuda", help="CUDA device (default: %(default)s)")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from .modes import mode_names
+
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in mode_names()]
+    if unknown or not modes:
+        parser.error(f"--modes {args.modes!r}: unknown {unknown}; expected some of {mode_names()}")
+    if not torch.cuda.is_available() or torch.device(args.device).type != "cuda":
+        print("visionattn.warmup: needs a CUDA GPU (the kernels compile for it); none is visible", file=sys.stderr)
+        return 2
+    cache = os.environ.get("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+    print(f"visionattn.warmup: building kernels into the Triton cache at {cache}")
+    result = warm_up(modes, args.head_dims, args.lengths, training=args.training, window=not args.no_window,
+                     device=args.device)
+    print(f"visionattn.warmup: {result['calls']} calls in {result['seconds']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
