@@ -52,7 +52,7 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
 * ``fp32``: ``input_precision="tf32x3"`` (3xTF32: FP32-accurate products on tensor cores); the tile products
   of the accumulating dots are summed apart and then added, so long loops do not lose their low bits.
 * ``fp32-ieee``: ``"ieee"`` (FP32 FMA), same accumulation.
-* ``tf32``: ``"tf32"``.
+* ``tf32``: ``"tf32x3"`` as ``fp32`` (plain TF32 products err over twice PyTorch's own TF32 backward).
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
   FlashAttention-2 does), FP32 accumulation.
 
@@ -74,6 +74,7 @@ import triton.language as tl
 
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from .elsa_fwd import load_kv_tile
+from .modes import MODES
 
 __all__ = ["elsa_backward", "launch_backward", "bias_grad_shape", "reduce_bias_grad", "get_config", "BwdConfig",
            "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES"]
@@ -81,14 +82,10 @@ __all__ = ["elsa_backward", "launch_backward", "bias_grad_shape", "reduce_bias_g
 MAX_HEAD_DIM = 256
 BIAS_WORKSPACE_BYTES = 256 << 20  # dBias partials beyond the first stay under this
 
-# mode -> (compute dtype of q / k / v, tl.dot input_precision of the FP32 operands)
+# mode -> (compute dtype of q / k / v, tl.dot input_precision of the FP32 operands), from the one mode table;
+# half operands take their native products (the precision argument does not apply to them)
 BWD_MODES: dict[str, tuple[torch.dtype, str]] = {
-    "fp32": (torch.float32, "tf32x3"),
-    "fp32-ieee": (torch.float32, "ieee"),
-    "tf32": (torch.float32, "tf32"),
-    "fp16": (torch.float16, "tf32"),
-    "bf16": (torch.bfloat16, "tf32"),
-}
+    name: (m.compute_dtype, m.backward_precision or "tf32") for name, m in MODES.items() if "dense" in m.kernels}
 
 
 # --------------------------------------------------------------------------- jit helpers

@@ -41,6 +41,9 @@ class Mode:
             (:mod:`.elsa_fwd`), ``"pasa"`` (:mod:`.pasa_fwd`), ``"window"`` (:mod:`.window_fwd`).
         state_dtype: dtype of the (m, S, W) state and of the score accumulation after the
             products (FP32 in every mode).
+        backward_precision: ``tl.dot`` input precision of the backward kernels' FP32 products
+            (``"tf32x3"``, ``"ieee"``); ``None`` for half inputs (native tensor-core products) and for
+            modes without a backward kernel.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Mode:
     pasa_shift: bool = False
     kernels: frozenset = frozenset({"dense", "window"})
     state_dtype: torch.dtype = torch.float32
+    backward_precision: str | None = None
 
 
 MODES: dict[str, Mode] = {
@@ -59,11 +63,14 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("fp32", torch.float32, "f16x3", 2e-6, False,
              "FP32 inputs, FP32-accurate products (split-FP16 hi/lo, 22 significant bits like 3xTF32), "
-             "FP32 state"),
+             "FP32 state", backward_precision="tf32x3"),
         Mode("fp32-ieee", torch.float32, "ieee", 2e-6, False,
-             "strict IEEE FP32 FMA products, no tensor cores, FP32 state"),
+             "strict IEEE FP32 FMA products, no tensor cores, FP32 state", backward_precision="ieee"),
         Mode("tf32", torch.float32, "f16x1", 3e-3, False,
-             "TF32-class products (operands rounded to TF32's 11 significant bits), FP32 state"),
+             "TF32-class products (operands rounded to TF32's 11 significant bits), FP32 state",
+             # plain TF32 products in the backward err 2.8e-3 on dQ at ViT-B/16 224, over twice PyTorch's own
+             # TF32 backward (1.0e-3 bound): the backward multiplies in 3xTF32
+             backward_precision="tf32x3"),
         Mode("fp16", torch.float16, None, 2e-3, False,
              "FP16 inputs, FP32 score accumulation and state"),
         Mode("bf16", torch.bfloat16, None, 1e-2, False,

@@ -55,6 +55,7 @@ import triton.language as tl
 
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache
+from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
 __all__ = ["window_attention_fwd", "window_forward", "plan_for", "get_config", "SMALL_MAX_N", "PRECISIONS", "PLANS"]
@@ -62,16 +63,9 @@ __all__ = ["window_attention_fwd", "window_forward", "plan_for", "get_config", "
 LOG2E = 1.4426950408889634
 SMALL_MAX_N = 128  # windows up to this many tokens run fully in registers
 _COMPUTE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_MODE_TABLE = {
-    # name: (compute dtype, input_precision for fp32 dots, half_scores, pasa_shift)
-    "fp32": (torch.float32, "f16x3", False, False),
-    "fp32-ieee": (torch.float32, "ieee", False, False),
-    "tf32": (torch.float32, "f16x1", False, False),
-    "fp16": (torch.float16, None, False, False),
-    "bf16": (torch.bfloat16, None, False, False),
-    "pasa": (torch.float16, None, True, True),
-    "fp16-acc16": (torch.float16, None, True, False),
-}
+# name -> (compute dtype, input_precision for fp32 dots, half_scores, pasa_shift), from the one mode table
+_MODE_TABLE = {name: (m.compute_dtype, m.input_precision, m.half_scores, m.pasa_shift)
+               for name, m in MODES.items() if "window" in m.kernels}
 # product precisions the FP32 modes accept through ``precision=`` (tools compare them)
 PRECISIONS = ("f16x3", "f16x1", "tf32x3", "tf32", "ieee")
 
