@@ -92,7 +92,7 @@ class CameraHead(nn.Module):
             x = gate * (self.adaln_norm(tokens) * (1 + scale) + shift) + tokens
             for blk in self.trunk:
                 x = blk(x)
-            delta = self.pose_branch(self.trunk_norm(x)).float()  # the running pose stays FP32 (half heads)
+            delta = _fp32(self.pose_branch(self.trunk_norm(x)))  # the running pose stays FP32 (half heads)
             pred = delta if pred is None else pred + delta
             preds.append(activate_pose(pred))
         return preds
@@ -265,7 +265,7 @@ class DPTHead(nn.Module):
             out = _uv_embed(out, W, H)
         if self.feature_only:
             return out.reshape(B, S, *out.shape[1:])
-        val, conf = activate_head(self.scratch.output_conv2(out).float(), self.activation)  # FP32 activations
+        val, conf = activate_head(_fp32(self.scratch.output_conv2(out)), self.activation)  # FP32 activations
         return val.reshape(B, S, *val.shape[1:]), conf.reshape(B, S, *conf.shape[1:])
 
 

@@ -281,7 +281,7 @@ def test_gpu_long_causal_mask(mode):
 @pytest.mark.gpu
 def test_gpu_deterministic_bias_grad():
     """Bit-identical gradients over repeated runs with the batch-chunked dBias reduction (ViT-sized)."""
-    q, k, v, do = _inputs(64, 12, 197, 64, seed=3, device="cuda")
+    q, k, v, do = _inputs(64, 12, 197, 197, 64, seed=3, device="cuda")
     bias = torch.randn(12, 197, 197, device="cuda")
     out = torch.randn(64, 12, 197, 64, device="cuda")
     lse = torch.logsumexp((q @ k.transpose(-1, -2)) * 0.125 + bias, -1)
