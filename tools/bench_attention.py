@@ -21,7 +21,15 @@ FlexAttention FP32 are true FP32; it is switched ON only around the "flex-tf32" 
 ``--tune`` instead times a few tile configurations per (mode, head dim) and prints the
 fastest, to fill ``visionattn.kernels.elsa_fwd._CONFIGS``.
 
-Usage: python tools/bench_attention.py --out out/bench_attention [--quick] [--config configs/bench_attention.yaml]
+``--backward`` times forward + backward instead (``torch.autograd.grad`` of the output against a random
+dO, every mode through the public function and its backward kernels) against SDPA efficient / flash /
+cuDNN and FlexAttention in the same run, eager timing only; TFLOP/s count 3.5 x 4*B*H*N*N*D; peak extra
+memory of forward + backward; gradient error = relative L2 of dQ, dK, dV vs a float64 autograd oracle
+(run over query-row chunks; beyond B*H*N*N = 2^33 only dQ, on the subsample of query rows); the
+issue's training targets. Writes ``fwd_bwd.md``, ``fwd_bwd.json`` and ``fwd_bwd.png`` to ``--out``.
+
+Usage: python tools/bench_attention.py --out out/bench_attention [--quick] [--backward]
+       [--config configs/bench_attention.yaml]
 """
 from __future__ import annotations
 
@@ -67,6 +75,9 @@ def build_parser() -> ToolParser:
     p.add_argument("--no-host", action="store_true", help="skip the host-overhead table (tiny calls)")
     p.add_argument("--modes", default=None, help="comma-separated visionattn modes (default: the config's)")
     p.add_argument("--shapes", default=None, help="comma-separated shape names from the config (default: all)")
+    p.add_argument("--backward", action="store_true",
+                   help="time forward + backward (eager) vs SDPA efficient / flash / cuDNN and FlexAttention, with "
+                        "gradient errors vs a float64 oracle; writes fwd_bwd.*")
     p.add_argument("--tune", action="store_true", help="time candidate tile configs instead of the sweep")
     p.add_argument("--tune-kinds", default=None,
                    help=f"comma-separated kinds for --tune (default all: {','.join(TUNE_CANDIDATES)})")
@@ -136,9 +147,20 @@ def _runner(name):
     return _ours(name)
 
 
-def _measure(fn, q, k, v, rep, graph_only=False):
+def _fwd_bwd_runner(name, do):
+    """``fn(q, k, v) -> (dq, dk, dv)``: backend ``name``'s forward and its backward against ``do``."""
+    run = _runner(name)
+
+    def step(q, k, v):
+        with _tf32(True) if name == "flex-tf32" else contextlib.nullcontext():  # its compiled backward too
+            return torch.autograd.grad(run(q, k, v), (q, k, v), do)
+
+    return step
+
+
+def _measure(fn, q, k, v, rep, graph_only=False, eager_only=False):
     """(timings, peak extra MiB, output) of ``fn(q, k, v)``: ``{"eager": ms, "graph": ms}`` (eager left out with
-    ``graph_only``); raises if the backend refuses."""
+    ``graph_only``, graph with ``eager_only``); raises if the backend refuses."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -150,9 +172,9 @@ def _measure(fn, q, k, v, rep, graph_only=False):
     out = fn(q, k, v)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    timings = {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}
+    timings = {} if eager_only else {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}
     if not graph_only:
-        one = max(timings["graph"], 0.005)
+        one = max(timings.get("graph") or eager_ms(lambda: fn(q, k, v), calls=3, warmup=1, repeats=1), 0.005)
         timings["eager"] = eager_ms(lambda: fn(q, k, v), calls=int(min(200, max(10, rep / one))))
     return timings, peak, out
 
@@ -189,6 +211,47 @@ def _fits_math(B, H, N, dtype):
     return 3 * B * H * N * N * max(4, torch.finfo(dtype).bits // 8) < 0.5 * free
 
 
+FULL_GRAD_ORACLE_MAX = 2 ** 33  # B*H*N*N up to which the gradient oracle covers every query row (dK, dV too)
+
+
+def oracle_grads(q, k, v, do, rows, chunk_elems: int = 2 ** 25) -> dict:
+    """Float64 autograd oracle of attention's gradients against ``do`` (all [B, H, N, D]).
+
+    Every query row, in chunks of rows (each chunk's float64 [B, H, rows, N] scores ``chunk_elems`` values; rows
+    are independent, so dK and dV are sums over chunks): ``{"dq", "dk", "dv"}``. Beyond
+    B*H*N*N = :data:`FULL_GRAD_ORACLE_MAX`: ``{"dq_rows"}``, dQ of the query rows ``rows`` only.
+    """
+    B, H, N, D = q.shape
+    scale = D ** -0.5
+    if B * H * N * k.shape[2] > FULL_GRAD_ORACLE_MAX:
+        qr = q[:, :, rows].double().requires_grad_()
+        (dq,) = torch.autograd.grad(oracle_attention(qr, k, v, scale=scale), qr, do[:, :, rows].double())
+        return {"dq_rows": dq}
+    kd, vd = (t.double().requires_grad_() for t in (k, v))
+    dq = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    dk, dv = torch.zeros_like(kd), torch.zeros_like(vd)
+    chunk = max(1, chunk_elems // (B * H * k.shape[2]))
+    for i in range(0, N, chunk):
+        qc = q[:, :, i:i + chunk].double().requires_grad_()
+        y = oracle_attention(qc, kd, vd, scale=scale)
+        gq, gk, gv = torch.autograd.grad(y, (qc, kd, vd), do[:, :, i:i + chunk].double())
+        dq[:, :, i:i + chunk] = gq
+        dk += gk
+        dv += gv
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+def grad_errors(grads, ref: dict, rows) -> dict:
+    """Relative L2 errors of ``grads`` = (dq, dk, dv) vs :func:`oracle_grads`'s ``ref``; ``rel_err`` is the largest."""
+    dq, dk, dv = grads
+    if "dq_rows" in ref:
+        err = {"rel_err_dq": rel_l2(dq[:, :, rows], ref["dq_rows"])}
+    else:
+        err = {"rel_err_dq": rel_l2(dq, ref["dq"]), "rel_err_dk": rel_l2(dk, ref["dk"]),
+               "rel_err_dv": rel_l2(dv, ref["dv"])}
+    return {**err, "rel_err": max(err.values())}
+
+
 # --------------------------------------------------------------------------- sweep
 
 def run_sweep(args, cfg) -> dict:
@@ -207,15 +270,21 @@ def run_sweep(args, cfg) -> dict:
             ours = [m for m in group_modes if m in modes]
             if not ours:
                 continue
-            base = [b for b in baselines if not (b.startswith("flex") and (args.no_flex or not shape.get("flex")))]
+            base = [b for b in baselines if not (b.startswith("flex") and (args.no_flex or not shape.get("flex")))
+                    and not (args.backward and b == "sdpa-math")]  # training baselines: efficient, flash, cuDNN, flex
             jobs.append((shape, group, dtype, ours + base))
     for shape, group, dtype, backends in tqdm(jobs, desc="shapes x dtypes"):
         B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]
         g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{shape['name']}/{group}".encode()))
         q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype) for _ in range(3))
         rows = torch.randperm(N, device="cuda", generator=g)[: min(N, cfg.get("oracle_rows", 256))]
-        ref = oracle_attention(q[:, :, rows], k, v, scale=D ** -0.5)
-        flops = 4 * B * H * N * N * D
+        if args.backward:
+            do = torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype)
+            ref = oracle_grads(q, k, v, do, rows)
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+        else:
+            do, ref = None, oracle_attention(q[:, :, rows], k, v, scale=D ** -0.5)
+        flops = (3.5 if args.backward else 1) * 4 * B * H * N * N * D
         for name in backends:
             rec = {"shape": shape["name"], "B": B, "H": H, "N": N, "D": D, "dtype": group, "backend": name,
                    "ours": name in MODES}
@@ -224,21 +293,34 @@ def run_sweep(args, cfg) -> dict:
                 records.append(rec)
                 continue
             try:
-                timings, peak, out = _measure(_runner(name), q, k, v, rep, args.cuda_graph)
+                fn = _fwd_bwd_runner(name, do) if args.backward else _runner(name)
+                timings, peak, out = _measure(fn, q, k, v, rep, args.cuda_graph, eager_only=args.backward)
             except (RuntimeError, torch.OutOfMemoryError, Exception) as exc:  # backend refuses this case
                 rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 records.append(rec)
                 torch.cuda.empty_cache()
                 continue
-            ms = timings.get("eager", timings["graph"])  # what an eager model sees, unless graph-only
-            rec.update(ms=ms, tflops=flops / ms / 1e9, peak_mib=peak, rel_err=rel_l2(out[:, :, rows], ref),
-                       ms_graph=timings["graph"], tflops_graph=flops / timings["graph"] / 1e9)
-            if "eager" in timings:
+            ms = timings.get("eager", timings.get("graph"))  # what an eager model sees, unless graph-only
+            rec.update(ms=ms, tflops=flops / ms / 1e9, peak_mib=peak)
+            if args.backward:
+                rec.update(grad_errors(out, ref, rows))
+            else:
+                rec.update(rel_err=rel_l2(out[:, :, rows], ref), ms_graph=timings["graph"],
+                           tflops_graph=flops / timings["graph"] / 1e9)
+            if "eager" in timings and "graph" in timings:
                 rec.update(ms_eager=timings["eager"], eager_over_graph=timings["eager"] / timings["graph"])
             del out
             records.append(rec)
-        del q, k, v, ref
+        del q, k, v, do, ref
         torch.cuda.empty_cache()
+    if args.backward:
+        return {"environment": environment(), "tf32_matmul": "off (on only inside flex-tf32, forward and backward)",
+                "title": "Attention forward + backward", "flops": "3.5 x 4*B*H*N*N*D", "files": "fwd_bwd",
+                "timing": "eager: CUDA events around back-to-back forward + backward calls (torch.autograd.grad "
+                          "against a random dO; median of 5 windows; the Python launch path counts)",
+                "rel_err": "relative L2 of dQ / dK / dV vs a float64 autograd oracle on the same inputs and dO "
+                           "(dQ on a random subsample of query rows only where B*H*N*N > 2^33)",
+                "records": records, "targets": _targets_backward(records)}
     timing = ("CUDA-graph replays only (`triton.testing.do_bench_cudagraph`, median; L2 not flushed)"
               if args.cuda_graph else
               "eager: CUDA events around back-to-back calls of the public function (median of 5 windows; the "
@@ -299,16 +381,52 @@ def _targets(records) -> list[dict]:
     return out
 
 
+def _targets_backward(records) -> list[dict]:
+    """Forward + backward targets: ratios to a baseline at N >= 4096 and at ViT-B/16 224 (B=64, H=12, N=197, D=64),
+    absolute TFLOP/s, and peak extra memory <= SDPA-efficient's at every shape."""
+    rules = [  # (mode, input dtype, baseline, need at N >= 4096, need at ViT-B/16 224, absolute TFLOP/s at N >= 4096)
+        ("fp32", "fp32", "sdpa-efficient", 2.5, 2.0, None), ("fp32-ieee", "fp32", None, None, None, 20.0),
+        ("tf32", "fp32", "sdpa-efficient", 4.0, 4.0, None),
+        ("fp16", "fp16", "sdpa-flash", 1.3, None, None), ("fp16", "fp16", "sdpa-cudnn", 0.9, 1.0, None),
+        ("bf16", "bf16", "sdpa-flash", 1.3, None, None), ("bf16", "bf16", "sdpa-cudnn", 0.9, 1.0, None),
+    ]
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in records):
+        for mode, dtype, base, need_long, need_vit, absolute in rules:
+            ours = _get(records, shape, dtype, mode)
+            if ours is None:
+                continue
+            long, vit = ours["N"] >= 4096, (ours["B"], ours["H"], ours["N"], ours["D"]) == (64, 12, 197, 64)
+            need = need_long if long else need_vit if vit else None
+            other = _get(records, shape, dtype, base) if base else None
+            if need is not None and other is not None:
+                ratio = ours["tflops"] / other["tflops"]
+                out.append({"shape": shape, "mode": mode, "vs": base, "ours_tflops": ours["tflops"],
+                            "base_tflops": other["tflops"], "ratio": ratio, "need_ratio": need, "met": ratio >= need})
+            elif absolute is not None and long:
+                out.append({"shape": shape, "mode": mode, "vs": "absolute", "ours_tflops": ours["tflops"],
+                            "need_tflops": absolute, "met": ours["tflops"] >= absolute})
+        for mode, dtype in (("fp32", "fp32"), ("fp32-ieee", "fp32"), ("tf32", "fp32"), ("fp16", "fp16"),
+                            ("bf16", "bf16")):
+            ours, eff = _get(records, shape, dtype, mode), _get(records, shape, dtype, "sdpa-efficient")
+            if ours and eff:
+                out.append({"shape": shape, "mode": mode, "vs": "sdpa-efficient memory", "ours_mib": ours["peak_mib"],
+                            "base_mib": eff["peak_mib"], "need_mem_ratio": 1.0,
+                            "met": ours["peak_mib"] <= eff["peak_mib"] + 1e-6})
+    return out
+
+
 def write_report(result: dict, out_dir: str) -> dict:
     env = result["environment"]
-    lines = [f"# Attention benchmark: {env['device']}", "",
+    lines = [f"# {result.get('title', 'Attention benchmark')}: {env['device']}", "",
              f"* command: `{env['command']}`",
              f"* torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, timm {env['timm']}, "
              f"python {env['python']}",
              f"* {result.get('timing', 'median of `triton.testing.do_bench` (L2 flushed between runs)')}; "
-             "TFLOP/s = 4*B*H*N*N*D / t; "
-             "peak extra memory = max_memory_allocated above the inputs; rel err = relative L2 vs the float64 "
-             "oracle on a random subsample of query rows, same inputs for every backend",
+             f"TFLOP/s = {result.get('flops', '4*B*H*N*N*D')} / t; "
+             "peak extra memory = max_memory_allocated above the inputs; rel err = "
+             + result.get("rel_err", "relative L2 vs the float64 oracle on a random subsample of query rows")
+             + ", same inputs for every backend",
              f"* TF32 matmul: {result['tf32_matmul']}", ""]
     if result.get("host_overhead"):
         lines += ["## Host time per call (B=1 H=1 N=64 D=64; window: 4 windows x 49 tokens, D=32)", "",
@@ -319,6 +437,15 @@ def write_report(result: dict, out_dir: str) -> dict:
         r0 = rs[0]
         lines += [f"## {shape} (B={r0['B']}, H={r0['H']}, N={r0['N']}, D={r0['D']})", ""]
         rows = []
+        if "flops" in result:  # forward + backward: eager time and gradient errors
+            for r in rs:
+                name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
+                errs = [f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in ("dq", "dk", "dv")]
+                rows.append([r["dtype"], name, r["ms"], r["tflops"], r["peak_mib"], *errs] if "ms" in r else
+                            [r["dtype"], name, "-", "-", "-", "-", "-", r["skipped"]])
+            lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "peak extra MiB",
+                                               "dQ rel err", "dK rel err", "dV rel err"]))
+            continue
         for r in rs:
             name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
             if "ms" in r:
@@ -337,7 +464,7 @@ def write_report(result: dict, out_dir: str) -> dict:
                           "(need <= 1.1x)", "met" if t["met"] else "NOT met"])
         elif "ours_mib" in t:
             trows.append([t["shape"], t["mode"], t["vs"], f"{t['ours_mib']:.1f} vs {t['base_mib']:.1f} MiB",
-                          "<= 1.1x", "met" if t["met"] else "NOT met"])
+                          f"<= {t.get('need_mem_ratio', 1.1)}x", "met" if t["met"] else "NOT met"])
         elif "base_tflops" in t:
             trows.append([t["shape"], t["mode"], t["vs"], f"{t['ours_tflops']:.1f} vs {t['base_tflops']:.1f}",
                           f"{t['ratio']:.2f}x (need {t['need_ratio']}x)", "met" if t["met"] else "NOT met"])
@@ -346,8 +473,8 @@ def write_report(result: dict, out_dir: str) -> dict:
                           f"need {t['need_tflops']}", "met" if t["met"] else "NOT met"])
     lines.append(markdown_table(trows, ["shape", "mode", "vs", "TFLOP/s or memory", "ratio", "status"]))
     os.makedirs(out_dir, exist_ok=True)
-    paths = {"md": os.path.join(out_dir, "bench.md"), "json": os.path.join(out_dir, "bench.json"),
-             "png": os.path.join(out_dir, "bench.png")}
+    stem = os.path.join(out_dir, result.get("files", "bench"))
+    paths = {"md": stem + ".md", "json": stem + ".json", "png": stem + ".png"}
     write_text_atomic(paths["md"], "\n".join(lines))
     write_json_atomic(paths["json"], result)
     _plot(result, paths["png"])
@@ -378,7 +505,7 @@ def _plot(result, path):
         ax.set_title(f"{group} inputs")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(result["environment"]["device"])
+    fig.suptitle(result["environment"]["device"] + (", forward + backward" if "flops" in result else ""))
     fig.tight_layout()
     save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
@@ -441,6 +568,8 @@ def main(args) -> dict:
     parser = build_parser()
     if not args.tune and not os.path.isfile(args.config):
         parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_attention.yaml")
+    if args.backward and (args.tune or args.cuda_graph):
+        parser.error(f"--backward times eager forward + backward; drop {'--tune' if args.tune else '--cuda-graph'}")
     check_output(parser, args.out, folder=True)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (H100/H200); none is visible here")

@@ -29,11 +29,13 @@ def _run(mod, argv):
 
 
 TOOLS = ["drift_table", "eval_pasa", "check_kernels_offline", "bench_attention", "bench_window", "bench_models",
-         "eval_imagenet", "eval_svd"]
+         "eval_imagenet", "eval_svd", "bench_train", "finetune"]
 REQUIRED = {"eval_imagenet": ["--model", "vit_tiny_patch16_224", "--random-weights", "--synthetic-from",
                               os.path.join(REPO, "tests", "data", "photos"), "--device", "cpu"],
             "eval_svd": ["--attention-bench", "--device", "cpu"], "eval_pasa": ["--cpu"],
-            "bench_models": ["--device", "cpu"]}
+            "bench_models": ["--device", "cpu"],
+            "bench_train": ["--device", "cpu", "--cases", "vit_tiny_patch16_224:32:2"],
+            "finetune": ["--data", os.path.join(REPO, "tests", "data", "photos"), "--device", "cpu"]}
 
 
 @pytest.mark.parametrize("name", TOOLS)

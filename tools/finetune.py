@@ -1,0 +1,480 @@
+#!/usr/bin/env python
+"""Fine-tune a timm model on an image folder with visionattn attention, in one precision mode.
+
+Data (--data DIR): torchvision ImageFolder layout, one sub-folder of images per class. When DIR holds
+``train/`` and ``val/`` (both ImageFolders with the same classes) they are the training and held-out
+splits; otherwise a seeded per-class share of DIR (--val-fraction, at least one image of every class
+with two or more) is held out. Transforms are timm's for the model (random resized crop + flip for
+training, resize + center crop for evaluation) at --img-size.
+
+Model: ``timm.create_model(--model)`` with random weights (default) or --pretrained (timm's weights
+from the hub cache or the network; without either the tool stops at once naming the fixes, before
+any work), the head sized to the folder's classes, patched with ``visionattn.patch_model(model,
+--mode)`` unless --unpatched (timm's own attention in the same precision, for comparison).
+
+Precision of the whole model per mode: fp32 / fp32-ieee train in FP32 with TF32 off; tf32 in FP32
+with TF32 matmuls and convolutions; bf16 under ``torch.autocast`` bf16; fp16 under autocast fp16
+with a ``GradScaler``. ``pasa`` is forward-only and no training mode. These TF32 flags are
+process-wide settings made by this tool (restored on return) and written to its output.
+
+Optimiser: AdamW (--lr, --weight-decay), constant learning rate. Every --eval-every epochs and
+after the last: loss and top-1 on the held-out split, then ``<out>/last.safetensors`` and, when
+top-1 improved, ``<out>/best.safetensors`` (``safetensors.torch.save_file`` of the state dict into a
+temp file renamed into place; metadata: model, classes, image size, mode, epoch). Writes
+``<out>/metrics.json`` (environment, command, every evaluation, every step's loss), ``metrics.md``
+and ``curves.png``.
+
+    python tools/finetune.py --data DIR --model vit_base_patch16_224 --mode bf16 --epochs 10 --out out/ft
+    python tools/finetune.py --data DIR --model swinv2_tiny_window8_256 --pretrained --mode fp32 --lr 5e-5
+    python tools/finetune.py --data tests/data/photos_2cls --model vit_tiny_patch16_224 --img-size 32 \\
+        --model-kwargs '{"depth": 2}' --device cpu --epochs 2
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_float,  # noqa: E402
+                  nonnegative_int, positive_float, positive_int)
+from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
+
+from visionattn.reporting import (atomic_path, environment, markdown_table, save_figure_atomic,  # noqa: E402
+                                  write_json_atomic, write_text_atomic)
+
+# ----------------------------------------------------------------------------- precision and one step
+# The visionattn modes with backward kernels: the modes a model can train in.
+TRAIN_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+
+
+class Precision(NamedTuple):
+    """How the whole model trains beside its attention mode.
+
+    Attributes:
+        mode: the visionattn mode of the attention.
+        autocast: ``torch.autocast`` dtype (float16 / bfloat16), None for FP32 training.
+        tf32: TF32 for PyTorch matmuls and cuDNN convolutions (process-wide flags).
+        scaler: a ``GradScaler`` scales the loss (fp16).
+    """
+    mode: str
+    autocast: torch.dtype | None
+    tf32: bool
+    scaler: bool
+
+
+def precision(mode: str) -> Precision:
+    """The training precision that goes with visionattn ``mode`` (one of :data:`TRAIN_MODES`).
+
+    Raises:
+        ValueError: ``mode`` has no backward (``pasa``) or is unknown.
+    """
+    if mode not in TRAIN_MODES:
+        raise ValueError(f"mode {mode!r} cannot train: expected one of {', '.join(TRAIN_MODES)}"
+                         + (" (pasa is forward-only; train in fp16)" if mode == "pasa" else ""))
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
+    return Precision(mode=mode, autocast=half, tf32=mode == "tf32", scaler=mode == "fp16")
+
+
+@contextlib.contextmanager
+def precision_flags(prec: Precision) -> Iterator[dict[str, bool]]:
+    """Set the process-wide TF32 flags ``prec`` asks for (on for tf32, off otherwise), restoring them after.
+
+    Yields:
+        The settings in force, for the tool's record.
+    """
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = prec.tf32
+    try:
+        yield {"torch.backends.cuda.matmul.allow_tf32": prec.tf32, "torch.backends.cudnn.allow_tf32": prec.tf32}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+class TrainStep:
+    """One optimisation step of a classifier: forward under the precision's autocast, cross-entropy,
+    backward (loss scaled by a ``GradScaler`` for fp16), AdamW step.
+
+    ``step(x [B, 3, H, W], y [B] int64) -> loss`` (a detached scalar tensor on the model's device; reading
+    it synchronises, so loops collect losses as tensors).
+
+    Attributes:
+        model: the model, in train mode.
+        optimizer: ``torch.optim.AdamW`` over all parameters.
+        scaler: ``torch.amp.GradScaler`` for fp16, else None.
+    """
+
+    def __init__(self, model: torch.nn.Module, prec: Precision, *, lr: float, weight_decay: float = 0.05):
+        self.model = model.train()
+        self.prec = prec
+        self.device_type = next(model.parameters()).device.type
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.scaler = torch.amp.GradScaler(self.device_type) if prec.scaler else None
+
+    def autocast(self):
+        """The forward's autocast context (a null context for FP32 training)."""
+        if self.prec.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.prec.autocast)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.autocast():
+            loss = F.cross_entropy(self.model(x), y)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        return loss.detach()
+
+
+# ----------------------------------------------------------------------------- epochs
+def train_one_epoch(step: TrainStep, loader: Any, device: torch.device | str, *, desc: str = "train",
+                    on_step: Callable[[float], None] | None = None) -> dict[str, float]:
+    """One pass of ``step`` over ``loader`` (yields ``(images, labels)``) with a progress bar.
+
+    Args:
+        on_step: called with each step's loss (a float) after the step.
+
+    Returns:
+        ``{"loss": mean step loss, "images": count, "seconds": wall time, "img_per_s"}``.
+    """
+    from tqdm.auto import tqdm
+
+    total, images, t0 = 0.0, 0, time.perf_counter()
+    bar = tqdm(loader, desc=desc, leave=False, dynamic_ncols=True)
+    for x, y in bar:
+        loss = float(step(x.to(device, non_blocking=True), y.to(device, non_blocking=True)))
+        total += loss * len(y)
+        images += len(y)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        if on_step is not None:
+            on_step(loss)
+    seconds = time.perf_counter() - t0
+    return {"loss": total / max(images, 1), "images": images, "seconds": seconds,
+            "img_per_s": images / seconds if seconds > 0 else float("nan")}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader: Any, prec: Precision, device: torch.device | str, *,
+             desc: str = "eval") -> dict[str, float]:
+    """Mean cross-entropy and top-1 (fraction) of ``model`` over ``loader``, in ``prec``'s autocast.
+
+    The model is put in eval mode for the pass and back into the mode it was in.
+    """
+    from tqdm.auto import tqdm
+
+    was_training = model.training
+    model.eval()
+    device_type = torch.device(device).type
+    autocast = (torch.autocast(device_type, dtype=prec.autocast) if prec.autocast is not None
+                else contextlib.nullcontext())
+    total, correct, images = 0.0, 0, 0
+    with autocast:
+        for x, y in tqdm(loader, desc=desc, leave=False, dynamic_ncols=True):
+            x, y = x.to(device), y.to(device)
+            logits = model(x).float()
+            total += float(F.cross_entropy(logits, y, reduction="sum"))
+            correct += int((logits.argmax(-1) == y).sum())
+            images += len(y)
+    model.train(was_training)
+    return {"loss": total / max(images, 1), "top1": correct / max(images, 1), "images": images}
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def save_checkpoint(model: torch.nn.Module, path: str, metadata: dict[str, Any] | None = None) -> None:
+    """``safetensors.torch.save_file`` of ``model``'s state dict (CPU copies) into a temp file renamed to ``path``.
+
+    ``metadata`` values are stored as strings (JSON for non-strings), readable with ``safe_open(...).metadata()``.
+    """
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in (metadata or {}).items()}
+    with atomic_path(path) as tmp:
+        save_file(state, tmp, metadata=meta)
+
+
+def load_checkpoint(model: torch.nn.Module, path: str) -> dict[str, str]:
+    """Load a :func:`save_checkpoint` file into ``model`` (strict: every key must match); returns its metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(path, device=str(next(model.parameters()).device)), strict=True)
+    with safe_open(path, "pt") as f:
+        return dict(f.metadata() or {})
+
+
+# ----------------------------------------------------------------------------- data
+class DataError(ValueError):
+    """The image folder cannot be used; the message says why."""
+
+
+def scan_folder(root: str, val_fraction: float, seed: int) -> dict[str, Any]:
+    """Classes, files and the train / held-out split of an ImageFolder ``root`` (no image decoded).
+
+    ``root/train`` + ``root/val``: those splits. Otherwise each class of ``root`` gives
+    ``round(val_fraction * n)`` of its images (at least 1 when it has 2 or more, never all) to the
+    held-out split, chosen by a ``seed``-ed permutation.
+
+    Returns:
+        ``{"layout", "classes", "train": [(path, label)], "val": [(path, label)]}``.
+
+    Raises:
+        DataError: no class folders, a class without images, different classes in train/ and val/, or an
+            empty split.
+    """
+    from torchvision.datasets import ImageFolder
+
+    def folder(path):
+        try:
+            return ImageFolder(path)
+        except (FileNotFoundError, OSError) as e:
+            raise DataError(f"{path}: {e}") from None
+
+    if os.path.isdir(os.path.join(root, "train")) and os.path.isdir(os.path.join(root, "val")):
+        train, val = folder(os.path.join(root, "train")), folder(os.path.join(root, "val"))
+        if train.classes != val.classes:
+            raise DataError(f"{root}: train/ and val/ have different classes "
+                            f"({len(train.classes)} vs {len(val.classes)}); they must match")
+        split = {"layout": "train/ and val/", "classes": train.classes, "train": train.samples, "val": val.samples}
+    else:
+        whole = folder(root)
+        g = torch.Generator().manual_seed(seed)
+        split = {"layout": f"one folder, {val_fraction:g} of each class held out (seed {seed})",
+                 "classes": whole.classes, "train": [], "val": []}
+        for label in range(len(whole.classes)):
+            items = [s for s in whole.samples if s[1] == label]
+            held = min(len(items) - 1, max(1 if len(items) > 1 else 0, round(val_fraction * len(items))))
+            order = torch.randperm(len(items), generator=g).tolist()
+            split["val"] += [items[i] for i in sorted(order[:held])]
+            split["train"] += [items[i] for i in sorted(order[held:])]
+    if len(split["classes"]) < 2:
+        raise DataError(f"{root}: {len(split['classes'])} class folder(s); a classifier needs at least 2")
+    for name in ("train", "val"):
+        if not split[name]:
+            raise DataError(f"{root}: the {name} split is empty; add images or change --val-fraction")
+    return split
+
+
+class _Samples(torch.utils.data.Dataset):
+    """``(transform(image), label)`` for a list of ``(path, label)``, images read by torchvision's loader."""
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable):
+        from torchvision.datasets.folder import default_loader
+
+        self.samples, self.transform, self.loader = list(samples), transform, default_loader
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, label = self.samples[i]
+        return self.transform(self.loader(path)), label
+
+
+def datasets(split: dict[str, Any], model: torch.nn.Module, img_size: int) -> tuple[Any, Any, dict]:
+    """Train and held-out datasets of ``split`` with timm's transforms for ``model`` at ``img_size``;
+    also the data config used (mean, std, interpolation, crop)."""
+    from timm.data import create_transform, resolve_model_data_config
+
+    cfg = resolve_model_data_config(model)
+    cfg["input_size"] = (3, img_size, img_size)
+    train = _Samples(split["train"], create_transform(**cfg, is_training=True))
+    val = _Samples(split["val"], create_transform(**cfg, is_training=False))
+    return train, val, {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+
+
+# ----------------------------------------------------------------------------- CLI
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (extra ``timm.create_model`` arguments), else a one-line error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}': {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}', got {text!r}")
+    return value
+
+
+def build_parser() -> ToolParser:
+    p = ToolParser(prog="finetune.py", description=__doc__.split("\n\n")[0],
+                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--data", required=True, help="ImageFolder root: one sub-folder per class, or train/ and val/")
+    p.add_argument("--model", default="vit_base_patch16_224", help="timm model name (default: %(default)s)")
+    p.add_argument("--model-kwargs", type=json_object, default={},
+                   help='JSON dict of extra timm.create_model arguments, e.g. \'{"depth": 2}\' for tiny test models')
+    p.add_argument("--pretrained", action="store_true",
+                   help="start from timm's pretrained weights (hub cache or network; checked before any work)")
+    p.add_argument("--mode", default="fp32", choices=TRAIN_MODES,
+                   help="visionattn mode, which also sets the model's precision (see above; default: %(default)s)")
+    p.add_argument("--unpatched", action="store_true",
+                   help="train with timm's own attention in the same precision (a baseline run)")
+    p.add_argument("--epochs", type=positive_int, default=10, help="passes over the training split (default 10)")
+    p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.05, help="AdamW weight decay (default 0.05)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="images per step (default 32)")
+    p.add_argument("--img-size", type=positive_int, default=224, help="square input size (default 224)")
+    p.add_argument("--val-fraction", type=float, default=0.2,
+                   help="share of each class held out when --data has no train/ and val/ (default 0.2)")
+    p.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every N epochs (and after the last)")
+    p.add_argument("--workers", type=nonnegative_int, default=min(4, os.cpu_count() or 1),
+                   help="DataLoader worker processes (default min(4, CPUs))")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda when available, else cpu)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the split and the data order")
+    p.add_argument("--out", default=default_out("finetune"),
+                   help="output folder: checkpoints, metrics.json / .md, curves.png (default: %(default)s)")
+    return p
+
+
+def check_args(parser: ToolParser, args: argparse.Namespace) -> dict:
+    """Every check that can fail, before any work: exit 2 with one line. Returns the data split."""
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    check_device(parser, args.device)
+    if not os.path.isdir(args.data):
+        parser.error(f"--data {args.data!r} is not a folder; pass an ImageFolder root (one sub-folder per class)")
+    check_output(parser, args.out, folder=True)
+    try:
+        split = scan_folder(args.data, args.val_fraction, args.seed)
+    except DataError as e:
+        parser.error(f"--data: {e}")
+    problem = model_problem(args.model, args.img_size, num_classes=len(split["classes"]), **args.model_kwargs)
+    if problem:
+        what, reason = problem
+        parser.error(f"{ {'name': '--model', 'input': '--img-size'}.get(what, '--model-kwargs')}: {reason}")
+    if args.pretrained:
+        problem = weights_problem(args.model)
+        if problem:
+            parser.error(f"--pretrained: {problem} (in finetune.py: leave out --pretrained to start from random "
+                         "weights)")
+    return split
+
+
+def render_markdown(res: dict) -> str:
+    env = res["environment"]
+    lines = [f"# Fine-tuning {res['model']['name']} ({res['model']['attention']}, mode {res['mode']})", "",
+             f"* command: `{env['command']}`",
+             f"* device: {env['device']}; torch {env['torch']}, triton {env.get('triton')}, timm {env.get('timm')}",
+             f"* data: {res['data']['root']} ({res['data']['layout']}): {len(res['data']['classes'])} classes, "
+             f"{res['data']['train']} train / {res['data']['val']} held-out images",
+             f"* precision: {res['precision']}; process-wide: {res['process_settings']}",
+             f"* AdamW lr {res['args']['lr']:g}, weight decay {res['args']['weight_decay']:g}, batch "
+             f"{res['args']['batch_size']}, {res['args']['img_size']} px", ""]
+    rows = [[h["epoch"], h["step"], h["train_loss"], h["train_img_per_s"], h["val_loss"], f"{100 * h['val_top1']:.2f}",
+             "yes" if h["best"] else ""] for h in res["history"]]
+    lines.append(markdown_table(rows, ["epoch", "step", "train loss", "train img/s", "held-out loss",
+                                       "held-out top-1 %", "best"]))
+    lines += ["", f"Checkpoints: {', '.join(f'`{p}`' for p in res['checkpoints'].values())}", ""]
+    return "\n".join(lines)
+
+
+def render_png(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax_loss.plot(range(1, len(res["step_losses"]) + 1), res["step_losses"], lw=1, label="train (per step)")
+    ax_loss.plot([h["step"] for h in res["history"]], [h["val_loss"] for h in res["history"]], "o-", label="held-out")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy")
+    ax_loss.legend()
+    ax_acc.plot([h["epoch"] for h in res["history"]], [100 * h["val_top1"] for h in res["history"]], "o-")
+    ax_acc.set_xlabel("epoch")
+    ax_acc.set_ylabel("held-out top-1 %")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{res['model']['name']} {res['model']['attention']} mode {res['mode']} "
+                 f"({res['environment']['device']})")
+    fig.tight_layout()
+    save_figure_atomic(fig, path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Fine-tune as the arguments say; returns the record also written to ``<out>/metrics.json``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    split = check_args(parser, args)
+    model_kwargs = args.model_kwargs
+    import visionattn as va
+
+    device = torch.device(args.device)
+    out = os.path.abspath(args.out)
+    prec = precision(args.mode)
+    torch.manual_seed(args.seed)
+    try:
+        model = create_timm_model(args.model, pretrained=args.pretrained, img_size=args.img_size,
+                                  num_classes=len(split["classes"]), **model_kwargs).to(device)
+    except WeightsUnavailableError as e:  # the hub went away between the check and the download
+        parser.error(f"--pretrained: {e}")
+    attention = "timm attention (unpatched)"
+    if not args.unpatched:
+        va.patch_model(model, args.mode)
+        attention = f"visionattn ({sum(model.visionattn_report.patched.values())} modules patched)"
+    train_set, val_set, data_cfg = datasets(split, model, args.img_size)
+    loader_kw = {"batch_size": args.batch_size, "num_workers": args.workers, "pin_memory": device.type == "cuda",
+                 "persistent_workers": args.workers > 0}
+    train_loader = torch.utils.data.DataLoader(train_set, shuffle=True,
+                                               generator=torch.Generator().manual_seed(args.seed), **loader_kw)
+    val_loader = torch.utils.data.DataLoader(val_set, shuffle=False, **loader_kw)
+    checkpoints = {"last": os.path.join(out, "last.safetensors"), "best": os.path.join(out, "best.safetensors")}
+    res: dict[str, Any] = {
+        "environment": environment(), "args": vars(args), "mode": args.mode,
+        "precision": {"autocast": str(prec.autocast).replace("torch.", "") if prec.autocast else None,
+                      "tf32": prec.tf32, "grad_scaler": prec.scaler},
+        "model": {"name": args.model, "attention": attention, "pretrained": args.pretrained,
+                  "kwargs": model_kwargs, "params_m": sum(p.numel() for p in model.parameters()) / 1e6},
+        "data": {"root": os.path.abspath(args.data), "layout": split["layout"], "classes": split["classes"],
+                 "train": len(train_set), "val": len(val_set), "transform": data_cfg},
+        "history": [], "step_losses": [], "checkpoints": checkpoints,
+    }
+    meta = {"model": args.model, "model_kwargs": model_kwargs, "classes": split["classes"], "img_size": args.img_size,
+            "mode": args.mode, "attention": attention}
+    step = TrainStep(model, prec, lr=args.lr, weight_decay=args.weight_decay)
+    best = -math.inf
+    with precision_flags(prec) as settings:
+        res["process_settings"] = settings
+        print(f"[finetune] {res['environment']['device']}: {args.model} {attention}, mode {args.mode}, "
+              f"{len(train_set)} train / {len(val_set)} held-out images; TF32 {'on' if prec.tf32 else 'off'} "
+              f"(process-wide)", flush=True)
+        for epoch in range(1, args.epochs + 1):
+            stats = train_one_epoch(step, train_loader, device, desc=f"epoch {epoch}/{args.epochs}",
+                                    on_step=res["step_losses"].append)
+            if epoch % args.eval_every and epoch != args.epochs:
+                continue
+            ev = evaluate(model, val_loader, prec, device, desc=f"eval {epoch}")
+            improved = ev["top1"] > best
+            row = {"epoch": epoch, "step": len(res["step_losses"]), "train_loss": stats["loss"],
+                   "train_img_per_s": stats["img_per_s"], "val_loss": ev["loss"], "val_top1": ev["top1"],
+                   "best": improved}
+            res["history"].append(row)
+            save_checkpoint(model, checkpoints["last"], {**meta, "epoch": epoch})
+            if improved:
+                best = ev["top1"]
+                save_checkpoint(model, checkpoints["best"], {**meta, "epoch": epoch})
+            print(f"epoch {epoch}: train loss {stats['loss']:.4f}, held-out loss {ev['loss']:.4f}, "
+                  f"top-1 {100 * ev['top1']:.2f}%" + (" (best)" if improved else ""), flush=True)
+    write_json_atomic(os.path.join(out, "metrics.json"), res)
+    write_text_atomic(os.path.join(out, "metrics.md"), render_markdown(res))
+    render_png(res, os.path.join(out, "curves.png"))
+    print(f"wrote {out}/metrics.json, metrics.md, curves.png, last.safetensors, best.safetensors")
+    return res
+
+
+if __name__ == "__main__":
+    main()
