@@ -65,7 +65,6 @@ for tools and tuning :func:`get_config`, :class:`BwdConfig`, :class:`KernelTiles
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -73,6 +72,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
+from ._launch import interpreting
 from .elsa_fwd import load_kv_tile
 from .modes import MODES
 
@@ -535,10 +535,6 @@ def reduce_bias_grad(grad: torch.Tensor, shape: tuple[int, ...] | torch.Size) ->
 
 # --------------------------------------------------------------------------- launcher
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _check_inputs(q, k, v, out, grad_out, lse, bias, attn_mask, mode):
     if mode not in BWD_MODES:
         raise ValueError(f"mode={mode!r} has no dense backward kernel; expected one of {list(BWD_MODES)}")
@@ -684,7 +680,7 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
     mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
     cfg = config or default or get_config(mode, D, Dv)
     BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
-    upcast = dtype == torch.bfloat16 and _interpreting()
+    upcast = dtype == torch.bfloat16 and interpreting()
 
     # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
     delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)

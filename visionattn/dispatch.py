@@ -14,6 +14,8 @@ import contextlib
 import os
 import warnings
 
+from .kernels._launch import interpreting
+
 __all__ = ["BACKENDS", "get_backend", "set_backend", "use_backend", "resolve_backend", "warn_once"]
 
 BACKENDS = ("auto", "triton", "reference")
@@ -65,7 +67,7 @@ def use_backend(name: str):
 
 def triton_interpreting() -> bool:
     """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return interpreting()
 
 
 def resolve_backend(backend: str | None, device_type: str) -> str:

@@ -219,3 +219,19 @@ def test_fullgraph_compile_of_patched_vit_and_swin_blocks():
             eager = block(x)
             compiled = torch.compile(block, fullgraph=True)(x)
         assert rel_l2(compiled, eager) <= 1e-5
+
+
+def test_warmup_checks_its_arguments_and_needs_a_gpu(capsys):
+    from visionattn import warmup
+
+    with pytest.raises(SystemExit) as exc:
+        warmup.main(["--modes", "fp33"])
+    assert exc.value.code == 2 and "fp33" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        warmup.main(["--head-dims", "0"])
+    with pytest.raises(ValueError, match="mode"):
+        warmup.warm_up(modes=("fp33",))
+    if not torch.cuda.is_available():
+        assert warmup.main(["--modes", "fp32"]) == 2
+        with pytest.raises(RuntimeError, match="CUDA"):
+            warmup.warm_up(modes=("fp32",), device="cpu")
