@@ -46,6 +46,11 @@ without the shift (the overflow baseline).
 
 The output is returned as a ``[B*nW, H, N, Dv]`` view of a ``[B*nW, N, H, Dv]``
 buffer, so the caller's ``x.transpose(1, 2).reshape(B*nW, N, H*Dv)`` (timm) is free.
+
+On request (``with_lse``, the ``WRITE_LSE`` constexpr: a separate kernel variant, so forward-only calls
+are unchanged) both kernels also write each row's natural-log log-sum-exp ``(m + log2 l) ln 2`` of the
+base-2 state (the logits are held in log2 units in every precision path, the split-FP16 scales undone
+before the max), ``-inf`` for a fully masked row: the saved state of :mod:`.window_bwd`.
 """
 from __future__ import annotations
 
@@ -98,10 +103,10 @@ def _l2_normalize_rows(x):
 
 
 @triton.jit
-def _prep_rows(x, mult, COMPUTE: tl.constexpr, COSINE: tl.constexpr, SCALE_ROWS: tl.constexpr):
-    """Round a [rows, D] tile to the compute dtype; cosine: L2-normalize rows; optional row scale."""
+def _prep_rows(x, mult, COMPUTE: tl.constexpr, NORMALIZE: tl.constexpr, SCALE_ROWS: tl.constexpr):
+    """Round a [rows, D] tile to the compute dtype; ``NORMALIZE``: L2-normalize rows; optional row scale."""
     x = _to_compute(x, COMPUTE)
-    if COSINE:
+    if NORMALIZE:
         xf = x.to(tl.float32)
         if COMPUTE == 0:
             xf = _l2_normalize_rows(xf)
@@ -146,16 +151,25 @@ def _logit_mult(LS, h, stride_ls, scale, COSINE: tl.constexpr):
     return mult
 
 
+@triton.jit
+def _lse(m, l):
+    """Natural-log log-sum-exp ``(m + log2 l) ln 2`` of rows whose base-2 state is (max m, sum l); -inf where
+    l = 0 (every logit -inf), without taking log2(0)."""
+    ok = l > 0
+    return tl.where(ok, (m + tl.math.log2(tl.where(ok, l, 1.0))) * 0.6931471805599453, float("-inf"))
+
+
 # ----------------------------------------------------------------------------- kernels
 @triton.jit(do_not_specialize=["n_img"])  # a new batch size compiles nothing new
 def _window_small_kernel(
-    Q, K, V, O, BIAS, MASK, LS,
+    Q, K, V, O, BIAS, MASK, LS, LSE,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
-    sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls,
+    sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls, sl_b, sl_h,
     n_img, n_slot, N, D, DV, scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IMGS: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
     IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
+    WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr,
 ):
     # program (pid0 = h * n_slot + w, pid1 = image chunk); window index b = img * n_slot + w
     pid0 = tl.program_id(0)
@@ -197,8 +211,8 @@ def _window_small_kernel(
                     mask=qd_ok, other=0.0)
         v = tl.load(V + b * sv_b + h * sv_h + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d,
                     mask=vd_ok, other=0.0)
-        q = _prep_rows(q, mult, COMPUTE, COSINE, HALF_SCORES)
-        k = _prep_rows(k, 1.0, COMPUTE, COSINE, False)
+        q = _prep_rows(q, mult, COMPUTE, NORMALIZE, HALF_SCORES)
+        k = _prep_rows(k, 1.0, COMPUTE, NORMALIZE, False)
         if PASA_SHIFT:
             kf = k.to(tl.float32)
             kbar = tl.sum(kf, axis=0) / N  # padded rows are zero
@@ -227,17 +241,20 @@ def _window_small_kernel(
             out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(O + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_dv[None, :] * so_d,
                  out.to(O.dtype.element_ty), mask=vd_ok)
+        if WRITE_LSE:
+            tl.store(LSE + b * sl_b + h * sl_h + offs_n, _lse(m, l), mask=row_ok)
 
 
 @triton.jit
 def _window_tiled_kernel(
-    Q, K, V, O, BIAS, MASK, LS,
+    Q, K, V, O, BIAS, MASK, LS, LSE,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
-    sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls,
+    sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls, sl_b, sl_h,
     H, n_mask, N, D, DV, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
     IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
+    WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr,
 ):
     # program (pid0 = query block, pid1 = b * H + h); ELSA fold over key blocks.
     pid_m = tl.program_id(0)
@@ -258,7 +275,7 @@ def _window_tiled_kernel(
 
     q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_n + offs_d[None, :] * sq_d,
                 mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    q = _prep_rows(q, mult, COMPUTE, COSINE, HALF_SCORES)
+    q = _prep_rows(q, mult, COMPUTE, NORMALIZE, HALF_SCORES)
     q_lo = q
     q_inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if SPLIT16:
@@ -272,7 +289,7 @@ def _window_tiled_kernel(
             offs_n = start + offs_n0
             kt = tl.load(k_base + offs_n[:, None] * sk_n + offs_d[None, :] * sk_d,
                          mask=(offs_n[:, None] < N) & (offs_d[None, :] < D), other=0.0)
-            kt = _prep_rows(kt, 1.0, COMPUTE, COSINE, False)
+            kt = _prep_rows(kt, 1.0, COMPUTE, NORMALIZE, False)
             ksum += tl.sum(kt.to(tl.float32), axis=0)
         kbar = ksum / N
 
@@ -288,7 +305,7 @@ def _window_tiled_kernel(
                     mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         v = tl.load(v_base + offs_n[:, None] * sv_n + offs_dv[None, :] * sv_d,
                     mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        k = _prep_rows(k, 1.0, COMPUTE, COSINE, False)
+        k = _prep_rows(k, 1.0, COMPUTE, NORMALIZE, False)
         if PASA_SHIFT:
             k = (k.to(tl.float32) - kbar[None, :]).to(tl.float16)
         v = _to_compute(v, COMPUTE)
@@ -320,6 +337,8 @@ def _window_tiled_kernel(
         out = out * pv_unscale(v_exp)[None, :]  # undo the V and P scales
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_n + offs_dv[None, :] * so_d,
              out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+    if WRITE_LSE:
+        tl.store(LSE + b * sl_b + h * sl_h + offs_m, _lse(m_i, l_i), mask=m_ok)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -390,30 +409,51 @@ def _precision(mode: str, precision: str | None) -> str | None:
     return precision
 
 
-def mode_constexprs(mode: str, precision: str | None, has_bias: bool, has_mask: bool, cosine: bool) -> dict:
-    """The mode / feature constexprs both window kernels take (tools compile them offline from this)."""
+def mode_constexprs(mode: str, precision: str | None, has_bias: bool, has_mask: bool, cosine: bool,
+                    with_lse: bool = False, normalized: bool = False) -> dict:
+    """The mode / feature constexprs both window kernels take (tools compile them offline from this).
+
+    ``cosine``: per-head logit scale ``exp(min(logit_scale, log 100))`` and, unless ``normalized`` (q, k given
+    already L2-normalised), the rows' L2 normalisation in the kernel (``NORMALIZE``).
+
+    Raises:
+        ValueError: ``with_lse`` in a mode that accumulates the scores in FP16 (``pasa``, ``fp16-acc16``):
+            their logits are shifted / rounded, so no log-sum-exp of the true logits exists to write.
+    """
     compute, _, half_scores, pasa_shift = _MODE_TABLE[mode]
+    if with_lse and half_scores:
+        raise ValueError(f"mode={mode!r} accumulates the scores in FP16 and writes no log-sum-exp "
+                         f"(with_lse=True needs fp32, fp32-ieee, tf32, fp16 or bf16)")
     in_prec = _precision(mode, precision)
     return dict(HAS_BIAS=has_bias, HAS_MASK=has_mask, COSINE=bool(cosine), COMPUTE=_COMPUTE_CODE[compute],
                 IN_PREC=in_prec or "ieee", HALF_SCORES=half_scores, PASA_SHIFT=pasa_shift,
-                SPLIT16=in_prec in ("f16x3", "f16x1"))
+                SPLIT16=in_prec in ("f16x3", "f16x1"), WRITE_LSE=bool(with_lse),
+                NORMALIZE=bool(cosine) and not normalized)
 
 
 class _WindowPlan:
-    """The small or tiled window kernel for one call signature: grid, constexprs and strides fixed."""
+    """The small or tiled window kernel for one call signature: grid, constexprs and strides fixed.
 
-    __slots__ = ("call", "fixed", "o_shape", "o_stride", "o_dtype", "device", "config")
+    Calling it returns the output [B*nW, H, N, Dv] or, for a plan built ``with_lse``, ``(out, lse)`` with
+    ``lse`` float32 [B*nW, H, N] (contiguous): each row's natural-log log-sum-exp of its logits
+    ``c q.k + bias + mask``, ``-inf`` for a row whose logits are all ``-inf``.
+    """
 
-    def __init__(self, q, k, v, bias, mask, logit_scale, n_slot_mask, cosine, mode, cfg, precision):
+    __slots__ = ("call", "fixed", "o_shape", "o_stride", "o_dtype", "device", "config", "lse_shape")
+
+    def __init__(self, q, k, v, bias, mask, logit_scale, n_slot_mask, cosine, mode, cfg, precision,
+                 with_lse=False, normalized=False):
         BW, H, N, D = q.shape
         DV = v.shape[-1]
         self.config, self.device, self.o_dtype = cfg, q.device, q.dtype
         self.o_shape, self.o_stride = (BW, H, N, DV), (N * H * DV, DV, H * DV, 1)  # heads-inner (timm's reshape)
+        self.lse_shape = (BW, H, N) if with_lse else None
         b_str = tuple(bias.stride()) if bias is not None else (0, 0, 0)
         m_str = tuple(mask.stride()) if mask is not None else (0, 0, 0)
         ls_str = logit_scale.stride(0) if logit_scale is not None else 0
-        strides = (*q.stride(), *k.stride(), *v.stride(), *self.o_stride, *b_str, *m_str, ls_str)
-        flags = mode_constexprs(mode, precision, bias is not None, mask is not None, cosine)
+        lse_str = (H * N, N) if with_lse else (0, 0)
+        strides = (*q.stride(), *k.stride(), *v.stride(), *self.o_stride, *b_str, *m_str, ls_str, *lse_str)
+        flags = mode_constexprs(mode, precision, bias is not None, mask is not None, cosine, with_lse, normalized)
         block_d, block_dv = pad_pow2(D), pad_pow2(DV)
         options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         n_slot = n_slot_mask if mask is not None else 1
@@ -436,22 +476,30 @@ class _WindowPlan:
     def __call__(self, q, k, v, bias, mask, logit_scale, scale):
         out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
         dummy = 0 if self.call._fast is not None else q  # unused pointers: null on the direct path
+        if self.lse_shape is None:
+            self.call(q, k, v, out, dummy if bias is None else bias, dummy if mask is None else mask,
+                      dummy if logit_scale is None else logit_scale, dummy, *self.fixed, scale)
+            return out
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
         self.call(q, k, v, out, dummy if bias is None else bias, dummy if mask is None else mask,
-                  dummy if logit_scale is None else logit_scale, *self.fixed, scale)
-        return out
+                  dummy if logit_scale is None else logit_scale, lse, *self.fixed, scale)
+        return out, lse
 
 
 def _plan_and_run(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, scale: float, mode: str,
-                  config: dict | None, precision: str | None = None):
-    """Build the plan of a call signature by running it once: ``(plan, out)``. The default config drops
-    pipeline stages on out-of-shared-memory (large head dims); an explicit ``config`` runs as given."""
+                  config: dict | None, precision: str | None = None, with_lse: bool = False,
+                  normalized: bool = False):
+    """Build the plan of a call signature by running it once: ``(plan, result)``, result ``out`` or, with
+    ``with_lse``, ``(out, lse)``. The default config drops pipeline stages on out-of-shared-memory (large
+    head dims); an explicit ``config`` runs as given."""
     BW, H, N, D = q.shape
     cfg = dict(config) if config else get_config(BW, H, N, D, n_slot_mask if mask is not None else 1, q.device,
                                                  mode=mode)
     result = []
 
     def run(c):
-        plan = _WindowPlan(q, k, v, bias, mask, logit_scale, n_slot_mask, cosine, mode, c, precision)
+        plan = _WindowPlan(q, k, v, bias, mask, logit_scale, n_slot_mask, cosine, mode, c, precision, with_lse,
+                           normalized)
         result.append((plan, plan(q, k, v, bias, mask, logit_scale, scale)))
 
     run_first_that_fits(run, cfg, (lambda _: []) if config else _fewer_stages)
@@ -463,41 +511,63 @@ PLANS = PlanCache()
 
 
 def plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows: int, cosine: bool, scale: float,
-             mode: str):
-    """``(plan, out)``: the cached launch plan of this call signature (built by running the call when new) and
-    this call's output. ``relative_position_bias`` [H, N, N] and ``shift_mask`` [nW, N, N] with a unit last
-    stride, ``logit_scale`` [H]: a plan reads them through their data pointers only."""
+             mode: str, with_lse: bool = False, normalized: bool = False):
+    """``(plan, result)``: the cached launch plan of this call signature (built by running the call when new) and
+    this call's result: the output, or ``(out, lse)`` with ``with_lse`` (see :class:`_WindowPlan`).
+    ``relative_position_bias`` [H, N, N] and ``shift_mask`` [nW, N, N] with a unit last stride, ``logit_scale``
+    [H]: a plan reads them through their data pointers only. ``with_lse`` is part of the key: a forward-only call
+    (the default) runs the kernel variant that writes no LSE. ``normalized`` (with ``cosine``): q and k come
+    L2-normalised already and are used as given (the training path normalises them in PyTorch, so the forward's
+    logits, hence its LSE, are exactly those the backward recomputes; renormalising half-precision rows in the
+    kernel would round them differently).
+
+    Raises:
+        ValueError: unknown ``mode``; ``with_lse`` in ``pasa`` / ``fp16-acc16`` (:func:`mode_constexprs`).
+    """
     b, m, ls = relative_position_bias, shift_mask, logit_scale
     key = (mode, q.shape, q.stride(), k.stride(), v.shape[3], v.stride(), q.dtype, q.get_device(),
            None if b is None else (b.shape, b.stride(), b.dtype, b.data_ptr() & 15),
            None if m is None else (m.shape, m.stride(), m.dtype, m.data_ptr() & 15),
            None if ls is None else (ls.stride(), ls.dtype, ls.data_ptr() & 15),
-           num_windows, cosine, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+           num_windows, cosine, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, with_lse, normalized)
     plan = PLANS.get(key)
     if plan is not None:
         return plan, plan(q, k, v, b, m, ls, scale)
     if mode not in _MODE_TABLE:
         raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
-    plan, out = _plan_and_run(q, k, v, b, m, ls, int(num_windows), bool(cosine), float(scale), mode, None)
+    plan, result = _plan_and_run(q, k, v, b, m, ls, int(num_windows), bool(cosine), float(scale), mode, None,
+                                 with_lse=bool(with_lse), normalized=bool(normalized))
     PLANS.put(key, plan)
-    return plan, out
+    return plan, result
 
 
 def window_forward(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows: int, cosine: bool,
-                   scale: float, mode: str) -> torch.Tensor:
+                   scale: float, mode: str, with_lse: bool = False, normalized: bool = False):
     """:func:`window_attention_fwd` from a cached launch plan (the op layer's entry; no ``config`` /
-    ``precision`` overrides). The key holds shapes, strides, dtypes, device, alignment and the flags."""
+    ``precision`` overrides). The key holds shapes, strides, dtypes, device, alignment and the flags.
+
+    Returns:
+        ``out`` [B*nW, H, N, Dv] in q's dtype; with ``with_lse``, ``(out, lse)``, ``lse`` float32 [B*nW, H, N]
+        the natural-log log-sum-exp of each row's logits (``-inf`` for a fully masked row), what
+        :func:`visionattn.kernels.window_bwd.window_backward` recomputes the probabilities from.
+        ``normalized``: see :func:`plan_for`.
+
+    Raises:
+        ValueError: unknown ``mode``; ``with_lse`` in ``pasa`` / ``fp16-acc16``.
+    """
     if relative_position_bias is not None and relative_position_bias.stride(-1) != 1:
         relative_position_bias = relative_position_bias.contiguous()
     if shift_mask is not None and shift_mask.stride(-1) != 1:
         shift_mask = shift_mask.contiguous()
     if logit_scale is not None and logit_scale.dim() != 1:
         logit_scale = logit_scale.reshape(-1)
-    return plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows, cosine, scale, mode)[1]
+    return plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows, cosine, scale, mode,
+                    with_lse, normalized)[1]
 
 
 def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale,
-                         scale, mode, *, config: dict | None = None, precision: str | None = None) -> torch.Tensor:
+                         scale, mode, *, config: dict | None = None, precision: str | None = None,
+                         with_lse: bool = False, normalized: bool = False):
     """Launch the window attention kernel (inputs already validated by :func:`visionattn.window_attention`).
 
     Args:
@@ -525,17 +595,22 @@ def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_window
         precision: optional override of the FP32 modes' product precision, one of
             :data:`PRECISIONS` (``"f16x3"``, ``"f16x1"``, ``"tf32x3"``, ``"tf32"``, ``"ieee"``);
             used by ``tools/bench_window.py`` to compare them. None = the mode's own.
+        with_lse: also return each row's log-sum-exp (the backward's saved state).
+        normalized: with ``cosine``, q and k are L2-normalised already and used as given (see :func:`plan_for`).
 
     Returns:
-        [B*nW, H, N, Dv] in q's dtype, a view of a contiguous [B*nW, N, H, Dv] buffer.
+        [B*nW, H, N, Dv] in q's dtype, a view of a contiguous [B*nW, N, H, Dv] buffer; with
+        ``with_lse``, ``(out, lse)``, ``lse`` float32 [B*nW, H, N] =
+        ``ln sum_j exp(c q_i.k_j + bias_ij + mask_ij)`` (``-inf`` for a row whose logits are all ``-inf``).
 
     Raises:
         ValueError: unknown ``mode``; ``precision`` not in :data:`PRECISIONS` or given for a
-            half-precision mode; a ``config`` naming an unknown kernel or ``small`` with N > 128.
+            half-precision mode; a ``config`` naming an unknown kernel or ``small`` with N > 128;
+            ``with_lse`` in ``pasa`` / ``fp16-acc16`` (their scores are shifted / FP16-accumulated).
     """
     if config is None and precision is None:
         return window_forward(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows, cosine, scale,
-                              mode)
+                              mode, with_lse, normalized)
     if mode not in _MODE_TABLE:
         raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
     _precision(mode, precision)  # validate before launching
@@ -549,4 +624,4 @@ def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_window
     if shift_mask is not None and shift_mask.stride(-1) != 1:
         shift_mask = shift_mask.contiguous()
     return _plan_and_run(q, k, v, relative_position_bias, shift_mask, logit_scale, int(num_windows), bool(cosine),
-                         float(scale), mode, config, precision)[1]
+                         float(scale), mode, config, precision, bool(with_lse), bool(normalized))[1]

@@ -168,6 +168,13 @@ def pasa(q, k, v, bias, attn_mask, is_causal: bool, scale: float, shift: bool,
 
 
 # ----------------------------------------------------------------------------- window
+# The window kernels' backward (kernels/window_bwd.py) runs on the dense backward kernels: present with them.
+_window_bwd = None
+if _elsa_bwd is not None:
+    from .kernels import window_bwd as _window_bwd
+_LOG_100 = 4.605170185988092  # log(100): Swin-v2's cap on the logit scale
+
+
 @torch.library.custom_op("visionattn::window_attention", mutates_args=())
 def _window_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
                mask: Optional[torch.Tensor], logit_scale: Optional[torch.Tensor], num_windows: int, cosine: bool,
@@ -180,8 +187,138 @@ def _(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode):
     return _heads_inner_like(q, v, q.dtype)
 
 
-def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, scale: float, mode: str) -> torch.Tensor:
-    """Window attention forward on the kernel; inputs validated (:func:`visionattn.window.validate_window_inputs`)."""
+@torch.library.custom_op("visionattn::window_attention_lse", mutates_args=())
+def _window_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                   mask: Optional[torch.Tensor], logit_scale: Optional[torch.Tensor],
+                   head_scale: Optional[torch.Tensor], num_windows: int, cosine: bool, scale: float,
+                   mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse [B*nW, H, N] float32) of the training path. With ``cosine``, q and k come L2-normalised already
+    (used as given) and ``logit_scale`` [H] (no gradient) sets the kernel's ``exp(min(logit_scale, log 100))``;
+    ``head_scale`` [H], that same factor computed by autograd, is only saved for the backward (its gradient)."""
+    return window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode,
+                                     with_lse=True, normalized=True)
+
+
+@_window_lse_op.register_fake
+def _(q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode):
+    return _heads_inner_like(q, v, q.dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _window_backward(q, k, v, bias, mask, head_scale, out, lse, grad_out, num_windows, scale, mode, needs):
+    """(dq, dk, dv, dbias, dhead_scale) by the window backward kernels from the saved LSE; q / k / v cast to the
+    mode's compute dtype for the kernels, their gradients cast back to the callers' dtypes. ``needs``: the
+    autograd ``needs_input_grad`` of (q, k, v, bias, mask, logit_scale, head_scale, ...); dbias [H, N, N] in the
+    bias's dtype, dhead_scale [H] in its dtype, None where not needed."""
+    dtype = MODES[mode].compute_dtype
+    dq, dk, dv, dbias, dhs = _window_bwd.window_backward(
+        q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out, lse, bias, mask, num_windows, scale, mode, head_scale,
+        bias is not None and needs[3], head_scale is not None and needs[6])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, dhs
+
+
+@torch.library.custom_op("visionattn::window_attention_backward", mutates_args=())
+def _window_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                   mask: Optional[torch.Tensor], head_scale: Optional[torch.Tensor], out: torch.Tensor,
+                   lse: torch.Tensor, grad_out: torch.Tensor, num_windows: int, scale: float, mode: str,
+                   bias_grad: bool, head_scale_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor, torch.Tensor]:
+    """The window backward as an opaque node for ``torch.compile``'s backward graph: (dq, dk, dv, dbias,
+    dhead_scale), an empty tensor standing for a gradient not asked for (custom ops return tensors only)."""
+    needs = (True, True, True, bias_grad, False, False, head_scale_grad)
+    grads = _window_backward(q, k, v, bias, mask, head_scale, out, lse, grad_out, num_windows, scale, mode, needs)
+    return tuple(q.new_empty(0) if g is None else g for g in grads)
+
+
+@_window_bwd_op.register_fake
+def _(q, k, v, bias, mask, head_scale, out, lse, grad_out, num_windows, scale, mode, bias_grad, head_scale_grad):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            bias.new_empty(bias.shape) if bias_grad else q.new_empty(0),
+            head_scale.new_empty(head_scale.shape) if head_scale_grad else q.new_empty(0))
+
+
+def _window_setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, mask, head_scale, out, lse)
+    ctx.args = (num_windows, scale, mode)
+
+
+def _window_op_backward(ctx, grad_out, grad_lse):
+    q, k, v, bias, mask, head_scale, out, lse = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    bias_grad, hs_grad = bias is not None and needs[3], head_scale is not None and needs[6]
+    dq, dk, dv, dbias, dhs = _window_bwd_op(q, k, v, bias, mask, head_scale, out, lse, grad_out, *ctx.args,
+                                            bias_grad, hs_grad)
+    return dq, dk, dv, dbias if bias_grad else None, None, None, dhs if hs_grad else None, None, None, None, None
+
+
+if _window_bwd is not None:
+    _window_lse_op.register_autograd(_window_op_backward, setup_context=_window_setup_context)
+
+
+class _WindowFunction(torch.autograd.Function):
+    """Eager autograd for the window kernels: the forward writes the per-row LSE and saves (q, k, v, bias, mask,
+    head scale, out, lse); the backward recomputes the probabilities tile by tile (FlashAttention-2, Alg. 2).
+    Arguments as ``visionattn::window_attention_lse`` (with ``cosine``, q and k L2-normalised already: the kernel
+    uses them as given, so its LSE belongs to exactly the logits the backward recomputes); the mask never gets a
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode):
+        out, lse = window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode,
+                                             with_lse=True, normalized=True)
+        ctx.save_for_backward(q, k, v, bias, mask, head_scale, out, lse)
+        ctx.args = (num_windows, scale, mode)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, bias, mask, head_scale, out, lse = ctx.saved_tensors
+        dq, dk, dv, dbias, dhs = _window_backward(q, k, v, bias, mask, head_scale, out, lse, grad_out, *ctx.args,
+                                                  ctx.needs_input_grad)
+        return dq, dk, dv, dbias, None, None, dhs, None, None, None, None
+
+
+def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, scale: float, mode: str,
+           grad: bool = False) -> torch.Tensor:
+    """Window attention on the kernels; inputs validated (:func:`visionattn.window.validate_window_inputs`).
+
+    Args:
+        q, k: [B*nW, H, N, D]; v: [B*nW, H, N, Dv]; float16 / bfloat16 / float32 (cast to the mode's compute
+            dtype inside the kernels; the output has q's dtype).
+        bias: float [H, N, N] or None; mask: additive float [nW, N, N] or None (window b reads mask[b % nW]);
+            logit_scale: [H] when ``cosine`` (Swin-v2), else None.
+        grad: the inputs need gradients (``mode`` must be in :data:`BACKWARD_MODES`). The call then runs through
+            :class:`_WindowFunction` (eager) or ``visionattn::window_attention_lse`` with its registered autograd
+            formula (``torch.compile``). Cosine: q and k are L2-normalised (``F.normalize``, eps 1e-12) and
+            ``c = exp(min(logit_scale, log 100))`` computed here in PyTorch, so autograd carries the
+            normalisation's and ``logit_scale``'s gradients (the CPB bias chain arrives through ``bias``); the
+            forward kernel takes the normalised q, k as given (no second normalisation, which in half precision
+            would round them differently from what the backward recomputes with) and the backward ``c``.
+            Gradients: q, k, v in their dtypes, bias [H, N, N] (the sum over every window; a [1, H, N, N]
+            caller's view reduces it to its shape), none for the mask.
+
+    Returns:
+        [B*nW, H, N, Dv] in q's dtype, a view of a contiguous [B*nW, N, H, Dv] buffer.
+
+    Raises:
+        ValueError: ``grad`` in a mode without backward kernels (``pasa``, ``fp16-acc16``).
+    """
+    if grad:
+        if mode not in BACKWARD_MODES:
+            raise ValueError(f"mode={mode!r} has no window backward kernel; expected one of "
+                             f"{sorted(BACKWARD_MODES)}")
+        head_scale = None
+        if cosine:
+            q = torch.nn.functional.normalize(q, dim=-1, eps=1e-12)
+            k = torch.nn.functional.normalize(k, dim=-1, eps=1e-12)
+            # in FP32 like the kernel's own exp(min(logit_scale, log 100)): a half-precision c would differ
+            # from the forward's by up to half an ulp, shifting the recomputed logits by up to ~0.03 at c = 100
+            head_scale = torch.exp(torch.clamp(logit_scale.float(), max=_LOG_100))
+            logit_scale = logit_scale.detach()
+        if torch.compiler.is_compiling():
+            return _window_lse_op(q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode)[0]
+        return _WindowFunction.apply(q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode)
     if torch.compiler.is_compiling():
         return _window_op(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
     return window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)

@@ -203,8 +203,12 @@ def window_attention(
         TypeError / ValueError: see :func:`validate_window_inputs`; unknown mode or backend.
         RuntimeError: ``backend='triton'`` on CPU tensors without ``TRITON_INTERPRET=1``.
 
-    The kernels are forward-only: when autograd needs gradients the call runs the
-    differentiable PyTorch reference (with a one-time warning).
+    Differentiable. When q, k, v, the bias or ``logit_scale`` need gradients, the modes with backward
+    kernels (:data:`visionattn.ops.BACKWARD_MODES`: fp32, fp32-ieee, tf32, fp16, bf16) save each row's
+    log-sum-exp and run the window backward kernels (gradients of q, k, v, of the bias in its own shape and,
+    through PyTorch autograd, of ``logit_scale`` and whatever computed the bias; the shift mask gets none);
+    ``pasa`` / ``fp16-acc16`` are forward-only there and run the differentiable PyTorch reference (with a
+    one-time warning).
     """
     key = None
     if not torch.compiler.is_compiling():
@@ -214,7 +218,8 @@ def window_attention(
                    v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
                    q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, tensor_key(relative_position_bias),
                    tensor_key(shift_mask), tensor_key(logit_scale), torch.is_grad_enabled()
-                   and (q.requires_grad or k.requires_grad or v.requires_grad))
+                   and (q.requires_grad or k.requires_grad or v.requires_grad
+                        or _needs_grad(relative_position_bias, logit_scale)))
             run = CALLS.get(key)
         except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable: the checks below say why
             key = run = None
@@ -226,10 +231,15 @@ def window_attention(
     scale = check_flags(False, scale, q.shape[-1])
     which = dispatch.resolve_backend(backend, q.device.type)
     if which == "triton":
-        reason = _kernel_unsupported(q, k, v, bias, mask, ls)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                            or _needs_grad(bias, ls))
+        reason = _kernel_unsupported(q, v, md, grad)
         if reason is None:
             from . import ops  # lazy: importing triton is slow and not needed on CPU
 
+            if grad:  # the backward kernels, from the LSE the forward saves (no runner kept: autograd per call)
+                return ops.window(q, k, v, bias, mask, ls, num_windows, bool(cosine), float(scale), md.name,
+                                  grad=True)
             # the runner reads the caller's bias / mask / logit_scale by data pointer: only where validation
             # made views of them (a bool mask becomes a new float tensor; a strided one is copied)
             if key is not None and mask is shift_mask and all(
@@ -250,11 +260,22 @@ def window_attention(
     return out.to(q.dtype)
 
 
-def _kernel_unsupported(q, k, v, bias, mask, ls) -> str | None:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias, mask, ls)):
-        return "gradients requested; the window kernel is forward-only"
+def _needs_grad(bias, logit_scale) -> bool:
+    """Whether the relative position bias or ``logit_scale`` (tensors or None) requires gradients; the shift
+    mask never gets one."""
+    return (bias is not None and bias.requires_grad) or (logit_scale is not None and logit_scale.requires_grad)
+
+
+def _kernel_unsupported(q, v, md: Mode, grad: bool) -> str | None:
+    """Why the window kernels cannot run this call (None when they can): a dtype or head dim they do not take,
+    or gradients in a mode whose window kernels are forward-only (``pasa``, ``fp16-acc16``)."""
     if q.dtype not in _KERNEL_DTYPES:
         return f"dtype {q.dtype}"
     if max(q.shape[-1], v.shape[-1]) > _MAX_KERNEL_HEAD_DIM:
         return f"head dim > {_MAX_KERNEL_HEAD_DIM}"
+    if grad:
+        from .ops import BACKWARD_MODES  # lazy: importing triton is slow and not needed on CPU
+
+        if md.name not in BACKWARD_MODES:
+            return f"gradients requested; mode {md.name!r} is forward-only on the window kernel"
     return None

@@ -4,6 +4,7 @@ The oracle expands bias and mask explicitly to [B*nW, H, N, N] in float64 (indep
 and of visionattn.window's reference); tolerances are the modes' contracts (visionattn.modes).
 """
 import copy
+import math
 
 import pytest
 import torch
@@ -190,6 +191,60 @@ def test_precision_override_is_validated():
         window_attention_fwd(q, k, v, bias, mask, 2, False, None, 0.25, "fp32", precision="bf16x9")
     with pytest.raises(ValueError, match="FP32 modes"):
         window_attention_fwd(q, k, v, bias, mask, 2, False, None, 0.25, "fp16", precision="f16x3")
+
+
+# ----------------------------------------------------------------------------- per-row log-sum-exp (training)
+def _logits64(q, k, bias, mask, nw, ls, scale, cosine, dtype, normalize=True):
+    """float64 logits ``c q.k + bias + mask[b % nW]`` [B*nW, H, N, N] from q, k rounded to ``dtype`` as the kernel
+    rounds them (cosine: normalised after the rounding, then rounded again, unless ``normalize`` is False)."""
+    BW, H, N, _ = q.shape
+    qd, kd = q.to(dtype).double(), k.to(dtype).double()
+    if cosine:
+        if normalize:
+            qd, kd = (torch.nn.functional.normalize(t, dim=-1).to(dtype).double() for t in (qd, kd))
+        c = torch.exp(torch.clamp(ls.double().reshape(1, H, 1, 1), max=math.log(100)))
+    else:
+        c = scale
+    return (qd @ kd.transpose(-1, -2)) * c + bias.double() + mask.double().repeat(BW // nw, 1, 1).unsqueeze(1)
+
+
+TILED32 = dict(TILED, block_m=32, block_n=32)  # 2 key blocks at N=49, the last one partial
+
+
+@pytest.mark.parametrize("cfg", [SMALL, TILED32], ids=["small", "tiled"])
+@pytest.mark.parametrize("cosine", [False, True])
+@pytest.mark.parametrize("mode", ["fp32", "fp32-ieee", "fp16"])
+def test_lse_is_the_logsumexp_of_the_logits(cfg, cosine, mode):
+    """``with_lse``: the natural-log log-sum-exp of each row's logits (split-FP16 scales, cosine and half inputs
+    included) next to an unchanged output; -inf for a fully masked row (-inf shift mask)."""
+    q, k, v, bias, mask, ls = inputs(2, 2, 2, 49, 16, seed=40, mask_fill=float("-inf"))
+    mask[1, 5, :] = float("-inf")
+    dtype = torch.float16 if mode == "fp16" else torch.float32
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out, lse = window_attention_fwd(q, k, v, bias, mask, 2, cosine, ls if cosine else None, 0.3, mode, config=cfg,
+                                    with_lse=True)
+    assert torch.equal(out, window_attention_fwd(q, k, v, bias, mask, 2, cosine, ls if cosine else None, 0.3, mode,
+                                                 config=cfg))
+    s = _logits64(q, k, bias, mask, 2, ls, 0.3, cosine, dtype)
+    gold = torch.logsumexp(s, -1)
+    assert lse.shape == (4, 2, 49) and lse.dtype == torch.float32 and lse.is_contiguous()
+    dead = torch.isneginf(gold)
+    assert dead.sum() == 2 * 2 and torch.isneginf(lse[dead]).all()
+    # the logits' own FP32 / FP16-rounding scale: relative to the row's largest |logit|
+    tol = (2e-6 if dtype == torch.float32 else 5e-4) * (1 + s.abs().masked_fill(s.isinf(), 0).amax(-1))
+    assert ((lse.double() - gold).abs()[~dead] <= tol[~dead]).all()
+
+
+@pytest.mark.parametrize("cfg", [SMALL, TILED32], ids=["small", "tiled"])
+def test_lse_of_prenormalised_half_rows_is_that_of_the_given_rows(cfg):
+    """``normalized=True`` (the training path): cosine q, k come L2-normalised in FP16 and are not normalised
+    again, so the LSE is that of exactly the logits the backward recomputes from them (to FP32 rounding)."""
+    q, k, v, bias, mask, ls = inputs(2, 2, 2, 49, 16, seed=41)
+    q, k = (torch.nn.functional.normalize(t.half(), dim=-1) for t in (q, k))
+    _, lse = window_attention_fwd(q, k, v.half(), bias, mask, 2, True, ls, 1.0, "fp16", config=cfg, with_lse=True,
+                                  normalized=True)
+    s = _logits64(q, k, bias, mask, 2, ls, 1.0, True, torch.float16, normalize=False)
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max() <= 2e-6 * (1 + s.abs().max())
 
 
 # ----------------------------------------------------------------------------- GPU, real sizes
