@@ -88,6 +88,24 @@ def _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, sca
                                    bias_requires_grad=bias_grad)
 
 
+@torch.library.custom_op("visionattn::attention_backward", mutates_args=())
+def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                      attn_mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                      is_causal: bool, scale: float, mode: str,
+                      bias_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense backward as an opaque node of ``torch.compile``'s backward graph: (dq, dk, dv, dbias), an
+    empty tensor standing for a bias gradient not asked for (custom ops return tensors only)."""
+    dq, dk, dv, dbias = _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode,
+                                        bias_grad)
+    return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
+
+
+@_attention_bwd_op.register_fake
+def _(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode, bias_grad):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            bias.new_empty(bias.shape) if bias_grad else q.new_empty(0))
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype = inputs
     out, lse = output
@@ -98,9 +116,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
     is_causal, scale, mode = ctx.args
-    dq, dk, dv, dbias = _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode,
-                                        bias is not None and ctx.needs_input_grad[3])
-    return dq, dk, dv, dbias, None, None, None, None, None, None
+    bias_grad = bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = _attention_bwd_op(q, k, v, bias, attn_mask, out, lse, grad_out.contiguous(), is_causal,
+                                          scale, mode, bias_grad)
+    return dq, dk, dv, dbias if bias_grad else None, None, None, None, None, None, None
 
 
 if _elsa_bwd is not None:
