@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["KernelCall", "PlanCache", "interpreting", "aligned16", "empty_heads_inner"]
+__all__ = ["KernelCall", "PlanCache", "launch", "interpreting", "aligned16", "empty_heads_inner"]
 
 
 def interpreting() -> bool:
@@ -165,3 +165,23 @@ class PlanCache:
     def clear(self) -> None:
         self.plans.clear()
         self.hits = self.builds = 0
+
+
+# (kernel, grid, argument signature, constexprs, options) -> KernelCall; see launch()
+_CALLS: dict = {}
+
+
+def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], options: dict[str, Any]) -> None:
+    """Launch ``fn[grid](*args, **constexprs, **options)`` through a :class:`KernelCall` cached on everything
+    Triton specialises on: every integer argument's value, every tensor argument's dtype and 16-byte alignment,
+    the types of the other arguments, the constexprs and options. For launchers without a plan of their own:
+    building this key costs a few microseconds, far less than the JIT path it replaces on repeated calls."""
+    sig = tuple(a if type(a) is int else (a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else type(a)
+                for a in args)
+    key = (fn, grid, sig, tuple(constexprs.items()), tuple(options.items()))
+    call = _CALLS.get(key)
+    if call is None:
+        if len(_CALLS) >= 4096:
+            _CALLS.clear()
+        call = _CALLS[key] = KernelCall(fn, grid, constexprs, options)
+    call(*args)

@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
-from ._launch import interpreting
+from ._launch import interpreting, launch
 from .elsa_fwd import load_kv_tile
 from .modes import MODES
 
@@ -686,9 +686,9 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
     delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
     lse_row = torch.empty_like(delta)
     pre_m = 64 if BLOCK_DV <= 128 else 32
-    _bwd_preprocess_kernel[(cdiv(Nq, pre_m) * B * H,)](
-        q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
-        BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, num_warps=4)
+    launch(_bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
+           (q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv),
+           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV), dict(num_warps=4))
 
     sb = bias4.stride() if bias4 is not None else (0, 0, 0, 0)
     sa = add_mask.stride() if add_mask is not None else (0, 0, 0)
@@ -704,11 +704,10 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
            mask4 is not None, head_scale is not None, bool(is_causal), cfg)
 
     def run_dkdv(t: KernelTiles):
-        _bwd_dkdv_kernel[(cdiv(Nk, t.block_n) * B * H,)](
-            q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, *strides,
-            H, Nq, Nk, D, Dv, float(scale), n_add,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags,
-            num_warps=t.num_warps, num_stages=t.num_stages)
+        launch(_bwd_dkdv_kernel, (cdiv(Nk, t.block_n) * B * H,),
+               (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, *strides, H, Nq, Nk, D, Dv, float(scale), n_add),
+               dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags),
+               dict(num_warps=t.num_warps, num_stages=t.num_stages))
 
     _run_fitting("dkdv", key, cfg.dkdv, config is not None, run_dkdv)
 
@@ -736,11 +735,11 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
         db = alloc((G, B_OUT, H_OUT, Nq, Nk), device=q.device, dtype=torch.float32) if write_db else delta
         dhs = torch.empty((B, H, n_m), device=q.device, dtype=torch.float32) if write_dhs else delta
         made["db"], made["dhs"] = db, dhs
-        _bwd_dq_kernel[(n_m * B_OUT * H_OUT * G,)](
-            q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, *strides,
-            H, Nq, Nk, D, Dv, float(scale), n_add, B_OUT, H_OUT, R_H, n_red, per_chunk,
-            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, WRITE_DB=write_db,
-            WRITE_DHS=write_dhs, **flags, num_warps=t.num_warps, num_stages=t.num_stages)
+        launch(_bwd_dq_kernel, (n_m * B_OUT * H_OUT * G,),
+               (q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, *strides,
+                H, Nq, Nk, D, Dv, float(scale), n_add, B_OUT, H_OUT, R_H, n_red, per_chunk),
+               dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, WRITE_DB=write_db,
+                    WRITE_DHS=write_dhs, **flags), dict(num_warps=t.num_warps, num_stages=t.num_stages))
 
     _run_fitting("dq", key + (write_db, write_dhs), cfg.dq, config is not None, run_dq)
     dbias = None
