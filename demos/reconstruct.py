@@ -52,6 +52,19 @@ usable, bad --device, weights unavailable or corrupt): one line says why, before
 OUT_DIR is created; 130 Ctrl-C, 143 SIGTERM (temporary folder removed)."""
 
 
+def _max_frames(text: str):
+    """argparse type of --max-frames: a positive int or 'auto'."""
+    if text == "auto":
+        return "auto"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, MODELS
 
@@ -87,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conf-percentile", type=float, default=50.0, metavar="P",
                    help="drop points whose confidence is below this percentile (0..100; 0 keeps all) "
                         "(default: %(default)s)")
-    p.add_argument("--max-frames", type=int, default=None, metavar="N",
+    p.add_argument("--max-frames", type=_max_frames, default=None, metavar="N",
                    help="use only the first N images in natural order, or the first N sampled video frames "
-                        "(decoding stops there) (default: all)")
+                        "(decoding stops there); 'auto': the most frames that fit the free GPU memory, said in "
+                        "the log (default: all)")
     p.add_argument("--fps", type=float, default=None, metavar="F",
                    help="video: keep about F frames per second of video (the first frame of each 1/F s)")
     p.add_argument("--every", type=int, default=None, metavar="N",
@@ -131,8 +145,6 @@ def main(argv=None) -> dict:
         parser.error(f"--conf-percentile {args.conf_percentile} must be in [0, 100]")
     if args.warmup < 0:
         parser.error(f"--warmup {args.warmup} must be >= 0")
-    if args.max_frames is not None and args.max_frames < 1:
-        parser.error(f"--max-frames {args.max_frames} must be >= 1")
     if args.fps is not None and args.every is not None:
         parser.error("--fps and --every are exclusive: pass one of them")
     if args.fps is not None and not args.fps > 0:

@@ -287,3 +287,15 @@ def test_eval_bad_dataset_exit_2(tmp_path, capsys):
                          "--weights", "random-tiny", "--device", "cpu", "--quiet"])
     assert res["exit_code"] == 2 and "no scene" in capsys.readouterr().err
     assert not (tmp_path / "rep").exists()
+
+
+def test_max_frames_auto_and_bad_values(recon, tmp_path, capsys):
+    """``--max-frames auto`` runs (no limit on the CPU); 0 and words other than 'auto' exit 2 before any
+    output."""
+    _, _, src = recon
+    res = demo.main([str(src), "--out", str(tmp_path / "auto"), "--max-frames", "auto", *TINY])
+    assert res["exit_code"] == 0 and res["frames"] == len([p for p in os.listdir(src) if p.endswith(".jpg")])
+    for bad in ("0", "many"):
+        with pytest.raises(SystemExit) as exc:
+            demo.main([str(src), "--out", str(tmp_path / f"bad{bad}"), "--max-frames", bad, *TINY])
+        assert exc.value.code == 2 and not (tmp_path / f"bad{bad}").exists()

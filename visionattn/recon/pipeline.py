@@ -328,7 +328,7 @@ def load_source(source: str, size: int = 518, preprocess: str = "crop", max_fram
 
 def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp32",
                 weights: str = DEFAULT_WEIGHTS, device: str | None = None, conf_percentile: float = 50.0,
-                max_frames: int | None = None, size: int = 518, preprocess: str = "crop",
+                max_frames: int | str | None = None, size: int = 518, preprocess: str = "crop",
                 point_source: str = "depth", seed: int = 0, preview: bool = True,
                 progress: bool = True, warmup: int = 0, log=print, fps: float | None = None,
                 every: int | None = None) -> dict:
@@ -342,6 +342,8 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
 
     Args:
         source: a folder of images or a video file.
+        max_frames: use at most this many frames; ``"auto"``: the most that fit the free GPU memory
+            (:func:`auto_max_frames`; no limit on the CPU), said in the log.
         fps, every: video sampling (see :func:`~visionattn.recon.video.frame_selector`).
 
     Returns:
@@ -357,6 +359,8 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     t_start = time.perf_counter()
     if not 0.0 <= conf_percentile <= 100.0:
         raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
+    if max_frames is not None and max_frames != "auto" and (not isinstance(max_frames, int) or max_frames < 1):
+        raise ValueError(f"max_frames={max_frames!r}; expected a positive int, 'auto' or None")
     _check_mode(mode)
     dev = resolve_device(device)
     check_output_dir(out_dir, inputs=[source])
@@ -375,15 +379,44 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         return _reconstruct_into(tmp, t_start, **opts)
 
 
+def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
+    """The most frames of at most ``size`` x ``size`` pixels whose forward (weights included) fits the free
+    memory of CUDA ``device`` (:func:`visionattn.models.max_frames_that_fit`, FP32 network as the demo runs
+    it); ``None`` on the CPU (no limit).
+
+    Raises:
+        ValueError: not even one frame fits.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    from ..models import max_frames_that_fit
+
+    # the estimate counts the weights, which are allocated already: add them back to the free bytes
+    free = torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_allocated(dev)
+    n = max_frames_that_fit(free, size, size, "fp32", model=net)
+    if n < 1:
+        raise ValueError(f"--max-frames auto: not even one {size}x{size} frame fits the {free / 2**30:.1f} GiB "
+                         f"free on {dev}; free GPU memory or use a smaller --size")
+    return n
+
+
 def _reconstruct_into(tmp, t_start, source, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
                       size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
+    net = None
+    if max_frames == "auto":  # the model first: the frame count depends on the memory left next to it
+        net = build_model(model, weights, mode, dev, seed)
+        max_frames = auto_max_frames(net, dev, size)
+        log(f"--max-frames auto: {max_frames} frames fit on {dev}" if max_frames is not None
+            else f"--max-frames auto: no limit on {dev}")
     loaded = load_source(source, size=size, preprocess=preprocess, max_frames=max_frames, fps=fps, every=every,
                          progress=progress, frames_dir=frames_dir)
     for name, why in loaded.skipped:
         log(f"note: skipped {name!r} ({why})")
-    net = build_model(model, weights, mode, dev, seed)
+    if net is None:
+        net = build_model(model, weights, mode, dev, seed)
     pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup)
     S, H, W = pred["depth"].shape
     tokens = count_tokens(net, S, (H, W))
