@@ -664,17 +664,17 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
     dtype, precision = BWD_MODES[mode]
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    dq = torch.zeros((B, H, Nq, D), device=q.device, dtype=q.dtype)
+    empty = B * H == 0 or Nq == 0 or Nk == 0 or D == 0 or Dv == 0
+    dq = (torch.zeros if empty else torch.empty)((B, H, Nq, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
     dv = torch.empty((B, H, Nk, Dv), device=q.device, dtype=q.dtype)
     db_shape = bias_grad_shape(bias) if bias_requires_grad else None
-    if B * H == 0 or Nq == 0 or Nk == 0 or D == 0 or Dv == 0:
+    if empty:
         dk.zero_()
         dv.zero_()
         dbias = torch.zeros(db_shape, device=q.device, dtype=bias.dtype) if bias_requires_grad else None
         dhs = torch.zeros(H, device=q.device, dtype=torch.float32) if head_scale_requires_grad else None
         return dq, dk, dv, dbias, dhs
-    dq = torch.empty_like(dq)
     shape4 = (B, H, Nq, Nk)
     bias4 = bias.expand(shape4) if bias is not None else None
     mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
