@@ -10,7 +10,8 @@ import torch
 
 from testdata import REPO
 
-from visionattn.recon.export import OPENCV_TO_OPENGL, point_tracks
+from visionattn.recon.cameras import OPENCV_TO_OPENGL
+from visionattn.recon.colmap import point_tracks
 from visionattn.recon.images import preprocess_image
 from visionattn.recon.video import frame_selector, load_video
 

@@ -8,8 +8,14 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
 * :mod:`~visionattn.recon.pipeline` ``build_model``, ``run_model``, ``reconstruct`` (the demo's work).
 * :mod:`~visionattn.recon.outdir`   the output folder: manifest, refusal to replace foreign folders or
   inputs, atomic temp-then-rename writing, SIGTERM handled like Ctrl-C.
-* :mod:`~visionattn.recon.export`   points.ply (open3d), cameras.json, COLMAP text model, 16-bit depth
-  PNG + npy, confidence npy; atomic output folder.
+* :mod:`~visionattn.recon.export`   ``write_reconstruction``: every output file of a run, through the
+  per-format modules below (whose names it re-exports).
+* :mod:`~visionattn.recon.points`   confidence-filtered points, points.ply (open3d).
+* :mod:`~visionattn.recon.cameras`  camera conventions (source-image intrinsics, OpenCV -> OpenGL), cameras.json.
+* :mod:`~visionattn.recon.colmap`   COLMAP sparse model (text, binary with pycolmap), point tracks.
+* :mod:`~visionattn.recon.nerfstudio` nerfstudio transforms.json.
+* :mod:`~visionattn.recon.scene`    scene.glb (points + camera frusta, trimesh).
+* :mod:`~visionattn.recon.depth`    16-bit depth PNG + npy, confidence npy.
 * :mod:`~visionattn.recon.preview`  headless matplotlib preview.png.
 * :mod:`~visionattn.recon.metrics`  pair pose errors, AUC@30/15/5/3 (VGGT protocol), Umeyama Sim(3),
   accuracy / completeness / Chamfer.
@@ -19,4 +25,5 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
 Command line: ``python demos/reconstruct.py --help``.
 """
 
-__all__ = ["images", "pipeline", "outdir", "export", "preview", "metrics", "datasets", "evaluate"]
+__all__ = ["images", "pipeline", "outdir", "export", "points", "cameras", "colmap", "nerfstudio", "scene", "depth",
+           "preview", "metrics", "datasets", "evaluate"]

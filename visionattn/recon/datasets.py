@@ -220,7 +220,7 @@ def load_scenes(root: str, layout: str = "auto", categories=None, max_sequences:
 
 def read_ply_points(path: str) -> np.ndarray:
     """Points [N, 3] float64 of a PLY file (open3d)."""
-    from .export import require_open3d
+    from .points import require_open3d
 
     pcd = require_open3d().io.read_point_cloud(path)
     pts = np.asarray(pcd.points, dtype=np.float64)

@@ -16,9 +16,9 @@ import torch
 
 from . import metrics as M
 from .datasets import Scene, read_ply_points
-from .export import select_points
 from .images import load_images
 from .pipeline import build_model, run_model
+from .points import select_points
 
 __all__ = ["evaluate_scene", "evaluate_scenes", "compare_predictions", "mode_agreement"]
 

@@ -215,7 +215,7 @@ def nearest_distances(query, reference) -> np.ndarray:
 
     Uses open3d's KD-tree (``PointCloud.compute_point_cloud_distance``).
     """
-    from .export import require_open3d
+    from .points import require_open3d
 
     o3d = require_open3d()
     q, r = o3d.geometry.PointCloud(), o3d.geometry.PointCloud()

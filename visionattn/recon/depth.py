@@ -1,0 +1,64 @@
+"""Depth maps on disk: ``depth/NAME.png`` (16-bit, one scale for all frames), ``depth/NAME.npy``
+and ``confidence/NAME.npy``.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+__all__ = ["depth_to_source_pixels", "depth_png_scale", "write_depth"]
+
+
+def depth_to_source_pixels(depth: np.ndarray, affine, size) -> np.ndarray:
+    """Resample a depth map of the model's frame [H, W] onto the source image's pixel grid.
+
+    Each source pixel takes the depth of the model pixel its centre maps to
+    (nearest; ``affine`` as in :class:`~visionattn.recon.images.LoadedImages`);
+    pixels outside the model's frame (cropped away) get NaN.
+
+    Returns:
+        float32 [height, width] for ``size`` = (width, height).
+    """
+    sx, sy, ox, oy = affine
+    w, h = size
+    H, W = depth.shape
+    u = np.round(sx * np.arange(w) + ox).astype(np.int64)
+    v = np.round(sy * np.arange(h) + oy).astype(np.int64)
+    out = np.full((h, w), np.nan, np.float32)
+    ku, kv = (u >= 0) & (u < W), (v >= 0) & (v < H)
+    out[np.ix_(kv, ku)] = depth[np.ix_(v[kv], u[ku])]
+    return out
+
+
+def depth_png_scale(depth: np.ndarray) -> float:
+    """The one uint16 scale for every depth PNG: 65535 / the largest finite positive depth of all frames."""
+    d = np.asarray(depth)
+    valid = np.isfinite(d) & (d > 0)
+    return 65535.0 / float(d[valid].max()) if valid.any() else 1.0
+
+
+def write_depth(folder_depth: str, folder_conf: str, name: str, depth: np.ndarray, conf: np.ndarray | None,
+                scale: float, affine=None, size=None) -> None:
+    """Write ``depth/NAME.npy`` (float32), ``depth/NAME.png`` (uint16) and ``confidence/NAME.npy``.
+
+    The PNG stores ``round(depth * scale)`` (0 where depth is non-finite, <= 0 or
+    cropped away), in source-image pixels when ``affine`` and ``size`` (width,
+    height) are given, else in the model's pixels. ``scale`` is shared by all
+    frames (see :func:`depth_png_scale`) and also stored in the PNG's
+    ``depth_scale`` text chunk. ``depth`` and ``conf`` are [H, W].
+    """
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    depth = np.asarray(depth, dtype=np.float32)
+    np.save(os.path.join(folder_depth, f"{name}.npy"), depth)
+    if conf is not None:
+        np.save(os.path.join(folder_conf, f"{name}.npy"), np.asarray(conf, dtype=np.float32))
+    d = depth_to_source_pixels(depth, affine, size) if affine is not None else depth
+    valid = np.isfinite(d) & (d > 0)
+    png = np.round(np.where(valid, d, 0.0).astype(np.float64) * scale).clip(0, 65535).astype(np.uint16)
+    info = PngInfo()
+    info.add_text("depth_scale", repr(scale))
+    info.add_text("description", "depth = value / depth_scale (0 = invalid)")
+    Image.fromarray(png).save(os.path.join(folder_depth, f"{name}.png"), pnginfo=info)

@@ -1,0 +1,81 @@
+"""Point clouds from per-pixel point maps: confidence filtering and the coloured PLY (open3d).
+
+open3d is optional (the ``[recon]`` extra): :func:`require_open3d` imports it or raises
+:class:`MissingDependencyError` naming the fix.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["MissingDependencyError", "require_open3d", "select_points", "write_ply"]
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency of the reconstruction outputs is missing or cannot load."""
+
+
+def require_open3d():
+    """Import and return open3d, or raise :class:`MissingDependencyError` naming the fix.
+
+    open3d is the ``[recon]`` extra; its Linux wheels also need the system library
+    libusb-1.0 (Debian/Ubuntu: ``apt-get install libusb-1.0-0``).
+    """
+    try:
+        import open3d
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"the reconstruction outputs need open3d, which failed to import ({exc}). Install it with "
+            "`pip install \"visionattn[recon]\"`; on Debian/Ubuntu open3d also needs "
+            "`apt-get install libusb-1.0-0`.") from exc
+    return open3d
+
+
+def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
+                  conf_percentile: float = 50.0, max_points: int | None = None, seed: int = 0):
+    """Confidence-filter a per-pixel point map.
+
+    Args:
+        points: [S, H, W, 3] world points.
+        colors: [S, H, W, 3] colours in [0, 1].
+        conf: [S, H, W] confidence (larger is better).
+        conf_percentile: drop points whose confidence is below this percentile (0..100)
+            of the finite confidences; 0 keeps every finite point.
+        max_points: if set, keep a random subset of at most this many (seeded).
+
+    Returns:
+        (xyz float32 [N, 3], rgb float32 [N, 3], frame index int32 [N], pixel index int64 [N]).
+
+    Raises:
+        ValueError: shapes disagree or ``conf_percentile`` outside [0, 100].
+    """
+    if not 0.0 <= conf_percentile <= 100.0:
+        raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
+    if points.shape[:-1] != conf.shape or colors.shape != points.shape:
+        raise ValueError(f"shapes disagree: points {points.shape}, colors {colors.shape}, conf {conf.shape}")
+    finite = np.isfinite(points).all(-1) & np.isfinite(conf)
+    keep = finite.copy()
+    if conf_percentile > 0 and finite.any():
+        thr = np.percentile(conf[finite], conf_percentile)
+        keep &= conf >= thr
+    idx = np.flatnonzero(keep.reshape(-1))
+    if max_points is not None and idx.size > max_points:
+        idx = np.sort(np.random.default_rng(seed).choice(idx, size=max_points, replace=False))
+    hw = conf.shape[1] * conf.shape[2]
+    xyz = points.reshape(-1, 3)[idx].astype(np.float32)
+    rgb = np.clip(colors.reshape(-1, 3)[idx], 0.0, 1.0).astype(np.float32)
+    return xyz, rgb, (idx // hw).astype(np.int32), (idx % hw).astype(np.int64)
+
+
+def write_ply(path: str, xyz: np.ndarray, rgb: np.ndarray) -> None:
+    """Write a coloured point cloud with open3d (binary PLY).
+
+    Raises:
+        MissingDependencyError: see :func:`require_open3d`.
+        OSError: open3d reported a failed write.
+    """
+    o3d = require_open3d()
+    pcd = o3d.geometry.PointCloud()
+    pcd.points = o3d.utility.Vector3dVector(np.asarray(xyz, dtype=np.float64).reshape(-1, 3))
+    pcd.colors = o3d.utility.Vector3dVector(np.asarray(rgb, dtype=np.float64).reshape(-1, 3))
+    if not o3d.io.write_point_cloud(path, pcd, write_ascii=False):
+        raise OSError(f"open3d could not write {path!r}")

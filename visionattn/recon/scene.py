@@ -1,0 +1,53 @@
+"""``scene.glb``: the point cloud and the camera frusta as one glTF binary scene (trimesh)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .cameras import OPENCV_TO_OPENGL
+
+__all__ = ["write_glb"]
+
+
+def write_glb(path: str, xyz, rgb, extrinsics, intrinsics, image_hw, max_points: int = 2_000_000,
+              frustum_scale: float | None = None, seed: int = 0) -> dict:
+    """A glTF binary scene: the point cloud (POINTS) and one frustum (LINES) per camera, via trimesh.
+
+    glTF is y-up with the viewer looking down -z, so the world is turned by
+    :data:`OPENCV_TO_OPENGL` (x, -y, -z): the first camera looks into the screen,
+    upright. Frusta have the shape of each camera's field of view (``intrinsics``
+    for the model's frame ``image_hw``), depth ``frustum_scale`` (default: 5 % of
+    the cloud's extent). At most ``max_points`` points (a seeded random subset).
+
+    Returns:
+        dict with ``points`` (written) and ``cameras``.
+    """
+    import trimesh
+
+    xyz = np.asarray(xyz, np.float64).reshape(-1, 3)
+    rgb = np.asarray(rgb, np.float64).reshape(-1, 3)
+    if len(xyz) > max_points:
+        idx = np.sort(np.random.default_rng(seed).choice(len(xyz), max_points, replace=False))
+        xyz, rgb = xyz[idx], rgb[idx]
+    H, W = image_hw
+    centers = [-np.asarray(E)[:, :3].T @ np.asarray(E)[:, 3] for E in extrinsics]
+    if frustum_scale is None:
+        span = np.ptp(np.concatenate([xyz, np.array(centers)]), axis=0).max() if len(xyz) else 1.0
+        frustum_scale = 0.05 * float(span) if span > 0 else 0.1
+    scene = trimesh.Scene()
+    colors = np.concatenate([np.clip(np.round(rgb * 255), 0, 255), np.full((len(rgb), 1), 255)], 1).astype(np.uint8)
+    if len(xyz):
+        scene.add_geometry(trimesh.PointCloud(xyz @ OPENCV_TO_OPENGL.T, colors=colors), geom_name="points")
+    for i, E in enumerate(extrinsics):
+        E, K = np.asarray(E, np.float64), np.asarray(intrinsics[i], np.float64)
+        corners_px = np.array([[0, 0, 1], [W, 0, 1], [W, H, 1], [0, H, 1]], np.float64)
+        rays = corners_px @ np.linalg.inv(K).T
+        corners_cam = rays / rays[:, 2:3] * frustum_scale
+        world = (corners_cam - E[:, 3]) @ E[:, :3]  # R^T (x - t)
+        c = centers[i]
+        segs = [[c, world[k]] for k in range(4)] + [[world[k], world[(k + 1) % 4]] for k in range(4)]
+        path3d = trimesh.load_path(np.asarray(segs) @ OPENCV_TO_OPENGL.T)
+        path3d.colors = np.tile([255, 64, 32, 255] if i == 0 else [40, 120, 255, 255], (len(path3d.entities), 1))
+        scene.add_geometry(path3d, geom_name=f"camera_{i:04d}")
+    with open(path, "wb") as f:
+        f.write(scene.export(file_type="glb"))
+    return {"points": int(len(xyz)), "cameras": len(extrinsics)}
