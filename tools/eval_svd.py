@@ -22,18 +22,13 @@ Models: a hub id (``stabilityai/stable-video-diffusion-img2vid`` 14 frames,
 ``...-img2vid-xt`` 25 frames), a local directory with the diffusers layout, or
 ``tiny-random`` (the whole pipeline from small configs with random weights, for CI).
 
-``--attention-bench`` instead times the attention modules of SVD's UNet at real
-shapes (levels 320/640/1280/1280 channels, 5/10/20/20 heads of 64, 9216 spatial
-tokens at 576x1024, 25 frames, CFG batch 2): spatial and temporal self / cross
-attention, each mode vs diffusers' default processor, random weights.
-``--unet-bench`` times one forward of the full-size SVD UNet (random weights).
+Benchmarks of SVD's attention modules and UNet at real shapes: tools/bench_svd_attention.py.
 
 Usage:
   python tools/eval_svd.py --image tests/data/photos/squirrel_cls.jpg --out out/svd \\
       --model stabilityai/stable-video-diffusion-img2vid-xt --frames 25 --modes native-fp16,fp16,pasa,fp32
   python tools/eval_svd.py --model tiny-random --image tests/data/photos/apple.jpg --frames 4 --steps 2 \\
       --height 64 --width 64 --out /tmp/svd_tiny
-  python tools/eval_svd.py --attention-bench --out out/svd_attention_h100   # GPU
 """
 from __future__ import annotations
 
@@ -49,151 +44,19 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, positive_int,  # noqa: E402
-                  nonnegative_float)
+from _cli import ToolParser, check_output, default_out, nonnegative_float, nonnegative_int, positive_int  # noqa: E402
+from _svd_common import (DTYPE_NAMES, MODEL_IDS, NATIVE, add_run_args, check_run_args, jsonable,  # noqa: E402
+                         load_pipeline, parse_modes, run_dtype)
 
-from visionattn.metrics import rel_l2  # noqa: E402
-from visionattn.modes import get_mode, mode_names  # noqa: E402
-from visionattn.patching.diffusers import (  # noqa: E402
-    ELSAAttnProcessor, overflow_counts, patch_diffusers,
-                                           reset_overflow_counts, unpatch_diffusers)
-from visionattn.reporting import (Stopwatch, atomic_path, environment, markdown_table, sample_ms,  # noqa: E402
-                                  tf32_disabled, write_json_atomic, write_text_atomic)
-
-MODEL_IDS = ("stabilityai/stable-video-diffusion-img2vid", "stabilityai/stable-video-diffusion-img2vid-xt")
-NATIVE = {"native": None, "native-fp32": torch.float32, "native-fp16": torch.float16, "native-bf16": torch.bfloat16}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-# SVD UNet (UNetSpatioTemporalConditionModel defaults = the released config).
-SVD_LEVELS = ((320, 5), (640, 10), (1280, 20), (1280, 20))
-SVD_CROSS_DIM = 1024
-
-
-# ------------------------------------------------------------------------------------------------
-# pipelines
-# ------------------------------------------------------------------------------------------------
-def build_tiny_pipeline(seed: int = 0, num_frames: int = 4):
-    """The full SVD pipeline from small configs with random weights (float32, CPU).
-
-    UNetSpatioTemporalConditionModel (channels 32/64, 2/4 heads, spatial and temporal
-    self + cross attention), AutoencoderKLTemporalDecoder (mid-block attention),
-    CLIPVisionModelWithProjection (224 px input as the pipeline resizes to it),
-    EulerDiscreteScheduler (SVD's settings), CLIPImageProcessor. Deterministic in ``seed``.
-    """
-    from diffusers import (AutoencoderKLTemporalDecoder, EulerDiscreteScheduler, StableVideoDiffusionPipeline,
-                           UNetSpatioTemporalConditionModel)
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        unet = UNetSpatioTemporalConditionModel(
-            sample_size=8, in_channels=8, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
-            down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
-            up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
-            cross_attention_dim=32, num_attention_heads=(2, 4), addition_time_embed_dim=32,
-            projection_class_embeddings_input_dim=96, num_frames=num_frames)
-        vae = AutoencoderKLTemporalDecoder(
-            in_channels=3, out_channels=3, block_out_channels=(32, 32, 32, 32), layers_per_block=1,
-            down_block_types=("DownEncoderBlock2D",) * 4, latent_channels=4)  # 8x downsampling as SVD
-        image_encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
-            hidden_size=32, projection_dim=32, num_hidden_layers=2, num_attention_heads=4, image_size=224,
-            patch_size=32, intermediate_size=37))
-    scheduler = EulerDiscreteScheduler(
-        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-        prediction_type="v_prediction", interpolation_type="linear", use_karras_sigmas=True, sigma_min=0.002,
-        sigma_max=700.0, timestep_spacing="leading", timestep_type="continuous", steps_offset=1)
-    return StableVideoDiffusionPipeline(vae=vae, image_encoder=image_encoder, unet=unet, scheduler=scheduler,
-                                        feature_extractor=CLIPImageProcessor(crop_size=224, size=224))
-
-
-def _hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def _offline_message(model: str, err: Exception) -> str:
-    return (f"could not load the SVD pipeline '{model}' ({type(err).__name__}: {err}). No network or no cached "
-            f"copy: on a machine that reaches huggingface.co run `hf download {model} --local-dir DIR` (the "
-            f"repository is gated: accept its licence and log in first), copy DIR here and pass --model DIR; or "
-            f"pre-fill the Hugging Face cache (HF_HOME) and keep HF_HUB_OFFLINE=1. For a weight-free run use "
-            f"--model tiny-random.")
-
-
-def load_pipeline(model: str, dtype: torch.dtype, device: str, *, variant: str = "auto", seed: int = 0,
-                  num_frames: int = 14, offline: bool | None = None):
-    """Load (or build) a ``StableVideoDiffusionPipeline`` in ``dtype`` on ``device``.
-
-    Args:
-        model: ``tiny-random``, a local diffusers directory, or a hub id.
-        dtype: float32 / float16 / bfloat16.
-        device: ``cuda`` / ``cpu``.
-        variant: weight variant; ``auto`` = ``fp16`` for hub ids (the files SVD ships), none for local dirs.
-        seed: weights seed for ``tiny-random``.
-        num_frames: ``tiny-random`` UNet's default frame count.
-        offline: never touch the network; default ``huggingface_hub.constants.HF_HUB_OFFLINE``.
-
-    Raises:
-        FileNotFoundError: ``model`` looks like a path but is not a directory.
-        RuntimeError: the hub model is neither cached nor downloadable; the message names the model id
-            and how to pass a local directory.
-    """
-    from diffusers import StableVideoDiffusionPipeline
-
-    if model == "tiny-random":
-        return build_tiny_pipeline(seed, num_frames).to(device=device, dtype=dtype)
-    if os.path.isdir(model):
-        var = None if variant in ("auto", "none") else variant
-        return StableVideoDiffusionPipeline.from_pretrained(model, torch_dtype=dtype, variant=var,
-                                                            local_files_only=True).to(device)
-    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").split("/", 1)[-1]:
-        raise FileNotFoundError(f"--model {model!r} is not a directory; pass a local diffusers folder of "
-                                f"{MODEL_IDS[0]} (or -xt), a hub id, or tiny-random")
-    var = "fp16" if variant == "auto" else (None if variant == "none" else variant)
-    offline = _hub_offline() if offline is None else offline
-    try:  # the local cache first: no network, fast
-        return StableVideoDiffusionPipeline.from_pretrained(model, torch_dtype=dtype, variant=var,
-                                                            local_files_only=True).to(device)
-    except Exception as e:  # noqa: BLE001 - diffusers raises OSError / EnvironmentError / hub errors
-        if offline:
-            raise RuntimeError(_offline_message(model, e)) from e
-    try:
-        return StableVideoDiffusionPipeline.from_pretrained(model, torch_dtype=dtype, variant=var).to(device)
-    except Exception as e:  # noqa: BLE001
-        raise RuntimeError(_offline_message(model, e)) from e
+from visionattn.patching.diffusers import (overflow_counts, patch_diffusers, reset_overflow_counts,  # noqa: E402
+                                           unpatch_diffusers)
+from visionattn.reporting import (Stopwatch, atomic_path, environment, markdown_table, tf32_disabled,  # noqa: E402
+                                  write_json_atomic, write_text_atomic)
 
 
 # ------------------------------------------------------------------------------------------------
 # runs
 # ------------------------------------------------------------------------------------------------
-def parse_modes(text: str, reference: str) -> list[str]:
-    """Comma list -> run names, reference first, duplicates removed.
-
-    Raises:
-        ValueError: a name that is neither a visionattn mode nor ``native[-fp32|-fp16|-bf16]``.
-    """
-    names = [m.strip() for m in text.split(",") if m.strip()]
-    allowed = set(mode_names()) | set(NATIVE)
-    for m in names + [reference]:
-        if m not in allowed:
-            raise ValueError(f"--modes / --reference: {m!r} is not known; expected visionattn modes "
-                             f"{mode_names()} or {list(NATIVE)}")
-    out = [reference] + [m for m in names if m != reference]
-    return list(dict.fromkeys(out))
-
-
-def run_dtype(name: str, dtype_arg: str, device: str) -> torch.dtype:
-    """Pipeline dtype of run ``name`` (see the module docstring)."""
-    if NATIVE.get(name) is not None:
-        return NATIVE[name]
-    if dtype_arg != "auto":
-        return DTYPES[dtype_arg]
-    if device == "cpu" or name == "native":
-        return torch.float32
-    cd = get_mode(name).compute_dtype
-    return cd if cd in (torch.float16, torch.bfloat16) else torch.float32
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -346,16 +209,6 @@ def write_png(path: str, image) -> None:
         image.save(tmp, format="PNG")
 
 
-def _jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
 def to_markdown(res: dict) -> str:
     env, cfg = res["environment"], res["config"]
     lines = [f"# SVD img2vid per attention mode ({cfg['model']})\n",
@@ -447,165 +300,9 @@ def evaluate(args) -> dict:
     write_png(os.path.join(args.out, "compare.png"),
               frame_grid([outputs[n] for n in runs], runs, args.grid_cols))
     res["files"] = sorted(os.listdir(args.out))
-    res = _jsonable(res)
+    res = jsonable(res)
     write_json_atomic(os.path.join(args.out, "results.json"), res)
     write_text_atomic(os.path.join(args.out, "results.md"), to_markdown(res))
-    return res
-
-
-# ------------------------------------------------------------------------------------------------
-# attention / UNet benchmarks at real SVD shapes
-# ------------------------------------------------------------------------------------------------
-def svd_attention_cases(height: int, width: int, frames: int, levels: int, batch: int = 2) -> list[dict]:
-    """SVD UNet attention shapes per level: spatial self/cross over H*W tokens, temporal self/cross over frames.
-
-    Level l has latent (height/8/2^l) x (width/8/2^l) tokens; spatial attention runs on
-    batch*frames sequences, temporal attention on batch*tokens sequences; cross attention
-    attends to one CLIP image token of 1024 channels (SVD_CROSS_DIM).
-    """
-    cases = []
-    for lvl, (ch, heads) in enumerate(SVD_LEVELS[:levels]):
-        n = (height // 8 >> lvl) * (width // 8 >> lvl)
-        for kind, seqs, tokens, cross in (("spatial-self", batch * frames, n, False),
-                                          ("spatial-cross", batch * frames, n, True),
-                                          ("temporal-self", batch * n, frames, False),
-                                          ("temporal-cross", batch * n, frames, True)):
-            cases.append({"level": lvl, "kind": kind, "channels": ch, "heads": heads, "head_dim": ch // heads,
-                          "sequences": seqs, "tokens": tokens, "kv_tokens": 1 if cross else tokens, "cross": cross})
-    return cases
-
-
-def _time_call(fn, device: str, reps: int, warmup: int) -> tuple[float, float | None]:
-    """Median ms of ``fn()`` and its peak extra GiB (CUDA) — CUDA events on GPU, perf_counter on CPU."""
-    cuda = device.startswith("cuda")
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    times = sample_ms(fn, device, warmup=0, reps=reps)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
-    return float(np.median(times)), peak
-
-
-def attention_bench(args) -> dict:
-    """Per-mode time / peak memory / error of SVD's attention modules at real shapes vs diffusers' default."""
-    from diffusers.models.attention_processor import Attention, AttnProcessor2_0
-
-    device = args.device
-    runs = parse_modes(args.modes, "native-fp32")
-    cases = svd_attention_cases(args.height, args.width, args.frames, args.bench_levels)
-    res = {"environment": environment(), "config": vars(args), "cases": []}
-    g = torch.Generator("cpu").manual_seed(args.seed)
-    for case in tqdm(cases, desc="attention cases", disable=args.quiet):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(args.seed)
-            attn = Attention(query_dim=case["channels"], heads=case["heads"], dim_head=case["head_dim"],
-                             cross_attention_dim=SVD_CROSS_DIM if case["cross"] else None).eval()
-        x = torch.randn(case["sequences"], case["tokens"], case["channels"], generator=g)
-        enc = torch.randn(case["sequences"], 1, SVD_CROSS_DIM, generator=g) if case["cross"] else None
-        row = dict(case, runs={})
-        ref = None
-        for name in runs:
-            dtype = run_dtype(name, args.dtype, device)
-            attn.to(device=device, dtype=dtype)
-            attn.set_processor(AttnProcessor2_0() if name in NATIVE else ELSAAttnProcessor(name, count_overflow=False))
-            xi = x.to(device, dtype)
-            ei = enc.to(device, dtype) if enc is not None else None
-            with torch.no_grad():
-                fn = lambda: attn(xi, encoder_hidden_states=ei)  # noqa: E731
-                y = fn().float().cpu()
-                ms, gib = _time_call(fn, device, args.bench_reps, args.bench_warmup)
-            ref = y if ref is None else ref
-            row["runs"][name] = {"dtype": DTYPE_NAMES[dtype], "ms": ms, "peak_extra_gib": gib,
-                                 "rel_l2_vs_native_fp32": rel_l2(y, ref), "finite": bool(torch.isfinite(y).all())}
-            del xi, ei
-        attn.to("cpu")
-        res["cases"].append(row)
-    res = _jsonable(res)
-    header = ["level", "kind", "seqs x heads x N x d -> M"] + [f"{r} ms" for r in runs] + \
-             [f"{r} GiB" for r in runs] + [f"{r} rel err" for r in runs[1:]]
-    rows = []
-    for c in res["cases"]:
-        r = c["runs"]
-        rows.append([c["level"], c["kind"], f"{c['sequences']}x{c['heads']}x{c['tokens']}x{c['head_dim']} -> {c['kv_tokens']}"]
-                    + [r[n]["ms"] for n in runs] + ["-" if r[n]["peak_extra_gib"] is None else r[n]["peak_extra_gib"]
-                                                     for n in runs] + [r[n]["rel_l2_vs_native_fp32"] for n in runs[1:]])
-    env = res["environment"]
-    md = [f"# SVD attention at real shapes ({args.height}x{args.width}, {args.frames} frames, CFG batch 2)\n",
-          f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, diffusers {env['diffusers']}; "
-          f"command: `{env['command']}`\n",
-          "Whole diffusers `Attention` module forward (projections + attention), random weights, median of "
-          f"{args.bench_reps} after {args.bench_warmup} warm-up; `native*` = diffusers' AttnProcessor2_0 (SDPA); "
-          "peak extra memory over the inputs; rel err = relative L2 vs native-fp32.\n",
-          markdown_table(rows, header)]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out + ".json")), exist_ok=True)
-    write_json_atomic(args.out + ".json", res)
-    write_text_atomic(args.out + ".md", "\n".join(md))
-    return res
-
-
-def unet_bench(args) -> dict:
-    """One full-size SVD UNet forward (random weights, CFG batch 2) per mode: time, peak memory, NaN, error."""
-    from diffusers import UNetSpatioTemporalConditionModel
-
-    device = args.device
-    runs = parse_modes(args.modes, "native-fp32")
-    h, w = args.height // 8, args.width // 8
-    g = torch.Generator("cpu").manual_seed(args.seed)
-    x = torch.randn(2, args.frames, 8, h, w, generator=g)
-    enc = torch.randn(2, 1, SVD_CROSS_DIM if args.unet_config == "svd" else 32, generator=g)
-    t = torch.tensor([1.0])
-    ids = torch.tensor([[6.0, 127.0, 0.02]]).repeat(2, 1)
-    res = {"environment": environment(), "config": vars(args), "runs": {}}
-    plan = [(name, run_dtype(name, args.dtype, device)) for name in runs]
-    order = sorted(range(len(plan)), key=lambda i: (DTYPE_NAMES[plan[i][1]] != "fp32", DTYPE_NAMES[plan[i][1]], i))
-    outputs, unet, unet_dtype = {}, None, None
-    for i in tqdm(order, desc="unet modes", disable=args.quiet):
-        name, dtype = plan[i]
-        if dtype != unet_dtype:  # rebuild from the seed per dtype: the same float32 weights, rounded once
-            unet = None
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-            torch.manual_seed(args.seed)  # a tool: process-wide RNG use is fine here
-            with torch.device(device):
-                unet = (UNetSpatioTemporalConditionModel(num_frames=args.frames) if args.unet_config == "svd"
-                        else build_tiny_pipeline(args.seed, args.frames).unet).eval()
-            unet.to(device=device, dtype=dtype)
-            unet_dtype = dtype
-        if name not in NATIVE:
-            patch_diffusers(unet, name, count_overflow=True)
-        inputs = [a.to(device, dtype) for a in (x, t, enc, ids)]
-        try:
-            with torch.no_grad():
-                fn = lambda: unet(*inputs).sample  # noqa: E731
-                y = fn().float().cpu()
-                ms, gib = _time_call(fn, device, args.bench_reps, args.bench_warmup)
-            ov = overflow_counts(unet) if name not in NATIVE else None
-        finally:
-            if name not in NATIVE:
-                unpatch_diffusers(unet)
-        outputs[name] = y
-        res["runs"][name] = {"dtype": DTYPE_NAMES[dtype], "ms": ms, "peak_extra_gib": gib,
-                             "finite": bool(torch.isfinite(y).all()), "overflow": ov}
-        del inputs
-    res["runs"] = {name: res["runs"][name] for name in runs}
-    for name in runs:
-        res["runs"][name]["rel_l2_vs_native_fp32"] = rel_l2(outputs[name], outputs["native-fp32"])
-    res = _jsonable(res)
-    env = res["environment"]
-    rows = [[n, r["dtype"], r["ms"], "-" if r["peak_extra_gib"] is None else r["peak_extra_gib"], r["finite"],
-             r["rel_l2_vs_native_fp32"], "-" if r["overflow"] is None else r["overflow"]["overflow_events"]]
-            for n, r in res["runs"].items()]
-    md = [f"# Full-size SVD UNet forward ({args.height}x{args.width}, {args.frames} frames, CFG batch 2, random weights)\n",
-          f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, diffusers {env['diffusers']}; "
-          f"command: `{env['command']}`\n",
-          markdown_table(rows, ["run", "dtype", "ms", "peak extra GiB", "finite", "rel err vs native-fp32",
-                                "overflow events"])]
-    write_json_atomic(args.out + ".json", res)
-    write_text_atomic(args.out + ".md", "\n".join(md))
     return res
 
 
@@ -618,16 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=MODEL_IDS[0],
                    help=f"hub id ({', '.join(MODEL_IDS)}), a local diffusers directory, or tiny-random")
     p.add_argument("--variant", default="auto", help="weight variant: auto (fp16 for hub ids), none, or a name")
-    p.add_argument("--modes", default="native-fp16,fp16,pasa,fp32",
-                   help=f"comma list of runs: visionattn modes {mode_names()} or {list(NATIVE)}")
+    add_run_args(p, "native-fp16,fp16,pasa,fp32")
     p.add_argument("--reference", default="fp32", help="run every other run is compared with (added if missing)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                   help="pipeline dtype for non-native runs; auto: the mode's dtype on CUDA, fp32 on CPU")
-    p.add_argument("--frames", type=positive_int, default=14, help="video frames (14 for img2vid, 25 for img2vid-xt)")
     p.add_argument("--steps", type=positive_int, default=25, help="denoising steps")
-    p.add_argument("--seed", type=int, default=0, help="seed of the latents, noise augmentation and tiny weights")
-    p.add_argument("--height", type=positive_int, default=576, help="video height in pixels (multiple of 8)")
-    p.add_argument("--width", type=positive_int, default=1024, help="video width in pixels (multiple of 8)")
     p.add_argument("--fps", type=positive_int, default=7, help="fps conditioning and mp4 frame rate")
     p.add_argument("--motion-bucket-id", type=nonnegative_int, default=127, help="SVD motion conditioning")
     p.add_argument("--noise-aug", type=nonnegative_float, default=0.02, help="noise augmentation strength of the image")
@@ -638,56 +328,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=nonnegative_int, default=None,
                    help="untimed 1-step generations per run before the measured one (default 1 on CUDA, 0 on CPU)")
     p.add_argument("--grid-cols", type=positive_int, default=8, help="frames per row in the PNG grids")
-    p.add_argument("--out", default=None,
-                   help="output folder (generation; default out/eval_svd) or path without extension "
-                        "(--attention-bench / --unet-bench; default out/svd_attention, out/svd_unet)")
+    p.add_argument("--out", default=None, help="output folder (default out/eval_svd)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--attention-bench", action="store_true",
-                   help="time SVD's attention modules at real shapes per mode instead of generating")
-    p.add_argument("--unet-bench", action="store_true",
-                   help="time one full-size SVD UNet forward (random weights) per mode instead of generating")
-    p.add_argument("--unet-config", default="svd", choices=["svd", "tiny"],
-                   help="--unet-bench UNet: the released SVD config (1.5B parameters) or the tiny-random one (tests)")
-    p.add_argument("--bench-levels", type=int, default=4, choices=[1, 2, 3, 4], help="UNet levels in --attention-bench")
-    p.add_argument("--bench-reps", type=positive_int, default=10, help="timed repetitions per benchmark case")
-    p.add_argument("--bench-warmup", type=nonnegative_int, default=2, help="untimed repetitions per benchmark case")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
 def check_args(parser: ToolParser, args) -> None:
     """Every argument checked (exit 2 with one line) and the defaults resolved, before any work."""
-    if args.attention_bench and args.unet_bench:
-        parser.error("--attention-bench / --unet-bench: pass one of them per call")
-    bench = args.attention_bench or args.unet_bench
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = check_device(parser, args.device)
+    device = check_run_args(parser, args, args.reference)
     if args.warmup is None:
         args.warmup = 1 if device.type == "cuda" else 0
-    if args.height % 8 or args.width % 8:
-        parser.error(f"--height {args.height} / --width {args.width}: both must be multiples of 8")
-    if bench and args.modes == parser.get_default("modes"):
-        args.modes = "native-fp32,native-fp16,fp32,tf32,fp16,pasa"
-    try:
-        parse_modes(args.modes, args.reference)
-    except ValueError as e:
-        parser.error(str(e))
-    if not bench:
-        if args.image is None or not os.path.isfile(args.image):
-            parser.error(f"--image {args.image!r} is not a file; pass a photo (e.g. tests/data/photos/apple.jpg)")
-        local = args.model.startswith((".", "/", "~")) or os.sep in args.model.strip("/").split("/", 1)[-1]
-        if args.model != "tiny-random" and local and not os.path.isdir(args.model):
-            parser.error(f"--model {args.model!r} is not a directory; pass a local diffusers folder of "
-                         f"{MODEL_IDS[0]} (or -xt), a hub id, or tiny-random")
+    if args.image is None or not os.path.isfile(args.image):
+        parser.error(f"--image {args.image!r} is not a file; pass a photo (e.g. tests/data/photos/apple.jpg)")
+    local = args.model.startswith((".", "/", "~")) or os.sep in args.model.strip("/").split("/", 1)[-1]
+    if args.model != "tiny-random" and local and not os.path.isdir(args.model):
+        parser.error(f"--model {args.model!r} is not a directory; pass a local diffusers folder of "
+                     f"{MODEL_IDS[0]} (or -xt), a hub id, or tiny-random")
     if args.out is None:
-        args.out = default_out("svd_attention" if args.attention_bench else "svd_unet" if args.unet_bench
-                               else "eval_svd")
-    check_output(parser, args.out, folder=not bench)
+        args.out = default_out("eval_svd")
+    check_output(parser, args.out, folder=True)
 
 
 def main(argv=None) -> dict:
-    """Parse ``argv``, check it, and run the generation study or a benchmark; returns the results dict.
+    """Parse ``argv``, check it, and run the generation study; returns the results dict.
 
     TF32 is off for PyTorch matmuls and cuDNN convolutions while it runs (said in
     the output), so fp32 runs compare FP32 with FP32.
@@ -697,17 +361,9 @@ def main(argv=None) -> dict:
     check_args(parser, args)
     with tf32_disabled() as settings:
         print(f"process-wide settings for this run: {settings}")
-        return _main(args)
-
-
-def _main(args) -> dict:
-    if args.attention_bench or args.unet_bench:
-        res = attention_bench(args) if args.attention_bench else unet_bench(args)
-        print(open(args.out + ".md").read())
+        res = evaluate(args)
+        print(open(os.path.join(args.out, "results.md")).read())
         return res
-    res = evaluate(args)
-    print(open(os.path.join(args.out, "results.md")).read())
-    return res
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ for step in "$@"; do
         --frames 100 --out "$out/vggt_bench" ;;
     fastvggt500) run fastvggt500 120 python tools/bench_vggt.py --models fastvggt --rows bf16 --frames 500 \
         --out "$out/vggt_bench" ;;
-    svd) run svd 170 python tools/eval_svd.py --attention-bench --bench-levels 2 --bench-reps 5 --out "$out/svd_attention" ;;
+    svd) run svd 170 python tools/bench_svd_attention.py --bench-levels 2 --bench-reps 5 --out "$out/svd_attention" ;;
     pasa) run pasa-tests 150 python -m pytest -m gpu -q -rf --timeout=120 -p no:cacheprovider \
         tests/kernels/test_pasa_kernel.py
       run pasa 200 python tools/eval_pasa.py --bench-only --out "$out/pasa" ;;

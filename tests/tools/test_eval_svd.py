@@ -1,4 +1,4 @@
-"""tools/eval_svd.py: tiny-random SVD pipeline end to end per mode, metrics, offline errors, attention bench."""
+"""tools/eval_svd.py: tiny-random SVD pipeline end to end per mode, metrics, offline errors."""
 import json
 import math
 import os
@@ -108,43 +108,6 @@ def test_mode_parsing_and_dtypes():
     assert eval_svd.run_dtype("native-fp16", "fp32", "cpu") == torch.float16
 
 
-def test_attention_bench_small_shapes_cpu(tmp_path):
-    cases = eval_svd.svd_attention_cases(576, 1024, 25, 4)
-    first = cases[0]  # the PASA paper's SVD overflow shape [50, 5, 9216, 64]
-    assert (first["sequences"], first["heads"], first["tokens"], first["head_dim"]) == (50, 5, 9216, 64)
-    assert {c["kind"] for c in cases} == {"spatial-self", "spatial-cross", "temporal-self", "temporal-cross"}
-    out = str(tmp_path / "bench")
-    res = eval_svd.main(["--attention-bench", "--device", "cpu", "--height", "32", "--width", "48", "--frames", "3",
-                         "--bench-levels", "1", "--bench-reps", "1", "--bench-warmup", "0",
-                         "--modes", "native-fp32,fp32,fp16", "--out", out, "--quiet"])
-    assert len(res["cases"]) == 4 and os.path.getsize(out + ".md") > 0
-    for case in res["cases"]:
-        r = case["runs"]
-        assert all(v["finite"] for v in r.values())
-        assert r["fp32"]["rel_l2_vs_native_fp32"] <= 1e-5
-        assert r["fp16"]["rel_l2_vs_native_fp32"] <= 10 * get_mode("fp16").rel_tol
-
-
-@pytest.mark.gpu
-def test_unet_bench_gpu_small(tmp_path):
-    res = eval_svd.main(["--unet-bench", "--height", "128", "--width", "128", "--frames", "4", "--bench-reps", "2",
-                         "--modes", "native-fp32,native-fp16,fp32,fp16,pasa", "--out", str(tmp_path / "u"), "--quiet"])
-    assert all(r["finite"] for r in res["runs"].values())
-    assert res["runs"]["fp32"]["rel_l2_vs_native_fp32"] <= 1e-4
-
-
-def test_unet_bench_tiny_config_cpu(tmp_path):
-    out = str(tmp_path / "unet")
-    res = eval_svd.main(["--unet-bench", "--unet-config", "tiny", "--device", "cpu", "--height", "64", "--width", "64",
-                         "--frames", "3", "--bench-reps", "1", "--bench-warmup", "0",
-                         "--modes", "native-fp32,fp32,bf16", "--out", out, "--quiet"])
-    assert list(res["runs"]) == ["native-fp32", "fp32", "bf16"] and os.path.getsize(out + ".md") > 0
-    assert all(r["finite"] for r in res["runs"].values())
-    assert res["runs"]["native-fp32"]["rel_l2_vs_native_fp32"] == 0.0
-    assert res["runs"]["fp32"]["rel_l2_vs_native_fp32"] <= 1e-5
-    assert res["runs"]["fp32"]["overflow"]["calls"] > 0 and res["runs"]["native-fp32"]["overflow"] is None
-
-
 GEN = ["--model", "tiny-random", "--image", os.path.join(PHOTOS, "apple.jpg"), "--frames", "2", "--steps", "1",
        "--height", "64", "--width", "64", "--modes", "fp32", "--device", "cpu", "--quiet"]
 
@@ -156,7 +119,6 @@ GEN = ["--model", "tiny-random", "--image", os.path.join(PHOTOS, "apple.jpg"), "
     (["--modes", "fp8"], "--modes"),
     (["--image", "no/such/photo.jpg"], "--image"),
     (["--model", "./no/such/svd"], "--model"),
-    (["--attention-bench", "--unet-bench"], "--attention-bench"),
     (["--noise-aug", "-0.5"], "--noise-aug"),
     (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
 ])
@@ -176,5 +138,3 @@ def test_unwritable_output_found_first(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         eval_svd.main(GEN + ["--out", str(blocker / "svd")])
     assert e.value.code == 2 and "--out" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # a bench writes OUT.json / OUT.md: a folder there is refused
-        eval_svd.main(["--attention-bench", "--device", "cpu", "--out", str(tmp_path)])

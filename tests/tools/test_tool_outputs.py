@@ -29,10 +29,12 @@ def _run(mod, argv):
 
 
 TOOLS = ["drift_table", "eval_pasa", "check_kernels_offline", "bench_attention", "bench_window", "bench_models",
-         "eval_imagenet", "eval_svd", "bench_train", "finetune"]
+         "eval_imagenet", "eval_svd", "bench_svd_attention", "bench_train", "finetune"]
 REQUIRED = {"eval_imagenet": ["--model", "vit_tiny_patch16_224", "--random-weights", "--synthetic-from",
                               os.path.join(REPO, "tests", "data", "photos"), "--device", "cpu"],
-            "eval_svd": ["--attention-bench", "--device", "cpu"], "eval_pasa": ["--cpu"],
+            "eval_svd": ["--model", "tiny-random", "--device", "cpu",
+                         "--image", os.path.join(REPO, "tests", "data", "photos", "apple.jpg")],
+            "bench_svd_attention": ["--device", "cpu"], "eval_pasa": ["--cpu"],
             "bench_models": ["--device", "cpu"],
             "bench_train": ["--device", "cpu", "--cases", "vit_tiny_patch16_224:32:2"],
             "finetune": ["--data", os.path.join(REPO, "tests", "data", "photos"), "--device", "cpu"]}
