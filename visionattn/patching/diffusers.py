@@ -29,6 +29,7 @@ import torch
 from ..api import attention
 from ..dispatch import warn_once
 from ..modes import get_mode
+from .diffusers_dispatch import patch_dispatch, unpatch_dispatch
 
 __all__ = [
     "ELSAAttnProcessor", "patch_diffusers", "unpatch_diffusers", "is_patched",
@@ -223,6 +224,10 @@ def patch_diffusers(model, mode: str = "fp32", **options) -> dict:
     ``skipped`` with the reason. Each patched module gets its own processor
     (so the overflow counters are per layer). The originals are kept on the
     model; patching a patched model first restores them (so the mode can change).
+    Modules whose processor calls ``dispatch_attention_fn`` (``FluxAttention``, ...) keep their
+    processor and get scoped SDPA-override hooks instead
+    (:func:`visionattn.patching.diffusers_dispatch.patch_dispatch`), counted in ``replaced`` as
+    ``"<processor class> (dispatch_attention_fn)"``.
 
     Args:
         model: a diffusers ModelMixin with ``attn_processors`` / ``set_attn_processor``
@@ -273,6 +278,10 @@ def patch_diffusers(model, mode: str = "fp32", **options) -> dict:
 
     model.set_attn_processor(dict(new))  # set_attn_processor pops from the dict it gets
     setattr(model, _ORIGINALS_ATTR, dict(current))
+    # modules whose processor calls dispatch_attention_fn (Flux, SD3, Wan, ...): scoped SDPA override hooks
+    routed = patch_dispatch(model, mode, **options)
+    replaced.update(routed["replaced"])
+    skipped = [routed["skipped"].get(s["name"], s) for s in skipped if s["name"] not in routed["patched"]]
     return {
         "family": "diffusers", "model": type(model).__name__, "mode": mode,
         "attention_modules": len(current), "replaced": replaced, "replaced_total": sum(replaced.values()),
@@ -296,6 +305,7 @@ def unpatch_diffusers(model) -> None:
     if keys != set(originals):
         raise RuntimeError(f"{type(model).__name__}'s attention modules changed since patching "
                            f"({len(keys ^ set(originals))} keys differ); cannot restore the processors exactly")
+    unpatch_dispatch(model)
     model.set_attn_processor(dict(originals))
     setattr(model, _ORIGINALS_ATTR, None)
 
