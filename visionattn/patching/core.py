@@ -25,7 +25,9 @@ Two more kinds of modules are handled:
   ``visionattn_mode: str | None`` (``None`` = PyTorch SDPA); patching sets it,
   unpatching restores the previous value;
 * diffusers models (``diffusers.ModelMixin``) are delegated to
-  :mod:`visionattn.patching.diffusers`, which goes through ``set_attn_processor``.
+  :mod:`visionattn.patching.diffusers`, which goes through ``set_attn_processor``
+  (and :mod:`visionattn.patching.diffusers_dispatch` for modules whose processor calls
+  ``dispatch_attention_fn``).
 """
 from __future__ import annotations
 
@@ -247,7 +249,8 @@ def patch_model(model: nn.Module, mode: str = "fp32", **options) -> nn.Module:
         report.skipped = [(s["name"], s["processor"], s["reason"]) for s in details.get("skipped", [])]
         if report.num_patched == 0:
             warnings.warn(f"visionattn.patch_model: nothing to patch in {type(model).__name__} (no diffusers "
-                          f"Attention module with a default processor); the model runs unchanged",
+                          f"Attention module with a default processor, no processor calling dispatch_attention_fn "
+                          f"on a native backend); the model runs unchanged",
                           RuntimeWarning, stacklevel=2)
         model.visionattn_report = report
         return model
