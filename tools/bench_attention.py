@@ -179,30 +179,35 @@ def _measure(fn, q, k, v, rep, graph_only=False, eager_only=False):
     return timings, peak, out
 
 
-def host_overhead(modes) -> list[dict]:
-    """Host time per call (us) of tiny calls, every mode and window_attention beside SDPA, one process."""
+def host_overhead(modes, rounds: int = 5) -> list[dict]:
+    """Host time per call (us) of tiny calls, every mode and window_attention beside SDPA, one process. The calls
+    of one dtype are timed in ``rounds`` interleaved rounds (SDPA, each mode, window; again ...) and each
+    reading is the median over its rounds, so a clock or load change hits every call alike."""
     import visionattn
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        name = str(dtype).split(".")[1]
         q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", generator=g).to(dtype) for _ in range(3))
-        rows.append({"call": "F.scaled_dot_product_attention", "dtype": str(dtype).split(".")[1],
-                     "us": host_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))})
-        for mode in modes:
-            if visionattn.get_mode(mode).compute_dtype != dtype and not (dtype == torch.float16 and mode == "pasa"):
-                continue
-            rows.append({"call": f"visionattn.attention mode={mode}", "dtype": rows[-1]["dtype"],
-                         "us": host_us(lambda: visionattn.attention(q, k, v, mode=mode))})
         qw = torch.randn(4, 1, 49, 32, device="cuda", generator=g).to(dtype)
         rpb = torch.randn(1, 49, 49, device="cuda", generator=g)
         wmode = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-        rows.append({"call": f"visionattn.window_attention mode={wmode}", "dtype": rows[-1]["dtype"],
-                     "us": host_us(lambda: visionattn.window_attention(qw, qw, qw, relative_position_bias=rpb,
-                                                                       num_windows=1, mode=wmode))})
-    for r in rows:
-        sdpa = next(x["us"] for x in rows if x["dtype"] == r["dtype"] and x["call"].startswith("F."))
-        r["x_sdpa"] = r["us"] / sdpa
+        calls = {"F.scaled_dot_product_attention": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)}
+        for mode in modes:
+            if visionattn.get_mode(mode).compute_dtype == dtype:
+                calls[f"visionattn.attention mode={mode}"] = (
+                    lambda mode=mode: visionattn.attention(q, k, v, mode=mode))
+        calls[f"visionattn.window_attention mode={wmode}"] = lambda: visionattn.window_attention(
+            qw, qw, qw, relative_position_bias=rpb, num_windows=1, mode=wmode)
+        readings = {c: [] for c in calls}
+        for _ in range(rounds):
+            for c, fn in calls.items():
+                readings[c].append(host_us(fn, repeats=1))
+        sdpa = sorted(readings["F.scaled_dot_product_attention"])[rounds // 2]
+        for c, r in readings.items():
+            us = sorted(r)[rounds // 2]
+            rows.append({"call": c, "dtype": name, "us": us, "x_sdpa": us / sdpa})
     return rows
 
 

@@ -74,13 +74,17 @@ def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LE
                         calls += 1
             progress(f"warm-up: {mode} D={d} done ({time.perf_counter() - t0:.0f} s)")
         if window:
+            grad = training and mode in _backward_modes()
             for n, d, cosine in ((49, 32, False), (64, 32, True), (256, 32, True)):
-                q = torch.randn(16, 4, n, d, device=device, dtype=dtype)
-                kw = dict(logit_scale=torch.zeros(4, 1, 1, device=device)) if cosine else {}
+                q = torch.randn(16, 4, n, d, device=device, dtype=dtype, requires_grad=grad)
+                kw = dict(logit_scale=torch.zeros(4, 1, 1, device=device, requires_grad=grad)) if cosine else {}
                 mask = torch.zeros(4, n, n, device=device)
+                rpb = torch.randn(4, n, n, device=device, requires_grad=grad)
                 for shift in (None, mask):
-                    va.window_attention(q, q, q, relative_position_bias=torch.randn(4, n, n, device=device),
-                                        shift_mask=shift, num_windows=4, cosine=cosine, mode=mode, **kw)
+                    out = va.window_attention(q, q, q, relative_position_bias=rpb, shift_mask=shift, num_windows=4,
+                                              cosine=cosine, mode=mode, **kw)
+                    if grad:
+                        out.sum().backward()
                     calls += 1
     torch.cuda.synchronize()
     return {"calls": calls, "seconds": time.perf_counter() - t0}
