@@ -101,6 +101,7 @@ def main(args) -> dict:
     from visionattn.reporting import environment, eager_ms, markdown_table, write_json_atomic, write_text_atomic
     from torch.nn.attention import SDPBackend
 
+    args.out = check_output(build_parser(), args.out)
     if not torch.cuda.is_available():
         raise SystemExit("bench_backward: needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -156,6 +157,4 @@ def main(args) -> dict:
 
 if __name__ == "__main__":
     parser = build_parser()
-    ns = parser.parse_args()
-    ns.out = check_output(parser, ns.out)
-    main(ns)
+    main(parser.parse_args())

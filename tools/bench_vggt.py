@@ -31,11 +31,15 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 
 import torch
 
 from visionattn import reporting
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _cli import ToolParser, check_device, check_output, default_out, positive_int  # noqa: E402
 
 ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row, all layers kept)
     "official-fp32": (None, None, "official-fp32", True),
@@ -53,22 +57,22 @@ LABELS = {"official-fp32": "official-equivalent FP32 (SDPA, all layers)", "sdpa-
 LONG_FRAMES = (10, 20, 50, 100, 200, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000)
 MODELS = ("vggt", "fastvggt")
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = ToolParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="models to run")
 parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
                     help="attention rows: SDPA baselines and visionattn modes")
-parser.add_argument("--frames", nargs="+", type=int, default=[10, 50, 100, 200], help="frame counts")
-parser.add_argument("--height", type=int, default=392, help="image height (multiple of 14)")
-parser.add_argument("--width", type=int, default=518, help="image width (multiple of 14)")
-parser.add_argument("--repeats", type=int, default=1, help="timed runs per point (median reported)")
+parser.add_argument("--frames", nargs="+", type=positive_int, default=[10, 50, 100, 200], help="frame counts")
+parser.add_argument("--height", type=positive_int, default=392, help="image height (multiple of 14)")
+parser.add_argument("--width", type=positive_int, default=518, help="image width (multiple of 14)")
+parser.add_argument("--repeats", type=positive_int, default=1, help="timed runs per point (median reported)")
 parser.add_argument("--no-point-warmup", action="store_true",
                     help="skip the untimed forward at each point's frame count (faster; the first timed run then "
                          "includes kernel builds for new sequence lengths)")
 parser.add_argument("--quick", action="store_true", help="smoke test: frames 2 and 8 only (output prefix gets _quick when --out is default)")
 parser.add_argument("--max-seconds", type=float, default=None,
                     help="skip larger frame counts of a row once one run took longer than this")
-parser.add_argument("--out", default="docs/benchmarks/vggt_bench", help="output prefix (.json, .md and .png)")
+parser.add_argument("--out", default=default_out("vggt_bench"), help="output prefix (.json, .md and .png) "
+                    "(default: %(default)s)")
 parser.add_argument("--seed", type=int, default=0, help="seed of weights and images")
 parser.add_argument("--device", default="cuda", help="cuda (peak = torch.cuda.max_memory_allocated) or cpu (peak = "
                     "live tensor bytes, visionattn.models.LiveBytes)")
@@ -76,7 +80,7 @@ parser.add_argument("--tiny", action="store_true", help="tiny random config (vgg
                     "default) instead of VGGT-1B: a quick CPU check of the tool")
 parser.add_argument("--long", action="store_true", help="long-sequence table: frames from 10 upwards (%s) up to "
                     "--max-frames, each row until its first OOM" % ", ".join(map(str, LONG_FRAMES)))
-parser.add_argument("--max-frames", type=int, default=None, help="largest frame count of --long")
+parser.add_argument("--max-frames", type=positive_int, default=None, help="largest frame count of --long")
 
 
 def environment() -> dict:
@@ -225,9 +229,10 @@ def plot(res: dict, path: str) -> None:
 
 
 def main(args) -> dict:
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_vggt.py --device cuda needs a CUDA GPU (or pass --device cpu --tiny)")
+    if args.height % 14 or args.width % 14:
+        parser.error(f"--height {args.height} / --width {args.width} must be multiples of 14 (the patch size)")
+    check_output(parser, args.out)
+    dev = check_device(parser, args.device)
     from tqdm import tqdm
 
     if args.tiny and args.height == parser.get_default("height") and args.width == parser.get_default("width"):
