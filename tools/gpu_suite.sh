@@ -10,7 +10,11 @@
 # demos/data/stereo_rig), vggt (bench_vggt 10/50 frames), vggt100 (100 frames fp32 vs SDPA),
 # vggt-agree (VGGT-1B mode-vs-SDPA agreement tests), fastvggt (FastVGGT 100/200 frames, every row),
 # fastvggt500, svd (attention at real SVD shapes; needs diffusers), pasa (PASA kernel GPU tests + speed
-# sweep), attention (bench_attention, every shape and backend). Every step logs to OUT_DIR/STEP.log
+# sweep), attention (bench_attention, every shape and backend), eager (host time per call and eager vs
+# CUDA-graph timing at ViT shapes), models-eager (whole timm models, eager), cold (first-call cost with an
+# empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps),
+# fwd-bwd (attention forward + backward vs SDPA), demo300 (the demo on VIDEO, 300 frames, full-size random
+# weights). Every step logs to OUT_DIR/STEP.log
 # and a failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
@@ -56,6 +60,20 @@ for step in "$@"; do
         tests/kernels/test_pasa_kernel.py
       run pasa 200 python tools/eval_pasa.py --bench-only --out "$out/pasa" ;;
     attention) run attention 300 python tools/bench_attention.py --out "$out/attention" ;;
+    eager) run eager 240 python tools/bench_attention.py --shapes "ViT-B/16 224,ViT-B/16 512,L-4k" --no-flex \
+        --out "$out/attention_eager" ;;
+    models-eager) run models-eager 240 python tools/bench_models.py --cases vit_base_patch16_224:224:64,deit3_small_patch16_224:224:128,eva02_base_patch14_224:224:64,swin_base_patch4_window7_224:224:64,swinv2_base_window8_256:256:64,vit_base_patch16_224:1024:8 \
+        --modes fp32,fp16,bf16 --no-share --rep-ms 150 --rounds 2 --out "$out/models_eager" ;;
+    cold) run cold 240 python tools/bench_cold_start.py --modes fp16 --mode fp32 --frames 100 --other-frames 60 \
+        --out "$out/cold_start" ;;
+    train-tests) run train-tests 400 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider \
+        tests/kernels/test_elsa_bwd.py tests/kernels/test_window_bwd.py tests/api/test_window_grad.py tests/api/test_op_layer.py ;;
+    train) run train 400 python tools/bench_train.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
+        --modes fp32,bf16 --out "$out/train" ;;
+    fwd-bwd) run fwd-bwd 300 python tools/bench_attention.py --backward --no-flex --shapes "L-4k,ViT-B/16 224" \
+        --out "$out/attention_fwd_bwd" ;;
+    demo300) run demo300 500 python demos/reconstruct.py "${VIDEO:?set VIDEO to a video of >= 300 frames}" \
+        --out "$out/demo300" --weights random --device cuda --max-frames 300 --mode bf16 --no-preview ;;
     *) echo "unknown step $step" | tee -a "$out/steps.txt" ;;
   esac
 done
