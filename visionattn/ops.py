@@ -361,3 +361,41 @@ def window_plan(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool
     with a unit last stride, ``logit_scale`` [H]."""
     return window_fwd.plan_for(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
 
+
+
+# ----------------------------------------------------------------------------- ragged (varlen) forward
+from .kernels import varlen_fwd  # noqa: E402
+
+__all__ += ["varlen", "varlen_lse"]
+
+
+@torch.library.custom_op("visionattn::varlen_attention", mutates_args=())
+def _varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
+               mode: str, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, mode, out_dtype)[0]
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode, out_dtype):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=out_dtype or q.dtype)
+
+
+def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+           scale: float, mode: str, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """Packed ragged attention on the varlen kernel (forward only), inputs validated and cast to the mode's
+    dtype: q [total_q, H, D], k [total_k, H, D], v [total_k, H, Dv], int32 offsets [n_seq + 1] -> [total_q, H,
+    Dv] in ``out_dtype``. Under ``torch.compile`` through ``visionattn::varlen_attention``."""
+    if torch.compiler.is_compiling():
+        return _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                          mode, out_dtype)
+    return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, mode, out_dtype)[0]
+
+
+def varlen_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+               scale: float, mode: str, out_dtype: torch.dtype | None):
+    """:func:`varlen` and the per-row log-sum-exp [H, total_q] float32 (natural log, -inf without keys)."""
+    return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, mode, out_dtype, with_lse=True)

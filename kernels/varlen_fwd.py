@@ -1,0 +1,249 @@
+"""Ragged (variable-length) ELSA forward: packed sequences without padding (ELSA supplement, Sec. E).
+
+Layout (FlashAttention's ``flash_attn_varlen_func`` convention): the queries of all sequences are
+packed along one token axis, ``q`` [total_q, H, D], ``k`` [total_k, H, D], ``v`` [total_k, H, Dv], any
+strides; sequence ``s`` owns query rows ``cu_seqlens_q[s] : cu_seqlens_q[s + 1]`` and key rows
+``cu_seqlens_k[s] : cu_seqlens_k[s + 1]`` (int32 offsets, [n_seq + 1], starting at 0). For each sequence
+and head the kernel computes, exactly as the dense kernel does,
+
+    y_i = sum_j exp(s_ij - m_i) v_j / sum_j exp(s_ij - m_i),   s_ij = scale q_i . k_j  (j visible to i),
+
+as the fold of the ELSA state ``(m, S, W)`` over the sequence's KV tiles (supplement Alg. 1; the merge
+is in :mod:`.elsa_fwd`). The inner step is :func:`.elsa_fwd._fold_tile` itself, so every mode's
+arithmetic (``fp32`` split-FP16 f16x3, ``fp32-ieee``, ``tf32`` f16x1, ``fp16``, ``bf16``) is the dense
+kernel's, tile for tile. Causal masking is top-left aligned within each sequence (key ``j`` visible to
+query ``i`` iff ``j <= i``, both counted from the sequence's start), as :func:`visionattn.attention`.
+
+Work mapping: one program per (query tile, head, sequence) on a 1-D grid of
+``cdiv(max_seqlen_q, BLOCK_M) * H * n_seq`` programs, FlashAttention's choice: programs whose tile
+starts past their sequence's end return at once. It needs no host-side tile table and, given
+``max_seqlen_q``, no device-to-host synchronisation (a table sized by the exact tile count would need
+the lengths on the host every call); the cost is the early-exiting programs, a few microseconds at
+most for skewed batches. Short sequences are thereby packed into the same launch, long ones contribute
+many tiles. Splitting the keys of one very long sequence over several programs (LeanAttention /
+split-KV with the monoid merge) is not done here yet: a batch of one long sequence with few query
+tiles runs at the single-pass kernel's occupancy.
+
+Specialisation: mode (product precision), head dims, causal, LSE and the tile config (chosen from the
+``max_seqlen_k`` bucket <= / > :data:`.elsa_fwd.SHORT_KV`, like the dense kernel's short-KV rows);
+lengths, totals and offsets are runtime values (``do_not_specialize``), so new lengths compile nothing.
+
+Entry point: :func:`varlen_forward`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits
+from ._launch import KernelCall, PlanCache, interpreting
+from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _fold_tile, _precision,
+                       _smaller_configs, get_config)
+from .modes import MODES
+from .split16 import SPLIT_EXP, pv_unscale, split_rows
+
+__all__ = ["varlen_forward", "varlen_unsupported_reason", "PLANS"]
+
+
+@triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles"])
+def _varlen_fwd_kernel(
+    Q, K, V, CuQ, CuK, Out, Lse, qk_scale,
+    sqt, sqh, sqd, skt, skh, skd, svt, svh, svd, sot, soh, sod,
+    H, total_q, n_m_tiles, D, Dv,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, LAZY_V: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    """One (query tile, head, sequence) program; 1-D grid ``n_m_tiles * H * n_seq``.
+
+    Tiles of one (sequence, head) are adjacent (they share K / V in L2). A tile starting at or past its
+    sequence's query count returns at once. A sequence without keys writes zeros (and LSE -inf).
+    ``WRITE_LSE``: also the natural-log log-sum-exp of each row's scaled logits to ``Lse`` [H, total_q].
+    """
+    pid0 = tl.program_id(0)
+    pid_m = pid0 % n_m_tiles
+    sh = pid0 // n_m_tiles
+    off_h = (sh % H).to(tl.int64)
+    seq = sh // H
+    q_start = tl.load(CuQ + seq).to(tl.int64)
+    Lq = tl.load(CuQ + seq + 1) - tl.load(CuQ + seq)
+    start_m = pid_m * BLOCK_M
+    if start_m >= Lq:
+        return
+    k_start = tl.load(CuK + seq).to(tl.int64)
+    Nk = tl.load(CuK + seq + 1) - tl.load(CuK + seq)
+    start_m64 = start_m.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = start_m + offs_m
+    row_ok = rows < Lq
+
+    q_ptrs = Q + (q_start + start_m64) * sqt + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    q_lo = q
+    q_inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PRECISION == "f16x3" or PRECISION == "f16x1":
+        q, q_lo, q_inv = split_rows(q * qk_scale)  # scale folded before the split, as the dense kernel
+    v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
+    k_base = K + k_start * skt + off_h * skh
+    v_base = V + k_start * svt + off_h * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    hi = Nk
+    if IS_CAUSAL:
+        hi = tl.minimum(Nk, start_m + BLOCK_M)
+    n_tiles = tl.cdiv(hi, BLOCK_N)
+    n_full = Nk // BLOCK_N
+    if IS_CAUSAL:
+        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    mid_t = tl.minimum(n_full, n_tiles)
+    # no bias / mask: their pointers and strides are unused placeholders (HAS_BIAS = HAS_MASK = False)
+    for t in range(0, mid_t):
+        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
+                                          offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+                                          skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
+                                          False, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST,
+                                          LAZY_V)
+    for t in range(mid_t, n_tiles):
+        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
+                                          offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+                                          skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
+                                          True, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST,
+                                          LAZY_V)
+
+    dv_ok = offs_dv < Dv
+    v_unscale = tl.full([BLOCK_DV], 1.0, dtype=tl.float32)
+    if PRECISION == "f16x3" or PRECISION == "f16x1":
+        v_unscale = pv_unscale(v_exp)
+    if WRITE_LSE:
+        # log2 sum_j 2^(s_j) = m + log2 S with the raw running sum (before f16x1's 2^-15); -inf without keys
+        lse_ptrs = Lse + off_h * total_q + q_start + start_m64 + offs_m
+        tl.store(lse_ptrs, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    if PRECISION == "f16x1":
+        l_i = l_i * (1.0 / 32768.0)  # P's 2^15 was in each p (see _fold_tile); acc's goes with v_unscale
+    l_div = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: W = 0, S = 0 -> output 0
+    out = acc / l_div[:, None] * v_unscale[None, :]
+    o_ptrs = Out + (q_start + start_m64) * sot + off_h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+
+
+class _VarlenPlan:
+    """The varlen kernel for one call signature (grid, constexprs, strides fixed); a call allocates the
+    output (and LSE) and launches."""
+
+    __slots__ = ("main", "fixed", "o_shape", "o_dtype", "device", "with_lse", "config")
+
+    def __init__(self, q, k, v, n_seq, rows_bound, is_causal, mode, cfg: TileConfig, out_dtype, with_lse,
+                 max_seqlen_k):
+        total_q, H, D = q.shape
+        Dv = v.shape[2]
+        precision = _precision(mode, None)
+        block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
+        n_m_tiles = cdiv(rows_bound, cfg.block_m)
+        self.config, self.device, self.o_dtype, self.with_lse = cfg, q.device, out_dtype, with_lse
+        self.o_shape = (total_q, H, Dv)
+        self.fixed = (*q.stride(), *k.stride(), *v.stride(), H * Dv, Dv, 1, H, total_q, n_m_tiles, D, Dv)
+        self.main = KernelCall(_varlen_fwd_kernel, (n_m_tiles * H * n_seq,), dict(
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            PRECISION=precision, IS_CAUSAL=bool(is_causal), EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
+            DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting(),
+            LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse)),
+            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+    def __call__(self, q, k, v, cu_q, cu_k, scale):
+        out = torch.empty(self.o_shape, dtype=self.o_dtype, device=self.device)
+        lse = None
+        if self.with_lse:
+            lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=self.device)
+        lse_t = lse if lse is not None else (0 if self.main._fast is not None else q)
+        self.main(q, k, v, cu_q, cu_k, out, lse_t, scale * LOG2E, *self.fixed)
+        return out, lse
+
+
+# call signature -> plan; PLANS.hits / PLANS.builds count reuses and builds
+PLANS = PlanCache()
+
+
+def varlen_unsupported_reason(q, v, mode: str) -> str | None:
+    """Why the varlen kernel cannot run this call, or ``None``: a mode without a dense kernel (PASA), a head
+    dim above :data:`.elsa_fwd.MAX_HEAD_DIM`, tensors not on CUDA (unless ``TRITON_INTERPRET=1``)."""
+    if mode not in DENSE_MODES:
+        return f"mode {mode!r} has no dense ELSA kernel"
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} > {MAX_HEAD_DIM}"
+    if q.device.type != "cuda" and not interpreting():
+        return f"tensors on {q.device.type} (the Triton kernels need CUDA or TRITON_INTERPRET=1)"
+    return None
+
+
+def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                   scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False):
+    """Packed ragged attention on the varlen kernel: ``(out, lse)``, ``lse`` None unless ``with_lse``.
+
+    Args:
+        q: [total_q, H, D] in the mode's compute dtype (float32 for ``fp32`` / ``fp32-ieee`` / ``tf32``,
+            float16 / bfloat16 for ``fp16`` / ``bf16``); any strides, never copied.
+        k: [total_k, H, D]; v: [total_k, H, Dv]; same dtype and device. D, Dv in 1..256.
+        cu_seqlens_q, cu_seqlens_k: int32 [n_seq + 1] on q's device, non-decreasing, from 0 to total_q /
+            total_k (validated by the caller, :func:`visionattn.varlen_attention`; not checked here).
+        max_seqlen_q, max_seqlen_k: upper bounds of the per-sequence lengths (they size the grid and pick
+            the tile config bucket; a larger bound only adds early-exiting programs).
+        is_causal: top-left aligned causal mask per sequence.
+        scale: logit scale; mode: a dense mode; out_dtype: float16 / bfloat16 / float32 (None = the compute
+            dtype); with_lse: also return the LSE.
+
+    Returns:
+        out [total_q, H, Dv] contiguous in ``out_dtype`` (zeros for rows of a sequence without keys);
+        lse [H, total_q] float32, ``log sum_j exp(scale q_i . k_j)`` over the visible keys (-inf without
+        keys), or None.
+
+    Raises:
+        ValueError: a mode without a dense kernel. TypeError: q / k / v not in the mode's compute dtype, or
+            an unsupported ``out_dtype``.
+    """
+    if mode not in DENSE_MODES:
+        raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(DENSE_MODES)}")
+    dtype = MODES[mode].compute_dtype
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}; mode {mode!r} computes in {dtype} (cast first)")
+    out_dtype = out_dtype or dtype
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype={out_dtype}; the kernels write one of {OUT_DTYPES}")
+    total_q, H, D = q.shape
+    Dv = v.shape[2]
+    n_seq = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or H == 0 or Dv == 0 or n_seq <= 0 or max_seqlen_q <= 0:
+        out = torch.zeros((total_q, H, Dv), dtype=out_dtype, device=q.device)
+        lse = torch.full((H, total_q), float("-inf"), device=q.device) if with_lse else None
+        return out, lse
+    max_seqlen_k = max(int(max_seqlen_k), 0)
+    cfg0 = get_config(mode, D, Dv, max_seqlen_k)
+    n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
+    key = (mode, q.shape, k.shape[0], Dv, q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(), n_seq,
+           n_m_tiles, max_seqlen_k > LAZY_V_MIN_KEYS, bool(is_causal), out_dtype, bool(with_lse),
+           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale))
+    result = []
+
+    def run(cfg):
+        # rows_bound: the key's query-length bucket, so a smaller fallback config covers every call of the key
+        p = _VarlenPlan(q, k, v, n_seq, n_m_tiles * cfg0.block_m, is_causal, mode, cfg, out_dtype, with_lse, max_seqlen_k)
+        result.append((p, p(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale))))
+
+    run_first_that_fits(run, cfg0, _smaller_configs)
+    plan, res = result[-1]
+    PLANS.put(key, plan)
+    return res

@@ -1,0 +1,215 @@
+"""visionattn.varlen_attention: packed ragged batches (cu_seqlens) against per-sequence attention and the
+float64 oracle, every dense mode's contract, 0- and 1-length sequences, causal, non-contiguous views, the
+LSE, jagged nested tensors, and validation errors."""
+import pytest
+import torch
+
+import visionattn
+from visionattn.metrics import rel_l2
+from visionattn.modes import MODES
+from visionattn.reference import oracle_attention
+from visionattn.varlen import varlen_attention
+
+
+def offsets(lens, device="cpu"):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+
+
+def packed(lens_q, lens_k, h=2, d=16, dv=None, seed=0, qkv_view=False, device="cpu"):
+    """q [total_q, H, D], k / v [total_k, H, D|Dv] of N(0, 1); with ``qkv_view`` (needs lens_q == lens_k) q,
+    k, v are the non-contiguous ``unbind`` views of one fused [total, 3, H, D] tensor, as timm's qkv."""
+    g = torch.Generator().manual_seed(seed)
+    dv = dv or d
+    tq, tk = sum(lens_q), sum(lens_k)
+    if qkv_view:
+        q, k, v = torch.randn(tq, 3, h, d, generator=g).to(device).unbind(1)
+    else:
+        q = torch.randn(tq, h, d, generator=g).to(device)
+        k = torch.randn(tk, h, d, generator=g).to(device)
+        v = torch.randn(tk, h, dv, generator=g).to(device)
+    return q, k, v, offsets(lens_q, device), offsets(lens_k, device)
+
+
+def per_sequence(fn, q, k, v, cu_q, cu_k, dv):
+    """Apply ``fn(q_s, k_s, v_s)`` ([1, H, n, D] views) per sequence; zeros for sequences without keys."""
+    out = torch.zeros(q.shape[0], q.shape[1], dv, dtype=torch.float64, device=q.device)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for s in range(len(bq) - 1):
+        if bq[s + 1] == bq[s] or bk[s + 1] == bk[s]:
+            continue
+        view = lambda t, a, b: t[a:b].transpose(0, 1).unsqueeze(0)  # noqa: E731
+        y = fn(view(q, bq[s], bq[s + 1]), view(k, bk[s], bk[s + 1]), view(v, bk[s], bk[s + 1]))
+        out[bq[s]:bq[s + 1]] = y[0].transpose(0, 1).double()
+    return out
+
+
+LENS_Q = [5, 0, 17, 1, 40, 3]
+LENS_K = [7, 3, 0, 1, 33, 70]
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "fp16", "bf16", "fp32-ieee"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_matches_per_sequence_attention(mode, causal):
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K, dv=24)
+    out = varlen_attention(q, k, v, cu_q, cu_k, mode=mode, is_causal=causal, backend="triton")
+    assert out.shape == (q.shape[0], 2, 24) and out.dtype == q.dtype
+    oracle = per_sequence(lambda a, b, c: oracle_attention(a, b, c, is_causal=causal), q, k, v, cu_q, cu_k, 24)
+    tol = MODES[mode].rel_tol
+    assert rel_l2(out.double(), oracle) <= tol
+    dense = per_sequence(lambda a, b, c: visionattn.attention(a, b, c, mode=mode, is_causal=causal, backend="triton"),
+                         q, k, v, cu_q, cu_k, 24)
+    assert rel_l2(out.double(), dense) <= 2 * tol
+    # a sequence without keys gives zero rows
+    assert torch.all(out[cu_q[2]:cu_q[3]] == 0)
+
+
+def test_reference_path_matches_oracle_and_kernel():
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K)
+    ref = varlen_attention(q, k, v, cu_q, cu_k, backend="reference", is_causal=True)
+    oracle = per_sequence(lambda a, b, c: oracle_attention(a, b, c, is_causal=True), q, k, v, cu_q, cu_k, 16)
+    assert rel_l2(ref.double(), oracle) <= MODES["fp32"].rel_tol
+    # auto on CPU tensors runs the reference
+    assert torch.equal(varlen_attention(q, k, v, cu_q, cu_k, is_causal=True), ref)
+
+
+def test_non_contiguous_qkv_view_and_scale():
+    lens = [9, 1, 0, 30]
+    q, k, v, cu_q, cu_k = packed(lens, lens, h=3, d=8, qkv_view=True)
+    assert not q.is_contiguous()
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(lens), max(lens), scale=0.3, backend="triton")
+    oracle = per_sequence(lambda a, b, c: oracle_attention(a, b, c, scale=0.3), q, k, v, cu_q, cu_k, 8)
+    assert rel_l2(out.double(), oracle) <= MODES["fp32"].rel_tol
+
+
+def test_half_inputs_and_larger_max_seqlen():
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K)
+    q, k, v = q.half(), k.half(), v.half()
+    # a bound above the longest sequence only adds early-exiting programs
+    out = varlen_attention(q, k, v, cu_q, cu_k, 300, 200, mode="fp16", backend="triton")
+    assert out.dtype == torch.float16
+    oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 16)
+    assert rel_l2(out.double(), oracle) <= MODES["fp16"].rel_tol
+
+
+def test_lse_matches_logsumexp():
+    from visionattn import ops
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K)
+    scale = 16 ** -0.5
+    for mode, causal in (("fp32", False), ("tf32", True)):
+        out, lse = ops.varlen_lse(q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), causal, scale, mode, None)
+        assert lse.shape == (2, q.shape[0]) and lse.dtype == torch.float32
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        for s in range(len(LENS_Q)):
+            if LENS_Q[s] == 0:
+                continue
+            rows = lse[:, bq[s]:bq[s + 1]]
+            if LENS_K[s] == 0:
+                assert torch.all(rows == float("-inf"))
+                continue
+            sc = torch.einsum("qhd,khd->hqk", q[bq[s]:bq[s + 1]].double(), k[bk[s]:bk[s + 1]].double()) * scale
+            if causal:
+                sc = sc.masked_fill(~torch.ones(sc.shape[1:], dtype=torch.bool).tril(), float("-inf"))
+            torch.testing.assert_close(rows.double(), torch.logsumexp(sc, -1), atol=5e-3 if mode == "tf32" else 1e-5,
+                                       rtol=0)
+
+
+def test_empty_batch_and_all_empty_sequences():
+    q, k, v, cu_q, cu_k = packed([0, 0], [0, 4])
+    out = varlen_attention(q, k, v, cu_q, cu_k, backend="triton")
+    assert out.shape == (0, 2, 16)
+    q, k, v, cu_q, cu_k = packed([3, 2], [0, 0])
+    out = varlen_attention(q, k, v, cu_q, cu_k, backend="triton")
+    assert torch.all(out == 0)
+
+
+def test_jagged_nested_input():
+    lens = [4, 11, 1]
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randn(n, 2, 16, generator=g) for n in lens]
+    nq = torch.nested.nested_tensor(seqs, layout=torch.jagged)
+    out = varlen_attention(nq, nq, nq, backend="triton")
+    assert out.is_nested and out.layout == torch.jagged
+    vals = nq.values()
+    cu = offsets(lens)
+    oracle = per_sequence(oracle_attention, vals, vals, vals, cu, cu, 16)
+    assert rel_l2(out.values().double(), oracle) <= MODES["fp32"].rel_tol
+    # the [B, H, j, D] transpose, as SDPA takes nested inputs
+    t = nq.transpose(1, 2)
+    out_t = varlen_attention(t, t, t, backend="triton")
+    assert torch.equal(out_t.transpose(1, 2).values(), out.values())
+
+
+def test_validation_errors_name_the_argument():
+    q, k, v, cu_q, cu_k = packed([3, 4], [2, 5])
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        varlen_attention(q, k, v, cu_q.long(), cu_k)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\]"):
+        varlen_attention(q, k, v, cu_q, offsets([2, 4]))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[0\]"):
+        varlen_attention(q, k, v, cu_q + 1, cu_k)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        varlen_attention(q, k, v, torch.tensor([0, 5, 3, 7], dtype=torch.int32), offsets([2, 2, 3]))
+    with pytest.raises(ValueError, match="sequences"):
+        varlen_attention(q, k, v, cu_q, offsets([7]))
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=3)
+    with pytest.raises(TypeError, match="max_seqlen_k"):
+        varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_k=5.0)
+    with pytest.raises(ValueError, match="3 dims"):
+        varlen_attention(q[None], k, v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="heads"):
+        varlen_attention(q, k[:, :1], v, cu_q, cu_k)
+    with pytest.raises(TypeError, match="dtype"):
+        varlen_attention(q, k.half(), v, cu_q, cu_k)
+    with pytest.raises(ValueError, match="required"):
+        varlen_attention(q, k, v)
+    with pytest.raises(ValueError, match="pasa"):
+        varlen_attention(q, k, v, cu_q, cu_k, mode="pasa")
+    with pytest.raises(TypeError, match="is_causal"):
+        varlen_attention(q, k, v, cu_q, cu_k, is_causal=1)
+
+
+def test_import_does_not_load_triton():
+    import subprocess
+    import sys
+    code = "import visionattn, sys; visionattn.varlen_attention; print('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+# ----------------------------------------------------------------------------- GPU, the supplement's batch
+ISSUE_LENS = [785, 500, 708, 542, 1732, 262, 1039, 557]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "fp32-ieee", "tf32", "fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_supplement_batch(mode, causal):
+    q, k, v, cu_q, cu_k = packed(ISSUE_LENS, ISSUE_LENS, h=16, d=64, device="cuda")
+    dtype = MODES[mode].compute_dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(ISSUE_LENS), max(ISSUE_LENS), mode=mode, is_causal=causal)
+    oracle = per_sequence(lambda a, b, c: oracle_attention(a, b, c, is_causal=causal), q, k, v, cu_q, cu_k, 64)
+    assert rel_l2(out.double(), oracle) <= MODES[mode].rel_tol
+    dense = per_sequence(lambda a, b, c: visionattn.attention(a, b, c, mode=mode, is_causal=causal),
+                         q, k, v, cu_q, cu_k, 64)
+    assert rel_l2(out.double(), dense) <= 2 * MODES[mode].rel_tol
+
+
+@pytest.mark.gpu
+def test_gpu_zero_lengths_and_new_lengths_compile_nothing():
+    from visionattn.kernels.varlen_fwd import _varlen_fwd_kernel
+    lens_q, lens_k = [785, 0, 1, 300, 0], [500, 10, 0, 1732, 0]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, h=16, d=64, device="cuda")
+    out = varlen_attention(q, k, v, cu_q, cu_k)
+    oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 64)
+    assert rel_l2(out.double(), oracle) <= MODES["fp32"].rel_tol
+    assert torch.all(out[cu_q[2]:cu_q[3]] == 0)
+    before = sum(len(c[0]) for c in _varlen_fwd_kernel.device_caches.values()) if hasattr(
+        _varlen_fwd_kernel, "device_caches") else None
+    lens_q2, lens_k2 = [700, 3, 2, 333, 9], [513, 17, 1, 1500, 4]
+    q, k, v, cu_q, cu_k = packed(lens_q2, lens_k2, h=16, d=64, device="cuda")
+    out = varlen_attention(q, k, v, cu_q, cu_k)
+    oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 64)
+    assert rel_l2(out.double(), oracle) <= MODES["fp32"].rel_tol
+    if before is not None:
+        assert sum(len(c[0]) for c in _varlen_fwd_kernel.device_caches.values()) == before

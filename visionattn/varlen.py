@@ -1,0 +1,225 @@
+"""Ragged batches without padding: packed ``cu_seqlens`` attention (ELSA supplement, Sec. E).
+
+Images of different sizes give token sequences of different lengths. Instead of padding them to the
+longest with a key mask, the sequences are packed along one token axis (FlashAttention's varlen
+convention) and each attends only to its own keys:
+
+    y_i = sum_{j in seq(i), j visible} exp(s_ij - m_i) v_j / sum_{j in seq(i), j visible} exp(s_ij - m_i),
+    s_ij = scale q_i . k_j,   m_i = max_j s_ij,
+
+the ELSA fold of ``(m, S, W)`` over each sequence's keys. On CUDA (or ``TRITON_INTERPRET=1``) one launch
+of :mod:`visionattn.kernels.varlen_fwd` covers every sequence and head; elsewhere the PyTorch monoid
+reference runs per sequence on views (:func:`visionattn.reference.blocked_attention`).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from .api import cast_checked, check_flags
+from .modes import Mode, get_mode
+from .reference import blocked_attention
+
+__all__ = ["varlen_attention", "validate_varlen_inputs"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF_OR_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_packed(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must have 3 dims [total, H, D] (packed sequences), got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
+
+
+def _check_offsets(name: str, cu, total: int, device: torch.device) -> int:
+    """Validate ``cu`` (int32 [n_seq + 1], 0 .. total, non-decreasing, on ``device``); return n_seq.
+    Reads the offsets once on the host (one synchronisation on CUDA)."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} has dtype {cu.dtype}; expected torch.int32 (FlashAttention's convention)")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D [n_seq + 1] with at least one entry, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device}, the packed tensors on {device}")
+    host = cu.tolist()
+    if host[0] != 0:
+        raise ValueError(f"{name}[0] = {host[0]}; offsets must start at 0")
+    if host[-1] != total:
+        raise ValueError(f"{name}[-1] = {host[-1]}, but the packed tensor has {total} rows")
+    if any(b < a for a, b in zip(host, host[1:])):
+        raise ValueError(f"{name} must be non-decreasing (offsets of consecutive sequences), got {host[:16]}"
+                         f"{' ...' if len(host) > 16 else ''}")
+    return len(host) - 1
+
+
+def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None):
+    """Check packed q / k / v and their offsets; return ``(max_seqlen_q, max_seqlen_k)`` as ints.
+
+    Reads both offset tensors on the host once (one synchronisation on CUDA). Given maxima must bound the
+    true lengths (a smaller one would leave rows uncomputed); missing ones are computed.
+
+    Raises:
+        TypeError: a non-tensor, non-float q / k / v, mixed q / k / v dtypes, offsets not int32, a
+            non-integer maximum.
+        ValueError: wrong ranks, mismatched heads / head dims / key and value rows, a head dim of 0, mixed
+            devices, offsets not 1-D, not starting at 0, not ending at the packed total, decreasing, with
+            different sequence counts for q and k, a maximum below the longest sequence.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_packed(name, t)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    H, D = q.shape[1], q.shape[2]
+    if k.shape[1] != H or v.shape[1] != H:
+        raise ValueError(f"heads mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
+                         f"expected k / v [total_k, H={H}, D]")
+    if k.shape[2] != D:
+        raise ValueError(f"head_dim mismatch: q has D={D}, k has D={k.shape[2]}")
+    if D == 0:
+        raise ValueError("q and k have head_dim 0; attention needs head_dim >= 1")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"k has {k.shape[0]} rows but v has {v.shape[0]}")
+    n_q = _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    n_k = _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if n_q != n_k:
+        raise ValueError(f"cu_seqlens_q describes {n_q} sequences, cu_seqlens_k {n_k}")
+    lens = {"q": torch.diff(cu_seqlens_q).tolist(), "k": torch.diff(cu_seqlens_k).tolist()}
+    out = []
+    for which, given in (("q", max_seqlen_q), ("k", max_seqlen_k)):
+        longest = max(lens[which], default=0)
+        if given is None:
+            out.append(longest)
+            continue
+        if isinstance(given, bool) or not isinstance(given, int):
+            raise TypeError(f"max_seqlen_{which} must be an int or None, got {type(given).__name__}")
+        if given < longest:
+            raise ValueError(f"max_seqlen_{which}={given} is below the longest sequence ({longest} rows)")
+        out.append(given)
+    return out[0], out[1]
+
+
+def _unpack_jagged(q, k, v):
+    """Jagged nested q / k / v ([B, j, H, D], or the [B, H, j, D] transpose) -> packed values, int32 offsets,
+    the maxima torch caches (or None), and a function wrapping a packed output like q."""
+    transposed = q._ragged_idx == 2
+    parts = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not (isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged):
+            raise TypeError(f"{name}: q is a jagged nested tensor, so k and v must be too")
+        if t.dim() != 4 or t._ragged_idx != (2 if transposed else 1):
+            raise ValueError(f"{name} must be a jagged [B, j, H, D] tensor (or its [B, H, j, D] transpose), "
+                             f"got {t.dim()} dims ragged at dim {t._ragged_idx}")
+        if transposed:
+            t = t.transpose(1, 2)
+        parts.append(t)
+    q, k, v = parts
+    off_q, off_k = q.offsets(), k.offsets()
+
+    def wrap(out):
+        res = torch.nested.nested_tensor_from_jagged(out, off_q)
+        return res.transpose(1, 2) if transposed else res
+
+    max_q = getattr(q, "_maybe_max_seqlen", None)
+    max_k = getattr(k, "_maybe_max_seqlen", None)
+    return (q.values(), k.values(), v.values(), off_q.to(torch.int32), off_k.to(torch.int32),
+            None if max_q is None else int(max_q), None if max_k is None else int(max_k), wrap)
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    *, mode: str | Mode = "fp32", scale: float | None = None, is_causal: bool = False, backend: str | None = None,
+) -> torch.Tensor:
+    """Exact softmax attention over packed sequences of different lengths, without padding.
+
+    Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` and key / value rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``; its queries attend only to its keys:
+    ``y_i = softmax_j(scale q_i . k_j) v_j`` over ``j`` in the sequence (ELSA supplement, Sec. E).
+
+    Args:
+        q: [total_q, H, D] float16 / bfloat16 / float32 / float64, any strides (not copied), or a jagged
+            nested tensor [B, j, H, D] (``layout=torch.jagged``; also its [B, H, j, D] transpose), in which
+            case k, v are jagged too and the offsets come from them.
+        k: [total_k, H, D], same dtype and device; v: [total_k, H, Dv].
+        cu_seqlens_q, cu_seqlens_k: int32 [n_seq + 1] on q's device, from 0 to total_q / total_k,
+            non-decreasing (FlashAttention's convention). Sequences of 0 queries contribute nothing; a
+            sequence with 0 keys gives zero output rows.
+        max_seqlen_q, max_seqlen_k: bounds of the per-sequence lengths (ints), as FlashAttention takes them;
+            None = computed from the offsets (validation reads the offsets on the host either way).
+        mode: ``fp32``, ``fp32-ieee``, ``tf32``, ``fp16``, ``bf16`` (:data:`visionattn.modes.MODES`);
+            inputs are cast to the mode's dtype and the output back to q's dtype.
+        scale: logit scale, default ``1 / sqrt(D)``.
+        is_causal: top-left aligned causal mask within each sequence (key j visible to query i iff j <= i,
+            both counted from the sequence's first row).
+        backend: ``auto`` / ``triton`` / ``reference``, as :func:`visionattn.attention`.
+
+    Returns:
+        [total_q, H, Dv] in q's dtype (a jagged [B, j, H, Dv] tensor for jagged input, sharing q's offsets).
+        Forward only: the kernel path does not record gradients yet.
+
+    Raises:
+        TypeError / ValueError: see :func:`validate_varlen_inputs` and :func:`visionattn.api.check_flags`;
+            an unknown mode or a PASA mode (no varlen kernel nor reference); jagged input with explicit
+            offsets; float16 modes on values beyond float16's range.
+    """
+    md = get_mode(mode)
+    if md.half_scores:
+        raise ValueError(f"mode={md.name!r} has no varlen path; expected one of fp32, fp32-ieee, tf32, fp16, bf16")
+    wrap = None
+    if isinstance(q, torch.Tensor) and q.is_nested:
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError("jagged nested inputs carry their offsets; pass cu_seqlens_q / cu_seqlens_k = None")
+        q, k, v, cu_seqlens_q, cu_seqlens_k, mq, mk, wrap = _unpack_jagged(q, k, v)
+        max_seqlen_q = max_seqlen_q if max_seqlen_q is not None else mq
+        max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else mk
+    elif cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k are required for packed [total, H, D] inputs")
+    max_seqlen_q, max_seqlen_k = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                        max_seqlen_k)
+    scale = check_flags(is_causal, scale, q.shape[-1])
+    out = None
+    if dispatch.resolve_backend(backend, q.device.type) == "triton":
+        out = _kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md)
+    if out is None:
+        out = _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, md)
+    return wrap(out) if wrap is not None else out
+
+
+def _kernels(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode):
+    """The varlen kernel's output, or None (warned once, naming why) where it does not cover the call."""
+    from .kernels.varlen_fwd import varlen_unsupported_reason  # lazy: importing triton is slow
+    reason = varlen_unsupported_reason(q, v, md.name)
+    if reason is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        reason = "autograd: varlen attention has no backward kernel yet"
+    if reason is not None:
+        dispatch.warn_once(f"varlen-fallback:{reason}", f"visionattn: the varlen kernel does not cover this call "
+                                                       f"({reason}); running the exact PyTorch reference instead")
+        return None
+    from . import ops
+    dtype = md.compute_dtype
+    qc, kc, vc = (cast_checked(t, dtype, n, md.name) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    out_dtype = q.dtype if q.dtype in _HALF_OR_FP32 else torch.float32
+    out = ops.varlen(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _reference(q, k, v, cu_q, cu_k, is_causal: bool, scale: float, md: Mode) -> torch.Tensor:
+    """Per-sequence :func:`visionattn.reference.blocked_attention` on views: [total_q, H, Dv] in q's dtype."""
+    out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for s in range(len(bq) - 1):
+        q0, q1, k0, k1 = bq[s], bq[s + 1], bk[s], bk[s + 1]
+        if q1 == q0 or k1 == k0:
+            continue  # no rows, or no keys (zero output)
+        view = lambda t, a, b: t[a:b].transpose(0, 1).unsqueeze(0)  # noqa: E731  [1, H, n, D]
+        y = blocked_attention(view(q, q0, q1), view(k, k0, k1), view(v, k0, k1), is_causal=is_causal, scale=scale,
+                              mode=md, block_size=min(max(k1 - k0, 1), 1024))
+        out[q0:q1] = y[0].transpose(0, 1).to(out.dtype)
+    return out
