@@ -35,9 +35,9 @@ def _check_packed(name: str, t) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
 
 
-def _check_offsets(name: str, cu, total: int, device: torch.device) -> int:
-    """Validate ``cu`` (int32 [n_seq + 1], 0 .. total, non-decreasing, on ``device``); return n_seq.
-    Reads the offsets once on the host (one synchronisation on CUDA)."""
+def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool = True) -> int:
+    """Validate ``cu`` (int32 [n_seq + 1], on ``device``; with ``values``: 0 .. total, non-decreasing, read on
+    the host, one synchronisation on CUDA); return n_seq."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -46,6 +46,8 @@ def _check_offsets(name: str, cu, total: int, device: torch.device) -> int:
         raise ValueError(f"{name} must be 1-D [n_seq + 1] with at least one entry, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device}, the packed tensors on {device}")
+    if not values:
+        return cu.shape[0] - 1
     host = cu.tolist()
     if host[0] != 0:
         raise ValueError(f"{name}[0] = {host[0]}; offsets must start at 0")
@@ -60,8 +62,12 @@ def _check_offsets(name: str, cu, total: int, device: torch.device) -> int:
 def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None):
     """Check packed q / k / v and their offsets; return ``(max_seqlen_q, max_seqlen_k)`` as ints.
 
-    Reads both offset tensors on the host once (one synchronisation on CUDA). Given maxima must bound the
-    true lengths (a smaller one would leave rows uncomputed); missing ones are computed.
+    Offsets on the CPU, or with a maximum missing, are read on the host (one synchronisation on CUDA) and
+    their values checked; the given maxima must bound the true lengths, missing ones are computed. With both
+    maxima given for CUDA tensors the offsets' values are trusted, as FlashAttention trusts them (no
+    synchronisation, so eager calls queue back to back and CUDA graphs can capture them): only their dtype,
+    shape and device are checked, and a maximum below a true length leaves that sequence's later rows
+    unwritten.
 
     Raises:
         TypeError: a non-tensor, non-float q / k / v, mixed q / k / v dtypes, offsets not int32, a
@@ -86,10 +92,16 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         raise ValueError("q and k have head_dim 0; attention needs head_dim >= 1")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k has {k.shape[0]} rows but v has {v.shape[0]}")
-    n_q = _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    n_k = _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    values = q.device.type == "cpu" or max_seqlen_q is None or max_seqlen_k is None
+    n_q = _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, values)
+    n_k = _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, values)
     if n_q != n_k:
         raise ValueError(f"cu_seqlens_q describes {n_q} sequences, cu_seqlens_k {n_k}")
+    if not values:
+        for which, given in (("q", max_seqlen_q), ("k", max_seqlen_k)):
+            if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+                raise TypeError(f"max_seqlen_{which} must be an int >= 0 or None, got {given!r}")
+        return max_seqlen_q, max_seqlen_k
     lens = {"q": torch.diff(cu_seqlens_q).tolist(), "k": torch.diff(cu_seqlens_k).tolist()}
     out = []
     for which, given in (("q", max_seqlen_q), ("k", max_seqlen_k)):
@@ -152,7 +164,8 @@ def varlen_attention(
             non-decreasing (FlashAttention's convention). Sequences of 0 queries contribute nothing; a
             sequence with 0 keys gives zero output rows.
         max_seqlen_q, max_seqlen_k: bounds of the per-sequence lengths (ints), as FlashAttention takes them;
-            None = computed from the offsets (validation reads the offsets on the host either way).
+            None = computed from the offsets on the host (one synchronisation on CUDA). With both given on
+            CUDA the offsets' values are trusted, not read (see :func:`validate_varlen_inputs`).
         mode: ``fp32``, ``fp32-ieee``, ``tf32``, ``fp16``, ``bf16`` (:data:`visionattn.modes.MODES`);
             inputs are cast to the mode's dtype and the output back to q's dtype.
         scale: logit scale, default ``1 / sqrt(D)``.
