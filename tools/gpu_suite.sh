@@ -13,7 +13,7 @@
 # sweep), attention (bench_attention, every shape and backend), eager (host time per call and eager vs
 # CUDA-graph timing at ViT shapes), models-eager (whole timm models, eager), cold (first-call cost with an
 # empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps),
-# fwd-bwd (attention forward + backward vs SDPA), demo300 (the demo on VIDEO, 300 frames, full-size random
+# fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), demo300 (the demo on VIDEO, 300 frames, full-size random
 # weights). Every step logs to OUT_DIR/STEP.log
 # and a failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
@@ -72,6 +72,8 @@ for step in "$@"; do
         --modes fp32,bf16 --out "$out/train" ;;
     fwd-bwd) run fwd-bwd 300 python tools/bench_attention.py --backward --no-flex --shapes "L-4k,ViT-B/16 224" \
         --out "$out/attention_fwd_bwd" ;;
+    varlen) run varlen-tests 200 python -m pytest -m gpu -q --timeout=150 -p no:cacheprovider tests/api/test_varlen.py
+      run varlen 200 python tools/bench_varlen.py --out "$out/varlen" ;;
     demo300) run demo300 500 python demos/reconstruct.py "${VIDEO:?set VIDEO to a video of >= 300 frames}" \
         --out "$out/demo300" --weights random --device cuda --max-frames 300 --mode bf16 --no-preview ;;
     *) echo "unknown step $step" | tee -a "$out/steps.txt" ;;
