@@ -96,6 +96,29 @@ def load_kv_tile(ptrs, rows_ok, offs_c, n_c, BOUNDARY: tl.constexpr, EVEN: tl.co
 
 
 @triton.jit
+def load_query_tile(q_ptrs, row_ok, offs_d, D, qk_scale, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """Load a [BLOCK_M, BLOCK_D] query tile (rows outside ``row_ok`` and, unless EVEN_D, head-dim padding
+    masked to 0) and prepare it for :func:`_fold_tile`: ``(q, q_lo, q_inv)``. Split-FP16 precisions ("f16x3",
+    "f16x1"): the row-scaled FP16 parts of ``q * qk_scale`` and their inverse row scales; otherwise ``q``
+    itself, ``q_lo = q`` (unused) and zero scales (unused).
+
+    The logit scale goes into q before the split, so the scores are the product times exact powers of two
+    only: an FMA-contracted ``qk * scale - m`` then rounds exactly as the ``qk`` the row max was taken from, and
+    p = exp2(qk - m) never exceeds 1 (P's FP16 parts hold up to 2^15 * 2). With a non-power-of-two scale,
+    logits of ~1e9 gave p = 2^64."""
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    q_lo = q
+    q_inv = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if PRECISION == "f16x3" or PRECISION == "f16x1":
+        q, q_lo, q_inv = split_rows(q * qk_scale)
+    return q, q_lo, q_inv
+
+
+@triton.jit
 def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base, start_n,
                offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
@@ -234,18 +257,7 @@ def _elsa_fwd_kernel(
     row_ok = rows < Nq
 
     q_ptrs = Q + off_b * sqb + off_h * sqh + start_m64 * sqm + offs_m[:, None] * sqm + offs_d[None, :] * sqd
-    if EVEN_D:
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-    q_lo = q
-    q_inv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PRECISION == "f16x3" or PRECISION == "f16x1":
-        # The logit scale goes into q before the split, so the scores are the product times
-        # exact powers of two only: an FMA-contracted `qk * scale - m` then rounds exactly as the
-        # `qk` the row max was taken from, and p = exp2(qk - m) never exceeds 1 (P's FP16 parts
-        # hold up to 2^15 * 2). With a non-power-of-two scale, logits of ~1e9 gave p = 2^64.
-        q, q_lo, q_inv = split_rows(q * qk_scale)
+    q, q_lo, q_inv = load_query_tile(q_ptrs, row_ok, offs_d, D, qk_scale, BLOCK_M, EVEN_D, PRECISION)
     v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
     k_base = K + off_b * skb + off_h * skh
     v_base = V + off_b * svb + off_h * svh

@@ -39,9 +39,9 @@ import triton.language as tl
 from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _fold_tile, _precision,
-                       _smaller_configs, get_config)
+                       _smaller_configs, get_config, load_query_tile)
 from .modes import MODES
-from .split16 import SPLIT_EXP, pv_unscale, split_rows
+from .split16 import SPLIT_EXP, pv_unscale
 
 __all__ = ["varlen_forward", "varlen_unsupported_reason", "PLANS"]
 
@@ -82,14 +82,7 @@ def _varlen_fwd_kernel(
     row_ok = rows < Lq
 
     q_ptrs = Q + (q_start + start_m64) * sqt + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd
-    if EVEN_D:
-        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
-    q_lo = q
-    q_inv = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PRECISION == "f16x3" or PRECISION == "f16x1":
-        q, q_lo, q_inv = split_rows(q * qk_scale)  # scale folded before the split, as the dense kernel
+    q, q_lo, q_inv = load_query_tile(q_ptrs, row_ok, offs_d, D, qk_scale, BLOCK_M, EVEN_D, PRECISION)
     v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
     k_base = K + k_start * skt + off_h * skh
     v_base = V + k_start * svt + off_h * svh
