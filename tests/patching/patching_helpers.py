@@ -59,3 +59,16 @@ def photos(size: int) -> torch.Tensor:
         assert len(files) >= 8, f"expected the 8 test photos in {PHOTOS}"
         _photo_cache[size] = torch.stack([tf(Image.open(os.path.join(PHOTOS, f)).convert("RGB")) for f in files])
     return _photo_cache[size]
+
+
+def redraw_linear(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every ``nn.Linear`` weight redrawn ~ N(0, 1/in_features), in place; returns ``model`` in eval mode. Libraries
+    zero-initialise some projections (diffusers) or draw tiny weights: this gives O(1) attention logits, so
+    the softmax is far from uniform and a wrong attention shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) / mod.in_features ** 0.5)
+    return model.eval()
+

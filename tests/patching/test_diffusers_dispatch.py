@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from patching_helpers import redraw_linear
 from testdata import PHOTOS
 
 diffusers = pytest.importorskip("diffusers")
@@ -37,16 +38,6 @@ def _photo_tokens(size: int = 16) -> torch.Tensor:
     return x.reshape(2, 3, h, 2, h, 2).permute(0, 2, 4, 1, 3, 5).reshape(2, h * h, 12)
 
 
-def _redraw(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Linear weights ~ N(0, 1/in_features) (diffusers zero-initialises some projections)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) / mod.in_features ** 0.5)
-    return model.eval()
-
-
 def _flux():
     torch.manual_seed(0)
     model = diffusers.FluxTransformer2DModel(patch_size=1, in_channels=12, num_layers=1, num_single_layers=2,
@@ -57,7 +48,7 @@ def _flux():
     inputs = dict(hidden_states=_photo_tokens(), encoder_hidden_states=torch.randn(2, 8, 32, generator=g),
                   pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.3, 0.8]),
                   img_ids=grid.reshape(-1, 3), txt_ids=torch.zeros(8, 3), return_dict=False)
-    return _redraw(model), inputs
+    return redraw_linear(model), inputs
 
 
 def _run(model, inputs) -> torch.Tensor:
@@ -108,7 +99,7 @@ def test_flux_repatch_changes_mode_and_pinned_backend_is_skipped():
 
 def test_wan_is_patched():
     torch.manual_seed(0)
-    model = _redraw(diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
+    model = redraw_linear(diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
                                                     in_channels=4, out_channels=4, text_dim=16, freq_dim=16,
                                                     ffn_dim=32, num_layers=1, rope_max_seq_len=32))
     g = torch.Generator().manual_seed(2)
@@ -124,7 +115,7 @@ def test_wan_is_patched():
 
 def test_sd3_joint_processor_is_patched():
     torch.manual_seed(0)
-    model = _redraw(diffusers.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2,
+    model = redraw_linear(diffusers.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=2,
                                                     attention_head_dim=8, num_attention_heads=2,
                                                     joint_attention_dim=16, caption_projection_dim=16,
                                                     pooled_projection_dim=16, out_channels=4))

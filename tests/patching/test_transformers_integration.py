@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from patching_helpers import redraw_linear
 from testdata import PHOTOS, REPO
 
 transformers = pytest.importorskip("transformers")
@@ -38,20 +39,10 @@ def photos(size: int = SIZE, count: int = 4) -> torch.Tensor:
     return (x - 0.5) / 0.5
 
 
-def _redraw(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Linear weights ~ N(0, 1/in_features): O(1) attention logits, so the softmax is far from uniform."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(torch.randn(mod.weight.shape, generator=g) / mod.in_features ** 0.5)
-    return model
-
-
 def _pair(model_cls, config, implementation="visionattn_fp32"):
     """(visionattn model, sdpa model) with identical random weights, in eval mode."""
     torch.manual_seed(0)
-    ours = _redraw(model_cls._from_config(copy.deepcopy(config), attn_implementation=implementation)).eval()
+    ours = redraw_linear(model_cls._from_config(copy.deepcopy(config), attn_implementation=implementation))
     ref = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
     ref.load_state_dict(ours.state_dict())
     assert ours.config._attn_implementation == implementation and ref.config._attn_implementation == "sdpa"
