@@ -246,8 +246,10 @@ def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, k
         ops = _ops = ops_module
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (bias is not None and bias.requires_grad))
-    reason = _STATIC_REASONS.get((md.name, q.shape[-1] > _MAX_HEAD_DIM or v.shape[-1] > _MAX_HEAD_DIM,
-                                  q.is_cuda or dispatch.triton_interpreting()))
+    if md.half_scores:
+        reason = ops.pasa_fwd.pasa_unsupported_reason(q, k, v, bias, attn_mask)
+    else:
+        reason = ops.elsa_fwd.unsupported_reason(q, k, v, bias, attn_mask, md.name)
     if reason is None and grad and not ops.has_backward(md.name):
         reason = (f"autograd: mode {md.name!r} has no backward kernel" if not md.half_scores
                   else f"autograd: mode {md.name!r} is forward-only on the kernels")
@@ -298,15 +300,6 @@ def _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md: Mode):
 
         CALLS.put(key, run)
     return out
-
-
-_MAX_HEAD_DIM = 256
-# (mode, head dim over the kernels' limit, on CUDA or interpreted) -> why the kernels cannot run it, or None
-_STATIC_REASONS: dict[tuple[str, bool, bool], str | None] = {
-    (name, big, dev): ("tensors not on CUDA (the Triton kernels need CUDA or TRITON_INTERPRET=1)" if not dev
-                       else f"head dim > {_MAX_HEAD_DIM}" if big else None)
-    for name in MODES for big in (False, True) for dev in (False, True)
-}
 
 
 def _cpu_block(nk: int) -> int:
