@@ -11,12 +11,19 @@ from .kernels._launch import PlanCache
 from .modes import MODES, Mode, get_mode
 from .reference import blocked_attention
 
-__all__ = ["attention", "validate_attention_inputs", "check_flags", "cast_checked", "CALLS", "tensor_key"]
+__all__ = ["attention", "validate_attention_inputs", "check_flags", "cast_checked", "CALLS", "qkv_key", "tensor_key"]
 
 # public call signature -> a runner that launches from the call's cached plan without validating again (the
 # signature was validated when the runner was built); see attention()
 CALLS = PlanCache()
 _HALF_OR_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def qkv_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What a plan depends on of query, key and value: shapes, strides, dtypes, device, the 16-byte alignment
+    of each data pointer."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
 
 
 def tensor_key(t: torch.Tensor | None):
@@ -194,11 +201,9 @@ def attention(
     if num_splits is None and not torch.compiler.is_compiling():
         # a signature seen before was validated then: launch from its plan (same checks, done once)
         try:
-            key = (mode, backend, dispatch._backend, is_causal is True, is_causal is False, q.shape, k.shape,
-                   v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-                   q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, tensor_key(bias),
-                   tensor_key(attn_mask), torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                       or v.requires_grad))
+            key = (mode, backend, dispatch._backend, is_causal is True, is_causal is False, qkv_key(q, k, v),
+                   tensor_key(bias), tensor_key(attn_mask),
+                   torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             run = CALLS.get(key)
         except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable: the checks below say why
             key = run = None

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .api import CALLS, check_flags, tensor_key
+from .api import CALLS, check_flags, qkv_key, tensor_key
 from .modes import Mode, get_mode
 
 __all__ = ["window_attention", "window_attention_reference", "validate_window_inputs"]
@@ -214,10 +214,9 @@ def window_attention(
     if not torch.compiler.is_compiling():
         # a signature seen before was validated then: launch from its plan (same checks, done once)
         try:
-            key = (mode, backend, dispatch._backend, num_windows, cosine is True, cosine is False, q.shape, k.shape,
-                   v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-                   q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, tensor_key(relative_position_bias),
-                   tensor_key(shift_mask), tensor_key(logit_scale), torch.is_grad_enabled()
+            key = (mode, backend, dispatch._backend, num_windows, cosine is True, cosine is False, qkv_key(q, k, v),
+                   tensor_key(relative_position_bias), tensor_key(shift_mask), tensor_key(logit_scale),
+                   torch.is_grad_enabled()
                    and (q.requires_grad or k.requires_grad or v.requires_grad
                         or _needs_grad(relative_position_bias, logit_scale)))
             run = CALLS.get(key)
