@@ -27,6 +27,13 @@ def pad_pow2(n: int, lo: int = 16) -> int:
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def heads_inner_layout(batch: int, heads: int, n_q: int, dv: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(shape, strides)`` of the [B, H, Nq, Dv] output every kernel writes: a view of a contiguous
+    [B, Nq, H, Dv] buffer (see :func:`heads_inner_output`); launch plans allocate it with
+    ``torch.empty_strided`` in one call."""
+    return (batch, heads, n_q, dv), (n_q * heads * dv, dv, heads * dv, 1)
+
+
 def heads_inner_output(q: torch.Tensor, n_q: int, dv: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, H, Nq, Dv] view of a contiguous [B, Nq, H, Dv] buffer, the layout SDPA's flash path
     returns: the callers' ``out.transpose(1, 2).reshape(B, Nq, H * Dv)`` (timm, diffusers, VGGT)

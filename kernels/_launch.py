@@ -27,25 +27,12 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["KernelCall", "PlanCache", "launch", "interpreting", "aligned16", "empty_heads_inner"]
+__all__ = ["KernelCall", "PlanCache", "launch", "interpreting"]
 
 
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``), read per call: tests set it."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def aligned16(*tensors: torch.Tensor | None) -> bool:
-    """Whether every given data pointer is 16-byte aligned (Triton specialises pointers on it)."""
-    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
-
-
-def empty_heads_inner(batch: int, heads: int, n_q: int, dv: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor:
-    """[B, H, Nq, Dv] view of a new contiguous [B, Nq, H, Dv] buffer (SDPA flash's output layout), in one
-    allocation call."""
-    return torch.empty_strided((batch, heads, n_q, dv), (n_q * heads * dv, dv, heads * dv, 1), dtype=dtype,
-                               device=device)
 
 
 def _launch_hooks_set() -> bool:

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from . import half_gluon, ieee_gluon
-from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits, sm_count
+from ._host import OUT_DTYPES, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache, interpreting
 from .modes import MODES
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
@@ -553,8 +553,7 @@ class _TritonPlan:
         P = cdiv(n_tiles, tiles_per_split)  # no empty trailing partitions
         block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
         self.config, self.device, self.o_dtype = cfg, q.device, out_dtype
-        self.o_shape = (B, H, Nq, Dv)
-        self.o_stride = (Nq * H * Dv, Dv, H * Dv, 1)  # heads-inner, as SDPA's flash path returns
+        self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)  # as SDPA's flash path returns
         self.lse_shape = (B, H, Nq) if with_lse else None
         sb = bias.stride() if bias is not None else (0, 0, 0, 0)
         sm = attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0)
@@ -608,7 +607,7 @@ class _GluonPlan:
         B, H, Nq = q.shape[:3]
         Dv = v.shape[3]
         self.launch, self.device, self.o_dtype = launch, q.device, out_dtype
-        self.o_shape, self.o_stride = (B, H, Nq, Dv), (Nq * H * Dv, Dv, H * Dv, 1)
+        self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
 
     def __call__(self, q, k, v, bias, attn_mask, scale):
         out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
@@ -625,7 +624,7 @@ class _EmptyPlan:
         B, H, Nq = q.shape[:3]
         Dv = v.shape[3]
         self.device, self.o_dtype = q.device, out_dtype
-        self.o_shape, self.o_stride = (B, H, Nq, Dv), (Nq * H * Dv, Dv, H * Dv, 1)
+        self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
         self.lse_shape = (B, H, Nq) if with_lse else None
         self.zero = k.shape[2] == 0
 

@@ -54,7 +54,7 @@ import functools
 import torch
 
 from ._gluon import checked_call, scope_reason
-from ._host import cdiv, pad_pow2, sm_count
+from ._host import cdiv, heads_inner_layout, pad_pow2, sm_count
 from ._launch import KernelCall
 
 try:  # Gluon is experimental: its API moves between Triton releases
@@ -538,7 +538,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict)
     n_work = cdiv(Nq, cfg["BLOCK_M"]) * B * H
     grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
     call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D), dict(num_warps=4, maxnreg=cfg["maxnreg"]))
-    fixed = (Nq * H * D, D, H * D, H, Nq, Nk, n_work)
+    fixed = (*heads_inner_layout(B, H, Nq, D)[1][:3], H, Nq, Nk, n_work)  # out: the plan's heads-inner buffer
     tq, tk, tv = templates
 
     def launch(q, k, v, scale, out):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._gluon import checked_call, scope_reason
-from ._host import cdiv
+from ._host import cdiv, heads_inner_layout
 from ._launch import KernelCall
 
 try:  # Gluon is experimental: its API moves between Triton releases
@@ -214,7 +214,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict)
     checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
     launcher's plans). ``out`` is a heads-inner [B, H, Nq, D] buffer (:func:`._host.allocate_output`)."""
     B, H, Nq, D = q.shape
-    o_stride = (Nq * H * D, D, H * D)
+    o_stride = heads_inner_layout(B, H, Nq, D)[1][:3]  # out is the plan's heads-inner buffer
     call = KernelCall(_ieee_fwd_kernel, (cdiv(Nq, cfg["BLOCK_M"]) * B * H,), kernel_constexprs(cfg, D),
                       dict(num_warps=cfg["num_warps"]))
     fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_stride, H, Nq, k.shape[2])

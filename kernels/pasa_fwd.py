@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import OUT_DTYPES, allocate_output, cdiv, pad_pow2, run_first_that_fits
+from ._host import OUT_DTYPES, allocate_output, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import LOG2E, load_kv_tile
 from .pasa_math import optimal_beta, shift_coefficients
@@ -466,7 +466,7 @@ class _PasaPlan:
         block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
         block_n = cfg.get("BLOCK_N", BLOCK_N)
         self.device, self.o_dtype, self.shift = q.device, out_dtype, bool(shift)
-        self.o_shape, self.o_stride = (B, H, Nq, Dv), (Nq * H * Dv, Dv, H * Dv, 1)
+        self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
         # beta = 0: M = scale * I, no centering, no recovery: plain FP16 accumulation on fl16(scale * k).
         self.recover = recover = self.shift and (beta is None or float(beta) != 0.0)
         self.center = _CenterPlan(q) if recover else None

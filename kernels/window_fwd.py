@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
+from ._host import cdiv, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache
 from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
@@ -446,7 +446,7 @@ class _WindowPlan:
         BW, H, N, D = q.shape
         DV = v.shape[-1]
         self.config, self.device, self.o_dtype = cfg, q.device, q.dtype
-        self.o_shape, self.o_stride = (BW, H, N, DV), (N * H * DV, DV, H * DV, 1)  # heads-inner (timm's reshape)
+        self.o_shape, self.o_stride = heads_inner_layout(BW, H, N, DV)  # timm's reshape is then a view
         self.lse_shape = (BW, H, N) if with_lse else None
         b_str = tuple(bias.stride()) if bias is not None else (0, 0, 0)
         m_str = tuple(mask.stride()) if mask is not None else (0, 0, 0)
