@@ -143,6 +143,36 @@ def _bias_mask(s, b_ptrs, a_ptrs, m_ptrs, ok, HAS_BIAS: tl.constexpr, HAS_ADD: t
 
 
 @triton.jit
+def _dkdv_query_tiles(start_n, Nq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """``(lo, mid, n_m)``: the query tiles the key tile at ``start_n`` streams. Causal: tiles before ``lo`` see
+    none of its keys, ``[lo, mid)`` cross the diagonal (masked), ``[mid, n_m)`` see every key; else
+    ``lo = mid = 0``."""
+    n_m = tl.cdiv(Nq, BLOCK_M)
+    lo = 0
+    mid = 0
+    if IS_CAUSAL:
+        lo = start_n // BLOCK_M  # earlier query tiles see none of these keys
+        mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), n_m)  # tiles from here see every key here
+        mid = tl.maximum(mid, lo)
+    return lo, mid, n_m
+
+
+@triton.jit
+def _dq_key_tiles(start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """``(n_full, n_tiles)``: the key tiles the query tile at ``start_m`` streams, ``[0, n_full)`` interior (every
+    key valid and, causal, visible to every row), ``[n_full, n_tiles)`` boundary (masked); causal stops at the
+    diagonal (later key tiles are fully masked)."""
+    hi = Nk
+    if IS_CAUSAL:
+        hi = tl.minimum(Nk, start_m + BLOCK_M)
+    n_tiles = tl.cdiv(hi, BLOCK_N)
+    n_full = Nk // BLOCK_N
+    if IS_CAUSAL:
+        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    return tl.minimum(n_full, n_tiles), n_tiles
+
+
+@triton.jit
 def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
                            sob, soh, som, sod, sdb, sdh, sdm, sdd, slb, slh, slm,
                            H, Nq, Dv,
@@ -236,13 +266,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV,
     a_base = Add + (off_b % n_add) * saw
     scale = _head_scale(HS, off_h, scale, HEAD_SCALE)
 
-    n_m = tl.cdiv(Nq, BLOCK_M)
-    lo = 0
-    mid = 0
-    if IS_CAUSAL:
-        lo = start_n // BLOCK_M  # earlier query tiles see none of these keys
-        mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), n_m)  # tiles from here see every key here
-        mid = tl.maximum(mid, lo)
+    lo, mid, n_m = _dkdv_query_tiles(start_n, Nq, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for t in range(lo, mid):
         dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, LseRow + row_base,
                             Delta + row_base, t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm,
@@ -357,14 +381,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
     offs_dv = tl.arange(0, BLOCK_DV)
     db_base = DB + ((g * B_OUT + b_out) * H_OUT + h_out).to(tl.int64) * Nq * Nk
 
-    hi = Nk
-    if IS_CAUSAL:
-        hi = tl.minimum(Nk, start_m + BLOCK_M)  # later key tiles are fully masked
-    n_tiles = tl.cdiv(hi, BLOCK_N)
-    n_full = Nk // BLOCK_N
-    if IS_CAUSAL:
-        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
-    n_full = tl.minimum(n_full, n_tiles)
+    n_full, n_tiles = _dq_key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     r_lo = g * per_chunk
     r_hi = tl.minimum(r_lo + per_chunk, n_red)

@@ -363,8 +363,14 @@ def window_plan(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool
 
 
 
-# ----------------------------------------------------------------------------- ragged (varlen) forward
+# ----------------------------------------------------------------------------- ragged (varlen)
+# Packed cu_seqlens attention (FlashAttention's varlen layout): the forward op, the forward with LSE (the node the
+# backward attaches to under torch.compile), the backward op, and the eager autograd Function beside them.
 from .kernels import varlen_fwd  # noqa: E402
+
+_varlen_bwd = None
+if _elsa_bwd is not None:  # the varlen backward runs the dense backward's tile helpers: present with them
+    from .kernels import varlen_bwd as _varlen_bwd
 
 __all__ += ["varlen", "varlen_lse"]
 
@@ -382,11 +388,94 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=out_dtype or q.dtype)
 
 
+@torch.library.custom_op("visionattn::varlen_attention_lse", mutates_args=())
+def _varlen_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
+                   mode: str, out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [total_q, H, Dv], lse [H, total_q] float32) of the training path."""
+    out, lse = varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         is_causal, scale, mode, out_dtype, with_lse=True)
+    return out, lse
+
+
+@_varlen_lse_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode, out_dtype):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=out_dtype or q.dtype),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("visionattn::varlen_attention_backward", mutates_args=())
+def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   grad_out: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, is_causal: bool, scale: float,
+                   mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen backward (:func:`visionattn.kernels.varlen_bwd.varlen_backward`) as an opaque node of
+    ``torch.compile``'s backward graph: (dq, dk, dv) in q's dtype."""
+    return _varlen_bwd.varlen_backward(q, k, v, out, grad_out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, is_causal, scale, mode)
+
+
+@_varlen_bwd_op.register_fake
+def _(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, mode, out_dtype = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, is_causal, scale, mode)
+
+
+def _varlen_op_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _varlen_bwd_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+if _varlen_bwd is not None:
+    _varlen_lse_op.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
+
+
+class _VarlenFunction(torch.autograd.Function):
+    """Eager autograd for the varlen kernels: the forward writes the per-row LSE and saves (q, k, v, out, lse,
+    offsets); the backward recomputes the probabilities tile by tile (FlashAttention-2, Alg. 2). The offsets
+    and maxima get no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, mode, out_dtype):
+        out, lse = varlen_fwd.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, mode, out_dtype,
+                                             with_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, is_causal, scale, mode)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = _varlen_bwd.varlen_backward(q, k, v, out, grad_out, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
 def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-           scale: float, mode: str, out_dtype: torch.dtype | None) -> torch.Tensor:
-    """Packed ragged attention on the varlen kernel (forward only), inputs validated and cast to the mode's
-    dtype: q [total_q, H, D], k [total_k, H, D], v [total_k, H, Dv], int32 offsets [n_seq + 1] -> [total_q, H,
-    Dv] in ``out_dtype``. Under ``torch.compile`` through ``visionattn::varlen_attention``."""
+           scale: float, mode: str, out_dtype: torch.dtype | None, grad: bool = False) -> torch.Tensor:
+    """Packed ragged attention on the varlen kernels, inputs validated and cast to the mode's dtype:
+    q [total_q, H, D], k [total_k, H, D], v [total_k, H, Dv], int32 offsets [n_seq + 1] -> [total_q, H, Dv] in
+    ``out_dtype``. ``grad``: the inputs need gradients (``mode`` in :data:`BACKWARD_MODES`): eager calls run
+    :class:`_VarlenFunction`, compiled ones ``visionattn::varlen_attention_lse`` with its autograd formula;
+    otherwise ``visionattn::varlen_attention`` under ``torch.compile``.
+
+    Raises:
+        ValueError: ``grad`` in a mode without backward kernels.
+    """
+    if grad:
+        if mode not in BACKWARD_MODES:
+            raise ValueError(f"mode={mode!r} has no varlen backward kernel; expected one of {sorted(BACKWARD_MODES)}")
+        if torch.compiler.is_compiling():
+            return _varlen_lse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                                  mode, out_dtype)[0]
+        return _VarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, mode, out_dtype)
     if torch.compiler.is_compiling():
         return _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                           mode, out_dtype)

@@ -8,8 +8,9 @@ convention) and each attends only to its own keys:
     s_ij = scale q_i . k_j,   m_i = max_j s_ij,
 
 the ELSA fold of ``(m, S, W)`` over each sequence's keys. On CUDA (or ``TRITON_INTERPRET=1``) one launch
-of :mod:`visionattn.kernels.varlen_fwd` covers every sequence and head; elsewhere the PyTorch monoid
-reference runs per sequence on views (:func:`visionattn.reference.blocked_attention`).
+of :mod:`visionattn.kernels.varlen_fwd` covers every sequence and head (and, when an input needs grad, the
+backward launches of :mod:`visionattn.kernels.varlen_bwd`); elsewhere the PyTorch monoid reference runs per
+sequence on views (:func:`visionattn.reference.blocked_attention`).
 """
 from __future__ import annotations
 
@@ -175,7 +176,9 @@ def varlen_attention(
 
     Returns:
         [total_q, H, Dv] in q's dtype (a jagged [B, j, H, Dv] tensor for jagged input, sharing q's offsets).
-        Forward only: the kernel path does not record gradients yet.
+        Differentiable in q, k, v (packed or jagged): the kernel path records the deterministic varlen backward
+        (:mod:`visionattn.kernels.varlen_bwd`, FlashAttention-2 Alg. 2 per sequence) when an input needs grad;
+        the reference path is differentiated by autograd.
 
     Raises:
         TypeError / ValueError: see :func:`validate_varlen_inputs` and :func:`visionattn.api.check_flags`;
@@ -208,9 +211,11 @@ def varlen_attention(
 def _kernels(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode):
     """The varlen kernel's output, or None (warned once, naming why) where it does not cover the call."""
     from .kernels.varlen_fwd import varlen_unsupported_reason  # lazy: importing triton is slow
+    from .ops import has_backward
     reason = varlen_unsupported_reason(q, v, md.name)
-    if reason is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        reason = "autograd: varlen attention has no backward kernel yet"
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if reason is None and grad and not has_backward(md.name):
+        reason = f"autograd: mode {md.name!r} has no backward kernel"
     if reason is not None:
         dispatch.warn_once(f"varlen-fallback:{reason}", f"visionattn: the varlen kernel does not cover this call "
                                                        f"({reason}); running the exact PyTorch reference instead")
@@ -219,7 +224,7 @@ def _kernels(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale
     dtype = md.compute_dtype
     qc, kc, vc = (cast_checked(t, dtype, n, md.name) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     out_dtype = q.dtype if q.dtype in _HALF_OR_FP32 else torch.float32
-    out = ops.varlen(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype)
+    out = ops.varlen(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
