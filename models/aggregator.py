@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import AUTO_MODE, Block, DinoV2, rope_tables
+from .layers import AUTO_MODE, Block, DinoV2, checkpointed, rope_tables
 from .merging import TokenMerging
 
 __all__ = ["Aggregator", "PATCH_START_IDX"]
@@ -45,9 +45,16 @@ class Aggregator(nn.Module):
     [B*S, P, C] (no concatenation copy). Frames are independent in the patch embed, so
     chunking changes the result at most by FP rounding (GEMMs over another row count; see
     :class:`~visionattn.models.layers.Block`).
+
+    Attribute ``grad_checkpointing`` (False): when autograd records, run every frame and global
+    block under activation checkpointing (:func:`~visionattn.models.layers.checkpointed`): the
+    forward keeps one [B*S, P, C] block input per block instead of the block's activations
+    (about 20 C per token), and backward recomputes each block once. The DINOv2 blocks follow
+    ``patch_embed.grad_checkpointing``. Outputs and gradients are unchanged.
     """
 
     frames_chunk_size: int | None = None
+    grad_checkpointing: bool = False
 
     def __init__(self, img_size: int = 518, patch_size: int = 14, embed_dim: int = 1024, depth: int = 24,
                  num_heads: int = 16, mlp_ratio: float = 4.0, num_register_tokens: int = 4,
@@ -130,11 +137,13 @@ class Aggregator(nn.Module):
                            dtype=torch.float32)
         rope_global = rope.view(B, S * P)
         outputs = []
+        ckpt = self.grad_checkpointing
         for i in range(self.depth):
-            tokens = self.frame_blocks[i](tokens.reshape(BS, P, C), rope)
+            tokens = checkpointed(self.frame_blocks[i], tokens.reshape(BS, P, C), rope, enabled=ckpt)
             frame_out = tokens.reshape(B, S, P, C)
             use_merge = merging if (merging is not None and i >= merging.start_block) else None
-            tokens = self.global_blocks[i](tokens.reshape(B, S * P, C), rope_global, use_merge, (S, h, w))
+            tokens = checkpointed(self.global_blocks[i], tokens.reshape(B, S * P, C), rope_global, use_merge,
+                                  (S, h, w), enabled=ckpt)
             if keep_layers is None or i in keep_layers:
                 outputs.append(torch.cat([frame_out, tokens.reshape(B, S, P, C)], dim=-1))
             else:

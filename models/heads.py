@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import AUTO_MODE, AttnBlock, Block, CrossAttnBlock, Mlp
+from .layers import AUTO_MODE, AttnBlock, Block, CrossAttnBlock, Mlp, checkpointed
 
 __all__ = ["CameraHead", "DPTHead", "TrackHead", "Tracker", "UpdateFormer", "activate_pose", "activate_head",
            "inverse_log_transform"]
@@ -182,7 +182,14 @@ class DPTHead(nn.Module):
         feature_only: return features [B, S, features, H/d, W/d] (track head) instead of (values, conf).
         down_ratio: output downsampling (track head: 2).
         frames_chunk_size: frames per chunk (8) to bound memory.
+
+    Attribute ``grad_checkpointing`` (False): when autograd records, run each frame chunk under
+    activation checkpointing (:func:`~visionattn.models.layers.checkpointed`): the forward keeps
+    only the chunk's output, backward recomputes the chunk (its full-resolution feature maps
+    are the head's largest activations).
     """
+
+    grad_checkpointing: bool = False
 
     def __init__(self, dim_in: int, patch_size: int = 14, output_dim: int = 4, activation: str = "inv_log",
                  features: int = 256, out_channels=(256, 512, 1024, 1024), intermediate_layer_idx=(4, 11, 17, 23),
@@ -227,11 +234,14 @@ class DPTHead(nn.Module):
         """
         S = images.shape[1]
         step = self.frames_chunk_size or S
+        # the layers this head reads, taken out of the caller's list (which drops entries after the last
+        # reader, before a checkpointed chunk is recomputed in backward)
+        layers = tuple(tokens_list[i] for i in self.intermediate_layer_idx)
         if step >= S:
-            return self._forward(tokens_list, images, patch_start_idx, 0, S)
+            return self._chunk(layers, images, patch_start_idx, 0, S)
         outs = None  # preallocated full outputs; each chunk is written in (no list of parts + concatenation)
         for s0 in range(0, S, step):
-            part = self._forward(tokens_list, images, patch_start_idx, s0, min(s0 + step, S))
+            part = self._chunk(layers, images, patch_start_idx, s0, min(s0 + step, S))
             part = (part,) if self.feature_only else part
             if outs is None:
                 outs = tuple(p.new_empty(p.shape[:1] + (S,) + p.shape[2:]) for p in part)
@@ -240,13 +250,18 @@ class DPTHead(nn.Module):
             del part
         return outs[0] if self.feature_only else outs
 
-    def _forward(self, tokens_list, images, patch_start_idx, s0, s1):
+    def _chunk(self, layers, images, patch_start_idx, s0, s1):
+        """Frames s0:s1 of the head's output, checkpointed when ``grad_checkpointing`` is set."""
+        return checkpointed(self._forward, layers, images, patch_start_idx, s0, s1, enabled=self.grad_checkpointing)
+
+    def _forward(self, layers, images, patch_start_idx, s0, s1):
+        """layers: the ``intermediate_layer_idx`` outputs [B, S, P, 2C], in that order."""
         B, _, _, H, W = images.shape
         S = s1 - s0
         ph, pw = H // self.patch_size, W // self.patch_size
         feats = []
-        for j, layer in enumerate(self.intermediate_layer_idx):
-            x = _fp32(tokens_list[layer][:, s0:s1, patch_start_idx:])
+        for j, tokens in enumerate(layers):
+            x = _fp32(tokens[:, s0:s1, patch_start_idx:])
             x = self.norm(x.reshape(B * S, ph * pw, -1))
             x = x.permute(0, 2, 1).reshape(B * S, -1, ph, pw)
             x = self.projects[j](x)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from visionattn.api import attention as _va_attention
 
 __all__ = [
-    "AUTO_MODE", "resolve_attn_mode", "attend", "LayerScale", "Mlp", "RopeTables", "rope_tables",
+    "AUTO_MODE", "resolve_attn_mode", "attend", "checkpointed", "LayerScale", "Mlp", "RopeTables", "rope_tables",
     "apply_rope", "Attention", "Block", "MHAttention", "AttnBlock", "CrossAttnBlock", "PatchEmbed",
     "DinoV2",
 ]
@@ -60,6 +61,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str | None) 
     if mode is None:
         return F.scaled_dot_product_attention(q, k, v)
     return _va_attention(q, k, v, mode=mode)
+
+
+def checkpointed(fn, *args, enabled: bool):
+    """``fn(*args)``, under activation checkpointing when ``enabled`` and autograd is recording.
+
+    Checkpointing is ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``: the
+    forward keeps only ``args`` (what they reference stays alive until backward) and backward
+    recomputes ``fn`` with the autocast and RNG state of the first run, so gradients equal the
+    plain run's. ``args`` are passed by reference to the recomputation: the caller must not mutate
+    them (a list it empties later, say) before backward. With grad disabled (``torch.no_grad``,
+    ``torch.inference_mode``) nothing is recorded and ``fn`` runs plainly.
+    """
+    if enabled and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
 
 
 class LayerScale(nn.Module):
@@ -336,8 +352,13 @@ class DinoV2(nn.Module):
     when the patch grid is not M x M. Blocks: LayerNorm eps 1e-6, LayerScale,
     no qk-norm, no RoPE. ``mask_token`` is unused at inference (kept for the checkpoint).
 
+    Attribute ``grad_checkpointing`` (False): run each block under :func:`checkpointed` when
+    autograd records (set by :meth:`VGGT.set_grad_checkpointing`).
+
     forward: images [B, 3, H, W] (normalised) -> final-normed patch tokens [B, (H/p)(W/p), C].
     """
+
+    grad_checkpointing: bool = False
 
     def __init__(self, img_size: int = 518, patch_size: int = 14, embed_dim: int = 1024, depth: int = 24,
                  num_heads: int = 16, mlp_ratio: float = 4.0, num_register_tokens: int = 4,
@@ -379,6 +400,6 @@ class DinoV2(nn.Module):
         t = t + self.interpolate_pos_embed(h, w, t.dtype)
         t = torch.cat([t[:, :1], self.register_tokens.expand(B, -1, -1), t[:, 1:]], dim=1)
         for blk in self.blocks:
-            t = blk(t)
+            t = checkpointed(blk, t, enabled=self.grad_checkpointing)
         return self.norm(t)[:, 1 + self.num_register_tokens:]
 

@@ -86,6 +86,22 @@ class VGGT(nn.Module):
             autocast of that dtype whatever the caller's autocast; confidences, activations and the
             running pose stay FP32, outputs are FP32). Chosen inside ``forward``; no global flag
             is touched. Settable later as ``model.heads_dtype``.
+        grad_checkpointing: activation checkpointing for training (timm's name and convention;
+            change later with :meth:`set_grad_checkpointing`). When autograd records, every
+            aggregator block (DINOv2, frame, global) and every DPT-head frame chunk runs under
+            ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: less activation memory, one
+            more forward of those stages in backward, the same outputs and gradients. Inactive
+            under ``torch.no_grad`` / ``inference_mode`` (inference is unchanged).
+
+    Training: the whole forward is differentiable (every output with respect to every parameter
+    but DINOv2's unused ``mask_token``, and to the images) in every attention mode: None (SDPA),
+    and the visionattn modes, whose backward kernels run on CUDA (``fp32``, ``fp32-ieee``,
+    ``tf32``, ``fp16``, ``bf16``; :data:`visionattn.ops.BACKWARD_MODES`) and the differentiable
+    reference otherwise. As in the official model, the camera head conditions each refinement on
+    the detached running pose and the tracker detaches its coordinates between iterations.
+    The inference shortcuts step aside when autograd records: the chunked MLP of
+    :class:`~visionattn.models.layers.Block` runs unchunked, and layer trimming only skips
+    building the layers no head reads.
 
     Memory: the aggregator keeps only the layer outputs [B, S, P, 2C] that the enabled heads
     read (``dpt_layers`` for the depth / point / track heads, the last layer for the camera
@@ -113,7 +129,7 @@ class VGGT(nn.Module):
                  enable_depth: bool = True, enable_point: bool = True, enable_track: bool = True,
                  attn_mode: str | None = AUTO_MODE, merging=None, frames_chunk_size: int | None = 8,
                  patch_embed_chunk_size: int | None = 32, tokens_chunk_size: int | None = 65536,
-                 heads_dtype: str | None = None):
+                 heads_dtype: str | None = None, grad_checkpointing: bool = False):
         args = dict(locals())
         super().__init__()
         attn_mode = _check_mode(attn_mode)
@@ -121,7 +137,9 @@ class VGGT(nn.Module):
             raise ValueError(f"img_size={img_size} must be a multiple of patch_size={patch_size}")
         if max(dpt_layers) >= depth:
             raise ValueError(f"dpt_layers={tuple(dpt_layers)} must be < depth={depth}")
-        self.config = {k: v for k, v in args.items() if k not in ("self", "__class__", "merging", "attn_mode")}
+        # runtime choices (attention precision, merging, checkpointing) are not part of the saved config
+        self.config = {k: v for k, v in args.items()
+                       if k not in ("self", "__class__", "merging", "attn_mode", "grad_checkpointing")}
         self.config["dpt_out_channels"] = list(dpt_out_channels)
         self.config["dpt_layers"] = list(dpt_layers)
         self.patch_size = patch_size
@@ -143,6 +161,33 @@ class VGGT(nn.Module):
         self.keep_all_layers = False
         self.heads_dtype = heads_dtype
         self.set_chunking(frames_chunk_size, patch_embed_chunk_size, tokens_chunk_size)
+        self.set_grad_checkpointing(grad_checkpointing)
+
+    def set_grad_checkpointing(self, enable: bool = True) -> "VGGT":
+        """Switch activation checkpointing of the aggregator blocks and DPT-head chunks; returns self.
+
+        timm's ``set_grad_checkpointing(enable=True)``. Applies when autograd records (training,
+        or any forward with grad enabled); see the class docstring. Read back as
+        ``model.grad_checkpointing``.
+
+        Raises:
+            TypeError: ``enable`` is not a bool.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable={enable!r} must be a bool")
+        self.aggregator.grad_checkpointing = enable
+        self.aggregator.patch_embed.grad_checkpointing = enable
+        for head in (self.depth_head, self.point_head):
+            if head is not None:
+                head.grad_checkpointing = enable
+        if self.track_head is not None:
+            self.track_head.feature_extractor.grad_checkpointing = enable
+        return self
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        """Whether :meth:`set_grad_checkpointing` switched activation checkpointing on."""
+        return self.aggregator.grad_checkpointing
 
     def set_chunking(self, frames_chunk_size: int | None = 8, patch_embed_chunk_size: int | None = 32,
                      tokens_chunk_size: int | None = 65536) -> "VGGT":
