@@ -47,7 +47,8 @@ __all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "register
 #: ``(module providing PATCHES: tuple[PatchSpec, ...], the library it patches)``; imported on first
 #: use so that ``import visionattn`` does not import timm. Without that library installed no model
 #: can hold its classes, so the provider is left out instead of failing the call.
-_PROVIDERS = (("visionattn.patching.timm", "timm"), ("visionattn.patching.timm_families", "timm"))
+_PROVIDERS = (("visionattn.patching.timm", "timm"), ("visionattn.patching.timm_families", "timm"),
+              ("visionattn.patching.transformers_swin", "transformers"))
 
 _OPTION_NAMES = ("backend", "num_splits")
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
