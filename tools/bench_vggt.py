@@ -16,6 +16,10 @@ The ``official-*`` rows are the official model's equivalent: PyTorch SDPA
 model's estimate (:meth:`VGGT.estimate_memory`) beside the measured peak and a
 PNG of time and peak memory vs frames. Times are eager (one forward, synchronised).
 
+``--train-step`` times one training step instead (train mode, forward + a loss over depth, points
+and pose + backward; no optimiser) with activation checkpointing off and on
+(:meth:`VGGT.set_grad_checkpointing`): time and peak memory (weights and gradients included).
+
 Results merge into ``<out>.json`` (so a sweep can be split over several calls:
 ``--models``, ``--rows``, ``--frames``) and ``<out>.md`` / ``<out>.png`` are rewritten from it.
 
@@ -24,6 +28,7 @@ Results merge into ``<out>.json`` (so a sweep can be split over several calls:
     python tools/bench_vggt.py --models fastvggt --rows bf16 sdpa-bf16 --frames 200 500
     python tools/bench_vggt.py --long --out docs/benchmarks/vggt_long   # 10 .. OOM, both models, all rows
     python tools/bench_vggt.py --tiny --device cpu --long --max-frames 8 --out /tmp/vggt_tiny  # CPU check
+    python tools/bench_vggt.py --train-step --models vggt --rows sdpa-fp32 fp32 bf16 --frames 2 4 8
 """
 from __future__ import annotations
 
@@ -81,6 +86,8 @@ parser.add_argument("--tiny", action="store_true", help="tiny random config (vgg
 parser.add_argument("--long", action="store_true", help="long-sequence table: frames from 10 upwards (%s) up to "
                     "--max-frames, each row until its first OOM" % ", ".join(map(str, LONG_FRAMES)))
 parser.add_argument("--max-frames", type=positive_int, default=None, help="largest frame count of --long")
+parser.add_argument("--train-step", action="store_true", help="time and peak memory of one training step "
+                    "(forward + backward) per row and frame count, activation checkpointing off and on")
 
 
 def environment() -> dict:
@@ -158,6 +165,54 @@ def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: 
             "finite": finite, "tokens_per_frame": 5 + (H // 14) * (W // 14)}
 
 
+def train_loss(out: dict) -> torch.Tensor:
+    """The benchmark's training loss: mean log-depth + mean squared points + mean squared pose encoding."""
+    return out["depth"].log().mean() + out["world_points"].square().mean() + out["pose_enc"].square().mean()
+
+
+def run_train_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: int, ckpt: bool) -> dict:
+    """One training-step point: ``repeats`` timed steps (forward + :func:`train_loss` + backward) after one
+    untimed step; median time, peak memory (CUDA max allocated: weights, gradients, activations; None on
+    the CPU, where it is not measured)."""
+    from visionattn.models.vggt import autocast
+
+    mode, dt, _, keep_all = ROWS[row]
+    model.train().set_attn_mode(mode).set_grad_checkpointing(ckpt)
+    model.keep_all_layers = keep_all
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed + frames)
+    images = torch.rand(frames, 3, H, W, device=dev, generator=g)
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        with autocast(dev.type, dt):
+            loss = train_loss(model(images))
+        loss.backward()
+        return float(loss.detach())
+
+    try:
+        step()  # kernel builds for these sequence lengths, cuDNN plans
+        model.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+        times = []
+        for _ in range(repeats):
+            _sync(dev)
+            t0 = time.perf_counter()
+            loss = step()
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else None
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval().set_grad_checkpointing(False)
+        model.keep_all_layers = False
+    times.sort()
+    return {"time_s": times[len(times) // 2], "peak_gb": peak, "loss": loss,
+            "finite": bool(torch.isfinite(torch.tensor(loss)))}
+
+
 def to_markdown(res: dict) -> str:
     env = res.get("environment", {})
     lines = ["# VGGT / FastVGGT inference: visionattn modes vs PyTorch SDPA", "",
@@ -195,6 +250,22 @@ def to_markdown(res: dict) -> str:
                 est = f"{p['est_gb']:.2f}" if "est_gb" in p else "–"
                 lines.append(f"| {LABELS[row]} | {fr} | {p['time_s']:.2f} | {p['time_s'] / int(fr):.3f} | "
                              f"{p['peak_gb']:.2f} | {est} | {sp}{flag} |")
+        lines.append("")
+    for model, rows in res.get("train", {}).items():
+        lines += [f"## {model}: one training step (forward + backward), activation checkpointing off / on", "",
+                  "Train mode, loss = mean log-depth + mean squared points + mean squared pose, backward; no optimiser "
+                  "step. Mem: peak allocated (weights and gradients included).", "",
+                  "| Method | Frames | Time (s) | Mem (GB) | Time, ckpt (s) | Mem, ckpt (GB) | Mem ratio |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for row in ROWS:
+            for fr in sorted(rows.get(row, {}), key=int):
+                off, on = rows[row][fr].get("off"), rows[row][fr].get("on")
+                ok = [p is not None and not p.get("oom") for p in (off, on)]
+                cells = [(f"{p['time_s']:.2f}", "–" if p["peak_gb"] is None else f"{p['peak_gb']:.2f}") if good
+                         else ("OOM", "OOM") for p, good in zip((off, on), ok)]
+                ratio = f"{on['peak_gb'] / off['peak_gb']:.2f}" if all(ok) and off["peak_gb"] else "–"
+                lines.append(f"| {LABELS[row]} | {fr} | {cells[0][0]} | {cells[0][1]} | {cells[1][0]} | "
+                             f"{cells[1][1]} | {ratio} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -255,7 +326,29 @@ def main(args) -> dict:
     def save():
         reporting.write_json_atomic(path, res, indent=1)
         reporting.write_text_atomic(args.out + ".md", to_markdown(res))
-        plot(res, args.out + ".png")
+        if res["points"]:  # the PNG plots inference points
+            plot(res, args.out + ".png")
+
+    if args.train_step:
+        for name in args.models:
+            model = build(name, args.seed, args.device, args.tiny)
+            pts = res.setdefault("train", {}).setdefault(name, {})
+            for row in args.rows:
+                for fr in frames:
+                    for ckpt in (False, True):
+                        try:
+                            p = run_train_point(model, row, fr, args.height, args.width, args.repeats, args.seed, ckpt)
+                        except (torch.cuda.OutOfMemoryError, MemoryError):
+                            p = {"oom": True}
+                            if dev.type == "cuda":
+                                torch.cuda.empty_cache()
+                        pts.setdefault(row, {}).setdefault(str(fr), {})["on" if ckpt else "off"] = p
+                        print(name, row, fr, "ckpt" if ckpt else "no-ckpt", json.dumps(p), flush=True)
+                        save()
+            del model
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        return res
 
     for name in args.models:
         model = build(name, args.seed, args.device, args.tiny)

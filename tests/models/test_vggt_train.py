@@ -251,3 +251,24 @@ def test_vggt_1b_training_gradients_and_checkpoint_memory():
     for mode in ("fp32", "bf16"):
         assert rel_l2(runs[f"{mode}-ckpt"][1], runs[mode][1]) <= 1e-5, mode  # cuDNN's backward may reorder sums
         assert runs[f"{mode}-ckpt"][3] < 0.5 * runs[mode][3], (mode, runs[f"{mode}-ckpt"][3], runs[mode][3])
+
+
+# ----------------------------------------------------------------------------- tools/bench_vggt.py --train-step
+def test_bench_vggt_train_step_on_cpu_tiny(tmp_path):
+    import importlib.util
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("bench_vggt", os.path.join(root, "tools", "bench_vggt.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = str(tmp_path / "train")
+    res = tool.main(tool.parser.parse_args(["--train-step", "--tiny", "--device", "cpu", "--models", "vggt",
+                                            "--rows", "fp32", "--frames", "2", "--height", "28", "--width", "28",
+                                            "--out", out]))
+    pts = json.load(open(out + ".json"))["train"]["vggt"]
+    assert pts == res["train"]["vggt"]
+    off, on = pts["fp32"]["2"]["off"], pts["fp32"]["2"]["on"]
+    assert off["finite"] and off["time_s"] > 0 and on["loss"] == off["loss"]
+    assert "visionattn fp32 | 2 |" in open(out + ".md").read()
