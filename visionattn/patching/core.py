@@ -48,7 +48,7 @@ __all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "register
 #: use so that ``import visionattn`` does not import timm. Without that library installed no model
 #: can hold its classes, so the provider is left out instead of failing the call.
 _PROVIDERS = (("visionattn.patching.timm", "timm"), ("visionattn.patching.timm_families", "timm"),
-              ("visionattn.patching.transformers_swin", "transformers"))
+              ("visionattn.patching.transformers_swin", "transformers"), ("visionattn.patching.naflex", "timm"))
 
 _OPTION_NAMES = ("backend", "num_splits")
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)

@@ -39,6 +39,7 @@ from timm.models import swin_transformer_v2 as _swinv2
 
 from ..api import attention
 from .core import PatchSpec, attention_kwargs, dropout_fallback
+from .naflex import key_padding_attention, key_padding_of
 
 __all__ = ["PATCHES", "VisionattnAttention", "VisionattnAttentionRope", "VisionattnEvaAttention",
            "VisionattnSwinWindowAttention", "VisionattnSwinV2WindowAttention"]
@@ -82,6 +83,14 @@ def override_cores(dense=None, window=None):
 
 
 def _dense(module, q, k, v, attn_mask=None, is_causal=False):
+    # A padded NaFlexViT batch: the mask a patched NaFlexVit built from its patch validity runs as ragged
+    # attention over the valid tokens (visionattn.patching.naflex says why and what padded rows get); not
+    # while override_cores times a stand-in core.
+    kp = key_padding_of(attn_mask) if _cores["dense"] is _dense_core else None
+    if kp is not None and not is_causal:
+        out = key_padding_attention(q, k, v, kp, scale=module.scale, **attention_kwargs(module))
+        if out is not None:
+            return out
     bias = mask = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
