@@ -20,8 +20,22 @@ Peak memory: the most allocated during one total call beyond what was allocated 
 total tokens per total latency. Accuracy: relative L2 error of each method's output against a float64
 per-sequence oracle. Writes ``<out>.md`` and ``<out>.json``.
 
+``--backward`` adds a forward + backward row per (mode, method), same run: from per-sequence leaves that
+need grad, conversion, attention and the backward (``torch.autograd.grad`` of the packed [total, H, D]
+output with a fixed N(0, 1) gradient, so each PyTorch method's unpacking is timed with it; visionattn runs
+its varlen backward kernels). Kernel and conversion columns stay empty there; accuracy is the largest
+relative L2 error of dQ, dK, dV against per-sequence float64 autograd.
+
+``--naflex`` benchmarks a model instead: timm's NaFlexViT (random weights) on a padded batch of ``--batch``
+images of mixed aspect ratios (``--naflex-sizes``), eager inference, the unpatched model (SDPA on timm's
+padding mask) against the model patched in each mode (ragged attention over the valid tokens,
+:mod:`visionattn.patching.naflex`): ms per batch, images/s, peak MB, relative L2 of the logits and of the
+valid tokens' features against the unpatched model.
+
     python tools/bench_varlen.py --out out/varlen_h100
     python tools/bench_varlen.py --modes fp16,bf16 --lengths 256,1792,1024 --methods visionattn,sdpa-per-seq
+    python tools/bench_varlen.py --backward --modes fp32,bf16 --out out/varlen_bwd_h100
+    python tools/bench_varlen.py --naflex --modes fp32,bf16 --out out/naflex_h100
 """
 from __future__ import annotations
 
@@ -45,6 +59,8 @@ from visionattn.reference import oracle_attention  # noqa: E402
 METHODS = ("visionattn", "visionattn-jagged", "sdpa-padded", "sdpa-per-seq", "nested")
 BENCH_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 ISSUE_LENGTHS = "785,500,708,542,1732,262,1039,557"
+# (height, width) in pixels, cycled over the NaFlexViT batch: 36 .. 576 patches of 16 x 16
+NAFLEX_SIZES = "384x384,224x224,160x480,512x256,96x96,320x240,448x128,256x256"
 
 parser = ToolParser(prog="bench_varlen.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
@@ -66,6 +82,17 @@ parser.add_argument("--device", default="cuda", help="torch device; cpu times wi
 parser.add_argument("--out", default=default_out("varlen_bench"),
                     help="output prefix: writes <out>.md and <out>.json (default: %(default)s)")
 parser.add_argument("--quiet", action="store_true", help="do not print the table")
+parser.add_argument("--backward", action="store_true",
+                    help="also time forward + backward of every method (gradient accuracy vs float64 autograd)")
+parser.add_argument("--naflex", action="store_true",
+                    help="benchmark timm's NaFlexViT on a padded mixed-aspect batch instead: unpatched vs patched "
+                         "per mode (--lengths, --heads, --head-dim, --methods do not apply)")
+parser.add_argument("--model", default="naflexvit_base_patch16_gap",
+                    help="--naflex: the timm NaFlexViT model, random weights (default: %(default)s)")
+parser.add_argument("--batch", type=positive_int, default=32, help="--naflex: images per batch (default: %(default)s)")
+parser.add_argument("--naflex-sizes", default=NAFLEX_SIZES,
+                    help="--naflex: comma-separated HxW image sizes in pixels, cycled over the batch "
+                         "(default: %(default)s)")
 
 
 def _subset(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -117,6 +144,16 @@ def _peak_mb(fn, device: torch.device) -> float | None:
     return peak / 2**20
 
 
+def _sizes(text: str) -> list[tuple[int, int]]:
+    try:
+        sizes = [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        parser.error(f"--naflex-sizes {text!r}: expected comma-separated HxW integers")
+    if not sizes or any(len(hw) != 2 or min(hw) < 1 for hw in sizes):
+        parser.error(f"--naflex-sizes {text!r}: expected comma-separated HxW with H, W >= 1")
+    return sizes
+
+
 def method_calls(method: str, seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], mode: str):
     """``(convert, attend, to_packed)`` of one method: ``convert()`` builds its inputs from the per-sequence
     [n_i, H, D] tensors, ``attend(inputs)`` runs attention, ``to_packed(out)`` gives [total, H, D] (for the
@@ -134,7 +171,9 @@ def method_calls(method: str, seqs: list[tuple[torch.Tensor, torch.Tensor, torch
         return (*cat, cu_host.to(device, non_blocking=True))
 
     def jagged():
-        return [torch.nested.nested_tensor([s[i] for s in seqs], layout=torch.jagged) for i in range(3)]
+        # leaves that need grad (--backward): as_nested_tensor keeps the autograd history, nested_tensor copies
+        make = torch.nested.as_nested_tensor if seqs[0][0].requires_grad else torch.nested.nested_tensor
+        return [make([s[i] for s in seqs], layout=torch.jagged) for i in range(3)]
 
     if method == "visionattn":
         def attend(x):
@@ -170,8 +209,9 @@ def method_calls(method: str, seqs: list[tuple[torch.Tensor, torch.Tensor, torch
 
 
 def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods: list[str], device: torch.device,
-          calls: int, repeats: int, seed: int, quiet: bool = False) -> list[dict]:
-    """One row per (mode, method): conversion / kernel / total ms, peak MB, Mtokens/s, rel L2 vs the oracle."""
+          calls: int, repeats: int, seed: int, quiet: bool = False, backward: bool = False) -> list[dict]:
+    """One row per (mode, method): conversion / kernel / total ms, peak MB, Mtokens/s, rel L2 vs the oracle;
+    with ``backward`` also a forward + backward row per (mode, method)."""
     g = torch.Generator().manual_seed(seed)
     base = [tuple(torch.randn(n, heads, head_dim, generator=g).to(device) for _ in range(3)) for n in lens]
     oracle = torch.cat([oracle_attention(*(t.transpose(0, 1)[None] for t in s))[0].transpose(0, 1) if n else
@@ -192,32 +232,136 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             total_ms = timer(lambda: attend(convert()))
             del x
             peak = _peak_mb(lambda: attend(convert()), device)
-            rows.append(dict(mode=mode, method=method, total_ms=total_ms, kernel_ms=kern_ms, conversion_ms=conv_ms,
-                             peak_mb=peak, mtokens_per_s=total_tokens / total_ms / 1e3, rel_l2=err))
+            rows.append(dict(mode=mode, method=method, **{"pass": "forward"}, total_ms=total_ms, kernel_ms=kern_ms,
+                             conversion_ms=conv_ms, peak_mb=peak, mtokens_per_s=total_tokens / total_ms / 1e3,
+                             rel_l2=err))
             if not quiet:
                 print(f"{mode:9s} {method:18s} total {total_ms:.4f} ms  kernel {kern_ms:.4f} ms  "
                       f"conversion {conv_ms:.4f} ms  rel L2 {err:.2e}", flush=True)
+        if backward:
+            rows += _backward_rows(base, dtype, mode, methods, timer, device, seed, quiet)
+    return rows
+
+
+def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, seed: int, quiet: bool) -> list[dict]:
+    """Forward + backward rows of one mode: total ms (conversion, attention, backward from the packed output
+    gradient), peak MB, Mtokens/s and the largest rel L2 of dQ, dK, dV against float64 autograd."""
+    g = torch.Generator().manual_seed(seed + 1)
+    total = sum(s[0].shape[0] for s in base)
+    grad = torch.randn(total, *base[0][0].shape[1:], generator=g).to(device)
+    offsets = [0]
+    for s in base:
+        offsets.append(offsets[-1] + s[0].shape[0])
+    gold = []
+    for s, a, b in zip(base, offsets, offsets[1:]):  # float64 autograd per sequence; no rows: zero gradients
+        leaves = [t.double().requires_grad_() for t in s]
+        if b > a:
+            out = oracle_attention(*(t.transpose(0, 1)[None] for t in leaves))[0].transpose(0, 1)
+            gold.append(torch.autograd.grad(out, leaves, grad[a:b].double()))
+        else:
+            gold.append(tuple(torch.zeros_like(t) for t in leaves))
+    gold_packed = [torch.cat([gs[i] for gs in gold]) for i in range(3)]
+    seqs = [tuple(t.to(dtype).requires_grad_() for t in s) for s in base]
+    leaves = [t for s in seqs for t in s]
+    grad = grad.to(dtype)
+    rows = []
+    for method in methods:
+        convert, attend, to_packed = method_calls(method, seqs, mode)
+
+        def step():
+            return torch.autograd.grad(to_packed(attend(convert())), leaves, grad, allow_unused=True)
+
+        got = [g if g is not None else torch.zeros_like(t) for g, t in zip(step(), leaves)]
+        err = max(rel_l2(torch.cat(got[i::3]).double(), gold_packed[i]) for i in range(3))
+        total_ms = timer(step)
+        peak = _peak_mb(step, device)
+        rows.append(dict(mode=mode, method=method, **{"pass": "forward+backward"}, total_ms=total_ms,
+                         kernel_ms=None, conversion_ms=None, peak_mb=peak, mtokens_per_s=total / total_ms / 1e3,
+                         rel_l2=err))
+        if not quiet:
+            print(f"{mode:9s} {method:18s} forward+backward {total_ms:.4f} ms  grad rel L2 {err:.2e}", flush=True)
     return rows
 
 
 def render(rows: list[dict], env: dict, lens: list[int], heads: int, head_dim: int) -> str:
     """The markdown report: one table row per (mode, method), speed-up against the mode's fastest PyTorch way."""
-    best: dict[str, float] = {}
+    best: dict[tuple[str, str], float] = {}
     for r in rows:
         if not r["method"].startswith("visionattn"):
-            best[r["mode"]] = min(best.get(r["mode"], float("inf")), r["total_ms"])
+            key = (r["mode"], r["pass"])
+            best[key] = min(best.get(key, float("inf")), r["total_ms"])
     table = []
+    dash = lambda x: "-" if x is None else x  # noqa: E731
     for r in rows:
-        speedup = f"{best[r['mode']] / r['total_ms']:.2f}x" if r["mode"] in best else "-"
-        table.append([r["mode"], r["method"], r["total_ms"], r["kernel_ms"], r["conversion_ms"],
-                      "-" if r["peak_mb"] is None else r["peak_mb"], r["mtokens_per_s"], speedup,
-                      f"{r['rel_l2']:.2e}"])
-    header = ["mode", "method", "total ms", "kernel ms", "conversion ms", "peak MB", "Mtokens/s",
-              "vs best PyTorch", "rel L2 vs float64"]
+        key = (r["mode"], r["pass"])
+        speedup = f"{best[key] / r['total_ms']:.2f}x" if key in best else "-"
+        table.append([r["mode"], r["method"], r["pass"], r["total_ms"], dash(r["kernel_ms"]),
+                      dash(r["conversion_ms"]), dash(r["peak_mb"]), r["mtokens_per_s"], speedup, f"{r['rel_l2']:.2e}"])
+    header = ["mode", "method", "pass", "total ms", "kernel ms", "conversion ms", "peak MB", "Mtokens/s",
+              "vs best PyTorch", "rel L2 vs float64 (backward: worst of dQ, dK, dV)"]
     lines = [f"# Ragged batch: {len(lens)} sequences (lengths {','.join(map(str, lens))}; {sum(lens)} tokens), "
              f"H={heads}, D={head_dim}", "",
              "Eager timing (CUDA events around back-to-back calls); conversion = from per-sequence tensors to the "
-             "method's input; total = conversion + attention.", "", reporting.markdown_table(table, header),
+             "method's input; total = conversion + attention (forward+backward: also the backward from the packed "
+             "output gradient).", "", reporting.markdown_table(table, header),
+             "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
+    return "\n".join(lines)
+
+
+def bench_naflex(model_name: str, sizes: list[tuple[int, int]], batch: int, modes: list[str], device: torch.device,
+                 calls: int, repeats: int, seed: int, quiet: bool = False) -> tuple[list[dict], dict]:
+    """NaFlexViT inference on a padded batch: the unpatched model, then the model patched in each mode. Rows:
+    ms per batch, images/s, peak MB, rel L2 of the logits and of the valid tokens' features vs unpatched;
+    and a description of the batch (patches per image, padded length, valid fraction)."""
+    import timm
+
+    from visionattn.patching.naflex import naflex_batch
+
+    g = torch.Generator().manual_seed(seed)
+    images = [torch.randn(3, *sizes[i % len(sizes)], generator=g) for i in range(batch)]
+    inputs = {k: t.to(device) for k, t in naflex_batch(images).items()}
+    torch.manual_seed(seed)
+    model = timm.create_model(model_name, pretrained=False).to(device).eval()
+    pv = inputs["patch_valid"]
+    valid = torch.cat([pv.new_ones(pv.shape[0], model.num_prefix_tokens), pv], 1)
+    timer = _timer(device, calls, repeats)
+
+    def features():
+        return model.forward_features(inputs["patches"], inputs["patch_coord"], pv)["patches"]
+
+    rows, ref = [], None
+    with torch.no_grad():
+        for mode in [None] + modes:
+            if mode is not None:
+                visionattn.patch_model(model, mode)
+            logits, feats = model(inputs), features()
+            if ref is None:
+                ref = (logits, feats)
+            ms = timer(lambda: model(inputs))
+            peak = _peak_mb(lambda: model(inputs), device)
+            rows.append(dict(mode=mode or "-", method="timm-sdpa" if mode is None else "visionattn-varlen",
+                             total_ms=ms, images_per_s=batch / ms * 1e3, peak_mb=peak,
+                             logits_rel_l2=rel_l2(logits, ref[0]), tokens_rel_l2=rel_l2(feats[valid], ref[1][valid])))
+            if not quiet:
+                print(f"{rows[-1]['method']:18s} {rows[-1]['mode']:9s} {ms:.3f} ms / batch  logits rel L2 "
+                      f"{rows[-1]['logits_rel_l2']:.2e}", flush=True)
+    counts = pv.sum(1).tolist()
+    info = dict(model=model_name, batch=batch, patches_per_image=counts, padded_length=int(valid.shape[1]),
+                valid_fraction=float(valid.float().mean()), sizes=[f"{h}x{w}" for h, w in sizes])
+    return rows, info
+
+
+def render_naflex(rows: list[dict], info: dict, env: dict) -> str:
+    """The --naflex markdown report: one row per (unpatched | mode), speed-up against the unpatched model."""
+    base = rows[0]["total_ms"]
+    table = [[r["method"], r["mode"], r["total_ms"], r["images_per_s"], "-" if r["peak_mb"] is None else r["peak_mb"],
+              f"{base / r['total_ms']:.2f}x", f"{r['logits_rel_l2']:.2e}", f"{r['tokens_rel_l2']:.2e}"] for r in rows]
+    header = ["method", "mode", "ms / batch", "images/s", "peak MB", "vs unpatched", "logits rel L2",
+              "valid tokens rel L2"]
+    lines = [f"# NaFlexViT padded batch: {info['model']}, {info['batch']} images ({', '.join(info['sizes'])} "
+             f"cycled), padded to {info['padded_length']} tokens, {100 * info['valid_fraction']:.1f}% valid", "",
+             "Eager inference (CUDA events around back-to-back calls), random weights; rel L2 against the "
+             "unpatched model (timm's SDPA on its padding mask).", "", reporting.markdown_table(table, header),
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
     return "\n".join(lines)
 
@@ -227,15 +371,23 @@ def main(argv: list[str] | None = None) -> dict:
     lens = _lengths(args.lengths)
     modes = _subset(args.modes, BENCH_MODES, "--modes")
     methods = _subset(args.methods, METHODS, "--methods")
+    sizes = _sizes(args.naflex_sizes)
     device = check_device(parser, args.device)
     out = check_output(parser, args.out)
     env = reporting.environment({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32})
     if not args.quiet:
         print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
-    rows = bench(lens, args.heads, args.head_dim, modes, methods, device, args.calls, args.repeats, args.seed,
-                 args.quiet)
-    result = dict(lengths=lens, heads=args.heads, head_dim=args.head_dim, rows=rows, environment=env)
-    text = render(rows, env, lens, args.heads, args.head_dim)
+    if args.naflex:
+        rows, info = bench_naflex(args.model, sizes, args.batch, modes, device, args.calls, args.repeats, args.seed,
+                                  args.quiet)
+        result = dict(naflex=info, rows=rows, environment=env)
+        text = render_naflex(rows, info, env)
+    else:
+        rows = bench(lens, args.heads, args.head_dim, modes, methods, device, args.calls, args.repeats, args.seed,
+                     args.quiet, args.backward)
+        result = dict(lengths=lens, heads=args.heads, head_dim=args.head_dim, backward=args.backward, rows=rows,
+                      environment=env)
+        text = render(rows, env, lens, args.heads, args.head_dim)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     reporting.write_text_atomic(out + ".md", text)
     reporting.write_json_atomic(out + ".json", result)
