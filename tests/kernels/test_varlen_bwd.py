@@ -241,6 +241,26 @@ def test_custom_ops_pass_opcheck():
         assert torch.equal(a, b)
 
 
+@cpu_only
+def test_compiled_lse_op_trains_like_eager():
+    """``torch.compile(fullgraph=True)`` (AOT autograd, eager backend: no C++ toolchain needed) of a function
+    calling ``visionattn::varlen_attention_lse``: the forward and its registered backward op trace as opaque
+    nodes, and the gradients equal the eager autograd Function's, bit for bit."""
+    torch._dynamo.reset()
+    q, k, v, do, cu_q, cu_k = packed([5, 0, 17], [7, 3, 20], seed=9)
+
+    def f(q, k, v):
+        return torch.ops.visionattn.varlen_attention_lse(q, k, v, cu_q, cu_k, 17, 20, False, 0.25, "fp16",
+                                                         torch.float32)[0]
+
+    leaves = [t.half().requires_grad_() for t in (q, k, v)]
+    compiled = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(*leaves), leaves, do)
+    eager = torch.autograd.grad(ops.varlen(*leaves, cu_q, cu_k, 17, 20, False, 0.25, "fp16", torch.float32, True),
+                                leaves, do)
+    for a, b in zip(compiled, eager):
+        assert a.dtype == torch.float16 and torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------- GPU
 
 SUPPLEMENT_LENS = [785, 500, 708, 542, 1732, 262, 1039, 557]
