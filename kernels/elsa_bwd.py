@@ -65,6 +65,7 @@ for tools and tuning :func:`get_config`, :class:`BwdConfig`, :class:`KernelTiles
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -72,7 +73,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
-from ._launch import interpreting, launch
+from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import load_kv_tile
 from .modes import MODES
 
@@ -667,7 +668,8 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, is_causal: bool,
                     scale: float, mode: str, bias_requires_grad: bool, head_scale_requires_grad: bool,
                     config: BwdConfig | None, bias_splits: int | None, default: BwdConfig | None = None):
-    """Allocate, plan and launch the three kernels on validated inputs (shared with :mod:`.window_bwd`).
+    """Allocate and launch the three kernels on validated inputs from the cached plan of the call's signature
+    (shared with :mod:`.window_bwd`).
 
     Beyond :func:`elsa_backward`'s arguments: ``add_mask`` None or a float [n_add, Nq, Nk] additive mask, batch
     entry b reading ``add_mask[b % n_add]`` (Swin's shift mask; no gradient); ``head_scale`` None or a contiguous
@@ -678,95 +680,158 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
 
     Returns (dq, dk, dv, dbias or None, dhead_scale or None).
     """
-    dtype, precision = BWD_MODES[mode]
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    empty = B * H == 0 or Nq == 0 or Nk == 0 or D == 0 or Dv == 0
-    dq = (torch.zeros if empty else torch.empty)((B, H, Nq, D), device=q.device, dtype=q.dtype)
-    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
-    dv = torch.empty((B, H, Nk, Dv), device=q.device, dtype=q.dtype)
-    db_shape = bias_grad_shape(bias) if bias_requires_grad else None
-    if empty:
-        dk.zero_()
-        dv.zero_()
-        dbias = torch.zeros(db_shape, device=q.device, dtype=bias.dtype) if bias_requires_grad else None
-        dhs = torch.zeros(H, device=q.device, dtype=torch.float32) if head_scale_requires_grad else None
-        return dq, dk, dv, dbias, dhs
-    shape4 = (B, H, Nq, Nk)
-    bias4 = bias.expand(shape4) if bias is not None else None
-    mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
-    cfg = config or default or get_config(mode, D, Dv)
-    BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
-    upcast = dtype == torch.bfloat16 and interpreting()
+    if B * H == 0 or Nq == 0 or Nk == 0 or D == 0 or Dv == 0:
+        zeros = functools.partial(torch.zeros, device=q.device)
+        return (zeros((B, H, Nq, D), dtype=q.dtype), zeros((B, H, Nk, D), dtype=q.dtype),
+                zeros((B, H, Nk, Dv), dtype=q.dtype),
+                zeros(bias_grad_shape(bias), dtype=bias.dtype) if bias_requires_grad else None,
+                zeros(H, dtype=torch.float32) if head_scale_requires_grad else None)
+    key = (mode, q.shape, k.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
+           lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(add_mask),
+           _tensor_key(attn_mask), _tensor_key(head_scale), bool(is_causal), bool(bias_requires_grad),
+           bool(head_scale_requires_grad), config, bias_splits, default, q.data_ptr() & 15, k.data_ptr() & 15,
+           v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.put(key, _BackwardPlan(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale,
+                                            is_causal, mode, bias_requires_grad, head_scale_requires_grad, config,
+                                            bias_splits, default))
+    return plan(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale)
 
-    # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
-    delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
-    lse_row = torch.empty_like(delta)
-    pre_m = 64 if BLOCK_DV <= 128 else 32
-    launch(_bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
-           (q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv),
-           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV), dict(num_warps=4))
 
-    sb = bias4.stride() if bias4 is not None else (0, 0, 0, 0)
-    sa = add_mask.stride() if add_mask is not None else (0, 0, 0)
-    sm = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
-    n_add = add_mask.shape[0] if add_mask is not None else 1
-    # dummy pointers (never read) where a tensor is absent
-    tensors = [t if t is not None else q for t in (bias4, add_mask, mask4, head_scale)]
-    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *sb, *sa, *sm)
-    flags = dict(PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=bias4 is not None,
-                 HAS_ADD=add_mask is not None, HAS_MASK=mask4 is not None, HEAD_SCALE=head_scale is not None,
-                 EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV, DOT_UPCAST=upcast)
-    key = (mode, BLOCK_D, BLOCK_DV, bias4 is not None and bias4.dtype, add_mask is not None and add_mask.dtype,
-           mask4 is not None, head_scale is not None, bool(is_causal), cfg)
+def _tensor_key(t: torch.Tensor | None):
+    # what a backward plan depends on of an optional tensor: shape, strides, dtype, 16-byte alignment
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
 
-    def run_dkdv(t: KernelTiles):
-        launch(_bwd_dkdv_kernel, (cdiv(Nk, t.block_n) * B * H,),
-               (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, *strides, H, Nq, Nk, D, Dv, float(scale), n_add),
-               dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **flags),
-               dict(num_warps=t.num_warps, num_stages=t.num_stages))
 
-    _run_fitting("dkdv", key, cfg.dkdv, config is not None, run_dkdv)
+# call signature -> _BackwardPlan (see launch_backward); PLANS.hits / PLANS.builds count reuses and builds
+PLANS = PlanCache()
 
-    # dQ (+ dBias): slots of the dBias buffer and the (batch, head) entries reduced onto each
-    write_db = bool(bias_requires_grad)
-    write_dhs = bool(head_scale_requires_grad)
-    if write_db:
-        red_b = B > 1 and bias4.stride(0) == 0
-        red_h = H > 1 and bias4.stride(1) == 0
-    else:
-        red_b = red_h = False
-    B_OUT, R_B = (1, B) if red_b else (B, 1)
-    H_OUT, R_H = (1, H) if red_h else (H, 1)
-    n_red = R_B * R_H
 
-    made: dict[str, torch.Tensor] = {}
+class _BackwardPlan:
+    """The preprocess, dK/dV and dQ launches of one backward call signature: grids, constexprs and every
+    integer argument fixed when the plan is built, tiles fitted to shared memory on its first run; a call
+    allocates the gradients and launches (a few microseconds of host work instead of three keyed launches)."""
 
-    def run_dq(t: KernelTiles):
+    def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, is_causal, mode,
+                 bias_requires_grad, head_scale_requires_grad, config, bias_splits, default):
+        dtype, precision = BWD_MODES[mode]
+        B, H, Nq, D = q.shape
+        Nk, Dv = k.shape[2], v.shape[3]
+        shape4 = self.shape4 = (B, H, Nq, Nk)
+        bias4 = bias.expand(shape4) if bias is not None else None
+        mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
+        self.cfg = config or default or get_config(mode, D, Dv)
+        self.explicit = config is not None
+        BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
+        self.dims = (B, H, Nq, Nk, D, Dv)
+        pre_m = 64 if BLOCK_DV <= 128 else 32
+        self.pre = KernelCall(_bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
+                              dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV), dict(num_warps=4))
+        self.pre_fixed = (*out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv)
+        sb = bias4.stride() if bias4 is not None else (0, 0, 0, 0)
+        sa = add_mask.stride() if add_mask is not None else (0, 0, 0)
+        sm = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
+        self.n_add = add_mask.shape[0] if add_mask is not None else 1
+        self.strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *sb, *sa, *sm)
+        self.flags = dict(PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=bias4 is not None,
+                          HAS_ADD=add_mask is not None, HAS_MASK=mask4 is not None, HEAD_SCALE=head_scale is not None,
+                          EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
+                          DOT_UPCAST=dtype == torch.bfloat16 and interpreting())
+        self.blocks = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
+        self.fit_key = (mode, BLOCK_D, BLOCK_DV, bias4 is not None and bias4.dtype,
+                        add_mask is not None and add_mask.dtype, mask4 is not None, head_scale is not None,
+                        bool(is_causal), self.cfg)
+        # dQ (+ dBias): slots of the dBias buffer and the (batch, head) entries reduced onto each
+        self.write_db, self.write_dhs = bool(bias_requires_grad), bool(head_scale_requires_grad)
+        red_b = self.write_db and B > 1 and bias4.stride(0) == 0
+        red_h = self.write_db and H > 1 and bias4.stride(1) == 0
+        self.B_OUT, self.R_B = (1, B) if red_b else (B, 1)
+        self.H_OUT, self.R_H = (1, H) if red_h else (H, 1)
+        self.db_shape = bias_grad_shape(bias) if self.write_db else None
+        # the dims of the [B_OUT, H_OUT, Nq, Nk] dBias sum that the bias broadcasts over
+        self.db_sum_dims = [d for d in (2, 3) if shape4[d] > 1 and bias4.stride(d) == 0] if self.write_db else []
+        self.bias_splits = bias_splits
+        self.device = q.device
+        self.dkdv = self.dq = None  # KernelCall, (KernelCall, G, per_chunk, n_m): fitted on the first run
+
+    def _dkdv_call(self, t: KernelTiles) -> KernelCall:
+        B, H, Nq, Nk, D, Dv = self.dims
+        return KernelCall(_bwd_dkdv_kernel, (cdiv(Nk, t.block_n) * B * H,),
+                          dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **self.blocks, **self.flags),
+                          dict(num_warps=t.num_warps, num_stages=t.num_stages))
+
+    def _dq_call(self, t: KernelTiles):
+        B, H, Nq, Nk, D, Dv = self.dims
         n_m = cdiv(Nq, t.block_m)
-        G = _bias_splits(n_red, n_m * B_OUT * H_OUT, 4 * B_OUT * H_OUT * Nq * Nk, q.device, bias_splits)
+        n_red = self.R_B * self.R_H
+        G = _bias_splits(n_red, n_m * self.B_OUT * self.H_OUT, 4 * self.B_OUT * self.H_OUT * Nq * Nk, self.device,
+                         self.bias_splits)
         per_chunk = cdiv(n_red, G)
         G = cdiv(n_red, per_chunk)  # no empty chunks
-        # causal: the key tiles after the diagonal are never visited; their dS is 0
-        alloc = torch.zeros if is_causal else torch.empty
-        db = alloc((G, B_OUT, H_OUT, Nq, Nk), device=q.device, dtype=torch.float32) if write_db else delta
-        dhs = torch.empty((B, H, n_m), device=q.device, dtype=torch.float32) if write_dhs else delta
-        made["db"], made["dhs"] = db, dhs
-        launch(_bwd_dq_kernel, (n_m * B_OUT * H_OUT * G,),
-               (q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, *strides,
-                H, Nq, Nk, D, Dv, float(scale), n_add, B_OUT, H_OUT, R_H, n_red, per_chunk),
-               dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, WRITE_DB=write_db,
-                    WRITE_DHS=write_dhs, **flags), dict(num_warps=t.num_warps, num_stages=t.num_stages))
+        call = KernelCall(_bwd_dq_kernel, (n_m * self.B_OUT * self.H_OUT * G,),
+                          dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **self.blocks, WRITE_DB=self.write_db,
+                               WRITE_DHS=self.write_dhs, **self.flags),
+                          dict(num_warps=t.num_warps, num_stages=t.num_stages))
+        return call, G, per_chunk, n_m
 
-    _run_fitting("dq", key + (write_db, write_dhs), cfg.dq, config is not None, run_dq)
-    dbias = None
-    if write_db:
-        db = made["db"]
-        db = db.sum(0) if db.shape[0] > 1 else db[0]  # [B_OUT, H_OUT, Nq, Nk], FP32
-        dims = [d for d in (2, 3) if shape4[d] > 1 and bias4.stride(d) == 0]
-        if dims:
-            db = db.sum(dim=dims, keepdim=True)
-        # db is now the 4-D grad of the bias's memory; drop the leading dims the bias did not have
-        dbias = db.reshape(db_shape).to(bias.dtype)
-    dhs = made["dhs"].sum(dim=(0, 2)) if write_dhs else None
-    return dq, dk, dv, dbias, dhs
+    def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale):
+        B, H, Nq, Nk, D, Dv = self.dims
+        dev = self.device
+        dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)  # every element written by the dQ kernel
+        dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
+        dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
+        # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
+        delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
+        lse_row = torch.empty_like(delta)
+        self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed)
+        # absent tensors: q's pointer stands in (never read)
+        tensors = (q if bias is None else bias.expand(self.shape4), q if add_mask is None else add_mask,
+                   q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)
+        scale = float(scale)
+        dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, *self.strides, H, Nq, Nk, D, Dv, scale,
+                     self.n_add)
+        if self.dkdv is not None:
+            self.dkdv(*dkdv_args)
+        else:
+            def run_dkdv(t: KernelTiles):
+                call = self._dkdv_call(t)
+                call(*dkdv_args)
+                self.dkdv = call
+
+            _run_fitting("dkdv", self.fit_key, self.cfg.dkdv, self.explicit, run_dkdv)
+
+        made = {}
+
+        def run_dq(planned):
+            call, G, per_chunk, n_m = planned
+            # causal: the key tiles after the diagonal are never visited; their dS is 0
+            alloc = torch.zeros if self.flags["IS_CAUSAL"] else torch.empty
+            db = (alloc((G, self.B_OUT, self.H_OUT, Nq, Nk), device=dev, dtype=torch.float32) if self.write_db
+                  else delta)
+            dhs = torch.empty((B, H, n_m), device=dev, dtype=torch.float32) if self.write_dhs else delta
+            made["db"], made["dhs"] = db, dhs
+            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, *self.strides, H, Nq, Nk, D, Dv, scale,
+                 self.n_add, self.B_OUT, self.H_OUT, self.R_H, self.R_B * self.R_H, per_chunk)
+
+        if self.dq is not None:
+            run_dq(self.dq)
+        else:
+            def fit_dq(t: KernelTiles):
+                planned = self._dq_call(t)
+                run_dq(planned)
+                self.dq = planned
+
+            _run_fitting("dq", self.fit_key + (self.write_db, self.write_dhs), self.cfg.dq, self.explicit, fit_dq)
+        dbias = None
+        if self.write_db:
+            db = made["db"]
+            db = db.sum(0) if db.shape[0] > 1 else db[0]  # [B_OUT, H_OUT, Nq, Nk], FP32
+            if self.db_sum_dims:
+                db = db.sum(dim=self.db_sum_dims, keepdim=True)
+            # db is now the 4-D grad of the bias's memory; drop the leading dims the bias did not have
+            dbias = db.reshape(self.db_shape).to(bias.dtype)
+        dhs = made["dhs"].sum(dim=(0, 2)) if self.write_dhs else None
+        return dq, dk, dv, dbias, dhs

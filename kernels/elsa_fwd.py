@@ -599,20 +599,26 @@ class _TritonPlan:
 
 
 class _GluonPlan:
-    """A Gluon kernel (:mod:`.ieee_gluon` / :mod:`.half_gluon`) for one call signature."""
+    """A Gluon kernel (:mod:`.ieee_gluon` / :mod:`.half_gluon`) for one call signature (the half kernel also
+    writes the LSE when the plan wants it)."""
 
-    __slots__ = ("launch", "o_shape", "o_stride", "o_dtype", "device")
+    __slots__ = ("launch", "o_shape", "o_stride", "o_dtype", "device", "lse_shape")
 
-    def __init__(self, launch, q, v, out_dtype):
+    def __init__(self, launch, q, v, out_dtype, with_lse=False):
         B, H, Nq = q.shape[:3]
         Dv = v.shape[3]
         self.launch, self.device, self.o_dtype = launch, q.device, out_dtype
         self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
+        self.lse_shape = (B, H, Nq) if with_lse else None
 
     def __call__(self, q, k, v, bias, attn_mask, scale):
         out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
-        self.launch(q, k, v, scale, out)
-        return out, None
+        if self.lse_shape is None:
+            self.launch(q, k, v, scale, out)
+            return out, None
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        self.launch(q, k, v, scale, out, lse)
+        return out, lse
 
 
 class _EmptyPlan:
@@ -652,13 +658,15 @@ def _gluon_failed(kernel: str, why: str) -> None:
                   f"{_GLUON_FALLBACK_COST[kernel]} for the rest of this process", RuntimeWarning, stacklevel=5)
 
 
-def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype):
+def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype, with_lse=False):
     """A :class:`_GluonPlan` on ``kernel`` ("fp32-ieee": the FMA kernel of :mod:`.ieee_gluon`, ~2x this
-    module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`), or ``None`` when it
-    does not take the call: lengths it is not preferred at, outside its scope, where the split-KV path would
-    run (few query tiles), or after it failed to import or compile once in this process (warned once)."""
+    module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`, which also writes the
+    LSE), or ``None`` when it does not take the call: lengths it is not preferred at, outside its scope, where
+    the split-KV path would run (few query tiles), an LSE wanted from the IEEE kernel, or after it failed to
+    import or compile once in this process (warned once)."""
     module, preferred = _GLUON_KERNELS[kernel]
-    if kernel in _GLUON_FAILED or not preferred(q.shape[2], k.shape[2], q.shape[3]):
+    if kernel in _GLUON_FAILED or not preferred(q.shape[2], k.shape[2], q.shape[3]) or (
+            with_lse and kernel != "half"):
         return None
     reason = module.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits)
     if reason is not None:
@@ -670,7 +678,8 @@ def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_spl
     tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
         return None
-    return _GluonPlan(module.planned_launch(q, k, v, cfg), q, v, out_dtype)
+    launch = module.planned_launch(q, k, v, cfg, True) if with_lse else module.planned_launch(q, k, v, cfg)
+    return _GluonPlan(launch, q, v, out_dtype, with_lse)
 
 
 def _check_call(q, k, v, mode: str, num_splits: int, out_dtype) -> None:
@@ -690,7 +699,7 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
     """Build the plan of a call signature by running it once: ``(plan, (out, lse))``.
 
     Order: nothing to compute -> :class:`_EmptyPlan`; a Gluon kernel that takes the call (not with an
-    explicit ``config`` / ``precision``, nor when the LSE is wanted: the Gluon kernels do not write it);
+    explicit ``config`` / ``precision``; with the LSE wanted only the half kernel, which writes it);
     else the Triton kernel with the table's config, and on out-of-shared-memory (bias / mask tiles add to
     it) the next smaller of :func:`_smaller_configs`.
     """
@@ -706,8 +715,8 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
         return plan, plan(q, k, v, bias, attn_mask, scale)
     prec = _precision(mode, precision)
     gluon = "fp32-ieee" if prec == "ieee" else "half" if dtype != torch.float32 else None
-    if gluon is not None and config is None and precision is None and not with_lse:
-        plan = _gluon_plan(gluon, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype)
+    if gluon is not None and config is None and precision is None:
+        plan = _gluon_plan(gluon, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype, with_lse)
         if plan is not None:
             try:
                 return plan, plan(q, k, v, bias, attn_mask, scale)

@@ -286,11 +286,11 @@ if _IMPORT_ERROR is None:
         return acc
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H, Nq,
-                  Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som, H,
+                  Nq, Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                   Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr, CONSUMERS: gl.constexpr,
-                  ONE_TILE: gl.constexpr):
+                  ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr):
         # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -386,18 +386,22 @@ if _IMPORT_ERROR is None:
                 acc = _last_pv(acc, p16, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
                                turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0)
             # the epilogue overlaps the producer's loads for the next work tile
-            out = acc / gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, o_layout))[:, None]
+            l_row = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, o_layout))
+            out = acc / l_row[:, None]
             offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
             gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som
                      + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
+            if WRITE_LSE:  # natural-log LSE of the scaled logits for the backward: m and log2 S are in log2 units
+                lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_row)) * 0.6931471805599453
+                gl.store(LSE + (off_b * H + off_h).to(gl.int64) * Nq + offs_om, lse, mask=offs_om < Nq)
             i += 1
 
     @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
-    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, sob, soh, som, H, Nq, Nk, n_work, qk_scale,
+    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, soh, som, H, Nq, Nk, n_work, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
-                         CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr):
+                         CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr):
         # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
         # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
         # programs per SM, so a tile's epilogue overlaps the next tile's loads).
@@ -428,49 +432,50 @@ if _IMPORT_ERROR is None:
         # one branch per consumer count: the partition list is built at trace time, one entry per warpgroup
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                             Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
+                             H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [1], [24])
         elif CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                             Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                             Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
+                             H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
+                             H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                             Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                             Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                             Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, sob, soh, som, H,
-                             Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
+                             H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
+                             H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
+                             H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
+                             H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
+                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
-def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
+def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False) -> dict:
     """The constexpr arguments of :func:`_half_fwd_kernel` for a :func:`get_config` dict (launches,
-    offline compiles and their tests build the kernel from this one mapping)."""
+    offline compiles and their tests build the kernel from this one mapping); ``write_lse``: also write the
+    per-row log-sum-exp the backward reads."""
     return dict(BLOCK_M=cfg["BLOCK_M"] // cfg["consumers"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim,
                 STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"],
                 Q_BUFS=cfg["q_buffers"], TAIL_N=cfg["tail_keys"][0], TAIL_N2=cfg["tail_keys"][1],
-                CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"])
+                CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"], WRITE_LSE=bool(write_lse))
 
 
 @functools.lru_cache(maxsize=None)
@@ -525,24 +530,28 @@ def _rebased(template, base: torch.Tensor):
     return d
 
 
-def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict):
+def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict, write_lse: bool = False):
     """The launch of :func:`half_attention`'s kernel for this call signature (shapes, strides, alignment,
-    ``cfg``), as a callable ``(q, k, v, scale, out) -> None`` for later calls with the same signature, without
-    checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
+    ``cfg``), as a callable ``(q, k, v, scale, out, lse=None) -> None`` for later calls with the same signature,
+    without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
     launcher's plans). The TMA descriptors are built and validated once, here; a call copies them onto its
-    tensors."""
+    tensors. With ``write_lse`` every call passes ``lse``, a contiguous float32 [B, H, Nq] buffer that receives
+    the rows' natural-log log-sum-exp of ``scale q k^T`` (what the backward kernels recompute P from)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     templates = [TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, q.dtype))
                  for t, block in zip((q, k, v), _descriptor_blocks(cfg, D).values())]
     n_work = cdiv(Nq, cfg["BLOCK_M"]) * B * H
     grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
-    call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D), dict(num_warps=4, maxnreg=cfg["maxnreg"]))
+    call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D, write_lse),
+                      dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     fixed = (*heads_inner_layout(B, H, Nq, D)[1][:3], H, Nq, Nk, n_work)  # out: the plan's heads-inner buffer
     tq, tk, tv = templates
 
-    def launch(q, k, v, scale, out):
-        call(_rebased(tq, q), _rebased(tk, k), _rebased(tv, v), out, *fixed, scale * _LOG2E)
+    def launch(q, k, v, scale, out, lse=None):
+        # without an LSE the pointer is never read: the output's stands in (one pointer type per variant)
+        call(_rebased(tq, q), _rebased(tk, k), _rebased(tv, v), out, out if lse is None else lse, *fixed,
+             scale * _LOG2E)
 
     return launch
 

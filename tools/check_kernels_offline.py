@@ -115,7 +115,7 @@ def _half_gluon_jobs(quick: bool):
                     "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 4 * cfg["consumers"] + 4, cfg["STAGES"]]},
                    dict(kernel=half_gluon._half_fwd_kernel,
                         pointer_types=dict(half_gluon.descriptor_types(cfg, d, dtype),
-                                           O="*fp16" if dtype == torch.float16 else "*bf16"),
+                                           O="*fp16" if dtype == torch.float16 else "*bf16", LSE="*fp32"),
                         constexprs=half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1,
                         float_args=("qk_scale",), maxnreg=cfg["maxnreg"]))
 

@@ -203,7 +203,8 @@ def attention(
         try:
             key = (mode, backend, dispatch._backend, is_causal is True, is_causal is False, qkv_key(q, k, v),
                    tensor_key(bias), tensor_key(attn_mask),
-                   torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+                   torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                                or (bias is not None and bias.requires_grad)))
             run = CALLS.get(key)
         except (AttributeError, TypeError, RuntimeError):  # not tensors, unhashable: the checks below say why
             key = run = None
@@ -242,7 +243,8 @@ _ops = None
 def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, key=None, raw_bias=None):
     """Run the call on the kernels, or return None (after a one-time warning naming why) when they do not
     cover it and the reference must run. With a ``key`` (an eager call of a cacheable signature), an eager
-    call without gradients on a float16 / bfloat16 / float32 input also stores its runner in :data:`CALLS`."""
+    call on a float16 / bfloat16 / float32 input also stores its runner in :data:`CALLS` (a training call's
+    runner goes straight to the autograd function of :func:`visionattn.ops.dense`)."""
     global _ops
     ops = _ops
     if ops is None:
@@ -265,6 +267,8 @@ def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, k
     dtype = md.compute_dtype
     if key is not None and not grad and q.dtype in _HALF_OR_FP32:
         return _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md)
+    if key is not None and grad and q.dtype in _HALF_OR_FP32 and not md.half_scores:
+        CALLS.put(key, _training_runner(ops, q, is_causal, md))
     qc = cast_checked(q, dtype, "query", md.name)
     kc = cast_checked(k, dtype, "key", md.name)
     vc = cast_checked(v, dtype, "value", md.name)
@@ -305,6 +309,23 @@ def _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md: Mode):
 
         CALLS.put(key, run)
     return out
+
+
+def _training_runner(ops, q, is_causal, md: Mode):
+    """The runner of an eager call that needs gradients, for :data:`CALLS`: casts as the mode wants and calls
+    the dense autograd function with the caller's own bias and mask (a bias gradient comes back in the bias's
+    shape), the checks of the signature done once, when it was first seen."""
+    dtype, name, default, out_dtype = md.compute_dtype, md.name, q.shape[-1] ** -0.5, q.dtype
+    cast = q.dtype != dtype
+
+    def run(q, k, v, bias, attn_mask, scale):
+        if cast:
+            q, k, v = (cast_checked(q, dtype, "query", name), cast_checked(k, dtype, "key", name),
+                       cast_checked(v, dtype, "value", name))
+        return ops.dense(q, k, v, bias, attn_mask, is_causal, default if scale is None else scale, name, 0,
+                         out_dtype, True)
+
+    return run
 
 
 def _cpu_block(nk: int) -> int:

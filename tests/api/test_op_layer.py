@@ -90,9 +90,34 @@ def test_the_plan_is_built_once_per_key_and_rebuilt_when_the_key_changes(monkeyp
     with torch.no_grad():  # nothing needs a gradient either way: the same runner
         call(q2, k2, v2)
     assert (calls.builds, calls.hits) == (5, 3)
-    qg = q2.clone().requires_grad_(True)  # a call that needs gradients is not served by a runner
+    qg = q2.clone().requires_grad_(True)  # a call that needs gradients gets a runner of its own: the autograd path
     y = va.attention(qg, k2, v2, backend="triton")
-    assert y.grad_fn is not None and (calls.builds, calls.hits) == (5, 3)
+    assert y.grad_fn is not None and (calls.builds, calls.hits) == (6, 3)
+    qg2 = q.clone().requires_grad_(True)
+    y2 = va.attention(qg2, k, v, backend="triton")
+    assert y2.grad_fn is not None and (calls.builds, calls.hits) == (6, 4)
+    do = torch.randn_like(y2)
+    (dq,) = torch.autograd.grad(y2, qg2, do)
+    q64 = q.double().requires_grad_(True)
+    (dq_ref,) = torch.autograd.grad(oracle_attention(q64, k.double(), v.double()), q64, do.double())
+    assert rel_l2(dq, dq_ref) <= 1e-5
+
+
+def test_a_bias_that_needs_a_gradient_is_never_served_by_a_no_grad_runner(monkeypatch):
+    """The runner a call under ``torch.no_grad()`` leaves behind does not serve the same signature once gradients
+    are on: a bias that requires grad (and nothing else does) still gets its gradient, in its own shape."""
+    monkeypatch.setattr(va.api, "CALLS", PlanCache())
+    q, k, v = _qkv()
+    bias = torch.randn(2, 17, 33, device=DEV, requires_grad=True)
+    with torch.no_grad():
+        va.attention(q, k, v, bias=bias, backend="triton")
+    y = va.attention(q, k, v, bias=bias, backend="triton")
+    assert y.grad_fn is not None
+    do = torch.randn_like(y)
+    (db,) = torch.autograd.grad(y, bias, do)
+    b64 = bias.detach().double().requires_grad_(True)
+    (db_ref,) = torch.autograd.grad(oracle_attention(q.double(), k.double(), v.double(), bias=b64), b64, do.double())
+    assert db.shape == bias.shape and rel_l2(db, db_ref) <= 1e-5
 
 
 def test_a_cached_signature_still_refuses_bad_flags(monkeypatch):

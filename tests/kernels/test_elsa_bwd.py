@@ -203,6 +203,37 @@ def test_deterministic():
 
 
 @cpu_only
+def test_the_backward_plan_is_built_once_per_signature(monkeypatch):
+    """A second call with the same signature (new tensors) launches from the cached plan with gradients equal to a
+    fresh build's; other strides or a bias gradient wanted build another plan."""
+    from visionattn.kernels import elsa_bwd
+    from visionattn.kernels._launch import PlanCache
+
+    plans = PlanCache()
+    monkeypatch.setattr(elsa_bwd, "PLANS", plans)
+    bias = torch.randn(2, 20, 24)
+    runs = []
+    for seed in (7, 8):
+        q, k, v, do = _inputs(2, 2, 20, 24, 16, seed=seed)
+        out64, lse, gold = autograd_grads(torch.float64, q, k, v, do, bias)
+        runs.append((q, k, v, do, out64.float(), lse))
+        got = elsa_backward(q, k, v, out64.float(), do, lse, bias, None, False, 0.125, "fp32", True, config=SMALL)
+        for x, gd in zip(got, gold):
+            assert rel_l2(x, gd) <= FP32_TOL
+    assert (plans.builds, plans.hits) == (1, 1)
+    q, k, v, do, out, lse = runs[1]
+    again = elsa_backward(q, k, v, out, do, lse, bias, None, False, 0.125, "fp32", True, config=SMALL)
+    monkeypatch.setattr(elsa_bwd, "PLANS", PlanCache())
+    fresh = elsa_backward(q, k, v, out, do, lse, bias, None, False, 0.125, "fp32", True, config=SMALL)
+    assert all(torch.equal(a, b) for a, b in zip(again, fresh))
+    monkeypatch.setattr(elsa_bwd, "PLANS", plans)
+    elsa_backward(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, out, do, lse, bias, None, False, 0.125,
+                  "fp32", True, config=SMALL)
+    elsa_backward(q, k, v, out, do, lse, bias, None, False, 0.125, "fp32", False, config=SMALL)
+    assert plans.builds == 3
+
+
+@cpu_only
 @pytest.mark.parametrize("Nq,Nk", [(0, 5), (5, 0), (0, 0)])
 def test_empty(Nq, Nk):
     """No queries or no keys: zero / empty gradients of the right shapes, dBias zeros."""

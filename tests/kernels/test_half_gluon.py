@@ -25,8 +25,8 @@ for d in half_gluon.HEAD_DIMS:
             continue
         cfg = half_gluon.get_config(n_k, d, n_q=n_q)  # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys)
         r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
-                             O="*" + ("bf16" if dt == torch.bfloat16 else "fp16")),
-                             half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1, float_args=("qk_scale",),
+                             O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32"),
+                             half_gluon.kernel_constexprs(cfg, d, tname == "bf16"), num_warps=4, num_stages=1, float_args=("qk_scale",),
                              maxnreg=cfg["maxnreg"])
         out[f"{d}_{tname}"] = {"n_k": n_k, "n_q": n_q, "shared": r.shared_bytes, "wgmma": r.wgmma,
                                "regs": r.registers, "local": r.local_bytes, "warps": r.num_warps,
@@ -41,7 +41,8 @@ needs_gluon = pytest.mark.skipif(half_gluon._IMPORT_ERROR is not None, reason="t
 @pytest.mark.timeout(600)
 @needs_gluon
 def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words():
-    """With the installed Triton the kernel builds for sm_90 at both head dims and dtypes: wgmma products,
+    """With the installed Triton the kernel builds for sm_90 at both head dims and dtypes (the bfloat16 builds with
+    the LSE write the backward needs): wgmma products,
     one warp-specialized region (two consumer warpgroups + the producer's at 4096 keys; at D = 64 and 1066
     keys one consumer warpgroup, 128 registers and two CTAs per SM, and a last key tile in two parts; at 197
     rows and keys four consumer warpgroups at 96 registers), the
@@ -157,15 +158,17 @@ def test_dispatch_takes_the_lengths_the_kernel_is_preferred_at(monkeypatch):
 
 
 def test_the_launcher_offers_each_mode_to_its_gluon_kernel(monkeypatch):
-    """fp16 / bf16 calls go to the Hopper kernel's dispatch, fp32-ieee calls to the FMA kernel's, the other FP32
-    modes, explicit tile configs and calls that want the log-sum-exp (training) straight to the Triton kernel."""
+    """fp16 / bf16 calls go to the Hopper kernel's dispatch, fp32-ieee calls to the FMA kernel's, with the wish for
+    the log-sum-exp (training) passed on; the other FP32 modes and explicit tile configs go straight to the Triton
+    kernel, and so does an fp32-ieee call that wants the LSE (the FMA kernel does not write it)."""
     from visionattn.kernels._launch import PlanCache
 
     seen = []
 
     def gluon(kernel, q, k, v, *args):  # stands in for a Gluon kernel's plan: its output is all sevens
-        seen.append((kernel, q.dtype))
-        return lambda q, k, v, b, m, s: (torch.full((*q.shape[:3], v.shape[3]), 7.0, dtype=q.dtype), None)
+        seen.append((kernel, q.dtype, args[-1]))
+        return lambda q, k, v, b, m, s: (torch.full((*q.shape[:3], v.shape[3]), 7.0, dtype=q.dtype),
+                                         torch.zeros(q.shape[:3]) if args[-1] else None)
 
     monkeypatch.setattr(elsa_fwd, "_gluon_plan", gluon)
     monkeypatch.setattr(elsa_fwd, "PLANS", PlanCache())
@@ -173,15 +176,20 @@ def test_the_launcher_offers_each_mode_to_its_gluon_kernel(monkeypatch):
         q, k, v = _qkv(16, 16, 16, dtype)
         assert (elsa_fwd._launch(q, k, v, None, None, False, 0.25, mode, 0) == 7.0).all()
         out, lse = elsa_fwd.dense_forward(q, k, v, None, None, False, 0.25, mode, 0, None, with_lse=True)
-        assert not (out == 7.0).all() and lse.shape == q.shape[:3]
-    assert seen == [("half", torch.float16), ("half", torch.bfloat16), ("fp32-ieee", torch.float32)]
+        assert (out == 7.0).all() and lse.shape == q.shape[:3]
+    assert seen == [("half", torch.float16, False), ("half", torch.float16, True), ("half", torch.bfloat16, False),
+                    ("half", torch.bfloat16, True), ("fp32-ieee", torch.float32, False),
+                    ("fp32-ieee", torch.float32, True)]
     q, k, v = _qkv(16, 16, 16, torch.float32)
     for mode in ("fp32", "tf32"):
         assert isinstance(elsa_fwd._launch(q, k, v, None, None, False, 0.25, mode, 0), torch.Tensor)
     q, k, v = _qkv(16, 16, 16, torch.float16)
     cfg = elsa_fwd.get_config("fp16", 16)
     assert isinstance(elsa_fwd._launch(q, k, v, None, None, False, 0.25, "fp16", 0, config=cfg), torch.Tensor)
-    assert len(seen) == 3
+    assert len(seen) == 6
+    monkeypatch.undo()
+    q, k, v = _qkv(16, 16, 16, torch.float32)  # the real dispatch: no LSE from the FMA kernel
+    assert elsa_fwd._gluon_plan("fp32-ieee", q, k, v, None, None, False, 0.25, 0, torch.float32, True) is None
 
 
 @needs_gluon
@@ -270,7 +278,8 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
     one or two key tiles, one, two or four consumer warpgroups per CTA (four: 193-224 rows, 64-key tiles, where
     the heads fill the SMs; 8 x 12 heads at 197 rows take one consumer), programs that take several work tiles (the
     persistent grid: barrier phases carried from tile to tile), and ``elsa_attention`` returns exactly this
-    kernel's output where it dispatches to it."""
+    kernel's output where it dispatches to it, as does a call that wants the log-sum-exp, whose LSE is as accurate
+    as the Triton kernel's."""
     from visionattn.kernels.elsa_fwd import _launch, elsa_attention, get_config
     from visionattn.metrics import rel_l2
     from visionattn.reference import oracle_attention
@@ -291,6 +300,16 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
     assert (half_gluon.config_for(q, k)["consumers"] == 4) is four
     if B * H * -(-Nq // 128) >= sms and half_gluon.preferred(Nq, Nk, D):
         assert torch.equal(elsa_attention(q, k, v, None, None, False, scale, mode), y)
+        # training calls take the same kernel with the LSE write: the same output, and an LSE as close to the
+        # float64 one as the Triton kernel's
+        plan, (y_lse, lse) = elsa_fwd.plan_for(q, k, v, None, None, False, scale, mode, 0, None, True)
+        assert isinstance(plan, elsa_fwd._GluonPlan) and torch.equal(y_lse, y)
+        lse_ref = torch.logsumexp(scale * q[:, :, rows].double() @ k.double().transpose(-1, -2), dim=-1)
+        _, (_, triton_lse) = elsa_fwd._plan_and_run(q, k, v, None, None, False, scale, mode, 1, None, True,
+                                                    config=get_config(mode, D, D, Nk))
+        lse_err = (lse[:, :, rows].double() - lse_ref).abs().max().item()
+        triton_lse_err = (triton_lse[:, :, rows].double() - lse_ref).abs().max().item()
+        assert lse_err <= 2 * triton_lse_err + 1e-5, (lse_err, triton_lse_err)
 
 
 @pytest.mark.gpu
