@@ -69,7 +69,8 @@ def per_sequence_grads(q, k, v, do, cu_q, cu_k, causal, scale, dtype=torch.float
             y = oracle_attention(qs, ks, vs, is_causal=causal, scale=scale)
             sc = (qs @ ks.transpose(-1, -2)).detach() * scale
             if causal:
-                sc = sc.masked_fill(~torch.ones(sc.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+                sc = sc.masked_fill(~torch.ones(sc.shape[-2:], dtype=torch.bool, device=sc.device).tril(),
+                                    float("-inf"))
             lse[:, q0:q1] = torch.logsumexp(sc, -1)[0].float()
         else:
             y = _torch_attention(qs, ks, vs, causal, scale)
