@@ -97,6 +97,14 @@ def test_key_only_mask():
     assert rel_l2(f, f0) <= 1e-5
 
 
+def test_rope_variant():
+    """Axial rope (``rope_type``): the blocks' ``AttentionRope`` modules take the same ragged path."""
+    model = tiny_naflex(rope_type="axial")
+    check_against_unpatched(model, batch(), backend="triton")
+    assert model.visionattn_report.patched == {"timm.models.naflexvit.NaFlexVit": 1,
+                                               "timm.layers.attention.AttentionRope": 2}
+
+
 def test_training_gradients_match_unpatched():
     """A training step through the varlen backward: parameter gradients as the unpatched model's."""
     model = tiny_naflex().train()
