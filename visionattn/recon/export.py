@@ -45,12 +45,12 @@ from .colmap import point_tracks, quat_to_rotmat, rotmat_to_quat, write_colmap_m
 from .depth import depth_png_scale, depth_to_source_pixels, write_depth
 from .nerfstudio import write_transforms_json
 from .outdir import OutputDirError, atomic_output_dir, check_output_dir
-from .points import MissingDependencyError, require_open3d, select_points, write_ply
+from .points import MissingDependencyError, require_open3d, require_trimesh, select_points, write_ply
 from .scene import write_glb
 
 __all__ = [
-    "OutputDirError", "MissingDependencyError", "require_open3d", "check_output_dir", "atomic_output_dir",
-    "select_points", "write_ply", "rotmat_to_quat", "quat_to_rotmat", "continuous_affine", "original_intrinsics",
+    "OutputDirError", "MissingDependencyError", "require_open3d", "require_trimesh", "check_output_dir",
+    "atomic_output_dir", "select_points", "write_ply", "rotmat_to_quat", "quat_to_rotmat", "continuous_affine", "original_intrinsics",
     "write_cameras_json", "point_tracks", "write_colmap_model", "depth_to_source_pixels", "depth_png_scale",
     "write_depth", "OPENCV_TO_OPENGL", "camera_to_world_opengl", "write_transforms_json", "write_glb",
     "write_reconstruction",

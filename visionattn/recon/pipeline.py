@@ -22,7 +22,7 @@ from visionattn.reporting import environment
 
 from .images import ImageFolderError, LoadedImages, load_images
 from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, check_output_dir,
-                     require_open3d, write_reconstruction)
+                     require_trimesh, write_reconstruction)
 
 __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "DeviceError", "USER_ERRORS",
@@ -364,7 +364,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     _check_mode(mode)
     dev = resolve_device(device)
     check_output_dir(out_dir, inputs=[source])
-    require_open3d()  # points.ply needs it: fail now, not after inference
+    require_trimesh()  # points.ply and scene.glb need it: fail now, not after inference
     if weights not in ("random", "random-tiny"):
         if os.path.exists(weights):
             check_checkpoint(weights)  # a corrupt file fails now, in one line, not after decoding

@@ -1,17 +1,31 @@
-"""Point clouds from per-pixel point maps: confidence filtering and the coloured PLY (open3d).
+"""Point clouds from per-pixel point maps: confidence filtering and the coloured PLY (trimesh).
 
-open3d is optional (the ``[recon]`` extra): :func:`require_open3d` imports it or raises
+trimesh (PLY and GLB writing) and open3d (reading clouds for the evaluation metrics) are optional (the
+``[recon]`` extra): :func:`require_trimesh` / :func:`require_open3d` import them or raise
 :class:`MissingDependencyError` naming the fix.
 """
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["MissingDependencyError", "require_open3d", "select_points", "write_ply"]
+__all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "rgba8", "select_points",
+           "write_ply"]
 
 
 class MissingDependencyError(ImportError):
     """An optional dependency of the reconstruction outputs is missing or cannot load."""
+
+
+def require_trimesh():
+    """Import and return trimesh (points.ply and scene.glb), or raise :class:`MissingDependencyError` naming the
+    fix."""
+    try:
+        import trimesh
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"the reconstruction outputs need trimesh, which failed to import ({exc}). Install it with "
+            "`pip install \"visionattn[recon]\"` (or `pip install trimesh`).") from exc
+    return trimesh
 
 
 def require_open3d():
@@ -66,16 +80,25 @@ def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
     return xyz, rgb, (idx // hw).astype(np.int32), (idx % hw).astype(np.int64)
 
 
+def rgba8(rgb: np.ndarray) -> np.ndarray:
+    """[N, 3] colours in [0, 1] -> [N, 4] uint8 RGBA (opaque), as trimesh's point clouds take them."""
+    rgb = np.asarray(rgb, dtype=np.float64).reshape(-1, 3)
+    return np.concatenate([np.clip(np.round(rgb * 255), 0, 255), np.full((len(rgb), 1), 255)], 1).astype(np.uint8)
+
+
 def write_ply(path: str, xyz: np.ndarray, rgb: np.ndarray) -> None:
-    """Write a coloured point cloud with open3d (binary PLY).
+    """Write a coloured point cloud as a binary little-endian PLY (trimesh): float32 x, y, z and uint8 RGBA
+    per vertex, which open3d, MeshLab, CloudCompare and Blender read.
+
+    Args:
+        xyz: [N, 3] points (any float dtype).
+        rgb: [N, 3] colours in [0, 1] (clipped, rounded to 8 bits).
 
     Raises:
-        MissingDependencyError: see :func:`require_open3d`.
-        OSError: open3d reported a failed write.
+        MissingDependencyError: see :func:`require_trimesh`.
     """
-    o3d = require_open3d()
-    pcd = o3d.geometry.PointCloud()
-    pcd.points = o3d.utility.Vector3dVector(np.asarray(xyz, dtype=np.float64).reshape(-1, 3))
-    pcd.colors = o3d.utility.Vector3dVector(np.asarray(rgb, dtype=np.float64).reshape(-1, 3))
-    if not o3d.io.write_point_cloud(path, pcd, write_ascii=False):
-        raise OSError(f"open3d could not write {path!r}")
+    trimesh = require_trimesh()
+    xyz = np.asarray(xyz, dtype=np.float64).reshape(-1, 3)
+    data = trimesh.PointCloud(xyz, colors=rgba8(rgb)).export(file_type="ply", encoding="binary")
+    with open(path, "wb") as f:
+        f.write(data)

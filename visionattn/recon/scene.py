@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cameras import OPENCV_TO_OPENGL
+from .points import rgba8
 
 __all__ = ["write_glb"]
 
@@ -34,7 +35,7 @@ def write_glb(path: str, xyz, rgb, extrinsics, intrinsics, image_hw, max_points:
         span = np.ptp(np.concatenate([xyz, np.array(centers)]), axis=0).max() if len(xyz) else 1.0
         frustum_scale = 0.05 * float(span) if span > 0 else 0.1
     scene = trimesh.Scene()
-    colors = np.concatenate([np.clip(np.round(rgb * 255), 0, 255), np.full((len(rgb), 1), 255)], 1).astype(np.uint8)
+    colors = rgba8(rgb)
     if len(xyz):
         scene.add_geometry(trimesh.PointCloud(xyz @ OPENCV_TO_OPENGL.T, colors=colors), geom_name="points")
     for i, E in enumerate(extrinsics):
