@@ -215,18 +215,21 @@ def run_train_point(model, row: str, frames: int, H: int, W: int, repeats: int, 
 
 def to_markdown(res: dict) -> str:
     env = res.get("environment", {})
-    lines = ["# VGGT / FastVGGT inference: visionattn modes vs PyTorch SDPA", "",
+    what = " and ".join(w for w, key in (("inference", "points"), ("training step", "train")) if res.get(key))
+    lines = [f"# VGGT / FastVGGT {what or 'inference'}: visionattn modes vs PyTorch SDPA", "",
              f"GPU: {env.get('gpu')}; torch {env.get('torch')}, triton {env.get('triton')}, timm {env.get('timm')}; "
              f"{env.get('date')}.", f"Command (last run): `{env.get('command')}`", "",
              ("Tiny random config (tool check, not a result). " if res.get("tiny") else "") +
              "Random weights, camera + depth + point heads, images "
-             f"{res.get('height')}x{res.get('width')} ({res.get('tokens_per_frame')} tokens per frame). Time: one "
-             "forward (median of repeats) after a 2-frame warm-up and, unless `--no-point-warmup`, one untimed forward "
-             "at the same frame count; Mem: peak allocated (weights included; on the CPU live tensor bytes); "
-             "Est.: VGGT.estimate_memory. Official-equivalent rows: SDPA with all 24 layer outputs held. "
-             "Speedup vs the SDPA row of the same arithmetic (FP32/TF32 vs SDPA-FP32, BF16 vs SDPA-BF16). "
+             f"{res.get('height')}x{res.get('width')} ({res.get('tokens_per_frame')} tokens per frame). "
              f"Process TF32 flags left at defaults (matmul {env.get('allow_tf32_matmul')}, cudnn "
              f"{env.get('allow_tf32_cudnn')}).", ""]
+    if res.get("points"):
+        lines += ["Inference time: one forward (median of repeats) after a 2-frame warm-up and, unless "
+                  "`--no-point-warmup`, one untimed forward at the same frame count; Mem: peak allocated (weights "
+                  "included; on the CPU live tensor bytes); Est.: VGGT.estimate_memory. Official-equivalent rows: SDPA "
+                  "with all 24 layer outputs held. Speedup vs the SDPA row of the same arithmetic (FP32/TF32 vs "
+                  "SDPA-FP32, BF16 vs SDPA-BF16).", ""]
     for model in MODELS:
         pts = res.get("points", {}).get(model)
         if not pts:
@@ -254,7 +257,8 @@ def to_markdown(res: dict) -> str:
     for model, rows in res.get("train", {}).items():
         lines += [f"## {model}: one training step (forward + backward), activation checkpointing off / on", "",
                   "Train mode, loss = mean log-depth + mean squared points + mean squared pose, backward; no optimiser "
-                  "step. Mem: peak allocated (weights and gradients included).", "",
+                  "step. Time: median of repeats after one untimed step. Mem: peak allocated (weights and gradients "
+                  "included).", "",
                   "| Method | Frames | Time (s) | Mem (GB) | Time, ckpt (s) | Mem, ckpt (GB) | Mem ratio |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for row in ROWS:
