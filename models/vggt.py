@@ -90,8 +90,10 @@ class VGGT(nn.Module):
             change later with :meth:`set_grad_checkpointing`). When autograd records, every
             aggregator block (DINOv2, frame, global) and every DPT-head frame chunk runs under
             ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``: less activation memory, one
-            more forward of those stages in backward, the same outputs and gradients. Inactive
-            under ``torch.no_grad`` / ``inference_mode`` (inference is unchanged).
+            more forward of those stages in backward, the same outputs and gradients (bit for bit
+            on CPU; on CUDA up to its non-deterministic backward sums, which also vary between two
+            plain steps). Inactive under ``torch.no_grad`` / ``inference_mode`` (inference is
+            unchanged).
 
     Training: the whole forward is differentiable (every output with respect to every parameter
     but DINOv2's unused ``mask_token``, and to the images) in every attention mode: None (SDPA),
