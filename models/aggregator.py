@@ -21,10 +21,11 @@ _MEAN = (0.485, 0.456, 0.406)
 _STD = (0.229, 0.224, 0.225)
 
 
-def _first_and_rest(token: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    """[1, 2, n, C] -> [B*S, n, C]: slot 0 for frame 0, slot 1 for frames 1..S-1."""
-    first = token[:, :1].expand(B, 1, *token.shape[2:])
-    rest = token[:, 1:].expand(B, S - 1, *token.shape[2:])
+def _first_and_rest(token: torch.Tensor, B: int, S: int, first_frame: bool = True) -> torch.Tensor:
+    """[1, 2, n, C] -> [B*S, n, C]: slot 0 for frame 0, slot 1 for frames 1..S-1 (all S frames without
+    ``first_frame``: a chunk of a scene that does not start at its frame 0)."""
+    first = token[:, :int(first_frame)].expand(B, int(first_frame), *token.shape[2:])
+    rest = token[:, 1:].expand(B, S - int(first_frame), *token.shape[2:])
     return torch.cat([first, rest], dim=1).reshape(B * S, *token.shape[2:])
 
 
@@ -51,10 +52,15 @@ class Aggregator(nn.Module):
     forward keeps one [B*S, P, C] block input per block instead of the block's activations
     (about 20 C per token), and backward recomputes each block once. The DINOv2 blocks follow
     ``patch_embed.grad_checkpointing``. Outputs and gradients are unchanged.
+
+    Attribute ``frame_offset`` (0): the scene index of the first frame of ``images`` when a scene's
+    frames are split across ranks (set by :func:`~visionattn.models.context_parallel.split_frames`);
+    only the scene's frame 0 takes the first camera / register token slot.
     """
 
     frames_chunk_size: int | None = None
     grad_checkpointing: bool = False
+    frame_offset: int = 0
 
     def __init__(self, img_size: int = 518, patch_size: int = 14, embed_dim: int = 1024, depth: int = 24,
                  num_heads: int = 16, mlp_ratio: float = 4.0, num_register_tokens: int = 4,
@@ -104,8 +110,9 @@ class Aggregator(nn.Module):
                                      device=patches.device)
             tokens[s0:s0 + step, n_special:] = patches
             del patches
-        tokens[:, :1] = _first_and_rest(self.camera_token, B, S)
-        tokens[:, 1:n_special] = _first_and_rest(self.register_token, B, S)
+        first = self.frame_offset == 0
+        tokens[:, :1] = _first_and_rest(self.camera_token, B, S, first)
+        tokens[:, 1:n_special] = _first_and_rest(self.register_token, B, S, first)
         return tokens
 
     def forward(self, images: torch.Tensor, merging: TokenMerging | None = None,

@@ -38,7 +38,7 @@ def resolve_attn_mode(mode: str | None, dtype: torch.dtype) -> str | None:
     return mode
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str | None, fn=None) -> torch.Tensor:
     """Softmax attention ``softmax(q k^T / sqrt(D)) v`` with the given precision mode.
 
     Under autocast, q, k, v are first cast to the autocast dtype (what SDPA does
@@ -48,6 +48,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str | None) 
         q, k, v: [B, H, N, D] (any strides; views are passed on without copies).
         mode: a visionattn mode, ``"auto"``, or ``None`` for
             ``torch.nn.functional.scaled_dot_product_attention``.
+        fn: None, or ``fn(q, k, v, mode=...)`` called instead of :func:`visionattn.attention` with a
+            visionattn mode (for ``None``, the one ``"auto"`` picks): the hook through which
+            :func:`~visionattn.models.context_parallel.split_frames` makes attention context-parallel.
 
     Returns:
         [B, H, Nq, D] in q's dtype.
@@ -58,6 +61,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str | None) 
         dt = torch.get_autocast_dtype(dev)
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
     mode = resolve_attn_mode(mode, q.dtype)
+    if fn is not None:
+        return fn(q, k, v, mode=mode or _AUTO[q.dtype])
     if mode is None:
         return F.scaled_dot_product_attention(q, k, v)
     return _va_attention(q, k, v, mode=mode)
@@ -171,9 +176,11 @@ class Attention(nn.Module):
     merge heads -> ``proj``. With a FastVGGT merge plan (``plan``), q, k, v are
     merged after RoPE, attention runs over the merged set and the projected
     output is copied back to all N tokens (see :mod:`visionattn.models.merging`).
+    Attribute ``attend_fn`` (None): the ``fn`` of :func:`attend` (context parallelism).
     """
 
     _visionattn_native = True
+    attend_fn = None
 
     def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, attn_mode: str | None = AUTO_MODE):
         super().__init__()
@@ -196,7 +203,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if plan is not None:
             q, k, v = plan.merge(q), plan.merge(k), plan.merge(v)
-        o = attend(q, k, v, self.visionattn_mode)
+        o = attend(q, k, v, self.visionattn_mode, self.attend_fn)
         del q, k, v, qkv
         o = self.proj(o.transpose(1, 2).reshape(B, o.shape[2], C))
         if plan is not None:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -111,37 +110,6 @@ def _lengths(text: str) -> list[int]:
     if not lens or min(lens) < 0 or max(lens) == 0:
         parser.error(f"--lengths {text!r}: expected integers >= 0, at least one > 0")
     return lens
-
-
-def _timer(device: torch.device, calls: int, repeats: int):
-    """Milliseconds per call: CUDA events around back-to-back calls, or a wall clock on the CPU."""
-    if device.type == "cuda":
-        return lambda fn: reporting.eager_ms(fn, calls=calls, warmup=3, repeats=repeats)
-
-    def wall(fn):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / calls)
-        return sorted(times)[len(times) // 2]
-    return wall
-
-
-def _peak_mb(fn, device: torch.device) -> float | None:
-    """Most memory allocated during one ``fn()`` beyond what was allocated before it (MB); None on CPU."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak / 2**20
 
 
 def _sizes(text: str) -> list[tuple[int, int]]:
@@ -216,7 +184,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
     base = [tuple(torch.randn(n, heads, head_dim, generator=g).to(device) for _ in range(3)) for n in lens]
     oracle = torch.cat([oracle_attention(*(t.transpose(0, 1)[None] for t in s))[0].transpose(0, 1) if n else
                         s[0].double() for s, n in zip(base, lens)])
-    timer = _timer(device, calls, repeats)
+    timer = reporting.per_call_ms(device, calls, repeats, warmup=3)
     total_tokens = sum(lens)
     rows = []
     for mode in modes:
@@ -231,7 +199,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             kern_ms = timer(lambda: attend(x))
             total_ms = timer(lambda: attend(convert()))
             del x
-            peak = _peak_mb(lambda: attend(convert()), device)
+            peak = reporting.peak_extra_mb(lambda: attend(convert()), device)
             rows.append(dict(mode=mode, method=method, **{"pass": "forward"}, total_ms=total_ms, kernel_ms=kern_ms,
                              conversion_ms=conv_ms, peak_mb=peak, mtokens_per_s=total_tokens / total_ms / 1e3,
                              rel_l2=err))
@@ -274,7 +242,7 @@ def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, se
         got = [g if g is not None else torch.zeros_like(t) for g, t in zip(step(), leaves)]
         err = max(rel_l2(torch.cat(got[i::3]).double(), gold_packed[i]) for i in range(3))
         total_ms = timer(step)
-        peak = _peak_mb(step, device)
+        peak = reporting.peak_extra_mb(step, device)
         rows.append(dict(mode=mode, method=method, **{"pass": "forward+backward"}, total_ms=total_ms,
                          kernel_ms=None, conversion_ms=None, peak_mb=peak, mtokens_per_s=total / total_ms / 1e3,
                          rel_l2=err))
@@ -324,7 +292,7 @@ def bench_naflex(model_name: str, sizes: list[tuple[int, int]], batch: int, mode
     model = timm.create_model(model_name, pretrained=False).to(device).eval()
     pv = inputs["patch_valid"]
     valid = torch.cat([pv.new_ones(pv.shape[0], model.num_prefix_tokens), pv], 1)
-    timer = _timer(device, calls, repeats)
+    timer = reporting.per_call_ms(device, calls, repeats, warmup=3)
 
     def features():
         return model.forward_features(inputs["patches"], inputs["patch_coord"], pv)["patches"]
@@ -338,7 +306,7 @@ def bench_naflex(model_name: str, sizes: list[tuple[int, int]], batch: int, mode
             if ref is None:
                 ref = (logits, feats)
             ms = timer(lambda: model(inputs))
-            peak = _peak_mb(lambda: model(inputs), device)
+            peak = reporting.peak_extra_mb(lambda: model(inputs), device)
             rows.append(dict(mode=mode or "-", method="timm-sdpa" if mode is None else "visionattn-varlen",
                              total_ms=ms, images_per_s=batch / ms * 1e3, peak_mb=peak,
                              logits_rel_l2=rel_l2(logits, ref[0]), tokens_rel_l2=rel_l2(feats[valid], ref[1][valid])))

@@ -156,8 +156,8 @@ def query_center(q16: torch.Tensor) -> torch.Tensor:
 def pasa_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float, shift: bool = True,
-    block_size: int = DEFAULT_BLOCK, beta: float | None = None,
-) -> torch.Tensor:
+    block_size: int = DEFAULT_BLOCK, beta: float | None = None, with_lse: bool = False,
+):
     """PASA (``shift=True``) or FP16-score-accumulation (``shift=False``) attention, emulated.
 
     Follows PASA Algorithm 1 block by block in torch arithmetic, with the FP32
@@ -175,9 +175,11 @@ def pasa_attention_reference(
         shift: True = PASA; False = no shift (mode ``fp16-acc16``; may return inf/NaN).
         block_size: keys per KV block (the size of M).
         beta: shift strength in [0, 1); None = :func:`optimal_beta` of each block's size.
+        with_lse: also return the per-row log-sum-exp of the recovered logits, ``F + m + log l`` [B, H, Nq]
+            float32 (-inf for a fully masked row), what :mod:`visionattn.distributed` merges shards with.
 
     Returns:
-        [B, H, Nq, Dv] float32. Fully masked rows are zeros.
+        [B, H, Nq, Dv] float32 (and the LSE with ``with_lse``). Fully masked rows are zeros.
 
     Raises:
         ValueError: ``beta`` outside [0, 1), ``block_size < 1``.
@@ -237,7 +239,12 @@ def pasa_attention_reference(
         acc = alpha.unsqueeze(-1) * acc + p.half().float() @ v16[..., start:stop, :].float()
         m = m_new
     den = l.unsqueeze(-1)  # 0 only for fully masked rows; NaN/inf (an overflow) propagates
-    return torch.where(den == 0, torch.zeros_like(acc), acc / torch.where(den == 0, torch.ones_like(den), den))
+    out = torch.where(den == 0, torch.zeros_like(acc), acc / torch.where(den == 0, torch.ones_like(den), den))
+    if not with_lse:
+        return out
+    # m is kept relative to the running pseudo-average F: the logits' log-sum-exp is F + m + log l
+    lse = torch.where(l == 0, torch.full_like(l, float("-inf")), F + m + torch.log(torch.where(l == 0, 1.0, l)))
+    return out, lse
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["environment", "command_line", "atomic_path", "write_text_atomic", "write_json_atomic",
            "save_figure_atomic", "markdown_table", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
-           "kernel_ms"]
+           "kernel_ms", "eager_ms", "host_us", "per_call_ms", "peak_extra_mb"]
 
 
 def command_line() -> str:
@@ -257,3 +257,36 @@ def host_us(fn: Callable[[], Any], calls: int = 200, warmup: int = 20, repeats: 
         times.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
     return float(sorted(times)[len(times) // 2])
+
+
+def per_call_ms(device: torch.device, calls: int, repeats: int, warmup: int = 3) -> Callable[[Callable[[], Any]], float]:
+    """A timer ``timer(fn) -> ms per call``: :func:`eager_ms` on CUDA; on the CPU the wall clock around ``calls``
+    back-to-back calls, median over ``repeats`` windows after ``warmup`` untimed calls."""
+    if device.type == "cuda":
+        return lambda fn: eager_ms(fn, calls=calls, warmup=warmup, repeats=repeats)
+
+    def wall(fn):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e3 / calls)
+        return float(sorted(times)[len(times) // 2])
+    return wall
+
+
+def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Most CUDA memory allocated during one ``fn()`` beyond what was allocated before it (MiB); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20

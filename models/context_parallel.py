@@ -1,0 +1,158 @@
+"""VGGT with a scene's frames split across ranks: the global attention as context-parallel attention.
+
+VGGT's aggregator alternates frame attention (the P tokens of one frame) and global attention (the
+S*P tokens of all frames, frame-major). Everything but the global attention and the camera head's
+trunk works frame by frame, so a scene of S frames can be split into contiguous chunks across the
+ranks of a process group (rank 0 the first frames, each rank at least one), each rank running the
+model on its own chunk:
+
+* global attention: :func:`visionattn.distributed.context_parallel_attention` over the ranks' token
+  shards (rank order = frame order, so the concatenation is the single-process token sequence);
+* frame 0 of the scene takes the first camera / register token slot, every other frame the second:
+  each rank learns the scene index of its first frame (one small all-gather per forward) and sets
+  :attr:`Aggregator.frame_offset <visionattn.models.aggregator.Aggregator>`;
+* the camera head attends across the frames' camera tokens in its trunk: its input, one
+  [B, S_r, 2C] token per frame (8 MB at 1000 frames in FP32), is all-gathered (autograd-aware), every
+  rank runs the head over all S frames and keeps its own frames' poses;
+* frame attention, the DINOv2 patch embed and the depth / point heads stay local.
+
+The outputs of each rank are the single-process outputs of its frames, within the attention mode's
+contract. Not supported (ValueError): FastVGGT token merging (it chooses merge targets across all
+frames) and the track head (query points live in the scene's frame 0, and its tracker attends over
+time).
+
+Training: the global attention's backward all-gathers K and V (see
+:func:`~visionattn.distributed.context_parallel_attention`) and the camera tokens' gradients return
+to their ranks by an all-reduce, so gradients of the inputs are exact. Each rank's parameter
+gradients are its frames' share: sum them over the group (``all_reduce(SUM)``; DDP over the same
+group averages, so scale by the world size) to get the single-process gradient of the summed loss.
+
+    with split_frames(model):                      # every rank, its own chunk of frames
+        out = model(images[start:stop])             # out: the poses, depth, points of those frames
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from visionattn.distributed import _collective_device, context_parallel_attention, gather_sequence
+
+__all__ = ["split_frames", "FrameSplit"]
+
+
+class FrameSplit:
+    """What :func:`split_frames` installed on a model; :meth:`remove` (or leaving the ``with`` block) undoes it.
+
+    Attributes:
+        model: the VGGT model.
+        group: the process group (None = the world).
+        frames: frames per rank of the last forward (None before the first).
+        frame_offset: scene index of this rank's first frame in the last forward.
+    """
+
+    def __init__(self, model, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("split_frames needs an initialised torch.distributed process group "
+                               "(torch.distributed.init_process_group)")
+        agg = getattr(model, "aggregator", None)
+        if agg is None or not hasattr(agg, "global_blocks"):
+            raise TypeError(f"split_frames takes a visionattn.models.VGGT, got {type(model).__name__}")
+        if getattr(model, "merging", None) is not None:
+            raise ValueError("split_frames: FastVGGT token merging chooses merge targets across all frames and "
+                             "cannot run on split frames; set model.merging = None")
+        attns = [blk.attn for blk in agg.global_blocks]
+        if any("attend_fn" in vars(a) for a in attns):
+            raise ValueError("split_frames: this model's global attention is already split (remove the other "
+                             "FrameSplit first)")
+        self.model, self.group = model, group
+        self.frames: list[int] | None = None
+        self.frame_offset = 0
+        self._attns = attns
+        for a in attns:
+            a.attend_fn = self._attend
+        self._hooks = [agg.register_forward_pre_hook(self._before_aggregator, with_kwargs=True)]
+        if model.camera_head is not None:
+            self._hooks += [model.camera_head.register_forward_pre_hook(self._gather_camera_tokens),
+                            model.camera_head.register_forward_hook(self._keep_own_frames)]
+        if getattr(model, "track_head", None) is not None:
+            self._hooks.append(model.track_head.register_forward_pre_hook(self._refuse_tracks))
+
+    def _attend(self, q, k, v, mode):
+        return context_parallel_attention(q, k, v, group=self.group, mode=mode)
+
+    def _before_aggregator(self, module, args, kwargs):
+        """Learn every rank's frame count: this rank's frame offset; refuse merging and empty chunks."""
+        images = args[0] if args else kwargs["images"]
+        merging = args[1] if len(args) > 1 else kwargs.get("merging")
+        if merging is not None:
+            raise ValueError("split_frames: FastVGGT token merging cannot run on split frames; set model.merging = "
+                             "None")
+        B, S = (images.shape[0], images.shape[1]) if images.dim() == 5 else (-1, -1)
+        group = self.group or dist.group.WORLD
+        mine = torch.tensor([B, S], dtype=torch.int64, device=_collective_device(group))
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, mine, group=group)
+        rows = [r.tolist() for r in rows]
+        if len({b for b, _ in rows}) > 1 or min(s for _, s in rows) < 1:
+            raise ValueError(f"split_frames: every rank needs images [B, S_r, 3, H, W] with the same B and S_r >= 1; "
+                             f"got (B, S_r) = {[tuple(r) for r in rows]} by rank")
+        rank = dist.get_rank(group)
+        self.frames = [s for _, s in rows]
+        self.frame_offset = sum(self.frames[:rank])
+        module.frame_offset = self.frame_offset
+
+    def _gather_camera_tokens(self, module, args):
+        """The camera head's input: the last layer's camera tokens of all frames [B, S, 1, 2C]."""
+        tokens = gather_sequence(args[0][-1][:, :, :1], dim=1, group=self.group)
+        return ([tokens],) + tuple(args[1:])
+
+    def _keep_own_frames(self, module, args, output):
+        start, count = self.frame_offset, self.frames[dist.get_rank(self.group or dist.group.WORLD)]
+        return [p[:, start:start + count] for p in output]
+
+    @staticmethod
+    def _refuse_tracks(module, args):
+        raise ValueError("split_frames: the track head needs the scene's frame 0 (the query points) and attends "
+                         "over all frames; run it without split frames")
+
+    def remove(self) -> None:
+        """Restore the model: single-process global attention, frame offset 0, no hooks."""
+        for a in self._attns:
+            vars(a).pop("attend_fn", None)
+        vars(self.model.aggregator).pop("frame_offset", None)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self) -> "FrameSplit":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def split_frames(model, group=None) -> FrameSplit:
+    """Run a VGGT model with a scene's frames split across the ranks of ``group`` (module docstring).
+
+    Each rank then calls ``model(images_r)`` with its contiguous chunk of the scene's frames
+    (``images_r`` [S_r, 3, H, W] or [B, S_r, 3, H, W], rank 0 holding the first frames, S_r >= 1, same B,
+    H, W everywhere) and gets the outputs of those frames: ``pose_enc`` [B, S_r, 9] (and
+    ``pose_enc_list``), ``depth`` / ``world_points`` and their confidences [B, S_r, H, W, ...], equal to the
+    single-process model's outputs for those frames within the attention mode's contract. Every rank must
+    run every forward (and backward) together: they are collectives.
+
+    Args:
+        model: a :class:`visionattn.models.VGGT` (any ``attn_mode``; ``None`` (SDPA) runs the global
+            attention in the visionattn mode ``"auto"`` picks, since the ring needs the per-row LSE).
+        group: the process group (default: the world).
+
+    Returns:
+        a :class:`FrameSplit`: use it as a context manager, or call ``.remove()``.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` not initialised.
+        TypeError: not a VGGT.
+        ValueError: token merging on, the model already split; at forward time: merging, the track head
+            (query points), a rank with no frames or another batch size.
+    """
+    return FrameSplit(model, group)

@@ -1,0 +1,432 @@
+"""Context-parallel (ring) attention: the sequence split across the ranks of a ``torch.distributed`` group.
+
+Each rank holds a contiguous shard of the sequence (rank order = sequence order; shards may differ in
+length, zero included) and wants the exact attention of its own queries over *all* keys. The keys
+and values travel around a ring: at step ``i`` rank ``r`` holds the KV shard of rank ``(r - i) mod W``,
+computes the partial attention of its queries against it, ``(out_i, lse_i)`` with the per-row
+log-sum-exp ``lse_i = log sum_j exp(s_ij)``, and folds it into its running result with the monoid
+merge in log-sum-exp form (ELSA supplement, Eq. 4; FlashAttention's online softmax across blocks,
+Ring Attention's merge across devices):
+
+    lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse),
+
+the (m, S, W) merge of :mod:`visionattn.reference` with ``m + log S = lse`` and ``W / S = out``. A row
+whose keys are all masked has ``lse = -inf`` everywhere and comes out as zeros (never NaN), as in
+:func:`visionattn.attention`. The send / receive of step ``i + 1`` is posted before step ``i`` is
+computed (:func:`torch.distributed.batch_isend_irecv`), so on CUDA the transfer of the next shard
+overlaps the kernel of the current one.
+
+    import visionattn.distributed as vd
+    out = vd.context_parallel_attention(q, k, v, mode="fp32")   # q, k, v: this rank's [B, H, N_r, D]
+
+Backends: gloo for CPU tensors, NCCL for CUDA tensors (one GPU per rank). Nothing here runs at
+``import visionattn``; this module is imported on its own (``import visionattn.distributed``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import dispatch
+from .api import _cpu_block, attention, cast_checked, check_flags, validate_attention_inputs
+from .modes import Mode, get_mode, mode_names
+from .reference import block_state, finalize, identity, merge, scores_and_mask
+
+__all__ = ["context_parallel_attention", "merge_partials", "gather_sequence"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# one row per rank of the metadata every call exchanges first (float64: every field is exact)
+_FIELDS = ("error", "nq", "nk", "batch", "heads", "head_dim", "value_dim", "dtype", "mode", "is_causal", "scale",
+           "grad", "bias_cols", "mask_cols")
+
+
+# ----------------------------------------------------------------------------- merge
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attention results over disjoint key sets into the result over their union.
+
+    ``lse = logaddexp(lse_a, lse_b)``; ``out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse)``, computed
+    with the larger LSE as the stabiliser (detached: the result does not depend on it, so gradients are
+    exact). Commutative and associative (up to rounding), with ``(0, -inf)`` as identity.
+
+    Args:
+        out_a, out_b: [..., Nq, Dv] float (the normalised outputs of each part; zeros for empty rows).
+        lse_a, lse_b: [..., Nq] float, natural log; -inf where a part has no visible key.
+
+    Returns:
+        ``(out [..., Nq, Dv], lse [..., Nq])``: rows with no visible key in either part get out = 0 and
+        lse = -inf, never NaN; NaN inputs propagate.
+    """
+    m = torch.maximum(lse_a, lse_b).detach()
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    s = wa + wb
+    empty = s == 0
+    safe = torch.where(empty, torch.ones_like(s), s)
+    lse = torch.where(empty, torch.full_like(s, float("-inf")), m + torch.log(safe))
+    out = out_a * (wa / safe).unsqueeze(-1) + out_b * (wb / safe).unsqueeze(-1)
+    return out, lse
+
+
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """:func:`merge_partials` in place into ``(out, lse)`` (no autograd: the forward ring), without temporaries
+    of ``out``'s size."""
+    m = torch.maximum(lse, lse_b)
+    m.masked_fill_(torch.isneginf(m), 0.0)
+    wa, wb = torch.exp(lse - m), torch.exp(lse_b - m)
+    s = wa + wb
+    empty = s == 0
+    s.masked_fill_(empty, 1.0)
+    lse.copy_(torch.log(s).add_(m).masked_fill_(empty, float("-inf")))
+    out.mul_((wa / s).unsqueeze(-1)).addcmul_(out_b, (wb / s).unsqueeze(-1))
+
+
+# ----------------------------------------------------------------------------- attention of one shard
+_ops = None
+
+
+def _kernel_ops(q, k, v, bias, attn_mask, md: Mode):
+    """:mod:`visionattn.ops` when the dense kernels take this call (CUDA, or the interpreter with backend
+    ``triton``), else None."""
+    global _ops
+    if md.half_scores or dispatch.resolve_backend(None, q.device.type) != "triton":
+        return None
+    if _ops is None:
+        from . import ops as ops_module  # lazy: importing triton is slow and not needed on CPU
+
+        _ops = ops_module
+    return _ops if _ops.elsa_fwd.unsupported_reason(q, k, v, bias, attn_mask, md.name) is None else None
+
+
+def _attention_lse(q, k, v, bias, attn_mask, is_causal: bool, scale: float, md: Mode):
+    """``(out, lse)`` of the queries against one KV shard, in the mode's arithmetic.
+
+    q [B, H, Nq, D], k [B, H, Nk, D], v [B, H, Nk, Dv] already cast to the mode's compute dtype; bias /
+    attn_mask None or [B, H, Nq, Nk] views; ``is_causal`` top-left (query and key offsets equal). Returns
+    out [B, H, Nq, Dv] and lse [B, H, Nq], both float32 (lse -inf for a row with no visible key).
+
+    Dense modes on CUDA: the forward kernel with the per-row LSE (``visionattn::attention_lse``,
+    :func:`visionattn.kernels.elsa_fwd.dense_forward`). Elsewhere, and for PASA modes everywhere (their
+    kernel writes no LSE): the PyTorch references of :mod:`visionattn.reference` (dense modes: the (m, S, W)
+    fold over KV blocks, ``lse = m + log S``) and :func:`visionattn.pasa.pasa_attention_reference`.
+    """
+    ops = _kernel_ops(q, k, v, bias, attn_mask, md)
+    if ops is not None:
+        if torch.compiler.is_compiling():
+            return ops._attention_lse_op(q, k, v, bias, attn_mask, is_causal, scale, md.name, 0, torch.float32)
+        return ops.elsa_fwd.dense_forward(q, k, v, *ops._views(q, k, bias, attn_mask), is_causal, scale, md.name,
+                                          0, torch.float32, with_lse=True)
+    if md.half_scores:
+        from .pasa import pasa_attention_reference
+
+        return pasa_attention_reference(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                        shift=md.pasa_shift, with_lse=True)
+    qc, kc, vc = (t.float() for t in (q, k, v))  # already rounded to the compute dtype; state in FP32
+    p_dtype = md.compute_dtype if md.compute_dtype in (torch.float16, torch.bfloat16) else None
+    nk = k.shape[-2]
+    block = _cpu_block(nk)
+    state = identity(q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
+    for start in range(0, nk, block):
+        stop = min(start + block, nk)
+        s = scores_and_mask(qc, kc[..., start:stop, :], scale=scale, bias=_cols(bias, start, stop),
+                            attn_mask=_cols(attn_mask, start, stop), is_causal=is_causal, k_offset=start)
+        state = merge(state, block_state(s, vc[..., start:stop, :], p_dtype=p_dtype))
+    full = state.s > 0
+    lse = torch.where(full, state.m + torch.log(torch.where(full, state.s, 1.0)), float("-inf"))
+    return finalize(state), lse
+
+
+def _cols(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    """Key columns [start, stop) of a bias / mask (one broadcast over keys passes unchanged)."""
+    if t is None or t.shape[-1] == 1:
+        return t
+    return t[..., start:stop]
+
+
+def _shard_attention(q, kv, d: int, bias, attn_mask, is_causal: bool, scale: float, md: Mode, q0: int, k0: int):
+    """``(out, lse)`` of the local queries (global rows from ``q0``) against one packed KV shard ``kv`` [B, H, n,
+    D + Dv] (global columns from ``k0``); None when no key of the shard is visible to any query (empty, or
+    entirely after the last query under ``is_causal``). ``bias`` / ``attn_mask``: the columns of this shard."""
+    nq, nk = q.shape[2], kv.shape[2]
+    if nq == 0 or nk == 0 or (is_causal and k0 >= q0 + nq):
+        return None
+    k, v = kv[..., :d], kv[..., d:]
+    if is_causal and k0 + nk - 1 <= q0:  # every key at or before the first query: all visible
+        is_causal = False
+    elif is_causal and k0 != q0:  # a shard across the diagonal at another offset: the causal part as a mask
+        keep = (torch.arange(nk, device=q.device) + k0)[None, :] <= (torch.arange(nq, device=q.device) + q0)[:, None]
+        attn_mask = keep if attn_mask is None else attn_mask & keep
+        is_causal = False
+    shape = (q.shape[0], q.shape[1], nq, nk)
+    bias = None if bias is None else bias.expand(shape)
+    attn_mask = None if attn_mask is None else attn_mask.expand(shape)
+    return _attention_lse(q, k, v, bias, attn_mask, is_causal, scale, md)
+
+
+# ----------------------------------------------------------------------------- autograd-aware gather
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of unequal shards along ``dim`` (zero-padded to the longest for the collective, trimmed
+    after). Backward: each rank holds a gradient for every shard; one all-reduce (sum) of it, of which each
+    rank keeps its own rows. Works on every backend (gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, lens: tuple, rank: int, group):
+        ctx.dim, ctx.lens, ctx.rank, ctx.group = dim, lens, rank, group
+        longest = max(lens)
+        shape = list(x.shape)
+        shape[dim] = longest
+        padded = x.new_zeros(shape)
+        padded.narrow(dim, 0, x.shape[dim]).copy_(x)
+        parts = [torch.empty_like(padded) for _ in lens]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lens)], dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        start = sum(ctx.lens[:ctx.rank])
+        return grad.narrow(ctx.dim, start, ctx.lens[ctx.rank]).clone(), None, None, None, None
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """The concatenation along ``dim`` of every rank's ``x`` (rank order); shards may differ in length along
+    ``dim`` (other dims equal). Differentiable: the gradient of each rank's shard is the sum over ranks of
+    the gradient of its rows (one all-reduce). Without an initialised group it returns ``x``.
+
+    Raises:
+        ValueError: the shards differ in a dim other than ``dim`` (every rank raises).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return x
+    group = group or dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dim = dim % x.dim()
+    device = _collective_device(group)
+    mine = torch.tensor([x.dim()] + [x.shape[i] if i != dim else -1 for i in range(x.dim())] + [x.shape[dim]],
+                        dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    rows = [r.tolist() for r in rows]
+    if any(r[:-1] != rows[0][:-1] for r in rows):
+        raise ValueError(f"gather_sequence: shards must agree in every dim but dim={dim}; got shapes "
+                         f"{[r[1:-1] for r in rows]} (-1 marks dim {dim})")
+    return _GatherSequence.apply(x, dim, tuple(r[-1] for r in rows), rank, group)
+
+
+# ----------------------------------------------------------------------------- the public function
+def _single_process(group) -> bool:
+    if group is None and (not dist.is_available() or not dist.is_initialized()):
+        return True
+    return dist.get_world_size(group or dist.group.WORLD) == 1
+
+
+def _collective_device(group) -> torch.device:
+    """Where a small tensor for a collective of ``group`` must live: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == dist.Backend.NCCL:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def context_parallel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, mode: str | Mode = "fp32",
+    bias: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention over a sequence split across the ranks of ``group``: this rank's output rows.
+
+    The full sequence is the concatenation of every rank's shard in rank order; the result equals
+    :func:`visionattn.attention` of the local queries against all keys and values (the rows of the
+    single-process call that belong to this rank), within the mode's contract. Every rank of ``group``
+    must call it (it is a collective), with the same mode, flags and scale.
+
+    Forward (no gradients needed): a ring. One small all-gather exchanges the shard lengths and shapes;
+    then ``W - 1`` steps pass the KV shards (packed [B, H, n, D + Dv] in the mode's compute dtype) to the
+    next rank with ``batch_isend_irecv`` while the current one is folded in: per shard ``(out_i, lse_i)``
+    merged with :func:`merge_partials` (module docstring). Dense modes on CUDA run the forward kernel that
+    writes the LSE; elsewhere, and for ``pasa`` / ``fp16-acc16`` on every device (their kernel writes no
+    LSE), the PyTorch reference of the mode's arithmetic (:mod:`visionattn.reference`,
+    :func:`visionattn.pasa.pasa_attention_reference`). Merges run in FP32; the output is cast to q's dtype.
+
+    Backward (any of q, k, v, bias needs gradients on any rank; all ranks then take this path): not a ring
+    yet. K and V are all-gathered with an autograd-aware gather (:func:`gather_sequence`) and every rank
+    runs :func:`visionattn.attention` of its queries against the full K, V (the backward kernels on CUDA,
+    the differentiable reference on CPU; the global causal mask as a boolean mask at this rank's offset).
+    The K / V gradients come back to their owners by one all-reduce of the gathered gradients. Memory is
+    then that of the full K, V on every rank; the forward values equal the ring's to rounding.
+
+    Single process (no ``group`` and ``torch.distributed`` not initialised, or a group of one rank):
+    exactly :func:`visionattn.attention` (no exchange).
+
+    Args:
+        q: this rank's queries [B, H, Nq_r, D]; float16 / bfloat16 / float32 / float64; Nq_r >= 0.
+        k: this rank's keys [B, H, Nk_r, D]; v: values [B, H, Nk_r, Dv] (Nk_r >= 0; usually Nk_r = Nq_r).
+            B, H, D, Dv and the dtype must agree across ranks; lengths may differ.
+        group: the process group (default: the world).
+        mode: a :data:`visionattn.modes.MODES` name (inputs cast to its compute dtype, as ``attention``).
+        bias: additive float bias over the FULL key length, broadcastable to [B, H, Nq_r, N_k] (rows: this
+            rank's queries; columns: all keys in rank order, or 1); each step reads the columns of the shard
+            in flight.
+        attn_mask: boolean (True = attend), broadcastable to [B, H, Nq_r, N_k] likewise.
+        is_causal: causal over the concatenated sequence, top-left: the query at global index i sees the
+            key at global index j iff j <= i. Shards entirely after this rank's last query are passed on
+            without computing; one across the diagonal gets the causal mask at its offsets.
+        scale: logit scale; default ``1 / sqrt(D)``.
+
+    Returns:
+        [B, H, Nq_r, Dv] in q's dtype. Fully masked rows are zeros.
+
+    Raises:
+        ValueError: non-4D q / k / v, batch / heads / head dims that differ between q, k, v or across ranks
+            (naming the argument), a dtype, mode, ``is_causal`` or ``scale`` that differs across ranks,
+            gradients needed on some ranks only, a bias / mask whose key dim is neither 1 nor the total key
+            length. A rank whose own inputs are
+            invalid raises its own error (TypeError / ValueError as :func:`visionattn.attention`); the
+            other ranks then raise ValueError naming it, so no rank is left waiting.
+        TypeError: as :func:`visionattn.attention` for this rank's own inputs.
+    """
+    if _single_process(group):
+        return attention(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal, scale=scale, mode=mode)
+    return _context_parallel(q, k, v, group, mode, bias, attn_mask, is_causal, scale)
+
+
+def _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale) -> list[float]:
+    """This rank's metadata row (:data:`_FIELDS`); raises what a local check finds."""
+    md = get_mode(mode)
+    validate_attention_inputs(q, k, v)
+    B, H, nq, D = q.shape
+    sc = check_flags(is_causal, scale, D)
+    cols = []
+    for name, t in (("bias", bias), ("attn_mask", attn_mask)):
+        if t is None:
+            cols.append(-1)
+            continue
+        n = t.shape[-1] if isinstance(t, torch.Tensor) and t.dim() else 1
+        # the checks of attention() with this tensor's own key count (whether it is the total is checked
+        # once every rank's length is known)
+        kf, vf = k.new_zeros(()).expand(B, H, n, D), v.new_zeros(()).expand(B, H, n, v.shape[-1])
+        validate_attention_inputs(q, kf, vf, **{name: t})
+        cols.append(n)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    return [0, nq, k.shape[2], B, H, D, v.shape[-1], _DTYPES.index(q.dtype), mode_names().index(md.name),
+            float(is_causal), sc, float(grad), *cols]
+
+
+def _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, group, rank: int, world: int) -> list[dict]:
+    """Every rank's metadata row as a dict; raises on every rank when any rank's inputs are invalid or the
+    ranks disagree."""
+    error = None
+    try:
+        row = _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale)
+    except (TypeError, ValueError) as e:
+        error, row = e, [1.0] + [0.0] * (len(_FIELDS) - 1)
+    mine = torch.tensor(row, dtype=torch.float64, device=_collective_device(group))
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    meta = [dict(zip(_FIELDS, r.tolist())) for r in rows]
+    bad = [r for r, m in enumerate(meta) if m["error"]]
+    if error is not None:
+        raise error
+    if bad:
+        raise ValueError(f"context_parallel_attention: the inputs of rank(s) {bad} are invalid (see the error "
+                         f"raised there); every rank stops")
+
+    def differ(*fields):
+        return len({tuple(m[f] for f in fields) for m in meta}) > 1
+
+    def per_rank(*fields):
+        return "; ".join(f"rank {r}: " + ", ".join(f"{f}={m[f]:g}" for f in fields) for r, m in enumerate(meta))
+
+    if differ("batch", "heads"):
+        raise ValueError(f"query/key/value batch or heads differ across ranks ({per_rank('batch', 'heads')}); "
+                         f"every rank's shard must be [B, H, N_r, D] with the same B and H")
+    if differ("head_dim"):
+        raise ValueError(f"query/key head_dim differs across ranks ({per_rank('head_dim')})")
+    if differ("value_dim"):
+        raise ValueError(f"value head dim differs across ranks ({per_rank('value_dim')})")
+    if differ("dtype"):
+        raise ValueError("query dtype differs across ranks: "
+                         + "; ".join(f"rank {r}: {_DTYPES[int(m['dtype'])]}" for r, m in enumerate(meta)))
+    if differ("mode"):
+        raise ValueError("mode differs across ranks: "
+                         + "; ".join(f"rank {r}: {mode_names()[int(m['mode'])]}" for r, m in enumerate(meta)))
+    if differ("is_causal"):
+        raise ValueError(f"is_causal differs across ranks ({per_rank('is_causal')})")
+    if differ("scale"):
+        raise ValueError(f"scale differs across ranks ({per_rank('scale')})")
+    if differ("grad"):  # the gathering backward path is a collective: one rank alone would wait forever
+        raise ValueError(f"gradients are needed on some ranks but not on others ({per_rank('grad')}); q / k / v / "
+                         f"bias must need gradients on every rank or on none")
+    total = int(sum(m["nk"] for m in meta))
+    for name, field in (("bias", "bias_cols"), ("attn_mask", "mask_cols")):
+        wrong = [r for r, m in enumerate(meta) if m[field] not in (-1, 1, total)]
+        if wrong:
+            raise ValueError(f"{name} of rank(s) {wrong} has {[int(meta[r][field]) for r in wrong]} key columns; "
+                             f"expected the total key length {total} (all ranks' keys, rank order) or 1")
+    return meta
+
+
+def _context_parallel(q, k, v, group, mode, bias, attn_mask, is_causal, scale) -> torch.Tensor:
+    """The multi-rank path of :func:`context_parallel_attention` (also with a group of one rank, so a test can
+    run the ring machinery on one GPU): exchange, then the ring or the gathering backward path."""
+    group = group or dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    meta = _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, group, rank, world)
+    md = get_mode(mode)
+    sc = meta[rank]["scale"]
+    q_lens = [int(m["nq"]) for m in meta]
+    k_lens = [int(m["nk"]) for m in meta]
+    q0, k_starts = sum(q_lens[:rank]), [sum(k_lens[:r]) for r in range(world)]
+    if any(m["grad"] for m in meta):
+        return _gathered(q, k, v, md, bias, attn_mask, is_causal, sc, group, rank, k_lens, q0)
+    return _ring(q, k, v, md, bias, attn_mask, is_causal, sc, group, rank, world, k_lens, k_starts, q0)
+
+
+def _gathered(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, k_lens, q0) -> torch.Tensor:
+    """The training path: K, V all-gathered (autograd-aware), one :func:`visionattn.attention` call."""
+    kv = _GatherSequence.apply(torch.cat([k, v], dim=-1), 2, tuple(k_lens), rank, group)
+    d = k.shape[-1]
+    if is_causal:  # keys after this rank's last query are invisible: drop them, mask the rest at the offset
+        stop = min(q0 + q.shape[2], kv.shape[2])
+        kv, bias, attn_mask = kv[:, :, :stop], _cols(bias, 0, stop), _cols(attn_mask, 0, stop)
+        keep = torch.arange(stop, device=q.device)[None, :] <= (torch.arange(q.shape[2], device=q.device) + q0)[:, None]
+        attn_mask = keep if attn_mask is None else attn_mask & keep
+    return attention(q, kv[..., :d], kv[..., d:], bias=bias, attn_mask=attn_mask, scale=scale, mode=md)
+
+
+def _ring(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0) -> torch.Tensor:
+    """The forward ring (module docstring): step i folds the KV shard of rank (rank - i) mod W while the shard
+    of step i + 1 is in flight."""
+    dtype = md.compute_dtype
+    qc = cast_checked(q, dtype, "query", md.name)
+    cur = torch.cat([cast_checked(k, dtype, "key", md.name), cast_checked(v, dtype, "value", md.name)], dim=-1)
+    B, H, nq, d = q.shape
+    width = cur.shape[-1]
+    send_to = dist.get_global_rank(group, (rank + 1) % world)
+    recv_from = dist.get_global_rank(group, (rank - 1) % world)
+    out = lse = None  # the first partial result becomes the running one; later ones merge into it in place
+    src = rank
+    for step in range(world):
+        pending, nxt, nxt_src = [], None, (rank - step - 1) % world
+        if step < world - 1:  # post the transfer of the next shard before computing this one
+            p2p = []
+            if k_lens[src]:
+                p2p.append(dist.P2POp(dist.isend, cur, send_to, group))
+            nxt = cur.new_empty((B, H, k_lens[nxt_src], width))
+            if k_lens[nxt_src]:
+                p2p.append(dist.P2POp(dist.irecv, nxt, recv_from, group))
+            pending = dist.batch_isend_irecv(p2p) if p2p else []
+        k0, k1 = k_starts[src], k_starts[src] + k_lens[src]
+        part = _shard_attention(qc, cur, d, _cols(bias, k0, k1), _cols(attn_mask, k0, k1), is_causal, scale, md,
+                                q0, k0)
+        if part is not None and out is None:
+            out, lse = part
+        elif part is not None:
+            _merge_into(out, lse, *part)
+        del part
+        for work in pending:
+            work.wait()
+        cur, src = nxt, nxt_src
+    if out is None:  # no key visible to any local query (or no local query): zeros
+        return q.new_zeros((B, H, nq, v.shape[-1]))
+    return out.to(q.dtype)
