@@ -163,7 +163,7 @@ class VisionattnNaFlexVit(NaFlexVit):
             if self.num_prefix_tokens:
                 valid = torch.cat([valid.new_ones(valid.shape[0], self.num_prefix_tokens), valid], 1)
             if mask.shape[-1] == valid.shape[1]:
-                _TAGS[mask] = KeyPadding.from_valid(valid, symmetric=not self.use_key_only_attn_mask)
+                _TAGS[mask] = KeyPadding.from_valid(valid, symmetric=not getattr(self, "use_key_only_attn_mask", False))
         return embeds
 
 
@@ -189,4 +189,7 @@ def naflex_batch(images: list[torch.Tensor], patch_size: int = 16) -> dict[str, 
     return {"patches": patches, "patch_coord": coord, "patch_valid": valid}
 
 
-PATCHES: tuple[PatchSpec, ...] = (PatchSpec("naflexvit", NaFlexVit, VisionattnNaFlexVit),)
+# timm 1.0.17's NaFlexVit builds its mask inside ``forward_features`` (no ``_forward_embeds`` to hook): there the
+# model is left to the patched attention modules' masked dense path
+PATCHES: tuple[PatchSpec, ...] = ((PatchSpec("naflexvit", NaFlexVit, VisionattnNaFlexVit),)
+                                  if hasattr(NaFlexVit, "_forward_embeds") else ())
