@@ -89,3 +89,20 @@ def test_diffusers_integration_names_the_extra_when_missing():
     """)
     assert r.returncode == 0, r.stderr
     assert "pip install 'visionattn[video]'" in r.stdout
+
+
+def test_patching_a_timm_model_does_not_import_transformers():
+    """With every library installed, patch_model imports the providers of the libraries the model's modules come
+    from: a timm model never pulls in transformers (or diffusers)."""
+    code = textwrap.dedent("""
+        import sys
+        import timm
+        import visionattn as va
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=1, img_size=32, patch_size=16)
+        va.patch_model(model, mode="fp32")
+        print(model.visionattn_report.num_patched, "transformers" in sys.modules, "diffusers" in sys.modules)
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "False", "False"]

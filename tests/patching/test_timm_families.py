@@ -132,8 +132,8 @@ def test_unpatch_restores_classes_state_dict_and_outputs(family):
 
 def test_talking_heads_and_pool_first_attention_are_reported_skipped():
     cait = va.patch_model(make("cait"), "fp32")
-    skipped = {cls for _, cls, _ in cait.visionattn_report.skipped}
-    assert "timm.models.cait.TalkingHeadAttn" in skipped
+    skipped = {cls: reason for _, cls, reason in cait.visionattn_report.skipped}
+    assert "after the softmax" in skipped["timm.models.cait.TalkingHeadAttn"]
     assert "timm.models.cait.ClassAttn" not in skipped
     cfg = mvitv2.MultiScaleVitCfg(depths=(1, 1), embed_dim=(16, 32), num_heads=(1, 2), pool_first=True)
     model = mvitv2.MultiScaleVit(cfg, img_size=(32, 32))
@@ -141,6 +141,7 @@ def test_talking_heads_and_pool_first_attention_are_reported_skipped():
         va.patch_model(model, "fp32")
     assert {cls for _, cls, _ in model.visionattn_report.skipped} == {
         "timm.models.mvitv2.MultiScaleAttentionPoolFirst"}
+    assert "untransposed k" in model.visionattn_report.skipped[0][2]
 
 
 @pytest.mark.parametrize("family", ["beit", "xcit", "maxvit"])

@@ -119,29 +119,48 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-_registry: dict[type, PatchSpec] | None = None
+_registry: dict[type, PatchSpec] = {}
 _patched_to_spec: dict[type, PatchSpec] = {}
+_skips: dict[type, str] = {}  # classes a provider leaves alone on purpose -> why
+_loaded: set[str] = set()  # providers imported
 
 
-def registered_patches() -> dict[type, PatchSpec]:
-    """The registry ``{original class: PatchSpec}`` (providers imported on first call).
+def registered_patches(libraries=None) -> dict[type, PatchSpec]:
+    """The registry ``{original class: PatchSpec}``, importing the providers of ``libraries`` on first use.
 
-    A provider whose library is not installed (e.g. timm without the ``[timm]`` extra)
-    contributes no rows: no model can hold the classes it would replace.
+    Args:
+        libraries: names of the libraries whose providers to load (``{"timm"}``, ...); None = every installed
+            one. :func:`patch_model` passes the libraries the model's modules come from, so patching a timm
+            model never imports transformers.
+
+    A provider whose library is not installed (e.g. timm without the ``[timm]`` extra) contributes no rows:
+    no model can hold the classes it would replace. A provider may also list classes it leaves alone on
+    purpose (``SKIPPED``: ``{class: reason}``), reported with that reason.
+
+    Raises:
+        RuntimeError: two providers register a patcher for the same class.
     """
-    global _registry
-    if _registry is None:
-        table: dict[type, PatchSpec] = {}
-        for provider, library in _PROVIDERS:
-            if importlib.util.find_spec(library) is None:
-                continue
-            for spec in importlib.import_module(provider).PATCHES:
-                if spec.original in table:
-                    raise RuntimeError(f"two patchers registered for {_qualname(spec.original)}")
-                table[spec.original] = spec
-                _patched_to_spec[spec.patched] = spec
-        _registry = table
+    for provider, library in _PROVIDERS:
+        if provider in _loaded or (libraries is not None and library not in libraries):
+            continue
+        _loaded.add(provider)
+        if importlib.util.find_spec(library) is None:
+            continue
+        module = importlib.import_module(provider)
+        for spec in module.PATCHES:
+            if spec.original in _registry:
+                raise RuntimeError(f"two patchers registered for {_qualname(spec.original)}")
+            _registry[spec.original] = spec
+            _patched_to_spec[spec.patched] = spec
+        _skips.update(getattr(module, "SKIPPED", {}))
     return _registry
+
+
+def _libraries(model: nn.Module) -> set[str]:
+    """Libraries the classes of ``model``'s modules come from (``timm``, ``transformers``, ...), a patched class
+    counting as its provider's library (a patched model unpickled in a new process)."""
+    modules = {type(m).__module__ for m in model.modules()}
+    return {name.partition(".")[0] for name in modules} | {lib for prov, lib in _PROVIDERS if prov in modules}
 
 
 def check_options(options: dict) -> dict:
@@ -194,6 +213,8 @@ def _skip_reason(module: nn.Module, registry: dict[type, PatchSpec]) -> str | No
     if isinstance(module, nn.MultiheadAttention):
         return ("torch.nn.MultiheadAttention is not patched (its inference fast path is a fused native "
                 "kernel); its SDPA path (need_weights=False) can run under visionattn.sdpa_override")
+    if cls in _skips:
+        return _skips[cls]
     if cls.__module__.startswith("diffusers"):
         return "diffusers module: call patch_model on the diffusers ModelMixin model to patch it"
     if _ATTENTION_LIKE.search(cls.__name__):
@@ -215,11 +236,14 @@ def _innermost(skipped: list[tuple[str, str, str]], touched: list[str]) -> list[
 def patch_model(model: nn.Module, mode: str = "fp32", **options) -> nn.Module:
     """Run every supported attention module of ``model`` through visionattn, in place.
 
-    Supported (exact classes, :mod:`visionattn.patching.timm`): ``timm.layers.Attention``
-    (ViT, DeiT, ...), ``timm.layers.AttentionRope``, ``timm.models.eva.EvaAttention``,
-    ``timm.models.swin_transformer.WindowAttention``,
-    ``timm.models.swin_transformer_v2.WindowAttention``; native visionattn modules
-    (``_visionattn_native = True``); diffusers ``ModelMixin`` models (delegated).
+    Supported (exact classes, the ``PATCHES`` of the providers in ``_PROVIDERS``): timm's ``layers.Attention``
+    (ViT, DeiT, ...), ``layers.AttentionRope``, ``eva.EvaAttention``, the Swin and Swin-v2
+    ``WindowAttention``, BEiT, CaiT / XCiT class attention, XCiT's XCA, MaxViT / CoAtNet, Hiera and MViTv2
+    attention (:mod:`visionattn.patching.timm_families`), NaFlexViT's padded batches
+    (:mod:`visionattn.patching.naflex`); transformers' Swin / Swin-v2 self-attention
+    (:mod:`visionattn.patching.transformers_swin`); native visionattn modules (``_visionattn_native = True``);
+    diffusers ``ModelMixin`` models (delegated). Only the providers of the libraries the model's modules
+    come from are imported. The README's integration table lists what reaches the kernel for each.
     Patching an already patched model updates its mode and options.
 
     Args:
@@ -256,7 +280,7 @@ def patch_model(model: nn.Module, mode: str = "fp32", **options) -> nn.Module:
         model.visionattn_report = report
         return model
     opts = check_options(options)
-    registry = registered_patches()
+    registry = registered_patches(_libraries(model))
     report = PatchReport(mode=mode)
     touched: list[str] = []  # names of patched / native modules
     for name, module in model.named_modules():
@@ -314,7 +338,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         if is_patched(model):
             unpatch_diffusers(model)
     else:
-        registered_patches()
+        registered_patches(_libraries(model))
         for module in model.modules():
             spec = _patched_to_spec.get(type(module))
             if spec is not None:

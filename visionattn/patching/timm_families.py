@@ -35,8 +35,7 @@ What each family passes to the kernel:
   N = 784) :func:`visionattn.attention` runs its exact PyTorch reference instead, with a
   one-time warning naming the head dim.
 
-Left as they are (reported by :func:`visionattn.patch_model` as attention-like modules without
-a patcher):
+Left as they are (:data:`SKIPPED`, reported by :func:`visionattn.patch_model` with these reasons):
 
 * ``cait.TalkingHeadAttn``: talking heads mix the heads' logits before the softmax and the
   probabilities after it (``proj_l``, ``proj_w``); the second mix is not a softmax of one
@@ -267,3 +266,10 @@ PATCHES: tuple[PatchSpec, ...] = (
     PatchSpec("mvitv2", _mvitv2.MultiScaleAttention, VisionattnMultiScaleAttention),
     PatchSpec("xcit", _xcit.XCA, VisionattnXCA),
 )
+
+SKIPPED: dict[type, str] = {
+    _cait.TalkingHeadAttn: "talking heads mix the heads' probabilities after the softmax: not one softmax per head, "
+                           "so no exact attention kernel applies",
+    _mvitv2.MultiScaleAttentionPoolFirst: "timm's own forward fails (q times an untransposed k); there is no "
+                                          "working forward to reproduce",
+}
