@@ -21,8 +21,8 @@ __all__ = ["WEIGHT_FILES", "VGGT_1B_LICENSE", "hub_file", "resolve_checkpoint", 
 WEIGHT_FILES = ("model.safetensors", "model.pt")
 
 
-VGGT_1B_LICENSE = ("the facebook/VGGT-1B weights are licensed for non-commercial use only (CC BY-NC 4.0, see the "
-                   "model card at https://huggingface.co/facebook/VGGT-1B); facebook/VGGT-1B-Commercial is the gated "
+VGGT_1B_LICENSE = ("the facebook/VGGT-1B weights are licensed for non-commercial use only (the licence terms are on "
+                   "the model card, https://huggingface.co/facebook/VGGT-1B); facebook/VGGT-1B-Commercial is the gated "
                    "variant for commercial use")
 """Licence note printed (logged) whenever VGGT-1B weights are downloaded."""
 

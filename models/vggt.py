@@ -390,8 +390,8 @@ class VGGT(nn.Module):
         """Load weights from the hub (``"facebook/VGGT-1B"``), a directory or a checkpoint file.
 
         Same call as huggingface_hub's ``PyTorchModelHubMixin.from_pretrained``. Licence: the
-        ``facebook/VGGT-1B`` weights are for non-commercial use only (CC BY-NC 4.0 per its model
-        card; ``facebook/VGGT-1B-Commercial`` is the gated commercial variant); downloading them
+        ``facebook/VGGT-1B`` weights are for non-commercial use only (terms on its model card;
+        ``facebook/VGGT-1B-Commercial`` is the gated commercial variant); downloading them
         logs this note. A hub id is resolved with :func:`visionattn.models.hub.hub_file`: the local
         cache first, then one online attempt with a short timeout, so offline it fails in seconds.
 
