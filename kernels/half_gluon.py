@@ -541,6 +541,8 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     Nk = k.shape[2]
     templates = [TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, q.dtype))
                  for t, block in zip((q, k, v), _descriptor_blocks(cfg, D).values())]
+    for t in templates:  # a cached plan must not keep this call's tensors (and what they view) alive
+        t.base = None
     n_work = cdiv(Nq, cfg["BLOCK_M"]) * B * H
     grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
     call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D, write_lse),

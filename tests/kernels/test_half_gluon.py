@@ -361,3 +361,20 @@ def test_inside_torch_compile_and_a_cuda_graph():
         s.copy_(t)
     graph.replay()
     assert rel_l2(out[:, :, rows] / 2.0, oracle_attention(q2[:, :, rows], k2, v2)) <= 1e-3
+
+
+@needs_gluon
+def test_a_cached_launch_plan_keeps_no_tensor_of_its_first_call_alive(monkeypatch):
+    """The plan's TMA descriptor templates keep shapes, strides and layouts, not the first call's q / k / v: those
+    (and the qkv buffer they view) are freed once the caller drops them, whatever stays in the plan cache."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(half_gluon, "sm_count", lambda device: 132)  # the plan is built on CPU tensors here
+    qkv = torch.randn(1, 256, 3, 2, 64).half()
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # views of one buffer, as a timm / VGGT block makes them
+    ref = weakref.ref(qkv)
+    launch = half_gluon.planned_launch(q, k, v, half_gluon.get_config(256, 64, n_q=256), True)
+    del qkv, q, k, v
+    gc.collect()
+    assert callable(launch) and ref() is None
