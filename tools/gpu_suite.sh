@@ -13,7 +13,10 @@
 # sweep), attention (bench_attention, every shape and backend), eager (host time per call and eager vs
 # CUDA-graph timing at ViT shapes), models-eager (whole timm models, eager), cold (first-call cost with an
 # empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps),
-# fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), demo300 (the demo on VIDEO, 300 frames, full-size random
+# fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200
+# frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the
+# timm families beyond ViT / Swin, patched vs unpatched), naflex (NaFlexViT padded batch), ring1 (the context-parallel
+# ring on one rank vs attention), demo300 (the demo on VIDEO, 300 frames, full-size random
 # weights). Every step logs to OUT_DIR/STEP.log
 # and a failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
@@ -74,6 +77,14 @@ for step in "$@"; do
         --out "$out/attention_fwd_bwd" ;;
     varlen) run varlen-tests 200 python -m pytest -m gpu -q --timeout=150 -p no:cacheprovider tests/api/test_varlen.py
       run varlen 200 python tools/bench_varlen.py --out "$out/varlen" ;;
+    vggt200) run vggt200 420 python tools/bench_vggt.py --models vggt --rows sdpa-bf16 bf16 fp32 --frames 200 \
+        --out "$out/vggt200" ;;
+    vggt-tests) run vggt-tests 300 python -m pytest -m gpu -q -rf --timeout=250 -p no:cacheprovider \
+        tests/models/test_vggt_gpu.py tests/models/test_vggt_train.py ;;
+    families) run families 400 python tools/bench_models.py --modes fp32,fp16 --no-share --out "$out/families" \
+        --cases beit_base_patch16_224:224:64,cait_s24_224:224:64,xcit_small_12_p16_224:224:64,coatnet_0_rw_224:224:64,maxvit_tiny_tf_224:224:64,hiera_base_224:224:64,mvitv2_small:224:64 ;;
+    naflex) run naflex 200 python tools/bench_varlen.py --naflex --modes fp32,bf16 --out "$out/naflex" ;;
+    ring1) run ring1 200 torchrun --nproc-per-node 1 tools/bench_context_parallel.py --out "$out/ring1" ;;
     demo300) run demo300 500 python demos/reconstruct.py "${VIDEO:?set VIDEO to a video of >= 300 frames}" \
         --out "$out/demo300" --weights random --device cuda --max-frames 300 --mode bf16 --no-preview ;;
     *) echo "unknown step $step" | tee -a "$out/steps.txt" ;;
