@@ -21,7 +21,7 @@ contract. Not supported (ValueError): FastVGGT token merging (it chooses merge t
 frames) and the track head (query points live in the scene's frame 0, and its tracker attends over
 time).
 
-Training: the global attention's backward all-gathers K and V (see
+Training: the global attention's backward runs the same ring (see
 :func:`~visionattn.distributed.context_parallel_attention`) and the camera tokens' gradients return
 to their ranks by an all-reduce, so gradients of the inputs are exact. Each rank's parameter
 gradients are its frames' share: sum them over the group (``all_reduce(SUM)``; DDP over the same

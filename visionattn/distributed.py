@@ -14,7 +14,8 @@ the (m, S, W) merge of :mod:`visionattn.reference` with ``m + log S = lse`` and 
 whose keys are all masked has ``lse = -inf`` everywhere and comes out as zeros (never NaN), as in
 :func:`visionattn.attention`. The send / receive of step ``i + 1`` is posted before step ``i`` is
 computed (:func:`torch.distributed.batch_isend_irecv`), so on CUDA the transfer of the next shard
-overlaps the kernel of the current one.
+overlaps the kernel of the current one. Gradients take the same ring: the shards go round again with
+their dK / dV accumulators (:class:`_RingFunction`).
 
     import visionattn.distributed as vd
     out = vd.context_parallel_attention(q, k, v, mode="fp32")   # q, k, v: this rank's [B, H, N_r, D]
@@ -143,14 +144,14 @@ def _cols(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
     return t[..., start:stop]
 
 
-def _shard_attention(q, kv, d: int, bias, attn_mask, is_causal: bool, scale: float, md: Mode, q0: int, k0: int):
-    """``(out, lse)`` of the local queries (global rows from ``q0``) against one packed KV shard ``kv`` [B, H, n,
-    D + Dv] (global columns from ``k0``); None when no key of the shard is visible to any query (empty, or
-    entirely after the last query under ``is_causal``). ``bias`` / ``attn_mask``: the columns of this shard."""
+def _shard_view(q, kv, d: int, bias, attn_mask, is_causal: bool, q0: int, k0: int):
+    """``(k, v, bias, attn_mask, is_causal)`` of one packed KV shard ``kv`` [B, H, n, D + Dv] (global columns
+    from ``k0``) for the local queries (global rows from ``q0``): bias / mask as [B, H, Nq, n] views, a causal
+    mask at other offsets turned into a boolean mask; None when no key of the shard is visible to any query
+    (empty, or entirely after the last query under ``is_causal``)."""
     nq, nk = q.shape[2], kv.shape[2]
     if nq == 0 or nk == 0 or (is_causal and k0 >= q0 + nq):
         return None
-    k, v = kv[..., :d], kv[..., d:]
     if is_causal and k0 + nk - 1 <= q0:  # every key at or before the first query: all visible
         is_causal = False
     elif is_causal and k0 != q0:  # a shard across the diagonal at another offset: the causal part as a mask
@@ -160,7 +161,99 @@ def _shard_attention(q, kv, d: int, bias, attn_mask, is_causal: bool, scale: flo
     shape = (q.shape[0], q.shape[1], nq, nk)
     bias = None if bias is None else bias.expand(shape)
     attn_mask = None if attn_mask is None else attn_mask.expand(shape)
+    return kv[..., :d], kv[..., d:], bias, attn_mask, is_causal
+
+
+def _shard_attention(q, kv, d: int, bias, attn_mask, is_causal: bool, scale: float, md: Mode, q0: int, k0: int):
+    """``(out, lse)`` of the local queries against one packed KV shard (:func:`_shard_view`); None when no key
+    of the shard is visible to any query. ``bias`` / ``attn_mask``: the columns of this shard."""
+    view = _shard_view(q, kv, d, bias, attn_mask, is_causal, q0, k0)
+    if view is None:
+        return None
+    k, v, bias, attn_mask, is_causal = view
     return _attention_lse(q, k, v, bias, attn_mask, is_causal, scale, md)
+
+
+def _shard_backward(q, kv, d: int, out, grad_out, lse, bias, attn_mask, is_causal: bool, scale: float, md: Mode,
+                    q0: int, k0: int):
+    """``(dq, dk, dv)`` (FP32) of the local queries' share of the loss through one packed KV shard, or None when
+    no key of the shard is visible to them.
+
+    FlashAttention-2's backward (Alg. 2) restricted to the shard's keys: with the *global* per-row ``lse`` and
+    the global ``out``, ``P_ij = exp(s_ij - lse_i)`` over the shard's columns is exactly the softmax of the full
+    row there, ``delta_i = sum(dO_i * O_i)``, ``dS = P (dO V^T - delta)``; so dQ sums over shards and each
+    shard's dK / dV sums over ranks. Dense modes on CUDA run the backward kernels; elsewhere PyTorch in FP32 on
+    the inputs rounded to the mode's compute dtype.
+    """
+    view = _shard_view(q, kv, d, bias, attn_mask, is_causal, q0, k0)
+    if view is None:
+        return None
+    k, v, bias, attn_mask, is_causal = view
+    ops = _kernel_ops(q, k, v, bias, attn_mask, md)
+    if ops is not None and ops.has_backward(md.name):
+        dq, dk, dv, _ = ops._elsa_bwd.elsa_backward(q, k, v, out, grad_out, lse, bias, attn_mask, is_causal, scale,
+                                                     md.name)
+        return dq.float(), dk.float(), dv.float()
+    qf, kf, vf, of, gf = (t.float() for t in (q, k, v, out, grad_out))
+    s = scores_and_mask(qf, kf, scale=scale, bias=bias, attn_mask=attn_mask, is_causal=is_causal)
+    finite = torch.isfinite(lse)[..., None]
+    p = torch.where(finite, torch.exp(s - torch.where(finite, lse[..., None], 0.0)), 0.0)
+    delta = (gf * of).sum(-1, keepdim=True)
+    ds = p * (gf @ vf.transpose(-1, -2) - delta)
+    return scale * ds @ kf, scale * ds.transpose(-1, -2) @ qf, p.transpose(-1, -2) @ gf
+
+
+class _RingFunction(torch.autograd.Function):
+    """The ring forward (:func:`_ring`) with the ring backward: the KV shards travel the ring again, each with
+    an FP32 accumulator of its dK / dV; rank r adds its queries' share (:func:`_shard_backward`) and passes
+    both on, and after W steps every accumulator is back with its shard's owner. dQ stays local."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        out, lse = _ring(q, k, v, *ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0 = ctx.ring
+        dtype = md.compute_dtype
+        qc = cast_checked(q, dtype, "query", md.name)
+        cur = torch.cat([cast_checked(k, dtype, "key", md.name), cast_checked(v, dtype, "value", md.name)], dim=-1)
+        grad_out = grad_out.contiguous()
+        B, H, nq, d = q.shape
+        width = cur.shape[-1]
+        acc = torch.zeros((B, H, k_lens[rank], width), dtype=torch.float32, device=q.device)
+        dq = torch.zeros((B, H, nq, d), dtype=torch.float32, device=q.device)
+        send_to = dist.get_global_rank(group, (rank + 1) % world)
+        recv_from = dist.get_global_rank(group, (rank - 1) % world)
+        src = rank
+        for step in range(world):
+            nxt_src = (rank - step - 1) % world
+            pending, nxt = [], None
+            if step < world - 1:  # the next shard's keys and values travel while this one is computed
+                nxt = cur.new_empty((B, H, k_lens[nxt_src], width))
+                p2p = ([dist.P2POp(dist.isend, cur, send_to, group)] if k_lens[src] else []) + (
+                    [dist.P2POp(dist.irecv, nxt, recv_from, group)] if k_lens[nxt_src] else [])
+                pending = dist.batch_isend_irecv(p2p) if p2p else []
+            k0 = k_starts[src]
+            grads = _shard_backward(qc, cur, d, out, grad_out, lse, _cols(bias, k0, k0 + k_lens[src]),
+                                    _cols(attn_mask, k0, k0 + k_lens[src]), is_causal, scale, md, q0, k0)
+            if grads is not None:
+                dq += grads[0]
+                acc[..., :d] += grads[1]
+                acc[..., d:] += grads[2]
+            # this shard's accumulator goes on to the next rank (after the last step: to its owner)
+            nxt_acc = torch.empty((B, H, k_lens[nxt_src], width), dtype=torch.float32, device=q.device)
+            p2p = ([dist.P2POp(dist.isend, acc, send_to, group)] if k_lens[src] else []) + (
+                [dist.P2POp(dist.irecv, nxt_acc, recv_from, group)] if k_lens[nxt_src] else [])
+            for work in (dist.batch_isend_irecv(p2p) if p2p else []) + pending:
+                work.wait()
+            acc, cur, src = nxt_acc, nxt, nxt_src
+        # src is now this rank again: acc holds the sum over every rank's queries
+        return dq.to(q.dtype), acc[..., :d].to(k.dtype), acc[..., d:].to(v.dtype), None
 
 
 # ----------------------------------------------------------------------------- autograd-aware gather
@@ -248,12 +341,14 @@ def context_parallel_attention(
     LSE), the PyTorch reference of the mode's arithmetic (:mod:`visionattn.reference`,
     :func:`visionattn.pasa.pasa_attention_reference`). Merges run in FP32; the output is cast to q's dtype.
 
-    Backward (any of q, k, v, bias needs gradients on any rank; all ranks then take this path): not a ring
-    yet. K and V are all-gathered with an autograd-aware gather (:func:`gather_sequence`) and every rank
-    runs :func:`visionattn.attention` of its queries against the full K, V (the backward kernels on CUDA,
-    the differentiable reference on CPU; the global causal mask as a boolean mask at this rank's offset).
-    The K / V gradients come back to their owners by one all-reduce of the gathered gradients. Memory is
-    then that of the full K, V on every rank; the forward values equal the ring's to rounding.
+    Backward (q, k or v needs gradients on every rank): the same ring. The forward saves its output and the
+    global per-row LSE; the backward passes the KV shards around again, each with an FP32 dK / dV
+    accumulator, and every rank adds its queries' share through the shard in flight (FlashAttention-2's
+    Alg. 2 with the global LSE: exact; the backward kernels on CUDA for the dense modes, PyTorch in FP32
+    elsewhere); after W steps each accumulator is back with its shard's owner. A bias that needs a gradient,
+    and the PASA modes, take the gathering path instead: K and V all-gathered with an autograd-aware gather
+    (:func:`gather_sequence`) and one :func:`visionattn.attention` of the local queries against the full
+    K, V (the global causal mask as a boolean mask at this rank's offset; memory: the full K, V per rank).
 
     Single process (no ``group`` and ``torch.distributed`` not initialised, or a group of one rank):
     exactly :func:`visionattn.attention` (no exchange).
@@ -307,9 +402,11 @@ def _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale) -> list[float]:
         kf, vf = k.new_zeros(()).expand(B, H, n, D), v.new_zeros(()).expand(B, H, n, v.shape[-1])
         validate_attention_inputs(q, kf, vf, **{name: t})
         cols.append(n)
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    grad = 0.0  # 0: no gradient; 1: q / k / v need gradients; 2: the bias does too
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
+        grad = 2.0 if bias is not None and bias.requires_grad else 1.0
     return [0, nq, k.shape[2], B, H, D, v.shape[-1], _DTYPES.index(q.dtype), mode_names().index(md.name),
-            float(is_causal), sc, float(grad), *cols]
+            float(is_causal), sc, grad, *cols]
 
 
 def _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, group, rank: int, world: int) -> list[dict]:
@@ -354,7 +451,7 @@ def _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, group, rank: int
         raise ValueError(f"is_causal differs across ranks ({per_rank('is_causal')})")
     if differ("scale"):
         raise ValueError(f"scale differs across ranks ({per_rank('scale')})")
-    if differ("grad"):  # the gathering backward path is a collective: one rank alone would wait forever
+    if len({m["grad"] > 0 for m in meta}) > 1:  # the backward is a collective: one rank alone would wait forever
         raise ValueError(f"gradients are needed on some ranks but not on others ({per_rank('grad')}); q / k / v / "
                          f"bias must need gradients on every rank or on none")
     total = int(sum(m["nk"] for m in meta))
@@ -377,9 +474,12 @@ def _context_parallel(q, k, v, group, mode, bias, attn_mask, is_causal, scale) -
     q_lens = [int(m["nq"]) for m in meta]
     k_lens = [int(m["nk"]) for m in meta]
     q0, k_starts = sum(q_lens[:rank]), [sum(k_lens[:r]) for r in range(world)]
-    if any(m["grad"] for m in meta):
+    ring = (md, bias, attn_mask, is_causal, sc, group, rank, world, k_lens, k_starts, q0)
+    if any(m["grad"] == 2 for m in meta) or (md.half_scores and any(m["grad"] for m in meta)):
         return _gathered(q, k, v, md, bias, attn_mask, is_causal, sc, group, rank, k_lens, q0)
-    return _ring(q, k, v, md, bias, attn_mask, is_causal, sc, group, rank, world, k_lens, k_starts, q0)
+    if any(m["grad"] for m in meta):
+        return _RingFunction.apply(q, k, v, ring)
+    return _ring(q, k, v, *ring)[0]
 
 
 def _gathered(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, k_lens, q0) -> torch.Tensor:
@@ -394,9 +494,9 @@ def _gathered(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, k_len
     return attention(q, kv[..., :d], kv[..., d:], bias=bias, attn_mask=attn_mask, scale=scale, mode=md)
 
 
-def _ring(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0) -> torch.Tensor:
+def _ring(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0):
     """The forward ring (module docstring): step i folds the KV shard of rank (rank - i) mod W while the shard
-    of step i + 1 is in flight."""
+    of step i + 1 is in flight. Returns ``(out in q's dtype, lse float32 [B, H, Nq_r])``."""
     dtype = md.compute_dtype
     qc = cast_checked(q, dtype, "query", md.name)
     cur = torch.cat([cast_checked(k, dtype, "key", md.name), cast_checked(v, dtype, "value", md.name)], dim=-1)
@@ -427,6 +527,6 @@ def _ring(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, world, k_
         for work in pending:
             work.wait()
         cur, src = nxt, nxt_src
-    if out is None:  # no key visible to any local query (or no local query): zeros
-        return q.new_zeros((B, H, nq, v.shape[-1]))
-    return out.to(q.dtype)
+    if out is None:  # no key visible to any local query (or no local query): zeros, LSE -inf
+        return q.new_zeros((B, H, nq, v.shape[-1])), q.new_full((B, H, nq), float("-inf"), dtype=torch.float32)
+    return out.to(q.dtype), lse

@@ -122,6 +122,36 @@ def _grad_case(rank: int, lens: list[int]) -> list:
     return rows
 
 
+def _ring_grad_case(rank: int, lens: list[int], kernels: bool = False) -> list:
+    """q / k / v gradients through the ring backward (a bias and mask that need no gradient, causal): vs
+    single-process autograd and the float64 oracle; with ``kernels`` the backward kernels (interpreter) run."""
+    n = sum(lens)
+    q, k, v, bias, mask = _inputs(n, n, seed=5, b=1 if kernels else 2, h=2 if kernels else 3)
+    w = torch.randn(*q.shape[:3], 8, generator=torch.Generator().manual_seed(6))
+    s, e = sum(lens[:rank]), sum(lens[:rank + 1])
+    rows = []
+    for name, kw in (("bias+mask", {"bias": bias, "attn_mask": mask}), ("causal", {"is_causal": True}),
+                     ("bias+causal", {"bias": bias, "is_causal": True})):
+        local_kw = {key: _rows(t, s, e) if torch.is_tensor(t) else t for key, t in kw.items()}
+        leaves = [t[:, :, s:e].clone().requires_grad_() for t in (q, k, v)]
+        with va.use_backend("triton" if kernels else "auto"):
+            out = context_parallel_attention(*leaves, mode="fp32", **local_kw)
+            assert type(out.grad_fn).__name__ == "_RingFunctionBackward"
+            (out * w[:, :, s:e]).sum().backward()
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        (va.attention(*full, mode="fp32", backend="reference", **kw) * w).sum().backward()
+        gold = [t.double().requires_grad_() for t in (q, k, v)]
+        kw64 = {key: t.double() if torch.is_tensor(t) and t.is_floating_point() else t for key, t in kw.items()}
+        (oracle_attention(*gold, **kw64) * w.double()).sum().backward()
+        tag = "ring kernel" if kernels else "ring"
+        for label, leaf, one, ref in zip(("dq", "dk", "dv"), leaves, full, gold):
+            if leaf.numel() == 0:
+                continue
+            rows.append((f"{tag} grad {name} {label} vs attention", rel_l2(leaf.grad, one.grad[:, :, s:e]), GRAD_TOL))
+            rows.append((f"{tag} grad {name} {label} vs oracle", rel_l2(leaf.grad, ref.grad[:, :, s:e]), GRAD_TOL))
+    return rows
+
+
 def _error_cases(rank: int) -> dict:
     """The messages every rank raises for shards that disagree or a rank's invalid input (nobody hangs)."""
     q, k, v, bias, _ = _inputs(4, 4)
@@ -158,6 +188,10 @@ def _worker(rank: int, world: int, init: str, out_dir: str, tasks: list, lens: l
                 result["rows"] += _offset_causal_case(rank)
             elif task == "grad":
                 result["rows"] += _grad_case(rank, lens)
+            elif task == "ring-grad":
+                result["rows"] += _ring_grad_case(rank, lens)
+            elif task == "ring-grad-kernel":
+                result["rows"] += _ring_grad_case(rank, lens, kernels=True)
             elif task == "errors":
                 result["errors"] = _error_cases(rank)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -181,14 +215,16 @@ def _check_rows(results: list[dict]):
 def test_two_ranks_every_mode_kernel_path_gradients_and_errors(tmp_path):
     # the kernel path on CPU tensors runs in the Triton interpreter: TRITON_INTERPRET=1 (set by tests/conftest.py
     # on a machine without CUDA) is inherited by the spawned ranks
-    tasks = ["attention", "offset", "grad", "errors"]
+    tasks = ["attention", "offset", "grad", "ring-grad", "errors"]
     if os.environ.get("TRITON_INTERPRET") == "1":
-        tasks.append("kernel")
+        tasks += ["kernel", "ring-grad-kernel"]
     results = _spawn(tmp_path, [6, 1], tasks)
     _check_rows(results)
     names = {name for name, _, _ in results[1]["rows"]}
     assert {"grad bias+causal dk vs oracle", "offset causal vs oracle", "pasa causal vs attention"} <= names
     assert ("kernel fp16 bias+mask+causal vs attention" in names) == ("kernel" in tasks)
+    assert "ring grad bias+causal dk vs oracle" in names
+    assert ("ring kernel grad causal dq vs oracle" in names) == ("kernel" in tasks)
     errors = [res["errors"] for res in results]
     for r in range(2):
         assert "ValueError" in errors[r]["heads"] and "heads differ across ranks" in errors[r]["heads"]
@@ -201,7 +237,7 @@ def test_two_ranks_every_mode_kernel_path_gradients_and_errors(tmp_path):
 
 
 def test_three_ranks_unequal_and_empty_shards_every_mode(tmp_path):
-    results = _spawn(tmp_path, [5, 0, 9], ["attention"])
+    results = _spawn(tmp_path, [5, 0, 9], ["attention", "ring-grad"])
     assert results[1]["rows"] == []  # the empty rank returns [B, H, 0, Dv] and still relays the ring
     _check_rows([results[0], results[2]])
 
