@@ -245,10 +245,13 @@ class _RingFunction(torch.autograd.Function):
                 dq += grads[0]
                 acc[..., :d] += grads[1]
                 acc[..., d:] += grads[2]
-            # this shard's accumulator goes on to the next rank (after the last step: to its owner)
-            nxt_acc = torch.empty((B, H, k_lens[nxt_src], width), dtype=torch.float32, device=q.device)
-            p2p = ([dist.P2POp(dist.isend, acc, send_to, group)] if k_lens[src] else []) + (
-                [dist.P2POp(dist.irecv, nxt_acc, recv_from, group)] if k_lens[nxt_src] else [])
+            # this shard's accumulator goes on to the next rank (after the last step: to its owner; a group of
+            # one rank already is the owner)
+            nxt_acc, p2p = acc, []
+            if world > 1:
+                nxt_acc = torch.empty((B, H, k_lens[nxt_src], width), dtype=torch.float32, device=q.device)
+                p2p = ([dist.P2POp(dist.isend, acc, send_to, group)] if k_lens[src] else []) + (
+                    [dist.P2POp(dist.irecv, nxt_acc, recv_from, group)] if k_lens[nxt_src] else [])
             for work in (dist.batch_isend_irecv(p2p) if p2p else []) + pending:
                 work.wait()
             acc, cur, src = nxt_acc, nxt, nxt_src

@@ -242,6 +242,26 @@ def test_three_ranks_unequal_and_empty_shards_every_mode(tmp_path):
     _check_rows([results[0], results[2]])
 
 
+def test_one_rank_group_runs_the_ring_forward_and_backward(tmp_path):
+    """gloo with one rank, in this process: the ring (no transfers) and its backward (the accumulator stays with
+    its owner) give attention's output and gradients."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        q, k, v, bias, mask = _inputs(7, 7, seed=7)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = _context_parallel(*leaves, None, "fp32", bias, mask, True, None)
+        assert type(out.grad_fn).__name__ == "_RingFunctionBackward"
+        out.square().sum().backward()
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        single = va.attention(*full, bias=bias, attn_mask=mask, is_causal=True, mode="fp32")
+        single.square().sum().backward()
+        assert rel_l2(out.detach(), single.detach()) <= 2 * va.MODES["fp32"].rel_tol
+        for mine, ref in zip(leaves, full):
+            assert rel_l2(mine.grad, ref.grad) <= GRAD_TOL
+    finally:
+        dist.destroy_process_group()
+
+
 def test_single_process_is_exactly_attention():
     assert not dist.is_initialized()
     q, k, v, bias, mask = _inputs(7, 7)
@@ -284,8 +304,8 @@ def test_import_visionattn_does_not_import_distributed():
 
 @pytest.mark.gpu
 def test_gpu_one_rank_ring_equals_attention(tmp_path):
-    """NCCL with one rank: the ring machinery (exchange, kernel with LSE, merge) and the gathering backward
-    equal visionattn.attention; the public function with one rank is attention itself."""
+    """NCCL with one rank: the ring machinery (exchange, kernel with LSE, merge) and the ring backward (the
+    backward kernels) equal visionattn.attention; the public function with one rank is attention itself."""
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
                             device_id=torch.device("cuda", torch.cuda.current_device()))
     try:
