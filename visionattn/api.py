@@ -264,14 +264,11 @@ def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, k
         dispatch.warn_once(f"fallback:{reason}", f"visionattn: Triton kernels do not cover this call ({reason}); "
                                                  f"running the exact PyTorch monoid reference instead")
         return None
-    dtype = md.compute_dtype
     if key is not None and not grad and q.dtype in _HALF_OR_FP32:
         return _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md)
     if key is not None and grad and q.dtype in _HALF_OR_FP32 and not md.half_scores:
         CALLS.put(key, _training_runner(ops, q, is_causal, md))
-    qc = cast_checked(q, dtype, "query", md.name)
-    kc = cast_checked(k, dtype, "key", md.name)
-    vc = cast_checked(v, dtype, "value", md.name)
+    qc, kc, vc = _caster(md, q.dtype)(q, k, v)
     # the kernels write the caller's dtype straight from their FP32 state (no half rounding of the output of
     # an FP32 caller in a half mode); float64 callers get FP32 and one cast
     out_dtype = q.dtype if q.dtype != torch.float64 else torch.float32
@@ -288,15 +285,8 @@ def _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md: Mode):
     """Run an eager call without gradients from its plan and keep a runner for its signature in :data:`CALLS`.
     The runner takes the caller's raw bias / mask (the plan reads them by data pointer, with the strides of
     their [B, H, Nq, Nk] views) and casts q / k / v when the mode computes in another dtype."""
-    dtype, name, out_dtype = md.compute_dtype, md.name, q.dtype
-    cast = q.dtype != dtype
-
-    def prepare(q, k, v):
-        if not cast:
-            return q, k, v
-        return (cast_checked(q, dtype, "query", name), cast_checked(k, dtype, "key", name),
-                cast_checked(v, dtype, "value", name))
-
+    name, out_dtype = md.name, q.dtype
+    prepare = _caster(md, q.dtype)
     if md.half_scores:
         plan, out = _ops.pasa_plan(*prepare(q, k, v), bias, attn_mask, is_causal, scale, md.pasa_shift, out_dtype)
     else:
@@ -315,17 +305,28 @@ def _training_runner(ops, q, is_causal, md: Mode):
     """The runner of an eager call that needs gradients, for :data:`CALLS`: casts as the mode wants and calls
     the dense autograd function with the caller's own bias and mask (a bias gradient comes back in the bias's
     shape), the checks of the signature done once, when it was first seen."""
-    dtype, name, default, out_dtype = md.compute_dtype, md.name, q.shape[-1] ** -0.5, q.dtype
-    cast = q.dtype != dtype
+    name, default, out_dtype = md.name, q.shape[-1] ** -0.5, q.dtype
+    prepare = _caster(md, q.dtype)
 
     def run(q, k, v, bias, attn_mask, scale):
-        if cast:
-            q, k, v = (cast_checked(q, dtype, "query", name), cast_checked(k, dtype, "key", name),
-                       cast_checked(v, dtype, "value", name))
-        return ops.dense(q, k, v, bias, attn_mask, is_causal, default if scale is None else scale, name, 0,
-                         out_dtype, True)
+        return ops.dense(*prepare(q, k, v), bias, attn_mask, is_causal, default if scale is None else scale, name,
+                         0, out_dtype, True)
 
     return run
+
+
+def _caster(md: Mode, dtype_in: torch.dtype):
+    """``prepare(q, k, v)`` for inputs of ``dtype_in``: the three cast to the mode's compute dtype by
+    :func:`cast_checked` (a float16 overflow raises), or passed through when they already are in it."""
+    dtype, name = md.compute_dtype, md.name
+    if dtype_in == dtype:
+        return lambda q, k, v: (q, k, v)
+
+    def prepare(q, k, v):
+        return (cast_checked(q, dtype, "query", name), cast_checked(k, dtype, "key", name),
+                cast_checked(v, dtype, "value", name))
+
+    return prepare
 
 
 def _cpu_block(nk: int) -> int:
