@@ -74,7 +74,7 @@ import triton.language as tl
 
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache, interpreting
-from .elsa_fwd import load_kv_tile
+from .elsa_fwd import key_tiles, load_kv_tile
 from .modes import MODES
 
 __all__ = ["elsa_backward", "launch_backward", "bias_grad_shape", "reduce_bias_grad", "get_config", "BwdConfig",
@@ -156,21 +156,6 @@ def _dkdv_query_tiles(start_n, Nq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M), n_m)  # tiles from here see every key here
         mid = tl.maximum(mid, lo)
     return lo, mid, n_m
-
-
-@triton.jit
-def _dq_key_tiles(start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """``(n_full, n_tiles)``: the key tiles the query tile at ``start_m`` streams, ``[0, n_full)`` interior (every
-    key valid and, causal, visible to every row), ``[n_full, n_tiles)`` boundary (masked); causal stops at the
-    diagonal (later key tiles are fully masked)."""
-    hi = Nk
-    if IS_CAUSAL:
-        hi = tl.minimum(Nk, start_m + BLOCK_M)
-    n_tiles = tl.cdiv(hi, BLOCK_N)
-    n_full = Nk // BLOCK_N
-    if IS_CAUSAL:
-        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
-    return tl.minimum(n_full, n_tiles), n_tiles
 
 
 @triton.jit
@@ -382,7 +367,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
     offs_dv = tl.arange(0, BLOCK_DV)
     db_base = DB + ((g * B_OUT + b_out) * H_OUT + h_out).to(tl.int64) * Nq * Nk
 
-    n_full, n_tiles = _dq_key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     r_lo = g * per_chunk
     r_hi = tl.minimum(r_lo + per_chunk, n_red)

@@ -119,6 +119,21 @@ def load_query_tile(q_ptrs, row_ok, offs_d, D, qk_scale, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
+def key_tiles(start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """``(n_full, n_tiles)``: the key tiles the query tile at ``start_m`` streams, ``[0, n_full)`` interior (every
+    key valid and, causal, visible to every row: neither the Nk tail mask nor the causal mask), ``[n_full,
+    n_tiles)`` boundary (masked); causal stops at the diagonal (later key tiles are fully masked: skipped)."""
+    hi = Nk
+    if IS_CAUSAL:
+        hi = tl.minimum(Nk, start_m + BLOCK_M)
+    n_tiles = tl.cdiv(hi, BLOCK_N)
+    n_full = Nk // BLOCK_N
+    if IS_CAUSAL:
+        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    return tl.minimum(n_full, n_tiles), n_tiles
+
+
+@triton.jit
 def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base, start_n,
                offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
@@ -272,13 +287,7 @@ def _elsa_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    hi = Nk
-    if IS_CAUSAL:
-        hi = tl.minimum(Nk, start_m + BLOCK_M)  # later KV tiles are fully masked: skipped
-    n_tiles = tl.cdiv(hi, BLOCK_N)
-    n_full = Nk // BLOCK_N  # tiles needing neither the Nk tail mask nor the causal mask
-    if IS_CAUSAL:
-        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
+    n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     lo_t = 0
     hi_t = n_tiles
     if SPLIT:

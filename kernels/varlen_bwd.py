@@ -43,8 +43,8 @@ import triton.language as tl
 from ._host import cdiv, pad_pow2
 from ._launch import interpreting, launch
 from .elsa_bwd import (BWD_MODES, MAX_HEAD_DIM, BwdConfig, KernelTiles, _bwd_preprocess_kernel, _dkdv_query_tiles,
-                       _dkdv_tile, _dq_key_tiles, _dq_tile, _run_fitting, get_config)
-from .elsa_fwd import load_kv_tile
+                       _dkdv_tile, _dq_tile, _run_fitting, get_config)
+from .elsa_fwd import key_tiles, load_kv_tile
 
 __all__ = ["varlen_backward"]
 
@@ -145,7 +145,7 @@ def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ,
     k_base = K + k_start * skt + off_h * skh
     v_base = V + k_start * svt + off_h * svh
 
-    n_full, n_kv = _dq_key_tiles(start_m, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    n_full, n_kv = key_tiles(start_m, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # the head-scale sums are not written (WRITE_DHS = False); no bias / masks / dBias: placeholders
     hs = tl.zeros([BLOCK_M], dtype=tl.float32)

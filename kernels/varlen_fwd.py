@@ -39,7 +39,7 @@ import triton.language as tl
 from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _fold_tile, _precision,
-                       _smaller_configs, get_config, load_query_tile)
+                       _smaller_configs, get_config, key_tiles, load_query_tile)
 from .modes import MODES
 from .split16 import SPLIT_EXP, pv_unscale
 
@@ -91,14 +91,7 @@ def _varlen_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    hi = Nk
-    if IS_CAUSAL:
-        hi = tl.minimum(Nk, start_m + BLOCK_M)
-    n_tiles = tl.cdiv(hi, BLOCK_N)
-    n_full = Nk // BLOCK_N
-    if IS_CAUSAL:
-        n_full = tl.minimum(n_full, (start_m + 1) // BLOCK_N)
-    mid_t = tl.minimum(n_full, n_tiles)
+    mid_t, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     # no bias / mask: their pointers and strides are unused placeholders (HAS_BIAS = HAS_MASK = False)
     for t in range(0, mid_t):
         acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
