@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import dispatch
-from .api import _cpu_block, attention, cast_checked, check_flags, validate_attention_inputs
+from .api import _caster, _cpu_block, attention, check_flags, validate_attention_inputs
 from .modes import Mode, get_mode, mode_names
 from .reference import block_state, finalize, identity, merge, scores_and_mask
 
@@ -201,62 +201,6 @@ def _shard_backward(q, kv, d: int, out, grad_out, lse, bias, attn_mask, is_causa
     delta = (gf * of).sum(-1, keepdim=True)
     ds = p * (gf @ vf.transpose(-1, -2) - delta)
     return scale * ds @ kf, scale * ds.transpose(-1, -2) @ qf, p.transpose(-1, -2) @ gf
-
-
-class _RingFunction(torch.autograd.Function):
-    """The ring forward (:func:`_ring`) with the ring backward: the KV shards travel the ring again, each with
-    an FP32 accumulator of its dK / dV; rank r adds its queries' share (:func:`_shard_backward`) and passes
-    both on, and after W steps every accumulator is back with its shard's owner. dQ stays local."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, ring):
-        out, lse = _ring(q, k, v, *ring)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0 = ctx.ring
-        dtype = md.compute_dtype
-        qc = cast_checked(q, dtype, "query", md.name)
-        cur = torch.cat([cast_checked(k, dtype, "key", md.name), cast_checked(v, dtype, "value", md.name)], dim=-1)
-        grad_out = grad_out.contiguous()
-        B, H, nq, d = q.shape
-        width = cur.shape[-1]
-        acc = torch.zeros((B, H, k_lens[rank], width), dtype=torch.float32, device=q.device)
-        dq = torch.zeros((B, H, nq, d), dtype=torch.float32, device=q.device)
-        send_to = dist.get_global_rank(group, (rank + 1) % world)
-        recv_from = dist.get_global_rank(group, (rank - 1) % world)
-        src = rank
-        for step in range(world):
-            nxt_src = (rank - step - 1) % world
-            pending, nxt = [], None
-            if step < world - 1:  # the next shard's keys and values travel while this one is computed
-                nxt = cur.new_empty((B, H, k_lens[nxt_src], width))
-                p2p = ([dist.P2POp(dist.isend, cur, send_to, group)] if k_lens[src] else []) + (
-                    [dist.P2POp(dist.irecv, nxt, recv_from, group)] if k_lens[nxt_src] else [])
-                pending = dist.batch_isend_irecv(p2p) if p2p else []
-            k0 = k_starts[src]
-            grads = _shard_backward(qc, cur, d, out, grad_out, lse, _cols(bias, k0, k0 + k_lens[src]),
-                                    _cols(attn_mask, k0, k0 + k_lens[src]), is_causal, scale, md, q0, k0)
-            if grads is not None:
-                dq += grads[0]
-                acc[..., :d] += grads[1]
-                acc[..., d:] += grads[2]
-            # this shard's accumulator goes on to the next rank (after the last step: to its owner; a group of
-            # one rank already is the owner)
-            nxt_acc, p2p = acc, []
-            if world > 1:
-                nxt_acc = torch.empty((B, H, k_lens[nxt_src], width), dtype=torch.float32, device=q.device)
-                p2p = ([dist.P2POp(dist.isend, acc, send_to, group)] if k_lens[src] else []) + (
-                    [dist.P2POp(dist.irecv, nxt_acc, recv_from, group)] if k_lens[nxt_src] else [])
-            for work in (dist.batch_isend_irecv(p2p) if p2p else []) + pending:
-                work.wait()
-            acc, cur, src = nxt_acc, nxt, nxt_src
-        # src is now this rank again: acc holds the sum over every rank's queries
-        return dq.to(q.dtype), acc[..., :d].to(k.dtype), acc[..., d:].to(v.dtype), None
 
 
 # ----------------------------------------------------------------------------- autograd-aware gather
@@ -497,28 +441,36 @@ def _gathered(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, k_len
     return attention(q, kv[..., :d], kv[..., d:], bias=bias, attn_mask=attn_mask, scale=scale, mode=md)
 
 
+def _ring_inputs(q, k, v, md: Mode):
+    """q in the mode's compute dtype and this rank's K, V packed [B, H, n, D + Dv] in it (one tensor travels)."""
+    qc, kc, vc = _caster(md, q.dtype)(q, k, v)
+    return qc, torch.cat([kc, vc], dim=-1)
+
+
+def _pass_on(send: torch.Tensor, recv: torch.Tensor, group, rank: int, world: int) -> list:
+    """Post the isend of ``send`` to the next rank of the ring and the irecv of ``recv`` [B, H, n, ...] from the
+    previous one (an empty shard is neither sent nor received); the works to wait for."""
+    p2p = []
+    if send.shape[2]:
+        p2p.append(dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % world), group))
+    if recv.shape[2]:
+        p2p.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % world), group))
+    return dist.batch_isend_irecv(p2p) if p2p else []
+
+
 def _ring(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0):
     """The forward ring (module docstring): step i folds the KV shard of rank (rank - i) mod W while the shard
     of step i + 1 is in flight. Returns ``(out in q's dtype, lse float32 [B, H, Nq_r])``."""
-    dtype = md.compute_dtype
-    qc = cast_checked(q, dtype, "query", md.name)
-    cur = torch.cat([cast_checked(k, dtype, "key", md.name), cast_checked(v, dtype, "value", md.name)], dim=-1)
+    qc, cur = _ring_inputs(q, k, v, md)
     B, H, nq, d = q.shape
     width = cur.shape[-1]
-    send_to = dist.get_global_rank(group, (rank + 1) % world)
-    recv_from = dist.get_global_rank(group, (rank - 1) % world)
     out = lse = None  # the first partial result becomes the running one; later ones merge into it in place
     src = rank
     for step in range(world):
         pending, nxt, nxt_src = [], None, (rank - step - 1) % world
         if step < world - 1:  # post the transfer of the next shard before computing this one
-            p2p = []
-            if k_lens[src]:
-                p2p.append(dist.P2POp(dist.isend, cur, send_to, group))
             nxt = cur.new_empty((B, H, k_lens[nxt_src], width))
-            if k_lens[nxt_src]:
-                p2p.append(dist.P2POp(dist.irecv, nxt, recv_from, group))
-            pending = dist.batch_isend_irecv(p2p) if p2p else []
+            pending = _pass_on(cur, nxt, group, rank, world)
         k0, k1 = k_starts[src], k_starts[src] + k_lens[src]
         part = _shard_attention(qc, cur, d, _cols(bias, k0, k1), _cols(attn_mask, k0, k1), is_causal, scale, md,
                                 q0, k0)
@@ -533,3 +485,52 @@ def _ring(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, world, k_
     if out is None:  # no key visible to any local query (or no local query): zeros, LSE -inf
         return q.new_zeros((B, H, nq, v.shape[-1])), q.new_full((B, H, nq), float("-inf"), dtype=torch.float32)
     return out.to(q.dtype), lse
+
+
+class _RingFunction(torch.autograd.Function):
+    """The ring forward (:func:`_ring`) with the ring backward: the KV shards travel the ring again, each with
+    an FP32 accumulator of its dK / dV; rank r adds its queries' share (:func:`_shard_backward`) and passes
+    both on, and after W steps every accumulator is back with its shard's owner. dQ stays local."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        out, lse = _ring(q, k, v, *ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0 = ctx.ring
+        qc, cur = _ring_inputs(q, k, v, md)
+        grad_out = grad_out.contiguous()
+        B, H, nq, d = q.shape
+        width = cur.shape[-1]
+        acc = torch.zeros((B, H, k_lens[rank], width), dtype=torch.float32, device=q.device)
+        dq = torch.zeros((B, H, nq, d), dtype=torch.float32, device=q.device)
+        src = rank
+        for step in range(world):
+            nxt_src = (rank - step - 1) % world
+            pending, nxt = [], None
+            if step < world - 1:  # the next shard's keys and values travel while this one is computed
+                nxt = cur.new_empty((B, H, k_lens[nxt_src], width))
+                pending = _pass_on(cur, nxt, group, rank, world)
+            k0 = k_starts[src]
+            grads = _shard_backward(qc, cur, d, out, grad_out, lse, _cols(bias, k0, k0 + k_lens[src]),
+                                    _cols(attn_mask, k0, k0 + k_lens[src]), is_causal, scale, md, q0, k0)
+            if grads is not None:
+                dq += grads[0]
+                acc[..., :d] += grads[1]
+                acc[..., d:] += grads[2]
+            # this shard's accumulator goes on to the next rank (after the last step: to its owner; a group of
+            # one rank already is the owner)
+            nxt_acc, moved = acc, []
+            if world > 1:
+                nxt_acc = torch.empty((B, H, k_lens[nxt_src], width), dtype=torch.float32, device=q.device)
+                moved = _pass_on(acc, nxt_acc, group, rank, world)
+            for work in moved + pending:
+                work.wait()
+            acc, cur, src = nxt_acc, nxt, nxt_src
+        # src is now this rank again: acc holds the sum over every rank's queries
+        return dq.to(q.dtype), acc[..., :d].to(k.dtype), acc[..., d:].to(v.dtype), None
