@@ -36,11 +36,11 @@ def tensor_key(t: torch.Tensor | None):
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_tensor(name: str, t, rank: int = 4) -> None:
+def _check_tensor(name: str, t, rank: int = 4, layout: str = "[B, H, N, D]") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != rank:
-        raise ValueError(f"{name} must have {rank} dims [B, H, N, D], got shape {tuple(t.shape)}")
+        raise ValueError(f"{name} must have {rank} dims {layout}, got shape {tuple(t.shape)}")
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
 

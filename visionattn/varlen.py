@@ -17,23 +17,11 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .api import cast_checked, check_flags
+from .api import _HALF_OR_FP32, _check_tensor, cast_checked, check_flags
 from .modes import Mode, get_mode
 from .reference import blocked_attention
 
 __all__ = ["varlen_attention", "validate_varlen_inputs"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_HALF_OR_FP32 = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_packed(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 3:
-        raise ValueError(f"{name} must have 3 dims [total, H, D] (packed sequences), got shape {tuple(t.shape)}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
 
 
 def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool = True) -> int:
@@ -78,7 +66,7 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             different sequence counts for q and k, a maximum below the longest sequence.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_packed(name, t)
+        _check_tensor(name, t, 3, "[total, H, D] (packed sequences)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
