@@ -36,10 +36,12 @@ __all__ = ["estimate_memory", "max_frames_that_fit", "LiveBytes", "MODES"]
 MODES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 """Memory-model modes -> element size of the attention / MLP activations (half modes: autocast)."""
 
-# attention half of one block, in units of one [N, C] FP32 tensor (N = B*S*P rows), counted with LiveBytes:
-# FP32: x in, norm1, qkv (3), q_norm, k_norm, rotated q, the rotation temporaries of k, attention output ~ 12;
-# half autocast: x, norm1, q_norm, k_norm and the rotations in FP32, qkv and the casts of q, k, v in half ~ 7.4
-_ATTN_UNITS = {False: 12.0, True: 7.4}
+# attention half of one block, in units of one [N, C] FP32 tensor (N = B*S*P rows). FP32: x in, norm1, qkv (3),
+# q_norm, k_norm, rotated q, the rotation temporaries of k, attention output; LiveBytes counts ~ 12 on the CPU
+# path, CUDA's max_memory_allocated ~ 10 on the kernel path (VGGT-1B at 200 and 500 frames: fewer rotation
+# temporaries alive at once), and the model is of the CUDA peak. Half autocast: x, norm1, q_norm, k_norm and the
+# rotations in FP32, qkv and the casts of q, k, v in half ~ 7.4 (both counts agree)
+_ATTN_UNITS = {False: 10.0, True: 7.4}
 _DPT_FULLRES_EXTRA = 32 * 2 + 8  # full-resolution channels of a DPT chunk beyond ``features`` (conv2, ReLU, output)
 
 

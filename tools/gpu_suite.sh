@@ -3,7 +3,8 @@
 #
 #   bash tools/gpu_suite.sh OUT_DIR STEP [STEP ...]
 #
-# Steps: tests (pytest -m gpu, ~6-9 min: alone in a call; tests-k (~6 min on a fresh machine) + tests-m split it), models (bench_models --quick), models-graph (the same with CUDA-graph
+# Steps: tests (pytest -m gpu, over 10 min on a fresh machine: tests-k (tests/kernels, ~6 min), tests-a (tests/api,
+# ~5 min: every mode's kernels compile, the one-rank ring alone ~2 min) and tests-m split it), models (bench_models --quick), models-graph (the same with CUDA-graph
 # timing on both sides), window-key (bench_window --cuda-graph: Swin-B / Swin-v2-B batch 64, every
 # stage, the key case's launch-config sweep, whole models), imagenet (eval_imagenet, random
 # weights, 512 synthetic crops of tests/data/photos), recon (per-mode VGGT-1B agreement + timing on
@@ -38,7 +39,8 @@ run() {  # run NAME SECONDS CMD...
 for step in "$@"; do
   case $step in
     tests) run tests 560 python -m pytest -m gpu -q -rf --timeout=150 -p no:cacheprovider --durations=15 tests ;;
-    tests-k) run tests-k 560 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/kernels tests/api ;;
+    tests-k) run tests-k 560 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/kernels ;;
+    tests-a) run tests-a 560 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/api ;;
     tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching tests/tools ;;
     models) run models 120 python tools/bench_models.py --quick --out "$out/models_bench" ;;
     models-graph) run models-graph 150 python tools/bench_models.py --quick --cuda-graph --out "$out/models_bench_graph" ;;
