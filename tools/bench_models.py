@@ -45,6 +45,7 @@ from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.reporting import sample_ms  # noqa: E402
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 parser = ToolParser(prog="bench_models.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_models.yaml"),
@@ -64,6 +65,10 @@ parser.add_argument("--rounds", type=int, default=None,
 parser.add_argument("--cuda-graph", action="store_true",
                     help="time replays of each variant's forward captured in a CUDA graph (no Python / launch "
                          "overhead on either side: the GPU time of a host-bound model)")
+parser.add_argument("--compile", default=None, choices=COMPILE_MODES, metavar="MODE",
+                    help="time each variant's forward under torch.compile(mode=MODE) (default, reduce-overhead or "
+                         "max-autotune-no-cudagraphs), unpatched included; one compile per variant, outside the timing "
+                         "(forces --rounds 1: a compile takes tens of seconds)")
 parser.add_argument("--no-share", action="store_true", help="skip the attention-share measurement (one timing less per dtype)")
 parser.add_argument("--max-cases", type=int, default=None, help="stop after this many cases")
 parser.add_argument("--case-slice", default=None,
@@ -88,6 +93,17 @@ def graphed(fn):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def compiled(fn, mode: str):
+    """``fn`` under ``torch.compile(mode=mode)`` and its output, compiled by three calls here (outside any timing;
+    ``reduce-overhead`` records its CUDA graphs on the later ones). Dynamo's caches are reset first, so the
+    variant's modules (patched or not) are traced afresh."""
+    torch._dynamo.reset()
+    fn_c = torch.compile(fn, mode=mode)
+    for _ in range(3):
+        out = fn_c()
+    return fn_c, out
 
 
 def summarize_times(times: list[float]) -> dict:
@@ -158,11 +174,13 @@ def _fused_flags(model) -> dict:
 
 
 def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: bool,
-               rounds: int = 1, cuda_graph: bool = False) -> list[dict]:
+               rounds: int = 1, cuda_graph: bool = False, compile_mode: str | None = None) -> list[dict]:
     """All rows (unpatched baseline, attention-free reference, each mode) of one model/img/batch case.
 
     ``cuda_graph``: time replays of a CUDA graph of each variant's forward (captured anew each round)
-    instead of eager calls; outputs and peak memory still come from eager calls.
+    instead of eager calls; ``compile_mode``: time the variant's forward under ``torch.compile`` (compiled
+    anew each round; the row's ``compiled_rel_l2`` is the compiled output against the eager one). Outputs
+    and peak memory come from eager calls either way.
     """
     import visionattn as va
     from visionattn.patching import timm as vt
@@ -236,7 +254,16 @@ def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: b
                     continue
                 try:
                     with configure():
-                        timed = graphed(run) if cuda_graph else run
+                        if cuda_graph:
+                            timed = graphed(run)
+                        elif compile_mode:
+                            timed, out_c = compiled(run, compile_mode)
+                            if outs[label] is not None:
+                                rows_by[label]["compiled_rel_l2"] = va.metrics.rel_l2(out_c.float(),
+                                                                                     outs[label].float())
+                            del out_c
+                        else:
+                            timed = run
                         samples[label] += sample_ms(timed, device, **per_round)
                         del timed  # frees the graph's memory pool before the next variant
                 except Exception as err:  # noqa: BLE001
@@ -340,6 +367,11 @@ def render_markdown(result: dict) -> str:
              "* random weights; latency = median of per-call timings pooled over the interleaved rounds (every variant of a case timed once per round, A B C A B C ...; CUDA events on GPU, wall clock on CPU); throughput = batch / median; "
              "peak = max allocated during one forward (MiB); attention share = 1 - t(no attention core) / t(model); "
              "speedup = t(unpatched) / t(patched) in the same dtype."]
+    if result["settings"].get("compile"):
+        lines.append(f"* **torch.compile timing** (`--compile {result['settings']['compile']}`): every variant's "
+                     "forward (unpatched included) is compiled with that mode before it is timed; "
+                     "compiled vs eager output (rel L2) per row: "
+                     + ", ".join(f"{r['mode']} {r['compiled_rel_l2']:.1e}" for r in rows if "compiled_rel_l2" in r))
     if result["settings"].get("cuda_graph"):
         lines.append("* **CUDA-graph timing** (`--cuda-graph`): every variant's forward (unpatched included) is "
                      "captured in a CUDA graph and its replays are timed, so host-side Python and launch overhead "
@@ -451,6 +483,10 @@ def main(args) -> dict:
     rounds = args.rounds if args.rounds is not None else cfg.get("rounds", 3)
     if rounds < 1:
         raise ValueError(f"--rounds {rounds}: expected >= 1")
+    if args.compile:
+        rounds = 1
+        if args.cuda_graph:
+            raise ValueError("--compile and --cuda-graph: pick one (--compile reduce-overhead uses CUDA graphs)")
     if args.cuda_graph and device != "cuda":
         raise ValueError(f"--cuda-graph needs a CUDA device, got --device {device}")
     if args.quick and device == "cpu":
@@ -460,7 +496,8 @@ def main(args) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     settings = {"device": device, "allow_tf32_matmul": False, "allow_tf32_cudnn": False, **timing, "rounds": rounds,
-                "quick": bool(args.quick), "attention_share": not args.no_share, "cuda_graph": bool(args.cuda_graph)}
+                "quick": bool(args.quick), "attention_share": not args.no_share, "cuda_graph": bool(args.cuda_graph),
+                "compile": args.compile}
     env = environment()
     print(f"[bench_models] {env['device']} torch {env['torch']} triton {env.get('triton')} timm {env.get('timm')}; "
           f"TF32 off (torch.backends.cuda.matmul.allow_tf32 = cudnn.allow_tf32 = False)", flush=True)
@@ -471,7 +508,7 @@ def main(args) -> dict:
         for m in modes:
             get_mode(m)
         case_rows = bench_case(case, modes, device, timing, share=not args.no_share, rounds=rounds,
-                               cuda_graph=args.cuda_graph)
+                               cuda_graph=args.cuda_graph, compile_mode=args.compile)
         for r in case_rows:
             if "error" in r:
                 tqdm.write(f"  {r['model']} {r['img']}px b{r['batch']} {r['mode']}: {r['error']}")

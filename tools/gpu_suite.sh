@@ -12,7 +12,8 @@
 # vggt-agree (VGGT-1B mode-vs-SDPA agreement tests), fastvggt (FastVGGT 100/200 frames, every row),
 # fastvggt500, svd (attention at real SVD shapes; needs diffusers), pasa (PASA kernel GPU tests + speed
 # sweep), attention (bench_attention, every shape and backend), eager (host time per call and eager vs
-# CUDA-graph timing at ViT shapes), models-eager (whole timm models, eager), cold (first-call cost with an
+# CUDA-graph timing at ViT shapes), models-eager (whole timm models, eager), models-compile (ViT-B and Swin-B fp16 under torch.compile default /
+# reduce-overhead, patched vs unpatched), cold (first-call cost with an
 # empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps),
 # fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200
 # frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the
@@ -71,6 +72,10 @@ for step in "$@"; do
         --modes fp32,fp16,bf16 --no-share --rep-ms 150 --rounds 2 --out "$out/models_eager" ;;
     cold) run cold 240 python tools/bench_cold_start.py --modes fp16 --mode fp32 --frames 100 --other-frames 60 \
         --out "$out/cold_start" ;;
+    models-compile) run models-compile 280 python tools/bench_models.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
+        --modes fp16 --no-share --compile default --out "$out/models_compile_default"
+      run models-compile-ro 280 python tools/bench_models.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
+        --modes fp16 --no-share --compile reduce-overhead --out "$out/models_compile_ro" ;;
     train-tests) run train-tests 400 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider \
         tests/kernels/test_elsa_bwd.py tests/kernels/test_window_bwd.py tests/api/test_window_grad.py tests/api/test_op_layer.py ;;
     train) run train 400 python tools/bench_train.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \

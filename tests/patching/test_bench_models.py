@@ -58,3 +58,21 @@ def test_targets_report_the_amdahl_bound():
     assert abs(hard["amdahl_bound"] - 1 / 0.85) < 1e-12
     assert not hard["met"] and easy["met"]
     assert bench_models._met(hard) == "NO (target above the bound)" and bench_models._met(easy) == "yes"
+
+
+def test_bench_models_compile_cpu(tmp_path):
+    """--compile times torch.compile'd forwards (one round) and checks each against the eager output."""
+    import pytest
+
+    out = str(tmp_path / "models_compiled")
+    args = bench_models.parser.parse_args(["--device", "cpu", "--modes", "fp32", "--no-share", "--warmup", "1",
+                                           "--cases", "vit_tiny_patch16_224:32:1", "--rep-ms", "1",
+                                           "--compile", "default", "--out", out])
+    result = bench_models.main(args)
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert result["settings"]["compile"] == "default" and all(r["rounds"] == 1 for r in rows.values())
+    assert rows["unpatched"]["compiled_rel_l2"] <= 1e-5 and rows["fp32"]["compiled_rel_l2"] <= 1e-5
+    assert "torch.compile timing" in open(out + ".md").read()
+    with pytest.raises(ValueError, match="pick one"):
+        bench_models.main(bench_models.parser.parse_args(["--device", "cpu", "--compile", "default", "--cuda-graph",
+                                                          "--out", str(tmp_path / "x")]))
