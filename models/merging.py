@@ -29,6 +29,7 @@ and FP32 on CPU.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -117,20 +118,43 @@ class MergePlan:
         return self.keep_idx.shape[1]
 
     def merge(self, t: torch.Tensor) -> torch.Tensor:
-        """q, k or v [B, H, N, D] -> merged [B, H, M, D] (same dtype; means accumulated in FP32)."""
-        B, H, _, D = t.shape
-        M, R = self.keep_idx.shape[1], self.src_idx.shape[1]
+        """q, k or v [B, H, N, D] -> merged [B, H, M, D] (same dtype; means accumulated in FP32).
+
+        Each slot starts from its kept token and adds its merged sources in plan order.
+        """
         acc = torch.promote_types(t.dtype, torch.float32)  # half inputs: FP32 sums
-        out = torch.gather(t, 2, self.keep_idx[:, None, :, None].expand(B, H, M, D)).to(acc)
-        src = torch.gather(t, 2, self.src_idx[:, None, :, None].expand(B, H, R, D))
-        out.scatter_add_(2, self.src_slot[:, None, :, None].expand(B, H, R, D), src.to(acc))
+        out = _take(t, 2, self.keep_idx).to(acc)
+        _add_into(out, 2, self.src_slot, _take(t, 2, self.src_idx).to(acc))
         out /= self.counts[:, None, :, None]
         return out.to(t.dtype)
 
     def unmerge(self, o: torch.Tensor) -> torch.Tensor:
         """Projected output [B, M, C] -> [B, N, C] (each token copies its slot's output)."""
-        B, _, C = o.shape
-        return torch.gather(o, 1, self.source_map[:, :, None].expand(B, self.source_map.shape[1], C))
+        return _take(o, 1, self.source_map)
+
+
+def _take(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """``t`` with dimension ``dim`` (1 or 2) re-indexed per batch row: idx [B, K] -> size K there.
+
+    Batch size 1 (VGGT's usual case) takes whole slices with ``index_select`` (one index per
+    slice, contiguous slice copies); larger batches use ``gather`` with the index broadcast over
+    the other dimensions. Both are plain copies, so the result is the same either way.
+    """
+    if t.shape[0] == 1:
+        return t.index_select(dim, idx[0])
+    shape = list(t.shape)
+    shape[dim] = idx.shape[1]
+    view = idx.reshape(idx.shape[0], *([1] * (dim - 1)), idx.shape[1], *([1] * (t.dim() - dim - 1)))
+    return torch.gather(t, dim, view.expand(shape))
+
+
+def _add_into(out: torch.Tensor, dim: int, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """``out[b, ..., idx[b, r], ...] += src[b, ..., r, ...]`` along ``dim`` (in place, sources in order r)."""
+    if out.shape[0] == 1:
+        out.index_add_(dim, idx[0], src)
+        return
+    view = idx.reshape(idx.shape[0], *([1] * (dim - 1)), idx.shape[1], *([1] * (out.dim() - dim - 1)))
+    out.scatter_add_(dim, view.expand(src.shape), src)
 
 
 def _destination_mask(S: int, h: int, w: int, cfg: TokenMerging, device) -> torch.Tensor:
@@ -149,6 +173,24 @@ def _destination_mask(S: int, h: int, w: int, cfg: TokenMerging, device) -> torc
         flat = (cfg.num_special + ys * w + xs).reshape(S - 1, -1)
         dst[1:].scatter_(1, flat, True)
     return dst.reshape(-1).to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_sets(S: int, h: int, w: int, cfg: TokenMerging, device: torch.device):
+    """Destination, protected and candidate-source token indices (long [Dn], [Pn], [Nc], ascending, on ``device``).
+
+    They depend on the sequence layout only, not on the tokens: built once on the CPU and
+    kept per (S, h, w, cfg, device), so the global blocks of a forward (and later forwards of
+    the same size) neither rebuild them nor wait on the device for ``nonzero``.
+    """
+    N = S * (cfg.num_special + h * w)
+    is_dst = _destination_mask(S, h, w, cfg, "cpu")
+    n_prot = int(N * cfg.protect)
+    prot = torch.arange(0, N, max(1, N // n_prot))[:n_prot] if n_prot > 0 else torch.zeros(0, dtype=torch.long)
+    is_prot = torch.zeros(N, dtype=torch.bool)
+    is_prot[prot] = True
+    cand = (~is_dst & ~is_prot).nonzero().squeeze(1)  # mergeable sources
+    return tuple(t.to(device) for t in (is_dst.nonzero().squeeze(1), prot, cand))
 
 
 @torch.no_grad()
@@ -171,16 +213,7 @@ def plan_merge(metric: torch.Tensor, S: int, h: int, w: int, cfg: TokenMerging) 
     if N != S * P:
         raise ValueError(f"global tokens N={N} != S * (num_special + h * w) = {S} * {P}")
     dev = metric.device
-    is_dst = _destination_mask(S, h, w, cfg, dev)
-    n_prot = int(N * cfg.protect)
-    if n_prot > 0:
-        prot = torch.arange(0, N, max(1, N // n_prot), device=dev)[:n_prot]
-    else:
-        prot = torch.zeros(0, dtype=torch.long, device=dev)
-    is_prot = torch.zeros(N, dtype=torch.bool, device=dev)
-    is_prot[prot] = True
-    dst_idx = is_dst.nonzero().squeeze(1)
-    cand = (~is_dst & ~is_prot).nonzero().squeeze(1)  # mergeable sources
+    dst_idx, prot, cand = _token_sets(S, h, w, cfg, dev)
     r = min(int(N * cfg.ratio), cand.numel())
     if r == 0:
         return None

@@ -171,3 +171,76 @@ def test_merge_plan_edge_cases():
     # ratio caps the merged sources; the least similar ones stay unmerged
     plan = plan_merge(x, 2, 4, 4, TokenMerging(ratio=0.05, protect=0.0))
     assert plan.src_idx.shape[1] == int(x.shape[1] * 0.05)
+
+
+def _reference_plan(metric, S, h, w, cfg):
+    """Straightforward plan (masks and ``nonzero`` per call, ``gather`` / ``scatter_add_`` merges) that the
+    library's plan must reproduce exactly: (keep_idx, src_idx, src_slot, counts, source_map, merge, unmerge)."""
+    B, N, _ = metric.shape
+    is_dst = _destination_mask(S, h, w, cfg, "cpu")
+    n_prot = int(N * cfg.protect)
+    prot = torch.arange(0, N, max(1, N // n_prot))[:n_prot]
+    is_prot = torch.zeros(N, dtype=torch.bool)
+    is_prot[prot] = True
+    dst_idx = is_dst.nonzero().squeeze(1)
+    cand = (~is_dst & ~is_prot).nonzero().squeeze(1)
+    r = min(int(N * cfg.ratio), cand.numel())
+    m = metric.float()
+    m = m / m.norm(dim=-1, keepdim=True)
+    sim = torch.bmm(m[:, cand], m[:, dst_idx].transpose(1, 2))
+    best, arg = sim.max(dim=2)
+    order = best.argsort(dim=1, descending=True)
+    merged, kept = order[:, :r], order[:, r:]
+    U, Dn, Pn = kept.shape[1], dst_idx.numel(), prot.numel()
+    unm_tok, src_idx = cand[kept], cand[merged]
+    src_slot = U + torch.gather(arg, 1, merged)
+    keep_idx = torch.cat([unm_tok, dst_idx.expand(B, Dn), prot.expand(B, Pn)], dim=1)
+    counts = torch.ones(B, U + Dn + Pn)
+    counts.scatter_add_(1, src_slot, torch.ones_like(src_slot, dtype=counts.dtype))
+    source_map = torch.empty(B, N, dtype=torch.long)
+    source_map.scatter_(1, unm_tok, torch.arange(U).expand(B, U))
+    source_map[:, dst_idx] = U + torch.arange(Dn)
+    source_map.scatter_(1, src_idx, src_slot)
+    source_map[:, prot] = U + Dn + torch.arange(Pn)
+
+    def merge(t):
+        Bt, H, _, D = t.shape
+        M, R = keep_idx.shape[1], src_idx.shape[1]
+        acc = torch.promote_types(t.dtype, torch.float32)
+        out = torch.gather(t, 2, keep_idx[:, None, :, None].expand(Bt, H, M, D)).to(acc)
+        src = torch.gather(t, 2, src_idx[:, None, :, None].expand(Bt, H, R, D))
+        out.scatter_add_(2, src_slot[:, None, :, None].expand(Bt, H, R, D), src.to(acc))
+        out /= counts[:, None, :, None]
+        return out.to(t.dtype)
+
+    def unmerge(o):
+        return torch.gather(o, 1, source_map[:, :, None].expand(B, N, o.shape[2]))
+
+    return keep_idx, src_idx, src_slot, counts, source_map, merge, unmerge
+
+
+@pytest.mark.parametrize("B, dtype, ratio", [(1, torch.float32, 0.9), (1, torch.bfloat16, 0.9),
+                                             (2, torch.float32, 0.9), (2, torch.bfloat16, 0.3),
+                                             (1, torch.float64, 0.3)])
+def test_merge_plan_matches_straightforward_plan_exactly(B, dtype, ratio):
+    """Cached token sets, index_select / index_add_ (batch 1) and gather / scatter_add_ (batch > 1) give
+    bit for bit the plan, merged q / k / v and unmerged output of the straightforward formulation."""
+    gen = torch.Generator().manual_seed(11)
+    S, h, w, C, H = 4, 5, 7, 32, 4  # odd grid: regions do not tile it
+    N = S * (5 + h * w)
+    cfg = TokenMerging(ratio=ratio, sim_chunk=17)  # several similarity chunks, the last one partial
+    x = torch.randn(B, N, C, generator=gen)
+    plan = plan_merge(x, S, h, w, cfg)
+    keep_idx, src_idx, src_slot, counts, source_map, merge, unmerge = _reference_plan(x, S, h, w, cfg)
+    assert torch.equal(plan.keep_idx, keep_idx) and torch.equal(plan.src_idx, src_idx)
+    assert torch.equal(plan.src_slot, src_slot) and torch.equal(plan.counts, counts)
+    assert torch.equal(plan.source_map, source_map)
+    for _ in range(2):  # the second plan comes from the cached token sets
+        t = torch.randn(B, H, N, C // H, generator=gen).to(dtype)
+        assert torch.equal(plan.merge(t), merge(t))
+        # q / k views of a fused qkv projection ([B, N, 3, H, D] permuted) are not contiguous
+        qkv = torch.randn(B, N, 3, H, C // H, generator=gen).to(dtype).permute(2, 0, 3, 1, 4)
+        assert torch.equal(plan.merge(qkv[1]), merge(qkv[1]))
+        o = torch.randn(B, plan.merged_len, C, generator=gen).to(dtype)
+        assert torch.equal(plan.unmerge(o), unmerge(o))
+        assert torch.equal(plan_merge(x, S, h, w, cfg).source_map, source_map)
