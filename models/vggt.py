@@ -85,7 +85,9 @@ class VGGT(nn.Module):
             autocast off, as the official model) or ``"bf16"`` / ``"fp16"`` (the heads run under
             autocast of that dtype whatever the caller's autocast; confidences, activations and the
             running pose stay FP32, outputs are FP32). Chosen inside ``forward``; no global flag
-            is touched. Settable later as ``model.heads_dtype``.
+            is touched. Settable later as ``model.heads_dtype``. The official FastVGGT code runs its
+            heads under the caller's bf16 autocast: ``"bf16"`` matches it (and most of its speed at
+            hundreds of frames: docs/benchmarks/fastvggt_official_h100.md).
         grad_checkpointing: activation checkpointing for training (timm's name and convention;
             change later with :meth:`set_grad_checkpointing`). When autograd records, every
             aggregator block (DINOv2, frame, global) and every DPT-head frame chunk runs under
