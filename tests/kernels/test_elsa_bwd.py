@@ -16,10 +16,11 @@ import torch
 from visionattn.kernels.elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, bias_grad_shape, elsa_backward,
                                          reduce_bias_grad)
 from visionattn.metrics import rel_l2
+
+from grad_checks import FP32_TOL, assert_gradients, gradient_bounds, torch_matmul_precision
 from visionattn.reference import scores_and_mask
 
 MODES = list(BWD_MODES)
-FP32_TOL = 1e-5
 SMALL = BwdConfig(KernelTiles(16, 16, 4, 1), KernelTiles(16, 16, 4, 1))  # many tiles at small N
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; the gpu tests cover CUDA")
 
@@ -80,26 +81,14 @@ def check_mode(mode, q, k, v, do, bias=None, mask=None, causal=False, scale=0.12
     out64, lse, gold = autograd_grads(torch.float64, q, k, v, do, bias, mask, causal, scale, chunk)
     got = elsa_backward(q, k, v, out64.to(dtype), do.to(dtype), lse, bias, mask, causal, scale, mode,
                         bias is not None, config=config, bias_splits=bias_splits)
-    names = ("dq", "dk", "dv", "dbias")
-    if dtype == torch.float32 and (mode != "tf32" or not q.is_cuda):
-        bounds = [FP32_TOL] * 4
-    else:
-        prev = torch.get_float32_matmul_precision()  # tf32: PyTorch's own TF32 matmuls
-        torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
-        try:
+    same = None
+    if dtype != torch.float32 or (mode == "tf32" and q.is_cuda):
+        with torch_matmul_precision(mode):
             _, _, same = autograd_grads(dtype, q, k, v, do, bias, mask, causal, scale, chunk)
-        finally:
-            torch.set_float32_matmul_precision(prev)
-        bounds = [2 * rel_l2(s, g) + 1e-6 if g is not None else None for s, g in zip(same, gold)]
-    for name, x, g, bound in zip(names, got, gold, bounds):
-        if g is None:
-            assert x is None
-            continue
-        assert x.shape == g.shape, f"{name}: shape {tuple(x.shape)} vs {tuple(g.shape)}"
-        assert x.dtype == (q.dtype if name != "dbias" else bias.dtype)
-        assert torch.isfinite(x).all(), f"{mode} {name}: non-finite"
-        err = rel_l2(x, g)
-        assert err <= bound, f"{mode} {name}: rel err {err:.3e} > {bound:.3e}"
+    names = ("dq", "dk", "dv", "dbias")
+    assert_gradients(mode, names, got, gold, gradient_bounds(gold, same))
+    for name, x in zip(names, got):
+        assert x is None or x.dtype == (q.dtype if name != "dbias" else bias.dtype), name
     return got
 
 

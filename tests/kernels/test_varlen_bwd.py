@@ -19,8 +19,9 @@ from visionattn.metrics import rel_l2
 from visionattn.reference import oracle_attention
 from visionattn.varlen import varlen_attention
 
+from grad_checks import FP32_TOL, assert_gradients, gradient_bounds, torch_matmul_precision
+
 MODES = list(BWD_MODES)
-FP32_TOL = 1e-5
 SMALL = BwdConfig(KernelTiles(16, 16, 4, 1), KernelTiles(16, 16, 4, 1))
 # 0 queries with keys, keys without queries' partner (0 keys), length 1, Nq != Nk both ways, several tiles
 LENS_Q = [5, 0, 17, 1, 40, 3, 2]
@@ -90,21 +91,14 @@ def check_mode(mode, q, k, v, do, cu_q, cu_k, causal=False, scale=0.25, config=S
     mq, mk = int(torch.diff(cu_q).max()), int(torch.diff(cu_k).max())
     got = varlen_backward(q, k, v, out64.to(dtype), do.to(dtype), lse, cu_q, cu_k, mq, mk, causal, scale, mode,
                           config=config)
-    if dtype == torch.float32 and (mode != "tf32" or not q.is_cuda):
-        bounds = [FP32_TOL] * 3
-    else:
-        prev = torch.get_float32_matmul_precision()  # tf32: PyTorch's own TF32 matmuls
-        torch.set_float32_matmul_precision("high" if mode == "tf32" else "highest")
-        try:
+    same = None
+    if dtype != torch.float32 or (mode == "tf32" and q.is_cuda):
+        with torch_matmul_precision(mode):
             _, _, same = per_sequence_grads(q, k, v, do, cu_q, cu_k, causal, scale, dtype)
-        finally:
-            torch.set_float32_matmul_precision(prev)
-        bounds = [2 * rel_l2(s, g) + 1e-6 for s, g in zip(same, gold)]
-    for name, x, g, bound in zip(("dq", "dk", "dv"), got, gold, bounds):
-        assert x.shape == g.shape and x.dtype == dtype and x.is_contiguous(), name
-        assert torch.isfinite(x).all(), f"{mode} {name}: non-finite"
-        err = rel_l2(x, g)
-        assert err <= bound, f"{mode} {name}: rel err {err:.3e} > {bound:.3e}"
+    names = ("dq", "dk", "dv")
+    assert_gradients(mode, names, got, gold, gradient_bounds(gold, same))
+    for name, x in zip(names, got):
+        assert x.dtype == dtype and x.is_contiguous(), name
     return got
 
 
