@@ -157,8 +157,8 @@ def _add_into(out: torch.Tensor, dim: int, idx: torch.Tensor, src: torch.Tensor)
     out.scatter_add_(dim, view.expand(src.shape), src)
 
 
-def _destination_mask(S: int, h: int, w: int, cfg: TokenMerging, device) -> torch.Tensor:
-    """[S * P] bool, True for destination tokens (P = num_special + h * w)."""
+def _destination_mask(S: int, h: int, w: int, cfg: TokenMerging) -> torch.Tensor:
+    """[S * P] bool on the CPU, True for destination tokens (P = num_special + h * w)."""
     P = cfg.num_special + h * w
     dst = torch.zeros(S, P, dtype=torch.bool)
     dst[0] = True
@@ -172,7 +172,7 @@ def _destination_mask(S: int, h: int, w: int, cfg: TokenMerging, device) -> torc
         xs = torch.arange(wr)[None, None, :] * sx + pick % sx
         flat = (cfg.num_special + ys * w + xs).reshape(S - 1, -1)
         dst[1:].scatter_(1, flat, True)
-    return dst.reshape(-1).to(device)
+    return dst.reshape(-1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -184,7 +184,7 @@ def _token_sets(S: int, h: int, w: int, cfg: TokenMerging, device: torch.device)
     the same size) neither rebuild them nor wait on the device for ``nonzero``.
     """
     N = S * (cfg.num_special + h * w)
-    is_dst = _destination_mask(S, h, w, cfg, "cpu")
+    is_dst = _destination_mask(S, h, w, cfg)
     n_prot = int(N * cfg.protect)
     prot = torch.arange(0, N, max(1, N // n_prot))[:n_prot] if n_prot > 0 else torch.zeros(0, dtype=torch.long)
     is_prot = torch.zeros(N, dtype=torch.bool)

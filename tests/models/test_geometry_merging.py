@@ -108,7 +108,7 @@ def test_destinations_one_per_region():
     S, h, w = 3, 4, 5  # odd width: the last column has no region
     cfg = TokenMerging()
     P = 5 + h * w
-    dst = _destination_mask(S, h, w, cfg, "cpu").reshape(S, P)
+    dst = _destination_mask(S, h, w, cfg).reshape(S, P)
     assert dst[0].all() and dst[:, :5].all()
     for f in range(1, S):
         grid = dst[f, 5:].reshape(h, w)
@@ -121,7 +121,7 @@ def test_destinations_one_per_region():
 def _naive_merge_attention(x_norm, q, k, v, S, h, w, cfg):
     """Independent loop reference of FastVGGT's merged attention for batch size 1."""
     N = x_norm.shape[1]
-    dst = _destination_mask(S, h, w, cfg, "cpu")
+    dst = _destination_mask(S, h, w, cfg)
     n_prot = int(N * cfg.protect)
     prot = list(range(0, N, max(1, N // n_prot)))[:n_prot] if n_prot else []
     dst_ids = [i for i in range(N) if dst[i]]
@@ -177,7 +177,7 @@ def _reference_plan(metric, S, h, w, cfg):
     """Straightforward plan (masks and ``nonzero`` per call, ``gather`` / ``scatter_add_`` merges) that the
     library's plan must reproduce exactly: (keep_idx, src_idx, src_slot, counts, source_map, merge, unmerge)."""
     B, N, _ = metric.shape
-    is_dst = _destination_mask(S, h, w, cfg, "cpu")
+    is_dst = _destination_mask(S, h, w, cfg)
     n_prot = int(N * cfg.protect)
     prot = torch.arange(0, N, max(1, N // n_prot))[:n_prot]
     is_prot = torch.zeros(N, dtype=torch.bool)
