@@ -13,7 +13,7 @@ import math
 import os
 
 __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
-           "default_out", "check_output", "check_device"]
+           "default_out", "check_output", "check_device", "failure_text"]
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -107,3 +107,17 @@ def check_output(parser: argparse.ArgumentParser, path: str, *, flag: str = "--o
     if not os.access(existing, os.W_OK | os.X_OK):
         parser.error(f"{flag} {path!r}: the folder {existing!r} is not writable; pass a path you can write to")
     return path
+
+
+def failure_text(err: BaseException, device) -> str:
+    """One line naming ``err`` for a result row (``"Type: first line"``, the line cut at 200 characters), after
+    freeing what the failed work left (garbage, and on a CUDA ``device`` the allocator cache: e.g. after an OOM,
+    so the next row starts clean). ``device``: a ``torch.device`` or its name."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"

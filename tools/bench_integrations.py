@@ -53,8 +53,8 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, positive_float,  # noqa: E402
-                  positive_int)
-from bench_models import graphed, peak_memory, summarize_times  # noqa: E402
+                  failure_text, positive_int)
+from bench_models import graphed, peak_memory, round_timing, summarize_times  # noqa: E402
 
 from visionattn import reporting  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -283,11 +283,10 @@ def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_gr
             del out
             row.update(peak_memory(cell.forward, device.type))
         except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the other cells going
-            row["error"] = _error(err, device)
+            row["error"] = failure_text(err, device)
         rows.append(row)
         samples[label] = []
-    per_round = dict(warmup=max(timing["warmup"], 1), rep_ms=timing["rep_ms"] / rounds,
-                     min_reps=-(-timing["min_reps"] // rounds), max_reps=-(-timing["max_reps"] // rounds))
+    per_round = round_timing(timing, rounds)
     for _ in range(rounds):  # A B A B ...: clock or thermal drift during the cell hits both rows alike
         for (label, configure), row in zip(cell.variants, rows):
             if "error" in row:
@@ -298,7 +297,7 @@ def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_gr
                 samples[label] += reporting.sample_ms(timed, device, **per_round)
                 del timed  # frees the graph's memory pool before the next variant
             except Exception as err:  # noqa: BLE001
-                row["error"] = _error(err, device)
+                row["error"] = failure_text(err, device)
     base, base_out = rows[0], outs.get(cell.variants[0][0])
     for (label, _), row in zip(cell.variants, rows):
         if "error" in row:
@@ -312,14 +311,6 @@ def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_gr
         if base_out is not None:
             row["rel_l2_vs_default"] = rel_l2(outs[label].float(), base_out.float())
     return rows
-
-
-def _error(err: Exception, device: torch.device) -> str:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    first = (str(err).splitlines() or [""])[0][:200]
-    return f"{type(err).__name__}: {first}"
 
 
 def judge(rows: list[dict], judged: bool) -> None:
@@ -461,7 +452,7 @@ def main(argv: list[str] | None = None) -> dict:
                     cell = (flux_cell(mode, args.tiny, device) if case == "flux" else
                             transformers_cell(case, mode, args.batch, args.tiny, device))
                 except Exception as err:  # noqa: BLE001 - one failing cell must not stop the others
-                    cell_rows = [{**base, "attention": "-", "error": f"build failed: {_error(err, device)}"}]
+                    cell_rows = [{**base, "attention": "-", "error": f"build failed: {failure_text(err, device)}"}]
                 else:
                     cell.info = {**base, **cell.info}
                     cell_rows = measure(cell, device, timing, args.rounds, args.cuda_graph)

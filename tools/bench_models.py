@@ -40,7 +40,7 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _cli import ToolParser, check_output, default_out  # noqa: E402
+from _cli import ToolParser, check_output, default_out, failure_text  # noqa: E402
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.reporting import sample_ms  # noqa: E402
@@ -104,6 +104,13 @@ def compiled(fn, mode: str):
     for _ in range(3):
         out = fn_c()
     return fn_c, out
+
+
+def round_timing(timing: dict, rounds: int) -> dict:
+    """``timing`` (warmup, rep_ms, min_reps, max_reps) for one of ``rounds`` interleaved rounds: at least one
+    warm-up call, the timed budget and the repetition bounds split across the rounds (at least one each)."""
+    return dict(timing, warmup=max(timing["warmup"], 1), rep_ms=timing["rep_ms"] / rounds,
+                min_reps=max(1, -(-timing["min_reps"] // rounds)), max_reps=max(1, -(-timing["max_reps"] // rounds)))
 
 
 def summarize_times(times: list[float]) -> dict:
@@ -226,16 +233,11 @@ def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: b
             variants.append(("no-attention", no_attention))
         for mode in dmodes:
             variants.append((mode, lambda mode=mode: patched(mode)))
-        per_round = dict(timing, warmup=max(timing["warmup"], 1), rep_ms=timing["rep_ms"] / rounds, min_reps=max(1, -(-timing["min_reps"] // rounds)),
-                         max_reps=max(1, -(-timing["max_reps"] // rounds)))
+        per_round = round_timing(timing, rounds)
         rows_by, outs, samples = {}, {}, {label: [] for label, _ in variants}
 
         def record_error(label, err):
-            gc.collect()
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            first = (str(err).splitlines() or [""])[0][:200]
-            rows_by[label] = {**common, "mode": label, "error": f"{type(err).__name__}: {first}"}
+            rows_by[label] = {**common, "mode": label, "error": failure_text(err, device)}
             outs[label] = None
 
         # outputs and peak memory of every variant first (eager), before any CUDA graph holds a pool

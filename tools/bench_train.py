@@ -47,7 +47,7 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, positive_float,  # noqa: E402
-                  positive_int)
+                  failure_text, positive_int)
 from _timm_models import create_timm_model, model_problem  # noqa: E402
 from bench_models import MEM_SLACK_MIB, parse_cases, peak_memory, summarize_times  # noqa: E402
 from finetune import TRAIN_MODES, TrainStep, json_object, precision, precision_flags  # noqa: E402
@@ -160,12 +160,6 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _error(err: BaseException, device: torch.device) -> str:
-    """One line naming ``err`` (after freeing what the failed work left, e.g. after an OOM)."""
-    _free(device)
-    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
-
-
 def time_case(case: dict, mode: str, device: torch.device, args: argparse.Namespace, model_kwargs: dict) -> list[dict]:
     """The unpatched and visionattn rows of one case in one mode (one model, one optimiser, switched in place)."""
     prec = precision(mode)
@@ -173,7 +167,7 @@ def time_case(case: dict, mode: str, device: torch.device, args: argparse.Namesp
     try:
         model = _model(case, device, args.seed, model_kwargs)
     except Exception as err:  # noqa: BLE001 - OOM or a refused size: record it, keep the sweep going
-        return [{**base, "variant": v, "error": f"build: {_error(err, device)}"} for v in VARIANTS]
+        return [{**base, "variant": v, "error": f"build: {failure_text(err, device)}"} for v in VARIANTS]
     x, y = _batch(case, model.num_classes, device, args.seed)
     step = TrainStep(model, prec, lr=args.lr)
     rows = {v: {**base, "variant": v, "params_m": sum(p.numel() for p in model.parameters()) / 1e6} for v in VARIANTS}
@@ -192,7 +186,7 @@ def time_case(case: dict, mode: str, device: torch.device, args: argparse.Namesp
                 if v == "visionattn":
                     rows[v]["patched"] = dict(model.visionattn_report.patched)
             except Exception as err:  # noqa: BLE001
-                rows[v]["error"] = _error(err, device)
+                rows[v]["error"] = failure_text(err, device)
         for _ in range(args.rounds):
             for v in VARIANTS:
                 if "error" in rows[v]:
@@ -201,7 +195,7 @@ def time_case(case: dict, mode: str, device: torch.device, args: argparse.Namesp
                     _set_attention(model, v, mode)
                     samples[v] += sample_ms(lambda: step(x, y), device, warmup=1, reps=per_round)
                 except Exception as err:  # noqa: BLE001
-                    rows[v]["error"] = _error(err, device)
+                    rows[v]["error"] = failure_text(err, device)
     for v in VARIANTS:
         if "error" not in rows[v]:
             t = summarize_times(samples[v])
