@@ -33,6 +33,7 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
     os.environ.setdefault(_name, _value)  # before torch.distributed starts NCCL
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -219,6 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(text)
         dist.barrier()
     finally:
+        # Gloo's p2p works can sit in reference cycles; freed at interpreter exit, after the group is gone, their
+        # worker threads abort the process ("terminate called without an active exception"): free them now.
+        gc.collect()
         dist.destroy_process_group()
         if store is not None and os.path.exists(store):
             os.unlink(store)

@@ -5,6 +5,7 @@ the refusals) and returns (name, error, bound) rows and caught messages through 
 here. Bound: the fp32 contract of visionattn.attention (2e-6) through a 2-block network, 1e-5 as
 tests/models/test_vggt.py's batched-vs-single check.
 """
+import gc
 import os
 
 import pytest
@@ -96,6 +97,7 @@ def _worker(rank: int, world: int, init: str, out_dir: str):
             caught["merging"] = str(e)
         torch.save({"rows": rows, "caught": caught, "offset": offset}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
+        gc.collect()  # free gloo p2p works held in cycles before the group goes (else: abort at exit)
         dist.destroy_process_group()
 
 
