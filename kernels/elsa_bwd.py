@@ -39,7 +39,8 @@ along. The bias view's batch / head dimensions with stride 0 (e.g. a relative po
 expanded over the batch) are reduced inside the dQ kernel: a program owns one (query tile, output
 batch / head slot) and loops over the batch / head entries that map onto it in a fixed order, adding each
 entry's ``dS`` tile into its own rows of an FP32 buffer (read-modify-write by the one program that owns
-those rows, so no atomics and a fixed summation order). When that leaves too few programs to fill the GPU,
+those rows, so no atomics and a fixed summation order; when every key fits one tile, as in Swin's 49- and
+64-token windows, the entries' ``dS`` sum stays in registers and is stored once). When that leaves too few programs to fill the GPU,
 the entries are cut into ``G`` contiguous chunks, each writing a partial buffer, and the ``G`` partials are
 summed by ``torch.sum`` (deterministic). Memory: ``G * prod(reduced shape)`` FP32, where the reduced
 shape is the view's shape with its stride-0 batch / head dims set to 1 (``G = 1`` on CPU; on CUDA enough
@@ -282,7 +283,8 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
              EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """``dq + dS K`` for the key tile at ``start_n`` (``scale`` applied by the caller); writes dS into the dBias
     buffer when WRITE_DB (added to what is there when ``db_old``). BOUNDARY tiles mask keys >= Nk and (causal)
-    keys after the query; interior tiles skip both.
+    keys after the query; interior tiles skip both. Also returns the tile's dS (zero outside the valid rows and
+    keys) for a caller that sums it in registers instead.
 
     WRITE_DHS: adds this tile's row sums of dS * qk, dS, P * qk and P (qk = q k^T, unscaled) to ``hs_a``,
     ``hs_z``, ``hs_w``, ``hs_p``. Exactly, sum_j dS_ij = 0; the P recomputed from the saved lse and the
@@ -318,7 +320,7 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
         db_ptrs = db_base + rows64[:, None] * Nk + cols64[None, :]
         old = tl.load(db_ptrs, mask=ok & db_old, other=0.0)
         tl.store(db_ptrs, old + ds, mask=ok)
-    return dq, hs_a, hs_z, hs_w, hs_p
+    return dq, hs_a, hs_z, hs_w, hs_p, ds
 
 
 @triton.jit
@@ -338,7 +340,8 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr,
-                   WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                   WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                   DB_IN_REGS: tl.constexpr):
     """dQ of one query tile (``dQ_i = scale * sum_j dS_ij k_j``) for each (batch, head) entry of its slot.
 
     1-D grid cdiv(Nq, BLOCK_M) * B_OUT * H_OUT * G. A slot (b_out, h_out) is one entry of the dBias buffer
@@ -348,6 +351,9 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
     partial (the first entry stores). Without WRITE_DB: B_OUT = B, H_OUT = H, n_red = G = 1.
     WRITE_DHS: the entry's ``sum(dS * q k^T)`` over this query tile (the gradient of its head's logit scale,
     HEAD_SCALE) goes to ``DHS[b * H + h, tile]``.
+    DB_IN_REGS (WRITE_DB with every key in one tile, Nk <= BLOCK_N: Swin's 49- and 64-token windows): the
+    chunk's dS sum stays in registers and is stored once, instead of a read-modify-write of the partial and a
+    barrier per entry, which serialise the chunk through memory.
     """
     tiles = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -371,6 +377,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
 
     r_lo = g * per_chunk
     r_hi = tl.minimum(r_lo + per_chunk, n_red)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for r in range(r_lo, r_hi):
         off_b = (b_out + r // R_H).to(tl.int64)
         off_h = (h_out + r % R_H).to(tl.int64)
@@ -394,24 +401,31 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
         hs_w = tl.zeros([BLOCK_M], dtype=tl.float32)
         hs_p = tl.zeros([BLOCK_M], dtype=tl.float32)
         for t in range(0, n_full):
-            dq, hs_a, hs_z, hs_w, hs_p = _dq_tile(
+            dq, hs_a, hs_z, hs_w, hs_p, ds = _dq_tile(
                 dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
                 t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam,
-                san, smm, smn, db_old, scale, False, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, WRITE_DB, WRITE_DHS,
-                EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+                san, smm, smn, db_old, scale, False, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
+                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+            if DB_IN_REGS:
+                db_acc += ds
         for t in range(n_full, n_tiles):
-            dq, hs_a, hs_z, hs_w, hs_p = _dq_tile(
+            dq, hs_a, hs_z, hs_w, hs_p, ds = _dq_tile(
                 dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
                 t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam,
-                san, smm, smn, db_old, scale, True, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, WRITE_DB, WRITE_DHS,
-                EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+                san, smm, smn, db_old, scale, True, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
+                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+            if DB_IN_REGS:
+                db_acc += ds
         dq = dq * scale
         dq_ptrs = DQ + bh * Nq * D + rows64[:, None] * D + offs_d[None, :]
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
         if WRITE_DHS:
             tl.store(DHS + bh * tiles + pid_m, _head_scale_grad(hs_a, hs_z, hs_w, hs_p))
-        if WRITE_DB:
+        if WRITE_DB and not DB_IN_REGS:
             tl.debug_barrier()  # the next entry's read of the dBias tile sees every thread's store of this one
+    if DB_IN_REGS:
+        tl.store(db_base + rows64[:, None] * Nk + offs_n[None, :].to(tl.int64), db_acc,
+                 mask=row_ok[:, None] & (offs_n < Nk)[None, :])
 
 
 # --------------------------------------------------------------------------- configuration
@@ -758,7 +772,8 @@ class _BackwardPlan:
         G = cdiv(n_red, per_chunk)  # no empty chunks
         call = KernelCall(_bwd_dq_kernel, (n_m * self.B_OUT * self.H_OUT * G,),
                           dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **self.blocks, WRITE_DB=self.write_db,
-                               WRITE_DHS=self.write_dhs, **self.flags),
+                               WRITE_DHS=self.write_dhs, DB_IN_REGS=self.write_db and Nk <= t.block_n,
+                               **self.flags),
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))
         return call, G, per_chunk, n_m
 

@@ -150,12 +150,12 @@ def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ,
     # the head-scale sums are not written (WRITE_DHS = False); no bias / masks / dBias: placeholders
     hs = tl.zeros([BLOCK_M], dtype=tl.float32)
     for t in range(0, n_full):
-        dq, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
+        dq, _, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
                                   t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Lk, D, Dv, skt, skd, svt,
                                   svd, 0, 0, 0, 0, 0, 0, False, scale, False, IS_CAUSAL, False, False, False, False,
                                   False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
     for t in range(n_full, n_kv):
-        dq, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
+        dq, _, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
                                   t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Lk, D, Dv, skt, skd, svt,
                                   svd, 0, 0, 0, 0, 0, 0, False, scale, True, IS_CAUSAL, False, False, False, False,
                                   False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)

@@ -7,7 +7,12 @@ For each shape and mode, on the same inputs in one process: visionattn's determi
 FLASH_ATTENTION and CUDNN_ATTENTION; SDPA's FP32 baseline for the ``fp32`` / ``fp32-ieee`` / ``tf32`` rows is
 EFFICIENT_ATTENTION on FP32 inputs). Timing: CUDA events around back-to-back calls (eager: the Python launch
 path counts), median of windows. TFLOP/s count the backward as 2.5 forwards: 10 * B * H * N^2 * D (five
-N x N x D matmuls). ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
+N x N x D matmuls). Window shapes (``swin-b-s1`` .. ``swin-b-s4``: Swin-B at 224 px, batch 64, one
+shape per stage, 49-token windows) time :func:`visionattn.kernels.window_bwd.window_backward` with the
+relative position bias [H, N, N] and its gradient (summed over every window) and the shift mask [nW, N, N];
+SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gradient flows through the
+sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
+reduction beside the automatic choice. ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
 ``out`` by SDPA; only their consistency matters for timing. Peak extra memory is
 ``torch.cuda.max_memory_allocated`` above the inputs during one backward call.
 
@@ -16,6 +21,7 @@ Process-wide settings (a tool may set them): TF32 matmul OFF, so the FP32 SDPA r
 Writes ``<out>.md`` and ``<out>.json`` (environment, command, every cell).
 
 Usage: python tools/bench_backward.py [--out out/bench_backward] [--modes fp32 fp16] [--shapes vit-b16-224]
+       python tools/bench_backward.py --shapes swin-b-s1 swin-b-s3 --modes fp32 bf16 --bias-splits 8 32 128
 """
 from __future__ import annotations
 
@@ -25,16 +31,21 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, positive_int  # noqa: E402
+from _cli import ToolParser, check_device, check_output, default_out, positive_int  # noqa: E402
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
-# name -> (B, H, N, D, relative position bias with a gradient)
+# name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
 SHAPES = {
-    "long-4k": (1, 8, 4096, 64, False),
-    "long-16k": (1, 8, 16384, 64, False),
-    "vit-b16-224": (64, 12, 197, 64, False),
-    "vit-b16-224-relpos": (64, 12, 197, 64, True),
-    "long-4k-d128": (1, 8, 4096, 128, False),
+    "long-4k": (1, 8, 4096, 64, False, 0),
+    "long-16k": (1, 8, 16384, 64, False, 0),
+    "vit-b16-224": (64, 12, 197, 64, False, 0),
+    "vit-b16-224-relpos": (64, 12, 197, 64, True, 0),
+    "long-4k-d128": (1, 8, 4096, 128, False, 0),
+    # Swin-B 224 px, batch 64: B = 64 images x windows per image; the last stage's one window is not shifted
+    "swin-b-s1": (64 * 64, 4, 49, 32, True, 64),
+    "swin-b-s2": (64 * 16, 8, 49, 32, True, 16),
+    "swin-b-s3": (64 * 4, 16, 49, 32, True, 4),
+    "swin-b-s4": (64, 32, 49, 32, True, 1),
 }
 
 
@@ -45,17 +56,26 @@ def build_parser() -> ToolParser:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="visionattn modes to time")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["long-4k", "long-16k", "vit-b16-224"],
                    help="shapes (B, H, N, D): " + ", ".join(f"{k}={v[:4]}" for k, v in SHAPES.items())
-                   + "; '-relpos' adds a [H, N, N] bias with a gradient")
+                   + "; '-relpos' and the Swin shapes add a [H, N, N] bias with a gradient")
+    p.add_argument("--bias-splits", nargs="+", type=positive_int, default=None,
+                   help="chunks of the bias-gradient reduction to time beside the automatic choice")
     p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
     p.add_argument("--repeats", type=positive_int, default=5, help="timing windows (the median is reported)")
     p.add_argument("--no-sdpa", action="store_true", help="time visionattn's backward only")
+    p.add_argument("--device", default="cuda", help="device (cpu: Triton's interpreter, for a smoke test)")
     return p
 
 
-def _inputs(B, H, N, D, dtype, relpos, device):
+def _inputs(B, H, N, D, dtype, relpos, windows, device):
+    """q, k, v, dO, the forward out and FP32 lse, the bias [H, N, N], the shift mask [nW, N, N] (windows > 1:
+    timm's 0 / -100 pattern stand-in, -100 on a random third) and its [B, 1, N, N] per-window expansion."""
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, do = (torch.randn(B, H, N, D, generator=g, device=device).to(dtype) for _ in range(4))
     bias = torch.randn(H, N, N, generator=g, device=device) if relpos else None
+    shift = shift_full = None
+    if windows > 1:
+        shift = torch.where(torch.rand(windows, N, N, generator=g, device=device) < 1 / 3, -100.0, 0.0)
+        shift_full = shift.repeat(B // windows, 1, 1)[:, None]
     scale = D ** -0.5
     lse = torch.empty(B, H, N, device=device, dtype=torch.float32)
     kf = k.float()
@@ -63,30 +83,31 @@ def _inputs(B, H, N, D, dtype, relpos, device):
         s = q[:, :, i:i + 2048].float() @ kf.transpose(-1, -2) * scale
         if bias is not None:
             s = s + bias[:, i:i + 2048]
+        if shift_full is not None:
+            s = s + shift_full[:, :, i:i + 2048]
         lse[:, :, i:i + 2048] = torch.logsumexp(s, -1)
     with torch.no_grad():
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None if bias is None else
-                                                               bias.to(dtype).expand(B, H, N, N), scale=scale)
-    return q, k, v, do, out, lse, bias, scale
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=_sdpa_mask(bias, shift_full, B,
+                                                                                              dtype), scale=scale)
+    return q, k, v, do, out, lse, bias, shift, shift_full, scale
 
 
-def _peak_extra_mb(fn) -> float:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+def _sdpa_mask(bias, shift_full, B, dtype):
+    """SDPA's additive mask: the bias over every batch entry, plus the per-window shift mask (None: neither)."""
+    if bias is None:
+        return None
+    mask = bias.expand(B, *bias.shape)
+    return (mask if shift_full is None else mask + shift_full).to(dtype)
 
 
-def _sdpa_backward(q, k, v, do, bias, scale, backend):
+def _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend):
     """A callable running SDPA's backward alone (the forward graph built once, retained)."""
     from torch.nn.attention import sdpa_kernel
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     b = bias.detach().to(q.dtype).requires_grad_() if bias is not None else None
     with sdpa_kernel(backend):
-        mask = b.expand(q.shape[0], *b.shape) if b is not None else None
+        mask = _sdpa_mask(b, shift_full, q.shape[0], q.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=scale)
     wrt = leaves + ([b] if b is not None else [])
 
@@ -96,52 +117,70 @@ def _sdpa_backward(q, k, v, do, bias, scale, backend):
     return run
 
 
+def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits):
+    """A callable running visionattn's backward alone: the window kernel for a window shape, else the dense one."""
+    from visionattn.kernels.elsa_bwd import elsa_backward
+    from visionattn.kernels.window_bwd import window_backward
+
+    if windows:
+        return lambda: window_backward(q, k, v, out, do, lse, bias, shift, windows, scale, mode, None, True, False,
+                                       bias_splits=splits)
+    return lambda: elsa_backward(q, k, v, out, do, lse, bias, None, False, scale, mode, bias is not None,
+                                 bias_splits=splits)
+
+
 def main(args) -> dict:
-    from visionattn.kernels.elsa_bwd import BWD_MODES, elsa_backward
-    from visionattn.reporting import environment, eager_ms, markdown_table, write_json_atomic, write_text_atomic
+    from visionattn.kernels.elsa_bwd import BWD_MODES
+    from visionattn.reporting import (environment, markdown_table, peak_extra_mb, per_call_ms, write_json_atomic,
+                                      write_text_atomic)
     from torch.nn.attention import SDPBackend
 
-    args.out = check_output(build_parser(), args.out)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_backward: needs a CUDA GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    device = torch.device("cuda")
+    parser = build_parser()
+    args.out = check_output(parser, args.out)
+    device = check_device(parser, args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    timer = per_call_ms(device, args.calls, args.repeats)
     rows = []
     for shape in args.shapes:
-        B, H, N, D, relpos = SHAPES[shape]
+        B, H, N, D, relpos, windows = SHAPES[shape]
         flops = 10.0 * B * H * N * N * D
         for mode in args.modes:
             dtype = BWD_MODES[mode][0]
-            q, k, v, do, out, lse, bias, scale = _inputs(B, H, N, D, dtype, relpos, device)
-
-            def ours():
-                elsa_backward(q, k, v, out, do, lse, bias, None, False, scale, mode, bias is not None)
-
-            ours()  # compile
-            cells = {"visionattn": (eager_ms(ours, args.calls, 3, args.repeats), _peak_extra_mb(ours))}
+            q, k, v, do, out, lse, bias, shift, shift_full, scale = _inputs(B, H, N, D, dtype, relpos, windows,
+                                                                            device)
+            cells = {}
+            for splits in [None] + (args.bias_splits if relpos and args.bias_splits else []):
+                ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits)
+                ours()  # compile
+                name = "visionattn" if splits is None else f"visionattn splits={splits}"
+                cells[name] = (timer(ours), peak_extra_mb(ours, device), splits)
             if not args.no_sdpa:
                 backends = {"sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
                 if dtype != torch.float32:
                     backends.update({"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION})
                 for name, backend in backends.items():
                     try:
-                        fn = _sdpa_backward(q, k, v, do, bias, scale, backend)
+                        fn = _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend)
                         fn()
-                        cells[name] = (eager_ms(fn, args.calls, 3, args.repeats), _peak_extra_mb(fn))
+                        cells[name] = (timer(fn), peak_extra_mb(fn, device), None)
                     except RuntimeError as exc:  # backend not available for this dtype / bias
-                        cells[name] = (None, None, str(exc).splitlines()[0][:120])
+                        cells[name] = (None, None, None, str(exc).splitlines()[0][:120])
             ref = cells.get("sdpa-efficient", (None,))[0]
             for name, cell in cells.items():
                 ms, mb = cell[0], cell[1]
-                rows.append({"shape": shape, "B": B, "H": H, "N": N, "D": D, "bias_grad": relpos, "mode": mode,
-                             "kernel": name, "ms": ms, "tflops": flops / ms / 1e9 if ms else None,
-                             "peak_extra_mb": mb, "vs_sdpa_efficient": ref / ms if ms and ref else None,
-                             "error": cell[2] if len(cell) > 2 else None})
-                print(f"{shape:20s} {mode:10s} {name:15s} " + (f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s"
+                rows.append({"shape": shape, "B": B, "H": H, "N": N, "D": D, "bias_grad": relpos,
+                             "windows_per_image": windows, "mode": mode, "kernel": name, "bias_splits": cell[2],
+                             "ms": ms, "tflops": flops / ms / 1e9 if ms else None, "peak_extra_mb": mb,
+                             "vs_sdpa_efficient": ref / ms if ms and ref else None,
+                             "error": cell[3] if len(cell) > 3 else None})
+                print(f"{shape:20s} {mode:10s} {name:24s} " + (f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s"
                                                                if ms else f"n/a ({rows[-1]['error']})"), flush=True)
-            del q, k, v, do, out, lse, bias
-            torch.cuda.empty_cache()
-    env = environment({"timing": "eager: CUDA events around back-to-back calls, median of windows",
+            del q, k, v, do, out, lse, bias, shift, shift_full
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    env = environment({"timing": "eager: CUDA events around back-to-back calls, median of windows"
+                       if device.type == "cuda" else "CPU wall clock (Triton interpreter): a smoke test, not a speed",
                        "flops": "10 * B * H * N^2 * D per backward", "allow_tf32": False})
     table = markdown_table(
         [(r["shape"], r["mode"], r["kernel"], r["ms"] if r["ms"] else "n/a", r["tflops"] or "n/a",

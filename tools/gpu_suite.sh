@@ -14,7 +14,8 @@
 # sweep), attention (bench_attention, every shape and backend), eager (host time per call and eager vs
 # CUDA-graph timing at ViT shapes), models-eager (whole timm models, eager), models-compile (ViT-B and Swin-B fp16 under torch.compile default /
 # reduce-overhead, patched vs unpatched), cold (first-call cost with an
-# empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps),
+# empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps), window-bwd (the window
+# backward alone at Swin-B's four stage shapes vs SDPA, with a bias-splits sweep),
 # fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200
 # frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the
 # timm families beyond ViT / Swin, patched vs unpatched), naflex (NaFlexViT padded batch), ring1 (the context-parallel
@@ -80,6 +81,8 @@ for step in "$@"; do
         tests/kernels/test_elsa_bwd.py tests/kernels/test_window_bwd.py tests/api/test_window_grad.py tests/api/test_op_layer.py ;;
     train) run train 400 python tools/bench_train.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
         --modes fp32,bf16 --out "$out/train" ;;
+    window-bwd) run window-bwd 300 python tools/bench_backward.py --shapes swin-b-s1 swin-b-s2 swin-b-s3 swin-b-s4 \
+        --modes fp32 bf16 --bias-splits 8 32 128 --out "$out/window_bwd" ;;
     fwd-bwd) run fwd-bwd 300 python tools/bench_attention.py --backward --no-flex --shapes "L-4k,ViT-B/16 224" \
         --out "$out/attention_fwd_bwd" ;;
     varlen) run varlen-tests 200 python -m pytest -m gpu -q --timeout=150 -p no:cacheprovider tests/api/test_varlen.py

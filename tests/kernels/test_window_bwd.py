@@ -78,10 +78,10 @@ def check_window(mode, q, k, v, do, bias, mask, nw, scale=0.2, hs=None, config=N
 @cpu_only
 @pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
 def test_swin_shift_window(mode):
-    """Swin: 49-token windows, bias [H, N, N] (gradient summed over 2 images x 3 windows), shift mask
-    -100 read per window (b mod nW)."""
+    """Swin: 49-token windows, bias [H, N, N] (gradient summed over 2 images x 3 windows in 2 partial chunks,
+    each summed in registers: one key tile), shift mask -100 read per window (b mod nW)."""
     q, k, v, do, bias, mask, _ = window_inputs(2, 3, 2, 49, 32, seed=1)
-    dq, dk, dv, db, dhs = check_window(mode, q, k, v, do, bias, mask, 3)
+    dq, dk, dv, db, dhs = check_window(mode, q, k, v, do, bias, mask, 3, bias_splits=2)
     assert db.shape == (2, 49, 49) and dhs is None and dq.is_contiguous()
 
 

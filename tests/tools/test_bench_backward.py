@@ -1,0 +1,46 @@
+"""tools/bench_backward.py on CPU (Triton's interpreter): a dense and a window shape with a bias gradient, the
+bias-splits sweep, the rows and their files, and the argument checks."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+from testdata import REPO
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("bench_backward", os.path.join(REPO, "tools", "bench_backward.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tool = _load_tool()
+
+
+def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
+    """Shapes small enough for the interpreter, in the table's format (B, H, N, D, bias, windows per image):
+    every (shape, mode, bias splits) cell runs and lands in the JSON and the markdown."""
+    monkeypatch.setitem(tool.SHAPES, "tiny-dense", (2, 2, 24, 8, True, 0))
+    monkeypatch.setitem(tool.SHAPES, "tiny-window", (6, 2, 20, 8, True, 3))
+    out = tmp_path / "bwd"
+    args = tool.build_parser().parse_args(["--device", "cpu", "--shapes", "tiny-dense", "tiny-window", "--modes",
+                                           "fp32", "bf16", "--bias-splits", "1", "2", "--calls", "1", "--repeats",
+                                           "1", "--no-sdpa", "--out", str(out)])
+    res = tool.main(args)
+    ours = [(r["shape"], r["mode"], r["bias_splits"]) for r in res["rows"]]
+    assert sorted(ours, key=str) == sorted(((s, m, g) for s in ("tiny-dense", "tiny-window") for m in ("fp32", "bf16")
+                                            for g in (None, 1, 2)), key=str)
+    assert all(r["ms"] > 0 and r["error"] is None for r in res["rows"])
+    assert {r["windows_per_image"] for r in res["rows"]} == {0, 3}
+    assert json.load(open(str(out) + ".json"))["rows"] == res["rows"]
+    md = open(str(out) + ".md").read()
+    assert "tiny-window" in md and "splits=2" in md and "CPU wall clock" in md
+
+
+@pytest.mark.parametrize("argv", [["--shapes", "swin-b-s9"], ["--bias-splits", "0"], ["--modes", "fp8"]])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        tool.build_parser().parse_args(argv)
+    assert exc.value.code == 2 and "error" in capsys.readouterr().err
