@@ -1,18 +1,14 @@
 """CPU check of tools/bench_vggt.py: the long-sequence table on the tiny config writes JSON, markdown and PNG."""
-import importlib.util
 import json
 import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from testdata import load_script
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("bench_vggt", os.path.join(ROOT, "tools", "bench_vggt.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/bench_vggt.py")
 
 
 def test_bench_vggt_long_table_on_cpu_tiny(tmp_path):

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from testdata import load_script
 from visionattn.metrics import rel_l2
 from visionattn.models import FASTVGGT_MERGING, VGGT, vggt_tiny_config
 from visionattn.modes import get_mode
@@ -261,14 +262,9 @@ def test_vggt_1b_training_gradients_and_checkpoint_memory():
 
 # ----------------------------------------------------------------------------- tools/bench_vggt.py --train-step
 def test_bench_vggt_train_step_on_cpu_tiny(tmp_path):
-    import importlib.util
     import json
-    import os
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("bench_vggt", os.path.join(root, "tools", "bench_vggt.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("tools/bench_vggt.py")
     out = str(tmp_path / "train")
     res = tool.main(tool.parser.parse_args(["--train-step", "--tiny", "--device", "cpu", "--models", "vggt",
                                             "--rows", "fp32", "--frames", "2", "--height", "28", "--width", "28",

@@ -1,22 +1,13 @@
 """tools/bench_backward.py on CPU (Triton's interpreter): a dense and a window shape with a bias gradient, the
 bias-splits sweep, the rows and their files, and the argument checks."""
-import importlib.util
 import json
-import os
 
 import pytest
 
-from testdata import REPO
+from testdata import load_script
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("bench_backward", os.path.join(REPO, "tools", "bench_backward.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tool = _load_tool()
+tool = load_script("tools/bench_backward.py")
 
 
 def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):

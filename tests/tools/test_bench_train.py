@@ -1,25 +1,16 @@
 """tools/bench_train.py on CPU: loss curves of patched vs unpatched tiny ViT and Swin-v2 within the FP32
 tolerance, the timing rows and their files, the targets table, and the argument checks."""
-import importlib.util
 import json
 import math
-import os
 
 import pytest
 
-from testdata import REPO
+from testdata import load_script
 
 TINY_SWINV2 = json.dumps({"window_size": 4, "embed_dim": 24, "depths": [2, 1], "num_heads": [2, 2]})
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("bench_train", os.path.join(REPO, "tools", "bench_train.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tool = _load_tool()
+tool = load_script("tools/bench_train.py")
 
 
 def _png(path):

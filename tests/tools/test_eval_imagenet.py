@@ -4,7 +4,6 @@ mapping, per-mode evaluation, argument checks.
 References: timm's own ImageNetInfo (class order), the unpatched timm model (native), and a checkpoint
 whose head has known biases (so the expected top-1 / top-5 follow from the folder sizes alone).
 """
-import importlib.util
 import json
 import os
 import random
@@ -15,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from timm.data import ImageNetInfo
 
-from testdata import PHOTOS, REPO
+from testdata import PHOTOS, load_script
 
 SYNSETS = ImageNetInfo("imagenet-1k").label_names()
 PHOTO_FILES = sorted(f for f in os.listdir(PHOTOS) if f.lower().endswith(".jpg"))
@@ -27,14 +26,7 @@ TINY = ["--model", "vit_tiny_patch16_224", "--model-kwargs", '{"depth": 2}', "--
 ALL_MODES = ["native", "fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa", "native-fp16", "native-bf16"]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("eval_imagenet", os.path.join(REPO, "tools", "eval_imagenet.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tool = _load_tool()
+tool = load_script("tools/eval_imagenet.py")
 imagenet = tool.data  # tools/_imagenet_data.py, as the tool imports it
 import _timm_models as timm_models  # noqa: E402  (tools/ is on sys.path once the tool is loaded)
 

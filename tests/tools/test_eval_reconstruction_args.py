@@ -1,19 +1,14 @@
 """tools/eval_reconstruction.py refuses bad arguments and unwritable output paths before any work:
 exit status 2, one line naming the argument, no folder created."""
-import importlib.util
 import os
 
 import pytest
 
-from testdata import MULTIVIEW, REPO
+from testdata import MULTIVIEW, load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("eval_reconstruction_args",
-                                                  os.path.join(REPO, "tools", "eval_reconstruction.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("tools/eval_reconstruction.py", "eval_reconstruction_args")
 
 
 tool = _load()

@@ -1,6 +1,5 @@
 """tools/finetune.py on CPU: a tiny ViT fine-tuned on the bundled photos (two classes), its checkpoint
 reloading bit-exactly, the held-out split, the precision of each mode and the argument checks."""
-import importlib.util
 import json
 import os
 import shutil
@@ -8,21 +7,14 @@ import shutil
 import pytest
 import torch
 
-from testdata import PHOTOS, REPO
+from testdata import PHOTOS, load_script
 
 PHOTO_FILES = sorted(f for f in os.listdir(PHOTOS) if f.lower().endswith(".jpg"))
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwargs", '{"depth": 2}', "--img-size", "32", "--device", "cpu",
         "--workers", "0", "--batch-size", "4"]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("finetune", os.path.join(REPO, "tools", "finetune.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-tool = _load_tool()
+tool = load_script("tools/finetune.py")
 
 
 def _image_folder(root, layout=None):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from testdata import MULTIVIEW, REPO
+from testdata import REPO
 
 from visionattn.recon.images import (ImageFolderError, list_images, load_images, preprocess_image, read_image,
                                      unique_names)

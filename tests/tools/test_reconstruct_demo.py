@@ -1,5 +1,4 @@
 """demos/reconstruct.py and tools/eval_reconstruction.py end to end on the bundled images (tiny random VGGT, CPU)."""
-import importlib.util
 import json
 import os
 import shutil
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from testdata import MULTIVIEW, REPO
+from testdata import MULTIVIEW, REPO, load_script
 
 try:  # skip only when open3d is not installed; an installed but broken open3d (no libusb) fails loudly
     import open3d as o3d
@@ -22,10 +21,7 @@ TINY = ["--weights", "random-tiny", "--device", "cpu", "--size", str(SIZE), "--q
 
 
 def _load(name, rel):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, rel))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(rel, name)
 
 
 demo = _load("reconstruct_demo", "demos/reconstruct.py")

@@ -1,19 +1,15 @@
 """Every tool writes under out/ (git-ignored) unless --out names another place, and an --out that
 cannot be written stops the tool at once: exit status 2, one line naming --out, before any work."""
 import hashlib
-import importlib.util
 import os
 
 import pytest
 
-from testdata import REPO
+from testdata import REPO, load_script
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"tool_outputs_{name}", os.path.join(REPO, "tools", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"tools/{name}.py", f"tool_outputs_{name}")
 
 
 def _parser(mod):
