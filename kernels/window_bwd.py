@@ -14,23 +14,171 @@ probabilities ``P = exp(logits - lse)`` exactly recomputable):
     dS = P * (dO v^T - rowsum(dO * O)),   dq = c_h dS k,   dk = c_h dS^T q,   dv = P^T dO,
     d bias[h] = sum_b dS_bh,   d c_h = sum_(b, i, j) dS_bhij q_bhi . k_bhj.
 
-They run on the dense backward kernels of :mod:`.elsa_bwd`: the windows are its batch, the relative position
-bias [H, N, N] is a stride-0 view over the windows (its gradient, the sum over every window and image, is
-reduced inside the dQ kernel in a fixed order, no atomics, never materialising [B*nW, H, N, N]), the shift
-mask [nW, N, N] is read per window as ``mask[b mod nW]`` (no gradient), and ``c_h`` is a per-head scale
-whose gradient is summed by torch over per-(window, head, query tile) partials. Tiles are sized to the
-window (49 -> 64 rows).
+Two kernel paths:
+
+* **fused** (windows of at most :data:`FUSED_MAX_TOKENS` tokens: Swin's 7 x 7, Swin-v2's 8 x 8): a whole
+  window is one tile, so :func:`_window_bwd_fused_kernel` forms ``S``, ``P``, ``dP`` and ``dS`` of a (window,
+  head) once and writes dq, dk and dv from them: five products instead of the split kernels' seven, one
+  launch instead of three (``delta = rowsum(dO * O)`` is formed in the kernel). A program owns one head and
+  a chunk of windows and sums their dS in registers, storing one partial of d bias per chunk.
+* **split** (larger windows, Swin-v2's 12 x 12 and 16 x 16): the dense backward kernels of :mod:`.elsa_bwd`,
+  the windows as their batch, the relative position bias [H, N, N] a stride-0 view over the windows.
+
+Either way the bias gradient, the sum over every window and image, is reduced in a fixed order (no
+atomics, never materialising [B*nW, H, N, N]: per-chunk partials summed by torch), the shift mask
+[nW, N, N] is read per window as ``mask[b mod nW]`` (no gradient), and ``c_h`` is a per-head scale whose
+gradient is summed by torch over per-(window, head, query tile) partials.
 
 Public entry point: :func:`window_backward`; :func:`get_config` for tools.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from ._host import pad_pow2
-from .elsa_bwd import BWD_MODES, BwdConfig, KernelTiles, _check_inputs, launch_backward
+from ._host import cdiv, pad_pow2
+from ._launch import KernelCall, PlanCache, interpreting
+from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
+                       _head_scale_grad, _mm, _tensor_key, launch_backward)
+from .elsa_fwd import load_kv_tile
 
-__all__ = ["window_backward", "get_config"]
+__all__ = ["window_backward", "get_config", "FUSED_MAX_TOKENS", "KERNELS"]
+
+# Windows up to this many tokens run the fused kernel (one 64-token tile per window); larger ones the split kernels
+FUSED_MAX_TOKENS = 64
+KERNELS = ("auto", "fused", "split")
+
+
+@triton.jit
+def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB, DHS,
+                             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                             sdb, sdh, sdm, sdd, slb, slh, slm, sbh, sbm, sbn, saw, sam, san,
+                             H, N, D, Dv, scale0, n_add, BW, per_chunk,
+                             BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                             PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+                             HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr, WRITE_DHS: tl.constexpr,
+                             EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """dq, dk, dv (and dS summed into a d bias partial) of windows ``[g * per_chunk, (g + 1) * per_chunk)`` of
+    head ``h``, one window (N <= BLOCK tokens) per step; 1-D grid ``H * G``, program ``g * H + h``.
+
+    Per window: ``delta = rowsum(dO * O)`` (dO rounded to the compute dtype, as the split kernels read it),
+    ``P = exp(S - lse)`` (``lse = -inf`` rows read as ``+inf``: zero gradients), ``dV = P^T dO``,
+    ``dS = P * (dO V^T - delta)``, ``dQ = c dS K``, ``dK = c dS^T Q``. Outputs contiguous [BW, H, N, D | Dv].
+    WRITE_DB: the chunk's dS sum goes to ``DB[g, h]`` [N, N] (FP32). WRITE_DHS: each window's
+    ``sum(dS * q k^T)``, made robust by :func:`.elsa_bwd._head_scale_grad`, to ``DHS[b * H + h]``.
+    """
+    pid = tl.program_id(0)
+    h = (pid % H).to(tl.int64)
+    g = pid // H
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok_n = offs < N
+    ok = ok_n[:, None] & ok_n[None, :]
+    offs64 = offs.to(tl.int64)
+    scale = _head_scale(HS, h, scale0, HEAD_SCALE)
+    b_ptrs = Bias + h * sbh + offs64[:, None] * sbm + offs64[None, :] * sbn
+    db_acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    r_lo = g * per_chunk
+    r_hi = tl.minimum(r_lo + per_chunk, BW)
+    for r in range(r_lo, r_hi):
+        b = tl.cast(r, tl.int64)
+        q = load_kv_tile(Q + b * sqb + h * sqh + offs64[:, None] * sqm + offs_d[None, :] * sqd, ok_n, offs_d, D,
+                         True, EVEN_D)
+        k = load_kv_tile(K + b * skb + h * skh + offs64[:, None] * skn + offs_d[None, :] * skd, ok_n, offs_d, D,
+                         True, EVEN_D)
+        v = load_kv_tile(V + b * svb + h * svh + offs64[:, None] * svn + offs_dv[None, :] * svd, ok_n, offs_dv, Dv,
+                         True, EVEN_DV)
+        do = load_kv_tile(DO + b * sdb + h * sdh + offs64[:, None] * sdm + offs_dv[None, :] * sdd, ok_n, offs_dv,
+                          Dv, True, EVEN_DV).to(q.dtype)
+        o = load_kv_tile(O + b * sob + h * soh + offs64[:, None] * som + offs_dv[None, :] * sod, ok_n, offs_dv, Dv,
+                         True, EVEN_DV)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        lse = tl.load(LSE + b * slb + h * slh + offs * slm, mask=ok_n, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        qk = _mm(q, tl.trans(k), PRECISION, DOT_UPCAST)
+        s = _bias_mask(qk * scale, b_ptrs, Add + (b % n_add) * saw + offs64[:, None] * sam + offs64[None, :] * san,
+                       b_ptrs, ok, HAS_BIAS, HAS_ADD, False)
+        s = tl.where(ok_n[None, :], s, float("-inf"))
+        p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
+        dv = _mm(tl.trans(p.to(q.dtype)), do, PRECISION, DOT_UPCAST)
+        dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq = _mm(ds.to(q.dtype), k, PRECISION, DOT_UPCAST) * scale
+        dk = _mm(tl.trans(ds.to(q.dtype)), q, PRECISION, DOT_UPCAST) * scale
+        bh = b * H + h
+        out_d = ok_n[:, None] & (offs_d < D)[None, :]
+        tl.store(DQ + bh * N * D + offs64[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=out_d)
+        tl.store(DK + bh * N * D + offs64[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=out_d)
+        tl.store(DV + bh * N * Dv + offs64[:, None] * Dv + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+                 mask=ok_n[:, None] & (offs_dv < Dv)[None, :])
+        if WRITE_DHS:
+            tl.store(DHS + bh, _head_scale_grad(tl.sum(ds * qk, 1), tl.sum(ds, 1), tl.sum(p * qk, 1), tl.sum(p, 1)))
+        if WRITE_DB:
+            db_acc += ds
+    if WRITE_DB:
+        tl.store(DB + (g * H + h) * N * N + offs64[:, None] * N + offs64[None, :], db_acc, mask=ok)
+
+
+def _fused_warps(block: int, precision: str) -> int:
+    """Warps of the fused kernel: 8 for 64-token windows (half and IEEE-FP32 products then need no register
+    spills, against 100-2700 bytes per thread at 4), except with 3xTF32 products, which spill either way and
+    spill less in total at 4 (docs/tuning.md: fused window backward warps); 4 for smaller windows."""
+    if block < 64 or precision == "tf32x3":
+        return 4
+    return 8
+
+
+# call signature -> _FusedPlan; PLANS.hits / PLANS.builds count reuses and builds
+PLANS = PlanCache()
+
+
+class _FusedPlan:
+    """The fused kernel's launch for one call signature: grid, chunking, constexprs and strides fixed; a call
+    allocates the gradients (and the d bias partials) and launches once."""
+
+    __slots__ = ("call", "fixed", "fixed_tail", "G", "dims", "write_db", "write_dhs", "device")
+
+    def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, mode, write_db, write_dhs,
+                 bias_splits):
+        BW, H, N, D = q.shape
+        Dv = v.shape[3]
+        block = max(16, pad_pow2(N))
+        block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
+        # the d bias partials [G, H, N, N] take ~4 programs per SM; without them, one window per program
+        G = _bias_splits(BW, H, 4 * H * N * N, q.device, bias_splits) if write_db else BW
+        per_chunk = cdiv(BW, G)
+        G = cdiv(BW, per_chunk)  # no empty chunks
+        self.G, self.dims, self.device = G, (BW, H, N, D, Dv), q.device
+        self.write_db, self.write_dhs = write_db, write_dhs
+        sb = (bias.stride(0), bias.stride(1), bias.stride(2)) if bias is not None else (0, 0, 0)
+        sa = add_mask.stride() if add_mask is not None else (0, 0, 0)
+        n_add = add_mask.shape[0] if add_mask is not None else 1
+        self.fixed = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(), *lse.stride(), *sb,
+                      *sa, H, N, D, Dv)  # the arguments before scale0
+        self.fixed_tail = (n_add, BW, per_chunk)  # and after it
+        precision = BWD_MODES[mode][1]
+        self.call = KernelCall(_window_bwd_fused_kernel, (H * G,), dict(
+            BLOCK=block, BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision, HAS_BIAS=bias is not None,
+            HAS_ADD=add_mask is not None, HEAD_SCALE=head_scale is not None, WRITE_DB=write_db, WRITE_DHS=write_dhs,
+            EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
+            DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting()),
+            dict(num_warps=_fused_warps(block, precision), num_stages=1))
+
+    def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, scale):
+        BW, H, N, D, Dv = self.dims
+        dev = self.device
+        dq = torch.empty((BW, H, N, D), device=dev, dtype=q.dtype)
+        dk = torch.empty((BW, H, N, D), device=dev, dtype=q.dtype)
+        dv = torch.empty((BW, H, N, Dv), device=dev, dtype=q.dtype)
+        db = torch.empty((self.G, H, N, N), device=dev, dtype=torch.float32) if self.write_db else dq
+        dhs = torch.empty((BW, H), device=dev, dtype=torch.float32) if self.write_dhs else dq
+        self.call(q, k, v, out, grad_out, lse, q if bias is None else bias, q if add_mask is None else add_mask,
+                  q if head_scale is None else head_scale, dq, dk, dv, db, dhs, *self.fixed, float(scale),
+                  *self.fixed_tail)
+        return dq, dk, dv, (db.sum(0) if self.G > 1 else db[0]) if self.write_db else None, \
+            dhs.sum(0) if self.write_dhs else None
 
 
 def get_config(mode: str, n_tokens: int, head_dim: int) -> BwdConfig:
@@ -53,7 +201,7 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     lse: torch.Tensor, relative_position_bias: torch.Tensor | None, shift_mask: torch.Tensor | None,
                     num_windows: int, scale: float, mode: str, head_scale: torch.Tensor | None = None,
                     bias_requires_grad: bool = False, head_scale_requires_grad: bool = False, *,
-                    config: BwdConfig | None = None, bias_splits: int | None = None,
+                    config: BwdConfig | None = None, bias_splits: int | None = None, kernel: str = "auto",
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of window attention (module docstring) from the saved log-sum-exp.
 
@@ -75,7 +223,11 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             (Swin-v2: ``exp(min(logit_scale, log 100))``).
         bias_requires_grad: also return d relative_position_bias.
         head_scale_requires_grad: also return d head_scale.
-        config, bias_splits: as :func:`.elsa_bwd.elsa_backward` (None = :func:`get_config` / automatic).
+        config: tiles of the split kernels (None = :func:`get_config`); given, the split kernels run.
+        bias_splits: chunks of the windows whose d bias is summed apart (None = automatic; see
+            :func:`.elsa_bwd.elsa_backward`).
+        kernel: ``"auto"`` (the fused kernel for windows of at most :data:`FUSED_MAX_TOKENS` tokens without a
+            ``config``, else the split kernels), ``"fused"`` or ``"split"`` (module docstring).
 
     Returns:
         ``(dq, dk, dv, dbias, dhead_scale)``: dq, dk [B*nW, H, N, D] and dv [B*nW, H, N, Dv], contiguous, in
@@ -117,10 +269,38 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         raise ValueError("bias_requires_grad=True needs a relative_position_bias")
     if head_scale_requires_grad and head_scale is None:
         raise ValueError("head_scale_requires_grad=True needs a head_scale")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; expected one of {list(KERNELS)}")
+    if kernel == "fused" and (N > FUSED_MAX_TOKENS or config is not None):
+        raise ValueError(f"kernel='fused' runs windows of at most {FUSED_MAX_TOKENS} tokens without a config "
+                         f"(got N={N}, config={config}); use kernel='split' or 'auto'")
+    empty = BW * H == 0 or q.shape[3] == 0 or v.shape[3] == 0
+    if kernel == "fused" or (kernel == "auto" and N <= FUSED_MAX_TOKENS and config is None and not empty):
+        return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
+                      head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits)
     dq, dk, dv, dbias, dhs = launch_backward(
         q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, None, hs, False, float(scale), mode,
         bias_requires_grad, head_scale_requires_grad, config, bias_splits,
         default=get_config(mode, N, max(q.shape[3], v.shape[3])))
+    if dhs is not None:
+        dhs = dhs.reshape(head_scale.shape).to(head_scale.dtype)
+    return dq, dk, dv, dbias, dhs
+
+
+def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_scale, write_db, write_dhs,
+           bias_splits):
+    """:func:`window_backward` on the fused kernel from the cached plan of the call's signature."""
+    key = (mode, q.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
+           lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(shift_mask),
+           hs is not None, write_db, write_dhs, bias_splits, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+           out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.put(key, _FusedPlan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db,
+                                         write_dhs, bias_splits))
+    dq, dk, dv, dbias, dhs = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
+    if dbias is not None:
+        dbias = dbias.to(bias.dtype)
     if dhs is not None:
         dhs = dhs.reshape(head_scale.shape).to(head_scale.dtype)
     return dq, dk, dv, dbias, dhs

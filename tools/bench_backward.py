@@ -10,6 +10,7 @@ path counts), median of windows. TFLOP/s count the backward as 2.5 forwards: 10 
 N x N x D matmuls). Window shapes (``swin-b-s1`` .. ``swin-b-s4``: Swin-B at 224 px, batch 64, one
 shape per stage, 49-token windows) time :func:`visionattn.kernels.window_bwd.window_backward` with the
 relative position bias [H, N, N] and its gradient (summed over every window) and the shift mask [nW, N, N];
+both window kernel paths (fused: one kernel per window; split: the dense dK/dV and dQ kernels) are timed;
 SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gradient flows through the
 sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
 reduction beside the automatic choice. ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
@@ -117,20 +118,22 @@ def _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend):
     return run
 
 
-def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits):
-    """A callable running visionattn's backward alone: the window kernel for a window shape, else the dense one."""
+def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel):
+    """A callable running visionattn's backward alone: the window backward (``kernel``: fused / split) for a
+    window shape, else the dense one."""
     from visionattn.kernels.elsa_bwd import elsa_backward
     from visionattn.kernels.window_bwd import window_backward
 
     if windows:
         return lambda: window_backward(q, k, v, out, do, lse, bias, shift, windows, scale, mode, None, True, False,
-                                       bias_splits=splits)
+                                       bias_splits=splits, kernel=kernel)
     return lambda: elsa_backward(q, k, v, out, do, lse, bias, None, False, scale, mode, bias is not None,
                                  bias_splits=splits)
 
 
 def main(args) -> dict:
     from visionattn.kernels.elsa_bwd import BWD_MODES
+    from visionattn.kernels.window_bwd import FUSED_MAX_TOKENS
     from visionattn.reporting import (environment, markdown_table, peak_extra_mb, per_call_ms, write_json_atomic,
                                       write_text_atomic)
     from torch.nn.attention import SDPBackend
@@ -150,11 +153,15 @@ def main(args) -> dict:
             q, k, v, do, out, lse, bias, shift, shift_full, scale = _inputs(B, H, N, D, dtype, relpos, windows,
                                                                             device)
             cells = {}
-            for splits in [None] + (args.bias_splits if relpos and args.bias_splits else []):
-                ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits)
-                ours()  # compile
-                name = "visionattn" if splits is None else f"visionattn splits={splits}"
-                cells[name] = (timer(ours), peak_extra_mb(ours, device), splits)
+            # window shapes: both window kernel paths where the fused one applies (the dense kernel: one path)
+            kernels = [None] if not windows else ["fused", "split"] if N <= FUSED_MAX_TOKENS else ["split"]
+            for kernel in kernels:
+                for splits in [None] + (args.bias_splits if relpos and args.bias_splits else []):
+                    ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel)
+                    ours()  # compile
+                    name = "visionattn" + ("" if kernel is None else f"-{kernel}") + \
+                        ("" if splits is None else f" splits={splits}")
+                    cells[name] = (timer(ours), peak_extra_mb(ours, device), splits)
             if not args.no_sdpa:
                 backends = {"sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
                 if dtype != torch.float32:

@@ -2,7 +2,9 @@
 
 Walks the dense ELSA config table (every precision kind x padded head dim x short/long KV, with
 and without bias + mask), the Gluon fp32-ieee and Hopper fp16 / bf16 kernels' configs, the PASA configs (head dims 16..256, with and without recovery, bias +
-mask) and the window kernels at the Swin / Swin-v2 window sizes, compiles each for sm_90 through
+mask) and the window kernels at the Swin / Swin-v2 window sizes, and the backward kernels (the dense dK / dV
+and dQ kernels per mode and head dim, with and without a bias gradient; the window backward, fused and
+split, at the Swin / Swin-v2 window sizes), compiles each for sm_90 through
 :func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared memory each needs
 against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read from
 the cubin), how many programs an SM holds at once, and whether the products use wgmma. A config over
@@ -28,7 +30,7 @@ sys.path.insert(0, REPO)
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from visionattn.kernels import elsa_fwd, half_gluon, ieee_gluon, pasa_fwd, window_fwd  # noqa: E402
+from visionattn.kernels import elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, pasa_fwd, window_bwd, window_fwd  # noqa: E402
 from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
@@ -36,13 +38,13 @@ from visionattn.reporting import environment, markdown_table, write_json_atomic,
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _cli import ToolParser, check_output, default_out  # noqa: E402
 
+KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
 
 
 def build_parser() -> ToolParser:
     p = ToolParser(prog="check_kernels_offline.py", description=__doc__.split("\n")[0])
-    p.add_argument("--kernels", default="elsa,ieee-gluon,half-gluon,pasa,window",
-                   help="comma-separated: elsa, ieee-gluon, half-gluon, pasa, window")
+    p.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated: " + ", ".join(KERNELS))
     p.add_argument("--quick", action="store_true", help="head dims 64 and 128 only, no bias/mask variants")
     p.add_argument("--out", default=default_out("kernels_sm90_offline"),
                    help="output prefix: writes OUT.md and OUT.json (default: %(default)s)")
@@ -144,13 +146,69 @@ def _window_jobs(quick: bool):
                         float_args=("scale",)))
 
 
+_BWD_UNIT_INTS = ("sqd", "skd", "svd", "sdd", "sbn", "san", "smn")
+_BWD_MODES = ("fp32", "fp32-ieee", "bf16")  # one per kind of product (3xTF32, IEEE FMA, half); fp16 = bf16's code
+
+
+def _bwd_pointers(mode: str, names: tuple[str, ...], inputs: tuple[str, ...]) -> dict:
+    t = "*bf16" if mode == "bf16" else "*fp32"
+    return {n: (t if n in inputs else "*i1" if n == "Mask" else "*fp32") for n in names}
+
+
+def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, bias: bool, add: bool,
+                    single_key_tile: bool):
+    """The dK / dV and dQ kernels of one backward configuration (bias: with its gradient)."""
+    precision = elsa_bwd.BWD_MODES[mode][1]
+    base = dict(BLOCK_D=d, BLOCK_DV=d, PRECISION=precision, IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
+                HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
+    dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV"),
+                             ("Q", "K", "V", "DO", "DK", "DV"))
+    dq_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DQ", "DB",
+                                  "DHS"), ("Q", "K", "V", "DO", "DQ"))
+    for name, t, kernel, ptr, extra, floats in (
+            ("dkdv", tiles.dkdv, elsa_bwd._bwd_dkdv_kernel, dkdv_ptr, {}, ("scale",)),
+            ("dq", tiles.dq, elsa_bwd._bwd_dq_kernel, dq_ptr,
+             dict(WRITE_DB=bias, WRITE_DHS=False, DB_IN_REGS=bias and single_key_tile), ("scale0",))):
+        yield ({"kernel": f"bwd-{name}", "variant": f"{label} {mode}" + (" +bias grad" if bias else ""),
+                "config": [t.block_m, t.block_n, t.num_warps, t.num_stages]},
+               dict(kernel=kernel, pointer_types=ptr, constexprs=dict(base, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                                                                       **extra),
+                    num_warps=t.num_warps, num_stages=t.num_stages, unit_ints=_BWD_UNIT_INTS, float_args=floats))
+
+
+def _backward_jobs(quick: bool):
+    for mode in _BWD_MODES:
+        kind = "half" if mode == "bf16" else "fp32"
+        for d in ((64, 128) if quick else (32, 64, 128, 256)):
+            for bias in (False, True):
+                yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd._CONFIGS[(kind, d)], d, bias, False, False)
+        for n in ((49, 144) if quick else (49, 64, 144, 256)):
+            tiles = window_bwd.get_config(mode, n, 32)
+            yield from _split_bwd_jobs(f"window N={n} D=32 split", mode, tiles, 32, True, True,
+                                       n <= tiles.dq.block_n)
+            if n > window_bwd.FUSED_MAX_TOKENS:
+                continue
+            block = pad_pow2(n)
+            precision = elsa_bwd.BWD_MODES[mode][1]
+            warps = window_bwd._fused_warps(block, precision)
+            names = ("Q", "K", "V", "O", "DO", "LSE", "Bias", "Add", "HS", "DQ", "DK", "DV", "DB", "DHS")
+            yield ({"kernel": "bwd-window-fused", "variant": f"window N={n} D=32 {mode} +bias grad",
+                    "config": [block, block, warps, 1]},
+                   dict(kernel=window_bwd._window_bwd_fused_kernel,
+                        pointer_types=_bwd_pointers(mode, names, ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")),
+                        constexprs=dict(BLOCK=block, BLOCK_D=32, BLOCK_DV=32, PRECISION=precision, HAS_BIAS=True,
+                                        HAS_ADD=True, HEAD_SCALE=False, WRITE_DB=True, WRITE_DHS=False, EVEN_D=True,
+                                        EVEN_DV=True, DOT_UPCAST=False),
+                        num_warps=warps, num_stages=1,
+                        unit_ints=("sqd", "skd", "svd", "sod", "sdd", "slm", "sbn", "san"), float_args=("scale0",)))
+
+
 def _spill(local_bytes) -> str:
     if local_bytes is None:
         return "-"
     return f"**{local_bytes}**" if local_bytes else "0"
 
 
-KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window")
 
 
 def main(args) -> dict:
@@ -162,7 +220,7 @@ def main(args) -> dict:
     check_output(parser, args.out)
     jobs = []
     for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
-                      ("pasa", _pasa_jobs), ("window", _window_jobs)):
+                      ("pasa", _pasa_jobs), ("window", _window_jobs), ("backward", _backward_jobs)):
         if name in wanted:
             jobs += list(gen(args.quick))
     rows, t0 = [], time.perf_counter()

@@ -60,12 +60,12 @@ def window_autograd(dtype, q, k, v, do, bias, mask, nw, scale, hs):
     return o.detach(), lse, grads
 
 
-def check_window(mode, q, k, v, do, bias, mask, nw, scale=0.2, hs=None, config=None, bias_splits=None):
+def check_window(mode, q, k, v, do, bias, mask, nw, scale=0.2, hs=None, config=None, bias_splits=None, kernel="auto"):
     dtype = BWD_MODES[mode][0]
     q, k, v = (t.to(dtype) for t in (q, k, v))
     out64, lse, gold = window_autograd(torch.float64, q, k, v, do, bias, mask, nw, scale, hs)
     got = window_backward(q, k, v, out64.to(dtype), do.to(dtype), lse, bias, mask, nw, scale, mode, hs,
-                          bias is not None, hs is not None, config=config, bias_splits=bias_splits)
+                          bias is not None, hs is not None, config=config, bias_splits=bias_splits, kernel=kernel)
     same = None
     if dtype != torch.float32:  # every FP32 mode, tf32 included, is held to FP32_TOL here
         _, _, same = window_autograd(dtype, q, k, v, do, bias, mask, nw, scale, hs)
@@ -76,21 +76,23 @@ def check_window(mode, q, k, v, do, bias, mask, nw, scale=0.2, hs=None, config=N
 # --------------------------------------------------------------------------- CPU (interpreter)
 
 @cpu_only
+@pytest.mark.parametrize("kernel", ["fused", "split"])
 @pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
-def test_swin_shift_window(mode):
+def test_swin_shift_window(mode, kernel):
     """Swin: 49-token windows, bias [H, N, N] (gradient summed over 2 images x 3 windows in 2 partial chunks,
-    each summed in registers: one key tile), shift mask -100 read per window (b mod nW)."""
+    each summed in registers: one key tile), shift mask -100 read per window (b mod nW); both kernel paths."""
     q, k, v, do, bias, mask, _ = window_inputs(2, 3, 2, 49, 32, seed=1)
-    dq, dk, dv, db, dhs = check_window(mode, q, k, v, do, bias, mask, 3, bias_splits=2)
+    dq, dk, dv, db, dhs = check_window(mode, q, k, v, do, bias, mask, 3, bias_splits=2, kernel=kernel)
     assert db.shape == (2, 49, 49) and dhs is None and dq.is_contiguous()
 
 
 @cpu_only
+@pytest.mark.parametrize("kernel", ["fused", "split"])
 @pytest.mark.parametrize("mode", ["fp32-ieee", "bf16"])
-def test_swin_v2_head_scale(mode):
+def test_swin_v2_head_scale(mode, kernel):
     """Swin-v2: normalised q, k, per-head logit scale (up to 45) with its gradient, bias and shift mask."""
     q, k, v, do, bias, mask, hs = window_inputs(2, 2, 3, 49, 16, seed=2, cosine=True)
-    dq, dk, dv, db, dhs = check_window(mode, q, k, v, do, bias, mask, 2, hs=hs)
+    dq, dk, dv, db, dhs = check_window(mode, q, k, v, do, bias, mask, 2, hs=hs, kernel=kernel)
     assert dhs.shape == (3,)
 
 
@@ -134,19 +136,30 @@ def test_errors_name_the_argument():
         window_backward(**{**base, "mode": "bf16"})
     with pytest.raises(ValueError, match="mode"):
         get_config("pasa", 49, 32)
+    with pytest.raises(ValueError, match="kernel="):
+        window_backward(**base, kernel="flash")
+    with pytest.raises(ValueError, match="kernel='fused'"):
+        window_backward(**base, kernel="fused", config=get_config("fp32", 16, 16))
+    q144 = torch.randn(2, 2, 144, 16)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        window_backward(**{**base, "q": q144, "k": q144, "v": q144, "out": q144, "grad_out": q144,
+                           "lse": torch.zeros(2, 2, 144), "relative_position_bias": None, "shift_mask": None},
+                        kernel="fused")
 
 
 # --------------------------------------------------------------------------- GPU (real sizes)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(BWD_MODES))
-@pytest.mark.parametrize("cosine", [False, True])
-def test_gpu_swin_stage1(mode, cosine):
-    """Swin-B / Swin-v2-B stage 1 shapes: 49 tokens, 64 windows x 8 images, 4 heads, D = 32 (v1), and
-    256-token windows (Swin-v2 window 16), 16 windows x 4 images."""
-    if cosine:
-        q, k, v, do, bias, mask, hs = window_inputs(4, 16, 4, 256, 32, seed=5, device="cuda", cosine=True)
-        check_window(mode, q, k, v, do, bias, mask, 16, hs=hs)
-    else:
+@pytest.mark.parametrize("case", ["v1-49-fused", "v1-49-split", "v2-64-fused", "v2-256-split"])
+def test_gpu_swin_stage1(mode, case):
+    """Stage 1 shapes, 4 heads, D = 32: Swin-B's 49-token windows (64 windows x 8 images) on both kernel
+    paths; Swin-v2's cosine attention with logit scales on 64-token windows (window 8, fused) and 256-token
+    windows (window 16, split), 16 windows x 4 images."""
+    if case.startswith("v1"):
         q, k, v, do, bias, mask, _ = window_inputs(8, 64, 4, 49, 32, seed=6, device="cuda")
-        check_window(mode, q, k, v, do, bias, mask, 64, scale=32 ** -0.5)
+        check_window(mode, q, k, v, do, bias, mask, 64, scale=32 ** -0.5, kernel=case.split("-")[-1])
+    else:
+        n = int(case.split("-")[1])
+        q, k, v, do, bias, mask, hs = window_inputs(4, 16, 4, n, 32, seed=5, device="cuda", cosine=True)
+        check_window(mode, q, k, v, do, bias, mask, 16, hs=hs, kernel=case.split("-")[-1])

@@ -20,14 +20,16 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
                                            "fp32", "bf16", "--bias-splits", "1", "2", "--calls", "1", "--repeats",
                                            "1", "--no-sdpa", "--out", str(out)])
     res = tool.main(args)
-    ours = [(r["shape"], r["mode"], r["bias_splits"]) for r in res["rows"]]
-    assert sorted(ours, key=str) == sorted(((s, m, g) for s in ("tiny-dense", "tiny-window") for m in ("fp32", "bf16")
-                                            for g in (None, 1, 2)), key=str)
+    ours = [(r["shape"], r["mode"], r["kernel"], r["bias_splits"]) for r in res["rows"]]
+    expected = [(s, m, name + ("" if g is None else f" splits={g}"), g) for m in ("fp32", "bf16")
+                for s, name in (("tiny-dense", "visionattn"), ("tiny-window", "visionattn-fused"),
+                                ("tiny-window", "visionattn-split")) for g in (None, 1, 2)]
+    assert sorted(ours, key=str) == sorted(expected, key=str)
     assert all(r["ms"] > 0 and r["error"] is None for r in res["rows"])
     assert {r["windows_per_image"] for r in res["rows"]} == {0, 3}
     assert json.load(open(str(out) + ".json"))["rows"] == res["rows"]
     md = open(str(out) + ".md").read()
-    assert "tiny-window" in md and "splits=2" in md and "CPU wall clock" in md
+    assert "visionattn-split splits=2" in md and "CPU wall clock" in md
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "swin-b-s9"], ["--bias-splits", "0"], ["--modes", "fp8"]])
