@@ -13,7 +13,7 @@ relative position bias [H, N, N] and its gradient (summed over every window) and
 both window kernel paths (fused: one kernel per window; split: the dense dK/dV and dQ kernels) are timed;
 SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gradient flows through the
 sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
-reduction beside the automatic choice. ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
+reduction beside the automatic choice, ``--configs`` given tiles of the split kernels beside the default. ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
 ``out`` by SDPA; only their consistency matters for timing. Peak extra memory is
 ``torch.cuda.max_memory_allocated`` above the inputs during one backward call.
 
@@ -60,11 +60,37 @@ def build_parser() -> ToolParser:
                    + "; '-relpos' and the Swin shapes add a [H, N, N] bias with a gradient")
     p.add_argument("--bias-splits", nargs="+", type=positive_int, default=None,
                    help="chunks of the bias-gradient reduction to time beside the automatic choice")
+    p.add_argument("--configs", nargs="+", type=_config, default=[], metavar="M,N,W,S/M,N,W,S",
+                   help="tiles of the split kernels to time beside the default: dK/dV then dQ, each block_m, "
+                        "block_n, warps, stages (e.g. 32,128,4,3/128,32,8,3)")
     p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
     p.add_argument("--repeats", type=positive_int, default=5, help="timing windows (the median is reported)")
     p.add_argument("--no-sdpa", action="store_true", help="time visionattn's backward only")
     p.add_argument("--device", default="cuda", help="device (cpu: Triton's interpreter, for a smoke test)")
     return p
+
+
+def _config(text: str):
+    """``M,N,W,S/M,N,W,S`` -> :class:`visionattn.kernels.elsa_bwd.BwdConfig` (dK/dV tiles, then dQ tiles)."""
+    import argparse
+
+    from visionattn.kernels.elsa_bwd import BwdConfig, KernelTiles
+
+    try:
+        dkdv, dq = (KernelTiles(*(int(x) for x in part.split(","))) for part in text.split("/"))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected M,N,W,S/M,N,W,S (dK/dV then dQ tiles), got {text!r}") from None
+    for t in (dkdv, dq):
+        if min(t.block_m, t.block_n) < 16 or t.block_m & (t.block_m - 1) or t.block_n & (t.block_n - 1) \
+                or t.num_warps not in (1, 2, 4, 8, 16) or t.num_stages < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: blocks must be powers of two >= 16, warps 1-16 (a power "
+                                             f"of two), stages >= 1")
+    return BwdConfig(dkdv, dq)
+
+
+def _config_text(cfg) -> str:
+    return "/".join(",".join(str(x) for x in (t.block_m, t.block_n, t.num_warps, t.num_stages))
+                    for t in (cfg.dkdv, cfg.dq))
 
 
 def _inputs(B, H, N, D, dtype, relpos, windows, device):
@@ -118,17 +144,17 @@ def _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend):
     return run
 
 
-def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel):
+def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel, config=None):
     """A callable running visionattn's backward alone: the window backward (``kernel``: fused / split) for a
-    window shape, else the dense one."""
+    window shape, else the dense one; ``config``: the split kernels' tiles (None = default)."""
     from visionattn.kernels.elsa_bwd import elsa_backward
     from visionattn.kernels.window_bwd import window_backward
 
     if windows:
         return lambda: window_backward(q, k, v, out, do, lse, bias, shift, windows, scale, mode, None, True, False,
-                                       bias_splits=splits, kernel=kernel)
+                                       bias_splits=splits, kernel=kernel, config=config)
     return lambda: elsa_backward(q, k, v, out, do, lse, bias, None, False, scale, mode, bias is not None,
-                                 bias_splits=splits)
+                                 bias_splits=splits, config=config)
 
 
 def main(args) -> dict:
@@ -162,6 +188,12 @@ def main(args) -> dict:
                     name = "visionattn" + ("" if kernel is None else f"-{kernel}") + \
                         ("" if splits is None else f" splits={splits}")
                     cells[name] = (timer(ours), peak_extra_mb(ours, device), splits)
+            for cfg in args.configs:  # the split kernels' tiles given on the command line
+                ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, None,
+                             "split" if windows else None, cfg)
+                ours()  # compile
+                name = ("visionattn-split" if windows else "visionattn") + f" tiles={_config_text(cfg)}"
+                cells[name] = (timer(ours), peak_extra_mb(ours, device), None)
             if not args.no_sdpa:
                 backends = {"sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
                 if dtype != torch.float32:

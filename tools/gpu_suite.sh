@@ -15,7 +15,8 @@
 # CUDA-graph timing at ViT shapes), models-eager (whole timm models, eager), models-compile (ViT-B and Swin-B fp16 under torch.compile default /
 # reduce-overhead, patched vs unpatched), cold (first-call cost with an
 # empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps), window-bwd (the window
-# backward alone at Swin-B's four stage shapes vs SDPA, with a bias-splits sweep),
+# backward alone at Swin-B's four stage shapes vs SDPA, with a bias-splits sweep), bwd-configs (the dense backward at
+# ViT-B shapes with register-spill-free dQ tiles beside the default: check_kernels_offline's spill column),
 # fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200
 # frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the
 # timm families beyond ViT / Swin, patched vs unpatched), naflex (NaFlexViT padded batch), ring1 (the context-parallel
@@ -83,6 +84,9 @@ for step in "$@"; do
         --modes fp32,bf16 --out "$out/train" ;;
     window-bwd) run window-bwd 300 python tools/bench_backward.py --shapes swin-b-s1 swin-b-s2 swin-b-s3 swin-b-s4 \
         --modes fp32 bf16 --bias-splits 8 32 128 --out "$out/window_bwd" ;;
+    bwd-configs) run bwd-configs 400 python tools/bench_backward.py --shapes vit-b16-224 vit-b16-224-relpos \
+        --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,4,3 \
+        --out "$out/bwd_configs" ;;
     fwd-bwd) run fwd-bwd 300 python tools/bench_attention.py --backward --no-flex --shapes "L-4k,ViT-B/16 224" \
         --out "$out/attention_fwd_bwd" ;;
     varlen) run varlen-tests 200 python -m pytest -m gpu -q --timeout=150 -p no:cacheprovider tests/api/test_varlen.py

@@ -17,13 +17,16 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
     monkeypatch.setitem(tool.SHAPES, "tiny-window", (6, 2, 20, 8, True, 3))
     out = tmp_path / "bwd"
     args = tool.build_parser().parse_args(["--device", "cpu", "--shapes", "tiny-dense", "tiny-window", "--modes",
-                                           "fp32", "bf16", "--bias-splits", "1", "2", "--calls", "1", "--repeats",
+                                           "fp32", "bf16", "--bias-splits", "1", "2", "--configs", "16,32,4,1/32,16,4,1",
+                                           "--calls", "1", "--repeats",
                                            "1", "--no-sdpa", "--out", str(out)])
     res = tool.main(args)
     ours = [(r["shape"], r["mode"], r["kernel"], r["bias_splits"]) for r in res["rows"]]
     expected = [(s, m, name + ("" if g is None else f" splits={g}"), g) for m in ("fp32", "bf16")
                 for s, name in (("tiny-dense", "visionattn"), ("tiny-window", "visionattn-fused"),
                                 ("tiny-window", "visionattn-split")) for g in (None, 1, 2)]
+    expected += [(s, m, name + " tiles=16,32,4,1/32,16,4,1", None) for m in ("fp32", "bf16")
+                 for s, name in (("tiny-dense", "visionattn"), ("tiny-window", "visionattn-split"))]
     assert sorted(ours, key=str) == sorted(expected, key=str)
     assert all(r["ms"] > 0 and r["error"] is None for r in res["rows"])
     assert {r["windows_per_image"] for r in res["rows"]} == {0, 3}
@@ -32,7 +35,8 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
     assert "visionattn-split splits=2" in md and "CPU wall clock" in md
 
 
-@pytest.mark.parametrize("argv", [["--shapes", "swin-b-s9"], ["--bias-splits", "0"], ["--modes", "fp8"]])
+@pytest.mark.parametrize("argv", [["--shapes", "swin-b-s9"], ["--bias-splits", "0"], ["--modes", "fp8"],
+                                  ["--configs", "64,64,4"], ["--configs", "48,64,4,2/64,64,4,2"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         tool.build_parser().parse_args(argv)
