@@ -159,7 +159,7 @@ def _dkdv_query_tiles(start_n, Nq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     return lo, mid, n_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "Nq"])  # lengths are runtime values: a new one compiles nothing new
 def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
                            sob, soh, som, sod, sdb, sdh, sdm, sdd, slb, slh, slm,
                            H, Nq, Dv,
@@ -214,7 +214,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add"])
 def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                      sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
@@ -332,7 +332,7 @@ def _head_scale_grad(a, z, w, p):
     return tl.sum((a - z * w / p_safe) / p_safe, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add", "B_OUT", "H_OUT", "R_H", "n_red", "per_chunk"])
 def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                    sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,

@@ -50,7 +50,7 @@ FUSED_MAX_TOKENS = 64
 KERNELS = ("auto", "fused", "split")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "n_add", "BW", "per_chunk"])  # a new batch size compiles nothing new
 def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB, DHS,
                              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                              sdb, sdh, sdm, sdd, slb, slh, slm, sbh, sbm, sbn, saw, sam, san,
