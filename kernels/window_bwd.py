@@ -122,9 +122,9 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
 
 
 def _fused_warps(block: int, precision: str) -> int:
-    """Warps of the fused kernel: 8 for 64-token windows (half and IEEE-FP32 products then need no register
-    spills, against 100-2700 bytes per thread at 4), except with 3xTF32 products, which spill either way and
-    spill less in total at 4 (docs/tuning.md: fused window backward warps); 4 for smaller windows."""
+    """Warps of the fused kernel: 8 for 64-token windows (half and IEEE-FP32 products then spill no or few
+    registers, hundreds to thousands of bytes per thread at 4), except with 3xTF32 products, which spill either
+    way and less at 4 (docs/tuning.md: fused window backward warps); 4 for smaller windows."""
     if block < 64 or precision == "tf32x3":
         return 4
     return 8
