@@ -50,10 +50,12 @@ key-padding bias ``[B, 1, 1, Nk]``) are computed in full, ``[.., Nq, Nk]`` FP32,
 
 Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax algebra in FP32):
 
-* ``fp32``: ``input_precision="tf32x3"`` (3xTF32: FP32-accurate products on tensor cores); the tile products
-  of the accumulating dots are summed apart and then added, so long loops do not lose their low bits.
-* ``fp32-ieee``: ``"ieee"`` (FP32 FMA), same accumulation.
-* ``tf32``: ``"tf32x3"`` as ``fp32`` (plain TF32 products err over twice PyTorch's own TF32 backward).
+* ``fp32``: ``"f16x3"``, split-FP16 products (:mod:`.split16`: hi / lo FP16 parts of 11 significant bits each,
+  as 3xTF32 keeps, on the FP16 tensor cores at twice TF32's rate, FP32 accumulation), the forward's
+  arithmetic; the tile products of the accumulating dots are summed apart and then added, so long loops do
+  not lose their low bits.
+* ``fp32-ieee``: ``input_precision="ieee"`` (FP32 FMA), same accumulation.
+* ``tf32``: ``"f16x3"`` as ``fp32`` (TF32-class products err over twice PyTorch's own TF32 backward).
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
   FlashAttention-2 does), FP32 accumulation.
 
@@ -77,9 +79,10 @@ from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import key_tiles, load_kv_tile
 from .modes import MODES
+from .split16 import split_rows, split_scores
 
 __all__ = ["elsa_backward", "launch_backward", "bias_grad_shape", "reduce_bias_grad", "get_config", "BwdConfig",
-           "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES"]
+           "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES", "FP32_PRODUCTS", "fp32_products"]
 
 MAX_HEAD_DIM = 256
 BIAS_WORKSPACE_BYTES = 256 << 20  # dBias partials beyond the first stay under this
@@ -90,14 +93,41 @@ BWD_MODES: dict[str, tuple[torch.dtype, str]] = {
     name: (m.compute_dtype, m.backward_precision or "tf32") for name, m in MODES.items() if "dense" in m.kernels}
 
 
+# the products an FP32 backward can run (f16x3: split-FP16, :mod:`.split16`; else tl.dot input precisions)
+FP32_PRODUCTS = ("f16x3", "tf32x3", "ieee")
+
+
+def fp32_products(mode: str, products: str | None) -> tuple[torch.dtype, str]:
+    """``(compute dtype, products)`` of ``mode``'s backward: :data:`BWD_MODES`' entry, its products replaced by
+    ``products`` for an FP32 mode when given.
+
+    Raises:
+        ValueError: ``products`` not in :data:`FP32_PRODUCTS`.
+    """
+    dtype, precision = BWD_MODES[mode]
+    if products is not None:
+        if products not in FP32_PRODUCTS:
+            raise ValueError(f"products={products!r}; expected one of {list(FP32_PRODUCTS)} or None")
+        if dtype == torch.float32:
+            precision = products
+    return dtype, precision
+
+
 # --------------------------------------------------------------------------- jit helpers
 
 @triton.jit
 def _mm(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """``a @ b`` in FP32. DOT_UPCAST (interpreter only, whose bf16 ``tl.dot`` is broken): the bf16 operands
-    are multiplied in FP32, which is exact, as the tensor cores compute them."""
+    """``a @ b`` in FP32. ``PRECISION="f16x3"`` (FP32 operands): split-FP16 products (:mod:`.split16`), ``a``
+    split per row and ``b`` per column, each scaled by a power of two into FP16's range and undone on the
+    result's rows and columns; else ``tl.dot``'s ``input_precision``. DOT_UPCAST (interpreter only, whose bf16
+    ``tl.dot`` is broken): the bf16 operands are multiplied in FP32, which is exact, as the tensor cores compute
+    them."""
     if DOT_UPCAST:
         r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif PRECISION == "f16x3":
+        a_hi, a_lo, a_inv = split_rows(a)
+        b_hi, b_lo, b_inv = split_rows(tl.trans(b))
+        r = split_scores(a_hi, a_lo, b_hi, b_lo, "f16x3") * a_inv[:, None] * b_inv[None, :]
     else:
         r = tl.dot(a, b, input_precision=PRECISION)
     return r
@@ -619,7 +649,7 @@ def _bias_splits(n_red: int, programs: int, partial_bytes: int, device: torch.de
 def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
                   lse: torch.Tensor, bias: torch.Tensor | None, attn_mask: torch.Tensor | None, is_causal: bool,
                   scale: float, mode: str, bias_requires_grad: bool = False, *, config: BwdConfig | None = None,
-                  bias_splits: int | None = None
+                  bias_splits: int | None = None, products: str | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of ``out = softmax(scale q k^T + bias, masked) v`` by the deterministic ELSA backward kernels.
 
@@ -644,6 +674,8 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         config: tile override (tools, tests); None = :func:`get_config`'s, shrunk if it exceeds shared memory.
         bias_splits: chunks G of the batch / head entries reduced onto each dBias slot (module docstring);
             None = automatic (1 on CPU).
+        products: the FP32 operands' products, one of :data:`FP32_PRODUCTS` (tools compare them); None = the
+            mode's. Half modes ignore it.
 
     Returns:
         ``(dq, dk, dv, dbias)``: dq [B, H, Nq, D], dk [B, H, Nk, D], dv [B, H, Nk, Dv], contiguous, in q's
@@ -660,13 +692,15 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     if bias_requires_grad and bias is None:
         raise ValueError("bias_requires_grad=True needs a bias")
     dq, dk, dv, dbias, _ = launch_backward(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, is_causal,
-                                           scale, mode, bias_requires_grad, False, config, bias_splits)
+                                           scale, mode, bias_requires_grad, False, config, bias_splits,
+                                           products=products)
     return dq, dk, dv, dbias
 
 
 def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, is_causal: bool,
                     scale: float, mode: str, bias_requires_grad: bool, head_scale_requires_grad: bool,
-                    config: BwdConfig | None, bias_splits: int | None, default: BwdConfig | None = None):
+                    config: BwdConfig | None, bias_splits: int | None, default: BwdConfig | None = None,
+                    products: str | None = None):
     """Allocate and launch the three kernels on validated inputs from the cached plan of the call's signature
     (shared with :mod:`.window_bwd`).
 
@@ -676,6 +710,7 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
     ``d head_scale_h = sum_(b, i, j) dS_bhij q_bhi . k_bhj`` (FP32 [H], summed by torch over per-tile partials).
 
     ``config`` runs as given; otherwise ``default`` (or :func:`get_config`'s), shrunk if it exceeds shared memory.
+    ``products``: as :func:`elsa_backward`'s.
 
     Returns (dq, dk, dv, dbias or None, dhead_scale or None).
     """
@@ -690,13 +725,13 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
     key = (mode, q.shape, k.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
            lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(add_mask),
            _tensor_key(attn_mask), _tensor_key(head_scale), bool(is_causal), bool(bias_requires_grad),
-           bool(head_scale_requires_grad), config, bias_splits, default, q.data_ptr() & 15, k.data_ptr() & 15,
+           bool(head_scale_requires_grad), config, bias_splits, default, products, q.data_ptr() & 15, k.data_ptr() & 15,
            v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15)
     plan = PLANS.get(key)
     if plan is None:
         plan = PLANS.put(key, _BackwardPlan(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale,
                                             is_causal, mode, bias_requires_grad, head_scale_requires_grad, config,
-                                            bias_splits, default))
+                                            bias_splits, default, products))
     return plan(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale)
 
 
@@ -715,8 +750,8 @@ class _BackwardPlan:
     allocates the gradients and launches (a few microseconds of host work instead of three keyed launches)."""
 
     def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, is_causal, mode,
-                 bias_requires_grad, head_scale_requires_grad, config, bias_splits, default):
-        dtype, precision = BWD_MODES[mode]
+                 bias_requires_grad, head_scale_requires_grad, config, bias_splits, default, products=None):
+        dtype, precision = fp32_products(mode, products)
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
         shape4 = self.shape4 = (B, H, Nq, Nk)

@@ -41,9 +41,9 @@ class Mode:
             (:mod:`.elsa_fwd`), ``"pasa"`` (:mod:`.pasa_fwd`), ``"window"`` (:mod:`.window_fwd`).
         state_dtype: dtype of the (m, S, W) state and of the score accumulation after the
             products (FP32 in every mode).
-        backward_precision: ``tl.dot`` input precision of the backward kernels' FP32 products
-            (``"tf32x3"``, ``"ieee"``); ``None`` for half inputs (native tensor-core products) and for
-            modes without a backward kernel.
+        backward_precision: products of the backward kernels' FP32 operands: ``"f16x3"`` (split-FP16,
+            :mod:`.split16`) or a ``tl.dot`` input precision (``"tf32x3"``, ``"ieee"``); ``None`` for half
+            inputs (native tensor-core products) and for modes without a backward kernel.
     """
 
     name: str
@@ -63,14 +63,14 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("fp32", torch.float32, "f16x3", 2e-6, False,
              "FP32 inputs, FP32-accurate products (split-FP16 hi/lo, 22 significant bits like 3xTF32), "
-             "FP32 state", backward_precision="tf32x3"),
+             "FP32 state", backward_precision="f16x3"),
         Mode("fp32-ieee", torch.float32, "ieee", 2e-6, False,
              "strict IEEE FP32 FMA products, no tensor cores, FP32 state", backward_precision="ieee"),
         Mode("tf32", torch.float32, "f16x1", 3e-3, False,
              "TF32-class products (operands rounded to TF32's 11 significant bits), FP32 state",
              # plain TF32 products in the backward err 2.8e-3 on dQ at ViT-B/16 224, over twice PyTorch's own
-             # TF32 backward (1.0e-3 bound): the backward multiplies in 3xTF32
-             backward_precision="tf32x3"),
+             # TF32 backward (1.0e-3 bound): the backward multiplies FP32-accurately, as fp32 does
+             backward_precision="f16x3"),
         Mode("fp16", torch.float16, None, 2e-3, False,
              "FP16 inputs, FP32 score accumulation and state"),
         Mode("bf16", torch.bfloat16, None, 1e-2, False,

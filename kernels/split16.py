@@ -13,7 +13,8 @@ fewer (their lo part turns FP16-subnormal). With one q channel 2^r times the oth
 matching k channel 2^-r): rel err 3.0e-7 at r=16, 9.1e-7 at 20, 3.5e-6 at 22, 1.4e-5 at 24
 (3xTF32: 2.9e-7 throughout). Rows spanning more than ~2^20 want fp32-ieee (or tf32x3).
 
-Used by the dense (:mod:`.elsa_fwd`) and window (:mod:`.window_fwd`) kernels.
+Used by the dense (:mod:`.elsa_fwd`) and window (:mod:`.window_fwd`) forward kernels and, for every FP32
+product of the ``fp32`` / ``tf32`` backward, by :func:`.elsa_bwd._mm`.
 """
 import triton
 import triton.language as tl

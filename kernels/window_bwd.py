@@ -40,7 +40,7 @@ import triton.language as tl
 from ._host import cdiv, pad_pow2
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
-                       _head_scale_grad, _mm, _tensor_key, launch_backward)
+                       _head_scale_grad, _mm, _tensor_key, fp32_products, launch_backward)
 from .elsa_fwd import load_kv_tile
 
 __all__ = ["window_backward", "get_config", "FUSED_MAX_TOKENS", "KERNELS"]
@@ -123,9 +123,10 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
 
 def _fused_warps(block: int, precision: str) -> int:
     """Warps of the fused kernel: 8 for 64-token windows (half and IEEE-FP32 products then spill no or few
-    registers, hundreds to thousands of bytes per thread at 4), except with 3xTF32 products, which spill either
-    way and less at 4 (docs/tuning.md: fused window backward warps); 4 for smaller windows."""
-    if block < 64 or precision == "tf32x3":
+    registers, hundreds to thousands of bytes per thread at 4), except with split products (``f16x3``,
+    ``tf32x3``), which spill either way and less in total at 4 (docs/tuning.md: fused window backward warps); 4
+    for smaller windows."""
+    if block < 64 or precision in ("f16x3", "tf32x3"):
         return 4
     return 8
 
@@ -141,7 +142,7 @@ class _FusedPlan:
     __slots__ = ("call", "fixed", "fixed_tail", "G", "dims", "write_db", "write_dhs", "device")
 
     def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, mode, write_db, write_dhs,
-                 bias_splits):
+                 bias_splits, products):
         BW, H, N, D = q.shape
         Dv = v.shape[3]
         block = max(16, pad_pow2(N))
@@ -158,7 +159,7 @@ class _FusedPlan:
         self.fixed = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(), *lse.stride(), *sb,
                       *sa, H, N, D, Dv)  # the arguments before scale0
         self.fixed_tail = (n_add, BW, per_chunk)  # and after it
-        precision = BWD_MODES[mode][1]
+        precision = fp32_products(mode, products)[1]
         self.call = KernelCall(_window_bwd_fused_kernel, (H * G,), dict(
             BLOCK=block, BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision, HAS_BIAS=bias is not None,
             HAS_ADD=add_mask is not None, HEAD_SCALE=head_scale is not None, WRITE_DB=write_db, WRITE_DHS=write_dhs,
@@ -202,7 +203,7 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     num_windows: int, scale: float, mode: str, head_scale: torch.Tensor | None = None,
                     bias_requires_grad: bool = False, head_scale_requires_grad: bool = False, *,
                     config: BwdConfig | None = None, bias_splits: int | None = None, kernel: str = "auto",
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                    products: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of window attention (module docstring) from the saved log-sum-exp.
 
     Args:
@@ -228,6 +229,7 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             :func:`.elsa_bwd.elsa_backward`).
         kernel: ``"auto"`` (the fused kernel for windows of at most :data:`FUSED_MAX_TOKENS` tokens without a
             ``config``, else the split kernels), ``"fused"`` or ``"split"`` (module docstring).
+        products: FP32 products override, as :func:`.elsa_backward`'s (None = the mode's).
 
     Returns:
         ``(dq, dk, dv, dbias, dhead_scale)``: dq, dk [B*nW, H, N, D] and dv [B*nW, H, N, Dv], contiguous, in
@@ -269,6 +271,7 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         raise ValueError("bias_requires_grad=True needs a relative_position_bias")
     if head_scale_requires_grad and head_scale is None:
         raise ValueError("head_scale_requires_grad=True needs a head_scale")
+    fp32_products(mode, products)  # an unknown products value raises here, whichever path runs
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; expected one of {list(KERNELS)}")
     if kernel == "fused" and (N > FUSED_MAX_TOKENS or config is not None):
@@ -277,27 +280,27 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     empty = BW * H == 0 or q.shape[3] == 0 or v.shape[3] == 0
     if kernel == "fused" or (kernel == "auto" and N <= FUSED_MAX_TOKENS and config is None and not empty):
         return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
-                      head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits)
+                      head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits, products)
     dq, dk, dv, dbias, dhs = launch_backward(
         q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, None, hs, False, float(scale), mode,
         bias_requires_grad, head_scale_requires_grad, config, bias_splits,
-        default=get_config(mode, N, max(q.shape[3], v.shape[3])))
+        default=get_config(mode, N, max(q.shape[3], v.shape[3])), products=products)
     if dhs is not None:
         dhs = dhs.reshape(head_scale.shape).to(head_scale.dtype)
     return dq, dk, dv, dbias, dhs
 
 
 def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_scale, write_db, write_dhs,
-           bias_splits):
+           bias_splits, products):
     """:func:`window_backward` on the fused kernel from the cached plan of the call's signature."""
     key = (mode, q.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
            lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(shift_mask),
-           hs is not None, write_db, write_dhs, bias_splits, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+           hs is not None, write_db, write_dhs, bias_splits, products, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
            out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15)
     plan = PLANS.get(key)
     if plan is None:
         plan = PLANS.put(key, _FusedPlan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db,
-                                         write_dhs, bias_splits))
+                                         write_dhs, bias_splits, products))
     dq, dk, dv, dbias, dhs = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
     if dbias is not None:
         dbias = dbias.to(bias.dtype)

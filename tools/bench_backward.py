@@ -13,7 +13,9 @@ relative position bias [H, N, N] and its gradient (summed over every window) and
 both window kernel paths (fused: one kernel per window; split: the dense dK/dV and dQ kernels) are timed;
 SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gradient flows through the
 sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
-reduction beside the automatic choice, ``--configs`` given tiles of the split kernels beside the default. ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
+reduction beside the automatic choice, ``--configs`` given tiles of the split kernels beside the default,
+``--fp32-products`` the FP32 modes' backward with other products (split-FP16 f16x3, the default; ``tl.dot``'s
+3xTF32; IEEE FMA). ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
 ``out`` by SDPA; only their consistency matters for timing. Peak extra memory is
 ``torch.cuda.max_memory_allocated`` above the inputs during one backward call.
 
@@ -63,6 +65,8 @@ def build_parser() -> ToolParser:
     p.add_argument("--configs", nargs="+", type=_config, default=[], metavar="M,N,W,S/M,N,W,S",
                    help="tiles of the split kernels to time beside the default: dK/dV then dQ, each block_m, "
                         "block_n, warps, stages (e.g. 32,128,4,3/128,32,8,3)")
+    p.add_argument("--fp32-products", nargs="+", choices=("f16x3", "tf32x3", "ieee"), default=[],
+                   help="FP32 modes: also time the backward with these products (default: the mode's own only)")
     p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
     p.add_argument("--repeats", type=positive_int, default=5, help="timing windows (the median is reported)")
     p.add_argument("--no-sdpa", action="store_true", help="time visionattn's backward only")
@@ -144,17 +148,18 @@ def _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend):
     return run
 
 
-def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel, config=None):
+def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel, config=None, products=None):
     """A callable running visionattn's backward alone: the window backward (``kernel``: fused / split) for a
-    window shape, else the dense one; ``config``: the split kernels' tiles (None = default)."""
+    window shape, else the dense one; ``config``: the split kernels' tiles (None = default); ``products``: the
+    FP32 products (None = the mode's)."""
     from visionattn.kernels.elsa_bwd import elsa_backward
     from visionattn.kernels.window_bwd import window_backward
 
     if windows:
         return lambda: window_backward(q, k, v, out, do, lse, bias, shift, windows, scale, mode, None, True, False,
-                                       bias_splits=splits, kernel=kernel, config=config)
+                                       bias_splits=splits, kernel=kernel, config=config, products=products)
     return lambda: elsa_backward(q, k, v, out, do, lse, bias, None, False, scale, mode, bias is not None,
-                                 bias_splits=splits, config=config)
+                                 bias_splits=splits, config=config, products=products)
 
 
 def main(args) -> dict:
@@ -188,6 +193,13 @@ def main(args) -> dict:
                     name = "visionattn" + ("" if kernel is None else f"-{kernel}") + \
                         ("" if splits is None else f" splits={splits}")
                     cells[name] = (timer(ours), peak_extra_mb(ours, device), splits)
+            for products in args.fp32_products if dtype == torch.float32 else []:
+                for kernel in kernels:
+                    ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, None, kernel,
+                                 products=products)
+                    ours()  # compile
+                    name = "visionattn" + ("" if kernel is None else f"-{kernel}") + f" products={products}"
+                    cells[name] = (timer(ours), peak_extra_mb(ours, device), None)
             for cfg in args.configs:  # the split kernels' tiles given on the command line
                 ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, None,
                              "split" if windows else None, cfg)

@@ -17,6 +17,7 @@
 # empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps), window-bwd (the window
 # backward alone at Swin-B's four stage shapes vs SDPA, with a bias-splits sweep), bwd-configs (the dense backward at
 # ViT-B shapes with register-spill-free dQ tiles beside the default: check_kernels_offline's spill column),
+# bwd-products (the fp32 / tf32 backward with split-FP16 products, the default, beside tl.dot's 3xTF32),
 # fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200
 # frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the
 # timm families beyond ViT / Swin, patched vs unpatched), naflex (NaFlexViT padded batch), ring1 (the context-parallel
@@ -83,7 +84,9 @@ for step in "$@"; do
     train) run train 400 python tools/bench_train.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
         --modes fp32,bf16 --out "$out/train" ;;
     window-bwd) run window-bwd 300 python tools/bench_backward.py --shapes swin-b-s1 swin-b-s2 swin-b-s3 swin-b-s4 \
-        --modes fp32 bf16 --bias-splits 8 32 128 --out "$out/window_bwd" ;;
+        --modes fp32 bf16 --bias-splits 8 32 128 --fp32-products tf32x3 --out "$out/window_bwd" ;;
+    bwd-products) run bwd-products 300 python tools/bench_backward.py --shapes long-4k vit-b16-224 vit-b16-224-relpos \
+        --modes fp32 tf32 --fp32-products tf32x3 --out "$out/bwd_products" ;;
     bwd-configs) run bwd-configs 400 python tools/bench_backward.py --shapes vit-b16-224 vit-b16-224-relpos \
         --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,4,3 \
         --out "$out/bwd_configs" ;;

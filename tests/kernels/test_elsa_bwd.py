@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from visionattn.kernels.elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, bias_grad_shape, elsa_backward,
-                                         reduce_bias_grad)
+from visionattn.kernels.elsa_bwd import (BWD_MODES, FP32_PRODUCTS, BwdConfig, KernelTiles, bias_grad_shape,
+                                         elsa_backward, reduce_bias_grad)
 from visionattn.metrics import rel_l2
 
 from grad_checks import FP32_TOL, assert_gradients, gradient_bounds, torch_matmul_precision
@@ -74,13 +74,13 @@ def _inputs(B, H, Nq, Nk, D, Dv=None, dtype=torch.float32, seed=0, device="cpu")
 
 
 def check_mode(mode, q, k, v, do, bias=None, mask=None, causal=False, scale=0.125, config=None, chunk=None,
-               bias_splits=None):
+               bias_splits=None, products=None):
     """Run the kernels and the oracle; assert the mode's bound on every gradient. Returns the kernel grads."""
     dtype = BWD_MODES[mode][0]
     q, k, v = (t.to(dtype) for t in (q, k, v))
     out64, lse, gold = autograd_grads(torch.float64, q, k, v, do, bias, mask, causal, scale, chunk)
     got = elsa_backward(q, k, v, out64.to(dtype), do.to(dtype), lse, bias, mask, causal, scale, mode,
-                        bias is not None, config=config, bias_splits=bias_splits)
+                        bias is not None, config=config, bias_splits=bias_splits, products=products)
     same = None
     if dtype != torch.float32 or (mode == "tf32" and q.is_cuda):
         with torch_matmul_precision(mode):
@@ -93,6 +93,15 @@ def check_mode(mode, q, k, v, do, bias=None, mask=None, causal=False, scale=0.12
 
 
 # --------------------------------------------------------------------------- CPU (interpreter)
+
+@cpu_only
+@pytest.mark.parametrize("products", FP32_PRODUCTS)
+def test_every_fp32_product_kind_meets_the_fp32_bound(products):
+    """The FP32 products a tool can pick (split-FP16 f16x3, the default; tl.dot's 3xTF32 and IEEE FMA) all hold
+    the fp32 mode's gradient bound, relative position bias included."""
+    q, k, v, do = _inputs(2, 2, 37, 50, 64, seed=1)
+    bias = torch.randn(2, 37, 50, generator=torch.Generator().manual_seed(2))
+    check_mode("fp32", q, k, v, do, bias=bias, products=products)
 
 @cpu_only
 @pytest.mark.parametrize("mode", MODES)
@@ -259,6 +268,8 @@ def test_errors_name_the_argument():
         elsa_backward(**args(bias=torch.zeros(3, 4)))
     with pytest.raises(ValueError, match="bias_requires_grad"):
         elsa_backward(**args(), bias_requires_grad=True)
+    with pytest.raises(ValueError, match="products='tf32'"):
+        elsa_backward(**args(), products="tf32")
     with pytest.raises(ValueError, match="head dim"):
         big = torch.zeros(1, 1, 4, 320)
         elsa_backward(**args(q=big, k=big, v=big, out=big, grad_out=big))

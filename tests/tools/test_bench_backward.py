@@ -18,6 +18,7 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
     out = tmp_path / "bwd"
     args = tool.build_parser().parse_args(["--device", "cpu", "--shapes", "tiny-dense", "tiny-window", "--modes",
                                            "fp32", "bf16", "--bias-splits", "1", "2", "--configs", "16,32,4,1/32,16,4,1",
+                                           "--fp32-products", "tf32x3",
                                            "--calls", "1", "--repeats",
                                            "1", "--no-sdpa", "--out", str(out)])
     res = tool.main(args)
@@ -27,6 +28,8 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
                                 ("tiny-window", "visionattn-split")) for g in (None, 1, 2)]
     expected += [(s, m, name + " tiles=16,32,4,1/32,16,4,1", None) for m in ("fp32", "bf16")
                  for s, name in (("tiny-dense", "visionattn"), ("tiny-window", "visionattn-split"))]
+    expected += [(s, "fp32", name + " products=tf32x3", None) for s, name in (
+        ("tiny-dense", "visionattn"), ("tiny-window", "visionattn-fused"), ("tiny-window", "visionattn-split"))]
     assert sorted(ours, key=str) == sorted(expected, key=str)
     assert all(r["ms"] > 0 and r["error"] is None for r in res["rows"])
     assert {r["windows_per_image"] for r in res["rows"]} == {0, 3}
