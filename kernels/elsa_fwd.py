@@ -134,6 +134,45 @@ def key_tiles(start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUS
 
 
 @triton.jit
+def partition_tiles(split, tiles_per_split, n_full, n_tiles, SPLIT: tl.constexpr):
+    """``(lo, mid, hi)``: the key tiles partition ``split`` folds, ``[lo, mid)`` interior and ``[mid, hi)``
+    boundary (:func:`key_tiles`' split at ``n_full``); without SPLIT every tile, ``lo = 0``."""
+    lo = 0
+    hi = n_tiles
+    if SPLIT:
+        lo = split * tiles_per_split
+        hi = tl.minimum(lo + tiles_per_split, n_tiles)
+    return lo, tl.maximum(tl.minimum(n_full, hi), lo), hi
+
+
+@triton.jit
+def final_state(acc, l_i, m_i, v_exp, PRECISION: tl.constexpr):
+    """After the last tile: ``(lse, acc, l_i, m_i, v_unscale)``, ``lse`` the rows' natural-log log-sum-exp
+    (-inf without a visible key), ``(m_i, l_i)`` the state as partials store it (f16x1: ``(m + 15, S / 2^15)``,
+    the same state, so partitions whose rows took the minus-15 shift and those past 2^23 that did not merge
+    consistently) and ``v_unscale`` [BLOCK_DV] the factors undoing the V / P scales of ``acc``."""
+    v_unscale = tl.full(v_exp.shape, 1.0, dtype=tl.float32)
+    if PRECISION == "f16x3" or PRECISION == "f16x1":
+        v_unscale = pv_unscale(v_exp)
+    # log2 sum_j 2^(s_j) = m + log2(sum_j 2^(s_j - m)) with the raw running sum (before f16x1's 2^-15)
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    if PRECISION == "f16x1":
+        l_i = l_i * (1.0 / 32768.0)  # P's 2^15 was in each p (see _fold_tile); acc's goes with v_unscale
+        m_i = m_i + 15.0
+    return lse, acc, l_i, m_i, v_unscale
+
+
+@triton.jit
+def store_partial(WsM, WsS, WsW, row_id, m_i, l_i, acc, v_unscale, offs_dv, row_ok, Dv):
+    """A partition's partial state of rows ``row_id``: m, S to ``WsM`` / ``WsS``, W (unscaled) to ``WsW``
+    (rows of ``Dv``), for :func:`_elsa_merge_kernel`."""
+    tl.store(WsM + row_id, m_i, mask=row_ok)
+    tl.store(WsS + row_id, l_i, mask=row_ok)
+    tl.store(WsW + row_id[:, None] * Dv + offs_dv[None, :], acc * v_unscale[None, :],
+             mask=row_ok[:, None] & (offs_dv < Dv)[None, :])
+
+
+@triton.jit
 def _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base, start_n,
                offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
@@ -288,12 +327,7 @@ def _elsa_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    lo_t = 0
-    hi_t = n_tiles
-    if SPLIT:
-        lo_t = split * tiles_per_split
-        hi_t = tl.minimum(lo_t + tiles_per_split, n_tiles)
-    mid_t = tl.maximum(tl.minimum(n_full, hi_t), lo_t)
+    lo_t, mid_t, hi_t = partition_tiles(split, tiles_per_split, n_full, n_tiles, SPLIT)
     for t in range(lo_t, mid_t):
         acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base, t * BLOCK_N,
                                    offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
@@ -306,25 +340,13 @@ def _elsa_fwd_kernel(
                                    True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST, LAZY_V)
 
     dv_ok = offs_dv < Dv
-    v_unscale = tl.full([BLOCK_DV], 1.0, dtype=tl.float32)
-    if PRECISION == "f16x3" or PRECISION == "f16x1":
-        v_unscale = pv_unscale(v_exp)
+    lse, acc, l_i, m_i, v_unscale = final_state(acc, l_i, m_i, v_exp, PRECISION)
     if WRITE_LSE and not SPLIT:
-        # log2 sum_j 2^(s_j) = m + log2(sum_j 2^(s_j - m)) with the raw running sum (before f16x1's 2^-15)
-        lse_ptrs = Lse + (off_b * H + off_h) * Nq + start_m64 + offs_m
-        tl.store(lse_ptrs, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
-    if PRECISION == "f16x1":
-        l_i = l_i * (1.0 / 32768.0)  # P's 2^15 was in each p (see _fold_tile); acc's goes with v_unscale
-        # (m + 15, S / 2^15) is the same state as (m, S): stored that way, partitions whose rows took
-        # the minus-15 shift and those past 2^23 that did not merge consistently
-        m_i = m_i + 15.0
+        tl.store(Lse + (off_b * H + off_h) * Nq + start_m64 + offs_m, lse, mask=row_ok)
     if SPLIT:
         # partial state of partition `split`: workspace [P, B, H, Nq] (m, S) and [P, B, H, Nq, Dv] (W)
-        row_id = ((split * B + off_b) * H + off_h) * Nq + start_m64 + offs_m
-        tl.store(WsM + row_id, m_i, mask=row_ok)
-        tl.store(WsS + row_id, l_i, mask=row_ok)
-        w_ptrs = WsW + row_id[:, None] * Dv + offs_dv[None, :]
-        tl.store(w_ptrs, acc * v_unscale[None, :], mask=row_ok[:, None] & dv_ok[None, :])
+        store_partial(WsM, WsS, WsW, ((split * B + off_b) * H + off_h) * Nq + start_m64 + offs_m, m_i, l_i, acc,
+                      v_unscale, offs_dv, row_ok, Dv)
     else:
         l_div = tl.where(l_i > 0.0, l_i, 1.0)  # fully masked rows: W = 0, S = 0 -> output 0
         out = acc / l_div[:, None] * v_unscale[None, :]  # divide first: acc may exceed FP32 once unscaled

@@ -21,8 +21,10 @@ starts past their sequence's end return at once. It needs no host-side tile tabl
 the lengths on the host every call); the cost is the early-exiting programs, a few microseconds at
 most for skewed batches. Short sequences are thereby packed into the same launch, long ones contribute
 many tiles. Splitting the keys of one very long sequence over several programs (LeanAttention /
-split-KV with the monoid merge) is not done here yet: a batch of one long sequence with few query
-tiles runs at the single-pass kernel's occupancy.
+split-KV with the monoid merge) runs when the query tiles of all heads and sequences give fewer
+programs than the GPU has SMs (:func:`.elsa_fwd.choose_num_splits` on the average sequence): every
+sequence's keys are cut into the same number of partitions of ``tiles_per_split`` key tiles (partitions past
+a short sequence's keys hold the identity state), and :func:`.elsa_fwd._elsa_merge_kernel` folds them.
 
 Specialisation: mode (product precision), head dims, causal, LSE and the tile config (chosen from the
 ``max_seqlen_k`` bucket <= / > :data:`.elsa_fwd.SHORT_KV`, like the dense kernel's short-KV rows);
@@ -38,32 +40,43 @@ import triton.language as tl
 
 from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
-from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _fold_tile, _precision,
-                       _smaller_configs, get_config, key_tiles, load_query_tile)
+from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _elsa_merge_kernel, _fold_tile,
+                       _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
+                       load_query_tile, partition_tiles, store_partial)
 from .modes import MODES
-from .split16 import SPLIT_EXP, pv_unscale
+from .split16 import SPLIT_EXP
 
 __all__ = ["varlen_forward", "varlen_unsupported_reason", "PLANS"]
 
 
-@triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles"])
+@triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles", "n_splits", "tiles_per_split"])
 def _varlen_fwd_kernel(
-    Q, K, V, CuQ, CuK, Out, Lse, qk_scale,
+    Q, K, V, CuQ, CuK, Out, Lse, WsM, WsS, WsW, qk_scale,
     sqt, sqh, sqd, skt, skh, skd, svt, svh, svd, sot, soh, sod,
-    H, total_q, n_m_tiles, D, Dv,
+    H, total_q, n_m_tiles, D, Dv, n_splits, tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, LAZY_V: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, LAZY_V: tl.constexpr, WRITE_LSE: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """One (query tile, head, sequence) program; 1-D grid ``n_m_tiles * H * n_seq``.
+    """One (query tile, [KV partition,] head, sequence) program; 1-D grid ``n_m_tiles * P * H * n_seq``.
 
     Tiles of one (sequence, head) are adjacent (they share K / V in L2). A tile starting at or past its
     sequence's query count returns at once. A sequence without keys writes zeros (and LSE -inf).
     ``WRITE_LSE``: also the natural-log log-sum-exp of each row's scaled logits to ``Lse`` [H, total_q].
+    ``SPLIT``: partition ``p`` folds key tiles ``[p * tiles_per_split, (p + 1) * tiles_per_split)`` of its
+    sequence (none past the sequence's keys: the identity state) and stores its partial ``(m, S, W)`` to the
+    workspace [P, H, total_q] (+ [.., Dv]) for :func:`.elsa_fwd._elsa_merge_kernel`.
     """
     pid0 = tl.program_id(0)
-    pid_m = pid0 % n_m_tiles
-    sh = pid0 // n_m_tiles
+    tiles = n_m_tiles * n_splits
+    pid = pid0 % tiles
+    sh = pid0 // tiles
+    if SPLIT:
+        pid_m = pid // n_splits
+        split = pid % n_splits
+    else:
+        pid_m = pid
+        split = 0
     off_h = (sh % H).to(tl.int64)
     seq = sh // H
     q_start = tl.load(CuQ + seq).to(tl.int64)
@@ -91,15 +104,16 @@ def _varlen_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    mid_t, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    lo_t, mid_t, hi_t = partition_tiles(split, tiles_per_split, n_full, n_tiles, SPLIT)
     # no bias / mask: their pointers and strides are unused placeholders (HAS_BIAS = HAS_MASK = False)
-    for t in range(0, mid_t):
+    for t in range(lo_t, mid_t):
         acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
                                           offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                                           skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
                                           False, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST,
                                           LAZY_V)
-    for t in range(mid_t, n_tiles):
+    for t in range(mid_t, hi_t):
         acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
                                           offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                                           skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
@@ -107,51 +121,73 @@ def _varlen_fwd_kernel(
                                           LAZY_V)
 
     dv_ok = offs_dv < Dv
-    v_unscale = tl.full([BLOCK_DV], 1.0, dtype=tl.float32)
-    if PRECISION == "f16x3" or PRECISION == "f16x1":
-        v_unscale = pv_unscale(v_exp)
-    if WRITE_LSE:
-        # log2 sum_j 2^(s_j) = m + log2 S with the raw running sum (before f16x1's 2^-15); -inf without keys
-        lse_ptrs = Lse + off_h * total_q + q_start + start_m64 + offs_m
-        tl.store(lse_ptrs, (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=row_ok)
-    if PRECISION == "f16x1":
-        l_i = l_i * (1.0 / 32768.0)  # P's 2^15 was in each p (see _fold_tile); acc's goes with v_unscale
-    l_div = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: W = 0, S = 0 -> output 0
-    out = acc / l_div[:, None] * v_unscale[None, :]
-    o_ptrs = Out + (q_start + start_m64) * sot + off_h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    lse, acc, l_i, m_i, v_unscale = final_state(acc, l_i, m_i, v_exp, PRECISION)
+    if WRITE_LSE and not SPLIT:  # -inf for a sequence without keys
+        tl.store(Lse + off_h * total_q + q_start + start_m64 + offs_m, lse, mask=row_ok)
+    if SPLIT:  # workspace [P, H, total_q] (m, S) and [P, H, total_q, Dv] (W)
+        store_partial(WsM, WsS, WsW, (split * H + off_h) * total_q + q_start + start_m64 + offs_m, m_i, l_i, acc,
+                      v_unscale, offs_dv, row_ok, Dv)
+    else:
+        l_div = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: W = 0, S = 0 -> output 0
+        out = acc / l_div[:, None] * v_unscale[None, :]
+        o_ptrs = Out + (q_start + start_m64) * sot + off_h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
 class _VarlenPlan:
-    """The varlen kernel for one call signature (grid, constexprs, strides fixed); a call allocates the
-    output (and LSE) and launches."""
+    """The varlen kernel for one call signature (grid, constexprs, strides fixed), with the split-KV merge
+    when it partitions the keys; a call allocates the output (and LSE / workspace) and launches."""
 
-    __slots__ = ("main", "fixed", "o_shape", "o_dtype", "device", "with_lse", "config")
+    __slots__ = ("main", "merge", "fixed", "merge_fixed", "o_shape", "o_dtype", "device", "with_lse", "config",
+                 "ws_shape", "ws_w_shape")
 
     def __init__(self, q, k, v, n_seq, rows_bound, is_causal, mode, cfg: TileConfig, out_dtype, with_lse,
-                 max_seqlen_k):
+                 max_seqlen_k, splits: int):
         total_q, H, D = q.shape
         Dv = v.shape[2]
         precision = _precision(mode, None)
         block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
         n_m_tiles = cdiv(rows_bound, cfg.block_m)
+        # KV partitions (decided by varlen_forward, which keys the plan on them)
+        n_kv_tiles = max(1, cdiv(max_seqlen_k, cfg.block_n))
+        tiles_per_split = cdiv(n_kv_tiles, max(1, min(splits, n_kv_tiles)))
+        P = cdiv(n_kv_tiles, tiles_per_split)  # no partition past every sequence's keys
         self.config, self.device, self.o_dtype, self.with_lse = cfg, q.device, out_dtype, with_lse
         self.o_shape = (total_q, H, Dv)
-        self.fixed = (*q.stride(), *k.stride(), *v.stride(), H * Dv, Dv, 1, H, total_q, n_m_tiles, D, Dv)
-        self.main = KernelCall(_varlen_fwd_kernel, (n_m_tiles * H * n_seq,), dict(
+        self.fixed = (*q.stride(), *k.stride(), *v.stride(), H * Dv, Dv, 1, H, total_q, n_m_tiles, D, Dv, P,
+                      tiles_per_split)
+        self.main = KernelCall(_varlen_fwd_kernel, (n_m_tiles * P * H * n_seq,), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             PRECISION=precision, IS_CAUSAL=bool(is_causal), EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting(),
-            LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse)),
+            LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse), SPLIT=P > 1),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        self.merge = self.ws_shape = self.ws_w_shape = None
+        if P > 1:  # the packed rows as one batch entry of [1, H, total_q]: out [total_q, H, Dv], LSE [H, total_q]
+            merge_m = 64 if block_dv <= 128 else 32
+            self.ws_shape, self.ws_w_shape = (P, H, total_q), (P, H, total_q, Dv)
+            self.merge = KernelCall(_elsa_merge_kernel, (cdiv(total_q, merge_m) * H,),
+                                    dict(BLOCK_M=merge_m, BLOCK_DV=block_dv, WRITE_LSE=bool(with_lse)),
+                                    dict(num_warps=4))
+            self.merge_fixed = (0, Dv, H * Dv, 1, 1, H, total_q, Dv, P)
 
     def __call__(self, q, k, v, cu_q, cu_k, scale):
-        out = torch.empty(self.o_shape, dtype=self.o_dtype, device=self.device)
+        dev = self.device
+        out = torch.empty(self.o_shape, dtype=self.o_dtype, device=dev)
         lse = None
         if self.with_lse:
-            lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=self.device)
-        lse_t = lse if lse is not None else (0 if self.main._fast is not None else q)
-        self.main(q, k, v, cu_q, cu_k, out, lse_t, scale * LOG2E, *self.fixed)
+            lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=dev)
+        dummy = 0 if self.main._fast is not None else q  # unused pointers: null on the direct path
+        lse_t = lse if lse is not None else dummy
+        if self.merge is None:
+            self.main(q, k, v, cu_q, cu_k, out, lse_t, dummy, dummy, dummy, scale * LOG2E, *self.fixed)
+        else:
+            ws_m = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
+            ws_s = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
+            ws_w = torch.empty(self.ws_w_shape, dtype=torch.float32, device=dev)
+            self.main(q, k, v, cu_q, cu_k, out, lse_t, ws_m, ws_s, ws_w, scale * LOG2E, *self.fixed)
+            self.merge(ws_m, ws_s, ws_w, out, lse if lse is not None else (0 if self.merge._fast is not None else q),
+                       *self.merge_fixed)
         return out, lse
 
 
@@ -173,7 +209,8 @@ def varlen_unsupported_reason(q, v, mode: str) -> str | None:
 
 def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-                   scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False):
+                   scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False,
+                   num_splits: int = 0):
     """Packed ragged attention on the varlen kernel: ``(out, lse)``, ``lse`` None unless ``with_lse``.
 
     Args:
@@ -187,6 +224,9 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         is_causal: top-left aligned causal mask per sequence.
         scale: logit scale; mode: a dense mode; out_dtype: float16 / bfloat16 / float32 (None = the compute
             dtype); with_lse: also return the LSE.
+        num_splits: KV partitions of every sequence (split-KV: partial states merged by the monoid merge);
+            0 = automatic: split only when the query tiles of all heads and sequences give fewer programs than
+            the GPU has SMs (LeanAttention's regime; never off CUDA).
 
     Returns:
         out [total_q, H, Dv] contiguous in ``out_dtype`` (zeros for rows of a sequence without keys);
@@ -216,9 +256,14 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     max_seqlen_k = max(int(max_seqlen_k), 0)
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
+    if num_splits < 0:
+        raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 = automatic)")
+    # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
+    splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device)
     key = (mode, q.shape, k.shape[0], Dv, q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(), n_seq,
            n_m_tiles, max_seqlen_k > LAZY_V_MIN_KEYS, bool(is_causal), out_dtype, bool(with_lse),
-           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, num_splits,
+           max_seqlen_k if splits > 1 else None)
     plan = PLANS.get(key)
     if plan is not None:
         return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale))
@@ -226,7 +271,8 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
     def run(cfg):
         # rows_bound: the key's query-length bucket, so a smaller fallback config covers every call of the key
-        p = _VarlenPlan(q, k, v, n_seq, n_m_tiles * cfg0.block_m, is_causal, mode, cfg, out_dtype, with_lse, max_seqlen_k)
+        p = _VarlenPlan(q, k, v, n_seq, n_m_tiles * cfg0.block_m, is_causal, mode, cfg, out_dtype, with_lse,
+                        max_seqlen_k, splits)
         result.append((p, p(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale))))
 
     run_first_that_fits(run, cfg0, _smaller_configs)

@@ -278,9 +278,12 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         raise ValueError(f"kernel='fused' runs windows of at most {FUSED_MAX_TOKENS} tokens without a config "
                          f"(got N={N}, config={config}); use kernel='split' or 'auto'")
     empty = BW * H == 0 or q.shape[3] == 0 or v.shape[3] == 0
-    if kernel == "fused" or (kernel == "auto" and N <= FUSED_MAX_TOKENS and config is None and not empty):
+    if BW and (kernel == "fused" or (kernel == "auto" and N <= FUSED_MAX_TOKENS and config is None and not empty)):
         return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
                       head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits, products)
+    if bias_requires_grad and any(st == 0 and n > 1 for st, n in zip(relative_position_bias.stride(), (H, N, N))):
+        # a stride-0 (expanded) view: its gradient is [H, N, N], not the sum over the view's repeats
+        relative_position_bias = relative_position_bias.contiguous()
     dq, dk, dv, dbias, dhs = launch_backward(
         q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, None, hs, False, float(scale), mode,
         bias_requires_grad, head_scale_requires_grad, config, bias_splits,

@@ -104,6 +104,24 @@ def test_every_fp32_product_kind_meets_the_fp32_bound(products):
     check_mode("fp32", q, k, v, do, bias=bias, products=products)
 
 @cpu_only
+@pytest.mark.parametrize("huge", ["q", "k", "grad_out"])
+def test_f16x3_token_spanning_a_million_without_gradient(huge):
+    """Split-FP16 products scale a product's right operand per column, across tokens (k in dQ, q in dK, dO in
+    dV): one token 10^6 (~2^20, split16's documented span) times the others, through which no gradient flows
+    (zero dO; a masked key; a masked query row), leaves the others' gradients within the fp32 bound."""
+    q, k, v, do = _inputs(1, 2, 24, 40, 32, seed=3)
+    mask = torch.ones(24, 40, dtype=torch.bool)
+    {"q": q, "k": k, "grad_out": do}[huge][:, :, 5] *= 1e6
+    if huge == "q":
+        do[:, :, 5] = 0
+    elif huge == "k":
+        mask[:, 5] = False
+    else:
+        mask[5] = False
+    check_mode("fp32", q, k, v, do, mask=mask, config=SMALL)
+
+
+@cpu_only
 @pytest.mark.parametrize("mode", MODES)
 def test_modes_with_bias_grad(mode):
     """Every mode, relative position bias [H, Nq, Nk] shared over the batch (dBias = batch sum), Nq != Nk."""

@@ -53,7 +53,8 @@ def window_autograd(dtype, q, k, v, do, bias, mask, nw, scale, hs):
         s = s + bd.unsqueeze(0)
     if mask is not None:
         s = s + mask.to(dtype).repeat(BW // nw, 1, 1).unsqueeze(1)
-    o = torch.softmax(s, -1) @ ts[2]
+    dead = torch.isneginf(s).all(-1, keepdim=True)  # rows without a visible key: output and gradients 0
+    o = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0) @ ts[2]
     (o.double() * do.double()).sum().backward()
     lse = torch.logsumexp(s.detach().double(), -1).float()
     grads = [t.grad for t in ts] + [bd.grad if bd is not None else None, hd.grad if hd is not None else None]
@@ -104,6 +105,43 @@ def test_tiled_window_no_mask_bias_splits():
     cfg = BwdConfig(KernelTiles(32, 32, 4, 1), KernelTiles(32, 32, 4, 1))
     got = check_window("fp32-ieee", q, k, v, do, bias, None, 1, hs=hs.reshape(1, 1, 1), config=cfg, bias_splits=3)
     assert got[4].shape == (1, 1, 1)
+
+
+@cpu_only
+@pytest.mark.parametrize("kernel", ["fused", "split"])
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
+def test_small_windows_odd_head_dims_masked_row(mode, kernel):
+    """7-token windows (one 16-row tile, mostly padding), D = 24 != Dv = 40 (neither a power of two), a bias in
+    the mode's dtype (its gradient comes back in it), a query row whose logits are all -inf through the shift
+    mask (zero gradients, no NaN), a head scale, and more bias splits than windows."""
+    q, k, v, do, bias, mask, hs = window_inputs(2, 2, 2, 7, 40, seed=10, cosine=True)
+    mask[1, 3] = float("-inf")
+    bias = bias.to(BWD_MODES[mode][0])
+    dq, dk, dv, db, dhs = check_window(mode, q[..., :24], k[..., :24], v, do, bias, mask, 2, hs=hs, bias_splits=9,
+                                       kernel=kernel)
+    assert db.dtype == bias.dtype and (dq[1::2, :, 3] == 0).all()
+
+
+@cpu_only
+@pytest.mark.parametrize("kernel", ["fused", "split"])
+def test_expanded_bias_gets_a_per_head_gradient(kernel):
+    """A stride-0 bias view ([1, N, N] expanded over the heads, [H, 1, N] over the queries): dbias has the
+    view's shape [H, N, N], each element's own gradient, on both kernel paths."""
+    q, k, v, do, _, mask, _ = window_inputs(1, 2, 3, 20, 16, seed=9)
+    g = torch.Generator().manual_seed(9)
+    for base in (torch.randn(1, 20, 20, generator=g), torch.randn(3, 1, 20, generator=g)):
+        check_window("fp32", q, k, v, do, base.expand(3, 20, 20), mask, 2, kernel=kernel)
+
+
+@cpu_only
+@pytest.mark.parametrize("kernel", ["auto", "fused", "split"])
+def test_no_windows(kernel):
+    """B*nW = 0: empty dq, dk, dv and zero dbias [H, N, N] / dhead_scale [H] on every kernel choice."""
+    q = torch.randn(0, 2, 16, 16)
+    got = window_backward(q, q, q, q, q, torch.zeros(0, 2, 16), torch.randn(2, 16, 16), None, 1, 0.2, "fp32",
+                          torch.ones(2), True, True, kernel=kernel)
+    assert [tuple(t.shape) for t in got] == [(0, 2, 16, 16)] * 3 + [(2, 16, 16), (2,)]
+    assert (got[3] == 0).all() and (got[4] == 0).all()
 
 
 @cpu_only
