@@ -53,7 +53,9 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
 * ``fp32``: ``"f16x3"``, split-FP16 products (:mod:`.split16`: hi / lo FP16 parts of 11 significant bits each,
   as 3xTF32 keeps, on the FP16 tensor cores at twice TF32's rate, FP32 accumulation), the forward's
   arithmetic; the tile products of the accumulating dots are summed apart and then added, so long loops do
-  not lose their low bits.
+  not lose their low bits. A product's right operand is scaled per column, which for dQ = dS K, dK = dS^T Q
+  and dV = P^T dO runs across tokens: tokens within ~2^20 of the largest keep the bound; one token 10^7-10^8
+  times the others costs the rest accuracy (``fp32-ieee`` has no such span).
 * ``fp32-ieee``: ``input_precision="ieee"`` (FP32 FMA), same accumulation.
 * ``tf32``: ``"f16x3"`` as ``fp32`` (TF32-class products err over twice PyTorch's own TF32 backward).
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as

@@ -88,7 +88,7 @@ for step in "$@"; do
     bwd-products) run bwd-products 300 python tools/bench_backward.py --shapes long-4k vit-b16-224 vit-b16-224-relpos \
         --modes fp32 tf32 --fp32-products tf32x3 --out "$out/bwd_products" ;;
     bwd-configs) run bwd-configs 400 python tools/bench_backward.py --shapes vit-b16-224 vit-b16-224-relpos \
-        --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,4,3 \
+        --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,8,2 32,128,8,2/128,32,8,2 \
         --out "$out/bwd_configs" ;;
     fwd-bwd) run fwd-bwd 300 python tools/bench_attention.py --backward --no-flex --shapes "L-4k,ViT-B/16 224" \
         --out "$out/attention_fwd_bwd" ;;
