@@ -243,3 +243,31 @@ def test_gpu_zero_lengths_and_new_lengths_compile_nothing():
     assert rel_l2(out.double(), oracle) <= MODES["fp32"].rel_tol
     if before is not None:
         assert sum(len(c[0]) for c in _varlen_fwd_kernel.device_caches.values()) == before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_few_programs_split_the_keys(mode, causal):
+    """One long and one short sequence, one head: too few query tiles for the SMs, so the automatic choice
+    splits the keys (the plan holds the merge); outputs and the training path's gradients as the oracle's."""
+    from visionattn.kernels import varlen_fwd
+
+    lens = [6000, 7]
+    q, k, v, cu_q, cu_k = packed(lens, lens, h=1, d=64, device="cuda")
+    dtype = MODES[mode].compute_dtype
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    varlen_fwd.PLANS.clear()
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(lens), max(lens), mode=mode, is_causal=causal)
+    assert any(p.merge is not None for p in varlen_fwd.PLANS.plans.values())
+    oracle = per_sequence(lambda a, b, c: oracle_attention(a, b, c, is_causal=causal), q.detach(), k.detach(),
+                          v.detach(), cu_q, cu_k, 64)
+    assert rel_l2(out.detach().double(), oracle) <= MODES[mode].rel_tol
+    # the backward reads the merged LSE: gradients as the dense kernels' per sequence
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    dense = per_sequence(lambda a, b, c: visionattn.attention(a, b, c, mode=mode, is_causal=causal), *leaves,
+                         cu_q, cu_k, 64)
+    ref = torch.autograd.grad(dense.float().square().sum(), leaves)
+    for got, want in zip(grads, ref):
+        assert rel_l2(got.double(), want.double()) <= 4 * MODES[mode].rel_tol
