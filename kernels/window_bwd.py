@@ -122,13 +122,10 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
 
 
 def _fused_warps(block: int, precision: str) -> int:
-    """Warps of the fused kernel: 8 for 64-token windows (half and IEEE-FP32 products then spill no or few
-    registers, hundreds to thousands of bytes per thread at 4), except with split products (``f16x3``,
-    ``tf32x3``), which spill either way and less in total at 4 (docs/tuning.md: fused window backward warps); 4
-    for smaller windows."""
-    if block < 64 or precision in ("f16x3", "tf32x3"):
-        return 4
-    return 8
+    """Warps of the fused kernel (2 pipeline stages): 4, two programs per SM, except IEEE-FP32 products on
+    64-token windows, which spill over 1 KiB per thread at 4 warps and about 270 bytes at 8 (docs/tuning.md:
+    fused window backward: 2 stages, 4 warps)."""
+    return 8 if block >= 64 and precision == "ieee" else 4
 
 
 # call signature -> _FusedPlan; PLANS.hits / PLANS.builds count reuses and builds
@@ -165,7 +162,7 @@ class _FusedPlan:
             HAS_ADD=add_mask is not None, HEAD_SCALE=head_scale is not None, WRITE_DB=write_db, WRITE_DHS=write_dhs,
             EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting()),
-            dict(num_warps=_fused_warps(block, precision), num_stages=1))
+            dict(num_warps=_fused_warps(block, precision), num_stages=2))
 
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, scale):
         BW, H, N, D, Dv = self.dims

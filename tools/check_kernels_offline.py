@@ -193,13 +193,13 @@ def _backward_jobs(quick: bool):
             warps = window_bwd._fused_warps(block, precision)
             names = ("Q", "K", "V", "O", "DO", "LSE", "Bias", "Add", "HS", "DQ", "DK", "DV", "DB", "DHS")
             yield ({"kernel": "bwd-window-fused", "variant": f"window N={n} D=32 {mode} +bias grad",
-                    "config": [block, block, warps, 1]},
+                    "config": [block, block, warps, 2]},
                    dict(kernel=window_bwd._window_bwd_fused_kernel,
                         pointer_types=_bwd_pointers(mode, names, ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")),
                         constexprs=dict(BLOCK=block, BLOCK_D=32, BLOCK_DV=32, PRECISION=precision, HAS_BIAS=True,
                                         HAS_ADD=True, HEAD_SCALE=False, WRITE_DB=True, WRITE_DHS=False, EVEN_D=True,
                                         EVEN_DV=True, DOT_UPCAST=False),
-                        num_warps=warps, num_stages=1,
+                        num_warps=warps, num_stages=2,
                         unit_ints=("sqd", "skd", "svd", "sod", "sdd", "slm", "sbn", "san"), float_args=("scale0",)))
 
 
