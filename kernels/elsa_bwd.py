@@ -39,9 +39,9 @@ along. The bias view's batch / head dimensions with stride 0 (e.g. a relative po
 expanded over the batch) are reduced inside the dQ kernel: a program owns one (query tile, output
 batch / head slot) and loops over the batch / head entries that map onto it in a fixed order, adding each
 entry's ``dS`` tile into its own rows of an FP32 buffer (read-modify-write by the one program that owns
-those rows, so no atomics and a fixed summation order; when every key fits one tile, as in Swin's 49- and
-64-token windows, the entries' ``dS`` sum stays in registers and is stored once). When that leaves too few programs to fill the GPU,
-the entries are cut into ``G`` contiguous chunks, each writing a partial buffer, and the ``G`` partials are
+those rows, so no atomics and a fixed summation order; when every key fits one tile, the entries' ``dS`` sum
+stays in registers and is stored once). When that leaves too few programs to fill the GPU, the entries are
+cut into ``G`` contiguous chunks, each writing a partial buffer, and the ``G`` partials are
 summed by ``torch.sum`` (deterministic). Memory: ``G * prod(reduced shape)`` FP32, where the reduced
 shape is the view's shape with its stride-0 batch / head dims set to 1 (``G = 1`` on CPU; on CUDA enough
 chunks for ~4 programs per SM, with ``G`` > 1 only while the partials stay under :data:`BIAS_WORKSPACE_BYTES`);

@@ -200,7 +200,8 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     num_windows: int, scale: float, mode: str, head_scale: torch.Tensor | None = None,
                     bias_requires_grad: bool = False, head_scale_requires_grad: bool = False, *,
                     config: BwdConfig | None = None, bias_splits: int | None = None, kernel: str = "auto",
-                    products: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                    products: str | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of window attention (module docstring) from the saved log-sum-exp.
 
     Args:
@@ -295,8 +296,8 @@ def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_
     """:func:`window_backward` on the fused kernel from the cached plan of the call's signature."""
     key = (mode, q.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
            lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(shift_mask),
-           hs is not None, write_db, write_dhs, bias_splits, products, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
-           out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15)
+           hs is not None, write_db, write_dhs, bias_splits, products, q.data_ptr() & 15, k.data_ptr() & 15,
+           v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15)
     plan = PLANS.get(key)
     if plan is None:
         plan = PLANS.put(key, _FusedPlan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db,

@@ -30,7 +30,8 @@ sys.path.insert(0, REPO)
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from visionattn.kernels import elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, pasa_fwd, window_bwd, window_fwd  # noqa: E402
+from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, pasa_fwd, window_bwd,  # noqa: E402
+                                window_fwd)
 from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402

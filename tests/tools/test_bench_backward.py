@@ -16,11 +16,10 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
     monkeypatch.setitem(tool.SHAPES, "tiny-dense", (2, 2, 24, 8, True, 0))
     monkeypatch.setitem(tool.SHAPES, "tiny-window", (6, 2, 20, 8, True, 3))
     out = tmp_path / "bwd"
-    args = tool.build_parser().parse_args(["--device", "cpu", "--shapes", "tiny-dense", "tiny-window", "--modes",
-                                           "fp32", "bf16", "--bias-splits", "1", "2", "--configs", "16,32,4,1/32,16,4,1",
-                                           "--fp32-products", "tf32x3",
-                                           "--calls", "1", "--repeats",
-                                           "1", "--no-sdpa", "--out", str(out)])
+    args = tool.build_parser().parse_args([
+        "--device", "cpu", "--shapes", "tiny-dense", "tiny-window", "--modes", "fp32", "bf16", "--bias-splits", "1",
+        "2", "--configs", "16,32,4,1/32,16,4,1", "--fp32-products", "tf32x3", "--calls", "1", "--repeats", "1",
+        "--no-sdpa", "--out", str(out)])
     res = tool.main(args)
     ours = [(r["shape"], r["mode"], r["kernel"], r["bias_splits"]) for r in res["rows"]]
     expected = [(s, m, name + ("" if g is None else f" splits={g}"), g) for m in ("fp32", "bf16")
