@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import OUT_DTYPES, allocate_output, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits
+from ._host import OUT_DTYPES, allocate_output, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import LOG2E, load_kv_tile
 from .pasa_math import optimal_beta, shift_coefficients
@@ -65,31 +65,40 @@ _coefficients = functools.lru_cache(maxsize=None)(shift_coefficients)
 
 class _CenterPlan:
     """The query centre mu, [B, H, D] float32 (FP16 values; see visionattn.pasa.query_center), for one
-    query shape: ``mu_d = fl16(mean_i q_id)``, or 0 where ``max_i |q_id - mu_d| > max_i |q_id|``. Two
-    launches: per-chunk FP32 sums / minima / maxima over query rows, then their fixed-order combination
-    (deterministic, unlike atomics). ``q``: [B, H, Nq, D] float16, any strides, ``Nq > 0``."""
+    query shape: ``mu_d = fl16(mean_i q_id)``, or 0 where ``max_i |q_id - mu_d| > max_i |q_id|``.
+    ``q``: [B, H, Nq, D] float16, any strides, ``Nq > 0``.
+
+    One launch when one program per (batch, head) covers its rows (at most :data:`_CENTER_DIRECT_ROWS`
+    rows, or enough (batch, head) pairs to fill the GPU twice): FP32 sums / minima / maxima and mu in one pass.
+    Otherwise two: per-chunk partials over query rows, then their fixed-order combination (deterministic,
+    unlike atomics)."""
 
     __slots__ = ("partials", "combine", "part_shape", "mu_shape", "fixed", "combine_fixed", "device")
 
     def __init__(self, q: torch.Tensor):
         B, H, Nq, D = q.shape
         block_d = pad_pow2(D)
-        chunk = pad_pow2(cdiv(Nq, _CENTER_CHUNKS), lo=_CENTER_ROWS)
+        direct = Nq <= _CENTER_DIRECT_ROWS or (q.device.type == "cuda" and B * H >= 2 * sm_count(q.device))
+        chunk = Nq if direct else pad_pow2(cdiv(Nq, _CENTER_CHUNKS), lo=_CENTER_ROWS)
         n_chunks = cdiv(Nq, chunk)
         plane = B * H * n_chunks * D
         self.device = q.device
         self.part_shape, self.mu_shape = (3, B * H, n_chunks, D), (B, H, D)
         # 1-D grid: B * H reaches ~100k in SVD's temporal attention, over grid axis 1's 65,535
         self.partials = KernelCall(_center_partials_kernel, (n_chunks * B * H,),
-                                   dict(BLOCK_M=_CENTER_ROWS, BLOCK_D=block_d), {})
+                                   dict(BLOCK_M=_CENTER_ROWS, BLOCK_D=block_d, DIRECT=direct), {})
         self.fixed = (*q.stride(), H, Nq, D, chunk, n_chunks, plane)
-        self.combine = KernelCall(_center_combine_kernel, (B * H,), dict(BLOCK_C=_CENTER_CHUNKS, BLOCK_D=block_d), {})
+        self.combine = None if direct else KernelCall(_center_combine_kernel, (B * H,),
+                                                      dict(BLOCK_C=_CENTER_CHUNKS, BLOCK_D=block_d), {})
         self.combine_fixed = (Nq, D, n_chunks, plane)
 
     def __call__(self, q: torch.Tensor) -> torch.Tensor:
+        mu = torch.empty(self.mu_shape, dtype=torch.float32, device=self.device)
+        if self.combine is None:  # the partials kernel writes mu itself (PART = MU)
+            self.partials(q, mu, *self.fixed)
+            return mu
         part = torch.empty(self.part_shape, dtype=torch.float32, device=self.device)
         self.partials(q, part, *self.fixed)
-        mu = torch.empty(self.mu_shape, dtype=torch.float32, device=self.device)
         self.combine(part, mu, *self.combine_fixed)
         return mu
 
@@ -101,13 +110,24 @@ def _query_center(q: torch.Tensor) -> torch.Tensor:
 
 _CENTER_ROWS = 64  # query rows per loop step of _center_partials_kernel
 _CENTER_CHUNKS = 64  # at most this many row chunks (programs) per (batch, head)
+_CENTER_DIRECT_ROWS = 1024  # up to this many query rows, one program per (batch, head) and one launch
+
+
+@triton.jit
+def _center_value(total, lo, hi, N_Q):
+    """mu = fl16(mean) of each query dimension from its FP32 sum / min / max, or 0 where centering would
+    enlarge the dimension's range (max |q - mu| > max |q|)."""
+    mu = (total / N_Q).to(tl.float16).to(tl.float32)
+    keep = tl.maximum(hi - mu, mu - lo) <= tl.maximum(tl.abs(hi), tl.abs(lo))
+    return tl.where(keep, mu, 0.0)
 
 
 @triton.jit(do_not_specialize=["H", "N_Q", "CHUNK", "N_CHUNKS", "PLANE"])
 def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd, H, N_Q, D, CHUNK, N_CHUNKS,
-                            PLANE, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                            PLANE, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr):
     # Program bh * N_CHUNKS + chunk: FP32 sum, min and max of every query dimension over rows
     # [chunk * CHUNK, (chunk + 1) * CHUNK) -> PART [3, B*H, n_chunks, D] (PLANE = B*H*n_chunks*D).
+    # DIRECT (one chunk of every row): mu itself -> PART [B*H, D].
     chunk = tl.program_id(0) % N_CHUNKS
     bh = tl.program_id(0) // N_CHUNKS
     q_base = Q + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
@@ -127,9 +147,12 @@ def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd,
         lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(ok, x, float("-inf")), axis=0))
     out = PART + (bh.to(tl.int64) * N_CHUNKS + chunk) * D + offs_d
-    tl.store(out, total, mask=d_ok)
-    tl.store(out + PLANE, lo, mask=d_ok)
-    tl.store(out + 2 * PLANE, hi, mask=d_ok)
+    if DIRECT:
+        tl.store(out, _center_value(total, lo, hi, N_Q), mask=d_ok)
+    else:
+        tl.store(out, total, mask=d_ok)
+        tl.store(out + PLANE, lo, mask=d_ok)
+        tl.store(out + 2 * PLANE, hi, mask=d_ok)
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_CHUNKS", "PLANE"])
@@ -144,9 +167,7 @@ def _center_combine_kernel(PART, MU, N_Q, D, N_CHUNKS, PLANE, BLOCK_C: tl.conste
     total = tl.sum(tl.load(ptrs, mask=ok, other=0.0), axis=0)
     lo = tl.min(tl.load(ptrs + PLANE, mask=ok, other=float("inf")), axis=0)
     hi = tl.max(tl.load(ptrs + 2 * PLANE, mask=ok, other=float("-inf")), axis=0)
-    mu = (total / N_Q).to(tl.float16).to(tl.float32)
-    keep = tl.maximum(hi - mu, mu - lo) <= tl.maximum(tl.abs(hi), tl.abs(lo))
-    tl.store(MU + bh.to(tl.int64) * D + offs_d, tl.where(keep, mu, 0.0), mask=offs_d < D)
+    tl.store(MU + bh.to(tl.int64) * D + offs_d, _center_value(total, lo, hi, N_Q), mask=offs_d < D)
 
 
 @triton.jit(do_not_specialize=["H", "N_K"])

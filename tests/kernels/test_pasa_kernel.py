@@ -34,7 +34,7 @@ def test_kernel_beta_equals_reference_beta(n):
     assert pasa_fwd._coefficients(n, None) == pasa.shift_coefficients(n, None)
 
 
-@pytest.mark.parametrize("nq", [50, 3000])  # one row chunk / 24 chunks combined
+@pytest.mark.parametrize("nq", [50, 1000, 3000])  # one program per (b, h), one launch (50, 1000) / 24 chunks combined
 def test_kernel_query_center_equals_reference(nq):
     g = torch.Generator().manual_seed(5)
     q = (torch.randn(2, 3, nq, 24, generator=g) * torch.rand(24, generator=g) * 4
