@@ -83,7 +83,7 @@ for step in "$@"; do
         tests/kernels/test_elsa_bwd.py tests/kernels/test_window_bwd.py tests/api/test_window_grad.py tests/api/test_op_layer.py ;;
     train) run train 400 python tools/bench_train.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
         --modes fp32,bf16 --out "$out/train" ;;
-    window-bwd) run window-bwd 300 python tools/bench_backward.py --shapes swin-b-s1 swin-b-s2 swin-b-s3 swin-b-s4 \
+    window-bwd) run window-bwd 300 python tools/bench_backward.py --shapes swin-b-s1 swin-b-s2 swin-b-s3 swin-b-s4 swinv2-b-s1 \
         --modes fp32 bf16 --bias-splits 8 32 128 --fp32-products tf32x3 --out "$out/window_bwd" ;;
     bwd-products) run bwd-products 300 python tools/bench_backward.py --shapes long-4k vit-b16-224 vit-b16-224-relpos \
         --modes fp32 tf32 --fp32-products tf32x3 --out "$out/bwd_products" ;;
