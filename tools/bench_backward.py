@@ -9,8 +9,8 @@ EFFICIENT_ATTENTION on FP32 inputs). Timing: CUDA events around back-to-back cal
 path counts), median of windows. TFLOP/s count the backward as 2.5 forwards: 10 * B * H * N^2 * D (five
 N x N x D matmuls). Window shapes (``swin-b-s1`` .. ``swin-b-s4``: Swin-B at 224 px, batch 64, one
 shape per stage, 49-token windows; ``swinv2-b-s1``: Swin-v2-B's first stage, 64-token windows) time
-:func:`visionattn.kernels.window_bwd.window_backward` with the relative position bias [H, N, N] and its gradient (summed over every window) and the shift mask [nW, N, N];
-both window kernel paths (fused: one kernel per window; split: the dense dK/dV and dQ kernels) are timed;
+:func:`visionattn.kernels.window_bwd.window_backward` with the relative position bias [H, N, N] and its
+gradient (summed over every window) and the shift mask [nW, N, N]; both window kernel paths (fused: one kernel per window; split: the dense dK/dV and dQ kernels) are timed;
 SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gradient flows through the
 sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
 reduction beside the automatic choice, ``--configs`` given tiles of the split kernels beside the default,
