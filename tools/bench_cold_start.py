@@ -10,6 +10,10 @@ kernel a call needs is compiled inside it, as on a fresh machine:
   second, then a forward at ``--other-frames``, counting the kernels Triton compiled during it (files added
   to the cache folder): zero when no kernel specialises on the sequence length.
 
+Where Triton reports its compilations (``triton.knobs.compilation.listener``), each row also splits the first
+call's extra cost into the kernels compiled and their compile time (source to cubin, every stage) and the
+rest (launcher builds, module loads, first-use setup of the driver and libraries).
+
 Writes ``cold_start.md`` and ``cold_start.json`` to ``--out``.
 
     python tools/bench_cold_start.py --out out/cold_start --frames 100 --other-frames 60 --mode fp32
@@ -28,7 +32,27 @@ from _cli import ToolParser, check_output, default_out, positive_int  # noqa: E4
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_ATTENTION_CHILD = r"""
+# each child records the kernels Triton compiles (not cache hits) and their compile seconds, per phase
+_LISTENER = r"""
+COMPILED = {"phase": "first", "first": [], "other": []}
+try:
+    from triton import knobs as _knobs
+
+    def _listen(*, src, metadata, metadata_group, times, cache_hit):
+        if not cache_hit:
+            COMPILED[COMPILED["phase"]].append(times.total / 1e6)
+
+    _knobs.compilation.listener = _listen
+except (ImportError, AttributeError):  # a Triton without compilation listeners: no split
+    COMPILED = None
+
+
+def compiled(phase):
+    return {} if COMPILED is None else {f"{phase}_kernels_compiled": len(COMPILED[phase]),
+                                        f"{phase}_compile_s": sum(COMPILED[phase])}
+"""
+
+_ATTENTION_CHILD = _LISTENER + r"""
 import json, sys, time, torch
 import visionattn as va
 mode, B, H, N, D = sys.argv[1], *map(int, sys.argv[2:6])
@@ -39,10 +63,12 @@ for _ in range(2):
     torch.cuda.synchronize(); t0 = time.perf_counter()
     va.attention(q, k, v, mode=mode); torch.cuda.synchronize()
     times.append(time.perf_counter() - t0)
-print(json.dumps({"first_s": times[0], "second_s": times[1]}))
+    if COMPILED is not None:
+        COMPILED["phase"] = "other"
+print(json.dumps({"first_s": times[0], "second_s": times[1], **compiled("first")}))
 """
 
-_VGGT_CHILD = r"""
+_VGGT_CHILD = _LISTENER + r"""
 import json, os, sys, time, torch
 from visionattn.models import VGGT
 from visionattn.models.vggt import autocast
@@ -63,9 +89,11 @@ def forward(n):
     return time.perf_counter() - t0
 first = forward(frames); files_after_first = count()
 second = forward(frames)
+if COMPILED is not None:
+    COMPILED["phase"] = "other"
 before = count(); third = forward(other); added = count() - before
 print(json.dumps({"first_s": first, "second_s": second, "other_frames_s": third, "cache_files_after_first": files_after_first,
-                  "cache_files_added_by_other_frames": added}))
+                  "cache_files_added_by_other_frames": added, **compiled("first"), **compiled("other")}))
 """
 
 
@@ -129,11 +157,16 @@ def main(args) -> dict:
     table = []
     for r in rows:
         if "error" in r:
-            table.append([r["what"], "-", "-", "-", "-", r["error"]])
+            table.append([r["what"], "-", "-", "-", "-", "-", "-", "-", r["error"]])
             continue
-        table.append([r["what"], f"{r['first_s']:.2f}", f"{r['second_s']:.3f}", f"{r['first_s'] - r['second_s']:.2f}",
+        extra = r["first_s"] - r["second_s"]
+        compile_s = r.get("first_compile_s")
+        table.append([r["what"], f"{r['first_s']:.2f}", f"{r['second_s']:.3f}", f"{extra:.2f}",
+                      r.get("first_kernels_compiled", "-"), "-" if compile_s is None else f"{compile_s:.2f}",
+                      "-" if compile_s is None else f"{extra - compile_s:.2f}",
                       f"{r.get('other_frames_s', float('nan')):.2f}", r.get("cache_files_added_by_other_frames", "-")])
-    lines.append(markdown_table(table, ["call", "first s", "second s", "first - second s", "other length s",
+    lines.append(markdown_table(table, ["call", "first s", "second s", "first - second s", "kernels compiled",
+                                        "their compile s", "rest of first - second s", "other length s",
                                         "cache files added by the other length"]))
     os.makedirs(args.out, exist_ok=True)
     write_text_atomic(os.path.join(args.out, "cold_start.md"), "\n".join(lines) + "\n")

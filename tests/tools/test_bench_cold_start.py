@@ -1,0 +1,29 @@
+"""tools/bench_cold_start.py's compile accounting, on CPU: the listener its child processes install counts a
+kernel Triton compiles (with its compile seconds) and not a cache hit of the same kernel."""
+from offline_compile import compile_in_child
+from testdata import load_script
+
+tool = load_script("tools/bench_cold_start.py")
+
+_COMPILE_TWICE = r"""
+import json
+from visionattn.kernels import elsa_fwd
+from visionattn.kernels.introspect import compile_for_arch
+ptr = {n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "Lse", "WsM", "WsS", "WsW")}
+ptr["Mask"] = "*i1"
+const = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=16, BLOCK_DV=16, PRECISION="ieee", IS_CAUSAL=False, HAS_BIAS=False,
+             HAS_MASK=False, SPLIT=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False, LAZY_V=False, WRITE_LSE=False)
+run = lambda: compile_for_arch(elsa_fwd._elsa_fwd_kernel, ptr, const, num_warps=4, num_stages=1,
+                               unit_ints=("sqd", "skd", "svd", "sod", "sbn", "smn"), float_args=("qk_scale",))
+run()
+COMPILED["phase"] = "other"
+run()  # the same kernel again: a cache hit
+print(json.dumps({**compiled("first"), **compiled("other")}))
+"""
+
+
+def test_listener_counts_compiles_not_cache_hits(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # empty: the first compile is a real one
+    res = compile_in_child(tool._LISTENER + _COMPILE_TWICE)
+    assert res["first_kernels_compiled"] == 1 and res["first_compile_s"] > 0
+    assert res["other_kernels_compiled"] == 0 and res["other_compile_s"] == 0
