@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import OUT_DTYPES, allocate_output, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
+from ._host import OUT_DTYPES, allocate_output, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import LOG2E, load_kv_tile
 from .pasa_math import optimal_beta, shift_coefficients
@@ -68,8 +68,8 @@ class _CenterPlan:
     query shape: ``mu_d = fl16(mean_i q_id)``, or 0 where ``max_i |q_id - mu_d| > max_i |q_id|``.
     ``q``: [B, H, Nq, D] float16, any strides, ``Nq > 0``.
 
-    One launch when one program per (batch, head) covers its rows (at most :data:`_CENTER_DIRECT_ROWS`
-    rows, or enough (batch, head) pairs to fill the GPU twice): FP32 sums / minima / maxima and mu in one pass.
+    One launch when one program per (batch, head) covers its rows (at most :data:`_CENTER_DIRECT_ROWS` rows,
+    where a call's host time matters more than the pass): FP32 sums / minima / maxima and mu in one pass.
     Otherwise two: per-chunk partials over query rows, then their fixed-order combination (deterministic,
     unlike atomics)."""
 
@@ -78,7 +78,7 @@ class _CenterPlan:
     def __init__(self, q: torch.Tensor):
         B, H, Nq, D = q.shape
         block_d = pad_pow2(D)
-        direct = Nq <= _CENTER_DIRECT_ROWS or (q.device.type == "cuda" and B * H >= 2 * sm_count(q.device))
+        direct = Nq <= _CENTER_DIRECT_ROWS
         chunk = Nq if direct else pad_pow2(cdiv(Nq, _CENTER_CHUNKS), lo=_CENTER_ROWS)
         n_chunks = cdiv(Nq, chunk)
         plane = B * H * n_chunks * D

@@ -234,8 +234,8 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         keys), or None.
 
     Raises:
-        ValueError: a mode without a dense kernel. TypeError: q / k / v not in the mode's compute dtype, or
-            an unsupported ``out_dtype``.
+        ValueError: a mode without a dense kernel; ``num_splits`` < 0. TypeError: q / k / v not in the mode's
+            compute dtype, or an unsupported ``out_dtype``.
     """
     if mode not in DENSE_MODES:
         raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(DENSE_MODES)}")
@@ -244,6 +244,8 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         if t.dtype != dtype:
             raise TypeError(f"{name} has dtype {t.dtype}; mode {mode!r} computes in {dtype} (cast first)")
     out_dtype = out_dtype or dtype
+    if num_splits < 0:
+        raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 = automatic)")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype}; the kernels write one of {OUT_DTYPES}")
     total_q, H, D = q.shape
@@ -256,8 +258,6 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     max_seqlen_k = max(int(max_seqlen_k), 0)
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
-    if num_splits < 0:
-        raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 = automatic)")
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
     splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device)
     key = (mode, q.shape, k.shape[0], Dv, q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(), n_seq,

@@ -91,6 +91,8 @@ def test_split_kv_partitions_match_the_oracle_and_the_single_pass(mode, causal):
     assert torch.equal(finite, torch.isfinite(lse3)) and torch.all(lse3[:, cu_q[2]:cu_q[3]] == float("-inf"))
     assert torch.allclose(lse3[finite], lse1[finite], atol=5e-3 if mode != "fp32" else 1e-5, rtol=0)
     assert torch.all(split[cu_q[2]:cu_q[3]] == 0)
+    with pytest.raises(ValueError, match="num_splits"):  # refused before the empty-input shortcut too
+        varlen_fwd.varlen_forward(q[:0], k, v, cu_q[:1], cu_k[:1], 0, 0, causal, 0.25, mode, num_splits=-1)
 
 
 def test_reference_path_matches_oracle_and_kernel():
