@@ -376,7 +376,7 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_M], dtype=tl.float32)
     w = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    plane = B * H * Nq
+    plane = tl.cast(B, tl.int64) * H * Nq  # 64-bit: P * B * H * Nq rows of workspace
     base = (off_b * H + off_h) * Nq + rows
     for p in range(0, n_splits):
         row_id = p * plane + base
