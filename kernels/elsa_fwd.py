@@ -164,12 +164,14 @@ def final_state(acc, l_i, m_i, v_exp, PRECISION: tl.constexpr):
 
 @triton.jit
 def store_partial(WsM, WsS, WsW, row_id, m_i, l_i, acc, v_unscale, offs_dv, row_ok, Dv):
-    """A partition's partial state of rows ``row_id``: m, S to ``WsM`` / ``WsS``, W (unscaled) to ``WsW``
-    (rows of ``Dv``), for :func:`_elsa_merge_kernel`."""
+    """A partition's partial state of rows ``row_id``: m, S to ``WsM`` / ``WsS`` and its normalised output
+    ``W / S`` (0 without a visible key) to ``WsW`` (rows of ``Dv``), for :func:`_elsa_merge_kernel`. Stored
+    normalised, a partial is bounded by the largest |V| like the single pass's output (``W`` itself can pass
+    FP32's range when V is near it)."""
     tl.store(WsM + row_id, m_i, mask=row_ok)
     tl.store(WsS + row_id, l_i, mask=row_ok)
-    tl.store(WsW + row_id[:, None] * Dv + offs_dv[None, :], acc * v_unscale[None, :],
-             mask=row_ok[:, None] & (offs_dv < Dv)[None, :])
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_unscale[None, :]  # divide first, as the single pass
+    tl.store(WsW + row_id[:, None] * Dv + offs_dv[None, :], out, mask=row_ok[:, None] & (offs_dv < Dv)[None, :])
 
 
 @triton.jit
@@ -360,6 +362,9 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv
     """Fold the P partial states of each query row with the monoid merge; write W / S (and, with
     ``WRITE_LSE``, the row's log-sum-exp ``(m + log2 S) ln 2`` to ``Lse`` [B, H, Nq]).
 
+    The partials hold normalised outputs ``O_p = W_p / S_p`` (:func:`store_partial`), so the fold carries the
+    normalised ``O`` too: with weights ``a = 2^(m - m') S`` and ``b = 2^(m_p - m') S_p``,
+    ``O <- (a O + b O_p) / (a + b)``, every step bounded by the largest |V|.
     1-D grid cdiv(Nq, BLOCK_M) * H * B. Partials of a partition that saw no visible key are
     the identity (-inf, 0, 0) and drop out.
     """
@@ -386,12 +391,13 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv
                       other=0.0)
         m_new = tl.maximum(m, m_p)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.math.exp2(m - m_safe)
-        b = tl.math.exp2(m_p - m_safe)
-        s = s * a + s_p * b
-        w = w * a[:, None] + w_p * b[:, None]
+        a = tl.math.exp2(m - m_safe) * s
+        b = tl.math.exp2(m_p - m_safe) * s_p
+        s = a + b
+        inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)
+        w = w * (a * inv)[:, None] + w_p * (b * inv)[:, None]
         m = m_new
-    out = w / tl.where(s > 0.0, s, 1.0)[:, None]
+    out = w
     if WRITE_LSE:
         tl.store(Lse + base, (m + tl.math.log2(s)) * 0.6931471805599453, mask=row_ok)
     o_ptrs = Out + off_b * sob + off_h * soh + rows[:, None].to(tl.int64) * som + offs_dv[None, :] * sod

@@ -66,6 +66,18 @@ def test_bias_mask_causal_split(mode, num_splits):
     _check(y, ref, mode, f"P={num_splits} causal={causal}")
 
 
+@pytest.mark.parametrize("mode", ["fp32", "tf32"])
+def test_split_partials_stay_in_range_near_fp32_max(mode):
+    """Values near FP32's largest (|V| up to ~2e38, near-uniform attention over 130 keys, so a partition's raw
+    sum of P V passes FP32's range): the single pass divides its held-scaled sum first and stays finite; the
+    split-KV partials are stored normalised and merged so, and agree with it."""
+    q, k, v = _qkv(1, 2, 40, 130, 32, torch.float32, seed=11)
+    v = v.abs() * 5e37  # at most ~2e38, within FP32
+    ref = oracle_attention(q, k, v, scale=0.01)
+    for num_splits in (1, 3):
+        _check(elsa_attention(q, k, v, None, None, False, 0.01, mode, num_splits), ref, mode, f"P={num_splits}")
+
+
 @pytest.mark.parametrize("mode", ["fp32", "fp16"])
 def test_api_unbind_views(mode):
     """visionattn.attention(backend="triton") on timm-style qkv.unbind views, fp32 inputs, no fallback warning."""
