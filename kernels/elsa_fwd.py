@@ -17,7 +17,7 @@ Two paths, both over the same inner step :func:`_fold_tile`:
   writes ``W / S`` (FlashAttention's online softmax). Extra memory: the output.
 * **split-KV** (``SPLIT=True`` + :func:`_elsa_merge_kernel`): the KV tiles of each
   query tile are cut into P contiguous partitions; each program writes its partial
-  ``(m, S, W)`` (W unnormalized, FP32) to a workspace, and the merge kernel folds the
+  ``(m, S)`` and normalised output ``W / S`` (FP32) to a workspace, and the merge kernel folds the
   P partials with the monoid merge (Flash-Decoding / LeanAttention). Chosen
   automatically when ``B * H * ceil(Nq / BLOCK_M)`` programs cannot fill the GPU.
 
