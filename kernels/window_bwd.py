@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2
+from ._host import cdiv, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
                        _head_scale_grad, _mm, _tensor_key, fp32_products, launch_backward)
@@ -139,7 +139,7 @@ class _FusedPlan:
     __slots__ = ("call", "fixed", "fixed_tail", "G", "dims", "write_db", "write_dhs", "device")
 
     def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, mode, write_db, write_dhs,
-                 bias_splits, products):
+                 bias_splits, products, num_stages=2):
         BW, H, N, D = q.shape
         Dv = v.shape[3]
         block = max(16, pad_pow2(N))
@@ -162,7 +162,7 @@ class _FusedPlan:
             HAS_ADD=add_mask is not None, HEAD_SCALE=head_scale is not None, WRITE_DB=write_db, WRITE_DHS=write_dhs,
             EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting()),
-            dict(num_warps=_fused_warps(block, precision), num_stages=2))
+            dict(num_warps=_fused_warps(block, precision), num_stages=num_stages))
 
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, scale):
         BW, H, N, D, Dv = self.dims
@@ -299,10 +299,20 @@ def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_
            hs is not None, write_db, write_dhs, bias_splits, products, q.data_ptr() & 15, k.data_ptr() & 15,
            v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15)
     plan = PLANS.get(key)
-    if plan is None:
-        plan = PLANS.put(key, _FusedPlan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db,
-                                         write_dhs, bias_splits, products))
-    dq, dk, dv, dbias, dhs = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
+    if plan is not None:
+        grads = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
+    else:  # built by running it: 2 stages, or 1 where their shared memory does not fit (smaller GPUs)
+        built = []
+
+        def run(stages: int):
+            p = _FusedPlan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs,
+                           bias_splits, products, stages)
+            built.append((p, p(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)))
+
+        run_first_that_fits(run, 2, lambda stages: list(range(stages - 1, 0, -1)))
+        plan, grads = built[-1]
+        PLANS.put(key, plan)
+    dq, dk, dv, dbias, dhs = grads
     if dbias is not None:
         dbias = dbias.to(bias.dtype)
     if dhs is not None:

@@ -145,6 +145,29 @@ def test_no_windows(kernel):
 
 
 @cpu_only
+def test_fused_plan_takes_one_stage_where_two_do_not_fit(monkeypatch):
+    """A GPU whose shared memory cannot hold the 2-stage fused kernel (the launch raises OutOfResources): the
+    plan is rebuilt with 1 stage, kept, and its gradients meet the bound."""
+    import triton
+
+    from visionattn.kernels import window_bwd
+
+    class TwoStagesTooBig(window_bwd.KernelCall):
+        def __call__(self, *args):
+            if self.options["num_stages"] > 1:
+                raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+            super().__call__(*args)
+
+    monkeypatch.setattr(window_bwd, "KernelCall", TwoStagesTooBig)
+    window_bwd.PLANS.clear()
+    q, k, v, do, bias, mask, _ = window_inputs(2, 2, 2, 49, 16, seed=12)
+    check_window("fp32", q, k, v, do, bias, mask, 2, kernel="fused")
+    (plan,) = window_bwd.PLANS.plans.values()
+    assert plan.call.options["num_stages"] == 1
+    window_bwd.PLANS.clear()
+
+
+@cpu_only
 def test_deterministic():
     q, k, v, do, bias, mask, hs = window_inputs(4, 2, 2, 20, 16, seed=4, cosine=True)
     out64, lse, _ = window_autograd(torch.float64, q, k, v, do, bias, mask, 2, 0.2, hs)
