@@ -134,6 +134,22 @@ def key_tiles(start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUS
 
 
 @triton.jit
+def program_tile(n_m_tiles, n_splits, SPLIT: tl.constexpr):
+    """``(pid_m, split, rest)`` of this program in a 1-D grid ``n_m_tiles * P * rest``: the query tile, its KV
+    partition (0 without SPLIT) and the index of its (head, batch / sequence) group."""
+    tiles = n_m_tiles * n_splits
+    pid0 = tl.program_id(0)
+    pid = pid0 % tiles
+    if SPLIT:
+        pid_m = pid // n_splits
+        split = pid % n_splits
+    else:
+        pid_m = pid
+        split = 0
+    return pid_m, split, pid0 // tiles
+
+
+@triton.jit
 def partition_tiles(split, tiles_per_split, n_full, n_tiles, SPLIT: tl.constexpr):
     """``(lo, mid, hi)``: the key tiles partition ``split`` folds, ``[lo, mid)`` interior and ``[mid, hi)``
     boundary (:func:`key_tiles`' split at ``n_full``); without SPLIT every tile, ``lo = 0``."""
@@ -291,18 +307,10 @@ def _elsa_fwd_kernel(
     the scaled, biased logits to ``Lse`` [B, H, Nq] FP32 (-inf for a fully masked row), the
     state the backward recomputes from.
     """
-    tiles = tl.cdiv(Nq, BLOCK_M) * n_splits
-    pid0 = tl.program_id(0)
-    pid = pid0 % tiles
-    bh = (pid0 // tiles).to(tl.int64)
+    pid_m, split, bh = program_tile(tl.cdiv(Nq, BLOCK_M), n_splits, SPLIT)
+    bh = bh.to(tl.int64)
     off_h = bh % H
     off_b = bh // H
-    if SPLIT:
-        pid_m = pid // n_splits
-        split = pid % n_splits
-    else:
-        pid_m = pid
-        split = 0
     start_m = pid_m * BLOCK_M
     start_m64 = start_m.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)

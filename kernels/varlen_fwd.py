@@ -42,7 +42,7 @@ from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _elsa_merge_kernel, _fold_tile,
                        _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
-                       load_query_tile, partition_tiles, store_partial)
+                       load_query_tile, partition_tiles, program_tile, store_partial)
 from .modes import MODES
 from .split16 import SPLIT_EXP
 
@@ -64,19 +64,11 @@ def _varlen_fwd_kernel(
     sequence's query count returns at once. A sequence without keys writes zeros (and LSE -inf).
     ``WRITE_LSE``: also the natural-log log-sum-exp of each row's scaled logits to ``Lse`` [H, total_q].
     ``SPLIT``: partition ``p`` folds key tiles ``[p * tiles_per_split, (p + 1) * tiles_per_split)`` of its
-    sequence (none past the sequence's keys: the identity state) and stores its partial ``(m, S, W)`` to the
-    workspace [P, H, total_q] (+ [.., Dv]) for :func:`.elsa_fwd._elsa_merge_kernel`.
+    sequence (none past the sequence's keys: the identity state) and stores its partial ``(m, S)`` and
+    normalised output ``W / S`` to the workspace [P, H, total_q] (+ [.., Dv]) for
+    :func:`.elsa_fwd._elsa_merge_kernel`.
     """
-    pid0 = tl.program_id(0)
-    tiles = n_m_tiles * n_splits
-    pid = pid0 % tiles
-    sh = pid0 // tiles
-    if SPLIT:
-        pid_m = pid // n_splits
-        split = pid % n_splits
-    else:
-        pid_m = pid
-        split = 0
+    pid_m, split, sh = program_tile(n_m_tiles, n_splits, SPLIT)
     off_h = (sh % H).to(tl.int64)
     seq = sh // H
     q_start = tl.load(CuQ + seq).to(tl.int64)
