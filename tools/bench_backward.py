@@ -10,7 +10,8 @@ path counts), median of windows. TFLOP/s count the backward as 2.5 forwards: 10 
 N x N x D matmuls). Window shapes (``swin-b-s1`` .. ``swin-b-s4``: Swin-B at 224 px, batch 64, one
 shape per stage, 49-token windows; ``swinv2-b-s1``: Swin-v2-B's first stage, 64-token windows) time
 :func:`visionattn.kernels.window_bwd.window_backward` with the relative position bias [H, N, N] and its
-gradient (summed over every window) and the shift mask [nW, N, N]; both window kernel paths (fused: one kernel per window; split: the dense dK/dV and dQ kernels) are timed;
+gradient (summed over every window) and the shift mask [nW, N, N]; both window kernel paths (fused: one kernel
+per window; split: the dense dK/dV and dQ kernels) are timed;
 SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gradient flows through the
 sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
 reduction beside the automatic choice, ``--configs`` given tiles of the split kernels beside the default,
@@ -187,28 +188,23 @@ def main(args) -> dict:
             q, k, v, do, out, lse, bias, shift, shift_full, scale = _inputs(B, H, N, D, dtype, relpos, windows,
                                                                             device)
             cells = {}
+            def time_ours(kernel, suffix="", splits=None, inputs=(q, k, v, do, out, lse, bias, shift, windows,
+                                                                  scale, mode), **kw):
+                """One visionattn cell: compile, then time and measure (kernel: the window path or None)."""
+                ours = _ours(*inputs, splits, kernel, **kw)
+                ours()  # compile
+                name = "visionattn" + ("" if kernel is None else f"-{kernel}") + suffix
+                cells[name] = (timer(ours), peak_extra_mb(ours, device), splits)
+
             # window shapes: both window kernel paths where the fused one applies (the dense kernel: one path)
             kernels = [None] if not windows else ["fused", "split"] if N <= FUSED_MAX_TOKENS else ["split"]
             for kernel in kernels:
                 for splits in [None] + (args.bias_splits if relpos and args.bias_splits else []):
-                    ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel)
-                    ours()  # compile
-                    name = "visionattn" + ("" if kernel is None else f"-{kernel}") + \
-                        ("" if splits is None else f" splits={splits}")
-                    cells[name] = (timer(ours), peak_extra_mb(ours, device), splits)
-            for products in args.fp32_products if dtype == torch.float32 else []:
-                for kernel in kernels:
-                    ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, None, kernel,
-                                 products=products)
-                    ours()  # compile
-                    name = "visionattn" + ("" if kernel is None else f"-{kernel}") + f" products={products}"
-                    cells[name] = (timer(ours), peak_extra_mb(ours, device), None)
+                    time_ours(kernel, "" if splits is None else f" splits={splits}", splits)
+                for products in args.fp32_products if dtype == torch.float32 else []:
+                    time_ours(kernel, f" products={products}", products=products)
             for cfg in args.configs:  # the split kernels' tiles given on the command line
-                ours = _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, None,
-                             "split" if windows else None, cfg)
-                ours()  # compile
-                name = ("visionattn-split" if windows else "visionattn") + f" tiles={_config_text(cfg)}"
-                cells[name] = (timer(ours), peak_extra_mb(ours, device), None)
+                time_ours("split" if windows else None, f" tiles={_config_text(cfg)}", config=cfg)
             if not args.no_sdpa:
                 backends = {"sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
                 if dtype != torch.float32:
@@ -230,7 +226,7 @@ def main(args) -> dict:
                              "error": cell[3] if len(cell) > 3 else None})
                 print(f"{shape:20s} {mode:10s} {name:24s} " + (f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s"
                                                                if ms else f"n/a ({rows[-1]['error']})"), flush=True)
-            del q, k, v, do, out, lse, bias, shift, shift_full
+            del q, k, v, do, out, lse, bias, shift, shift_full, time_ours
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     env = environment({"timing": "eager: CUDA events around back-to-back calls, median of windows"
