@@ -488,10 +488,10 @@ class BwdConfig:
     dq: KernelTiles
 
 
-# Keyed by (operand kind, padded head dim): "half" = fp16 / bf16 operands, "fp32" = FP32 operands (tf32x3 /
+# Keyed by (operand kind, padded head dim): "half" = fp16 / bf16 operands, "fp32" = FP32 operands (split-FP16 /
 # ieee / tf32 products). The held tile is the wide one (FlashAttention-2 / the Triton tutorial's split:
 # 128 held rows, 32-64 streamed); FP32 operands take twice the registers and shared memory per tile.
-# Starting points, not yet measured on a GPU (tools/bench_backward.py times them).
+# docs/tuning.md ("Backward kernels") holds the H100 timings behind the head-dim 32 / 64 rows.
 _CONFIGS: dict[tuple[str, int], BwdConfig] = {
     ("half", 16): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
     ("half", 32): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
@@ -505,9 +505,19 @@ _CONFIGS: dict[tuple[str, int], BwdConfig] = {
     ("fp32", 256): BwdConfig(KernelTiles(16, 32, 4, 1), KernelTiles(32, 16, 4, 1)),
 }
 
+# Where the dQ kernel also forms the bias gradient (an FP32 dS tile added into the dBias buffer per key tile),
+# the half rows' 128-row dQ tile at 4 warps spills and runs at half speed: 8 warps, and at head dim 64 a
+# half-height tile, replace it. Same keys as _CONFIGS; docs/tuning.md has the timings.
+_BIAS_GRAD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
+    ("half", 16): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 8, 3)),
+    ("half", 32): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 8, 3)),
+    ("half", 64): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 8, 2)),
+}
 
-def get_config(mode: str, head_dim: int, head_dim_v: int | None = None) -> BwdConfig:
-    """Backward tile configuration for ``mode`` and head dims (D, Dv): the larger, padded to a power of two, decides.
+
+def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_grad: bool = False) -> BwdConfig:
+    """Backward tile configuration for ``mode`` and head dims (D, Dv): the larger, padded to a power of two, decides;
+    ``bias_grad`` (the dQ kernel also writes dBias) picks the bias-gradient tiles where they differ.
 
     Raises:
         ValueError: unknown ``mode``; a head dim outside 1..:data:`MAX_HEAD_DIM`.
@@ -517,8 +527,10 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None) -> BwdCo
     dmax = max(head_dim, head_dim_v or head_dim)
     if not 1 <= dmax <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {dmax} outside 1..{MAX_HEAD_DIM}")
-    kind = "fp32" if BWD_MODES[mode][0] == torch.float32 else "half"
-    return _CONFIGS[(kind, pad_pow2(dmax))]
+    key = ("fp32" if BWD_MODES[mode][0] == torch.float32 else "half", pad_pow2(dmax))
+    if bias_grad and key in _BIAS_GRAD_CONFIGS:
+        return _BIAS_GRAD_CONFIGS[key]
+    return _CONFIGS[key]
 
 
 def _smaller(t: KernelTiles) -> list[KernelTiles]:
@@ -759,7 +771,7 @@ class _BackwardPlan:
         shape4 = self.shape4 = (B, H, Nq, Nk)
         bias4 = bias.expand(shape4) if bias is not None else None
         mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
-        self.cfg = config or default or get_config(mode, D, Dv)
+        self.cfg = config or default or get_config(mode, D, Dv, bool(bias_requires_grad))
         self.explicit = config is not None
         BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
         self.dims = (B, H, Nq, Nk, D, Dv)

@@ -44,6 +44,7 @@ SHAPES = {
     "long-16k": (1, 8, 16384, 64, False, 0),
     "vit-b16-224": (64, 12, 197, 64, False, 0),
     "vit-b16-224-relpos": (64, 12, 197, 64, True, 0),
+    "vit-b16-224-relpos-d32": (64, 24, 197, 32, True, 0),
     "long-4k-d128": (1, 8, 4096, 128, False, 0),
     # Swin-B 224 px, batch 64: B = 64 images x windows per image; the last stage's one window is not shifted
     "swin-b-s1": (64 * 64, 4, 49, 32, True, 64),
@@ -208,7 +209,8 @@ def main(args) -> dict:
             if not args.no_sdpa:
                 backends = {"sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
                 if dtype != torch.float32:
-                    backends.update({"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION})
+                    backends.update({"sdpa-flash": SDPBackend.FLASH_ATTENTION,
+                                     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION})
                 for name, backend in backends.items():
                     try:
                         fn = _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend)
