@@ -16,7 +16,7 @@ from timm.models import mvitv2
 
 import visionattn as va
 from visionattn.metrics import rel_l2
-from visionattn.patching.timm import _dense_core as dense_core, override_cores
+from visionattn.patching.timm import _dense_core as dense_core, _window_core as window_core, override_cores
 from patching_helpers import photos, redraw_linear
 
 BEIT = dict(depth=2, embed_dim=64, num_heads=2)
@@ -85,11 +85,13 @@ def _check(family, mode, model):
     x, ref, y0 = _oracle(family)
     calls = []
 
-    def counting_core(*args, **kwargs):
-        calls.append(kwargs["mode"])
-        return dense_core(*args, **kwargs)
+    def counting(core):
+        def counted(*args, **kwargs):
+            calls.append(kwargs["mode"])
+            return core(*args, **kwargs)
+        return counted
 
-    with torch.no_grad(), override_cores(dense=counting_core):
+    with torch.no_grad(), override_cores(dense=counting(dense_core), window=counting(window_core)):
         y = model(x)
     assert calls == [mode] * model.visionattn_report.num_patched, f"{family}: visionattn core calls {calls}"
     err, err0 = rel_l2(y, ref), rel_l2(y0, ref)
@@ -111,6 +113,23 @@ def test_patched_family_matches_unpatched_fp32(family):
                                          ("mvitv2", "fp16"), ("cait", "pasa"), ("coatnet", "bf16")])
 def test_patched_family_within_half_mode_contract(family, mode):
     _check(family, mode, va.patch_model(make(family), mode=mode))
+
+
+@pytest.mark.parametrize("family", ["maxvit", "maxvit-tf"])
+def test_maxvit_partitions_run_on_the_window_kernel(family):
+    """Block and grid partitions (<= 64 tokens) take window_attention with the relative position bias."""
+    model = va.patch_model(make(family), mode="fp32")
+    cores = []
+
+    def tagged(name, core):
+        def run(*args, **kwargs):
+            cores.append(name)
+            return core(*args, **kwargs)
+        return run
+
+    with torch.no_grad(), override_cores(dense=tagged("dense", dense_core), window=tagged("window", window_core)):
+        model(photos(FAMILIES[family][1])[:1])
+    assert cores == ["window"] * model.visionattn_report.num_patched
 
 
 @pytest.mark.parametrize("family", ["beit", "xcit", "coatnet", "hiera", "mvitv2"])
@@ -167,7 +186,7 @@ def _grads(model, x):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-@pytest.mark.parametrize("family", ["beit", "mvitv2", "hiera"])
+@pytest.mark.parametrize("family", ["beit", "mvitv2", "hiera", "maxvit-tf"])
 def test_backward_matches_unpatched(family):
     """Gradients flow through the patched core, the relative position bias included, as accurately as timm's."""
     plain = make(family).train()

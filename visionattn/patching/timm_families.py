@@ -20,6 +20,9 @@ What each family passes to the kernel:
 * MaxViT / CoAtNet (``maxxvit.AttentionCl``, ``maxxvit.Attention2d``): the relative position
   module's ``get_bias()`` [1, H, N, N] (RelPosBias, RelPosMlp, RelPosBiasTf) or the shared
   bias as ``bias``; Attention2d's channel-first q / k / v [B, H, D, N] are read transposed, in place.
+  MaxViT's block and grid partitions of at most 64 tokens (7 x 7) run on
+  :func:`visionattn.window_attention` with that bias as its ``relative_position_bias`` and one
+  window per image: the same sum, with several small windows packed per program.
 * Hiera (``hiera.MaskUnitAttention``): mask-unit attention is plain attention per (head, mask
   unit) pair: heads x units become the kernel's head axis ([B, H * nW, T, D]); q pooling (max
   over the q stride) is applied to q first, as timm does, so Nq = Nk / q_stride.
@@ -60,7 +63,10 @@ from timm.models import mvitv2 as _mvitv2
 from timm.models import xcit as _xcit
 
 from .core import PatchSpec, attention_kwargs, dropout_fallback
-from .timm import _cores, _dense
+from .timm import _cores, _dense, _window_kwargs
+
+# MaxViT partitions of at most this many tokens run on the window kernel (one bias [H, N, N] for all)
+WINDOW_KERNEL_MAX_TOKENS = 64
 
 __all__ = ["PATCHES", "VisionattnBeitAttention", "VisionattnClassAttn", "VisionattnAttention2d",
            "VisionattnAttentionCl", "VisionattnMaskUnitAttention", "VisionattnMultiScaleAttention",
@@ -161,7 +167,14 @@ class VisionattnAttentionCl(_maxxvit.AttentionCl):
             q, k, v = self.qkv(x).view(B, -1, self.num_heads, self.dim_head * 3).transpose(1, 2).chunk(3, dim=3)
         else:
             q, k, v = self.qkv(x).reshape(B, -1, 3, self.num_heads, self.dim_head).transpose(1, 3).unbind(2)
-        x = _dense(self, q, k, v, _maxxvit_bias(self, shared_rel_pos))
+        bias = _maxxvit_bias(self, shared_rel_pos)
+        if q.shape[2] <= WINDOW_KERNEL_MAX_TOKENS and (bias is None or bias.dim() == 3 or bias.shape[0] == 1):
+            # block / grid partitions (7 x 7 = 49 tokens): the window kernel packs several windows per
+            # program where the dense kernel pads each to a full tile
+            x = _cores["window"](q, k, v, relative_position_bias=bias, num_windows=1, scale=self.scale,
+                                 **_window_kwargs(self))
+        else:
+            x = _dense(self, q, k, v, bias)
         x = x.transpose(1, 2).reshape(restore_shape + (-1,))
         return self.proj_drop(self.proj(x))
 
