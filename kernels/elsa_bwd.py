@@ -488,46 +488,61 @@ class BwdConfig:
     dq: KernelTiles
 
 
-# Keyed by (operand kind, padded head dim): "half" = fp16 / bf16 operands, "fp32" = FP32 operands (split-FP16 /
-# ieee / tf32 products). The held tile is the wide one (FlashAttention-2 / the Triton tutorial's split:
-# 128 held rows, 32-64 streamed); FP32 operands take twice the registers and shared memory per tile.
-# docs/tuning.md ("Backward kernels") holds the H100 timings behind the head-dim 32 / 64 rows.
+# Keyed by (operand kind, padded head dim): "half" = fp16 / bf16 operands, "fp32" = FP32 operands with split-FP16
+# or TF32 products, "ieee" = FP32 operands with IEEE FMA products. The held tile is the wide one where registers
+# allow (FlashAttention-2 / the Triton tutorial's split: 128 held rows, 32 streamed); square 64 x 64 tiles where
+# the wide ones measured slower (half D=128, split-FP16 D=64). docs/tuning.md ("Backward kernels") holds the H100
+# timings behind the rows at head dims 32 to 128.
 _CONFIGS: dict[tuple[str, int], BwdConfig] = {
     ("half", 16): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
     ("half", 32): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
     ("half", 64): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
-    ("half", 128): BwdConfig(KernelTiles(32, 128, 8, 2), KernelTiles(128, 32, 8, 2)),
+    ("half", 128): BwdConfig(KernelTiles(64, 64, 4, 2), KernelTiles(64, 64, 4, 2)),
     ("half", 256): BwdConfig(KernelTiles(16, 64, 4, 1), KernelTiles(64, 16, 4, 1)),
     ("fp32", 16): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
     ("fp32", 32): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
-    ("fp32", 64): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
+    ("fp32", 64): BwdConfig(KernelTiles(64, 64, 4, 2), KernelTiles(64, 64, 4, 2)),
     ("fp32", 128): BwdConfig(KernelTiles(32, 64, 8, 2), KernelTiles(64, 32, 8, 2)),
     ("fp32", 256): BwdConfig(KernelTiles(16, 32, 4, 1), KernelTiles(32, 16, 4, 1)),
+    # IEEE FMA products hold more live registers than split-FP16's: the 64 x 64 tiles spill 2-11 KB per thread
+    ("ieee", 16): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
+    ("ieee", 32): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
+    ("ieee", 64): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
+    ("ieee", 128): BwdConfig(KernelTiles(32, 64, 8, 2), KernelTiles(64, 32, 8, 2)),
+    ("ieee", 256): BwdConfig(KernelTiles(16, 32, 4, 1), KernelTiles(32, 16, 4, 1)),
 }
 
 # Where the dQ kernel also forms the bias gradient (an FP32 dS tile added into the dBias buffer per key tile),
 # the half rows' 128-row dQ tile at 4 warps spills and runs at half speed: 8 warps, and at head dim 64 a
-# half-height tile, replace it. Same keys as _CONFIGS; docs/tuning.md has the timings.
+# half-height tile, replace it; half at head dim 128 keeps 128 x 32 dQ tiles (the 64 x 64 one spills 2 KB per
+# thread with the dBias tile) and FP32 at head dim 64 the 64 x 32 dQ tile it was measured with.
+# Same keys as _CONFIGS; docs/tuning.md has the timings.
 _BIAS_GRAD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
     ("half", 16): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 8, 3)),
     ("half", 32): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 8, 3)),
     ("half", 64): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 8, 2)),
+    ("half", 128): BwdConfig(KernelTiles(32, 128, 8, 2), KernelTiles(128, 32, 8, 2)),
+    ("fp32", 64): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
 }
 
 
-def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_grad: bool = False) -> BwdConfig:
+def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_grad: bool = False,
+               products: str | None = None) -> BwdConfig:
     """Backward tile configuration for ``mode`` and head dims (D, Dv): the larger, padded to a power of two, decides;
-    ``bias_grad`` (the dQ kernel also writes dBias) picks the bias-gradient tiles where they differ.
+    ``bias_grad`` (the dQ kernel also writes dBias) picks the bias-gradient tiles where they differ; ``products``
+    as :func:`fp32_products` (IEEE products take their own rows).
 
     Raises:
-        ValueError: unknown ``mode``; a head dim outside 1..:data:`MAX_HEAD_DIM`.
+        ValueError: unknown ``mode`` or ``products``; a head dim outside 1..:data:`MAX_HEAD_DIM`.
     """
     if mode not in BWD_MODES:
         raise ValueError(f"mode={mode!r} has no dense backward kernel; expected one of {list(BWD_MODES)}")
     dmax = max(head_dim, head_dim_v or head_dim)
     if not 1 <= dmax <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {dmax} outside 1..{MAX_HEAD_DIM}")
-    key = ("fp32" if BWD_MODES[mode][0] == torch.float32 else "half", pad_pow2(dmax))
+    dtype, precision = fp32_products(mode, products)
+    kind = "half" if dtype != torch.float32 else "ieee" if precision == "ieee" else "fp32"
+    key = (kind, pad_pow2(dmax))
     if bias_grad and key in _BIAS_GRAD_CONFIGS:
         return _BIAS_GRAD_CONFIGS[key]
     return _CONFIGS[key]
@@ -771,7 +786,7 @@ class _BackwardPlan:
         shape4 = self.shape4 = (B, H, Nq, Nk)
         bias4 = bias.expand(shape4) if bias is not None else None
         mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
-        self.cfg = config or default or get_config(mode, D, Dv, bool(bias_requires_grad))
+        self.cfg = config or default or get_config(mode, D, Dv, bool(bias_requires_grad), products)
         self.explicit = config is not None
         BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
         self.dims = (B, H, Nq, Nk, D, Dv)

@@ -1,15 +1,15 @@
 """Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory, registers, occupancy.
 
-Walks the dense ELSA config table (every precision kind x padded head dim x short/long KV, with
-and without bias + mask), the Gluon fp32-ieee and Hopper fp16 / bf16 kernels' configs, the PASA configs (head dims 16..256, with and without recovery, bias +
-mask) and the window kernels at the Swin / Swin-v2 window sizes, and the backward kernels (the dense dK / dV
-and dQ kernels per mode and head dim, with and without a bias gradient; the window backward, fused and
-split, at the Swin / Swin-v2 window sizes), compiles each for sm_90 through
-:func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared memory each needs
-against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read from
-the cubin), how many programs an SM holds at once, and whether the products use wgmma. A config over
-the limit is not a crash (the launchers retry smaller configs), but it is a slow first call and
-a different config than the table says.
+Walks the dense ELSA config table (every precision kind x padded head dim x short/long KV, with and without
+bias + mask), the Gluon fp32-ieee and Hopper fp16 / bf16 kernels' configs, the PASA configs (head dims
+16..256, with and without recovery, bias + mask) and the window kernels at the Swin / Swin-v2 window sizes,
+and the backward kernels (the dense dK / dV and dQ kernels per mode and head dim, with and without a bias
+gradient; the window backward, fused and split, at the Swin / Swin-v2 window sizes), compiles each for sm_90
+through :func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared memory each needs
+against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read from the cubin),
+how many programs an SM holds at once, and whether the products use wgmma. A config over the limit is not a
+crash (the launchers retry smaller configs), but it is a slow first call and a different config than the table
+says.
 
 The figures match the GPU's only for the same Triton version: the lent GPUs run triton 3.6, so
 
@@ -148,7 +148,7 @@ def _window_jobs(quick: bool):
 
 
 _BWD_UNIT_INTS = ("sqd", "skd", "svd", "sdd", "sbn", "san", "smn")
-_BWD_MODES = ("fp32", "fp32-ieee", "bf16")  # one per kind of product (3xTF32, IEEE FMA, half); fp16 = bf16's code
+_BWD_MODES = ("fp32", "fp32-ieee", "bf16")  # one per kind of product (split-FP16, IEEE FMA, half); fp16 = bf16's code
 
 
 def _bwd_pointers(mode: str, names: tuple[str, ...], inputs: tuple[str, ...]) -> dict:
@@ -179,10 +179,10 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
 
 def _backward_jobs(quick: bool):
     for mode in _BWD_MODES:
-        kind = "half" if mode == "bf16" else "fp32"
         for d in ((64, 128) if quick else (32, 64, 128, 256)):
             for bias in (False, True):
-                yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd._CONFIGS[(kind, d)], d, bias, False, False)
+                yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd.get_config(mode, d, d, bias), d, bias,
+                                           False, False)
         for n in ((49, 144) if quick else (49, 64, 144, 256)):
             tiles = window_bwd.get_config(mode, n, 32)
             yield from _split_bwd_jobs(f"window N={n} D=32 split", mode, tiles, 32, True, True,

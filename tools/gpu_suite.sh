@@ -18,7 +18,7 @@
 # backward alone at Swin-B's four stage shapes vs SDPA, with a bias-splits sweep), bwd-configs (the dense backward at
 # ViT-B shapes with register-spill-free dQ tiles beside the default: check_kernels_offline's spill column), bwd-bias
 # (the half backward with a relative-position-bias gradient, D = 64 and 32: the bias-gradient tiles beside the plain
-# ones), train-v2 (training steps of Swin-v2-B 256 px and ViT-B/16 at 1024 px),
+# ones), bwd-sweep (dense backward tile sweep at long sequences: bf16 D = 64 / 128, fp32), train-v2 (training steps of Swin-v2-B 256 px and ViT-B/16 at 1024 px),
 # bwd-products (the fp32 / tf32 backward with split-FP16 products, the default, beside tl.dot's 3xTF32),
 # fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200
 # frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the
@@ -92,6 +92,14 @@ for step in "$@"; do
     bwd-configs) run bwd-configs 400 python tools/bench_backward.py --shapes vit-b16-224 vit-b16-224-relpos \
         --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,8,2 32,128,8,2/128,32,8,2 \
         --out "$out/bwd_configs" ;;
+    bwd-sweep) run bwd-sweep-half 250 python tools/bench_backward.py --shapes long-4k long-16k vit-b16-224 --modes bf16 \
+        --configs 32,128,4,4/128,32,4,4 32,128,4,5/128,32,4,5 64,128,8,3/128,64,8,3 64,128,8,2/128,64,8,2 \
+        32,128,8,3/128,32,8,3 64,64,4,3/64,64,4,3 --out "$out/bwd_sweep_half"
+      run bwd-sweep-d128 150 python tools/bench_backward.py --shapes long-4k-d128 --modes bf16 --configs \
+        32,128,8,3/128,32,8,3 64,64,4,2/64,64,4,2 64,128,8,2/128,64,8,2 32,64,4,3/64,32,4,3 --out "$out/bwd_sweep_d128"
+      run bwd-sweep-fp32 250 python tools/bench_backward.py --shapes long-4k vit-b16-224 --modes fp32 --configs \
+        64,64,4,2/64,64,4,2 64,128,8,2/128,64,8,2 32,64,4,3/64,32,4,3 64,64,8,2/64,64,8,2 32,128,8,2/128,32,8,2 \
+        --out "$out/bwd_sweep_fp32" ;;
     bwd-bias) run bwd-bias 300 python tools/bench_backward.py --shapes vit-b16-224-relpos vit-b16-224-relpos-d32 \
         --modes fp16 bf16 --configs 32,128,4,3/128,32,4,3 32,128,4,3/128,32,8,3 --out "$out/bwd_bias" ;;
     train-v2) run train-v2 400 python tools/bench_train.py --cases swinv2_base_window8_256:256:32,vit_base_patch16_224:1024:8 \
