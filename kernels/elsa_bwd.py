@@ -492,7 +492,7 @@ class BwdConfig:
 # or TF32 products, "ieee" = FP32 operands with IEEE FMA products. The held tile is the wide one where registers
 # allow (FlashAttention-2 / the Triton tutorial's split: 128 held rows, 32 streamed); square 64 x 64 tiles where
 # the wide ones measured slower (half D=128, split-FP16 D=64). docs/tuning.md ("Backward kernels") holds the H100
-# timings behind the rows at head dims 32 to 128.
+# timings behind the rows that were swept (head dim 64, half at 128).
 _CONFIGS: dict[tuple[str, int], BwdConfig] = {
     ("half", 16): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),
     ("half", 32): BwdConfig(KernelTiles(32, 128, 4, 3), KernelTiles(128, 32, 4, 3)),

@@ -66,8 +66,8 @@ from .modes import MODES
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
 __all__ = [
-    "elsa_attention", "dense_forward", "plan_for", "unsupported_reason", "TileConfig", "get_config", "choose_num_splits",
-    "DENSE_MODES", "MAX_HEAD_DIM", "SHORT_KV", "PLANS",
+    "elsa_attention", "dense_forward", "plan_for", "unsupported_reason", "TileConfig", "get_config",
+    "choose_num_splits", "DENSE_MODES", "MAX_HEAD_DIM", "SHORT_KV", "PLANS",
 ]
 
 LOG2E = 1.4426950408889634
@@ -339,13 +339,13 @@ def _elsa_fwd_kernel(
     n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     lo_t, mid_t, hi_t = partition_tiles(split, tiles_per_split, n_full, n_tiles, SPLIT)
     for t in range(lo_t, mid_t):
-        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base, t * BLOCK_N,
-                                   offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base,
+                                   t * BLOCK_N, offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                                    skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
                                    False, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST, LAZY_V)
     for t in range(mid_t, hi_t):
-        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base, t * BLOCK_N,
-                                   offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base,
+                                   t * BLOCK_N, offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
                                    skn, skd, svn, svd, sbm, sbn, smm, smn, qk_scale,
                                    True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST, LAZY_V)
 
@@ -628,19 +628,28 @@ class _TritonPlan:
         # unused pointers (no bias / mask / LSE / workspace) are never read: a null pointer on the direct path,
         # a tensor on the first (JIT) call, whose pointer types the compiled kernel keeps
         dummy = 0 if self.main._fast is not None else q
-        lse_t = dummy if lse is None else lse
         b_t = dummy if bias is None else bias
         m_t = dummy if attn_mask is None else attn_mask
-        if self.merge is None:
-            self.main(q, k, v, b_t, m_t, out, lse_t, dummy, dummy, dummy, scale * LOG2E, *self.fixed)
-        else:
-            ws_m = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
-            ws_s = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
-            ws_w = torch.empty(self.ws_w_shape, dtype=torch.float32, device=dev)
-            self.main(q, k, v, b_t, m_t, out, lse_t, ws_m, ws_s, ws_w, scale * LOG2E, *self.fixed)
-            merge_lse = lse if lse is not None else (0 if self.merge._fast is not None else q)
-            self.merge(ws_m, ws_s, ws_w, out, merge_lse, *self.merge_fixed)
+        launch_partitions(self, (q, k, v, b_t, m_t), out, lse, dummy, scale * LOG2E)
         return out, lse
+
+
+def launch_partitions(plan, inputs: tuple, out: torch.Tensor, lse: torch.Tensor | None, dummy,
+                      scale_log2: float) -> None:
+    """The launches of a forward plan (:class:`_TritonPlan`, the ragged batch's): ``plan.main`` over ``inputs``
+    (its leading tensor arguments, q first) writing ``out`` / ``lse`` directly, or with split-KV (``plan.merge``
+    set) writing FP32 partials into a fresh workspace that ``plan.merge`` folds into ``out`` / ``lse``.
+    ``dummy`` stands for the pointers a launch does not read."""
+    lse_t = dummy if lse is None else lse
+    if plan.merge is None:
+        plan.main(*inputs, out, lse_t, dummy, dummy, dummy, scale_log2, *plan.fixed)
+        return
+    ws_m = torch.empty(plan.ws_shape, dtype=torch.float32, device=plan.device)
+    ws_s = torch.empty(plan.ws_shape, dtype=torch.float32, device=plan.device)
+    ws_w = torch.empty(plan.ws_w_shape, dtype=torch.float32, device=plan.device)
+    plan.main(*inputs, out, lse_t, ws_m, ws_s, ws_w, scale_log2, *plan.fixed)
+    merge_lse = lse if lse is not None else (0 if plan.merge._fast is not None else inputs[0])
+    plan.merge(ws_m, ws_s, ws_w, out, merge_lse, *plan.merge_fixed)
 
 
 class _GluonPlan:

@@ -42,7 +42,7 @@ from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _elsa_merge_kernel, _fold_tile,
                        _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
-                       load_query_tile, partition_tiles, program_tile, store_partial)
+                       launch_partitions, load_query_tile, partition_tiles, program_tile, store_partial)
 from .modes import MODES
 from .split16 import SPLIT_EXP
 
@@ -170,16 +170,7 @@ class _VarlenPlan:
         if self.with_lse:
             lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=dev)
         dummy = 0 if self.main._fast is not None else q  # unused pointers: null on the direct path
-        lse_t = lse if lse is not None else dummy
-        if self.merge is None:
-            self.main(q, k, v, cu_q, cu_k, out, lse_t, dummy, dummy, dummy, scale * LOG2E, *self.fixed)
-        else:
-            ws_m = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
-            ws_s = torch.empty(self.ws_shape, dtype=torch.float32, device=dev)
-            ws_w = torch.empty(self.ws_w_shape, dtype=torch.float32, device=dev)
-            self.main(q, k, v, cu_q, cu_k, out, lse_t, ws_m, ws_s, ws_w, scale * LOG2E, *self.fixed)
-            self.merge(ws_m, ws_s, ws_w, out, lse if lse is not None else (0 if self.merge._fast is not None else q),
-                       *self.merge_fixed)
+        launch_partitions(self, (q, k, v, cu_q, cu_k), out, lse, dummy, scale * LOG2E)
         return out, lse
 
 

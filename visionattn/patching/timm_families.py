@@ -65,7 +65,9 @@ from timm.models import xcit as _xcit
 from .core import PatchSpec, attention_kwargs, dropout_fallback
 from .timm import _cores, _dense, _window_kwargs
 
-# MaxViT partitions of at most this many tokens run on the window kernel (one bias [H, N, N] for all)
+# MaxViT partitions of at most this many tokens run on the window kernel (one bias [H, N, N] for all): the
+# windows its forward packs several to a program and its backward runs in one fused launch
+# (kernels.window_bwd.FUSED_MAX_TOKENS; not imported here, so patching needs no Triton)
 WINDOW_KERNEL_MAX_TOKENS = 64
 
 __all__ = ["PATCHES", "VisionattnBeitAttention", "VisionattnClassAttn", "VisionattnAttention2d",
