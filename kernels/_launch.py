@@ -111,6 +111,9 @@ class KernelCall:
 
             active = driver.active
             current_device, current_stream = active.get_current_device, active.get_current_stream
+            # torch.cuda.current_device() (Triton's getter) re-checks CUDA initialisation on every call; the
+            # plan's device is initialised, so ask torch's C getter directly where this torch has it
+            current_device = getattr(torch._C, "_cuda_getDevice", current_device)
         except (AttributeError, ImportError) as exc:  # pragma: no cover - another Triton layout: keep the JIT path
             self.slow_reason = f"{type(exc).__name__}: {exc}"
             return None

@@ -92,12 +92,17 @@ class _CenterPlan:
                                                       dict(BLOCK_C=_CENTER_CHUNKS, BLOCK_D=block_d), {})
         self.combine_fixed = (Nq, D, n_chunks, plane)
 
-    def __call__(self, q: torch.Tensor) -> torch.Tensor:
-        mu = torch.empty(self.mu_shape, dtype=torch.float32, device=self.device)
+    def __call__(self, q: torch.Tensor, mu=None, part=None):
+        """mu of ``q`` into ``mu`` (a [B, H, D] float32 tensor or its address; allocated when None), with
+        ``part`` (:attr:`part_shape` float32, or its address) as the partials' scratch when there is a
+        combine launch (allocated when None). Returns ``mu``."""
+        if mu is None:
+            mu = torch.empty(self.mu_shape, dtype=torch.float32, device=self.device)
         if self.combine is None:  # the partials kernel writes mu itself (PART = MU)
             self.partials(q, mu, *self.fixed)
             return mu
-        part = torch.empty(self.part_shape, dtype=torch.float32, device=self.device)
+        if part is None:
+            part = torch.empty(self.part_shape, dtype=torch.float32, device=self.device)
         self.partials(q, part, *self.fixed)
         self.combine(part, mu, *self.combine_fixed)
         return mu
@@ -122,6 +127,25 @@ def _center_value(total, lo, hi, N_Q):
     return tl.where(keep, mu, 0.0)
 
 
+@triton.jit
+def _center_stats(q_base, stride_qm, stride_qd, start, stop, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """FP32 sum, minimum and maximum of every query dimension over rows [start, stop) of one (batch, head)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    total = tl.zeros([BLOCK_D], tl.float32)
+    lo = tl.full([BLOCK_D], float("inf"), tl.float32)
+    hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    for m in range(start, stop, BLOCK_M):
+        ok = ((m + offs_m) < stop)[:, None] & d_ok[None, :]
+        x = tl.load(q_base + (m + offs_m)[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=ok, other=0.0).to(tl.float32)
+        total += tl.sum(x, axis=0)
+        lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(ok, x, float("-inf")), axis=0))
+    return total, lo, hi
+
+
 @triton.jit(do_not_specialize=["H", "N_Q", "CHUNK", "N_CHUNKS", "PLANE"])
 def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd, H, N_Q, D, CHUNK, N_CHUNKS,
                             PLANE, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DIRECT: tl.constexpr):
@@ -131,21 +155,11 @@ def _center_partials_kernel(Q, PART, stride_qb, stride_qh, stride_qm, stride_qd,
     chunk = tl.program_id(0) % N_CHUNKS
     bh = tl.program_id(0) // N_CHUNKS
     q_base = Q + (bh // H).to(tl.int64) * stride_qb + (bh % H).to(tl.int64) * stride_qh
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    total = tl.zeros([BLOCK_D], tl.float32)
-    lo = tl.full([BLOCK_D], float("inf"), tl.float32)
-    hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
     start = chunk * CHUNK
-    stop = tl.minimum(start + CHUNK, N_Q)
-    for m in range(start, stop, BLOCK_M):
-        ok = ((m + offs_m) < stop)[:, None] & d_ok[None, :]
-        x = tl.load(q_base + (m + offs_m)[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd,
-                    mask=ok, other=0.0).to(tl.float32)
-        total += tl.sum(x, axis=0)
-        lo = tl.minimum(lo, tl.min(tl.where(ok, x, float("inf")), axis=0))
-        hi = tl.maximum(hi, tl.max(tl.where(ok, x, float("-inf")), axis=0))
+    total, lo, hi = _center_stats(q_base, stride_qm, stride_qd, start, tl.minimum(start + CHUNK, N_Q), D, BLOCK_M,
+                                  BLOCK_D)
     out = PART + (bh.to(tl.int64) * N_CHUNKS + chunk) * D + offs_d
     if DIRECT:
         tl.store(out, _center_value(total, lo, hi, N_Q), mask=d_ok)
@@ -170,11 +184,12 @@ def _center_combine_kernel(PART, MU, N_Q, D, N_CHUNKS, PLANE, BLOCK_C: tl.conste
     tl.store(MU + bh.to(tl.int64) * D + offs_d, _center_value(total, lo, hi, N_Q), mask=offs_d < D)
 
 
-@triton.jit(do_not_specialize=["H", "N_K"])
+@triton.jit(do_not_specialize=["H", "N_K", "N_Q"])
 def _pasa_shift_keys_kernel(
-    K, KP, MU, C, W, W_INV, stride_kb, stride_kh, stride_kn, stride_kd, H, N_K, D, scale,
-    a_full, b_full, a_tail, b_tail, w_full, w_tail, inv_a_full, inv_a_tail,
-    RECOVER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    K, KP, MU, C, W, W_INV, Q, stride_kb, stride_kh, stride_kn, stride_kd, stride_qb, stride_qh, stride_qm,
+    stride_qd, H, N_K, N_Q, D, scale, a_full, b_full, a_tail, b_tail, w_full, w_tail, inv_a_full, inv_a_tail,
+    RECOVER: tl.constexpr, CENTER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_QM: tl.constexpr,
 ):
     # 1-D grid (B * H can exceed the 65,535 limit of grid axes 1 and 2).
     tiles = tl.cdiv(N_K, BLOCK_N)
@@ -182,6 +197,16 @@ def _pasa_shift_keys_kernel(
     pid_bh = tl.program_id(0) // tiles
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
+    if CENTER:
+        # few query rows (_CENTER_DIRECT_ROWS): every program of the head forms mu from Q itself, as
+        # _center_partials_kernel's DIRECT path does (same loop, same values), saving that launch; the
+        # head's first key block stores it for the tile loop
+        offs_c = tl.arange(0, BLOCK_D)
+        total, lo, hi = _center_stats(Q + off_b * stride_qb + off_h * stride_qh, stride_qm, stride_qd, 0, N_Q, D,
+                                      BLOCK_QM, BLOCK_D)
+        mu_c = _center_value(total, lo, hi, N_Q)
+        if pid_n == 0:
+            tl.store(MU + pid_bh.to(tl.int64) * D + offs_c, mu_c, mask=offs_c < D)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_n[:, None] < N_K) & (offs_d[None, :] < D)
@@ -196,7 +221,10 @@ def _pasa_shift_keys_kernel(
     tl.store(KP + pid_bh.to(tl.int64) * N_K * D + offs_n[:, None] * D + offs_d[None, :], kp, mask=ok)
     if RECOVER:
         # MU [B*H, D], C [B*H, N_K]: contiguous FP32 buffers
-        mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
+        if CENTER:
+            mu = mu_c
+        else:
+            mu = tl.load(MU + pid_bh.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0)
         # mu . K'_j per key, times the block's log2(e) / a: the tile loop recovers the score with one FMA
         # (docs/tuning.md: PASA: per-key centring term stored times its block's log2(e)/a (one FMA per score),
         # per-row term in the row max)
@@ -475,11 +503,45 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
                          out_dtype, explicit=config is not None)[1]
 
 
+class _Workspace:
+    """The scratch buffers of one call signature carved from one byte allocation (one ``torch.empty`` per call
+    instead of one per buffer: each costs several microseconds of host time). ``segments``: name -> (shape,
+    dtype); every segment starts 128-byte aligned."""
+
+    __slots__ = ("names", "offsets", "specs", "nbytes")
+
+    def __init__(self, segments: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.names, self.offsets, self.specs, at = [], [], [], 0
+        for name, (shape, dtype) in segments.items():
+            n = 1
+            for x in shape:
+                n *= x
+            self.names.append(name)
+            self.offsets.append(at)
+            self.specs.append((shape, dtype, n))
+            at += -(-n * dtype.itemsize // 128) * 128
+        self.nbytes = max(at, 128)
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
+    def pointers(self, buf: torch.Tensor) -> tuple[int, ...]:
+        """Device addresses of the segments (what a direct launch takes for a pointer argument)."""
+        base = buf.data_ptr()
+        return tuple(base + off for off in self.offsets)
+
+    def tensors(self, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Typed views of the segments (for Triton's JIT path, which reads each pointer's dtype)."""
+        return tuple(buf[off:off + n * dtype.itemsize].view(dtype).view(shape)
+                     for off, (shape, dtype, n) in zip(self.offsets, self.specs))
+
+
 class _PasaPlan:
-    """The PASA launches for one call signature: query centre, key shift, the tile loop."""
+    """The PASA launches for one call signature: query centre (its own launch only for more than
+    :data:`_CENTER_DIRECT_ROWS` query rows), key shift, the tile loop; their scratch in one :class:`_Workspace`."""
 
     __slots__ = ("center", "shift_call", "main", "fixed_shift", "fixed_main", "coef", "recover", "shift",
-                 "o_shape", "o_stride", "o_dtype", "device", "kp_shape", "c_shape", "w_shape", "winv_shape")
+                 "o_shape", "o_stride", "o_dtype", "device", "workspace")
 
     def __init__(self, q, k, v, bias, attn_mask, is_causal, shift, beta, cfg, out_dtype):
         B, H, Nq, D = q.shape
@@ -490,10 +552,18 @@ class _PasaPlan:
         self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
         # beta = 0: M = scale * I, no centering, no recovery: plain FP16 accumulation on fl16(scale * k).
         self.recover = recover = self.shift and (beta is None or float(beta) != 0.0)
-        self.center = _CenterPlan(q) if recover else None
+        fused_center = recover and Nq <= _CENTER_DIRECT_ROWS
+        self.center = _CenterPlan(q) if recover and not fused_center else None
         n_blocks = cdiv(Nk, block_n)
-        self.kp_shape, self.c_shape = (B, H, Nk, D), (B, H, Nk)
-        self.w_shape, self.winv_shape = (B, H, n_blocks, 3, D), (B, H, n_blocks)
+        segments = {}
+        if self.shift:
+            segments["kp"] = ((B, H, Nk, D), torch.float16)
+        if recover:
+            segments.update(mu=((B, H, D), torch.float32), c=((B, H, Nk), torch.float32),
+                            w=((B, H, n_blocks, 3, D), torch.float16), w_inv=((B, H, n_blocks), torch.float32))
+        if self.center is not None and self.center.combine is not None:
+            segments["part"] = (self.center.part_shape, torch.float32)
+        self.workspace = _Workspace(segments) if segments else None
         if self.shift:
             tail = Nk % block_n or block_n
             a_f, b_f, _ = _coefficients(block_n, beta)
@@ -501,8 +571,10 @@ class _PasaPlan:
             inv = (LOG2E / a_f, LOG2E / a_t) if recover else (1.0, 1.0)
             self.coef = (a_f, b_f, a_t, b_t, b_f / a_f, b_t / a_t, *inv)
             self.shift_call = KernelCall(_pasa_shift_keys_kernel, (n_blocks * B * H,),
-                                         dict(RECOVER=recover, BLOCK_N=block_n, BLOCK_D=block_d), dict(num_warps=4))
-            self.fixed_shift = (*k.stride(), H, Nk, D)
+                                         dict(RECOVER=recover, CENTER=fused_center, BLOCK_N=block_n,
+                                              BLOCK_D=block_d, BLOCK_QM=_CENTER_ROWS), dict(num_warps=4))
+            # q's strides only where the kernel reads q (else zeros: no specialisation on unused values)
+            self.fixed_shift = (*k.stride(), *(q.stride() if fused_center else (0, 0, 0, 0)), H, Nk, Nq, D)
             k_strides = (H * Nk * D, Nk * D, D, 1)  # the contiguous shifted keys [B, H, Nk, D]
         else:
             self.coef = (1.0, 1.0)
@@ -515,31 +587,38 @@ class _PasaPlan:
             EVEN_DV=Dv == block_dv), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
         self.fixed_main = (*q.stride(), *k_strides, *v.stride(), *self.o_stride, *sb, *sm, H, Nq, Nk, D, Dv)
 
+    def _direct(self) -> bool:
+        """Whether every launch of the plan goes to its compiled kernel directly (which takes addresses for
+        pointers); before that, Triton's JIT path needs typed tensors."""
+        calls = [self.main] + ([self.shift_call] if self.shift else [])
+        if self.center is not None:
+            calls += [self.center.partials] + ([self.center.combine] if self.center.combine is not None else [])
+        return all(c._fast is not None for c in calls)
+
     def __call__(self, q, k, v, bias, attn_mask, scale):
         dev = self.device
         out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=dev)
-        mu = c = w = w_inv = q  # dummies unless recover
+        direct = self._direct()
+        null = 0 if direct else q  # unused pointer arguments
+        mu = c = w = w_inv = null
         if self.shift:
+            buf = self.workspace.allocate(dev)  # kept alive (by this frame) until every launch is queued
+            parts = dict(zip(self.workspace.names,
+                             self.workspace.pointers(buf) if direct else self.workspace.tensors(buf)))
             a_f, b_f, a_t, b_t, wf, wt, inv_f, inv_t = self.coef
-            kp = torch.empty(self.kp_shape, dtype=torch.float16, device=dev)
+            kp = parts["kp"]
             if self.recover:
-                mu = self.center(q)
-                c = torch.empty(self.c_shape, dtype=torch.float32, device=dev)
-                w = torch.empty(self.w_shape, dtype=torch.float16, device=dev)
-                w_inv = torch.empty(self.winv_shape, dtype=torch.float32, device=dev)
-            self.shift_call(k, kp, mu, c, w, w_inv, *self.fixed_shift, scale, a_f, b_f, a_t, b_t,
+                mu, c, w, w_inv = parts["mu"], parts["c"], parts["w"], parts["w_inv"]
+                if self.center is not None:
+                    self.center(q, mu, parts.get("part"))
+            self.shift_call(k, kp, mu, c, w, w_inv, q, *self.fixed_shift, scale, a_f, b_f, a_t, b_t,
                             scale * wf, scale * wt, inv_f, inv_t)
             keys, post_scale = kp, LOG2E
         else:
             inv_f, inv_t = self.coef
             keys, post_scale = k, scale * LOG2E
-        if self.main._fast is not None:  # unused pointers: null on the direct path
-            mu, c, w, w_inv = (0 if t is q else t for t in (mu, c, w, w_inv))
-            dummy = 0
-        else:
-            dummy = q
-        mask = attn_mask.view(torch.uint8) if attn_mask is not None else dummy
-        self.main(q, keys, v, out, dummy if bias is None else bias, mask, mu, c, w, w_inv, *self.fixed_main,
+        mask = attn_mask.view(torch.uint8) if attn_mask is not None else null
+        self.main(q, keys, v, out, null if bias is None else bias, mask, mu, c, w, w_inv, *self.fixed_main,
                   post_scale, inv_f, inv_t)
         return out
 

@@ -5,7 +5,8 @@ For every shape of the config and every visionattn mode, in one process on the s
 inputs, two timings side by side: **eager** (CUDA events around back-to-back calls of the public
 function, ``visionattn.attention`` / ``F.scaled_dot_product_attention``: the Python launch path
 counts, as in an eager model) and **graph** (replays of a CUDA graph of the same calls:
-GPU time alone; ``--cuda-graph`` keeps only this one); TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
+GPU time alone; ``--cuda-graph`` keeps only this one; n/a, with the reason in the JSON's ``graph_error``, where the
+calls cannot be captured); TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
 (``torch.cuda.max_memory_allocated`` above the inputs) and the relative L2 error
 against the float64 oracle on a random subsample of query rows. Baselines per input
 dtype: SDPA MATH (TF32 off), EFFICIENT_ATTENTION, FLASH_ATTENTION, CUDNN_ATTENTION
@@ -23,10 +24,11 @@ fastest, to fill ``visionattn.kernels.elsa_fwd._CONFIGS``.
 
 ``--backward`` times forward + backward instead (``torch.autograd.grad`` of the output against a random
 dO, every mode through the public function and its backward kernels) against SDPA efficient / flash /
-cuDNN and FlexAttention in the same run, eager timing only; TFLOP/s count 3.5 x 4*B*H*N*N*D; peak extra
+cuDNN and FlexAttention in the same run, eager and graph timing side by side as above (the graph captures the
+whole forward + backward call); TFLOP/s count 3.5 x 4*B*H*N*N*D; peak extra
 memory of forward + backward; gradient error = relative L2 of dQ, dK, dV vs a float64 autograd oracle
 (run over query-row chunks; beyond B*H*N*N = 2^33 only dQ, on the subsample of query rows); the
-issue's training targets. Writes ``fwd_bwd.md``, ``fwd_bwd.json`` and ``fwd_bwd.png`` to ``--out``.
+training targets. Writes ``fwd_bwd.md``, ``fwd_bwd.json`` and ``fwd_bwd.png`` to ``--out``.
 
 Usage: python tools/bench_attention.py --out out/bench_attention [--quick] [--backward]
        [--config configs/bench_attention.yaml]
@@ -34,6 +36,7 @@ Usage: python tools/bench_attention.py --out out/bench_attention [--quick] [--ba
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -76,8 +79,8 @@ def build_parser() -> ToolParser:
     p.add_argument("--modes", default=None, help="comma-separated visionattn modes (default: the config's)")
     p.add_argument("--shapes", default=None, help="comma-separated shape names from the config (default: all)")
     p.add_argument("--backward", action="store_true",
-                   help="time forward + backward (eager) vs SDPA efficient / flash / cuDNN and FlexAttention, with "
-                        "gradient errors vs a float64 oracle; writes fwd_bwd.*")
+                   help="time forward + backward (eager and CUDA-graph replay) vs SDPA efficient / flash / cuDNN and "
+                        "FlexAttention, with gradient errors vs a float64 oracle; writes fwd_bwd.*")
     p.add_argument("--tune", action="store_true", help="time candidate tile configs instead of the sweep")
     p.add_argument("--tune-kinds", default=None,
                    help=f"comma-separated kinds for --tune (default all: {','.join(TUNE_CANDIDATES)})")
@@ -158,9 +161,11 @@ def _fwd_bwd_runner(name, do):
     return step
 
 
-def _measure(fn, q, k, v, rep, graph_only=False, eager_only=False):
+def _measure(fn, q, k, v, rep, graph_only=False):
     """(timings, peak extra MiB, output) of ``fn(q, k, v)``: ``{"eager": ms, "graph": ms}`` (eager left out with
-    ``graph_only``, graph with ``eager_only``); raises if the backend refuses."""
+    ``graph_only``). The two calls here compile and fill the launch caches before the graph timing warms up on a side
+    stream and captures. Raises if the backend refuses; where only the capture fails (and eager is timed),
+    ``{"eager": ms, "graph_error": why}``."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -172,11 +177,43 @@ def _measure(fn, q, k, v, rep, graph_only=False, eager_only=False):
     out = fn(q, k, v)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    timings = {} if eager_only else {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}
+    try:
+        timings = {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}
+    except Exception as exc:  # a launch path that cannot be captured: the eager timing still stands
+        if graph_only:
+            raise
+        timings = {"graph_error": _first_error(exc)}
+        torch.cuda.synchronize()
     if not graph_only:
         one = max(timings.get("graph") or eager_ms(lambda: fn(q, k, v), calls=3, warmup=1, repeats=1), 0.005)
         timings["eager"] = eager_ms(lambda: fn(q, k, v), calls=int(min(200, max(10, rep / one))))
     return timings, peak, out
+
+
+def _first_error(exc: BaseException) -> str:
+    """``"Type: first line"`` of the first exception in ``exc``'s chain (a failed capture's own complaint at its end
+    names none of the cause)."""
+    while exc.__context__ is not None:
+        exc = exc.__context__
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+
+
+def _graph_fields(timings: dict, flops: float) -> dict:
+    """A record's graph fields from :func:`_measure`'s ``timings``: ``ms_graph``, ``tflops_graph`` and, with an eager
+    time beside it, ``ms_eager`` and ``eager_over_graph``; ``graph_error`` where the calls could not be captured."""
+    if "graph" not in timings:
+        return {k: v for k, v in timings.items() if k == "graph_error"}
+    rec = {"ms_graph": timings["graph"], "tflops_graph": flops / timings["graph"] / 1e9}
+    if "eager" in timings:
+        rec.update(ms_eager=timings["eager"], eager_over_graph=timings["eager"] / timings["graph"])
+    return rec
+
+
+def _graph_cells(r: dict) -> list:
+    """A record's "graph ms" and "eager / graph" table cells: n/a where the capture failed, - where not timed."""
+    if "ms_graph" not in r:
+        return ["n/a", "n/a"] if "graph_error" in r else ["-", "-"]
+    return [r["ms_graph"], f"{r['eager_over_graph']:.2f}" if "eager_over_graph" in r else "-"]
 
 
 def host_overhead(modes, rounds: int = 5) -> list[dict]:
@@ -259,6 +296,10 @@ def grad_errors(grads, ref: dict, rows) -> dict:
 
 # --------------------------------------------------------------------------- sweep
 
+GRAPH_TIMING = ("graph: CUDA-graph replays of the same calls (`triton.testing.do_bench_cudagraph`, median) -- graph ms "
+                "column, n/a where the calls cannot be captured (graph_error in the JSON)")
+
+
 def run_sweep(args, cfg) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -299,7 +340,7 @@ def run_sweep(args, cfg) -> dict:
                 continue
             try:
                 fn = _fwd_bwd_runner(name, do) if args.backward else _runner(name)
-                timings, peak, out = _measure(fn, q, k, v, rep, args.cuda_graph, eager_only=args.backward)
+                timings, peak, out = _measure(fn, q, k, v, rep, args.cuda_graph)
             except (RuntimeError, torch.OutOfMemoryError, Exception) as exc:  # backend refuses this case
                 rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 records.append(rec)
@@ -307,13 +348,8 @@ def run_sweep(args, cfg) -> dict:
                 continue
             ms = timings.get("eager", timings.get("graph"))  # what an eager model sees, unless graph-only
             rec.update(ms=ms, tflops=flops / ms / 1e9, peak_mib=peak)
-            if args.backward:
-                rec.update(grad_errors(out, ref, rows))
-            else:
-                rec.update(rel_err=rel_l2(out[:, :, rows], ref), ms_graph=timings["graph"],
-                           tflops_graph=flops / timings["graph"] / 1e9)
-            if "eager" in timings and "graph" in timings:
-                rec.update(ms_eager=timings["eager"], eager_over_graph=timings["eager"] / timings["graph"])
+            rec.update(grad_errors(out, ref, rows) if args.backward else {"rel_err": rel_l2(out[:, :, rows], ref)})
+            rec.update(_graph_fields(timings, flops))
             del out
             records.append(rec)
         del q, k, v, do, ref
@@ -322,15 +358,15 @@ def run_sweep(args, cfg) -> dict:
         return {"environment": environment(), "tf32_matmul": "off (on only inside flex-tf32, forward and backward)",
                 "title": "Attention forward + backward", "flops": "3.5 x 4*B*H*N*N*D", "files": "fwd_bwd",
                 "timing": "eager: CUDA events around back-to-back forward + backward calls (torch.autograd.grad "
-                          "against a random dO; median of 5 windows; the Python launch path counts)",
+                          "against a random dO; median of 5 windows; the Python launch path counts) -- ms and TFLOP/s "
+                          "columns; " + GRAPH_TIMING,
                 "rel_err": "relative L2 of dQ / dK / dV vs a float64 autograd oracle on the same inputs and dO "
                            "(dQ on a random subsample of query rows only where B*H*N*N > 2^33)",
                 "records": records, "targets": _targets_backward(records)}
     timing = ("CUDA-graph replays only (`triton.testing.do_bench_cudagraph`, median; L2 not flushed)"
               if args.cuda_graph else
               "eager: CUDA events around back-to-back calls of the public function (median of 5 windows; the "
-              "Python launch path counts) -- ms and TFLOP/s columns; graph: CUDA-graph replays of the same calls "
-              "(`triton.testing.do_bench_cudagraph`, median) -- graph ms column")
+              "Python launch path counts) -- ms and TFLOP/s columns; " + GRAPH_TIMING)
     host = [] if args.no_host else host_overhead(modes + ["pasa"])
     return {"environment": environment(), "tf32_matmul": "off (on only inside flex-tf32)", "timing": timing,
             "host_overhead": host, "records": records, "targets": _targets(records)}
@@ -442,20 +478,19 @@ def write_report(result: dict, out_dir: str) -> dict:
         r0 = rs[0]
         lines += [f"## {shape} (B={r0['B']}, H={r0['H']}, N={r0['N']}, D={r0['D']})", ""]
         rows = []
-        if "flops" in result:  # forward + backward: eager time and gradient errors
+        if "flops" in result:  # forward + backward: eager and graph time, gradient errors
             for r in rs:
                 name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
                 errs = [f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in ("dq", "dk", "dv")]
-                rows.append([r["dtype"], name, r["ms"], r["tflops"], r["peak_mib"], *errs] if "ms" in r else
-                            [r["dtype"], name, "-", "-", "-", "-", "-", r["skipped"]])
-            lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "peak extra MiB",
-                                               "dQ rel err", "dK rel err", "dV rel err"]))
+                rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"], *errs]
+                            if "ms" in r else [r["dtype"], name, "-", "-", "-", "-", "-", "-", "-", r["skipped"]])
+            lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph",
+                                               "peak extra MiB", "dQ rel err", "dK rel err", "dV rel err"]))
             continue
         for r in rs:
             name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
             if "ms" in r:
-                rows.append([r["dtype"], name, r["ms"], r["tflops"], r["ms_graph"],
-                             f"{r['eager_over_graph']:.2f}" if "eager_over_graph" in r else "-", r["peak_mib"],
+                rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"],
                              f"{r['rel_err']:.2e}"])
             else:
                 rows.append([r["dtype"], name, "-", "-", "-", "-", "-", r["skipped"]])
@@ -556,8 +591,8 @@ def run_tune(args) -> dict:
                 cfg = elsa_fwd.TileConfig(*c)
                 rec = {"kind": kind, "shape": [B, H, N, D], "config": c}
                 try:
-                    fn = lambda: elsa_fwd._launch(q, k, v, None, None, False, D ** -0.5, mode, 1, cfg,  # noqa: E731
-                                                  precision)
+                    fn = functools.partial(elsa_fwd._launch, q, k, v, None, None, False, D ** -0.5, mode, 1, cfg,
+                                           precision)
                     err = rel_l2(fn()[:, :, rows], ref)
                     ms = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
                     rec.update(ms=ms, tflops=flops / ms / 1e9, rel_err=err)
@@ -574,7 +609,8 @@ def main(args) -> dict:
     if not args.tune and not os.path.isfile(args.config):
         parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_attention.yaml")
     if args.backward and (args.tune or args.cuda_graph):
-        parser.error(f"--backward times eager forward + backward; drop {'--tune' if args.tune else '--cuda-graph'}")
+        parser.error(f"--backward reports eager beside graph forward + backward; drop "
+                     f"{'--tune' if args.tune else '--cuda-graph'}")
     check_output(parser, args.out, folder=True)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (H100/H200); none is visible here")

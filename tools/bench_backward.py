@@ -1,13 +1,17 @@
 #!/usr/bin/env python
-"""Time the attention backward kernels alone against PyTorch SDPA's backward, per mode, eager.
+"""Time the attention backward kernels alone against PyTorch SDPA's backward, per mode, eager and CUDA-graph replay.
 
 For each shape and mode, on the same inputs in one process: visionattn's deterministic backward
 (:func:`visionattn.kernels.elsa_bwd.elsa_backward`, from a saved ``out`` and ``lse``) and SDPA's backward
 (``torch.autograd.grad`` of an SDPA output under ``sdpa_kernel``: EFFICIENT_ATTENTION, and for fp16 / bf16 also
 FLASH_ATTENTION and CUDNN_ATTENTION; SDPA's FP32 baseline for the ``fp32`` / ``fp32-ieee`` / ``tf32`` rows is
-EFFICIENT_ATTENTION on FP32 inputs). Timing: CUDA events around back-to-back calls (eager: the Python launch
-path counts), median of windows. TFLOP/s count the backward as 2.5 forwards: 10 * B * H * N^2 * D (five
-N x N x D matmuls). Window shapes (``swin-b-s1`` .. ``swin-b-s4``: Swin-B at 224 px, batch 64, one
+EFFICIENT_ATTENTION on FP32 inputs). Two timings of the same callable side by side: eager (CUDA events around
+``--calls`` back-to-back calls, the Python launch path counts; median of ``--repeats`` windows: the ms and TFLOP/s
+columns) and graph (``--calls`` back-to-back calls captured in one CUDA graph, after warm-up calls on the capture
+stream; median of ``--repeats`` replays: GPU time without the launch path, the graph ms column; ``--no-graph`` skips
+it, a row whose calls cannot be captured shows n/a and the reason in the JSON's ``graph_error``; the eager / graph
+column is their ratio). TFLOP/s count the backward as 2.5 forwards: 10 * B * H * N^2 * D (five N x N x D matmuls).
+Window shapes (``swin-b-s1`` .. ``swin-b-s4``: Swin-B at 224 px, batch 64, one
 shape per stage, 49-token windows; ``swinv2-b-s1``: Swin-v2-B's first stage, 64-token windows) time
 :func:`visionattn.kernels.window_bwd.window_backward` with the relative position bias [H, N, N] and its
 gradient (summed over every window) and the shift mask [nW, N, N]; both window kernel paths (fused: one kernel
@@ -24,18 +28,19 @@ Process-wide settings (a tool may set them): TF32 matmul OFF, so the FP32 SDPA r
 
 Writes ``<out>.md`` and ``<out>.json`` (environment, command, every cell).
 
-Usage: python tools/bench_backward.py [--out out/bench_backward] [--modes fp32 fp16] [--shapes vit-b16-224]
+Usage: python tools/bench_backward.py [--out out/bench_backward] [--modes fp32 fp16] [--shapes vit-b16-224] [--no-graph]
        python tools/bench_backward.py --shapes swin-b-s1 swin-b-s3 --modes fp32 bf16 --bias-splits 8 32 128
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, positive_int  # noqa: E402
+from _cli import ToolParser, check_device, check_output, default_out, failure_text, positive_int  # noqa: E402
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
@@ -75,6 +80,8 @@ def build_parser() -> ToolParser:
     p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
     p.add_argument("--repeats", type=positive_int, default=5, help="timing windows (the median is reported)")
     p.add_argument("--no-sdpa", action="store_true", help="time visionattn's backward only")
+    p.add_argument("--no-graph", action="store_true",
+                   help="eager timing only: skip the CUDA-graph replays (graph ms and eager / graph show '-')")
     p.add_argument("--device", default="cuda", help="device (cpu: Triton's interpreter, for a smoke test)")
     return p
 
@@ -137,7 +144,7 @@ def _sdpa_mask(bias, shift_full, B, dtype):
 
 
 def _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend):
-    """A callable running SDPA's backward alone (the forward graph built once, retained)."""
+    """A callable running SDPA's backward alone (the forward graph built once, on the current stream, retained)."""
     from torch.nn.attention import sdpa_kernel
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -167,6 +174,52 @@ def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kern
                                  bias_splits=splits, config=config, products=products)
 
 
+def graph_ms(make, calls: int, repeats: int, warmup: int = 3) -> float:
+    """Milliseconds per call of CUDA-graph replays of ``fn = make()``: ``fn`` is built and called ``warmup`` times on a
+    side stream (compiles and caches settle outside the capture), then ``calls`` back-to-back ``fn()`` are captured in
+    one graph on that stream (the graph's own memory pool, freed on return) and each of ``repeats`` replays is timed
+    with CUDA events after an untimed one; the median, divided by ``calls``. ``make`` runs on the capture stream:
+    autograd runs each backward op on the stream of its forward, and an SDPA forward recorded on the default stream
+    can make the capture fail (a dependency of the legacy stream on the capturing one). Raises if the calls cannot be
+    captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn = make()
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+        times = []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    finally:
+        del graph, fn
+        torch.cuda.empty_cache()
+    return float(sorted(times[1:])[repeats // 2])
+
+
+def _graph_timing(make, device, args) -> tuple[float | None, str | None]:
+    """(graph ms, why it failed) of :func:`graph_ms`; (None, None) on the CPU or with ``--no-graph``."""
+    if device.type != "cuda" or args.no_graph:
+        return None, None
+    try:
+        return graph_ms(make, args.calls, args.repeats), None
+    except Exception as exc:  # a backend or launch path that cannot be captured: the row says why
+        while exc.__context__ is not None:  # the first error, not the capture's end complaining about it
+            exc = exc.__context__
+        return None, failure_text(exc, device)
+
+
 def main(args) -> dict:
     from visionattn.kernels.elsa_bwd import BWD_MODES
     from visionattn.kernels.window_bwd import FUSED_MAX_TOKENS
@@ -188,14 +241,15 @@ def main(args) -> dict:
             dtype = BWD_MODES[mode][0]
             q, k, v, do, out, lse, bias, shift, shift_full, scale = _inputs(B, H, N, D, dtype, relpos, windows,
                                                                             device)
-            cells = {}
+            cells = {}  # kernel name -> {"ms", "mb", "splits", "error", "graph_ms", "graph_error"}
             def time_ours(kernel, suffix="", splits=None, inputs=(q, k, v, do, out, lse, bias, shift, windows,
                                                                   scale, mode), **kw):
-                """One visionattn cell: compile, then time and measure (kernel: the window path or None)."""
+                """One visionattn cell: compile, then time eager, measure, time graph (kernel: the window path)."""
                 ours = _ours(*inputs, splits, kernel, **kw)
                 ours()  # compile
                 name = "visionattn" + ("" if kernel is None else f"-{kernel}") + suffix
-                cells[name] = (timer(ours), peak_extra_mb(ours, device), splits)
+                cells[name] = {"ms": timer(ours), "mb": peak_extra_mb(ours, device), "splits": splits}
+                cells[name]["graph_ms"], cells[name]["graph_error"] = _graph_timing(lambda: ours, device, args)
 
             # window shapes: both window kernel paths where the fused one applies (the dense kernel: one path)
             kernels = [None] if not windows else ["fused", "split"] if N <= FUSED_MAX_TOKENS else ["split"]
@@ -215,31 +269,52 @@ def main(args) -> dict:
                     try:
                         fn = _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend)
                         fn()
-                        cells[name] = (timer(fn), peak_extra_mb(fn, device), None)
+                        cells[name] = {"ms": timer(fn), "mb": peak_extra_mb(fn, device)}
                     except RuntimeError as exc:  # backend not available for this dtype / bias
-                        cells[name] = (None, None, None, str(exc).splitlines()[0][:120])
-            ref = cells.get("sdpa-efficient", (None,))[0]
+                        cells[name] = {"error": str(exc).splitlines()[0][:120]}
+                        continue
+                    del fn  # the graph timing builds its own forward on the capture stream
+                    cells[name]["graph_ms"], cells[name]["graph_error"] = _graph_timing(
+                        functools.partial(_sdpa_backward, q, k, v, do, bias, shift_full, scale, backend), device, args)
+            ref = cells.get("sdpa-efficient", {}).get("ms")
             for name, cell in cells.items():
-                ms, mb = cell[0], cell[1]
+                ms, graph = cell.get("ms"), cell.get("graph_ms")
                 rows.append({"shape": shape, "B": B, "H": H, "N": N, "D": D, "bias_grad": relpos,
-                             "windows_per_image": windows, "mode": mode, "kernel": name, "bias_splits": cell[2],
-                             "ms": ms, "tflops": flops / ms / 1e9 if ms else None, "peak_extra_mb": mb,
-                             "vs_sdpa_efficient": ref / ms if ms and ref else None,
-                             "error": cell[3] if len(cell) > 3 else None})
-                print(f"{shape:20s} {mode:10s} {name:24s} " + (f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s"
-                                                               if ms else f"n/a ({rows[-1]['error']})"), flush=True)
+                             "windows_per_image": windows, "mode": mode, "kernel": name,
+                             "bias_splits": cell.get("splits"), "ms": ms, "tflops": flops / ms / 1e9 if ms else None,
+                             "peak_extra_mb": cell.get("mb"), "vs_sdpa_efficient": ref / ms if ms and ref else None,
+                             "error": cell.get("error"), "graph_ms": graph,
+                             "eager_over_graph": ms / graph if ms and graph else None,
+                             "graph_error": cell.get("graph_error")})
+                text = f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s" if ms else f"n/a ({rows[-1]['error']})"
+                if graph:
+                    text += f", graph {graph:8.3f} ms"
+                elif cell.get("graph_error"):
+                    text += f", graph n/a ({cell['graph_error']})"
+                print(f"{shape:20s} {mode:10s} {name:24s} {text}", flush=True)
             del q, k, v, do, out, lse, bias, shift, shift_full, time_ours
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    env = environment({"timing": "eager: CUDA events around back-to-back calls, median of windows"
-                       if device.type == "cuda" else "CPU wall clock (Triton interpreter): a smoke test, not a speed",
-                       "flops": "10 * B * H * N^2 * D per backward", "allow_tf32": False})
+    if device.type != "cuda":
+        timing = "CPU wall clock (Triton interpreter): a smoke test, not a speed; no CUDA graph (graph ms: -)"
+    else:
+        timing = (f"eager: CUDA events around {args.calls} back-to-back calls, median of {args.repeats} windows (the "
+                  "Python launch path counts) -- ms and TFLOP/s columns; graph: "
+                  + ("not timed (--no-graph)" if args.no_graph else
+                     f"the same {args.calls} calls captured in one CUDA graph, median of {args.repeats} replays "
+                     "(GPU time without the launch path) -- graph ms column, n/a where the calls cannot be captured "
+                     "(graph_error in the JSON)"))
+    env = environment({"timing": timing, "flops": "10 * B * H * N^2 * D per backward", "allow_tf32": False})
     table = markdown_table(
         [(r["shape"], r["mode"], r["kernel"], r["ms"] if r["ms"] else "n/a", r["tflops"] or "n/a",
+          r["graph_ms"] or ("n/a" if r["graph_error"] else "-"),
+          f"{r['eager_over_graph']:.2f}" if r["eager_over_graph"] else ("n/a" if r["graph_error"] else "-"),
           r["vs_sdpa_efficient"] or "", r["peak_extra_mb"] if r["peak_extra_mb"] is not None else "")
          for r in rows],
-        ["shape", "mode", "kernel", "ms", "TFLOP/s", "x SDPA-efficient", "peak extra MiB"])
-    md = "# Attention backward: visionattn vs SDPA (eager)\n\n" + "\n".join(f"- {k}: {v}" for k, v in env.items())
+        ["shape", "mode", "kernel", "ms", "TFLOP/s", "graph ms", "eager / graph", "x SDPA-efficient",
+         "peak extra MiB"])
+    md = ("# Attention backward: visionattn vs SDPA (eager and CUDA-graph replay)\n\n"
+          + "\n".join(f"- {k}: {v}" for k, v in env.items()))
     write_text_atomic(args.out + ".md", md + "\n\n" + table)
     result = {"environment": env, "rows": rows}
     write_json_atomic(args.out + ".json", result)

@@ -47,6 +47,40 @@ def test_kernel_query_center_equals_reference(nq):
     assert torch.equal(pasa_fwd._query_center(q.to(DEV)).cpu(), ref)
 
 
+@pytest.mark.parametrize("nq", [40, 130])
+def test_centre_in_the_shift_launch_equals_its_own_launch(nq, monkeypatch):
+    # up to _CENTER_DIRECT_ROWS query rows the key-shift kernel forms mu itself; the output must be the
+    # same bits as with mu from the centre kernels (forced here by a zero row bound)
+    g = torch.Generator().manual_seed(8)
+    q = (torch.randn(2, 2, nq, 32, generator=g) * 3 + torch.randn(32, generator=g) * 4).to(DEV)
+    k, v = (torch.randn(2, 2, 150, 32, generator=g).to(DEV) + 2 for _ in range(2))
+    pasa_fwd.PLANS.clear()
+    fused = _run(q, k, v)
+    pasa_fwd.PLANS.clear()
+    monkeypatch.setattr(pasa_fwd, "_CENTER_DIRECT_ROWS", 0)
+    separate = _run(q, k, v)
+    pasa_fwd.PLANS.clear()
+    assert torch.equal(fused, separate)
+    ref = pasa.pasa_attention_reference(q.cpu(), k.cpu(), v.cpu(), scale=32 ** -0.5)
+    gold = oracle_attention(q.cpu().double(), k.cpu().double(), v.cpu().double())
+    assert rel_l2(fused.float().cpu(), gold) <= 2 * rel_l2(ref, gold) + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq,shift", [(197, True), (3000, True), (197, False)])
+def test_gpu_planned_calls_repeat_the_first_bit_for_bit(nq, shift):
+    # the first call of a signature runs Triton's JIT path on typed workspace views, later ones the
+    # compiled kernels on workspace addresses: the same launches, so the same bits
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 3, n, 64, generator=g).cuda().half() for n in (nq, 300, 300))
+    pasa_fwd.PLANS.clear()
+    outs = [pasa_fwd.pasa_forward(q, k, v, None, None, False, 0.125, shift) for _ in range(3)]
+    assert pasa_fwd.PLANS.hits == 2
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    gold = oracle_attention(q.double(), k.double(), v.double(), scale=0.125)
+    assert rel_l2(outs[0].double(), gold) <= (PASA_TOL if shift else 1e-2)
+
+
 @pytest.mark.parametrize("nq,nk,d,dv", [(64, 200, 128, 128), (33, 97, 59, 40)])
 def test_kernel_matches_reference_and_oracle(nq, nk, d, dv):
     g = torch.Generator().manual_seed(1)

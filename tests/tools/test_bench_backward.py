@@ -1,8 +1,11 @@
 """tools/bench_backward.py on CPU (Triton's interpreter): a dense and a window shape with a bias gradient, the
-bias-splits sweep, the rows and their files, and the argument checks."""
+bias-splits sweep, the rows and their files, the graph columns (no CUDA graph on the CPU: "-"; a stand-in graph
+timer for their numbers and n/a), and the argument checks."""
+import argparse
 import json
 
 import pytest
+import torch
 
 from testdata import load_script
 
@@ -33,8 +36,69 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
     assert all(r["ms"] > 0 and r["error"] is None for r in res["rows"])
     assert {r["windows_per_image"] for r in res["rows"]} == {0, 3}
     assert json.load(open(str(out) + ".json"))["rows"] == res["rows"]
+    assert all(r["graph_ms"] is None and r["eager_over_graph"] is None and r["graph_error"] is None
+               for r in res["rows"])
     md = open(str(out) + ".md").read()
-    assert "visionattn-split splits=2" in md and "CPU wall clock" in md
+    assert "visionattn-split splits=2" in md and "CPU wall clock" in md and "no CUDA graph" in md
+    table = _table(md)
+    assert list(table[0]) == ["shape", "mode", "kernel", "ms", "TFLOP/s", "graph ms", "eager / graph",
+                              "x SDPA-efficient", "peak extra MiB"]
+    assert len(table) == len(res["rows"]) and all(r["graph ms"] == r["eager / graph"] == "-" for r in table)
+
+
+def _table(md):
+    """The markdown table's rows as dicts by column name."""
+    lines = [line for line in md.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[2:]]
+
+
+def test_graph_columns_numbers_and_na(tmp_path, monkeypatch):
+    """The graph ms / eager / graph cells and JSON keys from the graph timer's answers: a time (ratio = eager over
+    it) for one row, n/a with graph_error for a row whose capture failed; the eager columns stay."""
+    monkeypatch.setitem(tool.SHAPES, "tiny-dense", (2, 2, 24, 8, True, 0))
+    answers = iter([(0.25, None), (None, "RuntimeError: not capturable")])
+
+    def graph_timing(make, device, args):
+        assert callable(make()) and device.type == "cpu"
+        return next(answers)
+
+    monkeypatch.setattr(tool, "_graph_timing", graph_timing)
+    out = tmp_path / "bwd"
+    rows = tool.main(tool.build_parser().parse_args([
+        "--device", "cpu", "--shapes", "tiny-dense", "--modes", "fp32", "--bias-splits", "1", "--calls", "1",
+        "--repeats", "1", "--no-sdpa", "--out", str(out)]))["rows"]
+    assert [r["kernel"] for r in rows] == ["visionattn", "visionattn splits=1"]
+    assert all(r["ms"] > 0 and r["error"] is None for r in rows)
+    assert [(r["graph_ms"], r["eager_over_graph"], r["graph_error"]) for r in rows] == [
+        (0.25, rows[0]["ms"] / 0.25, None), (None, None, "RuntimeError: not capturable")]
+    assert json.load(open(str(out) + ".json"))["rows"] == rows
+    table = _table(open(str(out) + ".md").read())
+    assert [(r["graph ms"], r["eager / graph"]) for r in table] == [
+        ("0.25", f"{rows[0]['ms'] / 0.25:.2f}"), ("n/a", "n/a")]
+
+
+def test_graph_timing_off_and_failures(monkeypatch):
+    """No graph on the CPU or with --no-graph; a capture that fails gives (None, the first error of its chain)."""
+    def must_not_run(*a):
+        raise AssertionError("graph_ms called")
+
+    def fails(make, calls, repeats):
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+        except RuntimeError:
+            raise RuntimeError("capture invalidated")
+
+    on = argparse.Namespace(no_graph=False, calls=2, repeats=3)
+    monkeypatch.setattr(tool, "graph_ms", must_not_run)
+    assert tool._graph_timing(lambda: None, torch.device("cpu"), on) == (None, None)
+    assert tool._graph_timing(lambda: None, torch.device("cuda"), argparse.Namespace(no_graph=True)) == (None, None)
+    monkeypatch.setattr(tool, "graph_ms", fails)
+    assert tool._graph_timing(lambda: None, torch.device("cuda"), on) == (
+        None, "RuntimeError: CUDA error: operation not permitted when stream is capturing")
+    monkeypatch.setattr(tool, "graph_ms", lambda make, calls, repeats: calls * repeats * 1.0)
+    assert tool._graph_timing(lambda: None, torch.device("cuda"), on) == (6.0, None)
+    assert tool.build_parser().parse_args(["--no-graph"]).no_graph
 
 
 @pytest.mark.parametrize("argv", [["--shapes", "swin-b-s9"], ["--bias-splits", "0"], ["--modes", "fp8"],

@@ -1,5 +1,7 @@
 """Every tool writes under out/ (git-ignored) unless --out names another place, and an --out that
-cannot be written stops the tool at once: exit status 2, one line naming --out, before any work."""
+cannot be written stops the tool at once: exit status 2, one line naming --out, before any work. bench_attention's
+report (it needs a GPU to run) from stand-in records: its forward and forward + backward tables carry the graph
+timing beside the eager one."""
 import hashlib
 import os
 
@@ -63,3 +65,52 @@ def test_drift_table_quick_leaves_the_committed_table_alone(tmp_path, monkeypatc
     assert os.listdir(tmp_path) == ["out"]
     after = {ext: hashlib.sha256(open(p, "rb").read()).hexdigest() for ext, p in committed.items()}
     assert after == before
+
+
+def _md_tables(md):
+    """Every markdown table of ``md``: a list of rows, each a dict by column name."""
+    tables, lines = [], md.splitlines() + [""]
+    rows = []
+    for line in lines:
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif rows:
+            tables.append([dict(zip(rows[0], r, strict=True)) for r in rows[2:]])
+            rows = []
+    return tables
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_bench_attention_report_has_graph_columns(backward, tmp_path):
+    """Eager ms beside graph ms and their ratio in both tables: numbers where the graph replay was timed, n/a where the
+    capture failed (the reason in the JSON's graph_error), - for a skipped backend."""
+    mod = _load("bench_attention")
+    flops = 2e9
+    shape = {"shape": "tiny", "B": 2, "H": 2, "N": 64, "D": 16, "dtype": "fp16"}
+    timed = {"eager": 0.5, "graph": 0.25}
+    failed = {"eager": 0.5, "graph_error": "RuntimeError: operation not permitted when stream is capturing"}
+    records = []
+    for backend, timings in (("fp16", timed), ("sdpa-flash", failed)):
+        rec = {**shape, "backend": backend, "ours": backend == "fp16", "ms": timings["eager"],
+               "tflops": flops / timings["eager"] / 1e9, "peak_mib": 1.0}
+        rec.update({"rel_err_dq": 1e-3, "rel_err_dk": 1e-3, "rel_err_dv": 1e-3, "rel_err": 1e-3} if backward
+                   else {"rel_err": 1e-3})
+        rec.update(mod._graph_fields(timings, flops))
+        records.append(rec)
+    records.append({**shape, "backend": "sdpa-cudnn", "ours": False, "skipped": "RuntimeError: no kernel"})
+    assert records[0]["ms_graph"] == 0.25 and records[0]["eager_over_graph"] == 2.0
+    assert "ms_graph" not in records[1] and records[1]["graph_error"].startswith("RuntimeError")
+    env = {k: "x" for k in ("device", "command", "torch", "cuda", "triton", "timm", "python")}
+    result = {"environment": env, "tf32_matmul": "off", "records": records, "targets": [],
+              "timing": "eager ...; " + mod.GRAPH_TIMING}
+    if backward:
+        result.update(title="Attention forward + backward", flops="3.5 x 4*B*H*N*N*D", files="fwd_bwd")
+    paths = mod.write_report(result, str(tmp_path))
+    assert os.path.basename(paths["md"]) == ("fwd_bwd.md" if backward else "bench.md")
+    md = open(paths["md"]).read()
+    assert "graph ms column, n/a where the calls cannot be captured" in md
+    table = _md_tables(md)[0]
+    assert list(table[0])[:6] == ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph"]
+    assert [(r["ms"], r["graph ms"], r["eager / graph"]) for r in table] == [
+        ("0.5", "0.25", "2.00"), ("0.5", "n/a", "n/a"), ("-", "-", "-")]
+    assert table[2][list(table[2])[-1]] == "RuntimeError: no kernel"
