@@ -132,18 +132,23 @@ class _DenseFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
-        out, lse = elsa_fwd.dense_forward(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode,
-                                          num_splits, out_dtype, with_lse=True)
+        plan, (out, lse) = elsa_fwd.plan_for(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode,
+                                             num_splits, out_dtype, with_lse=True)
         ctx.save_for_backward(q, k, v, bias, attn_mask, out, lse)
-        ctx.args = (is_causal, scale, mode)
+        ctx.args = (is_causal, scale, mode, plan)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
-        is_causal, scale, mode = ctx.args
-        dq, dk, dv, dbias = _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode,
-                                            bias is not None and ctx.needs_input_grad[3])
+        is_causal, scale, mode, plan = ctx.args
+        bias_grad = bias is not None and ctx.needs_input_grad[3]
+        if plan is None:  # an empty call (no forward plan)
+            dq, dk, dv, dbias = _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale,
+                                                mode, bias_grad)
+        else:  # the backward plan found through the forward's: no second validation of the inputs
+            dq, dk, dv, dbias = _elsa_bwd.backward_after_forward(plan, q, k, v, out, grad_out, lse, bias, attn_mask,
+                                                                 is_causal, scale, mode, bias_grad)
         return dq, dk, dv, dbias, None, None, None, None, None, None
 
 

@@ -7,7 +7,7 @@ import torch
 
 import visionattn as va
 from visionattn import ops  # noqa: F401  (registers the custom ops)
-from visionattn.kernels import elsa_fwd, pasa_fwd, window_fwd
+from visionattn.kernels import elsa_fwd, pasa_fwd
 from visionattn.kernels._launch import PlanCache
 from visionattn.metrics import rel_l2
 from visionattn.modes import get_mode
@@ -101,6 +101,46 @@ def test_the_plan_is_built_once_per_key_and_rebuilt_when_the_key_changes(monkeyp
     q64 = q.double().requires_grad_(True)
     (dq_ref,) = torch.autograd.grad(oracle_attention(q64, k.double(), v.double()), q64, do.double())
     assert rel_l2(dq, dq_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_the_eager_backward_reuses_its_plan_through_the_forwards(monkeypatch, mode):
+    """An eager training call finds its backward plan through the forward plan: built once, hit on the next call,
+    rebuilt for another output-gradient layout or bias shape; the gradients are the same bits as
+    :func:`elsa_backward`'s, which validates and keys every tensor, and they match the float64 oracle."""
+    from visionattn.kernels import elsa_bwd
+
+    after = PlanCache()
+    monkeypatch.setattr(elsa_bwd, "AFTER_FORWARD", after)
+    dtype = get_mode(mode).compute_dtype
+    q, k, v = (t.to(dtype) for t in _qkv(B=2, Nq=20, Nk=40))
+    bias = torch.randn(2, 20, 40, device=DEV)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, bias)]
+
+    def grads(do, b=None):
+        b = leaves[3] if b is None else b
+        y = va.attention(*leaves[:3], bias=b, mode=mode, backend="triton")
+        return torch.autograd.grad(y, leaves[:3] + [b], do)
+
+    do = torch.randn(2, 2, 20, 16, device=DEV).to(dtype)
+    first = grads(do)
+    assert (after.builds, after.hits) == (1, 0)
+    again = grads(do)
+    assert (after.builds, after.hits) == (1, 1)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    grads(do.transpose(2, 3).contiguous().transpose(2, 3))  # other output-gradient strides: a new plan
+    assert after.builds == 2
+    b4 = leaves[3].detach()[None].clone().requires_grad_(True)  # [1, H, Nq, Nk]: its gradient keeps that shape
+    g4 = grads(do, b4)
+    assert after.builds == 3 and g4[3].shape == (1, 2, 20, 40)
+    assert torch.equal(g4[3][0], first[3])
+    y, lse = elsa_fwd.dense_forward(q, k, v, bias.expand(2, 2, 20, 40), None, False, 0.25, mode, with_lse=True)
+    direct = elsa_bwd.elsa_backward(q, k, v, y, do, lse, bias, None, False, 0.25, mode, bias_requires_grad=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, direct))
+    leaves64 = [t.detach().double().requires_grad_(True) for t in (q, k, v, bias)]
+    ref = torch.autograd.grad(oracle_attention(*leaves64[:3], bias=leaves64[3]), leaves64, do.double())
+    tol = 1e-5 if mode == "fp32" else 2e-2
+    assert all(rel_l2(a.double(), r) <= tol for a, r in zip(first, ref))
 
 
 def test_a_bias_that_needs_a_gradient_is_never_served_by_a_no_grad_runner(monkeypatch):
@@ -257,7 +297,8 @@ def test_fullgraph_compile_of_patched_vit_and_swin_blocks():
     torch.manual_seed(0)
     vit = timm.create_model("vit_base_patch16_224", pretrained=False).blocks[0].cuda().eval()
     swin = SwinTransformerBlock(128, (56, 56), num_heads=4, window_size=7, shift_size=3).cuda().eval()
-    for block, x in ((vit, torch.randn(8, 197, 768, device="cuda")), (swin, torch.randn(8, 56, 56, 128, device="cuda"))):
+    for block, x in ((vit, torch.randn(8, 197, 768, device="cuda")),
+                     (swin, torch.randn(8, 56, 56, 128, device="cuda"))):
         va.patch_model(block, mode="fp32")
         with torch.no_grad():
             eager = block(x)
