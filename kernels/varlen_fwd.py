@@ -51,12 +51,13 @@ __all__ = ["varlen_forward", "varlen_unsupported_reason", "PLANS"]
 
 @triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles", "n_splits", "tiles_per_split"])
 def _varlen_fwd_kernel(
-    Q, K, V, CuQ, CuK, Out, Lse, WsM, WsS, WsW, qk_scale,
+    Q, K, V, CuQ, CuK, RowOff, Out, Lse, WsM, WsS, WsW, qk_scale,
     sqt, sqh, sqd, skt, skh, skd, svt, svh, svd, sot, soh, sod,
     H, total_q, n_m_tiles, D, Dv, n_splits, tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, LAZY_V: tl.constexpr, WRITE_LSE: tl.constexpr, SPLIT: tl.constexpr,
+    ROW_OFFSETS: tl.constexpr,
 ):
     """One (query tile, [KV partition,] head, sequence) program; 1-D grid ``n_m_tiles * P * H * n_seq``.
 
@@ -67,6 +68,9 @@ def _varlen_fwd_kernel(
     sequence (none past the sequence's keys: the identity state) and stores its partial ``(m, S)`` and
     normalised output ``W / S`` to the workspace [P, H, total_q] (+ [.., Dv]) for
     :func:`.elsa_fwd._elsa_merge_kernel`.
+    ``ROW_OFFSETS`` (sequences read where they lie, not packed): ``RowOff`` [n_seq, 3] int64 holds the element
+    offset of sequence ``s``'s first query / key / value row from ``Q`` / ``K`` / ``V``; else that row is
+    ``cu_seqlens[s]`` rows into the packed tensor. The output is packed either way.
     """
     pid_m, split, sh = program_tile(n_m_tiles, n_splits, SPLIT)
     off_h = (sh % H).to(tl.int64)
@@ -86,11 +90,19 @@ def _varlen_fwd_kernel(
     rows = start_m + offs_m
     row_ok = rows < Lq
 
-    q_ptrs = Q + (q_start + start_m64) * sqt + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd
+    if ROW_OFFSETS:  # multiples of 16 elements (the host checks): vector loads stay as aligned as packed ones
+        q_row0 = tl.multiple_of(tl.load(RowOff + seq * 3), 16)
+        k_row0 = tl.multiple_of(tl.load(RowOff + seq * 3 + 1), 16)
+        v_row0 = tl.multiple_of(tl.load(RowOff + seq * 3 + 2), 16)
+    else:
+        q_row0 = q_start * sqt
+        k_row0 = k_start * skt
+        v_row0 = k_start * svt
+    q_ptrs = Q + q_row0 + start_m64 * sqt + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd
     q, q_lo, q_inv = load_query_tile(q_ptrs, row_ok, offs_d, D, qk_scale, BLOCK_M, EVEN_D, PRECISION)
     v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
-    k_base = K + k_start * skt + off_h * skh
-    v_base = V + k_start * svt + off_h * svh
+    k_base = K + k_row0 + off_h * skh
+    v_base = V + v_row0 + off_h * svh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -134,8 +146,9 @@ class _VarlenPlan:
                  "ws_shape", "ws_w_shape")
 
     def __init__(self, q, k, v, n_seq, rows_bound, is_causal, mode, cfg: TileConfig, out_dtype, with_lse,
-                 max_seqlen_k, splits: int):
-        total_q, H, D = q.shape
+                 max_seqlen_k, splits: int, total_q: int | None = None, row_offsets: bool = False):
+        _, H, D = q.shape
+        total_q = q.shape[0] if total_q is None else total_q
         Dv = v.shape[2]
         precision = _precision(mode, None)
         block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
@@ -152,7 +165,8 @@ class _VarlenPlan:
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             PRECISION=precision, IS_CAUSAL=bool(is_causal), EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting(),
-            LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse), SPLIT=P > 1),
+            LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse), SPLIT=P > 1,
+            ROW_OFFSETS=bool(row_offsets)),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         self.merge = self.ws_shape = self.ws_w_shape = None
         if P > 1:  # the packed rows as one batch entry of [1, H, total_q]: out [total_q, H, Dv], LSE [H, total_q]
@@ -163,14 +177,15 @@ class _VarlenPlan:
                                     dict(num_warps=4))
             self.merge_fixed = (0, Dv, H * Dv, 1, 1, H, total_q, Dv, P)
 
-    def __call__(self, q, k, v, cu_q, cu_k, scale):
+    def __call__(self, q, k, v, cu_q, cu_k, scale, row_offsets=None):
         dev = self.device
         out = torch.empty(self.o_shape, dtype=self.o_dtype, device=dev)
         lse = None
         if self.with_lse:
             lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=dev)
         dummy = 0 if self.main._fast is not None else q  # unused pointers: null on the direct path
-        launch_partitions(self, (q, k, v, cu_q, cu_k), out, lse, dummy, scale * LOG2E)
+        launch_partitions(self, (q, k, v, cu_q, cu_k, dummy if row_offsets is None else row_offsets), out, lse,
+                          dummy, scale * LOG2E)
         return out, lse
 
 
@@ -193,7 +208,7 @@ def varlen_unsupported_reason(q, v, mode: str) -> str | None:
 def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
                    scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False,
-                   num_splits: int = 0):
+                   num_splits: int = 0, row_offsets: torch.Tensor | None = None, total_q: int | None = None):
     """Packed ragged attention on the varlen kernel: ``(out, lse)``, ``lse`` None unless ``with_lse``.
 
     Args:
@@ -210,6 +225,11 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         num_splits: KV partitions of every sequence (split-KV: partial states merged by the monoid merge);
             0 = automatic: split only when the query tiles of all heads and sequences give fewer programs than
             the GPU has SMs (LeanAttention's regime; never off CUDA).
+        row_offsets: sequences read where they lie instead of packed: int64 [n_seq, 3] on q's device, the
+            element offsets of each sequence's first query / key / value row from ``q`` / ``k`` / ``v`` (each a
+            multiple of 16; all sequences share ``q`` / ``k`` / ``v``'s strides), with ``total_q`` the packed
+            output's rows (the sum of the query lengths). ``cu_seqlens_*`` then only give the lengths and the
+            output rows; ``q`` / ``k`` / ``v`` are any tensors of the call with the common strides.
 
     Returns:
         out [total_q, H, Dv] contiguous in ``out_dtype`` (zeros for rows of a sequence without keys);
@@ -231,7 +251,8 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         raise ValueError(f"num_splits={num_splits}; expected >= 1 (or 0 = automatic)")
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype={out_dtype}; the kernels write one of {OUT_DTYPES}")
-    total_q, H, D = q.shape
+    _, H, D = q.shape
+    total_q = q.shape[0] if row_offsets is None else int(total_q)
     Dv = v.shape[2]
     n_seq = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or H == 0 or Dv == 0 or n_seq <= 0 or max_seqlen_q <= 0:
@@ -243,20 +264,21 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
     splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device)
-    key = (mode, q.shape, k.shape[0], Dv, q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(), n_seq,
+    key = (mode, total_q, H, D, None if row_offsets is not None else k.shape[0], row_offsets is not None, Dv,
+           q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(), n_seq,
            n_m_tiles, max_seqlen_k > LAZY_V_MIN_KEYS, bool(is_causal), out_dtype, bool(with_lse),
            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, num_splits,
            max_seqlen_k if splits > 1 else None)
     plan = PLANS.get(key)
     if plan is not None:
-        return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale))
+        return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets)
     result = []
 
     def run(cfg):
         # rows_bound: the key's query-length bucket, so a smaller fallback config covers every call of the key
         p = _VarlenPlan(q, k, v, n_seq, n_m_tiles * cfg0.block_m, is_causal, mode, cfg, out_dtype, with_lse,
-                        max_seqlen_k, splits)
-        result.append((p, p(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale))))
+                        max_seqlen_k, splits, total_q, row_offsets is not None)
+        result.append((p, p(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets)))
 
     run_first_that_fits(run, cfg0, _smaller_configs)
     plan, res = result[-1]

@@ -11,8 +11,10 @@ the Python launch path counts):
 * **kernel**: the attention call alone on converted inputs;
 * **total**: conversion and attention together, one call after another, as a model runs them.
 
-Methods: ``visionattn`` (:func:`visionattn.varlen_attention` on packed tensors and int32 ``cu_seqlens``,
-maxima given), ``visionattn-jagged`` (the same on jagged nested tensors), ``sdpa-padded``
+Methods: ``visionattn-list`` (:func:`visionattn.varlen_attention` on the list of per-sequence tensors, read
+where they lie: no conversion, the row-offset table it sends to the GPU is part of the call), ``visionattn``
+(the same on packed tensors and int32 ``cu_seqlens``, maxima given), ``visionattn-jagged`` (the same on jagged
+nested tensors), ``sdpa-padded``
 (``F.scaled_dot_product_attention`` on a [B, H, Lmax, D] padded batch with a boolean key mask),
 ``sdpa-per-seq`` (one SDPA call per sequence), ``nested`` (SDPA on jagged nested tensors). SDPA runs with
 PyTorch's defaults: its own backend choice, FP32 matmuls without TF32 (this tool sets no global flags).
@@ -40,6 +42,7 @@ valid tokens' features against the unpatched model.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -55,7 +58,7 @@ from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
 
-METHODS = ("visionattn", "visionattn-jagged", "sdpa-padded", "sdpa-per-seq", "nested")
+METHODS = ("visionattn-list", "visionattn", "visionattn-jagged", "sdpa-padded", "sdpa-per-seq", "nested")
 BENCH_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 ISSUE_LENGTHS = "785,500,708,542,1732,262,1039,557"
 # (height, width) in pixels, cycled over the NaFlexViT batch: 36 .. 576 patches of 16 x 16
@@ -148,6 +151,8 @@ def method_calls(method: str, seqs: list[tuple[torch.Tensor, torch.Tensor, torch
             q, k, v, cu = x
             return visionattn.varlen_attention(q, k, v, cu, cu, lmax, lmax, mode=mode)
         return packed, attend, lambda out: out
+    if method == "visionattn-list":
+        return (lambda: seqs), (lambda x: visionattn.varlen_attention(*map(list, zip(*x)), mode=mode)), torch.cat
     if method == "visionattn-jagged":
         return jagged, lambda x: visionattn.varlen_attention(*x, mode=mode), lambda out: out.values()
     if method == "nested":
@@ -196,7 +201,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             out = to_packed(attend(x))
             err = rel_l2(out.double(), oracle)
             conv_ms = timer(convert)
-            kern_ms = timer(lambda: attend(x))
+            kern_ms = timer(functools.partial(attend, x))
             total_ms = timer(lambda: attend(convert()))
             del x
             peak = reporting.peak_extra_mb(lambda: attend(convert()), device)

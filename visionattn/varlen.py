@@ -7,7 +7,9 @@ convention) and each attends only to its own keys:
     y_i = sum_{j in seq(i), j visible} exp(s_ij - m_i) v_j / sum_{j in seq(i), j visible} exp(s_ij - m_i),
     s_ij = scale q_i . k_j,   m_i = max_j s_ij,
 
-the ELSA fold of ``(m, S, W)`` over each sequence's keys. On CUDA (or ``TRITON_INTERPRET=1``) one launch
+the ELSA fold of ``(m, S, W)`` over each sequence's keys. A list of per-sequence tensors is read where each
+tensor lies (the supplement's zero-copy processing): the kernel takes each sequence's row offset from one small
+table instead of a packed copy of the batch. On CUDA (or ``TRITON_INTERPRET=1``) one launch
 of :mod:`visionattn.kernels.varlen_fwd` covers every sequence and head (and, when an input needs grad, the
 backward launches of :mod:`visionattn.kernels.varlen_bwd`); elsewhere the PyTorch monoid reference runs per
 sequence on views (:func:`visionattn.reference.blocked_attention`).
@@ -18,6 +20,7 @@ import torch
 
 from . import dispatch
 from .api import _HALF_OR_FP32, _check_tensor, cast_checked, check_flags
+from .kernels._launch import PlanCache
 from .modes import Mode, get_mode
 from .reference import blocked_attention
 
@@ -147,7 +150,12 @@ def varlen_attention(
     Args:
         q: [total_q, H, D] float16 / bfloat16 / float32 / float64, any strides (not copied), or a jagged
             nested tensor [B, j, H, D] (``layout=torch.jagged``; also its [B, H, j, D] transpose), in which
-            case k, v are jagged too and the offsets come from them.
+            case k, v are jagged too and the offsets come from them, or a list (tuple) of per-sequence tensors
+            [n_s, H, D], in which case k, v are lists [m_s, H, D] / [m_s, H, Dv] of the same length and the
+            offsets come from their lengths. Listed sequences in the mode's compute dtype that share one layout
+            and start at multiples of 16 elements from each other are read in place (no packed copy: only their
+            row offsets travel to the GPU); others, and calls that need gradients, are packed with ``torch.cat``
+            first.
         k: [total_k, H, D], same dtype and device; v: [total_k, H, Dv].
         cu_seqlens_q, cu_seqlens_k: int32 [n_seq + 1] on q's device, from 0 to total_q / total_k,
             non-decreasing (FlashAttention's convention). Sequences of 0 queries contribute nothing; a
@@ -163,20 +171,26 @@ def varlen_attention(
         backend: ``auto`` / ``triton`` / ``reference``, as :func:`visionattn.attention`.
 
     Returns:
-        [total_q, H, Dv] in q's dtype (a jagged [B, j, H, Dv] tensor for jagged input, sharing q's offsets).
+        [total_q, H, Dv] in q's dtype (a jagged [B, j, H, Dv] tensor for jagged input, sharing q's offsets; for
+        list input a list of [n_s, H, Dv] views of one packed output).
         Differentiable in q, k, v (packed or jagged): the kernel path records the deterministic varlen backward
         (:mod:`visionattn.kernels.varlen_bwd`, FlashAttention-2 Alg. 2 per sequence) when an input needs grad;
         the reference path is differentiated by autograd.
 
     Raises:
         TypeError / ValueError: see :func:`validate_varlen_inputs` and :func:`visionattn.api.check_flags`;
-            an unknown mode or a PASA mode (no varlen kernel nor reference); jagged input with explicit
-            offsets; float16 modes on values beyond float16's range.
+            an unknown mode or a PASA mode (no varlen kernel nor reference); jagged or list input with
+            explicit offsets; lists of different lengths or with mismatched heads / head dims / dtypes / devices;
+            float16 modes on values beyond float16's range.
     """
     md = get_mode(mode)
     if md.half_scores:
         raise ValueError(f"mode={md.name!r} has no varlen path; expected one of fp32, fp32-ieee, tf32, fp16, bf16")
     wrap = None
+    if isinstance(q, (list, tuple)):
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError("lists of sequences carry their lengths; pass cu_seqlens_q / cu_seqlens_k = None")
+        return _sequences(q, k, v, max_seqlen_q, max_seqlen_k, md, scale, is_causal, backend)
     if isinstance(q, torch.Tensor) and q.is_nested:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("jagged nested inputs carry their offsets; pass cu_seqlens_q / cu_seqlens_k = None")
@@ -194,6 +208,136 @@ def varlen_attention(
     if out is None:
         out = _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, md)
     return wrap(out) if wrap is not None else out
+
+
+def _check_sequences(qs, ks, vs) -> None:
+    """Lists of per-sequence q / k / v: same count, 3-D tensors, one dtype and device, matching heads and head
+    dims, as many value rows as key rows."""
+    for name, t in (("k", ks), ("v", vs)):
+        if not isinstance(t, (list, tuple)):
+            raise TypeError(f"q is a list of sequences, so {name} must be one too, got {type(t).__name__}")
+    if not (len(qs) == len(ks) == len(vs)):
+        raise ValueError(f"q, k, v list {len(qs)}, {len(ks)}, {len(vs)} sequences; expected the same number")
+    for i, (a, b, c) in enumerate(zip(qs, ks, vs)):
+        for name, t in ((f"q[{i}]", a), (f"k[{i}]", b), (f"v[{i}]", c)):
+            _check_tensor(name, t, 3, "[n, H, D] (one sequence)")
+        first = qs[0]
+        if not (a.dtype == b.dtype == c.dtype == first.dtype):
+            raise TypeError(f"sequence {i}: q, k, v dtypes {a.dtype}, {b.dtype}, {c.dtype}; every sequence must "
+                            f"share q[0]'s dtype {first.dtype}")
+        if not (a.device == b.device == c.device == first.device):
+            raise ValueError(f"sequence {i} is on {a.device} / {b.device} / {c.device}, q[0] on {first.device}")
+        H, D, Dv = first.shape[1], first.shape[2], vs[0].shape[2]
+        if a.shape[1:] != (H, D) or b.shape[1:] != (H, D) or c.shape[1] != H or c.shape[2] != Dv:
+            raise ValueError(f"sequence {i}: q {tuple(a.shape)}, k {tuple(b.shape)}, v {tuple(c.shape)}; expected "
+                             f"[n, {H}, {D}], [m, {H}, {D}], [m, {H}, {Dv}] as sequence 0")
+        if b.shape[0] != c.shape[0]:
+            raise ValueError(f"sequence {i}: k has {b.shape[0]} rows but v has {c.shape[0]}")
+    if qs and qs[0].shape[2] == 0:
+        raise ValueError("q and k have head_dim 0; attention needs head_dim >= 1")
+
+
+def _row_offsets(ts) -> tuple[torch.Tensor, list[int]] | None:
+    """``(base, offsets)``: the tensor of ``ts`` at the lowest address and each tensor's element offset from it,
+    when every tensor shares one layout (strides of the dims with more than one entry) and the offsets are
+    multiples of 16 elements (the kernel's aligned loads); else None. Empty tensors get offset 0."""
+    live = [t for t in ts if t.numel()]
+    if not live:
+        return ts[0], [0] * len(ts)
+    base = min(live, key=lambda t: t.data_ptr())
+    ref = max(live, key=lambda t: t.shape[0]).stride()
+    if any(t.stride()[1:] != ref[1:] or (t.shape[0] > 1 and t.stride(0) != ref[0]) for t in live):
+        return None
+    size, at = base.element_size(), base.data_ptr()
+    offsets = [(t.data_ptr() - at) // size if t.numel() else 0 for t in ts]
+    if any((t.data_ptr() - at) % (16 * size) for t in live):
+        return None
+    if base.stride() != ref:  # a one-row base with another row stride: the common layout, same memory
+        base = base.as_strided(base.shape, ref)
+    return base, offsets
+
+
+# (mode, device, every sequence's address, shape, strides and dtype) -> how the kernel reads them in place:
+# (indices of the q / k / v base tensors and their strides, the device offsets — int32 cu_seqlens_q / _k, int64
+# row offsets —, query lengths, key maximum); see
+# _sequences. Holds no caller tensor; the caching allocator hands a loop the same addresses call after call.
+_IN_PLACE = PlanCache(max_size=256)
+
+
+def _in_place_plan(qs, ks, vs, first, md: Mode):
+    """How the kernel reads these sequences where they lie (see :data:`_IN_PLACE`), or None when they must be
+    packed: not in the mode's compute dtype, a backend other than the kernels, or no common layout."""
+    if first.dtype != md.compute_dtype:
+        return None
+    from .kernels.varlen_fwd import varlen_unsupported_reason  # lazy: importing triton is slow
+
+    if varlen_unsupported_reason(first, vs[0], md.name) is not None:
+        return None
+    placed = [_row_offsets(ts) for ts in (qs, ks, vs)]
+    if any(p is None for p in placed):
+        return None
+    lens_q, lens_k = [t.shape[0] for t in qs], [t.shape[0] for t in ks]
+    n = len(qs)
+    cu = [0] * (2 * n + 2 + (2 * n + 2) % 2)  # int32 cu_seqlens_q, cu_seqlens_k (an even count: 8-byte aligned)
+    for i in range(n):
+        cu[i + 1] = cu[i] + lens_q[i]
+        cu[n + 2 + i] = cu[n + 1 + i] + lens_k[i]
+    offsets = [x for row in zip(placed[0][1], placed[1][1], placed[2][1]) for x in row]  # int64 [n, 3]
+    # one host-to-device copy of both, asynchronous from pinned memory (not one that waits for the stream)
+    host = torch.cat([torch.tensor(cu, dtype=torch.int32).view(torch.uint8),
+                      torch.tensor(offsets, dtype=torch.int64).view(torch.uint8)])
+    if first.is_cuda:
+        host = host.pin_memory()
+    table = host.to(first.device, non_blocking=True)
+    cu_dev, off_dev = table[:4 * len(cu)].view(torch.int32), table[4 * len(cu):].view(torch.int64)
+    bases = tuple((next(i for i, t in enumerate(ts) if t.data_ptr() == p[0].data_ptr() and t.numel()) if
+                   any(t.numel() for t in ts) else 0, p[0].stride()) for ts, p in zip((qs, ks, vs), placed))
+    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, max(lens_k)
+
+
+def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causal: bool, backend):
+    """:func:`varlen_attention` of lists of sequences: ``[n_s, H, Dv]`` outputs, views of one packed output."""
+    key = None
+    try:  # a list seen before (same addresses and layouts) was checked then: read it as planned
+        key = (md.name, backend, dispatch._backend, qs[0].device,  # device addresses are unique across devices
+               *[(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (*qs, *ks, *vs)])
+    except (AttributeError, TypeError, IndexError):  # not tensors, or none: the checks below say why
+        pass
+    plan = _IN_PLACE.get(key) if key is not None else None
+    first = qs[0] if qs else None
+    if plan is None:
+        _check_sequences(qs, ks, vs)
+        if not qs:
+            return []
+    scale = check_flags(is_causal, scale, first.shape[-1])
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*qs, *ks, *vs))
+    if plan is None and not grad and dispatch.resolve_backend(backend, first.device.type) == "triton":
+        plan = _in_place_plan(qs, ks, vs, first, md)
+        if plan is not None and key is not None:
+            _IN_PLACE.put(key, plan)
+    if plan is None or grad:  # packed: one copy of each (differentiable), then the packed path
+        lens_q, lens_k = [t.shape[0] for t in qs], [t.shape[0] for t in ks]
+        offsets = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offsets_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        out = varlen_attention(torch.cat(list(qs)), torch.cat(list(ks)), torch.cat(list(vs)),
+                               offsets.to(first.device), offsets_k.to(first.device),
+                               max(lens_q) if max_seqlen_q is None else max_seqlen_q,
+                               max(lens_k) if max_seqlen_k is None else max_seqlen_k,
+                               mode=md, scale=scale, is_causal=is_causal, backend=backend)
+        return list(torch.split(out, lens_q))
+    bases, (cu_q, cu_k, row_offsets), lens_q, max_k = plan
+    for which, given, longest in (("q", max_seqlen_q, max(lens_q)), ("k", max_seqlen_k, max_k)):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < longest):
+            raise ValueError(f"max_seqlen_{which}={given!r}; expected None or an int >= the longest sequence "
+                             f"({longest} rows)")
+    q, k, v = (ts[i] if ts[i].stride() == st else ts[i].as_strided(ts[i].shape, st)
+               for ts, (i, st) in zip((qs, ks, vs), bases))
+    from .kernels import varlen_fwd
+
+    out_dtype = first.dtype if first.dtype in _HALF_OR_FP32 else torch.float32
+    out = varlen_fwd.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max_k, bool(is_causal), float(scale),
+                                    md.name, out_dtype, row_offsets=row_offsets, total_q=sum(lens_q))[0]
+    return list(torch.split(out, lens_q))
 
 
 def _kernels(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode):

@@ -171,6 +171,83 @@ def test_jagged_nested_input():
     assert torch.equal(out_t.transpose(1, 2).values(), out.values())
 
 
+def _read_in_place(monkeypatch):
+    """The varlen plan cache, fresh; ``in_place()`` tells whether the last plan built read sequences in place."""
+    from visionattn.kernels import varlen_fwd
+    from visionattn.kernels._launch import PlanCache
+
+    plans = PlanCache()
+    monkeypatch.setattr(varlen_fwd, "PLANS", plans)
+    return lambda: list(plans.plans)[-1][5]
+
+
+@pytest.mark.parametrize("mode,causal", [("fp32", False), ("fp32", True), ("fp16", False), ("tf32", True)])
+def test_list_of_sequences_is_read_in_place_and_equals_the_packed_call(monkeypatch, mode, causal):
+    in_place = _read_in_place(monkeypatch)
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K, dv=24)
+    dtype = MODES[mode].compute_dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    # separate tensors per sequence (one allocation each), as a user holding per-image tokens has them
+    split = [[t.clone() for t in torch.split(x, lens)] for x, lens in ((q, LENS_Q), (k, LENS_K), (v, LENS_K))]
+    import visionattn.varlen as vl
+    from visionattn.kernels._launch import PlanCache
+
+    placed = PlanCache()
+    monkeypatch.setattr(vl, "_IN_PLACE", placed)
+    outs = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")
+    assert in_place() and (placed.builds, placed.hits) == (1, 0)
+    again = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")  # the same list: its plan
+    assert (placed.builds, placed.hits) == (1, 1) and all(torch.equal(a, b) for a, b in zip(outs, again))
+    assert [o.shape for o in outs] == [(n, 2, 24) for n in LENS_Q]
+    ref = varlen_attention(q, k, v, cu_q, cu_k, mode=mode, is_causal=causal, backend="triton")
+    assert torch.equal(torch.cat(outs), ref)
+    oracle = per_sequence(lambda a, b, c: oracle_attention(a, b, c, is_causal=causal), q, k, v, cu_q, cu_k, 24)
+    assert rel_l2(torch.cat(outs).double(), oracle) <= MODES[mode].rel_tol
+
+
+def test_list_of_sequences_packs_what_it_cannot_read_in_place(monkeypatch):
+    in_place = _read_in_place(monkeypatch)
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K)
+    seqs = [[t.clone() for t in torch.split(x, lens)] for x, lens in ((q, LENS_Q), (k, LENS_K), (v, LENS_K))]
+    ref = varlen_attention(q, k, v, cu_q, cu_k, backend="triton")
+    # one sequence in another layout (heads outermost): the batch is packed, same result
+    odd = [t.clone() for t in seqs[0]]
+    odd[4] = odd[4].transpose(0, 1).contiguous().transpose(0, 1)
+    assert torch.equal(torch.cat(varlen_attention(odd, seqs[1], seqs[2], backend="triton")), ref)
+    assert not in_place()
+    # float64 sequences in an fp32 mode: cast, hence packed; the output keeps float64
+    out64 = varlen_attention([t.double() for t in seqs[0]], [t.double() for t in seqs[1]],
+                             [t.double() for t in seqs[2]], backend="triton")
+    assert out64[0].dtype == torch.float64 and torch.equal(torch.cat(out64).float(), ref)
+    # gradients: packed with torch.cat, so each sequence gets its own gradient
+    leaves = [[t.clone().requires_grad_(True) for t in group] for group in seqs]
+    outs = varlen_attention(*leaves, backend="triton")
+    do = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2))
+    grads = torch.autograd.grad(torch.cat(outs), leaves[0] + leaves[1] + leaves[2], do)
+    flat = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(varlen_attention(*flat, cu_q, cu_k, backend="triton"), flat, do)
+    n = len(LENS_Q)
+    for i, (group, lens) in enumerate(((grads[:n], LENS_Q), (grads[n:2 * n], LENS_K), (grads[2 * n:], LENS_K))):
+        assert torch.equal(torch.cat(group), ref_grads[i]) and [g.shape[0] for g in group] == lens
+
+
+def test_list_of_sequences_errors_name_the_argument():
+    seqs = [torch.randn(n, 2, 16) for n in (3, 5)]
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        varlen_attention(seqs, seqs, seqs, offsets([3, 5]), offsets([3, 5]))
+    with pytest.raises(TypeError, match="k must be one too"):
+        varlen_attention(seqs, torch.cat(seqs), seqs)
+    with pytest.raises(ValueError, match="same number"):
+        varlen_attention(seqs, seqs[:1], seqs)
+    with pytest.raises(TypeError, match=r"sequence 1.*dtype"):
+        varlen_attention(seqs, [seqs[0], seqs[1].double()], seqs)
+    with pytest.raises(ValueError, match=r"sequence 1.*expected"):
+        varlen_attention(seqs, [seqs[0], torch.randn(5, 2, 8)], seqs)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        varlen_attention(seqs, seqs, seqs, max_seqlen_q=2, backend="triton")
+    assert varlen_attention([], [], []) == []
+
+
 def test_validation_errors_name_the_argument():
     q, k, v, cu_q, cu_k = packed([3, 4], [2, 5])
     with pytest.raises(TypeError, match="cu_seqlens_q"):
@@ -225,6 +302,20 @@ def test_gpu_supplement_batch(mode, causal):
     dense = per_sequence(lambda a, b, c: visionattn.attention(a, b, c, mode=mode, is_causal=causal),
                          q, k, v, cu_q, cu_k, 64)
     assert rel_l2(out.double(), dense) <= 2 * MODES[mode].rel_tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
+def test_gpu_list_of_sequences_in_place(monkeypatch, mode):
+    in_place = _read_in_place(monkeypatch)
+    q, k, v, cu_q, cu_k = packed(ISSUE_LENS, ISSUE_LENS, h=16, d=64, device="cuda")
+    dtype = MODES[mode].compute_dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    seqs = [[t.clone() for t in torch.split(x, ISSUE_LENS)] for x in (q, k, v)]
+    ref = varlen_attention(q, k, v, cu_q, cu_k, max(ISSUE_LENS), max(ISSUE_LENS), mode=mode)
+    for _ in range(3):  # the first call builds the plan, later ones launch from it
+        outs = varlen_attention(*seqs, mode=mode)
+        assert in_place() and torch.equal(torch.cat(outs), ref)
 
 
 @pytest.mark.gpu
