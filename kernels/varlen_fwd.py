@@ -46,7 +46,7 @@ from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileCo
 from .modes import MODES
 from .split16 import SPLIT_EXP
 
-__all__ = ["varlen_forward", "varlen_unsupported_reason", "PLANS"]
+__all__ = ["varlen_forward", "plan_for", "varlen_unsupported_reason", "PLANS"]
 
 
 @triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles", "n_splits", "tiles_per_split"])
@@ -240,6 +240,17 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         ValueError: a mode without a dense kernel; ``num_splits`` < 0. TypeError: q / k / v not in the mode's
             compute dtype, or an unsupported ``out_dtype``.
     """
+    return plan_for(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode,
+                    out_dtype, with_lse, num_splits, row_offsets, total_q)[1]
+
+
+def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                   scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False,
+                   num_splits: int = 0, row_offsets: torch.Tensor | None = None, total_q: int | None = None):
+    """``(plan, (out, lse))``: :func:`varlen_forward`'s result and the cached launch plan that produced it (None
+    for an empty call); a plan takes ``(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, row_offsets)`` of any later
+    call with the same signature. Arguments as :func:`varlen_forward`."""
     if mode not in DENSE_MODES:
         raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(DENSE_MODES)}")
     dtype = MODES[mode].compute_dtype
@@ -258,7 +269,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     if total_q == 0 or H == 0 or Dv == 0 or n_seq <= 0 or max_seqlen_q <= 0:
         out = torch.zeros((total_q, H, Dv), dtype=out_dtype, device=q.device)
         lse = torch.full((H, total_q), float("-inf"), device=q.device) if with_lse else None
-        return out, lse
+        return None, (out, lse)
     max_seqlen_k = max(int(max_seqlen_k), 0)
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
@@ -271,7 +282,7 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
            max_seqlen_k if splits > 1 else None)
     plan = PLANS.get(key)
     if plan is not None:
-        return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets)
+        return plan, plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets)
     result = []
 
     def run(cfg):
@@ -283,4 +294,4 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     run_first_that_fits(run, cfg0, _smaller_configs)
     plan, res = result[-1]
     PLANS.put(key, plan)
-    return res
+    return plan, res

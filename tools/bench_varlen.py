@@ -18,6 +18,8 @@ nested tensors), ``sdpa-padded``
 (``F.scaled_dot_product_attention`` on a [B, H, Lmax, D] padded batch with a boolean key mask),
 ``sdpa-per-seq`` (one SDPA call per sequence), ``nested`` (SDPA on jagged nested tensors). SDPA runs with
 PyTorch's defaults: its own backend choice, FP32 matmuls without TF32 (this tool sets no global flags).
+The two methods on nested tensors run after every other method of every mode: once ``torch.nested`` has
+run, later host-bound eager calls in the process take longer.
 Peak memory: the most allocated during one total call beyond what was allocated before it. Mtokens/s:
 total tokens per total latency. Accuracy: relative L2 error of each method's output against a float64
 per-sequence oracle. Writes ``<out>.md`` and ``<out>.json``.
@@ -59,6 +61,7 @@ from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
 
 METHODS = ("visionattn-list", "visionattn", "visionattn-jagged", "sdpa-padded", "sdpa-per-seq", "nested")
+NESTED_METHODS = ("visionattn-jagged", "nested")  # timed after the others (see bench)
 BENCH_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 ISSUE_LENGTHS = "785,500,708,542,1732,262,1039,557"
 # (height, width) in pixels, cycled over the NaFlexViT batch: 36 .. 576 patches of 16 x 16
@@ -192,10 +195,17 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
     timer = reporting.per_call_ms(device, calls, repeats, warmup=3)
     total_tokens = sum(lens)
     rows = []
-    for mode in modes:
+    # the nested-tensor methods run after every other method of every mode: once torch.nested has run, later
+    # host-bound eager calls in the process take longer (visionattn on a list of sequences, fp16, H100:
+    # 0.100 ms when it runs first, 0.33-0.50 ms after the nested rows), which would charge one method's state
+    # to the next
+    first = [m for m in methods if m not in NESTED_METHODS]
+    for mode, group in [(m, first) for m in modes] + [(m, [x for x in methods if x in NESTED_METHODS]) for m in modes]:
+        if not group:
+            continue
         dtype = MODES[mode].compute_dtype
         seqs = [tuple(t.to(dtype) for t in s) for s in base]
-        for method in methods:
+        for method in group:
             convert, attend, to_packed = method_calls(method, seqs, mode)
             x = convert()
             out = to_packed(attend(x))
@@ -212,7 +222,8 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
                 print(f"{mode:9s} {method:18s} total {total_ms:.4f} ms  kernel {kern_ms:.4f} ms  "
                       f"conversion {conv_ms:.4f} ms  rel L2 {err:.2e}", flush=True)
         if backward:
-            rows += _backward_rows(base, dtype, mode, methods, timer, device, seed, quiet)
+            rows += _backward_rows(base, dtype, mode, group, timer, device, seed, quiet)
+    rows.sort(key=lambda r: (modes.index(r["mode"]), r["pass"] != "forward", methods.index(r["method"])))
     return rows
 
 

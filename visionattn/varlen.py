@@ -259,7 +259,7 @@ def _row_offsets(ts) -> tuple[torch.Tensor, list[int]] | None:
 
 # (mode, device, every sequence's address, shape, strides and dtype) -> how the kernel reads them in place:
 # (indices of the q / k / v base tensors and their strides, the device offsets — int32 cu_seqlens_q / _k, int64
-# row offsets —, query lengths, key maximum); see
+# row offsets —, query lengths, key maximum, the kernel's launch plan per causal flag); see
 # _sequences. Holds no caller tensor; the caching allocator hands a loop the same addresses call after call.
 _IN_PLACE = PlanCache(max_size=256)
 
@@ -292,7 +292,7 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
     cu_dev, off_dev = table[:4 * len(cu)].view(torch.int32), table[4 * len(cu):].view(torch.int64)
     bases = tuple((next(i for i, t in enumerate(ts) if t.data_ptr() == p[0].data_ptr() and t.numel()) if
                    any(t.numel() for t in ts) else 0, p[0].stride()) for ts, p in zip((qs, ks, vs), placed))
-    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, max(lens_k)
+    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, max(lens_k), {}
 
 
 def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causal: bool, backend):
@@ -324,20 +324,27 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
                                max(lens_q) if max_seqlen_q is None else max_seqlen_q,
                                max(lens_k) if max_seqlen_k is None else max_seqlen_k,
                                mode=md, scale=scale, is_causal=is_causal, backend=backend)
-        return list(torch.split(out, lens_q))
-    bases, (cu_q, cu_k, row_offsets), lens_q, max_k = plan
+        return list(out.split_with_sizes(lens_q))
+    bases, (cu_q, cu_k, row_offsets), lens_q, max_k, launches = plan
     for which, given, longest in (("q", max_seqlen_q, max(lens_q)), ("k", max_seqlen_k, max_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < longest):
             raise ValueError(f"max_seqlen_{which}={given!r}; expected None or an int >= the longest sequence "
                              f"({longest} rows)")
     q, k, v = (ts[i] if ts[i].stride() == st else ts[i].as_strided(ts[i].shape, st)
                for ts, (i, st) in zip((qs, ks, vs), bases))
-    from .kernels import varlen_fwd
+    launch = launches.get(bool(is_causal))  # the kernel's own plan, found once per (list layout, causal)
+    if launch is not None:
+        out = launch(q, k, v, cu_q, cu_k, float(scale), row_offsets)[0]
+    else:
+        from .kernels import varlen_fwd
 
-    out_dtype = first.dtype if first.dtype in _HALF_OR_FP32 else torch.float32
-    out = varlen_fwd.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max_k, bool(is_causal), float(scale),
-                                    md.name, out_dtype, row_offsets=row_offsets, total_q=sum(lens_q))[0]
-    return list(torch.split(out, lens_q))
+        out_dtype = first.dtype if first.dtype in _HALF_OR_FP32 else torch.float32
+        launch, (out, _) = varlen_fwd.plan_for(q, k, v, cu_q, cu_k, max(lens_q), max_k, bool(is_causal),
+                                               float(scale), md.name, out_dtype, row_offsets=row_offsets,
+                                               total_q=sum(lens_q))
+        if launch is not None:
+            launches[bool(is_causal)] = launch
+    return list(out.split_with_sizes(lens_q))
 
 
 def _kernels(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode):
