@@ -18,8 +18,8 @@ nested tensors), ``sdpa-padded``
 (``F.scaled_dot_product_attention`` on a [B, H, Lmax, D] padded batch with a boolean key mask),
 ``sdpa-per-seq`` (one SDPA call per sequence), ``nested`` (SDPA on jagged nested tensors). SDPA runs with
 PyTorch's defaults: its own backend choice, FP32 matmuls without TF32 (this tool sets no global flags).
-The two methods on nested tensors run after every other method of every mode: once ``torch.nested`` has
-run, later host-bound eager calls in the process take longer.
+The two methods on nested tensors run after every other method of every mode (what ``torch.nested`` leaves in
+the process cannot touch the other rows); host-bound rows still vary with what ran before them in one process.
 Peak memory: the most allocated during one total call beyond what was allocated before it. Mtokens/s:
 total tokens per total latency. Accuracy: relative L2 error of each method's output against a float64
 per-sequence oracle. Writes ``<out>.md`` and ``<out>.json``.
@@ -195,10 +195,10 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
     timer = reporting.per_call_ms(device, calls, repeats, warmup=3)
     total_tokens = sum(lens)
     rows = []
-    # the nested-tensor methods run after every other method of every mode: once torch.nested has run, later
-    # host-bound eager calls in the process take longer (visionattn on a list of sequences, fp16, H100:
-    # 0.100 ms when it runs first, 0.33-0.50 ms after the nested rows), which would charge one method's state
-    # to the next
+    # the nested-tensor methods run after every other method of every mode, so what torch.nested leaves in the
+    # process cannot touch the other rows; host-bound rows still vary with what ran before them in one process
+    # (visionattn on a list of sequences, fp16, H100: 0.100 ms in a forward-only run of three methods, 0.52 ms in
+    # the full run with the backward rows)
     first = [m for m in methods if m not in NESTED_METHODS]
     for mode, group in [(m, first) for m in modes] + [(m, [x for x in methods if x in NESTED_METHODS]) for m in modes]:
         if not group:
