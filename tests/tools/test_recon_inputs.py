@@ -156,7 +156,7 @@ def test_float_and_16bit_tiffs_converted_by_range(tmp_path):
     assert np.abs(got - np.round(v16 / v16.max() * 255)).max() <= 1
 
 
-def _images_for_signal(tmp_path, n=12):
+def _images_for_signal(tmp_path, n=48):  # enough work that the run outlasts the 0.3 s before the signal
     src = tmp_path / "in"
     src.mkdir()
     for i in range(n):
