@@ -286,17 +286,17 @@ def test_import_does_not_load_triton():
 
 
 # ----------------------------------------------------------------------------- GPU, the supplement's batch
-ISSUE_LENS = [785, 500, 708, 542, 1732, 262, 1039, 557]
+TABLE2_LENS = [785, 500, 708, 542, 1732, 262, 1039, 557]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp32", "fp32-ieee", "tf32", "fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_supplement_batch(mode, causal):
-    q, k, v, cu_q, cu_k = packed(ISSUE_LENS, ISSUE_LENS, h=16, d=64, device="cuda")
+    q, k, v, cu_q, cu_k = packed(TABLE2_LENS, TABLE2_LENS, h=16, d=64, device="cuda")
     dtype = MODES[mode].compute_dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    out = varlen_attention(q, k, v, cu_q, cu_k, max(ISSUE_LENS), max(ISSUE_LENS), mode=mode, is_causal=causal)
+    out = varlen_attention(q, k, v, cu_q, cu_k, max(TABLE2_LENS), max(TABLE2_LENS), mode=mode, is_causal=causal)
     oracle = per_sequence(lambda a, b, c: oracle_attention(a, b, c, is_causal=causal), q, k, v, cu_q, cu_k, 64)
     assert rel_l2(out.double(), oracle) <= MODES[mode].rel_tol
     dense = per_sequence(lambda a, b, c: visionattn.attention(a, b, c, mode=mode, is_causal=causal),
@@ -308,11 +308,11 @@ def test_gpu_supplement_batch(mode, causal):
 @pytest.mark.parametrize("mode", ["fp32", "fp16", "bf16"])
 def test_gpu_list_of_sequences_in_place(monkeypatch, mode):
     in_place = _read_in_place(monkeypatch)
-    q, k, v, cu_q, cu_k = packed(ISSUE_LENS, ISSUE_LENS, h=16, d=64, device="cuda")
+    q, k, v, cu_q, cu_k = packed(TABLE2_LENS, TABLE2_LENS, h=16, d=64, device="cuda")
     dtype = MODES[mode].compute_dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    seqs = [[t.clone() for t in torch.split(x, ISSUE_LENS)] for x in (q, k, v)]
-    ref = varlen_attention(q, k, v, cu_q, cu_k, max(ISSUE_LENS), max(ISSUE_LENS), mode=mode)
+    seqs = [[t.clone() for t in torch.split(x, TABLE2_LENS)] for x in (q, k, v)]
+    ref = varlen_attention(q, k, v, cu_q, cu_k, max(TABLE2_LENS), max(TABLE2_LENS), mode=mode)
     for _ in range(3):  # the first call builds the plan, later ones launch from it
         outs = varlen_attention(*seqs, mode=mode)
         assert in_place() and torch.equal(torch.cat(outs), ref)
