@@ -170,7 +170,10 @@ def test_signal_during_the_run_removes_the_temp_folder_without_traceback(sig, tm
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, DEMO, str(src), "--out", str(out), "--weights", "random-tiny",
                              "--device", "cpu", "--size", "518", "--quiet"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: a runner started in the background ignores SIGINT, and its
+                            # children inherit that, so Python would install no KeyboardInterrupt handler
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:
         if [p for p in os.listdir(tmp_path) if p.startswith(".out.tmp-")]:
