@@ -12,7 +12,9 @@ kernel a call needs is compiled inside it, as on a fresh machine:
 
 Where Triton reports its compilations (``triton.knobs.compilation.listener``), each row also splits the first
 call's extra cost into the kernels compiled and their compile time (source to cubin, every stage) and the
-rest (launcher builds, module loads, first-use setup of the driver and libraries).
+rest (launcher builds, module loads, first-use setup of the driver and libraries), and the compile time by
+stage, summed over the kernels (``init``: source to the first IR, then Triton's lowering stages — ``ttir``,
+``ttgir``, ``llir``, ``ptx``, ``cubin`` (ptxas) —, ``store``: writing the cache).
 
 Writes ``cold_start.md`` and ``cold_start.json`` to ``--out``.
 
@@ -34,13 +36,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # each child records the kernels Triton compiles (not cache hits) and their compile seconds, per phase
 _LISTENER = r"""
-COMPILED = {"phase": "first", "first": [], "other": []}
+COMPILED = {"phase": "first", "first": [], "other": [], "first_stages": {}, "other_stages": {}}
 try:
     from triton import knobs as _knobs
 
     def _listen(*, src, metadata, metadata_group, times, cache_hit):
         if not cache_hit:
-            COMPILED[COMPILED["phase"]].append(times.total / 1e6)
+            phase = COMPILED["phase"]
+            COMPILED[phase].append(times.total / 1e6)
+            stages = COMPILED[phase + "_stages"]
+            for name, us in [("init", times.ir_initialization), *times.lowering_stages, ("store", times.store_results)]:
+                stages[name] = stages.get(name, 0.0) + us / 1e6
 
     _knobs.compilation.listener = _listen
 except (ImportError, AttributeError):  # a Triton without compilation listeners: no split
@@ -49,7 +55,8 @@ except (ImportError, AttributeError):  # a Triton without compilation listeners:
 
 def compiled(phase):
     return {} if COMPILED is None else {f"{phase}_kernels_compiled": len(COMPILED[phase]),
-                                        f"{phase}_compile_s": sum(COMPILED[phase])}
+                                        f"{phase}_compile_s": sum(COMPILED[phase]),
+                                        f"{phase}_compile_stages_s": COMPILED[phase + "_stages"]}
 """
 
 _ATTENTION_CHILD = _LISTENER + r"""
@@ -92,8 +99,9 @@ second = forward(frames)
 if COMPILED is not None:
     COMPILED["phase"] = "other"
 before = count(); third = forward(other); added = count() - before
-print(json.dumps({"first_s": first, "second_s": second, "other_frames_s": third, "cache_files_after_first": files_after_first,
-                  "cache_files_added_by_other_frames": added, **compiled("first"), **compiled("other")}))
+print(json.dumps({"first_s": first, "second_s": second, "other_frames_s": third,
+                  "cache_files_after_first": files_after_first, "cache_files_added_by_other_frames": added,
+                  **compiled("first"), **compiled("other")}))
 """
 
 
@@ -157,17 +165,18 @@ def main(args) -> dict:
     table = []
     for r in rows:
         if "error" in r:
-            table.append([r["what"], "-", "-", "-", "-", "-", "-", "-", r["error"]])
+            table.append([r["what"], "-", "-", "-", "-", "-", "-", "-", r["error"], "-"])
             continue
         extra = r["first_s"] - r["second_s"]
         compile_s = r.get("first_compile_s")
         table.append([r["what"], f"{r['first_s']:.2f}", f"{r['second_s']:.3f}", f"{extra:.2f}",
                       r.get("first_kernels_compiled", "-"), "-" if compile_s is None else f"{compile_s:.2f}",
                       "-" if compile_s is None else f"{extra - compile_s:.2f}",
-                      f"{r.get('other_frames_s', float('nan')):.2f}", r.get("cache_files_added_by_other_frames", "-")])
+                      f"{r.get('other_frames_s', float('nan')):.2f}", r.get("cache_files_added_by_other_frames", "-"),
+                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("first_compile_stages_s") or {}).items()) or "-"])
     lines.append(markdown_table(table, ["call", "first s", "second s", "first - second s", "kernels compiled",
                                         "their compile s", "rest of first - second s", "other length s",
-                                        "cache files added by the other length"]))
+                                        "cache files added by the other length", "compile s by stage"]))
     os.makedirs(args.out, exist_ok=True)
     write_text_atomic(os.path.join(args.out, "cold_start.md"), "\n".join(lines) + "\n")
     write_json_atomic(os.path.join(args.out, "cold_start.json"), result)

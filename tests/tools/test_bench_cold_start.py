@@ -27,3 +27,8 @@ def test_listener_counts_compiles_not_cache_hits(tmp_path, monkeypatch):
     res = compile_in_child(tool._LISTENER + _COMPILE_TWICE)
     assert res["first_kernels_compiled"] == 1 and res["first_compile_s"] > 0
     assert res["other_kernels_compiled"] == 0 and res["other_compile_s"] == 0
+    stages = res["first_compile_stages_s"]
+    # Triton's stages, each timed: they add up to the kernel's compile time
+    assert {"init", "ttir", "ttgir", "llir", "ptx", "cubin"} <= set(stages) and min(stages.values()) >= 0
+    assert abs(sum(stages.values()) - res["first_compile_s"]) <= 1e-3 + 0.01 * res["first_compile_s"]
+    assert res["other_compile_stages_s"] == {}
