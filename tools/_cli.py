@@ -109,6 +109,14 @@ def check_output(parser: argparse.ArgumentParser, path: str, *, flag: str = "--o
     return path
 
 
+def first_error(err: BaseException) -> BaseException:
+    """The first exception of ``err``'s chain (``__context__``): what went wrong, not a later complaint about it
+    (a failed CUDA-graph capture ends with an error that names none of the cause)."""
+    while err.__context__ is not None:
+        err = err.__context__
+    return err
+
+
 def failure_text(err: BaseException, device) -> str:
     """One line naming ``err`` for a result row (``"Type: first line"``, the line cut at 200 characters), after
     freeing what the failed work left (garbage, and on a CUDA ``device`` the allocator cache: e.g. after an OOM,

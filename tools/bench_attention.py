@@ -48,7 +48,7 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out  # noqa: E402
+from _cli import ToolParser, check_output, default_out, first_error  # noqa: E402
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -191,10 +191,8 @@ def _measure(fn, q, k, v, rep, graph_only=False):
 
 
 def _first_error(exc: BaseException) -> str:
-    """``"Type: first line"`` of the first exception in ``exc``'s chain (a failed capture's own complaint at its end
-    names none of the cause)."""
-    while exc.__context__ is not None:
-        exc = exc.__context__
+    """``"Type: first line"`` of :func:`_cli.first_error` of ``exc``."""
+    exc = first_error(exc)
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
 
 

@@ -40,7 +40,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, failure_text, positive_int  # noqa: E402
+from _cli import (ToolParser, check_device, check_output, default_out, failure_text, first_error,  # noqa: E402
+                  positive_int)
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
@@ -215,9 +216,7 @@ def _graph_timing(make, device, args) -> tuple[float | None, str | None]:
     try:
         return graph_ms(make, args.calls, args.repeats), None
     except Exception as exc:  # a backend or launch path that cannot be captured: the row says why
-        while exc.__context__ is not None:  # the first error, not the capture's end complaining about it
-            exc = exc.__context__
-        return None, failure_text(exc, device)
+        return None, failure_text(first_error(exc), device)
 
 
 def main(args) -> dict:
