@@ -782,9 +782,9 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, attn
         if bias_requires_grad and bias is None:
             raise ValueError("bias_requires_grad=True needs a bias")
         B, H, Nq, D = q.shape
-        if B * H == 0 or Nq == 0 or k.shape[2] == 0 or D == 0 or v.shape[3] == 0:
-            return elsa_backward(q, k, v, out, grad_out, lse, bias, attn_mask, is_causal, scale, mode,
-                                 bias_requires_grad)
+        if B * H == 0 or Nq == 0 or k.shape[2] == 0 or D == 0 or v.shape[3] == 0:  # zeros, no plan
+            return launch_backward(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, is_causal, scale, mode,
+                                   bias_requires_grad, False, None, None)[:4]
         plan = AFTER_FORWARD.put(key, _BackwardPlan(q, k, v, out, grad_out, lse, bias, None, attn_mask, None,
                                                     is_causal, mode, bias_requires_grad, False, None, None, None))
     return plan(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, scale)[:4]

@@ -36,6 +36,7 @@ reference re-exports, and ``mu`` is computed here by :func:`_query_center`;
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -513,9 +514,7 @@ class _Workspace:
     def __init__(self, segments: dict[str, tuple[tuple[int, ...], torch.dtype]]):
         self.names, self.offsets, self.specs, at = [], [], [], 0
         for name, (shape, dtype) in segments.items():
-            n = 1
-            for x in shape:
-                n *= x
+            n = math.prod(shape)
             self.names.append(name)
             self.offsets.append(at)
             self.specs.append((shape, dtype, n))
@@ -541,7 +540,7 @@ class _PasaPlan:
     :data:`_CENTER_DIRECT_ROWS` query rows), key shift, the tile loop; their scratch in one :class:`_Workspace`."""
 
     __slots__ = ("center", "shift_call", "main", "fixed_shift", "fixed_main", "coef", "recover", "shift",
-                 "o_shape", "o_stride", "o_dtype", "device", "workspace")
+                 "o_shape", "o_stride", "o_dtype", "device", "workspace", "direct")
 
     def __init__(self, q, k, v, bias, attn_mask, is_causal, shift, beta, cfg, out_dtype):
         B, H, Nq, D = q.shape
@@ -586,14 +585,18 @@ class _PasaPlan:
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=D == block_d,
             EVEN_DV=Dv == block_dv), dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
         self.fixed_main = (*q.stride(), *k_strides, *v.stride(), *self.o_stride, *sb, *sm, H, Nq, Nk, D, Dv)
+        self.direct = False
 
     def _direct(self) -> bool:
         """Whether every launch of the plan goes to its compiled kernel directly (which takes addresses for
-        pointers); before that, Triton's JIT path needs typed tensors."""
-        calls = [self.main] + ([self.shift_call] if self.shift else [])
-        if self.center is not None:
-            calls += [self.center.partials] + ([self.center.combine] if self.center.combine is not None else [])
-        return all(c._fast is not None for c in calls)
+        pointers); before that, Triton's JIT path needs typed tensors. Once true it stays true (kept in
+        :attr:`direct`, so later calls skip the check)."""
+        if not self.direct:
+            calls = [self.main] + ([self.shift_call] if self.shift else [])
+            if self.center is not None:
+                calls += [self.center.partials] + ([self.center.combine] if self.center.combine is not None else [])
+            self.direct = all(c._fast is not None for c in calls)
+        return self.direct
 
     def __call__(self, q, k, v, bias, attn_mask, scale):
         dev = self.device

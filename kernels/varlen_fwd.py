@@ -245,9 +245,9 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-                   scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False,
-                   num_splits: int = 0, row_offsets: torch.Tensor | None = None, total_q: int | None = None):
+             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+             scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False,
+             num_splits: int = 0, row_offsets: torch.Tensor | None = None, total_q: int | None = None):
     """``(plan, (out, lse))``: :func:`varlen_forward`'s result and the cached launch plan that produced it (None
     for an empty call); a plan takes ``(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, row_offsets)`` of any later
     call with the same signature. Arguments as :func:`varlen_forward`."""

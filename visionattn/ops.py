@@ -142,13 +142,10 @@ class _DenseFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
         is_causal, scale, mode, plan = ctx.args
-        bias_grad = bias is not None and ctx.needs_input_grad[3]
-        if plan is None:  # an empty call (no forward plan)
-            dq, dk, dv, dbias = _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale,
-                                                mode, bias_grad)
-        else:  # the backward plan found through the forward's: no second validation of the inputs
-            dq, dk, dv, dbias = _elsa_bwd.backward_after_forward(plan, q, k, v, out, grad_out, lse, bias, attn_mask,
-                                                                 is_causal, scale, mode, bias_grad)
+        # the backward plan found through the forward's (every forward has one): no second validation
+        dq, dk, dv, dbias = _elsa_bwd.backward_after_forward(plan, q, k, v, out, grad_out, lse, bias, attn_mask,
+                                                             is_causal, scale, mode,
+                                                             bias is not None and ctx.needs_input_grad[3])
         return dq, dk, dv, dbias, None, None, None, None, None, None
 
 

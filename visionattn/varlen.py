@@ -221,13 +221,13 @@ def _check_sequences(qs, ks, vs) -> None:
     for i, (a, b, c) in enumerate(zip(qs, ks, vs)):
         for name, t in ((f"q[{i}]", a), (f"k[{i}]", b), (f"v[{i}]", c)):
             _check_tensor(name, t, 3, "[n, H, D] (one sequence)")
-        first = qs[0]
+        first = qs[0]  # checked as a tensor in the first step
+        H, D, Dv = first.shape[1], first.shape[2], vs[0].shape[2]
         if not (a.dtype == b.dtype == c.dtype == first.dtype):
             raise TypeError(f"sequence {i}: q, k, v dtypes {a.dtype}, {b.dtype}, {c.dtype}; every sequence must "
                             f"share q[0]'s dtype {first.dtype}")
         if not (a.device == b.device == c.device == first.device):
             raise ValueError(f"sequence {i} is on {a.device} / {b.device} / {c.device}, q[0] on {first.device}")
-        H, D, Dv = first.shape[1], first.shape[2], vs[0].shape[2]
         if a.shape[1:] != (H, D) or b.shape[1:] != (H, D) or c.shape[1] != H or c.shape[2] != Dv:
             raise ValueError(f"sequence {i}: q {tuple(a.shape)}, k {tuple(b.shape)}, v {tuple(c.shape)}; expected "
                              f"[n, {H}, {D}], [m, {H}, {D}], [m, {H}, {Dv}] as sequence 0")
@@ -237,24 +237,22 @@ def _check_sequences(qs, ks, vs) -> None:
         raise ValueError("q and k have head_dim 0; attention needs head_dim >= 1")
 
 
-def _row_offsets(ts) -> tuple[torch.Tensor, list[int]] | None:
-    """``(base, offsets)``: the tensor of ``ts`` at the lowest address and each tensor's element offset from it,
-    when every tensor shares one layout (strides of the dims with more than one entry) and the offsets are
-    multiples of 16 elements (the kernel's aligned loads); else None. Empty tensors get offset 0."""
-    live = [t for t in ts if t.numel()]
+def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
+    """``(base, strides, offsets)``: the index of the tensor of ``ts`` at the lowest address, the strides every
+    tensor shares (of the dims with more than one entry), and each tensor's element offset from the base, when
+    there are such strides and the offsets are multiples of 16 elements (the kernel's aligned loads); else None.
+    Empty tensors get offset 0."""
+    live = [i for i, t in enumerate(ts) if t.numel()]
     if not live:
-        return ts[0], [0] * len(ts)
-    base = min(live, key=lambda t: t.data_ptr())
-    ref = max(live, key=lambda t: t.shape[0]).stride()
-    if any(t.stride()[1:] != ref[1:] or (t.shape[0] > 1 and t.stride(0) != ref[0]) for t in live):
+        return 0, ts[0].stride(), [0] * len(ts)
+    base = min(live, key=lambda i: ts[i].data_ptr())
+    ref = max((ts[i] for i in live), key=lambda t: t.shape[0]).stride()
+    if any(ts[i].stride()[1:] != ref[1:] or (ts[i].shape[0] > 1 and ts[i].stride(0) != ref[0]) for i in live):
         return None
-    size, at = base.element_size(), base.data_ptr()
-    offsets = [(t.data_ptr() - at) // size if t.numel() else 0 for t in ts]
-    if any((t.data_ptr() - at) % (16 * size) for t in live):
+    size, at = ts[base].element_size(), ts[base].data_ptr()
+    if any((ts[i].data_ptr() - at) % (16 * size) for i in live):
         return None
-    if base.stride() != ref:  # a one-row base with another row stride: the common layout, same memory
-        base = base.as_strided(base.shape, ref)
-    return base, offsets
+    return base, ref, [(t.data_ptr() - at) // size if t.numel() else 0 for t in ts]
 
 
 # (mode, device, every sequence's address, shape, strides and dtype) -> how the kernel reads them in place:
@@ -282,7 +280,7 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
     for i in range(n):
         cu[i + 1] = cu[i] + lens_q[i]
         cu[n + 2 + i] = cu[n + 1 + i] + lens_k[i]
-    offsets = [x for row in zip(placed[0][1], placed[1][1], placed[2][1]) for x in row]  # int64 [n, 3]
+    offsets = [x for row in zip(placed[0][2], placed[1][2], placed[2][2]) for x in row]  # int64 [n, 3]
     # one host-to-device copy of both, asynchronous from pinned memory (not one that waits for the stream)
     host = torch.cat([torch.tensor(cu, dtype=torch.int32).view(torch.uint8),
                       torch.tensor(offsets, dtype=torch.int64).view(torch.uint8)])
@@ -290,8 +288,7 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
         host = host.pin_memory()
     table = host.to(first.device, non_blocking=True)
     cu_dev, off_dev = table[:4 * len(cu)].view(torch.int32), table[4 * len(cu):].view(torch.int64)
-    bases = tuple((next(i for i, t in enumerate(ts) if t.data_ptr() == p[0].data_ptr() and t.numel()) if
-                   any(t.numel() for t in ts) else 0, p[0].stride()) for ts, p in zip((qs, ks, vs), placed))
+    bases = tuple(p[:2] for p in placed)
     return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, max(lens_k), {}
 
 

@@ -143,6 +143,18 @@ def test_the_eager_backward_reuses_its_plan_through_the_forwards(monkeypatch, mo
     assert all(rel_l2(a.double(), r) <= tol for a, r in zip(first, ref))
 
 
+@pytest.mark.parametrize("nq,nk", [(0, 5), (4, 0)])
+def test_the_eager_backward_of_an_empty_call_gives_zero_gradients(nq, nk):
+    """No queries or no keys: the backward after the forward launches nothing and hands back zeros in each
+    input's shape, the bias's included."""
+    leaves = [t.requires_grad_(True) for t in _qkv(Nq=nq, Nk=nk)] + [torch.randn(2, nq, nk, device=DEV,
+                                                                                 requires_grad=True)]
+    y = va.attention(*leaves[:3], bias=leaves[3], backend="triton")
+    grads = torch.autograd.grad(y.sum(), leaves, allow_unused=True)
+    for g, t in zip(grads, leaves):
+        assert g.shape == t.shape and not g.any()
+
+
 def test_a_bias_that_needs_a_gradient_is_never_served_by_a_no_grad_runner(monkeypatch):
     """The runner a call under ``torch.no_grad()`` leaves behind does not serve the same signature once gradients
     are on: a bias that requires grad (and nothing else does) still gets its gradient, in its own shape."""
