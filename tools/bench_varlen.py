@@ -9,7 +9,10 @@ the Python launch path counts):
 * **conversion**: from the per-sequence tensors to the method's input (packing with ``torch.cat`` and
   offsets, padding and a key mask, a jagged nested tensor; nothing for per-sequence calls);
 * **kernel**: the attention call alone on converted inputs;
-* **total**: conversion and attention together, one call after another, as a model runs them.
+* **total**: conversion and attention together, one call after another, as a model runs them;
+* **kernel graph**: the attention call alone replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``):
+  its GPU time without the Python launch path, beside the eager kernel column (n/a, with the reason in the JSON's
+  ``graph_error``, where the call cannot be captured; empty on the CPU).
 
 Methods: ``visionattn-list`` (:func:`visionattn.varlen_attention` on the list of per-sequence tensors, read
 where they lie: no conversion, the row-offset table it sends to the GPU is part of the call), ``visionattn``
@@ -19,7 +22,7 @@ nested tensors), ``sdpa-padded``
 ``sdpa-per-seq`` (one SDPA call per sequence), ``nested`` (SDPA on jagged nested tensors). SDPA runs with
 PyTorch's defaults: its own backend choice, FP32 matmuls without TF32 (this tool sets no global flags).
 The two methods on nested tensors run after every other method of every mode (what ``torch.nested`` leaves in
-the process cannot touch the other rows); host-bound rows still vary with what ran before them in one process.
+the process cannot touch the other rows).
 Peak memory: the most allocated during one total call beyond what was allocated before it. Mtokens/s:
 total tokens per total latency. Accuracy: relative L2 error of each method's output against a float64
 per-sequence oracle. Writes ``<out>.md`` and ``<out>.json``.
@@ -52,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, positive_int  # noqa: E402
+from _cli import ToolParser, check_device, check_output, default_out, first_error, positive_int  # noqa: E402
 
 import visionattn  # noqa: E402
 from visionattn import reporting  # noqa: E402
@@ -196,9 +199,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
     total_tokens = sum(lens)
     rows = []
     # the nested-tensor methods run after every other method of every mode, so what torch.nested leaves in the
-    # process cannot touch the other rows; host-bound rows still vary with what ran before them in one process
-    # (visionattn on a list of sequences, fp16, H100: 0.100 ms in a forward-only run of three methods, 0.52 ms in
-    # the full run with the backward rows)
+    # process cannot touch the other rows
     first = [m for m in methods if m not in NESTED_METHODS]
     for mode, group in [(m, first) for m in modes] + [(m, [x for x in methods if x in NESTED_METHODS]) for m in modes]:
         if not group:
@@ -212,11 +213,13 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             err = rel_l2(out.double(), oracle)
             conv_ms = timer(convert)
             kern_ms = timer(functools.partial(attend, x))
+            graph_ms, graph_error = _graph_ms(functools.partial(attend, x), device)
             total_ms = timer(lambda: attend(convert()))
             del x
             peak = reporting.peak_extra_mb(lambda: attend(convert()), device)
             rows.append(dict(mode=mode, method=method, **{"pass": "forward"}, total_ms=total_ms, kernel_ms=kern_ms,
-                             conversion_ms=conv_ms, peak_mb=peak, mtokens_per_s=total_tokens / total_ms / 1e3,
+                             kernel_graph_ms=graph_ms, graph_error=graph_error, conversion_ms=conv_ms, peak_mb=peak,
+                             mtokens_per_s=total_tokens / total_ms / 1e3,
                              rel_l2=err))
             if not quiet:
                 print(f"{mode:9s} {method:18s} total {total_ms:.4f} ms  kernel {kern_ms:.4f} ms  "
@@ -225,6 +228,18 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             rows += _backward_rows(base, dtype, mode, group, timer, device, seed, quiet)
     rows.sort(key=lambda r: (modes.index(r["mode"]), r["pass"] != "forward", methods.index(r["method"])))
     return rows
+
+
+def _graph_ms(fn, device: torch.device) -> tuple[float | None, str | None]:
+    """(ms per call of ``fn`` replayed from a CUDA graph, why the capture failed): (None, None) on the CPU."""
+    if device.type != "cuda":
+        return None, None
+    try:
+        return reporting.kernel_ms(fn, 0, 100, cuda_graph=True), None
+    except Exception as exc:  # a method whose calls cannot be captured (host copies, nested tensors): say why
+        torch.cuda.synchronize()
+        exc = first_error(exc)
+        return None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
 
 
 def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, seed: int, quiet: bool) -> list[dict]:
@@ -245,7 +260,8 @@ def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, se
         else:
             gold.append(tuple(torch.zeros_like(t) for t in leaves))
     gold_packed = [torch.cat([gs[i] for gs in gold]) for i in range(3)]
-    seqs = [tuple(t.to(dtype).requires_grad_() for t in s) for s in base]
+    # fresh leaves: .to() of a tensor already in dtype returns the tensor itself, and base feeds later modes' rows
+    seqs = [tuple(t.to(dtype, copy=True).requires_grad_() for t in s) for s in base]
     leaves = [t for s in seqs for t in s]
     grad = grad.to(dtype)
     rows = []
@@ -279,15 +295,18 @@ def render(rows: list[dict], env: dict, lens: list[int], heads: int, head_dim: i
     for r in rows:
         key = (r["mode"], r["pass"])
         speedup = f"{best[key] / r['total_ms']:.2f}x" if key in best else "-"
-        table.append([r["mode"], r["method"], r["pass"], r["total_ms"], dash(r["kernel_ms"]),
+        graph = r.get("kernel_graph_ms")
+        graph = graph if graph is not None else ("n/a" if r.get("graph_error") else "-")
+        table.append([r["mode"], r["method"], r["pass"], r["total_ms"], dash(r["kernel_ms"]), graph,
                       dash(r["conversion_ms"]), dash(r["peak_mb"]), r["mtokens_per_s"], speedup, f"{r['rel_l2']:.2e}"])
-    header = ["mode", "method", "pass", "total ms", "kernel ms", "conversion ms", "peak MB", "Mtokens/s",
-              "vs best PyTorch", "rel L2 vs float64 (backward: worst of dQ, dK, dV)"]
+    header = ["mode", "method", "pass", "total ms", "kernel ms", "kernel graph ms", "conversion ms", "peak MB",
+              "Mtokens/s", "vs best PyTorch", "rel L2 vs float64 (backward: worst of dQ, dK, dV)"]
     lines = [f"# Ragged batch: {len(lens)} sequences (lengths {','.join(map(str, lens))}; {sum(lens)} tokens), "
              f"H={heads}, D={head_dim}", "",
              "Eager timing (CUDA events around back-to-back calls); conversion = from per-sequence tensors to the "
              "method's input; total = conversion + attention (forward+backward: also the backward from the packed "
-             "output gradient).", "", reporting.markdown_table(table, header),
+             "output gradient); kernel graph = the attention call replayed from a CUDA graph (GPU time without the "
+             "launch path; n/a where it cannot be captured).", "", reporting.markdown_table(table, header),
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
     return "\n".join(lines)
 

@@ -58,6 +58,23 @@ def test_tiny_cpu_backward_run(tmp_path):
     assert json.load(open(out + ".json"))["backward"] is True
 
 
+def test_backward_rows_leave_later_forward_inputs_without_grad(tmp_path, monkeypatch):
+    """The forward rows of a mode that follows a --backward mode time inference inputs: the backward rows' leaves
+    are copies, never the shared inputs turned into leaves (a list input that needs grad takes the packed path)."""
+    seen = []
+    calls = bench_varlen.method_calls
+
+    def record(method, seqs, mode):
+        seen.append((mode, any(t.requires_grad for s in seqs for t in s)))
+        return calls(method, seqs, mode)
+
+    monkeypatch.setattr(bench_varlen, "method_calls", record)
+    bench_varlen.main(["--device", "cpu", "--lengths", "5,9", "--heads", "2", "--head-dim", "8", "--calls", "1",
+                       "--repeats", "1", "--modes", "fp32,tf32", "--methods", "visionattn-list,sdpa-per-seq",
+                       "--out", str(tmp_path / "v"), "--quiet", "--backward"])
+    assert [g for m, g in seen] == [False, False, True, True, False, False, True, True]
+
+
 def test_tiny_cpu_naflex_run(tmp_path):
     """--naflex: the unpatched model and one patched row; the patched logits as the unpatched model's."""
     out = str(tmp_path / "nf")
