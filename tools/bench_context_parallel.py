@@ -20,9 +20,28 @@ every rank (a seeded generator on the device). NVLink multicast is left off (``N
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` unless set already). Rank 0 writes
 ``<out>.md`` and ``<out>.json``.
 
+``--vggt FRAMES`` times the whole model instead: random-weight VGGT-1B (``tools/bench_vggt.py``'s
+``build``, no track head, the same seed and so the same weights on every rank; ``--tiny``: the tiny config)
+on ``torch.rand(frames, 3, H, W)`` images (a seeded generator, the same scene on every rank). Per
+(frames, mode; modes fp32, tf32, bf16, the last under bf16 autocast as ``bench_vggt.py`` runs it):
+
+* **split**: every rank runs ``model(images[start:stop])`` on its contiguous chunk of frames inside
+  :func:`visionattn.models.context_parallel.split_frames` (global attention on the ring); one untimed
+  forward (unless ``--warmup 0``), then ``--repeats`` forwards, each after a barrier, wall clock between
+  synchronisations, the median; the step time is the slowest rank's, the peak memory (CUDA max allocated
+  after the warm-up, weights included; not measured on the CPU) the largest rank's;
+* **single**: rank 0 alone runs the same model on all frames (same warm-up and repeats; out of memory is
+  recorded as OOM) while the other ranks wait;
+
+and reports the speed-up (single / split) and the largest relative L2 error, over ``depth``,
+``world_points`` and ``pose_enc``, of rank 0's frames against the single-process outputs of the same
+frames. Rank 0 also writes ``<out>.png`` (time and peak memory per GPU vs frames, split and single).
+
     torchrun --nproc-per-node 2 tools/bench_context_parallel.py --seq 104100 --mode fp32,bf16 --out out/cp_2gpu
     python tools/bench_context_parallel.py --seq 20820 --out out/cp_1gpu     # one process: a group of one rank
     torchrun --nproc-per-node 2 tools/bench_context_parallel.py --device cpu --seq 64 --heads 2   # gloo
+    torchrun --nproc-per-node 2 tools/bench_context_parallel.py --vggt 200,400 --mode bf16 --out out/cp_vggt_2gpu
+    torchrun --nproc-per-node 2 tools/bench_context_parallel.py --device cpu --tiny --vggt 3,8 --mode fp32  # gloo
 """
 from __future__ import annotations
 
@@ -36,12 +55,14 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _cli import ToolParser, check_device, check_output, default_out, nonnegative_int, positive_int  # noqa: E402
+from bench_vggt import ROWS, build  # noqa: E402
 
 import visionattn  # noqa: E402
 from visionattn import reporting  # noqa: E402
@@ -51,6 +72,8 @@ from visionattn.modes import MODES, mode_names  # noqa: E402
 
 TOKENS_PER_FRAME = 1041  # VGGT at 518x392: 37 x 28 patches + camera + 4 registers
 NVLS_VARIABLES = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+VGGT_MODES = ("fp32", "tf32", "bf16")  # --vggt: bench_vggt.py's rows of these names (bf16: under bf16 autocast)
+VGGT_KEYS = ("depth", "world_points", "pose_enc")  # the outputs compared with the single-process model
 
 parser = ToolParser(prog="bench_context_parallel.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
@@ -66,26 +89,38 @@ parser.add_argument("--head-dim", type=positive_int, default=64, help="head dim 
 parser.add_argument("--calls", type=positive_int, default=5,
                     help="back-to-back calls per timing window (default: %(default)s)")
 parser.add_argument("--repeats", type=positive_int, default=3,
-                    help="timing windows; the median is reported (default: %(default)s)")
+                    help="timing windows (--vggt: timed forwards); the median is reported (default: %(default)s)")
 parser.add_argument("--warmup", type=nonnegative_int, default=2,
-                    help="untimed calls before timing (default: %(default)s)")
+                    help="untimed calls before timing (--vggt: one untimed forward unless 0) (default: %(default)s)")
 parser.add_argument("--no-single", action="store_true",
                     help="skip the single-GPU baseline (and the error check) on rank 0")
-parser.add_argument("--seed", type=int, default=0, help="seed of the N(0, 1) inputs (default: %(default)s)")
+parser.add_argument("--seed", type=int, default=0,
+                    help="seed of the N(0, 1) inputs (--vggt: of the weights and images) (default: %(default)s)")
 parser.add_argument("--device", default="cuda",
                     help="cuda (NCCL, one GPU per rank: LOCAL_RANK) or cpu (gloo, wall clock) (default: cuda)")
 parser.add_argument("--out", default=default_out("context_parallel_bench"),
-                    help="output prefix: rank 0 writes <out>.md and <out>.json (default: %(default)s)")
+                    help="output prefix: rank 0 writes <out>.md and <out>.json (--vggt: and <out>.png) "
+                         "(default: %(default)s)")
 parser.add_argument("--quiet", action="store_true", help="do not print the table")
+parser.add_argument("--vggt", metavar="FRAMES", default=None,
+                    help="comma-separated frame counts, each >= the number of ranks: time the whole random-weight "
+                         "VGGT-1B with the frames split across the ranks (split_frames) against one GPU, instead of "
+                         f"the attention alone; --mode a subset of {','.join(VGGT_MODES)}")
+parser.add_argument("--tiny", action="store_true",
+                    help="--vggt: the tiny config (vggt_tiny_config), 56x70 images by default: a quick CPU check")
+parser.add_argument("--height", type=positive_int, default=392,
+                    help="--vggt: image height, a multiple of 14 (default: %(default)s)")
+parser.add_argument("--width", type=positive_int, default=518,
+                    help="--vggt: image width, a multiple of 14 (default: %(default)s)")
 
 
-def _lengths(text: str) -> list[int]:
+def _lengths(text: str, flag: str = "--seq") -> list[int]:
     try:
         lens = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        parser.error(f"--seq {text!r}: expected comma-separated integers")
+        parser.error(f"{flag} {text!r}: expected comma-separated integers")
     if not lens or min(lens) < 1:
-        parser.error(f"--seq {text!r}: expected integers >= 1")
+        parser.error(f"{flag} {text!r}: expected integers >= 1")
     return lens
 
 
@@ -158,7 +193,7 @@ def bench(seqs: list[int], modes: list[str], args, device: torch.device, rank: i
                 dist.barrier()
             per_rank = [None] * world
             dist.all_gather_object(per_rank, dict(ring_ms=ring_ms, peak_mb=ring_peak, tokens=e - s))
-            del out, mine
+            out = mine = None  # freed (not del: ring() closes over mine)
             ring_max = max(p["ring_ms"] for p in per_rank)
             row = dict(seq=n, frames=n / TOKENS_PER_FRAME, mode=mode, world_size=world,
                        shard_tokens=[p["tokens"] for p in per_rank], ring_ms=ring_max,
@@ -195,10 +230,159 @@ def render(rows: list[dict], env: dict, args) -> str:
     return "\n".join(lines)
 
 
+def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.device, rank: int,
+              world: int) -> list[dict]:
+    """One row per (frames, mode) of ``--vggt`` on every rank (module docstring): the split forward's median
+    time and peak memory on every rank (gathered), rank 0's single-process forward of all frames and the
+    largest relative L2 error over :data:`VGGT_KEYS` of rank 0's frames against it."""
+    from visionattn.models.context_parallel import split_frames
+    from visionattn.models.vggt import autocast
+
+    model = build("vggt", args.seed, device, args.tiny)
+    cuda = device.type == "cuda"
+
+    def images(n: int) -> torch.Tensor:  # the same scene on every rank
+        g = torch.Generator(device=device).manual_seed(args.seed + n)
+        return torch.rand(n, 3, args.height, args.width, generator=g, device=device)
+
+    def forwards(x: torch.Tensor, dtype, keep: slice, barrier: bool):
+        """(median seconds of ``--repeats`` timed forwards, peak GB after the warm-up or None on the CPU,
+        the last forward's VGGT_KEYS outputs of frames ``keep`` on the CPU)."""
+        with torch.no_grad(), autocast(device.type, dtype):
+            if args.warmup:
+                model(x)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(args.repeats):
+                out = None  # the last outputs are freed before the next forward
+                if barrier:
+                    dist.barrier()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                out = model(x)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None
+        return sorted(times)[len(times) // 2], peak, {k: out[k][:, keep].float().cpu() for k in VGGT_KEYS}
+
+    rows = []
+    for n in frame_counts:
+        start, stop = shard_bounds(n, world, rank)
+        for mode in modes:
+            attn_mode, dtype = ROWS[mode][:2]
+            model.set_attn_mode(attn_mode)
+            mine = images(n)[start:stop].clone()
+            with split_frames(model):
+                keep = slice(None if rank == 0 and not args.no_single else 0)  # only rank 0's frames are compared
+                split_s, split_peak, split_out = forwards(mine, dtype, keep, barrier=True)
+            del mine
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, dict(s=split_s, peak_gb=split_peak, frames=stop - start))
+            single_s = single_peak = err = None
+            if rank == 0 and not args.no_single:
+                try:
+                    single_s, single_peak, single_out = forwards(images(n), dtype, slice(start, stop), barrier=False)
+                    err = max(rel_l2(split_out[k], single_out[k]) for k in VGGT_KEYS)
+                except torch.cuda.OutOfMemoryError:
+                    single_s = single_peak = "OOM"
+                if cuda:
+                    torch.cuda.empty_cache()
+            dist.barrier()
+            split_max = max(p["s"] for p in per_rank)
+            row = dict(frames=n, mode=mode, world_size=world, frames_per_rank=[p["frames"] for p in per_rank],
+                       split_s=split_max, split_s_per_rank=[p["s"] for p in per_rank],
+                       split_peak_gb=None if split_peak is None else max(p["peak_gb"] for p in per_rank),
+                       single_s=single_s, single_peak_gb=single_peak,
+                       speedup=single_s / split_max if isinstance(single_s, float) else None, rel_l2_rank0=err)
+            rows.append(row)
+            if rank == 0 and not args.quiet:
+                extra = "" if single_s is None else " single OOM" if single_s == "OOM" else \
+                    f"  single {single_s:.3f} s  x{single_s / split_max:.2f}  rel L2 {err:.2e}"
+                print(f"frames={n:5d} {mode:5s} split {split_max:.3f} s (ranks {world}){extra}", flush=True)
+    return rows
+
+
+def render_vggt(result: dict, args) -> str:
+    """The markdown report of ``--vggt``: one row per (frames, mode)."""
+    def opt(x, fmt="{:.4g}"):
+        return "-" if x is None else x if isinstance(x, str) else fmt.format(x)
+
+    rows, env = result["rows"], result["environment"]
+    table = [[r["frames"], r["mode"], r["world_size"], "+".join(map(str, r["frames_per_rank"])), r["split_s"],
+              " / ".join(f"{t:.4g}" for t in r["split_s_per_rank"]), opt(r["split_peak_gb"], "{:.2f}"),
+              opt(r["single_s"]), opt(r["single_peak_gb"], "{:.2f}"), opt(r["speedup"], "{:.2f}x"),
+              opt(r["rel_l2_rank0"], "{:.2e}")] for r in rows]
+    header = ["frames", "mode", "ranks", "frames / rank", "split s (slowest rank)", "split s per rank",
+              "split peak GB / GPU", "single-GPU s", "single peak GB", "speed-up", "rel L2 rank 0 vs single"]
+    lines = [f"# VGGT with its frames split across {result['world_size']} ranks vs one GPU: "
+             f"{result['height']}x{result['width']} images", "",
+             "Random-weight " + ("tiny VGGT (vggt_tiny_config; a check of the tool, not a result)" if result["tiny"]
+                                 else "VGGT-1B") + " with camera, depth and point heads; bf16 runs under bf16 "
+             "autocast. split = every rank runs its contiguous chunk of frames inside "
+             "models.context_parallel.split_frames (global attention on the ring), the slowest rank's time; "
+             "single = the same model on all frames on rank 0's GPU alone. Time: median of the timed forwards "
+             "(wall clock between synchronisations) after "
+             f"{'one untimed forward' if args.warmup else 'no warm-up'}; peak: CUDA max allocated after the warm-up, "
+             "weights included (the largest rank's for split). rel L2: the largest over depth, world_points and "
+             "pose_enc of rank 0's frames. Ideal speed-up = the number of ranks.", "",
+             reporting.markdown_table(table, header),
+             "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
+    return "\n".join(lines)
+
+
+def plot_vggt(result: dict, path: str) -> None:
+    """PNG of ``--vggt``: time and peak memory per GPU vs frames, split (solid) and single (dashed) per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
+        rows = sorted((r for r in result["rows"] if r["mode"] == mode), key=lambda r: r["frames"])
+        for ax, key in ((ax_t, "s"), (ax_m, "peak_gb")):
+            for run, style in (("split", "-"), ("single", "--")):
+                pts = [(r["frames"], r[f"{run}_{key}"]) for r in rows if isinstance(r[f"{run}_{key}"], float)]
+                if pts:
+                    label = f"{mode} {run}" + (f" ({result['world_size']} ranks)" if run == "split" else "")
+                    ax.plot(*zip(*pts), style, marker="o", label=label)
+    for ax, name in ((ax_t, "time per forward (s)"), (ax_m, "peak memory per GPU (GB)")):
+        ax.set_xlabel("frames")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not measured (CPU)", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"VGGT, frames split across {result['world_size']} ranks vs one GPU, "
+                 f"{result['height']}x{result['width']}, {result['environment'].get('device')}")
+    fig.tight_layout()
+    reporting.save_figure_atomic(fig, path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     seqs = _lengths(args.seq)
     modes = _modes(args.mode)
+    frame_counts = None
+    if args.vggt is not None:
+        frame_counts = _lengths(args.vggt, "--vggt")
+        bad = [m for m in modes if m not in VGGT_MODES]
+        if bad:
+            parser.error(f"--mode {args.mode!r}: --vggt runs the modes {','.join(VGGT_MODES)}, not {','.join(bad)}")
+        world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
+        if min(frame_counts) < world:
+            parser.error(f"--vggt {args.vggt!r}: every frame count must be >= the number of ranks ({world}): "
+                         f"each rank runs at least one frame")
+        if args.tiny:  # the tiny config's own image size where --height / --width are not given
+            args.height = 56 if args.height == parser.get_default("height") else args.height
+            args.width = 70 if args.width == parser.get_default("width") else args.width
+        if args.height % 14 or args.width % 14:
+            parser.error(f"--height {args.height} / --width {args.width}: must be multiples of 14 (the patch size)")
     device = check_device(parser, args.device)
     out = check_output(parser, args.out)
     rank, world, store = _init(device)
@@ -209,13 +393,20 @@ def main(argv: list[str] | None = None) -> dict:
                                      **{k: os.environ.get(k) for k in NVLS_VARIABLES}})
         if rank == 0 and not args.quiet:
             print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
-        rows = bench(seqs, modes, args, device, rank, world)
-        result = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, world_size=world, rows=rows,
-                      environment=env)
+        if frame_counts is None:
+            rows = bench(seqs, modes, args, device, rank, world)
+            result = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, world_size=world, rows=rows,
+                          environment=env)
+        else:
+            rows = vggt_rows(frame_counts, modes, args, device, rank, world)
+            result = dict(model="vggt", tiny=args.tiny, height=args.height, width=args.width, world_size=world,
+                          rows=rows, environment=env)
         if rank == 0:
-            text = render(rows, env, args)
+            text = render(rows, env, args) if frame_counts is None else render_vggt(result, args)
             reporting.write_text_atomic(out + ".md", text)
             reporting.write_json_atomic(out + ".json", result)
+            if frame_counts is not None:
+                plot_vggt(result, out + ".png")
             if not args.quiet:
                 print(text)
         dist.barrier()
