@@ -5,8 +5,9 @@ For every shape of the config and every visionattn mode, in one process on the s
 inputs, two timings side by side: **eager** (CUDA events around back-to-back calls of the public
 function, ``visionattn.attention`` / ``F.scaled_dot_product_attention``: the Python launch path
 counts, as in an eager model) and **graph** (replays of a CUDA graph of the same calls:
-GPU time alone; ``--cuda-graph`` keeps only this one; n/a, with the reason in the JSON's ``graph_error``, where the
-calls cannot be captured); TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
+GPU time alone; n/a, with the reason in the JSON's ``graph_error``, where the calls cannot be captured),
+timed in alternating windows so that both see the same GPU state (``--cuda-graph`` keeps only the graph,
+``triton.testing.do_bench_cudagraph``); TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
 (``torch.cuda.max_memory_allocated`` above the inputs) and the relative L2 error
 against the float64 oracle on a random subsample of query rows. Baselines per input
 dtype: SDPA MATH (TF32 off), EFFICIENT_ATTENTION, FLASH_ATTENTION, CUDNN_ATTENTION
@@ -54,7 +55,7 @@ from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
-from visionattn.reporting import (environment, eager_ms, host_us, kernel_ms, markdown_table,  # noqa: E402
+from visionattn.reporting import (eager_graph_ms, environment, eager_ms, host_us, kernel_ms, markdown_table,  # noqa: E402
                                   save_figure_atomic, write_json_atomic, write_text_atomic)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -162,10 +163,10 @@ def _fwd_bwd_runner(name, do):
 
 
 def _measure(fn, q, k, v, rep, graph_only=False):
-    """(timings, peak extra MiB, output) of ``fn(q, k, v)``: ``{"eager": ms, "graph": ms}`` (eager left out with
-    ``graph_only``). The two calls here compile and fill the launch caches before the graph timing warms up on a side
-    stream and captures. Raises if the backend refuses; where only the capture fails (and eager is timed),
-    ``{"eager": ms, "graph_error": why}``."""
+    """(timings, peak extra MiB, output) of ``fn(q, k, v)``: ``{"eager": ms, "graph": ms}``, timed in alternating
+    eager and graph windows (:func:`visionattn.reporting.eager_graph_ms`); with ``graph_only`` the graph alone
+    (``triton.testing.do_bench_cudagraph``). The two calls here compile and fill the launch caches first. Raises if
+    the backend refuses; where only the capture fails (and eager is timed), ``{"eager": ms, "graph_error": why}``."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -177,16 +178,15 @@ def _measure(fn, q, k, v, rep, graph_only=False):
     out = fn(q, k, v)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    try:
-        timings = {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}
-    except Exception as exc:  # a launch path that cannot be captured: the eager timing still stands
-        if graph_only:
-            raise
-        timings = {"graph_error": _first_error(exc)}
-        torch.cuda.synchronize()
-    if not graph_only:
-        one = max(timings.get("graph") or eager_ms(lambda: fn(q, k, v), calls=3, warmup=1, repeats=1), 0.005)
-        timings["eager"] = eager_ms(lambda: fn(q, k, v), calls=int(min(200, max(10, rep / one))))
+    if graph_only:
+        return {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}, peak, out
+    one = max(eager_ms(lambda: fn(q, k, v), calls=3, warmup=1, repeats=1), 0.005)
+    eager, graph, error = eager_graph_ms(lambda: (lambda: fn(q, k, v)), calls=int(min(200, max(10, rep / one))))
+    timings = {"eager": eager}
+    if graph is not None:
+        timings["graph"] = graph
+    else:
+        timings["graph_error"] = _first_error(error)
     return timings, peak, out
 
 
@@ -294,7 +294,8 @@ def grad_errors(grads, ref: dict, rows) -> dict:
 
 # --------------------------------------------------------------------------- sweep
 
-GRAPH_TIMING = ("graph: CUDA-graph replays of the same calls (`triton.testing.do_bench_cudagraph`, median) -- graph ms "
+GRAPH_TIMING = ("graph: replays of a CUDA graph of the same calls, each replay timed right after an eager window "
+                "(visionattn.reporting.eager_graph_ms: both readings see the same GPU state; median of 5) -- graph ms "
                 "column, n/a where the calls cannot be captured (graph_error in the JSON)")
 
 

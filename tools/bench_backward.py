@@ -5,12 +5,13 @@ For each shape and mode, on the same inputs in one process: visionattn's determi
 (:func:`visionattn.kernels.elsa_bwd.elsa_backward`, from a saved ``out`` and ``lse``) and SDPA's backward
 (``torch.autograd.grad`` of an SDPA output under ``sdpa_kernel``: EFFICIENT_ATTENTION, and for fp16 / bf16 also
 FLASH_ATTENTION and CUDNN_ATTENTION; SDPA's FP32 baseline for the ``fp32`` / ``fp32-ieee`` / ``tf32`` rows is
-EFFICIENT_ATTENTION on FP32 inputs). Two timings of the same callable side by side: eager (CUDA events around
-``--calls`` back-to-back calls, the Python launch path counts; median of ``--repeats`` windows: the ms and TFLOP/s
-columns) and graph (``--calls`` back-to-back calls captured in one CUDA graph, after warm-up calls on the capture
-stream; median of ``--repeats`` replays: GPU time without the launch path, the graph ms column; ``--no-graph`` skips
-it, a row whose calls cannot be captured shows n/a and the reason in the JSON's ``graph_error``; the eager / graph
-column is their ratio). TFLOP/s count the backward as 2.5 forwards: 10 * B * H * N^2 * D (five N x N x D matmuls).
+EFFICIENT_ATTENTION on FP32 inputs). Two timings of the same callable side by side, in alternating windows so that
+both see the same GPU state (:func:`visionattn.reporting.eager_graph_ms`): eager (CUDA events around ``--calls``
+back-to-back calls, the Python launch path counts; median of ``--repeats`` windows: the ms and TFLOP/s columns) and
+graph (``--calls`` back-to-back calls captured in one CUDA graph, after warm-up calls on the capture stream; median
+of ``--repeats`` replays: GPU time without the launch path, the graph ms column; ``--no-graph`` skips it, a row
+whose calls cannot be captured shows n/a and the reason in the JSON's ``graph_error``; the eager / graph column is
+their ratio). TFLOP/s count the backward as 2.5 forwards: 10 * B * H * N^2 * D (five N x N x D matmuls).
 Window shapes (``swin-b-s1`` .. ``swin-b-s4``: Swin-B at 224 px, batch 64, one
 shape per stage, 49-token windows; ``swinv2-b-s1``: Swin-v2-B's first stage, 64-token windows) time
 :func:`visionattn.kernels.window_bwd.window_backward` with the relative position bias [H, N, N] and its
@@ -42,6 +43,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _cli import (ToolParser, check_device, check_output, default_out, failure_text, first_error,  # noqa: E402
                   positive_int)
+
+from visionattn.reporting import eager_graph_ms  # noqa: E402
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
@@ -175,48 +178,14 @@ def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kern
                                  bias_splits=splits, config=config, products=products)
 
 
-def graph_ms(make, calls: int, repeats: int, warmup: int = 3) -> float:
-    """Milliseconds per call of CUDA-graph replays of ``fn = make()``: ``fn`` is built and called ``warmup`` times on a
-    side stream (compiles and caches settle outside the capture), then ``calls`` back-to-back ``fn()`` are captured in
-    one graph on that stream (the graph's own memory pool, freed on return) and each of ``repeats`` replays is timed
-    with CUDA events after an untimed one; the median, divided by ``calls``. ``make`` runs on the capture stream:
-    autograd runs each backward op on the stream of its forward, and an SDPA forward recorded on the default stream
-    can make the capture fail (a dependency of the legacy stream on the capturing one). Raises if the calls cannot be
-    captured."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn = make()
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-        times = []
-        for _ in range(repeats + 1):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
-    finally:
-        del graph, fn
-        torch.cuda.empty_cache()
-    return float(sorted(times[1:])[repeats // 2])
-
-
-def _graph_timing(make, device, args) -> tuple[float | None, str | None]:
-    """(graph ms, why it failed) of :func:`graph_ms`; (None, None) on the CPU or with ``--no-graph``."""
+def _timings(make, timer, device, args) -> tuple[float, float | None, str | None]:
+    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA in alternating eager and
+    graph windows (:func:`visionattn.reporting.eager_graph_ms`, ``make`` run on its capture stream: autograd runs
+    each backward op on the stream of its forward); on the CPU or with ``--no-graph`` ``timer`` alone."""
     if device.type != "cuda" or args.no_graph:
-        return None, None
-    try:
-        return graph_ms(make, args.calls, args.repeats), None
-    except Exception as exc:  # a backend or launch path that cannot be captured: the row says why
-        return None, failure_text(first_error(exc), device)
+        return timer(make()), None, None
+    eager, graph, error = eager_graph_ms(make, args.calls, args.repeats)
+    return eager, graph, None if error is None else failure_text(first_error(error), device)
 
 
 def main(args) -> dict:
@@ -247,8 +216,9 @@ def main(args) -> dict:
                 ours = _ours(*inputs, splits, kernel, **kw)
                 ours()  # compile
                 name = "visionattn" + ("" if kernel is None else f"-{kernel}") + suffix
-                cells[name] = {"ms": timer(ours), "mb": peak_extra_mb(ours, device), "splits": splits}
-                cells[name]["graph_ms"], cells[name]["graph_error"] = _graph_timing(lambda: ours, device, args)
+                ms, graph, why = _timings(lambda: ours, timer, device, args)
+                cells[name] = {"ms": ms, "mb": peak_extra_mb(ours, device), "splits": splits, "graph_ms": graph,
+                               "graph_error": why}
 
             # window shapes: both window kernel paths where the fused one applies (the dense kernel: one path)
             kernels = [None] if not windows else ["fused", "split"] if N <= FUSED_MAX_TOKENS else ["split"]
@@ -268,13 +238,14 @@ def main(args) -> dict:
                     try:
                         fn = _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend)
                         fn()
-                        cells[name] = {"ms": timer(fn), "mb": peak_extra_mb(fn, device)}
+                        mb = peak_extra_mb(fn, device)
                     except RuntimeError as exc:  # backend not available for this dtype / bias
                         cells[name] = {"error": str(exc).splitlines()[0][:120]}
                         continue
-                    del fn  # the graph timing builds its own forward on the capture stream
-                    cells[name]["graph_ms"], cells[name]["graph_error"] = _graph_timing(
-                        functools.partial(_sdpa_backward, q, k, v, do, bias, shift_full, scale, backend), device, args)
+                    del fn  # the timing builds its own forward on the capture stream
+                    ms, graph, why = _timings(functools.partial(_sdpa_backward, q, k, v, do, bias, shift_full, scale,
+                                                                backend), timer, device, args)
+                    cells[name] = {"ms": ms, "mb": mb, "graph_ms": graph, "graph_error": why}
             ref = cells.get("sdpa-efficient", {}).get("ms")
             for name, cell in cells.items():
                 ms, graph = cell.get("ms"), cell.get("graph_ms")

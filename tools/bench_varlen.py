@@ -10,9 +10,10 @@ the Python launch path counts):
   offsets, padding and a key mask, a jagged nested tensor; nothing for per-sequence calls);
 * **kernel**: the attention call alone on converted inputs;
 * **total**: conversion and attention together, one call after another, as a model runs them;
-* **kernel graph**: the attention call alone replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``):
-  its GPU time without the Python launch path, beside the eager kernel column (n/a, with the reason in the JSON's
-  ``graph_error``, where the call cannot be captured; empty on the CPU).
+* **kernel graph**: the attention call alone replayed from a CUDA graph: its GPU time without the Python launch
+  path, timed in windows alternating with the eager kernel column's (:func:`visionattn.reporting.eager_graph_ms`,
+  so both see the same GPU state; n/a, with the reason in the JSON's ``graph_error``, where the call cannot be
+  captured; empty on the CPU).
 
 Methods: ``visionattn-list`` (:func:`visionattn.varlen_attention` on the list of per-sequence tensors, read
 where they lie: no conversion, the row-offset table it sends to the GPU is part of the call), ``visionattn``
@@ -181,9 +182,10 @@ def method_calls(method: str, seqs: list[tuple[torch.Tensor, torch.Tensor, torch
         return convert, attend, lambda out: torch.cat([out[b, :, :n].transpose(0, 1) for b, n in enumerate(lens)])
     if method == "sdpa-per-seq":
         def attend(x):
-            return [F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-                    for q, k, v in x]
-        return (lambda: seqs), attend, lambda out: torch.cat([o.transpose(0, 1) for o in out])
+            # [1, H, n, D] views: with 3-D [H, n, D] inputs SDPA takes its math path, not a fused kernel
+            return [F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                   v.transpose(0, 1)[None]) for q, k, v in x]
+        return (lambda: seqs), attend, lambda out: torch.cat([o[0].transpose(0, 1) for o in out])
     raise ValueError(f"method={method!r}; expected one of {METHODS}")
 
 
@@ -212,8 +214,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             out = to_packed(attend(x))
             err = rel_l2(out.double(), oracle)
             conv_ms = timer(convert)
-            kern_ms = timer(functools.partial(attend, x))
-            graph_ms, graph_error = _graph_ms(functools.partial(attend, x), device)
+            kern_ms, graph_ms, graph_error = _kernel_ms(functools.partial(attend, x), timer, device, calls, repeats)
             total_ms = timer(lambda: attend(convert()))
             del x
             peak = reporting.peak_extra_mb(lambda: attend(convert()), device)
@@ -230,16 +231,16 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
     return rows
 
 
-def _graph_ms(fn, device: torch.device) -> tuple[float | None, str | None]:
-    """(ms per call of ``fn`` replayed from a CUDA graph, why the capture failed): (None, None) on the CPU."""
+def _kernel_ms(fn, timer, device: torch.device, calls: int, repeats: int) -> tuple[float, float | None, str | None]:
+    """(eager ms, ms replayed from a CUDA graph, why the capture failed) per call of ``fn``: on CUDA in alternating
+    windows (:func:`visionattn.reporting.eager_graph_ms`), on the CPU ``timer`` alone (no graph)."""
     if device.type != "cuda":
-        return None, None
-    try:
-        return reporting.kernel_ms(fn, 0, 100, cuda_graph=True), None
-    except Exception as exc:  # a method whose calls cannot be captured (host copies, nested tensors): say why
-        torch.cuda.synchronize()
-        exc = first_error(exc)
-        return None, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+        return timer(fn), None, None
+    eager, graph, error = reporting.eager_graph_ms(lambda: fn, calls, repeats)
+    if error is None:
+        return eager, graph, None
+    error = first_error(error)  # a method whose calls cannot be captured (host copies, nested tensors): say why
+    return eager, None, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
 
 
 def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, seed: int, quiet: bool) -> list[dict]:

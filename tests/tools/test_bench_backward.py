@@ -54,50 +54,55 @@ def _table(md):
 
 
 def test_graph_columns_numbers_and_na(tmp_path, monkeypatch):
-    """The graph ms / eager / graph cells and JSON keys from the graph timer's answers: a time (ratio = eager over
-    it) for one row, n/a with graph_error for a row whose capture failed; the eager columns stay."""
+    """The graph ms / eager / graph cells and JSON keys from the timer's answers: a time (ratio = eager over it)
+    for one row, n/a with graph_error for a row whose capture failed; the eager columns stay."""
     monkeypatch.setitem(tool.SHAPES, "tiny-dense", (2, 2, 24, 8, True, 0))
-    answers = iter([(0.25, None), (None, "RuntimeError: not capturable")])
+    answers = iter([(0.5, 0.25, None), (0.75, None, "RuntimeError: not capturable")])
 
-    def graph_timing(make, device, args):
+    def timings(make, timer, device, args):
         assert callable(make()) and device.type == "cpu"
         return next(answers)
 
-    monkeypatch.setattr(tool, "_graph_timing", graph_timing)
+    monkeypatch.setattr(tool, "_timings", timings)
     out = tmp_path / "bwd"
     rows = tool.main(tool.build_parser().parse_args([
         "--device", "cpu", "--shapes", "tiny-dense", "--modes", "fp32", "--bias-splits", "1", "--calls", "1",
         "--repeats", "1", "--no-sdpa", "--out", str(out)]))["rows"]
     assert [r["kernel"] for r in rows] == ["visionattn", "visionattn splits=1"]
-    assert all(r["ms"] > 0 and r["error"] is None for r in rows)
+    assert [r["ms"] for r in rows] == [0.5, 0.75] and all(r["error"] is None for r in rows)
     assert [(r["graph_ms"], r["eager_over_graph"], r["graph_error"]) for r in rows] == [
-        (0.25, rows[0]["ms"] / 0.25, None), (None, None, "RuntimeError: not capturable")]
+        (0.25, 2.0, None), (None, None, "RuntimeError: not capturable")]
     assert json.load(open(str(out) + ".json"))["rows"] == rows
     table = _table(open(str(out) + ".md").read())
-    assert [(r["graph ms"], r["eager / graph"]) for r in table] == [
-        ("0.25", f"{rows[0]['ms'] / 0.25:.2f}"), ("n/a", "n/a")]
+    assert [(r["graph ms"], r["eager / graph"]) for r in table] == [("0.25", "2.00"), ("n/a", "n/a")]
 
 
-def test_graph_timing_off_and_failures(monkeypatch):
-    """No graph on the CPU or with --no-graph; a capture that fails gives (None, the first error of its chain)."""
+def test_timings_off_and_failures(monkeypatch):
+    """On the CPU or with --no-graph the eager timer alone; on CUDA the paired timer's eager and graph readings,
+    and a capture that fails gives (eager, None, the first error of its chain)."""
     def must_not_run(*a):
-        raise AssertionError("graph_ms called")
+        raise AssertionError("eager_graph_ms called")
 
-    def fails(make, calls, repeats):
+    def chained():
         try:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
         except RuntimeError:
-            raise RuntimeError("capture invalidated")
+            try:
+                raise RuntimeError("capture invalidated")
+            except RuntimeError as exc:
+                return exc
 
+    timer = lambda fn: 1.5  # noqa: E731
     on = argparse.Namespace(no_graph=False, calls=2, repeats=3)
-    monkeypatch.setattr(tool, "graph_ms", must_not_run)
-    assert tool._graph_timing(lambda: None, torch.device("cpu"), on) == (None, None)
-    assert tool._graph_timing(lambda: None, torch.device("cuda"), argparse.Namespace(no_graph=True)) == (None, None)
-    monkeypatch.setattr(tool, "graph_ms", fails)
-    assert tool._graph_timing(lambda: None, torch.device("cuda"), on) == (
-        None, "RuntimeError: CUDA error: operation not permitted when stream is capturing")
-    monkeypatch.setattr(tool, "graph_ms", lambda make, calls, repeats: calls * repeats * 1.0)
-    assert tool._graph_timing(lambda: None, torch.device("cuda"), on) == (6.0, None)
+    monkeypatch.setattr(tool, "eager_graph_ms", must_not_run)
+    assert tool._timings(lambda: None, timer, torch.device("cpu"), on) == (1.5, None, None)
+    assert tool._timings(lambda: None, timer, torch.device("cuda"), argparse.Namespace(no_graph=True)) == (
+        1.5, None, None)
+    monkeypatch.setattr(tool, "eager_graph_ms", lambda make, calls, repeats: (2.0, None, chained()))
+    assert tool._timings(lambda: None, timer, torch.device("cuda"), on) == (
+        2.0, None, "RuntimeError: CUDA error: operation not permitted when stream is capturing")
+    monkeypatch.setattr(tool, "eager_graph_ms", lambda make, calls, repeats: (2.0, calls * repeats * 1.0, None))
+    assert tool._timings(lambda: None, timer, torch.device("cuda"), on) == (2.0, 6.0, None)
     assert tool.build_parser().parse_args(["--no-graph"]).no_graph
 
 
