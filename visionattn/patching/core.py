@@ -38,11 +38,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+import torch
 from torch import nn
 
 from ..modes import get_mode
 
-__all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "registered_patches", "check_options"]
+__all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "registered_patches", "check_options",
+           "inference_cached", "clear_inference_caches"]
 
 #: ``(module providing PATCHES: tuple[PatchSpec, ...], the library it patches)``; imported on first
 #: use so that ``import visionattn`` does not import timm. Without that library installed no model
@@ -345,6 +347,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
                 module.__class__ = spec.original
                 for attr in ("visionattn_mode", "visionattn_options"):
                     module.__dict__.pop(attr, None)
+                _drop_inference_caches(module)
             elif _is_native(module) and "_visionattn_prev_mode" in module.__dict__:
                 module.visionattn_mode = module.__dict__.pop("_visionattn_prev_mode")
     model.__dict__.pop("visionattn_report", None)
@@ -360,6 +363,50 @@ def attention_kwargs(module: nn.Module) -> dict:
     if opts["num_splits"] is not None:
         kw["num_splits"] = opts["num_splits"]
     return kw
+
+
+_CACHE_PREFIX = "_visionattn_cached_"  # attributes of inference_cached values on a module
+
+
+def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Callable):
+    """``compute()``, kept on ``module`` and reused while its ``sources`` (the parameters and buffers it reads)
+    stay the same, in inference only: with gradients enabled or ``module.training`` it runs every call (autograd
+    needs the graph). Used for what a patched module derives from its parameters alone (Swin's gathered relative
+    position bias, Swin-v2's continuous position bias MLP): bit-identical to recomputing it, and one forward of a
+    Swin-v2-B runs 24 of those small MLPs whose launches are host time. A source counts as changed when its
+    address, dtype, device or version counter does (in-place updates, ``load_state_dict``, ``.to()``); edits
+    through ``tensor.data`` bypass the version counter, so after those call :func:`clear_inference_caches`. The
+    value is kept per inference-mode state (a tensor made under ``torch.inference_mode`` stays there).
+
+    Args:
+        module: the patched module (the value lives in its ``__dict__``, not in its state dict).
+        name: what is cached, unique within the module.
+        sources: the tensors ``compute`` reads.
+        compute: ``() -> torch.Tensor``.
+    """
+    if torch.is_grad_enabled() or module.training:
+        return compute()
+    key = (torch.is_inference_mode_enabled(), *[(t.data_ptr(), t._version, t.dtype, t.device) for t in sources])
+    attr = _CACHE_PREFIX + name
+    kept = module.__dict__.get(attr)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    value = compute()
+    module.__dict__[attr] = (key, value)
+    return value
+
+
+def _drop_inference_caches(module: nn.Module) -> None:
+    for attr in [a for a in module.__dict__ if a.startswith(_CACHE_PREFIX)]:
+        del module.__dict__[attr]
+
+
+def clear_inference_caches(model: nn.Module) -> nn.Module:
+    """Drop every value :func:`inference_cached` keeps in ``model``'s modules (recomputed on the next inference
+    forward): after editing parameters through ``tensor.data``, or to free their memory. Returns ``model``."""
+    for module in model.modules():
+        _drop_inference_caches(module)
+    return model
 
 
 def dropout_fallback(module: nn.Module) -> bool:

@@ -38,7 +38,7 @@ from timm.models import swin_transformer as _swin
 from timm.models import swin_transformer_v2 as _swinv2
 
 from ..api import attention
-from .core import PatchSpec, attention_kwargs, dropout_fallback
+from .core import PatchSpec, attention_kwargs, dropout_fallback, inference_cached
 from .naflex import key_padding_attention, key_padding_of
 
 __all__ = ["PATCHES", "VisionattnAttention", "VisionattnAttentionRope", "VisionattnEvaAttention",
@@ -235,7 +235,9 @@ class VisionattnSwinWindowAttention(_swin.WindowAttention):
     """Swin window attention running :func:`visionattn.window_attention`.
 
     ``forward(x [B*nW, N, C], mask [nW, N, N] additive or None) -> [B*nW, N, C]``; the
-    relative position bias [H, N, N] and the shift mask go to the kernel separately.
+    relative position bias [H, N, N] and the shift mask go to the kernel separately; the bias,
+    gathered from its table every forward in training or with gradients, is gathered once per
+    parameter state in inference (:func:`visionattn.patching.core.inference_cached`).
     """
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -243,7 +245,9 @@ class VisionattnSwinWindowAttention(_swin.WindowAttention):
             return super().forward(x, mask=mask)
         B_, N, _ = x.shape
         q, k, v = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        rel_bias = self._get_rel_pos_bias().reshape(self.num_heads, N, N)
+        rel_bias = inference_cached(self, "rel_pos_bias", (self.relative_position_bias_table,
+                                                          self.relative_position_index),
+                                    lambda: self._get_rel_pos_bias().reshape(self.num_heads, N, N))
         x = _cores["window"](q, k, v, relative_position_bias=rel_bias, shift_mask=mask,
                              num_windows=1 if mask is None else mask.shape[0], scale=self.scale,
                              **_window_kwargs(self))
@@ -258,8 +262,9 @@ class VisionattnSwinV2WindowAttention(_swinv2.WindowAttention):
 
     ``forward(x [B*nW, N, C], mask [nW, N, N] or None) -> [B*nW, N, C]``. The kernel
     normalizes q and k, applies ``exp(min(logit_scale, log 100))`` per head and adds the
-    continuous position bias ``16 * sigmoid(cpb_mlp(...))`` [H, N, N], computed here
-    once per forward as timm does.
+    continuous position bias ``16 * sigmoid(cpb_mlp(...))`` [H, N, N], computed here as timm
+    does: every forward in training or with gradients, once per parameter state in inference
+    (:func:`visionattn.patching.core.inference_cached`).
     """
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -269,20 +274,27 @@ class VisionattnSwinV2WindowAttention(_swinv2.WindowAttention):
         if self.q_bias is None:
             qkv = self.qkv(x)
         else:
-            qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+            qkv_bias = inference_cached(self, "qkv_bias", (self.q_bias, self.k_bias, self.v_bias),
+                                        lambda: torch.cat((self.q_bias, self.k_bias, self.v_bias)))
             if getattr(self, "qkv_bias_separate", False):  # added in timm 1.0.x
                 qkv = self.qkv(x) + qkv_bias
             else:
                 qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
         q, k, v = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
-        rel_bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
-        rel_bias = 16 * torch.sigmoid(rel_bias)
+        rel_bias = inference_cached(self, "cpb_bias", (*self.cpb_mlp.parameters(), self.relative_coords_table,
+                                                       self.relative_position_index),
+                                    lambda: self._continuous_position_bias(N))
         x = _cores["window"](q, k, v, relative_position_bias=rel_bias, shift_mask=mask,
                              num_windows=1 if mask is None else mask.shape[0], cosine=True,
                              logit_scale=self.logit_scale, **_window_kwargs(self))
         x = x.transpose(1, 2).reshape(B_, N, C)
         return self.proj_drop(self.proj(x))
+
+    def _continuous_position_bias(self, N: int) -> torch.Tensor:
+        """``16 * sigmoid(cpb_mlp(relative_coords_table))`` gathered to [H, N, N], as timm computes it."""
+        table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
+        rel_bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
+        return 16 * torch.sigmoid(rel_bias)
 
 
 PATCHES: tuple[PatchSpec, ...] = (
