@@ -332,6 +332,40 @@ def test_unbind_views_and_float32_output():
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("write_lse", [False, True])
+def test_later_calls_encode_the_tensor_maps_themselves_with_the_same_results(write_lse):
+    """After its first (compiling) call a planned launch hands Triton's launcher tensor maps it encodes itself
+    (KernelCall.with_descriptors, no descriptor objects): outputs and LSE bit for bit those of the first call,
+    on the same tensors and on other tensors of the plan's layout (other addresses: the maps follow them)."""
+    from visionattn.kernels._host import heads_inner_output
+
+    B, N, H, D = 2, 1025, 12, 64
+    cfg = half_gluon.get_config(N, D, n_q=N)
+
+    def inputs(seed):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return torch.randn(B, N, 3, H, D, device="cuda", generator=g).half().permute(2, 0, 3, 1, 4).unbind(0)
+
+    def run(launch, q, k, v):
+        out = heads_inner_output(q, N, D, torch.float16)
+        lse = torch.empty(B, H, N, device="cuda") if write_lse else None
+        launch(q, k, v, D ** -0.5, out, lse)
+        return out, lse
+
+    first, second = inputs(0), inputs(1)
+    launch = half_gluon.planned_launch(*first, cfg, write_lse)
+    a = run(launch, *first)
+    assert launch.descriptors_direct()
+    b, c = run(launch, *first), run(launch, *second)
+    fresh = half_gluon.planned_launch(*second, cfg, write_lse)
+    d = run(fresh, *second)  # a new plan's first call: descriptor objects through Triton's wrapper
+    for x, y in ((a, b), (c, d)):
+        assert torch.equal(x[0], y[0]) and (not write_lse or torch.equal(x[1], y[1]))
+    assert not torch.equal(a[0], c[0])
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_inside_torch_compile_and_a_cuda_graph():
     """The Gluon path through visionattn.attention under torch.compile (the custom op) and replayed from a
     captured CUDA graph with new inputs (the TMA descriptors are kernel parameters, captured by value)."""

@@ -370,8 +370,9 @@ _CACHE_PREFIX = "_visionattn_cached_"  # attributes of inference_cached values o
 
 def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Callable):
     """``compute()``, kept on ``module`` and reused while its ``sources`` (the parameters and buffers it reads)
-    stay the same, in inference only: with gradients enabled or ``module.training`` it runs every call (autograd
-    needs the graph). Used for what a patched module derives from its parameters alone (Swin's gathered relative
+    stay the same, in eager inference only: with gradients enabled or ``module.training`` it runs every call
+    (autograd needs the graph), and so it does while ``torch.compile`` traces and while a CUDA graph is captured
+    (the compiled or captured graph computes it, so replays follow in-place parameter updates). Used for what a patched module derives from its parameters alone (Swin's gathered relative
     position bias, Swin-v2's continuous position bias MLP): bit-identical to recomputing it, and one forward of a
     Swin-v2-B runs 24 of those small MLPs whose launches are host time. A source counts as changed when its
     address, dtype, device or version counter does (in-place updates, ``load_state_dict``, ``.to()``); edits
@@ -384,7 +385,8 @@ def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Call
         sources: the tensors ``compute`` reads.
         compute: ``() -> torch.Tensor``.
     """
-    if torch.is_grad_enabled() or module.training:
+    if (torch.is_grad_enabled() or module.training or torch.compiler.is_compiling()
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return compute()
     key = (torch.is_inference_mode_enabled(), *[(t.data_ptr(), t._version, t.dtype, t.device) for t in sources])
     attr = _CACHE_PREFIX + name
