@@ -23,6 +23,10 @@ FlexAttention FP32 are true FP32; it is switched ON only around the "flex-tf32" 
 ``--tune`` instead times a few tile configurations per (mode, head dim) and prints the
 fastest, to fill ``visionattn.kernels.elsa_fwd._CONFIGS``.
 
+``--varlen`` runs the ragged-batch table instead (the ELSA supplement's Table 2, ``tools/bench_varlen.py``:
+visionattn's varlen attention vs SDPA padded, per sequence and on nested tensors), writing ``varlen.md`` and
+``varlen.json`` to ``--out``.
+
 ``--backward`` times forward + backward instead (``torch.autograd.grad`` of the output against a random
 dO, every mode through the public function and its backward kernels) against SDPA efficient / flash /
 cuDNN and FlexAttention in the same run, eager and graph timing side by side as above (the graph captures the
@@ -82,6 +86,9 @@ def build_parser() -> ToolParser:
     p.add_argument("--backward", action="store_true",
                    help="time forward + backward (eager and CUDA-graph replay) vs SDPA efficient / flash / cuDNN and "
                         "FlexAttention, with gradient errors vs a float64 oracle; writes fwd_bwd.*")
+    p.add_argument("--varlen", action="store_true",
+                   help="run the ragged-batch table instead (the ELSA supplement's Table 2: tools/bench_varlen.py "
+                        "with its defaults, --modes passed on; writes varlen.md / varlen.json to --out)")
     p.add_argument("--tune", action="store_true", help="time candidate tile configs instead of the sweep")
     p.add_argument("--tune-kinds", default=None,
                    help=f"comma-separated kinds for --tune (default all: {','.join(TUNE_CANDIDATES)})")
@@ -605,6 +612,15 @@ def run_tune(args) -> dict:
 
 def main(args) -> dict:
     parser = build_parser()
+    if args.varlen:
+        if args.tune or args.backward or args.cuda_graph:
+            parser.error("--varlen runs tools/bench_varlen.py's table alone; drop --tune / --backward / --cuda-graph")
+        import bench_varlen
+
+        check_output(parser, args.out, folder=True)
+        os.makedirs(args.out, exist_ok=True)
+        return bench_varlen.main((["--modes", args.modes] if args.modes else [])
+                                 + ["--out", os.path.join(args.out, "varlen")])
     if not args.tune and not os.path.isfile(args.config):
         parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_attention.yaml")
     if args.backward and (args.tune or args.cuda_graph):

@@ -84,3 +84,17 @@ def test_tiny_cpu_naflex_run(tmp_path):
     assert res["naflex"]["patches_per_image"] == [6, 3, 1]
     assert res["rows"][1]["logits_rel_l2"] <= 1e-5 and res["rows"][1]["tokens_rel_l2"] <= 1e-5
     assert "NaFlexViT" in open(out + ".md").read()
+
+
+def test_bench_attention_varlen_runs_this_table(tmp_path, monkeypatch):
+    """tools/bench_attention.py --varlen hands its modes and output folder to this tool's main."""
+    import bench_attention
+
+    seen = []
+    monkeypatch.setattr(bench_varlen, "main", lambda argv: seen.append(argv) or {"rows": []})
+    out = str(tmp_path / "att")
+    assert bench_attention.main(bench_attention.build_parser().parse_args(
+        ["--varlen", "--modes", "fp32,bf16", "--out", out])) == {"rows": []}
+    assert seen == [["--modes", "fp32,bf16", "--out", os.path.join(out, "varlen")]]
+    with pytest.raises(SystemExit):
+        bench_attention.main(bench_attention.build_parser().parse_args(["--varlen", "--backward", "--out", out]))
