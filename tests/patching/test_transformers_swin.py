@@ -173,3 +173,31 @@ def test_patched_swin_on_gpu(family, mode):
     err, err0 = rel_l2(y, ref), rel_l2(y0, ref)
     bound = max(4 * err0, md.rel_tol) if md.compute_dtype == torch.float32 else md.rel_tol + 4 * err0
     assert err <= bound, f"{family}/{mode} on GPU: rel err {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("family", ["swin", "swinv2"])
+def test_position_bias_kept_between_inference_forwards_and_updated_with_parameters(family, monkeypatch):
+    """Eager inference computes each module's position bias once; an in-place parameter update (an optimizer
+    step) reaches the next forward, which then equals a freshly patched copy's."""
+    computed = []
+    kept = ts.inference_cached
+
+    def counting(module, name, sources, compute):
+        return kept(module, name, sources, lambda: computed.append(name) or compute())
+
+    monkeypatch.setattr(ts, "inference_cached", counting)
+    x = photos(SIZE)[:2]
+    model = va.patch_model(make(family), "fp32")
+    n_modules = model.visionattn_report.num_patched
+    with torch.no_grad():
+        first = model(x).last_hidden_state
+        second = model(x).last_hidden_state
+    assert len(computed) == n_modules and torch.equal(first, second)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "relative_position_bias_table" in name or "continuous_position_bias_mlp" in name:
+                p.add_(0.5 * torch.randn_like(p))
+        updated = model(x).last_hidden_state
+        assert len(computed) == 2 * n_modules
+        fresh = va.patch_model(copy.deepcopy(va.unpatch_model(copy.deepcopy(model))), "fp32")(x).last_hidden_state
+    assert not torch.equal(updated, first) and torch.equal(updated, fresh)

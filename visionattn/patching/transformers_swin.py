@@ -6,7 +6,8 @@ with the relative position bias and the shift mask added into one [B*nW, H, N, N
 (``SwinAttention``, later releases). Each patcher below follows transformers' forward step by
 step and replaces only the attention core by :func:`visionattn.window_attention`, with the
 relative position bias [H, N, N] and the shift mask [nW, N, N] passed separately (never
-expanded over the windows):
+expanded over the windows; the bias, derived from parameters alone, is kept between eager
+inference forwards by :func:`visionattn.patching.core.inference_cached`):
 
 * ``SwinAttention`` (q_proj / k_proj / v_proj / o_proj, ``relative_position_bias`` module) or,
   where transformers has it, ``SwinSelfAttention`` (query / key / value, bias table):
@@ -35,7 +36,7 @@ from transformers.models.swinv2 import modeling_swinv2 as _swinv2
 
 from ..dispatch import warn_once
 from ..window import window_attention
-from .core import PatchSpec, attention_kwargs
+from .core import PatchSpec, attention_kwargs, inference_cached
 
 _LEGACY_SWIN = hasattr(_swin, "SwinSelfAttention")  # the layout of early transformers 5 releases
 
@@ -76,16 +77,22 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.view(*x.shape[:2], -1, head_dim).transpose(1, 2)
 
 
+def _gathered(module, table: torch.Tensor) -> torch.Tensor:
+    """The relative position bias [H, N, N] from a per-head table [(2 Wh - 1) (2 Ww - 1), H], looked up by the
+    module's ``relative_position_index`` [N, N], as transformers does."""
+    N = module.relative_position_index.shape[0]
+    return table[module.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
+
+
 def _inline_window(module, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                   table: torch.Tensor, **kw) -> tuple[torch.Tensor]:
+                   bias: torch.Tensor, **kw) -> tuple[torch.Tensor]:
     """transformers' inline window attention (``query`` / ``key`` / ``value`` layers; SwinSelfAttention,
     Swinv2SelfAttention) on :func:`visionattn.window_attention`.
 
     Args:
         hidden_states: [B*nW, N, C].
         attention_mask: shift mask [nW, N, N] (additive) or None.
-        table: per-head bias table [(2 Wh - 1) (2 Ww - 1), H], looked up by ``relative_position_index``
-            into the relative position bias [H, N, N].
+        bias: the relative position bias [H, N, N] (:func:`_gathered`).
         **kw: ``scale`` or ``cosine`` / ``logit_scale`` for :func:`visionattn.window_attention`.
 
     Returns:
@@ -93,8 +100,6 @@ def _inline_window(module, hidden_states: torch.Tensor, attention_mask: Optional
     """
     q, k, v = (_heads(proj(hidden_states), module.attention_head_size)
                for proj in (module.query, module.key, module.value))
-    N = hidden_states.shape[1]
-    bias = table[module.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
     out = _window(module, q, k, v, attention_mask, relative_position_bias=bias, **kw)
     return (out.transpose(1, 2).reshape(*hidden_states.shape[:-1], module.all_head_size),)
 
@@ -120,8 +125,10 @@ if not _LEGACY_SWIN:
             if _runs_original(self, self.attention_dropout, kwargs.get("output_attentions")):
                 return super().forward(hidden_states, attention_mask, **kwargs)
             q, k, v = (_heads(proj(hidden_states), self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
-            out = _window(self, q, k, v, attention_mask, relative_position_bias=self.relative_position_bias(),
-                          scale=self.scaling)
+            bias_module = self.relative_position_bias
+            bias = inference_cached(self, "rel_pos_bias", (*bias_module.parameters(), *bias_module.buffers()),
+                                    bias_module)
+            out = _window(self, q, k, v, attention_mask, relative_position_bias=bias, scale=self.scaling)
             out = out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)
             return self.o_proj(out), None
 else:
@@ -133,8 +140,10 @@ else:
                     output_attentions: Optional[bool] = False):
             if _runs_original(self, self.dropout.p, output_attentions):
                 return super().forward(hidden_states, attention_mask, output_attentions)
-            return _inline_window(self, hidden_states, attention_mask, self.relative_position_bias_table,
-                                  scale=self.attention_head_size ** -0.5)
+            bias = inference_cached(self, "rel_pos_bias", (self.relative_position_bias_table,
+                                                           self.relative_position_index),
+                                    lambda: _gathered(self, self.relative_position_bias_table))
+            return _inline_window(self, hidden_states, attention_mask, bias, scale=self.attention_head_size ** -0.5)
 
 
 # --- Swin-v2: Swinv2SelfAttention (cosine attention, continuous position bias) ---------------------
@@ -150,13 +159,19 @@ class VisionattnSwinv2SelfAttention(_swinv2.Swinv2SelfAttention):
                 output_attentions: Optional[bool] = False):
         if _runs_original(self, self.dropout.p, output_attentions):
             return super().forward(hidden_states, attention_mask, output_attentions)
-        table = self.continuous_position_bias_mlp(self.relative_coords_table).view(-1, self.num_attention_heads)
         if attention_mask is not None:
             # transformers' forward adds the shift mask to the logits twice; the kernel gets the same sum
             attention_mask = attention_mask + attention_mask
-        # 16 * sigmoid is elementwise: applied to the table it gives the same values as applied after the lookup
-        return _inline_window(self, hidden_states, attention_mask, 16 * torch.sigmoid(table), cosine=True,
-                              logit_scale=self.logit_scale)
+        mlp = self.continuous_position_bias_mlp
+        bias = inference_cached(self, "cpb_bias", (*mlp.parameters(), self.relative_coords_table,
+                                                   self.relative_position_index), self._continuous_position_bias)
+        return _inline_window(self, hidden_states, attention_mask, bias, cosine=True, logit_scale=self.logit_scale)
+
+    def _continuous_position_bias(self) -> torch.Tensor:
+        """``16 * sigmoid(cpb_mlp(relative_coords_table))`` gathered to [H, N, N] (16 * sigmoid is elementwise:
+        applied to the table it gives the same values as applied after the lookup)."""
+        table = self.continuous_position_bias_mlp(self.relative_coords_table).view(-1, self.num_attention_heads)
+        return _gathered(self, 16 * torch.sigmoid(table))
 
 
 PATCHES: tuple[PatchSpec, ...] = (
