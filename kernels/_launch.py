@@ -142,27 +142,27 @@ class KernelCall:
         if self._parts is None:
             return None
         run, function, packed, current_device, current_stream = self._parts
+        n = len(templates)
         try:
             wrapper = run.launch
             env = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__ or ())))
-            raw, positions, metas = env["launcher"], sorted(env["tensordesc_indices"]), env["tensordesc_meta"]
+            raw, positions, metas = env["launcher"], sorted(env["tensordesc_indices"]), list(env["tensordesc_meta"])
             from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
             from triton.runtime import driver
 
             fill = driver.active.utils.fill_tma_descriptor
             cooperative, pdl = run.launch_cooperative_grid, run.launch_pdl
-            scratch = (run.global_scratch_size, run.profile_scratch_size)
-        except (AttributeError, KeyError, ImportError, TypeError):  # another Triton's launcher layout
+            if (positions != list(range(n)) or len(metas) != n or run.global_scratch_size
+                    or run.profile_scratch_size or any(m is None or m.get("fp4_padded") for m in metas)):
+                return None
+            fixed = []  # per descriptor: fill's arguments after the address, then the shape and strides it expands to
+            for t, m in zip(templates, metas):
+                shape, strides = list(t.shape), list(t.strides)
+                padding = 1 if getattr(t, "padding", "zero") == "nan" else 0
+                fixed.append(((m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]],
+                               m["block_size"], shape, strides, padding), (*shape, *strides)))
+        except (AttributeError, KeyError, ImportError, TypeError, IndexError):  # another Triton's launcher layout
             return None
-        n = len(templates)
-        if (positions != list(range(n)) or len(metas) != n or any(m is None or m.get("fp4_padded") for m in metas)
-                or any(scratch)):
-            return None
-        fixed = []  # per descriptor: fill's arguments after the address, then the shape and strides it expands to
-        for t, m in zip(templates, metas):
-            shape, strides = list(t.shape), list(t.strides)
-            fixed.append(((m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], m["block_size"],
-                           shape, strides, 1 if getattr(t, "padding", "zero") == "nan" else 0), (*shape, *strides)))
         g0, g1, g2 = self._grid3
         tail = self._tail
 

@@ -412,3 +412,30 @@ def test_a_cached_launch_plan_keeps_no_tensor_of_its_first_call_alive(monkeypatc
     del qkv, q, k, v
     gc.collect()
     assert callable(launch) and ref() is None
+
+
+def test_direct_descriptor_launches_are_offered_only_where_the_launcher_layout_is_known():
+    """KernelCall.with_descriptors answers None, never raises, before the first launch and for launchers that do
+    not wrap descriptors as Triton 3.4-3.6 do (a C launcher, another closure): the plan then keeps passing
+    descriptor objects through Triton's own wrapper."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    from visionattn.kernels._launch import KernelCall
+
+    @triton.jit
+    def kernel(X, N, BLOCK: tl.constexpr):
+        tl.store(X + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32), mask=tl.arange(0, BLOCK) < N)
+
+    call = KernelCall(kernel, (1,), {"BLOCK": 16}, {})
+    assert call.with_descriptors([]) is None  # nothing compiled yet
+
+    def other_wrapper(*args):
+        return args
+
+    for launch in (len, other_wrapper, lambda *a, launcher=None: launcher):
+        call._parts = (types.SimpleNamespace(launch=launch, launch_cooperative_grid=False, launch_pdl=False,
+                                             global_scratch_size=0, profile_scratch_size=0), None, None, None, None)
+        assert call.with_descriptors([]) is None

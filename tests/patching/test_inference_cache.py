@@ -132,3 +132,17 @@ def test_inference_mode_values_stay_in_inference_mode():
         b = model(x)
     assert len(calls) == 2 * _bias_owners(model)
     assert torch.equal(a, b)
+
+
+def test_a_model_built_under_inference_mode_runs_without_the_cache():
+    """Parameters made under torch.inference_mode track no version counter: the bias is computed every forward,
+    and the patched model gives the unpatched model's logits."""
+    x = photos(image_size("swinv2"))[:2]
+    with torch.inference_mode():
+        model = va.patch_model(make_tiny("swinv2"), "fp32")
+        unpatched = make_tiny("swinv2")
+        calls = _bias_calls(model)
+        y, y0 = model(x), unpatched(x)
+        model(x)
+    assert len(calls) == 2 * _bias_owners(model)
+    torch.testing.assert_close(y, y0, rtol=1e-4, atol=1e-5)

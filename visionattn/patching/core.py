@@ -388,7 +388,10 @@ def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Call
     if (torch.is_grad_enabled() or module.training or torch.compiler.is_compiling()
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return compute()
-    key = (torch.is_inference_mode_enabled(), *[(t.data_ptr(), t._version, t.dtype, t.device) for t in sources])
+    try:
+        key = (torch.is_inference_mode_enabled(), *[(t.data_ptr(), t._version, t.dtype, t.device) for t in sources])
+    except RuntimeError:  # inference tensors (a model built under torch.inference_mode) track no version: no cache
+        return compute()
     attr = _CACHE_PREFIX + name
     kept = module.__dict__.get(attr)
     if kept is not None and kept[0] == key:
