@@ -372,9 +372,10 @@ def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Call
     """``compute()``, kept on ``module`` and reused while its ``sources`` (the parameters and buffers it reads)
     stay the same, in eager inference only: with gradients enabled or ``module.training`` it runs every call
     (autograd needs the graph), and so it does while ``torch.compile`` traces and while a CUDA graph is captured
-    (the compiled or captured graph computes it, so replays follow in-place parameter updates). Used for what a patched module derives from its parameters alone (Swin's gathered relative
-    position bias, Swin-v2's continuous position bias MLP): bit-identical to recomputing it, and one forward of a
-    Swin-v2-B runs 24 of those small MLPs whose launches are host time. A source counts as changed when its
+    (the compiled or captured graph computes it, so replays follow in-place parameter updates). Used for what a
+    patched module derives from its parameters alone (Swin's gathered relative position bias, Swin-v2's
+    continuous position bias MLP): bit-identical to recomputing it, and one forward of a Swin-v2-B runs 24 of
+    those small MLPs whose launches are host time. A source counts as changed when its
     address, dtype, device or version counter does (in-place updates, ``load_state_dict``, ``.to()``); edits
     through ``tensor.data`` bypass the version counter, so after those call :func:`clear_inference_caches`. The
     value is kept per inference-mode state (a tensor made under ``torch.inference_mode`` stays there).
