@@ -117,6 +117,21 @@ def first_error(err: BaseException) -> BaseException:
     return err
 
 
+def eager_graph_timings(make, timer, device, calls: int, repeats: int) -> tuple[float, float | None, str | None]:
+    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA timed in alternating eager
+    and graph windows (:func:`visionattn.reporting.eager_graph_ms`; ``make`` runs on its capture stream, where
+    autograd then runs each backward op), a failed capture named by :func:`failure_text` of its first error; on
+    the CPU ``timer(fn)`` alone. ``device``: a ``torch.device`` or its name."""
+    import torch
+
+    from visionattn import reporting
+
+    if torch.device(device).type != "cuda":
+        return timer(make()), None, None
+    eager, graph, error = reporting.eager_graph_ms(make, calls, repeats)
+    return eager, graph, None if error is None else failure_text(first_error(error), device)
+
+
 def failure_text(err: BaseException, device) -> str:
     """One line naming ``err`` for a result row (``"Type: first line"``, the line cut at 200 characters), after
     freeing what the failed work left (garbage, and on a CUDA ``device`` the allocator cache: e.g. after an OOM,

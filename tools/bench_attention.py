@@ -53,7 +53,7 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, first_error  # noqa: E402
+from _cli import ToolParser, check_output, default_out, failure_text, first_error  # noqa: E402
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -193,14 +193,8 @@ def _measure(fn, q, k, v, rep, graph_only=False):
     if graph is not None:
         timings["graph"] = graph
     else:
-        timings["graph_error"] = _first_error(error)
+        timings["graph_error"] = failure_text(first_error(error), "cuda")
     return timings, peak, out
-
-
-def _first_error(exc: BaseException) -> str:
-    """``"Type: first line"`` of :func:`_cli.first_error` of ``exc``."""
-    exc = first_error(exc)
-    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
 
 
 def _graph_fields(timings: dict, flops: float) -> dict:

@@ -41,10 +41,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_device, check_output, default_out, failure_text, first_error,  # noqa: E402
-                  positive_int)
-
-from visionattn.reporting import eager_graph_ms  # noqa: E402
+from _cli import ToolParser, check_device, check_output, default_out, eager_graph_timings, positive_int  # noqa: E402
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
@@ -179,13 +176,11 @@ def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kern
 
 
 def _timings(make, timer, device, args) -> tuple[float, float | None, str | None]:
-    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA in alternating eager and
-    graph windows (:func:`visionattn.reporting.eager_graph_ms`, ``make`` run on its capture stream: autograd runs
-    each backward op on the stream of its forward); on the CPU or with ``--no-graph`` ``timer`` alone."""
-    if device.type != "cuda" or args.no_graph:
+    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: :func:`_cli.eager_graph_timings`;
+    with ``--no-graph`` ``timer`` alone."""
+    if args.no_graph:
         return timer(make()), None, None
-    eager, graph, error = eager_graph_ms(make, args.calls, args.repeats)
-    return eager, graph, None if error is None else failure_text(first_error(error), device)
+    return eager_graph_timings(make, timer, device, args.calls, args.repeats)
 
 
 def main(args) -> dict:

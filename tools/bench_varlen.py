@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, first_error, positive_int  # noqa: E402
+from _cli import ToolParser, check_device, check_output, default_out, eager_graph_timings, positive_int  # noqa: E402
 
 import visionattn  # noqa: E402
 from visionattn import reporting  # noqa: E402
@@ -214,9 +214,11 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             out = to_packed(attend(x))
             err = rel_l2(out.double(), oracle)
             conv_ms = timer(convert)
-            kern_ms, graph_ms, graph_error = _kernel_ms(functools.partial(attend, x), timer, device, calls, repeats)
+            # graph n/a with the reason where a method's calls cannot be captured (host copies, nested tensors)
+            kernel = functools.partial(attend, x)
+            kern_ms, graph_ms, graph_error = eager_graph_timings(lambda fn=kernel: fn, timer, device, calls, repeats)
             total_ms = timer(lambda: attend(convert()))
-            del x
+            del x, kernel
             peak = reporting.peak_extra_mb(lambda: attend(convert()), device)
             rows.append(dict(mode=mode, method=method, **{"pass": "forward"}, total_ms=total_ms, kernel_ms=kern_ms,
                              kernel_graph_ms=graph_ms, graph_error=graph_error, conversion_ms=conv_ms, peak_mb=peak,
@@ -229,18 +231,6 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             rows += _backward_rows(base, dtype, mode, group, timer, device, seed, quiet)
     rows.sort(key=lambda r: (modes.index(r["mode"]), r["pass"] != "forward", methods.index(r["method"])))
     return rows
-
-
-def _kernel_ms(fn, timer, device: torch.device, calls: int, repeats: int) -> tuple[float, float | None, str | None]:
-    """(eager ms, ms replayed from a CUDA graph, why the capture failed) per call of ``fn``: on CUDA in alternating
-    windows (:func:`visionattn.reporting.eager_graph_ms`), on the CPU ``timer`` alone (no graph)."""
-    if device.type != "cuda":
-        return timer(fn), None, None
-    eager, graph, error = reporting.eager_graph_ms(lambda: fn, calls, repeats)
-    if error is None:
-        return eager, graph, None
-    error = first_error(error)  # a method whose calls cannot be captured (host copies, nested tensors): say why
-    return eager, None, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:160]}"
 
 
 def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, seed: int, quiet: bool) -> list[dict]:
