@@ -17,7 +17,7 @@ so the backward never stores the [Nq, Nk] matrix (FlashAttention-2, Alg. 2). Wit
     dQ_i    = scale * sum_j dS_ij k_j
     dK_j    = scale * sum_i dS_ij q_i
 
-Three kernels, none with atomics, so every gradient is bit-for-bit reproducible:
+Three kernels, every gradient bit-for-bit reproducible:
 
 * :func:`_bwd_preprocess_kernel`: ``delta`` per row and a contiguous copy of ``lse`` with ``+inf`` for a row
   whose keys are all masked (``lse = -inf``): every ``exp(s - lse)`` of that row is then 0, so such rows
@@ -27,6 +27,14 @@ Three kernels, none with atomics, so every gradient is bit-for-bit reproducible:
 * :func:`_bwd_dq_kernel`: one program per (query tile, bias-gradient slot, chunk) holds ``Q_i, dO_i`` and the
   ``dQ_i`` accumulator and streams the key tiles (causal: up to the diagonal). It also writes ``dS`` when the
   bias needs a gradient (below).
+
+**Single pass** (:attr:`BwdConfig.single_pass`; by default split-FP16 products at head dim 64 up to
+:data:`SINGLE_PASS_MAX_KEYS` keys, where it measured faster): the dK/dV kernel also forms each query tile's
+``dS K`` and adds it into an FP32 dQ accumulator, so no dQ kernel recomputes the scores (five tile products
+per tile pair instead of seven). The adds into one query tile happen in key-tile order, handed on through a
+counter per query tile (atomic adds, but in a fixed order, so the sums are still reproducible); key tile
+``j`` waits only for key tile ``j - 1`` of its head, whose program id is lower, so the wait ends as long as
+the GPU starts programs in id order (as CUTLASS's serial split-K reduction also assumes).
 
 The logits are formed in natural units, exactly as the forward's contract defines them, and
 ``P = exp2((s - lse) log2 e)``: the argument is rounded relative to ``s - lse`` (small for the
@@ -84,7 +92,7 @@ from .modes import MODES
 from .split16 import split_rows, split_scores
 
 __all__ = ["elsa_backward", "backward_after_forward", "launch_backward", "bias_grad_shape", "reduce_bias_grad",
-           "get_config", "BwdConfig",
+           "get_config", "BwdConfig", "SINGLE_PASS_MAX_KEYS",
            "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES", "FP32_PRODUCTS", "fp32_products"]
 
 MAX_HEAD_DIM = 256
@@ -222,7 +230,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """Add the query tile at ``start_m`` to (dK, dV) of the key tile ``cols`` ([keys, queries] orientation).
-    DIAGONAL tiles (causal) mask the queries before each key."""
+    DIAGONAL tiles (causal) mask the queries before each key. Returns ``(dk, dv, dS^T)``: the tile's FP32
+    [BLOCK_N, BLOCK_M] dS, for a caller that also forms dQ from it."""
     rows = start_m + offs_m
     row_ok = rows < Nq
     rows64 = rows.to(tl.int64)
@@ -244,24 +253,78 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     dpt = _mm(v, tl.trans(do), PRECISION, DOT_UPCAST)
     dst = pt * (dpt - delta[None, :])
     dk = _mm_acc(dk, dst.to(q.dtype), q, PRECISION, DOT_UPCAST)
-    return dk, dv
+    return dk, dv, dst
+
+
+@triton.jit
+def _wait_turn(sem_ptr, seen, turn, SPIN_ASM: tl.constexpr):
+    """Return once the int32 counter at ``sem_ptr`` equals ``turn``; ``seen`` is a value read from it earlier
+    (at the start of the step, so that in the steady state, where the turn has already come, no read waits
+    here). SPIN_ASM: a PTX loop re-reads it, which keeps the caller's loop free of a nested loop (Triton's
+    software pipeliner then still pipelines it); else a Triton ``while`` (the interpreter, which runs programs
+    one after another, so the counter is already there)."""
+    if SPIN_ASM:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred %p; .reg .b32 %c; mov.b32 %c, $1; spin_${:uid}: setp.ne.s32 %p, %c, $3; "
+            "@%p ld.relaxed.gpu.global.b32 %c, [$2]; @%p bra spin_${:uid}; mov.b32 $0, %c; }",
+            "=r,r,l,r", [seen, sem_ptr, turn], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        while tl.atomic_add(sem_ptr, 0, sem="acquire") != turn:
+            pass
+
+
+@triton.jit
+def _dq_ordered_add(dst, k, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, offs_d, pid_n, n_n, Nq, D, scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC_IS_OUT: tl.constexpr,
+                    SPIN_ASM: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Add key tile ``pid_n``'s share of dQ for the query tile at ``start_m``, ``scale * dS K``, into the FP32
+    accumulator ``DQACC`` in key-tile order: the query tile's counter ``sem_ptr`` holds how many key tiles have
+    added (``seen``: its value read at the start of the step); this one waits for its turn, adds, and passes
+    the turn on. The order, not the timing, fixes every sum, so dQ is bit-for-bit reproducible. The query
+    tile's last key tile (``n_n - 1``; causal: the last whose keys reach these queries) also writes dQ in DQ's
+    dtype unless ACC_IS_OUT (FP32 dQ accumulates in place)."""
+    part = _mm(tl.trans(dst.to(k.dtype)), k, PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_D]
+    rows = start_m + offs_m
+    ok = (rows < Nq)[:, None] & (offs_d < D)[None, :]
+    offs = dq_base + rows.to(tl.int64)[:, None] * D + offs_d[None, :]
+    _wait_turn(sem_ptr, seen, pid_n, SPIN_ASM)
+    if ACC_IS_OUT:
+        tl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+    else:
+        last = n_n - 1
+        if IS_CAUSAL:
+            last = tl.minimum(last, (start_m + BLOCK_M - 1) // BLOCK_N)
+        if pid_n == last:
+            old = tl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+            tl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
+        else:
+            tl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+    tl.debug_barrier()  # every thread's add is issued before the turn passes (the release orders them)
+    tl.atomic_xchg(sem_ptr, pid_n + 1, sem="release")
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add"])
-def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV,
+def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                      sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
                      H, Nq, Nk, D, Dv, scale, n_add,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
-                     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                     EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                     DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr):
     """dK, dV of one key tile: ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale * sum_i dS_ij q_i`` over the query tiles.
 
     Works in the transposed orientation ([keys, queries] tiles) so both accumulators are row blocks.
     1-D grid cdiv(Nk, BLOCK_N) * H * B; outputs contiguous [B, H, Nk, D | Dv] in the input dtype.
     Keys >= Nk are not masked: they only reach their own (unstored) rows of dK / dV. Queries >= Nq read
     ``lse = +inf`` and dO = 0, so their P and dS are 0.
+
+    DQ_ORDERED (the single-pass backward): each query tile's ``dS K`` also goes into dQ through
+    :func:`_dq_ordered_add` (DQACC: FP32 [B, H, Nq, D], zeroed; Sem: int32 [B * H, cdiv(Nq, BLOCK_M)], zeroed),
+    so no dQ kernel recomputes the scores: five tile products per (query, key) tile pair instead of seven. Key
+    tile j of a head waits only for key tile j - 1 of the same head, launched before it (program ids run in
+    key-tile order within a head), so the wait ends as long as the GPU starts programs in id order.
     """
     pid_n, off_b, off_h, bh = _tile_and_head(Nk, BLOCK_N, H)
     start_n = pid_n * BLOCK_N
@@ -287,18 +350,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV,
     scale = _head_scale(HS, off_h, scale, HEAD_SCALE)
 
     lo, mid, n_m = _dkdv_query_tiles(start_n, Nq, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    for t in range(lo, mid):
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, LseRow + row_base,
-                            Delta + row_base, t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm,
-                            sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, True, HAS_BIAS, HAS_ADD,
-                            HAS_MASK, EVEN_D, EVEN_DV,
-                            PRECISION, DOT_UPCAST)
-    for t in range(mid, n_m):
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, LseRow + row_base,
-                            Delta + row_base, t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm,
-                            sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, False, HAS_BIAS, HAS_ADD,
-                            HAS_MASK, EVEN_D, EVEN_DV,
-                            PRECISION, DOT_UPCAST)
+    n_n = tl.cdiv(Nk, BLOCK_N)
+    sem_base = Sem + bh * n_m
+    dq_base = bh * Nq * D
+    for phase in tl.static_range(2):  # causal diagonal tiles [lo, mid) with the mask, then [mid, n_m) without
+        if phase == 0:
+            t_lo, t_hi = lo, mid
+        else:
+            t_lo, t_hi = mid, n_m
+        for t in range(t_lo, t_hi):
+            if DQ_ORDERED:
+                seen = tl.load(sem_base + t, volatile=True)
+            dk, dv, dst = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, LseRow + row_base,
+                                     Delta + row_base, t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv,
+                                     sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, phase == 0, HAS_BIAS,
+                                     HAS_ADD, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+            if DQ_ORDERED:
+                _dq_ordered_add(dst, k, DQ, DQACC, sem_base + t, seen, dq_base, t * BLOCK_M, offs_m, offs_d, pid_n,
+                                n_n, Nq, D, scale, BLOCK_M, BLOCK_N, IS_CAUSAL, ACC_IS_OUT, SPIN_ASM, PRECISION,
+                                DOT_UPCAST)
     dk = dk * scale
     out_ok = col_ok[:, None]
     dk_ptrs = DK + bh * Nk * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
@@ -483,10 +553,14 @@ class KernelTiles:
 @dataclass(frozen=True)
 class BwdConfig:
     """Tiles of the dK/dV kernel (streams query tiles: ``block_n`` keys held) and of the dQ kernel (streams key
-    tiles: ``block_m`` queries held)."""
+    tiles: ``block_m`` queries held).
+
+    ``single_pass``: a call that needs no bias or logit-scale gradient runs the dK/dV kernel alone with its
+    ordered dQ accumulation (``dkdv`` tiles; ``dq`` serves the calls that do need those gradients)."""
 
     dkdv: KernelTiles
     dq: KernelTiles
+    single_pass: bool = False
 
 
 # Keyed by (operand kind, padded head dim): "half" = fp16 / bf16 operands, "fp32" = FP32 operands with split-FP16
@@ -527,11 +601,20 @@ _BIAS_GRAD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
 }
 
 
+# The single-pass backward (the dK/dV kernel with the ordered dQ accumulation) where it measured faster than the
+# two kernels: split-FP16 products at head dim 64 with at most SINGLE_PASS_MAX_KEYS keys (ViT-B/16 224). At
+# longer sequences the wait for each query tile's turn, and with half operands the fused kernel itself, cost
+# more than the dQ kernel's recomputed products (docs/tuning.md: "two backward kernels").
+_SINGLE_PASS: dict[tuple[str, int], KernelTiles] = {("fp32", 64): KernelTiles(32, 64, 4, 2)}
+SINGLE_PASS_MAX_KEYS = 256
+
+
 def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_grad: bool = False,
-               products: str | None = None) -> BwdConfig:
+               products: str | None = None, n_keys: int | None = None) -> BwdConfig:
     """Backward tile configuration for ``mode`` and head dims (D, Dv): the larger, padded to a power of two, decides;
     ``bias_grad`` (the dQ kernel also writes dBias) picks the bias-gradient tiles where they differ; ``products``
-    as :func:`fp32_products` (IEEE products take their own rows).
+    as :func:`fp32_products` (IEEE products take their own rows); ``n_keys`` (when given) picks the single-pass
+    backward where it is the faster one (:data:`SINGLE_PASS_MAX_KEYS`).
 
     Raises:
         ValueError: unknown ``mode`` or ``products``; a head dim outside 1..:data:`MAX_HEAD_DIM`.
@@ -546,6 +629,8 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_gra
     key = (kind, pad_pow2(dmax))
     if bias_grad and key in _BIAS_GRAD_CONFIGS:
         return _BIAS_GRAD_CONFIGS[key]
+    if not bias_grad and key in _SINGLE_PASS and n_keys is not None and n_keys <= SINGLE_PASS_MAX_KEYS:
+        return BwdConfig(_SINGLE_PASS[key], _CONFIGS[key].dq, single_pass=True)
     return _CONFIGS[key]
 
 
@@ -814,7 +899,7 @@ class _BackwardPlan:
         shape4 = self.shape4 = (B, H, Nq, Nk)
         bias4 = bias.expand(shape4) if bias is not None else None
         mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
-        self.cfg = config or default or get_config(mode, D, Dv, bool(bias_requires_grad), products)
+        self.cfg = config or default or get_config(mode, D, Dv, bool(bias_requires_grad), products, Nk)
         self.explicit = config is not None
         BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
         self.dims = (B, H, Nq, Nk, D, Dv)
@@ -846,12 +931,29 @@ class _BackwardPlan:
         self.db_sum_dims = [d for d in (2, 3) if shape4[d] > 1 and bias4.stride(d) == 0] if self.write_db else []
         self.bias_splits = bias_splits
         self.device = q.device
+        self.single_pass = self.cfg.single_pass and not (self.write_db or self.write_dhs)
+        # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
+        self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32,
+                            SPIN_ASM=not interpreting())
         self.dkdv = self.dq = None  # KernelCall, (KernelCall, G, per_chunk, n_m): fitted on the first run
+
+    def _ordered_buffers(self, dtype):
+        """``(dq, acc, sem)`` of a single-pass call from one zeroed allocation: the FP32 dQ accumulator (dQ itself
+        when FP32) and the per-query-tile int32 counters behind it (enough for the smallest query tile, 16
+        rows, so tiles fitted to shared memory on the first run still find theirs)."""
+        B, H, Nq, Nk, D, Dv = self.dims
+        n = B * H * Nq * D
+        n_sem = B * H * cdiv(Nq, 16)
+        buf = torch.zeros(n + n_sem, device=self.device, dtype=torch.float32)
+        acc = buf[:n].view(B, H, Nq, D)
+        sem = buf[n:].view(torch.int32)
+        dq = acc if dtype == torch.float32 else torch.empty((B, H, Nq, D), device=self.device, dtype=dtype)
+        return dq, acc, sem
 
     def _dkdv_call(self, t: KernelTiles) -> KernelCall:
         B, H, Nq, Nk, D, Dv = self.dims
         return KernelCall(_bwd_dkdv_kernel, (cdiv(Nk, t.block_n) * B * H,),
-                          dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **self.blocks, **self.flags),
+                          dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **self.blocks, **self.flags, **self.ordered),
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))
 
     def _dq_call(self, t: KernelTiles):
@@ -872,7 +974,11 @@ class _BackwardPlan:
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale):
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
-        dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)  # every element written by the dQ kernel
+        if self.single_pass:
+            dq, acc, sem = self._ordered_buffers(q.dtype)
+        else:
+            dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)  # every element written by the dQ kernel
+            acc = sem = dq  # not read
         dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
         dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
         # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
@@ -883,8 +989,8 @@ class _BackwardPlan:
         tensors = (q if bias is None else bias.expand(self.shape4), q if add_mask is None else add_mask,
                    q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)
         scale = float(scale)
-        dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, *self.strides, H, Nq, Nk, D, Dv, scale,
-                     self.n_add)
+        dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, dq, acc, sem, *self.strides, H, Nq, Nk,
+                     D, Dv, scale, self.n_add)
         if self.dkdv is not None:
             self.dkdv(*dkdv_args)
         else:
@@ -893,7 +999,9 @@ class _BackwardPlan:
                 call(*dkdv_args)
                 self.dkdv = call
 
-            _run_fitting("dkdv", self.fit_key, self.cfg.dkdv, self.explicit, run_dkdv)
+            _run_fitting("dkdv" + "+dq" * self.single_pass, self.fit_key, self.cfg.dkdv, self.explicit, run_dkdv)
+        if self.single_pass:
+            return dq, dk, dv, None, None
 
         made = {}
 

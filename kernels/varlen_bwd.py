@@ -98,12 +98,12 @@ def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV,
     lo, mid, n_m = _dkdv_query_tiles(start_n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
     # no bias / masks: their pointers (Q, never read) and strides (0) are placeholders
     for t in range(lo, mid):
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
+        dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, True, False, False, False, EVEN_D, EVEN_DV, PRECISION,
                             DOT_UPCAST)
     for t in range(mid, n_m):
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
+        dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, False, False, False, False, EVEN_D, EVEN_DV, PRECISION,
                             DOT_UPCAST)

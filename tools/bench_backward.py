@@ -19,7 +19,8 @@ gradient (summed over every window) and the shift mask [nW, N, N]; both window k
 per window; split: the dense dK/dV and dQ kernels) are timed;
 SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gradient flows through the
 sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
-reduction beside the automatic choice, ``--configs`` given tiles of the split kernels beside the default,
+reduction beside the automatic choice, ``--configs`` given tiles beside the default (two tile sets: the dK/dV and
+dQ kernels; one: the single-pass backward, dQ added in key-tile order by the dK/dV kernel),
 ``--fp32-products`` the FP32 modes' backward with other products (split-FP16 f16x3, the default; ``tl.dot``'s
 3xTF32; IEEE FMA). ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
 ``out`` by SDPA; only their consistency matters for timing. Peak extra memory is
@@ -73,9 +74,10 @@ def build_parser() -> ToolParser:
                    + "; '-relpos' and the Swin shapes add a [H, N, N] bias with a gradient")
     p.add_argument("--bias-splits", nargs="+", type=positive_int, default=None,
                    help="chunks of the bias-gradient reduction to time beside the automatic choice")
-    p.add_argument("--configs", nargs="+", type=_config, default=[], metavar="M,N,W,S/M,N,W,S",
-                   help="tiles of the split kernels to time beside the default: dK/dV then dQ, each block_m, "
-                        "block_n, warps, stages (e.g. 32,128,4,3/128,32,8,3)")
+    p.add_argument("--configs", nargs="+", type=_config, default=[], metavar="M,N,W,S[/M,N,W,S]",
+                   help="tiles to time beside the default, each block_m, block_n, warps, stages: dK/dV then dQ "
+                        "tiles for the two-kernel backward (e.g. 32,128,4,3/128,32,8,3); one tile set for the "
+                        "single-pass backward (the dK/dV kernel with the ordered dQ accumulation, e.g. 64,128,8,2)")
     p.add_argument("--fp32-products", nargs="+", choices=("f16x3", "tf32x3", "ieee"), default=[],
                    help="FP32 modes: also time the backward with these products (default: the mode's own only)")
     p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
@@ -88,26 +90,31 @@ def build_parser() -> ToolParser:
 
 
 def _config(text: str):
-    """``M,N,W,S/M,N,W,S`` -> :class:`visionattn.kernels.elsa_bwd.BwdConfig` (dK/dV tiles, then dQ tiles)."""
+    """``M,N,W,S/M,N,W,S`` -> :class:`visionattn.kernels.elsa_bwd.BwdConfig` (dK/dV tiles, then dQ tiles);
+    ``M,N,W,S`` -> the single-pass backward with those tiles."""
     import argparse
 
     from visionattn.kernels.elsa_bwd import BwdConfig, KernelTiles
 
     try:
-        dkdv, dq = (KernelTiles(*(int(x) for x in part.split(","))) for part in text.split("/"))
+        tiles = [KernelTiles(*(int(x) for x in part.split(","))) for part in text.split("/")]
+        if len(tiles) not in (1, 2):
+            raise ValueError
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected M,N,W,S/M,N,W,S (dK/dV then dQ tiles), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected M,N,W,S/M,N,W,S (dK/dV then dQ tiles) or M,N,W,S (single "
+                                         f"pass), got {text!r}") from None
+    dkdv, dq = tiles if len(tiles) == 2 else tiles * 2
     for t in (dkdv, dq):
         if min(t.block_m, t.block_n) < 16 or t.block_m & (t.block_m - 1) or t.block_n & (t.block_n - 1) \
                 or t.num_warps not in (1, 2, 4, 8, 16) or t.num_stages < 1:
             raise argparse.ArgumentTypeError(f"{text!r}: blocks must be powers of two >= 16, warps 1-16 (a power "
                                              f"of two), stages >= 1")
-    return BwdConfig(dkdv, dq)
+    return BwdConfig(dkdv, dq, single_pass=len(tiles) == 1)
 
 
 def _config_text(cfg) -> str:
     return "/".join(",".join(str(x) for x in (t.block_m, t.block_n, t.num_warps, t.num_stages))
-                    for t in (cfg.dkdv, cfg.dq))
+                    for t in ((cfg.dkdv,) if cfg.single_pass else (cfg.dkdv, cfg.dq)))
 
 
 def _inputs(B, H, N, D, dtype, relpos, windows, device):

@@ -162,14 +162,19 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
     precision = elsa_bwd.BWD_MODES[mode][1]
     base = dict(BLOCK_D=d, BLOCK_DV=d, PRECISION=precision, IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
                 HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
-    dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV"),
-                             ("Q", "K", "V", "DO", "DK", "DV"))
+    dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV",
+                                    "DQ", "DQACC", "Sem"), ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
+    dkdv_ptr["Sem"] = "*i32"
     dq_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DQ", "DB",
                                   "DHS"), ("Q", "K", "V", "DO", "DQ"))
-    for name, t, kernel, ptr, extra, floats in (
-            ("dkdv", tiles.dkdv, elsa_bwd._bwd_dkdv_kernel, dkdv_ptr, {}, ("scale",)),
-            ("dq", tiles.dq, elsa_bwd._bwd_dq_kernel, dq_ptr,
-             dict(WRITE_DB=bias, WRITE_DHS=False, DB_IN_REGS=bias and single_key_tile), ("scale0",))):
+    single = tiles.single_pass and not bias
+    ordered = dict(DQ_ORDERED=single, ACC_IS_OUT=mode != "bf16", SPIN_ASM=True)
+    kernels = [("dkdv+dq" if single else "dkdv", tiles.dkdv, elsa_bwd._bwd_dkdv_kernel, dkdv_ptr, ordered,
+                ("scale",))]
+    if not single:
+        kernels.append(("dq", tiles.dq, elsa_bwd._bwd_dq_kernel, dq_ptr,
+                        dict(WRITE_DB=bias, WRITE_DHS=False, DB_IN_REGS=bias and single_key_tile), ("scale0",)))
+    for name, t, kernel, ptr, extra, floats in kernels:
         yield ({"kernel": f"bwd-{name}", "variant": f"{label} {mode}" + (" +bias grad" if bias else ""),
                 "config": [t.block_m, t.block_n, t.num_warps, t.num_stages]},
                dict(kernel=kernel, pointer_types=ptr, constexprs=dict(base, BLOCK_M=t.block_m, BLOCK_N=t.block_n,

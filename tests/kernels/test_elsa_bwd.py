@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from visionattn.kernels.elsa_bwd import (BWD_MODES, FP32_PRODUCTS, BwdConfig, KernelTiles, bias_grad_shape,
-                                         elsa_backward, reduce_bias_grad)
+from visionattn.kernels.elsa_bwd import (BWD_MODES, FP32_PRODUCTS, SINGLE_PASS_MAX_KEYS, BwdConfig, KernelTiles,
+                                         bias_grad_shape, elsa_backward, get_config, reduce_bias_grad)
 from visionattn.metrics import rel_l2
 
 from grad_checks import FP32_TOL, assert_gradients, gradient_bounds, torch_matmul_precision
@@ -22,6 +22,7 @@ from visionattn.reference import scores_and_mask
 
 MODES = list(BWD_MODES)
 SMALL = BwdConfig(KernelTiles(16, 16, 4, 1), KernelTiles(16, 16, 4, 1))  # many tiles at small N
+SMALL_SINGLE = BwdConfig(KernelTiles(16, 16, 4, 1), KernelTiles(16, 16, 4, 1), single_pass=True)
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests; the gpu tests cover CUDA")
 
 
@@ -219,6 +220,40 @@ def test_deterministic():
 
 
 @cpu_only
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("Nq,Nk,D,Dv,causal", [(40, 40, 32, 32, True), (45, 23, 16, 40, False),
+                                               (23, 61, 40, 16, True)])
+def test_single_pass_meets_the_bounds(mode, Nq, Nk, D, Dv, causal):
+    """The single-pass backward (dQ added in key-tile order by the dK/dV kernel): every mode's bound, causal both
+    ways, a bool mask with a fully masked row (its dQ exactly 0), ragged tiles, D != Dv; two runs bit-identical."""
+    q, k, v, do = _inputs(2, 2, Nq, Nk, D, Dv, seed=Nq * Nk)
+    mask = torch.rand(Nq, Nk, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask[5] = False
+    got = check_mode(mode, q, k, v, do, mask=mask, causal=causal, scale=D ** -0.5, config=SMALL_SINGLE)
+    assert (got[0][:, :, 5] == 0).all()
+    dtype = BWD_MODES[mode][0]
+    qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+    out64, lse, _ = autograd_grads(torch.float64, qc, kc, vc, do, None, mask, causal, D ** -0.5)
+    again = elsa_backward(qc, kc, vc, out64.to(dtype), do.to(dtype), lse, None, mask, causal, D ** -0.5, mode,
+                          config=SMALL_SINGLE)
+    for a, b in zip(got[:3], again[:3]):
+        assert torch.equal(a, b)
+
+
+def test_single_pass_is_picked_where_it_measured_faster():
+    """Split-FP16 products at head dim 64 up to SINGLE_PASS_MAX_KEYS keys without a bias gradient; the two kernels
+    everywhere else."""
+    assert get_config("fp32", 64, n_keys=197).single_pass
+    assert get_config("tf32", 64, n_keys=SINGLE_PASS_MAX_KEYS).single_pass
+    assert not get_config("fp32", 64, n_keys=SINGLE_PASS_MAX_KEYS + 1).single_pass
+    assert not get_config("fp32", 64, bias_grad=True, n_keys=197).single_pass
+    assert not get_config("fp32", 64).single_pass
+    for mode in ("fp32-ieee", "fp16", "bf16"):
+        assert not get_config(mode, 64, n_keys=197).single_pass
+    assert not get_config("fp32", 128, n_keys=197).single_pass
+
+
+@cpu_only
 def test_the_backward_plan_is_built_once_per_signature(monkeypatch):
     """A second call with the same signature (new tensors) launches from the cached plan with gradients equal to a
     fresh build's; other strides or a bias gradient wanted build another plan."""
@@ -325,6 +360,27 @@ def test_gpu_long_causal_mask(mode):
     mask[7] = False
     dq = check_mode(mode, q, k, v, do, mask=mask, causal=True, chunk=1024)[0]
     assert (dq[:, :, 7] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_single_pass(mode):
+    """The single-pass backward at ViT-B/16 224 (the default there for split-FP16 products) and forced at 4096
+    keys (64 key tiles waiting in turn per query tile): the mode's bound, bit-identical over repeated runs."""
+    for (B, H, N), tiles in (((16, 12, 197), None), ((1, 4, 4096), KernelTiles(32, 64, 4, 2))):
+        q, k, v, do = _inputs(B, H, N, N, 64, seed=N, device="cuda")
+        cfg = None if tiles is None else BwdConfig(tiles, tiles, single_pass=True)
+        got = check_mode(mode, q, k, v, do, scale=0.125, config=cfg, chunk=1024)
+        dtype = BWD_MODES[mode][0]
+        qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, scale=0.125)
+        lse = torch.logsumexp((qc.float() @ kc.float().transpose(-1, -2)) * 0.125, -1)
+        runs = [elsa_backward(qc, kc, vc, out, do.to(dtype), lse, None, None, False, 0.125, mode, config=cfg)
+                for _ in range(3)]
+        for r in runs[1:]:
+            for a, b in zip(runs[0][:3], r[:3]):
+                assert torch.equal(a, b)
+        assert got[0].shape == (B, H, N, 64)
 
 
 @pytest.mark.gpu
