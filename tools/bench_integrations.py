@@ -21,8 +21,10 @@ Cells (random weights, eval mode, inference under ``torch.no_grad``), each timed
 Columns: ms per forward (median of per-call CUDA-event timings pooled over interleaved rounds, default then
 visionattn then default ...; eager, the Python launch path counts; ``--cuda-graph`` times graph replays on both
 sides instead), speed-up against the default row of the same dtype, peak allocated memory during one forward,
-and the output's relative L2 difference to the default row (``last_hidden_state``; the block's text and image
-outputs together). Targets are printed beside each visionattn row: ViT-B/16 and DINOv2-B fp32 >= 1.4x and
+and the output's relative L2 difference to the default row and to a float64 forward (the default attention on
+float64 copies of the weights and inputs: both rows' distance from the exact result, so a difference between
+the rows reads against how far each is from it; ``last_hidden_state``; the block's text and image outputs
+together). Targets are printed beside each visionattn row: ViT-B/16 and DINOv2-B fp32 >= 1.4x and
 bf16 >= 1.0x SDPA, the Flux block fp32 >= 2x and bf16 >= 1.0x diffusers' default; they are judged only on a
 GPU at full size.
 
@@ -37,6 +39,7 @@ case of theirs runs; a case whose library is missing is skipped with a printed l
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import importlib.metadata
 import importlib.util
@@ -103,11 +106,13 @@ class Cell:
         forward: one inference forward; returns what is compared between the rows (a tensor or a tuple of them).
         variants: ``(label, configure)`` pairs, the library's default first; ``configure()`` switches the
             model to that attention and returns facts for the row.
+        reference: the same forward in float64 with the library's default attention (a float64 copy of the
+            weights and inputs), what every row's output is measured against; None: no such column.
     """
 
     def __init__(self, info: dict, forward: Callable[[], torch.Tensor],
-                 variants: list[tuple[str, Callable[[], dict]]]):
-        self.info, self.forward, self.variants = info, forward, variants
+                 variants: list[tuple[str, Callable[[], dict]]], reference: Callable[[], torch.Tensor] | None = None):
+        self.info, self.forward, self.variants, self.reference = info, forward, variants, reference
 
 
 class Size(NamedTuple):
@@ -207,12 +212,18 @@ def transformers_cell(case: str, mode: str, batch: int, tiny: bool, device: torc
         used = model.config._attn_implementation
         return {"attn_implementation": used, "attention_function": AttentionInterface()[used].__name__}
 
+    def reference():
+        model64 = copy.deepcopy(model).double()
+        model64.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            return model64(pixel_values=pixels.double()).last_hidden_state
+
     grid = s.image // s.patch
     label = "tiny" if tiny else {"vit": "ViT-B/16", "dinov2": "DINOv2-B/14"}[case]
     info = dict(case=case, library="transformers", model=f"{model_cls.__name__} ({label})", img=s.image,
                 tokens=grid * grid + 1, batch=batch,
                 params_m=sum(p.numel() for p in model.parameters()) / 1e6)
-    return Cell(info, forward, [("sdpa", lambda: use("sdpa")), (name, lambda: use(name))])
+    return Cell(info, forward, [("sdpa", lambda: use("sdpa")), (name, lambda: use(name))], reference)
 
 
 def flux_cell(mode: str, tiny: bool, device: torch.device) -> Cell:
@@ -267,7 +278,15 @@ def flux_cell(mode: str, tiny: bool, device: torch.device) -> Cell:
     def patched_row():
         return {**patched(), "routed_per_forward": routed}
 
-    return Cell(info, forward, [("diffusers default (native SDPA)", default), (f"visionattn {mode}", patched_row)])
+    def reference():
+        block64 = copy.deepcopy(block).double()
+        unpatch_dispatch(block64)
+        with torch.no_grad():
+            return block64(hidden_states=hidden.double(), encoder_hidden_states=text.double(), temb=temb.double(),
+                           image_rotary_emb=tuple(r.double() for r in rotary))
+
+    return Cell(info, forward, [("diffusers default (native SDPA)", default), (f"visionattn {mode}", patched_row)],
+                reference)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -299,6 +318,16 @@ def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_gr
             except Exception as err:  # noqa: BLE001
                 row["error"] = failure_text(err, device)
     base, base_out = rows[0], outs.get(cell.variants[0][0])
+    if cell.reference is not None and outs:
+        try:
+            ref = cell.reference()
+            ref = torch.cat([t.flatten() for t in ref]) if isinstance(ref, tuple) else ref
+            for (label, _), row in zip(cell.variants, rows):
+                if label in outs:
+                    row["rel_l2_vs_float64"] = rel_l2(outs[label].double(), ref)
+            del ref
+        except Exception as err:  # noqa: BLE001 - e.g. out of memory in float64: the column stays empty
+            print(f"  float64 reference of {cell.info['case']}: {failure_text(err, device)}")
     for (label, _), row in zip(cell.variants, rows):
         if "error" in row:
             continue
@@ -342,7 +371,8 @@ def render_markdown(result: dict) -> str:
              f"* command: `{env.get('command')}`",
              f"* settings: {settings}",
              "* random weights; full size (`--tiny`: the sizes in the table): ViT-B/16 at 512 px (the multiple of "
-             "16 nearest 518: 32 x 32 patches + CLS = 1025 tokens, as a 518 px input gives), DINOv2-B at 518 px (37 x 37 + CLS = 1370 tokens), both "
+             "16 nearest 518: 32 x 32 patches + CLS = 1025 tokens, as a 518 px input gives), DINOv2-B at 518 px "
+             "(37 x 37 + CLS = 1370 tokens), both "
              "transformers models built with `dtype=` the mode's dtype and timed with `attn_implementation` "
              "'sdpa' and 'visionattn_<mode>' on the same weights; the Flux block (dim 3072, 24 heads x 128) on "
              "4096 image + 512 text tokens, batch 1, diffusers' default attention vs its dispatch_attention_fn "
@@ -350,7 +380,8 @@ def render_markdown(result: dict) -> str:
              "* ms = median of per-forward timings pooled over interleaved rounds (CUDA events on a GPU, wall clock "
              "on a CPU; eager: the Python launch path counts); speed-up = t(default) / t(visionattn), same dtype; "
              "peak = most allocated during one forward (MiB, weights included); rel L2 = output vs the default row "
-             "(last_hidden_state; the block's text and image outputs).",
+             "and vs float64 (the default attention on float64 copies of the weights and inputs; "
+             "last_hidden_state; the block's text and image outputs).",
              ]
     if settings.get("cuda_graph"):
         lines.append("* **CUDA-graph timing**: both rows' forwards are replayed from CUDA graphs (GPU time, no "
@@ -360,20 +391,22 @@ def render_markdown(result: dict) -> str:
     for case, why in result["skipped"].items():
         lines.append(f"* **{case} skipped**: {why}")
     header = ["case", "model", "img", "tokens", "batch", "dtype", "attention", "ms", "p10-p90 ms", "speed-up",
-              "target", "met", "peak MiB", "mem ratio", "rel L2 vs default"]
+              "target", "met", "peak MiB", "mem ratio", "rel L2 vs default", "rel L2 vs float64"]
     table = []
     for r in result["rows"]:
         if "error" in r:
             table.append([r["case"], r["model"], r["img"], r["tokens"], r["batch"], r["dtype"], r["attention"],
-                          r["error"]] + [""] * 7)
+                          r["error"]] + [""] * 8)
             continue
         spread = f"{r['p10_ms']:.4g}-{r['p90_ms']:.4g}"
         target = "-" if r.get("target_speedup") is None else f">= {r['target_speedup']}x"
         speedup = "-" if "speedup" not in r else f"{r['speedup']:.3f}x"
         opt = lambda key: "-" if r.get(key) is None else r[key]  # noqa: E731
         rel = "-" if r.get("rel_l2_vs_default") is None else f"{r['rel_l2_vs_default']:.2e}"
+        rel64 = "-" if r.get("rel_l2_vs_float64") is None else f"{r['rel_l2_vs_float64']:.2e}"
         table.append([r["case"], r["model"], r["img"], r["tokens"], r["batch"], r["dtype"], r["attention"],
-                      r["median_ms"], spread, speedup, target, _met(r), opt("peak_mib"), opt("mem_ratio"), rel])
+                      r["median_ms"], spread, speedup, target, _met(r), opt("peak_mib"), opt("mem_ratio"), rel,
+                      rel64])
     lines += ["", reporting.markdown_table(table, header)]
     return "\n".join(lines)
 

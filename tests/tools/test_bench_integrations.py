@@ -55,8 +55,16 @@ def test_tiny_cpu_run_writes_every_row(tmp_path):
         assert ours["speedup"] == by[(case, "fp32", True)]["median_ms"] / ours["median_ms"]
         assert ours["target_speedup"] == bench_integrations.TARGETS[case]["fp32"] and ours["target_met"] is None
         assert math.isfinite(by[(case, "bf16", False)]["rel_l2_vs_default"])
+        # against the float64 forward: visionattn's rows no further from it than twice the default's (FP32: its
+        # contract on top)
+        for mode in ("fp32", "bf16"):
+            default64 = by[(case, mode, True)]["rel_l2_vs_float64"]
+            ours64 = by[(case, mode, False)]["rel_l2_vs_float64"]
+            slack = MODES["fp32"].rel_tol if mode == "fp32" else 0.0
+            assert 0 <= ours64 <= 2 * default64 + slack, (case, mode, ours64, default64)
     md = open(out + ".md").read()
-    for word in ("visionattn_bf16", "FluxTransformerBlock", "transformers 5", "diffusers 0", "command"):
+    for word in ("visionattn_bf16", "FluxTransformerBlock", "transformers 5", "diffusers 0", "command",
+                 "rel L2 vs float64"):
         assert word in md
     assert os.path.getsize(out + ".png") > 0
 
