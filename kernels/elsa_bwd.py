@@ -64,7 +64,9 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   not lose their low bits. A product's right operand is scaled per column, which for dQ = dS K, dK = dS^T Q
   and dV = P^T dO runs across tokens: tokens within ~2^20 of the largest keep the bound; one token 10^7-10^8
   times the others costs the rest accuracy (``fp32-ieee`` has no such span).
-* ``fp32-ieee``: ``input_precision="ieee"`` (FP32 FMA), same accumulation.
+* ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32 or
+  64, 16-byte-aligned rows), the two kernels of :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA); else
+  ``tl.dot``'s ``input_precision="ieee"`` here.
 * ``tf32``: ``"f16x3"`` as ``fp32`` (TF32-class products err over twice PyTorch's own TF32 backward).
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
   FlashAttention-2 does), FP32 accumulation.
@@ -79,12 +81,14 @@ for tools and tuning :func:`get_config`, :class:`BwdConfig`, :class:`KernelTiles
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from . import ieee_gluon_bwd
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import key_tiles, load_kv_tile
@@ -880,6 +884,18 @@ def _tensor_key(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
 
 
+_GLUON_WARNED: list[str] = []
+
+
+def _gluon_unavailable(why: str) -> None:
+    """Warn once per process that the Gluon IEEE backward cannot run here (the Triton kernels then do)."""
+    if not _GLUON_WARNED:
+        _GLUON_WARNED.append(why)
+        warnings.warn(f"visionattn: the Gluon fp32-ieee backward kernels cannot run ({why[:300]}); mode "
+                      f"'fp32-ieee' trains on the Triton kernels (about 0.4x the speed) for the rest of this "
+                      f"process", RuntimeWarning, stacklevel=6)
+
+
 # call signature -> _BackwardPlan (see launch_backward); PLANS.hits / PLANS.builds count reuses and builds
 PLANS = PlanCache()
 # (forward plan, output-gradient layout, bias shape and gradient) -> _BackwardPlan (see backward_after_forward)
@@ -932,6 +948,14 @@ class _BackwardPlan:
         self.bias_splits = bias_splits
         self.device = q.device
         self.single_pass = self.cfg.single_pass and not (self.write_db or self.write_dhs)
+        # IEEE products: the Gluon FMA kernels (ieee_gluon_bwd) where they take the call and no tiles are given
+        self.gluon = None
+        if precision == "ieee" and config is None and default is None and add_mask is None and head_scale is None:
+            reason = ieee_gluon_bwd.unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
+            if reason is None:
+                self.gluon = ieee_gluon_bwd.planned_launch(q, k, v, grad_out)
+            elif reason == ieee_gluon_bwd._IMPORT_ERROR:
+                _gluon_unavailable(reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32,
                             SPIN_ASM=not interpreting())
@@ -985,6 +1009,9 @@ class _BackwardPlan:
         delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
         lse_row = torch.empty_like(delta)
         self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed)
+        if self.gluon is not None:
+            self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, float(scale))
+            return dq, dk, dv, None, None
         # absent tensors: q's pointer stands in (never read)
         tensors = (q if bias is None else bias.expand(self.shape4), q if add_mask is None else add_mask,
                    q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)

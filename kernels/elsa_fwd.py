@@ -714,13 +714,12 @@ def _gluon_failed(kernel: str, why: str) -> None:
 
 def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype, with_lse=False):
     """A :class:`_GluonPlan` on ``kernel`` ("fp32-ieee": the FMA kernel of :mod:`.ieee_gluon`, ~2x this
-    module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`, which also writes the
-    LSE), or ``None`` when it does not take the call: lengths it is not preferred at, outside its scope, where
-    the split-KV path would run (few query tiles), an LSE wanted from the IEEE kernel, or after it failed to
-    import or compile once in this process (warned once)."""
+    module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`; both also write the
+    LSE when asked), or ``None`` when it does not take the call: lengths it is not preferred at, outside its
+    scope, where the split-KV path would run (few query tiles), or after it failed to import or compile once in
+    this process (warned once)."""
     module, preferred = _GLUON_KERNELS[kernel]
-    if kernel in _GLUON_FAILED or not preferred(q.shape[2], k.shape[2], q.shape[3]) or (
-            with_lse and kernel != "half"):
+    if kernel in _GLUON_FAILED or not preferred(q.shape[2], k.shape[2], q.shape[3]):
         return None
     reason = module.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits)
     if reason is not None:

@@ -39,8 +39,8 @@ try:  # Gluon is experimental: its API moves between Triton releases
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["ieee_attention", "launch", "planned_launch", "unsupported_reason", "get_config", "config_for", "kernel_constexprs",
-           "HEAD_DIMS"]
+__all__ = ["ieee_attention", "launch", "planned_launch", "unsupported_reason", "get_config", "config_for",
+           "kernel_constexprs", "HEAD_DIMS"]
 
 HEAD_DIMS = (32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -73,15 +73,16 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
 if _IMPORT_ERROR is None:
 
     @gluon.jit
-    def _issue_kv(k_smem, v_smem, k_base, v_base, skn, svn, tile, Nk, offs_ln, offs_ld,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        # cp.async K and V tile `tile` into ring slot tile % STAGES (keys >= Nk -> 0), one commit group
+    def issue_pair(a_smem, b_smem, a_base, b_base, sa, sb, tile, n, offs_l, offs_ld,
+                   BLOCK: gl.constexpr, STAGES: gl.constexpr):
+        """cp.async rows [tile * BLOCK, +BLOCK) of two [n, D] operands (K and V; Q and dO in the backward) into
+        ring slot ``tile % STAGES`` of ``a_smem`` / ``b_smem`` (rows >= n read 0), one commit group."""
         slot = tile % STAGES
-        rows = tile * BLOCK_N + offs_ln
-        ok = (rows < Nk)[:, None]
+        rows = tile * BLOCK + offs_l
+        ok = (rows < n)[:, None]
         rows64 = rows.to(gl.int64)[:, None]
-        async_copy.async_copy_global_to_shared(k_smem.index(slot), k_base + rows64 * skn + offs_ld[None, :], mask=ok)
-        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_base + rows64 * svn + offs_ld[None, :], mask=ok)
+        async_copy.async_copy_global_to_shared(a_smem.index(slot), a_base + rows64 * sa + offs_ld[None, :], mask=ok)
+        async_copy.async_copy_global_to_shared(b_smem.index(slot), b_base + rows64 * sb + offs_ld[None, :], mask=ok)
         async_copy.commit_group()
 
     @gluon.jit
@@ -106,12 +107,14 @@ if _IMPORT_ERROR is None:
         return acc * alpha[:, None] + pv, m_new, l_i
 
     @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
-    def _ieee_fwd_kernel(Q, K, V, O, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+    def _ieee_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                          H, Nq, Nk, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, KC: gl.constexpr,
-                         STAGES: gl.constexpr, SPT_M: gl.constexpr, NUM_WARPS: gl.constexpr):
+                         STAGES: gl.constexpr, SPT_M: gl.constexpr, NUM_WARPS: gl.constexpr,
+                         WRITE_LSE: gl.constexpr):
         # One (query tile, head, batch) program, 1-D grid as the Triton kernel. Scores / output: each
-        # thread holds SPT_M rows x 4 columns per 32-column repeat, 8 lanes share a row.
+        # thread holds SPT_M rows x 4 columns per 32-column repeat, 8 lanes share a row. WRITE_LSE: also the
+        # natural-log log-sum-exp of each row into LSE, contiguous float32 [B, H, Nq] (what the backward reads).
         blk: gl.constexpr = gl.BlockedLayout(size_per_thread=[SPT_M, 4], threads_per_warp=[4, 8],
                                              warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=blk, k_width=0)
@@ -147,7 +150,7 @@ if _IMPORT_ERROR is None:
         v_base = V + off_b * svb + off_h * svh
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         for st in gl.static_range(STAGES - 1):  # Q travels in tile 0's commit group
-            _issue_kv(k_smem, v_smem, k_base, v_base, skn, svn, st, Nk, offs_ln, offs_ld, BLOCK_N, STAGES)
+            issue_pair(k_smem, v_smem, k_base, v_base, skn, svn, st, Nk, offs_ln, offs_ld, BLOCK_N, STAGES)
 
         offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, blk))
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, blk))
@@ -155,7 +158,7 @@ if _IMPORT_ERROR is None:
         acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=blk)
         for t in range(0, n_tiles - 1):
             _cta_barrier()  # every warp is done with ring slot (t - 1) % STAGES and with P
-            _issue_kv(k_smem, v_smem, k_base, v_base, skn, svn, t + STAGES - 1, Nk, offs_ln, offs_ld,
+            issue_pair(k_smem, v_smem, k_base, v_base, skn, svn, t + STAGES - 1, Nk, offs_ln, offs_ld,
                       BLOCK_N, STAGES)
             async_copy.wait_group(STAGES - 1)  # tile t has landed (this thread's copies) ...
             _cta_barrier()  # ... and every thread's
@@ -171,6 +174,8 @@ if _IMPORT_ERROR is None:
         offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
         gl.store(O + off_b * sob + off_h * soh + offs_om.to(gl.int64)[:, None] * som + offs_od[None, :],
                  out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
+        if WRITE_LSE:  # sum_j exp(scale s_j) = 2^m * l, m the base-2 running max
+            gl.store(LSE + bh * Nq + offs_om, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_om < Nq)
 
 
 def ieee_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -201,26 +206,29 @@ def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
     return get_config(k.shape[2], q.shape[3])
 
 
-def kernel_constexprs(cfg: dict, head_dim: int) -> dict:
+def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False) -> dict:
     """The constexpr arguments of :func:`_ieee_fwd_kernel` for a :func:`get_config` dict (launches,
     offline compiles and their tests build the kernel from this one mapping)."""
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, KC=cfg["KC"], STAGES=cfg["STAGES"],
-                SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"])
+                SPT_M=cfg["SPT_M"], NUM_WARPS=cfg["num_warps"], WRITE_LSE=write_lse)
 
 
-def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict):
+def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict, write_lse: bool = False):
     """The launch of :func:`ieee_attention`'s kernel for this call signature (shapes, strides, ``cfg``), as a
-    callable ``(q, k, v, scale, out) -> None`` for any later call with the same shapes and strides, without
-    checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
-    launcher's plans). ``out`` is a heads-inner [B, H, Nq, D] buffer (:func:`._host.allocate_output`)."""
+    callable ``(q, k, v, scale, out, lse=None) -> None`` for any later call with the same shapes and strides,
+    without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
+    launcher's plans). ``out`` is a heads-inner [B, H, Nq, D] buffer (:func:`._host.allocate_output`); with
+    ``write_lse`` every call passes ``lse``, a contiguous float32 [B, H, Nq] buffer for the natural-log
+    log-sum-exp of each row (the backward's input)."""
     B, H, Nq, D = q.shape
     o_stride = heads_inner_layout(B, H, Nq, D)[1][:3]  # out is the plan's heads-inner buffer
-    call = KernelCall(_ieee_fwd_kernel, (cdiv(Nq, cfg["BLOCK_M"]) * B * H,), kernel_constexprs(cfg, D),
+    call = KernelCall(_ieee_fwd_kernel, (cdiv(Nq, cfg["BLOCK_M"]) * B * H,), kernel_constexprs(cfg, D, write_lse),
                       dict(num_warps=cfg["num_warps"]))
     fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_stride, H, Nq, k.shape[2])
 
-    def launch(q, k, v, scale, out):
-        call(q, k, v, out, *fixed, scale * _LOG2E)
+    def launch(q, k, v, scale, out, lse=None):
+        # without an LSE the pointer is never read: the output's stands in
+        call(q, k, v, out, out if lse is None else lse, *fixed, scale * _LOG2E)
 
     return launch
 

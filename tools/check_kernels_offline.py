@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, pasa_fwd, window_bwd,  # noqa: E402
+from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, ieee_gluon_bwd, pasa_fwd, window_bwd,  # noqa: E402
                                 window_fwd)
 from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
@@ -39,7 +39,7 @@ from visionattn.reporting import environment, markdown_table, write_json_atomic,
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _cli import ToolParser, check_output, default_out  # noqa: E402
 
-KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward")
+KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
 
 
@@ -96,9 +96,26 @@ def _ieee_gluon_jobs(quick: bool):
             cfg = ieee_gluon.get_config(n_k, d)
             yield ({"kernel": "ieee-gluon", "variant": f"D={d} Nk={n_k}",
                     "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["STAGES"]]},
-                   dict(kernel=ieee_gluon._ieee_fwd_kernel, pointer_types={n: "*fp32" for n in "QKVO"},
+                   dict(kernel=ieee_gluon._ieee_fwd_kernel,
+                        pointer_types={n: "*fp32" for n in ("Q", "K", "V", "O", "LSE")},
                         constexprs=ieee_gluon.kernel_constexprs(cfg, d), num_warps=cfg["num_warps"], num_stages=1,
                         float_args=("qk_scale",)))
+
+
+def _ieee_gluon_bwd_jobs(quick: bool):
+    if ieee_gluon_bwd._IMPORT_ERROR is not None:
+        return
+    for d in ((64,) if quick else ieee_gluon_bwd.HEAD_DIMS):
+        cfg = ieee_gluon_bwd.get_config(d)
+        for name, kernel, ptrs in (
+                ("dkdv", ieee_gluon_bwd._ieee_dkdv_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DK", "DV")),
+                ("dq", ieee_gluon_bwd._ieee_dq_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DQ"))):
+            part = cfg[name]
+            yield ({"kernel": f"ieee-gluon-bwd-{name}", "variant": f"D={d}",
+                    "config": [part["BLOCK_HELD"], part["BLOCK_STREAMED"], part["num_warps"], cfg["STAGES"]]},
+                   dict(kernel=kernel, pointer_types={n: "*fp32" for n in ptrs},
+                        constexprs=ieee_gluon_bwd.kernel_constexprs(cfg, name, d), num_warps=part["num_warps"],
+                        num_stages=1, float_args=("scale",)))
 
 
 def _half_gluon_jobs(quick: bool):
@@ -226,7 +243,8 @@ def main(args) -> dict:
     check_output(parser, args.out)
     jobs = []
     for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
-                      ("pasa", _pasa_jobs), ("window", _window_jobs), ("backward", _backward_jobs)):
+                      ("pasa", _pasa_jobs), ("window", _window_jobs), ("backward", _backward_jobs),
+                      ("ieee-gluon-bwd", _ieee_gluon_bwd_jobs)):
         if name in wanted:
             jobs += list(gen(args.quick))
     rows, t0 = [], time.perf_counter()

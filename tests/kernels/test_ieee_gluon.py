@@ -18,10 +18,12 @@ from visionattn.kernels.introspect import compile_for_arch
 out = {}
 for d, n_k in ((64, 4096), (64, 197), (32, 4096), (128, 4096)):
     cfg = ieee_gluon.get_config(n_k, d)
-    r = compile_for_arch(ieee_gluon._ieee_fwd_kernel, {n: "*fp32" for n in "QKVO"}, ieee_gluon.kernel_constexprs(cfg, d),
-                         num_warps=cfg["num_warps"], num_stages=1, float_args=("qk_scale",))
-    out[f"{d}_{cfg['BLOCK_N']}_{cfg['BLOCK_M']}"] = {"shared": r.shared_bytes, "wgmma": r.wgmma, "dots": r.ttgir.count("tt.dot "),
-                                    "regs": r.registers, "local": r.local_bytes, "programs": r.programs_per_sm}
+    r = compile_for_arch(ieee_gluon._ieee_fwd_kernel, {n: "*fp32" for n in ("Q", "K", "V", "O", "LSE")},
+                         ieee_gluon.kernel_constexprs(cfg, d), num_warps=cfg["num_warps"], num_stages=1,
+                         float_args=("qk_scale",))
+    out[f"{d}_{cfg['BLOCK_N']}_{cfg['BLOCK_M']}"] = {
+        "shared": r.shared_bytes, "wgmma": r.wgmma, "dots": r.ttgir.count("tt.dot "), "regs": r.registers,
+        "local": r.local_bytes, "programs": r.programs_per_sm}
 print(json.dumps(out))
 """
 
