@@ -81,14 +81,13 @@ for tools and tuning :func:`get_config`, :class:`BwdConfig`, :class:`KernelTiles
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from . import ieee_gluon_bwd
+from . import elsa_fwd, ieee_gluon_bwd
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import key_tiles, load_kv_tile
@@ -292,17 +291,13 @@ def _dq_ordered_add(dst, k, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, 
     ok = (rows < Nq)[:, None] & (offs_d < D)[None, :]
     offs = dq_base + rows.to(tl.int64)[:, None] * D + offs_d[None, :]
     _wait_turn(sem_ptr, seen, pid_n, SPIN_ASM)
-    if ACC_IS_OUT:
-        tl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-    else:
+    old = tl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+    if not ACC_IS_OUT:
         last = n_n - 1
         if IS_CAUSAL:
             last = tl.minimum(last, (start_m + BLOCK_M - 1) // BLOCK_N)
         if pid_n == last:
-            old = tl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
             tl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
-        else:
-            tl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
     tl.debug_barrier()  # every thread's add is issued before the turn passes (the release orders them)
     tl.atomic_xchg(sem_ptr, pid_n + 1, sem="release")
 
@@ -884,16 +879,7 @@ def _tensor_key(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
 
 
-_GLUON_WARNED: list[str] = []
-
-
-def _gluon_unavailable(why: str) -> None:
-    """Warn once per process that the Gluon IEEE backward cannot run here (the Triton kernels then do)."""
-    if not _GLUON_WARNED:
-        _GLUON_WARNED.append(why)
-        warnings.warn(f"visionattn: the Gluon fp32-ieee backward kernels cannot run ({why[:300]}); mode "
-                      f"'fp32-ieee' trains on the Triton kernels (about 0.4x the speed) for the rest of this "
-                      f"process", RuntimeWarning, stacklevel=6)
+_GLUON_BWD = "fp32-ieee backward"  # the Gluon IEEE backward's name in elsa_fwd's record of Gluon failures
 
 
 # call signature -> _BackwardPlan (see launch_backward); PLANS.hits / PLANS.builds count reuses and builds
@@ -948,14 +934,17 @@ class _BackwardPlan:
         self.bias_splits = bias_splits
         self.device = q.device
         self.single_pass = self.cfg.single_pass and not (self.write_db or self.write_dhs)
-        # IEEE products: the Gluon FMA kernels (ieee_gluon_bwd) where they take the call and no tiles are given
+        # IEEE products: the Gluon FMA kernels (ieee_gluon_bwd) where they take the call and no tiles are given,
+        # unless they failed to import or build once in this process (warned once, as the forward's Gluon kernels)
         self.gluon = None
-        if precision == "ieee" and config is None and default is None and add_mask is None and head_scale is None:
+        self.gluon_ran = False
+        if (precision == "ieee" and config is None and default is None and add_mask is None and head_scale is None
+                and _GLUON_BWD not in elsa_fwd._GLUON_FAILED):
             reason = ieee_gluon_bwd.unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
             if reason is None:
                 self.gluon = ieee_gluon_bwd.planned_launch(q, k, v, grad_out)
-            elif reason == ieee_gluon_bwd._IMPORT_ERROR:
-                _gluon_unavailable(reason)
+            elif reason == ieee_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
+                elsa_fwd._gluon_failed(_GLUON_BWD, reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32,
                             SPIN_ASM=not interpreting())
@@ -1010,8 +999,15 @@ class _BackwardPlan:
         lse_row = torch.empty_like(delta)
         self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed)
         if self.gluon is not None:
-            self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, float(scale))
-            return dq, dk, dv, None, None
+            try:
+                self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, float(scale))
+                self.gluon_ran = True
+                return dq, dk, dv, None, None
+            except Exception as exc:  # a Triton release whose Gluon cannot build these kernels: the Triton ones
+                if self.gluon_ran:
+                    raise
+                elsa_fwd._gluon_failed(_GLUON_BWD, f"{type(exc).__name__}: {exc}")
+                self.gluon = None
         # absent tensors: q's pointer stands in (never read)
         tensors = (q if bias is None else bias.expand(self.shape4), q if add_mask is None else add_mask,
                    q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)

@@ -696,17 +696,21 @@ class _EmptyPlan:
         return out, lse
 
 
-# Gluon kernel ("fp32-ieee" / "half") -> why it could not run in this process (first failure; warned once)
+# Gluon kernel ("fp32-ieee" / "half"; "fp32-ieee backward": kernels/ieee_gluon_bwd.py) -> why it could not run in
+# this process (first failure; warned once)
 _GLUON_FAILED: dict[str, str] = {}
 # kernel -> (module, (n_q, n_k, head dim) -> whether it is ahead of this module's kernel on an in-scope call)
 _GLUON_KERNELS = {"fp32-ieee": (ieee_gluon, lambda n_q, n_k, head_dim: True),
                   "half": (half_gluon, half_gluon.preferred)}
 _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (about half the speed)",
-                        "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)"}
+                        "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)",
+                        "fp32-ieee backward": "mode 'fp32-ieee' trains on the Triton backward kernels (about 0.4x the "
+                                              "speed)"}
 
 
 def _gluon_failed(kernel: str, why: str) -> None:
-    """Record why the Gluon ``kernel`` ("fp32-ieee" / "half") cannot run in this process and warn, once."""
+    """Record why the Gluon ``kernel`` (a key of :data:`_GLUON_FALLBACK_COST`) cannot run in this process and
+    warn, once."""
     _GLUON_FAILED[kernel] = why[:500]
     warnings.warn(f"visionattn: the Gluon {kernel} kernel cannot run ({_GLUON_FAILED[kernel]}); "
                   f"{_GLUON_FALLBACK_COST[kernel]} for the rest of this process", RuntimeWarning, stacklevel=5)

@@ -72,6 +72,20 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
 
 if _IMPORT_ERROR is None:
 
+    @gluon.constexpr_function
+    def fma_layout(spt_m, num_warps):
+        """The FMA products' register blocking (forward and backward kernels): each thread holds ``spt_m`` rows x 4
+        columns of a tile per 32-column repeat, 8 lanes share a row."""
+        return gl.BlockedLayout(size_per_thread=[spt_m, 4], threads_per_warp=[4, 8], warps_per_cta=[num_warps, 1],
+                                order=[1, 0])
+
+    @gluon.constexpr_function
+    def row_load_layout(head_d, num_warps):
+        """cp.async of [rows, head_d] FP32 tiles in 16-byte vectors: head_d // 4 lanes per row."""
+        tpw = head_d // 4
+        return gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // tpw, tpw],
+                                warps_per_cta=[num_warps, 1], order=[1, 0])
+
     @gluon.jit
     def issue_pair(a_smem, b_smem, a_base, b_base, sa, sb, tile, n, offs_l, offs_ld,
                    BLOCK: gl.constexpr, STAGES: gl.constexpr):
@@ -115,13 +129,10 @@ if _IMPORT_ERROR is None:
         # One (query tile, head, batch) program, 1-D grid as the Triton kernel. Scores / output: each
         # thread holds SPT_M rows x 4 columns per 32-column repeat, 8 lanes share a row. WRITE_LSE: also the
         # natural-log log-sum-exp of each row into LSE, contiguous float32 [B, H, Nq] (what the backward reads).
-        blk: gl.constexpr = gl.BlockedLayout(size_per_thread=[SPT_M, 4], threads_per_warp=[4, 8],
-                                             warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        blk: gl.constexpr = fma_layout(SPT_M, NUM_WARPS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=blk, k_width=0)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=blk, k_width=0)
-        TPW_D: gl.constexpr = HEAD_D // 4
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // TPW_D, TPW_D],
-                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        ld: gl.constexpr = row_load_layout(HEAD_D, NUM_WARPS)
         # Q / P rows are read SPT_M apart by the lanes of a warp, K rows 4 apart: XOR-swizzle the 16-byte
         # vectors by row // SPT_M (row // 4) so those reads hit distinct banks; V is read along its rows
         swz: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=SPT_M, max_phase=8, order=[1, 0])

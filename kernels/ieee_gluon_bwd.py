@@ -38,7 +38,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from .ieee_gluon import issue_pair
+    from .ieee_gluon import fma_layout, issue_pair, row_load_layout
 
     # renamed from thread_barrier to barrier after triton 3.6
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -116,13 +116,10 @@ if _IMPORT_ERROR is None:
         # >= Nq read zeros and lse = +inf, so their P and dS are 0.
         BLOCK_N: gl.constexpr = BLOCK_HELD
         BLOCK_M: gl.constexpr = BLOCK_STREAMED
-        blk: gl.constexpr = gl.BlockedLayout(size_per_thread=[SPT_M, 4], threads_per_warp=[4, 8],
-                                             warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        blk: gl.constexpr = fma_layout(SPT_M, NUM_WARPS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=blk, k_width=0)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=blk, k_width=0)
-        TPW_D: gl.constexpr = HEAD_D // 4
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // TPW_D, TPW_D],
-                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        ld: gl.constexpr = row_load_layout(HEAD_D, NUM_WARPS)
         # left operands (K, V, P^T, dS^T) are read SPT_M rows apart by the lanes of a warp, Q / dO rows 4 apart
         # (read transposed) or along their rows in KC-row slices: XOR-swizzle the 16-byte vectors accordingly, the
         # latter with a pattern of KC rows (a row slice may not cut one)
@@ -209,13 +206,10 @@ if _IMPORT_ERROR is None:
         # One (query tile, head, batch) program, 1-D grid cdiv(Nq, BLOCK_HELD) * H * B; DQ contiguous [B, H, Nq, D].
         BLOCK_M: gl.constexpr = BLOCK_HELD
         BLOCK_N: gl.constexpr = BLOCK_STREAMED
-        blk: gl.constexpr = gl.BlockedLayout(size_per_thread=[SPT_M, 4], threads_per_warp=[4, 8],
-                                             warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        blk: gl.constexpr = fma_layout(SPT_M, NUM_WARPS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=blk, k_width=0)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=blk, k_width=0)
-        TPW_D: gl.constexpr = HEAD_D // 4
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32 // TPW_D, TPW_D],
-                                            warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
+        ld: gl.constexpr = row_load_layout(HEAD_D, NUM_WARPS)
         swz_a: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=SPT_M, max_phase=8, order=[1, 0])
         swz_b: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=4, max_phase=KC // 4, order=[1, 0])
 

@@ -117,3 +117,33 @@ def test_vit_unbind_views_through_autograd():
     (ref,) = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(q64, k64, v64), qkv64,
                                  do.double())
     assert rel_l2(got, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_a_gluon_build_failure_warns_once_and_trains_on_the_triton_kernels(monkeypatch):
+    """A Triton whose Gluon cannot build the backward kernels (simulated: the first launch raises) keeps the
+    gradients right through the Triton IEEE kernels, warns once naming the cause, and plans no Gluon launch
+    afterwards."""
+    from visionattn.kernels import elsa_bwd, elsa_fwd
+    from visionattn.metrics import rel_l2
+
+    def failing(*args, **kwargs):
+        def launch(*a):
+            raise RuntimeError("simulated Gluon build failure")
+        return launch
+
+    monkeypatch.setattr(ieee_gluon_bwd, "planned_launch", failing)
+    monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    elsa_bwd.PLANS.clear()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 300, 64, device="cuda", generator=g) for _ in range(4))
+    out64, lse, gold = _oracle(q, k, v, do, 0.125)
+    with pytest.warns(RuntimeWarning, match="simulated Gluon build failure"):
+        got = elsa_bwd.elsa_backward(q, k, v, out64.float(), do, lse, None, None, False, 0.125, "fp32-ieee")
+    for x, ref in zip(got[:3], gold):
+        assert rel_l2(x, ref) <= 1e-5
+    q2 = q[:, :, :200]
+    elsa_bwd.elsa_backward(q2, k, v, out64.float()[:, :, :200], do[:, :, :200], lse[:, :, :200], None, None, False,
+                           0.125, "fp32-ieee")
+    assert all(p.gluon is None for p in elsa_bwd.PLANS.plans.values())
+    assert "simulated" in elsa_fwd._GLUON_FAILED["fp32-ieee backward"]
