@@ -65,7 +65,7 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   and dV = P^T dO runs across tokens: tokens within ~2^20 of the largest keep the bound; one token 10^7-10^8
   times the others costs the rest accuracy (``fp32-ieee`` has no such span).
 * ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32 or
-  64, 16-byte-aligned rows), the two kernels of :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA); else
+  64, 16-byte-aligned rows), :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA, single pass); else
   ``tl.dot``'s ``input_precision="ieee"`` here.
 * ``tf32``: ``"f16x3"`` as ``fp32`` (TF32-class products err over twice PyTorch's own TF32 backward).
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
@@ -89,7 +89,7 @@ import triton.language as tl
 
 from . import elsa_fwd, ieee_gluon_bwd
 from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
-from ._launch import KernelCall, PlanCache, interpreting
+from ._launch import SPIN_UNTIL_EQUAL_PTX, KernelCall, PlanCache, interpreting
 from .elsa_fwd import key_tiles, load_kv_tile
 from .modes import MODES
 from .split16 import split_rows, split_scores
@@ -267,10 +267,8 @@ def _wait_turn(sem_ptr, seen, turn, SPIN_ASM: tl.constexpr):
     software pipeliner then still pipelines it); else a Triton ``while`` (the interpreter, which runs programs
     one after another, so the counter is already there)."""
     if SPIN_ASM:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred %p; .reg .b32 %c; mov.b32 %c, $1; spin_${:uid}: setp.ne.s32 %p, %c, $3; "
-            "@%p ld.relaxed.gpu.global.b32 %c, [$2]; @%p bra spin_${:uid}; mov.b32 $0, %c; }",
-            "=r,r,l,r", [seen, sem_ptr, turn], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(SPIN_UNTIL_EQUAL_PTX, "=r,r,l,r", [seen, sem_ptr, turn], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     else:
         while tl.atomic_add(sem_ptr, 0, sem="acquire") != turn:
             pass
@@ -937,12 +935,14 @@ class _BackwardPlan:
         # IEEE products: the Gluon FMA kernels (ieee_gluon_bwd) where they take the call and no tiles are given,
         # unless they failed to import or build once in this process (warned once, as the forward's Gluon kernels)
         self.gluon = None
-        self.gluon_ran = False
+        self.gluon_ran = self.gluon_single_pass = False
         if (precision == "ieee" and config is None and default is None and add_mask is None and head_scale is None
                 and _GLUON_BWD not in elsa_fwd._GLUON_FAILED):
             reason = ieee_gluon_bwd.unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
             if reason is None:
-                self.gluon = ieee_gluon_bwd.planned_launch(q, k, v, grad_out)
+                gluon_cfg = ieee_gluon_bwd.get_config(D)
+                self.gluon_single_pass = gluon_cfg["single_pass"]
+                self.gluon = ieee_gluon_bwd.planned_launch(q, k, v, grad_out, gluon_cfg)
             elif reason == ieee_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                 elsa_fwd._gluon_failed(_GLUON_BWD, reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
@@ -987,7 +987,7 @@ class _BackwardPlan:
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale):
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
-        if self.single_pass:
+        if self.single_pass or (self.gluon is not None and self.gluon_single_pass):
             dq, acc, sem = self._ordered_buffers(q.dtype)
         else:
             dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)  # every element written by the dQ kernel
@@ -1000,7 +1000,7 @@ class _BackwardPlan:
         self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed)
         if self.gluon is not None:
             try:
-                self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, float(scale))
+                self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, sem, float(scale))
                 self.gluon_ran = True
                 return dq, dk, dv, None, None
             except Exception as exc:  # a Triton release whose Gluon cannot build these kernels: the Triton ones

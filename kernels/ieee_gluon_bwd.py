@@ -1,4 +1,4 @@
-"""FP32-IEEE attention backward in Gluon: the dK/dV and dQ kernels with FMA products on a register-blocked layout.
+"""FP32-IEEE attention backward in Gluon: dK/dV (+ dQ) and dQ kernels with FMA products on a register-blocked layout.
 
 Mode ``fp32-ieee`` multiplies with FP32 FMAs, no tensor cores. Triton's ``tl.dot(..., input_precision="ieee")``
 chooses a thread layout in which each thread re-reads far more operands from shared memory than it multiplies,
@@ -16,6 +16,14 @@ Same algebra as the Triton backward (:mod:`.elsa_bwd`, FlashAttention-2's Alg. 2
 * :func:`_ieee_dq_kernel`: one program per (query tile, head, batch) holds ``Q_i, dO_i`` and the ``dQ_i``
   accumulator and streams the key tiles: ``S = Q K^T``, ``P``, ``dP = dO V^T``, ``dS``, ``dQ += dS K``.
 
+By default one pass does all (``get_config()["single_pass"]``): the dK/dV kernel also forms each query tile's
+``dS K`` and adds it into the FP32 dQ, so the dQ kernel and its recomputation of ``S`` and ``dP`` go (five
+tile products per tile pair instead of seven). The adds into a query tile run in key-tile order, handed on
+through an int32 counter per query tile, as in :mod:`.elsa_bwd`'s single pass: key tile ``j`` waits only for
+key tile ``j - 1`` of its head, a lower program id, so the wait ends as long as the GPU starts programs in id
+order. FMA products are slow enough that the ordered adds cost little next to the two products they save,
+unlike half precision on tensor cores.
+
 Each tile's product into an accumulator is formed apart and added once (one rounding per tile, as the
 Triton kernels' FP32 products), every sum in a fixed order: the gradients are bit-for-bit reproducible.
 ``delta`` and the row ``lse`` come from :mod:`.elsa_bwd`'s preprocess kernel.
@@ -31,7 +39,7 @@ import torch
 
 from ._gluon import scope_reason
 from ._host import cdiv
-from ._launch import KernelCall
+from ._launch import SPIN_UNTIL_EQUAL_PTX, KernelCall
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -57,11 +65,13 @@ def get_config(head_dim: int) -> dict:
     queries in the dQ kernel), ``BLOCK_STREAMED`` rows streamed per step, ``SPT_M`` rows per thread,
     ``num_warps``; ``KC`` (reduction chunk) and ``STAGES`` (cp.async ring depth) shared. The dQ kernel holds
     half the rows of the dK/dV kernel, which keeps two accumulators: with 64 held rows its operand chunks
-    spill registers."""
+    spill registers. ``single_pass``: the dK/dV kernel also adds dQ and no dQ kernel runs (five products per
+    tile pair instead of seven): 1.1-1.5x faster from 1024 keys on and even at ViT-B/16 224 (docs/tuning.md:
+    fp32-ieee backward in one pass), so on at every length."""
     held = 64 if head_dim > 32 else 32  # at D = 32 the 64-key dK/dV tile spills (the compiler's occupancy choice)
     return {"dkdv": {"BLOCK_HELD": held, "BLOCK_STREAMED": 32, "SPT_M": held // 16, "num_warps": 4},
             "dq": {"BLOCK_HELD": 32, "BLOCK_STREAMED": 32, "SPT_M": 2, "num_warps": 4},
-            "KC": 16, "STAGES": 2}
+            "KC": 16, "STAGES": 2, "single_pass": True}
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -106,19 +116,39 @@ if _IMPORT_ERROR is None:
             acc = gl.dot_fma(a_smem.slice(kk, KC, dim=1).load(a_l), b_smem.slice(kk, KC, dim=0).load(b_l), acc)
         return acc
 
+    @gluon.jit
+    def _dq_ordered_add(part, DQ, sem_ptr, seen, pid_n, rows, offs_d, Nq, HEAD_D: gl.constexpr):
+        # add key tile pid_n's dQ share ``part`` [BLOCK_M, HEAD_D] into DQ's rows in key-tile order: wait until
+        # the query tile's counter says every lower key tile has added, add, pass the turn on (the order, not
+        # the timing, fixes the sums: dQ is bit-for-bit reproducible)
+        gl.inline_asm_elementwise(SPIN_UNTIL_EQUAL_PTX, "=r,r,l,r", [seen, sem_ptr, pid_n], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+        offs = rows.to(gl.int64)[:, None] * HEAD_D + offs_d[None, :]
+        gl.atomic_add(DQ + offs, part, mask=(rows < Nq)[:, None], sem="relaxed")
+        _cta_barrier()  # every thread's adds are issued before the turn passes (the release orders them)
+        gl.atomic_xchg(sem_ptr, pid_n + 1, sem="release")
+
     @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
-    def _ieee_dkdv_kernel(Q, K, V, DO, Delta, LseRow, DK, DV, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
+    def _ieee_dkdv_kernel(Q, K, V, DO, Delta, LseRow, DK, DV, DQ, Sem, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn,
                           sdb, sdh, sdm, H, Nq, Nk, scale,
                           BLOCK_HELD: gl.constexpr, BLOCK_STREAMED: gl.constexpr, HEAD_D: gl.constexpr,
-                          KC: gl.constexpr, STAGES: gl.constexpr, SPT_M: gl.constexpr, NUM_WARPS: gl.constexpr):
+                          KC: gl.constexpr, STAGES: gl.constexpr, SPT_M: gl.constexpr, NUM_WARPS: gl.constexpr,
+                          DQ_ORDERED: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_HELD) * H * B; [keys, queries] tiles.
         # DK, DV contiguous [B, H, Nk, D]. Keys >= Nk read zeros and only reach their own, unstored rows; queries
-        # >= Nq read zeros and lse = +inf, so their P and dS are 0.
+        # >= Nq read zeros and lse = +inf, so their P and dS are 0. DQ_ORDERED (single pass): also add each query
+        # tile's scale * dS K into DQ (contiguous [B, H, Nq, D] FP32, zeroed) in key-tile order through the
+        # int32 counters Sem [B * H, >= cdiv(Nq, BLOCK_STREAMED)] (zeroed); key tile j waits only for key tile
+        # j - 1 of its head, a lower program id.
         BLOCK_N: gl.constexpr = BLOCK_HELD
         BLOCK_M: gl.constexpr = BLOCK_STREAMED
         blk: gl.constexpr = fma_layout(SPT_M, NUM_WARPS)
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=blk, k_width=0)
         b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=blk, k_width=0)
+        # the dQ share [BLOCK_M, HEAD_D]: BLOCK_M // 16 rows per thread cover its rows once
+        blk_q: gl.constexpr = fma_layout(BLOCK_M // 16, NUM_WARPS)
+        a_q: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=blk_q, k_width=0)
+        b_q: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=blk_q, k_width=0)
         ld: gl.constexpr = row_load_layout(HEAD_D, NUM_WARPS)
         # left operands (K, V, P^T, dS^T) are read SPT_M rows apart by the lanes of a warp, Q / dO rows 4 apart
         # (read transposed) or along their rows in KC-row slices: XOR-swizzle the 16-byte vectors accordingly, the
@@ -134,6 +164,11 @@ if _IMPORT_ERROR is None:
         do_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M, HEAD_D], swz_b)
         pt_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], swz_a)
         dst_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], swz_a)
+        # the dQ share reads dS^T (transposed) and K in KC-row slices, which the left operands' swizzle pattern
+        # (SPT_M * 8 rows) may not cut: copies of both swizzled as Q / dO
+        SP_ROWS: gl.constexpr = BLOCK_N if DQ_ORDERED else 1
+        dsq_smem = gl.allocate_shared_memory(gl.float32, [SP_ROWS, BLOCK_M], swz_b)
+        kq_smem = gl.allocate_shared_memory(gl.float32, [SP_ROWS, HEAD_D], swz_b)
 
         offs_ld = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, ld))
         offs_lm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
@@ -144,6 +179,9 @@ if _IMPORT_ERROR is None:
             k_smem, K + off_b * skb + off_h * skh + k_rows64 * skn + offs_ld[None, :], mask=k_ok)
         async_copy.async_copy_global_to_shared(
             v_smem, V + off_b * svb + off_h * svh + k_rows64 * svn + offs_ld[None, :], mask=k_ok)
+        if DQ_ORDERED:
+            async_copy.async_copy_global_to_shared(
+                kq_smem, K + off_b * skb + off_h * skh + k_rows64 * skn + offs_ld[None, :], mask=k_ok)
         q_base = Q + off_b * sqb + off_h * sqh
         do_base = DO + off_b * sdb + off_h * sdh
         for st in gl.static_range(STAGES - 1):  # K and V travel in query tile 0's commit group
@@ -151,6 +189,11 @@ if _IMPORT_ERROR is None:
 
         offs_sm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, blk))
         row_base = bh * Nq
+        pid_n = start_n // BLOCK_N
+        sem_base = Sem + bh * gl.cdiv(Nq, BLOCK_M)
+        dq_base = DQ + bh * Nq * HEAD_D
+        offs_qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk_q))
+        offs_qd = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk_q))
         dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=blk)
         dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=blk)
         n_m = gl.cdiv(Nq, BLOCK_M)
@@ -160,6 +203,8 @@ if _IMPORT_ERROR is None:
                         STAGES)
             async_copy.wait_group(STAGES - 1)  # tile t has landed (this thread's copies) ...
             _cta_barrier()  # ... and every thread's
+            if DQ_ORDERED:  # read at the step's start: in the steady state the turn has come by the add
+                seen = gl.load(sem_base + t, volatile=True)
             q_t = q_smem.index(t % STAGES)
             do_t = do_smem.index(t % STAGES)
             rows = t * BLOCK_M + offs_sm
@@ -169,10 +214,18 @@ if _IMPORT_ERROR is None:
             pt = gl.exp2((s_t * scale - lse[None, :]) * 1.4426950408889634)
             dpt = _fma_nt(v_smem, do_t, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=blk), a_l, b_l, HEAD_D, KC)
             pt_smem.store(pt)
-            dst_smem.store(pt * (dpt - delta[None, :]))
+            dst = pt * (dpt - delta[None, :])
+            dst_smem.store(dst)
+            if DQ_ORDERED:
+                dsq_smem.store(dst)
             _cta_barrier()
             dv += _fma_nn(pt_smem, do_t, gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=blk), a_l, b_l, BLOCK_M, KC)
             dk += _fma_nn(dst_smem, q_t, gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=blk), a_l, b_l, BLOCK_M, KC)
+            if DQ_ORDERED:
+                part = _fma_nn(dsq_smem.permute((1, 0)), kq_smem, gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=blk_q),
+                               a_q, b_q, BLOCK_N, KC)
+                _dq_ordered_add(part * scale, dq_base, sem_base + t, seen, pid_n, t * BLOCK_M + offs_qm, offs_qd, Nq,
+                                HEAD_D)
         async_copy.wait_group(0)
         offs_on = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
         offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, blk))
@@ -264,27 +317,36 @@ def kernel_constexprs(cfg: dict, kernel: str, head_dim: int) -> dict:
     """The constexpr arguments of ``kernel`` (``"dkdv"`` or ``"dq"``) for a :func:`get_config` dict (launches and
     offline compiles)."""
     part = cfg[kernel]
+    extra = dict(DQ_ORDERED=bool(cfg.get("single_pass"))) if kernel == "dkdv" else {}
     return dict(BLOCK_HELD=part["BLOCK_HELD"], BLOCK_STREAMED=part["BLOCK_STREAMED"], HEAD_D=head_dim, KC=cfg["KC"],
-                STAGES=cfg["STAGES"], SPT_M=part["SPT_M"], NUM_WARPS=part["num_warps"])
+                STAGES=cfg["STAGES"], SPT_M=part["SPT_M"], NUM_WARPS=part["num_warps"], **extra)
 
 
 def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, cfg: dict | None = None):
-    """Both kernels' launches for this call signature (shapes, strides), as a callable
-    ``(q, k, v, grad_out, delta, lse_row, dq, dk, dv, scale) -> None`` for any later call with the same shapes
-    and strides, without checks: for a caller that ran :func:`unsupported_reason` (the backward plans of
+    """The kernels' launches for this call signature (shapes, strides), as a callable
+    ``(q, k, v, grad_out, delta, lse_row, dq, dk, dv, sem, scale) -> None`` for any later call with the same
+    shapes and strides, without checks: for a caller that ran :func:`unsupported_reason` (the backward plans of
     :mod:`.elsa_bwd`). ``delta``, ``lse_row``: FP32 [B * H, Nq] from the preprocess kernel; dq [B, H, Nq, D],
-    dk, dv [B, H, Nk, D] contiguous FP32 outputs; ``cfg``: :func:`get_config`'s layout (tools sweep others)."""
+    dk, dv [B, H, Nk, D] contiguous FP32 outputs; ``cfg``: :func:`get_config`'s layout (tools sweep others).
+    When ``cfg["single_pass"]`` the dK/dV kernel alone runs and adds into dq, which must then be zeroed, as
+    must ``sem`` (int32, at least ``B * H * cdiv(Nq, cfg["dkdv"]["BLOCK_STREAMED"])``); else ``sem`` is not
+    read."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     cfg = cfg or get_config(D)
     dkdv = KernelCall(_ieee_dkdv_kernel, (cdiv(Nk, cfg["dkdv"]["BLOCK_HELD"]) * B * H,),
                       kernel_constexprs(cfg, "dkdv", D), dict(num_warps=cfg["dkdv"]["num_warps"]))
+    fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], H, Nq, Nk)
+    if cfg.get("single_pass"):
+        def launch(q, k, v, grad_out, delta, lse_row, dq, dk, dv, sem, scale):
+            dkdv(q, k, v, grad_out, delta, lse_row, dk, dv, dq, sem, *fixed, scale)
+
+        return launch
     dq_call = KernelCall(_ieee_dq_kernel, (cdiv(Nq, cfg["dq"]["BLOCK_HELD"]) * B * H,),
                          kernel_constexprs(cfg, "dq", D), dict(num_warps=cfg["dq"]["num_warps"]))
-    fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], H, Nq, Nk)
 
-    def launch(q, k, v, grad_out, delta, lse_row, dq, dk, dv, scale):
-        dkdv(q, k, v, grad_out, delta, lse_row, dk, dv, *fixed, scale)
+    def launch(q, k, v, grad_out, delta, lse_row, dq, dk, dv, sem, scale):
+        dkdv(q, k, v, grad_out, delta, lse_row, dk, dv, dq, delta, *fixed, scale)  # dq, delta: not read
         dq_call(q, k, v, grad_out, delta, lse_row, dq, *fixed, scale)
 
     return launch

@@ -105,16 +105,18 @@ def _ieee_gluon_jobs(quick: bool):
 def _ieee_gluon_bwd_jobs(quick: bool):
     if ieee_gluon_bwd._IMPORT_ERROR is not None:
         return
+    dkdv = ("Q", "K", "V", "DO", "Delta", "LseRow", "DK", "DV", "DQ", "Sem")
     for d in ((64,) if quick else ieee_gluon_bwd.HEAD_DIMS):
-        cfg = ieee_gluon_bwd.get_config(d)
-        for name, kernel, ptrs in (
-                ("dkdv", ieee_gluon_bwd._ieee_dkdv_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DK", "DV")),
-                ("dq", ieee_gluon_bwd._ieee_dq_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DQ"))):
-            part = cfg[name]
+        for name, kernel, ptrs, single_pass in (
+                ("dkdv", ieee_gluon_bwd._ieee_dkdv_kernel, dkdv, False),
+                ("dkdv+dq", ieee_gluon_bwd._ieee_dkdv_kernel, dkdv, True),
+                ("dq", ieee_gluon_bwd._ieee_dq_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DQ"), False)):
+            cfg = dict(ieee_gluon_bwd.get_config(d), single_pass=single_pass)
+            part = cfg[name[:4]]
             yield ({"kernel": f"ieee-gluon-bwd-{name}", "variant": f"D={d}",
                     "config": [part["BLOCK_HELD"], part["BLOCK_STREAMED"], part["num_warps"], cfg["STAGES"]]},
-                   dict(kernel=kernel, pointer_types={n: "*fp32" for n in ptrs},
-                        constexprs=ieee_gluon_bwd.kernel_constexprs(cfg, name, d), num_warps=part["num_warps"],
+                   dict(kernel=kernel, pointer_types={n: "*i32" if n == "Sem" else "*fp32" for n in ptrs},
+                        constexprs=ieee_gluon_bwd.kernel_constexprs(cfg, name[:4], d), num_warps=part["num_warps"],
                         num_stages=1, float_args=("scale",)))
 
 
