@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 
 from .kernels import elsa_fwd, pasa_fwd, window_fwd
+from .kernels import l2norm as _l2norm
+from .kernels._launch import interpreting
 from .kernels.modes import MODES
 
 __all__ = ["dense", "pasa", "window", "dense_plan", "pasa_plan", "window_plan", "BACKWARD_MODES", "has_backward"]
@@ -277,6 +279,18 @@ if _window_bwd is not None:
     _window_lse_op.register_autograd(_window_op_backward, setup_context=_window_setup_context)
 
 
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    """``F.normalize(x, dim=-1, eps=1e-12)`` for the cosine training path: eagerly one kernel each way
+    (:func:`visionattn.kernels.l2norm.l2_normalize`; PyTorch autograd takes ~8 kernels per tensor and direction
+    on timm's strided views), under ``torch.compile`` PyTorch's, which the compiler fuses itself."""
+    if (not torch.compiler.is_compiling() and x.stride(-1) == 1 and x.shape[-1] <= _l2norm.MAX_HEAD_DIM
+            and x.numel() and (x.is_cuda or interpreting())):
+        # F.normalize's result dtype: under autocast its norm is FP32, and the division promotes to it
+        autocast = torch.is_autocast_enabled(x.device.type)
+        return _l2norm.l2_normalize(x, 1e-12, torch.float32 if autocast else x.dtype)
+    return torch.nn.functional.normalize(x, dim=-1, eps=1e-12)
+
+
 class _WindowFunction(torch.autograd.Function):
     """Eager autograd for the window kernels: the forward writes the per-row LSE and saves (q, k, v, bias, mask,
     head scale, out, lse); the backward recomputes the probabilities tile by tile (FlashAttention-2, Alg. 2).
@@ -331,8 +345,7 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
                              f"{sorted(BACKWARD_MODES)}")
         head_scale = None
         if cosine:
-            q = torch.nn.functional.normalize(q, dim=-1, eps=1e-12)
-            k = torch.nn.functional.normalize(k, dim=-1, eps=1e-12)
+            q, k = _normalize(q), _normalize(k)
             # in FP32 like the kernel's own exp(min(logit_scale, log 100)): a half-precision c would differ
             # from the forward's by up to half an ulp, shifting the recomputed logits by up to ~0.03 at c = 100
             head_scale = torch.exp(torch.clamp(logit_scale.float(), max=_LOG_100))

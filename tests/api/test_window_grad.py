@@ -272,7 +272,8 @@ def test_patched_timm_block_gradients_equal_unpatched(family, lse_calls):
 def test_compiled_patched_swin_v2_block_trains_like_eager():
     """``torch.compile(fullgraph=True)`` (AOT autograd, eager backend: no C++ toolchain needed) of a patched Swin-v2
     block: ``visionattn::window_attention_lse`` and its backward op trace as opaque nodes, and the parameter
-    gradients equal the eager patched block's."""
+    gradients equal the eager patched block's within the FP32 bound (compiled, q and k are normalised by
+    PyTorch's ``F.normalize``; eagerly by the row-normalisation kernel, which rounds differently)."""
     torch._dynamo.reset()
     blk = visionattn.patch_model(_v2_block(True).train(), mode="fp32", backend="triton")
     g = torch.Generator().manual_seed(13)
@@ -283,8 +284,8 @@ def test_compiled_patched_swin_v2_block_trains_like_eager():
     xi = x.clone().requires_grad_()
     (torch.compile(blk, backend="aot_eager", fullgraph=True)(xi) * do).sum().backward()
     for name, p in blk.named_parameters():
-        assert rel_l2(p.grad, eager[name]) <= 1e-6, name
-    assert rel_l2(xi.grad, eager["input"]) <= 1e-6
+        assert rel_l2(p.grad, eager[name]) <= FP32_TOL, name
+    assert rel_l2(xi.grad, eager["input"]) <= FP32_TOL
 
 
 # ----------------------------------------------------------------------------- GPU (real sizes)
