@@ -26,14 +26,14 @@ import os
 from typing import Any, Callable
 
 import torch
-import triton.language as tl
 
 __all__ = ["KernelCall", "PlanCache", "launch", "interpreting", "SPIN_UNTIL_EQUAL_PTX"]
 
 # ``inline_asm_elementwise`` body of the ordered reductions' wait (the single-pass backward's dQ adds): given a
 # value read earlier ($1), re-read the int32 at address $2 with relaxed GPU-scope loads until it equals $3, and
-# return it ($0); a PTX loop keeps the caller's loop free of a nested loop
-SPIN_UNTIL_EQUAL_PTX = tl.constexpr(
+# return it ($0); a PTX loop keeps the caller's loop free of a nested loop. A plain string (this module must not
+# import Triton): kernels wrap it in a constexpr
+SPIN_UNTIL_EQUAL_PTX = (
     "{ .reg .pred %p; .reg .b32 %c; mov.b32 %c, $1; spin_${:uid}: setp.ne.s32 %p, %c, $3; "
     "@%p ld.relaxed.gpu.global.b32 %c, [$2]; @%p bra spin_${:uid}; mov.b32 $0, %c; }")
 

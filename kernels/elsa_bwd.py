@@ -99,6 +99,7 @@ __all__ = ["elsa_backward", "backward_after_forward", "launch_backward", "bias_g
            "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES", "FP32_PRODUCTS", "fp32_products"]
 
 MAX_HEAD_DIM = 256
+_SPIN_PTX = tl.constexpr(SPIN_UNTIL_EQUAL_PTX)
 BIAS_WORKSPACE_BYTES = 256 << 20  # dBias partials beyond the first stay under this
 
 # mode -> (compute dtype of q / k / v, tl.dot input_precision of the FP32 operands), from the one mode table;
@@ -267,7 +268,7 @@ def _wait_turn(sem_ptr, seen, turn, SPIN_ASM: tl.constexpr):
     software pipeliner then still pipelines it); else a Triton ``while`` (the interpreter, which runs programs
     one after another, so the counter is already there)."""
     if SPIN_ASM:
-        tl.inline_asm_elementwise(SPIN_UNTIL_EQUAL_PTX, "=r,r,l,r", [seen, sem_ptr, turn], dtype=tl.int32,
+        tl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_ptr, turn], dtype=tl.int32,
                                   is_pure=False, pack=1)
     else:
         while tl.atomic_add(sem_ptr, 0, sem="acquire") != turn:

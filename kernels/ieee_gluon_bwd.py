@@ -50,6 +50,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
 
     # renamed from thread_barrier to barrier after triton 3.6
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _SPIN_PTX = gl.constexpr(SPIN_UNTIL_EQUAL_PTX)
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
@@ -121,7 +122,7 @@ if _IMPORT_ERROR is None:
         # add key tile pid_n's dQ share ``part`` [BLOCK_M, HEAD_D] into DQ's rows in key-tile order: wait until
         # the query tile's counter says every lower key tile has added, add, pass the turn on (the order, not
         # the timing, fixes the sums: dQ is bit-for-bit reproducible)
-        gl.inline_asm_elementwise(SPIN_UNTIL_EQUAL_PTX, "=r,r,l,r", [seen, sem_ptr, pid_n], dtype=gl.int32,
+        gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_ptr, pid_n], dtype=gl.int32,
                                   is_pure=False, pack=1)
         offs = rows.to(gl.int64)[:, None] * HEAD_D + offs_d[None, :]
         gl.atomic_add(DQ + offs, part, mask=(rows < Nq)[:, None], sem="relaxed")
