@@ -43,7 +43,7 @@ from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_spli
                        _head_scale_grad, _mm, _tensor_key, fp32_products, launch_backward)
 from .elsa_fwd import load_kv_tile
 
-__all__ = ["window_backward", "get_config", "FUSED_MAX_TOKENS", "KERNELS"]
+__all__ = ["window_backward", "get_config", "fused_launch", "FUSED_MAX_TOKENS", "KERNELS"]
 
 # Windows up to this many tokens run the fused kernel (one 64-token tile per window); larger ones the split kernels
 FUSED_MAX_TOKENS = 64
@@ -121,11 +121,21 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
         tl.store(DB + (g * H + h) * N * N + offs64[:, None] * N + offs64[None, :], db_acc, mask=ok)
 
 
-def _fused_warps(block: int, precision: str) -> int:
-    """Warps of the fused kernel (2 pipeline stages): 4, two programs per SM, except IEEE-FP32 products on
-    64-token windows, which spill over 1 KiB per thread at 4 warps and about 270 bytes at 8 (docs/tuning.md:
-    fused window backward: 2 stages, 4 warps)."""
-    return 8 if block >= 64 and precision == "ieee" else 4
+def fused_launch(block: int, n_tokens: int, half: bool, precision: str) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of the fused kernel for windows of ``n_tokens`` in ``block``-row tiles, half
+    operands (``half``) or FP32 ones with ``precision``'s products:
+
+    * half operands on padded windows (Swin's 49 tokens in a 64-row tile): 8 warps, 3 stages, 1.3-1.45x the
+      4-warp 2-stage kernel at Swin-B's stages 1-3 (docs/tuning.md: fused window backward, half, padded
+      windows: 8 warps, 3 stages);
+    * otherwise 4 warps, 2 stages (two programs per SM; Swin-v2's full 64-token tiles in half precision and
+      every FP32 case measured fastest so), except IEEE-FP32 products on 64-token windows, which spill over
+      1 KiB per thread at 4 warps and about 270 bytes at 8 (docs/tuning.md: fused window backward: 2 stages,
+      4 warps).
+    """
+    if half and n_tokens < block:
+        return 8, 3
+    return (8 if block >= 64 and precision == "ieee" else 4), 2
 
 
 # call signature -> _FusedPlan; PLANS.hits / PLANS.builds count reuses and builds
@@ -139,7 +149,7 @@ class _FusedPlan:
     __slots__ = ("call", "fixed", "fixed_tail", "G", "dims", "write_db", "write_dhs", "device")
 
     def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, mode, write_db, write_dhs,
-                 bias_splits, products, num_stages=2):
+                 bias_splits, products, num_stages=None):
         BW, H, N, D = q.shape
         Dv = v.shape[3]
         block = max(16, pad_pow2(N))
@@ -157,12 +167,14 @@ class _FusedPlan:
                       *sa, H, N, D, Dv)  # the arguments before scale0
         self.fixed_tail = (n_add, BW, per_chunk)  # and after it
         precision = fp32_products(mode, products)[1]
+        warps, stages = fused_launch(block, N, q.dtype != torch.float32, precision)
+        num_stages = stages if num_stages is None else num_stages
         self.call = KernelCall(_window_bwd_fused_kernel, (H * G,), dict(
             BLOCK=block, BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision, HAS_BIAS=bias is not None,
             HAS_ADD=add_mask is not None, HEAD_SCALE=head_scale is not None, WRITE_DB=write_db, WRITE_DHS=write_dhs,
             EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting()),
-            dict(num_warps=_fused_warps(block, precision), num_stages=num_stages))
+            dict(num_warps=warps, num_stages=num_stages))
 
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, scale):
         BW, H, N, D, Dv = self.dims
@@ -301,15 +313,17 @@ def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_
     plan = PLANS.get(key)
     if plan is not None:
         grads = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
-    else:  # built by running it: 2 stages, or 1 where their shared memory does not fit (smaller GPUs)
+    else:  # built by running it: fused_launch's stages, fewer where their shared memory does not fit
         built = []
 
-        def run(stages: int):
+        def run(stages: int | None):
             p = _FusedPlan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs,
                            bias_splits, products, stages)
             built.append((p, p(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)))
 
-        run_first_that_fits(run, 2, lambda stages: list(range(stages - 1, 0, -1)))
+        first = fused_launch(max(16, pad_pow2(q.shape[2])), q.shape[2], q.dtype != torch.float32,
+                             fp32_products(mode, products)[1])[1]
+        run_first_that_fits(run, first, lambda stages: list(range(stages - 1, 0, -1)))
         plan, grads = built[-1]
         PLANS.put(key, plan)
     dq, dk, dv, dbias, dhs = grads

@@ -215,16 +215,17 @@ def _backward_jobs(quick: bool):
                 continue
             block = pad_pow2(n)
             precision = elsa_bwd.BWD_MODES[mode][1]
-            warps = window_bwd._fused_warps(block, precision)
+            half = elsa_bwd.BWD_MODES[mode][0] != elsa_bwd.BWD_MODES["fp32"][0]
+            warps, stages = window_bwd.fused_launch(block, n, half, precision)
             names = ("Q", "K", "V", "O", "DO", "LSE", "Bias", "Add", "HS", "DQ", "DK", "DV", "DB", "DHS")
             yield ({"kernel": "bwd-window-fused", "variant": f"window N={n} D=32 {mode} +bias grad",
-                    "config": [block, block, warps, 2]},
+                    "config": [block, block, warps, stages]},
                    dict(kernel=window_bwd._window_bwd_fused_kernel,
                         pointer_types=_bwd_pointers(mode, names, ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")),
                         constexprs=dict(BLOCK=block, BLOCK_D=32, BLOCK_DV=32, PRECISION=precision, HAS_BIAS=True,
                                         HAS_ADD=True, HEAD_SCALE=False, WRITE_DB=True, WRITE_DHS=False, EVEN_D=True,
                                         EVEN_DV=True, DOT_UPCAST=False),
-                        num_warps=warps, num_stages=2,
+                        num_warps=warps, num_stages=stages,
                         unit_ints=("sqd", "skd", "svd", "sod", "sdd", "slm", "sbn", "san"), float_args=("scale0",)))
 
 
