@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES),
                    help="model:stage:batch, model from the config, stage from 0 (default: %(default)s)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="default: %(default)s")
-    p.add_argument("--calls", type=int, default=10, help="back-to-back calls per timed window (default: %(default)s)")
+    p.add_argument("--calls", type=int, default=20, help="back-to-back calls per timed window (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed windows, median reported (default: %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="default: cuda when available")
