@@ -64,8 +64,8 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   not lose their low bits. A product's right operand is scaled per column, which for dQ = dS K, dK = dS^T Q
   and dV = P^T dO runs across tokens: tokens within ~2^20 of the largest keep the bound; one token 10^7-10^8
   times the others costs the rest accuracy (``fp32-ieee`` has no such span).
-* ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32 or
-  64, 16-byte-aligned rows), :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA, single pass); else
+* ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32,
+  64 or 128, 16-byte-aligned rows), :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA, single pass); else
   ``tl.dot``'s ``input_precision="ieee"`` here.
 * ``tf32``: ``"f16x3"`` as ``fp32`` (TF32-class products err over twice PyTorch's own TF32 backward).
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as

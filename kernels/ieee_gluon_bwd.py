@@ -29,7 +29,7 @@ Triton kernels' FP32 products), every sum in a fixed order: the gradients are bi
 ``delta`` and the row ``lse`` come from :mod:`.elsa_bwd`'s preprocess kernel.
 
 Scope (:func:`unsupported_reason`): the forward Gluon kernel's (CUDA, compute capability >= 8.0, no bias / mask /
-causal, 16-byte-aligned rows with a contiguous head dim), for the output gradient too, at head dim 32 or 64 for
+causal, 16-byte-aligned rows with a contiguous head dim), for the output gradient too, at head dim 32, 64 or 128 for
 Q/K and V. Other calls take the Triton kernels. Gluon cannot run under ``TRITON_INTERPRET=1``; CPU tests
 compile these kernels offline for sm_90, ``pytest -m gpu`` checks their gradients against the float64 oracle.
 """
@@ -55,9 +55,12 @@ try:  # Gluon is experimental: its API moves between Triton releases
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["unsupported_reason", "get_config", "kernel_constexprs", "planned_launch", "HEAD_DIMS"]
+__all__ = ["unsupported_reason", "get_config", "kernel_constexprs", "planned_launch", "HEAD_DIMS", "TWO_PASS_HEAD_DIMS"]
 
-HEAD_DIMS = (32, 64)  # at 128 every tile tried spills the dQ kernel's registers: the Triton kernels serve it
+HEAD_DIMS = (32, 64, 128)
+# where the two-kernel path (single_pass=False) is spill-free too: at 128 every dQ tile tried spills registers,
+# so head dim 128 runs in one pass only
+TWO_PASS_HEAD_DIMS = (32, 64)
 _LOG2E = 1.4426950408889634
 
 
@@ -68,8 +71,11 @@ def get_config(head_dim: int) -> dict:
     half the rows of the dK/dV kernel, which keeps two accumulators: with 64 held rows its operand chunks
     spill registers. ``single_pass``: the dK/dV kernel also adds dQ and no dQ kernel runs (five products per
     tile pair instead of seven): 1.1-1.5x faster from 1024 keys on and even at ViT-B/16 224 (docs/tuning.md:
-    fp32-ieee backward in one pass), so on at every length."""
-    held = 64 if head_dim > 32 else 32  # at D = 32 the 64-key dK/dV tile spills (the compiler's occupancy choice)
+    fp32-ieee backward in one pass), so on at every length (and the only path at head dim 128, see
+    :data:`TWO_PASS_HEAD_DIMS`)."""
+    # 64 held keys at D = 64; at D = 32 the 64-key tile spills (the compiler's occupancy choice), at D = 128
+    # it spills too, and 32 x 32 (one program per SM) beats 32 x 16 and 16 x 32 (two per SM)
+    held = 64 if head_dim == 64 else 32
     return {"dkdv": {"BLOCK_HELD": held, "BLOCK_STREAMED": 32, "SPT_M": held // 16, "num_warps": 4},
             "dq": {"BLOCK_HELD": 32, "BLOCK_STREAMED": 32, "SPT_M": 2, "num_warps": 4},
             "KC": 16, "STAGES": 2, "single_pass": True}
@@ -331,10 +337,16 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     dk, dv [B, H, Nk, D] contiguous FP32 outputs; ``cfg``: :func:`get_config`'s layout (tools sweep others).
     When ``cfg["single_pass"]`` the dK/dV kernel alone runs and adds into dq, which must then be zeroed, as
     must ``sem`` (int32, at least ``B * H * cdiv(Nq, cfg["dkdv"]["BLOCK_STREAMED"])``); else ``sem`` is not
-    read."""
+    read.
+
+    Raises:
+        ValueError: a two-kernel ``cfg`` at a head dim outside :data:`TWO_PASS_HEAD_DIMS`."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     cfg = cfg or get_config(D)
+    if not cfg.get("single_pass") and D not in TWO_PASS_HEAD_DIMS:
+        raise ValueError(f"head dim {D}: the two-kernel path (single_pass=False) runs at head dims "
+                         f"{TWO_PASS_HEAD_DIMS} only (its dQ kernel spills registers above); use single_pass=True")
     dkdv = KernelCall(_ieee_dkdv_kernel, (cdiv(Nk, cfg["dkdv"]["BLOCK_HELD"]) * B * H,),
                       kernel_constexprs(cfg, "dkdv", D), dict(num_warps=cfg["dkdv"]["num_warps"]))
     fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], H, Nq, Nk)

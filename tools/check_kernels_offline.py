@@ -111,6 +111,8 @@ def _ieee_gluon_bwd_jobs(quick: bool):
                 ("dkdv", ieee_gluon_bwd._ieee_dkdv_kernel, dkdv, False),
                 ("dkdv+dq", ieee_gluon_bwd._ieee_dkdv_kernel, dkdv, True),
                 ("dq", ieee_gluon_bwd._ieee_dq_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DQ"), False)):
+            if name != "dkdv+dq" and d not in ieee_gluon_bwd.TWO_PASS_HEAD_DIMS:  # one pass only there
+                continue
             cfg = dict(ieee_gluon_bwd.get_config(d), single_pass=single_pass)
             part = cfg[name[:4]]
             yield ({"kernel": f"ieee-gluon-bwd-{name}", "variant": f"D={d}",

@@ -24,6 +24,8 @@ for d in g.HEAD_DIMS:
                                             ("dkdv+dq", g._ieee_dkdv_kernel, DKDV, True),
                                             ("dq", g._ieee_dq_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DQ"),
                                              False)):
+        if name != "dkdv+dq" and d not in g.TWO_PASS_HEAD_DIMS:  # head dim 128 runs in one pass only
+            continue
         cfg = dict(g.get_config(d), single_pass=single_pass)
         types = {p: "*i32" if p == "Sem" else "*fp32" for p in ptrs}
         r = compile_for_arch(kernel, types, g.kernel_constexprs(cfg, name[:4], d),
@@ -37,14 +39,16 @@ print(json.dumps(out))
 @pytest.mark.timeout(600)
 @needs_gluon
 def test_compiles_for_hopper_as_fma_products_without_spills():
-    """Both kernels, and the dK/dV kernel's single-pass variant, build for sm_90 at every head dim in scope: FMA
-    products only (no wgmma), no register spills, at least two programs per SM."""
+    """The dK/dV kernel's single-pass variant at every head dim in scope, and both kernels of the two-kernel path
+    where it runs, build for sm_90: FMA products only (no wgmma), no register spills, at least two programs per
+    SM (one at head dim 128, whose 32 x 32 tiles measured faster than the two-per-SM ones)."""
     r = compile_in_child(_CHILD)
-    assert set(r) == {f"{k}_{d}" for k in ("dkdv", "dkdv+dq", "dq") for d in ieee_gluon_bwd.HEAD_DIMS}
+    assert set(r) == ({f"dkdv+dq_{d}" for d in ieee_gluon_bwd.HEAD_DIMS}
+                      | {f"{k}_{d}" for k in ("dkdv", "dq") for d in ieee_gluon_bwd.TWO_PASS_HEAD_DIMS})
     for key, v in r.items():
         assert v["wgmma"] == 0, key
         assert v["local"] == 0 and 0 < v["regs"] <= 255, (key, v)
-        assert v["programs"] >= 2, (key, v)
+        assert v["programs"] >= (1 if key.endswith("_128") else 2), (key, v)
 
 
 def _qkv(n_q=64, n_k=64, d=64, device="cpu"):
@@ -57,8 +61,8 @@ def test_unsupported_reasons_name_the_cause():
     reason = ieee_gluon_bwd.unsupported_reason
     assert "bias" in reason(q, k, v, do, torch.zeros(64, 64), None, False, 0.125)
     assert "causal" in reason(q, k, v, do, None, None, True, 0.125)
-    q8, k8, v8, do8 = _qkv(d=128)
-    assert "head dims (128, 128)" in reason(q8, k8, v8, do8, None, None, False, 0.125)
+    q8, k8, v8, do8 = _qkv(d=256)
+    assert "head dims (256, 256)" in reason(q8, k8, v8, do8, None, None, False, 0.125)
     assert "dtypes" in reason(q.half(), k.half(), v.half(), do, None, None, False, 0.125)
     assert reason(q, k, v, do, None, None, False, 0.125) == "tensors on cpu"  # everything else fits
     if torch.cuda.is_available():
@@ -82,7 +86,8 @@ def _oracle(q, k, v, do, scale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("B,H,Nq,Nk,D", [(1, 8, 4096, 4096, 64), (2, 3, 1025, 1000, 64), (3, 2, 129, 7, 32),
-                                         (1, 1, 1, 5, 64), (2, 4, 300, 2000, 32), (64, 12, 197, 197, 64)])
+                                         (1, 1, 1, 5, 64), (2, 4, 300, 2000, 32), (64, 12, 197, 197, 64),
+                                         (2, 4, 1000, 777, 128), (1, 2, 33, 4100, 128)])
 def test_gradients_match_the_oracle_and_fp32_ieee_runs_them(B, H, Nq, Nk, D, single_pass, monkeypatch):
     """Gradients within the FP32 bound of the float64 oracle, bit-identical over runs, equal to the Triton IEEE
     kernels' within the bound, and what ``elsa_backward(mode="fp32-ieee")`` runs; with the two kernels and with
@@ -90,6 +95,8 @@ def test_gradients_match_the_oracle_and_fp32_ieee_runs_them(B, H, Nq, Nk, D, sin
     from visionattn.kernels import elsa_bwd
     from visionattn.metrics import rel_l2
 
+    if not single_pass and D not in ieee_gluon_bwd.TWO_PASS_HEAD_DIMS:
+        pytest.skip(f"head dim {D} runs in one pass only")
     default = ieee_gluon_bwd.get_config
     monkeypatch.setattr(ieee_gluon_bwd, "get_config", lambda *a: dict(default(*a), single_pass=single_pass))
     elsa_bwd.PLANS.clear()
