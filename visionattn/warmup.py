@@ -2,6 +2,7 @@
 
     python -m visionattn.warmup                                  # fp32, tf32, fp16, bf16 at head dims 64, 128
     python -m visionattn.warmup --modes fp32,bf16 --head-dims 64 --lengths 197,1041 --training
+    python -m visionattn.warmup --jobs 8                         # 8 processes compile side by side
 
 Kernels are specialised on what changes their code (mode, head dim, bias / mask / causal, tile config, the
 split-KV and log-sum-exp variants, and for the Hopper fp16 / bf16 kernel the cut of a last key tile up to 2048
@@ -9,8 +10,11 @@ keys), never on sequence lengths: a few calls per mode and head dim at short (<=
 with and without a bias, build every variant a model of that family meets, and a later process finds them in
 Triton's cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``). ``--lengths`` adds the lengths of your
 model below 2048 keys (ViT-B/16 at 224 px: 197). ``--training`` also builds the backward kernels.
+``--jobs N`` splits the work by mode and head dim (and the window kernels by mode) over N processes: a
+kernel compiles on the CPU, largely in one thread, so N cores build about N variants at once.
 
-Exit codes: 0 done; 2 bad arguments or no CUDA GPU.
+Exit codes: 0 done; 1 a ``--jobs`` process failed (its last error line is printed); 2 bad arguments or no CUDA
+GPU.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import time
 
 import torch
 
-__all__ = ["warm_up", "main"]
+__all__ = ["warm_up", "main", "job_arguments"]
 
 DEFAULT_MODES = ("fp32", "tf32", "fp16", "bf16")
 DEFAULT_HEAD_DIMS = (64, 128)
@@ -30,7 +34,7 @@ DEFAULT_LENGTHS = (197, 1041, 4096)
 
 
 def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LENGTHS, *, training: bool = False,
-            window: bool = True, device: str = "cuda", progress=print) -> dict:
+            window: bool = True, device: str = "cuda", progress=print, dense: bool = True) -> dict:
     """Run one small call of every kernel variant the given modes, head dims and lengths use.
 
     Args:
@@ -41,6 +45,7 @@ def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LE
         training: also run a forward + backward per variant (the backward kernels and the LSE-writing forward).
         window: also Swin (49-token windows, D = 32) and Swin-v2 (64 / 256-token windows) window kernels.
         device: a CUDA device.
+        dense: the dense kernels (False: the window kernels alone).
 
     Returns:
         ``{"calls": n, "seconds": s}``.
@@ -60,7 +65,7 @@ def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LE
     t0, calls = time.perf_counter(), 0
     for mode in modes:
         dtype = va.get_mode(mode).compute_dtype
-        for d in head_dims:
+        for d in (head_dims if dense else ()):
             for n in lengths:
                 # B * H large enough for a single pass, and B = H = 1 for the split-KV path of long sequences
                 grad = training and mode in _backward_modes()
@@ -90,6 +95,41 @@ def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LE
     return {"calls": calls, "seconds": time.perf_counter() - t0}
 
 
+def job_arguments(modes, head_dims, lengths, *, training: bool = False, window: bool = True,
+                  device: str = "cuda") -> list[list[str]]:
+    """The command-line arguments of the processes ``--jobs`` runs: one per (mode, head dim) for the dense
+    kernels and one per mode for the window kernels, each a ``python -m visionattn.warmup`` of that part alone.
+    Together they make the same calls as one :func:`warm_up` of everything."""
+    common = ["--lengths", ",".join(str(n) for n in lengths), "--device", device] + (["--training"] if training
+                                                                                   else [])
+    jobs = [["--modes", m, "--head-dims", str(d), "--no-window"] + common for m in modes for d in head_dims]
+    if window:
+        jobs += [["--modes", m, "--no-dense"] + common for m in modes]
+    return jobs
+
+
+def _run_jobs(jobs: list[list[str]], workers: int) -> tuple[int, list[str]]:
+    """Run ``python -m visionattn.warmup`` once per argument list, ``workers`` at a time; ``(calls, failures)``."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(args):
+        proc = subprocess.run([sys.executable, "-m", "visionattn.warmup", *args], capture_output=True, text=True)
+        return args, proc
+
+    calls, failures = 0, []
+    with ThreadPoolExecutor(workers) as pool:
+        for args, proc in pool.map(run, jobs):
+            part = " ".join(args[:4])
+            if proc.returncode != 0:
+                failures.append(f"{part}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+                continue
+            done = [line for line in proc.stdout.splitlines() if " calls in " in line]
+            calls += int(done[-1].split()[1]) if done else 0
+            print(f"visionattn.warmup: {part} done", flush=True)
+    return calls, failures
+
+
 def _backward_modes():
     from . import ops
 
@@ -117,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated sequence lengths (default: 197,1041,4096)")
     p.add_argument("--training", action="store_true", help="also build the backward kernels")
     p.add_argument("--no-window", action="store_true", help="skip the Swin / Swin-v2 window kernels")
+    p.add_argument("--no-dense", action="store_true", help="skip the dense kernels (the window kernels alone)")
+    p.add_argument("--jobs", type=lambda t: _ints(t, "--jobs")[0], default=1,
+                   help="processes compiling side by side, split by mode and head dim (default: 1)")
     p.add_argument("--device", default="cuda", help="CUDA device (default: %(default)s)")
     return p
 
@@ -135,8 +178,20 @@ def main(argv=None) -> int:
         return 2
     cache = os.environ.get("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
     print(f"visionattn.warmup: building kernels into the Triton cache at {cache}")
+    if args.jobs > 1:
+        t0 = time.perf_counter()
+        jobs = job_arguments(modes, args.head_dims, args.lengths, training=args.training,
+                             window=not args.no_window, device=args.device)
+        if args.no_dense:
+            jobs = [j for j in jobs if "--no-dense" in j]
+        calls, failures = _run_jobs(jobs, args.jobs)
+        print(f"visionattn.warmup: {calls} calls in {time.perf_counter() - t0:.1f} s ({len(jobs)} processes, "
+              f"{args.jobs} at a time)")
+        for line in failures:
+            print(f"visionattn.warmup: failed: {line}", file=sys.stderr)
+        return 1 if failures else 0
     result = warm_up(modes, args.head_dims, args.lengths, training=args.training, window=not args.no_window,
-                     device=args.device)
+                     device=args.device, dense=not args.no_dense)
     print(f"visionattn.warmup: {result['calls']} calls in {result['seconds']:.1f} s")
     return 0
 

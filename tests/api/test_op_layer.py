@@ -328,7 +328,27 @@ def test_warmup_checks_its_arguments_and_needs_a_gpu(capsys):
         warmup.main(["--head-dims", "0"])
     with pytest.raises(ValueError, match="mode"):
         warmup.warm_up(modes=("fp33",))
+    with pytest.raises(SystemExit):
+        warmup.main(["--jobs", "0"])
     if not torch.cuda.is_available():
         assert warmup.main(["--modes", "fp32"]) == 2
+        assert warmup.main(["--modes", "fp32", "--jobs", "4"]) == 2  # refused before any process starts
         with pytest.raises(RuntimeError, match="CUDA"):
             warmup.warm_up(modes=("fp32",), device="cpu")
+
+
+def test_warmup_jobs_cover_every_part_once():
+    """``--jobs``: one process per (mode, head dim) for the dense kernels and one per mode for the window kernels,
+    each a valid command line of the tool carrying the lengths, device and --training."""
+    from visionattn import warmup
+
+    jobs = warmup.job_arguments(("fp32", "bf16"), (64, 128), (197, 4096), training=True, device="cuda:1")
+    parsed = [warmup.build_parser().parse_args(j) for j in jobs]
+    dense = sorted((a.modes, a.head_dims) for a in parsed if not a.no_dense)
+    assert dense == [("bf16", (64,)), ("bf16", (128,)), ("fp32", (64,)), ("fp32", (128,))]
+    assert all(a.no_window for a in parsed if not a.no_dense)
+    assert sorted(a.modes for a in parsed if a.no_dense) == ["bf16", "fp32"]
+    assert all(a.training and a.lengths == (197, 4096) and a.device == "cuda:1" for a in parsed)
+    only_window = warmup.job_arguments(("fp16",), (), (197,))
+    assert len(only_window) == 1 and "--no-dense" in only_window[0]
+    assert all("--no-dense" not in j for j in warmup.job_arguments(("fp16",), (64,), (197,), window=False))
