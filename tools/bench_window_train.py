@@ -38,7 +38,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out  # noqa: E402
+from _cli import ToolParser, check_output, default_out, eager_graph_timings, failure_text  # noqa: E402
 from bench_window import eager_fn, make_block, sdpa_fn, stage_shapes  # noqa: E402
 
 from visionattn import reporting  # noqa: E402
@@ -160,17 +160,20 @@ def oracle_grads(case: dict) -> list[torch.Tensor]:
     return list(torch.autograd.grad(out, leaves64, case["do"].double()))
 
 
+def _cpu_ms(step, repeats: int) -> float:
+    """Median CPU wall-clock ms of ``step`` (Triton's interpreter for visionattn)."""
+    times = reporting.sample_ms(step, "cpu", warmup=1, reps=repeats)
+    return sorted(times)[len(times) // 2]
+
+
 def time_step(step, device: torch.device, calls: int, repeats: int, graph: bool) -> dict:
-    """{"ms", "graph_ms", "graph_error"}: eager beside graph replay on CUDA (eager alone unless ``graph``); CPU
-    wall clock (no graph) else."""
-    if device.type != "cuda":
-        times = reporting.sample_ms(step, device, warmup=1, reps=repeats)
-        return {"ms": sorted(times)[len(times) // 2], "graph_ms": None, "graph_error": None}
-    if not graph:
+    """{"ms", "graph_ms", "graph_error"}: eager beside graph replay on CUDA (:func:`_cli.eager_graph_timings`;
+    eager alone unless ``graph``); CPU wall clock (no graph) else."""
+    if device.type == "cuda" and not graph:
         return {"ms": reporting.eager_ms(step, calls=calls, repeats=repeats), "graph_ms": None, "graph_error": None}
-    eager, graph, error = reporting.eager_graph_ms(lambda: step, calls=calls, repeats=repeats)
-    return {"ms": eager, "graph_ms": graph, "graph_error": None if error is None else f"{type(error).__name__}: "
-                                                                                      f"{str(error)[:200]}"}
+    eager, graph_ms, error = eager_graph_timings(lambda: step, lambda fn: _cpu_ms(fn, repeats), device, calls,
+                                                 repeats)
+    return {"ms": eager, "graph_ms": graph_ms, "graph_error": error}
 
 
 def run_case(model: dict, st: dict, batch: int, mode: str, device: torch.device, args) -> list[dict]:
@@ -196,7 +199,7 @@ def run_case(model: dict, st: dict, batch: int, mode: str, device: torch.device,
             row["peak_extra_mib"] = reporting.peak_extra_mb(step, device)
             row.update(time_step(step, device, args.calls, args.repeats, graph=backend == "visionattn"))
         except Exception as exc:  # noqa: BLE001 - a failing baseline is a result, not a crash
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            row["error"] = failure_text(exc, device)
         rows.append(row)
         if device.type == "cuda":  # a graph of many calls reserves much memory: hand it back for the next one
             torch.cuda.empty_cache()
