@@ -936,14 +936,12 @@ class _BackwardPlan:
         # IEEE products: the Gluon FMA kernels (ieee_gluon_bwd) where they take the call and no tiles are given,
         # unless they failed to import or build once in this process (warned once, as the forward's Gluon kernels)
         self.gluon = None
-        self.gluon_ran = self.gluon_single_pass = False
+        self.gluon_ran = False
         if (precision == "ieee" and config is None and default is None and add_mask is None and head_scale is None
                 and _GLUON_BWD not in elsa_fwd._GLUON_FAILED):
             reason = ieee_gluon_bwd.unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
             if reason is None:
-                gluon_cfg = ieee_gluon_bwd.get_config(D)
-                self.gluon_single_pass = gluon_cfg["single_pass"]
-                self.gluon = ieee_gluon_bwd.planned_launch(q, k, v, grad_out, gluon_cfg)
+                self.gluon = ieee_gluon_bwd.planned_launch(q, k, v, grad_out)
             elif reason == ieee_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                 elsa_fwd._gluon_failed(_GLUON_BWD, reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
@@ -988,7 +986,7 @@ class _BackwardPlan:
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale):
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
-        if self.single_pass or (self.gluon is not None and self.gluon_single_pass):
+        if self.single_pass or self.gluon is not None:  # the Gluon IEEE kernel adds dQ in order too
             dq, acc, sem = self._ordered_buffers(q.dtype)
         else:
             dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)  # every element written by the dQ kernel

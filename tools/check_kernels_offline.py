@@ -105,21 +105,15 @@ def _ieee_gluon_jobs(quick: bool):
 def _ieee_gluon_bwd_jobs(quick: bool):
     if ieee_gluon_bwd._IMPORT_ERROR is not None:
         return
-    dkdv = ("Q", "K", "V", "DO", "Delta", "LseRow", "DK", "DV", "DQ", "Sem")
+    pointers = {n: "*fp32" for n in ("Q", "K", "V", "DO", "Delta", "LseRow", "DK", "DV", "DQ")}
+    pointers["Sem"] = "*i32"
     for d in ((64,) if quick else ieee_gluon_bwd.HEAD_DIMS):
-        for name, kernel, ptrs, single_pass in (
-                ("dkdv", ieee_gluon_bwd._ieee_dkdv_kernel, dkdv, False),
-                ("dkdv+dq", ieee_gluon_bwd._ieee_dkdv_kernel, dkdv, True),
-                ("dq", ieee_gluon_bwd._ieee_dq_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DQ"), False)):
-            if name != "dkdv+dq" and d not in ieee_gluon_bwd.TWO_PASS_HEAD_DIMS:  # one pass only there
-                continue
-            cfg = dict(ieee_gluon_bwd.get_config(d), single_pass=single_pass)
-            part = cfg[name[:4]]
-            yield ({"kernel": f"ieee-gluon-bwd-{name}", "variant": f"D={d}",
-                    "config": [part["BLOCK_HELD"], part["BLOCK_STREAMED"], part["num_warps"], cfg["STAGES"]]},
-                   dict(kernel=kernel, pointer_types={n: "*i32" if n == "Sem" else "*fp32" for n in ptrs},
-                        constexprs=ieee_gluon_bwd.kernel_constexprs(cfg, name[:4], d), num_warps=part["num_warps"],
-                        num_stages=1, float_args=("scale",)))
+        cfg = ieee_gluon_bwd.get_config(d)
+        yield ({"kernel": "ieee-gluon-bwd-dkdv+dq", "variant": f"D={d}",
+                "config": [cfg["BLOCK_HELD"], cfg["BLOCK_STREAMED"], cfg["num_warps"], cfg["STAGES"]]},
+               dict(kernel=ieee_gluon_bwd._ieee_dkdv_kernel, pointer_types=pointers,
+                    constexprs=ieee_gluon_bwd.kernel_constexprs(cfg, d), num_warps=cfg["num_warps"], num_stages=1,
+                    float_args=("scale",)))
 
 
 def _half_gluon_jobs(quick: bool):

@@ -1,6 +1,6 @@
-"""The Gluon fp32-ieee backward kernels (visionattn.kernels.ieee_gluon_bwd).
+"""The Gluon fp32-ieee backward kernel (visionattn.kernels.ieee_gluon_bwd).
 
-Gluon does not run under TRITON_INTERPRET=1, so on CPU the kernels are compiled offline for sm_90 with the
+Gluon does not run under TRITON_INTERPRET=1, so on CPU the kernel is compiled offline for sm_90 with the
 installed Triton (in a child process with TRITON_INTERPRET=0) and the scope rules are checked; the gradients are
 checked on a GPU (``pytest -m gpu``) against the float64 oracle and against the Triton IEEE kernels.
 """
@@ -18,20 +18,14 @@ import json
 from visionattn.kernels import ieee_gluon_bwd as g
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
-DKDV = ("Q", "K", "V", "DO", "Delta", "LseRow", "DK", "DV", "DQ", "Sem")
+types = {p: "*fp32" for p in ("Q", "K", "V", "DO", "Delta", "LseRow", "DK", "DV", "DQ")}
+types["Sem"] = "*i32"
 for d in g.HEAD_DIMS:
-    for name, kernel, ptrs, single_pass in (("dkdv", g._ieee_dkdv_kernel, DKDV, False),
-                                            ("dkdv+dq", g._ieee_dkdv_kernel, DKDV, True),
-                                            ("dq", g._ieee_dq_kernel, ("Q", "K", "V", "DO", "Delta", "LseRow", "DQ"),
-                                             False)):
-        if name != "dkdv+dq" and d not in g.TWO_PASS_HEAD_DIMS:  # head dim 128 runs in one pass only
-            continue
-        cfg = dict(g.get_config(d), single_pass=single_pass)
-        types = {p: "*i32" if p == "Sem" else "*fp32" for p in ptrs}
-        r = compile_for_arch(kernel, types, g.kernel_constexprs(cfg, name[:4], d),
-                             num_warps=cfg[name[:4]]["num_warps"], num_stages=1, float_args=("scale",))
-        out[f"{name}_{d}"] = {"wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes,
-                              "programs": r.programs_per_sm, "shared": r.shared_bytes}
+    cfg = g.get_config(d)
+    r = compile_for_arch(g._ieee_dkdv_kernel, types, g.kernel_constexprs(cfg, d), num_warps=cfg["num_warps"],
+                         num_stages=1, float_args=("scale",))
+    out[d] = {"wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes, "programs": r.programs_per_sm,
+              "shared": r.shared_bytes}
 print(json.dumps(out))
 """
 
@@ -39,16 +33,15 @@ print(json.dumps(out))
 @pytest.mark.timeout(600)
 @needs_gluon
 def test_compiles_for_hopper_as_fma_products_without_spills():
-    """The dK/dV kernel's single-pass variant at every head dim in scope, and both kernels of the two-kernel path
-    where it runs, build for sm_90: FMA products only (no wgmma), no register spills, at least two programs per
-    SM (one at head dim 128, whose 32 x 32 tiles measured faster than the two-per-SM ones)."""
+    """The kernel builds for sm_90 at every head dim in scope: FMA products only (no wgmma), no register spills,
+    at least two programs per SM (one at head dim 128, whose 32 x 32 tiles measured faster than the two-per-SM
+    ones)."""
     r = compile_in_child(_CHILD)
-    assert set(r) == ({f"dkdv+dq_{d}" for d in ieee_gluon_bwd.HEAD_DIMS}
-                      | {f"{k}_{d}" for k in ("dkdv", "dq") for d in ieee_gluon_bwd.TWO_PASS_HEAD_DIMS})
+    assert set(r) == {str(d) for d in ieee_gluon_bwd.HEAD_DIMS}
     for key, v in r.items():
         assert v["wgmma"] == 0, key
         assert v["local"] == 0 and 0 < v["regs"] <= 255, (key, v)
-        assert v["programs"] >= (1 if key.endswith("_128") else 2), (key, v)
+        assert v["programs"] >= (1 if key == "128" else 2), (key, v)
 
 
 def _qkv(n_q=64, n_k=64, d=64, device="cpu"):
@@ -84,21 +77,16 @@ def _oracle(q, k, v, do, scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("B,H,Nq,Nk,D", [(1, 8, 4096, 4096, 64), (2, 3, 1025, 1000, 64), (3, 2, 129, 7, 32),
                                          (1, 1, 1, 5, 64), (2, 4, 300, 2000, 32), (64, 12, 197, 197, 64),
                                          (2, 4, 1000, 777, 128), (1, 2, 33, 4100, 128)])
-def test_gradients_match_the_oracle_and_fp32_ieee_runs_them(B, H, Nq, Nk, D, single_pass, monkeypatch):
-    """Gradients within the FP32 bound of the float64 oracle, bit-identical over runs, equal to the Triton IEEE
-    kernels' within the bound, and what ``elsa_backward(mode="fp32-ieee")`` runs; with the two kernels and with
-    the single pass (dK/dV kernel adding dQ in key-tile order), whichever the defaults pick."""
+def test_gradients_match_the_oracle_and_fp32_ieee_runs_them(B, H, Nq, Nk, D):
+    """Gradients within the FP32 bound of the float64 oracle, bit-identical over runs (dQ added in key-tile
+    order), equal to the Triton IEEE kernels' within the bound, and what ``elsa_backward(mode="fp32-ieee")``
+    runs."""
     from visionattn.kernels import elsa_bwd
     from visionattn.metrics import rel_l2
 
-    if not single_pass and D not in ieee_gluon_bwd.TWO_PASS_HEAD_DIMS:
-        pytest.skip(f"head dim {D} runs in one pass only")
-    default = ieee_gluon_bwd.get_config
-    monkeypatch.setattr(ieee_gluon_bwd, "get_config", lambda *a: dict(default(*a), single_pass=single_pass))
     elsa_bwd.PLANS.clear()
     g = torch.Generator(device="cuda").manual_seed(Nq + Nk)
     q, k, v, do = (torch.randn(B, H, n, D, device="cuda", generator=g) for n in (Nq, Nk, Nk, Nq))
@@ -110,8 +98,7 @@ def test_gradients_match_the_oracle_and_fp32_ieee_runs_them(B, H, Nq, Nk, D, sin
     for x, y, ref in zip(runs[0][:3], runs[1][:3], gold):
         assert torch.equal(x, y)
         assert torch.isfinite(x).all() and rel_l2(x, ref) <= 1e-5, rel_l2(x, ref)
-    assert any(p.dims == (B, H, Nq, Nk, D, D) and p.gluon is not None and p.gluon_single_pass == single_pass
-               for p in elsa_bwd.PLANS.plans.values())
+    assert any(p.dims == (B, H, Nq, Nk, D, D) and p.gluon is not None for p in elsa_bwd.PLANS.plans.values())
     triton = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, "fp32-ieee",
                                     config=elsa_bwd.get_config("fp32-ieee", D))
     for x, y in zip(runs[0][:3], triton[:3]):
