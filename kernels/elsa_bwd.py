@@ -67,7 +67,8 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
 * ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32,
   64 or 128, 16-byte-aligned rows), :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA, single pass); else
   ``tl.dot``'s ``input_precision="ieee"`` here.
-* ``tf32``: ``"f16x3"`` as ``fp32`` (TF32-class products err over twice PyTorch's own TF32 backward).
+* ``tf32``: ``"f16x1"``, the hi parts alone (one FP16 product of operands rounded to 11 significant bits after
+  the same power-of-two scaling): its gradients err about as much as PyTorch's own TF32 backward.
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
   FlashAttention-2 does), FP32 accumulation.
 
@@ -96,7 +97,8 @@ from .split16 import split_rows, split_scores
 
 __all__ = ["elsa_backward", "backward_after_forward", "launch_backward", "bias_grad_shape", "reduce_bias_grad",
            "get_config", "BwdConfig", "SINGLE_PASS_MAX_KEYS",
-           "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES", "FP32_PRODUCTS", "fp32_products"]
+           "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES", "FP32_PRODUCTS", "BACKWARD_PRODUCTS",
+           "fp32_products", "product_flags"]
 
 MAX_HEAD_DIM = 256
 _SPIN_PTX = tl.constexpr(SPIN_UNTIL_EQUAL_PTX)
@@ -108,8 +110,11 @@ BWD_MODES: dict[str, tuple[torch.dtype, str]] = {
     name: (m.compute_dtype, m.backward_precision or "tf32") for name, m in MODES.items() if "dense" in m.kernels}
 
 
-# the products an FP32 backward can run (f16x3: split-FP16, :mod:`.split16`; else tl.dot input precisions)
+# the FP32-accurate products an FP32 backward can run (f16x3: split-FP16, :mod:`.split16`; else tl.dot input
+# precisions), then every products string it accepts: with the TF32-class ones, f16x1 (split-FP16, hi parts
+# only) and "SCORES/GRADS" (the score-side products S, dP and the gradient products dV, dK, dQ apart)
 FP32_PRODUCTS = ("f16x3", "tf32x3", "ieee")
+BACKWARD_PRODUCTS = FP32_PRODUCTS + ("f16x3/f16x1", "f16x1")
 
 
 def fp32_products(mode: str, products: str | None) -> tuple[torch.dtype, str]:
@@ -117,32 +122,41 @@ def fp32_products(mode: str, products: str | None) -> tuple[torch.dtype, str]:
     ``products`` for an FP32 mode when given.
 
     Raises:
-        ValueError: ``products`` not in :data:`FP32_PRODUCTS`.
+        ValueError: ``products`` not in :data:`BACKWARD_PRODUCTS`.
     """
     dtype, precision = BWD_MODES[mode]
     if products is not None:
-        if products not in FP32_PRODUCTS:
-            raise ValueError(f"products={products!r}; expected one of {list(FP32_PRODUCTS)} or None")
+        if products not in BACKWARD_PRODUCTS:
+            raise ValueError(f"products={products!r}; expected one of {list(BACKWARD_PRODUCTS)} or None")
         if dtype == torch.float32:
             precision = products
     return dtype, precision
+
+
+def product_flags(precision: str) -> dict:
+    """The kernels' ``PRECISION`` (the score-side products: the recomputed scores S and dP = dO V^T, whose
+    difference from ``delta`` cancels) and ``GRAD_PRECISION`` (dV = P^T dO, dK = dS^T Q, dQ = dS K, which go
+    to the gradients unamplified) of a products string ``"SCORES[/GRADS]"``."""
+    scores, _, grads = precision.partition("/")
+    return dict(PRECISION=scores, GRAD_PRECISION=grads or scores)
 
 
 # --------------------------------------------------------------------------- jit helpers
 
 @triton.jit
 def _mm(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """``a @ b`` in FP32. ``PRECISION="f16x3"`` (FP32 operands): split-FP16 products (:mod:`.split16`), ``a``
-    split per row and ``b`` per column, each scaled by a power of two into FP16's range and undone on the
-    result's rows and columns; else ``tl.dot``'s ``input_precision``. DOT_UPCAST (interpreter only, whose bf16
+    """``a @ b`` in FP32. ``PRECISION="f16x3"`` / ``"f16x1"`` (FP32 operands): split-FP16 products
+    (:mod:`.split16`; f16x1 the hi parts alone, TF32-class), ``a`` split per row and ``b`` per column, each
+    scaled by a power of two into FP16's range and undone on the result's rows and columns; else ``tl.dot``'s
+    ``input_precision``. DOT_UPCAST (interpreter only, whose bf16
     ``tl.dot`` is broken): the bf16 operands are multiplied in FP32, which is exact, as the tensor cores compute
     them."""
     if DOT_UPCAST:
         r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    elif PRECISION == "f16x3":
+    elif PRECISION == "f16x3" or PRECISION == "f16x1":
         a_hi, a_lo, a_inv = split_rows(a)
         b_hi, b_lo, b_inv = split_rows(tl.trans(b))
-        r = split_scores(a_hi, a_lo, b_hi, b_lo, "f16x3") * a_inv[:, None] * b_inv[None, :]
+        r = split_scores(a_hi, a_lo, b_hi, b_lo, PRECISION) * a_inv[:, None] * b_inv[None, :]
     else:
         r = tl.dot(a, b, input_precision=PRECISION)
     return r
@@ -232,7 +246,8 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale,
                DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr,
                EVEN_D: tl.constexpr,
-               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
+               DOT_UPCAST: tl.constexpr):
     """Add the query tile at ``start_m`` to (dK, dV) of the key tile ``cols`` ([keys, queries] orientation).
     DIAGONAL tiles (causal) mask the queries before each key. Returns ``(dk, dv, dS^T)``: the tile's FP32
     [BLOCK_N, BLOCK_M] dS, for a caller that also forms dQ from it."""
@@ -253,10 +268,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     if DIAGONAL:
         st = tl.where(cols[:, None] <= rows[None, :], st, float("-inf"))
     pt = tl.math.exp2((st - lse[None, :]) * 1.4426950408889634)
-    dv = _mm_acc(dv, pt.to(q.dtype), do, PRECISION, DOT_UPCAST)
+    dv = _mm_acc(dv, pt.to(q.dtype), do, GRAD_PRECISION, DOT_UPCAST)
     dpt = _mm(v, tl.trans(do), PRECISION, DOT_UPCAST)
     dst = pt * (dpt - delta[None, :])
-    dk = _mm_acc(dk, dst.to(q.dtype), q, PRECISION, DOT_UPCAST)
+    dk = _mm_acc(dk, dst.to(q.dtype), q, GRAD_PRECISION, DOT_UPCAST)
     return dk, dv, dst
 
 
@@ -276,16 +291,15 @@ def _wait_turn(sem_ptr, seen, turn, SPIN_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dq_ordered_add(dst, k, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, offs_d, pid_n, n_n, Nq, D, scale,
+def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, offs_d, pid_n, n_n, Nq, D,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC_IS_OUT: tl.constexpr,
-                    SPIN_ASM: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Add key tile ``pid_n``'s share of dQ for the query tile at ``start_m``, ``scale * dS K``, into the FP32
-    accumulator ``DQACC`` in key-tile order: the query tile's counter ``sem_ptr`` holds how many key tiles have
-    added (``seen``: its value read at the start of the step); this one waits for its turn, adds, and passes
-    the turn on. The order, not the timing, fixes every sum, so dQ is bit-for-bit reproducible. The query
-    tile's last key tile (``n_n - 1``; causal: the last whose keys reach these queries) also writes dQ in DQ's
-    dtype unless ACC_IS_OUT (FP32 dQ accumulates in place)."""
-    part = _mm(tl.trans(dst.to(k.dtype)), k, PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_D]
+                    SPIN_ASM: tl.constexpr):
+    """Add key tile ``pid_n``'s share of dQ for the query tile at ``start_m``, ``part = scale * dS K``
+    [rows, BLOCK_D], into the FP32 accumulator ``DQACC`` in key-tile order: the query tile's counter ``sem_ptr``
+    holds how many key tiles have added (``seen``: its value read at the start of the step); this one waits for
+    its turn, adds, and passes the turn on. The order, not the timing, fixes every sum, so dQ is bit-for-bit
+    reproducible. The query tile's last key tile (``n_n - 1``; causal: the last whose keys reach these queries)
+    also writes dQ in DQ's dtype unless ACC_IS_OUT (FP32 dQ accumulates in place)."""
     rows = start_m + offs_m
     ok = (rows < Nq)[:, None] & (offs_d < D)[None, :]
     offs = dq_base + rows.to(tl.int64)[:, None] * D + offs_d[None, :]
@@ -301,6 +315,114 @@ def _dq_ordered_add(dst, k, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, 
     tl.atomic_xchg(sem_ptr, pid_n + 1, sem="release")
 
 
+@triton.jit
+def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ, DQACC, sem_base,
+               dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, pid_n, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn,
+               sam, san, smm, smn, scale,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+               HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+               EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
+               DOT_UPCAST: tl.constexpr, DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr,
+               SPIN_ASM: tl.constexpr):
+    """Query tile ``t`` (rows ``t * BLOCK_M + offs_m``; ``offs_m`` may be narrower than BLOCK_M) into this key
+    tile's (dK, dV) and, when DQ_ORDERED, its ``dS K`` into dQ in key-tile order. Returns ``(dk, dv)``."""
+    if DQ_ORDERED:
+        seen = tl.load(sem_base + t, volatile=True)
+    dk, dv, dst = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
+                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm,
+                             sbn, sam, san, smm, smn, scale, DIAGONAL, HAS_BIAS, HAS_ADD, HAS_MASK, EVEN_D, EVEN_DV,
+                             PRECISION, GRAD_PRECISION, DOT_UPCAST)
+    if DQ_ORDERED:
+        part = _mm(tl.trans(dst.to(k.dtype)), k, GRAD_PRECISION, DOT_UPCAST) * scale  # [rows, BLOCK_D]
+        _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, t * BLOCK_M, offs_m, offs_d, pid_n, n_n, Nq,
+                        D, BLOCK_M, BLOCK_N, IS_CAUSAL, ACC_IS_OUT, SPIN_ASM)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem,
+               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
+               sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
+               H, Nq, Nk, D, Dv, scale, n_add, pid_n, off_b, off_h, bh,
+               KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, TAIL: tl.constexpr,
+               PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
+               EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
+               DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr):
+    """The body of :func:`_bwd_dkdv_kernel` for key tile ``pid_n`` held ``KEYS`` rows tall (BLOCK_N, or TAIL
+    for a last key tile whose keys fit it). Query tiles are BLOCK_M rows; with TAIL, a last query tile whose
+    rows fit TAIL runs TAIL rows tall."""
+    start_n = pid_n * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    cols = start_n + tl.arange(0, KEYS)
+    col_ok = cols < Nk
+    k = load_kv_tile(K + off_b * skb + off_h * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
+                     col_ok, offs_d, D, True, EVEN_D)
+    v = load_kv_tile(V + off_b * svb + off_h * svh + cols[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
+                     col_ok, offs_dv, Dv, True, EVEN_DV)
+    dk = tl.zeros([KEYS, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([KEYS, BLOCK_DV], dtype=tl.float32)
+    q_base = Q + off_b * sqb + off_h * sqh
+    do_base = DO + off_b * sdb + off_h * sdh
+    row_base = bh * Nq
+    b_base = Bias + off_b * sbb + off_h * sbh
+    m_base = Mask + off_b * smb + off_h * smh
+    a_base = Add + (off_b % n_add) * saw
+    scale = _head_scale(HS, off_h, scale, HEAD_SCALE)
+
+    # the query tiles use BLOCK_N, not KEYS: a narrow last key tile then counts a few more tiles as diagonal
+    # (masked per element anyway), and the ordered dQ's "last key tile" of a query tile stays the same
+    lo, mid, n_m = _dkdv_query_tiles(start_n, Nq, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    n_full = n_m
+    if TAIL > 0 and TAIL < BLOCK_M:
+        if Nq - (n_m - 1) * BLOCK_M <= TAIL:
+            n_full = n_m - 1
+    n_n = tl.cdiv(Nk, BLOCK_N)
+    sem_base = Sem + bh * n_m
+    dq_base = bh * Nq * D
+    lse_base = LseRow + row_base
+    delta_base = Delta + row_base
+    for phase in tl.static_range(2):  # causal diagonal tiles [lo, mid) with the mask, then [mid, n_m) without
+        if phase == 0:
+            t_lo, t_hi = lo, tl.minimum(mid, n_full)
+        else:
+            t_lo, t_hi = mid, n_full
+        for t in range(t_lo, t_hi):
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ,
+                                DQACC, sem_base, dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, pid_n, n_n, Nq,
+                                D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M, BLOCK_N,
+                                phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION,
+                                GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+    if TAIL > 0 and TAIL < BLOCK_M:
+        t = n_m - 1
+        if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall
+            offs_tail = tl.arange(0, TAIL)
+            diagonal = False
+            if IS_CAUSAL:
+                diagonal = t < mid
+            if diagonal:
+                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
+                                    DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, pid_n,
+                                    n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
+                                    BLOCK_N, True, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
+                                    PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+            else:
+                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
+                                    DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, pid_n,
+                                    n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
+                                    BLOCK_N, False, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
+                                    PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+    dk = dk * scale
+    out_ok = col_ok[:, None]
+    dk_ptrs = DK + bh * Nk * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
+    dv_ptrs = DV + bh * Nk * Dv + cols[:, None].to(tl.int64) * Dv + offs_dv[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_ok & (offs_d < D)[None, :])
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_ok & (offs_dv < Dv)[None, :])
+
+
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add"])
 def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
@@ -310,13 +432,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
                      PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                     DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr):
+                     DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr,
+                     GRAD_PRECISION: tl.constexpr, TAIL: tl.constexpr):
     """dK, dV of one key tile: ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale * sum_i dS_ij q_i`` over the query tiles.
 
     Works in the transposed orientation ([keys, queries] tiles) so both accumulators are row blocks.
     1-D grid cdiv(Nk, BLOCK_N) * H * B; outputs contiguous [B, H, Nk, D | Dv] in the input dtype.
     Keys >= Nk are not masked: they only reach their own (unstored) rows of dK / dV. Queries >= Nq read
     ``lse = +inf`` and dO = 0, so their P and dS are 0.
+
+    TAIL (0 = off): a last key tile whose keys fit TAIL rows, and a last query tile whose rows do, run TAIL
+    rows tall instead of BLOCK_N / BLOCK_M (ViT-B/16's 197 tokens: 5 keys in a 64-key tile would cost a full
+    tile's products). Runtime branches pick the width, so a new length compiles nothing new.
 
     DQ_ORDERED (the single-pass backward): each query tile's ``dS K`` also goes into dQ through
     :func:`_dq_ordered_add` (DQACC: FP32 [B, H, Nq, D], zeroed; Sem: int32 [B * H, cdiv(Nq, BLOCK_M)], zeroed),
@@ -325,54 +452,25 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
     key-tile order within a head), so the wait ends as long as the GPU starts programs in id order.
     """
     pid_n, off_b, off_h, bh = _tile_and_head(Nk, BLOCK_N, H)
-    start_n = pid_n * BLOCK_N
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    cols = start_n + offs_n
-    col_ok = cols < Nk
-
-    k = load_kv_tile(K + off_b * skb + off_h * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
-                     col_ok, offs_d, D, True, EVEN_D)
-    v = load_kv_tile(V + off_b * svb + off_h * svh + cols[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
-                     col_ok, offs_dv, Dv, True, EVEN_DV)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    q_base = Q + off_b * sqb + off_h * sqh
-    do_base = DO + off_b * sdb + off_h * sdh
-    row_base = bh * Nq
-    b_base = Bias + off_b * sbb + off_h * sbh
-    m_base = Mask + off_b * smb + off_h * smh
-    a_base = Add + (off_b % n_add) * saw
-    scale = _head_scale(HS, off_h, scale, HEAD_SCALE)
-
-    lo, mid, n_m = _dkdv_query_tiles(start_n, Nq, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    n_n = tl.cdiv(Nk, BLOCK_N)
-    sem_base = Sem + bh * n_m
-    dq_base = bh * Nq * D
-    for phase in tl.static_range(2):  # causal diagonal tiles [lo, mid) with the mask, then [mid, n_m) without
-        if phase == 0:
-            t_lo, t_hi = lo, mid
+    if TAIL > 0 and TAIL < BLOCK_N:
+        if pid_n * BLOCK_N + TAIL >= Nk:  # the last key tile, its keys within TAIL rows
+            _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
+                       skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb,
+                       smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, off_b, off_h, bh, TAIL, BLOCK_M, BLOCK_N,
+                       BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
+                       HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
         else:
-            t_lo, t_hi = mid, n_m
-        for t in range(t_lo, t_hi):
-            if DQ_ORDERED:
-                seen = tl.load(sem_base + t, volatile=True)
-            dk, dv, dst = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, LseRow + row_base,
-                                     Delta + row_base, t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv,
-                                     sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, phase == 0, HAS_BIAS,
-                                     HAS_ADD, HAS_MASK, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
-            if DQ_ORDERED:
-                _dq_ordered_add(dst, k, DQ, DQACC, sem_base + t, seen, dq_base, t * BLOCK_M, offs_m, offs_d, pid_n,
-                                n_n, Nq, D, scale, BLOCK_M, BLOCK_N, IS_CAUSAL, ACC_IS_OUT, SPIN_ASM, PRECISION,
-                                DOT_UPCAST)
-    dk = dk * scale
-    out_ok = col_ok[:, None]
-    dk_ptrs = DK + bh * Nk * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
-    dv_ptrs = DV + bh * Nk * Dv + cols[:, None].to(tl.int64) * Dv + offs_dv[None, :]
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_ok & (offs_d < D)[None, :])
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_ok & (offs_dv < Dv)[None, :])
+            _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
+                       skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb,
+                       smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, off_b, off_h, bh, BLOCK_N, BLOCK_M,
+                       BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
+                       HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+    else:
+        _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
+                   skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb, smh,
+                   smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
+                   BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
+                   HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
 
 
 @triton.jit
@@ -381,7 +479,8 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
              smn, db_old, scale,
              BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
              HAS_MASK: tl.constexpr, WRITE_DB: tl.constexpr, WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr,
-             EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+             EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
+             DOT_UPCAST: tl.constexpr):
     """``dq + dS K`` for the key tile at ``start_n`` (``scale`` applied by the caller); writes dS into the dBias
     buffer when WRITE_DB (added to what is there when ``db_old``). BOUNDARY tiles mask keys >= Nk and (causal)
     keys after the query; interior tiles skip both. Also returns the tile's dS (zero outside the valid rows and
@@ -411,7 +510,7 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
     p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
     dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
     ds = p * (dp - delta[:, None])
-    dq = _mm_acc(dq, ds.to(q.dtype), k, PRECISION, DOT_UPCAST)
+    dq = _mm_acc(dq, ds.to(q.dtype), k, GRAD_PRECISION, DOT_UPCAST)
     if WRITE_DHS:
         hs_a += tl.sum(ds * qk, 1)
         hs_z += tl.sum(ds, 1)
@@ -442,7 +541,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr,
                    WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                   DB_IN_REGS: tl.constexpr):
+                   DB_IN_REGS: tl.constexpr, GRAD_PRECISION: tl.constexpr):
     """dQ of one query tile (``dQ_i = scale * sum_j dS_ij k_j``) for each (batch, head) entry of its slot.
 
     1-D grid cdiv(Nq, BLOCK_M) * B_OUT * H_OUT * G. A slot (b_out, h_out) is one entry of the dBias buffer
@@ -506,7 +605,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                 dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
                 t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam,
                 san, smm, smn, db_old, scale, False, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
-                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST)
             if DB_IN_REGS:
                 db_acc += ds
         for t in range(n_full, n_tiles):
@@ -514,7 +613,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                 dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
                 t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam,
                 san, smm, smn, db_old, scale, True, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
-                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST)
             if DB_IN_REGS:
                 db_acc += ds
         dq = dq * scale
@@ -540,12 +639,15 @@ class KernelTiles:
         block_n: keys per tile (power of two, >= 16).
         num_warps: warps per program.
         num_stages: software-pipelining depth of the streamed loop.
+        tail: rows of the narrow tile a last key tile and a last query tile run with when their valid rows fit
+            it (the dK/dV kernel only; 0 = off): :func:`_bwd_dkdv_kernel`'s TAIL.
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tail: int = 0
 
 
 @dataclass(frozen=True)
@@ -574,7 +676,7 @@ _CONFIGS: dict[tuple[str, int], BwdConfig] = {
     ("half", 256): BwdConfig(KernelTiles(16, 64, 4, 1), KernelTiles(64, 16, 4, 1)),
     ("fp32", 16): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
     ("fp32", 32): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
-    ("fp32", 64): BwdConfig(KernelTiles(64, 64, 4, 2), KernelTiles(64, 64, 4, 2)),
+    ("fp32", 64): BwdConfig(KernelTiles(64, 64, 4, 2, tail=16), KernelTiles(64, 64, 4, 2)),
     ("fp32", 128): BwdConfig(KernelTiles(32, 64, 8, 2), KernelTiles(64, 32, 8, 2)),
     ("fp32", 256): BwdConfig(KernelTiles(16, 32, 4, 1), KernelTiles(32, 16, 4, 1)),
     # IEEE FMA products hold more live registers than split-FP16's: the 64 x 64 tiles spill 2-11 KB per thread
@@ -603,7 +705,7 @@ _BIAS_GRAD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
 # two kernels: split-FP16 products at head dim 64 with at most SINGLE_PASS_MAX_KEYS keys (ViT-B/16 224). At
 # longer sequences the wait for each query tile's turn, and with half operands the fused kernel itself, cost
 # more than the dQ kernel's recomputed products (docs/tuning.md: "two backward kernels").
-_SINGLE_PASS: dict[tuple[str, int], KernelTiles] = {("fp32", 64): KernelTiles(32, 64, 4, 2)}
+_SINGLE_PASS: dict[tuple[str, int], KernelTiles] = {("fp32", 64): KernelTiles(32, 64, 4, 2, tail=16)}
 SINGLE_PASS_MAX_KEYS = 256
 
 
@@ -787,7 +889,7 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         config: tile override (tools, tests); None = :func:`get_config`'s, shrunk if it exceeds shared memory.
         bias_splits: chunks G of the batch / head entries reduced onto each dBias slot (module docstring);
             None = automatic (1 on CPU).
-        products: the FP32 operands' products, one of :data:`FP32_PRODUCTS` (tools compare them); None = the
+        products: the FP32 operands' products, one of :data:`BACKWARD_PRODUCTS` (tools compare them); None = the
             mode's. Half modes ignore it.
 
     Returns:
@@ -913,7 +1015,7 @@ class _BackwardPlan:
         sm = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
         self.n_add = add_mask.shape[0] if add_mask is not None else 1
         self.strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *sb, *sa, *sm)
-        self.flags = dict(PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=bias4 is not None,
+        self.flags = dict(**product_flags(precision), IS_CAUSAL=bool(is_causal), HAS_BIAS=bias4 is not None,
                           HAS_ADD=add_mask is not None, HAS_MASK=mask4 is not None, HEAD_SCALE=head_scale is not None,
                           EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
                           DOT_UPCAST=dtype == torch.bfloat16 and interpreting())
@@ -965,7 +1067,8 @@ class _BackwardPlan:
     def _dkdv_call(self, t: KernelTiles) -> KernelCall:
         B, H, Nq, Nk, D, Dv = self.dims
         return KernelCall(_bwd_dkdv_kernel, (cdiv(Nk, t.block_n) * B * H,),
-                          dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **self.blocks, **self.flags, **self.ordered),
+                          dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, TAIL=t.tail, **self.blocks, **self.flags,
+                               **self.ordered),
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))
 
     def _dq_call(self, t: KernelTiles):

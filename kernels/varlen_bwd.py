@@ -43,7 +43,7 @@ import triton.language as tl
 from ._host import cdiv, pad_pow2
 from ._launch import interpreting, launch
 from .elsa_bwd import (BWD_MODES, MAX_HEAD_DIM, BwdConfig, KernelTiles, _bwd_preprocess_kernel, _dkdv_query_tiles,
-                       _dkdv_tile, _dq_tile, _run_fitting, get_config)
+                       _dkdv_tile, _dq_tile, _run_fitting, get_config, product_flags)
 from .elsa_fwd import key_tiles, load_kv_tile
 
 __all__ = ["varlen_backward"]
@@ -66,7 +66,8 @@ def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV,
                         H, total_q, n_tiles, D, Dv, scale,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                        EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                        EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                        GRAD_PRECISION: tl.constexpr):
     """dK, dV of one key tile of one (sequence, head): ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale sum_i dS_ij q_i``
     over the sequence's query tiles, in the dense kernel's transposed ([keys, queries]) orientation.
 
@@ -101,12 +102,12 @@ def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV,
         dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, True, False, False, False, EVEN_D, EVEN_DV, PRECISION,
-                            DOT_UPCAST)
+                            GRAD_PRECISION, DOT_UPCAST)
     for t in range(mid, n_m):
         dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, False, False, False, False, EVEN_D, EVEN_DV, PRECISION,
-                            DOT_UPCAST)
+                            GRAD_PRECISION, DOT_UPCAST)
     dk = dk * scale
     rows_out = (k_start + cols64[:, None]) * H + off_h
     tl.store(DK + rows_out * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -121,7 +122,8 @@ def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ,
                       H, total_q, n_tiles, D, Dv, scale,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                      GRAD_PRECISION: tl.constexpr):
     """dQ of one query tile of one (sequence, head): ``dQ_i = scale sum_j dS_ij k_j`` over the sequence's key
     tiles (causal: up to the diagonal). DQ [total_q, H, D] contiguous, in the input dtype."""
     start_m, off_h, seq, q_start, Lq = _seq_tile(CuQ, n_tiles, BLOCK_M, H)
@@ -153,12 +155,12 @@ def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ,
         dq, _, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
                                   t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Lk, D, Dv, skt, skd, svt,
                                   svd, 0, 0, 0, 0, 0, 0, False, scale, False, IS_CAUSAL, False, False, False, False,
-                                  False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST)
     for t in range(n_full, n_kv):
         dq, _, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
                                   t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Lk, D, Dv, skt, skd, svt,
                                   svd, 0, 0, 0, 0, 0, 0, False, scale, True, IS_CAUSAL, False, False, False, False,
-                                  False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST)
+                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST)
     dq = dq * scale
     tl.store(DQ + ((q_start + rows64[:, None]) * H + off_h) * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d < D)[None, :])
@@ -260,7 +262,7 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
            dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV), dict(num_warps=4))
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
-    flags = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, PRECISION=precision, IS_CAUSAL=bool(is_causal),
+    flags = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **product_flags(precision), IS_CAUSAL=bool(is_causal),
                  EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
                  DOT_UPCAST=dtype == torch.bfloat16 and interpreting())
     key = ("varlen", mode, BLOCK_D, BLOCK_DV, bool(is_causal), cfg)

@@ -40,8 +40,9 @@ import triton.language as tl
 from ._host import cdiv, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
-                       _head_scale_grad, _mm, _tensor_key, fp32_products, launch_backward)
+                       _head_scale_grad, _mm, _tensor_key, fp32_products, launch_backward, product_flags)
 from .elsa_fwd import load_kv_tile
+from .modes import MODES
 
 __all__ = ["window_backward", "get_config", "fused_launch", "FUSED_MAX_TOKENS", "KERNELS"]
 
@@ -58,7 +59,8 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
                              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                              PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                              HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr, WRITE_DHS: tl.constexpr,
-                             EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
+                             EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                             GRAD_PRECISION: tl.constexpr):
     """dq, dk, dv (and dS summed into a d bias partial) of windows ``[g * per_chunk, (g + 1) * per_chunk)`` of
     head ``h``, one window (N <= BLOCK tokens) per step; 1-D grid ``H * G``, program ``g * H + h``.
 
@@ -102,11 +104,11 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
                        b_ptrs, ok, HAS_BIAS, HAS_ADD, False)
         s = tl.where(ok_n[None, :], s, float("-inf"))
         p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
-        dv = _mm(tl.trans(p.to(q.dtype)), do, PRECISION, DOT_UPCAST)
+        dv = _mm(tl.trans(p.to(q.dtype)), do, GRAD_PRECISION, DOT_UPCAST)
         dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
         ds = p * (dp - delta[:, None])
-        dq = _mm(ds.to(q.dtype), k, PRECISION, DOT_UPCAST) * scale
-        dk = _mm(tl.trans(ds.to(q.dtype)), q, PRECISION, DOT_UPCAST) * scale
+        dq = _mm(ds.to(q.dtype), k, GRAD_PRECISION, DOT_UPCAST) * scale
+        dk = _mm(tl.trans(ds.to(q.dtype)), q, GRAD_PRECISION, DOT_UPCAST) * scale
         bh = b * H + h
         out_d = ok_n[:, None] & (offs_d < D)[None, :]
         tl.store(DQ + bh * N * D + offs64[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=out_d)
@@ -170,7 +172,7 @@ class _FusedPlan:
         warps, stages = fused_launch(block, N, q.dtype != torch.float32, precision)
         num_stages = stages if num_stages is None else num_stages
         self.call = KernelCall(_window_bwd_fused_kernel, (H * G,), dict(
-            BLOCK=block, BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision, HAS_BIAS=bias is not None,
+            BLOCK=block, BLOCK_D=block_d, BLOCK_DV=block_dv, **product_flags(precision), HAS_BIAS=bias is not None,
             HAS_ADD=add_mask is not None, HEAD_SCALE=head_scale is not None, WRITE_DB=write_db, WRITE_DHS=write_dhs,
             EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting()),
@@ -239,7 +241,8 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             :func:`.elsa_bwd.elsa_backward`).
         kernel: ``"auto"`` (the fused kernel for windows of at most :data:`FUSED_MAX_TOKENS` tokens without a
             ``config``, else the split kernels), ``"fused"`` or ``"split"`` (module docstring).
-        products: FP32 products override, as :func:`.elsa_backward`'s (None = the mode's).
+        products: FP32 products override, as :func:`.elsa_backward`'s (None = the mode's window products,
+            :attr:`.Mode.window_backward_precision` where set).
 
     Returns:
         ``(dq, dk, dv, dbias, dhead_scale)``: dq, dk [B*nW, H, N, D] and dv [B*nW, H, N, Dv], contiguous, in
@@ -282,6 +285,8 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if head_scale_requires_grad and head_scale is None:
         raise ValueError("head_scale_requires_grad=True needs a head_scale")
     fp32_products(mode, products)  # an unknown products value raises here, whichever path runs
+    if products is None:
+        products = MODES[mode].window_backward_precision
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; expected one of {list(KERNELS)}")
     if kernel == "fused" and (N > FUSED_MAX_TOKENS or config is not None):

@@ -175,7 +175,7 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
                     single_key_tile: bool):
     """The dK / dV and dQ kernels of one backward configuration (bias: with its gradient)."""
     precision = elsa_bwd.BWD_MODES[mode][1]
-    base = dict(BLOCK_D=d, BLOCK_DV=d, PRECISION=precision, IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
+    base = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
                 HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
     dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV",
                                     "DQ", "DQACC", "Sem"), ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
@@ -183,7 +183,7 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
     dq_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DQ", "DB",
                                   "DHS"), ("Q", "K", "V", "DO", "DQ"))
     single = tiles.single_pass and not bias
-    ordered = dict(DQ_ORDERED=single, ACC_IS_OUT=mode != "bf16", SPIN_ASM=True)
+    ordered = dict(DQ_ORDERED=single, ACC_IS_OUT=mode != "bf16", SPIN_ASM=True, TAIL=tiles.dkdv.tail)
     kernels = [("dkdv+dq" if single else "dkdv", tiles.dkdv, elsa_bwd._bwd_dkdv_kernel, dkdv_ptr, ordered,
                 ("scale",))]
     if not single:
@@ -218,7 +218,8 @@ def _backward_jobs(quick: bool):
                     "config": [block, block, warps, stages]},
                    dict(kernel=window_bwd._window_bwd_fused_kernel,
                         pointer_types=_bwd_pointers(mode, names, ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")),
-                        constexprs=dict(BLOCK=block, BLOCK_D=32, BLOCK_DV=32, PRECISION=precision, HAS_BIAS=True,
+                        constexprs=dict(BLOCK=block, BLOCK_D=32, BLOCK_DV=32, **elsa_bwd.product_flags(precision),
+                                        HAS_BIAS=True,
                                         HAS_ADD=True, HEAD_SCALE=False, WRITE_DB=True, WRITE_DHS=False, EVEN_D=True,
                                         EVEN_DV=True, DOT_UPCAST=False),
                         num_warps=warps, num_stages=stages,

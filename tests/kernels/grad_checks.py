@@ -2,13 +2,15 @@
 
 A kernel gradient is compared with the float64 autograd gradient ("gold"): within :data:`FP32_TOL` (relative
 L2) where the mode's products are FP32-accurate, otherwise within twice the error of PyTorch's own backward at
-the same precision against the same gold, plus 1e-6 (FlashAttention's test rule).
+the same precision against the same gold, plus 1e-6 (FlashAttention's test rule). ``tf32`` on the CPU, where
+PyTorch has no TF32 matmuls to compare with, is held to the mode's own contract (``MODES["tf32"].rel_tol``).
 """
 import contextlib
 
 import torch
 
 from visionattn.metrics import rel_l2
+from visionattn.modes import MODES
 
 FP32_TOL = 1e-5
 
@@ -44,3 +46,15 @@ def assert_gradients(mode: str, names, got, gold, bounds) -> None:
         assert torch.isfinite(x).all(), f"{mode} {name}: non-finite"
         err = rel_l2(x, g)
         assert err <= bound, f"{mode} {name}: rel err {err:.3e} > {bound:.3e}"
+
+
+def mode_bounds(mode: str, gold, same_precision_grads, on_cuda: bool) -> list:
+    """The bounds of ``mode``'s gradients (the module docstring's rule): ``same_precision_grads()`` gives
+    PyTorch's own gradients at the mode's precision (called under :func:`torch_matmul_precision` only where
+    the rule needs them)."""
+    if mode == "tf32" and not on_cuda:
+        return [None if g is None else MODES["tf32"].rel_tol for g in gold]
+    if MODES[mode].compute_dtype == torch.float32 and mode != "tf32":
+        return gradient_bounds(gold)
+    with torch_matmul_precision(mode):
+        return gradient_bounds(gold, same_precision_grads())
