@@ -291,33 +291,33 @@ def _wait_turn(sem_ptr, seen, turn, SPIN_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, offs_d, pid_n, n_n, Nq, D,
+def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, offs_d, turn, n_n, Nq, D,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC_IS_OUT: tl.constexpr,
                     SPIN_ASM: tl.constexpr):
-    """Add key tile ``pid_n``'s share of dQ for the query tile at ``start_m``, ``part = scale * dS K``
-    [rows, BLOCK_D], into the FP32 accumulator ``DQACC`` in key-tile order: the query tile's counter ``sem_ptr``
+    """Add a key tile's share of dQ for the query tile at ``start_m``, ``part = scale * dS K`` [rows, BLOCK_D],
+    into the FP32 accumulator ``DQACC`` in a fixed order of the key tiles: the query tile's counter ``sem_ptr``
     holds how many key tiles have added (``seen``: its value read at the start of the step); this one waits for
-    its turn, adds, and passes the turn on. The order, not the timing, fixes every sum, so dQ is bit-for-bit
-    reproducible. The query tile's last key tile (``n_n - 1``; causal: the last whose keys reach these queries)
-    also writes dQ in DQ's dtype unless ACC_IS_OUT (FP32 dQ accumulates in place)."""
+    its ``turn`` (0 .. n_n - 1), adds, and passes the turn on. The order, not the timing, fixes every sum, so dQ
+    is bit-for-bit reproducible. The query tile's last turn (``n_n - 1``; causal: the last key tile whose keys
+    reach these queries) also writes dQ in DQ's dtype unless ACC_IS_OUT (FP32 dQ accumulates in place)."""
     rows = start_m + offs_m
     ok = (rows < Nq)[:, None] & (offs_d < D)[None, :]
     offs = dq_base + rows.to(tl.int64)[:, None] * D + offs_d[None, :]
-    _wait_turn(sem_ptr, seen, pid_n, SPIN_ASM)
+    _wait_turn(sem_ptr, seen, turn, SPIN_ASM)
     old = tl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
     if not ACC_IS_OUT:
         last = n_n - 1
         if IS_CAUSAL:
             last = tl.minimum(last, (start_m + BLOCK_M - 1) // BLOCK_N)
-        if pid_n == last:
+        if turn == last:
             tl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
     tl.debug_barrier()  # every thread's add is issued before the turn passes (the release orders them)
-    tl.atomic_xchg(sem_ptr, pid_n + 1, sem="release")
+    tl.atomic_xchg(sem_ptr, turn + 1, sem="release")
 
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ, DQACC, sem_base,
-               dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, pid_n, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn,
+               dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn,
                sam, san, smm, smn, scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
@@ -325,7 +325,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                DOT_UPCAST: tl.constexpr, DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr,
                SPIN_ASM: tl.constexpr):
     """Query tile ``t`` (rows ``t * BLOCK_M + offs_m``; ``offs_m`` may be narrower than BLOCK_M) into this key
-    tile's (dK, dV) and, when DQ_ORDERED, its ``dS K`` into dQ in key-tile order. Returns ``(dk, dv)``."""
+    tile's (dK, dV) and, when DQ_ORDERED, its ``dS K`` into dQ at its ``turn``. Returns ``(dk, dv)``."""
     if DQ_ORDERED:
         seen = tl.load(sem_base + t, volatile=True)
     dk, dv, dst = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
@@ -334,7 +334,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                              PRECISION, GRAD_PRECISION, DOT_UPCAST)
     if DQ_ORDERED:
         part = _mm(tl.trans(dst.to(k.dtype)), k, GRAD_PRECISION, DOT_UPCAST) * scale  # [rows, BLOCK_D]
-        _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, t * BLOCK_M, offs_m, offs_d, pid_n, n_n, Nq,
+        _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, t * BLOCK_M, offs_m, offs_d, turn, n_n, Nq,
                         D, BLOCK_M, BLOCK_N, IS_CAUSAL, ACC_IS_OUT, SPIN_ASM)
     return dk, dv
 
@@ -343,7 +343,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
 def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
-               H, Nq, Nk, D, Dv, scale, n_add, pid_n, off_b, off_h, bh,
+               H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh,
                KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, TAIL: tl.constexpr,
                PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -392,7 +392,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
             t_lo, t_hi = mid, n_full
         for t in range(t_lo, t_hi):
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ,
-                                DQACC, sem_base, dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, pid_n, n_n, Nq,
+                                DQACC, sem_base, dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq,
                                 D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M, BLOCK_N,
                                 phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION,
                                 GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
@@ -405,13 +405,13 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
                 diagonal = t < mid
             if diagonal:
                 dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
-                                    DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, pid_n,
+                                    DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, turn,
                                     n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
                                     BLOCK_N, True, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
                                     PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
             else:
                 dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
-                                    DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, pid_n,
+                                    DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, turn,
                                     n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
                                     BLOCK_N, False, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
                                     PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
@@ -447,28 +447,36 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
 
     DQ_ORDERED (the single-pass backward): each query tile's ``dS K`` also goes into dQ through
     :func:`_dq_ordered_add` (DQACC: FP32 [B, H, Nq, D], zeroed; Sem: int32 [B * H, cdiv(Nq, BLOCK_M)], zeroed),
-    so no dQ kernel recomputes the scores: five tile products per (query, key) tile pair instead of seven. Key
-    tile j of a head waits only for key tile j - 1 of the same head, launched before it (program ids run in
-    key-tile order within a head), so the wait ends as long as the GPU starts programs in id order.
+    so no dQ kernel recomputes the scores: five tile products per (query, key) tile pair instead of seven. The
+    program of turn j of a head waits only for turn j - 1 of the same head, whose program id is the one before
+    (turns run in program-id order within a head), so the wait ends as long as the GPU starts programs in id
+    order. Without a causal mask the turns run from the last key tile down to the first: a narrow last tile
+    (TAIL) then adds first at every query tile and, waiting for no one, frees its SM slot after a fraction of
+    a full tile's time, instead of waiting out the full tiles' pace to the end; causal keeps the key order, in
+    which the key tiles that reach a query tile are the first turns.
     """
-    pid_n, off_b, off_h, bh = _tile_and_head(Nk, BLOCK_N, H)
+    turn, off_b, off_h, bh = _tile_and_head(Nk, BLOCK_N, H)
+    pid_n = turn
+    if DQ_ORDERED:
+        if not IS_CAUSAL:  # the last (possibly narrow) key tile takes the first turn (the kernel docstring)
+            pid_n = tl.cdiv(Nk, BLOCK_N) - 1 - turn
     if TAIL > 0 and TAIL < BLOCK_N:
         if pid_n * BLOCK_N + TAIL >= Nk:  # the last key tile, its keys within TAIL rows
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
                        skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb,
-                       smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, off_b, off_h, bh, TAIL, BLOCK_M, BLOCK_N,
-                       BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
-                       HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+                       smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
+                       BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
+                       HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
         else:
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
                        skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb,
-                       smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, off_b, off_h, bh, BLOCK_N, BLOCK_M,
+                       smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M,
                        BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
                        HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
     else:
         _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
                    skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb, smh,
-                   smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
+                   smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
                    BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
                    HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
 
