@@ -93,7 +93,7 @@ from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
 from ._launch import SPIN_UNTIL_EQUAL_PTX, KernelCall, PlanCache, interpreting
 from .elsa_fwd import key_tiles, load_kv_tile
 from .modes import MODES
-from .split16 import split_rows, split_scores
+from .split16 import SPLIT_EXP, exponent, pow2, split_rows, split_scores
 
 __all__ = ["elsa_backward", "backward_after_forward", "launch_backward", "bias_grad_shape", "reduce_bias_grad",
            "get_config", "BwdConfig", "SINGLE_PASS_MAX_KEYS",
@@ -175,6 +175,49 @@ def _mm_acc(acc, a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _mmh(a, b, b_exp, PRECISION: tl.constexpr, HEAD_B: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """:func:`_mm`, except that with HEAD_B (f16x1 products) ``b`` is scaled by one power of two for its whole
+    (batch, head): ``b_exp``, the exponent of its largest magnitude (:func:`_head_exponents`), instead of per
+    column of each tile. FP16 keeps 11 significant bits for entries down to 2^-29 of that largest one, and
+    the per-tile column maxima (a reduction across the tile's rows) and their transposes are not formed."""
+    if HEAD_B:
+        a_hi, a_lo, a_inv = split_rows(a)
+        b_hi = (b * pow2(-b_exp + SPLIT_EXP)).to(tl.float16)  # tensor first: constexpr - tensor fails to interpret
+        r = tl.dot(a_hi, b_hi) * a_inv[:, None] * pow2(b_exp - SPLIT_EXP)
+    else:
+        r = _mm(a, b, PRECISION, DOT_UPCAST)
+    return r
+
+
+@triton.jit
+def _mmh_acc(acc, a, b, b_exp, PRECISION: tl.constexpr, HEAD_B: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``acc + a @ b`` as :func:`_mmh` forms it (the tile product formed apart, as :func:`_mm_acc` does for
+    FP32 operands)."""
+    if HEAD_B:
+        acc += _mmh(a, b, b_exp, PRECISION, HEAD_B, DOT_UPCAST)
+    else:
+        acc = _mm_acc(acc, a, b, PRECISION, DOT_UPCAST)
+    return acc
+
+
+@triton.jit
+def _head_exponents(E, bh, HEAD_B: tl.constexpr):
+    """``(e_q, e_k, e_v, e_do)``: the exponents of the largest magnitudes of head ``bh``'s q, k, v, dO, from
+    their bit patterns in ``E`` (int32 [B * H, 4], :func:`_bwd_preprocess_kernel`); zeros without HEAD_B."""
+    e_q = 0
+    e_k = 0
+    e_v = 0
+    e_do = 0
+    if HEAD_B:
+        base = E + bh * 4
+        e_q = exponent(tl.load(base).to(tl.float32, bitcast=True))
+        e_k = exponent(tl.load(base + 1).to(tl.float32, bitcast=True))
+        e_v = exponent(tl.load(base + 2).to(tl.float32, bitcast=True))
+        e_do = exponent(tl.load(base + 3).to(tl.float32, bitcast=True))
+    return e_q, e_k, e_v, e_do
+
+
+@triton.jit
 def _tile_and_head(n, BLOCK: tl.constexpr, H):
     """(tile, batch, head, batch * H + head) of this program in a 1-D grid of cdiv(n, BLOCK) * H * B programs."""
     tiles = tl.cdiv(n, BLOCK)
@@ -218,13 +261,24 @@ def _dkdv_query_tiles(start_n, Nq, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     return lo, mid, n_m
 
 
-@triton.jit(do_not_specialize=["H", "Nq"])  # lengths are runtime values: a new one compiles nothing new
+@triton.jit
+def _tile_absmax(ptrs, rows_ok, offs_c, n_c):
+    """max |x| of a [rows, C] FP32-convertible tile (masked rows / columns read 0), as int32 bits."""
+    x = tl.load(ptrs, mask=rows_ok[:, None] & (offs_c < n_c)[None, :], other=0.0)
+    return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0).to(tl.int32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["H", "Nq", "Nk"])  # lengths are runtime values: a new one compiles nothing new
 def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
                            sob, soh, som, sod, sdb, sdh, sdm, sdd, slb, slh, slm,
-                           H, Nq, Dv,
-                           BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+                           H, Nq, Dv, K, V, E, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, Nk, D,
+                           BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                           HEAD_MAX: tl.constexpr):
     """Per row: ``delta = sum_d dO * O`` (dO rounded to the compute dtype, as the other kernels read it) and
     ``lse`` (``+inf`` where ``lse = -inf``). Both FP32, contiguous [B * H, Nq].
+    HEAD_MAX: also the largest magnitude of each head's q, dO (this program's query rows) and k, v (key tiles
+    ``pid_m``, ``pid_m + cdiv(Nq, BLOCK_M)``, ...), atomically maxed as int32 bit patterns (order-free, so
+    reproducible) into ``E`` [B * H, 4] (q, k, v, dO; zeroed by the caller).
     1-D grid cdiv(Nq, BLOCK_M) * H * B."""
     pid_m, off_b, off_h, bh = _tile_and_head(Nq, BLOCK_M, H)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -239,6 +293,19 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     tl.store(Delta + bh * Nq + rows, delta, mask=row_ok)
     tl.store(LseRow + bh * Nq + rows, lse, mask=row_ok)
+    if HEAD_MAX:
+        offs_d = tl.arange(0, BLOCK_D)
+        e_base = E + bh * 4
+        tl.atomic_max(e_base + 3, tl.max(tl.max(tl.abs(do), 1), 0).to(tl.int32, bitcast=True))
+        tl.atomic_max(e_base, _tile_absmax(Q + off_b * sqb + off_h * sqh + rows[:, None] * sqm + offs_d[None, :] * sqd,
+                                           row_ok, offs_d, D))
+        for t in range(pid_m, tl.cdiv(Nk, BLOCK_M), tl.cdiv(Nq, BLOCK_M)):
+            keys = t * BLOCK_M + tl.arange(0, BLOCK_M)
+            key_ok = keys < Nk
+            tl.atomic_max(e_base + 1, _tile_absmax(K + off_b * skb + off_h * skh + keys[:, None] * skn
+                                                   + offs_d[None, :] * skd, key_ok, offs_d, D))
+            tl.atomic_max(e_base + 2, _tile_absmax(V + off_b * svb + off_h * svh + keys[:, None] * svn
+                                                   + offs_dv[None, :] * svd, key_ok, offs_dv, Dv))
 
 
 @triton.jit
@@ -247,7 +314,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr,
                EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
-               DOT_UPCAST: tl.constexpr):
+               DOT_UPCAST: tl.constexpr, e_q, e_do, HEAD_B: tl.constexpr):
     """Add the query tile at ``start_m`` to (dK, dV) of the key tile ``cols`` ([keys, queries] orientation).
     DIAGONAL tiles (causal) mask the queries before each key. Returns ``(dk, dv, dS^T)``: the tile's FP32
     [BLOCK_N, BLOCK_M] dS, for a caller that also forms dQ from it."""
@@ -260,7 +327,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     do = do.to(q.dtype)
     lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-    st = _mm(k, tl.trans(q), PRECISION, DOT_UPCAST) * scale  # [BLOCK_N, BLOCK_M]
+    st = _mmh(k, tl.trans(q), e_q, PRECISION, HEAD_B, DOT_UPCAST) * scale  # [BLOCK_N, BLOCK_M]
     st = _bias_mask(st, b_base + cols64[:, None] * sbn + rows64[None, :] * sbm,
                     a_base + cols64[:, None] * san + rows64[None, :] * sam,
                     m_base + cols64[:, None] * smn + rows64[None, :] * smm, col_ok[:, None] & row_ok[None, :],
@@ -268,10 +335,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     if DIAGONAL:
         st = tl.where(cols[:, None] <= rows[None, :], st, float("-inf"))
     pt = tl.math.exp2((st - lse[None, :]) * 1.4426950408889634)
-    dv = _mm_acc(dv, pt.to(q.dtype), do, GRAD_PRECISION, DOT_UPCAST)
-    dpt = _mm(v, tl.trans(do), PRECISION, DOT_UPCAST)
+    dv = _mmh_acc(dv, pt.to(q.dtype), do, e_do, GRAD_PRECISION, HEAD_B, DOT_UPCAST)
+    dpt = _mmh(v, tl.trans(do), e_do, PRECISION, HEAD_B, DOT_UPCAST)
     dst = pt * (dpt - delta[None, :])
-    dk = _mm_acc(dk, dst.to(q.dtype), q, GRAD_PRECISION, DOT_UPCAST)
+    dk = _mmh_acc(dk, dst.to(q.dtype), q, e_q, GRAD_PRECISION, HEAD_B, DOT_UPCAST)
     return dk, dv, dst
 
 
@@ -323,7 +390,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
                DOT_UPCAST: tl.constexpr, DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr,
-               SPIN_ASM: tl.constexpr):
+               SPIN_ASM: tl.constexpr, e_q, e_k, e_do, HEAD_B: tl.constexpr):
     """Query tile ``t`` (rows ``t * BLOCK_M + offs_m``; ``offs_m`` may be narrower than BLOCK_M) into this key
     tile's (dK, dV) and, when DQ_ORDERED, its ``dS K`` into dQ at its ``turn``. Returns ``(dk, dv)``."""
     if DQ_ORDERED:
@@ -331,16 +398,16 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     dk, dv, dst = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
                              t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm,
                              sbn, sam, san, smm, smn, scale, DIAGONAL, HAS_BIAS, HAS_ADD, HAS_MASK, EVEN_D, EVEN_DV,
-                             PRECISION, GRAD_PRECISION, DOT_UPCAST)
+                             PRECISION, GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B)
     if DQ_ORDERED:
-        part = _mm(tl.trans(dst.to(k.dtype)), k, GRAD_PRECISION, DOT_UPCAST) * scale  # [rows, BLOCK_D]
+        part = _mmh(tl.trans(dst.to(k.dtype)), k, e_k, GRAD_PRECISION, HEAD_B, DOT_UPCAST) * scale  # [rows, D]
         _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, t * BLOCK_M, offs_m, offs_d, turn, n_n, Nq,
                         D, BLOCK_M, BLOCK_N, IS_CAUSAL, ACC_IS_OUT, SPIN_ASM)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem,
+def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
                H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh,
@@ -349,7 +416,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
                PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-               DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr):
+               DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr, HEAD_B: tl.constexpr):
     """The body of :func:`_bwd_dkdv_kernel` for key tile ``pid_n`` held ``KEYS`` rows tall (BLOCK_N, or TAIL
     for a last key tile whose keys fit it). Query tiles are BLOCK_M rows; with TAIL, a last query tile whose
     rows fit TAIL runs TAIL rows tall."""
@@ -372,6 +439,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
     m_base = Mask + off_b * smb + off_h * smh
     a_base = Add + (off_b % n_add) * saw
     scale = _head_scale(HS, off_h, scale, HEAD_SCALE)
+    e_q, e_k, e_v, e_do = _head_exponents(E, bh, HEAD_B)
 
     # the query tiles use BLOCK_N, not KEYS: a narrow last key tile then counts a few more tiles as diagonal
     # (masked per element anyway), and the ordered dQ's "last key tile" of a query tile stays the same
@@ -395,7 +463,8 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
                                 DQACC, sem_base, dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq,
                                 D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M, BLOCK_N,
                                 phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION,
-                                GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+                                GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
+                                e_do, HEAD_B)
     if TAIL > 0 and TAIL < BLOCK_M:
         t = n_m - 1
         if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall
@@ -408,13 +477,15 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
                                     DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, turn,
                                     n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
                                     BLOCK_N, True, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
-                                    PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+                                    PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
+                                    e_q, e_k, e_do, HEAD_B)
             else:
                 dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
                                     DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, turn,
                                     n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
                                     BLOCK_N, False, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
-                                    PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+                                    PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
+                                    e_q, e_k, e_do, HEAD_B)
     dk = dk * scale
     out_ok = col_ok[:, None]
     dk_ptrs = DK + bh * Nk * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
@@ -424,7 +495,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add"])
-def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem,
+def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                      sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
                      H, Nq, Nk, D, Dv, scale, n_add,
@@ -433,7 +504,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
                      HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
                      DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr,
-                     GRAD_PRECISION: tl.constexpr, TAIL: tl.constexpr):
+                     GRAD_PRECISION: tl.constexpr, TAIL: tl.constexpr, HEAD_B: tl.constexpr):
     """dK, dV of one key tile: ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale * sum_i dS_ij q_i`` over the query tiles.
 
     Works in the transposed orientation ([keys, queries] tiles) so both accumulators are row blocks.
@@ -462,23 +533,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
             pid_n = tl.cdiv(Nk, BLOCK_N) - 1 - turn
     if TAIL > 0 and TAIL < BLOCK_N:
         if pid_n * BLOCK_N + TAIL >= Nk:  # the last key tile, its keys within TAIL rows
-            _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
-                       skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb,
-                       smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
+            _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
+                       skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
+                       smb, smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
                        BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
-                       HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+                       HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B)
         else:
-            _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
-                       skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb,
-                       smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M,
-                       BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
-                       HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+            _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
+                       skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
+                       smb, smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N,
+                       BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS,
+                       HAS_ADD, HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
+                       HEAD_B)
     else:
-        _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, sqb, sqh, sqm, sqd, skb,
+        _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd, skb,
                    skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb, smh,
                    smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
                    BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
-                   HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM)
+                   HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B)
 
 
 @triton.jit
@@ -488,7 +560,7 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
              BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
              HAS_MASK: tl.constexpr, WRITE_DB: tl.constexpr, WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr,
              EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
-             DOT_UPCAST: tl.constexpr):
+             DOT_UPCAST: tl.constexpr, e_k, e_v, HEAD_B: tl.constexpr):
     """``dq + dS K`` for the key tile at ``start_n`` (``scale`` applied by the caller); writes dS into the dBias
     buffer when WRITE_DB (added to what is there when ``db_old``). BOUNDARY tiles mask keys >= Nk and (causal)
     keys after the query; interior tiles skip both. Also returns the tile's dS (zero outside the valid rows and
@@ -503,7 +575,7 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
     cols64 = cols.to(tl.int64)
     k = load_kv_tile(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, col_ok, offs_d, D, BOUNDARY, EVEN_D)
     v = load_kv_tile(v_base + cols64[:, None] * svn + offs_dv[None, :] * svd, col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
-    qk = _mm(q, tl.trans(k), PRECISION, DOT_UPCAST)
+    qk = _mmh(q, tl.trans(k), e_k, PRECISION, HEAD_B, DOT_UPCAST)
     s = qk * scale
     ok = row_ok[:, None] & col_ok[None, :]
     rows64 = rows.to(tl.int64)
@@ -516,9 +588,9 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
             valid = valid & (cols[None, :] <= rows[:, None])
         s = tl.where(valid, s, float("-inf"))
     p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
-    dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
+    dp = _mmh(do, tl.trans(v), e_v, PRECISION, HEAD_B, DOT_UPCAST)
     ds = p * (dp - delta[:, None])
-    dq = _mm_acc(dq, ds.to(q.dtype), k, GRAD_PRECISION, DOT_UPCAST)
+    dq = _mmh_acc(dq, ds.to(q.dtype), k, e_k, GRAD_PRECISION, HEAD_B, DOT_UPCAST)
     if WRITE_DHS:
         hs_a += tl.sum(ds * qk, 1)
         hs_z += tl.sum(ds, 1)
@@ -541,7 +613,7 @@ def _head_scale_grad(a, z, w, p):
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add", "B_OUT", "H_OUT", "R_H", "n_red", "per_chunk"])
-def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
+def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS, E,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                    sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
                    H, Nq, Nk, D, Dv, scale0, n_add, B_OUT, H_OUT, R_H, n_red, per_chunk,
@@ -549,7 +621,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr,
                    WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                   DB_IN_REGS: tl.constexpr, GRAD_PRECISION: tl.constexpr):
+                   DB_IN_REGS: tl.constexpr, GRAD_PRECISION: tl.constexpr, HEAD_B: tl.constexpr):
     """dQ of one query tile (``dQ_i = scale * sum_j dS_ij k_j``) for each (batch, head) entry of its slot.
 
     1-D grid cdiv(Nq, BLOCK_M) * B_OUT * H_OUT * G. A slot (b_out, h_out) is one entry of the dBias buffer
@@ -602,6 +674,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
         m_base = Mask + off_b * smb + off_h * smh
         a_base = Add + (off_b % n_add) * saw
         scale = _head_scale(HS, off_h, scale0, HEAD_SCALE)
+        e_q, e_k, e_v, e_do = _head_exponents(E, bh, HEAD_B)
         db_old = r > r_lo
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         hs_a = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -613,7 +686,8 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                 dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
                 t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam,
                 san, smm, smn, db_old, scale, False, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
-                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST)
+                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, e_k,
+                e_v, HEAD_B)
             if DB_IN_REGS:
                 db_acc += ds
         for t in range(n_full, n_tiles):
@@ -621,7 +695,8 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                 dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
                 t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam,
                 san, smm, smn, db_old, scale, True, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
-                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST)
+                WRITE_DB and not DB_IN_REGS, WRITE_DHS, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, e_k,
+                e_v, HEAD_B)
             if DB_IN_REGS:
                 db_acc += ds
         dq = dq * scale
@@ -1014,10 +1089,15 @@ class _BackwardPlan:
         self.explicit = config is not None
         BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
         self.dims = (B, H, Nq, Nk, D, Dv)
-        pre_m = 64 if BLOCK_DV <= 128 else 32
+        pre_m = 64 if max(BLOCK_D, BLOCK_DV) <= 128 else 32
+        # f16x1 products scale each right operand by one power of two per head (:func:`_mmh`): the preprocess
+        # finds the heads' largest magnitudes
+        self.head_b = precision == "f16x1"
         self.pre = KernelCall(_bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
-                              dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV), dict(num_warps=4))
+                              dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=BLOCK_D, HEAD_MAX=self.head_b),
+                              dict(num_warps=4))
         self.pre_fixed = (*out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv)
+        self.pre_tail = (*q.stride(), *k.stride(), *v.stride(), Nk, D)
         sb = bias4.stride() if bias4 is not None else (0, 0, 0, 0)
         sa = add_mask.stride() if add_mask is not None else (0, 0, 0)
         sm = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
@@ -1026,7 +1106,7 @@ class _BackwardPlan:
         self.flags = dict(**product_flags(precision), IS_CAUSAL=bool(is_causal), HAS_BIAS=bias4 is not None,
                           HAS_ADD=add_mask is not None, HAS_MASK=mask4 is not None, HEAD_SCALE=head_scale is not None,
                           EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
-                          DOT_UPCAST=dtype == torch.bfloat16 and interpreting())
+                          DOT_UPCAST=dtype == torch.bfloat16 and interpreting(), HEAD_B=self.head_b)
         self.blocks = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV)
         self.fit_key = (mode, BLOCK_D, BLOCK_DV, bias4 is not None and bias4.dtype,
                         add_mask is not None and add_mask.dtype, mask4 is not None, head_scale is not None,
@@ -1060,17 +1140,19 @@ class _BackwardPlan:
         self.dkdv = self.dq = None  # KernelCall, (KernelCall, G, per_chunk, n_m): fitted on the first run
 
     def _ordered_buffers(self, dtype):
-        """``(dq, acc, sem)`` of a single-pass call from one zeroed allocation: the FP32 dQ accumulator (dQ itself
-        when FP32) and the per-query-tile int32 counters behind it (enough for the smallest query tile, 16
-        rows, so tiles fitted to shared memory on the first run still find theirs)."""
+        """``(dq, acc, sem, head_max)`` of a single-pass call from one zeroed allocation: the FP32 dQ accumulator
+        (dQ itself when FP32), the per-query-tile int32 counters behind it (enough for the smallest query tile,
+        16 rows, so tiles fitted to shared memory on the first run still find theirs) and, with f16x1 products,
+        the heads' int32 [B * H, 4] largest magnitudes (else the counters stand in, never read)."""
         B, H, Nq, Nk, D, Dv = self.dims
         n = B * H * Nq * D
         n_sem = B * H * cdiv(Nq, 16)
-        buf = torch.zeros(n + n_sem, device=self.device, dtype=torch.float32)
+        buf = torch.zeros(n + n_sem + 4 * B * H * self.head_b, device=self.device, dtype=torch.float32)
         acc = buf[:n].view(B, H, Nq, D)
-        sem = buf[n:].view(torch.int32)
+        sem = buf[n:n + n_sem].view(torch.int32)
+        head_max = buf[n + n_sem:].view(torch.int32) if self.head_b else sem
         dq = acc if dtype == torch.float32 else torch.empty((B, H, Nq, D), device=self.device, dtype=dtype)
-        return dq, acc, sem
+        return dq, acc, sem, head_max
 
     def _dkdv_call(self, t: KernelTiles) -> KernelCall:
         B, H, Nq, Nk, D, Dv = self.dims
@@ -1098,16 +1180,17 @@ class _BackwardPlan:
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
         if self.single_pass or self.gluon is not None:  # the Gluon IEEE kernel adds dQ in order too
-            dq, acc, sem = self._ordered_buffers(q.dtype)
+            dq, acc, sem, head_max = self._ordered_buffers(q.dtype)
         else:
             dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)  # every element written by the dQ kernel
             acc = sem = dq  # not read
+            head_max = torch.zeros(B * H * 4, device=dev, dtype=torch.int32) if self.head_b else dq
         dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
         dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
         # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
         delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
         lse_row = torch.empty_like(delta)
-        self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed)
+        self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail)
         if self.gluon is not None:
             try:
                 self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, sem, float(scale))
@@ -1122,8 +1205,8 @@ class _BackwardPlan:
         tensors = (q if bias is None else bias.expand(self.shape4), q if add_mask is None else add_mask,
                    q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)
         scale = float(scale)
-        dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, dq, acc, sem, *self.strides, H, Nq, Nk,
-                     D, Dv, scale, self.n_add)
+        dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, dq, acc, sem, head_max, *self.strides, H,
+                     Nq, Nk, D, Dv, scale, self.n_add)
         if self.dkdv is not None:
             self.dkdv(*dkdv_args)
         else:
@@ -1146,8 +1229,8 @@ class _BackwardPlan:
                   else delta)
             dhs = torch.empty((B, H, n_m), device=dev, dtype=torch.float32) if self.write_dhs else delta
             made["db"], made["dhs"] = db, dhs
-            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, *self.strides, H, Nq, Nk, D, Dv, scale,
-                 self.n_add, self.B_OUT, self.H_OUT, self.R_H, self.R_B * self.R_H, per_chunk)
+            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, head_max, *self.strides, H, Nq, Nk, D, Dv,
+                 scale, self.n_add, self.B_OUT, self.H_OUT, self.R_H, self.R_B * self.R_H, per_chunk)
 
         if self.dq is not None:
             run_dq(self.dq)

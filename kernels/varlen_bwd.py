@@ -102,12 +102,12 @@ def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV,
         dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, True, False, False, False, EVEN_D, EVEN_DV, PRECISION,
-                            GRAD_PRECISION, DOT_UPCAST)
+                            GRAD_PRECISION, DOT_UPCAST, 0, 0, False)
     for t in range(mid, n_m):
         dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, False, False, False, False, EVEN_D, EVEN_DV, PRECISION,
-                            GRAD_PRECISION, DOT_UPCAST)
+                            GRAD_PRECISION, DOT_UPCAST, 0, 0, False)
     dk = dk * scale
     rows_out = (k_start + cols64[:, None]) * H + off_h
     tl.store(DK + rows_out * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -155,12 +155,12 @@ def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ,
         dq, _, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
                                   t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Lk, D, Dv, skt, skd, svt,
                                   svd, 0, 0, 0, 0, 0, 0, False, scale, False, IS_CAUSAL, False, False, False, False,
-                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST)
+                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, 0, 0, False)
     for t in range(n_full, n_kv):
         dq, _, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
                                   t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Lk, D, Dv, skt, skd, svt,
                                   svd, 0, 0, 0, 0, 0, 0, False, scale, True, IS_CAUSAL, False, False, False, False,
-                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST)
+                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, 0, 0, False)
     dq = dq * scale
     tl.store(DQ + ((q_start + rows64[:, None]) * H + off_h) * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d < D)[None, :])
@@ -258,8 +258,8 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     so, sd = out.stride(), grad_out.stride()
     launch(_bwd_preprocess_kernel, (cdiv(total_q, pre_m) * H,),
            (q, out, grad_out, lse, delta, lse_row, 0, so[1], so[0], so[2], 0, sd[1], sd[0], sd[2],
-            0, *lse.stride(), H, total_q, Dv),
-           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV), dict(num_warps=4))
+            0, *lse.stride(), H, total_q, Dv, q, q, delta, *(0,) * 12, 0, 0),  # no head maxima: placeholders
+           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=16, HEAD_MAX=False), dict(num_warps=4))
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
     flags = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **product_flags(precision), IS_CAUSAL=bool(is_causal),

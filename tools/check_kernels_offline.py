@@ -175,13 +175,14 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
                     single_key_tile: bool):
     """The dK / dV and dQ kernels of one backward configuration (bias: with its gradient)."""
     precision = elsa_bwd.BWD_MODES[mode][1]
-    base = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
+    base = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), HEAD_B=precision == "f16x1",
+                IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
                 HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
     dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV",
-                                    "DQ", "DQACC", "Sem"), ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
-    dkdv_ptr["Sem"] = "*i32"
+                                    "DQ", "DQACC", "Sem", "E"), ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
     dq_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DQ", "DB",
-                                  "DHS"), ("Q", "K", "V", "DO", "DQ"))
+                                  "DHS", "E"), ("Q", "K", "V", "DO", "DQ"))
+    dkdv_ptr["Sem"] = dkdv_ptr["E"] = dq_ptr["E"] = "*i32"
     single = tiles.single_pass and not bias
     ordered = dict(DQ_ORDERED=single, ACC_IS_OUT=mode != "bf16", SPIN_ASM=True, TAIL=tiles.dkdv.tail)
     kernels = [("dkdv+dq" if single else "dkdv", tiles.dkdv, elsa_bwd._bwd_dkdv_kernel, dkdv_ptr, ordered,
@@ -198,11 +199,13 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
 
 
 def _backward_jobs(quick: bool):
-    for mode in _BWD_MODES:
+    for mode in _BWD_MODES + ("tf32",):  # tf32: the dense kernels' f16x1 products (its windows run fp32's)
         for d in ((64, 128) if quick else (32, 64, 128, 256)):
             for bias in (False, True):
                 yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd.get_config(mode, d, d, bias), d, bias,
                                            False, False)
+        if mode == "tf32":
+            continue
         for n in ((49, 144) if quick else (49, 64, 144, 256)):
             tiles = window_bwd.get_config(mode, n, 32)
             yield from _split_bwd_jobs(f"window N={n} D=32 split", mode, tiles, 32, True, True,

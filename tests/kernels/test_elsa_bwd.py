@@ -240,6 +240,22 @@ def test_single_pass_meets_the_bounds(mode, Nq, Nk, D, Dv, causal):
 
 @cpu_only
 @pytest.mark.parametrize("single_pass", [True, False])
+@pytest.mark.parametrize("scales", [(1.0, 1.0, 1e6, 1e-8), (1e-4, 3e3, 1.0, 1e4)])
+def test_tf32_right_operands_scaled_per_head(single_pass, scales):
+    """tf32's products scale each right operand by one power of two per (batch, head) from the heads' largest
+    magnitudes: q, k, v, dO far outside FP16's range (V up to 10^6 over FP16's 65504, dO down to 10^-8 under
+    its 6e-5 normal minimum) still give gradients within the mode's bound, and both heads, scaled apart,
+    get their own."""
+    q, k, v, do = _inputs(2, 2, 37, 45, 32, seed=11)
+    for t, c in zip((q, k, v, do), scales):
+        t[1] *= c  # batch entry 1 only: each head gets its own scale
+    cfg = BwdConfig(KernelTiles(16, 16, 4, 1, tail=8), KernelTiles(16, 16, 4, 1), single_pass=single_pass)
+    got = check_mode("tf32", q, k, v, do, config=cfg)
+    assert all(torch.isfinite(g).all() for g in got[:3])
+
+
+@cpu_only
+@pytest.mark.parametrize("single_pass", [True, False])
 @pytest.mark.parametrize("Nq,Nk,causal", [(37, 37, False), (37, 37, True), (40, 79, True), (5, 37, False),
                                           (69, 20, True), (50, 69, False)])
 def test_tail_tiles(single_pass, Nq, Nk, causal):
