@@ -785,10 +785,12 @@ _BIAS_GRAD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
 
 
 # The single-pass backward (the dK/dV kernel with the ordered dQ accumulation) where it measured faster than the
-# two kernels: split-FP16 products at head dim 64 with at most SINGLE_PASS_MAX_KEYS keys (ViT-B/16 224). At
-# longer sequences the wait for each query tile's turn, and with half operands the fused kernel itself, cost
-# more than the dQ kernel's recomputed products (docs/tuning.md: "two backward kernels").
-_SINGLE_PASS: dict[tuple[str, int], KernelTiles] = {("fp32", 64): KernelTiles(32, 64, 4, 2, tail=16)}
+# two kernels: split-FP16 products at head dim 64 with at most SINGLE_PASS_MAX_KEYS keys (ViT-B/16 224), keyed
+# by operand kind as _CONFIGS, with "f16x1" for the hi parts alone (tf32), whose fewer live registers take a
+# taller query tile. At longer sequences the wait for each query tile's turn, and with half operands the fused
+# kernel itself, cost more than the dQ kernel's recomputed products (docs/tuning.md: "two backward kernels").
+_SINGLE_PASS: dict[tuple[str, int], KernelTiles] = {("fp32", 64): KernelTiles(32, 64, 4, 2, tail=16),
+                                                    ("f16x1", 64): KernelTiles(64, 64, 4, 2, tail=16)}
 SINGLE_PASS_MAX_KEYS = 256
 
 
@@ -812,8 +814,9 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_gra
     key = (kind, pad_pow2(dmax))
     if bias_grad and key in _BIAS_GRAD_CONFIGS:
         return _BIAS_GRAD_CONFIGS[key]
-    if not bias_grad and key in _SINGLE_PASS and n_keys is not None and n_keys <= SINGLE_PASS_MAX_KEYS:
-        return BwdConfig(_SINGLE_PASS[key], _CONFIGS[key].dq, single_pass=True)
+    single = ("f16x1", key[1]) if precision == "f16x1" else key
+    if not bias_grad and single in _SINGLE_PASS and n_keys is not None and n_keys <= SINGLE_PASS_MAX_KEYS:
+        return BwdConfig(_SINGLE_PASS[single], _CONFIGS[key].dq, single_pass=True)
     return _CONFIGS[key]
 
 
