@@ -467,25 +467,13 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
                                 e_do, HEAD_B)
     if TAIL > 0 and TAIL < BLOCK_M:
         t = n_m - 1
-        if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall
-            offs_tail = tl.arange(0, TAIL)
-            diagonal = False
-            if IS_CAUSAL:
-                diagonal = t < mid
-            if diagonal:
-                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
-                                    DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, turn,
-                                    n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
-                                    BLOCK_N, True, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
-                                    PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
-                                    e_q, e_k, e_do, HEAD_B)
-            else:
-                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
-                                    DQ, DQACC, sem_base, dq_base, t, offs_tail, offs_d, offs_dv, cols, col_ok, turn,
-                                    n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
-                                    BLOCK_N, False, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
-                                    PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
-                                    e_q, e_k, e_do, HEAD_B)
+        if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall; causal: masked per element
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ,
+                                DQACC, sem_base, dq_base, t, tl.arange(0, TAIL), offs_d, offs_dv, cols, col_ok, turn,
+                                n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
+                                BLOCK_N, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
+                                PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
+                                e_do, HEAD_B)
     dk = dk * scale
     out_ok = col_ok[:, None]
     dk_ptrs = DK + bh * Nk * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
