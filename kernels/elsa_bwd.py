@@ -63,12 +63,15 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   arithmetic; the tile products of the accumulating dots are summed apart and then added, so long loops do
   not lose their low bits. A product's right operand is scaled per column, which for dQ = dS K, dK = dS^T Q
   and dV = P^T dO runs across tokens: tokens within ~2^20 of the largest keep the bound; one token 10^7-10^8
-  times the others costs the rest accuracy (``fp32-ieee`` has no such span).
+  times the others costs the rest accuracy (``fp32-ieee`` has no such span). ``"f16x3-head"`` (a products
+  override) scales each right operand once per (batch, head) instead, as tf32 does: no per-tile column
+  maxima or their transposes (offline sm_90, head dim 64: about a fifth fewer instructions), the same span.
 * ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32,
   64 or 128, 16-byte-aligned rows), :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA, single pass); else
   ``tl.dot``'s ``input_precision="ieee"`` here.
 * ``tf32``: ``"f16x1"``, the hi parts alone (one FP16 product of operands rounded to 11 significant bits after
-  the same power-of-two scaling): its gradients err about as much as PyTorch's own TF32 backward.
+  the same power-of-two scaling, the right operand's per (batch, head)): its gradients err about as much as
+  PyTorch's own TF32 backward.
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
   FlashAttention-2 does), FP32 accumulation.
 
@@ -98,7 +101,7 @@ from .split16 import SPLIT_EXP, exponent, pow2, split_rows, split_scores
 __all__ = ["elsa_backward", "backward_after_forward", "launch_backward", "bias_grad_shape", "reduce_bias_grad",
            "get_config", "BwdConfig", "SINGLE_PASS_MAX_KEYS",
            "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES", "FP32_PRODUCTS", "BACKWARD_PRODUCTS",
-           "fp32_products", "product_flags"]
+           "fp32_products", "product_flags", "HEAD_SCALED"]
 
 MAX_HEAD_DIM = 256
 _SPIN_PTX = tl.constexpr(SPIN_UNTIL_EQUAL_PTX)
@@ -110,11 +113,16 @@ BWD_MODES: dict[str, tuple[torch.dtype, str]] = {
     name: (m.compute_dtype, m.backward_precision or "tf32") for name, m in MODES.items() if "dense" in m.kernels}
 
 
-# the FP32-accurate products an FP32 backward can run (f16x3: split-FP16, :mod:`.split16`; else tl.dot input
-# precisions), then every products string it accepts: with the TF32-class ones, f16x1 (split-FP16, hi parts
-# only) and "SCORES/GRADS" (the score-side products S, dP and the gradient products dV, dK, dQ apart)
-FP32_PRODUCTS = ("f16x3", "tf32x3", "ieee")
+# the FP32-accurate products an FP32 backward can run (f16x3: split-FP16, :mod:`.split16`; f16x3-head: the same
+# with each right operand scaled per (batch, head); else tl.dot input precisions), then every products string it
+# accepts: with the TF32-class ones, f16x1 (split-FP16, hi parts only) and "SCORES/GRADS" (the score-side
+# products S, dP and the gradient products dV, dK, dQ apart)
+FP32_PRODUCTS = ("f16x3", "f16x3-head", "tf32x3", "ieee")
 BACKWARD_PRODUCTS = FP32_PRODUCTS + ("f16x3/f16x1", "f16x1")
+# products whose right operands the dense kernels scale by one power of two per (batch, head) (:func:`_mmh`, the
+# heads' largest magnitudes from the preprocess), and the products they run; the kernels without per-head maxima
+# (the fused window backward, the ragged-batch backward) run them with per-tile scales
+HEAD_SCALED = {"f16x1": "f16x1", "f16x3-head": "f16x3"}
 
 
 def fp32_products(mode: str, products: str | None) -> tuple[torch.dtype, str]:
@@ -137,7 +145,7 @@ def product_flags(precision: str) -> dict:
     """The kernels' ``PRECISION`` (the score-side products: the recomputed scores S and dP = dO V^T, whose
     difference from ``delta`` cancels) and ``GRAD_PRECISION`` (dV = P^T dO, dK = dS^T Q, dQ = dS K, which go
     to the gradients unamplified) of a products string ``"SCORES[/GRADS]"``."""
-    scores, _, grads = precision.partition("/")
+    scores, _, grads = HEAD_SCALED.get(precision, precision).partition("/")
     return dict(PRECISION=scores, GRAD_PRECISION=grads or scores)
 
 
@@ -176,14 +184,23 @@ def _mm_acc(acc, a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 @triton.jit
 def _mmh(a, b, b_exp, PRECISION: tl.constexpr, HEAD_B: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """:func:`_mm`, except that with HEAD_B (f16x1 products) ``b`` is scaled by one power of two for its whole
-    (batch, head): ``b_exp``, the exponent of its largest magnitude (:func:`_head_exponents`), instead of per
-    column of each tile. FP16 keeps 11 significant bits for entries down to 2^-29 of that largest one, and
-    the per-tile column maxima (a reduction across the tile's rows) and their transposes are not formed."""
+    """:func:`_mm`, except that with HEAD_B (split-FP16 products, :data:`HEAD_SCALED`) ``b`` is scaled by one power
+    of two for its whole (batch, head): ``b_exp``, the exponent of its largest magnitude (:func:`_head_exponents`),
+    instead of per column of each tile, and the per-tile column maxima (a reduction across the tile's rows) and
+    their transposes are not formed. The hi part keeps 11 significant bits for entries down to 2^-28 of that
+    largest one; with f16x3 the lo part keeps its 11 for entries down to 2^-17, and the bits it loses below that
+    are FP16-subnormal steps of 2^-38 of the largest: the same span as the per-column scales'."""
     if HEAD_B:
         a_hi, a_lo, a_inv = split_rows(a)
-        b_hi = (b * pow2(-b_exp + SPLIT_EXP)).to(tl.float16)  # tensor first: constexpr - tensor fails to interpret
-        r = tl.dot(a_hi, b_hi) * a_inv[:, None] * pow2(b_exp - SPLIT_EXP)
+        bs = b * pow2(-b_exp + SPLIT_EXP)  # tensor first: constexpr - tensor fails to interpret
+        b_hi = bs.to(tl.float16)
+        if PRECISION == "f16x3":  # small terms first, as split_scores sums them
+            r = tl.dot(a_lo, b_hi)
+            r = tl.dot(a_hi, (bs - b_hi.to(tl.float32)).to(tl.float16), r)
+            r = tl.dot(a_hi, b_hi, r)
+        else:
+            r = tl.dot(a_hi, b_hi)
+        r = r * a_inv[:, None] * pow2(b_exp - SPLIT_EXP)
     else:
         r = _mm(a, b, PRECISION, DOT_UPCAST)
     return r
@@ -1081,9 +1098,9 @@ class _BackwardPlan:
         BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
         self.dims = (B, H, Nq, Nk, D, Dv)
         pre_m = 64 if max(BLOCK_D, BLOCK_DV) <= 128 else 32
-        # f16x1 products scale each right operand by one power of two per head (:func:`_mmh`): the preprocess
-        # finds the heads' largest magnitudes
-        self.head_b = precision == "f16x1"
+        # HEAD_SCALED products scale each right operand by one power of two per head (:func:`_mmh`): the
+        # preprocess finds the heads' largest magnitudes
+        self.head_b = precision in HEAD_SCALED
         self.pre = KernelCall(_bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
                               dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=BLOCK_D, HEAD_MAX=self.head_b),
                               dict(num_warps=4))

@@ -21,9 +21,10 @@ SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gr
 sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
 reduction beside the automatic choice, ``--configs`` given tiles beside the default (two tile sets: the dK/dV and
 dQ kernels; one: the single-pass backward, dQ added in key-tile order by the dK/dV kernel),
-``--fp32-products`` the FP32 modes' backward with other products (split-FP16 f16x3, the default; ``tl.dot``'s
-3xTF32; IEEE FMA). ``lse`` is computed from the FP32 logits by ``torch.logsumexp`` in query chunks and
-``out`` by SDPA; only their consistency matters for timing. Peak extra memory is
+``--fp32-products`` the FP32 modes' backward with other products (split-FP16 f16x3, the default; f16x3-head,
+its right operands scaled per (batch, head); ``tl.dot``'s 3xTF32; IEEE FMA). ``lse`` is computed from the FP32
+logits by ``torch.logsumexp`` in query chunks and ``out`` by SDPA; only their consistency matters for timing.
+Peak extra memory is
 ``torch.cuda.max_memory_allocated`` above the inputs during one backward call.
 
 Process-wide settings (a tool may set them): TF32 matmul OFF, so the FP32 SDPA rows are FP32.
@@ -78,7 +79,8 @@ def build_parser() -> ToolParser:
                    help="tiles to time beside the default, each block_m, block_n, warps, stages: dK/dV then dQ "
                         "tiles for the two-kernel backward (e.g. 32,128,4,3/128,32,8,3); one tile set for the "
                         "single-pass backward (the dK/dV kernel with the ordered dQ accumulation, e.g. 64,128,8,2)")
-    p.add_argument("--fp32-products", nargs="+", choices=("f16x3", "tf32x3", "ieee"), default=[],
+    p.add_argument("--fp32-products", nargs="+", choices=("f16x3", "f16x3-head", "tf32x3", "ieee"),
+                   default=[],
                    help="FP32 modes: also time the backward with these products (default: the mode's own only)")
     p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
     p.add_argument("--repeats", type=positive_int, default=5, help="timing windows (the median is reported)")

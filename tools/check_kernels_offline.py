@@ -172,10 +172,11 @@ def _bwd_pointers(mode: str, names: tuple[str, ...], inputs: tuple[str, ...]) ->
 
 
 def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, bias: bool, add: bool,
-                    single_key_tile: bool):
-    """The dK / dV and dQ kernels of one backward configuration (bias: with its gradient)."""
-    precision = elsa_bwd.BWD_MODES[mode][1]
-    base = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), HEAD_B=precision == "f16x1",
+                    single_key_tile: bool, products: str | None = None):
+    """The dK / dV and dQ kernels of one backward configuration (bias: with its gradient; ``products``: an FP32
+    mode's products override, as :func:`visionattn.kernels.elsa_bwd.fp32_products`)."""
+    precision = elsa_bwd.fp32_products(mode, products)[1]
+    base = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), HEAD_B=precision in elsa_bwd.HEAD_SCALED,
                 IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
                 HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
     dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV",
@@ -191,7 +192,8 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
         kernels.append(("dq", tiles.dq, elsa_bwd._bwd_dq_kernel, dq_ptr,
                         dict(WRITE_DB=bias, WRITE_DHS=False, DB_IN_REGS=bias and single_key_tile), ("scale0",)))
     for name, t, kernel, ptr, extra, floats in kernels:
-        yield ({"kernel": f"bwd-{name}", "variant": f"{label} {mode}" + (" +bias grad" if bias else ""),
+        yield ({"kernel": f"bwd-{name}", "variant": f"{label} {mode}" + (f" products={products}" if products else "")
+                + (" +bias grad" if bias else ""),
                 "config": [t.block_m, t.block_n, t.num_warps, t.num_stages]},
                dict(kernel=kernel, pointer_types=ptr, constexprs=dict(base, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                                                                        **extra),
@@ -204,6 +206,14 @@ def _backward_jobs(quick: bool):
             for bias in (False, True):
                 yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd.get_config(mode, d, d, bias), d, bias,
                                            False, False)
+                if mode == "fp32" and d in (64, 128):  # the per-head-scaled split-FP16 products beside f16x3
+                    yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd.get_config(mode, d, d, bias), d,
+                                               bias, False, False, "f16x3-head")
+        if mode in ("fp32", "tf32"):  # the single pass at ViT-B/16 224's 197 keys
+            for products in ((None, "f16x3-head") if mode == "fp32" else (None,)):
+                tiles = elsa_bwd.get_config(mode, 64, 64, False, products, 197)
+                yield from _split_bwd_jobs("dense D=64 N=197 single pass", mode, tiles, 64, False, False, False,
+                                           products)
         if mode == "tf32":
             continue
         for n in ((49, 144) if quick else (49, 64, 144, 256)):

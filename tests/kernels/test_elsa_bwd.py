@@ -96,18 +96,20 @@ def check_mode(mode, q, k, v, do, bias=None, mask=None, causal=False, scale=0.12
 @cpu_only
 @pytest.mark.parametrize("products", FP32_PRODUCTS)
 def test_every_fp32_product_kind_meets_the_fp32_bound(products):
-    """The FP32 products a tool can pick (split-FP16 f16x3, the default; tl.dot's 3xTF32 and IEEE FMA) all hold
-    the fp32 mode's gradient bound, relative position bias included."""
+    """The FP32 products a tool can pick (split-FP16 f16x3, the default; f16x3 with per-head right-operand scales;
+    tl.dot's 3xTF32 and IEEE FMA) all hold the fp32 mode's gradient bound, relative position bias included."""
     q, k, v, do = _inputs(2, 2, 37, 50, 64, seed=1)
     bias = torch.randn(2, 37, 50, generator=torch.Generator().manual_seed(2))
     check_mode("fp32", q, k, v, do, bias=bias, products=products)
 
 @cpu_only
+@pytest.mark.parametrize("products", ["f16x3", "f16x3-head"])
 @pytest.mark.parametrize("huge", ["q", "k", "grad_out"])
-def test_f16x3_token_spanning_a_million_without_gradient(huge):
-    """Split-FP16 products scale a product's right operand per column, across tokens (k in dQ, q in dK, dO in
-    dV): one token 10^6 (~2^20, split16's documented span) times the others, through which no gradient flows
-    (zero dO; a masked key; a masked query row), leaves the others' gradients within the fp32 bound."""
+def test_f16x3_token_spanning_a_million_without_gradient(huge, products):
+    """Split-FP16 products scale a product's right operand per column (f16x3-head: per head), across tokens (k in
+    dQ, q in dK, dO in dV): one token 10^6 (~2^20, split16's documented span) times the others, through which no
+    gradient flows (zero dO; a masked key; a masked query row), leaves the others' gradients within the fp32
+    bound."""
     q, k, v, do = _inputs(1, 2, 24, 40, 32, seed=3)
     mask = torch.ones(24, 40, dtype=torch.bool)
     {"q": q, "k": k, "grad_out": do}[huge][:, :, 5] *= 1e6
@@ -117,7 +119,7 @@ def test_f16x3_token_spanning_a_million_without_gradient(huge):
         mask[:, 5] = False
     else:
         mask[5] = False
-    check_mode("fp32", q, k, v, do, mask=mask, config=SMALL)
+    check_mode("fp32", q, k, v, do, mask=mask, config=SMALL, products=products)
 
 
 @cpu_only
@@ -241,16 +243,17 @@ def test_single_pass_meets_the_bounds(mode, Nq, Nk, D, Dv, causal):
 @cpu_only
 @pytest.mark.parametrize("single_pass", [True, False])
 @pytest.mark.parametrize("scales", [(1.0, 1.0, 1e6, 1e-8), (1e-4, 3e3, 1.0, 1e4)])
-def test_tf32_right_operands_scaled_per_head(single_pass, scales):
-    """tf32's products scale each right operand by one power of two per (batch, head) from the heads' largest
-    magnitudes: q, k, v, dO far outside FP16's range (V up to 10^6 over FP16's 65504, dO down to 10^-8 under
-    its 6e-5 normal minimum) still give gradients within the mode's bound, and both heads, scaled apart,
-    get their own."""
+@pytest.mark.parametrize("mode,products", [("tf32", None), ("fp32", "f16x3-head")])
+def test_right_operands_scaled_per_head(mode, products, single_pass, scales):
+    """tf32's products (and fp32's with products="f16x3-head") scale each right operand by one power of two per
+    (batch, head) from the heads' largest magnitudes: q, k, v, dO far outside FP16's range (V up to 10^6 over
+    FP16's 65504, dO down to 10^-8 under its 6e-5 normal minimum) still give gradients within the mode's bound,
+    and both heads, scaled apart, get their own."""
     q, k, v, do = _inputs(2, 2, 37, 45, 32, seed=11)
     for t, c in zip((q, k, v, do), scales):
         t[1] *= c  # batch entry 1 only: each head gets its own scale
     cfg = BwdConfig(KernelTiles(16, 16, 4, 1, tail=8), KernelTiles(16, 16, 4, 1), single_pass=single_pass)
-    got = check_mode("tf32", q, k, v, do, config=cfg)
+    got = check_mode(mode, q, k, v, do, config=cfg, products=products)
     assert all(torch.isfinite(g).all() for g in got[:3])
 
 
@@ -419,6 +422,18 @@ def test_gpu_single_pass(mode):
             for a, b in zip(runs[0][:3], r[:3]):
                 assert torch.equal(a, b)
         assert got[0].shape == (B, H, N, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,N,D", [(16, 12, 197, 64), (8, 12, 197, 64), (2, 4, 1025, 128), (1, 2, 4096, 64),
+                                     (1, 1, 16384, 64)])
+def test_gpu_f16x3_head_products(B, H, N, D):
+    """fp32 with products="f16x3-head" (right operands scaled per head) at real sizes: ViT-B/16 224 on the single
+    pass and, with a relative position bias and its gradient, on the two kernels; 1025 at head dim 128; 4096;
+    16384: the fp32 bound."""
+    q, k, v, do = _inputs(B, H, N, N, D, seed=N + B, device="cuda")
+    bias = torch.randn(H, N, N, device="cuda") if B == 8 else None
+    check_mode("fp32", q, k, v, do, bias=bias, scale=D ** -0.5, chunk=1024, products="f16x3-head")
 
 
 @pytest.mark.gpu
