@@ -81,7 +81,8 @@ def build_parser() -> ToolParser:
                         "single-pass backward (the dK/dV kernel with the ordered dQ accumulation, e.g. 64,128,8,2)")
     p.add_argument("--fp32-products", nargs="+", choices=("f16x3", "f16x3-head", "tf32x3", "ieee"),
                    default=[],
-                   help="FP32 modes: also time the backward with these products (default: the mode's own only)")
+                   help="FP32 modes: also time the backward (and each --configs tile set) with these products "
+                        "(default: the mode's own only)")
     p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
     p.add_argument("--repeats", type=positive_int, default=5, help="timing windows (the median is reported)")
     p.add_argument("--no-sdpa", action="store_true", help="time visionattn's backward only")
@@ -231,8 +232,10 @@ def main(args) -> dict:
                     time_ours(kernel, "" if splits is None else f" splits={splits}", splits)
                 for products in args.fp32_products if dtype == torch.float32 else []:
                     time_ours(kernel, f" products={products}", products=products)
-            for cfg in args.configs:  # the split kernels' tiles given on the command line
-                time_ours("split" if windows else None, f" tiles={_config_text(cfg)}", config=cfg)
+            for cfg in args.configs:  # the split kernels' tiles given on the command line, with each products
+                for products in [None] + (args.fp32_products if dtype == torch.float32 else []):
+                    time_ours("split" if windows else None, f" tiles={_config_text(cfg)}"
+                              + (f" products={products}" if products else ""), config=cfg, products=products)
             if not args.no_sdpa:
                 backends = {"sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}
                 if dtype != torch.float32:
