@@ -34,6 +34,8 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
                  for s, name in (("tiny-dense", "visionattn"), ("tiny-window", "visionattn-split"))]
     expected += [(s, "fp32", name + " products=tf32x3", None) for s, name in (
         ("tiny-dense", "visionattn"), ("tiny-window", "visionattn-fused"), ("tiny-window", "visionattn-split"))]
+    expected += [(s, "fp32", name + " tiles=16,32,4,1/32,16,4,1 products=tf32x3", None)  # tiles x products
+                 for s, name in (("tiny-dense", "visionattn"), ("tiny-window", "visionattn-split"))]
     assert sorted(ours, key=str) == sorted(expected, key=str)
     assert all(r["ms"] > 0 and r["error"] is None for r in res["rows"])
     assert {r["windows_per_image"] for r in res["rows"]} == {0, 3}
