@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Reconstruct a folder of images or a video with VGGT / FastVGGT: point cloud, cameras, depth, COLMAP, nerfstudio, glTF.
+"""Reconstruct an image folder or a video with VGGT / FastVGGT: point cloud, cameras, depth, COLMAP, nerfstudio, glTF.
 
     python demos/reconstruct.py --out out/recon --weights random-tiny --device cpu   # quick start, CPU
     python demos/reconstruct.py my_photos/ --out out/mine                              # VGGT-1B (downloads)
@@ -66,7 +66,7 @@ def _max_frames(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, MODELS
+    from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, HOST_MEMORY, MODELS
 
     p = argparse.ArgumentParser(
         prog="reconstruct.py", description=__doc__.split("\n\n")[0],
@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="untimed forward passes before the timed one; the first pass on a GPU includes "
                         "Triton compilation, so use 1 or more for timings (default: %(default)s)")
+    p.add_argument("--host-memory", choices=HOST_MEMORY, default="auto",
+                   help="where the per-pixel predictions (48 bytes per pixel: ~10 GiB for 1000 518x392 frames) "
+                        "wait for the export: on disk in a temporary folder beside OUT_DIR, or in host memory; "
+                        "auto: on disk when they would take over half the free host memory (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights (default: %(default)s)")
     p.add_argument("--no-preview", action="store_true", help="skip preview.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars or notes (summary line only)")
@@ -159,7 +163,7 @@ def main(argv=None) -> dict:
                 device=args.device, conf_percentile=args.conf_percentile, max_frames=args.max_frames,
                 size=args.size, preprocess=args.preprocess, point_source=args.points_from, seed=args.seed,
                 preview=not args.no_preview, progress=not args.quiet, warmup=args.warmup, log=log,
-                fps=args.fps, every=args.every)
+                fps=args.fps, every=args.every, host_memory=args.host_memory)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}

@@ -295,3 +295,49 @@ def test_max_frames_auto_and_bad_values(recon, tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             demo.main([str(src), "--out", str(tmp_path / f"bad{bad}"), "--max-frames", bad, *TINY])
         assert exc.value.code == 2 and not (tmp_path / f"bad{bad}").exists()
+
+
+def test_predictions_on_disk_give_the_same_outputs(recon, tmp_path):
+    """``--host-memory disk`` keeps the per-pixel predictions in .npy files beside the output until the export:
+    the same point cloud, depth and cameras as in host memory, and no prediction folder left behind."""
+    summary, out, src = recon
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    res = demo.main([str(src), "--out", str(parent / "disk"), "--host-memory", "disk", *TINY])
+    assert res["exit_code"] == 0 and res["predictions_on_disk"] and not summary["predictions_on_disk"]
+    assert sorted(os.listdir(parent)) == ["disk"]  # the prediction store is gone
+    disk = parent / "disk"
+    assert (disk / "points.ply").read_bytes() == (out / "points.ply").read_bytes()
+    for name in ("left01", "right03"):
+        for sub in ("depth", "confidence"):
+            np.testing.assert_array_equal(np.load(disk / sub / f"{name}.npy"), np.load(out / sub / f"{name}.npy"))
+    cams = [json.load(open(d / "cameras.json"))["frames"] for d in (disk, out)]
+    assert cams[0] == cams[1]
+
+
+def test_prediction_store_choice(tmp_path, monkeypatch):
+    """``auto`` keeps predictions in host memory while they take at most half the free host memory, else on disk
+    (said in the log); ``disk`` always; a disk too small for them is a user error naming the fix."""
+    import contextlib
+
+    from visionattn.recon import pipeline
+    from visionattn.recon.outdir import OutputDirError
+
+    need = pipeline.prediction_bytes(10, 28, 42)
+    assert need == 10 * 28 * 42 * 48
+    notes = []
+    with contextlib.ExitStack() as stack:
+        monkeypatch.setattr(pipeline, "available_host_memory", lambda: 2 * need)
+        assert pipeline.prediction_store("auto", 10, (28, 42), str(tmp_path / "o"), stack, notes.append) is None
+        assert pipeline.prediction_store("ram", 10, (28, 42), str(tmp_path / "o"), stack, notes.append) is None
+        assert notes == []
+        monkeypatch.setattr(pipeline, "available_host_memory", lambda: 2 * need - 1)
+        folder = pipeline.prediction_store("auto", 10, (28, 42), str(tmp_path / "o"), stack, notes.append)
+        assert os.path.dirname(folder) == str(tmp_path) and os.path.isdir(folder) and "host memory" in notes[0]
+        assert pipeline.prediction_store("disk", 10, (28, 42), str(tmp_path / "o"), stack, notes.append)
+        monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(need, need - 1, 1))
+        with pytest.raises(OutputDirError, match="--max-frames"):
+            pipeline.prediction_store("disk", 10, (28, 42), str(tmp_path / "o"), stack, notes.append)
+        with pytest.raises(ValueError, match="host_memory"):
+            pipeline.prediction_store("swap", 10, (28, 42), str(tmp_path / "o"), stack, notes.append)
+    assert not os.path.exists(folder)

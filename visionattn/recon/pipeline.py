@@ -10,9 +10,12 @@ weights not available offline) raises :class:`ReconstructionError` subclasses
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -27,7 +30,8 @@ from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, 
 __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "DeviceError", "USER_ERRORS",
     "check_checkpoint", "resolve_device", "load_source", "build_model",
-    "run_model", "count_tokens", "reconstruct",
+    "run_model", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY", "prediction_bytes",
+    "available_host_memory", "prediction_store",
 ]
 
 DEFAULT_WEIGHTS = "facebook/VGGT-1B"
@@ -149,14 +153,43 @@ def count_tokens(model: torch.nn.Module, frames: int, hw: tuple[int, int], patch
     return frames * (special + (hw[0] // patch) * (hw[1] // patch))
 
 
+# run_model's per-pixel float32 arrays and their trailing dims ([S, H, W, *dims])
+PIXEL_ARRAYS = {"depth": (), "depth_conf": (), "world_points": (3,), "world_points_conf": (),
+                "world_points_from_depth": (3,), "images": (3,)}
+_COPY_FRAMES = 16  # frames per device-to-host copy of the per-pixel arrays
+
+
+def prediction_bytes(frames: int, height: int, width: int) -> int:
+    """Host bytes of :func:`run_model`'s per-pixel arrays (:data:`PIXEL_ARRAYS`, float32) for ``frames`` frames of
+    ``height`` x ``width`` pixels (48 bytes per pixel)."""
+    per_pixel = sum(4 * int(np.prod(dims)) for dims in PIXEL_ARRAYS.values())
+    return int(frames) * int(height) * int(width) * per_pixel
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available to new allocations (Linux ``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.device = "cpu",
-              progress: bool = True, warmup: int = 0) -> dict:
+              progress: bool = True, warmup: int = 0, store: str | None = None) -> dict:
     """Run VGGT on one scene and decode cameras.
 
     Args:
         model: from :func:`build_model`.
         images: float32 [S, 3, H, W] in [0, 1], H and W multiples of 14.
         warmup: untimed forward passes first (the first call compiles Triton kernels).
+        store: an existing folder: the per-pixel arrays (:data:`PIXEL_ARRAYS`) are then ``.npy`` files there,
+            returned as ``np.memmap`` views and filled a few frames at a time, so host memory holds only the
+            pages in use (for reconstructions larger than the host memory; :func:`prediction_bytes` says how
+            large). None: in host memory.
 
     Returns:
         dict of numpy arrays: ``extrinsic`` [S, 3, 4] (OpenCV camera-from-world),
@@ -200,14 +233,22 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
 
     intr, fixed = _usable_intrinsics(intr[0], (H, W))
     extr = extr[0]
-    pred = {
-        "extrinsic": np32(extr).astype(np.float64), "intrinsic": np32(intr).astype(np.float64),
-        "intrinsic_fallback": fixed,
-        "depth": np32(out["depth"][0])[..., 0], "depth_conf": np32(out["depth_conf"][0]),
-        "world_points": np32(out["world_points"][0]), "world_points_conf": np32(out["world_points_conf"][0]),
-        "images": images.permute(0, 2, 3, 1).float().cpu().numpy(),
-    }
-    pred["world_points_from_depth"] = np32(unproject(out["depth"][0], extr, intr))
+    pred = {"extrinsic": np32(extr).astype(np.float64), "intrinsic": np32(intr).astype(np.float64),
+            "intrinsic_fallback": fixed}
+    S = images.shape[0]
+    for name, dims in PIXEL_ARRAYS.items():
+        shape = (S, H, W, *dims)
+        pred[name] = np.empty(shape, np.float32) if store is None else np.lib.format.open_memmap(
+            os.path.join(store, f"{name}.npy"), mode="w+", dtype=np.float32, shape=shape)
+    with torch.inference_mode():
+        for i in range(0, S, _COPY_FRAMES):  # a few frames at a time: host and device temporaries stay small
+            f = slice(i, min(S, i + _COPY_FRAMES))
+            pred["depth"][f] = np32(out["depth"][0, f, ..., 0])
+            pred["depth_conf"][f] = np32(out["depth_conf"][0, f])
+            pred["world_points"][f] = np32(out["world_points"][0, f])
+            pred["world_points_conf"][f] = np32(out["world_points_conf"][0, f])
+            pred["world_points_from_depth"][f] = np32(unproject(out["depth"][0, f], extr[f], intr[f]))
+            pred["images"][f] = np32(images[f].permute(0, 2, 3, 1))
     pred.update(seconds=seconds, peak_memory_bytes=peak, peak_memory_kind=kind)
     return pred
 
@@ -326,12 +367,47 @@ def load_source(source: str, size: int = 518, preprocess: str = "crop", max_fram
                        frames_dir=frames_dir)
 
 
+# where reconstruct keeps run_model's per-pixel arrays until they are exported (see prediction_store)
+HOST_MEMORY = ("auto", "ram", "disk")
+
+
+def prediction_store(host_memory: str, frames: int, hw: tuple[int, int], out_dir: str, stack: contextlib.ExitStack,
+                     log=print) -> str | None:
+    """The folder for :func:`run_model`'s ``store`` (None: host memory) under ``host_memory``: ``"ram"``: None;
+    ``"disk"``: a new temporary folder beside ``out_dir`` that ``stack`` removes on exit; ``"auto"``: that folder
+    only when the predictions (:func:`prediction_bytes`) would take over half the available host memory
+    (:func:`available_host_memory`), said through ``log``.
+
+    Raises:
+        ValueError: an unknown ``host_memory``.
+        OutputDirError: the folder beside ``out_dir`` has too little free disk for the predictions.
+    """
+    if host_memory not in HOST_MEMORY:
+        raise ValueError(f"host_memory={host_memory!r}; expected one of {HOST_MEMORY}")
+    need = prediction_bytes(frames, *hw)
+    if host_memory == "ram":
+        return None
+    if host_memory == "auto":
+        avail = available_host_memory()
+        if avail is None or need <= avail // 2:
+            return None
+        log(f"note: the predictions take {need / 2**30:.1f} GiB, over half the {avail / 2**30:.1f} GiB of free host "
+            "memory: they wait for the export on disk beside the output folder")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise OutputDirError(f"the predictions of {frames} frames take {need / 2**30:.1f} GiB on disk and "
+                             f"{parent!r} has {free / 2**30:.1f} GiB free; free space there, or use fewer frames "
+                             "(--max-frames)")
+    return stack.enter_context(tempfile.TemporaryDirectory(prefix=".visionattn-predictions-", dir=parent))
+
+
 def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp32",
                 weights: str = DEFAULT_WEIGHTS, device: str | None = None, conf_percentile: float = 50.0,
                 max_frames: int | str | None = None, size: int = 518, preprocess: str = "crop",
                 point_source: str = "depth", seed: int = 0, preview: bool = True,
                 progress: bool = True, warmup: int = 0, log=print, fps: float | None = None,
-                every: int | None = None) -> dict:
+                every: int | None = None, host_memory: str = "auto") -> dict:
     """The whole demo: folder of images or video -> ``out_dir`` with points, cameras, depth, preview.
 
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
@@ -345,6 +421,9 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         max_frames: use at most this many frames; ``"auto"``: the most that fit the free GPU memory
             (:func:`auto_max_frames`; no limit on the CPU), said in the log.
         fps, every: video sampling (see :func:`~visionattn.recon.video.frame_selector`).
+        host_memory: where the per-pixel predictions wait for the export (:func:`prediction_store`): ``"auto"``
+            (on disk, in a temporary folder beside ``out_dir``, when they would take over half the free host
+            memory), ``"ram"`` or ``"disk"``.
 
     Returns:
         summary dict: frames, tokens, points kept, seconds (inference / total),
@@ -362,6 +441,8 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     if max_frames is not None and max_frames != "auto" and (not isinstance(max_frames, int) or max_frames < 1):
         raise ValueError(f"max_frames={max_frames!r}; expected a positive int, 'auto' or None")
     _check_mode(mode)
+    if host_memory not in HOST_MEMORY:
+        raise ValueError(f"host_memory={host_memory!r}; expected one of {HOST_MEMORY}")
     dev = resolve_device(device)
     check_output_dir(out_dir, inputs=[source])
     require_trimesh()  # points.ply and scene.glb need it: fail now, not after inference
@@ -373,10 +454,11 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     opts = dict(source=source, out_dir=out_dir, model=model, mode=mode, weights=weights, dev=dev,
                 conf_percentile=conf_percentile, max_frames=max_frames, size=size, preprocess=preprocess,
                 point_source=point_source, seed=seed, preview=preview, progress=progress, warmup=warmup,
-                log=log, fps=fps, every=every)
-    # the temporary output folder exists from here on: an unwritable --out fails before any decoding
-    with atomic_output_dir(out_dir, inputs=[source], warn=log) as tmp:
-        return _reconstruct_into(tmp, t_start, **opts)
+                log=log, fps=fps, every=every, host_memory=host_memory)
+    # the temporary output folder exists from here on: an unwritable --out fails before any decoding; the
+    # prediction store (if any) is removed before that folder is renamed into place
+    with atomic_output_dir(out_dir, inputs=[source], warn=log) as tmp, contextlib.ExitStack() as stack:
+        return _reconstruct_into(tmp, t_start, stack=stack, **opts)
 
 
 def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
@@ -402,7 +484,8 @@ def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
 
 
 def _reconstruct_into(tmp, t_start, source, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
-                      size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every) -> dict:
+                      size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every, host_memory,
+                      stack) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
     net = None
@@ -415,14 +498,17 @@ def _reconstruct_into(tmp, t_start, source, out_dir, model, mode, weights, dev, 
                          progress=progress, frames_dir=frames_dir)
     for name, why in loaded.skipped:
         log(f"note: skipped {name!r} ({why})")
+    store = prediction_store(host_memory, loaded.images.shape[0], tuple(loaded.images.shape[-2:]), out_dir, stack,
+                             log)
     if net is None:
         net = build_model(model, weights, mode, dev, seed)
-    pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup)
+    pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup, store=store)
     S, H, W = pred["depth"].shape
     tokens = count_tokens(net, S, (H, W))
     summary = {"frames": S, "image_hw": [H, W], "tokens": tokens, "model": model, "mode": mode,
                "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "warmup": warmup,
                "peak_memory_bytes": pred["peak_memory_bytes"], "peak_memory_kind": pred["peak_memory_kind"],
+               "predictions_on_disk": store is not None,
                "conf_percentile": conf_percentile, "point_source": point_source,
                "skipped": [n for n, _ in loaded.skipped], "input": os.path.abspath(source),
                "sources": dict(zip(loaded.names, loaded.sources)),
