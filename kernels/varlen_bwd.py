@@ -28,9 +28,11 @@ host-side tile table, no device-to-host read of the offsets). A sequence with 0 
 by exactly one program, so the outputs are allocated uninitialised.
 
 Modes (products and accumulation exactly as the dense backward, :data:`.elsa_bwd.BWD_MODES`): ``fp32``
-(3xTF32), ``fp32-ieee`` (FP32 FMA), ``tf32`` (3xTF32), ``fp16`` / ``bf16`` (half operands, ``P`` and ``dS``
-rounded to the input dtype before their products, FP32 accumulation). Tiles: :func:`.elsa_bwd.get_config`'s,
-shrunk on out-of-shared-memory as the dense launcher does.
+(split-FP16 f16x3), ``fp32-ieee`` (FP32 FMA), ``tf32`` (split-FP16 hi parts, f16x1), ``fp16`` / ``bf16`` (half
+operands, ``P`` and ``dS`` rounded to the input dtype before their products, FP32 accumulation). The per-head
+right-operand scales of the dense kernels (:data:`.elsa_bwd.HEAD_SCALED`: tf32's f16x1) are one per head over
+the whole packed batch: the preprocess finds each head's largest magnitudes over every sequence's rows. Tiles:
+:func:`.elsa_bwd.get_config`'s, shrunk on out-of-shared-memory as the dense launcher does.
 
 Entry point: :func:`varlen_backward`.
 """
@@ -42,8 +44,9 @@ import triton.language as tl
 
 from ._host import cdiv, pad_pow2
 from ._launch import interpreting, launch
-from .elsa_bwd import (BWD_MODES, MAX_HEAD_DIM, BwdConfig, KernelTiles, _bwd_preprocess_kernel, _dkdv_query_tiles,
-                       _dkdv_tile, _dq_tile, _run_fitting, get_config, product_flags)
+from .elsa_bwd import (BWD_MODES, HEAD_SCALED, MAX_HEAD_DIM, BwdConfig, KernelTiles, _bwd_preprocess_kernel,
+                       _dkdv_query_tiles, _dkdv_tile, _dq_tile, _head_exponents, _run_fitting, get_config,
+                       product_flags)
 from .elsa_fwd import key_tiles, load_kv_tile
 
 __all__ = ["varlen_backward"]
@@ -61,17 +64,18 @@ def _seq_tile(CuX, n_tiles, BLOCK: tl.constexpr, H):
 
 
 @triton.jit(do_not_specialize=["H", "total_q", "n_tiles"])
-def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV,
+def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV, E,
                         sqt, sqh, sqd, skt, skh, skd, svt, svh, svd, sdt, sdh, sdd,
                         H, total_q, n_tiles, D, Dv, scale,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
                         EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                        GRAD_PRECISION: tl.constexpr):
+                        GRAD_PRECISION: tl.constexpr, HEAD_B: tl.constexpr):
     """dK, dV of one key tile of one (sequence, head): ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale sum_i dS_ij q_i``
     over the sequence's query tiles, in the dense kernel's transposed ([keys, queries]) orientation.
 
     Delta / LseRow: FP32 [H, total_q]. DK [total_k, H, D] / DV [total_k, H, Dv] contiguous, in the input dtype.
+    E: with HEAD_B, the heads' largest magnitudes, int32 [H, 4] (:func:`.elsa_bwd._head_exponents`).
     Keys past the sequence's end load as 0 and only reach their own (unstored) rows; queries past it read
     ``lse = +inf`` and dO = 0, so their P and dS are 0.
     """
@@ -95,6 +99,7 @@ def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV,
     q_base = Q + q_start * sqt + off_h * sqh
     do_base = DO + q_start * sdt + off_h * sdh
     row_base = off_h * total_q + q_start
+    e_q, e_k, e_v, e_do = _head_exponents(E, off_h, HEAD_B)
 
     lo, mid, n_m = _dkdv_query_tiles(start_n, Lq, BLOCK_M, BLOCK_N, IS_CAUSAL)
     # no bias / masks: their pointers (Q, never read) and strides (0) are placeholders
@@ -102,12 +107,12 @@ def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV,
         dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, True, False, False, False, EVEN_D, EVEN_DV, PRECISION,
-                            GRAD_PRECISION, DOT_UPCAST, 0, 0, False)
+                            GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B)
     for t in range(mid, n_m):
         dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, False, False, False, False, EVEN_D, EVEN_DV, PRECISION,
-                            GRAD_PRECISION, DOT_UPCAST, 0, 0, False)
+                            GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B)
     dk = dk * scale
     rows_out = (k_start + cols64[:, None]) * H + off_h
     tl.store(DK + rows_out * D + offs_d[None, :], dk.to(DK.dtype.element_ty),
@@ -117,13 +122,13 @@ def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV,
 
 
 @triton.jit(do_not_specialize=["H", "total_q", "n_tiles"])
-def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ,
+def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ, E,
                       sqt, sqh, sqd, skt, skh, skd, svt, svh, svd, sdt, sdh, sdd,
                       H, total_q, n_tiles, D, Dv, scale,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                      GRAD_PRECISION: tl.constexpr):
+                      GRAD_PRECISION: tl.constexpr, HEAD_B: tl.constexpr):
     """dQ of one query tile of one (sequence, head): ``dQ_i = scale sum_j dS_ij k_j`` over the sequence's key
     tiles (causal: up to the diagonal). DQ [total_q, H, D] contiguous, in the input dtype."""
     start_m, off_h, seq, q_start, Lq = _seq_tile(CuQ, n_tiles, BLOCK_M, H)
@@ -146,6 +151,7 @@ def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ,
     delta = tl.load(Delta + row_base + rows, mask=row_ok, other=0.0)
     k_base = K + k_start * skt + off_h * skh
     v_base = V + k_start * svt + off_h * svh
+    e_q, e_k, e_v, e_do = _head_exponents(E, off_h, HEAD_B)
 
     n_full, n_kv = key_tiles(start_m, Lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -155,12 +161,12 @@ def _varlen_dq_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DQ,
         dq, _, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
                                   t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Lk, D, Dv, skt, skd, svt,
                                   svd, 0, 0, 0, 0, 0, 0, False, scale, False, IS_CAUSAL, False, False, False, False,
-                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, 0, 0, False)
+                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, e_k, e_v, HEAD_B)
     for t in range(n_full, n_kv):
         dq, _, _, _, _, _ = _dq_tile(dq, hs, hs, hs, hs, q, do, lse, delta, k_base, v_base, Q, Q, Q, Q,
                                   t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, Lk, D, Dv, skt, skd, svt,
                                   svd, 0, 0, 0, 0, 0, 0, False, scale, True, IS_CAUSAL, False, False, False, False,
-                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, 0, 0, False)
+                                  False, EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, e_k, e_v, HEAD_B)
     dq = dq * scale
     tl.store(DQ + ((q_start + rows64[:, None]) * H + off_h) * D + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d < D)[None, :])
@@ -256,21 +262,27 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     lse_row = torch.empty_like(delta)
     pre_m = 64 if BLOCK_DV <= 128 else 32
     so, sd = out.stride(), grad_out.stride()
+    # HEAD_SCALED products: each head's largest magnitudes over the whole packed batch (one batch entry of
+    # total_q query rows and total_k key rows), int32 [H, 4]
+    head_b = precision in HEAD_SCALED
+    head_max = torch.zeros(H * 4, device=q.device, dtype=torch.int32) if head_b else delta  # delta: never read
+    sq, sk, sv = q.stride(), k.stride(), v.stride()
     launch(_bwd_preprocess_kernel, (cdiv(total_q, pre_m) * H,),
            (q, out, grad_out, lse, delta, lse_row, 0, so[1], so[0], so[2], 0, sd[1], sd[0], sd[2],
-            0, *lse.stride(), H, total_q, Dv, q, q, delta, *(0,) * 12, 0, 0),  # no head maxima: placeholders
-           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=16, HEAD_MAX=False), dict(num_warps=4))
+            0, *lse.stride(), H, total_q, Dv, k, v, head_max, 0, sq[1], sq[0], sq[2], 0, sk[1], sk[0], sk[2],
+            0, sv[1], sv[0], sv[2], total_k, D),
+           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=BLOCK_D, HEAD_MAX=head_b), dict(num_warps=4))
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
     flags = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **product_flags(precision), IS_CAUSAL=bool(is_causal),
                  EVEN_D=D == BLOCK_D, EVEN_DV=Dv == BLOCK_DV,
-                 DOT_UPCAST=dtype == torch.bfloat16 and interpreting())
+                 DOT_UPCAST=dtype == torch.bfloat16 and interpreting(), HEAD_B=head_b)
     key = ("varlen", mode, BLOCK_D, BLOCK_DV, bool(is_causal), cfg)
 
     def run_dkdv(t: KernelTiles):
         n_tiles = cdiv(max_seqlen_k, t.block_n)
         launch(_varlen_dkdv_kernel, (n_tiles * H * n_seq,),
-               (q, k, v, grad_out, delta, lse_row, cu_seqlens_q, cu_seqlens_k, dk, dv, *strides, H, total_q,
+               (q, k, v, grad_out, delta, lse_row, cu_seqlens_q, cu_seqlens_k, dk, dv, head_max, *strides, H, total_q,
                 n_tiles, D, Dv, float(scale)),
                dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **flags),
                dict(num_warps=t.num_warps, num_stages=t.num_stages))
@@ -278,7 +290,7 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     def run_dq(t: KernelTiles):
         n_tiles = cdiv(max_seqlen_q, t.block_m)
         launch(_varlen_dq_kernel, (n_tiles * H * n_seq,),
-               (q, k, v, grad_out, delta, lse_row, cu_seqlens_q, cu_seqlens_k, dq, *strides, H, total_q,
+               (q, k, v, grad_out, delta, lse_row, cu_seqlens_q, cu_seqlens_k, dq, head_max, *strides, H, total_q,
                 n_tiles, D, Dv, float(scale)),
                dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **flags),
                dict(num_warps=t.num_warps, num_stages=t.num_stages))

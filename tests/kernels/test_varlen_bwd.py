@@ -132,6 +132,22 @@ def test_padded_head_dims_default_tiles_and_loose_maxima(mode):
 
 
 @cpu_only
+@pytest.mark.parametrize("scales", [(1.0, 1.0, 1e6, 1e-8), (1e-4, 3e3, 1.0, 1e4)])
+def test_tf32_right_operands_scaled_per_head(scales):
+    """tf32's products scale each right operand by one power of two per head over the whole packed batch: q, k,
+    v, dO of head 1 far outside FP16's range (V up to 10^6 over its 65504, dO down to 10^-8 under its 6e-5
+    normal minimum), and in head 0 one sequence's q and v 10^3 times the others' (its k and dO 10^-3: the
+    logits stay as they are), keep the mode's bound."""
+    q, k, v, do, cu_q, cu_k = packed(LENS_Q, LENS_K, dv=24, seed=4)
+    for t, c in zip((q, k, v, do), scales):
+        t[:, 1] *= c
+    for t, cu, c in ((q, cu_q, 1e3), (k, cu_k, 1e-3), (v, cu_k, 1e3), (do, cu_q, 1e-3)):
+        t[cu[4]:cu[5], 0] *= c  # the longest sequence
+    dq, dk, dv = check_mode("tf32", q, k, v, do, cu_q, cu_k, True)
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+@cpu_only
 def test_deterministic():
     """Two runs are bit-identical (no atomics: each gradient row has one writer, fixed loop order)."""
     q, k, v, do, cu_q, cu_k = packed(LENS_Q, LENS_K, seed=3)
