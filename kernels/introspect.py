@@ -45,6 +45,8 @@ class CompileReport:
         registers: registers per thread (``None`` when ``cuobjdump`` is unavailable).
         local_bytes: local memory per thread (stack frame + local arrays), i.e. register spills (``None`` likewise).
         num_warps: warps per program.
+        instructions: SASS instructions in the cubin, a static count (loops counted once; ``None`` when
+            ``nvdisasm`` is unavailable): fewer for the same tiles means less issued work per iteration.
     """
 
     shared_bytes: int
@@ -53,6 +55,7 @@ class CompileReport:
     registers: int | None = None
     local_bytes: int | None = None
     num_warps: int = 4
+    instructions: int | None = None
 
     @property
     def programs_per_sm(self) -> int | None:
@@ -79,27 +82,40 @@ def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
     return max(0, min(by_regs, by_shared, _SM_WARPS // num_warps, _SM_BLOCKS))
 
 
-def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
-    """(registers per thread, local bytes per thread) of the one kernel in ``cubin`` via Triton's bundled
-    ``cuobjdump -res-usage``; ``(None, None)`` if the tool is missing or its output is not understood. Local bytes
-    count the stack frame too: that is where ptxas spills registers (it reports ``LOCAL:0`` with them)."""
+def _run_on_cubin(cubin: bytes, tool: str, *flags: str) -> str | None:
+    """The standard output of Triton's bundled CUDA binary tool ``tool`` (``"cuobjdump"``, ``"nvdisasm"``) run on
+    ``cubin`` with ``flags``; ``None`` if the tool is missing or fails."""
     try:
         from triton import knobs
 
-        tool = knobs.nvidia.cuobjdump.path
-    except Exception:  # an older Triton without the knob: no register figures, the rest still works
-        return None, None
-    fd, path = tempfile.mkstemp(suffix=".cubin")
+        path = knobs.nvidia.cuobjdump.path  # nvdisasm ships beside it
+        path = os.path.join(os.path.dirname(path), os.path.basename(path).replace("cuobjdump", tool))
+    except Exception:  # an older Triton without the knob: no such figures, the rest still works
+        return None
+    fd, file = tempfile.mkstemp(suffix=".cubin")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(cubin)
-        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, timeout=60).stdout
+        return subprocess.run([path, *flags, file], capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError):
-        return None, None
+        return None
     finally:
-        os.unlink(path)
-    m = re.search(r"REG:(\d+) STACK:(\d+).*?LOCAL:(\d+)", out)
+        os.unlink(file)
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers per thread, local bytes per thread) of the one kernel in ``cubin`` via ``cuobjdump -res-usage``;
+    ``(None, None)`` if the tool is missing or its output is not understood. Local bytes count the stack frame
+    too: that is where ptxas spills registers (it reports ``LOCAL:0`` with them)."""
+    m = re.search(r"REG:(\d+) STACK:(\d+).*?LOCAL:(\d+)", _run_on_cubin(cubin, "cuobjdump", "-res-usage") or "")
     return (int(m.group(1)), int(m.group(2)) + int(m.group(3))) if m else (None, None)
+
+
+def _instruction_count(cubin: bytes) -> int | None:
+    """SASS instructions in ``cubin`` (``nvdisasm -c``: each instruction line carries its /*offset*/); ``None``
+    without the tool."""
+    out = _run_on_cubin(cubin, "nvdisasm", "-c")
+    return None if out is None else len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/\s+\S", out, flags=re.M))
 
 
 def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *, num_warps: int,
@@ -159,7 +175,9 @@ def compile_for_arch(kernel, pointer_types: dict[str, str], constexprs: dict, *,
         options["maxnreg"] = maxnreg
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     ttgir = compiled.asm.get("ttgir", "")
-    registers, local_bytes = _resource_usage(compiled.asm["cubin"]) if "cubin" in compiled.asm else (None, None)
+    cubin = compiled.asm.get("cubin")
+    registers, local_bytes = _resource_usage(cubin) if cubin else (None, None)
     return CompileReport(shared_bytes=int(compiled.metadata.shared), wgmma=ttgir.count("ttng.warp_group_dot "),
                          ttgir=ttgir, registers=registers, local_bytes=local_bytes,
-                         num_warps=int(getattr(compiled.metadata, "num_warps", num_warps)))
+                         num_warps=int(getattr(compiled.metadata, "num_warps", num_warps)),
+                         instructions=_instruction_count(cubin) if cubin else None)

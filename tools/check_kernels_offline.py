@@ -4,10 +4,11 @@ Walks the dense ELSA config table (every precision kind x padded head dim x shor
 bias + mask), the Gluon fp32-ieee and Hopper fp16 / bf16 kernels' configs, the PASA configs (head dims
 16..256, with and without recovery, bias + mask) and the window kernels at the Swin / Swin-v2 window sizes,
 and the backward kernels (the dense dK / dV and dQ kernels per mode and head dim, with and without a bias
-gradient; the window backward, fused and split, at the Swin / Swin-v2 window sizes), compiles each for sm_90
-through :func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared memory each needs
-against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read from the cubin),
-how many programs an SM holds at once, and whether the products use wgmma. A config over the limit is not a
+gradient; the window backward, fused and split, at the Swin / Swin-v2 window sizes; the ragged-batch backward),
+compiles each for sm_90 through :func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared
+memory each needs against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read
+from the cubin), how many programs an SM holds at once, whether the products use wgmma, and the cubin's static
+SASS instruction count. A config over the limit is not a
 crash (the launchers retry smaller configs), but it is a slow first call and a different config than the table
 says.
 
@@ -30,8 +31,8 @@ sys.path.insert(0, REPO)
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, ieee_gluon_bwd, pasa_fwd, window_bwd,  # noqa: E402
-                                window_fwd)
+from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, ieee_gluon_bwd, pasa_fwd,  # noqa: E402
+                                varlen_bwd, window_bwd, window_fwd)
 from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
@@ -39,7 +40,7 @@ from visionattn.reporting import environment, markdown_table, write_json_atomic,
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _cli import ToolParser, check_output, default_out  # noqa: E402
 
-KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd")
+KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd", "varlen-bwd")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
 
 
@@ -200,6 +201,30 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
                     num_warps=t.num_warps, num_stages=t.num_stages, unit_ints=_BWD_UNIT_INTS, float_args=floats))
 
 
+def _varlen_bwd_jobs(quick: bool):
+    """The ragged-batch backward's dK / dV and dQ kernels per mode and head dim, as :func:`.varlen_backward`
+    launches them."""
+    for mode in _BWD_MODES + ("tf32",):
+        if mode == "fp32-ieee":
+            continue  # the IEEE products' tiles are the dense kernels' (same helpers); one FP32 kind is enough here
+        precision = elsa_bwd.BWD_MODES[mode][1]
+        for d in ((64,) if quick else (64, 128)):
+            tiles = elsa_bwd.get_config(mode, d, d)
+            flags = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), IS_CAUSAL=False, EVEN_D=True,
+                         EVEN_DV=True, DOT_UPCAST=False, HEAD_B=precision in elsa_bwd.HEAD_SCALED)
+            for name, t, kernel, outs in (("dkdv", tiles.dkdv, varlen_bwd._varlen_dkdv_kernel, ("DK", "DV")),
+                                          ("dq", tiles.dq, varlen_bwd._varlen_dq_kernel, ("DQ",))):
+                ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Delta", "LseRow", *outs),
+                                    ("Q", "K", "V", "DO", *outs))
+                ptr.update(CuQ="*i32", CuK="*i32", E="*i32")
+                yield ({"kernel": f"varlen-bwd-{name}", "variant": f"D={d} {mode}",
+                        "config": [t.block_m, t.block_n, t.num_warps, t.num_stages]},
+                       dict(kernel=kernel, pointer_types=ptr, constexprs=dict(flags, BLOCK_M=t.block_m,
+                                                                               BLOCK_N=t.block_n),
+                            num_warps=t.num_warps, num_stages=t.num_stages, unit_ints=("sqd", "skd", "svd", "sdd"),
+                            float_args=("scale",)))
+
+
 def _backward_jobs(quick: bool):
     for mode in _BWD_MODES + ("tf32",):  # tf32: the dense kernels' f16x1 products (its windows run fp32's)
         for d in ((64, 128) if quick else (32, 64, 128, 256)):
@@ -257,7 +282,7 @@ def main(args) -> dict:
     jobs = []
     for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
                       ("pasa", _pasa_jobs), ("window", _window_jobs), ("backward", _backward_jobs),
-                      ("ieee-gluon-bwd", _ieee_gluon_bwd_jobs)):
+                      ("ieee-gluon-bwd", _ieee_gluon_bwd_jobs), ("varlen-bwd", _varlen_bwd_jobs)):
         if name in wanted:
             jobs += list(gen(args.quick))
     rows, t0 = [], time.perf_counter()
@@ -266,7 +291,8 @@ def main(args) -> dict:
             rep = compile_for_arch(**job)
             meta.update(shared_bytes=rep.shared_bytes, wgmma=rep.wgmma,
                         fits=rep.shared_bytes <= HOPPER_SHARED_LIMIT, registers=rep.registers,
-                        local_bytes=rep.local_bytes, programs_per_sm=rep.programs_per_sm)
+                        local_bytes=rep.local_bytes, programs_per_sm=rep.programs_per_sm,
+                        instructions=rep.instructions)
         except Exception as exc:  # a variant that does not compile is a finding, not a crash
             meta.update(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
         rows.append(meta)
@@ -277,10 +303,11 @@ def main(args) -> dict:
               "failed": len(failed), "seconds": time.perf_counter() - t0}
     table = markdown_table([[r["kernel"], r["variant"], r["config"], r.get("shared_bytes", r.get("error")),
                              {True: "yes", False: "**NO**"}.get(r.get("fits"), "-"), r.get("registers", "-"),
-                             _spill(r.get("local_bytes")), r.get("programs_per_sm", "-"), r.get("wgmma", "-")]
+                             _spill(r.get("local_bytes")), r.get("programs_per_sm", "-"), r.get("wgmma", "-"),
+                             r.get("instructions") or "-"]
                             for r in rows],
                            ["kernel", "variant", "config (M, N, warps, stages)", "shared bytes", "fits",
-                            "registers / thread", "spill bytes", "programs / SM", "wgmma"])
+                            "registers / thread", "spill bytes", "programs / SM", "wgmma", "SASS instructions"])
     md = (f"# Kernel configs compiled for sm_90 (offline)\n\n* triton {triton.__version__} (the lent GPUs run 3.6: "
           f"only the same version gives the GPU's figures); limit {HOPPER_SHARED_LIMIT} bytes per block\n"
           f"* command: `{env.get('command', '')}`\n* {len(rows)} variants, {len(over)} over the limit "
@@ -289,6 +316,8 @@ def main(args) -> dict:
           f"(`cuobjdump -res-usage`); programs / SM = "
           f"programs one SM holds at once by the Hopper occupancy rules (registers, 228 KiB shared memory with 1 KiB "
           f"reserved per program, 64 warps, 32 programs); a config over the shared-memory limit shows 0\n"
+          f"* SASS instructions: a static count of the cubin (`nvdisasm`; a loop body counts once), comparable "
+          f"between variants of one kernel at the same tiles\n"
           f"* half-gluon (warp-specialized): registers are the launch cap over its 12 warps (8 with one consumer "
           f"warpgroup, 20 with four); `setmaxnreg` then gives each consumer thread 240 (232 with one, 112-120 with "
           f"four) and each producer thread 24"

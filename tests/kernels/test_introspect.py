@@ -60,3 +60,34 @@ def test_interpreted_kernels_are_refused_with_the_fix():
         pytest.skip("kernels are compiled (TRITON_INTERPRET=0) in this test run")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=0"):
         compile_for_arch(elsa_fwd._elsa_fwd_kernel, {}, {}, num_warps=4, num_stages=1)
+
+
+_CHILD_BWD = r"""
+import json, sys
+sys.path.insert(0, TOOLS)
+import check_kernels_offline as tool
+from visionattn.kernels import elsa_bwd
+from visionattn.kernels.introspect import compile_for_arch
+tiles = elsa_bwd.BwdConfig(elsa_bwd.KernelTiles(32, 32, 4, 1), elsa_bwd.KernelTiles(32, 32, 4, 1))
+out = {}
+for products in ("f16x3", "f16x3-head"):
+    for meta, job in tool._split_bwd_jobs("t", "fp32", tiles, 32, False, False, False, products):
+        r = compile_for_arch(**job)
+        out[meta["kernel"] + " " + products] = r.instructions
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_instruction_counts_show_the_per_head_scales_saving():
+    """The cubin's static SASS instruction count (``nvdisasm``): the dK/dV and dQ kernels with per-head scaled right
+    operands (f16x3-head) issue fewer instructions than with per-tile column scales, whose maxima and transposes
+    they drop."""
+    import os
+
+    from testdata import REPO
+
+    r = compile_in_child(_CHILD_BWD.replace("TOOLS", repr(os.path.join(REPO, "tools"))))
+    assert all(n is not None and n > 100 for n in r.values()), r
+    for kernel in ("bwd-dkdv", "bwd-dq"):
+        assert r[f"{kernel} f16x3-head"] < r[f"{kernel} f16x3"], r
