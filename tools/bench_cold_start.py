@@ -14,7 +14,9 @@ Where Triton reports its compilations (``triton.knobs.compilation.listener``), e
 call's extra cost into the kernels compiled and their compile time (source to cubin, every stage) and the
 rest (launcher builds, module loads, first-use setup of the driver and libraries), and the compile time by
 stage, summed over the kernels (``init``: source to the first IR, then Triton's lowering stages — ``ttir``,
-``ttgir``, ``llir``, ``ptx``, ``cubin`` (ptxas) —, ``store``: writing the cache).
+``ttgir``, ``llir``, ``ptx``, ``cubin`` (ptxas) —, ``store``: writing the cache); the markdown lists each compiled
+kernel with the constexprs that make its variant. ``--vggt-baseline`` adds VGGT with PyTorch's SDPA (no Triton
+kernel): the first-call cost the model pays without visionattn's kernels.
 
 Writes ``cold_start.md`` and ``cold_start.json`` to ``--out``.
 
@@ -36,14 +38,25 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # each child records the kernels Triton compiles (not cache hits) and their compile seconds, per phase
 _LISTENER = r"""
-COMPILED = {"phase": "first", "first": [], "other": [], "first_stages": {}, "other_stages": {}}
+COMPILED = {"phase": "first", "first": [], "other": [], "first_stages": {}, "other_stages": {}, "first_names": [],
+            "other_names": []}
 try:
     from triton import knobs as _knobs
+
+    def _name(src):  # the kernel and its constexprs (what makes one variant differ from another)
+        fn = getattr(src, "fn", None)
+        names = getattr(fn, "arg_names", [])
+        consts = []
+        for key, value in sorted(getattr(src, "constants", {}).items()):
+            if isinstance(key, tuple) and len(key) == 1 and key[0] < len(names) and names[key[0]].isupper():
+                consts.append(f"{names[key[0]]}={getattr(value, 'value', value)}")
+        return f"{getattr(src, 'name', '?')}({', '.join(consts)})"
 
     def _listen(*, src, metadata, metadata_group, times, cache_hit):
         if not cache_hit:
             phase = COMPILED["phase"]
             COMPILED[phase].append(times.total / 1e6)
+            COMPILED[phase + "_names"].append(f"{_name(src)}: {times.total / 1e6:.2f} s")
             stages = COMPILED[phase + "_stages"]
             for name, us in [("init", times.ir_initialization), *times.lowering_stages, ("store", times.store_results)]:
                 stages[name] = stages.get(name, 0.0) + us / 1e6
@@ -56,7 +69,8 @@ except (ImportError, AttributeError):  # a Triton without compilation listeners:
 def compiled(phase):
     return {} if COMPILED is None else {f"{phase}_kernels_compiled": len(COMPILED[phase]),
                                         f"{phase}_compile_s": sum(COMPILED[phase]),
-                                        f"{phase}_compile_stages_s": COMPILED[phase + "_stages"]}
+                                        f"{phase}_compile_stages_s": COMPILED[phase + "_stages"],
+                                        f"{phase}_kernels": COMPILED[phase + "_names"]}
 """
 
 _ATTENTION_CHILD = _LISTENER + r"""
@@ -85,7 +99,7 @@ count = lambda: sum(len(f) for _, _, f in os.walk(cache))
 torch.manual_seed(0)
 with torch.device("cuda"):
     model = VGGT(enable_track=False).eval()
-model.set_attn_mode(mode)
+model.set_attn_mode(None if mode == "sdpa" else mode)
 dt = torch.bfloat16 if mode == "bf16" else None
 def forward(n):
     images = torch.rand(n, 3, H, W, device="cuda")
@@ -110,6 +124,9 @@ def build_parser() -> ToolParser:
     p.add_argument("--out", default=default_out("cold_start"), help="output folder (default: %(default)s)")
     p.add_argument("--modes", default="fp32,tf32,fp16,bf16", help="modes of the attention rows (default: %(default)s)")
     p.add_argument("--mode", default="fp32", help="VGGT's attention mode (default: %(default)s)")
+    p.add_argument("--vggt-baseline", action="store_true",
+                   help="also VGGT with PyTorch's SDPA attention (no Triton kernel): the first-call cost the model "
+                        "has without visionattn's kernels (CUDA libraries' set-up, first use of PyTorch's kernels)")
     p.add_argument("--frames", type=positive_int, default=100, help="VGGT frames (default: %(default)s)")
     p.add_argument("--other-frames", type=positive_int, default=60,
                    help="the second frame count, which must compile nothing new (default: %(default)s)")
@@ -140,7 +157,7 @@ def main(args) -> dict:
 
     parser = build_parser()
     modes = [m for m in args.modes.split(",") if m]
-    for m in modes + [args.mode]:
+    for m in modes + ([] if args.mode == "sdpa" else [args.mode]):
         if m not in mode_names():
             parser.error(f"unknown mode {m!r}; expected one of {mode_names()}")
     check_output(parser, args.out, folder=True)
@@ -152,10 +169,10 @@ def main(args) -> dict:
             r = _child(_ATTENTION_CHILD, [mode, *map(str, shape)], 600)
             rows.append({"what": f"attention {mode} B,H,N,D={shape}", **r})
             print(json.dumps(rows[-1]), flush=True)
-    if not args.skip_vggt:
-        r = _child(_VGGT_CHILD, [args.mode, str(args.frames), str(args.other_frames), str(args.height),
+    for vggt_mode in ([] if args.skip_vggt else [args.mode] + (["sdpa"] if args.vggt_baseline else [])):
+        r = _child(_VGGT_CHILD, [vggt_mode, str(args.frames), str(args.other_frames), str(args.height),
                                  str(args.width)], 900)
-        rows.append({"what": f"VGGT-1B {args.mode} {args.frames} frames, then {args.other_frames}", **r})
+        rows.append({"what": f"VGGT-1B {vggt_mode} {args.frames} frames, then {args.other_frames}", **r})
         print(json.dumps(rows[-1]), flush=True)
     result = {"environment": environment(), "rows": rows}
     env = result["environment"]
@@ -177,6 +194,11 @@ def main(args) -> dict:
     lines.append(markdown_table(table, ["call", "first s", "second s", "first - second s", "kernels compiled",
                                         "their compile s", "rest of first - second s", "other length s",
                                         "cache files added by the other length", "compile s by stage"]))
+    compiled_lists = [(r["what"], r.get("first_kernels") or []) for r in rows if r.get("first_kernels")]
+    if compiled_lists:
+        lines += ["", "Kernels compiled by each first call (name, constexprs, compile seconds):", ""]
+        for what, names in compiled_lists:
+            lines.append(f"* {what}: " + "; ".join(f"`{n}`" for n in names))
     os.makedirs(args.out, exist_ok=True)
     write_text_atomic(os.path.join(args.out, "cold_start.md"), "\n".join(lines) + "\n")
     write_json_atomic(os.path.join(args.out, "cold_start.json"), result)

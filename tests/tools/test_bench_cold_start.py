@@ -1,5 +1,6 @@
 """tools/bench_cold_start.py's compile accounting, on CPU: the listener its child processes install counts a
-kernel Triton compiles (with its compile seconds) and not a cache hit of the same kernel."""
+kernel Triton compiles (with its compile seconds, its name and constexprs) and not a cache hit of the same
+kernel."""
 from offline_compile import compile_in_child
 from testdata import load_script
 
@@ -31,4 +32,7 @@ def test_listener_counts_compiles_not_cache_hits(tmp_path, monkeypatch):
     # Triton's stages, each timed: they add up to the kernel's compile time
     assert {"init", "ttir", "ttgir", "llir", "ptx", "cubin"} <= set(stages) and min(stages.values()) >= 0
     assert abs(sum(stages.values()) - res["first_compile_s"]) <= 1e-3 + 0.01 * res["first_compile_s"]
-    assert res["other_compile_stages_s"] == {}
+    assert res["other_compile_stages_s"] == {} and res["other_kernels"] == []
+    (name,) = res["first_kernels"]  # the kernel, the constexprs that make the variant, its seconds
+    assert name.startswith("_elsa_fwd_kernel(") and "PRECISION=ieee" in name and "BLOCK_M=64" in name
+    assert name.endswith(" s") and "sqd" not in name  # inner strides folded to 1 are not variant constexprs
