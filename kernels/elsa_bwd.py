@@ -65,7 +65,9 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   and dV = P^T dO runs across tokens: tokens within ~2^20 of the largest keep the bound; one token 10^7-10^8
   times the others costs the rest accuracy (``fp32-ieee`` has no such span). ``"f16x3-head"`` (a products
   override) scales each right operand once per (batch, head) instead, as tf32 does: no per-tile column
-  maxima or their transposes (offline sm_90, head dim 64: about a fifth fewer instructions), the same span.
+  maxima or their transposes (offline sm_90, head dim 64: about a fifth fewer instructions); the span then
+  counts from the head's largest entry, not each tile column's (one token 10^6 times the others: 2-4x the
+  per-column scales' error, within the bound).
 * ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32,
   64 or 128, 16-byte-aligned rows), :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA, single pass); else
   ``tl.dot``'s ``input_precision="ieee"`` here.
@@ -119,9 +121,9 @@ BWD_MODES: dict[str, tuple[torch.dtype, str]] = {
 # products S, dP and the gradient products dV, dK, dQ apart)
 FP32_PRODUCTS = ("f16x3", "f16x3-head", "tf32x3", "ieee")
 BACKWARD_PRODUCTS = FP32_PRODUCTS + ("f16x3/f16x1", "f16x1")
-# products whose right operands the dense kernels scale by one power of two per (batch, head) (:func:`_mmh`, the
-# heads' largest magnitudes from the preprocess), and the products they run; the kernels without per-head maxima
-# (the fused window backward, the ragged-batch backward) run them with per-tile scales
+# products whose right operands the dense and ragged-batch kernels scale by one power of two per (batch, head)
+# (:func:`_mmh`, the heads' largest magnitudes from the preprocess), and the products they run; the fused window
+# backward, which takes no per-head maxima, runs them with per-tile scales
 HEAD_SCALED = {"f16x1": "f16x1", "f16x3-head": "f16x3"}
 
 
@@ -189,7 +191,8 @@ def _mmh(a, b, b_exp, PRECISION: tl.constexpr, HEAD_B: tl.constexpr, DOT_UPCAST:
     instead of per column of each tile, and the per-tile column maxima (a reduction across the tile's rows) and
     their transposes are not formed. The hi part keeps 11 significant bits for entries down to 2^-28 of that
     largest one; with f16x3 the lo part keeps its 11 for entries down to 2^-17, and the bits it loses below that
-    are FP16-subnormal steps of 2^-38 of the largest: the same span as the per-column scales'."""
+    are FP16-subnormal steps of 2^-38 of the largest: the per-column scales' span, counted from the head's largest
+    entry instead of each tile column's."""
     if HEAD_B:
         a_hi, a_lo, a_inv = split_rows(a)
         bs = b * pow2(-b_exp + SPLIT_EXP)  # tensor first: constexpr - tensor fails to interpret
