@@ -66,7 +66,7 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   times the others costs the rest accuracy (``fp32-ieee`` has no such span). ``"f16x3-head"`` (a products
   override) scales each right operand once per (batch, head) instead, as tf32 does: no per-tile column
   maxima or their transposes (offline sm_90, head dim 64: about a fifth fewer instructions); the span then
-  counts from the head's largest entry, not each tile column's (one token 10^6 times the others: 2-4x the
+  counts from the head's largest entry, not each tile column's (one token 10^6 times the others: up to 9x the
   per-column scales' error, within the bound).
 * ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32,
   64 or 128, 16-byte-aligned rows), :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA, single pass); else
