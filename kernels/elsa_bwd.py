@@ -1153,8 +1153,9 @@ class _BackwardPlan:
     def _ordered_buffers(self, dtype):
         """``(dq, acc, sem, head_max)`` of a single-pass call from one zeroed allocation: the FP32 dQ accumulator
         (dQ itself when FP32), the per-query-tile int32 counters behind it (enough for the smallest query tile,
-        16 rows, so tiles fitted to shared memory on the first run still find theirs) and, with f16x1 products,
-        the heads' int32 [B * H, 4] largest magnitudes (else the counters stand in, never read)."""
+        16 rows, so tiles fitted to shared memory on the first run still find theirs) and, with
+        :data:`HEAD_SCALED` products, the heads' int32 [B * H, 4] largest magnitudes (else the counters stand in,
+        never read)."""
         B, H, Nq, Nk, D, Dv = self.dims
         n = B * H * Nq * D
         n_sem = B * H * cdiv(Nq, 16)

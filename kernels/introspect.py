@@ -88,8 +88,7 @@ def _run_on_cubin(cubin: bytes, tool: str, *flags: str) -> str | None:
     try:
         from triton import knobs
 
-        path = knobs.nvidia.cuobjdump.path  # nvdisasm ships beside it
-        path = os.path.join(os.path.dirname(path), os.path.basename(path).replace("cuobjdump", tool))
+        path = getattr(knobs.nvidia, tool).path  # Triton's own lookup: TRITON_<TOOL>_PATH, else its bundled copy
     except Exception:  # an older Triton without the knob: no such figures, the rest still works
         return None
     fd, file = tempfile.mkstemp(suffix=".cubin")
