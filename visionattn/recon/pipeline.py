@@ -166,16 +166,12 @@ def prediction_bytes(frames: int, height: int, width: int) -> int:
     return int(frames) * int(height) * int(width) * per_pixel
 
 
-def available_host_memory() -> int | None:
-    """Bytes of host memory available to new allocations (Linux ``MemAvailable``), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+def available_host_memory() -> int:
+    """Bytes of host memory available to new allocations without swapping (``psutil.virtual_memory().available``:
+    Linux's ``MemAvailable``, the platform's equivalent elsewhere)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
 
 
 def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.device = "cpu",
@@ -389,7 +385,7 @@ def prediction_store(host_memory: str, frames: int, hw: tuple[int, int], out_dir
         return None
     if host_memory == "auto":
         avail = available_host_memory()
-        if avail is None or need <= avail // 2:
+        if need <= avail // 2:
             return None
         log(f"note: the predictions take {need / 2**30:.1f} GiB, over half the {avail / 2**30:.1f} GiB of free host "
             "memory: they wait for the export on disk beside the output folder")
