@@ -95,14 +95,16 @@ def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LE
     return {"calls": calls, "seconds": time.perf_counter() - t0}
 
 
-def job_arguments(modes, head_dims, lengths, *, training: bool = False, window: bool = True,
+def job_arguments(modes, head_dims, lengths, *, training: bool = False, window: bool = True, dense: bool = True,
                   device: str = "cuda") -> list[list[str]]:
     """The command-line arguments of the processes ``--jobs`` runs: one per (mode, head dim) for the dense
-    kernels and one per mode for the window kernels, each a ``python -m visionattn.warmup`` of that part alone.
-    Together they make the same calls as one :func:`warm_up` of everything."""
+    kernels (unless ``dense`` is False) and one per mode for the window kernels, each a
+    ``python -m visionattn.warmup`` of that part alone. Together they make the same calls as one
+    :func:`warm_up` with the same ``window`` and ``dense``."""
     common = ["--lengths", ",".join(str(n) for n in lengths), "--device", device] + (["--training"] if training
                                                                                    else [])
-    jobs = [["--modes", m, "--head-dims", str(d), "--no-window"] + common for m in modes for d in head_dims]
+    jobs = [["--modes", m, "--head-dims", str(d), "--no-window"] + common for m in modes
+            for d in (head_dims if dense else ())]
     if window:
         jobs += [["--modes", m, "--no-dense"] + common for m in modes]
     return jobs
@@ -148,7 +150,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m visionattn.warmup", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help="comma-separated precision modes (default: %(default)s)")
     p.add_argument("--head-dims", type=lambda t: _ints(t, "--head-dims"), default=DEFAULT_HEAD_DIMS,
@@ -181,9 +184,7 @@ def main(argv=None) -> int:
     if args.jobs > 1:
         t0 = time.perf_counter()
         jobs = job_arguments(modes, args.head_dims, args.lengths, training=args.training,
-                             window=not args.no_window, device=args.device)
-        if args.no_dense:
-            jobs = [j for j in jobs if "--no-dense" in j]
+                             window=not args.no_window, dense=not args.no_dense, device=args.device)
         calls, failures = _run_jobs(jobs, args.jobs)
         print(f"visionattn.warmup: {calls} calls in {time.perf_counter() - t0:.1f} s ({len(jobs)} processes, "
               f"{args.jobs} at a time)")

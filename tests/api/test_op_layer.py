@@ -352,3 +352,5 @@ def test_warmup_jobs_cover_every_part_once():
     only_window = warmup.job_arguments(("fp16",), (), (197,))
     assert len(only_window) == 1 and "--no-dense" in only_window[0]
     assert all("--no-dense" not in j for j in warmup.job_arguments(("fp16",), (64,), (197,), window=False))
+    no_dense = warmup.job_arguments(("fp16",), (64,), (197,), dense=False)  # --no-dense: the window jobs alone
+    assert len(no_dense) == 1 and "--no-dense" in no_dense[0]
