@@ -42,8 +42,9 @@ class Mode:
         state_dtype: dtype of the (m, S, W) state and of the score accumulation after the
             products (FP32 in every mode).
         backward_precision: products of the backward kernels' FP32 operands: ``"f16x3"`` / ``"f16x1"``
-            (split-FP16, :mod:`.split16`) or a ``tl.dot`` input precision (``"tf32x3"``, ``"ieee"``); ``None`` for
-            half inputs (native tensor-core products) and for modes without a backward kernel.
+            (split-FP16, :mod:`.split16`; ``"f16x3-head"``: f16x3 whose right operands take one power-of-two scale
+            per (batch, head), as f16x1's do, see :data:`.elsa_bwd.HEAD_SCALED`) or a ``tl.dot`` input
+            precision (``"tf32x3"``, ``"ieee"``); ``None`` for half inputs (native tensor-core products) and for modes without a backward kernel.
         window_backward_precision: the window backward's products where they differ from
             ``backward_precision`` (``None``: the same).
     """
@@ -66,7 +67,7 @@ MODES: dict[str, Mode] = {
     for m in (
         Mode("fp32", torch.float32, "f16x3", 2e-6, False,
              "FP32 inputs, FP32-accurate products (split-FP16 hi/lo, 22 significant bits like 3xTF32), "
-             "FP32 state", backward_precision="f16x3"),
+             "FP32 state", backward_precision="f16x3-head", window_backward_precision="f16x3"),
         Mode("fp32-ieee", torch.float32, "ieee", 2e-6, False,
              "strict IEEE FP32 FMA products, no tensor cores, FP32 state", backward_precision="ieee"),
         Mode("tf32", torch.float32, "f16x1", 3e-3, False,

@@ -21,8 +21,9 @@ SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gr
 sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
 reduction beside the automatic choice, ``--configs`` given tiles beside the default (two tile sets: the dK/dV and
 dQ kernels; one: the single-pass backward, dQ added in key-tile order by the dK/dV kernel),
-``--fp32-products`` the FP32 modes' backward with other products (split-FP16 f16x3, the default; f16x3-head,
-its right operands scaled per (batch, head); ``tl.dot``'s 3xTF32; IEEE FMA). ``lse`` is computed from the FP32
+``--fp32-products`` the FP32 modes' backward with other products (split-FP16 f16x3-head, the dense default:
+its right operands scaled per (batch, head); f16x3, scaled per tile column, the window default; ``tl.dot``'s
+3xTF32; IEEE FMA). ``lse`` is computed from the FP32
 logits by ``torch.logsumexp`` in query chunks and ``out`` by SDPA; only their consistency matters for timing.
 Peak extra memory is
 ``torch.cuda.max_memory_allocated`` above the inputs during one backward call.
