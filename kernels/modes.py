@@ -44,7 +44,8 @@ class Mode:
         backward_precision: products of the backward kernels' FP32 operands: ``"f16x3"`` / ``"f16x1"``
             (split-FP16, :mod:`.split16`; ``"f16x3-head"``: f16x3 whose right operands take one power-of-two scale
             per (batch, head), as f16x1's do, see :data:`.elsa_bwd.HEAD_SCALED`) or a ``tl.dot`` input
-            precision (``"tf32x3"``, ``"ieee"``); ``None`` for half inputs (native tensor-core products) and for modes without a backward kernel.
+            precision (``"tf32x3"``, ``"ieee"``); ``None`` for half inputs (native tensor-core products) and for
+            modes without a backward kernel.
         window_backward_precision: the window backward's products where they differ from
             ``backward_precision`` (``None``: the same).
     """
