@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="untimed forward passes before the timed one; the first pass on a GPU includes "
                         "Triton compilation, so use 1 or more for timings (default: %(default)s)")
+    p.add_argument("--no-compile-ahead", action="store_true",
+                   help="on a GPU, do not compile the attention kernels in a background thread while the model "
+                        "loads (they then compile in the first forward)")
     p.add_argument("--host-memory", choices=HOST_MEMORY, default="auto",
                    help="where the per-pixel predictions (48 bytes per pixel: ~10 GiB for 1000 518x392 frames) "
                         "wait for the export: on disk in a temporary folder beside OUT_DIR, or in host memory; "
@@ -163,7 +166,8 @@ def main(argv=None) -> dict:
                 device=args.device, conf_percentile=args.conf_percentile, max_frames=args.max_frames,
                 size=args.size, preprocess=args.preprocess, point_source=args.points_from, seed=args.seed,
                 preview=not args.no_preview, progress=not args.quiet, warmup=args.warmup, log=log,
-                fps=args.fps, every=args.every, host_memory=args.host_memory)
+                fps=args.fps, every=args.every, host_memory=args.host_memory,
+                compile_ahead=not args.no_compile_ahead)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
@@ -174,7 +178,8 @@ def main(argv=None) -> dict:
     summary["command"] = shlex.join(["demos/reconstruct.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"reconstructed {summary['frames']} frames ({summary['image_hw'][0]}x{summary['image_hw'][1]}), "
           f"{summary['tokens']} tokens, {summary['points_kept']:,} points kept | "
-          f"inference {summary['inference_seconds']:.2f} s, total {summary['total_seconds']:.1f} s, "
+          f"model {summary['model_seconds']:.1f} s, inference {summary['inference_seconds']:.2f} s, "
+          f"total {summary['total_seconds']:.1f} s, "
           f"peak memory {_gib(summary['peak_memory_bytes'])} ({summary['peak_memory_kind']}), "
           f"host RSS {_gib(summary['peak_host_rss_bytes'])}"
           + (f", CUDA {_gib(summary['peak_cuda_allocated_bytes'])}" if 'peak_cuda_allocated_bytes' in summary else "")

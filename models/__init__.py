@@ -14,10 +14,11 @@ from .geometry import (closed_form_inverse_se3, confidence_mask, extri_intri_to_
 from .hub import CheckpointNotFoundError
 from .memory import LiveBytes, estimate_memory, max_frames_that_fit
 from .merging import FASTVGGT_MERGING, TokenMerging
-from .vggt import DEFAULT_REPO, VGGT, vggt_tiny_config
+from .vggt import DEFAULT_REPO, VGGT, vggt_attention_shapes, vggt_tiny_config
 
 __all__ = [
-    "VGGT", "vggt_tiny_config", "FASTVGGT_MERGING", "TokenMerging", "DEFAULT_REPO", "CheckpointNotFoundError",
+    "VGGT", "vggt_tiny_config", "vggt_attention_shapes", "FASTVGGT_MERGING", "TokenMerging", "DEFAULT_REPO",
+    "CheckpointNotFoundError",
     "pose_encoding_to_extri_intri", "extri_intri_to_pose_encoding", "unproject_depth_map_to_point_map",
     "closed_form_inverse_se3", "confidence_mask", "predictions_to_numpy",
     "estimate_memory", "max_frames_that_fit", "LiveBytes",

@@ -28,7 +28,7 @@ from .hub import WEIGHT_FILES, load_state_dict_file, resolve_checkpoint
 from .layers import AUTO_MODE, Block
 from .merging import TokenMerging, as_merging
 
-__all__ = ["VGGT", "vggt_tiny_config", "DEFAULT_REPO", "autocast"]
+__all__ = ["VGGT", "vggt_tiny_config", "vggt_attention_shapes", "DEFAULT_REPO", "autocast"]
 
 DEFAULT_REPO = "facebook/VGGT-1B"
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -512,6 +512,41 @@ def _read_config(path: str) -> dict:
         raw = json.load(f)
     accepted = set(inspect.signature(VGGT.__init__).parameters) - {"self"}
     return {k: v for k, v in raw.items() if k in accepted}
+
+
+def vggt_attention_shapes(frames: int, height: int, width: int, **config) -> list[tuple[int, int, int, int]]:
+    """The attention calls of one :class:`VGGT` forward over ``frames`` images of ``height`` x ``width`` pixels
+    (one scene), as ``(batch, num_heads, seq_len, head_dim)``, known before the model is built; for
+    :class:`visionattn.warmup.CompileAhead`.
+
+    The DINOv2 patch embed per chunk of ``patch_embed_chunk_size`` frames, the frame and global blocks and,
+    with ``enable_camera``, the camera head's trunk (attention across frames). The track head's calls depend
+    on the query points and are left out; FastVGGT's merged global calls are shorter than the global one
+    listed.
+
+    Args:
+        frames, height, width: frames of the scene and their size in pixels (multiples of ``patch_size``).
+        **config: :class:`VGGT` arguments that differ from its defaults (VGGT-1B).
+
+    Raises:
+        TypeError: an argument :class:`VGGT` does not take.
+    """
+    params = inspect.signature(VGGT.__init__).parameters
+    unknown = sorted(set(config) - set(params))
+    if unknown:
+        raise TypeError(f"vggt_attention_shapes: VGGT takes no argument {unknown}")
+    cfg = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+    cfg.update(config)
+    patches = (height // cfg["patch_size"]) * (width // cfg["patch_size"])
+    tokens = 1 + cfg["num_register_tokens"] + patches  # [camera or cls, registers, patches] in both transformers
+    heads, dim = cfg["num_heads"], cfg["embed_dim"]
+    step = cfg["patch_embed_chunk_size"] or frames
+    shapes = [(min(step, frames - s0), cfg["patch_embed_heads"], tokens, dim // cfg["patch_embed_heads"])
+              for s0 in range(0, frames, step)]
+    shapes += [(frames, heads, tokens, dim // heads), (1, heads, frames * tokens, dim // heads)]
+    if cfg["enable_camera"]:
+        shapes.append((1, heads, frames, 2 * dim // heads))
+    return list(dict.fromkeys(shapes))
 
 
 def vggt_tiny_config(**overrides) -> dict:

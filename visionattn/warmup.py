@@ -19,18 +19,25 @@ GPU.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import threading
 import time
+import warnings
 
 import torch
 
-__all__ = ["warm_up", "main", "job_arguments"]
+__all__ = ["warm_up", "main", "job_arguments", "proxy_shapes", "warm_up_shapes", "CompileAhead"]
 
 DEFAULT_MODES = ("fp32", "tf32", "fp16", "bf16")
 DEFAULT_HEAD_DIMS = (64, 128)
 # a short (<= 512 keys) length and long ones: each tile-config bucket, the Gluon cut / uncut tails, split-KV
 DEFAULT_LENGTHS = (197, 1041, 4096)
+# proxy_shapes: a call with this many query tiles of 128 rows (B * H * tiles) or more fills any GPU, so its plan
+# has no KV split, as the real call's has none; and a length past this many keys builds what any longer one does
+_FULL_PROGRAMS = 1024
+_PROXY_MAX_KEYS = 16384
 
 
 def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LENGTHS, *, training: bool = False,
@@ -93,6 +100,107 @@ def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LE
                     calls += 1
     torch.cuda.synchronize()
     return {"calls": calls, "seconds": time.perf_counter() - t0}
+
+
+def proxy_shapes(shapes) -> list[tuple[int, int, int, int]]:
+    """Small self-attention shapes that build the kernel variants the given calls build, without their cost.
+
+    A variant depends on the mode, the head dim, the length bucket (and for the Hopper fp16 / bf16 kernel the
+    cut of a last key tile up to 2048 keys) and on whether the call splits its keys over programs, which it
+    does only when ``B * H`` times its query tiles leaves SMs idle. A shape with fewer than 1024 query tiles
+    of 128 rows is kept as it is (it is small); a larger one keeps its length up to 16384 keys (or the fewest that
+    make 1024 tiles over all its batch entries) and takes the fewest batch entries that still make 1024 tiles,
+    so neither it nor the real call splits.
+
+    Args:
+        shapes: ``(batch, num_heads, seq_len, head_dim)`` per attention call (queries = keys).
+
+    Returns:
+        the distinct proxy shapes, in first-seen order.
+    """
+    out = []
+    for b, h, n, d in shapes:
+        b, h, n, d = int(b), int(h), int(n), int(d)
+        if min(b, h, n, d) < 1:
+            raise ValueError(f"shape {(b, h, n, d)}: batch, num_heads, seq_len and head_dim must be positive")
+        if b * h * math.ceil(n / 128) >= _FULL_PROGRAMS:
+            n = min(n, max(_PROXY_MAX_KEYS, 128 * math.ceil(_FULL_PROGRAMS / (b * h))))
+            b = min(b, max(1, math.ceil(_FULL_PROGRAMS / (h * math.ceil(n / 128)))))
+        if (b, h, n, d) not in out:
+            out.append((b, h, n, d))
+    return out
+
+
+def warm_up_shapes(mode: str, shapes, *, device: str = "cuda") -> dict:
+    """Run one forward call per :func:`proxy_shapes` shape in ``mode``: the kernels a model's forward uses are
+    then compiled (in this process and in Triton's on-disk cache).
+
+    Args:
+        mode: a :data:`visionattn.modes.MODES` name.
+        shapes: ``(batch, num_heads, seq_len, head_dim)`` of the model's attention calls.
+        device: a CUDA device.
+
+    Returns:
+        ``{"calls": n, "seconds": s}``.
+
+    Raises:
+        ValueError: an unknown mode or a non-positive size.
+        RuntimeError: ``device`` is not a CUDA device.
+    """
+    import visionattn as va
+
+    dtype = va.get_mode(mode).compute_dtype
+    if torch.device(device).type != "cuda":
+        raise RuntimeError(f"device={device!r}: warming up needs a CUDA GPU (the kernels compile for it)")
+    t0, calls = time.perf_counter(), 0
+    with torch.no_grad():
+        for b, h, n, d in proxy_shapes(shapes):
+            q = torch.randn(b, h, n, d, device=device, dtype=dtype)
+            va.attention(q, q, q, mode=mode)
+            calls += 1
+    torch.cuda.current_stream(torch.device(device)).synchronize()
+    return {"calls": calls, "seconds": time.perf_counter() - t0}
+
+
+class CompileAhead:
+    """:func:`warm_up_shapes` in a background thread, so the kernels compile while the caller does other work
+    (loading a model's weights, decoding images); :meth:`wait` before the first real attention call.
+
+    Triton hands the code generation's slow parts (``ptxas``, the launcher's C compiler) to child processes
+    and PyTorch lets go of the GIL while it copies weights, so most of the compile time overlaps. A failed
+    warm-up costs nothing but time: :meth:`wait` warns once, and the first real call compiles as it would
+    have. Start it before the caller itself uses CUDA kernels of this library: the two threads would
+    otherwise compile the same variant side by side.
+
+    Args:
+        mode, shapes, device: as :func:`warm_up_shapes`.
+    """
+
+    def __init__(self, mode: str, shapes, device: str = "cuda"):
+        self.mode, self.shapes, self.device = mode, list(shapes), device
+        self._result: dict | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="visionattn-compile-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = warm_up_shapes(self.mode, self.shapes, device=self.device)
+        except BaseException as exc:  # reported by wait(), in the caller's thread
+            self._error = exc
+
+    def wait(self) -> dict:
+        """Block until the warm-up ends. Returns ``{"calls", "seconds", "waited"}`` (``waited``: seconds this
+        call blocked), or ``{"error": message, "waited"}`` after a warning when the warm-up failed."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        waited = time.perf_counter() - t0
+        if self._error is not None:
+            warnings.warn(f"visionattn: compiling the {self.mode} attention kernels ahead failed "
+                          f"({type(self._error).__name__}: {self._error}); they compile on the first call instead",
+                          RuntimeWarning, stacklevel=2)
+            return {"error": f"{type(self._error).__name__}: {self._error}", "waited": waited}
+        return {**self._result, "waited": waited}
 
 
 def job_arguments(modes, head_dims, lengths, *, training: bool = False, window: bool = True, dense: bool = True,

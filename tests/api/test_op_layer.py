@@ -354,3 +354,44 @@ def test_warmup_jobs_cover_every_part_once():
     assert all("--no-dense" not in j for j in warmup.job_arguments(("fp16",), (64,), (197,), window=False))
     no_dense = warmup.job_arguments(("fp16",), (64,), (197,), dense=False)  # --no-dense: the window jobs alone
     assert len(no_dense) == 1 and "--no-dense" in no_dense[0]
+
+
+def test_proxy_shapes_keep_small_calls_and_shrink_large_ones_to_unsplit_calls():
+    """A proxy builds what the real call builds: same heads, head dim and (16384 or longer) length; a call with
+    fewer than 1024 query tiles of 128 rows runs as it is; a larger one takes the fewest batch entries that
+    keep 1024 tiles, so neither it nor the real call splits its keys on any GPU of up to 1024 SMs."""
+    import math
+
+    from visionattn import warmup
+
+    small = [(1, 16, 100, 128), (4, 16, 1041, 64), (2, 3, 20000, 32)]  # 16, 576 and 942 tiles
+    assert warmup.proxy_shapes(small) == small
+    for b, h, n, d in [(100, 16, 1041, 64), (1, 16, 104100, 64), (32, 16, 1041, 64), (64, 12, 197, 64),
+                       (3, 1, 70000, 16)]:
+        (pb, ph, pn, pd), = warmup.proxy_shapes([(b, h, n, d)])
+        tiles = lambda batch: batch * h * math.ceil(pn / 128)  # noqa: E731
+        assert (ph, pd, pn) == (h, d, min(n, max(16384, 128 * math.ceil(1024 / (b * h))))) and 1 <= pb <= b
+        assert tiles(pb) >= 1024 and (pb == 1 or tiles(pb - 1) < 1024)
+    # VGGT's frame attention at 100 and at 32 frames builds one variant: one proxy call
+    assert warmup.proxy_shapes([(100, 16, 1041, 64), (32, 16, 1041, 64)]) == [(8, 16, 1041, 64)]
+    with pytest.raises(ValueError, match="must be positive"):
+        warmup.proxy_shapes([(1, 16, 0, 64)])
+
+
+def test_compile_ahead_reports_a_failed_warm_up_once_in_the_callers_thread():
+    """CompileAhead runs the warm-up in a thread; a failure there (here: no GPU) becomes one RuntimeWarning and an
+    ``error`` entry when the caller waits, not an exception in the caller or a silent skip."""
+    import warnings
+
+    from visionattn import warmup
+
+    ahead = warmup.CompileAhead("fp32", [(1, 2, 17, 16)], device="cpu")
+    with pytest.warns(RuntimeWarning, match="compile on the first call instead"):
+        info = ahead.wait()
+    assert "needs a CUDA GPU" in info["error"] and info["waited"] >= 0
+    with pytest.raises(ValueError, match="fp33"):
+        warmup.warm_up_shapes("fp33", [(1, 1, 8, 16)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            warmup.warm_up_shapes("fp32", [(1, 1, 8, 16)], device="cpu")

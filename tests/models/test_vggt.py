@@ -284,3 +284,27 @@ def test_patch_model_switches_native_attention(tiny):
     finally:
         visionattn.unpatch_model(tiny)
     assert all(m.visionattn_mode == "auto" for m in natives)
+
+
+@pytest.mark.parametrize("frames,chunk,hw", [(3, 2, (56, 42)), (1, None, (28, 56))])
+def test_attention_shapes_are_the_calls_a_forward_makes(monkeypatch, frames, chunk, hw):
+    """vggt_attention_shapes (what the demo compiles ahead) lists exactly the (batch, heads, tokens, head dim)
+    of the attention calls a forward makes: DINOv2 per patch-embed chunk, frame, global, camera trunk."""
+    import visionattn.models.layers as layers
+    from visionattn.models import vggt_attention_shapes
+
+    seen = []
+    real = layers._va_attention
+
+    def recording(q, k, v, **kw):
+        seen.append(tuple(q.shape))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(layers, "_va_attention", recording)
+    cfg = vggt_tiny_config(patch_embed_chunk_size=chunk)
+    model = VGGT(**cfg, attn_mode="fp32").eval()
+    with torch.no_grad():
+        model(torch.rand(frames, 3, *hw))
+    assert sorted(set(seen)) == sorted(vggt_attention_shapes(frames, *hw, **cfg))
+    with pytest.raises(TypeError, match="no argument"):
+        vggt_attention_shapes(frames, *hw, num_head=4)

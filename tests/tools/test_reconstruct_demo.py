@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from testdata import MULTIVIEW, REPO, load_script
@@ -341,3 +342,23 @@ def test_prediction_store_choice(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="host_memory"):
             pipeline.prediction_store("swap", 10, (28, 42), str(tmp_path / "o"), stack, notes.append)
     assert not os.path.exists(folder)
+
+
+def test_compile_ahead_where_kernels_compile(recon):
+    """The demo compiles the attention kernels ahead (while the model builds) on CUDA in a visionattn mode, for
+    the calls its forward makes; on the CPU or with SDPA there is nothing to compile and the summary says so."""
+    import warnings
+
+    from visionattn.models import vggt_attention_shapes, vggt_tiny_config
+    from visionattn.recon import pipeline
+
+    summary, _, _ = recon
+    assert summary["compile_ahead"] is None  # the fixture ran on the CPU
+    assert pipeline.start_compile_ahead("fp32", "random-tiny", "cpu", (3, 3, 56, 42)) is None
+    assert pipeline.start_compile_ahead("sdpa", "random", "cuda", (3, 3, 518, 392)) is None
+    ahead = pipeline.start_compile_ahead("bf16", "random-tiny", "cuda", (3, 3, 56, 42))
+    assert ahead.mode == "bf16" and ahead.shapes == vggt_attention_shapes(3, 56, 42, **vggt_tiny_config())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # without a GPU the warm-up fails, said by a warning
+        info = ahead.wait()
+    assert ("error" in info) != torch.cuda.is_available()

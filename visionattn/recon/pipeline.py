@@ -31,7 +31,7 @@ __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "DeviceError", "USER_ERRORS",
     "check_checkpoint", "resolve_device", "load_source", "build_model",
     "run_model", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY", "prediction_bytes",
-    "available_host_memory", "prediction_store",
+    "available_host_memory", "prediction_store", "start_compile_ahead",
 ]
 
 DEFAULT_WEIGHTS = "facebook/VGGT-1B"
@@ -403,7 +403,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 max_frames: int | str | None = None, size: int = 518, preprocess: str = "crop",
                 point_source: str = "depth", seed: int = 0, preview: bool = True,
                 progress: bool = True, warmup: int = 0, log=print, fps: float | None = None,
-                every: int | None = None, host_memory: str = "auto") -> dict:
+                every: int | None = None, host_memory: str = "auto", compile_ahead: bool = True) -> dict:
     """The whole demo: folder of images or video -> ``out_dir`` with points, cameras, depth, preview.
 
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
@@ -420,9 +420,14 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         host_memory: where the per-pixel predictions wait for the export (:func:`prediction_store`): ``"auto"``
             (on disk, in a temporary folder beside ``out_dir``, when they would take over half the free host
             memory), ``"ram"`` or ``"disk"``.
+        compile_ahead: on CUDA, compile the attention kernels of this mode and frame size in a background thread
+            (:class:`visionattn.warmup.CompileAhead`) while the model is built and its weights load, instead of
+            in the first forward; the summary's ``compile_ahead`` says how long it took and how long inference
+            waited for it. (With ``max_frames="auto"`` the model is built first, and the first forward compiles.)
 
     Returns:
-        summary dict: frames, tokens, points kept, seconds (inference / total),
+        summary dict: frames, tokens, points kept, seconds (model build and weight load, with any wait for
+        ``compile_ahead`` / inference / total),
         peak memory (inference: CUDA max allocated or host RSS; plus the process's
         peak host RSS), mode, model, weights, image size, skipped files, out_dir.
 
@@ -450,11 +455,26 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     opts = dict(source=source, out_dir=out_dir, model=model, mode=mode, weights=weights, dev=dev,
                 conf_percentile=conf_percentile, max_frames=max_frames, size=size, preprocess=preprocess,
                 point_source=point_source, seed=seed, preview=preview, progress=progress, warmup=warmup,
-                log=log, fps=fps, every=every, host_memory=host_memory)
+                log=log, fps=fps, every=every, host_memory=host_memory, compile_ahead=compile_ahead)
     # the temporary output folder exists from here on: an unwritable --out fails before any decoding; the
     # prediction store (if any) is removed before that folder is renamed into place
     with atomic_output_dir(out_dir, inputs=[source], warn=log) as tmp, contextlib.ExitStack() as stack:
         return _reconstruct_into(tmp, t_start, stack=stack, **opts)
+
+
+def start_compile_ahead(mode: str, weights: str, device, images_shape: tuple[int, ...]):
+    """A :class:`visionattn.warmup.CompileAhead` of the kernels VGGT's forward in ``mode`` uses on ``images_shape``
+    ([S, 3, H, W] frames; :func:`visionattn.models.vggt_attention_shapes`), or ``None`` where nothing compiles
+    (the CPU, ``mode="sdpa"``). Start it before the model's first forward; FastVGGT uses the same kernels."""
+    if torch.device(device).type != "cuda" or _check_mode(mode) is None:
+        return None
+    from ..models import vggt_attention_shapes
+    from ..warmup import CompileAhead
+
+    _, tiny_config, _, _, _ = _models_api()
+    config = tiny_config() if weights == "random-tiny" else {}
+    S, _, H, W = images_shape
+    return CompileAhead(mode, vggt_attention_shapes(S, H, W, **config), device=str(device))
 
 
 def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
@@ -481,12 +501,14 @@ def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
 
 def _reconstruct_into(tmp, t_start, source, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
                       size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every, host_memory,
-                      stack) -> dict:
+                      compile_ahead, stack) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
-    net = None
+    net, model_seconds = None, 0.0
     if max_frames == "auto":  # the model first: the frame count depends on the memory left next to it
+        t0 = time.perf_counter()
         net = build_model(model, weights, mode, dev, seed)
+        model_seconds = time.perf_counter() - t0
         max_frames = auto_max_frames(net, dev, size)
         log(f"--max-frames auto: {max_frames} frames fit on {dev}" if max_frames is not None
             else f"--max-frames auto: no limit on {dev}")
@@ -496,15 +518,24 @@ def _reconstruct_into(tmp, t_start, source, out_dir, model, mode, weights, dev, 
         log(f"note: skipped {name!r} ({why})")
     store = prediction_store(host_memory, loaded.images.shape[0], tuple(loaded.images.shape[-2:]), out_dir, stack,
                              log)
+    ahead, t0 = None, time.perf_counter()
+    if net is None and compile_ahead:  # the model is built next: compile the kernels meanwhile
+        ahead = start_compile_ahead(mode, weights, dev, tuple(loaded.images.shape))
     if net is None:
         net = build_model(model, weights, mode, dev, seed)
+    ahead_info = ahead.wait() if ahead is not None else None
+    model_seconds += time.perf_counter() - t0
+    if ahead_info is not None and "error" not in ahead_info:
+        log(f"attention kernels compiled beside the model load in {ahead_info['seconds']:.1f} s "
+            f"(inference waited {ahead_info['waited']:.1f} s for them)")
     pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup, store=store)
     S, H, W = pred["depth"].shape
     tokens = count_tokens(net, S, (H, W))
     summary = {"frames": S, "image_hw": [H, W], "tokens": tokens, "model": model, "mode": mode,
                "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "warmup": warmup,
+               "model_seconds": model_seconds,
                "peak_memory_bytes": pred["peak_memory_bytes"], "peak_memory_kind": pred["peak_memory_kind"],
-               "predictions_on_disk": store is not None,
+               "predictions_on_disk": store is not None, "compile_ahead": ahead_info,
                "conf_percentile": conf_percentile, "point_source": point_source,
                "skipped": [n for n, _ in loaded.skipped], "input": os.path.abspath(source),
                "sources": dict(zip(loaded.names, loaded.sources)),
