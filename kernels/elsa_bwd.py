@@ -776,6 +776,9 @@ _CONFIGS: dict[tuple[str, int], BwdConfig] = {
     ("ieee", 64): BwdConfig(KernelTiles(32, 64, 4, 2), KernelTiles(64, 32, 4, 2)),
     ("ieee", 128): BwdConfig(KernelTiles(32, 64, 8, 2), KernelTiles(64, 32, 8, 2)),
     ("ieee", 256): BwdConfig(KernelTiles(16, 32, 4, 1), KernelTiles(32, 16, 4, 1)),
+    # split-FP16 products with per-head right-operand scales (fp32's) free registers at head dim 128: taller
+    # dK/dV and wider dQ tiles than f16x1's (tf32), which stays on the "fp32" row (docs/tuning.md: "D=128 f16x3-head")
+    ("f16x3-head", 128): BwdConfig(KernelTiles(64, 32, 8, 2), KernelTiles(32, 128, 8, 2)),
 }
 
 # Where the dQ kernel also forms the bias gradient (an FP32 dS tile added into the dBias buffer per key tile),
@@ -820,6 +823,8 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_gra
     dtype, precision = fp32_products(mode, products)
     kind = "half" if dtype != torch.float32 else "ieee" if precision == "ieee" else "fp32"
     key = (kind, pad_pow2(dmax))
+    if not bias_grad and (precision, key[1]) in _CONFIGS:  # a products kind with rows of its own
+        key = (precision, key[1])
     if bias_grad and key in _BIAS_GRAD_CONFIGS:
         return _BIAS_GRAD_CONFIGS[key]
     single = ("f16x1", key[1]) if precision == "f16x1" else key

@@ -231,11 +231,11 @@ def _backward_jobs(quick: bool):
             for bias in (False, True):
                 yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd.get_config(mode, d, d, bias), d, bias,
                                            False, False)
-                if mode == "fp32" and d in (64, 128):  # the per-head-scaled split-FP16 products beside f16x3
-                    yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd.get_config(mode, d, d, bias), d,
-                                               bias, False, False, "f16x3-head")
+                if mode == "fp32" and d in (64, 128):  # the per-tile-scaled split-FP16 products beside the default
+                    yield from _split_bwd_jobs(f"dense D={d}", mode, elsa_bwd.get_config(mode, d, d, bias, "f16x3"),
+                                               d, bias, False, False, "f16x3")
         if mode in ("fp32", "tf32"):  # the single pass at ViT-B/16 224's 197 keys
-            for products in ((None, "f16x3-head") if mode == "fp32" else (None,)):
+            for products in ((None, "f16x3") if mode == "fp32" else (None,)):
                 tiles = elsa_bwd.get_config(mode, 64, 64, False, products, 197)
                 yield from _split_bwd_jobs("dense D=64 N=197 single pass", mode, tiles, 64, False, False, False,
                                            products)
