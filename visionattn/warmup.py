@@ -174,11 +174,19 @@ class CompileAhead:
 
     Args:
         mode, shapes, device: as :func:`warm_up_shapes`.
+
+    Raises:
+        ValueError: an unknown mode or a non-positive size (at once, in the caller's thread).
     """
 
     def __init__(self, mode: str, shapes, device: str = "cuda"):
+        import visionattn as va
+
+        va.get_mode(mode)
         self.mode, self.shapes, self.device = mode, list(shapes), device
+        proxy_shapes(self.shapes)
         self._result: dict | None = None
+        self._warned = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="visionattn-compile-ahead", daemon=True)
         self._thread.start()
@@ -191,14 +199,16 @@ class CompileAhead:
 
     def wait(self) -> dict:
         """Block until the warm-up ends. Returns ``{"calls", "seconds", "waited"}`` (``waited``: seconds this
-        call blocked), or ``{"error": message, "waited"}`` after a warning when the warm-up failed."""
+        call blocked), or ``{"error": message, "waited"}`` when the warm-up failed (a warning on the first wait)."""
         t0 = time.perf_counter()
         self._thread.join()
         waited = time.perf_counter() - t0
         if self._error is not None:
-            warnings.warn(f"visionattn: compiling the {self.mode} attention kernels ahead failed "
-                          f"({type(self._error).__name__}: {self._error}); they compile on the first call instead",
-                          RuntimeWarning, stacklevel=2)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"visionattn: compiling the {self.mode} attention kernels ahead failed "
+                              f"({type(self._error).__name__}: {self._error}); they compile on the first call "
+                              "instead", RuntimeWarning, stacklevel=2)
             return {"error": f"{type(self._error).__name__}: {self._error}", "waited": waited}
         return {**self._result, "waited": waited}
 

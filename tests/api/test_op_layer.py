@@ -389,6 +389,13 @@ def test_compile_ahead_reports_a_failed_warm_up_once_in_the_callers_thread():
     with pytest.warns(RuntimeWarning, match="compile on the first call instead"):
         info = ahead.wait()
     assert "needs a CUDA GPU" in info["error"] and info["waited"] >= 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the failure was said once: waiting again only returns it
+        assert ahead.wait()["error"] == info["error"]
+    with pytest.raises(ValueError, match="fp33"):  # bad arguments fail at once, not in the thread
+        warmup.CompileAhead("fp33", [(1, 1, 8, 16)])
+    with pytest.raises(ValueError, match="must be positive"):
+        warmup.CompileAhead("fp32", [(1, 0, 8, 16)])
     with pytest.raises(ValueError, match="fp33"):
         warmup.warm_up_shapes("fp33", [(1, 1, 8, 16)])
     with warnings.catch_warnings():
