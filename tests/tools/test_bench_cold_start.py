@@ -6,7 +6,8 @@ from testdata import load_script
 
 tool = load_script("tools/bench_cold_start.py")
 
-_COMPILE_TWICE = r"""
+# a child's compile of one small forward kernel variant: run() compiles it, or finds it compiled
+_KERNEL = r"""
 import json
 from visionattn.kernels import elsa_fwd
 from visionattn.kernels.introspect import compile_for_arch
@@ -16,6 +17,9 @@ const = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=16, BLOCK_DV=16, PRECISION="ieee", 
              HAS_MASK=False, SPLIT=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False, LAZY_V=False, WRITE_LSE=False)
 run = lambda: compile_for_arch(elsa_fwd._elsa_fwd_kernel, ptr, const, num_warps=4, num_stages=1,
                                unit_ints=("sqd", "skd", "svd", "sod", "sbn", "smn"), float_args=("qk_scale",))
+"""
+
+_COMPILE_TWICE = _KERNEL + r"""
 run()
 COMPILED["phase"] = "other"
 run()  # the same kernel again: a cache hit
@@ -38,16 +42,8 @@ def test_listener_counts_compiles_not_cache_hits(tmp_path, monkeypatch):
     assert name.endswith(" s") and "sqd" not in name  # inner strides folded to 1 are not variant constexprs
 
 
-_COMPILE_IN_A_THREAD = r"""
-import json, threading
-from visionattn.kernels import elsa_fwd
-from visionattn.kernels.introspect import compile_for_arch
-ptr = {n: "*fp32" for n in ("Q", "K", "V", "Bias", "Out", "Lse", "WsM", "WsS", "WsW")}
-ptr["Mask"] = "*i1"
-const = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_D=16, BLOCK_DV=16, PRECISION="ieee", IS_CAUSAL=False, HAS_BIAS=False,
-             HAS_MASK=False, SPLIT=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False, LAZY_V=False, WRITE_LSE=False)
-run = lambda: compile_for_arch(elsa_fwd._elsa_fwd_kernel, ptr, const, num_warps=4, num_stages=1,
-                               unit_ints=("sqd", "skd", "svd", "sod", "sbn", "smn"), float_args=("qk_scale",))
+_COMPILE_IN_A_THREAD = _KERNEL + r"""
+import threading
 COMPILED["phase"] = "ahead"
 t = threading.Thread(target=run); t.start(); t.join()  # as CompileAhead compiles: in another thread
 COMPILED["phase"] = "first"
