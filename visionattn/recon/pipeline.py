@@ -468,10 +468,10 @@ def start_compile_ahead(mode: str, weights: str, device, images_shape: tuple[int
     (the CPU, ``mode="sdpa"``). Start it before the model's first forward; FastVGGT uses the same kernels."""
     if torch.device(device).type != "cuda" or _check_mode(mode) is None:
         return None
+    _, tiny_config, _, _, _ = _models_api()  # a missing model package fails here, with the clear message
     from ..models import vggt_attention_shapes
     from ..warmup import CompileAhead
 
-    _, tiny_config, _, _, _ = _models_api()
     config = tiny_config() if weights == "random-tiny" else {}
     S, _, H, W = images_shape
     return CompileAhead(mode, vggt_attention_shapes(S, H, W, **config), device=str(device))
