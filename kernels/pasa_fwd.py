@@ -540,7 +540,7 @@ class _PasaPlan:
     :data:`_CENTER_DIRECT_ROWS` query rows), key shift, the tile loop; their scratch in one :class:`_Workspace`."""
 
     __slots__ = ("center", "shift_call", "main", "fixed_shift", "fixed_main", "coef", "recover", "shift",
-                 "o_shape", "o_stride", "o_dtype", "device", "workspace", "direct")
+                 "o_shape", "o_stride", "o_dtype", "device", "workspace", "direct", "scratch_offsets")
 
     def __init__(self, q, k, v, bias, attn_mask, is_causal, shift, beta, cfg, out_dtype):
         B, H, Nq, D = q.shape
@@ -563,6 +563,11 @@ class _PasaPlan:
         if self.center is not None and self.center.combine is not None:
             segments["part"] = (self.center.part_shape, torch.float32)
         self.workspace = _Workspace(segments) if segments else None
+        # byte offsets of kp, mu, c, w, w_inv in the workspace (the direct path adds them to its address)
+        self.scratch_offsets = None
+        if self.shift and self.center is None:
+            at = dict(zip(self.workspace.names, self.workspace.offsets))
+            self.scratch_offsets = tuple(at.get(n) for n in ("kp", "mu", "c", "w", "w_inv"))
         if self.shift:
             tail = Nk % block_n or block_n
             a_f, b_f, _ = _coefficients(block_n, beta)
@@ -601,19 +606,23 @@ class _PasaPlan:
     def __call__(self, q, k, v, bias, attn_mask, scale):
         dev = self.device
         out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=dev)
-        direct = self._direct()
+        direct = self.direct or self._direct()
         null = 0 if direct else q  # unused pointer arguments
         mu = c = w = w_inv = null
         if self.shift:
             buf = self.workspace.allocate(dev)  # kept alive (by this frame) until every launch is queued
-            parts = dict(zip(self.workspace.names,
-                             self.workspace.pointers(buf) if direct else self.workspace.tensors(buf)))
+            if direct and self.scratch_offsets is not None:  # addresses straight from the byte offsets
+                base = buf.data_ptr()
+                kp, mu, c, w, w_inv = (null if off is None else base + off for off in self.scratch_offsets)
+            else:
+                parts = dict(zip(self.workspace.names,
+                                 self.workspace.pointers(buf) if direct else self.workspace.tensors(buf)))
+                kp = parts["kp"]
+                if self.recover:
+                    mu, c, w, w_inv = parts["mu"], parts["c"], parts["w"], parts["w_inv"]
+                    if self.center is not None:
+                        self.center(q, mu, parts.get("part"))
             a_f, b_f, a_t, b_t, wf, wt, inv_f, inv_t = self.coef
-            kp = parts["kp"]
-            if self.recover:
-                mu, c, w, w_inv = parts["mu"], parts["c"], parts["w"], parts["w_inv"]
-                if self.center is not None:
-                    self.center(q, mu, parts.get("part"))
             self.shift_call(k, kp, mu, c, w, w_inv, q, *self.fixed_shift, scale, a_f, b_f, a_t, b_t,
                             scale * wf, scale * wt, inv_f, inv_t)
             keys, post_scale = kp, LOG2E
