@@ -378,7 +378,7 @@ def _wait_turn(sem_ptr, seen, turn, SPIN_ASM: tl.constexpr):
 
 
 @triton.jit
-def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, offs_d, turn, n_n, Nq, D,
+def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, dq_base, sgqm, start_m, offs_m, offs_d, turn, n_n, Nq, D,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, ACC_IS_OUT: tl.constexpr,
                     SPIN_ASM: tl.constexpr):
     """Add a key tile's share of dQ for the query tile at ``start_m``, ``part = scale * dS K`` [rows, BLOCK_D],
@@ -397,15 +397,16 @@ def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, dq_base, start_m, offs_m, of
         if IS_CAUSAL:
             last = tl.minimum(last, (start_m + BLOCK_M - 1) // BLOCK_N)
         if turn == last:
-            tl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
+            tl.store(DQ + rows.to(tl.int64)[:, None] * sgqm + offs_d[None, :], (old + part).to(DQ.dtype.element_ty),
+                     mask=ok)
     tl.debug_barrier()  # every thread's add is issued before the turn passes (the release orders them)
     tl.atomic_xchg(sem_ptr, turn + 1, sem="release")
 
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ, DQACC, sem_base,
-               dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn,
-               sam, san, smm, smn, scale,
+               dq_base, sgqm, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm,
+               sbn, sam, san, smm, smn, scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
@@ -421,16 +422,16 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                              PRECISION, GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B)
     if DQ_ORDERED:
         part = _mmh(tl.trans(dst.to(k.dtype)), k, e_k, GRAD_PRECISION, HEAD_B, DOT_UPCAST) * scale  # [rows, D]
-        _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, t * BLOCK_M, offs_m, offs_d, turn, n_n, Nq,
-                        D, BLOCK_M, BLOCK_N, IS_CAUSAL, ACC_IS_OUT, SPIN_ASM)
+        _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, sgqm, t * BLOCK_M, offs_m, offs_d, turn, n_n,
+                        Nq, D, BLOCK_M, BLOCK_N, IS_CAUSAL, ACC_IS_OUT, SPIN_ASM)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-               sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
-               H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh,
+               sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh,
+               sgvn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh,
                KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, TAIL: tl.constexpr,
                PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -471,6 +472,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
     n_n = tl.cdiv(Nk, BLOCK_N)
     sem_base = Sem + bh * n_m
     dq_base = bh * Nq * D
+    dq_out = DQ + off_b * sgqb + off_h * sgqh  # dQ's rows in its own layout (the accumulator is contiguous)
     lse_base = LseRow + row_base
     delta_base = Delta + row_base
     for phase in tl.static_range(2):  # causal diagonal tiles [lo, mid) with the mask, then [mid, n_m) without
@@ -479,8 +481,8 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
         else:
             t_lo, t_hi = mid, n_full
         for t in range(t_lo, t_hi):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ,
-                                DQACC, sem_base, dq_base, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, dq_out,
+                                DQACC, sem_base, dq_base, sgqm, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq,
                                 D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M, BLOCK_N,
                                 phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION,
                                 GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
@@ -488,16 +490,16 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
     if TAIL > 0 and TAIL < BLOCK_M:
         t = n_m - 1
         if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall; causal: masked per element
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ,
-                                DQACC, sem_base, dq_base, t, tl.arange(0, TAIL), offs_d, offs_dv, cols, col_ok, turn,
-                                n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
+            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, dq_out,
+                                DQACC, sem_base, dq_base, sgqm, t, tl.arange(0, TAIL), offs_d, offs_dv, cols, col_ok,
+                                turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
                                 BLOCK_N, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
                                 PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
                                 e_do, HEAD_B)
     dk = dk * scale
     out_ok = col_ok[:, None]
-    dk_ptrs = DK + bh * Nk * D + cols[:, None].to(tl.int64) * D + offs_d[None, :]
-    dv_ptrs = DV + bh * Nk * Dv + cols[:, None].to(tl.int64) * Dv + offs_dv[None, :]
+    dk_ptrs = DK + off_b * sgkb + off_h * sgkh + cols[:, None].to(tl.int64) * sgkn + offs_d[None, :]
+    dv_ptrs = DV + off_b * sgvb + off_h * sgvh + cols[:, None].to(tl.int64) * sgvn + offs_dv[None, :]
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_ok & (offs_d < D)[None, :])
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_ok & (offs_dv < Dv)[None, :])
 
@@ -506,7 +508,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
 def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                      sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
-                     H, Nq, Nk, D, Dv, scale, n_add,
+                     sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale, n_add,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
@@ -516,7 +518,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
     """dK, dV of one key tile: ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale * sum_i dS_ij q_i`` over the query tiles.
 
     Works in the transposed orientation ([keys, queries] tiles) so both accumulators are row blocks.
-    1-D grid cdiv(Nk, BLOCK_N) * H * B; outputs contiguous [B, H, Nk, D | Dv] in the input dtype.
+    1-D grid cdiv(Nk, BLOCK_N) * H * B; outputs [B, H, Nk, D | Dv] in the input dtype through their (batch, head,
+    row) strides ``sgk*`` / ``sgv*`` (``sgq*``: dQ's, for the ordered adds), unit stride in the last dim.
     Keys >= Nk are not masked: they only reach their own (unstored) rows of dK / dV. Queries >= Nq read
     ``lse = +inf`` and dO = 0, so their P and dS are 0.
 
@@ -543,20 +546,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
         if pid_n * BLOCK_N + TAIL >= Nk:  # the last key tile, its keys within TAIL rows
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
                        skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
-                       smb, smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
+                       smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv,
+                       scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
                        BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
                        HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B)
         else:
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
                        skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
-                       smb, smh, smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N,
+                       smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv,
+                       scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N,
                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS,
                        HAS_ADD, HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
                        HEAD_B)
     else:
         _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd, skb,
                    skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb, smh,
-                   smm, smn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
+                   smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale, n_add,
+                   pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
                    BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
                    HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B)
 
@@ -623,7 +629,7 @@ def _head_scale_grad(a, z, w, p):
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add", "B_OUT", "H_OUT", "R_H", "n_red", "per_chunk"])
 def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS, E,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                   sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
+                   sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn, sgqb, sgqh, sgqm,
                    H, Nq, Nk, D, Dv, scale0, n_add, B_OUT, H_OUT, R_H, n_red, per_chunk,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -708,7 +714,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
             if DB_IN_REGS:
                 db_acc += ds
         dq = dq * scale
-        dq_ptrs = DQ + bh * Nq * D + rows64[:, None] * D + offs_d[None, :]
+        dq_ptrs = DQ + off_b * sgqb + off_h * sgqh + rows64[:, None] * sgqm + offs_d[None, :]
         tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d < D)[None, :])
         if WRITE_DHS:
             tl.store(DHS + bh * tiles + pid_m, _head_scale_grad(hs_a, hs_z, hs_w, hs_p))
@@ -1050,28 +1056,42 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
 
 
 def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, attn_mask, is_causal: bool,
-                           scale: float, mode: str, bias_requires_grad: bool):
+                           scale: float, mode: str, bias_requires_grad: bool, grads=None):
     """:func:`elsa_backward` of a call whose forward ran from ``forward_plan`` (a dense forward plan of
     :mod:`.elsa_fwd` with the log-sum-exp): ``q`` / ``k`` / ``v`` / ``bias`` / ``attn_mask`` are what that
     forward took (validated when its plan was built), ``out`` / ``lse`` what it returned. The eager autograd
     path calls this: the forward plan already fixes everything the backward plan depends on but the output
     gradient (strides, dtype, alignment), the bias's own shape and whether it needs a gradient, so the backward
     plan is looked up by those few values instead of validating again and keying every tensor (tens of
-    microseconds per call). Returns ``(dq, dk, dv, dbias)`` as :func:`elsa_backward`."""
+    microseconds per call). Returns ``(dq, dk, dv, dbias)`` as :func:`elsa_backward`; with ``grads`` (dq, dk, dv
+    of q / k / v's shapes and dtype, any strides with a unit last one, e.g. slices of one packed [B, N, 3, H, D]
+    buffer) the kernels write into those and return them."""
+    grad_strides = None if grads is None else tuple(g.stride()[:3] for g in grads)
     key = (forward_plan, bool(bias_requires_grad), None if bias is None else (bias.shape, bias.stride()),
-           grad_out.stride(), grad_out.dtype, grad_out.data_ptr() & 15)
+           grad_out.stride(), grad_out.dtype, grad_out.data_ptr() & 15, grad_strides)
     plan = AFTER_FORWARD.get(key)
     if plan is None:
         _check_inputs(q, k, v, out, grad_out, lse, bias, attn_mask, mode)
         if bias_requires_grad and bias is None:
             raise ValueError("bias_requires_grad=True needs a bias")
         B, H, Nq, D = q.shape
+        if grads is not None and (any(g.shape != t.shape or g.dtype != q.dtype or g.stride(3) != 1
+                                      or g.device != q.device
+                                      for g, t in zip(grads, (q, k, v)))):
+            raise ValueError("grads: (dq, dk, dv) must have q / k / v's shapes, q's dtype and device and a unit "
+                             "stride in the last dim")
         if B * H == 0 or Nq == 0 or k.shape[2] == 0 or D == 0 or v.shape[3] == 0:  # zeros, no plan
-            return launch_backward(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, is_causal, scale, mode,
-                                   bias_requires_grad, False, None, None)[:4]
+            result = launch_backward(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, is_causal, scale, mode,
+                                     bias_requires_grad, False, None, None)[:4]
+            if grads is None:
+                return result
+            for into in grads:
+                into.zero_()
+            return (*grads, result[3])
         plan = AFTER_FORWARD.put(key, _BackwardPlan(q, k, v, out, grad_out, lse, bias, None, attn_mask, None,
-                                                    is_causal, mode, bias_requires_grad, False, None, None, None))
-    return plan(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, scale)[:4]
+                                                    is_causal, mode, bias_requires_grad, False, None, None, None,
+                                                    grad_strides=grad_strides))
+    return plan(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, scale, grads)[:4]
 
 
 def _tensor_key(t: torch.Tensor | None):
@@ -1094,10 +1114,17 @@ class _BackwardPlan:
     allocates the gradients and launches (a few microseconds of host work instead of three keyed launches)."""
 
     def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, is_causal, mode,
-                 bias_requires_grad, head_scale_requires_grad, config, bias_splits, default, products=None):
+                 bias_requires_grad, head_scale_requires_grad, config, bias_splits, default, products=None,
+                 grad_strides=None):
         dtype, precision = fp32_products(mode, products)
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
+        # where dQ / dK / dV go: (batch, head, row) strides of each, contiguous unit last dim; None = the plan
+        # allocates them contiguous, else the caller passes them (e.g. slices of one packed dQKV buffer)
+        self.given_grads = grad_strides is not None
+        if grad_strides is None:
+            grad_strides = ((H * Nq * D, Nq * D, D), (H * Nk * D, Nk * D, D), (H * Nk * Dv, Nk * Dv, Dv))
+        self.g_strides = tuple(int(x) for st in grad_strides for x in st)
         shape4 = self.shape4 = (B, H, Nq, Nk)
         bias4 = bias.expand(shape4) if bias is not None else None
         mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
@@ -1151,14 +1178,15 @@ class _BackwardPlan:
             elif reason == ieee_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                 elsa_fwd._gluon_failed(_GLUON_BWD, reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
-        self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32,
-                            SPIN_ASM=not interpreting())
+        # (dQ given: the Triton kernels write it at its strides, the Gluon ones contiguous, copied after)
+        self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
+            not self.given_grads or self.gluon is not None), SPIN_ASM=not interpreting())
         self.dkdv = self.dq = None  # KernelCall, (KernelCall, G, per_chunk, n_m): fitted on the first run
 
-    def _ordered_buffers(self, dtype):
+    def _ordered_buffers(self, dtype, dq=None):
         """``(dq, acc, sem, head_max)`` of a single-pass call from one zeroed allocation: the FP32 dQ accumulator
-        (dQ itself when FP32), the per-query-tile int32 counters behind it (enough for the smallest query tile,
-        16 rows, so tiles fitted to shared memory on the first run still find theirs) and, with
+        (dQ itself when FP32 and not given as ``dq``), the per-query-tile int32 counters behind it (enough for the
+        smallest query tile, 16 rows, so tiles fitted to shared memory on the first run still find theirs) and, with
         :data:`HEAD_SCALED` products, the heads' int32 [B * H, 4] largest magnitudes (else the counters stand in,
         never read)."""
         B, H, Nq, Nk, D, Dv = self.dims
@@ -1168,7 +1196,8 @@ class _BackwardPlan:
         acc = buf[:n].view(B, H, Nq, D)
         sem = buf[n:n + n_sem].view(torch.int32)
         head_max = buf[n + n_sem:].view(torch.int32) if self.head_b else sem
-        dq = acc if dtype == torch.float32 else torch.empty((B, H, Nq, D), device=self.device, dtype=dtype)
+        if dq is None:
+            dq = acc if self.ordered["ACC_IS_OUT"] else torch.empty((B, H, Nq, D), device=self.device, dtype=dtype)
         return dq, acc, sem, head_max
 
     def _dkdv_call(self, t: KernelTiles) -> KernelCall:
@@ -1193,17 +1222,29 @@ class _BackwardPlan:
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))
         return call, G, per_chunk, n_m
 
-    def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale):
+    def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale, grads=None):
+        """The backward of one call; ``grads``: (dq, dk, dv) to write, laid out as the plan's ``grad_strides``
+        (a plan built with them needs them), else they are allocated contiguous."""
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
+        if grads is not None and (self.gluon is not None or self.ordered["ACC_IS_OUT"]):  # contiguous, then copied
+            result = self(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale)
+            for into, got in zip(grads, result):
+                into.copy_(got)
+            return (*grads, *result[3:])
+        dq = grads[0] if grads is not None else None
         if self.single_pass or self.gluon is not None:  # the Gluon IEEE kernel adds dQ in order too
-            dq, acc, sem, head_max = self._ordered_buffers(q.dtype)
+            dq, acc, sem, head_max = self._ordered_buffers(q.dtype, dq)
         else:
-            dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)  # every element written by the dQ kernel
+            if dq is None:  # every element written by the dQ kernel
+                dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
             acc = sem = dq  # not read
             head_max = torch.zeros(B * H * 4, device=dev, dtype=torch.int32) if self.head_b else dq
-        dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
-        dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
+        if grads is not None:
+            dk, dv = grads[1:]
+        else:
+            dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
+            dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
         # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
         delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
         lse_row = torch.empty_like(delta)
@@ -1222,8 +1263,8 @@ class _BackwardPlan:
         tensors = (q if bias is None else bias.expand(self.shape4), q if add_mask is None else add_mask,
                    q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)
         scale = float(scale)
-        dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, dq, acc, sem, head_max, *self.strides, H,
-                     Nq, Nk, D, Dv, scale, self.n_add)
+        dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, dq, acc, sem, head_max, *self.strides,
+                     *self.g_strides, H, Nq, Nk, D, Dv, scale, self.n_add)
         if self.dkdv is not None:
             self.dkdv(*dkdv_args)
         else:
@@ -1246,8 +1287,8 @@ class _BackwardPlan:
                   else delta)
             dhs = torch.empty((B, H, n_m), device=dev, dtype=torch.float32) if self.write_dhs else delta
             made["db"], made["dhs"] = db, dhs
-            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, head_max, *self.strides, H, Nq, Nk, D, Dv,
-                 scale, self.n_add, self.B_OUT, self.H_OUT, self.R_H, self.R_B * self.R_H, per_chunk)
+            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, head_max, *self.strides, *self.g_strides[:3],
+                 H, Nq, Nk, D, Dv, scale, self.n_add, self.B_OUT, self.H_OUT, self.R_H, self.R_B * self.R_H, per_chunk)
 
         if self.dq is not None:
             run_dq(self.dq)

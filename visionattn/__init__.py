@@ -38,7 +38,7 @@ if (_os.path.isfile(_os.path.join(_root, "pyproject.toml"))
         and _util.find_spec(__name__ + ".kernels") is None):
     _sys.meta_path.append(_CheckoutFinder)
 
-from .api import attention  # noqa: E402
+from .api import attention, attention_qkvpacked  # noqa: E402
 from .dispatch import get_backend, set_backend, use_backend
 from .modes import MODES, Mode, get_mode, mode_names
 from .patching import patch_model, sdpa_override, unpatch_model
@@ -49,7 +49,8 @@ from . import metrics, reference
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "window_attention", "varlen_attention", "patch_model", "unpatch_model", "sdpa_override",
+    "attention", "attention_qkvpacked", "window_attention", "varlen_attention", "patch_model", "unpatch_model",
+    "sdpa_override",
     "MODES", "Mode", "get_mode", "mode_names", "get_backend", "set_backend", "use_backend",
     "metrics", "reference", "__version__",
 ]

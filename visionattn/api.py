@@ -11,7 +11,8 @@ from .kernels._launch import PlanCache
 from .modes import MODES, Mode, get_mode
 from .reference import blocked_attention
 
-__all__ = ["attention", "validate_attention_inputs", "check_flags", "cast_checked", "CALLS", "qkv_key", "tensor_key"]
+__all__ = ["attention", "attention_qkvpacked", "validate_attention_inputs", "check_flags", "cast_checked", "CALLS",
+           "qkv_key", "tensor_key"]
 
 # public call signature -> a runner that launches from the call's cached plan without validating again (the
 # signature was validated when the runner was built); see attention()
@@ -332,3 +333,82 @@ def _caster(md: Mode, dtype_in: torch.dtype):
 def _cpu_block(nk: int) -> int:
     # Large blocks are faster on CPU (fewer Python steps); memory stays O(Nq * block).
     return min(max(nk, 1), 1024)
+
+
+def attention_qkvpacked(
+    qkv: torch.Tensor, *, bias: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False, scale: float | None = None, mode: str | Mode = "fp32", backend: str | None = None,
+) -> torch.Tensor:
+    """:func:`attention` over one packed query / key / value tensor, as a fused qkv projection lays it out
+    (FlashAttention's ``flash_attn_qkvpacked_func``).
+
+    Same result as ``attention(q, k, v, ...)`` with ``q, k, v = qkv.unbind(2)`` viewed as [B, H, N, D]. When
+    gradients are needed and the backward kernels take the call (a mode of
+    :data:`visionattn.ops.BACKWARD_MODES` whose compute dtype is ``qkv``'s, the Triton backend, eager), the
+    backward writes dQ, dK and dV into one [B, N, 3, H, D] gradient, bit-identical to the unpacked call's: the
+    stack of three gradients that ``unbind``'s backward makes, and the copy of it back into the projection's
+    layout, are skipped (FlashAttention-2 Sec. 3.2's packed-gradient layout). Every other call runs
+    :func:`attention` on the unpacked views.
+
+    Args:
+        qkv: [B, N, 3, H, D]: query, key, value stacked in dim 2 (``qkv_proj(x).reshape(B, N, 3, H, D)``); any
+            strides.
+        bias, attn_mask, is_causal, scale, mode, backend: as :func:`attention`.
+
+    Returns:
+        [B, N, H, D] in qkv's dtype (``.reshape(B, N, H * D)`` is free on the kernels' output).
+
+    Raises:
+        TypeError: ``qkv`` not a tensor. ValueError: ``qkv`` not [B, N, 3, H, D]. Otherwise as :func:`attention`.
+    """
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor [B, N, 3, H, D], got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be [B, N, 3, H, D] (query, key, value stacked in dim 2), got shape "
+                         f"{tuple(qkv.shape)}")
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+            qkv.requires_grad or (bias is not None and getattr(bias, "requires_grad", False))):
+        run = None
+        try:
+            key = ("qkvpacked", mode, backend, dispatch._backend, is_causal is True, is_causal is False, qkv.shape,
+                   qkv.stride(), qkv.dtype, qkv.device, qkv.data_ptr() & 15, tensor_key(bias), tensor_key(attn_mask))
+            run = CALLS.get(key)
+            if run is None:
+                run = CALLS.put(key, _packed_runner(qkv, bias, attn_mask, is_causal, mode, backend))
+        except (TypeError, RuntimeError):  # an unhashable mode, a non-tensor bias: the unpacked call says why
+            run = None
+        if run and (scale is None or (type(scale) is float and math.isfinite(scale))):
+            return run(qkv, bias, attn_mask, scale).transpose(1, 2)
+    q, k, v = qkv.unbind(2)
+    return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=bias, attn_mask=attn_mask,
+                     is_causal=is_causal, scale=scale, mode=mode, backend=backend).transpose(1, 2)
+
+
+def _packed_runner(qkv, bias, attn_mask, is_causal, mode, backend):
+    """The runner of a packed call signature that needs gradients, for :data:`CALLS`: ``run(qkv, bias, attn_mask,
+    scale)`` on the packed autograd function, or False when that does not take the signature (the unpacked
+    :func:`attention` call then runs, with its checks, warnings and fallbacks). Checks as :func:`attention`."""
+    global _ops
+    md = MODES.get(mode) if isinstance(mode, str) else None
+    if md is None:
+        md = get_mode(mode)
+    q, k, v = (t.detach().transpose(1, 2) for t in qkv.unbind(2))
+    views = validate_attention_inputs(q, k, v, bias, attn_mask)
+    check_flags(is_causal, None, q.shape[-1])
+    which = dispatch.resolve_backend(backend, q.device.type) if not (
+        q.is_cuda and backend is None and dispatch._backend == "auto") else "triton"
+    if which != "triton" or md.half_scores or qkv.dtype != md.compute_dtype:
+        return False
+    if _ops is None:
+        from . import ops as ops_module
+
+        _ops = ops_module
+    if not _ops.has_backward(md.name) or _ops.elsa_fwd.unsupported_reason(q, k, v, *views, md.name) is not None:
+        return False
+    name, default = md.name, q.shape[-1] ** -0.5
+
+    def run(qkv, bias, attn_mask, scale):
+        return _ops.dense_packed(qkv, bias, attn_mask, is_causal, default if scale is None else scale, name,
+                                 qkv.dtype)
+
+    return run

@@ -28,7 +28,8 @@ from .kernels import l2norm as _l2norm
 from .kernels._launch import interpreting
 from .kernels.modes import MODES
 
-__all__ = ["dense", "pasa", "window", "dense_plan", "pasa_plan", "window_plan", "BACKWARD_MODES", "has_backward"]
+__all__ = ["dense", "dense_packed", "pasa", "window", "dense_plan", "pasa_plan", "window_plan", "BACKWARD_MODES",
+           "has_backward"]
 
 # modes whose dense backward kernels exist (kernels/elsa_bwd.py); empty until they are importable
 try:
@@ -149,6 +150,47 @@ class _DenseFunction(torch.autograd.Function):
                                                              is_causal, scale, mode,
                                                              bias is not None and ctx.needs_input_grad[3])
         return dq, dk, dv, dbias, None, None, None, None, None, None
+
+
+def _unpack(qkv: torch.Tensor):
+    """q, k, v [B, H, N, D] as views of a packed [B, N, 3, H, D] tensor (no copy)."""
+    q, k, v = qkv.unbind(2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+class _DensePackedFunction(torch.autograd.Function):
+    """Eager autograd for the dense kernels over one packed [B, N, 3, H, D] query / key / value tensor (the layout
+    of a fused qkv projection; FlashAttention's qkv-packed call). The backward writes dQ, dK and dV into one
+    [B, N, 3, H, D] gradient: autograd then needs neither the stack of three gradients that ``unbind``'s backward
+    makes nor the copy of it back into the projection's layout."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, attn_mask, is_causal, scale, mode, out_dtype):
+        q, k, v = _unpack(qkv)
+        plan, (out, lse) = elsa_fwd.plan_for(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode, 0,
+                                             out_dtype, with_lse=True)
+        ctx.save_for_backward(qkv, bias, attn_mask, out, lse)
+        ctx.args = (is_causal, scale, mode, plan)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qkv, bias, attn_mask, out, lse = ctx.saved_tensors
+        is_causal, scale, mode, plan = ctx.args
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        q, k, v = _unpack(qkv)
+        dbias = _elsa_bwd.backward_after_forward(plan, q, k, v, out, grad_out, lse, bias, attn_mask, is_causal,
+                                                 scale, mode, bias is not None and ctx.needs_input_grad[1],
+                                                 _unpack(dqkv))[3]
+        return dqkv, dbias, None, None, None, None, None
+
+
+def dense_packed(qkv, bias, attn_mask, is_causal: bool, scale: float, mode: str,
+                 out_dtype: torch.dtype | None) -> torch.Tensor:
+    """Dense ELSA attention with gradients over a packed qkv [B, N, 3, H, D] in the mode's compute dtype (validated,
+    a mode of :data:`BACKWARD_MODES`, eager): out [B, H, N, D] (a view of a [B, N, H, D] buffer), and in the
+    backward one packed [B, N, 3, H, D] gradient. ``bias`` / ``attn_mask`` as for :func:`dense`."""
+    return _DensePackedFunction.apply(qkv, bias, attn_mask, is_causal, scale, mode, out_dtype)
 
 
 def dense(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,

@@ -203,6 +203,25 @@ def test_training_without_dropout_uses_visionattn_and_backprops():
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("family", ["vit", "deit"])
+def test_training_gradients_from_the_packed_kernels_match_timm(family, monkeypatch, device):
+    """Training a patched ViT / DeiT runs the kernels' packed backward (one dQKV in the qkv projection's layout)
+    and gives timm's own parameter gradients within fp32's contract."""
+    from visionattn import ops
+
+    calls = []
+    packed = ops.dense_packed
+    monkeypatch.setattr(ops, "dense_packed", lambda *args: calls.append(1) or packed(*args))
+    plain = make_tiny(family).to(device).train()
+    patched = va.patch_model(copy.deepcopy(plain), "fp32", backend="triton" if device == "cpu" else None).train()
+    x = photos(image_size(family))[:2].to(device)
+    plain(x).square().mean().backward()
+    patched(x).square().mean().backward()
+    assert len(calls) == len(patched.blocks)  # every block's attention ran the packed call
+    for (name, p0), (_, p1) in zip(plain.named_parameters(), patched.named_parameters()):
+        assert rel_l2(p1.grad, p0.grad) <= 1e-5, name
+
+
 def test_native_modules_get_mode_and_restore():
     class Native(torch.nn.Module):
         _visionattn_native = True

@@ -31,13 +31,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from timm.layers import Attention
 from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models import eva as _eva
 from timm.models import swin_transformer as _swin
 from timm.models import swin_transformer_v2 as _swinv2
 
-from ..api import attention
+from ..api import attention, attention_qkvpacked
 from .core import PatchSpec, attention_kwargs, dropout_fallback, inference_cached
 from .naflex import key_padding_attention, key_padding_of
 
@@ -150,8 +151,15 @@ class VisionattnAttention(Attention):
             return super().forward(x, attn_mask=attn_mask, **_causal_kw(is_causal))
         B, N, _ = x.shape
         gate = _gate(self, x)
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, -1)
+        if (attn_mask is None and qkv.requires_grad and torch.is_grad_enabled() and _cores["dense"] is _dense_core
+                and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+                and self.visionattn_options["num_splits"] is None):
+            # training: the backward writes one packed dQKV in the projection's layout (no stack, no copy)
+            x = attention_qkvpacked(qkv, is_causal=is_causal, scale=self.scale, mode=self.visionattn_mode,
+                                    backend=self.visionattn_options["backend"])
+            return _finish(self, x.reshape(B, N, -1), gate)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         x = _dense(self, q, k, v, attn_mask, is_causal)
         x = x.transpose(1, 2).reshape(B, N, -1)
