@@ -405,10 +405,10 @@ def _packed_runner(qkv, bias, attn_mask, is_causal, mode, backend):
         _ops = ops_module
     if not _ops.has_backward(md.name) or _ops.elsa_fwd.unsupported_reason(q, k, v, *views, md.name) is not None:
         return False
-    name, default = md.name, q.shape[-1] ** -0.5
+    name, default, dtype, held = md.name, q.shape[-1] ** -0.5, qkv.dtype, [None]  # held: the forward plan
 
     def run(qkv, bias, attn_mask, scale):
-        return _ops.dense_packed(qkv, bias, attn_mask, is_causal, default if scale is None else scale, name,
-                                 qkv.dtype)
+        return _ops.dense_packed(qkv, bias, attn_mask, is_causal, default if scale is None else scale, name, dtype,
+                                 held)
 
     return run

@@ -153,9 +153,8 @@ class _DenseFunction(torch.autograd.Function):
 
 
 def _unpack(qkv: torch.Tensor):
-    """q, k, v [B, H, N, D] as views of a packed [B, N, 3, H, D] tensor (no copy)."""
-    q, k, v = qkv.unbind(2)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    """q, k, v [B, H, N, D] as views of a packed [B, N, 3, H, D] tensor (no copy; two view ops)."""
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
 class _DensePackedFunction(torch.autograd.Function):
@@ -165,32 +164,39 @@ class _DensePackedFunction(torch.autograd.Function):
     makes nor the copy of it back into the projection's layout."""
 
     @staticmethod
-    def forward(ctx, qkv, bias, attn_mask, is_causal, scale, mode, out_dtype):
+    def forward(ctx, qkv, bias, attn_mask, is_causal, scale, mode, out_dtype, held):
         q, k, v = _unpack(qkv)
-        plan, (out, lse) = elsa_fwd.plan_for(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode, 0,
-                                             out_dtype, with_lse=True)
-        ctx.save_for_backward(qkv, bias, attn_mask, out, lse)
-        ctx.args = (is_causal, scale, mode, plan)
+        plan = held[0]
+        if plan is None:  # the signature's first call: find (or build) its plan, then keep it in the caller's slot
+            plan, (out, lse) = elsa_fwd.plan_for(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode, 0,
+                                                 out_dtype, with_lse=True)
+            held[0] = plan
+        else:  # a plan reads the bias / mask through their data pointers (their view strides are in the plan)
+            out, lse = plan(q, k, v, bias, attn_mask, scale)
+        ctx.save_for_backward(q, k, v, bias, attn_mask, out, lse)
+        ctx.args = (is_causal, scale, mode, plan, qkv.shape)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qkv, bias, attn_mask, out, lse = ctx.saved_tensors
-        is_causal, scale, mode, plan = ctx.args
-        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        q, k, v = _unpack(qkv)
+        q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
+        is_causal, scale, mode, plan, shape = ctx.args
+        dqkv = torch.empty(shape, dtype=q.dtype, device=q.device)
         dbias = _elsa_bwd.backward_after_forward(plan, q, k, v, out, grad_out, lse, bias, attn_mask, is_causal,
                                                  scale, mode, bias is not None and ctx.needs_input_grad[1],
                                                  _unpack(dqkv))[3]
-        return dqkv, dbias, None, None, None, None, None
+        return dqkv, dbias, None, None, None, None, None, None
 
 
-def dense_packed(qkv, bias, attn_mask, is_causal: bool, scale: float, mode: str,
-                 out_dtype: torch.dtype | None) -> torch.Tensor:
+def dense_packed(qkv, bias, attn_mask, is_causal: bool, scale: float, mode: str, out_dtype: torch.dtype | None,
+                 held: list | None = None) -> torch.Tensor:
     """Dense ELSA attention with gradients over a packed qkv [B, N, 3, H, D] in the mode's compute dtype (validated,
     a mode of :data:`BACKWARD_MODES`, eager): out [B, H, N, D] (a view of a [B, N, H, D] buffer), and in the
-    backward one packed [B, N, 3, H, D] gradient. ``bias`` / ``attn_mask`` as for :func:`dense`."""
-    return _DensePackedFunction.apply(qkv, bias, attn_mask, is_causal, scale, mode, out_dtype)
+    backward one packed [B, N, 3, H, D] gradient. ``bias`` / ``attn_mask`` as for :func:`dense`. ``held``: a
+    one-element list a caller keeps per call signature: the forward plan goes there on the first call and is
+    launched from there on later ones (no plan key built per call)."""
+    return _DensePackedFunction.apply(qkv, bias, attn_mask, is_causal, scale, mode, out_dtype,
+                                      [None] if held is None else held)
 
 
 def dense(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,

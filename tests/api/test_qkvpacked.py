@@ -64,6 +64,14 @@ def test_packed_gradients_equal_the_unpacked_call_bit_for_bit(mode, N, D, causal
     assert torch.equal(qkv.grad, ref_dqkv)
     if with_bias:
         assert torch.equal(bias.grad, ref_dbias)
+    # a second call of the signature launches from the plan kept by the first
+    again = qkv.detach().clone().requires_grad_(True)
+    bias_again = None if bias is None else bias.detach().clone().requires_grad_(True)
+    out = attention_qkvpacked(again, bias=bias_again, is_causal=causal, mode=mode, backend=BACKEND)
+    out.backward(grad_out)
+    assert torch.equal(out, ref_out) and torch.equal(again.grad, ref_dqkv)
+    if with_bias:
+        assert torch.equal(bias_again.grad, ref_dbias)
 
 
 def test_packed_gradients_match_the_float64_oracle():
