@@ -402,3 +402,41 @@ def test_compile_ahead_reports_a_failed_warm_up_once_in_the_callers_thread():
         warnings.simplefilter("error")
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             warmup.warm_up_shapes("fp32", [(1, 1, 8, 16)], device="cpu")
+
+
+def test_direct_launch_skips_only_a_scratch_free_triton_3_6_launcher_wrapper():
+    """KernelCall goes to the C launcher itself only where Triton's wrapper would add nothing: the 3.4-3.6
+    ``CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)``, no scratch, an undecorated launch."""
+    from visionattn.kernels._launch import _raw_launcher
+
+    class Launcher36:  # Triton 3.6's CudaLauncher layout
+        def __init__(self, launch, scratch=0):
+            self.launch, self.global_scratch_size, self.profile_scratch_size = launch, scratch, 0
+            self.launch_cooperative_grid, self.launch_pdl = False, False
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            pass
+
+    class Launcher38(Launcher36):  # later releases pass metadata and hooks by name
+        def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata,
+                      launch_enter_hook, launch_exit_hook, *args):
+            pass
+
+    c_launch = len  # a builtin stands in for the compiled module's launch (any builtin named otherwise is refused)
+    assert _raw_launcher(Launcher36(c_launch)) is None  # the builtin is not called "launch"
+
+    def launch(*args):  # a Python function: the tensor-descriptor wrapper, which must keep running
+        pass
+
+    assert _raw_launcher(Launcher36(launch)) is None
+
+    class Named:  # a non-Python callable named "launch", as the compiled extension's function is
+        __name__ = "launch"
+
+        def __call__(self, *args):
+            pass
+
+    named = Named()
+    assert _raw_launcher(Launcher36(named)) is named
+    assert _raw_launcher(Launcher36(named, scratch=256)) is None  # scratch: the wrapper allocates it
+    assert _raw_launcher(Launcher38(named)) is None
