@@ -74,7 +74,7 @@ for step in "$@"; do
     eager) run eager 240 python tools/bench_attention.py --shapes "ViT-B/16 224,ViT-B/16 512,L-4k" --no-flex \
         --out "$out/attention_eager" ;;
     models-eager) run models-eager 240 python tools/bench_models.py --cases vit_base_patch16_224:224:64,deit3_small_patch16_224:224:128,eva02_base_patch14_224:224:64,swin_base_patch4_window7_224:224:64,swinv2_base_window8_256:256:64,vit_base_patch16_224:1024:8 \
-        --modes fp32,fp16,bf16 --no-share --rep-ms 150 --rounds 2 --out "$out/models_eager" ;;
+        --modes fp32,fp16,bf16 --no-share --rep-ms 150 --rounds 4 --out "$out/models_eager" ;;
     cold) run cold 240 python tools/bench_cold_start.py --modes fp16 --mode fp32 --frames 100 --other-frames 60 \
         --out "$out/cold_start" ;;
     models-compile) run models-compile 280 python tools/bench_models.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
