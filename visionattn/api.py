@@ -219,11 +219,7 @@ def attention(
     scale = check_flags(is_causal, scale, q.shape[-1])
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}; expected a positive int or None")
-    if q.is_cuda and backend is None and dispatch._backend == "auto":
-        which = "triton"
-    else:
-        which = dispatch.resolve_backend(backend, q.device.type)
-    if which == "triton":
+    if _backend_of(q, backend) == "triton":
         out = _kernels(q, k, v, bias, attn_mask, is_causal, scale, md, num_splits, key, raw_bias)
         if out is not None:
             return out
@@ -239,6 +235,14 @@ def attention(
 
 
 _ops = None
+
+
+def _backend_of(q: torch.Tensor, backend: str | None) -> str:
+    """``triton`` or ``reference`` for a call on ``q``'s device (:func:`visionattn.dispatch.resolve_backend`;
+    CUDA tensors under the default ``auto`` skip the lookup)."""
+    if q.is_cuda and backend is None and dispatch._backend == "auto":
+        return "triton"
+    return dispatch.resolve_backend(backend, q.device.type)
 
 
 def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, key=None, raw_bias=None):
@@ -347,7 +351,7 @@ def attention_qkvpacked(
     :data:`visionattn.ops.BACKWARD_MODES` whose compute dtype is ``qkv``'s, the Triton backend, eager), the
     backward writes dQ, dK and dV into one [B, N, 3, H, D] gradient, bit-identical to the unpacked call's: the
     stack of three gradients that ``unbind``'s backward makes, and the copy of it back into the projection's
-    layout, are skipped (FlashAttention-2 Sec. 3.2's packed-gradient layout). Every other call runs
+    layout, are skipped (as flash-attn's packed call returns one ``dqkv``). Every other call runs
     :func:`attention` on the unpacked views.
 
     Args:
@@ -395,9 +399,7 @@ def _packed_runner(qkv, bias, attn_mask, is_causal, mode, backend):
     q, k, v = (t.detach().transpose(1, 2) for t in qkv.unbind(2))
     views = validate_attention_inputs(q, k, v, bias, attn_mask)
     check_flags(is_causal, None, q.shape[-1])
-    which = dispatch.resolve_backend(backend, q.device.type) if not (
-        q.is_cuda and backend is None and dispatch._backend == "auto") else "triton"
-    if which != "triton" or md.half_scores or qkv.dtype != md.compute_dtype:
+    if _backend_of(q, backend) != "triton" or md.half_scores or qkv.dtype != md.compute_dtype:
         return False
     if _ops is None:
         from . import ops as ops_module
