@@ -310,12 +310,12 @@ def _training_runner(ops, q, is_causal, md: Mode):
     """The runner of an eager call that needs gradients, for :data:`CALLS`: casts as the mode wants and calls
     the dense autograd function with the caller's own bias and mask (a bias gradient comes back in the bias's
     shape), the checks of the signature done once, when it was first seen."""
-    name, default, out_dtype = md.name, q.shape[-1] ** -0.5, q.dtype
+    name, default, out_dtype, held = md.name, q.shape[-1] ** -0.5, q.dtype, [None]  # held: the forward plan
     prepare = _caster(md, q.dtype)
 
     def run(q, k, v, bias, attn_mask, scale):
         return ops.dense(*prepare(q, k, v), bias, attn_mask, is_causal, default if scale is None else scale, name,
-                         0, out_dtype, True)
+                         0, out_dtype, True, held)
 
     return run
 

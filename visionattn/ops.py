@@ -134,9 +134,9 @@ class _DenseFunction(torch.autograd.Function):
     the recomputing backward kernels (FlashAttention-2, Alg. 2)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
-        plan, (out, lse) = elsa_fwd.plan_for(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode,
-                                             num_splits, out_dtype, with_lse=True)
+    def forward(ctx, q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype, held):
+        out, lse, plan = _forward_with_lse(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype,
+                                           held)
         ctx.save_for_backward(q, k, v, bias, attn_mask, out, lse)
         ctx.args = (is_causal, scale, mode, plan)
         return out
@@ -149,7 +149,22 @@ class _DenseFunction(torch.autograd.Function):
         dq, dk, dv, dbias = _elsa_bwd.backward_after_forward(plan, q, k, v, out, grad_out, lse, bias, attn_mask,
                                                              is_causal, scale, mode,
                                                              bias is not None and ctx.needs_input_grad[3])
-        return dq, dk, dv, dbias, None, None, None, None, None, None
+        return dq, dk, dv, dbias, None, None, None, None, None, None, None
+
+
+def _forward_with_lse(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype, held):
+    """(out, lse, plan) of a training forward. ``held``: a one-element list its caller keeps per call signature;
+    the signature's plan goes there on the first call and later calls launch from it, without building the plan
+    key (a plan reads the bias / mask through their data pointers: their view strides are in the plan)."""
+    plan = held[0] if held is not None else None
+    if plan is None:
+        plan, (out, lse) = elsa_fwd.plan_for(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode,
+                                             num_splits, out_dtype, with_lse=True)
+        if held is not None:
+            held[0] = plan
+        return out, lse, plan
+    out, lse = plan(q, k, v, bias, attn_mask, scale)
+    return out, lse, plan
 
 
 def _unpack(qkv: torch.Tensor):
@@ -166,13 +181,7 @@ class _DensePackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, bias, attn_mask, is_causal, scale, mode, out_dtype, held):
         q, k, v = _unpack(qkv)
-        plan = held[0]
-        if plan is None:  # the signature's first call: find (or build) its plan, then keep it in the caller's slot
-            plan, (out, lse) = elsa_fwd.plan_for(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode, 0,
-                                                 out_dtype, with_lse=True)
-            held[0] = plan
-        else:  # a plan reads the bias / mask through their data pointers (their view strides are in the plan)
-            out, lse = plan(q, k, v, bias, attn_mask, scale)
+        out, lse, plan = _forward_with_lse(q, k, v, bias, attn_mask, is_causal, scale, mode, 0, out_dtype, held)
         ctx.save_for_backward(q, k, v, bias, attn_mask, out, lse)
         ctx.args = (is_causal, scale, mode, plan, qkv.shape)
         return out
@@ -195,24 +204,24 @@ def dense_packed(qkv, bias, attn_mask, is_causal: bool, scale: float, mode: str,
     backward one packed [B, N, 3, H, D] gradient. ``bias`` / ``attn_mask`` as for :func:`dense`. ``held``: a
     one-element list a caller keeps per call signature: the forward plan goes there on the first call and is
     launched from there on later ones (no plan key built per call)."""
-    return _DensePackedFunction.apply(qkv, bias, attn_mask, is_causal, scale, mode, out_dtype,
-                                      [None] if held is None else held)
+    return _DensePackedFunction.apply(qkv, bias, attn_mask, is_causal, scale, mode, out_dtype, held)
 
 
 def dense(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, num_splits: int,
-          out_dtype: torch.dtype | None, grad: bool) -> torch.Tensor:
+          out_dtype: torch.dtype | None, grad: bool, held: list | None = None) -> torch.Tensor:
     """Dense ELSA attention on the kernels, inputs validated and cast to the mode's dtype.
 
     ``bias`` / ``attn_mask``: as the caller passed them (broadcastable to [B, H, Nq, Nk]; viewed, never
     copied), so a bias gradient comes back in the bias's own shape. ``grad``: the inputs need gradients (the
-    mode must be in :data:`BACKWARD_MODES`).
+    mode must be in :data:`BACKWARD_MODES`). ``held``: with ``grad`` in eager mode, a one-element list the caller
+    keeps per call signature, where the forward plan is kept between calls (see :func:`_forward_with_lse`).
     """
     if torch.compiler.is_compiling():
         if grad:
             return _attention_lse_op(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)[0]
         return _attention_op(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)
     if grad:
-        return _DenseFunction.apply(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)
+        return _DenseFunction.apply(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype, held)
     return elsa_fwd.dense_forward(q, k, v, *_views(q, k, bias, attn_mask), is_causal, scale, mode, num_splits,
                                   out_dtype)[0]
 

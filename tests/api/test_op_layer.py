@@ -143,6 +143,29 @@ def test_the_eager_backward_reuses_its_plan_through_the_forwards(monkeypatch, mo
     assert all(rel_l2(a.double(), r) <= tol for a, r in zip(first, ref))
 
 
+def test_training_calls_launch_from_the_forward_plan_their_runner_keeps(monkeypatch):
+    """The runner of a training signature keeps the forward plan it found on its first call: later calls launch
+    from it without looking the plan key up again, with the same outputs and gradients bit for bit."""
+    plans = PlanCache()
+    monkeypatch.setattr(elsa_fwd, "PLANS", plans)
+    monkeypatch.setattr(va.api, "CALLS", PlanCache())
+    q, k, v = _qkv(B=2, Nq=20, Nk=40)
+    do = torch.randn(2, 2, 20, 16, device=DEV)
+
+    def step():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        y = va.attention(*leaves, mode="fp32", backend="triton")
+        return (y, *torch.autograd.grad(y, leaves, do))
+
+    first = step()  # validates, builds the plan and the signature's runner
+    second = step()  # the runner: finds the plan once and keeps it
+    assert (plans.builds, plans.hits) == (1, 1)
+    third = step()  # from the kept plan: no lookup
+    assert (plans.builds, plans.hits) == (1, 1)
+    for a, b, c in zip(first, second, third):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 @pytest.mark.parametrize("nq,nk", [(0, 5), (4, 0)])
 def test_the_eager_backward_of_an_empty_call_gives_zero_gradients(nq, nk):
     """No queries or no keys: the backward after the forward launches nothing and hands back zeros in each
