@@ -15,7 +15,9 @@ here; the op looks up the cached launch plan of its call signature; the plan lau
 Autograd: a call whose inputs need gradients runs through :class:`_DenseFunction` in eager mode
 and ``visionattn::attention_lse`` (with its registered autograd formula) under compile, when the
 mode has backward kernels (:data:`BACKWARD_MODES`); otherwise the public function runs the
-differentiable PyTorch reference and warns once.
+differentiable PyTorch reference and warns once. :func:`dense_packed` (behind
+:func:`visionattn.attention_qkvpacked`) is the eager training path over one packed [B, N, 3, H, D]
+tensor, whose backward returns one packed gradient.
 """
 from __future__ import annotations
 
