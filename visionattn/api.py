@@ -211,9 +211,7 @@ def attention(
             key = run = None
         if run is not None and (scale is None or (type(scale) is float and math.isfinite(scale))):
             return run(q, k, v, bias, attn_mask, scale)
-    md = MODES.get(mode) if isinstance(mode, str) else None
-    if md is None:
-        md = get_mode(mode)
+    md = _mode_of(mode)
     raw_bias = bias
     bias, attn_mask = validate_attention_inputs(q, k, v, bias, attn_mask)
     scale = check_flags(is_causal, scale, q.shape[-1])
@@ -237,6 +235,28 @@ def attention(
 _ops = None
 
 
+def _ops_module():
+    """:mod:`visionattn.ops`, imported on first use (importing triton is slow and not needed on CPU)."""
+    global _ops
+    if _ops is None:
+        from . import ops as ops_module
+
+        _ops = ops_module
+    return _ops
+
+
+def _mode_of(mode: str | Mode) -> Mode:
+    """The :class:`Mode` of ``mode`` (a name looked up directly, else :func:`get_mode`, which raises for an unknown
+    one)."""
+    md = MODES.get(mode) if isinstance(mode, str) else None
+    return md if md is not None else get_mode(mode)
+
+
+def _unpack_qkv(qkv: torch.Tensor):
+    """q, k, v [B, H, N, D] as views of a packed [B, N, 3, H, D] tensor (no copy)."""
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
 def _backend_of(q: torch.Tensor, backend: str | None) -> str:
     """``triton`` or ``reference`` for a call on ``q``'s device (:func:`visionattn.dispatch.resolve_backend`;
     CUDA tensors under the default ``auto`` skip the lookup)."""
@@ -250,12 +270,7 @@ def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, k
     cover it and the reference must run. With a ``key`` (an eager call of a cacheable signature), an eager
     call on a float16 / bfloat16 / float32 input also stores its runner in :data:`CALLS` (a training call's
     runner goes straight to the autograd function of :func:`visionattn.ops.dense`)."""
-    global _ops
-    ops = _ops
-    if ops is None:
-        from . import ops as ops_module  # lazy: importing triton is slow and not needed on CPU
-
-        ops = _ops = ops_module
+    ops = _ops_module()
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (bias is not None and bias.requires_grad))
     if md.half_scores:
@@ -383,34 +398,28 @@ def attention_qkvpacked(
             run = None
         if run and (scale is None or (type(scale) is float and math.isfinite(scale))):
             return run(qkv, bias, attn_mask, scale).transpose(1, 2)
-    q, k, v = qkv.unbind(2)
-    return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), bias=bias, attn_mask=attn_mask,
-                     is_causal=is_causal, scale=scale, mode=mode, backend=backend).transpose(1, 2)
+    q, k, v = _unpack_qkv(qkv)
+    return attention(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal, scale=scale, mode=mode,
+                     backend=backend).transpose(1, 2)
 
 
 def _packed_runner(qkv, bias, attn_mask, is_causal, mode, backend):
     """The runner of a packed call signature that needs gradients, for :data:`CALLS`: ``run(qkv, bias, attn_mask,
     scale)`` on the packed autograd function, or False when that does not take the signature (the unpacked
     :func:`attention` call then runs, with its checks, warnings and fallbacks). Checks as :func:`attention`."""
-    global _ops
-    md = MODES.get(mode) if isinstance(mode, str) else None
-    if md is None:
-        md = get_mode(mode)
-    q, k, v = (t.detach().transpose(1, 2) for t in qkv.unbind(2))
+    md = _mode_of(mode)
+    q, k, v = _unpack_qkv(qkv.detach())
     views = validate_attention_inputs(q, k, v, bias, attn_mask)
     check_flags(is_causal, None, q.shape[-1])
     if _backend_of(q, backend) != "triton" or md.half_scores or qkv.dtype != md.compute_dtype:
         return False
-    if _ops is None:
-        from . import ops as ops_module
-
-        _ops = ops_module
-    if not _ops.has_backward(md.name) or _ops.elsa_fwd.unsupported_reason(q, k, v, *views, md.name) is not None:
+    ops = _ops_module()
+    if not ops.has_backward(md.name) or ops.elsa_fwd.unsupported_reason(q, k, v, *views, md.name) is not None:
         return False
     name, default, dtype, held = md.name, q.shape[-1] ** -0.5, qkv.dtype, [None]  # held: the forward plan
 
     def run(qkv, bias, attn_mask, scale):
-        return _ops.dense_packed(qkv, bias, attn_mask, is_causal, default if scale is None else scale, name, dtype,
-                                 held)
+        return ops.dense_packed(qkv, bias, attn_mask, is_causal, default if scale is None else scale, name, dtype,
+                                held)
 
     return run
