@@ -28,12 +28,18 @@ together). Targets are printed beside each visionattn row: ViT-B/16 and DINOv2-B
 bf16 >= 1.0x SDPA, the Flux block fp32 >= 2x and bf16 >= 1.0x diffusers' default; they are judged only on a
 GPU at full size.
 
+``--attention-free`` adds a row per cell: the default model with every SDPA call answering a copy of its value
+rows (:func:`visionattn.reporting.attention_free`), i.e. the forward without its attention. Its speed-up is the
+most any attention kernel can give the cell (Amdahl's law), written as ``bound`` beside the visionattn row; a
+target above it is marked so.
+
 Process-wide settings made by this tool (restored at the end, written to the output): TF32 off for PyTorch
 matmuls and cuDNN, so "fp32" means FP32 on both sides. transformers and diffusers are imported only when a
 case of theirs runs; a case whose library is missing is skipped with a printed line.
 
     python tools/bench_integrations.py --out out/integrations_h100
     python tools/bench_integrations.py --cases flux --modes bf16 --cuda-graph --out out/flux_graph
+    python tools/bench_integrations.py --attention-free --out out/integrations_bound  # with the Amdahl bound
     python tools/bench_integrations.py --tiny --device cpu --out /tmp/integrations     # seconds, smoke run
 """
 from __future__ import annotations
@@ -68,6 +74,7 @@ BENCH_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 LIBRARY = {"vit": "transformers", "dinov2": "transformers", "flux": "diffusers"}
 #: minimum speed-up over the library's default attention, per case and mode (full size, on a GPU)
 TARGETS = {"vit": {"fp32": 1.4, "bf16": 1.0}, "dinov2": {"fp32": 1.4, "bf16": 1.0}, "flux": {"fp32": 2.0, "bf16": 1.0}}
+FREE = "attention-free (SDPA answers V)"  # the --attention-free row's label
 _INSTALL = {"transformers": 'pip install "transformers>=5.0"', "diffusers": 'pip install "diffusers>=0.35.2"'}
 
 parser = ToolParser(prog="bench_integrations.py", description=__doc__.split("\n")[0],
@@ -93,6 +100,8 @@ parser.add_argument("--rep-ms", type=positive_float, default=600.0,
                     help="timed milliseconds per row, split over the rounds (default: %(default)s)")
 parser.add_argument("--warmup", type=nonnegative_int, default=3,
                     help="untimed forwards before each round's timing of a row (default: %(default)s)")
+parser.add_argument("--attention-free", action="store_true",
+                    help="add a row per cell with SDPA computing no attention: the Amdahl bound of the speed-up")
 parser.add_argument("--rounds", type=positive_int, default=3,
                     help="interleaved timing rounds per cell (default row, visionattn row, repeated; "
                          "default: %(default)s)")
@@ -108,11 +117,29 @@ class Cell:
             model to that attention and returns facts for the row.
         reference: the same forward in float64 with the library's default attention (a float64 copy of the
             weights and inputs), what every row's output is measured against; None: no such column.
+        free: the :class:`visionattn.reporting.AttentionFree` context of the attention-free row (None: no such row).
     """
 
     def __init__(self, info: dict, forward: Callable[[], torch.Tensor],
                  variants: list[tuple[str, Callable[[], dict]]], reference: Callable[[], torch.Tensor] | None = None):
         self.info, self.forward, self.variants, self.reference = info, forward, variants, reference
+        self.free: reporting.AttentionFree | None = None
+
+    def add_attention_free(self) -> None:
+        """Append the attention-free row: the default configuration, its forward run inside an AttentionFree."""
+        self.free = reporting.attention_free()
+        self.variants.append((FREE, self.variants[0][1]))
+
+    def forward_of(self, label: str) -> Callable[[], torch.Tensor]:
+        """The forward a row runs (the attention-free row's inside its context)."""
+        if label != FREE:
+            return self.forward
+        free, forward = self.free, self.forward
+
+        def run():
+            with free:
+                return forward()
+        return run
 
 
 class Size(NamedTuple):
@@ -296,11 +323,17 @@ def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_gr
     rows, outs, samples = [], {}, {}
     for i, (label, configure) in enumerate(cell.variants):  # outputs, memory first (eager), before any CUDA graph
         row = {**cell.info, "attention": label, "baseline": i == 0, **configure()}
+        forward = cell.forward_of(label)
         try:
-            out = cell.forward()
-            outs[label] = torch.cat([t.flatten() for t in out]) if isinstance(out, tuple) else out
-            del out
-            row.update(peak_memory(cell.forward, device.type))
+            if label == FREE:  # its output is meaningless: only how many calls it answered
+                cell.free.calls = 0
+                forward()
+                row["sdpa_calls_per_forward"] = cell.free.calls
+            else:
+                out = forward()
+                outs[label] = torch.cat([t.flatten() for t in out]) if isinstance(out, tuple) else out
+                del out
+            row.update(peak_memory(forward, device.type))
         except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the other cells going
             row["error"] = failure_text(err, device)
         rows.append(row)
@@ -312,7 +345,7 @@ def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_gr
                 continue
             configure()
             try:
-                timed = graphed(cell.forward) if cuda_graph else cell.forward
+                timed = graphed(cell.forward_of(label)) if cuda_graph else cell.forward_of(label)
                 samples[label] += reporting.sample_ms(timed, device, **per_round)
                 del timed  # frees the graph's memory pool before the next variant
             except Exception as err:  # noqa: BLE001
@@ -334,18 +367,25 @@ def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_gr
         row.update(summarize_times(samples[label]), rounds=rounds)
         if row is base or "error" in base:
             continue
+        if label == FREE and not row.get("sdpa_calls_per_forward"):
+            continue  # the default never reached SDPA: its time bounds nothing
         row["speedup"] = base["median_ms"] / row["median_ms"]
         if row.get("peak_mib") is not None:
             row["mem_ratio"] = row["peak_mib"] / base["peak_mib"]
-        if base_out is not None:
+        if base_out is not None and label in outs:
             row["rel_l2_vs_default"] = rel_l2(outs[label].float(), base_out.float())
+    bound = next((r.get("speedup") for r in rows if r["attention"] == FREE), None)
+    if bound is not None:
+        for row in rows[1:]:
+            if row["attention"] != FREE:
+                row["bound"] = bound
     return rows
 
 
 def judge(rows: list[dict], judged: bool) -> None:
     """Add ``target_speedup`` (None: no target) and ``target_met`` (None: not judged) to every visionattn row."""
     for row in rows:
-        if row.get("baseline"):
+        if row.get("baseline") or row["attention"] == FREE:
             continue
         target = TARGETS.get(row["case"], {}).get(row["mode"])
         row["target_speedup"] = target
@@ -358,6 +398,8 @@ def _met(row: dict) -> str:
         return "-"
     if row.get("target_met") is None:
         return "not judged"
+    if not row["target_met"] and row.get("bound") is not None and row["bound"] < row["target_speedup"]:
+        return "NO (target above the attention-free bound)"
     return "yes" if row["target_met"] else "NO"
 
 
@@ -388,6 +430,10 @@ def render_markdown(result: dict) -> str:
                      "launch overhead), not what an eager caller waits.")
     if not settings.get("judged"):
         lines.append("* targets are not judged: tiny configs or no GPU.")
+    if any(r["attention"] == FREE for r in result["rows"]):
+        lines.append(f"* **{FREE}**: the default forward with every SDPA call returning a copy of its value rows "
+                     "(no scores, no softmax): its speed-up is the most any attention kernel can give the cell "
+                     "(Amdahl's law), the bound the `met` column compares a target with; its output is meaningless.")
     for case, why in result["skipped"].items():
         lines.append(f"* **{case} skipped**: {why}")
     header = ["case", "model", "img", "tokens", "batch", "dtype", "attention", "ms", "p10-p90 ms", "speed-up",
@@ -413,7 +459,7 @@ def render_markdown(result: dict) -> str:
 
 def render_png(result: dict, path: str) -> bool:
     """Speed-up of every visionattn row with its target as a tick; False (no file) when nothing was timed."""
-    rows = [r for r in result["rows"] if "speedup" in r]
+    rows = [r for r in result["rows"] if "speedup" in r and r["attention"] != FREE]
     if not rows:
         return False
     import matplotlib
@@ -428,10 +474,13 @@ def render_png(result: dict, path: str) -> bool:
     for x, r in zip(xs, rows):
         if r.get("target_speedup") is not None:
             ax.plot([x - 0.4, x + 0.4], [r["target_speedup"]] * 2, color="k", lw=1.5)
+        if r.get("bound") is not None:
+            ax.plot([x - 0.4, x + 0.4], [r["bound"]] * 2, color="tab:red", lw=1.2, ls="--")
     ax.set_xticks(list(xs), [f"{r['case']}\n{r['mode']}" for r in rows])
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_ylabel("speed-up vs the library's default attention")
-    ax.set_title(f"visionattn in transformers / diffusers (black: target), {result['environment'].get('device')}",
+    ax.set_title("visionattn in transformers / diffusers (black: target, red dashed: attention-free bound), "
+                 f"{result['environment'].get('device')}",
                  fontsize=9)
     fig.tight_layout()
     reporting.save_figure_atomic(fig, path, dpi=120)
@@ -488,6 +537,8 @@ def main(argv: list[str] | None = None) -> dict:
                     cell_rows = [{**base, "attention": "-", "error": f"build failed: {failure_text(err, device)}"}]
                 else:
                     cell.info = {**base, **cell.info}
+                    if args.attention_free:
+                        cell.add_attention_free()
                     cell_rows = measure(cell, device, timing, args.rounds, args.cuda_graph)
                     del cell
                     gc.collect()

@@ -11,6 +11,13 @@ memory (``torch.cuda.max_memory_allocated`` during one step after warm-up: weigh
 AdamW state and activations), the first step's time (kernel compilation), and the speedup and
 memory ratio of visionattn; then the targets below, met or NOT met.
 
+``--attention-free`` adds a third side: the unpatched model with every SDPA call answering a copy of its
+value rows (:func:`visionattn.reporting.attention_free`), i.e. the step without its attention. unpatched /
+attention-free is the most any attention kernel can speed the step up (Amdahl's law): the ``bound`` column,
+and a target above it is marked so. On that side, modules with timm's ``fused_attn`` switch take their SDPA branch
+(timm's Swin otherwise runs its own softmax). Models whose attention never calls SDPA (timm's Swin-v2 computes its
+cosine attention itself) get no bound (their attention-free row reports 0 SDPA calls).
+
 Precision per mode, the same on both sides: fp32 / fp32-ieee: FP32 with TF32 OFF; tf32: FP32 with
 TF32 ON; bf16: ``torch.autocast`` bf16; fp16: autocast fp16 with a ``GradScaler``. The TF32 flags
 (``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``) are process-wide
@@ -27,6 +34,7 @@ Writes ``<out>.md``, ``<out>.json``, ``<out>.png`` (timing) or ``<out>_loss.md/.
 
     python tools/bench_train.py --out out/train_h100          # the four cases below, fp32,tf32,bf16,fp16
     python tools/bench_train.py --cases vit_base_patch16_224:1024:8 --modes fp32 --out out/train_vit1024
+    python tools/bench_train.py --attention-free --cases vit_base_patch16_224:224:64 --modes fp32,bf16
     python tools/bench_train.py --loss-curve 50 --cases vit_base_patch16_224:224:64 --modes fp32,bf16
     python tools/bench_train.py --device cpu --cases vit_tiny_patch16_224:32:4 --modes fp32 --steps 3
 """
@@ -52,13 +60,14 @@ from _timm_models import create_timm_model, model_problem  # noqa: E402
 from bench_models import MEM_SLACK_MIB, parse_cases, peak_memory, summarize_times  # noqa: E402
 from finetune import TRAIN_MODES, TrainStep, json_object, precision, precision_flags  # noqa: E402
 
-from visionattn.reporting import (call_ms, environment, markdown_table, sample_ms, save_figure_atomic,  # noqa: E402
+from visionattn.reporting import (AttentionFree, call_ms, environment, markdown_table, sample_ms, save_figure_atomic,  # noqa: E402
                                   write_json_atomic, write_text_atomic)
 
 DEFAULT_CASES = ("vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64,"
                  "swinv2_base_window8_256:256:32,vit_base_patch16_224:1024:8")
 DEFAULT_MODES = "fp32,tf32,bf16,fp16"
 VARIANTS = ("unpatched", "visionattn")
+FREE = "attention-free"  # the --attention-free side: unpatched, SDPA answering without attention
 # Whole-step targets: patched vs unpatched, same precision. anchor_ms: the unpatched step measured on an
 # H100 (torch 2.11), for orientation beside this run's own unpatched time.
 TARGETS = [
@@ -93,6 +102,9 @@ def build_parser() -> ToolParser:
     p.add_argument("--steps", type=positive_int, default=20, help="timed steps per side (default 20)")
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="interleaved rounds (unpatched, visionattn, ...) the timed steps are split over (default 2)")
+    p.add_argument("--attention-free", action="store_true",
+                   help="also time the unpatched step with SDPA computing no attention: the Amdahl bound of the "
+                        "speedup (the bound column)")
     p.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--loss-curve", type=positive_int, default=None, metavar="N",
                    help="instead of timing: N steps patched and unpatched from the same init on the same batches")
@@ -160,43 +172,70 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _stepper(step: TrainStep, variant: str, x: torch.Tensor, y: torch.Tensor, free: AttentionFree):
+    """One training step of ``variant`` (the attention-free side runs inside ``free``)."""
+    if variant != FREE:
+        return lambda: step(x, y)
+    switches = [m for m in step.model.modules() if isinstance(getattr(m, "fused_attn", None), bool)]
+
+    def run():
+        saved = [m.fused_attn for m in switches]
+        for m in switches:  # timm's SDPA branch, so that the attention reaches the attention-free SDPA
+            m.fused_attn = True
+        try:
+            with free:
+                return step(x, y)
+        finally:
+            for m, s in zip(switches, saved):
+                m.fused_attn = s
+    return run
+
+
 def time_case(case: dict, mode: str, device: torch.device, args: argparse.Namespace, model_kwargs: dict) -> list[dict]:
-    """The unpatched and visionattn rows of one case in one mode (one model, one optimiser, switched in place)."""
+    """The unpatched and visionattn rows (and with ``args.attention_free`` the attention-free row) of one case in
+    one mode (one model, one optimiser, switched in place)."""
     prec = precision(mode)
+    variants = VARIANTS + ((FREE,) if args.attention_free else ())
     base = {"model": case["model"], "img": case["img"], "batch": case["batch"], "mode": mode}
     try:
         model = _model(case, device, args.seed, model_kwargs)
     except Exception as err:  # noqa: BLE001 - OOM or a refused size: record it, keep the sweep going
-        return [{**base, "variant": v, "error": f"build: {failure_text(err, device)}"} for v in VARIANTS]
+        return [{**base, "variant": v, "error": f"build: {failure_text(err, device)}"} for v in variants]
     x, y = _batch(case, model.num_classes, device, args.seed)
     step = TrainStep(model, prec, lr=args.lr)
-    rows = {v: {**base, "variant": v, "params_m": sum(p.numel() for p in model.parameters()) / 1e6} for v in VARIANTS}
-    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    free = AttentionFree()
+    rows = {v: {**base, "variant": v, "params_m": sum(p.numel() for p in model.parameters()) / 1e6} for v in variants}
+    samples: dict[str, list[float]] = {v: [] for v in variants}
     per_round = -(-args.steps // args.rounds)
     with precision_flags(prec) as flags:
-        for v in VARIANTS:  # first step (compilation), warm-up, peak memory of one step
+        for v in variants:  # first step (compilation), warm-up, peak memory of one step
             rows[v]["process_settings"] = flags
+            run = _stepper(step, v, x, y, free)
             try:
-                _set_attention(model, v, mode)
-                rows[v]["first_step_ms"] = call_ms(lambda: step(x, y), device)
+                _set_attention(model, "unpatched" if v == FREE else v, mode)
+                rows[v]["first_step_ms"] = call_ms(run, device)
                 for _ in range(args.warmup):
-                    step(x, y)
-                mem = peak_memory(lambda: step(x, y), device.type)
+                    run()
+                mem = peak_memory(run, device.type)
                 rows[v]["peak_mib"] = mem["peak_mib"]
                 if v == "visionattn":
                     rows[v]["patched"] = dict(model.visionattn_report.patched)
+                if v == FREE:
+                    free.calls = 0
+                    run()
+                    rows[v]["sdpa_calls_per_step"] = free.calls
             except Exception as err:  # noqa: BLE001
                 rows[v]["error"] = failure_text(err, device)
         for _ in range(args.rounds):
-            for v in VARIANTS:
+            for v in variants:
                 if "error" in rows[v]:
                     continue
                 try:
-                    _set_attention(model, v, mode)
-                    samples[v] += sample_ms(lambda: step(x, y), device, warmup=1, reps=per_round)
+                    _set_attention(model, "unpatched" if v == FREE else v, mode)
+                    samples[v] += sample_ms(_stepper(step, v, x, y, free), device, warmup=1, reps=per_round)
                 except Exception as err:  # noqa: BLE001
                     rows[v]["error"] = failure_text(err, device)
-    for v in VARIANTS:
+    for v in variants:
         if "error" not in rows[v]:
             t = summarize_times(samples[v])
             rows[v].update(ms=t["median_ms"], p10_ms=t["p10_ms"], p90_ms=t["p90_ms"], timed_steps=t["reps"],
@@ -206,9 +245,12 @@ def time_case(case: dict, mode: str, device: torch.device, args: argparse.Namesp
         ours["speedup"] = un["ms"] / ours["ms"]
         if ours.get("peak_mib") is not None:
             ours["mem_ratio"] = ours["peak_mib"] / un["peak_mib"]
+    bound = rows.get(FREE, {})
+    if "ms" in un and "ms" in bound and bound.get("sdpa_calls_per_step"):
+        bound["speedup"] = ours["bound"] = un["ms"] / bound["ms"]
     del model, step, x, y
     _free(device)
-    return [un, ours]
+    return [rows[v] for v in variants]
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
@@ -220,7 +262,7 @@ def check_targets(rows: list[dict]) -> list[dict]:
         ours, un = match.get("visionattn"), match.get("unpatched")
         if ours is not None and "speedup" in ours:
             res.update(measured=True, speedup=ours["speedup"], ms=ours["ms"], unpatched_ms=un["ms"],
-                       mem_ratio=ours.get("mem_ratio"))
+                       mem_ratio=ours.get("mem_ratio"), bound=ours.get("bound"))
             ok = ours["speedup"] >= t["min_speedup"]
             if t.get("max_mem_ratio") is not None and ours.get("peak_mib") is not None:
                 ok = ok and ours["peak_mib"] <= t["max_mem_ratio"] * un["peak_mib"] + MEM_SLACK_MIB
@@ -301,27 +343,37 @@ def render_markdown(res: dict) -> str:
               "peak = max_memory_allocated during one step after warm-up.", ""]
     rows = []
     for r in res["rows"]:
-        name = "**visionattn**" if r["variant"] == "visionattn" else "unpatched"
+        name = {"visionattn": "**visionattn**", FREE: "attention-free (SDPA answers V)"}.get(r["variant"], r["variant"])
         if "error" in r:
             rows.append([r["model"], r["img"], r["batch"], r["mode"], name] + ["-"] * 6 + [r["error"]])
             continue
+        speedup = r.get("speedup")
+        if r["variant"] == FREE and not r.get("sdpa_calls_per_step"):
+            speedup = "no bound: 0 SDPA calls"
         rows.append([r["model"], r["img"], r["batch"], r["mode"], name, _fmt(r["ms"]),
                      f"{r['p10_ms']:.4g}-{r['p90_ms']:.4g}", _fmt(r["img_per_s"], ".1f"),
                      _fmt(r.get("peak_mib"), ".0f"),
-                     _fmt(r.get("speedup"), ".3f"), _fmt(r.get("mem_ratio"), ".3f"), _fmt(r["first_step_ms"], ".0f")])
+                     _fmt(speedup, ".3f"), _fmt(r.get("mem_ratio"), ".3f"), _fmt(r["first_step_ms"], ".0f")])
     lines.append(markdown_table(rows, ["model", "img", "batch", "mode", "attention", "ms/step", "p10-p90",
                                        "img/s", "peak MiB", "speedup", "mem ratio", "first step ms"]))
+    if any(r["variant"] == FREE for r in res["rows"]):
+        lines += ["", "The attention-free row's speedup is the bound: unpatched / attention-free, the most any "
+                  "attention kernel can give this step (Amdahl's law).", ""]
     lines += ["## Targets", ""]
     trows = []
     for t in res["targets"]:
         need = f">= {t['min_speedup']}x" + (f", peak <= {t['max_mem_ratio']}x unpatched (+{MEM_SLACK_MIB:g} MiB)"
                                             if t.get("max_mem_ratio") is not None else "")
         status = "not measured" if not t["measured"] else "met" if t["met"] else "NOT met"
+        if t["measured"] and not t["met"] and t.get("bound") is not None and t["bound"] < t["min_speedup"]:
+            status += " (target above the attention-free bound)"
         trows.append([f"{t['model']} {t['img']} px bs{t['batch']}", t["mode"], need,
-                      _fmt(t.get("speedup"), ".3f") + ("x" if t["measured"] else ""), _fmt(t.get("mem_ratio"), ".3f"),
-                      _fmt(t.get("unpatched_ms"), ".1f"), _fmt(t.get("anchor_ms")), status])
-    lines.append(markdown_table(trows, ["case", "mode", "target", "speedup", "mem ratio", "unpatched ms here",
-                                        "unpatched ms, H100 anchor", "status"]))
+                      _fmt(t.get("speedup"), ".3f") + ("x" if t["measured"] else ""),
+                      _fmt(t.get("bound"), ".3f") + ("x" if t.get("bound") is not None else ""),
+                      _fmt(t.get("mem_ratio"), ".3f"), _fmt(t.get("unpatched_ms"), ".1f"), _fmt(t.get("anchor_ms")),
+                      status])
+    lines.append(markdown_table(trows, ["case", "mode", "target", "speedup", "attention-free bound", "mem ratio",
+                                        "unpatched ms here", "unpatched ms, H100 anchor", "status"]))
     return "\n".join(lines)
 
 
@@ -337,11 +389,13 @@ def render_png(res: dict, path: str) -> None:
     for ax, key, ylabel in ((axes[0], "ms", "ms / step"), (axes[1], "peak_mib", "peak MiB")):
         if not any(r.get(key) for r in res["rows"]):
             ax.text(0.5, 0.5, f"{ylabel}: not measured here", ha="center", transform=ax.transAxes)
-        for i, variant in enumerate(VARIANTS):
+        variants = [v for v in VARIANTS + (FREE,) if any(r["variant"] == v for r in res["rows"])]
+        width = 0.8 / len(variants)
+        for i, variant in enumerate(variants):
             vals = [next((r.get(key) or 0.0 for r in res["rows"] if (r["model"], r["img"], r["batch"], r["mode"]) == g
                           and r["variant"] == variant), 0.0) for g in groups]
-            ax.bar([j + 0.4 * i for j in range(len(groups))], vals, width=0.4, label=variant)
-        ax.set_xticks([j + 0.2 for j in range(len(groups))], labels, fontsize=7)
+            ax.bar([j + width * i for j in range(len(groups))], vals, width=width, label=variant)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], labels, fontsize=7)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
@@ -430,10 +484,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
            "timing": "CUDA events around each step, eager" if device.type == "cuda" else "wall time, CPU"}
     for case, mode in tqdm(jobs, desc="cases x modes"):
         rows = time_case(case, mode, device, args, model_kwargs)
-        un, ours = rows
+        un, ours = rows[:2]
         tqdm.write(f"  {case['model']} {case['img']}px bs{case['batch']} {mode}: " + (
             f"{un['ms']:.2f} -> {ours['ms']:.2f} ms/step x{ours['speedup']:.3f}" if "speedup" in ours
-            else f"{un.get('error') or ours.get('error')}"))
+            else f"{un.get('error') or ours.get('error')}")
+            + (f" (attention-free bound x{ours['bound']:.3f})" if "bound" in ours else ""))
         res["rows"] += rows
     res["targets"] = check_targets(res["rows"])
     write_json_atomic(args.out + ".json", res)

@@ -16,6 +16,10 @@ The ``official-*`` rows are the official model's equivalent: PyTorch SDPA
 model's estimate (:meth:`VGGT.estimate_memory`) beside the measured peak and a
 PNG of time and peak memory vs frames. Times are eager (one forward, synchronised).
 
+The ``free-*`` rows (not run unless named) time the SDPA rows' model with every SDPA call answering a copy of
+its value rows (:func:`visionattn.reporting.attention_free`): the forward without its attention. Their speedup
+is the most any attention kernel can give that row (Amdahl's law).
+
 ``--train-step`` times one training step instead (train mode, forward + a loss over depth, points
 and pose + backward; no optimiser) with activation checkpointing off and on
 (:meth:`VGGT.set_grad_checkpointing`): time and peak memory (weights and gradients included).
@@ -54,18 +58,22 @@ ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row, all layers k
     "official-bf16": (None, torch.bfloat16, "official-bf16", True),
     "sdpa-bf16": (None, torch.bfloat16, "sdpa-bf16", False),
     "bf16": ("bf16", torch.bfloat16, "sdpa-bf16", False),
+    "free-fp32": (None, None, "sdpa-fp32", False),
+    "free-bf16": (None, torch.bfloat16, "sdpa-bf16", False),
 }
+FREE_ROWS = ("free-fp32", "free-bf16")  # SDPA answering without attention: the Amdahl bound of the row's speedup
 LABELS = {"official-fp32": "official-equivalent FP32 (SDPA, all layers)", "sdpa-fp32": "SDPA-FP32 (efficient)",
           "fp32": "visionattn fp32", "tf32": "visionattn tf32",
           "official-bf16": "official-equivalent BF16 (SDPA, all layers)", "sdpa-bf16": "SDPA-BF16 (autocast)",
-          "bf16": "visionattn bf16 (autocast)"}
+          "bf16": "visionattn bf16 (autocast)", "free-fp32": "attention-free FP32 (bound)",
+          "free-bf16": "attention-free BF16 (bound)"}
 LONG_FRAMES = (10, 20, 50, 100, 200, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000)
 MODELS = ("vggt", "fastvggt")
 
 parser = ToolParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="models to run")
-parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS),
-                    help="attention rows: SDPA baselines and visionattn modes")
+parser.add_argument("--rows", nargs="+", default=[r for r in ROWS if r not in FREE_ROWS], choices=list(ROWS),
+                    help="attention rows: SDPA baselines and visionattn modes (default: all but the free-* rows)")
 parser.add_argument("--frames", nargs="+", type=positive_int, default=[10, 50, 100, 200], help="frame counts")
 parser.add_argument("--height", type=positive_int, default=392, help="image height (multiple of 14)")
 parser.add_argument("--width", type=positive_int, default=518, help="image width (multiple of 14)")
@@ -132,8 +140,9 @@ def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: 
     g = torch.Generator(device=dev).manual_seed(seed + frames)
     images = torch.rand(frames, 3, H, W, device=dev, generator=g)
     times = []
+    free = reporting.attention_free() if row in FREE_ROWS else contextlib.nullcontext()
     if warmup:
-        with torch.no_grad(), autocast(dev.type, dt):
+        with torch.no_grad(), autocast(dev.type, dt), free:
             model(images)
     weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     if dev.type == "cuda":
@@ -147,7 +156,7 @@ def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: 
         _sync(dev)
         meter = LiveBytes(base) if dev.type != "cuda" and measure else contextlib.nullcontext()
         t0 = time.perf_counter()
-        with torch.no_grad(), autocast(dev.type, dt), meter:
+        with torch.no_grad(), autocast(dev.type, dt), meter, free:
             out = model(images)
         _sync(dev)
         times.append(time.perf_counter() - t0)
@@ -160,9 +169,12 @@ def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: 
     model.keep_all_layers = False
     times.sort()
     est = model.estimate_memory(frames, H, W, "fp32" if dt is None else "bf16", keep_all_layers=keep_all)
-    return {"time_s": times[len(times) // 2], "time_per_frame_s": times[len(times) // 2] / frames,
-            "peak_gb": peak / 2 ** 30, "extra_gb": (peak - base) / 2 ** 30, "est_gb": est / 2 ** 30,
-            "finite": finite, "tokens_per_frame": 5 + (H // 14) * (W // 14)}
+    point = {"time_s": times[len(times) // 2], "time_per_frame_s": times[len(times) // 2] / frames,
+             "peak_gb": peak / 2 ** 30, "extra_gb": (peak - base) / 2 ** 30, "est_gb": est / 2 ** 30,
+             "finite": finite, "tokens_per_frame": 5 + (H // 14) * (W // 14)}
+    if row in FREE_ROWS:
+        point["sdpa_calls"] = free.calls
+    return point
 
 
 def train_loss(out: dict) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 
 __all__ = ["environment", "command_line", "atomic_path", "write_text_atomic", "write_json_atomic",
            "save_figure_atomic", "markdown_table", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
-           "kernel_ms", "eager_ms", "eager_graph_ms", "host_us", "per_call_ms", "peak_extra_mb"]
+           "kernel_ms", "eager_ms", "eager_graph_ms", "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree",
+           "attention_free"]
 
 
 def command_line() -> str:
@@ -114,6 +115,55 @@ def tf32_disabled():
         yield {"torch.backends.cuda.matmul.allow_tf32": False, "torch.backends.cudnn.allow_tf32": False}
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+class AttentionFree:
+    """While active, ``torch.nn.functional.scaled_dot_product_attention`` computes no attention: it returns a copy
+    of the value rows (``value[..., :Nq, :]``, or zeros of the output's shape when there are fewer key rows than
+    query rows or the leading dims differ). A model timed inside runs everything but its attention, so
+    ``t(model) / t(model inside)`` bounds the speed-up that any attention kernel can give it (Amdahl's law): the
+    "attention-free" rows of the tools. Gradients flow to ``value`` only, so a training step still runs every
+    other backward. For benchmarks only; the outputs are meaningless.
+
+    Attributes:
+        calls: SDPA calls answered so far. 0 after a forward means the model does not reach SDPA (e.g. timm's
+            Swin-v2 computes its cosine attention itself) and its time is no bound.
+    """
+
+    def __init__(self):
+        self.calls = 0
+        self._saved = None
+
+    def _sdpa(self, query, key, value, *args, **kwargs):
+        self.calls += 1
+        n = query.shape[-2]
+        if value.shape[:-2] == query.shape[:-2] and value.shape[-2] >= n:
+            return value[..., :n, :].clone()
+        return value.new_zeros(query.shape[:-1] + value.shape[-1:])
+
+    def __enter__(self) -> "AttentionFree":
+        if self._saved is not None:
+            raise RuntimeError("AttentionFree is not re-entrant")
+        self._saved = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = self._sdpa
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.nn.functional.scaled_dot_product_attention = self._saved
+        self._saved = None
+
+
+def attention_free() -> AttentionFree:
+    """Context manager: :class:`AttentionFree` (SDPA calls inside return a copy of the value rows; the time of a
+    model without its attention, the Amdahl bound of any attention kernel's speed-up on it).
+
+    ::
+
+        with reporting.attention_free() as free:
+            t_floor = call_ms(lambda: model(x), device)
+        assert free.calls > 0, "the model never called SDPA: no bound"
+    """
+    return AttentionFree()
 
 
 class Stopwatch:

@@ -30,3 +30,33 @@ def test_bench_vggt_long_table_on_cpu_tiny(tmp_path):
     assert res["points"]["vggt"]["official-fp32"]["2"]["peak_gb"] >= res["points"]["vggt"]["sdpa-fp32"]["2"]["peak_gb"]
     md = open(out + ".md").read()
     assert "official-equivalent FP32" in md and "Est. (GB)" in md
+
+
+def test_attention_free_row_answers_every_sdpa_call_on_cpu_tiny(tmp_path, monkeypatch):
+    """The free-fp32 row runs the SDPA row's model with SDPA answering its value rows: it answers every SDPA call
+    the SDPA row makes (counted by a spy), and it is not run unless named."""
+    import torch.nn.functional as F
+
+    tool = _tool()
+    assert "free-fp32" not in tool.parser.get_default("rows")
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    def run(row, out):
+        args = tool.parser.parse_args(["--tiny", "--device", "cpu", "--models", "vggt", "--frames", "2", "--rows",
+                                       row, "--height", "28", "--width", "42", "--no-point-warmup", "--out", out])
+        return tool.main(args)["points"]["vggt"][row]["2"]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    run("sdpa-fp32", str(tmp_path / "sdpa"))
+    monkeypatch.undo()
+    per_forward = len(calls) // 2  # the 2-frame warm-up forward, then the timed one
+    assert per_forward > 0 and len(calls) == 2 * per_forward
+    out = str(tmp_path / "free")
+    p = run("free-fp32", out)
+    assert p["sdpa_calls"] == per_forward and p["time_s"] > 0
+    assert "attention-free FP32 (bound)" in open(out + ".md").read()

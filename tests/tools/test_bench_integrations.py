@@ -69,6 +69,22 @@ def test_tiny_cpu_run_writes_every_row(tmp_path):
     assert os.path.getsize(out + ".png") > 0
 
 
+def test_attention_free_rows_give_the_bound(tmp_path):
+    """--attention-free: one more row per cell, the default forward with SDPA answering its value rows; it counts
+    the SDPA calls it answered (one per layer / block) and its speed-up is the bound on the visionattn row."""
+    result = bench_integrations.main(FAST + ["--modes", "fp32", "--attention-free", "--out", str(tmp_path / "b")])
+    rows = result["rows"]
+    free = {r["case"]: r for r in rows if r["attention"] == bench_integrations.FREE}
+    assert set(free) == set(bench_integrations.CASES) and len(rows) == 9
+    assert free["vit"]["sdpa_calls_per_forward"] == free["dinov2"]["sdpa_calls_per_forward"] == 2  # 2 tiny layers
+    assert free["flux"]["sdpa_calls_per_forward"] == 1
+    for case, r in free.items():
+        default, ours = [x for x in rows if x["case"] == case and x["attention"] != bench_integrations.FREE]
+        assert r["speedup"] == default["median_ms"] / r["median_ms"] == ours["bound"]
+        assert "rel_l2_vs_default" not in r and "target_speedup" not in r
+    assert "Amdahl" in open(str(tmp_path / "b") + ".md").read()
+
+
 def test_missing_library_is_skipped(tmp_path, monkeypatch, capsys):
     """diffusers not importable: the flux case is skipped with a printed line, the other cases still run."""
     monkeypatch.setitem(sys.modules, "diffusers", None)
