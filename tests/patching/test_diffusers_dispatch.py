@@ -145,3 +145,37 @@ def test_unrouted_call_warns_once(fresh_warnings):
     assert len(ours) == 1 and "made no SDPA call" in ours[0]
     assert dispatch_counts(model)["routed"] == 0
     va.unpatch_model(model)
+
+
+def test_override_covers_only_dispatch_attention_fn_and_unpatch_restores_it(monkeypatch):
+    """The routing TorchFunctionMode is active only inside the processor module's dispatch_attention_fn: it never
+    sees the processor's projections (F.linear); the wrapper stays while any patched model uses it and diffusers'
+    own function is back after the last unpatch."""
+    from diffusers.models.transformers import transformer_flux
+
+    from visionattn.patching.sdpa import SDPAOverride
+
+    seen = []
+    original_tf = SDPAOverride.__torch_function__
+
+    def spy(self, func, types, args=(), kwargs=None):
+        seen.append(getattr(func, "__name__", str(func)))
+        return original_tf(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(SDPAOverride, "__torch_function__", spy)
+    model, inputs = _flux()
+    other, _ = _flux()
+    before = _run(model, inputs)
+    va.patch_model(model, mode="fp32")
+    va.patch_model(other, mode="fp32")
+    assert transformer_flux.dispatch_attention_fn._visionattn_original is dispatch.dispatch_attention_fn
+    out = _run(model, inputs)
+    assert dispatch_counts(model)["routed"] == 3 and _rel(out, before) <= TOL
+    assert "scaled_dot_product_attention" in seen and "linear" not in seen, sorted(set(seen))
+    assert len(seen) <= 3 * 12  # a few permutes / views around each of the 3 SDPA calls, not the whole processor
+    va.unpatch_model(model)
+    assert transformer_flux.dispatch_attention_fn._visionattn_original is dispatch.dispatch_attention_fn  # other
+    assert torch.equal(_run(model, inputs), before)  # the unpatched model is not routed by the wrapper
+    assert dispatch_counts(other)["routed"] == 0
+    va.unpatch_model(other)
+    assert transformer_flux.dispatch_attention_fn is dispatch.dispatch_attention_fn

@@ -8,13 +8,22 @@ enum (``AttentionBackendName``), so no new backend can be registered; the native
 backends (``native``, ``_native_cudnn``, ``_native_efficient``, ``_native_flash``,
 ``_native_math``) end in ``torch.nn.functional.scaled_dot_product_attention``.
 
-So each such module gets a *scoped override*: a forward pre-hook pushes an
-:class:`~visionattn.patching.sdpa.SDPAOverride` and a forward hook (``always_call``,
-so an exception pops it too) pops it. Only SDPA calls made inside that module's
+So each such module gets a *scoped override*: a forward pre-hook marks the module as
+running (a per-thread stack) and a forward hook (``always_call``, so an exception
+unmarks it too) unmarks it. The processor's own module (e.g.
+``diffusers.models.transformers.transformer_flux``) has its ``dispatch_attention_fn``
+replaced by a wrapper that, while a patched module runs in the calling thread, enters that
+module's :class:`~visionattn.patching.sdpa.SDPAOverride` around the call and otherwise
+calls diffusers' function unchanged. The override (a ``TorchFunctionMode``, which costs a
+Python call per torch operation) is active only inside ``dispatch_attention_fn``, not
+over the projections, norms and rotary embedding of the processor: on an H100 the whole
+module under the mode cost a Flux block ~1 ms of host time per forward. Processors whose
+module does not name ``dispatch_attention_fn`` (and the classic processors below) keep the
+override over the module's whole forward. Only SDPA calls made inside a patched module's
 forward run :func:`visionattn.attention`; the processor objects, their
 ``_attention_backend`` / ``_parallel_config`` and the module's parameters are not
-touched, and :func:`unpatch_dispatch` removes the hooks (the model is then exactly
-the unpatched model).
+touched, and :func:`unpatch_dispatch` removes the hooks and, with the last patched module
+using it, the wrapper (the model is then exactly the unpatched model).
 
 A module is dispatcher-backed by diffusers' own test (``ModelMixin.set_attention_backend``):
 an instance of ``Attention`` / ``MochiAttention`` / ``AttentionModuleMixin`` whose
@@ -22,8 +31,8 @@ processor has an ``_attention_backend`` attribute (the classic ``AttnProcessor2_
 has none and stays with :mod:`visionattn.patching.diffusers`). The same hooks serve
 the classic processors of :data:`SDPA_PROCESSORS`, matched by exact class, whose only
 attention is one unmasked ``F.scaled_dot_product_attention`` call (SD3's
-``JointAttnProcessor2_0``). Skipped, with the reason: a processor pinned to a non-native backend (``flash``, ``sage``, ...) and a
-processor with context parallelism (``_parallel_config``).
+``JointAttnProcessor2_0``). Skipped, with the reason: a processor pinned to a non-native
+backend (``flash``, ``sage``, ...) and a processor with context parallelism (``_parallel_config``).
 
 At run time every patched module counts its routed and passed SDPA calls
 (:func:`dispatch_counts`); a forward that routed no call warns once (a non-native
@@ -33,6 +42,9 @@ diffusers is imported only when a diffusers model is patched.
 """
 from __future__ import annotations
 
+import functools
+import sys
+import threading
 from collections import Counter
 
 from torch import nn
@@ -55,6 +67,62 @@ _VIA_DISPATCH = "(dispatch_attention_fn)"
 _VIA_SDPA = "(scaled_dot_product_attention)"
 # Where patch_dispatch keeps {processor key: DispatchRoute} on the model.
 _ROUTES_ATTR = "_visionattn_dispatch_routes"
+# Per thread: the SDPAOverride of each patched module whose forward runs now (innermost last).
+_RUNNING = threading.local()
+# processor module name -> number of installed routes that use its dispatch_attention_fn wrapper
+_WRAPPED: Counter = Counter()
+
+
+def _running() -> list:
+    stack = getattr(_RUNNING, "stack", None)
+    if stack is None:
+        stack = _RUNNING.stack = []
+    return stack
+
+
+def _scoped(original):
+    """``dispatch_attention_fn`` that runs inside the override of the innermost patched module running in this
+    thread, and is diffusers' own call anywhere else."""
+    @functools.wraps(original)
+    def dispatch_attention_fn(*args, **kwargs):
+        stack = _running()
+        if not stack:
+            return original(*args, **kwargs)
+        with stack[-1]:
+            return original(*args, **kwargs)
+
+    dispatch_attention_fn._visionattn_original = original
+    return dispatch_attention_fn
+
+
+def _wrap_dispatch(processor) -> str | None:
+    """Install the scoped wrapper in the module that defines ``processor``'s class (once per module, counted);
+    returns that module's name, or None when it does not call ``dispatch_attention_fn`` by that global name."""
+    name = type(processor).__module__
+    module = sys.modules.get(name)
+    current = getattr(module, "dispatch_attention_fn", None)
+    if current is None or not callable(current):
+        return None
+    if getattr(current, "_visionattn_original", None) is None:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        if current is not dispatch_attention_fn:  # a name the processor's module defines itself: leave it
+            return None
+        module.dispatch_attention_fn = _scoped(current)
+    _WRAPPED[name] += 1
+    return name
+
+
+def _unwrap_dispatch(name: str) -> None:
+    """One route fewer uses ``name``'s wrapper; the last one puts diffusers' function back."""
+    _WRAPPED[name] -= 1
+    if _WRAPPED[name] > 0:
+        return
+    del _WRAPPED[name]
+    module = sys.modules.get(name)
+    original = getattr(getattr(module, "dispatch_attention_fn", None), "_visionattn_original", None)
+    if original is not None:
+        module.dispatch_attention_fn = original
 
 
 class DispatchRoute:
@@ -78,26 +146,39 @@ class DispatchRoute:
         self.pass_reasons: Counter = Counter()
         self._active: list[SDPAOverride] = []
         self._handles: list = []
+        self._wrapped: str | None = None  # the processor module whose dispatch_attention_fn carries the override
 
-    def install(self, module: nn.Module) -> None:
-        """Register the pre-hook (push the override) and the always-called hook (pop it) on ``module``."""
+    def install(self, module: nn.Module, processor=None) -> None:
+        """Register the pre-hook and the always-called hook on ``module``. With ``processor`` (a dispatcher-backed
+        one) the override covers only its module's ``dispatch_attention_fn`` where that can be wrapped; otherwise
+        the module's whole forward."""
+        self._wrapped = None if processor is None else _wrap_dispatch(processor)
         self._handles = [module.register_forward_pre_hook(self._enter),
                          module.register_forward_hook(self._exit, always_call=True)]
 
     def remove(self) -> None:
-        """Remove both hooks."""
+        """Remove both hooks (and this route's use of the dispatch wrapper)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._wrapped is not None:
+            _unwrap_dispatch(self._wrapped)
+            self._wrapped = None
 
     def _enter(self, module: nn.Module, args) -> None:
         ctx = SDPAOverride(self.mode, **self.options)
-        ctx.__enter__()
+        if self._wrapped is not None:
+            _running().append(ctx)
+        else:
+            ctx.__enter__()
         self._active.append(ctx)
 
     def _exit(self, module: nn.Module, args, output) -> None:
         ctx = self._active.pop()
-        ctx.__exit__(None, None, None)
+        if self._wrapped is not None:
+            _running().remove(ctx)
+        else:
+            ctx.__exit__(None, None, None)
         self.routed += ctx.routed
         self.passed += ctx.passed
         self.pass_reasons.update(ctx.pass_reasons)
@@ -174,7 +255,7 @@ def patch_dispatch(model: nn.Module, mode: str = "fp32", **options) -> dict:
             skipped[key] = {"name": key, "processor": proc_name, "reason": reason}
             continue
         route = DispatchRoute(key, mode, opts)
-        route.install(module)
+        route.install(module, proc if dispatched else None)
         routes[key] = route
         label = f"{proc_name} {_VIA_DISPATCH if dispatched else _VIA_SDPA}"
         replaced[label] = replaced.get(label, 0) + 1
