@@ -16,8 +16,8 @@ replaced by a wrapper that, while a patched module runs in the calling thread, e
 module's :class:`~visionattn.patching.sdpa.SDPAOverride` around the call and otherwise
 calls diffusers' function unchanged. The override (a ``TorchFunctionMode``, which costs a
 Python call per torch operation) is active only inside ``dispatch_attention_fn``, not
-over the projections, norms and rotary embedding of the processor: on an H100 the whole
-module under the mode cost a Flux block ~1 ms of host time per forward. Processors whose
+over the projections, norms and rotary embedding of the processor (docs/tuning.md: SDPA
+routing only inside dispatch_attention_fn). Processors whose
 module does not name ``dispatch_attention_fn`` (and the classic processors below) keep the
 override over the module's whole forward. Only SDPA calls made inside a patched module's
 forward run :func:`visionattn.attention`; the processor objects, their
