@@ -179,3 +179,18 @@ def test_override_covers_only_dispatch_attention_fn_and_unpatch_restores_it(monk
     assert dispatch_counts(other)["routed"] == 0
     va.unpatch_model(other)
     assert transformer_flux.dispatch_attention_fn is dispatch.dispatch_attention_fn
+
+
+def test_compiled_patched_flux_routes_the_same_calls():
+    """torch.compile (TorchDynamo, eager backend) traces through the hooks and the dispatch wrapper: the compiled
+    model routes its three attention calls to visionattn and gives the eager patched model's output."""
+    model, inputs = _flux()
+    va.patch_model(model, mode="fp32")
+    eager = _run(model, inputs)
+    routed = dispatch_counts(model)["routed"]
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        out = compiled(**inputs)[0]
+    assert dispatch_counts(model)["routed"] == routed + 3
+    assert torch.equal(out, eager)
+    va.unpatch_model(model)
