@@ -30,7 +30,10 @@ visionattn's varlen attention vs SDPA padded, per sequence and on nested tensors
 ``--backward`` times forward + backward instead (``torch.autograd.grad`` of the output against a random
 dO, every mode through the public function and its backward kernels) against SDPA efficient / flash /
 cuDNN and FlexAttention in the same run, eager and graph timing side by side as above (the graph captures the
-whole forward + backward call); TFLOP/s count 3.5 x 4*B*H*N*N*D; peak extra
+whole forward + backward call); in fp16 / bf16 also SDPA-flash under ``torch.use_deterministic_algorithms(True)``
+(``sdpa-flash-det``: PyTorch's deterministic flash backward, the like-for-like baseline of visionattn's
+deterministic backward; cuDNN's backward is refused in that mode; the NaN fill of new memory that mode adds is
+switched off, so the row times the algorithm); TFLOP/s count 3.5 x 4*B*H*N*N*D; peak extra
 memory of forward + backward; gradient error = relative L2 of dQ, dK, dV vs a float64 autograd oracle
 (run over query-row chunks; beyond B*H*N*N = 2^33 only dQ, on the subsample of query rows); the
 training targets. Writes ``fwd_bwd.md``, ``fwd_bwd.json`` and ``fwd_bwd.png`` to ``--out``.
@@ -65,9 +68,12 @@ from visionattn.reporting import (eager_graph_ms, environment, eager_ms, host_us
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
     "fp32": (torch.float32, ["fp32", "fp32-ieee", "tf32"], ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),
-    "fp16": (torch.float16, ["fp16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "flex"]),
-    "bf16": (torch.bfloat16, ["bf16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-cudnn", "flex"]),
+    "fp16": (torch.float16, ["fp16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn",
+                                       "flex"]),
+    "bf16": (torch.bfloat16, ["bf16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn",
+                                        "flex"]),
 }
+BACKWARD_ONLY = ("sdpa-flash-det",)  # baselines that only the --backward table runs
 
 
 def build_parser() -> ToolParser:
@@ -158,12 +164,30 @@ def _runner(name):
     return _ours(name)
 
 
+@contextlib.contextmanager
+def _deterministic():
+    """``torch.use_deterministic_algorithms(True)`` without the NaN fill of new memory, restored after."""
+    import torch.utils.deterministic as det
+
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             det.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    det.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        det.fill_uninitialized_memory = saved[2]
+
+
 def _fwd_bwd_runner(name, do):
     """``fn(q, k, v) -> (dq, dk, dv)``: backend ``name``'s forward and its backward against ``do``."""
-    run = _runner(name)
+    det = name == "sdpa-flash-det"
+    run = _runner("sdpa-flash" if det else name)
 
     def step(q, k, v):
-        with _tf32(True) if name == "flex-tf32" else contextlib.nullcontext():  # its compiled backward too
+        context = _tf32(True) if name == "flex-tf32" else _deterministic() if det else contextlib.nullcontext()
+        with context:  # flex-tf32: its compiled backward too; flash-det: the backward runs inside
             return torch.autograd.grad(run(q, k, v), (q, k, v), do)
 
     return step
@@ -317,7 +341,8 @@ def run_sweep(args, cfg) -> dict:
             if not ours:
                 continue
             base = [b for b in baselines if not (b.startswith("flex") and (args.no_flex or not shape.get("flex")))
-                    and not (args.backward and b == "sdpa-math")]  # training baselines: efficient, flash, cuDNN, flex
+                    and not (args.backward and b == "sdpa-math")  # training baselines: efficient, flash, cuDNN, flex
+                    and (args.backward or b not in BACKWARD_ONLY)]
             jobs.append((shape, group, dtype, ours + base))
     for shape, group, dtype, backends in tqdm(jobs, desc="shapes x dtypes"):
         B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]
