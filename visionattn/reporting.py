@@ -119,15 +119,18 @@ def tf32_disabled():
 
 class AttentionFree:
     """While active, ``torch.nn.functional.scaled_dot_product_attention`` computes no attention: it returns a copy
-    of the value rows (``value[..., :Nq, :]``, or zeros of the output's shape when there are fewer key rows than
-    query rows or the leading dims differ). A model timed inside runs everything but its attention, so
-    ``t(model) / t(model inside)`` bounds the speed-up that any attention kernel can give it (Amdahl's law): the
-    "attention-free" rows of the tools. Gradients flow to ``value`` only, so a training step still runs every
-    other backward. For benchmarks only; the outputs are meaningless.
+    of the value rows (``value[..., :Nq, :]``, or zeros of the output's shape, without a gradient, when there are
+    fewer key rows than query rows or the leading dims differ). A model timed inside runs everything but its
+    attention, so ``t(model) / t(model inside)`` bounds the speed-up that any attention kernel can give it
+    (Amdahl's law): the "attention-free" rows of the tools. Gradients flow to ``value`` only, so a training step
+    still runs every other backward. For benchmarks only; the outputs are meaningless.
 
     Attributes:
         calls: SDPA calls answered so far. 0 after a forward means the model does not reach SDPA (e.g. timm's
             Swin-v2 computes its cosine attention itself) and its time is no bound.
+
+    Raises:
+        RuntimeError: entered again while active (not re-entrant).
     """
 
     def __init__(self):
