@@ -34,7 +34,8 @@ def test_bench_vggt_long_table_on_cpu_tiny(tmp_path):
 
 def test_attention_free_row_answers_every_sdpa_call_on_cpu_tiny(tmp_path, monkeypatch):
     """The free-fp32 row runs the SDPA row's model with SDPA answering its value rows: it answers every SDPA call
-    the SDPA row makes (counted by a spy), and it is not run unless named."""
+    the SDPA row makes (counted by a spy), per timed forward also after the point's untimed warm-up forward, and it
+    is not run unless named."""
     import torch.nn.functional as F
 
     tool = _tool()
@@ -46,17 +47,19 @@ def test_attention_free_row_answers_every_sdpa_call_on_cpu_tiny(tmp_path, monkey
         calls.append(1)
         return sdpa(*args, **kwargs)
 
-    def run(row, out):
+    def run(row, out, *extra):
         args = tool.parser.parse_args(["--tiny", "--device", "cpu", "--models", "vggt", "--frames", "2", "--rows",
-                                       row, "--height", "28", "--width", "42", "--no-point-warmup", "--out", out])
+                                       row, "--height", "28", "--width", "42", "--out", out, *extra])
         return tool.main(args)["points"]["vggt"][row]["2"]
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    run("sdpa-fp32", str(tmp_path / "sdpa"))
+    run("sdpa-fp32", str(tmp_path / "sdpa"), "--no-point-warmup")
     monkeypatch.undo()
     per_forward = len(calls) // 2  # the 2-frame warm-up forward, then the timed one
     assert per_forward > 0 and len(calls) == 2 * per_forward
     out = str(tmp_path / "free")
-    p = run("free-fp32", out)
-    assert p["sdpa_calls"] == per_forward and p["time_s"] > 0
+    p = run("free-fp32", out, "--no-point-warmup")
+    assert p["sdpa_calls_per_forward"] == per_forward and p["time_s"] > 0
+    warm = run("free-fp32", str(tmp_path / "warm"), "--repeats", "2")  # an untimed forward, then two timed ones
+    assert warm["sdpa_calls_per_forward"] == per_forward
     assert "attention-free FP32 (bound)" in open(out + ".md").read()
