@@ -122,12 +122,19 @@ class AttentionFree:
     of the value rows (``value[..., :Nq, :]``, or zeros of the output's shape, without a gradient, when there are
     fewer key rows than query rows or the leading dims differ). A model timed inside runs everything but its
     attention, so ``t(model) / t(model inside)`` bounds the speed-up that any attention kernel can give it
-    (Amdahl's law): the "attention-free" rows of the tools. Gradients flow to ``value`` only, so a training step
-    still runs every other backward. For benchmarks only; the outputs are meaningless.
+    (Amdahl's law): the "attention-free" rows of the tools. Gradients flow to ``value``, and zeros to a float
+    ``attn_mask`` (SDPA) or ``relative_position_bias`` / ``bias`` (:meth:`core`) that requires them, so a training
+    step still runs every other backward, the position-bias tables' included (timm's Swin gathers its bias from a
+    table, Swin-v2 computes it with an MLP, every training forward). For benchmarks only; the outputs are meaningless.
+
+    :meth:`core` answers the same way for an attention core that is not SDPA (e.g. visionattn's cores of a patched
+    model, through ``visionattn.patching.timm.override_cores``): the bound of a model whose own attention never calls
+    SDPA (timm's Swin-v2 computes its cosine attention itself).
 
     Attributes:
-        calls: SDPA calls answered so far. 0 after a forward means the model does not reach SDPA (e.g. timm's
-            Swin-v2 computes its cosine attention itself) and its time is no bound.
+        calls: SDPA calls answered so far. 0 after a forward means the model does not reach SDPA and its time is no
+            bound.
+        core_calls: :meth:`core` calls answered so far.
 
     Raises:
         RuntimeError: entered again while active (not re-entrant).
@@ -135,14 +142,30 @@ class AttentionFree:
 
     def __init__(self):
         self.calls = 0
+        self.core_calls = 0
         self._saved = None
 
-    def _sdpa(self, query, key, value, *args, **kwargs):
+    def _sdpa(self, query, key, value, attn_mask=None, *args, **kwargs):
         self.calls += 1
+        return self._value_rows(query, value, attn_mask)
+
+    def core(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+        """An attention core ``(query [..., Nq, D], key, value [..., Nk, Dv], **options) -> [..., Nq, Dv]`` that
+        computes no attention: a copy of the value rows, as the SDPA stand-in (a ``relative_position_bias`` or
+        ``bias`` option that requires a gradient gets zeros; other options ignored)."""
+        self.core_calls += 1
+        return self._value_rows(query, value, kwargs.get("relative_position_bias", kwargs.get("bias")))
+
+    @staticmethod
+    def _value_rows(query, value, bias=None):
         n = query.shape[-2]
         if value.shape[:-2] == query.shape[:-2] and value.shape[-2] >= n:
-            return value[..., :n, :].clone()
-        return value.new_zeros(query.shape[:-1] + value.shape[-1:])
+            out = value[..., :n, :].clone()
+        else:
+            out = value.new_zeros(query.shape[:-1] + value.shape[-1:])
+        if isinstance(bias, torch.Tensor) and bias.requires_grad and bias.is_floating_point():
+            out = _ZeroGradTo.apply(out, bias)
+        return out
 
     def __enter__(self) -> "AttentionFree":
         if self._saved is not None:
@@ -154,6 +177,20 @@ class AttentionFree:
     def __exit__(self, *exc) -> None:
         torch.nn.functional.scaled_dot_product_attention = self._saved
         self._saved = None
+
+
+class _ZeroGradTo(torch.autograd.Function):
+    """``out`` unchanged; in the backward, zeros for ``tied`` (its producers' backward still runs)."""
+
+    @staticmethod
+    def forward(ctx, out, tied):
+        ctx.tied = (tied.shape, tied.dtype, tied.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.tied
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 def attention_free() -> AttentionFree:

@@ -62,8 +62,35 @@ def test_training_tool_reports_the_attention_free_bound(tmp_path):
     res = bench_train.main(common + ["--cases", "swin_tiny_patch4_window7_224:32:2", "--out", str(tmp_path / "s")])
     un, ours, free = res["rows"]
     assert free["sdpa_calls_per_step"] == 2 and "bound" in ours
-    # Swin-v2's cosine attention never calls SDPA: no bound
+    # Swin-v2's cosine attention never calls SDPA: that side runs patched, visionattn's window cores answering
+    # (one call per block), and the bound is unpatched / that
     res = bench_train.main(common + ["--cases", "swinv2_tiny_window8_256:32:2", "--out", str(tmp_path / "v2")])
     un, ours, free = res["rows"]
-    assert free["sdpa_calls_per_step"] == 0 and "bound" not in ours and "speedup" not in free
-    assert "no bound: 0 SDPA calls" in (tmp_path / "v2.md").read_text()
+    assert free["sdpa_calls_per_step"] == 0 and free["core_calls_per_step"] == 2
+    assert ours["bound"] == pytest.approx(un["ms"] / free["ms"])
+    assert "attention-free (patched, its cores answer V)" in (tmp_path / "v2.md").read_text()
+
+
+def test_core_answers_value_rows_and_counts():
+    """``AttentionFree.core`` (the stand-in for visionattn's cores) returns a copy of V whatever the options, and
+    counts apart from the SDPA calls."""
+    free = reporting.AttentionFree()
+    q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
+    out = free.core(q, k, v, cosine=True, logit_scale=torch.ones(3))
+    assert torch.equal(out, v) and out.data_ptr() != v.data_ptr()
+    assert (free.core_calls, free.calls) == (1, 0)
+
+
+def test_position_bias_still_gets_its_backward():
+    """A bias that needs a gradient (timm's Swin gathers it from a table, Swin-v2 computes it with an MLP) gets
+    zeros from both stand-ins, so the table's backward still runs; the value rows get the output gradient."""
+    table = torch.randn(7, 3, requires_grad=True)
+    q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    v = torch.randn(2, 3, 5, 4, requires_grad=True)
+    index = torch.randint(0, 7, (5, 5))
+    with reporting.attention_free() as free:
+        for out in (F.scaled_dot_product_attention(q, k, v, attn_mask=table[index].permute(2, 0, 1)),
+                    free.core(q, k, v, relative_position_bias=table[index].permute(2, 0, 1))):
+            g = torch.randn_like(out)
+            dtable, dv = torch.autograd.grad(out, (table, v), g)
+            assert torch.equal(dtable, torch.zeros_like(table)) and torch.equal(dv, g)
