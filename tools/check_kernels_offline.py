@@ -179,7 +179,8 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
     precision = elsa_bwd.fp32_products(mode, products)[1]
     base = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), HEAD_B=precision in elsa_bwd.HEAD_SCALED,
                 IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
-                HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
+                HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False,
+                ROW_STATS=mode == "bf16")  # half products form the rows' delta and LSE in the kernels at short lengths
     dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV",
                                     "DQ", "DQACC", "Sem", "E"), ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
     dq_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DQ", "DB",

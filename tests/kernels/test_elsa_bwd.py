@@ -342,6 +342,36 @@ def test_the_backward_plan_is_built_once_per_signature(monkeypatch):
 
 
 @cpu_only
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+@pytest.mark.parametrize("Nq,Nk,causal,bias_grad", [(45, 23, False, True), (40, 40, True, False),
+                                                    (23, 45, False, False)])
+def test_half_rows_formed_in_the_kernels(monkeypatch, mode, Nq, Nk, causal, bias_grad):
+    """Half products at few key tiles form each row's delta and LSE inside the two kernels (no preprocess launch):
+    the gradients meet the mode's bound, equal the preprocess path's within FP32 rounding, and fully masked rows
+    (causal with Nq > Nk, a boolean mask) still get zero gradients."""
+    from visionattn.kernels import elsa_bwd
+    from visionattn.kernels._launch import PlanCache
+
+    q, k, v, do = _inputs(2, 2, Nq, Nk, 32, seed=3)
+    mask = torch.rand(2, 1, Nq, Nk, generator=torch.Generator().manual_seed(5)) > 0.3
+    mask[:, :, 0] = False  # an all-masked row
+    bias = torch.randn(2, Nq, Nk, generator=torch.Generator().manual_seed(6)) if bias_grad else None
+    got = {}
+    for max_tiles in (elsa_bwd.ROW_STATS_MAX_KEY_TILES, 0):
+        plans = PlanCache()
+        monkeypatch.setattr(elsa_bwd, "PLANS", plans)
+        monkeypatch.setattr(elsa_bwd, "ROW_STATS_MAX_KEY_TILES", max_tiles)
+        got[max_tiles] = check_mode(mode, q, k, v, do, bias=bias, mask=mask, causal=causal)
+        (plan,) = plans.plans.values()
+        assert plan.row_stats == (max_tiles > 0)
+        assert all(torch.all(g[:, :, 0] == 0) for g in got[max_tiles][:1])  # the masked row's dq
+    for a, b in zip(*got.values()):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert rel_l2(a.float(), b.float()) <= 1e-5
+
+
+@cpu_only
 @pytest.mark.parametrize("Nq,Nk", [(0, 5), (5, 0), (0, 0)])
 def test_empty(Nq, Nk):
     """No queries or no keys: zero / empty gradients of the right shapes, dBias zeros."""
