@@ -42,6 +42,7 @@ from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
                        _head_scale_grad, _mm, _tensor_key, fp32_products, launch_backward, product_flags)
 from .elsa_fwd import load_kv_tile
+from .window_fwd import _COMPUTE_CODE, _prep_rows
 from .modes import MODES
 
 __all__ = ["window_backward", "get_config", "fused_launch", "FUSED_MAX_TOKENS", "KERNELS"]
@@ -60,7 +61,7 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
                              PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
                              HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr, WRITE_DHS: tl.constexpr,
                              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                             GRAD_PRECISION: tl.constexpr):
+                             GRAD_PRECISION: tl.constexpr, NORMALIZE: tl.constexpr, COMPUTE: tl.constexpr):
     """dq, dk, dv (and dS summed into a d bias partial) of windows ``[g * per_chunk, (g + 1) * per_chunk)`` of
     head ``h``, one window (N <= BLOCK tokens) per step; 1-D grid ``H * G``, program ``g * H + h``.
 
@@ -69,6 +70,13 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
     ``dS = P * (dO V^T - delta)``, ``dQ = c dS K``, ``dK = c dS^T Q``. Outputs contiguous [BW, H, N, D | Dv].
     WRITE_DB: the chunk's dS sum goes to ``DB[g, h]`` [N, N] (FP32). WRITE_DHS: each window's
     ``sum(dS * q k^T)``, made robust by :func:`.elsa_bwd._head_scale_grad`, to ``DHS[b * H + h]``.
+
+    NORMALIZE (Swin-v2, q and k as the caller has them): the rows of q and k are L2-normalised here as the
+    forward kernel normalises them (:func:`.window_fwd._prep_rows`, the same rounding), ``HS`` holds
+    ``logit_scale`` [H] and ``c = exp(min(logit_scale, log 100))`` as the forward forms it, and dq, dk are
+    carried through the normalisation, ``dx = (dy - y (y . dy)) / ||x||`` (``dy / eps`` where ``||x|| <= eps``,
+    y the FP32 normalised row), and WRITE_DHS writes each window's gradient of ``logit_scale`` instead of c's
+    (times ``c``, zero where the cap binds).
     """
     pid = tl.program_id(0)
     h = (pid % H).to(tl.int64)
@@ -79,7 +87,12 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
     ok_n = offs < N
     ok = ok_n[:, None] & ok_n[None, :]
     offs64 = offs.to(tl.int64)
-    scale = _head_scale(HS, h, scale0, HEAD_SCALE)
+    if NORMALIZE:
+        ls = tl.load(HS + h).to(tl.float32)
+        scale = tl.exp(tl.minimum(ls, 4.605170185988092))  # the forward's c (window_fwd._logit_mult)
+        dls_mult = tl.where(ls <= 4.605170185988092, scale, 0.0)  # dc / d logit_scale (clamp passes at the cap)
+    else:
+        scale = _head_scale(HS, h, scale0, HEAD_SCALE)
     b_ptrs = Bias + h * sbh + offs64[:, None] * sbm + offs64[None, :] * sbn
     db_acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
     r_lo = g * per_chunk
@@ -92,6 +105,10 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
                          True, EVEN_D)
         v = load_kv_tile(V + b * svb + h * svh + offs64[:, None] * svn + offs_dv[None, :] * svd, ok_n, offs_dv, Dv,
                          True, EVEN_DV)
+        if NORMALIZE:
+            q_raw, k_raw = q, k
+            q = _prep_rows(q_raw, 1.0, COMPUTE, True, False)
+            k = _prep_rows(k_raw, 1.0, COMPUTE, True, False)
         do = load_kv_tile(DO + b * sdb + h * sdh + offs64[:, None] * sdm + offs_dv[None, :] * sdd, ok_n, offs_dv,
                           Dv, True, EVEN_DV).to(q.dtype)
         o = load_kv_tile(O + b * sob + h * soh + offs64[:, None] * som + offs_dv[None, :] * sod, ok_n, offs_dv, Dv,
@@ -109,6 +126,9 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
         ds = p * (dp - delta[:, None])
         dq = _mm(ds.to(q.dtype), k, GRAD_PRECISION, DOT_UPCAST) * scale
         dk = _mm(tl.trans(ds.to(q.dtype)), q, GRAD_PRECISION, DOT_UPCAST) * scale
+        if NORMALIZE:
+            dq = _normalize_grad(q_raw, dq)
+            dk = _normalize_grad(k_raw, dk)
         bh = b * H + h
         out_d = ok_n[:, None] & (offs_d < D)[None, :]
         tl.store(DQ + bh * N * D + offs64[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=out_d)
@@ -116,11 +136,27 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
         tl.store(DV + bh * N * Dv + offs64[:, None] * Dv + offs_dv[None, :], dv.to(DV.dtype.element_ty),
                  mask=ok_n[:, None] & (offs_dv < Dv)[None, :])
         if WRITE_DHS:
-            tl.store(DHS + bh, _head_scale_grad(tl.sum(ds * qk, 1), tl.sum(ds, 1), tl.sum(p * qk, 1), tl.sum(p, 1)))
+            dhs = _head_scale_grad(tl.sum(ds * qk, 1), tl.sum(ds, 1), tl.sum(p * qk, 1), tl.sum(p, 1))
+            if NORMALIZE:
+                dhs = dhs * dls_mult
+            tl.store(DHS + bh, dhs)
         if WRITE_DB:
             db_acc += ds
     if WRITE_DB:
         tl.store(DB + (g * H + h) * N * N + offs64[:, None] * N + offs64[None, :], db_acc, mask=ok)
+
+
+@triton.jit
+def _normalize_grad(x, dy):
+    """The gradient at ``x`` [R, C] (compute dtype) of ``x / max(||x||, eps)`` given ``dy`` (FP32) at its output,
+    eps = 1e-12, as :mod:`.l2norm`'s backward forms it: ``(dy - y (y . dy)) / ||x||``, ``dy / eps`` where
+    ``||x|| <= eps``; sums in FP32."""
+    xf = x.to(tl.float32)
+    norm = tl.sqrt(tl.sum(xf * xf, axis=1))
+    denom = tl.maximum(norm, 1e-12)
+    y = xf / denom[:, None]
+    dot = tl.where(norm <= 1e-12, 0.0, tl.sum(y * dy, axis=1))
+    return (dy - y * dot[:, None]) / denom[:, None]
 
 
 def fused_launch(block: int, n_tokens: int, half: bool, precision: str) -> tuple[int, int]:
@@ -151,7 +187,7 @@ class _FusedPlan:
     __slots__ = ("call", "fixed", "fixed_tail", "G", "dims", "write_db", "write_dhs", "device")
 
     def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, mode, write_db, write_dhs,
-                 bias_splits, products, num_stages=None):
+                 bias_splits, products, num_stages=None, normalize=False):
         BW, H, N, D = q.shape
         Dv = v.shape[3]
         block = max(16, pad_pow2(N))
@@ -175,7 +211,8 @@ class _FusedPlan:
             BLOCK=block, BLOCK_D=block_d, BLOCK_DV=block_dv, **product_flags(precision), HAS_BIAS=bias is not None,
             HAS_ADD=add_mask is not None, HEAD_SCALE=head_scale is not None, WRITE_DB=write_db, WRITE_DHS=write_dhs,
             EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
-            DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting()),
+            DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting(), NORMALIZE=normalize,
+            COMPUTE=_COMPUTE_CODE[q.dtype]),
             dict(num_warps=warps, num_stages=num_stages))
 
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, scale):
@@ -214,7 +251,8 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     num_windows: int, scale: float, mode: str, head_scale: torch.Tensor | None = None,
                     bias_requires_grad: bool = False, head_scale_requires_grad: bool = False, *,
                     config: BwdConfig | None = None, bias_splits: int | None = None, kernel: str = "auto",
-                    products: str | None = None,
+                    products: str | None = None, logit_scale: torch.Tensor | None = None,
+                    logit_scale_requires_grad: bool = False,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of window attention (module docstring) from the saved log-sum-exp.
 
@@ -243,11 +281,17 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             ``config``, else the split kernels), ``"fused"`` or ``"split"`` (module docstring).
         products: FP32 products override, as :func:`.elsa_backward`'s (None = the mode's window products,
             :attr:`.Mode.window_backward_precision` where set).
+        logit_scale: Swin-v2 with q and k as the caller has them (not normalised): timm's ``logit_scale``
+            (H values, any float dtype); the fused kernel normalises q and k as the forward kernel with
+            ``normalized=False`` does, uses ``c = exp(min(logit_scale, log 100))`` and returns the gradients of
+            the raw q and k (the normalisation's backward included). Fused kernel only (N <= 64, no
+            ``config``); ``head_scale`` must be None.
+        logit_scale_requires_grad: with ``logit_scale``, also return d logit_scale (in place of d head_scale).
 
     Returns:
         ``(dq, dk, dv, dbias, dhead_scale)``: dq, dk [B*nW, H, N, D] and dv [B*nW, H, N, Dv], contiguous, in
         q's dtype; dbias [H, N, N] in the bias's dtype (the sum over all windows) or None; dhead_scale in
-        ``head_scale``'s shape and dtype or None.
+        ``head_scale``'s shape and dtype (with ``logit_scale``: d logit_scale in its shape and dtype) or None.
 
     Raises:
         ValueError: unknown mode; mismatched shapes (naming the argument); ``num_windows`` not dividing
@@ -280,6 +324,23 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             raise ValueError(f"head_scale has shape {tuple(head_scale.shape)} on {head_scale.device}; expected "
                              f"{H} values on {q.device}")
         hs = head_scale.detach().reshape(H).to(torch.float32).contiguous()
+    if logit_scale is not None:
+        if head_scale is not None or head_scale_requires_grad:
+            raise ValueError("logit_scale (raw q, k normalised in the kernel) and head_scale exclude each other")
+        if not isinstance(logit_scale, torch.Tensor) or not logit_scale.is_floating_point():
+            raise TypeError(f"logit_scale must be a floating tensor, got "
+                            f"{getattr(logit_scale, 'dtype', type(logit_scale).__name__)}")
+        if logit_scale.numel() != H or logit_scale.device != q.device:
+            raise ValueError(f"logit_scale has shape {tuple(logit_scale.shape)} on {logit_scale.device}; expected "
+                             f"{H} values on {q.device}")
+        if N > FUSED_MAX_TOKENS or config is not None or kernel == "split":
+            raise ValueError(f"logit_scale (q, k normalised in the kernel) runs on the fused kernel only: windows "
+                             f"of at most {FUSED_MAX_TOKENS} tokens (got {N}), no config, kernel 'auto' or 'fused'")
+        hs = logit_scale.detach().reshape(H)
+        if hs.stride(0) != 1:
+            hs = hs.contiguous()
+    elif logit_scale_requires_grad:
+        raise ValueError("logit_scale_requires_grad=True needs a logit_scale")
     if bias_requires_grad and relative_position_bias is None:
         raise ValueError("bias_requires_grad=True needs a relative_position_bias")
     if head_scale_requires_grad and head_scale is None:
@@ -293,6 +354,14 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         raise ValueError(f"kernel='fused' runs windows of at most {FUSED_MAX_TOKENS} tokens without a config "
                          f"(got N={N}, config={config}); use kernel='split' or 'auto'")
     empty = BW * H == 0 or q.shape[3] == 0 or v.shape[3] == 0
+    if logit_scale is not None and (empty or not BW):  # nothing to normalise: zero gradients
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return (dq, dk, dv, torch.zeros_like(relative_position_bias) if bias_requires_grad else None,
+                torch.zeros_like(logit_scale) if logit_scale_requires_grad else None)
+    if logit_scale is not None:
+        return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
+                      logit_scale, bool(bias_requires_grad), bool(logit_scale_requires_grad), bias_splits, products,
+                      normalize=True)
     if BW and (kernel == "fused" or (kernel == "auto" and N <= FUSED_MAX_TOKENS and config is None and not empty)):
         return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
                       head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits, products)
@@ -309,12 +378,14 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
 
 def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_scale, write_db, write_dhs,
-           bias_splits, products):
-    """:func:`window_backward` on the fused kernel from the cached plan of the call's signature."""
+           bias_splits, products, normalize=False):
+    """:func:`window_backward` on the fused kernel from the cached plan of the call's signature (``normalize``:
+    ``hs`` is the logit scale and ``head_scale`` the caller's logit_scale tensor, the kernel's NORMALIZE)."""
     key = (mode, q.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
            lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(shift_mask),
            hs is not None, write_db, write_dhs, bias_splits, products, q.data_ptr() & 15, k.data_ptr() & 15,
-           v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15)
+           v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15, normalize,
+           hs is not None and hs.dtype)
     plan = PLANS.get(key)
     if plan is not None:
         grads = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
@@ -323,7 +394,7 @@ def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_
 
         def run(stages: int | None):
             p = _FusedPlan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs,
-                           bias_splits, products, stages)
+                           bias_splits, products, stages, normalize)
             built.append((p, p(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)))
 
         first = fused_launch(max(16, pad_pow2(q.shape[2])), q.shape[2], q.dtype != torch.float32,

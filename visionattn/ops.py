@@ -373,6 +373,35 @@ class _WindowFunction(torch.autograd.Function):
         return dq, dk, dv, dbias, None, None, dhs, None, None, None, None
 
 
+class _CosineWindowFunction(torch.autograd.Function):
+    """Eager autograd for Swin-v2's cosine window attention on windows the fused backward kernel takes (at most
+    ``window_bwd.FUSED_MAX_TOKENS`` tokens): q and k arrive as the caller has them, both kernels normalise their
+    rows and form ``c = exp(min(logit_scale, log 100))`` themselves (the same code, so the LSE the forward saves
+    belongs to exactly the logits the backward recomputes), and the backward returns the raw q and k's gradients
+    and d logit_scale. One autograd node and two launches, where normalising outside takes three nodes (two
+    normalisations, the logit scale's exp and clamp) and six more launches, and saves the normalised copies."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, mask, logit_scale, num_windows, mode):
+        out, lse = window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, True, 1.0, mode,
+                                             with_lse=True)
+        ctx.save_for_backward(q, k, v, bias, mask, logit_scale, out, lse)
+        ctx.args = (num_windows, mode)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, bias, mask, logit_scale, out, lse = ctx.saved_tensors
+        num_windows, mode = ctx.args
+        needs = ctx.needs_input_grad
+        dtype = MODES[mode].compute_dtype
+        dq, dk, dv, dbias, dls = _window_bwd.window_backward(
+            q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out, lse, bias, mask, num_windows, 1.0, mode,
+            bias_requires_grad=bias is not None and needs[3], logit_scale=logit_scale,
+            logit_scale_requires_grad=needs[5])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None, dls, None, None
+
+
 def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, scale: float, mode: str,
            grad: bool = False) -> torch.Tensor:
     """Window attention on the kernels; inputs validated (:func:`visionattn.window.validate_window_inputs`).
@@ -384,7 +413,9 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
             logit_scale: [H] when ``cosine`` (Swin-v2), else None.
         grad: the inputs need gradients (``mode`` must be in :data:`BACKWARD_MODES`). The call then runs through
             :class:`_WindowFunction` (eager) or ``visionattn::window_attention_lse`` with its registered autograd
-            formula (``torch.compile``). Cosine: q and k are L2-normalised (``F.normalize``, eps 1e-12) and
+            formula (``torch.compile``). Cosine, eager, windows of at most ``FUSED_MAX_TOKENS``:
+            :class:`_CosineWindowFunction` (the kernels normalise). Other cosine calls: q and k are
+            L2-normalised (``F.normalize``, eps 1e-12) and
             ``c = exp(min(logit_scale, log 100))`` computed here in PyTorch, so autograd carries the
             normalisation's and ``logit_scale``'s gradients (the CPB bias chain arrives through ``bias``); the
             forward kernel takes the normalised q, k as given (no second normalisation, which in half precision
@@ -403,6 +434,8 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
             raise ValueError(f"mode={mode!r} has no window backward kernel; expected one of "
                              f"{sorted(BACKWARD_MODES)}")
         head_scale = None
+        if cosine and q.shape[2] <= _window_bwd.FUSED_MAX_TOKENS and not torch.compiler.is_compiling():
+            return _CosineWindowFunction.apply(q, k, v, bias, mask, logit_scale, num_windows, mode)
         if cosine:
             q, k = _normalize(q), _normalize(k)
             # in FP32 like the kernel's own exp(min(logit_scale, log 100)): a half-precision c would differ
