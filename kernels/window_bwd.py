@@ -317,26 +317,14 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             raise ValueError(f"{name} is on {t.device}; q is on {q.device}")
     hs = None
     if head_scale is not None:
-        if not isinstance(head_scale, torch.Tensor) or not head_scale.is_floating_point():
-            raise TypeError(f"head_scale must be a floating tensor, got "
-                            f"{getattr(head_scale, 'dtype', type(head_scale).__name__)}")
-        if head_scale.numel() != H or head_scale.device != q.device:
-            raise ValueError(f"head_scale has shape {tuple(head_scale.shape)} on {head_scale.device}; expected "
-                             f"{H} values on {q.device}")
-        hs = head_scale.detach().reshape(H).to(torch.float32).contiguous()
+        hs = _per_head("head_scale", head_scale, H, q.device).to(torch.float32).contiguous()
     if logit_scale is not None:
         if head_scale is not None or head_scale_requires_grad:
             raise ValueError("logit_scale (raw q, k normalised in the kernel) and head_scale exclude each other")
-        if not isinstance(logit_scale, torch.Tensor) or not logit_scale.is_floating_point():
-            raise TypeError(f"logit_scale must be a floating tensor, got "
-                            f"{getattr(logit_scale, 'dtype', type(logit_scale).__name__)}")
-        if logit_scale.numel() != H or logit_scale.device != q.device:
-            raise ValueError(f"logit_scale has shape {tuple(logit_scale.shape)} on {logit_scale.device}; expected "
-                             f"{H} values on {q.device}")
         if N > FUSED_MAX_TOKENS or config is not None or kernel == "split":
             raise ValueError(f"logit_scale (q, k normalised in the kernel) runs on the fused kernel only: windows "
                              f"of at most {FUSED_MAX_TOKENS} tokens (got {N}), no config, kernel 'auto' or 'fused'")
-        hs = logit_scale.detach().reshape(H)
+        hs = _per_head("logit_scale", logit_scale, H, q.device)
         if hs.stride(0) != 1:
             hs = hs.contiguous()
     elif logit_scale_requires_grad:
@@ -375,6 +363,15 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if dhs is not None:
         dhs = dhs.reshape(head_scale.shape).to(head_scale.dtype)
     return dq, dk, dv, dbias, dhs
+
+
+def _per_head(name: str, t, H: int, device: torch.device) -> torch.Tensor:
+    """``t`` (H float values, any shape) detached as [H]; TypeError / ValueError naming ``name`` otherwise."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.numel() != H or t.device != device:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} on {t.device}; expected {H} values on {device}")
+    return t.detach().reshape(H)
 
 
 def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_scale, write_db, write_dhs,
