@@ -45,7 +45,7 @@ from .elsa_fwd import load_kv_tile
 from .window_fwd import _COMPUTE_CODE, _prep_rows
 from .modes import MODES
 
-__all__ = ["window_backward", "get_config", "fused_launch", "FUSED_MAX_TOKENS", "KERNELS"]
+__all__ = ["window_backward", "backward_after_forward", "get_config", "fused_launch", "FUSED_MAX_TOKENS", "KERNELS"]
 
 # Windows up to this many tokens run the fused kernel (one 64-token tile per window); larger ones the split kernels
 FUSED_MAX_TOKENS = 64
@@ -178,6 +178,8 @@ def fused_launch(block: int, n_tokens: int, half: bool, precision: str) -> tuple
 
 # call signature -> _FusedPlan; PLANS.hits / PLANS.builds count reuses and builds
 PLANS = PlanCache()
+# (forward plan, what it does not fix) -> _FusedPlan: the eager autograd path's backward (backward_after_forward)
+AFTER_FORWARD = PlanCache()
 
 
 class _FusedPlan:
@@ -374,15 +376,71 @@ def _per_head(name: str, t, H: int, device: torch.device) -> torch.Tensor:
     return t.detach().reshape(H)
 
 
+def _fused_key(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs, bias_splits, products,
+               normalize):
+    """The :data:`PLANS` key of a fused call: shapes, strides, dtypes, alignment and flags."""
+    return (mode, q.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
+            lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(shift_mask),
+            hs is not None, write_db, write_dhs, bias_splits, products, q.data_ptr() & 15, k.data_ptr() & 15,
+            v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15, normalize,
+            hs is not None and hs.dtype)
+
+
+def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shift_mask, num_windows: int,
+                           scale: float, mode: str, head_scale=None, logit_scale=None, bias_requires_grad=False,
+                           scale_requires_grad=False):
+    """:func:`window_backward` of a call whose forward ran from ``forward_plan`` (a
+    :func:`.window_fwd.window_forward_planned` plan with the LSE): ``q`` / ``k`` / ``v`` / ``bias`` / ``shift_mask`` /
+    ``logit_scale`` are what that forward took, ``out`` / ``lse`` what it returned, in the mode's compute dtype.
+    ``head_scale`` (with ``scale_requires_grad``: its gradient) or ``logit_scale`` (Swin-v2, raw q and k; with
+    ``scale_requires_grad``: d logit_scale) as :func:`window_backward` takes them.
+
+    The eager autograd path calls this. The forward plan fixes every layout the fused kernel's plan depends on but
+    the output gradient's and the bias's strides, so a signature's first call validates and builds as
+    :func:`window_backward` does and later calls find the fused plan by those few values (no second validation,
+    no 28-entry key). Windows the fused kernel does not take run :func:`window_backward` every call."""
+    key = (forward_plan, grad_out.stride(), grad_out.dtype, grad_out.data_ptr() & 15,
+           None if bias is None else bias.stride(), bool(bias_requires_grad), bool(scale_requires_grad),
+           head_scale is not None, logit_scale is not None and logit_scale.dtype)
+    plan = AFTER_FORWARD.get(key)
+    source = logit_scale if logit_scale is not None else head_scale
+    if plan is None:
+        result = window_backward(q, k, v, out, grad_out, lse, bias, shift_mask, num_windows, scale, mode, head_scale,
+                                 bias_requires_grad, scale_requires_grad and head_scale is not None,
+                                 logit_scale=logit_scale,
+                                 logit_scale_requires_grad=scale_requires_grad and logit_scale is not None)
+        BW, H, N, D = q.shape
+        fused = (BW and N <= FUSED_MAX_TOKENS and H and D and v.shape[3]
+                 and (logit_scale is None or logit_scale.is_contiguous()))
+        if fused:
+            hs = None if source is None else (logit_scale if logit_scale is not None
+                                              else source.detach().reshape(H).to(torch.float32))
+            found = PLANS.get(_fused_key(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode,
+                                         bool(bias_requires_grad), bool(scale_requires_grad), None,
+                                         MODES[mode].window_backward_precision, logit_scale is not None))
+            if found is not None:
+                AFTER_FORWARD.put(key, found)
+        return result
+    if logit_scale is not None:
+        hs = logit_scale  # contiguous (the plan was kept only then): the kernel reads its H values in place
+    elif head_scale is not None:
+        hs = head_scale.detach().reshape(-1).to(torch.float32).contiguous()
+    else:
+        hs = None
+    dq, dk, dv, dbias, dhs = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
+    if dbias is not None and dbias.dtype != bias.dtype:
+        dbias = dbias.to(bias.dtype)
+    if dhs is not None:
+        dhs = dhs.reshape(source.shape).to(source.dtype)
+    return dq, dk, dv, dbias, dhs
+
+
 def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_scale, write_db, write_dhs,
            bias_splits, products, normalize=False):
     """:func:`window_backward` on the fused kernel from the cached plan of the call's signature (``normalize``:
     ``hs`` is the logit scale and ``head_scale`` the caller's logit_scale tensor, the kernel's NORMALIZE)."""
-    key = (mode, q.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
-           lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(shift_mask),
-           hs is not None, write_db, write_dhs, bias_splits, products, q.data_ptr() & 15, k.data_ptr() & 15,
-           v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15, normalize,
-           hs is not None and hs.dtype)
+    key = _fused_key(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs, bias_splits,
+                     products, normalize)
     plan = PLANS.get(key)
     if plan is not None:
         grads = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)

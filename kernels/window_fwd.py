@@ -63,7 +63,8 @@ from ._launch import KernelCall, PlanCache
 from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
-__all__ = ["window_attention_fwd", "window_forward", "plan_for", "get_config", "SMALL_MAX_N", "PRECISIONS", "PLANS"]
+__all__ = ["window_attention_fwd", "window_forward", "window_forward_planned", "plan_for", "get_config", "SMALL_MAX_N",
+           "PRECISIONS", "PLANS"]
 
 LOG2E = 1.4426950408889634
 SMALL_MAX_N = 128  # windows up to this many tokens run fully in registers
@@ -517,9 +518,9 @@ def plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windo
     ``relative_position_bias`` [H, N, N] and ``shift_mask`` [nW, N, N] with a unit last stride, ``logit_scale``
     [H]: a plan reads them through their data pointers only. ``with_lse`` is part of the key: a forward-only call
     (the default) runs the kernel variant that writes no LSE. ``normalized`` (with ``cosine``): q and k come
-    L2-normalised already and are used as given (the training path normalises them in PyTorch, so the forward's
-    logits, hence its LSE, are exactly those the backward recomputes; renormalising half-precision rows in the
-    kernel would round them differently).
+    L2-normalised already and are used as given (the training path of windows larger than the fused backward
+    takes normalises them in PyTorch, so the forward's logits, hence its LSE, are exactly those the backward
+    recomputes; renormalising half-precision rows in the kernel would round them differently).
 
     Raises:
         ValueError: unknown ``mode``; ``with_lse`` in ``pasa`` / ``fp16-acc16`` (:func:`mode_constexprs`).
@@ -555,6 +556,14 @@ def window_forward(q, k, v, relative_position_bias, shift_mask, logit_scale, num
     Raises:
         ValueError: unknown ``mode``; ``with_lse`` in ``pasa`` / ``fp16-acc16``.
     """
+    return window_forward_planned(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows, cosine,
+                                  scale, mode, with_lse, normalized)[1]
+
+
+def window_forward_planned(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows: int, cosine: bool,
+                           scale: float, mode: str, with_lse: bool = False, normalized: bool = False):
+    """``(plan, result)``: :func:`window_forward`'s result and the plan it ran from, which fixes every layout the
+    backward depends on but the output gradient's (:func:`.window_bwd.backward_after_forward` keys on it)."""
     if relative_position_bias is not None and relative_position_bias.stride(-1) != 1:
         relative_position_bias = relative_position_bias.contiguous()
     if shift_mask is not None and shift_mask.stride(-1) != 1:
@@ -562,7 +571,7 @@ def window_forward(q, k, v, relative_position_bias, shift_mask, logit_scale, num
     if logit_scale is not None and logit_scale.dim() != 1:
         logit_scale = logit_scale.reshape(-1)
     return plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows, cosine, scale, mode,
-                    with_lse, normalized)[1]
+                    with_lse, normalized)
 
 
 def window_attention_fwd(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale,

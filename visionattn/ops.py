@@ -359,18 +359,23 @@ class _WindowFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode):
-        out, lse = window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode,
-                                             with_lse=True, normalized=True)
+        plan, (out, lse) = window_fwd.window_forward_planned(q, k, v, bias, mask, logit_scale, num_windows, cosine,
+                                                             scale, mode, with_lse=True, normalized=True)
         ctx.save_for_backward(q, k, v, bias, mask, head_scale, out, lse)
-        ctx.args = (num_windows, scale, mode)
+        ctx.args = (num_windows, scale, mode, plan)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, bias, mask, head_scale, out, lse = ctx.saved_tensors
-        dq, dk, dv, dbias, dhs = _window_backward(q, k, v, bias, mask, head_scale, out, lse, grad_out, *ctx.args,
-                                                  ctx.needs_input_grad)
-        return dq, dk, dv, dbias, None, None, dhs, None, None, None, None
+        num_windows, scale, mode, plan = ctx.args
+        needs = ctx.needs_input_grad
+        dtype = MODES[mode].compute_dtype
+        dq, dk, dv, dbias, dhs = _window_bwd.backward_after_forward(
+            plan, q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out, lse, bias, mask, num_windows, scale, mode,
+            head_scale=head_scale, bias_requires_grad=bias is not None and needs[3],
+            scale_requires_grad=head_scale is not None and needs[6])
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None, None, dhs, None, None, None, None
 
 
 class _CosineWindowFunction(torch.autograd.Function):
@@ -383,22 +388,21 @@ class _CosineWindowFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, mask, logit_scale, num_windows, mode):
-        out, lse = window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, True, 1.0, mode,
-                                             with_lse=True)
+        plan, (out, lse) = window_fwd.window_forward_planned(q, k, v, bias, mask, logit_scale, num_windows, True, 1.0,
+                                                             mode, with_lse=True)
         ctx.save_for_backward(q, k, v, bias, mask, logit_scale, out, lse)
-        ctx.args = (num_windows, mode)
+        ctx.args = (num_windows, mode, plan)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, bias, mask, logit_scale, out, lse = ctx.saved_tensors
-        num_windows, mode = ctx.args
+        num_windows, mode, plan = ctx.args
         needs = ctx.needs_input_grad
         dtype = MODES[mode].compute_dtype
-        dq, dk, dv, dbias, dls = _window_bwd.window_backward(
-            q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out, lse, bias, mask, num_windows, 1.0, mode,
-            bias_requires_grad=bias is not None and needs[3], logit_scale=logit_scale,
-            logit_scale_requires_grad=needs[5])
+        dq, dk, dv, dbias, dls = _window_bwd.backward_after_forward(
+            plan, q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out, lse, bias, mask, num_windows, 1.0, mode,
+            logit_scale=logit_scale, bias_requires_grad=bias is not None and needs[3], scale_requires_grad=needs[5])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None, dls, None, None
 
 

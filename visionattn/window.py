@@ -236,7 +236,10 @@ def window_attention(
         if reason is None:
             from . import ops  # lazy: importing triton is slow and not needed on CPU
 
-            if grad:  # the backward kernels, from the LSE the forward saves (no runner kept: autograd per call)
+            if grad:  # the backward kernels, from the LSE the forward saves
+                if key is not None and mask is shift_mask:  # later calls: straight to the autograd function
+                    CALLS.put(key, _training_runner(ops, q, bias is not relative_position_bias, bool(cosine),
+                                                    num_windows, md.name))
                 return ops.window(q, k, v, bias, mask, ls, num_windows, bool(cosine), float(scale), md.name,
                                   grad=True)
             # the runner reads the caller's bias / mask / logit_scale by data pointer: only where validation
@@ -257,6 +260,25 @@ def window_attention(
                                      num_windows=num_windows, cosine=bool(cosine), logit_scale=ls, scale=scale,
                                      mode=md)
     return out.to(q.dtype)
+
+
+def _training_runner(ops, q, squeeze_bias: bool, cosine: bool, num_windows: int, mode: str):
+    """The runner of a window call that needs gradients, for :data:`CALLS`: the views validation made of the
+    caller's bias ([1, H, N, N] -> [H, N, N]) and ``logit_scale`` ([H, 1, 1] -> [H]) taken again (autograd
+    carries their gradients back through them), then :func:`visionattn.ops.window`; the signature's checks ran
+    when it was first seen. Kept only for float (or no) shift masks, which validation passes through as given."""
+    H = q.shape[1]
+    default = q.shape[-1] ** -0.5
+
+    def run(q, k, v, bias, mask, logit_scale, scale):
+        if squeeze_bias:
+            bias = bias[0]
+        if logit_scale is not None:
+            logit_scale = logit_scale.reshape(H)
+        return ops.window(q, k, v, bias, mask, logit_scale, num_windows, cosine, default if scale is None else scale,
+                          mode, grad=True)
+
+    return run
 
 
 def _needs_grad(bias, logit_scale) -> bool:

@@ -32,14 +32,14 @@ NAMES = ("dq", "dk", "dv", "dbias", "dlogit_scale")
 @pytest.fixture
 def lse_calls(monkeypatch):
     """A list that grows by one per forward kernel call writing the LSE (the training path)."""
-    calls, real = [], window_fwd.window_forward
+    calls, real = [], window_fwd.window_forward_planned  # window_forward runs through it too
 
     def counting(*args, **kw):
         if kw.get("with_lse"):
             calls.append(args[0].shape)
         return real(*args, **kw)
 
-    monkeypatch.setattr(window_fwd, "window_forward", counting)
+    monkeypatch.setattr(window_fwd, "window_forward_planned", counting)
     return calls
 
 
@@ -163,6 +163,27 @@ def test_cosine_windows_normalise_in_the_kernels_up_to_64_tokens(monkeypatch, n,
     qkv, bias, mask, ls, do = window_case(1, 2, 2, n, 16, seed=5, cosine=True, shift=False)
     check_grads("fp32", torch.float32, qkv, bias, None, ls, do, 2, cosine=True)
     assert (len(calls) == 0) == fused
+
+
+@pytest.mark.parametrize("cosine", [False, True])
+def test_second_call_runs_the_backward_found_through_the_forward_plan(monkeypatch, cosine):
+    """A signature's first training call validates and builds; the second goes from the runner its first call kept
+    straight to the autograd function, whose backward finds the fused plan through the forward's (no second
+    validation either way), and gives bit-identical gradients on the same inputs, those of a bias passed as a
+    [1, H, N, N] view and of ``logit_scale`` included."""
+    import visionattn.window as window_module
+    from visionattn.kernels import window_bwd
+    from visionattn.kernels._launch import PlanCache
+
+    monkeypatch.setattr(window_bwd, "AFTER_FORWARD", PlanCache())
+    monkeypatch.setattr(window_module, "CALLS", PlanCache())
+    qkv, bias, mask, ls, do = window_case(1, 2, 2, 49, 16, seed=6, cosine=cosine)
+    runs = [kernel_grads(qkv, bias, mask, ls, do, 2, cosine, None, "fp32", torch.float32, bias_4d=not cosine)
+            for _ in range(2)]
+    assert (window_bwd.AFTER_FORWARD.builds, window_bwd.AFTER_FORWARD.hits) == (1, 1)
+    assert (window_module.CALLS.builds, window_module.CALLS.hits) == (1, 1)
+    for name, a, b in zip(NAMES, *runs):
+        assert (a is None and b is None) or torch.equal(a, b), name
 
 
 def test_fp32_inputs_in_a_half_mode_get_fp32_gradients():
