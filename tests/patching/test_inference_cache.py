@@ -18,14 +18,14 @@ FAMILIES = ["swin", "swinv2"]
 
 def _bias_calls(model) -> list:
     """A list that grows by one each time a patched module recomputes its position bias (a hook on Swin-v2's
-    cpb_mlp; on Swin, a wrapper of _get_rel_pos_bias)."""
+    cpb_mlp; on Swin, a wrapper of the patched module's _relative_position_bias)."""
     calls = []
     for mod in model.modules():
         if hasattr(mod, "cpb_mlp"):
             mod.cpb_mlp.register_forward_hook(lambda *a: calls.append(1))
-        elif hasattr(mod, "_get_rel_pos_bias"):
-            inner = mod._get_rel_pos_bias
-            mod._get_rel_pos_bias = lambda inner=inner: calls.append(1) or inner()
+        elif hasattr(mod, "_relative_position_bias"):
+            inner = mod._relative_position_bias
+            mod._relative_position_bias = lambda n, inner=inner: calls.append(1) or inner(n)
     return calls
 
 

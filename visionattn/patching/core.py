@@ -368,6 +368,14 @@ def attention_kwargs(module: nn.Module) -> dict:
 _CACHE_PREFIX = "_visionattn_cached_"  # attributes of inference_cached values on a module
 
 
+def gathered_bias(table: torch.Tensor, index: torch.Tensor, N: int) -> torch.Tensor:
+    """A Swin relative position bias [H, N, N] (contiguous) from its per-head table [T, H] and the [N, N] index
+    into it: timm's / transformers' ``table[index].view(N, N, H).permute(2, 0, 1).contiguous()`` as one gather
+    along the table's transposed view (the same values; one op and one backward node instead of three, where
+    training gathers every forward)."""
+    return table.t()[:, index.view(-1)].view(-1, N, N)
+
+
 def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Callable):
     """``compute()``, kept on ``module`` and reused while its ``sources`` (the parameters and buffers it reads)
     stay the same, in eager inference only: with gradients enabled or ``module.training`` it runs every call

@@ -39,7 +39,7 @@ from timm.models import swin_transformer as _swin
 from timm.models import swin_transformer_v2 as _swinv2
 
 from ..api import attention, attention_qkvpacked
-from .core import PatchSpec, attention_kwargs, dropout_fallback, inference_cached
+from .core import PatchSpec, attention_kwargs, dropout_fallback, gathered_bias, inference_cached
 from .naflex import key_padding_attention, key_padding_of
 
 __all__ = ["PATCHES", "VisionattnAttention", "VisionattnAttentionRope", "VisionattnEvaAttention",
@@ -255,12 +255,16 @@ class VisionattnSwinWindowAttention(_swin.WindowAttention):
         q, k, v = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         rel_bias = inference_cached(self, "rel_pos_bias", (self.relative_position_bias_table,
                                                           self.relative_position_index),
-                                    lambda: self._get_rel_pos_bias().reshape(self.num_heads, N, N))
+                                    lambda: self._relative_position_bias(N))
         x = _cores["window"](q, k, v, relative_position_bias=rel_bias, shift_mask=mask,
                              num_windows=1 if mask is None else mask.shape[0], scale=self.scale,
                              **_window_kwargs(self))
         x = x.transpose(1, 2).reshape(B_, N, -1)
         return self.proj_drop(self.proj(x))
+
+    def _relative_position_bias(self, N: int) -> torch.Tensor:
+        """timm's ``_get_rel_pos_bias()`` values as [H, N, N] (:func:`.core.gathered_bias`)."""
+        return gathered_bias(self.relative_position_bias_table, self.relative_position_index, N)
 
 
 # --- Swin-v2: timm.models.swin_transformer_v2.WindowAttention ----------------------------------------
@@ -299,10 +303,10 @@ class VisionattnSwinV2WindowAttention(_swinv2.WindowAttention):
         return self.proj_drop(self.proj(x))
 
     def _continuous_position_bias(self, N: int) -> torch.Tensor:
-        """``16 * sigmoid(cpb_mlp(relative_coords_table))`` gathered to [H, N, N], as timm computes it."""
+        """``16 * sigmoid(cpb_mlp(relative_coords_table))`` gathered to [H, N, N]: timm's values (the elementwise
+        ``16 * sigmoid`` taken on the [T, H] table before :func:`_gathered_bias`, not on the gathered copy)."""
         table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
-        rel_bias = table[self.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
-        return 16 * torch.sigmoid(rel_bias)
+        return gathered_bias(16 * torch.sigmoid(table), self.relative_position_index, N)
 
 
 PATCHES: tuple[PatchSpec, ...] = (

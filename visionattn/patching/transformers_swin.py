@@ -36,7 +36,7 @@ from transformers.models.swinv2 import modeling_swinv2 as _swinv2
 
 from ..dispatch import warn_once
 from ..window import window_attention
-from .core import PatchSpec, attention_kwargs, inference_cached
+from .core import PatchSpec, attention_kwargs, gathered_bias, inference_cached
 
 _LEGACY_SWIN = hasattr(_swin, "SwinSelfAttention")  # the layout of early transformers 5 releases
 
@@ -65,7 +65,8 @@ def _runs_original(module: torch.nn.Module, dropout_p: float, output_attentions)
 
 
 def _window(module, q, k, v, attention_mask: Optional[torch.Tensor], **kw) -> torch.Tensor:
-    """q, k, v [B*nW, H, N, D], shift mask [nW, N, N] or None -> [B*nW, H, N, D] by :func:`visionattn.window_attention`."""
+    """q, k, v [B*nW, H, N, D], shift mask [nW, N, N] or None -> [B*nW, H, N, D] by
+    :func:`visionattn.window_attention`."""
     opts = attention_kwargs(module)
     opts.pop("num_splits", None)  # a window is one tile: window_attention has no split-KV
     return window_attention(q, k, v, shift_mask=attention_mask,
@@ -79,9 +80,8 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def _gathered(module, table: torch.Tensor) -> torch.Tensor:
     """The relative position bias [H, N, N] from a per-head table [(2 Wh - 1) (2 Ww - 1), H], looked up by the
-    module's ``relative_position_index`` [N, N], as transformers does."""
-    N = module.relative_position_index.shape[0]
-    return table[module.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
+    module's ``relative_position_index`` [N, N] (:func:`.core.gathered_bias`: transformers' values)."""
+    return gathered_bias(table, module.relative_position_index, module.relative_position_index.shape[0])
 
 
 def _inline_window(module, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
