@@ -329,36 +329,16 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
 
 
 @triton.jit
-def _row_stats(lse_base, delta_base, do, rows, rows64, row_ok, offs_dv, Dv, som, sod, EVEN_DV: tl.constexpr,
-               ROW_STATS: tl.constexpr):
-    """(lse, delta) of the query rows: read from the preprocess's FP32 rows, or with ROW_STATS formed as the
-    preprocess forms them, from the forward's LSE at ``lse_base`` (``-inf`` read as ``+inf``) and its output at
-    ``delta_base`` (``delta = sum_d dO * O``, ``do`` already in the compute dtype). Rows >= Nq: lse = +inf,
-    delta = 0."""
-    lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
-    if ROW_STATS:
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)
-        o = load_kv_tile(delta_base + rows64[:, None] * som + offs_dv[None, :] * sod, row_ok, offs_dv, Dv, True,
-                         EVEN_DV)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    else:
-        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-    return lse, delta
-
-
-@triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, start_m, offs_m,
-               offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, som, sod,
-               scale,
+               offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale,
                DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr,
                EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
                DOT_UPCAST: tl.constexpr, e_q, e_do, HEAD_B: tl.constexpr, ROW_STATS: tl.constexpr):
     """Add the query tile at ``start_m`` to (dK, dV) of the key tile ``cols`` ([keys, queries] orientation).
     DIAGONAL tiles (causal) mask the queries before each key. Returns ``(dk, dv, dS^T)``: the tile's FP32
-    [BLOCK_N, BLOCK_M] dS, for a caller that also forms dQ from it. ``lse_base`` / ``delta_base``: the rows'
-    LSE and delta as the preprocess wrote them, or with ROW_STATS the forward's LSE and output (row stride
-    ``som``, column stride ``sod``), from which :func:`_row_stats` forms both here."""
+    [BLOCK_N, BLOCK_M] dS, for a caller that also forms dQ from it. ``lse_base``: the preprocess's row LSE, or
+    with ROW_STATS the forward's LSE (``-inf`` read as ``+inf`` here)."""
     rows = start_m + offs_m
     row_ok = rows < Nq
     rows64 = rows.to(tl.int64)
@@ -366,8 +346,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     q = load_kv_tile(q_base + rows64[:, None] * sqm + offs_d[None, :] * sqd, row_ok, offs_d, D, True, EVEN_D)
     do = load_kv_tile(do_base + rows64[:, None] * sdm + offs_dv[None, :] * sdd, row_ok, offs_dv, Dv, True, EVEN_DV)
     do = do.to(q.dtype)
-    lse, delta = _row_stats(lse_base, delta_base, do, rows, rows64, row_ok, offs_dv, Dv, som, sod, EVEN_DV,
-                            ROW_STATS)
+    lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
+    if ROW_STATS:
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
     st = _mmh(k, tl.trans(q), e_q, PRECISION, HEAD_B, DOT_UPCAST) * scale  # [BLOCK_N, BLOCK_M]
     st = _bias_mask(st, b_base + cols64[:, None] * sbn + rows64[None, :] * sbm,
                     a_base + cols64[:, None] * san + rows64[None, :] * sam,
@@ -427,7 +409,7 @@ def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, dq_base, sgqm, start_m, offs
 @triton.jit
 def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, DQ, DQACC, sem_base,
                dq_base, sgqm, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm,
-               sbn, sam, san, smm, smn, som, sod, scale,
+               sbn, sam, san, smm, smn, scale,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
@@ -439,8 +421,8 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
         seen = tl.load(sem_base + t, volatile=True)
     dk, dv, dst = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
                              t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm,
-                             sbn, sam, san, smm, smn, som, sod, scale, DIAGONAL, HAS_BIAS, HAS_ADD, HAS_MASK, EVEN_D,
-                             EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B, ROW_STATS)
+                             sbn, sam, san, smm, smn, scale, DIAGONAL, HAS_BIAS, HAS_ADD, HAS_MASK, EVEN_D, EVEN_DV,
+                             PRECISION, GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B, ROW_STATS)
     if DQ_ORDERED:
         part = _mmh(tl.trans(dst.to(k.dtype)), k, e_k, GRAD_PRECISION, HEAD_B, DOT_UPCAST) * scale  # [rows, D]
         _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, sgqm, t * BLOCK_M, offs_m, offs_d, turn, n_n,
@@ -452,7 +434,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
 def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh,
-               sgvn, sob, soh, som, sod, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh,
+               sgvn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh,
                KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, TAIL: tl.constexpr,
                PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
@@ -496,10 +478,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
     dq_base = bh * Nq * D
     dq_out = DQ + off_b * sgqb + off_h * sgqh  # dQ's rows in its own layout (the accumulator is contiguous)
     lse_base = LseRow + row_base
-    if ROW_STATS:  # Delta: the forward's output
-        delta_base = Delta + off_b * sob + off_h * soh
-    else:
-        delta_base = Delta + row_base
+    delta_base = Delta + row_base
     for phase in tl.static_range(2):  # causal diagonal tiles [lo, mid) with the mask, then [mid, n_m) without
         if phase == 0:
             t_lo, t_hi = lo, tl.minimum(mid, n_full)
@@ -508,19 +487,19 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
         for t in range(t_lo, t_hi):
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, dq_out,
                                 DQACC, sem_base, dq_base, sgqm, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq,
-                                D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, som, sod, scale, BLOCK_M,
-                                BLOCK_N, phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
-                                PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
+                                D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M, BLOCK_N,
+                                phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION,
+                                GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
                                 e_do, HEAD_B, ROW_STATS)
     if TAIL > 0 and TAIL < BLOCK_M:
         t = n_m - 1
         if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall; causal: masked per element
             dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, dq_out,
                                 DQACC, sem_base, dq_base, sgqm, t, tl.arange(0, TAIL), offs_d, offs_dv, cols, col_ok,
-                                turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, som, sod,
-                                scale, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D,
-                                EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q,
-                                e_k, e_do, HEAD_B, ROW_STATS)
+                                turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
+                                BLOCK_N, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
+                                PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
+                                e_do, HEAD_B, ROW_STATS)
     dk = dk * scale
     out_ok = col_ok[:, None]
     dk_ptrs = DK + off_b * sgkb + off_h * sgkh + cols[:, None].to(tl.int64) * sgkn + offs_d[None, :]
@@ -533,9 +512,8 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
 def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                      sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
-                     sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, sob, soh, som, sod, H, Nq, Nk, D, Dv,
-                     scale, n_add, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_DV: tl.constexpr,
+                     sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale, n_add,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
@@ -554,8 +532,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
     rows tall instead of BLOCK_N / BLOCK_M (ViT-B/16's 197 tokens: 5 keys in a 64-key tile would cost a full
     tile's products). Runtime branches pick the width, so a new length compiles nothing new.
 
-    ROW_STATS: no preprocess ran; ``Delta`` is the forward's output (strides ``so*``) and ``LseRow`` its LSE
-    (contiguous [B * H, Nq]), from which each query tile's delta and LSE are formed here (:func:`_row_stats`).
+    ROW_STATS: no preprocess ran; ``LseRow`` is the forward's LSE (contiguous [B * H, Nq]) and ``Delta`` the
+    rows' delta that :func:`_bwd_dq_kernel`, launched first, wrote.
 
     DQ_ORDERED (the single-pass backward): each query tile's ``dS K`` also goes into dQ through
     :func:`_dq_ordered_add` (DQACC: FP32 [B, H, Nq, D], zeroed; Sem: int32 [B * H, cdiv(Nq, BLOCK_M)], zeroed),
@@ -576,24 +554,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
         if pid_n * BLOCK_N + TAIL >= Nk:  # the last key tile, its keys within TAIL rows
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
                        skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
-                       smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, sob, soh, som, sod,
-                       H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
+                       smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv,
+                       scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
                        BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
                        HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B,
                        ROW_STATS)
         else:
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
                        skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
-                       smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, sob, soh, som, sod,
-                       H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N,
+                       smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv,
+                       scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N,
                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS,
                        HAS_ADD, HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
                        HEAD_B, ROW_STATS)
     else:
         _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd, skb,
                    skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb, smh,
-                   smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, sob, soh, som, sod, H, Nq, Nk, D,
-                   Dv, scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
+                   smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale, n_add,
+                   pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
                    BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
                    HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B, ROW_STATS)
 
@@ -658,7 +636,7 @@ def _head_scale_grad(a, z, w, p):
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add", "B_OUT", "H_OUT", "R_H", "n_red", "per_chunk"])
-def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS, E,
+def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS, E, O,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                    sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn, sgqb, sgqh, sgqm, sob, soh, som, sod,
                    H, Nq, Nk, D, Dv, scale0, n_add, B_OUT, H_OUT, R_H, n_red, per_chunk,
@@ -680,7 +658,10 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
     DB_IN_REGS (WRITE_DB with every key in one tile, Nk <= BLOCK_N: Swin's 49- and 64-token windows): the
     chunk's dS sum stays in registers and is stored once, instead of a read-modify-write of the partial and a
     barrier per entry, which serialise the chunk through memory.
-    ROW_STATS: as :func:`_bwd_dkdv_kernel`'s (``Delta``: the forward's output, ``LseRow``: its LSE).
+    ROW_STATS (no preprocess launch; this kernel runs before the dK/dV one): ``LseRow`` is the forward's LSE
+    (``-inf`` read as ``+inf``), and each row's ``delta = sum_d dO * O`` is formed here from the forward's output
+    ``O`` (strides ``so*``; dO rounded to the compute dtype, as the preprocess forms it) and stored to ``Delta``
+    for the dK/dV kernel.
     """
     tiles = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -713,12 +694,15 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                          row_ok, offs_d, D, True, EVEN_D)
         do = load_kv_tile(DO + off_b * sdb + off_h * sdh + rows64[:, None] * sdm + offs_dv[None, :] * sdd,
                           row_ok, offs_dv, Dv, True, EVEN_DV).to(q.dtype)
+        lse = tl.load(LseRow + bh * Nq + rows, mask=row_ok, other=float("inf"))
         if ROW_STATS:
-            lse, delta = _row_stats(LseRow + bh * Nq, Delta + off_b * sob + off_h * soh, do, rows, rows64, row_ok,
-                                    offs_dv, Dv, som, sod, EVEN_DV, True)
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            o = load_kv_tile(O + off_b * sob + off_h * soh + rows64[:, None] * som + offs_dv[None, :] * sod,
+                             row_ok, offs_dv, Dv, True, EVEN_DV)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+            tl.store(Delta + bh * Nq + rows, delta, mask=row_ok)
         else:
-            lse, delta = _row_stats(LseRow + bh * Nq, Delta + bh * Nq, do, rows, rows64, row_ok, offs_dv, Dv, 0, 0,
-                                    EVEN_DV, False)
+            delta = tl.load(Delta + bh * Nq + rows, mask=row_ok, other=0.0)
         k_base = K + off_b * skb + off_h * skh
         v_base = V + off_b * svb + off_h * svh
         b_base = Bias + off_b * sbb + off_h * sbh
@@ -846,9 +830,6 @@ _BIAS_GRAD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
 _SINGLE_PASS: dict[tuple[str, int], KernelTiles] = {("fp32", 64): KernelTiles(32, 64, 4, 2, tail=16),
                                                     ("f16x1", 64): KernelTiles(64, 64, 4, 2, tail=16)}
 SINGLE_PASS_MAX_KEYS = 256
-# Key tiles per head up to which the half backward forms each row's delta and LSE inside its two kernels instead of a
-# preprocess launch (docs/tuning.md)
-ROW_STATS_MAX_KEY_TILES = 2
 
 
 def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_grad: bool = False,
@@ -1221,11 +1202,11 @@ class _BackwardPlan:
         # (dQ given: the Triton kernels write it at its strides, the Gluon ones contiguous, copied after)
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
             not self.given_grads or self.gluon is not None), SPIN_ASM=not interpreting())
-        # no preprocess launch where the two kernels can form each row's delta and LSE themselves: half products
-        # (no heads' maxima to find first) and few key tiles (each dK/dV program of a head reads the output again)
+        # no preprocess launch where nothing must be known before both kernels run (no heads' maxima to find):
+        # the dQ kernel runs first, forms the rows' delta and writes it for the dK/dV kernel; both read the
+        # forward's LSE as it is
         self.row_stats = (not self.head_b and not self.single_pass and self.gluon is None
-                          and lse.shape == (B, H, Nq) and lse.is_contiguous()
-                          and cdiv(Nk, self.cfg.dkdv.block_n) <= ROW_STATS_MAX_KEY_TILES)
+                          and lse.shape == (B, H, Nq) and lse.is_contiguous())
         self.flags["ROW_STATS"] = self.row_stats
         self.fit_key += (self.row_stats,)
         self.o_strides = tuple(out.stride())
@@ -1270,6 +1251,18 @@ class _BackwardPlan:
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))
         return call, G, per_chunk, n_m
 
+    def _run_dkdv(self, args) -> None:
+        if self.dkdv is not None:
+            self.dkdv(*args)
+            return
+
+        def run_dkdv(t: KernelTiles):
+            call = self._dkdv_call(t)
+            call(*args)
+            self.dkdv = call
+
+        _run_fitting("dkdv" + "+dq" * self.single_pass, self.fit_key, self.cfg.dkdv, self.explicit, run_dkdv)
+
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale, grads=None):
         """The backward of one call; ``grads``: (dq, dk, dv) to write, laid out as the plan's ``grad_strides``
         (a plan built with them needs them), else they are allocated contiguous."""
@@ -1293,10 +1286,10 @@ class _BackwardPlan:
         else:
             dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
             dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
-        if self.row_stats:  # the kernels read the output and LSE in place of delta and the row LSE
-            delta, lse_row = out, lse
+        delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
+        if self.row_stats:  # the dQ kernel writes delta; both kernels read the LSE as the forward wrote it
+            lse_row = lse
         else:  # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
-            delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
             lse_row = torch.empty_like(delta)
             self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail)
         if self.gluon is not None:
@@ -1314,32 +1307,24 @@ class _BackwardPlan:
                    q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)
         scale = float(scale)
         dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, dq, acc, sem, head_max, *self.strides,
-                     *self.g_strides, *self.o_strides, H, Nq, Nk, D, Dv, scale, self.n_add)
-        if self.dkdv is not None:
-            self.dkdv(*dkdv_args)
-        else:
-            def run_dkdv(t: KernelTiles):
-                call = self._dkdv_call(t)
-                call(*dkdv_args)
-                self.dkdv = call
-
-            _run_fitting("dkdv" + "+dq" * self.single_pass, self.fit_key, self.cfg.dkdv, self.explicit, run_dkdv)
-        if self.single_pass:
-            return dq, dk, dv, None, None
-
+                     *self.g_strides, H, Nq, Nk, D, Dv, scale, self.n_add)
         made = {}
+        if not self.row_stats:
+            self._run_dkdv(dkdv_args)
+            if self.single_pass:
+                return dq, dk, dv, None, None
 
         def run_dq(planned):
             call, G, per_chunk, n_m = planned
             # causal: the key tiles after the diagonal are never visited; their dS is 0
             alloc = torch.zeros if self.flags["IS_CAUSAL"] else torch.empty
             db = (alloc((G, self.B_OUT, self.H_OUT, Nq, Nk), device=dev, dtype=torch.float32) if self.write_db
-                  else lse)  # lse: an FP32 stand-in, never written
-            dhs = torch.empty((B, H, n_m), device=dev, dtype=torch.float32) if self.write_dhs else lse
+                  else delta)
+            dhs = torch.empty((B, H, n_m), device=dev, dtype=torch.float32) if self.write_dhs else delta
             made["db"], made["dhs"] = db, dhs
-            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, head_max, *self.strides, *self.g_strides[:3],
-                 *self.o_strides, H, Nq, Nk, D, Dv, scale, self.n_add, self.B_OUT, self.H_OUT, self.R_H,
-                 self.R_B * self.R_H, per_chunk)
+            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, head_max, out, *self.strides,
+                 *self.g_strides[:3], *self.o_strides, H, Nq, Nk, D, Dv, scale, self.n_add, self.B_OUT, self.H_OUT,
+                 self.R_H, self.R_B * self.R_H, per_chunk)
 
         if self.dq is not None:
             run_dq(self.dq)
@@ -1350,6 +1335,8 @@ class _BackwardPlan:
                 self.dq = planned
 
             _run_fitting("dq", self.fit_key + (self.write_db, self.write_dhs), self.cfg.dq, self.explicit, fit_dq)
+        if self.row_stats:  # after the dQ kernel, which wrote delta
+            self._run_dkdv(dkdv_args)
         dbias = None
         if self.write_db:
             db = made["db"]

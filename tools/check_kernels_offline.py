@@ -180,11 +180,11 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
     base = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), HEAD_B=precision in elsa_bwd.HEAD_SCALED,
                 IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
                 HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False,
-                ROW_STATS=mode == "bf16")  # half products form the rows' delta and LSE in the kernels at short lengths
+                ROW_STATS=mode == "bf16")  # half products: no preprocess, the dQ kernel forms the rows' delta
     dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV",
                                     "DQ", "DQACC", "Sem", "E"), ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
     dq_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DQ", "DB",
-                                  "DHS", "E"), ("Q", "K", "V", "DO", "DQ"))
+                                  "DHS", "E", "O"), ("Q", "K", "V", "DO", "DQ", "O"))
     dkdv_ptr["Sem"] = dkdv_ptr["E"] = dq_ptr["E"] = "*i32"
     single = tiles.single_pass and not bias
     ordered = dict(DQ_ORDERED=single, ACC_IS_OUT=mode != "bf16", SPIN_ASM=True, TAIL=tiles.dkdv.tail)
