@@ -56,6 +56,7 @@ KERNELS = ("auto", "fused", "split")
 def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB, DHS,
                              sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                              sdb, sdh, sdm, sdd, slb, slh, slm, sbh, sbm, sbn, saw, sam, san,
+                             sgqb, sgqh, sgqm, sgkb, sgkh, sgkm, sgvb, sgvh, sgvm,
                              H, N, D, Dv, scale0, n_add, BW, per_chunk,
                              BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                              PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
@@ -67,7 +68,8 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
 
     Per window: ``delta = rowsum(dO * O)`` (dO rounded to the compute dtype, as the split kernels read it),
     ``P = exp(S - lse)`` (``lse = -inf`` rows read as ``+inf``: zero gradients), ``dV = P^T dO``,
-    ``dS = P * (dO V^T - delta)``, ``dQ = c dS K``, ``dK = c dS^T Q``. Outputs contiguous [BW, H, N, D | Dv].
+    ``dS = P * (dO V^T - delta)``, ``dQ = c dS K``, ``dK = c dS^T Q``. Outputs [BW, H, N, D | Dv] through their
+    (window, head, row) strides ``sg*`` (unit last stride): contiguous, or slices of one packed dQKV.
     WRITE_DB: the chunk's dS sum goes to ``DB[g, h]`` [N, N] (FP32). WRITE_DHS: each window's
     ``sum(dS * q k^T)``, made robust by :func:`.elsa_bwd._head_scale_grad`, to ``DHS[b * H + h]``.
 
@@ -131,9 +133,11 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
             dk = _normalize_grad(k_raw, dk)
         bh = b * H + h
         out_d = ok_n[:, None] & (offs_d < D)[None, :]
-        tl.store(DQ + bh * N * D + offs64[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=out_d)
-        tl.store(DK + bh * N * D + offs64[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=out_d)
-        tl.store(DV + bh * N * Dv + offs64[:, None] * Dv + offs_dv[None, :], dv.to(DV.dtype.element_ty),
+        tl.store(DQ + b * sgqb + h * sgqh + offs64[:, None] * sgqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=out_d)
+        tl.store(DK + b * sgkb + h * sgkh + offs64[:, None] * sgkm + offs_d[None, :], dk.to(DK.dtype.element_ty),
+                 mask=out_d)
+        tl.store(DV + b * sgvb + h * sgvh + offs64[:, None] * sgvm + offs_dv[None, :], dv.to(DV.dtype.element_ty),
                  mask=ok_n[:, None] & (offs_dv < Dv)[None, :])
         if WRITE_DHS:
             dhs = _head_scale_grad(tl.sum(ds * qk, 1), tl.sum(ds, 1), tl.sum(p * qk, 1), tl.sum(p, 1))
@@ -184,12 +188,13 @@ AFTER_FORWARD = PlanCache()
 
 class _FusedPlan:
     """The fused kernel's launch for one call signature: grid, chunking, constexprs and strides fixed; a call
-    allocates the gradients (and the d bias partials) and launches once."""
+    allocates the gradients (and the d bias partials) and launches once. ``grad_strides``: the (window, head, row)
+    strides of dq, dk, dv that calls pass in (e.g. slices of one packed dQKV), None: allocated contiguous."""
 
     __slots__ = ("call", "fixed", "fixed_tail", "G", "dims", "write_db", "write_dhs", "device")
 
     def __init__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, mode, write_db, write_dhs,
-                 bias_splits, products, num_stages=None, normalize=False):
+                 bias_splits, products, num_stages=None, normalize=False, grad_strides=None):
         BW, H, N, D = q.shape
         Dv = v.shape[3]
         block = max(16, pad_pow2(N))
@@ -203,8 +208,10 @@ class _FusedPlan:
         sb = (bias.stride(0), bias.stride(1), bias.stride(2)) if bias is not None else (0, 0, 0)
         sa = add_mask.stride() if add_mask is not None else (0, 0, 0)
         n_add = add_mask.shape[0] if add_mask is not None else 1
+        if grad_strides is None:
+            grad_strides = ((H * N * D, N * D, D), (H * N * D, N * D, D), (H * N * Dv, N * Dv, Dv))
         self.fixed = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(), *lse.stride(), *sb,
-                      *sa, H, N, D, Dv)  # the arguments before scale0
+                      *sa, *(int(x) for st in grad_strides for x in st), H, N, D, Dv)  # the arguments before scale0
         self.fixed_tail = (n_add, BW, per_chunk)  # and after it
         precision = fp32_products(mode, products)[1]
         warps, stages = fused_launch(block, N, q.dtype != torch.float32, precision)
@@ -217,12 +224,15 @@ class _FusedPlan:
             COMPUTE=_COMPUTE_CODE[q.dtype]),
             dict(num_warps=warps, num_stages=num_stages))
 
-    def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, scale):
+    def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, head_scale, scale, grads=None):
         BW, H, N, D, Dv = self.dims
         dev = self.device
-        dq = torch.empty((BW, H, N, D), device=dev, dtype=q.dtype)
-        dk = torch.empty((BW, H, N, D), device=dev, dtype=q.dtype)
-        dv = torch.empty((BW, H, N, Dv), device=dev, dtype=q.dtype)
+        if grads is not None:  # laid out as the plan's grad_strides
+            dq, dk, dv = grads
+        else:
+            dq = torch.empty((BW, H, N, D), device=dev, dtype=q.dtype)
+            dk = torch.empty((BW, H, N, D), device=dev, dtype=q.dtype)
+            dv = torch.empty((BW, H, N, Dv), device=dev, dtype=q.dtype)
         db = torch.empty((self.G, H, N, N), device=dev, dtype=torch.float32) if self.write_db else dq
         dhs = torch.empty((BW, H), device=dev, dtype=torch.float32) if self.write_dhs else dq
         self.call(q, k, v, out, grad_out, lse, q if bias is None else bias, q if add_mask is None else add_mask,
@@ -254,7 +264,7 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                     bias_requires_grad: bool = False, head_scale_requires_grad: bool = False, *,
                     config: BwdConfig | None = None, bias_splits: int | None = None, kernel: str = "auto",
                     products: str | None = None, logit_scale: torch.Tensor | None = None,
-                    logit_scale_requires_grad: bool = False,
+                    logit_scale_requires_grad: bool = False, grads: tuple | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients of window attention (module docstring) from the saved log-sum-exp.
 
@@ -289,6 +299,9 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
             the raw q and k (the normalisation's backward included). Fused kernel only (N <= 64, no
             ``config``); ``head_scale`` must be None.
         logit_scale_requires_grad: with ``logit_scale``, also return d logit_scale (in place of d head_scale).
+        grads: (dq, dk, dv) to write (q / k / v's shapes, q's dtype and device, any strides with a unit last one,
+            e.g. slices of one packed [B*nW, N, 3, H, D] dQKV): the fused kernel writes them in place, the split
+            kernels' results are copied in; they are returned.
 
     Returns:
         ``(dq, dk, dv, dbias, dhead_scale)``: dq, dk [B*nW, H, N, D] and dv [B*nW, H, N, Dv], contiguous, in
@@ -345,16 +358,21 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                          f"(got N={N}, config={config}); use kernel='split' or 'auto'")
     empty = BW * H == 0 or q.shape[3] == 0 or v.shape[3] == 0
     if logit_scale is not None and (empty or not BW):  # nothing to normalise: zero gradients
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v)) if grads is None else (g.zero_() for g in grads)
         return (dq, dk, dv, torch.zeros_like(relative_position_bias) if bias_requires_grad else None,
                 torch.zeros_like(logit_scale) if logit_scale_requires_grad else None)
     if logit_scale is not None:
         return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
                       logit_scale, bool(bias_requires_grad), bool(logit_scale_requires_grad), bias_splits, products,
-                      normalize=True)
+                      normalize=True, grads=grads)
+    if grads is not None and any(g.shape != t.shape or g.dtype != q.dtype or g.device != q.device or g.stride(3) != 1
+                                 for g, t in zip(grads, (q, k, v))):
+        raise ValueError("grads: (dq, dk, dv) must have q / k / v's shapes, q's dtype and device and a unit stride "
+                         "in the last dim")
     if BW and (kernel == "fused" or (kernel == "auto" and N <= FUSED_MAX_TOKENS and config is None and not empty)):
         return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
-                      head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits, products)
+                      head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits, products,
+                      grads=grads)
     if bias_requires_grad and any(st == 0 and n > 1 for st, n in zip(relative_position_bias.stride(), (H, N, N))):
         # a stride-0 (expanded) view: its gradient is [H, N, N], not the sum over the view's repeats
         relative_position_bias = relative_position_bias.contiguous()
@@ -364,6 +382,10 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         default=get_config(mode, N, max(q.shape[3], v.shape[3])), products=products)
     if dhs is not None:
         dhs = dhs.reshape(head_scale.shape).to(head_scale.dtype)
+    if grads is not None:
+        for into, got in zip(grads, (dq, dk, dv)):
+            into.copy_(got)
+        dq, dk, dv = grads
     return dq, dk, dv, dbias, dhs
 
 
@@ -376,24 +398,29 @@ def _per_head(name: str, t, H: int, device: torch.device) -> torch.Tensor:
     return t.detach().reshape(H)
 
 
+def _grad_strides(grads) -> tuple | None:
+    """(window, head, row) strides of given (dq, dk, dv), None when none are given."""
+    return None if grads is None else tuple(g.stride()[:3] for g in grads)
+
+
 def _fused_key(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs, bias_splits, products,
-               normalize):
+               normalize, grads=None):
     """The :data:`PLANS` key of a fused call: shapes, strides, dtypes, alignment and flags."""
     return (mode, q.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
             lse.stride(), q.dtype, out.dtype, grad_out.dtype, q.device, _tensor_key(bias), _tensor_key(shift_mask),
             hs is not None, write_db, write_dhs, bias_splits, products, q.data_ptr() & 15, k.data_ptr() & 15,
             v.data_ptr() & 15, out.data_ptr() & 15, grad_out.data_ptr() & 15, lse.data_ptr() & 15, normalize,
-            hs is not None and hs.dtype)
+            hs is not None and hs.dtype, _grad_strides(grads))
 
 
 def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shift_mask, num_windows: int,
                            scale: float, mode: str, head_scale=None, logit_scale=None, bias_requires_grad=False,
-                           scale_requires_grad=False):
+                           scale_requires_grad=False, grads=None):
     """:func:`window_backward` of a call whose forward ran from ``forward_plan`` (a
     :func:`.window_fwd.window_forward_planned` plan with the LSE): ``q`` / ``k`` / ``v`` / ``bias`` / ``shift_mask`` /
     ``logit_scale`` are what that forward took, ``out`` / ``lse`` what it returned, in the mode's compute dtype.
     ``head_scale`` (with ``scale_requires_grad``: its gradient) or ``logit_scale`` (Swin-v2, raw q and k; with
-    ``scale_requires_grad``: d logit_scale) as :func:`window_backward` takes them.
+    ``scale_requires_grad``: d logit_scale) and ``grads`` as :func:`window_backward` takes them.
 
     The eager autograd path calls this. The forward plan fixes every layout the fused kernel's plan depends on but
     the output gradient's and the bias's strides, so a signature's first call validates and builds as
@@ -401,14 +428,15 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shif
     no 28-entry key). Windows the fused kernel does not take run :func:`window_backward` every call."""
     key = (forward_plan, grad_out.stride(), grad_out.dtype, grad_out.data_ptr() & 15,
            None if bias is None else bias.stride(), bool(bias_requires_grad), bool(scale_requires_grad),
-           head_scale is not None, logit_scale is not None and logit_scale.dtype)
+           head_scale is not None, logit_scale is not None and logit_scale.dtype, _grad_strides(grads))
     plan = AFTER_FORWARD.get(key)
     source = logit_scale if logit_scale is not None else head_scale
     if plan is None:
         result = window_backward(q, k, v, out, grad_out, lse, bias, shift_mask, num_windows, scale, mode, head_scale,
                                  bias_requires_grad, scale_requires_grad and head_scale is not None,
                                  logit_scale=logit_scale,
-                                 logit_scale_requires_grad=scale_requires_grad and logit_scale is not None)
+                                 logit_scale_requires_grad=scale_requires_grad and logit_scale is not None,
+                                 grads=grads)
         BW, H, N, D = q.shape
         fused = (BW and N <= FUSED_MAX_TOKENS and H and D and v.shape[3]
                  and (logit_scale is None or logit_scale.is_contiguous()))
@@ -417,7 +445,7 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shif
                                               else source.detach().reshape(H).to(torch.float32))
             found = PLANS.get(_fused_key(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode,
                                          bool(bias_requires_grad), bool(scale_requires_grad), None,
-                                         MODES[mode].window_backward_precision, logit_scale is not None))
+                                         MODES[mode].window_backward_precision, logit_scale is not None, grads))
             if found is not None:
                 AFTER_FORWARD.put(key, found)
         return result
@@ -427,7 +455,7 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shif
         hs = head_scale.detach().reshape(-1).to(torch.float32).contiguous()
     else:
         hs = None
-    dq, dk, dv, dbias, dhs = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
+    dq, dk, dv, dbias, dhs = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, grads)
     if dbias is not None and dbias.dtype != bias.dtype:
         dbias = dbias.to(bias.dtype)
     if dhs is not None:
@@ -436,21 +464,22 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shif
 
 
 def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_scale, write_db, write_dhs,
-           bias_splits, products, normalize=False):
+           bias_splits, products, normalize=False, grads=None):
     """:func:`window_backward` on the fused kernel from the cached plan of the call's signature (``normalize``:
     ``hs`` is the logit scale and ``head_scale`` the caller's logit_scale tensor, the kernel's NORMALIZE)."""
     key = _fused_key(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs, bias_splits,
-                     products, normalize)
+                     products, normalize, grads)
     plan = PLANS.get(key)
+    given = grads
     if plan is not None:
-        grads = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)
+        grads = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, given)
     else:  # built by running it: fused_launch's stages, fewer where their shared memory does not fit
         built = []
 
         def run(stages: int | None):
             p = _FusedPlan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs,
-                           bias_splits, products, stages, normalize)
-            built.append((p, p(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale)))
+                           bias_splits, products, stages, normalize, _grad_strides(given))
+            built.append((p, p(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, given)))
 
         first = fused_launch(max(16, pad_pow2(q.shape[2])), q.shape[2], q.dtype != torch.float32,
                              fp32_products(mode, products)[1])[1]

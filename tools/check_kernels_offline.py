@@ -260,7 +260,8 @@ def _backward_jobs(quick: bool):
                         constexprs=dict(BLOCK=block, BLOCK_D=32, BLOCK_DV=32, **elsa_bwd.product_flags(precision),
                                         HAS_BIAS=True,
                                         HAS_ADD=True, HEAD_SCALE=False, WRITE_DB=True, WRITE_DHS=False, EVEN_D=True,
-                                        EVEN_DV=True, DOT_UPCAST=False),
+                                        EVEN_DV=True, DOT_UPCAST=False, NORMALIZE=False,
+                                        COMPUTE=0 if mode.startswith("fp32") else 2 if mode == "bf16" else 1),
                         num_warps=warps, num_stages=stages,
                         unit_ints=("sqd", "skd", "svd", "sod", "sdd", "slm", "sbn", "san"), float_args=("scale0",)))
 

@@ -42,15 +42,15 @@ from .api import attention, attention_qkvpacked  # noqa: E402
 from .dispatch import get_backend, set_backend, use_backend
 from .modes import MODES, Mode, get_mode, mode_names
 from .patching import patch_model, sdpa_override, unpatch_model
-from .window import window_attention
+from .window import window_attention, window_attention_qkvpacked
 from .varlen import varlen_attention
 from . import metrics, reference
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "attention_qkvpacked", "window_attention", "varlen_attention", "patch_model", "unpatch_model",
-    "sdpa_override",
+    "attention", "attention_qkvpacked", "window_attention", "window_attention_qkvpacked", "varlen_attention",
+    "patch_model", "unpatch_model", "sdpa_override",
     "MODES", "Mode", "get_mode", "mode_names", "get_backend", "set_backend", "use_backend",
     "metrics", "reference", "__version__",
 ]

@@ -30,8 +30,8 @@ from .kernels import l2norm as _l2norm
 from .kernels._launch import interpreting
 from .kernels.modes import MODES
 
-__all__ = ["dense", "dense_packed", "pasa", "window", "dense_plan", "pasa_plan", "window_plan", "BACKWARD_MODES",
-           "has_backward"]
+__all__ = ["dense", "dense_packed", "pasa", "window", "window_packed", "dense_plan", "pasa_plan", "window_plan",
+           "BACKWARD_MODES", "has_backward"]
 
 # modes whose dense backward kernels exist (kernels/elsa_bwd.py); empty until they are importable
 try:
@@ -404,6 +404,51 @@ class _CosineWindowFunction(torch.autograd.Function):
             plan, q.to(dtype), k.to(dtype), v.to(dtype), out, grad_out, lse, bias, mask, num_windows, 1.0, mode,
             logit_scale=logit_scale, bias_requires_grad=bias is not None and needs[3], scale_requires_grad=needs[5])
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, None, dls, None, None
+
+
+def _unpack_windows(qkv: torch.Tensor):
+    """q, k, v [B*nW, H, N, D] as views of a packed [B*nW, N, 3, H, D] tensor (no copy)."""
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+
+class _WindowPackedFunction(torch.autograd.Function):
+    """Eager autograd for window attention over one packed [B*nW, N, 3, H, D] qkv (the layout of timm's fused qkv
+    projection) on windows the fused backward kernel takes: the backward writes dQ, dK and dV into one packed
+    gradient in that layout, so autograd needs neither the stack of three gradients that ``unbind``'s backward
+    makes nor the copy of it back into the projection's layout (two passes over the whole qkv gradient).
+    ``cosine``: Swin-v2, the kernels normalise q and k and form the logit scale (as :class:`_CosineWindowFunction`),
+    the backward also returns d logit_scale."""
+
+    @staticmethod
+    def forward(ctx, qkv, bias, mask, logit_scale, num_windows, cosine, scale, mode):
+        q, k, v = _unpack_windows(qkv)
+        plan, (out, lse) = window_fwd.window_forward_planned(q, k, v, bias, mask, logit_scale, num_windows, cosine,
+                                                             scale, mode, with_lse=True)
+        ctx.save_for_backward(qkv, bias, mask, logit_scale, out, lse)
+        ctx.args = (num_windows, cosine, scale, mode, plan)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qkv, bias, mask, logit_scale, out, lse = ctx.saved_tensors
+        num_windows, cosine, scale, mode, plan = ctx.args
+        needs = ctx.needs_input_grad
+        dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        dbias, dls = _window_bwd.backward_after_forward(
+            plan, *_unpack_windows(qkv), out, grad_out, lse, bias, mask, num_windows, scale, mode,
+            logit_scale=logit_scale if cosine else None, bias_requires_grad=bias is not None and needs[1],
+            scale_requires_grad=cosine and needs[3], grads=_unpack_windows(dqkv))[3:]
+        return dqkv, dbias, None, dls, None, None, None, None
+
+
+def window_packed(qkv, bias, mask, logit_scale, num_windows: int, cosine: bool, scale: float,
+                  mode: str) -> torch.Tensor:
+    """Window attention with gradients over a packed qkv [B*nW, N, 3, H, D] in the mode's compute dtype (validated,
+    eager, a mode of :data:`BACKWARD_MODES`, windows of at most ``window_bwd.FUSED_MAX_TOKENS`` tokens): out
+    [B*nW, H, N, D] (a view of a [B*nW, N, H, D] buffer), and in the backward one packed [B*nW, N, 3, H, D] gradient
+    (:class:`_WindowPackedFunction`). ``bias`` [H, N, N] / ``mask`` [nW, N, N] / ``logit_scale`` [H] as
+    :func:`window` takes them (``cosine``: q and k as given, normalised by the kernels)."""
+    return _WindowPackedFunction.apply(qkv, bias, mask, logit_scale, num_windows, cosine, scale, mode)
 
 
 def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, scale: float, mode: str,

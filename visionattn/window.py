@@ -10,6 +10,8 @@ the logits multiplied by a per-head ``exp(min(logit_scale, log 100))``, with the
 bias ``16 * sigmoid(cpb_mlp(...))`` computed once per forward by the caller.
 
 * :func:`window_attention` — the public function (validation, dispatch);
+* :func:`window_attention_qkvpacked` — the same over one packed qkv (timm's fused projection), whose training
+  backward writes one packed gradient;
 * :func:`window_attention_reference` — the PyTorch reference in a mode's
   arithmetic (CPU path, differentiable fallback, float64 oracle with
   ``state_dtype=torch.float64``).
@@ -25,7 +27,7 @@ from . import dispatch
 from .api import CALLS, check_flags, qkv_key, tensor_key
 from .modes import Mode, get_mode
 
-__all__ = ["window_attention", "window_attention_reference", "validate_window_inputs"]
+__all__ = ["window_attention", "window_attention_qkvpacked", "window_attention_reference", "validate_window_inputs"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -260,6 +262,90 @@ def window_attention(
                                      num_windows=num_windows, cosine=bool(cosine), logit_scale=ls, scale=scale,
                                      mode=md)
     return out.to(q.dtype)
+
+
+def window_attention_qkvpacked(
+    qkv: torch.Tensor, *, relative_position_bias: torch.Tensor | None = None,
+    shift_mask: torch.Tensor | None = None, num_windows: int, cosine: bool = False,
+    logit_scale: torch.Tensor | None = None, scale: float | None = None, mode: str | Mode = "fp32",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """:func:`window_attention` over one packed query / key / value tensor, as timm's fused qkv projection lays it
+    out (``qkv(x).reshape(B*nW, N, 3, H, D)``).
+
+    Same result as ``window_attention(q, k, v, ...)`` with ``q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)``.
+    When gradients are needed and the fused window backward takes the call (windows of at most 64 tokens, a mode
+    with backward kernels whose compute dtype is ``qkv``'s, a float or no shift mask, the Triton backend, eager),
+    the backward writes dQ, dK and dV into one [B*nW, N, 3, H, D] gradient, bit-identical to the unpacked call's:
+    the stack of three gradients that ``unbind``'s backward makes, and the copy of it back into the projection's
+    layout, are skipped (two passes over the whole qkv gradient). Every other call runs :func:`window_attention`
+    on the unpacked views.
+
+    Args:
+        qkv: [B*nW, N, 3, H, D]: query, key, value stacked in dim 2; any strides.
+        relative_position_bias, shift_mask, num_windows, cosine, logit_scale, scale, mode, backend: as
+            :func:`window_attention`.
+
+    Returns:
+        [B*nW, N, H, D] in qkv's dtype (``.reshape(B*nW, N, H * D)`` is free on the kernels' output).
+
+    Raises:
+        TypeError: ``qkv`` not a tensor. ValueError: ``qkv`` not [B*nW, N, 3, H, D]. Otherwise as
+        :func:`window_attention`.
+    """
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor [B*nW, N, 3, H, D], got {type(qkv).__name__}")
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"qkv must be [B*nW, N, 3, H, D] (query, key, value stacked in dim 2), got shape "
+                         f"{tuple(qkv.shape)}")
+    bias, ls = relative_position_bias, logit_scale
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+            qkv.requires_grad or _needs_grad(*(t if isinstance(t, torch.Tensor) else None for t in (bias, ls)))):
+        run = None
+        try:
+            key = ("window-qkvpacked", mode, backend, dispatch._backend, num_windows, cosine is True,
+                   cosine is False, qkv.shape, qkv.stride(), qkv.dtype, qkv.device, qkv.data_ptr() & 15,
+                   tensor_key(bias), tensor_key(shift_mask), tensor_key(ls))
+            run = CALLS.get(key)
+            if run is None:
+                run = CALLS.put(key, _packed_runner(qkv, bias, shift_mask, num_windows, cosine, ls, mode, backend))
+        except (TypeError, RuntimeError):  # an unhashable mode, a non-tensor bias: the unpacked call says why
+            run = None
+        if run and (scale is None or (type(scale) is float and math.isfinite(scale))):
+            return run(qkv, bias, shift_mask, ls, scale).transpose(1, 2)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    return window_attention(q, k, v, relative_position_bias=bias, shift_mask=shift_mask, num_windows=num_windows,
+                            cosine=cosine, logit_scale=ls, scale=scale, mode=mode, backend=backend).transpose(1, 2)
+
+
+def _packed_runner(qkv, relative_position_bias, shift_mask, num_windows, cosine, logit_scale, mode, backend):
+    """The runner of a packed window call signature that needs gradients, for :data:`CALLS`: ``run(qkv, bias,
+    mask, logit_scale, scale)`` on :func:`visionattn.ops.window_packed`, or False where that does not take the
+    signature (the unpacked :func:`window_attention` call then runs, with its checks, warnings and fallbacks).
+    Checks as :func:`window_attention`."""
+    md = get_mode(mode)
+    q, k, v = qkv.detach().permute(2, 0, 3, 1, 4).unbind(0)
+    bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows, bool(cosine),
+                                            logit_scale)
+    check_flags(False, None, q.shape[-1])
+    from . import ops  # lazy: importing triton is slow and not needed on CPU
+
+    if (dispatch.resolve_backend(backend, q.device.type) != "triton" or mask is not shift_mask
+            or qkv.dtype != md.compute_dtype or _kernel_unsupported(q, v, md, True) is not None
+            or q.shape[2] > ops._window_bwd.FUSED_MAX_TOKENS or v.shape[3] != q.shape[3]):
+        return False
+    H, squeeze_bias, cosine = q.shape[1], bias is not relative_position_bias, bool(cosine)
+    default, name = q.shape[-1] ** -0.5, md.name
+
+    def run(qkv, bias, mask, logit_scale, scale):
+        if squeeze_bias:
+            bias = bias[0]
+        if logit_scale is not None:
+            logit_scale = logit_scale.reshape(H)
+        return ops.window_packed(qkv, bias, mask, logit_scale, num_windows, cosine,
+                                 default if scale is None else scale, name)
+
+    return run
 
 
 def _training_runner(ops, q, squeeze_bias: bool, cosine: bool, num_windows: int, mode: str):

@@ -62,6 +62,20 @@ def _window_core(q, k, v, **kw):
     return window_attention(q, k, v, **kw)
 
 
+def _window(module, qkv: torch.Tensor, **kw) -> torch.Tensor:
+    """Swin / Swin-v2 window attention of a patched module on ``qkv`` [B*nW, N, 3, H, D] -> [B*nW, N, H*D]: with
+    gradients, :func:`visionattn.window_attention_qkvpacked` (one packed gradient in the projection's layout);
+    otherwise, or while :func:`override_cores` times a stand-in, the window core on the unpacked views."""
+    B_, N = qkv.shape[:2]
+    kw.update(_window_kwargs(module))
+    if torch.is_grad_enabled() and _cores["window"] is _window_core:
+        from ..window import window_attention_qkvpacked
+
+        return window_attention_qkvpacked(qkv, **kw).reshape(B_, N, -1)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    return _cores["window"](q, k, v, **kw).transpose(1, 2).reshape(B_, N, -1)
+
+
 _cores = {"dense": _dense_core, "window": _window_core}
 
 
@@ -252,14 +266,12 @@ class VisionattnSwinWindowAttention(_swin.WindowAttention):
         if dropout_fallback(self):
             return super().forward(x, mask=mask)
         B_, N, _ = x.shape
-        q, k, v = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1)
         rel_bias = inference_cached(self, "rel_pos_bias", (self.relative_position_bias_table,
                                                           self.relative_position_index),
                                     lambda: self._relative_position_bias(N))
-        x = _cores["window"](q, k, v, relative_position_bias=rel_bias, shift_mask=mask,
-                             num_windows=1 if mask is None else mask.shape[0], scale=self.scale,
-                             **_window_kwargs(self))
-        x = x.transpose(1, 2).reshape(B_, N, -1)
+        x = _window(self, qkv, relative_position_bias=rel_bias, shift_mask=mask,
+                    num_windows=1 if mask is None else mask.shape[0], scale=self.scale)
         return self.proj_drop(self.proj(x))
 
     def _relative_position_bias(self, N: int) -> torch.Tensor:
@@ -292,14 +304,12 @@ class VisionattnSwinV2WindowAttention(_swinv2.WindowAttention):
                 qkv = self.qkv(x) + qkv_bias
             else:
                 qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
-        q, k, v = qkv.reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         rel_bias = inference_cached(self, "cpb_bias", (*self.cpb_mlp.parameters(), self.relative_coords_table,
                                                        self.relative_position_index),
                                     lambda: self._continuous_position_bias(N))
-        x = _cores["window"](q, k, v, relative_position_bias=rel_bias, shift_mask=mask,
-                             num_windows=1 if mask is None else mask.shape[0], cosine=True,
-                             logit_scale=self.logit_scale, **_window_kwargs(self))
-        x = x.transpose(1, 2).reshape(B_, N, C)
+        x = _window(self, qkv.reshape(B_, N, 3, self.num_heads, -1), relative_position_bias=rel_bias,
+                    shift_mask=mask, num_windows=1 if mask is None else mask.shape[0], cosine=True,
+                    logit_scale=self.logit_scale)
         return self.proj_drop(self.proj(x))
 
     def _continuous_position_bias(self, N: int) -> torch.Tensor:
