@@ -334,11 +334,10 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                DIAGONAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr,
                EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
-               DOT_UPCAST: tl.constexpr, e_q, e_do, HEAD_B: tl.constexpr, ROW_STATS: tl.constexpr):
+               DOT_UPCAST: tl.constexpr, e_q, e_do, HEAD_B: tl.constexpr):
     """Add the query tile at ``start_m`` to (dK, dV) of the key tile ``cols`` ([keys, queries] orientation).
     DIAGONAL tiles (causal) mask the queries before each key. Returns ``(dk, dv, dS^T)``: the tile's FP32
-    [BLOCK_N, BLOCK_M] dS, for a caller that also forms dQ from it. ``lse_base``: the preprocess's row LSE, or
-    with ROW_STATS the forward's LSE (``-inf`` read as ``+inf`` here)."""
+    [BLOCK_N, BLOCK_M] dS, for a caller that also forms dQ from it."""
     rows = start_m + offs_m
     row_ok = rows < Nq
     rows64 = rows.to(tl.int64)
@@ -347,8 +346,6 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     do = load_kv_tile(do_base + rows64[:, None] * sdm + offs_dv[None, :] * sdd, row_ok, offs_dv, Dv, True, EVEN_DV)
     do = do.to(q.dtype)
     lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
-    if ROW_STATS:
-        lse = tl.where(lse == float("-inf"), float("inf"), lse)
     delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
     st = _mmh(k, tl.trans(q), e_q, PRECISION, HEAD_B, DOT_UPCAST) * scale  # [BLOCK_N, BLOCK_M]
     st = _bias_mask(st, b_base + cols64[:, None] * sbn + rows64[None, :] * sbm,
@@ -414,7 +411,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
                EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr,
                DOT_UPCAST: tl.constexpr, DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr,
-               SPIN_ASM: tl.constexpr, e_q, e_k, e_do, HEAD_B: tl.constexpr, ROW_STATS: tl.constexpr):
+               SPIN_ASM: tl.constexpr, e_q, e_k, e_do, HEAD_B: tl.constexpr):
     """Query tile ``t`` (rows ``t * BLOCK_M + offs_m``; ``offs_m`` may be narrower than BLOCK_M) into this key
     tile's (dK, dV) and, when DQ_ORDERED, its ``dS K`` into dQ at its ``turn``. Returns ``(dk, dv)``."""
     if DQ_ORDERED:
@@ -422,7 +419,7 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
     dk, dv, dst = _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
                              t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm,
                              sbn, sam, san, smm, smn, scale, DIAGONAL, HAS_BIAS, HAS_ADD, HAS_MASK, EVEN_D, EVEN_DV,
-                             PRECISION, GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B, ROW_STATS)
+                             PRECISION, GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B)
     if DQ_ORDERED:
         part = _mmh(tl.trans(dst.to(k.dtype)), k, e_k, GRAD_PRECISION, HEAD_B, DOT_UPCAST) * scale  # [rows, D]
         _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, sgqm, t * BLOCK_M, offs_m, offs_d, turn, n_n,
@@ -440,8 +437,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
                PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-               DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr, HEAD_B: tl.constexpr,
-               ROW_STATS: tl.constexpr):
+               DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr, HEAD_B: tl.constexpr):
     """The body of :func:`_bwd_dkdv_kernel` for key tile ``pid_n`` held ``KEYS`` rows tall (BLOCK_N, or TAIL
     for a last key tile whose keys fit it). Query tiles are BLOCK_M rows; with TAIL, a last query tile whose
     rows fit TAIL runs TAIL rows tall."""
@@ -490,7 +486,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
                                 D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M, BLOCK_N,
                                 phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION,
                                 GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
-                                e_do, HEAD_B, ROW_STATS)
+                                e_do, HEAD_B)
     if TAIL > 0 and TAIL < BLOCK_M:
         t = n_m - 1
         if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall; causal: masked per element
@@ -499,7 +495,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
                                 turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
                                 BLOCK_N, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
                                 PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
-                                e_do, HEAD_B, ROW_STATS)
+                                e_do, HEAD_B)
     dk = dk * scale
     out_ok = col_ok[:, None]
     dk_ptrs = DK + off_b * sgkb + off_h * sgkh + cols[:, None].to(tl.int64) * sgkn + offs_d[None, :]
@@ -518,8 +514,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
                      HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
                      EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
                      DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr,
-                     GRAD_PRECISION: tl.constexpr, TAIL: tl.constexpr, HEAD_B: tl.constexpr,
-                     ROW_STATS: tl.constexpr):
+                     GRAD_PRECISION: tl.constexpr, TAIL: tl.constexpr, HEAD_B: tl.constexpr):
     """dK, dV of one key tile: ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale * sum_i dS_ij q_i`` over the query tiles.
 
     Works in the transposed orientation ([keys, queries] tiles) so both accumulators are row blocks.
@@ -531,9 +526,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
     TAIL (0 = off): a last key tile whose keys fit TAIL rows, and a last query tile whose rows do, run TAIL
     rows tall instead of BLOCK_N / BLOCK_M (ViT-B/16's 197 tokens: 5 keys in a 64-key tile would cost a full
     tile's products). Runtime branches pick the width, so a new length compiles nothing new.
-
-    ROW_STATS: no preprocess ran; ``LseRow`` is the forward's LSE (contiguous [B * H, Nq]) and ``Delta`` the
-    rows' delta that :func:`_bwd_dq_kernel`, launched first, wrote.
 
     DQ_ORDERED (the single-pass backward): each query tile's ``dS K`` also goes into dQ through
     :func:`_dq_ordered_add` (DQACC: FP32 [B, H, Nq, D], zeroed; Sem: int32 [B * H, cdiv(Nq, BLOCK_M)], zeroed),
@@ -557,8 +549,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
                        smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv,
                        scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
                        BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
-                       HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B,
-                       ROW_STATS)
+                       HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B)
         else:
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
                        skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
@@ -566,14 +557,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
                        scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N,
                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS,
                        HAS_ADD, HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
-                       HEAD_B, ROW_STATS)
+                       HEAD_B)
     else:
         _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd, skb,
                    skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb, smh,
                    smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale, n_add,
                    pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
                    BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
-                   HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B, ROW_STATS)
+                   HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B)
 
 
 @triton.jit
@@ -636,16 +627,15 @@ def _head_scale_grad(a, z, w, p):
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_add", "B_OUT", "H_OUT", "R_H", "n_red", "per_chunk"])
-def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS, E, O,
+def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS, E,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                   sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn, sgqb, sgqh, sgqm, sob, soh, som, sod,
+                   sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn, sgqb, sgqh, sgqm,
                    H, Nq, Nk, D, Dv, scale0, n_add, B_OUT, H_OUT, R_H, n_red, per_chunk,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr,
                    WRITE_DHS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                   DB_IN_REGS: tl.constexpr, GRAD_PRECISION: tl.constexpr, HEAD_B: tl.constexpr,
-                   ROW_STATS: tl.constexpr):
+                   DB_IN_REGS: tl.constexpr, GRAD_PRECISION: tl.constexpr, HEAD_B: tl.constexpr):
     """dQ of one query tile (``dQ_i = scale * sum_j dS_ij k_j``) for each (batch, head) entry of its slot.
 
     1-D grid cdiv(Nq, BLOCK_M) * B_OUT * H_OUT * G. A slot (b_out, h_out) is one entry of the dBias buffer
@@ -658,10 +648,6 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
     DB_IN_REGS (WRITE_DB with every key in one tile, Nk <= BLOCK_N: Swin's 49- and 64-token windows): the
     chunk's dS sum stays in registers and is stored once, instead of a read-modify-write of the partial and a
     barrier per entry, which serialise the chunk through memory.
-    ROW_STATS (no preprocess launch; this kernel runs before the dK/dV one): ``LseRow`` is the forward's LSE
-    (``-inf`` read as ``+inf``), and each row's ``delta = sum_d dO * O`` is formed here from the forward's output
-    ``O`` (strides ``so*``; dO rounded to the compute dtype, as the preprocess forms it) and stored to ``Delta``
-    for the dK/dV kernel.
     """
     tiles = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -695,14 +681,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
         do = load_kv_tile(DO + off_b * sdb + off_h * sdh + rows64[:, None] * sdm + offs_dv[None, :] * sdd,
                           row_ok, offs_dv, Dv, True, EVEN_DV).to(q.dtype)
         lse = tl.load(LseRow + bh * Nq + rows, mask=row_ok, other=float("inf"))
-        if ROW_STATS:
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            o = load_kv_tile(O + off_b * sob + off_h * soh + rows64[:, None] * som + offs_dv[None, :] * sod,
-                             row_ok, offs_dv, Dv, True, EVEN_DV)
-            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-            tl.store(Delta + bh * Nq + rows, delta, mask=row_ok)
-        else:
-            delta = tl.load(Delta + bh * Nq + rows, mask=row_ok, other=0.0)
+        delta = tl.load(Delta + bh * Nq + rows, mask=row_ok, other=0.0)
         k_base = K + off_b * skb + off_h * skh
         v_base = V + off_b * svb + off_h * svh
         b_base = Bias + off_b * sbb + off_h * sbh
@@ -1202,14 +1181,6 @@ class _BackwardPlan:
         # (dQ given: the Triton kernels write it at its strides, the Gluon ones contiguous, copied after)
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
             not self.given_grads or self.gluon is not None), SPIN_ASM=not interpreting())
-        # no preprocess launch where nothing must be known before both kernels run (no heads' maxima to find):
-        # the dQ kernel runs first, forms the rows' delta and writes it for the dK/dV kernel; both read the
-        # forward's LSE as it is
-        self.row_stats = (not self.head_b and not self.single_pass and self.gluon is None
-                          and lse.shape == (B, H, Nq) and lse.is_contiguous())
-        self.flags["ROW_STATS"] = self.row_stats
-        self.fit_key += (self.row_stats,)
-        self.o_strides = tuple(out.stride())
         self.dkdv = self.dq = None  # KernelCall, (KernelCall, G, per_chunk, n_m): fitted on the first run
 
     def _ordered_buffers(self, dtype, dq=None):
@@ -1251,18 +1222,6 @@ class _BackwardPlan:
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))
         return call, G, per_chunk, n_m
 
-    def _run_dkdv(self, args) -> None:
-        if self.dkdv is not None:
-            self.dkdv(*args)
-            return
-
-        def run_dkdv(t: KernelTiles):
-            call = self._dkdv_call(t)
-            call(*args)
-            self.dkdv = call
-
-        _run_fitting("dkdv" + "+dq" * self.single_pass, self.fit_key, self.cfg.dkdv, self.explicit, run_dkdv)
-
     def __call__(self, q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale, grads=None):
         """The backward of one call; ``grads``: (dq, dk, dv) to write, laid out as the plan's ``grad_strides``
         (a plan built with them needs them), else they are allocated contiguous."""
@@ -1286,12 +1245,10 @@ class _BackwardPlan:
         else:
             dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
             dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
+        # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
         delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
-        if self.row_stats:  # the dQ kernel writes delta; both kernels read the LSE as the forward wrote it
-            lse_row = lse
-        else:  # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
-            lse_row = torch.empty_like(delta)
-            self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail)
+        lse_row = torch.empty_like(delta)
+        self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail)
         if self.gluon is not None:
             try:
                 self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, sem, float(scale))
@@ -1308,11 +1265,19 @@ class _BackwardPlan:
         scale = float(scale)
         dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, dq, acc, sem, head_max, *self.strides,
                      *self.g_strides, H, Nq, Nk, D, Dv, scale, self.n_add)
+        if self.dkdv is not None:
+            self.dkdv(*dkdv_args)
+        else:
+            def run_dkdv(t: KernelTiles):
+                call = self._dkdv_call(t)
+                call(*dkdv_args)
+                self.dkdv = call
+
+            _run_fitting("dkdv" + "+dq" * self.single_pass, self.fit_key, self.cfg.dkdv, self.explicit, run_dkdv)
+        if self.single_pass:
+            return dq, dk, dv, None, None
+
         made = {}
-        if not self.row_stats:
-            self._run_dkdv(dkdv_args)
-            if self.single_pass:
-                return dq, dk, dv, None, None
 
         def run_dq(planned):
             call, G, per_chunk, n_m = planned
@@ -1322,9 +1287,8 @@ class _BackwardPlan:
                   else delta)
             dhs = torch.empty((B, H, n_m), device=dev, dtype=torch.float32) if self.write_dhs else delta
             made["db"], made["dhs"] = db, dhs
-            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, head_max, out, *self.strides,
-                 *self.g_strides[:3], *self.o_strides, H, Nq, Nk, D, Dv, scale, self.n_add, self.B_OUT, self.H_OUT,
-                 self.R_H, self.R_B * self.R_H, per_chunk)
+            call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, head_max, *self.strides, *self.g_strides[:3],
+                 H, Nq, Nk, D, Dv, scale, self.n_add, self.B_OUT, self.H_OUT, self.R_H, self.R_B * self.R_H, per_chunk)
 
         if self.dq is not None:
             run_dq(self.dq)
@@ -1335,8 +1299,6 @@ class _BackwardPlan:
                 self.dq = planned
 
             _run_fitting("dq", self.fit_key + (self.write_db, self.write_dhs), self.cfg.dq, self.explicit, fit_dq)
-        if self.row_stats:  # after the dQ kernel, which wrote delta
-            self._run_dkdv(dkdv_args)
         dbias = None
         if self.write_db:
             db = made["db"]

@@ -107,12 +107,12 @@ def _varlen_dkdv_kernel(Q, K, V, DO, Delta, LseRow, CuQ, CuK, DK, DV, E,
         dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, True, False, False, False, EVEN_D, EVEN_DV, PRECISION,
-                            GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B, False)
+                            GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B)
     for t in range(mid, n_m):
         dk, dv, _ = _dkdv_tile(dk, dv, k, v, q_base, do_base, Q, Q, Q, LseRow + row_base, Delta + row_base,
                             t * BLOCK_M, offs_m, offs_d, offs_dv, cols, col_ok, Lq, D, Dv, sqt, sqd, sdt, sdd,
                             0, 0, 0, 0, 0, 0, scale, False, False, False, False, EVEN_D, EVEN_DV, PRECISION,
-                            GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B, False)
+                            GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B)
     dk = dk * scale
     rows_out = (k_start + cols64[:, None]) * H + off_h
     tl.store(DK + rows_out * D + offs_d[None, :], dk.to(DK.dtype.element_ty),

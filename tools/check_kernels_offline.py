@@ -179,12 +179,11 @@ def _split_bwd_jobs(label: str, mode: str, tiles: "elsa_bwd.BwdConfig", d: int, 
     precision = elsa_bwd.fp32_products(mode, products)[1]
     base = dict(BLOCK_D=d, BLOCK_DV=d, **elsa_bwd.product_flags(precision), HEAD_B=precision in elsa_bwd.HEAD_SCALED,
                 IS_CAUSAL=False, HAS_BIAS=bias, HAS_ADD=add,
-                HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False,
-                ROW_STATS=mode == "bf16")  # half products: no preprocess, the dQ kernel forms the rows' delta
+                HAS_MASK=False, HEAD_SCALE=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False)
     dkdv_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DK", "DV",
                                     "DQ", "DQACC", "Sem", "E"), ("Q", "K", "V", "DO", "DK", "DV", "DQ"))
     dq_ptr = _bwd_pointers(mode, ("Q", "K", "V", "DO", "Bias", "Add", "Mask", "HS", "Delta", "LseRow", "DQ", "DB",
-                                  "DHS", "E", "O"), ("Q", "K", "V", "DO", "DQ", "O"))
+                                  "DHS", "E"), ("Q", "K", "V", "DO", "DQ"))
     dkdv_ptr["Sem"] = dkdv_ptr["E"] = dq_ptr["E"] = "*i32"
     single = tiles.single_pass and not bias
     ordered = dict(DQ_ORDERED=single, ACC_IS_OUT=mode != "bf16", SPIN_ASM=True, TAIL=tiles.dkdv.tail)
@@ -253,17 +252,21 @@ def _backward_jobs(quick: bool):
             half = elsa_bwd.BWD_MODES[mode][0] != elsa_bwd.BWD_MODES["fp32"][0]
             warps, stages = window_bwd.fused_launch(block, n, half, precision)
             names = ("Q", "K", "V", "O", "DO", "LSE", "Bias", "Add", "HS", "DQ", "DK", "DV", "DB", "DHS")
-            yield ({"kernel": "bwd-window-fused", "variant": f"window N={n} D=32 {mode} +bias grad",
-                    "config": [block, block, warps, stages]},
-                   dict(kernel=window_bwd._window_bwd_fused_kernel,
-                        pointer_types=_bwd_pointers(mode, names, ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")),
-                        constexprs=dict(BLOCK=block, BLOCK_D=32, BLOCK_DV=32, **elsa_bwd.product_flags(precision),
-                                        HAS_BIAS=True,
-                                        HAS_ADD=True, HEAD_SCALE=False, WRITE_DB=True, WRITE_DHS=False, EVEN_D=True,
-                                        EVEN_DV=True, DOT_UPCAST=False, NORMALIZE=False,
-                                        COMPUTE=0 if mode.startswith("fp32") else 2 if mode == "bf16" else 1),
-                        num_warps=warps, num_stages=stages,
-                        unit_ints=("sqd", "skd", "svd", "sod", "sdd", "slm", "sbn", "san"), float_args=("scale0",)))
+            # Swin-v2's 64-token windows: also the cosine variant (q, k normalised in the kernel, d logit_scale)
+            for cosine in ((False, True) if n == 64 else (False,)):
+                yield ({"kernel": "bwd-window-fused",
+                        "variant": f"window N={n} D=32 {mode} +bias grad" + (" cosine" if cosine else ""),
+                        "config": [block, block, warps, stages]},
+                       dict(kernel=window_bwd._window_bwd_fused_kernel,
+                            pointer_types=_bwd_pointers(mode, names, ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")),
+                            constexprs=dict(BLOCK=block, BLOCK_D=32, BLOCK_DV=32, **elsa_bwd.product_flags(precision),
+                                            HAS_BIAS=True, HAS_ADD=True, HEAD_SCALE=False, WRITE_DB=True,
+                                            WRITE_DHS=cosine, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False,
+                                            NORMALIZE=cosine,
+                                            COMPUTE=0 if mode.startswith("fp32") else 2 if mode == "bf16" else 1),
+                            num_warps=warps, num_stages=stages,
+                            unit_ints=("sqd", "skd", "svd", "sod", "sdd", "slm", "sbn", "san"),
+                            float_args=("scale0",)))
 
 
 def _spill(local_bytes) -> str:
