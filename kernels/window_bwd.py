@@ -108,8 +108,9 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
         v = load_kv_tile(V + b * svb + h * svh + offs64[:, None] * svn + offs_dv[None, :] * svd, ok_n, offs_dv, Dv,
                          True, EVEN_DV)
         if NORMALIZE:
-            q = _prep_rows(q, 1.0, COMPUTE, True, False)
-            k = _prep_rows(k, 1.0, COMPUTE, True, False)
+            q_raw, k_raw = q, k
+            q = _prep_rows(q_raw, 1.0, COMPUTE, True, False)
+            k = _prep_rows(k_raw, 1.0, COMPUTE, True, False)
         do = load_kv_tile(DO + b * sdb + h * sdh + offs64[:, None] * sdm + offs_dv[None, :] * sdd, ok_n, offs_dv,
                           Dv, True, EVEN_DV).to(q.dtype)
         o = load_kv_tile(O + b * sob + h * soh + offs64[:, None] * som + offs_dv[None, :] * sod, ok_n, offs_dv, Dv,
@@ -127,11 +128,9 @@ def _window_bwd_fused_kernel(Q, K, V, O, DO, LSE, Bias, Add, HS, DQ, DK, DV, DB,
         ds = p * (dp - delta[:, None])
         dq = _mm(ds.to(q.dtype), k, GRAD_PRECISION, DOT_UPCAST) * scale
         dk = _mm(tl.trans(ds.to(q.dtype)), q, GRAD_PRECISION, DOT_UPCAST) * scale
-        if NORMALIZE:  # the raw rows read again (from cache) rather than held in registers through the products
-            dq = _normalize_grad(load_kv_tile(Q + b * sqb + h * sqh + offs64[:, None] * sqm + offs_d[None, :] * sqd,
-                                              ok_n, offs_d, D, True, EVEN_D), dq)
-            dk = _normalize_grad(load_kv_tile(K + b * skb + h * skh + offs64[:, None] * skn + offs_d[None, :] * skd,
-                                              ok_n, offs_d, D, True, EVEN_D), dk)
+        if NORMALIZE:
+            dq = _normalize_grad(q_raw, dq)
+            dk = _normalize_grad(k_raw, dk)
         bh = b * H + h
         out_d = ok_n[:, None] & (offs_d < D)[None, :]
         tl.store(DQ + b * sgqb + h * sgqh + offs64[:, None] * sgqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
