@@ -24,7 +24,7 @@
 # frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the
 # timm families beyond ViT / Swin, patched vs unpatched), naflex (NaFlexViT padded batch), ring1 (the context-parallel
 # ring on one rank vs attention), demo300 (the demo on VIDEO, 300 frames, full-size random
-# weights), train-bound / train-bound-swinv2 / vggt-bound / integrations-bound (the attention-free bounds: training steps, VGGT and
+# weights), train-bound / train-bound-1024 / vggt-bound / integrations-bound (the attention-free bounds: training steps, VGGT and
 # FastVGGT bf16 at 200 frames, the transformers / diffusers cells; integrations need transformers and diffusers
 # installed), fastvggt-official (FastVGGT against the official code at FASTVGGT, a checkout of
 # mystorm16/FastVGGT). Every step logs to OUT_DIR/STEP.log
@@ -121,11 +121,11 @@ for step in "$@"; do
     ring1) run ring1 200 torchrun --nproc-per-node 1 tools/bench_context_parallel.py --out "$out/ring1" ;;
     demo300) run demo300 500 python demos/reconstruct.py "${VIDEO:?set VIDEO to a video of >= 300 frames}" \
         --out "$out/demo300" --weights random --device cuda --max-frames 300 --mode bf16 --no-preview ;;
-    train-bound) run train-bound 560 python tools/bench_train.py --attention-free \
-        --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64,vit_base_patch16_224:1024:8 \
+    train-bound) run train-bound 480 python tools/bench_train.py --attention-free \
+        --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64,swinv2_base_window8_256:256:32 \
         --modes fp32,bf16 --out "$out/train_bound" ;;
-    train-bound-swinv2) run train-bound-swinv2 300 python tools/bench_train.py --attention-free \
-        --cases swinv2_base_window8_256:256:32 --modes fp32,bf16 --out "$out/train_bound_swinv2" ;;
+    train-bound-1024) run train-bound-1024 300 python tools/bench_train.py --attention-free \
+        --cases vit_base_patch16_224:1024:8 --modes fp32,bf16 --out "$out/train_bound_vit1024" ;;
     vggt-bound) run vggt-bound 300 python tools/bench_vggt.py --models vggt fastvggt --rows sdpa-bf16 bf16 free-bf16 \
         --frames 200 --out "$out/vggt_bound" ;;
     integrations-bound) run integrations-bound 400 python tools/bench_integrations.py --attention-free --rounds 2 \
