@@ -8,7 +8,9 @@ training step needs: of the qkv tensor (q, k, v as timm's ``qkv.unbind`` views),
 bias [H, N, N] (the table gather / CPB MLP before it is outside the timing, the same for all) and, for
 Swin-v2, of ``logit_scale``; the shift mask gets none. Backends:
 
-* ``visionattn``: :func:`visionattn.window_attention` in the case's mode.
+* ``visionattn``: :func:`visionattn.window_attention_qkvpacked` on the qkv leaf in the case's mode, the call a
+  patched timm Swin / Swin-v2 module makes in training (its backward writes the packed qkv gradient; timm's lines
+  get theirs through ``unbind``'s backward).
 * ``timm-eager``: the attention lines of timm's ``WindowAttention.forward`` (explicit matmuls and softmax;
   ``tools/bench_window.py``'s ``eager_fn``): Swin with ``fused_attn`` off, and Swin-v2's only path.
 * ``timm-sdpa``: Swin's fused path (timm's default where fused attention is on): SDPA with the bias and mask
@@ -126,9 +128,8 @@ def forward_fn(case: dict, backend: str):
     kw = dict(cosine=True, logit_scale=attn.logit_scale) if kind == "v2" else dict(scale=attn.scale)
 
     def run():
-        q, k, v = _qkv(qkv)
-        return visionattn.window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=nw,
-                                           mode=case["mode"], **kw)
+        return visionattn.window_attention_qkvpacked(qkv, relative_position_bias=bias, shift_mask=mask,
+                                                     num_windows=nw, mode=case["mode"], **kw).transpose(1, 2)
     return run
 
 

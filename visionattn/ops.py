@@ -379,9 +379,9 @@ class _WindowFunction(torch.autograd.Function):
 
 
 class _CosineWindowFunction(torch.autograd.Function):
-    """Eager autograd for Swin-v2's cosine window attention on windows the fused backward kernel takes (at most
-    ``window_bwd.FUSED_MAX_TOKENS`` tokens): q and k arrive as the caller has them, both kernels normalise their
-    rows and form ``c = exp(min(logit_scale, log 100))`` themselves (the same code, so the LSE the forward saves
+    """Eager autograd for Swin-v2's cosine window attention in half modes on windows the fused backward kernel takes
+    (at most ``window_bwd.FUSED_MAX_TOKENS`` tokens): q and k arrive as the caller has them, both kernels normalise
+    their rows and form ``c = exp(min(logit_scale, log 100))`` themselves (the same code, so the LSE the forward saves
     belongs to exactly the logits the backward recomputes), and the backward returns the raw q and k's gradients
     and d logit_scale. One autograd node and two launches, where normalising outside takes three nodes (two
     normalisations, the logit scale's exp and clamp) and six more launches, and saves the normalised copies."""
@@ -462,7 +462,7 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
             logit_scale: [H] when ``cosine`` (Swin-v2), else None.
         grad: the inputs need gradients (``mode`` must be in :data:`BACKWARD_MODES`). The call then runs through
             :class:`_WindowFunction` (eager) or ``visionattn::window_attention_lse`` with its registered autograd
-            formula (``torch.compile``). Cosine, eager, windows of at most ``FUSED_MAX_TOKENS``:
+            formula (``torch.compile``). Cosine, eager, half modes, windows of at most ``FUSED_MAX_TOKENS``:
             :class:`_CosineWindowFunction` (the kernels normalise). Other cosine calls: q and k are
             L2-normalised (``F.normalize``, eps 1e-12) and
             ``c = exp(min(logit_scale, log 100))`` computed here in PyTorch, so autograd carries the
@@ -483,7 +483,10 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
             raise ValueError(f"mode={mode!r} has no window backward kernel; expected one of "
                              f"{sorted(BACKWARD_MODES)}")
         head_scale = None
-        if cosine and q.shape[2] <= _window_bwd.FUSED_MAX_TOKENS and not torch.compiler.is_compiling():
+        if (cosine and q.shape[2] <= _window_bwd.FUSED_MAX_TOKENS and MODES[mode].compute_dtype != torch.float32
+                and not torch.compiler.is_compiling()):
+            # half modes; with FP32 products the normalising kernels spill more than the two row kernels cost
+            # (docs/tuning.md)
             return _CosineWindowFunction.apply(q, k, v, bias, mask, logit_scale, num_windows, mode)
         if cosine:
             q, k = _normalize(q), _normalize(k)

@@ -150,18 +150,19 @@ def test_swin_v2_gradients(mode, dtype, lse_calls):
     assert len(lse_calls) == 1
 
 
-@pytest.mark.parametrize("n,fused", [(64, True), (144, False)])
-def test_cosine_windows_normalise_in_the_kernels_up_to_64_tokens(monkeypatch, n, fused):
-    """Eager cosine windows of at most 64 tokens: both kernels normalise q and k themselves (no separate
-    normalisation, one autograd node for the whole call, gradients of the raw q and k and of ``logit_scale``);
-    larger windows (the split backward) normalise first. Either way the gradients meet the fp32 bound."""
+@pytest.mark.parametrize("mode,n,fused", [("fp16", 64, True), ("fp32", 64, False), ("fp16", 144, False)])
+def test_cosine_windows_normalise_in_the_kernels_up_to_64_tokens(monkeypatch, mode, n, fused):
+    """Eager cosine windows of at most 64 tokens in half modes: both kernels normalise q and k themselves (no
+    separate normalisation, one autograd node for the whole call, gradients of the raw q and k and of
+    ``logit_scale``); FP32 products and larger windows (the split backward) normalise first. Either way the
+    gradients meet the mode's bound."""
     from visionattn.kernels import l2norm
 
     calls = []
     real = l2norm.l2_normalize
     monkeypatch.setattr(l2norm, "l2_normalize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     qkv, bias, mask, ls, do = window_case(1, 2, 2, n, 16, seed=5, cosine=True, shift=False)
-    check_grads("fp32", torch.float32, qkv, bias, None, ls, do, 2, cosine=True)
+    check_grads(mode, torch.float16 if mode == "fp16" else torch.float32, qkv, bias, None, ls, do, 2, cosine=True)
     assert (len(calls) == 0) == fused
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import visionattn as va
+from visionattn.metrics import rel_l2
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = None if DEV == "cuda" else "triton"
@@ -33,6 +34,15 @@ def _packed_path_ran(out) -> bool:
     return type(node).__name__ == "_WindowPackedFunctionBackward"
 
 
+def _assert_same(got, ref, exact: bool):
+    """Bit for bit, or (``exact`` False) within FP32 rounding: the unpacked cosine call in an FP32-product mode
+    normalises q and k before the kernels, the packed one inside them."""
+    for name, a, b in zip(("out", "dqkv", "dbias", "dlogit_scale"), got, ref):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b) if exact else rel_l2(a.float(), b.float()) <= 2e-6, name
+
+
 def _grads(call, qkv, bias, ls, grad_out):
     """(out, dqkv, dbias, dlogit_scale) of ``call(qkv, bias, ls)`` on fresh leaves copied from the given ones."""
     qkv, bias = (t.detach().clone().requires_grad_(True) for t in (qkv, bias))
@@ -46,8 +56,9 @@ def _grads(call, qkv, bias, ls, grad_out):
                                            ("bf16", 64, True), ("tf32", 16, True)])
 def test_packed_window_gradients_equal_the_unpacked_call_bit_for_bit(mode, N, cosine):
     """Swin (49-token windows, a [1, H, N, N] bias view) and Swin-v2 (cosine, ``logit_scale``): output and the
-    gradients of qkv, the bias and ``logit_scale`` equal the unpacked call's bit for bit, on a first call and on a
-    second call of the signature (launched from the runner and plans the first kept)."""
+    gradients of qkv, the bias and ``logit_scale`` equal the unpacked call's bit for bit (FP32-product cosine:
+    within FP32 rounding), on a first call and on a second call of the signature (launched from the runner and
+    plans the first kept)."""
     qkv, bias, mask, ls, grad_out = _case(2, 2, 2, N, 16, DTYPES[mode], cosine)
     kw = dict(shift_mask=mask, num_windows=2, cosine=cosine, mode=mode, backend=BACKEND)
 
@@ -62,9 +73,7 @@ def test_packed_window_gradients_equal_the_unpacked_call_bit_for_bit(mode, N, co
 
     ref = _grads(unpacked, qkv, bias, ls, grad_out)
     for _ in range(2):
-        got = _grads(packed, qkv, bias, ls, grad_out)
-        for name, a, b in zip(("out", "dqkv", "dbias", "dlogit_scale"), got, ref):
-            assert (a is None and b is None) or torch.equal(a, b), name
+        _assert_same(_grads(packed, qkv, bias, ls, grad_out), ref, not (cosine and DTYPES[mode] == torch.float32))
 
 
 def test_calls_the_packed_kernel_does_not_take_run_the_unpacked_call():
@@ -102,7 +111,7 @@ def test_bad_packed_window_inputs_name_the_argument():
 @pytest.mark.parametrize("N,H,cosine", [(49, 4, False), (64, 4, True)])
 def test_gpu_packed_window_gradients_equal_the_unpacked_call_bit_for_bit(mode, N, H, cosine):
     """Swin-B / Swin-v2-B stage-1 windows (batch 8) on the GPU: the packed call gives the unpacked call's results
-    bit for bit."""
+    bit for bit (FP32-product cosine: within FP32 rounding)."""
     qkv, bias, mask, ls, grad_out = _case(8, 16, H, N, 32, DTYPES[mode], cosine, seed=N)
     kw = dict(shift_mask=mask, num_windows=16, cosine=cosine, mode=mode)
 
@@ -115,6 +124,5 @@ def test_gpu_packed_window_gradients_equal_the_unpacked_call_bit_for_bit(mode, N
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         return va.window_attention(q, k, v, relative_position_bias=bias, logit_scale=ls, **kw).transpose(1, 2)
 
-    for name, a, b in zip(("out", "dqkv", "dbias", "dlogit_scale"), _grads(packed, qkv, bias, ls, grad_out),
-                          _grads(unpacked, qkv, bias, ls, grad_out)):
-        assert (a is None and b is None) or torch.equal(a, b), name
+    _assert_same(_grads(packed, qkv, bias, ls, grad_out), _grads(unpacked, qkv, bias, ls, grad_out),
+                 not (cosine and DTYPES[mode] == torch.float32))
