@@ -1075,11 +1075,7 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, attn
         if bias_requires_grad and bias is None:
             raise ValueError("bias_requires_grad=True needs a bias")
         B, H, Nq, D = q.shape
-        if grads is not None and (any(g.shape != t.shape or g.dtype != q.dtype or g.stride(3) != 1
-                                      or g.device != q.device
-                                      for g, t in zip(grads, (q, k, v)))):
-            raise ValueError("grads: (dq, dk, dv) must have q / k / v's shapes, q's dtype and device and a unit "
-                             "stride in the last dim")
+        check_grads(grads, q, k, v)
         if B * H == 0 or Nq == 0 or k.shape[2] == 0 or D == 0 or v.shape[3] == 0:  # zeros, no plan
             result = launch_backward(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, is_causal, scale, mode,
                                      bias_requires_grad, False, None, None)[:4]
@@ -1092,6 +1088,15 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, attn
                                                     is_causal, mode, bias_requires_grad, False, None, None, None,
                                                     grad_strides=grad_strides))
     return plan(q, k, v, out, grad_out, lse, bias, None, attn_mask, None, scale, grads)[:4]
+
+
+def check_grads(grads, q, k, v) -> None:
+    """ValueError unless ``grads`` is None or (dq, dk, dv) with q / k / v's shapes, q's dtype and device and a unit
+    last stride (the layout the backward kernels write through their strides)."""
+    if grads is not None and any(g.shape != t.shape or g.dtype != q.dtype or g.stride(3) != 1 or g.device != q.device
+                                 for g, t in zip(grads, (q, k, v))):
+        raise ValueError("grads: (dq, dk, dv) must have q / k / v's shapes, q's dtype and device and a unit "
+                         "stride in the last dim")
 
 
 def _tensor_key(t: torch.Tensor | None):

@@ -40,7 +40,8 @@ import triton.language as tl
 from ._host import cdiv, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
-                       _head_scale_grad, _mm, _tensor_key, fp32_products, launch_backward, product_flags)
+                       _head_scale_grad, _mm, _tensor_key, check_grads, fp32_products, launch_backward,
+                       product_flags)
 from .elsa_fwd import load_kv_tile
 from .window_fwd import _COMPUTE_CODE, _prep_rows
 from .modes import MODES
@@ -309,11 +310,22 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         ``head_scale``'s shape and dtype (with ``logit_scale``: d logit_scale in its shape and dtype) or None.
 
     Raises:
-        ValueError: unknown mode; mismatched shapes (naming the argument); ``num_windows`` not dividing
-            B*nW or differing from the shift mask's; a gradient asked for a tensor not given.
+        ValueError: unknown mode; mismatched shapes (naming the argument); ``grads`` not laid out as above;
+            ``num_windows`` not dividing B*nW or differing from the shift mask's; a gradient asked for a tensor
+            not given.
         TypeError: q / k / v not in the mode's compute dtype; lse not float32; a non-float bias / mask /
             head scale.
     """
+    return _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, num_windows, scale, mode,
+                            head_scale, bias_requires_grad, head_scale_requires_grad, config, bias_splits, kernel,
+                            products, logit_scale, logit_scale_requires_grad, grads)[0]
+
+
+def _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, num_windows, scale, mode,
+                     head_scale, bias_requires_grad, head_scale_requires_grad, config, bias_splits, kernel, products,
+                     logit_scale, logit_scale_requires_grad, grads):
+    """:func:`window_backward`'s ``(result, plan)``: the fused kernel's plan that ran, None for the split kernels
+    or an empty call."""
     _check_inputs(q, k, v, out, grad_out, lse, None, None, mode)
     BW, H, N, _ = q.shape
     if k.shape[2] != N:
@@ -356,19 +368,16 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if kernel == "fused" and (N > FUSED_MAX_TOKENS or config is not None):
         raise ValueError(f"kernel='fused' runs windows of at most {FUSED_MAX_TOKENS} tokens without a config "
                          f"(got N={N}, config={config}); use kernel='split' or 'auto'")
+    check_grads(grads, q, k, v)
     empty = BW * H == 0 or q.shape[3] == 0 or v.shape[3] == 0
     if logit_scale is not None and (empty or not BW):  # nothing to normalise: zero gradients
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v)) if grads is None else (g.zero_() for g in grads)
         return (dq, dk, dv, torch.zeros_like(relative_position_bias) if bias_requires_grad else None,
-                torch.zeros_like(logit_scale) if logit_scale_requires_grad else None)
+                torch.zeros_like(logit_scale) if logit_scale_requires_grad else None), None
     if logit_scale is not None:
         return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
                       logit_scale, bool(bias_requires_grad), bool(logit_scale_requires_grad), bias_splits, products,
                       normalize=True, grads=grads)
-    if grads is not None and any(g.shape != t.shape or g.dtype != q.dtype or g.device != q.device or g.stride(3) != 1
-                                 for g, t in zip(grads, (q, k, v))):
-        raise ValueError("grads: (dq, dk, dv) must have q / k / v's shapes, q's dtype and device and a unit stride "
-                         "in the last dim")
     if BW and (kernel == "fused" or (kernel == "auto" and N <= FUSED_MAX_TOKENS and config is None and not empty)):
         return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
                       head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits, products,
@@ -386,7 +395,7 @@ def window_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         for into, got in zip(grads, (dq, dk, dv)):
             into.copy_(got)
         dq, dk, dv = grads
-    return dq, dk, dv, dbias, dhs
+    return (dq, dk, dv, dbias, dhs), None
 
 
 def _per_head(name: str, t, H: int, device: torch.device) -> torch.Tensor:
@@ -430,24 +439,14 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shif
            None if bias is None else bias.stride(), bool(bias_requires_grad), bool(scale_requires_grad),
            head_scale is not None, logit_scale is not None and logit_scale.dtype, _grad_strides(grads))
     plan = AFTER_FORWARD.get(key)
-    source = logit_scale if logit_scale is not None else head_scale
     if plan is None:
-        result = window_backward(q, k, v, out, grad_out, lse, bias, shift_mask, num_windows, scale, mode, head_scale,
-                                 bias_requires_grad, scale_requires_grad and head_scale is not None,
-                                 logit_scale=logit_scale,
-                                 logit_scale_requires_grad=scale_requires_grad and logit_scale is not None,
-                                 grads=grads)
-        BW, H, N, D = q.shape
-        fused = (BW and N <= FUSED_MAX_TOKENS and H and D and v.shape[3]
-                 and (logit_scale is None or logit_scale.is_contiguous()))
-        if fused:
-            hs = None if source is None else (logit_scale if logit_scale is not None
-                                              else source.detach().reshape(H).to(torch.float32))
-            found = PLANS.get(_fused_key(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode,
-                                         bool(bias_requires_grad), bool(scale_requires_grad), None,
-                                         MODES[mode].window_backward_precision, logit_scale is not None, grads))
-            if found is not None:
-                AFTER_FORWARD.put(key, found)
+        result, ran = _window_backward(q, k, v, out, grad_out, lse, bias, shift_mask, num_windows, scale, mode,
+                                       head_scale, bias_requires_grad, scale_requires_grad and head_scale is not None,
+                                       None, None, "auto", None, logit_scale,
+                                       scale_requires_grad and logit_scale is not None, grads)
+        # kept for the fused kernel only, and with a logit scale only where the kernel can read it in place
+        if ran is not None and (logit_scale is None or logit_scale.is_contiguous()):
+            AFTER_FORWARD.put(key, ran)
         return result
     if logit_scale is not None:
         hs = logit_scale  # contiguous (the plan was kept only then): the kernel reads its H values in place
@@ -455,18 +454,26 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shif
         hs = head_scale.detach().reshape(-1).to(torch.float32).contiguous()
     else:
         hs = None
-    dq, dk, dv, dbias, dhs = plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, grads)
-    if dbias is not None and dbias.dtype != bias.dtype:
+    return _shaped(plan(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, grads), bias,
+                   logit_scale if logit_scale is not None else head_scale)
+
+
+def _shaped(grads, bias, head_scale):
+    """The fused kernel's (dq, dk, dv, dbias, dhs) with dbias in the bias's dtype and dhs in the shape and dtype of
+    ``head_scale`` (the logit scale with NORMALIZE)."""
+    dq, dk, dv, dbias, dhs = grads
+    if dbias is not None:
         dbias = dbias.to(bias.dtype)
     if dhs is not None:
-        dhs = dhs.reshape(source.shape).to(source.dtype)
+        dhs = dhs.reshape(head_scale.shape).to(head_scale.dtype)
     return dq, dk, dv, dbias, dhs
 
 
 def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_scale, write_db, write_dhs,
            bias_splits, products, normalize=False, grads=None):
-    """:func:`window_backward` on the fused kernel from the cached plan of the call's signature (``normalize``:
-    ``hs`` is the logit scale and ``head_scale`` the caller's logit_scale tensor, the kernel's NORMALIZE)."""
+    """``(result, plan)``: :func:`window_backward` on the fused kernel from the cached plan of the call's signature
+    (``normalize``: ``hs`` is the logit scale and ``head_scale`` the caller's logit_scale tensor, the kernel's
+    NORMALIZE)."""
     key = _fused_key(q, k, v, out, grad_out, lse, bias, shift_mask, hs, mode, write_db, write_dhs, bias_splits,
                      products, normalize, grads)
     plan = PLANS.get(key)
@@ -486,9 +493,4 @@ def _fused(q, k, v, out, grad_out, lse, bias, shift_mask, hs, scale, mode, head_
         run_first_that_fits(run, first, lambda stages: list(range(stages - 1, 0, -1)))
         plan, grads = built[-1]
         PLANS.put(key, plan)
-    dq, dk, dv, dbias, dhs = grads
-    if dbias is not None:
-        dbias = dbias.to(bias.dtype)
-    if dhs is not None:
-        dhs = dhs.reshape(head_scale.shape).to(head_scale.dtype)
-    return dq, dk, dv, dbias, dhs
+    return _shaped(grads, bias, head_scale), plan

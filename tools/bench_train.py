@@ -219,30 +219,33 @@ def time_case(case: dict, mode: str, device: torch.device, args: argparse.Namesp
     def switch(v: str) -> None:
         _set_attention(model, "visionattn" if v == FREE and free_patched else v, mode)
 
+    def prime(v: str) -> None:
+        """First step (compilation), warm-up and the peak memory of one step of side ``v``."""
+        switch(v)
+        rows[v]["first_step_ms"] = call_ms(runs[v], device)
+        for _ in range(args.warmup):
+            runs[v]()
+        rows[v]["peak_mib"] = peak_memory(runs[v], device.type)["peak_mib"]
+
+    def answered_per_step() -> tuple[int, int]:
+        """(SDPA calls, core calls) the attention-free side answers in one step."""
+        free.calls = free.core_calls = 0
+        runs[FREE]()
+        return free.calls, free.core_calls
+
     with precision_flags(prec) as flags:
-        for v in variants:  # first step (compilation), warm-up, peak memory of one step
+        for v in variants:
             rows[v]["process_settings"] = flags
-            run = runs[v]
             try:
-                for _ in range(2 if v == FREE else 1):
-                    switch(v)
-                    rows[v]["first_step_ms"] = call_ms(run, device)
-                    for _ in range(args.warmup):
-                        run()
-                    mem = peak_memory(run, device.type)
-                    rows[v]["peak_mib"] = mem["peak_mib"]
-                    if v == "visionattn":
-                        rows[v]["patched"] = dict(model.visionattn_report.patched)
-                    if v != FREE:
-                        break
-                    free.calls = free.core_calls = 0
-                    run()
-                    rows[v]["sdpa_calls_per_step"] = free.calls
-                    if free_patched or free.calls:
-                        break
-                    free_patched = True  # timm's attention never reached SDPA: patched, the cores answer
-                if free_patched:
-                    rows[v]["core_calls_per_step"] = free.core_calls
+                prime(v)
+                if v == "visionattn":
+                    rows[v]["patched"] = dict(model.visionattn_report.patched)
+                if v == FREE:
+                    rows[v]["sdpa_calls_per_step"] = answered_per_step()[0]
+                    if not rows[v]["sdpa_calls_per_step"]:  # timm's attention never reached SDPA: patched
+                        free_patched = True
+                        prime(v)
+                        rows[v]["sdpa_calls_per_step"], rows[v]["core_calls_per_step"] = answered_per_step()
             except Exception as err:  # noqa: BLE001
                 rows[v]["error"] = failure_text(err, device)
         for _ in range(args.rounds):

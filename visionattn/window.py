@@ -332,16 +332,13 @@ def _packed_runner(qkv, relative_position_bias, shift_mask, num_windows, cosine,
 
     if (dispatch.resolve_backend(backend, q.device.type) != "triton" or mask is not shift_mask
             or qkv.dtype != md.compute_dtype or _kernel_unsupported(q, v, md, True) is not None
-            or q.shape[2] > ops._window_bwd.FUSED_MAX_TOKENS or v.shape[3] != q.shape[3]):
+            or q.shape[2] > ops._window_bwd.FUSED_MAX_TOKENS):
         return False
     H, squeeze_bias, cosine = q.shape[1], bias is not relative_position_bias, bool(cosine)
     default, name = q.shape[-1] ** -0.5, md.name
 
     def run(qkv, bias, mask, logit_scale, scale):
-        if squeeze_bias:
-            bias = bias[0]
-        if logit_scale is not None:
-            logit_scale = logit_scale.reshape(H)
+        bias, logit_scale = _validated_views(bias, logit_scale, squeeze_bias, H)
         return ops.window_packed(qkv, bias, mask, logit_scale, num_windows, cosine,
                                  default if scale is None else scale, name)
 
@@ -349,22 +346,27 @@ def _packed_runner(qkv, relative_position_bias, shift_mask, num_windows, cosine,
 
 
 def _training_runner(ops, q, squeeze_bias: bool, cosine: bool, num_windows: int, mode: str):
-    """The runner of a window call that needs gradients, for :data:`CALLS`: the views validation made of the
-    caller's bias ([1, H, N, N] -> [H, N, N]) and ``logit_scale`` ([H, 1, 1] -> [H]) taken again (autograd
-    carries their gradients back through them), then :func:`visionattn.ops.window`; the signature's checks ran
-    when it was first seen. Kept only for float (or no) shift masks, which validation passes through as given."""
+    """The runner of a window call that needs gradients, for :data:`CALLS`: :func:`_validated_views` of the caller's
+    bias and ``logit_scale``, then :func:`visionattn.ops.window`; the signature's checks ran when it was first seen.
+    Kept only for float (or no) shift masks, which validation passes through as given."""
     H = q.shape[1]
     default = q.shape[-1] ** -0.5
 
     def run(q, k, v, bias, mask, logit_scale, scale):
-        if squeeze_bias:
-            bias = bias[0]
-        if logit_scale is not None:
-            logit_scale = logit_scale.reshape(H)
+        bias, logit_scale = _validated_views(bias, logit_scale, squeeze_bias, H)
         return ops.window(q, k, v, bias, mask, logit_scale, num_windows, cosine, default if scale is None else scale,
                           mode, grad=True)
 
     return run
+
+
+def _validated_views(bias, logit_scale, squeeze_bias: bool, H: int):
+    """The views :func:`validate_window_inputs` makes of a caller's bias ([1, H, N, N] -> [H, N, N] where
+    ``squeeze_bias``) and ``logit_scale`` (-> [H]), taken again for a signature it already checked; autograd carries
+    their gradients back through them."""
+    if squeeze_bias:
+        bias = bias[0]
+    return bias, None if logit_scale is None else logit_scale.reshape(H)
 
 
 def _needs_grad(bias, logit_scale) -> bool:

@@ -314,7 +314,7 @@ class VisionattnSwinV2WindowAttention(_swinv2.WindowAttention):
 
     def _continuous_position_bias(self, N: int) -> torch.Tensor:
         """``16 * sigmoid(cpb_mlp(relative_coords_table))`` gathered to [H, N, N]: timm's values (the elementwise
-        ``16 * sigmoid`` taken on the [T, H] table before :func:`_gathered_bias`, not on the gathered copy)."""
+        ``16 * sigmoid`` taken on the [T, H] table before :func:`.core.gathered_bias`, not on the gathered copy)."""
         table = self.cpb_mlp(self.relative_coords_table).view(-1, self.num_heads)
         return gathered_bias(16 * torch.sigmoid(table), self.relative_position_index, N)
 
