@@ -27,6 +27,25 @@ def pad_pow2(n: int, lo: int = 16) -> int:
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dim has unit stride, else the same values laid out so that it has: a view
+    with that stride set to 1 when the last dim has size 1 (no copy; the stride of a size-1 dim is never used),
+    else one contiguous copy.
+
+    Every kernel takes the rows of its head-dim operands (q, k, v, out, dO) through their strides, and Triton
+    specialises a stride argument of 1 into the compiled kernel. With any other last-dim stride (``out.sum()``'s
+    stride-0 gradient, a ``[..., ::2]`` slice) Triton 3.6 compiles kernels that are wrong on the GPU though
+    right in the interpreter: the single-pass dense backward read shared memory out of bounds (an illegal
+    memory access in fp32, NaN gradients in tf32). The launchers therefore only ever pass unit last strides;
+    the other strides (batch, head, row, stride 0 included) are read as given.
+    """
+    if t.stride(-1) == 1:
+        return t
+    if t.shape[-1] == 1:
+        return t.as_strided(t.shape, (*t.stride()[:-1], 1))
+    return t.contiguous()
+
+
 def heads_inner_layout(batch: int, heads: int, n_q: int, dv: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(shape, strides)`` of the [B, H, Nq, Dv] output every kernel writes: a view of a contiguous
     [B, Nq, H, Dv] buffer (see :func:`heads_inner_output`); launch plans allocate it with

@@ -94,7 +94,7 @@ import triton
 import triton.language as tl
 
 from . import elsa_fwd, ieee_gluon_bwd
-from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count
+from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count, unit_last_stride
 from ._launch import SPIN_UNTIL_EQUAL_PTX, KernelCall, PlanCache, interpreting
 from .elsa_fwd import key_tiles, load_kv_tile
 from .modes import MODES
@@ -1034,6 +1034,8 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
 
     Returns (dq, dk, dv, dbias or None, dhead_scale or None).
     """
+    # the kernels are built for unit last strides (:func:`._host.unit_last_stride`): out.sum()'s dO is stride 0
+    q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
     if B * H == 0 or Nq == 0 or Nk == 0 or D == 0 or Dv == 0:
@@ -1067,6 +1069,8 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, attn
     of q / k / v's shapes and dtype, any strides with a unit last one, e.g. slices of one packed [B, N, 3, H, D]
     buffer) the kernels write into those and return them."""
     grad_strides = None if grads is None else tuple(g.stride()[:3] for g in grads)
+    # q, k, v, out: as the forward plan took and wrote them (unit last strides); autograd's dO may be any layout
+    grad_out = unit_last_stride(grad_out)
     key = (forward_plan, bool(bias_requires_grad), None if bias is None else (bias.shape, bias.stride()),
            grad_out.stride(), grad_out.dtype, grad_out.data_ptr() & 15, grad_strides)
     plan = AFTER_FORWARD.get(key)

@@ -273,6 +273,13 @@ def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, k
     ops = _ops_module()
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (bias is not None and bias.requires_grad))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        # the kernels take unit last strides only (visionattn.kernels._host.unit_last_stride): one copy per call,
+        # and no cached runner for the signature (its runner would pass the caller's layout on)
+        from .kernels._host import unit_last_stride
+
+        q, k, v = (unit_last_stride(t) for t in (q, k, v))
+        key = None
     if md.half_scores:
         reason = ops.pasa_fwd.pasa_unsupported_reason(q, k, v, bias, attn_mask)
     else:
@@ -411,7 +418,8 @@ def _packed_runner(qkv, bias, attn_mask, is_causal, mode, backend):
     q, k, v = _unpack_qkv(qkv.detach())
     views = validate_attention_inputs(q, k, v, bias, attn_mask)
     check_flags(is_causal, None, q.shape[-1])
-    if _backend_of(q, backend) != "triton" or md.half_scores or qkv.dtype != md.compute_dtype:
+    if (_backend_of(q, backend) != "triton" or md.half_scores or qkv.dtype != md.compute_dtype
+            or qkv.stride(-1) != 1):  # a head dim not of unit stride: the unpacked call lays it out
         return False
     ops = _ops_module()
     if not ops.has_backward(md.name) or ops.elsa_fwd.unsupported_reason(q, k, v, *views, md.name) is not None:

@@ -27,6 +27,7 @@ import torch
 
 from .kernels import elsa_fwd, pasa_fwd, window_fwd
 from .kernels import l2norm as _l2norm
+from .kernels._host import unit_last_stride  # noqa: F401 - the layout rule, for the API modules
 from .kernels._launch import interpreting
 from .kernels.modes import MODES
 

@@ -247,8 +247,9 @@ def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
         return 0, ts[0].stride(), [0] * len(ts)
     base = min(live, key=lambda i: ts[i].data_ptr())
     ref = max((ts[i] for i in live), key=lambda t: t.shape[0]).stride()
-    if any(ts[i].stride()[1:] != ref[1:] or (ts[i].shape[0] > 1 and ts[i].stride(0) != ref[0]) for i in live):
-        return None
+    if ref[-1] != 1 or any(ts[i].stride()[1:] != ref[1:] or (ts[i].shape[0] > 1 and ts[i].stride(0) != ref[0])
+                           for i in live):
+        return None  # (the kernels take unit last strides only: visionattn.kernels._host.unit_last_stride)
     size, at = ts[base].element_size(), ts[base].data_ptr()
     if any((ts[i].data_ptr() - at) % (16 * size) for i in live):
         return None
@@ -358,7 +359,8 @@ def _kernels(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale
         return None
     from . import ops
     dtype = md.compute_dtype
-    qc, kc, vc = (cast_checked(t, dtype, n, md.name) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    # the kernels take unit last strides only (visionattn.kernels._host.unit_last_stride)
+    qc, kc, vc = (ops.unit_last_stride(cast_checked(t, dtype, n, md.name)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     out_dtype = q.dtype if q.dtype in _HALF_OR_FP32 else torch.float32
     out = ops.varlen(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad)
     return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -238,6 +238,12 @@ def window_attention(
         if reason is None:
             from . import ops  # lazy: importing triton is slow and not needed on CPU
 
+            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+                # the kernels take unit last strides only (visionattn.kernels._host.unit_last_stride): one copy
+                # per call, and no cached runner for the signature (its runner would pass the caller's layout on)
+                q, k, v = (ops.unit_last_stride(t) for t in (q, k, v))
+                key = None
+
             if grad:  # the backward kernels, from the LSE the forward saves
                 if key is not None and mask is shift_mask:  # later calls: straight to the autograd function
                     CALLS.put(key, _training_runner(ops, q, bias is not relative_position_bias, bool(cosine),
@@ -332,8 +338,8 @@ def _packed_runner(qkv, relative_position_bias, shift_mask, num_windows, cosine,
 
     if (dispatch.resolve_backend(backend, q.device.type) != "triton" or mask is not shift_mask
             or qkv.dtype != md.compute_dtype or _kernel_unsupported(q, v, md, True) is not None
-            or q.shape[2] > ops._window_bwd.FUSED_MAX_TOKENS):
-        return False
+            or q.shape[2] > ops._window_bwd.FUSED_MAX_TOKENS or qkv.stride(-1) != 1):
+        return False  # (a head dim not of unit stride: the unpacked call lays it out)
     H, squeeze_bias, cosine = q.shape[1], bias is not relative_position_bias, bool(cosine)
     default, name = q.shape[-1] ** -0.5, md.name
 
