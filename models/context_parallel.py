@@ -9,7 +9,9 @@ model on its own chunk:
 * global attention: :func:`visionattn.distributed.context_parallel_attention` over the ranks' token
   shards (rank order = frame order, so the concatenation is the single-process token sequence);
 * frame 0 of the scene takes the first camera / register token slot, every other frame the second:
-  each rank learns the scene index of its first frame (one small all-gather per forward) and sets
+  each rank learns the scene index of its first frame (one small all-gather per forward, which also
+  agrees on every rank's inputs: a rank whose images, merging or query points are refused tells the
+  others, and every rank raises the same error before any collective of the model) and sets
   :attr:`Aggregator.frame_offset <visionattn.models.aggregator.Aggregator>`;
 * the camera head attends across the frames' camera tokens in its trunk: its input, one
   [B, S_r, 2C] token per frame (8 MB at 1000 frames in FP32), is all-gathered (autograd-aware), every
@@ -35,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from visionattn.distributed import _collective_device, context_parallel_attention, gather_sequence
+from visionattn.distributed import _agree, _check_collective_device, context_parallel_attention, gather_sequence
 
 __all__ = ["split_frames", "FrameSplit"]
 
@@ -54,23 +56,31 @@ class FrameSplit:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("split_frames needs an initialised torch.distributed process group "
                                "(torch.distributed.init_process_group)")
-        agg = getattr(model, "aggregator", None)
-        if agg is None or not hasattr(agg, "global_blocks"):
-            raise TypeError(f"split_frames takes a visionattn.models.VGGT, got {type(model).__name__}")
-        if getattr(model, "merging", None) is not None:
-            raise ValueError("split_frames: FastVGGT token merging chooses merge targets across all frames and "
-                             "cannot run on split frames; set model.merging = None")
-        attns = [blk.attn for blk in agg.global_blocks]
-        if any("attend_fn" in vars(a) for a in attns):
-            raise ValueError("split_frames: this model's global attention is already split (remove the other "
-                             "FrameSplit first)")
+        error = None
+        try:  # checked here, agreed on below: a rank refused alone would leave the others waiting in the forward
+            agg = getattr(model, "aggregator", None)
+            if agg is None or not hasattr(agg, "global_blocks"):
+                raise TypeError(f"split_frames takes a visionattn.models.VGGT, got {type(model).__name__}")
+            if getattr(model, "merging", None) is not None:
+                raise ValueError("FastVGGT token merging chooses merge targets across all frames and cannot run on "
+                                 "split frames; set model.merging = None")
+            attns = [blk.attn for blk in agg.global_blocks]
+            if any("attend_fn" in vars(a) for a in attns):
+                raise ValueError("this model's global attention is already split (remove the other FrameSplit "
+                                 "first)")
+        except Exception as e:
+            error = e
+        # a collective (once per split: 8 bytes per rank): every rank is split, or every rank raises
+        _agree(group or dist.group.WORLD, "split_frames", [], error, 0)
         self.model, self.group = model, group
         self.frames: list[int] | None = None
         self.frame_offset = 0
         self._attns = attns
+        self._agreed = False  # the model's pre-hook agreed on this forward; the aggregator's need not again
         for a in attns:
             a.attend_fn = self._attend
-        self._hooks = [agg.register_forward_pre_hook(self._before_aggregator, with_kwargs=True)]
+        self._hooks = [model.register_forward_pre_hook(self._before_model, with_kwargs=True),
+                       agg.register_forward_pre_hook(self._before_aggregator, with_kwargs=True)]
         if model.camera_head is not None:
             self._hooks += [model.camera_head.register_forward_pre_hook(self._gather_camera_tokens),
                             model.camera_head.register_forward_hook(self._keep_own_frames)]
@@ -80,26 +90,64 @@ class FrameSplit:
     def _attend(self, q, k, v, mode):
         return context_parallel_attention(q, k, v, group=self.group, mode=mode)
 
+    def _before_model(self, module, args, kwargs):
+        """``VGGT.forward(images, query_points)``: agree on every rank's inputs (:meth:`_agree_frames`) before the
+        model's own checks and its first collective."""
+        images = args[0] if args else kwargs.get("images")
+        query_points = args[1] if len(args) > 1 else kwargs.get("query_points")
+        tracks = query_points is not None and getattr(module, "track_head", None) is not None
+        self._agree_frames(images, getattr(module, "merging", None), tracks, four_dims=True)
+        self._agreed = True
+
     def _before_aggregator(self, module, args, kwargs):
-        """Learn every rank's frame count: this rank's frame offset; refuse merging and empty chunks."""
-        images = args[0] if args else kwargs["images"]
-        merging = args[1] if len(args) > 1 else kwargs.get("merging")
-        if merging is not None:
-            raise ValueError("split_frames: FastVGGT token merging cannot run on split frames; set model.merging = "
-                             "None")
-        B, S = (images.shape[0], images.shape[1]) if images.dim() == 5 else (-1, -1)
+        """The aggregator called inside the model's forward: already agreed; called directly: agree here."""
+        if self._agreed:
+            self._agreed = False
+            return
+        images = args[0] if args else kwargs.get("images")
+        self._agree_frames(images, args[1] if len(args) > 1 else kwargs.get("merging"), False, four_dims=False)
+
+    def _agree_frames(self, images, merging, tracks: bool, four_dims: bool) -> None:
+        """Every rank's frame count, after one small all-gather that also carries a rank's refusal (:func:`_agree`):
+        this rank's frame offset. The checks that can fail on one rank run before it: the images' shape
+        (``[S_r, 3, H, W]`` too when ``four_dims``: the model's forward takes it), dtype, size (a multiple of the
+        patch size) and device, merging, query points (the track head); after it, B, H and W must agree."""
         group = self.group or dist.group.WORLD
-        mine = torch.tensor([B, S], dtype=torch.int64, device=_collective_device(group))
-        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(rows, mine, group=group)
-        rows = [r.tolist() for r in rows]
-        if len({b for b, _ in rows}) > 1 or min(s for _, s in rows) < 1:
-            raise ValueError(f"split_frames: every rank needs images [B, S_r, 3, H, W] with the same B and S_r >= 1; "
-                             f"got (B, S_r) = {[tuple(r) for r in rows]} by rank")
+        row, error = None, None
+        try:
+            if merging is not None:
+                raise ValueError("FastVGGT token merging cannot run on split frames; set model.merging = None")
+            if tracks:
+                raise ValueError("the track head needs the scene's frame 0 (the query points) and attends over all "
+                                 "frames; run it without split frames")
+            if not isinstance(images, torch.Tensor):
+                raise TypeError(f"images must be a torch.Tensor, got {type(images).__name__}")
+            shape = tuple(images.shape)
+            if four_dims and images.dim() == 4:
+                shape = (1,) + shape
+            if len(shape) != 5 or shape[2] != 3:
+                raise ValueError(f"images must be [B, S_r, 3, H, W]{' or [S_r, 3, H, W]' if four_dims else ''}, "
+                                 f"got {tuple(images.shape)}")
+            if not images.is_floating_point():
+                raise TypeError(f"images must be float in [0, 1], got {images.dtype}")
+            B, S, _, H, W = shape
+            p = self.model.aggregator.patch_size
+            if H % p or W % p:
+                raise ValueError(f"image size {H}x{W} must be a multiple of patch_size={p}")
+            if S < 1:
+                raise ValueError(f"no frames (images {tuple(images.shape)}): every rank needs S_r >= 1")
+            _check_collective_device("images", images, group)
+            row = [B, S, H, W]
+        except Exception as e:  # every rank learns it in the exchange, which this rank must still join
+            error = e
+        rows = [[int(x) for x in r] for r in _agree(group, "split_frames", row, error, 4)]
+        if len({(b, h, w) for b, _, h, w in rows}) > 1:
+            raise ValueError(f"split_frames: every rank needs images [B, S_r, 3, H, W] with the same B, H and W; got "
+                             f"(B, S_r, H, W) = {[tuple(r) for r in rows]} by rank")
         rank = dist.get_rank(group)
-        self.frames = [s for _, s in rows]
+        self.frames = [s for _, s, _, _ in rows]
         self.frame_offset = sum(self.frames[:rank])
-        module.frame_offset = self.frame_offset
+        self.model.aggregator.frame_offset = self.frame_offset
 
     def _gather_camera_tokens(self, module, args):
         """The camera head's input: the last layer's camera tokens of all frames [B, S, 1, 2C]."""
@@ -153,6 +201,8 @@ def split_frames(model, group=None) -> FrameSplit:
         RuntimeError: ``torch.distributed`` not initialised.
         TypeError: not a VGGT.
         ValueError: token merging on, the model already split; at forward time: merging, the track head
-            (query points), a rank with no frames or another batch size.
+            (query points), a rank with no frames, another batch size or image size, images the model refuses.
+        A collective, like each forward: a rank that refuses its model or inputs tells the others, and every
+        rank raises the same error, naming the rank (``"split_frames: rank r: ..."``).
     """
     return FrameSplit(model, group)

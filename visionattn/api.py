@@ -11,7 +11,8 @@ from .kernels._launch import PlanCache
 from .modes import MODES, Mode, get_mode
 from .reference import blocked_attention
 
-__all__ = ["attention", "attention_qkvpacked", "validate_attention_inputs", "check_flags", "cast_checked", "CALLS",
+__all__ = ["attention", "attention_qkvpacked", "validate_attention_inputs", "check_flags", "cast_checked",
+           "check_float16_range", "CALLS",
            "qkv_key", "tensor_key"]
 
 # public call signature -> a runner that launches from the call's cached plan without validating again (the
@@ -156,6 +157,17 @@ def cast_checked(t: torch.Tensor, dtype: torch.dtype, name: str, mode: str) -> t
     return c
 
 
+def check_float16_range(md: Mode, **tensors: torch.Tensor) -> None:
+    """Raise :func:`cast_checked`'s ValueError where a mode computing in float16 (``fp16``, ``pasa``,
+    ``fp16-acc16``) is given finite float32 / float64 tensors that float16 cannot hold: the paths that do not cast
+    through :func:`cast_checked` themselves (the CPU references, the window kernels, which cast inside) keep the
+    kernel path's promise instead of returning inf / NaN. Keyword names name the tensors in the error."""
+    if md.compute_dtype == torch.float16:
+        for name, t in tensors.items():
+            if t is not None and t.dtype in (torch.float32, torch.float64):
+                cast_checked(t, torch.float16, name, md.name)
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
@@ -221,6 +233,7 @@ def attention(
         out = _kernels(q, k, v, bias, attn_mask, is_causal, scale, md, num_splits, key, raw_bias)
         if out is not None:
             return out
+    check_float16_range(md, query=q, key=k, value=v)
     if md.half_scores:
         from .pasa import pasa_attention_reference
 

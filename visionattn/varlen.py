@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .api import _HALF_OR_FP32, _check_tensor, cast_checked, check_flags
+from .api import _HALF_OR_FP32, _check_tensor, cast_checked, check_flags, check_float16_range
 from .kernels._launch import PlanCache
 from .modes import Mode, get_mode
 from .reference import blocked_attention
@@ -206,6 +206,7 @@ def varlen_attention(
     if dispatch.resolve_backend(backend, q.device.type) == "triton":
         out = _kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md)
     if out is None:
+        check_float16_range(md, q=q, k=k, v=v)
         out = _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, md)
     return wrap(out) if wrap is not None else out
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .api import CALLS, check_flags, qkv_key, tensor_key
+from .api import CALLS, check_flags, check_float16_range, qkv_key, tensor_key
 from .modes import Mode, get_mode
 
 __all__ = ["window_attention", "window_attention_qkvpacked", "window_attention_reference", "validate_window_inputs"]
@@ -230,6 +230,11 @@ def window_attention(
     bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows,
                                             bool(cosine), logit_scale)
     scale = check_flags(False, scale, q.shape[-1])
+    if md.compute_dtype == torch.float16 and q.dtype != torch.float16:
+        # both paths cast to float16 inside (the kernels, the reference): overflow raises as the dense call's
+        # cast does, on every call (no cached runner for the signature, which would skip the check)
+        check_float16_range(md, q=q, k=k, v=v)
+        key = None
     which = dispatch.resolve_backend(backend, q.device.type)
     if which == "triton":
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

@@ -128,7 +128,9 @@ def test_the_eager_backward_reuses_its_plan_through_the_forwards(monkeypatch, mo
     again = grads(do)
     assert (after.builds, after.hits) == (1, 1)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
-    grads(do.transpose(2, 3).contiguous().transpose(2, 3))  # other output-gradient strides: a new plan
+    grads(do.transpose(1, 2).contiguous().transpose(1, 2))  # other output-gradient strides: a new plan
+    assert after.builds == 2
+    grads(do.transpose(2, 3).contiguous().transpose(2, 3))  # a non-unit last stride: laid out, the first plan
     assert after.builds == 2
     b4 = leaves[3].detach()[None].clone().requires_grad_(True)  # [1, H, Nq, Nk]: its gradient keeps that shape
     g4 = grads(do, b4)
