@@ -7,10 +7,12 @@
     python demos/reconstruct.py my_photos/ --out out/mine --weights /ckpt/VGGT-1B --mode bf16
 
 Thin CLI over :func:`visionattn.recon.pipeline.reconstruct`. Exit codes: 0 ok;
-2 for a problem with the input (missing, empty or unreadable input, corrupt
-image, unusable --out, bad --device, weights not available or corrupt) --
-reported in one line before any heavy work, and no OUT_DIR is created; 130
-(Ctrl-C) and 143 (SIGTERM): stopped, nothing written.
+2 for a problem with the input (bad argument value, missing, empty or unreadable
+input, corrupt image, unusable --out, bad --device, weights not available or
+corrupt) -- reported in one line before any heavy work, and no OUT_DIR is
+created -- or a disk that filled up while writing (one line naming the folder,
+nothing left behind); 130 (Ctrl-C), 143 (SIGTERM) and 129 (SIGHUP): stopped,
+nothing written.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_IMAGE_DIR = os.path.join(REPO, "demos", "data", "aloe")
+sys.path.insert(0, os.path.join(REPO, "tools"))  # the command-line helpers the tools share
+from _cli import ToolParser, nonnegative_int, percentile, positive_float, positive_int  # noqa: E402
 
 OUTPUTS = """outputs (in OUT_DIR, all written to a hidden temporary folder and renamed at the end):
   points.ply            coloured point cloud, points under the confidence percentile dropped
@@ -30,8 +34,9 @@ OUTPUTS = """outputs (in OUT_DIR, all written to a hidden temporary folder and r
   sparse/0/             COLMAP model: cameras, images, points3D as .txt (always) and .bin (with
                         pycolmap); PINHOLE per image in source-image pixels, points with tracks
                         -> COLMAP, pycolmap, nerfstudio (ns-process-data / colmap), gsplat
-  images/               the frames under the names the models use (links or copies of the
-                        sources; decoded video frames as JPEG) -> read by COLMAP, nerfstudio, gsplat
+  images/               the frames under the names the models use (copies of the sources, never
+                        links: editing them leaves your photos alone; decoded video frames as JPEG)
+                        -> read by COLMAP, nerfstudio, gsplat
   transforms.json       nerfstudio: OpenGL camera-to-world, per-frame intrinsics, depth_file_path,
                         one depth_unit_scale_factor, ply_file_path -> ns-train ... --data OUT_DIR
   depth/NAME.png        16-bit depth in source-image pixels, one scale for all frames:
@@ -47,9 +52,10 @@ OUTPUTS = """outputs (in OUT_DIR, all written to a hidden temporary folder and r
   .visionattn-recon.json  manifest of every file written: a later run replaces OUT_DIR only while
                         it holds exactly these files
 
-exit codes: 0 success; 2 bad input (input missing/empty/unreadable, corrupt image or video, --out not
-usable, bad --device, weights unavailable or corrupt): one line says why, before any heavy work, and no
-OUT_DIR is created; 130 Ctrl-C, 143 SIGTERM (temporary folder removed)."""
+exit codes: 0 success; 2 bad input (bad argument value, input missing/empty/unreadable, corrupt image or
+video, --out not usable, bad --device, weights unavailable or corrupt): one line says why, before any heavy
+work, and no OUT_DIR is created; also 2 when the disk fills up while writing (one line naming the folder,
+nothing left behind); 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP (temporary folder removed)."""
 
 
 def _max_frames(text: str):
@@ -57,18 +63,15 @@ def _max_frames(text: str):
     if text == "auto":
         return "auto"
     try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto', got {n}")
-    return n
+        return positive_int(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (or 'auto')") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, HOST_MEMORY, MODELS
 
-    p = argparse.ArgumentParser(
+    p = ToolParser(  # errors: one line, exit status 2
         prog="reconstruct.py", description=__doc__.split("\n\n")[0],
         epilog=OUTPUTS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", nargs="?", default=DEFAULT_IMAGE_DIR, metavar="INPUT",
@@ -97,19 +100,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto (cuda if available) "
                                                     "(default: %(default)s)")
-    p.add_argument("--conf-percentile", type=float, default=50.0, metavar="P",
+    p.add_argument("--conf-percentile", type=percentile, default=50.0, metavar="P",
                    help="drop points whose confidence is below this percentile (0..100; 0 keeps all) "
                         "(default: %(default)s)")
     p.add_argument("--max-frames", type=_max_frames, default=None, metavar="N",
                    help="use only the first N images in natural order, or the first N sampled video frames "
                         "(decoding stops there); 'auto': the most frames that fit the free GPU memory, said in "
                         "the log (default: all)")
-    p.add_argument("--fps", type=float, default=None, metavar="F",
-                   help="video: keep about F frames per second of video (the first frame of each 1/F s)")
-    p.add_argument("--every", type=int, default=None, metavar="N",
+    p.add_argument("--fps", type=positive_float, default=None, metavar="F",
+                   help="video: keep about F frames per second of video (the first frame of each 1/F s; a "
+                        "finite number > 0; at or above the video's own rate every frame is kept)")
+    p.add_argument("--every", type=positive_int, default=None, metavar="N",
                    help="video: keep every N-th frame (0, N, 2N, ...); exclusive with --fps "
                         "(default for a video: every frame)")
-    p.add_argument("--size", type=int, default=518,
+    p.add_argument("--size", type=positive_int, default=518,
                    help="preprocessed width (crop) or longest side (pad) in pixels, a multiple of 14; "
                         "518 for VGGT-1B (default: %(default)s)")
     p.add_argument("--preprocess", choices=("crop", "pad"), default="crop",
@@ -118,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--points-from", choices=("depth", "pointmap"), default="depth",
                    help="point cloud source: depth maps unprojected with the predicted cameras (VGGT's "
                         "recommendation) or the point-map head (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=0, metavar="N",
+    p.add_argument("--warmup", type=nonnegative_int, default=0, metavar="N",
                    help="untimed forward passes before the timed one; the first pass on a GPU includes "
                         "Triton compilation, so use 1 or more for timings (default: %(default)s)")
     p.add_argument("--no-compile-ahead", action="store_true",
@@ -140,24 +144,17 @@ def _gib(n: int) -> str:
 
 def main(argv=None) -> dict:
     """Run the demo; returns the summary dict (with ``exit_code``). Never calls sys.exit itself."""
-    from visionattn.recon.outdir import Terminated, handle_sigterm
+    from visionattn.recon.outdir import handle_sigterm, stop_status
     from visionattn.recon.pipeline import USER_ERRORS, reconstruct
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    # argument values: parser.error prints usage + message and exits with code 2, before any output
-    if args.size <= 0 or args.size % 14:
+    # argument values (their types check ranges and finiteness): parser.error prints one line and exits
+    # with code 2, before any output
+    if args.size % 14:
         parser.error(f"--size {args.size} must be a positive multiple of 14 (e.g. 518)")
-    if not 0.0 <= args.conf_percentile <= 100.0:
-        parser.error(f"--conf-percentile {args.conf_percentile} must be in [0, 100]")
-    if args.warmup < 0:
-        parser.error(f"--warmup {args.warmup} must be >= 0")
     if args.fps is not None and args.every is not None:
         parser.error("--fps and --every are exclusive: pass one of them")
-    if args.fps is not None and not args.fps > 0:
-        parser.error(f"--fps {args.fps} must be > 0")
-    if args.every is not None and args.every < 1:
-        parser.error(f"--every {args.every} must be >= 1")
     log = (lambda *a: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     try:
         with handle_sigterm():
@@ -171,10 +168,10 @@ def main(argv=None) -> dict:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM turned into Terminated: temp folder already removed
-        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted (Ctrl-C)"
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP turned into Terminated: temp folder removed
+        code, how = stop_status(exc)
         print(f"{how}: nothing was written to {args.out}", file=sys.stderr)
-        return {"exit_code": 143 if isinstance(exc, Terminated) else 130, "error": how}
+        return {"exit_code": code, "error": how}
     summary["command"] = shlex.join(["demos/reconstruct.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"reconstructed {summary['frames']} frames ({summary['image_hw'][0]}x{summary['image_hw'][1]}), "
           f"{summary['tokens']} tokens, {summary['points_kept']:,} points kept | "

@@ -9,11 +9,13 @@ unless its ``--out`` names a path there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 
 __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
-           "default_out", "check_output", "check_device", "failure_text"]
+           "default_out", "check_output", "check_output_folder", "output_folder", "check_device", "failure_text",
+           "CorruptImageError", "read_rgb", "check_image", "load_config"]
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -107,6 +109,117 @@ def check_output(parser: argparse.ArgumentParser, path: str, *, flag: str = "--o
     if not os.access(existing, os.W_OK | os.X_OK):
         parser.error(f"{flag} {path!r}: the folder {existing!r} is not writable; pass a path you can write to")
     return path
+
+
+def check_output_folder(parser: argparse.ArgumentParser, path: str, *, tool: str, inputs=(),
+                        flag: str = "--out") -> str:
+    """Exit 2 now unless ``path`` may become ``tool``'s output folder; creates nothing.
+
+    The demo's rule (:mod:`visionattn.recon.outdir`): the folder is new, empty, or an earlier output of
+    ``tool`` holding only the files its manifest lists, and it is not one of ``inputs``, inside one or
+    around one; and a folder can be made there. Returns ``path`` made absolute.
+    """
+    from visionattn.recon.outdir import OutputDirError, check_output_dir
+
+    path = check_output(parser, path, flag=flag, folder=True)
+    try:
+        check_output_dir(path, inputs, tool)
+    except OutputDirError as e:
+        parser.error(str(e).replace("--out", flag, 1))
+    return path
+
+
+@contextlib.contextmanager
+def output_folder(parser: argparse.ArgumentParser, path: str, *, tool: str, inputs=(), flag: str = "--out"):
+    """Yield a temporary folder that becomes ``path`` when the block succeeds (the demo's output rule).
+
+    :func:`visionattn.recon.outdir.atomic_output_dir` under ``tool``'s manifest, with SIGTERM and SIGHUP
+    handled like Ctrl-C. On an error, Ctrl-C or one of those signals the temporary folder is removed and
+    ``path`` is left as it was; a folder that may not be replaced or a disk that fills up exits 2 with one
+    line, a signal exits 128 + its number (Ctrl-C 130) with one line, no traceback.
+    """
+    from visionattn.recon.outdir import OutputDirError, atomic_output_dir, handle_sigterm, stop_status
+
+    try:
+        with handle_sigterm(), atomic_output_dir(path, inputs, tool=tool, warn=print) as tmp:
+            yield tmp
+    except OutputDirError as e:
+        parser.error(str(e).replace("--out", flag, 1))
+    except KeyboardInterrupt as e:
+        code, how = stop_status(e)
+        parser.exit(code, f"{parser.prog}: {how}: nothing was written to {path}\n")
+
+
+class CorruptImageError(ValueError):
+    """An image file cannot be decoded; the message names the file and the fix.
+
+    Raised in a ``DataLoader`` worker, it reaches the main process with the worker's traceback folded into its
+    message; ``str()`` gives back the one line either way.
+    """
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if "Original Traceback" not in text:
+            return text
+        lines = [ln for ln in text.splitlines() if f"{type(self).__name__}: " in ln]
+        return lines[-1].split(f"{type(self).__name__}: ", 1)[1] if lines else text
+
+
+def read_rgb(path: str):
+    """The image at ``path`` fully decoded as an RGB ``PIL.Image`` (as torchvision's ``pil_loader``).
+
+    Raises:
+        CorruptImageError: not an image Pillow reads, truncated or corrupt data, a decompression bomb, or
+            an unreadable file; one line naming ``path``.
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")  # decodes every pixel: a truncated file fails here
+    except (OSError, SyntaxError, ValueError, MemoryError, Image.DecompressionBombError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise CorruptImageError(f"cannot read image {path!r} ({why}); replace or remove the file") from None
+
+
+def check_image(parser: argparse.ArgumentParser, flag: str, path: str | None, example: str = "photo.jpg"):
+    """The RGB image of ``path`` (:func:`read_rgb`), or exit 2 with one line when it is missing or corrupt."""
+    if path is None or not os.path.isfile(path):
+        parser.error(f"{flag} {path!r} is not a file; pass an image (e.g. {example})")
+    try:
+        return read_rgb(path)
+    except CorruptImageError as e:
+        parser.error(f"{flag}: {e}")
+
+
+def load_config(parser: argparse.ArgumentParser, path: str, schema, flag: str = "--config") -> dict:
+    """A YAML file checked against ``schema`` (a pydantic model), as a plain dict of what the file holds (optional
+    entries it leaves out stay out, as in the file); else exit 2 with one line.
+
+    The line names the file and, for a file of the wrong shape, the first offending entry
+    (``sweeps.0.x0: Input should be a valid number``) and how many more problems there are.
+    """
+    import pydantic
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        parser.error(f"{flag} {path!r} cannot be read ({getattr(e, 'strerror', None) or e}); pass a YAML file")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or type(e).__name__
+        parser.error(f"{flag} {path!r} is not valid YAML{where}: {what}")
+    try:
+        return schema.model_validate(doc).model_dump(exclude_unset=True)
+    except pydantic.ValidationError as e:
+        errors = e.errors()
+        first = errors[0]
+        loc = ".".join(str(x) for x in first["loc"]) or "(the whole file)"
+        more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+        parser.error(f"{flag} {path!r}: {loc}: {first['msg']}{more}")
 
 
 def first_error(err: BaseException) -> BaseException:

@@ -35,6 +35,8 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
+from _cli import read_rgb
+
 __all__ = [
     "DatasetLayoutError", "ImageNetSplit", "SYNSET_RE", "LOC_CSV_NAME", "DEVKIT_GT_NAME",
     "model_synsets", "scan_imagenet", "read_loc_val_solution", "read_devkit_ground_truth",
@@ -372,13 +374,9 @@ def subsample(n: int, limit: int | None) -> list[int]:
     return [i * n // limit for i in range(limit)]
 
 
-def _load_rgb(path: str) -> Image.Image:
-    with Image.open(path) as im:
-        return im.convert("RGB")
-
-
 class ImageListDataset(Dataset):
-    """(image tensor, class index) for a list of (path, target); images read with PIL, RGB.
+    """(image tensor, class index) for a list of (path, target); images read with PIL, RGB
+    (:func:`_cli.read_rgb`: a corrupt file raises its one-line :class:`_cli.CorruptImageError`).
 
     ``transform`` maps a PIL image to a float tensor [3, H, W] (timm's eval transform).
     """
@@ -392,7 +390,7 @@ class ImageListDataset(Dataset):
 
     def __getitem__(self, i: int):
         path, target = self.items[i]
-        return self.transform(_load_rgb(path)), target
+        return self.transform(read_rgb(path)), target
 
 
 class SyntheticCrops(Dataset):
@@ -443,7 +441,7 @@ class SyntheticCrops(Dataset):
             raise IndexError(i)
         path, target = self.sources[i % len(self.sources)]
         if path not in self._cache:
-            self._cache[path] = _load_rgb(path)
+            self._cache[path] = read_rgb(path)
         photo = self._cache[path]
         box, flip = self.crop_box(i, *photo.size)
         img = photo.crop(box)

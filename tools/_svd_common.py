@@ -17,8 +17,8 @@ from _cli import ToolParser, check_device, positive_int
 
 from visionattn.modes import get_mode, mode_names
 
-__all__ = ["MODEL_IDS", "NATIVE", "DTYPES", "DTYPE_NAMES", "build_tiny_pipeline", "load_pipeline", "parse_modes",
-           "run_dtype", "add_run_args", "check_run_args", "jsonable"]
+__all__ = ["MODEL_IDS", "NATIVE", "DTYPES", "DTYPE_NAMES", "PipelineUnavailable", "build_tiny_pipeline",
+           "load_pipeline", "check_model", "parse_modes", "run_dtype", "add_run_args", "check_run_args", "jsonable"]
 
 MODEL_IDS = ("stabilityai/stable-video-diffusion-img2vid", "stabilityai/stable-video-diffusion-img2vid-xt")
 NATIVE = {"native": None, "native-fp32": torch.float32, "native-fp16": torch.float16, "native-bf16": torch.bfloat16}
@@ -29,6 +29,40 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # ------------------------------------------------------------------------------------------------
 # pipelines
 # ------------------------------------------------------------------------------------------------
+class PipelineUnavailable(RuntimeError):
+    """The SVD pipeline cannot be loaded (not cached, no network, an incomplete local folder); says how to fix it."""
+
+
+def _is_path(model: str) -> bool:
+    return model.startswith((".", "/", "~")) or os.sep in model.strip("/").split("/", 1)[-1]
+
+
+def check_model(parser: ToolParser, model: str, flag: str = "--model") -> None:
+    """Exit 2 with one line unless ``model`` is ``tiny-random``, a hub id, or a folder holding a diffusers
+    ``StableVideoDiffusionPipeline`` (its ``model_index.json``, read by diffusers' ``load_config``)."""
+    if model == "tiny-random" or not (os.path.isdir(model) or _is_path(model)):
+        return
+    fix = f"pass a folder made by `hf download {MODEL_IDS[0]} --local-dir DIR` (or -xt), a hub id, or tiny-random"
+    if not os.path.isdir(model):
+        parser.error(f"{flag} {model!r} is not a directory; {fix}")
+    from diffusers import StableVideoDiffusionPipeline
+
+    try:
+        config = StableVideoDiffusionPipeline.load_config(model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        parser.error(f"{flag} {model!r} is not a diffusers pipeline folder ({why}); {fix}")
+    name, want = config.get("_class_name"), StableVideoDiffusionPipeline.__name__
+    if name != want:
+        parser.error(f"{flag} {model!r} holds a {name or 'unnamed'} pipeline, not {want}; {fix}")
+    # the components model_index.json names, each a sub-folder (an interrupted download lacks some)
+    parts = [k for k, v in config.items() if not k.startswith("_") and isinstance(v, (list, tuple)) and v and v[0]]
+    missing = [k for k in parts if not os.path.isdir(os.path.join(model, k))]
+    if missing:
+        parser.error(f"{flag} {model!r} lacks the sub-folder(s) {', '.join(missing)} its model_index.json names "
+                     f"(an incomplete download?); {fix}")
+
+
 def build_tiny_pipeline(seed: int = 0, num_frames: int = 4):
     """The full SVD pipeline from small configs with random weights (float32, CPU).
 
@@ -70,7 +104,8 @@ def _hub_offline() -> bool:
 
 
 def _offline_message(model: str, err: Exception) -> str:
-    return (f"could not load the SVD pipeline '{model}' ({type(err).__name__}: {err}). No network or no cached "
+    why = (str(err).splitlines() or [""])[0]
+    return (f"could not load the SVD pipeline '{model}' ({type(err).__name__}: {why}). No network or no cached "
             f"copy: on a machine that reaches huggingface.co run `hf download {model} --local-dir DIR` (the "
             f"repository is gated: accept its licence and log in first), copy DIR here and pass --model DIR; or "
             f"pre-fill the Hugging Face cache (HF_HOME) and keep HF_HUB_OFFLINE=1. For a weight-free run use "
@@ -92,8 +127,8 @@ def load_pipeline(model: str, dtype: torch.dtype, device: str, *, variant: str =
 
     Raises:
         FileNotFoundError: ``model`` looks like a path but is not a directory.
-        RuntimeError: the hub model is neither cached nor downloadable; the message names the model id
-            and how to pass a local directory.
+        PipelineUnavailable (a ``RuntimeError``): the hub model is neither cached nor downloadable, or the local
+            folder lacks a part of the pipeline; the message (one line) names the model and the fix.
     """
     from diffusers import StableVideoDiffusionPipeline
 
@@ -101,9 +136,16 @@ def load_pipeline(model: str, dtype: torch.dtype, device: str, *, variant: str =
         return build_tiny_pipeline(seed, num_frames).to(device=device, dtype=dtype)
     if os.path.isdir(model):
         var = None if variant in ("auto", "none") else variant
-        return StableVideoDiffusionPipeline.from_pretrained(model, torch_dtype=dtype, variant=var,
-                                                            local_files_only=True).to(device)
-    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").split("/", 1)[-1]:
+        try:
+            pipe = StableVideoDiffusionPipeline.from_pretrained(model, torch_dtype=dtype, variant=var,
+                                                                local_files_only=True)
+        except (OSError, ValueError) as e:  # a missing component, weight file or variant
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise PipelineUnavailable(f"the folder {model!r} does not hold a complete "
+                                      f"{StableVideoDiffusionPipeline.__name__} ({why}); download it again with "
+                                      f"`hf download {MODEL_IDS[0]} --local-dir DIR` or pass --variant") from e
+        return pipe.to(device)
+    if _is_path(model):
         raise FileNotFoundError(f"--model {model!r} is not a directory; pass a local diffusers folder of "
                                 f"{MODEL_IDS[0]} (or -xt), a hub id, or tiny-random")
     var = "fp16" if variant == "auto" else (None if variant == "none" else variant)
@@ -113,11 +155,11 @@ def load_pipeline(model: str, dtype: torch.dtype, device: str, *, variant: str =
                                                             local_files_only=True).to(device)
     except Exception as e:  # noqa: BLE001 - diffusers raises OSError / EnvironmentError / hub errors
         if offline:
-            raise RuntimeError(_offline_message(model, e)) from e
+            raise PipelineUnavailable(_offline_message(model, e)) from e
     try:
         return StableVideoDiffusionPipeline.from_pretrained(model, torch_dtype=dtype, variant=var).to(device)
     except Exception as e:  # noqa: BLE001
-        raise RuntimeError(_offline_message(model, e)) from e
+        raise PipelineUnavailable(_offline_message(model, e)) from e
 
 
 # ------------------------------------------------------------------------------------------------

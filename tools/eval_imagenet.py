@@ -39,7 +39,8 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_cli, ...)
 import _imagenet_data as data  # noqa: E402
-from _cli import ToolParser, check_device, check_output, default_out, nonnegative_int, positive_int  # noqa: E402
+from _cli import (CorruptImageError, ToolParser, check_device, check_output, default_out,  # noqa: E402
+                  nonnegative_int, positive_int)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 from visionattn.reporting import (Stopwatch, environment, markdown_table, tf32_disabled,  # noqa: E402
@@ -397,17 +398,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 parser.error(f"--model {name}: {e}")
             try:
                 dataset, data_cfg = _data_for(args, model, split)
-            except data.DatasetLayoutError as e:
+                res["data"]["images"] = len(dataset)
+                res["models"][name] = {
+                    "weights": f"checkpoint {args.checkpoint}" if args.checkpoint else
+                               ("timm pretrained" if pretrained else f"random (seed {args.seed})"),
+                    "input_size": list(data_cfg["input_size"]), "data_config": data_cfg,
+                    "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "model_kwargs": model_kwargs,
+                }
+                rows = evaluate_modes(model, _loader(dataset, args, device), modes, device,
+                                      warmup=args.warmup, desc=name)
+            except (data.DatasetLayoutError, CorruptImageError) as e:  # nothing is written: outputs come last
                 parser.error(f"{'--data' if args.data else '--synthetic-from'}: {e}")
-            res["data"]["images"] = len(dataset)
-            res["models"][name] = {
-                "weights": f"checkpoint {args.checkpoint}" if args.checkpoint else
-                           ("timm pretrained" if pretrained else f"random (seed {args.seed})"),
-                "input_size": list(data_cfg["input_size"]), "data_config": data_cfg,
-                "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "model_kwargs": model_kwargs,
-            }
-            rows = evaluate_modes(model, _loader(dataset, args, device), modes, device,
-                                  warmup=args.warmup, desc=name)
             for r in rows:
                 r["model"] = name
                 agree = "-" if r["agree_native"] is None else f"{100 * r['agree_native']:.2f}"

@@ -27,29 +27,102 @@ Usage:
     python tools/eval_pasa.py --bench               # ... plus the speed table
     python tools/eval_pasa.py --cpu --quick         # CPU, reduced sizes -> out/pasa_cpu.*
 """
-from __future__ import annotations
-
+# no ``from __future__ import annotations``: pydantic resolves the config schema's annotations at class creation,
+# also when the tool is loaded without an entry in sys.modules (as the tests load it)
 import argparse
 import math
 import os
 import sys
 import re
 import time
+from typing import Annotated, Literal
 
 import torch
-import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out  # noqa: E402
+from _cli import ToolParser, check_output, default_out, load_config  # noqa: E402
 
 import visionattn  # noqa: E402
-from visionattn.pasa import benchmark_inputs
+from visionattn.pasa import BENCHMARK_KINDS, benchmark_inputs
 from visionattn.reference import oracle_attention
 from visionattn.reporting import (environment, markdown_table, save_figure_atomic, write_json_atomic,
                                   write_text_atomic)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- the config's shape (pydantic)
+_Finite = Annotated[float, Field(allow_inf_nan=False)]
+_Positive = Annotated[int, Field(gt=0)]
+_Milliseconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+_Shape = Annotated[list[_Positive], Field(min_length=4, max_length=4)]  # [B, H, N, D]
+_Kind = Literal[BENCHMARK_KINDS]
+_Mode = Literal[tuple(visionattn.mode_names())]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key is an error, not silently ignored
+
+
+class _Case(_Strict):
+    kind: _Kind
+    x0: _Finite
+    am: _Finite
+    paper_nan_pct: _Finite | None = None
+
+
+class _Sweep(_Strict):
+    name: str
+    kind: _Kind
+    x0: _Finite | list[_Finite]
+    am: _Finite | list[_Finite]
+
+    @model_validator(mode="after")
+    def _one_swept(self):
+        swept = [k for k in ("x0", "am") if isinstance(getattr(self, k), list)]
+        if len(swept) != 1:
+            raise ValueError("exactly one of x0 and am must be a list (the swept values), the other a number")
+        if not getattr(self, swept[0]):
+            raise ValueError(f"{swept[0]}: the list of swept values is empty")
+        return self
+
+
+class _Svd(_Strict):
+    shape: _Shape
+    cases: list[_Case]
+
+
+class _Bench(_Strict):
+    B: _Positive
+    H: _Positive
+    N: Annotated[list[_Positive], Field(min_length=1)]
+    D: Annotated[list[_Positive], Field(min_length=1)]
+    warmup_ms: _Milliseconds
+    rep_ms: _Milliseconds
+    tune_N: _Positive
+    pasa_configs: list[dict[str, _Positive]]
+
+
+class PasaConfig(_Strict):
+    """The shape of configs/eval_pasa.yaml (checked before any work; see :func:`_cli.load_config`)."""
+    shape: _Shape
+    quick_shape: _Shape
+    seed: int
+    modes: Annotated[list[_Mode], Field(min_length=1)]
+    sweeps: list[_Sweep]
+    table4: list[_Case]
+    resonance: list[_Case]
+    svd: _Svd
+    bench: _Bench
+
+    @model_validator(mode="after")
+    def _report_modes(self):
+        missing = [m for m in ("fp16", "pasa") if m not in self.modes]
+        if missing:
+            raise ValueError(f"modes must include {' and '.join(missing)} (the report compares pasa with fp16)")
+        return self
 
 
 def run_mode(mode: str, q, k, v, scale: float) -> torch.Tensor:
@@ -292,9 +365,8 @@ def main(argv=None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     if (args.bench or args.bench_only) and device.type != "cuda":
         parser.error("--bench / --bench-only need a CUDA device (drop them, or run on a GPU without --cpu)")
+    cfg = load_config(parser, args.config, PasaConfig)
     out = check_output(parser, args.out or default_out(f"pasa_{_default_tag(device)}"))
-    with open(args.config) as f:
-        cfg = yaml.safe_load(f)
     notes = []
     if device.type == "cuda":
         notes.append("pasa / fp16-acc16: Triton kernel visionattn.kernels.pasa_fwd; fp32 / fp16: visionattn.attention")

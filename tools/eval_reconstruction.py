@@ -134,7 +134,7 @@ def _env_md(env: dict) -> str:
 
 def main(argv=None) -> dict:
     """Run the chosen evaluation; writes JSON + markdown into ``--out`` and returns the result dict."""
-    from visionattn.recon.datasets import load_scenes
+    from visionattn.recon.datasets import GroundTruthError, load_scenes
     from visionattn.recon.evaluate import evaluate_scenes, mode_agreement
     from visionattn.recon.images import load_images
     from visionattn.recon.pipeline import ATTN_MODES, USER_ERRORS
@@ -182,7 +182,7 @@ def main(argv=None) -> dict:
             res["image_dir"] = args.image_dir
             res["environment"] = environment()
             md = _markdown_modes(res)
-    except (*USER_ERRORS, DatasetError) as exc:
+    except (*USER_ERRORS, DatasetError, GroundTruthError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
     stem = os.path.join(args.out, f"eval_reconstruction_{args.task}")

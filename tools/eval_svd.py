@@ -44,14 +44,18 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, nonnegative_float, nonnegative_int, positive_int  # noqa: E402
-from _svd_common import (DTYPE_NAMES, MODEL_IDS, NATIVE, add_run_args, check_run_args, jsonable,  # noqa: E402
-                         load_pipeline, parse_modes, run_dtype)
+from _cli import (ToolParser, check_image, check_output_folder, default_out, nonnegative_float,  # noqa: E402
+                  nonnegative_int, output_folder, positive_int)
+from _svd_common import (DTYPE_NAMES, MODEL_IDS, NATIVE, PipelineUnavailable, add_run_args,  # noqa: E402
+                         check_model, check_run_args, jsonable, load_pipeline, parse_modes, run_dtype)
 
 from visionattn.patching.diffusers import (overflow_counts, patch_diffusers, reset_overflow_counts,  # noqa: E402
                                            unpatch_diffusers)
 from visionattn.reporting import (Stopwatch, atomic_path, environment, markdown_table, tf32_disabled,  # noqa: E402
                                   write_json_atomic, write_text_atomic)
+
+# whose manifest the output folder holds (visionattn.recon.outdir): a later run replaces only such a folder
+TOOL_ID = "visionattn.eval_svd"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,13 +244,21 @@ def to_markdown(res: dict) -> str:
 # ------------------------------------------------------------------------------------------------
 # generation study
 # ------------------------------------------------------------------------------------------------
-def evaluate(args) -> dict:
-    """Generate once per mode, compare with the reference run, write videos / grids / markdown / JSON."""
+def evaluate(args, folder: str | None = None) -> dict:
+    """Generate once per mode, compare with the reference run, write videos / grids / markdown / JSON into
+    ``folder`` (default ``args.out``)."""
     from PIL import Image
 
+    from _cli import read_rgb
+
+    folder = args.out if folder is None else folder
     device = args.device
+    if args.quiet:  # also diffusers' own bar while it loads a pipeline
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
     runs = parse_modes(args.modes, args.reference)
-    image = Image.open(args.image).convert("RGB").resize((args.width, args.height), Image.BICUBIC)
+    image = read_rgb(args.image).resize((args.width, args.height), Image.BICUBIC)
     plan = [(name, run_dtype(name, args.dtype, device)) for name in runs]
     order = sorted(range(len(plan)), key=lambda i: (DTYPE_NAMES[plan[i][1]], i))  # one load per dtype
     res = {"environment": environment(), "config": {k: v for k, v in vars(args).items()}, "runs": {}}
@@ -286,8 +298,8 @@ def evaluate(args) -> dict:
                  else f"ELSAAttnProcessor({name})", "patch_report": report, **out, "overflow": overflow,
                  "nonfinite_frames": int((~np.isfinite(frames).reshape(len(frames), -1).all(1)).sum())}
         res["runs"][name] = entry
-        write_video(os.path.join(args.out, f"{name}.mp4"), frames, args.fps)
-        write_png(os.path.join(args.out, f"{name}_grid.png"), frame_grid([frames], [name], args.grid_cols))
+        write_video(os.path.join(folder, f"{name}.mp4"), frames, args.fps)
+        write_png(os.path.join(folder, f"{name}_grid.png"), frame_grid([frames], [name], args.grid_cols))
     res["runs"] = {name: res["runs"][name] for name in runs}  # report in the order asked
     ref = outputs[args.reference]
     for name in runs:
@@ -297,12 +309,12 @@ def evaluate(args) -> dict:
         e["min_psnr_db"] = _summary(m["psnr_db"], min)
         e["min_ssim"] = _summary(m["ssim"], min)
         e["max_abs"] = _summary(m["max_abs"], max)
-    write_png(os.path.join(args.out, "compare.png"),
+    write_png(os.path.join(folder, "compare.png"),
               frame_grid([outputs[n] for n in runs], runs, args.grid_cols))
-    res["files"] = sorted(os.listdir(args.out))
+    res["files"] = sorted(os.listdir(folder))
     res = jsonable(res)
-    write_json_atomic(os.path.join(args.out, "results.json"), res)
-    write_text_atomic(os.path.join(args.out, "results.md"), to_markdown(res))
+    write_json_atomic(os.path.join(folder, "results.json"), res)
+    write_text_atomic(os.path.join(folder, "results.md"), to_markdown(res))
     return res
 
 
@@ -311,7 +323,8 @@ def evaluate(args) -> dict:
 # ------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = ToolParser(prog="eval_svd.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image", help="conditioning photo (jpg/png); resized to --width x --height")
+    p.add_argument("--image", help="conditioning photo (jpg/png); resized to --width x --height (decoded first: "
+                                   "a corrupt file stops the tool at once)")
     p.add_argument("--model", default=MODEL_IDS[0],
                    help=f"hub id ({', '.join(MODEL_IDS)}), a local diffusers directory, or tiny-random")
     p.add_argument("--variant", default="auto", help="weight variant: auto (fp16 for hub ids), none, or a name")
@@ -328,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=nonnegative_int, default=None,
                    help="untimed 1-step generations per run before the measured one (default 1 on CUDA, 0 on CPU)")
     p.add_argument("--grid-cols", type=positive_int, default=8, help="frames per row in the PNG grids")
-    p.add_argument("--out", default=None, help="output folder (default out/eval_svd)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default out/eval_svd): new, empty or an earlier output of this tool "
+                        "(then replaced); written into a temporary folder renamed into place at the end")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -339,15 +354,11 @@ def check_args(parser: ToolParser, args) -> None:
     device = check_run_args(parser, args, args.reference)
     if args.warmup is None:
         args.warmup = 1 if device.type == "cuda" else 0
-    if args.image is None or not os.path.isfile(args.image):
-        parser.error(f"--image {args.image!r} is not a file; pass a photo (e.g. tests/data/photos/apple.jpg)")
-    local = args.model.startswith((".", "/", "~")) or os.sep in args.model.strip("/").split("/", 1)[-1]
-    if args.model != "tiny-random" and local and not os.path.isdir(args.model):
-        parser.error(f"--model {args.model!r} is not a directory; pass a local diffusers folder of "
-                     f"{MODEL_IDS[0]} (or -xt), a hub id, or tiny-random")
+    check_image(parser, "--image", args.image, example="tests/data/photos/apple.jpg")
+    check_model(parser, args.model)
     if args.out is None:
         args.out = default_out("eval_svd")
-    check_output(parser, args.out, folder=True)
+    check_output_folder(parser, args.out, tool=TOOL_ID, inputs=[args.image])
 
 
 def main(argv=None) -> dict:
@@ -359,11 +370,15 @@ def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    with tf32_disabled() as settings:
+    with tf32_disabled() as settings, output_folder(parser, args.out, tool=TOOL_ID, inputs=[args.image]) as tmp:
         print(f"process-wide settings for this run: {settings}")
-        res = evaluate(args)
-        print(open(os.path.join(args.out, "results.md")).read())
-        return res
+        try:
+            res = evaluate(args, tmp)
+        except PipelineUnavailable as e:  # nothing is kept: the temporary folder is removed
+            parser.error(f"--model: {e}")
+        text = to_markdown(res)
+    print(text)
+    return res
 
 
 if __name__ == "__main__":

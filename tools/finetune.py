@@ -19,10 +19,16 @@ process-wide settings made by this tool (restored on return) and written to its 
 
 Optimiser: AdamW (--lr, --weight-decay), constant learning rate. Every --eval-every epochs and
 after the last: loss and top-1 on the held-out split, then ``<out>/last.safetensors`` and, when
-top-1 improved, ``<out>/best.safetensors`` (``safetensors.torch.save_file`` of the state dict into a
-temp file renamed into place; metadata: model, classes, image size, mode, epoch). Writes
-``<out>/metrics.json`` (environment, command, every evaluation, every step's loss), ``metrics.md``
-and ``curves.png``.
+top-1 improved, ``<out>/best.safetensors`` (``safetensors.torch.save_file`` of the state dict;
+metadata: model, classes, image size, mode, epoch). Writes ``<out>/metrics.json`` (environment,
+command, every evaluation, every step's loss), ``metrics.md``, ``curves.png`` and the manifest
+``.visionattn-finetune.json``.
+
+Output folder (the reconstruction demo's rule): --out is new, empty, or an earlier output of this tool
+holding only the files its manifest lists (then replaced); anything else, or an --out inside --data,
+stops the tool at once (exit 2, one line). Everything is written into a hidden temporary folder beside
+--out and renamed into place at the end: on an error, a corrupt image (exit 2, the line names it),
+Ctrl-C, SIGTERM or SIGHUP nothing is left behind and an earlier output stays as it was.
 
     python tools/finetune.py --data DIR --model vit_base_patch16_224 --mode bf16 --epochs 10 --out out/ft
     python tools/finetune.py --data DIR --model swinv2_tiny_window8_256 --pretrained --mode fp32 --lr 5e-5
@@ -44,8 +50,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_float,  # noqa: E402
-                  nonnegative_int, positive_float, positive_int)
+from _cli import (CorruptImageError, ToolParser, check_device, check_output_folder, default_out,  # noqa: E402
+                  nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, read_rgb)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 from visionattn.reporting import (atomic_path, environment, markdown_table, save_figure_atomic,  # noqa: E402
@@ -54,6 +60,8 @@ from visionattn.reporting import (atomic_path, environment, markdown_table, save
 # ----------------------------------------------------------------------------- precision and one step
 # The visionattn modes with backward kernels: the modes a model can train in.
 TRAIN_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+# whose manifest an output folder holds (visionattn.recon.outdir): a later run replaces only such a folder
+TOOL_ID = "visionattn.finetune"
 
 
 class Precision(NamedTuple):
@@ -269,12 +277,11 @@ def scan_folder(root: str, val_fraction: float, seed: int) -> dict[str, Any]:
 
 
 class _Samples(torch.utils.data.Dataset):
-    """``(transform(image), label)`` for a list of ``(path, label)``, images read by torchvision's loader."""
+    """``(transform(image), label)`` for a list of ``(path, label)``; images read as RGB by
+    :func:`_cli.read_rgb` (a corrupt file raises its one-line :class:`_cli.CorruptImageError`)."""
 
     def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable):
-        from torchvision.datasets.folder import default_loader
-
-        self.samples, self.transform, self.loader = list(samples), transform, default_loader
+        self.samples, self.transform, self.loader = list(samples), transform, read_rgb
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -335,7 +342,8 @@ def build_parser() -> ToolParser:
                    help="torch device (default cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the split and the data order")
     p.add_argument("--out", default=default_out("finetune"),
-                   help="output folder: checkpoints, metrics.json / .md, curves.png (default: %(default)s)")
+                   help="output folder: checkpoints, metrics.json / .md, curves.png; new, empty or an earlier "
+                        "output of this tool (then replaced), never a folder of yours (default: %(default)s)")
     return p
 
 
@@ -346,7 +354,7 @@ def check_args(parser: ToolParser, args: argparse.Namespace) -> dict:
     check_device(parser, args.device)
     if not os.path.isdir(args.data):
         parser.error(f"--data {args.data!r} is not a folder; pass an ImageFolder root (one sub-folder per class)")
-    check_output(parser, args.out, folder=True)
+    check_output_folder(parser, args.out, tool=TOOL_ID, inputs=[args.data])
     try:
         split = scan_folder(args.data, args.val_fraction, args.seed)
     except DataError as e:
@@ -406,15 +414,29 @@ def render_png(res: dict, path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    """Fine-tune as the arguments say; returns the record also written to ``<out>/metrics.json``."""
+    """Fine-tune as the arguments say; returns the record also written to ``<out>/metrics.json``.
+
+    Everything is written into a temporary folder renamed to ``--out`` at the end (:func:`_cli.output_folder`).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     split = check_args(parser, args)
-    model_kwargs = args.model_kwargs
+    out = os.path.abspath(args.out)
+    with output_folder(parser, out, tool=TOOL_ID, inputs=[args.data]) as tmp:
+        try:
+            res = _finetune(parser, args, split, out, tmp)
+        except CorruptImageError as e:  # found while training or evaluating: nothing is kept
+            parser.error(f"--data: {e}")
+    print(f"wrote {out}/metrics.json, metrics.md, curves.png, last.safetensors, best.safetensors")
+    return res
+
+
+def _finetune(parser: ToolParser, args: argparse.Namespace, split: dict, out: str, tmp: str) -> dict:
+    """The run of :func:`main`: files go into ``tmp``, named in the record by their final place in ``out``."""
     import visionattn as va
 
+    model_kwargs = args.model_kwargs
     device = torch.device(args.device)
-    out = os.path.abspath(args.out)
     prec = precision(args.mode)
     torch.manual_seed(args.seed)
     try:
@@ -463,16 +485,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "train_img_per_s": stats["img_per_s"], "val_loss": ev["loss"], "val_top1": ev["top1"],
                    "best": improved}
             res["history"].append(row)
-            save_checkpoint(model, checkpoints["last"], {**meta, "epoch": epoch})
+            save_checkpoint(model, os.path.join(tmp, "last.safetensors"), {**meta, "epoch": epoch})
             if improved:
                 best = ev["top1"]
-                save_checkpoint(model, checkpoints["best"], {**meta, "epoch": epoch})
+                save_checkpoint(model, os.path.join(tmp, "best.safetensors"), {**meta, "epoch": epoch})
             print(f"epoch {epoch}: train loss {stats['loss']:.4f}, held-out loss {ev['loss']:.4f}, "
                   f"top-1 {100 * ev['top1']:.2f}%" + (" (best)" if improved else ""), flush=True)
-    write_json_atomic(os.path.join(out, "metrics.json"), res)
-    write_text_atomic(os.path.join(out, "metrics.md"), render_markdown(res))
-    render_png(res, os.path.join(out, "curves.png"))
-    print(f"wrote {out}/metrics.json, metrics.md, curves.png, last.safetensors, best.safetensors")
+    write_json_atomic(os.path.join(tmp, "metrics.json"), res)
+    write_text_atomic(os.path.join(tmp, "metrics.md"), render_markdown(res))
+    render_png(res, os.path.join(tmp, "curves.png"))
     return res
 
 

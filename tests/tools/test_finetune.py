@@ -38,8 +38,10 @@ def trained(tmp_path_factory):
 
 def test_tiny_vit_trains_evaluates_and_writes_everything(trained):
     res, out, _ = trained
-    assert sorted(os.listdir(out)) == ["best.safetensors", "curves.png", "last.safetensors", "metrics.json",
-                                       "metrics.md"]
+    assert sorted(os.listdir(out)) == [".visionattn-finetune.json", "best.safetensors", "curves.png",
+                                       "last.safetensors", "metrics.json", "metrics.md"]  # the manifest lists the rest
+    manifest = json.loads((out / ".visionattn-finetune.json").read_text())
+    assert manifest["tool"] == "visionattn.finetune" and sorted(manifest["files"]) == sorted(os.listdir(out))[1:]
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["history"] == json.loads(json.dumps(res["history"]))
     assert saved["data"]["classes"] == ["a", "b"] and (saved["data"]["train"], saved["data"]["val"]) == (6, 2)

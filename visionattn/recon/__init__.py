@@ -7,7 +7,7 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
   VGGT crop / pad preprocessing -> ``load_images(folder) -> LoadedImages`` ([S, 3, H, W] in [0, 1]).
 * :mod:`~visionattn.recon.pipeline` ``build_model``, ``run_model``, ``reconstruct`` (the demo's work).
 * :mod:`~visionattn.recon.outdir`   the output folder: manifest, refusal to replace foreign folders or
-  inputs, atomic temp-then-rename writing, SIGTERM handled like Ctrl-C.
+  inputs, atomic temp-then-rename writing, SIGTERM and SIGHUP handled like Ctrl-C, a full disk in one line.
 * :mod:`~visionattn.recon.export`   ``write_reconstruction``: every output file of a run, through the
   per-format modules below (whose names it re-exports).
 * :mod:`~visionattn.recon.points`   confidence-filtered points, points.ply (open3d).

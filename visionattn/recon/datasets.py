@@ -24,12 +24,19 @@ Annotations hold PyTorch3D cameras (row-vector ``X_cam = X_world R + T``,
 +X left, +Y up, NDC intrinsics). They are converted to OpenCV as VGGT's CO3D
 evaluation does (negate the x, y columns of R and transpose; negate T's x, y),
 intrinsics from ``ndc_isotropic`` / ``ndc_norm_image_bounds`` to pixels.
+
+Ground truth is checked as it is read, before any model runs: a camera matrix
+of the wrong shape or holding NaN / inf, a frame entry without its fields, an
+empty annotation list, a listed image that is missing, or a point cloud that is
+not a readable PLY raises :class:`GroundTruthError` (a ``ValueError``) naming the
+file and the entry.
 """
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,9 +44,31 @@ import numpy as np
 from .images import ImageFolderError, natural_key
 
 __all__ = [
-    "Scene", "load_generic_scene", "find_generic_scenes", "co3d_viewpoint_to_opencv",
-    "load_co3d_scenes", "load_scenes", "read_ply_points",
+    "Scene", "GroundTruthError", "load_generic_scene", "find_generic_scenes", "co3d_viewpoint_to_opencv",
+    "load_co3d_scenes", "load_scenes", "read_ply_points", "check_point_clouds",
 ]
+
+
+class GroundTruthError(ValueError):
+    """Ground-truth cameras, annotations or point clouds that cannot be used; the message names the file."""
+
+
+def _shape_text(shape) -> str:
+    return "x".join(str(n) for n in shape) or "a single number"
+
+
+def _finite_array(value, shapes, what: str) -> np.ndarray:
+    """``value`` as a float64 array of one of ``shapes``, every entry finite; else :class:`GroundTruthError`."""
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise GroundTruthError(f"{what} is not an array of numbers (got {str(value)[:60]})") from None
+    if arr.shape not in shapes:
+        raise GroundTruthError(f"{what} is {_shape_text(arr.shape)}; expected "
+                               f"{' or '.join(_shape_text(s) for s in shapes)}")
+    if not np.isfinite(arr).all():
+        raise GroundTruthError(f"{what} holds NaN or infinite values")
+    return arr
 
 
 @dataclass
@@ -75,26 +104,36 @@ def load_generic_scene(scene_dir: str) -> Scene:
 
     Raises:
         ValueError: missing/invalid cameras.json, or a listed image is missing.
+        GroundTruthError: a frame entry without ``file`` / ``extrinsic``, an extrinsic that is not 3x4 / 4x4 or an
+            intrinsic that is not 3x3, or NaN / inf in either.
     """
     path = os.path.join(scene_dir, "cameras.json")
     try:
         with open(path) as f:
             doc = json.load(f)
         frames = doc["frames"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
         raise ValueError(f"cannot read ground-truth cameras {path!r}: {exc}") from exc
+    if not isinstance(frames, list):
+        raise GroundTruthError(f"{path!r}: 'frames' must be a list of frames, got {type(frames).__name__}")
     if not frames:
         raise ValueError(f"{path!r} lists no frames")
     images, E, K = [], [], []
-    for fr in frames:
+    for i, fr in enumerate(frames):
+        where = f"ground-truth cameras {path!r}, frame {i}"
+        if not isinstance(fr, dict) or "extrinsic" not in fr or not isinstance(fr.get("file", fr.get("image")), str):
+            raise GroundTruthError(f"{where}: expected an object with 'file' (the image) and 'extrinsic' (3x4 "
+                                   "camera-from-world)")
         stored = fr.get("image")  # the demo's outputs name their stored frame (images/NAME.EXT)
         if isinstance(stored, str) and os.path.isfile(os.path.join(scene_dir, stored)):
             images.append(os.path.join(scene_dir, stored))
         else:
+            if not isinstance(fr.get("file"), str):
+                raise GroundTruthError(f"{where}: its image {stored!r} is missing and no 'file' names another")
             images.append(_resolve_image(scene_dir, fr["file"]))
-        E.append(np.asarray(fr["extrinsic"], dtype=np.float64)[:3, :4])
+        E.append(_finite_array(fr["extrinsic"], [(3, 4), (4, 4)], f"{where}: extrinsic")[:3, :4])
         k = fr.get("intrinsic_original", fr.get("intrinsic"))
-        K.append(None if k is None else np.asarray(k, dtype=np.float64))
+        K.append(None if k is None else _finite_array(k, [(3, 3)], f"{where}: intrinsic"))
     intr = None if any(k is None for k in K) else np.stack(K)
     ply = os.path.join(scene_dir, "points.ply")
     return Scene(name=os.path.basename(os.path.normpath(scene_dir)), image_paths=images,
@@ -128,9 +167,15 @@ def co3d_viewpoint_to_opencv(viewpoint: dict, image_hw) -> tuple[np.ndarray, np.
 
     Raises:
         ValueError: unknown ``intrinsics_format``.
+        GroundTruthError: R not 3x3, T not 3, focal length / principal point not 2 numbers, an image size
+            that is not two positive numbers, or NaN / inf in any of them.
+        KeyError: a field is missing.
     """
-    R = np.asarray(viewpoint["R"], dtype=np.float64).copy()
-    T = np.asarray(viewpoint["T"], dtype=np.float64).copy()
+    R = _finite_array(viewpoint["R"], [(3, 3)], "viewpoint R").copy()
+    T = _finite_array(viewpoint["T"], [(3,)], "viewpoint T").copy()
+    hw = _finite_array(image_hw, [(2,)], "image size")
+    if not (hw > 0).all():
+        raise GroundTruthError(f"image size {hw.tolist()} must be two positive numbers (height, width)")
     R[:, :2] *= -1.0
     T[:2] *= -1.0
     E = np.concatenate([R.T, T[:, None]], axis=1)
@@ -144,8 +189,8 @@ def co3d_viewpoint_to_opencv(viewpoint: dict, image_hw) -> tuple[np.ndarray, np.
     else:
         raise ValueError(f"unknown CO3D intrinsics_format {fmt!r} "
                          "(expected 'ndc_isotropic' or 'ndc_norm_image_bounds')")
-    f = np.asarray(viewpoint["focal_length"], dtype=np.float64) * rescale
-    c = half - np.asarray(viewpoint["principal_point"], dtype=np.float64) * rescale
+    f = _finite_array(viewpoint["focal_length"], [(2,)], "viewpoint focal_length") * rescale
+    c = half - _finite_array(viewpoint["principal_point"], [(2,)], "viewpoint principal_point") * rescale
     K = np.array([[f[0], 0.0, c[0]], [0.0, f[1], c[1]], [0.0, 0.0, 1.0]])
     return E, K
 
@@ -164,6 +209,8 @@ def load_co3d_scenes(root: str, categories=None, max_sequences: int | None = Non
 
     Raises:
         ValueError: no annotation file found.
+        GroundTruthError: an annotation file that holds no annotations or a malformed one (the message names the
+            file and the frame), or a listed image that is missing.
     """
     if categories is None:
         categories = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else [])
@@ -177,28 +224,49 @@ def load_co3d_scenes(root: str, categories=None, max_sequences: int | None = Non
         try:
             with gzip.open(ann_path, "rt") as f:
                 annotations = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"cannot read CO3D annotations {ann_path!r}: {exc}") from exc
+        if not isinstance(annotations, list) or not annotations:
+            raise GroundTruthError(f"CO3D annotations {ann_path!r} hold no frame annotations (expected a non-empty "
+                                   f"list, got {str(annotations)[:40]}); re-extract the category or leave it out "
+                                   "with --categories")
         by_seq: dict[str, list[dict]] = {}
-        for a in annotations:
+        for i, a in enumerate(annotations):
+            if not isinstance(a, dict) or not isinstance(a.get("sequence_name"), str):
+                raise GroundTruthError(f"CO3D annotations {ann_path!r}, entry {i}: expected an object with "
+                                       "'sequence_name', 'frame_number', 'image' and 'viewpoint'")
             by_seq.setdefault(a["sequence_name"], []).append(a)
         seqs = sorted(by_seq, key=natural_key)
         if max_sequences is not None:
             seqs = seqs[:max_sequences]
         for seq in seqs:
-            frames = sorted(by_seq[seq], key=lambda a: a["frame_number"])
+            try:
+                frames = sorted(by_seq[seq], key=lambda a: a["frame_number"])
+            except (KeyError, TypeError) as exc:
+                raise GroundTruthError(f"CO3D annotations {ann_path!r}, sequence {seq!r}: a frame without a "
+                                       f"comparable 'frame_number' ({type(exc).__name__}: {exc})") from None
             if num_frames is not None and len(frames) > num_frames:
                 pick = np.sort(rng.choice(len(frames), num_frames, replace=False))
                 frames = [frames[i] for i in pick]
             E, K, paths = [], [], []
             for a in frames:
-                e, k = co3d_viewpoint_to_opencv(a["viewpoint"], a["image"]["size"])
+                where = f"CO3D annotations {ann_path!r}, {seq!r} frame {a['frame_number']}"
+                try:
+                    e, k = co3d_viewpoint_to_opencv(a["viewpoint"], a["image"]["size"])
+                    path = os.path.join(root, a["image"]["path"])
+                except (GroundTruthError, KeyError, TypeError) as exc:
+                    what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+                    raise GroundTruthError(f"{where}: {what}") from None
+                if not os.path.isfile(path):
+                    raise GroundTruthError(f"{where}: image {path!r} not found")
                 E.append(e)
                 K.append(k)
-                paths.append(os.path.join(root, a["image"]["path"]))
+                paths.append(path)
             ply = os.path.join(root, cat, seq, "pointcloud.ply")
             scenes.append(Scene(name=f"{cat}/{seq}", image_paths=paths, extrinsics=np.stack(E),
                                 intrinsics=np.stack(K), points_path=ply if os.path.isfile(ply) else None))
+    if not scenes:
+        raise ValueError(f"no CO3D sequence under {root!r} for categories {list(categories)}")
     return scenes
 
 
@@ -219,11 +287,35 @@ def load_scenes(root: str, layout: str = "auto", categories=None, max_sequences:
 
 
 def read_ply_points(path: str) -> np.ndarray:
-    """Points [N, 3] float64 of a PLY file (open3d)."""
-    from .points import require_open3d
+    """Points [N, 3] float64 of a PLY file (trimesh, which refuses truncated or corrupt files); vertices with
+    NaN / inf coordinates are dropped.
 
-    pcd = require_open3d().io.read_point_cloud(path)
-    pts = np.asarray(pcd.points, dtype=np.float64)
-    if pts.size == 0:
-        raise ValueError(f"no points read from {path!r}")
+    Raises:
+        GroundTruthError: the file is missing, not a PLY, truncated or corrupt, or holds no finite point.
+    """
+    from .points import require_trimesh
+
+    try:
+        loaded = require_trimesh().load(path, file_type="ply", process=False)
+        pts = np.asarray(loaded.vertices, dtype=np.float64).reshape(-1, 3)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        why = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise GroundTruthError(f"ground-truth point cloud {path!r} is not a readable PLY ({why}); replace it or "
+                               "remove it to evaluate poses only") from None
+    pts = pts[np.isfinite(pts).all(axis=1)]
+    if len(pts) == 0:
+        raise GroundTruthError(f"ground-truth point cloud {path!r} holds no finite point; replace it or remove "
+                               "it to evaluate poses only")
     return pts
+
+
+def check_point_clouds(scenes) -> None:
+    """Read every scene's ground-truth cloud once (:func:`read_ply_points`), so a corrupt one fails before any
+    model runs.
+
+    Raises:
+        GroundTruthError: see :func:`read_ply_points`.
+    """
+    for scene in scenes:
+        if scene.points_path is not None:
+            read_ply_points(scene.points_path)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from . import metrics as M
-from .datasets import Scene, read_ply_points
+from .datasets import Scene, check_point_clouds, read_ply_points
 from .images import load_images
 from .pipeline import build_model, run_model
 from .points import select_points
@@ -57,9 +57,20 @@ def evaluate_scene(net, scene: Scene, device="cpu", size: int = 518, conf_percen
 def evaluate_scenes(scenes, model: str = "vggt", weights: str = "facebook/VGGT-1B", mode: str = "fp32",
                     device="cpu", size: int = 518, conf_percentile: float = 50.0,
                     cloud_threshold: float | None = None, seed: int = 0, progress: bool = True) -> dict:
-    """(a) + (b) over a list of :class:`Scene`; returns per-scene results and their means."""
+    """(a) + (b) over a list of :class:`Scene`; returns per-scene results and their means.
+
+    Every ground-truth point cloud is read once before the model is built, so a corrupt one fails first.
+
+    Raises:
+        ValueError: ``scenes`` is empty.
+        GroundTruthError: a ground-truth point cloud cannot be read (see :func:`datasets.read_ply_points`).
+    """
     from tqdm.auto import tqdm
 
+    scenes = list(scenes)
+    if not scenes:
+        raise ValueError("no scene to evaluate")
+    check_point_clouds(scenes)
     net = build_model(model, weights, mode, device, seed)
     per = [evaluate_scene(net, sc, device, size, conf_percentile, cloud_threshold)
            for sc in tqdm(scenes, desc="scenes", unit="scene", disable=not progress)]

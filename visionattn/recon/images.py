@@ -348,18 +348,16 @@ def store_frame(frames_dir: str, name: str, img: Image.Image, source: str | None
     """Put one frame into ``frames_dir`` under ``name``; returns the file name used.
 
     A ``source`` file whose bytes already are the decoded RGB image (plain JPEG /
-    PNG, no EXIF rotation) is hard-linked (copied across file systems) with its
-    extension; anything else (rotated, RGBA, 16-bit, float, other formats, video
-    frames) is written as the decoded, upright 8-bit RGB with extension ``ext``
-    (``.png``; ``.jpg`` is saved at quality 95, as for video frames).
+    PNG, no EXIF rotation) is copied with its extension (``shutil.copy2``: bytes,
+    permission bits and times; never a link, so the output shares no storage with
+    the user's file and editing one leaves the other alone); anything else (rotated,
+    RGBA, 16-bit, float, other formats, video frames) is written as the decoded,
+    upright 8-bit RGB with extension ``ext`` (``.png``; ``.jpg`` is saved at quality
+    95, as for video frames).
     """
     if source is not None:
         file = f"{name}{os.path.splitext(source)[1].lower()}"
-        dest = os.path.join(frames_dir, file)
-        try:
-            os.link(source, dest)
-        except OSError:
-            shutil.copyfile(source, dest)
+        shutil.copy2(source, os.path.join(frames_dir, file))
         return file
     file = f"{name}{ext}"
     img.save(os.path.join(frames_dir, file), **({"quality": 95} if ext in (".jpg", ".jpeg") else {}))

@@ -13,12 +13,18 @@ replaced only when
 Anything else raises :class:`OutputDirError` before any work is done. Outputs
 are written into a hidden temporary sibling (``.NAME.tmp-*``) created up front
 (which also proves the location is writable) and renamed into place at the
-end; on an error, Ctrl-C or SIGTERM the temporary folder is removed and
-``OUT_DIR`` is left as it was. When an earlier output is replaced, only the
-entries its manifest lists are deleted.
+end; on an error, Ctrl-C, SIGTERM or SIGHUP the temporary folder is removed and
+``OUT_DIR`` is left as it was; a full disk (or quota, or a file-size limit) while
+writing becomes one :class:`OutputWriteError` naming the folder. When an earlier
+output is replaced, only the entries its manifest lists are deleted.
+
+Other tools keep the same rule under their own name (``tool``, e.g.
+``"visionattn.finetune"``: manifest ``.visionattn-finetune.json``): a folder is
+replaced only by the tool whose manifest it holds.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -26,39 +32,88 @@ import signal
 import tempfile
 from contextlib import contextmanager
 
-__all__ = ["MANIFEST", "TOOL_ID", "OutputDirError", "Terminated", "check_output_dir", "atomic_output_dir",
-           "read_manifest", "list_tree", "handle_sigterm"]
+__all__ = ["MANIFEST", "TOOL_ID", "OutputDirError", "OutputWriteError", "Terminated", "check_output_dir",
+           "atomic_output_dir", "read_manifest", "manifest_name", "list_tree", "handle_sigterm", "stop_status",
+           "STOP_SIGNALS"]
 
-MANIFEST = ".visionattn-recon.json"
 TOOL_ID = "visionattn.recon"
+
+
+def manifest_name(tool: str = TOOL_ID) -> str:
+    """The manifest file of ``tool``'s output folders: ``.visionattn-recon.json`` for ``"visionattn.recon"``."""
+    return "." + tool.replace(".", "-") + ".json"
+
+
+MANIFEST = manifest_name(TOOL_ID)
+
+# signals that stop a run the way Ctrl-C does: the temporary folder is removed, OUT_DIR is left as it was
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+# errors of a full or limited disk: reported as OutputWriteError, in one line naming the folder
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class OutputDirError(ValueError):
     """``OUT_DIR`` cannot be used: not ours to replace, overlaps an input, or not writable."""
 
 
-class Terminated(KeyboardInterrupt):
-    """Raised in the main thread by the SIGTERM handler of :func:`handle_sigterm`.
+class OutputWriteError(OutputDirError):
+    """Writing ``OUT_DIR`` failed for lack of space (disk full, quota, file-size limit); nothing was left there."""
 
-    A ``KeyboardInterrupt`` subclass, so SIGTERM takes the same clean-up path as Ctrl-C.
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by the handler of :func:`handle_sigterm` (SIGTERM, SIGHUP).
+
+    A ``KeyboardInterrupt`` subclass, so these signals take the same clean-up path as Ctrl-C.
+
+    Attributes:
+        signum: the signal's number; ``name`` its name (``"SIGTERM"``); ``exit_code`` ``128 + signum``,
+            the status a shell reports for a process that signal stopped.
     """
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(f"terminated by signal {signum}")
+        self.signum = int(signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def stop_status(exc: KeyboardInterrupt) -> tuple[int, str]:
+    """(exit status, words) for a run stopped by ``exc``: Ctrl-C ``(130, "interrupted (Ctrl-C)")``, a
+    :class:`Terminated` ``(128 + signum, "terminated (SIGHUP)")``."""
+    if isinstance(exc, Terminated):
+        return exc.exit_code, f"terminated ({exc.name})"
+    return 128 + signal.SIGINT, "interrupted (Ctrl-C)"
 
 
 @contextmanager
-def handle_sigterm():
-    """Turn SIGTERM into :class:`Terminated` while the block runs (main thread only; else a no-op)."""
-    def _raise(signum, frame):
-        raise Terminated(f"terminated by signal {signum}")
+def handle_sigterm(signals=STOP_SIGNALS):
+    """Turn each of ``signals`` (SIGTERM and SIGHUP) into :class:`Terminated` while the block runs.
 
+    Main thread only (elsewhere a no-op). A signal that is ignored when the block starts (SIGHUP under
+    ``nohup``) stays ignored.
+    """
+    def _raise(signum, frame):
+        raise Terminated(signum)
+
+    previous = {}
     try:
-        previous = signal.signal(signal.SIGTERM, _raise)
+        for sig in signals:
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, _raise)
     except ValueError:  # not the main thread: signals cannot be handled here
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def list_tree(folder: str) -> tuple[list[str], list[str]]:
@@ -84,18 +139,18 @@ def _safe_rel(p) -> bool:
             and all(part not in ("", ".", "..") for part in p.split("/")))
 
 
-def read_manifest(folder: str) -> dict | None:
-    """The manifest of ``folder`` if it is a valid one of this tool, else None.
+def read_manifest(folder: str, tool: str = TOOL_ID) -> dict | None:
+    """The manifest of ``folder`` if it is a valid one of ``tool``, else None.
 
     Returns:
         dict with ``files`` and ``dirs`` (relative POSIX paths, no ``..``).
     """
     try:
-        with open(os.path.join(folder, MANIFEST)) as f:
+        with open(os.path.join(folder, manifest_name(tool))) as f:
             doc = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(doc, dict) or doc.get("tool") != TOOL_ID:
+    if not isinstance(doc, dict) or doc.get("tool") != tool:
         return None
     files, dirs = doc.get("files"), doc.get("dirs")
     if not isinstance(files, list) or not isinstance(dirs, list):
@@ -128,12 +183,13 @@ def _check_overlap(out_real: str, inputs) -> None:
                                  "choose a folder outside the input")
 
 
-def check_output_dir(out_dir: str, inputs=()) -> None:
+def check_output_dir(out_dir: str, inputs=(), tool: str = TOOL_ID) -> None:
     """Raise :class:`OutputDirError` unless ``out_dir`` may be created or replaced.
 
     Args:
         out_dir: the requested output folder.
         inputs: input paths (image folder, video file) ``out_dir`` must not be, contain or lie in.
+        tool: whose earlier output may be replaced (see :func:`manifest_name`).
 
     Raises:
         OutputDirError: ``out_dir`` overlaps an input, is a file or a link, cannot
@@ -149,17 +205,19 @@ def check_output_dir(out_dir: str, inputs=()) -> None:
         entries = os.listdir(out_abs)
         if not entries:
             return
-        manifest = read_manifest(out_abs)
+        manifest = read_manifest(out_abs, tool)
         if manifest is None:
             shown = ", ".join(repr(e) for e in sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
             raise OutputDirError(
-                f"--out {out_dir!r} is not empty and is not an earlier output of this tool (no valid {MANIFEST}; "
+                f"--out {out_dir!r} is not empty and is not an earlier output of this tool (no valid "
+                f"{manifest_name(tool)}; "
                 f"it holds {shown}); refusing to replace it: choose a new or empty folder")
         files, dirs = list_tree(out_abs)
     except OSError as exc:
         raise OutputDirError(f"--out {out_dir!r} cannot be read ({exc.strerror or exc}); choose another folder") \
             from exc
-    extra = sorted((set(files) - set(manifest["files"]) - {MANIFEST}) | (set(dirs) - set(manifest["dirs"])))
+    extra = sorted((set(files) - set(manifest["files"]) - {manifest_name(tool)})
+                   | (set(dirs) - set(manifest["dirs"])))
     if extra:
         shown = ", ".join(repr(e) for e in extra[:3]) + (", ..." if len(extra) > 3 else "")
         raise OutputDirError(
@@ -173,9 +231,9 @@ def _umask() -> int:
     return mask
 
 
-def _remove_listed(folder: str, manifest: dict) -> bool:
+def _remove_listed(folder: str, manifest: dict, tool: str) -> bool:
     """Delete the entries ``manifest`` lists (and the manifest) from ``folder``; True if it ends up gone."""
-    steps = [(os.unlink, rel) for rel in list(manifest["files"]) + [MANIFEST]]
+    steps = [(os.unlink, rel) for rel in list(manifest["files"]) + [manifest_name(tool)]]
     steps += [(os.rmdir, rel) for rel in sorted(manifest["dirs"], key=lambda p: -p.count("/"))]
     for remove, rel in steps:
         try:
@@ -191,13 +249,14 @@ def _remove_listed(folder: str, manifest: dict) -> bool:
     return True
 
 
-def _write_manifest(tmp: str, extra: dict | None) -> None:
+def _write_manifest(tmp: str, extra: dict | None, tool: str) -> None:
     files, dirs = list_tree(tmp)
-    doc = {"tool": TOOL_ID,
+    name = manifest_name(tool)
+    doc = {"tool": tool,
            "note": "every file and folder this tool wrote here; the folder is replaced by a later run "
                    "only while it holds nothing else",
-           "files": [f for f in files if f != MANIFEST], "dirs": dirs, **(extra or {})}
-    with open(os.path.join(tmp, MANIFEST), "w") as f:
+           "files": [f for f in files if f != name], "dirs": dirs, **(extra or {})}
+    with open(os.path.join(tmp, name), "w") as f:
         json.dump(doc, f, indent=1)
 
 
@@ -210,7 +269,8 @@ def _remove_empty(folders) -> None:
 
 
 @contextmanager
-def atomic_output_dir(out_dir: str, inputs=(), manifest_extra: dict | None = None, warn=None):
+def atomic_output_dir(out_dir: str, inputs=(), manifest_extra: dict | None = None, warn=None,
+                      tool: str = TOOL_ID):
     """Check ``out_dir``, yield a fresh temporary sibling folder, and on success rename it into place.
 
     The temporary folder is created on entry, so an unwritable location (read-only
@@ -218,21 +278,24 @@ def atomic_output_dir(out_dir: str, inputs=(), manifest_extra: dict | None = Non
     the manifest is written, the folder gets the permissions of the folder it
     replaces (or ``0777 & ~umask`` for a new one) and is renamed to ``out_dir``;
     an earlier output there is removed entry by entry from its manifest. Signals
-    (SIGINT, SIGTERM) are held back during that final swap. On any exception,
-    Ctrl-C or SIGTERM included, the temporary folder is removed, along with any
-    parent folders created for it, and ``out_dir`` is untouched.
+    (SIGINT, SIGTERM, SIGHUP) are held back during that final swap. On any exception,
+    Ctrl-C, SIGTERM and SIGHUP included (see :func:`handle_sigterm`), the temporary folder
+    is removed, along with any parent folders created for it, and ``out_dir`` is untouched.
 
     Args:
         out_dir: destination folder.
         inputs: input paths ``out_dir`` must not overlap (see :func:`check_output_dir`).
         manifest_extra: extra keys for the manifest.
         warn: callable(str) for a note when an earlier output cannot be fully removed.
+        tool: whose output this is (its manifest's name and ``tool`` entry; see :func:`manifest_name`).
 
     Raises:
         OutputDirError: see :func:`check_output_dir`; or the location is not writable.
+        OutputWriteError: the disk (or quota) filled up while the block or the final swap wrote, in one
+            line naming ``out_dir`` and the folder of the temporary copy (already removed).
     """
     out_abs = os.path.abspath(out_dir)
-    check_output_dir(out_dir, inputs)
+    check_output_dir(out_dir, inputs, tool)
     parent = os.path.dirname(out_abs)
     created = []
     probe = parent
@@ -248,25 +311,30 @@ def atomic_output_dir(out_dir: str, inputs=(), manifest_extra: dict | None = Non
                              "choose a writable folder") from exc
     try:
         yield tmp
-        _write_manifest(tmp, manifest_extra)
-        blocked = {signal.SIGINT, signal.SIGTERM}
+        _write_manifest(tmp, manifest_extra, tool)
+        blocked = {signal.SIGINT, *STOP_SIGNALS}
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
         try:
-            _swap_into_place(tmp, out_dir, out_abs, inputs, warn)
+            _swap_into_place(tmp, out_dir, out_abs, inputs, warn, tool)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)
+        if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+            raise OutputWriteError(
+                f"--out {out_dir!r} could not be written: {exc.strerror or exc} in {parent!r} (where the output "
+                "is assembled before it is renamed into place); nothing was written: free space there or pass "
+                "an --out on another disk") from exc
         raise
 
 
-def _swap_into_place(tmp: str, out_dir: str, out_abs: str, inputs, warn) -> None:
-    check_output_dir(out_dir, inputs)  # again: the folder may have changed while we worked
+def _swap_into_place(tmp: str, out_dir: str, out_abs: str, inputs, warn, tool: str) -> None:
+    check_output_dir(out_dir, inputs, tool)  # again: the folder may have changed while we worked
     parent = os.path.dirname(out_abs)
     if os.path.isdir(out_abs):
         os.chmod(tmp, os.stat(out_abs).st_mode & 0o7777)
-        previous = read_manifest(out_abs)
+        previous = read_manifest(out_abs, tool)
         if previous is None:  # empty folder (checked just above): rename replaces it
             os.rename(tmp, out_abs)
             return
@@ -274,7 +342,7 @@ def _swap_into_place(tmp: str, out_dir: str, out_abs: str, inputs, warn) -> None
         os.rmdir(old)
         os.rename(out_abs, old)
         os.rename(tmp, out_abs)
-        if not _remove_listed(old, previous) and warn is not None:
+        if not _remove_listed(old, previous, tool) and warn is not None:
             warn(f"note: the earlier output was moved to {old!r} but could not be removed completely")
     else:
         os.chmod(tmp, 0o777 & ~_umask())

@@ -409,7 +409,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
     a temporary folder (created before any decoding, so an unwritable ``out_dir``
     fails at once) and renamed to ``out_dir`` at the end. Nothing is left behind
-    if loading the input or the weights fails, or on Ctrl-C / SIGTERM (see
+    if loading the input or the weights fails, or on Ctrl-C / SIGTERM / SIGHUP (see
     :func:`~visionattn.recon.outdir.handle_sigterm`).
 
     Args:

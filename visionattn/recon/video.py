@@ -36,8 +36,10 @@ def frame_selector(video_fps: float, fps: float | None = None, every: int | None
         fps: keep about this many frames per second of video (None: no time sampling).
         every: keep every N-th frame (None: no index sampling).
 
+    An ``fps`` at or above ``video_fps`` keeps every frame.
+
     Raises:
-        ValueError: both ``fps`` and ``every`` given, ``every`` < 1, ``fps`` <= 0, or
+        ValueError: both ``fps`` and ``every`` given, ``every`` < 1, ``fps`` not a finite number > 0, or
             ``fps`` given for a video whose frame rate is unknown.
     """
     if fps is not None and every is not None:
@@ -47,11 +49,13 @@ def frame_selector(video_fps: float, fps: float | None = None, every: int | None
             raise ValueError(f"--every {every} must be >= 1")
         return lambda i: i % every == 0
     if fps is not None:
-        if not fps > 0:
-            raise ValueError(f"--fps {fps} must be > 0")
-        if not video_fps > 0:
+        if not (fps > 0 and math.isfinite(fps)):
+            raise ValueError(f"--fps {fps} must be a finite number > 0")
+        if not (video_fps > 0 and math.isfinite(video_fps)):
             raise ImageFolderError("the video does not state its frame rate, so --fps cannot sample it; "
                                    "use --every N instead")
+        if fps >= video_fps:  # every 1/fps interval starts a new frame (and i * fps stays finite below)
+            return lambda i: True
         state = {"next": 0}
 
         def keep(i):
