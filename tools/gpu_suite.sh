@@ -27,7 +27,10 @@
 # weights), train-bound / train-bound-1024 / vggt-bound / integrations-bound (the attention-free bounds: training steps, VGGT and
 # FastVGGT bf16 at 200 frames, the transformers / diffusers cells; integrations need transformers and diffusers
 # installed), fastvggt-official (FastVGGT against the official code at FASTVGGT, a checkout of
-# mystorm16/FastVGGT). Every step logs to OUT_DIR/STEP.log
+# mystorm16/FastVGGT), conformance (the randomized conformance suite: every family and mode against the float64
+# oracle, any layout, ~2000 cases), memcheck / racecheck / initcheck (compute-sanitizer over
+# tools/memcheck_cases.py: a small case of every kernel family and variant, forward and backward), warmup-train
+# (python -m visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to OUT_DIR/STEP.log
 # and a failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
@@ -118,6 +121,11 @@ for step in "$@"; do
     families) run families 400 python tools/bench_models.py --modes fp32,fp16 --no-share --out "$out/families" \
         --cases beit_base_patch16_224:224:64,cait_s24_224:224:64,xcit_small_12_p16_224:224:64,coatnet_0_rw_224:224:64,maxvit_tiny_tf_224:224:64,hiera_base_224:224:64,mvitv2_small:224:64 ;;
     naflex) run naflex 200 python tools/bench_varlen.py --naflex --modes fp32,bf16 --out "$out/naflex" ;;
+    conformance) run conformance 560 python tools/gpu_conformance.py --isolate --time-budget 480 \
+        --out "$out/conformance" ;;
+    memcheck|racecheck|initcheck) run "$step" 560 compute-sanitizer --tool "$step" --error-exitcode 9 \
+        --print-limit 20 python tools/memcheck_cases.py ;;
+    warmup-train) run warmup-train 560 python -m visionattn.warmup --training --jobs 16 ;;
     ring1) run ring1 200 torchrun --nproc-per-node 1 tools/bench_context_parallel.py --out "$out/ring1" ;;
     demo300) run demo300 500 python demos/reconstruct.py "${VIDEO:?set VIDEO to a video of >= 300 frames}" \
         --out "$out/demo300" --weights random --device cuda --max-frames 300 --mode bf16 --no-preview ;;

@@ -118,7 +118,8 @@ def check_flags(is_causal, scale, head_dim: int) -> float:
     Raises:
         TypeError: ``is_causal`` not a bool; ``scale`` not a real number (a string, a tensor of more than
             one element, a complex number).
-        ValueError: ``scale`` not finite.
+        ValueError: ``scale`` not finite; a tensor ``scale`` that requires grad (it would get none) or is a
+            meta tensor.
     """
     if is_causal is not True and is_causal is not False:
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__} {is_causal!r}")
@@ -127,6 +128,12 @@ def check_flags(is_causal, scale, head_dim: int) -> float:
     if isinstance(scale, torch.Tensor):
         if scale.numel() != 1 or scale.is_complex():
             raise TypeError(f"scale must be a real number, got a tensor of shape {tuple(scale.shape)}")
+        if scale.requires_grad and torch.is_grad_enabled():
+            raise ValueError("scale is a tensor that requires grad, but the logit scale is taken as a number and gets "
+                             "no gradient (SDPA refuses a tensor scale); to learn it, multiply q by it and pass "
+                             "scale=1.0, or pass float(scale) to train without its gradient")
+        if scale.is_meta:
+            raise ValueError("scale is a meta tensor (no value); pass a number")
         scale = scale.item()
     elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__} {scale!r}")
@@ -234,14 +241,16 @@ def attention(
         if out is not None:
             return out
     check_float16_range(md, query=q, key=k, value=v)
-    if md.half_scores:
-        from .pasa import pasa_attention_reference
+    # the mode fixes the arithmetic: an enclosing autocast must not turn the reference's FP32 products into half
+    with torch.autocast(q.device.type, enabled=False):
+        if md.half_scores:
+            from .pasa import pasa_attention_reference
 
-        out = pasa_attention_reference(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal,
-                                       scale=scale, shift=md.pasa_shift)
-    else:
-        out = blocked_attention(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                mode=md, block_size=_cpu_block(k.shape[-2]))
+            out = pasa_attention_reference(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal,
+                                           scale=scale, shift=md.pasa_shift)
+        else:
+            out = blocked_attention(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                    mode=md, block_size=_cpu_block(k.shape[-2]))
     return out.to(q.dtype)
 
 

@@ -650,6 +650,8 @@ class _RingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # before any collective: a double backward is asked of every rank alike, so every rank raises here
+        _import_ops().first_order_only("visionattn.distributed.context_parallel_attention")
         q, k, v, out, lse = ctx.saved_tensors
         md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0 = ctx.ring
         qc, cur = _ring_inputs(q, k, v, md)  # the forward's casts again (they passed the range check there)

@@ -43,6 +43,20 @@ BACKWARD_MODES: frozenset = frozenset(
     name for name, m in MODES.items() if "dense" in m.kernels) if _elsa_bwd is not None else frozenset()
 
 
+
+def first_order_only(what: str) -> None:
+    """Raise where autograd asks a kernel backward for a graph of its own (``create_graph=True``: a double
+    backward, e.g. a gradient penalty): the backward kernels return first-order gradients only, which would
+    silently be constants in the second differentiation. Inside a backward, grad mode is on exactly then.
+
+    Raises:
+        RuntimeError: naming ``what`` and the fix (the reference backend differentiates twice).
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what}: double backward (create_graph=True, e.g. a gradient penalty) through the "
+                           f"attention kernels is not supported: their backward is first-order only; run this "
+                           f"call with backend='reference' (pure PyTorch, differentiable twice)")
+
 def has_backward(mode: str) -> bool:
     """Whether the dense kernels of ``mode`` have a backward (else gradients need the reference path)."""
     return mode in BACKWARD_MODES
@@ -120,6 +134,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
+    first_order_only("visionattn.attention")
     q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
     is_causal, scale, mode = ctx.args
     bias_grad = bias is not None and ctx.needs_input_grad[3]
@@ -146,6 +161,7 @@ class _DenseFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_order_only("visionattn.attention")
         q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
         is_causal, scale, mode, plan = ctx.args
         # the backward plan found through the forward's (every forward has one): no second validation
@@ -191,6 +207,7 @@ class _DensePackedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_order_only("visionattn.attention_qkvpacked")
         q, k, v, bias, attn_mask, out, lse = ctx.saved_tensors
         is_causal, scale, mode, plan, shape = ctx.args
         dqkv = torch.empty(shape, dtype=q.dtype, device=q.device)
@@ -327,6 +344,7 @@ def _window_setup_context(ctx, inputs, output):
 
 
 def _window_op_backward(ctx, grad_out, grad_lse):
+    first_order_only("visionattn.window_attention")
     q, k, v, bias, mask, head_scale, out, lse = ctx.saved_tensors
     needs = ctx.needs_input_grad
     bias_grad, hs_grad = bias is not None and needs[3], head_scale is not None and needs[6]
@@ -368,6 +386,7 @@ class _WindowFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_order_only("visionattn.window_attention")
         q, k, v, bias, mask, head_scale, out, lse = ctx.saved_tensors
         num_windows, scale, mode, plan = ctx.args
         needs = ctx.needs_input_grad
@@ -397,6 +416,7 @@ class _CosineWindowFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_order_only("visionattn.window_attention")
         q, k, v, bias, mask, logit_scale, out, lse = ctx.saved_tensors
         num_windows, mode, plan = ctx.args
         needs = ctx.needs_input_grad
@@ -431,6 +451,7 @@ class _WindowPackedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_order_only("visionattn.window_attention_qkvpacked")
         qkv, bias, mask, logit_scale, out, lse = ctx.saved_tensors
         num_windows, cosine, scale, mode, plan = ctx.args
         needs = ctx.needs_input_grad
@@ -588,6 +609,7 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _varlen_op_backward(ctx, grad_out, grad_lse):
+    first_order_only("visionattn.varlen_attention")
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = _varlen_bwd_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None, None
@@ -612,6 +634,7 @@ class _VarlenFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        first_order_only("visionattn.varlen_attention")
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = _varlen_bwd.varlen_backward(q, k, v, out, grad_out, lse, cu_q, cu_k, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None, None, None

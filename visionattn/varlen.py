@@ -207,7 +207,8 @@ def varlen_attention(
         out = _kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md)
     if out is None:
         check_float16_range(md, q=q, k=k, v=v)
-        out = _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, md)
+        with torch.autocast(q.device.type, enabled=False):  # the mode fixes the arithmetic, not an autocast
+            out = _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, md)
     return wrap(out) if wrap is not None else out
 
 

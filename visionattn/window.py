@@ -269,9 +269,10 @@ def window_attention(
         dispatch.warn_once(f"window-fallback:{reason}",
                            f"visionattn.window_attention: the Triton window kernel does not cover this call "
                            f"({reason}); running the exact PyTorch reference instead")
-    out = window_attention_reference(q, k, v, relative_position_bias=bias, shift_mask=mask,
-                                     num_windows=num_windows, cosine=bool(cosine), logit_scale=ls, scale=scale,
-                                     mode=md)
+    with torch.autocast(q.device.type, enabled=False):  # the mode fixes the arithmetic, not an enclosing autocast
+        out = window_attention_reference(q, k, v, relative_position_bias=bias, shift_mask=mask,
+                                         num_windows=num_windows, cosine=bool(cosine), logit_scale=ls, scale=scale,
+                                         mode=md)
     return out.to(q.dtype)
 
 

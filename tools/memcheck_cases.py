@@ -1,0 +1,123 @@
+"""A small case of every kernel family and variant, for NVIDIA's compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --error-exitcode 9 python tools/memcheck_cases.py
+    compute-sanitizer --tool racecheck --error-exitcode 9 python tools/memcheck_cases.py --families window dense
+
+Each case runs forward (and backward where the mode has backward kernels) on the GPU once, at a size that
+takes the variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim
+128) and the Gluon IEEE-FP32 forward and backward, the single-pass and two-kernel backward, split-KV with its
+merge, PASA, the window kernels (small packed windows, tiled windows, Swin-v2 cosine, the fused backward,
+packed qkv) and the ragged-batch kernels. Outputs and gradients must be finite; the sanitizer reports the
+memory errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``, ``initcheck``). Exit 0 when every
+case ran, 1 when one raised or returned a non-finite value (each printed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import visionattn as va
+
+FAMILIES = ("dense", "split", "packed", "window", "varlen")
+MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa")
+DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "pasa": torch.float16}
+
+
+def _rand(*shape, dtype=torch.float32, grad=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, device="cuda", generator=g).to(dtype).requires_grad_(grad)
+
+
+def _run(fn, leaves) -> None:
+    out = fn(*leaves)
+    grads = []
+    if any(t.requires_grad for t in leaves):
+        out.sum().backward()  # a stride-0 output gradient, the most common loss
+        grads = [t.grad for t in leaves if t.requires_grad]
+    torch.cuda.synchronize()
+    for t in (out, *grads):
+        if not torch.isfinite(t).all():
+            raise AssertionError("non-finite values")
+
+
+def cases(families, modes):
+    """``(name, fn, leaves)`` for every case of ``families`` x ``modes``."""
+    from visionattn.ops import has_backward
+
+    for mode in modes:
+        dt = DTYPE.get(mode, torch.float32)
+        grad = has_backward(mode)
+        if "dense" in families:
+            for n, d, extra in ((197, 64, {}), (300, 64, {}), (130, 128, {}), (97, 32, {"is_causal": True}),
+                                (150, 80, {}), (70, 64, {"bias": True})):
+                def dense(q, k, v, *b, extra=extra, mode=mode):
+                    kw = {"is_causal": extra.get("is_causal", False)}
+                    if b:
+                        kw["bias"], kw["attn_mask"] = b[0], torch.ones(1, 1, 1, q.shape[2], device="cuda",
+                                                                       dtype=torch.bool)
+                    return va.attention(q, k, v, mode=mode, **kw)
+                leaves = [_rand(2, 3, n, d, dtype=dt, grad=grad, seed=s) for s in range(3)]
+                if extra.get("bias"):
+                    leaves.append(_rand(3, n, n, grad=grad, seed=4))
+                yield f"dense {mode} N={n} D={d} {sorted(extra)}", dense, leaves
+        if "split" in families:
+            yield (f"split-KV {mode} N=1000 D=64 num_splits=4",
+                   lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode, num_splits=4),
+                   [_rand(1, 2, 1000, 64, dtype=dt, seed=s) for s in range(3)])
+        if "packed" in families:
+            yield (f"qkvpacked {mode} N=197 D=64", lambda qkv, mode=mode: va.attention_qkvpacked(qkv, mode=mode),
+                   [_rand(2, 197, 3, 2, 64, dtype=dt, grad=grad)])
+        if "window" in families:
+            for n, d, cosine in ((49, 32, False), (64, 32, True), (144, 32, False), (256, 32, True)):
+                nw, heads = 4, 2
+
+                def window(q, k, v, rpb, *ls, n=n, nw=nw, cosine=cosine, mode=mode):
+                    mask = torch.where(torch.arange(n * n, device="cuda").view(1, n, n) % 7 == 0, -100.0, 0.0)
+                    return va.window_attention(q, k, v, relative_position_bias=rpb, shift_mask=mask.expand(nw, n, n),
+                                               num_windows=nw, cosine=cosine, logit_scale=ls[0] if ls else None,
+                                               mode=mode)
+                leaves = [_rand(2 * nw, heads, n, d, dtype=dt, grad=grad, seed=s) for s in range(3)]
+                leaves.append(_rand(heads, n, n, grad=grad, seed=5))
+                if cosine:
+                    leaves.append(_rand(heads, grad=grad, seed=6))
+                yield f"window {mode} N={n} D={d} cosine={cosine}", window, leaves
+            if grad:
+                yield (f"window qkvpacked {mode} N=49",
+                       lambda qkv, mode=mode: va.window_attention_qkvpacked(qkv, num_windows=2, mode=mode),
+                       [_rand(4, 49, 3, 2, 32, dtype=dt, grad=True)])
+        if "varlen" in families and mode != "pasa":
+            lens = [1, 0, 77, 300]
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+            yield (f"varlen {mode} lengths {lens}",
+                   lambda q, k, v, mode=mode: va.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), mode=mode),
+                   [_rand(sum(lens), 2, 64, dtype=dt, grad=grad, seed=s) for s in range(3)])
+
+
+def main(args) -> dict:
+    ran, failed, t0 = 0, [], time.perf_counter()
+    for name, fn, leaves in cases(args.families, args.modes):
+        try:
+            _run(fn, leaves)
+        except Exception as exc:  # report every case, then fail
+            failed.append(name)
+            print(f"FAILED {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        ran += 1
+    print(f"memcheck_cases: {ran} cases, {len(failed)} failed, {time.perf_counter() - t0:.1f} s", flush=True)
+    return {"cases": ran, "failed": failed}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="kernel families to run")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="precision modes to run")
+    return p
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        print("memcheck_cases: needs a CUDA GPU", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(1 if main(build_parser().parse_args()).get("failed") else 0)
