@@ -100,7 +100,8 @@ from .elsa_fwd import key_tiles, load_kv_tile
 from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, pow2, split_rows, split_scores
 
-__all__ = ["elsa_backward", "backward_after_forward", "launch_backward", "bias_grad_shape", "reduce_bias_grad",
+__all__ = ["elsa_backward", "backward_after_forward", "launch_backward", "bias_grad_shape", "autograd_bias",
+           "reduce_bias_grad",
            "get_config", "BwdConfig", "SINGLE_PASS_MAX_KEYS",
            "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES", "FP32_PRODUCTS", "BACKWARD_PRODUCTS",
            "fp32_products", "product_flags", "HEAD_SCALED"]
@@ -881,6 +882,16 @@ def bias_grad_shape(bias: torch.Tensor, shape4: tuple[int, int, int, int] | None
     return tuple(1 if (s > 1 and st == 0) else s for s, st in zip(bias.shape, bias.stride()))
 
 
+def autograd_bias(bias: torch.Tensor | None, bias_requires_grad: bool) -> torch.Tensor | None:
+    """The bias to hand the backward kernels for an autograd caller, whose bias gradient must have the bias's own
+    shape: a bias view with an expanded (stride 0, size > 1) dimension that needs a gradient is copied
+    contiguous, so :func:`bias_grad_shape` is its shape (autograd sums the repeats through the ``expand``); any
+    other bias as it is."""
+    if bias is not None and bias_requires_grad and any(st == 0 and n > 1 for n, st in zip(bias.shape, bias.stride())):
+        return bias.contiguous()
+    return bias
+
+
 def reduce_bias_grad(grad: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
     """Sum ``grad`` (broadcastable to nothing smaller than ``shape``) down to ``shape``, deterministically.
 
@@ -1071,6 +1082,7 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, attn
     grad_strides = None if grads is None else tuple(g.stride()[:3] for g in grads)
     # q, k, v, out: as the forward plan took and wrote them (unit last strides); autograd's dO may be any layout
     grad_out = unit_last_stride(grad_out)
+    bias = autograd_bias(bias, bias_requires_grad)
     key = (forward_plan, bool(bias_requires_grad), None if bias is None else (bias.shape, bias.stride()),
            grad_out.stride(), grad_out.dtype, grad_out.data_ptr() & 15, grad_strides)
     plan = AFTER_FORWARD.get(key)

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
-from ._launch import KernelCall, PlanCache
+from ._launch import KernelCall, PlanCache, interpreting
 from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
@@ -123,10 +123,15 @@ def _prep_rows(x, mult, COMPUTE: tl.constexpr, NORMALIZE: tl.constexpr, SCALE_RO
 
 
 @triton.jit
-def _scores(q, k, IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, COMPUTE: tl.constexpr):
-    """q [M, D] @ k[N, D]^T in the mode's arithmetic, returned as float32 [M, N]."""
+def _scores(q, k, IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, COMPUTE: tl.constexpr,
+            DOT_UPCAST: tl.constexpr):
+    """q [M, D] @ k[N, D]^T in the mode's arithmetic, returned as float32 [M, N]. DOT_UPCAST (the interpreter only,
+    whose bf16 ``tl.dot`` is broken): the bf16 operands multiplied in FP32, which is exact, as the tensor cores
+    compute them (as the dense kernels do, :mod:`.elsa_fwd`)."""
     if HALF_SCORES:
         s = tl.dot(q, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
+    elif DOT_UPCAST:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     elif COMPUTE == 0:
         s = tl.dot(q, tl.trans(k), input_precision=IN_PREC)
     else:
@@ -135,9 +140,12 @@ def _scores(q, k, IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, COMPUTE: tl.
 
 
 @triton.jit
-def _pv(p, v, IN_PREC: tl.constexpr, COMPUTE: tl.constexpr):
+def _pv(p, v, IN_PREC: tl.constexpr, COMPUTE: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """P @ V: FP32 operands at ``IN_PREC``; else P rounded to V's half dtype (DOT_UPCAST: as :func:`_scores`)."""
     if COMPUTE == 0:
         o = tl.dot(p, v, input_precision=IN_PREC)
+    elif DOT_UPCAST:
+        o = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
     else:
         o = tl.dot(p.to(v.dtype), v)
     return o
@@ -170,7 +178,7 @@ def _window_small_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IMGS: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
     IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
-    WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     # program (pid0 = h * n_slot + w, pid1 = image chunk); window index b = img * n_slot + w
     pid0 = tl.program_id(0)
@@ -227,7 +235,7 @@ def _window_small_kernel(
             s = split_scores(q_hi, q_lo, k_hi, k_lo, IN_PREC)
             s = s * (q_inv[:, None] * k_inv[None, :]) + cb
         else:
-            s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post + cb
+            s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE, DOT_UPCAST) * post + cb
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
         p = tl.math.exp2(s - m[:, None])
@@ -238,7 +246,7 @@ def _window_small_kernel(
             # divide first (acc itself may exceed FP32 once unscaled), then undo the V and P scales
             out = acc / tl.where(l > 0, l, 1.0)[:, None] * pv_unscale(v_exp)[None, :]
         else:
-            acc = _pv(p, v, IN_PREC, COMPUTE)
+            acc = _pv(p, v, IN_PREC, COMPUTE, DOT_UPCAST)
             out = acc / tl.where(l > 0, l, 1.0)[:, None]
         tl.store(O + b * so_b + h * so_h + offs_n[:, None] * so_n + offs_dv[None, :] * so_d,
                  out.to(O.dtype.element_ty), mask=vd_ok)
@@ -255,7 +263,7 @@ def _window_tiled_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
     IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
-    WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     # program (pid0 = query block, pid1 = b * H + h); ELSA fold over key blocks.
     pid_m = tl.program_id(0)
@@ -314,7 +322,7 @@ def _window_tiled_kernel(
             k_hi, k_lo, k_inv = split_rows(k)
             s = split_scores(q, q_lo, k_hi, k_lo, IN_PREC) * (q_inv[:, None] * k_inv[None, :])
         else:
-            s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE) * post
+            s = _scores(q, k, IN_PREC, HALF_SCORES, COMPUTE, DOT_UPCAST) * post
         tile_ok = m_ok[:, None] & n_ok[None, :]
         if HAS_BIAS:
             s += tl.load(BIAS + h * sb_h + offs_m[:, None] * sb_i + offs_n[None, :] * sb_j,
@@ -331,7 +339,7 @@ def _window_tiled_kernel(
         if SPLIT16:
             acc, v_exp = fold_pv(acc, alpha, v_exp, p, v, IN_PREC, False, False)
         else:
-            acc = acc * alpha[:, None] + _pv(p, v, IN_PREC, COMPUTE)
+            acc = acc * alpha[:, None] + _pv(p, v, IN_PREC, COMPUTE, DOT_UPCAST)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT16:
@@ -415,7 +423,9 @@ def mode_constexprs(mode: str, precision: str | None, has_bias: bool, has_mask: 
     """The mode / feature constexprs both window kernels take (tools compile them offline from this).
 
     ``cosine``: per-head logit scale ``exp(min(logit_scale, log 100))`` and, unless ``normalized`` (q, k given
-    already L2-normalised), the rows' L2 normalisation in the kernel (``NORMALIZE``).
+    already L2-normalised), the rows' L2 normalisation in the kernel (``NORMALIZE``). ``DOT_UPCAST``: bf16 products
+    in FP32 where the Triton interpreter runs the kernels (its bf16 ``tl.dot`` is wrong; :func:`_scores`), always
+    False on the GPU, whose code is unchanged by it.
 
     Raises:
         ValueError: ``with_lse`` in a mode that accumulates the scores in FP16 (``pasa``, ``fp16-acc16``):
@@ -429,7 +439,8 @@ def mode_constexprs(mode: str, precision: str | None, has_bias: bool, has_mask: 
     return dict(HAS_BIAS=has_bias, HAS_MASK=has_mask, COSINE=bool(cosine), COMPUTE=_COMPUTE_CODE[compute],
                 IN_PREC=in_prec or "ieee", HALF_SCORES=half_scores, PASA_SHIFT=pasa_shift,
                 SPLIT16=in_prec in ("f16x3", "f16x1"), WRITE_LSE=bool(with_lse),
-                NORMALIZE=bool(cosine) and not normalized)
+                NORMALIZE=bool(cosine) and not normalized,
+                DOT_UPCAST=compute == torch.bfloat16 and interpreting())  # False on the GPU
 
 
 class _WindowPlan:
@@ -511,6 +522,19 @@ def _plan_and_run(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bo
 PLANS = PlanCache()
 
 
+def _training_precision(mode: str, with_lse: bool, cosine: bool) -> str | None:
+    """The score products of a window forward: the mode's own (None), except in the training forward of Swin-v2's
+    cosine windows in an FP32 mode whose window backward multiplies otherwise
+    (:attr:`.modes.Mode.window_backward_precision`: tf32's f16x3). That forward then scores with the backward's
+    products, so the LSE it saves belongs to the logits the backward recomputes: with logit scales up to 100, the
+    two roundings of one logit (f16x1 here, f16x3 there) differ by ~1e-2, and the probabilities the backward
+    forms from them no longer sum to 1 (dV errs 3-6e-3 where PyTorch's TF32 errs 1.1e-3)."""
+    md = MODES[mode]
+    if with_lse and cosine and md.compute_dtype == torch.float32 and md.window_backward_precision is not None:
+        return md.window_backward_precision
+    return None
+
+
 def plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows: int, cosine: bool, scale: float,
              mode: str, with_lse: bool = False, normalized: bool = False):
     """``(plan, result)``: the cached launch plan of this call signature (built by running the call when new) and
@@ -537,7 +561,8 @@ def plan_for(q, k, v, relative_position_bias, shift_mask, logit_scale, num_windo
     if mode not in _MODE_TABLE:
         raise ValueError(f"mode={mode!r} has no window kernel; expected one of {list(_MODE_TABLE)}")
     plan, result = _plan_and_run(q, k, v, b, m, ls, int(num_windows), bool(cosine), float(scale), mode, None,
-                                 with_lse=bool(with_lse), normalized=bool(normalized))
+                                 _training_precision(mode, with_lse, cosine), with_lse=bool(with_lse),
+                                 normalized=bool(normalized))
     PLANS.put(key, plan)
     return plan, result
 

@@ -104,8 +104,8 @@ def _(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype):
 def _dense_backward(q, k, v, bias, attn_mask, out, lse, grad_out, is_causal, scale, mode, bias_grad: bool):
     """(dq, dk, dv, dbias) by the backward kernels (FlashAttention-2's recomputation from the saved LSE);
     ``bias`` as the caller passed it, so dbias comes back in its own shape (broadcast dims summed)."""
-    return _elsa_bwd.elsa_backward(q, k, v, out, grad_out, lse, bias, attn_mask, is_causal, scale, mode,
-                                   bias_requires_grad=bias_grad)
+    return _elsa_bwd.elsa_backward(q, k, v, out, grad_out, lse, _elsa_bwd.autograd_bias(bias, bias_grad), attn_mask,
+                                   is_causal, scale, mode, bias_requires_grad=bias_grad)
 
 
 @torch.library.custom_op("visionattn::attention_backward", mutates_args=())

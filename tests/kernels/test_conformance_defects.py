@@ -1,0 +1,62 @@
+"""Defects the randomized conformance suite (tools/gpu_conformance.py) found, each pinned by a CPU test of its
+cause: the kernels run in the interpreter (forced with ``backend="triton"``) and every result is checked
+against float64 autograd."""
+import pytest
+import torch
+
+import visionattn as va
+from visionattn.metrics import rel_l2
+from visionattn.reference import oracle_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "fp16"])
+@pytest.mark.parametrize("expanded,shape", [((1, 1, 37), (1, 18, 37)), ((2, 1, 1, 37), (2, 1, 18, 37)),
+                                            ((1, 1, 18, 37), (2, 3, 18, 37))])
+def test_expanded_bias_view_gets_its_own_gradient(mode, expanded, shape):
+    """A bias that is an ``expand``-ed view and needs a gradient: autograd needs the gradient in the view's shape
+    (it sums the repeats itself); the kernels' memory-shaped gradient was refused ("returned an invalid
+    gradient at index 3")."""
+    dtype = torch.float16 if mode == "fp16" else torch.float32
+    q, k, v = (_rand(2, 3, 18, 16, seed=s).to(dtype).requires_grad_() for s in range(3))
+    base = _rand(*expanded, seed=5).requires_grad_()
+    k2, v2 = (_rand(2, 3, 37, 16, seed=s).to(dtype).requires_grad_() for s in (6, 7))
+    out = va.attention(q, k2, v2, bias=base.expand(*shape), mode=mode, backend="triton")
+    out.sum().backward()
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k2, v2, base)]
+    oracle_attention(*leaves64[:3], bias=leaves64[3].expand(*shape)).sum().backward()
+    tol = 1e-5 if mode == "fp32" else 5e-3
+    for t, r in zip((q, k2, v2, base), leaves64):
+        assert rel_l2(t.grad.double(), r.grad) <= tol
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tf32_cosine_window_backward_matches_its_forward(packed):
+    """tf32 Swin-v2 windows with sharp logits (logit scales at the log(100) cap): the training forward scores with
+    the backward's products, so the probabilities the backward recomputes sum to 1 against the saved LSE. With
+    the forward's f16x1 logits and the backward's f16x3 ones, dV erred 3-6e-3 (PyTorch's TF32 ~1.1e-3)."""
+    nw, heads, n, d = 2, 3, 16, 32
+    qkv = _rand(2 * nw, n, 3, heads, d, seed=1).requires_grad_()
+    ls = torch.full((heads,), 4.7, device=DEV).requires_grad_()  # exp(min(4.7, log 100)) = 100
+    rpb = _rand(heads, n, n, seed=2).requires_grad_()
+    go = _rand(2 * nw, n, heads, d, seed=3)
+
+    def run(qkv, ls, rpb, **kw):
+        if packed:
+            return va.window_attention_qkvpacked(qkv, relative_position_bias=rpb, num_windows=nw, cosine=True,
+                                                 logit_scale=ls, **kw)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        return va.window_attention(q, k, v, relative_position_bias=rpb, num_windows=nw, cosine=True,
+                                   logit_scale=ls, **kw).transpose(1, 2)
+
+    run(qkv, ls, rpb, mode="tf32", backend="triton").backward(go)
+    l64 = [t.detach().double().requires_grad_() for t in (qkv, ls, rpb)]
+    run(*l64, mode="fp32", backend="reference").backward(go.double())
+    dv, dv64 = qkv.grad[:, :, 2].double(), l64[0].grad[:, :, 2]
+    assert rel_l2(dv, dv64) <= 2e-3
+    assert rel_l2(qkv.grad.double(), l64[0].grad) <= 3e-3

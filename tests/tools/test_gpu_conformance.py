@@ -1,0 +1,246 @@
+"""tools/gpu_conformance.py on the CPU: a short run through Triton's interpreter (every family, forward and
+backward, zero failures, the report's counts and files), reproducibility by case id, the checker flagging wrong
+outputs and gradients (so a run cannot pass vacuously), refusals, the time budget, and --isolate's bisection of
+cases whose process dies."""
+import json
+import math
+
+import pytest
+import torch
+
+import visionattn as va
+
+from testdata import load_script
+
+tool = load_script("tools/gpu_conformance.py", "gpu_conformance_under_test")
+CPU = torch.device("cpu")
+
+
+def _args(*argv):
+    return tool.build_parser().parse_args(["--device", "cpu", *argv])
+
+
+def _first_case(family, mode=None, grad=None, start=0, seed=0, **want):
+    """The first tiny-profile case of ``family`` (and ``mode`` / ``grad`` / spec entries) from index ``start``."""
+    for i in range(start, start + 5000):
+        spec = tool.draw_case(seed, i, "tiny")
+        if spec["family"] == family and (mode is None or spec["mode"] == mode) and \
+                (grad is None or spec["grad"] == grad) and all(spec.get(k) == v for k, v in want.items()):
+            return spec
+    raise AssertionError(f"no {family} {mode} case")
+
+
+def test_short_run_has_no_failures_and_reports_every_case(tmp_path):
+    """20 cases of seed 0 in the interpreter (Triton backend forced): every case passes, is refused as documented or
+    is skipped with a reason; the counts, the files and the JSON agree."""
+    out = tmp_path / "conf"
+    report = tool.main(_args("--cases", "20", "--time-budget", "0", "--out", str(out)))
+    s = report["summary"]
+    assert s["cases_selected"] == s["cases_run"] == 20 and s["stopped_early"] is None
+    assert s["failed"] == 0, report["failures"]
+    assert s["pass"] + s["refused"] + s["skipped"] == 20 and s["pass"] >= 15
+    cells = [c for fam in report["counts"].values() for c in fam.values()]
+    assert sum(sum(c.values()) for c in cells) == 20
+    assert len(report["counts"]) >= 5  # families
+    ran = [r for r in report["results"] if r["status"] == "pass"]
+    assert any(r["grad"] for r in ran) and any(not r["grad"] for r in ran)
+    assert any(q in r["metrics"] for r in ran for q in ("dq", "dk", "dv"))
+    assert all(m["ok"] and m["ratio"] <= 1 for r in ran for m in r["metrics"].values())
+    assert report["environment"]["TRITON_INTERPRET"] == "1" and report["environment"]["backend"] == "triton"
+    assert json.load(open(out / "gpu_conformance.json"))["summary"] == s
+    md = open(out / "gpu_conformance.md").read()
+    assert "## Cases per family and mode" in md and "## Worst error per mode and quantity" in md
+    assert "20 of 20 cases run" in md
+
+
+def test_case_ids_reproduce_the_same_case():
+    """A case depends on its id alone: drawn twice, selected through filters or not, run twice."""
+    a, b = tool.draw_case(7, 123, "tiny"), tool.draw_case(7, 123, "tiny")
+    assert a == b and tool.describe(a) == tool.describe(b)
+    assert tool.draw_case(7, 124, "tiny") != a
+    picked = tool.select_cases(_args("--seed", "7", "--cases", "5", "--families", "window", "--modes", "fp16"))
+    assert [p["family"] for p in picked] == ["window"] * 5 and {p["mode"] for p in picked} == {"fp16"}
+    for p in picked:
+        seed, index = tool.parse_case_id(p["id"])
+        assert tool.draw_case(seed, index, "tiny") == p
+    spec = _first_case("dense", "fp32", grad=True)
+    one, two = (tool.run_case(spec, CPU) for _ in range(2))
+    assert one["status"] == two["status"] == "pass"
+    assert {q: m["err"] for q, m in one["metrics"].items()} == {q: m["err"] for q, m in two["metrics"].items()}
+    # the reproduce line names the case, and --case runs exactly it
+    line = tool.reproduce_line(spec, _args("--profile", "tiny"))
+    assert line == f"python tools/gpu_conformance.py --case {spec['id']} --device cpu"
+    args = _args("--case", spec["id"])
+    tool._prepare(args, tool.build_parser())
+    (again,) = tool.select_cases(args)
+    assert tool.describe(again) == tool.describe(spec)
+
+
+def test_check_quantity_flags_perturbed_results():
+    """The comparison itself: an error above the rule's bound fails, below passes; NaN, a wrong shape and nonzero
+    values where the oracle is exactly 0 fail; the cancellation floor absorbs only a residue of its own size."""
+    g = torch.Generator().manual_seed(0)
+    gold = torch.randn(2, 3, 17, 16, generator=g, dtype=torch.float64)
+    noise = torch.randn(gold.shape, generator=g, dtype=torch.float64)
+    ref = gold + 1e-3 * noise.roll(1, -1)  # PyTorch's error ~1e-3
+    assert tool.check_quantity("out", gold + 1e-3 * noise, gold, ref, "fp16")["ok"]
+    bad = tool.check_quantity("out", gold + 1e-2 * noise, gold, ref, "fp16")
+    assert not bad["ok"] and bad["ratio"] > 1 and "out: rel err" in bad["why"]
+    # fp32: the contract 2e-6 where PyTorch's own error is smaller
+    exact = gold + 1e-9 * noise
+    assert tool.check_quantity("out", gold + 1e-7 * noise, gold, exact, "fp32")["ok"]
+    assert not tool.check_quantity("out", gold + 1e-5 * noise, gold, exact, "fp32")["ok"]
+    nan = gold.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    assert "non-finite" in tool.check_quantity("out", nan, gold, ref, "bf16")["why"]
+    assert "shape" in tool.check_quantity("dq", gold[:1], gold, ref, "bf16")["why"]
+    # gradients: 2x PyTorch's error (+ 1e-6 relative)
+    assert tool.check_quantity("dv", gold + 1.9e-3 * noise.roll(1, -1), gold, ref, "fp16")["ok"]
+    assert not tool.check_quantity("dv", gold + 3e-3 * noise, gold, ref, "fp16")["ok"]
+    # an exactly-zero gradient (a row seeing one key): a residue within 8 u |c| passes, anything above fails
+    zero = torch.zeros_like(gold)
+    c = torch.ones_like(gold)
+    residue = 4 * tool.UNIT_ROUNDOFF["fp16"] * noise.clamp(-1, 1)
+    assert tool.check_quantity("dq", residue, zero, zero, "fp16", floor=c)["ok"]
+    big = tool.check_quantity("dq", 1e-4 * noise, zero, zero, "fp16", floor=c)
+    assert not big["ok"] and "exactly 0" in big["why"]
+    assert not tool.check_quantity("dq", residue, zero, zero, "fp16")["ok"]  # no floor: nothing absorbed
+    # fully masked rows must be exactly zero
+    dead = torch.zeros(2, 3, 17, dtype=torch.bool)
+    dead[1, 2, 5] = True
+    out = gold.clone()
+    assert "fully masked rows" in tool._dead_rows_ok("out", out, dead)
+    out[1, 2, 5] = 0
+    assert tool._dead_rows_ok("out", out, dead) is None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the output gradient by 1.01 (a wrong backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.01
+
+
+@pytest.mark.parametrize("sabotage", ["output", "gradient", "dead-row", "runtime-error", "value-error"])
+def test_a_wrong_attention_fails_its_case(sabotage, monkeypatch):
+    """visionattn.attention replaced by a slightly wrong one: the case that calls it fails, naming the quantity."""
+    want = {"needs": ["q", "k", "v"]} if sabotage == "gradient" else {}
+    spec = _first_case("dense", "fp32", grad=sabotage == "gradient", **want)
+    if sabotage == "dead-row":
+        spec = _first_case("dense", "fp32", grad=False, start=0, causal=False)
+        spec["mask"] = {"pattern": "QK", "shape": [spec["Nq"], spec["Nk"]], "layout": "contiguous", "keep": 0.9,
+                        "dead": 1}
+    real = va.attention
+
+    def wrong(q, k, v, **kw):
+        out = real(q, k, v, **kw)
+        if sabotage == "output":
+            return out * (1 + 1e-4)
+        if sabotage == "gradient":
+            return _ScaleGrad.apply(out)
+        if sabotage == "dead-row":
+            return out + 1e-3
+        raise (RuntimeError if sabotage == "runtime-error" else ValueError)("sabotaged")
+
+    assert tool.run_case(spec, CPU)["status"] == "pass"
+    monkeypatch.setattr(va, "attention", wrong)
+    res = tool.run_case(spec, CPU)
+    assert res["status"] == "fail", res
+    text = " | ".join(res["errors"])
+    expected = {"output": "out: rel err", "gradient": "dq: rel err", "dead-row": "fully masked rows",
+                "runtime-error": "RuntimeError: sabotaged", "value-error": "unexpected refusal"}[sabotage]
+    assert expected in text, text
+    if sabotage == "gradient":
+        assert res["metrics"]["out"]["ok"] and not res["metrics"]["dq"]["ok"]
+
+
+def test_documented_refusals_are_listed_apart():
+    """varlen in a PASA mode raises ValueError as documented: refused, not failed; a call that should refuse
+    and returns is a failure."""
+    spec = _first_case("varlen", "pasa")
+    res = tool.run_case(spec, CPU)
+    assert res["status"] == "refused" and "no PASA path" in res["refusal"] and "ValueError" in res["errors"][0]
+    spec = dict(_first_case("dense", "fp16", grad=False), expect_refusal="a made-up refusal")
+    res = tool.run_case(spec, CPU)
+    assert res["status"] == "fail" and "expected a documented refusal" in res["errors"][0]
+
+
+def test_time_budget_stops_drawing_cases(tmp_path):
+    report = tool.main(_args("--cases", "50", "--time-budget", "1e-9", "--out", str(tmp_path / "tb")))
+    s = report["summary"]
+    assert s["cases_run"] < 50 and "time budget exceeded" in s["stopped_early"]
+    assert "Stopped early: time budget exceeded" in open(tmp_path / "tb" / "gpu_conformance.md").read()
+
+
+def test_isolation_bisects_to_the_cases_that_kill_a_process():
+    """run_isolated with a stand-in spawner: processes die on c and f (after finishing the cases before them);
+    e poisons its process with a CUDA error (exit status 3) and is re-run alone; every other case keeps its
+    result."""
+    calls = []
+
+    def spawn(ids, deadline):
+        calls.append(list(ids))
+        done = []
+        for i in ids:
+            if i in ("c", "f"):
+                return done, -6, False
+            done.append({"id": i, "status": "fail" if i == "e" else "pass", "cuda_error": i == "e", "errors": []})
+            if i == "e":
+                return done, 3, False
+        return done, 0, False
+
+    ids = list("abcdefgh")
+    results, stopped = tool.run_isolated(ids, spawn)
+    assert not stopped and [r["id"] for r in results] == ids
+    status = {r["id"]: r["status"] for r in results}
+    assert status == {"a": "pass", "b": "pass", "c": "crash", "d": "pass", "e": "fail", "f": "crash", "g": "pass",
+                      "h": "pass"}
+    assert ["e"] in calls and ["c"] in calls and ["f"] in calls
+    assert "re-run alone in a fresh process: fails alone too" in " ".join(results[4]["errors"])
+    assert len(calls) <= 10
+
+
+@pytest.mark.parametrize("fault", ["crash", "hang"])
+def test_isolate_runs_workers_and_reports_a_dead_one(fault, tmp_path, monkeypatch):
+    """--isolate in real subprocesses: a worker killed on one case (the test hook stands in for a CUDA illegal
+    address), or one that stops making progress (a deadlocked kernel; killed after --case-timeout), leaves that
+    case as a crash and the other case's result intact."""
+    specs = tool.select_cases(_args("--cases", "2", "--families", "dense", "--modes", "fp16"))
+    monkeypatch.setenv("GPU_CONFORMANCE_TEST_" + fault.upper(), specs[1]["id"])
+    ids = [s["id"] for s in specs] if fault == "crash" else [specs[1]["id"]]  # one process-start for the hang
+    report = tool.main(_args("--case", ",".join(ids), "--isolate", "--case-timeout", "2" if fault == "hang" else "0",
+                             "--out", str(tmp_path / "iso")))
+    status = {r["id"]: r["status"] for r in report["results"]}
+    assert status == {**({specs[0]["id"]: "pass"} if fault == "crash" else {}), specs[1]["id"]: "crash"}
+    assert report["summary"]["crash"] == 1 and report["summary"]["failed"] == 1
+    (fail,) = report["failures"]
+    assert fail["reproduce"] == f"python tools/gpu_conformance.py --case {specs[1]['id']} --device cpu"
+    assert ("hung" if fault == "hang" else "died (exit status 134)") in fail["errors"][0]
+
+
+@pytest.mark.parametrize("argv, words", [(["--families", "dense,nope"], "--families"),
+                                         (["--case", "12"], "--case"), (["--modes", "fp8"], "--modes"),
+                                         (["--cases", "0"], "--cases")])
+def test_bad_arguments_exit_2(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.build_parser().parse_args(["--device", "cpu", *argv])
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_profiles_respect_their_caps():
+    """Every drawn case fits its profile's work and oracle caps; N covers the tile boundaries' neighbours."""
+    for profile in ("tiny", "full"):
+        prof = tool.PROFILES[profile]
+        ns = set()
+        for i in range(400):
+            s = tool.draw_case(3, i, profile)
+            work = s["B"] * s["H"] * s["Nq"] * s["Nk"]
+            assert work * max(s["D"], s["Dv"]) <= prof.work_cap and work <= prof.elem_cap, s
+            ns.update((s["Nq"], s["Nk"]))
+        assert {b + d for b in prof.boundaries[:3] for d in (-1, 1)} <= ns
+    assert math.isclose(tool.UNIT_ROUNDOFF["tf32"], 2.0 ** -11)
