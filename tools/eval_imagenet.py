@@ -84,7 +84,8 @@ def build_parser() -> ToolParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device (default cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic crops and of random weights")
-    p.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed warm-up forwards per input shape and mode")
+    p.add_argument("--warmup", type=nonnegative_int, default=2,
+                   help="untimed warm-up forwards per input shape and mode")
     p.add_argument("--out", default=default_out("eval_imagenet.json"),
                    help="output JSON path; markdown goes next to it (.md) (default: %(default)s)")
     return p
