@@ -9,23 +9,25 @@ import torch
 from . import dispatch
 from .kernels._launch import PlanCache
 from .modes import MODES, Mode, get_mode
-from .reference import blocked_attention
+from .reference import blocked_attention, no_keys_output
 
 __all__ = ["attention", "attention_qkvpacked", "validate_attention_inputs", "check_flags", "cast_checked",
-           "check_float16_range", "CALLS",
+           "check_float16_range", "check_devices", "CALLS",
            "qkv_key", "tensor_key"]
 
 # public call signature -> a runner that launches from the call's cached plan without validating again (the
 # signature was validated when the runner was built); see attention()
 CALLS = PlanCache()
 _HALF_OR_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+_tracing = torch._C._is_tracing  # torch.jit.trace records this call (a C call, no Python frame)
 
 
 def qkv_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """What a plan depends on of query, key and value: shapes, strides, dtypes, device, the 16-byte alignment
-    of each data pointer."""
+    """What a plan depends on of query, key and value: shapes, strides, dtypes, devices (each one's: a key on
+    another device, or on ``meta``, must not reach a runner built for one device), the 16-byte alignment of each data
+    pointer."""
     return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+            k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
 
 
 def tensor_key(t: torch.Tensor | None):
@@ -39,12 +41,57 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_tensor(name: str, t, rank: int = 4, layout: str = "[B, H, N, D]") -> None:
+    """Raise naming ``name`` where ``t`` is not a dense float tensor of ``rank`` dims (the first check that fails:
+    not a tensor, a nested or sparse tensor, the rank, the dtype)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_dense(name, t)
     if t.dim() != rank:
         raise ValueError(f"{name} must have {rank} dims {layout}, got shape {tuple(t.shape)}")
     if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
+
+
+def _check_dense(name: str, t: torch.Tensor) -> None:
+    """Raise a TypeError naming ``name`` for a nested or sparse (non-strided) tensor: the kernels and the reference
+    read dense strided memory."""
+    if t.is_nested:
+        raise TypeError(f"{name} is a nested tensor; attention takes dense [B, H, N, D] tensors: for ragged "
+                        f"batches use visionattn.varlen_attention (it takes jagged nested tensors)")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} is a {t.layout} tensor; attention takes dense (strided) tensors: pass "
+                        f"{name}.to_dense()")
+
+
+def _check_operand(name: str, t, hint: str) -> None:
+    """Raise naming ``name`` where an optional tensor argument (bias, mask) is not a dense tensor; ``hint`` says
+    what to pass instead of an array of another library."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}"
+                        + (f"; {hint}" if hasattr(t, "__array__") else ""))
+    _check_dense(name, t)
+
+
+def check_devices(named: dict) -> None:
+    """Raise where the tensors of ``named`` ({argument name: tensor or None}) are not on one device, or are on the
+    ``meta`` device (shapes without data: nothing to compute from).
+
+    Raises:
+        ValueError: naming each argument's device, or the meta tensors.
+    """
+    devices = {name: t.device for name, t in named.items() if isinstance(t, torch.Tensor)}
+    first = next(iter(devices.values()))
+    if any(d != first for d in devices.values()):
+        listed = ", ".join(f"{name} on {d}" for name, d in devices.items())
+        hint = (" (a meta tensor is a shape without data: materialise it first)"
+                if any(d.type == "meta" for d in devices.values()) else "")
+        raise ValueError(f"all inputs must be on one device, got {listed}{hint}")
+    if first.type == "meta":
+        name, *others = devices
+        also = f", and so are {', '.join(others)}" if others else ""
+        raise ValueError(f"{name} is a meta tensor (a shape without data: no values to compute attention from{also}); "
+                         f"pass tensors on a real device (a model built on 'meta' needs .to_empty(device=...) and its "
+                         f"weights loaded first)")
 
 
 def _broadcast_to(name: str, t: torch.Tensor, target: tuple[int, ...]) -> torch.Tensor:
@@ -65,21 +112,28 @@ def validate_attention_inputs(q, k, v, bias=None, attn_mask=None):
     """Check q, k, v, bias and attn_mask; return bias/mask as [B, H, Nq, Nk] views.
 
     Raises:
-        TypeError: a non-tensor, an integer/bool q/k/v, mixed q/k/v dtypes, a
-            non-float bias or a non-bool attn_mask.
+        TypeError: a non-tensor (a numpy array included: the message says to convert it with
+            ``torch.from_numpy``), a nested or sparse tensor, an integer/bool q/k/v, mixed q/k/v dtypes,
+            a non-float bias or a non-bool attn_mask.
         ValueError: wrong ranks, mismatched batch/heads/head_dim/key counts, a head dim of 0, a
-            bias or mask not broadcastable to [B, H, Nq, Nk], mixed devices.
+            bias or mask not broadcastable to [B, H, Nq, Nk], mixed devices (naming each argument's), meta
+            tensors (shapes without data).
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.dtype not in _FLOAT_DTYPES:
+        if (not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested or t.dim() != 4
+                or t.dtype not in _FLOAT_DTYPES):
             _check_tensor(name, t)
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.layout is not torch.strided):
+        _check_operand("bias", bias, "pass a torch float tensor, e.g. torch.from_numpy(bias)")
+    if attn_mask is not None and (not isinstance(attn_mask, torch.Tensor) or attn_mask.layout is not torch.strided):
+        _check_operand("attn_mask", attn_mask, "pass a torch.bool tensor (True = keep), e.g. "
+                                               "torch.from_numpy(mask).to(torch.bool)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query, key, value must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     device = q.device
-    if k.device != device or v.device != device or (bias is not None and getattr(bias, "device", device) != device) \
-            or (attn_mask is not None and getattr(attn_mask, "device", device) != device):
-        devices = {str(t.device) for t in (q, k, v, bias, attn_mask) if isinstance(t, torch.Tensor)}
-        raise ValueError(f"all inputs must be on one device, got {sorted(devices)}")
+    if (k.device != device or v.device != device or device.type == "meta"
+            or (bias is not None and bias.device != device) or (attn_mask is not None and attn_mask.device != device)):
+        check_devices({"query": q, "key": k, "value": v, "bias": bias, "attn_mask": attn_mask})
     B, H, Nq, D = q.shape
     if k.shape[:2] != (B, H) or v.shape[:2] != (B, H):
         raise ValueError(f"batch/heads mismatch: query {tuple(q.shape)}, key {tuple(k.shape)}, "
@@ -95,15 +149,11 @@ def validate_attention_inputs(q, k, v, bias=None, attn_mask=None):
         return None, None
     target = (B, H, Nq, k.shape[2])
     if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if not bias.is_floating_point():
             raise TypeError(f"bias must be a floating tensor (additive), got {bias.dtype}; "
                             f"pass boolean masks as attn_mask")
         bias = _broadcast_to("bias", bias, target)
     if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
         if attn_mask.dtype != torch.bool:
             raise TypeError(f"attn_mask must be torch.bool (True = keep), got {attn_mask.dtype}; "
                             f"pass additive float masks as bias")
@@ -158,10 +208,21 @@ def cast_checked(t: torch.Tensor, dtype: torch.dtype, name: str, mode: str) -> t
     c = t.to(dtype)
     if dtype == torch.float16 and not torch.compiler.is_compiling() and not (
             c.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if bool(torch.isinf(c).any()) and bool(torch.isfinite(t).all()):
+        u = _functorch_unwrapped(t)  # under vmap a batched tensor cannot be read as one bool: its values can
+        if bool(torch.isinf(u.to(dtype)).any()) and bool(torch.isfinite(u).all()):
             raise ValueError(f"{name} has values beyond float16's range (|x| > 65504) and mode={mode!r} computes "
                              f"in float16; use mode='fp32', 'tf32' or 'bf16', or rescale the inputs")
     return c
+
+
+def _functorch_unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values under every ``torch.func`` transform level (``t`` itself outside the transforms): a batched
+    tensor of ``vmap`` unwrapped to the tensor holding every batch entry."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return t
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
 
 
 def check_float16_range(md: Mode, **tensors: torch.Tensor) -> None:
@@ -195,7 +256,8 @@ def attention(
         v: value [B, H, Nk, Dv].
         bias: additive float bias broadcastable to [B, H, Nq, Nk] (e.g. a
             relative position bias [H, Nq, Nk] or [1, H, Nq, Nk]); never expanded in memory.
-        attn_mask: boolean mask broadcastable to [B, H, Nq, Nk]; True = attend.
+        attn_mask: boolean mask broadcastable to [B, H, Nq, Nk]; True = attend. A torch tensor: a numpy array
+            raises a TypeError (convert it with ``torch.from_numpy(mask)``), as does a sparse or nested tensor.
         is_causal: causal mask (a bool), top-left aligned (key j visible to query i iff j <= i).
         scale: logit scale, a real number; default ``1 / sqrt(D)``.
         mode: precision mode (:data:`visionattn.modes.MODES`): ``fp32``, ``fp32-ieee``,
@@ -208,9 +270,12 @@ def attention(
 
     Returns:
         [B, H, Nq, Dv] in q's dtype. A query row whose keys are all masked
-        returns zeros (not NaN). Differentiable: with inputs that need gradients the dense
+        returns zeros (not NaN); so do all rows when Nk = 0 (with zero gradients); an empty batch gives an
+        empty output. Differentiable: with inputs that need gradients the dense
         modes run the backward kernels (:data:`visionattn.ops.BACKWARD_MODES`); other calls
-        needing gradients run the differentiable reference (warned once).
+        needing gradients run the differentiable reference (warned once), and so does a call inside a
+        ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ...: the kernels have no functorch rules).
+        Under ``torch.jit.trace`` the kernels run as custom ops, which the traced graph records.
 
     Raises:
         TypeError / ValueError: see :func:`validate_attention_inputs` and :func:`check_flags`;
@@ -218,8 +283,9 @@ def attention(
             float16 mode (``fp16``, ``pasa``, ``fp16-acc16``).
     """
     key = None
-    if num_splits is None and not torch.compiler.is_compiling():
-        # a signature seen before was validated then: launch from its plan (same checks, done once)
+    if num_splits is None and not torch.compiler.is_compiling() and not _tracing():
+        # a signature seen before was validated then: launch from its plan (same checks, done once); not while
+        # torch.compile or torch.jit.trace records the call (a direct launch would be invisible to the graph)
         try:
             key = (mode, backend, dispatch._backend, is_causal is True, is_causal is False, qkv_key(q, k, v),
                    tensor_key(bias), tensor_key(attn_mask),
@@ -236,14 +302,16 @@ def attention(
     scale = check_flags(is_causal, scale, q.shape[-1])
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}; expected a positive int or None")
-    if _backend_of(q, backend) == "triton":
+    if _backend_of(q, backend) == "triton" and not dispatch.functorch_fallback("attention"):
         out = _kernels(q, k, v, bias, attn_mask, is_causal, scale, md, num_splits, key, raw_bias)
         if out is not None:
             return out
     check_float16_range(md, query=q, key=k, value=v)
     # the mode fixes the arithmetic: an enclosing autocast must not turn the reference's FP32 products into half
     with torch.autocast(q.device.type, enabled=False):
-        if md.half_scores:
+        if md.half_scores and k.shape[2] == 0:  # no keys: zeros, in the graph (see no_keys_output)
+            out = no_keys_output(q.float(), k.float(), v.float(), bias)
+        elif md.half_scores:
             from .pasa import pasa_attention_reference
 
             out = pasa_attention_reference(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal,
@@ -411,10 +479,11 @@ def attention_qkvpacked(
     """
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor [B, N, 3, H, D], got {type(qkv).__name__}")
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
+    if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.layout is not torch.strided:
+        _check_dense("qkv", qkv)
         raise ValueError(f"qkv must be [B, N, 3, H, D] (query, key, value stacked in dim 2), got shape "
                          f"{tuple(qkv.shape)}")
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _tracing() and (
             qkv.requires_grad or (bias is not None and getattr(bias, "requires_grad", False))):
         run = None
         try:

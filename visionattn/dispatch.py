@@ -14,9 +14,12 @@ import contextlib
 import os
 import warnings
 
+import torch
+
 from .kernels._launch import interpreting
 
-__all__ = ["BACKENDS", "get_backend", "set_backend", "use_backend", "resolve_backend", "warn_once"]
+__all__ = ["BACKENDS", "get_backend", "set_backend", "use_backend", "resolve_backend", "warn_once",
+           "functorch_fallback"]
 
 BACKENDS = ("auto", "triton", "reference")
 
@@ -37,6 +40,20 @@ def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def functorch_fallback(what: str) -> bool:
+    """True (after a one-time warning) when a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``,
+    ``hessian``, ...) is running: the kernels' autograd functions carry no functorch rules (their launches read
+    raw data pointers, which transformed tensors do not have), so ``what`` then runs the PyTorch reference, which
+    the transforms differentiate and batch exactly. Not consulted under ``torch.compile`` (its graph holds the
+    kernels as custom ops)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    warn_once(f"functorch:{what}", f"visionattn.{what}: a torch.func transform (grad, vmap, jvp, ...) is active and "
+                                  f"the Triton kernels have no functorch rules; running the exact PyTorch reference "
+                                  f"instead (the transform applies to it)")
+    return True
 
 
 def get_backend() -> str:

@@ -7,9 +7,9 @@ here; the op looks up the cached launch plan of its call signature; the plan lau
 * In eager PyTorch the public functions call :func:`dense`, :func:`pasa` and :func:`window`,
   which go to the kernels' launchers without a trip through the torch dispatcher (that trip
   costs about as much as a whole SDPA call).
-* Under ``torch.compile`` they call the custom ops below instead, which the compiler sees as
-  opaque nodes with fake (meta) implementations: ``visionattn::attention`` (dense ELSA),
-  ``visionattn::attention_lse`` (dense, also returning the per-row log-sum-exp: the node the
+* Under ``torch.compile`` (and ``torch.jit.trace``, which records them) they call the custom ops below
+  instead, which the compiler sees as opaque nodes with fake (meta) implementations: ``visionattn::attention``
+  (dense ELSA), ``visionattn::attention_lse`` (dense, also returning the per-row log-sum-exp: the node the
   backward attaches to), ``visionattn::pasa_attention`` and ``visionattn::window_attention``.
 
 Autograd: a call whose inputs need gradients runs through :class:`_DenseFunction` in eager mode
@@ -42,6 +42,9 @@ except ImportError:  # the module is optional: without it every dense mode is fo
 BACKWARD_MODES: frozenset = frozenset(
     name for name, m in MODES.items() if "dense" in m.kernels) if _elsa_bwd is not None else frozenset()
 
+# Whether torch.jit.trace records this call. Under torch.compile or torch.jit.trace the kernels run as the custom
+# ops below, which the recorded graph holds (a direct launch writes the output where neither sees it).
+_tracing = torch._C._is_tracing
 
 
 def first_order_only(what: str) -> None:
@@ -236,7 +239,7 @@ def dense(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, nu
     mode must be in :data:`BACKWARD_MODES`). ``held``: with ``grad`` in eager mode, a one-element list the caller
     keeps per call signature, where the forward plan is kept between calls (see :func:`_forward_with_lse`).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _tracing():
         if grad:
             return _attention_lse_op(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)[0]
         return _attention_op(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)
@@ -262,7 +265,7 @@ def _(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype):
 def pasa(q, k, v, bias, attn_mask, is_causal: bool, scale: float, shift: bool,
          out_dtype: torch.dtype | None) -> torch.Tensor:
     """PASA (``shift``) / FP16-accumulation forward on the kernel; inputs validated, float16."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _tracing():
         return _pasa_op(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
     return pasa_fwd.pasa_forward(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
 
@@ -360,9 +363,10 @@ if _window_bwd is not None:
 def _normalize(x: torch.Tensor) -> torch.Tensor:
     """``F.normalize(x, dim=-1, eps=1e-12)`` for the cosine training path: eagerly one kernel each way
     (:func:`visionattn.kernels.l2norm.l2_normalize`; PyTorch autograd takes ~8 kernels per tensor and direction
-    on timm's strided views), under ``torch.compile`` PyTorch's, which the compiler fuses itself."""
-    if (not torch.compiler.is_compiling() and x.stride(-1) == 1 and x.shape[-1] <= _l2norm.MAX_HEAD_DIM
-            and x.numel() and (x.is_cuda or interpreting())):
+    on timm's strided views), under ``torch.compile`` PyTorch's, which the compiler fuses itself (and so under
+    ``torch.jit.trace``, whose graph cannot hold the kernel's direct launch)."""
+    if (not (torch.compiler.is_compiling() or _tracing()) and x.stride(-1) == 1
+            and x.shape[-1] <= _l2norm.MAX_HEAD_DIM and x.numel() and (x.is_cuda or interpreting())):
         # F.normalize's result dtype: under autocast its norm is FP32, and the division promotes to it
         autocast = torch.is_autocast_enabled(x.device.type)
         return _l2norm.l2_normalize(x, 1e-12, torch.float32 if autocast else x.dtype)
@@ -506,7 +510,7 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
                              f"{sorted(BACKWARD_MODES)}")
         head_scale = None
         if (cosine and q.shape[2] <= _window_bwd.FUSED_MAX_TOKENS and MODES[mode].compute_dtype != torch.float32
-                and not torch.compiler.is_compiling()):
+                and not (torch.compiler.is_compiling() or _tracing())):
             # half modes; with FP32 products the normalising kernels spill more than the two row kernels cost
             # (docs/tuning.md)
             return _CosineWindowFunction.apply(q, k, v, bias, mask, logit_scale, num_windows, mode)
@@ -516,10 +520,10 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
             # from the forward's by up to half an ulp, shifting the recomputed logits by up to ~0.03 at c = 100
             head_scale = torch.exp(torch.clamp(logit_scale.float(), max=_LOG_100))
             logit_scale = logit_scale.detach()
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _tracing():
             return _window_lse_op(q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode)[0]
         return _WindowFunction.apply(q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _tracing():
         return _window_op(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
     return window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
 
@@ -654,12 +658,12 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
     if grad:
         if mode not in BACKWARD_MODES:
             raise ValueError(f"mode={mode!r} has no varlen backward kernel; expected one of {sorted(BACKWARD_MODES)}")
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _tracing():
             return _varlen_lse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                                   mode, out_dtype)[0]
         return _VarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                      scale, mode, out_dtype)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _tracing():
         return _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                           mode, out_dtype)
     return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,

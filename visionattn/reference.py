@@ -31,7 +31,7 @@ from .modes import Mode, get_mode
 
 __all__ = [
     "State", "identity", "merge", "block_state", "reduce_states", "finalize",
-    "scores_and_mask", "oracle_attention", "blocked_attention", "blocked_attention_with_probs",
+    "scores_and_mask", "oracle_attention", "blocked_attention", "blocked_attention_with_probs", "no_keys_output",
 ]
 
 
@@ -204,6 +204,17 @@ def _slice_kv(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | N
     return t[..., start:stop]
 
 
+def no_keys_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The output of attention over no keys (k, v [..., 0, D]): zeros [..., Nq, Dv] in q's dtype, every row being
+    fully masked, formed as ``(q k^T) v`` (products over an empty axis) so that autograd carries it back: zero
+    gradients for q, k, v and, through an empty slice of it, for ``bias``, as the kernels' backward gives them."""
+    out = (q @ k.transpose(-1, -2)) @ v
+    if bias is not None:
+        out = out + bias[..., :0].sum().to(out.dtype)  # a sum over nothing: 0, with bias in the graph
+    return out
+
+
 def blocked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
@@ -236,6 +247,8 @@ def blocked_attention(
     qc, kc, vc = cast(q), cast(k), cast(v)
     p_dtype = md.compute_dtype if md.compute_dtype in (torch.float16, torch.bfloat16) else None
     nk = k.shape[-2]
+    if nk == 0:
+        return no_keys_output(qc, kc, vc, bias)
     state = identity(q.shape[:-1], v.shape[-1], dtype=state_dtype, device=q.device)
     for start in range(0, nk, block_size):
         stop = min(start + block_size, nk)

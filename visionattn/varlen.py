@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .api import _HALF_OR_FP32, _check_tensor, cast_checked, check_flags, check_float16_range
+from .api import (_HALF_OR_FP32, _check_dense, _check_tensor, cast_checked, check_devices, check_flags,
+                  check_float16_range)
 from .kernels._launch import PlanCache
 from .modes import Mode, get_mode
 from .reference import blocked_attention
@@ -32,6 +33,7 @@ def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool
     the host, one synchronisation on CUDA); return n_seq."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
+    _check_dense(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} has dtype {cu.dtype}; expected torch.int32 (FlashAttention's convention)")
     if cu.dim() != 1 or cu.shape[0] < 1:
@@ -62,11 +64,11 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
     unwritten.
 
     Raises:
-        TypeError: a non-tensor, non-float q / k / v, mixed q / k / v dtypes, offsets not int32, a
-            non-integer maximum.
+        TypeError: a non-tensor, a nested or sparse tensor, non-float q / k / v, mixed q / k / v dtypes, offsets
+            not int32, a non-integer maximum.
         ValueError: wrong ranks, mismatched heads / head dims / key and value rows, a head dim of 0, mixed
-            devices, offsets not 1-D, not starting at 0, not ending at the packed total, decreasing, with
-            different sequence counts for q and k, a maximum below the longest sequence.
+            devices, meta tensors (no data), offsets not 1-D, not starting at 0, not ending at the packed total,
+            decreasing, with different sequence counts for q and k, a maximum below the longest sequence.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 3, "[total, H, D] (packed sequences)")
@@ -74,6 +76,8 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.device.type == "meta":
+        check_devices({"q": q, "k": k, "v": v})
     H, D = q.shape[1], q.shape[2]
     if k.shape[1] != H or v.shape[1] != H:
         raise ValueError(f"heads mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; "
@@ -203,7 +207,8 @@ def varlen_attention(
                                                         max_seqlen_k)
     scale = check_flags(is_causal, scale, q.shape[-1])
     out = None
-    if dispatch.resolve_backend(backend, q.device.type) == "triton":
+    if dispatch.resolve_backend(backend, q.device.type) == "triton" and not dispatch.functorch_fallback(
+            "varlen_attention"):
         out = _kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md)
     if out is None:
         check_float16_range(md, q=q, k=k, v=v)
@@ -230,6 +235,8 @@ def _check_sequences(qs, ks, vs) -> None:
                             f"share q[0]'s dtype {first.dtype}")
         if not (a.device == b.device == c.device == first.device):
             raise ValueError(f"sequence {i} is on {a.device} / {b.device} / {c.device}, q[0] on {first.device}")
+        if first.device.type == "meta":
+            check_devices({f"q[{i}]": a, f"k[{i}]": b, f"v[{i}]": c})
         if a.shape[1:] != (H, D) or b.shape[1:] != (H, D) or c.shape[1] != H or c.shape[2] != Dv:
             raise ValueError(f"sequence {i}: q {tuple(a.shape)}, k {tuple(b.shape)}, v {tuple(c.shape)}; expected "
                              f"[n, {H}, {D}], [m, {H}, {D}], [m, {H}, {Dv}] as sequence 0")
@@ -298,11 +305,13 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
 def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causal: bool, backend):
     """:func:`varlen_attention` of lists of sequences: ``[n_s, H, Dv]`` outputs, views of one packed output."""
     key = None
-    try:  # a list seen before (same addresses and layouts) was checked then: read it as planned
-        key = (md.name, backend, dispatch._backend, qs[0].device,  # device addresses are unique across devices
-               *[(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (*qs, *ks, *vs)])
-    except (AttributeError, TypeError, IndexError):  # not tensors, or none: the checks below say why
-        pass
+    # torch.jit.trace, a torch.func transform: no key, so the packed path (no direct launch they cannot see)
+    if not torch._C._is_tracing() and torch._C._functorch.peek_interpreter_stack() is None:
+        try:  # a list seen before (same addresses and layouts) was checked then: read it as planned
+            key = (md.name, backend, dispatch._backend, qs[0].device,  # device addresses are unique across devices
+                   *[(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (*qs, *ks, *vs)])
+        except (AttributeError, TypeError, IndexError, RuntimeError):  # not tensors (or sparse), or none: the checks
+            pass  # below say why
     plan = _IN_PLACE.get(key) if key is not None else None
     first = qs[0] if qs else None
     if plan is None:
@@ -311,7 +320,8 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
             return []
     scale = check_flags(is_causal, scale, first.shape[-1])
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*qs, *ks, *vs))
-    if plan is None and not grad and dispatch.resolve_backend(backend, first.device.type) == "triton":
+    if (plan is None and not grad and key is not None
+            and dispatch.resolve_backend(backend, first.device.type) == "triton"):
         plan = _in_place_plan(qs, ks, vs, first, md)
         if plan is not None and key is not None:
             _IN_PLACE.put(key, plan)

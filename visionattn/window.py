@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch
-from .api import CALLS, check_flags, check_float16_range, qkv_key, tensor_key
+from .api import (CALLS, _check_dense, _check_operand, check_devices, check_flags, check_float16_range, qkv_key,
+                  tensor_key)
 from .modes import Mode, get_mode
 
 __all__ = ["window_attention", "window_attention_qkvpacked", "window_attention_reference", "validate_window_inputs"]
@@ -33,6 +34,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_KERNEL_HEAD_DIM = 256
 _LOG_100 = math.log(100.0)
+_tracing = torch._C._is_tracing  # torch.jit.trace records this call
 
 
 def validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale):
@@ -44,14 +46,16 @@ def validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_wind
     float mask (0 / -inf) of the same [nW, N, N] size.
 
     Raises:
-        TypeError: non-tensors, non-float q/k/v/bias/logit_scale, mixed q/k/v dtypes.
-        ValueError: wrong ranks or shapes, ``num_windows`` not dividing the window
-            batch, mask windows != ``num_windows``, ``cosine`` without ``logit_scale``
-            (or ``logit_scale`` without ``cosine``), mixed devices.
+        TypeError: non-tensors (numpy arrays included), nested or sparse tensors, non-float
+            q/k/v/bias/logit_scale, mixed q/k/v dtypes, a ``cosine`` that is not a bool.
+        ValueError: wrong ranks or shapes, a head dim of 0, ``num_windows`` not a positive int dividing the
+            window batch, mask windows != ``num_windows``, ``cosine`` without ``logit_scale``
+            (or ``logit_scale`` without ``cosine``), mixed devices, meta tensors (no data).
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check_dense(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name} must be [B*nW, H, N, D], got shape {tuple(t.shape)}")
         if t.dtype not in _FLOAT_DTYPES:
@@ -64,17 +68,21 @@ def validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_wind
                          f"(window attention is self-attention inside a window)")
     if tuple(v.shape[:3]) != (BW, H, N):
         raise ValueError(f"value shape {tuple(v.shape)} must be [B*nW={BW}, H={H}, N={N}, Dv]")
+    if D == 0:
+        raise ValueError("query and key have head_dim 0; window attention needs head_dim >= 1 (the last dim of "
+                         "[B*nW, H, N, D])")
     if isinstance(num_windows, bool) or not isinstance(num_windows, int) or num_windows < 1:
         raise ValueError(f"num_windows={num_windows!r}; expected a positive int (windows per image, nW)")
     if BW % num_windows:
         raise ValueError(f"num_windows={num_windows} does not divide the window batch B*nW={BW}")
-    device = q.device
-    for name, t in (("key", k), ("value", v), ("relative_position_bias", relative_position_bias),
-                    ("shift_mask", shift_mask), ("logit_scale", logit_scale)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t is not None and t.device != device:
-            raise ValueError(f"{name} is on {t.device} but query is on {device}; move all inputs to one device")
+    if cosine is not True and cosine is not False:
+        raise TypeError(f"cosine must be a bool, got {type(cosine).__name__} {cosine!r}")
+    for name, t in (("relative_position_bias", relative_position_bias), ("shift_mask", shift_mask),
+                    ("logit_scale", logit_scale)):
+        if t is not None:
+            _check_operand(name, t, "pass a torch tensor, e.g. torch.from_numpy(...)")
+    check_devices({"query": q, "key": k, "value": v, "relative_position_bias": relative_position_bias,
+                   "shift_mask": shift_mask, "logit_scale": logit_scale})
     bias = relative_position_bias
     if bias is not None:
         if not bias.is_floating_point():
@@ -90,13 +98,16 @@ def validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_wind
             raise ValueError(f"shift_mask has shape {tuple(mask.shape)}; expected [nW, N, N] = "
                              f"[{num_windows}, {N}, {N}] with nW = num_windows")
         if mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~mask, float("-inf"))
+            mask = torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
         elif not mask.is_floating_point():
             raise TypeError(f"shift_mask must be an additive float mask (0 / -inf or -100) or bool, got {mask.dtype}")
     if cosine:
         if logit_scale is None:
             raise ValueError("cosine=True (Swin-v2) needs logit_scale, the per-head [H, 1, 1] parameter")
-        if not logit_scale.is_floating_point() or logit_scale.numel() != H:
+        if not logit_scale.is_floating_point():
+            raise TypeError(f"logit_scale must be a float tensor (timm's per-head [H, 1, 1] parameter), got "
+                            f"{logit_scale.dtype}")
+        if logit_scale.numel() != H:
             raise ValueError(f"logit_scale must be a float tensor with H={H} elements ([H, 1, 1] or [H]), "
                              f"got {logit_scale.dtype} {tuple(logit_scale.shape)}")
         logit_scale = logit_scale.reshape(H)
@@ -132,6 +143,12 @@ def window_attention_reference(
     oracle = state_dtype == torch.float64
     rnd = (lambda t: t) if oracle else (lambda t: t.to(md.compute_dtype).to(state_dtype))
     qc, kc, vc = (rnd(t.to(state_dtype)) if oracle else rnd(t) for t in (q, k, v))
+    if q.numel() == 0 or v.numel() == 0:  # no windows, heads, tokens or value dims: empty, kept in the graph
+        out = (qc @ kc.transpose(-1, -2)) @ vc
+        for t in (relative_position_bias, logit_scale):
+            if t is not None:
+                out = out + t.sum().to(state_dtype)  # added to no element: only joins the graph
+        return out
     if cosine:
         qc = rnd(F.normalize(qc, dim=-1, eps=1e-12))
         kc = rnd(F.normalize(kc, dim=-1, eps=1e-12))
@@ -199,7 +216,8 @@ def window_attention(
     Returns:
         [B*nW, H, N, Dv] in q's dtype. On the Triton path it is a view of a contiguous
         [B*nW, N, H, Dv] buffer, so ``y.transpose(1, 2).reshape(B*nW, N, H*Dv)`` is free.
-        Rows whose keys are all masked return zeros.
+        Rows whose keys are all masked return zeros. No windows (B*nW = 0) or no tokens (N = 0): an empty
+        output of that shape (zero gradients), as SDPA gives for an empty batch; ``num_windows`` stays >= 1.
 
     Raises:
         TypeError / ValueError: see :func:`validate_window_inputs`; unknown mode or backend.
@@ -210,11 +228,13 @@ def window_attention(
     log-sum-exp and run the window backward kernels (gradients of q, k, v, of the bias in its own shape and,
     through PyTorch autograd, of ``logit_scale`` and whatever computed the bias; the shift mask gets none);
     ``pasa`` / ``fp16-acc16`` are forward-only there and run the differentiable PyTorch reference (with a
-    one-time warning).
+    one-time warning), as do calls inside a ``torch.func`` transform. Under ``torch.jit.trace`` the kernels run as
+    custom ops, which the traced graph records.
     """
     key = None
-    if not torch.compiler.is_compiling():
-        # a signature seen before was validated then: launch from its plan (same checks, done once)
+    if not torch.compiler.is_compiling() and not _tracing():
+        # a signature seen before was validated then: launch from its plan (same checks, done once); not while
+        # torch.compile or torch.jit.trace records the call (a direct launch would be invisible to the graph)
         try:
             key = (mode, backend, dispatch._backend, num_windows, cosine is True, cosine is False, qkv_key(q, k, v),
                    tensor_key(relative_position_bias), tensor_key(shift_mask), tensor_key(logit_scale),
@@ -227,8 +247,8 @@ def window_attention(
         if run is not None and (scale is None or (type(scale) is float and math.isfinite(scale))):
             return run(q, k, v, relative_position_bias, shift_mask, logit_scale, scale)
     md = get_mode(mode)
-    bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows,
-                                            bool(cosine), logit_scale)
+    bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows, cosine,
+                                            logit_scale)
     scale = check_flags(False, scale, q.shape[-1])
     if md.compute_dtype == torch.float16 and q.dtype != torch.float16:
         # both paths cast to float16 inside (the kernels, the reference): overflow raises as the dense call's
@@ -236,7 +256,7 @@ def window_attention(
         check_float16_range(md, q=q, k=k, v=v)
         key = None
     which = dispatch.resolve_backend(backend, q.device.type)
-    if which == "triton":
+    if which == "triton" and not dispatch.functorch_fallback("window_attention"):
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                             or _needs_grad(bias, ls))
         reason = _kernel_unsupported(q, v, md, grad)
@@ -307,11 +327,12 @@ def window_attention_qkvpacked(
     """
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor [B*nW, N, 3, H, D], got {type(qkv).__name__}")
-    if qkv.dim() != 5 or qkv.shape[2] != 3:
+    if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.layout is not torch.strided:
+        _check_dense("qkv", qkv)
         raise ValueError(f"qkv must be [B*nW, N, 3, H, D] (query, key, value stacked in dim 2), got shape "
                          f"{tuple(qkv.shape)}")
     bias, ls = relative_position_bias, logit_scale
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _tracing() and (
             qkv.requires_grad or _needs_grad(*(t if isinstance(t, torch.Tensor) else None for t in (bias, ls)))):
         run = None
         try:
@@ -337,7 +358,7 @@ def _packed_runner(qkv, relative_position_bias, shift_mask, num_windows, cosine,
     Checks as :func:`window_attention`."""
     md = get_mode(mode)
     q, k, v = qkv.detach().permute(2, 0, 3, 1, 4).unbind(0)
-    bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows, bool(cosine),
+    bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows, cosine,
                                             logit_scale)
     check_flags(False, None, q.shape[-1])
     from . import ops  # lazy: importing triton is slow and not needed on CPU

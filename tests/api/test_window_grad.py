@@ -5,8 +5,9 @@ the parameter gradients of the unpatched blocks.
 The oracle (tests/window_oracle.py) expands bias and mask to [B*nW, H, N, N] in float64 and is differentiated by
 autograd with the loss ``(out * grad_out).sum()``. Bounds as tests/kernels/test_window_bwd.py: rel L2 1e-5 for the
 FP32 modes, 2x PyTorch's own autograd in the same precision (same formula in that dtype) for fp16 / bf16. CPU:
-interpreter, small shapes (bf16 only on the GPU: the interpreter's bf16 products are wrong); ``gpu``: Swin-B and
-Swin-v2-B stage-1 sizes.
+interpreter, small shapes, bf16 included (the interpreter's bf16 ``tl.dot`` is wrong, so there the window kernels
+multiply bf16 operands in FP32, exactly, as the tensor cores do: the ``DOT_UPCAST`` constexpr, False on the GPU);
+``gpu``: Swin-B and Swin-v2-B stage-1 sizes.
 """
 import copy
 import math
@@ -132,7 +133,7 @@ def check_grads(mode, dtype, qkv, bias, mask, ls, do, nw, cosine, scale=None, bi
 
 
 # ----------------------------------------------------------------------------- window_attention (CPU: interpreter)
-@pytest.mark.parametrize("mode,dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
+@pytest.mark.parametrize("mode,dtype", [("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_swin_v1_gradients(mode, dtype, lse_calls):
     """Swin: 49-token windows, shift mask (-100) of 3 windows over 2 images, bias [1, H, N, N] (timm's
     ``_get_rel_pos_bias()`` shape: its gradient comes back in that shape, summed over every window)."""
@@ -141,7 +142,7 @@ def test_swin_v1_gradients(mode, dtype, lse_calls):
     assert len(lse_calls) == 1
 
 
-@pytest.mark.parametrize("mode,dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
+@pytest.mark.parametrize("mode,dtype", [("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_swin_v2_gradients(mode, dtype, lse_calls):
     """Swin-v2: 64-token windows, cosine attention with per-head logit scales up to 45 (gradients through the
     L2 normalisation and ``logit_scale``), CPB-range bias, shift mask."""
@@ -185,6 +186,24 @@ def test_second_call_runs_the_backward_found_through_the_forward_plan(monkeypatc
     assert (window_module.CALLS.builds, window_module.CALLS.hits) == (1, 1)
     for name, a, b in zip(NAMES, *runs):
         assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("n,cosine", [(49, False), (144, False), (64, True), (144, True)])
+def test_bf16_windows_forward_and_backward_on_the_interpreter(n, cosine):
+    """bf16 through the small (49 / 64 tokens) and tiled (144) forward kernels and the fused / split backward on the
+    CPU (the interpreter's ``DOT_UPCAST`` path): the output within bf16's contract (1e-2 relative L2) of the float64
+    oracle, the cosine logits' amplification by ``exp(logit_scale)`` allowed for as tests/api/test_window.py does,
+    and the gradients within 2x PyTorch's own bf16 autograd."""
+    qkv, bias, mask, ls, do = window_case(1, 2, 2, n, 16, seed=7, cosine=cosine)
+    q, k, v = qkv.to(torch.bfloat16).permute(2, 0, 3, 1, 4).unbind(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no reference fallback
+        out = window_attention(q, k, v, relative_position_bias=bias, shift_mask=mask, num_windows=2, cosine=cosine,
+                               logit_scale=ls if cosine else None, mode="bf16", backend="triton")
+    gold = expanded_window_oracle(q, k, v, bias, mask, 2, cosine, ls, 0.25)
+    amp = float(torch.exp(ls).max()) * q.shape[-1] ** 0.5 / 8 if cosine else 1.0
+    assert out.dtype == torch.bfloat16 and rel_l2(out, gold) <= visionattn.MODES["bf16"].rel_tol * max(amp, 1.0)
+    check_grads("bf16", torch.bfloat16, qkv, bias, mask, ls, do, 2, cosine)
 
 
 def test_fp32_inputs_in_a_half_mode_get_fp32_gradients():

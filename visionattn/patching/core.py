@@ -380,7 +380,8 @@ def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Call
     """``compute()``, kept on ``module`` and reused while its ``sources`` (the parameters and buffers it reads)
     stay the same, in eager inference only: with gradients enabled or ``module.training`` it runs every call
     (autograd needs the graph), and so it does while ``torch.compile`` traces and while a CUDA graph is captured
-    (the compiled or captured graph computes it, so replays follow in-place parameter updates). Used for what a
+    (the compiled or captured graph computes it, so replays follow in-place parameter updates), and while
+    ``torch.jit.trace`` records (the traced graph computes it from the parameters). Used for what a
     patched module derives from its parameters alone (Swin's gathered relative position bias, Swin-v2's
     continuous position bias MLP): bit-identical to recomputing it, and one forward of a Swin-v2-B runs 24 of
     those small MLPs whose launches are host time. A source counts as changed when its
@@ -394,7 +395,7 @@ def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Call
         sources: the tensors ``compute`` reads.
         compute: ``() -> torch.Tensor``.
     """
-    if (torch.is_grad_enabled() or module.training or torch.compiler.is_compiling()
+    if (torch.is_grad_enabled() or module.training or torch.compiler.is_compiling() or torch._C._is_tracing()
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return compute()
     try:

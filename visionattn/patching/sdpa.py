@@ -11,7 +11,11 @@ context counts both (``routed``, ``passed``, ``pass_reasons``):
 * ``enable_gqa=True`` with fewer K/V heads than query heads;
 * inputs that are not 4-D [B, H, N, D] floating tensors, or that
   :func:`visionattn.api.validate_attention_inputs` rejects (shapes, devices,
-  mixed dtypes) — PyTorch then gives its own answer or error.
+  mixed dtypes, meta / sparse / nested tensors) — PyTorch then gives its own answer
+  (a meta output for meta inputs) or error.
+
+Arguments of the wrong Python type (an ``is_causal`` that is not a bool, a numpy mask, a
+string scale) never reach the override: PyTorch's argument parser refuses them first.
 
 A float ``attn_mask`` is an additive bias (SDPA semantics) and is passed as
 ``bias``; a bool mask as ``attn_mask`` (True = attend).

@@ -110,8 +110,11 @@ def _dense(module, q, k, v, attn_mask=None, is_causal=False):
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             mask = attn_mask
-        else:
+        elif attn_mask.is_floating_point():
             bias = attn_mask  # timm / SDPA semantics: a float mask is added to the logits
+        else:  # SDPA refuses it too
+            raise TypeError(f"attn_mask has dtype {attn_mask.dtype}; timm's attention takes a bool mask (True = "
+                            f"attend) or a float one (added to the logits)")
     return _cores["dense"](q, k, v, bias=bias, attn_mask=mask, is_causal=is_causal, scale=module.scale,
                            **attention_kwargs(module))
 
@@ -271,7 +274,7 @@ class VisionattnSwinWindowAttention(_swin.WindowAttention):
                                                           self.relative_position_index),
                                     lambda: self._relative_position_bias(N))
         x = _window(self, qkv, relative_position_bias=rel_bias, shift_mask=mask,
-                    num_windows=1 if mask is None else mask.shape[0], scale=self.scale)
+                    num_windows=1 if mask is None else int(mask.shape[0]), scale=self.scale)
         return self.proj_drop(self.proj(x))
 
     def _relative_position_bias(self, N: int) -> torch.Tensor:
@@ -308,7 +311,7 @@ class VisionattnSwinV2WindowAttention(_swinv2.WindowAttention):
                                                        self.relative_position_index),
                                     lambda: self._continuous_position_bias(N))
         x = _window(self, qkv.reshape(B_, N, 3, self.num_heads, -1), relative_position_bias=rel_bias,
-                    shift_mask=mask, num_windows=1 if mask is None else mask.shape[0], cosine=True,
+                    shift_mask=mask, num_windows=1 if mask is None else int(mask.shape[0]), cosine=True,
                     logit_scale=self.logit_scale)
         return self.proj_drop(self.proj(x))
 

@@ -70,7 +70,7 @@ def _window(module, q, k, v, attention_mask: Optional[torch.Tensor], **kw) -> to
     opts = attention_kwargs(module)
     opts.pop("num_splits", None)  # a window is one tile: window_attention has no split-KV
     return window_attention(q, k, v, shift_mask=attention_mask,
-                            num_windows=1 if attention_mask is None else attention_mask.shape[0], **kw, **opts)
+                            num_windows=1 if attention_mask is None else int(attention_mask.shape[0]), **kw, **opts)
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
