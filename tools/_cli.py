@@ -14,8 +14,8 @@ import math
 import os
 
 __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
-           "default_out", "check_output", "check_output_folder", "output_folder", "check_device", "failure_text",
-           "CorruptImageError", "read_rgb", "check_image", "load_config"]
+           "default_out", "check_output", "check_output_folder", "output_folder", "output_files", "check_device",
+           "failure_text", "CorruptImageError", "read_rgb", "check_image", "load_config"]
 
 
 class ToolParser(argparse.ArgumentParser):
@@ -148,6 +148,24 @@ def output_folder(parser: argparse.ArgumentParser, path: str, *, tool: str, inpu
     except KeyboardInterrupt as e:
         code, how = stop_status(e)
         parser.exit(code, f"{parser.prog}: {how}: nothing was written to {path}\n")
+
+
+def output_files(parser: argparse.ArgumentParser, paths=(), *, tool: str, flag: str = "--out"):
+    """The writer of a tool's output files under the rule every tool that writes follows, with ``paths`` (every
+    file the run will write) checked now: exit 2 with one line unless each is new or an unchanged earlier output of
+    ``tool`` (its manifest ``.visionattn-<tool>.json`` in the file's folder lists it); creates nothing.
+
+    Returns a :class:`visionattn.reporting.OutputFiles`: write through its ``write_text`` / ``write_json`` /
+    ``save_figure`` / ``path``. Each write is checked again, goes to a temporary file renamed into place and is
+    recorded in the manifest; a refusal or a full disk (quota, file-size limit) then also exits 2 with one line
+    (naming the folder, for a full disk), leaving no partial file. For a tool that writes a whole folder, see
+    :func:`output_folder`.
+    """
+    from visionattn.reporting import OutputFiles
+
+    outputs = OutputFiles(tool, flag=flag, on_error=parser.error)
+    outputs.check(*paths)
+    return outputs
 
 
 class CorruptImageError(ValueError):

@@ -56,16 +56,17 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, failure_text, first_error  # noqa: E402
+from _cli import ToolParser, check_output, default_out, failure_text, first_error, output_files  # noqa: E402
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
-from visionattn.reporting import (eager_graph_ms, environment, eager_ms, host_us, kernel_ms, markdown_table,  # noqa: E402
-                                  save_figure_atomic, write_json_atomic, write_text_atomic)
+from visionattn.reporting import (OutputFiles, eager_graph_ms, environment, eager_ms, host_us, kernel_ms,  # noqa: E402
+                                  markdown_table)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = "bench_attention"  # its output manifest: .visionattn-bench_attention.json (_cli.output_files)
 GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
     "fp32": (torch.float32, ["fp32", "fp32-ieee", "tf32"], ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),
     "fp16": (torch.float16, ["fp16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn",
@@ -482,7 +483,9 @@ def _targets_backward(records) -> list[dict]:
     return out
 
 
-def write_report(result: dict, out_dir: str) -> dict:
+def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None) -> dict:
+    """Write ``<out_dir>/<result["files"] or bench>.md / .json / .png`` through ``outputs`` (default: this tool's
+    :class:`OutputFiles`, which raises on a file it may not replace); returns the paths by extension."""
     env = result["environment"]
     lines = [f"# {result.get('title', 'Attention benchmark')}: {env['device']}", "",
              f"* command: `{env['command']}`",
@@ -537,16 +540,16 @@ def write_report(result: dict, out_dir: str) -> dict:
             trows.append([t["shape"], t["mode"], "absolute", f"{t['ours_tflops']:.1f}",
                           f"need {t['need_tflops']}", "met" if t["met"] else "NOT met"])
     lines.append(markdown_table(trows, ["shape", "mode", "vs", "TFLOP/s or memory", "ratio", "status"]))
-    os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, result.get("files", "bench"))
     paths = {"md": stem + ".md", "json": stem + ".json", "png": stem + ".png"}
-    write_text_atomic(paths["md"], "\n".join(lines))
-    write_json_atomic(paths["json"], result)
-    _plot(result, paths["png"])
+    outputs = outputs or OutputFiles(TOOL)
+    outputs.write_text(paths["md"], "\n".join(lines))
+    outputs.write_json(paths["json"], result)
+    _plot(result, paths["png"], outputs)
     return paths
 
 
-def _plot(result, path):
+def _plot(result, path, outputs):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -572,7 +575,7 @@ def _plot(result, path):
         ax.legend(fontsize=7)
     fig.suptitle(result["environment"]["device"] + (", forward + backward" if "flops" in result else ""))
     fig.tight_layout()
-    save_figure_atomic(fig, path, dpi=120)
+    outputs.save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -637,7 +640,6 @@ def main(args) -> dict:
         import bench_varlen
 
         check_output(parser, args.out, folder=True)
-        os.makedirs(args.out, exist_ok=True)
         return bench_varlen.main((["--modes", args.modes] if args.modes else [])
                                  + ["--out", os.path.join(args.out, "varlen")])
     if not args.tune and not os.path.isfile(args.config):
@@ -646,6 +648,9 @@ def main(args) -> dict:
         parser.error(f"--backward reports eager beside graph forward + backward; drop "
                      f"{'--tune' if args.tune else '--cuda-graph'}")
     check_output(parser, args.out, folder=True)
+    stem = os.path.join(args.out, "tune" if args.tune else "fwd_bwd" if args.backward else "bench")
+    outputs = output_files(parser, [stem + ".json"] if args.tune else [stem + ".md", stem + ".json", stem + ".png"],
+                           tool=TOOL)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (H100/H200); none is visible here")
     print("environment:", json.dumps(environment()), flush=True)
@@ -653,14 +658,13 @@ def main(args) -> dict:
     t0 = time.perf_counter()
     if args.tune:
         result = run_tune(args)
-        os.makedirs(args.out, exist_ok=True)
-        write_json_atomic(os.path.join(args.out, "tune.json"), result)
+        outputs.write_json(stem + ".json", result)
         return result
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
     result = run_sweep(args, cfg)
     result["seconds"] = time.perf_counter() - t0
-    result["paths"] = write_report(result, args.out)
+    result["paths"] = write_report(result, args.out, outputs)
     print(open(result["paths"]["md"]).read())
     return result
 

@@ -44,7 +44,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, eager_graph_timings, positive_int  # noqa: E402
+from _cli import (ToolParser, check_device, check_output, default_out, eager_graph_timings, output_files,  # noqa: E402
+                  positive_int)
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
@@ -198,12 +199,12 @@ def _timings(make, timer, device, args) -> tuple[float, float | None, str | None
 def main(args) -> dict:
     from visionattn.kernels.elsa_bwd import BWD_MODES
     from visionattn.kernels.window_bwd import FUSED_MAX_TOKENS
-    from visionattn.reporting import (environment, markdown_table, peak_extra_mb, per_call_ms, write_json_atomic,
-                                      write_text_atomic)
+    from visionattn.reporting import environment, markdown_table, peak_extra_mb, per_call_ms
     from torch.nn.attention import SDPBackend
 
     parser = build_parser()
     args.out = check_output(parser, args.out)
+    outputs = output_files(parser, [args.out + ".md", args.out + ".json"], tool="bench_backward")
     device = check_device(parser, args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -294,9 +295,9 @@ def main(args) -> dict:
          "peak extra MiB"])
     md = ("# Attention backward: visionattn vs SDPA (eager and CUDA-graph replay)\n\n"
           + "\n".join(f"- {k}: {v}" for k, v in env.items()))
-    write_text_atomic(args.out + ".md", md + "\n\n" + table)
+    outputs.write_text(args.out + ".md", md + "\n\n" + table)
     result = {"environment": env, "rows": rows}
-    write_json_atomic(args.out + ".json", result)
+    outputs.write_json(args.out + ".json", result)
     return result
 
 

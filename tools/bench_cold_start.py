@@ -34,7 +34,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, positive_int  # noqa: E402
+from _cli import ToolParser, check_output, default_out, output_files, positive_int  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,7 +171,7 @@ def main(args) -> dict:
     import torch
 
     from visionattn.modes import mode_names
-    from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic
+    from visionattn.reporting import environment, markdown_table
 
     parser = build_parser()
     modes = [m for m in args.modes.split(",") if m]
@@ -179,6 +179,8 @@ def main(args) -> dict:
         if m not in mode_names():
             parser.error(f"unknown mode {m!r}; expected one of {mode_names()}")
     check_output(parser, args.out, folder=True)
+    md_path, json_path = os.path.join(args.out, "cold_start.md"), os.path.join(args.out, "cold_start.json")
+    outputs = output_files(parser, [md_path, json_path], tool="bench_cold_start")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (H100/H200); none is visible here")
     rows = []
@@ -228,9 +230,8 @@ def main(args) -> dict:
                                    r.get("ahead_kernels_compiled", "-"), r.get("ahead_error") or "-"] for r in vggt],
                                  ["call", "model construction s", "compile ahead s", "waited for it s",
                                   "kernels compiled ahead", "error"])]
-    os.makedirs(args.out, exist_ok=True)
-    write_text_atomic(os.path.join(args.out, "cold_start.md"), "\n".join(lines) + "\n")
-    write_json_atomic(os.path.join(args.out, "cold_start.json"), result)
+    outputs.write_text(md_path, "\n".join(lines) + "\n")
+    outputs.write_json(json_path, result)
     print("\n".join(lines))
     return result
 

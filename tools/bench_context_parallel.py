@@ -61,7 +61,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, nonnegative_int, positive_int  # noqa: E402
+from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, output_files,  # noqa: E402
+                  positive_int)
 from bench_vggt import ROWS, build  # noqa: E402
 
 import visionattn  # noqa: E402
@@ -333,7 +334,7 @@ def render_vggt(result: dict, args) -> str:
     return "\n".join(lines)
 
 
-def plot_vggt(result: dict, path: str) -> None:
+def plot_vggt(result: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
     """PNG of ``--vggt``: time and peak memory per GPU vs frames, split (solid) and single (dashed) per mode."""
     import matplotlib
 
@@ -360,7 +361,7 @@ def plot_vggt(result: dict, path: str) -> None:
     fig.suptitle(f"VGGT, frames split across {result['world_size']} ranks vs one GPU, "
                  f"{result['height']}x{result['width']}, {result['environment'].get('device')}")
     fig.tight_layout()
-    reporting.save_figure_atomic(fig, path, dpi=120)
+    (outputs or reporting.OutputFiles("bench_context_parallel")).save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -385,6 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(f"--height {args.height} / --width {args.width}: must be multiples of 14 (the patch size)")
     device = check_device(parser, args.device)
     out = check_output(parser, args.out)
+    outputs = output_files(parser, [out + ".md", out + ".json"] + ([out + ".png"] if frame_counts else []),
+                           tool="bench_context_parallel")  # every rank checks; rank 0 writes
     rank, world, store = _init(device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -403,10 +406,10 @@ def main(argv: list[str] | None = None) -> dict:
                           rows=rows, environment=env)
         if rank == 0:
             text = render(rows, env, args) if frame_counts is None else render_vggt(result, args)
-            reporting.write_text_atomic(out + ".md", text)
-            reporting.write_json_atomic(out + ".json", result)
+            outputs.write_text(out + ".md", text)
+            outputs.write_json(out + ".json", result)
             if frame_counts is not None:
-                plot_vggt(result, out + ".png")
+                plot_vggt(result, out + ".png", outputs)
             if not args.quiet:
                 print(text)
         dist.barrier()

@@ -39,7 +39,7 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _cli import ToolParser, check_device, check_output, default_out, positive_int  # noqa: E402
+from _cli import ToolParser, check_device, check_output, default_out, output_files, positive_int  # noqa: E402
 
 from visionattn import reporting  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -152,7 +152,7 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, path: str) -> None:
+def plot(res: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,7 +177,7 @@ def plot(res: dict, path: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(f"FastVGGT vs the official code, {res['height']}x{res['width']}, {res['environment']['device']}")
     fig.tight_layout()
-    reporting.save_figure_atomic(fig, path, dpi=120)
+    (outputs or reporting.OutputFiles("bench_fastvggt_official")).save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--height {args.height} / --width {args.width} must be multiples of 14 (the patch size)")
     device = check_device(parser, args.device)
     out = check_output(parser, args.out)
+    outputs = output_files(parser, [out + ".json", out + ".md", out + ".png"], tool="bench_fastvggt_official")
     OfficialVGGT = import_official(args.official)
     from visionattn.models import FASTVGGT_MERGING, VGGT, vggt_tiny_config
 
@@ -220,9 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
                     row: rel_l2(d.double(), depths["official"].double()) for row, d in depths.items()
                     if row not in ("official", "free")}}
             del images, depths
-            reporting.write_json_atomic(out + ".json", res)
-    reporting.write_text_atomic(out + ".md", to_markdown(res))
-    plot(res, out + ".png")
+            outputs.write_json(out + ".json", res)
+    outputs.write_text(out + ".md", to_markdown(res))
+    plot(res, out + ".png", outputs)
     print(to_markdown(res))
     return res
 

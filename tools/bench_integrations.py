@@ -62,7 +62,7 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, positive_float,  # noqa: E402
-                  failure_text, positive_int)
+                  failure_text, output_files, positive_int)
 from bench_models import graphed, peak_memory, round_timing, summarize_times  # noqa: E402
 
 from visionattn import reporting  # noqa: E402
@@ -457,7 +457,7 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def render_png(result: dict, path: str) -> bool:
+def render_png(result: dict, path: str, outputs: reporting.OutputFiles | None = None) -> bool:
     """Speed-up of every visionattn row with its target as a tick; False (no file) when nothing was timed."""
     rows = [r for r in result["rows"] if "speedup" in r and r["attention"] != FREE]
     if not rows:
@@ -483,7 +483,7 @@ def render_png(result: dict, path: str) -> bool:
                  f"{result['environment'].get('device')}",
                  fontsize=9)
     fig.tight_layout()
-    reporting.save_figure_atomic(fig, path, dpi=120)
+    (outputs or reporting.OutputFiles("bench_integrations")).save_figure(fig, path, dpi=120)
     plt.close(fig)
     return True
 
@@ -508,6 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cuda_graph and device.type != "cuda":
         parser.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
     out = check_output(parser, args.out)
+    outputs = output_files(parser, [out + ".json", out + ".md", out + ".png"], tool="bench_integrations")
 
     skipped = {}
     for case in cases:
@@ -550,10 +551,10 @@ def main(argv: list[str] | None = None) -> dict:
                 rows += cell_rows
 
     result = {"environment": env, "settings": settings, "skipped": skipped, "rows": rows}
-    reporting.write_json_atomic(out + ".json", result)
+    outputs.write_json(out + ".json", result)
     text = render_markdown(result)
-    reporting.write_text_atomic(out + ".md", text)
-    result["png"] = render_png(result, out + ".png")
+    outputs.write_text(out + ".md", text)
+    result["png"] = render_png(result, out + ".png", outputs)
     print(text)
     return result
 

@@ -40,7 +40,7 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _cli import ToolParser, check_output, default_out, failure_text  # noqa: E402
+from _cli import ToolParser, check_output, default_out, failure_text, output_files  # noqa: E402
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.reporting import sample_ms  # noqa: E402
@@ -407,14 +407,14 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_png(result: dict, path: str) -> bool:
+def render_png(result: dict, path: str, outputs=None) -> bool:
     """Bar chart of speedups per case and mode, unpatched attention share in the labels. False if no data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from visionattn.reporting import save_figure_atomic
+    from visionattn.reporting import OutputFiles
 
     rows = [r for r in result["rows"] if "speedup" in r]
     if not rows:
@@ -444,7 +444,7 @@ def render_png(result: dict, path: str) -> bool:
     ax.set_title(f"visionattn.patch_model, {result['environment'].get('device')}")
     ax.legend()
     fig.tight_layout()
-    save_figure_atomic(fig, path, dpi=120)
+    (outputs or OutputFiles("bench_models")).save_figure(fig, path, dpi=120)
     plt.close(fig)
     return True
 
@@ -453,7 +453,7 @@ def render_png(result: dict, path: str) -> bool:
 def main(args) -> dict:
     """Run the sweep described by ``args``; write <out>.md/.json/.png; return the result dict."""
     from visionattn.modes import get_mode
-    from visionattn.reporting import environment, write_json_atomic, write_text_atomic
+    from visionattn.reporting import environment
 
     if not os.path.isfile(args.config):
         parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_models.yaml")
@@ -463,6 +463,7 @@ def main(args) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible; use --device cpu for a smoke run")
     check_output(parser, args.out)
+    outputs = output_files(parser, [args.out + ext for ext in (".json", ".md", ".png")], tool="bench_models")
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
     section = cfg["quick"] if args.quick else cfg
@@ -524,9 +525,9 @@ def main(args) -> dict:
               "targets": check_targets(rows, cfg.get("targets", []))}
     if args.quick or args.cases or args.case_slice or args.max_cases:  # partial run: only what was measured
         result["targets"] = [t for t in result["targets"] if t["measured"]]
-    write_json_atomic(args.out + ".json", result)
-    write_text_atomic(args.out + ".md", render_markdown(result))
-    result["png"] = render_png(result, args.out + ".png")
+    outputs.write_json(args.out + ".json", result)
+    outputs.write_text(args.out + ".md", render_markdown(result))
+    result["png"] = render_png(result, args.out + ".png", outputs)
     print(render_markdown(result))
     return result
 

@@ -30,17 +30,17 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, nonnegative_int, positive_int  # noqa: E402
+from _cli import ToolParser, check_output, default_out, nonnegative_int, output_files, positive_int  # noqa: E402
 from _svd_common import (DTYPE_NAMES, NATIVE, add_run_args, build_tiny_pipeline, check_run_args,  # noqa: E402
                          jsonable, parse_modes, run_dtype)
 
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.patching.diffusers import (ELSAAttnProcessor, overflow_counts, patch_diffusers,  # noqa: E402
                                            unpatch_diffusers)
-from visionattn.reporting import (environment, markdown_table, sample_ms, tf32_disabled,  # noqa: E402
-                                  write_json_atomic, write_text_atomic)
+from visionattn.reporting import OutputFiles, environment, markdown_table, sample_ms, tf32_disabled  # noqa: E402
 
 DEFAULT_MODES = "native-fp32,native-fp16,fp32,tf32,fp16,pasa"
+TOOL = "bench_svd_attention"  # its output manifest: .visionattn-bench_svd_attention.json (_cli.output_files)
 # SVD UNet (UNetSpatioTemporalConditionModel defaults = the released config).
 SVD_LEVELS = ((320, 5), (640, 10), (1280, 20), (1280, 20))
 SVD_CROSS_DIM = 1024
@@ -83,7 +83,7 @@ def _time_call(fn, device: str, reps: int, warmup: int) -> tuple[float, float | 
     return float(np.median(times)), peak
 
 
-def attention_bench(args) -> dict:
+def attention_bench(args, files: OutputFiles | None = None) -> dict:
     """Per-mode time / peak memory / error of SVD's attention modules at real shapes vs diffusers' default."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
@@ -134,13 +134,13 @@ def attention_bench(args) -> dict:
           f"{args.bench_reps} after {args.bench_warmup} warm-up; `native*` = diffusers' AttnProcessor2_0 (SDPA); "
           "peak extra memory over the inputs; rel err = relative L2 vs native-fp32.\n",
           markdown_table(rows, header)]
-    os.makedirs(os.path.dirname(os.path.abspath(args.out + ".json")), exist_ok=True)
-    write_json_atomic(args.out + ".json", res)
-    write_text_atomic(args.out + ".md", "\n".join(md))
+    files = files or OutputFiles(TOOL)
+    files.write_json(args.out + ".json", res)
+    files.write_text(args.out + ".md", "\n".join(md))
     return res
 
 
-def unet_bench(args) -> dict:
+def unet_bench(args, files: OutputFiles | None = None) -> dict:
     """One full-size SVD UNet forward (random weights, CFG batch 2) per mode: time, peak memory, NaN, error."""
     from diffusers import UNetSpatioTemporalConditionModel
 
@@ -197,8 +197,9 @@ def unet_bench(args) -> dict:
           f"command: `{env['command']}`\n",
           markdown_table(rows, ["run", "dtype", "ms", "peak extra GiB", "finite", "rel err vs native-fp32",
                                 "overflow events"])]
-    write_json_atomic(args.out + ".json", res)
-    write_text_atomic(args.out + ".md", "\n".join(md))
+    files = files or OutputFiles(TOOL)
+    files.write_json(args.out + ".json", res)
+    files.write_text(args.out + ".md", "\n".join(md))
     return res
 
 # ------------------------------------------------------------------------------------------------
@@ -239,9 +240,10 @@ def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    files = output_files(parser, [args.out + ".json", args.out + ".md"], tool=TOOL)
     with tf32_disabled() as settings:
         print(f"process-wide settings for this run: {settings}")
-        res = unet_bench(args) if args.unet_bench else attention_bench(args)
+        res = unet_bench(args, files) if args.unet_bench else attention_bench(args, files)
         print(open(args.out + ".md").read())
         return res
 

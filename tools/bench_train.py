@@ -57,17 +57,18 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, positive_float,  # noqa: E402
-                  failure_text, positive_int)
+                  failure_text, output_files, positive_int)
 from _timm_models import create_timm_model, model_problem  # noqa: E402
 from bench_models import MEM_SLACK_MIB, parse_cases, peak_memory, summarize_times  # noqa: E402
 from finetune import TRAIN_MODES, TrainStep, json_object, precision, precision_flags  # noqa: E402
 
-from visionattn.reporting import (AttentionFree, call_ms, environment, markdown_table, sample_ms, save_figure_atomic,  # noqa: E402
-                                  write_json_atomic, write_text_atomic)
+from visionattn.reporting import (AttentionFree, OutputFiles, call_ms, environment, markdown_table,  # noqa: E402
+                                  sample_ms)
 
 DEFAULT_CASES = ("vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64,"
                  "swinv2_base_window8_256:256:32,vit_base_patch16_224:1024:8")
 DEFAULT_MODES = "fp32,tf32,bf16,fp16"
+TOOL = "bench_train"  # its output manifest: .visionattn-bench_train.json (_cli.output_files)
 VARIANTS = ("unpatched", "visionattn")
 FREE = "attention-free"  # the --attention-free side: the step with every attention call answering a copy of V
 # Whole-step targets: patched vs unpatched, same precision. anchor_ms: the unpatched step measured on an
@@ -401,7 +402,7 @@ def render_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def render_png(res: dict, path: str) -> None:
+def render_png(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -425,7 +426,7 @@ def render_png(res: dict, path: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"training step, visionattn vs unpatched ({res['environment']['device']})")
     fig.tight_layout()
-    save_figure_atomic(fig, path, dpi=110)
+    (outputs or OutputFiles(TOOL)).save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -442,7 +443,7 @@ def render_loss_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def render_loss_png(res: dict, path: str) -> None:
+def render_loss_png(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -468,7 +469,7 @@ def render_loss_png(res: dict, path: str) -> None:
             ax.grid(alpha=0.3)
     fig.suptitle(f"loss curves ({res['environment']['device']})")
     fig.tight_layout()
-    save_figure_atomic(fig, path, dpi=110)
+    (outputs or OutputFiles(TOOL)).save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -480,6 +481,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     cases, modes = check_args(parser, args)
+    prefix = args.out + ("_loss" if args.loss_curve else "")
+    outputs = output_files(parser, [prefix + ".json", prefix + ".md", prefix + ".png"], tool=TOOL)
     model_kwargs = args.model_kwargs
     device = torch.device(args.device)
     env = environment()
@@ -497,10 +500,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        f"max rel gap {c['max_rel_gap']:.3g} "
                        f"(tolerance {c['tolerance']:.3g}: {'met' if c['met'] else 'NOT met'})")
             res["curves"].append(c)
-        prefix = args.out + "_loss"
-        write_json_atomic(prefix + ".json", res)
-        write_text_atomic(prefix + ".md", render_loss_markdown(res))
-        render_loss_png(res, prefix + ".png")
+        outputs.write_json(prefix + ".json", res)
+        outputs.write_text(prefix + ".md", render_loss_markdown(res))
+        render_loss_png(res, prefix + ".png", outputs)
         print(render_loss_markdown(res))
         return res
     settings.update(warmup=args.warmup, steps=args.steps, rounds=args.rounds)
@@ -515,9 +517,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             + (f" (attention-free bound x{ours['bound']:.3f})" if "bound" in ours else ""))
         res["rows"] += rows
     res["targets"] = check_targets(res["rows"])
-    write_json_atomic(args.out + ".json", res)
-    write_text_atomic(args.out + ".md", render_markdown(res))
-    render_png(res, args.out + ".png")
+    outputs.write_json(prefix + ".json", res)
+    outputs.write_text(prefix + ".md", render_markdown(res))
+    render_png(res, prefix + ".png", outputs)
     print(render_markdown(res))
     return res
 

@@ -56,7 +56,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, eager_graph_timings, positive_int  # noqa: E402
+from _cli import (ToolParser, check_device, check_output, default_out, eager_graph_timings, output_files,  # noqa: E402
+                  positive_int)
 
 import visionattn  # noqa: E402
 from visionattn import reporting  # noqa: E402
@@ -368,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = _sizes(args.naflex_sizes)
     device = check_device(parser, args.device)
     out = check_output(parser, args.out)
+    outputs = output_files(parser, [out + ".md", out + ".json"], tool="bench_varlen")
     env = reporting.environment({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32})
     if not args.quiet:
         print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
@@ -382,9 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = dict(lengths=lens, heads=args.heads, head_dim=args.head_dim, backward=args.backward, rows=rows,
                       environment=env)
         text = render(rows, env, lens, args.heads, args.head_dim)
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    reporting.write_text_atomic(out + ".md", text)
-    reporting.write_json_atomic(out + ".json", result)
+    outputs.write_text(out + ".md", text)
+    outputs.write_json(out + ".json", result)
     if not args.quiet:
         print(text)
     return result

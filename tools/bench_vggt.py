@@ -48,7 +48,7 @@ import torch
 from visionattn import reporting
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, positive_int  # noqa: E402
+from _cli import ToolParser, check_device, check_output, default_out, output_files, positive_int  # noqa: E402
 
 ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row, all layers kept)
     "official-fp32": (None, None, "official-fp32", True),
@@ -288,7 +288,7 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: str) -> None:
+def plot(res: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
     """PNG: time (s) and peak memory (GB) vs frames, one line per model and row (OOM points left out)."""
     import matplotlib
 
@@ -313,7 +313,7 @@ def plot(res: dict, path: str) -> None:
     ax_m.legend(fontsize=7)
     fig.suptitle(f"VGGT / FastVGGT inference vs frames, {res.get('height')}x{res.get('width')}, {env.get('gpu')}")
     fig.tight_layout()
-    reporting.save_figure_atomic(fig, path, dpi=120)
+    (outputs or reporting.OutputFiles("bench_vggt")).save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -335,6 +335,8 @@ def main(args) -> dict:
     if args.quick and args.out == parser.get_default("out"):
         args.out += "_quick"
     path = args.out + ".json"
+    # before reading an earlier result to extend: the files must be this tool's (exit 2 otherwise)
+    outputs = output_files(parser, [path, args.out + ".md", args.out + ".png"], tool="bench_vggt")
     res = json.load(open(path)) if os.path.isfile(path) else {}
     res.update({"environment": environment(), "height": args.height, "width": args.width, "tiny": args.tiny,
                 "tokens_per_frame": 5 + (args.height // 14) * (args.width // 14)})
@@ -342,10 +344,10 @@ def main(args) -> dict:
     print(json.dumps(res["environment"]), flush=True)
 
     def save():
-        reporting.write_json_atomic(path, res, indent=1)
-        reporting.write_text_atomic(args.out + ".md", to_markdown(res))
+        outputs.write_json(path, res, indent=1)
+        outputs.write_text(args.out + ".md", to_markdown(res))
         if res["points"]:  # the PNG plots inference points
-            plot(res, args.out + ".png")
+            plot(res, args.out + ".png", outputs)
 
     if args.train_step:
         for name in args.models:

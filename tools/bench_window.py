@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out  # noqa: E402
+from _cli import ToolParser, check_output, default_out, output_files  # noqa: E402
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn import reporting  # noqa: E402
@@ -467,7 +467,7 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, path: str) -> None:
+def plot(res: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -494,7 +494,7 @@ def plot(res: dict, path: str) -> None:
             ax.set_ylabel("ms")
             ax.legend(fontsize=6)
     fig.tight_layout()
-    reporting.save_figure_atomic(fig, path, dpi=110)
+    (outputs or reporting.OutputFiles("bench_window")).save_figure(fig, path, dpi=110)
 
 
 def main(args) -> dict:
@@ -502,6 +502,7 @@ def main(args) -> dict:
     if not os.path.isfile(args.config):
         parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_window.yaml")
     check_output(parser, args.out)
+    outputs = output_files(parser, [args.out + ".json", args.out + ".md", args.out + ".png"], tool="bench_window")
     if not torch.cuda.is_available():
         raise SystemExit("bench_window.py needs a CUDA GPU (the window kernel is a Triton GPU kernel)")
     with open(args.config) as f:
@@ -512,12 +513,10 @@ def main(args) -> dict:
     env["copy_bytes_per_s"] = copy_bandwidth()
     _TIMER["cuda_graph"] = env["cuda_graph_timing"] = bool(args.cuda_graph)
     res: dict = {"environment": env, "config": cfg}
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    os.makedirs(out_dir, exist_ok=True)
 
     def save():
-        reporting.write_json_atomic(args.out + ".json", res, indent=1)
-        reporting.write_text_atomic(args.out + ".md", to_markdown(res))
+        outputs.write_json(args.out + ".json", res, indent=1)
+        outputs.write_text(args.out + ".md", to_markdown(res))
 
     if not args.no_sweep:
         res["sweep"] = bench_sweep(cfg, args)
@@ -534,7 +533,7 @@ def main(args) -> dict:
     if not args.no_models:
         res["models"] = bench_models(cfg, args)
     save()
-    plot(res, args.out + ".png")
+    plot(res, args.out + ".png", outputs)
     return res
 
 

@@ -40,7 +40,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, eager_graph_timings, failure_text  # noqa: E402
+from _cli import ToolParser, check_output, default_out, eager_graph_timings, failure_text, output_files  # noqa: E402
 from bench_window import eager_fn, make_block, sdpa_fn, stage_shapes  # noqa: E402
 
 from visionattn import reporting  # noqa: E402
@@ -257,7 +257,7 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: str) -> None:
+def plot(result: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -282,14 +282,16 @@ def plot(result: dict, path: str) -> None:
     ax.set_title(result["environment"]["device"])
     ax.legend()
     fig.tight_layout()
-    reporting.save_figure_atomic(fig, path, dpi=120)
+    (outputs or reporting.OutputFiles("bench_window_train")).save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
 def main(args) -> dict:
     import yaml
 
-    check_output(build_parser(), args.out)
+    parser = build_parser()
+    check_output(parser, args.out)
+    outputs = output_files(parser, [args.out + ".json", args.out + ".md", args.out + ".png"], tool="bench_window_train")
     device = torch.device(args.device)
     with open(args.config) as f:
         models = {m["name"]: m for m in yaml.safe_load(f)["models"]}
@@ -311,9 +313,9 @@ def main(args) -> dict:
               "precision": "fp32: FP32 inputs, TF32 off; bf16: bf16 qkv and dO, FP32 bias and parameters, "
                            "the forward under torch.autocast(bfloat16)",
               "rows": rows, "targets": targets(rows)}
-    reporting.write_json_atomic(args.out + ".json", result)
-    reporting.write_text_atomic(args.out + ".md", to_markdown(result))
-    plot(result, args.out + ".png")
+    outputs.write_json(args.out + ".json", result)
+    outputs.write_text(args.out + ".md", to_markdown(result))
+    plot(result, args.out + ".png", outputs)
     return result
 
 

@@ -35,10 +35,10 @@ from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, ieee
                                 varlen_bwd, window_bwd, window_fwd)
 from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
-from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
+from visionattn.reporting import environment, markdown_table  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out  # noqa: E402
+from _cli import ToolParser, check_output, default_out, output_files  # noqa: E402
 
 KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd", "varlen-bwd")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
@@ -284,6 +284,7 @@ def main(args) -> dict:
     if unknown or not wanted:
         parser.error(f"--kernels: unknown {unknown or 'empty list'}; choose from {', '.join(KERNELS)}")
     check_output(parser, args.out)
+    outputs = output_files(parser, [args.out + ".md", args.out + ".json"], tool="check_kernels_offline")
     jobs = []
     for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
                       ("pasa", _pasa_jobs), ("window", _window_jobs), ("backward", _backward_jobs),
@@ -327,8 +328,8 @@ def main(args) -> dict:
           f"warpgroup, 20 with four); `setmaxnreg` then gives each consumer thread 240 (232 with one, 112-120 with "
           f"four) and each producer thread 24"
           f"\n\n{table}\n")
-    write_text_atomic(args.out + ".md", md)
-    write_json_atomic(args.out + ".json", result)
+    outputs.write_text(args.out + ".md", md)
+    outputs.write_json(args.out + ".json", result)
     print(md)
     return result
 

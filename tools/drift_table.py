@@ -28,11 +28,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, positive_int  # noqa: E402
+from _cli import ToolParser, check_output, default_out, output_files, positive_int  # noqa: E402
 
 from visionattn.metrics import METRIC_NAMES, drift_metrics  # noqa: E402
 from visionattn.reference import blocked_attention_with_probs, oracle_attention  # noqa: E402
-from visionattn.reporting import environment, markdown_table, write_json_atomic, write_text_atomic  # noqa: E402
+from visionattn.reporting import environment, markdown_table  # noqa: E402
 
 SCENARIOS = {
     "regular": dict(b=2, h=8, n=512, d=64, stress=False),
@@ -102,9 +102,10 @@ def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_output(parser, args.out)
+    outputs = output_files(parser, [args.out + ".json", args.out + ".md"], tool="drift_table")
     results = run(args)
-    write_json_atomic(args.out + ".json", results)
-    write_text_atomic(args.out + ".md", to_markdown(results))
+    outputs.write_json(args.out + ".json", results)
+    outputs.write_text(args.out + ".md", to_markdown(results))
     print(to_markdown(results))
     return results
 

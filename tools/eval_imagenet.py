@@ -40,11 +40,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_cli, ...)
 import _imagenet_data as data  # noqa: E402
 from _cli import (CorruptImageError, ToolParser, check_device, check_output, default_out,  # noqa: E402
-                  nonnegative_int, positive_int)
+                  nonnegative_int, output_files, positive_int)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
-from visionattn.reporting import (Stopwatch, environment, markdown_table, tf32_disabled,  # noqa: E402
-                                  write_json_atomic, write_text_atomic)
+from visionattn.reporting import Stopwatch, environment, markdown_table, tf32_disabled  # noqa: E402
 
 ALL_MODES = "native,fp32,fp32-ieee,tf32,fp16,bf16,pasa,native-fp16,native-bf16"
 SYNTHETIC_DEFAULT = 256
@@ -371,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     import visionattn as va
 
     modes, model_kwargs = check_args(parser, args)
+    md = os.path.splitext(args.out)[0] + ".md"
+    outputs = output_files(parser, [args.out, md], tool="eval_imagenet")
     pretrained = args.pretrained and not args.random_weights and not args.checkpoint
     device = torch.device(args.device)
     try:
@@ -419,9 +420,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    write_json_atomic(args.out, res)
-    md = os.path.splitext(args.out)[0] + ".md"
-    write_text_atomic(md, to_markdown(res))
+    outputs.write_json(args.out, res)
+    outputs.write_text(md, to_markdown(res))
     print(f"wrote {args.out} and {md}")
     return res
 

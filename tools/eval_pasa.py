@@ -42,13 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, load_config  # noqa: E402
+from _cli import ToolParser, check_output, default_out, load_config, output_files  # noqa: E402
 
 import visionattn  # noqa: E402
 from visionattn.pasa import BENCHMARK_KINDS, benchmark_inputs
 from visionattn.reference import oracle_attention
-from visionattn.reporting import (environment, markdown_table, save_figure_atomic, write_json_atomic,
-                                  write_text_atomic)
+from visionattn.reporting import OutputFiles, environment, markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -300,7 +299,7 @@ def to_markdown(results: dict) -> str:
     return "\n".join(text)
 
 
-def plot(results: dict, path: str) -> None:
+def plot(results: dict, path: str, outputs: OutputFiles | None = None) -> None:
     """Figs. 9-10 style: RMSE per mode over each sweep; overflowing points marked at the top."""
     import matplotlib
 
@@ -330,7 +329,7 @@ def plot(results: dict, path: str) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"PASA vs FP16 accumulation — {results['environment']['device']}", fontsize=9)
     fig.tight_layout()
-    save_figure_atomic(fig, path, dpi=110)
+    (outputs or OutputFiles("eval_pasa")).save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -367,6 +366,8 @@ def main(argv=None) -> dict:
         parser.error("--bench / --bench-only need a CUDA device (drop them, or run on a GPU without --cpu)")
     cfg = load_config(parser, args.config, PasaConfig)
     out = check_output(parser, args.out or default_out(f"pasa_{_default_tag(device)}"))
+    plots = not args.bench_only and not args.no_plot
+    outputs = output_files(parser, [out + ".json", out + ".md"] + [out + ".png"] * plots, tool="eval_pasa")
     notes = []
     if device.type == "cuda":
         notes.append("pasa / fp16-acc16: Triton kernel visionattn.kernels.pasa_fwd; fp32 / fp16: visionattn.attention")
@@ -381,11 +382,11 @@ def main(argv=None) -> dict:
         results["accuracy"] = run_accuracy(cfg, args, device)
     if args.bench or args.bench_only:
         results["bench"] = run_bench(cfg, device)
-    write_json_atomic(out + ".json", results)
+    outputs.write_json(out + ".json", results)
     md = to_markdown(results)
-    write_text_atomic(out + ".md", md)
+    outputs.write_text(out + ".md", md)
     if results["accuracy"] and not args.no_plot:
-        plot(results, out + ".png")
+        plot(results, out + ".png", outputs)
     print(md)
     return results
 

@@ -18,7 +18,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_output, nonnegative_int, percentile, positive_float,  # noqa: E402
+from _cli import (ToolParser, check_output, nonnegative_int, output_files, percentile, positive_float,  # noqa: E402
                   positive_int)
 
 DEFAULT_MODES = "fp32,tf32,fp16,bf16,pasa"
@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
     from visionattn.recon.evaluate import evaluate_scenes, mode_agreement
     from visionattn.recon.images import load_images
     from visionattn.recon.pipeline import ATTN_MODES, USER_ERRORS
-    from visionattn.reporting import environment, write_json_atomic, write_text_atomic
+    from visionattn.reporting import environment
 
     import torch
 
@@ -163,6 +163,8 @@ def main(argv=None) -> dict:
     except RuntimeError as e:
         parser.error(f"--device {args.device!r}: {e}")
     check_output(parser, args.out, folder=True)
+    stem = os.path.join(args.out, f"eval_reconstruction_{args.task}")
+    outputs = output_files(parser, [stem + ".json", stem + ".md"], tool="eval_reconstruction")
     progress = not args.quiet
     try:
         if args.task == "accuracy":
@@ -185,9 +187,8 @@ def main(argv=None) -> dict:
     except (*USER_ERRORS, DatasetError, GroundTruthError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
-    stem = os.path.join(args.out, f"eval_reconstruction_{args.task}")
-    write_json_atomic(stem + ".json", res)
-    write_text_atomic(stem + ".md", md)
+    outputs.write_json(stem + ".json", res)
+    outputs.write_text(stem + ".md", md)
     print(md)
     res["exit_code"] = 0
     return res

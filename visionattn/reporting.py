@@ -1,7 +1,9 @@
-"""Small I/O helpers shared by tools: environment record, atomic writes, markdown tables."""
+"""Small I/O helpers shared by tools: environment record, atomic writes, the output-file rule, markdown tables."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
 import math
 import os
@@ -15,9 +17,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 __all__ = ["environment", "command_line", "atomic_path", "write_text_atomic", "write_json_atomic",
-           "save_figure_atomic", "markdown_table", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
-           "kernel_ms", "eager_ms", "eager_graph_ms", "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree",
-           "attention_free"]
+           "save_figure_atomic", "OutputFiles", "STORAGE_ERRNOS", "markdown_table", "tf32_disabled", "Stopwatch",
+           "call_ms", "sample_ms", "kernel_ms", "eager_ms", "eager_graph_ms", "host_us", "per_call_ms", "peak_extra_mb",
+           "AttentionFree", "attention_free"]
 
 
 def command_line() -> str:
@@ -40,13 +42,24 @@ def environment(extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "command": command_line(),
     }
     for name in ("triton", "timm", "diffusers"):
-        try:
-            env[name] = __import__(name).__version__
-        except ImportError:
-            env[name] = None
+        env[name] = _version(name)
     if extra:
         env.update(extra)
     return env
+
+
+def _version(name: str) -> str | None:
+    """A package's version without importing it (importing diffusers and timm takes seconds): the loaded
+    module's own ``__version__`` when it is imported already, else its installed distribution's; None if
+    neither."""
+    from importlib import metadata
+
+    if name in sys.modules:
+        return getattr(sys.modules[name], "__version__", None)
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 @contextlib.contextmanager
@@ -83,6 +96,164 @@ def save_figure_atomic(fig: Any, path: str, **savefig_kwargs: Any) -> None:
     """``fig.savefig(path, **savefig_kwargs)`` atomically; the figure is left open (close it yourself)."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, **savefig_kwargs)
+
+
+# errors of a full or limited disk (disk full, quota, file-size limit): one line naming the folder, as the demo
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _checksum(path: str) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex digest}`` of the file at ``path``."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+class OutputFiles:
+    """The files a tool writes, under the rule every tool that writes follows: never replace a file it did not write.
+
+    The rule of the reconstruction demo's output folder (:mod:`visionattn.recon.outdir`), file by file: each folder
+    a tool writes into keeps the tool's manifest, ``.visionattn-<tool>.json`` (the demo's manifest format, ``tool``
+    ``"visionattn.<tool>"``), listing the files it wrote there with their size and SHA-256. An existing file is
+    replaced only when that manifest lists it and it is unchanged since; anything else (a user's file, a link, a
+    folder, an output edited since, a manifest that is not this tool's) is refused with one line naming the file
+    and the fix, before the tool works (:meth:`check` of the paths it will write) and again at each write. Each
+    write goes to a temporary file in the same folder renamed into place (:func:`atomic_path`); when a full disk,
+    a quota or the file-size limit stops it the temporary file is removed and the line names the folder. Other
+    tools' manifests and files in the same folder are left alone.
+
+    Args:
+        tool: the tool's name (``"drift_table"``): manifest ``.visionattn-drift_table.json``.
+        flag: the argument that chose the paths, for the messages.
+        on_error: called with the one-line message of a refusal or a full disk (a CLI passes ``parser.error``:
+            exit 2); without it (or when it returns) :class:`visionattn.recon.outdir.OutputDirError` is raised
+            (:class:`~visionattn.recon.outdir.OutputWriteError` for a full disk).
+
+    Attributes:
+        written: absolute paths written so far, in order (a path written twice appears twice).
+    """
+
+    def __init__(self, tool: str, flag: str = "--out", on_error: Callable[[str], Any] | None = None):
+        from visionattn.recon.outdir import manifest_name
+
+        self.tool = tool
+        self.tool_id = f"visionattn.{tool}"
+        self.manifest = manifest_name(self.tool_id)
+        self.flag = flag
+        self.written: list[str] = []
+        self._on_error = on_error
+
+    def _fail(self, exc: Exception) -> None:
+        if self._on_error is not None:
+            self._on_error(str(exc))
+        raise exc
+
+    def _read_manifest(self, folder: str) -> tuple[dict | None, str | None]:
+        """(this tool's manifest in ``folder`` or None, why it cannot be used or None)."""
+        from visionattn.recon.outdir import read_manifest
+
+        path = os.path.join(folder, self.manifest)
+        if not os.path.lexists(path):
+            return None, None
+        doc = None if os.path.islink(path) else read_manifest(folder, self.tool_id)
+        if doc is None:
+            return None, (f"{self.flag}: {path!r} is not a manifest of {self.tool} (it names the files {self.tool} "
+                          f"wrote there); refusing to replace it: pass another {self.flag} or remove the file")
+        return doc, None
+
+    def refusal(self, path: str) -> str | None:
+        """Why ``path`` may not be written now (one line naming it and the fix), or None when it may."""
+        path = os.path.abspath(path)
+        folder, name = os.path.split(path)
+        if name == self.manifest:
+            return f"{self.flag}: {path!r} is the name of {self.tool}'s manifest; pass another {self.flag}"
+        manifest, why = self._read_manifest(folder)
+        if why is not None:
+            return why
+        if not os.path.lexists(path):
+            return None
+        if os.path.islink(path) or not os.path.isfile(path):
+            return (f"{self.flag}: {path!r} exists and is not a file {self.tool} wrote; refusing to replace it: "
+                    f"pass another {self.flag} or remove it")
+        entry = (manifest or {}).get("checksums", {}).get(name) if name in (manifest or {}).get("files", ()) else None
+        if not isinstance(entry, dict):
+            return (f"{self.flag}: {path!r} exists and {self.tool} did not write it (it is not in {self.manifest} "
+                    f"there); refusing to replace it: pass another {self.flag} or remove the file")
+        try:
+            same = os.stat(path).st_size == entry.get("bytes") and _checksum(path) == entry
+        except OSError:
+            same = False
+        if not same:
+            return (f"{self.flag}: {path!r} was written by {self.tool} but has changed since; refusing to replace "
+                    f"it: pass another {self.flag} or remove the file")
+        return None
+
+    def check(self, *paths: str) -> None:
+        """Refuse (``on_error``, else raise) if any of ``paths`` may not be written (:meth:`refusal`); writes
+        nothing."""
+        from visionattn.recon.outdir import OutputDirError
+
+        for p in paths:
+            why = self.refusal(p)
+            if why is not None:
+                self._fail(OutputDirError(why))
+
+    def _record(self, path: str, checksum: dict[str, Any]) -> None:
+        folder, name = os.path.split(path)
+        manifest, _ = self._read_manifest(folder)
+        sums = {f: c for f, c in ((manifest or {}).get("checksums") or {}).items()
+                if f in manifest["files"] and os.path.lexists(os.path.join(folder, f))}
+        sums[name] = checksum
+        doc = {"tool": self.tool_id,
+               "note": f"the files {self.tool} wrote in this folder (bytes, SHA-256); a later run replaces only these, "
+                       "and only while they are unchanged",
+               "files": sorted(sums), "dirs": [], "checksums": dict(sorted(sums.items()))}
+        write_text_atomic(os.path.join(folder, self.manifest), json.dumps(doc, indent=1) + "\n")
+
+    @contextlib.contextmanager
+    def path(self, path: str) -> Iterator[str]:
+        """Yield a temporary path for ``path`` (same name ending), renamed to ``path`` and recorded in the manifest
+        when the block succeeds; refused (:meth:`refusal`) before the block and again before the rename; on an
+        error, a refusal or a full disk the temporary file is removed (no partial file)."""
+        from visionattn.recon.outdir import OutputDirError, OutputWriteError
+
+        path = os.path.abspath(path)
+        folder = os.path.dirname(path)
+        self.check(path)
+        try:
+            with atomic_path(path) as tmp:
+                yield tmp
+                checksum = _checksum(tmp)
+                why = self.refusal(path)  # again: the file may have appeared while the tool worked
+                if why is not None:
+                    raise OutputDirError(why)
+            self._record(path, checksum)
+        except OutputDirError as exc:
+            self._fail(exc)
+        except OSError as exc:
+            if exc.errno not in STORAGE_ERRNOS:
+                raise
+            self._fail(OutputWriteError(
+                f"{self.flag}: could not write {path!r}: {exc.strerror or exc} in the folder {folder!r}; no partial "
+                f"file was left: free space there or pass another {self.flag} on another disk"))
+        self.written.append(path)
+
+    def write_text(self, path: str, text: str) -> None:
+        """Write ``text`` to ``path`` under the rule (:meth:`path`)."""
+        with self.path(path) as tmp, open(tmp, "w") as f:
+            f.write(text)
+
+    def write_json(self, path: str, obj: Any, indent: int = 2) -> None:
+        """JSON-dump ``obj`` (``indent``, default 2; non-JSON values as ``str``) to ``path`` under the rule."""
+        self.write_text(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+    def save_figure(self, fig: Any, path: str, **savefig_kwargs: Any) -> None:
+        """``fig.savefig(path, **savefig_kwargs)`` under the rule; the figure is left open (close it yourself)."""
+        with self.path(path) as tmp:
+            fig.savefig(tmp, **savefig_kwargs)
 
 
 def markdown_table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:

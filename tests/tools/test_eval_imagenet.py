@@ -337,4 +337,5 @@ def test_default_output_is_out_folder_of_the_current_directory(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     res = tool.main(GOOD)
     assert res["data"]["images"] == 4
-    assert sorted(os.listdir(tmp_path / "out")) == ["eval_imagenet.json", "eval_imagenet.md"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".visionattn-eval_imagenet.json",  # its manifest
+                                                    "eval_imagenet.json", "eval_imagenet.md"]

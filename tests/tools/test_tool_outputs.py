@@ -62,7 +62,8 @@ def test_drift_table_quick_leaves_the_committed_table_alone(tmp_path, monkeypatc
     before = {ext: hashlib.sha256(open(p, "rb").read()).hexdigest() for ext, p in committed.items()}
     monkeypatch.chdir(tmp_path)
     _load("drift_table").main(["--quick"])
-    assert sorted(os.listdir(tmp_path / "out")) == ["drift_table1_cpu.json", "drift_table1_cpu.md"]
+    assert sorted(os.listdir(tmp_path / "out")) == [".visionattn-drift_table.json",  # its manifest: what it wrote
+                                                    "drift_table1_cpu.json", "drift_table1_cpu.md"]
     assert os.listdir(tmp_path) == ["out"]
     after = {ext: hashlib.sha256(open(p, "rb").read()).hexdigest() for ext, p in committed.items()}
     assert after == before
