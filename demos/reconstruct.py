@@ -20,19 +20,23 @@ import argparse
 import os
 import shlex
 import sys
+import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_IMAGE_DIR = os.path.join(REPO, "demos", "data", "aloe")
 sys.path.insert(0, os.path.join(REPO, "tools"))  # the command-line helpers the tools share
 from _cli import ToolParser, nonnegative_int, percentile, positive_float, positive_int  # noqa: E402
 
-OUTPUTS = """outputs (in OUT_DIR, all written to a hidden temporary folder and renamed at the end):
-  points.ply            coloured point cloud, points under the confidence percentile dropped
-                        -> open3d, MeshLab, CloudCompare, Blender
-  scene.glb             point cloud + one frustum per camera -> any glTF viewer (Blender, three.js,
-                        gltf-viewer.donmccurdy.com), trimesh. Axes turned to glTF's y-up (x, -y, -z)
-  sparse/0/             COLMAP model: cameras, images, points3D as .txt (always) and .bin (with
-                        pycolmap); PINHOLE per image in source-image pixels, points with tracks
+OUTPUTS = """outputs (in OUT_DIR, all written side by side to a hidden temporary folder and renamed at the end):
+  points.ply            coloured point cloud, points under the confidence percentile dropped; with
+                        --max-points N a seeded random N of them -> open3d, MeshLab, CloudCompare, Blender
+  points_full.ply       the whole cloud, when --max-points dropped points
+  scene.glb             the points of points.ply (at most 2M) + one frustum per camera -> any glTF viewer
+                        (Blender, three.js, gltf-viewer.donmccurdy.com), trimesh. Axes turned to glTF's y-up
+                        (x, -y, -z)
+  sparse/0/             COLMAP binary model: cameras.bin, images.bin, points3D.bin (and the .txt files with
+                        --colmap-text); PINHOLE per image in source-image pixels, points with tracks; with
+                        --ba the bundle-adjusted cameras and tracked points
                         -> COLMAP, pycolmap, nerfstudio (ns-process-data / colmap), gsplat
   images/               the frames under the names the models use (copies of the sources, never
                         links: editing them leaves your photos alone; decoded video frames as JPEG)
@@ -48,7 +52,10 @@ OUTPUTS = """outputs (in OUT_DIR, all written to a hidden temporary folder and r
                         camera-from-world, world = first camera), intrinsic 3x3 (model's frame) and
                         intrinsic_original (source image) -> tools/eval_reconstruction.py, your code
   preview.png           the point cloud from the first camera and from an oblique view, depth maps
-  summary.json          frames, tokens, points kept, time, peak memory (host RSS, CUDA), mode, environment
+  summary.json          frames, tokens, points kept, seconds per stage (setup, decode, build, compile, warmup,
+                        inference, tracks, bundle_adjustment, export, other: they add up to total) and per
+                        output (export_outputs: written side by side, so they overlap), peak memory (host
+                        RSS, CUDA), mode, environment; with --ba the reprojection error before / after
   .visionattn-recon.json  manifest of every file written: a later run replaces OUT_DIR only while
                         it holds exactly these files
 
@@ -132,7 +139,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the per-pixel predictions (48 bytes per pixel: ~10 GiB for 1000 518x392 frames) "
                         "wait for the export: on disk in a temporary folder beside OUT_DIR, or in host memory; "
                         "auto: on disk when they would take over half the free host memory (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights (default: %(default)s)")
+    p.add_argument("--max-points", type=positive_int, default=None, metavar="N",
+                   help="at most N points in points.ply and scene.glb (a seeded random subset, for viewers that "
+                        "choke on millions); the whole cloud then goes to points_full.ply (default: all)")
+    p.add_argument("--colmap-text", action="store_true",
+                   help="write sparse/0 as COLMAP text files too (.txt beside the .bin; needs pycolmap)")
+    p.add_argument("--ba", action="store_true",
+                   help="bundle-adjust the predicted cameras and points with pycolmap over tracks of VGGT's track "
+                        "head (query pixels in --ba-query-frames frames; an observation needs track visibility "
+                        "and confidence > 0.2 and lies within --ba-max-error px of its point's projection); "
+                        "sparse/0 is then the refined model, summary.json has the reprojection error before / "
+                        "after. Needs pycolmap (pip install pycolmap)")
+    p.add_argument("--ba-query-frames", type=positive_int, default=8, metavar="N",
+                   help="--ba: frames whose pixels are tracked, spread evenly from the first (default: %(default)s)")
+    p.add_argument("--ba-points", type=positive_int, default=512, metavar="N",
+                   help="--ba: random pixels tracked from each query frame (default: %(default)s)")
+    p.add_argument("--ba-max-error", type=positive_float, default=8.0, metavar="PX",
+                   help="--ba: the largest distance in pixels of the model's frame between a tracked pixel and the "
+                        "projection of its point for the observation to count (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights and sampled points "
+                                                       "(default: %(default)s)")
     p.add_argument("--no-preview", action="store_true", help="skip preview.png")
     p.add_argument("--quiet", action="store_true", help="no progress bars or notes (summary line only)")
     return p
@@ -157,14 +183,18 @@ def main(argv=None) -> dict:
         parser.error("--fps and --every are exclusive: pass one of them")
     log = (lambda *a: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     try:
-        with handle_sigterm():
+        with handle_sigterm(), warnings.catch_warnings():
+            if args.quiet:  # the summary line only: notes such as the intrinsics fallback stay in summary.json
+                warnings.simplefilter("ignore")
             summary = reconstruct(
                 args.input, args.out, model=args.model, mode=args.mode, weights=args.weights,
                 device=args.device, conf_percentile=args.conf_percentile, max_frames=args.max_frames,
                 size=args.size, preprocess=args.preprocess, point_source=args.points_from, seed=args.seed,
                 preview=not args.no_preview, progress=not args.quiet, warmup=args.warmup, log=log,
                 fps=args.fps, every=args.every, host_memory=args.host_memory,
-                compile_ahead=not args.no_compile_ahead)
+                compile_ahead=not args.no_compile_ahead, max_points=args.max_points, colmap_text=args.colmap_text,
+                ba=args.ba, ba_query_frames=args.ba_query_frames, ba_points=args.ba_points,
+                ba_max_error=args.ba_max_error)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
@@ -173,10 +203,20 @@ def main(argv=None) -> dict:
         print(f"{how}: nothing was written to {args.out}", file=sys.stderr)
         return {"exit_code": code, "error": how}
     summary["command"] = shlex.join(["demos/reconstruct.py", *(sys.argv[1:] if argv is None else argv)])
+    sec = summary["seconds"]
+    ba = summary.get("bundle_adjustment")
     print(f"reconstructed {summary['frames']} frames ({summary['image_hw'][0]}x{summary['image_hw'][1]}), "
-          f"{summary['tokens']} tokens, {summary['points_kept']:,} points kept | "
-          f"model {summary['model_seconds']:.1f} s, inference {summary['inference_seconds']:.2f} s, "
-          f"total {summary['total_seconds']:.1f} s, "
+          f"{summary['tokens']} tokens, {summary['points_kept']:,} points kept"
+          + (f" ({summary['points_ply']:,} in points.ply)" if summary["points_ply"] != summary["points_kept"] else "")
+          + ("" if not ba else ", BA skipped (no track passed)" if "skipped" in ba else
+             f", BA reprojection error {ba['reprojection_error_before']:.2f} px, kept (BA did not lower it)"
+             if ba["reverted"] else
+             f", BA reprojection error {ba['reprojection_error_before']:.2f} -> "
+             f"{ba['reprojection_error_after']:.2f} px")
+          + " | "
+          + ", ".join(f"{k} {sec[k]:.1f} s" for k in ("decode", "build", "compile", "inference", "tracks",
+                                                      "bundle_adjustment", "export") if sec[k] >= 0.05)
+          + f", total {sec['total']:.1f} s, "
           f"peak memory {_gib(summary['peak_memory_bytes'])} ({summary['peak_memory_kind']}), "
           f"host RSS {_gib(summary['peak_host_rss_bytes'])}"
           + (f", CUDA {_gib(summary['peak_cuda_allocated_bytes'])}" if 'peak_cuda_allocated_bytes' in summary else "")

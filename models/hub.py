@@ -161,20 +161,23 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, revision: str | None = N
                     local_files_only=local_files_only, force_download=force_download, timeout_s=timeout_s)
 
 
-def load_state_dict_file(path: str) -> dict[str, torch.Tensor]:
+def load_state_dict_file(path: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Read a ``.safetensors`` or ``.pt`` / ``.pth`` / ``.bin`` state dict (torch.load with weights_only=True).
 
-    A ``.pt`` holding ``{"model": state_dict}`` or ``{"state_dict": ...}`` is unwrapped.
+    The tensors are created on ``device``: safetensors copies each one from the file straight to it (no host
+    copy of the whole checkpoint first); a ``.pt`` is read with ``map_location=device``. A ``.pt`` holding
+    ``{"model": state_dict}`` or ``{"state_dict": ...}`` is unwrapped.
 
     Raises:
         ValueError: unknown extension or not a state dict.
     """
+    device = torch.device(device)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
-        return load_file(path)
+        return load_file(path, device=str(device))
     if path.endswith((".pt", ".pth", ".bin")):
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = torch.load(path, map_location=device, weights_only=True)
         for key in ("model", "state_dict"):
             if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
                 sd = sd[key]

@@ -388,7 +388,7 @@ class VGGT(nn.Module):
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike = DEFAULT_REPO, *,
                         force_download: bool = False, token: str | bool | None = None, cache_dir=None,
                         local_files_only: bool = False, revision: str | None = None, strict: bool = True,
-                        **model_kwargs) -> "VGGT":
+                        device: str | torch.device = "cpu", **model_kwargs) -> "VGGT":
         """Load weights from the hub (``"facebook/VGGT-1B"``), a directory or a checkpoint file.
 
         Same call as huggingface_hub's ``PyTorchModelHubMixin.from_pretrained``. Licence: the
@@ -397,8 +397,9 @@ class VGGT(nn.Module):
         logs this note. A hub id is resolved with :func:`visionattn.models.hub.hub_file`: the local
         cache first, then one online attempt with a short timeout, so offline it fails in seconds.
 
-        The model is built on the meta device and the weights are assigned (no random
-        initialisation of 1.26 B parameters). The ``config.json`` beside the weights
+        The model is built on the meta device and the weights, read from the file straight onto
+        ``device``, are assigned (no random initialisation of 1.26 B parameters, no host copy first
+        when ``device`` is a GPU). The ``config.json`` beside the weights
         (from :meth:`save_pretrained` or the hub) sets the config; ``model_kwargs``
         (e.g. ``attn_mode="bf16"``, ``merging=FASTVGGT_MERGING``) win over it.
 
@@ -407,6 +408,7 @@ class VGGT(nn.Module):
                 ``model.pt``, or such a file.
             force_download, token, cache_dir, local_files_only, revision: as ``hf_hub_download``.
             strict: refuse missing / unexpected keys (with False, missing ones get a fresh init).
+            device: where the parameters are created (``"cpu"``, ``"cuda"``, ...).
 
         Raises:
             visionattn.models.hub.CheckpointNotFoundError: not local and not downloadable
@@ -427,20 +429,22 @@ class VGGT(nn.Module):
                 pass
         cfg = _read_config(config_path)
         cfg.update(model_kwargs)
-        sd = load_state_dict_file(path)
+        device = torch.device(device)
+        sd = load_state_dict_file(path, device)
         with torch.device("meta"):
             model = cls(**cfg)
         result = model.load_state_dict(sd, strict=strict, assign=True)
         missing = [n for n, p in model.named_parameters() if p.is_meta]
-        if missing:  # strict=False and keys absent: give them a fresh initialisation on the CPU
-            fresh = cls(**cfg)
+        if missing:  # strict=False and keys absent: give them a fresh initialisation on the device
+            with torch.device(device):
+                fresh = cls(**cfg)
             fsd = fresh.state_dict()
             model.load_state_dict({n: fsd[n] for n in missing}, strict=False, assign=True)
         agg = model.aggregator
         from .aggregator import _MEAN, _STD
 
-        agg._resnet_mean = torch.tensor(_MEAN).reshape(1, 1, 3, 1, 1)
-        agg._resnet_std = torch.tensor(_STD).reshape(1, 1, 3, 1, 1)
+        agg._resnet_mean = torch.tensor(_MEAN, device=device).reshape(1, 1, 3, 1, 1)
+        agg._resnet_std = torch.tensor(_STD, device=device).reshape(1, 1, 3, 1, 1)
         model.load_result = result
         return model.eval()
 

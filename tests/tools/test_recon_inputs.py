@@ -109,7 +109,7 @@ def _one_error_line(err):
 
 
 @pytest.mark.parametrize("case", ["bomb", "device", "device_index", "corrupt_safetensors", "corrupt_pt",
-                                  "empty_weights_folder"])
+                                  "empty_weights_folder", "file_not_video"])
 def test_anticipated_errors_exit_2_in_one_line_before_work(case, tmp_path, capsys):
     src = tmp_path / "in"
     src.mkdir()
@@ -121,6 +121,10 @@ def test_anticipated_errors_exit_2_in_one_line_before_work(case, tmp_path, capsy
     elif case.startswith("device"):
         args[args.index("--device") + 1] = "foo" if case == "device" else "cuda:99"
         expect = "--device"
+    elif case == "file_not_video":  # a file is taken as a video; one that is not names both accepted kinds
+        src = tmp_path / "notes.txt"
+        src.write_text("not a video")
+        expect = "a folder of images or a video file (.3gp, .avi"
     else:
         (src / "z.jpg").write_bytes(b"\xff\xd8 corrupt")  # only reported if the weights were not checked first
         if case == "corrupt_safetensors":

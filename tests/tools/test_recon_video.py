@@ -124,7 +124,7 @@ def video_run(request, tmp_path_factory):
         src, extra = os.path.join(SHARED_VIDEO, request.param), ["--fps", "1"]
     out = tmp / "out"
     summary = demo["main"]([str(src), "--out", str(out), "--weights", "random-tiny", "--device", "cpu",
-                            "--max-frames", "8", "--size", "182", "--quiet", "--no-preview", *extra])
+                            "--max-frames", "8", "--size", "182", "--quiet", "--no-preview", "--colmap-text", *extra])
     assert summary["exit_code"] == 0
     return summary, out
 
@@ -136,8 +136,8 @@ def test_colmap_model_loads_in_pycolmap_and_matches_cameras_json(video_run):
     assert len(frames) == summary["frames"] == 8
     for kind in ("bin", "txt"):
         assert all((out / "sparse" / "0" / f"{n}.{kind}").is_file() for n in ("cameras", "images", "points3D"))
-    rec = pycolmap.Reconstruction(str(out / "sparse" / "0"))  # the binary model
-    text = pycolmap.Reconstruction()
+    rec = pycolmap.Reconstruction(str(out / "sparse" / "0"))  # the binary model, written from numpy
+    text = pycolmap.Reconstruction()  # --colmap-text: pycolmap's text of that model
     text.read_text(str(out / "sparse" / "0"))
     assert rec.num_images() == text.num_images() == 8 and rec.num_points3D() == text.num_points3D() > 0
     for image_id, im in rec.images.items():

@@ -40,33 +40,6 @@ def recon(tmp_path_factory):
     return summary, out, src
 
 
-def _read_colmap(folder):
-    cams, imgs, pts = {}, {}, []
-    for line in open(folder / "cameras.txt"):
-        if line.startswith("#") or not line.strip():
-            continue
-        e = line.split()
-        cams[int(e[0])] = (e[1], int(e[2]), int(e[3]), np.array([float(x) for x in e[4:]]))
-    lines = [ln for ln in open(folder / "images.txt") if not ln.startswith("#")]
-    for k in range(0, len(lines), 2):  # two lines per image; the second (2D points) may be empty
-        e = lines[k].split()
-        imgs[int(e[0])] = (np.array([float(x) for x in e[1:5]]), np.array([float(x) for x in e[5:8]]),
-                           int(e[8]), e[9])
-    for line in open(folder / "points3D.txt"):
-        if line.startswith("#") or not line.strip():
-            continue
-        e = line.split()
-        pts.append([float(x) for x in e[1:4]] + [int(x) for x in e[4:7]] + [len(e[8:]) // 2])
-    return cams, imgs, np.array(pts)
-
-
-def _quat_to_R(q):
-    w, x, y, z = q / np.linalg.norm(q)
-    return np.array([[1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)],
-                     [2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)],
-                     [2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)]])
-
-
 def test_demo_writes_every_output(recon):
     summary, out, src = recon
     assert summary["exit_code"] == 0 and summary["frames"] == 6
@@ -76,11 +49,12 @@ def test_demo_writes_every_output(recon):
     assert summary["tokens"] == 6 * (5 + (H // 14) * (W // 14))
     names = ["left01", "left02", "left03", "right01", "right02", "right03"]
     for sub in ["points.ply", "cameras.json", "preview.png", "summary.json", "transforms.json", "scene.glb",
-                "sparse/0/cameras.txt", "sparse/0/images.txt", "sparse/0/points3D.txt"] + \
+                "sparse/0/cameras.bin", "sparse/0/images.bin", "sparse/0/points3D.bin"] + \
             [f"depth/{n}.png" for n in names] + [f"images/{n}.jpg" for n in names] + \
             [f"depth/{n}.npy" for n in names] + [f"confidence/{n}.npy" for n in names]:
         assert (out / sub).is_file(), sub
     assert not [p for p in os.listdir(out.parent) if p.startswith(".")]  # no temp folders left
+    assert not (out / "points_full.ply").exists() and not (out / "sparse/0/cameras.txt").exists()  # not asked for
 
     cams = json.load(open(out / "cameras.json"))
     assert [f["name"] for f in cams["frames"]] == names
@@ -133,23 +107,24 @@ def test_depth_png_and_confidence(recon):
         assert c.shape == d.shape and c.dtype == np.float32 and np.isfinite(c).all()
 
 
-def test_colmap_text_model_parses_and_matches_cameras_json(recon):
-    _, out, src = recon
+def test_colmap_model_reads_in_pycolmap_and_matches_cameras_json(recon):
+    pycolmap = pytest.importorskip("pycolmap", reason="pycolmap not installed: pip install -e '.[recon]'")
+    summary, out, src = recon
     cams_json = json.load(open(out / "cameras.json"))
-    cams, imgs, pts = _read_colmap(out / "sparse" / "0")
-    assert len(cams) == len(imgs) == 6
-    assert 0 < len(pts) <= 200_000 and pts.shape[1] == 7
-    assert pts[:, 3:6].min() >= 0 and pts[:, 3:6].max() <= 255
-    assert pts[:, 6].min() >= 1  # every point has a track: at least the frame it came from
+    rec = pycolmap.Reconstruction(str(out / "sparse" / "0"))
+    assert rec.num_cameras() == rec.num_images() == 6
+    assert 0 < rec.num_points3D() == summary["colmap"]["points"] <= 200_000
+    assert rec.compute_num_observations() == summary["colmap"]["observations"]
+    assert min(p.track.length() for p in rec.points3D.values()) >= 1  # at least the frame it came from
     rng = np.random.default_rng(0)
-    for image_id, (q, t, cam_id, name) in imgs.items():
+    for image_id, im in rec.images.items():
         f = cams_json["frames"][image_id - 1]
-        assert "images/" + name == f["image"] and (out / f["image"]).is_file() and (src / f["file"]).is_file()
+        assert "images/" + im.name == f["image"] and (out / f["image"]).is_file() and (src / f["file"]).is_file()
         E = np.array(f["extrinsic"])
-        np.testing.assert_allclose(_quat_to_R(q), E[:, :3], atol=1e-6)
-        np.testing.assert_allclose(t, E[:, 3], atol=1e-6)
-        model, w, h, (fx, fy, cx, cy) = cams[cam_id]
-        assert model == "PINHOLE" and (w, h) == (640, 480)  # the source image, not the 182 px frame
+        np.testing.assert_allclose(im.cam_from_world().matrix(), E, atol=1e-6)
+        cam = rec.cameras[im.camera_id]
+        assert cam.model.name == "PINHOLE" and (cam.width, cam.height) == (640, 480)  # the source, not 182 px
+        fx, fy, cx, cy = cam.params
         # a 3D point projects to the same place via COLMAP (source pixels) and via cameras.json
         # (preprocessed pixels) once mapped back with the resize factors
         X = rng.normal(size=3) + np.array([0, 0, 5.0])
@@ -160,6 +135,29 @@ def test_colmap_text_model_parses_and_matches_cameras_json(recon):
         sx, sy = f["width"] / 640, f["height"] / 480  # resized, no crop (the height stays under SIZE)
         expected_pre = np.array([sx * u_src[0], sy * u_src[1]])  # continuous pixels: a pure scale
         np.testing.assert_allclose(u_pre, expected_pre, atol=1e-6 * max(1, np.abs(u_pre).max()))
+
+
+def test_summary_stages_add_up_to_the_wall_time(tmp_path):
+    """summary.json's seconds: every stage, each >= 0, adding up to total, which is the wall time of the run up
+    to the summary; export_outputs names each output's writer."""
+    import time
+
+    t0 = time.perf_counter()
+    res = demo.main([os.path.join(MULTIVIEW, "aloe"), "--out", str(tmp_path / "o"), "--weights", "random-tiny",
+                     "--device", "cpu", "--size", "140", "--quiet"])
+    wall = time.perf_counter() - t0
+    sec = json.load(open(tmp_path / "o" / "summary.json"))["seconds"]
+    assert res["exit_code"] == 0 and sec == res["seconds"]
+    assert list(sec) == ["setup", "decode", "build", "compile", "warmup", "inference", "tracks",
+                         "bundle_adjustment", "export", "other", "total"]
+    assert min(sec.values()) >= 0 and sec["tracks"] == sec["bundle_adjustment"] == 0
+    assert sum(v for k, v in sec.items() if k != "total") == pytest.approx(sec["total"], rel=1e-9)
+    assert sec["total"] <= wall < sec["total"] + 1.0  # the rest: summary.json and the rename into place
+    assert sec["inference"] > 0 and sec["export"] > 0 and sec["other"] < 0.2 * sec["total"]
+    outputs = res["export_outputs"]
+    assert set(outputs) == {"select", "points.ply", "sparse/0", "scene.glb", "preview.png", "depth/", "cameras.json",
+                            "transforms.json"}
+    assert all(v > 0 for v in outputs.values())
 
 
 def test_preview_png_is_a_real_picture(recon):

@@ -8,11 +8,12 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
 * :mod:`~visionattn.recon.pipeline` ``build_model``, ``run_model``, ``reconstruct`` (the demo's work).
 * :mod:`~visionattn.recon.outdir`   the output folder: manifest, refusal to replace foreign folders or
   inputs, atomic temp-then-rename writing, SIGTERM and SIGHUP handled like Ctrl-C, a full disk in one line.
-* :mod:`~visionattn.recon.export`   ``write_reconstruction``: every output file of a run, through the
-  per-format modules below (whose names it re-exports).
-* :mod:`~visionattn.recon.points`   confidence-filtered points, points.ply (open3d).
+* :mod:`~visionattn.recon.export`   ``write_reconstruction``: every output file of a run, side by side in a
+  thread pool, through the per-format modules below (whose names it re-exports).
+* :mod:`~visionattn.recon.points`   confidence-filtered points, points.ply (trimesh).
 * :mod:`~visionattn.recon.cameras`  camera conventions (source-image intrinsics, OpenCV -> OpenGL), cameras.json.
-* :mod:`~visionattn.recon.colmap`   COLMAP sparse model (text, binary with pycolmap), point tracks.
+* :mod:`~visionattn.recon.colmap`   COLMAP sparse model (binary from numpy; text with pycolmap), point tracks.
+* :mod:`~visionattn.recon.ba`       bundle adjustment (pycolmap) over tracks of VGGT's track head.
 * :mod:`~visionattn.recon.nerfstudio` nerfstudio transforms.json.
 * :mod:`~visionattn.recon.scene`    scene.glb (points + camera frusta, trimesh).
 * :mod:`~visionattn.recon.depth`    16-bit depth PNG + npy, confidence npy.
@@ -25,5 +26,5 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
 Command line: ``python demos/reconstruct.py --help``.
 """
 
-__all__ = ["images", "pipeline", "outdir", "export", "points", "cameras", "colmap", "nerfstudio", "scene", "depth",
-           "preview", "metrics", "datasets", "evaluate"]
+__all__ = ["images", "pipeline", "outdir", "export", "points", "cameras", "colmap", "ba", "nerfstudio", "scene",
+           "depth", "preview", "metrics", "datasets", "evaluate"]

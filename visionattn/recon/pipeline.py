@@ -23,6 +23,7 @@ import torch
 
 from visionattn.reporting import environment
 
+from .colmap import require_pycolmap
 from .images import ImageFolderError, LoadedImages, load_images
 from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, check_output_dir,
                      require_trimesh, write_reconstruction)
@@ -31,7 +32,7 @@ __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "DeviceError", "USER_ERRORS",
     "check_checkpoint", "resolve_device", "load_source", "build_model",
     "run_model", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY", "prediction_bytes",
-    "available_host_memory", "prediction_store", "start_compile_ahead",
+    "available_host_memory", "prediction_store", "start_compile_ahead", "Stages", "STAGES",
 ]
 
 DEFAULT_WEIGHTS = "facebook/VGGT-1B"
@@ -131,20 +132,23 @@ def build_model(model: str = "vggt", weights: str = DEFAULT_WEIGHTS, mode: str =
     kwargs = {"attn_mode": attn_mode}
     if model == "fastvggt":
         kwargs["merging"] = merging_cfg
+    dev = torch.device(device)
     if weights in ("random", "random-tiny"):
         if weights == "random-tiny":
             kwargs = {**tiny_config(), **kwargs}
-        with torch.random.fork_rng(devices=[]):
+        # built on the device itself: the device's RNG fills the parameters in place, with no host init and copy
+        # (the CPU's serial RNG is what takes VGGT-1B's 1.26 B parameters ~20 s); one seed, one model per device
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), dev:
             torch.manual_seed(seed)
             net = VGGT(**kwargs)
     else:
         source = _reachable_weights(weights)
-        try:
-            net = VGGT.from_pretrained(source, **kwargs)
+        try:  # built on the meta device, the weights read from the file straight onto the device (no init)
+            net = VGGT.from_pretrained(source, device=dev, **kwargs)
         except Exception as exc:  # hub offline / not cached / bad file: one line naming the fix
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise WeightsError(f"cannot load weights {weights!r}: {why}. " + _HUB_HELP) from exc
-    return net.to(device).eval()
+    return net.to(dev).eval()
 
 
 def count_tokens(model: torch.nn.Module, frames: int, hw: tuple[int, int], patch: int = 14) -> int:
@@ -175,7 +179,7 @@ def available_host_memory() -> int:
 
 
 def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.device = "cpu",
-              progress: bool = True, warmup: int = 0, store: str | None = None) -> dict:
+              progress: bool = True, warmup: int = 0, store: str | None = None, track_queries=None) -> dict:
     """Run VGGT on one scene and decode cameras.
 
     Args:
@@ -186,6 +190,11 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
             returned as ``np.memmap`` views and filled a few frames at a time, so host memory holds only the
             pages in use (for reconstructions larger than the host memory; :func:`prediction_bytes` says how
             large). None: in host memory.
+        track_queries: ``(query frames int [Q], frame 0 first; pixels (x, y) float [Q, N, 2])``
+            (:func:`visionattn.recon.ba.query_plan`): also track these pixels of each query frame through the
+            scene with VGGT's track head. The timed forward tracks frame 0's; the track features it computes
+            ([S, C, H/2, W/2] floats, kept until the tracks are done) serve the other query frames
+            (:func:`visionattn.recon.ba.track_from_features`).
 
     Returns:
         dict of numpy arrays: ``extrinsic`` [S, 3, 4] (OpenCV camera-from-world),
@@ -193,8 +202,10 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
         ``world_points`` [S, H, W, 3], ``world_points_conf`` [S, H, W],
         ``world_points_from_depth`` [S, H, W, 3], ``images`` [S, H, W, 3] (colours),
         ``intrinsic_fallback`` [S] bool (see :func:`_usable_intrinsics`);
-        plus ``seconds`` (forward time, synchronised) and ``peak_memory_bytes``
-        (CUDA max allocated, or process peak RSS on CPU) and ``peak_memory_kind``.
+        plus ``seconds`` (forward time, synchronised), ``warmup_seconds``, ``peak_memory_bytes``
+        (CUDA max allocated, or process peak RSS on CPU) and ``peak_memory_kind``. With ``track_queries``:
+        ``track`` [Q, S, N, 2] pixels, ``track_vis``, ``track_conf`` [Q, S, N], ``track_frames`` [Q],
+        ``track_points`` [Q, N, 2] and ``track_seconds`` (the query frames after the first).
     """
     from tqdm.auto import tqdm
 
@@ -203,6 +214,7 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     x = images.to(dev, torch.float32)
     H, W = x.shape[-2:]
     bar = tqdm(total=1 + warmup, desc="inference", unit="pass", disable=not progress)
+    t0 = time.perf_counter()
     with torch.inference_mode():
         for _ in range(warmup):
             model(x)
@@ -210,12 +222,27 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+    warmup_seconds = time.perf_counter() - t0
+    queries, features = None, {}
+    if track_queries is not None:
+        if getattr(model, "track_head", None) is None:
+            raise ValueError("tracking needs a model with a track head (enable_track=True)")
+        frames_q, points_q = np.asarray(track_queries[0], np.int64), np.asarray(track_queries[1], np.float32)
+        if frames_q[0] != 0:
+            raise ValueError(f"track_queries: the first query frame must be 0, got {frames_q.tolist()}")
+        queries = torch.as_tensor(points_q[0], device=dev)[None]
+        hook = model.track_head.feature_extractor.register_forward_hook(
+            lambda module, args, output: features.update(fmaps=output))
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model(x)
-        extr, intr = to_extri_intri(out["pose_enc"], (H, W))
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+    try:
+        with torch.inference_mode():
+            out = model(x, query_points=queries)
+            extr, intr = to_extri_intri(out["pose_enc"], (H, W))
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+    finally:
+        if queries is not None:
+            hook.remove()
     seconds = time.perf_counter() - t0
     bar.update()
     bar.close()
@@ -245,8 +272,28 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
             pred["world_points_conf"][f] = np32(out["world_points_conf"][0, f])
             pred["world_points_from_depth"][f] = np32(unproject(out["depth"][0, f], extr[f], intr[f]))
             pred["images"][f] = np32(images[f].permute(0, 2, 3, 1))
-    pred.update(seconds=seconds, peak_memory_bytes=peak, peak_memory_kind=kind)
+    pred.update(seconds=seconds, warmup_seconds=warmup_seconds, peak_memory_bytes=peak, peak_memory_kind=kind)
+    if queries is not None:
+        pred.update(_track_query_frames(model, out, features.pop("fmaps"), frames_q, points_q, progress))
     return pred
+
+
+def _track_query_frames(model, out: dict, fmaps: torch.Tensor, frames_q, points_q, progress: bool) -> dict:
+    """Tracks of every query frame: frame 0's from the forward ``out``, the others' from its track features."""
+    from tqdm.auto import tqdm
+
+    from .ba import track_from_features
+
+    t0 = time.perf_counter()
+    got = [(out["track"][0], out["vis"][0], out["conf"][0])]
+    with torch.inference_mode():
+        for q, pts in zip(tqdm(frames_q[1:], desc="tracking", unit="frame", disable=not progress or len(frames_q) < 2),
+                          points_q[1:]):
+            got.append(track_from_features(model.track_head, fmaps, torch.as_tensor(pts, device=fmaps.device),
+                                           int(q)))
+    tracks, vis, conf = (torch.stack(t).float().cpu().numpy() for t in zip(*got))
+    return {"track": tracks, "track_vis": vis, "track_conf": conf, "track_frames": frames_q, "track_points": points_q,
+            "track_seconds": time.perf_counter() - t0}
 
 
 FALLBACK_HFOV_DEG = 60.0
@@ -351,8 +398,11 @@ def load_source(source: str, size: int = 518, preprocess: str = "crop", max_fram
     Raises:
         ImageFolderError: unusable input; ``--fps`` / ``--every`` given for a folder.
     """
-    from .video import is_video, load_video
+    from .video import VIDEO_EXTS, is_video, load_video
 
+    if os.path.isfile(source) and not is_video(source):
+        raise ImageFolderError(f"{source!r} is a file but not a video; pass a folder of images or a video file "
+                               f"({', '.join(sorted(VIDEO_EXTS))})")
     if is_video(source):
         return load_video(source, size=size, mode=preprocess, fps=fps, every=every, max_frames=max_frames,
                           progress=progress, frames_dir=frames_dir)
@@ -403,7 +453,9 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 max_frames: int | str | None = None, size: int = 518, preprocess: str = "crop",
                 point_source: str = "depth", seed: int = 0, preview: bool = True,
                 progress: bool = True, warmup: int = 0, log=print, fps: float | None = None,
-                every: int | None = None, host_memory: str = "auto", compile_ahead: bool = True) -> dict:
+                every: int | None = None, host_memory: str = "auto", compile_ahead: bool = True,
+                max_points: int | None = None, colmap_text: bool = False, ba: bool = False,
+                ba_query_frames: int = 8, ba_points: int = 512, ba_max_error: float = 8.0) -> dict:
     """The whole demo: folder of images or video -> ``out_dir`` with points, cameras, depth, preview.
 
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
@@ -424,12 +476,21 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
             (:class:`visionattn.warmup.CompileAhead`) while the model is built and its weights load, instead of
             in the first forward; the summary's ``compile_ahead`` says how long it took and how long inference
             waited for it. (With ``max_frames="auto"`` the model is built first, and the first forward compiles.)
+        max_points: cap ``points.ply`` and ``scene.glb`` at this many points (seeded random subset); the whole
+            cloud then goes to ``points_full.ply``.
+        colmap_text: write ``sparse/0`` as text too (pycolmap).
+        ba: bundle-adjust the predicted cameras and points with pycolmap over tracks of VGGT's track head
+            (:mod:`visionattn.recon.ba`): ``ba_points`` pixels in each of ``ba_query_frames`` frames, observations
+            within ``ba_max_error`` pixels of their point's projection; ``sparse/0`` is then the refined model
+            of the tracked points (the other outputs keep the network's cameras).
 
     Returns:
-        summary dict: frames, tokens, points kept, seconds (model build and weight load, with any wait for
-        ``compile_ahead`` / inference / total),
-        peak memory (inference: CUDA max allocated or host RSS; plus the process's
-        peak host RSS), mode, model, weights, image size, skipped files, out_dir.
+        summary dict: frames, tokens, points kept, ``seconds`` (wall seconds per stage: setup, decode, build,
+        compile, warmup, inference, tracks, bundle_adjustment, export and other, which add up to total;
+        ``export_outputs``: seconds each output's writer ran, side by side, so they overlap), peak memory
+        (inference: CUDA max allocated or host RSS; plus the process's peak host RSS), mode, model, weights,
+        image size, skipped files, out_dir; with ``ba`` also ``bundle_adjustment`` (thresholds, tracks kept,
+        reprojection error before / after).
 
     Raises:
         ImageFolderError, OutputDirError, WeightsError, DeviceError, MissingDependencyError:
@@ -444,9 +505,13 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     _check_mode(mode)
     if host_memory not in HOST_MEMORY:
         raise ValueError(f"host_memory={host_memory!r}; expected one of {HOST_MEMORY}")
+    if max_points is not None and (not isinstance(max_points, int) or max_points < 1):
+        raise ValueError(f"max_points={max_points!r}; expected a positive int or None")
     dev = resolve_device(device)
     check_output_dir(out_dir, inputs=[source])
     require_trimesh()  # points.ply and scene.glb need it: fail now, not after inference
+    if ba or colmap_text:
+        require_pycolmap()  # --ba and --colmap-text need it: fail now, with the install line
     if weights not in ("random", "random-tiny"):
         if os.path.exists(weights):
             check_checkpoint(weights)  # a corrupt file fails now, in one line, not after decoding
@@ -455,11 +520,45 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     opts = dict(source=source, out_dir=out_dir, model=model, mode=mode, weights=weights, dev=dev,
                 conf_percentile=conf_percentile, max_frames=max_frames, size=size, preprocess=preprocess,
                 point_source=point_source, seed=seed, preview=preview, progress=progress, warmup=warmup,
-                log=log, fps=fps, every=every, host_memory=host_memory, compile_ahead=compile_ahead)
+                log=log, fps=fps, every=every, host_memory=host_memory, compile_ahead=compile_ahead,
+                max_points=max_points, colmap_text=colmap_text, ba=ba, ba_query_frames=ba_query_frames,
+                ba_points=ba_points, ba_max_error=ba_max_error)
+    stages = Stages()
+    stages.add("setup", time.perf_counter() - t_start)  # argument checks, imports, output folder checks
     # the temporary output folder exists from here on: an unwritable --out fails before any decoding; the
     # prediction store (if any) is removed before that folder is renamed into place
     with atomic_output_dir(out_dir, inputs=[source], warn=log) as tmp, contextlib.ExitStack() as stack:
-        return _reconstruct_into(tmp, t_start, stack=stack, **opts)
+        return _reconstruct_into(tmp, t_start, stages, stack=stack, **opts)
+
+
+class Stages:
+    """Wall seconds per stage of a run (``time.perf_counter``), in the order the stages first ran.
+
+    ``with stages("decode"): ...`` times a block; :meth:`add` adds seconds measured elsewhere; :meth:`report`
+    adds ``other`` (the time in no stage) so that the stages add up to ``total``.
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + float(seconds)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def report(self, total: float, names=()) -> dict:
+        """``{stage: seconds}`` with every name of ``names`` (0 if it did not run), ``other`` and ``total``."""
+        out = {n: 0.0 for n in names}
+        out.update(self.seconds)
+        out["other"] = max(0.0, total - sum(out.values()))
+        out["total"] = total
+        return out
 
 
 def start_compile_ahead(mode: str, weights: str, device, images_shape: tuple[int, ...]):
@@ -499,21 +598,27 @@ def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
     return n
 
 
-def _reconstruct_into(tmp, t_start, source, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
+# the stages every summary lists (0 s where one did not run), in the order they run
+STAGES = ("setup", "decode", "build", "compile", "warmup", "inference", "tracks", "bundle_adjustment", "export")
+
+
+def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
                       size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every, host_memory,
-                      compile_ahead, stack) -> dict:
+                      compile_ahead, max_points, colmap_text, ba, ba_query_frames, ba_points, ba_max_error,
+                      stack) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
     net, model_seconds = None, 0.0
     if max_frames == "auto":  # the model first: the frame count depends on the memory left next to it
-        t0 = time.perf_counter()
-        net = build_model(model, weights, mode, dev, seed)
-        model_seconds = time.perf_counter() - t0
+        with stages("build"):
+            net = build_model(model, weights, mode, dev, seed)
+        model_seconds = stages.seconds["build"]
         max_frames = auto_max_frames(net, dev, size)
         log(f"--max-frames auto: {max_frames} frames fit on {dev}" if max_frames is not None
             else f"--max-frames auto: no limit on {dev}")
-    loaded = load_source(source, size=size, preprocess=preprocess, max_frames=max_frames, fps=fps, every=every,
-                         progress=progress, frames_dir=frames_dir)
+    with stages("decode"):
+        loaded = load_source(source, size=size, preprocess=preprocess, max_frames=max_frames, fps=fps, every=every,
+                             progress=progress, frames_dir=frames_dir)
     for name, why in loaded.skipped:
         log(f"note: skipped {name!r} ({why})")
     store = prediction_store(host_memory, loaded.images.shape[0], tuple(loaded.images.shape[-2:]), out_dir, stack,
@@ -522,43 +627,86 @@ def _reconstruct_into(tmp, t_start, source, out_dir, model, mode, weights, dev, 
     if net is None and compile_ahead:  # the model is built next: compile the kernels meanwhile
         ahead = start_compile_ahead(mode, weights, dev, tuple(loaded.images.shape))
     if net is None:
-        net = build_model(model, weights, mode, dev, seed)
-    ahead_info = ahead.wait() if ahead is not None else None
+        with stages("build"):
+            net = build_model(model, weights, mode, dev, seed)
+    with stages("compile"):  # what is left of the kernel compile once the model is built
+        ahead_info = ahead.wait() if ahead is not None else None
     model_seconds += time.perf_counter() - t0
     if ahead_info is not None and "error" not in ahead_info:
         log(f"attention kernels compiled beside the model load in {ahead_info['seconds']:.1f} s "
             f"(inference waited {ahead_info['waited']:.1f} s for them)")
-    pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup, store=store)
-    S, H, W = pred["depth"].shape
+    S, H, W = loaded.images.shape[0], *loaded.shape_hw
+    queries = None
+    if ba:
+        from .ba import query_plan
+
+        queries = query_plan(S, (H, W), ba_query_frames, ba_points, seed)
+    t0 = time.perf_counter()
+    pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup, store=store, track_queries=queries)
+    extra_seconds = pred["warmup_seconds"] + pred.get("track_seconds", 0.0)
+    stages.add("warmup", pred["warmup_seconds"])
+    stages.add("tracks", pred.get("track_seconds", 0.0))
+    stages.add("inference", time.perf_counter() - t0 - extra_seconds)
     tokens = count_tokens(net, S, (H, W))
     summary = {"frames": S, "image_hw": [H, W], "tokens": tokens, "model": model, "mode": mode,
                "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "warmup": warmup,
                "model_seconds": model_seconds,
                "peak_memory_bytes": pred["peak_memory_bytes"], "peak_memory_kind": pred["peak_memory_kind"],
                "predictions_on_disk": store is not None, "compile_ahead": ahead_info,
-               "conf_percentile": conf_percentile, "point_source": point_source,
+               "conf_percentile": conf_percentile, "point_source": point_source, "max_points": max_points,
                "skipped": [n for n, _ in loaded.skipped], "input": os.path.abspath(source),
                "sources": dict(zip(loaded.names, loaded.sources)),
                "intrinsic_fallback_frames": [int(i) for i in np.flatnonzero(pred["intrinsic_fallback"])],
                "environment": environment()}
     if loaded.extra:
         summary["video"] = loaded.extra
-    res = write_reconstruction(tmp, pred, loaded, conf_percentile, point_source, progress,
-                               extra={"model": model, "mode": mode, "weights": weights}, warn=log)
+    sparse_model = None
+    if ba:
+        from .ba import refine
+        from .points import confidence_threshold
+
+        with stages("bundle_adjustment"):
+            pts, conf = ((pred["world_points_from_depth"], pred["depth_conf"]) if point_source == "depth"
+                         else (pred["world_points"], pred["world_points_conf"]))
+            sparse_model, summary["bundle_adjustment"] = refine(
+                pred, loaded, confidence_threshold(pts, conf, conf_percentile), point_source, ba_max_error,
+                quiet=not progress)
+        info = summary["bundle_adjustment"]
+        if sparse_model is None:
+            log(f"note: bundle adjustment skipped ({info['skipped']}): sparse/0 holds the predicted cameras")
+        elif info["reverted"]:
+            log(f"note: bundle adjustment did not lower the mean reprojection error "
+                f"({info['reprojection_error_before']:.2f} px), so sparse/0 holds the tracked points with the "
+                "predicted cameras")
+        else:
+            log(f"bundle adjustment: {info['tracks']:,} tracks, {info['observations']:,} observations, mean "
+                f"reprojection error {info['reprojection_error_before']:.2f} -> "
+                f"{info['reprojection_error_after']:.2f} px")
+
+    def render(xyz, rgb):
+        from .preview import render_preview
+
+        title = (f"{model} {mode} weights={weights} | {S} frames, {tokens} tokens, "
+                 f"{len(xyz):,} points, {pred['seconds']:.2f} s")
+        render_preview(os.path.join(tmp, "preview.png"), xyz, rgb, pred["extrinsic"], pred["intrinsic"],
+                       pred["depth"], loaded.names, title)
+
+    with stages("export"):
+        res = write_reconstruction(tmp, pred, loaded, conf_percentile, point_source, progress,
+                                   extra={"model": model, "mode": mode, "weights": weights}, max_points=max_points,
+                                   colmap_text=colmap_text, sparse_model=sparse_model,
+                                   preview=render if preview else None)
     summary["points_kept"] = res["points"]
+    summary["points_ply"] = res["points_ply"]
     summary["colmap"] = res["colmap"]
     summary["depth_png_scale"] = res["depth_png_scale"]
-    if preview:
-        from .preview import render_preview
-        title = (f"{model} {mode} weights={weights} | {S} frames, {tokens} tokens, "
-                 f"{res['points']:,} points, {pred['seconds']:.2f} s")
-        render_preview(os.path.join(tmp, "preview.png"), res["xyz"], res["rgb"], pred["extrinsic"],
-                       pred["intrinsic"], pred["depth"], loaded.names, title)
-    summary["total_seconds"] = time.perf_counter() - t_start
+    summary["export_outputs"] = res["seconds"]
     summary["peak_host_rss_bytes"] = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
     if torch.device(dev).type == "cuda":
         summary["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated(torch.device(dev)))
     summary["out_dir"] = os.path.abspath(out_dir)
+    summary["total_seconds"] = time.perf_counter() - t_start
+    summary["seconds"] = stages.report(summary["total_seconds"], STAGES)
     with open(os.path.join(tmp, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, allow_nan=False)
     return summary

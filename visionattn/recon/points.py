@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "rgba8", "select_points",
-           "write_ply"]
+           "confidence_threshold", "subsample", "write_ply"]
 
 
 class MissingDependencyError(ImportError):
@@ -67,23 +67,49 @@ def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
     if points.shape[:-1] != conf.shape or colors.shape != points.shape:
         raise ValueError(f"shapes disagree: points {points.shape}, colors {colors.shape}, conf {conf.shape}")
     finite = np.isfinite(points).all(-1) & np.isfinite(conf)
-    keep = finite.copy()
-    if conf_percentile > 0 and finite.any():
-        thr = np.percentile(conf[finite], conf_percentile)
-        keep &= conf >= thr
+    keep = finite & (conf >= _threshold(conf, finite, conf_percentile))
     idx = np.flatnonzero(keep.reshape(-1))
-    if max_points is not None and idx.size > max_points:
-        idx = np.sort(np.random.default_rng(seed).choice(idx, size=max_points, replace=False))
+    sub = subsample(idx.size, max_points, seed)
+    if sub is not None:
+        idx = idx[sub]
     hw = conf.shape[1] * conf.shape[2]
     xyz = points.reshape(-1, 3)[idx].astype(np.float32)
     rgb = np.clip(colors.reshape(-1, 3)[idx], 0.0, 1.0).astype(np.float32)
     return xyz, rgb, (idx // hw).astype(np.int32), (idx % hw).astype(np.int64)
 
 
+def confidence_threshold(points: np.ndarray, conf: np.ndarray, conf_percentile: float) -> float:
+    """The confidence :func:`select_points` keeps from: the ``conf_percentile`` percentile of the confidences
+    [S, H, W] of finite points [S, H, W, 3] (-inf when it is 0 or none is finite)."""
+    return _threshold(conf, np.isfinite(points).all(-1) & np.isfinite(conf), conf_percentile)
+
+
+def _threshold(conf: np.ndarray, finite: np.ndarray, conf_percentile: float) -> float:
+    if conf_percentile <= 0 or not finite.any():
+        return -np.inf
+    return float(np.percentile(conf[finite], conf_percentile))
+
+
 def rgba8(rgb: np.ndarray) -> np.ndarray:
-    """[N, 3] colours in [0, 1] -> [N, 4] uint8 RGBA (opaque), as trimesh's point clouds take them."""
-    rgb = np.asarray(rgb, dtype=np.float64).reshape(-1, 3)
-    return np.concatenate([np.clip(np.round(rgb * 255), 0, 255), np.full((len(rgb), 1), 255)], 1).astype(np.uint8)
+    """[N, 3] colours in [0, 1] -> [N, 4] uint8 RGBA (opaque), as trimesh's point clouds take them.
+
+    Rounds half to even in the input's own float precision (float32 stays float32: no float64 copy of a large
+    cloud).
+    """
+    rgb = np.asarray(rgb).reshape(-1, 3)
+    if not np.issubdtype(rgb.dtype, np.floating):
+        rgb = rgb.astype(np.float64)
+    out = np.empty((len(rgb), 4), np.uint8)
+    out[:, :3] = np.rint(np.clip(rgb, 0.0, 1.0) * 255)
+    out[:, 3] = 255
+    return out
+
+
+def subsample(n: int, max_points: int | None, seed: int = 0) -> np.ndarray | None:
+    """Sorted indices of a seeded random subset of ``max_points`` of ``n`` points, or None when all fit."""
+    if max_points is None or n <= max_points:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(n, size=max_points, replace=False))
 
 
 def write_ply(path: str, xyz: np.ndarray, rgb: np.ndarray) -> None:
@@ -98,7 +124,7 @@ def write_ply(path: str, xyz: np.ndarray, rgb: np.ndarray) -> None:
         MissingDependencyError: see :func:`require_trimesh`.
     """
     trimesh = require_trimesh()
-    xyz = np.asarray(xyz, dtype=np.float64).reshape(-1, 3)
-    data = trimesh.PointCloud(xyz, colors=rgba8(rgb)).export(file_type="ply", encoding="binary")
+    data = trimesh.PointCloud(np.asarray(xyz).reshape(-1, 3), colors=rgba8(rgb)).export(file_type="ply",
+                                                                                       encoding="binary")
     with open(path, "wb") as f:
         f.write(data)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cameras import OPENCV_TO_OPENGL
-from .points import rgba8
+from .points import rgba8, subsample
 
 __all__ = ["write_glb"]
 
@@ -24,20 +24,23 @@ def write_glb(path: str, xyz, rgb, extrinsics, intrinsics, image_hw, max_points:
     """
     import trimesh
 
-    xyz = np.asarray(xyz, np.float64).reshape(-1, 3)
-    rgb = np.asarray(rgb, np.float64).reshape(-1, 3)
-    if len(xyz) > max_points:
-        idx = np.sort(np.random.default_rng(seed).choice(len(xyz), max_points, replace=False))
+    xyz = np.asarray(xyz).reshape(-1, 3)
+    rgb = np.asarray(rgb).reshape(-1, 3)
+    idx = subsample(len(xyz), max_points, seed)
+    if idx is not None:
         xyz, rgb = xyz[idx], rgb[idx]
     H, W = image_hw
     centers = [-np.asarray(E)[:, :3].T @ np.asarray(E)[:, 3] for E in extrinsics]
     if frustum_scale is None:
-        span = np.ptp(np.concatenate([xyz, np.array(centers)]), axis=0).max() if len(xyz) else 1.0
+        box = np.concatenate([xyz.min(0, keepdims=True), xyz.max(0, keepdims=True)]) if len(xyz) else np.zeros((0, 3))
+        span = np.ptp(np.concatenate([box, np.array(centers)]), axis=0).max() if len(xyz) else 1.0
         frustum_scale = 0.05 * float(span) if span > 0 else 0.1
     scene = trimesh.Scene()
     colors = rgba8(rgb)
     if len(xyz):
-        scene.add_geometry(trimesh.PointCloud(xyz @ OPENCV_TO_OPENGL.T, colors=colors), geom_name="points")
+        # OPENCV_TO_OPENGL is diagonal: a per-axis sign flip, no [N, 3] matrix product
+        scene.add_geometry(trimesh.PointCloud(xyz * np.diag(OPENCV_TO_OPENGL).astype(xyz.dtype), colors=colors),
+                           geom_name="points")
     for i, E in enumerate(extrinsics):
         E, K = np.asarray(E, np.float64), np.asarray(intrinsics[i], np.float64)
         corners_px = np.array([[0, 0, 1], [W, 0, 1], [W, H, 1], [0, H, 1]], np.float64)

@@ -1,0 +1,137 @@
+"""The export at disk speed: COLMAP binary from numpy arrays, outputs written side by side, --max-points; each file
+read back by its own reader (pycolmap, trimesh, Pillow)."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+trimesh = pytest.importorskip("trimesh", reason="trimesh not installed: pip install -e '.[recon]'")
+pycolmap = pytest.importorskip("pycolmap", reason="pycolmap not installed: pip install -e '.[recon]'")
+
+from visionattn.recon.colmap import write_colmap_model  # noqa: E402
+from visionattn.recon.export import write_outputs, write_reconstruction  # noqa: E402
+from visionattn.recon.images import LoadedImages  # noqa: E402
+
+
+def _cameras(S, rng):
+    """S cameras on a short arc looking at the origin's neighbourhood, one intrinsics each."""
+    E, K = np.zeros((S, 3, 4)), np.zeros((S, 3, 3))
+    for j in range(S):
+        a = 0.05 * j
+        E[j, :, :3] = [[np.cos(a), 0, np.sin(a)], [0, 1, 0], [-np.sin(a), 0, np.cos(a)]]
+        E[j, :, 3] = [0.2 * j, 0.01 * j, 0.0]
+        K[j] = [[90.0 + j, 0, 50.5], [0, 95.0 - j, 39.5], [0, 0, 1]]
+    return E, K
+
+
+def test_colmap_binary_from_arrays_reads_back_exactly(tmp_path):
+    """Variable-length tracks, names and 2D points in COLMAP's binary layout: pycolmap reads back every camera,
+    pose, point, colour and track, and the text written from it holds the same model."""
+    rng = np.random.default_rng(0)
+    S, N = 5, 700
+    E, K = _cameras(S, rng)
+    xyz = rng.normal(size=(N, 3)) * 0.5 + [0, 0, 4]
+    rgb = rng.uniform(size=(N, 3))
+    seen = [rng.uniform(size=N) < p for p in (0.9, 0.5, 0.3, 0.05, 0.0)]  # the last image sees nothing
+    seen[0][:3] = False  # and some points no image: a track of length 0
+    names = [f"frame_{j}.jpg" for j in range(S)]
+    folder = str(tmp_path / "sparse")
+    res = write_colmap_model(folder, names, E, K, [(100 + j, 80) for j in range(S)], xyz, rgb, seen, text=True)
+    assert res == {"points": N, "observations": int(sum(m.sum() for m in seen)), "binary": True, "text": True}
+    rec = pycolmap.Reconstruction(folder)
+    assert rec.num_images() == rec.num_cameras() == S and rec.num_points3D() == N
+    for j in range(S):
+        im = rec.images[j + 1]
+        cam = rec.cameras[im.camera_id]
+        assert im.name == names[j] and (cam.width, cam.height) == (100 + j, 80)
+        np.testing.assert_array_equal(cam.calibration_matrix(), K[j])
+        np.testing.assert_allclose(im.cam_from_world().matrix(), E[j], atol=1e-12)
+        assert [p.point3D_id - 1 for p in im.points2D] == np.flatnonzero(seen[j]).tolist()  # point order
+    for pid, p in rec.points3D.items():
+        np.testing.assert_array_equal(p.xyz, xyz[pid - 1])
+        np.testing.assert_array_equal(p.color, np.rint(rgb[pid - 1] * 255))
+        assert [e.image_id - 1 for e in p.track.elements] == [j for j in range(S) if seen[j][pid - 1]]
+    rec.update_point_3d_errors()  # each observation is its point's projection
+    assert rec.compute_mean_reprojection_error() < 1e-9
+    text = pycolmap.Reconstruction()
+    text.read_text(folder)
+    assert text.num_points3D() == N and text.compute_num_observations() == res["observations"]
+
+
+def _prediction(S=3, H=28, W=42, seed=0):
+    """A small prediction as run_model returns it, and the LoadedImages it came from (source images 2x larger)."""
+    rng = np.random.default_rng(seed)
+    E, K = _cameras(S, rng)
+    K[:, 0, 2], K[:, 1, 2] = W / 2, H / 2
+    depth = rng.uniform(2, 4, (S, H, W)).astype(np.float32)
+    v, u = np.mgrid[0:H, 0:W]
+    pix = np.stack([u, v, np.ones_like(u)], -1).astype(np.float64)
+    pts = np.stack([((pix @ np.linalg.inv(K[j]).T) * depth[j, ..., None] - E[j, :, 3]) @ E[j, :, :3]
+                    for j in range(S)]).astype(np.float32)
+    pred = {"extrinsic": E, "intrinsic": K, "intrinsic_fallback": np.zeros(S, bool), "depth": depth,
+            "depth_conf": rng.uniform(1, 5, (S, H, W)).astype(np.float32), "world_points": pts,
+            "world_points_conf": rng.uniform(1, 5, (S, H, W)).astype(np.float32), "world_points_from_depth": pts,
+            "images": rng.uniform(0, 1, (S, H, W, 3)).astype(np.float32)}
+    names = [f"f{j}" for j in range(S)]
+    loaded = LoadedImages(images=torch.zeros(S, 3, H, W), paths=[f"{n}.jpg" for n in names], names=names,
+                          original_sizes=[(2 * W, 2 * H)] * S, affines=[(0.5, 0.5, -0.25, -0.25)] * S,
+                          image_files=[f"{n}.jpg" for n in names], sources=[f"{n}.jpg" for n in names])
+    return pred, loaded
+
+
+def test_max_points_caps_ply_and_glb_and_keeps_the_full_cloud(tmp_path):
+    pred, loaded = _prediction()
+    res = write_reconstruction(str(tmp_path), pred, loaded, 50.0, progress=False, max_points=200, workers=4)
+    full = trimesh.load(str(tmp_path / "points_full.ply"))
+    ply = trimesh.load(str(tmp_path / "points.ply"))
+    assert len(full.vertices) == res["points"] > 200 and len(ply.vertices) == res["points_ply"] == 200
+    # the capped cloud is a subset of the full one, in its order, colours included
+    rows = {tuple(r) for r in np.concatenate([full.vertices, full.colors], 1).tolist()}
+    assert all(tuple(r) in rows for r in np.concatenate([ply.vertices, ply.colors], 1).tolist())
+    np.testing.assert_array_equal(full.vertices, res["xyz"])
+    scene = trimesh.load(str(tmp_path / "scene.glb"))
+    cloud = [g for g in scene.geometry.values() if isinstance(g, trimesh.PointCloud)]
+    assert len(cloud) == 1 and len(cloud[0].vertices) == 200
+    cams = json.load(open(tmp_path / "cameras.json"))
+    assert (cams["points_kept"], cams["points_ply"]) == (res["points"], 200)
+    # the COLMAP model comes from the whole cloud, in binary only unless asked
+    assert sorted(os.listdir(tmp_path / "sparse" / "0")) == ["cameras.bin", "images.bin", "points3D.bin"]
+    assert pycolmap.Reconstruction(str(tmp_path / "sparse" / "0")).num_points3D() == res["points"]
+    # depth PNGs from the thread pool: one per frame, the shared scale in each
+    for j, name in enumerate(loaded.names):
+        png = Image.open(tmp_path / "depth" / f"{name}.png")
+        assert png.size == loaded.original_sizes[j] and float(png.text["depth_scale"]) == res["depth_png_scale"]
+        np.testing.assert_array_equal(np.load(tmp_path / "depth" / f"{name}.npy"), pred["depth"][j])
+    assert set(res["seconds"]) == {"select", "points.ply", "points_full.ply", "sparse/0", "scene.glb", "depth/",
+                                   "cameras.json", "transforms.json"}
+
+
+def test_outputs_match_a_serial_run(tmp_path):
+    """Side by side or one at a time, the files are the same bytes."""
+    pred, loaded = _prediction(seed=1)
+    for workers in (1, 4):
+        (tmp_path / f"w{workers}").mkdir()
+        write_reconstruction(str(tmp_path / f"w{workers}"), pred, loaded, 30.0, progress=False, workers=workers)
+    files = sorted(os.path.relpath(os.path.join(d, f), tmp_path / "w1")
+                   for d, _, fs in os.walk(tmp_path / "w1") for f in fs)
+    assert len(files) == 4 + 3 + 3 * 3 and "sparse/0/points3D.bin" in files  # 3 frames: .png, .npy, conf .npy
+    for f in files:
+        assert (tmp_path / "w1" / f).read_bytes() == (tmp_path / "w4" / f).read_bytes(), f
+
+
+def test_a_failing_output_stops_the_rest_and_raises():
+    import time
+
+    ran = []
+
+    def boom():
+        raise OSError(28, "No space left on device")
+
+    tasks = [("boom", boom)] + [("later", lambda i=i: (time.sleep(0.01), ran.append(i))) for i in range(50)]
+    with pytest.raises(OSError, match="No space"):
+        write_outputs(tasks, workers=1, progress=False)
+    assert len(ran) < 50  # the queued writers were cancelled
+    assert write_outputs([("a", lambda: None)] * 3, workers=2, progress=False).keys() == {"a"}
