@@ -2,10 +2,11 @@
 """Randomized conformance suite: every public attention entry point, every mode, shapes at tile boundaries and odd
 memory layouts, each case checked against a float64 oracle.
 
-Cases. Case ``i`` of seed ``s`` (id ``s:i``) is drawn by its own ``random.Random(f"{s}:{i}")``: its family, mode,
-shapes, layouts, flags and the seed of its tensors depend on nothing else (the family and mode filters choose
-which ids run, they do not change a case), so ``--case s:i`` re-runs exactly one case, on the same device kind
-with the same tensors. Families (``--families``):
+Cases. Case ``i`` of seed ``s`` (id ``s:i``) is drawn by its own ``random.Random(f"{s}:{i}")`` (and a shared
+skeleton's stream that one names, see Skeletons): its family, mode, shapes, layouts, flags and the seed of its
+tensors depend on nothing else (the family and mode filters choose which ids run, they do not change a case;
+nor do ``--jobs`` or ``--isolate``), so ``--case s:i`` re-runs exactly one case, on the same device kind with the
+same tensors. Families (``--families``):
 
 * ``dense``: :func:`visionattn.attention`, forward and (for modes with a backward) backward;
 * ``qkvpacked``: :func:`visionattn.attention_qkvpacked` on a [B, N, 3, H, D] tensor (packed gradient);
@@ -24,12 +25,25 @@ with the same tensors. Families (``--families``):
 Modes (``--modes``): fp32, fp32-ieee, tf32, fp16, bf16, pasa (forward only: its calls never need gradients).
 Shapes: N in 1..4100 with most draws on the +-1 neighbours of 64 .. 4096 (``--profile tiny``: 16 / 32 / 64, for
 the CPU interpreter), Nq != Nk, head dims 16 .. 256 (and a few odd ones), Dv != D, B * H from 1 to 4096, the
-product B * H * Nq * Nk * max(D, Dv) capped (see :data:`PROFILES`). Layouts of q / k / v, bias, mask and the
-output gradient: contiguous, transposed ([B, N, H, D] memory), D-major, sliced from a larger tensor, strided
-last dim, stride-0 expanded (batch or heads), misaligned (data pointer off 16 bytes), timm's ``qkv.unbind``
-views; bias / mask broadcast patterns [Nq, Nk], [H, Nq, Nk], [B, 1, Nq, Nk], [1, H, 1, Nk], [B, 1, 1, Nk], ...,
-boolean masks, additive -inf / -100 entries, causal, fully masked rows and batches; gradients of ``out.sum()``,
-``out.mean()``, expanded and strided output gradients.
+product B * H * Nq * Nk * max(D, Dv), the oracle's B * H * Nq * Nk and the largest tensor's B * H * max(Nq, Nk) *
+max(D, Dv) capped (see :data:`PROFILES`: one case of ``full`` peaks at about 3 GiB, measured on the CPU, so a
+dozen ``--jobs`` fit on one GPU; the caps do not depend on ``--jobs``, so an id is the same case whatever ran it).
+Layouts of q / k / v, bias, mask and the output gradient: contiguous, transposed ([B, N, H, D] memory), D-major,
+sliced from a larger tensor, strided last dim, stride-0 expanded (batch or heads), misaligned (data pointer off
+16 bytes), timm's ``qkv.unbind`` views; bias / mask broadcast patterns [Nq, Nk], [H, Nq, Nk], [B, 1, Nq, Nk],
+[1, H, 1, Nk], [B, 1, 1, Nk], ..., boolean masks, additive -inf / -100 entries, causal, fully masked rows and
+batches; gradients of ``out.sum()``, ``out.mean()``, expanded and strided output gradients.
+
+Skeletons. What Triton compiles a kernel variant for (dtypes, head dims, layouts and alignments, bias / mask /
+causal / cosine flags, which gradients) is a case's *skeleton*; B, H, the sequence lengths and windows are runtime
+values of the kernels (mostly: a length can still pick another tile config or stride class). Half the cases
+(:data:`SHARED_SKELETONS`) take their skeleton from one of 4 per family and mode of the seed (a stream of its own,
+``random.Random(f"{seed}:{family}:{mode}:skeleton{j}")``) and draw their own lengths and values; the other half
+draw everything, from the whole space as before, so no layout or shape class is left out. The trade-off: a run of
+2000 cases draws about 1190 distinct skeletons instead of 2000 (a bug that needs a rare skeleton needs more
+cases, or other seeds, to show) and tests each of the 168 shared ones at about 6 sets of lengths; counted on the
+CPU (launches recorded, not run), 2000 ``full`` cases launch about 2600 distinct kernel specialisations instead of
+3400, and in the second thousand 73% of the cases need a new one instead of 92%.
 
 What passes. NaN or inf anywhere in an output or a gradient fails, as do a wrong output dtype or shape and a
 nonzero output (or dQ) row where every key is masked (the contract: zeros). Errors are relative L2 norms against
@@ -83,6 +97,23 @@ refused and did not) is a failure. Without ``--isolate`` a CUDA error that poiso
 process dies is re-run without the cases it finished and bisected down to the case(s) that kill a process
 alone, and a case whose CUDA error left the context unusable is re-run alone to confirm it is the culprit.
 
+Parallel runs. Nearly every case of a fresh run compiles new Triton kernel variants (seconds of one CPU core
+each, the GPU idle meanwhile), so ``--isolate`` runs up to ``--jobs`` chunk subprocesses at once (default: 12 or
+the CPU cores available, the fewer; ``--jobs`` above 1 without ``--isolate`` implies it, and without either
+the cases run in this process). Chunks are consecutive
+ids (``--chunk-size``; default with more than one job ``max(5, cases // (jobs * 8))``, about 8 chunks per job,
+so the jobs finish together, else 200); they start in id order as jobs free up, so a run the time budget stops
+has run about a prefix of the ids. No chunk starts after the time budget and running ones start no new case;
+each chunk's dead or hung processes are bisected on their own; the report lists the results in id order
+whatever finished first. Every worker shares Triton's on-disk kernel cache (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``; this tool sets neither it nor anything else that moves the cache), so a variant one worker
+compiled loads in the others (and in the next run); two workers wanting a new variant at the same moment both
+compile it. The workers share the GPU: each runs with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+(and ``OMP_NUM_THREADS`` = cores / jobs; each unless set), hands its cached blocks back after every case, and
+re-runs a case that ran out of memory (up to twice, after a pause) before reporting it; the float64 oracle still
+runs on the case's device. Each process pays Python, torch and CUDA start-up (seconds): for cheap cases (the CPU
+interpreter's ``tiny`` profile) one in-process run is faster than several jobs.
+
 Fallbacks (a call the kernels do not cover runs the exact reference and warns once) are correct by contract
 and pass; the warnings are recorded per case and listed in the report, so a family that never reached a kernel
 shows. On the CPU (``--device cpu``) the Triton kernels run in the interpreter (``TRITON_INTERPRET=1``, set by
@@ -92,7 +123,7 @@ Writes ``<out>/gpu_conformance.md`` and ``.json``: cases per family and mode, fa
 lines, refusals, the worst error and error / bound per mode and quantity, fallbacks, the time and, if the time
 budget stopped the run, how many cases did not run. Exit status 1 if any case failed or crashed.
 
-Usage: python tools/gpu_conformance.py [--seed 0] [--cases 2000] [--time-budget 480] [--isolate] --out DIR
+Usage: python tools/gpu_conformance.py [--seed 0] [--cases 2000] [--time-budget 480] [--isolate [--jobs 12]] --out DIR
        python tools/gpu_conformance.py --case 0:123          # one case again, as its failure line printed it
 """
 from __future__ import annotations
@@ -106,12 +137,15 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, nonnegative_float, positive_int  # noqa: E402
+from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_float, output_files,  # noqa: E402
+                  positive_int)
 
 FAMILIES = ("dense", "qkvpacked", "window", "window-qkvpacked", "varlen", "split-kv", "ring")
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa")
@@ -131,6 +165,12 @@ INTERPRETER_BF16_CONTRACTS = 4.0
 FWD_FLOOR = 1e-6
 CUDA_ERROR_WORDS = ("CUDA error", "illegal memory access", "device-side assert", "unspecified launch failure",
                     "CUBLAS_STATUS", "cudaErrorLaunchFailure", "misaligned address")
+OOM_WORDS = "out of memory"
+OOM_RETRIES = 2  # an --isolate worker re-runs a case that ran out of GPU memory (the other workers share it)
+MAX_DEFAULT_JOBS = 12
+# (share, count): this share of the cases takes its skeleton (module docstring) from one of `count` skeletons per
+# family and mode of the seed, so that it mostly reuses kernel variants compiled for an earlier case
+SHARED_SKELETONS = (0.5, 4)
 TOOL = "tools/gpu_conformance.py"
 # (family, mode) the Triton interpreter cannot run: its bf16 tl.dot returns garbage; the dense kernels upcast
 # there (DOT_UPCAST in kernels/elsa_fwd.py, elsa_bwd.py), the window forward kernel does not. GPU only.
@@ -151,6 +191,8 @@ class Profile(NamedTuple):
         bh_max: the largest B * H drawn (before the caps).
         work_cap: cap on B * H * Nq * Nk * max(D, Dv) (the cost of every side of a case).
         elem_cap: cap on B * H * Nq * Nk (the float64 oracle's probability matrix and its autograd).
+        tensor_cap: cap on B * H * max(Nq, Nk) * max(D, Dv), the largest of q, k, v, the output and their
+            gradients (the oracle holds about 20 such tensors in float64).
         max_seqs: sequences of a varlen case.
         windows: windows per image (``num_windows``) of the window families.
     """
@@ -164,20 +206,24 @@ class Profile(NamedTuple):
     bh_max: int
     work_cap: int
     elem_cap: int
+    tensor_cap: int
     max_seqs: int
     windows: tuple
 
 
 PROFILES = {
-    # one H200: 3 * 2^27 multiply-adds per product at most (N = 4097 self-attention at D = 16; a 4097 x 1533 call
-    # at D = 64), 2^25 float64 probabilities (256 MiB)
+    # one H200 shared by up to a dozen --jobs: 3 * 2^27 multiply-adds per product at most (N = 4097
+    # self-attention at D = 16; a 4097 x 1533 call at D = 64), 2^25 float64 probabilities (256 MiB), 2^24 elements
+    # in the largest tensor (128 MiB in float64). The peak of a case (its oracle's autograd and cancellation
+    # floors), measured on the CPU: about 110 bytes per probability and 80 per element of the largest tensor, under
+    # 3 GiB for the largest cases drawn
     "full": Profile("full", (64, 128, 256, 512, 1024, 2048, 4096), 4100, (16, 32, 48, 64, 80, 96, 128, 256),
                     (8, 24, 40, 72, 112, 160, 200),
                     (4, 9, 16, 25, 36, 48, 49, 50, 63, 64, 65, 81, 100, 127, 128, 129, 144, 196, 255, 256, 257, 576),
-                    4096, 3 << 27, 1 << 25, 24, (1, 2, 3, 4, 16, 64)),
+                    4096, 3 << 27, 1 << 25, 1 << 24, 24, (1, 2, 3, 4, 16, 64)),
     # the Triton interpreter on a CPU: a few thousand multiply-adds per program
     "tiny": Profile("tiny", (16, 32, 64), 66, (16, 32, 48, 64, 80, 96, 128), (8, 24, 40),
-                    (4, 9, 15, 16, 17, 25, 31, 32, 33, 49), 8, 1 << 16, 1 << 13, 4, (1, 2, 3, 4)),
+                    (4, 9, 15, 16, 17, 25, 31, 32, 33, 49), 8, 1 << 16, 1 << 13, 1 << 15, 4, (1, 2, 3, 4)),
 }
 LAYOUTS = ("contiguous", "transposed", "colmajor", "sliced", "noncontig", "expanded", "misaligned")
 AUX_LAYOUTS = ("contiguous", "transposed", "sliced", "noncontig", "expanded", "misaligned")
@@ -208,16 +254,27 @@ def _draw_d(rng: random.Random, prof: Profile) -> int:
     return rng.choice(prof.head_dims) if rng.random() < 0.9 else rng.choice(prof.odd_head_dims)
 
 
+def _draw_dims(rng: random.Random, prof: Profile, same: bool = False, p_same: float = 0.8) -> tuple[int, int]:
+    """(D, Dv): Dv = D when ``same``, else with probability ``p_same``, else drawn on its own."""
+    d = _draw_d(rng, prof)
+    return d, (d if same or rng.random() < p_same else _draw_d(rng, prof))
+
+
 def _draw_bh(rng: random.Random, prof: Profile) -> tuple[int, int]:
     bh = int(math.exp(rng.uniform(0.0, math.log(prof.bh_max + 1))))
     h = rng.choice([x for x in (1, 2, 3, 4, 6, 8, 12, 16) if x <= max(1, bh)])
     return max(1, bh // h), h
 
 
+def _over(prof: Profile, bh: int, nq: int, nk: int, d: int) -> bool:
+    """Whether B * H = ``bh`` heads of Nq x Nk at head dim ``d`` (the larger of D, Dv) exceed a cap of ``prof``."""
+    return bh * nq * nk * d > prof.work_cap or bh * nq * nk > prof.elem_cap or bh * max(nq, nk) * d > prof.tensor_cap
+
+
 def _fit(prof: Profile, b: int, h: int, nq: int, nk: int, d: int, tied: bool = False):
     """Shrink B, then H, then the shorter sequence (both when ``tied``), until the case is within the caps."""
     def over():
-        return b * h * nq * nk * d > prof.work_cap or b * h * nq * nk > prof.elem_cap
+        return _over(prof, b * h, nq, nk, d)
     while over() and b > 1:
         b = max(1, b // 2)
     while over() and h > 1:
@@ -236,13 +293,14 @@ def _fit(prof: Profile, b: int, h: int, nq: int, nk: int, d: int, tied: bool = F
 
 def _pick_layout(rng: random.Random, shape, expand_dims, choices=LAYOUTS) -> str:
     """A memory layout for a tensor of ``shape``; ``expanded@<dim>`` names the stride-0 dim (one of
-    ``expand_dims`` of size > 1)."""
+    ``expand_dims`` of size > 1). Takes as many draws from ``rng`` whatever ``shape`` is (a skeleton's draws
+    must not depend on the lengths of the case drawing them)."""
     if rng.random() < 0.35:
         return "contiguous"
-    layout = rng.choice(choices)
+    layout, pick = rng.choice(choices), rng.random()
     if layout == "expanded":
         dims = [d for d in expand_dims if shape[d] > 1]
-        return f"expanded@{rng.choice(dims)}" if dims else "contiguous"
+        return f"expanded@{dims[int(pick * len(dims))]}" if dims else "contiguous"
     if layout in ("transposed", "colmajor") and len(shape) < 2:
         return "contiguous"
     return layout
@@ -252,28 +310,31 @@ def _pattern_shape(pattern: str, sizes: dict) -> list[int]:
     return [sizes[c] if c != "1" else 1 for c in pattern]
 
 
-def _draw_bias(rng: random.Random, spec: dict, sizes: dict, grad: bool, p: float = 0.45):
+def _draw_aux(rng: random.Random, sizes: dict, p: float) -> dict | None:
+    """With probability ``p`` a bias / mask's broadcast pattern, its shape and its layout, else None."""
     if rng.random() > p:
         return None
     pattern = rng.choice(PATTERNS)
     shape = _pattern_shape(pattern, sizes)
     return {"pattern": pattern, "shape": shape,
-            "layout": _pick_layout(rng, shape, range(len(shape) - 1), AUX_LAYOUTS),
-            "dtype": rng.choice(["float32", "float32", "float32", spec["dtype"], spec["dtype"], "float64"]),
-            "sigma": rng.choice([0.5, 1.0, 2.0, 4.0]),
-            "neg": rng.choice([None, None, None, "-inf", "-100"]), "neg_frac": rng.choice([0.1, 0.5, 0.9]),
-            "grad": grad and rng.random() < 0.35}
+            "layout": _pick_layout(rng, shape, range(len(shape) - 1), AUX_LAYOUTS)}
+
+
+def _draw_bias(rng: random.Random, spec: dict, sizes: dict, grad: bool, p: float = 0.45):
+    bias = _draw_aux(rng, sizes, p)
+    if bias is not None:
+        bias.update(dtype=rng.choice(["float32", "float32", "float32", spec["dtype"], spec["dtype"], "float64"]),
+                    sigma=rng.choice([0.5, 1.0, 2.0, 4.0]), neg=rng.choice([None, None, None, "-inf", "-100"]),
+                    neg_frac=rng.choice([0.1, 0.5, 0.9]), grad=grad and rng.random() < 0.35)
+    return bias
 
 
 def _draw_mask(rng: random.Random, sizes: dict, p: float = 0.35):
-    if rng.random() > p:
-        return None
-    pattern = rng.choice(PATTERNS)
-    shape = _pattern_shape(pattern, sizes)
-    return {"pattern": pattern, "shape": shape,
-            "layout": _pick_layout(rng, shape, range(len(shape) - 1), AUX_LAYOUTS),
-            "keep": rng.choice([0.95, 0.7, 0.3, 0.05]),
-            "dead": rng.choice([0, 0, 0, 1, 3]) if rng.random() < 0.95 else -1}  # -1: the first slice all False
+    mask = _draw_aux(rng, sizes, p)
+    if mask is not None:  # dead -1: the first slice all False
+        mask.update(keep=rng.choice([0.95, 0.7, 0.3, 0.05]),
+                    dead=rng.choice([0, 0, 0, 1, 3]) if rng.random() < 0.95 else -1)
+    return mask
 
 
 def _draw_grad_out(rng: random.Random, numel: int, out_dtype: str, listed: bool = False) -> dict:
@@ -292,22 +353,30 @@ def _dtype_for(rng: random.Random, mode: str) -> str:
     return "float32" if r < 0.95 else "float64"
 
 
-def _draw_dense_like(rng: random.Random, prof: Profile, spec: dict, tied: bool = False, nq: int | None = None):
+# Each draw below takes ``rng``, the case's skeleton (everything Triton compiles a kernel variant for: dtypes,
+# head dims, layouts, bias / mask / causal / cosine flags, which gradients), and ``lengths``, its shapes (B, H,
+# sequence lengths, windows; lengths are runtime values of the kernels). Both are one stream for most cases; a
+# case sharing a skeleton (:data:`SHARED_SKELETONS`) takes ``rng`` from the skeleton's own stream, so the
+# skeleton's draws must not depend on the lengths (a self-attention case stays one under the caps; a layout pick
+# takes the same draws whatever the shape).
+def _draw_dense_like(rng: random.Random, lengths: random.Random, prof: Profile, spec: dict, tied: bool = False,
+                     nq: int | None = None):
     """Shapes, layouts, bias / mask / causal / scale of a dense-style case (dense, qkvpacked, split-kv, ring);
     ``nq``: the query count (else drawn)."""
-    nq = nq or _draw_n(rng, prof)
-    nk = nq if tied or rng.random() < 0.4 else _draw_n(rng, prof)
-    d = _draw_d(rng, prof)
-    dv = d if tied or rng.random() < 0.8 else _draw_d(rng, prof)
-    b, h = _draw_bh(rng, prof)
-    b, h, nq, nk = _fit(prof, b, h, nq, nk, max(d, dv), tied)
+    self_attn = tied or rng.random() < 0.4
+    d, dv = _draw_dims(rng, prof, same=tied)
+    nq = nq or _draw_n(lengths, prof)
+    nk = nq if self_attn else _draw_n(lengths, prof)
+    b, h = _draw_bh(lengths, prof)
+    b, h, nq, nk = _fit(prof, b, h, nq, nk, max(d, dv), self_attn)
     spec.update(B=b, H=h, Nq=nq, Nk=nk, D=d, Dv=dv)
     sizes = {"B": b, "H": h, "Q": nq, "K": nk}
+    packed = not tied and self_attn and d == dv and rng.random() < 0.15
     if tied:
         shape = (b, nq, 3, h, d)
         spec["layouts"] = {"qkv": _pick_layout(rng, shape, (0,), ("contiguous", "transposed", "sliced", "noncontig",
                                                                     "expanded", "misaligned"))}
-    elif nq == nk and d == dv and rng.random() < 0.15:
+    elif packed:
         spec["layouts"] = "packed"  # timm's qkv.unbind views
     else:
         spec["layouts"] = {name: _pick_layout(rng, (b, h, n, dd), (0, 1))
@@ -317,20 +386,19 @@ def _draw_dense_like(rng: random.Random, prof: Profile, spec: dict, tied: bool =
     spec["causal"] = rng.random() < 0.25
     spec["scale"] = None if rng.random() < 0.7 else round(rng.uniform(0.05, 0.5), 4)
     if spec["grad"]:
-        spec["needs"] = ["q", "k", "v"] if tied or spec["layouts"] == "packed" or rng.random() < 0.8 else \
+        spec["needs"] = ["q", "k", "v"] if tied or packed or rng.random() < 0.8 else \
             sorted(rng.sample(["q", "k", "v"], rng.randint(1, 2)))
         out_numel = b * h * nq * dv
         spec["grad_out"] = _draw_grad_out(rng, out_numel, spec["dtype"])
 
 
-def _draw_window(rng: random.Random, prof: Profile, spec: dict, packed: bool):
-    n = rng.choice(prof.window_tokens)
-    d = _draw_d(rng, prof)
-    dv = d if packed or rng.random() < 0.8 else _draw_d(rng, prof)
-    nw = rng.choice(prof.windows)
-    imgs = max(1, int(math.exp(rng.uniform(0.0, math.log(max(2, prof.bh_max // nw))))))
-    h = rng.choice([1, 2, 3, 4, 6, 8, 16])
-    while imgs * nw * h * n * n * max(d, dv) > prof.work_cap or imgs * nw * h * n * n > prof.elem_cap:
+def _draw_window(rng: random.Random, lengths: random.Random, prof: Profile, spec: dict, packed: bool):
+    d, dv = _draw_dims(rng, prof, same=packed)
+    n = lengths.choice(prof.window_tokens)
+    nw = lengths.choice(prof.windows)
+    imgs = max(1, int(math.exp(lengths.uniform(0.0, math.log(max(2, prof.bh_max // nw))))))
+    h = lengths.choice([1, 2, 3, 4, 6, 8, 16])
+    while _over(prof, imgs * nw * h, n, n, max(d, dv)):
         if imgs > 1:
             imgs //= 2
         elif h > 1:
@@ -379,15 +447,15 @@ def _draw_lengths(rng: random.Random, prof: Profile, count: int) -> list[int]:
     return [one() for _ in range(count)]
 
 
-def _draw_varlen(rng: random.Random, prof: Profile, spec: dict):
-    count = rng.randint(1, prof.max_seqs)
-    lens_q = _draw_lengths(rng, prof, count)
-    lens_k = list(lens_q) if rng.random() < 0.6 else _draw_lengths(rng, prof, count)
-    d = _draw_d(rng, prof)
-    dv = d if rng.random() < 0.8 else _draw_d(rng, prof)
-    h = rng.choice([1, 2, 3, 4, 8, 12, 16])
+def _draw_varlen(rng: random.Random, lengths: random.Random, prof: Profile, spec: dict):
+    same_lens = rng.random() < 0.6
+    d, dv = _draw_dims(rng, prof)
+    count = lengths.randint(1, prof.max_seqs)
+    lens_q = _draw_lengths(lengths, prof, count)
+    lens_k = list(lens_q) if same_lens else _draw_lengths(lengths, prof, count)
+    h = lengths.choice([1, 2, 3, 4, 8, 12, 16])
     # the oracle is one dense call with a block-diagonal mask: cap the dense work
-    while h * sum(lens_q) * sum(lens_k) * max(d, dv) > prof.work_cap or h * sum(lens_q) * sum(lens_k) > prof.elem_cap:
+    while _over(prof, h, sum(lens_q), sum(lens_k), max(d, dv)):
         if h > 1:
             h //= 2
             continue
@@ -396,7 +464,7 @@ def _draw_varlen(rng: random.Random, prof: Profile, spec: dict):
         lens_k[longest] //= 2
     spec.update(B=1, H=h, Nq=sum(lens_q), Nk=sum(lens_k), D=d, Dv=dv, lens_q=lens_q, lens_k=lens_k)
     spec["form"] = "list" if rng.random() < 0.3 else "packed"
-    if lens_q == lens_k and d == dv and rng.random() < 0.2:
+    if same_lens and d == dv and rng.random() < 0.2:
         spec["layouts"] = "packed"
     else:
         spec["layouts"] = {name: _pick_layout(rng, (t, h, dd), (1,))
@@ -411,30 +479,35 @@ def _draw_varlen(rng: random.Random, prof: Profile, spec: dict):
 
 def draw_case(seed: int, index: int, profile: str) -> dict:
     """The case ``seed:index`` of ``profile``: a JSON-serialisable description, drawn by its own
-    ``random.Random(f"{seed}:{index}")`` (nothing else changes it)."""
-    rng = random.Random(f"{seed}:{index}")
+    ``random.Random(f"{seed}:{index}")`` (nothing else changes it). Its family, mode and lengths come from that
+    stream; its skeleton too, except for the cases that share one (:data:`SHARED_SKELETONS`), whose skeleton
+    comes from ``random.Random(f"{seed}:{family}:{mode}:skeleton{j}")``."""
+    own = random.Random(f"{seed}:{index}")
     prof = PROFILES[profile]
-    family = _weighted(rng, FAMILY_WEIGHTS)
-    mode = rng.choice(MODES)
-    if family == "varlen" and mode == "pasa" and rng.random() < 0.85:
-        mode = rng.choice(MODES[:-1])  # mostly a mode varlen takes; the rest checks the documented refusal
+    family = _weighted(own, FAMILY_WEIGHTS)
+    mode = own.choice(MODES)
+    if family == "varlen" and mode == "pasa" and own.random() < 0.85:
+        mode = own.choice(MODES[:-1])  # mostly a mode varlen takes; the rest checks the documented refusal
+    shared, skeleton = own.random() < SHARED_SKELETONS[0], own.randrange(SHARED_SKELETONS[1])
+    rng = random.Random(f"{seed}:{family}:{mode}:skeleton{skeleton}") if shared else own
     spec: dict[str, Any] = {"id": f"{seed}:{index}", "seed": seed, "index": index, "profile": profile,
-                            "family": family, "mode": mode, "dtype": _dtype_for(rng, mode),
-                            "tensor_seed": rng.getrandbits(31), "expect_refusal": None}
+                            "family": family, "mode": mode, "skeleton": skeleton if shared else None,
+                            "dtype": _dtype_for(rng, mode), "tensor_seed": own.getrandbits(31),
+                            "expect_refusal": None}
     backward_family = family not in ("split-kv",)
     spec["grad"] = mode not in FORWARD_ONLY and backward_family and rng.random() < 0.5
     if family in ("dense", "ring"):
-        _draw_dense_like(rng, prof, spec)
+        _draw_dense_like(rng, own, prof, spec)
     elif family == "qkvpacked":
-        _draw_dense_like(rng, prof, spec, tied=True)
+        _draw_dense_like(rng, own, prof, spec, tied=True)
     elif family == "split-kv":
         decode = rng.random() < 0.5  # few queries, many keys
-        _draw_dense_like(rng, prof, spec, nq=rng.choice([1, 2, 3, 7, 16, 17]) if decode else None)
         spec["num_splits"] = rng.choice([2, 3, 4, 5, 8, 16, 33])
+        _draw_dense_like(rng, own, prof, spec, nq=own.choice([1, 2, 3, 7, 16, 17]) if decode else None)
     elif family in ("window", "window-qkvpacked"):
-        _draw_window(rng, prof, spec, packed=family == "window-qkvpacked")
+        _draw_window(rng, own, prof, spec, packed=family == "window-qkvpacked")
     else:
-        _draw_varlen(rng, prof, spec)
+        _draw_varlen(rng, own, prof, spec)
         if mode in ("pasa",):
             spec["expect_refusal"] = "varlen_attention has no PASA path (documented ValueError)"
             spec["refusal_words"] = "no varlen path"
@@ -451,6 +524,7 @@ def draw_case(seed: int, index: int, profile: str) -> dict:
 def describe(spec: dict) -> str:
     """One line naming everything a case draws."""
     parts = [spec["family"], spec["mode"], "fwd+bwd" if spec["grad"] else "fwd",
+             f"skeleton{spec['skeleton']}" if spec.get("skeleton") is not None else "",
              f"B={spec['B']} H={spec['H']} Nq={spec['Nq']} Nk={spec['Nk']} D={spec['D']} Dv={spec['Dv']}",
              f"in={spec['dtype']}"]
     lay = spec.get("layouts")
@@ -1367,11 +1441,10 @@ def _default_profile(device: str) -> str:
 
 
 def _print_result(res: dict, spec: dict, args) -> None:
+    """A failure's reproduce line, description and errors, in one write (parallel workers share the output)."""
     if res["status"] in ("fail", "harness-error", "crash"):
-        print(f"{res['status'].upper()} {reproduce_line(spec, args)}", flush=True)
-        print(f"    {res['desc']}", flush=True)
-        for e in res["errors"]:
-            print(f"    {e}", flush=True)
+        lines = [f"{res['status'].upper()} {reproduce_line(spec, args)}", f"    {res['desc']}"]
+        print("\n".join(lines + [f"    {e}" for e in res["errors"]]), flush=True)
 
 
 def run_in_process(specs: list[dict], device, args, deadline: float | None, emit=None) -> tuple[list, str | None]:
@@ -1391,10 +1464,51 @@ def run_in_process(specs: list[dict], device, args, deadline: float | None, emit
     return results, None
 
 
+def worker_env(jobs: int = 1) -> dict:
+    """The environment of an --isolate worker: this process's (``TRITON_CACHE_DIR`` / ``TRITON_HOME`` as they are,
+    so every worker shares one Triton cache), with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (less
+    fragmentation where several processes share one GPU) and, with more than one job, ``OMP_NUM_THREADS`` = the
+    cores per job (PyTorch's CPU threads of ``jobs`` workers not oversubscribing the cores), each unless set."""
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if jobs > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, _cores() // jobs)))
+    return env
+
+
+class _Workers:
+    """The live worker processes, so that an interrupted run can kill them and start no more."""
+
+    lock = threading.Lock()
+    live: set = set()
+    cancelled = threading.Event()
+
+    @classmethod
+    def start(cls, cmd: list[str], env: dict):
+        with cls.lock:
+            if cls.cancelled.is_set():
+                return None
+            proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr, env=env)
+            cls.live.add(proc)
+            return proc
+
+    @classmethod
+    def finished(cls, proc) -> None:
+        with cls.lock:
+            cls.live.discard(proc)
+
+    @classmethod
+    def cancel(cls) -> None:
+        with cls.lock:
+            cls.cancelled.set()
+            for proc in cls.live:
+                proc.kill()
+
+
 def _spawn_worker(ids: list[str], args, deadline: float | None) -> tuple[list[dict], int | str, bool]:
     """Run the case ids in a fresh process of this tool. Returns (results it wrote, exit status or ``"hung"``
     when one case ran longer than ``--case-timeout`` seconds and the process was killed, whether it stopped on
-    the time budget)."""
+    the time budget, or was not started because the run was interrupted)."""
     with tempfile.TemporaryDirectory(prefix="gpu_conformance_") as tmp:
         ids_path, out_path = os.path.join(tmp, "ids.txt"), os.path.join(tmp, "results.jsonl")
         with open(ids_path, "w") as f:
@@ -1403,37 +1517,52 @@ def _spawn_worker(ids: list[str], args, deadline: float | None) -> tuple[list[di
                "--device", args.device, "--profile", args.profile, "--backend", args.backend]
         if deadline is not None:
             cmd += ["--worker-deadline", repr(deadline)]
-        proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr)
-        size, progress = 0, time.time()
-        while True:
-            try:
-                rc = proc.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                now_size = os.path.getsize(out_path) if os.path.exists(out_path) else 0
-                if now_size != size:
-                    size, progress = now_size, time.time()
-                elif size and args.case_timeout and time.time() - progress > args.case_timeout:
-                    proc.kill()  # a kernel that never returns (a spin-wait on a flag never set)
-                    proc.wait()
-                    rc = "hung"
-                    break
-        results, stopped = [], False
-        if os.path.exists(out_path):
-            with open(out_path) as f:
-                for line in f:
-                    line = line.strip()
-                    if not line:
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError:  # the last line of a process killed mid-write
-                        continue
-                    if row.get("stopped"):
-                        stopped = True
-                    elif "id" in row:
-                        results.append(row)
+        proc = _Workers.start(cmd, worker_env(getattr(args, "jobs", None) or 1))
+        if proc is None:
+            return [], "cancelled", True
+        try:
+            rc = _wait_worker(proc, out_path, args.case_timeout)
+        finally:
+            _Workers.finished(proc)
+        results, stopped = _read_worker_results(out_path)
         return results, rc, stopped
+
+
+def _wait_worker(proc, out_path: str, case_timeout: float) -> int | str:
+    """Wait for a worker; kill it (``"hung"``) when its results file has not grown for ``case_timeout`` seconds
+    since its first line (0: wait forever). Returns its exit status or ``"hung"``."""
+    size, progress = 0, time.time()
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            now_size = os.path.getsize(out_path) if os.path.exists(out_path) else 0
+            if now_size != size:
+                size, progress = now_size, time.time()
+            elif size and case_timeout and time.time() - progress > case_timeout:
+                proc.kill()  # a kernel that never returns (a spin-wait on a flag never set)
+                proc.wait()
+                return "hung"
+
+
+def _read_worker_results(out_path: str) -> tuple[list[dict], bool]:
+    """The results a worker wrote, and whether it stopped on the time budget."""
+    results, stopped = [], False
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a process killed mid-write
+                    continue
+                if row.get("stopped"):
+                    stopped = True
+                elif "id" in row:
+                    results.append(row)
+    return results, stopped
 
 
 def run_isolated(ids: list[str], spawn: Callable, deadline: float | None = None) -> tuple[list[dict], bool]:
@@ -1485,6 +1614,35 @@ def run_isolated(ids: list[str], spawn: Callable, deadline: float | None = None)
 
     go(list(ids))
     return [by_id[i] for i in ids if i in by_id], stopped
+
+
+def run_chunks(ids: list[str], spawn: Callable, deadline: float | None = None, chunk_size: int = 200,
+               jobs: int = 1, on_chunk: Callable | None = None) -> tuple[list[dict], bool]:
+    """:func:`run_isolated` on consecutive chunks of ``chunk_size`` ids, up to ``jobs`` chunks at a time.
+
+    Chunks start in id order as jobs free up (a thread per job waits on its chunk's subprocesses); one that
+    would start after ``deadline`` runs nothing; each chunk's dead processes are bisected on their own.
+    ``on_chunk(results)`` runs in the calling thread as each chunk finishes. An exception here (Ctrl-C) kills
+    the live workers and starts no more. Returns (results in the order of ``ids``, whether the time budget
+    stopped it)."""
+    chunks = [ids[i:i + chunk_size] for i in range(0, len(ids), chunk_size)]
+    parts: list = [[] for _ in chunks]
+    stopped = False
+    _Workers.cancelled.clear()
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(chunks)))) as pool:
+        futures = {pool.submit(run_isolated, chunk, spawn, deadline): n for n, chunk in enumerate(chunks)}
+        try:
+            for fut in as_completed(futures):
+                parts[futures[fut]], halted = fut.result()
+                stopped = stopped or halted
+                if on_chunk is not None:
+                    on_chunk(parts[futures[fut]])
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            _Workers.cancel()
+            raise
+    return [r for part in parts for r in part], stopped
 
 
 # ----------------------------------------------------------------------------- report
@@ -1643,9 +1801,15 @@ def build_parser() -> ToolParser:
     p.add_argument("--isolate", action="store_true",
                    help="run chunks of cases in subprocesses; a process that dies (a CUDA illegal address kills "
                         "the context) is bisected to the case(s) that kill it")
-    p.add_argument("--chunk-size", type=positive_int, default=200,
-                   help="cases per subprocess with --isolate (default 200; each process pays Python, torch and CUDA "
-                        "start-up)")
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help=f"with --isolate: chunk subprocesses run at once, sharing the device and Triton's kernel "
+                        f"cache (they compile kernels on their own CPU cores); default with --isolate: "
+                        f"{MAX_DEFAULT_JOBS} or the CPU cores available, the fewer ({default_jobs()} here), else 1; "
+                        f"above 1 it implies --isolate")
+    p.add_argument("--chunk-size", type=positive_int, default=None,
+                   help="cases per subprocess with --isolate (each process pays Python, torch and CUDA start-up); "
+                        "default: max(5, cases // (jobs * 8)) with more than one job, about 8 chunks per job so that "
+                        "they finish together, else 200")
     p.add_argument("--case-timeout", type=nonnegative_float, default=300.0,
                    help="with --isolate: seconds one case may take in its subprocess (its compiles included, the "
                         "process start-up not) before the process is killed as hung and its cases bisected; 0 = "
@@ -1663,12 +1827,39 @@ def _flatten(lists):
     return sorted(names, key=lambda x: (FAMILIES + MODES).index(x))
 
 
+def _cores() -> int:
+    """The CPU cores this process may use."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def default_jobs() -> int:
+    """--jobs with --isolate when not given: the CPU cores this process may use, at most MAX_DEFAULT_JOBS."""
+    return min(MAX_DEFAULT_JOBS, _cores())
+
+
+def default_chunk_size(cases: int, jobs: int) -> int:
+    """--chunk-size when not given: about 8 chunks per job (so the jobs finish together), at least 5 cases each;
+    200 with one job."""
+    return max(5, cases // (jobs * 8)) if jobs > 1 else 200
+
+
 def _normalize(args) -> None:
     """Flatten --families / --modes and fill the device's default --profile (idempotent)."""
     args.families = _flatten(args.families)
     args.modes = _flatten(args.modes)
     if args.profile is None:
         args.profile = _default_profile(args.device)
+
+
+def _resolve_jobs(args) -> str | None:
+    """Fill --jobs (and --isolate, which --jobs above 1 implies); returns the note to print when it was implied."""
+    note = None
+    if args.jobs is not None and args.jobs > 1 and not args.isolate:
+        args.isolate = True
+        note = f"--jobs {args.jobs} implies --isolate"
+    if args.jobs is None:
+        args.jobs = default_jobs() if args.isolate else 1
+    return note
 
 
 def _prepare(args, parser):
@@ -1706,7 +1897,7 @@ def _worker(args, device) -> int:
                 os._exit(134)
             if spec["id"] in hang_on:
                 time.sleep(3600)
-            res = run_case(spec, device, args.backend)
+            res = _run_shared(spec, device, args.backend)
             emit(res)
             _print_result(res, spec, args)
             if res["cuda_error"]:
@@ -1715,16 +1906,53 @@ def _worker(args, device) -> int:
     return 0
 
 
+def _out_of_memory(res: dict) -> bool:
+    return res["status"] in ("fail", "harness-error") and any(OOM_WORDS in e for e in res["errors"])
+
+
+def _release_memory(device) -> None:
+    """Hand this process's cached GPU blocks back, for the other workers on the device."""
+    if device.type == "cuda":
+        import gc
+
+        gc.collect()
+        _torch().cuda.empty_cache()
+
+
+def _run_shared(spec: dict, device, backend: str) -> dict:
+    """:func:`run_case` in a worker that shares the device with others: the cached memory is handed back after
+    the case, and a case that ran out of memory (another worker may have held it) runs again, up to
+    OOM_RETRIES times after a pause, before its failure is reported."""
+    res = run_case(spec, device, backend)
+    _release_memory(device)
+    for attempt in range(1, OOM_RETRIES + 1):
+        if device.type != "cuda" or not _out_of_memory(res):
+            break
+        time.sleep(2.0 * attempt)
+        res = run_case(spec, device, backend)
+        _release_memory(device)
+        res["oom_retries"] = attempt
+        if _out_of_memory(res) and attempt == OOM_RETRIES:
+            res["errors"].append(f"out of memory on each of {attempt + 1} tries while other --jobs shared the "
+                                 f"device: re-run it alone (its reproduce line) or with fewer --jobs")
+    return res
+
+
 def main(args) -> dict:
     """Run the suite; write the markdown and JSON reports; return the JSON report."""
     parser = build_parser()
     device = _prepare(args, parser)
     if args.worker_ids:
         sys.exit(_worker(args, device))
+    implied = _resolve_jobs(args)
+    if implied:
+        print(f"gpu_conformance: {implied}", flush=True)
     args.out = check_output(parser, args.out, folder=True)
+    md_path, json_path = (os.path.join(args.out, f"gpu_conformance.{ext}") for ext in ("md", "json"))
+    outputs = output_files(parser, [md_path, json_path], tool="gpu_conformance")  # refuses before any case runs
     import torch
 
-    from visionattn.reporting import environment, write_json_atomic, write_text_atomic
+    from visionattn.reporting import environment
 
     specs = select_cases(args)
     t0 = time.time()
@@ -1732,23 +1960,35 @@ def main(args) -> dict:
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     which = f"case {','.join(s['id'] for s in specs)}" if args.case else f"seed {args.seed}"
+    if args.isolate and args.chunk_size is None:
+        args.chunk_size = default_chunk_size(len(specs), args.jobs)
+    isolated = f", isolated: {args.jobs} jobs, chunks of {args.chunk_size}" if args.isolate else ""
     print(f"gpu_conformance: {len(specs)} cases ({which}, profile {args.profile}, device {args.device}, "
-          f"backend {args.backend}{', isolated' if args.isolate else ''})", flush=True)
+          f"backend {args.backend}{isolated})", flush=True)
     try:
         if args.isolate:
             ids = [s["id"] for s in specs]
+            by_id = {s["id"]: s for s in specs}
+            done = {"n": 0}
 
             def spawn(chunk, dl):
                 return _spawn_worker(chunk, args, dl)
 
-            results = []
-            stopped = None
-            for start in range(0, len(ids), args.chunk_size):
-                part, halted = run_isolated(ids[start:start + args.chunk_size], spawn, deadline)
-                results += part
-                if halted:
-                    stopped = f"time budget exceeded: {len(ids) - len(results)} of {len(ids)} cases not run"
-                    break
+            def on_chunk(part):
+                for r in part:  # a crash's entry (made here: its process died) names its case like the others
+                    spec = by_id[r["id"]]
+                    for key, value in (("family", spec["family"]), ("mode", spec["mode"]), ("grad", spec["grad"]),
+                                       ("desc", describe(spec))):
+                        r.setdefault(key, value)
+                    if r["status"] == "crash":
+                        _print_result(r, spec, args)
+                if part:
+                    done["n"] += len(part)
+                    print(f"  {done['n']} / {len(ids)} cases, {time.time() - t0:.0f} s", flush=True)
+
+            results, halted = run_chunks(ids, spawn, deadline, args.chunk_size, args.jobs, on_chunk)
+            stopped = (f"time budget exceeded: {len(ids) - len(results)} of {len(ids)} cases not run" if halted
+                       else None)
         else:
             progress = {"n": 0}
             by_id = {s["id"]: s for s in specs}
@@ -1767,14 +2007,17 @@ def main(args) -> dict:
     report = summarize(specs, results, args, time.time() - t0, stopped)
     env = environment({"seed": args.seed, "profile": args.profile, "backend": args.backend,
                        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"), "isolate": args.isolate,
+                       "jobs": args.jobs, "chunk_size": args.chunk_size if args.isolate else None,
+                       "shared_skeletons": f"{SHARED_SKELETONS[0]:g} of the cases, {SHARED_SKELETONS[1]} per family "
+                                           f"and mode (tool docstring)",
                        "time_budget_s": args.time_budget, "families": ",".join(args.families),
                        "modes": ",".join(args.modes), "allow_tf32": False,
                        "rules": "out: max(contract, 2 x PyTorch same-precision err + 2 x storage rounding + 1e-6); "
                                 "grads: beyond 8 u |c| cancellation floor <= 2 x PyTorch + 2 x storage rounding + "
                                 "1e-5 (fp32, fp32-ieee) / 1e-6 relative; tf32 >= contract (tool docstring)"})
     report["environment"] = env
-    write_text_atomic(os.path.join(args.out, "gpu_conformance.md"), markdown(report, env))
-    write_json_atomic(os.path.join(args.out, "gpu_conformance.json"), report)
+    outputs.write_text(md_path, markdown(report, env))
+    outputs.write_json(json_path, report)
     s = report["summary"]
     print(f"gpu_conformance: {s['cases_run']} cases in {s['seconds']} s: {s['pass']} passed, {s['failed']} failed, "
           f"{s['refused']} refused, {s['skipped']} skipped" + (f"; stopped early: {s['stopped_early']}"

@@ -1,9 +1,13 @@
 """tools/gpu_conformance.py on the CPU: a short run through Triton's interpreter (every family, forward and
 backward, zero failures, the report's counts and files), reproducibility by case id, the checker flagging wrong
-outputs and gradients (so a run cannot pass vacuously), refusals, the time budget, and --isolate's bisection of
-cases whose process dies."""
+outputs and gradients (so a run cannot pass vacuously), refusals, the time budget, --isolate's bisection of
+cases whose process dies, and --jobs: parallel chunks give the same results in the same order, bisect their own
+dead processes and start nothing after the time budget."""
 import json
 import math
+import os
+import threading
+import time
 
 import pytest
 import torch
@@ -30,11 +34,18 @@ def _first_case(family, mode=None, grad=None, start=0, seed=0, **want):
     raise AssertionError(f"no {family} {mode} case")
 
 
-def test_short_run_has_no_failures_and_reports_every_case(tmp_path):
+@pytest.fixture(scope="module")
+def serial_run(tmp_path_factory):
+    """20 cases of seed 0 run in this process (--jobs 1): (the report, its folder)."""
+    out = tmp_path_factory.mktemp("serial") / "conf"
+    return tool.main(_args("--cases", "20", "--time-budget", "0", "--jobs", "1", "--out", str(out))), out
+
+
+def test_short_run_has_no_failures_and_reports_every_case(serial_run):
     """20 cases of seed 0 in the interpreter (Triton backend forced): every case passes, is refused as documented or
     is skipped with a reason; the counts, the files and the JSON agree."""
-    out = tmp_path / "conf"
-    report = tool.main(_args("--cases", "20", "--time-budget", "0", "--out", str(out)))
+    report, out = serial_run
+    assert not report["environment"]["isolate"] and report["environment"]["jobs"] == 1
     s = report["summary"]
     assert s["cases_selected"] == s["cases_run"] == 20 and s["stopped_early"] is None
     assert s["failed"] == 0, report["failures"]
@@ -58,6 +69,18 @@ def test_case_ids_reproduce_the_same_case():
     a, b = tool.draw_case(7, 123, "tiny"), tool.draw_case(7, 123, "tiny")
     assert a == b and tool.describe(a) == tool.describe(b)
     assert tool.draw_case(7, 124, "tiny") != a
+    # cases sharing a skeleton: the same kernel-variant choices, their own lengths and values
+    twins: dict = {}
+    for i in range(400):
+        s = tool.draw_case(7, i, "tiny")
+        if s["skeleton"] is not None:
+            twins.setdefault((s["family"], s["mode"], s["skeleton"]), []).append(s)
+    groups = [g for g in twins.values() if len(g) > 1]
+    assert len(groups) >= 10 and sum(s["skeleton"] is None for s in map(lambda i: tool.draw_case(7, i, "tiny"),
+                                                                         range(400))) > 120
+    for group in groups:
+        assert len({json.dumps(_skeleton_of(s), sort_keys=True) for s in group}) == 1, group
+    assert any(len({(s["Nq"], s["Nk"], s["B"], s["H"], s["tensor_seed"]) for s in g}) > 1 for g in groups)
     picked = tool.select_cases(_args("--seed", "7", "--cases", "5", "--families", "window", "--modes", "fp16"))
     assert [p["family"] for p in picked] == ["window"] * 5 and {p["mode"] for p in picked} == {"fp16"}
     for p in picked:
@@ -74,6 +97,16 @@ def test_case_ids_reproduce_the_same_case():
     tool._prepare(args, tool.build_parser())
     (again,) = tool.select_cases(args)
     assert tool.describe(again) == tool.describe(spec)
+
+
+def _skeleton_of(spec: dict) -> dict:
+    """What cases sharing a skeleton share: the entries Triton compiles variants for, without lengths or shapes."""
+    keep = ("dtype", "D", "Dv", "grad", "causal", "scale", "cosine", "form", "max_seqlen", "num_splits", "needs",
+            "rpb", "shift", "logit_scale", "overflow", "expect_refusal")
+    out = {k: spec.get(k) for k in keep}
+    for aux in ("bias", "mask"):
+        out[aux] = spec.get(aux) and {k: v for k, v in spec[aux].items() if k not in ("shape", "layout")}
+    return out
 
 
 def test_check_quantity_flags_perturbed_results():
@@ -170,6 +203,116 @@ def test_documented_refusals_are_listed_apart():
     assert res["status"] == "fail" and "expected a documented refusal" in res["errors"][0]
 
 
+def test_parallel_isolate_matches_serial_and_bisects_a_dead_worker(serial_run, tmp_path, monkeypatch):
+    """--isolate --jobs 3 on the same 20 cases (chunks of 5, 3 worker processes at a time): every case has the
+    status and description of the in-process --jobs 1 run, in the same order, except one whose worker process dies
+    mid-chunk (the test hook): it alone is a crash, bisected out of its chunk, while the other chunks complete."""
+    serial, _ = serial_run
+    ids = [r["id"] for r in serial["results"]]
+    dead = ids[7]  # the third case of the second chunk
+    monkeypatch.setenv("GPU_CONFORMANCE_TEST_CRASH", dead)
+    t0 = time.time()
+    report = tool.main(_args("--cases", "20", "--time-budget", "0", "--isolate", "--jobs", "3",
+                             "--out", str(tmp_path / "par")))
+    took = time.time() - t0
+    env = report["environment"]
+    assert env["isolate"] and env["jobs"] == 3 and env["chunk_size"] == 5
+    got = [(r["id"], r["status"], r["desc"]) for r in report["results"]]
+    want = [(r["id"], "crash" if r["id"] == dead else r["status"], r["desc"]) for r in serial["results"]]
+    assert [g[0] for g in got] == ids
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert all(g[2] == w[2] for g, w in zip(got, want) if g[0] != dead)
+    assert report["summary"]["crash"] == 1 and report["summary"]["cases_run"] == 20
+    (fail,) = report["failures"]
+    assert fail["id"] == dead and "died (exit status 134)" in fail["errors"][0]
+    assert took < 120
+
+
+class _StandIn:
+    """A stand-in spawner: each call takes ``seconds``; a process dies on the ids in ``dies`` (after finishing the
+    ones before them). Records each call's ids, start time and the most calls running at once."""
+
+    def __init__(self, seconds=0.05, dies=()):
+        self.seconds, self.dies = seconds, set(dies)
+        self.calls, self.starts, self.running, self.most = [], [], 0, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, ids, deadline):
+        with self.lock:
+            self.calls.append(list(ids))
+            self.starts.append(time.time())
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            time.sleep(self.seconds)
+            done = []
+            for i in ids:
+                if i in self.dies:
+                    return done, -6, False
+                done.append({"id": i, "status": "pass", "cuda_error": False, "errors": []})
+            return done, 0, False
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+def test_run_chunks_runs_chunks_at_once_and_bisects_each_on_its_own():
+    ids = [f"0:{i}" for i in range(24)]
+    spawn = _StandIn(dies={"0:9"})
+    seen = []
+    results, stopped = tool.run_chunks(ids, spawn, None, chunk_size=4, jobs=3, on_chunk=seen.append)
+    assert not stopped and [r["id"] for r in results] == ids
+    assert {r["id"]: r["status"] for r in results if r["status"] != "pass"} == {"0:9": "crash"}
+    assert spawn.most == 3 and len(seen) == 6 and sum(map(len, seen)) == 24
+    assert ["0:9"] in spawn.calls and all("0:9" not in c for c in spawn.calls if c[0] not in ("0:8", "0:9"))
+    # one job: the chunks one after another, the same results
+    again, _ = tool.run_chunks(ids, _StandIn(seconds=0, dies={"0:9"}), None, chunk_size=4, jobs=1)
+    assert again == results
+
+
+def test_time_budget_stops_new_chunks():
+    """No chunk starts after the deadline; the ones started finish (their workers get the deadline); the results
+    are the started chunks', in id order."""
+    ids = [f"0:{i}" for i in range(40)]
+    spawn = _StandIn(seconds=0.2)
+    deadline = time.time() + 0.3
+    results, stopped = tool.run_chunks(ids, spawn, deadline, chunk_size=4, jobs=2)
+    assert stopped and all(t <= deadline for t in spawn.starts)
+    assert 2 <= len(spawn.calls) < 10 and len(results) == 4 * len(spawn.calls)
+    assert [r["id"] for r in results] == [i for c in sorted(spawn.calls, key=lambda c: ids.index(c[0])) for i in c]
+
+
+def test_jobs_defaults_and_implied_isolate(capsys):
+    assert tool.default_chunk_size(2000, 12) == 20 and tool.default_chunk_size(40, 4) == 5
+    assert tool.default_chunk_size(2000, 1) == 200
+    assert 1 <= tool.default_jobs() <= tool.MAX_DEFAULT_JOBS
+    args = _args("--isolate")
+    assert tool._resolve_jobs(args) is None and args.jobs == tool.default_jobs()
+    args = _args("--jobs", "4")
+    assert "implies --isolate" in tool._resolve_jobs(args) and args.isolate and args.jobs == 4
+    args = _args()
+    assert tool._resolve_jobs(args) is None and args.jobs == 1 and not args.isolate
+    assert "--jobs" in tool.build_parser().format_help() and "--jobs" in tool.__doc__
+    with pytest.raises(SystemExit):
+        tool.build_parser().parse_args(["--jobs", "0"])
+    assert "--jobs" in capsys.readouterr().err
+
+
+def test_workers_share_the_triton_cache(monkeypatch):
+    """The workers' environment moves no Triton cache (every worker and run share one) and asks PyTorch for
+    expandable segments unless the caller chose otherwise."""
+    for name in ("TRITON_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    env = tool.worker_env()
+    assert "TRITON_CACHE_DIR" not in env and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert {k: v for k, v in env.items() if k != "PYTORCH_CUDA_ALLOC_CONF"} == dict(os.environ)
+    assert int(tool.worker_env(jobs=64)["OMP_NUM_THREADS"]) >= 1
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere")
+    env = tool.worker_env(jobs=4)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64" and env["TRITON_CACHE_DIR"] == "/somewhere"
+
+
 def test_time_budget_stops_drawing_cases(tmp_path):
     report = tool.main(_args("--cases", "50", "--time-budget", "1e-9", "--out", str(tmp_path / "tb")))
     s = report["summary"]
@@ -241,6 +384,7 @@ def test_profiles_respect_their_caps():
             s = tool.draw_case(3, i, profile)
             work = s["B"] * s["H"] * s["Nq"] * s["Nk"]
             assert work * max(s["D"], s["Dv"]) <= prof.work_cap and work <= prof.elem_cap, s
+            assert s["B"] * s["H"] * max(s["Nq"], s["Nk"]) * max(s["D"], s["Dv"]) <= prof.tensor_cap, s
             ns.update((s["Nq"], s["Nk"]))
         assert {b + d for b in prof.boundaries[:3] for d in (-1, 1)} <= ns
     assert math.isclose(tool.UNIT_ROUNDOFF["tf32"], 2.0 ** -11)
