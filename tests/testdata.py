@@ -19,3 +19,35 @@ def load_script(rel_path: str, name: str | None = None):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def read_ply_points(path):
+    """``(xyz, rgb)`` of a point-cloud PLY read by trimesh: float64 [N, 3] positions and float [N, 3] colours in
+    0..1 (the demo's own writer is trimesh too; the tests read back without open3d, which needs libusb)."""
+    import numpy as np
+    import trimesh
+
+    cloud = trimesh.load(str(path))
+    colors = np.asarray(cloud.colors, dtype=np.float64)[:, :3] / 255.0 if len(cloud.colors) else None
+    return np.asarray(cloud.vertices, dtype=np.float64), colors
+
+
+def nearest_distances(points, reference):
+    """Distance from each of ``points`` [N, 3] to its nearest point of ``reference`` [M, 3] (scipy's k-d tree)."""
+    from scipy.spatial import cKDTree
+
+    return cKDTree(reference).query(points)[0]
+
+
+def open3d_or_skip():
+    """open3d, or a skip naming why it cannot be imported (not installed, or installed without the system library
+    libusb-1.0 it loads: ``apt-get install libusb-1.0-0``). For the tests of the evaluation tools' cloud metrics,
+    the one part of the project that needs it."""
+    import pytest
+
+    try:
+        import open3d
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"open3d unavailable ({exc}); the point-cloud metrics need it: pip install -e '.[recon]' and "
+                    f"apt-get install libusb-1.0-0")
+    return open3d

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from testdata import MULTIVIEW, PHOTOS, REPO, load_script
+from testdata import MULTIVIEW, PHOTOS, REPO, load_script, open3d_or_skip
 
 pytest.importorskip("trimesh", reason="trimesh not installed: pip install -e '.[recon]'")
 
@@ -391,7 +391,7 @@ def test_eval_reconstruction_ply_with_some_nan_points_evaluates_the_finite_ones(
                                                                              monkeypatch):
     from visionattn.recon.datasets import read_ply_points
 
-    pytest.importorskip("open3d", reason="the cloud metrics use open3d")
+    open3d_or_skip()  # the cloud metrics use open3d
     rng = np.random.default_rng(0)
     pts = np.concatenate([rng.normal(size=(200, 3)), np.full((3, 3), np.nan)])
     scene = _scene(tmp_path / "scene", ply=_binary_ply(pts))

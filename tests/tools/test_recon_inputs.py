@@ -21,7 +21,6 @@ from testdata import REPO
 from visionattn.recon.images import (ImageFolderError, list_images, load_images, preprocess_image, read_image,
                                      unique_names)
 
-pytest.importorskip("open3d", reason="open3d not installed: pip install -e '.[recon]'")
 
 DEMO = os.path.join(REPO, "demos", "reconstruct.py")
 TINY = ["--weights", "random-tiny", "--device", "cpu", "--size", "140", "--quiet", "--no-preview"]

@@ -11,7 +11,6 @@ from testdata import MULTIVIEW, REPO
 
 from visionattn.recon.outdir import MANIFEST, OutputDirError, atomic_output_dir, check_output_dir, list_tree
 
-pytest.importorskip("open3d", reason="open3d not installed: pip install -e '.[recon]'")
 
 TINY = ["--weights", "random-tiny", "--device", "cpu", "--size", "140", "--quiet", "--no-preview"]
 

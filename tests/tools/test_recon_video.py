@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from testdata import REPO
+from testdata import REPO, nearest_distances, read_ply_points
 
 from visionattn.recon.cameras import OPENCV_TO_OPENGL
 from visionattn.recon.colmap import point_tracks
@@ -16,7 +16,6 @@ from visionattn.recon.images import preprocess_image
 from visionattn.recon.video import frame_selector, load_video
 
 cv2 = pytest.importorskip("cv2")
-o3d = pytest.importorskip("open3d", reason="open3d not installed: pip install -e '.[recon]'")
 pycolmap = pytest.importorskip("pycolmap", reason="pycolmap not installed: pip install -e '.[recon]'")
 trimesh = pytest.importorskip("trimesh", reason="trimesh not installed: pip install -e '.[recon]'")
 from PIL import Image  # noqa: E402
@@ -154,10 +153,9 @@ def test_colmap_model_loads_in_pycolmap_and_matches_cameras_json(video_run):
     assert min(lengths) >= 1 and summary["colmap"]["observations"] == sum(lengths)
     assert rec.compute_mean_reprojection_error() < 1e-3
     # the points are the PLY's points (a subset of at most 200k)
-    ply = np.asarray(o3d.io.read_point_cloud(str(out / "points.ply")).points)
+    ply = read_ply_points(out / "points.ply")[0]
     xyz = np.array([p.xyz for p in rec.points3D.values()])
-    ref = o3d.geometry.PointCloud(o3d.utility.Vector3dVector(ply))
-    dist = np.asarray(o3d.geometry.PointCloud(o3d.utility.Vector3dVector(xyz)).compute_point_cloud_distance(ref))
+    dist = nearest_distances(xyz, ply)
     assert dist.max() < 1e-5 * max(1.0, np.abs(ply).max())
 
 
