@@ -40,7 +40,7 @@ import triton.language as tl
 from ._host import cdiv, pad_pow2, run_first_that_fits, unit_last_stride
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
-                       _head_scale_grad, _mm, _tensor_key, check_grads, fp32_products, launch_backward,
+                       _head_scale_grad, _mm, _tensor_key, autograd_bias, check_grads, fp32_products, launch_backward,
                        product_flags)
 from .elsa_fwd import load_kv_tile
 from .window_fwd import _COMPUTE_CODE, _prep_rows
@@ -384,9 +384,8 @@ def _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_
         return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
                       head_scale, bool(bias_requires_grad), bool(head_scale_requires_grad), bias_splits, products,
                       grads=grads)
-    if bias_requires_grad and any(st == 0 and n > 1 for st, n in zip(relative_position_bias.stride(), (H, N, N))):
-        # a stride-0 (expanded) view: its gradient is [H, N, N], not the sum over the view's repeats
-        relative_position_bias = relative_position_bias.contiguous()
+    # a stride-0 (expanded) view: its gradient is [H, N, N], not the sum over the view's repeats
+    relative_position_bias = autograd_bias(relative_position_bias, bias_requires_grad)
     dq, dk, dv, dbias, dhs = launch_backward(
         q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, None, hs, False, float(scale), mode,
         bias_requires_grad, head_scale_requires_grad, config, bias_splits,

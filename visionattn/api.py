@@ -19,7 +19,6 @@ __all__ = ["attention", "attention_qkvpacked", "validate_attention_inputs", "che
 # signature was validated when the runner was built); see attention()
 CALLS = PlanCache()
 _HALF_OR_FP32 = (torch.float16, torch.bfloat16, torch.float32)
-_tracing = torch._C._is_tracing  # torch.jit.trace records this call (a C call, no Python frame)
 
 
 def qkv_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -283,7 +282,7 @@ def attention(
             float16 mode (``fp16``, ``pasa``, ``fp16-acc16``).
     """
     key = None
-    if num_splits is None and not torch.compiler.is_compiling() and not _tracing():
+    if num_splits is None and not dispatch.recording():
         # a signature seen before was validated then: launch from its plan (same checks, done once); not while
         # torch.compile or torch.jit.trace records the call (a direct launch would be invisible to the graph)
         try:
@@ -363,12 +362,8 @@ def _kernels(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, k
     ops = _ops_module()
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (bias is not None and bias.requires_grad))
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        # the kernels take unit last strides only (visionattn.kernels._host.unit_last_stride): one copy per call,
-        # and no cached runner for the signature (its runner would pass the caller's layout on)
-        from .kernels._host import unit_last_stride
-
-        q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    (q, k, v), relaid = ops.relaid_inputs(q, k, v)
+    if relaid:
         key = None
     if md.half_scores:
         reason = ops.pasa_fwd.pasa_unsupported_reason(q, k, v, bias, attn_mask)
@@ -483,7 +478,7 @@ def attention_qkvpacked(
         _check_dense("qkv", qkv)
         raise ValueError(f"qkv must be [B, N, 3, H, D] (query, key, value stacked in dim 2), got shape "
                          f"{tuple(qkv.shape)}")
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _tracing() and (
+    if torch.is_grad_enabled() and not dispatch.recording() and (
             qkv.requires_grad or (bias is not None and getattr(bias, "requires_grad", False))):
         run = None
         try:

@@ -19,9 +19,16 @@ import torch
 from .kernels._launch import interpreting
 
 __all__ = ["BACKENDS", "get_backend", "set_backend", "use_backend", "resolve_backend", "warn_once",
-           "functorch_fallback"]
+           "functorch_fallback", "recording"]
 
 BACKENDS = ("auto", "triton", "reference")
+
+
+def recording() -> bool:
+    """Whether ``torch.compile`` or ``torch.jit.trace`` records the call being made: the kernels then run as their
+    custom ops, which the recorded graph holds (a direct launch would write its output where neither sees it), and
+    no call-signature cache, inference cache or data-dependent shortcut is taken."""
+    return torch.compiler.is_compiling() or torch._C._is_tracing()
 
 
 def _check(name: str) -> str:

@@ -25,9 +25,10 @@ from typing import Optional
 
 import torch
 
+from . import dispatch
 from .kernels import elsa_fwd, pasa_fwd, window_fwd
 from .kernels import l2norm as _l2norm
-from .kernels._host import unit_last_stride  # noqa: F401 - the layout rule, for the API modules
+from .kernels._host import unit_last_stride
 from .kernels._launch import interpreting
 from .kernels.modes import MODES
 
@@ -42,10 +43,15 @@ except ImportError:  # the module is optional: without it every dense mode is fo
 BACKWARD_MODES: frozenset = frozenset(
     name for name, m in MODES.items() if "dense" in m.kernels) if _elsa_bwd is not None else frozenset()
 
-# Whether torch.jit.trace records this call. Under torch.compile or torch.jit.trace the kernels run as the custom
-# ops below, which the recorded graph holds (a direct launch writes the output where neither sees it).
-_tracing = torch._C._is_tracing
 
+def relaid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``((q, k, v), relaid)``: the three with unit last strides, the only layout the kernels take
+    (:func:`.kernels._host.unit_last_stride`: one copy of a tensor whose head dim is not of unit stride), and
+    whether one was laid out, in which case the API keeps no cached runner for the call signature (its runner
+    would pass the caller's layout on)."""
+    if q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+        return (q, k, v), False
+    return tuple(unit_last_stride(t) for t in (q, k, v)), True
 
 def first_order_only(what: str) -> None:
     """Raise where autograd asks a kernel backward for a graph of its own (``create_graph=True``: a double
@@ -59,6 +65,7 @@ def first_order_only(what: str) -> None:
         raise RuntimeError(f"{what}: double backward (create_graph=True, e.g. a gradient penalty) through the "
                            f"attention kernels is not supported: their backward is first-order only; run this "
                            f"call with backend='reference' (pure PyTorch, differentiable twice)")
+
 
 def has_backward(mode: str) -> bool:
     """Whether the dense kernels of ``mode`` have a backward (else gradients need the reference path)."""
@@ -239,7 +246,7 @@ def dense(q, k, v, bias, attn_mask, is_causal: bool, scale: float, mode: str, nu
     mode must be in :data:`BACKWARD_MODES`). ``held``: with ``grad`` in eager mode, a one-element list the caller
     keeps per call signature, where the forward plan is kept between calls (see :func:`_forward_with_lse`).
     """
-    if torch.compiler.is_compiling() or _tracing():
+    if dispatch.recording():
         if grad:
             return _attention_lse_op(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)[0]
         return _attention_op(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, out_dtype)
@@ -265,7 +272,7 @@ def _(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype):
 def pasa(q, k, v, bias, attn_mask, is_causal: bool, scale: float, shift: bool,
          out_dtype: torch.dtype | None) -> torch.Tensor:
     """PASA (``shift``) / FP16-accumulation forward on the kernel; inputs validated, float16."""
-    if torch.compiler.is_compiling() or _tracing():
+    if dispatch.recording():
         return _pasa_op(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
     return pasa_fwd.pasa_forward(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
 
@@ -365,7 +372,7 @@ def _normalize(x: torch.Tensor) -> torch.Tensor:
     (:func:`visionattn.kernels.l2norm.l2_normalize`; PyTorch autograd takes ~8 kernels per tensor and direction
     on timm's strided views), under ``torch.compile`` PyTorch's, which the compiler fuses itself (and so under
     ``torch.jit.trace``, whose graph cannot hold the kernel's direct launch)."""
-    if (not (torch.compiler.is_compiling() or _tracing()) and x.stride(-1) == 1
+    if (not dispatch.recording() and x.stride(-1) == 1
             and x.shape[-1] <= _l2norm.MAX_HEAD_DIM and x.numel() and (x.is_cuda or interpreting())):
         # F.normalize's result dtype: under autocast its norm is FP32, and the division promotes to it
         autocast = torch.is_autocast_enabled(x.device.type)
@@ -510,7 +517,7 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
                              f"{sorted(BACKWARD_MODES)}")
         head_scale = None
         if (cosine and q.shape[2] <= _window_bwd.FUSED_MAX_TOKENS and MODES[mode].compute_dtype != torch.float32
-                and not (torch.compiler.is_compiling() or _tracing())):
+                and not dispatch.recording()):
             # half modes; with FP32 products the normalising kernels spill more than the two row kernels cost
             # (docs/tuning.md)
             return _CosineWindowFunction.apply(q, k, v, bias, mask, logit_scale, num_windows, mode)
@@ -520,10 +527,10 @@ def window(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, sca
             # from the forward's by up to half an ulp, shifting the recomputed logits by up to ~0.03 at c = 100
             head_scale = torch.exp(torch.clamp(logit_scale.float(), max=_LOG_100))
             logit_scale = logit_scale.detach()
-        if torch.compiler.is_compiling() or _tracing():
+        if dispatch.recording():
             return _window_lse_op(q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode)[0]
         return _WindowFunction.apply(q, k, v, bias, mask, logit_scale, head_scale, num_windows, cosine, scale, mode)
-    if torch.compiler.is_compiling() or _tracing():
+    if dispatch.recording():
         return _window_op(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
     return window_fwd.window_forward(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
 
@@ -658,12 +665,12 @@ def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k:
     if grad:
         if mode not in BACKWARD_MODES:
             raise ValueError(f"mode={mode!r} has no varlen backward kernel; expected one of {sorted(BACKWARD_MODES)}")
-        if torch.compiler.is_compiling() or _tracing():
+        if dispatch.recording():
             return _varlen_lse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                                   mode, out_dtype)[0]
         return _VarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                      scale, mode, out_dtype)
-    if torch.compiler.is_compiling() or _tracing():
+    if dispatch.recording():
         return _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                           mode, out_dtype)
     return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,

@@ -34,7 +34,6 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_KERNEL_HEAD_DIM = 256
 _LOG_100 = math.log(100.0)
-_tracing = torch._C._is_tracing  # torch.jit.trace records this call
 
 
 def validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows, cosine, logit_scale):
@@ -232,7 +231,7 @@ def window_attention(
     custom ops, which the traced graph records.
     """
     key = None
-    if not torch.compiler.is_compiling() and not _tracing():
+    if not dispatch.recording():
         # a signature seen before was validated then: launch from its plan (same checks, done once); not while
         # torch.compile or torch.jit.trace records the call (a direct launch would be invisible to the graph)
         try:
@@ -263,10 +262,8 @@ def window_attention(
         if reason is None:
             from . import ops  # lazy: importing triton is slow and not needed on CPU
 
-            if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-                # the kernels take unit last strides only (visionattn.kernels._host.unit_last_stride): one copy
-                # per call, and no cached runner for the signature (its runner would pass the caller's layout on)
-                q, k, v = (ops.unit_last_stride(t) for t in (q, k, v))
+            (q, k, v), relaid = ops.relaid_inputs(q, k, v)
+            if relaid:
                 key = None
 
             if grad:  # the backward kernels, from the LSE the forward saves
@@ -332,7 +329,7 @@ def window_attention_qkvpacked(
         raise ValueError(f"qkv must be [B*nW, N, 3, H, D] (query, key, value stacked in dim 2), got shape "
                          f"{tuple(qkv.shape)}")
     bias, ls = relative_position_bias, logit_scale
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _tracing() and (
+    if torch.is_grad_enabled() and not dispatch.recording() and (
             qkv.requires_grad or _needs_grad(*(t if isinstance(t, torch.Tensor) else None for t in (bias, ls)))):
         run = None
         try:

@@ -189,7 +189,7 @@ def test_attention_qkvpacked_refuses_hostile_input(case, grad, backend):
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "pasa"])
 def test_no_keys_give_zeros_and_zero_gradients(mode, backend):
     """Nk = 0: every row is fully masked, so zeros (not NaN), and a backward of zero gradients for q, k, v and the
-    bias, on the reference path as on the kernels (the reference used to return a tensor outside the graph)."""
+    bias, on the reference path as on the kernels (the output stays in the autograd graph)."""
     q, k, v = dense_inputs(nk=0)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     bias = torch.randn(5, 1, requires_grad=True)  # broadcast over the (absent) keys

@@ -41,6 +41,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from ..dispatch import recording
 from ..modes import get_mode
 
 __all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "registered_patches", "check_options",
@@ -395,7 +396,7 @@ def inference_cached(module: nn.Module, name: str, sources: tuple, compute: Call
         sources: the tensors ``compute`` reads.
         compute: ``() -> torch.Tensor``.
     """
-    if (torch.is_grad_enabled() or module.training or torch.compiler.is_compiling() or torch._C._is_tracing()
+    if (torch.is_grad_enabled() or module.training or recording()
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return compute()
     try:

@@ -45,6 +45,7 @@ import torch
 from timm.models.naflexvit import NaFlexVit
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..dispatch import recording
 from .core import PatchSpec
 
 __all__ = ["PATCHES", "VisionattnNaFlexVit", "KeyPadding", "key_padding_of", "key_padding_attention",
@@ -94,7 +95,7 @@ _TAGS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 def key_padding_of(attn_mask: Optional[torch.Tensor]) -> Optional[KeyPadding]:
     """The packing :class:`VisionattnNaFlexVit` recorded for this exact mask tensor, else None."""
-    if attn_mask is None or torch.compiler.is_compiling() or torch._C._is_tracing():
+    if attn_mask is None or recording():
         return None  # (compiled / traced graphs run the mask as it is: the packing is data-dependent)
     return _TAGS.get(attn_mask)
 
@@ -158,8 +159,7 @@ class VisionattnNaFlexVit(NaFlexVit):
     def _forward_embeds(self, x, patch_coord, patch_valid, attn_mask):
         embeds = super()._forward_embeds(x, patch_coord, patch_valid, attn_mask)
         mask, valid = embeds.get("attn_mask"), embeds.get("patch_valid")
-        if (attn_mask is None and mask is not None and valid is not None and not torch.compiler.is_compiling()
-                and not torch._C._is_tracing()):
+        if attn_mask is None and mask is not None and valid is not None and not recording():
             valid = valid.bool()
             if self.num_prefix_tokens:
                 valid = torch.cat([valid.new_ones(valid.shape[0], self.num_prefix_tokens), valid], 1)
