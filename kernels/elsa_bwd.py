@@ -94,7 +94,7 @@ import triton
 import triton.language as tl
 
 from . import elsa_fwd, ieee_gluon_bwd
-from ._host import cdiv, pad_pow2, run_first_that_fits, sm_count, unit_last_stride
+from ._host import cdiv, head_blocks, pad_pow2, run_first_that_fits, sm_count, unit_last_stride
 from ._launch import SPIN_UNTIL_EQUAL_PTX, KernelCall, PlanCache, interpreting
 from .elsa_fwd import key_tiles, load_kv_tile
 from .modes import MODES
@@ -1151,7 +1151,7 @@ class _BackwardPlan:
         mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
         self.cfg = config or default or get_config(mode, D, Dv, bool(bias_requires_grad), products, Nk)
         self.explicit = config is not None
-        BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
+        BLOCK_D, BLOCK_DV = head_blocks(D, Dv, "/".join(product_flags(precision).values()))
         self.dims = (B, H, Nq, Nk, D, Dv)
         pre_m = 64 if max(BLOCK_D, BLOCK_DV) <= 128 else 32
         # HEAD_SCALED products scale each right operand by one power of two per head (:func:`_mmh`): the

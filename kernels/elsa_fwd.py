@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from . import half_gluon, ieee_gluon
-from ._host import OUT_DTYPES, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
+from ._host import OUT_DTYPES, cdiv, head_blocks, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache, interpreting
 from .modes import MODES
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
@@ -596,7 +596,7 @@ class _TritonPlan:
         P = max(1, min(P, n_tiles))
         tiles_per_split = cdiv(n_tiles, P)
         P = cdiv(n_tiles, tiles_per_split)  # no empty trailing partitions
-        block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
+        block_d, block_dv = head_blocks(D, Dv, precision)
         self.config, self.device, self.o_dtype = cfg, q.device, out_dtype
         self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)  # as SDPA's flash path returns
         self.lse_shape = (B, H, Nq) if with_lse else None

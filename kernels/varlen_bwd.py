@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2, unit_last_stride
+from ._host import cdiv, head_blocks, pad_pow2, unit_last_stride
 from ._launch import interpreting, launch
 from .elsa_bwd import (BWD_MODES, HEAD_SCALED, MAX_HEAD_DIM, BwdConfig, KernelTiles, _bwd_preprocess_kernel,
                        _dkdv_query_tiles, _dkdv_tile, _dq_tile, _head_exponents, _run_fitting, get_config,
@@ -257,7 +257,7 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if empty:
         return dq, dk, dv
     cfg = config or get_config(mode, D, Dv)
-    BLOCK_D, BLOCK_DV = pad_pow2(D), pad_pow2(Dv)
+    BLOCK_D, BLOCK_DV = head_blocks(D, Dv, "/".join(product_flags(precision).values()))
 
     # delta and the row lse: per row, so the packed rows are one batch entry [1, H, total_q] of the dense kernel
     delta = torch.empty((H, total_q), device=q.device, dtype=torch.float32)

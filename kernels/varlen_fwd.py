@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import OUT_DTYPES, cdiv, pad_pow2, run_first_that_fits
+from ._host import OUT_DTYPES, cdiv, head_blocks, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _elsa_merge_kernel, _fold_tile,
                        _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
@@ -151,7 +151,7 @@ class _VarlenPlan:
         total_q = q.shape[0] if total_q is None else total_q
         Dv = v.shape[2]
         precision = _precision(mode, None)
-        block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
+        block_d, block_dv = head_blocks(D, Dv, precision)
         n_m_tiles = cdiv(rows_bound, cfg.block_m)
         # KV partitions (decided by varlen_forward, which keys the plan on them)
         n_kv_tiles = max(1, cdiv(max_seqlen_k, cfg.block_n))

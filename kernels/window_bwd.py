@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2, run_first_that_fits, unit_last_stride
+from ._host import cdiv, head_blocks, pad_pow2, run_first_that_fits, unit_last_stride
 from ._launch import KernelCall, PlanCache, interpreting
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
                        _head_scale_grad, _mm, _tensor_key, autograd_bias, check_grads, fp32_products, launch_backward,
@@ -199,7 +199,6 @@ class _FusedPlan:
         BW, H, N, D = q.shape
         Dv = v.shape[3]
         block = max(16, pad_pow2(N))
-        block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
         # the d bias partials [G, H, N, N] take ~4 programs per SM; without them, one window per program
         G = _bias_splits(BW, H, 4 * H * N * N, q.device, bias_splits) if write_db else BW
         per_chunk = cdiv(BW, G)
@@ -215,6 +214,7 @@ class _FusedPlan:
                       *sa, *(int(x) for st in grad_strides for x in st), H, N, D, Dv)  # the arguments before scale0
         self.fixed_tail = (n_add, BW, per_chunk)  # and after it
         precision = fp32_products(mode, products)[1]
+        block_d, block_dv = head_blocks(D, Dv, "/".join(product_flags(precision).values()))
         warps, stages = fused_launch(block, N, q.dtype != torch.float32, precision)
         num_stages = stages if num_stages is None else num_stages
         self.call = KernelCall(_window_bwd_fused_kernel, (H * G,), dict(

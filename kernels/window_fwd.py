@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
+from ._host import cdiv, head_blocks, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
 from ._launch import KernelCall, PlanCache, interpreting
 from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
@@ -399,9 +399,24 @@ def get_config(n_windows: int, heads: int, n_tokens: int, head_dim: int, n_slot:
     return {"kernel": "tiled", "block_m": bm, "block_n": 64, "num_warps": 4, "num_stages": 2}
 
 
-def _fewer_stages(cfg: dict) -> list[dict]:
-    """Configs to try in order when ``cfg`` exceeds shared memory (large head dims): fewer stages."""
-    return [dict(cfg, num_stages=n) for n in range(cfg["num_stages"] - 1, 0, -1)]
+def _smaller_configs(cfg: dict) -> list[dict]:
+    """Configs to try in order when ``cfg`` exceeds shared memory (large head dims, FP32 tiles): fewer stages;
+    then, for the small kernel (a whole window per tile), the tiled kernel at (64, 32), (32, 16), (16, 16) with
+    one stage; for the tiled kernel, narrower key tiles, then fewer query rows, one stage. Each try compiles a
+    kernel, so the list stays short: a 128-token window at head dim 256 in FP32 needs ~384 KB as one tile, the
+    tiled kernel at (64, 32) ~100 KB."""
+    out = [dict(cfg, num_stages=n) for n in range(cfg["num_stages"] - 1, 0, -1)]
+    if cfg["kernel"] != "tiled":
+        tiles = [(64, 32), (32, 16), (16, 16)]
+    else:
+        bm, bn, tiles = cfg["block_m"], cfg["block_n"], []
+        while bn > 16:
+            bn //= 2
+            tiles.append((bm, bn))
+        while bm > 16:
+            bm //= 2
+            tiles.append((bm, bn))
+    return out + [{"kernel": "tiled", "block_m": m, "block_n": n, "num_warps": 4, "num_stages": 1} for m, n in tiles]
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -466,7 +481,7 @@ class _WindowPlan:
         lse_str = (H * N, N) if with_lse else (0, 0)
         strides = (*q.stride(), *k.stride(), *v.stride(), *self.o_stride, *b_str, *m_str, ls_str, *lse_str)
         flags = mode_constexprs(mode, precision, bias is not None, mask is not None, cosine, with_lse, normalized)
-        block_d, block_dv = pad_pow2(D), pad_pow2(DV)
+        block_d, block_dv = head_blocks(D, DV, flags["IN_PREC"])
         options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         n_slot = n_slot_mask if mask is not None else 1
         if cfg["kernel"] == "small":
@@ -502,8 +517,8 @@ def _plan_and_run(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bo
                   config: dict | None, precision: str | None = None, with_lse: bool = False,
                   normalized: bool = False):
     """Build the plan of a call signature by running it once: ``(plan, result)``, result ``out`` or, with
-    ``with_lse``, ``(out, lse)``. The default config drops pipeline stages on out-of-shared-memory (large
-    head dims); an explicit ``config`` runs as given."""
+    ``with_lse``, ``(out, lse)``. On out-of-shared-memory (large head dims) the default config gives way to
+    :func:`_smaller_configs` in order; an explicit ``config`` runs as given."""
     BW, H, N, D = q.shape
     cfg = dict(config) if config else get_config(BW, H, N, D, n_slot_mask if mask is not None else 1, q.device,
                                                  mode=mode)
@@ -514,7 +529,7 @@ def _plan_and_run(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bo
                            normalized)
         result.append((plan, plan(q, k, v, bias, mask, logit_scale, scale)))
 
-    run_first_that_fits(run, cfg, (lambda _: []) if config else _fewer_stages)
+    run_first_that_fits(run, cfg, (lambda _: []) if config else _smaller_configs)
     return result[-1]
 
 
