@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["KernelCall", "PlanCache", "launch", "interpreting", "SPIN_UNTIL_EQUAL_PTX"]
+__all__ = ["KernelCall", "PlanCache", "launch", "interpreting", "recording", "qkv_key", "tensor_key",
+           "SPIN_UNTIL_EQUAL_PTX"]
 
 # ``inline_asm_elementwise`` body of the ordered reductions' wait (the single-pass backward's dQ adds): given a
 # value read earlier ($1), re-read the int32 at address $2 with relaxed GPU-scope loads until it equals $3, and
@@ -41,6 +42,13 @@ SPIN_UNTIL_EQUAL_PTX = (
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU (``TRITON_INTERPRET=1``), read per call: tests set it."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def recording() -> bool:
+    """Whether ``torch.compile`` or ``torch.jit.trace`` records the call being made: the kernels then run as their
+    custom ops, which the recorded graph holds (a direct launch would write its output where neither sees it), and
+    no call-signature cache, inference cache or data-dependent shortcut is taken."""
+    return torch.compiler.is_compiling() or torch._C._is_tracing()
 
 
 def _launch_hooks_set() -> bool:
@@ -175,7 +183,7 @@ class KernelCall:
         Each call encodes the tensor maps itself (one ``cuTensorMapEncodeTiled`` per descriptor, through
         Triton's own ``fill_tma_descriptor``, with the block shape, swizzle and element type Triton compiled
         the kernel for) and hands them to the compiled launcher, skipping the per-call Python wrapper that
-        expands descriptor objects (~8 us of host time per call on the H100 machine). Available after the
+        expands descriptor objects (~8 us of host time per call on an H100 host). Available after the
         first call, on Triton releases whose launcher wraps descriptors as 3.4-3.6 do; else None (keep
         calling with descriptors). The result is the same launch: the wrapper builds the same maps.
         """
@@ -217,6 +225,21 @@ class KernelCall:
         return launch
 
 
+def qkv_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """What a plan depends on of query, key and value: shapes, strides, dtypes, devices (each one's: a key on
+    another device, or on ``meta``, must not reach a runner built for one device), the 16-byte alignment of each data
+    pointer."""
+    return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+
+
+def tensor_key(t: torch.Tensor | None):
+    """What a plan depends on of an optional tensor argument: shape, strides, dtype, device, the 16-byte
+    alignment of its data pointer, whether it needs gradients."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, t.requires_grad
+
 class PlanCache:
     """Plans by key, at most ``max_size`` of them (the oldest half is dropped when full).
 
@@ -234,6 +257,22 @@ class PlanCache:
         if plan is not None:
             self.hits += 1
         return plan
+
+    def lookup(self, make_key: Callable, *args) -> tuple:
+        """``(key, plan)`` of a public call: ``key = make_key(*args)`` and the plan kept under it (None when new).
+        ``(None, None)`` while :func:`recording` (the graph must hold the custom ops, not a direct launch) and
+        where ``make_key`` raises AttributeError / TypeError / RuntimeError (arguments that are not tensors, or
+        unhashable: the caller's checks then say why)."""
+        if torch.compiler.is_compiling() or torch._C._is_tracing():
+            return None, None
+        try:
+            key = make_key(*args)
+            plan = self.plans.get(key)
+        except (AttributeError, TypeError, RuntimeError):
+            return None, None
+        if plan is not None:
+            self.hits += 1
+        return key, plan
 
     def put(self, key, plan):
         if len(self.plans) >= self.max_size:

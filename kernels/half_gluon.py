@@ -432,37 +432,37 @@ if _IMPORT_ERROR is None:
         # one branch per consumer count: the partition list is built at trace time, one entry per warpgroup
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
-                             H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
+                             soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [1], [24])
         elif CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
-                             H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
-                             H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
+                             soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
+                             soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
-                             H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
-                             H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
-                             H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som,
-                             H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N,
-                             TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
+                             soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
+                             soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
+                             soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
+                             soh, som, H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
                              n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])

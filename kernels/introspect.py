@@ -1,13 +1,13 @@
 """Compile a Triton kernel for a GPU architecture without the GPU: shared memory, registers and IR.
 
-Device time is scarce; whether a tile config fits the 227 KiB of shared memory of an
-H100/H200 (``232,448`` bytes per block) can be answered on any machine. Triton compiles
+Whether a tile config fits the 227 KiB of shared memory of an H100/H200 (``232,448`` bytes
+per block) can be answered on any machine, without a GPU. Triton compiles
 for a target (``GPUTarget("cuda", 90, 32)``) with its bundled ``ptxas``; given the same
 specialization as a real launch (16-byte-aligned pointers, strides of 1 folded into
 constants, other ints divisible by 16), the shared-memory figure equals the one the GPU
-reports at launch (checked: 232,960 bytes for the PASA D=128 3-stage config, on the
-device and here, both with triton 3.6). The figure depends on the Triton version: use
-the device's (``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``).
+reports at launch (checked: 232,960 bytes for the PASA D=128 3-stage config, on an H100
+and offline, both with triton 3.6). The figure depends on the Triton version: use the
+one the GPU runs (``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``).
 
 Registers per thread and local-memory (spill) bytes are read from the compiled cubin with
 Triton's bundled ``cuobjdump -res-usage``; with them and the shared memory, the number of

@@ -68,7 +68,8 @@ def pose_encoding_to_extri_intri(pose_encoding: torch.Tensor, image_size_hw) -> 
     if pose_encoding.shape[-1] != 9:
         raise ValueError(f"pose_encoding must end in 9 values (absT_quaR_FoV), got {tuple(pose_encoding.shape)}")
     H, W = image_size_hw
-    t, quat, fov_h, fov_w = pose_encoding[..., :3], pose_encoding[..., 3:7], pose_encoding[..., 7], pose_encoding[..., 8]
+    t, quat = pose_encoding[..., :3], pose_encoding[..., 3:7]
+    fov_h, fov_w = pose_encoding[..., 7], pose_encoding[..., 8]
     extrinsics = torch.cat([quat_to_mat(quat), t[..., None]], dim=-1)
     K = torch.zeros(*pose_encoding.shape[:-1], 3, 3, dtype=pose_encoding.dtype, device=pose_encoding.device)
     K[..., 0, 0] = (W / 2.0) / torch.tan(fov_w / 2.0)

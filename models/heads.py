@@ -275,7 +275,8 @@ class DPTHead(nn.Module):
         out = self.scratch.refinenet2(out, l2, size=l1.shape[2:])
         out = self.scratch.refinenet1(out, l1)
         out = self.scratch.output_conv1(out)
-        out = _interpolate(out, (int(ph * self.patch_size / self.down_ratio), int(pw * self.patch_size / self.down_ratio)))
+        scale = self.patch_size / self.down_ratio
+        out = _interpolate(out, (int(ph * scale), int(pw * scale)))
         if self.pos_embed:
             out = _uv_embed(out, W, H)
         if self.feature_only:
@@ -331,7 +332,9 @@ class UpdateFormer(nn.Module):
         self.input_transform = nn.Linear(input_dim, hidden_size)
         self.output_norm = nn.LayerNorm(hidden_size)
         self.flow_head = nn.Linear(hidden_size, output_dim)
-        mk = lambda cls: nn.ModuleList(cls(hidden_size, num_heads, mlp_ratio, attn_mode) for _ in range(depth))  # noqa: E731
+        def mk(cls):
+            return nn.ModuleList(cls(hidden_size, num_heads, mlp_ratio, attn_mode) for _ in range(depth))
+
         self.time_blocks = mk(AttnBlock)
         self.space_virtual_blocks = mk(AttnBlock)
         self.space_point2virtual_blocks = mk(CrossAttnBlock)

@@ -185,3 +185,27 @@ def load_state_dict_file(path: str, device: str | torch.device = "cpu") -> dict[
             raise ValueError(f"{path} does not hold a state dict (got {type(sd).__name__})")
         return sd
     raise ValueError(f"unknown checkpoint format {path!r}; expected .safetensors or .pt/.pth/.bin")
+
+
+def save_checkpoint_folder(module: torch.nn.Module, directory: str | os.PathLike, config: dict) -> str:
+    """Write ``module``'s weights as ``model.safetensors`` and ``config`` as ``config.json`` into ``directory``
+    (created if missing), each through a temporary file renamed into place, so an interrupted save never leaves
+    a partial file under either name. Returns the weights path; ``from_pretrained`` reads the folder back."""
+    import json
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}
+    target = os.path.join(directory, WEIGHT_FILES[0])
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    os.close(fd)
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, target)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f, indent=1)
+    os.replace(tmp, os.path.join(directory, "config.json"))
+    return target

@@ -15,15 +15,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from visionattn.api import attention as _va_attention
+from visionattn.modes import get_mode
+
+from .merging import plan_merge
 
 __all__ = [
-    "AUTO_MODE", "resolve_attn_mode", "attend", "checkpointed", "LayerScale", "Mlp", "RopeTables", "rope_tables",
-    "apply_rope", "Attention", "Block", "MHAttention", "AttnBlock", "CrossAttnBlock", "PatchEmbed",
+    "AUTO_MODE", "DTYPE_MODES", "resolve_attn_mode", "attend", "checkpointed", "LayerScale", "Mlp", "RopeTables",
+    "rope_tables", "apply_rope", "Attention", "Block", "MHAttention", "AttnBlock", "CrossAttnBlock", "PatchEmbed",
     "DinoV2",
 ]
 
 AUTO_MODE = "auto"
-_AUTO = {torch.float32: "fp32", torch.float64: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_MODES = ("fp32", "bf16", "fp16")
+"""The modes named after the dtype they compute in: what ``"auto"`` picks from q's dtype."""
+_AUTO = {get_mode(m).compute_dtype: m for m in DTYPE_MODES} | {torch.float64: "fp32"}  # float64 q: FP32 mode
 
 
 def resolve_attn_mode(mode: str | None, dtype: torch.dtype) -> str | None:
@@ -246,8 +251,6 @@ class Block(nn.Module):
         h = self.norm1(x)
         plan = None
         if merging is not None:
-            from .merging import plan_merge  # local: merging imports nothing from here at import time
-
             plan = plan_merge(h, *grid, merging)
         x = x + self.ls1(self.attn(h, rope, plan))
         del h, plan

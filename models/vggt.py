@@ -22,17 +22,21 @@ import tempfile
 import torch
 from torch import nn
 
-from .aggregator import Aggregator
+from visionattn.modes import get_mode
+
+from .aggregator import _MEAN, _STD, Aggregator
 from .heads import CameraHead, DPTHead, TrackHead
-from .hub import WEIGHT_FILES, load_state_dict_file, resolve_checkpoint
-from .layers import AUTO_MODE, Block
+from .hub import CheckpointNotFoundError, hub_file, load_state_dict_file, resolve_checkpoint, save_checkpoint_folder
+from .layers import AUTO_MODE, DTYPE_MODES, Block
 from .merging import TokenMerging, as_merging
+from .peak_memory import peak_bytes
 
 __all__ = ["VGGT", "vggt_tiny_config", "vggt_attention_shapes", "DEFAULT_REPO", "autocast"]
 
 DEFAULT_REPO = "facebook/VGGT-1B"
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
+# dtype names accepted by heads_dtype and inference_dtype: the modes named after a dtype and torch's names
+_DTYPES = {name: get_mode(m).compute_dtype for m in DTYPE_MODES
+           for name in (m, str(get_mode(m).compute_dtype).removeprefix("torch."))}
 
 
 class _ClassOrInstanceMethod:
@@ -50,8 +54,6 @@ class _ClassOrInstanceMethod:
 def _check_mode(mode):
     if mode is None or mode == AUTO_MODE:
         return mode
-    from visionattn.modes import get_mode
-
     return get_mode(mode).name  # raises ValueError naming the valid modes
 
 
@@ -264,7 +266,7 @@ class VGGT(nn.Module):
 
     @heads_dtype.setter
     def heads_dtype(self, value: str | None) -> None:
-        if value in ("fp32", "float32"):
+        if _DTYPES.get(value) == torch.float32:
             value = None
         if value is not None and _DTYPES.get(value) not in (torch.bfloat16, torch.float16):
             raise ValueError(f"heads_dtype={value!r}; expected None / 'fp32', 'bf16' or 'fp16'")
@@ -305,7 +307,7 @@ class VGGT(nn.Module):
         """
         if requested is not None:
             dt = _DTYPES.get(requested) if isinstance(requested, str) else requested
-            if dt not in (torch.float32, torch.bfloat16, torch.float16):
+            if dt not in _DTYPES.values():
                 raise ValueError(f"requested={requested!r}; expected fp32, bf16 or fp16 (or a torch dtype)")
             return dt
         if device is None:
@@ -379,9 +381,10 @@ class VGGT(nn.Module):
         Raises:
             ValueError: unknown mode, frames < 1, or an image size not divisible by the patch size.
         """
-        from .memory import estimate_memory
-
-        return estimate_memory(self, frames, height, width, mode, **kwargs)
+        if self is None:
+            with torch.device("meta"):
+                self = VGGT()
+        return peak_bytes(self, frames, height, width, mode, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
@@ -415,8 +418,6 @@ class VGGT(nn.Module):
                 (the message names the cache folder and how to pass a local file).
             RuntimeError: missing / unexpected keys or shape mismatches with ``strict=True``.
         """
-        from .hub import CheckpointNotFoundError, hub_file
-
         src = os.fspath(pretrained_model_name_or_path)
         hub = dict(revision=revision, cache_dir=cache_dir, token=token, local_files_only=local_files_only,
                    force_download=force_download)
@@ -441,8 +442,6 @@ class VGGT(nn.Module):
             fsd = fresh.state_dict()
             model.load_state_dict({n: fsd[n] for n in missing}, strict=False, assign=True)
         agg = model.aggregator
-        from .aggregator import _MEAN, _STD
-
         agg._resnet_mean = torch.tensor(_MEAN, device=device).reshape(1, 1, 3, 1, 1)
         agg._resnet_std = torch.tensor(_STD, device=device).reshape(1, 1, 3, 1, 1)
         model.load_result = result
@@ -459,20 +458,8 @@ class VGGT(nn.Module):
         Returns:
             the weights path, or the commit URL when pushed.
         """
-        from safetensors.torch import save_file
-
+        target = save_checkpoint_folder(self, save_directory, {**self.config, **(config or {})})
         directory = os.fspath(save_directory)
-        os.makedirs(directory, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        target = os.path.join(directory, WEIGHT_FILES[0])
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        os.close(fd)
-        save_file(sd, tmp, metadata={"format": "pt"})
-        os.replace(tmp, target)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({**self.config, **(config or {})}, f, indent=1)
-        os.replace(tmp, os.path.join(directory, "config.json"))
         if push_to_hub:
             return self.push_to_hub(repo_id or os.path.basename(os.path.abspath(directory)), config=config,
                                     **push_to_hub_kwargs)

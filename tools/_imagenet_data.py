@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from _cli import read_rgb
+from _harness import read_rgb
 
 __all__ = [
     "DatasetLayoutError", "ImageNetSplit", "SYNSET_RE", "LOC_CSV_NAME", "DEVKIT_GT_NAME",
@@ -376,7 +376,7 @@ def subsample(n: int, limit: int | None) -> list[int]:
 
 class ImageListDataset(Dataset):
     """(image tensor, class index) for a list of (path, target); images read with PIL, RGB
-    (:func:`_cli.read_rgb`: a corrupt file raises its one-line :class:`_cli.CorruptImageError`).
+    (:func:`_harness.read_rgb`: a corrupt file raises its one-line :class:`_harness.CorruptImageError`).
 
     ``transform`` maps a PIL image to a float tensor [3, H, W] (timm's eval transform).
     """

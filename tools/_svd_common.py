@@ -13,16 +13,16 @@ import os
 
 import torch
 
-from _cli import ToolParser, check_device, positive_int
+from _harness import ToolParser, check_device, positive_int
 
-from visionattn.modes import get_mode, mode_names
+from visionattn.modes import MODES, get_mode, mode_names
 
 __all__ = ["MODEL_IDS", "NATIVE", "DTYPES", "DTYPE_NAMES", "PipelineUnavailable", "build_tiny_pipeline",
            "load_pipeline", "check_model", "parse_modes", "run_dtype", "add_run_args", "check_run_args", "jsonable"]
 
 MODEL_IDS = ("stabilityai/stable-video-diffusion-img2vid", "stabilityai/stable-video-diffusion-img2vid-xt")
-NATIVE = {"native": None, "native-fp32": torch.float32, "native-fp16": torch.float16, "native-bf16": torch.bfloat16}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {m: MODES[m].compute_dtype for m in ("fp32", "fp16", "bf16")}  # the modes' dtypes, by mode name
+NATIVE = {"native": None, **{f"native-{m}": dtype for m, dtype in DTYPES.items()}}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 

@@ -56,17 +56,16 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, failure_text, first_error, output_files  # noqa: E402
+from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_ms, eager_ms,  # noqa: E402
+                      environment, failure_text, figure, first_error, host_us, kernel_ms, markdown_table, output_files)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
-from visionattn.reporting import (OutputFiles, eager_graph_ms, environment, eager_ms, host_us, kernel_ms,  # noqa: E402
-                                  markdown_table)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = "bench_attention"  # its output manifest: .visionattn-bench_attention.json (_cli.output_files)
+TOOL = "bench_attention"  # its output manifest: .visionattn-bench_attention.json (_harness.output_files)
 GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
     "fp32": (torch.float32, ["fp32", "fp32-ieee", "tf32"], ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),
     "fp16": (torch.float16, ["fp16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn",
@@ -196,7 +195,7 @@ def _fwd_bwd_runner(name, do):
 
 def _measure(fn, q, k, v, rep, graph_only=False):
     """(timings, peak extra MiB, output) of ``fn(q, k, v)``: ``{"eager": ms, "graph": ms}``, timed in alternating
-    eager and graph windows (:func:`visionattn.reporting.eager_graph_ms`); with ``graph_only`` the graph alone
+    eager and graph windows (:func:`_harness.eager_graph_ms`); with ``graph_only`` the graph alone
     (``triton.testing.do_bench_cudagraph``). The two calls here compile and fill the launch caches first. Raises if
     the backend refuses; where only the capture fails (and eager is timed), ``{"eager": ms, "graph_error": why}``."""
     torch.cuda.synchronize()
@@ -321,7 +320,7 @@ def grad_errors(grads, ref: dict, rows) -> dict:
 # --------------------------------------------------------------------------- sweep
 
 GRAPH_TIMING = ("graph: replays of a CUDA graph of the same calls, each replay timed right after an eager window "
-                "(visionattn.reporting.eager_graph_ms: both readings see the same GPU state; median of 5) -- graph ms "
+                "(_harness.eager_graph_ms: both readings see the same GPU state; median of 5) -- graph ms "
                 "column, n/a where the calls cannot be captured (graph_error in the JSON)")
 
 
@@ -550,33 +549,25 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
 
 
 def _plot(result, path, outputs):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     recs = [r for r in result["records"] if "ms" in r and r["B"] == 1 and r["H"] == 8 and r["D"] == 64]
     groups = [g for g in GROUPS if any(r["dtype"] == g for r in recs)]
     if not groups:
         return
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False)
-    for ax, group in zip(axes[0], groups):
-        gr = [r for r in recs if r["dtype"] == group]
-        for backend in dict.fromkeys(r["backend"] for r in gr):
-            pts = sorted((r["N"], r["tflops"]) for r in gr if r["backend"] == backend)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    lw=2.5 if backend in MODES else 1.2,
-                    label=("visionattn " + backend) if backend in MODES else backend)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("N (B=1, H=8, D=64)")
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"{group} inputs")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(result["environment"]["device"] + (", forward + backward" if "flops" in result else ""))
-    fig.tight_layout()
-    outputs.save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    with figure(path, outputs, 1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False) as (fig, axes):
+        for ax, group in zip(axes[0], groups):
+            gr = [r for r in recs if r["dtype"] == group]
+            for backend in dict.fromkeys(r["backend"] for r in gr):
+                pts = sorted((r["N"], r["tflops"]) for r in gr if r["backend"] == backend)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        lw=2.5 if backend in MODES else 1.2,
+                        label=("visionattn " + backend) if backend in MODES else backend)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("N (B=1, H=8, D=64)")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_title(f"{group} inputs")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(result["environment"]["device"] + (", forward + backward" if "flops" in result else ""))
 
 
 # --------------------------------------------------------------------------- tuning

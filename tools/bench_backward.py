@@ -6,7 +6,7 @@ For each shape and mode, on the same inputs in one process: visionattn's determi
 (``torch.autograd.grad`` of an SDPA output under ``sdpa_kernel``: EFFICIENT_ATTENTION, and for fp16 / bf16 also
 FLASH_ATTENTION and CUDNN_ATTENTION; SDPA's FP32 baseline for the ``fp32`` / ``fp32-ieee`` / ``tf32`` rows is
 EFFICIENT_ATTENTION on FP32 inputs). Two timings of the same callable side by side, in alternating windows so that
-both see the same GPU state (:func:`visionattn.reporting.eager_graph_ms`): eager (CUDA events around ``--calls``
+both see the same GPU state (:func:`_harness.eager_graph_ms`): eager (CUDA events around ``--calls``
 back-to-back calls, the Python launch path counts; median of ``--repeats`` windows: the ms and TFLOP/s columns) and
 graph (``--calls`` back-to-back calls captured in one CUDA graph, after warm-up calls on the capture stream; median
 of ``--repeats`` replays: GPU time without the launch path, the graph ms column; ``--no-graph`` skips it, a row
@@ -44,8 +44,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_device, check_output, default_out, eager_graph_timings, output_files,  # noqa: E402
-                  positive_int)
+from _harness import (ToolParser, check_device, check_output, default_out, eager_graph_timings,  # noqa: E402
+                      output_files, positive_int)
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
@@ -189,7 +189,7 @@ def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kern
 
 
 def _timings(make, timer, device, args) -> tuple[float, float | None, str | None]:
-    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: :func:`_cli.eager_graph_timings`;
+    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: :func:`_harness.eager_graph_timings`;
     with ``--no-graph`` ``timer`` alone."""
     if args.no_graph:
         return timer(make()), None, None
@@ -199,7 +199,7 @@ def _timings(make, timer, device, args) -> tuple[float, float | None, str | None
 def main(args) -> dict:
     from visionattn.kernels.elsa_bwd import BWD_MODES
     from visionattn.kernels.window_bwd import FUSED_MAX_TOKENS
-    from visionattn.reporting import environment, markdown_table, peak_extra_mb, per_call_ms
+    from _harness import environment, markdown_table, peak_extra_mb, per_call_ms
     from torch.nn.attention import SDPBackend
 
     parser = build_parser()

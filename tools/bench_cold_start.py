@@ -34,7 +34,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, output_files, positive_int  # noqa: E402
+from _harness import ToolParser, check_output, default_out, output_files, positive_int  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,7 +171,7 @@ def main(args) -> dict:
     import torch
 
     from visionattn.modes import mode_names
-    from visionattn.reporting import environment, markdown_table
+    from _harness import environment, markdown_table
 
     parser = build_parser()
     modes = [m for m in args.modes.split(",") if m]

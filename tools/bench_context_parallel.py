@@ -5,7 +5,7 @@ tokens per frame at 518x392 (1036 patches, a camera token and 4 registers), so N
 the sequence split across the ranks (as :func:`visionattn.models.context_parallel.split_frames` splits
 frames), each rank computes its queries against every KV shard passing around the ring
 (:func:`visionattn.distributed.context_parallel_attention`). Per (sequence length, mode) this tool times,
-eagerly (CUDA events around back-to-back calls, :func:`visionattn.reporting.eager_ms`; a wall clock on the
+eagerly (CUDA events around back-to-back calls, :func:`_harness.eager_ms`; a wall clock on the
 CPU):
 
 * **ring**: one context-parallel forward on every rank (the ring machinery is timed even with one rank:
@@ -61,12 +61,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, output_files,  # noqa: E402
-                  positive_int)
+from _harness import (OutputFiles, ToolParser, check_device, check_output, default_out, environment,  # noqa: E402
+                      figure, markdown_table, nonnegative_int, output_files, peak_extra_mb, per_call_ms, positive_int)
 from bench_vggt import ROWS, build  # noqa: E402
 
 import visionattn  # noqa: E402
-from visionattn import reporting  # noqa: E402
 from visionattn.distributed import _context_parallel  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES, mode_names  # noqa: E402
@@ -161,7 +160,7 @@ def _init(device: torch.device) -> tuple[int, int, str | None]:
 
 def bench(seqs: list[int], modes: list[str], args, device: torch.device, rank: int, world: int) -> list[dict]:
     """One row per (sequence length, mode), on rank 0 (other ranks return their rows' ring times only)."""
-    timer = reporting.per_call_ms(device, args.calls, args.repeats, args.warmup)
+    timer = per_call_ms(device, args.calls, args.repeats, args.warmup)
     B, H, D = args.batch, args.heads, args.head_dim
     rows = []
     for n in seqs:
@@ -181,7 +180,7 @@ def bench(seqs: list[int], modes: list[str], args, device: torch.device, rank: i
                 out = ring()
                 dist.barrier()
                 ring_ms = timer(ring)
-                ring_peak = reporting.peak_extra_mb(ring, device)
+                ring_peak = peak_extra_mb(ring, device)
                 dist.barrier()
                 single_ms = single_peak = err = None
                 if rank == 0 and not args.no_single:
@@ -189,7 +188,7 @@ def bench(seqs: list[int], modes: list[str], args, device: torch.device, rank: i
                         return visionattn.attention(*full, mode=mode)
                     err = rel_l2(out, single()[:, :, s:e])
                     single_ms = timer(single)
-                    single_peak = reporting.peak_extra_mb(single, device)
+                    single_peak = peak_extra_mb(single, device)
                     del full
                 dist.barrier()
             per_rank = [None] * world
@@ -226,7 +225,7 @@ def render(rows: list[dict], env: dict, args) -> str:
              "Eager timing (CUDA events around back-to-back calls; the median window). ring = "
              "visionattn.distributed's ring forward, the slowest rank; single = visionattn.attention of the whole "
              "sequence on rank 0's GPU alone. Ideal speed-up = the number of ranks.", "",
-             reporting.markdown_table(table, header),
+             markdown_table(table, header),
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
     return "\n".join(lines)
 
@@ -329,40 +328,32 @@ def render_vggt(result: dict, args) -> str:
              f"{'one untimed forward' if args.warmup else 'no warm-up'}; peak: CUDA max allocated after the warm-up, "
              "weights included (the largest rank's for split). rel L2: the largest over depth, world_points and "
              "pose_enc of rank 0's frames. Ideal speed-up = the number of ranks.", "",
-             reporting.markdown_table(table, header),
+             markdown_table(table, header),
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
     return "\n".join(lines)
 
 
-def plot_vggt(result: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
+def plot_vggt(result: dict, path: str, outputs: OutputFiles | None = None) -> None:
     """PNG of ``--vggt``: time and peak memory per GPU vs frames, split (solid) and single (dashed) per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
-        rows = sorted((r for r in result["rows"] if r["mode"] == mode), key=lambda r: r["frames"])
-        for ax, key in ((ax_t, "s"), (ax_m, "peak_gb")):
-            for run, style in (("split", "-"), ("single", "--")):
-                pts = [(r["frames"], r[f"{run}_{key}"]) for r in rows if isinstance(r[f"{run}_{key}"], float)]
-                if pts:
-                    label = f"{mode} {run}" + (f" ({result['world_size']} ranks)" if run == "split" else "")
-                    ax.plot(*zip(*pts), style, marker="o", label=label)
-    for ax, name in ((ax_t, "time per forward (s)"), (ax_m, "peak memory per GPU (GB)")):
-        ax.set_xlabel("frames")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not measured (CPU)", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle(f"VGGT, frames split across {result['world_size']} ranks vs one GPU, "
-                 f"{result['height']}x{result['width']}, {result['environment'].get('device')}")
-    fig.tight_layout()
-    (outputs or reporting.OutputFiles("bench_context_parallel")).save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    with figure(path, outputs, 1, 2, figsize=(12, 4.5), tool="bench_context_parallel") as (fig, (ax_t, ax_m)):
+        for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
+            rows = sorted((r for r in result["rows"] if r["mode"] == mode), key=lambda r: r["frames"])
+            for ax, key in ((ax_t, "s"), (ax_m, "peak_gb")):
+                for run, style in (("split", "-"), ("single", "--")):
+                    pts = [(r["frames"], r[f"{run}_{key}"]) for r in rows if isinstance(r[f"{run}_{key}"], float)]
+                    if pts:
+                        label = f"{mode} {run}" + (f" ({result['world_size']} ranks)" if run == "split" else "")
+                        ax.plot(*zip(*pts), style, marker="o", label=label)
+        for ax, name in ((ax_t, "time per forward (s)"), (ax_m, "peak memory per GPU (GB)")):
+            ax.set_xlabel("frames")
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+            else:
+                ax.text(0.5, 0.5, "not measured (CPU)", ha="center", va="center", transform=ax.transAxes)
+        fig.suptitle(f"VGGT, frames split across {result['world_size']} ranks vs one GPU, "
+                     f"{result['height']}x{result['width']}, {result['environment'].get('device')}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -392,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     try:
-        env = reporting.environment({"world_size": world, "backend": dist.get_backend(),
+        env = environment({"world_size": world, "backend": dist.get_backend(),
                                      **{k: os.environ.get(k) for k in NVLS_VARIABLES}})
         if rank == 0 and not args.quiet:
             print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)

@@ -12,10 +12,10 @@ tqdm). Protocol:
 * rows: ``official`` (its heads run under the autocast: it drops VGGT's FP32 guard around them);
   ``sdpa`` (visionattn's FastVGGT on PyTorch SDPA, heads in bf16 as the official code runs them);
   ``bf16`` (the same with visionattn's bf16 attention); ``free`` (the ``sdpa`` row with every SDPA call
-  answering its value rows, :func:`visionattn.reporting.attention_free`: the model without its attention, the
+  answering its value rows, :func:`_harness.attention_free`: the model without its attention, the
   bound of any attention kernel); ``--fp32-heads`` adds the ``bf16`` row with VGGT's FP32 heads;
 * per frame count, in that order, each row on the GPU alone (the others wait on the CPU): one untimed forward,
-  then ``--repeats`` timed forwards (:func:`visionattn.reporting.call_ms`: CUDA events, median); peak = max
+  then ``--repeats`` timed forwards (:func:`_harness.call_ms`: CUDA events, median); peak = max
   allocated of the timed forwards; random frames in [0, 1] of ``--height`` x ``--width`` (FastVGGT's merging is
   data-dependent; both sides see the same frames);
 * agreement: depth rel L2 of each visionattn row against the official one at the smallest frame count.
@@ -39,9 +39,9 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _cli import ToolParser, check_device, check_output, default_out, output_files, positive_int  # noqa: E402
+from _harness import (OutputFiles, ToolParser, attention_free, check_device, check_output, default_out,  # noqa: E402
+                      environment, figure, output_files, positive_int, sample_ms, tf32_disabled)
 
-from visionattn import reporting  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 
 ROWS = {  # name: (label, visionattn attn_mode, heads_dtype, attention-free)
@@ -92,7 +92,7 @@ def run_row(model, row: str, images: torch.Tensor, repeats: int, device: torch.d
         model.set_attn_mode(mode)
         model.heads_dtype = heads
     model.to(device)
-    context = reporting.attention_free if free else contextlib.nullcontext
+    context = attention_free if free else contextlib.nullcontext
     last: dict = {}
 
     def forward():
@@ -105,7 +105,7 @@ def run_row(model, row: str, images: torch.Tensor, repeats: int, device: torch.d
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            times = [ms / 1e3 for ms in reporting.sample_ms(forward, device, warmup=0, reps=repeats)]
+            times = [ms / 1e3 for ms in sample_ms(forward, device, warmup=0, reps=repeats)]
         depth = last.pop("out")["depth"].float().cpu()
         peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
     finally:
@@ -152,33 +152,25 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(res: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
-    official = {p["frames"]: p["time_s"] for p in res["points"] if p["row"] == "official" and "time_s" in p}
-    for row in ROWS:
-        pts = sorted((p["frames"], p["time_s"]) for p in res["points"] if p["row"] == row and "time_s" in p)
-        if not pts:
-            continue
-        ax_t.plot([f for f, _ in pts], [t / f for f, t in pts], marker="o", label=row)
-        if row != "official":
-            ax_s.plot([f for f, _ in pts if f in official], [official[f] / t for f, t in pts if f in official],
-                      marker="o", label=row)
-    ax_s.axhline(TARGET, color="k", lw=1, ls="--", label=f"target {TARGET}x")
-    ax_s.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax_t.set(xlabel="frames", ylabel="s per frame")
-    ax_s.set(xlabel="frames", ylabel="speed-up vs the official code")
-    for ax in (ax_t, ax_s):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"FastVGGT vs the official code, {res['height']}x{res['width']}, {res['environment']['device']}")
-    fig.tight_layout()
-    (outputs or reporting.OutputFiles("bench_fastvggt_official")).save_figure(fig, path, dpi=120)
-    plt.close(fig)
+def plot(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
+    with figure(path, outputs, 1, 2, figsize=(11, 4.2), tool="bench_fastvggt_official") as (fig, (ax_t, ax_s)):
+        official = {p["frames"]: p["time_s"] for p in res["points"] if p["row"] == "official" and "time_s" in p}
+        for row in ROWS:
+            pts = sorted((p["frames"], p["time_s"]) for p in res["points"] if p["row"] == row and "time_s" in p)
+            if not pts:
+                continue
+            ax_t.plot([f for f, _ in pts], [t / f for f, t in pts], marker="o", label=row)
+            if row != "official":
+                ax_s.plot([f for f, _ in pts if f in official], [official[f] / t for f, t in pts if f in official],
+                          marker="o", label=row)
+        ax_s.axhline(TARGET, color="k", lw=1, ls="--", label=f"target {TARGET}x")
+        ax_s.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax_t.set(xlabel="frames", ylabel="s per frame")
+        ax_s.set(xlabel="frames", ylabel="speed-up vs the official code")
+        for ax in (ax_t, ax_s):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"FastVGGT vs the official code, {res['height']}x{res['width']}, {res['environment']['device']}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -198,9 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
     official.update_patch_dimensions(args.width // 14, args.height // 14)
     ours = VGGT(**{**cfg, "enable_point": False, "enable_track": False}, merging=FASTVGGT_MERGING).eval()
     ours.load_state_dict(official.state_dict(), strict=True)
-    res = {"environment": reporting.environment(), "official": os.path.abspath(args.official),
+    res = {"environment": environment(), "official": os.path.abspath(args.official),
            "height": args.height, "width": args.width, "rows": rows, "points": []}
-    with reporting.tf32_disabled() as flags:
+    with tf32_disabled() as flags:
         res["settings"] = flags
         for frames in sorted(args.frames):
             g = torch.Generator().manual_seed(frames)

@@ -29,7 +29,7 @@ bf16 >= 1.0x SDPA, the Flux block fp32 >= 2x and bf16 >= 1.0x diffusers' default
 GPU at full size.
 
 ``--attention-free`` adds a row per cell: the default model with every SDPA call answering a copy of its value
-rows (:func:`visionattn.reporting.attention_free`), i.e. the forward without its attention. Its speed-up is the
+rows (:func:`_harness.attention_free`), i.e. the forward without its attention. Its speed-up is the
 most any attention kernel can give the cell (Amdahl's law), written as ``bound`` beside the visionattn row; a
 target above it is marked so.
 
@@ -61,11 +61,11 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, positive_float,  # noqa: E402
-                  failure_text, output_files, positive_int)
+from _harness import (AttentionFree, OutputFiles, ToolParser, attention_free, check_device, check_output,  # noqa: E402
+                      default_out, environment, failure_text, figure, markdown_table, nonnegative_int, output_files,
+                      positive_float, positive_int, sample_ms, tf32_disabled)
 from bench_models import graphed, peak_memory, round_timing, summarize_times  # noqa: E402
 
-from visionattn import reporting  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 
@@ -117,17 +117,17 @@ class Cell:
             model to that attention and returns facts for the row.
         reference: the same forward in float64 with the library's default attention (a float64 copy of the
             weights and inputs), what every row's output is measured against; None: no such column.
-        free: the :class:`visionattn.reporting.AttentionFree` context of the attention-free row (None: no such row).
+        free: the :class:`_harness.AttentionFree` context of the attention-free row (None: no such row).
     """
 
     def __init__(self, info: dict, forward: Callable[[], torch.Tensor],
                  variants: list[tuple[str, Callable[[], dict]]], reference: Callable[[], torch.Tensor] | None = None):
         self.info, self.forward, self.variants, self.reference = info, forward, variants, reference
-        self.free: reporting.AttentionFree | None = None
+        self.free: AttentionFree | None = None
 
     def add_attention_free(self) -> None:
         """Append the attention-free row: the default configuration, its forward run inside an AttentionFree."""
-        self.free = reporting.attention_free()
+        self.free = attention_free()
         self.variants.append((FREE, self.variants[0][1]))
 
     def forward_of(self, label: str) -> Callable[[], torch.Tensor]:
@@ -176,7 +176,7 @@ def _installed_version(name: str) -> str | None:
 
 
 def _environment(libraries: set[str]) -> dict:
-    """:func:`visionattn.reporting.environment` with the transformers and diffusers versions from package metadata.
+    """:func:`_harness.environment` with the transformers and diffusers versions from package metadata.
 
     ``environment()`` imports diffusers to read its version; unless a case of diffusers runs
     (``libraries``), that import is made to fail at once, so the tool imports no library it does not use.
@@ -186,7 +186,7 @@ def _environment(libraries: set[str]) -> dict:
     if hide:
         sys.modules["diffusers"] = None  # an import of a None entry raises ImportError without loading anything
     try:
-        return reporting.environment(versions)
+        return environment(versions)
     finally:
         if hide:
             del sys.modules["diffusers"]
@@ -346,7 +346,7 @@ def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_gr
             configure()
             try:
                 timed = graphed(cell.forward_of(label)) if cuda_graph else cell.forward_of(label)
-                samples[label] += reporting.sample_ms(timed, device, **per_round)
+                samples[label] += sample_ms(timed, device, **per_round)
                 del timed  # frees the graph's memory pool before the next variant
             except Exception as err:  # noqa: BLE001
                 row["error"] = failure_text(err, device)
@@ -453,38 +453,30 @@ def render_markdown(result: dict) -> str:
         table.append([r["case"], r["model"], r["img"], r["tokens"], r["batch"], r["dtype"], r["attention"],
                       r["median_ms"], spread, speedup, target, _met(r), opt("peak_mib"), opt("mem_ratio"), rel,
                       rel64])
-    lines += ["", reporting.markdown_table(table, header)]
+    lines += ["", markdown_table(table, header)]
     return "\n".join(lines)
 
 
-def render_png(result: dict, path: str, outputs: reporting.OutputFiles | None = None) -> bool:
+def render_png(result: dict, path: str, outputs: OutputFiles | None = None) -> bool:
     """Speed-up of every visionattn row with its target as a tick; False (no file) when nothing was timed."""
     rows = [r for r in result["rows"] if "speedup" in r and r["attention"] != FREE]
     if not rows:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5))
-    xs = range(len(rows))
-    ax.bar(xs, [r["speedup"] for r in rows], color=["tab:blue" if r["dtype"] == "float32" else "tab:orange"
-                                                     for r in rows])
-    for x, r in zip(xs, rows):
-        if r.get("target_speedup") is not None:
-            ax.plot([x - 0.4, x + 0.4], [r["target_speedup"]] * 2, color="k", lw=1.5)
-        if r.get("bound") is not None:
-            ax.plot([x - 0.4, x + 0.4], [r["bound"]] * 2, color="tab:red", lw=1.2, ls="--")
-    ax.set_xticks(list(xs), [f"{r['case']}\n{r['mode']}" for r in rows])
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set_ylabel("speed-up vs the library's default attention")
-    ax.set_title("visionattn in transformers / diffusers (black: target, red dashed: attention-free bound), "
-                 f"{result['environment'].get('device')}",
-                 fontsize=9)
-    fig.tight_layout()
-    (outputs or reporting.OutputFiles("bench_integrations")).save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    with figure(path, outputs, figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5), tool="bench_integrations") as (fig, ax):
+        xs = range(len(rows))
+        ax.bar(xs, [r["speedup"] for r in rows], color=["tab:blue" if r["dtype"] == "float32" else "tab:orange"
+                                                         for r in rows])
+        for x, r in zip(xs, rows):
+            if r.get("target_speedup") is not None:
+                ax.plot([x - 0.4, x + 0.4], [r["target_speedup"]] * 2, color="k", lw=1.5)
+            if r.get("bound") is not None:
+                ax.plot([x - 0.4, x + 0.4], [r["bound"]] * 2, color="tab:red", lw=1.2, ls="--")
+        ax.set_xticks(list(xs), [f"{r['case']}\n{r['mode']}" for r in rows])
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_ylabel("speed-up vs the library's default attention")
+        ax.set_title("visionattn in transformers / diffusers (black: target, red dashed: attention-free bound), "
+                     f"{result['environment'].get('device')}",
+                     fontsize=9)
     return True
 
 
@@ -522,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict:
               "max_reps": 100}
     judged = device.type == "cuda" and not args.tiny
     rows: list[dict] = []
-    with reporting.tf32_disabled() as precision:
+    with tf32_disabled() as precision:
         settings = {"device": str(device), **precision, **timing, "rounds": args.rounds, "batch": args.batch,
                     "tiny": args.tiny, "cuda_graph": args.cuda_graph, "judged": judged}
         print(f"[bench_integrations] {env['device']}; torch {env['torch']}, triton {env['triton']}, transformers "

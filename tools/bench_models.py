@@ -40,10 +40,12 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _cli import ToolParser, check_output, default_out, failure_text, output_files  # noqa: E402
+from _harness import (ToolParser, check_output, default_out, failure_text, figure, markdown_table,  # noqa: E402
+                      output_files, sample_ms)
 from _timm_models import create_timm_model  # noqa: E402
 
-from visionattn.reporting import sample_ms  # noqa: E402
+from visionattn.modes import MODES  # noqa: E402
+
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 parser = ToolParser(prog="bench_models.py", description=__doc__.split("\n")[0],
@@ -54,9 +56,11 @@ parser.add_argument("--out", default=default_out("models_bench"),
                     help="output prefix: writes <out>.md, <out>.json and <out>.png (default: %(default)s)")
 parser.add_argument("--quick", action="store_true", help="run the config's small 'quick' subset with short timing")
 parser.add_argument("--cases", default=None,
-                    help="comma-separated model:img:batch cases replacing the config's (e.g. vit_base_patch16_224:1024:8)")
+                    help="comma-separated model:img:batch cases replacing the config's "
+                         "(e.g. vit_base_patch16_224:1024:8)")
 parser.add_argument("--modes", default=None, help="comma-separated visionattn modes replacing every case's modes")
-parser.add_argument("--device", default=None, help="cuda (default when available) or cpu (smoke runs; wall-clock timing)")
+parser.add_argument("--device", default=None,
+                    help="cuda (default when available) or cpu (smoke runs; wall-clock timing)")
 parser.add_argument("--rep-ms", type=float, default=None, help="timed milliseconds per measurement (default: config)")
 parser.add_argument("--warmup", type=int, default=None, help="untimed calls before each measurement (default: config)")
 parser.add_argument("--rounds", type=int, default=None,
@@ -69,14 +73,13 @@ parser.add_argument("--compile", default=None, choices=COMPILE_MODES, metavar="M
                     help="time each variant's forward under torch.compile(mode=MODE) (default, reduce-overhead or "
                          "max-autotune-no-cudagraphs), unpatched included; one compile per variant, outside the timing "
                          "(forces --rounds 1: a compile takes tens of seconds)")
-parser.add_argument("--no-share", action="store_true", help="skip the attention-share measurement (one timing less per dtype)")
+parser.add_argument("--no-share", action="store_true",
+                    help="skip the attention-share measurement (one timing less per dtype)")
 parser.add_argument("--max-cases", type=int, default=None, help="stop after this many cases")
 parser.add_argument("--case-slice", default=None,
-                    help="python-style start:stop over the case list, to split a long sweep over several runs (e.g. 0:5)")
+                    help="python-style start:stop over the case list, to split a long sweep over several runs "
+                         "(e.g. 0:5)")
 
-_MODE_DTYPE = {"fp32": torch.float32, "fp32-ieee": torch.float32, "tf32": torch.float32,
-               "fp16": torch.float16, "pasa": torch.float16, "fp16-acc16": torch.float16, "bf16": torch.bfloat16}
-_DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -204,11 +207,11 @@ def bench_case(case: dict, modes: list[str], device: str, timing: dict, share: b
     x32 = torch.randn(case["batch"], 3, case["img"], case["img"], generator=g, device=device)
     by_dtype: dict[torch.dtype, list[str]] = {}
     for mode in modes:
-        by_dtype.setdefault(_MODE_DTYPE[mode], []).append(mode)
+        by_dtype.setdefault(MODES[mode].compute_dtype, []).append(mode)
     for dtype, dmodes in by_dtype.items():
         model.to(dtype)
         x = x32.to(dtype)
-        common = {**base, "dtype": _DTYPE_NAME[dtype]}
+        common = {**base, "dtype": str(dtype).removeprefix("torch.")}
 
         def run():
             with torch.no_grad():
@@ -366,7 +369,9 @@ def render_markdown(result: dict) -> str:
              f"timm {env.get('timm')}, CUDA {env.get('cuda')}",
              f"* command: `{env.get('command')}`",
              f"* settings: {result['settings']}",
-             "* random weights; latency = median of per-call timings pooled over the interleaved rounds (every variant of a case timed once per round, A B C A B C ...; CUDA events on GPU, wall clock on CPU); throughput = batch / median; "
+             "* random weights; latency = median of per-call timings pooled over the interleaved rounds (every "
+             "variant of a case timed once per round, A B C A B C ...; CUDA events on GPU, wall clock on CPU); "
+             "throughput = batch / median; "
              "peak = max allocated during one forward (MiB); attention share = 1 - t(no attention core) / t(model); "
              "speedup = t(unpatched) / t(patched) in the same dtype."]
     if result["settings"].get("compile"):
@@ -380,72 +385,55 @@ def render_markdown(result: dict) -> str:
                      "drop out on both sides: this is the models' GPU time, not what an eager caller waits.")
     lines.append("")
     if result["targets"]:
-        lines += ["## Targets", "",
-                  "| model | img | batch | mode | speedup | target | mem ratio | target | attn share (unpatched) "
-                  "| bound 1/(1-share) | met |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for t in result["targets"]:
-            lines.append(f"| {t['model']} | {t['img']} | {t['batch']} | {t['mode']} | {_fmt(t.get('speedup'))} | "
-                         f">= {t.get('min_speedup', '-')} | {_fmt(t.get('mem_ratio'))} | "
-                         f"{_mem_target(t)} | "
-                         f"{_fmt(t.get('attn_share_unpatched'), 2)} | {_fmt(t.get('amdahl_bound'))} | "
-                         f"{_met(t)} |")
-        lines.append("")
-    lines += ["## All cases", "",
-              "| model | img | batch | dtype | mode | ms (median) | img/s | peak MiB | attn share | speedup | mem ratio "
-              "| logits rel L2 | top-1 agree |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Targets", "", markdown_table(
+            [[t["model"], t["img"], t["batch"], t["mode"], _fmt(t.get("speedup")), f">= {t.get('min_speedup', '-')}",
+              _fmt(t.get("mem_ratio")), _mem_target(t), _fmt(t.get("attn_share_unpatched"), 2),
+              _fmt(t.get("amdahl_bound")), _met(t)] for t in result["targets"]],
+            ["model", "img", "batch", "mode", "speedup", "target", "mem ratio", "target", "attn share (unpatched)",
+             "bound 1/(1-share)", "met"])]
+    cells = []
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['img']} | {r['batch']} | {r.get('dtype', '-')} | {r['mode']} | "
-                         f"{r['error']} | | | | | | | |")
-            continue
-        lines.append(f"| {r['model']} | {r['img']} | {r['batch']} | {r['dtype']} | {r['mode']} | "
-                     f"{_fmt(r['median_ms'], 4)} | {_fmt(r['img_per_s'], 4)} | {_fmt(r['peak_mib'], 5)} | "
-                     f"{_fmt(r.get('attn_share'), 2)} | {_fmt(r.get('speedup'))} | {_fmt(r.get('mem_ratio'))} | "
-                     f"{_fmt(r.get('logits_rel_l2_vs_unpatched'), 2)} | {_fmt(r.get('top1_agree'), 3)} |")
+        case = [r["model"], r["img"], r["batch"], r.get("dtype", "-"), r["mode"]]
+        cells.append(case + [r["error"]] + [""] * 7 if "error" in r else case + [
+            _fmt(r["median_ms"], 4), _fmt(r["img_per_s"], 4), _fmt(r["peak_mib"], 5), _fmt(r.get("attn_share"), 2),
+            _fmt(r.get("speedup")), _fmt(r.get("mem_ratio")), _fmt(r.get("logits_rel_l2_vs_unpatched"), 2),
+            _fmt(r.get("top1_agree"), 3)])
+    lines += ["## All cases", "", markdown_table(cells, [
+        "model", "img", "batch", "dtype", "mode", "ms (median)", "img/s", "peak MiB", "attn share", "speedup",
+        "mem ratio", "logits rel L2", "top-1 agree"]).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
 def render_png(result: dict, path: str, outputs=None) -> bool:
     """Bar chart of speedups per case and mode, unpatched attention share in the labels. False if no data."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from visionattn.reporting import OutputFiles
-
     rows = [r for r in result["rows"] if "speedup" in r]
     if not rows:
         return False
     shares = {(r["model"], r["img"], r["batch"], r["dtype"]): r.get("attn_share") for r in result["rows"]
               if r.get("mode") == "unpatched"}
-    modes = sorted({r["mode"] for r in rows}, key=list(_MODE_DTYPE).index)
+    modes = sorted({r["mode"] for r in rows}, key=list(MODES).index)
     cases = list(dict.fromkeys((r["model"], r["img"], r["batch"]) for r in rows))
     width = 0.8 / len(modes)
-    fig, ax = plt.subplots(figsize=(max(8, 0.6 * len(cases) * len(modes) + 3), 5))
-    for i, mode in enumerate(modes):
-        xs, ys = [], []
-        for j, c in enumerate(cases):
-            hit = [r for r in rows if (r["model"], r["img"], r["batch"]) == c and r["mode"] == mode]
-            if hit:
-                xs.append(j + i * width)
-                ys.append(hit[0]["speedup"])
-        ax.bar(xs, ys, width, label=mode)
-    labels = []
-    for c in cases:
-        s = shares.get((*c, "float32"))
-        labels.append(f"{c[0].replace('_patch', '/').replace('_window', '/w')}\n{c[1]}px b{c[2]}"
-                      + (f"\nattn {s:.0%}" if s is not None else ""))
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], labels, rotation=45, ha="right", fontsize=7)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_ylabel("speedup vs unpatched (same dtype)")
-    ax.set_title(f"visionattn.patch_model, {result['environment'].get('device')}")
-    ax.legend()
-    fig.tight_layout()
-    (outputs or OutputFiles("bench_models")).save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    size = (max(8, 0.6 * len(cases) * len(modes) + 3), 5)
+    with figure(path, outputs, figsize=size, tool="bench_models") as (fig, ax):
+        for i, mode in enumerate(modes):
+            xs, ys = [], []
+            for j, c in enumerate(cases):
+                hit = [r for r in rows if (r["model"], r["img"], r["batch"]) == c and r["mode"] == mode]
+                if hit:
+                    xs.append(j + i * width)
+                    ys.append(hit[0]["speedup"])
+            ax.bar(xs, ys, width, label=mode)
+        labels = []
+        for c in cases:
+            s = shares.get((*c, "float32"))
+            labels.append(f"{c[0].replace('_patch', '/').replace('_window', '/w')}\n{c[1]}px b{c[2]}"
+                          + (f"\nattn {s:.0%}" if s is not None else ""))
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], labels, rotation=45, ha="right", fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel("speedup vs unpatched (same dtype)")
+        ax.set_title(f"visionattn.patch_model, {result['environment'].get('device')}")
+        ax.legend()
     return True
 
 
@@ -453,7 +441,7 @@ def render_png(result: dict, path: str, outputs=None) -> bool:
 def main(args) -> dict:
     """Run the sweep described by ``args``; write <out>.md/.json/.png; return the result dict."""
     from visionattn.modes import get_mode
-    from visionattn.reporting import environment
+    from _harness import environment
 
     if not os.path.isfile(args.config):
         parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_models.yaml")

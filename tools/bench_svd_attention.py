@@ -30,17 +30,17 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, nonnegative_int, output_files, positive_int  # noqa: E402
+from _harness import (OutputFiles, ToolParser, check_output, default_out, environment, markdown_table,  # noqa: E402
+                      nonnegative_int, output_files, positive_int, sample_ms, tf32_disabled)
 from _svd_common import (DTYPE_NAMES, NATIVE, add_run_args, build_tiny_pipeline, check_run_args,  # noqa: E402
                          jsonable, parse_modes, run_dtype)
 
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.patching.diffusers import (ELSAAttnProcessor, overflow_counts, patch_diffusers,  # noqa: E402
                                            unpatch_diffusers)
-from visionattn.reporting import OutputFiles, environment, markdown_table, sample_ms, tf32_disabled  # noqa: E402
 
 DEFAULT_MODES = "native-fp32,native-fp16,fp32,tf32,fp16,pasa"
-TOOL = "bench_svd_attention"  # its output manifest: .visionattn-bench_svd_attention.json (_cli.output_files)
+TOOL = "bench_svd_attention"  # its output manifest: .visionattn-bench_svd_attention.json (_harness.output_files)
 # SVD UNet (UNetSpatioTemporalConditionModel defaults = the released config).
 SVD_LEVELS = ((320, 5), (640, 10), (1280, 20), (1280, 20))
 SVD_CROSS_DIM = 1024
@@ -123,7 +123,8 @@ def attention_bench(args, files: OutputFiles | None = None) -> dict:
     rows = []
     for c in res["cases"]:
         r = c["runs"]
-        rows.append([c["level"], c["kind"], f"{c['sequences']}x{c['heads']}x{c['tokens']}x{c['head_dim']} -> {c['kv_tokens']}"]
+        shape = f"{c['sequences']}x{c['heads']}x{c['tokens']}x{c['head_dim']} -> {c['kv_tokens']}"
+        rows.append([c["level"], c["kind"], shape]
                     + [r[n]["ms"] for n in runs] + ["-" if r[n]["peak_extra_gib"] is None else r[n]["peak_extra_gib"]
                                                      for n in runs] + [r[n]["rel_l2_vs_native_fp32"] for n in runs[1:]])
     env = res["environment"]
@@ -192,7 +193,8 @@ def unet_bench(args, files: OutputFiles | None = None) -> dict:
     rows = [[n, r["dtype"], r["ms"], "-" if r["peak_extra_gib"] is None else r["peak_extra_gib"], r["finite"],
              r["rel_l2_vs_native_fp32"], "-" if r["overflow"] is None else r["overflow"]["overflow_events"]]
             for n, r in res["runs"].items()]
-    md = [f"# Full-size SVD UNet forward ({args.height}x{args.width}, {args.frames} frames, CFG batch 2, random weights)\n",
+    md = [f"# Full-size SVD UNet forward ({args.height}x{args.width}, {args.frames} frames, CFG batch 2, "
+          "random weights)\n",
           f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, diffusers {env['diffusers']}; "
           f"command: `{env['command']}`\n",
           markdown_table(rows, ["run", "dtype", "ms", "peak extra GiB", "finite", "rel err vs native-fp32",

@@ -12,7 +12,7 @@ AdamW state and activations), the first step's time (kernel compilation), and th
 memory ratio of visionattn; then the targets below, met or NOT met.
 
 ``--attention-free`` adds a third side: the unpatched model with every SDPA call answering a copy of its
-value rows (:func:`visionattn.reporting.attention_free`), i.e. the step without its attention. unpatched /
+value rows (:func:`_harness.attention_free`), i.e. the step without its attention. unpatched /
 attention-free is the most any attention kernel can speed the step up (Amdahl's law): the ``bound`` column,
 and a target above it is marked so. On that side, modules with timm's ``fused_attn`` switch take their SDPA branch
 (timm's Swin otherwise runs its own softmax). A model whose unpatched attention never calls SDPA (timm's Swin-v2
@@ -56,19 +56,18 @@ if REPO not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_int, positive_float,  # noqa: E402
-                  failure_text, output_files, positive_int)
+from _harness import (AttentionFree, OutputFiles, ToolParser, call_ms, check_device, check_output,  # noqa: E402
+                      default_out, environment, failure_text, figure, markdown_table, nonnegative_int, output_files,
+                      positive_float, positive_int, sample_ms)
 from _timm_models import create_timm_model, model_problem  # noqa: E402
 from bench_models import MEM_SLACK_MIB, parse_cases, peak_memory, summarize_times  # noqa: E402
 from finetune import TRAIN_MODES, TrainStep, json_object, precision, precision_flags  # noqa: E402
 
-from visionattn.reporting import (AttentionFree, OutputFiles, call_ms, environment, markdown_table,  # noqa: E402
-                                  sample_ms)
 
 DEFAULT_CASES = ("vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64,"
                  "swinv2_base_window8_256:256:32,vit_base_patch16_224:1024:8")
 DEFAULT_MODES = "fp32,tf32,bf16,fp16"
-TOOL = "bench_train"  # its output manifest: .visionattn-bench_train.json (_cli.output_files)
+TOOL = "bench_train"  # its output manifest: .visionattn-bench_train.json (_harness.output_files)
 VARIANTS = ("unpatched", "visionattn")
 FREE = "attention-free"  # the --attention-free side: the step with every attention call answering a copy of V
 # Whole-step targets: patched vs unpatched, same precision. anchor_ms: the unpatched step measured on an
@@ -403,31 +402,24 @@ def render_markdown(res: dict) -> str:
 
 
 def render_png(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     groups = list(dict.fromkeys((r["model"], r["img"], r["batch"], r["mode"]) for r in res["rows"]))
     labels = [f"{m.split('_patch')[0].split('_window')[0]}\n{img}px bs{b}\n{mode}" for m, img, b, mode in groups]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(groups) + 3), 4.2))
-    for ax, key, ylabel in ((axes[0], "ms", "ms / step"), (axes[1], "peak_mib", "peak MiB")):
-        if not any(r.get(key) for r in res["rows"]):
-            ax.text(0.5, 0.5, f"{ylabel}: not measured here", ha="center", transform=ax.transAxes)
-        variants = [v for v in VARIANTS + (FREE,) if any(r["variant"] == v for r in res["rows"])]
-        width = 0.8 / len(variants)
-        for i, variant in enumerate(variants):
-            vals = [next((r.get(key) or 0.0 for r in res["rows"] if (r["model"], r["img"], r["batch"], r["mode"]) == g
-                          and r["variant"] == variant), 0.0) for g in groups]
-            ax.bar([j + width * i for j in range(len(groups))], vals, width=width, label=variant)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], labels, fontsize=7)
-        ax.set_ylabel(ylabel)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"training step, visionattn vs unpatched ({res['environment']['device']})")
-    fig.tight_layout()
-    (outputs or OutputFiles(TOOL)).save_figure(fig, path, dpi=110)
-    plt.close(fig)
+    with figure(path, outputs, 1, 2, figsize=(max(8.0, 1.6 * len(groups) + 3), 4.2), tool=TOOL, dpi=110) as (fig, axes):
+        for ax, key, ylabel in ((axes[0], "ms", "ms / step"), (axes[1], "peak_mib", "peak MiB")):
+            if not any(r.get(key) for r in res["rows"]):
+                ax.text(0.5, 0.5, f"{ylabel}: not measured here", ha="center", transform=ax.transAxes)
+            variants = [v for v in VARIANTS + (FREE,) if any(r["variant"] == v for r in res["rows"])]
+            width = 0.8 / len(variants)
+            for i, variant in enumerate(variants):
+                vals = [next((r.get(key) or 0.0 for r in res["rows"]
+                              if (r["model"], r["img"], r["batch"], r["mode"]) == g
+                              and r["variant"] == variant), 0.0) for g in groups]
+                ax.bar([j + width * i for j in range(len(groups))], vals, width=width, label=variant)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], labels, fontsize=7)
+            ax.set_ylabel(ylabel)
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"training step, visionattn vs unpatched ({res['environment']['device']})")
 
 
 def render_loss_markdown(res: dict) -> str:
@@ -444,33 +436,26 @@ def render_loss_markdown(res: dict) -> str:
 
 
 def render_loss_png(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     n = len(res["curves"])
-    fig, axes = plt.subplots(2, n, figsize=(4.5 * n, 6.5), squeeze=False, sharex="col")
-    for j, c in enumerate(res["curves"]):
-        steps = range(1, c["steps"] + 1)
-        for label, losses in c["curves"].items():
-            axes[0][j].plot(steps, losses, lw=2.2 if label == "visionattn" else 1.2,
-                            ls="--" if label == "visionattn" else "-", label=label)
-        axes[0][j].set_title(f"{c['model'].split('_patch')[0]} {c['img']}px bs{c['batch']} {c['mode']}", fontsize=9)
-        axes[0][j].set_ylabel("loss")
-        axes[0][j].legend(fontsize=7)
-        un, ours = c["curves"]["unpatched"], c["curves"]["visionattn"]
-        gaps = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours, un)]
-        axes[1][j].semilogy(steps, [max(g, 1e-12) for g in gaps], label="|visionattn - unpatched| / |unpatched|")
-        axes[1][j].axhline(c["tolerance"], color="k", lw=0.8, ls=":", label="tolerance")
-        axes[1][j].set_xlabel("step")
-        axes[1][j].legend(fontsize=7)
-        for ax in (axes[0][j], axes[1][j]):
-            ax.grid(alpha=0.3)
-    fig.suptitle(f"loss curves ({res['environment']['device']})")
-    fig.tight_layout()
-    (outputs or OutputFiles(TOOL)).save_figure(fig, path, dpi=110)
-    plt.close(fig)
+    with figure(path, outputs, 2, n, figsize=(4.5 * n, 6.5), squeeze=False, sharex="col", tool=TOOL,
+                dpi=110) as (fig, axes):
+        for j, c in enumerate(res["curves"]):
+            steps = range(1, c["steps"] + 1)
+            for label, losses in c["curves"].items():
+                axes[0][j].plot(steps, losses, lw=2.2 if label == "visionattn" else 1.2,
+                                ls="--" if label == "visionattn" else "-", label=label)
+            axes[0][j].set_title(f"{c['model'].split('_patch')[0]} {c['img']}px bs{c['batch']} {c['mode']}", fontsize=9)
+            axes[0][j].set_ylabel("loss")
+            axes[0][j].legend(fontsize=7)
+            un, ours = c["curves"]["unpatched"], c["curves"]["visionattn"]
+            gaps = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours, un)]
+            axes[1][j].semilogy(steps, [max(g, 1e-12) for g in gaps], label="|visionattn - unpatched| / |unpatched|")
+            axes[1][j].axhline(c["tolerance"], color="k", lw=0.8, ls=":", label="tolerance")
+            axes[1][j].set_xlabel("step")
+            axes[1][j].legend(fontsize=7)
+            for ax in (axes[0][j], axes[1][j]):
+                ax.grid(alpha=0.3)
+        fig.suptitle(f"loss curves ({res['environment']['device']})")
 
 
 # ----------------------------------------------------------------------------- main

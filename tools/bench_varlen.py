@@ -3,7 +3,7 @@
 The ELSA supplement's Table 2 (Sec. E): a batch of sequences of different lengths (default the 8 lengths
 785, 500, 708, 542, 1732, 262, 1039, 557 — 6125 tokens —, 16 heads, D = 64), self-attention, starting
 from what a model holds: one [n_i, H, D] q / k / v tensor per sequence. Each way of attending them is
-timed three times, eagerly (CUDA events around back-to-back calls, :func:`visionattn.reporting.eager_ms`;
+timed three times, eagerly (CUDA events around back-to-back calls, :func:`_harness.eager_ms`;
 the Python launch path counts):
 
 * **conversion**: from the per-sequence tensors to the method's input (packing with ``torch.cat`` and
@@ -11,7 +11,7 @@ the Python launch path counts):
 * **kernel**: the attention call alone on converted inputs;
 * **total**: conversion and attention together, one call after another, as a model runs them;
 * **kernel graph**: the attention call alone replayed from a CUDA graph: its GPU time without the Python launch
-  path, timed in windows alternating with the eager kernel column's (:func:`visionattn.reporting.eager_graph_ms`,
+  path, timed in windows alternating with the eager kernel column's (:func:`_harness.eager_graph_ms`,
   so both see the same GPU state; n/a, with the reason in the JSON's ``graph_error``, where the call cannot be
   captured; empty on the CPU).
 
@@ -56,11 +56,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_device, check_output, default_out, eager_graph_timings, output_files,  # noqa: E402
-                  positive_int)
+from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
+                      eager_graph_timings, environment, markdown_table, output_files, peak_extra_mb, per_call_ms,
+                      positive_int)
 
 import visionattn  # noqa: E402
-from visionattn import reporting  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
@@ -83,14 +83,8 @@ parser.add_argument("--modes", default="fp32,fp16",
                          f"methods run in each mode's dtype (default: %(default)s)")
 parser.add_argument("--methods", default=",".join(METHODS),
                     help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
-parser.add_argument("--calls", type=positive_int, default=50,
-                    help="back-to-back calls per timing window (default: %(default)s)")
-parser.add_argument("--repeats", type=positive_int, default=5,
-                    help="timing windows; the median is reported (default: %(default)s)")
-parser.add_argument("--seed", type=int, default=0, help="random seed of the N(0, 1) inputs (default: %(default)s)")
-parser.add_argument("--device", default="cuda", help="torch device; cpu times with a wall clock (default: cuda)")
-parser.add_argument("--out", default=default_out("varlen_bench"),
-                    help="output prefix: writes <out>.md and <out>.json (default: %(default)s)")
+add_common(parser, calls=50, repeats=5, seed=0, device="cuda",
+           out=(default_out("varlen_bench"), "output prefix: writes <out>.md and <out>.json (default: %(default)s)"))
 parser.add_argument("--quiet", action="store_true", help="do not print the table")
 parser.add_argument("--backward", action="store_true",
                     help="also time forward + backward of every method (gradient accuracy vs float64 autograd)")
@@ -198,7 +192,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
     base = [tuple(torch.randn(n, heads, head_dim, generator=g).to(device) for _ in range(3)) for n in lens]
     oracle = torch.cat([oracle_attention(*(t.transpose(0, 1)[None] for t in s))[0].transpose(0, 1) if n else
                         s[0].double() for s, n in zip(base, lens)])
-    timer = reporting.per_call_ms(device, calls, repeats, warmup=3)
+    timer = per_call_ms(device, calls, repeats, warmup=3)
     total_tokens = sum(lens)
     rows = []
     # the nested-tensor methods run after every other method of every mode, so what torch.nested leaves in the
@@ -220,7 +214,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             kern_ms, graph_ms, graph_error = eager_graph_timings(lambda fn=kernel: fn, timer, device, calls, repeats)
             total_ms = timer(lambda: attend(convert()))
             del x, kernel
-            peak = reporting.peak_extra_mb(lambda: attend(convert()), device)
+            peak = peak_extra_mb(lambda: attend(convert()), device)
             rows.append(dict(mode=mode, method=method, **{"pass": "forward"}, total_ms=total_ms, kernel_ms=kern_ms,
                              kernel_graph_ms=graph_ms, graph_error=graph_error, conversion_ms=conv_ms, peak_mb=peak,
                              mtokens_per_s=total_tokens / total_ms / 1e3,
@@ -266,7 +260,7 @@ def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, se
         got = [g if g is not None else torch.zeros_like(t) for g, t in zip(step(), leaves)]
         err = max(rel_l2(torch.cat(got[i::3]).double(), gold_packed[i]) for i in range(3))
         total_ms = timer(step)
-        peak = reporting.peak_extra_mb(step, device)
+        peak = peak_extra_mb(step, device)
         rows.append(dict(mode=mode, method=method, **{"pass": "forward+backward"}, total_ms=total_ms,
                          kernel_ms=None, conversion_ms=None, peak_mb=peak, mtokens_per_s=total / total_ms / 1e3,
                          rel_l2=err))
@@ -298,7 +292,7 @@ def render(rows: list[dict], env: dict, lens: list[int], heads: int, head_dim: i
              "Eager timing (CUDA events around back-to-back calls); conversion = from per-sequence tensors to the "
              "method's input; total = conversion + attention (forward+backward: also the backward from the packed "
              "output gradient); kernel graph = the attention call replayed from a CUDA graph (GPU time without the "
-             "launch path; n/a where it cannot be captured).", "", reporting.markdown_table(table, header),
+             "launch path; n/a where it cannot be captured).", "", markdown_table(table, header),
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
     return "\n".join(lines)
 
@@ -319,7 +313,7 @@ def bench_naflex(model_name: str, sizes: list[tuple[int, int]], batch: int, mode
     model = timm.create_model(model_name, pretrained=False).to(device).eval()
     pv = inputs["patch_valid"]
     valid = torch.cat([pv.new_ones(pv.shape[0], model.num_prefix_tokens), pv], 1)
-    timer = reporting.per_call_ms(device, calls, repeats, warmup=3)
+    timer = per_call_ms(device, calls, repeats, warmup=3)
 
     def features():
         return model.forward_features(inputs["patches"], inputs["patch_coord"], pv)["patches"]
@@ -333,7 +327,7 @@ def bench_naflex(model_name: str, sizes: list[tuple[int, int]], batch: int, mode
             if ref is None:
                 ref = (logits, feats)
             ms = timer(lambda: model(inputs))
-            peak = reporting.peak_extra_mb(lambda: model(inputs), device)
+            peak = peak_extra_mb(lambda: model(inputs), device)
             rows.append(dict(mode=mode or "-", method="timm-sdpa" if mode is None else "visionattn-varlen",
                              total_ms=ms, images_per_s=batch / ms * 1e3, peak_mb=peak,
                              logits_rel_l2=rel_l2(logits, ref[0]), tokens_rel_l2=rel_l2(feats[valid], ref[1][valid])))
@@ -356,7 +350,7 @@ def render_naflex(rows: list[dict], info: dict, env: dict) -> str:
     lines = [f"# NaFlexViT padded batch: {info['model']}, {info['batch']} images ({', '.join(info['sizes'])} "
              f"cycled), padded to {info['padded_length']} tokens, {100 * info['valid_fraction']:.1f}% valid", "",
              "Eager inference (CUDA events around back-to-back calls), random weights; rel L2 against the "
-             "unpatched model (timm's SDPA on its padding mask).", "", reporting.markdown_table(table, header),
+             "unpatched model (timm's SDPA on its padding mask).", "", markdown_table(table, header),
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
     return "\n".join(lines)
 
@@ -370,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = check_device(parser, args.device)
     out = check_output(parser, args.out)
     outputs = output_files(parser, [out + ".md", out + ".json"], tool="bench_varlen")
-    env = reporting.environment({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32})
+    env = environment({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32})
     if not args.quiet:
         print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
     if args.naflex:

@@ -17,7 +17,7 @@ model's estimate (:meth:`VGGT.estimate_memory`) beside the measured peak and a
 PNG of time and peak memory vs frames. Times are eager (one forward, synchronised).
 
 The ``free-*`` rows (not run unless named) time the SDPA rows' model with every SDPA call answering a copy of
-its value rows (:func:`visionattn.reporting.attention_free`): the forward without its attention. Their speedup
+its value rows (:func:`_harness.attention_free`): the forward without its attention. Their speedup
 is the most any attention kernel can give that row (Amdahl's law).
 
 ``--train-step`` times one training step instead (train mode, forward + a loss over depth, points
@@ -45,10 +45,10 @@ import time
 
 import torch
 
-from visionattn import reporting
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_device, check_output, default_out, output_files, positive_int  # noqa: E402
+from _harness import (OutputFiles, ToolParser, attention_free, check_device, check_output, default_out,  # noqa: E402
+                      environment, figure, output_files, positive_int)
 
 ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row, all layers kept)
     "official-fp32": (None, None, "official-fp32", True),
@@ -81,7 +81,8 @@ parser.add_argument("--repeats", type=positive_int, default=1, help="timed runs 
 parser.add_argument("--no-point-warmup", action="store_true",
                     help="skip the untimed forward at each point's frame count (faster; the first timed run then "
                          "includes kernel builds for new sequence lengths)")
-parser.add_argument("--quick", action="store_true", help="smoke test: frames 2 and 8 only (output prefix gets _quick when --out is default)")
+parser.add_argument("--quick", action="store_true",
+                    help="smoke test: frames 2 and 8 only (output prefix gets _quick when --out is default)")
 parser.add_argument("--max-seconds", type=float, default=None,
                     help="skip larger frame counts of a row once one run took longer than this")
 parser.add_argument("--out", default=default_out("vggt_bench"), help="output prefix (.json, .md and .png) "
@@ -98,9 +99,9 @@ parser.add_argument("--train-step", action="store_true", help="time and peak mem
                     "(forward + backward) per row and frame count, activation checkpointing off and on")
 
 
-def environment() -> dict:
-    """visionattn.reporting.environment() plus this tool's keys (gpu, process TF32 flags, date)."""
-    return reporting.environment({
+def tool_environment() -> dict:
+    """:func:`_harness.environment` plus this tool's keys (gpu, process TF32 flags, date)."""
+    return environment({
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "allow_tf32_cudnn": torch.backends.cudnn.allow_tf32,
@@ -140,7 +141,7 @@ def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: 
     g = torch.Generator(device=dev).manual_seed(seed + frames)
     images = torch.rand(frames, 3, H, W, device=dev, generator=g)
     times = []
-    free = reporting.attention_free() if row in FREE_ROWS else contextlib.nullcontext()
+    free = attention_free() if row in FREE_ROWS else contextlib.nullcontext()
     if warmup:
         with torch.no_grad(), autocast(dev.type, dt), free:
             model(images)
@@ -288,33 +289,25 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(res: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
+def plot(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
     """PNG: time (s) and peak memory (GB) vs frames, one line per model and row (OOM points left out)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for model, rows in res.get("points", {}).items():
-        for row, pts in rows.items():
-            fr = sorted((int(f), p) for f, p in pts.items() if not p.get("oom"))
-            if not fr:
-                continue
-            style = "--" if row.startswith("official") else "-"
-            label = f"{model} {LABELS.get(row, row)}"
-            ax_t.plot([f for f, _ in fr], [p["time_s"] for _, p in fr], style, marker="o", label=label)
-            ax_m.plot([f for f, _ in fr], [p["peak_gb"] for _, p in fr], style, marker="o", label=label)
-    env = res.get("environment", {})
-    for ax, name in ((ax_t, "time per forward (s)"), (ax_m, "peak memory (GB)")):
-        ax.set_xlabel("frames")
-        ax.set_ylabel(name)
-        ax.grid(alpha=0.3)
-    ax_m.legend(fontsize=7)
-    fig.suptitle(f"VGGT / FastVGGT inference vs frames, {res.get('height')}x{res.get('width')}, {env.get('gpu')}")
-    fig.tight_layout()
-    (outputs or reporting.OutputFiles("bench_vggt")).save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    with figure(path, outputs, 1, 2, figsize=(12, 4.5), tool="bench_vggt") as (fig, (ax_t, ax_m)):
+        for model, rows in res.get("points", {}).items():
+            for row, pts in rows.items():
+                fr = sorted((int(f), p) for f, p in pts.items() if not p.get("oom"))
+                if not fr:
+                    continue
+                style = "--" if row.startswith("official") else "-"
+                label = f"{model} {LABELS.get(row, row)}"
+                ax_t.plot([f for f, _ in fr], [p["time_s"] for _, p in fr], style, marker="o", label=label)
+                ax_m.plot([f for f, _ in fr], [p["peak_gb"] for _, p in fr], style, marker="o", label=label)
+        env = res.get("environment", {})
+        for ax, name in ((ax_t, "time per forward (s)"), (ax_m, "peak memory (GB)")):
+            ax.set_xlabel("frames")
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+        ax_m.legend(fontsize=7)
+        fig.suptitle(f"VGGT / FastVGGT inference vs frames, {res.get('height')}x{res.get('width')}, {env.get('gpu')}")
 
 
 def main(args) -> dict:
@@ -338,7 +331,7 @@ def main(args) -> dict:
     # before reading an earlier result to extend: the files must be this tool's (exit 2 otherwise)
     outputs = output_files(parser, [path, args.out + ".md", args.out + ".png"], tool="bench_vggt")
     res = json.load(open(path)) if os.path.isfile(path) else {}
-    res.update({"environment": environment(), "height": args.height, "width": args.width, "tiny": args.tiny,
+    res.update({"environment": tool_environment(), "height": args.height, "width": args.width, "tiny": args.tiny,
                 "tokens_per_frame": 5 + (args.height // 14) * (args.width // 14)})
     res.setdefault("points", {})
     print(json.dumps(res["environment"]), flush=True)

@@ -37,10 +37,10 @@ from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, output_files  # noqa: E402
+from _harness import (OutputFiles, ToolParser, check_output, default_out, environment, figure, kernel_ms,  # noqa: E402
+                      markdown_table, output_files)
 from _timm_models import create_timm_model  # noqa: E402
 
-from visionattn import reporting  # noqa: E402
 parser = ToolParser(prog="bench_window.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_window.yaml"),
@@ -69,9 +69,9 @@ parser.add_argument("--max-cases", type=int, default=None, help="stop after this
 
 
 # ----------------------------------------------------------------------------- environment / io
-def environment() -> dict:
-    """visionattn.reporting.environment() plus this tool's keys (gpu, TF32 matmul flag, UTC date)."""
-    return reporting.environment({
+def tool_environment() -> dict:
+    """:func:`_harness.environment` plus this tool's keys (gpu, TF32 matmul flag, UTC date)."""
+    return environment({
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
@@ -210,7 +210,7 @@ def measure(fn, warmup: float, rep: float) -> dict:
             fn()
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-            ms = reporting.kernel_ms(fn, warmup, rep, _TIMER["cuda_graph"])
+            ms = kernel_ms(fn, warmup, rep, _TIMER["cuda_graph"])
         return {"ms": float(ms), "peak_mib": float(peak)}
     except Exception as e:  # noqa: BLE001 - a failing baseline is a result, not a crash
         torch.cuda.empty_cache()
@@ -407,94 +407,81 @@ def to_markdown(res: dict) -> str:
               "Times: median ms of `triton.testing.do_bench` (L2 flushed; Python launch overhead included). ")
              + "Peak: extra MiB allocated during one call. "
              f"timm eager fp32 runs with torch defaults (allow_tf32 matmul = {env['allow_tf32_matmul']}).", ""]
-    kc = res.get("key_case")
-    if kc:
-        lines += ["## Key case: Swin-B stage 1 (64 images x 64 windows, 4 heads, N=49, D=32, bias + shift mask)", "",
-                  "| dtype | visionattn | eager | SDPA (expanded bias) | FlexAttention | I/O floor | visionattn peak MiB | SDPA peak MiB |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in kc:
-            lines.append(f"| {r['dtype']} | {_fmt(r.get('visionattn'))} | {_fmt(r.get('eager'))} | {_fmt(r.get('sdpa'))} | "
-                         f"{_fmt(r.get('flex'))} | {r['io_floor_ms'] or 0:.4f} | "
-                         f"{(r.get('visionattn') or {}).get('peak_mib') or 0:.1f} | {(r.get('sdpa') or {}).get('peak_mib') or 0:.1f} |")
-        lines.append("")
-    prec_rows = [r for r in res.get("attention", []) if r.get("precisions")]
-    if prec_rows:
-        lines += ["## FP32 product precisions (visionattn, same run)", "",
-                  "| model | stage | N | batch | mode | precision | ms | rel L2 vs fp64 | ms / mode default |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in prec_rows:
-            base = (r.get("visionattn") or {}).get("ms")
-            for prec, p in r["precisions"].items():
-                ratio = f"{p['ms'] / base:.2f}" if (base and p.get("ms")) else "-"
-                acc = p.get("rel_l2_vs_fp64")
-                lines.append(f"| {r['model']} | {r['stage'] + 1} | {r['N']} | {r['batch']} | {r['dtype']} | {prec} | "
-                             f"{_fmt(p)} | {'-' if acc is None else f'{acc:.1e}'} | {ratio} |")
-        lines.append("")
+    def section(title: str, header: list[str], rows: list[list]) -> None:
+        lines.extend([f"## {title}", "", markdown_table(rows, header)])
+
+    def peak(r: dict, side: str) -> str:
+        return f"{(r.get(side) or {}).get('peak_mib') or 0:.1f}"
+
+    if res.get("key_case"):
+        section("Key case: Swin-B stage 1 (64 images x 64 windows, 4 heads, N=49, D=32, bias + shift mask)",
+                ["dtype", "visionattn", "eager", "SDPA (expanded bias)", "FlexAttention", "I/O floor",
+                 "visionattn peak MiB", "SDPA peak MiB"],
+                [[r["dtype"], *(_fmt(r.get(m)) for m in ("visionattn", "eager", "sdpa", "flex")),
+                  f"{r['io_floor_ms'] or 0:.4f}", peak(r, "visionattn"), peak(r, "sdpa")] for r in res["key_case"]])
+    prec = []
+    for r in (r for r in res.get("attention", []) if r.get("precisions")):
+        base = (r.get("visionattn") or {}).get("ms")
+        for name, p in r["precisions"].items():
+            acc = p.get("rel_l2_vs_fp64")
+            prec.append([r["model"], r["stage"] + 1, r["N"], r["batch"], r["dtype"], name, _fmt(p),
+                         "-" if acc is None else f"{acc:.1e}",
+                         f"{p['ms'] / base:.2f}" if base and p.get("ms") else "-"])
+    if prec:
+        section("FP32 product precisions (visionattn, same run)",
+                ["model", "stage", "N", "batch", "mode", "precision", "ms", "rel L2 vs fp64", "ms / mode default"],
+                prec)
     if res.get("sweep"):
-        lines += ["## Launch-config sweep on the key case", "", "| dtype | config | ms |", "|---|---|---|"]
-        for r in res["sweep"]:
-            lines.append(f"| {r['dtype']} | `{json.dumps(r['config'])}` | {_fmt(r)} |")
-        lines.append("")
+        section("Launch-config sweep on the key case", ["dtype", "config", "ms"],
+                [[r["dtype"], f"`{json.dumps(r['config'])}`", _fmt(r)] for r in res["sweep"]])
     if res.get("attention"):
-        lines += ["## Attention only, every stage", "",
-                  "| model | stage | N | nW | H | batch | dtype | visionattn | eager | SDPA | Flex | floor | speed-up vs best other | rel L2 vs fp64 |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        rows = []
         for r in res["attention"]:
             others = [r[m]["ms"] for m in ("eager", "sdpa", "flex") if r.get(m) and r[m].get("ms")]
-            va = (r.get("visionattn") or {}).get("ms")
-            sp = f"{min(others) / va:.1f}x" if (others and va) else "-"
-            acc = r.get("visionattn_rel_l2_vs_fp64")
-            acc_s = "-" if acc is None else f"{acc:.1e}"
-            lines.append(f"| {r['model']} | {r['stage'] + 1} | {r['N']} | {r['nW']} | {r['heads']} | {r['batch']} | {r['dtype']} | "
-                         f"{_fmt(r.get('visionattn'))} | {_fmt(r.get('eager'))} | {_fmt(r.get('sdpa'))} | {_fmt(r.get('flex'))} | "
-                         f"{r['io_floor_ms'] or 0:.4f} | {sp} | {acc_s} |")
-        lines.append("")
+            va, acc = (r.get("visionattn") or {}).get("ms"), r.get("visionattn_rel_l2_vs_fp64")
+            rows.append([r["model"], r["stage"] + 1, r["N"], r["nW"], r["heads"], r["batch"], r["dtype"],
+                         *(_fmt(r.get(m)) for m in ("visionattn", "eager", "sdpa", "flex")),
+                         f"{r['io_floor_ms'] or 0:.4f}", f"{min(others) / va:.1f}x" if others and va else "-",
+                         "-" if acc is None else f"{acc:.1e}"])
+        section("Attention only, every stage", ["model", "stage", "N", "nW", "H", "batch", "dtype", "visionattn",
+                                                "eager", "SDPA", "Flex", "floor", "speed-up vs best other",
+                                                "rel L2 vs fp64"], rows)
     if res.get("module"):
-        lines += ["## WindowAttention module (qkv + attention + proj), stage 1, key-case batch", "",
-                  "| model | dtype | timm eager | timm SDPA | visionattn (patch_model) |", "|---|---|---|---|---|"]
-        for r in res["module"]:
-            lines.append(f"| {r['model']} | {r['dtype']} | {_fmt(r.get('timm_eager'))} | {_fmt(r.get('timm_sdpa'))} | "
-                         f"{_fmt(r.get('visionattn'))} |")
-        lines.append("")
+        section("WindowAttention module (qkv + attention + proj), stage 1, key-case batch",
+                ["model", "dtype", "timm eager", "timm SDPA", "visionattn (patch_model)"],
+                [[r["model"], r["dtype"], *(_fmt(r.get(m)) for m in ("timm_eager", "timm_sdpa", "visionattn"))]
+                 for r in res["module"]])
     if res.get("models"):
-        lines += ["## Whole model (random weights), ms per forward", "",
-                  "| model | batch | dtype | unpatched timm | patched | rel L2 logits | note |", "|---|---|---|---|---|---|---|"]
-        for r in res["models"]:
-            d = r.get("logits_rel_l2_patched_vs_unpatched")
-            lines.append(f"| {r['model']} | {r['batch']} | {r['dtype']} | {_fmt(r.get('unpatched'))} | {_fmt(r.get('patched'))} | "
-                         f"{'-' if d is None else f'{d:.1e}'} | {r.get('error', '')} |")
-        lines.append("")
+        section("Whole model (random weights), ms per forward",
+                ["model", "batch", "dtype", "unpatched timm", "patched", "rel L2 logits", "note"],
+                [[r["model"], r["batch"], r["dtype"], _fmt(r.get("unpatched")), _fmt(r.get("patched")),
+                  "-" if r.get("logits_rel_l2_patched_vs_unpatched") is None
+                  else f"{r['logits_rel_l2_patched_vs_unpatched']:.1e}", r.get("error", "")] for r in res["models"]])
     return "\n".join(lines)
 
 
-def plot(res: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
     rows = [r for r in res.get("attention", []) if r["stage"] == 0]
     models = sorted({r["model"] for r in rows})
     if not models:
         return
-    fig, axes = plt.subplots(2, len(models), figsize=(3.2 * len(models), 6), squeeze=False)
-    for j, mname in enumerate(models):
-        for i, dt in enumerate(("fp16", "fp32")):
-            ax = axes[i][j]
-            sel = sorted((r for r in rows if r["model"] == mname and r["dtype"] == dt), key=lambda r: r["batch"])
-            for meth in ("visionattn", "eager", "sdpa"):
-                pts = [(r["batch"], r[meth]["ms"]) for r in sel if r.get(meth) and r[meth].get("ms")]
+    with figure(path, outputs, 2, len(models), figsize=(3.2 * len(models), 6), squeeze=False, tool="bench_window",
+                dpi=110) as (fig, axes):
+        for j, mname in enumerate(models):
+            for i, dt in enumerate(("fp16", "fp32")):
+                ax = axes[i][j]
+                sel = sorted((r for r in rows if r["model"] == mname and r["dtype"] == dt), key=lambda r: r["batch"])
+                for meth in ("visionattn", "eager", "sdpa"):
+                    pts = [(r["batch"], r[meth]["ms"]) for r in sel if r.get(meth) and r[meth].get("ms")]
+                    if pts:
+                        ax.loglog(*zip(*pts), marker="o", label=meth)
+                pts = [(r["batch"], r["io_floor_ms"]) for r in sel if r.get("io_floor_ms")]
                 if pts:
-                    ax.loglog(*zip(*pts), marker="o", label=meth)
-            pts = [(r["batch"], r["io_floor_ms"]) for r in sel if r.get("io_floor_ms")]
-            if pts:
-                ax.loglog(*zip(*pts), ls="--", color="gray", label="I/O floor")
-            ax.set_title(f"{mname} stage 1 {dt}", fontsize=8)
-            ax.set_xlabel("batch")
-            ax.set_ylabel("ms")
-            ax.legend(fontsize=6)
-    fig.tight_layout()
-    (outputs or reporting.OutputFiles("bench_window")).save_figure(fig, path, dpi=110)
+                    ax.loglog(*zip(*pts), ls="--", color="gray", label="I/O floor")
+                ax.set_title(f"{mname} stage 1 {dt}", fontsize=8)
+                ax.set_xlabel("batch")
+                ax.set_ylabel("ms")
+                ax.legend(fontsize=6)
 
 
 def main(args) -> dict:
@@ -509,7 +496,7 @@ def main(args) -> dict:
         cfg = yaml.safe_load(f)
     args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else cfg.get("warmup_ms", 10)
     args.rep_ms = args.rep_ms if args.rep_ms is not None else cfg.get("rep_ms", 40)
-    env = environment()
+    env = tool_environment()
     env["copy_bytes_per_s"] = copy_bandwidth()
     _TIMER["cuda_graph"] = env["cuda_graph_timing"] = bool(args.cuda_graph)
     res: dict = {"environment": env, "config": cfg}

@@ -19,7 +19,7 @@ Swin-v2, of ``logit_scale``; the shift mask gets none. Backends:
 The "timm's path" ratio divides by timm's default path (Swin: ``timm-sdpa``, Swin-v2: ``timm-eager``). Timing:
 eager (CUDA events around back-to-back forward + ``torch.autograd.grad`` calls, the Python launch path
 counts); for visionattn also replays of a CUDA graph of the same calls, in alternating windows
-(:func:`visionattn.reporting.eager_graph_ms`). timm's lines are timed eager only: their forward + backward
+(:func:`_harness.eager_graph_ms`). timm's lines are timed eager only: their forward + backward
 fails to capture into a CUDA graph on torch 2.11 (``cudaErrorStreamCaptureInvalidated``), and a failed capture
 keeps its memory for the rest of the process. On a CPU, wall clock and no graph. Peak extra memory of one
 call; gradient errors: relative L2 vs the same lines in float64. Writes ``<out>.md``, ``<out>.json``,
@@ -40,10 +40,11 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, eager_graph_timings, failure_text, output_files  # noqa: E402
+from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_timings, eager_ms,  # noqa: E402
+                      environment, failure_text, figure, markdown_table, output_files, peak_extra_mb, sample_ms,
+                      tf32_disabled)
 from bench_window import eager_fn, make_block, sdpa_fn, stage_shapes  # noqa: E402
 
-from visionattn import reporting  # noqa: E402
 
 DEFAULT_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
 MODES = ("fp32", "bf16")
@@ -163,15 +164,15 @@ def oracle_grads(case: dict) -> list[torch.Tensor]:
 
 def _cpu_ms(step, repeats: int) -> float:
     """Median CPU wall-clock ms of ``step`` (Triton's interpreter for visionattn)."""
-    times = reporting.sample_ms(step, "cpu", warmup=1, reps=repeats)
+    times = sample_ms(step, "cpu", warmup=1, reps=repeats)
     return sorted(times)[len(times) // 2]
 
 
 def time_step(step, device: torch.device, calls: int, repeats: int, graph: bool) -> dict:
-    """{"ms", "graph_ms", "graph_error"}: eager beside graph replay on CUDA (:func:`_cli.eager_graph_timings`;
+    """{"ms", "graph_ms", "graph_error"}: eager beside graph replay on CUDA (:func:`_harness.eager_graph_timings`;
     eager alone unless ``graph``); CPU wall clock (no graph) else."""
     if device.type == "cuda" and not graph:
-        return {"ms": reporting.eager_ms(step, calls=calls, repeats=repeats), "graph_ms": None, "graph_error": None}
+        return {"ms": eager_ms(step, calls=calls, repeats=repeats), "graph_ms": None, "graph_error": None}
     eager, graph_ms, error = eager_graph_timings(lambda: step, lambda fn: _cpu_ms(fn, repeats), device, calls,
                                                  repeats)
     return {"ms": eager, "graph_ms": graph_ms, "graph_error": error}
@@ -197,7 +198,7 @@ def run_case(model: dict, st: dict, batch: int, mode: str, device: torch.device,
             grads = step()
             row.update({f"{n}_rel_err": rel_l2(g, ref) for n, g, ref in zip(names, grads, gold)})
             del grads
-            row["peak_extra_mib"] = reporting.peak_extra_mb(step, device)
+            row["peak_extra_mib"] = peak_extra_mb(step, device)
             row.update(time_step(step, device, args.calls, args.repeats, graph=backend == "visionattn"))
         except Exception as exc:  # noqa: BLE001 - a failing baseline is a result, not a crash
             row["error"] = failure_text(exc, device)
@@ -248,42 +249,34 @@ def to_markdown(result: dict) -> str:
                       _f(r["x_timm_default"], "{:.2f}x"), _f(r["x_timm_eager"], "{:.2f}x"),
                       _f(r["peak_extra_mib"], "{:.1f}"), _f(r.get("dqkv_rel_err"), "{:.2e}"),
                       _f(r.get("dbias_rel_err"), "{:.2e}"), _f(r.get("dlogit_scale_rel_err"), "{:.2e}")])
-    lines.append(reporting.markdown_table(table, header))
+    lines.append(markdown_table(table, header))
     lines += ["", f"Target: visionattn >= {TARGET:g}x timm's default path (Swin: timm-sdpa; Swin-v2: timm-eager), "
                   "forward + backward, eager.", ""]
-    lines.append(reporting.markdown_table(
+    lines.append(markdown_table(
         [[t["case"], t["mode"], f"{t['ratio']:.2f}x", f"{t['need']:g}x", "met" if t["met"] else "NOT met"]
          for t in result["targets"]], ["case", "mode", "visionattn / timm default", "need", ""]))
     return "\n".join(lines) + "\n"
 
 
-def plot(result: dict, path: str, outputs: reporting.OutputFiles | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, path: str, outputs: OutputFiles | None = None) -> None:
     ok = [r for r in result["rows"] if r["error"] is None]
     groups = sorted({(r["model"], r["stage"], r["batch"], r["mode"]) for r in ok}, key=str)
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4))
-    width = 0.8 / len(BACKENDS)
-    for i, backend in enumerate(BACKENDS):
-        xs, ys = [], []
-        for j, g in enumerate(groups):
-            r = next((r for r in ok if (r["model"], r["stage"], r["batch"], r["mode"]) == g
-                      and r["backend"] == backend), None)
-            if r is not None:
-                xs.append(j + (i - 1) * width)
-                ys.append(r["ms"])
-        ax.bar(xs, ys, width, label=backend)
-    ax.set_xticks(range(len(groups)), [f"{m}\nstage {s + 1}, batch {b}\n{mode}" for m, s, b, mode in groups],
-                  fontsize=8)
-    ax.set_ylabel("ms per forward + backward (eager)")
-    ax.set_title(result["environment"]["device"])
-    ax.legend()
-    fig.tight_layout()
-    (outputs or reporting.OutputFiles("bench_window_train")).save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    with figure(path, outputs, figsize=(max(6, 2.2 * len(groups)), 4), tool="bench_window_train") as (fig, ax):
+        width = 0.8 / len(BACKENDS)
+        for i, backend in enumerate(BACKENDS):
+            xs, ys = [], []
+            for j, g in enumerate(groups):
+                r = next((r for r in ok if (r["model"], r["stage"], r["batch"], r["mode"]) == g
+                          and r["backend"] == backend), None)
+                if r is not None:
+                    xs.append(j + (i - 1) * width)
+                    ys.append(r["ms"])
+            ax.bar(xs, ys, width, label=backend)
+        ax.set_xticks(range(len(groups)), [f"{m}\nstage {s + 1}, batch {b}\n{mode}" for m, s, b, mode in groups],
+                      fontsize=8)
+        ax.set_ylabel("ms per forward + backward (eager)")
+        ax.set_title(result["environment"]["device"])
+        ax.legend()
 
 
 def main(args) -> dict:
@@ -297,7 +290,7 @@ def main(args) -> dict:
         models = {m["name"]: m for m in yaml.safe_load(f)["models"]}
     cases = [parse_case(c, models) for c in args.cases]
     rows = []
-    with reporting.tf32_disabled():
+    with tf32_disabled():
         for model, st, batch in cases:
             for mode in args.modes:
                 new = run_case(model, st, batch, mode, device, args)
@@ -307,9 +300,9 @@ def main(args) -> dict:
     timing = ("eager: CUDA events around back-to-back forward + backward calls, median of windows (the Python "
               "launch path counts); graph (visionattn only: timm's lines under autograd fail to capture, "
               "cudaErrorStreamCaptureInvalidated): replays of a CUDA graph of the same calls in alternating "
-              "windows (visionattn.reporting.eager_graph_ms)" if device.type == "cuda"
+              "windows (_harness.eager_graph_ms)" if device.type == "cuda"
               else "CPU wall clock per call (Triton's interpreter for visionattn), no CUDA graph")
-    result = {"environment": reporting.environment(), "timing": timing,
+    result = {"environment": environment(), "timing": timing,
               "precision": "fp32: FP32 inputs, TF32 off; bf16: bf16 qkv and dO, FP32 bias and parameters, "
                            "the forward under torch.autocast(bfloat16)",
               "rows": rows, "targets": targets(rows)}

@@ -12,7 +12,7 @@ SASS instruction count. A config over the limit is not a
 crash (the launchers retry smaller configs), but it is a slow first call and a different config than the table
 says.
 
-The figures match the GPU's only for the same Triton version: the lent GPUs run triton 3.6, so
+The figures match the GPU's only for the same Triton version; for a GPU that runs triton 3.6:
 
     pip install --target /tmp/tri36 triton==3.6.0
     PYTHONPATH=/tmp/tri36:$PWD python tools/check_kernels_offline.py --out out/kernels_sm90_offline
@@ -35,10 +35,9 @@ from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, ieee
                                 varlen_bwd, window_bwd, window_fwd)
 from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
-from visionattn.reporting import environment, markdown_table  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, output_files  # noqa: E402
+from _harness import ToolParser, check_output, default_out, environment, markdown_table, output_files  # noqa: E402
 
 KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd", "varlen-bwd")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
@@ -314,8 +313,8 @@ def main(args) -> dict:
                             for r in rows],
                            ["kernel", "variant", "config (M, N, warps, stages)", "shared bytes", "fits",
                             "registers / thread", "spill bytes", "programs / SM", "wgmma", "SASS instructions"])
-    md = (f"# Kernel configs compiled for sm_90 (offline)\n\n* triton {triton.__version__} (the lent GPUs run 3.6: "
-          f"only the same version gives the GPU's figures); limit {HOPPER_SHARED_LIMIT} bytes per block\n"
+    md = (f"# Kernel configs compiled for sm_90 (offline)\n\n* triton {triton.__version__} (only the target GPU's "
+          f"triton version gives its figures); limit {HOPPER_SHARED_LIMIT} bytes per block\n"
           f"* command: `{env.get('command', '')}`\n* {len(rows)} variants, {len(over)} over the limit "
           f"(the launcher then retries smaller configs), {len(failed)} failed to compile\n"
           f"* registers and spill bytes per thread (stack frame + local memory, where ptxas spills) from the cubin "

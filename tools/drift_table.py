@@ -28,11 +28,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, output_files, positive_int  # noqa: E402
+from _harness import (ToolParser, check_output, default_out, environment, markdown_table, output_files,  # noqa: E402
+                      positive_int)
 
 from visionattn.metrics import METRIC_NAMES, drift_metrics  # noqa: E402
 from visionattn.reference import blocked_attention_with_probs, oracle_attention  # noqa: E402
-from visionattn.reporting import environment, markdown_table  # noqa: E402
 
 SCENARIOS = {
     "regular": dict(b=2, h=8, n=512, d=64, stress=False),

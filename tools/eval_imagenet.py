@@ -37,13 +37,12 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_cli, ...)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_harness, ...)
 import _imagenet_data as data  # noqa: E402
-from _cli import (CorruptImageError, ToolParser, check_device, check_output, default_out,  # noqa: E402
-                  nonnegative_int, output_files, positive_int)
+from _harness import (CorruptImageError, Stopwatch, ToolParser, check_device, check_output, default_out,  # noqa: E402
+                      environment, markdown_table, nonnegative_int, output_files, positive_int, tf32_disabled)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
-from visionattn.reporting import Stopwatch, environment, markdown_table, tf32_disabled  # noqa: E402
 
 ALL_MODES = "native,fp32,fp32-ieee,tf32,fp16,bf16,pasa,native-fp16,native-bf16"
 SYNTHETIC_DEFAULT = 256

@@ -42,12 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import ToolParser, check_output, default_out, load_config, output_files  # noqa: E402
+from _harness import (OutputFiles, ToolParser, check_output, default_out, environment, figure,  # noqa: E402
+                      load_config, markdown_table, output_files)
 
 import visionattn  # noqa: E402
 from visionattn.pasa import BENCHMARK_KINDS, benchmark_inputs
 from visionattn.reference import oracle_attention
-from visionattn.reporting import OutputFiles, environment, markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,7 +105,7 @@ class _Bench(_Strict):
 
 
 class PasaConfig(_Strict):
-    """The shape of configs/eval_pasa.yaml (checked before any work; see :func:`_cli.load_config`)."""
+    """The shape of configs/eval_pasa.yaml (checked before any work; see :func:`_harness.load_config`)."""
     shape: _Shape
     quick_shape: _Shape
     seed: int
@@ -301,36 +301,30 @@ def to_markdown(results: dict) -> str:
 
 def plot(results: dict, path: str, outputs: OutputFiles | None = None) -> None:
     """Figs. 9-10 style: RMSE per mode over each sweep; overflowing points marked at the top."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     sweeps = [s for s in dict.fromkeys(r["section"] for r in results["accuracy"]) if "sweep" in s]
-    fig, axes = plt.subplots(1, max(len(sweeps), 1), figsize=(4.2 * max(len(sweeps), 1), 3.6), squeeze=False)
-    for ax, name in zip(axes[0], sweeps):
-        rows = [r for r in results["accuracy"] if r["section"] == name]
-        key = "x0" if "x0 sweep" in name else "am"
-        xs = [r[key] for r in rows]
-        top = max(r["results"][m]["rmse"] for r in rows for m in results["modes"]
-                  if math.isfinite(r["results"][m]["rmse"]))
-        for m, marker in zip(results["modes"], "osD^"):
-            ys = [r["results"][m]["rmse"] for r in rows]
-            ax.plot(xs, [y if math.isfinite(y) else float("nan") for y in ys], marker=marker, label=m)
-            for x, y in zip(xs, ys):
-                if not math.isfinite(y):
-                    ax.plot([x], [top * 3], marker="x", color="red")
-                    ax.annotate("NaN", (x, top * 3), fontsize=7, color="red", ha="center", va="bottom")
-        ax.set_yscale("log")
-        ax.set_xlabel(key)
-        ax.set_ylabel("relative RMSE")
-        ax.set_title(name, fontsize=8)
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"PASA vs FP16 accumulation — {results['environment']['device']}", fontsize=9)
-    fig.tight_layout()
-    (outputs or OutputFiles("eval_pasa")).save_figure(fig, path, dpi=110)
-    plt.close(fig)
+    panels = max(len(sweeps), 1)
+    with figure(path, outputs, 1, panels, figsize=(4.2 * panels, 3.6), squeeze=False, tool="eval_pasa",
+                dpi=110) as (fig, axes):
+        for ax, name in zip(axes[0], sweeps):
+            rows = [r for r in results["accuracy"] if r["section"] == name]
+            key = "x0" if "x0 sweep" in name else "am"
+            xs = [r[key] for r in rows]
+            top = max(r["results"][m]["rmse"] for r in rows for m in results["modes"]
+                      if math.isfinite(r["results"][m]["rmse"]))
+            for m, marker in zip(results["modes"], "osD^"):
+                ys = [r["results"][m]["rmse"] for r in rows]
+                ax.plot(xs, [y if math.isfinite(y) else float("nan") for y in ys], marker=marker, label=m)
+                for x, y in zip(xs, ys):
+                    if not math.isfinite(y):
+                        ax.plot([x], [top * 3], marker="x", color="red")
+                        ax.annotate("NaN", (x, top * 3), fontsize=7, color="red", ha="center", va="bottom")
+            ax.set_yscale("log")
+            ax.set_xlabel(key)
+            ax.set_ylabel("relative RMSE")
+            ax.set_title(name, fontsize=8)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"PASA vs FP16 accumulation — {results['environment']['device']}", fontsize=9)
 
 
 def _default_tag(device) -> str:

@@ -18,8 +18,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_output, nonnegative_int, output_files, percentile, positive_float,  # noqa: E402
-                  positive_int)
+from _harness import (ToolParser, check_output, nonnegative_int, output_files, percentile, positive_float,  # noqa: E402
+                      positive_int)
 
 DEFAULT_MODES = "fp32,tf32,fp16,bf16,pasa"
 
@@ -94,7 +94,7 @@ def _device(name: str) -> str:
 
 
 def _markdown_accuracy(res: dict) -> str:
-    from visionattn.reporting import markdown_table
+    from _harness import markdown_table
 
     rows = []
     for r in res["scenes"]:
@@ -116,7 +116,7 @@ def _markdown_accuracy(res: dict) -> str:
 
 
 def _markdown_modes(res: dict) -> str:
-    from visionattn.reporting import markdown_table
+    from _harness import markdown_table
 
     keys = ["seconds", "rot_max_deg", "center_rel_l2", "focal_rel_max", "depth_rel_l2", "depth_max_rel",
             "points_rel_l2", "points_from_depth_rel_l2", "auc@3", "nonfinite"]
@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
     from visionattn.recon.evaluate import evaluate_scenes, mode_agreement
     from visionattn.recon.images import load_images
     from visionattn.recon.pipeline import ATTN_MODES, USER_ERRORS
-    from visionattn.reporting import environment
+    from _harness import environment
 
     import torch
 

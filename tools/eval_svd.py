@@ -44,15 +44,14 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_image, check_output_folder, default_out, nonnegative_float,  # noqa: E402
-                  nonnegative_int, output_folder, positive_int)
+from _harness import (Stopwatch, ToolParser, atomic_path, check_image, check_output_folder, default_out,  # noqa: E402
+                      environment, markdown_table, nonnegative_float, nonnegative_int, output_folder, positive_int,
+                      tf32_disabled, write_json_atomic, write_text_atomic)
 from _svd_common import (DTYPE_NAMES, MODEL_IDS, NATIVE, PipelineUnavailable, add_run_args,  # noqa: E402
                          check_model, check_run_args, jsonable, load_pipeline, parse_modes, run_dtype)
 
 from visionattn.patching.diffusers import (overflow_counts, patch_diffusers, reset_overflow_counts,  # noqa: E402
                                            unpatch_diffusers)
-from visionattn.reporting import (Stopwatch, atomic_path, environment, markdown_table, tf32_disabled,  # noqa: E402
-                                  write_json_atomic, write_text_atomic)
 
 # whose manifest the output folder holds (visionattn.recon.outdir): a later run replaces only such a folder
 TOOL_ID = "visionattn.eval_svd"
@@ -68,7 +67,7 @@ def _sync(device: str) -> None:
 
 @contextlib.contextmanager
 def _timed_module(module, device: str):
-    """Time ``module``'s forward calls (a :class:`~visionattn.reporting.Stopwatch`, yielded)."""
+    """Time ``module``'s forward calls (a :class:`_harness.Stopwatch`, yielded)."""
     watch = Stopwatch(device)
     hooks = [module.register_forward_pre_hook(lambda _m, _a: watch.start()),
              module.register_forward_hook(lambda _m, _a, _o: watch.stop())]
@@ -249,7 +248,7 @@ def evaluate(args, folder: str | None = None) -> dict:
     ``folder`` (default ``args.out``)."""
     from PIL import Image
 
-    from _cli import read_rgb
+    from _harness import read_rgb
 
     folder = args.out if folder is None else folder
     device = args.device

@@ -50,12 +50,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (CorruptImageError, ToolParser, check_device, check_output_folder, default_out,  # noqa: E402
-                  nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, read_rgb)
+from _harness import (CorruptImageError, ToolParser, atomic_path, check_device, check_output_folder,  # noqa: E402
+                      default_out, environment, figure, markdown_table, nonnegative_float, nonnegative_int,
+                      output_folder, positive_float, positive_int, read_rgb, write_json_atomic, write_text_atomic)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
-from visionattn.reporting import (atomic_path, environment, markdown_table, save_figure_atomic,  # noqa: E402
-                                  write_json_atomic, write_text_atomic)
 
 # ----------------------------------------------------------------------------- precision and one step
 # The visionattn modes with backward kernels: the modes a model can train in.
@@ -278,7 +277,7 @@ def scan_folder(root: str, val_fraction: float, seed: int) -> dict[str, Any]:
 
 class _Samples(torch.utils.data.Dataset):
     """``(transform(image), label)`` for a list of ``(path, label)``; images read as RGB by
-    :func:`_cli.read_rgb` (a corrupt file raises its one-line :class:`_cli.CorruptImageError`)."""
+    :func:`_harness.read_rgb` (a corrupt file raises its one-line :class:`_harness.CorruptImageError`)."""
 
     def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable):
         self.samples, self.transform, self.loader = list(samples), transform, read_rgb
@@ -390,33 +389,26 @@ def render_markdown(res: dict) -> str:
 
 
 def render_png(res: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_loss.plot(range(1, len(res["step_losses"]) + 1), res["step_losses"], lw=1, label="train (per step)")
-    ax_loss.plot([h["step"] for h in res["history"]], [h["val_loss"] for h in res["history"]], "o-", label="held-out")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("cross-entropy")
-    ax_loss.legend()
-    ax_acc.plot([h["epoch"] for h in res["history"]], [100 * h["val_top1"] for h in res["history"]], "o-")
-    ax_acc.set_xlabel("epoch")
-    ax_acc.set_ylabel("held-out top-1 %")
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{res['model']['name']} {res['model']['attention']} mode {res['mode']} "
-                 f"({res['environment']['device']})")
-    fig.tight_layout()
-    save_figure_atomic(fig, path, dpi=110)
-    plt.close(fig)
+    with figure(path, None, 1, 2, figsize=(10, 3.8), dpi=110) as (fig, (ax_loss, ax_acc)):
+        ax_loss.plot(range(1, len(res["step_losses"]) + 1), res["step_losses"], lw=1, label="train (per step)")
+        history = res["history"]
+        ax_loss.plot([h["step"] for h in history], [h["val_loss"] for h in history], "o-", label="held-out")
+        ax_loss.set_xlabel("step")
+        ax_loss.set_ylabel("cross-entropy")
+        ax_loss.legend()
+        ax_acc.plot([h["epoch"] for h in res["history"]], [100 * h["val_top1"] for h in res["history"]], "o-")
+        ax_acc.set_xlabel("epoch")
+        ax_acc.set_ylabel("held-out top-1 %")
+        for ax in (ax_loss, ax_acc):
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{res['model']['name']} {res['model']['attention']} mode {res['mode']} "
+                     f"({res['environment']['device']})")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Fine-tune as the arguments say; returns the record also written to ``<out>/metrics.json``.
 
-    Everything is written into a temporary folder renamed to ``--out`` at the end (:func:`_cli.output_folder`).
+    Everything is written into a temporary folder renamed to ``--out`` at the end (:func:`_harness.output_folder`).
     """
     parser = build_parser()
     args = parser.parse_args(argv)

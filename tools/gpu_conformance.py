@@ -144,8 +144,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _cli import (ToolParser, check_device, check_output, default_out, nonnegative_float, output_files,  # noqa: E402
-                  positive_int)
+from _harness import (ToolParser, check_device, check_output, default_out, nonnegative_float,  # noqa: E402
+                      output_files, positive_int)
 
 FAMILIES = ("dense", "qkvpacked", "window", "window-qkvpacked", "varlen", "split-kv", "ring")
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa")
@@ -1690,7 +1690,7 @@ def _key(x) -> float:
 
 def markdown(report: dict, env: dict) -> str:
     """The report as markdown."""
-    from visionattn.reporting import markdown_table
+    from _harness import markdown_table
 
     s = report["summary"]
     lines = ["# visionattn GPU conformance", ""]
@@ -1952,7 +1952,7 @@ def main(args) -> dict:
     outputs = output_files(parser, [md_path, json_path], tool="gpu_conformance")  # refuses before any case runs
     import torch
 
-    from visionattn.reporting import environment
+    from _harness import environment
 
     specs = select_cases(args)
     t0 = time.time()

@@ -1,37 +1,36 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks behind docs/benchmarks/, in steps that fit a 10-minute call.
+# The GPU checks and benchmarks behind docs/benchmarks/, in steps of at most about ten minutes each.
 #
 #   bash tools/gpu_suite.sh OUT_DIR STEP [STEP ...]
 #
-# Steps: tests (pytest -m gpu, over 10 min on a fresh machine: tests-k (tests/kernels, ~6 min), tests-a (tests/api,
-# ~5 min: every mode's kernels compile, the one-rank ring alone ~2 min) and tests-m split it), models (bench_models --quick), models-graph (the same with CUDA-graph
-# timing on both sides), window-key (bench_window --cuda-graph: Swin-B / Swin-v2-B batch 64, every
-# stage, the key case's launch-config sweep, whole models), imagenet (eval_imagenet, random
+# Steps: tests (pytest -m gpu, over 10 min on a fresh machine: tests-k (tests/kernels, ~6 min), tests-a (tests/api, ~5
+# min: every mode's kernels compile, the one-rank ring alone ~2 min) and tests-m split it), models (bench_models
+# --quick), models-graph (the same with CUDA-graph timing on both sides), window-key (bench_window --cuda-graph: Swin-B
+# / Swin-v2-B batch 64, every stage, the key case's launch-config sweep, whole models), imagenet (eval_imagenet, random
 # weights, 512 synthetic crops of tests/data/photos), recon (per-mode VGGT-1B agreement + timing on
-# demos/data/stereo_rig), vggt (bench_vggt 10/50 frames), vggt100 (100 frames fp32 vs SDPA),
-# vggt-agree (VGGT-1B mode-vs-SDPA agreement tests), fastvggt (FastVGGT 100/200 frames, every row),
-# fastvggt500, svd (attention at real SVD shapes; needs diffusers), pasa (PASA kernel GPU tests + speed
-# sweep), attention (bench_attention, every shape and backend), eager (host time per call and eager vs
-# CUDA-graph timing at ViT shapes), models-eager (whole timm models, eager), models-compile (ViT-B and Swin-B fp16 under torch.compile default /
-# reduce-overhead, patched vs unpatched), cold (first-call cost with an
-# empty Triton cache), train-tests (backward and window-gradient GPU tests), train (training steps), window-bwd (the window
-# backward alone at Swin-B's four stage shapes vs SDPA, with a bias-splits sweep), bwd-configs (the dense backward at
-# ViT-B shapes with register-spill-free dQ tiles beside the default: check_kernels_offline's spill column), bwd-bias
-# (the half backward with a relative-position-bias gradient, D = 64 and 32: the bias-gradient tiles beside the plain
-# ones), bwd-sweep (dense backward tile sweep at long sequences: bf16 D = 64 / 128, fp32), train-v2 (training steps of Swin-v2-B 256 px and ViT-B/16 at 1024 px),
-# bwd-products (the fp32 / tf32 backward with split-FP16 products, the default, beside tl.dot's 3xTF32),
-# fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200
-# frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the
-# timm families beyond ViT / Swin, patched vs unpatched), naflex (NaFlexViT padded batch), ring1 (the context-parallel
-# ring on one rank vs attention), demo300 (the demo on VIDEO, 300 frames, full-size random
-# weights), train-bound / train-bound-1024 / vggt-bound / integrations-bound (the attention-free bounds: training steps, VGGT and
-# FastVGGT bf16 at 200 frames, the transformers / diffusers cells; integrations need transformers and diffusers
-# installed), fastvggt-official (FastVGGT against the official code at FASTVGGT, a checkout of
-# mystorm16/FastVGGT), conformance (the randomized conformance suite: every family and mode against the float64
-# oracle, any layout, ~2000 cases), memcheck / racecheck / initcheck (compute-sanitizer over
-# tools/memcheck_cases.py: a small case of every kernel family and variant, forward and backward), warmup-train
-# (python -m visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to OUT_DIR/STEP.log
-# and a failing step does not stop the next one. Machine-wide settings are left alone.
+# demos/data/stereo_rig), vggt (bench_vggt 10/50 frames), vggt100 (100 frames fp32 vs SDPA), vggt-agree (VGGT-1B
+# mode-vs-SDPA agreement tests), fastvggt (FastVGGT 100/200 frames, every row), fastvggt500, svd (attention at real SVD
+# shapes; needs diffusers), pasa (PASA kernel GPU tests + speed sweep), attention (bench_attention, every shape and
+# backend), eager (host time per call and eager vs CUDA-graph timing at ViT shapes), models-eager (whole timm models,
+# eager), models-compile (ViT-B and Swin-B fp16 under torch.compile default / reduce-overhead, patched vs unpatched),
+# cold (first-call cost with an empty Triton cache), train-tests (backward and window-gradient GPU tests), train
+# (training steps), window-bwd (the window backward alone at Swin-B's four stage shapes vs SDPA, with a bias-splits
+# sweep), bwd-configs (the dense backward at ViT-B shapes with register-spill-free dQ tiles beside the default:
+# check_kernels_offline's spill column), bwd-bias (the half backward with a relative-position-bias gradient, D = 64 and
+# 32: the bias-gradient tiles beside the plain ones), bwd-sweep (dense backward tile sweep at long sequences: bf16 D =
+# 64 / 128, fp32), train-v2 (training steps of Swin-v2-B 256 px and ViT-B/16 at 1024 px), bwd-products (the fp32 / tf32
+# backward with split-FP16 products, the default, beside tl.dot's 3xTF32), fwd-bwd (attention forward + backward vs
+# SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200 frames, bf16 / fp32 vs SDPA, peak beside
+# estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the timm families beyond ViT / Swin, patched
+# vs unpatched), naflex (NaFlexViT padded batch), ring1 (the context-parallel ring on one rank vs attention), demo300
+# (the demo on VIDEO, 300 frames, full-size random weights), train-bound / train-bound-1024 / vggt-bound /
+# integrations-bound (the attention-free bounds: training steps, VGGT and FastVGGT bf16 at 200 frames, the transformers
+# / diffusers cells; integrations need transformers and diffusers installed), fastvggt-official (FastVGGT against the
+# official code at FASTVGGT, a checkout of mystorm16/FastVGGT), conformance (the randomized conformance suite: every
+# family and mode against the float64 oracle, any layout, ~2000 cases), memcheck / racecheck / initcheck
+# (compute-sanitizer over tools/memcheck_cases.py: a small case of every kernel family and variant, forward and
+# backward), warmup-train (python -m visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to
+# OUT_DIR/STEP.log and a failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
 mkdir -p "$out"
@@ -53,10 +52,13 @@ for step in "$@"; do
     tests) run tests 560 python -m pytest -m gpu -q -rf --timeout=150 -p no:cacheprovider --durations=15 tests ;;
     tests-k) run tests-k 560 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/kernels ;;
     tests-a) run tests-a 560 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/api ;;
-    tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching tests/tools ;;
+    tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching \
+        tests/tools ;;
     models) run models 120 python tools/bench_models.py --quick --out "$out/models_bench" ;;
-    models-graph) run models-graph 150 python tools/bench_models.py --quick --cuda-graph --out "$out/models_bench_graph" ;;
-    window-key) run window-key 200 python tools/bench_window.py --cuda-graph --models swin_base_224,swinv2_base_w16_256 \
+    models-graph) run models-graph 150 python tools/bench_models.py --quick --cuda-graph --out \
+        "$out/models_bench_graph" ;;
+    window-key) run window-key 200 python tools/bench_window.py --cuda-graph --models \
+        swin_base_224,swinv2_base_w16_256 \
         --batches 64 --no-module --out "$out/window_key" ;;
     vggt-agree) run vggt-agree 250 python -m pytest -m gpu -q -rf --timeout=200 -p no:cacheprovider \
         tests/models/test_vggt_gpu.py ;;
@@ -79,26 +81,35 @@ for step in "$@"; do
     attention) run attention 300 python tools/bench_attention.py --out "$out/attention" ;;
     eager) run eager 240 python tools/bench_attention.py --shapes "ViT-B/16 224,ViT-B/16 512,L-4k" --no-flex \
         --out "$out/attention_eager" ;;
-    models-eager) run models-eager 240 python tools/bench_models.py --cases vit_base_patch16_224:224:64,deit3_small_patch16_224:224:128,eva02_base_patch14_224:224:64,swin_base_patch4_window7_224:224:64,swinv2_base_window8_256:256:64,vit_base_patch16_224:1024:8 \
+    models-eager) cases=vit_base_patch16_224:224:64,deit3_small_patch16_224:224:128,eva02_base_patch14_224:224:64
+      cases+=,swin_base_patch4_window7_224:224:64,swinv2_base_window8_256:256:64,vit_base_patch16_224:1024:8
+      run models-eager 240 python tools/bench_models.py --cases "$cases" \
         --modes fp32,fp16,bf16 --no-share --rep-ms 150 --rounds 4 --out "$out/models_eager" ;;
     cold) run cold 240 python tools/bench_cold_start.py --modes fp16 --mode fp32 --frames 100 --other-frames 60 \
         --out "$out/cold_start" ;;
-    models-compile) run models-compile 280 python tools/bench_models.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
+    models-compile) run models-compile 280 python tools/bench_models.py --cases \
+        vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
         --modes fp16 --no-share --compile default --out "$out/models_compile_default"
-      run models-compile-ro 280 python tools/bench_models.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
+      run models-compile-ro 280 python tools/bench_models.py --cases \
+          vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
         --modes fp16 --no-share --compile reduce-overhead --out "$out/models_compile_ro" ;;
     train-tests) run train-tests 400 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider \
-        tests/kernels/test_elsa_bwd.py tests/kernels/test_window_bwd.py tests/api/test_window_grad.py tests/api/test_op_layer.py ;;
-    train) run train 400 python tools/bench_train.py --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
+        tests/kernels/test_elsa_bwd.py tests/kernels/test_window_bwd.py tests/api/test_window_grad.py \
+        tests/api/test_op_layer.py ;;
+    train) run train 400 python tools/bench_train.py --cases \
+        vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
         --modes fp32,bf16 --out "$out/train" ;;
-    window-bwd) run window-bwd 300 python tools/bench_backward.py --shapes swin-b-s1 swin-b-s2 swin-b-s3 swin-b-s4 swinv2-b-s1 \
+    window-bwd) run window-bwd 300 python tools/bench_backward.py --shapes swin-b-s1 swin-b-s2 swin-b-s3 swin-b-s4 \
+        swinv2-b-s1 \
         --modes fp32 bf16 --bias-splits 8 32 128 --fp32-products tf32x3 --out "$out/window_bwd" ;;
     bwd-products) run bwd-products 300 python tools/bench_backward.py --shapes long-4k vit-b16-224 vit-b16-224-relpos \
         --modes fp32 tf32 --fp32-products tf32x3 --out "$out/bwd_products" ;;
     bwd-configs) run bwd-configs 400 python tools/bench_backward.py --shapes vit-b16-224 vit-b16-224-relpos \
-        --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,8,2 32,128,8,2/128,32,8,2 \
+        --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,8,2 \
+        32,128,8,2/128,32,8,2 \
         --out "$out/bwd_configs" ;;
-    bwd-sweep) run bwd-sweep-half 250 python tools/bench_backward.py --shapes long-4k long-16k vit-b16-224 --modes bf16 \
+    bwd-sweep) run bwd-sweep-half 250 python tools/bench_backward.py --shapes long-4k long-16k vit-b16-224 --modes \
+        bf16 \
         --configs 32,128,4,4/128,32,4,4 32,128,4,5/128,32,4,5 64,128,8,3/128,64,8,3 64,128,8,2/128,64,8,2 \
         32,128,8,3/128,32,8,3 64,64,4,3/64,64,4,3 --out "$out/bwd_sweep_half"
       run bwd-sweep-d128 150 python tools/bench_backward.py --shapes long-4k-d128 --modes bf16 --configs \
@@ -108,7 +119,8 @@ for step in "$@"; do
         --out "$out/bwd_sweep_fp32" ;;
     bwd-bias) run bwd-bias 300 python tools/bench_backward.py --shapes vit-b16-224-relpos vit-b16-224-relpos-d32 \
         --modes fp16 bf16 --configs 32,128,4,3/128,32,4,3 32,128,4,3/128,32,8,3 --out "$out/bwd_bias" ;;
-    train-v2) run train-v2 400 python tools/bench_train.py --cases swinv2_base_window8_256:256:32,vit_base_patch16_224:1024:8 \
+    train-v2) run train-v2 400 python tools/bench_train.py --cases \
+        swinv2_base_window8_256:256:32,vit_base_patch16_224:1024:8 \
         --modes fp32,bf16 --out "$out/train_v2" ;;
     fwd-bwd) run fwd-bwd 300 python tools/bench_attention.py --backward --no-flex --shapes "L-4k,ViT-B/16 224" \
         --out "$out/attention_fwd_bwd" ;;
@@ -118,8 +130,10 @@ for step in "$@"; do
         --out "$out/vggt200" ;;
     vggt-tests) run vggt-tests 300 python -m pytest -m gpu -q -rf --timeout=250 -p no:cacheprovider \
         tests/models/test_vggt_gpu.py tests/models/test_vggt_train.py ;;
-    families) run families 400 python tools/bench_models.py --modes fp32,fp16 --no-share --out "$out/families" \
-        --cases beit_base_patch16_224:224:64,cait_s24_224:224:64,xcit_small_12_p16_224:224:64,coatnet_0_rw_224:224:64,maxvit_tiny_tf_224:224:64,hiera_base_224:224:64,mvitv2_small:224:64 ;;
+    families) cases=beit_base_patch16_224:224:64,cait_s24_224:224:64,xcit_small_12_p16_224:224:64
+      cases+=,coatnet_0_rw_224:224:64,maxvit_tiny_tf_224:224:64,hiera_base_224:224:64,mvitv2_small:224:64
+      run families 400 python tools/bench_models.py --modes fp32,fp16 --no-share --out "$out/families" \
+        --cases "$cases" ;;
     naflex) run naflex 200 python tools/bench_varlen.py --naflex --modes fp32,bf16 --out "$out/naflex" ;;
     conformance) run conformance 560 python tools/gpu_conformance.py --isolate --time-budget 480 \
         --out "$out/conformance" ;;

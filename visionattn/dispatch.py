@@ -1,4 +1,12 @@
-"""Backend choice: Triton kernels (GPU) or the PyTorch monoid reference (CPU).
+"""Backend choice: one backend table per op family, read by one dispatcher (:func:`choose`).
+
+A family (:mod:`visionattn.api` dense and PASA, :mod:`visionattn.window`, :mod:`visionattn.varlen`) lists its
+backends in priority order as a :class:`BackendTable` of :class:`Backend` rows (xformers' pattern): each row has
+``unsupported_reason(...) -> str | None`` and ``plan(...)``, which runs the call (and keeps its runner for the
+call signature). :func:`choose` starts at the preferred row (:func:`preferred`: the ``backend=`` argument, the
+process-wide setting, the device), skips each row that gives a reason, and warns once naming that reason when it
+falls back to a later row. The reasons are the text of those warnings; :func:`fallback_reasons` lists the ones
+seen in this process.
 
 One environment variable, read once at import: ``VISIONATTN_BACKEND`` =
 ``auto`` (default) | ``triton`` | ``reference``. :func:`set_backend` and the
@@ -13,22 +21,16 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from typing import Callable, NamedTuple
 
 import torch
 
-from .kernels._launch import interpreting
+from .kernels._launch import interpreting, recording
 
-__all__ = ["BACKENDS", "get_backend", "set_backend", "use_backend", "resolve_backend", "warn_once",
-           "functorch_fallback", "recording"]
+__all__ = ["BACKENDS", "Backend", "BackendTable", "choose", "preferred", "fallback_reasons", "get_backend",
+           "set_backend", "use_backend", "resolve_backend", "warn_once", "functorch_fallback", "recording"]
 
 BACKENDS = ("auto", "triton", "reference")
-
-
-def recording() -> bool:
-    """Whether ``torch.compile`` or ``torch.jit.trace`` records the call being made: the kernels then run as their
-    custom ops, which the recorded graph holds (a direct launch would write its output where neither sees it), and
-    no call-signature cache, inference cache or data-dependent shortcut is taken."""
-    return torch.compiler.is_compiling() or torch._C._is_tracing()
 
 
 def _check(name: str) -> str:
@@ -107,4 +109,64 @@ def resolve_backend(backend: str | None, device_type: str) -> str:
     if name == "triton" and device_type != "cuda" and not triton_interpreting():
         raise RuntimeError("backend='triton' with CPU tensors needs TRITON_INTERPRET=1 set before "
                            "triton is imported; move the tensors to CUDA or use backend='reference'")
+    return name
+
+
+class Backend(NamedTuple):
+    """One row of a family's backend table.
+
+    ``unsupported_reason(*args) -> str | None``: why this backend cannot run the call (None: it can);
+    ``plan(*args)``: run the call on this backend, keeping a runner for its signature where the family caches
+    one. Both take the family's validated arguments.
+    """
+    name: str
+    unsupported_reason: Callable
+    plan: Callable
+
+
+class BackendTable(NamedTuple):
+    """A family's backends in priority order and the warning a fallback prints (``fallback.format(reason=...)``)."""
+    family: str
+    rows: tuple
+    fallback: str
+
+
+_reasons: dict[str, list[str]] = {}
+
+
+def choose(table: BackendTable, start: str, *args) -> Backend:
+    """The backend that runs a call: the first row of ``table`` from the one named ``start`` on whose
+    ``unsupported_reason(*args)`` is None. A row passed over for a reason warns once per reason (the table's
+    ``fallback`` text) and records it (:func:`fallback_reasons`). The last row must take every call."""
+    rows = table.rows
+    i = 0
+    while rows[i].name != start:
+        i += 1
+    for row in rows[i:-1]:
+        reason = row.unsupported_reason(*args)
+        if reason is None:
+            return row
+        seen = _reasons.setdefault(table.family, [])
+        if reason not in seen:
+            seen.append(reason)
+        warn_once(f"{table.family}-fallback:{reason}", table.fallback.format(reason=reason))
+    return rows[-1]
+
+
+def fallback_reasons() -> dict[str, list[str]]:
+    """``{family: [reason, ...]}``: why calls of each family fell back to a later backend in this process, in the
+    order first seen (the reasons the fallback warnings named)."""
+    return {family: list(reasons) for family, reasons in _reasons.items()}
+
+
+def preferred(backend: str | None, device_type: str, what: str) -> str:
+    """The row a call starts at: :func:`resolve_backend`, and ``reference`` where a ``torch.func`` transform is
+    active (:func:`functorch_fallback`, warned once naming ``what``). CUDA tensors under the default ``auto`` skip
+    the lookup."""
+    if device_type == "cuda" and backend is None and _backend == "auto":
+        name = "triton"
+    else:
+        name = resolve_backend(backend, device_type)
+    if name == "triton" and functorch_fallback(what):
+        return "reference"
     return name

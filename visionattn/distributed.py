@@ -29,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from . import dispatch
-from .api import _caster, _cpu_block, attention, check_flags, validate_attention_inputs
+from .api import attention, dense_backward, dense_forward_lse, validate_attention_inputs
+from .checks import caster, check_flags, first_order_only, has_backward
 from .modes import Mode, get_mode, mode_names
-from .reference import block_state, finalize, identity, merge, scores_and_mask
+from .reference import block_state, cpu_block_size, finalize, identity, merge, scores_and_mask
 
 __all__ = ["context_parallel_attention", "merge_partials", "gather_sequence"]
 
@@ -83,26 +84,13 @@ def _merge_into(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b
 
 
 # ----------------------------------------------------------------------------- attention of one shard
-_ops = None
-
-
-def _kernel_ops(q, k, v, bias, attn_mask, md: Mode):
-    """:mod:`visionattn.ops` when the dense kernels take this call (CUDA, or the interpreter with backend
-    ``triton``), else None."""
+def _on_kernels(q, k, v, bias, attn_mask, md: Mode) -> bool:
+    """Whether the dense kernels take this call (CUDA, or the interpreter with backend ``triton``)."""
     if md.half_scores or dispatch.resolve_backend(None, q.device.type) != "triton":
-        return None
-    ops = _import_ops()
-    return ops if ops.elsa_fwd.unsupported_reason(q, k, v, bias, attn_mask, md.name) is None else None
+        return False
+    from .kernels.elsa_fwd import unsupported_reason  # imports Triton: only on the kernel path
 
-
-def _import_ops():
-    """:mod:`visionattn.ops`, imported on first use (importing triton is slow and not needed on CPU)."""
-    global _ops
-    if _ops is None:
-        from . import ops as ops_module
-
-        _ops = ops_module
-    return _ops
+    return unsupported_reason(q, k, v, bias, attn_mask, md.name) is None
 
 
 def _attention_lse(q, k, v, bias, attn_mask, is_causal: bool, scale: float, md: Mode):
@@ -117,12 +105,8 @@ def _attention_lse(q, k, v, bias, attn_mask, is_causal: bool, scale: float, md: 
     kernel writes no LSE): the PyTorch references of :mod:`visionattn.reference` (dense modes: the (m, S, W)
     fold over KV blocks, ``lse = m + log S``) and :func:`visionattn.pasa.pasa_attention_reference`.
     """
-    ops = _kernel_ops(q, k, v, bias, attn_mask, md)
-    if ops is not None:
-        if torch.compiler.is_compiling():
-            return ops._attention_lse_op(q, k, v, bias, attn_mask, is_causal, scale, md.name, 0, torch.float32)
-        return ops.elsa_fwd.dense_forward(q, k, v, *ops._views(q, k, bias, attn_mask), is_causal, scale, md.name,
-                                          0, torch.float32, with_lse=True)
+    if _on_kernels(q, k, v, bias, attn_mask, md):
+        return dense_forward_lse(q, k, v, bias, attn_mask, is_causal, scale, md.name)
     if md.half_scores:
         from .pasa import pasa_attention_reference
 
@@ -131,7 +115,7 @@ def _attention_lse(q, k, v, bias, attn_mask, is_causal: bool, scale: float, md: 
     qc, kc, vc = (t.float() for t in (q, k, v))  # already rounded to the compute dtype; state in FP32
     p_dtype = md.compute_dtype if md.compute_dtype in (torch.float16, torch.bfloat16) else None
     nk = k.shape[-2]
-    block = _cpu_block(nk)
+    block = cpu_block_size(nk)
     state = identity(q.shape[:-1], v.shape[-1], dtype=torch.float32, device=q.device)
     for start in range(0, nk, block):
         stop = min(start + block, nk)
@@ -195,10 +179,8 @@ def _shard_backward(q, kv, d: int, out, grad_out, lse, bias, attn_mask, is_causa
     if view is None:
         return None
     k, v, bias, attn_mask, is_causal = view
-    ops = _kernel_ops(q, k, v, bias, attn_mask, md)
-    if ops is not None and ops.has_backward(md.name):
-        dq, dk, dv, _ = ops._elsa_bwd.elsa_backward(q, k, v, out, grad_out, lse, bias, attn_mask, is_causal, scale,
-                                                     md.name)
+    if has_backward(md.name) and _on_kernels(q, k, v, bias, attn_mask, md):
+        dq, dk, dv = dense_backward(q, k, v, out, grad_out, lse, bias, attn_mask, is_causal, scale, md.name)
         return dq.float(), dk.float(), dv.float()
     qf, kf, vf, of, gf = (t.float() for t in (q, k, v, out, grad_out))
     s = scores_and_mask(qf, kf, scale=scale, bias=bias, attn_mask=attn_mask, is_causal=is_causal)
@@ -492,7 +474,7 @@ def _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale, group):
     # the backend the ring's shards (and the gathering path's attention call) resolve, and the kernels' import:
     # resolved here, so that an error in either is agreed on before the ring
     if dispatch.resolve_backend(None, q.device.type) == "triton" and not md.half_scores:
-        _import_ops()
+        from .kernels import elsa_fwd  # noqa: F401  (imports Triton: an import error is agreed on here)
     grad = 0.0  # 0: no gradient; 1: q / k / v need gradients; 2: the bias does too
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
         grad = 2.0 if bias is not None and bias.requires_grad else 1.0
@@ -588,7 +570,7 @@ def _gathered(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, k_len
 
 def _ring_inputs(q, k, v, md: Mode):
     """q in the mode's compute dtype and this rank's K, V packed [B, H, n, D + Dv] in it (one tensor travels)."""
-    qc, kc, vc = _caster(md, q.dtype)(q, k, v)
+    qc, kc, vc = caster(md, q.dtype)(q, k, v)
     return qc, torch.cat([kc, vc], dim=-1)
 
 
@@ -651,7 +633,7 @@ class _RingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         # before any collective: a double backward is asked of every rank alike, so every rank raises here
-        _import_ops().first_order_only("visionattn.distributed.context_parallel_attention")
+        first_order_only("visionattn.distributed.context_parallel_attention")
         q, k, v, out, lse = ctx.saved_tensors
         md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0 = ctx.ring
         qc, cur = _ring_inputs(q, k, v, md)  # the forward's casts again (they passed the range check there)

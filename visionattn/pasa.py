@@ -1,4 +1,9 @@
-"""PASA: online pseudo-average shifting attention, CPU reference (PASA paper, Alg. 1).
+"""PASA: online pseudo-average shifting attention (PASA paper, Alg. 1): the CPU reference and the kernel's op.
+
+The PASA family has no public function of its own: :func:`visionattn.attention` with ``mode="pasa"`` (or the
+``fp16-acc16`` baseline) reaches it through the dense family's backend table, whose Triton row runs
+:func:`pasa_kernel` (custom op ``visionattn::pasa_attention`` with a fake implementation while a graph is
+recorded; forward only) and whose reference row runs :func:`pasa_attention_reference`.
 
 PASA ("Online Pseudo-average Shifting Attention", Cheng et al.) lets the score
 product ``S = Q K^T`` be *accumulated in FP16* without overflowing. Per KV block
@@ -74,15 +79,17 @@ by ``scale`` (the paper: "PASA degrades into FA 2.0"). It equals ``shift=False``
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from .kernels.pasa_math import check_beta as _check_beta
+from .kernels._launch import recording
 from .kernels.pasa_math import optimal_beta, shift_coefficients
 
 __all__ = ["optimal_beta", "shift_coefficients", "fp16_accumulated_matmul", "shift_keys",
            "query_center", "pasa_attention_reference", "benchmark_inputs", "BENCHMARK_KINDS", "FP16_ACC_CHUNK",
-           "DEFAULT_BLOCK"]
+           "DEFAULT_BLOCK", "pasa_kernel", "pasa_kernel_plan", "kernel_unsupported_reason"]
 
 FP16_ACC_CHUNK = 16  # head-dim chunk summed before each FP16 rounding (one MMA k-step)
 DEFAULT_BLOCK = 128  # the paper's KV block s2 (and the Triton kernel's BLOCK_N)
@@ -302,3 +309,48 @@ def benchmark_inputs(kind: str, x0: float, am: float, shape=(1, 16, 1280, 128), 
     else:
         raise ValueError(f"kind={kind!r}; expected one of {BENCHMARK_KINDS}")
     return q.to(device), k.to(device), v.to(device)
+
+
+# ----------------------------------------------------------------------------- the kernel's op
+# (kernels/pasa_fwd.py is imported inside these functions: importing Triton is slow and CPU calls never need it)
+@torch.library.custom_op("visionattn::pasa_attention", mutates_args=())
+def _pasa_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+             attn_mask: Optional[torch.Tensor], is_causal: bool, scale: float, shift: bool,
+             out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    from .kernels import pasa_fwd
+
+    return pasa_fwd.pasa_forward(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
+
+
+@_pasa_op.register_fake
+def _(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype):
+    B, H, Nq = q.shape[:3]
+    return q.new_empty((B, Nq, H, v.shape[3]), dtype=out_dtype or torch.float16).transpose(1, 2)
+
+
+def kernel_unsupported_reason(q, k, v, bias, attn_mask) -> str | None:
+    """Why the PASA kernel cannot run this call (:func:`visionattn.kernels.pasa_fwd.pasa_unsupported_reason`), or
+    None."""
+    from .kernels.pasa_fwd import pasa_unsupported_reason
+
+    return pasa_unsupported_reason(q, k, v, bias, attn_mask)
+
+
+def pasa_kernel(q, k, v, bias, attn_mask, is_causal: bool, scale: float, shift: bool,
+                out_dtype: torch.dtype | None) -> torch.Tensor:
+    """PASA (``shift``) / FP16-accumulation forward on the kernel: q, k [B, H, N, D], v [B, H, Nk, Dv] float16,
+    validated; bias / attn_mask [B, H, Nq, Nk] views or None. Returns [B, H, Nq, Dv] in ``out_dtype``. While a graph
+    is recorded, the custom op ``visionattn::pasa_attention``."""
+    if recording():
+        return _pasa_op(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
+    from .kernels import pasa_fwd
+
+    return pasa_fwd.pasa_forward(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)
+
+
+def pasa_kernel_plan(q, k, v, bias, attn_mask, is_causal: bool, scale: float, shift: bool, out_dtype: torch.dtype):
+    """Eager: ``(plan, out)`` of a PASA call (:func:`visionattn.kernels.pasa_fwd.plan_for`; plan None when empty);
+    the dense family keeps the plan in its call cache."""
+    from .kernels import pasa_fwd
+
+    return pasa_fwd.plan_for(q, k, v, bias, attn_mask, is_causal, scale, shift, out_dtype)

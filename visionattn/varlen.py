@@ -13,19 +13,30 @@ table instead of a packed copy of the batch. On CUDA (or ``TRITON_INTERPRET=1``)
 of :mod:`visionattn.kernels.varlen_fwd` covers every sequence and head (and, when an input needs grad, the
 backward launches of :mod:`visionattn.kernels.varlen_bwd`); elsewhere the PyTorch monoid reference runs per
 sequence on views (:func:`visionattn.reference.blocked_attention`).
+
+This module holds the varlen family whole: the public function and its checks; the custom ops
+``visionattn::varlen_attention`` and ``visionattn::varlen_attention_lse`` (its registered autograd formula calls
+``visionattn::varlen_attention_backward``) with fake implementations, recorded by ``torch.compile``; eager calls
+run the same implementations without the torch dispatcher (about 18 us of host time per op call, measured on CPU,
+against 0.8 us for the direct call) through :class:`_VarlenFunction`, whose backward is the same kernel call;
+:data:`BACKENDS` (the varlen kernel, then the reference), read by :func:`visionattn.dispatch.choose`; and
+:data:`CALLS`, the cache of in-place plans of lists of sequences, keyed at the public call. Kernel modules are
+imported inside the functions that launch them (importing Triton is slow; CPU calls never need it).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from . import dispatch
-from .api import (_HALF_OR_FP32, _check_dense, _check_tensor, cast_checked, check_devices, check_flags,
-                  check_float16_range)
-from .kernels._launch import PlanCache
+from .checks import (BACKWARD_MODES, KERNEL_DTYPES, cast_checked, check_dense, check_devices, check_flags,
+                     check_float16_range, check_tensor, first_order_only, has_backward)
+from .kernels._launch import PlanCache, recording
 from .modes import Mode, get_mode
-from .reference import blocked_attention
+from .reference import blocked_attention, cpu_block_size
 
-__all__ = ["varlen_attention", "validate_varlen_inputs"]
+__all__ = ["varlen_attention", "validate_varlen_inputs", "varlen_kernel", "varlen_kernel_lse", "BACKENDS", "CALLS"]
 
 
 def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool = True) -> int:
@@ -33,7 +44,7 @@ def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool
     the host, one synchronisation on CUDA); return n_seq."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
-    _check_dense(name, cu)
+    check_dense(name, cu)
     if cu.dtype != torch.int32:
         raise TypeError(f"{name} has dtype {cu.dtype}; expected torch.int32 (FlashAttention's convention)")
     if cu.dim() != 1 or cu.shape[0] < 1:
@@ -71,7 +82,7 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             decreasing, with different sequence counts for q and k, a maximum below the longest sequence.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 3, "[total, H, D] (packed sequences)")
+        check_tensor(name, t, 3, "[total, H, D] (packed sequences)")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:
@@ -206,14 +217,8 @@ def varlen_attention(
     max_seqlen_q, max_seqlen_k = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                         max_seqlen_k)
     scale = check_flags(is_causal, scale, q.shape[-1])
-    out = None
-    if dispatch.resolve_backend(backend, q.device.type) == "triton" and not dispatch.functorch_fallback(
-            "varlen_attention"):
-        out = _kernels(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md)
-    if out is None:
-        check_float16_range(md, q=q, k=k, v=v)
-        with torch.autocast(q.device.type, enabled=False):  # the mode fixes the arithmetic, not an autocast
-            out = _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, md)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md)
+    out = dispatch.choose(BACKENDS, dispatch.preferred(backend, q.device.type, "varlen_attention"), *args).plan(*args)
     return wrap(out) if wrap is not None else out
 
 
@@ -227,7 +232,7 @@ def _check_sequences(qs, ks, vs) -> None:
         raise ValueError(f"q, k, v list {len(qs)}, {len(ks)}, {len(vs)} sequences; expected the same number")
     for i, (a, b, c) in enumerate(zip(qs, ks, vs)):
         for name, t in ((f"q[{i}]", a), (f"k[{i}]", b), (f"v[{i}]", c)):
-            _check_tensor(name, t, 3, "[n, H, D] (one sequence)")
+            check_tensor(name, t, 3, "[n, H, D] (one sequence)")
         first = qs[0]  # checked as a tensor in the first step
         H, D, Dv = first.shape[1], first.shape[2], vs[0].shape[2]
         if not (a.dtype == b.dtype == c.dtype == first.dtype):
@@ -269,11 +274,11 @@ def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
 # (indices of the q / k / v base tensors and their strides, the device offsets — int32 cu_seqlens_q / _k, int64
 # row offsets —, query lengths, key maximum, the kernel's launch plan per causal flag); see
 # _sequences. Holds no caller tensor; the caching allocator hands a loop the same addresses call after call.
-_IN_PLACE = PlanCache(max_size=256)
+CALLS = PlanCache(max_size=256)
 
 
 def _in_place_plan(qs, ks, vs, first, md: Mode):
-    """How the kernel reads these sequences where they lie (see :data:`_IN_PLACE`), or None when they must be
+    """How the kernel reads these sequences where they lie (see :data:`CALLS`), or None when they must be
     packed: not in the mode's compute dtype, a backend other than the kernels, or no common layout."""
     if first.dtype != md.compute_dtype:
         return None
@@ -312,7 +317,7 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
                    *[(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in (*qs, *ks, *vs)])
         except (AttributeError, TypeError, IndexError, RuntimeError):  # not tensors (or sparse), or none: the checks
             pass  # below say why
-    plan = _IN_PLACE.get(key) if key is not None else None
+    plan = CALLS.get(key) if key is not None else None
     first = qs[0] if qs else None
     if plan is None:
         _check_sequences(qs, ks, vs)
@@ -324,7 +329,7 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
             and dispatch.resolve_backend(backend, first.device.type) == "triton"):
         plan = _in_place_plan(qs, ks, vs, first, md)
         if plan is not None and key is not None:
-            _IN_PLACE.put(key, plan)
+            CALLS.put(key, plan)
     if plan is None or grad:  # packed: one copy of each (differentiable), then the packed path
         lens_q, lens_k = [t.shape[0] for t in qs], [t.shape[0] for t in ks]
         offsets = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -348,7 +353,7 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
     else:
         from .kernels import varlen_fwd
 
-        out_dtype = first.dtype if first.dtype in _HALF_OR_FP32 else torch.float32
+        out_dtype = first.dtype if first.dtype in KERNEL_DTYPES else torch.float32
         launch, (out, _) = varlen_fwd.plan_for(q, k, v, cu_q, cu_k, max(lens_q), max_k, bool(is_causal),
                                                float(scale), md.name, out_dtype, row_offsets=row_offsets,
                                                total_q=sum(lens_q))
@@ -357,29 +362,40 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
     return list(out.split_with_sizes(lens_q))
 
 
-def _kernels(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode):
-    """The varlen kernel's output, or None (warned once, naming why) where it does not cover the call."""
-    from .kernels.varlen_fwd import varlen_unsupported_reason  # lazy: importing triton is slow
-    from .ops import has_backward
+def _triton_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float,
+                        md: Mode) -> str | None:
+    """Why the varlen kernel cannot run this call (device, head dims, mode; gradients in a mode without a backward),
+    or None."""
+    from .kernels.varlen_fwd import varlen_unsupported_reason  # imports Triton: only on the kernel path
+
     reason = varlen_unsupported_reason(q, v, md.name)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if reason is None and grad and not has_backward(md.name):
         reason = f"autograd: mode {md.name!r} has no backward kernel"
-    if reason is not None:
-        dispatch.warn_once(f"varlen-fallback:{reason}", f"visionattn: the varlen kernel does not cover this call "
-                                                       f"({reason}); running the exact PyTorch reference instead")
-        return None
-    from . import ops
+    return reason
+
+
+def _triton(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode):
+    """The varlen kernel's output in q's dtype."""
+    from .kernels._host import unit_last_stride
+
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     dtype = md.compute_dtype
     # the kernels take unit last strides only (visionattn.kernels._host.unit_last_stride)
-    qc, kc, vc = (ops.unit_last_stride(cast_checked(t, dtype, n, md.name)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-    out_dtype = q.dtype if q.dtype in _HALF_OR_FP32 else torch.float32
-    out = ops.varlen(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad)
+    qc, kc, vc = (unit_last_stride(cast_checked(t, dtype, n, md.name)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    out_dtype = q.dtype if q.dtype in KERNEL_DTYPES else torch.float32
+    out = varlen_kernel(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _reference(q, k, v, cu_q, cu_k, is_causal: bool, scale: float, md: Mode) -> torch.Tensor:
+def _reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode) -> torch.Tensor:
     """Per-sequence :func:`visionattn.reference.blocked_attention` on views: [total_q, H, Dv] in q's dtype."""
+    check_float16_range(md, q=q, k=k, v=v)
+    with torch.autocast(q.device.type, enabled=False):  # the mode fixes the arithmetic, not an autocast
+        return _reference_views(q, k, v, cu_q, cu_k, is_causal, scale, md)
+
+
+def _reference_views(q, k, v, cu_q, cu_k, is_causal: bool, scale: float, md: Mode) -> torch.Tensor:
     out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
     bq, bk = cu_q.tolist(), cu_k.tolist()
     for s in range(len(bq) - 1):
@@ -388,6 +404,144 @@ def _reference(q, k, v, cu_q, cu_k, is_causal: bool, scale: float, md: Mode) -> 
             continue  # no rows, or no keys (zero output)
         view = lambda t, a, b: t[a:b].transpose(0, 1).unsqueeze(0)  # noqa: E731  [1, H, n, D]
         y = blocked_attention(view(q, q0, q1), view(k, k0, k1), view(v, k0, k1), is_causal=is_causal, scale=scale,
-                              mode=md, block_size=min(max(k1 - k0, 1), 1024))
+                              mode=md, block_size=cpu_block_size(k1 - k0))
         out[q0:q1] = y[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+# backends of varlen_attention() in priority order; dispatch.choose reads it
+BACKENDS = dispatch.BackendTable("varlen", (
+    dispatch.Backend("triton", _triton_unsupported, _triton),
+    dispatch.Backend("reference", lambda *args: None, _reference),
+), "visionattn: the varlen kernel does not cover this call ({reason}); running the exact PyTorch reference instead")
+
+
+# ----------------------------------------------------------------------------- custom ops and autograd
+@torch.library.custom_op("visionattn::varlen_attention", mutates_args=())
+def _varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
+               mode: str, out_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    from .kernels import varlen_fwd
+
+    return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, mode, out_dtype)[0]
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode, out_dtype):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=out_dtype or q.dtype)
+
+
+@torch.library.custom_op("visionattn::varlen_attention_lse", mutates_args=())
+def _varlen_lse_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
+                   mode: str, out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [total_q, H, Dv], lse [H, total_q] float32) of the training path."""
+    from .kernels import varlen_fwd
+
+    out, lse = varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         is_causal, scale, mode, out_dtype, with_lse=True)
+    return out, lse
+
+
+@_varlen_lse_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode, out_dtype):
+    return (q.new_empty((q.shape[0], q.shape[1], v.shape[2]), dtype=out_dtype or q.dtype),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("visionattn::varlen_attention_backward", mutates_args=())
+def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   grad_out: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, is_causal: bool, scale: float,
+                   mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The varlen backward (:func:`visionattn.kernels.varlen_bwd.varlen_backward`) as an opaque node of
+    ``torch.compile``'s backward graph: (dq, dk, dv) in q's dtype."""
+    from .kernels import varlen_bwd
+
+    return varlen_bwd.varlen_backward(q, k, v, out, grad_out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, is_causal, scale, mode)
+
+
+@_varlen_bwd_op.register_fake
+def _(q, k, v, out, lse, grad_out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, mode, out_dtype = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, is_causal, scale, mode)
+
+
+def _varlen_op_backward(ctx, grad_out, grad_lse):
+    first_order_only("visionattn.varlen_attention")
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _varlen_bwd_op(q, k, v, out, lse, grad_out.contiguous(), cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_varlen_lse_op.register_autograd(_varlen_op_backward, setup_context=_varlen_setup_context)
+
+
+class _VarlenFunction(torch.autograd.Function):
+    """Eager autograd for the varlen kernels: the forward writes the per-row LSE and saves (q, k, v, out, lse,
+    offsets); the backward recomputes the probabilities tile by tile (FlashAttention-2, Alg. 2). The offsets
+    and maxima get no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, mode, out_dtype):
+        from .kernels import varlen_fwd
+
+        out, lse = varlen_fwd.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, mode, out_dtype,
+                                             with_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, is_causal, scale, mode)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        first_order_only("visionattn.varlen_attention")
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        from .kernels import varlen_bwd
+
+        dq, dk, dv = varlen_bwd.varlen_backward(q, k, v, out, grad_out, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def varlen_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+           scale: float, mode: str, out_dtype: torch.dtype | None, grad: bool = False) -> torch.Tensor:
+    """Packed ragged attention on the varlen kernels, inputs validated and cast to the mode's dtype:
+    q [total_q, H, D], k [total_k, H, D], v [total_k, H, Dv], int32 offsets [n_seq + 1] -> [total_q, H, Dv] in
+    ``out_dtype``. ``grad``: the inputs need gradients (``mode`` in :data:`BACKWARD_MODES`): eager calls run
+    :class:`_VarlenFunction`, compiled ones ``visionattn::varlen_attention_lse`` with its autograd formula;
+    otherwise ``visionattn::varlen_attention`` under ``torch.compile``.
+
+    Raises:
+        ValueError: ``grad`` in a mode without backward kernels.
+    """
+    if grad:
+        if mode not in BACKWARD_MODES:
+            raise ValueError(f"mode={mode!r} has no varlen backward kernel; expected one of {sorted(BACKWARD_MODES)}")
+        if recording():
+            return _varlen_lse_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                                  mode, out_dtype)[0]
+        return _VarlenFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, mode, out_dtype)
+    if recording():
+        return _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                          mode, out_dtype)
+    from .kernels import varlen_fwd
+
+    return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, mode, out_dtype)[0]
+
+
+def varlen_kernel_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+               scale: float, mode: str, out_dtype: torch.dtype | None):
+    """:func:`varlen_kernel` and the per-row log-sum-exp [H, total_q] float32 (natural log, -inf without keys)."""
+    from .kernels import varlen_fwd
+
+    return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                     scale, mode, out_dtype, with_lse=True)

@@ -251,9 +251,9 @@ def _run_jobs(jobs: list[list[str]], workers: int) -> tuple[int, list[str]]:
 
 
 def _backward_modes():
-    from . import ops
+    from .checks import BACKWARD_MODES
 
-    return ops.BACKWARD_MODES
+    return BACKWARD_MODES
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:

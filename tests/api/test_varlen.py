@@ -193,7 +193,7 @@ def test_list_of_sequences_is_read_in_place_and_equals_the_packed_call(monkeypat
     from visionattn.kernels._launch import PlanCache
 
     placed = PlanCache()
-    monkeypatch.setattr(vl, "_IN_PLACE", placed)
+    monkeypatch.setattr(vl, "CALLS", placed)
     outs = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")
     assert in_place() and (placed.builds, placed.hits) == (1, 0)
     again = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")  # the same list: its plan

@@ -16,7 +16,8 @@ def test_bench_vggt_long_table_on_cpu_tiny(tmp_path):
     tool = _tool()
     out = str(tmp_path / "long")
     args = tool.parser.parse_args(["--tiny", "--device", "cpu", "--long", "--max-frames", "2", "--rows",
-                                   "official-fp32", "sdpa-fp32", "--height", "28", "--width", "42", "--no-point-warmup", "--out", out])
+                                   "official-fp32", "sdpa-fp32", "--height", "28", "--width", "42",
+                                   "--no-point-warmup", "--out", out])
     res = tool.main(args)
     for ext in (".json", ".md", ".png"):
         assert os.path.getsize(out + ext) > 0, ext

@@ -18,9 +18,11 @@ from diffusers.models.attention_processor import (  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import get_mode  # noqa: E402
-from visionattn.reporting import tf32_disabled  # noqa: E402
+from testdata import load_script  # noqa: E402
 from visionattn.patching.diffusers import (  # noqa: E402
     ELSAAttnProcessor, is_patched, overflow_counts, patch_diffusers, reset_overflow_counts, unpatch_diffusers)
+
+tf32_disabled = load_script("tools/_harness.py").tf32_disabled  # process-wide: tools and tests only
 
 CONTRACT_MODES = ["fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa"]
 
@@ -169,7 +171,8 @@ def test_processor_spatial_norm_with_temb():
 
 @pytest.mark.parametrize("kind", ["additive", "bool"])
 def test_processor_cross_attention_masks(kind):
-    attn, ref = _module_pair(query_dim=32, heads=4, dim_head=8, cross_attention_dim=24, cross_attention_norm="layer_norm")
+    attn, ref = _module_pair(query_dim=32, heads=4, dim_head=8, cross_attention_dim=24,
+                             cross_attention_norm="layer_norm")
     x, enc = torch.randn(3, 10, 32), torch.randn(3, 7, 24)
     keep = torch.rand(3, 1, 7) > 0.4
     keep[..., 0] = True

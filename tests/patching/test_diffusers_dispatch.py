@@ -99,9 +99,10 @@ def test_flux_repatch_changes_mode_and_pinned_backend_is_skipped():
 
 def test_wan_is_patched():
     torch.manual_seed(0)
-    model = redraw_linear(diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8,
-                                                    in_channels=4, out_channels=4, text_dim=16, freq_dim=16,
-                                                    ffn_dim=32, num_layers=1, rope_max_seq_len=32))
+    model = redraw_linear(diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2,
+                                                          attention_head_dim=8, in_channels=4, out_channels=4,
+                                                          text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1,
+                                                          rope_max_seq_len=32))
     g = torch.Generator().manual_seed(2)
     inputs = dict(hidden_states=torch.randn(1, 4, 2, 8, 8, generator=g), timestep=torch.tensor([500]),
                   encoder_hidden_states=torch.randn(1, 6, 16, generator=g), return_dict=False)

@@ -3,7 +3,6 @@
 Each check runs in a fresh interpreter in which the optional libraries cannot be imported (a
 meta-path finder refuses them), which is what an install without extras looks like.
 """
-import os
 import subprocess
 import sys
 import textwrap
@@ -32,9 +31,17 @@ _BLOCK = textwrap.dedent(f"""
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-c", _BLOCK + textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=300, cwd=REPO)
+                          timeout=300, cwd=REPO)
+
+
+def test_checkout_without_install_names_the_fix():
+    """The checkout's visionattn without the install (``-S``: no site-packages, so no package-dir mapping) stops
+    at ``import visionattn`` with an ImportError that names ``pip install -e .``, before importing anything else."""
+    r = subprocess.run([sys.executable, "-S", "-c", "import visionattn"], capture_output=True, text=True,
+                       timeout=60, cwd=REPO)
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr and "pip install -e ." in r.stderr, r.stderr
 
 
 def test_import_and_attention_without_optional_libraries():
@@ -102,7 +109,6 @@ def test_patching_a_timm_model_does_not_import_transformers():
         va.patch_model(model, mode="fp32")
         print(model.visionattn_report.num_patched, "transformers" in sys.modules, "diffusers" in sys.modules)
     """)
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", "False", "False"]

@@ -1,4 +1,4 @@
-"""visionattn.reporting.attention_free: SDPA answers without attention inside, and only inside, the context;
+"""The harness's attention_free (tools/_harness.py): SDPA answers without attention inside, and only inside, the context;
 the training-step tool's attention-free side and its bound."""
 import json
 
@@ -7,16 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from testdata import load_script
-from visionattn import reporting
 
 bench_train = load_script("tools/bench_train.py")
+import _harness as harness  # noqa: E402  (tools/ is on sys.path once a tool is loaded)
 
 
 def test_sdpa_returns_the_value_rows_inside_and_attends_again_after():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8, generator=g, requires_grad=True) for _ in range(3))
     exact = F.scaled_dot_product_attention(q, k, v)
-    with reporting.attention_free() as free:
+    with harness.attention_free() as free:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=False)
         fewer = F.scaled_dot_product_attention(q[:, :, :3], k, v)
         more = F.scaled_dot_product_attention(torch.randn(2, 3, 7, 8), k, v)
@@ -31,7 +31,7 @@ def test_sdpa_returns_the_value_rows_inside_and_attends_again_after():
 
 def test_restored_after_an_error_and_not_reentrant():
     original = F.scaled_dot_product_attention
-    free = reporting.attention_free()
+    free = harness.attention_free()
     with pytest.raises(ValueError, match="boom"):
         with free:
             raise ValueError("boom")
@@ -74,7 +74,7 @@ def test_training_tool_reports_the_attention_free_bound(tmp_path):
 def test_core_answers_value_rows_and_counts():
     """``AttentionFree.core`` (the stand-in for visionattn's cores) returns a copy of V whatever the options, and
     counts apart from the SDPA calls."""
-    free = reporting.AttentionFree()
+    free = harness.AttentionFree()
     q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
     out = free.core(q, k, v, cosine=True, logit_scale=torch.ones(3))
     assert torch.equal(out, v) and out.data_ptr() != v.data_ptr()
@@ -88,7 +88,7 @@ def test_position_bias_still_gets_its_backward():
     q, k = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
     v = torch.randn(2, 3, 5, 4, requires_grad=True)
     index = torch.randint(0, 7, (5, 5))
-    with reporting.attention_free() as free:
+    with harness.attention_free() as free:
         for out in (F.scaled_dot_product_attention(q, k, v, attn_mask=table[index].permute(2, 0, 1)),
                     free.core(q, k, v, relative_position_bias=table[index].permute(2, 0, 1))):
             g = torch.randn_like(out)

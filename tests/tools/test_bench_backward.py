@@ -7,12 +7,10 @@ import json
 import pytest
 import torch
 
-from visionattn import reporting
-
 from testdata import load_script
 
-
 tool = load_script("tools/bench_backward.py")
+import _harness as harness  # noqa: E402  (tools/ is on sys.path once a tool is loaded)
 
 
 def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
@@ -98,14 +96,14 @@ def test_timings_off_and_failures(monkeypatch):
 
     timer = lambda fn: 1.5  # noqa: E731
     on = argparse.Namespace(no_graph=False, calls=2, repeats=3)
-    monkeypatch.setattr(reporting, "eager_graph_ms", must_not_run)
+    monkeypatch.setattr(harness, "eager_graph_ms", must_not_run)
     assert tool._timings(lambda: None, timer, torch.device("cpu"), on) == (1.5, None, None)
     assert tool._timings(lambda: None, timer, torch.device("cuda"), argparse.Namespace(no_graph=True)) == (
         1.5, None, None)
-    monkeypatch.setattr(reporting, "eager_graph_ms", lambda make, calls, repeats: (2.0, None, chained()))
+    monkeypatch.setattr(harness, "eager_graph_ms", lambda make, calls, repeats: (2.0, None, chained()))
     assert tool._timings(lambda: None, timer, torch.device("cuda"), on) == (
         2.0, None, "RuntimeError: CUDA error: operation not permitted when stream is capturing")
-    monkeypatch.setattr(reporting, "eager_graph_ms", lambda make, calls, repeats: (2.0, calls * repeats * 1.0, None))
+    monkeypatch.setattr(harness, "eager_graph_ms", lambda make, calls, repeats: (2.0, calls * repeats * 1.0, None))
     assert tool._timings(lambda: None, timer, torch.device("cuda"), on) == (2.0, 6.0, None)
     assert tool.build_parser().parse_args(["--no-graph"]).no_graph
 

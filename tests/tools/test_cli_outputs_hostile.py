@@ -1,5 +1,5 @@
-"""The output rule of every tool that writes named files (``_cli.output_files``,
-:class:`visionattn.reporting.OutputFiles`): a file the tool did not write (a user's file, a link, its own output
+"""The output rule of every tool that writes named files (``_harness.output_files``,
+:class:`_harness.OutputFiles`): a file the tool did not write (a user's file, a link, its own output
 edited since) is never replaced: exit status 2 and one line naming the file and the fix, before any work, the file
 byte-identical; a second run replaces the tool's own earlier outputs (listed with their checksums in
 ``.visionattn-<tool>.json``); a full disk (ENOSPC, EDQUOT, EFBIG) is one line naming the folder, with no partial or
@@ -255,7 +255,7 @@ def test_a_full_disk_on_a_second_run_keeps_the_first_runs_files(tmp_path, capsys
 # ----------------------------------------------------------------------------- the helper's other refusals
 def test_links_folders_manifest_names_and_foreign_manifests_are_refused(tmp_path):
     from visionattn.recon.outdir import OutputDirError, OutputWriteError
-    from visionattn.reporting import OutputFiles
+    OutputFiles = load_script("tools/_harness.py").OutputFiles
 
     outputs = OutputFiles("drift_table")
     (tmp_path / "real.json").write_bytes(USERS)

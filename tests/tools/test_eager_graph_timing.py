@@ -1,8 +1,10 @@
-"""visionattn.reporting.eager_graph_ms on the GPU: paired eager and graph readings of the same calls."""
+"""The harness's eager_graph_ms (tools/_harness.py) on the GPU: paired eager and graph readings of the same calls."""
 import pytest
 import torch
 
-from visionattn.reporting import eager_graph_ms
+from testdata import load_script
+
+eager_graph_ms = load_script("tools/_harness.py").eager_graph_ms
 
 
 @pytest.mark.gpu

@@ -195,8 +195,8 @@ def register(mode: str = "fp32", name: str | None = None) -> str:
 
     Raises:
         ValueError: unknown mode; ``name`` empty, already registered by transformers or another
-            library (``sdpa``, ``eager``, ``flash_attention_2``, ...), one of the per-mode names for another mode, or containing
-            ``/`` or ``:`` (transformers reads those as hub kernels).
+            library (``sdpa``, ``eager``, ``flash_attention_2``, ...), one of the per-mode names for another mode,
+            or containing ``/`` or ``:`` (transformers reads those as hub kernels).
         ImportError: transformers not installed (names the ``visionattn[video]`` extra) or older than 5.0.
     """
     mode = get_mode(mode).name

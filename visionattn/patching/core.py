@@ -41,8 +41,10 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
-from ..dispatch import recording
+from ..dispatch import recording, warn_once
 from ..modes import get_mode
+from .diffusers import is_patched, patch_diffusers, unpatch_diffusers
+from .options import check_options
 
 __all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "registered_patches", "check_options",
            "inference_cached", "clear_inference_caches"]
@@ -53,7 +55,6 @@ __all__ = ["PatchSpec", "PatchReport", "patch_model", "unpatch_model", "register
 _PROVIDERS = (("visionattn.patching.timm", "timm"), ("visionattn.patching.timm_families", "timm"),
               ("visionattn.patching.transformers_swin", "transformers"), ("visionattn.patching.naflex", "timm"))
 
-_OPTION_NAMES = ("backend", "num_splits")
 _ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
 
 
@@ -166,31 +167,6 @@ def _libraries(model: nn.Module) -> set[str]:
     return {name.partition(".")[0] for name in modules} | {lib for prov, lib in _PROVIDERS if prov in modules}
 
 
-def check_options(options: dict) -> dict:
-    """Validate ``patch_model`` / ``sdpa_override`` options; return them with defaults filled.
-
-    Options: ``backend`` (``None`` | ``"auto"`` | ``"triton"`` | ``"reference"``, passed to
-    :func:`visionattn.attention`) and ``num_splits`` (``None`` or int >= 1).
-
-    Raises:
-        TypeError: an unknown option name.
-        ValueError: a bad option value.
-    """
-    unknown = sorted(set(options) - set(_OPTION_NAMES))
-    if unknown:
-        raise TypeError(f"unknown option(s) {unknown}; visionattn patching accepts {list(_OPTION_NAMES)}")
-    out = {name: options.get(name) for name in _OPTION_NAMES}
-    if out["backend"] is not None:
-        from ..dispatch import BACKENDS
-
-        if out["backend"] not in BACKENDS:
-            raise ValueError(f"backend={out['backend']!r}; expected None or one of {BACKENDS}")
-    ns = out["num_splits"]
-    if ns is not None and (not isinstance(ns, int) or isinstance(ns, bool) or ns < 1):
-        raise ValueError(f"num_splits={ns!r}; expected None or a positive int")
-    return out
-
-
 def _is_native(module: nn.Module) -> bool:
     return getattr(type(module), "_visionattn_native", False) is True
 
@@ -269,8 +245,6 @@ def patch_model(model: nn.Module, mode: str = "fp32", **options) -> nn.Module:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     mode = get_mode(mode).name
     if _is_diffusers_model(model):
-        from .diffusers import patch_diffusers
-
         details = dict(patch_diffusers(model, mode, **options))
         report = PatchReport(mode=mode, delegated="diffusers", details=details)
         report.patched = {f"diffusers processor {name}": n for name, n in details.get("replaced", {}).items()}
@@ -336,8 +310,6 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if _is_diffusers_model(model):
-        from .diffusers import is_patched, unpatch_diffusers
-
         if is_patched(model):
             unpatch_diffusers(model)
     else:
@@ -432,8 +404,6 @@ def dropout_fallback(module: nn.Module) -> bool:
     than silently dropping the regularizer, the module runs timm's own path (warned once).
     """
     if module.training and module.attn_drop.p > 0:
-        from ..dispatch import warn_once
-
         warn_once(f"patch-dropout:{type(module).__name__}",
                   f"visionattn: {_qualname(type(module).__mro__[1])} is in training mode with attention "
                   f"dropout p={module.attn_drop.p}; visionattn does not apply dropout to attention "

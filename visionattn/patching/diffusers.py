@@ -30,6 +30,7 @@ from ..api import attention
 from ..dispatch import warn_once
 from ..modes import get_mode
 from .diffusers_dispatch import patch_dispatch, unpatch_dispatch
+from .options import OPTION_NAMES
 
 __all__ = [
     "ELSAAttnProcessor", "patch_diffusers", "unpatch_diffusers", "is_patched",
@@ -38,7 +39,7 @@ __all__ = [
 
 # Where patch_diffusers keeps {processor key: original processor object} on the model.
 _ORIGINALS_ATTR = "_visionattn_diffusers_originals"
-_OPTIONS = ("count_overflow", "backend", "num_splits")
+_OPTIONS = ("count_overflow", *OPTION_NAMES)
 
 
 def _diffusers_attention_classes():

@@ -51,7 +51,7 @@ from torch import nn
 
 from ..dispatch import warn_once
 from ..modes import get_mode
-from .core import check_options
+from .options import check_options
 from .sdpa import SDPAOverride
 
 __all__ = ["patch_dispatch", "unpatch_dispatch", "is_dispatch_patched", "dispatch_counts", "DispatchRoute",

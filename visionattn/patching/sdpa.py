@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..api import attention, validate_attention_inputs
 from ..modes import get_mode
-from .core import check_options
+from .options import check_options
 
 __all__ = ["sdpa_override", "SDPAOverride"]
 

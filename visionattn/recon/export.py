@@ -57,7 +57,8 @@ from .scene import write_glb
 
 __all__ = [
     "OutputDirError", "MissingDependencyError", "require_open3d", "require_trimesh", "check_output_dir",
-    "atomic_output_dir", "select_points", "write_ply", "rotmat_to_quat", "quat_to_rotmat", "continuous_affine", "original_intrinsics",
+    "atomic_output_dir", "select_points", "write_ply", "rotmat_to_quat", "quat_to_rotmat", "continuous_affine",
+    "original_intrinsics",
     "write_cameras_json", "point_tracks", "write_colmap_model", "depth_to_source_pixels", "depth_png_scale",
     "write_depth", "OPENCV_TO_OPENGL", "camera_to_world_opengl", "write_transforms_json", "write_glb",
     "write_reconstruction", "write_outputs",

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from visionattn.reporting import environment
+from visionattn.provenance import environment
 
 from .colmap import require_pycolmap
 from .images import ImageFolderError, LoadedImages, load_images
