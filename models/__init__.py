@@ -23,3 +23,9 @@ __all__ = [
     "closed_form_inverse_se3", "confidence_mask", "predictions_to_numpy",
     "estimate_memory", "max_frames_that_fit", "LiveBytes",
 ]
+
+# π³ and Pi3X (github.com/yyfz/Pi3): models/pi3.py, models/pi3x.py, docs/models_pi3.md
+from .pi3 import PI3_LICENSE, PI3_REPO, Pi3, pi3_tiny_config  # noqa: E402
+from .pi3x import PI3X_REPO, Pi3X, pi3x_tiny_config  # noqa: E402
+
+__all__ += ["Pi3", "Pi3X", "pi3_tiny_config", "pi3x_tiny_config", "PI3_REPO", "PI3X_REPO", "PI3_LICENSE"]
