@@ -24,3 +24,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def kernel_launches(monkeypatch):
+    """``[(kernel name, positional args, keyword args)]`` of every Triton kernel launched in the interpreter while
+    the test runs, on the ``triton`` backend: what the host hands the kernels (strides, tile widths, operands),
+    which the interpreter computes correctly even where the GPU's compiled code does not."""
+    if torch.cuda.is_available():
+        pytest.skip("records the interpreter's kernel launches (the GPU conformance suite checks the GPU)")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import visionattn as va
+
+    seen, real = [], InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        seen.append((getattr(self.fn, "__name__", "?"), args, dict(kwargs)))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    with va.use_backend("triton"):
+        yield seen

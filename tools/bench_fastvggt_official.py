@@ -35,8 +35,6 @@ import sys
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _harness import (OutputFiles, ToolParser, attention_free, check_device, check_output, default_out,  # noqa: E402

@@ -36,8 +36,6 @@ import yaml
 from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _harness import (ToolParser, check_output, default_out, failure_text, figure, markdown_table,  # noqa: E402

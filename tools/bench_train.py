@@ -52,8 +52,6 @@ from typing import Any, Sequence
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _harness import (AttentionFree, OutputFiles, ToolParser, call_ms, check_device, check_output,  # noqa: E402

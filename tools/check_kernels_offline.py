@@ -26,7 +26,6 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402

@@ -34,7 +34,10 @@
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# the package is imported as installed (editable or not): a bare checkout stops here with the fix
+python -c "import visionattn" 2> "$out/import.txt" \
+  || { cat "$out/import.txt"; echo "install first: pip install -e . --no-deps"; exit 2; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 python - >> "$out/gpu.txt" 2>&1 <<'EOF'
 import torch, triton, timm; print("torch", torch.__version__, "triton", triton.__version__, "timm", timm.__version__)

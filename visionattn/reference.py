@@ -250,7 +250,12 @@ def blocked_attention(
     if md.half_scores:
         raise ValueError(f"blocked_attention does not emulate mode={md.name!r}; use visionattn.pasa")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    cast = (lambda t: t.to(md.compute_dtype).to(state_dtype)) if state_dtype != torch.float64 else (lambda t: t.double())
+    if state_dtype != torch.float64:
+        def cast(t):
+            return t.to(md.compute_dtype).to(state_dtype)
+    else:
+        def cast(t):
+            return t.double()
     qc, kc, vc = cast(q), cast(k), cast(v)
     p_dtype = md.compute_dtype if md.compute_dtype in (torch.float16, torch.bfloat16) else None
     nk = k.shape[-2]

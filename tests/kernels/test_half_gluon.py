@@ -26,8 +26,8 @@ for d in half_gluon.HEAD_DIMS:
         cfg = half_gluon.get_config(n_k, d, n_q=n_q)  # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys)
         r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
                              O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32"),
-                             half_gluon.kernel_constexprs(cfg, d, tname == "bf16"), num_warps=4, num_stages=1, float_args=("qk_scale",),
-                             maxnreg=cfg["maxnreg"])
+                             half_gluon.kernel_constexprs(cfg, d, tname == "bf16"), num_warps=4, num_stages=1,
+                             float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
         out[f"{d}_{tname}"] = {"n_k": n_k, "n_q": n_q, "shared": r.shared_bytes, "wgmma": r.wgmma,
                                "regs": r.registers, "local": r.local_bytes, "warps": r.num_warps,
                                "ws": r.ttgir.count("ttg.warp_specialize"), "programs": r.programs_per_sm}

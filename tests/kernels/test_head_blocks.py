@@ -19,27 +19,15 @@ SPLIT_KEYS = ("PRECISION", "GRAD_PRECISION", "IN_PREC")
 
 
 @pytest.fixture
-def launches(monkeypatch):
-    """``(kernel name, constexpr kwargs)`` of every interpreted kernel launch."""
-    if torch.cuda.is_available():
-        pytest.skip("records the interpreter's kernel launches (the GPU conformance suite checks the GPU)")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    seen, real = [], InterpretedFunction.run
-
-    def run(self, *args, **kwargs):
-        seen.append((getattr(self.fn, "__name__", "?"), dict(kwargs)))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", run)
-    with va.use_backend("triton"):
-        yield seen
+def launches(kernel_launches):
+    """The interpreted kernel launches (tests/conftest.py)."""
+    return kernel_launches
 
 
 def _split16_widths(seen):
     """``[(kernel, BLOCK_D, BLOCK_DV)]`` of the launches with split-FP16 products and both widths."""
     out = []
-    for name, kw in seen:
+    for name, _, kw in seen:
         split = any("f16x" in str(kw.get(key, "")) for key in SPLIT_KEYS) or kw.get("SPLIT16") is True
         if split and "BLOCK_D" in kw and "BLOCK_DV" in kw:
             out.append((name, kw["BLOCK_D"], kw["BLOCK_DV"]))

@@ -16,25 +16,13 @@ from visionattn.kernels._host import unit_last_stride
 from visionattn.metrics import rel_l2
 
 @pytest.fixture
-def kernel_tensors(monkeypatch):
-    """A list of ``(kernel name, argument position, tensor)`` for every tensor passed to an interpreted kernel."""
-    if torch.cuda.is_available():
-        pytest.skip("records the interpreter's kernel launches (the GPU conformance suite checks the GPU)")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    seen, real = [], InterpretedFunction.run
-
-    def run(self, *args, **kwargs):
-        name = getattr(self.fn, "__name__", "?")
-        seen.extend((name, i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(InterpretedFunction, "run", run)
-    with va.use_backend("triton"):
-        yield seen
+def kernel_tensors(kernel_launches):
+    """The interpreted kernel launches (tests/conftest.py), read by :func:`_unit_last` after the calls."""
+    return kernel_launches
 
 
-def _unit_last(seen):
+def _unit_last(launches):
+    seen = [(name, i, a) for name, args, _ in launches for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     bad = [(name, i, tuple(t.shape), t.stride()) for name, i, t in seen if t.dim() >= 2 and t.stride(-1) != 1]
     assert seen, "no kernel ran: the test would pass vacuously"
     assert not bad, f"tensors with a non-unit last stride reached kernels: {bad}"

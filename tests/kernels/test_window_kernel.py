@@ -92,7 +92,8 @@ def test_pasa_stays_finite_where_fp16_score_accumulation_overflows():
     base = window_attention_fwd(q, k, v, *args, "fp16-acc16", config=cfg)
     pasa = window_attention_fwd(q, k, v, *args, "pasa", config=cfg)
     fp16 = window_attention_fwd(q, k, v, *args, "fp16", config=cfg)
-    gold = expanded_window_oracle(q.half(), k.half(), v.half(), bias, mask, 2, scale=1.0)  # same input rounding as the modes
+    # same input rounding as the modes
+    gold = expanded_window_oracle(q.half(), k.half(), v.half(), bias, mask, 2, scale=1.0)
     assert not torch.isfinite(base).all()
     assert torch.isfinite(pasa).all()
     assert rel_l2(pasa, gold) <= 2 * rel_l2(fp16, gold) + get_mode("pasa").rel_tol

@@ -1,5 +1,5 @@
-"""The harness's attention_free (tools/_harness.py): SDPA answers without attention inside, and only inside, the context;
-the training-step tool's attention-free side and its bound."""
+"""The harness's attention_free (tools/_harness.py): SDPA answers without attention inside, and only inside, the
+context; the training-step tool's attention-free side and its bound."""
 import json
 
 import pytest
