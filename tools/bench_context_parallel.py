@@ -1,20 +1,24 @@
-"""Benchmark context-parallel (ring) attention at VGGT's global-attention shape against one GPU.
+"""Benchmark context-parallel attention (ring, Ulysses) at VGGT's global-attention shape against one GPU.
 
 VGGT's global attention attends over all S*P tokens of a scene: B = 1, H = 16, D = 64 and P = 1041
 tokens per frame at 518x392 (1036 patches, a camera token and 4 registers), so N = frames * 1041. With
 the sequence split across the ranks (as :func:`visionattn.models.context_parallel.split_frames` splits
-frames), each rank computes its queries against every KV shard passing around the ring
-(:func:`visionattn.distributed.context_parallel_attention`). Per (sequence length, mode) this tool times,
-eagerly (CUDA events around back-to-back calls, :func:`_harness.eager_ms`; a wall clock on the
-CPU):
+frames), :func:`visionattn.distributed.context_parallel_attention` computes each rank's queries against all
+keys by one of its schemes (``--scheme``): the ring (every KV shard passes around the ring) or Ulysses
+(all-to-alls to whole heads of all tokens and back); ``auto`` is the rule that function states. Per (sequence
+length, mode, scheme) this tool times, eagerly (CUDA events around back-to-back calls,
+:func:`_harness.eager_ms`; a wall clock on the CPU):
 
-* **ring**: one context-parallel forward on every rank (the ring machinery is timed even with one rank:
-  the length exchange, the kernel with LSE and the merges); the slowest rank's time is the step's;
+* **parallel**: one context-parallel forward on every rank with the scheme (its machinery is timed even with
+  one rank: the length exchange, then the kernel with LSE and the merges, or the all-to-alls and attention);
+  the slowest rank's time is the step's. The JSON keeps the key names ``ring_ms``, ``ring_ms_per_rank`` and
+  ``ring_peak_mb`` for every scheme (``scheme`` names the one asked for, ``scheme_taken`` the one that ran), so
+  that every scheme's rows and the JSON of ring-only runs share one layout;
 * **single**: :func:`visionattn.attention` of the whole sequence on rank 0's GPU alone (what one GPU
-  does without context parallelism);
+  does without context parallelism), once per (sequence length, mode);
 
-and reports the speed-up (single / ring; ideal = the number of ranks), the peak memory of each, and the
-relative L2 error of rank 0's ring rows against the single-GPU rows. Shards are as even as possible (the
+and reports the speed-up (single / parallel; ideal = the number of ranks), the peak memory of each, and the
+relative L2 error of rank 0's rows against the single-GPU rows. Shards are as even as possible (the
 first ``N mod W`` ranks hold one token more). Inputs: N(0, 1) in the mode's compute dtype, the same on
 every rank (a seeded generator on the device). NVLink multicast is left off (``NCCL_NVLS_ENABLE=0``,
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` unless set already). Rank 0 writes
@@ -26,7 +30,8 @@ on ``torch.rand(frames, 3, H, W)`` images (a seeded generator, the same scene on
 (frames, mode; modes fp32, tf32, bf16, the last under bf16 autocast as ``bench_vggt.py`` runs it):
 
 * **split**: every rank runs ``model(images[start:stop])`` on its contiguous chunk of frames inside
-  :func:`visionattn.models.context_parallel.split_frames` (global attention on the ring); one untimed
+  :func:`visionattn.models.context_parallel.split_frames` (global attention through
+  context_parallel_attention with its default scheme, auto: Ulysses where the heads split evenly); one untimed
   forward (unless ``--warmup 0``), then ``--repeats`` forwards, each after a barrier, wall clock between
   synchronisations, the median; the step time is the slowest rank's, the peak memory (CUDA max allocated
   after the warm-up, weights included; not measured on the CPU) the largest rank's;
@@ -38,6 +43,8 @@ and reports the speed-up (single / split) and the largest relative L2 error, ove
 frames. Rank 0 also writes ``<out>.png`` (time and peak memory per GPU vs frames, split and single).
 
     torchrun --nproc-per-node 2 tools/bench_context_parallel.py --seq 104100 --mode fp32,bf16 --out out/cp_2gpu
+    torchrun --nproc-per-node 4 tools/bench_context_parallel.py --seq 208200 --scheme ring ulysses auto \
+        --out out/cp_4gpu_schemes
     python tools/bench_context_parallel.py --seq 20820 --out out/cp_1gpu     # one process: a group of one rank
     torchrun --nproc-per-node 2 tools/bench_context_parallel.py --device cpu --seq 64 --heads 2   # gloo
     torchrun --nproc-per-node 2 tools/bench_context_parallel.py --vggt 200,400 --mode bf16 --out out/cp_vggt_2gpu
@@ -66,7 +73,7 @@ from _harness import (OutputFiles, ToolParser, check_device, check_output, defau
 from bench_vggt import ROWS, build  # noqa: E402
 
 import visionattn  # noqa: E402
-from visionattn.distributed import _context_parallel  # noqa: E402
+from visionattn.distributed import SCHEMES, _context_parallel, pick_scheme  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES, mode_names  # noqa: E402
 
@@ -83,6 +90,10 @@ parser.add_argument("--seq", default=f"{32 * TOKENS_PER_FRAME},{100 * TOKENS_PER
 parser.add_argument("--mode", default="fp32,bf16",
                     help=f"comma-separated visionattn modes, a subset of {','.join(mode_names())} "
                          f"(default: %(default)s)")
+parser.add_argument("--scheme", nargs="+", default=None, metavar="SCHEME",
+                    help=f"context-parallel schemes, one row each, beside each other per (N, mode): some of "
+                         f"{', '.join(SCHEMES)} (space- or comma-separated; default: ring). Not with --vggt, whose "
+                         f"model runs split_frames with the library's default scheme (auto)")
 parser.add_argument("--batch", type=positive_int, default=1, help="batch B (default: %(default)s)")
 parser.add_argument("--heads", type=positive_int, default=16, help="attention heads H (default: %(default)s)")
 parser.add_argument("--head-dim", type=positive_int, default=64, help="head dim D (default: %(default)s)")
@@ -132,6 +143,14 @@ def _modes(text: str) -> list[str]:
     return items
 
 
+def _schemes(items: list[str]) -> list[str]:
+    names = [x.strip() for item in items for x in item.split(",") if x.strip()]
+    bad = [x for x in names if x not in SCHEMES]
+    if not names or bad:
+        parser.error(f"--scheme {' '.join(items)!r}: expected some of {', '.join(SCHEMES)}")
+    return list(dict.fromkeys(names))
+
+
 def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
     """[start, stop) of ``rank``'s shard of ``n`` tokens: as even as possible, the first ``n mod world`` ranks
     one token longer."""
@@ -158,8 +177,10 @@ def _init(device: torch.device) -> tuple[int, int, str | None]:
     return 0, 1, store
 
 
-def bench(seqs: list[int], modes: list[str], args, device: torch.device, rank: int, world: int) -> list[dict]:
-    """One row per (sequence length, mode), on rank 0 (other ranks return their rows' ring times only)."""
+def bench(seqs: list[int], modes: list[str], schemes: list[str], args, device: torch.device, rank: int,
+          world: int) -> list[dict]:
+    """One row per (sequence length, mode, scheme), on rank 0 (other ranks return their rows' parallel times
+    only): the schemes of one (N, mode) share the inputs and the single-GPU baseline."""
     timer = per_call_ms(device, args.calls, args.repeats, args.warmup)
     B, H, D = args.batch, args.heads, args.head_dim
     rows = []
@@ -170,61 +191,64 @@ def bench(seqs: list[int], modes: list[str], args, device: torch.device, rank: i
             g = torch.Generator(device=device).manual_seed(args.seed)
             full = [torch.randn(B, H, n, D, generator=g, device=device, dtype=dtype) for _ in range(3)]
             mine = [t[:, :, s:e].clone() for t in full]
-            if rank != 0 or args.no_single:
-                del full
-
-            def ring():
-                return _context_parallel(*mine, None, mode, None, None, False, None)
-
+            single_ms = single_peak = ref = None
             with torch.no_grad():
-                out = ring()
-                dist.barrier()
-                ring_ms = timer(ring)
-                ring_peak = peak_extra_mb(ring, device)
-                dist.barrier()
-                single_ms = single_peak = err = None
                 if rank == 0 and not args.no_single:
                     def single():
                         return visionattn.attention(*full, mode=mode)
-                    err = rel_l2(out, single()[:, :, s:e])
+                    ref = single()[:, :, s:e]
                     single_ms = timer(single)
                     single_peak = peak_extra_mb(single, device)
-                    del full
+                full = None  # freed before the parallel calls (not del: single() closes over it)
                 dist.barrier()
-            per_rank = [None] * world
-            dist.all_gather_object(per_rank, dict(ring_ms=ring_ms, peak_mb=ring_peak, tokens=e - s))
-            out = mine = None  # freed (not del: ring() closes over mine)
-            ring_max = max(p["ring_ms"] for p in per_rank)
-            row = dict(seq=n, frames=n / TOKENS_PER_FRAME, mode=mode, world_size=world,
-                       shard_tokens=[p["tokens"] for p in per_rank], ring_ms=ring_max,
-                       ring_ms_per_rank=[p["ring_ms"] for p in per_rank],
-                       ring_peak_mb=None if ring_peak is None else max(p["peak_mb"] for p in per_rank),
-                       single_ms=single_ms, single_peak_mb=single_peak,
-                       speedup=None if single_ms is None else single_ms / ring_max,
-                       rel_l2_rank0=err)
-            rows.append(row)
-            if rank == 0 and not args.quiet:
-                extra = "" if single_ms is None else f"  single {single_ms:.3f} ms  x{single_ms / ring_max:.2f}  " \
-                                                     f"rel L2 {err:.2e}"
-                print(f"N={n:7d} {mode:9s} ring {ring_max:.3f} ms (ranks {world}){extra}", flush=True)
+                for scheme in schemes:
+                    def parallel():
+                        return _context_parallel(*mine, None, mode, None, None, False, None, scheme)
+
+                    out = parallel()
+                    dist.barrier()
+                    ms = timer(parallel)
+                    peak = peak_extra_mb(parallel, device)
+                    err = None if ref is None else rel_l2(out, ref)
+                    out = None
+                    dist.barrier()
+                    per_rank = [None] * world
+                    dist.all_gather_object(per_rank, dict(ring_ms=ms, peak_mb=peak, tokens=e - s))
+                    slowest = max(p["ring_ms"] for p in per_rank)
+                    taken = pick_scheme(scheme, H, world)
+                    rows.append(dict(seq=n, frames=n / TOKENS_PER_FRAME, mode=mode, scheme=scheme, scheme_taken=taken,
+                                     world_size=world, shard_tokens=[p["tokens"] for p in per_rank],
+                                     ring_ms=slowest, ring_ms_per_rank=[p["ring_ms"] for p in per_rank],
+                                     ring_peak_mb=None if peak is None else max(p["peak_mb"] for p in per_rank),
+                                     single_ms=single_ms, single_peak_mb=single_peak,
+                                     speedup=None if single_ms is None else single_ms / slowest, rel_l2_rank0=err))
+                    if rank == 0 and not args.quiet:
+                        name = scheme if taken == scheme else f"{scheme}->{taken}"
+                        extra = "" if single_ms is None else \
+                            f"  single {single_ms:.3f} ms  x{single_ms / slowest:.2f}  rel L2 {err:.2e}"
+                        print(f"N={n:7d} {mode:9s} {name:13s} {slowest:.3f} ms (ranks {world}){extra}", flush=True)
+            mine = ref = None  # freed (not del: parallel() closes over mine)
     return rows
 
 
 def render(rows: list[dict], env: dict, args) -> str:
-    """The markdown report: one row per (N, mode)."""
+    """The markdown report: one row per (N, mode, scheme)."""
     def opt(x, fmt="{:.4g}"):
         return "-" if x is None else fmt.format(x)
 
-    table = [[r["seq"], f"{r['frames']:.1f}", r["mode"], r["world_size"], r["ring_ms"], opt(r["single_ms"]),
-              opt(r["speedup"], "{:.2f}x"), opt(r["ring_peak_mb"]), opt(r["single_peak_mb"]),
-              opt(r["rel_l2_rank0"], "{:.2e}")] for r in rows]
-    header = ["N", "frames (x1041)", "mode", "ranks", "ring ms (slowest rank)", "single-GPU ms", "speed-up",
-              "ring peak MB / rank", "single peak MB", "rel L2 rank 0 vs single"]
+    table = [[r["seq"], f"{r['frames']:.1f}", r["mode"],
+              r["scheme"] if r["scheme"] == r["scheme_taken"] else f"{r['scheme']} ({r['scheme_taken']})",
+              r["world_size"], r["ring_ms"], opt(r["single_ms"]), opt(r["speedup"], "{:.2f}x"),
+              opt(r["ring_peak_mb"]), opt(r["single_peak_mb"]), opt(r["rel_l2_rank0"], "{:.2e}")] for r in rows]
+    header = ["N", "frames (x1041)", "mode", "scheme", "ranks", "parallel ms (slowest rank)", "single-GPU ms",
+              "speed-up", "parallel peak MB / rank", "single peak MB", "rel L2 rank 0 vs single"]
     lines = [f"# Context-parallel attention: B={args.batch}, H={args.heads}, D={args.head_dim}, "
              f"{rows[0]['world_size'] if rows else '?'} ranks", "",
-             "Eager timing (CUDA events around back-to-back calls; the median window). ring = "
-             "visionattn.distributed's ring forward, the slowest rank; single = visionattn.attention of the whole "
-             "sequence on rank 0's GPU alone. Ideal speed-up = the number of ranks.", "",
+             "Eager timing (CUDA events around back-to-back calls; the median window). parallel = "
+             "visionattn.distributed.context_parallel_attention's forward with the scheme (ring: KV shards around "
+             "a ring; ulysses: all-to-alls to whole heads of all tokens and back; auto (taken): the library's rule), "
+             "the slowest rank; single = visionattn.attention of the whole sequence on rank 0's GPU alone. Ideal "
+             "speed-up = the number of ranks.", "",
              markdown_table(table, header),
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
     return "\n".join(lines)
@@ -322,7 +346,8 @@ def render_vggt(result: dict, args) -> str:
              "Random-weight " + ("tiny VGGT (vggt_tiny_config; a check of the tool, not a result)" if result["tiny"]
                                  else "VGGT-1B") + " with camera, depth and point heads; bf16 runs under bf16 "
              "autocast. split = every rank runs its contiguous chunk of frames inside "
-             "models.context_parallel.split_frames (global attention on the ring), the slowest rank's time; "
+             "models.context_parallel.split_frames (global attention context-parallel, scheme auto: Ulysses "
+             "where the heads split evenly over the ranks, else the ring), the slowest rank's time; "
              "single = the same model on all frames on rank 0's GPU alone. Time: median of the timed forwards "
              "(wall clock between synchronisations) after "
              f"{'one untimed forward' if args.warmup else 'no warm-up'}; peak: CUDA max allocated after the warm-up, "
@@ -361,6 +386,10 @@ def main(argv: list[str] | None = None) -> dict:
     seqs = _lengths(args.seq)
     modes = _modes(args.mode)
     frame_counts = None
+    if args.vggt is not None and args.scheme is not None:
+        parser.error(f"--scheme {' '.join(args.scheme)!r}: not with --vggt (the model runs split_frames, whose "
+                     f"global attention takes the library's default scheme, auto)")
+    schemes = _schemes(args.scheme or ["ring"])
     if args.vggt is not None:
         frame_counts = _lengths(args.vggt, "--vggt")
         bad = [m for m in modes if m not in VGGT_MODES]
@@ -388,7 +417,7 @@ def main(argv: list[str] | None = None) -> dict:
         if rank == 0 and not args.quiet:
             print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
         if frame_counts is None:
-            rows = bench(seqs, modes, args, device, rank, world)
+            rows = bench(seqs, modes, schemes, args, device, rank, world)
             result = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, world_size=world, rows=rows,
                           environment=env)
         else:

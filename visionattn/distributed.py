@@ -1,12 +1,14 @@
-"""Context-parallel (ring) attention: the sequence split across the ranks of a ``torch.distributed`` group.
+"""Context-parallel attention: the sequence split across the ranks of a ``torch.distributed`` group.
 
 Each rank holds a contiguous shard of the sequence (rank order = sequence order; shards may differ in
-length, zero included) and wants the exact attention of its own queries over *all* keys. The keys
-and values travel around a ring: at step ``i`` rank ``r`` holds the KV shard of rank ``(r - i) mod W``,
-computes the partial attention of its queries against it, ``(out_i, lse_i)`` with the per-row
-log-sum-exp ``lse_i = log sum_j exp(s_ij)``, and folds it into its running result with the monoid
-merge in log-sum-exp form (ELSA supplement, Eq. 4; FlashAttention's online softmax across blocks,
-Ring Attention's merge across devices):
+length, zero included) and wants the exact attention of its own queries over *all* keys. Two schemes
+compute it (:func:`context_parallel_attention` picks one per call, ``scheme=``):
+
+**Ring** (Ring Attention; Liu et al., 2023). The keys and values travel around a ring: at step ``i`` rank
+``r`` holds the KV shard of rank ``(r - i) mod W``, computes the partial attention of its queries against
+it, ``(out_i, lse_i)`` with the per-row log-sum-exp ``lse_i = log sum_j exp(s_ij)``, and folds it into its
+running result with the monoid merge in log-sum-exp form (ELSA supplement, Eq. 4; FlashAttention's online
+softmax across blocks, Ring Attention's merge across devices):
 
     lse = logaddexp(lse_a, lse_b),   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse),
 
@@ -16,6 +18,13 @@ whose keys are all masked has ``lse = -inf`` everywhere and comes out as zeros (
 computed (:func:`torch.distributed.batch_isend_irecv`), so on CUDA the transfer of the next shard
 overlaps the kernel of the current one. Gradients take the same ring: the shards go round again with
 their dK / dV accumulators (:class:`_RingFunction`).
+
+**Ulysses** (all-to-all head parallelism, DeepSpeed-Ulysses; Jacobs et al., 2023). One all-to-all turns
+every rank's [B, H, N_r, D] shards of q, k, v into all N tokens of H / W heads (rank r: heads
+``[r H / W, (r + 1) H / W)``); each rank runs :func:`visionattn.attention` on its heads; a second
+all-to-all turns the output back into the rank's sequence shard. The all-to-alls are permutations of the
+data, so the result is single-process attention's, head by head; their backward is the inverse
+all-to-all (:class:`_HeadExchange`), around attention's own backward.
 
     import visionattn.distributed as vd
     out = vd.context_parallel_attention(q, k, v, mode="fp32")   # q, k, v: this rank's [B, H, N_r, D]
@@ -34,12 +43,14 @@ from .checks import caster, check_flags, first_order_only, has_backward
 from .modes import Mode, get_mode, mode_names
 from .reference import block_state, cpu_block_size, finalize, identity, merge, scores_and_mask
 
-__all__ = ["context_parallel_attention", "merge_partials", "gather_sequence"]
+__all__ = ["SCHEMES", "context_parallel_attention", "pick_scheme", "merge_partials", "gather_sequence"]
+
+SCHEMES = ("auto", "ring", "ulysses")  # context_parallel_attention(scheme=...): "auto" picks one of the others
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # one row per rank of the metadata every call exchanges first (float64: every field is exact)
 _FIELDS = ("nq", "nk", "batch", "heads", "head_dim", "value_dim", "dtype", "mode", "is_causal", "scale", "grad",
-           "bias_cols", "mask_cols")
+           "bias_cols", "mask_cols", "scheme")
 
 
 # ----------------------------------------------------------------------------- merge
@@ -377,28 +388,58 @@ def _collective_device(group) -> torch.device:
 def context_parallel_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, mode: str | Mode = "fp32",
     bias: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-    scale: float | None = None,
+    scale: float | None = None, scheme: str = "auto",
 ) -> torch.Tensor:
     """Exact attention over a sequence split across the ranks of ``group``: this rank's output rows.
 
     The full sequence is the concatenation of every rank's shard in rank order; the result equals
     :func:`visionattn.attention` of the local queries against all keys and values (the rows of the
     single-process call that belong to this rank), within the mode's contract. Every rank of ``group``
-    must call it (it is a collective), with the same mode, flags and scale.
+    must call it (it is a collective), with the same mode, flags, scale and scheme.
 
-    Forward (no gradients needed): a ring. Each rank first checks its own inputs (shapes, dtypes, devices,
-    flags, the cast to the mode's compute dtype with its float16 range check), then one small all-gather
-    exchanges the shard lengths and shapes, or a rank's error (:func:`_agree`): every check that can fail on
-    one rank runs before it, and every rank raises when one fails, so no rank enters the ring alone. Then
-    ``W - 1`` steps pass the KV shards (packed [B, H, n, D + Dv] in the mode's compute dtype) to the next
-    rank with ``batch_isend_irecv`` while the current one is folded in: per shard ``(out_i, lse_i)``
-    merged with :func:`merge_partials` (module docstring). Dense modes on CUDA run the forward kernel that
-    writes the LSE; elsewhere, and for ``pasa`` / ``fp16-acc16`` on every device (their kernel writes no
-    LSE), the PyTorch reference of the mode's arithmetic (:mod:`visionattn.reference`,
-    :func:`visionattn.pasa.pasa_attention_reference`). Merges run in FP32; the output is cast to q's dtype.
+    Exchange. Each rank first checks its own inputs (shapes, dtypes, devices, flags, the scheme's name, the
+    cast to the mode's compute dtype with its float16 range check), then one small all-gather exchanges the
+    shard lengths and shapes, or a rank's error (:func:`_agree`): every check that can fail on one rank runs
+    before it, and every rank raises when one fails, so no rank enters a collective alone. Every rank then
+    resolves the scheme from the same table.
 
-    Backward (q, k or v needs gradients on every rank): the same ring. The forward saves its output and the
-    global per-row LSE; the backward passes the KV shards around again, each with an FP32 dK / dV
+    Scheme ``"auto"`` (the default) takes Ulysses when it can take the call, else the ring:
+
+    * Ulysses needs the head count H divisible by the world size W (each rank takes H / W whole heads;
+      padding heads would spend (W - H mod W) / H more compute on zeros) and no bias or mask on any rank:
+      they come per local query row over all keys ([B, H, Nq_r, N_k]), and Ulysses would have to move
+      them to the ranks owning the heads, which costs O(N^2) per rank against the O(N) of q, k, v.
+    * Traffic per rank, in units of one shard [B, H, N / W, D]: Ulysses sends (W - 1) / W of four (q, k, v
+      out, the output back; the backward four more: dO out, dq, dk, dv back), the ring sends its K and V
+      W - 1 times (the backward the same plus the FP32 dK / dV accumulators). That is 4 (W - 1) / W
+      against 2 (W - 1): the same at W = 2, W / 2 times less for Ulysses beyond.
+    * The ring hides its transfers behind the shards' compute, Ulysses does not (its all-to-alls are on
+      the critical path), but they are O(N) against the O(N^2 / W) of the attention: at VGGT's heads
+      (H = 16, D = 64, bf16) and N = 2 * 10^5 on 4 GPUs about 300 MB per rank, a few ms on NVLink against
+      ~100 ms of attention (an estimate from link bandwidth and kernel throughput); the share grows as N
+      shrinks, and so does the ring's, whose per-step transfers then outlast the per-step compute too. In
+      exchange Ulysses runs one attention call over all N tokens for its heads (the single-device kernel
+      at full size, no merges, no split into W x W tiles), its causal work is even across ranks (the
+      ring's rank r computes r + 1 of the W shards), and its backward is attention's own (the ring's
+      backward gathers the full K, V for a bias that needs a gradient and for the PASA modes).
+    * At a few hundred tokens both are latency-bound; Ulysses makes two collective calls (four with the
+      backward), the ring W - 1 steps (twice with the backward): no threshold on N favours the ring.
+    * The rule does not look at the topology: across hosts, Ulysses' all-to-all sends most of its data
+      over the inter-host links, the ring one neighbour's shard per step; pass ``scheme="ring"`` where
+      a measurement on such a group favours it.
+
+    ``"ring"`` and ``"ulysses"`` force a scheme; ``"ulysses"`` on a call it cannot take raises ValueError.
+
+    Ring forward (no gradients needed): ``W - 1`` steps pass the KV shards (packed [B, H, n, D + Dv] in the
+    mode's compute dtype) to the next rank with ``batch_isend_irecv`` while the current one is folded in:
+    per shard ``(out_i, lse_i)`` merged with :func:`merge_partials` (module docstring). Dense modes on CUDA
+    run the forward kernel that writes the LSE; elsewhere, and for ``pasa`` / ``fp16-acc16`` on every
+    device (their kernel writes no LSE), the PyTorch reference of the mode's arithmetic
+    (:mod:`visionattn.reference`, :func:`visionattn.pasa.pasa_attention_reference`). Merges run in FP32;
+    the output is cast to q's dtype.
+
+    Ring backward (q, k or v needs gradients on every rank): the same ring. The forward saves its output and
+    the global per-row LSE; the backward passes the KV shards around again, each with an FP32 dK / dV
     accumulator, and every rank adds its queries' share through the shard in flight (FlashAttention-2's
     Alg. 2 with the global LSE: exact; the backward kernels on CUDA for the dense modes, PyTorch in FP32
     elsewhere); after W steps each accumulator is back with its shard's owner. A bias that needs a gradient,
@@ -406,52 +447,114 @@ def context_parallel_attention(
     (:func:`gather_sequence`) and one :func:`visionattn.attention` of the local queries against the full
     K, V (the global causal mask as a boolean mask at this rank's offset; memory: the full K, V per rank).
 
+    Ulysses: one all-to-all moves q, k, v (in q's dtype, packed into one buffer; shards of unequal length
+    travel as they are) so that rank r holds heads ``[r H / W, (r + 1) H / W)`` of all N tokens; one
+    :func:`visionattn.attention` call in ``mode`` on them (``is_causal`` over the whole sequence, as the
+    ring); one all-to-all returns each rank its rows of the output. Backward: attention's own, between the
+    inverse all-to-alls. Memory per rank, on top of the inputs: during an all-to-all its send and receive
+    buffers (each the size of the tensors it moves), then the result; during attention the gathered heads
+    (the size of the local q, k, v) and what attention itself takes on N tokens of H / W heads.
+
     Single process (no ``group`` and ``torch.distributed`` not initialised, or a group of one rank):
-    exactly :func:`visionattn.attention` (no exchange).
+    exactly :func:`visionattn.attention` (no exchange; ``scheme`` is checked as with several ranks).
 
     Args:
         q: this rank's queries [B, H, Nq_r, D]; float16 / bfloat16 / float32 / float64; Nq_r >= 0.
         k: this rank's keys [B, H, Nk_r, D]; v: values [B, H, Nk_r, Dv] (Nk_r >= 0; usually Nk_r = Nq_r).
             B, H, D, Dv and the dtype must agree across ranks; lengths may differ.
-        group: the process group (default: the world).
+        group: the process group (default: the world). Any group of any hosts: the collectives address its
+            ranks, nothing assumes one host.
         mode: a :data:`visionattn.modes.MODES` name (inputs cast to its compute dtype, as ``attention``).
         bias: additive float bias over the FULL key length, broadcastable to [B, H, Nq_r, N_k] (rows: this
-            rank's queries; columns: all keys in rank order, or 1); each step reads the columns of the shard
-            in flight.
-        attn_mask: boolean (True = attend), broadcastable to [B, H, Nq_r, N_k] likewise.
+            rank's queries; columns: all keys in rank order, or 1); each ring step reads the columns of the
+            shard in flight. Ring only.
+        attn_mask: boolean (True = attend), broadcastable to [B, H, Nq_r, N_k] likewise. Ring only.
         is_causal: causal over the concatenated sequence, top-left: the query at global index i sees the
-            key at global index j iff j <= i. Shards entirely after this rank's last query are passed on
-            without computing; one across the diagonal gets the causal mask at its offsets.
+            key at global index j iff j <= i. Ring: shards entirely after this rank's last query are passed
+            on without computing; one across the diagonal gets the causal mask at its offsets.
         scale: logit scale; default ``1 / sqrt(D)``.
+        scheme: one of :data:`SCHEMES`: ``"auto"`` (the rule above), ``"ring"`` or ``"ulysses"``.
 
     Returns:
         [B, H, Nq_r, Dv] in q's dtype. Fully masked rows are zeros.
 
     Raises (every rank raises the same error: a collective call fails on every rank, never on one alone):
         ValueError: non-4D q / k / v, batch / heads / head dims that differ between q, k, v or across ranks
-            (naming the argument), a dtype, mode, ``is_causal`` or ``scale`` that differs across ranks,
-            gradients needed on some ranks only, a bias / mask whose key dim is neither 1 nor the total key
-            length, inputs the group does not carry (gloo: CPU; NCCL: the current GPU; meta tensors; a meta
-            ``scale``), inputs beyond float16's range in a float16 mode. An error in one rank's own inputs
+            (naming the argument), a dtype, mode, ``is_causal``, ``scale`` or ``scheme`` that differs across
+            ranks, an unknown ``scheme``, gradients needed on some ranks only, a bias / mask whose key dim is
+            neither 1 nor the total key length, inputs the group does not carry (gloo: CPU; NCCL: the current
+            GPU; meta tensors; a meta ``scale``), inputs beyond float16's range in a float16 mode;
+            ``scheme="ulysses"`` with H not divisible by the world size or a bias / mask on some rank (the
+            message names the fix: ``scheme="ring"`` or ``"auto"``). An error in one rank's own inputs
             (TypeError / ValueError as :func:`visionattn.attention`; another class travels as RuntimeError)
             is raised on every rank with its class, as ``"context_parallel_attention: rank r: <message>"``.
         TypeError: as :func:`visionattn.attention` for a rank's own inputs (on every rank, naming it).
         RuntimeError: a rank died, stopped or called another collective during the call (the metadata
-            exchange, a ring step, the backward): gloo reports a closed connection at once, otherwise the
-            group's ``timeout`` (``init_process_group(timeout=...)``) bounds the wait; the message names the
-            step and the neighbouring ranks. Failures inside a ring step on one rank (out of memory, a kernel
-            error) reach the others this way: agreeing on them would cost a second collective and a device
-            synchronisation per call.
+            exchange, a ring step, an all-to-all, the backward): gloo reports a closed connection at once,
+            otherwise the group's ``timeout`` (``init_process_group(timeout=...)``) bounds the wait; the
+            message names the step (and, in the ring, the neighbouring ranks). Failures inside a ring step
+            or Ulysses' attention call on one rank (out of memory, a kernel error) reach the others this
+            way: agreeing on them would cost a second collective and a device synchronisation per call.
     """
     if _single_process(group):
+        # the errors of the scheme as with several ranks (one rank: every head count splits)
+        pick_scheme(scheme, 1, 1, [0] * (bias is not None), [0] * (attn_mask is not None))
         return attention(q, k, v, bias=bias, attn_mask=attn_mask, is_causal=is_causal, scale=scale, mode=mode)
-    return _context_parallel(q, k, v, group, mode, bias, attn_mask, is_causal, scale)
+    return _context_parallel(q, k, v, group, mode, bias, attn_mask, is_causal, scale, scheme)
 
 
-def _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale, group):
-    """This rank's metadata row (:data:`_FIELDS`) and its ring inputs ``(qc, kv)`` (:func:`_ring_inputs`, cast and
-    packed here so that the float16 range check runs before the exchange); raises what a local check finds."""
+def _check_scheme(scheme) -> None:
+    """Raise ValueError naming :data:`SCHEMES` when ``scheme`` is not one of them."""
+    if not (isinstance(scheme, str) and scheme in SCHEMES):
+        raise ValueError(f"scheme={scheme!r} is not one of {', '.join(map(repr, SCHEMES))}")
+
+
+def _resolve_scheme(meta: list[dict], world: int) -> str:
+    """``"ring"`` or ``"ulysses"`` for the agreed metadata (every rank resolves alike): :func:`pick_scheme`."""
+    return pick_scheme(SCHEMES[int(meta[0]["scheme"])], int(meta[0]["heads"]), world,
+                       [r for r, m in enumerate(meta) if m["bias_cols"] != -1],
+                       [r for r, m in enumerate(meta) if m["mask_cols"] != -1])
+
+
+def pick_scheme(scheme: str, heads: int, world_size: int, bias_ranks: list[int] = (),
+                mask_ranks: list[int] = ()) -> str:
+    """The scheme a :func:`context_parallel_attention` call runs: ``"ring"`` or ``"ulysses"`` (the rule of
+    ``"auto"`` is in that function's docstring).
+
+    Args:
+        scheme: one of :data:`SCHEMES`, as passed to the call.
+        heads: H, the query heads; world_size: W, the ranks of the group.
+        bias_ranks, mask_ranks: the ranks that pass a bias / an attn_mask (empty: none).
+
+    Raises:
+        ValueError: ``scheme`` unknown, or ``"ulysses"`` for a call it cannot take (H not divisible by W, a bias
+            or mask on some rank), naming why and the fix (``scheme="ring"`` or ``"auto"``).
+    """
+    _check_scheme(scheme)
+    if scheme == "ring":
+        return scheme
+    reasons = []
+    if heads % world_size:
+        reasons.append(f"the {heads} heads do not split evenly over {world_size} ranks (each rank takes H / W "
+                       f"whole heads)")
+    given = [f"{name} (rank(s) {list(ranks)})" for name, ranks in (("bias", bias_ranks), ("attn_mask", mask_ranks))
+             if len(ranks)]
+    if given:
+        reasons.append(f"it takes no bias or attn_mask, got {' and '.join(given)}: they hold a rank's query rows "
+                       f"over all keys, and moving them to the ranks that own the heads costs O(N^2)")
+    if not reasons:
+        return "ulysses"
+    if scheme == "auto":
+        return "ring"
+    raise ValueError("scheme='ulysses' cannot take this call: " + "; ".join(reasons)
+                     + "; pass scheme='ring' (or 'auto', which picks the ring for it)")
+
+
+def _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale, scheme, group):
+    """This rank's metadata row (:data:`_FIELDS`) and q, k, v cast to the mode's compute dtype (cast here so that
+    the float16 range check runs before the exchange); raises what a local check finds."""
     md = get_mode(mode)
+    _check_scheme(scheme)
     validate_attention_inputs(q, k, v)
     for name, t in (("query", q), ("bias", bias), ("attn_mask", attn_mask)):
         if isinstance(t, torch.Tensor):  # k and v: validate_attention_inputs put them on q's device
@@ -479,19 +582,19 @@ def _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale, group):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias)):
         grad = 2.0 if bias is not None and bias.requires_grad else 1.0
     with torch.no_grad():
-        prepared = _ring_inputs(q, k, v, md)  # raises where float16 cannot hold the inputs
+        cast = caster(md, q.dtype)(q, k, v)  # raises where float16 cannot hold the inputs
     return [nq, k.shape[2], B, H, D, v.shape[-1], _DTYPES.index(q.dtype), mode_names().index(md.name),
-            float(is_causal), sc, grad, *cols], prepared
+            float(is_causal), sc, grad, *cols, SCHEMES.index(scheme)], cast
 
 
-def _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, group):
-    """``(meta, prepared)``: every rank's metadata row as a dict and this rank's ring inputs; raises on every rank
-    when any rank's inputs are invalid or the ranks disagree. The exchange is the call's one collective before
-    the ring (:func:`_agree`: one all-gather of 8 * 14 bytes per rank; a second, of the messages, when a rank
-    failed)."""
-    row = prepared = error = None
+def _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, scheme, group):
+    """``(meta, cast)``: every rank's metadata row as a dict and this rank's q, k, v in the mode's compute dtype;
+    raises on every rank when any rank's inputs are invalid or the ranks disagree. The exchange is the call's one
+    collective before the ring or the all-to-alls (:func:`_agree`: one all-gather of 8 * 15 bytes per rank; a
+    second, of the messages, when a rank failed)."""
+    row = cast = error = None
     try:
-        row, prepared = _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale, group)
+        row, cast = _local_row(q, k, v, mode, bias, attn_mask, is_causal, scale, scheme, group)
     except Exception as e:  # a rank that fails still joins the exchange and tells the others there
         error = e
     meta = [dict(zip(_FIELDS, r)) for r in _agree(group, "context_parallel_attention", row, error, len(_FIELDS))]
@@ -519,6 +622,9 @@ def _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, group):
         raise ValueError(f"is_causal differs across ranks ({per_rank('is_causal')})")
     if differ("scale"):
         raise ValueError(f"scale differs across ranks ({per_rank('scale')})")
+    if differ("scheme"):
+        raise ValueError("scheme differs across ranks: "
+                         + "; ".join(f"rank {r}: {SCHEMES[int(m['scheme'])]!r}" for r, m in enumerate(meta)))
     if len({m["grad"] > 0 for m in meta}) > 1:  # the backward is a collective: one rank alone would wait forever
         raise ValueError(f"gradients are needed on some ranks but not on others ({per_rank('grad')}); q / k / v / "
                          f"bias must need gradients on every rank or on none")
@@ -528,25 +634,31 @@ def _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, group):
         if wrong:
             raise ValueError(f"{name} of rank(s) {wrong} has {[int(meta[r][field]) for r in wrong]} key columns; "
                              f"expected the total key length {total} (all ranks' keys, rank order) or 1")
-    return meta, prepared
+    return meta, cast
 
 
-def _context_parallel(q, k, v, group, mode, bias, attn_mask, is_causal, scale) -> torch.Tensor:
+def _context_parallel(q, k, v, group, mode, bias, attn_mask, is_causal, scale, scheme: str) -> torch.Tensor:
     """The multi-rank path of :func:`context_parallel_attention` (also with a group of one rank, so a test can
-    run the ring machinery on one GPU): exchange, then the ring or the gathering backward path. After the
-    exchange nothing checks the inputs again: every rank goes on together."""
+    run either scheme's machinery on one GPU): exchange, then Ulysses, the ring or the ring's gathering backward
+    path. After the exchange nothing checks the inputs again: every rank goes on together."""
     group = group or dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    meta, prepared = _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, group)
+    meta, cast = _exchange(q, k, v, mode, bias, attn_mask, is_causal, scale, scheme, group)
     md = get_mode(mode)
     sc = meta[rank]["scale"]
     q_lens = [int(m["nq"]) for m in meta]
     k_lens = [int(m["nk"]) for m in meta]
+    if _resolve_scheme(meta, world) == "ulysses":
+        del cast
+        return _ulysses(q, k, v, md, is_causal, sc, group, rank, world, q_lens, k_lens)
     q0, k_starts = sum(q_lens[:rank]), [sum(k_lens[:r]) for r in range(world)]
     ring = (md, bias, attn_mask, is_causal, sc, group, rank, world, k_lens, k_starts, q0)
     if any(m["grad"] == 2 for m in meta) or (md.half_scores and any(m["grad"] for m in meta)):
-        del prepared
+        del cast
         return _gathered(q, k, v, md, bias, attn_mask, is_causal, sc, group, rank, k_lens, q0)
+    with torch.no_grad():
+        prepared = _packed(*cast)
+    del cast
     if any(m["grad"] for m in meta):
         return _RingFunction.apply(q, k, v, ring, prepared)
     return _ring(q, v.shape[-1], *prepared, *ring)[0]
@@ -570,7 +682,11 @@ def _gathered(q, k, v, md, bias, attn_mask, is_causal, scale, group, rank, k_len
 
 def _ring_inputs(q, k, v, md: Mode):
     """q in the mode's compute dtype and this rank's K, V packed [B, H, n, D + Dv] in it (one tensor travels)."""
-    qc, kc, vc = caster(md, q.dtype)(q, k, v)
+    return _packed(*caster(md, q.dtype)(q, k, v))
+
+
+def _packed(qc, kc, vc):
+    """``(qc, kv)``: q, k, v already in the compute dtype, K and V packed [B, H, n, D + Dv]."""
     return qc, torch.cat([kc, vc], dim=-1)
 
 
@@ -666,3 +782,107 @@ class _RingFunction(torch.autograd.Function):
             acc, cur, src = nxt_acc, nxt, nxt_src
         # src is now this rank again: acc holds the sum over every rank's queries
         return dq.to(q.dtype), acc[..., :d].to(k.dtype), acc[..., d:].to(v.dtype), None, None
+
+
+# ----------------------------------------------------------------------------- Ulysses: all-to-all over heads
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int],
+                group) -> list:
+    """Post one all-to-all of the flat ``send`` (``send_splits[j]`` elements to rank j, in rank order) into the flat
+    ``recv`` (``recv_splits[i]`` from rank i); the works to wait for."""
+    return [dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)]
+
+
+def _swap(blocks: list[list[torch.Tensor]], shapes: list[list[tuple]], group, rank: int, world: int,
+          what: str) -> list[list[torch.Tensor]]:
+    """One all-to-all of tensor blocks: ``blocks[j]`` (any strides, one dtype) go to rank j, packed into one flat
+    buffer; returns ``recv[i]``: views of the blocks of ``shapes[i]`` received from rank i. A failed collective
+    raises RuntimeError naming ``what`` (:func:`_wait`)."""
+    ref = next(b for row in blocks for b in row)
+    sizes = [[b.numel() for b in row] for row in blocks]
+    send = ref.new_empty(sum(map(sum, sizes)))
+    at = 0
+    for row, row_sizes in zip(blocks, sizes):
+        for b, n in zip(row, row_sizes):
+            send[at:at + n].view(b.shape).copy_(b)
+            at += n
+    numels = [[int(torch.Size(shape).numel()) for shape in row] for row in shapes]
+    recv = ref.new_empty(sum(map(sum, numels)))
+    _wait(_all_to_all(recv, send, [sum(n) for n in numels], [sum(n) for n in sizes], group), what, rank, world,
+          ring=False)
+    del send
+    out, at = [], 0
+    for row, row_numels in zip(shapes, numels):
+        out.append([])
+        for shape, n in zip(row, row_numels):
+            out[-1].append(recv[at:at + n].view(shape))
+            at += n
+    return out
+
+
+def _to_heads(xs, lens: list[list[int]], group, rank: int, world: int, what: str) -> list[torch.Tensor]:
+    """Sequence shards -> head groups: ``xs[t]`` is this rank's [B, H_t, lens[t][rank], d_t]; returns, per tensor,
+    [B, H_t / W, sum(lens[t]), d_t]: heads ``[rank H_t / W, (rank + 1) H_t / W)`` of every rank's tokens, in rank
+    order (contiguous)."""
+    heads = [x.shape[1] // world for x in xs]
+    blocks = [[x[:, j * h:(j + 1) * h] for x, h in zip(xs, heads)] for j in range(world)]
+    shapes = [[(x.shape[0], h, n[i], x.shape[3]) for x, h, n in zip(xs, heads, lens)] for i in range(world)]
+    got = _swap(blocks, shapes, group, rank, world, what)
+    outs = []
+    for t, (x, h) in enumerate(zip(xs, heads)):
+        out = x.new_empty((x.shape[0], h, sum(lens[t]), x.shape[3]))
+        starts = [sum(lens[t][:i]) for i in range(world)]
+        for i in range(world):
+            out[:, :, starts[i]:starts[i] + lens[t][i]].copy_(got[i][t])
+        outs.append(out)
+    return outs
+
+
+def _to_tokens(ys, lens: list[list[int]], group, rank: int, world: int, what: str) -> list[torch.Tensor]:
+    """Head groups -> sequence shards, the inverse of :func:`_to_heads`: ``ys[t]`` is [B, h_t, sum(lens[t]), d_t]
+    (this rank's heads of every token); returns, per tensor, this rank's [B, h_t W, lens[t][rank], d_t]
+    (contiguous)."""
+    starts = [[sum(n[:j]) for j in range(world)] for n in lens]
+    blocks = [[y[:, :, s[j]:s[j] + n[j]] for y, s, n in zip(ys, starts, lens)] for j in range(world)]
+    shapes = [[(y.shape[0], y.shape[1], n[rank], y.shape[3]) for y, n in zip(ys, lens)] for _ in range(world)]
+    got = _swap(blocks, shapes, group, rank, world, what)
+    outs = []
+    for t, (y, n) in enumerate(zip(ys, lens)):
+        h = y.shape[1]
+        out = y.new_empty((y.shape[0], h * world, n[rank], y.shape[3]))
+        for i in range(world):
+            out[:, i * h:(i + 1) * h].copy_(got[i][t])
+        outs.append(out)
+    return outs
+
+
+class _HeadExchange(torch.autograd.Function):
+    """:func:`_to_heads` (``to_heads``) or :func:`_to_tokens` of tensors that share a dtype, in one all-to-all.
+    Both are permutations of the data across the ranks, each the other's inverse, so the backward is the other
+    direction applied to the gradients (itself differentiable: a double backward goes as far as attention's).
+    ``plan``: ``(lens, group, rank, world, what)`` with ``lens[t]`` every rank's length of tensor t."""
+
+    @staticmethod
+    def forward(ctx, plan, to_heads: bool, *xs):
+        ctx.plan, ctx.to_heads = plan, to_heads
+        lens, group, rank, world, what = plan
+        return tuple((_to_heads if to_heads else _to_tokens)(xs, lens, group, rank, world, what))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        lens, group, rank, world, what = ctx.plan
+        plan = (lens, group, rank, world, f"{what}, backward")
+        return None, None, *_HeadExchange.apply(plan, not ctx.to_heads, *grads)
+
+
+def _ulysses(q, k, v, md: Mode, is_causal: bool, scale: float, group, rank: int, world: int, q_lens: list[int],
+             k_lens: list[int]) -> torch.Tensor:
+    """Ulysses (:func:`context_parallel_attention`): q, k, v [B, H, N_r, D] (this rank's shard, q's dtype) to
+    heads ``[rank H / W, (rank + 1) H / W)`` of all tokens in one all-to-all, :func:`visionattn.attention` on
+    them, the output [B, H / W, Nq, Dv] back to this rank's [B, H, Nq_r, Dv] in a second all-to-all. Its inputs
+    passed the exchange (the float16 range included), so attention raises on no rank alone."""
+    what = "context_parallel_attention: ulysses all-to-all"
+    qh, kh, vh = _HeadExchange.apply(((q_lens, k_lens, k_lens), group, rank, world, f"{what} of q, k, v"), True,
+                                     q, k, v)
+    out = attention(qh, kh, vh, is_causal=is_causal, scale=scale, mode=md)
+    del qh, kh, vh
+    return _HeadExchange.apply(((q_lens,), group, rank, world, f"{what} of the output"), False, out)[0]

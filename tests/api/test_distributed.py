@@ -1,4 +1,5 @@
-"""visionattn.distributed: context-parallel (ring) attention on gloo (2 and 3 CPU processes) and NCCL (1 GPU).
+"""visionattn.distributed: context-parallel ring attention (``scheme="ring"``) on gloo (2 and 3 CPU processes) and
+NCCL (1 GPU); Ulysses and the scheme rule: tests/api/test_ulysses.py.
 
 Each world size is spawned once; its workers run every case, return (name, error, bound) rows and the
 error messages they caught through files, and the test asserts here. Tolerances are the modes' contracts
@@ -52,7 +53,8 @@ def _attention_cases(rank: int, lens: list[int], modes) -> list:
         tol = va.MODES[mode].rel_tol
         for name, kw in cases.items():
             local = {key: _rows(t, s, e) if torch.is_tensor(t) else t for key, t in kw.items()}
-            out = context_parallel_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], mode=mode, **local)
+            out = context_parallel_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], mode=mode, scheme="ring",
+                                             **local)
             assert out.shape == (2, 3, e - s, 8) and out.dtype == torch.float32
             if e == s:
                 continue
@@ -75,7 +77,8 @@ def _kernel_cases(rank: int, lens: list[int]) -> list:
         for name, kw in (("plain", {}), ("bias+mask+causal", {"bias": bias, "attn_mask": mask, "is_causal": True})):
             local = {key: _rows(t, s, e) if torch.is_tensor(t) else t for key, t in kw.items()}
             with va.use_backend("triton"):
-                out = context_parallel_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], mode=mode, **local)
+                out = context_parallel_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], mode=mode,
+                                                 scheme="ring", **local)
             ref = va.attention(q, k, v, mode=mode, backend="reference", **kw)[:, :, s:e]
             rows.append((f"kernel {mode} {name} vs attention", rel_l2(out, ref), 2 * va.MODES[mode].rel_tol))
     return rows
@@ -88,7 +91,7 @@ def _offset_causal_case(rank: int) -> list:
     qs, qe = sum(q_lens[:rank]), sum(q_lens[:rank + 1])
     ks, ke = sum(k_lens[:rank]), sum(k_lens[:rank + 1])
     out = context_parallel_attention(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], bias=_rows(bias, qs, qe),
-                                     is_causal=True)
+                                     is_causal=True, scheme="ring")
     gold = oracle_attention(q, k, v, bias=bias, is_causal=True)[:, :, qs:qe]
     return [("offset causal vs oracle", rel_l2(out, gold), va.MODES["fp32"].rel_tol)]
 
@@ -108,7 +111,7 @@ def _grad_case(rank: int, lens: list[int]) -> list:
         local_kw = {key: _rows(t, s, e) if torch.is_tensor(t) else t for key, t in kw.items()}
         leaves = [mine(t, label).clone().requires_grad_()
                   for t, label in zip((q, k, v, bias), ("dq", "dk", "dv", "dbias"))]
-        out = context_parallel_attention(*leaves[:3], bias=leaves[3], mode="fp32", **local_kw)
+        out = context_parallel_attention(*leaves[:3], bias=leaves[3], mode="fp32", scheme="ring", **local_kw)
         (out * w[:, :, s:e]).sum().backward()
         full = [t.clone().requires_grad_() for t in (q, k, v, bias)]
         single = va.attention(*full[:3], bias=full[3], mode="fp32", **kw)
@@ -136,7 +139,7 @@ def _ring_grad_case(rank: int, lens: list[int], kernels: bool = False) -> list:
         local_kw = {key: _rows(t, s, e) if torch.is_tensor(t) else t for key, t in kw.items()}
         leaves = [t[:, :, s:e].clone().requires_grad_() for t in (q, k, v)]
         with va.use_backend("triton" if kernels else "auto"):
-            out = context_parallel_attention(*leaves, mode="fp32", **local_kw)
+            out = context_parallel_attention(*leaves, mode="fp32", scheme="ring", **local_kw)
             assert type(out.grad_fn).__name__ == "_RingFunctionBackward"
             (out * w[:, :, s:e]).sum().backward()
         full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -252,7 +255,7 @@ def test_one_rank_group_runs_the_ring_forward_and_backward(tmp_path):
     try:
         q, k, v, bias, mask = _inputs(7, 7, seed=7)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = _context_parallel(*leaves, None, "fp32", bias, mask, True, None)
+        out = _context_parallel(*leaves, None, "fp32", bias, mask, True, None, "ring")
         assert type(out.grad_fn).__name__ == "_RingFunctionBackward"
         out.square().sum().backward()
         full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -317,13 +320,13 @@ def test_gpu_one_rank_ring_equals_attention(tmp_path):
             tol = va.MODES[mode].rel_tol
             for kw in ({}, {"bias": bias, "attn_mask": mask, "is_causal": True}):
                 ring = _context_parallel(q, k, v, None, mode, kw.get("bias"), kw.get("attn_mask"),
-                                         kw.get("is_causal", False), None)
+                                         kw.get("is_causal", False), None, "ring")
                 single = va.attention(q, k, v, mode=mode, **kw)
                 assert rel_l2(ring, single) <= 2 * tol, (mode, list(kw))
                 assert rel_l2(ring, oracle_attention(q, k, v, **kw)) <= tol, (mode, list(kw))
                 assert torch.equal(context_parallel_attention(q, k, v, mode=mode, **kw), single)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = _context_parallel(*leaves, None, "fp32", None, None, True, None)
+        out = _context_parallel(*leaves, None, "fp32", None, None, True, None, "ring")
         out.square().sum().backward()
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         va.attention(*full, is_causal=True, mode="fp32").square().sum().backward()

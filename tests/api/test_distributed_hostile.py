@@ -4,8 +4,9 @@ One rank's inputs are invalid (a meta ``scale``, float16-overflowing q / k, anot
 device, a value length that is not the key length, a bias over the wrong key count, ...): every rank
 must raise the same error class with the same message, naming the failing rank, at once (well within
 ``BOUND_S``). Then the group must still be in step: a valid call after the errors equals single-process
-attention. A rank that dies (before the call, inside a ring step, inside the backward) must not leave the
-others hanging: they raise a RuntimeError naming the exchange or the ring step. The CPU ranks use gloo
+attention, with either scheme. A rank that dies (before the call, inside a ring step or a Ulysses all-to-all,
+inside either backward) must not leave the others hanging: they raise a RuntimeError naming the exchange, the
+ring step or the all-to-all. The CPU ranks use gloo
 with a short group timeout, and the parent joins them with a deadline, so a hang fails the test instead
 of holding CI.
 """
@@ -52,6 +53,7 @@ def _hostile_cases(rank: int) -> dict:
     bad = rank == 1
     cpa = context_parallel_attention
     huge = q * 1e6  # beyond float16's 65504
+    q2, k2, v2 = q[:, :2], k[:, :2], v[:, :2]  # 2 heads: Ulysses can split them over 2 ranks
     cases = {
         "meta scale": lambda: cpa(q, k, v, scale=torch.tensor(0.3, device="meta") if bad else 0.3),
         "fp16 overflow q": lambda: cpa(huge if bad else q, k, v, mode="fp16"),
@@ -76,6 +78,11 @@ def _hostile_cases(rank: int) -> dict:
         "gather: not a tensor": lambda: gather_sequence([1, 2] if bad else q, dim=2),
         "gather: dtype": lambda: gather_sequence(q.double() if bad else q, dim=2),
         "gather: grad on rank 1": lambda: gather_sequence(q.clone().requires_grad_(bad), dim=2),
+        "scheme across ranks": lambda: cpa(q, k, v, scheme="ring" if bad else "ulysses"),
+        "unknown scheme": lambda: cpa(q, k, v, scheme="ulisses" if bad else "auto"),
+        "ulysses: heads": lambda: cpa(q, k, v, scheme="ulysses"),  # 3 heads, 2 ranks
+        "ulysses: bias on rank 1": lambda: cpa(q2, k2, v2, scheme="ulysses", bias=torch.zeros(8) if bad else None),
+        "ulysses: fp16 overflow q": lambda: cpa(huge[:, :2] if bad else q2, k2, v2, mode="fp16", scheme="ulysses"),
     }
     caught = {name: _catch(fn) for name, fn in cases.items()}
     # the group is still in step after every error: a valid call equals single-process attention
@@ -83,6 +90,9 @@ def _hostile_cases(rank: int) -> dict:
     s, e = 4 * rank, 4 * rank + 4
     out = cpa(qf[:, :, s:e], kf[:, :, s:e], vf[:, :, s:e], is_causal=True)
     caught["valid call after the errors"] = rel_l2(out, va.attention(qf, kf, vf, is_causal=True)[:, :, s:e])
+    out = cpa(qf[:, :2, s:e], kf[:, :2, s:e], vf[:, :2, s:e], is_causal=True, scheme="ulysses")
+    caught["valid ulysses call after the errors"] = rel_l2(out, va.attention(qf[:, :2], kf[:, :2], vf[:, :2],
+                                                                             is_causal=True)[:, :, s:e])
     return caught
 
 
@@ -112,18 +122,22 @@ def _split_frames_cases(rank: int) -> dict:
 
 
 def _die(rank: int, where: str) -> dict:
-    """Rank 1 dies (before the call, in the ring's first transfer, in the backward's); rank 0's error."""
-    q, k, v = _inputs(4)
+    """Rank 1 dies (before the call, in the ring's first transfer or Ulysses' first all-to-all, in the backward's);
+    rank 0's error. The ring's calls have 3 heads (auto: the ring), Ulysses' 2."""
+    ulysses = "ulysses" in where
+    q, k, v = (t[:, :2] if ulysses else t for t in _inputs(4))
+    collective = "_all_to_all" if ulysses else "_pass_on"
     if rank == 1 and where == "before the call":
         os._exit(0)
-    if rank == 1 and where == "in the ring":
-        vd._pass_on = lambda *a: os._exit(0)
-    leaves = [t.clone().requires_grad_(where == "in the backward") for t in (q, k, v)]
-    if where != "in the backward":
+    if rank == 1 and where in ("in the ring", "in the ulysses all-to-all"):
+        setattr(vd, collective, lambda *a: os._exit(0))
+    backward = where.endswith("backward")
+    leaves = [t.clone().requires_grad_(backward) for t in (q, k, v)]
+    if not backward:
         return {where: _catch(lambda: context_parallel_attention(*leaves))}
     out = context_parallel_attention(*leaves)
     if rank == 1:
-        vd._pass_on = lambda *a: os._exit(0)
+        setattr(vd, collective, lambda *a: os._exit(0))
     return {where: _catch(lambda: out.sum().backward())}
 
 
@@ -220,15 +234,23 @@ EXPECTED = {  # name -> (class, parts of the message)
     "gather: dtype": ("ValueError", "gather_sequence: shards must agree", "rank 1: shape [2, 3, -1, 16] (-1 marks "
                       "dim 2), torch.float64"),
     "gather: grad on rank 1": ("ValueError", "needs gradients on some ranks", "rank 1: True"),
+    "scheme across ranks": ("ValueError", "scheme differs across ranks: rank 0: 'ulysses'; rank 1: 'ring'"),
+    "unknown scheme": ("ValueError", "rank 1: scheme='ulisses' is not one of 'auto', 'ring', 'ulysses'"),
+    "ulysses: heads": ("ValueError", "scheme='ulysses' cannot take this call: the 3 heads do not split evenly over "
+                       "2 ranks", "pass scheme='ring'"),
+    "ulysses: bias on rank 1": ("ValueError", "scheme='ulysses' cannot take this call: it takes no bias or "
+                                "attn_mask, got bias (rank(s) [1])", "pass scheme='ring'"),
+    "ulysses: fp16 overflow q": ("ValueError", "rank 1: query has values beyond float16's range"),
 }
 
 
 def test_one_hostile_rank_fails_every_rank_at_once(tmp_path):
     results = _spawn(tmp_path, "hostile")
-    assert set(EXPECTED) | {"valid call after the errors"} == set(results[0])
+    valid = {"valid call after the errors", "valid ulysses call after the errors"}
+    assert set(EXPECTED) | valid == set(results[0])
     for name, (cls, *parts) in EXPECTED.items():
         _same_error_everywhere(results, name, cls, *parts)
-    assert all(res["valid call after the errors"] <= 2 * va.MODES["fp32"].rel_tol for res in results)
+    assert all(res[name] <= 2 * va.MODES["fp32"].rel_tol for res in results for name in valid)
 
 
 def test_split_frames_hostile_rank_fails_every_rank(tmp_path):
@@ -243,7 +265,8 @@ def test_split_frames_hostile_rank_fails_every_rank(tmp_path):
     assert all(res["split: valid call after the errors"][0] == "none" for res in results)
 
 
-@pytest.mark.parametrize("where", ["before the call", "in the ring", "in the backward"])
+@pytest.mark.parametrize("where", ["before the call", "in the ring", "in the backward", "in the ulysses all-to-all",
+                                   "in the ulysses backward"])
 def test_a_dead_rank_leaves_no_rank_hanging(tmp_path, where):
     """gloo reports the closed connection at once: rank 0 raises a RuntimeError naming the step, not gloo's bare
     message, well before the group's timeout."""
@@ -252,7 +275,11 @@ def test_a_dead_rank_leaves_no_rank_hanging(tmp_path, where):
     step = {"before the call": "context_parallel_attention: the exchange between the ranks failed",
             "in the ring": "context_parallel_attention: ring step 1 of 2 on rank 0: a transfer with rank 1 failed",
             "in the backward": "context_parallel_attention: backward ring step 1 of 2 on rank 0: a transfer with "
-                               "rank 1 failed"}[where]
+                               "rank 1 failed",
+            "in the ulysses all-to-all": "context_parallel_attention: ulysses all-to-all of q, k, v on rank 0: it "
+                                         "failed (a rank died",
+            "in the ulysses backward": "context_parallel_attention: ulysses all-to-all of the output, backward on "
+                                       "rank 0: it failed (a rank died"}[where]
     assert msg.startswith(step), msg
 
 
