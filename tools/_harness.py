@@ -17,6 +17,8 @@
   :func:`per_call_ms`, :func:`peak_extra_mb`; :func:`attention_free` times a model without its attention (the
   Amdahl bound of any attention kernel).
 * Tables and plots: :func:`markdown_table` (one renderer) and :func:`figure` (one plot helper).
+* Isolation: :func:`run_chunks` runs case ids in worker processes (:func:`run_worker`), up to ``jobs`` at a time,
+  and bisects a process that dies or hangs down to the case(s) that kill one alone (:func:`run_isolated`).
 """
 from __future__ import annotations
 
@@ -28,8 +30,12 @@ import hashlib
 import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -43,7 +49,8 @@ __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "n
            "write_text_atomic", "write_json_atomic", "save_figure_atomic", "OutputFiles", "STORAGE_ERRNOS",
            "write_results", "markdown_table", "figure", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
            "kernel_ms", "eager_ms", "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms",
-           "peak_extra_mb", "AttentionFree", "attention_free"]
+           "peak_extra_mb", "AttentionFree", "attention_free", "cores", "worker_env", "Workers", "run_worker",
+           "run_isolated", "run_chunks"]
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -919,3 +926,190 @@ def figure(path: str, outputs: OutputFiles | None = None, *args: Any, dpi: int =
             (outputs or OutputFiles(tool)).save_figure(fig, path, dpi=dpi)
     finally:
         plt.close(fig)
+
+# --------------------------------------------------------------------------------------------------- isolation
+def cores() -> int:
+    """The CPU cores this process may use."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def worker_env(jobs: int = 1) -> dict:
+    """The environment of an isolated worker process: this process's (``TRITON_CACHE_DIR`` / ``TRITON_HOME`` as they
+    are, so every worker shares one Triton cache), with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (less
+    fragmentation where several processes share one GPU) and, with more than one job, ``OMP_NUM_THREADS`` = the
+    cores per job (PyTorch's CPU threads of ``jobs`` workers not oversubscribing the cores), each unless set."""
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if jobs > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores() // jobs)))
+    return env
+
+
+class Workers:
+    """The live worker processes, so that an interrupted run can kill them and start no more."""
+
+    lock = threading.Lock()
+    live: set = set()
+    cancelled = threading.Event()
+
+    @classmethod
+    def start(cls, cmd: list[str], env: dict):
+        with cls.lock:
+            if cls.cancelled.is_set():
+                return None
+            proc = subprocess.Popen(cmd, stdout=sys.stdout, stderr=sys.stderr, env=env)
+            cls.live.add(proc)
+            return proc
+
+    @classmethod
+    def finished(cls, proc) -> None:
+        with cls.lock:
+            cls.live.discard(proc)
+
+    @classmethod
+    def cancel(cls) -> None:
+        with cls.lock:
+            cls.cancelled.set()
+            for proc in cls.live:
+                proc.kill()
+
+
+def run_worker(cmd: list[str], ids: list[str], *, env: dict, case_timeout: float,
+               tmp_prefix: str = "worker_") -> tuple[list[dict], int | str, bool]:
+    """Run ``cmd --worker-ids FILE --worker-out FILE`` for the ``ids`` (one a line in the first file): the worker
+    writes one JSON line per result (``{"id": ...}``), ``{"begin": id}`` before each case (progress) and
+    ``{"stopped": why}`` when a time budget stops it. Returns (results it wrote, exit status or ``"hung"`` when
+    its results file made no progress for ``case_timeout`` seconds and it was killed (0: wait forever) or
+    ``"cancelled"`` when the run was interrupted first, whether it stopped on the time budget or was not
+    started)."""
+    with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp:
+        ids_path, out_path = os.path.join(tmp, "ids.txt"), os.path.join(tmp, "results.jsonl")
+        with open(ids_path, "w") as f:
+            f.write("\n".join(ids))
+        proc = Workers.start(cmd + ["--worker-ids", ids_path, "--worker-out", out_path], env)
+        if proc is None:
+            return [], "cancelled", True
+        try:
+            rc = _wait_worker(proc, out_path, case_timeout)
+        finally:
+            Workers.finished(proc)
+        results, stopped = _read_worker_results(out_path)
+        return results, rc, stopped
+
+
+def _wait_worker(proc, out_path: str, case_timeout: float) -> int | str:
+    """Wait for a worker; kill it (``"hung"``) when its results file has not grown for ``case_timeout`` seconds
+    since its first line (0: wait forever). Returns its exit status or ``"hung"``."""
+    size, progress = 0, time.time()
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            now_size = os.path.getsize(out_path) if os.path.exists(out_path) else 0
+            if now_size != size:
+                size, progress = now_size, time.time()
+            elif size and case_timeout and time.time() - progress > case_timeout:
+                proc.kill()  # a kernel that never returns (a spin-wait on a flag never set)
+                proc.wait()
+                return "hung"
+
+
+def _read_worker_results(out_path: str) -> tuple[list[dict], bool]:
+    """The results a worker wrote, and whether it stopped on the time budget."""
+    results, stopped = [], False
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a process killed mid-write
+                    continue
+                if row.get("stopped"):
+                    stopped = True
+                elif "id" in row:
+                    results.append(row)
+    return results, stopped
+
+
+def run_isolated(ids: list[str], spawn: Callable, deadline: float | None = None) -> tuple[list[dict], bool]:
+    """Run ``ids`` in subprocesses, surviving processes that die.
+
+    ``spawn(ids, deadline) -> (results, returncode, stopped)``; returncode ``"hung"``: killed for making no
+    progress. The cases a dead process finished are kept and the rest run again; a chunk that dies before
+    finishing anything is split in halves until a case that kills a process alone is found, reported as
+    ``crash``. A case whose CUDA error poisoned its process (exit status 3) is re-run alone to confirm.
+    Returns (results in the order of ``ids``, whether the time budget stopped it)."""
+    by_id: dict[str, dict] = {}
+    stopped = False
+
+    def go(chunk: list[str]):
+        nonlocal stopped
+        if not chunk or stopped or (deadline is not None and time.time() > deadline):
+            stopped = stopped or bool(chunk)
+            return
+        results, rc, halted = spawn(chunk, deadline)
+        for r in results:
+            by_id[r["id"]] = r
+        if halted:
+            stopped = True
+            return
+        left = [i for i in chunk if i not in by_id]
+        poisoned = [r for r in results if r.get("cuda_error")]
+        if rc == 3 and poisoned and len(chunk) > 1:
+            culprit = poisoned[-1]["id"]
+            alone, rc_alone, _ = spawn([culprit], deadline)
+            again = alone[0] if alone else None
+            note = ("fails alone too" if (again and again["status"] != "pass") or rc_alone not in (0, 1)
+                    else "PASSES alone: the fault may belong to a case run before it in " + ",".join(chunk))
+            by_id[culprit].setdefault("errors", []).append(f"re-run alone in a fresh process: {note}")
+        if not left:
+            return
+        if rc in (0, 1, 3) and results:
+            go(left)
+        elif len(chunk) == 1:
+            why = ("hung: no result within --case-timeout, killed" if rc == "hung" else
+                   f"the process running this case alone died (exit status {rc})")
+            by_id[chunk[0]] = {"id": chunk[0], "status": "crash", "cuda_error": True, "metrics": {}, "fallbacks": [],
+                               "errors": [why]}
+        elif left == chunk:
+            half = len(chunk) // 2
+            go(chunk[:half])
+            go(chunk[half:])
+        else:
+            go(left)
+
+    go(list(ids))
+    return [by_id[i] for i in ids if i in by_id], stopped
+
+
+def run_chunks(ids: list[str], spawn: Callable, deadline: float | None = None, chunk_size: int = 200,
+               jobs: int = 1, on_chunk: Callable | None = None) -> tuple[list[dict], bool]:
+    """:func:`run_isolated` on consecutive chunks of ``chunk_size`` ids, up to ``jobs`` chunks at a time.
+
+    Chunks start in id order as jobs free up (a thread per job waits on its chunk's subprocesses); one that
+    would start after ``deadline`` runs nothing; each chunk's dead processes are bisected on their own.
+    ``on_chunk(results)`` runs in the calling thread as each chunk finishes. An exception here (Ctrl-C) kills
+    the live workers and starts no more. Returns (results in the order of ``ids``, whether the time budget
+    stopped it)."""
+    chunks = [ids[i:i + chunk_size] for i in range(0, len(ids), chunk_size)]
+    parts: list = [[] for _ in chunks]
+    stopped = False
+    Workers.cancelled.clear()
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(chunks)))) as pool:
+        futures = {pool.submit(run_isolated, chunk, spawn, deadline): n for n, chunk in enumerate(chunks)}
+        try:
+            for fut in as_completed(futures):
+                parts[futures[fut]], halted = fut.result()
+                stopped = stopped or halted
+                if on_chunk is not None:
+                    on_chunk(parts[futures[fut]])
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            Workers.cancel()
+            raise
+    return [r for part in parts for r in part], stopped
+

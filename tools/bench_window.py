@@ -38,7 +38,7 @@ from tqdm import tqdm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, check_output, default_out, environment, figure, kernel_ms,  # noqa: E402
-                      markdown_table, output_files)
+                      markdown_table, output_files, peak_extra_mb)
 from _timm_models import create_timm_model  # noqa: E402
 
 parser = ToolParser(prog="bench_window.py", description=__doc__.split("\n")[0],
@@ -204,12 +204,7 @@ def measure(fn, warmup: float, rep: float) -> dict:
     ``fn``; errors are recorded, not raised."""
     try:
         with torch.no_grad():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fn()
-            torch.cuda.synchronize()
-            peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            peak = peak_extra_mb(fn, torch.device("cuda"))
             ms = kernel_ms(fn, warmup, rep, _TIMER["cuda_graph"])
         return {"ms": float(ms), "peak_mib": float(peak)}
     except Exception as e:  # noqa: BLE001 - a failing baseline is a result, not a crash

@@ -9,16 +9,15 @@ Needs a CUDA GPU; docs/benchmarks/gpu_conformance_h200.md holds a run.
 import torch
 
 import visionattn as va
+from visionattn.metrics import rel_l2
 from visionattn.window import window_attention_reference
 
 DEV = "cuda"
 
 
 def rel(a, b):
-    a, b = a.double(), b.double()
-    if not torch.isfinite(a).all():
-        return float("nan")
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+    """:func:`visionattn.metrics.rel_l2`, NaN where ``a`` is not finite."""
+    return rel_l2(a, b) if torch.isfinite(a).all() else float("nan")
 
 
 def dense(mode, shape, loss, D=64):

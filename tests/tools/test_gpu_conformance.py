@@ -1,11 +1,14 @@
-"""tools/gpu_conformance.py on the CPU: a short run through Triton's interpreter (every family, forward and
-backward, zero failures, the report's counts and files), reproducibility by case id, the checker flagging wrong
-outputs and gradients (so a run cannot pass vacuously), refusals, the time budget, --isolate's bisection of
-cases whose process dies, and --jobs: parallel chunks give the same results in the same order, bisect their own
-dead processes and start nothing after the time budget."""
+"""tools/gpu_conformance.py and its library (visionattn.testing.conformance) on the CPU: a short run through
+Triton's interpreter (every family, forward and backward, zero failures, the report's counts and files),
+reproducibility by case id, the checker flagging wrong outputs and gradients (so a run cannot pass vacuously),
+refusals, the time budget, --isolate's bisection of cases whose process dies, and --jobs: parallel chunks give the
+same results in the same order, bisect their own dead processes and start nothing after the time budget."""
+import hashlib
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -13,10 +16,12 @@ import pytest
 import torch
 
 import visionattn as va
+from visionattn.testing import conformance as conf
 
 from testdata import load_script
 
 tool = load_script("tools/gpu_conformance.py", "gpu_conformance_under_test")
+import _harness as harness  # noqa: E402  (tools/ is on sys.path once a tool is loaded)
 CPU = torch.device("cpu")
 
 
@@ -27,7 +32,7 @@ def _args(*argv):
 def _first_case(family, mode=None, grad=None, start=0, seed=0, **want):
     """The first tiny-profile case of ``family`` (and ``mode`` / ``grad`` / spec entries) from index ``start``."""
     for i in range(start, start + 5000):
-        spec = tool.draw_case(seed, i, "tiny")
+        spec = conf.draw_case(seed, i, "tiny")
         if spec["family"] == family and (mode is None or spec["mode"] == mode) and \
                 (grad is None or spec["grad"] == grad) and all(spec.get(k) == v for k, v in want.items()):
             return spec
@@ -66,17 +71,17 @@ def test_short_run_has_no_failures_and_reports_every_case(serial_run):
 
 def test_case_ids_reproduce_the_same_case():
     """A case depends on its id alone: drawn twice, selected through filters or not, run twice."""
-    a, b = tool.draw_case(7, 123, "tiny"), tool.draw_case(7, 123, "tiny")
-    assert a == b and tool.describe(a) == tool.describe(b)
-    assert tool.draw_case(7, 124, "tiny") != a
+    a, b = conf.draw_case(7, 123, "tiny"), conf.draw_case(7, 123, "tiny")
+    assert a == b and conf.describe(a) == conf.describe(b)
+    assert conf.draw_case(7, 124, "tiny") != a
     # cases sharing a skeleton: the same kernel-variant choices, their own lengths and values
     twins: dict = {}
     for i in range(400):
-        s = tool.draw_case(7, i, "tiny")
+        s = conf.draw_case(7, i, "tiny")
         if s["skeleton"] is not None:
             twins.setdefault((s["family"], s["mode"], s["skeleton"]), []).append(s)
     groups = [g for g in twins.values() if len(g) > 1]
-    assert len(groups) >= 10 and sum(s["skeleton"] is None for s in map(lambda i: tool.draw_case(7, i, "tiny"),
+    assert len(groups) >= 10 and sum(s["skeleton"] is None for s in map(lambda i: conf.draw_case(7, i, "tiny"),
                                                                          range(400))) > 120
     for group in groups:
         assert len({json.dumps(_skeleton_of(s), sort_keys=True) for s in group}) == 1, group
@@ -85,9 +90,9 @@ def test_case_ids_reproduce_the_same_case():
     assert [p["family"] for p in picked] == ["window"] * 5 and {p["mode"] for p in picked} == {"fp16"}
     for p in picked:
         seed, index = tool.parse_case_id(p["id"])
-        assert tool.draw_case(seed, index, "tiny") == p
+        assert conf.draw_case(seed, index, "tiny") == p
     spec = _first_case("dense", "fp32", grad=True)
-    one, two = (tool.run_case(spec, CPU) for _ in range(2))
+    one, two = (conf.run_case(spec, CPU) for _ in range(2))
     assert one["status"] == two["status"] == "pass"
     assert {q: m["err"] for q, m in one["metrics"].items()} == {q: m["err"] for q, m in two["metrics"].items()}
     # the reproduce line names the case, and --case runs exactly it
@@ -96,7 +101,7 @@ def test_case_ids_reproduce_the_same_case():
     args = _args("--case", spec["id"])
     tool._prepare(args, tool.build_parser())
     (again,) = tool.select_cases(args)
-    assert tool.describe(again) == tool.describe(spec)
+    assert conf.describe(again) == conf.describe(spec)
 
 
 def _skeleton_of(spec: dict) -> dict:
@@ -116,35 +121,35 @@ def test_check_quantity_flags_perturbed_results():
     gold = torch.randn(2, 3, 17, 16, generator=g, dtype=torch.float64)
     noise = torch.randn(gold.shape, generator=g, dtype=torch.float64)
     ref = gold + 1e-3 * noise.roll(1, -1)  # PyTorch's error ~1e-3
-    assert tool.check_quantity("out", gold + 1e-3 * noise, gold, ref, "fp16")["ok"]
-    bad = tool.check_quantity("out", gold + 1e-2 * noise, gold, ref, "fp16")
+    assert conf.check_quantity("out", gold + 1e-3 * noise, gold, ref, "fp16")["ok"]
+    bad = conf.check_quantity("out", gold + 1e-2 * noise, gold, ref, "fp16")
     assert not bad["ok"] and bad["ratio"] > 1 and "out: rel err" in bad["why"]
     # fp32: the contract 2e-6 where PyTorch's own error is smaller
     exact = gold + 1e-9 * noise
-    assert tool.check_quantity("out", gold + 1e-7 * noise, gold, exact, "fp32")["ok"]
-    assert not tool.check_quantity("out", gold + 1e-5 * noise, gold, exact, "fp32")["ok"]
+    assert conf.check_quantity("out", gold + 1e-7 * noise, gold, exact, "fp32")["ok"]
+    assert not conf.check_quantity("out", gold + 1e-5 * noise, gold, exact, "fp32")["ok"]
     nan = gold.clone()
     nan[0, 0, 0, 0] = float("nan")
-    assert "non-finite" in tool.check_quantity("out", nan, gold, ref, "bf16")["why"]
-    assert "shape" in tool.check_quantity("dq", gold[:1], gold, ref, "bf16")["why"]
+    assert "non-finite" in conf.check_quantity("out", nan, gold, ref, "bf16")["why"]
+    assert "shape" in conf.check_quantity("dq", gold[:1], gold, ref, "bf16")["why"]
     # gradients: 2x PyTorch's error (+ 1e-6 relative)
-    assert tool.check_quantity("dv", gold + 1.9e-3 * noise.roll(1, -1), gold, ref, "fp16")["ok"]
-    assert not tool.check_quantity("dv", gold + 3e-3 * noise, gold, ref, "fp16")["ok"]
+    assert conf.check_quantity("dv", gold + 1.9e-3 * noise.roll(1, -1), gold, ref, "fp16")["ok"]
+    assert not conf.check_quantity("dv", gold + 3e-3 * noise, gold, ref, "fp16")["ok"]
     # an exactly-zero gradient (a row seeing one key): a residue within 8 u |c| passes, anything above fails
     zero = torch.zeros_like(gold)
     c = torch.ones_like(gold)
-    residue = 4 * tool.UNIT_ROUNDOFF["fp16"] * noise.clamp(-1, 1)
-    assert tool.check_quantity("dq", residue, zero, zero, "fp16", floor=c)["ok"]
-    big = tool.check_quantity("dq", 1e-4 * noise, zero, zero, "fp16", floor=c)
+    residue = 4 * conf.UNIT_ROUNDOFF["fp16"] * noise.clamp(-1, 1)
+    assert conf.check_quantity("dq", residue, zero, zero, "fp16", floor=c)["ok"]
+    big = conf.check_quantity("dq", 1e-4 * noise, zero, zero, "fp16", floor=c)
     assert not big["ok"] and "exactly 0" in big["why"]
-    assert not tool.check_quantity("dq", residue, zero, zero, "fp16")["ok"]  # no floor: nothing absorbed
+    assert not conf.check_quantity("dq", residue, zero, zero, "fp16")["ok"]  # no floor: nothing absorbed
     # fully masked rows must be exactly zero
     dead = torch.zeros(2, 3, 17, dtype=torch.bool)
     dead[1, 2, 5] = True
     out = gold.clone()
-    assert "fully masked rows" in tool._dead_rows_ok("out", out, dead)
+    assert "fully masked rows" in conf.dead_rows_ok("out", out, dead)
     out[1, 2, 5] = 0
-    assert tool._dead_rows_ok("out", out, dead) is None
+    assert conf.dead_rows_ok("out", out, dead) is None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -180,9 +185,9 @@ def test_a_wrong_attention_fails_its_case(sabotage, monkeypatch):
             return out + 1e-3
         raise (RuntimeError if sabotage == "runtime-error" else ValueError)("sabotaged")
 
-    assert tool.run_case(spec, CPU)["status"] == "pass"
+    assert conf.run_case(spec, CPU)["status"] == "pass"
     monkeypatch.setattr(va, "attention", wrong)
-    res = tool.run_case(spec, CPU)
+    res = conf.run_case(spec, CPU)
     assert res["status"] == "fail", res
     text = " | ".join(res["errors"])
     expected = {"output": "out: rel err", "gradient": "dq: rel err", "dead-row": "fully masked rows",
@@ -196,10 +201,10 @@ def test_documented_refusals_are_listed_apart():
     """varlen in a PASA mode raises ValueError as documented: refused, not failed; a call that should refuse
     and returns is a failure."""
     spec = _first_case("varlen", "pasa")
-    res = tool.run_case(spec, CPU)
+    res = conf.run_case(spec, CPU)
     assert res["status"] == "refused" and "no PASA path" in res["refusal"] and "ValueError" in res["errors"][0]
     spec = dict(_first_case("dense", "fp16", grad=False), expect_refusal="a made-up refusal")
-    res = tool.run_case(spec, CPU)
+    res = conf.run_case(spec, CPU)
     assert res["status"] == "fail" and "expected a documented refusal" in res["errors"][0]
 
 
@@ -260,13 +265,13 @@ def test_run_chunks_runs_chunks_at_once_and_bisects_each_on_its_own():
     ids = [f"0:{i}" for i in range(24)]
     spawn = _StandIn(dies={"0:9"})
     seen = []
-    results, stopped = tool.run_chunks(ids, spawn, None, chunk_size=4, jobs=3, on_chunk=seen.append)
+    results, stopped = harness.run_chunks(ids, spawn, None, chunk_size=4, jobs=3, on_chunk=seen.append)
     assert not stopped and [r["id"] for r in results] == ids
     assert {r["id"]: r["status"] for r in results if r["status"] != "pass"} == {"0:9": "crash"}
     assert spawn.most == 3 and len(seen) == 6 and sum(map(len, seen)) == 24
     assert ["0:9"] in spawn.calls and all("0:9" not in c for c in spawn.calls if c[0] not in ("0:8", "0:9"))
     # one job: the chunks one after another, the same results
-    again, _ = tool.run_chunks(ids, _StandIn(seconds=0, dies={"0:9"}), None, chunk_size=4, jobs=1)
+    again, _ = harness.run_chunks(ids, _StandIn(seconds=0, dies={"0:9"}), None, chunk_size=4, jobs=1)
     assert again == results
 
 
@@ -276,7 +281,7 @@ def test_time_budget_stops_new_chunks():
     ids = [f"0:{i}" for i in range(40)]
     spawn = _StandIn(seconds=0.2)
     deadline = time.time() + 0.3
-    results, stopped = tool.run_chunks(ids, spawn, deadline, chunk_size=4, jobs=2)
+    results, stopped = harness.run_chunks(ids, spawn, deadline, chunk_size=4, jobs=2)
     assert stopped and all(t <= deadline for t in spawn.starts)
     assert 2 <= len(spawn.calls) < 10 and len(results) == 4 * len(spawn.calls)
     assert [r["id"] for r in results] == [i for c in sorted(spawn.calls, key=lambda c: ids.index(c[0])) for i in c]
@@ -303,13 +308,13 @@ def test_workers_share_the_triton_cache(monkeypatch):
     expandable segments unless the caller chose otherwise."""
     for name in ("TRITON_CACHE_DIR", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
-    env = tool.worker_env()
+    env = harness.worker_env()
     assert "TRITON_CACHE_DIR" not in env and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert {k: v for k, v in env.items() if k != "PYTORCH_CUDA_ALLOC_CONF"} == dict(os.environ)
-    assert int(tool.worker_env(jobs=64)["OMP_NUM_THREADS"]) >= 1
+    assert int(harness.worker_env(jobs=64)["OMP_NUM_THREADS"]) >= 1
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere")
-    env = tool.worker_env(jobs=4)
+    env = harness.worker_env(jobs=4)
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64" and env["TRITON_CACHE_DIR"] == "/somewhere"
 
 
@@ -338,7 +343,7 @@ def test_isolation_bisects_to_the_cases_that_kill_a_process():
         return done, 0, False
 
     ids = list("abcdefgh")
-    results, stopped = tool.run_isolated(ids, spawn)
+    results, stopped = harness.run_isolated(ids, spawn)
     assert not stopped and [r["id"] for r in results] == ids
     status = {r["id"]: r["status"] for r in results}
     assert status == {"a": "pass", "b": "pass", "c": "crash", "d": "pass", "e": "fail", "f": "crash", "g": "pass",
@@ -378,13 +383,33 @@ def test_bad_arguments_exit_2(argv, words, capsys):
 def test_profiles_respect_their_caps():
     """Every drawn case fits its profile's work and oracle caps; N covers the tile boundaries' neighbours."""
     for profile in ("tiny", "full"):
-        prof = tool.PROFILES[profile]
+        prof = conf.PROFILES[profile]
         ns = set()
         for i in range(400):
-            s = tool.draw_case(3, i, profile)
+            s = conf.draw_case(3, i, profile)
             work = s["B"] * s["H"] * s["Nq"] * s["Nk"]
             assert work * max(s["D"], s["Dv"]) <= prof.work_cap and work <= prof.elem_cap, s
             assert s["B"] * s["H"] * max(s["Nq"], s["Nk"]) * max(s["D"], s["Dv"]) <= prof.tensor_cap, s
             ns.update((s["Nq"], s["Nk"]))
         assert {b + d for b in prof.boundaries[:3] for d in (-1, 1)} <= ns
-    assert math.isclose(tool.UNIT_ROUNDOFF["tf32"], 2.0 ** -11)
+    assert math.isclose(conf.UNIT_ROUNDOFF["tf32"], 2.0 ** -11)
+
+
+# describe() of cases 0:0 .. 0:299 per profile: the case ids are stable (a change to the drawing changes these)
+CASE_DIGESTS = {"full": "29847e2ec4b624d21b6af8bb6bd1fd00f799f55520edfbd7f2f2605c21a94bc6",
+                "tiny": "2184e56e0659f9657e1334fd73bf033ee6c9fb4b7ab36bc14772dd7627cb2b7b"}
+
+
+@pytest.mark.parametrize("profile", sorted(CASE_DIGESTS))
+def test_case_ids_are_stable(profile):
+    text = "\n".join(conf.describe(conf.draw_case(0, i, profile)) for i in range(300))
+    assert hashlib.sha256(text.encode()).hexdigest() == CASE_DIGESTS[profile]
+
+
+def test_library_imports_neither_triton_nor_pytest_nor_tools():
+    """visionattn.testing.conformance stands alone, and a CPU run can still switch Triton to its interpreter after
+    importing it."""
+    code = ("import sys, visionattn.testing.conformance; "
+            "print(sorted(m for m in ('triton', 'pytest', '_harness') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
