@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Reconstruct an image folder or a video with VGGT / FastVGGT: point cloud, cameras, depth, COLMAP, nerfstudio, glTF.
+"""Reconstruct images or a video with VGGT / FastVGGT / π³ / Pi3X: points, cameras, depth, COLMAP, nerfstudio, glTF.
 
     python demos/reconstruct.py --out out/recon --weights random-tiny --device cpu   # quick start, CPU
     python demos/reconstruct.py my_photos/ --out out/mine                              # VGGT-1B (downloads)
+    python demos/reconstruct.py my_photos/ --out out/pi3 --model pi3                   # π³ (yyfz233/Pi3)
+    python demos/reconstruct.py my_photos/ --out out/pi3x --model pi3x --intrinsics my_photos/sparse/0
     python demos/reconstruct.py walk.mp4 --fps 2 --max-frames 64 --out out/walk      # a video, 2 frames/s
     python demos/reconstruct.py my_photos/ --out out/mine --weights /ckpt/VGGT-1B --mode bf16
 
@@ -50,7 +52,10 @@ OUTPUTS = """outputs (in OUT_DIR, all written side by side to a hidden temporary
   confidence/NAME.npy   depth confidence, float32 (numpy)
   cameras.json          per frame: name, source file (video: FILE#frame=N), image, extrinsic 3x4 (OpenCV
                         camera-from-world, world = first camera), intrinsic 3x3 (model's frame) and
-                        intrinsic_original (source image) -> tools/eval_reconstruction.py, your code
+                        intrinsic_original (source image) -> tools/eval_reconstruction.py, your code.
+                        pi3 / pi3x: their camera-to-world poses re-expressed in the first camera's frame, depth =
+                        the z of their camera-frame points, confidence = sigmoid(conf), intrinsics fitted to
+                        those points (principal point at the centre) unless --intrinsics gives them
   preview.png           the point cloud from the first camera and from an oblique view, depth maps
   summary.json          frames, tokens, points kept, seconds per stage (setup, decode, build, compile, warmup,
                         inference, tracks, bundle_adjustment, export, other: they add up to total) and per
@@ -76,7 +81,7 @@ def _max_frames(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, HOST_MEMORY, MODELS
+    from visionattn.recon.pipeline import ATTN_MODES, HOST_MEMORY, MODEL_WEIGHTS, MODELS
 
     p = ToolParser(  # errors: one line, exit status 2
         prog="reconstruct.py", description=__doc__.split("\n\n")[0],
@@ -94,17 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "its manifest lists (then replaced); never the input, inside it or around it")
     p.add_argument("--model", choices=MODELS, default="vggt",
                    help="vggt: plain VGGT; fastvggt: VGGT with token merging in global attention "
-                        "(FastVGGT) (default: %(default)s)")
+                        "(FastVGGT); pi3: π³ (reference-free, no track head: no --ba); pi3x: Pi3X, which also "
+                        "takes known cameras (--intrinsics, --poses). The π³ / Pi3X weights are CC BY-NC 4.0 "
+                        "(non-commercial) (default: %(default)s)")
     p.add_argument("--mode", choices=ATTN_MODES, default="fp32",
                    help="attention precision: fp32 (FP32-accurate), fp32-ieee, tf32, fp16, bf16, pasa "
                         "(robust FP16), or sdpa (PyTorch's own attention, a baseline). Only attention changes; "
                         "the rest of the network stays FP32 (default: %(default)s)")
-    p.add_argument("--weights", default=DEFAULT_WEIGHTS,
-                   help="facebook/VGGT-1B (hub download, cached), a local checkpoint PATH (folder or "
-                        ".safetensors/.pt), 'random' (full VGGT-1B configuration, random weights: timing "
-                        "and precision studies) or 'random-tiny' (tiny configuration: CPU quick start, "
-                        "CI). Offline, the hub id fails fast and says to pass --weights PATH "
-                        "(default: %(default)s)")
+    p.add_argument("--weights", default=None,
+                   help="a hub id (downloaded, cached), a local checkpoint PATH (folder or .safetensors/.pt), "
+                        "'random' (the released configuration, random weights: timing and precision studies) or "
+                        "'random-tiny' (tiny configuration: CPU quick start, CI). Offline, a hub id fails fast "
+                        "and says to pass --weights PATH (default: the model's own: "
+                        + ", ".join(f"{m} {w}" for m, w in MODEL_WEIGHTS.items() if m != "fastvggt") + ")")
     p.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto (cuda if available) "
                                                     "(default: %(default)s)")
     p.add_argument("--conf-percentile", type=percentile, default=50.0, metavar="P",
@@ -157,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ba-max-error", type=positive_float, default=8.0, metavar="PX",
                    help="--ba: the largest distance in pixels of the model's frame between a tracked pixel and the "
                         "projection of its point for the observation to count (default: %(default)s)")
+    p.add_argument("--intrinsics", default=None, metavar="FILE",
+                   help="--model pi3x: known intrinsics, from a COLMAP model folder (e.g. sparse/0; needs pycolmap) "
+                        "or a transforms.json (fl_x/fl_y/cx/cy or camera_angle_x), matched to the frames by image "
+                        "file name (every frame needs one); rescaled to the model's frame and used as cameras.json's "
+                        "intrinsics")
+    p.add_argument("--poses", default=None, metavar="FILE",
+                   help="--model pi3x: known camera poses, from a COLMAP model folder or a transforms.json "
+                        "(OpenGL camera-to-world, turned to OpenCV), matched by image file name; Pi3X uses them "
+                        "relative to each other (any world frame and unit; at least two frames)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and sampled points "
                                                        "(default: %(default)s)")
     p.add_argument("--no-preview", action="store_true", help="skip preview.png")
@@ -181,6 +197,11 @@ def main(argv=None) -> dict:
         parser.error(f"--size {args.size} must be a positive multiple of 14 (e.g. 518)")
     if args.fps is not None and args.every is not None:
         parser.error("--fps and --every are exclusive: pass one of them")
+    for flag, value in (("--intrinsics", args.intrinsics), ("--poses", args.poses)):
+        if value is not None and args.model != "pi3x":
+            parser.error(f"{flag} conditions Pi3X only: add --model pi3x")
+    if args.ba and args.model in ("pi3", "pi3x"):
+        parser.error(f"--ba tracks with VGGT's track head; --model {args.model} has none (use vggt or fastvggt)")
     log = (lambda *a: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     try:
         with handle_sigterm(), warnings.catch_warnings():
@@ -194,7 +215,7 @@ def main(argv=None) -> dict:
                 fps=args.fps, every=args.every, host_memory=args.host_memory,
                 compile_ahead=not args.no_compile_ahead, max_points=args.max_points, colmap_text=args.colmap_text,
                 ba=args.ba, ba_query_frames=args.ba_query_frames, ba_points=args.ba_points,
-                ba_max_error=args.ba_max_error)
+                ba_max_error=args.ba_max_error, intrinsics_file=args.intrinsics, poses_file=args.poses)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}

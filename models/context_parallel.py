@@ -1,4 +1,4 @@
-"""VGGT with a scene's frames split across ranks: the global attention as context-parallel attention.
+"""VGGT or π³ with a scene's frames split across ranks: the global attention as context-parallel attention.
 
 VGGT's aggregator alternates frame attention (the P tokens of one frame) and global attention (the
 S*P tokens of all frames, frame-major). Everything but the global attention and the camera head's
@@ -23,6 +23,14 @@ contract. Not supported (ValueError): FastVGGT token merging (it chooses merge t
 frames) and the track head (query points live in the scene's frame 0, and its tracker attends over
 time).
 
+π³ (:class:`visionattn.models.Pi3`) splits the same way, and more simply: its decoder's odd blocks attend over
+the global layout [B, N*(5 + h*w), C] (frame-major, the 5 register tokens of a frame before its patches), its
+RoPE positions are a frame's own (the same for every frame), and it has no reference frame, no first-frame
+token and a frame-wise camera head. So only the global attention changes and every rank runs the rest on its
+own frames; the outputs (``points``, ``local_points``, ``conf``, ``camera_poses``) are those of its frames.
+Pi3X is refused (TypeError): its metric decoder reads every frame's tokens and its pose injection attends
+among the posed frames relative to the first.
+
 Training: the global attention's backward runs the same ring (see
 :func:`~visionattn.distributed.context_parallel_attention`) and the camera tokens' gradients return
 to their ranks by an all-reduce, so gradients of the inputs are exact. Each rank's parameter
@@ -39,6 +47,8 @@ import torch.distributed as dist
 
 from visionattn.distributed import _agree, _check_collective_device, context_parallel_attention, gather_sequence
 
+from .pi3 import Pi3
+
 __all__ = ["split_frames", "FrameSplit"]
 
 
@@ -46,7 +56,7 @@ class FrameSplit:
     """What :func:`split_frames` installed on a model; :meth:`remove` (or leaving the ``with`` block) undoes it.
 
     Attributes:
-        model: the VGGT model.
+        model: the VGGT or π³ model.
         group: the process group (None = the world).
         frames: frames per rank of the last forward (None before the first).
         frame_offset: scene index of this rank's first frame in the last forward.
@@ -56,15 +66,21 @@ class FrameSplit:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("split_frames needs an initialised torch.distributed process group "
                                "(torch.distributed.init_process_group)")
-        error = None
+        error, attns, agg = None, [], None
+        self.pi3 = type(model) is Pi3  # Pi3X derives from the same base, not from Pi3
         try:  # checked here, agreed on below: a rank refused alone would leave the others waiting in the forward
             agg = getattr(model, "aggregator", None)
-            if agg is None or not hasattr(agg, "global_blocks"):
-                raise TypeError(f"split_frames takes a visionattn.models.VGGT, got {type(model).__name__}")
+            if self.pi3:
+                attns = [blk.attn for blk in model.decoder[1::2]]  # odd decoder blocks: the global layout
+            elif agg is None or not hasattr(agg, "global_blocks"):
+                raise TypeError(f"split_frames takes a visionattn.models.VGGT or Pi3, got {type(model).__name__}"
+                                + (" (its metric decoder and pose injection read every frame)"
+                                   if type(model).__name__ == "Pi3X" else ""))
+            else:
+                attns = [blk.attn for blk in agg.global_blocks]
             if getattr(model, "merging", None) is not None:
                 raise ValueError("FastVGGT token merging chooses merge targets across all frames and cannot run on "
                                  "split frames; set model.merging = None")
-            attns = [blk.attn for blk in agg.global_blocks]
             if any("attend_fn" in vars(a) for a in attns):
                 raise ValueError("this model's global attention is already split (remove the other FrameSplit "
                                  "first)")
@@ -79,8 +95,10 @@ class FrameSplit:
         self._agreed = False  # the model's pre-hook agreed on this forward; the aggregator's need not again
         for a in attns:
             a.attend_fn = self._attend
-        self._hooks = [model.register_forward_pre_hook(self._before_model, with_kwargs=True),
-                       agg.register_forward_pre_hook(self._before_aggregator, with_kwargs=True)]
+        self._hooks = [model.register_forward_pre_hook(self._before_model, with_kwargs=True)]
+        if self.pi3:  # nothing else crosses frames
+            return
+        self._hooks.append(agg.register_forward_pre_hook(self._before_aggregator, with_kwargs=True))
         if model.camera_head is not None:
             self._hooks += [model.camera_head.register_forward_pre_hook(self._gather_camera_tokens),
                             model.camera_head.register_forward_hook(self._keep_own_frames)]
@@ -131,7 +149,7 @@ class FrameSplit:
             if not images.is_floating_point():
                 raise TypeError(f"images must be float in [0, 1], got {images.dtype}")
             B, S, _, H, W = shape
-            p = self.model.aggregator.patch_size
+            p = self.model.patch_size if self.pi3 else self.model.aggregator.patch_size
             if H % p or W % p:
                 raise ValueError(f"image size {H}x{W} must be a multiple of patch_size={p}")
             if S < 1:
@@ -147,7 +165,8 @@ class FrameSplit:
         rank = dist.get_rank(group)
         self.frames = [s for _, s, _, _ in rows]
         self.frame_offset = sum(self.frames[:rank])
-        self.model.aggregator.frame_offset = self.frame_offset
+        if not self.pi3:  # π³ has no first-frame slot
+            self.model.aggregator.frame_offset = self.frame_offset
 
     def _gather_camera_tokens(self, module, args):
         """The camera head's input: the last layer's camera tokens of all frames [B, S, 1, 2C]."""
@@ -167,7 +186,8 @@ class FrameSplit:
         """Restore the model: single-process global attention, frame offset 0, no hooks."""
         for a in self._attns:
             vars(a).pop("attend_fn", None)
-        vars(self.model.aggregator).pop("frame_offset", None)
+        if not self.pi3:
+            vars(self.model.aggregator).pop("frame_offset", None)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -180,18 +200,20 @@ class FrameSplit:
 
 
 def split_frames(model, group=None) -> FrameSplit:
-    """Run a VGGT model with a scene's frames split across the ranks of ``group`` (module docstring).
+    """Run a VGGT or π³ model with a scene's frames split across the ranks of ``group`` (module docstring).
 
     Each rank then calls ``model(images_r)`` with its contiguous chunk of the scene's frames
     (``images_r`` [S_r, 3, H, W] or [B, S_r, 3, H, W], rank 0 holding the first frames, S_r >= 1, same B,
     H, W everywhere) and gets the outputs of those frames: ``pose_enc`` [B, S_r, 9] (and
     ``pose_enc_list``), ``depth`` / ``world_points`` and their confidences [B, S_r, H, W, ...], equal to the
-    single-process model's outputs for those frames within the attention mode's contract. Every rank must
+    single-process model's outputs for those frames within the attention mode's contract (π³: ``points``,
+    ``local_points``, ``conf`` [B, S_r, H, W, ...] and ``camera_poses`` [B, S_r, 4, 4]). Every rank must
     run every forward (and backward) together: they are collectives.
 
     Args:
-        model: a :class:`visionattn.models.VGGT` (any ``attn_mode``; ``None`` (SDPA) runs the global
-            attention in the visionattn mode ``"auto"`` picks, since the ring needs the per-row LSE).
+        model: a :class:`visionattn.models.VGGT` or :class:`visionattn.models.Pi3` (any ``attn_mode``; ``None``
+            (SDPA) runs the global attention in the visionattn mode ``"auto"`` picks, since the ring needs the
+            per-row LSE).
         group: the process group (default: the world).
 
     Returns:
@@ -199,7 +221,7 @@ def split_frames(model, group=None) -> FrameSplit:
 
     Raises:
         RuntimeError: ``torch.distributed`` not initialised.
-        TypeError: not a VGGT.
+        TypeError: not a VGGT or Pi3 (Pi3X included).
         ValueError: token merging on, the model already split; at forward time: merging, the track head
             (query points), a rank with no frames, another batch size or image size, images the model refuses.
         A collective, like each forward: a rank that refuses its model or inputs tells the others, and every

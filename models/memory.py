@@ -1,9 +1,12 @@
-"""Memory model of VGGT / FastVGGT inference: analytic peak bytes, the most frames that fit, a live-bytes meter.
+"""Memory model of VGGT / FastVGGT / π³ / Pi3X inference: analytic peak bytes, the most frames that fit, a live-bytes
+meter.
 
 :func:`estimate_memory` counts the tensors alive at the two candidate peaks of a
 forward pass with grad disabled (``VGGT.infer`` / ``torch.no_grad``), for a model or
 a config: the arithmetic, and what it counts, is :mod:`visionattn.models.peak_memory`
-(which :meth:`VGGT.estimate_memory <visionattn.models.VGGT.estimate_memory>` calls directly).
+(which :meth:`VGGT.estimate_memory <visionattn.models.VGGT.estimate_memory>` calls directly). π³ and Pi3X
+are passed as models (a meta one costs nothing: ``with torch.device("meta"): Pi3()``) and counted by
+:func:`~visionattn.models.peak_memory.pi3_peak_bytes`.
 :func:`max_frames_that_fit` inverts it for a memory budget.
 
 :class:`LiveBytes` measures the same quantity on any device: the peak of the
@@ -19,18 +22,29 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .peak_memory import BYTES_PER_ELEMENT, peak_bytes
+from .peak_memory import BYTES_PER_ELEMENT, peak_bytes, pi3_peak_bytes
 from .vggt import VGGT
+from .pi3 import _Pi3Base
 
 __all__ = ["estimate_memory", "max_frames_that_fit", "LiveBytes", "BYTES_PER_ELEMENT"]
 
 
-def _as_model(model_or_config) -> VGGT:
-    """The VGGT itself, or one built on the meta device from a config dict (None = VGGT-1B)."""
-    if isinstance(model_or_config, VGGT):
+def _as_model(model_or_config) -> VGGT | _Pi3Base:
+    """The VGGT / π³ / Pi3X itself, or a VGGT built on the meta device from a config dict (None = VGGT-1B)."""
+    if isinstance(model_or_config, (VGGT, _Pi3Base)):
         return model_or_config
     with torch.device("meta"):
         return VGGT(**(model_or_config or {}))
+
+
+def _peak(model, frames: int, height: int, width: int, mode: str, batch: int, query_points: int,
+          keep_all_layers: bool | None, include_weights: bool) -> int:
+    if isinstance(model, _Pi3Base):
+        if query_points:
+            raise ValueError(f"query_points={query_points}: {type(model).__name__} has no track head")
+        return pi3_peak_bytes(model, frames, height, width, mode, batch=batch, include_weights=include_weights)
+    return peak_bytes(model, frames, height, width, mode, batch=batch, query_points=query_points,
+                      keep_all_layers=keep_all_layers, include_weights=include_weights)
 
 
 def estimate_memory(model_or_config, frames: int, height: int, width: int, mode: str = "fp32", *,
@@ -40,7 +54,9 @@ def estimate_memory(model_or_config, frames: int, height: int, width: int, mode:
 
     Args:
         model_or_config: a :class:`~visionattn.models.VGGT` (its heads, chunk sizes,
-            ``keep_all_layers`` and merging are used) or a config dict (None = VGGT-1B).
+            ``keep_all_layers`` and merging are used) or a config dict (None = VGGT-1B); or a
+            :class:`~visionattn.models.Pi3` / :class:`~visionattn.models.Pi3X` (its sizes and chunk sizes; the
+            forward without conditions; ``keep_all_layers`` does not apply).
         frames: S, frames per sample (>= 1).
         height, width: image size in pixels (multiples of the patch size).
         mode: ``"fp32"`` / ``"tf32"`` (FP32 model) or ``"bf16"`` / ``"fp16"`` (half autocast, as
@@ -55,10 +71,10 @@ def estimate_memory(model_or_config, frames: int, height: int, width: int, mode:
         bytes (int), the larger of the aggregator peak and the heads peak.
 
     Raises:
-        ValueError: unknown mode, frames < 1, or a size not divisible by the patch size.
+        ValueError: unknown mode, frames < 1, a size not divisible by the patch size, or query points for π³.
     """
-    return peak_bytes(_as_model(model_or_config), frames, height, width, mode, batch=batch,
-                      query_points=query_points, keep_all_layers=keep_all_layers, include_weights=include_weights)
+    return _peak(_as_model(model_or_config), frames, height, width, mode, batch, query_points, keep_all_layers,
+                 include_weights)
 
 
 def max_frames_that_fit(free_bytes: int, height: int, width: int, mode: str = "fp32", model=None, *,
@@ -70,7 +86,7 @@ def max_frames_that_fit(free_bytes: int, height: int, width: int, mode: str = "f
             reported by ``torch.cuda.mem_get_info()[0]`` plus what the loaded weights already take).
         height, width: image size in pixels.
         mode: as :func:`estimate_memory`.
-        model: a VGGT or a config dict (None = VGGT-1B with its default heads and chunks).
+        model: a VGGT, a π³ / Pi3X, or a VGGT config dict (None = VGGT-1B with its default heads and chunks).
         query_points: track queries per forward (0 = no track head run).
         margin: fraction of ``free_bytes`` kept in reserve (allocator fragmentation, kernel workspaces).
         limit: the largest count considered.
@@ -82,7 +98,7 @@ def max_frames_that_fit(free_bytes: int, height: int, width: int, mode: str = "f
     model = _as_model(model)
 
     def fits(s: int) -> bool:
-        return peak_bytes(model, s, height, width, mode, query_points=query_points) <= budget
+        return _peak(model, s, height, width, mode, 1, query_points, None, True) <= budget
 
     if not fits(1):
         return 0

@@ -1,4 +1,5 @@
-"""Analytic peak bytes of one VGGT / FastVGGT inference forward, from a built model.
+"""Analytic peak bytes of one VGGT / FastVGGT (:func:`peak_bytes`) or π³ / Pi3X (:func:`pi3_peak_bytes`) inference
+forward, from a built model.
 
 :func:`peak_bytes` counts the tensors alive at the two candidate peaks of a
 forward pass with grad disabled (``VGGT.infer`` / ``torch.no_grad``):
@@ -29,7 +30,7 @@ import torch
 
 from visionattn.modes import get_mode
 
-__all__ = ["BYTES_PER_ELEMENT", "peak_bytes"]
+__all__ = ["BYTES_PER_ELEMENT", "peak_bytes", "pi3_peak_bytes"]
 
 BYTES_PER_ELEMENT = {m: get_mode(m).compute_dtype.itemsize for m in ("fp32", "tf32", "bf16", "fp16")}
 """Modes of the memory model -> bytes per element of the attention / MLP activations (half modes: autocast)."""
@@ -43,6 +44,23 @@ _ATTN_UNITS = {False: 10.0, True: 7.4}
 _DPT_FULLRES_EXTRA = 32 * 2 + 8  # full-resolution channels of a DPT chunk beyond ``features`` (conv2, ReLU, output)
 
 
+
+def _patch_grid(cfg: dict, mode: str, frames: int, batch: int, height: int, width: int) -> tuple[int, int]:
+    """The patch grid (h, w) of a ``height`` x ``width`` frame, after checking the arguments every estimate takes.
+
+    Raises:
+        ValueError: unknown mode, frames or batch < 1, or a size not divisible by the config's patch size.
+    """
+    if mode not in BYTES_PER_ELEMENT:
+        raise ValueError(f"mode={mode!r}; expected one of {sorted(BYTES_PER_ELEMENT)}")
+    if frames < 1 or batch < 1:
+        raise ValueError(f"frames={frames} and batch={batch} must be >= 1")
+    p = cfg["patch_size"]
+    if height % p or width % p:
+        raise ValueError(f"image size {height}x{width} must be a multiple of patch_size={p}")
+    return height // p, width // p
+
+
 def peak_bytes(model, frames: int, height: int, width: int, mode: str = "fp32", *, batch: int = 1,
                query_points: int = 0, keep_all_layers: bool | None = None, include_weights: bool = True) -> int:
     """Peak device bytes of one inference forward of the built ``model`` (a VGGT; a meta one will do).
@@ -50,15 +68,8 @@ def peak_bytes(model, frames: int, height: int, width: int, mode: str = "fp32", 
     Arguments, return value and errors as :func:`visionattn.models.memory.estimate_memory`, which also takes
     a config instead of a model.
     """
-    if mode not in BYTES_PER_ELEMENT:
-        raise ValueError(f"mode={mode!r}; expected one of {sorted(BYTES_PER_ELEMENT)}")
-    if frames < 1 or batch < 1:
-        raise ValueError(f"frames={frames} and batch={batch} must be >= 1")
     cfg = model.config
-    p = cfg["patch_size"]
-    if height % p or width % p:
-        raise ValueError(f"image size {height}x{width} must be a multiple of patch_size={p}")
-    h, w = height // p, width // p
+    h, w = _patch_grid(cfg, mode, frames, batch, height, width)
     C = cfg["embed_dim"]
     P = 1 + cfg["num_register_tokens"] + h * w
     N = batch * frames * P
@@ -115,3 +126,110 @@ def peak_bytes(model, frames: int, height: int, width: int, mode: str = "fp32", 
         f = min(cfg.get("frames_chunk_size") or frames, frames)
         heads += batch * f * query_points * (hw // 4) * 4  # correlation volume of one chunk
     return int(math.ceil(base + max(agg_peak, heads)))
+
+
+# π³ / Pi3X pixel heads, in FP32 values per output pixel of a frame: at the end of π³'s forward the point head's
+# reshaped output (3), exp(z), local points (3), confidence (1), the homogeneous points (4) and world points (3)
+# (LiveBytes: 12.8); the linear heads themselves hold at most 9 (output, transposed copy, pixel shuffle)
+_PI3_PIXEL_VALUES = 15
+# Pi3X's after its conv heads: the point head's outputs and their permuted copies, exp(z), local points, rays and
+# their normalisation, confidence, homogeneous and world points, the metric-scaled copies (LiveBytes: ~52)
+_PI3X_PIXEL_VALUES = 52
+_CONV_RES_BLOCK = 7  # Pi3X ResidualConvBlock at c channels: x, GroupNorm, ReLU (c each), conv, GN, ReLU (2c each)
+# in units of c, less the shared input, plus the output sum
+
+
+def _block_units(rows: int, r: float, chunk: int | None, half: bool) -> float:
+    """One transformer block's transient over ``rows`` tokens, in units of a [rows, C] FP32 tensor (as VGGT's)."""
+    frac = 1.0 if not chunk or chunk >= rows else chunk / rows
+    if frac == 1.0:
+        mlp = 2 + (4 + 2 * r) if not half else 2 + 3 + r + 0.5
+    else:
+        mlp = 2 + frac * ((3 + 2 * r) if not half else (2 + r + 0.5))
+    return max(_ATTN_UNITS[half], mlp)
+
+
+def _conv_head_values(cfg: dict, f: int, h: int, w: int, outputs: int) -> int:
+    """Peak FP32 values of one Pi3X ConvHead chunk of ``f`` frames (patch grid h x w): the widest stage."""
+    p = cfg["patch_size"]
+    dims = [cfg["head_embed_dim"], *cfg["conv_dims"]]
+    peak, pix = 0, h * w
+    for cin, cout in zip(dims[:-1], dims[1:]):  # x2 upsamplers: input + UV, ConvTranspose, conv, residual blocks
+        here = pix * (cin + 2) + 4 * pix * cout * 2
+        res = 4 * pix * cout * (1 + _CONV_RES_BLOCK) if cfg["conv_res_blocks"] else 0
+        peak, pix = max(peak, here, res), 4 * pix
+    full = h * p * w * p  # bilinear resize to H x W, UV, then per output a conv, ReLU and 1x1 conv
+    # the resized x and its UV concatenation, then that concatenation and one output block's conv, ReLU, output
+    last = full * max(2 * dims[-1] + 2, dims[-1] + 2 + 2 * cfg["conv_last_channels"] + outputs)
+    return f * max(peak, last)
+
+
+def pi3_peak_bytes(model, frames: int, height: int, width: int, mode: str = "fp32", *, batch: int = 1,
+                   include_weights: bool = True) -> int:
+    """Peak device bytes of one π³ / Pi3X inference forward without conditions (grad disabled), analytic.
+
+    Counts, at each candidate peak, the images (and their normalised copy while encoding), then
+
+    * encoder: the patch tokens [M, h*w, C] (M = B*N frames; twice while the chunks are concatenated) and one
+      ``encoder_chunk_size`` chunk's DINOv2 block transient;
+    * decoder: the patch tokens, one block's transient over [M, R + h*w, C] (units as VGGT's blocks, the MLP
+      chunked by ``tokens_chunk_size``), the second-to-last output kept and the final [M, T, 2C] features;
+    * head decoders: the features, the outputs already made ([M, T, D] points and confidence, [M, T, camera_dim])
+      and one head block's transient; Pi3X's metric decoder reads the same features;
+    * pixel heads: π³'s linear heads and world points at full resolution; Pi3X's convolutional heads over one
+      ``frames_chunk_size`` chunk at the widest of their stages, plus every frame's outputs.
+
+    Half modes count attention / MLP transients as autocast does (:data:`_ATTN_UNITS`) and autocast's half
+    copies of the linear weights. The coefficients are those of :mod:`visionattn.models.pi3_layers` as counted
+    by :class:`~visionattn.models.memory.LiveBytes`; conditions (Pi3X's depth encoder, ray embedding, pose
+    injection) are not modelled.
+
+    Raises:
+        ValueError: unknown mode, frames < 1, or a size not divisible by the patch size.
+    """
+    cfg = model.config
+    h, w = _patch_grid(cfg, mode, frames, batch, height, width)
+    M, pix = batch * frames, height * width
+    C, D, r = cfg["embed_dim"], cfg["head_embed_dim"], cfg["mlp_ratio"]
+    T = cfg["num_register_tokens"] + h * w
+    half = BYTES_PER_ELEMENT[mode] == 2
+    chunk = cfg.get("tokens_chunk_size")
+    conv = "conv_dims" in cfg  # Pi3X
+
+    base = 0
+    if include_weights:
+        base += sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if half:  # autocast's half copies of the weights of every Linear / Conv run under it
+        skip = {"depth_encoder", "ray_embed", "pose_inject_blk", "point_head", "conf_head", "camera_head",
+                "metric_head"}
+        base += 2 * sum(m.weight.numel() for name, m in model.named_modules()
+                        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) and name.split(".")[0] not in skip)
+    images = M * 3 * pix * 4
+    hidden = M * h * w * C * 4
+
+    # encoder: images + normalised copy, the patch tokens, one chunk's block transient
+    f = min(cfg.get("encoder_chunk_size") or M, M)
+    dino = f * (5 + h * w) * C * 4 * max(_ATTN_UNITS[half], 6 + 2 * r if not half else 5.5 + r)
+    enc = 2 * images + hidden + max(dino, hidden if f < M else 0)
+
+    # decoder: images, the patch tokens, one block (+ the kept layer in the last) or the final concatenation
+    u = M * T * C * 4
+    dec = images + hidden + max((_block_units(M * T, r, chunk, half) + 1) * u, 4 * u)
+
+    # head decoders: features (2u) + outputs made so far + one head block's transient
+    uD = M * T * D * 4
+    cam = M * T * cfg["camera_dim"] * 4
+    head_block = (_block_units(M * T, r, chunk, half) + 1) * uD
+    held = uD + cam if conv else 2 * uD  # Pi3X: points, camera before confidence; π³: points, confidence
+    heads = images + 2 * u + held + head_block
+    if conv:  # the metric decoder's projected context [B, N*T, metric_dim] and its cross-attention keys / values
+        heads = max(heads, images + 2 * u + uD + cam + 3 * M * T * cfg["metric_dim"] * 4)
+
+    # pixel heads
+    if conv:  # features freed; per chunk of frames the conv head; every frame's outputs
+        fc = min(cfg.get("frames_chunk_size") or M, M)
+        pixel = images + uD + cam + max(M * pix * 3 * 4 + _conv_head_values(cfg, fc, h, w, 3) * 4,
+                                        M * pix * _PI3X_PIXEL_VALUES * 4)
+    else:  # π³ keeps the features and all head outputs until the end
+        pixel = images + 2 * u + 2 * uD + cam + M * pix * _PI3_PIXEL_VALUES * 4
+    return int(math.ceil(base + max(enc, dec, heads, pixel)))

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""Multi-view reconstruction evaluation for VGGT / FastVGGT (markdown + JSON).
+"""Multi-view reconstruction evaluation for VGGT / FastVGGT / π³ / Pi3X (markdown + JSON).
 
     # (a) pose AUC@30/15/5/3 over all pairs, (b) point-cloud accuracy when GT clouds exist
     python tools/eval_reconstruction.py accuracy --data /data/co3dv2 --layout co3d --out out/eval_co3d
     python tools/eval_reconstruction.py accuracy --data my_scene/ --out out/eval   # images/ + cameras.json
     # (c) agreement of each attention mode with the fp32 run on one scene
     python tools/eval_reconstruction.py modes demos/data/stereo_rig --weights random --out out/modes
+    python tools/eval_reconstruction.py accuracy --data my_scene/ --model pi3 --out out/eval_pi3   # π³, same protocol
 
 Writes OUT/eval_reconstruction_<task>.json and .md (atomically), with the
 environment (GPU, versions, exact command). Thin CLI over
@@ -25,7 +26,7 @@ DEFAULT_MODES = "fp32,tf32,fp16,bf16,pasa"
 
 
 def build_parser() -> ToolParser:
-    from visionattn.recon.pipeline import ATTN_MODES, DEFAULT_WEIGHTS, MODELS
+    from visionattn.recon.pipeline import ATTN_MODES, MODEL_WEIGHTS, MODELS
 
     p = ToolParser(prog="eval_reconstruction.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -33,10 +34,14 @@ def build_parser() -> ToolParser:
 
     def common(sp):
         sp.add_argument("--out", required=True, help="folder for the JSON and markdown reports")
-        sp.add_argument("--model", choices=MODELS, default="vggt", help="vggt or fastvggt (default: %(default)s)")
-        sp.add_argument("--weights", default=DEFAULT_WEIGHTS,
-                        help="hub id, local checkpoint PATH, 'random' (full config) or 'random-tiny' "
-                             "(default: %(default)s)")
+        sp.add_argument("--model", choices=MODELS, default="vggt",
+                        help="vggt, fastvggt, pi3 or pi3x; π³ / Pi3X cameras are put in VGGT's conventions (first "
+                             "camera = world, intrinsics fitted to the local points: visionattn.recon.pi3) and scored "
+                             "the same way (default: %(default)s)")
+        sp.add_argument("--weights", default=None,
+                        help="hub id, local checkpoint PATH, 'random' (full config) or 'random-tiny' (default: the "
+                             "model's own: " + ", ".join(f"{m} {w}" for m, w in MODEL_WEIGHTS.items()
+                                                         if m != "fastvggt") + ")")
         sp.add_argument("--device", default="auto", help="cuda, cpu or auto (default: %(default)s)")
         sp.add_argument("--size", type=positive_int, default=518,
                         help="preprocessed image width in pixels, multiple of 14 (default: %(default)s)")

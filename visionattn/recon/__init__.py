@@ -1,4 +1,4 @@
-"""Multi-view reconstruction with VGGT / FastVGGT: image folders in, point clouds and cameras out.
+"""Multi-view reconstruction with VGGT / FastVGGT / π³ / Pi3X: image folders in, point clouds and cameras out.
 
 Modules (import the one you need; none is imported here, so ``import
 visionattn.recon`` stays cheap and open3d stays optional until used):
@@ -6,6 +6,8 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
 * :mod:`~visionattn.recon.images`   folder listing (natural sort), decoding (EXIF, grayscale, RGBA),
   VGGT crop / pad preprocessing -> ``load_images(folder) -> LoadedImages`` ([S, 3, H, W] in [0, 1]).
 * :mod:`~visionattn.recon.pipeline` ``build_model``, ``run_model``, ``reconstruct`` (the demo's work).
+* :mod:`~visionattn.recon.pi3`      π³ / Pi3X outputs in VGGT's conventions (first camera = world, fitted focal).
+* :mod:`~visionattn.recon.priors`   Pi3X's known cameras from a COLMAP model or a transforms.json.
 * :mod:`~visionattn.recon.outdir`   the output folder: manifest, refusal to replace foreign folders or
   inputs, atomic temp-then-rename writing, SIGTERM and SIGHUP handled like Ctrl-C, a full disk in one line.
 * :mod:`~visionattn.recon.export`   ``write_reconstruction``: every output file of a run, side by side in a
@@ -26,5 +28,5 @@ visionattn.recon`` stays cheap and open3d stays optional until used):
 Command line: ``python demos/reconstruct.py --help``.
 """
 
-__all__ = ["images", "pipeline", "outdir", "export", "points", "cameras", "colmap", "ba", "nerfstudio", "scene",
-           "depth", "preview", "metrics", "datasets", "evaluate"]
+__all__ = ["images", "pipeline", "pi3", "priors", "outdir", "export", "points", "cameras", "colmap", "ba",
+           "nerfstudio", "scene", "depth", "preview", "metrics", "datasets", "evaluate"]

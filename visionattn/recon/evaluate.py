@@ -17,7 +17,7 @@ import torch
 from . import metrics as M
 from .datasets import Scene, check_point_clouds, read_ply_points
 from .images import load_images
-from .pipeline import build_model, run_model
+from .pipeline import build_model, default_weights, run_model
 from .points import select_points
 
 __all__ = ["evaluate_scene", "evaluate_scenes", "compare_predictions", "mode_agreement"]
@@ -54,10 +54,13 @@ def evaluate_scene(net, scene: Scene, device="cpu", size: int = 518, conf_percen
     return res
 
 
-def evaluate_scenes(scenes, model: str = "vggt", weights: str = "facebook/VGGT-1B", mode: str = "fp32",
+def evaluate_scenes(scenes, model: str = "vggt", weights: str | None = None, mode: str = "fp32",
                     device="cpu", size: int = 518, conf_percentile: float = 50.0,
                     cloud_threshold: float | None = None, seed: int = 0, progress: bool = True) -> dict:
     """(a) + (b) over a list of :class:`Scene`; returns per-scene results and their means.
+
+    ``model``: any of :data:`~visionattn.recon.pipeline.MODELS` (π³ / Pi3X in VGGT's camera conventions, see
+    :mod:`visionattn.recon.pi3`); ``weights`` None: the model's released weights.
 
     Every ground-truth point cloud is read once before the model is built, so a corrupt one fails first.
 
@@ -71,6 +74,7 @@ def evaluate_scenes(scenes, model: str = "vggt", weights: str = "facebook/VGGT-1
     if not scenes:
         raise ValueError("no scene to evaluate")
     check_point_clouds(scenes)
+    weights = default_weights(model) if weights is None else weights
     net = build_model(model, weights, mode, device, seed)
     per = [evaluate_scene(net, sc, device, size, conf_percentile, cloud_threshold)
            for sc in tqdm(scenes, desc="scenes", unit="scene", disable=not progress)]
@@ -125,7 +129,7 @@ def compare_predictions(pred: dict, ref: dict) -> dict:
 
 
 def mode_agreement(images: torch.Tensor, modes=("fp32", "tf32", "fp16", "bf16", "pasa"),
-                   model: str = "vggt", weights: str = "facebook/VGGT-1B", device="cpu", seed: int = 0,
+                   model: str = "vggt", weights: str | None = None, device="cpu", seed: int = 0,
                    reference: str = "fp32", warmup: int = 0, progress: bool = True) -> dict:
     """(c) Run one scene in each attention mode with the same weights; compare with ``reference``.
 
@@ -140,6 +144,7 @@ def mode_agreement(images: torch.Tensor, modes=("fp32", "tf32", "fp16", "bf16", 
     """
     from tqdm.auto import tqdm
 
+    weights = default_weights(model) if weights is None else weights
     net = build_model(model, weights, reference, device, seed)
     order = [reference] + [m for m in modes if m != reference]
     preds, runs = {}, {}

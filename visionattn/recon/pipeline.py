@@ -1,8 +1,9 @@
-"""Image folder -> VGGT / FastVGGT predictions -> reconstruction on disk.
+"""Image folder -> VGGT / FastVGGT / π³ / Pi3X predictions -> reconstruction on disk.
 
 :func:`build_model` makes the network (released weights, a local checkpoint, or
 random weights in the full or a tiny configuration), :func:`run_model` runs it
-on a preprocessed batch and returns numpy predictions with cameras decoded, and
+on a preprocessed batch and returns numpy predictions with cameras decoded (π³ and
+Pi3X converted to VGGT's conventions by :mod:`visionattn.recon.pi3`), and
 :func:`reconstruct` is the whole demo: load, infer, export, preview, summary.
 Every anticipated user error (bad folder, corrupt image, unusable ``out_dir``,
 weights not available offline) raises :class:`ReconstructionError` subclasses
@@ -25,18 +26,24 @@ from visionattn.provenance import environment
 
 from .colmap import require_pycolmap
 from .images import ImageFolderError, LoadedImages, load_images
+from .pi3 import PI3_MODELS, decode_pi3
+from .priors import CameraFileError, match_cameras, read_camera_file
 from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, check_output_dir,
                      require_trimesh, write_reconstruction)
 
 __all__ = [
-    "DEFAULT_WEIGHTS", "MODELS", "ATTN_MODES", "WeightsError", "DeviceError", "USER_ERRORS",
+    "DEFAULT_WEIGHTS", "MODELS", "MODEL_WEIGHTS", "default_weights", "ATTN_MODES", "WeightsError", "DeviceError",
+    "USER_ERRORS",
     "check_checkpoint", "resolve_device", "load_source", "build_model",
     "run_model", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY", "prediction_bytes",
     "available_host_memory", "prediction_store", "start_compile_ahead", "Stages", "STAGES",
 ]
 
 DEFAULT_WEIGHTS = "facebook/VGGT-1B"
-MODELS = ("vggt", "fastvggt")
+MODELS = ("vggt", "fastvggt", *PI3_MODELS)
+MODEL_WEIGHTS = {"vggt": DEFAULT_WEIGHTS, "fastvggt": DEFAULT_WEIGHTS, "pi3": "yyfz233/Pi3",
+                 "pi3x": "yyfz233/Pi3X"}
+"""Each model's released weights (the hub id ``weights=None`` stands for)."""
 # visionattn precision modes the demo offers, plus "sdpa" (PyTorch's own attention, as a baseline)
 ATTN_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa", "sdpa")
 
@@ -50,7 +57,18 @@ class DeviceError(ValueError):
 
 
 # errors a CLI reports as a message + exit code 2 (nothing has been written when they are raised)
-USER_ERRORS = (ImageFolderError, OutputDirError, WeightsError, DeviceError, MissingDependencyError)
+USER_ERRORS = (ImageFolderError, OutputDirError, WeightsError, DeviceError, MissingDependencyError, CameraFileError)
+
+
+def default_weights(model: str) -> str:
+    """The hub id of ``model``'s released weights (:data:`MODEL_WEIGHTS`).
+
+    Raises:
+        ValueError: unknown ``model``.
+    """
+    if model not in MODEL_WEIGHTS:
+        raise ValueError(f"model={model!r} is not known; expected one of {MODELS}")
+    return MODEL_WEIGHTS[model]
 
 
 def _models_api():
@@ -69,8 +87,8 @@ def _check_mode(mode: str) -> str | None:
 
 
 _HUB_HELP = ("Without network access pass a local checkpoint with `--weights PATH` (a folder or a "
-             ".safetensors/.pt file of facebook/VGGT-1B), or run with random weights: `--weights random` "
-             "(full model) or `--weights random-tiny` (tiny, CPU).")
+             ".safetensors/.pt file of the hub checkpoint: facebook/VGGT-1B, yyfz233/Pi3 or yyfz233/Pi3X), or run "
+             "with random weights: `--weights random` (full model) or `--weights random-tiny` (tiny, CPU).")
 
 
 def _reachable_weights(weights: str, timeout: float = 3.0) -> str:
@@ -109,15 +127,16 @@ def _reachable_weights(weights: str, timeout: float = 3.0) -> str:
                        f"({constants.HF_HUB_CACHE}). " + _HUB_HELP)
 
 
-def build_model(model: str = "vggt", weights: str = DEFAULT_WEIGHTS, mode: str = "fp32",
+def build_model(model: str = "vggt", weights: str | None = None, mode: str = "fp32",
                 device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
-    """Build VGGT or FastVGGT in eval mode on ``device``.
+    """Build VGGT, FastVGGT, π³ or Pi3X in eval mode on ``device``.
 
     Args:
-        model: ``"vggt"`` or ``"fastvggt"`` (token merging in global attention).
-        weights: a hub id (``facebook/VGGT-1B``), a local checkpoint path,
-            ``"random"`` (full VGGT-1B configuration, random init) or
-            ``"random-tiny"`` (tiny configuration for CPU / CI).
+        model: ``"vggt"``, ``"fastvggt"`` (token merging in global attention), ``"pi3"``
+            (:class:`~visionattn.models.Pi3`) or ``"pi3x"`` (:class:`~visionattn.models.Pi3X`).
+        weights: a hub id, a local checkpoint path, ``"random"`` (the released configuration, random init)
+            or ``"random-tiny"`` (tiny configuration for CPU / CI: ``vggt_tiny_config``, ``pi3_tiny_config``,
+            ``pi3x_tiny_config``); None: the model's released weights (:data:`MODEL_WEIGHTS`).
         mode: attention precision, one of :data:`ATTN_MODES` (``"sdpa"``: PyTorch SDPA).
         seed: seed for random weights (same seed -> same model).
 
@@ -126,7 +145,13 @@ def build_model(model: str = "vggt", weights: str = DEFAULT_WEIGHTS, mode: str =
         WeightsError: hub weights unavailable (offline) or a path that does not exist.
     """
     VGGT, tiny_config, merging_cfg, _, _ = _models_api()
-    if model not in MODELS:
+    weights = default_weights(model) if weights is None else weights
+    cls = VGGT
+    if model in PI3_MODELS:
+        from visionattn.models import Pi3, Pi3X, pi3_tiny_config, pi3x_tiny_config
+
+        cls, tiny_config = (Pi3, pi3_tiny_config) if model == "pi3" else (Pi3X, pi3x_tiny_config)
+    elif model not in MODELS:
         raise ValueError(f"model={model!r} is not known; expected one of {MODELS}")
     attn_mode = _check_mode(mode)
     kwargs = {"attn_mode": attn_mode}
@@ -140,11 +165,11 @@ def build_model(model: str = "vggt", weights: str = DEFAULT_WEIGHTS, mode: str =
         # (the CPU's serial RNG is what takes VGGT-1B's 1.26 B parameters ~20 s); one seed, one model per device
         with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []), dev:
             torch.manual_seed(seed)
-            net = VGGT(**kwargs)
+            net = cls(**kwargs)
     else:
         source = _reachable_weights(weights)
         try:  # built on the meta device, the weights read from the file straight onto the device (no init)
-            net = VGGT.from_pretrained(source, device=dev, **kwargs)
+            net = cls.from_pretrained(source, device=dev, **kwargs)
         except Exception as exc:  # hub offline / not cached / bad file: one line naming the fix
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise WeightsError(f"cannot load weights {weights!r}: {why}. " + _HUB_HELP) from exc
@@ -152,8 +177,10 @@ def build_model(model: str = "vggt", weights: str = DEFAULT_WEIGHTS, mode: str =
 
 
 def count_tokens(model: torch.nn.Module, frames: int, hw: tuple[int, int], patch: int = 14) -> int:
-    """Tokens in one global-attention sequence: frames x (special tokens + patches)."""
-    special = int(model.aggregator.patch_start_idx)
+    """Tokens in one global-attention sequence: frames x (special tokens + patches) (VGGT: camera + 4 registers;
+    π³ / Pi3X: 5 registers)."""
+    holder = getattr(model, "aggregator", model)  # VGGT keeps it on its aggregator, π³ on the model
+    special = int(holder.patch_start_idx)
     return frames * (special + (hw[0] // patch) * (hw[1] // patch))
 
 
@@ -178,9 +205,20 @@ def available_host_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def _is_pi3(model: torch.nn.Module) -> bool:
+    from visionattn.models import Pi3, Pi3X
+
+    return isinstance(model, (Pi3, Pi3X))
+
+
 def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.device = "cpu",
-              progress: bool = True, warmup: int = 0, store: str | None = None, track_queries=None) -> dict:
-    """Run VGGT on one scene and decode cameras.
+              progress: bool = True, warmup: int = 0, store: str | None = None, track_queries=None,
+              conditions: dict | None = None) -> dict:
+    """Run VGGT, FastVGGT, π³ or Pi3X on one scene and decode cameras.
+
+    π³ / Pi3X outputs are converted to VGGT's conventions by :func:`visionattn.recon.pi3.decode_pi3`
+    (world = first camera, depth = local points' z, confidence = sigmoid of the logits, intrinsics fitted to
+    the local points unless given).
 
     Args:
         model: from :func:`build_model`.
@@ -194,7 +232,10 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
             (:func:`visionattn.recon.ba.query_plan`): also track these pixels of each query frame through the
             scene with VGGT's track head. The timed forward tracks frame 0's; the track features it computes
             ([S, C, H/2, W/2] floats, kept until the tracks are done) serve the other query frames
-            (:func:`visionattn.recon.ba.track_from_features`).
+            (:func:`visionattn.recon.ba.track_from_features`). VGGT only.
+        conditions: Pi3X only: ``{"intrinsics": [S, 3, 3] pixels of the model's frame, "poses": [S, 4, 4]
+            camera-to-world OpenCV}``, either optional (:func:`visionattn.recon.priors.match_cameras`); given
+            intrinsics are also the returned ones.
 
     Returns:
         dict of numpy arrays: ``extrinsic`` [S, 3, 4] (OpenCV camera-from-world),
@@ -213,11 +254,15 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     dev = torch.device(device)
     x = images.to(dev, torch.float32)
     H, W = x.shape[-2:]
+    pi3 = _is_pi3(model)
+    cond = {k: torch.as_tensor(v, dtype=torch.float32, device=dev)[None] for k, v in (conditions or {}).items()}
+    if cond and not hasattr(model, "metric_head"):
+        raise ValueError("conditions (known intrinsics / poses) need Pi3X (model='pi3x')")
     bar = tqdm(total=1 + warmup, desc="inference", unit="pass", disable=not progress)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for _ in range(warmup):
-            model(x)
+            model(x, **cond)
             bar.update()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -225,7 +270,7 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     warmup_seconds = time.perf_counter() - t0
     queries, features = None, {}
     if track_queries is not None:
-        if getattr(model, "track_head", None) is None:
+        if pi3 or getattr(model, "track_head", None) is None:
             raise ValueError("tracking needs a model with a track head (enable_track=True)")
         frames_q, points_q = np.asarray(track_queries[0], np.int64), np.asarray(track_queries[1], np.float32)
         if frames_q[0] != 0:
@@ -236,8 +281,20 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
-            out = model(x, query_points=queries)
-            extr, intr = to_extri_intri(out["pose_enc"], (H, W))
+            if pi3:
+                out = model(x, **cond)
+                given = (conditions or {}).get("intrinsics")  # float64, as the file gave them
+                given = None if given is None else torch.as_tensor(given, dtype=torch.float64)
+                extr, intr, pixels = decode_pi3(out, given)
+            else:
+                out = model(x, query_points=queries)
+                extr, intr = to_extri_intri(out["pose_enc"], (H, W))
+                extr, intr = extr[0], intr[0]
+
+                def pixels(f):
+                    return {"depth": out["depth"][0, f, ..., 0], "depth_conf": out["depth_conf"][0, f],
+                            "world_points": out["world_points"][0, f],
+                            "world_points_conf": out["world_points_conf"][0, f]}
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
     finally:
@@ -254,9 +311,8 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     def np32(t):
         return t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, np.float32)
 
-    intr, fixed = _usable_intrinsics(intr[0], (H, W))
-    extr = extr[0]
-    pred = {"extrinsic": np32(extr).astype(np.float64), "intrinsic": np32(intr).astype(np.float64),
+    intr, fixed = _usable_intrinsics(intr, (H, W))
+    pred = {"extrinsic": extr.detach().double().cpu().numpy(), "intrinsic": intr.detach().double().cpu().numpy(),
             "intrinsic_fallback": fixed}
     S = images.shape[0]
     for name, dims in PIXEL_ARRAYS.items():
@@ -266,11 +322,10 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     with torch.inference_mode():
         for i in range(0, S, _COPY_FRAMES):  # a few frames at a time: host and device temporaries stay small
             f = slice(i, min(S, i + _COPY_FRAMES))
-            pred["depth"][f] = np32(out["depth"][0, f, ..., 0])
-            pred["depth_conf"][f] = np32(out["depth_conf"][0, f])
-            pred["world_points"][f] = np32(out["world_points"][0, f])
-            pred["world_points_conf"][f] = np32(out["world_points_conf"][0, f])
-            pred["world_points_from_depth"][f] = np32(unproject(out["depth"][0, f], extr[f], intr[f]))
+            maps = pixels(f)
+            for name in ("depth", "depth_conf", "world_points", "world_points_conf"):
+                pred[name][f] = np32(maps[name])
+            pred["world_points_from_depth"][f] = np32(unproject(maps["depth"], extr[f], intr[f]))
             pred["images"][f] = np32(images[f].permute(0, 2, 3, 1))
     pred.update(seconds=seconds, warmup_seconds=warmup_seconds, peak_memory_bytes=peak, peak_memory_kind=kind)
     if queries is not None:
@@ -449,13 +504,14 @@ def prediction_store(host_memory: str, frames: int, hw: tuple[int, int], out_dir
 
 
 def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp32",
-                weights: str = DEFAULT_WEIGHTS, device: str | None = None, conf_percentile: float = 50.0,
+                weights: str | None = None, device: str | None = None, conf_percentile: float = 50.0,
                 max_frames: int | str | None = None, size: int = 518, preprocess: str = "crop",
                 point_source: str = "depth", seed: int = 0, preview: bool = True,
                 progress: bool = True, warmup: int = 0, log=print, fps: float | None = None,
                 every: int | None = None, host_memory: str = "auto", compile_ahead: bool = True,
                 max_points: int | None = None, colmap_text: bool = False, ba: bool = False,
-                ba_query_frames: int = 8, ba_points: int = 512, ba_max_error: float = 8.0) -> dict:
+                ba_query_frames: int = 8, ba_points: int = 512, ba_max_error: float = 8.0,
+                intrinsics_file: str | None = None, poses_file: str | None = None) -> dict:
     """The whole demo: folder of images or video -> ``out_dir`` with points, cameras, depth, preview.
 
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
@@ -466,6 +522,8 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
 
     Args:
         source: a folder of images or a video file.
+        model: ``"vggt"``, ``"fastvggt"``, ``"pi3"`` or ``"pi3x"`` (see :func:`build_model`).
+        weights: as :func:`build_model` (None: the model's released weights).
         max_frames: use at most this many frames; ``"auto"``: the most that fit the free GPU memory
             (:func:`auto_max_frames`; no limit on the CPU), said in the log.
         fps, every: video sampling (see :func:`~visionattn.recon.video.frame_selector`).
@@ -482,7 +540,10 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         ba: bundle-adjust the predicted cameras and points with pycolmap over tracks of VGGT's track head
             (:mod:`visionattn.recon.ba`): ``ba_points`` pixels in each of ``ba_query_frames`` frames, observations
             within ``ba_max_error`` pixels of their point's projection; ``sparse/0`` is then the refined model
-            of the tracked points (the other outputs keep the network's cameras).
+            of the tracked points (the other outputs keep the network's cameras). VGGT / FastVGGT only.
+        intrinsics_file, poses_file: Pi3X only: a COLMAP model folder or a ``transforms.json`` whose cameras
+            condition the model (:mod:`visionattn.recon.priors`; matched to the frames by image file name):
+            read before any decoding, matched once the frames are loaded; the summary's ``conditions`` names them.
 
     Returns:
         summary dict: frames, tokens, points kept, ``seconds`` (wall seconds per stage: setup, decode, build,
@@ -493,11 +554,16 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         reprojection error before / after).
 
     Raises:
-        ImageFolderError, OutputDirError, WeightsError, DeviceError, MissingDependencyError:
+        ImageFolderError, OutputDirError, WeightsError, DeviceError, MissingDependencyError, CameraFileError:
             user errors (no output written).
-        ValueError: bad arguments.
+        ValueError: bad arguments (also ``ba`` with π³ / Pi3X, camera files with another model than Pi3X).
     """
     t_start = time.perf_counter()
+    weights = default_weights(model) if weights is None else weights
+    if (intrinsics_file is not None or poses_file is not None) and model != "pi3x":
+        raise ValueError(f"known intrinsics / poses condition Pi3X only (model='pi3x'), not model={model!r}")
+    if ba and model in PI3_MODELS:
+        raise ValueError(f"bundle adjustment tracks with VGGT's track head; model={model!r} has none")
     if not 0.0 <= conf_percentile <= 100.0:
         raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
     if max_frames is not None and max_frames != "auto" and (not isinstance(max_frames, int) or max_frames < 1):
@@ -517,7 +583,10 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
             check_checkpoint(weights)  # a corrupt file fails now, in one line, not after decoding
         else:
             _reachable_weights(weights)  # fail in seconds when offline, before decoding any image
-    opts = dict(source=source, out_dir=out_dir, model=model, mode=mode, weights=weights, dev=dev,
+    # camera files: read (and a bad one refused) before any decoding; matched to the frames once they are loaded
+    cameras = {key: (path, read_camera_file(path)) for key, path in (("intrinsics", intrinsics_file),
+                                                                     ("poses", poses_file)) if path is not None}
+    opts = dict(source=source, out_dir=out_dir, model=model, mode=mode, weights=weights, dev=dev, cameras=cameras,
                 conf_percentile=conf_percentile, max_frames=max_frames, size=size, preprocess=preprocess,
                 point_source=point_source, seed=seed, preview=preview, progress=progress, warmup=warmup,
                 log=log, fps=fps, every=every, host_memory=host_memory, compile_ahead=compile_ahead,
@@ -561,11 +630,12 @@ class Stages:
         return out
 
 
-def start_compile_ahead(mode: str, weights: str, device, images_shape: tuple[int, ...]):
+def start_compile_ahead(mode: str, weights: str, device, images_shape: tuple[int, ...], model: str = "vggt"):
     """A :class:`visionattn.warmup.CompileAhead` of the kernels VGGT's forward in ``mode`` uses on ``images_shape``
     ([S, 3, H, W] frames; :func:`visionattn.models.vggt_attention_shapes`), or ``None`` where nothing compiles
-    (the CPU, ``mode="sdpa"``). Start it before the model's first forward; FastVGGT uses the same kernels."""
-    if torch.device(device).type != "cuda" or _check_mode(mode) is None:
+    ahead (the CPU, ``mode="sdpa"``, and π³ / Pi3X, whose kernels compile in their first forward). Start it before
+    the model's first forward; FastVGGT uses the same kernels."""
+    if torch.device(device).type != "cuda" or _check_mode(mode) is None or model in PI3_MODELS:
         return None
     _, tiny_config, _, _, _ = _models_api()  # a missing model package fails here, with the clear message
     from ..models import vggt_attention_shapes
@@ -602,10 +672,10 @@ def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
 STAGES = ("setup", "decode", "build", "compile", "warmup", "inference", "tracks", "bundle_adjustment", "export")
 
 
-def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weights, dev, conf_percentile, max_frames,
-                      size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every, host_memory,
-                      compile_ahead, max_points, colmap_text, ba, ba_query_frames, ba_points, ba_max_error,
-                      stack) -> dict:
+def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weights, dev, cameras, conf_percentile,
+                      max_frames, size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every,
+                      host_memory, compile_ahead, max_points, colmap_text, ba, ba_query_frames, ba_points,
+                      ba_max_error, stack) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
     net, model_seconds = None, 0.0
@@ -621,11 +691,17 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
                              progress=progress, frames_dir=frames_dir)
     for name, why in loaded.skipped:
         log(f"note: skipped {name!r} ({why})")
+    conditions = {}
+    if cameras:
+        conditions = match_cameras(loaded, **{f"{k}_file": p for k, (p, _) in cameras.items()},
+                                   **{f"{k}_entries": e for k, (_, e) in cameras.items()})
+        if "poses" in conditions and len(conditions["poses"]) < 2:
+            log("note: Pi3X ignores poses with a single frame (they are relative: it needs two posed frames)")
     store = prediction_store(host_memory, loaded.images.shape[0], tuple(loaded.images.shape[-2:]), out_dir, stack,
                              log)
     ahead, t0 = None, time.perf_counter()
     if net is None and compile_ahead:  # the model is built next: compile the kernels meanwhile
-        ahead = start_compile_ahead(mode, weights, dev, tuple(loaded.images.shape))
+        ahead = start_compile_ahead(mode, weights, dev, tuple(loaded.images.shape), model)
     if net is None:
         with stages("build"):
             net = build_model(model, weights, mode, dev, seed)
@@ -642,7 +718,8 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
 
         queries = query_plan(S, (H, W), ba_query_frames, ba_points, seed)
     t0 = time.perf_counter()
-    pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup, store=store, track_queries=queries)
+    pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup, store=store, track_queries=queries,
+                     conditions=conditions)
     extra_seconds = pred["warmup_seconds"] + pred.get("track_seconds", 0.0)
     stages.add("warmup", pred["warmup_seconds"])
     stages.add("tracks", pred.get("track_seconds", 0.0))
@@ -657,6 +734,7 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
                "skipped": [n for n, _ in loaded.skipped], "input": os.path.abspath(source),
                "sources": dict(zip(loaded.names, loaded.sources)),
                "intrinsic_fallback_frames": [int(i) for i in np.flatnonzero(pred["intrinsic_fallback"])],
+               "conditions": {k: os.path.abspath(p) for k, (p, _) in cameras.items()},
                "environment": environment()}
     if loaded.extra:
         summary["video"] = loaded.extra
