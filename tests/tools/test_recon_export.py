@@ -135,3 +135,40 @@ def test_a_failing_output_stops_the_rest_and_raises():
         write_outputs(tasks, workers=1, progress=False)
     assert len(ran) < 50  # the queued writers were cancelled
     assert write_outputs([("a", lambda: None)] * 3, workers=2, progress=False).keys() == {"a"}
+
+
+def test_a_writer_still_running_finishes_before_the_error_leaves_even_through_a_second_signal(monkeypatch):
+    """A stop signal raises in the waiting thread; a second one (e.g. SIGHUP twice) raised while it waits for the
+    running writers must not let the error out before they finish: the caller removes the folder they write into,
+    and a file written after that keeps the folder alive."""
+    import concurrent.futures
+    import threading
+    import time
+
+    class SecondSignal(Exception):
+        """What a stop signal's handler raises (a KeyboardInterrupt here would stop the test run itself)."""
+
+    real_shutdown = concurrent.futures.ThreadPoolExecutor.shutdown
+    interrupted = []
+
+    def shutdown_interrupted_once(self, *args, **kwargs):
+        if not interrupted:
+            interrupted.append(True)
+            raise SecondSignal  # the second signal, while waiting
+        return real_shutdown(self, *args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "shutdown", shutdown_interrupted_once)
+    started, finished = threading.Event(), []
+
+    def slow_writer():
+        started.set()
+        time.sleep(0.3)
+        finished.append("slow")
+
+    def failing_writer():
+        started.wait()
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_outputs([("slow", slow_writer), ("bad", failing_writer)], workers=2, progress=False)
+    assert interrupted and finished == ["slow"]

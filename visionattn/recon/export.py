@@ -101,8 +101,21 @@ def write_outputs(tasks, workers: int | None = None, progress: bool = True, desc
         except BaseException:  # an error, Ctrl-C or SIGTERM: start nothing more
             for fut in futures:
                 fut.cancel()
+            _finish_running(pool)
             raise
     return seconds
+
+
+def _finish_running(pool: ThreadPoolExecutor) -> None:
+    """Wait for the writers already running, through any further signal (a second SIGHUP / Ctrl-C raises in this
+    thread while it waits): a writer still running when the caller removes the folder would leave a file there and
+    the folder with it."""
+    while True:
+        try:
+            pool.shutdown(wait=True, cancel_futures=True)
+            return
+        except BaseException:  # noqa: B012 -- the first exception is the one the caller sees
+            continue
 
 
 def write_reconstruction(folder: str, pred: dict, loaded, conf_percentile: float = 50.0,

@@ -319,8 +319,16 @@ def atomic_output_dir(out_dir: str, inputs=(), manifest_extra: dict | None = Non
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(created)
+        # further stop signals wait until the temporary folder is gone (one arriving mid-removal would leave it)
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *STOP_SIGNALS})
+        try:
+            for _ in range(3):  # a file written while the tree is removed keeps its folder: remove again
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not os.path.lexists(tmp):
+                    break
+            _remove_empty(created)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
             raise OutputWriteError(
                 f"--out {out_dir!r} could not be written: {exc.strerror or exc} in {parent!r} (where the output "
