@@ -75,8 +75,10 @@ def write_cameras_json(path: str, names, sources, extrinsics, intrinsics, image_
             fr["intrinsic_fallback"] = bool(fallback[i])
         frames.append(fr)
     doc = {"convention": "OpenCV camera-from-world extrinsic [R|t]: x_cam = R @ x_world + t; "
-                         "world = first camera's frame; intrinsic in continuous pixels of the model's frame "
-                         "(intrinsic_original: of the source image, as in images/)",
+                         "world = the first camera's frame as the model predicts it (frame 0's extrinsic is the "
+                         "model's output: VGGT's is the identity with trained weights only; pi3 / pi3x poses are "
+                         "re-based so that it is exactly the identity); intrinsic in continuous pixels of the "
+                         "model's frame (intrinsic_original: of the source image, as in images/)",
            "frames": frames}
     if depth_scale is not None:
         doc["depth_png_scale"] = float(depth_scale)

@@ -205,6 +205,41 @@ def available_host_memory() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def _blocks(model: torch.nn.Module) -> list:
+    """The model's transformer blocks (:class:`visionattn.models.layers.Block`), encoder and decoder."""
+    from visionattn.models.layers import Block
+
+    return [m for m in model.modules() if isinstance(m, Block)]
+
+
+@contextlib.contextmanager
+def _block_progress(model: torch.nn.Module, bar):
+    """Advance ``bar`` by one as each transformer block (:class:`visionattn.models.layers.Block`, encoder and
+    decoder) first runs in a forward, so a long forward shows where it is and tqdm's rate estimates the time
+    left; a block that a frame-chunked stage runs several times counts once. Yields a callable that closes one
+    forward (the bar moves to its end, the next forward counts afresh)."""
+    blocks = _blocks(model)
+    seen: set[int] = set()
+    done = [0]
+
+    def hook(module, args, output):
+        if id(module) not in seen:
+            seen.add(id(module))
+            bar.update()
+
+    def end_forward():
+        done[0] += max(1, len(blocks))
+        seen.clear()
+        bar.update(done[0] - bar.n)
+
+    handles = [b.register_forward_hook(hook) for b in blocks]
+    try:
+        yield end_forward
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def _is_pi3(model: torch.nn.Module) -> bool:
     from visionattn.models import Pi3, Pi3X
 
@@ -258,50 +293,52 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     cond = {k: torch.as_tensor(v, dtype=torch.float32, device=dev)[None] for k, v in (conditions or {}).items()}
     if cond and not hasattr(model, "metric_head"):
         raise ValueError("conditions (known intrinsics / poses) need Pi3X (model='pi3x')")
-    bar = tqdm(total=1 + warmup, desc="inference", unit="pass", disable=not progress)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for _ in range(warmup):
-            model(x, **cond)
-            bar.update()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-    warmup_seconds = time.perf_counter() - t0
-    queries, features = None, {}
-    if track_queries is not None:
-        if pi3 or getattr(model, "track_head", None) is None:
-            raise ValueError("tracking needs a model with a track head (enable_track=True)")
-        frames_q, points_q = np.asarray(track_queries[0], np.int64), np.asarray(track_queries[1], np.float32)
-        if frames_q[0] != 0:
-            raise ValueError(f"track_queries: the first query frame must be 0, got {frames_q.tolist()}")
-        queries = torch.as_tensor(points_q[0], device=dev)[None]
-        hook = model.track_head.feature_extractor.register_forward_hook(
-            lambda module, args, output: features.update(fmaps=output))
-    t0 = time.perf_counter()
-    try:
+    bar = tqdm(total=max(1, len(_blocks(model))) * (1 + warmup), desc="inference", unit="block", disable=not progress)
+    with contextlib.ExitStack() as stack:  # the block hooks come off whatever the forward raises
+        end_forward = stack.enter_context(_block_progress(model, bar)) if progress else (lambda: None)
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            if pi3:
-                out = model(x, **cond)
-                given = (conditions or {}).get("intrinsics")  # float64, as the file gave them
-                given = None if given is None else torch.as_tensor(given, dtype=torch.float64)
-                extr, intr, pixels = decode_pi3(out, given)
-            else:
-                out = model(x, query_points=queries)
-                extr, intr = to_extri_intri(out["pose_enc"], (H, W))
-                extr, intr = extr[0], intr[0]
+            for _ in range(warmup):
+                model(x, **cond)
+                end_forward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        warmup_seconds = time.perf_counter() - t0
+        queries, features = None, {}
+        if track_queries is not None:
+            if pi3 or getattr(model, "track_head", None) is None:
+                raise ValueError("tracking needs a model with a track head (enable_track=True)")
+            frames_q, points_q = np.asarray(track_queries[0], np.int64), np.asarray(track_queries[1], np.float32)
+            if frames_q[0] != 0:
+                raise ValueError(f"track_queries: the first query frame must be 0, got {frames_q.tolist()}")
+            queries = torch.as_tensor(points_q[0], device=dev)[None]
+            hook = model.track_head.feature_extractor.register_forward_hook(
+                lambda module, args, output: features.update(fmaps=output))
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                if pi3:
+                    out = model(x, **cond)
+                    given = (conditions or {}).get("intrinsics")  # float64, as the file gave them
+                    given = None if given is None else torch.as_tensor(given, dtype=torch.float64)
+                    extr, intr, pixels = decode_pi3(out, given)
+                else:
+                    out = model(x, query_points=queries)
+                    extr, intr = to_extri_intri(out["pose_enc"], (H, W))
+                    extr, intr = extr[0], intr[0]
 
-                def pixels(f):
-                    return {"depth": out["depth"][0, f, ..., 0], "depth_conf": out["depth_conf"][0, f],
-                            "world_points": out["world_points"][0, f],
-                            "world_points_conf": out["world_points_conf"][0, f]}
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-    finally:
-        if queries is not None:
-            hook.remove()
-    seconds = time.perf_counter() - t0
-    bar.update()
+                    def pixels(f):
+                        return {"depth": out["depth"][0, f, ..., 0], "depth_conf": out["depth_conf"][0, f],
+                                "world_points": out["world_points"][0, f],
+                                "world_points_conf": out["world_points_conf"][0, f]}
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+        finally:
+            if queries is not None:
+                hook.remove()
+        seconds = time.perf_counter() - t0
+        end_forward()
     bar.close()
     if dev.type == "cuda":
         peak, kind = int(torch.cuda.max_memory_allocated(dev)), "cuda_max_allocated"
