@@ -27,7 +27,7 @@ import warnings
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_IMAGE_DIR = os.path.join(REPO, "demos", "data", "aloe")
 sys.path.insert(0, os.path.join(REPO, "tools"))  # the command-line helpers the tools share
-from _cli import ToolParser, nonnegative_int, percentile, positive_float, positive_int  # noqa: E402
+from _harness import ToolParser, nonnegative_int, percentile, positive_float, positive_int  # noqa: E402
 
 OUTPUTS = """outputs (in OUT_DIR, all written side by side to a hidden temporary folder and renamed at the end):
   points.ply            coloured point cloud, points under the confidence percentile dropped; with
@@ -81,7 +81,7 @@ def _max_frames(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from visionattn.recon.pipeline import ATTN_MODES, HOST_MEMORY, MODEL_WEIGHTS, MODELS
+    from visionattn.recon.pipeline import ATTN_MODES, HEADS, HOST_MEMORY, MODEL_WEIGHTS, MODELS
 
     p = ToolParser(  # errors: one line, exit status 2
         prog="reconstruct.py", description=__doc__.split("\n\n")[0],
@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention precision: fp32 (FP32-accurate), fp32-ieee, tf32, fp16, bf16, pasa "
                         "(robust FP16), or sdpa (PyTorch's own attention, a baseline). Only attention changes; "
                         "the rest of the network stays FP32 (default: %(default)s)")
+    p.add_argument("--heads", choices=HEADS, default=None,
+                   help="vggt / fastvggt: precision of the camera, depth and point heads: fp32 (VGGT's FP32 "
+                        "heads, the default) or bf16 / fp16 (as the official FastVGGT code runs them, faster); "
+                        "stated in summary.json as 'heads'")
     p.add_argument("--weights", default=None,
                    help="a hub id (downloaded, cached), a local checkpoint PATH (folder or .safetensors/.pt), "
                         "'random' (the released configuration, random weights: timing and precision studies) or "
@@ -200,6 +204,8 @@ def main(argv=None) -> dict:
     for flag, value in (("--intrinsics", args.intrinsics), ("--poses", args.poses)):
         if value is not None and args.model != "pi3x":
             parser.error(f"{flag} conditions Pi3X only: add --model pi3x")
+    if args.heads is not None and args.model in ("pi3", "pi3x"):
+        parser.error(f"--heads sets VGGT / FastVGGT's heads; --model {args.model} runs its own (drop --heads)")
     if args.ba and args.model in ("pi3", "pi3x"):
         parser.error(f"--ba tracks with VGGT's track head; --model {args.model} has none (use vggt or fastvggt)")
     log = (lambda *a: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
@@ -215,7 +221,8 @@ def main(argv=None) -> dict:
                 fps=args.fps, every=args.every, host_memory=args.host_memory,
                 compile_ahead=not args.no_compile_ahead, max_points=args.max_points, colmap_text=args.colmap_text,
                 ba=args.ba, ba_query_frames=args.ba_query_frames, ba_points=args.ba_points,
-                ba_max_error=args.ba_max_error, intrinsics_file=args.intrinsics, poses_file=args.poses)
+                ba_max_error=args.ba_max_error, intrinsics_file=args.intrinsics, poses_file=args.poses,
+                heads=args.heads)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
@@ -242,7 +249,9 @@ def main(argv=None) -> dict:
           f"host RSS {_gib(summary['peak_host_rss_bytes'])}"
           + (f", CUDA {_gib(summary['peak_cuda_allocated_bytes'])}" if 'peak_cuda_allocated_bytes' in summary else "")
           + " | "
-          f"{summary['model']} mode={summary['mode']} weights={summary['weights']} on {summary['device']} "
+          f"{summary['model']} mode={summary['mode']}"
+          + (f" heads={summary['heads']}" if summary["heads"] else "")
+          + f" weights={summary['weights']} on {summary['device']} "
           f"-> {summary['out_dir']}")
     summary["exit_code"] = 0
     return summary

@@ -41,6 +41,7 @@ __all__ = [
 
 DEFAULT_WEIGHTS = "facebook/VGGT-1B"
 MODELS = ("vggt", "fastvggt", *PI3_MODELS)
+HEADS = ("fp32", "bf16", "fp16")  # VGGT / FastVGGT heads' precision (build_model(heads=...))
 MODEL_WEIGHTS = {"vggt": DEFAULT_WEIGHTS, "fastvggt": DEFAULT_WEIGHTS, "pi3": "yyfz233/Pi3",
                  "pi3x": "yyfz233/Pi3X"}
 """Each model's released weights (the hub id ``weights=None`` stands for)."""
@@ -128,7 +129,7 @@ def _reachable_weights(weights: str, timeout: float = 3.0) -> str:
 
 
 def build_model(model: str = "vggt", weights: str | None = None, mode: str = "fp32",
-                device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
+                device: str | torch.device = "cpu", seed: int = 0, heads: str | None = None) -> torch.nn.Module:
     """Build VGGT, FastVGGT, π³ or Pi3X in eval mode on ``device``.
 
     Args:
@@ -139,6 +140,9 @@ def build_model(model: str = "vggt", weights: str | None = None, mode: str = "fp
             ``pi3x_tiny_config``); None: the model's released weights (:data:`MODEL_WEIGHTS`).
         mode: attention precision, one of :data:`ATTN_MODES` (``"sdpa"``: PyTorch SDPA).
         seed: seed for random weights (same seed -> same model).
+        heads: VGGT / FastVGGT: the precision of the camera, depth and point heads, one of :data:`HEADS`
+            (None: ``"fp32"``, VGGT's FP32 heads; the official FastVGGT code runs them in ``"bf16"``). π³ / Pi3X
+            run their heads as their code does: only None is accepted.
 
     Raises:
         ValueError: unknown ``model`` / ``mode``.
@@ -155,6 +159,12 @@ def build_model(model: str = "vggt", weights: str | None = None, mode: str = "fp
         raise ValueError(f"model={model!r} is not known; expected one of {MODELS}")
     attn_mode = _check_mode(mode)
     kwargs = {"attn_mode": attn_mode}
+    if heads is not None:
+        if heads not in HEADS:
+            raise ValueError(f"heads={heads!r}; expected one of {HEADS}")
+        if model in PI3_MODELS:
+            raise ValueError(f"heads={heads!r} applies to vggt / fastvggt; model={model!r} runs its own heads")
+        kwargs["heads_dtype"] = heads
     if model == "fastvggt":
         kwargs["merging"] = merging_cfg
     dev = torch.device(device)
@@ -548,7 +558,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 every: int | None = None, host_memory: str = "auto", compile_ahead: bool = True,
                 max_points: int | None = None, colmap_text: bool = False, ba: bool = False,
                 ba_query_frames: int = 8, ba_points: int = 512, ba_max_error: float = 8.0,
-                intrinsics_file: str | None = None, poses_file: str | None = None) -> dict:
+                intrinsics_file: str | None = None, poses_file: str | None = None, heads: str | None = None) -> dict:
     """The whole demo: folder of images or video -> ``out_dir`` with points, cameras, depth, preview.
 
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
@@ -581,6 +591,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         intrinsics_file, poses_file: Pi3X only: a COLMAP model folder or a ``transforms.json`` whose cameras
             condition the model (:mod:`visionattn.recon.priors`; matched to the frames by image file name):
             read before any decoding, matched once the frames are loaded; the summary's ``conditions`` names them.
+        heads: VGGT / FastVGGT heads' precision (:func:`build_model`); the summary's ``heads`` states it.
 
     Returns:
         summary dict: frames, tokens, points kept, ``seconds`` (wall seconds per stage: setup, decode, build,
@@ -606,6 +617,9 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
     if max_frames is not None and max_frames != "auto" and (not isinstance(max_frames, int) or max_frames < 1):
         raise ValueError(f"max_frames={max_frames!r}; expected a positive int, 'auto' or None")
     _check_mode(mode)
+    if heads is not None and (heads not in HEADS or model in PI3_MODELS):
+        raise ValueError(f"heads={heads!r}: expected one of {HEADS}, with model 'vggt' or 'fastvggt' "
+                         f"(model={model!r})")
     if host_memory not in HOST_MEMORY:
         raise ValueError(f"host_memory={host_memory!r}; expected one of {HOST_MEMORY}")
     if max_points is not None and (not isinstance(max_points, int) or max_points < 1):
@@ -628,7 +642,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 point_source=point_source, seed=seed, preview=preview, progress=progress, warmup=warmup,
                 log=log, fps=fps, every=every, host_memory=host_memory, compile_ahead=compile_ahead,
                 max_points=max_points, colmap_text=colmap_text, ba=ba, ba_query_frames=ba_query_frames,
-                ba_points=ba_points, ba_max_error=ba_max_error)
+                ba_points=ba_points, ba_max_error=ba_max_error, heads=heads)
     stages = Stages()
     stages.add("setup", time.perf_counter() - t_start)  # argument checks, imports, output folder checks
     # the temporary output folder exists from here on: an unwritable --out fails before any decoding; the
@@ -712,13 +726,13 @@ STAGES = ("setup", "decode", "build", "compile", "warmup", "inference", "tracks"
 def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weights, dev, cameras, conf_percentile,
                       max_frames, size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every,
                       host_memory, compile_ahead, max_points, colmap_text, ba, ba_query_frames, ba_points,
-                      ba_max_error, stack) -> dict:
+                      ba_max_error, heads, stack) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
     net, model_seconds = None, 0.0
     if max_frames == "auto":  # the model first: the frame count depends on the memory left next to it
         with stages("build"):
-            net = build_model(model, weights, mode, dev, seed)
+            net = build_model(model, weights, mode, dev, seed, heads)
         model_seconds = stages.seconds["build"]
         max_frames = auto_max_frames(net, dev, size)
         log(f"--max-frames auto: {max_frames} frames fit on {dev}" if max_frames is not None
@@ -741,7 +755,7 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
         ahead = start_compile_ahead(mode, weights, dev, tuple(loaded.images.shape), model)
     if net is None:
         with stages("build"):
-            net = build_model(model, weights, mode, dev, seed)
+            net = build_model(model, weights, mode, dev, seed, heads)
     with stages("compile"):  # what is left of the kernel compile once the model is built
         ahead_info = ahead.wait() if ahead is not None else None
     model_seconds += time.perf_counter() - t0
@@ -763,6 +777,7 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
     stages.add("inference", time.perf_counter() - t0 - extra_seconds)
     tokens = count_tokens(net, S, (H, W))
     summary = {"frames": S, "image_hw": [H, W], "tokens": tokens, "model": model, "mode": mode,
+               "heads": None if model in PI3_MODELS else (net.heads_dtype or "fp32"),
                "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "warmup": warmup,
                "model_seconds": model_seconds,
                "peak_memory_bytes": pred["peak_memory_bytes"], "peak_memory_kind": pred["peak_memory_kind"],
