@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .hub import CheckpointNotFoundError, load_state_dict_file, resolve_checkpoint, save_checkpoint_folder
-from .layers import AUTO_MODE, Block, DinoV2
+from .layers import AUTO_MODE, Block, DinoV2, checkpointed
 from .pi3_layers import CameraHead, LinearPts3d, RopeGrid, TransformerDecoder, check_attn_mode, decoder_block
 
 __all__ = ["Pi3", "pi3_tiny_config", "PI3_REPO", "PI3_LICENSE"]
@@ -48,6 +48,7 @@ class _Pi3Base(nn.Module):
     """
 
     default_repo = PI3_REPO
+    grad_checkpointing: bool = False
 
     # ------------------------------------------------------------------ construction
     def _build_trunk(self, img_size, patch_size, embed_dim, encoder_depth, encoder_heads, depth, num_heads,
@@ -85,6 +86,26 @@ class _Pi3Base(nn.Module):
     def attn_mode(self):
         """The attention mode of the first attention module (all share one unless patched per module)."""
         return next(m.visionattn_mode for m in self.modules() if getattr(type(m), "_visionattn_native", False))
+
+    def set_grad_checkpointing(self, enable: bool = True):
+        """Activation checkpointing of the decoder blocks and the DINOv2 encoders' blocks, for fine-tuning; returns
+        self.
+
+        timm's ``set_grad_checkpointing(enable=True)``. When autograd records, each block keeps only its input and
+        backward recomputes it once (:func:`~visionattn.models.layers.checkpointed`): outputs and gradients are
+        unchanged, activation memory drops to one [B*N, T, C] tensor per block. Read back as
+        ``model.grad_checkpointing``.
+
+        Raises:
+            TypeError: ``enable`` is not a bool.
+        """
+        if not isinstance(enable, bool):
+            raise TypeError(f"enable={enable!r} must be a bool")
+        self.grad_checkpointing = enable
+        for m in self.modules():
+            if isinstance(m, DinoV2):
+                m.grad_checkpointing = enable
+        return self
 
     def set_chunking(self, encoder_chunk_size: int | None = 32, tokens_chunk_size: int | None = 65536):
         """Frames per DINOv2 encoder chunk and token rows per MLP chunk (grad disabled); None = off; returns self.
@@ -159,7 +180,8 @@ class _Pi3Base(nn.Module):
         frame_rope, global_rope = grid.frame(head_dim), grid.global_(head_dim)
         keep = None
         for i, blk in enumerate(self.decoder):
-            x = blk(x.reshape(B * N, T, C), frame_rope) if i % 2 == 0 else blk(x.reshape(B, N * T, C), global_rope)
+            x = (checkpointed(blk, x.reshape(B * N, T, C), frame_rope, enabled=self.grad_checkpointing) if i % 2 == 0
+                 else checkpointed(blk, x.reshape(B, N * T, C), global_rope, enabled=self.grad_checkpointing))
             if inject is not None:
                 x = inject(i, x)
             if i == len(self.decoder) - 2:

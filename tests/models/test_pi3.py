@@ -260,3 +260,40 @@ def test_offline_hub_error_is_fast_and_helpful(tmp_path, cls, repo):
     assert f"{cls}.from_pretrained('/path/to" in out
     assert "CC BY-NC 4.0" in res.stderr  # the licence is stated before the lookup
     assert float(out.rsplit("|", 1)[1]) < 60
+
+
+@pytest.mark.parametrize("cls_name", ["Pi3", "Pi3X"])
+def test_grad_checkpointing_keeps_outputs_and_gradients(cls_name, monkeypatch):
+    """Fine-tuning with activation checkpointing: the same loss and the same gradients as without it (the blocks
+    recompute in backward), and the switch reaches the decoder and every DINOv2 encoder."""
+    import visionattn.models as models
+    import visionattn.models.layers as layers
+
+    calls = []
+    real = layers.checkpoint
+    monkeypatch.setattr(layers, "checkpoint", lambda fn, *a, **k: calls.append(fn) or real(fn, *a, **k))
+
+    cls = getattr(models, cls_name)
+    cfg = models.pi3_tiny_config() if cls_name == "Pi3" else models.pi3x_tiny_config()
+    torch.manual_seed(0)
+    model = cls(**cfg, attn_mode="fp32").train()
+    images = torch.rand(1, 3, 3, 56, 56, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for enable in (False, True):
+        model.zero_grad()
+        assert model.set_grad_checkpointing(enable) is model and model.grad_checkpointing is enable
+        out = model(images)
+        loss = sum((out[k].float() ** 2).mean() for k in ("points", "local_points", "conf", "camera_poses"))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss0, g0), (loss1, g1) = grads
+    # the decoder's and the image encoder's blocks ran checkpointed, in the enabled pass only
+    ran = len(model.decoder) + sum(type(m).__name__ == "Block" for m in model.encoder.modules())
+    assert len(calls) == ran
+    assert torch.equal(loss0, loss1) and g0.keys() == g1.keys() and len(g0) > 10
+    for name in g0:
+        assert torch.allclose(g0[name], g1[name], rtol=1e-5, atol=1e-7), name
+    dinos = [m for m in model.modules() if type(m).__name__ == "DinoV2"]
+    assert dinos and all(m.grad_checkpointing for m in dinos)
+    with pytest.raises(TypeError, match="must be a bool"):
+        model.set_grad_checkpointing(1)
