@@ -125,6 +125,7 @@ def _die(rank: int, where: str) -> dict:
     """Rank 1 dies (before the call, in the ring's first transfer or Ulysses' first all-to-all, in the backward's);
     rank 0's error. The ring's calls have 3 heads (auto: the ring), Ulysses' 2."""
     ulysses = "ulysses" in where
+    scheme = "auto"
     q, k, v = (t[:, :2] if ulysses else t for t in _inputs(4))
     collective = "_all_to_all" if ulysses else "_pass_on"
     if rank == 1 and where == "before the call":
@@ -134,8 +135,8 @@ def _die(rank: int, where: str) -> dict:
     backward = where.endswith("backward")
     leaves = [t.clone().requires_grad_(backward) for t in (q, k, v)]
     if not backward:
-        return {where: _catch(lambda: context_parallel_attention(*leaves))}
-    out = context_parallel_attention(*leaves)
+        return {where: _catch(lambda: context_parallel_attention(*leaves, scheme=scheme))}
+    out = context_parallel_attention(*leaves, scheme=scheme)
     if rank == 1:
         setattr(vd, collective, lambda *a: os._exit(0))
     return {where: _catch(lambda: out.sum().backward())}

@@ -132,6 +132,7 @@ def _auto_cases(rank: int, lens: list[int], heads: int) -> tuple[list, dict]:
     ref_kw = {"plain": {}, "causal": {"is_causal": True}, "mask": {"attn_mask": mask},
               "bias on rank 0": {"bias": torch.where(torch.arange(n)[:, None] < lens[0], bias, 0.0)}}
     for name, (h, kw) in cases.items():
+        kw = {"scheme": "auto", **kw}
         qh, kh, vh = _inputs(n, n, h, seed=7) if h != heads else (q, k, v)
         local = {key: t[..., s:e, :] if torch.is_tensor(t) else t for key, t in kw.items()}
         leaves = [t[:, :, s:e].clone().requires_grad_() for t in (qh, kh, vh)]
