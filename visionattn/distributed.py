@@ -789,8 +789,27 @@ class _RingFunction(torch.autograd.Function):
 def _all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: list[int], send_splits: list[int],
                 group) -> list:
     """Post one all-to-all of the flat ``send`` (``send_splits[j]`` elements to rank j, in rank order) into the flat
-    ``recv`` (``recv_splits[i]`` from rank i); the works to wait for."""
-    return [dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)]
+    ``recv`` (``recv_splits[i]`` from rank i); the works to wait for.
+
+    NCCL: one ``all_to_all_single``. gloo: pairwise isend / irecv with every peer (and a local copy), because gloo's
+    all-to-all can abort the whole process (``std::terminate``) when a peer dies during it, where a failed
+    point-to-point transfer raises in the wait as the ring's do."""
+    if dist.get_backend(group) != "gloo":
+        return [dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)]
+    rank, world = dist.get_rank(group), len(send_splits)
+    s_at = [sum(send_splits[:j]) for j in range(world)]
+    r_at = [sum(recv_splits[:j]) for j in range(world)]
+    recv[r_at[rank]:r_at[rank] + recv_splits[rank]].copy_(send[s_at[rank]:s_at[rank] + send_splits[rank]])
+    p2p = []
+    for j in range(world):
+        if j == rank:
+            continue
+        peer = dist.get_global_rank(group, j)
+        if send_splits[j]:
+            p2p.append(dist.P2POp(dist.isend, send[s_at[j]:s_at[j] + send_splits[j]], peer, group))
+        if recv_splits[j]:
+            p2p.append(dist.P2POp(dist.irecv, recv[r_at[j]:r_at[j] + recv_splits[j]], peer, group))
+    return dist.batch_isend_irecv(p2p) if p2p else []
 
 
 def _swap(blocks: list[list[torch.Tensor]], shapes: list[list[tuple]], group, rank: int, world: int,
