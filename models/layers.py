@@ -22,13 +22,45 @@ from .merging import plan_merge
 __all__ = [
     "AUTO_MODE", "DTYPE_MODES", "resolve_attn_mode", "attend", "checkpointed", "LayerScale", "Mlp", "RopeTables",
     "rope_tables", "apply_rope", "Attention", "Block", "MHAttention", "AttnBlock", "CrossAttnBlock", "PatchEmbed",
-    "DinoV2",
+    "DinoV2", "check_attn_mode", "AttnModeMixin",
 ]
 
 AUTO_MODE = "auto"
 DTYPE_MODES = ("fp32", "bf16", "fp16")
 """The modes named after the dtype they compute in: what ``"auto"`` picks from q's dtype."""
 _AUTO = {get_mode(m).compute_dtype: m for m in DTYPE_MODES} | {torch.float64: "fp32"}  # float64 q: FP32 mode
+
+
+def check_attn_mode(mode: str | None) -> str | None:
+    """``mode`` unchanged when it is None (PyTorch SDPA) or :data:`AUTO_MODE`, else its visionattn mode name.
+
+    Raises:
+        ValueError: an unknown mode (the message lists the valid ones).
+    """
+    if mode is None or mode == AUTO_MODE:
+        return mode
+    return get_mode(mode).name
+
+
+class AttnModeMixin:
+    """``set_attn_mode`` / ``attn_mode`` for a model built of visionattn's native attention modules."""
+
+    def set_attn_mode(self, mode: str | None):
+        """Set ``visionattn_mode`` of every attention module (a mode, ``"auto"`` or None = SDPA); returns self.
+
+        Raises:
+            ValueError: an unknown mode.
+        """
+        mode = check_attn_mode(mode)
+        for m in self.modules():
+            if getattr(type(m), "_visionattn_native", False):
+                m.visionattn_mode = mode
+        return self
+
+    @property
+    def attn_mode(self):
+        """The attention mode of the first attention module (all share one unless patched per module)."""
+        return next(m.visionattn_mode for m in self.modules() if getattr(type(m), "_visionattn_native", False))
 
 
 def resolve_attn_mode(mode: str | None, dtype: torch.dtype) -> str | None:

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from .hub import CheckpointNotFoundError, load_state_dict_file, resolve_checkpoint, save_checkpoint_folder
-from .layers import AUTO_MODE, Block, DinoV2, checkpointed
-from .pi3_layers import CameraHead, LinearPts3d, RopeGrid, TransformerDecoder, check_attn_mode, decoder_block
+from .layers import AUTO_MODE, AttnModeMixin, Block, DinoV2, check_attn_mode, checkpointed
+from .pi3_layers import CameraHead, LinearPts3d, RopeGrid, TransformerDecoder, decoder_block
 
 __all__ = ["Pi3", "pi3_tiny_config", "PI3_REPO", "PI3_LICENSE"]
 
@@ -41,7 +41,7 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
 _log = logging.getLogger(__name__)
 
 
-class _Pi3Base(nn.Module):
+class _Pi3Base(AttnModeMixin, nn.Module):
     """Shared by :class:`Pi3` and :class:`~visionattn.models.pi3x.Pi3X`: encoder, alternating decoder, hub I/O.
 
     Subclasses build their heads after calling :meth:`_build_trunk` and implement ``forward``.
@@ -70,23 +70,6 @@ class _Pi3Base(nn.Module):
         self.register_buffer("image_std", torch.tensor(_STD).view(1, 3, 1, 1))
 
     # ------------------------------------------------------------------ runtime settings
-    def set_attn_mode(self, mode: str | None):
-        """Set ``visionattn_mode`` of every attention module (a mode, ``"auto"`` or None = SDPA); returns self.
-
-        Raises:
-            ValueError: an unknown mode.
-        """
-        mode = check_attn_mode(mode)
-        for m in self.modules():
-            if getattr(type(m), "_visionattn_native", False):
-                m.visionattn_mode = mode
-        return self
-
-    @property
-    def attn_mode(self):
-        """The attention mode of the first attention module (all share one unless patched per module)."""
-        return next(m.visionattn_mode for m in self.modules() if getattr(type(m), "_visionattn_native", False))
-
     def set_grad_checkpointing(self, enable: bool = True):
         """Activation checkpointing of the decoder blocks and the DINOv2 encoders' blocks, for fine-tuning; returns
         self.

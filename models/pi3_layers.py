@@ -16,26 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import AUTO_MODE, Block, LayerScale, Mlp, RopeTables, apply_rope, attend, rope_tables
+from .layers import AUTO_MODE, Block, LayerScale, check_attn_mode, Mlp, RopeTables, apply_rope, attend, rope_tables
 
 __all__ = [
     "check_attn_mode", "RopeGrid", "decoder_block", "TransformerDecoder", "CrossAttention", "CrossOnlyBlock",
     "ContextOnlyTransformerDecoder", "CameraHead", "LinearPts3d", "ResidualConvBlock", "ConvHead",
     "PRoPEAttention", "PoseInjectBlock", "svd_orthogonalize", "se3_inverse", "view_plane_uv",
 ]
-
-
-def check_attn_mode(mode: str | None) -> str | None:
-    """``mode`` unchanged when it is None, ``"auto"`` or a visionattn mode name.
-
-    Raises:
-        ValueError: an unknown mode (the message lists the valid ones).
-    """
-    if mode is None or mode == AUTO_MODE:
-        return mode
-    from visionattn.modes import get_mode
-
-    return get_mode(mode).name
 
 
 # ----------------------------------------------------------------------------- 2-D RoPE over the token grid

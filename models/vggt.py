@@ -27,7 +27,7 @@ from visionattn.modes import get_mode
 from .aggregator import _MEAN, _STD, Aggregator
 from .heads import CameraHead, DPTHead, TrackHead
 from .hub import CheckpointNotFoundError, hub_file, load_state_dict_file, resolve_checkpoint, save_checkpoint_folder
-from .layers import AUTO_MODE, DTYPE_MODES, Block
+from .layers import AUTO_MODE, DTYPE_MODES, AttnModeMixin, Block, check_attn_mode
 from .merging import TokenMerging, as_merging
 from .peak_memory import peak_bytes
 
@@ -51,13 +51,7 @@ class _ClassOrInstanceMethod:
         return functools.partial(self.__func__, obj)
 
 
-def _check_mode(mode):
-    if mode is None or mode == AUTO_MODE:
-        return mode
-    return get_mode(mode).name  # raises ValueError naming the valid modes
-
-
-class VGGT(nn.Module):
+class VGGT(AttnModeMixin, nn.Module):
     """VGGT / FastVGGT.
 
     Args:
@@ -138,7 +132,7 @@ class VGGT(nn.Module):
                  heads_dtype: str | None = None, grad_checkpointing: bool = False):
         args = dict(locals())
         super().__init__()
-        attn_mode = _check_mode(attn_mode)
+        attn_mode = check_attn_mode(attn_mode)
         if img_size % patch_size:
             raise ValueError(f"img_size={img_size} must be a multiple of patch_size={patch_size}")
         if max(dpt_layers) >= depth:
@@ -283,19 +277,6 @@ class VGGT(nn.Module):
         self._merging = as_merging(value)
 
     # ------------------------------------------------------------------ precision
-    def set_attn_mode(self, mode: str | None) -> "VGGT":
-        """Set ``visionattn_mode`` of every attention module (a mode, ``"auto"`` or None = SDPA); returns self."""
-        mode = _check_mode(mode)
-        for m in self.modules():
-            if getattr(type(m), "_visionattn_native", False):
-                m.visionattn_mode = mode
-        return self
-
-    @property
-    def attn_mode(self):
-        """The attention mode of the first attention module (all share one unless patched per module)."""
-        return next(m.visionattn_mode for m in self.modules() if getattr(type(m), "_visionattn_native", False))
-
     def inference_dtype(self, device=None, requested=None) -> torch.dtype:
         """Autocast dtype as the official demos choose it.
 
