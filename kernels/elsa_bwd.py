@@ -80,6 +80,19 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
 The same kernels serve the window op (:mod:`.window_bwd`): an additive mask indexed by ``batch mod n``
 (Swin's shift mask), a logit scale per head (Swin-v2) and its gradient ``sum dS * q k^T``.
 
+**Grouped-query / multi-query attention** (k / v [B, Hkv, Nk, D], Hkv dividing H; FlashAttention-2's GQA /
+MQA, SDPA's ``enable_gqa``): query head ``h`` reads K / V head ``h // G``, G = H / Hkv, an integer division of the
+program's head index (the kernels' ``GROUP`` argument; 1, the equal-heads case, is specialised to a constant).
+``dK_j = scale * sum_(h in group) sum_i dS_hij q_hi`` (and dV) is reduced inside the dK / dV kernel: one program
+per (key tile, K / V head, batch) streams the query tiles of the group's G query heads one head after another,
+in head order, into the same registers. Why this rather than FlashAttention-2's [B, H, Nk, D] dK / dV partials
+summed afterwards: no O(H Nk D) buffer, no second pass over it, and the sum order is fixed by the loop, so the
+gradients stay bit-for-bit reproducible without atomics. The cost is G times fewer dK / dV programs, each G times
+longer: B * Hkv * cdiv(Nk, BLOCK_N) programs can underfill the GPU for multi-query attention at small batch (to be
+measured against SDPA on the GPU). The dQ kernel stays one program per query head. The preprocess reads K / V at
+the query head's index, so with G > 1 it reads none of them, and per-head right-operand scales
+(:data:`HEAD_SCALED`) take each K / V head's largest magnitude from torch (:func:`_gqa_kv_max`).
+
 Public entry points: :func:`elsa_backward`, :func:`bias_grad_shape`, :func:`reduce_bias_grad`,
 :func:`launch_backward` (validated inputs, window extras);
 for tools and tuning :func:`get_config`, :class:`BwdConfig`, :class:`KernelTiles`.
@@ -432,36 +445,32 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
 def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E,
                sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh,
-               sgvn, H, Nq, Nk, D, Dv, scale, n_add, pid_n, turn, off_b, off_h, bh,
+               sgvn, H, Nq, Nk, D, Dv, scale, n_add, GROUP, pid_n, turn, off_b, off_hk, bhk,
                KEYS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, TAIL: tl.constexpr,
                PRECISION: tl.constexpr, GRAD_PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
                DQ_ORDERED: tl.constexpr, ACC_IS_OUT: tl.constexpr, SPIN_ASM: tl.constexpr, HEAD_B: tl.constexpr):
-    """The body of :func:`_bwd_dkdv_kernel` for key tile ``pid_n`` held ``KEYS`` rows tall (BLOCK_N, or TAIL
-    for a last key tile whose keys fit it). Query tiles are BLOCK_M rows; with TAIL, a last query tile whose
-    rows fit TAIL runs TAIL rows tall."""
+    """The body of :func:`_bwd_dkdv_kernel` for key tile ``pid_n`` of K / V head ``off_hk`` held ``KEYS`` rows
+    tall (BLOCK_N, or TAIL for a last key tile whose keys fit it). Query tiles are BLOCK_M rows; with TAIL, a last
+    query tile whose rows fit TAIL runs TAIL rows tall. The ``GROUP`` query heads ``off_hk * GROUP + g`` that read
+    this K / V head stream through one after another, g = 0, 1, ..., into the same (dK, dV) registers: the sum
+    over the group has a fixed order. The logit scale and the K / V exponents are the group's first head's
+    (HEAD_SCALE, the window op's per-head scale, runs with GROUP = 1)."""
     start_n = pid_n * BLOCK_N
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     cols = start_n + tl.arange(0, KEYS)
     col_ok = cols < Nk
-    k = load_kv_tile(K + off_b * skb + off_h * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
+    k = load_kv_tile(K + off_b * skb + off_hk * skh + cols[:, None].to(tl.int64) * skn + offs_d[None, :] * skd,
                      col_ok, offs_d, D, True, EVEN_D)
-    v = load_kv_tile(V + off_b * svb + off_h * svh + cols[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
+    v = load_kv_tile(V + off_b * svb + off_hk * svh + cols[:, None].to(tl.int64) * svn + offs_dv[None, :] * svd,
                      col_ok, offs_dv, Dv, True, EVEN_DV)
     dk = tl.zeros([KEYS, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([KEYS, BLOCK_DV], dtype=tl.float32)
-    q_base = Q + off_b * sqb + off_h * sqh
-    do_base = DO + off_b * sdb + off_h * sdh
-    row_base = bh * Nq
-    b_base = Bias + off_b * sbb + off_h * sbh
-    m_base = Mask + off_b * smb + off_h * smh
-    a_base = Add + (off_b % n_add) * saw
-    scale = _head_scale(HS, off_h, scale, HEAD_SCALE)
-    e_q, e_k, e_v, e_do = _head_exponents(E, bh, HEAD_B)
+    scale = _head_scale(HS, off_hk * GROUP, scale, HEAD_SCALE)
 
     # the query tiles use BLOCK_N, not KEYS: a narrow last key tile then counts a few more tiles as diagonal
     # (masked per element anyway), and the ordered dQ's "last key tile" of a query tile stays the same
@@ -471,36 +480,46 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
         if Nq - (n_m - 1) * BLOCK_M <= TAIL:
             n_full = n_m - 1
     n_n = tl.cdiv(Nk, BLOCK_N)
-    sem_base = Sem + bh * n_m
-    dq_base = bh * Nq * D
-    dq_out = DQ + off_b * sgqb + off_h * sgqh  # dQ's rows in its own layout (the accumulator is contiguous)
-    lse_base = LseRow + row_base
-    delta_base = Delta + row_base
-    for phase in tl.static_range(2):  # causal diagonal tiles [lo, mid) with the mask, then [mid, n_m) without
-        if phase == 0:
-            t_lo, t_hi = lo, tl.minimum(mid, n_full)
-        else:
-            t_lo, t_hi = mid, n_full
-        for t in range(t_lo, t_hi):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, dq_out,
-                                DQACC, sem_base, dq_base, sgqm, t, offs_m, offs_d, offs_dv, cols, col_ok, turn, n_n, Nq,
-                                D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M, BLOCK_N,
-                                phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION,
-                                GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
-                                e_do, HEAD_B)
-    if TAIL > 0 and TAIL < BLOCK_M:
-        t = n_m - 1
-        if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall; causal: masked per element
-            dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, dq_out,
-                                DQACC, sem_base, dq_base, sgqm, t, tl.arange(0, TAIL), offs_d, offs_dv, cols, col_ok,
-                                turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale, BLOCK_M,
-                                BLOCK_N, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D, EVEN_DV,
-                                PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, e_q, e_k,
-                                e_do, HEAD_B)
+    for g in range(0, GROUP):  # the group's query heads in order (GROUP = 1 is a constant: no loop)
+        off_h = off_hk * GROUP + g
+        bh = bhk * GROUP + g  # = off_b * H + off_h
+        q_base = Q + off_b * sqb + off_h * sqh
+        do_base = DO + off_b * sdb + off_h * sdh
+        row_base = bh * Nq
+        b_base = Bias + off_b * sbb + off_h * sbh
+        m_base = Mask + off_b * smb + off_h * smh
+        a_base = Add + (off_b % n_add) * saw
+        e_q, e_k, e_v, e_do = _head_exponents(E, bh, HEAD_B)
+        sem_base = Sem + bh * n_m
+        dq_base = bh * Nq * D
+        dq_out = DQ + off_b * sgqb + off_h * sgqh  # dQ's rows in its own layout (the accumulator is contiguous)
+        lse_base = LseRow + row_base
+        delta_base = Delta + row_base
+        for phase in tl.static_range(2):  # causal diagonal tiles [lo, mid) with the mask, then [mid, n_m) without
+            if phase == 0:
+                t_lo, t_hi = lo, tl.minimum(mid, n_full)
+            else:
+                t_lo, t_hi = mid, n_full
+            for t in range(t_lo, t_hi):
+                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
+                                    dq_out, DQACC, sem_base, dq_base, sgqm, t, offs_m, offs_d, offs_dv, cols, col_ok,
+                                    turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale,
+                                    BLOCK_M, BLOCK_N, phase == 0, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL, EVEN_D,
+                                    EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
+                                    e_q, e_k, e_do, HEAD_B)
+        if TAIL > 0 and TAIL < BLOCK_M:
+            t = n_m - 1
+            if n_full < n_m and t >= lo:  # the last query tile, TAIL rows tall; causal: masked per element
+                dk, dv = _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base,
+                                    dq_out, DQACC, sem_base, dq_base, sgqm, t, tl.arange(0, TAIL), offs_d, offs_dv,
+                                    cols, col_ok, turn, n_n, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm,
+                                    smn, scale, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK, IS_CAUSAL,
+                                    EVEN_D, EVEN_DV, PRECISION, GRAD_PRECISION, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT,
+                                    SPIN_ASM, e_q, e_k, e_do, HEAD_B)
     dk = dk * scale
     out_ok = col_ok[:, None]
-    dk_ptrs = DK + off_b * sgkb + off_h * sgkh + cols[:, None].to(tl.int64) * sgkn + offs_d[None, :]
-    dv_ptrs = DV + off_b * sgvb + off_h * sgvh + cols[:, None].to(tl.int64) * sgvn + offs_dv[None, :]
+    dk_ptrs = DK + off_b * sgkb + off_hk * sgkh + cols[:, None].to(tl.int64) * sgkn + offs_d[None, :]
+    dv_ptrs = DV + off_b * sgvb + off_hk * sgvh + cols[:, None].to(tl.int64) * sgvn + offs_dv[None, :]
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_ok & (offs_d < D)[None, :])
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_ok & (offs_dv < Dv)[None, :])
 
@@ -509,7 +528,7 @@ def _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQAC
 def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                      sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn,
-                     sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale, n_add,
+                     sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale, n_add, GROUP,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr,
@@ -519,8 +538,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
     """dK, dV of one key tile: ``dV_j = sum_i P_ij dO_i``, ``dK_j = scale * sum_i dS_ij q_i`` over the query tiles.
 
     Works in the transposed orientation ([keys, queries] tiles) so both accumulators are row blocks.
-    1-D grid cdiv(Nk, BLOCK_N) * H * B; outputs [B, H, Nk, D | Dv] in the input dtype through their (batch, head,
-    row) strides ``sgk*`` / ``sgv*`` (``sgq*``: dQ's, for the ordered adds), unit stride in the last dim.
+    1-D grid cdiv(Nk, BLOCK_N) * Hkv * B; outputs [B, Hkv, Nk, D | Dv] in the input dtype through their (batch,
+    head, row) strides ``sgk*`` / ``sgv*`` (``sgq*``: dQ's, for the ordered adds), unit stride in the last dim.
+
+    GROUP = H / Hkv (grouped-query / multi-query attention, FlashAttention-2's GQA / MQA): a program owns a key
+    tile of K / V head ``hk`` and streams the query tiles of query heads ``hk * GROUP .. hk * GROUP + GROUP - 1``
+    in that order, so ``dK_j = scale * sum_h sum_i dS_hij q_hi`` (and dV) is reduced over the group in registers,
+    in a fixed order (reproducible), with no [B, H, Nk, D] partial buffer and no atomics. GROUP = 1 (a constant
+    after Triton's specialisation of ints equal to 1) is the equal-heads kernel.
     Keys >= Nk are not masked: they only reach their own (unstored) rows of dK / dV. Queries >= Nq read
     ``lse = +inf`` and dO = 0, so their P and dS are 0.
 
@@ -531,14 +556,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
     DQ_ORDERED (the single-pass backward): each query tile's ``dS K`` also goes into dQ through
     :func:`_dq_ordered_add` (DQACC: FP32 [B, H, Nq, D], zeroed; Sem: int32 [B * H, cdiv(Nq, BLOCK_M)], zeroed),
     so no dQ kernel recomputes the scores: five tile products per (query, key) tile pair instead of seven. The
-    program of turn j of a head waits only for turn j - 1 of the same head, whose program id is the one before
-    (turns run in program-id order within a head), so the wait ends as long as the GPU starts programs in id
-    order. Without a causal mask the turns run from the last key tile down to the first: a narrow last tile
-    (TAIL) then adds first at every query tile and, waiting for no one, frees its SM slot after a fraction of
-    a full tile's time, instead of waiting out the full tiles' pace to the end; causal keeps the key order, in
-    which the key tiles that reach a query tile are the first turns.
+    program of turn j of a K / V head waits only for turn j - 1 of the same K / V head, whose program id is the one
+    before (turns run in program-id order within a head; with GQA both walk the group's query heads in the same
+    order), so the wait ends as long as the GPU starts programs in id order. Without a causal mask the turns run
+    from the last key tile down to the first: a narrow last tile (TAIL) then adds first at every query tile and,
+    waiting for no one, frees its SM slot after a fraction of a full tile's time, instead of waiting out the full
+    tiles' pace to the end; causal keeps the key order, in which the key tiles that reach a query tile are the
+    first turns.
     """
-    turn, off_b, off_h, bh = _tile_and_head(Nk, BLOCK_N, H)
+    turn, off_b, off_hk, bhk = _tile_and_head(Nk, BLOCK_N, H // GROUP)
     pid_n = turn
     if DQ_ORDERED:
         if not IS_CAUSAL:  # the last (possibly narrow) key tile takes the first turn (the kernel docstring)
@@ -548,14 +574,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
                        skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
                        smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv,
-                       scale, n_add, pid_n, turn, off_b, off_h, bh, TAIL, BLOCK_M,
+                       scale, n_add, GROUP, pid_n, turn, off_b, off_hk, bhk, TAIL, BLOCK_M,
                        BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD,
                        HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B)
         else:
             _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd,
                        skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san,
                        smb, smh, smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv,
-                       scale, n_add, pid_n, turn, off_b, off_h, bh, BLOCK_N,
+                       scale, n_add, GROUP, pid_n, turn, off_b, off_hk, bhk, BLOCK_N,
                        BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS,
                        HAS_ADD, HAS_MASK, HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM,
                        HEAD_B)
@@ -563,7 +589,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
         _dkdv_keys(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ, DQACC, Sem, E, sqb, sqh, sqm, sqd, skb,
                    skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd, sbb, sbh, sbm, sbn, saw, sam, san, smb, smh,
                    smm, smn, sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale, n_add,
-                   pid_n, turn, off_b, off_h, bh, BLOCK_N, BLOCK_M, BLOCK_N,
+                   GROUP, pid_n, turn, off_b, off_hk, bhk, BLOCK_N, BLOCK_M, BLOCK_N,
                    BLOCK_D, BLOCK_DV, TAIL, PRECISION, GRAD_PRECISION, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
                    HEAD_SCALE, EVEN_D, EVEN_DV, DOT_UPCAST, DQ_ORDERED, ACC_IS_OUT, SPIN_ASM, HEAD_B)
 
@@ -631,7 +657,7 @@ def _head_scale_grad(a, z, w, p):
 def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS, E,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                    sbb, sbh, sbm, sbn, saw, sam, san, smb, smh, smm, smn, sgqb, sgqh, sgqm,
-                   H, Nq, Nk, D, Dv, scale0, n_add, B_OUT, H_OUT, R_H, n_red, per_chunk,
+                   H, Nq, Nk, D, Dv, scale0, n_add, B_OUT, H_OUT, R_H, n_red, per_chunk, GROUP,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, HEAD_SCALE: tl.constexpr, WRITE_DB: tl.constexpr,
@@ -649,6 +675,7 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
     DB_IN_REGS (WRITE_DB with every key in one tile, Nk <= BLOCK_N: Swin's 49- and 64-token windows): the
     chunk's dS sum stays in registers and is stored once, instead of a read-modify-write of the partial and a
     barrier per entry, which serialise the chunk through memory.
+    GROUP = H / Hkv: query head ``h`` reads K / V head ``h // GROUP`` (grouped-query / multi-query attention).
     """
     tiles = tl.cdiv(Nq, BLOCK_M)
     pid = tl.program_id(0)
@@ -683,8 +710,8 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                           row_ok, offs_dv, Dv, True, EVEN_DV).to(q.dtype)
         lse = tl.load(LseRow + bh * Nq + rows, mask=row_ok, other=float("inf"))
         delta = tl.load(Delta + bh * Nq + rows, mask=row_ok, other=0.0)
-        k_base = K + off_b * skb + off_h * skh
-        v_base = V + off_b * svb + off_h * svh
+        k_base = K + off_b * skb + (off_h // GROUP) * skh
+        v_base = V + off_b * svb + (off_h // GROUP) * svh
         b_base = Bias + off_b * sbb + off_h * sbh
         m_base = Mask + off_b * smb + off_h * smh
         a_base = Add + (off_b % n_add) * saw
@@ -927,10 +954,12 @@ def _check_inputs(q, k, v, out, grad_out, lse, bias, attn_mask, mode):
             raise TypeError(f"{name} has dtype {t.dtype}; mode {mode!r} computes in {dtype} (cast first)")
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
-    if k.shape[:2] != (B, H) or k.shape[3] != D:
-        raise ValueError(f"k has shape {tuple(k.shape)}; expected [{B}, {H}, Nk, {D}] for q {tuple(q.shape)}")
-    if v.shape[:3] != (B, H, Nk):
-        raise ValueError(f"v has shape {tuple(v.shape)}; expected [{B}, {H}, {Nk}, Dv]")
+    Hkv = k.shape[1]
+    if k.shape[0] != B or k.shape[3] != D or (Hkv != H and (Hkv == 0 or H % Hkv)):
+        raise ValueError(f"k has shape {tuple(k.shape)}; expected [{B}, Hkv, Nk, {D}] with Hkv dividing {H} for q "
+                         f"{tuple(q.shape)}")
+    if v.shape[:3] != (B, Hkv, Nk):
+        raise ValueError(f"v has shape {tuple(v.shape)}; expected [{B}, {Hkv}, {Nk}, Dv]")
     if max(D, Dv) > MAX_HEAD_DIM:
         raise ValueError(f"head dim {max(D, Dv)} > {MAX_HEAD_DIM}")
     for name, t in (("out", out), ("grad_out", grad_out)):
@@ -987,8 +1016,10 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     Args:
         q: [B, H, Nq, D] in the mode's compute dtype (float32 for ``fp32`` / ``fp32-ieee`` / ``tf32``, float16
             for ``fp16``, bfloat16 for ``bf16``); any strides (read in place).
-        k: [B, H, Nk, D]; v: [B, H, Nk, Dv]; same dtype and device. D, Dv in 1..256 (padded to a power of
-            two >= 16 inside the kernels); D != Dv and Nq != Nk allowed.
+        k: [B, Hkv, Nk, D]; v: [B, Hkv, Nk, Dv]; same dtype and device. D, Dv in 1..256 (padded to a power of
+            two >= 16 inside the kernels); D != Dv and Nq != Nk allowed. ``Hkv`` divides H (grouped-query /
+            multi-query attention, FlashAttention-2's GQA / MQA): query head ``h`` reads K / V head
+            ``h // (H / Hkv)``, and dK / dV sum the group's query heads in a fixed order (reproducible).
         out: the forward output [B, H, Nq, Dv], any float dtype, any strides.
         grad_out: dL/d out, [B, H, Nq, Dv], any float dtype (rounded to the compute dtype, as the forward's
             operands are), any strides.
@@ -1009,14 +1040,14 @@ def elsa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
             mode's. Half modes ignore it.
 
     Returns:
-        ``(dq, dk, dv, dbias)``: dq [B, H, Nq, D], dk [B, H, Nk, D], dv [B, H, Nk, Dv], contiguous, in q's
+        ``(dq, dk, dv, dbias)``: dq [B, H, Nq, D], dk [B, Hkv, Nk, D], dv [B, Hkv, Nk, Dv], contiguous, in q's
         dtype (FP32 accumulation); dbias None unless ``bias_requires_grad`` (and a bias is given), else
         ``dS`` summed to :func:`bias_grad_shape` of ``bias`` in ``bias.dtype``. Nq == 0 or Nk == 0 give
         zero / empty gradients without launching a kernel.
 
     Raises:
-        ValueError: unknown mode; shapes that do not match (naming the argument); head dim > 256; tensors on
-            different devices; ``bias_requires_grad`` without a bias.
+        ValueError: unknown mode; shapes that do not match (naming the argument; K / V heads that do not divide
+            H); head dim > 256; tensors on different devices; ``bias_requires_grad`` without a bias.
         TypeError: q / k / v not in the mode's compute dtype; lse not float32; a non-bool mask or non-float bias.
     """
     _check_inputs(q, k, v, out, grad_out, lse, bias, attn_mask, mode)
@@ -1051,8 +1082,9 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
     Nk, Dv = k.shape[2], v.shape[3]
     if B * H == 0 or Nq == 0 or Nk == 0 or D == 0 or Dv == 0:
         zeros = functools.partial(torch.zeros, device=q.device)
-        return (zeros((B, H, Nq, D), dtype=q.dtype), zeros((B, H, Nk, D), dtype=q.dtype),
-                zeros((B, H, Nk, Dv), dtype=q.dtype),
+        Hkv = k.shape[1]
+        return (zeros((B, H, Nq, D), dtype=q.dtype), zeros((B, Hkv, Nk, D), dtype=q.dtype),
+                zeros((B, Hkv, Nk, Dv), dtype=q.dtype),
                 zeros(bias_grad_shape(bias), dtype=bias.dtype) if bias_requires_grad else None,
                 zeros(H, dtype=torch.float32) if head_scale_requires_grad else None)
     key = (mode, q.shape, k.shape, v.shape[3], q.stride(), k.stride(), v.stride(), out.stride(), grad_out.stride(),
@@ -1129,6 +1161,17 @@ PLANS = PlanCache()
 AFTER_FORWARD = PlanCache()
 
 
+def _gqa_kv_max(head_max: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int, Hkv: int, group: int) -> None:
+    """Grouped-query attention with per-head scaled products (:data:`HEAD_SCALED`): the largest magnitude of each
+    K / V head, as int32 bit patterns, into columns 1 and 2 of the rows of ``head_max`` (int32 [B * H, 4],
+    :func:`_bwd_preprocess_kernel`'s layout) of the query heads reading that K / V head. Maxima are exact, so
+    these are the values the preprocess finds for equal heads."""
+    rows = head_max.view(B, Hkv, group, 4)
+    for col, t in ((1, k), (2, v)):
+        peak = t.detach().abs().amax(dim=(2, 3)).to(torch.float32).view(torch.int32)  # [B, Hkv]
+        rows[:, :, :, col] = peak[:, :, None]
+
+
 class _BackwardPlan:
     """The preprocess, dK/dV and dQ launches of one backward call signature: grids, constexprs and every
     integer argument fixed when the plan is built, tiles fitted to shared memory on its first run; a call
@@ -1140,11 +1183,15 @@ class _BackwardPlan:
         dtype, precision = fp32_products(mode, products)
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
+        # grouped-query attention: GROUP query heads per K / V head; dK / dV [B, Hkv, Nk, D] reduced over each
+        # group inside the dK / dV kernel (one program per K / V head's key tile, the group's query heads in order)
+        self.hkv = Hkv = k.shape[1]
+        self.group = elsa_fwd.kv_group(q, k)
         # where dQ / dK / dV go: (batch, head, row) strides of each, contiguous unit last dim; None = the plan
         # allocates them contiguous, else the caller passes them (e.g. slices of one packed dQKV buffer)
         self.given_grads = grad_strides is not None
         if grad_strides is None:
-            grad_strides = ((H * Nq * D, Nq * D, D), (H * Nk * D, Nk * D, D), (H * Nk * Dv, Nk * Dv, Dv))
+            grad_strides = ((H * Nq * D, Nq * D, D), (Hkv * Nk * D, Nk * D, D), (Hkv * Nk * Dv, Nk * Dv, Dv))
         self.g_strides = tuple(int(x) for st in grad_strides for x in st)
         shape4 = self.shape4 = (B, H, Nq, Nk)
         bias4 = bias.expand(shape4) if bias is not None else None
@@ -1161,7 +1208,9 @@ class _BackwardPlan:
                               dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=BLOCK_D, HEAD_MAX=self.head_b),
                               dict(num_warps=4))
         self.pre_fixed = (*out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv)
-        self.pre_tail = (*q.stride(), *k.stride(), *v.stride(), Nk, D)
+        # the preprocess reads K / V at the query head's index: with GQA it reads none of them (0 keys) and the
+        # K / V heads' largest magnitudes come from torch (_gqa_kv_max), into every query head's row of E
+        self.pre_tail = (*q.stride(), *k.stride(), *v.stride(), Nk if self.group == 1 else 0, D)
         sb = bias4.stride() if bias4 is not None else (0, 0, 0, 0)
         sa = add_mask.stride() if add_mask is not None else (0, 0, 0)
         sm = mask4.stride() if mask4 is not None else (0, 0, 0, 0)
@@ -1223,7 +1272,7 @@ class _BackwardPlan:
 
     def _dkdv_call(self, t: KernelTiles) -> KernelCall:
         B, H, Nq, Nk, D, Dv = self.dims
-        return KernelCall(_bwd_dkdv_kernel, (cdiv(Nk, t.block_n) * B * H,),
+        return KernelCall(_bwd_dkdv_kernel, (cdiv(Nk, t.block_n) * B * self.hkv,),
                           dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, TAIL=t.tail, **self.blocks, **self.flags,
                                **self.ordered),
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))
@@ -1264,8 +1313,10 @@ class _BackwardPlan:
         if grads is not None:
             dk, dv = grads[1:]
         else:
-            dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
-            dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
+            dk = torch.empty((B, self.hkv, Nk, D), device=dev, dtype=q.dtype)
+            dv = torch.empty((B, self.hkv, Nk, Dv), device=dev, dtype=q.dtype)
+        if self.head_b and self.group > 1:
+            _gqa_kv_max(head_max, k, v, B, self.hkv, self.group)
         # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
         delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
         lse_row = torch.empty_like(delta)
@@ -1285,7 +1336,7 @@ class _BackwardPlan:
                    q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)
         scale = float(scale)
         dkdv_args = (q, k, v, grad_out, *tensors, delta, lse_row, dk, dv, dq, acc, sem, head_max, *self.strides,
-                     *self.g_strides, H, Nq, Nk, D, Dv, scale, self.n_add)
+                     *self.g_strides, H, Nq, Nk, D, Dv, scale, self.n_add, self.group)
         if self.dkdv is not None:
             self.dkdv(*dkdv_args)
         else:
@@ -1309,7 +1360,8 @@ class _BackwardPlan:
             dhs = torch.empty((B, H, n_m), device=dev, dtype=torch.float32) if self.write_dhs else delta
             made["db"], made["dhs"] = db, dhs
             call(q, k, v, grad_out, *tensors, delta, lse_row, dq, db, dhs, head_max, *self.strides, *self.g_strides[:3],
-                 H, Nq, Nk, D, Dv, scale, self.n_add, self.B_OUT, self.H_OUT, self.R_H, self.R_B * self.R_H, per_chunk)
+                 H, Nq, Nk, D, Dv, scale, self.n_add, self.B_OUT, self.H_OUT, self.R_H, self.R_B * self.R_H, per_chunk,
+                 self.group)
 
         if self.dq is not None:
             run_dq(self.dq)

@@ -41,6 +41,11 @@ Modes (:data:`.modes.MODES` whose ``kernels`` name the dense family) and their p
   instead (docs/tuning.md: Hopper fp16 / bf16: a warp-specialized Gluon kernel (FlashAttention-3 schedule)
   beside the Triton kernel).
 
+Grouped-query / multi-query attention (k / v [B, Hkv, Nk, D] with Hkv dividing H; FlashAttention-2's GQA / MQA,
+SDPA's ``enable_gqa``): a program of query head ``h`` reads K / V head ``h // G``, G = H / Hkv (the kernel's
+``GROUP``, :func:`kv_group`), both paths, K / V read in place; the programs of one group's heads are adjacent in
+the grid, so they share K / V tiles in L2.
+
 Scores, state and accumulation are FP32 in every mode. ``"tf32x3"`` and ``"tf32"`` stay
 selectable (``precision=`` of :func:`get_config` / the launcher) for comparison.
 
@@ -67,7 +72,7 @@ from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
 __all__ = [
     "elsa_attention", "dense_forward", "plan_for", "unsupported_reason", "TileConfig", "get_config",
-    "choose_num_splits", "DENSE_MODES", "MAX_HEAD_DIM", "SHORT_KV", "PLANS",
+    "choose_num_splits", "kv_group", "DENSE_MODES", "MAX_HEAD_DIM", "SHORT_KV", "PLANS",
 ]
 
 LOG2E = 1.4426950408889634
@@ -292,7 +297,7 @@ def _elsa_fwd_kernel(
     Q, K, V, Bias, Mask, Out, Lse, WsM, WsS, WsW, qk_scale,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sbb, sbh, sbm, sbn, smb, smh, smm, smn, sob, soh, som, sod,
-    B, H, Nq, Nk, D, Dv, n_splits, tiles_per_split,
+    B, H, Nq, Nk, D, Dv, n_splits, tiles_per_split, GROUP,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr,
@@ -306,11 +311,17 @@ def _elsa_fwd_kernel(
     them. ``WRITE_LSE``: the single pass also writes each row's natural-log log-sum-exp of
     the scaled, biased logits to ``Lse`` [B, H, Nq] FP32 (-inf for a fully masked row), the
     state the backward recomputes from.
+
+    ``GROUP`` = H / Hkv query heads share one key / value head (grouped-query / multi-query attention,
+    FlashAttention-2's GQA / MQA): query head ``h`` reads K / V head ``h // GROUP``, as SDPA's
+    ``enable_gqa=True`` (``repeat_interleave`` of the K / V heads) defines it. One integer division per
+    program, no copy of K / V; ``GROUP = 1`` is specialised to a constant, so equal heads compile as before.
     """
     pid_m, split, bh = program_tile(tl.cdiv(Nq, BLOCK_M), n_splits, SPLIT)
     bh = bh.to(tl.int64)
     off_h = bh % H
     off_b = bh // H
+    off_hk = off_h // GROUP
     start_m = pid_m * BLOCK_M
     start_m64 = start_m.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
@@ -323,8 +334,8 @@ def _elsa_fwd_kernel(
     q_ptrs = Q + off_b * sqb + off_h * sqh + start_m64 * sqm + offs_m[:, None] * sqm + offs_d[None, :] * sqd
     q, q_lo, q_inv = load_query_tile(q_ptrs, row_ok, offs_d, D, qk_scale, BLOCK_M, EVEN_D, PRECISION)
     v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
-    k_base = K + off_b * skb + off_h * skh
-    v_base = V + off_b * svb + off_h * svh
+    k_base = K + off_b * skb + off_hk * skh
+    v_base = V + off_b * svb + off_hk * svh
     b_base = Bias
     msk_base = Mask
     if HAS_BIAS:
@@ -539,6 +550,22 @@ def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, 
     return max(1, min(cdiv(2 * sms, programs), n_tiles // 2, 64))
 
 
+def kv_group(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query heads per key / value head, ``H / Hkv`` of q [B, H, Nq, D] and k [B, Hkv, Nk, D]: the kernels'
+    ``GROUP`` (1 for equal heads; grouped-query attention above 1, multi-query attention at ``Hkv = 1``).
+
+    Raises:
+        ValueError: ``Hkv`` does not divide ``H`` (or is 0 with ``H`` > 0).
+    """
+    H, Hkv = q.shape[1], k.shape[1]
+    if Hkv == H:
+        return 1
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"key / value have {Hkv} heads, which does not divide the query's {H} heads "
+                         f"(grouped-query attention needs H % Hkv == 0)")
+    return H // Hkv
+
+
 def unsupported_reason(q, k, v, bias, attn_mask, mode: str) -> str | None:
     """Why the dense kernels cannot run this call, or ``None`` if they can.
 
@@ -603,7 +630,7 @@ class _TritonPlan:
         sb = bias.stride() if bias is not None else (0, 0, 0, 0)
         sm = attn_mask.stride() if attn_mask is not None else (0, 0, 0, 0)
         self.fixed = (*q.stride(), *k.stride(), *v.stride(), *sb, *sm, *self.o_stride,
-                      B, H, Nq, Nk, D, Dv, P, tiles_per_split)
+                      B, H, Nq, Nk, D, Dv, P, tiles_per_split, kv_group(q, k))
         self.main = KernelCall(_elsa_fwd_kernel, (cdiv(Nq, cfg.block_m) * P * H * B,), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             PRECISION=precision, IS_CAUSAL=bool(is_causal), HAS_BIAS=bias is not None,
@@ -740,6 +767,9 @@ def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_spl
 
 
 def _check_call(q, k, v, mode: str, num_splits: int, out_dtype) -> None:
+    kv_group(q, k)
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"value has {v.shape[1]} heads and key {k.shape[1]}; key and value need one head count")
     dtype = MODES[mode].compute_dtype
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != dtype:
@@ -850,7 +880,9 @@ def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     Args:
         q: [B, H, Nq, D] in the mode's compute dtype (fp32 for ``fp32`` / ``fp32-ieee`` /
             ``tf32``, float16 for ``fp16``, bfloat16 for ``bf16``); any strides (no copy).
-        k: [B, H, Nk, D], same dtype/device; v: [B, H, Nk, Dv] (Dv may differ from D).
+        k: [B, Hkv, Nk, D], same dtype/device; v: [B, Hkv, Nk, Dv] (Dv may differ from D). ``Hkv`` divides
+            H: query head ``h`` reads K / V head ``h // (H / Hkv)`` (grouped-query / multi-query attention,
+            as SDPA's ``enable_gqa=True``), read in place, never repeated in memory.
             D, Dv in 1..256 (padded to a power of two >= 16 inside the kernel).
         bias: None or an additive float bias viewed as [B, H, Nq, Nk] (stride-0 broadcast
             views are read through their strides, any float dtype).
@@ -872,7 +904,7 @@ def elsa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
         Rows whose keys are all masked are 0.
 
     Raises:
-        ValueError: unknown mode, head dim > 256, ``num_splits`` < 1.
+        ValueError: unknown mode, head dim > 256, ``num_splits`` < 1, K / V heads that do not divide H.
         TypeError: q/k/v dtype differs from the mode's compute dtype; an unsupported ``out_dtype``.
     """
     if num_splits is not None and num_splits < 1:

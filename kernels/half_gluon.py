@@ -173,9 +173,12 @@ def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
     """Why :func:`half_attention` cannot run this call (the Triton kernel then does), or ``None``.
 
-    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, H, Nk, D], v [B, H, Nk, Dv];
+    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]; Hkv < H
+    (grouped-query attention) is refused, the Triton kernel takes it;
     ``num_splits`` 0 = automatic (the launcher splits only when the grid cannot fill the GPU).
     """
+    if k.shape[1] != q.shape[1]:
+        return "grouped-query attention (fewer key / value heads than query heads)"
     return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=_DTYPES, head_dims=HEAD_DIMS,
                         stride_elems=8,
                         stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",

@@ -60,9 +60,12 @@ def get_config(n_k: int, head_dim: int = 64) -> dict:
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
     """Why :func:`ieee_attention` cannot run this call (the Triton kernel then does), or ``None``.
 
-    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, H, Nk, D], v [B, H, Nk, Dv]
-    float32; ``num_splits`` 0 = automatic (the launcher splits only when the grid cannot fill the GPU).
+    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], float32;
+    Hkv < H (grouped-query attention) is refused, the Triton kernel takes it; ``num_splits`` 0 = automatic (the
+    launcher splits only when the grid cannot fill the GPU).
     """
+    if k.shape[1] != q.shape[1]:
+        return "grouped-query attention (fewer key / value heads than query heads)"
     return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=(torch.float32,),
                         head_dims=HEAD_DIMS, stride_elems=4,
                         stride_text="rows are not 16-byte aligned with a contiguous head dim",

@@ -68,9 +68,11 @@ def get_config(head_dim: int) -> dict:
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
     """Why the Gluon backward cannot run this call (the Triton kernels then do), or ``None``.
 
-    Inputs as :func:`.elsa_bwd.launch_backward` sees them: q [B, H, Nq, D], k [B, H, Nk, D], v [B, H, Nk, Dv],
-    grad_out [B, H, Nq, Dv], all float32.
+    Inputs as :func:`.elsa_bwd.launch_backward` sees them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv],
+    grad_out [B, H, Nq, Dv], all float32; Hkv < H (grouped-query attention) is refused, the Triton kernels take it.
     """
+    if k.shape[1] != q.shape[1]:
+        return "grouped-query attention (fewer key / value heads than query heads)"
     reason = scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, dtypes=(torch.float32,),
                           head_dims=HEAD_DIMS, stride_elems=4,
                           stride_text="rows are not 16-byte aligned with a contiguous head dim",

@@ -64,8 +64,11 @@ def _broadcast_to(name: str, t: torch.Tensor, target: tuple[int, ...]) -> torch.
     return t.expand(target)
 
 
-def validate_attention_inputs(q, k, v, bias=None, attn_mask=None):
+def validate_attention_inputs(q, k, v, bias=None, attn_mask=None, enable_gqa: bool = False):
     """Check q, k, v, bias and attn_mask; return bias/mask as [B, H, Nq, Nk] views.
+
+    ``enable_gqa``: key / value may have ``Hkv`` heads dividing the query's H (grouped-query / multi-query
+    attention, SDPA's ``enable_gqa=True``); without it they need H heads.
 
     Raises:
         TypeError: a non-tensor (a numpy array included: the message says to convert it with
@@ -73,7 +76,8 @@ def validate_attention_inputs(q, k, v, bias=None, attn_mask=None):
             a non-float bias or a non-bool attn_mask.
         ValueError: wrong ranks, mismatched batch/heads/head_dim/key counts, a head dim of 0, a
             bias or mask not broadcastable to [B, H, Nq, Nk], mixed devices (naming each argument's), meta
-            tensors (shapes without data).
+            tensors (shapes without data); with ``enable_gqa``, key / value heads that differ from each other or
+            do not divide the query's heads; without it, key / value heads other than the query's.
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
         if (not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_nested or t.dim() != 4
@@ -92,8 +96,7 @@ def validate_attention_inputs(q, k, v, bias=None, attn_mask=None):
         check_devices({"query": q, "key": k, "value": v, "bias": bias, "attn_mask": attn_mask})
     B, H, Nq, D = q.shape
     if k.shape[:2] != (B, H) or v.shape[:2] != (B, H):
-        raise ValueError(f"batch/heads mismatch: query {tuple(q.shape)}, key {tuple(k.shape)}, "
-                         f"value {tuple(v.shape)}; expected key/value [B={B}, H={H}, Nk, D]")
+        _check_heads(q, k, v, enable_gqa)
     if k.shape[-1] != D:
         raise ValueError(f"head_dim mismatch: query has D={D}, key has D={k.shape[-1]}")
     if D == 0:
@@ -116,6 +119,25 @@ def validate_attention_inputs(q, k, v, bias=None, attn_mask=None):
         attn_mask = _broadcast_to("attn_mask", attn_mask, target)
     return bias, attn_mask
 
+
+
+def _check_heads(q, k, v, enable_gqa) -> None:
+    """Raise for key / value batch or head counts that do not fit q [B, H, Nq, D]: with ``enable_gqa`` key and
+    value need one head count ``Hkv`` dividing H (SDPA: "Number of heads in key and value must divide the number
+    of heads in query"), without it H heads."""
+    B, H = q.shape[:2]
+    Hk, Hv = k.shape[1], v.shape[1]
+    if k.shape[0] != B or v.shape[0] != B or not enable_gqa:
+        hint = ("; for grouped-query attention (fewer key / value heads dividing H) pass enable_gqa=True"
+                if not enable_gqa and k.shape[0] == v.shape[0] == B and Hk != H else "")
+        raise ValueError(f"batch/heads mismatch: query {tuple(q.shape)}, key {tuple(k.shape)}, "
+                         f"value {tuple(v.shape)}; expected key/value [B={B}, H={H}, Nk, D]{hint}")
+    if Hk != Hv:
+        raise ValueError(f"enable_gqa=True: key has {Hk} heads and value {Hv}; grouped-query attention here needs "
+                         f"one K / V head count (SDPA's separate key and value groups are not supported)")
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"enable_gqa=True: number of heads in key and value ({Hk}) must divide the number of "
+                         f"heads in query ({H})")
 
 
 # ----------------------------------------------------------------------------- custom ops and autograd
@@ -344,7 +366,10 @@ def dense_backward(q, k, v, out, grad_out, lse, bias, attn_mask, is_causal: bool
 def _triton_unsupported(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, key, raw_bias):
     """Why the kernels cannot run this call (the dense ELSA kernel, or the PASA kernel in the PASA modes), or
     None."""
-    if md.half_scores:
+    if md.half_scores and k.shape[1] != q.shape[1]:
+        reason = (f"grouped-query attention ({k.shape[1]} key / value heads for {q.shape[1]} query heads) in mode "
+                  f"{md.name!r}: the PASA kernel takes equal heads")
+    elif md.half_scores:
         from .pasa import kernel_unsupported_reason
 
         reason = kernel_unsupported_reason(q, k, v, bias, attn_mask)
@@ -385,10 +410,20 @@ def _triton(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, ke
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Hkv, N, D] -> [B, heads, N, D], K / V head ``j`` repeated for query heads ``j * G .. j * G + G - 1``
+    (G = heads / Hkv), SDPA's ``repeat_interleave`` for ``enable_gqa=True``."""
+    return t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
 def _reference(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, key, raw_bias):
     """The exact PyTorch reference in the mode's arithmetic (:func:`visionattn.reference.blocked_attention`;
     PASA modes :func:`visionattn.pasa.pasa_attention_reference`); differentiable."""
     check_float16_range(md, query=q, key=k, value=v)
+    if k.shape[1] != q.shape[1]:
+        # grouped-query attention: each K / V head repeated for its query heads (a copy in the reference only;
+        # autograd sums the copies' gradients back onto the K / V heads)
+        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
     # the mode fixes the arithmetic: an enclosing autocast must not turn the reference's FP32 products into half
     with torch.autocast(q.device.type, enabled=False):
         if md.half_scores and k.shape[2] == 0:  # no keys: zeros, in the graph (see no_keys_output)
@@ -418,9 +453,11 @@ def _needs_grad(q, k, v, bias) -> bool:
                                         or (bias is not None and bias.requires_grad))
 
 
-def _signature(q, k, v, bias, attn_mask, mode, backend, is_causal) -> tuple:
-    """The :data:`CALLS` key of a dense call: everything its runner depends on."""
-    return (mode, backend, dispatch._backend, is_causal is True, is_causal is False, qkv_key(q, k, v),
+def _signature(q, k, v, bias, attn_mask, mode, backend, is_causal, enable_gqa) -> tuple:
+    """The :data:`CALLS` key of a dense call: everything its runner depends on (``enable_gqa`` too: a call with
+    unequal heads and without it must reach the checks and raise)."""
+    return (mode, backend, dispatch._backend, is_causal is True, is_causal is False, enable_gqa is True,
+            enable_gqa is False, qkv_key(q, k, v),
             tensor_key(bias), tensor_key(attn_mask),
             torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                          or (bias is not None and bias.requires_grad)))
@@ -429,7 +466,7 @@ def _signature(q, k, v, bias, attn_mask, mode, backend, is_causal) -> tuple:
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None, is_causal: bool = False, scale: float | None = None,
-    mode: str | Mode = "fp32", backend: str | None = None, num_splits: int | None = None,
+    mode: str | Mode = "fp32", backend: str | None = None, num_splits: int | None = None, enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Exact softmax attention ``softmax(scale * q k^T + bias, masked) v``.
 
@@ -442,8 +479,8 @@ def attention(
 
     Args:
         q: query [B, H, Nq, D]; float16 / bfloat16 / float32 / float64; any strides; D >= 1.
-        k: key [B, H, Nk, D], same dtype and device.
-        v: value [B, H, Nk, Dv].
+        k: key [B, H, Nk, D], same dtype and device; with ``enable_gqa`` [B, Hkv, Nk, D], Hkv dividing H.
+        v: value [B, H, Nk, Dv] ([B, Hkv, Nk, Dv] with ``enable_gqa``).
         bias: additive float bias broadcastable to [B, H, Nq, Nk] (e.g. a
             relative position bias [H, Nq, Nk] or [1, H, Nq, Nk]); never expanded in memory.
         attn_mask: boolean mask broadcastable to [B, H, Nq, Nk]; True = attend. A torch tensor: a numpy array
@@ -457,6 +494,13 @@ def attention(
             :func:`visionattn.dispatch.get_backend`.
         num_splits: force the number of KV partitions of the split-KV kernel
             (1 = single pass, the memory-lean variant); default chosen by shape.
+        enable_gqa: grouped-query / multi-query attention (SDPA's ``enable_gqa``; FlashAttention-2's GQA /
+            MQA): query head ``h`` attends with K / V head ``h // (H / Hkv)``, i.e. ``softmax(scale q_h
+            k_{h // G}^T + bias_h) v_{h // G}`` with G = H / Hkv, as SDPA's ``repeat_interleave`` of the K / V
+            heads. The kernels read the Hkv heads in place (no repeated copy); the backward returns dK / dV of
+            the Hkv heads, each summed over its G query heads in a fixed order (reproducible). With equal heads
+            it changes nothing. PASA modes (``pasa``, ``fp16-acc16``) run such calls on the reference (warned
+            once), which repeats K / V.
 
     Returns:
         [B, H, Nq, Dv] in q's dtype. A query row whose keys are all masked
@@ -470,18 +514,21 @@ def attention(
     Raises:
         TypeError / ValueError: see :func:`validate_attention_inputs` and :func:`check_flags`;
             unknown mode; ``num_splits`` < 1; FP32 / FP64 inputs beyond float16's range in a
-            float16 mode (``fp16``, ``pasa``, ``fp16-acc16``).
+            float16 mode (``fp16``, ``pasa``, ``fp16-acc16``); ``enable_gqa`` not a bool; key / value heads
+            other than H without ``enable_gqa``, or not dividing H with it (ValueError, as SDPA raises).
     """
     if num_splits is None:
         # a signature seen before was validated then: launch from its plan (same checks, done once)
-        key, run = CALLS.lookup(_signature, q, k, v, bias, attn_mask, mode, backend, is_causal)
+        key, run = CALLS.lookup(_signature, q, k, v, bias, attn_mask, mode, backend, is_causal, enable_gqa)
         if run is not None and (scale is None or (type(scale) is float and math.isfinite(scale))):
             return run(q, k, v, bias, attn_mask, scale)
     else:
         key = None
     md = mode_of(mode)
     raw_bias = bias
-    bias, attn_mask = validate_attention_inputs(q, k, v, bias, attn_mask)
+    if enable_gqa is not True and enable_gqa is not False:
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__} {enable_gqa!r}")
+    bias, attn_mask = validate_attention_inputs(q, k, v, bias, attn_mask, enable_gqa)
     scale = check_flags(is_causal, scale, q.shape[-1])
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}; expected a positive int or None")

@@ -309,7 +309,9 @@ PASS_THROUGH = {
     "mask of wrong shape": lambda q, k, v: ((q, k, v), {"attn_mask": torch.ones(3, 9, dtype=torch.bool)}),
     "meta inputs": lambda q, k, v: ((q.to("meta"), k.to("meta"), v.to("meta")), {}),
     "dropout": lambda q, k, v: ((q, k, v), {"dropout_p": 0.5}),
-    "gqa": lambda q, k, v: ((q, k[:, :1], v[:, :1]), {"enable_gqa": True}),
+    "gqa, unequal key / value heads": lambda q, k, v: ((q, k[:, :1], v), {"enable_gqa": True}),
+    "gqa, heads not dividing": lambda q, k, v: ((q, torch.cat([k, k[:, :1]], 1), torch.cat([v, v[:, :1]], 1)),
+                                                {"enable_gqa": True}),
     "3-D inputs": lambda q, k, v: ((q[0], k[0], v[0]), {}),
     "int inputs": lambda q, k, v: ((q.long(), k.long(), v.long()), {}),
     "mixed dtypes": lambda q, k, v: ((q, k.double(), v), {}),
@@ -326,7 +328,8 @@ PARSER_REFUSED = {
 @pytest.mark.parametrize("case", list(PASS_THROUGH) + list(PARSER_REFUSED))
 def test_calls_visionattn_does_not_take_reach_pytorch_unchanged(case):
     """What visionattn refuses inside the override (sparse, meta or integer tensors, masks of another shape,
-    dropout, grouped heads, other ranks, mixed dtypes) runs PyTorch's SDPA as if no override were active: its value
+    dropout, grouped heads with unequal or non-dividing key / value head counts, other ranks, mixed dtypes) runs
+    PyTorch's SDPA as if no override were active: its value
     (a meta output for meta inputs) or its own error, counted as passed with the reason; arguments PyTorch's parser
     refuses never reach the override (nothing counted), with PyTorch's own error."""
     args, kw = {**PASS_THROUGH, **PARSER_REFUSED}[case](*qkv())

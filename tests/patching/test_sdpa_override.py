@@ -61,20 +61,42 @@ def test_masks_and_scale_keep_sdpa_semantics(kind):
 
 def test_unsupported_calls_pass_through_unchanged():
     q, k, v = _qkv()
-    kv_few = [t[:, :1] for t in (k, v)]
+    kv_split = (k[:, :1], v)  # grouped with unequal key / value heads: SDPA takes it, visionattn does not
     with va.sdpa_override("fp16") as ctx:
         torch.manual_seed(3)
         dropped = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
-        gqa = F.scaled_dot_product_attention(q, *kv_few, enable_gqa=True)
+        gqa = F.scaled_dot_product_attention(q, *kv_split, enable_gqa=True)
         three_d = F.scaled_dot_product_attention(q[0], k[0], v[0])
         with pytest.raises(RuntimeError):  # a bad mask shape: PyTorch's own error, not ours
             F.scaled_dot_product_attention(q, k, v, attn_mask=torch.zeros(5, 5))
     assert ctx.routed == 0 and ctx.passed == 4
-    assert any("dropout" in r for r in ctx.pass_reasons) and any("enable_gqa" in r for r in ctx.pass_reasons)
+    assert any("dropout" in r for r in ctx.pass_reasons) and any("key has 1 heads and value 3" in r
+                                                                 for r in ctx.pass_reasons)
     torch.manual_seed(3)
     assert torch.equal(dropped, F.scaled_dot_product_attention(q, k, v, dropout_p=0.5))
-    assert torch.equal(gqa, F.scaled_dot_product_attention(q, *kv_few, enable_gqa=True))
+    assert torch.equal(gqa, F.scaled_dot_product_attention(q, *kv_split, enable_gqa=True))
     assert torch.equal(three_d, F.scaled_dot_product_attention(q[0], k[0], v[0]))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_grouped_query_calls_are_routed(kv_heads):
+    """``enable_gqa=True`` with K / V heads dividing the query's runs visionattn.attention(enable_gqa=True): SDPA's
+    value, K / V not repeated (the kernels read them in place; tests/api/test_gqa.py)."""
+    q = _qkv(h=4)[0]
+    k, v = _qkv(h=kv_heads, seed=1)[:2]
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True, is_causal=True)
+    with va.sdpa_override("fp32") as ctx:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert ctx.routed == 1 and ctx.passed == 0
+    assert rel_l2(y.double(), expected) <= va.get_mode("fp32").rel_tol
+    outside = F.scaled_dot_product_attention(q, k, v) if kv_heads == 1 else None  # one K / V head broadcasts
+    with va.sdpa_override("fp32") as ctx:  # no enable_gqa: PyTorch's own answer
+        if kv_heads == 1:
+            assert torch.equal(F.scaled_dot_product_attention(q, k, v), outside)
+        else:
+            with pytest.raises(RuntimeError):
+                F.scaled_dot_product_attention(q, k, v)
+    assert ctx.routed == 0 and ctx.passed == 1
 
 
 def test_other_torch_functions_untouched_and_mode_exits():

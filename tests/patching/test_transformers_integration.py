@@ -148,7 +148,7 @@ def test_causal_text_model_with_padding_matches_sdpa(padded):
     assert _rel(out, expected) <= TOL
 
 
-def test_grouped_query_attention_repeats_kv_heads():
+def test_grouped_query_attention_matches_sdpa():
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     ours, ref = _pair(transformers.LlamaModel, config)
@@ -157,6 +157,23 @@ def test_grouped_query_attention_repeats_kv_heads():
         out = ours(input_ids=ids, use_cache=False).last_hidden_state
         expected = ref(input_ids=ids, use_cache=False).last_hidden_state
     assert _rel(out, expected) <= TOL
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's kernel launches")
+def test_grouped_query_attention_reads_kv_heads_in_place(kernel_launches):
+    """A grouped-query call (2 K / V heads for 4 query heads, Llama's layout) reaches the kernels with the caller's
+    K / V, not transformers' ``repeat_kv`` copy: every dense kernel launch gets K's data pointer and its 2 heads;
+    the output is SDPA's with ``enable_gqa=True``."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 9, 16, generator=g)
+    k, v = (torch.randn(2, 2, 9, 16, generator=g) for _ in range(2))
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = vt.attention_forward(module, q, k, v, None, scaling=0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    assert _rel(out, ref.transpose(1, 2)) <= TOL
+    launches = [args for name, args, _ in kernel_launches if name == "_elsa_fwd_kernel"]
+    assert launches and all(a[1].data_ptr() == k.data_ptr() and a[1].shape == k.shape for a in launches)
 
 
 def test_output_attentions_warns_and_returns_no_maps(fresh_warnings):

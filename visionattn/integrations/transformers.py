@@ -77,12 +77,6 @@ def _import_transformers():
     return AttentionInterface, AttentionMaskInterface, sdpa_mask
 
 
-def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """[B, Hkv, N, D] -> [B, Hkv * groups, N, D], each K/V head repeated for its ``groups`` query heads."""
-    b, h, n, d = t.shape
-    return t[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
-
-
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, position_bias: torch.Tensor | None = None,
@@ -96,7 +90,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         module: the calling attention module (read: ``num_key_value_groups``, ``is_causal``).
         query: [B, H, Nq, D].
         key: [B, Hkv, Nk, D]; ``Hkv = H / module.num_key_value_groups`` (grouped-query
-            attention: each K/V head is repeated for its query heads).
+            attention: query head ``h`` reads K/V head ``h // (H / Hkv)``, as transformers' ``repeat_kv``
+            lays them out; :func:`visionattn.attention` with ``enable_gqa=True`` reads the Hkv heads in
+            place, without the repeated copy).
         value: [B, Hkv, Nk, Dv].
         attention_mask: None, a boolean mask (True = attend) or an additive float mask,
             broadcastable to [B, H, Nq, Nk] (transformers passes [B, 1, Nq, Nk]).
@@ -141,11 +137,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                   "to get them")
 
     heads, kv_heads = query.shape[1], key.shape[1]
-    if kv_heads != heads:
-        if kv_heads == 0 or heads % kv_heads or value.shape[1] != kv_heads:
-            raise ValueError(f"{where}: {heads} query heads and {kv_heads} key / {value.shape[1]} value heads; "
-                             f"grouped-query attention needs the K/V heads to divide the query heads")
-        key, value = _repeat_kv(key, heads // kv_heads), _repeat_kv(value, heads // kv_heads)
+    grouped = kv_heads != heads
+    if grouped and (kv_heads == 0 or heads % kv_heads or value.shape[1] != kv_heads):
+        raise ValueError(f"{where}: {heads} query heads and {kv_heads} key / {value.shape[1]} value heads; "
+                         f"grouped-query attention needs the K/V heads to divide the query heads")
 
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -160,7 +155,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if position_bias is not None:
         bias = position_bias if bias is None else position_bias + bias
 
-    out = attention(query, key, value, bias=bias, attn_mask=mask, is_causal=is_causal, scale=scaling, mode=mode)
+    out = attention(query, key, value, bias=bias, attn_mask=mask, is_causal=is_causal, scale=scaling, mode=mode,
+                    enable_gqa=grouped)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -8,11 +8,15 @@ semantics of visionattn do not cover pass through to PyTorch unchanged, and the
 context counts both (``routed``, ``passed``, ``pass_reasons``):
 
 * ``dropout_p > 0`` (attention dropout is not implemented);
-* ``enable_gqa=True`` with fewer K/V heads than query heads;
 * inputs that are not 4-D [B, H, N, D] floating tensors, or that
   :func:`visionattn.api.validate_attention_inputs` rejects (shapes, devices,
-  mixed dtypes, meta / sparse / nested tensors) — PyTorch then gives its own answer
-  (a meta output for meta inputs) or error.
+  mixed dtypes, meta / sparse / nested tensors; with ``enable_gqa=True``, key and value
+  head counts that differ from each other or do not divide the query's) — PyTorch then
+  gives its own answer (a meta output for meta inputs) or error.
+
+``enable_gqa=True`` (grouped-query / multi-query attention, key / value [B, Hkv, N, D] with
+Hkv dividing H) runs :func:`visionattn.attention` with ``enable_gqa=True``: the kernels read
+the Hkv heads in place, as SDPA's ``repeat_interleave`` of the K / V heads defines the result.
 
 Arguments of the wrong Python type (an ``is_causal`` that is not a bool, a numpy mask, a
 string scale) never reach the override: PyTorch's argument parser refuses them first.
@@ -59,8 +63,6 @@ def _unsupported(a: dict) -> str | None:
         return "dropout_p > 0 (attention dropout is not implemented in visionattn)"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return f"not 4-D [B, H, N, D] inputs (query {tuple(q.shape)})"
-    if a["enable_gqa"] and k.shape[1] != q.shape[1]:
-        return "enable_gqa with fewer key/value heads than query heads"
     if not all(t.is_floating_point() for t in (q, k, v)):
         return "non-floating query/key/value"
     if mask is not None and not isinstance(mask, torch.Tensor):
@@ -70,7 +72,7 @@ def _unsupported(a: dict) -> str | None:
     bias = mask if mask is not None and mask.dtype != torch.bool else None
     bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
     try:
-        validate_attention_inputs(q, k, v, bias, bool_mask)
+        validate_attention_inputs(q, k, v, bias, bool_mask, bool(a["enable_gqa"]))
     except (TypeError, ValueError) as err:
         return f"rejected by visionattn validation: {err}"
     return None
@@ -114,7 +116,8 @@ class SDPAOverride(TorchFunctionMode):
         is_bool = mask is not None and mask.dtype == torch.bool
         return attention(bound["query"], bound["key"], bound["value"],
                          bias=None if is_bool else mask, attn_mask=mask if is_bool else None,
-                         is_causal=bool(bound["is_causal"]), scale=bound["scale"], mode=self.mode, **self.options)
+                         is_causal=bool(bound["is_causal"]), scale=bound["scale"], mode=self.mode,
+                         enable_gqa=bool(bound["enable_gqa"]), **self.options)
 
 
 def sdpa_override(mode: str = "fp32", **options) -> SDPAOverride:
