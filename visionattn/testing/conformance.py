@@ -451,6 +451,18 @@ def _draw_varlen(rng: random.Random, lengths: random.Random, prof: Profile, spec
         spec["grad_out"] = _draw_grad_out(rng, sum(lens_q) * h * dv, spec["dtype"], listed=spec["form"] == "list")
 
 
+# share of the dense and split-KV cases with grouped-query key / value heads (enable_gqa=True)
+GQA_SHARE = 0.3
+
+
+def _draw_gqa(rng: random.Random, spec: dict) -> None:
+    """Grouped-query attention for some dense / split-KV cases: ``Hkv`` = H / G key / value heads, G a divisor of H
+    above 1 (G = H: multi-query). Its own stream, so the rest of a case is drawn as without it."""
+    divisors = [g for g in range(2, spec["H"] + 1) if spec["H"] % g == 0]
+    if divisors and rng.random() < GQA_SHARE:
+        spec["Hkv"] = spec["H"] // rng.choice(divisors)
+
+
 def draw_case(seed: int, index: int, profile: str) -> dict:
     """The case ``seed:index`` of ``profile``: a JSON-serialisable description, drawn by its own
     ``random.Random(f"{seed}:{index}")`` (nothing else changes it). Its family, mode and lengths come from that
@@ -485,6 +497,8 @@ def draw_case(seed: int, index: int, profile: str) -> dict:
         if mode in ("pasa",):
             spec["expect_refusal"] = "varlen_attention has no PASA path (documented ValueError)"
             spec["refusal_words"] = "no varlen path"
+    if family in ("dense", "split-kv") and spec["layouts"] != "packed":
+        _draw_gqa(random.Random(f"{seed}:{index}:gqa"), spec)
     # (the window calls cast inside their kernel and document no such refusal)
     if (mode in ("fp16", "pasa") and spec["dtype"] in ("float32", "float64") and rng.random() < 0.1
             and not spec["expect_refusal"] and family not in ("window", "window-qkvpacked")):
@@ -499,7 +513,8 @@ def describe(spec: dict) -> str:
     """One line naming everything a case draws."""
     parts = [spec["family"], spec["mode"], "fwd+bwd" if spec["grad"] else "fwd",
              f"skeleton{spec['skeleton']}" if spec.get("skeleton") is not None else "",
-             f"B={spec['B']} H={spec['H']} Nq={spec['Nq']} Nk={spec['Nk']} D={spec['D']} Dv={spec['Dv']}",
+             f"B={spec['B']} H={spec['H']}" + (f" Hkv={spec['Hkv']}" if "Hkv" in spec else "")
+             + f" Nq={spec['Nq']} Nk={spec['Nk']} D={spec['D']} Dv={spec['Dv']}",
              f"in={spec['dtype']}"]
     lay = spec.get("layouts")
     parts.append("qkv=packed-views" if lay == "packed" else " ".join(f"{k}={v}" for k, v in (lay or {}).items()))
@@ -692,8 +707,10 @@ def _dense_problem(spec: dict, gen, device) -> Problem:
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         theta = {"q": q, "k": k, "v": v}
     else:
-        shapes = {"q": (B, H, nq, D), "k": (B, H, nk, D), "v": (B, H, nk, Dv)}
+        hkv = spec.get("Hkv", H)  # grouped-query: key / value heads shared by H / hkv query heads each
+        shapes = {"q": (B, H, nq, D), "k": (B, hkv, nk, D), "v": (B, hkv, nk, Dv)}
         theta = _qkv_separate(spec, gen, device, dt, shapes.get, (0, 2, 1, 3), needs)
+    group = H // spec.get("Hkv", H)
     bias = _bias_tensor(spec["bias"], gen, device)
     if bias is not None:
         theta["bias"] = bias
@@ -709,11 +726,14 @@ def _dense_problem(spec: dict, gen, device) -> Problem:
 
             return _context_parallel(t["q"], t["k"], t["v"], None, mode, t.get("bias"), mask, causal, scale, "ring")
         kw = {"num_splits": spec["num_splits"]} if family == "split-kv" else {}
+        if group > 1:
+            kw["enable_gqa"] = True
         return va.attention(t["q"], t["k"], t["v"], bias=t.get("bias"), attn_mask=mask, is_causal=causal,
                             scale=scale, mode=mode, **kw)
 
-    def ref_args(th):
-        return {"q": th["q"], "k": th["k"], "v": th["v"], "bias": th.get("bias"), "attn_mask": mask,
+    def ref_args(th):  # the oracle sees each key / value head repeated for its query heads (SDPA's enable_gqa)
+        k, v = (th[n].repeat_interleave(group, dim=1) if group > 1 else th[n] for n in ("k", "v"))
+        return {"q": th["q"], "k": k, "v": v, "bias": th.get("bias"), "attn_mask": mask,
                 "is_causal": causal, "scale": D ** -0.5 if scale is None else scale}
 
     ident = lambda g: g  # noqa: E731
