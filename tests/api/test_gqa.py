@@ -260,3 +260,18 @@ def test_gluon_kernels_refuse_grouped_heads():
                    half_gluon.unsupported_reason(q.half(), k.half(), k.half(), None, None, False, 0.125, 0),
                    ieee_gluon_bwd.unsupported_reason(q, k, k, q, None, None, False, 0.125)):
         assert reason is not None and "grouped-query" in reason
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "fp32-ieee", "tf32", "fp16", "bf16"])
+@pytest.mark.parametrize("kv_heads,n_q,n_k,head_dim", [(4, 1024, 1024, 64), (2, 197, 1000, 128), (1, 77, 4097, 64),
+                                                       (16, 256, 255, 64)])
+def test_gpu_matches_sdpa_enable_gqa(mode, kv_heads, n_q, n_k, head_dim):
+    """The compiled kernels (tile sizes, pipelining and Hopper paths the interpreter does not take): 16 query heads
+    over 4, 2, 1 and 16 K / V heads at tile-boundary lengths, output and gradients within each mode's bounds
+    against SDPA ``enable_gqa=True`` in float64 on the GPU."""
+    leaves, grad_out = _inputs(2, 16, kv_heads, n_q, n_k, head_dim, MODES[mode].compute_dtype)
+    leaves = [t.detach().cuda().requires_grad_() for t in leaves]
+    _check(mode, leaves, grad_out.cuda())
