@@ -103,7 +103,7 @@ def build_parser() -> ToolParser:
 
 # --------------------------------------------------------------------------- runners
 
-def _sdpa(backend_name):
+def _sdpa(backend_name, gqa=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"sdpa-math": SDPBackend.MATH, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -111,7 +111,7 @@ def _sdpa(backend_name):
 
     def run(q, k, v):
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
 
     return run
 
@@ -129,7 +129,7 @@ def _tf32(enabled: bool):
 _FLEX = {}
 
 
-def _flex(tf32: bool):
+def _flex(tf32: bool, gqa=False):
     from torch.nn.attention.flex_attention import flex_attention
 
     if tf32 not in _FLEX:
@@ -142,26 +142,27 @@ def _flex(tf32: bool):
 
     def run(q, k, v):
         with _tf32(tf32):
-            return fn(q, k, v)
+            return fn(q, k, v, enable_gqa=gqa)
 
     return run
 
 
-def _ours(mode):
+def _ours(mode, gqa=False):
     import visionattn
 
     def run(q, k, v):
-        return visionattn.attention(q, k, v, mode=mode)  # the public path users call
+        return visionattn.attention(q, k, v, mode=mode, enable_gqa=gqa)  # the public path users call
 
     return run
 
 
-def _runner(name):
+def _runner(name, gqa=False):
+    """``fn(q, k, v)`` of backend ``name``; ``gqa``: k / v have fewer heads than q (``enable_gqa=True``)."""
     if name.startswith("sdpa-"):
-        return _sdpa(name)
+        return _sdpa(name, gqa)
     if name.startswith("flex"):
-        return _flex(name == "flex-tf32")
-    return _ours(name)
+        return _flex(name == "flex-tf32", gqa)
+    return _ours(name, gqa)
 
 
 @contextlib.contextmanager
@@ -180,10 +181,10 @@ def _deterministic():
         det.fill_uninitialized_memory = saved[2]
 
 
-def _fwd_bwd_runner(name, do):
+def _fwd_bwd_runner(name, do, gqa=False):
     """``fn(q, k, v) -> (dq, dk, dv)``: backend ``name``'s forward and its backward against ``do``."""
     det = name == "sdpa-flash-det"
-    run = _runner("sdpa-flash" if det else name)
+    run = _runner("sdpa-flash" if det else name, gqa)
 
     def step(q, k, v):
         context = _tf32(True) if name == "flex-tf32" else _deterministic() if det else contextlib.nullcontext()
@@ -280,7 +281,8 @@ FULL_GRAD_ORACLE_MAX = 2 ** 33  # B*H*N*N up to which the gradient oracle covers
 
 
 def oracle_grads(q, k, v, do, rows, chunk_elems: int = 2 ** 25) -> dict:
-    """Float64 autograd oracle of attention's gradients against ``do`` (all [B, H, N, D]).
+    """Float64 autograd oracle of attention's gradients against ``do`` (q, do [B, H, N, D]; k, v [B, Hkv, N, D], Hkv
+    dividing H: each K / V head serves H / Hkv query heads, as SDPA's ``enable_gqa``).
 
     Every query row, in chunks of rows (each chunk's float64 [B, H, rows, N] scores ``chunk_elems`` values; rows
     are independent, so dK and dV are sums over chunks): ``{"dq", "dk", "dv"}``. Beyond
@@ -288,9 +290,11 @@ def oracle_grads(q, k, v, do, rows, chunk_elems: int = 2 ** 25) -> dict:
     """
     B, H, N, D = q.shape
     scale = D ** -0.5
+    group = H // k.shape[1]
     if B * H * N * k.shape[2] > FULL_GRAD_ORACLE_MAX:
         qr = q[:, :, rows].double().requires_grad_()
-        (dq,) = torch.autograd.grad(oracle_attention(qr, k, v, scale=scale), qr, do[:, :, rows].double())
+        kr, vr = (t.repeat_interleave(group, 1) for t in (k, v))
+        (dq,) = torch.autograd.grad(oracle_attention(qr, kr, vr, scale=scale), qr, do[:, :, rows].double())
         return {"dq_rows": dq}
     kd, vd = (t.double().requires_grad_() for t in (k, v))
     dq = torch.empty(q.shape, dtype=torch.float64, device=q.device)
@@ -298,7 +302,7 @@ def oracle_grads(q, k, v, do, rows, chunk_elems: int = 2 ** 25) -> dict:
     chunk = max(1, chunk_elems // (B * H * k.shape[2]))
     for i in range(0, N, chunk):
         qc = q[:, :, i:i + chunk].double().requires_grad_()
-        y = oracle_attention(qc, kd, vd, scale=scale)
+        y = oracle_attention(qc, kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1), scale=scale)
         gq, gk, gv = torch.autograd.grad(y, (qc, kd, vd), do[:, :, i:i + chunk].double())
         dq[:, :, i:i + chunk] = gq
         dk += gk
@@ -346,25 +350,28 @@ def run_sweep(args, cfg) -> dict:
             jobs.append((shape, group, dtype, ours + base))
     for shape, group, dtype, backends in tqdm(jobs, desc="shapes x dtypes"):
         B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]
+        Hkv = shape.get("Hkv", H)  # fewer K / V heads: grouped-query attention, enable_gqa=True on every backend
+        gqa = Hkv != H
         g = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{shape['name']}/{group}".encode()))
-        q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype) for _ in range(3))
+        q, k, v = (torch.randn(B, h, N, D, device="cuda", generator=g).to(dtype) for h in (H, Hkv, Hkv))
         rows = torch.randperm(N, device="cuda", generator=g)[: min(N, cfg.get("oracle_rows", 256))]
         if args.backward:
             do = torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype)
             ref = oracle_grads(q, k, v, do, rows)
             q, k, v = (t.requires_grad_() for t in (q, k, v))
         else:
-            do, ref = None, oracle_attention(q[:, :, rows], k, v, scale=D ** -0.5)
+            do, ref = None, oracle_attention(q[:, :, rows], k.repeat_interleave(H // Hkv, 1),
+                                             v.repeat_interleave(H // Hkv, 1), scale=D ** -0.5)
         flops = (3.5 if args.backward else 1) * 4 * B * H * N * N * D
         for name in backends:
-            rec = {"shape": shape["name"], "B": B, "H": H, "N": N, "D": D, "dtype": group, "backend": name,
+            rec = {"shape": shape["name"], "B": B, "H": H, "Hkv": Hkv, "N": N, "D": D, "dtype": group, "backend": name,
                    "ours": name in MODES}
             if name == "sdpa-math" and not _fits_math(B, H, N, dtype):
                 rec["skipped"] = "O(N^2) memory does not fit"
                 records.append(rec)
                 continue
             try:
-                fn = _fwd_bwd_runner(name, do) if args.backward else _runner(name)
+                fn = _fwd_bwd_runner(name, do, gqa) if args.backward else _runner(name, gqa)
                 timings, peak, out = _measure(fn, q, k, v, rep, args.cuda_graph)
             except (RuntimeError, torch.OutOfMemoryError, Exception) as exc:  # backend refuses this case
                 rec["skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
