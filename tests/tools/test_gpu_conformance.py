@@ -152,6 +152,65 @@ def test_check_quantity_flags_perturbed_results():
     assert conf.dead_rows_ok("out", out, dead) is None
 
 
+class _DenseProblem:
+    """The two attributes :func:`conformance.oracle` reads: theta and ref_args (dense q, k, v, scale)."""
+
+    def __init__(self, q, k, v, mask=None, scale=0.3):
+        self.theta = {"q": q.requires_grad_(), "k": k.requires_grad_(), "v": v.requires_grad_()}
+        self.mask, self.scale = mask, scale
+
+    def ref_args(self, th):
+        return {"q": th["q"], "k": th["k"], "v": th["v"], "bias": None, "attn_mask": self.mask, "is_causal": False,
+                "scale": self.scale}
+
+
+def test_cancellation_floor_does_not_shrink_with_the_value_head_dim():
+    """Rows that see one key (exact dQ = dK = 0): the floor's scale is the size of a length-Dv FP32 dot product's
+    rounding, ``u ||dO|| ||v||``, which does not shrink as Dv grows (an H200 left residues up to 0.66 u w at
+    Dv = 160 in fp32-ieee, above the old ``/ sqrt(Dv)`` floor): the same norms at Dv = 16 and 256 give the same
+    floor."""
+    g = torch.Generator().manual_seed(3)
+    mask = torch.full((5, 7), False)
+    mask[torch.arange(5), torch.tensor([0, 2, 2, 4, 6])] = True  # each query sees exactly one key
+    q, k = (torch.randn(1, 2, n, 32, generator=g, dtype=torch.float64) for n in (5, 7))
+    floors = []
+    for dv in (16, 256):
+        v = torch.randn(1, 2, 7, dv, generator=g, dtype=torch.float64)
+        v = v / v.norm(dim=-1, keepdim=True)
+        go = torch.randn(1, 2, 5, dv, generator=g, dtype=torch.float64)
+        go = go / go.norm(dim=-1, keepdim=True)
+        gold = conf.oracle(_DenseProblem(q.clone(), k.clone(), v, mask), go, True)
+        assert float(gold["grads"]["k"].abs().max()) < 1e-12  # the exact gradient is 0
+        floors.append(gold["floors"]["k"].norm())
+    assert math.isclose(floors[0], floors[1], rel_tol=1e-9), floors
+
+
+def test_half_ds_rounding_term_is_the_gradient_of_a_rounded_ds():
+    """``r`` of the gradient rule (fp16 / bf16): dQ and dK computed from the exact dS rounded to the half dtype, minus
+    the exact ones, formed independently here as scale * round(dS) K and scale * round(dS)^T Q; and the rule's
+    bound grows by 2 ||r||."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=g, dtype=torch.float64) for n in (4, 19, 19))
+    go = torch.randn(1, 1, 4, 64, generator=g, dtype=torch.float64)
+    scale = 0.4
+    for dtype in (torch.float16, torch.bfloat16):
+        gold = conf.oracle(_DenseProblem(q.clone(), k.clone(), v.clone(), scale=scale), go, True, dtype)
+        p = torch.softmax(scale * q @ k.transpose(-1, -2), -1)
+        dp = go @ v.transpose(-1, -2)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        err = ds.to(dtype).double() - ds
+        want = {"q": scale * err @ k, "k": scale * err.transpose(-1, -2) @ q}
+        for name in ("q", "k"):
+            got = gold["ds_rounding"][name]
+            assert torch.allclose(got, want[name], rtol=1e-9, atol=1e-15), name
+            assert float(got.norm()) > 0
+        assert "v" not in gold["ds_rounding"]  # dV does not go through dS
+        gq = gold["grads"]["q"]
+        plain = conf.check_quantity("dq", gq, gq, gq, "fp16")["bound"]
+        moved = conf.check_quantity("dq", gq, gq, gq, "fp16", ds_rounding=want["q"])["bound"]
+        assert math.isclose(moved - plain, 2 * float(want["q"].norm() / gq.norm()), rel_tol=1e-9)
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the output gradient by 1.01 (a wrong backward)."""
 
