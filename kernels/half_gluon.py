@@ -173,12 +173,10 @@ def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
     """Why :func:`half_attention` cannot run this call (the Triton kernel then does), or ``None``.
 
-    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv]; Hkv < H
-    (grouped-query attention) is refused, the Triton kernel takes it;
-    ``num_splits`` 0 = automatic (the launcher splits only when the grid cannot fill the GPU).
+    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv] (Hkv dividing H:
+    grouped-query attention reads K / V head ``h // (H / Hkv)`` in place); ``num_splits`` 0 = automatic (the
+    launcher splits only when the grid cannot fill the GPU).
     """
-    if k.shape[1] != q.shape[1]:
-        return "grouped-query attention (fewer key / value heads than query heads)"
     return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=_DTYPES, head_dims=HEAD_DIMS,
                         stride_elems=8,
                         stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",
@@ -207,11 +205,13 @@ if _IMPORT_ERROR is None:
         return l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + parts
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk, n_work,
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP, Nq, Nk,
+                  n_work,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
                   CONSUMERS: gl.constexpr):
         # one warp: per work tile, each consumer's Q tile into a free Q buffer, then K / V tile t into ring slot
-        # g % STAGES (g counts KV tiles over every work tile) once every consumer freed it
+        # g % STAGES (g counts KV tiles over every work tile) once every consumer freed it; query head h reads K / V
+        # head h // GROUP (grouped-query attention; GROUP = 1 folds away)
         tiles_m = gl.cdiv(Nq, CONSUMERS * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
@@ -224,14 +224,15 @@ if _IMPORT_ERROR is None:
             for c in gl.static_range(CONSUMERS):
                 tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar,
                                                 q_smem.index(CONSUMERS * qb + c))
+            off_kv = off_h // GROUP
             for t in range(n_tiles):
                 g = i * n_tiles + t
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
                 bar = ready.index(slot)
                 mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [off_b, off_h, t * BLOCK_N, 0], bar, k_smem.index(slot))
-                tma.async_copy_global_to_shared(v_desc, [off_b, off_h, t * BLOCK_N, 0], bar, v_smem.index(slot))
+                tma.async_copy_global_to_shared(k_desc, [off_b, off_kv, t * BLOCK_N, 0], bar, k_smem.index(slot))
+                tma.async_copy_global_to_shared(v_desc, [off_b, off_kv, t * BLOCK_N, 0], bar, v_smem.index(slot))
             i += 1
 
     @gluon.jit
@@ -400,7 +401,7 @@ if _IMPORT_ERROR is None:
             i += 1
 
     @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
-    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, soh, som, H, Nq, Nk, n_work, qk_scale,
+    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, soh, som, H, GROUP, Nq, Nk, n_work, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
@@ -438,8 +439,8 @@ if _IMPORT_ERROR is None:
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
                              soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
                              Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
-                             n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
+                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [1], [24])
         elif CONSUMERS == 2:
             gl.warp_specialize([
@@ -449,8 +450,8 @@ if _IMPORT_ERROR is None:
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
                              soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
                              Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
-                             n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
+                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
@@ -466,8 +467,8 @@ if _IMPORT_ERROR is None:
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
                              soh, som, H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
                              Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, Nq, Nk,
-                             n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
+                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -550,7 +551,8 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
     call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D, write_lse),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
-    fixed = (*heads_inner_layout(B, H, Nq, D)[1][:3], H, Nq, Nk, n_work)  # out: the plan's heads-inner buffer
+    # out: the plan's heads-inner buffer; k / v may have fewer heads (grouped-query attention)
+    fixed = (*heads_inner_layout(B, H, Nq, D)[1][:3], H, H // k.shape[1], Nq, Nk, n_work)
     tq, tk, tv = templates
     direct = []  # after the first (compiling) call: KernelCall.with_descriptors, or None where it is unavailable
 

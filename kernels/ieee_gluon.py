@@ -60,12 +60,10 @@ def get_config(n_k: int, head_dim: int = 64) -> dict:
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
     """Why :func:`ieee_attention` cannot run this call (the Triton kernel then does), or ``None``.
 
-    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], float32;
-    Hkv < H (grouped-query attention) is refused, the Triton kernel takes it; ``num_splits`` 0 = automatic (the
-    launcher splits only when the grid cannot fill the GPU).
+    Inputs as the dense launcher sees them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv], float32 (Hkv
+    dividing H: grouped-query attention reads K / V head ``h // (H / Hkv)`` in place); ``num_splits`` 0 =
+    automatic (the launcher splits only when the grid cannot fill the GPU).
     """
-    if k.shape[1] != q.shape[1]:
-        return "grouped-query attention (fewer key / value heads than query heads)"
     return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=(torch.float32,),
                         head_dims=HEAD_DIMS, stride_elems=4,
                         stride_text="rows are not 16-byte aligned with a contiguous head dim",
@@ -125,7 +123,7 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
     def _ieee_fwd_kernel(Q, K, V, O, LSE, sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-                         H, Nq, Nk, qk_scale,
+                         H, GROUP, Nq, Nk, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, KC: gl.constexpr,
                          STAGES: gl.constexpr, SPT_M: gl.constexpr, NUM_WARPS: gl.constexpr,
                          WRITE_LSE: gl.constexpr):
@@ -160,8 +158,9 @@ if _IMPORT_ERROR is None:
         async_copy.async_copy_global_to_shared(
             q_smem, Q + off_b * sqb + off_h * sqh + q_rows.to(gl.int64)[:, None] * sqm + offs_ld[None, :],
             mask=(q_rows < Nq)[:, None])
-        k_base = K + off_b * skb + off_h * skh
-        v_base = V + off_b * svb + off_h * svh
+        off_kv = off_h // GROUP  # grouped-query attention: query head h reads K / V head h // GROUP (1 folds away)
+        k_base = K + off_b * skb + off_kv * skh
+        v_base = V + off_b * svb + off_kv * svh
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         for st in gl.static_range(STAGES - 1):  # Q travels in tile 0's commit group
             issue_pair(k_smem, v_smem, k_base, v_base, skn, svn, st, Nk, offs_ln, offs_ld, BLOCK_N, STAGES)
@@ -238,7 +237,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     o_stride = heads_inner_layout(B, H, Nq, D)[1][:3]  # out is the plan's heads-inner buffer
     call = KernelCall(_ieee_fwd_kernel, (cdiv(Nq, cfg["BLOCK_M"]) * B * H,), kernel_constexprs(cfg, D, write_lse),
                       dict(num_warps=cfg["num_warps"]))
-    fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_stride, H, Nq, k.shape[2])
+    fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_stride, H, H // k.shape[1], Nq, k.shape[2])
 
     def launch(q, k, v, scale, out, lse=None):
         # without an LSE the pointer is never read: the output's stands in

@@ -156,8 +156,22 @@ def _ours(mode, gqa=False):
     return run
 
 
+def _repeat_kv(name):
+    """``fn(q, k, v)``: SDPA backend ``name`` on K / V repeated for their query heads (``repeat_interleave``, the
+    copy transformers' ``repeat_kv`` makes): the grouped-query baseline of backends that refuse ``enable_gqa``."""
+    run = _sdpa(name)
+
+    def repeated(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        return run(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+
+    return repeated
+
+
 def _runner(name, gqa=False):
     """``fn(q, k, v)`` of backend ``name``; ``gqa``: k / v have fewer heads than q (``enable_gqa=True``)."""
+    if name.endswith("-repeat-kv"):
+        return _repeat_kv(name[: -len("-repeat-kv")])
     if name.startswith("sdpa-"):
         return _sdpa(name, gqa)
     if name.startswith("flex"):
@@ -347,6 +361,8 @@ def run_sweep(args, cfg) -> dict:
             base = [b for b in baselines if not (b.startswith("flex") and (args.no_flex or not shape.get("flex")))
                     and not (args.backward and b == "sdpa-math")  # training baselines: efficient, flash, cuDNN, flex
                     and (args.backward or b not in BACKWARD_ONLY)]
+            if shape.get("Hkv", shape["H"]) != shape["H"]:  # SDPA-efficient refuses enable_gqa: K / V repeated
+                base.append("sdpa-efficient-repeat-kv")
             jobs.append((shape, group, dtype, ours + base))
     for shape, group, dtype, backends in tqdm(jobs, desc="shapes x dtypes"):
         B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]

@@ -98,7 +98,7 @@ def _ieee_gluon_jobs(quick: bool):
                    dict(kernel=ieee_gluon._ieee_fwd_kernel,
                         pointer_types={n: "*fp32" for n in ("Q", "K", "V", "O", "LSE")},
                         constexprs=ieee_gluon.kernel_constexprs(cfg, d), num_warps=cfg["num_warps"], num_stages=1,
-                        float_args=("qk_scale",)))
+                        float_args=("qk_scale",), unit_ints=("GROUP",)))  # equal heads (GQA: GROUP > 1)
 
 
 def _ieee_gluon_bwd_jobs(quick: bool):
@@ -134,7 +134,7 @@ def _half_gluon_jobs(quick: bool):
                         pointer_types=dict(half_gluon.descriptor_types(cfg, d, dtype),
                                            O="*fp16" if dtype == torch.float16 else "*bf16", LSE="*fp32"),
                         constexprs=half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1,
-                        float_args=("qk_scale",), maxnreg=cfg["maxnreg"]))
+                        float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
 
 
 def _window_jobs(quick: bool):

@@ -252,14 +252,21 @@ def test_cached_call_without_enable_gqa_still_raises():
         va.attention(q, k, k)
 
 
-def test_gluon_kernels_refuse_grouped_heads():
-    """The Gluon kernels (fp32-ieee forward and backward, Hopper fp16 / bf16) give grouped calls to the Triton
-    kernels: their scope names grouped-query attention first."""
+def test_gluon_forward_kernels_take_grouped_heads_and_the_backward_refuses():
+    """The Gluon forward kernels (fp32-ieee; Hopper fp16 / bf16) read K / V head h // G in place, so their scope
+    does not refuse grouped calls; the fp32-ieee Gluon backward gives them to the Triton kernels, its scope naming
+    grouped-query attention first. Each plan passes the group size G = H / Hkv to its kernel."""
     q, k = torch.randn(1, 4, 64, 64), torch.randn(1, 2, 64, 64)
     for reason in (ieee_gluon.unsupported_reason(q, k, k, None, None, False, 0.125, 0),
-                   half_gluon.unsupported_reason(q.half(), k.half(), k.half(), None, None, False, 0.125, 0),
-                   ieee_gluon_bwd.unsupported_reason(q, k, k, q, None, None, False, 0.125)):
-        assert reason is not None and "grouped-query" in reason
+                   half_gluon.unsupported_reason(q.half(), k.half(), k.half(), None, None, False, 0.125, 0)):
+        assert reason is None or "grouped-query" not in reason
+    reason = ieee_gluon_bwd.unsupported_reason(q, k, k, q, None, None, False, 0.125)
+    assert reason is not None and "grouped-query" in reason
+    import inspect
+
+    for kernel in (ieee_gluon, half_gluon):
+        source = inspect.getsource(kernel.planned_launch)
+        assert "H // k.shape[1]" in source, kernel.__name__
 
 
 # --------------------------------------------------------------------------- on the GPU
