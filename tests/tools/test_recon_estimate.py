@@ -211,3 +211,24 @@ def test_summary_json_carries_the_estimate(tmp_path, capsys):
                                                                             "cpu", "fp32", tiny), rel=1e-12)
     assert summary["inference_seconds"] > 0 and math.isfinite(summary["estimate_s"])
     assert "inference: about" not in err and "warning:" not in err
+
+
+def test_cuda_estimate_scales_with_the_device(monkeypatch):
+    """On CUDA the H100 rates are scaled by the device's SM count against 132 (x 0.35 before Hopper), read from
+    torch.cuda only when CUDA is available; the log names the device."""
+    from types import SimpleNamespace
+
+    h100 = pipeline.estimate_seconds("vggt", 100, 392, 518, "cuda", "bf16")
+    if not torch.cuda.is_available():  # no CUDA: the H100 rates as they are, no torch.cuda query
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: pytest.fail("queried without CUDA"))
+        assert pipeline.estimate_seconds("vggt", 100, 392, 518, "cuda:0", "bf16") == h100
+        assert pipeline._device_label("cuda:0") == "cuda:0"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    props = {"half": SimpleNamespace(multi_processor_count=66, major=9),
+             "ampere": SimpleNamespace(multi_processor_count=132, major=8)}
+    for name, expected in (("half", 2 * h100), ("ampere", h100 / 0.35)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, p=props[name]: p)
+        assert pipeline.estimate_seconds("vggt", 100, 392, 518, "cuda", "bf16") == pytest.approx(expected)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert pipeline._device_label("cuda:0") == "cuda:0 (NVIDIA H200)"
+    assert pipeline._device_label("cpu") == "cpu"
