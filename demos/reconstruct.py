@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-preview", action="store_true", help="skip preview.png")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars or notes (the summary line only, and warnings: a CPU run estimated to take "
-                        "over 2 minutes still says so, with the --max-frames / --fps that would make it about one)")
+                        "over 2 minutes still says so, naming the --max-frames / --fps that would take about a minute)")
     return p
 
 
