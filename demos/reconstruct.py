@@ -59,8 +59,9 @@ OUTPUTS = """outputs (in OUT_DIR, all written side by side to a hidden temporary
   preview.png           the point cloud from the first camera and from an oblique view, depth maps
   summary.json          frames, tokens, points kept, seconds per stage (setup, decode, build, compile, warmup,
                         inference, tracks, bundle_adjustment, export, other: they add up to total) and per
-                        output (export_outputs: written side by side, so they overlap), peak memory (host
-                        RSS, CUDA), mode, environment; with --ba the reprojection error before / after
+                        output (export_outputs: written side by side, so they overlap), inference_seconds (the
+                        forward) beside estimate_s (the estimate logged before it), peak memory (host RSS,
+                        CUDA), mode, environment; with --ba the reprojection error before / after
   .visionattn-recon.json  manifest of every file written: a later run replaces OUT_DIR only while
                         it holds exactly these files
 
@@ -180,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and sampled points "
                                                        "(default: %(default)s)")
     p.add_argument("--no-preview", action="store_true", help="skip preview.png")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or notes (summary line only)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars or notes (the summary line only, and warnings: a CPU run estimated to take "
+                        "over 2 minutes still says so, naming the --max-frames / --fps that would take about a minute)")
     return p
 
 
@@ -222,7 +225,7 @@ def main(argv=None) -> dict:
                 compile_ahead=not args.no_compile_ahead, max_points=args.max_points, colmap_text=args.colmap_text,
                 ba=args.ba, ba_query_frames=args.ba_query_frames, ba_points=args.ba_points,
                 ba_max_error=args.ba_max_error, intrinsics_file=args.intrinsics, poses_file=args.poses,
-                heads=args.heads)
+                heads=args.heads, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}

@@ -5,6 +5,8 @@ random weights in the full or a tiny configuration), :func:`run_model` runs it
 on a preprocessed batch and returns numpy predictions with cameras decoded (π³ and
 Pi3X converted to VGGT's conventions by :mod:`visionattn.recon.pi3`), and
 :func:`reconstruct` is the whole demo: load, infer, export, preview, summary.
+:func:`estimate_seconds` says beforehand how long the forward will take (:func:`forward_flops` over the
+throughputs of :data:`THROUGHPUT`: an order of magnitude).
 Every anticipated user error (bad folder, corrupt image, unusable ``out_dir``,
 weights not available offline) raises :class:`ReconstructionError` subclasses
 (all ``ValueError``) before anything is written.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -37,6 +40,8 @@ __all__ = [
     "check_checkpoint", "resolve_device", "load_source", "build_model",
     "run_model", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY", "prediction_bytes",
     "available_host_memory", "prediction_store", "start_compile_ahead", "Stages", "STAGES",
+    "forward_flops", "estimate_seconds", "THROUGHPUT", "format_seconds", "frames_within", "slow_cpu_warning",
+    "SLOW_CPU_SECONDS", "TARGET_CPU_SECONDS",
 ]
 
 DEFAULT_WEIGHTS = "facebook/VGGT-1B"
@@ -558,7 +563,8 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 every: int | None = None, host_memory: str = "auto", compile_ahead: bool = True,
                 max_points: int | None = None, colmap_text: bool = False, ba: bool = False,
                 ba_query_frames: int = 8, ba_points: int = 512, ba_max_error: float = 8.0,
-                intrinsics_file: str | None = None, poses_file: str | None = None, heads: str | None = None) -> dict:
+                intrinsics_file: str | None = None, poses_file: str | None = None, heads: str | None = None,
+                warn=None) -> dict:
     """The whole demo: folder of images or video -> ``out_dir`` with points, cameras, depth, preview.
 
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
@@ -592,9 +598,14 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
             condition the model (:mod:`visionattn.recon.priors`; matched to the frames by image file name):
             read before any decoding, matched once the frames are loaded; the summary's ``conditions`` names them.
         heads: VGGT / FastVGGT heads' precision (:func:`build_model`); the summary's ``heads`` states it.
+        log: called with each progress note (one line).
+        warn: called with each warning the user should see even when ``log`` is silenced (one line): a forward
+            estimated to take over :data:`SLOW_CPU_SECONDS` on a CPU (:func:`slow_cpu_warning`). None:
+            :func:`warnings.warn` (``RuntimeWarning``).
 
     Returns:
-        summary dict: frames, tokens, points kept, ``seconds`` (wall seconds per stage: setup, decode, build,
+        summary dict: frames, tokens, points kept, ``inference_seconds`` (one forward, measured) and ``estimate_s``
+        (:func:`estimate_seconds`, logged before it), ``seconds`` (wall seconds per stage: setup, decode, build,
         compile, warmup, inference, tracks, bundle_adjustment, export and other, which add up to total;
         ``export_outputs``: seconds each output's writer ran, side by side, so they overlap), peak memory
         (inference: CUDA max allocated or host RSS; plus the process's peak host RSS), mode, model, weights,
@@ -642,7 +653,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 point_source=point_source, seed=seed, preview=preview, progress=progress, warmup=warmup,
                 log=log, fps=fps, every=every, host_memory=host_memory, compile_ahead=compile_ahead,
                 max_points=max_points, colmap_text=colmap_text, ba=ba, ba_query_frames=ba_query_frames,
-                ba_points=ba_points, ba_max_error=ba_max_error, heads=heads)
+                ba_points=ba_points, ba_max_error=ba_max_error, heads=heads, warn=warn)
     stages = Stages()
     stages.add("setup", time.perf_counter() - t_start)  # argument checks, imports, output folder checks
     # the temporary output folder exists from here on: an unwritable --out fails before any decoding; the
@@ -697,6 +708,305 @@ def start_compile_ahead(mode: str, weights: str, device, images_shape: tuple[int
     return CompileAhead(mode, vggt_attention_shapes(S, H, W, **config), device=str(device))
 
 
+# ----------------------------------------------------------------------------- how long the forward takes
+def _model_config(model: str, config: dict | None) -> dict:
+    """The full constructor config of ``model`` (:data:`MODELS`): the class's defaults (the released
+    configuration) updated with ``config`` (e.g. ``vggt_tiny_config()``).
+
+    Raises:
+        ValueError: unknown ``model``.
+    """
+    import inspect
+
+    from visionattn.models import VGGT, Pi3, Pi3X
+
+    if model not in MODELS:
+        raise ValueError(f"model={model!r} is not known; expected one of {MODELS}")
+    cls = {"pi3": Pi3, "pi3x": Pi3X}.get(model, VGGT)
+    cfg = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+           if p.default is not inspect.Parameter.empty}
+    cfg.update(config or {})
+    return cfg
+
+
+def _blocks_flops(rows: int, keys: int, dim: int, mlp_ratio: float) -> tuple[float, float]:
+    """(dense, attention) FLOPs of one transformer block over ``rows`` query tokens that each attend to ``keys``
+    tokens, width ``dim``: qkv + projection + MLP (2 x (4 + 2 r) dim^2 per row) and q k^T + p v
+    (4 x keys x dim per row)."""
+    return 2.0 * rows * dim * dim * (4 + 2 * mlp_ratio), 4.0 * rows * keys * dim
+
+
+def _dpt_flops(cfg: dict, h: int, w: int) -> float:
+    """FLOPs of one VGGT DPT head on one frame (patch grid h x w): 1x1 projections of the four layers, their
+    resampling to 4x, 2x, 1x and 1/2x the grid, the 3x3 ``layer_rn`` convolutions, the fusion blocks (two 3x3
+    residual units each, one in the coarsest) and the output convolutions at 8x the grid and at full resolution."""
+    F, oc, p = cfg["dpt_features"], cfg["dpt_out_channels"], cfg["patch_size"]
+    g = h * w
+    pix = (16 * g, 4 * g, g, g / 4)  # the four branches' pixels after resampling
+    fl = sum(2.0 * g * 2 * cfg["embed_dim"] * c for c in oc)  # projections from the 2C-wide tokens
+    fl += 2.0 * (16 * g * oc[0] ** 2 + 4 * g * oc[1] ** 2 + 9 * g / 4 * oc[3] ** 2)  # transposed convs, stride 2
+    fl += sum(18.0 * n * c * F for n, c in zip(pix, oc))  # layer_rn: 3x3, oc -> F
+    rcu = 36.0 * F * F  # one residual unit per pixel: two 3x3 F -> F convolutions
+    fl += rcu * g / 4 + 2.0 * F * F * g  # refinenet4 (one unit), out_conv after the upsampling
+    fl += sum(2 * rcu * n + 2.0 * F * F * 4 * n for n in pix[2::-1])  # refinenet3..1
+    fl += 18.0 * F * (F // 2) * 64 * g  # output_conv1 at 8x the grid
+    fl += 2.0 * h * p * w * p * (9 * (F // 2) * 32 + 32 * 4)  # output_conv2 at full resolution
+    return fl
+
+
+def _conv_head_flops(cfg: dict, h: int, w: int, outputs: int) -> float:
+    """FLOPs of one Pi3X convolutional head on one frame: x2 upsamplers (transposed 2x2 + 3x3 conv, residual blocks
+    of two 3x3 convolutions through twice the width) and ``outputs`` output blocks at full resolution."""
+    dims, n, fl = [cfg["head_embed_dim"], *cfg["conv_dims"]], h * w, 0.0
+    for cin, cout in zip(dims[:-1], dims[1:]):
+        n *= 4
+        fl += 2.0 * n * (cin + 2) * cout + 18.0 * n * cout * cout + cfg["conv_res_blocks"] * 72.0 * n * cout * cout
+    last = cfg["conv_last_channels"]
+    return fl + outputs * 2.0 * h * cfg["patch_size"] * w * cfg["patch_size"] * (9 * (dims[-1] + 2) * last + 3 * last)
+
+
+def forward_flops(model: str, frames: int, height: int, width: int, config: dict | None = None) -> dict[str, float]:
+    """FLOPs of one inference forward of the demo's network (no track queries, no Pi3X conditions), analytic.
+
+    Counts the matrix products only (2 FLOPs per multiply-add; norms, activations, RoPE and resampling are left
+    out): the DINOv2 encoder and every transformer block (per-frame attention over one frame's tokens: linear in
+    ``frames``; global attention over all frames' tokens: quadratic in ``frames``; FastVGGT's global attention over
+    its merged sequence, plus the merge's similarity products), the head decoders and the convolutional heads (VGGT's
+    DPT depth and point heads, Pi3X's convolutional heads: linear in ``frames`` and in pixels).
+
+    Args:
+        model: one of :data:`MODELS` (``"fastvggt"``: VGGT with :data:`~visionattn.models.FASTVGGT_MERGING`).
+        frames: S >= 1.
+        height, width: the preprocessed frame size in pixels (multiples of the patch size, 14).
+        config: constructor arguments that differ from the released configuration (e.g.
+            :func:`~visionattn.models.vggt_tiny_config` ``()``); None: the released model.
+
+    Returns:
+        ``{"dense": FLOPs, "attention": FLOPs}``: the products the network's own precision runs (linear layers,
+        convolutions) and those of attention proper (q k^T and p v, in the attention ``mode``).
+
+    Raises:
+        ValueError: unknown ``model``, ``frames`` < 1 or a size that is not a positive multiple of the patch size.
+    """
+    cfg = _model_config(model, config)
+    p, C, r = cfg["patch_size"], cfg["embed_dim"], cfg["mlp_ratio"]
+    if frames < 1:
+        raise ValueError(f"frames={frames} must be >= 1")
+    if height < p or width < p or height % p or width % p:
+        raise ValueError(f"image size {height}x{width} must be a positive multiple of patch_size={p}")
+    S, h, w = int(frames), height // p, width // p
+    dense = attn = 0.0
+
+    def add(blocks: int, rows: float, keys: float, dim: int) -> None:
+        nonlocal dense, attn
+        d, a = _blocks_flops(rows, keys, dim, r)
+        dense, attn = dense + blocks * d, attn + blocks * a
+
+    # DINOv2 encoder (patch embed): 1 class + 4 register tokens, per frame
+    dense += 2.0 * S * h * w * 3 * p * p * C
+    encoder_depth = cfg["encoder_depth"] if model in PI3_MODELS else cfg["patch_embed_depth"]
+    add(encoder_depth, S * (5 + h * w), 5 + h * w, C)
+    if model in PI3_MODELS:
+        T = cfg["num_register_tokens"] + h * w
+        add(cfg["depth"] // 2, S * T, T, C)  # frame blocks
+        add(cfg["depth"] // 2, S * T, S * T, C)  # global blocks
+        D = cfg["head_embed_dim"]
+        for out in (D, D, cfg["camera_dim"]):  # point, confidence and camera decoders: per frame
+            dense += 2.0 * S * T * (2 * C * D + D * out)
+            add(cfg["head_depth"], S * T, T, D)
+        if model == "pi3":  # linear heads: a patch of points (3) and of confidence (1) per token
+            dense += 2.0 * S * h * w * D * p * p * 4
+        else:  # convolutional heads, and the metric decoder: one token reading the projected context
+            dense += S * (_conv_head_flops(cfg, h, w, 2) + _conv_head_flops(cfg, h, w, 1))
+            md = cfg["metric_dim"]
+            dense += 2.0 * S * T * 2 * C * md + cfg["metric_depth"] * 4.0 * S * T * md * md
+            attn += cfg["metric_depth"] * 4.0 * S * T * md
+        return {"dense": dense, "attention": attn}
+    P = 1 + cfg["num_register_tokens"] + h * w
+    N = S * P
+    add(cfg["depth"], N, P, C)  # frame blocks
+    if model == "fastvggt" and S > 1:
+        from visionattn.models import FASTVGGT_MERGING as m
+
+        sy, sx = m.region
+        dest = P + (S - 1) * (1 + cfg["num_register_tokens"] + -(-h // sy) * -(-w // sx))
+        merged = min(N - dest, int(m.ratio * N))
+        L = N - merged + int(m.protect * N)  # the merged sequence: kept sources, destinations, protected
+        plain = min(m.start_block, cfg["depth"])
+        add(plain, N, N, C)
+        d, _ = _blocks_flops(N, 0, C, r)
+        blocks = cfg["depth"] - plain
+        dense += blocks * d
+        attn += blocks * (4.0 * L * L * C + 2.0 * (N - dest) * dest * C)  # merged attention + similarities
+    else:
+        add(cfg["depth"], N, N, C)  # global blocks
+    if cfg["enable_camera"]:  # the camera trunk over one token per frame, 4 iterations
+        add(4 * cfg["camera_trunk_depth"], S, S, 2 * C)
+    dense += S * _dpt_flops(cfg, h, w) * (int(bool(cfg["enable_depth"])) + int(bool(cfg["enable_point"])))
+    return {"dense": dense, "attention": attn}
+
+
+# Sustained FLOP/s of the demo's forward, per device kind and precision: "dense" is the network's linear layers and
+# convolutions, which the demo runs in FP32 whatever the mode (only attention changes with it); the attention modes
+# are attention's q k^T and p v products in that mode. The one table the estimate divides by.
+#
+# cpu: measured. On a 2-core x86 CPU (PyTorch's default 2 threads), forwards of VGGT's tiny configuration, of a
+#   mid-size one (width 256 with 64-wide heads as VGGT-1B's, 4 + 4 blocks, DPT width 64) and of a wide one (width
+#   1024, 2 + 2 blocks, VGGT-1B's DPT heads) at 1 to 16 frames of 224x224 to 392x518 were timed (best of 2-3) and
+#   seconds = dense / dense_rate + attention / attention_rate fitted: about 160 GFLOP/s in FP32 matmul and
+#   convolution (the mid-size fit 200, the wide runs 150-175), attention 44 GFLOP/s in fp32 mode (visionattn's CPU
+#   path, the blocked scan of visionattn.reference) and 150 with PyTorch's SDPA; the other modes, emulated on the
+#   CPU, 12-16 GFLOP/s (pasa 6) at 8 frames of 392x518. The released VGGT-1B itself (random weights, 1, 2 and 4
+#   frames of 294x518, fp32 and SDPA, 12 runs of 16-138 s that varied up to 2x between repeats) took a median 1.8x
+#   as long as those rates predict: its 5 GB of weights and the activations do not stay in the caches. The table
+#   holds the fitted rates / 1.8, those of the released models, whose CPU runs are the long ones; the mid-size and
+#   wide configurations then run about 1.8x faster than estimated, the tiny one (16-wide heads, small products that
+#   pay overheads) as estimated to 2x slower. Other CPUs scale with their cores, vector units and memory.
+# cuda: an H100 / H200 (SXM: the same 132 SMs) at published dense peaks times an efficiency: the network at the FP32
+#   CUDA-core peak of 67 TFLOP/s x 0.6; attention on the FP16 tensor cores (989 TFLOP/s dense) x 0.43 for the half
+#   modes, x 0.23 for tf32 (one FP16 product of split FP32 operands) and x 0.11 for fp32 (three FP16 products);
+#   fp32-ieee and SDPA in FP32 on the CUDA cores x 0.5. With forward_flops these reproduce this repository's H100
+#   runs of VGGT-1B at 392x518 within 10 % (docs/benchmarks/vggt100_h100.md, vggt_h100.md, vggt_long_h100.md: fp32
+#   16.2 s at 100 frames, 54.9 s at 200 and 256 s at 500; tf32 30.7 s and SDPA-FP32 147.5 s at 200). Other GPUs:
+#   scaled by their SM count against 132, and by 0.35 before Hopper (an A100's published peaks are about a third of
+#   an H100's).
+THROUGHPUT = {
+    "cpu": {k: v / 1.8 for k, v in {"dense": 160e9, "fp32": 44e9, "fp32-ieee": 16e9, "tf32": 12e9, "fp16": 15e9,
+                                    "bf16": 14e9, "pasa": 6e9, "sdpa": 150e9}.items()},
+    "cuda": {"dense": 67e12 * 0.6, "fp32": 989e12 * 0.11, "fp32-ieee": 67e12 * 0.5, "tf32": 989e12 * 0.23,
+             "fp16": 989e12 * 0.43, "bf16": 989e12 * 0.43, "pasa": 989e12 * 0.43, "sdpa": 67e12 * 0.5},
+}
+"""FLOP/s by device kind (``"cpu"``, ``"cuda"``) and by ``"dense"`` (the FP32 network) or attention mode
+(:data:`ATTN_MODES`); how each was obtained is said beside it in the source."""
+
+
+def _cuda_scale(device) -> float:
+    """The CUDA device's throughput against an H100's: SM count / 132, x 0.35 before Hopper (1.0 without CUDA)."""
+    if not torch.cuda.is_available():
+        return 1.0
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return props.multi_processor_count / 132 * (1.0 if props.major >= 9 else 0.35)
+
+
+def estimate_seconds(model: str, frames: int, height: int, width: int, device="cpu", mode: str = "fp32",
+                     config: dict | None = None) -> float:
+    """Seconds one inference forward of the demo's network will take: a rough order of magnitude, not a timing.
+
+    :func:`forward_flops` divided by the sustained throughput of :data:`THROUGHPUT` (the network's products at the
+    FP32 rate, attention at its ``mode``'s rate). The constants are of one 2-core x86 CPU and of an H100 / H200;
+    another machine may be several times faster or slower (the CPU rates are those of the released models; smaller
+    configurations can run up to about 2x faster or slower than estimated), and forwards of well under a second
+    are mostly overheads the estimate leaves out. Not counted: model build, Triton compilation (the first forward
+    on a GPU), track queries (``--ba``), Pi3X conditions, and ``--heads`` in half precision.
+
+    Args:
+        model: one of :data:`MODELS`.
+        frames: S >= 1.
+        height, width: preprocessed frame size in pixels (multiples of 14).
+        device: where the forward runs (``"cpu"``, ``"cuda"``, ``"cuda:N"``, a ``torch.device``); other device
+            types (``"mps"``) are estimated as the CPU. On CUDA the throughput is scaled to the device's SM count
+            and generation (:func:`torch.cuda.get_device_properties`, read only when CUDA is available).
+        mode: attention mode, one of :data:`ATTN_MODES`.
+        config: constructor arguments differing from the released model (e.g. the tiny config of
+            ``weights="random-tiny"``).
+
+    Returns:
+        seconds (float > 0).
+
+    Raises:
+        ValueError: unknown ``model`` or ``mode``, ``frames`` < 1, or a size not a multiple of the patch size.
+    """
+    _check_mode(mode)
+    kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    flops = forward_flops(model, frames, height, width, config)
+    rate = THROUGHPUT[kind]
+    scale = _cuda_scale(device) if kind == "cuda" else 1.0
+    return (flops["dense"] / rate["dense"] + flops["attention"] / rate[mode]) / scale
+
+
+def format_seconds(seconds: float) -> str:
+    """``seconds`` for people: ``"0.5 s"`` (0.1 s at least), ``"40 s"``, ``"12 min"``, ``"2.5 h"``, ``"19 h"``."""
+    if seconds < 60:  # at least 0.1 s: below that the estimate is all overheads it leaves out
+        return f"{max(seconds, 0.1):.2g} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.2g} h" if seconds < 10 * 3600 else f"{seconds / 3600:.0f} h"
+
+
+def frames_within(seconds: float, model: str, height: int, width: int, device="cpu", mode: str = "fp32",
+                  config: dict | None = None, limit: int = 100_000) -> int:
+    """The most frames whose :func:`estimate_seconds` is at most ``seconds`` (at least 1; at most ``limit``)."""
+    def fits(s: int) -> bool:
+        return estimate_seconds(model, s, height, width, device, mode, config) <= seconds
+
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # the estimate grows with frames: bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+SLOW_CPU_SECONDS = 120.0
+"""A forward estimated (:func:`estimate_seconds`) to take longer than this on a CPU gets a warning."""
+TARGET_CPU_SECONDS = 60.0
+"""The forward the slow-CPU warning's ``--max-frames`` / ``--fps`` suggestion aims at (seconds)."""
+
+
+def _estimate_config(model: str, weights: str | None) -> dict | None:
+    """The config :func:`estimate_seconds` gets for ``model`` with ``weights``: the tiny one of ``"random-tiny"``,
+    else None (the released configuration)."""
+    if weights != "random-tiny":
+        return None
+    from visionattn.models import pi3_tiny_config, pi3x_tiny_config, vggt_tiny_config
+
+    return {"pi3": pi3_tiny_config, "pi3x": pi3x_tiny_config}.get(model, vggt_tiny_config)()
+
+
+def _device_label(device) -> str:
+    """``"cpu"``, or ``"cuda:0 (NVIDIA H100 80GB HBM3)"``: the CUDA device's name when CUDA is available."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return str(device)
+    return f"{device} ({torch.cuda.get_device_name(dev)})"
+
+
+def slow_cpu_warning(model: str, frames: int, height: int, width: int, device="cpu", mode: str = "fp32",
+                     config: dict | None = None, video: dict | None = None) -> str | None:
+    """One line warning that the forward will take long on a CPU, naming the fix; None when it will not.
+
+    Fires when ``device`` is a CPU and :func:`estimate_seconds` exceeds :data:`SLOW_CPU_SECONDS`. The line
+    names ``--max-frames N`` with the most frames estimated to take at most :data:`TARGET_CPU_SECONDS`
+    (:func:`frames_within`) and, for a video, ``--fps F``: about N frames spread over the whole video (F from its
+    ``video_frames`` / ``video_fps``; a placeholder where the container does not state them).
+
+    Args:
+        model, frames, height, width, device, mode, config: as :func:`estimate_seconds`.
+        video: the video's metadata (:attr:`LoadedImages.extra <visionattn.recon.images.LoadedImages.extra>` of
+            :func:`~visionattn.recon.video.load_video`), or None for images.
+    """
+    if torch.device(device).type != "cpu":
+        return None
+    seconds = estimate_seconds(model, frames, height, width, device, mode, config)
+    if seconds <= SLOW_CPU_SECONDS:
+        return None
+    n = frames_within(TARGET_CPU_SECONDS, model, height, width, device, mode, config)
+    fix = f"--max-frames {n}"
+    if video is not None:
+        rate, total = video.get("video_fps") or 0.0, video.get("video_frames") or 0
+        if rate > 0 and total > 0:
+            f = n / (total / rate)  # n frames over the whole video, rounded down to 2 significant digits
+            digits = max(0, 1 - math.floor(math.log10(f)))
+            f = math.floor(f * 10 ** digits) / 10 ** digits
+            fix = f"--fps {f:g} (about {n} frames spread over the {total / rate:.0f} s video) or {fix}"
+        else:
+            fix = f"--fps F (about {n} frames over the video) or {fix}"
+    return (f"inference of {frames} frames of {height}x{width} on the CPU will take about {format_seconds(seconds)}; "
+            f"for about {format_seconds(TARGET_CPU_SECONDS)} use {fix}, or run on a GPU (--device cuda)")
+
+
 def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
     """The most frames of at most ``size`` x ``size`` pixels whose forward (weights included) fits the free
     memory of CUDA ``device`` (:func:`visionattn.models.max_frames_that_fit`, FP32 network as the demo runs
@@ -726,7 +1036,7 @@ STAGES = ("setup", "decode", "build", "compile", "warmup", "inference", "tracks"
 def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weights, dev, cameras, conf_percentile,
                       max_frames, size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every,
                       host_memory, compile_ahead, max_points, colmap_text, ba, ba_query_frames, ba_points,
-                      ba_max_error, heads, stack) -> dict:
+                      ba_max_error, heads, warn, stack) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
     net, model_seconds = None, 0.0
@@ -742,6 +1052,20 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
                              progress=progress, frames_dir=frames_dir)
     for name, why in loaded.skipped:
         log(f"note: skipped {name!r} ({why})")
+    S, H, W = loaded.images.shape[0], *loaded.shape_hw
+    # how long the forward will take, said before it (and before the model is built, unless --max-frames auto
+    # built it); a long CPU run gets a warning naming its fix
+    config = _estimate_config(model, weights)
+    estimate = estimate_seconds(model, S, H, W, dev, mode, config)
+    log(f"inference: about {format_seconds(estimate)} ({S} frames of {H}x{W}, {mode}, {_device_label(dev)})")
+    advice = slow_cpu_warning(model, S, H, W, dev, mode, config, video=loaded.extra or None)
+    if advice is not None:
+        if warn is None:
+            import warnings
+
+            warnings.warn(advice, RuntimeWarning, stacklevel=2)
+        else:
+            warn(advice)
     conditions = {}
     if cameras:
         conditions = match_cameras(loaded, **{f"{k}_file": p for k, (p, _) in cameras.items()},
@@ -762,7 +1086,6 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
     if ahead_info is not None and "error" not in ahead_info:
         log(f"attention kernels compiled beside the model load in {ahead_info['seconds']:.1f} s "
             f"(inference waited {ahead_info['waited']:.1f} s for them)")
-    S, H, W = loaded.images.shape[0], *loaded.shape_hw
     queries = None
     if ba:
         from .ba import query_plan
@@ -778,7 +1101,8 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
     tokens = count_tokens(net, S, (H, W))
     summary = {"frames": S, "image_hw": [H, W], "tokens": tokens, "model": model, "mode": mode,
                "heads": None if model in PI3_MODELS else (net.heads_dtype or "fp32"),
-               "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "warmup": warmup,
+               "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "estimate_s": estimate,
+               "warmup": warmup,
                "model_seconds": model_seconds,
                "peak_memory_bytes": pred["peak_memory_bytes"], "peak_memory_kind": pred["peak_memory_kind"],
                "predictions_on_disk": store is not None, "compile_ahead": ahead_info,
