@@ -59,6 +59,7 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
     os.environ.setdefault(_name, _value)  # before torch.distributed starts NCCL
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -69,6 +70,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, check_device, check_output, default_out, environment,  # noqa: E402
+                      tf32_disabled,
                       figure, markdown_table, nonnegative_int, output_files, peak_extra_mb, per_call_ms, positive_int)
 from bench_vggt import ROWS, build  # noqa: E402
 
@@ -269,10 +271,11 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
         g = torch.Generator(device=device).manual_seed(args.seed + n)
         return torch.rand(n, 3, args.height, args.width, generator=g, device=device)
 
-    def forwards(x: torch.Tensor, dtype, keep: slice, barrier: bool):
+    def forwards(x: torch.Tensor, dtype, keep: slice, barrier: bool, exact: bool):
         """(median seconds of ``--repeats`` timed forwards, peak GB after the warm-up or None on the CPU,
-        the last forward's VGGT_KEYS outputs of frames ``keep`` on the CPU)."""
-        with torch.no_grad(), autocast(device.type, dtype):
+        the last forward's VGGT_KEYS outputs of frames ``keep`` on the CPU). ``exact``: TF32 off for the matmuls
+        and cuDNN's convolutions (on by default for convolutions), so an FP32 row compares FP32 with FP32."""
+        with torch.no_grad(), autocast(device.type, dtype), (tf32_disabled() if exact else contextlib.nullcontext()):
             if args.warmup:
                 model(x)
             if cuda:
@@ -301,14 +304,15 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
             mine = images(n)[start:stop].clone()
             with split_frames(model):
                 keep = slice(None if rank == 0 and not args.no_single else 0)  # only rank 0's frames are compared
-                split_s, split_peak, split_out = forwards(mine, dtype, keep, barrier=True)
+                split_s, split_peak, split_out = forwards(mine, dtype, keep, barrier=True, exact=mode == "fp32")
             del mine
             per_rank = [None] * world
             dist.all_gather_object(per_rank, dict(s=split_s, peak_gb=split_peak, frames=stop - start))
             single_s = single_peak = err = None
             if rank == 0 and not args.no_single:
                 try:
-                    single_s, single_peak, single_out = forwards(images(n), dtype, slice(start, stop), barrier=False)
+                    single_s, single_peak, single_out = forwards(images(n), dtype, slice(start, stop), barrier=False,
+                                                                 exact=mode == "fp32")
                     err = max(rel_l2(split_out[k], single_out[k]) for k in VGGT_KEYS)
                 except torch.cuda.OutOfMemoryError:
                     single_s = single_peak = "OOM"
@@ -345,7 +349,8 @@ def render_vggt(result: dict, args) -> str:
              f"{result['height']}x{result['width']} images", "",
              "Random-weight " + ("tiny VGGT (vggt_tiny_config; a check of the tool, not a result)" if result["tiny"]
                                  else "VGGT-1B") + " with camera, depth and point heads; bf16 runs under bf16 "
-             "autocast. split = every rank runs its contiguous chunk of frames inside "
+             "autocast, fp32 with TF32 off for matmuls and cuDNN's convolutions. split = every rank runs its "
+             "contiguous chunk of frames inside "
              "models.context_parallel.split_frames (global attention context-parallel, scheme auto: Ulysses "
              "where the heads split evenly over the ranks, else the ring), the slowest rank's time; "
              "single = the same model on all frames on rank 0's GPU alone. Time: median of the timed forwards "
