@@ -186,9 +186,9 @@ def test_cancellation_floor_does_not_shrink_with_the_value_head_dim():
 
 
 def test_half_ds_rounding_term_is_the_gradient_of_a_rounded_ds():
-    """``r`` of the gradient rule (fp16 / bf16): dQ and dK computed from the exact dS rounded to the half dtype, minus
-    the exact ones, formed independently here as scale * round(dS) K and scale * round(dS)^T Q; and the rule's
-    bound grows by 2 ||r||."""
+    """``r`` of the gradient rule (fp16 / bf16): dQ and dK from the dS a FlashAttention-style half backward forms
+    (D_i from the stored half output, dS rounded to the half dtype), minus the exact ones, formed independently here
+    as scale * err K and scale * err^T Q; and the rule's bound grows by 2 ||r||."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 1, n, 64, generator=g, dtype=torch.float64) for n in (4, 19, 19))
     go = torch.randn(1, 1, 4, 64, generator=g, dtype=torch.float64)
@@ -198,7 +198,8 @@ def test_half_ds_rounding_term_is_the_gradient_of_a_rounded_ds():
         p = torch.softmax(scale * q @ k.transpose(-1, -2), -1)
         dp = go @ v.transpose(-1, -2)
         ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-        err = ds.to(dtype).double() - ds
+        stored_out = (p @ v).to(dtype).double()  # the output the kernel stored, in the half dtype
+        err = (p * (dp - (go * stored_out).sum(-1, keepdim=True))).to(dtype).double() - ds
         want = {"q": scale * err @ k, "k": scale * err.transpose(-1, -2) @ q}
         for name in ("q", "k"):
             got = gold["ds_rounding"][name]

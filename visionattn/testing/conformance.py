@@ -70,9 +70,9 @@ whether cuBLAS picks TF32 for a shape. With ``x`` ours and ``g`` the oracle's:
   shapes only; rounding instead of truncating the operands halves the error) and the FA2-style backward's
   ``D_i = dO_i . O_i`` reads the forward's TF32 output, which PyTorch's softmax backward does not.
 
-  ``r`` (fp16, bf16): the move of the gradient when the exact ``dS`` is rounded to the half dtype before its
-  products (the gradient of ``<S, round(dS) - dS>``), as a FlashAttention-style backward feeds dS to the tensor
-  cores. PyTorch's error ``t`` includes such a rounding too, but in a tensor of a few rows (4 queries x 19 keys at
+  ``r`` (fp16, bf16): the move of the gradient when dS is formed as a FlashAttention-style half backward forms
+  it: ``D_i = dO_i . O_i`` from the output it stored in the half dtype, and dS rounded to that dtype before its
+  products on the tensor cores (the gradient of ``<S, round(dS') - dS>``). PyTorch's error ``t`` includes such a rounding too, but in a tensor of a few rows (4 queries x 19 keys at
   head dim 256) the two roundings' sizes scatter independently: over 40 draws of that shape on an H200, ours was
   0.42x PyTorch's at the median and up to 2.9x, where ``r`` bounds what that step alone costs.
 
@@ -1052,21 +1052,25 @@ def oracle(prob: Problem, go64, need_grads: bool, ds_dtype: torch.dtype | None =
                             attn_mask=args["attn_mask"], is_causal=args["is_causal"])
         res["floors"] = _cancellation_floors(th, s, weight)
         res["grads"] = _grads(out, th, go64)
-        res["ds_rounding"] = {} if ds_dtype is None else _ds_rounding(th, s, p.detach(), go64, args["v"], ds_dtype)
+        res["ds_rounding"] = ({} if ds_dtype is None else
+                              _ds_rounding(th, s, p.detach(), go64, args["v"], out.detach(), ds_dtype))
     return res
 
 
-def _ds_rounding(th: dict, s, p, go64, v, dtype) -> dict:
-    """By theta name, the gradient of ``<S, round(dS) - dS>``: how far dQ / dK / dBias (/ dLogitScale) move when the
-    exact ``dS = P (dO V^T - D)`` is rounded to ``dtype`` before its products, as a FlashAttention-style half
-    backward feeds it to the tensor cores (the module docstring's ``r``)."""
+def _ds_rounding(th: dict, s, p, go64, v, out, dtype) -> dict:
+    """By theta name, the gradient of ``<S, round(dS') - dS>``: how far dQ / dK / dBias (/ dLogitScale) move when a
+    FlashAttention-style half backward forms ``dS' = P (dO V^T - D')`` with ``D'_i = dO_i . round(O_i)`` from the
+    output it stored in ``dtype`` and rounds ``dS'`` to ``dtype`` for the tensor cores, against the exact
+    ``dS = P (dO V^T - D)`` (the module docstring's ``r``)."""
     names = [n for n, t in th.items() if t.requires_grad]
     dp = go64 @ v.detach().transpose(-1, -2)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    stored = (go64 * out.to(dtype).double()).sum(-1, keepdim=True)  # D' from the stored half output
     live = torch.where(p > 0, s, torch.zeros_like(s))
     if not names or not live.requires_grad:
         return {}
-    got = torch.autograd.grad((live * (ds.to(dtype).double() - ds)).sum(), [th[n] for n in names], allow_unused=True,
+    kernel = (p * (dp - stored)).to(dtype).double()
+    got = torch.autograd.grad((live * (kernel - ds)).sum(), [th[n] for n in names], allow_unused=True,
                               retain_graph=True)
     return {n: g.detach() for n, g in zip(names, got) if g is not None}
 
