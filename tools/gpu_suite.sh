@@ -138,7 +138,7 @@ for step in "$@"; do
       run families 400 python tools/bench_models.py --modes fp32,fp16 --no-share --out "$out/families" \
         --cases "$cases" ;;
     naflex) run naflex 200 python tools/bench_varlen.py --naflex --modes fp32,bf16 --out "$out/naflex" ;;
-    conformance) run conformance 560 python tools/gpu_conformance.py --isolate --time-budget 480 \
+    conformance) run conformance 560 python tools/gpu_conformance.py --isolate --time-budget 465 \
         --out "$out/conformance" ;;
     memcheck|racecheck|initcheck) run "$step" 560 compute-sanitizer --tool "$step" --error-exitcode 9 \
         --print-limit 20 python tools/memcheck_cases.py ;;
