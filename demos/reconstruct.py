@@ -61,9 +61,9 @@ OUTPUTS = """outputs (in OUT_DIR, all written side by side to a hidden temporary
                         inference, tracks, bundle_adjustment, export, other: they add up to total; decode_build
                         is the wall of the frame decode and the model build, which run side by side: each
                         one's own seconds in decode_build) and per output (export_outputs: written side by
-                        side, so they overlap), inference_seconds (the forward) beside estimate_s (the
-                        estimate logged before it), peak memory (host RSS, CUDA), mode, environment; with
-                        --ba the reprojection error before / after
+                        side, so they overlap; depth/ is its frames' writers summed), inference_seconds
+                        (the forward) beside estimate_s (the estimate logged before it), peak memory (host
+                        RSS, CUDA), mode, environment; with --ba the reprojection error before / after
   .visionattn-recon.json  manifest of every file written: a later run replaces OUT_DIR only while
                         it holds exactly these files
 
