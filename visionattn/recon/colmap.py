@@ -90,35 +90,21 @@ def point_tracks(xyz: np.ndarray, frame_idx: np.ndarray, extrinsics: np.ndarray,
         per frame j, a bool array [N]: which points frame j sees.
     """
     S, H, W = depth.shape
-    x, y, z = _coordinates(xyz)
+    xyz_t = np.ascontiguousarray(np.asarray(xyz, np.float64).reshape(-1, 3).T)  # [3, N]: rows for each product
     seen = []
     for j in range(S):
-        P = np.asarray(intrinsics[j], np.float64) @ np.asarray(extrinsics[j], np.float64)
-        u, v, w = _project(P, x, y, z)  # w: the camera depth (K's last row is 0 0 1)
+        E, K = np.asarray(extrinsics[j], np.float64), np.asarray(intrinsics[j], np.float64)
+        P = K @ E
+        uvw = P[:, :3] @ xyz_t + P[:, 3:]  # the last row is the camera depth (K's last row is 0 0 1)
+        z = uvw[2]
         with np.errstate(divide="ignore", invalid="ignore"):
-            u, v = np.rint(u / w), np.rint(v / w)
-        inside = np.flatnonzero((w > 1e-9) & (u >= 0) & (u < W) & (v >= 0) & (v < H))
+            u, v = np.rint(uvw[:2] / z)
+        inside = np.flatnonzero((z > 1e-9) & (u >= 0) & (u < W) & (v >= 0) & (v < H))
         d = depth[j][v[inside].astype(np.intp), u[inside].astype(np.intp)]
         ok = frame_idx == j
-        ok[inside] |= np.isfinite(d) & (np.abs(w[inside] - d) <= rel_tol * np.abs(d))
+        ok[inside] |= np.isfinite(d) & (np.abs(z[inside] - d) <= rel_tol * np.abs(d))
         seen.append(ok)
     return seen
-
-
-def _coordinates(xyz) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x, y, z of points [N, 3] as three contiguous float64 arrays [N]."""
-    xyz = np.asarray(xyz).reshape(-1, 3)
-    return tuple(np.ascontiguousarray(xyz[:, k], dtype=np.float64) for k in range(3))
-
-
-def _project(P: np.ndarray, x, y, z) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The three rows of ``P[:, :3] @ (x, y, z) + P[:, 3]`` for a 3x4 ``P``, written out per coordinate.
-
-    Elementwise numpy instead of a BLAS product: a [3, 3] x [3, N] product is all memory traffic, and in the
-    demo's process (after the other outputs' writers had run) the BLAS product of :func:`point_tracks` over
-    200k points and 100 frames took 1.4 s where this took 0.5 s (2-core CPU; 0.4 s both in a fresh process).
-    """
-    return tuple(P[r, 0] * x + P[r, 1] * y + P[r, 2] * z + P[r, 3] for r in range(3))
 
 
 def colmap_observations(xyz, extrinsics, intrinsics_src, seen):
@@ -129,15 +115,16 @@ def colmap_observations(xyz, extrinsics, intrinsics_src, seen):
         (point index int64 [M], image index int64 [M] (0-based), xy float64 [M, 2]) ordered by image, then by
         point: COLMAP's POINT2D_IDX of an observation is its rank among its image's observations.
     """
-    x, y, z = _coordinates(xyz)
+    xyz_t = np.ascontiguousarray(np.asarray(xyz, np.float64).reshape(-1, 3).T)  # [3, N]
     pts, imgs, xys = [], [], []
     for j, mask in enumerate(seen):
         ids = np.flatnonzero(mask)
         E, K = np.asarray(extrinsics[j], np.float64), np.asarray(intrinsics_src[j], np.float64)
-        u, v, w = _project(K @ E, x[ids], y[ids], z[ids])
+        P = K @ E
+        uvw = P[:, :3] @ xyz_t[:, ids] + P[:, 3:]
         pts.append(ids)
         imgs.append(np.full(len(ids), j, np.int64))
-        xys.append(np.stack([u / w, v / w], -1))
+        xys.append((uvw[:2] / uvw[2]).T)
     if not pts:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 2))
     return np.concatenate(pts), np.concatenate(imgs), np.concatenate(xys)
