@@ -172,3 +172,27 @@ def test_a_writer_still_running_finishes_before_the_error_leaves_even_through_a_
     with pytest.raises(OSError, match="disk full"):
         write_outputs([("slow", slow_writer), ("bad", failing_writer)], workers=2, progress=False)
     assert interrupted and finished == ["slow"]
+
+
+def test_select_points_matches_the_plain_definition():
+    """The confidence filter: finite points (all three coordinates) with finite confidence at or above the
+    percentile, in pixel order; colours clipped to [0, 1] in float32; frame and pixel index of each point."""
+    from visionattn.recon.points import select_points
+
+    rng = np.random.default_rng(3)
+    S, H, W = 3, 5, 7
+    pts = rng.normal(size=(S, H, W, 3))  # float64 in, float32 out
+    pts[0, 1, 2, 1], pts[1, 0, 0, 2], pts[2, 4, 6, 0] = np.nan, np.inf, -np.inf  # one bad coordinate each
+    conf = rng.uniform(size=(S, H, W)).astype(np.float32)
+    conf[1, 2, 3] = np.nan
+    colors = rng.uniform(-0.5, 1.5, size=(S, H, W, 3))
+    xyz, rgb, frame, pixel = select_points(pts, colors, conf, 40.0)
+    finite = np.isfinite(pts).all(-1) & np.isfinite(conf)
+    keep = finite & (conf >= np.percentile(conf[finite], 40.0))
+    idx = np.flatnonzero(keep)
+    assert xyz.dtype == rgb.dtype == np.float32 and frame.dtype == np.int32 and pixel.dtype == np.int64
+    np.testing.assert_array_equal(xyz, pts.reshape(-1, 3)[idx].astype(np.float32))
+    np.testing.assert_array_equal(rgb, np.clip(colors.reshape(-1, 3)[idx], 0, 1).astype(np.float32))
+    np.testing.assert_array_equal(frame, idx // (H * W))
+    np.testing.assert_array_equal(pixel, idx % (H * W))
+    assert colors.min() < 0  # the input is left alone

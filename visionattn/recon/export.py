@@ -25,7 +25,8 @@ renamed into place, so a crash never leaves a half-written ``OUT_DIR``; see
     preview.png, summary.json   (made by :mod:`visionattn.recon.pipeline`)
 
 The outputs are independent: :func:`write_reconstruction` writes them side by side in a thread pool (PNG and
-zlib encoding, numpy and file writes release the GIL), one task per output and one per frame's depth.
+zlib encoding, numpy and file writes release the GIL), one task per output and one per frame's depth; the depth
+maps start at once, the writers of the point cloud once the confidence filter has made it.
 
 World frame: VGGT's, i.e. the first camera's frame (up to an unknown scale).
 Pixel convention of every intrinsic matrix: continuous coordinates, the image
@@ -73,19 +74,22 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def write_outputs(tasks, workers: int | None = None, progress: bool = True, desc: str = "exporting") -> dict:
+def write_outputs(tasks, workers: int | None = None, progress: bool = True, desc: str = "exporting",
+                  then=None) -> dict:
     """Run independent writers side by side in a thread pool, with a progress bar over them.
 
     Args:
         tasks: ``(output name, callable)`` pairs; several may share a name (e.g. one per depth frame).
         workers: threads (default: the CPU count, at most 8).
+        then: a callable run in the calling thread once ``tasks`` are submitted (while they run), returning
+            further ``(output name, callable)`` pairs, submitted after them: work the other writers need first.
 
     Returns:
         {output name: seconds its callables ran, summed}: they overlap, so together they exceed the wall time.
 
     Raises:
-        whatever a task raised first; the tasks not started yet are cancelled and the running ones finish
-        before it propagates (so the caller can remove the folder they write into).
+        whatever a task (or ``then``) raised first; the tasks not started yet are cancelled and the running ones
+        finish before it propagates (so the caller can remove the folder they write into).
     """
     from tqdm.auto import tqdm
 
@@ -95,6 +99,13 @@ def write_outputs(tasks, workers: int | None = None, progress: bool = True, desc
             tqdm(total=len(tasks), desc=desc, unit="file", disable=not progress) as bar:
         futures = {pool.submit(_timed, fn): name for name, fn in tasks}
         try:
+            if then is not None:
+                more = list(then())
+                for name, _ in more:
+                    seconds.setdefault(name, 0.0)
+                futures.update({pool.submit(_timed, fn): name for name, fn in more})
+                bar.total += len(more)
+                bar.refresh()
             for fut in as_completed(futures):
                 seconds[futures[fut]] += fut.result()
                 bar.update()
@@ -148,7 +159,8 @@ def write_reconstruction(folder: str, pred: dict, loaded, conf_percentile: float
     Returns:
         dict with ``points`` (kept by confidence), ``points_ply`` (in points.ply), ``xyz``, ``rgb`` (the whole
         kept cloud), ``colmap`` (points, observations, binary, text), ``depth_png_scale``, ``seconds`` ({output:
-        seconds its writer ran; ``select``: the confidence filter before them}) and ``wall_seconds``.
+        seconds its writer ran; ``select``: the confidence filter, which runs while the depth maps are written,
+        before the writers that need the cloud}) and ``wall_seconds``.
     """
     t0 = time.perf_counter()
     if point_source == "depth":
@@ -157,58 +169,69 @@ def write_reconstruction(folder: str, pred: dict, loaded, conf_percentile: float
         pts, conf = pred["world_points"], pred["world_points_conf"]
     else:
         raise ValueError(f"point_source={point_source!r} must be 'depth' or 'pointmap'")
-    xyz, rgb, fidx, _ = select_points(pts, pred["images"], conf, conf_percentile)
-    sub = subsample(len(xyz), max_points)
-    xyz_ply, rgb_ply = (xyz, rgb) if sub is None else (xyz[sub], rgb[sub])
     scale = depth_png_scale(pred["depth"])
-    select_seconds = time.perf_counter() - t0
     depth_dir, conf_dir = os.path.join(folder, "depth"), os.path.join(folder, "confidence")
     os.makedirs(depth_dir)
     os.makedirs(conf_dir)
     image_files = [f"images/{f}" for f in loaded.image_files]
     k_src = [original_intrinsics(K, a) for K, a in zip(pred["intrinsic"], loaded.affines)]
     sparse_dir = os.path.join(folder, "sparse", "0")
-    colmap = {}
-
-    def sparse():
-        if sparse_model is not None:
-            os.makedirs(sparse_dir)
-            sparse_model.write_binary(sparse_dir)
-            if colmap_text:
-                sparse_model.write_text(sparse_dir)
-            colmap.update(points=sparse_model.num_points3D(), observations=sparse_model.compute_num_observations(),
-                          binary=True, text=bool(colmap_text), bundle_adjusted=True)
-            return
-        c = subsample(len(xyz), _MAX_COLMAP_POINTS)
-        c = slice(None) if c is None else c
-        seen = point_tracks(xyz[c], fidx[c], pred["extrinsic"], pred["intrinsic"], pred["depth"])
-        colmap.update(write_colmap_model(sparse_dir, loaded.image_files, pred["extrinsic"], k_src,
-                                         loaded.original_sizes, xyz[c], rgb[c], seen, text=colmap_text))
+    colmap, cloud = {}, {}
 
     def depth(i, name):
         return lambda: write_depth(depth_dir, conf_dir, name, pred["depth"][i], pred["depth_conf"][i], scale,
                                    loaded.affines[i], loaded.original_sizes[i])
 
-    # the longest writers first, so the per-frame depth maps fill the other threads meanwhile
-    tasks = [("points.ply", lambda: write_ply(os.path.join(folder, "points.ply"), xyz_ply, rgb_ply)),
-             ("sparse/0", sparse),
-             ("scene.glb", lambda: write_glb(os.path.join(folder, "scene.glb"), xyz_ply, rgb_ply, pred["extrinsic"],
-                                             pred["intrinsic"], loaded.shape_hw))]
-    if sub is not None:
-        tasks.append(("points_full.ply", lambda: write_ply(os.path.join(folder, "points_full.ply"), xyz, rgb)))
-    if preview is not None:
-        tasks.append(("preview.png", lambda: preview(xyz, rgb)))
-    tasks += [("depth/", depth(i, name)) for i, name in enumerate(loaded.names)]
-    sources = loaded.sources or [os.path.basename(p) for p in loaded.paths]
-    tasks.append(("cameras.json", lambda: write_cameras_json(
-        os.path.join(folder, "cameras.json"), loaded.names, sources, pred["extrinsic"], pred["intrinsic"],
-        loaded.shape_hw, loaded.original_sizes, loaded.affines, scale, pred.get("intrinsic_fallback"),
-        image_files=image_files,
-        extra={"point_source": point_source, "conf_percentile": conf_percentile, "points_kept": int(len(xyz)),
-               "points_ply": int(len(xyz_ply)), **(extra or {})})))
-    tasks.append(("transforms.json", lambda: write_transforms_json(
+    # the outputs that need no point cloud start at once: the per-frame depth maps run while the confidence
+    # filter (select, in this thread) makes the cloud the other writers need
+    first = [("depth/", depth(i, name)) for i, name in enumerate(loaded.names)]
+    first.append(("transforms.json", lambda: write_transforms_json(
         os.path.join(folder, "transforms.json"), image_files, [f"depth/{n}.png" for n in loaded.names],
         pred["extrinsic"], k_src, loaded.original_sizes, 1.0 / scale, ply_file="points.ply")))
-    seconds = {"select": select_seconds, **write_outputs(tasks, workers, progress)}
-    return {"points": int(len(xyz)), "points_ply": int(len(xyz_ply)), "xyz": xyz, "rgb": rgb, "colmap": colmap,
+
+    def select() -> list:
+        t1 = time.perf_counter()
+        xyz, rgb, fidx, _ = select_points(pts, pred["images"], conf, conf_percentile)
+        sub = subsample(len(xyz), max_points)
+        xyz_ply, rgb_ply = (xyz, rgb) if sub is None else (xyz[sub], rgb[sub])
+        cloud.update(xyz=xyz, rgb=rgb, points_ply=len(xyz_ply), seconds=time.perf_counter() - t1)
+
+        def sparse():
+            if sparse_model is not None:
+                os.makedirs(sparse_dir)
+                sparse_model.write_binary(sparse_dir)
+                if colmap_text:
+                    sparse_model.write_text(sparse_dir)
+                colmap.update(points=sparse_model.num_points3D(),
+                              observations=sparse_model.compute_num_observations(), binary=True,
+                              text=bool(colmap_text), bundle_adjusted=True)
+                return
+            c = subsample(len(xyz), _MAX_COLMAP_POINTS)
+            c = slice(None) if c is None else c
+            seen = point_tracks(xyz[c], fidx[c], pred["extrinsic"], pred["intrinsic"], pred["depth"])
+            colmap.update(write_colmap_model(sparse_dir, loaded.image_files, pred["extrinsic"], k_src,
+                                             loaded.original_sizes, xyz[c], rgb[c], seen, text=colmap_text))
+
+        # the longest writers first
+        tasks = [("points.ply", lambda: write_ply(os.path.join(folder, "points.ply"), xyz_ply, rgb_ply)),
+                 ("sparse/0", sparse),
+                 ("scene.glb", lambda: write_glb(os.path.join(folder, "scene.glb"), xyz_ply, rgb_ply,
+                                                 pred["extrinsic"], pred["intrinsic"], loaded.shape_hw))]
+        if sub is not None:
+            tasks.append(("points_full.ply", lambda: write_ply(os.path.join(folder, "points_full.ply"), xyz, rgb)))
+        if preview is not None:
+            tasks.append(("preview.png", lambda: preview(xyz, rgb)))
+        sources = loaded.sources or [os.path.basename(p) for p in loaded.paths]
+        tasks.append(("cameras.json", lambda: write_cameras_json(
+            os.path.join(folder, "cameras.json"), loaded.names, sources, pred["extrinsic"], pred["intrinsic"],
+            loaded.shape_hw, loaded.original_sizes, loaded.affines, scale, pred.get("intrinsic_fallback"),
+            image_files=image_files,
+            extra={"point_source": point_source, "conf_percentile": conf_percentile, "points_kept": int(len(xyz)),
+                   "points_ply": int(len(xyz_ply)), **(extra or {})})))
+        return tasks
+
+    written = write_outputs(first, workers, progress, then=select)
+    seconds = {"select": cloud["seconds"], **written}
+    xyz, rgb = cloud["xyz"], cloud["rgb"]
+    return {"points": int(len(xyz)), "points_ply": int(cloud["points_ply"]), "xyz": xyz, "rgb": rgb, "colmap": colmap,
             "depth_png_scale": scale, "seconds": seconds, "wall_seconds": time.perf_counter() - t0}

@@ -28,7 +28,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 __all__ = [
     "ImageFolderError", "LoadedImages", "PATCH_SIZE", "MAX_ASPECT_RATIO", "natural_key", "list_images",
     "read_image", "to_uint8", "check_aspect", "preprocess_image", "unique_names", "stack_padded",
-    "store_frame", "load_images",
+    "store_frame", "load_images", "DecodeStopped", "check_stop",
 ]
 
 PATCH_SIZE = 14
@@ -78,6 +78,17 @@ class LoadedImages:
     @property
     def shape_hw(self) -> tuple[int, int]:
         return int(self.images.shape[-2]), int(self.images.shape[-1])
+
+
+class DecodeStopped(Exception):
+    """Decoding stopped early because the caller asked (the ``stop`` event of :func:`load_images` /
+    :func:`~visionattn.recon.video.load_video`)."""
+
+
+def check_stop(stop) -> None:
+    """Raise :class:`DecodeStopped` if ``stop`` (a :class:`threading.Event` or None) is set."""
+    if stop is not None and stop.is_set():
+        raise DecodeStopped("decoding stopped: the caller no longer needs the frames")
 
 
 def natural_key(name: str):
@@ -365,7 +376,7 @@ def store_frame(frames_dir: str, name: str, img: Image.Image, source: str | None
 
 
 def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | None = None,
-                progress: bool = True, frames_dir: str | None = None) -> LoadedImages:
+                progress: bool = True, frames_dir: str | None = None, stop=None) -> LoadedImages:
     """Load a folder (or a list of files) into one VGGT batch.
 
     Args:
@@ -376,12 +387,15 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
         progress: show a tqdm bar.
         frames_dir: if given (an existing folder), each frame is stored there under
             its output name (see :func:`store_frame`), for COLMAP / nerfstudio.
+        stop: a :class:`threading.Event`: once it is set, loading stops before the next image
+            (:class:`DecodeStopped`); for a caller that decodes in a background thread.
 
     Returns:
         :class:`LoadedImages` with ``images`` float32 [S, 3, H, W] in [0, 1].
 
     Raises:
         ImageFolderError: missing/empty folder, unreadable or corrupt image.
+        DecodeStopped: ``stop`` was set.
         ValueError: bad ``size``, ``mode`` or ``max_frames``.
     """
     from tqdm.auto import tqdm
@@ -399,6 +413,7 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
     names = unique_names(paths)
     tensors, sizes, affines, files = [], [], [], []
     for i, p in enumerate(tqdm(paths, desc="loading images", unit="img", disable=not progress)):
+        check_stop(stop)
         img, plain = _decode(p)
         check_aspect(*img.size, name=f"image {p!r}")
         sizes.append(img.size)

@@ -28,7 +28,7 @@ import torch
 from visionattn.provenance import environment
 
 from .colmap import require_pycolmap
-from .images import ImageFolderError, LoadedImages, load_images
+from .images import DecodeStopped, ImageFolderError, LoadedImages, load_images
 from .pi3 import PI3_MODELS, decode_pi3
 from .priors import CameraFileError, match_cameras, read_camera_file
 from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, check_output_dir,
@@ -499,8 +499,11 @@ def check_checkpoint(path: str) -> str:
 
 def load_source(source: str, size: int = 518, preprocess: str = "crop", max_frames: int | None = None,
                 fps: float | None = None, every: int | None = None, progress: bool = True,
-                frames_dir: str | None = None) -> LoadedImages:
+                frames_dir: str | None = None, stop=None) -> LoadedImages:
     """Load a folder of images or a video file (see :func:`~visionattn.recon.video.load_video`).
+
+    ``stop``: a :class:`threading.Event` that stops the decoding before the next frame once set
+    (:class:`~visionattn.recon.images.DecodeStopped`).
 
     Raises:
         ImageFolderError: unusable input; ``--fps`` / ``--every`` given for a folder.
@@ -512,12 +515,12 @@ def load_source(source: str, size: int = 518, preprocess: str = "crop", max_fram
                                f"({', '.join(sorted(VIDEO_EXTS))})")
     if is_video(source):
         return load_video(source, size=size, mode=preprocess, fps=fps, every=every, max_frames=max_frames,
-                          progress=progress, frames_dir=frames_dir)
+                          progress=progress, frames_dir=frames_dir, stop=stop)
     if fps is not None or every is not None:
         raise ImageFolderError(f"--fps / --every sample videos; {source!r} is not a video file "
                                "(for a folder use --max-frames)")
     return load_images(source, size=size, mode=preprocess, max_frames=max_frames, progress=progress,
-                       frames_dir=frames_dir)
+                       frames_dir=frames_dir, stop=stop)
 
 
 # where reconstruct keeps run_model's per-pixel arrays until they are exported (see prediction_store)
@@ -605,9 +608,12 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
 
     Returns:
         summary dict: frames, tokens, points kept, ``inference_seconds`` (one forward, measured) and ``estimate_s``
-        (:func:`estimate_seconds`, logged before it), ``seconds`` (wall seconds per stage: setup, decode, build,
+        (:func:`estimate_seconds`, logged before it), ``seconds`` (wall seconds per stage: setup, decode_build,
         compile, warmup, inference, tracks, bundle_adjustment, export and other, which add up to total;
-        ``export_outputs``: seconds each output's writer ran, side by side, so they overlap), peak memory
+        ``decode_build`` is the wall of the frame decode and the model build, which run side by side, a thread
+        decoding while the model is built, unless ``max_frames="auto"`` needs the model first; ``decode_build``
+        also names each one's own seconds, ``{"decode", "build", "side_by_side"}``; ``export_outputs``: seconds
+        each output's writer ran, side by side, so they overlap), peak memory
         (inference: CUDA max allocated or host RSS; plus the process's peak host RSS), mode, model, weights,
         image size, skipped files, out_dir; with ``ba`` also ``bundle_adjustment`` (thresholds, tracks kept,
         reprojection error before / after).
@@ -665,7 +671,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
 class Stages:
     """Wall seconds per stage of a run (``time.perf_counter``), in the order the stages first ran.
 
-    ``with stages("decode"): ...`` times a block; :meth:`add` adds seconds measured elsewhere; :meth:`report`
+    ``with stages("export"): ...`` times a block; :meth:`add` adds seconds measured elsewhere; :meth:`report`
     adds ``other`` (the time in no stage) so that the stages add up to ``total``.
     """
 
@@ -1030,7 +1036,52 @@ def auto_max_frames(net: torch.nn.Module, device, size: int) -> int | None:
 
 
 # the stages every summary lists (0 s where one did not run), in the order they run
-STAGES = ("setup", "decode", "build", "compile", "warmup", "inference", "tracks", "bundle_adjustment", "export")
+STAGES = ("setup", "decode_build", "compile", "warmup", "inference", "tracks", "bundle_adjustment", "export")
+
+
+def _beside(background, foreground):
+    """Run ``background(stop)`` in a thread while this thread runs ``foreground()``; return
+    ``(foreground's result, its seconds, background's result)`` once both are done.
+
+    ``stop`` is a :class:`threading.Event` set when ``foreground`` fails (an error, Ctrl-C, SIGTERM): the
+    background work stops at its next check and is waited for (through further signals) before the error
+    leaves, so nothing still writes into the output folder that the caller then removes. An error of the
+    background work is raised here once ``foreground`` is done (a note on the foreground's error if both fail).
+    """
+    import threading
+
+    stop, done, box = threading.Event(), threading.Event(), {}
+
+    def run():
+        try:
+            box["result"] = background(stop)
+        except BaseException as exc:  # re-raised in the calling thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    # waited for through done, not Thread.join: a signal that interrupts join() can leave the thread marked as
+    # stopped while it still runs (CPython 3.11), and the error would then leave with the decode still writing
+    threading.Thread(target=run, name="recon-decode", daemon=True).start()
+    t0 = time.perf_counter()
+    try:
+        result = foreground()
+        seconds = time.perf_counter() - t0
+        done.wait()
+    except BaseException as exc:
+        stop.set()
+        while not done.is_set():
+            try:
+                done.wait()
+            except BaseException:  # noqa: B012 -- a second signal while waiting: keep waiting, raise the first
+                continue
+        other = box.get("error")
+        if other is not None and not isinstance(other, DecodeStopped) and hasattr(exc, "add_note"):
+            exc.add_note(f"meanwhile the frames failed too: {type(other).__name__}: {other}")
+        raise
+    if "error" in box:
+        raise box["error"]
+    return result, seconds, box["result"]
 
 
 def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weights, dev, cameras, conf_percentile,
@@ -1039,50 +1090,61 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
                       ba_max_error, heads, warn, stack) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
-    net, model_seconds = None, 0.0
-    if max_frames == "auto":  # the model first: the frame count depends on the memory left next to it
-        with stages("build"):
-            net = build_model(model, weights, mode, dev, seed, heads)
-        model_seconds = stages.seconds["build"]
+
+    def decode(stop=None) -> dict:
+        """The frames, and what depends on them only: the estimate said, the cameras matched, the prediction
+        store made, the kernels' compile started (while the model is still being built)."""
+        t0 = time.perf_counter()
+        loaded = load_source(source, size=size, preprocess=preprocess, max_frames=max_frames, fps=fps, every=every,
+                             progress=progress, frames_dir=frames_dir, stop=stop)
+        got = {"loaded": loaded, "seconds": time.perf_counter() - t0}
+        for name, why in loaded.skipped:
+            log(f"note: skipped {name!r} ({why})")
+        S, H, W = loaded.images.shape[0], *loaded.shape_hw
+        # how long the forward will take, said before it (while the model is built, unless --max-frames auto
+        # built it first); a long CPU run gets a warning naming its fix
+        config = _estimate_config(model, weights)
+        got["estimate"] = estimate_seconds(model, S, H, W, dev, mode, config)
+        log(f"inference: about {format_seconds(got['estimate'])} ({S} frames of {H}x{W}, {mode}, "
+            f"{_device_label(dev)})")
+        advice = slow_cpu_warning(model, S, H, W, dev, mode, config, video=loaded.extra or None)
+        if advice is not None:
+            if warn is None:
+                import warnings
+
+                warnings.warn(advice, RuntimeWarning, stacklevel=2)
+            else:
+                warn(advice)
+        got["conditions"] = {}
+        if cameras:
+            got["conditions"] = match_cameras(loaded, **{f"{k}_file": p for k, (p, _) in cameras.items()},
+                                              **{f"{k}_entries": e for k, (_, e) in cameras.items()})
+            if "poses" in got["conditions"] and len(got["conditions"]["poses"]) < 2:
+                log("note: Pi3X ignores poses with a single frame (they are relative: it needs two posed frames)")
+        got["store"] = prediction_store(host_memory, S, (H, W), out_dir, stack, log)
+        got["ahead"] = None
+        if stop is not None and compile_ahead:  # the model is still being built: compile the kernels meanwhile
+            got["ahead"] = start_compile_ahead(mode, weights, dev, tuple(loaded.images.shape), model)
+        return got
+
+    t0, side_by_side = time.perf_counter(), max_frames != "auto"
+    if not side_by_side:  # the model first: the frame count depends on the memory left next to it
+        net = build_model(model, weights, mode, dev, seed, heads)
+        build_seconds = time.perf_counter() - t0
         max_frames = auto_max_frames(net, dev, size)
         log(f"--max-frames auto: {max_frames} frames fit on {dev}" if max_frames is not None
             else f"--max-frames auto: no limit on {dev}")
-    with stages("decode"):
-        loaded = load_source(source, size=size, preprocess=preprocess, max_frames=max_frames, fps=fps, every=every,
-                             progress=progress, frames_dir=frames_dir)
-    for name, why in loaded.skipped:
-        log(f"note: skipped {name!r} ({why})")
+        got = decode()
+    else:  # independent: the frames decode in a thread while this one builds the model
+        net, build_seconds, got = _beside(decode, lambda: build_model(model, weights, mode, dev, seed, heads))
+    stages.add("decode_build", time.perf_counter() - t0)
+    decode_build = {"decode": got["seconds"], "build": build_seconds, "side_by_side": side_by_side}
+    loaded, estimate, conditions, store, ahead = (got[k] for k in ("loaded", "estimate", "conditions", "store",
+                                                                   "ahead"))
     S, H, W = loaded.images.shape[0], *loaded.shape_hw
-    # how long the forward will take, said before it (and before the model is built, unless --max-frames auto
-    # built it); a long CPU run gets a warning naming its fix
-    config = _estimate_config(model, weights)
-    estimate = estimate_seconds(model, S, H, W, dev, mode, config)
-    log(f"inference: about {format_seconds(estimate)} ({S} frames of {H}x{W}, {mode}, {_device_label(dev)})")
-    advice = slow_cpu_warning(model, S, H, W, dev, mode, config, video=loaded.extra or None)
-    if advice is not None:
-        if warn is None:
-            import warnings
-
-            warnings.warn(advice, RuntimeWarning, stacklevel=2)
-        else:
-            warn(advice)
-    conditions = {}
-    if cameras:
-        conditions = match_cameras(loaded, **{f"{k}_file": p for k, (p, _) in cameras.items()},
-                                   **{f"{k}_entries": e for k, (_, e) in cameras.items()})
-        if "poses" in conditions and len(conditions["poses"]) < 2:
-            log("note: Pi3X ignores poses with a single frame (they are relative: it needs two posed frames)")
-    store = prediction_store(host_memory, loaded.images.shape[0], tuple(loaded.images.shape[-2:]), out_dir, stack,
-                             log)
-    ahead, t0 = None, time.perf_counter()
-    if net is None and compile_ahead:  # the model is built next: compile the kernels meanwhile
-        ahead = start_compile_ahead(mode, weights, dev, tuple(loaded.images.shape), model)
-    if net is None:
-        with stages("build"):
-            net = build_model(model, weights, mode, dev, seed, heads)
     with stages("compile"):  # what is left of the kernel compile once the model is built
         ahead_info = ahead.wait() if ahead is not None else None
-    model_seconds += time.perf_counter() - t0
+    model_seconds = build_seconds + stages.seconds["compile"]
     if ahead_info is not None and "error" not in ahead_info:
         log(f"attention kernels compiled beside the model load in {ahead_info['seconds']:.1f} s "
             f"(inference waited {ahead_info['waited']:.1f} s for them)")
@@ -1103,7 +1165,7 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
                "heads": None if model in PI3_MODELS else (net.heads_dtype or "fp32"),
                "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "estimate_s": estimate,
                "warmup": warmup,
-               "model_seconds": model_seconds,
+               "model_seconds": model_seconds, "decode_build": decode_build,
                "peak_memory_bytes": pred["peak_memory_bytes"], "peak_memory_kind": pred["peak_memory_kind"],
                "predictions_on_disk": store is not None, "compile_ahead": ahead_info,
                "conf_percentile": conf_percentile, "point_source": point_source, "max_points": max_points,

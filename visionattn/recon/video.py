@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 import os
 
-from .images import ImageFolderError, LoadedImages, _preprocess, check_aspect, stack_padded, store_frame
+from .images import (ImageFolderError, LoadedImages, _preprocess, check_aspect, check_stop, stack_padded,
+                     store_frame)
 
 __all__ = ["VIDEO_EXTS", "is_video", "frame_selector", "load_video"]
 
@@ -70,7 +71,7 @@ def frame_selector(video_fps: float, fps: float | None = None, every: int | None
 
 def load_video(path: str, size: int = 518, mode: str = "crop", fps: float | None = None,
                every: int | None = None, max_frames: int | None = None, progress: bool = True,
-               frames_dir: str | None = None) -> LoadedImages:
+               frames_dir: str | None = None, stop=None) -> LoadedImages:
     """Decode, sample and preprocess a video into one VGGT batch.
 
     Args:
@@ -81,6 +82,8 @@ def load_video(path: str, size: int = 518, mode: str = "crop", fps: float | None
         progress: tqdm bar over the decoded frames.
         frames_dir: if given, each kept frame is stored there as ``frame_NNNNNN.jpg``
             (original resolution; NNNNNN = frame index in the video).
+        stop: a :class:`threading.Event`: once it is set, decoding stops before the next frame
+            (:class:`~visionattn.recon.images.DecodeStopped`).
 
     Returns:
         :class:`~visionattn.recon.images.LoadedImages`: ``images`` float32 [S, 3, H, W]
@@ -113,6 +116,7 @@ def load_video(path: str, size: int = 518, mode: str = "crop", fps: float | None
                    disable=not progress)
         index = 0
         while max_frames is None or len(indices) < max_frames:
+            check_stop(stop)
             if not cap.grab():  # decodes, but converts nothing: skipped frames stay cheap
                 break
             bar.update()
