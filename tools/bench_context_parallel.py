@@ -24,7 +24,7 @@ every rank (a seeded generator on the device). NVLink multicast is left off (``N
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` unless set already). Rank 0 writes
 ``<out>.md`` and ``<out>.json``.
 
-``--vggt FRAMES`` times the whole model instead: random-weight VGGT-1B (``tools/bench_vggt.py``'s
+``--vggt FRAMES`` times the whole model instead (``--model pi3``: π³): random-weight VGGT-1B (``tools/bench_vggt.py``'s
 ``build``, no track head, the same seed and so the same weights on every rank; ``--tiny``: the tiny config)
 on ``torch.rand(frames, 3, H, W)`` images (a seeded generator, the same scene on every rank). Per
 (frames, mode; modes fp32, tf32, bf16, the last under bf16 autocast as ``bench_vggt.py`` runs it):
@@ -82,7 +82,9 @@ from visionattn.modes import MODES, mode_names  # noqa: E402
 TOKENS_PER_FRAME = 1041  # VGGT at 518x392: 37 x 28 patches + camera + 4 registers
 NVLS_VARIABLES = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 VGGT_MODES = ("fp32", "tf32", "bf16")  # --vggt: bench_vggt.py's rows of these names (bf16: under bf16 autocast)
-VGGT_KEYS = ("depth", "world_points", "pose_enc")  # the outputs compared with the single-process model
+# --vggt --model: the outputs compared with the single-process model
+MODEL_KEYS = {"vggt": ("depth", "world_points", "pose_enc"), "pi3": ("points", "local_points", "camera_poses")}
+MODEL_NAMES = {"vggt": ("VGGT-1B", "tiny VGGT (vggt_tiny_config"), "pi3": ("π³", "tiny π³ (pi3_tiny_config")}
 
 parser = ToolParser(prog="bench_context_parallel.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
@@ -119,6 +121,9 @@ parser.add_argument("--vggt", metavar="FRAMES", default=None,
                     help="comma-separated frame counts, each >= the number of ranks: time the whole random-weight "
                          "VGGT-1B with the frames split across the ranks (split_frames) against one GPU, instead of "
                          f"the attention alone; --mode a subset of {','.join(VGGT_MODES)}")
+parser.add_argument("--model", choices=tuple(MODEL_KEYS), default="vggt",
+                    help="--vggt: the model whose frames are split: VGGT-1B or π³ (random weights; split_frames "
+                         "takes both) (default: %(default)s)")
 parser.add_argument("--tiny", action="store_true",
                     help="--vggt: the tiny config (vggt_tiny_config), 56x70 images by default: a quick CPU check")
 parser.add_argument("--height", type=positive_int, default=392,
@@ -260,11 +265,19 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
               world: int) -> list[dict]:
     """One row per (frames, mode) of ``--vggt`` on every rank (module docstring): the split forward's median
     time and peak memory on every rank (gathered), rank 0's single-process forward of all frames and the
-    largest relative L2 error over :data:`VGGT_KEYS` of rank 0's frames against it."""
+    largest relative L2 error over the model's :data:`MODEL_KEYS` of rank 0's frames against it."""
     from visionattn.models.context_parallel import split_frames
     from visionattn.models.vggt import autocast
 
-    model = build("vggt", args.seed, device, args.tiny)
+    keys = MODEL_KEYS[args.model]
+    if args.model == "pi3":
+        from visionattn.models import Pi3, pi3_tiny_config
+
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = Pi3(**(pi3_tiny_config() if args.tiny else {})).eval()
+    else:
+        model = build("vggt", args.seed, device, args.tiny)
     cuda = device.type == "cuda"
 
     def images(n: int) -> torch.Tensor:  # the same scene on every rank
@@ -273,7 +286,7 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
 
     def forwards(x: torch.Tensor, dtype, keep: slice, barrier: bool, exact: bool):
         """(median seconds of ``--repeats`` timed forwards, peak GB after the warm-up or None on the CPU,
-        the last forward's VGGT_KEYS outputs of frames ``keep`` on the CPU). ``exact``: TF32 off for the matmuls
+        the last forward's ``keys`` outputs of frames ``keep`` on the CPU). ``exact``: TF32 off for the matmuls
         and cuDNN's convolutions (on by default for convolutions), so an FP32 row compares FP32 with FP32."""
         with torch.no_grad(), autocast(device.type, dtype), (tf32_disabled() if exact else contextlib.nullcontext()):
             if args.warmup:
@@ -293,7 +306,7 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - t0)
         peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None
-        return sorted(times)[len(times) // 2], peak, {k: out[k][:, keep].float().cpu() for k in VGGT_KEYS}
+        return sorted(times)[len(times) // 2], peak, {k: out[k][:, keep].float().cpu() for k in keys}
 
     rows = []
     for n in frame_counts:
@@ -313,7 +326,7 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
                 try:
                     single_s, single_peak, single_out = forwards(images(n), dtype, slice(start, stop), barrier=False,
                                                                  exact=mode == "fp32")
-                    err = max(rel_l2(split_out[k], single_out[k]) for k in VGGT_KEYS)
+                    err = max(rel_l2(split_out[k], single_out[k]) for k in keys)
                 except torch.cuda.OutOfMemoryError:
                     single_s = single_peak = "OOM"
                 if cuda:
@@ -345,10 +358,11 @@ def render_vggt(result: dict, args) -> str:
               opt(r["rel_l2_rank0"], "{:.2e}")] for r in rows]
     header = ["frames", "mode", "ranks", "frames / rank", "split s (slowest rank)", "split s per rank",
               "split peak GB / GPU", "single-GPU s", "single peak GB", "speed-up", "rel L2 rank 0 vs single"]
-    lines = [f"# VGGT with its frames split across {result['world_size']} ranks vs one GPU: "
+    full, tiny = MODEL_NAMES[result["model"]]
+    lines = [f"# {full} with its frames split across {result['world_size']} ranks vs one GPU: "
              f"{result['height']}x{result['width']} images", "",
-             "Random-weight " + ("tiny VGGT (vggt_tiny_config; a check of the tool, not a result)" if result["tiny"]
-                                 else "VGGT-1B") + " with camera, depth and point heads; bf16 runs under bf16 "
+             "Random-weight " + (tiny + "; a check of the tool, not a result)" if result["tiny"]
+                                 else full) + " with its heads; bf16 runs under bf16 "
              "autocast, fp32 with TF32 off for matmuls and cuDNN's convolutions. split = every rank runs its "
              "contiguous chunk of frames inside "
              "models.context_parallel.split_frames (global attention context-parallel, scheme auto: Ulysses "
@@ -356,8 +370,8 @@ def render_vggt(result: dict, args) -> str:
              "single = the same model on all frames on rank 0's GPU alone. Time: median of the timed forwards "
              "(wall clock between synchronisations) after "
              f"{'one untimed forward' if args.warmup else 'no warm-up'}; peak: CUDA max allocated after the warm-up, "
-             "weights included (the largest rank's for split). rel L2: the largest over depth, world_points and "
-             "pose_enc of rank 0's frames. Ideal speed-up = the number of ranks.", "",
+             "weights included (the largest rank's for split). rel L2: the largest over "
+             f"{', '.join(MODEL_KEYS[result['model']])} of rank 0's frames. Ideal speed-up = the number of ranks.", "",
              markdown_table(table, header),
              "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
     return "\n".join(lines)
@@ -427,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
                           environment=env)
         else:
             rows = vggt_rows(frame_counts, modes, args, device, rank, world)
-            result = dict(model="vggt", tiny=args.tiny, height=args.height, width=args.width, world_size=world,
+            result = dict(model=args.model, tiny=args.tiny, height=args.height, width=args.width, world_size=world,
                           rows=rows, environment=env)
         if rank == 0:
             text = render(rows, env, args) if frame_counts is None else render_vggt(result, args)

@@ -67,16 +67,20 @@ def test_tiny_gloo_run_on_two_processes(tmp_path):
     assert "| 37 |" in open(out + ".md").read()
 
 
-def test_tiny_vggt_split_across_two_gloo_processes_equals_one(tmp_path):
-    out = str(tmp_path / "cp_vggt")
+@pytest.mark.parametrize("model", ["vggt", "pi3"])
+def test_tiny_model_split_across_two_gloo_processes_equals_one(tmp_path, model):
+    """--vggt FRAMES with VGGT or π³ (--model pi3): the frames split over two gloo processes give the
+    single-process model's outputs on rank 0's frames."""
+    out = str(tmp_path / f"cp_{model}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TOOL,
-           "--device", "cpu", "--tiny", "--vggt", "3", "--mode", "fp32", "--repeats", "1", "--out", out, "--quiet"]
+           "--device", "cpu", "--tiny", "--vggt", "3", "--model", model, "--mode", "fp32", "--repeats", "1",
+           "--out", out, "--quiet"]
     env = {k: v for k, v in os.environ.items() if k not in bench_context_parallel.NVLS_VARIABLES}
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.load(open(out + ".json"))
     assert result["world_size"] == 2 and result["environment"]["backend"] == "gloo"
-    assert len(result["rows"]) == 1
+    assert result["model"] == model and len(result["rows"]) == 1
     row = result["rows"][0]
     assert row["frames"] == 3 and row["mode"] == "fp32" and row["world_size"] == 2
     assert row["frames_per_rank"] == [2, 1]  # unequal shards
