@@ -72,9 +72,10 @@ whether cuBLAS picks TF32 for a shape. With ``x`` ours and ``g`` the oracle's:
 
   ``r`` (fp16, bf16): the move of the gradient when dS is formed as a FlashAttention-style half backward forms
   it: ``D_i = dO_i . O_i`` from the output it stored in the half dtype, and dS rounded to that dtype before its
-  products on the tensor cores (the gradient of ``<S, round(dS') - dS>``). PyTorch's error ``t`` includes such a rounding too, but in a tensor of a few rows (4 queries x 19 keys at
-  head dim 256) the two roundings' sizes scatter independently: over 40 draws of that shape on an H200, ours was
-  0.42x PyTorch's at the median and up to 2.9x, where ``r`` bounds what that step alone costs.
+  products on the tensor cores (the gradient of ``<S, round(dS') - dS>``). PyTorch's error ``t`` includes such
+  roundings too, but in a tensor of a few rows (4 queries x 19 keys at head dim 256) the two sides' sizes scatter
+  independently: over 40 draws of that shape on an H200, ours was 0.42x PyTorch's at the median and up to 2.9x,
+  where ``r`` bounds what those steps alone cost.
 
   ``8 u |c|`` absorbs what is left where the softmax backward cancels exactly. ``dS = P (dP - D)``: where a row
   sees one key (or one key dominates by e^100) ``dP - D`` is 0 in exact arithmetic, so dQ and dK are, and
