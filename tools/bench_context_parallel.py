@@ -26,8 +26,8 @@ every rank (a seeded generator on the device). NVLink multicast is left off (``N
 
 ``--vggt FRAMES`` times the whole model instead (``--model pi3``: π³): random-weight VGGT-1B
 (``tools/bench_vggt.py``'s ``build``, no track head, the same seed and so the same weights on every rank;
-``--tiny``: the tiny config) on ``torch.rand(frames, 3, H, W)`` images (a seeded generator, the same scene on every rank). Per
-(frames, mode; modes fp32, tf32, bf16, the last under bf16 autocast as ``bench_vggt.py`` runs it):
+``--tiny``: the tiny config) on ``torch.rand(frames, 3, H, W)`` images (a seeded generator, the same scene on
+every rank). Per (frames, mode; modes fp32, tf32, bf16, the last under bf16 autocast as ``bench_vggt.py`` runs it):
 
 * **split**: every rank runs ``model(images[start:stop])`` on its contiguous chunk of frames inside
   :func:`visionattn.models.context_parallel.split_frames` (global attention through
