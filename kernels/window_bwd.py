@@ -33,8 +33,6 @@ Public entry point: :func:`window_backward`; :func:`get_config` for tools.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -378,18 +376,11 @@ def _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v)) if grads is None else (g.zero_() for g in grads)
         return (dq, dk, dv, torch.zeros_like(relative_position_bias) if bias_requires_grad else None,
                 torch.zeros_like(logit_scale) if logit_scale_requires_grad else None), None
-    fits = _FUSED_TOO_BIG.isdisjoint([_fused_size_key(q, v, mode, products, logit_scale is not None)])
-    if logit_scale is not None and fits:
-        try:
-            return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
-                          logit_scale, bool(bias_requires_grad), bool(logit_scale_requires_grad), bias_splits,
-                          products, normalize=True, grads=grads)
-        except triton.runtime.errors.OutOfResources:
-            _FUSED_TOO_BIG.add(_fused_size_key(q, v, mode, products, True))
-    if logit_scale is not None:  # the fused kernel does not fit: normalise here, the split kernels, chain rule
-        return _normalized_split(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, num_windows,
-                                 scale, mode, logit_scale, bias_requires_grad, logit_scale_requires_grad, products,
-                                 grads), None
+    if logit_scale is not None:
+        return _fused(q, k, v, out, grad_out, lse, relative_position_bias, shift_mask, hs, float(scale), mode,
+                      logit_scale, bool(bias_requires_grad), bool(logit_scale_requires_grad), bias_splits, products,
+                      normalize=True, grads=grads)
+    fits = _fused_size_key(q, v, mode, products) not in _FUSED_TOO_BIG
     if BW and (kernel == "fused" or (kernel == "auto" and N <= FUSED_MAX_TOKENS and config is None and not empty
                                      and fits)):
         try:
@@ -401,7 +392,7 @@ def _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_
                 raise
             # FP32 operands at head dim 256 (~288 KB as one 64-row window) exceed the shared memory: the split
             # kernels below take 32-row tiles there (:func:`get_config`)
-            _FUSED_TOO_BIG.add(_fused_size_key(q, v, mode, products, False))
+            _FUSED_TOO_BIG.add(_fused_size_key(q, v, mode, products))
     # a stride-0 (expanded) view: its gradient is [H, N, N], not the sum over the view's repeats
     relative_position_bias = autograd_bias(relative_position_bias, bias_requires_grad)
     dq, dk, dv, dbias, dhs = launch_backward(
@@ -417,45 +408,14 @@ def _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_
     return (dq, dk, dv, dbias, dhs), None
 
 
-# the fused kernel's signatures (dtype, padded window and head dims, products, NORMALIZE) whose shared memory does
-# not fit the GPU: the split kernels run them without trying again
+# the fused kernel's signatures (dtype, padded window and head dims, products) whose shared memory does not fit the
+# GPU: the split kernels run them without trying again. Swin-v2's logit_scale path (the fused kernel only) reaches
+# here from window_attention with half operands only (it normalises FP32 q and k itself), half the FP32 bytes
 _FUSED_TOO_BIG: set = set()
 
 
-def _fused_size_key(q, v, mode: str, products, normalize: bool) -> tuple:
-    return (q.device, q.dtype, pad_pow2(q.shape[2]), pad_pow2(q.shape[3]), pad_pow2(v.shape[3]), mode, products,
-            normalize)
-
-
-def _normalized_split(q, k, v, out, grad_out, lse, bias, shift_mask, num_windows, scale, mode, logit_scale,
-                      bias_requires_grad, logit_scale_requires_grad, products, grads):
-    """Swin-v2's backward where the fused kernel does not fit: q and k L2-normalised here (as the kernel's NORMALIZE
-    does: ``y = x / max(||x||, 1e-12)``), the split kernels with ``head_scale = exp(min(logit_scale, log 100))``, and
-    the normalisation's and the clamp's chain rule applied to their dQ, dK and d head_scale."""
-    H = q.shape[1]
-    ls = logit_scale.detach().reshape(H).to(torch.float32)
-    c = torch.exp(torch.clamp(ls, max=math.log(100.0)))
-    norms = [t.float().norm(dim=-1, keepdim=True) for t in (q, k)]
-    qn, kn = ((t.float() / n.clamp_min(1e-12)).to(t.dtype) for t, n in zip((q, k), norms))
-    dqn, dkn, dv, dbias, dc = window_backward(
-        qn, kn, v, out, grad_out, lse, bias, shift_mask, num_windows, scale, mode, head_scale=c,
-        bias_requires_grad=bias_requires_grad, head_scale_requires_grad=logit_scale_requires_grad, kernel="split",
-        products=products)
-
-    def unnormalize(d, y, n):
-        y, d = y.float(), d.float()
-        dot = torch.where(n <= 1e-12, 0.0, (y * d).sum(-1, keepdim=True))
-        return (d - y * dot) / n.clamp_min(1e-12)
-
-    dq, dk = (unnormalize(d, y, n).to(t.dtype) for d, y, n, t in zip((dqn, dkn), (qn, kn), norms, (q, k)))
-    dls = None
-    if logit_scale_requires_grad:
-        dls = (dc.reshape(H).float() * c * (ls < math.log(100.0))).reshape(logit_scale.shape).to(logit_scale.dtype)
-    if grads is not None:
-        for into, got in zip(grads, (dq, dk, dv)):
-            into.copy_(got)
-        dq, dk, dv = grads
-    return dq, dk, dv, dbias, dls
+def _fused_size_key(q, v, mode: str, products) -> tuple:
+    return (q.device, q.dtype, pad_pow2(q.shape[2]), pad_pow2(q.shape[3]), pad_pow2(v.shape[3]), mode, products)
 
 
 def _per_head(name: str, t, H: int, device: torch.device) -> torch.Tensor:
