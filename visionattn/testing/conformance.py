@@ -1051,23 +1051,23 @@ def oracle(prob: Problem, go64, need_grads: bool, ds_dtype: torch.dtype | None =
         weight = (p.detach() * w.unsqueeze(-1))
         s = scores_and_mask(args["q"], args["k"], scale=args["scale"], bias=args["bias"],
                             attn_mask=args["attn_mask"], is_causal=args["is_causal"])
-        res["floors"] = _cancellation_floors(th, s, weight)
+        live = torch.where(p.detach() > 0, s, torch.zeros_like(s))  # the logits, masked ones (-inf) as 0
+        res["floors"] = _cancellation_floors(th, live, weight)
         res["grads"] = _grads(out, th, go64)
         res["ds_rounding"] = ({} if ds_dtype is None else
-                              _ds_rounding(th, s, p.detach(), go64, args["v"], out.detach(), ds_dtype))
+                              _ds_rounding(th, live, p.detach(), go64, args["v"], out.detach(), ds_dtype))
     return res
 
 
-def _ds_rounding(th: dict, s, p, go64, v, out, dtype) -> dict:
+def _ds_rounding(th: dict, live, p, go64, v, out, dtype) -> dict:
     """By theta name, the gradient of ``<S, round(dS') - dS>``: how far dQ / dK / dBias (/ dLogitScale) move when a
     FlashAttention-style half backward forms ``dS' = P (dO V^T - D')`` with ``D'_i = dO_i . round(O_i)`` from the
     output it stored in ``dtype`` and rounds ``dS'`` to ``dtype`` for the tensor cores, against the exact
-    ``dS = P (dO V^T - D)`` (the module docstring's ``r``)."""
+    ``dS = P (dO V^T - D)`` (the module docstring's ``r``); ``live``: the logits S with masked ones as 0."""
     names = [n for n, t in th.items() if t.requires_grad]
     dp = go64 @ v.detach().transpose(-1, -2)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
     stored = (go64 * out.to(dtype).double()).sum(-1, keepdim=True)  # D' from the stored half output
-    live = torch.where(p > 0, s, torch.zeros_like(s))
     if not names or not live.requires_grad:
         return {}
     kernel = (p * (dp - stored)).to(dtype).double()
@@ -1076,13 +1076,12 @@ def _ds_rounding(th: dict, s, p, go64, v, out, dtype) -> dict:
     return {n: g.detach() for n, g in zip(names, got) if g is not None}
 
 
-def _cancellation_floors(th: dict, s, weight, draws: int = 4) -> dict:
+def _cancellation_floors(th: dict, live, weight, draws: int = 4) -> dict:
     """The vectors ``c`` of the cancellation floor (module docstring) by theta name: elementwise the larger of
     the gradient of ``<S, W>`` (one rounding of ``D_i`` per row: coherent over the row's keys) and the RMS over
     ``draws`` random-sign versions ``<S, W r>``, ``r_ij = +-1`` (one rounding per ``dP_ij``: incoherent), with
-    ``W = P w`` held fixed; masked logits (-inf) carry no weight."""
+    ``W = P w`` held fixed; ``live``: the logits S with masked ones (-inf, no weight) as 0."""
     names = [n for n, t in th.items() if t.requires_grad]
-    live = torch.where(weight > 0, s, torch.zeros_like(s))
     if not names or not live.requires_grad:
         return {}
     gen = torch.Generator(device=weight.device).manual_seed(0)
