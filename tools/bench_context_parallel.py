@@ -271,11 +271,9 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
 
     keys = MODEL_KEYS[args.model]
     if args.model == "pi3":
-        from visionattn.models import Pi3, pi3_tiny_config
+        from visionattn.recon.pipeline import build_model
 
-        torch.manual_seed(args.seed)
-        with torch.device(device):
-            model = Pi3(**(pi3_tiny_config() if args.tiny else {})).eval()
+        model = build_model("pi3", "random-tiny" if args.tiny else "random", device=device, seed=args.seed)
     else:
         model = build("vggt", args.seed, device, args.tiny)
     cuda = device.type == "cuda"
