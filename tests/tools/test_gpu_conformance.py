@@ -473,3 +473,16 @@ def test_library_imports_neither_triton_nor_pytest_nor_tools():
             "print(sorted(m for m in ('triton', 'pytest', '_harness') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("index", [0, 42, 54])
+def test_oracle_of_a_half_cosine_window_with_logit_scale_gradient(index):
+    """Half-mode cosine windows whose logit scale needs a gradient: the oracle's rounding term and its gradients
+    go back through the same normalisation graph, and the reference backend passes its case (the oracle once
+    freed that graph first and reported a harness error on every such case, CPU and GPU alike)."""
+    spec = conf.draw_case(0, index, "tiny")
+    words = conf.describe(spec)
+    assert "cosine" in words and "logit_scale" in words and "bwd" in words
+    assert spec["mode"] in ("fp16", "bf16")
+    res = conf.run_case(spec, torch.device("cpu"), "reference")
+    assert res["status"] == "pass", res

@@ -1052,10 +1052,12 @@ def oracle(prob: Problem, go64, need_grads: bool, ds_dtype: torch.dtype | None =
         s = scores_and_mask(args["q"], args["k"], scale=args["scale"], bias=args["bias"],
                             attn_mask=args["attn_mask"], is_causal=args["is_causal"])
         live = torch.where(p.detach() > 0, s, torch.zeros_like(s))  # the logits, masked ones (-inf) as 0
+        # the floors and the rounding term go back through the graph that the gradients then free (a cosine
+        # window's normalisation and logit scale lie on both paths), so the gradients come last
         res["floors"] = _cancellation_floors(th, live, weight)
-        res["grads"] = _grads(out, th, go64)
         res["ds_rounding"] = ({} if ds_dtype is None else
                               _ds_rounding(th, live, p.detach(), go64, args["v"], out.detach(), ds_dtype))
+        res["grads"] = _grads(out, th, go64)
     return res
 
 
