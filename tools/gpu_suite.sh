@@ -29,8 +29,9 @@
 # official code at FASTVGGT, a checkout of mystorm16/FastVGGT), conformance (the randomized conformance suite: every
 # family and mode against the float64 oracle, any layout, ~2000 cases), memcheck / racecheck / initcheck
 # (compute-sanitizer over tools/memcheck_cases.py: a small case of every kernel family and variant, forward and
-# backward), warmup-train (python -m visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to
-# OUT_DIR/STEP.log and a failing step does not stop the next one. Machine-wide settings are left alone.
+# backward), racecheck-control (racecheck over the warp-specialization control kernel alone), warmup-train (python -m
+# visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to OUT_DIR/STEP.log and a failing step
+# does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
 mkdir -p "$out"
@@ -142,6 +143,8 @@ for step in "$@"; do
         --out "$out/conformance" ;;
     memcheck|racecheck|initcheck) run "$step" 560 compute-sanitizer --tool "$step" --error-exitcode 9 \
         --print-limit 20 python tools/memcheck_cases.py ;;
+    racecheck-control) run racecheck-control 120 compute-sanitizer --tool racecheck --print-limit 5 python \
+        tools/memcheck_cases.py --control ;;
     warmup-train) run warmup-train 560 python -m visionattn.warmup --training --jobs 16 ;;
     ring1) run ring1 200 torchrun --nproc-per-node 1 tools/bench_context_parallel.py --out "$out/ring1" ;;
     demo300) run demo300 500 python demos/reconstruct.py "${VIDEO:?set VIDEO to a video of >= 300 frames}" \
