@@ -115,3 +115,23 @@ def test_bad_folders(tmp_path):
     (trunc / "t.jpg").write_bytes(data[: len(data) // 2])
     with pytest.raises(ImageFolderError, match="t.jpg"):
         load_images(str(trunc), progress=False)
+
+
+@pytest.mark.parametrize("mode", ["crop", "pad"])
+def test_batch_equals_each_image_preprocessed_and_padded_white(tmp_path, mode):
+    """The loaders stack uint8 frames and convert the batch once: the result equals each image preprocessed on its
+    own in float (x / 255) and centred on white (1.0), bit for bit, frames of different shapes included."""
+    images = [_gradient(60, 40), _gradient(40, 60), _gradient(56, 56)]
+    for i, img in enumerate(images):
+        img.save(tmp_path / f"im{i}.png")
+    loaded = load_images(str(tmp_path), size=28, mode=mode, progress=False)
+    assert loaded.images.dtype == torch.float32
+    H, W = loaded.images.shape[-2:]
+    for i, img in enumerate(images):
+        one = preprocess_image(img, size=28, mode=mode)
+        h, w = one.shape[-2:]
+        want = torch.ones(3, H, W)
+        top, left = (H - h) // 2, (W - w) // 2
+        want[:, top:top + h, left:left + w] = one
+        assert torch.equal(loaded.images[i], want), i
+        assert torch.equal(one * 255, (one * 255).round())  # exactly k / 255

@@ -261,11 +261,18 @@ def preprocess_image(img: Image.Image, size: int = 518, mode: str = "crop") -> t
         ValueError: ``size`` is not a positive multiple of 14, or ``mode`` unknown.
         ImageFolderError: the image is empty or more elongated than 8:1 (see :func:`check_aspect`).
     """
-    return _preprocess(img, size, mode)[0]
+    return to_unit_float(_preprocess(img, size, mode)[0])
+
+
+def to_unit_float(t: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels [..., 3, H, W] -> float32 in [0, 1] (``x / 255``, one pass over the tensor)."""
+    return t.to(torch.float32).div_(255.0)
 
 
 def _preprocess(img: Image.Image, size: int, mode: str):
-    """:func:`preprocess_image` plus the affine (sx, sy, ox, oy) from original to output pixels."""
+    """:func:`preprocess_image` as uint8 [3, H, W] (white padding 255), plus the affine (sx, sy, ox, oy) from
+    original to output pixels. The loaders stack the uint8 frames and convert the batch once
+    (:func:`stack_padded`): a quarter of the bytes per frame, one float conversion instead of one per frame."""
     if size <= 0 or size % PATCH_SIZE:
         raise ValueError(f"size={size} must be a positive multiple of {PATCH_SIZE} (e.g. 518)")
     if mode not in ("crop", "pad"):
@@ -289,12 +296,12 @@ def _preprocess(img: Image.Image, size: int, mode: str):
         oy -= top
     else:
         img = img.resize((new_w, new_h), Image.Resampling.BICUBIC)
-    t = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
+    t = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
     if mode == "pad":
         left, top = (size - t.shape[2]) // 2, (size - t.shape[1]) // 2
         t = _pad_white(t, size, size)
         ox, oy = ox + left, oy + top
-    return t.contiguous(), (sx, sy, ox, oy)
+    return t, (sx, sy, ox, oy)
 
 
 def _pad_white(t: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -302,12 +309,14 @@ def _pad_white(t: torch.Tensor, height: int, width: int) -> torch.Tensor:
     if dh <= 0 and dw <= 0:
         return t
     top, left = dh // 2, dw // 2
-    return torch.nn.functional.pad(t, (left, dw - left, top, dh - top), mode="constant", value=1.0)
+    white = 255 if t.dtype == torch.uint8 else 1.0
+    return torch.nn.functional.pad(t, (left, dw - left, top, dh - top), mode="constant", value=white)
 
 
 def stack_padded(tensors: list[torch.Tensor], affines: list) -> torch.Tensor:
-    """Stack frames [3, h_i, w_i] into [S, 3, H, W], padding smaller ones with white, centred.
+    """Stack frames [3, h_i, w_i] into float32 [S, 3, H, W] in [0, 1], padding smaller ones with white, centred.
 
+    Frames are uint8 (0-255, converted once for the whole batch, :func:`to_unit_float`) or float32 in [0, 1].
     ``affines`` (per frame (sx, sy, ox, oy)) are shifted in place by each frame's padding offset.
     """
     height = max(t.shape[1] for t in tensors)
@@ -317,7 +326,8 @@ def stack_padded(tensors: list[torch.Tensor], affines: list) -> torch.Tensor:
         sx, sy, ox, oy = affines[i]
         affines[i] = (sx, sy, ox + (width - t.shape[2]) // 2, oy + (height - t.shape[1]) // 2)
         batch.append(_pad_white(t, height, width))
-    return torch.stack(batch)
+    stacked = torch.stack(batch)
+    return to_unit_float(stacked) if stacked.dtype == torch.uint8 else stacked
 
 
 def unique_names(paths: list[str]) -> list[str]:
