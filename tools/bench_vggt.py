@@ -102,7 +102,7 @@ def _setup(model, row: str, frames: int, H: int, W: int, seed: int):
 
 def _timed(fn, dev: torch.device) -> float:
     """Wall seconds of ``fn()`` between synchronisations."""
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     fn()
