@@ -34,6 +34,7 @@ from _harness import (Stopwatch, ToolParser, atomic_path, check_device, check_im
                       nonnegative_int, output_folder, positive_int, read_rgb, tf32_disabled, write_json_atomic,
                       write_text_atomic)
 
+from visionattn.metrics import psnr, ssim  # noqa: E402
 from visionattn.modes import MODES, get_mode, mode_names  # noqa: E402
 from visionattn.patching.diffusers import (overflow_counts, patch_diffusers, reset_overflow_counts,  # noqa: E402
                                            unpatch_diffusers)
@@ -277,40 +278,6 @@ def generate(pipe, image, args, device: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ fidelity
-def _ssim_gaussian(a: np.ndarray, b: np.ndarray, data_range: float = 1.0) -> float:
-    """SSIM (Wang et al. 2004) as ``skimage.metrics.structural_similarity(gaussian_weights=True, sigma=1.5,
-    use_sample_covariance=False)``: 11x11 Gaussian window (OpenCV blurs), K1 0.01, K2 0.03, the 5-pixel border
-    cropped, channel mean. a, b: [H, W, C] float."""
-    import cv2
-
-    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
-    blur = lambda x: cv2.GaussianBlur(x, (11, 11), 1.5, borderType=cv2.BORDER_REFLECT)  # noqa: E731
-    vals = []
-    for ch in range(a.shape[-1]):
-        x, y = a[..., ch].astype(np.float64), b[..., ch].astype(np.float64)
-        mx, my = blur(x), blur(y)
-        vx, vy, cxy = blur(x * x) - mx * mx, blur(y * y) - my * my, blur(x * y) - mx * my
-        s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
-        vals.append(s[5:-5, 5:-5].mean())
-    return float(np.mean(vals))
-
-
-def ssim(a: np.ndarray, b: np.ndarray) -> float:
-    """SSIM of two [H, W, 3] frames in [0, 1]: scikit-image when installed, else :func:`_ssim_gaussian`."""
-    try:
-        from skimage.metrics import structural_similarity
-    except ImportError:
-        return _ssim_gaussian(a, b)
-    return float(structural_similarity(a, b, channel_axis=-1, data_range=1.0, gaussian_weights=True, sigma=1.5,
-                                       use_sample_covariance=False))
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    """PSNR in dB of frames in [0, 1] (inf when identical)."""
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
-
-
 def frame_metrics(frames: np.ndarray, ref: np.ndarray) -> dict:
     """Per-frame PSNR / SSIM / max-abs of ``frames`` vs ``ref`` ([F, H, W, 3]); frames with NaN/inf get None."""
     out = {"psnr_db": [], "ssim": [], "max_abs": []}
