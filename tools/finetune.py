@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (CorruptImageError, ToolParser, atomic_path, check_device, check_output_folder,  # noqa: E402
-                      default_out, environment, figure, markdown_table, nonnegative_float, nonnegative_int,
-                      output_folder, positive_float, positive_int, read_rgb, write_json_atomic, write_text_atomic)
+from _harness import (CorruptImageError, ToolParser, add_common, atomic_path, check_device,  # noqa: E402
+                      check_output_folder, default_out, environment, figure, markdown_table, md_header,
+                      nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, read_rgb,
+                      write_json_atomic, write_text_atomic)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 
@@ -88,13 +89,9 @@ class TrainStep:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.scaler = torch.amp.GradScaler(self.device_type) if prec.scaler else None
 
-    def autocast(self):
-        """The forward's autocast context (a null context for FP32 training)."""
-        return autocast(self.device_type, self.prec)
-
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast():
+        with autocast(self.device_type, self.prec):
             loss = F.cross_entropy(self.model(x), y)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -271,12 +268,11 @@ def build_parser() -> ToolParser:
     p.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every N epochs (and after the last)")
     p.add_argument("--workers", type=nonnegative_int, default=min(4, os.cpu_count() or 1),
                    help="DataLoader worker processes (default min(4, CPUs))")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device (default cuda when available, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the split and the data order")
-    p.add_argument("--out", default=default_out("finetune"),
-                   help="output folder: checkpoints, metrics.json / .md, curves.png; new, empty or an earlier "
-                        "output of this tool (then replaced), never a folder of yours (default: %(default)s)")
+    add_common(p, device=("cuda" if torch.cuda.is_available() else "cpu", "torch device (default: %(default)s)"),
+               seed=(0, "seed of the weights, the split and the data order"),
+               out=(default_out("finetune"), "output folder: checkpoints, metrics.json / .md, curves.png; new, "
+                    "empty or an earlier output of this tool (then replaced), never a folder of yours "
+                    "(default: %(default)s)"))
     return p
 
 
@@ -305,15 +301,13 @@ def check_args(parser: ToolParser, args: argparse.Namespace) -> dict:
 
 
 def render_markdown(res: dict) -> str:
-    env = res["environment"]
-    lines = [f"# Fine-tuning {res['model']['name']} ({res['model']['attention']}, mode {res['mode']})", "",
-             f"* command: `{env['command']}`",
-             f"* device: {env['device']}; torch {env['torch']}, triton {env.get('triton')}, timm {env.get('timm')}",
-             f"* data: {res['data']['root']} ({res['data']['layout']}): {len(res['data']['classes'])} classes, "
-             f"{res['data']['train']} train / {res['data']['val']} held-out images",
-             f"* precision: {res['precision']}; process-wide: {res['process_settings']}",
-             f"* AdamW lr {res['args']['lr']:g}, weight decay {res['args']['weight_decay']:g}, batch "
-             f"{res['args']['batch_size']}, {res['args']['img_size']} px", ""]
+    data, a = res["data"], res["args"]
+    lines = md_header(f"Fine-tuning {res['model']['name']} ({res['model']['attention']}, mode {res['mode']})",
+                      res["environment"], f"data: {data['root']} ({data['layout']}): {len(data['classes'])} classes, "
+                      f"{data['train']} train / {data['val']} held-out images",
+                      f"precision: {res['precision']}; process-wide: {res['process_settings']}",
+                      f"AdamW lr {a['lr']:g}, weight decay {a['weight_decay']:g}, batch {a['batch_size']}, "
+                      f"{a['img_size']} px")
     rows = [[h["epoch"], h["step"], h["train_loss"], h["train_img_per_s"], h["val_loss"], f"{100 * h['val_top1']:.2f}",
              "yes" if h["best"] else ""] for h in res["history"]]
     lines.append(markdown_table(rows, ["epoch", "step", "train loss", "train img/s", "held-out loss",
