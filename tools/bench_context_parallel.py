@@ -256,7 +256,6 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
     return rows
 
 
-
 def render(result: dict, args) -> str:
     """The markdown report: one row per (N, mode, scheme), or per (frames, mode) of ``--vggt``."""
     def opt(x, fmt="{:.4g}"):

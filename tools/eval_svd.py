@@ -22,7 +22,6 @@ import contextlib
 import math
 import os
 import sys
-import time
 
 import numpy as np
 import torch
