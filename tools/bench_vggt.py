@@ -31,23 +31,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' sha
 from _harness import (ToolParser, add_common, attention_free, check_device, default_out, environment,  # noqa: E402
                       figure, markdown_table, positive_int, prefix_outputs)
 
-ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row, all layers kept)
-    "official-fp32": (None, None, "official-fp32", True),
-    "sdpa-fp32": (None, None, "sdpa-fp32", False),
-    "fp32": ("fp32", None, "sdpa-fp32", False),
-    "tf32": ("tf32", None, "sdpa-fp32", False),
-    "official-bf16": (None, torch.bfloat16, "official-bf16", True),
-    "sdpa-bf16": (None, torch.bfloat16, "sdpa-bf16", False),
-    "bf16": ("bf16", torch.bfloat16, "sdpa-bf16", False),
-    "free-fp32": (None, None, "sdpa-fp32", False),
-    "free-bf16": (None, torch.bfloat16, "sdpa-bf16", False),
+ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row, all layers kept, label)
+    "official-fp32": (None, None, "official-fp32", True, "official-equivalent FP32 (SDPA, all layers)"),
+    "sdpa-fp32": (None, None, "sdpa-fp32", False, "SDPA-FP32 (efficient)"),
+    "fp32": ("fp32", None, "sdpa-fp32", False, "visionattn fp32"),
+    "tf32": ("tf32", None, "sdpa-fp32", False, "visionattn tf32"),
+    "official-bf16": (None, torch.bfloat16, "official-bf16", True, "official-equivalent BF16 (SDPA, all layers)"),
+    "sdpa-bf16": (None, torch.bfloat16, "sdpa-bf16", False, "SDPA-BF16 (autocast)"),
+    "bf16": ("bf16", torch.bfloat16, "sdpa-bf16", False, "visionattn bf16 (autocast)"),
+    "free-fp32": (None, None, "sdpa-fp32", False, "attention-free FP32 (bound)"),
+    "free-bf16": (None, torch.bfloat16, "sdpa-bf16", False, "attention-free BF16 (bound)"),
 }
 FREE_ROWS = ("free-fp32", "free-bf16")
-LABELS = {"official-fp32": "official-equivalent FP32 (SDPA, all layers)", "sdpa-fp32": "SDPA-FP32 (efficient)",
-          "fp32": "visionattn fp32", "tf32": "visionattn tf32",
-          "official-bf16": "official-equivalent BF16 (SDPA, all layers)", "sdpa-bf16": "SDPA-BF16 (autocast)",
-          "bf16": "visionattn bf16 (autocast)", "free-fp32": "attention-free FP32 (bound)",
-          "free-bf16": "attention-free BF16 (bound)"}
+LABELS = {name: row[4] for name, row in ROWS.items()}
 LONG_FRAMES = (10, 20, 50, 100, 200, 300, 400, 500, 600, 800, 1000, 1200, 1500, 2000)
 MODELS = ("vggt", "fastvggt")
 
@@ -92,7 +88,7 @@ def _setup(model, row: str, frames: int, H: int, W: int, seed: int):
     """Put ``model`` in ``row``'s mode; returns (device, the row's autocast, ``frames`` seeded random images)."""
     from visionattn.models.vggt import autocast
 
-    mode, dt, _, keep_all = ROWS[row]
+    mode, dt, _, keep_all, _ = ROWS[row]
     model.set_attn_mode(mode)
     model.keep_all_layers = keep_all
     dev = next(model.parameters()).device
@@ -143,11 +139,10 @@ def run_point(model, row: str, frames: int, H: int, W: int, repeats: int, seed: 
     if dev.type == "cuda":
         peak = torch.cuda.max_memory_allocated(dev)
     model.keep_all_layers = False
-    t = sorted(times)[len(times) // 2]
+    t, gb = sorted(times)[len(times) // 2], 2 ** 30
     est = model.estimate_memory(frames, H, W, "fp32" if ROWS[row][1] is None else "bf16", keep_all_layers=ROWS[row][3])
-    point = {"time_s": t, "time_per_frame_s": t / frames, "peak_gb": peak / 2 ** 30,
-             "extra_gb": (peak - base) / 2 ** 30,
-             "est_gb": est / 2 ** 30, "finite": finite, "tokens_per_frame": 5 + (H // 14) * (W // 14)}
+    point = {"time_s": t, "time_per_frame_s": t / frames, "peak_gb": peak / gb, "extra_gb": (peak - base) / gb,
+             "est_gb": est / gb, "finite": finite, "tokens_per_frame": 5 + (H // 14) * (W // 14)}
     if row in FREE_ROWS:
         point["sdpa_calls_per_forward"] = free.calls // repeats
     return point
@@ -312,8 +307,8 @@ def main(args) -> dict:
                         model.keep_all_layers = False
                         p = {"oom": True}
                         if not args.train_step:
-                            p["est_gb"] = model.estimate_memory(fr, H, W, "fp32" if ROWS[row][1] is None else "bf16",
-                                                                keep_all_layers=ROWS[row][3]) / 2 ** 30
+                            p["est_gb"] = model.estimate_memory(fr, H, W, "fp32" if ROWS[row][1] is None else
+                                                                "bf16", keep_all_layers=ROWS[row][3]) / 2 ** 30
                             skip = True
                         if dev.type == "cuda":
                             torch.cuda.empty_cache()
