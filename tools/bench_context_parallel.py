@@ -1,23 +1,13 @@
 """Context-parallel attention (ring, Ulysses) at VGGT's global-attention shape, and whole models split by frames,
 against one GPU.
 
-Attention (default): B = 1, H = 16, D = 64, N = frames x 1041 tokens (VGGT at 518x392), the sequence split across
-the ranks as evenly as possible. Per (N, mode, ``--scheme``): **parallel**, one
-:func:`visionattn.distributed.context_parallel_attention` forward on every rank with the scheme (``auto``: the
-library's rule), the slowest rank's time (JSON keys ``ring_ms``, ``ring_ms_per_rank``, ``ring_peak_mb`` for every
-scheme; ``scheme_taken`` names the one that ran); **single**, :func:`visionattn.attention` of the whole sequence on
-rank 0's GPU. Eager timing (:func:`_harness.per_call_ms`: CUDA events around back-to-back calls, a wall clock on the
-CPU); speed-up single / parallel (ideal: the ranks), peaks, rel L2 of rank 0's rows. Inputs N(0, 1), the same on
-every rank. NVLink multicast is left off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
-``NVSHMEM_DISABLE_NVLS=1`` unless set).
-
-``--vggt FRAMES``: random-weight VGGT-1B (``bench_vggt.build``; ``--model pi3``: π³; ``--tiny``: the tiny config),
-every rank running its contiguous chunk of the same scene inside
-:func:`visionattn.models.context_parallel.split_frames` (scheme auto) against rank 0 alone on all frames; modes
-fp32 (TF32 off), tf32, bf16 (autocast); one untimed forward unless ``--warmup 0``, then the median of ``--repeats``
-forwards (each after a barrier, wall clock between synchronisations); peak = CUDA max allocated after the warm-up,
-weights included; rel L2 = the largest over the model's outputs of rank 0's frames. Rank 0 writes ``<out>.md``,
-``<out>.json`` (``--vggt``: and ``<out>.png``).
+Attention (default): B=1, H=16, D=64, N = frames x 1041 split across the ranks as evenly as possible; per (N, mode,
+``--scheme``) one :func:`visionattn.distributed.context_parallel_attention` forward on every rank (the slowest
+rank's time; JSON keys ``ring_*`` for every scheme) against :func:`visionattn.attention` of the whole sequence on
+rank 0 (:func:`_harness.per_call_ms`). ``--vggt FRAMES``: random-weight VGGT-1B (``--model pi3``: π³) with every rank
+running its chunk of one scene inside :func:`visionattn.models.context_parallel.split_frames` against rank 0 alone
+(median of ``--repeats`` forwards after one untimed). Both report speed-up, peak memory and rank 0's rel L2. NVLink
+multicast is left off. Rank 0 writes ``<out>.md``, ``<out>.json`` (``--vggt``: and ``<out>.png``).
 
     torchrun --nproc-per-node 4 tools/bench_context_parallel.py --seq 208200 --scheme ring ulysses auto --out OUT
     torchrun --nproc-per-node 2 tools/bench_context_parallel.py --vggt 200,400 --mode bf16 --out out/cp_vggt_2gpu

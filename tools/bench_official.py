@@ -1,22 +1,13 @@
 """π³ / Pi3X / FastVGGT inference against the official code: same random weights, same process, same frames.
 
-The official code is no dependency: ``--official`` names a local checkout (π³: github.com/yyfz/Pi3, the folder
-holding ``pi3/``; FastVGGT: mystorm16/FastVGGT, holding ``vggt/`` and ``merging/``, needing matplotlib, Pillow,
-tqdm). Its model is built with seed 0 and its weights loaded into visionattn's (strict): π³ / Pi3X with the
-LayerScale gammas and Pi3X's ray / depth embeddings drawn from N(0, 0.1) so every branch carries signal; FastVGGT
-as ``VGGT(merging=0, enable_point=False, enable_track=False)``. Rows (``--rows``; TF32 off throughout):
-
-* π³: ``official-fp32``, ``official-bf16`` (bf16 autocast, as its example runs); ours ``sdpa-fp32``, ``fp32``,
-  ``sdpa-bf16`` and ``bf16`` (SDPA or visionattn attention, bf16 rows under autocast); Pi3X ``--conditions``:
-  pinhole intrinsics and camera-to-world poses on a slow arc on every frame, both sides;
-* FastVGGT, all under bf16 autocast with FP32 weights: ``official`` (its heads under the autocast), ``sdpa`` and
-  ``bf16`` (bf16 heads, as it runs them), ``free`` (``sdpa`` with attention answered by its value rows,
-  :func:`_harness.attention_free`: the Amdahl bound), ``--fp32-heads`` adds ``bf16-fp32-heads``.
-
-Per frame count each row runs alone on the GPU (the other model waits on the CPU): one untimed forward, then
-``--repeats`` timed ones (:func:`_harness.sample_ms`, CUDA events, median); peak = max allocated of the timed
-forwards; out of memory is recorded. Frames: ``--images`` (cycled, resized) or random in [0, 1]. Agreement at the
-smallest frame count: rel L2 of each output of our rows against the official row(s) of the same precision.
+``--official`` names a local checkout (no dependency): π³ (yyfz/Pi3, holding ``pi3/``) or FastVGGT
+(mystorm16/FastVGGT, holding ``vggt/`` and ``merging/``). Its model is built with seed 0 (π³'s LayerScale gammas and
+Pi3X's ray / depth embeddings drawn from N(0, 0.1)) and its weights loaded into visionattn's (strict). Rows, TF32
+off: π³ official and ours on SDPA or visionattn attention, FP32 and bf16 autocast (Pi3X ``--conditions``: intrinsics
+and poses on every frame); FastVGGT under bf16 autocast: official, ours on SDPA / bf16 attention (bf16 heads), and
+attention-free (:func:`_harness.attention_free`, the Amdahl bound). Per frame count each row alone on the GPU: one
+untimed forward, the median of ``--repeats`` (:func:`_harness.sample_ms`), peak allocated, out of memory recorded;
+rel L2 of each output against the official row(s) of the same precision at the smallest count.
 Writes ``<out>.json``, ``<out>.md`` and ``<out>.png`` (time per frame, peak memory, speed-up vs frames).
 
     python tools/bench_official.py --model pi3 --official ~/src/Pi3 --images demos/data/kitchen --frames 25 100
