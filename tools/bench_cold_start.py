@@ -1,26 +1,16 @@
 #!/usr/bin/env python
 """What the first call costs: kernel compilation in a fresh process with an empty Triton cache.
 
-Each measurement runs in a new Python process whose ``TRITON_CACHE_DIR`` is a new empty folder, so every
-kernel a call needs is compiled inside it, as on a fresh machine:
-
-* **attention**: per mode, the first and the second call of ``visionattn.attention`` at ViT-B/16 224
-  (B=64 H=12 N=197 D=64) and at VGGT's global-attention length (B=1 H=16 N=104100 / 10 frames' 10410);
-* **vggt**: VGGT-1B (random weights, 392x518 frames) in ``--mode``: the first forward at ``--frames``, the
-  second, then a forward at ``--other-frames``, counting the kernels Triton compiled during it (files added
-  to the cache folder): zero when no kernel specialises on the sequence length.
-
-Where Triton reports its compilations (``triton.knobs.compilation.listener``), each row also splits the first
-call's extra cost into the kernels compiled and their compile time (source to cubin, every stage) and the
-rest (launcher builds, module loads, first-use setup of the driver and libraries), and the compile time by
-stage, summed over the kernels (``init``: source to the first IR, then Triton's lowering stages — ``ttir``,
-``ttgir``, ``llir``, ``ptx``, ``cubin`` (ptxas) —, ``store``: writing the cache); the markdown lists each compiled
-kernel with the constexprs that make its variant. ``--vggt-baseline`` adds VGGT with PyTorch's SDPA (no Triton
-kernel): the first-call cost the model pays without visionattn's kernels. ``--compile-ahead`` adds VGGT with its
-kernels compiled by :class:`visionattn.warmup.CompileAhead` in a background thread while the model is built (as the
-reconstruction demo does); every VGGT row also reports its model construction time.
-
-Writes ``cold_start.md`` and ``cold_start.json`` to ``--out``.
+Every row runs in a new Python process whose ``TRITON_CACHE_DIR`` is a new empty folder (as on a fresh machine):
+**attention**, per mode the first and second call of ``visionattn.attention`` at ViT-B/16 224 (B=64 H=12 N=197 D=64)
+and at VGGT's global length for 10 frames (B=1 H=16 N=10410); **vggt**, VGGT-1B (random weights, 392x518) in
+``--mode``: the first and second forward at ``--frames``, then one at ``--other-frames`` counting the files Triton
+adds to its cache (zero when no kernel specialises on the length), and the model's construction time. Where Triton
+reports compilations (``triton.knobs.compilation.listener``) a row splits the first call's extra cost into the
+kernels compiled (named with their constexprs), their compile seconds by stage (``init``, ``ttir`` .. ``cubin``,
+``store``) and the rest. ``--vggt-baseline`` adds VGGT on PyTorch's SDPA (no Triton kernel); ``--compile-ahead``
+adds VGGT with its kernels compiled by :class:`visionattn.warmup.CompileAhead` while the model is built.
+Writes ``cold_start.md`` and ``cold_start.json`` into ``--out``.
 
     python tools/bench_cold_start.py --out out/cold_start --frames 100 --other-frames 60 --mode fp32
 """
@@ -34,7 +24,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import ToolParser, check_output, default_out, output_files, positive_int  # noqa: E402
+from _harness import (ToolParser, add_common, check_output, default_out, environment, markdown_table,  # noqa: E402
+                      md_header, output_files, positive_int)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,12 +127,12 @@ print(json.dumps({"first_s": first, "second_s": second, "other_frames_s": third,
 
 def build_parser() -> ToolParser:
     p = ToolParser(prog="bench_cold_start.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=default_out("cold_start"), help="output folder (default: %(default)s)")
-    p.add_argument("--modes", default="fp32,tf32,fp16,bf16", help="modes of the attention rows (default: %(default)s)")
+    add_common(p, out=(default_out("cold_start"), "output folder (default: %(default)s)"),
+               modes=("fp32,tf32,fp16,bf16", "modes of the attention rows (default: %(default)s)"))
     p.add_argument("--mode", default="fp32", help="VGGT's attention mode (default: %(default)s)")
     p.add_argument("--vggt-baseline", action="store_true",
-                   help="also VGGT with PyTorch's SDPA attention (no Triton kernel): the first-call cost the model "
-                        "has without visionattn's kernels (CUDA libraries' set-up, first use of PyTorch's kernels)")
+                   help="also VGGT with PyTorch's SDPA attention (no Triton kernel): its first-call cost without "
+                        "visionattn's kernels (CUDA libraries' set-up, first use of PyTorch's kernels)")
     p.add_argument("--frames", type=positive_int, default=100, help="VGGT frames (default: %(default)s)")
     p.add_argument("--other-frames", type=positive_int, default=60,
                    help="the second frame count, which must compile nothing new (default: %(default)s)")
@@ -167,11 +158,44 @@ def _child(code: str, args: list[str], timeout: float) -> dict:
         return result
 
 
+def render(rows: list[dict], env: dict) -> str:
+    fmt = lambda x, f=".2f": "-" if x is None else format(x, f)  # noqa: E731
+    table = []
+    for r in rows:
+        if "error" in r:
+            table.append([r["what"], *"-------", r["error"], "-"])
+            continue
+        extra, compile_s = r["first_s"] - r["second_s"], r.get("first_compile_s")
+        table.append([r["what"], fmt(r["first_s"]), fmt(r["second_s"], ".3f"), fmt(extra),
+                      r.get("first_kernels_compiled", "-"), fmt(compile_s),
+                      "-" if compile_s is None else fmt(extra - compile_s), fmt(r.get("other_frames_s", float("nan"))),
+                      r.get("cache_files_added_by_other_frames", "-"),
+                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("first_compile_stages_s") or {}).items()) or "-"])
+    lines = md_header(f"First-call cost (empty Triton cache): {env['device']}", env,
+                      "every row in a new process with a new empty TRITON_CACHE_DIR; first - second = compilation and "
+                      "first-use cost")
+    lines.append(markdown_table(table, ["call", "first s", "second s", "first - second s", "kernels compiled",
+                                        "their compile s", "rest of first - second s", "other length s",
+                                        "cache files added by the other length", "compile s by stage"]))
+    compiled_lists = [(r["what"], r["first_kernels"]) for r in rows if r.get("first_kernels")]
+    if compiled_lists:
+        lines += ["", "Kernels compiled by each first call (name, constexprs, compile seconds):", ""]
+        lines += [f"* {what}: " + "; ".join(f"`{n}`" for n in names) for what, names in compiled_lists]
+    vggt = [r for r in rows if r["what"].startswith("VGGT") and "model_s" in r]
+    if vggt:
+        lines += ["", "VGGT's model construction (random weights on the GPU; with the kernels compiled ahead, until "
+                  "they are done) and the compile ahead:", "",
+                  markdown_table([[r["what"], fmt(r["model_s"]), fmt(r.get("ahead_s")), fmt(r.get("ahead_waited_s")),
+                                   r.get("ahead_kernels_compiled", "-"), r.get("ahead_error") or "-"] for r in vggt],
+                                 ["call", "model construction s", "compile ahead s", "waited for it s",
+                                  "kernels compiled ahead", "error"])]
+    return "\n".join(lines) + "\n"
+
+
 def main(args) -> dict:
     import torch
 
     from visionattn.modes import mode_names
-    from _harness import environment, markdown_table
 
     parser = build_parser()
     modes = [m for m in args.modes.split(",") if m]
@@ -186,8 +210,8 @@ def main(args) -> dict:
     rows = []
     for mode in modes:
         for shape in ((64, 12, 197, 64), (1, 16, 10410, 64)):
-            r = _child(_ATTENTION_CHILD, [mode, *map(str, shape)], 600)
-            rows.append({"what": f"attention {mode} B,H,N,D={shape}", **r})
+            rows.append({"what": f"attention {mode} B,H,N,D={shape}",
+                         **_child(_ATTENTION_CHILD, [mode, *map(str, shape)], 600)})
             print(json.dumps(rows[-1]), flush=True)
     vggt_rows = [(args.mode, False)] + [(args.mode, True)] * args.compile_ahead + [("sdpa", False)] * args.vggt_baseline
     for vggt_mode, ahead in ([] if args.skip_vggt else vggt_rows):
@@ -197,42 +221,10 @@ def main(args) -> dict:
         rows.append({"what": f"VGGT-1B {vggt_mode} {args.frames} frames{how}, then {args.other_frames}", **r})
         print(json.dumps(rows[-1]), flush=True)
     result = {"environment": environment(), "rows": rows}
-    env = result["environment"]
-    lines = [f"# First-call cost (empty Triton cache): {env['device']}", "", f"* command: `{env['command']}`",
-             f"* torch {env['torch']}, triton {env['triton']}; every row in a new process with a new empty "
-             "TRITON_CACHE_DIR; first - second = compilation and first-use cost", ""]
-    table = []
-    for r in rows:
-        if "error" in r:
-            table.append([r["what"], "-", "-", "-", "-", "-", "-", "-", r["error"], "-"])
-            continue
-        extra = r["first_s"] - r["second_s"]
-        compile_s = r.get("first_compile_s")
-        table.append([r["what"], f"{r['first_s']:.2f}", f"{r['second_s']:.3f}", f"{extra:.2f}",
-                      r.get("first_kernels_compiled", "-"), "-" if compile_s is None else f"{compile_s:.2f}",
-                      "-" if compile_s is None else f"{extra - compile_s:.2f}",
-                      f"{r.get('other_frames_s', float('nan')):.2f}", r.get("cache_files_added_by_other_frames", "-"),
-                      ", ".join(f"{k} {v:.2f}" for k, v in (r.get("first_compile_stages_s") or {}).items()) or "-"])
-    lines.append(markdown_table(table, ["call", "first s", "second s", "first - second s", "kernels compiled",
-                                        "their compile s", "rest of first - second s", "other length s",
-                                        "cache files added by the other length", "compile s by stage"]))
-    compiled_lists = [(r["what"], r.get("first_kernels") or []) for r in rows if r.get("first_kernels")]
-    if compiled_lists:
-        lines += ["", "Kernels compiled by each first call (name, constexprs, compile seconds):", ""]
-        for what, names in compiled_lists:
-            lines.append(f"* {what}: " + "; ".join(f"`{n}`" for n in names))
-    vggt = [r for r in rows if r["what"].startswith("VGGT") and "model_s" in r]
-    if vggt:
-        fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-        lines += ["", "VGGT's model construction (random weights on the GPU; with the kernels compiled ahead, until "
-                  "they are done) and the compile ahead:", "",
-                  markdown_table([[r["what"], fmt(r["model_s"]), fmt(r.get("ahead_s")), fmt(r.get("ahead_waited_s")),
-                                   r.get("ahead_kernels_compiled", "-"), r.get("ahead_error") or "-"] for r in vggt],
-                                 ["call", "model construction s", "compile ahead s", "waited for it s",
-                                  "kernels compiled ahead", "error"])]
-    outputs.write_text(md_path, "\n".join(lines) + "\n")
+    text = render(rows, result["environment"])
+    outputs.write_text(md_path, text)
     outputs.write_json(json_path, result)
-    print("\n".join(lines))
+    print(text)
     return result
 
 

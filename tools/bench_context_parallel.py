@@ -1,52 +1,15 @@
-"""Benchmark context-parallel attention (ring, Ulysses) at VGGT's global-attention shape against one GPU.
+"""Context-parallel attention (ring, Ulysses) at VGGT's global-attention shape, and whole models split by frames,
+against one GPU.
 
-VGGT's global attention attends over all S*P tokens of a scene: B = 1, H = 16, D = 64 and P = 1041
-tokens per frame at 518x392 (1036 patches, a camera token and 4 registers), so N = frames * 1041. With
-the sequence split across the ranks (as :func:`visionattn.models.context_parallel.split_frames` splits
-frames), :func:`visionattn.distributed.context_parallel_attention` computes each rank's queries against all
-keys by one of its schemes (``--scheme``): the ring (every KV shard passes around the ring) or Ulysses
-(all-to-alls to whole heads of all tokens and back); ``auto`` is the rule that function states. Per (sequence
-length, mode, scheme) this tool times, eagerly (CUDA events around back-to-back calls,
-:func:`_harness.eager_ms`; a wall clock on the CPU):
+Attention (default): B=1, H=16, D=64, N = frames x 1041 split across the ranks as evenly as possible; per (N, mode,
+``--scheme``) one :func:`visionattn.distributed.context_parallel_attention` forward on every rank (the slowest
+rank's time; JSON keys ``ring_*`` for every scheme) against :func:`visionattn.attention` of the whole sequence on
+rank 0 (:func:`_harness.per_call_ms`). ``--vggt FRAMES``: random-weight VGGT-1B (``--model pi3``: π³) with every rank
+running its chunk of one scene inside :func:`visionattn.models.context_parallel.split_frames` against rank 0 alone
+(median of ``--repeats`` forwards after one untimed). Both report speed-up, peak memory and rank 0's rel L2. NVLink
+multicast is left off. Rank 0 writes ``<out>.md``, ``<out>.json`` (``--vggt``: and ``<out>.png``).
 
-* **parallel**: one context-parallel forward on every rank with the scheme (its machinery is timed even with
-  one rank: the length exchange, then the kernel with LSE and the merges, or the all-to-alls and attention);
-  the slowest rank's time is the step's. The JSON keeps the key names ``ring_ms``, ``ring_ms_per_rank`` and
-  ``ring_peak_mb`` for every scheme (``scheme`` names the one asked for, ``scheme_taken`` the one that ran), so
-  that every scheme's rows and the JSON of ring-only runs share one layout;
-* **single**: :func:`visionattn.attention` of the whole sequence on rank 0's GPU alone (what one GPU
-  does without context parallelism), once per (sequence length, mode);
-
-and reports the speed-up (single / parallel; ideal = the number of ranks), the peak memory of each, and the
-relative L2 error of rank 0's rows against the single-GPU rows. Shards are as even as possible (the
-first ``N mod W`` ranks hold one token more). Inputs: N(0, 1) in the mode's compute dtype, the same on
-every rank (a seeded generator on the device). NVLink multicast is left off (``NCCL_NVLS_ENABLE=0``,
-``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1`` unless set already). Rank 0 writes
-``<out>.md`` and ``<out>.json``.
-
-``--vggt FRAMES`` times the whole model instead (``--model pi3``: π³): random-weight VGGT-1B
-(``tools/bench_vggt.py``'s ``build``, no track head, the same seed and so the same weights on every rank;
-``--tiny``: the tiny config) on ``torch.rand(frames, 3, H, W)`` images (a seeded generator, the same scene on
-every rank). Per (frames, mode; modes fp32, tf32, bf16, the last under bf16 autocast as ``bench_vggt.py`` runs it):
-
-* **split**: every rank runs ``model(images[start:stop])`` on its contiguous chunk of frames inside
-  :func:`visionattn.models.context_parallel.split_frames` (global attention through
-  context_parallel_attention with its default scheme, auto: Ulysses where the heads split evenly); one untimed
-  forward (unless ``--warmup 0``), then ``--repeats`` forwards, each after a barrier, wall clock between
-  synchronisations, the median; the step time is the slowest rank's, the peak memory (CUDA max allocated
-  after the warm-up, weights included; not measured on the CPU) the largest rank's;
-* **single**: rank 0 alone runs the same model on all frames (same warm-up and repeats; out of memory is
-  recorded as OOM) while the other ranks wait;
-
-and reports the speed-up (single / split) and the largest relative L2 error, over ``depth``,
-``world_points`` and ``pose_enc``, of rank 0's frames against the single-process outputs of the same
-frames. Rank 0 also writes ``<out>.png`` (time and peak memory per GPU vs frames, split and single).
-
-    torchrun --nproc-per-node 2 tools/bench_context_parallel.py --seq 104100 --mode fp32,bf16 --out out/cp_2gpu
-    torchrun --nproc-per-node 4 tools/bench_context_parallel.py --seq 208200 --scheme ring ulysses auto \
-        --out out/cp_4gpu_schemes
-    python tools/bench_context_parallel.py --seq 20820 --out out/cp_1gpu     # one process: a group of one rank
-    torchrun --nproc-per-node 2 tools/bench_context_parallel.py --device cpu --seq 64 --heads 2   # gloo
+    torchrun --nproc-per-node 4 tools/bench_context_parallel.py --seq 208200 --scheme ring ulysses auto --out OUT
     torchrun --nproc-per-node 2 tools/bench_context_parallel.py --vggt 200,400 --mode bf16 --out out/cp_vggt_2gpu
     torchrun --nproc-per-node 2 tools/bench_context_parallel.py --device cpu --tiny --vggt 3,8 --mode fp32  # gloo
 """
@@ -54,8 +17,8 @@ from __future__ import annotations
 
 import os
 
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
+NVLS_VARIABLES = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+for _name, _value in NVLS_VARIABLES.items():
     os.environ.setdefault(_name, _value)  # before torch.distributed starts NCCL
 
 import argparse  # noqa: E402
@@ -63,16 +26,14 @@ import contextlib  # noqa: E402
 import gc  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, check_device, check_output, default_out, environment,  # noqa: E402
-                      tf32_disabled,
-                      figure, markdown_table, nonnegative_int, output_files, peak_extra_mb, per_call_ms, positive_int)
-from bench_vggt import ROWS, build  # noqa: E402
+from _harness import (ToolParser, add_common, check_device, default_out, environment, figure,  # noqa: E402
+                      markdown_table, peak_extra_mb, per_call_ms, positive_int, prefix_outputs, tf32_disabled)
+from bench_vggt import ROWS, _timed, build  # noqa: E402
 
 import visionattn  # noqa: E402
 from visionattn.distributed import SCHEMES, _context_parallel, pick_scheme  # noqa: E402
@@ -80,7 +41,6 @@ from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES, mode_names  # noqa: E402
 
 TOKENS_PER_FRAME = 1041  # VGGT at 518x392: 37 x 28 patches + camera + 4 registers
-NVLS_VARIABLES = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
 VGGT_MODES = ("fp32", "tf32", "bf16")  # --vggt: bench_vggt.py's rows of these names (bf16: under bf16 autocast)
 # --vggt --model: the outputs compared with the single-process model
 MODEL_KEYS = {"vggt": ("depth", "world_points", "pose_enc"), "pi3": ("points", "local_points", "camera_poses")}
@@ -89,73 +49,44 @@ MODEL_NAMES = {"vggt": ("VGGT-1B", "tiny VGGT (vggt_tiny_config"), "pi3": ("π³
 parser = ToolParser(prog="bench_context_parallel.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
 parser.add_argument("--seq", default=f"{32 * TOKENS_PER_FRAME},{100 * TOKENS_PER_FRAME}",
-                    help=f"comma-separated total sequence lengths N (VGGT: frames x {TOKENS_PER_FRAME}; default: "
-                         f"32 and 100 frames, %(default)s)")
-parser.add_argument("--mode", default="fp32,bf16",
-                    help=f"comma-separated visionattn modes, a subset of {','.join(mode_names())} "
-                         f"(default: %(default)s)")
+                    help="comma-separated total sequence lengths N (default: 32 and 100 frames, %(default)s)")
+parser.add_argument("--mode", default="fp32,bf16", help=f"comma-separated modes, some of {','.join(mode_names())} "
+                    "(default: %(default)s)")
 parser.add_argument("--scheme", nargs="+", default=None, metavar="SCHEME",
-                    help=f"context-parallel schemes, one row each, beside each other per (N, mode): some of "
-                         f"{', '.join(SCHEMES)} (space- or comma-separated; default: ring). Not with --vggt, whose "
-                         f"model runs split_frames with the library's default scheme (auto)")
+                    help=f"context-parallel schemes, one row each per (N, mode): some of {', '.join(SCHEMES)} "
+                         "(space- or comma-separated; default: ring). Not with --vggt (split_frames: auto)")
 parser.add_argument("--batch", type=positive_int, default=1, help="batch B (default: %(default)s)")
 parser.add_argument("--heads", type=positive_int, default=16, help="attention heads H (default: %(default)s)")
 parser.add_argument("--head-dim", type=positive_int, default=64, help="head dim D (default: %(default)s)")
-parser.add_argument("--calls", type=positive_int, default=5,
-                    help="back-to-back calls per timing window (default: %(default)s)")
-parser.add_argument("--repeats", type=positive_int, default=3,
-                    help="timing windows (--vggt: timed forwards); the median is reported (default: %(default)s)")
-parser.add_argument("--warmup", type=nonnegative_int, default=2,
-                    help="untimed calls before timing (--vggt: one untimed forward unless 0) (default: %(default)s)")
-parser.add_argument("--no-single", action="store_true",
-                    help="skip the single-GPU baseline (and the error check) on rank 0")
-parser.add_argument("--seed", type=int, default=0,
-                    help="seed of the N(0, 1) inputs (--vggt: of the weights and images) (default: %(default)s)")
-parser.add_argument("--device", default="cuda",
-                    help="cuda (NCCL, one GPU per rank: LOCAL_RANK) or cpu (gloo, wall clock) (default: cuda)")
-parser.add_argument("--out", default=default_out("context_parallel_bench"),
-                    help="output prefix: rank 0 writes <out>.md and <out>.json (--vggt: and <out>.png) "
-                         "(default: %(default)s)")
+add_common(parser, calls=5, repeats=(3, "timing windows (--vggt: timed forwards); the median is reported"),
+           warmup=(2, "untimed calls before timing (--vggt: one untimed forward unless 0)"),
+           seed=(0, "seed of the N(0, 1) inputs (--vggt: of the weights and images)"),
+           device=("cuda", "cuda (NCCL, one GPU per rank: LOCAL_RANK) or cpu (gloo, wall clock)"),
+           out=(default_out("context_parallel_bench"), "output prefix: rank 0 writes <out>.md, <out>.json (--vggt: "
+                "and <out>.png)"))
+parser.add_argument("--no-single", action="store_true", help="skip the single-GPU baseline (and the error check)")
 parser.add_argument("--quiet", action="store_true", help="do not print the table")
 parser.add_argument("--vggt", metavar="FRAMES", default=None,
-                    help="comma-separated frame counts, each >= the number of ranks: time the whole random-weight "
-                         "VGGT-1B with the frames split across the ranks (split_frames) against one GPU, instead of "
-                         f"the attention alone; --mode a subset of {','.join(VGGT_MODES)}")
+                    help="comma-separated frame counts, each >= the ranks: time the whole model with its frames split "
+                         f"across the ranks against one GPU; --mode some of {','.join(VGGT_MODES)}")
 parser.add_argument("--model", choices=tuple(MODEL_KEYS), default="vggt",
-                    help="--vggt: the model whose frames are split: VGGT-1B or π³ (random weights; split_frames "
-                         "takes both) (default: %(default)s)")
-parser.add_argument("--tiny", action="store_true",
-                    help="--vggt: the tiny config (vggt_tiny_config), 56x70 images by default: a quick CPU check")
-parser.add_argument("--height", type=positive_int, default=392,
-                    help="--vggt: image height, a multiple of 14 (default: %(default)s)")
-parser.add_argument("--width", type=positive_int, default=518,
-                    help="--vggt: image width, a multiple of 14 (default: %(default)s)")
+                    help="--vggt: VGGT-1B or π³ (random weights) (default: %(default)s)")
+parser.add_argument("--tiny", action="store_true", help="--vggt: the tiny config, 56x70 images by default")
+parser.add_argument("--height", type=positive_int, default=392, help="--vggt: image height, a multiple of 14")
+parser.add_argument("--width", type=positive_int, default=518, help="--vggt: image width, a multiple of 14")
 
 
-def _lengths(text: str, flag: str = "--seq") -> list[int]:
-    try:
-        lens = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"{flag} {text!r}: expected comma-separated integers")
-    if not lens or min(lens) < 1:
-        parser.error(f"{flag} {text!r}: expected integers >= 1")
-    return lens
-
-
-def _modes(text: str) -> list[str]:
+def _items(flag: str, text: str, allowed=None) -> list:
+    """Comma-separated integers >= 1 (``allowed`` None) or names among ``allowed``; exit 2 otherwise."""
     items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in MODES]
-    if not items or bad:
-        parser.error(f"--mode {text!r}: expected a comma-separated subset of {','.join(mode_names())}")
-    return items
-
-
-def _schemes(items: list[str]) -> list[str]:
-    names = [x.strip() for item in items for x in item.split(",") if x.strip()]
-    bad = [x for x in names if x not in SCHEMES]
-    if not names or bad:
-        parser.error(f"--scheme {' '.join(items)!r}: expected some of {', '.join(SCHEMES)}")
-    return list(dict.fromkeys(names))
+    try:
+        ok = items and (all(x in allowed for x in items) if allowed else min(int(x) for x in items) >= 1)
+    except ValueError:
+        ok = False
+    if not ok:
+        parser.error(f"{flag} {text!r}: expected " + (f"a comma-separated subset of {','.join(allowed)}" if allowed
+                                                      else "comma-separated integers >= 1"))
+    return list(dict.fromkeys(items)) if allowed else [int(x) for x in items]
 
 
 def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -238,29 +169,6 @@ def bench(seqs: list[int], modes: list[str], schemes: list[str], args, device: t
     return rows
 
 
-def render(rows: list[dict], env: dict, args) -> str:
-    """The markdown report: one row per (N, mode, scheme)."""
-    def opt(x, fmt="{:.4g}"):
-        return "-" if x is None else fmt.format(x)
-
-    table = [[r["seq"], f"{r['frames']:.1f}", r["mode"],
-              r["scheme"] if r["scheme"] == r["scheme_taken"] else f"{r['scheme']} ({r['scheme_taken']})",
-              r["world_size"], r["ring_ms"], opt(r["single_ms"]), opt(r["speedup"], "{:.2f}x"),
-              opt(r["ring_peak_mb"]), opt(r["single_peak_mb"]), opt(r["rel_l2_rank0"], "{:.2e}")] for r in rows]
-    header = ["N", "frames (x1041)", "mode", "scheme", "ranks", "parallel ms (slowest rank)", "single-GPU ms",
-              "speed-up", "parallel peak MB / rank", "single peak MB", "rel L2 rank 0 vs single"]
-    lines = [f"# Context-parallel attention: B={args.batch}, H={args.heads}, D={args.head_dim}, "
-             f"{rows[0]['world_size'] if rows else '?'} ranks", "",
-             "Eager timing (CUDA events around back-to-back calls; the median window). parallel = "
-             "visionattn.distributed.context_parallel_attention's forward with the scheme (ring: KV shards around "
-             "a ring; ulysses: all-to-alls to whole heads of all tokens and back; auto (taken): the library's rule), "
-             "the slowest rank; single = visionattn.attention of the whole sequence on rank 0's GPU alone. Ideal "
-             "speed-up = the number of ranks.", "",
-             markdown_table(table, header),
-             "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
-    return "\n".join(lines)
-
-
 def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.device, rank: int,
               world: int) -> list[dict]:
     """One row per (frames, mode) of ``--vggt`` on every rank (module docstring): the split forward's median
@@ -291,18 +199,12 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
                 model(x)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            times = []
+            times, out = [], {}
             for _ in range(args.repeats):
-                out = None  # the last outputs are freed before the next forward
+                out.clear()  # the last outputs are freed before the next forward
                 if barrier:
                     dist.barrier()
-                if cuda:
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                out = model(x)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
+                times.append(_timed(lambda: out.update(model(x)), device))
         peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else None
         return sorted(times)[len(times) // 2], peak, {k: out[k][:, keep].float().cpu() for k in keys}
 
@@ -344,74 +246,81 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
     return rows
 
 
-def render_vggt(result: dict, args) -> str:
-    """The markdown report of ``--vggt``: one row per (frames, mode)."""
+def render(result: dict, args) -> str:
+    """The markdown report: one row per (N, mode, scheme), or per (frames, mode) of ``--vggt``."""
     def opt(x, fmt="{:.4g}"):
         return "-" if x is None else x if isinstance(x, str) else fmt.format(x)
 
-    rows, env = result["rows"], result["environment"]
-    table = [[r["frames"], r["mode"], r["world_size"], "+".join(map(str, r["frames_per_rank"])), r["split_s"],
-              " / ".join(f"{t:.4g}" for t in r["split_s_per_rank"]), opt(r["split_peak_gb"], "{:.2f}"),
-              opt(r["single_s"]), opt(r["single_peak_gb"], "{:.2f}"), opt(r["speedup"], "{:.2f}x"),
-              opt(r["rel_l2_rank0"], "{:.2e}")] for r in rows]
-    header = ["frames", "mode", "ranks", "frames / rank", "split s (slowest rank)", "split s per rank",
-              "split peak GB / GPU", "single-GPU s", "single peak GB", "speed-up", "rel L2 rank 0 vs single"]
-    full, tiny = MODEL_NAMES[result["model"]]
-    lines = [f"# {full} with its frames split across {result['world_size']} ranks vs one GPU: "
-             f"{result['height']}x{result['width']} images", "",
-             "Random-weight " + (tiny + "; a check of the tool, not a result)" if result["tiny"]
-                                 else full) + " with its heads; bf16 runs under bf16 "
-             "autocast, fp32 with TF32 off for matmuls and cuDNN's convolutions. split = every rank runs its "
-             "contiguous chunk of frames inside "
-             "models.context_parallel.split_frames (global attention context-parallel, scheme auto: Ulysses "
-             "where the heads split evenly over the ranks, else the ring), the slowest rank's time; "
-             "single = the same model on all frames on rank 0's GPU alone. Time: median of the timed forwards "
-             "(wall clock between synchronisations) after "
-             f"{'one untimed forward' if args.warmup else 'no warm-up'}; peak: CUDA max allocated after the warm-up, "
-             "weights included (the largest rank's for split). rel L2: the largest over "
-             f"{', '.join(MODEL_KEYS[result['model']])} of rank 0's frames. Ideal speed-up = the number of ranks.", "",
-             markdown_table(table, header),
-             "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()), ""]
-    return "\n".join(lines)
+    rows, env, world = result["rows"], result["environment"], result["world_size"]
+    if "model" not in result:
+        title = f"Context-parallel attention: B={args.batch}, H={args.heads}, D={args.head_dim}, {world} ranks"
+        note = ("Eager timing (CUDA events around back-to-back calls; the median window). parallel = "
+                "visionattn.distributed.context_parallel_attention's forward with the scheme (ring: KV shards around "
+                "a ring; ulysses: all-to-alls to whole heads of all tokens and back; auto (taken): the library's "
+                "rule), the slowest rank; single = visionattn.attention of the whole sequence on rank 0's GPU alone.")
+        header = ["N", "frames (x1041)", "mode", "scheme", "ranks", "parallel ms (slowest rank)", "single-GPU ms",
+                  "speed-up", "parallel peak MB / rank", "single peak MB", "rel L2 rank 0 vs single"]
+        table = [[r["seq"], f"{r['frames']:.1f}", r["mode"],
+                  r["scheme"] if r["scheme"] == r["scheme_taken"] else f"{r['scheme']} ({r['scheme_taken']})",
+                  world, r["ring_ms"], opt(r["single_ms"]), opt(r["speedup"], "{:.2f}x"), opt(r["ring_peak_mb"]),
+                  opt(r["single_peak_mb"]), opt(r["rel_l2_rank0"], "{:.2e}")] for r in rows]
+    else:
+        full, tiny = MODEL_NAMES[result["model"]]
+        title = (f"{full} with its frames split across {world} ranks vs one GPU: {result['height']}x"
+                 f"{result['width']} images")
+        note = ("Random-weight " + (tiny + "; a check of the tool, not a result)" if result["tiny"] else full) +
+                " with its heads; bf16 runs under bf16 autocast, fp32 with TF32 off for matmuls and cuDNN's "
+                "convolutions. split = every rank runs its contiguous chunk of frames inside "
+                "models.context_parallel.split_frames (global attention context-parallel, scheme auto: Ulysses "
+                "where the heads split evenly over the ranks, else the ring), the slowest rank's time; single = the "
+                "same model on all frames on rank 0's GPU alone. Time: median of the timed forwards (wall clock "
+                f"between synchronisations) after {'one untimed forward' if args.warmup else 'no warm-up'}; peak: "
+                "CUDA max allocated after the warm-up, weights included (the largest rank's for split). rel L2: the "
+                f"largest over {', '.join(MODEL_KEYS[result['model']])} of rank 0's frames.")
+        header = ["frames", "mode", "ranks", "frames / rank", "split s (slowest rank)", "split s per rank",
+                  "split peak GB / GPU", "single-GPU s", "single peak GB", "speed-up", "rel L2 rank 0 vs single"]
+        table = [[r["frames"], r["mode"], world, "+".join(map(str, r["frames_per_rank"])), r["split_s"],
+                  " / ".join(f"{t:.4g}" for t in r["split_s_per_rank"]), opt(r["split_peak_gb"], "{:.2f}"),
+                  opt(r["single_s"]), opt(r["single_peak_gb"], "{:.2f}"), opt(r["speedup"], "{:.2f}x"),
+                  opt(r["rel_l2_rank0"], "{:.2e}")] for r in rows]
+    return "\n".join([f"# {title}", "", note + " Ideal speed-up = the number of ranks.", "",
+                      markdown_table(table, header), "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()),
+                      ""])
 
 
-def plot_vggt(result: dict, path: str, outputs: OutputFiles | None = None) -> None:
+def plot_vggt(result: dict, path: str, outputs) -> None:
     """PNG of ``--vggt``: time and peak memory per GPU vs frames, split (solid) and single (dashed) per mode."""
-    with figure(path, outputs, 1, 2, figsize=(12, 4.5), tool="bench_context_parallel") as (fig, (ax_t, ax_m)):
+    with figure(path, outputs, 1, 2, figsize=(12, 4.5)) as (fig, axes):
         for mode in dict.fromkeys(r["mode"] for r in result["rows"]):
             rows = sorted((r for r in result["rows"] if r["mode"] == mode), key=lambda r: r["frames"])
-            for ax, key in ((ax_t, "s"), (ax_m, "peak_gb")):
+            for ax, key in zip(axes, ("s", "peak_gb")):
                 for run, style in (("split", "-"), ("single", "--")):
                     pts = [(r["frames"], r[f"{run}_{key}"]) for r in rows if isinstance(r[f"{run}_{key}"], float)]
                     if pts:
-                        label = f"{mode} {run}" + (f" ({result['world_size']} ranks)" if run == "split" else "")
-                        ax.plot(*zip(*pts), style, marker="o", label=label)
-        for ax, name in ((ax_t, "time per forward (s)"), (ax_m, "peak memory per GPU (GB)")):
-            ax.set_xlabel("frames")
-            ax.set_ylabel(name)
+                        ax.plot(*zip(*pts), style, marker="o", label=f"{mode} {run}" +
+                                (f" ({result['world_size']} ranks)" if run == "split" else ""))
+        for ax, name in zip(axes, ("time per forward (s)", "peak memory per GPU (GB)")):
+            ax.set(xlabel="frames", ylabel=name)
             ax.grid(alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=7)
             else:
                 ax.text(0.5, 0.5, "not measured (CPU)", ha="center", va="center", transform=ax.transAxes)
-        fig.suptitle(f"VGGT, frames split across {result['world_size']} ranks vs one GPU, "
-                     f"{result['height']}x{result['width']}, {result['environment'].get('device')}")
+        fig.suptitle(f"{MODEL_NAMES[result['model']][0]}, frames split across {result['world_size']} ranks vs one "
+                     f"GPU, {result['height']}x{result['width']}, {result['environment'].get('device')}")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
-    seqs = _lengths(args.seq)
-    modes = _modes(args.mode)
+    seqs = _items("--seq", args.seq)
+    modes = _items("--mode", args.mode, VGGT_MODES if args.vggt is not None else list(MODES))
     frame_counts = None
     if args.vggt is not None and args.scheme is not None:
         parser.error(f"--scheme {' '.join(args.scheme)!r}: not with --vggt (the model runs split_frames, whose "
                      f"global attention takes the library's default scheme, auto)")
-    schemes = _schemes(args.scheme or ["ring"])
+    schemes = _items("--scheme", ",".join(args.scheme or ["ring"]), SCHEMES)
     if args.vggt is not None:
-        frame_counts = _lengths(args.vggt, "--vggt")
-        bad = [m for m in modes if m not in VGGT_MODES]
-        if bad:
-            parser.error(f"--mode {args.mode!r}: --vggt runs the modes {','.join(VGGT_MODES)}, not {','.join(bad)}")
+        frame_counts = _items("--vggt", args.vggt)
         world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
         if min(frame_counts) < world:
             parser.error(f"--vggt {args.vggt!r}: every frame count must be >= the number of ranks ({world}): "
@@ -422,27 +331,25 @@ def main(argv: list[str] | None = None) -> dict:
         if args.height % 14 or args.width % 14:
             parser.error(f"--height {args.height} / --width {args.width}: must be multiples of 14 (the patch size)")
     device = check_device(parser, args.device)
-    out = check_output(parser, args.out)
-    outputs = output_files(parser, [out + ".md", out + ".json"] + ([out + ".png"] if frame_counts else []),
-                           tool="bench_context_parallel")  # every rank checks; rank 0 writes
+    outputs = prefix_outputs(parser, args.out, (".md", ".json") + ((".png",) if frame_counts else ()),
+                             tool="bench_context_parallel")  # every rank checks; rank 0 writes
+    out = os.path.abspath(args.out)
     rank, world, store = _init(device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     try:
         env = environment({"world_size": world, "backend": dist.get_backend(),
-                                     **{k: os.environ.get(k) for k in NVLS_VARIABLES}})
+                           **{k: os.environ.get(k) for k in NVLS_VARIABLES}})
         if rank == 0 and not args.quiet:
             print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
         if frame_counts is None:
-            rows = bench(seqs, modes, schemes, args, device, rank, world)
-            result = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, world_size=world, rows=rows,
-                          environment=env)
+            result = dict(batch=args.batch, heads=args.heads, head_dim=args.head_dim, world_size=world,
+                          rows=bench(seqs, modes, schemes, args, device, rank, world), environment=env)
         else:
-            rows = vggt_rows(frame_counts, modes, args, device, rank, world)
             result = dict(model=args.model, tiny=args.tiny, height=args.height, width=args.width, world_size=world,
-                          rows=rows, environment=env)
+                          rows=vggt_rows(frame_counts, modes, args, device, rank, world), environment=env)
         if rank == 0:
-            text = render(rows, env, args) if frame_counts is None else render_vggt(result, args)
+            text = render(result, args)
             outputs.write_text(out + ".md", text)
             outputs.write_json(out + ".json", result)
             if frame_counts is not None:

@@ -1,21 +1,13 @@
 #!/usr/bin/env python
 """Stable Video Diffusion attention at real shapes: visionattn modes vs diffusers' default processor.
 
-Times the attention modules of SVD's UNet at real shapes (levels 320/640/1280/1280
-channels, 5/10/20/20 heads of 64, 9216 spatial tokens at 576x1024, 25 frames, CFG
-batch 2): spatial and temporal self / cross attention, each mode vs diffusers' default
-processor (``native*``: AttnProcessor2_0, i.e. PyTorch SDPA), random weights; per
-case the median time, the peak extra memory and the relative L2 error vs native-fp32.
-``--unet-bench`` instead times one forward of the full-size SVD UNet (random weights;
-``--unet-config tiny``: the tiny-random UNet of tools/eval_svd.py, for tests) per mode,
-with NaN/inf outputs and the attention overflow events counted in the processor.
+Times the attention modules of SVD's UNet at real shapes (levels of 320/640/1280/1280 channels, 5/10/20/20 heads of
+64, 9216 spatial tokens at 576x1024, 25 frames, CFG batch 2): spatial and temporal self / cross attention, the whole
+diffusers ``Attention`` forward per run vs ``native*`` (AttnProcessor2_0, PyTorch SDPA), random weights; per case the
+median time, the peak extra memory and the rel L2 vs native-fp32. ``--unet-bench``: one forward of the full-size SVD
+UNet (random weights; ``--unet-config tiny``: eval_svd's tiny-random UNet, for tests) per run, with NaN/inf outputs
+and the processor's overflow events. Runs and dtypes as in tools/eval_svd.py. Writes OUT.md and OUT.json.
 
-Runs and dtypes as in tools/eval_svd.py: any visionattn mode or ``native`` /
-``native-fp16`` / ``native-bf16`` / ``native-fp32``; ``--dtype auto`` runs ``native-X`` in X
-and other modes in their compute dtype on CUDA, float32 on CPU. Writes OUT.md and OUT.json.
-
-Usage:
-  python tools/bench_svd_attention.py --out out/svd_attention_h100   # GPU
   python tools/bench_svd_attention.py --bench-levels 2 --bench-reps 5 --frames 25 --out PREFIX
   python tools/bench_svd_attention.py --unet-bench --out out/svd_unet_h100
 """
@@ -30,32 +22,25 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, check_output, default_out, environment, markdown_table,  # noqa: E402
-                      nonnegative_int, output_files, positive_int, sample_ms, tf32_disabled)
-from _svd_common import (DTYPE_NAMES, NATIVE, add_run_args, build_tiny_pipeline, check_run_args,  # noqa: E402
-                         jsonable, parse_modes, run_dtype)
+from _harness import (ToolParser, default_out, environment, markdown_table, md_header, nonnegative_int,  # noqa: E402
+                      positive_int, prefix_outputs, sample_ms, tf32_disabled, write_results)
+from eval_svd import (DTYPE_NAMES, NATIVE, add_run_args, build_tiny_pipeline, check_run_args,  # noqa: E402
+                      free_memory, jsonable, parse_modes, run_dtype)
 
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.patching.diffusers import (ELSAAttnProcessor, overflow_counts, patch_diffusers,  # noqa: E402
                                            unpatch_diffusers)
 
 DEFAULT_MODES = "native-fp32,native-fp16,fp32,tf32,fp16,pasa"
-TOOL = "bench_svd_attention"  # its output manifest: .visionattn-bench_svd_attention.json (_harness.output_files)
 # SVD UNet (UNetSpatioTemporalConditionModel defaults = the released config).
 SVD_LEVELS = ((320, 5), (640, 10), (1280, 20), (1280, 20))
 SVD_CROSS_DIM = 1024
 
 
-# ------------------------------------------------------------------------------------------------
-# attention / UNet benchmarks at real SVD shapes
-# ------------------------------------------------------------------------------------------------
 def svd_attention_cases(height: int, width: int, frames: int, levels: int, batch: int = 2) -> list[dict]:
-    """SVD UNet attention shapes per level: spatial self/cross over H*W tokens, temporal self/cross over frames.
-
-    Level l has latent (height/8/2^l) x (width/8/2^l) tokens; spatial attention runs on
-    batch*frames sequences, temporal attention on batch*tokens sequences; cross attention
-    attends to one CLIP image token of 1024 channels (SVD_CROSS_DIM).
-    """
+    """SVD UNet attention shapes per level: level l has (height/8/2^l) x (width/8/2^l) latent tokens; spatial self /
+    cross attention runs on batch*frames sequences of them, temporal on batch*tokens sequences of frames; cross
+    attention attends to one CLIP image token of SVD_CROSS_DIM channels."""
     cases = []
     for lvl, (ch, heads) in enumerate(SVD_LEVELS[:levels]):
         n = (height // 8 >> lvl) * (width // 8 >> lvl)
@@ -83,7 +68,7 @@ def _time_call(fn, device: str, reps: int, warmup: int) -> tuple[float, float | 
     return float(np.median(times)), peak
 
 
-def attention_bench(args, files: OutputFiles | None = None) -> dict:
+def attention_bench(args) -> tuple[dict, str]:
     """Per-mode time / peak memory / error of SVD's attention modules at real shapes vs diffusers' default."""
     from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
@@ -127,21 +112,15 @@ def attention_bench(args, files: OutputFiles | None = None) -> dict:
         rows.append([c["level"], c["kind"], shape]
                     + [r[n]["ms"] for n in runs] + ["-" if r[n]["peak_extra_gib"] is None else r[n]["peak_extra_gib"]
                                                      for n in runs] + [r[n]["rel_l2_vs_native_fp32"] for n in runs[1:]])
-    env = res["environment"]
-    md = [f"# SVD attention at real shapes ({args.height}x{args.width}, {args.frames} frames, CFG batch 2)\n",
-          f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, diffusers {env['diffusers']}; "
-          f"command: `{env['command']}`\n",
-          "Whole diffusers `Attention` module forward (projections + attention), random weights, median of "
-          f"{args.bench_reps} after {args.bench_warmup} warm-up; `native*` = diffusers' AttnProcessor2_0 (SDPA); "
-          "peak extra memory over the inputs; rel err = relative L2 vs native-fp32.\n",
-          markdown_table(rows, header)]
-    files = files or OutputFiles(TOOL)
-    files.write_json(args.out + ".json", res)
-    files.write_text(args.out + ".md", "\n".join(md))
-    return res
+    md = md_header(f"SVD attention at real shapes ({args.height}x{args.width}, {args.frames} frames, CFG batch 2)",
+                   res["environment"], f"diffusers {res['environment'].get('diffusers')}",
+                   "whole diffusers `Attention` module forward (projections + attention), random weights, median of "
+                   f"{args.bench_reps} after {args.bench_warmup} warm-up; `native*` = diffusers' AttnProcessor2_0 "
+                   "(SDPA); peak extra memory over the inputs; rel err = relative L2 vs native-fp32")
+    return res, "\n".join(md + [markdown_table(rows, header)])
 
 
-def unet_bench(args, files: OutputFiles | None = None) -> dict:
+def unet_bench(args) -> tuple[dict, str]:
     """One full-size SVD UNet forward (random weights, CFG batch 2) per mode: time, peak memory, NaN, error."""
     from diffusers import UNetSpatioTemporalConditionModel
 
@@ -161,8 +140,7 @@ def unet_bench(args, files: OutputFiles | None = None) -> dict:
         name, dtype = plan[i]
         if dtype != unet_dtype:  # rebuild from the seed per dtype: the same float32 weights, rounded once
             unet = None
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            free_memory(device)
             torch.manual_seed(args.seed)  # a tool: process-wide RNG use is fine here
             with torch.device(device):
                 unet = (UNetSpatioTemporalConditionModel(num_frames=args.frames) if args.unet_config == "svd"
@@ -189,31 +167,21 @@ def unet_bench(args, files: OutputFiles | None = None) -> dict:
     for name in runs:
         res["runs"][name]["rel_l2_vs_native_fp32"] = rel_l2(outputs[name], outputs["native-fp32"])
     res = jsonable(res)
-    env = res["environment"]
     rows = [[n, r["dtype"], r["ms"], "-" if r["peak_extra_gib"] is None else r["peak_extra_gib"], r["finite"],
              r["rel_l2_vs_native_fp32"], "-" if r["overflow"] is None else r["overflow"]["overflow_events"]]
             for n, r in res["runs"].items()]
-    md = [f"# Full-size SVD UNet forward ({args.height}x{args.width}, {args.frames} frames, CFG batch 2, "
-          "random weights)\n",
-          f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, diffusers {env['diffusers']}; "
-          f"command: `{env['command']}`\n",
-          markdown_table(rows, ["run", "dtype", "ms", "peak extra GiB", "finite", "rel err vs native-fp32",
-                                "overflow events"])]
-    files = files or OutputFiles(TOOL)
-    files.write_json(args.out + ".json", res)
-    files.write_text(args.out + ".md", "\n".join(md))
-    return res
+    md = md_header(f"Full-size SVD UNet forward ({args.height}x{args.width}, {args.frames} frames, CFG batch 2, "
+                   "random weights)", res["environment"], f"diffusers {res['environment'].get('diffusers')}")
+    return res, "\n".join(md + [markdown_table(rows, ["run", "dtype", "ms", "peak extra GiB", "finite",
+                                                      "rel err vs native-fp32", "overflow events"])])
 
-# ------------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------------
+
 def build_parser() -> argparse.ArgumentParser:
     p = ToolParser(prog="bench_svd_attention.py", description=__doc__,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p, DEFAULT_MODES)
     p.add_argument("--out", default=None,
                    help="output path without extension (default out/svd_attention, with --unet-bench out/svd_unet)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--unet-bench", action="store_true",
                    help="time one full-size SVD UNet forward (random weights) per mode, not the attention modules")
     p.add_argument("--unet-config", default="svd", choices=["svd", "tiny"],
@@ -221,33 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-levels", type=int, default=4, choices=[1, 2, 3, 4], help="UNet levels of attention cases")
     p.add_argument("--bench-reps", type=positive_int, default=10, help="timed repetitions per benchmark case")
     p.add_argument("--bench-warmup", type=nonnegative_int, default=2, help="untimed repetitions per benchmark case")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
-def check_args(parser: ToolParser, args) -> None:
-    """Every argument checked (exit 2 with one line) and the defaults resolved, before any work."""
-    check_run_args(parser, args, "native-fp32")
-    if args.out is None:
-        args.out = default_out("svd_unet" if args.unet_bench else "svd_attention")
-    check_output(parser, args.out)
-
-
 def main(argv=None) -> dict:
-    """Parse ``argv``, check it, and run the benchmark; returns the results dict.
-
-    TF32 is off for PyTorch matmuls and cuDNN convolutions while it runs (said in
-    the output), so fp32 runs compare FP32 with FP32.
-    """
+    """Parse and check ``argv`` (exit 2 with one line before any work), then run the benchmark with TF32 off for
+    PyTorch matmuls and cuDNN convolutions (said in the output); returns the results dict."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_args(parser, args)
-    files = output_files(parser, [args.out + ".json", args.out + ".md"], tool=TOOL)
+    check_run_args(parser, args, "native-fp32")
+    args.out = args.out or default_out("svd_unet" if args.unet_bench else "svd_attention")
+    files = prefix_outputs(parser, args.out, (".json", ".md"), tool="bench_svd_attention")
     with tf32_disabled() as settings:
         print(f"process-wide settings for this run: {settings}")
-        res = unet_bench(args, files) if args.unet_bench else attention_bench(args, files)
-        print(open(args.out + ".md").read())
-        return res
+        res, md = unet_bench(args) if args.unet_bench else attention_bench(args)
+    write_results(files, args.out, res, md)
+    print(md)
+    return res
 
 
 if __name__ == "__main__":

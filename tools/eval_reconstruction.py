@@ -8,8 +8,7 @@
     python tools/eval_reconstruction.py modes demos/data/stereo_rig --weights random --out out/modes
     python tools/eval_reconstruction.py accuracy --data my_scene/ --model pi3 --out out/eval_pi3   # π³, same protocol
 
-Writes OUT/eval_reconstruction_<task>.json and .md (atomically), with the
-environment (GPU, versions, exact command). Thin CLI over
+Writes OUT/eval_reconstruction_<task>.json and .md with the environment; a thin CLI over
 :mod:`visionattn.recon.evaluate`.
 """
 from __future__ import annotations
@@ -19,8 +18,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, check_output, nonnegative_int, output_files, percentile, positive_float,  # noqa: E402
-                      positive_int)
+from _harness import (ToolParser, check_device, check_output, environment, markdown_table,  # noqa: E402
+                      nonnegative_int, output_files, percentile, positive_float, positive_int)
 
 DEFAULT_MODES = "fp32,tf32,fp16,bf16,pasa"
 
@@ -29,7 +28,7 @@ def build_parser() -> ToolParser:
     from visionattn.recon.pipeline import ATTN_MODES, MODEL_WEIGHTS, MODELS
 
     p = ToolParser(prog="eval_reconstruction.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="task", required=True, metavar="{accuracy,modes}", parser_class=ToolParser)
 
     def common(sp):
@@ -90,28 +89,15 @@ class DatasetError(ValueError):
     """The --data folder holds no usable scene."""
 
 
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
+POSE = ("auc@30", "auc@15", "auc@5", "auc@3", "rot_err_median_deg", "trans_err_median_deg")
+CLOUD = ("accuracy", "completeness", "chamfer")
 
 
 def _markdown_accuracy(res: dict) -> str:
-    from _harness import markdown_table
-
-    rows = []
-    for r in res["scenes"]:
-        p, c = r["pose"], r.get("cloud", {})
-        rows.append([r["scene"], r["frames"], p["auc@30"], p["auc@15"], p["auc@5"], p["auc@3"],
-                     p["rot_err_median_deg"], p["trans_err_median_deg"],
-                     c.get("accuracy", "-"), c.get("completeness", "-"), c.get("chamfer", "-"), r["seconds"]])
+    rows = [[r["scene"], r["frames"], *(r["pose"][k] for k in POSE), *(r.get("cloud", {}).get(k, "-") for k in CLOUD),
+             r["seconds"]] for r in res["scenes"]]
     mean = res["mean"]
-    rows.append(["**mean**", "", mean["pose.auc@30"], mean["pose.auc@15"], mean["pose.auc@5"], mean["pose.auc@3"],
-                 mean["pose.rot_err_median_deg"], mean["pose.trans_err_median_deg"],
-                 mean.get("cloud.accuracy", "-"), mean.get("cloud.completeness", "-"),
-                 mean.get("cloud.chamfer", "-"), ""])
+    rows.append(["**mean**", "", *(mean[f"pose.{k}"] for k in POSE), *(mean.get(f"cloud.{k}", "-") for k in CLOUD), ""])
     head = ["scene", "frames", "AUC@30", "AUC@15", "AUC@5", "AUC@3", "rot err med (deg)", "trans err med (deg)",
             "accuracy", "completeness", "chamfer", "seconds"]
     return (f"# Reconstruction accuracy: {res['model']} ({res['weights']}), attention {res['mode']}\n\n"
@@ -121,8 +107,6 @@ def _markdown_accuracy(res: dict) -> str:
 
 
 def _markdown_modes(res: dict) -> str:
-    from _harness import markdown_table
-
     keys = ["seconds", "rot_max_deg", "center_rel_l2", "focal_rel_max", "depth_rel_l2", "depth_max_rel",
             "points_rel_l2", "points_from_depth_rel_l2", "auc@3", "nonfinite"]
     rows = [[m] + [r.get(k, "-") for k in keys] for m, r in res["runs"].items()]
@@ -143,7 +127,6 @@ def main(argv=None) -> dict:
     from visionattn.recon.evaluate import evaluate_scenes, mode_agreement
     from visionattn.recon.images import load_images
     from visionattn.recon.pipeline import ATTN_MODES, USER_ERRORS
-    from _harness import environment
 
     import torch
 
@@ -160,13 +143,8 @@ def main(argv=None) -> dict:
             parser.error(f"image_dir {args.image_dir!r} is not a folder")
     elif not os.path.isdir(args.data):
         parser.error(f"--data {args.data!r} is not a folder")
-    try:
-        device = _device(args.device)
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            parser.error(f"--device {args.device}: no CUDA device here; pass --device cpu")
-        torch.device(device)
-    except RuntimeError as e:
-        parser.error(f"--device {args.device!r}: {e}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    check_device(parser, device)
     check_output(parser, args.out, folder=True)
     stem = os.path.join(args.out, f"eval_reconstruction_{args.task}")
     outputs = output_files(parser, [stem + ".json", stem + ".md"], tool="eval_reconstruction")
@@ -180,18 +158,16 @@ def main(argv=None) -> dict:
                 raise DatasetError(str(exc)) from exc
             res = evaluate_scenes(scenes, args.model, args.weights, args.mode, device, args.size,
                                   args.conf_percentile, args.cloud_threshold, args.seed, progress)
-            res["environment"] = environment()
-            md = _markdown_accuracy(res)
         else:
             loaded = load_images(args.image_dir, size=args.size, max_frames=args.max_frames, progress=progress)
             res = mode_agreement(loaded.images, modes, args.model, args.weights, device, args.seed,
                                  warmup=args.warmup, progress=progress)
             res["image_dir"] = args.image_dir
-            res["environment"] = environment()
-            md = _markdown_modes(res)
     except (*USER_ERRORS, DatasetError, GroundTruthError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
+    res["environment"] = environment()
+    md = (_markdown_accuracy if args.task == "accuracy" else _markdown_modes)(res)
     outputs.write_json(stem + ".json", res)
     outputs.write_text(stem + ".md", md)
     print(md)

@@ -1,37 +1,19 @@
 #!/usr/bin/env python
 """Fine-tune a timm model on an image folder with visionattn attention, in one precision mode.
 
-Data (--data DIR): torchvision ImageFolder layout, one sub-folder of images per class. When DIR holds
-``train/`` and ``val/`` (both ImageFolders with the same classes) they are the training and held-out
-splits; otherwise a seeded per-class share of DIR (--val-fraction, at least one image of every class
-with two or more) is held out. Transforms are timm's for the model (random resized crop + flip for
-training, resize + center crop for evaluation) at --img-size.
-
-Model: ``timm.create_model(--model)`` with random weights (default) or --pretrained (timm's weights
-from the hub cache or the network; without either the tool stops at once naming the fixes, before
-any work), the head sized to the folder's classes, patched with ``visionattn.patch_model(model,
---mode)`` unless --unpatched (timm's own attention in the same precision, for comparison).
-
-Precision of the whole model per mode: fp32 / fp32-ieee train in FP32 with TF32 off; tf32 in FP32
-with TF32 matmuls and convolutions; bf16 under ``torch.autocast`` bf16; fp16 under autocast fp16
-with a ``GradScaler``. ``pasa`` is forward-only and no training mode. These TF32 flags are
-process-wide settings made by this tool (restored on return) and written to its output.
-
-Optimiser: AdamW (--lr, --weight-decay), constant learning rate. Every --eval-every epochs and
-after the last: loss and top-1 on the held-out split, then ``<out>/last.safetensors`` and, when
-top-1 improved, ``<out>/best.safetensors`` (``safetensors.torch.save_file`` of the state dict;
-metadata: model, classes, image size, mode, epoch). Writes ``<out>/metrics.json`` (environment,
-command, every evaluation, every step's loss), ``metrics.md``, ``curves.png`` and the manifest
-``.visionattn-finetune.json``.
-
-Output folder (the reconstruction demo's rule): --out is new, empty, or an earlier output of this tool
-holding only the files its manifest lists (then replaced); anything else, or an --out inside --data,
-stops the tool at once (exit 2, one line). Everything is written into a hidden temporary folder beside
---out and renamed into place at the end: on an error, a corrupt image (exit 2, the line names it),
-Ctrl-C, SIGTERM or SIGHUP nothing is left behind and an earlier output stays as it was.
+Data: an ImageFolder (one sub-folder per class); ``train/`` + ``val/`` when both exist, else a seeded per-class
+share (``--val-fraction``, at least one image of every class with two or more) held out; timm's transforms for the
+model at ``--img-size``. Model: ``timm.create_model(--model)``, random weights or ``--pretrained`` (checked before any
+work), the head sized to the classes, patched with ``visionattn.patch_model(model, --mode)`` unless ``--unpatched``.
+Precision per mode: fp32 / fp32-ieee in FP32 with TF32 off; tf32 with TF32 matmuls and convolutions (process-wide
+flags, restored, recorded); bf16 under autocast; fp16 under autocast with a ``GradScaler``. AdamW, constant learning
+rate. Every ``--eval-every`` epochs and after the last: held-out loss and top-1, ``last.safetensors`` and, when top-1
+improved, ``best.safetensors`` (metadata: model, classes, image size, mode, epoch). Also ``metrics.json`` (every
+evaluation and step loss), ``metrics.md``, ``curves.png``. The output folder follows the reconstruction demo's rule
+(:func:`_harness.output_folder`): new, empty or an earlier output of this tool, not inside ``--data``; written into a
+temporary folder renamed into place, so an error, a corrupt image (exit 2, one line) or a signal leaves nothing.
 
     python tools/finetune.py --data DIR --model vit_base_patch16_224 --mode bf16 --epochs 10 --out out/ft
-    python tools/finetune.py --data DIR --model swinv2_tiny_window8_256 --pretrained --mode fp32 --lr 5e-5
     python tools/finetune.py --data tests/data/photos_2cls --model vit_tiny_patch16_224 --img-size 32 \\
         --model-kwargs '{"depth": 2}' --device cpu --epochs 2
 """
@@ -50,28 +32,21 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (CorruptImageError, ToolParser, atomic_path, check_device, check_output_folder,  # noqa: E402
-                      default_out, environment, figure, markdown_table, nonnegative_float, nonnegative_int,
-                      output_folder, positive_float, positive_int, read_rgb, write_json_atomic, write_text_atomic)
+from _harness import (CorruptImageError, ToolParser, add_common, atomic_path, check_device,  # noqa: E402
+                      check_output_folder, default_out, environment, figure, markdown_table, md_header,
+                      nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, read_rgb,
+                      write_json_atomic, write_text_atomic)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 
-# ----------------------------------------------------------------------------- precision and one step
-# The visionattn modes with backward kernels: the modes a model can train in.
 TRAIN_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # whose manifest an output folder holds (visionattn.recon.outdir): a later run replaces only such a folder
 TOOL_ID = "visionattn.finetune"
 
 
 class Precision(NamedTuple):
-    """How the whole model trains beside its attention mode.
-
-    Attributes:
-        mode: the visionattn mode of the attention.
-        autocast: ``torch.autocast`` dtype (float16 / bfloat16), None for FP32 training.
-        tf32: TF32 for PyTorch matmuls and cuDNN convolutions (process-wide flags).
-        scaler: a ``GradScaler`` scales the loss (fp16).
-    """
+    """How the whole model trains beside its attention ``mode``: ``autocast`` dtype (None: FP32), ``tf32`` (the
+    process-wide TF32 flags of matmuls and convolutions), ``scaler`` (a ``GradScaler`` scales the loss)."""
     mode: str
     autocast: torch.dtype | None
     tf32: bool
@@ -79,11 +54,7 @@ class Precision(NamedTuple):
 
 
 def precision(mode: str) -> Precision:
-    """The training precision that goes with visionattn ``mode`` (one of :data:`TRAIN_MODES`).
-
-    Raises:
-        ValueError: ``mode`` has no backward (``pasa``) or is unknown.
-    """
+    """The training precision of visionattn ``mode``; ValueError unless it is one of :data:`TRAIN_MODES`."""
     if mode not in TRAIN_MODES:
         raise ValueError(f"mode {mode!r} cannot train: expected one of {', '.join(TRAIN_MODES)}"
                          + (" (pasa is forward-only; train in fp16)" if mode == "pasa" else ""))
@@ -93,11 +64,7 @@ def precision(mode: str) -> Precision:
 
 @contextlib.contextmanager
 def precision_flags(prec: Precision) -> Iterator[dict[str, bool]]:
-    """Set the process-wide TF32 flags ``prec`` asks for (on for tf32, off otherwise), restoring them after.
-
-    Yields:
-        The settings in force, for the tool's record.
-    """
+    """Set the process-wide TF32 flags ``prec`` asks for, restoring them after; yields them for the record."""
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = prec.tf32
     try:
@@ -106,18 +73,14 @@ def precision_flags(prec: Precision) -> Iterator[dict[str, bool]]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+def autocast(device_type: str, prec: Precision):
+    """``torch.autocast`` in ``prec``'s half dtype; a null context for FP32 training."""
+    return torch.autocast(device_type, dtype=prec.autocast, enabled=prec.autocast is not None)
+
+
 class TrainStep:
-    """One optimisation step of a classifier: forward under the precision's autocast, cross-entropy,
-    backward (loss scaled by a ``GradScaler`` for fp16), AdamW step.
-
-    ``step(x [B, 3, H, W], y [B] int64) -> loss`` (a detached scalar tensor on the model's device; reading
-    it synchronises, so loops collect losses as tensors).
-
-    Attributes:
-        model: the model, in train mode.
-        optimizer: ``torch.optim.AdamW`` over all parameters.
-        scaler: ``torch.amp.GradScaler`` for fp16, else None.
-    """
+    """``step(x [B, 3, H, W], y [B]) -> loss`` (detached, on the device; reading it synchronises): forward under the
+    precision's autocast, cross-entropy, backward (scaled by ``scaler`` for fp16), AdamW ``optimizer`` step."""
 
     def __init__(self, model: torch.nn.Module, prec: Precision, *, lr: float, weight_decay: float = 0.05):
         self.model = model.train()
@@ -126,15 +89,9 @@ class TrainStep:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         self.scaler = torch.amp.GradScaler(self.device_type) if prec.scaler else None
 
-    def autocast(self):
-        """The forward's autocast context (a null context for FP32 training)."""
-        if self.prec.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.prec.autocast)
-
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
-        with self.autocast():
+        with autocast(self.device_type, self.prec):
             loss = F.cross_entropy(self.model(x), y)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -146,17 +103,10 @@ class TrainStep:
         return loss.detach()
 
 
-# ----------------------------------------------------------------------------- epochs
 def train_one_epoch(step: TrainStep, loader: Any, device: torch.device | str, *, desc: str = "train",
                     on_step: Callable[[float], None] | None = None) -> dict[str, float]:
-    """One pass of ``step`` over ``loader`` (yields ``(images, labels)``) with a progress bar.
-
-    Args:
-        on_step: called with each step's loss (a float) after the step.
-
-    Returns:
-        ``{"loss": mean step loss, "images": count, "seconds": wall time, "img_per_s"}``.
-    """
+    """One pass of ``step`` over ``loader`` (``(images, labels)``), ``on_step(loss)`` after each step; returns
+    ``{"loss": mean step loss, "images", "seconds", "img_per_s"}``."""
     from tqdm.auto import tqdm
 
     total, images, t0 = 0.0, 0, time.perf_counter()
@@ -176,19 +126,14 @@ def train_one_epoch(step: TrainStep, loader: Any, device: torch.device | str, *,
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader: Any, prec: Precision, device: torch.device | str, *,
              desc: str = "eval") -> dict[str, float]:
-    """Mean cross-entropy and top-1 (fraction) of ``model`` over ``loader``, in ``prec``'s autocast.
-
-    The model is put in eval mode for the pass and back into the mode it was in.
-    """
+    """Mean cross-entropy and top-1 (fraction) of ``model`` over ``loader`` in ``prec``'s autocast (in eval mode for
+    the pass, then back in the mode it was in)."""
     from tqdm.auto import tqdm
 
     was_training = model.training
     model.eval()
-    device_type = torch.device(device).type
-    autocast = (torch.autocast(device_type, dtype=prec.autocast) if prec.autocast is not None
-                else contextlib.nullcontext())
     total, correct, images = 0.0, 0, 0
-    with autocast:
+    with autocast(torch.device(device).type, prec):
         for x, y in tqdm(loader, desc=desc, leave=False, dynamic_ncols=True):
             x, y = x.to(device), y.to(device)
             logits = model(x).float()
@@ -199,12 +144,9 @@ def evaluate(model: torch.nn.Module, loader: Any, prec: Precision, device: torch
     return {"loss": total / max(images, 1), "top1": correct / max(images, 1), "images": images}
 
 
-# ----------------------------------------------------------------------------- checkpoints
 def save_checkpoint(model: torch.nn.Module, path: str, metadata: dict[str, Any] | None = None) -> None:
-    """``safetensors.torch.save_file`` of ``model``'s state dict (CPU copies) into a temp file renamed to ``path``.
-
-    ``metadata`` values are stored as strings (JSON for non-strings), readable with ``safe_open(...).metadata()``.
-    """
+    """``safetensors.torch.save_file`` of ``model``'s state dict (CPU copies) written atomically; ``metadata``
+    values as strings (JSON for non-strings)."""
     from safetensors.torch import save_file
 
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
@@ -214,7 +156,7 @@ def save_checkpoint(model: torch.nn.Module, path: str, metadata: dict[str, Any] 
 
 
 def load_checkpoint(model: torch.nn.Module, path: str) -> dict[str, str]:
-    """Load a :func:`save_checkpoint` file into ``model`` (strict: every key must match); returns its metadata."""
+    """Load a :func:`save_checkpoint` file into ``model`` (strict); returns its metadata."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -223,25 +165,15 @@ def load_checkpoint(model: torch.nn.Module, path: str) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-# ----------------------------------------------------------------------------- data
 class DataError(ValueError):
     """The image folder cannot be used; the message says why."""
 
 
 def scan_folder(root: str, val_fraction: float, seed: int) -> dict[str, Any]:
-    """Classes, files and the train / held-out split of an ImageFolder ``root`` (no image decoded).
-
-    ``root/train`` + ``root/val``: those splits. Otherwise each class of ``root`` gives
-    ``round(val_fraction * n)`` of its images (at least 1 when it has 2 or more, never all) to the
-    held-out split, chosen by a ``seed``-ed permutation.
-
-    Returns:
-        ``{"layout", "classes", "train": [(path, label)], "val": [(path, label)]}``.
-
-    Raises:
-        DataError: no class folders, a class without images, different classes in train/ and val/, or an
-            empty split.
-    """
+    """``{"layout", "classes", "train": [(path, label)], "val": [...]}`` of an ImageFolder ``root`` (no image
+    decoded): ``root/train`` + ``root/val``, or per class ``round(val_fraction * n)`` images (at least 1 of 2 or more,
+    never all) held out by a ``seed``-ed permutation. DataError: no or one class, different classes in train/ and
+    val/, or an empty split."""
     from torchvision.datasets import ImageFolder
 
     def folder(path):
@@ -276,8 +208,8 @@ def scan_folder(root: str, val_fraction: float, seed: int) -> dict[str, Any]:
 
 
 class _Samples(torch.utils.data.Dataset):
-    """``(transform(image), label)`` for a list of ``(path, label)``; images read as RGB by
-    :func:`_harness.read_rgb` (a corrupt file raises its one-line :class:`_harness.CorruptImageError`)."""
+    """``(transform(image), label)`` of ``(path, label)`` items, read by :func:`_harness.read_rgb` (a corrupt file
+    raises its one-line :class:`_harness.CorruptImageError`)."""
 
     def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable):
         self.samples, self.transform, self.loader = list(samples), transform, read_rgb
@@ -302,7 +234,6 @@ def datasets(split: dict[str, Any], model: torch.nn.Module, img_size: int) -> tu
     return train, val, {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
 
 
-# ----------------------------------------------------------------------------- CLI
 def json_object(text: str) -> dict:
     """argparse type: a JSON object (extra ``timm.create_model`` arguments), else a one-line error."""
     try:
@@ -337,12 +268,11 @@ def build_parser() -> ToolParser:
     p.add_argument("--eval-every", type=positive_int, default=1, help="evaluate every N epochs (and after the last)")
     p.add_argument("--workers", type=nonnegative_int, default=min(4, os.cpu_count() or 1),
                    help="DataLoader worker processes (default min(4, CPUs))")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device (default cuda when available, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the split and the data order")
-    p.add_argument("--out", default=default_out("finetune"),
-                   help="output folder: checkpoints, metrics.json / .md, curves.png; new, empty or an earlier "
-                        "output of this tool (then replaced), never a folder of yours (default: %(default)s)")
+    add_common(p, device=("cuda" if torch.cuda.is_available() else "cpu", "torch device (default: %(default)s)"),
+               seed=(0, "seed of the weights, the split and the data order"),
+               out=(default_out("finetune"), "output folder: checkpoints, metrics.json / .md, curves.png; new, "
+                    "empty or an earlier output of this tool (then replaced), never a folder of yours "
+                    "(default: %(default)s)"))
     return p
 
 
@@ -371,15 +301,13 @@ def check_args(parser: ToolParser, args: argparse.Namespace) -> dict:
 
 
 def render_markdown(res: dict) -> str:
-    env = res["environment"]
-    lines = [f"# Fine-tuning {res['model']['name']} ({res['model']['attention']}, mode {res['mode']})", "",
-             f"* command: `{env['command']}`",
-             f"* device: {env['device']}; torch {env['torch']}, triton {env.get('triton')}, timm {env.get('timm')}",
-             f"* data: {res['data']['root']} ({res['data']['layout']}): {len(res['data']['classes'])} classes, "
-             f"{res['data']['train']} train / {res['data']['val']} held-out images",
-             f"* precision: {res['precision']}; process-wide: {res['process_settings']}",
-             f"* AdamW lr {res['args']['lr']:g}, weight decay {res['args']['weight_decay']:g}, batch "
-             f"{res['args']['batch_size']}, {res['args']['img_size']} px", ""]
+    data, a = res["data"], res["args"]
+    lines = md_header(f"Fine-tuning {res['model']['name']} ({res['model']['attention']}, mode {res['mode']})",
+                      res["environment"], f"data: {data['root']} ({data['layout']}): {len(data['classes'])} classes, "
+                      f"{data['train']} train / {data['val']} held-out images",
+                      f"precision: {res['precision']}; process-wide: {res['process_settings']}",
+                      f"AdamW lr {a['lr']:g}, weight decay {a['weight_decay']:g}, batch {a['batch_size']}, "
+                      f"{a['img_size']} px")
     rows = [[h["epoch"], h["step"], h["train_loss"], h["train_img_per_s"], h["val_loss"], f"{100 * h['val_top1']:.2f}",
              "yes" if h["best"] else ""] for h in res["history"]]
     lines.append(markdown_table(rows, ["epoch", "step", "train loss", "train img/s", "held-out loss",
@@ -393,23 +321,17 @@ def render_png(res: dict, path: str) -> None:
         ax_loss.plot(range(1, len(res["step_losses"]) + 1), res["step_losses"], lw=1, label="train (per step)")
         history = res["history"]
         ax_loss.plot([h["step"] for h in history], [h["val_loss"] for h in history], "o-", label="held-out")
-        ax_loss.set_xlabel("step")
-        ax_loss.set_ylabel("cross-entropy")
         ax_loss.legend()
-        ax_acc.plot([h["epoch"] for h in res["history"]], [100 * h["val_top1"] for h in res["history"]], "o-")
-        ax_acc.set_xlabel("epoch")
-        ax_acc.set_ylabel("held-out top-1 %")
-        for ax in (ax_loss, ax_acc):
+        ax_acc.plot([h["epoch"] for h in history], [100 * h["val_top1"] for h in history], "o-")
+        for ax, x, y in ((ax_loss, "step", "cross-entropy"), (ax_acc, "epoch", "held-out top-1 %")):
+            ax.set(xlabel=x, ylabel=y)
             ax.grid(alpha=0.3)
         fig.suptitle(f"{res['model']['name']} {res['model']['attention']} mode {res['mode']} "
                      f"({res['environment']['device']})")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    """Fine-tune as the arguments say; returns the record also written to ``<out>/metrics.json``.
-
-    Everything is written into a temporary folder renamed to ``--out`` at the end (:func:`_harness.output_folder`).
-    """
+    """Fine-tune as the arguments say; returns the record also written to ``<out>/metrics.json``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     split = check_args(parser, args)

@@ -158,7 +158,7 @@ for step in "$@"; do
         --frames 200 --out "$out/vggt_bound" ;;
     integrations-bound) run integrations-bound 400 python tools/bench_integrations.py --attention-free --rounds 2 \
         --out "$out/integrations_bound" ;;
-    fastvggt-official) run fastvggt-official 560 python tools/bench_fastvggt_official.py \
+    fastvggt-official) run fastvggt-official 560 python tools/bench_official.py --model fastvggt \
         --official "${FASTVGGT:?set FASTVGGT to a checkout of the official FastVGGT code}" --frames 100 200 500 \
         --out "$out/fastvggt_official" ;;
     *) echo "unknown step $step" | tee -a "$out/steps.txt" ;;

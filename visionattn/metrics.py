@@ -12,12 +12,16 @@ Y_ref), usually the float64 oracle. Per query row (b, h, i) they are:
 
 :func:`drift_metrics` reports for each the median / p95 / p99 over rows plus the
 global value (global max, global relative L2, mean JS, disagreement rate).
+
+:func:`psnr` and :func:`ssim` compare images (video frames) in [0, 1], as NumPy arrays.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["rel_l2", "drift_metrics", "METRIC_NAMES"]
+__all__ = ["rel_l2", "drift_metrics", "METRIC_NAMES", "psnr", "ssim"]
 
 METRIC_NAMES = ("max_abs_dP", "rel_l2_dP", "js_mean", "argmax_disagree", "max_abs_dY", "rel_l2_dY")
 
@@ -79,3 +83,40 @@ def drift_metrics(p_hat: torch.Tensor, p_ref: torch.Tensor, y_hat: torch.Tensor,
         "rel_l2_dY": rel_l2(y_hat, y_ref),
     }
     return {name: _summary(rows[name], overall[name]) for name in METRIC_NAMES}
+
+
+def _ssim_gaussian(a, b, data_range: float = 1.0) -> float:
+    """SSIM (Wang et al. 2004) as ``skimage.metrics.structural_similarity(gaussian_weights=True, sigma=1.5,
+    use_sample_covariance=False)``: 11x11 Gaussian window (OpenCV blurs), K1 0.01, K2 0.03, the 5-pixel border
+    cropped, channel mean. a, b: [H, W, C] float."""
+    import cv2
+    import numpy as np
+
+    c1, c2 = (0.01 * data_range) ** 2, (0.03 * data_range) ** 2
+    blur = lambda x: cv2.GaussianBlur(x, (11, 11), 1.5, borderType=cv2.BORDER_REFLECT)  # noqa: E731
+    vals = []
+    for ch in range(a.shape[-1]):
+        x, y = a[..., ch].astype(np.float64), b[..., ch].astype(np.float64)
+        mx, my = blur(x), blur(y)
+        vx, vy, cxy = blur(x * x) - mx * mx, blur(y * y) - my * my, blur(x * y) - mx * my
+        s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx * mx + my * my + c1) * (vx + vy + c2))
+        vals.append(s[5:-5, 5:-5].mean())
+    return float(np.mean(vals))
+
+
+def ssim(a, b) -> float:
+    """SSIM of two [H, W, 3] frames in [0, 1]: scikit-image when installed, else :func:`_ssim_gaussian`."""
+    try:
+        from skimage.metrics import structural_similarity
+    except ImportError:
+        return _ssim_gaussian(a, b)
+    return float(structural_similarity(a, b, channel_axis=-1, data_range=1.0, gaussian_weights=True, sigma=1.5,
+                                       use_sample_covariance=False))
+
+
+def psnr(a, b) -> float:
+    """PSNR in dB of frames in [0, 1] (inf when identical)."""
+    import numpy as np
+
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)

@@ -25,7 +25,7 @@ TOOLS = {
     "bench_backward": (["--device", "cpu"], "res/r", "res/r.md"),
     "bench_cold_start": ([], "res", "res/cold_start.json"),
     "bench_context_parallel": (["--device", "cpu"], "res/r", "res/r.md"),
-    "bench_fastvggt_official": (["--official", "nowhere", "--device", "cpu"], "res/r", "res/r.json"),
+    "bench_official": (["--official", "nowhere", "--model", "fastvggt", "--device", "cpu"], "res/r", "res/r.json"),
     "bench_integrations": (["--device", "cpu"], "res/r", "res/r.md"),
     "bench_models": (["--device", "cpu"], "res/r", "res/r.png"),
     "bench_svd_attention": (["--device", "cpu"], "res/r", "res/r.md"),
