@@ -60,7 +60,7 @@ def test_targets_report_the_amdahl_bound():
     assert bench_models._met(hard) == "NO (target above the bound)" and bench_models._met(easy) == "yes"
 
 
-def test_bench_models_compile_cpu(tmp_path):
+def test_bench_models_compile_cpu(tmp_path, capsys):
     """--compile times torch.compile'd forwards (one round) and checks each against the eager output."""
     import pytest
 
@@ -73,6 +73,7 @@ def test_bench_models_compile_cpu(tmp_path):
     assert result["settings"]["compile"] == "default" and all(r["rounds"] == 1 for r in rows.values())
     assert rows["unpatched"]["compiled_rel_l2"] <= 1e-5 and rows["fp32"]["compiled_rel_l2"] <= 1e-5
     assert "torch.compile timing" in open(out + ".md").read()
-    with pytest.raises(ValueError, match="pick one"):
+    with pytest.raises(SystemExit) as exc:  # one line, exit 2
         bench_models.main(bench_models.parser.parse_args(["--device", "cpu", "--compile", "default", "--cuda-graph",
                                                           "--out", str(tmp_path / "x")]))
+    assert exc.value.code == 2 and "pick one" in capsys.readouterr().err
