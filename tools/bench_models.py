@@ -63,7 +63,8 @@ def _arg(parse):
 
 def _slice(text: str) -> slice:
     try:
-        return slice(*(int(p) if p else None for p in text.split(":", 1)))
+        start, stop = (int(p) if p else None for p in text.split(":"))
+        return slice(start, stop)
     except ValueError:
         raise ValueError(f"expected start:stop, e.g. 0:5, got {text!r}") from None
 
