@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _harness import (ToolParser, add_common, check_device, default_out, environment, failure_text,  # noqa: E402
-                      figure, markdown_table, md_header, nonnegative_int, positive_float, positive_int,
+                      figure, markdown_table, md_header, positive_float, positive_int,
                       prefix_outputs, sample_ms, tf32_disabled, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
@@ -97,7 +97,6 @@ parser.add_argument("--compile", choices=("default", "reduce-overhead", "max-aut
                     help="time each variant's forward under torch.compile(mode=MODE) (default, reduce-overhead or "
                          "max-autotune-no-cudagraphs), compiled outside the timing; forces --rounds 1")
 parser.add_argument("--no-share", action="store_true", help="skip the attention-share measurement")
-parser.add_argument("--max-cases", type=nonnegative_int, help="stop after this many cases")
 parser.add_argument("--case-slice", type=_arg(_slice),
                     help="python-style start:stop over the case list, to split a sweep over several runs (e.g. 0:5)")
 
@@ -409,7 +408,7 @@ def main(args) -> dict:
         cfg = yaml.safe_load(f)
     section = cfg["quick"] if args.quick else cfg
     cases = args.cases or section["cases"]
-    cases = cases[args.case_slice or slice(None)][:args.max_cases]
+    cases = cases[args.case_slice or slice(None)]
     timing = {"warmup": args.warmup if args.warmup is not None else cfg.get("warmup", 3),
               "rep_ms": args.rep_ms if args.rep_ms is not None else section.get("rep_ms", cfg.get("rep_ms", 400)),
               "min_reps": cfg.get("min_reps", 5), "max_reps": cfg.get("max_reps", 50)}
@@ -441,7 +440,7 @@ def main(args) -> dict:
             rows.extend(case_rows)
     result = {"environment": env, "settings": settings, "rows": rows,
               "targets": check_targets(rows, cfg.get("targets", []))}
-    if args.quick or args.cases or args.case_slice or args.max_cases:  # partial run: only what was measured
+    if args.quick or args.cases or args.case_slice:  # partial run: only what was measured
         result["targets"] = [t for t in result["targets"] if t["measured"]]
     md = render_markdown(result)
     write_results(outputs, args.out, result, md)

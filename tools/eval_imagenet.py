@@ -285,10 +285,6 @@ class SyntheticCrops(Dataset):
 
     def __init__(self, sources: Sequence[tuple[str, int]], length: int, transform: Callable, seed: int = 0,
                  scale: tuple[float, float] = (0.25, 1.0)):
-        if not sources:
-            raise ValueError("sources is empty; SyntheticCrops needs at least one photo")
-        if length < 1:
-            raise ValueError(f"length={length} must be >= 1")
         self.sources, self.length, self.transform, self.seed, self.scale = list(sources), length, transform, seed, scale
         self._cache: dict = {}
 
@@ -395,25 +391,15 @@ class _SDPAIn(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs).to(out_dtype)
 
 
-def _known_mode(mode: str) -> bool:
-    from visionattn.modes import MODES
-
-    return mode == "native" or mode in NATIVE_HALF_MODES or mode in MODES
-
-
 def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[str], device, *, warmup: int = 1,
                    desc: str = "", patch_options: dict | None = None) -> list[dict[str, Any]]:
     """The native pass (``model`` unpatched, always first: the reference), then one pass per other mode of ``modes``
     on the same model and (deterministic, unshuffled) data: a visionattn mode patched in
     (``patch_model(model, mode, **patch_options)``, unpatched after it), a native-half mode under :class:`_SDPAIn`.
     Each row: ``mode``, :func:`run_pass`'s fields, ``speedup_vs_native``, ``patch_report``, ``patched_modules``
-    (0: the numbers are timm's own) and, native-half, ``sdpa_calls_cast``. ValueError for an unknown mode."""
+    (0: the numbers are timm's own) and, native-half, ``sdpa_calls_cast``."""
     import visionattn as va
 
-    unknown = [m for m in modes if not _known_mode(m)]
-    if unknown:
-        raise ValueError(f"modes {unknown} are not known; expected 'native', one of {list(NATIVE_HALF_MODES)} "
-                         f"or one of {va.mode_names()}")
     n, bs = len(loader.dataset), loader.batch_size or 1
     shape = tuple(loader.dataset[0][0].shape)
     warmup_shapes = [(min(bs, n), *shape)] + ([(n % bs, *shape)] if n > bs and n % bs else [])
@@ -502,9 +488,8 @@ def build_parser() -> ToolParser:
     p.add_argument("--limit", type=positive_int, help="use N images spread evenly over the data set (with "
                    f"--synthetic-from: the number of crops, default {SYNTHETIC_DEFAULT})")
     p.add_argument("--checkpoint", help="local .safetensors/.pth state dict to load (one --model only)")
-    p.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=True,
-                   help="load timm's pretrained weights through the hub cache (default); --no-pretrained = random")
-    p.add_argument("--random-weights", action="store_true", help="same as --no-pretrained")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random weights instead of timm's pretrained ones (through the hub cache)")
     p.add_argument("--model-kwargs", default="{}",
                    help='JSON dict of extra timm.create_model arguments, e.g. \'{"depth": 2}\' for tiny test models')
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -518,13 +503,13 @@ def build_parser() -> ToolParser:
 
 def check_args(parser: ToolParser, args) -> tuple[list[str], dict]:
     """Every argument checked before any work (exit 2 with one line); returns (modes, model kwargs)."""
-    from visionattn.modes import mode_names
+    from visionattn.modes import MODES
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if not _known_mode(m)]
+    unknown = [m for m in modes if m != "native" and m not in NATIVE_HALF_MODES and m not in MODES]
     if unknown or not modes:
         parser.error(f"--modes: {unknown or 'empty'} not known; expected 'native', one of "
-                     f"{list(NATIVE_HALF_MODES)} or one of {mode_names()}")
+                     f"{list(NATIVE_HALF_MODES)} or one of {list(MODES)}")
     if args.checkpoint and len(args.model) > 1:
         parser.error("--checkpoint applies to one model; pass a single --model with it")
     if args.checkpoint and not os.path.isfile(args.checkpoint):
@@ -543,7 +528,7 @@ def check_args(parser: ToolParser, args) -> tuple[list[str], dict]:
             flag = {"name": "--model", "input": "--img-size" if args.img_size else "--model"}.get(
                 what, "--model-kwargs / --img-size" if args.img_size else "--model-kwargs")
             parser.error(f"{flag}: {reason}")
-        problem = args.pretrained and not args.random_weights and not args.checkpoint and weights_problem(name)
+        problem = not args.random_weights and not args.checkpoint and weights_problem(name)
         if problem:
             parser.error(f"--model {name}: {problem}")
     folder = args.data or args.synthetic_from
@@ -565,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     modes, model_kwargs = check_args(parser, args)
     md = os.path.splitext(args.out)[0] + ".md"
     outputs = output_files(parser, [args.out, md], tool="eval_imagenet")
-    pretrained = args.pretrained and not args.random_weights and not args.checkpoint
+    pretrained = not args.random_weights and not args.checkpoint
     device = torch.device(args.device)
     data_flag = "--data" if args.data else "--synthetic-from"
     try:
