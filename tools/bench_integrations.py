@@ -291,14 +291,10 @@ def render_markdown(result: dict) -> str:
     """The report: environment, what each cell is, one table row per (case, mode, attention)."""
     env, settings = result["environment"], result["settings"]
     notes = [f"transformers {env.get('transformers')}, diffusers {env.get('diffusers')}", f"settings: {settings}",
-             "random weights; full size (`--tiny`: the sizes in the table): ViT-B/16 at 512 px (1025 tokens), "
-             "DINOv2-B at 518 px (1370 tokens), `attn_implementation` 'sdpa' vs 'visionattn_<mode>' on the same "
-             "weights; the Flux block (dim 3072, 24 heads x 128, 4096 image + 512 text tokens, batch 1), diffusers' "
-             "default attention vs its dispatch_attention_fn SDPA calls routed to visionattn (`patch_dispatch`).",
+             " ".join(__doc__.split("\n\n")[1].split()).replace("``", "`") + " (`--tiny`: the sizes in the table)",
              "ms = median of per-forward timings pooled over interleaved rounds (CUDA events on a GPU, wall clock on "
              "a CPU; eager: the Python launch path counts); speed-up = t(default) / t(visionattn), same dtype; peak = "
-             "most allocated during one forward (MiB); rel L2 = output vs the default row and vs float64 (the "
-             "default attention on float64 copies of the weights and inputs)."]
+             "most allocated during one forward (MiB, weights included)."]
     if settings.get("cuda_graph"):
         notes.append("**CUDA-graph timing**: both rows' forwards are replayed from CUDA graphs (GPU time, no launch "
                      "overhead), not what an eager caller waits.")

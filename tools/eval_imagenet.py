@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_harness, ...)
 from _harness import (CorruptImageError, Stopwatch, ToolParser, check_device, check_output, default_out,  # noqa: E402
-                      environment, markdown_table, nonnegative_int, output_files, positive_int, read_rgb,
+                      environment, markdown_table, md_header, nonnegative_int, output_files, positive_int, read_rgb,
                       tf32_disabled)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
@@ -436,17 +436,15 @@ def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[s
 # ----------------------------------------------------------------------------- report / main
 def to_markdown(res: dict) -> str:
     env, d = res["environment"], res["data"]
-    lines = [
-        "# ImageNet evaluation: accuracy, agreement with native attention, speed per mode\n",
-        f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}, timm {env['timm']}, "
-        f"visionattn {res['visionattn']}; Python {env['python']}\n",
-        f"Command: `{res['command']}`\n",
-        f"Process-wide options: {', '.join(f'{k}={v}' for k, v in res['process_options'].items())}\n",
-        f"Data: {d['layout']} at `{d['root']}`, {d['images']} images"
+    lines = md_header(
+        "ImageNet evaluation: accuracy, agreement with native attention, speed per mode",
+        dict(env, command=res["command"]), f"visionattn {res['visionattn']}",
+        f"process-wide options: {', '.join(f'{k}={v}' for k, v in res['process_options'].items())}",
+        f"data: {d['layout']} at `{d['root']}`, {d['images']} images"
         + (f" (labels: `{d['labels_file']}`)" if d.get("labels_file") else "")
-        + ("; " + "; ".join(d["notes"]) if d.get("notes") else "") + "\n",
-        "Agreement = share of images whose top-1 class equals the native run's; max \\|Δlogit\\| vs native; "
-        f"img/s from {res['results'][0]['timing'] if res['results'] else '-'} timing of the forward only.\n"]
+        + ("; " + "; ".join(d["notes"]) if d.get("notes") else ""),
+        "agreement = share of images whose top-1 class equals the native run's; max \\|Δlogit\\| vs native; "
+        f"img/s from {res['results'][0]['timing'] if res['results'] else '-'} timing of the forward only")
     opt = lambda x, f="{}": "-" if x is None else f.format(x)  # noqa: E731
     for name, info in res["models"].items():
         mine = [r for r in res["results"] if r["model"] == name]

@@ -116,7 +116,7 @@ def test_every_mode_on_imagefolder(imagefolder, tmp_path):
     md = (tmp_path / "res.md").read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| mode")]
     assert [ln.split("|")[1].strip() for ln in rows] == ALL_MODES
-    assert "allow_tf32=False" in md and "Command:" in md
+    assert "allow_tf32=False" in md and "* command: `python tools/eval_imagenet.py " in md
     assert "made no `scaled_dot_product_attention` call" not in md  # ViT's attention is SDPA: cast
 
 
