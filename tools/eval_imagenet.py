@@ -392,10 +392,10 @@ class _SDPAIn(torch.overrides.TorchFunctionMode):
 
 
 def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[str], device, *, warmup: int = 1,
-                   desc: str = "", patch_options: dict | None = None) -> list[dict[str, Any]]:
+                   desc: str = "") -> list[dict[str, Any]]:
     """The native pass (``model`` unpatched, always first: the reference), then one pass per other mode of ``modes``
     on the same model and (deterministic, unshuffled) data: a visionattn mode patched in
-    (``patch_model(model, mode, **patch_options)``, unpatched after it), a native-half mode under :class:`_SDPAIn`.
+    (``patch_model(model, mode)``, unpatched after it), a native-half mode under :class:`_SDPAIn`.
     Each row: ``mode``, :func:`run_pass`'s fields, ``speedup_vs_native``, ``patch_report``, ``patched_modules``
     (0: the numbers are timm's own) and, native-half, ``sdpa_calls_cast``."""
     import visionattn as va
@@ -420,7 +420,7 @@ def evaluate_modes(model: torch.nn.Module, loader: DataLoader, modes: Sequence[s
                 r = run_pass(model, loader, device, reference_logits=ref, desc=f"{desc} {mode}".strip(), **kw)
             r.update(patch_report=None, patched_modules=0, sdpa_calls_cast=cast.calls)
         else:
-            va.patch_model(model, mode=mode, **(patch_options or {}))
+            va.patch_model(model, mode=mode)
             try:
                 r = run_pass(model, loader, device, reference_logits=ref, desc=f"{desc} {mode}".strip(), **kw)
                 report = model.visionattn_report
