@@ -39,7 +39,8 @@ from _harness import (CorruptImageError, Stopwatch, ToolParser, check_device, ch
                       tf32_disabled)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
-ALL_MODES = "native,fp32,fp32-ieee,tf32,fp16,bf16,pasa,native-fp16,native-bf16"
+from visionattn.modes import MODES  # noqa: E402
+
 SYNTHETIC_DEFAULT = 256
 SYNSET_RE = re.compile(r"^n\d{8}$")
 LOC_CSV_NAME = "LOC_val_solution.csv"
@@ -368,6 +369,10 @@ def run_pass(model: torch.nn.Module, loader: DataLoader, device, *, reference_lo
 # timm's own SDPA with q, k, v cast to half: what the fp16 / bf16 modes' agreement is judged against (with random
 # weights, near-tied top-1 logits flip under any half-precision attention)
 NATIVE_HALF_MODES = {"native-fp16": torch.float16, "native-bf16": torch.bfloat16}
+# the default --modes: native, every production mode of the table (not fp16-acc16, the unshifted FP16-accumulation
+# baseline), the native-half references
+ALL_MODES = ",".join(["native", *(m for m, spec in MODES.items() if spec.pasa_shift or not spec.half_scores),
+                      *NATIVE_HALF_MODES])
 
 
 class _SDPAIn(torch.overrides.TorchFunctionMode):
@@ -501,8 +506,6 @@ def build_parser() -> ToolParser:
 
 def check_args(parser: ToolParser, args) -> tuple[list[str], dict]:
     """Every argument checked before any work (exit 2 with one line); returns (modes, model kwargs)."""
-    from visionattn.modes import MODES
-
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m != "native" and m not in NATIVE_HALF_MODES and m not in MODES]
     if unknown or not modes:
