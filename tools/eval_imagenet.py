@@ -34,9 +34,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_harness, ...)
-from _harness import (CorruptImageError, Stopwatch, ToolParser, check_device, check_output, default_out,  # noqa: E402
-                      environment, markdown_table, md_header, nonnegative_int, output_files, positive_int, read_rgb,
-                      tf32_disabled)
+from _harness import (CorruptImageError, Stopwatch, ToolParser, add_common, check_device, check_output,  # noqa: E402
+                      default_out, environment, markdown_table, md_header, nonnegative_int, output_files, positive_int,
+                      read_rgb, tf32_disabled)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 from visionattn.modes import MODES  # noqa: E402
@@ -495,12 +495,9 @@ def build_parser() -> ToolParser:
                    help="random weights instead of timm's pretrained ones (through the hub cache)")
     p.add_argument("--model-kwargs", default="{}",
                    help='JSON dict of extra timm.create_model arguments, e.g. \'{"depth": 2}\' for tiny test models')
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device (default cuda when available, else cpu)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic crops and of random weights")
-    p.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed forwards per input shape and mode")
-    p.add_argument("--out", default=default_out("eval_imagenet.json"),
-                   help="output JSON path; markdown goes next to it (.md) (default: %(default)s)")
+    add_common(p, device="cuda" if torch.cuda.is_available() else "cpu", seed=0, warmup=(2, "untimed forwards per "
+               "input shape and mode"), out=(default_out("eval_imagenet.json"), "output JSON path; markdown goes next "
+               "to it (.md) (default: %(default)s)"))
     return p
 
 
