@@ -1,41 +1,15 @@
 """Benchmark the transformers and diffusers integrations: each library's default attention vs visionattn.
 
-Cells (random weights, eval mode, inference under ``torch.no_grad``), each timed in fp32 and bf16:
-
-* **transformers** ``ViTModel`` (ViT-B/16: hidden 768, 12 layers, 12 heads, patch 16) and ``Dinov2Model``
-  (DINOv2-B: hidden 768, 12 layers, 12 heads, patch 14), built from their configs with
-  ``attn_implementation="sdpa"`` (transformers' default) and ``dtype=`` the mode's dtype, as users load
-  them (``from_pretrained(..., dtype=torch.bfloat16)``); the same model then runs with the attention
-  implementation switched to ``"visionattn_<mode>"`` (:func:`visionattn.integrations.transformers.register`;
-  ``model.set_attn_implementation``), so both rows share the weights. DINOv2 runs at 518 px (37 x 37
-  patches + CLS = 1370 tokens). ViT runs at 512 px, the multiple of 16 nearest 518: 32 x 32 patches + CLS =
-  1025 tokens, the grid a 518 px input gives too (the stride-16 patch convolution drops its last 6 px).
-* **diffusers** one Flux-sized ``FluxTransformerBlock`` (dim 3072, 24 heads of 128) on 4096 image + 512 text
-  tokens, batch 1, Flux's rotary embedding of the text and image positions: diffusers' default attention
-  (``dispatch_attention_fn`` on its native backend, which calls SDPA) against the same block with
-  ``dispatch_attention_fn``'s SDPA calls routed to visionattn
-  (:func:`visionattn.patching.diffusers_dispatch.patch_dispatch`: the hooks ``visionattn.patch_model`` installs
-  on a Flux ``ModelMixin``; ``patch_model`` on a bare block patches nothing, since a block is no
-  ``ModelMixin``). The row records how many attention calls one forward routed.
-
-Columns: ms per forward (median of per-call CUDA-event timings pooled over interleaved rounds, default then
-visionattn then default ...; eager, the Python launch path counts; ``--cuda-graph`` times graph replays on both
-sides instead), speed-up against the default row of the same dtype, peak allocated memory during one forward,
-and the output's relative L2 difference to the default row and to a float64 forward (the default attention on
-float64 copies of the weights and inputs: both rows' distance from the exact result, so a difference between
-the rows reads against how far each is from it; ``last_hidden_state``; the block's text and image outputs
-together). Targets are printed beside each visionattn row: ViT-B/16 and DINOv2-B fp32 >= 1.4x and
-bf16 >= 1.0x SDPA, the Flux block fp32 >= 2x and bf16 >= 1.0x diffusers' default; they are judged only on a
-GPU at full size.
-
-``--attention-free`` adds a row per cell: the default model with every SDPA call answering a copy of its value
-rows (:func:`_harness.attention_free`), i.e. the forward without its attention. Its speed-up is the
-most any attention kernel can give the cell (Amdahl's law), written as ``bound`` beside the visionattn row; a
-target above it is marked so.
-
-Process-wide settings made by this tool (restored at the end, written to the output): TF32 off for PyTorch
-matmuls and cuDNN, so "fp32" means FP32 on both sides. transformers and diffusers are imported only when a
-case of theirs runs; a case whose library is missing is skipped with a printed line.
+Cells (random weights, eval mode, ``torch.no_grad``), each in the dtype of every ``--modes`` mode on both sides:
+transformers ``ViTModel`` (ViT-B/16 at 512 px, 1025 tokens: the grid a 518 px input gives) and ``Dinov2Model``
+(DINOv2-B at 518 px, 1370 tokens) built with ``attn_implementation="sdpa"`` and ``dtype=`` the mode's dtype, then
+switched to ``"visionattn_<mode>"`` on the same weights; one Flux-sized diffusers ``FluxTransformerBlock`` (dim 3072,
+24 heads, 4096 image + 512 text tokens, Flux's rotary embedding) with diffusers' default attention vs its
+``dispatch_attention_fn`` SDPA calls routed to visionattn (``patch_dispatch``, the hooks ``patch_model`` installs on
+a Flux model). Timing, memory and interleaved rounds as tools/bench_models.py (:func:`bench_models.measure`);
+outputs against the default row and a float64 forward. ``--attention-free`` adds the default forward with SDPA
+answering its value rows (:func:`_harness.attention_free`): the Amdahl bound of any attention kernel. Targets are
+judged only on a GPU at full size. TF32 is off while it runs.
 
     python tools/bench_integrations.py --out out/integrations_h100
     python tools/bench_integrations.py --cases flux --modes bf16 --cuda-graph --out out/flux_graph
@@ -45,6 +19,7 @@ case of theirs runs; a case whose library is missing is skipped with a printed l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import importlib.metadata
@@ -52,23 +27,22 @@ import importlib.util
 import math
 import os
 import sys
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _harness import (AttentionFree, OutputFiles, ToolParser, attention_free, check_device, check_output,  # noqa: E402
-                      default_out, environment, failure_text, figure, markdown_table, nonnegative_int, output_files,
-                      positive_float, positive_int, sample_ms, tf32_disabled)
-from bench_models import graphed, peak_memory, round_timing, summarize_times  # noqa: E402
+from _harness import (ToolParser, add_common, attention_free, check_device, default_out, environment,  # noqa: E402
+                      failure_text, figure, markdown_table, md_header, positive_float, positive_int, prefix_outputs,
+                      tf32_disabled, write_results)
+from bench_models import measure  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 
 CASES = ("vit", "dinov2", "flux")
-BENCH_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+BENCH_MODES = tuple(m for m, spec in MODES.items() if not spec.half_scores)  # the integrations' modes
 LIBRARY = {"vit": "transformers", "dinov2": "transformers", "flux": "diffusers"}
 #: minimum speed-up over the library's default attention, per case and mode (full size, on a GPU)
 TARGETS = {"vit": {"fp32": 1.4, "bf16": 1.0}, "dinov2": {"fp32": 1.4, "bf16": 1.0}, "flux": {"fp32": 2.0, "bf16": 1.0}}
@@ -77,72 +51,23 @@ _INSTALL = {"transformers": 'pip install "transformers>=5.0"', "diffusers": 'pip
 
 parser = ToolParser(prog="bench_integrations.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
-parser.add_argument("--out", default=default_out("integrations_bench"),
-                    help="output prefix: writes <out>.md, <out>.json and <out>.png (default: %(default)s)")
-parser.add_argument("--device", default="cuda", help="torch device; cpu for smoke runs, wall-clock timing "
-                                                     "(default: %(default)s)")
-parser.add_argument("--cases", default=",".join(CASES),
-                    help=f"comma-separated subset of {','.join(CASES)} (default: all)")
-parser.add_argument("--modes", default="fp32,bf16",
-                    help=f"comma-separated visionattn modes, a subset of {','.join(BENCH_MODES)}; the model runs in "
-                         f"each mode's dtype on both sides (default: %(default)s)")
+add_common(parser, out=default_out("integrations_bench"), device="cuda", warmup=3,
+           modes=("fp32,bf16", f"comma-separated subset of {','.join(BENCH_MODES)} (default: %(default)s)"))
+parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
 parser.add_argument("--batch", type=positive_int, default=8,
-                    help="images per forward of the transformers models (the Flux block runs batch 1; "
-                         "default: %(default)s)")
-parser.add_argument("--tiny", action="store_true",
-                    help="tiny configs (hidden 32-64, 2 layers, 32 px images, 80 block tokens) for a CPU smoke run")
-parser.add_argument("--cuda-graph", action="store_true",
-                    help="time replays of each row's forward captured in a CUDA graph (no Python / launch overhead "
-                         "on either side: the GPU time)")
-parser.add_argument("--rep-ms", type=positive_float, default=600.0,
-                    help="timed milliseconds per row, split over the rounds (default: %(default)s)")
-parser.add_argument("--warmup", type=nonnegative_int, default=3,
-                    help="untimed forwards before each round's timing of a row (default: %(default)s)")
+                    help="images per forward of the transformers models (the Flux block runs batch 1)")
+parser.add_argument("--tiny", action="store_true", help="tiny configs (hidden 32-64, 2 layers) for a CPU smoke run")
+parser.add_argument("--cuda-graph", action="store_true", help="time replays of each row's forward in a CUDA graph")
+parser.add_argument("--rep-ms", type=positive_float, default=600.0, help="timed milliseconds per row, split over "
+                    "the rounds (default: %(default)s)")
 parser.add_argument("--attention-free", action="store_true",
                     help="add a row per cell with SDPA computing no attention: the Amdahl bound of the speed-up")
-parser.add_argument("--rounds", type=positive_int, default=3,
-                    help="interleaved timing rounds per cell (default row, visionattn row, repeated; "
-                         "default: %(default)s)")
-
-
-class Cell:
-    """One (case, mode) comparison: a model on fixed inputs and the ways to run its attention.
-
-    Attributes:
-        info: what the rows of the cell share (case, model, image size, tokens, batch, dtype, mode, ...).
-        forward: one inference forward; returns what is compared between the rows (a tensor or a tuple of them).
-        variants: ``(label, configure)`` pairs, the library's default first; ``configure()`` switches the
-            model to that attention and returns facts for the row.
-        reference: the same forward in float64 with the library's default attention (a float64 copy of the
-            weights and inputs), what every row's output is measured against; None: no such column.
-        free: the :class:`_harness.AttentionFree` context of the attention-free row (None: no such row).
-    """
-
-    def __init__(self, info: dict, forward: Callable[[], torch.Tensor],
-                 variants: list[tuple[str, Callable[[], dict]]], reference: Callable[[], torch.Tensor] | None = None):
-        self.info, self.forward, self.variants, self.reference = info, forward, variants, reference
-        self.free: AttentionFree | None = None
-
-    def add_attention_free(self) -> None:
-        """Append the attention-free row: the default configuration, its forward run inside an AttentionFree."""
-        self.free = attention_free()
-        self.variants.append((FREE, self.variants[0][1]))
-
-    def forward_of(self, label: str) -> Callable[[], torch.Tensor]:
-        """The forward a row runs (the attention-free row's inside its context)."""
-        if label != FREE:
-            return self.forward
-        free, forward = self.free, self.forward
-
-        def run():
-            with free:
-                return forward()
-        return run
+parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds per cell")
 
 
 class Size(NamedTuple):
-    """The shape of a case. transformers: hidden size, layers, heads, patch and image size in pixels. The Flux
-    block: dimension, heads, image tokens per side (``image``) and text tokens (``text``)."""
+    """transformers: hidden size, layers, heads, patch and image size (px). Flux block: dimension, 1, heads, 1,
+    image tokens per side, text tokens."""
     hidden: int
     layers: int
     heads: int
@@ -159,27 +84,20 @@ SIZES = {("vit", False): Size(768, 12, 12, 16, 512), ("vit", True): Size(32, 2, 
 
 def _subset(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if not items or bad:
+    if not items or any(x not in allowed for x in items):
         parser.error(f"{flag} {text!r}: expected a comma-separated subset of {','.join(allowed)}")
     return list(dict.fromkeys(items))
 
 
-def _installed_version(name: str) -> str | None:
-    """The installed version of distribution ``name`` from its metadata (nothing imported), None if absent."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _environment(libraries: set[str]) -> dict:
-    """:func:`_harness.environment` with the transformers and diffusers versions from package metadata.
-
-    ``environment()`` imports diffusers to read its version; unless a case of diffusers runs
-    (``libraries``), that import is made to fail at once, so the tool imports no library it does not use.
-    """
-    versions = {name: _installed_version(name) for name in ("transformers", "diffusers")}
+    """:func:`_harness.environment` with the transformers and diffusers versions from package metadata; diffusers
+    is not imported (its import made to fail at once) unless one of its cases runs."""
+    versions = {}
+    for name in ("transformers", "diffusers"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
     hide = "diffusers" not in libraries and "diffusers" not in sys.modules
     if hide:
         sys.modules["diffusers"] = None  # an import of a None entry raises ImportError without loading anything
@@ -205,9 +123,15 @@ def missing_library(case: str) -> str | None:
     return None
 
 
+def _switch(apply):
+    """The variant context of ``apply()``: switches the model, yields the row's facts."""
+    return contextlib.contextmanager(lambda: (yield apply()))
+
+
 # ----------------------------------------------------------------------------- cells
-def transformers_cell(case: str, mode: str, batch: int, tiny: bool, device: torch.device) -> Cell:
-    """``ViTModel`` / ``Dinov2Model`` in ``mode``'s dtype: ``attn_implementation`` "sdpa" vs "visionattn_<mode>"."""
+def transformers_cell(case: str, mode: str, batch: int, tiny: bool, device: torch.device):
+    """(info, forward, variants, float64 forward) of ``ViTModel`` / ``Dinov2Model`` in ``mode``'s dtype:
+    ``attn_implementation`` "sdpa" vs "visionattn_<mode>"."""
     import transformers
     from transformers import AttentionInterface
 
@@ -224,13 +148,12 @@ def transformers_cell(case: str, mode: str, batch: int, tiny: bool, device: torc
     dtype = MODES[mode].compute_dtype
     torch.manual_seed(0)
     model = model_cls._from_config(config, attn_implementation="sdpa", dtype=dtype).to(device).eval()
-    g = torch.Generator().manual_seed(1)
-    pixels = torch.randn(batch, 3, s.image, s.image, generator=g).to(device, dtype)
+    pixels = torch.randn(batch, 3, s.image, s.image, generator=torch.Generator().manual_seed(1)).to(device, dtype)
     name = implementation_name(mode)
 
-    def forward():
+    def forward(m=model, x=pixels):
         with torch.no_grad():
-            return model(pixel_values=pixels).last_hidden_state
+            return m(pixel_values=x).last_hidden_state
 
     def use(implementation):
         model.set_attn_implementation(implementation)
@@ -240,20 +163,17 @@ def transformers_cell(case: str, mode: str, batch: int, tiny: bool, device: torc
     def reference():
         model64 = copy.deepcopy(model).double()
         model64.set_attn_implementation("sdpa")
-        with torch.no_grad():
-            return model64(pixel_values=pixels.double()).last_hidden_state
+        return forward(model64, pixels.double())
 
-    grid = s.image // s.patch
     label = "tiny" if tiny else {"vit": "ViT-B/16", "dinov2": "DINOv2-B/14"}[case]
-    info = dict(case=case, library="transformers", model=f"{model_cls.__name__} ({label})", img=s.image,
-                tokens=grid * grid + 1, batch=batch,
-                params_m=sum(p.numel() for p in model.parameters()) / 1e6)
-    return Cell(info, forward, [("sdpa", lambda: use("sdpa")), (name, lambda: use(name))], reference)
+    info = dict(model=f"{model_cls.__name__} ({label})", img=s.image, tokens=(s.image // s.patch) ** 2 + 1,
+                batch=batch, params_m=sum(p.numel() for p in model.parameters()) / 1e6)
+    return info, forward, [("sdpa", lambda: use("sdpa")), (name, lambda: use(name))], reference
 
 
-def flux_cell(mode: str, tiny: bool, device: torch.device) -> Cell:
-    """One ``FluxTransformerBlock`` in ``mode``'s dtype: diffusers' default attention vs the block's
-    ``dispatch_attention_fn`` SDPA calls routed to visionattn."""
+def flux_cell(mode: str, tiny: bool, device: torch.device):
+    """(info, forward, variants, float64 forward) of one ``FluxTransformerBlock`` in ``mode``'s dtype: diffusers'
+    default attention vs the block's ``dispatch_attention_fn`` SDPA calls routed to visionattn."""
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed, FluxTransformerBlock
 
     from visionattn.patching.diffusers_dispatch import dispatch_counts, patch_dispatch, unpatch_dispatch
@@ -276,118 +196,84 @@ def flux_cell(mode: str, tiny: bool, device: torch.device) -> Cell:
     ids = torch.cat([torch.zeros(s.text, 3), image_ids.float()]).to(device)
     rotary = FluxPosEmbed(theta=10000, axes_dim=[head_dim // 8, 7 * head_dim // 16, 7 * head_dim // 16])(ids)
 
-    def forward():
+    def forward(b=block, h=hidden, t=text, e=temb, r=rotary):
         with torch.no_grad():
-            return block(hidden_states=hidden, encoder_hidden_states=text, temb=temb, image_rotary_emb=rotary)
-
-    def default():
-        unpatch_dispatch(block)
-        return {}
-
-    def patched():
-        report = patch_dispatch(block, mode)
-        return {"patched": report["replaced"]}
+            return b(hidden_states=h, encoder_hidden_states=t, temb=e, image_rotary_emb=r)
 
     # one forward here checks the routing: a block whose attention never reaches visionattn would time the default
-    patched()
+    patch_dispatch(block, mode)
     forward()
     routed = dispatch_counts(block)["routed"]
-    default()
+    unpatch_dispatch(block)
     if routed == 0:
         raise RuntimeError("the patched block ran no visionattn attention (a non-native diffusers attention "
                            "backend is active?)")
-    info = dict(case="flux", library="diffusers", model=f"FluxTransformerBlock ({'tiny' if tiny else 'Flux'}: dim "
-                f"{s.hidden}, {s.heads} heads x {head_dim})", img=f"{s.image}x{s.image} tokens",
-                tokens=image_tokens + s.text, batch=1, params_m=sum(p.numel() for p in block.parameters()) / 1e6)
-
-    def patched_row():
-        return {**patched(), "routed_per_forward": routed}
 
     def reference():
         block64 = copy.deepcopy(block).double()
         unpatch_dispatch(block64)
-        with torch.no_grad():
-            return block64(hidden_states=hidden.double(), encoder_hidden_states=text.double(), temb=temb.double(),
-                           image_rotary_emb=tuple(r.double() for r in rotary))
+        return forward(block64, hidden.double(), text.double(), temb.double(), tuple(r.double() for r in rotary))
 
-    return Cell(info, forward, [("diffusers default (native SDPA)", default), (f"visionattn {mode}", patched_row)],
-                reference)
+    info = dict(model=f"FluxTransformerBlock ({'tiny' if tiny else 'Flux'}: dim {s.hidden}, {s.heads} heads x "
+                f"{head_dim})", img=f"{s.image}x{s.image} tokens", tokens=image_tokens + s.text, batch=1,
+                params_m=sum(p.numel() for p in block.parameters()) / 1e6)
+    variants = [("diffusers default (native SDPA)", lambda: unpatch_dispatch(block) or {}),
+                (f"visionattn {mode}", lambda: {"patched": patch_dispatch(block, mode)["replaced"],
+                                                "routed_per_forward": routed})]
+    return info, forward, variants, reference
 
 
 # ----------------------------------------------------------------------------- measurement
-def measure(cell: Cell, device: torch.device, timing: dict, rounds: int, cuda_graph: bool) -> list[dict]:
-    """The rows of one cell: output, peak memory and interleaved timing of each variant; speed-up, memory ratio
-    and output difference of each against the first (the library's default)."""
-    rows, outs, samples = [], {}, {}
-    for i, (label, configure) in enumerate(cell.variants):  # outputs, memory first (eager), before any CUDA graph
-        row = {**cell.info, "attention": label, "baseline": i == 0, **configure()}
-        forward = cell.forward_of(label)
+def measure_cell(info: dict, forward, variants, reference, device: torch.device, timing: dict, rounds: int,
+                 cuda_graph: bool, free: bool) -> list[dict]:
+    """The rows of one cell (:func:`bench_models.measure`), the library's default first: speed-up, memory ratio
+    and output difference of each against the default, every output against the float64 forward."""
+    variants = [(label, _switch(apply)) for label, apply in variants]
+    if free:  # the default forward with SDPA answering V; first counts the SDPA calls one forward makes
+        default, counter = variants[0][1], attention_free()
+        with contextlib.suppress(Exception), default(), counter:  # a failure: the row's own forward records it
+            forward()
+
+        @contextlib.contextmanager
+        def no_attention():
+            with default() as facts, attention_free():
+                yield {**facts, "sdpa_calls_per_forward": counter.calls}
+        variants.append((FREE, no_attention))
+    by, outs = measure(forward, variants, device, timing, rounds, cuda_graph)
+    rows = [{**info, "attention": label, "baseline": i == 0, **by[label]} for i, (label, _) in enumerate(variants)]
+    outs.pop(FREE, None)  # meaningless: only how many calls it answered
+    if reference is not None and any(o is not None for o in outs.values()):
         try:
-            if label == FREE:  # its output is meaningless: only how many calls it answered
-                cell.free.calls = 0
-                forward()
-                row["sdpa_calls_per_forward"] = cell.free.calls
-            else:
-                out = forward()
-                outs[label] = torch.cat([t.flatten() for t in out]) if isinstance(out, tuple) else out
-                del out
-            row.update(peak_memory(forward, device.type))
-        except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the other cells going
-            row["error"] = failure_text(err, device)
-        rows.append(row)
-        samples[label] = []
-    per_round = round_timing(timing, rounds)
-    for _ in range(rounds):  # A B A B ...: clock or thermal drift during the cell hits both rows alike
-        for (label, configure), row in zip(cell.variants, rows):
-            if "error" in row:
-                continue
-            configure()
-            try:
-                timed = graphed(cell.forward_of(label)) if cuda_graph else cell.forward_of(label)
-                samples[label] += sample_ms(timed, device, **per_round)
-                del timed  # frees the graph's memory pool before the next variant
-            except Exception as err:  # noqa: BLE001
-                row["error"] = failure_text(err, device)
-    base, base_out = rows[0], outs.get(cell.variants[0][0])
-    if cell.reference is not None and outs:
-        try:
-            ref = cell.reference()
+            ref = reference()
             ref = torch.cat([t.flatten() for t in ref]) if isinstance(ref, tuple) else ref
-            for (label, _), row in zip(cell.variants, rows):
-                if label in outs:
-                    row["rel_l2_vs_float64"] = rel_l2(outs[label].double(), ref)
+            for row in rows:
+                if outs.get(row["attention"]) is not None:
+                    row["rel_l2_vs_float64"] = rel_l2(outs[row["attention"]].double(), ref)
             del ref
         except Exception as err:  # noqa: BLE001 - e.g. out of memory in float64: the column stays empty
-            print(f"  float64 reference of {cell.info['case']}: {failure_text(err, device)}")
-    for (label, _), row in zip(cell.variants, rows):
-        if "error" in row:
-            continue
-        row.update(summarize_times(samples[label]), rounds=rounds)
-        if row is base or "error" in base:
-            continue
-        if label == FREE and not row.get("sdpa_calls_per_forward"):
-            continue  # the default never reached SDPA: its time bounds nothing
+            print(f"  float64 reference of {info['case']}: {failure_text(err, device)}")
+    base, base_out = rows[0], outs[variants[0][0]]
+    for row in rows[1:]:
+        if "error" in row or "error" in base or (row["attention"] == FREE and not row["sdpa_calls_per_forward"]):
+            continue  # a default that never reached SDPA: its time bounds nothing
         row["speedup"] = base["median_ms"] / row["median_ms"]
         if row.get("peak_mib") is not None:
             row["mem_ratio"] = row["peak_mib"] / base["peak_mib"]
-        if base_out is not None and label in outs:
-            row["rel_l2_vs_default"] = rel_l2(outs[label].float(), base_out.float())
+        if base_out is not None and outs.get(row["attention"]) is not None:
+            row["rel_l2_vs_default"] = rel_l2(outs[row["attention"]].float(), base_out.float())
     bound = next((r.get("speedup") for r in rows if r["attention"] == FREE), None)
-    if bound is not None:
-        for row in rows[1:]:
-            if row["attention"] != FREE:
-                row["bound"] = bound
+    for row in rows[1:]:
+        if bound is not None and row["attention"] != FREE:
+            row["bound"] = bound
     return rows
 
 
 def judge(rows: list[dict], judged: bool) -> None:
     """Add ``target_speedup`` (None: no target) and ``target_met`` (None: not judged) to every visionattn row."""
     for row in rows:
-        if row.get("baseline") or row["attention"] == FREE:
-            continue
-        target = TARGETS.get(row["case"], {}).get(row["mode"])
-        row["target_speedup"] = target
-        row["target_met"] = (row.get("speedup", 0.0) >= target) if judged and target is not None else None
+        if not row.get("baseline") and row["attention"] != FREE:
+            row["target_speedup"] = target = TARGETS.get(row["case"], {}).get(row["mode"])
+            row["target_met"] = (row.get("speedup", 0.0) >= target) if judged and target is not None else None
 
 
 # ----------------------------------------------------------------------------- report
@@ -404,88 +290,57 @@ def _met(row: dict) -> str:
 def render_markdown(result: dict) -> str:
     """The report: environment, what each cell is, one table row per (case, mode, attention)."""
     env, settings = result["environment"], result["settings"]
-    lines = ["# transformers / diffusers integrations: visionattn vs each library's default attention", "",
-             f"* device: {env.get('device')}; torch {env.get('torch')}, triton {env.get('triton')}, transformers "
-             f"{env.get('transformers')}, diffusers {env.get('diffusers')}, CUDA {env.get('cuda')}, "
-             f"Python {env.get('python')}",
-             f"* command: `{env.get('command')}`",
-             f"* settings: {settings}",
-             "* random weights; full size (`--tiny`: the sizes in the table): ViT-B/16 at 512 px (the multiple of "
-             "16 nearest 518: 32 x 32 patches + CLS = 1025 tokens, as a 518 px input gives), DINOv2-B at 518 px "
-             "(37 x 37 + CLS = 1370 tokens), both "
-             "transformers models built with `dtype=` the mode's dtype and timed with `attn_implementation` "
-             "'sdpa' and 'visionattn_<mode>' on the same weights; the Flux block (dim 3072, 24 heads x 128) on "
-             "4096 image + 512 text tokens, batch 1, diffusers' default attention vs its dispatch_attention_fn "
-             "SDPA calls routed to visionattn (`patch_dispatch`, the hooks `patch_model` installs on a Flux model).",
-             "* ms = median of per-forward timings pooled over interleaved rounds (CUDA events on a GPU, wall clock "
-             "on a CPU; eager: the Python launch path counts); speed-up = t(default) / t(visionattn), same dtype; "
-             "peak = most allocated during one forward (MiB, weights included); rel L2 = output vs the default row "
-             "and vs float64 (the default attention on float64 copies of the weights and inputs; "
-             "last_hidden_state; the block's text and image outputs).",
-             ]
+    notes = [f"transformers {env.get('transformers')}, diffusers {env.get('diffusers')}", f"settings: {settings}",
+             " ".join(__doc__.split("\n\n")[1].split()).replace("``", "`") + " (`--tiny`: the sizes in the table)",
+             "ms = median of per-forward timings pooled over interleaved rounds (CUDA events on a GPU, wall clock on "
+             "a CPU; eager: the Python launch path counts); speed-up = t(default) / t(visionattn), same dtype; peak = "
+             "most allocated during one forward (MiB, weights included)."]
     if settings.get("cuda_graph"):
-        lines.append("* **CUDA-graph timing**: both rows' forwards are replayed from CUDA graphs (GPU time, no "
-                     "launch overhead), not what an eager caller waits.")
+        notes.append("**CUDA-graph timing**: both rows' forwards are replayed from CUDA graphs (GPU time, no launch "
+                     "overhead), not what an eager caller waits.")
     if not settings.get("judged"):
-        lines.append("* targets are not judged: tiny configs or no GPU.")
+        notes.append("targets are not judged: tiny configs or no GPU.")
     if any(r["attention"] == FREE for r in result["rows"]):
-        lines.append(f"* **{FREE}**: the default forward with every SDPA call returning a copy of its value rows "
-                     "(no scores, no softmax): its speed-up is the most any attention kernel can give the cell "
-                     "(Amdahl's law), the bound the `met` column compares a target with; its output is meaningless.")
-    for case, why in result["skipped"].items():
-        lines.append(f"* **{case} skipped**: {why}")
-    header = ["case", "model", "img", "tokens", "batch", "dtype", "attention", "ms", "p10-p90 ms", "speed-up",
-              "target", "met", "peak MiB", "mem ratio", "rel L2 vs default", "rel L2 vs float64"]
+        notes.append(f"**{FREE}**: the default forward with every SDPA call returning a copy of its value rows: its "
+                     "speed-up is the most any attention kernel can give the cell (Amdahl's law), the bound the "
+                     "`met` column compares a target with; its output is meaningless.")
+    notes += [f"**{case} skipped**: {why}" for case, why in result["skipped"].items()]
     table = []
     for r in result["rows"]:
+        case = [r["case"], r["model"], r["img"], r["tokens"], r["batch"], r["dtype"], r["attention"]]
         if "error" in r:
-            table.append([r["case"], r["model"], r["img"], r["tokens"], r["batch"], r["dtype"], r["attention"],
-                          r["error"]] + [""] * 8)
+            table.append(case + [r["error"]] + [""] * 8)
             continue
-        spread = f"{r['p10_ms']:.4g}-{r['p90_ms']:.4g}"
-        target = "-" if r.get("target_speedup") is None else f">= {r['target_speedup']}x"
-        speedup = "-" if "speedup" not in r else f"{r['speedup']:.3f}x"
-        opt = lambda key: "-" if r.get(key) is None else r[key]  # noqa: E731
-        rel = "-" if r.get("rel_l2_vs_default") is None else f"{r['rel_l2_vs_default']:.2e}"
-        rel64 = "-" if r.get("rel_l2_vs_float64") is None else f"{r['rel_l2_vs_float64']:.2e}"
-        table.append([r["case"], r["model"], r["img"], r["tokens"], r["batch"], r["dtype"], r["attention"],
-                      r["median_ms"], spread, speedup, target, _met(r), opt("peak_mib"), opt("mem_ratio"), rel,
-                      rel64])
-    lines += ["", markdown_table(table, header)]
-    return "\n".join(lines)
+        opt = lambda key, f="{}": "-" if r.get(key) is None else f.format(r[key])  # noqa: E731
+        table.append(case + [r["median_ms"], f"{r['p10_ms']:.4g}-{r['p90_ms']:.4g}", opt("speedup", "{:.3f}x"),
+                             opt("target_speedup", ">= {}x"), _met(r), opt("peak_mib"), opt("mem_ratio"),
+                             opt("rel_l2_vs_default", "{:.2e}"), opt("rel_l2_vs_float64", "{:.2e}")])
+    header = ["case", "model", "img", "tokens", "batch", "dtype", "attention", "ms", "p10-p90 ms", "speed-up",
+              "target", "met", "peak MiB", "mem ratio", "rel L2 vs default", "rel L2 vs float64"]
+    title = "transformers / diffusers integrations: visionattn vs each library's default attention"
+    return "\n".join(md_header(title, env, *notes) + [markdown_table(table, header)])
 
 
-def render_png(result: dict, path: str, outputs: OutputFiles | None = None) -> bool:
+def render_png(result: dict, path: str, outputs=None) -> bool:
     """Speed-up of every visionattn row with its target as a tick; False (no file) when nothing was timed."""
     rows = [r for r in result["rows"] if "speedup" in r and r["attention"] != FREE]
     if not rows:
         return False
-    with figure(path, outputs, figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5), tool="bench_integrations") as (fig, ax):
+    with figure(path, outputs, figsize=(max(6.0, 1.1 * len(rows) + 2), 4.5), tool="bench_integrations") as (_, ax):
         xs = range(len(rows))
         ax.bar(xs, [r["speedup"] for r in rows], color=["tab:blue" if r["dtype"] == "float32" else "tab:orange"
                                                          for r in rows])
         for x, r in zip(xs, rows):
-            if r.get("target_speedup") is not None:
-                ax.plot([x - 0.4, x + 0.4], [r["target_speedup"]] * 2, color="k", lw=1.5)
-            if r.get("bound") is not None:
-                ax.plot([x - 0.4, x + 0.4], [r["bound"]] * 2, color="tab:red", lw=1.2, ls="--")
+            for y, style in ((r.get("target_speedup"), dict(color="k", lw=1.5)),
+                             (r.get("bound"), dict(color="tab:red", lw=1.2, ls="--"))):
+                if y is not None:
+                    ax.plot([x - 0.4, x + 0.4], [y] * 2, **style)
         ax.set_xticks(list(xs), [f"{r['case']}\n{r['mode']}" for r in rows])
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_ylabel("speed-up vs the library's default attention")
         ax.set_title("visionattn in transformers / diffusers (black: target, red dashed: attention-free bound), "
-                     f"{result['environment'].get('device')}",
-                     fontsize=9)
+                     f"{result['environment'].get('device')}", fontsize=9)
     return True
-
-
-def _print_row(r: dict) -> None:
-    if "error" in r:
-        print(f"  {r['case']:6s} {r['dtype']:8s} {r['attention']:30s} {r['error']}", flush=True)
-        return
-    extra = ""
-    if "speedup" in r:
-        extra = f"  x{r['speedup']:.3f} (target {_met(r)})  rel L2 {r.get('rel_l2_vs_default', math.nan):.2e}"
-    print(f"  {r['case']:6s} {r['dtype']:8s} {r['attention']:30s} {r['median_ms']:9.3f} ms{extra}", flush=True)
 
 
 # ----------------------------------------------------------------------------- main
@@ -497,15 +352,10 @@ def main(argv: list[str] | None = None) -> dict:
     device = check_device(parser, args.device)
     if args.cuda_graph and device.type != "cuda":
         parser.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
-    out = check_output(parser, args.out)
-    outputs = output_files(parser, [out + ".json", out + ".md", out + ".png"], tool="bench_integrations")
-
-    skipped = {}
-    for case in cases:
-        why = missing_library(case)
-        if why is not None:
-            skipped[case] = why
-            print(f"[bench_integrations] skipping {case}: {why}", flush=True)
+    outputs = prefix_outputs(parser, args.out, tool="bench_integrations")
+    skipped = {c: why for c in cases if (why := missing_library(c)) is not None}
+    for case, why in skipped.items():
+        print(f"[bench_integrations] skipping {case}: {why}", flush=True)
     runnable = [c for c in cases if c not in skipped]
     env = _environment({LIBRARY[c] for c in runnable})
     timing = {"warmup": args.warmup, "rep_ms": args.rep_ms, "min_reps": 5 if device.type == "cuda" else 1,
@@ -519,32 +369,34 @@ def main(argv: list[str] | None = None) -> dict:
               f"{env['transformers']}, diffusers {env['diffusers']}; TF32 off", flush=True)
         for case in runnable:
             for mode in modes:
-                base = dict(case=case, library=LIBRARY[case], model=case, img="-", tokens="-", batch="-",
+                info = dict(case=case, library=LIBRARY[case], model=case, img="-", tokens="-", batch="-",
                             dtype=str(MODES[mode].compute_dtype).replace("torch.", ""), mode=mode)
                 try:
                     cell = (flux_cell(mode, args.tiny, device) if case == "flux" else
                             transformers_cell(case, mode, args.batch, args.tiny, device))
                 except Exception as err:  # noqa: BLE001 - one failing cell must not stop the others
-                    cell_rows = [{**base, "attention": "-", "error": f"build failed: {failure_text(err, device)}"}]
+                    cell_rows = [{**info, "attention": "-", "error": f"build failed: {failure_text(err, device)}"}]
                 else:
-                    cell.info = {**base, **cell.info}
-                    if args.attention_free:
-                        cell.add_attention_free()
-                    cell_rows = measure(cell, device, timing, args.rounds, args.cuda_graph)
+                    cell_rows = measure_cell({**info, **cell[0]}, *cell[1:], device, timing, args.rounds,
+                                             args.cuda_graph, args.attention_free)
                     del cell
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 judge(cell_rows, judged)
                 for r in cell_rows:
-                    _print_row(r)
+                    what = f"  {r['case']:6s} {r['dtype']:8s} {r['attention']:30s}"
+                    if "error" in r:
+                        print(f"{what} {r['error']}", flush=True)
+                        continue
+                    extra = "" if "speedup" not in r else (f"  x{r['speedup']:.3f} (target {_met(r)})  rel L2 "
+                                                           f"{r.get('rel_l2_vs_default', math.nan):.2e}")
+                    print(f"{what} {r['median_ms']:9.3f} ms{extra}", flush=True)
                 rows += cell_rows
-
     result = {"environment": env, "settings": settings, "skipped": skipped, "rows": rows}
-    outputs.write_json(out + ".json", result)
     text = render_markdown(result)
-    outputs.write_text(out + ".md", text)
-    result["png"] = render_png(result, out + ".png", outputs)
+    write_results(outputs, args.out, result, text)
+    result["png"] = render_png(result, args.out + ".png", outputs)
     print(text)
     return result
 

@@ -1,28 +1,14 @@
 #!/usr/bin/env python
 """PASA accuracy and overflow benchmarks (PASA paper, Sec. 3, App. D-E) and speed.
 
-For each input case and each of the modes fp32, fp16 (FP32 score accumulation),
-fp16-acc16 (FP16 score accumulation, no shift) and pasa, it reports the share of
-non-finite output elements (NaN/inf %) and the relative RMSE against a float64
-golden computed from the same float32 inputs (Eq. 19: ||O - O_gold||_2 / ||O_gold||_2;
-NaN when the output has a non-finite element).
+Per input case of configs/eval_pasa.yaml (the paper's uniform and hybrid inputs with its x0 / Am sweeps of Figs.
+9-10, its Table 4 overflow cases, a Q/K resonance case and, on the GPU, SVD-IMG2VID-like shapes one batch element at a
+time) and mode (fp32, fp16, fp16-acc16, pasa): the share of non-finite output elements and the relative RMSE against
+a float64 golden of the same float32 inputs (Eq. 19). On CUDA the half-score modes run the Triton kernel
+(``pasa_fwd.pasa_attention``), the others :func:`visionattn.attention`; on CPU every mode runs
+:func:`visionattn.attention`. ``--bench`` (CUDA) times pasa, fp16-acc16, visionattn fp16 and SDPA-flash
+(``triton.testing.do_bench``).
 
-Cases (configs/eval_pasa.yaml): the paper's uniform U(x0-Am, x0+Am) and hybrid
-N(x0,1) + N(0,Am^2)*Bernoulli(0.001) inputs of shape (1, 16, 1280, 128) with the
-x0 / Am sweeps of its Figs. 9-10, its Table 4 overflow cases, a Q/K resonance
-case (periodic head-dim patterns in phase / 180 degrees apart) and, on the GPU,
-SVD-IMG2VID-like shapes [50, 5, 9216, 64] (processed one batch element at a time).
-
-On CUDA, pasa and fp16-acc16 run the Triton kernel
-(:func:`visionattn.kernels.pasa_fwd.pasa_attention`); fp32 and fp16 run
-:func:`visionattn.attention` (the dense kernels, or the reference where they do
-not cover the call, as its warning says). On CPU every mode runs
-:func:`visionattn.attention` (the PyTorch references).
-
-``--bench`` (CUDA) times pasa, fp16-acc16, visionattn fp16 and SDPA-flash at
-N = 4096..65536, D = 64 and 128 with ``triton.testing.do_bench``.
-
-Usage:
     python tools/eval_pasa.py                       # GPU, full sizes -> out/pasa_<gpu>.*
     python tools/eval_pasa.py --bench               # ... plus the speed table
     python tools/eval_pasa.py --cpu --quick         # CPU, reduced sizes -> out/pasa_cpu.*
@@ -42,12 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, check_output, default_out, environment, figure,  # noqa: E402
-                      load_config, markdown_table, output_files)
+from _harness import (ToolParser, default_out, environment, figure, load_config, markdown_table,  # noqa: E402
+                      md_header, prefix_outputs, write_results)
 
 import visionattn  # noqa: E402
-from visionattn.pasa import BENCHMARK_KINDS, benchmark_inputs
-from visionattn.reference import oracle_attention
+from visionattn.modes import MODES  # noqa: E402
+from visionattn.pasa import BENCHMARK_KINDS, benchmark_inputs  # noqa: E402
+from visionattn.reference import oracle_attention  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,76 +112,50 @@ class PasaConfig(_Strict):
 
 
 def run_mode(mode: str, q, k, v, scale: float) -> torch.Tensor:
-    """Output of one mode, [B, H, N, Dv] float32."""
-    if q.is_cuda and mode in ("pasa", "fp16-acc16"):
+    """Output of one mode, [B, H, N, Dv] float32: the PASA kernel for a half-score mode on CUDA."""
+    if q.is_cuda and MODES[mode].half_scores:
         from visionattn.kernels.pasa_fwd import pasa_attention
 
         return pasa_attention(q.half(), k.half(), v.half(), None, None, False, scale,
-                              shift=mode == "pasa").float()
+                              shift=MODES[mode].pasa_shift).float()
     return visionattn.attention(q, k, v, scale=scale, mode=mode).float()
 
 
-class _Acc:
-    """Accumulates ||O - O_gold||^2, ||O_gold||^2 and the non-finite count over chunks."""
-
-    def __init__(self):
-        self.err2 = self.ref2 = 0.0
-        self.bad = self.total = 0
-
-    def add(self, out, gold):
-        self.bad += int((~torch.isfinite(out)).sum())
-        self.total += out.numel()
-        self.err2 += float(((out.double() - gold) ** 2).sum())
-        self.ref2 += float((gold ** 2).sum())
-
-    def result(self) -> dict:
-        rmse = math.sqrt(self.err2 / self.ref2) if self.bad == 0 else float("nan")
-        return {"nan_inf_pct": 100.0 * self.bad / max(self.total, 1), "rmse": rmse}
-
-
-def eval_case(case: dict, shape, modes, device, seed: int, chunks: int = 1) -> dict:
-    """NaN/inf % and RMSE of every mode on one case; ``chunks`` > 1 splits the batch (seed per chunk)."""
-    accs = {m: _Acc() for m in modes}
-    B = shape[0]
-    per = max(B // chunks, 1)
-    for c0 in range(0, B, per):
-        sub = (min(per, B - c0),) + tuple(shape[1:])
-        q, k, v = benchmark_inputs(case["kind"], case["x0"], case["am"], sub, seed=seed + 7919 * c0, device=device)
+def eval_case(case: dict, shape, modes, device, seed: int) -> dict:
+    """NaN/inf % and RMSE of every mode on one case, one batch element at a time (bounding the float64 golden's
+    memory; seed per element): ||O - O_gold||^2 and ||O_gold||^2 summed over the elements."""
+    sums = {m: [0.0, 0.0, 0, 0] for m in modes}  # err2, ref2, non-finite, elements
+    for b in range(shape[0]):
+        q, k, v = benchmark_inputs(case["kind"], case["x0"], case["am"], (1, *shape[1:]), seed=seed + 7919 * b,
+                                   device=device)
         scale = shape[-1] ** -0.5
         gold = oracle_attention(q, k, v, scale=scale)
         for m in modes:
-            accs[m].add(run_mode(m, q, k, v, scale), gold)
+            out = run_mode(m, q, k, v, scale)
+            acc = sums[m]
+            acc[0] += float(((out.double() - gold) ** 2).sum())
+            acc[1] += float((gold ** 2).sum())
+            acc[2] += int((~torch.isfinite(out)).sum())
+            acc[3] += out.numel()
         del q, k, v, gold
-    return {m: a.result() for m, a in accs.items()}
-
-
-def _cases(cfg: dict, quick: bool, cuda: bool):
-    """(section, case) pairs in report order."""
-    for sw in cfg["sweeps"]:
-        sweep_key = "x0" if isinstance(sw["x0"], list) else "am"
-        for val in sw[sweep_key]:
-            case = {"kind": sw["kind"], "x0": sw["x0"], "am": sw["am"]}
-            case[sweep_key] = val
-            yield sw["name"], case
-    for c in cfg["table4"]:
-        yield "Table 4 (overflow cases of the paper)", dict(c)
-    for c in cfg["resonance"]:
-        yield "resonance", dict(c)
-    if cuda and not quick:
-        for c in cfg["svd"]["cases"]:
-            yield "SVD-like [50, 5, 9216, 64]", dict(c, shape=cfg["svd"]["shape"])
+    return {m: {"nan_inf_pct": 100.0 * bad / max(total, 1), "rmse": math.sqrt(err2 / ref2) if bad == 0 else math.nan}
+            for m, (err2, ref2, bad, total) in sums.items()}
 
 
 def run_accuracy(cfg: dict, args, device) -> list[dict]:
-    shape = cfg["quick_shape"] if args.quick else cfg["shape"]
+    """One row per case (report order: the sweeps, Table 4, resonance, on a full-size GPU run the SVD shapes)."""
+    cases = [(sw["name"], {"kind": sw["kind"], "x0": sw["x0"], "am": sw["am"], key: val}) for sw in cfg["sweeps"]
+             for key in ["x0" if isinstance(sw["x0"], list) else "am"] for val in sw[key]]
+    cases += [("Table 4 (overflow cases of the paper)", dict(c)) for c in cfg["table4"]]
+    cases += [("resonance", dict(c)) for c in cfg["resonance"]]
+    if device.type == "cuda" and not args.quick:
+        cases += [("SVD-like [50, 5, 9216, 64]", dict(c, shape=cfg["svd"]["shape"])) for c in cfg["svd"]["cases"]]
     rows = []
-    cases = list(_cases(cfg, args.quick, device.type == "cuda"))
     for section, case in tqdm(cases, desc="accuracy cases"):
-        shp = case.pop("shape", shape)
-        chunks = shp[0]  # one batch element at a time (bounds the float64 golden's memory)
+        shape = case.pop("shape", cfg["quick_shape"] if args.quick else cfg["shape"])
         t0 = time.perf_counter()
-        res = eval_case(case, shp, cfg["modes"], device, cfg["seed"], chunks=chunks)
-        rows.append({"section": section, **case, "shape": list(shp), "results": res,
+        res = eval_case(case, shape, cfg["modes"], device, cfg["seed"])
+        rows.append({"section": section, **case, "shape": list(shape), "results": res,
                      "seconds": time.perf_counter() - t0})
     return rows
 
@@ -248,58 +209,40 @@ def run_bench(cfg: dict, device) -> list[dict]:
     return rows
 
 
-def _fmt(r: dict) -> str:
-    if r["nan_inf_pct"] > 0:
-        return f"NaN/inf {r['nan_inf_pct']:.3g}%"
-    return f"{r['rmse']:.3e}"
-
-
 def to_markdown(results: dict) -> str:
-    env = results["environment"]
     modes = results["modes"]
-    text = ["# PASA: overflow and accuracy (PASA paper, Sec. 3 / App. D-E)\n",
-            f"Device: {env['device']}; torch {env['torch']}, triton {env['triton']}; "
-            f"command: `{env['command']}`\n",
-            "Cells: relative RMSE vs the float64 golden of the same float32 inputs (Eq. 19), or the share of "
-            "non-finite output elements when there are any. fp16 = FP16 inputs with FP32 score accumulation; "
-            "fp16-acc16 = FP16 score accumulation without shift; pasa = FP16 score accumulation with online "
-            f"pseudo-average shifting (beta = 0.984497 for 128-key blocks). Notes: {results['notes']}\n"]
-    section = None
-    rows = []
-    for row in results["accuracy"]:
-        if row["section"] != section:
-            if rows:
-                text.append(markdown_table(rows, header))
-            section, rows = row["section"], []
-            text.append(f"\n## {section} — shape {row['shape']}\n")
-            header = ["kind", "x0", "Am"] + modes + ["pasa / fp16 RMSE"]
-            if "paper_nan_pct" in row:
-                header.insert(3, "paper NaN % (FP16 acc.)")
-        pr = row["results"]
-        ratio = pr["pasa"]["rmse"] / pr["fp16"]["rmse"] if pr["fp16"]["rmse"] > 0 else float("nan")
-        cells = [row["kind"], row["x0"], row["am"]] + [_fmt(pr[m]) for m in modes] + [ratio]
-        if "paper_nan_pct" in row:
-            cells.insert(3, row["paper_nan_pct"])
-        rows.append(cells)
-    if rows:
-        text.append(markdown_table(rows, header))
+    text = md_header("PASA: overflow and accuracy (PASA paper, Sec. 3 / App. D-E)", results["environment"],
+                     "Cells: relative RMSE vs the float64 golden of the same float32 inputs (Eq. 19), or the share of "
+                     "non-finite output elements when there are any. fp16 = FP16 inputs with FP32 score accumulation; "
+                     "fp16-acc16 = FP16 score accumulation without shift; pasa = FP16 score accumulation with online "
+                     f"pseudo-average shifting (beta = 0.984497 for 128-key blocks). Notes: {results['notes']}")
+    cell = lambda r: f"NaN/inf {r['nan_inf_pct']:.3g}%" if r["nan_inf_pct"] > 0 else f"{r['rmse']:.3e}"  # noqa
+    for section in dict.fromkeys(r["section"] for r in results["accuracy"]):
+        rows = [r for r in results["accuracy"] if r["section"] == section]
+        paper = "paper_nan_pct" in rows[0]
+        table = []
+        for row in rows:
+            pr = row["results"]
+            ratio = pr["pasa"]["rmse"] / pr["fp16"]["rmse"] if pr["fp16"]["rmse"] > 0 else float("nan")
+            table.append([row["kind"], row["x0"], row["am"]] + [row.get("paper_nan_pct")] * paper
+                         + [cell(pr[m]) for m in modes] + [ratio])
+        text += [f"\n## {section} — shape {rows[0]['shape']}\n", markdown_table(
+            table, ["kind", "x0", "Am"] + ["paper NaN % (FP16 acc.)"] * paper + modes + ["pasa / fp16 RMSE"])]
     if results.get("bench"):
         names = list(results["bench"][0]["ms"])
-        text.append("\n## Speed (forward, ms; TFLOP/s = 4 B H N^2 D / t)\n")
-        text.append(f"visionattn fp16 kernel: {results['bench'][0]['fp16_kernel']}. pasa / fp16 uses the "
-                    "visionattn fp16 kernel where available, else SDPA-flash.\n")
-        brows = [[r["N"], r["D"]] + [f"{r['ms'][n]:.3f} ({r['tflops'][n]:.0f})" for n in names]
-                 + [r["pasa_over_fp16"]] for r in results["bench"]]
-        text.append(markdown_table(brows, ["N", "D"] + [f"{n} ms (TFLOP/s)" for n in names] + ["pasa / fp16"]))
-        for r in results["bench"]:
-            if r.get("pasa_configs"):
-                text.append(f"\npasa launch configs at N={r['N']}, D={r['D']} (default: {r['ms']['pasa']:.3f} ms):\n")
-                text.append(markdown_table([[str(c["config"]), c["ms"]] for c in r["pasa_configs"]],
-                                           ["config", "ms"]))
+        text += ["\n## Speed (forward, ms; TFLOP/s = 4 B H N^2 D / t)\n",
+                 f"visionattn fp16 kernel: {results['bench'][0]['fp16_kernel']}. pasa / fp16 uses the "
+                 "visionattn fp16 kernel where available, else SDPA-flash.\n",
+                 markdown_table([[r["N"], r["D"]] + [f"{r['ms'][n]:.3f} ({r['tflops'][n]:.0f})" for n in names]
+                                 + [r["pasa_over_fp16"]] for r in results["bench"]],
+                                ["N", "D"] + [f"{n} ms (TFLOP/s)" for n in names] + ["pasa / fp16"])]
+        for r in (r for r in results["bench"] if r.get("pasa_configs")):
+            text += [f"\npasa launch configs at N={r['N']}, D={r['D']} (default: {r['ms']['pasa']:.3f} ms):\n",
+                     markdown_table([[str(c["config"]), c["ms"]] for c in r["pasa_configs"]], ["config", "ms"])]
     return "\n".join(text)
 
 
-def plot(results: dict, path: str, outputs: OutputFiles | None = None) -> None:
+def plot(results: dict, path: str, outputs=None) -> None:
     """Figs. 9-10 style: RMSE per mode over each sweep; overflowing points marked at the top."""
     sweeps = [s for s in dict.fromkeys(r["section"] for r in results["accuracy"]) if "sweep" in s]
     panels = max(len(sweeps), 1)
@@ -339,9 +282,8 @@ def build_parser() -> ToolParser:
     p = ToolParser(prog="eval_pasa.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=os.path.join(REPO, "configs", "eval_pasa.yaml"),
                    help="YAML with shapes, sweeps and bench sizes")
-    p.add_argument("--out", default=None,
-                   help="output path without extension (writes .md, .json, .png); default "
-                        "out/pasa_<gpu or cpu>")
+    p.add_argument("--out", help="output path without extension (writes .md, .json, .png); default "
+                                 "out/pasa_<gpu or cpu>")
     p.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is available")
     p.add_argument("--quick", action="store_true", help="reduced shape (config quick_shape), no SVD-like shapes")
     p.add_argument("--bench", action="store_true", help="also time pasa / fp16-acc16 / fp16 / SDPA-flash (CUDA)")
@@ -359,14 +301,12 @@ def main(argv=None) -> dict:
     if (args.bench or args.bench_only) and device.type != "cuda":
         parser.error("--bench / --bench-only need a CUDA device (drop them, or run on a GPU without --cpu)")
     cfg = load_config(parser, args.config, PasaConfig)
-    out = check_output(parser, args.out or default_out(f"pasa_{_default_tag(device)}"))
+    out = os.path.abspath(args.out or default_out(f"pasa_{_default_tag(device)}"))
     plots = not args.bench_only and not args.no_plot
-    outputs = output_files(parser, [out + ".json", out + ".md"] + [out + ".png"] * plots, tool="eval_pasa")
-    notes = []
-    if device.type == "cuda":
-        notes.append("pasa / fp16-acc16: Triton kernel visionattn.kernels.pasa_fwd; fp32 / fp16: visionattn.attention")
-    else:
-        notes.append("all modes: visionattn.attention on CPU (PyTorch references; FP16 accumulation emulated)")
+    outputs = prefix_outputs(parser, out, [".json", ".md"] + [".png"] * plots, tool="eval_pasa")
+    notes = ["pasa / fp16-acc16: Triton kernel visionattn.kernels.pasa_fwd; fp32 / fp16: visionattn.attention"
+             if device.type == "cuda" else
+             "all modes: visionattn.attention on CPU (PyTorch references; FP16 accumulation emulated)"]
     if args.quick:
         notes.append("--quick: reduced shape, so rare overflows of the full shape may not occur")
     results = {"environment": environment(), "modes": cfg["modes"], "notes": "; ".join(notes),
@@ -376,11 +316,8 @@ def main(argv=None) -> dict:
         results["accuracy"] = run_accuracy(cfg, args, device)
     if args.bench or args.bench_only:
         results["bench"] = run_bench(cfg, device)
-    outputs.write_json(out + ".json", results)
     md = to_markdown(results)
-    outputs.write_text(out + ".md", md)
-    if results["accuracy"] and not args.no_plot:
-        plot(results, out + ".png", outputs)
+    write_results(outputs, out, results, md, plot if results["accuracy"] and not args.no_plot else None)
     print(md)
     return results
 

@@ -3,6 +3,8 @@ import json
 import os
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tools"))
 
@@ -60,10 +62,8 @@ def test_targets_report_the_amdahl_bound():
     assert bench_models._met(hard) == "NO (target above the bound)" and bench_models._met(easy) == "yes"
 
 
-def test_bench_models_compile_cpu(tmp_path):
+def test_bench_models_compile_cpu(tmp_path, capsys):
     """--compile times torch.compile'd forwards (one round) and checks each against the eager output."""
-    import pytest
-
     out = str(tmp_path / "models_compiled")
     args = bench_models.parser.parse_args(["--device", "cpu", "--modes", "fp32", "--no-share", "--warmup", "1",
                                            "--cases", "vit_tiny_patch16_224:32:1", "--rep-ms", "1",
@@ -73,6 +73,19 @@ def test_bench_models_compile_cpu(tmp_path):
     assert result["settings"]["compile"] == "default" and all(r["rounds"] == 1 for r in rows.values())
     assert rows["unpatched"]["compiled_rel_l2"] <= 1e-5 and rows["fp32"]["compiled_rel_l2"] <= 1e-5
     assert "torch.compile timing" in open(out + ".md").read()
-    with pytest.raises(ValueError, match="pick one"):
+    with pytest.raises(SystemExit) as exc:  # one line, exit 2
         bench_models.main(bench_models.parser.parse_args(["--device", "cpu", "--compile", "default", "--cuda-graph",
                                                           "--out", str(tmp_path / "x")]))
+    assert exc.value.code == 2 and "pick one" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad, flag", [(["--cases", "vit_tiny_patch16_224:32"], "--cases"),
+                                       (["--modes", "fp32,fp9"], "--modes"), (["--case-slice", "5"], "--case-slice"),
+                                       (["--rounds", "0"], "--rounds"), (["--device", "cpu", "--cuda-graph"],
+                                                                         "--cuda-graph")])
+def test_bad_arguments_exit_2_with_one_line(bad, flag, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_models.main(bench_models.parser.parse_args(bad + ["--out", str(tmp_path / "new" / "r")]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and flag in err[0], err
+    assert not (tmp_path / "new").exists()

@@ -1,4 +1,4 @@
-"""tools/eval_imagenet.py and its helpers (tools/_imagenet_data.py, tools/_timm_models.py): layouts, label
+"""tools/eval_imagenet.py (with its ImageNet data helpers) and tools/_timm_models.py: layouts, label
 mapping, per-mode evaluation, argument checks.
 
 References: timm's own ImageNetInfo (class order), the unpatched timm model (native), and a checkpoint
@@ -27,7 +27,7 @@ ALL_MODES = ["native", "fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa", "nat
 
 
 tool = load_script("tools/eval_imagenet.py")
-imagenet = tool.data  # tools/_imagenet_data.py, as the tool imports it
+imagenet = tool  # the ImageNet layouts, labels and synthetic crops live in the tool
 import _timm_models as timm_models  # noqa: E402  (tools/ is on sys.path once the tool is loaded)
 
 
@@ -116,7 +116,7 @@ def test_every_mode_on_imagefolder(imagefolder, tmp_path):
     md = (tmp_path / "res.md").read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| mode")]
     assert [ln.split("|")[1].strip() for ln in rows] == ALL_MODES
-    assert "allow_tf32=False" in md and "Command:" in md
+    assert "allow_tf32=False" in md and "* command: `python tools/eval_imagenet.py " in md
     assert "made no `scaled_dot_product_attention` call" not in md  # ViT's attention is SDPA: cast
 
 
