@@ -1,4 +1,4 @@
-"""tools/bench_window_train.py on CPU (Triton's interpreter): a tiny Swin and Swin-v2 stage, every backend in fp32
+"""tools/bench_window.py --train on CPU (Triton's interpreter): a tiny Swin and Swin-v2 stage, every backend in fp32
 and bf16, the gradient errors against float64, the ratios and the files."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 from testdata import load_script
 
-tool = load_script("tools/bench_window_train.py")
+tool = load_script("tools/bench_window.py")
 
 TINY = """models:
   - {name: tiny_v1, kind: v1, img: 56, embed_dim: 16, heads: [2], window: 7}
@@ -18,7 +18,7 @@ def test_tiny_swin_and_swinv2_rows(tmp_path):
     cfg = tmp_path / "models.yaml"
     cfg.write_text(TINY)
     out = tmp_path / "wt"
-    args = tool.build_parser().parse_args(["--device", "cpu", "--config", str(cfg), "--cases", "tiny_v1:0:1",
+    args = tool.build_parser().parse_args(["--train", "--device", "cpu", "--config", str(cfg), "--cases", "tiny_v1:0:1",
                                            "tiny_v2:0:1", "--repeats", "1", "--out", str(out)])
     res = tool.main(args)
     got = [(r["model"], r["mode"], r["backend"]) for r in res["rows"]]
@@ -47,5 +47,5 @@ def test_tiny_swin_and_swinv2_rows(tmp_path):
 
 def test_bad_case_names_the_argument(tmp_path):
     with pytest.raises(SystemExit, match="--cases"):
-        tool.main(tool.build_parser().parse_args(["--device", "cpu", "--cases", "nope:0:1", "--out",
+        tool.main(tool.build_parser().parse_args(["--train", "--device", "cpu", "--cases", "nope:0:1", "--out",
                                                   str(tmp_path / "x")]))
