@@ -27,8 +27,8 @@ __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "n
            "add_common", "default_out", "check_output", "check_output_folder", "output_folder", "output_files",
            "check_device", "failure_text", "first_error", "CorruptImageError", "read_rgb", "check_image",
            "load_config", "environment", "atomic_path", "write_text_atomic", "write_json_atomic", "OutputFiles",
-           "markdown_table", "figure", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms",
-           "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree",
+           "markdown_table", "figure", "md_header", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms", "kernel_ms",
+           "eager_ms", "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree",
            "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
 
 
@@ -739,7 +739,14 @@ def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
     return peak / 2**20
 
 
-# --------------------------------------------------------------------------------------------------- plots
+# --------------------------------------------------------------------------------------------------- reports
+def md_header(title: str, env: dict, *notes: str) -> list[str]:
+    """The opening lines of a markdown report: ``# title: device``, the command, the versions, a bullet per note."""
+    return [f"# {title}: {env.get('device')}", "", f"* command: `{env.get('command')}`",
+            f"* torch {env.get('torch')} (CUDA {env.get('cuda')}), triton {env.get('triton')}, timm {env.get('timm')}, "
+            f"python {env.get('python')}", *(f"* {n}" for n in notes), ""]
+
+
 @contextlib.contextmanager
 def figure(path: str, outputs: OutputFiles | None = None, *args: Any, dpi: int = 120, tool: str | None = None,
            **subplots: Any) -> Iterator[tuple[Any, Any]]:

@@ -41,8 +41,8 @@ from tqdm import tqdm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_timings, eager_ms,  # noqa: E402
-                      environment, failure_text, figure, kernel_ms, markdown_table, output_files, peak_extra_mb,
-                      positive_int, sample_ms, tf32_disabled)
+                      environment, failure_text, figure, kernel_ms, markdown_table, md_header, output_files,
+                      peak_extra_mb, positive_int, sample_ms, tf32_disabled)
 from _timm_models import create_timm_model  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
@@ -665,11 +665,8 @@ def _f(x, fmt="{:.3f}"):
 
 
 def train_markdown(result: dict) -> str:
-    env = result["environment"]
-    lines = [f"# Window attention forward + backward vs timm's attention lines: {env['device']}", "",
-             f"* command: `{env['command']}`",
-             f"* torch {env['torch']}, triton {env['triton']}, timm {env['timm']}, python {env['python']}",
-             f"* {result['timing']}", f"* {result['precision']}", ""]
+    lines = md_header("Window attention forward + backward vs timm's attention lines", result["environment"],
+                      result["timing"], result["precision"])
     header = ["case", "mode", "backend", "ms", "graph ms", "eager / graph", "x timm default", "x timm-eager",
               "peak extra MiB", "dqkv rel err", "dbias rel err", "dlogit_scale rel err"]
     table = []
