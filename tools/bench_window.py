@@ -42,7 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_timings, eager_ms,  # noqa: E402
                       environment, failure_text, figure, kernel_ms, markdown_table, md_header, output_files,
-                      peak_extra_mb, positive_int, sample_ms, tf32_disabled)
+                      peak_extra_mb, per_call_ms, positive_int, tf32_disabled)
 from _timm_models import create_timm_model  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
@@ -135,16 +135,23 @@ def attn_inputs(attn, kind: str, batch: int, st: dict, mask, device, dtype):
     """q, k, v views of one qkv tensor [B*nW, N, 3, H, D] and the bias the module would use."""
     BW, N, H = batch * st["nW"], st["N"], st["heads"]
     D = st["dim"] // H
-    qkv = torch.randn(BW, N, 3, H, D, device=device, dtype=dtype).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
+    q, k, v = _qkv(torch.randn(BW, N, 3, H, D, device=device, dtype=dtype))
+    return q, k, v, module_bias(attn, kind, N, H)
+
+
+def module_bias(attn, kind: str, N: int, H: int) -> torch.Tensor:
+    """The relative position bias [H, N, N] the timm module adds (Swin-v2: its CPB MLP, ``16 * sigmoid``)."""
     with torch.no_grad():
         if kind == "v1":
-            bias = attn._get_rel_pos_bias()[0]
-        else:
-            table = attn.cpb_mlp(attn.relative_coords_table).view(-1, H)
-            rel = table[attn.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
-            bias = 16 * torch.sigmoid(rel)  # as timm's (and the patched) Swin-v2 module
-    return q, k, v, bias
+            return attn._get_rel_pos_bias()[0].contiguous()
+        table = attn.cpb_mlp(attn.relative_coords_table).view(-1, H)
+        return 16 * torch.sigmoid(table[attn.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
+                                  .contiguous())
+
+
+def _qkv(qkv):
+    """q, k, v [B*nW, H, N, D]: timm's ``qkv.unbind`` views of a [B*nW, N, 3, H, D] tensor."""
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
 # ----------------------------------------------------------------------------- methods (attention only)
@@ -532,22 +539,11 @@ def make_case(model: dict, st: dict, batch: int, mode: str, device) -> dict:
     D = st["dim"] // H
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(BW, N, 3, H, D, generator=g).to(device=device, dtype=dtype).requires_grad_()
-    with torch.no_grad():
-        if kind == "v1":
-            bias = attn._get_rel_pos_bias()[0]
-        else:
-            table = attn.cpb_mlp(attn.relative_coords_table).view(-1, H)
-            rel = table[attn.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
-            bias = 16 * torch.sigmoid(rel)  # as timm's Swin-v2 module
-    leaves = [qkv, bias.contiguous().requires_grad_()]
+    leaves = [qkv, module_bias(attn, kind, N, H).requires_grad_()]
     if kind == "v2":
         leaves.append(attn.logit_scale)
     do = torch.randn(BW, H, N, D, generator=g).to(device=device, dtype=dtype)
     return {"kind": kind, "attn": attn, "mask": mask, "leaves": leaves, "do": do, "dtype": dtype, "mode": mode}
-
-
-def _qkv(qkv):
-    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def forward_fn(case: dict, backend: str):
@@ -598,19 +594,13 @@ def oracle_grads(case: dict) -> list[torch.Tensor]:
     return list(torch.autograd.grad(out, leaves64, case["do"].double()))
 
 
-def _cpu_ms(step, repeats: int) -> float:
-    """Median CPU wall-clock ms of ``step`` (Triton's interpreter for visionattn)."""
-    times = sample_ms(step, "cpu", warmup=1, reps=repeats)
-    return sorted(times)[len(times) // 2]
-
-
 def time_step(step, device: torch.device, calls: int, repeats: int, graph: bool) -> dict:
     """{"ms", "graph_ms", "graph_error"}: eager beside graph replay on CUDA (:func:`_harness.eager_graph_timings`;
     eager alone unless ``graph``); CPU wall clock (no graph) else."""
     if device.type == "cuda" and not graph:
         return {"ms": eager_ms(step, calls=calls, repeats=repeats), "graph_ms": None, "graph_error": None}
-    eager, graph_ms, error = eager_graph_timings(lambda: step, lambda fn: _cpu_ms(fn, repeats), device, calls,
-                                                 repeats)
+    cpu = per_call_ms(torch.device("cpu"), 1, repeats, warmup=1)  # wall clock (Triton's interpreter)
+    eager, graph_ms, error = eager_graph_timings(lambda: step, cpu, device, calls, repeats)
     return {"ms": eager, "graph_ms": graph_ms, "graph_error": error}
 
 
