@@ -513,15 +513,15 @@ def plot(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
 
 # ----------------------------------------------------------------------------- --train
 def parse_case(text: str, models: dict) -> tuple[dict, dict, int]:
-    """``model:stage:batch`` -> (model entry, stage shape, batch); raises SystemExit naming the bad part."""
+    """``model:stage:batch`` -> (model entry, stage shape, batch); exit 2 with one line naming the bad part."""
     parts = text.split(":")
     if len(parts) != 3 or parts[0] not in models or not parts[1].isdigit() or not parts[2].isdigit():
-        raise SystemExit(f"--cases {text!r}: expected model:stage:batch with model one of {sorted(models)}")
+        parser.error(f"--cases {text!r}: expected model:stage:batch with model one of {sorted(models)}")
     model = models[parts[0]]
     stages = stage_shapes(model)
     stage, batch = int(parts[1]), int(parts[2])
     if stage >= len(stages) or batch < 1:
-        raise SystemExit(f"--cases {text!r}: stage must be below {len(stages)} and batch at least 1")
+        parser.error(f"--cases {text!r}: stage must be below {len(stages)} and batch at least 1")
     return model, stages[stage], batch
 
 
@@ -702,11 +702,9 @@ def train_plot(result: dict, path: str, outputs: OutputFiles | None = None) -> N
         ax.legend()
 
 
-def main_train(args, cfg: dict, outputs: OutputFiles) -> dict:
+def main_train(args, cases: list, outputs: OutputFiles) -> dict:
     """``--train``: forward + backward of every case and mode."""
     device = torch.device(args.device)
-    models = {m["name"]: m for m in cfg["models"]}
-    cases = [parse_case(c, models) for c in args.cases]
     rows = []
     with tf32_disabled():
         for model, st, batch in cases:
@@ -734,14 +732,16 @@ def main(args) -> dict:
     """Run the benchmark described by ``args`` (see ``--help``); returns the result dict."""
     if not os.path.isfile(args.config):
         parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_window.yaml")
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    if args.train:
+        cases = [parse_case(c, {m["name"]: m for m in cfg["models"]}) for c in args.cases]
     tool = "bench_window_train" if args.train else "bench_window"
     args.out = args.out or default_out("window_train" if args.train else "window_bench")
     check_output(parser, args.out)
     outputs = output_files(parser, [args.out + ".json", args.out + ".md", args.out + ".png"], tool=tool)
-    with open(args.config) as f:
-        cfg = yaml.safe_load(f)
     if args.train:
-        return main_train(args, cfg, outputs)
+        return main_train(args, cases, outputs)
     if not torch.cuda.is_available():
         raise SystemExit("bench_window.py needs a CUDA GPU (the window kernel is a Triton GPU kernel); "
                          "--train runs on the CPU")

@@ -45,7 +45,12 @@ def test_tiny_swin_and_swinv2_rows(tmp_path):
     assert (tmp_path / "wt.png").stat().st_size > 0
 
 
-def test_bad_case_names_the_argument(tmp_path):
-    with pytest.raises(SystemExit, match="--cases"):
-        tool.main(tool.build_parser().parse_args(["--train", "--device", "cpu", "--cases", "nope:0:1", "--out",
-                                                  str(tmp_path / "x")]))
+@pytest.mark.parametrize("case", ["nope:0:1", "swin_base_224:9:1", "swin_base_224:0"])
+def test_bad_case_exits_2_with_one_line_naming_the_argument(case, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.main(tool.build_parser().parse_args(["--train", "--device", "cpu", "--cases", case, "--out",
+                                                  str(tmp_path / "x" / "r")]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cases" in err[0], err
+    assert not (tmp_path / "x").exists()
