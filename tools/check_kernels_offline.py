@@ -308,15 +308,13 @@ def main(args) -> dict:
           f"triton version gives its figures); limit {HOPPER_SHARED_LIMIT} bytes per block\n"
           f"* command: `{env.get('command', '')}`\n* {len(rows)} variants, {len(over)} over the limit "
           f"(the launcher then retries smaller configs), {len(failed)} failed to compile\n"
-          f"* registers and spill bytes per thread (stack frame + local memory, where ptxas spills) from the cubin "
-          f"(`cuobjdump -res-usage`); programs / SM = "
-          f"programs one SM holds at once by the Hopper occupancy rules (registers, 228 KiB shared memory with 1 KiB "
-          f"reserved per program, 64 warps, 32 programs); a config over the shared-memory limit shows 0\n"
-          f"* SASS instructions: a static count of the cubin (`nvdisasm`; a loop body counts once), comparable "
-          f"between variants of one kernel at the same tiles\n"
-          f"* half-gluon (warp-specialized): registers are the launch cap over its 12 warps (8 with one consumer "
-          f"warpgroup, 20 with four); `setmaxnreg` then gives each consumer thread 240 (232 with one, 112-120 with "
-          f"four) and each producer thread 24"
+          "* registers and spill bytes (stack frame + local memory) per thread from the cubin (`cuobjdump "
+          "-res-usage`); programs / SM by the Hopper occupancy rules (registers, 228 KiB shared memory with 1 KiB per "
+          "program, 64 warps, 32 programs; 0 over the limit)\n"
+          "* SASS instructions: a static count (`nvdisasm`; a loop body counts once), comparable between variants "
+          "of one kernel at the same tiles\n* half-gluon (warp-specialized): registers are the launch cap over its "
+          "12 warps (8 / 20 with one / four consumer warpgroups); `setmaxnreg` then gives each consumer thread 240 "
+          "(232 with one, 112-120 with four) and each producer 24"
           f"\n\n{table}\n")
     outputs.write_text(args.out + ".md", md)
     outputs.write_json(args.out + ".json", result)
