@@ -27,9 +27,10 @@ __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "n
            "add_common", "default_out", "check_output", "check_output_folder", "output_folder", "output_files",
            "check_device", "failure_text", "first_error", "CorruptImageError", "read_rgb", "check_image",
            "load_config", "environment", "atomic_path", "write_text_atomic", "write_json_atomic", "OutputFiles",
-           "markdown_table", "figure", "md_header", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms", "kernel_ms",
-           "eager_ms", "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree",
-           "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
+           "markdown_table", "figure", "bars", "md_header", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
+           "kernel_ms", "eager_ms", "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms",
+           "peak_extra_mb", "AttentionFree", "attention_free", "cores", "worker_env", "run_worker", "run_isolated",
+           "run_chunks"]
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -769,6 +770,16 @@ def figure(path: str, outputs: OutputFiles | None = None, *args: Any, dpi: int =
             (outputs or OutputFiles(tool)).save_figure(fig, path, dpi=dpi)
     finally:
         plt.close(fig)
+
+
+def bars(ax, labels: Sequence[str], series: dict, fontsize: int = 8) -> None:
+    """Grouped bars on ``ax``: a group per label, a bar per series (name -> values, one per label; None: no bar),
+    each group centred on its tick."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        shown = [(j + (i - (len(series) - 1) / 2) * width, v) for j, v in enumerate(values) if v is not None]
+        ax.bar([x for x, _ in shown], [v for _, v in shown], width, label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=fontsize)
 
 
 # --------------------------------------------------------------------------------------------------- isolation

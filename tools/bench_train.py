@@ -37,7 +37,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _harness import (AttentionFree, OutputFiles, ToolParser, call_ms, check_device, check_output,  # noqa: E402
+from _harness import (AttentionFree, OutputFiles, ToolParser, bars, call_ms, check_device, check_output,  # noqa: E402
                       default_out, environment, failure_text, figure, markdown_table, md_header, nonnegative_int,
                       output_files, positive_float, positive_int, sample_ms)
 from _timm_models import create_timm_model, model_problem  # noqa: E402
@@ -387,13 +387,9 @@ def render_png(res: dict, path: str, outputs: OutputFiles | None = None) -> None
             if not any(r.get(key) for r in res["rows"]):
                 ax.text(0.5, 0.5, f"{ylabel}: not measured here", ha="center", transform=ax.transAxes)
             variants = [v for v in VARIANTS + (FREE,) if any(r["variant"] == v for r in res["rows"])]
-            width = 0.8 / len(variants)
-            for i, variant in enumerate(variants):
-                vals = [next((r.get(key) or 0.0 for r in res["rows"]
-                              if (r["model"], r["img"], r["batch"], r["mode"]) == g
-                              and r["variant"] == variant), 0.0) for g in groups]
-                ax.bar([j + width * i for j in range(len(groups))], vals, width=width, label=variant)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], labels, fontsize=7)
+            bars(ax, labels, {v: [next((r.get(key) or 0.0 for r in res["rows"] if r["variant"] == v and
+                                        (r["model"], r["img"], r["batch"], r["mode"]) == g), 0.0) for g in groups]
+                              for v in variants}, fontsize=7)
             ax.set_ylabel(ylabel)
             ax.grid(axis="y", alpha=0.3)
             ax.legend(fontsize=8)
@@ -463,27 +459,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        f"max rel gap {c['max_rel_gap']:.3g} "
                        f"(tolerance {c['tolerance']:.3g}: {'met' if c['met'] else 'NOT met'})")
             res["curves"].append(c)
-        outputs.write_json(prefix + ".json", res)
-        outputs.write_text(prefix + ".md", render_loss_markdown(res))
-        render_loss_png(res, prefix + ".png", outputs)
-        print(render_loss_markdown(res))
-        return res
-    settings.update(warmup=args.warmup, steps=args.steps, rounds=args.rounds)
-    res = {"environment": env, "settings": settings, "rows": [],
-           "timing": "CUDA events around each step, eager" if device.type == "cuda" else "wall time, CPU"}
-    for case, mode in tqdm(jobs, desc="cases x modes"):
-        rows = time_case(case, mode, device, args, model_kwargs)
-        un, ours = rows[:2]
-        tqdm.write(f"  {case['model']} {case['img']}px bs{case['batch']} {mode}: " + (
-            f"{un['ms']:.2f} -> {ours['ms']:.2f} ms/step x{ours['speedup']:.3f}" if "speedup" in ours
-            else f"{un.get('error') or ours.get('error')}")
-            + (f" (attention-free bound x{ours['bound']:.3f})" if "bound" in ours else ""))
-        res["rows"] += rows
-    res["targets"] = check_targets(res["rows"])
+        markdown, png = render_loss_markdown, render_loss_png
+    else:
+        settings.update(warmup=args.warmup, steps=args.steps, rounds=args.rounds)
+        res = {"environment": env, "settings": settings, "rows": [],
+               "timing": "CUDA events around each step, eager" if device.type == "cuda" else "wall time, CPU"}
+        for case, mode in tqdm(jobs, desc="cases x modes"):
+            rows = time_case(case, mode, device, args, model_kwargs)
+            un, ours = rows[:2]
+            tqdm.write(f"  {case['model']} {case['img']}px bs{case['batch']} {mode}: " + (
+                f"{un['ms']:.2f} -> {ours['ms']:.2f} ms/step x{ours['speedup']:.3f}" if "speedup" in ours
+                else f"{un.get('error') or ours.get('error')}")
+                + (f" (attention-free bound x{ours['bound']:.3f})" if "bound" in ours else ""))
+            res["rows"] += rows
+        res["targets"] = check_targets(res["rows"])
+        markdown, png = render_markdown, render_png
     outputs.write_json(prefix + ".json", res)
-    outputs.write_text(prefix + ".md", render_markdown(res))
-    render_png(res, prefix + ".png", outputs)
-    print(render_markdown(res))
+    outputs.write_text(prefix + ".md", markdown(res))
+    png(res, prefix + ".png", outputs)
+    print(markdown(res))
     return res
 
 

@@ -40,8 +40,8 @@ from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_timings, eager_ms,  # noqa: E402
-                      environment, failure_text, figure, kernel_ms, markdown_table, md_header, output_files,
+from _harness import (OutputFiles, ToolParser, bars, check_output, default_out, eager_graph_timings,  # noqa: E402
+                      eager_ms, environment, failure_text, figure, kernel_ms, markdown_table, md_header, output_files,
                       peak_extra_mb, per_call_ms, positive_int, tf32_disabled)
 from _timm_models import create_timm_model  # noqa: E402
 
@@ -685,18 +685,9 @@ def train_plot(result: dict, path: str, outputs: OutputFiles | None = None) -> N
     ok = [r for r in result["rows"] if r["error"] is None]
     groups = sorted({(r["model"], r["stage"], r["batch"], r["mode"]) for r in ok}, key=str)
     with figure(path, outputs, figsize=(max(6, 2.2 * len(groups)), 4), tool="bench_window_train") as (fig, ax):
-        width = 0.8 / len(BACKENDS)
-        for i, backend in enumerate(BACKENDS):
-            xs, ys = [], []
-            for j, g in enumerate(groups):
-                r = next((r for r in ok if (r["model"], r["stage"], r["batch"], r["mode"]) == g
-                          and r["backend"] == backend), None)
-                if r is not None:
-                    xs.append(j + (i - 1) * width)
-                    ys.append(r["ms"])
-            ax.bar(xs, ys, width, label=backend)
-        ax.set_xticks(range(len(groups)), [f"{m}\nstage {s + 1}, batch {b}\n{mode}" for m, s, b, mode in groups],
-                      fontsize=8)
+        bars(ax, [f"{m}\nstage {s + 1}, batch {b}\n{mode}" for m, s, b, mode in groups],
+             {b: [next((r["ms"] for r in ok if r["backend"] == b and (r["model"], r["stage"], r["batch"], r["mode"])
+                        == g), None) for g in groups] for b in BACKENDS})
         ax.set_ylabel("ms per forward + backward (eager)")
         ax.set_title(result["environment"]["device"])
         ax.legend()
