@@ -500,25 +500,17 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
         rs = [r for r in result["records"] if r["shape"] == shape]
         r0 = rs[0]
         lines += [f"## {shape} (B={r0['B']}, H={r0['H']}, N={r0['N']}, D={r0['D']})", ""]
+        grads = ("dq", "dk", "dv") if "flops" in result else ()  # forward + backward: the gradients' errors
+        header = ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph", "peak extra MiB",
+                  *([f"d{g[1].upper()} rel err" for g in grads] or ["rel err"])]
         rows = []
-        if "flops" in result:  # forward + backward: eager and graph time, gradient errors
-            for r in rs:
-                name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
-                errs = [f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in ("dq", "dk", "dv")]
-                rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"], *errs]
-                            if "ms" in r else [r["dtype"], name, "-", "-", "-", "-", "-", "-", "-", r["skipped"]])
-            lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph",
-                                               "peak extra MiB", "dQ rel err", "dK rel err", "dV rel err"]))
-            continue
         for r in rs:
             name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
-            if "ms" in r:
-                rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"],
-                             f"{r['rel_err']:.2e}"])
-            else:
-                rows.append([r["dtype"], name, "-", "-", "-", "-", "-", r["skipped"]])
-        lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph",
-                                           "peak extra MiB", "rel err"]))
+            errs = ([f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in grads] if grads
+                    else [f"{r['rel_err']:.2e}"] if "ms" in r else [])
+            rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"], *errs] if "ms" in r
+                        else [r["dtype"], name, *["-"] * (len(header) - 3), r["skipped"]])
+        lines.append(markdown_table(rows, header))
     lines += ["## Targets", ""]
     trows = []
     for t in result["targets"]:
