@@ -93,15 +93,6 @@ def build_parser() -> ToolParser:
     return parser
 
 
-# ----------------------------------------------------------------------------- environment / io
-def tool_environment() -> dict:
-    """:func:`_harness.environment` plus this tool's keys (gpu, TF32 matmul flag, UTC date)."""
-    return environment({
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
-
-
 # ----------------------------------------------------------------------------- shapes
 def stage_shapes(model: dict) -> list[dict]:
     """Window-attention shape of each stage of a Swin / Swin-v2 config (dict from the YAML)."""
@@ -379,14 +370,10 @@ def bench_module(cfg, args) -> list[dict]:
     return rows
 
 
-def patch_window_attention(model, mode: str) -> int:
-    """Patch ``model`` in place with :func:`visionattn.patch_model`; return the number of patched modules."""
+def bench_models(cfg, args) -> list[dict]:
+    """Whole models (random weights), ms per forward, patched in place with :func:`visionattn.patch_model`."""
     import visionattn
 
-    return visionattn.patch_model(model, mode=mode).visionattn_report.num_patched
-
-
-def bench_models(cfg, args) -> list[dict]:
     rows = []
     for spec in cfg.get("model_latency", []):
         for dt in ("fp16", "fp32"):
@@ -399,7 +386,7 @@ def bench_models(cfg, args) -> list[dict]:
                 row["unpatched"] = measure(lambda: model(x), args.warmup_ms, args.rep_ms)
                 with torch.no_grad():
                     ref = model(x).float()
-                row["patched_modules"] = patch_window_attention(model, dt)
+                row["patched_modules"] = visionattn.patch_model(model, mode=dt).visionattn_report.num_patched
                 row["patched"] = measure(lambda: model(x), args.warmup_ms, args.rep_ms)
                 with torch.no_grad():
                     out = model(x).float()
@@ -738,7 +725,8 @@ def main(args) -> dict:
                          "--train runs on the CPU")
     args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else cfg.get("warmup_ms", 10)
     args.rep_ms = args.rep_ms if args.rep_ms is not None else cfg.get("rep_ms", 40)
-    env = tool_environment()
+    env = environment({"gpu": torch.cuda.get_device_name(), "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
     env["copy_bytes_per_s"] = copy_bandwidth()
     _TIMER["cuda_graph"] = env["cuda_graph_timing"] = bool(args.cuda_graph)
     res: dict = {"environment": env, "config": cfg}
