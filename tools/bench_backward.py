@@ -22,8 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, check_device, check_output, default_out, eager_graph_timings,  # noqa: E402
-                      output_files, positive_int)
+from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
+                      eager_graph_timings, output_files, positive_int)
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
@@ -64,12 +64,10 @@ def build_parser() -> ToolParser:
                    default=[],
                    help="FP32 modes: also time the backward (and each --configs tile set) with these products "
                         "(default: the mode's own only)")
-    p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
-    p.add_argument("--repeats", type=positive_int, default=5, help="timing windows (the median is reported)")
+    add_common(p, calls=20, repeats=5, device=("cuda", "device (cpu: Triton's interpreter, for a smoke test)"))
     p.add_argument("--no-sdpa", action="store_true", help="time visionattn's backward only")
     p.add_argument("--no-graph", action="store_true",
                    help="eager timing only: skip the CUDA-graph replays (graph ms and eager / graph show '-')")
-    p.add_argument("--device", default="cuda", help="device (cpu: Triton's interpreter, for a smoke test)")
     return p
 
 

@@ -17,8 +17,8 @@ fail to capture on torch 2.11); CPU: wall clock, no graph. Gradient errors: rela
 Writes ``<out>.md``, ``<out>.json``, ``<out>.png``.
 
     python tools/bench_window.py --out out/window_h100
-    python tools/bench_window.py --models swin_base_224 --batches 64 --dtypes fp32,tf32,fp16 \
-        --methods visionattn --precisions f16x3,tf32x3,f16x1,tf32 --no-sweep --no-module --no-models
+    python tools/bench_window.py --models swin_base_224 --batches 64 --dtypes fp32,tf32,fp16 --methods visionattn
+           --precisions f16x3,tf32x3,f16x1,tf32 --no-sweep --no-module --no-models   (one command)
     python tools/bench_window.py --train --cases swin_base_224:0:64 --modes bf16 --out out/window_train_h100
 """
 from __future__ import annotations
@@ -40,9 +40,9 @@ from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, bars, check_output, default_out, eager_graph_timings,  # noqa: E402
-                      eager_ms, environment, failure_text, figure, kernel_ms, markdown_table, md_header, output_files,
-                      peak_extra_mb, per_call_ms, positive_int, tf32_disabled)
+from _harness import (OutputFiles, ToolParser, add_common, bars, check_output, default_out,  # noqa: E402
+                      eager_graph_timings, eager_ms, environment, failure_text, figure, kernel_ms, markdown_table,
+                      md_header, output_files, peak_extra_mb, per_call_ms, tf32_disabled)
 from _timm_models import create_timm_model  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
@@ -81,12 +81,7 @@ train.add_argument("--train", action="store_true", help="time forward + backward
 train.add_argument("--cases", nargs="+", default=list(TRAIN_CASES),
                    help="model:stage:batch, model from the config, stage from 0 (default: %(default)s)")
 train.add_argument("--modes", nargs="+", default=list(TRAIN_MODES), choices=TRAIN_MODES, help="default: %(default)s")
-train.add_argument("--calls", type=positive_int, default=20,
-                   help="back-to-back calls per timed window (default: %(default)s)")
-train.add_argument("--repeats", type=positive_int, default=5,
-                   help="timed windows, median reported (default: %(default)s)")
-train.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="default: cuda when available")
+add_common(train, calls=20, repeats=5, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def build_parser() -> ToolParser:
