@@ -1,6 +1,7 @@
 """tools/bench_window.py --train on CPU (Triton's interpreter): a tiny Swin and Swin-v2 stage, every backend in fp32
 and bf16, the gradient errors against float64, the ratios and the files."""
 import json
+import os
 
 import pytest
 
@@ -54,3 +55,14 @@ def test_bad_case_exits_2_with_one_line_naming_the_argument(case, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--cases" in err[0], err
     assert not (tmp_path / "x").exists()
+
+
+def test_train_writes_under_out_without_an_out_argument(tmp_path, monkeypatch):
+    """The --out default is resolved in main: out/window_train for --train (out/window_bench for the forward run)."""
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(TINY)
+    monkeypatch.chdir(tmp_path)
+    tool.main(tool.build_parser().parse_args(["--train", "--device", "cpu", "--config", str(cfg), "--cases",
+                                              "tiny_v1:0:1", "--modes", "fp32", "--repeats", "1"]))
+    assert sorted(os.listdir(tmp_path / "out")) == [".visionattn-bench_window_train.json", "window_train.json",
+                                                    "window_train.md", "window_train.png"]
