@@ -1,25 +1,6 @@
-"""The harness every tool stands on: arguments, output files, timing, environment, tables and plots.
-
-* Arguments. :class:`ToolParser` fails with one line and exit status 2 (``<tool>: error: <argument>: <what is
-  wrong and what to pass instead>``), before the tool loads a model, reads data or creates a folder; the argument
-  types (:func:`positive_int`, ...); :func:`add_common` adds the flags the tools share (``--out``, ``--device``,
-  ``--modes``, ``--calls``, ``--repeats``, ``--warmup``, ``--seed``) with one type and help each.
-* Outputs. Results go where ``--out`` says, or under ``out/`` (git-ignored) in the current folder
-  (:func:`default_out`). A tool that writes named files follows the manifest rule of :class:`OutputFiles` (never
-  replace a file the tool did not write; each file written to a temporary file renamed into place), checked before
-  any work (:func:`output_files`, :func:`prefix_outputs`); a tool that writes a folder follows the reconstruction
-  demo's rule (:func:`output_folder`). :func:`write_results` writes a result's JSON, markdown and PNG.
-* Environment. :func:`environment` (:mod:`visionattn.provenance`): device, versions and command, recorded with
-  every result; :func:`md_header` opens a markdown report with it. :func:`tf32_disabled` is the one process-wide
-  precision switch the tools make (library code never does), written into their output.
-* Timing. :func:`eager_graph_ms` times eager calls beside CUDA-graph replays in alternating windows, after the
-  first call (compilation) apart; :func:`eager_ms`, :func:`kernel_ms`, :func:`sample_ms`, :func:`host_us`,
-  :func:`per_call_ms`, :func:`peak_extra_mb`; :func:`attention_free` times a model without its attention (the
-  Amdahl bound of any attention kernel).
-* Tables and plots: :func:`markdown_table` (one renderer) and :func:`figure` (one plot helper).
-* Isolation: :func:`run_chunks` runs case ids in worker processes (:func:`run_worker`), up to ``jobs`` at a time,
-  and bisects a process that dies or hangs down to the case(s) that kill one alone (:func:`run_isolated`).
-"""
+"""What every tool stands on: arguments that fail in one line (exit 2), output files that never replace what the
+tool did not write, the environment record, timing (eager beside CUDA-graph replays, the first call apart),
+tables, plots, and worker processes that survive crashing cases."""
 from __future__ import annotations
 
 import argparse
@@ -40,17 +21,16 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from visionattn.provenance import command_line, environment
+from visionattn.provenance import environment
 
 __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
            "add_common", "default_out", "check_output", "check_output_folder", "output_folder", "output_files",
-           "prefix_outputs", "check_device", "failure_text", "first_error", "CorruptImageError", "read_rgb",
-           "check_image", "load_config", "environment", "command_line", "md_header", "atomic_path",
-           "write_text_atomic", "write_json_atomic", "save_figure_atomic", "OutputFiles", "STORAGE_ERRNOS",
-           "write_results", "markdown_table", "figure", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
+           "check_device", "failure_text", "first_error", "CorruptImageError", "read_rgb", "check_image",
+           "load_config", "environment", "atomic_path", "write_text_atomic", "write_json_atomic", "OutputFiles",
+           "markdown_table", "figure", "bars", "md_header", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
            "kernel_ms", "eager_ms", "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms",
-           "peak_extra_mb", "AttentionFree", "attention_free", "cores", "worker_env", "Workers", "run_worker",
-           "run_isolated", "run_chunks"]
+           "peak_extra_mb", "AttentionFree", "attention_free", "cores", "worker_env", "run_worker", "run_isolated",
+           "run_chunks"]
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -61,40 +41,37 @@ class ToolParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+def _number(parse, what: str):
+    def number(text: str):
+        try:
+            x = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(x):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        return x
+    return number
 
 
-def _float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return x
+_int, _float = _number(int, "an integer"), _number(float, "a number")
 
 
-def _bounded(parse, low: float, high: float, low_open: bool, what: str, doc: str):
+def _bounded(parse, low: float, high: float, low_open: bool, what: str):
     """An argparse type: ``parse(text)`` within [low, high] (``low_open``: above ``low``), else a clear error."""
     def check(text: str):
         x = parse(text)
         if x < low or x > high or (low_open and x == low):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return x
-    check.__doc__ = doc
+    check.__doc__ = f"argparse type: {what}."
     return check
 
 
-positive_int = _bounded(_int, 1, math.inf, False, "an integer >= 1", "argparse type: an integer >= 1.")
-nonnegative_int = _bounded(_int, 0, math.inf, False, "an integer >= 0", "argparse type: an integer >= 0.")
-positive_float = _bounded(_float, 0, math.inf, True, "a number > 0", "argparse type: a finite number > 0.")
-nonnegative_float = _bounded(_float, 0, math.inf, False, "a number >= 0", "argparse type: a finite number >= 0.")
-percentile = _bounded(_float, 0, 100, False, "a percentile in [0, 100]",
-                      "argparse type: a percentile, a number in [0, 100].")
+positive_int = _bounded(_int, 1, math.inf, False, "an integer >= 1")
+nonnegative_int = _bounded(_int, 0, math.inf, False, "an integer >= 0")
+positive_float = _bounded(_float, 0, math.inf, True, "a number > 0")
+nonnegative_float = _bounded(_float, 0, math.inf, False, "a number >= 0")
+percentile = _bounded(_float, 0, 100, False, "a percentile in [0, 100]")
 
 # the flags the tools share: name -> (type, help); a tool passes its default, and its own help where it says more
 COMMON_ARGS = {
@@ -109,8 +86,8 @@ COMMON_ARGS = {
 
 
 def add_common(p: argparse.ArgumentParser, **defaults) -> None:
-    """Add the shared flags named by ``defaults`` (:data:`COMMON_ARGS`) with their common type and help, e.g.
-    ``add_common(p, device="cuda", calls=50)``. A value ``(default, help)`` gives the flag the tool's own help."""
+    """Add the shared flags named by ``defaults`` (:data:`COMMON_ARGS`), e.g. ``add_common(p, calls=50)``; a value
+    ``(default, help)`` gives the flag the tool's own help."""
     for name, value in defaults.items():
         kind, text = COMMON_ARGS[name]
         default, text = value if isinstance(value, tuple) else (value, text)
@@ -129,23 +106,13 @@ def check_device(parser: argparse.ArgumentParser, name: str, flag: str = "--devi
 
 
 def default_out(name: str) -> str:
-    """``out/<name>`` in the current folder: where a tool writes when ``--out`` is not given."""
+    """``out/<name>`` in the current folder (git-ignored): where a tool writes when ``--out`` is not given."""
     return os.path.join("out", name)
 
 
 def check_output(parser: argparse.ArgumentParser, path: str, *, flag: str = "--out", folder: bool = False) -> str:
-    """Exit 2 now if ``path`` could not be written at the end of the run; creates nothing.
-
-    Args:
-        parser: the tool's parser (its ``error`` prints the line and exits).
-        path: a file path or file prefix (``folder=False``: the tool writes ``path`` or ``path.md`` /
-            ``path.json``), or a folder the tool writes into (``folder=True``).
-        flag: the argument's name, for the message.
-        folder: whether ``path`` names a folder.
-
-    Returns:
-        ``path`` made absolute.
-    """
+    """Exit 2 now if ``path`` (a file or file prefix; with ``folder`` a folder) could not be written at the end of
+    the run; creates nothing. Returns ``path`` made absolute."""
     path = os.path.abspath(path)
     if folder:
         if os.path.exists(path) and not os.path.isdir(path):
@@ -167,12 +134,9 @@ def check_output(parser: argparse.ArgumentParser, path: str, *, flag: str = "--o
 
 def check_output_folder(parser: argparse.ArgumentParser, path: str, *, tool: str, inputs=(),
                         flag: str = "--out") -> str:
-    """Exit 2 now unless ``path`` may become ``tool``'s output folder; creates nothing.
-
-    The demo's rule (:mod:`visionattn.recon.outdir`): the folder is new, empty, or an earlier output of
-    ``tool`` holding only the files its manifest lists, and it is not one of ``inputs``, inside one or
-    around one; and a folder can be made there. Returns ``path`` made absolute.
-    """
+    """Exit 2 now unless ``path`` may become ``tool``'s output folder (the demo's rule,
+    :mod:`visionattn.recon.outdir`: new, empty or an unchanged earlier output of ``tool``, not one of ``inputs``,
+    inside or around one); creates nothing. Returns ``path`` made absolute."""
     from visionattn.recon.outdir import OutputDirError, check_output_dir
 
     path = check_output(parser, path, flag=flag, folder=True)
@@ -185,13 +149,9 @@ def check_output_folder(parser: argparse.ArgumentParser, path: str, *, tool: str
 
 @contextlib.contextmanager
 def output_folder(parser: argparse.ArgumentParser, path: str, *, tool: str, inputs=(), flag: str = "--out"):
-    """Yield a temporary folder that becomes ``path`` when the block succeeds (the demo's output rule).
-
-    :func:`visionattn.recon.outdir.atomic_output_dir` under ``tool``'s manifest, with SIGTERM and SIGHUP
-    handled like Ctrl-C. On an error, Ctrl-C or one of those signals the temporary folder is removed and
-    ``path`` is left as it was; a folder that may not be replaced or a disk that fills up exits 2 with one
-    line, a signal exits 128 + its number (Ctrl-C 130) with one line, no traceback.
-    """
+    """Yield a temporary folder that becomes ``path`` when the block succeeds
+    (:func:`visionattn.recon.outdir.atomic_output_dir`, SIGTERM / SIGHUP handled like Ctrl-C). A refused folder or a
+    full disk exits 2, a signal 128 + its number, each with one line; ``path`` is then left as it was."""
     from visionattn.recon.outdir import OutputDirError, atomic_output_dir, handle_sigterm, stop_status
 
     try:
@@ -205,36 +165,16 @@ def output_folder(parser: argparse.ArgumentParser, path: str, *, tool: str, inpu
 
 
 def output_files(parser: argparse.ArgumentParser, paths=(), *, tool: str, flag: str = "--out"):
-    """The writer of a tool's output files under the rule every tool that writes follows, with ``paths`` (every
-    file the run will write) checked now: exit 2 with one line unless each is new or an unchanged earlier output of
-    ``tool`` (its manifest ``.visionattn-<tool>.json`` in the file's folder lists it); creates nothing.
-
-    Returns a :class:`OutputFiles`: write through its ``write_text`` / ``write_json`` /
-    ``save_figure`` / ``path``. Each write is checked again, goes to a temporary file renamed into place and is
-    recorded in the manifest; a refusal or a full disk (quota, file-size limit) then also exits 2 with one line
-    (naming the folder, for a full disk), leaving no partial file. For a tool that writes a whole folder, see
-    :func:`output_folder`.
-    """
+    """A :class:`OutputFiles` of ``tool``, with ``paths`` (every file the run will write) checked now: exit 2 with
+    one line unless each is new or an unchanged earlier output of ``tool``; creates nothing."""
     outputs = OutputFiles(tool, flag=flag, on_error=parser.error)
     outputs.check(*paths)
     return outputs
 
 
-def prefix_outputs(parser: argparse.ArgumentParser, prefix: str, exts: Sequence[str] = (".md", ".json", ".png"), *,
-                   tool: str, flag: str = "--out") -> OutputFiles:
-    """:func:`check_output` of the file prefix ``prefix``, then :func:`output_files` of ``prefix + ext`` for each
-    of ``exts``: the writer of a tool that writes ``<out>.md``, ``<out>.json``, ..., checked before any work."""
-    check_output(parser, prefix, flag=flag)
-    return output_files(parser, [prefix + ext for ext in exts], tool=tool, flag=flag)
-
-
 class CorruptImageError(ValueError):
-    """An image file cannot be decoded; the message names the file and the fix.
-
-    Raised in a ``DataLoader`` worker, it reaches the main process with the worker's traceback folded into its
-    message; ``str()`` gives back the one line either way.
-    """
-
+    """An image file cannot be decoded; the message names the file and the fix. ``str()`` gives that one line back
+    also when a ``DataLoader`` worker folded its traceback into the message."""
     def __str__(self) -> str:
         text = super().__str__()
         if "Original Traceback" not in text:
@@ -244,12 +184,8 @@ class CorruptImageError(ValueError):
 
 
 def read_rgb(path: str):
-    """The image at ``path`` fully decoded as an RGB ``PIL.Image`` (as torchvision's ``pil_loader``).
-
-    Raises:
-        CorruptImageError: not an image Pillow reads, truncated or corrupt data, a decompression bomb, or
-            an unreadable file; one line naming ``path``.
-    """
+    """The image at ``path`` fully decoded as an RGB ``PIL.Image``; :class:`CorruptImageError` (one line naming
+    ``path``) for anything Pillow cannot read whole."""
     from PIL import Image
 
     try:
@@ -271,12 +207,8 @@ def check_image(parser: argparse.ArgumentParser, flag: str, path: str | None, ex
 
 
 def load_config(parser: argparse.ArgumentParser, path: str, schema, flag: str = "--config") -> dict:
-    """A YAML file checked against ``schema`` (a pydantic model), as a plain dict of what the file holds (optional
-    entries it leaves out stay out, as in the file); else exit 2 with one line.
-
-    The line names the file and, for a file of the wrong shape, the first offending entry
-    (``sweeps.0.x0: Input should be a valid number``) and how many more problems there are.
-    """
+    """A YAML file checked against ``schema`` (a pydantic model), as a dict of what the file holds; else exit 2 with
+    one line naming the file and the first offending entry (``sweeps.0.x0: Input should be a valid number``)."""
     import pydantic
     import yaml
 
@@ -301,18 +233,16 @@ def load_config(parser: argparse.ArgumentParser, path: str, schema, flag: str = 
 
 
 def first_error(err: BaseException) -> BaseException:
-    """The first exception of ``err``'s chain (``__context__``): what went wrong, not a later complaint about it
-    (a failed CUDA-graph capture ends with an error that names none of the cause)."""
+    """The first exception of ``err``'s ``__context__`` chain (a failed CUDA-graph capture ends with an error that
+    names none of the cause)."""
     while err.__context__ is not None:
         err = err.__context__
     return err
 
 
 def eager_graph_timings(make, timer, device, calls: int, repeats: int) -> tuple[float, float | None, str | None]:
-    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA timed in alternating eager
-    and graph windows (:func:`eager_graph_ms`; ``make`` runs on its capture stream, where
-    autograd then runs each backward op), a failed capture named by :func:`failure_text` of its first error; on
-    the CPU ``timer(fn)`` alone. ``device``: a ``torch.device`` or its name."""
+    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA :func:`eager_graph_ms`
+    (the failure as :func:`failure_text` of its first error); elsewhere ``timer(fn)`` alone."""
     if torch.device(device).type != "cuda":
         return timer(make()), None, None
     eager, graph, error = eager_graph_ms(make, calls, repeats)
@@ -320,20 +250,19 @@ def eager_graph_timings(make, timer, device, calls: int, repeats: int) -> tuple[
 
 
 def failure_text(err: BaseException, device) -> str:
-    """One line naming ``err`` for a result row (``"Type: first line"``, the line cut at 200 characters), after
-    freeing what the failed work left (garbage, and on a CUDA ``device`` the allocator cache: e.g. after an OOM,
-    so the next row starts clean). ``device``: a ``torch.device`` or its name."""
+    """``"Type: first line"`` of ``err`` (cut at 200 characters) for a result row, after freeing what the failed
+    work left (garbage, and on CUDA the allocator cache, so the next row starts clean)."""
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 
 
-# --------------------------------------------------------------------------------------------------- outputs, timing
+# --------------------------------------------------------------------------------------------------- outputs
 @contextlib.contextmanager
 def atomic_path(path: str) -> Iterator[str]:
-    """Yield a temp path next to ``path`` (same name ending, so writers that go by the extension work);
-    rename it to ``path`` when the block succeeds, delete it otherwise (no partial files)."""
+    """Yield a temp path next to ``path`` (same name ending); rename it to ``path`` when the block succeeds, delete
+    it otherwise (no partial files)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
@@ -360,18 +289,11 @@ def write_json_atomic(path: str, obj: Any, indent: int = 2) -> None:
     write_text_atomic(path, json.dumps(obj, indent=indent, default=str) + "\n")
 
 
-def save_figure_atomic(fig: Any, path: str, **savefig_kwargs: Any) -> None:
-    """``fig.savefig(path, **savefig_kwargs)`` atomically; the figure is left open (close it yourself)."""
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, **savefig_kwargs)
-
-
 # errors of a full or limited disk (disk full, quota, file-size limit): one line naming the folder, as the demo
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def _checksum(path: str) -> dict[str, Any]:
-    """``{"bytes": size, "sha256": hex digest}`` of the file at ``path``."""
     h, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -381,29 +303,15 @@ def _checksum(path: str) -> dict[str, Any]:
 
 
 class OutputFiles:
-    """The files a tool writes, under the rule every tool that writes follows: never replace a file it did not write.
+    """The files a tool writes, never replacing one it did not write (the demo's output rule, file by file).
 
-    The rule of the reconstruction demo's output folder (:mod:`visionattn.recon.outdir`), file by file: each folder
-    a tool writes into keeps the tool's manifest, ``.visionattn-<tool>.json`` (the demo's manifest format, ``tool``
-    ``"visionattn.<tool>"``), listing the files it wrote there with their size and SHA-256. An existing file is
-    replaced only when that manifest lists it and it is unchanged since; anything else (a user's file, a link, a
-    folder, an output edited since, a manifest that is not this tool's) is refused with one line naming the file
-    and the fix, before the tool works (:meth:`check` of the paths it will write) and again at each write. Each
-    write goes to a temporary file in the same folder renamed into place (:func:`atomic_path`); when a full disk,
-    a quota or the file-size limit stops it the temporary file is removed and the line names the folder. Other
-    tools' manifests and files in the same folder are left alone.
-
-    Args:
-        tool: the tool's name (``"drift_table"``): manifest ``.visionattn-drift_table.json``.
-        flag: the argument that chose the paths, for the messages.
-        on_error: called with the one-line message of a refusal or a full disk (a CLI passes ``parser.error``:
-            exit 2); without it (or when it returns) :class:`visionattn.recon.outdir.OutputDirError` is raised
-            (:class:`~visionattn.recon.outdir.OutputWriteError` for a full disk).
-
-    Attributes:
-        written: absolute paths written so far, in order (a path written twice appears twice).
+    Each folder written into keeps the manifest ``.visionattn-<tool>.json`` listing the files ``tool`` wrote there
+    (size, SHA-256). An existing file is replaced only when listed and unchanged; anything else is refused with one
+    line naming the file and the fix, before the work (:meth:`check`) and again at each write. Writes go through a
+    temporary file renamed into place; a full disk removes it and names the folder. ``on_error`` gets each refusal's
+    line (a CLI passes ``parser.error``); otherwise ``visionattn.recon.outdir.OutputDirError`` is raised.
+    ``written``: the absolute paths written so far.
     """
-
     def __init__(self, tool: str, flag: str = "--out", on_error: Callable[[str], Any] | None = None):
         from visionattn.recon.outdir import manifest_name
 
@@ -483,9 +391,8 @@ class OutputFiles:
 
     @contextlib.contextmanager
     def path(self, path: str) -> Iterator[str]:
-        """Yield a temporary path for ``path`` (same name ending), renamed to ``path`` and recorded in the manifest
-        when the block succeeds; refused (:meth:`refusal`) before the block and again before the rename; on an
-        error, a refusal or a full disk the temporary file is removed (no partial file)."""
+        """Yield a temporary path, renamed to ``path`` and recorded in the manifest when the block succeeds; refused
+        (:meth:`refusal`) before the block and again before the rename; no partial file on any failure."""
         from visionattn.recon.outdir import OutputDirError, OutputWriteError
 
         path = os.path.abspath(path)
@@ -538,15 +445,8 @@ def markdown_table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
 
 @contextlib.contextmanager
 def tf32_disabled():
-    """Turn TF32 off for PyTorch matmuls and cuDNN convolutions, restoring the old settings after.
-
-    Process-wide: for tools and tests only (library code never flips global
-    precision). Without it, cuDNN convolutions run in TF32 by default, and FP32
-    comparisons measure the convolutions, not attention.
-
-    Yields:
-        The settings in force, for the tool's record.
-    """
+    """TF32 off for PyTorch matmuls and cuDNN convolutions (process-wide: tools and tests only), restored after;
+    yields the settings for the tool's record."""
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -557,28 +457,14 @@ def tf32_disabled():
 
 
 class AttentionFree:
-    """While active, ``torch.nn.functional.scaled_dot_product_attention`` computes no attention: it returns a copy
-    of the value rows (``value[..., :Nq, :]``, or zeros of the output's shape, without a gradient, when there are
-    fewer key rows than query rows or the leading dims differ). A model timed inside runs everything but its
-    attention, so ``t(model) / t(model inside)`` bounds the speed-up that any attention kernel can give it
-    (Amdahl's law): the "attention-free" rows of the tools. Gradients flow to ``value``, and zeros to a float
-    ``attn_mask`` (SDPA) or ``relative_position_bias`` / ``bias`` (:meth:`core`) that requires them, so a training
-    step still runs every other backward, the position-bias tables' included (timm's Swin gathers its bias from a
-    table, Swin-v2 computes it with an MLP, every training forward). For benchmarks only; the outputs are meaningless.
-
-    :meth:`core` answers the same way for an attention core that is not SDPA (e.g. visionattn's cores of a patched
-    model, through ``visionattn.patching.timm.override_cores``): the bound of a model whose own attention never calls
-    SDPA (timm's Swin-v2 computes its cosine attention itself).
-
-    Attributes:
-        calls: SDPA calls answered so far. 0 after a forward means the model does not reach SDPA and its time is no
-            bound.
-        core_calls: :meth:`core` calls answered so far.
-
-    Raises:
-        RuntimeError: entered again while active (not re-entrant).
+    """While active, ``F.scaled_dot_product_attention`` computes no attention: it returns a copy of the value rows
+    (``value[..., :Nq, :]``; zeros of the output's shape, without a gradient, when there are fewer key rows or the
+    leading dims differ). A model timed inside runs everything but its attention: ``t(model) / t(inside)`` bounds the
+    speed-up of any attention kernel (Amdahl). Gradients reach ``value``, and zeros a float ``attn_mask`` (or the
+    ``relative_position_bias`` / ``bias`` of :meth:`core`) that requires them, so every other backward still runs.
+    :meth:`core` answers alike for a non-SDPA attention core (``visionattn.patching.timm.override_cores``).
+    ``calls`` / ``core_calls``: calls answered (0 after a forward: no bound). Not re-entrant (RuntimeError).
     """
-
     def __init__(self):
         self.calls = 0
         self.core_calls = 0
@@ -633,30 +519,31 @@ class _ZeroGradTo(torch.autograd.Function):
 
 
 def attention_free() -> AttentionFree:
-    """Context manager: :class:`AttentionFree` (SDPA calls inside return a copy of the value rows; the time of a
-    model without its attention, the Amdahl bound of any attention kernel's speed-up on it).
-
-    ::
-
-        with attention_free() as free:
-            t_floor = call_ms(lambda: model(x), device)
-        assert free.calls > 0, "the model never called SDPA: no bound"
-    """
+    """Context manager :class:`AttentionFree`: ``with attention_free() as free: t = call_ms(...)``; check
+    ``free.calls > 0``."""
     return AttentionFree()
 
 
+# --------------------------------------------------------------------------------------------------- timing
+def _median(xs) -> float:
+    return float(sorted(xs)[len(xs) // 2])
+
+
+def _wall_ms(fn: Callable[[], Any], calls: int, repeats: int) -> list[float]:
+    """Wall-clock ms per call of ``calls`` back-to-back ``fn()``, for each of ``repeats`` windows."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    return times
+
+
 class Stopwatch:
-    """Total time of the regions between :meth:`start` and :meth:`stop` (or ``with stopwatch:``).
-
-    On a CUDA ``device`` the regions are timed with CUDA events (the GPU time of the work queued
-    inside them, with no synchronization inside the loop); elsewhere with ``perf_counter`` (wall
-    time). :attr:`seconds` waits for the last event.
-
-    Attributes:
-        kind: ``"cuda-events"`` or ``"wall"``, for the record of a result.
-        count: regions timed so far.
-    """
-
+    """Total time of the regions between :meth:`start` and :meth:`stop` (or ``with stopwatch:``): CUDA events on a
+    CUDA ``device`` (GPU time of the work queued, no sync inside), ``perf_counter`` elsewhere. ``kind``:
+    ``"cuda-events"`` or ``"wall"``; ``count``: regions timed; :attr:`seconds` waits for the last event."""
     def __init__(self, device: str | torch.device):
         self.cuda = torch.device(device).type == "cuda"
         self.kind = "cuda-events" if self.cuda else "wall"
@@ -702,10 +589,7 @@ class Stopwatch:
 
 
 def call_ms(fn: Callable[[], Any], device: str | torch.device) -> float:
-    """Milliseconds of one ``fn()`` (:class:`Stopwatch`: CUDA events on CUDA, ``perf_counter`` otherwise).
-
-    The CUDA path waits for the end event, so the GPU work ``fn`` queued is inside the time.
-    """
+    """Milliseconds of one ``fn()`` (:class:`Stopwatch`; on CUDA the GPU work ``fn`` queued is inside)."""
     watch = Stopwatch(device)
     with watch:
         fn()
@@ -714,11 +598,8 @@ def call_ms(fn: Callable[[], Any], device: str | torch.device) -> float:
 
 def sample_ms(fn: Callable[[], Any], device: str | torch.device, *, warmup: int = 1, reps: int | None = None,
               rep_ms: float | None = None, min_reps: int = 1, max_reps: int = 1000) -> list[float]:
-    """Per-call milliseconds of ``fn()`` (each timed by :func:`call_ms`) after ``warmup`` untimed calls.
-
-    ``reps`` calls when given; otherwise as many as fit in ``rep_ms`` (estimated from one more
-    untimed call), clamped to ``[min_reps, max_reps]``.
-    """
+    """Per-call ms of ``fn()`` (:func:`call_ms`) after ``warmup`` untimed calls: ``reps`` calls, or as many as fit
+    in ``rep_ms`` (estimated from one more untimed call) within ``[min_reps, max_reps]``."""
     if (reps is None) == (rep_ms is None):
         raise ValueError("pass exactly one of reps or rep_ms")
     cuda = torch.device(device).type == "cuda"
@@ -737,14 +618,9 @@ def sample_ms(fn: Callable[[], Any], device: str | torch.device, *, warmup: int 
 
 
 def kernel_ms(fn: Callable[[], Any], warmup: float, rep: float, cuda_graph: bool = False) -> float:
-    """Median milliseconds of ``fn()`` on the current CUDA device.
-
-    ``cuda_graph=False``: ``triton.testing.do_bench`` (CUDA events around each call, L2 flushed
-    between calls); a call whose Python launch path outlasts its GPU work reads as the launch time.
-    ``cuda_graph=True``: ``triton.testing.do_bench_cudagraph`` (the calls replayed from a CUDA graph:
-    GPU time without launch overhead, L2 not flushed). ``warmup`` / ``rep`` are milliseconds
-    (``warmup`` unused with a graph: the capture runs ``fn`` first).
-    """
+    """Median ms of ``fn()`` on CUDA: ``triton.testing.do_bench`` (L2 flushed between calls; a launch path longer
+    than the GPU work reads as the launch time), or with ``cuda_graph`` ``do_bench_cudagraph`` (GPU time alone, no
+    L2 flush). ``warmup`` / ``rep`` are ms."""
     import triton.testing
 
     if cuda_graph:
@@ -753,10 +629,8 @@ def kernel_ms(fn: Callable[[], Any], warmup: float, rep: float, cuda_graph: bool
 
 
 def eager_ms(fn: Callable[[], Any], calls: int = 50, warmup: int = 5, repeats: int = 5) -> float:
-    """Milliseconds per call of ``fn()`` run back to back in eager PyTorch on the current CUDA device: CUDA events
-    around ``calls`` consecutive calls (no synchronisation between them), the median over ``repeats`` such
-    windows. The Python launch path counts: a call whose host work outlasts its GPU work reads as the host
-    time, which is what an eager model sees."""
+    """Ms per call of ``fn()`` run back to back in eager PyTorch: CUDA events around ``calls`` calls, median of
+    ``repeats`` windows. The Python launch path counts, as in an eager model."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -769,24 +643,18 @@ def eager_ms(fn: Callable[[], Any], calls: int = 50, warmup: int = 5, repeats: i
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
-    return float(sorted(times)[len(times) // 2])
+    return _median(times)
 
 
 def eager_graph_ms(make: Callable[[], Callable[[], Any]], calls: int = 50, repeats: int = 5,
                    warmup: int = 3) -> tuple[float, float | None, BaseException | None]:
-    """Milliseconds per call of ``fn = make()`` in eager PyTorch and replayed from a CUDA graph, timed in
-    alternating windows so that both readings see the same GPU state (clocks and caches drift over a run, and
-    two readings taken one after the other differ by up to ~15 % for ~0.1 ms kernels on an H100).
+    """Ms per call of ``fn = make()`` eager and replayed from a CUDA graph, in alternating windows so that both see
+    the same GPU state (clocks and caches drift: up to ~15 % for ~0.1 ms kernels read one after the other).
 
-    ``make`` runs on a side stream, where everything here runs (autograd runs a backward on the stream of its
-    forward); ``fn`` is called ``warmup`` times (compiles and caches settle outside the capture), then ``calls``
-    back-to-back calls are captured in one graph (its own memory pool, freed on return). Each of ``repeats``
-    rounds times ``calls`` eager calls between CUDA events (the Python launch path counts, as
-    :func:`eager_ms`), then one replay of the graph (GPU time without the launch path).
-
-    Returns:
-        (eager ms, graph ms, None), the medians over the rounds; (eager ms, None, the exception) when the calls
-        cannot be captured (the eager windows still run).
+    Everything runs on a side stream (autograd runs a backward on its forward's stream): ``warmup`` calls (compiles
+    settle outside the capture), ``calls`` calls captured in one graph (its own pool, freed on return), then per
+    round ``calls`` eager calls between CUDA events and one replay. Returns the medians (eager, graph, None), or
+    (eager, None, the exception) when the calls cannot be captured.
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -828,44 +696,33 @@ def eager_graph_ms(make: Callable[[], Callable[[], Any]], calls: int = 50, repea
         del graph
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    median = lambda xs: float(sorted(xs)[len(xs) // 2])  # noqa: E731
-    return median(eager), (median(replay) if replay else None), error
+    return _median(eager), (_median(replay) if replay else None), error
 
 
 def host_us(fn: Callable[[], Any], calls: int = 200, warmup: int = 20, repeats: int = 5) -> float:
-    """Host microseconds per call of ``fn()``: wall time of ``calls`` back-to-back calls without synchronising,
-    median over ``repeats`` windows (the GPU work of a tiny call finishes long before the next launch, so this
-    is the Python + dispatch + launch path alone)."""
+    """Host µs per call of ``fn()``: wall time of ``calls`` calls without synchronising, median of ``repeats``
+    windows (a tiny call's GPU work ends before the next launch: the Python + dispatch + launch path alone)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
+        times += _wall_ms(fn, calls, 1)
         torch.cuda.synchronize()
-    return float(sorted(times)[len(times) // 2])
+    return _median(times) * 1e3
 
 
 def per_call_ms(device: torch.device, calls: int, repeats: int,
                 warmup: int = 3) -> Callable[[Callable[[], Any]], float]:
-    """A timer ``timer(fn) -> ms per call``: :func:`eager_ms` on CUDA; on the CPU the wall clock around ``calls``
-    back-to-back calls, median over ``repeats`` windows after ``warmup`` untimed calls."""
+    """A timer ``timer(fn) -> ms per call``: :func:`eager_ms` on CUDA; elsewhere the wall clock around ``calls``
+    calls, median of ``repeats`` windows after ``warmup`` untimed calls."""
     if device.type == "cuda":
         return lambda fn: eager_ms(fn, calls=calls, warmup=warmup, repeats=repeats)
 
     def wall(fn):
         for _ in range(warmup):
             fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - t0) * 1e3 / calls)
-        return float(sorted(times)[len(times) // 2])
+        return _median(_wall_ms(fn, calls, repeats))
     return wall
 
 
@@ -885,32 +742,18 @@ def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
 
 # --------------------------------------------------------------------------------------------------- reports
 def md_header(title: str, env: dict, *notes: str) -> list[str]:
-    """The opening lines of a markdown report: ``# title``, the device and versions, the command, then one bullet
-    per note."""
-    return [f"# {title}", "",
-            f"* device: {env.get('device')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), triton "
-            f"{env.get('triton')}, timm {env.get('timm')}, python {env.get('python')}",
-            f"* command: `{env.get('command')}`", *(f"* {n}" for n in notes), ""]
-
-
-def write_results(outputs: OutputFiles, prefix: str, result: dict, markdown: str | None = None,
-                  plot: Callable[[dict, str, OutputFiles], Any] | None = None) -> None:
-    """Write ``<prefix>.json`` (``result``), ``<prefix>.md`` (``markdown``, when given) and ``<prefix>.png``
-    (``plot(result, path, outputs)``, when given) through ``outputs``."""
-    outputs.write_json(prefix + ".json", result)
-    if markdown is not None:
-        outputs.write_text(prefix + ".md", markdown)
-    if plot is not None:
-        plot(result, prefix + ".png", outputs)
+    """The opening lines of a markdown report: ``# title: device``, the command, the versions, a bullet per note."""
+    return [f"# {title}: {env.get('device')}", "", f"* command: `{env.get('command')}`",
+            f"* torch {env.get('torch')} (CUDA {env.get('cuda')}), triton {env.get('triton')}, timm {env.get('timm')}, "
+            f"python {env.get('python')}", *(f"* {n}" for n in notes), ""]
 
 
 @contextlib.contextmanager
 def figure(path: str, outputs: OutputFiles | None = None, *args: Any, dpi: int = 120, tool: str | None = None,
            **subplots: Any) -> Iterator[tuple[Any, Any]]:
-    """The plot helper: yields ``(fig, axes)`` of ``plt.subplots(*args, **subplots)`` (matplotlib's Agg backend);
-    when the block succeeds the figure gets a tight layout and is saved to ``path`` at ``dpi`` through ``outputs``
-    (else ``OutputFiles(tool)`` when ``tool`` is given, else :func:`save_figure_atomic`); it is closed either
-    way."""
+    """Yield ``(fig, axes)`` of ``plt.subplots(*args, **subplots)`` (Agg); when the block succeeds the figure is
+    laid out tight and saved to ``path`` at ``dpi`` through ``outputs`` (else ``OutputFiles(tool)``, else
+    atomically); closed either way."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -921,11 +764,23 @@ def figure(path: str, outputs: OutputFiles | None = None, *args: Any, dpi: int =
         yield fig, axes
         fig.tight_layout()
         if outputs is None and tool is None:
-            save_figure_atomic(fig, path, dpi=dpi)
+            with atomic_path(path) as tmp:
+                fig.savefig(tmp, dpi=dpi)
         else:
             (outputs or OutputFiles(tool)).save_figure(fig, path, dpi=dpi)
     finally:
         plt.close(fig)
+
+
+def bars(ax, labels: Sequence[str], series: dict, fontsize: int = 8) -> None:
+    """Grouped bars on ``ax``: a group per label, a bar per series (name -> values, one per label; None: no bar),
+    each group centred on its tick."""
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        shown = [(j + (i - (len(series) - 1) / 2) * width, v) for j, v in enumerate(values) if v is not None]
+        ax.bar([x for x, _ in shown], [v for _, v in shown], width, label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=fontsize)
+
 
 # --------------------------------------------------------------------------------------------------- isolation
 def cores() -> int:
@@ -934,10 +789,9 @@ def cores() -> int:
 
 
 def worker_env(jobs: int = 1) -> dict:
-    """The environment of an isolated worker process: this process's (``TRITON_CACHE_DIR`` / ``TRITON_HOME`` as they
-    are, so every worker shares one Triton cache), with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (less
-    fragmentation where several processes share one GPU) and, with more than one job, ``OMP_NUM_THREADS`` = the
-    cores per job (PyTorch's CPU threads of ``jobs`` workers not oversubscribing the cores), each unless set."""
+    """A worker's environment: this process's (one shared Triton cache), plus, unless set,
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (processes sharing a GPU) and, with ``jobs`` > 1,
+    ``OMP_NUM_THREADS`` = cores per job."""
     env = dict(os.environ)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if jobs > 1:
@@ -976,12 +830,10 @@ class Workers:
 
 def run_worker(cmd: list[str], ids: list[str], *, env: dict, case_timeout: float,
                tmp_prefix: str = "worker_") -> tuple[list[dict], int | str, bool]:
-    """Run ``cmd --worker-ids FILE --worker-out FILE`` for the ``ids`` (one a line in the first file): the worker
-    writes one JSON line per result (``{"id": ...}``), ``{"begin": id}`` before each case (progress) and
-    ``{"stopped": why}`` when a time budget stops it. Returns (results it wrote, exit status or ``"hung"`` when
-    its results file made no progress for ``case_timeout`` seconds and it was killed (0: wait forever) or
-    ``"cancelled"`` when the run was interrupted first, whether it stopped on the time budget or was not
-    started)."""
+    """Run ``cmd --worker-ids FILE --worker-out FILE`` for ``ids``; the worker writes JSON lines: ``{"id": ...}``
+    per result, ``{"begin": id}`` before each case, ``{"stopped": why}`` on its time budget. Returns (results, exit
+    status, or ``"hung"``: no progress for ``case_timeout`` s (0: wait forever), killed, or ``"cancelled"``:
+    interrupted first; whether it stopped on the budget or was not started)."""
     with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp:
         ids_path, out_path = os.path.join(tmp, "ids.txt"), os.path.join(tmp, "results.jsonl")
         with open(ids_path, "w") as f:
@@ -998,8 +850,8 @@ def run_worker(cmd: list[str], ids: list[str], *, env: dict, case_timeout: float
 
 
 def _wait_worker(proc, out_path: str, case_timeout: float) -> int | str:
-    """Wait for a worker; kill it (``"hung"``) when its results file has not grown for ``case_timeout`` seconds
-    since its first line (0: wait forever). Returns its exit status or ``"hung"``."""
+    """A worker's exit status, or ``"hung"`` once its results file has not grown for ``case_timeout`` s since its
+    first line (killed; 0: wait forever)."""
     size, progress = 0, time.time()
     while True:
         try:
@@ -1035,13 +887,10 @@ def _read_worker_results(out_path: str) -> tuple[list[dict], bool]:
 
 
 def run_isolated(ids: list[str], spawn: Callable, deadline: float | None = None) -> tuple[list[dict], bool]:
-    """Run ``ids`` in subprocesses, surviving processes that die.
-
-    ``spawn(ids, deadline) -> (results, returncode, stopped)``; returncode ``"hung"``: killed for making no
-    progress. The cases a dead process finished are kept and the rest run again; a chunk that dies before
-    finishing anything is split in halves until a case that kills a process alone is found, reported as
-    ``crash``. A case whose CUDA error poisoned its process (exit status 3) is re-run alone to confirm.
-    Returns (results in the order of ``ids``, whether the time budget stopped it)."""
+    """Run ``ids`` through ``spawn(ids, deadline) -> (results, returncode | "hung", stopped)``, surviving processes
+    that die: finished cases are kept and the rest run again; a chunk that dies before finishing anything is halved
+    until a case that kills a process alone is found (``crash``); a case whose CUDA error poisoned its process
+    (exit status 3) is re-run alone to confirm. Returns (results in ``ids`` order, whether the budget stopped it)."""
     by_id: dict[str, dict] = {}
     stopped = False
 
@@ -1087,13 +936,9 @@ def run_isolated(ids: list[str], spawn: Callable, deadline: float | None = None)
 
 def run_chunks(ids: list[str], spawn: Callable, deadline: float | None = None, chunk_size: int = 200,
                jobs: int = 1, on_chunk: Callable | None = None) -> tuple[list[dict], bool]:
-    """:func:`run_isolated` on consecutive chunks of ``chunk_size`` ids, up to ``jobs`` chunks at a time.
-
-    Chunks start in id order as jobs free up (a thread per job waits on its chunk's subprocesses); one that
-    would start after ``deadline`` runs nothing; each chunk's dead processes are bisected on their own.
-    ``on_chunk(results)`` runs in the calling thread as each chunk finishes. An exception here (Ctrl-C) kills
-    the live workers and starts no more. Returns (results in the order of ``ids``, whether the time budget
-    stopped it)."""
+    """:func:`run_isolated` on consecutive chunks of ``chunk_size`` ids, up to ``jobs`` at a time, in id order
+    (none starts after ``deadline``); ``on_chunk(results)`` runs in the calling thread as each finishes; an exception
+    (Ctrl-C) kills the live workers. Returns (results in ``ids`` order, whether the budget stopped it)."""
     chunks = [ids[i:i + chunk_size] for i in range(0, len(ids), chunk_size)]
     parts: list = [[] for _ in chunks]
     stopped = False

@@ -1,42 +1,19 @@
 #!/usr/bin/env python
 """Benchmark the ELSA Triton kernels against PyTorch SDPA and FlexAttention.
 
-For every shape of the config and every visionattn mode, in one process on the same
-inputs, two timings side by side: **eager** (CUDA events around back-to-back calls of the public
-function, ``visionattn.attention`` / ``F.scaled_dot_product_attention``: the Python launch path
-counts, as in an eager model) and **graph** (replays of a CUDA graph of the same calls:
-GPU time alone; n/a, with the reason in the JSON's ``graph_error``, where the calls cannot be captured),
-timed in alternating windows so that both see the same GPU state (``--cuda-graph`` keeps only the graph,
-``triton.testing.do_bench_cudagraph``); TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory
-(``torch.cuda.max_memory_allocated`` above the inputs) and the relative L2 error
-against the float64 oracle on a random subsample of query rows. Baselines per input
-dtype: SDPA MATH (TF32 off), EFFICIENT_ATTENTION, FLASH_ATTENTION, CUDNN_ATTENTION
-(via ``torch.nn.attention.sdpa_kernel``) and compiled FlexAttention (FP32 inputs: IEEE
-and TF32). A host-overhead table comes first: host time per call at B=1 H=1 N=64 D=64 of every mode
-and of ``window_attention`` beside SDPA's, in the same process. Writes ``bench.md``, ``bench.json``
-and ``bench.png`` (TFLOP/s vs N) to ``--out``.
+Per shape of the config and mode, in one process on the same inputs: eager ms (CUDA events around back-to-back calls
+of ``visionattn.attention`` / ``F.scaled_dot_product_attention``, the launch path counts) beside CUDA-graph replays
+of the same calls in alternating windows (n/a with ``graph_error`` where capture fails; ``--cuda-graph``: graph only,
+``do_bench_cudagraph``), the first call apart; TFLOP/s = 4*B*H*Nq*Nk*D / t, peak extra memory, rel. L2 error vs the
+float64 oracle on sampled query rows. Baselines: SDPA math (TF32 off) / efficient / flash / cuDNN and compiled
+FlexAttention (FP32: IEEE and TF32; TF32 is on only inside the flex-tf32 rows). A host-overhead table (B=1 H=1 N=64
+D=64, every mode and ``window_attention`` beside SDPA) comes first. Writes ``bench.md/.json/.png`` to ``--out``.
 
-Process-wide settings (tools may set them, library code never does): TF32 matmul is
-switched OFF (``torch.backends.cuda.matmul.allow_tf32 = False``) so SDPA math and
-FlexAttention FP32 are true FP32; it is switched ON only around the "flex-tf32" rows.
-
-``--tune`` instead times a few tile configurations per (mode, head dim) and prints the
-fastest, to fill ``visionattn.kernels.elsa_fwd._CONFIGS``.
-
-``--varlen`` runs the ragged-batch table instead (the ELSA supplement's Table 2, ``tools/bench_varlen.py``:
-visionattn's varlen attention vs SDPA padded, per sequence and on nested tensors), writing ``varlen.md`` and
-``varlen.json`` to ``--out``.
-
-``--backward`` times forward + backward instead (``torch.autograd.grad`` of the output against a random
-dO, every mode through the public function and its backward kernels) against SDPA efficient / flash /
-cuDNN and FlexAttention in the same run, eager and graph timing side by side as above (the graph captures the
-whole forward + backward call); in fp16 / bf16 also SDPA-flash under ``torch.use_deterministic_algorithms(True)``
-(``sdpa-flash-det``: PyTorch's deterministic flash backward, the like-for-like baseline of visionattn's
-deterministic backward; cuDNN's backward is refused in that mode; the NaN fill of new memory that mode adds is
-switched off, so the row times the algorithm); TFLOP/s count 3.5 x 4*B*H*N*N*D; peak extra
-memory of forward + backward; gradient error = relative L2 of dQ, dK, dV vs a float64 autograd oracle
-(run over query-row chunks; beyond B*H*N*N = 2^33 only dQ, on the subsample of query rows); the
-training targets. Writes ``fwd_bwd.md``, ``fwd_bwd.json`` and ``fwd_bwd.png`` to ``--out``.
+``--backward``: forward + ``autograd.grad`` against a random dO, vs SDPA efficient / flash / cuDNN, flash under
+``torch.use_deterministic_algorithms`` (``sdpa-flash-det``, NaN fill off) and Flex; TFLOP/s count 3.5 x the forward;
+gradient error of dQ, dK, dV vs a float64 autograd oracle (only dQ on sampled rows beyond B*H*N*N = 2^33); writes
+``fwd_bwd.*``. ``--tune``: times candidate tile configs (``elsa_fwd._CONFIGS``). ``--varlen``: the ragged-batch
+table of ``tools/bench_varlen.py`` (``varlen.md/.json``).
 
 Usage: python tools/bench_attention.py --out out/bench_attention [--quick] [--backward]
        [--config configs/bench_attention.yaml]
@@ -57,7 +34,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_ms, eager_ms,  # noqa: E402
-                      environment, failure_text, figure, first_error, host_us, kernel_ms, markdown_table, output_files)
+                      environment, failure_text, figure, first_error, host_us, kernel_ms, markdown_table, md_header,
+                      output_files)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -459,14 +437,19 @@ def _targets(records) -> list[dict]:
             if ours and "eager_over_graph" in ours and ours["N"] < 4096:  # ViT-sized: launch path matters most
                 out.append({"shape": shape, "mode": mode, "vs": "own CUDA-graph replay",
                             "eager_over_graph": ours["eager_over_graph"], "met": ours["eager_over_graph"] <= 1.1})
-        for mode in ("fp32", "fp16", "bf16"):
-            dtype = mode
-            ours = _get(records, shape, dtype, mode)
-            eff = _get(records, shape, dtype, "sdpa-efficient")
-            if ours and eff:
-                out.append({"shape": shape, "mode": mode, "vs": "sdpa-efficient memory",
-                            "ours_mib": ours["peak_mib"], "base_mib": eff["peak_mib"],
-                            "met": ours["peak_mib"] <= 1.1 * eff["peak_mib"] + 1e-6})
+        out += _memory_targets(records, shape, (("fp32", "fp32"), ("fp16", "fp16"), ("bf16", "bf16")), 1.1)
+    return out
+
+
+def _memory_targets(records, shape, modes, ratio: float) -> list[dict]:
+    """Peak extra memory of each (mode, input dtype) at most ``ratio`` x SDPA-efficient's on the same inputs."""
+    out = []
+    for mode, dtype in modes:
+        ours, eff = _get(records, shape, dtype, mode), _get(records, shape, dtype, "sdpa-efficient")
+        if ours and eff:
+            out.append({"shape": shape, "mode": mode, "vs": "sdpa-efficient memory", "ours_mib": ours["peak_mib"],
+                        "base_mib": eff["peak_mib"], "need_mem_ratio": ratio,
+                        "met": ours["peak_mib"] <= ratio * eff["peak_mib"] + 1e-6})
     return out
 
 
@@ -495,30 +478,20 @@ def _targets_backward(records) -> list[dict]:
             elif absolute is not None and long:
                 out.append({"shape": shape, "mode": mode, "vs": "absolute", "ours_tflops": ours["tflops"],
                             "need_tflops": absolute, "met": ours["tflops"] >= absolute})
-        for mode, dtype in (("fp32", "fp32"), ("fp32-ieee", "fp32"), ("tf32", "fp32"), ("fp16", "fp16"),
-                            ("bf16", "bf16")):
-            ours, eff = _get(records, shape, dtype, mode), _get(records, shape, dtype, "sdpa-efficient")
-            if ours and eff:
-                out.append({"shape": shape, "mode": mode, "vs": "sdpa-efficient memory", "ours_mib": ours["peak_mib"],
-                            "base_mib": eff["peak_mib"], "need_mem_ratio": 1.0,
-                            "met": ours["peak_mib"] <= eff["peak_mib"] + 1e-6})
+        out += _memory_targets(records, shape, (("fp32", "fp32"), ("fp32-ieee", "fp32"), ("tf32", "fp32"),
+                                                ("fp16", "fp16"), ("bf16", "bf16")), 1.0)
     return out
 
 
 def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None) -> dict:
     """Write ``<out_dir>/<result["files"] or bench>.md / .json / .png`` through ``outputs`` (default: this tool's
     :class:`OutputFiles`, which raises on a file it may not replace); returns the paths by extension."""
-    env = result["environment"]
-    lines = [f"# {result.get('title', 'Attention benchmark')}: {env['device']}", "",
-             f"* command: `{env['command']}`",
-             f"* torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, timm {env['timm']}, "
-             f"python {env['python']}",
-             f"* {result.get('timing', 'median of `triton.testing.do_bench` (L2 flushed between runs)')}; "
-             f"TFLOP/s = {result.get('flops', '4*B*H*N*N*D')} / t; "
-             "peak extra memory = max_memory_allocated above the inputs; rel err = "
-             + result.get("rel_err", "relative L2 vs the float64 oracle on a random subsample of query rows")
-             + ", same inputs for every backend",
-             f"* TF32 matmul: {result['tf32_matmul']}", ""]
+    lines = md_header(result.get("title", "Attention benchmark"), result["environment"],
+                      f"{result.get('timing', 'median of `triton.testing.do_bench` (L2 flushed between runs)')}; "
+                      f"TFLOP/s = {result.get('flops', '4*B*H*N*N*D')} / t; "
+                      "peak extra memory = max_memory_allocated above the inputs; rel err = "
+                      + result.get("rel_err", "relative L2 vs the float64 oracle on a random subsample of query rows")
+                      + ", same inputs for every backend", f"TF32 matmul: {result['tf32_matmul']}")
     if result.get("host_overhead"):
         lines += ["## Host time per call (B=1 H=1 N=64 D=64; window: 4 windows x 49 tokens, D=32)", "",
                   markdown_table([[r["dtype"], r["call"], f"{r['us']:.1f}", f"{r['x_sdpa']:.2f}x"]
@@ -527,25 +500,17 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
         rs = [r for r in result["records"] if r["shape"] == shape]
         r0 = rs[0]
         lines += [f"## {shape} (B={r0['B']}, H={r0['H']}, N={r0['N']}, D={r0['D']})", ""]
+        grads = ("dq", "dk", "dv") if "flops" in result else ()  # forward + backward: the gradients' errors
+        header = ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph", "peak extra MiB",
+                  *([f"d{g[1].upper()} rel err" for g in grads] or ["rel err"])]
         rows = []
-        if "flops" in result:  # forward + backward: eager and graph time, gradient errors
-            for r in rs:
-                name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
-                errs = [f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in ("dq", "dk", "dv")]
-                rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"], *errs]
-                            if "ms" in r else [r["dtype"], name, "-", "-", "-", "-", "-", "-", "-", r["skipped"]])
-            lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph",
-                                               "peak extra MiB", "dQ rel err", "dK rel err", "dV rel err"]))
-            continue
         for r in rs:
             name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
-            if "ms" in r:
-                rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"],
-                             f"{r['rel_err']:.2e}"])
-            else:
-                rows.append([r["dtype"], name, "-", "-", "-", "-", "-", r["skipped"]])
-        lines.append(markdown_table(rows, ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph",
-                                           "peak extra MiB", "rel err"]))
+            errs = ([f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in grads] if grads
+                    else [f"{r['rel_err']:.2e}"] if "ms" in r else [])
+            rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"], *errs] if "ms" in r
+                        else [r["dtype"], name, *["-"] * (len(header) - 3), r["skipped"]])
+        lines.append(markdown_table(rows, header))
     lines += ["## Targets", ""]
     trows = []
     for t in result["targets"]:
@@ -554,7 +519,7 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
                           "(need <= 1.1x)", "met" if t["met"] else "NOT met"])
         elif "ours_mib" in t:
             trows.append([t["shape"], t["mode"], t["vs"], f"{t['ours_mib']:.1f} vs {t['base_mib']:.1f} MiB",
-                          f"<= {t.get('need_mem_ratio', 1.1)}x", "met" if t["met"] else "NOT met"])
+                          f"<= {t['need_mem_ratio']}x", "met" if t["met"] else "NOT met"])
         elif "base_tflops" in t:
             trows.append([t["shape"], t["mode"], t["vs"], f"{t['ours_tflops']:.1f} vs {t['base_tflops']:.1f}",
                           f"{t['ratio']:.2f}x (need {t['need_ratio']}x)", "met" if t["met"] else "NOT met"])

@@ -1,36 +1,14 @@
 #!/usr/bin/env python
 """Time the attention backward kernels alone against PyTorch SDPA's backward, per mode, eager and CUDA-graph replay.
 
-For each shape and mode, on the same inputs in one process: visionattn's deterministic backward
-(:func:`visionattn.kernels.elsa_bwd.elsa_backward`, from a saved ``out`` and ``lse``) and SDPA's backward
-(``torch.autograd.grad`` of an SDPA output under ``sdpa_kernel``: EFFICIENT_ATTENTION, and for fp16 / bf16 also
-FLASH_ATTENTION and CUDNN_ATTENTION; SDPA's FP32 baseline for the ``fp32`` / ``fp32-ieee`` / ``tf32`` rows is
-EFFICIENT_ATTENTION on FP32 inputs). Two timings of the same callable side by side, in alternating windows so that
-both see the same GPU state (:func:`_harness.eager_graph_ms`): eager (CUDA events around ``--calls``
-back-to-back calls, the Python launch path counts; median of ``--repeats`` windows: the ms and TFLOP/s columns) and
-graph (``--calls`` back-to-back calls captured in one CUDA graph, after warm-up calls on the capture stream; median
-of ``--repeats`` replays: GPU time without the launch path, the graph ms column; ``--no-graph`` skips it, a row
-whose calls cannot be captured shows n/a and the reason in the JSON's ``graph_error``; the eager / graph column is
-their ratio). TFLOP/s count the backward as 2.5 forwards: 10 * B * H * N^2 * D (five N x N x D matmuls).
-Window shapes (``swin-b-s1`` .. ``swin-b-s4``: Swin-B at 224 px, batch 64, one
-shape per stage, 49-token windows; ``swinv2-b-s1``: Swin-v2-B's first stage, 64-token windows) time
-:func:`visionattn.kernels.window_bwd.window_backward` with the relative position bias [H, N, N] and its
-gradient (summed over every window) and the shift mask [nW, N, N]; both window kernel paths (fused: one kernel
-per window; split: the dense dK/dV and dQ kernels) are timed;
-SDPA gets the same logits through ``attn_mask = bias + shift mask`` (its bias gradient flows through the
-sum), as timm's ``WindowAttention`` calls it. ``--bias-splits`` times given chunk counts of the bias-gradient
-reduction beside the automatic choice, ``--configs`` given tiles beside the default (two tile sets: the dK/dV and
-dQ kernels; one: the single-pass backward, dQ added in key-tile order by the dK/dV kernel),
-``--fp32-products`` the FP32 modes' backward with other products (split-FP16 f16x3-head, the dense default:
-its right operands scaled per (batch, head); f16x3, scaled per tile column, the window default; ``tl.dot``'s
-3xTF32; IEEE FMA). ``lse`` is computed from the FP32
-logits by ``torch.logsumexp`` in query chunks and ``out`` by SDPA; only their consistency matters for timing.
-Peak extra memory is
-``torch.cuda.max_memory_allocated`` above the inputs during one backward call.
-
-Process-wide settings (a tool may set them): TF32 matmul OFF, so the FP32 SDPA rows are FP32.
-
-Writes ``<out>.md`` and ``<out>.json`` (environment, command, every cell).
+Per shape and mode, on the same inputs: visionattn's deterministic backward (``elsa_backward`` from a saved ``out``
+and FP32 ``lse``; window shapes ``swin-b-s1..4`` / ``swinv2-b-s1``: ``window_backward``, fused and split, with the
+bias [H, N, N] gradient and the shift mask) vs ``torch.autograd.grad`` of SDPA (EFFICIENT, and for fp16 / bf16 FLASH
+and CUDNN; the same logits through ``attn_mask = bias + shift``). Eager ms (CUDA events around ``--calls`` calls,
+median of ``--repeats``) beside graph replays of the same calls in alternating windows (``--no-graph`` skips them;
+n/a and ``graph_error`` where capture fails). TFLOP/s = 10*B*H*N^2*D; peak extra memory of one call.
+``--bias-splits``, ``--configs`` and ``--fp32-products`` time alternatives beside the defaults. TF32 matmul is
+switched off. Writes ``<out>.md`` and ``<out>.json``.
 
 Usage: python tools/bench_backward.py [--out out/bench_backward] [--modes fp32 fp16] [--shapes vit-b16-224] [--no-graph]
        python tools/bench_backward.py --shapes swin-b-s1 swin-b-s3 --modes fp32 bf16 --bias-splits 8 32 128
@@ -44,8 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, check_device, check_output, default_out, eager_graph_timings,  # noqa: E402
-                      output_files, positive_int)
+from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
+                      eager_graph_timings, output_files, positive_int)
 
 MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
@@ -86,12 +64,10 @@ def build_parser() -> ToolParser:
                    default=[],
                    help="FP32 modes: also time the backward (and each --configs tile set) with these products "
                         "(default: the mode's own only)")
-    p.add_argument("--calls", type=positive_int, default=20, help="back-to-back calls per timing window")
-    p.add_argument("--repeats", type=positive_int, default=5, help="timing windows (the median is reported)")
+    add_common(p, calls=20, repeats=5, device=("cuda", "device (cpu: Triton's interpreter, for a smoke test)"))
     p.add_argument("--no-sdpa", action="store_true", help="time visionattn's backward only")
     p.add_argument("--no-graph", action="store_true",
                    help="eager timing only: skip the CUDA-graph replays (graph ms and eager / graph show '-')")
-    p.add_argument("--device", default="cuda", help="device (cpu: Triton's interpreter, for a smoke test)")
     return p
 
 

@@ -1,38 +1,21 @@
 #!/usr/bin/env python
 """Benchmark whole training steps of timm models, visionattn-patched vs unpatched, in the same precision.
 
-A step is what ``tools/finetune.py`` runs (its ``TrainStep``): forward, cross-entropy on random labels,
-backward, AdamW step. For each case (timm model with random weights, image size, batch) and each
-mode, one model and one optimiser take steps with timm's own attention (``unpatched``) and with
-``visionattn.patch_model(model, mode)`` (``visionattn``), switched in place and timed in interleaved
-rounds so that clock drift hits both alike. Reported per side: ms per step (median of the timed
-steps after warm-up; CUDA events around each step, eager PyTorch; wall time on CPU), images/s, peak
-memory (``torch.cuda.max_memory_allocated`` during one step after warm-up: weights, gradients,
-AdamW state and activations), the first step's time (kernel compilation), and the speedup and
-memory ratio of visionattn; then the targets below, met or NOT met.
+A step is ``tools/finetune.py``'s ``TrainStep``: forward, cross-entropy on random labels, backward, AdamW. Per case
+(timm model, random weights, image size, batch) and mode, one model and optimiser step unpatched and patched
+(``visionattn.patch_model``), switched in place, timed in interleaved rounds: median ms per step (CUDA events around
+each step; CPU: wall time), img/s, peak memory of one step, the first step apart, speedup and memory ratio, targets.
+``--attention-free`` adds the step with every attention answering a copy of V (``_harness.attention_free``; Swin-v2,
+whose attention never calls SDPA: patched, its cores answering): unpatched / attention-free is the Amdahl bound.
 
-``--attention-free`` adds a third side: the unpatched model with every SDPA call answering a copy of its
-value rows (:func:`_harness.attention_free`), i.e. the step without its attention. unpatched /
-attention-free is the most any attention kernel can speed the step up (Amdahl's law): the ``bound`` column,
-and a target above it is marked so. On that side, modules with timm's ``fused_attn`` switch take their SDPA branch
-(timm's Swin otherwise runs its own softmax). A model whose unpatched attention never calls SDPA (timm's Swin-v2
-computes its cosine attention itself) runs that side patched instead, with visionattn's attention cores answering
-the copy of the value rows (``AttentionFree.core`` through ``override_cores``): the step without any attention
-kernel, everything else as patched.
+Precision per mode, both sides alike: fp32 / fp32-ieee: TF32 OFF; tf32: TF32 ON; bf16: autocast; fp16: autocast with
+a GradScaler; the process-wide TF32 flags are set per mode, restored after and recorded.
 
-Precision per mode, the same on both sides: fp32 / fp32-ieee: FP32 with TF32 OFF; tf32: FP32 with
-TF32 ON; bf16: ``torch.autocast`` bf16; fp16: autocast fp16 with a ``GradScaler``. The TF32 flags
-(``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``) are process-wide
-settings made by this tool for each mode's rows, restored after, and written to the output.
+``--loss-curve N`` instead trains N steps unpatched and patched from the same weights on the same batches (plus an
+unpatched FP32 reference for tf32 / bf16 / fp16): FP32 modes pass at a max relative gap <= 1e-4, the others when the
+patched gap to FP32 is at most twice the unpatched one (+1e-4).
 
-``--loss-curve N`` instead trains each case N AdamW steps twice from the same initial weights on the
-same random batches (a pool of --loss-pool batches cycled, so the loss falls as they are fitted):
-unpatched and patched, plus for tf32 / bf16 / fp16 an unpatched FP32 run as reference. It writes both
-curves and the max relative gap |patched - unpatched| / |unpatched| over the steps. Tolerance: FP32
-modes, a gap <= 1e-4; the other modes, FlashAttention's rule on the curves: the patched run's gap to
-the FP32 reference at most twice the unpatched run's own gap to it (plus the FP32 tolerance).
-
-Writes ``<out>.md``, ``<out>.json``, ``<out>.png`` (timing) or ``<out>_loss.md/.json/.png`` (--loss-curve).
+Writes ``<out>.md/.json/.png`` (``<out>_loss.*`` with --loss-curve).
 
     python tools/bench_train.py --out out/train_h100          # the four cases below, fp32,tf32,bf16,fp16
     python tools/bench_train.py --cases vit_base_patch16_224:1024:8 --modes fp32 --out out/train_vit1024
@@ -54,9 +37,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _harness import (AttentionFree, OutputFiles, ToolParser, call_ms, check_device, check_output,  # noqa: E402
-                      default_out, environment, failure_text, figure, markdown_table, nonnegative_int, output_files,
-                      positive_float, positive_int, sample_ms)
+from _harness import (AttentionFree, OutputFiles, ToolParser, bars, call_ms, check_device, check_output,  # noqa: E402
+                      default_out, environment, failure_text, figure, markdown_table, md_header, nonnegative_int,
+                      output_files, positive_float, positive_int, sample_ms)
 from _timm_models import create_timm_model, model_problem  # noqa: E402
 from bench_models import MEM_SLACK_MIB, parse_cases, peak_memory, summarize_times  # noqa: E402
 from finetune import TRAIN_MODES, TrainStep, json_object, precision, precision_flags  # noqa: E402
@@ -344,13 +327,10 @@ def max_rel_gap(a: Sequence[float], b: Sequence[float]) -> float:
 
 # ----------------------------------------------------------------------------- report
 def _header(res: dict, title: str) -> list[str]:
-    env = res["environment"]
-    return [f"# {title}: {env['device']}", "", f"* command: `{env['command']}`",
-            f"* torch {env['torch']} (CUDA {env['cuda']}), triton {env.get('triton')}, timm {env.get('timm')}, "
-            f"python {env['python']}",
-            "* process-wide (per mode, both sides, restored after): TF32 matmul and cuDNN OFF for fp32 / fp32-ieee / "
-            "bf16 / fp16, ON for tf32; bf16 / fp16 under torch.autocast, fp16 with a GradScaler",
-            f"* settings: {json.dumps(res['settings'])}", ""]
+    return md_header(title, res["environment"],
+                     "process-wide (per mode, both sides, restored after): TF32 matmul and cuDNN OFF for fp32 / "
+                     "fp32-ieee / bf16 / fp16, ON for tf32; bf16 / fp16 under torch.autocast, fp16 with a GradScaler",
+                     f"settings: {json.dumps(res['settings'])}")
 
 
 def _fmt(x: Any, spec: str = ".4g") -> str:
@@ -407,13 +387,9 @@ def render_png(res: dict, path: str, outputs: OutputFiles | None = None) -> None
             if not any(r.get(key) for r in res["rows"]):
                 ax.text(0.5, 0.5, f"{ylabel}: not measured here", ha="center", transform=ax.transAxes)
             variants = [v for v in VARIANTS + (FREE,) if any(r["variant"] == v for r in res["rows"])]
-            width = 0.8 / len(variants)
-            for i, variant in enumerate(variants):
-                vals = [next((r.get(key) or 0.0 for r in res["rows"]
-                              if (r["model"], r["img"], r["batch"], r["mode"]) == g
-                              and r["variant"] == variant), 0.0) for g in groups]
-                ax.bar([j + width * i for j in range(len(groups))], vals, width=width, label=variant)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], labels, fontsize=7)
+            bars(ax, labels, {v: [next((r.get(key) or 0.0 for r in res["rows"] if r["variant"] == v and
+                                        (r["model"], r["img"], r["batch"], r["mode"]) == g), 0.0) for g in groups]
+                              for v in variants}, fontsize=7)
             ax.set_ylabel(ylabel)
             ax.grid(axis="y", alpha=0.3)
             ax.legend(fontsize=8)
@@ -483,27 +459,25 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        f"max rel gap {c['max_rel_gap']:.3g} "
                        f"(tolerance {c['tolerance']:.3g}: {'met' if c['met'] else 'NOT met'})")
             res["curves"].append(c)
-        outputs.write_json(prefix + ".json", res)
-        outputs.write_text(prefix + ".md", render_loss_markdown(res))
-        render_loss_png(res, prefix + ".png", outputs)
-        print(render_loss_markdown(res))
-        return res
-    settings.update(warmup=args.warmup, steps=args.steps, rounds=args.rounds)
-    res = {"environment": env, "settings": settings, "rows": [],
-           "timing": "CUDA events around each step, eager" if device.type == "cuda" else "wall time, CPU"}
-    for case, mode in tqdm(jobs, desc="cases x modes"):
-        rows = time_case(case, mode, device, args, model_kwargs)
-        un, ours = rows[:2]
-        tqdm.write(f"  {case['model']} {case['img']}px bs{case['batch']} {mode}: " + (
-            f"{un['ms']:.2f} -> {ours['ms']:.2f} ms/step x{ours['speedup']:.3f}" if "speedup" in ours
-            else f"{un.get('error') or ours.get('error')}")
-            + (f" (attention-free bound x{ours['bound']:.3f})" if "bound" in ours else ""))
-        res["rows"] += rows
-    res["targets"] = check_targets(res["rows"])
+        markdown, png = render_loss_markdown, render_loss_png
+    else:
+        settings.update(warmup=args.warmup, steps=args.steps, rounds=args.rounds)
+        res = {"environment": env, "settings": settings, "rows": [],
+               "timing": "CUDA events around each step, eager" if device.type == "cuda" else "wall time, CPU"}
+        for case, mode in tqdm(jobs, desc="cases x modes"):
+            rows = time_case(case, mode, device, args, model_kwargs)
+            un, ours = rows[:2]
+            tqdm.write(f"  {case['model']} {case['img']}px bs{case['batch']} {mode}: " + (
+                f"{un['ms']:.2f} -> {ours['ms']:.2f} ms/step x{ours['speedup']:.3f}" if "speedup" in ours
+                else f"{un.get('error') or ours.get('error')}")
+                + (f" (attention-free bound x{ours['bound']:.3f})" if "bound" in ours else ""))
+            res["rows"] += rows
+        res["targets"] = check_targets(res["rows"])
+        markdown, png = render_markdown, render_png
     outputs.write_json(prefix + ".json", res)
-    outputs.write_text(prefix + ".md", render_markdown(res))
-    render_png(res, prefix + ".png", outputs)
-    print(render_markdown(res))
+    outputs.write_text(prefix + ".md", markdown(res))
+    png(res, prefix + ".png", outputs)
+    print(markdown(res))
     return res
 
 

@@ -1,34 +1,37 @@
-"""Benchmark Swin / Swin-v2 window attention: visionattn vs timm eager, timm SDPA and FlexAttention.
+"""Swin / Swin-v2 window attention: visionattn vs timm eager, timm SDPA and FlexAttention.
 
-Attention only (q, k, v given as timm's ``qkv.unbind`` views, bias + shift mask) for
-every stage of the models in ``configs/bench_window.yaml`` at several batch sizes,
-fp16 and fp32; then the WindowAttention module (qkv + attention + proj) and whole
-models (random weights), patched with :func:`visionattn.patch_model`
-vs unpatched timm. Times are medians of ``triton.testing.do_bench`` (CUDA events,
-L2 flushed between runs); memory is the peak allocated during one call beyond the
-inputs. Writes ``<out>.md``, ``<out>.json`` and ``<out>.png``.
+Forward (default, CUDA): attention alone (q, k, v as timm's ``qkv.unbind`` views, bias + shift mask) for every stage
+of the models in ``configs/bench_window.yaml`` at several batches and dtypes, the WindowAttention module (qkv +
+attention + proj) and whole models, :func:`visionattn.patch_model` vs unpatched timm. Medians of
+``triton.testing.do_bench`` (L2 flushed; ``--cuda-graph``: ``do_bench_cudagraph``), peak extra memory of one call,
+error vs float64. ``--precisions`` times the FP32 modes' product precisions side by side. No global precision flag is
+set (timm eager fp32 runs with PyTorch's defaults, recorded).
 
-This tool sets no global precision flags: timm eager fp32 runs with PyTorch's
-defaults (``torch.backends.cuda.matmul.allow_tf32 = False``), recorded in the output.
+``--train``: forward + backward (the training path) of one stage per ``--cases model:stage:batch``, fp32 (TF32 off)
+and bf16 (autocast), returning the gradients of the qkv leaf, the bias [H, N, N] and Swin-v2's ``logit_scale``:
+``visionattn`` (:func:`visionattn.window_attention_qkvpacked`, what a patched timm module calls), ``timm-eager``
+(timm's matmul + softmax lines) and ``timm-sdpa`` (Swin's fused path). Eager timing (CUDA events around back-to-back
+forward + ``autograd.grad`` calls), for visionattn beside CUDA-graph replays in alternating windows (timm's lines
+fail to capture on torch 2.11); CPU: wall clock, no graph. Gradient errors: relative L2 vs the same lines in float64.
+
+Writes ``<out>.md``, ``<out>.json``, ``<out>.png``.
 
     python tools/bench_window.py --out out/window_h100
-    python tools/bench_window.py --batches 64 --models swin_base_224 --methods visionattn,eager
-    python tools/bench_window.py --models swin_base_224 --batches 64 --dtypes fp32,tf32,fp16 \
-        --methods visionattn --precisions f16x3,tf32x3,f16x1,tf32 --no-sweep --no-module --no-models
-
-``--precisions`` times the FP32 modes' product precisions side by side in the same run
-(:data:`visionattn.kernels.window_fwd.PRECISIONS`: split-FP16 ``f16x3`` / ``f16x1`` vs
-Triton's ``tf32x3`` / ``tf32`` / ``ieee``), each with its error against the float64 reference.
+    python tools/bench_window.py --models swin_base_224 --batches 64 --dtypes fp32,tf32,fp16 --methods visionattn
+           --precisions f16x3,tf32x3,f16x1,tf32 --no-sweep --no-module --no-models   (one command)
+    python tools/bench_window.py --train --cases swin_base_224:0:64 --modes bf16 --out out/window_train_h100
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
 import math
 import os
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -37,16 +40,23 @@ from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, check_output, default_out, environment, figure, kernel_ms,  # noqa: E402
-                      markdown_table, output_files, peak_extra_mb)
+from _harness import (OutputFiles, ToolParser, add_common, bars, check_output, default_out,  # noqa: E402
+                      eager_graph_timings, eager_ms, environment, failure_text, figure, kernel_ms, markdown_table,
+                      md_header, output_files, peak_extra_mb, per_call_ms, tf32_disabled)
 from _timm_models import create_timm_model  # noqa: E402
 
+TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
+TRAIN_MODES = ("fp32", "bf16")
+BACKENDS = ("visionattn", "timm-eager", "timm-sdpa")
+TARGET = 3.0  # --train: visionattn over timm's default path, forward + backward, in fp32 and bf16
+
 parser = ToolParser(prog="bench_window.py", description=__doc__.split("\n")[0],
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_window.yaml"),
                     help="YAML sweep definition (models, batches, dtypes, flex cases, key case, sweep)")
-parser.add_argument("--out", default=default_out("window_bench"),
-                    help="output prefix: writes <out>.md, <out>.json, <out>.png (default: %(default)s)")
+parser.add_argument("--out", default=None,
+                    help="output prefix: writes <out>.md, <out>.json, <out>.png (default: out/window_bench, "
+                         "with --train out/window_train)")
 parser.add_argument("--models", default=None, help="comma-separated model names from the config (default: all)")
 parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: config)")
 parser.add_argument("--dtypes", default=None,
@@ -66,15 +76,16 @@ parser.add_argument("--cuda-graph", action="store_true",
                     help="time with triton.testing.do_bench_cudagraph: no Python launch overhead, but no L2 flush "
                          "either (small cases then run from L2 and can beat the DRAM I/O floor)")
 parser.add_argument("--max-cases", type=int, default=None, help="stop after this many attention cases (smoke runs)")
+train = parser.add_argument_group("--train: forward + backward")
+train.add_argument("--train", action="store_true", help="time forward + backward instead (see above)")
+train.add_argument("--cases", nargs="+", default=list(TRAIN_CASES),
+                   help="model:stage:batch, model from the config, stage from 0 (default: %(default)s)")
+train.add_argument("--modes", nargs="+", default=list(TRAIN_MODES), choices=TRAIN_MODES, help="default: %(default)s")
+add_common(train, calls=20, repeats=5, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-# ----------------------------------------------------------------------------- environment / io
-def tool_environment() -> dict:
-    """:func:`_harness.environment` plus this tool's keys (gpu, TF32 matmul flag, UTC date)."""
-    return environment({
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-        "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+def build_parser() -> ToolParser:
+    return parser
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -110,16 +121,23 @@ def attn_inputs(attn, kind: str, batch: int, st: dict, mask, device, dtype):
     """q, k, v views of one qkv tensor [B*nW, N, 3, H, D] and the bias the module would use."""
     BW, N, H = batch * st["nW"], st["N"], st["heads"]
     D = st["dim"] // H
-    qkv = torch.randn(BW, N, 3, H, D, device=device, dtype=dtype).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
+    q, k, v = _qkv(torch.randn(BW, N, 3, H, D, device=device, dtype=dtype))
+    return q, k, v, module_bias(attn, kind, N, H)
+
+
+def module_bias(attn, kind: str, N: int, H: int) -> torch.Tensor:
+    """The relative position bias [H, N, N] the timm module adds (Swin-v2: its CPB MLP, ``16 * sigmoid``)."""
     with torch.no_grad():
         if kind == "v1":
-            bias = attn._get_rel_pos_bias()[0]
-        else:
-            table = attn.cpb_mlp(attn.relative_coords_table).view(-1, H)
-            rel = table[attn.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1).contiguous()
-            bias = 16 * torch.sigmoid(rel)  # as timm's (and the patched) Swin-v2 module
-    return q, k, v, bias
+            return attn._get_rel_pos_bias()[0].contiguous()
+        table = attn.cpb_mlp(attn.relative_coords_table).view(-1, H)
+        return 16 * torch.sigmoid(table[attn.relative_position_index.view(-1)].view(N, N, -1).permute(2, 0, 1)
+                                  .contiguous())
+
+
+def _qkv(qkv):
+    """q, k, v [B*nW, H, N, D]: timm's ``qkv.unbind`` views of a [B*nW, N, 3, H, D] tensor."""
+    return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
 
 # ----------------------------------------------------------------------------- methods (attention only)
@@ -347,14 +365,10 @@ def bench_module(cfg, args) -> list[dict]:
     return rows
 
 
-def patch_window_attention(model, mode: str) -> int:
-    """Patch ``model`` in place with :func:`visionattn.patch_model`; return the number of patched modules."""
+def bench_models(cfg, args) -> list[dict]:
+    """Whole models (random weights), ms per forward, patched in place with :func:`visionattn.patch_model`."""
     import visionattn
 
-    return visionattn.patch_model(model, mode=mode).visionattn_report.num_patched
-
-
-def bench_models(cfg, args) -> list[dict]:
     rows = []
     for spec in cfg.get("model_latency", []):
         for dt in ("fp16", "fp32"):
@@ -367,7 +381,7 @@ def bench_models(cfg, args) -> list[dict]:
                 row["unpatched"] = measure(lambda: model(x), args.warmup_ms, args.rep_ms)
                 with torch.no_grad():
                     ref = model(x).float()
-                row["patched_modules"] = patch_window_attention(model, dt)
+                row["patched_modules"] = visionattn.patch_model(model, mode=dt).visionattn_report.num_patched
                 row["patched"] = measure(lambda: model(x), args.warmup_ms, args.rep_ms)
                 with torch.no_grad():
                     out = model(x).float()
@@ -479,19 +493,235 @@ def plot(res: dict, path: str, outputs: OutputFiles | None = None) -> None:
                 ax.legend(fontsize=6)
 
 
+# ----------------------------------------------------------------------------- --train
+def parse_case(text: str, models: dict) -> tuple[dict, dict, int]:
+    """``model:stage:batch`` -> (model entry, stage shape, batch); exit 2 with one line naming the bad part."""
+    parts = text.split(":")
+    if len(parts) != 3 or parts[0] not in models or not parts[1].isdigit() or not parts[2].isdigit():
+        parser.error(f"--cases {text!r}: expected model:stage:batch with model one of {sorted(models)}")
+    model = models[parts[0]]
+    stages = stage_shapes(model)
+    stage, batch = int(parts[1]), int(parts[2])
+    if stage >= len(stages) or batch < 1:
+        parser.error(f"--cases {text!r}: stage must be below {len(stages)} and batch at least 1")
+    return model, stages[stage], batch
+
+
+def make_case(model: dict, st: dict, batch: int, mode: str, device) -> dict:
+    """Leaves and closures of one case: the timm block's attention (FP32 parameters, as under autocast), a qkv
+    leaf [B*nW, N, 3, H, D] in the mode's dtype, the bias leaf [H, N, N] FP32, the shift mask, dO."""
+    kind = model["kind"]
+    # random parameters and inputs drawn on the CPU, the same in every run (and not from the CUDA generator,
+    # which an earlier case's graph capture has registered)
+    torch.manual_seed(0)
+    attn, mask = make_block(kind, st, "cpu", torch.float32)
+    attn, mask = attn.to(device), None if mask is None else mask.to(device)
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    BW, N, H = batch * st["nW"], st["N"], st["heads"]
+    D = st["dim"] // H
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(BW, N, 3, H, D, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    leaves = [qkv, module_bias(attn, kind, N, H).requires_grad_()]
+    if kind == "v2":
+        leaves.append(attn.logit_scale)
+    do = torch.randn(BW, H, N, D, generator=g).to(device=device, dtype=dtype)
+    return {"kind": kind, "attn": attn, "mask": mask, "leaves": leaves, "do": do, "dtype": dtype, "mode": mode}
+
+
+def forward_fn(case: dict, backend: str):
+    """``run() -> out`` of ``backend`` on the case's leaves (None where the backend does not apply)."""
+    kind, attn, mask = case["kind"], case["attn"], case["mask"]
+    qkv, bias = case["leaves"][:2]
+    q, k, v = _qkv(qkv)
+    if backend == "timm-eager":
+        return eager_fn(kind, attn, q, k, v, bias, mask)
+    if backend == "timm-sdpa":
+        return sdpa_fn(kind, attn, q, k, v, bias, mask)
+    import visionattn
+
+    nw = mask.shape[0] if mask is not None else 1
+    kw = dict(cosine=True, logit_scale=attn.logit_scale) if kind == "v2" else dict(scale=attn.scale)
+
+    def run():
+        return visionattn.window_attention_qkvpacked(qkv, relative_position_bias=bias, shift_mask=mask,
+                                                     num_windows=nw, mode=case["mode"], **kw).transpose(1, 2)
+    return run
+
+
+def step_fn(case: dict, backend: str):
+    """``step() -> gradients of the leaves``: the backend's forward (under bf16 autocast in bf16) and
+    ``torch.autograd.grad`` against the case's dO; None where the backend does not apply."""
+    run = forward_fn(case, backend)
+    if run is None:
+        return None
+    device = case["do"].device.type
+    amp = case["mode"] == "bf16"
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16) if amp else contextlib.nullcontext():
+            out = run()
+        return torch.autograd.grad(out, case["leaves"], case["do"])
+    return step
+
+
+def oracle_grads(case: dict) -> list[torch.Tensor]:
+    """Gradients of timm's lines in float64 on the case's leaves (the same values, no rounding)."""
+    leaves64 = [t.detach().double().requires_grad_() for t in case["leaves"]]
+    attn = case["attn"]
+    attn64 = types.SimpleNamespace(scale=getattr(attn, "scale", None),
+                                   logit_scale=leaves64[2] if case["kind"] == "v2" else None)
+    q, k, v = _qkv(leaves64[0])
+    mask = None if case["mask"] is None else case["mask"].double()
+    out = eager_fn(case["kind"], attn64, q, k, v, leaves64[1], mask)()
+    return list(torch.autograd.grad(out, leaves64, case["do"].double()))
+
+
+def time_step(step, device: torch.device, calls: int, repeats: int, graph: bool) -> dict:
+    """{"ms", "graph_ms", "graph_error"}: eager beside graph replay on CUDA (:func:`_harness.eager_graph_timings`;
+    eager alone unless ``graph``); CPU wall clock (no graph) else."""
+    if device.type == "cuda" and not graph:
+        return {"ms": eager_ms(step, calls=calls, repeats=repeats), "graph_ms": None, "graph_error": None}
+    cpu = per_call_ms(torch.device("cpu"), 1, repeats, warmup=1)  # wall clock (Triton's interpreter)
+    eager, graph_ms, error = eager_graph_timings(lambda: step, cpu, device, calls, repeats)
+    return {"ms": eager, "graph_ms": graph_ms, "graph_error": error}
+
+
+def run_case(model: dict, st: dict, batch: int, mode: str, device: torch.device, args) -> list[dict]:
+    from visionattn.metrics import rel_l2
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    case = make_case(model, st, batch, mode, device)
+    gold = oracle_grads(case)
+    names = ["dqkv", "dbias"] + (["dlogit_scale"] if case["kind"] == "v2" else [])
+    base = {"model": model["name"], "kind": case["kind"], "stage": st["stage"], "batch": batch, "mode": mode,
+            "windows": case["do"].shape[0], "heads": st["heads"], "tokens": st["N"], "head_dim": case["do"].shape[-1]}
+    rows = []
+    for backend in BACKENDS:
+        step = step_fn(case, backend)
+        if step is None:
+            continue
+        row = dict(base, backend=backend, error=None)
+        try:
+            grads = step()
+            row.update({f"{n}_rel_err": rel_l2(g, ref) for n, g, ref in zip(names, grads, gold)})
+            del grads
+            row["peak_extra_mib"] = peak_extra_mb(step, device)
+            row.update(time_step(step, device, args.calls, args.repeats, graph=backend == "visionattn"))
+        except Exception as exc:  # noqa: BLE001 - a failing baseline is a result, not a crash
+            row["error"] = failure_text(exc, device)
+        rows.append(row)
+        if device.type == "cuda":  # a graph of many calls reserves much memory: hand it back for the next one
+            torch.cuda.empty_cache()
+    default = "timm-sdpa" if case["kind"] == "v1" else "timm-eager"
+    by = {r["backend"]: r for r in rows if r["error"] is None}
+    for r in rows:
+        for ref, key in ((default, "x_timm_default"), ("timm-eager", "x_timm_eager")):
+            ok = r["error"] is None and ref in by
+            r[key] = by[ref]["ms"] / r["ms"] if ok else None
+    return rows
+
+
+def train_targets(rows: list[dict]) -> list[dict]:
+    """visionattn over timm's default path per case and mode against :data:`TARGET`."""
+    out = []
+    for r in rows:
+        if r["backend"] == "visionattn" and r["x_timm_default"] is not None:
+            out.append({"case": f"{r['model']} stage {r['stage'] + 1} batch {r['batch']}", "mode": r["mode"],
+                        "ratio": r["x_timm_default"], "need": TARGET, "met": r["x_timm_default"] >= TARGET})
+    return out
+
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def train_markdown(result: dict) -> str:
+    lines = md_header("Window attention forward + backward vs timm's attention lines", result["environment"],
+                      result["timing"], result["precision"])
+    header = ["case", "mode", "backend", "ms", "graph ms", "eager / graph", "x timm default", "x timm-eager",
+              "peak extra MiB", "dqkv rel err", "dbias rel err", "dlogit_scale rel err"]
+    table = []
+    for r in result["rows"]:
+        case = f"{r['model']} s{r['stage'] + 1} b{r['batch']} ({r['windows']} x {r['heads']} x {r['tokens']})"
+        if r["error"]:
+            table.append([case, r["mode"], r["backend"], "failed: " + r["error"]] + ["-"] * (len(header) - 4))
+            continue
+        graph = r["graph_ms"] if r["graph_ms"] is not None else ("n/a" if r["graph_error"] else None)
+        ratio = r["ms"] / r["graph_ms"] if r["graph_ms"] else None
+        table.append([case, r["mode"], f"**{r['backend']}**" if r["backend"] == "visionattn" else r["backend"],
+                      _f(r["ms"]), graph if isinstance(graph, str) else _f(graph), _f(ratio, "{:.2f}"),
+                      _f(r["x_timm_default"], "{:.2f}x"), _f(r["x_timm_eager"], "{:.2f}x"),
+                      _f(r["peak_extra_mib"], "{:.1f}"), _f(r.get("dqkv_rel_err"), "{:.2e}"),
+                      _f(r.get("dbias_rel_err"), "{:.2e}"), _f(r.get("dlogit_scale_rel_err"), "{:.2e}")])
+    lines.append(markdown_table(table, header))
+    lines += ["", f"Target: visionattn >= {TARGET:g}x timm's default path (Swin: timm-sdpa; Swin-v2: timm-eager), "
+                  "forward + backward, eager.", ""]
+    lines.append(markdown_table(
+        [[t["case"], t["mode"], f"{t['ratio']:.2f}x", f"{t['need']:g}x", "met" if t["met"] else "NOT met"]
+         for t in result["targets"]], ["case", "mode", "visionattn / timm default", "need", ""]))
+    return "\n".join(lines) + "\n"
+
+
+def train_plot(result: dict, path: str, outputs: OutputFiles | None = None) -> None:
+    ok = [r for r in result["rows"] if r["error"] is None]
+    groups = sorted({(r["model"], r["stage"], r["batch"], r["mode"]) for r in ok}, key=str)
+    with figure(path, outputs, figsize=(max(6, 2.2 * len(groups)), 4), tool="bench_window_train") as (fig, ax):
+        bars(ax, [f"{m}\nstage {s + 1}, batch {b}\n{mode}" for m, s, b, mode in groups],
+             {b: [next((r["ms"] for r in ok if r["backend"] == b and (r["model"], r["stage"], r["batch"], r["mode"])
+                        == g), None) for g in groups] for b in BACKENDS})
+        ax.set_ylabel("ms per forward + backward (eager)")
+        ax.set_title(result["environment"]["device"])
+        ax.legend()
+
+
+def main_train(args, cases: list, outputs: OutputFiles) -> dict:
+    """``--train``: forward + backward of every case and mode."""
+    device = torch.device(args.device)
+    rows = []
+    with tf32_disabled():
+        for model, st, batch in cases:
+            for mode in args.modes:
+                new = run_case(model, st, batch, mode, device, args)
+                rows += new
+                print(f"{model['name']} stage {st['stage'] + 1} batch {batch} {mode}: " + ", ".join(
+                    f"{r['backend']} {_f(r['ms'])} ms" for r in new if r["error"] is None), flush=True)
+    timing = ("eager: CUDA events around back-to-back forward + backward calls, median of windows (the Python "
+              "launch path counts); graph (visionattn only: timm's lines under autograd fail to capture, "
+              "cudaErrorStreamCaptureInvalidated): replays of a CUDA graph of the same calls in alternating "
+              "windows (_harness.eager_graph_ms)" if device.type == "cuda"
+              else "CPU wall clock per call (Triton's interpreter for visionattn), no CUDA graph")
+    result = {"environment": environment(), "timing": timing,
+              "precision": "fp32: FP32 inputs, TF32 off; bf16: bf16 qkv and dO, FP32 bias and parameters, "
+                           "the forward under torch.autocast(bfloat16)",
+              "rows": rows, "targets": train_targets(rows)}
+    outputs.write_json(args.out + ".json", result)
+    outputs.write_text(args.out + ".md", train_markdown(result))
+    train_plot(result, args.out + ".png", outputs)
+    return result
+
+
 def main(args) -> dict:
     """Run the benchmark described by ``args`` (see ``--help``); returns the result dict."""
     if not os.path.isfile(args.config):
         parser.error(f"--config {args.config!r} is not a file; pass a YAML like configs/bench_window.yaml")
-    check_output(parser, args.out)
-    outputs = output_files(parser, [args.out + ".json", args.out + ".md", args.out + ".png"], tool="bench_window")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_window.py needs a CUDA GPU (the window kernel is a Triton GPU kernel)")
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
+    if args.train:
+        cases = [parse_case(c, {m["name"]: m for m in cfg["models"]}) for c in args.cases]
+    tool = "bench_window_train" if args.train else "bench_window"
+    args.out = args.out or default_out("window_train" if args.train else "window_bench")
+    check_output(parser, args.out)
+    outputs = output_files(parser, [args.out + ".json", args.out + ".md", args.out + ".png"], tool=tool)
+    if args.train:
+        return main_train(args, cases, outputs)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_window.py needs a CUDA GPU (the window kernel is a Triton GPU kernel); "
+                         "--train runs on the CPU")
     args.warmup_ms = args.warmup_ms if args.warmup_ms is not None else cfg.get("warmup_ms", 10)
     args.rep_ms = args.rep_ms if args.rep_ms is not None else cfg.get("rep_ms", 40)
-    env = tool_environment()
+    env = environment({"gpu": torch.cuda.get_device_name(), "allow_tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
     env["copy_bytes_per_s"] = copy_bandwidth()
     _TIMER["cuda_graph"] = env["cuda_graph_timing"] = bool(args.cuda_graph)
     res: dict = {"environment": env, "config": cfg}

@@ -1,18 +1,10 @@
 """Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory, registers, occupancy.
 
-Walks the dense ELSA config table (every precision kind x padded head dim x short/long KV, with and without
-bias + mask), the Gluon fp32-ieee and Hopper fp16 / bf16 kernels' configs, the PASA configs (head dims
-16..256, with and without recovery, bias + mask) and the window kernels at the Swin / Swin-v2 window sizes,
-and the backward kernels (the dense dK / dV and dQ kernels per mode and head dim, with and without a bias
-gradient; the window backward, fused and split, at the Swin / Swin-v2 window sizes; the ragged-batch backward),
-compiles each for sm_90 through :func:`visionattn.kernels.introspect.compile_for_arch` and reports the shared
-memory each needs against the H100/H200 limit (232,448 bytes), its registers per thread and spill bytes (read
-from the cubin), how many programs an SM holds at once, whether the products use wgmma, and the cubin's static
-SASS instruction count. A config over the limit is not a
-crash (the launchers retry smaller configs), but it is a slow first call and a different config than the table
-says.
-
-The figures match the GPU's only for the same Triton version; for a GPU that runs triton 3.6:
+Every config of the dense ELSA table, the Gluon fp32-ieee and fp16 / bf16 kernels, PASA, the window kernels at Swin /
+Swin-v2 window sizes and the backward kernels (dense, window fused / split, ragged) is compiled for sm_90
+(:func:`visionattn.kernels.introspect.compile_for_arch`): shared memory against the 232,448-byte limit (over it the
+launchers retry smaller configs: a slow first call), registers and spill bytes, programs per SM, wgmma use and the
+static SASS instruction count. The figures match the GPU's only for the same Triton version:
 
     pip install --target /tmp/tri36 triton==3.6.0
     PYTHONPATH=/tmp/tri36:$PWD python tools/check_kernels_offline.py --out out/kernels_sm90_offline
@@ -316,15 +308,13 @@ def main(args) -> dict:
           f"triton version gives its figures); limit {HOPPER_SHARED_LIMIT} bytes per block\n"
           f"* command: `{env.get('command', '')}`\n* {len(rows)} variants, {len(over)} over the limit "
           f"(the launcher then retries smaller configs), {len(failed)} failed to compile\n"
-          f"* registers and spill bytes per thread (stack frame + local memory, where ptxas spills) from the cubin "
-          f"(`cuobjdump -res-usage`); programs / SM = "
-          f"programs one SM holds at once by the Hopper occupancy rules (registers, 228 KiB shared memory with 1 KiB "
-          f"reserved per program, 64 warps, 32 programs); a config over the shared-memory limit shows 0\n"
-          f"* SASS instructions: a static count of the cubin (`nvdisasm`; a loop body counts once), comparable "
-          f"between variants of one kernel at the same tiles\n"
-          f"* half-gluon (warp-specialized): registers are the launch cap over its 12 warps (8 with one consumer "
-          f"warpgroup, 20 with four); `setmaxnreg` then gives each consumer thread 240 (232 with one, 112-120 with "
-          f"four) and each producer thread 24"
+          "* registers and spill bytes (stack frame + local memory) per thread from the cubin (`cuobjdump "
+          "-res-usage`); programs / SM by the Hopper occupancy rules (registers, 228 KiB shared memory with 1 KiB per "
+          "program, 64 warps, 32 programs; 0 over the limit)\n"
+          "* SASS instructions: a static count (`nvdisasm`; a loop body counts once), comparable between variants "
+          "of one kernel at the same tiles\n* half-gluon (warp-specialized): registers are the launch cap over its "
+          "12 warps (8 / 20 with one / four consumer warpgroups); `setmaxnreg` then gives each consumer thread 240 "
+          "(232 with one, 112-120 with four) and each producer 24"
           f"\n\n{table}\n")
     outputs.write_text(args.out + ".md", md)
     outputs.write_json(args.out + ".json", result)

@@ -1,22 +1,12 @@
 #!/usr/bin/env python
 """Reproduce the ELSA supplement's Table 1 (monoid scan vs float64 oracle) on CPU.
 
-Three scenarios (the supplement names them; sizes are ours, chosen to run on a laptop CPU):
-
-* regular: B=2, H=8, N=512,  D=64, q, k, v ~ N(0, 1)
-* long:    B=1, H=4, N=2048, D=64, q, k, v ~ N(0, 1)
-* stress:  B=2, H=4, N=1024, D=64, q, k ~ 4 * N(0, 1) plus 1% outlier keys x8 (peaked, wide-range logits)
-
-The scan splits keys into blocks of 128, computes (m, S, W) per block and reduces
-them with a balanced tree of merges (:func:`visionattn.reference.reduce_states`),
-once in float64 (what the paper's magnitudes correspond to) and once in FP32 (what
-the fp32 mode guarantees). The six drift metrics (supplement Sec. C.2) are reported
-at p95 over query rows; argmax disagreement must be 0.
+Three scenarios of the supplement at laptop sizes (:data:`SCENARIOS`; stress: q, k x4 and 1 % outlier keys x8). The
+scan reduces per-block (m, S, W) states of ``--block-size`` keys with a balanced tree of merges, in float64 (the
+paper's magnitudes) and in FP32 (the fp32 mode); the six drift metrics (supplement Sec. C.2) at p95 over query rows.
 
 Usage: python tools/drift_table.py [--out out/drift_table1_cpu] [--quick]
-
-The committed table, docs/benchmarks/drift_table1_cpu.md, is regenerated with
-``--out docs/benchmarks/drift_table1_cpu``; without ``--out`` the tool writes under out/.
+(``--out docs/benchmarks/drift_table1_cpu`` regenerates the committed table.)
 """
 from __future__ import annotations
 

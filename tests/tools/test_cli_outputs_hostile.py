@@ -33,7 +33,7 @@ TOOLS = {
     "bench_varlen": (["--device", "cpu"], "res/r", "res/r.md"),
     "bench_vggt": (["--device", "cpu", "--tiny"], "res/r", "res/r.json"),
     "bench_window": ([], "res/r", "res/r.md"),
-    "bench_window_train": (["--device", "cpu"], "res/r", "res/r.md"),
+    "bench_window --train": (["--train", "--device", "cpu"], "res/r", "res/r.md"),
     "eval_imagenet": (["--model", "vit_tiny_patch16_224", "--random-weights", "--synthetic-from", PHOTOS,
                        "--device", "cpu"], "res/r.json", "res/r.md"),
     "eval_reconstruction": (["modes", os.path.join(MULTIVIEW, "aloe"), "--device", "cpu"], "res",
@@ -44,6 +44,7 @@ _MODULES = {}
 
 
 def _tool(name):
+    name = name.split()[0]  # "tool --flag": the tool run with that flag
     if name not in _MODULES:
         try:
             _MODULES[name] = load_script(f"tools/{name}.py", f"outputs_hostile_{name}")

@@ -11,6 +11,7 @@ from testdata import REPO, load_script
 
 
 def _load(name):
+    name = name.split()[0]  # "tool --flag": the tool run with that flag
     return load_script(f"tools/{name}.py", f"tool_outputs_{name}")
 
 
@@ -28,13 +29,13 @@ def _run(mod, argv):
 
 TOOLS = ["drift_table", "eval_pasa", "check_kernels_offline", "bench_attention", "bench_window", "bench_models",
          "eval_imagenet", "eval_svd", "bench_svd_attention", "bench_train", "finetune", "bench_backward",
-         "bench_cold_start", "bench_vggt", "bench_window_train"]
+         "bench_cold_start", "bench_vggt", "bench_window --train"]
 REQUIRED = {"eval_imagenet": ["--model", "vit_tiny_patch16_224", "--random-weights", "--synthetic-from",
                               os.path.join(REPO, "tests", "data", "photos"), "--device", "cpu"],
             "eval_svd": ["--model", "tiny-random", "--device", "cpu",
                          "--image", os.path.join(REPO, "tests", "data", "photos", "apple.jpg")],
             "bench_svd_attention": ["--device", "cpu"], "eval_pasa": ["--cpu"],
-            "bench_models": ["--device", "cpu"], "bench_window_train": ["--device", "cpu"],
+            "bench_models": ["--device", "cpu"], "bench_window --train": ["--train", "--device", "cpu"],
             "bench_vggt": ["--device", "cpu", "--tiny"],
             "bench_train": ["--device", "cpu", "--cases", "vit_tiny_patch16_224:32:2"],
             "finetune": ["--data", os.path.join(REPO, "tests", "data", "photos"), "--device", "cpu"]}

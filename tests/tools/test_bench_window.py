@@ -1,12 +1,13 @@
-"""tools/bench_window_train.py on CPU (Triton's interpreter): a tiny Swin and Swin-v2 stage, every backend in fp32
+"""tools/bench_window.py --train on CPU (Triton's interpreter): a tiny Swin and Swin-v2 stage, every backend in fp32
 and bf16, the gradient errors against float64, the ratios and the files."""
 import json
+import os
 
 import pytest
 
 from testdata import load_script
 
-tool = load_script("tools/bench_window_train.py")
+tool = load_script("tools/bench_window.py")
 
 TINY = """models:
   - {name: tiny_v1, kind: v1, img: 56, embed_dim: 16, heads: [2], window: 7}
@@ -18,7 +19,7 @@ def test_tiny_swin_and_swinv2_rows(tmp_path):
     cfg = tmp_path / "models.yaml"
     cfg.write_text(TINY)
     out = tmp_path / "wt"
-    args = tool.build_parser().parse_args(["--device", "cpu", "--config", str(cfg), "--cases", "tiny_v1:0:1",
+    args = tool.build_parser().parse_args(["--train", "--device", "cpu", "--config", str(cfg), "--cases", "tiny_v1:0:1",
                                            "tiny_v2:0:1", "--repeats", "1", "--out", str(out)])
     res = tool.main(args)
     got = [(r["model"], r["mode"], r["backend"]) for r in res["rows"]]
@@ -45,7 +46,23 @@ def test_tiny_swin_and_swinv2_rows(tmp_path):
     assert (tmp_path / "wt.png").stat().st_size > 0
 
 
-def test_bad_case_names_the_argument(tmp_path):
-    with pytest.raises(SystemExit, match="--cases"):
-        tool.main(tool.build_parser().parse_args(["--device", "cpu", "--cases", "nope:0:1", "--out",
-                                                  str(tmp_path / "x")]))
+@pytest.mark.parametrize("case", ["nope:0:1", "swin_base_224:9:1", "swin_base_224:0"])
+def test_bad_case_exits_2_with_one_line_naming_the_argument(case, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.main(tool.build_parser().parse_args(["--train", "--device", "cpu", "--cases", case, "--out",
+                                                  str(tmp_path / "x" / "r")]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--cases" in err[0], err
+    assert not (tmp_path / "x").exists()
+
+
+def test_train_writes_under_out_without_an_out_argument(tmp_path, monkeypatch):
+    """The --out default is resolved in main: out/window_train for --train (out/window_bench for the forward run)."""
+    cfg = tmp_path / "models.yaml"
+    cfg.write_text(TINY)
+    monkeypatch.chdir(tmp_path)
+    tool.main(tool.build_parser().parse_args(["--train", "--device", "cpu", "--config", str(cfg), "--cases",
+                                              "tiny_v1:0:1", "--modes", "fp32", "--repeats", "1"]))
+    assert sorted(os.listdir(tmp_path / "out")) == [".visionattn-bench_window_train.json", "window_train.json",
+                                                    "window_train.md", "window_train.png"]
