@@ -27,10 +27,10 @@ __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "n
            "add_common", "default_out", "check_output", "check_output_folder", "output_folder", "output_files",
            "check_device", "failure_text", "first_error", "CorruptImageError", "read_rgb", "check_image",
            "load_config", "environment", "atomic_path", "write_text_atomic", "write_json_atomic", "OutputFiles",
-           "markdown_table", "figure", "bars", "md_header", "tf32_disabled", "Stopwatch", "call_ms", "sample_ms",
-           "kernel_ms", "eager_ms", "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms",
-           "peak_extra_mb", "AttentionFree", "attention_free", "cores", "worker_env", "run_worker", "run_isolated",
-           "run_chunks"]
+           "markdown_table", "figure", "bars", "md_header", "write_results", "prefix_outputs", "tf32_disabled",
+           "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms", "eager_graph_ms", "eager_graph_timings",
+           "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree", "attention_free", "cores", "worker_env",
+           "run_worker", "run_isolated", "run_chunks"]
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -742,12 +742,33 @@ def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
 
 # --------------------------------------------------------------------------------------------------- reports
 def md_header(title: str, env: dict, *notes: str) -> list[str]:
-    """The opening lines of a markdown report: ``# title: device``, the command, the versions, a bullet per note."""
-    return [f"# {title}: {env.get('device')}", "", f"* command: `{env.get('command')}`",
-            f"* torch {env.get('torch')} (CUDA {env.get('cuda')}), triton {env.get('triton')}, timm {env.get('timm')}, "
-            f"python {env.get('python')}", *(f"* {n}" for n in notes), ""]
+    """The opening lines of a markdown report: ``# title``, the device and versions, the command, then one bullet
+    per note."""
+    return [f"# {title}", "",
+            f"* device: {env.get('device')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), triton "
+            f"{env.get('triton')}, timm {env.get('timm')}, python {env.get('python')}",
+            f"* command: `{env.get('command')}`", *(f"* {n}" for n in notes), ""]
 
 
+
+
+def write_results(outputs: OutputFiles, prefix: str, result: dict, markdown: str | None = None,
+                  plot: Callable[[dict, str, OutputFiles], Any] | None = None) -> None:
+    """Write ``<prefix>.json`` (``result``), ``<prefix>.md`` (``markdown``, when given) and ``<prefix>.png``
+    (``plot(result, path, outputs)``, when given) through ``outputs``."""
+    outputs.write_json(prefix + ".json", result)
+    if markdown is not None:
+        outputs.write_text(prefix + ".md", markdown)
+    if plot is not None:
+        plot(result, prefix + ".png", outputs)
+
+
+def prefix_outputs(parser: argparse.ArgumentParser, prefix: str, exts: Sequence[str] = (".md", ".json", ".png"), *,
+                   tool: str, flag: str = "--out") -> OutputFiles:
+    """:func:`check_output` of the file prefix ``prefix``, then :func:`output_files` of ``prefix + ext`` for each
+    of ``exts``: the writer of a tool that writes ``<out>.md``, ``<out>.json``, ..., checked before any work."""
+    check_output(parser, prefix, flag=flag)
+    return output_files(parser, [prefix + ext for ext in exts], tool=tool, flag=flag)
 @contextlib.contextmanager
 def figure(path: str, outputs: OutputFiles | None = None, *args: Any, dpi: int = 120, tool: str | None = None,
            **subplots: Any) -> Iterator[tuple[Any, Any]]:
