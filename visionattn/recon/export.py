@@ -208,9 +208,12 @@ def write_reconstruction(folder: str, pred: dict, loaded, conf_percentile: float
                 return
             c = subsample(len(xyz), _MAX_COLMAP_POINTS)
             c = slice(None) if c is None else c
-            seen = point_tracks(xyz[c], fidx[c], pred["extrinsic"], pred["intrinsic"], pred["depth"])
+            # the critical path of the export: its per-frame projections spread over threads of their own
+            seen = point_tracks(xyz[c], fidx[c], pred["extrinsic"], pred["intrinsic"], pred["depth"],
+                                workers=workers)
             colmap.update(write_colmap_model(sparse_dir, loaded.image_files, pred["extrinsic"], k_src,
-                                             loaded.original_sizes, xyz[c], rgb[c], seen, text=colmap_text))
+                                             loaded.original_sizes, xyz[c], rgb[c], seen, text=colmap_text,
+                                             workers=workers))
 
         # the longest writers first
         tasks = [("points.ply", lambda: write_ply(os.path.join(folder, "points.ply"), xyz_ply, rgb_ply)),
