@@ -20,15 +20,23 @@ def depth_to_source_pixels(depth: np.ndarray, affine, size) -> np.ndarray:
     Returns:
         float32 [height, width] for ``size`` = (width, height).
     """
+    return _resample(np.asarray(depth, np.float32), affine, size, np.nan)
+
+
+def _resample(image: np.ndarray, affine, size, fill) -> np.ndarray:
+    """``image`` [H, W] on the source image's pixel grid (``size`` = (width, height)): each source pixel takes
+    the value of the model pixel its centre maps to (nearest), ``fill`` outside the model's frame; [height,
+    width], ``image``'s dtype. Two whole-axis gathers from a copy padded by one row and column of ``fill``."""
     sx, sy, ox, oy = affine
     w, h = size
-    H, W = depth.shape
+    H, W = image.shape
     u = np.round(sx * np.arange(w) + ox).astype(np.int64)
     v = np.round(sy * np.arange(h) + oy).astype(np.int64)
-    out = np.full((h, w), np.nan, np.float32)
-    ku, kv = (u >= 0) & (u < W), (v >= 0) & (v < H)
-    out[np.ix_(kv, ku)] = depth[np.ix_(v[kv], u[ku])]
-    return out
+    u[(u < 0) | (u >= W)] = W  # the padding
+    v[(v < 0) | (v >= H)] = H
+    padded = np.full((H + 1, W + 1), fill, image.dtype)
+    padded[:H, :W] = image
+    return padded.take(v, axis=0).take(u, axis=1)
 
 
 def depth_png_scale(depth: np.ndarray) -> float:
@@ -61,9 +69,12 @@ def write_depth(folder_depth: str, folder_conf: str, name: str, depth: np.ndarra
     np.save(os.path.join(folder_depth, f"{name}.npy"), depth)
     if conf is not None:
         np.save(os.path.join(folder_conf, f"{name}.npy"), np.asarray(conf, dtype=np.float32))
-    d = depth_to_source_pixels(depth, affine, size) if affine is not None else depth
-    valid = np.isfinite(d) & (d > 0)
-    png = np.round(np.where(valid, d, 0.0).astype(np.float64) * scale).clip(0, 65535).astype(np.uint16)
+    # quantised in the model's frame, then resampled (nearest: the same values as quantising the resampled map,
+    # on the model's pixels only)
+    valid = np.isfinite(depth) & (depth > 0)
+    png = np.round(np.where(valid, depth, 0.0).astype(np.float64) * scale).clip(0, 65535).astype(np.uint16)
+    if affine is not None:
+        png = _resample(png, affine, size, 0)
     info = PngInfo()
     info.add_text("depth_scale", repr(scale))
     info.add_text("description", "depth = value / depth_scale (0 = invalid)")
