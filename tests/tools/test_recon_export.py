@@ -196,3 +196,29 @@ def test_select_points_matches_the_plain_definition():
     np.testing.assert_array_equal(frame, idx // (H * W))
     np.testing.assert_array_equal(pixel, idx % (H * W))
     assert colors.min() < 0  # the input is left alone
+
+
+def test_depth_png_is_a_valid_16bit_png_of_the_quantised_resampled_depth(tmp_path):
+    """OpenCV's PNG with the text chunks put in: Pillow verifies every chunk's CRC and reads mode I;16 with the
+    text; Pillow and OpenCV read the same pixels: round(depth * scale) at the nearest model pixel, 0 where the
+    depth is invalid or the source pixel was cropped away."""
+    cv2 = pytest.importorskip("cv2")
+    from visionattn.recon.depth import depth_to_source_pixels, write_depth
+
+    rng = np.random.default_rng(3)
+    depth = rng.uniform(0.5, 9.0, (28, 42)).astype(np.float32)
+    depth[0, :5], depth[3, 3], depth[4, 4] = np.nan, -1.0, np.inf
+    scale, affine, size = 65535.0 / 9.0, (0.7, 0.7, -3.2, 2.6), (70, 37)  # crops on the left, pads at the bottom
+    write_depth(str(tmp_path), str(tmp_path), "f", depth, None, scale, affine, size)
+    path = tmp_path / "f.png"
+    Image.open(path).verify()
+    png = Image.open(path)
+    assert png.mode == "I;16" and png.size == size
+    assert png.text == {"depth_scale": repr(scale), "description": "depth = value / depth_scale (0 = invalid)"}
+    d = depth_to_source_pixels(depth, affine, size).astype(np.float64)
+    ok = np.isfinite(d) & (d > 0)
+    want = np.where(ok, np.round(np.where(ok, d, 0) * scale), 0).astype(np.uint16)
+    assert (want == 0).any() and (want > 0).any()
+    np.testing.assert_array_equal(np.asarray(png), want)
+    np.testing.assert_array_equal(cv2.imread(str(path), cv2.IMREAD_UNCHANGED), want)
+    np.testing.assert_array_equal(np.load(tmp_path / "f.npy"), depth)
