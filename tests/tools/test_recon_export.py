@@ -174,7 +174,8 @@ def test_a_writer_still_running_finishes_before_the_error_leaves_even_through_a_
     assert interrupted and finished == ["slow"]
 
 
-def test_select_points_matches_the_plain_definition():
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_select_points_matches_the_plain_definition(workers):
     """The confidence filter: finite points (all three coordinates) with finite confidence at or above the
     percentile, in pixel order; colours clipped to [0, 1] in float32; frame and pixel index of each point."""
     from visionattn.recon.points import select_points
@@ -185,11 +186,14 @@ def test_select_points_matches_the_plain_definition():
     pts[0, 1, 2, 1], pts[1, 0, 0, 2], pts[2, 4, 6, 0] = np.nan, np.inf, -np.inf  # one bad coordinate each
     conf = rng.uniform(size=(S, H, W)).astype(np.float32)
     conf[1, 2, 3] = np.nan
+    conf[1, 3:] = -1.0  # under the percentile: frame 1 keeps its first rows only
+    conf[2] = np.nan  # and frame 2 nothing: a frame without points after the others
     colors = rng.uniform(-0.5, 1.5, size=(S, H, W, 3))
-    xyz, rgb, frame, pixel = select_points(pts, colors, conf, 40.0)
+    xyz, rgb, frame, pixel = select_points(pts, colors, conf, 40.0, workers=workers)
     finite = np.isfinite(pts).all(-1) & np.isfinite(conf)
     keep = finite & (conf >= np.percentile(conf[finite], 40.0))
     idx = np.flatnonzero(keep)
+    assert set(np.unique(idx // (H * W))) == {0, 1} and (idx[idx // (H * W) == 1] % (H * W) < 3 * W).all()
     assert xyz.dtype == rgb.dtype == np.float32 and frame.dtype == np.int32 and pixel.dtype == np.int64
     np.testing.assert_array_equal(xyz, pts.reshape(-1, 3)[idx].astype(np.float32))
     np.testing.assert_array_equal(rgb, np.clip(colors.reshape(-1, 3)[idx], 0, 1).astype(np.float32))

@@ -191,7 +191,7 @@ def write_reconstruction(folder: str, pred: dict, loaded, conf_percentile: float
 
     def select() -> list:
         t1 = time.perf_counter()
-        xyz, rgb, fidx, _ = select_points(pts, pred["images"], conf, conf_percentile)
+        xyz, rgb, fidx, _ = select_points(pts, pred["images"], conf, conf_percentile, workers=workers)
         sub = subsample(len(xyz), max_points)
         xyz_ply, rgb_ply = (xyz, rgb) if sub is None else (xyz[sub], rgb[sub])
         cloud.update(xyz=xyz, rgb=rgb, points_ply=len(xyz_ply), seconds=time.perf_counter() - t1)

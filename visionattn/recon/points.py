@@ -6,6 +6,8 @@ trimesh (GLB writing, reading clouds back) and open3d (reading clouds for the ev
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 __all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "rgba8", "select_points",
@@ -45,7 +47,8 @@ def require_open3d():
 
 
 def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
-                  conf_percentile: float = 50.0, max_points: int | None = None, seed: int = 0):
+                  conf_percentile: float = 50.0, max_points: int | None = None, seed: int = 0,
+                  workers: int | None = None):
     """Confidence-filter a per-pixel point map.
 
     Args:
@@ -55,6 +58,9 @@ def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
         conf_percentile: drop points whose confidence is below this percentile (0..100)
             of the finite confidences; 0 keeps every finite point.
         max_points: if set, keep a random subset of at most this many (seeded).
+        workers: threads the per-pixel work (finite test, gathers) is split over, in contiguous ranges (numpy
+            releases the GIL on them); default the CPU count, at most 8; 1: this thread. The percentile is one
+            partition in this thread.
 
     Returns:
         (xyz float32 [N, 3], rgb float32 [N, 3], frame index int32 [N], pixel index int64 [N]).
@@ -66,23 +72,51 @@ def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
         raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
     if points.shape[:-1] != conf.shape or colors.shape != points.shape:
         raise ValueError(f"shapes disagree: points {points.shape}, colors {colors.shape}, conf {conf.shape}")
-    finite = _finite_points(points) & np.isfinite(conf)
+    S, hw = conf.shape[0], conf.shape[1] * conf.shape[2]
+    finite = np.empty(conf.shape, bool)
+
+    def finite_frames(a: int, b: int) -> None:
+        finite[a:b] = _finite_points(points[a:b])
+        finite[a:b] &= np.isfinite(conf[a:b])
+
+    _split(finite_frames, S, workers)
     keep = finite & (conf >= _threshold(conf, finite, conf_percentile))
     idx = np.flatnonzero(keep.reshape(-1))
     # each point's frame from the per-frame counts (idx is sorted): no [N] int64 division
-    S, hw = conf.shape[0], conf.shape[1] * conf.shape[2]
     counts = np.diff(np.searchsorted(idx, np.arange(S + 1, dtype=np.int64) * hw))
     frame = np.repeat(np.arange(S, dtype=np.int32), counts)
     pixel = idx - np.repeat(np.arange(S, dtype=np.int64) * hw, counts)
     sub = subsample(idx.size, max_points, seed)
     if sub is not None:
         idx, frame, pixel = idx[sub], frame[sub], pixel[sub]
-    # np.take of whole rows: about 3x faster than fancy indexing [idx] on a 10M-point cloud; no second copy
-    # where the arrays are float32 already; colours clipped in place
-    xyz = np.take(points.reshape(-1, 3), idx, axis=0).astype(np.float32, copy=False)
-    rgb = np.take(colors.reshape(-1, 3), idx, axis=0).astype(np.float32, copy=False)
-    np.clip(rgb, 0.0, 1.0, out=rgb)
-    return xyz, rgb, frame, pixel
+    # np.take of whole rows: about 3x faster than fancy indexing [idx] on a 10M-point cloud; into the outputs
+    # (mode "clip": unbuffered; the indices are in range), a range of points per thread; colours clipped in place
+    xyz = np.empty((idx.size, 3), points.dtype)
+    rgb = np.empty((idx.size, 3), colors.dtype)
+    flat_points, flat_colors = points.reshape(-1, 3), colors.reshape(-1, 3)
+
+    def gather(a: int, b: int) -> None:
+        np.take(flat_points, idx[a:b], axis=0, out=xyz[a:b], mode="clip")
+        np.take(flat_colors, idx[a:b], axis=0, out=rgb[a:b], mode="clip")
+        np.clip(rgb[a:b], 0.0, 1.0, out=rgb[a:b])
+
+    _split(gather, idx.size, workers)
+    return xyz.astype(np.float32, copy=False), rgb.astype(np.float32, copy=False), frame, pixel
+
+
+def _split(fn, n: int, workers: int | None) -> None:
+    """``fn(a, b)`` over contiguous ranges covering [0, n), on up to ``workers`` threads (default: the CPU count,
+    at most 8); in this thread when one range is all there is."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = max(1, min(workers or min(8, os.cpu_count() or 1), n))
+    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
+    if workers == 1:
+        fn(0, n)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recon-select") as pool:
+        for fut in [pool.submit(fn, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]:
+            fut.result()
 
 
 def _finite_points(points: np.ndarray) -> np.ndarray:
