@@ -182,8 +182,12 @@ def write_colmap_binary(folder: str, image_names, extrinsics, intrinsics_src, si
     M = len(obs_point)
     per_image = np.bincount(obs_image, minlength=S)
     starts = np.concatenate([[0], np.cumsum(per_image)])
-    p2d = np.empty(M, _POINT2D)
-    p2d["xy"], p2d["point3D_id"] = obs_xy, obs_point + 1
+    # a POINT2D is 3 x 8 bytes (x, y float64, POINT3D_ID uint64): filled as the columns of an [M, 3] array (a
+    # structured array's (2,)-field is filled element by element, ~30x slower)
+    p2d = np.empty((M, 3), np.float64)
+    p2d[:, :2] = obs_xy
+    np.add(obs_point, 1, out=p2d.view(np.uint64)[:, 2], casting="unsafe")
+    p2d = p2d.reshape(-1).view(_POINT2D)
     heads = np.zeros(S, _IMAGE)
     E = np.asarray(extrinsics, np.float64).reshape(S, 3, 4)
     heads["image_id"] = heads["camera_id"] = np.arange(1, S + 1)
@@ -199,32 +203,29 @@ def write_colmap_binary(folder: str, image_names, extrinsics, intrinsics_src, si
     length = np.bincount(obs_point, minlength=N)
     first = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)  # each point's first track element
     nxt = first.copy()
-    track = np.empty(M, _TRACK)
+    track = np.empty((M, 2), np.uint32)  # a track element: IMAGE_ID, POINT2D_IDX
     for j in range(S):
         ids = obs_point[starts[j]:starts[j + 1]]
         at = nxt[ids]
-        track["image_id"][at] = j + 1
-        track["point2D_idx"][at] = np.arange(per_image[j], dtype=np.uint32)
+        track[at, 0] = j + 1
+        track[at, 1] = np.arange(per_image[j], dtype=np.uint32)
         nxt[ids] += 1
     head = np.zeros(N, _POINT3D)
     head["point3D_id"] = np.arange(1, N + 1)
     head["xyz"], head["rgb"], head["track_length"] = xyz, rgb8, length
     if errors is not None:
         head["error"] = errors
-    # points3D.bin interleaves a fixed header per point with its variable-length track. Point p's record starts
-    # after p headers and the first[p] track elements before it; the bytes of a record past its header are its
-    # track's. So the headers' bytes fill the byte positions a mask marks, the tracks' bytes (already in order)
-    # the rest: two bulk assignments, no loop over points
+    # points3D.bin interleaves a fixed header per point with its variable-length track: a mask of the header
+    # bytes (runs of header and track lengths) takes the headers' bytes, the rest the tracks' (already in order):
+    # two bulk assignments, no loop over points
     hs, ts = _POINT3D.itemsize, _TRACK.itemsize
     total = N * hs + M * ts
-    rec = hs * np.arange(N, dtype=np.int64) + ts * first
-    edge = np.zeros(total + 1, np.int8)
-    edge[rec] = 1
-    edge[rec + hs] -= 1  # cancels the next record's 1 where a track is empty
-    is_head = np.cumsum(edge[:total], dtype=np.int8).view(bool)
+    runs = np.empty(2 * N, np.int64)  # per point: its header's bytes, then its track's
+    runs[0::2], runs[1::2] = hs, ts * length
+    is_head = np.repeat(np.tile(np.array([True, False]), N), runs)
     buf = np.empty(total, np.uint8)
     buf[is_head] = head.view(np.uint8)
-    buf[~is_head] = track.view(np.uint8)
+    buf[~is_head] = track.reshape(-1).view(np.uint8)
     _write(os.path.join(folder, "points3D.bin"), np.uint64(N), buf)
 
 
