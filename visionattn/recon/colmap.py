@@ -12,6 +12,7 @@ are absent, as here.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -74,9 +75,15 @@ def quat_to_rotmat(q) -> np.ndarray:
     ])
 
 
+# The per-frame workers below take turns at their one matrix product: OpenBLAS's threaded GEMM has given wrong
+# results when several threads call it at once (numpy issues 11046, 29391, 31618); it threads each product itself.
+_BLAS = threading.Lock()
+
+
 def _per_frame(fn, frames: int, workers: int | None) -> list:
     """``[fn(j) for j in range(frames)]``, on ``workers`` threads (default: the CPU count, at most 8): the
-    per-frame numpy work on arrays of all the points releases the GIL, so frames run side by side."""
+    per-frame numpy work on arrays of all the points releases the GIL, so frames run side by side (their matrix
+    products one at a time, under ``_BLAS``)."""
     workers = min(workers or min(8, os.cpu_count() or 1), frames)
     if workers <= 1:
         return [fn(j) for j in range(frames)]
@@ -107,8 +114,10 @@ def point_tracks(xyz: np.ndarray, frame_idx: np.ndarray, extrinsics: np.ndarray,
 
     def frame(j: int) -> np.ndarray:
         E, K = np.asarray(extrinsics[j], np.float64), np.asarray(intrinsics[j], np.float64)
-        P = K @ E
-        uvw = P[:, :3] @ xyz_t + P[:, 3:]  # the last row is the camera depth (K's last row is 0 0 1)
+        with _BLAS:
+            P = K @ E
+            uvw = P[:, :3] @ xyz_t  # the last row is the camera depth (K's last row is 0 0 1)
+        uvw += P[:, 3:]
         z = uvw[2]
         with np.errstate(divide="ignore", invalid="ignore"):
             uv = np.divide(uvw[:2], z)
@@ -137,8 +146,11 @@ def colmap_observations(xyz, extrinsics, intrinsics_src, seen, workers: int | No
     def image(j: int):
         ids = np.flatnonzero(seen[j])
         E, K = np.asarray(extrinsics[j], np.float64), np.asarray(intrinsics_src[j], np.float64)
-        P = K @ E
-        uvw = P[:, :3] @ xyz_t[:, ids] + P[:, 3:]
+        sel = xyz_t[:, ids]
+        with _BLAS:
+            P = K @ E
+            uvw = P[:, :3] @ sel
+        uvw += P[:, 3:]
         return ids, (uvw[:2] / uvw[2]).T
 
     per = _per_frame(image, len(seen), workers)

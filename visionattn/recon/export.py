@@ -26,7 +26,9 @@ renamed into place, so a crash never leaves a half-written ``OUT_DIR``; see
 
 The outputs are independent: :func:`write_reconstruction` writes them side by side in a thread pool (PNG and
 zlib encoding, numpy and file writes release the GIL), one task per output and one per frame's depth; the depth
-maps start at once, the writers of the point cloud once the confidence filter has made it.
+maps start at once, the writers of the point cloud once the confidence filter has made it. The confidence filter
+(:func:`~visionattn.recon.points.select_points`) and the COLMAP tracks (:func:`~visionattn.recon.colmap.point_tracks`,
+the longest writer) spread their per-pixel / per-frame numpy work over threads of their own as well.
 
 World frame: VGGT's, i.e. the first camera's frame (up to an unknown scale).
 Pixel convention of every intrinsic matrix: continuous coordinates, the image
