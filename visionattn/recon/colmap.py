@@ -123,7 +123,11 @@ def point_tracks(xyz: np.ndarray, frame_idx: np.ndarray, extrinsics: np.ndarray,
             uv = np.divide(uvw[:2], z)
         u, v = np.rint(uv, out=uv)
         inside = np.flatnonzero((z > 1e-9) & (u >= 0) & (u < W) & (v >= 0) & (v < H))
-        d = depth[j][v[inside].astype(np.intp), u[inside].astype(np.intp)]
+        # one flat gather of the depth at those pixels (a 2-index fancy gather is ~2x slower)
+        pix = v[inside].astype(np.intp)
+        pix *= W
+        pix += u[inside].astype(np.intp)
+        d = np.take(depth[j].reshape(-1), pix)
         ok = frame_idx == j
         ok[inside] |= np.isfinite(d) & (np.abs(z[inside] - d) <= rel_tol * np.abs(d))
         return ok
