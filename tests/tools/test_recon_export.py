@@ -174,7 +174,8 @@ def test_a_writer_still_running_finishes_before_the_error_leaves_even_through_a_
     assert interrupted and finished == ["slow"]
 
 
-def test_select_points_matches_the_plain_definition():
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_select_points_matches_the_plain_definition(workers):
     """The confidence filter: finite points (all three coordinates) with finite confidence at or above the
     percentile, in pixel order; colours clipped to [0, 1] in float32; frame and pixel index of each point."""
     from visionattn.recon.points import select_points
@@ -185,14 +186,43 @@ def test_select_points_matches_the_plain_definition():
     pts[0, 1, 2, 1], pts[1, 0, 0, 2], pts[2, 4, 6, 0] = np.nan, np.inf, -np.inf  # one bad coordinate each
     conf = rng.uniform(size=(S, H, W)).astype(np.float32)
     conf[1, 2, 3] = np.nan
+    conf[1, 3:] = -1.0  # under the percentile: frame 1 keeps its first rows only
+    conf[2] = np.nan  # and frame 2 nothing: a frame without points after the others
     colors = rng.uniform(-0.5, 1.5, size=(S, H, W, 3))
-    xyz, rgb, frame, pixel = select_points(pts, colors, conf, 40.0)
+    xyz, rgb, frame, pixel = select_points(pts, colors, conf, 40.0, workers=workers)
     finite = np.isfinite(pts).all(-1) & np.isfinite(conf)
     keep = finite & (conf >= np.percentile(conf[finite], 40.0))
     idx = np.flatnonzero(keep)
+    assert set(np.unique(idx // (H * W))) == {0, 1} and (idx[idx // (H * W) == 1] % (H * W) < 3 * W).all()
     assert xyz.dtype == rgb.dtype == np.float32 and frame.dtype == np.int32 and pixel.dtype == np.int64
     np.testing.assert_array_equal(xyz, pts.reshape(-1, 3)[idx].astype(np.float32))
     np.testing.assert_array_equal(rgb, np.clip(colors.reshape(-1, 3)[idx], 0, 1).astype(np.float32))
     np.testing.assert_array_equal(frame, idx // (H * W))
     np.testing.assert_array_equal(pixel, idx % (H * W))
     assert colors.min() < 0  # the input is left alone
+
+
+def test_depth_png_is_a_valid_16bit_png_of_the_quantised_resampled_depth(tmp_path):
+    """OpenCV's PNG with the text chunks put in: Pillow verifies every chunk's CRC and reads mode I;16 with the
+    text; Pillow and OpenCV read the same pixels: round(depth * scale) at the nearest model pixel, 0 where the
+    depth is invalid or the source pixel was cropped away."""
+    cv2 = pytest.importorskip("cv2")
+    from visionattn.recon.depth import depth_to_source_pixels, write_depth
+
+    rng = np.random.default_rng(3)
+    depth = rng.uniform(0.5, 9.0, (28, 42)).astype(np.float32)
+    depth[0, :5], depth[3, 3], depth[4, 4] = np.nan, -1.0, np.inf
+    scale, affine, size = 65535.0 / 9.0, (0.7, 0.7, -3.2, 2.6), (70, 37)  # crops on the left, pads at the bottom
+    write_depth(str(tmp_path), str(tmp_path), "f", depth, None, scale, affine, size)
+    path = tmp_path / "f.png"
+    Image.open(path).verify()
+    png = Image.open(path)
+    assert png.mode == "I;16" and png.size == size
+    assert png.text == {"depth_scale": repr(scale), "description": "depth = value / depth_scale (0 = invalid)"}
+    d = depth_to_source_pixels(depth, affine, size).astype(np.float64)
+    ok = np.isfinite(d) & (d > 0)
+    want = np.where(ok, np.round(np.where(ok, d, 0) * scale), 0).astype(np.uint16)
+    assert (want == 0).any() and (want > 0).any()
+    np.testing.assert_array_equal(np.asarray(png), want)
+    np.testing.assert_array_equal(cv2.imread(str(path), cv2.IMREAD_UNCHANGED), want)
+    np.testing.assert_array_equal(np.load(tmp_path / "f.npy"), depth)

@@ -12,6 +12,8 @@ are absent, as here.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -73,8 +75,24 @@ def quat_to_rotmat(q) -> np.ndarray:
     ])
 
 
+# The per-frame workers below take turns at their one matrix product: OpenBLAS's threaded GEMM has given wrong
+# results when several threads call it at once (numpy issues 11046, 29391, 31618); it threads each product itself.
+_BLAS = threading.Lock()
+
+
+def _per_frame(fn, frames: int, workers: int | None) -> list:
+    """``[fn(j) for j in range(frames)]``, on ``workers`` threads (default: the CPU count, at most 8): the
+    per-frame numpy work on arrays of all the points releases the GIL, so frames run side by side (their matrix
+    products one at a time, under ``_BLAS``)."""
+    workers = min(workers or min(8, os.cpu_count() or 1), frames)
+    if workers <= 1:
+        return [fn(j) for j in range(frames)]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recon-colmap") as pool:
+        return list(pool.map(fn, range(frames)))
+
+
 def point_tracks(xyz: np.ndarray, frame_idx: np.ndarray, extrinsics: np.ndarray, intrinsics: np.ndarray,
-                 depth: np.ndarray, rel_tol: float = 0.05) -> list[np.ndarray]:
+                 depth: np.ndarray, rel_tol: float = 0.05, workers: int | None = None) -> list[np.ndarray]:
     """The frames that see each point: in front, inside the frame, and not hidden.
 
     A point is seen by frame j when it projects (with ``extrinsics[j]``,
@@ -85,55 +103,72 @@ def point_tracks(xyz: np.ndarray, frame_idx: np.ndarray, extrinsics: np.ndarray,
     Args:
         xyz: float [N, 3] world points; frame_idx: int [N], the frame each came from.
         extrinsics: [S, 3, 4]; intrinsics: [S, 3, 3] (model's frame); depth: [S, H, W].
+        workers: threads the frames are spread over (default: the CPU count, at most 8; 1: this thread).
 
     Returns:
         per frame j, a bool array [N]: which points frame j sees.
     """
     S, H, W = depth.shape
     xyz_t = np.ascontiguousarray(np.asarray(xyz, np.float64).reshape(-1, 3).T)  # [3, N]: rows for each product
-    seen = []
-    for j in range(S):
+    frame_idx = np.asarray(frame_idx)
+
+    def frame(j: int) -> np.ndarray:
         E, K = np.asarray(extrinsics[j], np.float64), np.asarray(intrinsics[j], np.float64)
-        P = K @ E
-        uvw = P[:, :3] @ xyz_t + P[:, 3:]  # the last row is the camera depth (K's last row is 0 0 1)
+        with _BLAS:
+            P = K @ E
+            uvw = P[:, :3] @ xyz_t  # the last row is the camera depth (K's last row is 0 0 1)
+        uvw += P[:, 3:]
         z = uvw[2]
         with np.errstate(divide="ignore", invalid="ignore"):
-            u, v = np.rint(uvw[:2] / z)
+            uv = np.divide(uvw[:2], z)
+        u, v = np.rint(uv, out=uv)
         inside = np.flatnonzero((z > 1e-9) & (u >= 0) & (u < W) & (v >= 0) & (v < H))
-        d = depth[j][v[inside].astype(np.intp), u[inside].astype(np.intp)]
+        # one flat gather of the depth at those pixels (a 2-index fancy gather is ~2x slower)
+        pix = v[inside].astype(np.intp)
+        pix *= W
+        pix += u[inside].astype(np.intp)
+        d = np.take(depth[j].reshape(-1), pix)
         ok = frame_idx == j
         ok[inside] |= np.isfinite(d) & (np.abs(z[inside] - d) <= rel_tol * np.abs(d))
-        seen.append(ok)
-    return seen
+        return ok
+
+    return _per_frame(frame, S, workers)
 
 
-def colmap_observations(xyz, extrinsics, intrinsics_src, seen):
+def colmap_observations(xyz, extrinsics, intrinsics_src, seen, workers: int | None = None):
     """Observations of ``xyz`` [N, 3] by each image: the images that see each point (``seen``, per image a bool
     [N]), at the point's projection by that image's camera (source pixels, continuous).
+
+    ``workers``: threads the images are spread over (default: the CPU count, at most 8; 1: this thread).
 
     Returns:
         (point index int64 [M], image index int64 [M] (0-based), xy float64 [M, 2]) ordered by image, then by
         point: COLMAP's POINT2D_IDX of an observation is its rank among its image's observations.
     """
     xyz_t = np.ascontiguousarray(np.asarray(xyz, np.float64).reshape(-1, 3).T)  # [3, N]
-    pts, imgs, xys = [], [], []
-    for j, mask in enumerate(seen):
-        ids = np.flatnonzero(mask)
+
+    def image(j: int):
+        ids = np.flatnonzero(seen[j])
         E, K = np.asarray(extrinsics[j], np.float64), np.asarray(intrinsics_src[j], np.float64)
-        P = K @ E
-        uvw = P[:, :3] @ xyz_t[:, ids] + P[:, 3:]
-        pts.append(ids)
-        imgs.append(np.full(len(ids), j, np.int64))
-        xys.append((uvw[:2] / uvw[2]).T)
-    if not pts:
+        sel = xyz_t[:, ids]
+        with _BLAS:
+            P = K @ E
+            uvw = P[:, :3] @ sel
+        uvw += P[:, 3:]
+        return ids, (uvw[:2] / uvw[2]).T
+
+    per = _per_frame(image, len(seen), workers)
+    if not per:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 2))
-    return np.concatenate(pts), np.concatenate(imgs), np.concatenate(xys)
+    counts = [len(ids) for ids, _ in per]
+    return (np.concatenate([ids for ids, _ in per]), np.repeat(np.arange(len(per), dtype=np.int64), counts),
+            np.concatenate([xy for _, xy in per]))
 
 
 def _write(path: str, *parts) -> None:
     with open(path, "wb") as f:
         for p in parts:
-            f.write(p.tobytes() if isinstance(p, np.ndarray) else p)
+            f.write(np.ascontiguousarray(p).view(np.uint8) if isinstance(p, np.ndarray) else p)  # no copy
 
 
 def write_colmap_binary(folder: str, image_names, extrinsics, intrinsics_src, sizes, xyz, rgb8, obs_point,
@@ -160,57 +195,54 @@ def write_colmap_binary(folder: str, image_names, extrinsics, intrinsics_src, si
     _write(os.path.join(folder, "cameras.bin"), np.uint64(S), cams)
 
     obs_point, obs_image = np.asarray(obs_point, np.int64), np.asarray(obs_image, np.int64)
+    M = len(obs_point)
     per_image = np.bincount(obs_image, minlength=S)
     starts = np.concatenate([[0], np.cumsum(per_image)])
-    p2d = np.zeros(len(obs_point), _POINT2D)
-    p2d["xy"], p2d["point3D_id"] = obs_xy, obs_point + 1
-    parts = [np.uint64(S)]
-    for j in range(S):  # one header per image: the 2D points go out as one array slice each
-        head = np.zeros(1, _IMAGE)
-        E = np.asarray(extrinsics[j], np.float64)
-        head["image_id"], head["camera_id"] = j + 1, j + 1
-        head["qvec"], head["tvec"] = rotmat_to_quat(E[:, :3]), E[:, 3]
-        parts += [head, os.fsencode(image_names[j]) + b"\0", np.uint64(per_image[j]), p2d[starts[j]:starts[j + 1]]]
-    _write(os.path.join(folder, "images.bin"), *parts)
+    # a POINT2D is 3 x 8 bytes (x, y float64, POINT3D_ID uint64): filled as the columns of an [M, 3] array (a
+    # structured array's (2,)-field is filled element by element, ~30x slower)
+    p2d = np.empty((M, 3), np.float64)
+    p2d[:, :2] = obs_xy
+    np.add(obs_point, 1, out=p2d.view(np.uint64)[:, 2], casting="unsafe")
+    p2d = p2d.reshape(-1).view(_POINT2D)
+    heads = np.zeros(S, _IMAGE)
+    E = np.asarray(extrinsics, np.float64).reshape(S, 3, 4)
+    heads["image_id"] = heads["camera_id"] = np.arange(1, S + 1)
+    heads["qvec"], heads["tvec"] = [rotmat_to_quat(R) for R in E[:, :, :3]], E[:, :, 3]
+    with open(os.path.join(folder, "images.bin"), "wb") as f:  # the 2D points go out as one array slice each
+        f.write(np.uint64(S).tobytes())
+        for j in range(S):
+            f.write(heads[j:j + 1].tobytes() + os.fsencode(image_names[j]) + b"\0" + np.uint64(per_image[j]).tobytes())
+            f.write(p2d[starts[j]:starts[j + 1]].view(np.uint8))
 
-    # points3D.bin interleaves a fixed header per point with its variable-length track: the bytes of both go
-    # into one buffer at offsets computed from the track lengths, so no Python loop runs per point
-    order = np.argsort(obs_point, kind="stable")  # tracks grouped by point, images in order within each
-    track = np.zeros(len(order), _TRACK)
-    track["image_id"] = obs_image[order] + 1
-    track["point2D_idx"] = (np.arange(len(obs_point)) - starts[obs_image])[order]
+    # tracks grouped by point, images in order within each: the observations are ordered by image, and within an
+    # image each point occurs once, so one vectorised step per image places them (no sort of all M)
     length = np.bincount(obs_point, minlength=N)
+    first = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)  # each point's first track element
+    nxt = first.copy()
+    track = np.empty((M, 2), np.uint32)  # a track element: IMAGE_ID, POINT2D_IDX
+    for j in range(S):
+        ids = obs_point[starts[j]:starts[j + 1]]
+        at = nxt[ids]
+        track[at, 0] = j + 1
+        track[at, 1] = np.arange(per_image[j], dtype=np.uint32)
+        nxt[ids] += 1
     head = np.zeros(N, _POINT3D)
     head["point3D_id"] = np.arange(1, N + 1)
     head["xyz"], head["rgb"], head["track_length"] = xyz, rgb8, length
     if errors is not None:
         head["error"] = errors
-    first = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)  # each point's first track element
-    owner = np.repeat(np.arange(N), length)  # the point of each track element
+    # points3D.bin interleaves a fixed header per point with its variable-length track: a mask of the header
+    # bytes (runs of header and track lengths) takes the headers' bytes, the rest the tracks' (already in order):
+    # two bulk assignments, no loop over points
     hs, ts = _POINT3D.itemsize, _TRACK.itemsize
-    buf = np.empty(N * hs + len(track) * ts, np.uint8)
-    # point p's header starts after p headers and the first[p] track elements before it; track element e (of
-    # point owner[e]) after owner[e] + 1 headers and e elements
-    _scatter(buf, hs * np.arange(N) + ts * first, head)
-    _scatter(buf, hs * (owner + 1) + ts * np.arange(len(track)), track)
+    total = N * hs + M * ts
+    runs = np.empty(2 * N, np.int64)  # per point: its header's bytes, then its track's
+    runs[0::2], runs[1::2] = hs, ts * length
+    is_head = np.repeat(np.tile(np.array([True, False]), N), runs)
+    buf = np.empty(total, np.uint8)
+    buf[is_head] = head.view(np.uint8)
+    buf[~is_head] = track.reshape(-1).view(np.uint8)
     _write(os.path.join(folder, "points3D.bin"), np.uint64(N), buf)
-
-
-def _scatter(buf: np.ndarray, offsets: np.ndarray, items: np.ndarray) -> None:
-    """``buf[o:o + k] = items[i]``'s k bytes for every ``o = offsets[i]``, in bulk (``buf`` uint8, ``items`` a
-    contiguous structured array of itemsize k).
-
-    The offsets fall into k residues modulo k; per residue the destination is one array of k-byte cells of
-    ``buf``, filled by one fancy assignment: k assignments in all, with one index per item, not per byte.
-    """
-    k = items.dtype.itemsize
-    cell = np.dtype(f"V{k}")
-    src = np.ascontiguousarray(items).view(cell)
-    residue = offsets % k
-    for c in np.unique(residue):
-        sel = residue == c
-        n = (len(buf) - c) // k
-        buf[c:c + n * k].view(cell)[(offsets[sel] - c) // k] = src[sel]
 
 
 def write_colmap_text(folder: str) -> None:
@@ -225,7 +257,7 @@ def write_colmap_text(folder: str) -> None:
 
 
 def write_colmap_model(folder: str, image_names, extrinsics, intrinsics_src, sizes, xyz, rgb, seen,
-                       text: bool = False) -> dict:
+                       text: bool = False, workers: int | None = None) -> dict:
     """Write a COLMAP model of a point cloud: binary always (numpy, :func:`write_colmap_binary`), text too with
     ``text`` (pycolmap, :func:`write_colmap_text`).
 
@@ -236,6 +268,7 @@ def write_colmap_model(folder: str, image_names, extrinsics, intrinsics_src, siz
             (continuous, as COLMAP); sizes: per image (width, height) of the source image.
         xyz, rgb: [N, 3] points and colours in [0, 1].
         seen: per image a bool [N] (see :func:`point_tracks`): the point's track.
+        workers: threads of :func:`colmap_observations`.
 
     One PINHOLE camera per image (``fx fy cx cy``). Each observation's 2D point
     is the point projected by that image's COLMAP camera (reprojection error 0);
@@ -251,7 +284,7 @@ def write_colmap_model(folder: str, image_names, extrinsics, intrinsics_src, siz
     os.makedirs(folder, exist_ok=True)
     xyz = np.asarray(xyz, np.float64).reshape(-1, 3)
     rgb8 = np.clip(np.rint(np.asarray(rgb).reshape(-1, 3) * 255.0), 0, 255).astype(np.uint8)
-    obs_point, obs_image, obs_xy = colmap_observations(xyz, extrinsics, intrinsics_src, seen)
+    obs_point, obs_image, obs_xy = colmap_observations(xyz, extrinsics, intrinsics_src, seen, workers)
     write_colmap_binary(folder, image_names, extrinsics, intrinsics_src, sizes, xyz, rgb8, obs_point, obs_image,
                         obs_xy)
     if text:

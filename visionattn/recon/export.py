@@ -26,7 +26,9 @@ renamed into place, so a crash never leaves a half-written ``OUT_DIR``; see
 
 The outputs are independent: :func:`write_reconstruction` writes them side by side in a thread pool (PNG and
 zlib encoding, numpy and file writes release the GIL), one task per output and one per frame's depth; the depth
-maps start at once, the writers of the point cloud once the confidence filter has made it.
+maps start at once, the writers of the point cloud once the confidence filter has made it. The confidence filter
+(:func:`~visionattn.recon.points.select_points`) and the COLMAP tracks (:func:`~visionattn.recon.colmap.point_tracks`,
+the longest writer) spread their per-pixel / per-frame numpy work over threads of their own as well.
 
 World frame: VGGT's, i.e. the first camera's frame (up to an unknown scale).
 Pixel convention of every intrinsic matrix: continuous coordinates, the image
@@ -191,7 +193,7 @@ def write_reconstruction(folder: str, pred: dict, loaded, conf_percentile: float
 
     def select() -> list:
         t1 = time.perf_counter()
-        xyz, rgb, fidx, _ = select_points(pts, pred["images"], conf, conf_percentile)
+        xyz, rgb, fidx, _ = select_points(pts, pred["images"], conf, conf_percentile, workers=workers)
         sub = subsample(len(xyz), max_points)
         xyz_ply, rgb_ply = (xyz, rgb) if sub is None else (xyz[sub], rgb[sub])
         cloud.update(xyz=xyz, rgb=rgb, points_ply=len(xyz_ply), seconds=time.perf_counter() - t1)
@@ -208,9 +210,12 @@ def write_reconstruction(folder: str, pred: dict, loaded, conf_percentile: float
                 return
             c = subsample(len(xyz), _MAX_COLMAP_POINTS)
             c = slice(None) if c is None else c
-            seen = point_tracks(xyz[c], fidx[c], pred["extrinsic"], pred["intrinsic"], pred["depth"])
+            # the critical path of the export: its per-frame projections spread over threads of their own
+            seen = point_tracks(xyz[c], fidx[c], pred["extrinsic"], pred["intrinsic"], pred["depth"],
+                                workers=workers)
             colmap.update(write_colmap_model(sparse_dir, loaded.image_files, pred["extrinsic"], k_src,
-                                             loaded.original_sizes, xyz[c], rgb[c], seen, text=colmap_text))
+                                             loaded.original_sizes, xyz[c], rgb[c], seen, text=colmap_text,
+                                             workers=workers))
 
         # the longest writers first
         tasks = [("points.ply", lambda: write_ply(os.path.join(folder, "points.ply"), xyz_ply, rgb_ply)),

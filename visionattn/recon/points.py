@@ -1,10 +1,12 @@
-"""Point clouds from per-pixel point maps: confidence filtering and the coloured PLY (trimesh).
+"""Point clouds from per-pixel point maps: confidence filtering and the coloured PLY (numpy, in trimesh's layout).
 
-trimesh (PLY and GLB writing) and open3d (reading clouds for the evaluation metrics) are optional (the
+trimesh (GLB writing, reading clouds back) and open3d (reading clouds for the evaluation metrics) are optional (the
 ``[recon]`` extra): :func:`require_trimesh` / :func:`require_open3d` import them or raise
 :class:`MissingDependencyError` naming the fix.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -45,7 +47,8 @@ def require_open3d():
 
 
 def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
-                  conf_percentile: float = 50.0, max_points: int | None = None, seed: int = 0):
+                  conf_percentile: float = 50.0, max_points: int | None = None, seed: int = 0,
+                  workers: int | None = None):
     """Confidence-filter a per-pixel point map.
 
     Args:
@@ -55,6 +58,9 @@ def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
         conf_percentile: drop points whose confidence is below this percentile (0..100)
             of the finite confidences; 0 keeps every finite point.
         max_points: if set, keep a random subset of at most this many (seeded).
+        workers: threads the per-pixel work (finite test, gathers) is split over, in contiguous ranges (numpy
+            releases the GIL on them); default the CPU count, at most 8; 1: this thread. The percentile is one
+            partition in this thread.
 
     Returns:
         (xyz float32 [N, 3], rgb float32 [N, 3], frame index int32 [N], pixel index int64 [N]).
@@ -66,20 +72,51 @@ def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
         raise ValueError(f"conf_percentile={conf_percentile} must be in [0, 100]")
     if points.shape[:-1] != conf.shape or colors.shape != points.shape:
         raise ValueError(f"shapes disagree: points {points.shape}, colors {colors.shape}, conf {conf.shape}")
-    finite = _finite_points(points) & np.isfinite(conf)
+    S, hw = conf.shape[0], conf.shape[1] * conf.shape[2]
+    finite = np.empty(conf.shape, bool)
+
+    def finite_frames(a: int, b: int) -> None:
+        finite[a:b] = _finite_points(points[a:b])
+        finite[a:b] &= np.isfinite(conf[a:b])
+
+    _split(finite_frames, S, workers)
     keep = finite & (conf >= _threshold(conf, finite, conf_percentile))
     idx = np.flatnonzero(keep.reshape(-1))
+    # each point's frame from the per-frame counts (idx is sorted): no [N] int64 division
+    counts = np.diff(np.searchsorted(idx, np.arange(S + 1, dtype=np.int64) * hw))
+    frame = np.repeat(np.arange(S, dtype=np.int32), counts)
+    pixel = idx - np.repeat(np.arange(S, dtype=np.int64) * hw, counts)
     sub = subsample(idx.size, max_points, seed)
     if sub is not None:
-        idx = idx[sub]
-    hw = conf.shape[1] * conf.shape[2]
-    # np.take of whole rows: about 3x faster than fancy indexing [idx] on a 10M-point cloud; no second copy
-    # where the arrays are float32 already; colours clipped in place
-    xyz = np.take(points.reshape(-1, 3), idx, axis=0).astype(np.float32, copy=False)
-    rgb = np.take(colors.reshape(-1, 3), idx, axis=0).astype(np.float32, copy=False)
-    np.clip(rgb, 0.0, 1.0, out=rgb)
-    frame, pixel = np.divmod(idx, hw)
-    return xyz, rgb, frame.astype(np.int32), pixel
+        idx, frame, pixel = idx[sub], frame[sub], pixel[sub]
+    # np.take of whole rows: about 3x faster than fancy indexing [idx] on a 10M-point cloud; into the outputs
+    # (mode "clip": unbuffered; the indices are in range), a range of points per thread; colours clipped in place
+    xyz = np.empty((idx.size, 3), points.dtype)
+    rgb = np.empty((idx.size, 3), colors.dtype)
+    flat_points, flat_colors = points.reshape(-1, 3), colors.reshape(-1, 3)
+
+    def gather(a: int, b: int) -> None:
+        np.take(flat_points, idx[a:b], axis=0, out=xyz[a:b], mode="clip")
+        np.take(flat_colors, idx[a:b], axis=0, out=rgb[a:b], mode="clip")
+        np.clip(rgb[a:b], 0.0, 1.0, out=rgb[a:b])
+
+    _split(gather, idx.size, workers)
+    return xyz.astype(np.float32, copy=False), rgb.astype(np.float32, copy=False), frame, pixel
+
+
+def _split(fn, n: int, workers: int | None) -> None:
+    """``fn(a, b)`` over contiguous ranges covering [0, n), on up to ``workers`` threads (default: the CPU count,
+    at most 8); in this thread when one range is all there is."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = max(1, min(workers or min(8, os.cpu_count() or 1), n))
+    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
+    if workers == 1:
+        fn(0, n)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recon-select") as pool:
+        for fut in [pool.submit(fn, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]:
+            fut.result()
 
 
 def _finite_points(points: np.ndarray) -> np.ndarray:
@@ -100,20 +137,24 @@ def confidence_threshold(points: np.ndarray, conf: np.ndarray, conf_percentile: 
 def _threshold(conf: np.ndarray, finite: np.ndarray, conf_percentile: float) -> float:
     if conf_percentile <= 0 or not finite.any():
         return -np.inf
-    return float(np.percentile(conf[finite], conf_percentile))
+    return float(np.percentile(conf[finite], conf_percentile, overwrite_input=True))  # partitions its own copy
 
 
-def rgba8(rgb: np.ndarray) -> np.ndarray:
+def rgba8(rgb: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """[N, 3] colours in [0, 1] -> [N, 4] uint8 RGBA (opaque), as trimesh's point clouds take them.
 
     Rounds half to even in the input's own float precision (float32 stays float32: no float64 copy of a large
-    cloud).
+    cloud), through one temporary. ``out``: a [N, 4] uint8 array (or view, e.g. a field of a structured array)
+    to fill instead of a new one.
     """
     rgb = np.asarray(rgb).reshape(-1, 3)
     if not np.issubdtype(rgb.dtype, np.floating):
         rgb = rgb.astype(np.float64)
-    out = np.empty((len(rgb), 4), np.uint8)
-    out[:, :3] = np.rint(np.clip(rgb, 0.0, 1.0) * 255)
+    if out is None:
+        out = np.empty((len(rgb), 4), np.uint8)
+    t = np.clip(rgb, 0.0, 1.0)
+    t *= 255
+    out[:, :3] = np.rint(t, out=t)
     out[:, 3] = 255
     return out
 
@@ -125,19 +166,35 @@ def subsample(n: int, max_points: int | None, seed: int = 0) -> np.ndarray | Non
     return np.sort(np.random.default_rng(seed).choice(n, size=max_points, replace=False))
 
 
+_PLY_VERTEX = np.dtype([("xyz", "<f4", (3,)), ("rgba", "u1", (4,))])
+_PLY_CHUNK = 1 << 20  # points per write: a 16 MiB buffer
+
+
 def write_ply(path: str, xyz: np.ndarray, rgb: np.ndarray) -> None:
-    """Write a coloured point cloud as a binary little-endian PLY (trimesh): float32 x, y, z and uint8 RGBA
-    per vertex, which open3d, MeshLab, CloudCompare and Blender read.
+    """Write a coloured point cloud as a binary little-endian PLY: float32 x, y, z and uint8 RGBA per vertex
+    (trimesh's layout for a point cloud), which open3d, trimesh, MeshLab, CloudCompare and Blender read.
+
+    The vertices go out from numpy in chunks of a structured array: the bytes trimesh's exporter writes after
+    its header, without its copies (about 10x faster on a 10M-point cloud, and no second copy of it in memory).
 
     Args:
-        xyz: [N, 3] points (any float dtype).
-        rgb: [N, 3] colours in [0, 1] (clipped, rounded to 8 bits).
-
-    Raises:
-        MissingDependencyError: see :func:`require_trimesh`.
+        xyz: [N, 3] points (any float dtype; stored as float32).
+        rgb: [N, 3] colours in [0, 1] (clipped, rounded half to even to 8 bits; alpha 255).
     """
-    trimesh = require_trimesh()
-    data = trimesh.PointCloud(np.asarray(xyz).reshape(-1, 3), colors=rgba8(rgb)).export(file_type="ply",
-                                                                                       encoding="binary")
+    xyz = np.asarray(xyz).reshape(-1, 3)
+    rgb = np.asarray(rgb).reshape(-1, 3)
+    n = len(xyz)
+    if len(rgb) != n:
+        raise ValueError(f"{n} points but {len(rgb)} colours")
+    header = ("ply\nformat binary_little_endian 1.0\ncomment written by visionattn\n"
+              f"element vertex {n}\nproperty float x\nproperty float y\nproperty float z\n"
+              "property uchar red\nproperty uchar green\nproperty uchar blue\nproperty uchar alpha\nend_header\n")
+    buf = np.empty(min(n, _PLY_CHUNK), _PLY_VERTEX)
     with open(path, "wb") as f:
-        f.write(data)
+        f.write(header.encode("ascii"))
+        for a in range(0, n, _PLY_CHUNK):
+            b = min(a + _PLY_CHUNK, n)
+            v = buf[:b - a]
+            v["xyz"] = xyz[a:b]
+            rgba8(rgb[a:b], out=v["rgba"])
+            f.write(v.view(np.uint8))
