@@ -115,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(non-commercial) (default: %(default)s)")
     p.add_argument("--mode", choices=ATTN_MODES, default="fp32",
                    help="attention precision: fp32 (FP32-accurate), fp32-ieee, tf32, fp16, bf16, pasa "
-                        "(robust FP16), or sdpa (PyTorch's own attention, a baseline). Only attention changes; "
-                        "the rest of the network stays FP32 (default: %(default)s)")
+                        "(robust FP16), or sdpa (PyTorch's own attention, a baseline). On a GPU the half modes "
+                        "(fp16, bf16, pasa) also run the rest of the network under autocast of their dtype, as the "
+                        "official demos run it (FP32 weights; VGGT's heads as --heads says); otherwise it stays FP32 "
+                        "(default: %(default)s)")
     p.add_argument("--heads", choices=HEADS, default=None,
                    help="vggt / fastvggt: precision of the camera, depth and point heads: fp32 (VGGT's FP32 "
                         "heads, the default) or bf16 / fp16 (as the official FastVGGT code runs them, faster); "

@@ -38,7 +38,7 @@ __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "MODEL_WEIGHTS", "default_weights", "ATTN_MODES", "WeightsError", "DeviceError",
     "USER_ERRORS",
     "check_checkpoint", "resolve_device", "load_source", "build_model",
-    "run_model", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY", "prediction_bytes",
+    "run_model", "demo_autocast_dtype", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY", "prediction_bytes",
     "available_host_memory", "prediction_store", "start_compile_ahead", "Stages", "STAGES",
     "forward_flops", "estimate_seconds", "THROUGHPUT", "format_seconds", "frames_within", "slow_cpu_warning",
     "SLOW_CPU_SECONDS", "TARGET_CPU_SECONDS",
@@ -84,6 +84,19 @@ def _models_api():
     except ImportError as exc:  # the model package is a separate install unit; say exactly what failed
         raise ImportError(f"the reconstruction pipeline needs visionattn.models (VGGT): {exc}") from exc
     return VGGT, vggt_tiny_config, FASTVGGT_MERGING, pose_encoding_to_extri_intri, unproject_depth_map_to_point_map
+
+
+def demo_autocast_dtype(mode: str, device) -> torch.dtype | None:
+    """The autocast dtype of the demo's forward: on a GPU the half dtype a half-precision ``mode`` computes attention
+    in (``bf16``: bfloat16; ``fp16``, ``pasa``: float16), so the linear layers run in it too, as the official VGGT
+    and π³ demos run the model (bf16 autocast, FP32 weights); None (everything FP32) for the FP32-accurate modes,
+    ``sdpa`` and on the CPU."""
+    from visionattn.kernels.modes import get_mode
+
+    if torch.device(device).type != "cuda" or _check_mode(mode) is None:
+        return None
+    dtype = get_mode(mode).compute_dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
 
 
 def _check_mode(mode: str) -> str | None:
@@ -263,7 +276,7 @@ def _is_pi3(model: torch.nn.Module) -> bool:
 
 def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.device = "cpu",
               progress: bool = True, warmup: int = 0, store: str | None = None, track_queries=None,
-              conditions: dict | None = None) -> dict:
+              conditions: dict | None = None, autocast_dtype: torch.dtype | None = None) -> dict:
     """Run VGGT, FastVGGT, π³ or Pi3X on one scene and decode cameras.
 
     π³ / Pi3X outputs are converted to VGGT's conventions by :func:`visionattn.recon.pi3.decode_pi3`
@@ -286,6 +299,9 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
         conditions: Pi3X only: ``{"intrinsics": [S, 3, 3] pixels of the model's frame, "poses": [S, 4, 4]
             camera-to-world OpenCV}``, either optional (:func:`visionattn.recon.priors.match_cameras`); given
             intrinsics are also the returned ones.
+        autocast_dtype: the forward runs under ``torch.autocast`` of this dtype (the weights stay FP32; VGGT's
+            heads keep their own precision, ``heads_dtype``), as the official demos run in half precision
+            (:func:`demo_autocast_dtype`); None: no autocast. The outputs are decoded in FP32 either way.
 
     Returns:
         dict of numpy arrays: ``extrinsic`` [S, 3, 4] (OpenCV camera-from-world),
@@ -309,12 +325,20 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     if cond and not hasattr(model, "metric_head"):
         raise ValueError("conditions (known intrinsics / poses) need Pi3X (model='pi3x')")
     bar = tqdm(total=max(1, len(_blocks(model))) * (1 + warmup), desc="inference", unit="block", disable=not progress)
+
+    def forward(*args, **kwargs):
+        with contextlib.ExitStack() as amp:
+            if autocast_dtype is not None:
+                amp.enter_context(torch.autocast(dev.type, dtype=autocast_dtype))
+            out = model(*args, **kwargs)
+        return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in out.items()}
+
     with contextlib.ExitStack() as stack:  # the block hooks come off whatever the forward raises
         end_forward = stack.enter_context(_block_progress(model, bar)) if progress else (lambda: None)
         t0 = time.perf_counter()
         with torch.inference_mode():
             for _ in range(warmup):
-                model(x, **cond)
+                forward(x, **cond)
                 end_forward()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -334,12 +358,12 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
         try:
             with torch.inference_mode():
                 if pi3:
-                    out = model(x, **cond)
+                    out = forward(x, **cond)
                     given = (conditions or {}).get("intrinsics")  # float64, as the file gave them
                     given = None if given is None else torch.as_tensor(given, dtype=torch.float64)
                     extr, intr, pixels = decode_pi3(out, given)
                 else:
-                    out = model(x, query_points=queries)
+                    out = forward(x, query_points=queries)
                     extr, intr = to_extri_intri(out["pose_enc"], (H, W))
                     extr, intr = extr[0], intr[0]
 
@@ -601,6 +625,8 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
             condition the model (:mod:`visionattn.recon.priors`; matched to the frames by image file name):
             read before any decoding, matched once the frames are loaded; the summary's ``conditions`` names them.
         heads: VGGT / FastVGGT heads' precision (:func:`build_model`); the summary's ``heads`` states it.
+            On a GPU a half-precision ``mode`` also runs the rest of the model under autocast of its dtype
+            (:func:`demo_autocast_dtype`); the summary's ``autocast`` states it.
         log: called with each progress note (one line).
         warn: called with each warning the user should see even when ``log`` is silenced (one line): a forward
             estimated to take over :data:`SLOW_CPU_SECONDS` on a CPU (:func:`slow_cpu_warning`). None:
@@ -1154,8 +1180,9 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
 
         queries = query_plan(S, (H, W), ba_query_frames, ba_points, seed)
     t0 = time.perf_counter()
+    amp = demo_autocast_dtype(mode, dev)
     pred = run_model(net, loaded.images, dev, progress=progress, warmup=warmup, store=store, track_queries=queries,
-                     conditions=conditions)
+                     conditions=conditions, autocast_dtype=amp)
     extra_seconds = pred["warmup_seconds"] + pred.get("track_seconds", 0.0)
     stages.add("warmup", pred["warmup_seconds"])
     stages.add("tracks", pred.get("track_seconds", 0.0))
@@ -1163,6 +1190,7 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
     tokens = count_tokens(net, S, (H, W))
     summary = {"frames": S, "image_hw": [H, W], "tokens": tokens, "model": model, "mode": mode,
                "heads": None if model in PI3_MODELS else (net.heads_dtype or "fp32"),
+               "autocast": None if amp is None else str(amp).removeprefix("torch."),
                "weights": weights, "device": dev, "inference_seconds": pred["seconds"], "estimate_s": estimate,
                "warmup": warmup,
                "model_seconds": model_seconds, "decode_build": decode_build,
