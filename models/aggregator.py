@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .layers import AUTO_MODE, Block, DinoV2, checkpointed, rope_tables
+from .layers import AUTO_MODE, Block, DinoV2, checkpointed, randn_scaled, rope_tables
 from .merging import TokenMerging
 
 __all__ = ["Aggregator", "PATCH_START_IDX"]
@@ -72,8 +72,8 @@ class Aggregator(nn.Module):
         self.rope_base = rope_base
         self.head_dim = embed_dim // num_heads
         self.patch_start_idx = 1 + num_register_tokens
-        self.camera_token = nn.Parameter(torch.randn(1, 2, 1, embed_dim) * 1e-6)
-        self.register_token = nn.Parameter(torch.randn(1, 2, num_register_tokens, embed_dim) * 1e-6)
+        self.camera_token = nn.Parameter(randn_scaled(1, 2, 1, embed_dim, scale=1e-6))
+        self.register_token = nn.Parameter(randn_scaled(1, 2, num_register_tokens, embed_dim, scale=1e-6))
         self.patch_embed = DinoV2(img_size, patch_size, embed_dim, patch_embed_depth, patch_embed_heads, mlp_ratio,
                                   num_register_tokens, init_values=1.0, attn_mode=attn_mode)
         self.frame_blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, 0.01, qk_norm=True,

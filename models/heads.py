@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import AUTO_MODE, AttnBlock, Block, CrossAttnBlock, Mlp, checkpointed
+from .layers import AUTO_MODE, AttnBlock, Block, CrossAttnBlock, Mlp, checkpointed, randn_scaled
 
 __all__ = ["CameraHead", "DPTHead", "TrackHead", "Tracker", "UpdateFormer", "activate_pose", "activate_head",
            "inverse_log_transform"]
@@ -327,7 +327,7 @@ class UpdateFormer(nn.Module):
                  attn_mode: str | None = AUTO_MODE):
         super().__init__()
         self.num_virtual_tracks = num_virtual_tracks
-        self.virual_tracks = nn.Parameter(torch.randn(1, num_virtual_tracks, 1, hidden_size))  # sic (checkpoint)
+        self.virual_tracks = nn.Parameter(randn_scaled(1, num_virtual_tracks, 1, hidden_size))  # sic (checkpoint)
         self.input_norm = nn.LayerNorm(input_dim)
         self.input_transform = nn.Linear(input_dim, hidden_size)
         self.output_norm = nn.LayerNorm(hidden_size)
@@ -382,7 +382,7 @@ class Tracker(nn.Module):
         self.corr_radius = corr_radius
         self.max_scale = max_scale
         self.transformer_dim = 3 * latent_dim + 4
-        self.query_ref_token = nn.Parameter(torch.randn(1, 2, self.transformer_dim))
+        self.query_ref_token = nn.Parameter(randn_scaled(1, 2, self.transformer_dim))
         self.corr_mlp = Mlp(corr_levels * (2 * corr_radius + 1) ** 2, hidden_size, latent_dim)
         self.updateformer = UpdateFormer(depth, self.transformer_dim, hidden_size, num_heads, latent_dim + 2,
                                          num_virtual_tracks=num_virtual_tracks, attn_mode=attn_mode)

@@ -22,13 +22,26 @@ from .merging import plan_merge
 __all__ = [
     "AUTO_MODE", "DTYPE_MODES", "resolve_attn_mode", "attend", "checkpointed", "LayerScale", "Mlp", "RopeTables",
     "rope_tables", "apply_rope", "Attention", "Block", "MHAttention", "AttnBlock", "CrossAttnBlock", "PatchEmbed",
-    "DinoV2", "check_attn_mode", "AttnModeMixin",
+    "DinoV2", "check_attn_mode", "AttnModeMixin", "normal_", "randn_scaled",
 ]
 
 AUTO_MODE = "auto"
 DTYPE_MODES = ("fp32", "bf16", "fp16")
 """The modes named after the dtype they compute in: what ``"auto"`` picks from q's dtype."""
 _AUTO = {get_mode(m).compute_dtype: m for m in DTYPE_MODES} | {torch.float64: "fp32"}  # float64 q: FP32 mode
+
+
+def normal_(t: torch.Tensor, std: float) -> torch.Tensor:
+    """``nn.init.normal_(t, std=std)``, skipped on the meta device: there is nothing to draw, and PyTorch's Python meta
+    kernel of ``normal_`` imports ``torch._dynamo`` on its first use (seconds of a model load built on meta)."""
+    return t if t.is_meta else nn.init.normal_(t, std=std)
+
+
+def randn_scaled(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    """``torch.randn(shape) * scale`` on the current default device; on the meta device an empty tensor (as
+    :func:`normal_`: no meta arithmetic)."""
+    t = torch.empty(shape)
+    return t if t.is_meta else torch.randn(shape) * scale
 
 
 def check_attn_mode(mode: str | None) -> str | None:
@@ -418,8 +431,8 @@ class DinoV2(nn.Module):
                                           norm_eps=1e-6, attn_mode=attn_mode) for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.normal_(self.cls_token, std=1e-6)
-        nn.init.normal_(self.register_tokens, std=1e-6)
+        normal_(self.cls_token, std=1e-6)
+        normal_(self.register_tokens, std=1e-6)
 
     def interpolate_pos_embed(self, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
         """Position embedding [1, 1 + h*w, C] for an h x w patch grid (bicubic, antialias, in fp32)."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .hub import CheckpointNotFoundError, load_state_dict_file, resolve_checkpoint, save_checkpoint_folder
-from .layers import AUTO_MODE, AttnModeMixin, Block, DinoV2, check_attn_mode, checkpointed
+from .layers import AUTO_MODE, AttnModeMixin, Block, DinoV2, check_attn_mode, checkpointed, normal_
 from .pi3_layers import CameraHead, LinearPts3d, RopeGrid, TransformerDecoder, decoder_block
 
 __all__ = ["Pi3", "pi3_tiny_config", "PI3_REPO", "PI3_LICENSE"]
@@ -65,7 +65,7 @@ class _Pi3Base(AttnModeMixin, nn.Module):
         self.decoder = nn.ModuleList(decoder_block(embed_dim, num_heads, mlp_ratio, 0.01, True, attn_mode)
                                      for _ in range(depth))
         self.register_token = nn.Parameter(torch.zeros(1, 1, num_register_tokens, embed_dim))
-        nn.init.normal_(self.register_token, std=1e-6)
+        normal_(self.register_token, std=1e-6)
         self.register_buffer("image_mean", torch.tensor(_MEAN).view(1, 3, 1, 1))
         self.register_buffer("image_std", torch.tensor(_STD).view(1, 3, 1, 1))
 

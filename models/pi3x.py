@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import AUTO_MODE, DinoV2, PatchEmbed
+from .layers import AUTO_MODE, DinoV2, PatchEmbed, normal_
 from .pi3 import _homogeneous_apply, _Pi3Base
 from .pi3_layers import (CameraHead, ContextOnlyTransformerDecoder, ConvHead, PoseInjectBlock, TransformerDecoder,
                          check_attn_mode, se3_inverse)
@@ -152,7 +152,7 @@ class Pi3X(_Pi3Base):
         self.camera_decoder = TransformerDecoder(2 * embed_dim, camera_dim, **dec)
         self.camera_head = CameraHead(camera_dim)
         self.metric_token = nn.Parameter(torch.zeros(1, 1, 2 * embed_dim))
-        nn.init.normal_(self.metric_token, std=1e-6)
+        normal_(self.metric_token, std=1e-6)
         self.metric_decoder = ContextOnlyTransformerDecoder(2 * embed_dim, metric_dim, metric_dim, metric_depth,
                                                             metric_num_heads, mlp_ratio, attn_mode)
         self.metric_head = nn.Linear(metric_dim, 1)
