@@ -29,7 +29,8 @@ before Triton is imported) with ``--backend triton``: a smoke test; GPU-only bug
 
 Writes ``<out>/gpu_conformance.md`` and ``.json``: cases per family and mode, failures with their reproduce
 lines, refusals, the worst error and error / bound per mode and quantity, fallbacks, the time and, if the time
-budget stopped the run, how many cases did not run. Exit status 1 if any case failed or crashed.
+budget stopped the run, how many cases did not run. Exit status 1 if any case failed or crashed; Ctrl-C or SIGTERM
+(an outer time limit) stops the run, writes the report of the cases that finished and exits 130.
 
 Usage: python tools/gpu_conformance.py [--seed 0] [--cases 2000] [--time-budget 480] [--isolate [--jobs 12]] --out DIR
        python tools/gpu_conformance.py --case 0:123          # one case again, as its failure line printed it
@@ -40,6 +41,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
 import time
 
@@ -376,6 +378,10 @@ def _run_shared(spec: dict, device, backend: str) -> dict:
     return res
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(args) -> dict:
     """Run the suite; write the markdown and JSON reports; return the JSON report."""
     parser = build_parser()
@@ -399,6 +405,9 @@ def main(args) -> dict:
     isolated = f", isolated: {args.jobs} jobs, chunks of {args.chunk_size}" if args.isolate else ""
     print(f"gpu_conformance: {len(specs)} cases ({which}, profile {args.profile}, device {args.device}, "
           f"backend {args.backend}{isolated})", flush=True)
+    collected: list[dict] = []  # every finished result, so an interrupted run still reports them
+    interrupted = False
+    previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if args.isolate:
             ids = [s["id"] for s in specs]
@@ -416,6 +425,7 @@ def main(args) -> dict:
                         r.setdefault(key, value)
                     if r["status"] == "crash":
                         _print_result(r, spec, args)
+                collected.extend(part)
                 if part:
                     done["n"] += len(part)
                     print(f"  {done['n']} / {len(ids)} cases, {time.time() - t0:.0f} s", flush=True)
@@ -428,13 +438,21 @@ def main(args) -> dict:
             by_id = {s["id"]: s for s in specs}
 
             def emit(res):
+                collected.append(res)
                 progress["n"] += 1
                 _print_result(res, by_id[res["id"]], args)
                 if progress["n"] % 100 == 0:
                     print(f"  {progress['n']} / {len(specs)} cases, {time.time() - t0:.0f} s", flush=True)
 
             results, stopped = run_in_process(specs, device, args, deadline, emit)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (an outer time limit): report what finished, then exit 130
+        interrupted = True
+        order = {s["id"]: n for n, s in enumerate(specs)}
+        results = sorted(collected, key=lambda r: order.get(r["id"], len(order)))
+        stopped = f"interrupted: {len(specs) - len(results)} of {len(specs)} cases not run"
+        print(f"gpu_conformance: {stopped}; writing the report of the {len(results)} that ran", flush=True)
     finally:
+        signal.signal(signal.SIGTERM, previous_term)
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32
         if not args.isolate:
             conf.release_ring_group()
@@ -460,6 +478,8 @@ def main(args) -> dict:
           f"{s['refused']} refused, {s['skipped']} skipped" + (f"; stopped early: {s['stopped_early']}"
                                                                 if s["stopped_early"] else "")
           + f"; report in {args.out}", flush=True)
+    if interrupted:
+        sys.exit(130)
     return report
 
 

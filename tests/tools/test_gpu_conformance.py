@@ -18,7 +18,7 @@ import torch
 import visionattn as va
 from visionattn.testing import conformance as conf
 
-from testdata import load_script
+from testdata import REPO, load_script
 
 tool = load_script("tools/gpu_conformance.py", "gpu_conformance_under_test")
 import _harness as harness  # noqa: E402  (tools/ is on sys.path once a tool is loaded)
@@ -486,3 +486,27 @@ def test_oracle_of_a_half_cosine_window_with_logit_scale_gradient(index):
     assert spec["mode"] in ("fp16", "bf16")
     res = conf.run_case(spec, torch.device("cpu"), "reference")
     assert res["status"] == "pass", res
+
+
+def test_sigterm_writes_the_report_of_the_cases_that_ran(tmp_path):
+    """An outer time limit (SIGTERM) or Ctrl-C stops the run; the report of every case that finished is written
+    and the exit status is 130 (the report was lost when the run was killed before its end)."""
+    import signal
+
+    out = tmp_path / "report"
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "gpu_conformance.py"), "--device", "cpu",
+                             "--backend", "reference", "--cases", "3000", "--time-budget", "0", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    lines = []
+    for line in proc.stdout:  # the first progress line: 100 cases ran
+        lines.append(line)
+        if "/ 3000 cases" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, "".join(lines) + rest
+    report = json.loads((out / "gpu_conformance.json").read_text())
+    summary = report["summary"]
+    assert "interrupted" in summary["stopped_early"]
+    assert 100 <= summary["cases_run"] < 3000
+    assert (out / "gpu_conformance.md").exists()
