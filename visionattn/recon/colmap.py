@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .points import MissingDependencyError
+from .points import MissingDependencyError, thread_map
 
 __all__ = ["rotmat_to_quat", "quat_to_rotmat", "point_tracks", "colmap_observations", "write_colmap_binary",
            "write_colmap_text", "write_colmap_model", "require_pycolmap"]
@@ -80,17 +79,6 @@ def quat_to_rotmat(q) -> np.ndarray:
 _BLAS = threading.Lock()
 
 
-def _per_frame(fn, frames: int, workers: int | None) -> list:
-    """``[fn(j) for j in range(frames)]``, on ``workers`` threads (default: the CPU count, at most 8): the
-    per-frame numpy work on arrays of all the points releases the GIL, so frames run side by side (their matrix
-    products one at a time, under ``_BLAS``)."""
-    workers = min(workers or min(8, os.cpu_count() or 1), frames)
-    if workers <= 1:
-        return [fn(j) for j in range(frames)]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recon-colmap") as pool:
-        return list(pool.map(fn, range(frames)))
-
-
 def point_tracks(xyz: np.ndarray, frame_idx: np.ndarray, extrinsics: np.ndarray, intrinsics: np.ndarray,
                  depth: np.ndarray, rel_tol: float = 0.05, workers: int | None = None) -> list[np.ndarray]:
     """The frames that see each point: in front, inside the frame, and not hidden.
@@ -132,7 +120,7 @@ def point_tracks(xyz: np.ndarray, frame_idx: np.ndarray, extrinsics: np.ndarray,
         ok[inside] |= np.isfinite(d) & (np.abs(z[inside] - d) <= rel_tol * np.abs(d))
         return ok
 
-    return _per_frame(frame, S, workers)
+    return thread_map(frame, range(S), workers, "recon-colmap")
 
 
 def colmap_observations(xyz, extrinsics, intrinsics_src, seen, workers: int | None = None):
@@ -157,7 +145,7 @@ def colmap_observations(xyz, extrinsics, intrinsics_src, seen, workers: int | No
         uvw += P[:, 3:]
         return ids, (uvw[:2] / uvw[2]).T
 
-    per = _per_frame(image, len(seen), workers)
+    per = thread_map(image, range(len(seen)), workers, "recon-colmap")
     if not per:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 2))
     counts = [len(ids) for ids, _ in per]

@@ -55,7 +55,7 @@ from .depth import depth_png_scale, depth_to_source_pixels, write_depth
 from .nerfstudio import write_transforms_json
 from .outdir import OutputDirError, atomic_output_dir, check_output_dir
 from .points import (MissingDependencyError, require_open3d, require_trimesh, select_points, subsample,
-                     write_ply)
+                     worker_count, write_ply)
 from .scene import write_glb
 
 __all__ = [
@@ -96,7 +96,7 @@ def write_outputs(tasks, workers: int | None = None, progress: bool = True, desc
     from tqdm.auto import tqdm
 
     seconds = {name: 0.0 for name, _ in tasks}
-    workers = workers or min(8, os.cpu_count() or 1)
+    workers = worker_count(workers)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recon-export") as pool, \
             tqdm(total=len(tasks), desc=desc, unit="file", disable=not progress) as bar:
         futures = {pool.submit(_timed, fn): name for name, fn in tasks}

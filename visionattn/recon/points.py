@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 __all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "rgba8", "select_points",
-           "confidence_threshold", "subsample", "write_ply"]
+           "confidence_threshold", "subsample", "write_ply", "worker_count", "thread_map"]
 
 
 class MissingDependencyError(ImportError):
@@ -104,19 +104,30 @@ def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
     return xyz.astype(np.float32, copy=False), rgb.astype(np.float32, copy=False), frame, pixel
 
 
-def _split(fn, n: int, workers: int | None) -> None:
-    """``fn(a, b)`` over contiguous ranges covering [0, n), on up to ``workers`` threads (default: the CPU count,
-    at most 8); in this thread when one range is all there is."""
+def worker_count(workers: int | None, tasks: int | None = None) -> int:
+    """Threads for the export's parallel numpy work: ``workers``, by default the CPU count, at most 8; no more than
+    ``tasks`` pieces of work when given, at least 1."""
+    n = workers or min(8, os.cpu_count() or 1)
+    return max(1, n if tasks is None else min(n, tasks))
+
+
+def thread_map(fn, items, workers: int | None, name: str) -> list:
+    """``[fn(x) for x in items]`` on up to :func:`worker_count` threads (named ``name``), in this thread when one
+    is all there is; numpy releases the GIL on the per-item work, so items run side by side."""
     from concurrent.futures import ThreadPoolExecutor
 
-    workers = max(1, min(workers or min(8, os.cpu_count() or 1), n))
-    bounds = np.linspace(0, n, workers + 1).astype(np.int64)
+    items = list(items)
+    workers = worker_count(workers, len(items))
     if workers == 1:
-        fn(0, n)
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recon-select") as pool:
-        for fut in [pool.submit(fn, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]:
-            fut.result()
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) as pool:
+        return list(pool.map(fn, items))
+
+
+def _split(fn, n: int, workers: int | None) -> None:
+    """``fn(a, b)`` over contiguous ranges covering [0, n), one per thread of :func:`thread_map`."""
+    bounds = np.linspace(0, n, worker_count(workers, n) + 1).astype(np.int64)
+    thread_map(lambda ab: fn(*ab), zip(bounds[:-1].tolist(), bounds[1:].tolist()), workers, "recon-select")
 
 
 def _finite_points(points: np.ndarray) -> np.ndarray:
