@@ -316,6 +316,8 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     """
     from tqdm.auto import tqdm
 
+    from visionattn.models.vggt import autocast
+
     *_, to_extri_intri, unproject = _models_api()
     dev = torch.device(device)
     x = images.to(dev, torch.float32)
@@ -327,9 +329,7 @@ def run_model(model: torch.nn.Module, images: torch.Tensor, device: str | torch.
     bar = tqdm(total=max(1, len(_blocks(model))) * (1 + warmup), desc="inference", unit="block", disable=not progress)
 
     def forward(*args, **kwargs):
-        with contextlib.ExitStack() as amp:
-            if autocast_dtype is not None:
-                amp.enter_context(torch.autocast(dev.type, dtype=autocast_dtype))
+        with autocast(dev.type, autocast_dtype):
             out = model(*args, **kwargs)
         return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in out.items()}
 
@@ -879,8 +879,10 @@ def forward_flops(model: str, frames: int, height: int, width: int, config: dict
 
 
 # Sustained FLOP/s of the demo's forward, per device kind and precision: "dense" is the network's linear layers and
-# convolutions, which the demo runs in FP32 whatever the mode (only attention changes with it); the attention modes
-# are attention's q k^T and p v products in that mode. The one table the estimate divides by.
+# convolutions at the FP32 rate; the attention modes are attention's q k^T and p v products in that mode. The one
+# table the estimate divides by. On a GPU the half modes run the dense products under autocast in their half dtype
+# (demo_autocast_dtype), for which this table has no measured rate yet: their estimate counts them at the FP32 rate
+# and reads high.
 #
 # cpu: measured. On a 2-core x86 CPU (PyTorch's default 2 threads), forwards of VGGT's tiny configuration, of a
 #   mid-size one (width 256 with 64-wide heads as VGGT-1B's, 4 + 4 blocks, DPT width 64) and of a wide one (width
@@ -925,7 +927,8 @@ def estimate_seconds(model: str, frames: int, height: int, width: int, device="c
     """Seconds one inference forward of the demo's network will take: a rough order of magnitude, not a timing.
 
     :func:`forward_flops` divided by the sustained throughput of :data:`THROUGHPUT` (the network's products at the
-    FP32 rate, attention at its ``mode``'s rate). The constants are of one 2-core x86 CPU and of an H100 / H200;
+    FP32 rate, attention at its ``mode``'s rate; on a GPU the half modes run the network's products in half
+    precision, so their estimate reads high). The constants are of one 2-core x86 CPU and of an H100 / H200;
     another machine may be several times faster or slower (the CPU rates are those of the released models; smaller
     configurations can run up to about 2x faster or slower than estimated), and forwards of well under a second
     are mostly overheads the estimate leaves out. Not counted: model build, Triton compilation (the first forward

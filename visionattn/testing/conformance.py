@@ -1067,11 +1067,11 @@ def _ds_rounding(th: dict, live, p, go64, v, out, dtype) -> dict:
     output it stored in ``dtype`` and rounds ``dS'`` to ``dtype`` for the tensor cores, against the exact
     ``dS = P (dO V^T - D)`` (the module docstring's ``r``); ``live``: the logits S with masked ones as 0."""
     names = [n for n, t in th.items() if t.requires_grad]
+    if not names or not live.requires_grad:
+        return {}
     dp = go64 @ v.detach().transpose(-1, -2)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
     stored = (go64 * out.to(dtype).double()).sum(-1, keepdim=True)  # D' from the stored half output
-    if not names or not live.requires_grad:
-        return {}
     kernel = (p * (dp - stored)).to(dtype).double()
     got = torch.autograd.grad((live * (kernel - ds)).sum(), [th[n] for n in names], allow_unused=True,
                               retain_graph=True)
