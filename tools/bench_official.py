@@ -83,6 +83,9 @@ parser.add_argument("--images", default=None, help="folder of frames (cycled to 
 parser.add_argument("--height", type=positive_int, default=392, help="frame height, a multiple of 14")
 parser.add_argument("--width", type=positive_int, default=518, help="frame width, a multiple of 14")
 parser.add_argument("--repeats", type=positive_int, default=1, help="timed forwards per point (median)")
+parser.add_argument("--warmup-frames", type=positive_int, default=None, metavar="K",
+                    help="the untimed forward before a count above K runs on its first K frames (kernels built, "
+                         "cuDNN plans made, not the minutes of a second long forward); default: the count itself")
 parser.add_argument("--rows", nargs="+", choices=list(dict.fromkeys([*PI3_ROWS, *FAST_ROWS])), default=None,
                     help="rows to run (default: all of the model's, FastVGGT's bf16-fp32-heads with --fp32-heads)")
 parser.add_argument("--fp32-heads", action="store_true", help="FastVGGT: add the bf16 row with VGGT's FP32 heads")
@@ -163,8 +166,10 @@ def build(args):
     return official, ours
 
 
-def run_row(model, spec: dict, x: torch.Tensor, cond: dict, keys, repeats: int, device: torch.device):
-    """Time one row at one frame count (the model moved to ``device`` and back): ``(point, outputs on CPU)``."""
+def run_row(model, spec: dict, x: torch.Tensor, cond: dict, keys, repeats: int, device: torch.device,
+            warmup_frames: int | None = None):
+    """Time one row at one frame count (the model moved to ``device`` and back): ``(point, outputs on CPU)``.
+    The untimed forward runs on the first ``warmup_frames`` frames where the count is larger."""
     if not spec["official"]:
         model.set_attn_mode(spec["mode"])
         if spec["heads"] is not None:
@@ -172,14 +177,17 @@ def run_row(model, spec: dict, x: torch.Tensor, cond: dict, keys, repeats: int, 
     model.to(device)
     x, kw, last = x.to(device), {k: v.to(device) for k, v in cond.items()}, {}
 
-    def forward():
+    def forward(n=None):
         last.clear()  # the previous output goes before the next forward, as in a loop over scenes
-        last["out"] = model(x, **kw)
+        if n is None:
+            last["out"] = model(x, **kw)
+        else:  # frames are dim -4 of the input and dim 1 of every condition
+            last["out"] = model(x[..., :n, :, :, :], **{k: v[:, :n] for k, v in kw.items()})
 
     autocast = torch.autocast(device.type, dtype=spec["dtype"], enabled=spec["dtype"] is not None)
     try:
         with torch.no_grad(), autocast, (attention_free() if spec["free"] else contextlib.nullcontext()):
-            forward()  # untimed: kernel builds, cuDNN plans
+            forward(warmup_frames if warmup_frames and warmup_frames < x.shape[-4] else None)  # untimed
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -209,7 +217,8 @@ def to_markdown(res: dict) -> str:
              "protocol: both models in one process, the official one built with seed 0, its weights loaded into "
              "visionattn's (strict)" + ("; point and track heads off, merging from global block 0; bf16 autocast "
              "with FP32 weights" if fast else "") + "; TF32 off for matmuls and convolutions; per frame count each "
-             "row alone on the GPU: one untimed forward, then the median of the timed ones (CUDA events); "
+             "row alone on the GPU: one untimed forward" + (f" (on {res['warmup_frames']} frames above that count)"
+             if res.get("warmup_frames") else "") + ", then the median of the timed ones (CUDA events); "
              f"{res['height']}x{res['width']} frames from {res['images'] or 'random pixels'}; peak = max allocated "
              "of the timed forwards" + ("; intrinsics and poses on every frame" if res["conditions"] else "")]
     if fast:
@@ -275,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     official, ours = build(args)
     res = {"environment": environment(), "official": os.path.abspath(args.official), "model": args.model,
            "conditions": args.conditions, "images": args.images, "height": args.height, "width": args.width,
-           "rows": rows, "points": []}
+           "rows": rows, "warmup_frames": args.warmup_frames, "points": []}
     with tf32_disabled() as flags:
         res["settings"] = flags
         for n in sorted(args.frames or frames):
@@ -286,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
             for row in rows:
                 try:
                     point, outs[row] = run_row(official if model_rows[row]["official"] else ours, model_rows[row],
-                                               x, cond, keys, args.repeats, device)
+                                               x, cond, keys, args.repeats, device, args.warmup_frames)
                 except torch.cuda.OutOfMemoryError:
                     point = {"frames": n, "error": "out of memory"}
                     gc.collect()
