@@ -12,6 +12,11 @@ Two pieces live here:
   calls' arguments straight to the compiled kernel's launcher (a few us).
 * :class:`PlanCache` — a bounded dict from plan keys to plans, with hit / build counters
   (tests read them to prove a second call reuses the plan).
+* The plans' runs: what a repeat call executes once a kernel module has built its plan
+  (:class:`DenseForwardRun`, :class:`GluonForwardPlan`, :class:`EmptyForwardPlan`, :class:`PlannedLaunch`,
+  :class:`WindowForwardRun`, :class:`VarlenForwardRun`). The kernel modules choose and build (kernels,
+  tiles, grids, fixed arguments); the runs live here, so a repeat call goes from the public function
+  to this module and the compiled launcher, through no other file.
 
 Reusing a compiled kernel is only correct for arguments Triton would have
 specialised the same way: equal integer arguments (strides, sizes that are not
@@ -28,7 +33,11 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["KernelCall", "PlanCache", "launch", "interpreting", "recording", "qkv_key", "tensor_key",
-           "SPIN_UNTIL_EQUAL_PTX"]
+           "SPIN_UNTIL_EQUAL_PTX", "LOG2E", "launch_partitions", "DenseForwardRun", "GluonForwardPlan",
+           "EmptyForwardPlan", "PlannedLaunch", "WindowForwardRun", "VarlenForwardRun"]
+
+# the kernels exponentiate with exp2: a softmax scale reaches them as scale * log2(e)
+LOG2E = 1.4426950408889634
 
 # ``inline_asm_elementwise`` body of the ordered reductions' wait (the single-pass backward's dQ adds): given a
 # value read earlier ($1), re-read the int32 at address $2 with relaxed GPU-scope loads until it equals $3, and
@@ -305,3 +314,172 @@ def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], o
             _CALLS.clear()
         call = _CALLS[key] = KernelCall(fn, grid, constexprs, options)
     call(*args)
+
+
+# ----------------------------------------------------------------------------- the plans' runs
+def launch_partitions(plan, inputs: tuple, out: torch.Tensor, lse: torch.Tensor | None, dummy,
+                      scale_log2: float) -> None:
+    """The launches of a forward plan (:class:`DenseForwardRun`, :class:`VarlenForwardRun`): ``plan.main`` over
+    ``inputs`` (its leading tensor arguments, q first) writing ``out`` / ``lse`` directly, or with split-KV
+    (``plan.merge`` set) writing FP32 partials into a fresh workspace that ``plan.merge`` folds into ``out`` /
+    ``lse``. ``dummy`` stands for the pointers a launch does not read."""
+    lse_t = dummy if lse is None else lse
+    if plan.merge is None:
+        plan.main(*inputs, out, lse_t, dummy, dummy, dummy, scale_log2, *plan.fixed)
+        return
+    ws_m = torch.empty(plan.ws_shape, dtype=torch.float32, device=plan.device)
+    ws_s = torch.empty(plan.ws_shape, dtype=torch.float32, device=plan.device)
+    ws_w = torch.empty(plan.ws_w_shape, dtype=torch.float32, device=plan.device)
+    plan.main(*inputs, out, lse_t, ws_m, ws_s, ws_w, scale_log2, *plan.fixed)
+    merge_lse = lse if lse is not None else (0 if plan.merge._fast is not None else inputs[0])
+    plan.merge(ws_m, ws_s, ws_w, out, merge_lse, *plan.merge_fixed)
+
+
+class DenseForwardRun:
+    """The run of the dense Triton forward plan (:class:`visionattn.kernels.elsa_fwd.TritonForwardPlan`, which
+    sets ``main``, ``merge``, ``fixed``, ``merge_fixed``, ``o_shape``, ``o_stride``, ``o_dtype``, ``device``,
+    ``lse_shape``, ``ws_shape``, ``ws_w_shape``): allocate the output (and LSE), launch. Returns ``(out, lse)``."""
+
+    __slots__ = ()
+
+    def __call__(self, q, k, v, bias, attn_mask, scale):
+        dev = self.device
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=dev)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
+        # unused pointers (no bias / mask / LSE / workspace) are never read: a null pointer on the direct path,
+        # a tensor on the first (JIT) call, whose pointer types the compiled kernel keeps
+        dummy = 0 if self.main._fast is not None else q
+        b_t = dummy if bias is None else bias
+        m_t = dummy if attn_mask is None else attn_mask
+        launch_partitions(self, (q, k, v, b_t, m_t), out, lse, dummy, scale * LOG2E)
+        return out, lse
+
+
+class VarlenForwardRun:
+    """The run of the ragged forward plan (:class:`visionattn.kernels.varlen_fwd.VarlenPlan`, which sets
+    ``main``, ``merge``, ``fixed``, ``merge_fixed``, ``o_shape``, ``o_dtype``, ``device``, ``with_lse``,
+    ``ws_shape``, ``ws_w_shape``). Returns ``(out [total_q, H, Dv], lse [H, total_q] or None)``."""
+
+    __slots__ = ()
+
+    def __call__(self, q, k, v, cu_q, cu_k, scale, row_offsets=None):
+        dev = self.device
+        out = torch.empty(self.o_shape, dtype=self.o_dtype, device=dev)
+        lse = None
+        if self.with_lse:
+            lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=dev)
+        dummy = 0 if self.main._fast is not None else q  # unused pointers: null on the direct path
+        launch_partitions(self, (q, k, v, cu_q, cu_k, dummy if row_offsets is None else row_offsets), out, lse,
+                          dummy, scale * LOG2E)
+        return out, lse
+
+
+class GluonForwardPlan:
+    """A Gluon forward kernel's :class:`PlannedLaunch` for one call signature, with its output (heads-inner
+    [B, H, Nq, Dv] of ``out_dtype``) and, with ``with_lse``, its float32 [B, H, Nq] LSE. Returns ``(out, lse)``."""
+
+    __slots__ = ("launch", "o_shape", "o_stride", "o_dtype", "device", "lse_shape")
+
+    def __init__(self, launch, q, v, out_dtype, with_lse=False):
+        from ._host import heads_inner_layout
+
+        B, H, Nq = q.shape[:3]
+        Dv = v.shape[3]
+        self.launch, self.device, self.o_dtype = launch, q.device, out_dtype
+        self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
+        self.lse_shape = (B, H, Nq) if with_lse else None
+
+    def __call__(self, q, k, v, bias, attn_mask, scale):
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
+        if self.lse_shape is None:
+            self.launch(q, k, v, scale, out)
+            return out, None
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        self.launch(q, k, v, scale, out, lse)
+        return out, lse
+
+
+class EmptyForwardPlan:
+    """Nothing to compute: no rows, no value columns, or no keys (then W = 0: zero output, LSE -inf)."""
+
+    __slots__ = ("o_shape", "o_stride", "o_dtype", "device", "lse_shape", "zero")
+
+    def __init__(self, q, k, v, out_dtype, with_lse):
+        from ._host import heads_inner_layout
+
+        B, H, Nq = q.shape[:3]
+        Dv = v.shape[3]
+        self.device, self.o_dtype = q.device, out_dtype
+        self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
+        self.lse_shape = (B, H, Nq) if with_lse else None
+        self.zero = k.shape[2] == 0
+
+    def __call__(self, q, k, v, bias, attn_mask, scale):
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
+        if self.zero:
+            out.zero_()
+        lse = None if self.lse_shape is None else torch.full(self.lse_shape, float("-inf"), device=self.device)
+        return out, lse
+
+
+def _rebased(template, base: torch.Tensor):
+    # a copy of descriptor ``template`` on another tensor of the same shape, strides and alignment class:
+    # the dataclass's validation ran once, on the template
+    d = object.__new__(type(template))
+    d.__dict__.update(template.__dict__)
+    d.base = base
+    return d
+
+
+class PlannedLaunch:
+    """A Gluon forward kernel's launch for one call signature: ``launch(q, k, v, scale, out, lse=None)`` calls
+    ``call(q', k', v', out, lse or out, *fixed, scale * log2(e))``, where q', k', v' are the tensors themselves
+    or, with ``templates`` (host-side TMA descriptors of the first call's shapes, strides and blocks, their
+    ``base`` cleared so that a cached plan keeps no tensor alive), descriptors copied onto them. After the
+    first call a descriptor launch goes through :meth:`KernelCall.with_descriptors` where the Triton release
+    allows it. Without an LSE the kernel never reads that pointer: the output's stands in."""
+
+    __slots__ = ("call", "fixed", "templates", "_direct", "_tried")
+
+    def __init__(self, call: KernelCall, fixed: tuple, templates=None):
+        self.call, self.fixed, self.templates = call, fixed, templates
+        self._direct, self._tried = None, False
+
+    def __call__(self, q, k, v, scale, out, lse=None):
+        lse_t = out if lse is None else lse
+        direct = self._direct
+        if direct is not None:
+            direct(q, k, v, out, lse_t, *self.fixed, scale * LOG2E)
+            return
+        if self.templates is None:
+            self.call(q, k, v, out, lse_t, *self.fixed, scale * LOG2E)
+            return
+        tq, tk, tv = self.templates
+        self.call(_rebased(tq, q), _rebased(tk, k), _rebased(tv, v), out, lse_t, *self.fixed, scale * LOG2E)
+        if not self._tried and self.call.slow_reason is None:
+            self._tried = True
+            self._direct = self.call.with_descriptors(self.templates)
+
+    def descriptors_direct(self) -> bool:
+        """Whether calls take :meth:`KernelCall.with_descriptors`'s launch (tests read it)."""
+        return self._direct is not None
+
+
+class WindowForwardRun:
+    """The run of a window forward plan (:class:`visionattn.kernels.window_fwd.WindowPlan`, which sets ``call``,
+    ``fixed``, ``o_shape``, ``o_stride``, ``o_dtype``, ``device``, ``lse_shape``): the output [B*nW, H, N, Dv],
+    or ``(out, lse)`` for a plan built with an LSE (float32 [B*nW, H, N])."""
+
+    __slots__ = ()
+
+    def __call__(self, q, k, v, bias, mask, logit_scale, scale):
+        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
+        dummy = 0 if self.call._fast is not None else q  # unused pointers: null on the direct path
+        if self.lse_shape is None:
+            self.call(q, k, v, out, dummy if bias is None else bias, dummy if mask is None else mask,
+                      dummy if logit_scale is None else logit_scale, dummy, *self.fixed, scale)
+            return out
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        self.call(q, k, v, out, dummy if bias is None else bias, dummy if mask is None else mask,
+                  dummy if logit_scale is None else logit_scale, lse, *self.fixed, scale)
+        return out, lse

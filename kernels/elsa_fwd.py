@@ -66,7 +66,7 @@ import triton.language as tl
 
 from . import half_gluon, ieee_gluon
 from ._host import OUT_DTYPES, cdiv, head_blocks, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
-from ._launch import KernelCall, PlanCache, interpreting
+from ._launch import DenseForwardRun, EmptyForwardPlan, GluonForwardPlan, KernelCall, PlanCache, interpreting
 from .modes import MODES
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
@@ -75,7 +75,6 @@ __all__ = [
     "choose_num_splits", "kv_group", "DENSE_MODES", "MAX_HEAD_DIM", "SHORT_KV", "PLANS",
 ]
 
-LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
 
 # modes this module's kernels serve (the facts about each live in .modes.MODES)
@@ -606,10 +605,10 @@ def _smaller_configs(cfg: TileConfig) -> list[TileConfig]:
     return out
 
 
-class _TritonPlan:
+class _TritonPlan(DenseForwardRun):
     """The Triton forward (plus the split-KV merge when ``P`` > 1) for one call signature: grid,
-    constexprs and every integer argument fixed; a call allocates the output (and LSE / workspace) and
-    launches."""
+    constexprs and every integer argument fixed; a call (:class:`._launch.DenseForwardRun`) allocates the
+    output (and LSE / workspace) and launches."""
 
     __slots__ = ("main", "merge", "fixed", "merge_fixed", "o_shape", "o_stride", "o_dtype", "device",
                  "lse_shape", "ws_shape", "ws_w_shape", "config")
@@ -648,80 +647,6 @@ class _TritonPlan:
                                     dict(num_warps=4))
             self.merge_fixed = (*self.o_stride, B, H, Nq, Dv, P)
 
-    def __call__(self, q, k, v, bias, attn_mask, scale):
-        dev = self.device
-        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=dev)
-        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=dev)
-        # unused pointers (no bias / mask / LSE / workspace) are never read: a null pointer on the direct path,
-        # a tensor on the first (JIT) call, whose pointer types the compiled kernel keeps
-        dummy = 0 if self.main._fast is not None else q
-        b_t = dummy if bias is None else bias
-        m_t = dummy if attn_mask is None else attn_mask
-        launch_partitions(self, (q, k, v, b_t, m_t), out, lse, dummy, scale * LOG2E)
-        return out, lse
-
-
-def launch_partitions(plan, inputs: tuple, out: torch.Tensor, lse: torch.Tensor | None, dummy,
-                      scale_log2: float) -> None:
-    """The launches of a forward plan (:class:`_TritonPlan`, the ragged batch's): ``plan.main`` over ``inputs``
-    (its leading tensor arguments, q first) writing ``out`` / ``lse`` directly, or with split-KV (``plan.merge``
-    set) writing FP32 partials into a fresh workspace that ``plan.merge`` folds into ``out`` / ``lse``.
-    ``dummy`` stands for the pointers a launch does not read."""
-    lse_t = dummy if lse is None else lse
-    if plan.merge is None:
-        plan.main(*inputs, out, lse_t, dummy, dummy, dummy, scale_log2, *plan.fixed)
-        return
-    ws_m = torch.empty(plan.ws_shape, dtype=torch.float32, device=plan.device)
-    ws_s = torch.empty(plan.ws_shape, dtype=torch.float32, device=plan.device)
-    ws_w = torch.empty(plan.ws_w_shape, dtype=torch.float32, device=plan.device)
-    plan.main(*inputs, out, lse_t, ws_m, ws_s, ws_w, scale_log2, *plan.fixed)
-    merge_lse = lse if lse is not None else (0 if plan.merge._fast is not None else inputs[0])
-    plan.merge(ws_m, ws_s, ws_w, out, merge_lse, *plan.merge_fixed)
-
-
-class _GluonPlan:
-    """A Gluon kernel (:mod:`.ieee_gluon` / :mod:`.half_gluon`) for one call signature (the half kernel also
-    writes the LSE when the plan wants it)."""
-
-    __slots__ = ("launch", "o_shape", "o_stride", "o_dtype", "device", "lse_shape")
-
-    def __init__(self, launch, q, v, out_dtype, with_lse=False):
-        B, H, Nq = q.shape[:3]
-        Dv = v.shape[3]
-        self.launch, self.device, self.o_dtype = launch, q.device, out_dtype
-        self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
-        self.lse_shape = (B, H, Nq) if with_lse else None
-
-    def __call__(self, q, k, v, bias, attn_mask, scale):
-        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
-        if self.lse_shape is None:
-            self.launch(q, k, v, scale, out)
-            return out, None
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        self.launch(q, k, v, scale, out, lse)
-        return out, lse
-
-
-class _EmptyPlan:
-    """Nothing to compute: no rows, no value columns, or no keys (then W = 0: zero output, LSE -inf)."""
-
-    __slots__ = ("o_shape", "o_stride", "o_dtype", "device", "lse_shape", "zero")
-
-    def __init__(self, q, k, v, out_dtype, with_lse):
-        B, H, Nq = q.shape[:3]
-        Dv = v.shape[3]
-        self.device, self.o_dtype = q.device, out_dtype
-        self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)
-        self.lse_shape = (B, H, Nq) if with_lse else None
-        self.zero = k.shape[2] == 0
-
-    def __call__(self, q, k, v, bias, attn_mask, scale):
-        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
-        if self.zero:
-            out.zero_()
-        lse = None if self.lse_shape is None else torch.full(self.lse_shape, float("-inf"), device=self.device)
-        return out, lse
-
 
 # Gluon kernel ("fp32-ieee" / "half"; "fp32-ieee backward": kernels/ieee_gluon_bwd.py) -> why it could not run in
 # this process (first failure; warned once)
@@ -744,7 +669,7 @@ def _gluon_failed(kernel: str, why: str) -> None:
 
 
 def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype, with_lse=False):
-    """A :class:`_GluonPlan` on ``kernel`` ("fp32-ieee": the FMA kernel of :mod:`.ieee_gluon`, ~2x this
+    """A :class:`._launch.GluonForwardPlan` on ``kernel`` ("fp32-ieee": the FMA kernel of :mod:`.ieee_gluon`, ~2x this
     module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`; both also write the
     LSE when asked), or ``None`` when it does not take the call: lengths it is not preferred at, outside its
     scope, where the split-KV path would run (few query tiles), or after it failed to import or compile once in
@@ -763,7 +688,7 @@ def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_spl
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
         return None
     launch = module.planned_launch(q, k, v, cfg, True) if with_lse else module.planned_launch(q, k, v, cfg)
-    return _GluonPlan(launch, q, v, out_dtype, with_lse)
+    return GluonForwardPlan(launch, q, v, out_dtype, with_lse)
 
 
 def _check_call(q, k, v, mode: str, num_splits: int, out_dtype) -> None:
@@ -785,7 +710,7 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
                   config: TileConfig | None = None, precision: str | None = None):
     """Build the plan of a call signature by running it once: ``(plan, (out, lse))``.
 
-    Order: nothing to compute -> :class:`_EmptyPlan`; a Gluon kernel that takes the call (not with an
+    Order: nothing to compute -> :class:`._launch.EmptyForwardPlan`; a Gluon kernel that takes the call (not with an
     explicit ``config`` / ``precision``; with the LSE wanted only the half kernel, which writes it);
     else the Triton kernel with the table's config, and on out-of-shared-memory (bias / mask tiles add to
     it) the next smaller of :func:`_smaller_configs`.
@@ -798,7 +723,7 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
     if B * H * Nq == 0 or Dv == 0 or Nk == 0:
-        plan = _EmptyPlan(q, k, v, out_dtype, with_lse)
+        plan = EmptyForwardPlan(q, k, v, out_dtype, with_lse)
         return plan, plan(q, k, v, bias, attn_mask, scale)
     prec = _precision(mode, precision)
     gluon = "fp32-ieee" if prec == "ieee" else "half" if dtype != torch.float32 else None

@@ -55,7 +55,7 @@ import torch
 
 from ._gluon import checked_call, scope_reason
 from ._host import cdiv, heads_inner_layout, pad_pow2, sm_count
-from ._launch import KernelCall
+from ._launch import KernelCall, PlannedLaunch
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -84,7 +84,6 @@ def preferred(n_q: int, n_k: int, head_dim: int) -> bool:
     return head_dim > 64 or not 64 < n_k <= 128
 
 
-_LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -525,15 +524,6 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                         q, k, out_dtype or q.dtype, lambda out: launch(q, k, v, scale, out, cfg))
 
 
-def _rebased(template, base: torch.Tensor):
-    # a copy of descriptor ``template`` on another tensor of the same shape, strides and alignment class:
-    # the dataclass's validation ran once, on the template
-    d = object.__new__(type(template))
-    d.__dict__.update(template.__dict__)
-    d.base = base
-    return d
-
-
 def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict, write_lse: bool = False):
     """The launch of :func:`half_attention`'s kernel for this call signature (shapes, strides, alignment,
     ``cfg``), as a callable ``(q, k, v, scale, out, lse=None) -> None`` for later calls with the same signature,
@@ -553,21 +543,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     # out: the plan's heads-inner buffer; k / v may have fewer heads (grouped-query attention)
     fixed = (*heads_inner_layout(B, H, Nq, D)[1][:3], H, H // k.shape[1], Nq, Nk, n_work)
-    tq, tk, tv = templates
-    direct = []  # after the first (compiling) call: KernelCall.with_descriptors, or None where it is unavailable
-
-    def launch(q, k, v, scale, out, lse=None):
-        # without an LSE the pointer is never read: the output's stands in (one pointer type per variant)
-        if direct and direct[0] is not None:
-            direct[0](q, k, v, out, out if lse is None else lse, *fixed, scale * _LOG2E)
-            return
-        call(_rebased(tq, q), _rebased(tk, k), _rebased(tv, v), out, out if lse is None else lse, *fixed,
-             scale * _LOG2E)
-        if not direct and call.slow_reason is None:
-            direct.append(call.with_descriptors(templates))
-
-    launch.descriptors_direct = lambda: bool(direct and direct[0] is not None)  # tests read it
-    return launch
+    return PlannedLaunch(call, fixed, templates)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from ._gluon import checked_call, scope_reason
 from ._host import cdiv, heads_inner_layout
-from ._launch import KernelCall
+from ._launch import KernelCall, PlannedLaunch
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -43,7 +43,6 @@ __all__ = ["ieee_attention", "launch", "planned_launch", "unsupported_reason", "
            "kernel_constexprs", "HEAD_DIMS"]
 
 HEAD_DIMS = (32, 64, 128)
-_LOG2E = 1.4426950408889634
 
 
 def get_config(n_k: int, head_dim: int = 64) -> dict:
@@ -239,11 +238,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
                       dict(num_warps=cfg["num_warps"]))
     fixed = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o_stride, H, H // k.shape[1], Nq, k.shape[2])
 
-    def launch(q, k, v, scale, out, lse=None):
-        # without an LSE the pointer is never read: the output's stands in
-        call(q, k, v, out, out if lse is None else lse, *fixed, scale * _LOG2E)
-
-    return launch
+    return PlannedLaunch(call, fixed)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:

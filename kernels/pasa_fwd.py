@@ -44,7 +44,8 @@ import triton.language as tl
 
 from ._host import OUT_DTYPES, allocate_output, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits
 from ._launch import KernelCall, PlanCache, interpreting
-from .elsa_fwd import LOG2E, load_kv_tile
+from ._launch import LOG2E
+from .elsa_fwd import load_kv_tile
 from .pasa_math import optimal_beta, shift_coefficients
 from .split16 import SPLIT_EXP, exponent, pow2
 

@@ -39,10 +39,10 @@ import triton
 import triton.language as tl
 
 from ._host import OUT_DTYPES, cdiv, head_blocks, pad_pow2, run_first_that_fits
-from ._launch import KernelCall, PlanCache, interpreting
-from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, LOG2E, MAX_HEAD_DIM, TileConfig, _elsa_merge_kernel, _fold_tile,
+from ._launch import LOG2E, KernelCall, PlanCache, VarlenForwardRun, interpreting
+from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, MAX_HEAD_DIM, TileConfig, _elsa_merge_kernel, _fold_tile,
                        _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
-                       launch_partitions, load_query_tile, partition_tiles, program_tile, store_partial)
+                       load_query_tile, partition_tiles, program_tile, store_partial)
 from .modes import MODES
 from .split16 import SPLIT_EXP
 
@@ -138,7 +138,7 @@ def _varlen_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
-class _VarlenPlan:
+class _VarlenPlan(VarlenForwardRun):
     """The varlen kernel for one call signature (grid, constexprs, strides fixed), with the split-KV merge
     when it partitions the keys; a call allocates the output (and LSE / workspace) and launches."""
 
@@ -176,17 +176,6 @@ class _VarlenPlan:
                                     dict(BLOCK_M=merge_m, BLOCK_DV=block_dv, WRITE_LSE=bool(with_lse)),
                                     dict(num_warps=4))
             self.merge_fixed = (0, Dv, H * Dv, 1, 1, H, total_q, Dv, P)
-
-    def __call__(self, q, k, v, cu_q, cu_k, scale, row_offsets=None):
-        dev = self.device
-        out = torch.empty(self.o_shape, dtype=self.o_dtype, device=dev)
-        lse = None
-        if self.with_lse:
-            lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=dev)
-        dummy = 0 if self.main._fast is not None else q  # unused pointers: null on the direct path
-        launch_partitions(self, (q, k, v, cu_q, cu_k, dummy if row_offsets is None else row_offsets), out, lse,
-                          dummy, scale * LOG2E)
-        return out, lse
 
 
 # call signature -> plan; PLANS.hits / PLANS.builds count reuses and builds

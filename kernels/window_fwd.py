@@ -59,14 +59,13 @@ import triton
 import triton.language as tl
 
 from ._host import cdiv, head_blocks, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
-from ._launch import KernelCall, PlanCache, interpreting
+from ._launch import KernelCall, PlanCache, WindowForwardRun, interpreting
 from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
 __all__ = ["window_attention_fwd", "window_forward", "window_forward_planned", "plan_for", "get_config", "SMALL_MAX_N",
            "PRECISIONS", "PLANS"]
 
-LOG2E = 1.4426950408889634
 SMALL_MAX_N = 128  # windows up to this many tokens run fully in registers
 _COMPUTE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # name -> (compute dtype, input_precision for fp32 dots, half_scores, pasa_shift), from the one mode table
@@ -458,7 +457,7 @@ def mode_constexprs(mode: str, precision: str | None, has_bias: bool, has_mask: 
                 DOT_UPCAST=compute == torch.bfloat16 and interpreting())  # False on the GPU
 
 
-class _WindowPlan:
+class _WindowPlan(WindowForwardRun):
     """The small or tiled window kernel for one call signature: grid, constexprs and strides fixed.
 
     Calling it returns the output [B*nW, H, N, Dv] or, for a plan built ``with_lse``, ``(out, lse)`` with
@@ -499,18 +498,6 @@ class _WindowPlan:
             self.fixed = (*strides, H, n_slot, N, D, DV)
         else:
             raise ValueError(f"config kernel={cfg['kernel']!r}; expected 'small' or 'tiled'")
-
-    def __call__(self, q, k, v, bias, mask, logit_scale, scale):
-        out = torch.empty_strided(self.o_shape, self.o_stride, dtype=self.o_dtype, device=self.device)
-        dummy = 0 if self.call._fast is not None else q  # unused pointers: null on the direct path
-        if self.lse_shape is None:
-            self.call(q, k, v, out, dummy if bias is None else bias, dummy if mask is None else mask,
-                      dummy if logit_scale is None else logit_scale, dummy, *self.fixed, scale)
-            return out
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
-        self.call(q, k, v, out, dummy if bias is None else bias, dummy if mask is None else mask,
-                  dummy if logit_scale is None else logit_scale, lse, *self.fixed, scale)
-        return out, lse
 
 
 def _plan_and_run(q, k, v, bias, mask, logit_scale, n_slot_mask: int, cosine: bool, scale: float, mode: str,

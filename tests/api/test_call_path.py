@@ -1,6 +1,7 @@
 """How many of the package's files a call enters between the public function and the kernel launch (the first
-``KernelCall.__call__``, whose file counts): a repeat call of a signature stays on its family module, the launch
-module and the plan's kernel module; a first call also validates and dispatches (docs/design.md draws the path).
+``KernelCall.__call__``, whose file counts): a repeat call of a signature stays on its family module and the launch
+module, which runs the plan the kernel module built; a first call also validates, dispatches and builds the plan
+(docs/design.md draws the path).
 Runs the kernels in the interpreter on the CPU (``backend="triton"``)."""
 import os
 import sys
@@ -50,13 +51,13 @@ def _calls():
 
 
 @pytest.mark.parametrize("name", ["attention", "window"])
-def test_a_repeat_call_enters_three_files_and_a_first_call_validates(name):
+def test_a_repeat_call_enters_two_files_and_a_first_call_validates(name):
     if not os.environ.get("TRITON_INTERPRET"):
         pytest.skip("counts the interpreter's path on the CPU")
     call = _calls()[name]
     first = _files_entered(call)
     repeat = _files_entered(call)
-    assert len(repeat) <= 3, repeat
-    assert repeat[0] == ("api.py" if name == "attention" else "window.py") and "_launch.py" in repeat
+    assert repeat == ["api.py" if name == "attention" else "window.py", "_launch.py"], repeat
     assert "checks.py" not in repeat and "dispatch.py" not in repeat  # no validation, no dispatch again
     assert "checks.py" in first and "dispatch.py" in first
+    assert ("elsa_fwd.py" if name == "attention" else "window_fwd.py") in first  # the plan is built there

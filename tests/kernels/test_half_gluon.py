@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offline_compile import compile_in_child
-from visionattn.kernels import elsa_fwd, half_gluon, ieee_gluon
+from visionattn.kernels import _launch, elsa_fwd, half_gluon, ieee_gluon
 
 _CHILD = r"""
 import json, torch
@@ -303,7 +303,7 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
         # training calls take the same kernel with the LSE write: the same output, and an LSE as close to the
         # float64 one as the Triton kernel's
         plan, (y_lse, lse) = elsa_fwd.plan_for(q, k, v, None, None, False, scale, mode, 0, None, True)
-        assert isinstance(plan, elsa_fwd._GluonPlan) and torch.equal(y_lse, y)
+        assert isinstance(plan, _launch.GluonForwardPlan) and torch.equal(y_lse, y)
         lse_ref = torch.logsumexp(scale * q[:, :, rows].double() @ k.double().transpose(-1, -2), dim=-1)
         _, (_, triton_lse) = elsa_fwd._plan_and_run(q, k, v, None, None, False, scale, mode, 1, None, True,
                                                     config=get_config(mode, D, D, Nk))
