@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import AUTO_MODE, AttnBlock, Block, CrossAttnBlock, Mlp, checkpointed, randn_scaled
+from .layers import AUTO_MODE, AttnBlock, Block, CrossAttnBlock, Mlp, checkpointed, randn_scaled, trunc_normal_
 
 __all__ = ["CameraHead", "DPTHead", "TrackHead", "Tracker", "UpdateFormer", "activate_pose", "activate_head",
            "inverse_log_transform"]
@@ -339,7 +339,7 @@ class UpdateFormer(nn.Module):
         self.space_virtual_blocks = mk(AttnBlock)
         self.space_point2virtual_blocks = mk(CrossAttnBlock)
         self.space_virtual2point_blocks = mk(CrossAttnBlock)
-        nn.init.trunc_normal_(self.flow_head.weight, std=0.001)
+        trunc_normal_(self.flow_head.weight, std=0.001)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.input_transform(self.input_norm(x))

@@ -37,6 +37,12 @@ def normal_(t: torch.Tensor, std: float) -> torch.Tensor:
     return t if t.is_meta else nn.init.normal_(t, std=std)
 
 
+def trunc_normal_(t: torch.Tensor, std: float) -> torch.Tensor:
+    """``nn.init.trunc_normal_(t, std=std)``, skipped on the meta device as :func:`normal_` (its Python meta kernels
+    of ``erfinv_`` / ``mul_`` / ``clamp_`` import ``torch._dynamo`` on some PyTorch releases, 2.11 among them)."""
+    return t if t.is_meta else nn.init.trunc_normal_(t, std=std)
+
+
 def randn_scaled(*shape: int, scale: float = 1.0) -> torch.Tensor:
     """``torch.randn(shape) * scale`` on the current default device; on the meta device an empty tensor (as
     :func:`normal_`: no meta arithmetic)."""
@@ -430,7 +436,7 @@ class DinoV2(nn.Module):
         self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, init_values, qk_norm=False,
                                           norm_eps=1e-6, attn_mode=attn_mode) for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        trunc_normal_(self.pos_embed, std=0.02)
         normal_(self.cls_token, std=1e-6)
         normal_(self.register_tokens, std=1e-6)
 
