@@ -382,7 +382,7 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv
 
     The partials hold normalised outputs ``O_p = W_p / S_p`` (:func:`store_partial`), so the fold carries the
     normalised ``O`` too: with weights ``a = 2^(m - m') S`` and ``b = 2^(m_p - m') S_p``,
-    ``O <- (a O + b O_p) / (a + b)``, every step bounded by the largest |V|.
+    ``O <- O (1 - t) + O_p t`` with ``t = b / (a + b)``, every step bounded by the largest |V|.
     1-D grid cdiv(Nq, BLOCK_M) * H * B. Partials of a partition that saw no visible key are
     the identity (-inf, 0, 0) and drop out.
     """
@@ -412,8 +412,13 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv
         a = tl.math.exp2(m - m_safe) * s
         b = tl.math.exp2(m_p - m_safe) * s_p
         s = a + b
-        inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)
-        w = w * (a * inv)[:, None] + w_p * (b * inv)[:, None]
+        # O <- O (1 - t) + O_p t, t = b / (a + b), exactly 0 for a partial that adds nothing (b = 0: a causal
+        # row's keys all in other partitions) and 1 for the first (a = 0), so such steps leave O as it is;
+        # O (a / s) + O_p (b / s) rounded O by about an ulp at every partition, P ulps in all. Weights, not
+        # O_p - O: that difference can pass FP32's range when V is near it
+        inv = 1.0 / tl.where(s > 0.0, s, 1.0)
+        t = tl.where(a > 0.0, b * inv, tl.where(b > 0.0, 1.0, 0.0))
+        w = w * (1.0 - t)[:, None] + w_p * t[:, None]
         m = m_new
     out = w
     if WRITE_LSE:
