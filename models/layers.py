@@ -254,9 +254,14 @@ class Attention(nn.Module):
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # q, then k, is normed, rotated and cast to the autocast dtype, one at a time: CUDA autocast runs the
+        # qk-norm, and so the rotation, in FP32, and holding both FP32 q and k through the rotations and the
+        # attention sets the peak of π³'s decoder blocks. The cast is the one attend() makes, so the values are
+        # the same. With a merge plan the cast stays in attend(), after the merge's FP32 averages.
+        dev = x.device.type
+        dt = torch.get_autocast_dtype(dev) if plan is None and torch.is_autocast_enabled(dev) else None
+        q = self._norm_rope(q, self.q_norm, rope, dt)
+        k = self._norm_rope(k, self.k_norm, rope, dt)
         if plan is not None:
             q, k, v = plan.merge(q), plan.merge(k), plan.merge(v)
         o = attend(q, k, v, self.visionattn_mode, self.attend_fn)
@@ -265,6 +270,14 @@ class Attention(nn.Module):
         if plan is not None:
             o = plan.unmerge(o)
         return o
+
+    @staticmethod
+    def _norm_rope(t: torch.Tensor, norm: nn.Module, rope: RopeTables | None, dt: torch.dtype | None) -> torch.Tensor:
+        """``norm`` then the rotation of q or k [B, H, N, D], cast to ``dt`` (None: left as it is)."""
+        t = norm(t)
+        if rope is not None:
+            t = apply_rope(t, rope)
+        return t if dt is None else t.to(dt)
 
 
 class Block(nn.Module):

@@ -59,3 +59,63 @@ def test_full_size_estimate_structure(cls, values):
         estimate_memory(model, 10, 390, 518)
     with pytest.raises(ValueError, match="mode"):
         estimate_memory(model, 10, 392, 518, "fp8")
+
+
+
+def _layer_norm_in_fp32(monkeypatch):
+    """LayerNorm as CUDA autocast runs it (on its FP32 list: FP32 output for half inputs); CPU autocast keeps the
+    input's dtype."""
+    import torch.nn.functional as F
+
+    real = F.layer_norm
+
+    def layer_norm(x, shape, weight=None, bias=None, eps=1e-5):
+        if not torch.is_autocast_enabled("cpu"):
+            return real(x, shape, weight, bias, eps)
+        with torch.autocast("cpu", enabled=False):
+            return real(x.float(), shape, *(None if t is None else t.float() for t in (weight, bias)), eps)
+
+    monkeypatch.setattr(F, "layer_norm", layer_norm)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-cuda-norm"])
+def test_decoder_attention_holds_one_rotation_at_a_time(monkeypatch, mode):
+    """A π³ decoder block's attention (qk-norm + 2-D RoPE, global layout) normalises, rotates and (under bf16
+    autocast) casts q, then k: when the attention runs, only qkv and q, k in the attention dtype are alive (no
+    FP32 copy of them under autocast, whose qk-norm gives FP32 on CUDA), and the forward's peak is one rotation
+    of k, measured alone, on top of qkv and q."""
+    from visionattn.models import layers
+    from visionattn.models.pi3_layers import RopeGrid, decoder_block
+
+    if mode == "bf16-cuda-norm":
+        _layer_norm_in_fp32(monkeypatch)
+    torch.manual_seed(0)
+    frames, h, w, special, C, heads = 3, 4, 5, 5, 128, 4
+    attn = decoder_block(C, heads, 2.0, 0.01, True, None).attn
+    rope = RopeGrid(frames, h, w, special, 100.0, torch.float32, "cpu").global_(C // heads)
+    B, N = 1, frames * (special + h * w)
+    x = torch.randn(B, N, C)
+    half = mode != "fp32"
+    size = 2 if half else 4  # bytes per element of qkv and of q, k at the attention
+    elems = B * N * C
+    seen = []
+    real_attend = layers.attend
+
+    def attend(q, k, v, attn_mode, fn=None):
+        seen.append((meter.current, q.dtype, k.dtype))
+        return real_attend(q, k, v, attn_mode, fn)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+        ref = attn(x, rope)  # also fills autocast's cache of half weight copies, kept to the region's end
+        qkv = attn.qkv(x).reshape(B, N, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
+        with LiveBytes() as alone:  # the plain computation: one rotation of k (its norm, temporaries, result)
+            layers.apply_rope(attn.k_norm(qkv[1]), rope)
+        del qkv
+        monkeypatch.setattr(layers, "attend", attend)
+        with LiveBytes() as meter:
+            out = attn(x, rope)
+    assert torch.equal(out, ref)
+    (at_attend, q_dtype, k_dtype), = seen
+    assert q_dtype == k_dtype == (torch.bfloat16 if half else torch.float32)
+    assert at_attend == 3 * elems * size + 2 * elems * size, (at_attend, elems)
+    assert meter.peak <= 3 * elems * size + elems * size + alone.peak, (meter.peak, alone.peak, elems)
