@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offline_compile import compile_in_child
-from visionattn.kernels import _launch, elsa_fwd, half_gluon, ieee_gluon
+from visionattn.kernels import elsa_fwd, half_gluon, ieee_gluon
 
 _CHILD = r"""
 import json, torch
@@ -280,6 +280,7 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
     persistent grid: barrier phases carried from tile to tile), and ``elsa_attention`` returns exactly this
     kernel's output where it dispatches to it, as does a call that wants the log-sum-exp, whose LSE is as accurate
     as the Triton kernel's."""
+    from visionattn.kernels._launch import GluonForwardPlan
     from visionattn.kernels.elsa_fwd import _launch, elsa_attention, get_config
     from visionattn.metrics import rel_l2
     from visionattn.reference import oracle_attention
@@ -303,7 +304,7 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
         # training calls take the same kernel with the LSE write: the same output, and an LSE as close to the
         # float64 one as the Triton kernel's
         plan, (y_lse, lse) = elsa_fwd.plan_for(q, k, v, None, None, False, scale, mode, 0, None, True)
-        assert isinstance(plan, _launch.GluonForwardPlan) and torch.equal(y_lse, y)
+        assert isinstance(plan, GluonForwardPlan) and torch.equal(y_lse, y)
         lse_ref = torch.logsumexp(scale * q[:, :, rows].double() @ k.double().transpose(-1, -2), dim=-1)
         _, (_, triton_lse) = elsa_fwd._plan_and_run(q, k, v, None, None, False, scale, mode, 1, None, True,
                                                     config=get_config(mode, D, D, Nk))

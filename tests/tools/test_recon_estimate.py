@@ -91,14 +91,16 @@ def test_fastvggt_merging_cuts_the_global_attention():
 
 
 def test_modes_and_devices_take_their_table_rates(monkeypatch):
-    """The estimate divides by THROUGHPUT: the network's FLOPs by the device's dense rate, attention's by the mode's
-    (halving one rate doubles that part)."""
+    """The estimate divides by THROUGHPUT: the network's FLOPs by the device's dense rate (on a GPU the half modes'
+    autocast rate), attention's by the mode's (halving one rate doubles that part)."""
     f = pipeline.forward_flops("vggt", 50, 392, 518)
     for kind, device in (("cpu", "cpu"), ("cuda", "cuda")):
         rate = pipeline.THROUGHPUT[kind]
         for mode in pipeline.ATTN_MODES:
             est = pipeline.estimate_seconds("vggt", 50, 392, 518, device, mode)
-            expected = (f["dense"] / rate["dense"] + f["attention"] / rate[mode]) / pipeline._cuda_scale(device)
+            half = kind == "cuda" and mode in ("fp16", "bf16", "pasa")
+            dense = rate["dense-half" if half else "dense"]
+            expected = (f["dense"] / dense + f["attention"] / rate[mode]) / pipeline._cuda_scale(device)
             assert est == pytest.approx(expected, rel=1e-12)
     assert pipeline.estimate_seconds("vggt", 50, 392, 518, "cpu", "sdpa") < pipeline.estimate_seconds(
         "vggt", 50, 392, 518, "cpu", "pasa")

@@ -882,10 +882,9 @@ def forward_flops(model: str, frames: int, height: int, width: int, config: dict
 
 
 # Sustained FLOP/s of the demo's forward, per device kind and precision: "dense" is the network's linear layers and
-# convolutions at the FP32 rate; the attention modes are attention's q k^T and p v products in that mode. The one
-# table the estimate divides by. On a GPU the half modes run the dense products under autocast in their half dtype
-# (demo_autocast_dtype), for which this table has no measured rate yet: their estimate counts them at the FP32 rate
-# and reads high.
+# convolutions at the FP32 rate, "dense-half" the same under the half modes' autocast on a GPU
+# (demo_autocast_dtype); the attention modes are attention's q k^T and p v products in that mode. The one table the
+# estimate divides by.
 #
 # cpu: measured. On a 2-core x86 CPU (PyTorch's default 2 threads), forwards of VGGT's tiny configuration, of a
 #   mid-size one (width 256 with 64-wide heads as VGGT-1B's, 4 + 4 blocks, DPT width 64) and of a wide one (width
@@ -906,15 +905,20 @@ def forward_flops(model: str, frames: int, height: int, width: int, config: dict
 #   runs of VGGT-1B at 392x518 within 10 % (docs/benchmarks/vggt100_h100.md, vggt_h100.md, vggt_long_h100.md: fp32
 #   16.2 s at 100 frames, 54.9 s at 200 and 256 s at 500; tf32 30.7 s and SDPA-FP32 147.5 s at 200). Other GPUs:
 #   scaled by their SM count against 132, and by 0.35 before Hopper (an A100's published peaks are about a third of
-#   an H100's).
+#   an H100's). dense-half: the demo's bf16 forwards of VGGT-1B on an H200 at 392x518 (inference 5.35 s at 100
+#   frames with a warm kernel cache, 30.15 s at 300, docs/benchmarks/demo_video_h200.md) solved for the two rates
+#   give attention 453 TFLOP/s (the table's 425 within 7 %) and the network 79 TFLOP/s, 0.08 of the FP16 tensor
+#   cores' peak (its layer norms, GELUs and FP32 heads are memory-bound); the first forward of a process at 100
+#   frames took 6.54 s, 1.2x.
 THROUGHPUT = {
     "cpu": {k: v / 1.8 for k, v in {"dense": 160e9, "fp32": 44e9, "fp32-ieee": 16e9, "tf32": 12e9, "fp16": 15e9,
                                     "bf16": 14e9, "pasa": 6e9, "sdpa": 150e9}.items()},
-    "cuda": {"dense": 67e12 * 0.6, "fp32": 989e12 * 0.11, "fp32-ieee": 67e12 * 0.5, "tf32": 989e12 * 0.23,
+    "cuda": {"dense": 67e12 * 0.6, "dense-half": 989e12 * 0.08, "fp32": 989e12 * 0.11, "fp32-ieee": 67e12 * 0.5, "tf32": 989e12 * 0.23,
              "fp16": 989e12 * 0.43, "bf16": 989e12 * 0.43, "pasa": 989e12 * 0.43, "sdpa": 67e12 * 0.5},
 }
-"""FLOP/s by device kind (``"cpu"``, ``"cuda"``) and by ``"dense"`` (the FP32 network) or attention mode
-(:data:`ATTN_MODES`); how each was obtained is said beside it in the source."""
+"""FLOP/s by device kind (``"cpu"``, ``"cuda"``) and by ``"dense"`` (the FP32 network), ``"dense-half"`` (the network
+under a half mode's autocast, CUDA only) or attention mode (:data:`ATTN_MODES`); how each was obtained is said
+beside it in the source."""
 
 
 def _cuda_scale(device) -> float:
@@ -930,8 +934,8 @@ def estimate_seconds(model: str, frames: int, height: int, width: int, device="c
     """Seconds one inference forward of the demo's network will take: a rough order of magnitude, not a timing.
 
     :func:`forward_flops` divided by the sustained throughput of :data:`THROUGHPUT` (the network's products at the
-    FP32 rate, attention at its ``mode``'s rate; on a GPU the half modes run the network's products in half
-    precision, so their estimate reads high). The constants are of one 2-core x86 CPU and of an H100 / H200;
+    FP32 rate, or on a GPU in a half mode at the rate of its autocast, attention at its ``mode``'s rate). The
+    constants are of one 2-core x86 CPU and of an H100 / H200;
     another machine may be several times faster or slower (the CPU rates are those of the released models; smaller
     configurations can run up to about 2x faster or slower than estimated), and forwards of well under a second
     are mostly overheads the estimate leaves out. Not counted: model build, Triton compilation (the first forward
@@ -959,7 +963,8 @@ def estimate_seconds(model: str, frames: int, height: int, width: int, device="c
     flops = forward_flops(model, frames, height, width, config)
     rate = THROUGHPUT[kind]
     scale = _cuda_scale(device) if kind == "cuda" else 1.0
-    return (flops["dense"] / rate["dense"] + flops["attention"] / rate[mode]) / scale
+    dense = "dense-half" if kind == "cuda" and demo_autocast_dtype(mode, device) is not None else "dense"
+    return (flops["dense"] / rate[dense] + flops["attention"] / rate[mode]) / scale
 
 
 def format_seconds(seconds: float) -> str:
