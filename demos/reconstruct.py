@@ -18,11 +18,15 @@ nothing written.
 """
 from __future__ import annotations
 
-import argparse
-import os
-import shlex
-import sys
-import warnings
+import time
+
+STARTED = time.perf_counter()  # run as a script, the summary's setup and total count from here: the imports too
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_IMAGE_DIR = os.path.join(REPO, "demos", "data", "aloe")
@@ -203,8 +207,9 @@ def _gib(n: int) -> str:
     return f"{n / 2 ** 30:.2f} GiB"
 
 
-def main(argv=None) -> dict:
-    """Run the demo; returns the summary dict (with ``exit_code``). Never calls sys.exit itself."""
+def main(argv=None, started: float | None = None) -> dict:
+    """Run the demo; returns the summary dict (with ``exit_code``). Never calls sys.exit itself. ``started``: a
+    ``time.perf_counter()`` reading from which the summary's setup and total count (None: the call itself)."""
     from visionattn.recon.outdir import handle_sigterm, stop_status
     from visionattn.recon.pipeline import USER_ERRORS, reconstruct
 
@@ -237,7 +242,7 @@ def main(argv=None) -> dict:
                 compile_ahead=not args.no_compile_ahead, max_points=args.max_points, colmap_text=args.colmap_text,
                 ba=args.ba, ba_query_frames=args.ba_query_frames, ba_points=args.ba_points,
                 ba_max_error=args.ba_max_error, intrinsics_file=args.intrinsics, poses_file=args.poses,
-                heads=args.heads, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
+                heads=args.heads, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr), started=started)
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return {"exit_code": 2, "error": str(exc)}
@@ -275,7 +280,7 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main()["exit_code"])
+        sys.exit(main(started=STARTED)["exit_code"])
     except KeyboardInterrupt:  # Ctrl-C before main's own handler is in place (imports): no traceback
         print("interrupted (Ctrl-C)", file=sys.stderr)
         sys.exit(130)

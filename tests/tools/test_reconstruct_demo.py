@@ -157,6 +157,22 @@ def test_summary_stages_add_up_to_the_wall_time(tmp_path):
     assert all(v > 0 for v in outputs.values())
 
 
+def test_the_script_counts_its_imports_in_setup(tmp_path):
+    """Run as a script, the demo's stages count from before its imports (PyTorch's among them): the summary's total
+    is the process's wall time but for the interpreter's start and exit, not the part after the imports."""
+    import time
+
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, os.path.join(REPO, "demos", "reconstruct.py"), os.path.join(MULTIVIEW, "aloe"),
+                          "--out", str(tmp_path / "o"), "--weights", "random-tiny", "--device", "cpu", "--size", "140",
+                          "--quiet", "--no-preview"], capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - t0
+    assert run.returncode == 0, run.stderr[-2000:]
+    sec = json.load(open(tmp_path / "o" / "summary.json"))["seconds"]
+    assert sec["setup"] > 0.25  # the imports: without them, argument and folder checks take milliseconds
+    assert 0.6 * wall < sec["total"] < wall
+
+
 @pytest.mark.parametrize("broken", [False, True])
 def test_trimesh_missing_or_broken_fails_before_inference(tmp_path, monkeypatch, broken):
     """trimesh imports beside the decode and the build: one that is not installed fails at once, one that cannot

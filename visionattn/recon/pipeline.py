@@ -592,7 +592,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 max_points: int | None = None, colmap_text: bool = False, ba: bool = False,
                 ba_query_frames: int = 8, ba_points: int = 512, ba_max_error: float = 8.0,
                 intrinsics_file: str | None = None, poses_file: str | None = None, heads: str | None = None,
-                warn=None) -> dict:
+                warn=None, started: float | None = None) -> dict:
     """The whole demo: folder of images or video -> ``out_dir`` with points, cameras, depth, preview.
 
     Outputs are described in :mod:`visionattn.recon.export`; they are written to
@@ -632,6 +632,9 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         warn: called with each warning the user should see even when ``log`` is silenced (one line): a forward
             estimated to take over :data:`SLOW_CPU_SECONDS` on a CPU (:func:`slow_cpu_warning`). None:
             :func:`warnings.warn` (``RuntimeWarning``).
+        started: a ``time.perf_counter()`` reading from which the summary's ``setup`` and ``total`` count (the
+            demo script passes the one it takes before its imports, so that the stages add up to the process's
+            wall time but for the interpreter's start and exit); None: this call.
 
     Returns:
         summary dict: frames, tokens, points kept, ``inference_seconds`` (one forward, measured) and ``estimate_s``
@@ -650,7 +653,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
             user errors (no output written).
         ValueError: bad arguments (also ``ba`` with π³ / Pi3X, camera files with another model than Pi3X).
     """
-    t_start = time.perf_counter()
+    t_start = time.perf_counter() if started is None else started
     weights = default_weights(model) if weights is None else weights
     if (intrinsics_file is not None or poses_file is not None) and model != "pi3x":
         raise ValueError(f"known intrinsics / poses condition Pi3X only (model='pi3x'), not model={model!r}")
@@ -690,7 +693,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 max_points=max_points, colmap_text=colmap_text, ba=ba, ba_query_frames=ba_query_frames,
                 ba_points=ba_points, ba_max_error=ba_max_error, heads=heads, warn=warn, trimesh_ready=trimesh_ready)
     stages = Stages()
-    stages.add("setup", time.perf_counter() - t_start)  # argument checks, imports, output folder checks
+    stages.add("setup", time.perf_counter() - t_start)  # imports (from started), argument and output folder checks
     # the temporary output folder exists from here on: an unwritable --out fails before any decoding; the
     # prediction store (if any) is removed before that folder is renamed into place
     with atomic_output_dir(out_dir, inputs=[source], warn=log) as tmp, contextlib.ExitStack() as stack:
