@@ -173,31 +173,6 @@ def test_the_script_counts_its_imports_in_setup(tmp_path):
     assert 0.6 * wall < sec["total"] < wall
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_trimesh_missing_or_broken_fails_before_inference(tmp_path, monkeypatch, broken):
-    """trimesh imports beside the decode and the build: one that is not installed fails at once, one that cannot
-    load fails before inference; either way with the install line and no output folder."""
-    import importlib.util
-
-    from visionattn.recon import pipeline, points
-    from visionattn.recon.points import MissingDependencyError
-
-    if broken:  # installed, but its import raises (a missing dependency of its own), in the background thread
-        def fail():
-            raise points._trimesh_missing(ImportError("libfoo.so: cannot open shared object file"))
-        monkeypatch.setattr(points, "require_trimesh", fail)
-    else:
-        real = importlib.util.find_spec
-        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trimesh" else real(name, *a))
-    ran = []
-    monkeypatch.setattr(pipeline, "run_model", lambda *a, **k: ran.append(1))
-    out = tmp_path / "o"
-    with pytest.raises(MissingDependencyError, match="pip install"):
-        pipeline.reconstruct(os.path.join(MULTIVIEW, "aloe"), str(out), weights="random-tiny", device="cpu",
-                             size=140, progress=False)
-    assert not ran and not out.exists()
-
-
 def test_preview_png_is_a_real_picture(recon):
     _, out, _ = recon
     im = np.asarray(Image.open(out / "preview.png").convert("RGB")).astype(np.float64)

@@ -32,8 +32,7 @@ from .images import DecodeStopped, ImageFolderError, LoadedImages, load_images
 from .pi3 import PI3_MODELS, decode_pi3
 from .priors import CameraFileError, match_cameras, read_camera_file
 from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, check_output_dir,
-                     write_reconstruction)
-from .points import import_trimesh_ahead
+                     require_trimesh, write_reconstruction)
 
 __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "MODEL_WEIGHTS", "default_weights", "ATTN_MODES", "WeightsError", "DeviceError",
@@ -673,9 +672,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         raise ValueError(f"max_points={max_points!r}; expected a positive int or None")
     dev = resolve_device(device)
     check_output_dir(out_dir, inputs=[source])
-    # points.ply and scene.glb need trimesh: a missing one fails now, and its import runs beside the decode and
-    # the build; a broken one fails before inference (trimesh_ready)
-    trimesh_ready = import_trimesh_ahead()
+    require_trimesh()  # points.ply and scene.glb need it: fail now, not after inference
     if ba or colmap_text:
         require_pycolmap()  # --ba and --colmap-text need it: fail now, with the install line
     if weights not in ("random", "random-tiny"):
@@ -691,7 +688,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
                 point_source=point_source, seed=seed, preview=preview, progress=progress, warmup=warmup,
                 log=log, fps=fps, every=every, host_memory=host_memory, compile_ahead=compile_ahead,
                 max_points=max_points, colmap_text=colmap_text, ba=ba, ba_query_frames=ba_query_frames,
-                ba_points=ba_points, ba_max_error=ba_max_error, heads=heads, warn=warn, trimesh_ready=trimesh_ready)
+                ba_points=ba_points, ba_max_error=ba_max_error, heads=heads, warn=warn)
     stages = Stages()
     stages.add("setup", time.perf_counter() - t_start)  # imports (from started), argument and output folder checks
     # the temporary output folder exists from here on: an unwritable --out fails before any decoding; the
@@ -1127,7 +1124,7 @@ def _beside(background, foreground):
 def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weights, dev, cameras, conf_percentile,
                       max_frames, size, preprocess, point_source, seed, preview, progress, warmup, log, fps, every,
                       host_memory, compile_ahead, max_points, colmap_text, ba, ba_query_frames, ba_points,
-                      ba_max_error, heads, warn, trimesh_ready, stack) -> dict:
+                      ba_max_error, heads, warn, stack) -> dict:
     frames_dir = os.path.join(tmp, "images")
     os.makedirs(frames_dir)
 
@@ -1184,7 +1181,6 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
     S, H, W = loaded.images.shape[0], *loaded.shape_hw
     with stages("compile"):  # what is left of the kernel compile once the model is built
         ahead_info = ahead.wait() if ahead is not None else None
-        trimesh_ready()  # long done by now; a trimesh that cannot load fails here, before inference
     model_seconds = build_seconds + stages.seconds["compile"]
     if ahead_info is not None and "error" not in ahead_info:
         log(f"attention kernels compiled beside the model load in {ahead_info['seconds']:.1f} s "

@@ -10,18 +10,12 @@ import os
 
 import numpy as np
 
-__all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "import_trimesh_ahead", "rgba8", "select_points",
+__all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "rgba8", "select_points",
            "confidence_threshold", "subsample", "write_ply", "worker_count", "thread_map"]
 
 
 class MissingDependencyError(ImportError):
     """An optional dependency of the reconstruction outputs is missing or cannot load."""
-
-
-def _trimesh_missing(exc: BaseException) -> MissingDependencyError:
-    return MissingDependencyError(
-        f"the reconstruction outputs need trimesh, which failed to import ({exc}). Install it with "
-        "`pip install \"visionattn[recon]\"` (or `pip install trimesh`).")
 
 
 def require_trimesh():
@@ -30,36 +24,10 @@ def require_trimesh():
     try:
         import trimesh
     except ImportError as exc:
-        raise _trimesh_missing(exc) from exc
+        raise MissingDependencyError(
+            f"the reconstruction outputs need trimesh, which failed to import ({exc}). Install it with "
+            "`pip install \"visionattn[recon]\"` (or `pip install trimesh`).") from exc
     return trimesh
-
-
-def import_trimesh_ahead():
-    """Start importing trimesh in a background thread (its import, scipy's spatial modules included, takes
-    0.5-1.7 s) and return ``wait()``, which joins it and returns trimesh or raises
-    :class:`MissingDependencyError`. A trimesh that is not installed at all raises here, at once."""
-    import importlib.util
-    import threading
-
-    if importlib.util.find_spec("trimesh") is None:
-        raise _trimesh_missing(ModuleNotFoundError("No module named 'trimesh'"))
-    box: dict = {}
-
-    def run():
-        try:
-            box["module"] = require_trimesh()
-        except BaseException as exc:  # re-raised by wait(), in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="recon-import-trimesh", daemon=True)
-    thread.start()
-
-    def wait():
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box["module"]
-    return wait
 
 
 def require_open3d():
