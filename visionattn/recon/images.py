@@ -421,17 +421,35 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
     if max_frames is not None:
         paths = paths[:max_frames]
     names = unique_names(paths)
-    tensors, sizes, affines, files = [], [], [], []
-    for i, p in enumerate(tqdm(paths, desc="loading images", unit="img", disable=not progress)):
-        check_stop(stop)
-        img, plain = _decode(p)
-        check_aspect(*img.size, name=f"image {p!r}")
-        sizes.append(img.size)
+
+    def listed():
+        for i in tqdm(range(len(paths)), desc="loading images", unit="img", disable=not progress):
+            check_stop(stop)
+            yield i
+
+    def load(i):
+        """One image decoded, checked, preprocessed and stored, on a worker thread (PIL's decoders, resampling
+        and encoders let go of the GIL, so images load side by side)."""
+        img, plain = _decode(paths[i])
+        check_aspect(*img.size, name=f"image {paths[i]!r}")
         t, affine = _preprocess(img, size, mode)
-        tensors.append(t)
-        affines.append(affine)
-        if frames_dir is not None:
-            files.append(store_frame(frames_dir, names[i], img, p if plain else None))
+        file = store_frame(frames_dir, names[i], img, paths[i] if plain else None) if frames_dir is not None else None
+        return img.size, t, affine, file
+
+    from .points import thread_imap
+
+    Image.init()  # every format plugin imported here: the workers import nothing (see thread_imap)
+    tensors, sizes, affines, files = [], [], [], []
+    loaded = thread_imap(load, listed(), name="recon-images")
+    try:
+        for wh, t, affine, file in loaded:
+            sizes.append(wh)
+            tensors.append(t)
+            affines.append(affine)
+            if file is not None:
+                files.append(file)
+    finally:
+        loaded.close()  # on an error: the images in flight finish first
     return LoadedImages(images=stack_padded(tensors, affines), paths=paths, names=names, original_sizes=sizes,
                         skipped=skipped, mode=mode, affines=affines, image_files=files,
                         sources=[os.path.basename(p) for p in paths])

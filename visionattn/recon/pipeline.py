@@ -38,7 +38,8 @@ __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "MODEL_WEIGHTS", "default_weights", "ATTN_MODES", "WeightsError", "DeviceError",
     "USER_ERRORS",
     "check_checkpoint", "resolve_device", "load_source", "build_model",
-    "run_model", "demo_autocast_dtype", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY", "prediction_bytes",
+    "run_model", "demo_autocast_dtype", "count_tokens", "reconstruct", "PIXEL_ARRAYS", "HOST_MEMORY",
+    "prediction_bytes",
     "available_host_memory", "prediction_store", "start_compile_ahead", "Stages", "STAGES",
     "forward_flops", "estimate_seconds", "THROUGHPUT", "format_seconds", "frames_within", "slow_cpu_warning",
     "SLOW_CPU_SECONDS", "TARGET_CPU_SECONDS",
@@ -913,8 +914,8 @@ def forward_flops(model: str, frames: int, height: int, width: int, config: dict
 THROUGHPUT = {
     "cpu": {k: v / 1.8 for k, v in {"dense": 160e9, "fp32": 44e9, "fp32-ieee": 16e9, "tf32": 12e9, "fp16": 15e9,
                                     "bf16": 14e9, "pasa": 6e9, "sdpa": 150e9}.items()},
-    "cuda": {"dense": 67e12 * 0.6, "dense-half": 989e12 * 0.08, "fp32": 989e12 * 0.11, "fp32-ieee": 67e12 * 0.5, "tf32": 989e12 * 0.23,
-             "fp16": 989e12 * 0.43, "bf16": 989e12 * 0.43, "pasa": 989e12 * 0.43, "sdpa": 67e12 * 0.5},
+    "cuda": {"dense": 67e12 * 0.6, "dense-half": 989e12 * 0.08, "fp32": 989e12 * 0.11, "fp32-ieee": 67e12 * 0.5,
+             "tf32": 989e12 * 0.23, "fp16": 989e12 * 0.43, "bf16": 989e12 * 0.43, "pasa": 989e12 * 0.43, "sdpa": 67e12 * 0.5},
 }
 """FLOP/s by device kind (``"cpu"``, ``"cuda"``) and by ``"dense"`` (the FP32 network), ``"dense-half"`` (the network
 under a half mode's autocast, CUDA only) or attention mode (:data:`ATTN_MODES`); how each was obtained is said

@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 __all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "rgba8", "select_points",
-           "confidence_threshold", "subsample", "write_ply", "worker_count", "thread_map"]
+           "confidence_threshold", "subsample", "write_ply", "worker_count", "thread_map", "thread_imap"]
 
 
 class MissingDependencyError(ImportError):
@@ -122,6 +122,73 @@ def thread_map(fn, items, workers: int | None, name: str) -> list:
         return [fn(x) for x in items]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) as pool:
         return list(pool.map(fn, items))
+
+
+def thread_imap(fn, items, workers: int | None = None, name: str = "recon", window: int | None = None):
+    """Yield ``fn(x)`` for each ``x`` of ``items`` in order, computed on up to :func:`worker_count` daemon threads
+    with at most ``window`` (default twice the threads) items in flight: ``items`` is drawn lazily, in the
+    consuming thread, so memory holds a bounded number of them (full-resolution frames, say). An error of ``fn``
+    is raised where its result is taken. When the generator ends, fails or is closed, the items not started are
+    dropped and the running ones waited for: nothing of it runs on afterwards.
+
+    ``fn`` must not import (have every module it needs imported before): a stop signal's exception raised in the
+    main thread during an import can leave the import system's lock held, and a worker's import would then wait
+    forever. Daemon threads, so that an interpreter that exits does not wait for them."""
+    workers = worker_count(workers)
+    if workers == 1:
+        for x in items:
+            yield fn(x)
+        return
+    import queue
+    import threading
+    from collections import deque
+
+    window = window or 2 * workers
+    tasks = queue.SimpleQueue()
+
+    def work():
+        while (job := tasks.get()) is not None:
+            x, box, done = job
+            try:
+                box[:] = [True, fn(x)]
+            except BaseException as exc:  # raised where the result is taken
+                box[:] = [False, exc]
+            finally:
+                done.set()
+
+    threads = [threading.Thread(target=work, name=f"{name}_{i}", daemon=True) for i in range(workers)]
+    for t in threads:
+        t.start()
+    pending = deque()
+
+    def take():
+        box, done = pending.popleft()
+        done.wait()
+        ok, value = box
+        if not ok:
+            raise value
+        return value
+
+    try:
+        for x in items:
+            box, done = [], threading.Event()
+            pending.append((box, done))
+            tasks.put((x, box, done))
+            if len(pending) >= window:
+                yield take()
+        while pending:
+            yield take()
+    finally:
+        while True:  # the items not started: dropped
+            try:
+                job = tasks.get_nowait()
+            except queue.Empty:
+                break
+            job[2].set()
+        for _ in threads:
+            tasks.put(None)
+        for _, done in pending:  # the running ones: waited for
+            done.wait()
 
 
 def _split(fn, n: int, workers: int | None) -> None:

@@ -17,6 +17,7 @@ import os
 
 from .images import (ImageFolderError, LoadedImages, _preprocess, check_aspect, check_stop, stack_padded,
                      store_frame)
+from .points import thread_imap
 
 __all__ = ["VIDEO_EXTS", "is_video", "frame_selector", "load_video"]
 
@@ -111,31 +112,52 @@ def load_video(path: str, size: int = 518, mode: str = "crop", fps: float | None
         total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT) or 0)
         keep = frame_selector(video_fps, fps, every)
         name = os.path.basename(path)
-        tensors, affines, sizes, indices, files = [], [], [], [], []
         bar = tqdm(total=total if total > 0 else None, desc="decoding video", unit="frame",
                    disable=not progress)
-        index = 0
-        while max_frames is None or len(indices) < max_frames:
-            check_stop(stop)
-            if not cap.grab():  # decodes, but converts nothing: skipped frames stay cheap
-                break
-            bar.update()
-            if keep(index):
-                ok, bgr = cap.retrieve()
-                if not ok or bgr is None:
-                    raise ImageFolderError(f"cannot decode frame {index} of video {path!r}")
-                img = Image.fromarray(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
-                del bgr
-                check_aspect(*img.size, name=f"video {path!r}")
-                t, affine = _preprocess(img, size, mode)
+        read = {"frames": 0}
+
+        def kept_frames():
+            """(index, BGR frame) of each kept frame, decoded here, in order (OpenCV's reader is sequential)."""
+            index, kept = 0, 0
+            while max_frames is None or kept < max_frames:
+                check_stop(stop)
+                if not cap.grab():  # decodes, but converts nothing: skipped frames stay cheap
+                    break
+                bar.update()
+                if keep(index):
+                    ok, bgr = cap.retrieve()
+                    if not ok or bgr is None:
+                        raise ImageFolderError(f"cannot decode frame {index} of video {path!r}")
+                    kept += 1
+                    yield index, bgr
+                index += 1
+                read["frames"] = index
+
+        def convert(item):
+            """One kept frame to the model's uint8 tensor (and its JPEG), on a worker thread: OpenCV's colour
+            conversion, PIL's resampling and JPEG encoder let go of the GIL, so frames convert side by side."""
+            index, bgr = item
+            img = Image.fromarray(cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB))
+            check_aspect(*img.size, name=f"video {path!r}")
+            t, affine = _preprocess(img, size, mode)
+            file = store_frame(frames_dir, f"frame_{index:06d}", img, ext=".jpg") if frames_dir is not None else None
+            return index, t, affine, img.size, file
+
+        Image.init()  # every format plugin imported here: the workers import nothing (see thread_imap)
+        tensors, affines, sizes, indices, files = [], [], [], [], []
+        converted = thread_imap(convert, kept_frames(), name="recon-frames")
+        try:
+            for index, t, affine, wh, file in converted:
                 tensors.append(t)
                 affines.append(affine)
-                sizes.append(img.size)
+                sizes.append(wh)
                 indices.append(index)
-                if frames_dir is not None:
-                    files.append(store_frame(frames_dir, f"frame_{index:06d}", img, ext=".jpg"))
-            index += 1
+                if file is not None:
+                    files.append(file)
+        finally:
+            converted.close()  # on an error: the frames in flight finish before the reader is released
         bar.close()
+        index = read["frames"]
     finally:
         cap.release()
     if not tensors:
