@@ -336,7 +336,7 @@ def launch_partitions(plan, inputs: tuple, out: torch.Tensor, lse: torch.Tensor 
 
 
 class DenseForwardRun:
-    """The run of the dense Triton forward plan (:class:`visionattn.kernels.elsa_fwd.TritonForwardPlan`, which
+    """The run of the dense Triton forward plan (:class:`visionattn.kernels.elsa_fwd._TritonPlan`, which
     sets ``main``, ``merge``, ``fixed``, ``merge_fixed``, ``o_shape``, ``o_stride``, ``o_dtype``, ``device``,
     ``lse_shape``, ``ws_shape``, ``ws_w_shape``): allocate the output (and LSE), launch. Returns ``(out, lse)``."""
 
@@ -356,7 +356,7 @@ class DenseForwardRun:
 
 
 class VarlenForwardRun:
-    """The run of the ragged forward plan (:class:`visionattn.kernels.varlen_fwd.VarlenPlan`, which sets
+    """The run of the ragged forward plan (:class:`visionattn.kernels.varlen_fwd._VarlenPlan`, which sets
     ``main``, ``merge``, ``fixed``, ``merge_fixed``, ``o_shape``, ``o_dtype``, ``device``, ``with_lse``,
     ``ws_shape``, ``ws_w_shape``). Returns ``(out [total_q, H, Dv], lse [H, total_q] or None)``."""
 
@@ -466,7 +466,7 @@ class PlannedLaunch:
 
 
 class WindowForwardRun:
-    """The run of a window forward plan (:class:`visionattn.kernels.window_fwd.WindowPlan`, which sets ``call``,
+    """The run of a window forward plan (:class:`visionattn.kernels.window_fwd._WindowPlan`, which sets ``call``,
     ``fixed``, ``o_shape``, ``o_stride``, ``o_dtype``, ``device``, ``lse_shape``): the output [B*nW, H, N, Dv],
     or ``(out, lse)`` for a plan built with an LSE (float32 [B*nW, H, N])."""
 

@@ -163,7 +163,8 @@ def test_the_script_counts_its_imports_in_setup(tmp_path):
     import time
 
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, os.path.join(REPO, "demos", "reconstruct.py"), os.path.join(MULTIVIEW, "aloe"),
+    script = os.path.join(REPO, "demos", "reconstruct.py")
+    run = subprocess.run([sys.executable, script, os.path.join(MULTIVIEW, "aloe"),
                           "--out", str(tmp_path / "o"), "--weights", "random-tiny", "--device", "cpu", "--size", "140",
                           "--quiet", "--no-preview"], capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - t0

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .points import thread_imap
+
 __all__ = [
     "ImageFolderError", "LoadedImages", "PATCH_SIZE", "MAX_ASPECT_RATIO", "natural_key", "list_images",
     "read_image", "to_uint8", "check_aspect", "preprocess_image", "unique_names", "stack_padded",
@@ -435,8 +437,6 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
         t, affine = _preprocess(img, size, mode)
         file = store_frame(frames_dir, names[i], img, paths[i] if plain else None) if frames_dir is not None else None
         return img.size, t, affine, file
-
-    from .points import thread_imap
 
     Image.init()  # every format plugin imported here: the workers import nothing (see thread_imap)
     tensors, sizes, affines, files = [], [], [], []

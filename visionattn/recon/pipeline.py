@@ -915,7 +915,8 @@ THROUGHPUT = {
     "cpu": {k: v / 1.8 for k, v in {"dense": 160e9, "fp32": 44e9, "fp32-ieee": 16e9, "tf32": 12e9, "fp16": 15e9,
                                     "bf16": 14e9, "pasa": 6e9, "sdpa": 150e9}.items()},
     "cuda": {"dense": 67e12 * 0.6, "dense-half": 989e12 * 0.08, "fp32": 989e12 * 0.11, "fp32-ieee": 67e12 * 0.5,
-             "tf32": 989e12 * 0.23, "fp16": 989e12 * 0.43, "bf16": 989e12 * 0.43, "pasa": 989e12 * 0.43, "sdpa": 67e12 * 0.5},
+             "tf32": 989e12 * 0.23, "fp16": 989e12 * 0.43, "bf16": 989e12 * 0.43, "pasa": 989e12 * 0.43,
+             "sdpa": 67e12 * 0.5},
 }
 """FLOP/s by device kind (``"cpu"``, ``"cuda"``) and by ``"dense"`` (the FP32 network), ``"dense-half"`` (the network
 under a half mode's autocast, CUDA only) or attention mode (:data:`ATTN_MODES`); how each was obtained is said
