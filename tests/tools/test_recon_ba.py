@@ -154,3 +154,24 @@ def test_without_pycolmap_fails_before_any_work(flag, tmp_path, capsys, monkeypa
     err = capsys.readouterr().err
     assert res["exit_code"] == 2 and "pip install pycolmap" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == []
+
+
+def test_without_trimesh_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    """points.ply and scene.glb need trimesh: its absence stops the demo before any decoding (checked without
+    importing it; the writers import it when they run)."""
+    monkeypatch.setitem(sys.modules, "trimesh", None)  # an import of trimesh raises ImportError
+    res = demo.main([os.path.join(MULTIVIEW, "aloe"), "--out", str(tmp_path / "out"), "--weights", "random-tiny",
+                     "--device", "cpu", "--quiet"])
+    err = capsys.readouterr().err
+    assert res["exit_code"] == 2 and "pip install trimesh" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists() and os.listdir(tmp_path) == []
+
+
+def test_the_demo_does_not_import_trimesh_before_the_export():
+    """The check before any work finds trimesh without importing it (a second or two of the setup)."""
+    import subprocess
+
+    code = ("import sys; from visionattn.recon.points import check_trimesh; check_trimesh(); "
+            "print('trimesh' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -13,7 +13,7 @@ from testdata import REPO, nearest_distances, read_ply_points
 from visionattn.recon.cameras import OPENCV_TO_OPENGL
 from visionattn.recon.colmap import point_tracks
 from visionattn.recon.images import preprocess_image
-from visionattn.recon.video import frame_selector, load_video
+from visionattn.recon.video import expected_frames, frame_selector, load_video
 
 cv2 = pytest.importorskip("cv2")
 pycolmap = pytest.importorskip("pycolmap", reason="pycolmap not installed: pip install -e '.[recon]'")
@@ -78,6 +78,32 @@ def test_load_video_samples_stops_early_and_matches_the_decoder(tmp_path):
         stored = np.asarray(Image.open(frames_dir / loaded.image_files[k]), dtype=np.float64)
         err = np.abs(stored - reference[idx])
         assert stored.shape == (120, 160, 3) and np.median(err) <= 3 and err.mean() < 8  # JPEG q95, 4:2:0
+
+
+@pytest.mark.parametrize("sampling", [{}, {"every": 4}, {"fps": 3.0}, {"every": 2, "max_frames": 5},
+                                      {"max_frames": 40}])
+def test_first_frame_reports_the_count_and_size_the_decode_ends_with(tmp_path, sampling):
+    """on_first_frame: once, with the frame count the container and the sampling predict (expected_frames) and the
+    first frame's size, both equal to what the whole decode returns."""
+    path = _write_video(tmp_path / "clip.avi", 23, 160, 120)
+    calls = []
+    loaded = load_video(str(path), size=112, progress=False, on_first_frame=lambda *a: calls.append(a), **sampling)
+    assert calls == [(loaded.images.shape[0], *loaded.shape_hw)]
+    assert expected_frames(23, 10.0, **sampling) == loaded.images.shape[0]
+    assert expected_frames(0, 10.0, every=2) == 0  # a container without a frame count predicts nothing
+
+
+def test_first_frame_is_reported_before_the_decode_ends(tmp_path):
+    """The callback runs while frames remain: here the decode then fails on a later image."""
+    for i in range(4):
+        Image.new("RGB", (64, 48), (40 * i, 90, 200)).save(tmp_path / f"img_{i}.png")
+    (tmp_path / "img_3.png").write_bytes(b"not an image")
+    from visionattn.recon.images import ImageFolderError, load_images
+
+    calls = []
+    with pytest.raises(ImageFolderError):
+        load_images(str(tmp_path), size=56, progress=False, on_first_frame=lambda *a: calls.append(a))
+    assert calls == [(4, 42, 56)]
 
 
 def test_video_decoding_is_streamed(tmp_path):

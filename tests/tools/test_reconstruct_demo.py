@@ -357,6 +357,17 @@ def test_prediction_store_choice(tmp_path, monkeypatch):
     assert not os.path.exists(folder)
 
 
+def test_compile_ahead_starts_at_the_first_frame(tmp_path, monkeypatch):
+    """The kernels' compile starts from the first decoded frame (the predicted frame count and that frame's size),
+    while the other frames still decode: its shapes are the batch's the forward then gets."""
+    from visionattn.recon import pipeline
+
+    started = []
+    monkeypatch.setattr(pipeline, "start_compile_ahead", lambda *a, **k: started.append(a[3]))
+    summary = demo.main([os.path.join(MULTIVIEW, "stereo_rig"), "--out", str(tmp_path / "out"), *TINY])
+    assert started == [(summary["frames"], 3, *summary["image_hw"])]
+
+
 def test_compile_ahead_where_kernels_compile(recon):
     """The demo compiles the attention kernels ahead (while the model builds) on CUDA in a visionattn mode, for
     the calls its forward makes; on the CPU or with SDPA there is nothing to compile and the summary says so."""

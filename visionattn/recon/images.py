@@ -388,7 +388,7 @@ def store_frame(frames_dir: str, name: str, img: Image.Image, source: str | None
 
 
 def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | None = None,
-                progress: bool = True, frames_dir: str | None = None, stop=None) -> LoadedImages:
+                progress: bool = True, frames_dir: str | None = None, stop=None, on_first_frame=None) -> LoadedImages:
     """Load a folder (or a list of files) into one VGGT batch.
 
     Args:
@@ -401,6 +401,8 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
             its output name (see :func:`store_frame`), for COLMAP / nerfstudio.
         stop: a :class:`threading.Event`: once it is set, loading stops before the next image
             (:class:`DecodeStopped`); for a caller that decodes in a background thread.
+        on_first_frame: called once, on this thread, with ``(frames, H, W)``: the images listed and the first
+            one's preprocessed size, as soon as it is known (see :func:`~visionattn.recon.video.load_video`).
 
     Returns:
         :class:`LoadedImages` with ``images`` float32 [S, 3, H, W] in [0, 1].
@@ -443,6 +445,8 @@ def load_images(source, size: int = 518, mode: str = "crop", max_frames: int | N
     loaded = thread_imap(load, listed(), name="recon-images")
     try:
         for wh, t, affine, file in loaded:
+            if on_first_frame is not None and not tensors:
+                on_first_frame(len(paths), *t.shape[-2:])
             sizes.append(wh)
             tensors.append(t)
             affines.append(affine)

@@ -32,7 +32,8 @@ from .images import DecodeStopped, ImageFolderError, LoadedImages, load_images
 from .pi3 import PI3_MODELS, decode_pi3
 from .priors import CameraFileError, match_cameras, read_camera_file
 from .export import (MissingDependencyError, OutputDirError, atomic_output_dir, check_output_dir,
-                     require_trimesh, write_reconstruction)
+                     write_reconstruction)
+from .points import check_trimesh, require_trimesh
 
 __all__ = [
     "DEFAULT_WEIGHTS", "MODELS", "MODEL_WEIGHTS", "default_weights", "ATTN_MODES", "WeightsError", "DeviceError",
@@ -524,11 +525,12 @@ def check_checkpoint(path: str) -> str:
 
 def load_source(source: str, size: int = 518, preprocess: str = "crop", max_frames: int | None = None,
                 fps: float | None = None, every: int | None = None, progress: bool = True,
-                frames_dir: str | None = None, stop=None) -> LoadedImages:
+                frames_dir: str | None = None, stop=None, on_first_frame=None) -> LoadedImages:
     """Load a folder of images or a video file (see :func:`~visionattn.recon.video.load_video`).
 
     ``stop``: a :class:`threading.Event` that stops the decoding before the next frame once set
-    (:class:`~visionattn.recon.images.DecodeStopped`).
+    (:class:`~visionattn.recon.images.DecodeStopped`). ``on_first_frame(frames, H, W)``: called once with the
+    predicted frame count and the first frame's size as soon as they are known (before the decode ends).
 
     Raises:
         ImageFolderError: unusable input; ``--fps`` / ``--every`` given for a folder.
@@ -540,12 +542,12 @@ def load_source(source: str, size: int = 518, preprocess: str = "crop", max_fram
                                f"({', '.join(sorted(VIDEO_EXTS))})")
     if is_video(source):
         return load_video(source, size=size, mode=preprocess, fps=fps, every=every, max_frames=max_frames,
-                          progress=progress, frames_dir=frames_dir, stop=stop)
+                          progress=progress, frames_dir=frames_dir, stop=stop, on_first_frame=on_first_frame)
     if fps is not None or every is not None:
         raise ImageFolderError(f"--fps / --every sample videos; {source!r} is not a video file "
                                "(for a folder use --max-frames)")
     return load_images(source, size=size, mode=preprocess, max_frames=max_frames, progress=progress,
-                       frames_dir=frames_dir, stop=stop)
+                       frames_dir=frames_dir, stop=stop, on_first_frame=on_first_frame)
 
 
 # where reconstruct keeps run_model's per-pixel arrays until they are exported (see prediction_store)
@@ -638,8 +640,10 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
 
     Returns:
         summary dict: frames, tokens, points kept, ``inference_seconds`` (one forward, measured) and ``estimate_s``
-        (:func:`estimate_seconds`, logged before it), ``seconds`` (wall seconds per stage: setup, decode_build,
-        compile, warmup, inference, tracks, bundle_adjustment, export and other, which add up to total;
+        (:func:`estimate_seconds`, logged before it), ``seconds`` (wall seconds per stage: setup (the imports,
+        the export's library among them, and the checks), decode_build, compile (what is left of the kernel
+        compile that starts at the first decoded frame), warmup, inference, tracks, bundle_adjustment, export
+        and other, which add up to total;
         ``decode_build`` is the wall of the frame decode and the model build, which run side by side, a thread
         decoding while the model is built, unless ``max_frames="auto"`` needs the model first; ``decode_build``
         also names each one's own seconds, ``{"decode", "build", "side_by_side"}``; ``export_outputs``: seconds
@@ -673,7 +677,7 @@ def reconstruct(source: str, out_dir: str, model: str = "vggt", mode: str = "fp3
         raise ValueError(f"max_points={max_points!r}; expected a positive int or None")
     dev = resolve_device(device)
     check_output_dir(out_dir, inputs=[source])
-    require_trimesh()  # points.ply and scene.glb need it: fail now, not after inference
+    check_trimesh()  # points.ply and scene.glb need it: fail now, not after inference
     if ba or colmap_text:
         require_pycolmap()  # --ba and --colmap-text need it: fail now, with the install line
     if weights not in ("random", "random-tiny"):
@@ -1131,12 +1135,22 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
     os.makedirs(frames_dir)
 
     def decode(stop=None) -> dict:
-        """The frames, and what depends on them only: the estimate said, the cameras matched, the prediction
-        store made, the kernels' compile started (while the model is still being built)."""
+        """The frames, and what depends on them only: the kernels' compile started at the first frame (while the
+        model is still being built and the other frames decode), the estimate said, the cameras matched, the
+        prediction store made."""
         t0 = time.perf_counter()
+        got = {"ahead": None}
+
+        def first_frame(frames, height, width):
+            # the kernels depend on the frame size, the mode and the head dims, and on the frame count only through
+            # whether the global attention splits its keys (a few frames): the predicted count serves, and a video
+            # that states no frame count is taken as a long one
+            if stop is not None and compile_ahead:
+                got["ahead"] = start_compile_ahead(mode, weights, dev, (frames or 64, 3, height, width), model)
+
         loaded = load_source(source, size=size, preprocess=preprocess, max_frames=max_frames, fps=fps, every=every,
-                             progress=progress, frames_dir=frames_dir, stop=stop)
-        got = {"loaded": loaded, "seconds": time.perf_counter() - t0}
+                             progress=progress, frames_dir=frames_dir, stop=stop, on_first_frame=first_frame)
+        got.update(loaded=loaded, seconds=time.perf_counter() - t0)
         for name, why in loaded.skipped:
             log(f"note: skipped {name!r} ({why})")
         S, H, W = loaded.images.shape[0], *loaded.shape_hw
@@ -1161,9 +1175,6 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
             if "poses" in got["conditions"] and len(got["conditions"]["poses"]) < 2:
                 log("note: Pi3X ignores poses with a single frame (they are relative: it needs two posed frames)")
         got["store"] = prediction_store(host_memory, S, (H, W), out_dir, stack, log)
-        got["ahead"] = None
-        if stop is not None and compile_ahead:  # the model is still being built: compile the kernels meanwhile
-            got["ahead"] = start_compile_ahead(mode, weights, dev, tuple(loaded.images.shape), model)
         return got
 
     t0, side_by_side = time.perf_counter(), max_frames != "auto"
@@ -1177,6 +1188,11 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
     else:  # independent: the frames decode in a thread while this one builds the model
         net, build_seconds, got = _beside(decode, lambda: build_model(model, weights, mode, dev, seed, heads))
     stages.add("decode_build", time.perf_counter() - t0)
+    # the export's library (points.ply, scene.glb), imported here in the main thread while the kernels may still
+    # compile, rather than by a writer on the export's critical path: part of the setup, as the other imports
+    t0 = time.perf_counter()
+    require_trimesh()
+    stages.add("setup", time.perf_counter() - t0)
     decode_build = {"decode": got["seconds"], "build": build_seconds, "side_by_side": side_by_side}
     loaded, estimate, conditions, store, ahead = (got[k] for k in ("loaded", "estimate", "conditions", "store",
                                                                    "ahead"))

@@ -10,12 +10,17 @@ import os
 
 import numpy as np
 
-__all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "rgba8", "select_points",
+__all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "check_trimesh", "rgba8", "select_points",
            "confidence_threshold", "subsample", "write_ply", "worker_count", "thread_map", "thread_imap"]
 
 
 class MissingDependencyError(ImportError):
     """An optional dependency of the reconstruction outputs is missing or cannot load."""
+
+
+def _trimesh_missing(why) -> MissingDependencyError:
+    return MissingDependencyError(f"the reconstruction outputs need trimesh, which failed to import ({why}). "
+                                  "Install it with `pip install \"visionattn[recon]\"` (or `pip install trimesh`).")
 
 
 def require_trimesh():
@@ -24,10 +29,22 @@ def require_trimesh():
     try:
         import trimesh
     except ImportError as exc:
-        raise MissingDependencyError(
-            f"the reconstruction outputs need trimesh, which failed to import ({exc}). Install it with "
-            "`pip install \"visionattn[recon]\"` (or `pip install trimesh`).") from exc
+        raise _trimesh_missing(exc) from exc
     return trimesh
+
+
+def check_trimesh() -> None:
+    """Raise :class:`MissingDependencyError` naming the fix unless trimesh is installed, without importing it: the
+    import takes a second or two, which the writers of points.ply and scene.glb pay when they run, beside the
+    other outputs; a caller checks here before any long work."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("trimesh") is not None
+    except (ImportError, ValueError) as exc:  # ValueError: a module entry without a spec (e.g. set to None)
+        raise _trimesh_missing(exc) from exc
+    if not found:
+        raise _trimesh_missing("No module named 'trimesh'")
 
 
 def require_open3d():

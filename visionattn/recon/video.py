@@ -19,7 +19,7 @@ from .images import (ImageFolderError, LoadedImages, _preprocess, check_aspect, 
                      store_frame)
 from .points import thread_imap
 
-__all__ = ["VIDEO_EXTS", "is_video", "frame_selector", "load_video"]
+__all__ = ["VIDEO_EXTS", "is_video", "frame_selector", "expected_frames", "load_video"]
 
 VIDEO_EXTS = frozenset({".mp4", ".m4v", ".mov", ".avi", ".mkv", ".webm", ".mpg", ".mpeg", ".wmv", ".flv",
                         ".3gp", ".ts", ".mts", ".m2ts", ".ogv"})
@@ -70,9 +70,18 @@ def frame_selector(video_fps: float, fps: float | None = None, every: int | None
     return lambda i: True
 
 
+def expected_frames(total: int, video_fps: float, fps: float | None = None, every: int | None = None,
+                    max_frames: int | None = None) -> int:
+    """The frames :func:`load_video` keeps from a video of ``total`` frames (as its container states; 0 when
+    unknown gives 0), sampled as :func:`frame_selector` and capped at ``max_frames``."""
+    keep = frame_selector(video_fps, fps, every)
+    kept = sum(1 for i in range(max(0, total)) if keep(i))
+    return kept if max_frames is None else min(kept, max_frames)
+
+
 def load_video(path: str, size: int = 518, mode: str = "crop", fps: float | None = None,
                every: int | None = None, max_frames: int | None = None, progress: bool = True,
-               frames_dir: str | None = None, stop=None) -> LoadedImages:
+               frames_dir: str | None = None, stop=None, on_first_frame=None) -> LoadedImages:
     """Decode, sample and preprocess a video into one VGGT batch.
 
     Args:
@@ -85,6 +94,10 @@ def load_video(path: str, size: int = 518, mode: str = "crop", fps: float | None
             (original resolution; NNNNNN = frame index in the video).
         stop: a :class:`threading.Event`: once it is set, decoding stops before the next frame
             (:class:`~visionattn.recon.images.DecodeStopped`).
+        on_first_frame: called once, on this thread, with ``(frames, H, W)`` as soon as the first kept frame is
+            preprocessed: the frames the container's frame count, the sampling and ``max_frames`` predict (0
+            when the container states no count; the final count can differ) and that frame's size, so a
+            caller can start work that depends on the shapes (e.g. compiling kernels) before the decode ends.
 
     Returns:
         :class:`~visionattn.recon.images.LoadedImages`: ``images`` float32 [S, 3, H, W]
@@ -148,6 +161,8 @@ def load_video(path: str, size: int = 518, mode: str = "crop", fps: float | None
         converted = thread_imap(convert, kept_frames(), name="recon-frames")
         try:
             for index, t, affine, wh, file in converted:
+                if on_first_frame is not None and not tensors:
+                    on_first_frame(expected_frames(total, video_fps, fps, every, max_frames), *t.shape[-2:])
                 tensors.append(t)
                 affines.append(affine)
                 sizes.append(wh)
