@@ -64,8 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import OUT_DTYPES, cdiv, head_blocks, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
-from ._launch import DenseForwardRun, EmptyForwardPlan, GluonForwardPlan, KernelCall, PlanCache, interpreting
+from ._launch import (OUT_DTYPES, DenseForwardRun, EmptyForwardPlan, GluonForwardPlan, KernelCall, PlanCache, cdiv,
+                      head_blocks, heads_inner_layout, interpreting, pad_pow2, run_first_that_fits, sm_count)
 from .modes import MODES
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 

@@ -12,7 +12,7 @@ import numbers
 
 import torch
 
-from .kernels._launch import qkv_key, tensor_key
+from .kernels._launch import qkv_key, tensor_key, unit_last_stride
 from .modes import MODES, Mode, get_mode
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "BACKWARD_MODES", "has_backward", "first_order_only", "check_tensor",
@@ -54,13 +54,11 @@ def mode_of(mode: str | Mode) -> Mode:
 
 def relaid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """``((q, k, v), relaid)``: the three with unit last strides, the only layout the kernels take
-    (:func:`visionattn.kernels._host.unit_last_stride`: one copy of a tensor whose head dim is not of unit stride),
+    (:func:`visionattn.kernels._launch.unit_last_stride`: one copy of a tensor whose head dim is not of unit stride),
     and whether one was laid out, in which case a family keeps no cached runner for the call signature (its runner
     would pass the caller's layout on)."""
     if q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
         return (q, k, v), False
-    from .kernels._host import unit_last_stride  # imports Triton: only on the kernel path
-
     return tuple(unit_last_stride(t) for t in (q, k, v)), True
 
 

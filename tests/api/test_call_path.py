@@ -2,18 +2,19 @@
 ``KernelCall.__call__``, whose file counts): a repeat call of a signature stays on its family module and the launch
 module, which runs the plan the kernel module built; a first call also dispatches and builds the plan, and
 validates in its family module (docs/design.md draws the path).
-Runs the kernels in the interpreter on the CPU (``backend="triton"``). The kernel modules are imported first, as
-any earlier kernel call of the process imports them: what is counted is the path of a call signature, not the
-process's one-time imports.
+Runs the kernels in the interpreter on the CPU (``backend="triton"``). A call signature's path is counted with the
+kernel modules imported, as any earlier kernel call of the process imports them; the first kernel call of a process
+(counted in a fresh interpreter) also imports its kernel module and what that module's kernels are built from.
 """
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
 import visionattn as va
-from visionattn.kernels import _launch, elsa_fwd, window_fwd  # noqa: F401  (imported before counting)
+from visionattn.kernels import _launch
 
 ROOTS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (va, _launch))
 LAUNCH = os.path.abspath(_launch.__file__)
@@ -54,8 +55,8 @@ def _calls():
 
 
 # files entered by a first and a repeat call of a signature, in order
-FIRST = {"attention": ["api.py", "_launch.py", "dispatch.py", "elsa_fwd.py", "_host.py"],
-         "window": ["window.py", "_launch.py", "dispatch.py", "window_fwd.py", "_host.py"]}
+FIRST = {"attention": ["api.py", "_launch.py", "dispatch.py", "elsa_fwd.py"],
+         "window": ["window.py", "_launch.py", "dispatch.py", "window_fwd.py"]}
 REPEAT = {"attention": ["api.py", "_launch.py"], "window": ["window.py", "_launch.py"]}
 
 
@@ -63,8 +64,23 @@ REPEAT = {"attention": ["api.py", "_launch.py"], "window": ["window.py", "_launc
 def test_a_repeat_call_enters_two_files_and_a_first_call_dispatches_and_plans(name):
     if not os.environ.get("TRITON_INTERPRET"):
         pytest.skip("counts the interpreter's path on the CPU")
+    from visionattn.kernels import elsa_fwd, window_fwd  # noqa: F401  (imported as an earlier kernel call would)
+
     call = _calls()[name]
     first = _files_entered(call)
     repeat = _files_entered(call)
     assert first == FIRST[name], first  # validated in the family module, dispatched, planned in the kernel module
     assert repeat == REPEAT[name], repeat  # no validation, no dispatch, no planning again
+
+
+@pytest.mark.parametrize("name", ["attention", "window"])
+def test_the_first_kernel_call_of_a_process_imports_only_its_kernel_module(name):
+    """In a fresh interpreter the first call also runs the import of its kernel module, which imports the
+    split-FP16 helpers its kernels are built from; the Gluon modules are not imported for CPU tensors, nor the
+    package's lazy attributes asked."""
+    if not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("counts the interpreter's path on the CPU")
+    code = f"import test_call_path as t; print(t._files_entered(t._calls()[{name!r}]))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    assert out.strip() == str([*FIRST[name], "split16.py"]), out

@@ -342,7 +342,7 @@ def test_later_calls_encode_the_tensor_maps_themselves_with_the_same_results(wri
     """After its first (compiling) call a planned launch hands Triton's launcher tensor maps it encodes itself
     (KernelCall.with_descriptors, no descriptor objects): outputs and LSE bit for bit those of the first call,
     on the same tensors and on other tensors of the plan's layout (other addresses: the maps follow them)."""
-    from visionattn.kernels._host import heads_inner_output
+    from visionattn.kernels._launch import heads_inner_output
 
     B, N, H, D = 2, 1025, 12, 64
     cfg = half_gluon.get_config(N, D, n_q=N)
