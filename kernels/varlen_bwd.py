@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, head_blocks, interpreting, launch, pad_pow2, unit_last_stride
+from ._launch import cdiv, head_blocks, interpreting, launch, unit_last_stride
 from .elsa_bwd import (BWD_MODES, HEAD_SCALED, MAX_HEAD_DIM, BwdConfig, KernelTiles, _bwd_preprocess_kernel,
                        _dkdv_query_tiles, _dkdv_tile, _dq_tile, _head_exponents, _run_fitting, get_config,
                        product_flags)

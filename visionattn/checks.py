@@ -2,8 +2,11 @@
 
 Each family module (:mod:`visionattn.api` dense, :mod:`visionattn.window`, :mod:`visionattn.varlen`,
 :mod:`visionattn.pasa`) validates its own arguments with these helpers; the errors name the argument and what
-is expected. :func:`qkv_key` / :func:`tensor_key` describe what a cached runner depends on, so a family's call
-cache (:class:`visionattn.kernels._launch.PlanCache`, looked up by ``lookup``) keys a public call by them.
+is expected. The dense and window families test the common case themselves (a mode's name, a bool flag, a finite
+float or no scale, dense tensors on one device, unit last strides) and call a helper here only where that test
+fails, so that a first call of a signature does not enter this module. :func:`qkv_key` / :func:`tensor_key`
+describe what a cached runner depends on, so a family's call cache (:class:`visionattn.kernels._launch.PlanCache`,
+looked up by ``lookup``) keys a public call by them.
 """
 from __future__ import annotations
 
