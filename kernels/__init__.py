@@ -23,7 +23,7 @@ __all__ = ["elsa_attention", "pasa_attention", "window_attention_fwd", "unsuppor
            "pasa_unsupported_reason", "OUT_DTYPES"]
 
 _HOMES = {"elsa_attention": "elsa_fwd", "unsupported_reason": "elsa_fwd", "pasa_attention": "pasa_fwd",
-          "pasa_unsupported_reason": "pasa_fwd", "window_attention_fwd": "window_fwd", "OUT_DTYPES": "_host"}
+          "pasa_unsupported_reason": "pasa_fwd", "window_attention_fwd": "window_fwd", "OUT_DTYPES": "_launch"}
 
 
 def __getattr__(name: str):

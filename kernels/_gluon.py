@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from ._host import allocate_output
+from ._launch import allocate_output
 
 try:
     from triton.experimental import gluon

@@ -64,9 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import half_gluon, ieee_gluon
-from ._host import OUT_DTYPES, cdiv, head_blocks, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
-from ._launch import DenseForwardRun, EmptyForwardPlan, GluonForwardPlan, KernelCall, PlanCache, interpreting
+from ._launch import (OUT_DTYPES, DenseForwardRun, EmptyForwardPlan, GluonForwardPlan, KernelCall, PlanCache, cdiv,
+                      head_blocks, heads_inner_layout, interpreting, pad_pow2, run_first_that_fits, sm_count)
 from .modes import MODES
 from .split16 import SPLIT_EXP, fold_pv, pv_unscale, split_rows, split_scores
 
@@ -656,9 +655,6 @@ class _TritonPlan(DenseForwardRun):
 # Gluon kernel ("fp32-ieee" / "half"; "fp32-ieee backward": kernels/ieee_gluon_bwd.py) -> why it could not run in
 # this process (first failure; warned once)
 _GLUON_FAILED: dict[str, str] = {}
-# kernel -> (module, (n_q, n_k, head dim) -> whether it is ahead of this module's kernel on an in-scope call)
-_GLUON_KERNELS = {"fp32-ieee": (ieee_gluon, lambda n_q, n_k, head_dim: True),
-                  "half": (half_gluon, half_gluon.preferred)}
 _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (about half the speed)",
                         "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)",
                         "fp32-ieee backward": "mode 'fp32-ieee' trains on the Triton backward kernels (about 0.4x the "
@@ -673,14 +669,34 @@ def _gluon_failed(kernel: str, why: str) -> None:
                   f"{_GLUON_FALLBACK_COST[kernel]} for the rest of this process", RuntimeWarning, stacklevel=5)
 
 
+def _gluon_device(device: torch.device) -> bool:
+    """Whether a Gluon kernel can run on ``device`` at all: CUDA only (Gluon has no interpreter), so a call on
+    other tensors neither imports nor asks the Gluon modules (their scope checks say the same, later)."""
+    return device.type == "cuda"
+
+
+def _gluon_kernel(kernel: str):
+    """``(module, preferred)`` of Gluon ``kernel``, the module imported on first use: ``preferred(n_q, n_k, head
+    dim)`` says whether it is ahead of this module's kernel on an in-scope call."""
+    if kernel == "half":
+        from . import half_gluon
+
+        return half_gluon, half_gluon.preferred
+    from . import ieee_gluon
+
+    return ieee_gluon, lambda n_q, n_k, head_dim: True
+
+
 def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype, with_lse=False):
     """A :class:`._launch.GluonForwardPlan` on ``kernel`` ("fp32-ieee": the FMA kernel of :mod:`.ieee_gluon`, ~2x this
     module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`; both also write the
-    LSE when asked), or ``None`` when it does not take the call: lengths it is not preferred at, outside its
-    scope, where the split-KV path would run (few query tiles), or after it failed to import or compile once in
-    this process (warned once)."""
-    module, preferred = _GLUON_KERNELS[kernel]
-    if kernel in _GLUON_FAILED or not preferred(q.shape[2], k.shape[2], q.shape[3]):
+    LSE when asked), or ``None`` when it does not take the call: tensors off CUDA, lengths it is not preferred
+    at, outside its scope, where the split-KV path would run (few query tiles), or after it failed to import or
+    compile once in this process (warned once)."""
+    if kernel in _GLUON_FAILED or not _gluon_device(q.device):
+        return None
+    module, preferred = _gluon_kernel(kernel)
+    if not preferred(q.shape[2], k.shape[2], q.shape[3]):
         return None
     reason = module.unsupported_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits)
     if reason is not None:

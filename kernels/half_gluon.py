@@ -54,8 +54,7 @@ import functools
 import torch
 
 from ._gluon import checked_call, scope_reason
-from ._host import cdiv, heads_inner_layout, pad_pow2, sm_count
-from ._launch import KernelCall, PlannedLaunch
+from ._launch import KernelCall, PlannedLaunch, cdiv, heads_inner_layout, pad_pow2, sm_count
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -547,5 +546,5 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
-    """One :func:`planned_launch` into ``out`` (heads-inner, as :func:`._host.allocate_output` makes it)."""
+    """One :func:`planned_launch` into ``out`` (heads-inner, as :func:`._launch.allocate_output` makes it)."""
     planned_launch(q, k, v, cfg)(q, k, v, float(scale), out)

@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._gluon import checked_call, scope_reason
-from ._host import cdiv, heads_inner_layout
-from ._launch import KernelCall, PlannedLaunch
+from ._launch import KernelCall, PlannedLaunch, cdiv, heads_inner_layout
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -229,7 +228,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     """The launch of :func:`ieee_attention`'s kernel for this call signature (shapes, strides, ``cfg``), as a
     callable ``(q, k, v, scale, out, lse=None) -> None`` for any later call with the same shapes and strides,
     without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
-    launcher's plans). ``out`` is a heads-inner [B, H, Nq, D] buffer (:func:`._host.allocate_output`); with
+    launcher's plans). ``out`` is a heads-inner [B, H, Nq, D] buffer (:func:`._launch.allocate_output`); with
     ``write_lse`` every call passes ``lse``, a contiguous float32 [B, H, Nq] buffer for the natural-log
     log-sum-exp of each row (the backward's input)."""
     B, H, Nq, D = q.shape
@@ -242,5 +241,5 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
-    """One :func:`planned_launch` into ``out`` (heads-inner, as :func:`._host.allocate_output` makes it)."""
+    """One :func:`planned_launch` into ``out`` (heads-inner, as :func:`._launch.allocate_output` makes it)."""
     planned_launch(q, k, v, cfg)(q, k, v, float(scale), out)

@@ -34,8 +34,7 @@ from __future__ import annotations
 import torch
 
 from ._gluon import scope_reason
-from ._host import cdiv
-from ._launch import SPIN_UNTIL_EQUAL_PTX, KernelCall
+from ._launch import SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon

@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, pad_pow2
-from ._launch import KernelCall, PlanCache
+from ._launch import KernelCall, PlanCache, cdiv, pad_pow2
 
 __all__ = ["l2_normalize", "MAX_HEAD_DIM"]
 

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import OUT_DTYPES, allocate_output, cdiv, heads_inner_layout, pad_pow2, run_first_that_fits
-from ._launch import KernelCall, PlanCache, interpreting
+from ._launch import (OUT_DTYPES, KernelCall, PlanCache, allocate_output, cdiv, heads_inner_layout, interpreting,
+                      pad_pow2, run_first_that_fits)
 from ._launch import LOG2E
 from .elsa_fwd import load_kv_tile
 from .pasa_math import optimal_beta, shift_coefficients

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import OUT_DTYPES, cdiv, head_blocks, pad_pow2, run_first_that_fits
-from ._launch import LOG2E, KernelCall, PlanCache, VarlenForwardRun, interpreting
+from ._launch import (OUT_DTYPES, KernelCall, PlanCache, VarlenForwardRun, cdiv, head_blocks, interpreting,
+                      run_first_that_fits)
 from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, MAX_HEAD_DIM, TileConfig, _elsa_merge_kernel, _fold_tile,
                        _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
                        load_query_tile, partition_tiles, program_tile, store_partial)

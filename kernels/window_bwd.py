@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, head_blocks, pad_pow2, run_first_that_fits, unit_last_stride
-from ._launch import KernelCall, PlanCache, interpreting
+from ._launch import (KernelCall, PlanCache, cdiv, head_blocks, interpreting, pad_pow2, run_first_that_fits,
+                      unit_last_stride)
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
                        _head_scale_grad, _mm, _tensor_key, autograd_bias, check_grads, fp32_products, launch_backward,
                        product_flags)
@@ -327,7 +327,7 @@ def _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_
     """:func:`window_backward`'s ``(result, plan)``: the fused kernel's plan that ran, None for the split kernels
     or an empty call."""
     _check_inputs(q, k, v, out, grad_out, lse, None, None, mode)
-    # the kernels are built for unit last strides (:func:`._host.unit_last_stride`): out.sum()'s dO is stride 0
+    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
     q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
     BW, H, N, _ = q.shape
     if k.shape[2] != N:
@@ -455,7 +455,7 @@ def backward_after_forward(forward_plan, q, k, v, out, grad_out, lse, bias, shif
     the output gradient's and the bias's strides, so a signature's first call validates and builds as
     :func:`window_backward` does and later calls find the fused plan by those few values (no second validation,
     no 28-entry key). Windows the fused kernel does not take run :func:`window_backward` every call."""
-    grad_out = unit_last_stride(grad_out)  # autograd's dO may be any layout (:func:`._host.unit_last_stride`)
+    grad_out = unit_last_stride(grad_out)  # autograd's dO may be any layout (:func:`._launch.unit_last_stride`)
     key = (forward_plan, grad_out.stride(), grad_out.dtype, grad_out.data_ptr() & 15,
            None if bias is None else bias.stride(), bool(bias_requires_grad), bool(scale_requires_grad),
            head_scale is not None, logit_scale is not None and logit_scale.dtype, _grad_strides(grads))

@@ -58,8 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._host import cdiv, head_blocks, heads_inner_layout, pad_pow2, run_first_that_fits, sm_count
-from ._launch import KernelCall, PlanCache, WindowForwardRun, interpreting
+from ._launch import (KernelCall, PlanCache, WindowForwardRun, cdiv, head_blocks, heads_inner_layout, interpreting,
+                      pad_pow2, run_first_that_fits, sm_count)
 from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 

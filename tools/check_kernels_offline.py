@@ -24,7 +24,7 @@ from tqdm import tqdm  # noqa: E402
 
 from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, ieee_gluon_bwd, pasa_fwd,  # noqa: E402
                                 varlen_bwd, window_bwd, window_fwd)
-from visionattn.kernels._host import pad_pow2  # noqa: E402
+from visionattn.kernels._launch import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers

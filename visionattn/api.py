@@ -34,7 +34,7 @@ from .checks import (BACKWARD_MODES, FLOAT_DTYPES, KERNEL_DTYPES, cast_checked, 
                      check_flags, check_float16_range, check_operand, check_tensor, first_order_only, has_backward,
                      mode_of, relaid_inputs)
 from .kernels._launch import PlanCache, recording
-from .modes import Mode
+from .modes import MODES, Mode
 from .reference import blocked_attention, cpu_block_size, no_keys_output
 
 __all__ = ["attention", "attention_qkvpacked", "validate_attention_inputs", "dense", "dense_packed",
@@ -388,9 +388,9 @@ def _triton(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, ke
     bfloat16 / float32 input, also keep its runner in :data:`CALLS` (a training call's runner goes straight to
     :class:`_DenseFunction`)."""
     grad = _needs_grad(q, k, v, bias)
-    (q, k, v), relaid = relaid_inputs(q, k, v)
-    if relaid:
-        key = None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        (q, k, v), _ = relaid_inputs(q, k, v)
+        key = None  # the runner would pass the caller's layout on
     if key is not None and not grad and q.dtype in KERNEL_DTYPES:
         return _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md)
     if key is not None and grad and q.dtype in KERNEL_DTYPES and not md.half_scores:
@@ -517,19 +517,25 @@ def attention(
             float16 mode (``fp16``, ``pasa``, ``fp16-acc16``); ``enable_gqa`` not a bool; key / value heads
             other than H without ``enable_gqa``, or not dividing H with it (ValueError, as SDPA raises).
     """
+    plain_scale = scale is None or (type(scale) is float and math.isfinite(scale))
     if num_splits is None:
         # a signature seen before was validated then: launch from its plan (same checks, done once)
         key, run = CALLS.lookup(_signature, q, k, v, bias, attn_mask, mode, backend, is_causal, enable_gqa)
-        if run is not None and (scale is None or (type(scale) is float and math.isfinite(scale))):
+        if run is not None and plain_scale:
             return run(q, k, v, bias, attn_mask, scale)
     else:
         key = None
-    md = mode_of(mode)
+    md = MODES.get(mode) if type(mode) is str else None  # a mode's name: read from the table
+    if md is None:
+        md = mode_of(mode)  # a Mode, or an unknown name (raises)
     raw_bias = bias
     if enable_gqa is not True and enable_gqa is not False:
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__} {enable_gqa!r}")
     bias, attn_mask = validate_attention_inputs(q, k, v, bias, attn_mask, enable_gqa)
-    scale = check_flags(is_causal, scale, q.shape[-1])
+    if plain_scale and (is_causal is True or is_causal is False):  # what check_flags passes through unchanged
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+    else:
+        scale = check_flags(is_causal, scale, q.shape[-1])
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits={num_splits!r}; expected a positive int or None")
     args = (q, k, v, bias, attn_mask, is_causal, scale, md, num_splits, key, raw_bias)
@@ -549,9 +555,9 @@ def _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md: Mode):
         plan, out = pasa_kernel_plan(qc, kc, vc, bias, attn_mask, is_causal, scale, md.pasa_shift, out_dtype)
         first = False
     else:
-        from .kernels import elsa_fwd
+        from .kernels.elsa_fwd import plan_for  # (a submodule import: the package's lazy attributes are not asked)
 
-        plan, (out, _) = elsa_fwd.plan_for(qc, kc, vc, bias, attn_mask, is_causal, scale, md.name, 0, out_dtype)
+        plan, (out, _) = plan_for(qc, kc, vc, bias, attn_mask, is_causal, scale, md.name, 0, out_dtype)
         first = True  # the dense plan returns (out, lse)
     if plan is not None:
         default = q.shape[-1] ** -0.5

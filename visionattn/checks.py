@@ -2,8 +2,11 @@
 
 Each family module (:mod:`visionattn.api` dense, :mod:`visionattn.window`, :mod:`visionattn.varlen`,
 :mod:`visionattn.pasa`) validates its own arguments with these helpers; the errors name the argument and what
-is expected. :func:`qkv_key` / :func:`tensor_key` describe what a cached runner depends on, so a family's call
-cache (:class:`visionattn.kernels._launch.PlanCache`, looked up by ``lookup``) keys a public call by them.
+is expected. The dense and window families test the common case themselves (a mode's name, a bool flag, a finite
+float or no scale, dense tensors on one device, unit last strides) and call a helper here only where that test
+fails, so that a first call of a signature does not enter this module. :func:`qkv_key` / :func:`tensor_key`
+describe what a cached runner depends on, so a family's call cache (:class:`visionattn.kernels._launch.PlanCache`,
+looked up by ``lookup``) keys a public call by them.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import numbers
 
 import torch
 
-from .kernels._launch import qkv_key, tensor_key
+from .kernels._launch import qkv_key, tensor_key, unit_last_stride
 from .modes import MODES, Mode, get_mode
 
 __all__ = ["FLOAT_DTYPES", "KERNEL_DTYPES", "BACKWARD_MODES", "has_backward", "first_order_only", "check_tensor",
@@ -54,13 +57,11 @@ def mode_of(mode: str | Mode) -> Mode:
 
 def relaid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """``((q, k, v), relaid)``: the three with unit last strides, the only layout the kernels take
-    (:func:`visionattn.kernels._host.unit_last_stride`: one copy of a tensor whose head dim is not of unit stride),
+    (:func:`visionattn.kernels._launch.unit_last_stride`: one copy of a tensor whose head dim is not of unit stride),
     and whether one was laid out, in which case a family keeps no cached runner for the call signature (its runner
     would pass the caller's layout on)."""
     if q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
         return (q, k, v), False
-    from .kernels._host import unit_last_stride  # imports Triton: only on the kernel path
-
     return tuple(unit_last_stride(t) for t in (q, k, v)), True
 
 

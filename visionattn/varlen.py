@@ -32,7 +32,7 @@ import torch
 from . import dispatch
 from .checks import (BACKWARD_MODES, KERNEL_DTYPES, cast_checked, check_dense, check_devices, check_flags,
                      check_float16_range, check_tensor, first_order_only, has_backward)
-from .kernels._launch import PlanCache, recording
+from .kernels._launch import PlanCache, recording, unit_last_stride
 from .modes import Mode, get_mode
 from .reference import blocked_attention, cpu_block_size
 
@@ -263,7 +263,7 @@ def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
     ref = max((ts[i] for i in live), key=lambda t: t.shape[0]).stride()
     if ref[-1] != 1 or any(ts[i].stride()[1:] != ref[1:] or (ts[i].shape[0] > 1 and ts[i].stride(0) != ref[0])
                            for i in live):
-        return None  # (the kernels take unit last strides only: visionattn.kernels._host.unit_last_stride)
+        return None  # (the kernels take unit last strides only: visionattn.kernels._launch.unit_last_stride)
     size, at = ts[base].element_size(), ts[base].data_ptr()
     if any((ts[i].data_ptr() - at) % (16 * size) for i in live):
         return None
@@ -377,11 +377,9 @@ def _triton_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: 
 
 def _triton(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode):
     """The varlen kernel's output in q's dtype."""
-    from .kernels._host import unit_last_stride
-
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     dtype = md.compute_dtype
-    # the kernels take unit last strides only (visionattn.kernels._host.unit_last_stride)
+    # the kernels take unit last strides only (visionattn.kernels._launch.unit_last_stride)
     qc, kc, vc = (unit_last_stride(cast_checked(t, dtype, n, md.name)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     out_dtype = q.dtype if q.dtype in KERNEL_DTYPES else torch.float32
     out = varlen_kernel(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad)

@@ -70,7 +70,8 @@ def validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_wind
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        check_dense(name, t)
+        if t.is_nested or t.layout is not torch.strided:
+            check_dense(name, t)
         if t.dim() != 4:
             raise ValueError(f"{name} must be [B*nW, H, N, D], got shape {tuple(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:
@@ -92,12 +93,14 @@ def validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_wind
         raise ValueError(f"num_windows={num_windows} does not divide the window batch B*nW={BW}")
     if cosine is not True and cosine is not False:
         raise TypeError(f"cosine must be a bool, got {type(cosine).__name__} {cosine!r}")
-    for name, t in (("relative_position_bias", relative_position_bias), ("shift_mask", shift_mask),
-                    ("logit_scale", logit_scale)):
-        if t is not None:
+    operands = (relative_position_bias, shift_mask, logit_scale)
+    for name, t in zip(("relative_position_bias", "shift_mask", "logit_scale"), operands):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.is_nested or t.layout is not torch.strided):
             check_operand(name, t, "pass a torch tensor, e.g. torch.from_numpy(...)")
-    check_devices({"query": q, "key": k, "value": v, "relative_position_bias": relative_position_bias,
-                   "shift_mask": shift_mask, "logit_scale": logit_scale})
+    device = q.device
+    if device.type == "meta" or any(t is not None and t.device != device for t in (k, v, *operands)):
+        check_devices({"query": q, "key": k, "value": v, "relative_position_bias": relative_position_bias,
+                       "shift_mask": shift_mask, "logit_scale": logit_scale})
     bias = relative_position_bias
     if bias is not None:
         if not bias.is_floating_point():
@@ -485,9 +488,9 @@ def window_kernel(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bo
 def window_plan(q, k, v, bias, mask, logit_scale, num_windows: int, cosine: bool, scale: float, mode: str):
     """Eager: ``(plan, out)`` of a window call (:func:`visionattn.kernels.window_fwd.plan_for`); bias / mask
     with a unit last stride, ``logit_scale`` [H]."""
-    from .kernels import window_fwd
+    from .kernels.window_fwd import plan_for  # (a submodule import: the package's lazy attributes are not asked)
 
-    return window_fwd.plan_for(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
+    return plan_for(q, k, v, bias, mask, logit_scale, num_windows, cosine, scale, mode)
 
 
 def window_attention(
@@ -541,12 +544,18 @@ def window_attention(
     # a signature seen before was validated then: launch from its plan (same checks, done once)
     key, run = CALLS.lookup(_signature, q, k, v, relative_position_bias, shift_mask, logit_scale, num_windows, cosine,
                             mode, backend)
-    if run is not None and (scale is None or (type(scale) is float and math.isfinite(scale))):
+    plain_scale = scale is None or (type(scale) is float and math.isfinite(scale))
+    if run is not None and plain_scale:
         return run(q, k, v, relative_position_bias, shift_mask, logit_scale, scale)
-    md = get_mode(mode)
+    md = MODES.get(mode) if type(mode) is str else None  # a mode's name: read from the table
+    if md is None:
+        md = get_mode(mode)  # a Mode, or an unknown name (raises)
     bias, mask, ls = validate_window_inputs(q, k, v, relative_position_bias, shift_mask, num_windows, cosine,
                                             logit_scale)
-    scale = check_flags(False, scale, q.shape[-1])
+    if plain_scale:  # what check_flags passes through unchanged
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+    else:
+        scale = check_flags(False, scale, q.shape[-1])
     if md.compute_dtype == torch.float16 and q.dtype != torch.float16:
         # both paths cast to float16 inside (the kernels, the reference): overflow raises as the dense call's
         # cast does, on every call (no cached runner for the signature, which would skip the check)
@@ -581,9 +590,9 @@ def _triton(q, k, v, bias, mask, ls, num_windows, cosine, scale, md: Mode, key, 
     relative_position_bias, shift_mask, logit_scale = raw
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or _needs_grad(bias, ls))
-    (q, k, v), relaid = relaid_inputs(q, k, v)
-    if relaid:
-        key = None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        (q, k, v), _ = relaid_inputs(q, k, v)
+        key = None  # the runner would pass the caller's layout on
     scale = float(scale)
     if grad:  # the backward kernels, from the LSE the forward saves
         if key is not None and mask is shift_mask:  # later calls: straight to the autograd function

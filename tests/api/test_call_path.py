@@ -1,9 +1,13 @@
 """How many of the package's files a call enters between the public function and the kernel launch (the first
 ``KernelCall.__call__``, whose file counts): a repeat call of a signature stays on its family module and the launch
-module, which runs the plan the kernel module built; a first call also validates, dispatches and builds the plan
-(docs/design.md draws the path).
-Runs the kernels in the interpreter on the CPU (``backend="triton"``)."""
+module, which runs the plan the kernel module built; a first call also dispatches and builds the plan, and
+validates in its family module (docs/design.md draws the path).
+Runs the kernels in the interpreter on the CPU (``backend="triton"``). A call signature's path is counted with the
+kernel modules imported, as any earlier kernel call of the process imports them; the first kernel call of a process
+(counted in a fresh interpreter) also imports its kernel module and what that module's kernels are built from.
+"""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -50,14 +54,33 @@ def _calls():
     }
 
 
+# files entered by a first and a repeat call of a signature, in order
+FIRST = {"attention": ["api.py", "_launch.py", "dispatch.py", "elsa_fwd.py"],
+         "window": ["window.py", "_launch.py", "dispatch.py", "window_fwd.py"]}
+REPEAT = {"attention": ["api.py", "_launch.py"], "window": ["window.py", "_launch.py"]}
+
+
 @pytest.mark.parametrize("name", ["attention", "window"])
-def test_a_repeat_call_enters_two_files_and_a_first_call_validates(name):
+def test_a_repeat_call_enters_two_files_and_a_first_call_dispatches_and_plans(name):
     if not os.environ.get("TRITON_INTERPRET"):
         pytest.skip("counts the interpreter's path on the CPU")
+    from visionattn.kernels import elsa_fwd, window_fwd  # noqa: F401  (imported as an earlier kernel call would)
+
     call = _calls()[name]
     first = _files_entered(call)
     repeat = _files_entered(call)
-    assert repeat == ["api.py" if name == "attention" else "window.py", "_launch.py"], repeat
-    assert "checks.py" not in repeat and "dispatch.py" not in repeat  # no validation, no dispatch again
-    assert "checks.py" in first and "dispatch.py" in first
-    assert ("elsa_fwd.py" if name == "attention" else "window_fwd.py") in first  # the plan is built there
+    assert first == FIRST[name], first  # validated in the family module, dispatched, planned in the kernel module
+    assert repeat == REPEAT[name], repeat  # no validation, no dispatch, no planning again
+
+
+@pytest.mark.parametrize("name", ["attention", "window"])
+def test_the_first_kernel_call_of_a_process_imports_only_its_kernel_module(name):
+    """In a fresh interpreter the first call also runs the import of its kernel module, which imports the
+    split-FP16 helpers its kernels are built from; the Gluon modules are not imported for CPU tensors, nor the
+    package's lazy attributes asked."""
+    if not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("counts the interpreter's path on the CPU")
+    code = f"import test_call_path as t; print(t._files_entered(t._calls()[{name!r}]))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    assert out.strip() == str([*FIRST[name], "split16.py"]), out

@@ -232,7 +232,7 @@ def test_run_first_that_fits_falls_back_in_order_and_reraises():
     OutOfResources propagates (at once if there is nothing smaller)."""
     import triton.runtime.errors as terr
 
-    from visionattn.kernels._host import run_first_that_fits
+    from visionattn.kernels._launch import run_first_that_fits
 
     def run_fitting(limit, tried):
         def run(c):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from visionattn.kernels import elsa_attention, pasa_attention
-from visionattn.kernels._host import allocate_output
+from visionattn.kernels._launch import allocate_output
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -141,8 +141,9 @@ def test_dispatch_takes_the_lengths_the_kernel_is_preferred_at(monkeypatch):
     call's query and key counts (193-224 rows: four consumer warpgroups)."""
     taken = []
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    monkeypatch.setattr(elsa_fwd, "_gluon_device", lambda device: True)  # as if on a Hopper GPU
     monkeypatch.setattr(half_gluon, "unsupported_reason",
-                        lambda *a: "split-KV requested" if a[-1] > 1 else None)  # as if on a Hopper GPU
+                        lambda *a: "split-KV requested" if a[-1] > 1 else None)
     monkeypatch.setattr(half_gluon, "planned_launch",
                         lambda q, k, v, cfg: taken.append((q.shape, cfg)) or (lambda *a: None))
     monkeypatch.setattr(elsa_fwd, "choose_num_splits", lambda *a: 1)  # as if the grid fills the GPU
@@ -197,7 +198,8 @@ def test_a_bad_out_dtype_is_refused_before_any_gluon_kernel_is_tried(monkeypatch
     """A caller's bad ``out_dtype`` raises TypeError before dispatch, so it neither reaches a Gluon kernel nor
     marks one as failed (which would warn and keep it off for the rest of the process)."""
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
-    monkeypatch.setattr(half_gluon, "unsupported_reason", lambda *a: None)  # as if on a Hopper GPU
+    monkeypatch.setattr(elsa_fwd, "_gluon_device", lambda device: True)  # as if on a Hopper GPU
+    monkeypatch.setattr(half_gluon, "unsupported_reason", lambda *a: None)
     monkeypatch.setattr(half_gluon, "planned_launch", lambda *a: pytest.fail("planned with a bad out_dtype"))
     q, k, v = _qkv(16, 2048)
     with warnings.catch_warnings():
@@ -216,7 +218,8 @@ def test_a_failing_gluon_kernel_warns_once_and_the_triton_kernel_takes_over(monk
                            "half": (half_gluon, "fp16", torch.float16)}[kernel]
     calls = []
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
-    monkeypatch.setattr(module, "unsupported_reason", lambda *a: None)  # as if on a GPU, in scope
+    monkeypatch.setattr(elsa_fwd, "_gluon_device", lambda device: True)  # as if on a GPU, in scope
+    monkeypatch.setattr(module, "unsupported_reason", lambda *a: None)
 
     def broken(*a, **kw):
         calls.append(1)
@@ -241,6 +244,7 @@ def test_a_missing_gluon_api_warns_once_only_for_calls_the_kernel_would_take(mon
     kernel would not have taken anyway."""
     module, dtype = {"fp32-ieee": (ieee_gluon, torch.float32), "half": (half_gluon, torch.float16)}[kernel]
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    monkeypatch.setattr(elsa_fwd, "_gluon_device", lambda device: True)  # as if on a GPU
     monkeypatch.setattr(module, "_IMPORT_ERROR", "Gluon unavailable in this Triton (test)")
     q, k, v = _qkv(16, 2048, 64, dtype)
     with warnings.catch_warnings():
@@ -338,7 +342,7 @@ def test_later_calls_encode_the_tensor_maps_themselves_with_the_same_results(wri
     """After its first (compiling) call a planned launch hands Triton's launcher tensor maps it encodes itself
     (KernelCall.with_descriptors, no descriptor objects): outputs and LSE bit for bit those of the first call,
     on the same tensors and on other tensors of the plan's layout (other addresses: the maps follow them)."""
-    from visionattn.kernels._host import heads_inner_output
+    from visionattn.kernels._launch import heads_inner_output
 
     B, N, H, D = 2, 1025, 12, 64
     cfg = half_gluon.get_config(N, D, n_q=N)

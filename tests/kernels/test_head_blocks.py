@@ -6,13 +6,13 @@ whose V tile is narrower or wider than its K tile into code that addresses share
 NaN in the dense forward, D = 128 with Dv = 16 wrong outputs (relative error ~1), D = 48 with Dv = 32 an illegal
 address, and likewise in the backward, the window and the varlen kernels. The interpreter computes the same
 kernels correctly, so these tests check the cause: every interpreted launch with split-FP16 products gets
-``BLOCK_D == BLOCK_DV`` (:func:`visionattn.kernels._host.head_blocks`), and the results stay exact.
+``BLOCK_D == BLOCK_DV`` (:func:`visionattn.kernels._launch.head_blocks`), and the results stay exact.
 """
 import pytest
 import torch
 
 import visionattn as va
-from visionattn.kernels._host import head_blocks
+from visionattn.kernels._launch import head_blocks
 from visionattn.metrics import rel_l2
 
 SPLIT_KEYS = ("PRECISION", "GRAD_PRECISION", "IN_PREC")

@@ -5,14 +5,14 @@ other code, which on the GPU (Triton 3.6) read shared memory out of bounds in th
 ``out.sum().backward()`` (a stride-0 ``grad_out``) died with an illegal memory access in fp32 and returned NaN
 gradients in tf32, and the fused window backward returned NaN in dK. The interpreter computes those kernels
 correctly, so these tests check the cause instead of the symptom: they record every tensor passed to an
-interpreted kernel and require a unit last stride (:func:`visionattn.kernels._host.unit_last_stride` makes it),
+interpreted kernel and require a unit last stride (:func:`visionattn.kernels._launch.unit_last_stride` makes it),
 and check the gradients against float64 autograd for the layouts autograd hands the backward.
 """
 import pytest
 import torch
 
 import visionattn as va
-from visionattn.kernels._host import unit_last_stride
+from visionattn.kernels._launch import unit_last_stride
 from visionattn.metrics import rel_l2
 
 @pytest.fixture

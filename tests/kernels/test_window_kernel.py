@@ -352,7 +352,7 @@ def test_float64_inputs_are_refused_with_the_output_dtype_named():
     """A direct FP64 caller of the window kernel (no out_dtype argument) gets an error naming the
     output dtype and the dtypes the kernels write, not a bare reference to an argument it never passed."""
     import torch
-    from visionattn.kernels._host import heads_inner_output
+    from visionattn.kernels._launch import heads_inner_output
 
     q = torch.zeros(1, 2, 4, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"output dtype torch.float64 .*write one of"):
