@@ -68,7 +68,8 @@ def estimate_memory(model_or_config, frames: int, height: int, width: int, mode:
         include_weights: add the parameters and buffers (FP32 as stored).
 
     Returns:
-        bytes (int), the larger of the aggregator peak and the heads peak.
+        bytes (int), the largest of the stages' peaks (VGGT: the aggregator's and the heads'), plus
+        :data:`~visionattn.models.peak_memory.CUDA_SCRATCH_BYTES` for what CUDA allocates beside the tensors.
 
     Raises:
         ValueError: unknown mode, frames < 1, a size not divisible by the patch size, or query points for π³.

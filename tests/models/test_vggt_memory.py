@@ -153,7 +153,8 @@ def test_estimate_memory_vggt_1b_structure():
     assert weights < est[0] < weights + 2 * 2 ** 30
     official = VGGT.estimate_memory(200, 392, 518, "fp32", keep_all_layers=True)
     assert est[-1] <= 0.45 * official  # the kept-layer trimming is what the model is meant to show
-    assert VGGT.estimate_memory(200, 392, 518, "bf16") < est[-1]
+    # bf16's activations, smaller than fp32's, outweigh autocast's half weight copies at 500 frames (not at 200)
+    assert VGGT.estimate_memory(500, 392, 518, "bf16") < VGGT.estimate_memory(500, 392, 518, "fp32")
     n = max_frames_that_fit(80 * 2 ** 30, 392, 518, "fp32", margin=0.0)
     assert VGGT.estimate_memory(n, 392, 518, "fp32") <= 80 * 2 ** 30 < VGGT.estimate_memory(n + 1, 392, 518, "fp32")
     assert max_frames_that_fit(2 ** 30, 392, 518, "fp32") == 0  # not even the weights fit
@@ -169,8 +170,10 @@ def test_estimate_memory_vggt_1b_structure():
      (28, 42)),
 ])
 def test_estimate_memory_matches_measured_live_bytes(config, hw):
-    """Analytic peak vs the live tensor bytes counted on the CPU (weights included), FP32 and bf16 autocast."""
+    """Analytic peak (less the CUDA scratch allowance) vs the live tensor bytes counted on the CPU (weights
+    included), FP32 and bf16 autocast."""
     from visionattn.models import LiveBytes
+    from visionattn.models.peak_memory import CUDA_SCRATCH_BYTES
     from visionattn.models.vggt import autocast
 
     model = VGGT(**vggt_tiny_config(**config), attn_mode=None).eval()
@@ -181,7 +184,7 @@ def test_estimate_memory_matches_measured_live_bytes(config, hw):
             x = torch.rand(frames, 3, *hw)
             with torch.no_grad(), autocast("cpu", dt), LiveBytes(base=weights) as meter:
                 model(x)
-            est = model.estimate_memory(frames, *hw, mode)
+            est = model.estimate_memory(frames, *hw, mode) - CUDA_SCRATCH_BYTES
             assert 0.9 <= est / meter.peak <= 1.25, (mode, frames, est, meter.peak)
             assert est > prev
             prev = est
