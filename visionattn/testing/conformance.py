@@ -130,6 +130,8 @@ import torch
 import torch.nn.functional as F
 
 import visionattn as va
+from visionattn.checks import has_backward
+from visionattn.modes import get_mode
 
 __all__ = ["FAMILIES", "MODES", "FORWARD_ONLY", "QUANTITIES", "FAMILY_WEIGHTS", "UNIT_ROUNDOFF", "SHARED_SKELETONS",
            "INTERPRETER_SKIPS", "Profile", "PROFILES", "LAYOUTS", "draw_case", "describe", "parse_case_id",
@@ -138,8 +140,8 @@ __all__ = ["FAMILIES", "MODES", "FORWARD_ONLY", "QUANTITIES", "FAMILY_WEIGHTS", 
            "summarize"]
 
 FAMILIES = ("dense", "qkvpacked", "window", "window-qkvpacked", "varlen", "split-kv", "ring")
-MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa")
-FORWARD_ONLY = frozenset({"pasa"})
+MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa")  # every mode but fp16-acc16 (a diagnostic baseline)
+FORWARD_ONLY = frozenset(m for m in MODES if not has_backward(m))
 QUANTITIES = ("out", "dq", "dk", "dv", "dbias", "dlogit_scale")
 # how often each family is drawn
 FAMILY_WEIGHTS = {"dense": 30, "qkvpacked": 10, "window": 18, "window-qkvpacked": 10, "varlen": 12, "split-kv": 8,
@@ -332,7 +334,7 @@ def _draw_grad_out(rng: random.Random, numel: int, out_dtype: str, listed: bool 
 
 def _dtype_for(rng: random.Random, mode: str) -> str:
     """The input dtype: the mode's compute dtype mostly, sometimes FP32 into a half mode or FP64 (cast paths)."""
-    compute = {"fp16": "float16", "pasa": "float16", "bf16": "bfloat16"}.get(mode, "float32")
+    compute = str(get_mode(mode).compute_dtype).removeprefix("torch.")
     r = rng.random()
     if r < 0.8:
         return compute
