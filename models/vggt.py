@@ -486,7 +486,7 @@ def _read_config(path: str) -> dict:
     return {k: v for k, v in raw.items() if k in accepted}
 
 
-def vggt_attention_shapes(frames: int, height: int, width: int, **config) -> list[tuple[int, int, int, int]]:
+def vggt_attention_shapes(frames: int, height: int, width: int, **config) -> list[tuple]:
     """The attention calls of one :class:`VGGT` forward over ``frames`` images of ``height`` x ``width`` pixels
     (one scene), as ``(batch, num_heads, seq_len, head_dim)``, known before the model is built; for
     :class:`visionattn.warmup.CompileAhead`.
@@ -494,7 +494,9 @@ def vggt_attention_shapes(frames: int, height: int, width: int, **config) -> lis
     The DINOv2 patch embed per chunk of ``patch_embed_chunk_size`` frames, the frame and global blocks and,
     with ``enable_camera``, the camera head's trunk (attention across frames). The track head's calls depend
     on the query points and are left out; FastVGGT's merged global calls are shorter than the global one
-    listed.
+    listed. With FP32 heads (``heads_dtype`` None or ``"fp32"``) the camera trunk's entry carries a fifth element,
+    ``torch.float32``: its inputs stay FP32 under autocast, so a half mode runs it with an FP32 output, a kernel
+    variant of its own; the other calls take the autocast (or the mode's) dtype.
 
     Args:
         frames, height, width: frames of the scene and their size in pixels (multiples of ``patch_size``).
@@ -517,7 +519,8 @@ def vggt_attention_shapes(frames: int, height: int, width: int, **config) -> lis
               for s0 in range(0, frames, step)]
     shapes += [(frames, heads, tokens, dim // heads), (1, heads, frames * tokens, dim // heads)]
     if cfg["enable_camera"]:
-        shapes.append((1, heads, frames, 2 * dim // heads))
+        camera = (1, heads, frames, 2 * dim // heads)
+        shapes.append(camera + (torch.float32,) if cfg["heads_dtype"] in (None, "fp32") else camera)
     return list(dict.fromkeys(shapes))
 
 

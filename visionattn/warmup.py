@@ -113,21 +113,23 @@ def proxy_shapes(shapes) -> list[tuple[int, int, int, int]]:
     so neither it nor the real call splits.
 
     Args:
-        shapes: ``(batch, num_heads, seq_len, head_dim)`` per attention call (queries = keys).
+        shapes: ``(batch, num_heads, seq_len, head_dim)`` per attention call (queries = keys), or with a fifth
+            element, the inputs' ``torch.dtype`` where it is not the mode's (kept as it is in the proxy).
 
     Returns:
         the distinct proxy shapes, in first-seen order.
     """
     out = []
-    for b, h, n, d in shapes:
-        b, h, n, d = int(b), int(h), int(n), int(d)
+    for shape in shapes:
+        b, h, n, d = (int(x) for x in shape[:4])
         if min(b, h, n, d) < 1:
             raise ValueError(f"shape {(b, h, n, d)}: batch, num_heads, seq_len and head_dim must be positive")
         if b * h * math.ceil(n / 128) >= _FULL_PROGRAMS:
             n = min(n, max(_PROXY_MAX_KEYS, 128 * math.ceil(_FULL_PROGRAMS / (b * h))))
             b = min(b, max(1, math.ceil(_FULL_PROGRAMS / (h * math.ceil(n / 128)))))
-        if (b, h, n, d) not in out:
-            out.append((b, h, n, d))
+        proxy = (b, h, n, d, *shape[4:5])
+        if proxy not in out:
+            out.append(proxy)
     return out
 
 
@@ -137,7 +139,9 @@ def warm_up_shapes(mode: str, shapes, *, device: str = "cuda") -> dict:
 
     Args:
         mode: a :data:`visionattn.modes.MODES` name.
-        shapes: ``(batch, num_heads, seq_len, head_dim)`` of the model's attention calls.
+        shapes: ``(batch, num_heads, seq_len, head_dim)`` of the model's attention calls, inputs in the mode's
+            dtype; a fifth element names another input dtype (e.g. ``torch.float32`` for a model's FP32 heads
+            in a half mode: the kernel then writes an FP32 output, a variant of its own).
         device: a CUDA device.
 
     Returns:
@@ -154,8 +158,8 @@ def warm_up_shapes(mode: str, shapes, *, device: str = "cuda") -> dict:
         raise RuntimeError(f"device={device!r}: warming up needs a CUDA GPU (the kernels compile for it)")
     t0, calls = time.perf_counter(), 0
     with torch.no_grad():
-        for b, h, n, d in proxy_shapes(shapes):
-            q = torch.randn(b, h, n, d, device=device, dtype=dtype)
+        for b, h, n, d, *given in proxy_shapes(shapes):
+            q = torch.randn(b, h, n, d, device=device, dtype=given[0] if given else dtype)
             va.attention(q, q, q, mode=mode)
             calls += 1
     torch.cuda.current_stream(torch.device(device)).synchronize()

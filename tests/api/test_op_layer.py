@@ -401,6 +401,10 @@ def test_proxy_shapes_keep_small_calls_and_shrink_large_ones_to_unsplit_calls():
     assert warmup.proxy_shapes([(100, 16, 1041, 64), (32, 16, 1041, 64)]) == [(8, 16, 1041, 64)]
     with pytest.raises(ValueError, match="must be positive"):
         warmup.proxy_shapes([(1, 16, 0, 64)])
+    # an input dtype other than the mode's travels with its proxy (a kernel variant of its own)
+    assert warmup.proxy_shapes([(1, 16, 100, 128, torch.float32), (1, 16, 100, 128)]) == [
+        (1, 16, 100, 128, torch.float32), (1, 16, 100, 128)]
+    assert warmup.proxy_shapes([(100, 16, 1041, 64, torch.float32)]) == [(8, 16, 1041, 64, torch.float32)]
 
 
 def test_compile_ahead_reports_a_failed_warm_up_once_in_the_callers_thread():

@@ -305,6 +305,31 @@ def test_attention_shapes_are_the_calls_a_forward_makes(monkeypatch, frames, chu
     model = VGGT(**cfg, attn_mode="fp32").eval()
     with torch.no_grad():
         model(torch.rand(frames, 3, *hw))
-    assert sorted(set(seen)) == sorted(vggt_attention_shapes(frames, *hw, **cfg))
+    assert sorted(set(seen)) == sorted(s[:4] for s in vggt_attention_shapes(frames, *hw, **cfg))
     with pytest.raises(TypeError, match="no argument"):
         vggt_attention_shapes(frames, *hw, num_head=4)
+
+
+@pytest.mark.parametrize("heads_dtype", [None, "bf16"])
+def test_attention_shapes_name_the_inputs_dtype_under_autocast(monkeypatch, heads_dtype):
+    """Under bf16 autocast the aggregator's calls get bf16 inputs, the camera trunk's FP32 ones with FP32 heads
+    (a kernel variant of its own in a half mode): vggt_attention_shapes marks exactly those with torch.float32."""
+    import visionattn.models.layers as layers
+    from visionattn.models import vggt_attention_shapes
+    from visionattn.models.vggt import autocast
+
+    seen = []
+    real = layers._va_attention
+
+    def recording(q, k, v, **kw):
+        seen.append((*q.shape, q.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(layers, "_va_attention", recording)
+    cfg = vggt_tiny_config(heads_dtype=heads_dtype)
+    model = VGGT(**cfg, attn_mode="bf16").eval()
+    with torch.no_grad(), autocast("cpu", torch.bfloat16):
+        model(torch.rand(2, 3, 28, 42))
+    expected = [(*s[:4], s[4] if len(s) > 4 else torch.bfloat16) for s in vggt_attention_shapes(2, 28, 42, **cfg)]
+    assert sorted(set(seen), key=str) == sorted(expected, key=str)
+    assert any(d == torch.float32 for *_, d in expected) == (heads_dtype is None)

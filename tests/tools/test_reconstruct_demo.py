@@ -382,7 +382,11 @@ def test_compile_ahead_where_kernels_compile(recon):
     assert pipeline.start_compile_ahead("sdpa", "random", "cuda", (3, 3, 518, 392)) is None
     ahead = pipeline.start_compile_ahead("bf16", "random-tiny", "cuda", (3, 3, 56, 42))
     assert ahead.mode == "bf16" and ahead.shapes == vggt_attention_shapes(3, 56, 42, **vggt_tiny_config())
+    half_heads = pipeline.start_compile_ahead("bf16", "random-tiny", "cuda", (3, 3, 56, 42), heads="bf16")
+    assert half_heads.shapes == vggt_attention_shapes(3, 56, 42, **vggt_tiny_config(heads_dtype="bf16"))
+    assert half_heads.shapes != ahead.shapes  # the camera trunk's inputs: FP32 with FP32 heads, bf16 with bf16 ones
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # without a GPU the warm-up fails, said by a warning
         info = ahead.wait()
+        half_heads.wait()
     assert ("error" in info) != torch.cuda.is_available()

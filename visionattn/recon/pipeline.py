@@ -732,18 +732,20 @@ class Stages:
         return out
 
 
-def start_compile_ahead(mode: str, weights: str, device, images_shape: tuple[int, ...], model: str = "vggt"):
+def start_compile_ahead(mode: str, weights: str, device, images_shape: tuple[int, ...], model: str = "vggt",
+                        heads: str | None = None):
     """A :class:`visionattn.warmup.CompileAhead` of the kernels VGGT's forward in ``mode`` uses on ``images_shape``
-    ([S, 3, H, W] frames; :func:`visionattn.models.vggt_attention_shapes`), or ``None`` where nothing compiles
-    ahead (the CPU, ``mode="sdpa"``, and π³ / Pi3X, whose kernels compile in their first forward). Start it before
-    the model's first forward; FastVGGT uses the same kernels."""
+    ([S, 3, H, W] frames; :func:`visionattn.models.vggt_attention_shapes`, with the heads' precision ``heads`` as
+    :func:`build_model` takes it), or ``None`` where nothing compiles ahead (the CPU, ``mode="sdpa"``, and π³ /
+    Pi3X, whose kernels compile in their first forward). Start it before the model's first forward; FastVGGT uses
+    the same kernels."""
     if torch.device(device).type != "cuda" or _check_mode(mode) is None or model in PI3_MODELS:
         return None
     _, tiny_config, _, _, _ = _models_api()  # a missing model package fails here, with the clear message
     from ..models import vggt_attention_shapes
     from ..warmup import CompileAhead
 
-    config = tiny_config() if weights == "random-tiny" else {}
+    config = {**(tiny_config() if weights == "random-tiny" else {}), "heads_dtype": heads}
     S, _, H, W = images_shape
     return CompileAhead(mode, vggt_attention_shapes(S, H, W, **config), device=str(device))
 
@@ -1146,7 +1148,8 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
             # whether the global attention splits its keys (a few frames): the predicted count serves, and a video
             # that states no frame count is taken as a long one
             if stop is not None and compile_ahead:
-                got["ahead"] = start_compile_ahead(mode, weights, dev, (frames or 64, 3, height, width), model)
+                got["ahead"] = start_compile_ahead(mode, weights, dev, (frames or 64, 3, height, width), model,
+                                                   heads)
 
         loaded = load_source(source, size=size, preprocess=preprocess, max_frames=max_frames, fps=fps, every=every,
                              progress=progress, frames_dir=frames_dir, stop=stop, on_first_frame=first_frame)
