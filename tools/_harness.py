@@ -24,13 +24,13 @@ import torch
 from visionattn.provenance import environment
 
 __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
-           "add_common", "default_out", "check_output", "check_output_folder", "output_folder", "output_files",
-           "check_device", "failure_text", "first_error", "CorruptImageError", "read_rgb", "check_image",
-           "load_config", "environment", "atomic_path", "write_text_atomic", "write_json_atomic", "OutputFiles",
-           "markdown_table", "figure", "bars", "md_header", "write_results", "prefix_outputs", "tf32_disabled",
-           "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms", "eager_graph_ms", "eager_graph_timings",
-           "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree", "attention_free", "cores", "worker_env",
-           "run_worker", "run_isolated", "run_chunks"]
+           "json_object", "add_common", "comma_list", "default_out", "check_output", "check_output_folder",
+           "output_folder", "output_files", "check_device", "failure_text", "first_error", "CorruptImageError",
+           "read_rgb", "check_image", "load_config", "environment", "atomic_path", "write_text_atomic",
+           "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header", "write_results",
+           "prefix_outputs", "tf32_flags", "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms",
+           "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree",
+           "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -73,6 +73,17 @@ positive_float = _bounded(_float, 0, math.inf, True, "a number > 0")
 nonnegative_float = _bounded(_float, 0, math.inf, False, "a number >= 0")
 percentile = _bounded(_float, 0, 100, False, "a percentile in [0, 100]")
 
+
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (e.g. extra ``timm.create_model`` arguments), else a one-line error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}': {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}', got {text!r}")
+    return value
+
 # the flags the tools share: name -> (type, help); a tool passes its default, and its own help where it says more
 COMMON_ARGS = {
     "out": (str, "output prefix: writes <out>.md, <out>.json and <out>.png (default: %(default)s)"),
@@ -92,6 +103,15 @@ def add_common(p: argparse.ArgumentParser, **defaults) -> None:
         kind, text = COMMON_ARGS[name]
         default, text = value if isinstance(value, tuple) else (value, text)
         p.add_argument("--" + name, type=kind, default=default, help=text)
+
+
+def comma_list(parser: argparse.ArgumentParser, flag: str, text: str, allowed: Sequence[str]) -> list[str]:
+    """The comma-separated names of ``text`` (stripped, duplicates dropped, in order), or exit 2 with one line
+    naming ``flag`` when there are none or one is not in ``allowed``."""
+    items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not items or any(x not in allowed for x in items):
+        parser.error(f"{flag} {text!r}: expected a comma-separated subset of {','.join(allowed)}")
+    return items
 
 
 def check_device(parser: argparse.ArgumentParser, name: str, flag: str = "--device"):
@@ -444,14 +464,13 @@ def markdown_table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def tf32_disabled():
-    """TF32 off for PyTorch matmuls and cuDNN convolutions (process-wide: tools and tests only), restored after;
-    yields the settings for the tool's record."""
+def tf32_flags(enabled: bool = False):
+    """TF32 on or (default) off for PyTorch matmuls and cuDNN convolutions (process-wide: tools and tests only),
+    restored after; yields the settings for the tool's record."""
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
     try:
-        yield {"torch.backends.cuda.matmul.allow_tf32": False, "torch.backends.cudnn.allow_tf32": False}
+        yield {"torch.backends.cuda.matmul.allow_tf32": enabled, "torch.backends.cudnn.allow_tf32": enabled}
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 

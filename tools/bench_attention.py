@@ -35,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_ms, eager_ms,  # noqa: E402
                       environment, failure_text, figure, first_error, host_us, kernel_ms, markdown_table, md_header,
-                      output_files)
+                      output_files, tf32_flags)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -94,16 +94,6 @@ def _sdpa(backend_name, gqa=False):
     return run
 
 
-@contextlib.contextmanager
-def _tf32(enabled: bool):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 _FLEX = {}
 
 
@@ -119,7 +109,7 @@ def _flex(tf32: bool, gqa=False):
     fn = _FLEX[tf32]
 
     def run(q, k, v):
-        with _tf32(tf32):
+        with tf32_flags(tf32):
             return fn(q, k, v, enable_gqa=gqa)
 
     return run
@@ -179,7 +169,7 @@ def _fwd_bwd_runner(name, do, gqa=False):
     run = _runner("sdpa-flash" if det else name, gqa)
 
     def step(q, k, v):
-        context = _tf32(True) if name == "flex-tf32" else _deterministic() if det else contextlib.nullcontext()
+        context = tf32_flags(True) if name == "flex-tf32" else _deterministic() if det else contextlib.nullcontext()
         with context:  # flex-tf32: its compiled backward too; flash-det: the backward runs inside
             return torch.autograd.grad(run(q, k, v), (q, k, v), do)
 

@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, add_common, check_device, default_out, environment, figure,  # noqa: E402
-                      markdown_table, peak_extra_mb, per_call_ms, positive_int, prefix_outputs, tf32_disabled)
+                      markdown_table, peak_extra_mb, per_call_ms, positive_int, prefix_outputs, tf32_flags)
 from bench_vggt import ROWS, _timed, build  # noqa: E402
 
 import visionattn  # noqa: E402
@@ -194,7 +194,7 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
         """(median seconds of ``--repeats`` timed forwards, peak GB after the warm-up or None on the CPU,
         the last forward's ``keys`` outputs of frames ``keep`` on the CPU). ``exact``: TF32 off for the matmuls
         and cuDNN's convolutions (on by default for convolutions), so an FP32 row compares FP32 with FP32."""
-        with torch.no_grad(), autocast(device.type, dtype), (tf32_disabled() if exact else contextlib.nullcontext()):
+        with torch.no_grad(), autocast(device.type, dtype), (tf32_flags() if exact else contextlib.nullcontext()):
             if args.warmup:
                 model(x)
             if cuda:

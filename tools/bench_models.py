@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' sha
 
 from _harness import (ToolParser, add_common, check_device, default_out, environment, failure_text,  # noqa: E402
                       figure, markdown_table, md_header, positive_float, positive_int,
-                      prefix_outputs, sample_ms, tf32_disabled, write_results)
+                      prefix_outputs, sample_ms, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -417,7 +417,7 @@ def main(args) -> dict:
         timing.update(warmup=1, min_reps=2, max_reps=3)
     env = environment()
     rows: list[dict] = []
-    with tf32_disabled():  # FP32 really FP32 on both sides
+    with tf32_flags():  # FP32 really FP32 on both sides
         settings = {"device": device, "allow_tf32_matmul": False, "allow_tf32_cudnn": False, **timing,
                     "rounds": rounds, "quick": bool(args.quick), "attention_share": not args.no_share,
                     "cuda_graph": bool(args.cuda_graph), "compile": args.compile}

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, default_out, environment, markdown_table, md_header, nonnegative_int,  # noqa: E402
-                      positive_int, prefix_outputs, sample_ms, tf32_disabled, write_results)
+                      positive_int, prefix_outputs, sample_ms, tf32_flags, write_results)
 from eval_svd import (DTYPE_NAMES, NATIVE, add_run_args, build_tiny_pipeline, check_run_args,  # noqa: E402
                       free_memory, jsonable, parse_modes, run_dtype)
 
@@ -200,7 +200,7 @@ def main(argv=None) -> dict:
     check_run_args(parser, args, "native-fp32")
     args.out = args.out or default_out("svd_unet" if args.unet_bench else "svd_attention")
     files = prefix_outputs(parser, args.out, (".json", ".md"), tool="bench_svd_attention")
-    with tf32_disabled() as settings:
+    with tf32_flags() as settings:
         print(f"process-wide settings for this run: {settings}")
         res, md = unet_bench(args) if args.unet_bench else attention_bench(args)
     write_results(files, args.out, res, md)

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
+from _harness import (ToolParser, add_common, check_device, comma_list, check_output, default_out,  # noqa: E402
                       eager_graph_timings, environment, markdown_table, output_files, peak_extra_mb, per_call_ms,
                       positive_int)
 
@@ -97,14 +97,6 @@ parser.add_argument("--batch", type=positive_int, default=32, help="--naflex: im
 parser.add_argument("--naflex-sizes", default=NAFLEX_SIZES,
                     help="--naflex: comma-separated HxW image sizes in pixels, cycled over the batch "
                          "(default: %(default)s)")
-
-
-def _subset(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if not items or bad:
-        parser.error(f"{flag} {text!r}: expected a comma-separated subset of {','.join(allowed)}")
-    return items
 
 
 def _lengths(text: str) -> list[int]:
@@ -358,8 +350,8 @@ def render_naflex(rows: list[dict], info: dict, env: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     lens = _lengths(args.lengths)
-    modes = _subset(args.modes, BENCH_MODES, "--modes")
-    methods = _subset(args.methods, METHODS, "--methods")
+    modes = comma_list(parser, "--modes", args.modes, BENCH_MODES)
+    methods = comma_list(parser, "--methods", args.methods, METHODS)
     sizes = _sizes(args.naflex_sizes)
     device = check_device(parser, args.device)
     out = check_output(parser, args.out)

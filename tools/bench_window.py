@@ -42,7 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, add_common, bars, check_output, default_out,  # noqa: E402
                       eager_graph_timings, eager_ms, environment, failure_text, figure, kernel_ms, markdown_table,
-                      md_header, output_files, peak_extra_mb, per_call_ms, tf32_disabled)
+                      md_header, output_files, peak_extra_mb, per_call_ms, tf32_flags)
 from _timm_models import create_timm_model  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
@@ -679,7 +679,7 @@ def main_train(args, cases: list, outputs: OutputFiles) -> dict:
     """``--train``: forward + backward of every case and mode."""
     device = torch.device(args.device)
     rows = []
-    with tf32_disabled():
+    with tf32_flags():
         for model, st, batch in cases:
             for mode in args.modes:
                 new = run_case(model, st, batch, mode, device, args)

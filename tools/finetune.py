@@ -20,22 +20,21 @@ temporary folder renamed into place, so an error, a corrupt image (exit 2, one l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (CorruptImageError, ToolParser, add_common, atomic_path, check_device,  # noqa: E402
-                      check_output_folder, default_out, environment, figure, markdown_table, md_header,
+                      check_output_folder, default_out, environment, figure, json_object, markdown_table, md_header,
                       nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, read_rgb,
-                      write_json_atomic, write_text_atomic)
+                      tf32_flags, write_json_atomic, write_text_atomic)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 
@@ -60,17 +59,6 @@ def precision(mode: str) -> Precision:
                          + (" (pasa is forward-only; train in fp16)" if mode == "pasa" else ""))
     half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
     return Precision(mode=mode, autocast=half, tf32=mode == "tf32", scaler=mode == "fp16")
-
-
-@contextlib.contextmanager
-def precision_flags(prec: Precision) -> Iterator[dict[str, bool]]:
-    """Set the process-wide TF32 flags ``prec`` asks for, restoring them after; yields them for the record."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = prec.tf32
-    try:
-        yield {"torch.backends.cuda.matmul.allow_tf32": prec.tf32, "torch.backends.cudnn.allow_tf32": prec.tf32}
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def autocast(device_type: str, prec: Precision):
@@ -234,17 +222,6 @@ def datasets(split: dict[str, Any], model: torch.nn.Module, img_size: int) -> tu
     return train, val, {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
 
 
-def json_object(text: str) -> dict:
-    """argparse type: a JSON object (extra ``timm.create_model`` arguments), else a one-line error."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}': {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}', got {text!r}")
-    return value
-
-
 def build_parser() -> ToolParser:
     p = ToolParser(prog="finetune.py", description=__doc__.split("\n\n")[0],
                    formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -383,7 +360,7 @@ def _finetune(parser: ToolParser, args: argparse.Namespace, split: dict, out: st
             "mode": args.mode, "attention": attention}
     step = TrainStep(model, prec, lr=args.lr, weight_decay=args.weight_decay)
     best = -math.inf
-    with precision_flags(prec) as settings:
+    with tf32_flags(prec.tf32) as settings:
         res["process_settings"] = settings
         print(f"[finetune] {res['environment']['device']}: {args.model} {attention}, mode {args.mode}, "
               f"{len(train_set)} train / {len(val_set)} held-out images; TF32 {'on' if prec.tf32 else 'off'} "
