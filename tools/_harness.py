@@ -29,8 +29,8 @@ __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "n
            "read_rgb", "check_image", "load_config", "environment", "atomic_path", "write_text_atomic",
            "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header", "write_results",
            "prefix_outputs", "tf32_flags", "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms",
-           "eager_graph_ms", "eager_graph_timings", "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree",
-           "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
+           "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us", "per_call_ms", "peak_extra_mb",
+           "AttentionFree", "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -260,13 +260,22 @@ def first_error(err: BaseException) -> BaseException:
     return err
 
 
-def eager_graph_timings(make, timer, device, calls: int, repeats: int) -> tuple[float, float | None, str | None]:
-    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA :func:`eager_graph_ms`
-    (the failure as :func:`failure_text` of its first error); elsewhere ``timer(fn)`` alone."""
-    if torch.device(device).type != "cuda":
+def eager_graph_timings(make, timer, device, calls: int, repeats: int,
+                        graph: bool = True) -> tuple[float, float | None, str | None]:
+    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA with ``graph``
+    :func:`eager_graph_ms` (the failure as :func:`failure_text` of its first error); else ``timer(fn)`` alone."""
+    if torch.device(device).type != "cuda" or not graph:
         return timer(make()), None, None
     eager, graph, error = eager_graph_ms(make, calls, repeats)
     return eager, graph, None if error is None else failure_text(first_error(error), device)
+
+
+def graph_cells(ms: float | None, graph_ms: float | None, graph_error: str | None) -> list:
+    """The "graph ms" and "eager / graph" table cells of a row timed by :func:`eager_graph_timings`: n/a where the
+    capture failed, - where no graph (or no eager time beside it) was timed."""
+    if graph_ms is None:
+        return ["n/a", "n/a"] if graph_error else ["-", "-"]
+    return [graph_ms, f"{ms / graph_ms:.2f}" if ms else "-"]
 
 
 def failure_text(err: BaseException, device) -> str:

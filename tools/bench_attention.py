@@ -33,9 +33,9 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_ms, eager_ms,  # noqa: E402
-                      environment, failure_text, figure, first_error, host_us, kernel_ms, markdown_table, md_header,
-                      output_files, tf32_flags)
+from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_timings, eager_ms,  # noqa: E402
+                      environment, figure, graph_cells, host_us, kernel_ms, markdown_table, md_header, output_files,
+                      tf32_flags)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -195,13 +195,9 @@ def _measure(fn, q, k, v, rep, graph_only=False):
     if graph_only:
         return {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}, peak, out
     one = max(eager_ms(lambda: fn(q, k, v), calls=3, warmup=1, repeats=1), 0.005)
-    eager, graph, error = eager_graph_ms(lambda: (lambda: fn(q, k, v)), calls=int(min(200, max(10, rep / one))))
-    timings = {"eager": eager}
-    if graph is not None:
-        timings["graph"] = graph
-    else:
-        timings["graph_error"] = failure_text(first_error(error), "cuda")
-    return timings, peak, out
+    eager, graph, error = eager_graph_timings(lambda: (lambda: fn(q, k, v)), None, "cuda",
+                                              int(min(200, max(10, rep / one))), 5)
+    return {"eager": eager, **({"graph": graph} if graph is not None else {"graph_error": error})}, peak, out
 
 
 def _graph_fields(timings: dict, flops: float) -> dict:
@@ -213,13 +209,6 @@ def _graph_fields(timings: dict, flops: float) -> dict:
     if "eager" in timings:
         rec.update(ms_eager=timings["eager"], eager_over_graph=timings["eager"] / timings["graph"])
     return rec
-
-
-def _graph_cells(r: dict) -> list:
-    """A record's "graph ms" and "eager / graph" table cells: n/a where the capture failed, - where not timed."""
-    if "ms_graph" not in r:
-        return ["n/a", "n/a"] if "graph_error" in r else ["-", "-"]
-    return [r["ms_graph"], f"{r['eager_over_graph']:.2f}" if "eager_over_graph" in r else "-"]
 
 
 def host_overhead(modes, rounds: int = 5) -> list[dict]:
@@ -498,7 +487,8 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
             name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
             errs = ([f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in grads] if grads
                     else [f"{r['rel_err']:.2e}"] if "ms" in r else [])
-            rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"], *errs] if "ms" in r
+            graph = graph_cells(r.get("ms_eager"), r.get("ms_graph"), r.get("graph_error"))
+            rows.append([r["dtype"], name, r["ms"], r["tflops"], *graph, r["peak_mib"], *errs] if "ms" in r
                         else [r["dtype"], name, *["-"] * (len(header) - 3), r["skipped"]])
         lines.append(markdown_table(rows, header))
     lines += ["## Targets", ""]

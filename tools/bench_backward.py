@@ -164,18 +164,10 @@ def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kern
                                  bias_splits=splits, config=config, products=products)
 
 
-def _timings(make, timer, device, args) -> tuple[float, float | None, str | None]:
-    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: :func:`_harness.eager_graph_timings`;
-    with ``--no-graph`` ``timer`` alone."""
-    if args.no_graph:
-        return timer(make()), None, None
-    return eager_graph_timings(make, timer, device, args.calls, args.repeats)
-
-
 def main(args) -> dict:
     from visionattn.kernels.elsa_bwd import BWD_MODES
     from visionattn.kernels.window_bwd import FUSED_MAX_TOKENS
-    from _harness import environment, markdown_table, peak_extra_mb, per_call_ms
+    from _harness import environment, graph_cells, markdown_table, peak_extra_mb, per_call_ms
     from torch.nn.attention import SDPBackend
 
     parser = build_parser()
@@ -185,6 +177,8 @@ def main(args) -> dict:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     timer = per_call_ms(device, args.calls, args.repeats)
+    timings = functools.partial(eager_graph_timings, timer=timer, device=device, calls=args.calls,
+                                repeats=args.repeats, graph=not args.no_graph)
     rows = []
     for shape in args.shapes:
         B, H, N, D, relpos, windows = SHAPES[shape]
@@ -200,7 +194,7 @@ def main(args) -> dict:
                 ours = _ours(*inputs, splits, kernel, **kw)
                 ours()  # compile
                 name = "visionattn" + ("" if kernel is None else f"-{kernel}") + suffix
-                ms, graph, why = _timings(lambda: ours, timer, device, args)
+                ms, graph, why = timings(lambda: ours)
                 cells[name] = {"ms": ms, "mb": peak_extra_mb(ours, device), "splits": splits, "graph_ms": graph,
                                "graph_error": why}
 
@@ -229,8 +223,8 @@ def main(args) -> dict:
                         cells[name] = {"error": str(exc).splitlines()[0][:120]}
                         continue
                     del fn  # the timing builds its own forward on the capture stream
-                    ms, graph, why = _timings(functools.partial(_sdpa_backward, q, k, v, do, bias, shift_full, scale,
-                                                                backend), timer, device, args)
+                    ms, graph, why = timings(functools.partial(_sdpa_backward, q, k, v, do, bias, shift_full, scale,
+                                                               backend))
                     cells[name] = {"ms": ms, "mb": mb, "graph_ms": graph, "graph_error": why}
             ref = cells.get("sdpa-efficient", {}).get("ms")
             for name, cell in cells.items():
@@ -263,8 +257,7 @@ def main(args) -> dict:
     env = environment({"timing": timing, "flops": "10 * B * H * N^2 * D per backward", "allow_tf32": False})
     table = markdown_table(
         [(r["shape"], r["mode"], r["kernel"], r["ms"] if r["ms"] else "n/a", r["tflops"] or "n/a",
-          r["graph_ms"] or ("n/a" if r["graph_error"] else "-"),
-          f"{r['eager_over_graph']:.2f}" if r["eager_over_graph"] else ("n/a" if r["graph_error"] else "-"),
+          *graph_cells(r["ms"], r["graph_ms"], r["graph_error"]),
           r["vs_sdpa_efficient"] or "", r["peak_extra_mb"] if r["peak_extra_mb"] is not None else "")
          for r in rows],
         ["shape", "mode", "kernel", "ms", "TFLOP/s", "graph ms", "eager / graph", "x SDPA-efficient",

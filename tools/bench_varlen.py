@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, comma_list, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, environment, markdown_table, output_files, peak_extra_mb, per_call_ms,
-                      positive_int)
+from _harness import (ToolParser, add_common, check_device, check_output, comma_list, default_out,  # noqa: E402
+                      eager_graph_timings, environment, graph_cells, markdown_table, output_files, peak_extra_mb,
+                      per_call_ms, positive_int)
 
 import visionattn  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -273,8 +273,7 @@ def render(rows: list[dict], env: dict, lens: list[int], heads: int, head_dim: i
     for r in rows:
         key = (r["mode"], r["pass"])
         speedup = f"{best[key] / r['total_ms']:.2f}x" if key in best else "-"
-        graph = r.get("kernel_graph_ms")
-        graph = graph if graph is not None else ("n/a" if r.get("graph_error") else "-")
+        graph = graph_cells(None, r.get("kernel_graph_ms"), r.get("graph_error"))[0]
         table.append([r["mode"], r["method"], r["pass"], r["total_ms"], dash(r["kernel_ms"]), graph,
                       dash(r["conversion_ms"]), dash(r["peak_mb"]), r["mtokens_per_s"], speedup, f"{r['rel_l2']:.2e}"])
     header = ["mode", "method", "pass", "total ms", "kernel ms", "kernel graph ms", "conversion ms", "peak MB",

@@ -41,8 +41,8 @@ from tqdm import tqdm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, add_common, bars, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, eager_ms, environment, failure_text, figure, kernel_ms, markdown_table,
-                      md_header, output_files, peak_extra_mb, per_call_ms, tf32_flags)
+                      eager_graph_timings, eager_ms, environment, failure_text, figure, graph_cells, kernel_ms,
+                      markdown_table, md_header, output_files, peak_extra_mb, per_call_ms, tf32_flags)
 from _timm_models import create_timm_model  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
@@ -579,10 +579,9 @@ def oracle_grads(case: dict) -> list[torch.Tensor]:
 def time_step(step, device: torch.device, calls: int, repeats: int, graph: bool) -> dict:
     """{"ms", "graph_ms", "graph_error"}: eager beside graph replay on CUDA (:func:`_harness.eager_graph_timings`;
     eager alone unless ``graph``); CPU wall clock (no graph) else."""
-    if device.type == "cuda" and not graph:
-        return {"ms": eager_ms(step, calls=calls, repeats=repeats), "graph_ms": None, "graph_error": None}
-    cpu = per_call_ms(torch.device("cpu"), 1, repeats, warmup=1)  # wall clock (Triton's interpreter)
-    eager, graph_ms, error = eager_graph_timings(lambda: step, cpu, device, calls, repeats)
+    timer = (functools.partial(eager_ms, calls=calls, repeats=repeats) if device.type == "cuda"
+             else per_call_ms(device, 1, repeats, warmup=1))  # wall clock (Triton's interpreter)
+    eager, graph_ms, error = eager_graph_timings(lambda: step, timer, device, calls, repeats, graph=graph)
     return {"ms": eager, "graph_ms": graph_ms, "graph_error": error}
 
 
@@ -647,10 +646,8 @@ def train_markdown(result: dict) -> str:
         if r["error"]:
             table.append([case, r["mode"], r["backend"], "failed: " + r["error"]] + ["-"] * (len(header) - 4))
             continue
-        graph = r["graph_ms"] if r["graph_ms"] is not None else ("n/a" if r["graph_error"] else None)
-        ratio = r["ms"] / r["graph_ms"] if r["graph_ms"] else None
         table.append([case, r["mode"], f"**{r['backend']}**" if r["backend"] == "visionattn" else r["backend"],
-                      _f(r["ms"]), graph if isinstance(graph, str) else _f(graph), _f(ratio, "{:.2f}"),
+                      _f(r["ms"]), *graph_cells(r["ms"], r["graph_ms"], r["graph_error"]),
                       _f(r["x_timm_default"], "{:.2f}x"), _f(r["x_timm_eager"], "{:.2f}x"),
                       _f(r["peak_extra_mib"], "{:.1f}"), _f(r.get("dqkv_rel_err"), "{:.2e}"),
                       _f(r.get("dbias_rel_err"), "{:.2e}"), _f(r.get("dlogit_scale_rel_err"), "{:.2e}")])
