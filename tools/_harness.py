@@ -29,7 +29,7 @@ __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "n
            "read_rgb", "check_image", "load_config", "environment", "atomic_path", "write_text_atomic",
            "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header", "write_results",
            "prefix_outputs", "tf32_flags", "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms",
-           "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us", "per_call_ms", "peak_extra_mb",
+           "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us", "per_call_ms", "peak_memory",
            "AttentionFree", "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
 
 
@@ -754,18 +754,20 @@ def per_call_ms(device: torch.device, calls: int, repeats: int,
     return wall
 
 
-def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
-    """Most CUDA memory allocated during one ``fn()`` beyond what was allocated before it (MiB); None on the CPU."""
-    if device.type != "cuda":
-        return None
+def peak_memory(fn: Callable[[], Any], device: str | torch.device) -> dict:
+    """Most CUDA memory allocated during one ``fn()`` (MiB): ``peak_mib`` in all, ``peak_extra_mib`` beyond what was
+    allocated before it (garbage collected and the allocator's cache emptied first); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return {"peak_mib": None, "peak_extra_mib": None}
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = fn()
+    fn()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak / 2**20
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_mib": peak / 2**20, "peak_extra_mib": (peak - before) / 2**20}
 
 
 # --------------------------------------------------------------------------------------------------- reports

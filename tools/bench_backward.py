@@ -167,7 +167,7 @@ def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kern
 def main(args) -> dict:
     from visionattn.kernels.elsa_bwd import BWD_MODES
     from visionattn.kernels.window_bwd import FUSED_MAX_TOKENS
-    from _harness import environment, graph_cells, markdown_table, peak_extra_mb, per_call_ms
+    from _harness import environment, graph_cells, markdown_table, peak_memory, per_call_ms
     from torch.nn.attention import SDPBackend
 
     parser = build_parser()
@@ -195,8 +195,8 @@ def main(args) -> dict:
                 ours()  # compile
                 name = "visionattn" + ("" if kernel is None else f"-{kernel}") + suffix
                 ms, graph, why = timings(lambda: ours)
-                cells[name] = {"ms": ms, "mb": peak_extra_mb(ours, device), "splits": splits, "graph_ms": graph,
-                               "graph_error": why}
+                cells[name] = {"ms": ms, "mb": peak_memory(ours, device)["peak_extra_mib"], "splits": splits,
+                               "graph_ms": graph, "graph_error": why}
 
             # window shapes: both window kernel paths where the fused one applies (the dense kernel: one path)
             kernels = [None] if not windows else ["fused", "split"] if N <= FUSED_MAX_TOKENS else ["split"]
@@ -218,7 +218,7 @@ def main(args) -> dict:
                     try:
                         fn = _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend)
                         fn()
-                        mb = peak_extra_mb(fn, device)
+                        mb = peak_memory(fn, device)["peak_extra_mib"]
                     except RuntimeError as exc:  # backend not available for this dtype / bias
                         cells[name] = {"error": str(exc).splitlines()[0][:120]}
                         continue

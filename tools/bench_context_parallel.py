@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, add_common, check_device, default_out, environment, figure,  # noqa: E402
-                      markdown_table, peak_extra_mb, per_call_ms, positive_int, prefix_outputs, tf32_flags)
+                      markdown_table, peak_memory, per_call_ms, positive_int, prefix_outputs, tf32_flags)
 from bench_vggt import ROWS, _timed, build  # noqa: E402
 
 import visionattn  # noqa: E402
@@ -136,7 +136,7 @@ def bench(seqs: list[int], modes: list[str], schemes: list[str], args, device: t
                         return visionattn.attention(*full, mode=mode)
                     ref = single()[:, :, s:e]
                     single_ms = timer(single)
-                    single_peak = peak_extra_mb(single, device)
+                    single_peak = peak_memory(single, device)["peak_extra_mib"]
                 full = None  # freed before the parallel calls (not del: single() closes over it)
                 dist.barrier()
                 for scheme in schemes:
@@ -146,7 +146,7 @@ def bench(seqs: list[int], modes: list[str], schemes: list[str], args, device: t
                     out = parallel()
                     dist.barrier()
                     ms = timer(parallel)
-                    peak = peak_extra_mb(parallel, device)
+                    peak = peak_memory(parallel, device)["peak_extra_mib"]
                     err = None if ref is None else rel_l2(out, ref)
                     out = None
                     dist.barrier()

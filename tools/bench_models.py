@@ -30,8 +30,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _harness import (ToolParser, add_common, check_device, default_out, environment, failure_text,  # noqa: E402
-                      figure, markdown_table, md_header, positive_float, positive_int,
-                      prefix_outputs, sample_ms, tf32_flags, write_results)
+                      figure, markdown_table, md_header, peak_memory, positive_float, positive_int, prefix_outputs,
+                      sample_ms, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -141,21 +141,6 @@ def summarize_times(times: list[float]) -> dict:
     return {"median_ms": statistics.median(times), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": len(times)}
 
 
-def peak_memory(fn, device: str) -> dict:
-    """Peak allocated memory (MiB) during one ``fn()`` call, total and beyond what was allocated before."""
-    if device != "cuda":
-        return {"peak_mib": None, "peak_extra_mib": None}
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    return {"peak_mib": peak / 2**20, "peak_extra_mib": (peak - before) / 2**20}
-
-
 def measure(forward, variants, device, timing: dict, rounds: int, cuda_graph: bool = False,
             compile_mode: str | None = None) -> tuple[dict, dict]:
     """Rows and outputs of the ``variants`` of one forward: ``(label, enter)`` pairs, ``enter()`` a context manager
@@ -176,7 +161,7 @@ def measure(forward, variants, device, timing: dict, rounds: int, cuda_graph: bo
                 out = forward()
                 outs[label] = torch.cat([t.flatten() for t in out]) if isinstance(out, tuple) else out
                 del out
-                rows[label].update(peak_memory(forward, torch.device(device).type))
+                rows[label].update(peak_memory(forward, device))
         except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the sweep going
             rows[label]["error"], outs[label] = failure_text(err, device), None
     per_round = round_timing(timing, rounds)

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, add_common, check_device, check_output, comma_list, default_out,  # noqa: E402
-                      eager_graph_timings, environment, graph_cells, markdown_table, output_files, peak_extra_mb,
+                      eager_graph_timings, environment, graph_cells, markdown_table, output_files, peak_memory,
                       per_call_ms, positive_int)
 
 import visionattn  # noqa: E402
@@ -206,7 +206,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             kern_ms, graph_ms, graph_error = eager_graph_timings(lambda fn=kernel: fn, timer, device, calls, repeats)
             total_ms = timer(lambda: attend(convert()))
             del x, kernel
-            peak = peak_extra_mb(lambda: attend(convert()), device)
+            peak = peak_memory(lambda: attend(convert()), device)["peak_extra_mib"]
             rows.append(dict(mode=mode, method=method, **{"pass": "forward"}, total_ms=total_ms, kernel_ms=kern_ms,
                              kernel_graph_ms=graph_ms, graph_error=graph_error, conversion_ms=conv_ms, peak_mb=peak,
                              mtokens_per_s=total_tokens / total_ms / 1e3,
@@ -252,7 +252,7 @@ def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, se
         got = [g if g is not None else torch.zeros_like(t) for g, t in zip(step(), leaves)]
         err = max(rel_l2(torch.cat(got[i::3]).double(), gold_packed[i]) for i in range(3))
         total_ms = timer(step)
-        peak = peak_extra_mb(step, device)
+        peak = peak_memory(step, device)["peak_extra_mib"]
         rows.append(dict(mode=mode, method=method, **{"pass": "forward+backward"}, total_ms=total_ms,
                          kernel_ms=None, conversion_ms=None, peak_mb=peak, mtokens_per_s=total / total_ms / 1e3,
                          rel_l2=err))
@@ -318,7 +318,7 @@ def bench_naflex(model_name: str, sizes: list[tuple[int, int]], batch: int, mode
             if ref is None:
                 ref = (logits, feats)
             ms = timer(lambda: model(inputs))
-            peak = peak_extra_mb(lambda: model(inputs), device)
+            peak = peak_memory(lambda: model(inputs), device)["peak_extra_mib"]
             rows.append(dict(mode=mode or "-", method="timm-sdpa" if mode is None else "visionattn-varlen",
                              total_ms=ms, images_per_s=batch / ms * 1e3, peak_mb=peak,
                              logits_rel_l2=rel_l2(logits, ref[0]), tokens_rel_l2=rel_l2(feats[valid], ref[1][valid])))

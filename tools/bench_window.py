@@ -42,7 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, add_common, bars, check_output, default_out,  # noqa: E402
                       eager_graph_timings, eager_ms, environment, failure_text, figure, graph_cells, kernel_ms,
-                      markdown_table, md_header, output_files, peak_extra_mb, per_call_ms, tf32_flags)
+                      markdown_table, md_header, output_files, peak_memory, per_call_ms, tf32_flags)
 from _timm_models import create_timm_model  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
@@ -222,7 +222,7 @@ def measure(fn, warmup: float, rep: float) -> dict:
     ``fn``; errors are recorded, not raised."""
     try:
         with torch.no_grad():
-            peak = peak_extra_mb(fn, torch.device("cuda"))
+            peak = peak_memory(fn, torch.device("cuda"))["peak_extra_mib"]
             ms = kernel_ms(fn, warmup, rep, _TIMER["cuda_graph"])
         return {"ms": float(ms), "peak_mib": float(peak)}
     except Exception as e:  # noqa: BLE001 - a failing baseline is a result, not a crash
@@ -605,7 +605,7 @@ def run_case(model: dict, st: dict, batch: int, mode: str, device: torch.device,
             grads = step()
             row.update({f"{n}_rel_err": rel_l2(g, ref) for n, g, ref in zip(names, grads, gold)})
             del grads
-            row["peak_extra_mib"] = peak_extra_mb(step, device)
+            row["peak_extra_mib"] = peak_memory(step, device)["peak_extra_mib"]
             row.update(time_step(step, device, args.calls, args.repeats, graph=backend == "visionattn"))
         except Exception as exc:  # noqa: BLE001 - a failing baseline is a result, not a crash
             row["error"] = failure_text(exc, device)
