@@ -25,7 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' sha
 from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
                       eager_graph_timings, output_files, positive_int)
 
-MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+from visionattn.checks import has_backward  # noqa: E402
+from visionattn.modes import mode_names  # noqa: E402
+
+MODES = tuple(m for m in mode_names() if has_backward(m))  # the modes with backward kernels
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
 SHAPES = {
     "long-4k": (1, 8, 4096, 64, False, 0),

@@ -67,7 +67,7 @@ from visionattn.reference import oracle_attention  # noqa: E402
 
 METHODS = ("visionattn-list", "visionattn", "visionattn-jagged", "sdpa-padded", "sdpa-per-seq", "nested")
 NESTED_METHODS = ("visionattn-jagged", "nested")  # timed after the others (see bench)
-BENCH_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+BENCH_MODES = tuple(m for m, spec in MODES.items() if not spec.half_scores)  # the varlen kernels' modes
 ISSUE_LENGTHS = "785,500,708,542,1732,262,1039,557"
 # (height, width) in pixels, cycled over the NaFlexViT batch: 36 .. 576 patches of 16 x 16
 NAFLEX_SIZES = "384x384,224x224,160x480,512x256,96x96,320x240,448x128,256x256"

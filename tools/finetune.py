@@ -37,8 +37,10 @@ from _harness import (CorruptImageError, ToolParser, add_common, atomic_path, ch
                       tf32_flags, write_json_atomic, write_text_atomic)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
+from visionattn.checks import has_backward  # noqa: E402
+from visionattn.modes import mode_names  # noqa: E402
 
-TRAIN_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+TRAIN_MODES = tuple(m for m in mode_names() if has_backward(m))  # the modes with backward kernels
 # whose manifest an output folder holds (visionattn.recon.outdir): a later run replaces only such a folder
 TOOL_ID = "visionattn.finetune"
 
