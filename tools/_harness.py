@@ -26,7 +26,7 @@ from visionattn.provenance import environment
 __all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
            "json_object", "add_common", "comma_list", "default_out", "check_output", "check_output_folder",
            "output_folder", "output_files", "check_device", "failure_text", "first_error", "CorruptImageError",
-           "read_rgb", "check_image", "load_config", "environment", "atomic_path", "write_text_atomic",
+           "read_rgb", "ImageList", "check_image", "load_config", "environment", "atomic_path", "write_text_atomic",
            "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header", "write_results",
            "prefix_outputs", "tf32_flags", "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms",
            "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us", "per_call_ms", "peak_memory",
@@ -214,6 +214,21 @@ def read_rgb(path: str):
     except (OSError, SyntaxError, ValueError, MemoryError, Image.DecompressionBombError) as e:
         why = (str(e).splitlines() or [type(e).__name__])[0]
         raise CorruptImageError(f"cannot read image {path!r} ({why}); replace or remove the file") from None
+
+
+class ImageList(torch.utils.data.Dataset):
+    """``(transform(image), label)`` of ``(path, label)`` items, each image read by :func:`read_rgb` (a corrupt file
+    raises its one-line :class:`CorruptImageError`)."""
+
+    def __init__(self, items: Sequence[tuple[str, int]], transform: Callable):
+        self.items, self.transform = list(items), transform
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        path, label = self.items[i]
+        return self.transform(read_rgb(path)), label
 
 
 def check_image(parser: argparse.ArgumentParser, flag: str, path: str | None, example: str = "photo.jpg"):

@@ -33,9 +33,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_harness, ...)
-from _harness import (CorruptImageError, Stopwatch, ToolParser, add_common, check_device, check_output,  # noqa: E402
-                      comma_list, default_out, environment, json_object, markdown_table, md_header, nonnegative_int,
-                      output_files, positive_int, read_rgb, tf32_flags)
+from _harness import (CorruptImageError, ImageList, Stopwatch, ToolParser, add_common, check_device,  # noqa: E402
+                      check_output, comma_list, default_out, environment, json_object, markdown_table, md_header,
+                      nonnegative_int, output_files, positive_int, read_rgb, tf32_flags)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 from visionattn.modes import MODES  # noqa: E402
@@ -260,21 +260,6 @@ def subsample(n: int, limit: int | None) -> list[int]:
     if limit < 1:
         raise ValueError(f"limit={limit} must be >= 1")
     return [i * n // limit for i in range(limit)]
-
-
-class ImageListDataset(Dataset):
-    """(``transform(image)``, class index) of (path, target) items; a corrupt file raises its one-line
-    :class:`_harness.CorruptImageError`."""
-
-    def __init__(self, items: Sequence[tuple[str, int]], transform: Callable):
-        self.items, self.transform = list(items), transform
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int):
-        path, target = self.items[i]
-        return self.transform(read_rgb(path)), target
 
 
 class SyntheticCrops(Dataset):
@@ -567,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 items = list(zip([p for p, _ in split.samples], targets_for(split.samples, model_synsets(model))))
                 dataset = (SyntheticCrops(items, args.limit or SYNTHETIC_DEFAULT, transform, seed=args.seed)
                            if args.synthetic_from else
-                           ImageListDataset([items[i] for i in subsample(len(items), args.limit)], transform))
+                           ImageList([items[i] for i in subsample(len(items), args.limit)], transform))
                 res["data"]["images"] = len(dataset)
                 res["models"][name] = {
                     "weights": f"checkpoint {args.checkpoint}" if args.checkpoint else

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (CorruptImageError, ToolParser, add_common, atomic_path, check_device,  # noqa: E402
+from _harness import (CorruptImageError, ImageList, ToolParser, add_common, atomic_path, check_device,  # noqa: E402
                       check_output_folder, default_out, environment, figure, json_object, markdown_table, md_header,
-                      nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, read_rgb,
-                      tf32_flags, write_json_atomic, write_text_atomic)
+                      nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, tf32_flags,
+                      write_json_atomic, write_text_atomic)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 from visionattn.checks import has_backward  # noqa: E402
@@ -197,21 +197,6 @@ def scan_folder(root: str, val_fraction: float, seed: int) -> dict[str, Any]:
     return split
 
 
-class _Samples(torch.utils.data.Dataset):
-    """``(transform(image), label)`` of ``(path, label)`` items, read by :func:`_harness.read_rgb` (a corrupt file
-    raises its one-line :class:`_harness.CorruptImageError`)."""
-
-    def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable):
-        self.samples, self.transform, self.loader = list(samples), transform, read_rgb
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int):
-        path, label = self.samples[i]
-        return self.transform(self.loader(path)), label
-
-
 def datasets(split: dict[str, Any], model: torch.nn.Module, img_size: int) -> tuple[Any, Any, dict]:
     """Train and held-out datasets of ``split`` with timm's transforms for ``model`` at ``img_size``;
     also the data config used (mean, std, interpolation, crop)."""
@@ -219,8 +204,8 @@ def datasets(split: dict[str, Any], model: torch.nn.Module, img_size: int) -> tu
 
     cfg = resolve_model_data_config(model)
     cfg["input_size"] = (3, img_size, img_size)
-    train = _Samples(split["train"], create_transform(**cfg, is_training=True))
-    val = _Samples(split["val"], create_transform(**cfg, is_training=False))
+    train = ImageList(split["train"], create_transform(**cfg, is_training=True))
+    val = ImageList(split["val"], create_transform(**cfg, is_training=False))
     return train, val, {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
 
 
