@@ -6,6 +6,8 @@ sizes. Prints a markdown table (relative L2 error per gradient).
 
 Needs a CUDA GPU; docs/benchmarks/gpu_conformance_h200.md holds a run.
 """
+import argparse
+
 import torch
 
 import visionattn as va
@@ -66,6 +68,7 @@ ROWS = [
 ]
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help
     if not torch.cuda.is_available():
         raise SystemExit("grad_layouts: needs a CUDA GPU")
     print("| call (H200) | result |\n|---|---|")
