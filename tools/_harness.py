@@ -798,10 +798,10 @@ def md_header(title: str, env: dict, *notes: str) -> list[str]:
 
 
 def write_results(outputs: OutputFiles, prefix: str, result: dict, markdown: str | None = None,
-                  plot: Callable[[dict, str, OutputFiles], Any] | None = None) -> None:
-    """Write ``<prefix>.json`` (``result``), ``<prefix>.md`` (``markdown``, when given) and ``<prefix>.png``
-    (``plot(result, path, outputs)``, when given) through ``outputs``."""
-    outputs.write_json(prefix + ".json", result)
+                  plot: Callable[[dict, str, OutputFiles], Any] | None = None, indent: int = 2) -> None:
+    """Write ``<prefix>.json`` (``result``, JSON indented by ``indent``), ``<prefix>.md`` (``markdown``, when given)
+    and ``<prefix>.png`` (``plot(result, path, outputs)``, when given) through ``outputs``."""
+    outputs.write_json(prefix + ".json", result, indent)
     if markdown is not None:
         outputs.write_text(prefix + ".md", markdown)
     if plot is not None:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_timings, eager_ms,  # noqa: E402
                       environment, figure, graph_cells, host_us, kernel_ms, markdown_table, md_header, output_files,
-                      tf32_flags)
+                      tf32_flags, write_results)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -508,12 +508,8 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
                           f"need {t['need_tflops']}", "met" if t["met"] else "NOT met"])
     lines.append(markdown_table(trows, ["shape", "mode", "vs", "TFLOP/s or memory", "ratio", "status"]))
     stem = os.path.join(out_dir, result.get("files", "bench"))
-    paths = {"md": stem + ".md", "json": stem + ".json", "png": stem + ".png"}
-    outputs = outputs or OutputFiles(TOOL)
-    outputs.write_text(paths["md"], "\n".join(lines))
-    outputs.write_json(paths["json"], result)
-    _plot(result, paths["png"], outputs)
-    return paths
+    write_results(outputs or OutputFiles(TOOL), stem, result, "\n".join(lines), _plot)
+    return {ext: f"{stem}.{ext}" for ext in ("md", "json", "png")}
 
 
 def _plot(result, path, outputs):

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, output_files, positive_int)
+                      eager_graph_timings, output_files, positive_int, write_results)
 
 from visionattn.checks import has_backward  # noqa: E402
 from visionattn.modes import mode_names  # noqa: E402
@@ -267,9 +267,8 @@ def main(args) -> dict:
          "peak extra MiB"])
     md = ("# Attention backward: visionattn vs SDPA (eager and CUDA-graph replay)\n\n"
           + "\n".join(f"- {k}: {v}" for k, v in env.items()))
-    outputs.write_text(args.out + ".md", md + "\n\n" + table)
     result = {"environment": env, "rows": rows}
-    outputs.write_json(args.out + ".json", result)
+    write_results(outputs, args.out, result, md + "\n\n" + table)
     return result
 
 

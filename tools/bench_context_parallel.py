@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, add_common, check_device, default_out, environment, figure,  # noqa: E402
-                      markdown_table, peak_memory, per_call_ms, positive_int, prefix_outputs, tf32_flags)
+                      markdown_table, peak_memory, per_call_ms, positive_int, prefix_outputs, tf32_flags, write_results)
 from bench_vggt import ROWS, _timed, build  # noqa: E402
 
 import visionattn  # noqa: E402
@@ -350,10 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
                           rows=vggt_rows(frame_counts, modes, args, device, rank, world), environment=env)
         if rank == 0:
             text = render(result, args)
-            outputs.write_text(out + ".md", text)
-            outputs.write_json(out + ".json", result)
-            if frame_counts is not None:
-                plot_vggt(result, out + ".png", outputs)
+            write_results(outputs, out, result, text, plot_vggt if frame_counts is not None else None)
             if not args.quiet:
                 print(text)
         dist.barrier()

@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' sha
 
 from _harness import (AttentionFree, OutputFiles, ToolParser, bars, call_ms, check_device, check_output,  # noqa: E402
                       default_out, environment, failure_text, figure, json_object, markdown_table, md_header,
-                      nonnegative_int, output_files, peak_memory, positive_float, positive_int, sample_ms, tf32_flags)
+                      nonnegative_int, output_files, peak_memory, positive_float, positive_int, sample_ms, tf32_flags,
+                      write_results)
 from _timm_models import create_timm_model, model_problem  # noqa: E402
 from bench_models import MEM_SLACK_MIB, parse_cases, summarize_times  # noqa: E402
 from finetune import TRAIN_MODES, TrainStep, precision  # noqa: E402
@@ -474,9 +475,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             res["rows"] += rows
         res["targets"] = check_targets(res["rows"])
         markdown, png = render_markdown, render_png
-    outputs.write_json(prefix + ".json", res)
-    outputs.write_text(prefix + ".md", markdown(res))
-    png(res, prefix + ".png", outputs)
+    write_results(outputs, prefix, res, markdown(res), png)
     print(markdown(res))
     return res
 

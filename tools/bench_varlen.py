@@ -58,7 +58,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, add_common, check_device, check_output, comma_list, default_out,  # noqa: E402
                       eager_graph_timings, environment, graph_cells, markdown_table, output_files, peak_memory,
-                      per_call_ms, positive_int)
+                      per_call_ms, positive_int, write_results)
 
 import visionattn  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -369,8 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = dict(lengths=lens, heads=args.heads, head_dim=args.head_dim, backward=args.backward, rows=rows,
                       environment=env)
         text = render(rows, env, lens, args.heads, args.head_dim)
-    outputs.write_text(out + ".md", text)
-    outputs.write_json(out + ".json", result)
+    write_results(outputs, out, result, text)
     if not args.quiet:
         print(text)
     return result

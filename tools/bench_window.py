@@ -42,7 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, ToolParser, add_common, bars, check_output, default_out,  # noqa: E402
                       eager_graph_timings, eager_ms, environment, failure_text, figure, graph_cells, kernel_ms,
-                      markdown_table, md_header, output_files, peak_memory, per_call_ms, tf32_flags)
+                      markdown_table, md_header, output_files, peak_memory, per_call_ms, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
@@ -692,9 +692,7 @@ def main_train(args, cases: list, outputs: OutputFiles) -> dict:
               "precision": "fp32: FP32 inputs, TF32 off; bf16: bf16 qkv and dO, FP32 bias and parameters, "
                            "the forward under torch.autocast(bfloat16)",
               "rows": rows, "targets": train_targets(rows)}
-    outputs.write_json(args.out + ".json", result)
-    outputs.write_text(args.out + ".md", train_markdown(result))
-    train_plot(result, args.out + ".png", outputs)
+    write_results(outputs, args.out, result, train_markdown(result), train_plot)
     return result
 
 
@@ -724,8 +722,7 @@ def main(args) -> dict:
     res: dict = {"environment": env, "config": cfg}
 
     def save():
-        outputs.write_json(args.out + ".json", res, indent=1)
-        outputs.write_text(args.out + ".md", to_markdown(res))
+        write_results(outputs, args.out, res, to_markdown(res), indent=1)
 
     if not args.no_sweep:
         res["sweep"] = bench_sweep(cfg, args)

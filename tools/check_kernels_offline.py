@@ -28,7 +28,8 @@ from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import ToolParser, check_output, default_out, environment, markdown_table, output_files  # noqa: E402
+from _harness import (ToolParser, check_output, default_out, environment, markdown_table, output_files,  # noqa: E402
+                      write_results)
 
 KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd", "varlen-bwd")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
@@ -316,8 +317,7 @@ def main(args) -> dict:
           "12 warps (8 / 20 with one / four consumer warpgroups); `setmaxnreg` then gives each consumer thread 240 "
           "(232 with one, 112-120 with four) and each producer 24"
           f"\n\n{table}\n")
-    outputs.write_text(args.out + ".md", md)
-    outputs.write_json(args.out + ".json", result)
+    write_results(outputs, args.out, result, md)
     print(md)
     return result
 

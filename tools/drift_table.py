@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, check_output, default_out, environment, markdown_table, output_files,  # noqa: E402
-                      positive_int)
+                      positive_int, write_results)
 
 from visionattn.metrics import METRIC_NAMES, drift_metrics  # noqa: E402
 from visionattn.reference import blocked_attention_with_probs, oracle_attention  # noqa: E402
@@ -94,8 +94,7 @@ def main(argv=None) -> dict:
     check_output(parser, args.out)
     outputs = output_files(parser, [args.out + ".json", args.out + ".md"], tool="drift_table")
     results = run(args)
-    outputs.write_json(args.out + ".json", results)
-    outputs.write_text(args.out + ".md", to_markdown(results))
+    write_results(outputs, args.out, results, to_markdown(results))
     print(to_markdown(results))
     return results
 

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, check_device, check_output, comma_list, environment, markdown_table,  # noqa: E402
-                      nonnegative_int, output_files, percentile, positive_float, positive_int)
+                      nonnegative_int, output_files, percentile, positive_float, positive_int, write_results)
 
 DEFAULT_MODES = "fp32,tf32,fp16,bf16,pasa"
 
@@ -165,8 +165,7 @@ def main(argv=None) -> dict:
         return {"exit_code": 2, "error": str(exc)}
     res["environment"] = environment()
     md = (_markdown_accuracy if args.task == "accuracy" else _markdown_modes)(res)
-    outputs.write_json(stem + ".json", res)
-    outputs.write_text(stem + ".md", md)
+    write_results(outputs, stem, res, md)
     print(md)
     res["exit_code"] = 0
     return res
