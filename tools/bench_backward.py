@@ -22,8 +22,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, output_files, positive_int, write_results)
+from _harness import (ToolParser, add_common, check_device, default_out, eager_graph_timings,  # noqa: E402
+                      positive_int, prefix_outputs, write_results)
 
 from visionattn.checks import has_backward  # noqa: E402
 from visionattn.modes import mode_names  # noqa: E402
@@ -174,8 +174,7 @@ def main(args) -> dict:
     from torch.nn.attention import SDPBackend
 
     parser = build_parser()
-    args.out = check_output(parser, args.out)
-    outputs = output_files(parser, [args.out + ".md", args.out + ".json"], tool="bench_backward")
+    outputs = prefix_outputs(parser, args.out, (".md", ".json"), tool="bench_backward")
     device = check_device(parser, args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False

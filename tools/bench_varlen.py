@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, check_output, comma_list, default_out,  # noqa: E402
-                      eager_graph_timings, environment, graph_cells, markdown_table, output_files, peak_memory,
-                      per_call_ms, positive_int, write_results)
+from _harness import (ToolParser, add_common, check_device, comma_list, default_out, eager_graph_timings,  # noqa: E402
+                      environment, graph_cells, markdown_table, peak_memory, per_call_ms, positive_int, prefix_outputs,
+                      write_results)
 
 import visionattn  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -353,8 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
     methods = comma_list(parser, "--methods", args.methods, METHODS)
     sizes = _sizes(args.naflex_sizes)
     device = check_device(parser, args.device)
-    out = check_output(parser, args.out)
-    outputs = output_files(parser, [out + ".md", out + ".json"], tool="bench_varlen")
+    outputs = prefix_outputs(parser, args.out, (".md", ".json"), tool="bench_varlen")
     env = environment({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32})
     if not args.quiet:
         print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
@@ -369,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = dict(lengths=lens, heads=args.heads, head_dim=args.head_dim, backward=args.backward, rows=rows,
                       environment=env)
         text = render(rows, env, lens, args.heads, args.head_dim)
-    write_results(outputs, out, result, text)
+    write_results(outputs, args.out, result, text)
     if not args.quiet:
         print(text)
     return result

@@ -40,9 +40,9 @@ from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, add_common, bars, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, eager_ms, environment, failure_text, figure, graph_cells, kernel_ms,
-                      markdown_table, md_header, output_files, peak_memory, per_call_ms, tf32_flags, write_results)
+from _harness import (OutputFiles, ToolParser, add_common, bars, default_out, eager_graph_timings,  # noqa: E402
+                      eager_ms, environment, failure_text, figure, graph_cells, kernel_ms, markdown_table, md_header,
+                      peak_memory, per_call_ms, prefix_outputs, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
@@ -706,8 +706,7 @@ def main(args) -> dict:
         cases = [parse_case(c, {m["name"]: m for m in cfg["models"]}) for c in args.cases]
     tool = "bench_window_train" if args.train else "bench_window"
     args.out = args.out or default_out("window_train" if args.train else "window_bench")
-    check_output(parser, args.out)
-    outputs = output_files(parser, [args.out + ".json", args.out + ".md", args.out + ".png"], tool=tool)
+    outputs = prefix_outputs(parser, args.out, tool=tool)
     if args.train:
         return main_train(args, cases, outputs)
     if not torch.cuda.is_available():

@@ -28,8 +28,7 @@ from visionattn.kernels._host import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, check_output, default_out, environment, markdown_table, output_files,  # noqa: E402
-                      write_results)
+from _harness import (ToolParser, default_out, environment, markdown_table, prefix_outputs, write_results)  # noqa: E402
 
 KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd", "varlen-bwd")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
@@ -274,8 +273,7 @@ def main(args) -> dict:
     unknown = [k for k in wanted if k not in KERNELS]
     if unknown or not wanted:
         parser.error(f"--kernels: unknown {unknown or 'empty list'}; choose from {', '.join(KERNELS)}")
-    check_output(parser, args.out)
-    outputs = output_files(parser, [args.out + ".md", args.out + ".json"], tool="check_kernels_offline")
+    outputs = prefix_outputs(parser, args.out, (".md", ".json"), tool="check_kernels_offline")
     jobs = []
     for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
                       ("pasa", _pasa_jobs), ("window", _window_jobs), ("backward", _backward_jobs),
