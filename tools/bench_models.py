@@ -29,9 +29,9 @@ from tqdm import tqdm
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _harness import (ToolParser, add_common, check_device, default_out, environment, failure_text,  # noqa: E402
-                      figure, markdown_table, md_header, peak_memory, positive_float, positive_int, prefix_outputs,
-                      sample_ms, tf32_flags, write_results)
+from _harness import (ToolParser, add_common, check_device, comma_list, default_out, environment,  # noqa: E402
+                      failure_text, figure, markdown_table, md_header, peak_memory, positive_float, positive_int,
+                      prefix_outputs, sample_ms, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -69,13 +69,6 @@ def _slice(text: str) -> slice:
         raise ValueError(f"expected start:stop, e.g. 0:5, got {text!r}") from None
 
 
-def _modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    for m in modes:
-        get_mode(m)  # ValueError naming the mode
-    return modes
-
-
 parser = ToolParser(prog="bench_models.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_models.yaml"),
@@ -84,7 +77,7 @@ parser.add_argument("--quick", action="store_true", help="run the config's small
 parser.add_argument("--cases", type=_arg(parse_cases),
                     help="comma-separated model:img:batch cases replacing the config's "
                          "(e.g. vit_base_patch16_224:1024:8)")
-parser.add_argument("--modes", type=_arg(_modes), help="comma-separated visionattn modes replacing every case's")
+parser.add_argument("--modes", help="comma-separated visionattn modes replacing every case's")
 add_common(parser, out=default_out("models_bench"), device=(None, "cuda (default when available) or cpu"),
            warmup=(None, "untimed calls before each measurement (default: config)"))
 parser.add_argument("--rep-ms", type=positive_float, help="timed milliseconds per measurement (default: config)")
@@ -388,6 +381,7 @@ def main(args) -> dict:
         parser.error("--compile and --cuda-graph: pick one (--compile reduce-overhead uses CUDA graphs)")
     if args.cuda_graph and device != "cuda":
         parser.error(f"--cuda-graph needs a CUDA device, got --device {device}")
+    chosen_modes = args.modes and comma_list(parser, "--modes", args.modes, list(MODES))
     outputs = prefix_outputs(parser, args.out, tool="bench_models")
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
@@ -409,7 +403,7 @@ def main(args) -> dict:
         print(f"[bench_models] {env['device']} torch {env['torch']} triton {env.get('triton')} timm {env.get('timm')}; "
               "TF32 off", flush=True)
         for case in tqdm(cases, desc="cases"):
-            modes = args.modes or case.get("modes") or cfg.get("modes", ["fp32", "fp16"])
+            modes = chosen_modes or case.get("modes") or cfg.get("modes", ["fp32", "fp16"])
             for m in modes:
                 get_mode(m)
             case_rows = bench_case(case, modes, device, timing, share=not args.no_share, rounds=rounds,
