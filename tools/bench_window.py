@@ -405,17 +405,14 @@ def _fmt(r: dict | None) -> str:
 
 def to_markdown(res: dict) -> str:
     env = res["environment"]
-    lines = ["# Window attention benchmark (Swin / Swin-v2)", "",
-             f"GPU: **{env['gpu']}**; torch {env['torch']}, triton {env['triton']}, timm {env['timm']}, "
-             f"CUDA {env['cuda']}; {env['date']}.", "",
-             f"Command: `{env['command']}`", "",
-             f"Measured copy bandwidth: {env.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s (read+write). "
-             + ("Times: median ms of `triton.testing.do_bench_cudagraph` (CUDA graph: no Python launch overhead, "
-              "no L2 flush, so small cases can run from L2 below the DRAM I/O floor). "
-              if env.get("cuda_graph_timing") else
-              "Times: median ms of `triton.testing.do_bench` (L2 flushed; Python launch overhead included). ")
-             + "Peak: extra MiB allocated during one call. "
-             f"timm eager fp32 runs with torch defaults (allow_tf32 matmul = {env['allow_tf32_matmul']}).", ""]
+    lines = md_header(
+        "Window attention benchmark (Swin / Swin-v2)", env, f"GPU: **{env['gpu']}**; {env['date']}",
+        f"Measured copy bandwidth: {env.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s (read+write). "
+        + ("Times: median ms of `triton.testing.do_bench_cudagraph` (CUDA graph: no Python launch overhead, no L2 "
+           "flush, so small cases can run from L2 below the DRAM I/O floor). " if env.get("cuda_graph_timing") else
+           "Times: median ms of `triton.testing.do_bench` (L2 flushed; Python launch overhead included). ")
+        + "Peak: extra MiB allocated during one call. "
+        f"timm eager fp32 runs with torch defaults (allow_tf32 matmul = {env['allow_tf32_matmul']}).")
     def section(title: str, header: list[str], rows: list[list]) -> None:
         lines.extend([f"## {title}", "", markdown_table(rows, header)])
 
