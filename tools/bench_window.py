@@ -45,6 +45,8 @@ from _harness import (OutputFiles, ToolParser, add_common, bars, default_out, ea
                       peak_memory, per_call_ms, prefix_outputs, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
+from visionattn.modes import MODES  # noqa: E402
+
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
 TRAIN_MODES = ("fp32", "bf16")
 BACKENDS = ("visionattn", "timm-eager", "timm-sdpa")
@@ -287,7 +289,7 @@ def bench_attention(cfg, args, env, rows: list, save=lambda: None) -> list[dict]
     if args.max_cases:
         jobs = jobs[:args.max_cases]
     for m, st, batch, dt in tqdm(jobs, desc="attention cases"):
-        dtype = torch.float16 if dt == "fp16" else torch.float32
+        dtype = MODES[dt].compute_dtype
         attn, mask = make_block(m["kind"], st, "cuda", dtype)
         q, k, v, bias = attn_inputs(attn, m["kind"], batch, st, mask, "cuda", dtype)
         row = {"model": m["name"], "kind": m["kind"], **st, "batch": batch, "dtype": dt,
@@ -325,7 +327,7 @@ def bench_sweep(cfg, args) -> list[dict]:
     st = stage_shapes(model)[kc["stage"]]
     rows = []
     for dt in ("fp16", "fp32"):
-        dtype = torch.float16 if dt == "fp16" else torch.float32
+        dtype = MODES[dt].compute_dtype
         attn, mask = make_block(model["kind"], st, "cuda", dtype)
         q, k, v, bias = attn_inputs(attn, model["kind"], kc["batch"], st, mask, "cuda", dtype)
         default = get_config(q.shape[0], st["heads"], st["N"], q.shape[-1], st["nW"], q.device, mode=dt)
@@ -348,7 +350,7 @@ def bench_module(cfg, args) -> list[dict]:
     for m in cfg["models"]:
         st = stage_shapes(m)[0]
         for dt in ("fp16", "fp32"):
-            dtype = torch.float16 if dt == "fp16" else torch.float32
+            dtype = MODES[dt].compute_dtype
             attn, mask = make_block(m["kind"], st, "cuda", dtype)
             x = torch.randn(kc["batch"] * st["nW"], st["N"], st["dim"], device="cuda", dtype=dtype)
             row = {"model": m["name"], "stage": 0, "batch": kc["batch"], "dtype": dt}
@@ -372,7 +374,7 @@ def bench_models(cfg, args) -> list[dict]:
     rows = []
     for spec in cfg.get("model_latency", []):
         for dt in ("fp16", "fp32"):
-            dtype = torch.float16 if dt == "fp16" else torch.float32
+            dtype = MODES[dt].compute_dtype
             row = {"model": spec["timm_name"], "batch": spec["batch"], "dtype": dt}
             try:
                 # random weights, Swin-v2's zero-init post-norms woken: attention reaches the logits
@@ -513,7 +515,7 @@ def make_case(model: dict, st: dict, batch: int, mode: str, device) -> dict:
     torch.manual_seed(0)
     attn, mask = make_block(kind, st, "cpu", torch.float32)
     attn, mask = attn.to(device), None if mask is None else mask.to(device)
-    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    dtype = MODES[mode].compute_dtype
     BW, N, H = batch * st["nW"], st["N"], st["heads"]
     D = st["dim"] // H
     g = torch.Generator().manual_seed(0)

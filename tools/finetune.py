@@ -38,7 +38,7 @@ from _harness import (CorruptImageError, ImageList, ToolParser, add_common, atom
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 from visionattn.checks import has_backward  # noqa: E402
-from visionattn.modes import mode_names  # noqa: E402
+from visionattn.modes import get_mode, mode_names  # noqa: E402
 
 TRAIN_MODES = tuple(m for m in mode_names() if has_backward(m))  # the modes with backward kernels
 # whose manifest an output folder holds (visionattn.recon.outdir): a later run replaces only such a folder
@@ -59,8 +59,9 @@ def precision(mode: str) -> Precision:
     if mode not in TRAIN_MODES:
         raise ValueError(f"mode {mode!r} cannot train: expected one of {', '.join(TRAIN_MODES)}"
                          + (" (pasa is forward-only; train in fp16)" if mode == "pasa" else ""))
-    half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
-    return Precision(mode=mode, autocast=half, tf32=mode == "tf32", scaler=mode == "fp16")
+    dtype = get_mode(mode).compute_dtype
+    return Precision(mode=mode, autocast=None if dtype == torch.float32 else dtype, tf32=mode == "tf32",
+                     scaler=dtype == torch.float16)
 
 
 def autocast(device_type: str, prec: Precision):

@@ -25,7 +25,7 @@ def rel(a, b):
 def dense(mode, shape, loss, D=64):
     B, H, N = shape
     g = torch.Generator(device=DEV).manual_seed(0)
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode, torch.float32)
+    dt = va.get_mode(mode).compute_dtype
     leaves = [torch.randn(B, H, N, D, device=DEV, generator=g).to(dt).requires_grad_() for _ in range(3)]
     out = va.attention(*leaves, mode=mode)
     go = torch.ones_like(out) if loss == "sum" else torch.randn(out.shape, device=DEV, generator=g).to(dt)
