@@ -23,7 +23,9 @@ import torch
 
 from visionattn.provenance import environment
 
-__all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the tools belong to
+
+__all__ = ["REPO", "ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
            "json_object", "add_common", "comma_list", "default_out", "check_output", "check_output_folder",
            "output_folder", "output_files", "check_device", "failure_text", "first_error", "CorruptImageError",
            "read_rgb", "ImageList", "check_image", "load_config", "environment", "atomic_path", "write_text_atomic",

@@ -33,16 +33,15 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_timings, eager_ms,  # noqa: E402
-                      environment, figure, graph_cells, host_us, kernel_ms, markdown_table, md_header, output_files,
-                      tf32_flags, write_results)
+from _harness import (OutputFiles, REPO, ToolParser, check_output, default_out, eager_graph_timings,  # noqa: E402
+                      eager_ms, environment, figure, graph_cells, host_us, kernel_ms, markdown_table, md_header,
+                      output_files, tf32_flags, write_results)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = "bench_attention"  # its output manifest: .visionattn-bench_attention.json (_harness.output_files)
 GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
     "fp32": (torch.float32, ["fp32", "fp32-ieee", "tf32"], ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),

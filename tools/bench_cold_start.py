@@ -24,10 +24,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_output, default_out, environment, markdown_table,  # noqa: E402
-                      md_header, output_files, positive_int, write_results)
+from _harness import (REPO, ToolParser, add_common, check_output, default_out, environment,  # noqa: E402
+                      markdown_table, md_header, output_files, positive_int, write_results)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # each child records the kernels Triton compiles (not cache hits) and their compile seconds, per phase
 _LISTENER = r"""

@@ -26,10 +26,9 @@ import torch
 import yaml
 from tqdm import tqdm
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _harness import (ToolParser, add_common, check_device, comma_list, default_out, environment,  # noqa: E402
+from _harness import (REPO, ToolParser, add_common, check_device, comma_list, default_out, environment,  # noqa: E402
                       failure_text, figure, markdown_table, md_header, peak_memory, positive_float, positive_int,
                       prefix_outputs, sample_ms, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402

@@ -34,7 +34,6 @@ from typing import Any, Sequence
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _harness import (AttentionFree, OutputFiles, ToolParser, bars, call_ms, check_device, check_output,  # noqa: E402

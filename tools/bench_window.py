@@ -38,9 +38,8 @@ import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, add_common, bars, default_out, eager_graph_timings,  # noqa: E402
+from _harness import (OutputFiles, REPO, ToolParser, add_common, bars, default_out, eager_graph_timings,  # noqa: E402
                       eager_ms, environment, failure_text, figure, graph_cells, kernel_ms, markdown_table, md_header,
                       peak_memory, per_call_ms, prefix_outputs, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402

@@ -17,8 +17,6 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
