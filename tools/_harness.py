@@ -26,12 +26,12 @@ from visionattn.provenance import environment
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the tools belong to
 
 __all__ = ["REPO", "ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
-           "json_object", "add_common", "comma_list", "default_out", "check_output", "check_output_folder",
-           "output_folder", "output_files", "check_device", "failure_text", "first_error", "CorruptImageError",
-           "read_rgb", "ImageList", "check_image", "load_config", "environment", "atomic_path", "write_text_atomic",
-           "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header", "write_results",
-           "prefix_outputs", "tf32_flags", "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms",
-           "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us", "per_call_ms", "peak_memory",
+           "json_object", "add_common", "comma_list", "comma_ints", "default_out", "check_output",
+           "check_output_folder", "output_folder", "output_files", "check_device", "failure_text", "first_error",
+           "CorruptImageError", "read_rgb", "ImageList", "check_image", "load_config", "environment", "atomic_path",
+           "write_text_atomic", "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header",
+           "write_results", "prefix_outputs", "tf32_flags", "Stopwatch", "call_ms", "sample_ms", "kernel_ms",
+           "eager_ms", "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us", "per_call_ms", "peak_memory",
            "AttentionFree", "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
 
 
@@ -113,6 +113,18 @@ def comma_list(parser: argparse.ArgumentParser, flag: str, text: str, allowed: S
     items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
     if not items or any(x not in allowed for x in items):
         parser.error(f"{flag} {text!r}: expected a comma-separated subset of {','.join(allowed)}")
+    return items
+
+
+def comma_ints(parser: argparse.ArgumentParser, flag: str, text: str, low: int = 1) -> list[int]:
+    """The comma-separated integers of ``text``, or exit 2 with one line naming ``flag`` when there are none or one
+    is not an integer >= ``low``."""
+    try:
+        items = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items or min(items) < low:
+        parser.error(f"{flag} {text!r}: expected comma-separated integers >= {low}")
     return items
 
 

@@ -31,8 +31,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, default_out, environment, figure,  # noqa: E402
-                      markdown_table, peak_memory, per_call_ms, positive_int, prefix_outputs, tf32_flags, write_results)
+from _harness import (ToolParser, add_common, check_device, comma_ints, comma_list, default_out,  # noqa: E402
+                      environment, figure, markdown_table, peak_memory, per_call_ms, positive_int, prefix_outputs,
+                      tf32_flags, write_results)
 from bench_vggt import ROWS, _timed, build  # noqa: E402
 
 import visionattn  # noqa: E402
@@ -74,19 +75,6 @@ parser.add_argument("--model", choices=tuple(MODEL_KEYS), default="vggt",
 parser.add_argument("--tiny", action="store_true", help="--vggt: the tiny config, 56x70 images by default")
 parser.add_argument("--height", type=positive_int, default=392, help="--vggt: image height, a multiple of 14")
 parser.add_argument("--width", type=positive_int, default=518, help="--vggt: image width, a multiple of 14")
-
-
-def _items(flag: str, text: str, allowed=None) -> list:
-    """Comma-separated integers >= 1 (``allowed`` None) or names among ``allowed``; exit 2 otherwise."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    try:
-        ok = items and (all(x in allowed for x in items) if allowed else min(int(x) for x in items) >= 1)
-    except ValueError:
-        ok = False
-    if not ok:
-        parser.error(f"{flag} {text!r}: expected " + (f"a comma-separated subset of {','.join(allowed)}" if allowed
-                                                      else "comma-separated integers >= 1"))
-    return list(dict.fromkeys(items)) if allowed else [int(x) for x in items]
 
 
 def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -312,15 +300,15 @@ def plot_vggt(result: dict, path: str, outputs) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
-    seqs = _items("--seq", args.seq)
-    modes = _items("--mode", args.mode, VGGT_MODES if args.vggt is not None else list(MODES))
+    seqs = comma_ints(parser, "--seq", args.seq)
+    modes = comma_list(parser, "--mode", args.mode, VGGT_MODES if args.vggt is not None else list(MODES))
     frame_counts = None
     if args.vggt is not None and args.scheme is not None:
         parser.error(f"--scheme {' '.join(args.scheme)!r}: not with --vggt (the model runs split_frames, whose "
                      f"global attention takes the library's default scheme, auto)")
-    schemes = _items("--scheme", ",".join(args.scheme or ["ring"]), SCHEMES)
+    schemes = comma_list(parser, "--scheme", ",".join(args.scheme or ["ring"]), SCHEMES)
     if args.vggt is not None:
-        frame_counts = _items("--vggt", args.vggt)
+        frame_counts = comma_ints(parser, "--vggt", args.vggt)
         world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
         if min(frame_counts) < world:
             parser.error(f"--vggt {args.vggt!r}: every frame count must be >= the number of ranks ({world}): "

@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, comma_list, default_out, eager_graph_timings,  # noqa: E402
-                      environment, graph_cells, markdown_table, peak_memory, per_call_ms, positive_int, prefix_outputs,
-                      write_results)
+from _harness import (ToolParser, add_common, check_device, comma_ints, comma_list, default_out,  # noqa: E402
+                      eager_graph_timings, environment, graph_cells, markdown_table, peak_memory, per_call_ms,
+                      positive_int, prefix_outputs, write_results)
 
 import visionattn  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -97,16 +97,6 @@ parser.add_argument("--batch", type=positive_int, default=32, help="--naflex: im
 parser.add_argument("--naflex-sizes", default=NAFLEX_SIZES,
                     help="--naflex: comma-separated HxW image sizes in pixels, cycled over the batch "
                          "(default: %(default)s)")
-
-
-def _lengths(text: str) -> list[int]:
-    try:
-        lens = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--lengths {text!r}: expected comma-separated integers")
-    if not lens or min(lens) < 0 or max(lens) == 0:
-        parser.error(f"--lengths {text!r}: expected integers >= 0, at least one > 0")
-    return lens
 
 
 def _sizes(text: str) -> list[tuple[int, int]]:
@@ -348,7 +338,9 @@ def render_naflex(rows: list[dict], info: dict, env: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
-    lens = _lengths(args.lengths)
+    lens = comma_ints(parser, "--lengths", args.lengths, 0)
+    if max(lens) == 0:
+        parser.error(f"--lengths {args.lengths!r}: expected integers >= 0, at least one > 0")
     modes = comma_list(parser, "--modes", args.modes, BENCH_MODES)
     methods = comma_list(parser, "--methods", args.methods, METHODS)
     sizes = _sizes(args.naflex_sizes)
