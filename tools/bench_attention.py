@@ -43,13 +43,11 @@ from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
 
 TOOL = "bench_attention"  # its output manifest: .visionattn-bench_attention.json (_harness.output_files)
-GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
-    "fp32": (torch.float32, ["fp32", "fp32-ieee", "tf32"], ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),
-    "fp16": (torch.float16, ["fp16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn",
-                                       "flex"]),
-    "bf16": (torch.bfloat16, ["bf16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn",
-                                        "flex"]),
-}
+HALF_BASELINES = ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn", "flex"]
+GROUPS = {  # input dtype group -> (dtype, the visionattn modes computing in it, baselines)
+    name: (dtype, [m for m, spec in MODES.items() if spec.compute_dtype == dtype and not spec.half_scores], base)
+    for name, dtype, base in (("fp32", torch.float32, ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),
+                              ("fp16", torch.float16, HALF_BASELINES), ("bf16", torch.bfloat16, HALF_BASELINES))}
 BACKWARD_ONLY = ("sdpa-flash-det",)  # baselines that only the --backward table runs
 
 
