@@ -23,14 +23,16 @@ import torch
 
 from visionattn.provenance import environment
 
-__all__ = ["ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
-           "add_common", "default_out", "check_output", "check_output_folder", "output_folder", "output_files",
-           "check_device", "failure_text", "first_error", "CorruptImageError", "read_rgb", "check_image",
-           "load_config", "environment", "atomic_path", "write_text_atomic", "write_json_atomic", "OutputFiles",
-           "markdown_table", "figure", "bars", "md_header", "write_results", "prefix_outputs", "tf32_disabled",
-           "Stopwatch", "call_ms", "sample_ms", "kernel_ms", "eager_ms", "eager_graph_ms", "eager_graph_timings",
-           "host_us", "per_call_ms", "peak_extra_mb", "AttentionFree", "attention_free", "cores", "worker_env",
-           "run_worker", "run_isolated", "run_chunks"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the tools belong to
+
+__all__ = ["REPO", "ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
+           "json_object", "add_common", "comma_list", "comma_ints", "default_out", "check_output",
+           "check_output_folder", "output_folder", "output_files", "check_device", "failure_text", "first_error",
+           "CorruptImageError", "read_rgb", "ImageList", "check_image", "load_config", "environment", "atomic_path",
+           "write_text_atomic", "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header",
+           "write_results", "prefix_outputs", "tf32_flags", "Stopwatch", "call_ms", "sample_ms", "kernel_ms",
+           "eager_ms", "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us", "per_call_ms", "peak_memory",
+           "AttentionFree", "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -73,6 +75,17 @@ positive_float = _bounded(_float, 0, math.inf, True, "a number > 0")
 nonnegative_float = _bounded(_float, 0, math.inf, False, "a number >= 0")
 percentile = _bounded(_float, 0, 100, False, "a percentile in [0, 100]")
 
+
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (e.g. extra ``timm.create_model`` arguments), else a one-line error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}': {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}', got {text!r}")
+    return value
+
 # the flags the tools share: name -> (type, help); a tool passes its default, and its own help where it says more
 COMMON_ARGS = {
     "out": (str, "output prefix: writes <out>.md, <out>.json and <out>.png (default: %(default)s)"),
@@ -92,6 +105,27 @@ def add_common(p: argparse.ArgumentParser, **defaults) -> None:
         kind, text = COMMON_ARGS[name]
         default, text = value if isinstance(value, tuple) else (value, text)
         p.add_argument("--" + name, type=kind, default=default, help=text)
+
+
+def comma_list(parser: argparse.ArgumentParser, flag: str, text: str, allowed: Sequence[str]) -> list[str]:
+    """The comma-separated names of ``text`` (stripped, duplicates dropped, in order), or exit 2 with one line
+    naming ``flag`` when there are none or one is not in ``allowed``."""
+    items = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not items or any(x not in allowed for x in items):
+        parser.error(f"{flag} {text!r}: expected a comma-separated subset of {','.join(allowed)}")
+    return items
+
+
+def comma_ints(parser: argparse.ArgumentParser, flag: str, text: str, low: int = 1) -> list[int]:
+    """The comma-separated integers of ``text``, or exit 2 with one line naming ``flag`` when there are none or one
+    is not an integer >= ``low``."""
+    try:
+        items = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items or min(items) < low:
+        parser.error(f"{flag} {text!r}: expected comma-separated integers >= {low}")
+    return items
 
 
 def check_device(parser: argparse.ArgumentParser, name: str, flag: str = "--device"):
@@ -196,6 +230,21 @@ def read_rgb(path: str):
         raise CorruptImageError(f"cannot read image {path!r} ({why}); replace or remove the file") from None
 
 
+class ImageList(torch.utils.data.Dataset):
+    """``(transform(image), label)`` of ``(path, label)`` items, each image read by :func:`read_rgb` (a corrupt file
+    raises its one-line :class:`CorruptImageError`)."""
+
+    def __init__(self, items: Sequence[tuple[str, int]], transform: Callable):
+        self.items, self.transform = list(items), transform
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        path, label = self.items[i]
+        return self.transform(read_rgb(path)), label
+
+
 def check_image(parser: argparse.ArgumentParser, flag: str, path: str | None, example: str = "photo.jpg"):
     """The RGB image of ``path`` (:func:`read_rgb`), or exit 2 with one line when it is missing or corrupt."""
     if path is None or not os.path.isfile(path):
@@ -240,13 +289,22 @@ def first_error(err: BaseException) -> BaseException:
     return err
 
 
-def eager_graph_timings(make, timer, device, calls: int, repeats: int) -> tuple[float, float | None, str | None]:
-    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA :func:`eager_graph_ms`
-    (the failure as :func:`failure_text` of its first error); elsewhere ``timer(fn)`` alone."""
-    if torch.device(device).type != "cuda":
+def eager_graph_timings(make, timer, device, calls: int, repeats: int,
+                        graph: bool = True) -> tuple[float, float | None, str | None]:
+    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA with ``graph``
+    :func:`eager_graph_ms` (the failure as :func:`failure_text` of its first error); else ``timer(fn)`` alone."""
+    if torch.device(device).type != "cuda" or not graph:
         return timer(make()), None, None
     eager, graph, error = eager_graph_ms(make, calls, repeats)
     return eager, graph, None if error is None else failure_text(first_error(error), device)
+
+
+def graph_cells(ms: float | None, graph_ms: float | None, graph_error: str | None) -> list:
+    """The "graph ms" and "eager / graph" table cells of a row timed by :func:`eager_graph_timings`: n/a where the
+    capture failed, - where no graph (or no eager time beside it) was timed."""
+    if graph_ms is None:
+        return ["n/a", "n/a"] if graph_error else ["-", "-"]
+    return [graph_ms, f"{ms / graph_ms:.2f}" if ms else "-"]
 
 
 def failure_text(err: BaseException, device) -> str:
@@ -444,14 +502,13 @@ def markdown_table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
 
 
 @contextlib.contextmanager
-def tf32_disabled():
-    """TF32 off for PyTorch matmuls and cuDNN convolutions (process-wide: tools and tests only), restored after;
-    yields the settings for the tool's record."""
+def tf32_flags(enabled: bool = False):
+    """TF32 on or (default) off for PyTorch matmuls and cuDNN convolutions (process-wide: tools and tests only),
+    restored after; yields the settings for the tool's record."""
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
     try:
-        yield {"torch.backends.cuda.matmul.allow_tf32": False, "torch.backends.cudnn.allow_tf32": False}
+        yield {"torch.backends.cuda.matmul.allow_tf32": enabled, "torch.backends.cudnn.allow_tf32": enabled}
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
@@ -726,18 +783,20 @@ def per_call_ms(device: torch.device, calls: int, repeats: int,
     return wall
 
 
-def peak_extra_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
-    """Most CUDA memory allocated during one ``fn()`` beyond what was allocated before it (MiB); None on the CPU."""
-    if device.type != "cuda":
-        return None
+def peak_memory(fn: Callable[[], Any], device: str | torch.device) -> dict:
+    """Most CUDA memory allocated during one ``fn()`` (MiB): ``peak_mib`` in all, ``peak_extra_mib`` beyond what was
+    allocated before it (garbage collected and the allocator's cache emptied first); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return {"peak_mib": None, "peak_extra_mib": None}
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = fn()
+    fn()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak / 2**20
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_mib": peak / 2**20, "peak_extra_mib": (peak - before) / 2**20}
 
 
 # --------------------------------------------------------------------------------------------------- reports
@@ -753,10 +812,10 @@ def md_header(title: str, env: dict, *notes: str) -> list[str]:
 
 
 def write_results(outputs: OutputFiles, prefix: str, result: dict, markdown: str | None = None,
-                  plot: Callable[[dict, str, OutputFiles], Any] | None = None) -> None:
-    """Write ``<prefix>.json`` (``result``), ``<prefix>.md`` (``markdown``, when given) and ``<prefix>.png``
-    (``plot(result, path, outputs)``, when given) through ``outputs``."""
-    outputs.write_json(prefix + ".json", result)
+                  plot: Callable[[dict, str, OutputFiles], Any] | None = None, indent: int = 2) -> None:
+    """Write ``<prefix>.json`` (``result``, JSON indented by ``indent``), ``<prefix>.md`` (``markdown``, when given)
+    and ``<prefix>.png`` (``plot(result, path, outputs)``, when given) through ``outputs``."""
+    outputs.write_json(prefix + ".json", result, indent)
     if markdown is not None:
         outputs.write_text(prefix + ".md", markdown)
     if plot is not None:

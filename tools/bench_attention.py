@@ -33,24 +33,21 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, check_output, default_out, eager_graph_ms, eager_ms,  # noqa: E402
-                      environment, failure_text, figure, first_error, host_us, kernel_ms, markdown_table, md_header,
-                      output_files)
+from _harness import (OutputFiles, REPO, ToolParser, check_output, default_out, eager_graph_timings,  # noqa: E402
+                      eager_ms, environment, figure, graph_cells, host_us, kernel_ms, markdown_table, md_header,
+                      output_files, tf32_flags, write_results)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = "bench_attention"  # its output manifest: .visionattn-bench_attention.json (_harness.output_files)
-GROUPS = {  # input dtype group -> (dtype, visionattn modes run on it, baselines)
-    "fp32": (torch.float32, ["fp32", "fp32-ieee", "tf32"], ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),
-    "fp16": (torch.float16, ["fp16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn",
-                                       "flex"]),
-    "bf16": (torch.bfloat16, ["bf16"], ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn",
-                                        "flex"]),
-}
+HALF_BASELINES = ["sdpa-math", "sdpa-efficient", "sdpa-flash", "sdpa-flash-det", "sdpa-cudnn", "flex"]
+GROUPS = {  # input dtype group -> (dtype, the visionattn modes computing in it, baselines)
+    name: (dtype, [m for m, spec in MODES.items() if spec.compute_dtype == dtype and not spec.half_scores], base)
+    for name, dtype, base in (("fp32", torch.float32, ["sdpa-math", "sdpa-efficient", "flex-ieee", "flex-tf32"]),
+                              ("fp16", torch.float16, HALF_BASELINES), ("bf16", torch.bfloat16, HALF_BASELINES))}
 BACKWARD_ONLY = ("sdpa-flash-det",)  # baselines that only the --backward table runs
 
 
@@ -94,16 +91,6 @@ def _sdpa(backend_name, gqa=False):
     return run
 
 
-@contextlib.contextmanager
-def _tf32(enabled: bool):
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 _FLEX = {}
 
 
@@ -119,7 +106,7 @@ def _flex(tf32: bool, gqa=False):
     fn = _FLEX[tf32]
 
     def run(q, k, v):
-        with _tf32(tf32):
+        with tf32_flags(tf32):
             return fn(q, k, v, enable_gqa=gqa)
 
     return run
@@ -179,7 +166,7 @@ def _fwd_bwd_runner(name, do, gqa=False):
     run = _runner("sdpa-flash" if det else name, gqa)
 
     def step(q, k, v):
-        context = _tf32(True) if name == "flex-tf32" else _deterministic() if det else contextlib.nullcontext()
+        context = tf32_flags(True) if name == "flex-tf32" else _deterministic() if det else contextlib.nullcontext()
         with context:  # flex-tf32: its compiled backward too; flash-det: the backward runs inside
             return torch.autograd.grad(run(q, k, v), (q, k, v), do)
 
@@ -205,13 +192,9 @@ def _measure(fn, q, k, v, rep, graph_only=False):
     if graph_only:
         return {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}, peak, out
     one = max(eager_ms(lambda: fn(q, k, v), calls=3, warmup=1, repeats=1), 0.005)
-    eager, graph, error = eager_graph_ms(lambda: (lambda: fn(q, k, v)), calls=int(min(200, max(10, rep / one))))
-    timings = {"eager": eager}
-    if graph is not None:
-        timings["graph"] = graph
-    else:
-        timings["graph_error"] = failure_text(first_error(error), "cuda")
-    return timings, peak, out
+    eager, graph, error = eager_graph_timings(lambda: (lambda: fn(q, k, v)), None, "cuda",
+                                              int(min(200, max(10, rep / one))), 5)
+    return {"eager": eager, **({"graph": graph} if graph is not None else {"graph_error": error})}, peak, out
 
 
 def _graph_fields(timings: dict, flops: float) -> dict:
@@ -223,13 +206,6 @@ def _graph_fields(timings: dict, flops: float) -> dict:
     if "eager" in timings:
         rec.update(ms_eager=timings["eager"], eager_over_graph=timings["eager"] / timings["graph"])
     return rec
-
-
-def _graph_cells(r: dict) -> list:
-    """A record's "graph ms" and "eager / graph" table cells: n/a where the capture failed, - where not timed."""
-    if "ms_graph" not in r:
-        return ["n/a", "n/a"] if "graph_error" in r else ["-", "-"]
-    return [r["ms_graph"], f"{r['eager_over_graph']:.2f}" if "eager_over_graph" in r else "-"]
 
 
 def host_overhead(modes, rounds: int = 5) -> list[dict]:
@@ -508,7 +484,8 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
             name = ("**visionattn " + r["backend"] + "**") if r["ours"] else r["backend"]
             errs = ([f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in grads] if grads
                     else [f"{r['rel_err']:.2e}"] if "ms" in r else [])
-            rows.append([r["dtype"], name, r["ms"], r["tflops"], *_graph_cells(r), r["peak_mib"], *errs] if "ms" in r
+            graph = graph_cells(r.get("ms_eager"), r.get("ms_graph"), r.get("graph_error"))
+            rows.append([r["dtype"], name, r["ms"], r["tflops"], *graph, r["peak_mib"], *errs] if "ms" in r
                         else [r["dtype"], name, *["-"] * (len(header) - 3), r["skipped"]])
         lines.append(markdown_table(rows, header))
     lines += ["## Targets", ""]
@@ -528,12 +505,8 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
                           f"need {t['need_tflops']}", "met" if t["met"] else "NOT met"])
     lines.append(markdown_table(trows, ["shape", "mode", "vs", "TFLOP/s or memory", "ratio", "status"]))
     stem = os.path.join(out_dir, result.get("files", "bench"))
-    paths = {"md": stem + ".md", "json": stem + ".json", "png": stem + ".png"}
-    outputs = outputs or OutputFiles(TOOL)
-    outputs.write_text(paths["md"], "\n".join(lines))
-    outputs.write_json(paths["json"], result)
-    _plot(result, paths["png"], outputs)
-    return paths
+    write_results(outputs or OutputFiles(TOOL), stem, result, "\n".join(lines), _plot)
+    return {ext: f"{stem}.{ext}" for ext in ("md", "json", "png")}
 
 
 def _plot(result, path, outputs):

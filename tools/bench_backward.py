@@ -22,10 +22,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, output_files, positive_int)
+from _harness import (ToolParser, add_common, check_device, default_out, eager_graph_timings,  # noqa: E402
+                      positive_int, prefix_outputs, write_results)
 
-MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+from visionattn.checks import has_backward  # noqa: E402
+from visionattn.modes import mode_names  # noqa: E402
+
+MODES = tuple(m for m in mode_names() if has_backward(m))  # the modes with backward kernels
 # name -> (B, H, N, D, relative position bias with a gradient, windows per image: 0 = dense attention)
 SHAPES = {
     "long-4k": (1, 8, 4096, 64, False, 0),
@@ -164,27 +167,20 @@ def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kern
                                  bias_splits=splits, config=config, products=products)
 
 
-def _timings(make, timer, device, args) -> tuple[float, float | None, str | None]:
-    """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: :func:`_harness.eager_graph_timings`;
-    with ``--no-graph`` ``timer`` alone."""
-    if args.no_graph:
-        return timer(make()), None, None
-    return eager_graph_timings(make, timer, device, args.calls, args.repeats)
-
-
 def main(args) -> dict:
     from visionattn.kernels.elsa_bwd import BWD_MODES
     from visionattn.kernels.window_bwd import FUSED_MAX_TOKENS
-    from _harness import environment, markdown_table, peak_extra_mb, per_call_ms
+    from _harness import environment, graph_cells, markdown_table, peak_memory, per_call_ms
     from torch.nn.attention import SDPBackend
 
     parser = build_parser()
-    args.out = check_output(parser, args.out)
-    outputs = output_files(parser, [args.out + ".md", args.out + ".json"], tool="bench_backward")
+    outputs = prefix_outputs(parser, args.out, (".md", ".json"), tool="bench_backward")
     device = check_device(parser, args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     timer = per_call_ms(device, args.calls, args.repeats)
+    timings = functools.partial(eager_graph_timings, timer=timer, device=device, calls=args.calls,
+                                repeats=args.repeats, graph=not args.no_graph)
     rows = []
     for shape in args.shapes:
         B, H, N, D, relpos, windows = SHAPES[shape]
@@ -200,9 +196,9 @@ def main(args) -> dict:
                 ours = _ours(*inputs, splits, kernel, **kw)
                 ours()  # compile
                 name = "visionattn" + ("" if kernel is None else f"-{kernel}") + suffix
-                ms, graph, why = _timings(lambda: ours, timer, device, args)
-                cells[name] = {"ms": ms, "mb": peak_extra_mb(ours, device), "splits": splits, "graph_ms": graph,
-                               "graph_error": why}
+                ms, graph, why = timings(lambda: ours)
+                cells[name] = {"ms": ms, "mb": peak_memory(ours, device)["peak_extra_mib"], "splits": splits,
+                               "graph_ms": graph, "graph_error": why}
 
             # window shapes: both window kernel paths where the fused one applies (the dense kernel: one path)
             kernels = [None] if not windows else ["fused", "split"] if N <= FUSED_MAX_TOKENS else ["split"]
@@ -224,13 +220,13 @@ def main(args) -> dict:
                     try:
                         fn = _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend)
                         fn()
-                        mb = peak_extra_mb(fn, device)
+                        mb = peak_memory(fn, device)["peak_extra_mib"]
                     except RuntimeError as exc:  # backend not available for this dtype / bias
                         cells[name] = {"error": str(exc).splitlines()[0][:120]}
                         continue
                     del fn  # the timing builds its own forward on the capture stream
-                    ms, graph, why = _timings(functools.partial(_sdpa_backward, q, k, v, do, bias, shift_full, scale,
-                                                                backend), timer, device, args)
+                    ms, graph, why = timings(functools.partial(_sdpa_backward, q, k, v, do, bias, shift_full, scale,
+                                                               backend))
                     cells[name] = {"ms": ms, "mb": mb, "graph_ms": graph, "graph_error": why}
             ref = cells.get("sdpa-efficient", {}).get("ms")
             for name, cell in cells.items():
@@ -263,17 +259,15 @@ def main(args) -> dict:
     env = environment({"timing": timing, "flops": "10 * B * H * N^2 * D per backward", "allow_tf32": False})
     table = markdown_table(
         [(r["shape"], r["mode"], r["kernel"], r["ms"] if r["ms"] else "n/a", r["tflops"] or "n/a",
-          r["graph_ms"] or ("n/a" if r["graph_error"] else "-"),
-          f"{r['eager_over_graph']:.2f}" if r["eager_over_graph"] else ("n/a" if r["graph_error"] else "-"),
+          *graph_cells(r["ms"], r["graph_ms"], r["graph_error"]),
           r["vs_sdpa_efficient"] or "", r["peak_extra_mb"] if r["peak_extra_mb"] is not None else "")
          for r in rows],
         ["shape", "mode", "kernel", "ms", "TFLOP/s", "graph ms", "eager / graph", "x SDPA-efficient",
          "peak extra MiB"])
     md = ("# Attention backward: visionattn vs SDPA (eager and CUDA-graph replay)\n\n"
           + "\n".join(f"- {k}: {v}" for k, v in env.items()))
-    outputs.write_text(args.out + ".md", md + "\n\n" + table)
     result = {"environment": env, "rows": rows}
-    outputs.write_json(args.out + ".json", result)
+    write_results(outputs, args.out, result, md + "\n\n" + table)
     return result
 
 

@@ -24,10 +24,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_output, default_out, environment, markdown_table,  # noqa: E402
-                      md_header, output_files, positive_int)
+from _harness import (REPO, ToolParser, add_common, check_output, default_out, environment,  # noqa: E402
+                      markdown_table, md_header, output_files, positive_int, write_results)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # each child records the kernels Triton compiles (not cache hits) and their compile seconds, per phase
 _LISTENER = r"""
@@ -203,8 +202,8 @@ def main(args) -> dict:
         if m not in mode_names():
             parser.error(f"unknown mode {m!r}; expected one of {mode_names()}")
     check_output(parser, args.out, folder=True)
-    md_path, json_path = os.path.join(args.out, "cold_start.md"), os.path.join(args.out, "cold_start.json")
-    outputs = output_files(parser, [md_path, json_path], tool="bench_cold_start")
+    prefix = os.path.join(args.out, "cold_start")
+    outputs = output_files(parser, [prefix + ".md", prefix + ".json"], tool="bench_cold_start")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (H100/H200); none is visible here")
     rows = []
@@ -222,8 +221,7 @@ def main(args) -> dict:
         print(json.dumps(rows[-1]), flush=True)
     result = {"environment": environment(), "rows": rows}
     text = render(rows, result["environment"])
-    outputs.write_text(md_path, text)
-    outputs.write_json(json_path, result)
+    write_results(outputs, prefix, result, text)
     print(text)
     return result
 

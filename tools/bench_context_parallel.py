@@ -31,8 +31,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, default_out, environment, figure,  # noqa: E402
-                      markdown_table, peak_extra_mb, per_call_ms, positive_int, prefix_outputs, tf32_disabled)
+from _harness import (ToolParser, add_common, check_device, comma_ints, comma_list, default_out,  # noqa: E402
+                      environment, figure, markdown_table, peak_memory, per_call_ms, positive_int, prefix_outputs,
+                      tf32_flags, write_results)
 from bench_vggt import ROWS, _timed, build  # noqa: E402
 
 import visionattn  # noqa: E402
@@ -74,19 +75,6 @@ parser.add_argument("--model", choices=tuple(MODEL_KEYS), default="vggt",
 parser.add_argument("--tiny", action="store_true", help="--vggt: the tiny config, 56x70 images by default")
 parser.add_argument("--height", type=positive_int, default=392, help="--vggt: image height, a multiple of 14")
 parser.add_argument("--width", type=positive_int, default=518, help="--vggt: image width, a multiple of 14")
-
-
-def _items(flag: str, text: str, allowed=None) -> list:
-    """Comma-separated integers >= 1 (``allowed`` None) or names among ``allowed``; exit 2 otherwise."""
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    try:
-        ok = items and (all(x in allowed for x in items) if allowed else min(int(x) for x in items) >= 1)
-    except ValueError:
-        ok = False
-    if not ok:
-        parser.error(f"{flag} {text!r}: expected " + (f"a comma-separated subset of {','.join(allowed)}" if allowed
-                                                      else "comma-separated integers >= 1"))
-    return list(dict.fromkeys(items)) if allowed else [int(x) for x in items]
 
 
 def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -136,7 +124,7 @@ def bench(seqs: list[int], modes: list[str], schemes: list[str], args, device: t
                         return visionattn.attention(*full, mode=mode)
                     ref = single()[:, :, s:e]
                     single_ms = timer(single)
-                    single_peak = peak_extra_mb(single, device)
+                    single_peak = peak_memory(single, device)["peak_extra_mib"]
                 full = None  # freed before the parallel calls (not del: single() closes over it)
                 dist.barrier()
                 for scheme in schemes:
@@ -146,7 +134,7 @@ def bench(seqs: list[int], modes: list[str], schemes: list[str], args, device: t
                     out = parallel()
                     dist.barrier()
                     ms = timer(parallel)
-                    peak = peak_extra_mb(parallel, device)
+                    peak = peak_memory(parallel, device)["peak_extra_mib"]
                     err = None if ref is None else rel_l2(out, ref)
                     out = None
                     dist.barrier()
@@ -194,7 +182,7 @@ def vggt_rows(frame_counts: list[int], modes: list[str], args, device: torch.dev
         """(median seconds of ``--repeats`` timed forwards, peak GB after the warm-up or None on the CPU,
         the last forward's ``keys`` outputs of frames ``keep`` on the CPU). ``exact``: TF32 off for the matmuls
         and cuDNN's convolutions (on by default for convolutions), so an FP32 row compares FP32 with FP32."""
-        with torch.no_grad(), autocast(device.type, dtype), (tf32_disabled() if exact else contextlib.nullcontext()):
+        with torch.no_grad(), autocast(device.type, dtype), (tf32_flags() if exact else contextlib.nullcontext()):
             if args.warmup:
                 model(x)
             if cuda:
@@ -312,15 +300,15 @@ def plot_vggt(result: dict, path: str, outputs) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
-    seqs = _items("--seq", args.seq)
-    modes = _items("--mode", args.mode, VGGT_MODES if args.vggt is not None else list(MODES))
+    seqs = comma_ints(parser, "--seq", args.seq)
+    modes = comma_list(parser, "--mode", args.mode, VGGT_MODES if args.vggt is not None else list(MODES))
     frame_counts = None
     if args.vggt is not None and args.scheme is not None:
         parser.error(f"--scheme {' '.join(args.scheme)!r}: not with --vggt (the model runs split_frames, whose "
                      f"global attention takes the library's default scheme, auto)")
-    schemes = _items("--scheme", ",".join(args.scheme or ["ring"]), SCHEMES)
+    schemes = comma_list(parser, "--scheme", ",".join(args.scheme or ["ring"]), SCHEMES)
     if args.vggt is not None:
-        frame_counts = _items("--vggt", args.vggt)
+        frame_counts = comma_ints(parser, "--vggt", args.vggt)
         world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1
         if min(frame_counts) < world:
             parser.error(f"--vggt {args.vggt!r}: every frame count must be >= the number of ranks ({world}): "
@@ -350,10 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
                           rows=vggt_rows(frame_counts, modes, args, device, rank, world), environment=env)
         if rank == 0:
             text = render(result, args)
-            outputs.write_text(out + ".md", text)
-            outputs.write_json(out + ".json", result)
-            if frame_counts is not None:
-                plot_vggt(result, out + ".png", outputs)
+            write_results(outputs, out, result, text, plot_vggt if frame_counts is not None else None)
             if not args.quiet:
                 print(text)
         dist.barrier()

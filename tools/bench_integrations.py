@@ -33,9 +33,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _harness import (ToolParser, add_common, attention_free, check_device, default_out, environment,  # noqa: E402
-                      failure_text, figure, markdown_table, md_header, positive_float, positive_int, prefix_outputs,
-                      tf32_disabled, write_results)
+from _harness import (ToolParser, add_common, attention_free, check_device, comma_list, default_out,  # noqa: E402
+                      environment, failure_text, figure, markdown_table, md_header, positive_float, positive_int,
+                      prefix_outputs, tf32_flags, write_results)
 from bench_models import measure  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -80,13 +80,6 @@ SIZES = {("vit", False): Size(768, 12, 12, 16, 512), ("vit", True): Size(32, 2, 
          ("dinov2", False): Size(768, 12, 12, 14, 518), ("dinov2", True): Size(32, 2, 2, 8, 32),
          # Flux: dim = heads * 128, 64 x 64 image tokens (a 1024 px image's packed latents), 512 text tokens
          ("flux", False): Size(3072, 1, 24, 1, 64, 512), ("flux", True): Size(64, 1, 2, 1, 8, 16)}
-
-
-def _subset(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items or any(x not in allowed for x in items):
-        parser.error(f"{flag} {text!r}: expected a comma-separated subset of {','.join(allowed)}")
-    return list(dict.fromkeys(items))
 
 
 def _environment(libraries: set[str]) -> dict:
@@ -347,8 +340,8 @@ def render_png(result: dict, path: str, outputs=None) -> bool:
 def main(argv: list[str] | None = None) -> dict:
     """Run the cells ``argv`` asks for; write <out>.md / .json / .png; return the result dict."""
     args = parser.parse_args(argv)
-    cases = _subset(args.cases, CASES, "--cases")
-    modes = _subset(args.modes, BENCH_MODES, "--modes")
+    cases = comma_list(parser, "--cases", args.cases, CASES)
+    modes = comma_list(parser, "--modes", args.modes, BENCH_MODES)
     device = check_device(parser, args.device)
     if args.cuda_graph and device.type != "cuda":
         parser.error(f"--cuda-graph needs a CUDA device, got --device {args.device}")
@@ -362,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
               "max_reps": 100}
     judged = device.type == "cuda" and not args.tiny
     rows: list[dict] = []
-    with tf32_disabled() as precision:
+    with tf32_flags() as precision:
         settings = {"device": str(device), **precision, **timing, "rounds": args.rounds, "batch": args.batch,
                     "tiny": args.tiny, "cuda_graph": args.cuda_graph, "judged": judged}
         print(f"[bench_integrations] {env['device']}; torch {env['torch']}, triton {env['triton']}, transformers "

@@ -26,12 +26,11 @@ import torch
 import yaml
 from tqdm import tqdm
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _harness import (ToolParser, add_common, check_device, default_out, environment, failure_text,  # noqa: E402
-                      figure, markdown_table, md_header, positive_float, positive_int,
-                      prefix_outputs, sample_ms, tf32_disabled, write_results)
+from _harness import (REPO, ToolParser, add_common, check_device, comma_list, default_out, environment,  # noqa: E402
+                      failure_text, figure, markdown_table, md_header, peak_memory, positive_float, positive_int,
+                      prefix_outputs, sample_ms, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -69,13 +68,6 @@ def _slice(text: str) -> slice:
         raise ValueError(f"expected start:stop, e.g. 0:5, got {text!r}") from None
 
 
-def _modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    for m in modes:
-        get_mode(m)  # ValueError naming the mode
-    return modes
-
-
 parser = ToolParser(prog="bench_models.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
 parser.add_argument("--config", default=os.path.join(REPO, "configs", "bench_models.yaml"),
@@ -84,7 +76,7 @@ parser.add_argument("--quick", action="store_true", help="run the config's small
 parser.add_argument("--cases", type=_arg(parse_cases),
                     help="comma-separated model:img:batch cases replacing the config's "
                          "(e.g. vit_base_patch16_224:1024:8)")
-parser.add_argument("--modes", type=_arg(_modes), help="comma-separated visionattn modes replacing every case's")
+parser.add_argument("--modes", help="comma-separated visionattn modes replacing every case's")
 add_common(parser, out=default_out("models_bench"), device=(None, "cuda (default when available) or cpu"),
            warmup=(None, "untimed calls before each measurement (default: config)"))
 parser.add_argument("--rep-ms", type=positive_float, help="timed milliseconds per measurement (default: config)")
@@ -141,21 +133,6 @@ def summarize_times(times: list[float]) -> dict:
     return {"median_ms": statistics.median(times), "p10_ms": q(0.1), "p90_ms": q(0.9), "reps": len(times)}
 
 
-def peak_memory(fn, device: str) -> dict:
-    """Peak allocated memory (MiB) during one ``fn()`` call, total and beyond what was allocated before."""
-    if device != "cuda":
-        return {"peak_mib": None, "peak_extra_mib": None}
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    return {"peak_mib": peak / 2**20, "peak_extra_mib": (peak - before) / 2**20}
-
-
 def measure(forward, variants, device, timing: dict, rounds: int, cuda_graph: bool = False,
             compile_mode: str | None = None) -> tuple[dict, dict]:
     """Rows and outputs of the ``variants`` of one forward: ``(label, enter)`` pairs, ``enter()`` a context manager
@@ -176,7 +153,7 @@ def measure(forward, variants, device, timing: dict, rounds: int, cuda_graph: bo
                 out = forward()
                 outs[label] = torch.cat([t.flatten() for t in out]) if isinstance(out, tuple) else out
                 del out
-                rows[label].update(peak_memory(forward, torch.device(device).type))
+                rows[label].update(peak_memory(forward, device))
         except Exception as err:  # noqa: BLE001 - OOM or a failing path: record it, keep the sweep going
             rows[label]["error"], outs[label] = failure_text(err, device), None
     per_round = round_timing(timing, rounds)
@@ -403,6 +380,7 @@ def main(args) -> dict:
         parser.error("--compile and --cuda-graph: pick one (--compile reduce-overhead uses CUDA graphs)")
     if args.cuda_graph and device != "cuda":
         parser.error(f"--cuda-graph needs a CUDA device, got --device {device}")
+    chosen_modes = args.modes and comma_list(parser, "--modes", args.modes, list(MODES))
     outputs = prefix_outputs(parser, args.out, tool="bench_models")
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
@@ -417,14 +395,14 @@ def main(args) -> dict:
         timing.update(warmup=1, min_reps=2, max_reps=3)
     env = environment()
     rows: list[dict] = []
-    with tf32_disabled():  # FP32 really FP32 on both sides
+    with tf32_flags():  # FP32 really FP32 on both sides
         settings = {"device": device, "allow_tf32_matmul": False, "allow_tf32_cudnn": False, **timing,
                     "rounds": rounds, "quick": bool(args.quick), "attention_share": not args.no_share,
                     "cuda_graph": bool(args.cuda_graph), "compile": args.compile}
         print(f"[bench_models] {env['device']} torch {env['torch']} triton {env.get('triton')} timm {env.get('timm')}; "
               "TF32 off", flush=True)
         for case in tqdm(cases, desc="cases"):
-            modes = args.modes or case.get("modes") or cfg.get("modes", ["fp32", "fp16"])
+            modes = chosen_modes or case.get("modes") or cfg.get("modes", ["fp32", "fp16"])
             for m in modes:
                 get_mode(m)
             case_rows = bench_case(case, modes, device, timing, share=not args.no_share, rounds=rounds,

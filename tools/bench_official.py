@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, attention_free, check_device, default_out, environment, figure,  # noqa: E402
-                      markdown_table, md_header, positive_int, prefix_outputs, sample_ms, tf32_disabled, write_results)
+                      markdown_table, md_header, positive_int, prefix_outputs, sample_ms, tf32_flags, write_results)
 
 from visionattn.metrics import rel_l2  # noqa: E402
 
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"environment": environment(), "official": os.path.abspath(args.official), "model": args.model,
            "conditions": args.conditions, "images": args.images, "height": args.height, "width": args.width,
            "rows": rows, "warmup_frames": args.warmup_frames, "points": []}
-    with tf32_disabled() as flags:
+    with tf32_flags() as flags:
         res["settings"] = flags
         for n in sorted(args.frames or frames):
             images = load_frames(args.images, n, args.height, args.width)

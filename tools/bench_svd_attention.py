@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, default_out, environment, markdown_table, md_header, nonnegative_int,  # noqa: E402
-                      positive_int, prefix_outputs, sample_ms, tf32_disabled, write_results)
+                      peak_memory, positive_int, prefix_outputs, sample_ms, tf32_flags, write_results)
 from eval_svd import (DTYPE_NAMES, NATIVE, add_run_args, build_tiny_pipeline, check_run_args,  # noqa: E402
                       free_memory, jsonable, parse_modes, run_dtype)
 
@@ -54,18 +54,10 @@ def svd_attention_cases(height: int, width: int, frames: int, levels: int, batch
 
 
 def _time_call(fn, device: str, reps: int, warmup: int) -> tuple[float, float | None]:
-    """Median ms of ``fn()`` and its peak extra GiB (CUDA) — CUDA events on GPU, perf_counter on CPU."""
-    cuda = device.startswith("cuda")
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    times = sample_ms(fn, device, warmup=0, reps=reps)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
-    return float(np.median(times)), peak
+    """Median ms of ``fn()`` (:func:`_harness.sample_ms`) and the peak extra GiB of one call (CUDA)."""
+    times = sample_ms(fn, device, warmup=warmup, reps=reps)
+    mib = peak_memory(fn, device)["peak_extra_mib"]
+    return float(np.median(times)), None if mib is None else mib / 1024
 
 
 def attention_bench(args) -> tuple[dict, str]:
@@ -200,7 +192,7 @@ def main(argv=None) -> dict:
     check_run_args(parser, args, "native-fp32")
     args.out = args.out or default_out("svd_unet" if args.unet_bench else "svd_attention")
     files = prefix_outputs(parser, args.out, (".json", ".md"), tool="bench_svd_attention")
-    with tf32_disabled() as settings:
+    with tf32_flags() as settings:
         print(f"process-wide settings for this run: {settings}")
         res, md = unet_bench(args) if args.unet_bench else attention_bench(args)
     write_results(files, args.out, res, md)

@@ -34,15 +34,15 @@ from typing import Any, Sequence
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
 from _harness import (AttentionFree, OutputFiles, ToolParser, bars, call_ms, check_device, check_output,  # noqa: E402
-                      default_out, environment, failure_text, figure, markdown_table, md_header, nonnegative_int,
-                      output_files, positive_float, positive_int, sample_ms)
+                      default_out, environment, failure_text, figure, json_object, markdown_table, md_header,
+                      nonnegative_int, output_files, peak_memory, positive_float, positive_int, sample_ms, tf32_flags,
+                      write_results)
 from _timm_models import create_timm_model, model_problem  # noqa: E402
-from bench_models import MEM_SLACK_MIB, parse_cases, peak_memory, summarize_times  # noqa: E402
-from finetune import TRAIN_MODES, TrainStep, json_object, precision, precision_flags  # noqa: E402
+from bench_models import MEM_SLACK_MIB, parse_cases, summarize_times  # noqa: E402
+from finetune import TRAIN_MODES, TrainStep, precision  # noqa: E402
 
 
 DEFAULT_CASES = ("vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64,"
@@ -214,7 +214,7 @@ def time_case(case: dict, mode: str, device: torch.device, args: argparse.Namesp
         runs[FREE]()
         return free.calls, free.core_calls
 
-    with precision_flags(prec) as flags:
+    with tf32_flags(prec.tf32) as flags:
         for v in variants:
             rows[v]["process_settings"] = flags
             try:
@@ -293,7 +293,7 @@ def loss_curves(case: dict, mode: str, device: torch.device, args: argparse.Name
         if variant == "visionattn":
             patched.update(model.visionattn_report.patched)
         step = TrainStep(model, precision(prec_mode), lr=args.lr)
-        with precision_flags(step.prec):
+        with tf32_flags(step.prec.tf32):
             losses = [step(*batches[i % len(batches)]) for i in range(args.loss_curve)]
         return [float(v) for v in losses]
 
@@ -474,9 +474,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             res["rows"] += rows
         res["targets"] = check_targets(res["rows"])
         markdown, png = render_markdown, render_png
-    outputs.write_json(prefix + ".json", res)
-    outputs.write_text(prefix + ".md", markdown(res))
-    png(res, prefix + ".png", outputs)
+    write_results(outputs, prefix, res, markdown(res), png)
     print(markdown(res))
     return res
 

@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, environment, markdown_table, output_files, peak_extra_mb, per_call_ms,
-                      positive_int)
+from _harness import (ToolParser, add_common, check_device, comma_ints, comma_list, default_out,  # noqa: E402
+                      eager_graph_timings, environment, graph_cells, markdown_table, peak_memory, per_call_ms,
+                      positive_int, prefix_outputs, write_results)
 
 import visionattn  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -67,7 +67,7 @@ from visionattn.reference import oracle_attention  # noqa: E402
 
 METHODS = ("visionattn-list", "visionattn", "visionattn-jagged", "sdpa-padded", "sdpa-per-seq", "nested")
 NESTED_METHODS = ("visionattn-jagged", "nested")  # timed after the others (see bench)
-BENCH_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+BENCH_MODES = tuple(m for m, spec in MODES.items() if not spec.half_scores)  # the varlen kernels' modes
 ISSUE_LENGTHS = "785,500,708,542,1732,262,1039,557"
 # (height, width) in pixels, cycled over the NaFlexViT batch: 36 .. 576 patches of 16 x 16
 NAFLEX_SIZES = "384x384,224x224,160x480,512x256,96x96,320x240,448x128,256x256"
@@ -97,24 +97,6 @@ parser.add_argument("--batch", type=positive_int, default=32, help="--naflex: im
 parser.add_argument("--naflex-sizes", default=NAFLEX_SIZES,
                     help="--naflex: comma-separated HxW image sizes in pixels, cycled over the batch "
                          "(default: %(default)s)")
-
-
-def _subset(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if not items or bad:
-        parser.error(f"{flag} {text!r}: expected a comma-separated subset of {','.join(allowed)}")
-    return items
-
-
-def _lengths(text: str) -> list[int]:
-    try:
-        lens = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--lengths {text!r}: expected comma-separated integers")
-    if not lens or min(lens) < 0 or max(lens) == 0:
-        parser.error(f"--lengths {text!r}: expected integers >= 0, at least one > 0")
-    return lens
 
 
 def _sizes(text: str) -> list[tuple[int, int]]:
@@ -214,7 +196,7 @@ def bench(lens: list[int], heads: int, head_dim: int, modes: list[str], methods:
             kern_ms, graph_ms, graph_error = eager_graph_timings(lambda fn=kernel: fn, timer, device, calls, repeats)
             total_ms = timer(lambda: attend(convert()))
             del x, kernel
-            peak = peak_extra_mb(lambda: attend(convert()), device)
+            peak = peak_memory(lambda: attend(convert()), device)["peak_extra_mib"]
             rows.append(dict(mode=mode, method=method, **{"pass": "forward"}, total_ms=total_ms, kernel_ms=kern_ms,
                              kernel_graph_ms=graph_ms, graph_error=graph_error, conversion_ms=conv_ms, peak_mb=peak,
                              mtokens_per_s=total_tokens / total_ms / 1e3,
@@ -260,7 +242,7 @@ def _backward_rows(base, dtype, mode: str, methods: list[str], timer, device, se
         got = [g if g is not None else torch.zeros_like(t) for g, t in zip(step(), leaves)]
         err = max(rel_l2(torch.cat(got[i::3]).double(), gold_packed[i]) for i in range(3))
         total_ms = timer(step)
-        peak = peak_extra_mb(step, device)
+        peak = peak_memory(step, device)["peak_extra_mib"]
         rows.append(dict(mode=mode, method=method, **{"pass": "forward+backward"}, total_ms=total_ms,
                          kernel_ms=None, conversion_ms=None, peak_mb=peak, mtokens_per_s=total / total_ms / 1e3,
                          rel_l2=err))
@@ -281,8 +263,7 @@ def render(rows: list[dict], env: dict, lens: list[int], heads: int, head_dim: i
     for r in rows:
         key = (r["mode"], r["pass"])
         speedup = f"{best[key] / r['total_ms']:.2f}x" if key in best else "-"
-        graph = r.get("kernel_graph_ms")
-        graph = graph if graph is not None else ("n/a" if r.get("graph_error") else "-")
+        graph = graph_cells(None, r.get("kernel_graph_ms"), r.get("graph_error"))[0]
         table.append([r["mode"], r["method"], r["pass"], r["total_ms"], dash(r["kernel_ms"]), graph,
                       dash(r["conversion_ms"]), dash(r["peak_mb"]), r["mtokens_per_s"], speedup, f"{r['rel_l2']:.2e}"])
     header = ["mode", "method", "pass", "total ms", "kernel ms", "kernel graph ms", "conversion ms", "peak MB",
@@ -327,7 +308,7 @@ def bench_naflex(model_name: str, sizes: list[tuple[int, int]], batch: int, mode
             if ref is None:
                 ref = (logits, feats)
             ms = timer(lambda: model(inputs))
-            peak = peak_extra_mb(lambda: model(inputs), device)
+            peak = peak_memory(lambda: model(inputs), device)["peak_extra_mib"]
             rows.append(dict(mode=mode or "-", method="timm-sdpa" if mode is None else "visionattn-varlen",
                              total_ms=ms, images_per_s=batch / ms * 1e3, peak_mb=peak,
                              logits_rel_l2=rel_l2(logits, ref[0]), tokens_rel_l2=rel_l2(feats[valid], ref[1][valid])))
@@ -357,13 +338,14 @@ def render_naflex(rows: list[dict], info: dict, env: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
-    lens = _lengths(args.lengths)
-    modes = _subset(args.modes, BENCH_MODES, "--modes")
-    methods = _subset(args.methods, METHODS, "--methods")
+    lens = comma_ints(parser, "--lengths", args.lengths, 0)
+    if max(lens) == 0:
+        parser.error(f"--lengths {args.lengths!r}: expected integers >= 0, at least one > 0")
+    modes = comma_list(parser, "--modes", args.modes, BENCH_MODES)
+    methods = comma_list(parser, "--methods", args.methods, METHODS)
     sizes = _sizes(args.naflex_sizes)
     device = check_device(parser, args.device)
-    out = check_output(parser, args.out)
-    outputs = output_files(parser, [out + ".md", out + ".json"], tool="bench_varlen")
+    outputs = prefix_outputs(parser, args.out, (".md", ".json"), tool="bench_varlen")
     env = environment({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32})
     if not args.quiet:
         print(", ".join(f"{k}={v}" for k, v in env.items()), flush=True)
@@ -378,8 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
         result = dict(lengths=lens, heads=args.heads, head_dim=args.head_dim, backward=args.backward, rows=rows,
                       environment=env)
         text = render(rows, env, lens, args.heads, args.head_dim)
-    outputs.write_text(out + ".md", text)
-    outputs.write_json(out + ".json", result)
+    write_results(outputs, args.out, result, text)
     if not args.quiet:
         print(text)
     return result

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, add_common, attention_free, check_device, default_out, environment,  # noqa: E402
-                      figure, markdown_table, positive_int, prefix_outputs)
+                      figure, markdown_table, md_header, positive_int, prefix_outputs)
 
 ROWS = {  # name: (attn_mode, autocast dtype or None, baseline row, all layers kept, label)
     "official-fp32": (None, None, "official-fp32", True, "official-equivalent FP32 (SDPA, all layers)"),
@@ -190,13 +190,13 @@ def _f(x, fmt=".2f"):
 def to_markdown(res: dict) -> str:
     env = res.get("environment", {})
     what = " and ".join(w for w, key in (("inference", "points"), ("training step", "train")) if res.get(key))
-    lines = [f"# VGGT / FastVGGT {what or 'inference'}: visionattn modes vs PyTorch SDPA", "",
-             f"GPU: {env.get('gpu')}; torch {env.get('torch')}, triton {env.get('triton')}, timm {env.get('timm')}; "
-             f"{env.get('date')}.", f"Command (last run): `{env.get('command')}`", "",
-             ("Tiny random config (tool check, not a result). " if res.get("tiny") else "") +
-             f"Random weights, camera + depth + point heads, images {res.get('height')}x{res.get('width')} "
-             f"({res.get('tokens_per_frame')} tokens per frame). Process TF32 flags left at defaults (matmul "
-             f"{env.get('allow_tf32_matmul')}, cudnn {env.get('allow_tf32_cudnn')}).", ""]
+    lines = md_header(f"VGGT / FastVGGT {what or 'inference'}: visionattn modes vs PyTorch SDPA", env,
+                      f"GPU: {env.get('gpu')}; {env.get('date')}; the command: the last run's (runs merge into one "
+                      "file)",
+                      ("Tiny random config (tool check, not a result). " if res.get("tiny") else "") +
+                      f"Random weights, camera + depth + point heads, images {res.get('height')}x{res.get('width')} "
+                      f"({res.get('tokens_per_frame')} tokens per frame). Process TF32 flags left at defaults (matmul "
+                      f"{env.get('allow_tf32_matmul')}, cudnn {env.get('allow_tf32_cudnn')}).")
     if res.get("points"):
         lines += ["Inference time: one forward (median of repeats) after a 2-frame warm-up and, unless "
                   "`--no-point-warmup`, one untimed forward at the same frame count; Mem: peak allocated (weights "

@@ -38,12 +38,13 @@ import torch.nn.functional as F
 import yaml
 from tqdm import tqdm
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, ToolParser, add_common, bars, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, eager_ms, environment, failure_text, figure, kernel_ms, markdown_table,
-                      md_header, output_files, peak_extra_mb, per_call_ms, tf32_disabled)
+from _harness import (OutputFiles, REPO, ToolParser, add_common, bars, default_out, eager_graph_timings,  # noqa: E402
+                      eager_ms, environment, failure_text, figure, graph_cells, kernel_ms, markdown_table, md_header,
+                      peak_memory, per_call_ms, prefix_outputs, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
+
+from visionattn.modes import MODES  # noqa: E402
 
 TRAIN_CASES = ("swin_base_224:0:64", "swinv2_base_w8_256:0:64")
 TRAIN_MODES = ("fp32", "bf16")
@@ -222,7 +223,7 @@ def measure(fn, warmup: float, rep: float) -> dict:
     ``fn``; errors are recorded, not raised."""
     try:
         with torch.no_grad():
-            peak = peak_extra_mb(fn, torch.device("cuda"))
+            peak = peak_memory(fn, torch.device("cuda"))["peak_extra_mib"]
             ms = kernel_ms(fn, warmup, rep, _TIMER["cuda_graph"])
         return {"ms": float(ms), "peak_mib": float(peak)}
     except Exception as e:  # noqa: BLE001 - a failing baseline is a result, not a crash
@@ -287,7 +288,7 @@ def bench_attention(cfg, args, env, rows: list, save=lambda: None) -> list[dict]
     if args.max_cases:
         jobs = jobs[:args.max_cases]
     for m, st, batch, dt in tqdm(jobs, desc="attention cases"):
-        dtype = torch.float16 if dt == "fp16" else torch.float32
+        dtype = MODES[dt].compute_dtype
         attn, mask = make_block(m["kind"], st, "cuda", dtype)
         q, k, v, bias = attn_inputs(attn, m["kind"], batch, st, mask, "cuda", dtype)
         row = {"model": m["name"], "kind": m["kind"], **st, "batch": batch, "dtype": dt,
@@ -325,7 +326,7 @@ def bench_sweep(cfg, args) -> list[dict]:
     st = stage_shapes(model)[kc["stage"]]
     rows = []
     for dt in ("fp16", "fp32"):
-        dtype = torch.float16 if dt == "fp16" else torch.float32
+        dtype = MODES[dt].compute_dtype
         attn, mask = make_block(model["kind"], st, "cuda", dtype)
         q, k, v, bias = attn_inputs(attn, model["kind"], kc["batch"], st, mask, "cuda", dtype)
         default = get_config(q.shape[0], st["heads"], st["N"], q.shape[-1], st["nW"], q.device, mode=dt)
@@ -348,7 +349,7 @@ def bench_module(cfg, args) -> list[dict]:
     for m in cfg["models"]:
         st = stage_shapes(m)[0]
         for dt in ("fp16", "fp32"):
-            dtype = torch.float16 if dt == "fp16" else torch.float32
+            dtype = MODES[dt].compute_dtype
             attn, mask = make_block(m["kind"], st, "cuda", dtype)
             x = torch.randn(kc["batch"] * st["nW"], st["N"], st["dim"], device="cuda", dtype=dtype)
             row = {"model": m["name"], "stage": 0, "batch": kc["batch"], "dtype": dt}
@@ -372,7 +373,7 @@ def bench_models(cfg, args) -> list[dict]:
     rows = []
     for spec in cfg.get("model_latency", []):
         for dt in ("fp16", "fp32"):
-            dtype = torch.float16 if dt == "fp16" else torch.float32
+            dtype = MODES[dt].compute_dtype
             row = {"model": spec["timm_name"], "batch": spec["batch"], "dtype": dt}
             try:
                 # random weights, Swin-v2's zero-init post-norms woken: attention reaches the logits
@@ -405,17 +406,14 @@ def _fmt(r: dict | None) -> str:
 
 def to_markdown(res: dict) -> str:
     env = res["environment"]
-    lines = ["# Window attention benchmark (Swin / Swin-v2)", "",
-             f"GPU: **{env['gpu']}**; torch {env['torch']}, triton {env['triton']}, timm {env['timm']}, "
-             f"CUDA {env['cuda']}; {env['date']}.", "",
-             f"Command: `{env['command']}`", "",
-             f"Measured copy bandwidth: {env.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s (read+write). "
-             + ("Times: median ms of `triton.testing.do_bench_cudagraph` (CUDA graph: no Python launch overhead, "
-              "no L2 flush, so small cases can run from L2 below the DRAM I/O floor). "
-              if env.get("cuda_graph_timing") else
-              "Times: median ms of `triton.testing.do_bench` (L2 flushed; Python launch overhead included). ")
-             + "Peak: extra MiB allocated during one call. "
-             f"timm eager fp32 runs with torch defaults (allow_tf32 matmul = {env['allow_tf32_matmul']}).", ""]
+    lines = md_header(
+        "Window attention benchmark (Swin / Swin-v2)", env, f"GPU: **{env['gpu']}**; {env['date']}",
+        f"Measured copy bandwidth: {env.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s (read+write). "
+        + ("Times: median ms of `triton.testing.do_bench_cudagraph` (CUDA graph: no Python launch overhead, no L2 "
+           "flush, so small cases can run from L2 below the DRAM I/O floor). " if env.get("cuda_graph_timing") else
+           "Times: median ms of `triton.testing.do_bench` (L2 flushed; Python launch overhead included). ")
+        + "Peak: extra MiB allocated during one call. "
+        f"timm eager fp32 runs with torch defaults (allow_tf32 matmul = {env['allow_tf32_matmul']}).")
     def section(title: str, header: list[str], rows: list[list]) -> None:
         lines.extend([f"## {title}", "", markdown_table(rows, header)])
 
@@ -516,7 +514,7 @@ def make_case(model: dict, st: dict, batch: int, mode: str, device) -> dict:
     torch.manual_seed(0)
     attn, mask = make_block(kind, st, "cpu", torch.float32)
     attn, mask = attn.to(device), None if mask is None else mask.to(device)
-    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    dtype = MODES[mode].compute_dtype
     BW, N, H = batch * st["nW"], st["N"], st["heads"]
     D = st["dim"] // H
     g = torch.Generator().manual_seed(0)
@@ -579,10 +577,9 @@ def oracle_grads(case: dict) -> list[torch.Tensor]:
 def time_step(step, device: torch.device, calls: int, repeats: int, graph: bool) -> dict:
     """{"ms", "graph_ms", "graph_error"}: eager beside graph replay on CUDA (:func:`_harness.eager_graph_timings`;
     eager alone unless ``graph``); CPU wall clock (no graph) else."""
-    if device.type == "cuda" and not graph:
-        return {"ms": eager_ms(step, calls=calls, repeats=repeats), "graph_ms": None, "graph_error": None}
-    cpu = per_call_ms(torch.device("cpu"), 1, repeats, warmup=1)  # wall clock (Triton's interpreter)
-    eager, graph_ms, error = eager_graph_timings(lambda: step, cpu, device, calls, repeats)
+    timer = (functools.partial(eager_ms, calls=calls, repeats=repeats) if device.type == "cuda"
+             else per_call_ms(device, 1, repeats, warmup=1))  # wall clock (Triton's interpreter)
+    eager, graph_ms, error = eager_graph_timings(lambda: step, timer, device, calls, repeats, graph=graph)
     return {"ms": eager, "graph_ms": graph_ms, "graph_error": error}
 
 
@@ -606,7 +603,7 @@ def run_case(model: dict, st: dict, batch: int, mode: str, device: torch.device,
             grads = step()
             row.update({f"{n}_rel_err": rel_l2(g, ref) for n, g, ref in zip(names, grads, gold)})
             del grads
-            row["peak_extra_mib"] = peak_extra_mb(step, device)
+            row["peak_extra_mib"] = peak_memory(step, device)["peak_extra_mib"]
             row.update(time_step(step, device, args.calls, args.repeats, graph=backend == "visionattn"))
         except Exception as exc:  # noqa: BLE001 - a failing baseline is a result, not a crash
             row["error"] = failure_text(exc, device)
@@ -647,10 +644,8 @@ def train_markdown(result: dict) -> str:
         if r["error"]:
             table.append([case, r["mode"], r["backend"], "failed: " + r["error"]] + ["-"] * (len(header) - 4))
             continue
-        graph = r["graph_ms"] if r["graph_ms"] is not None else ("n/a" if r["graph_error"] else None)
-        ratio = r["ms"] / r["graph_ms"] if r["graph_ms"] else None
         table.append([case, r["mode"], f"**{r['backend']}**" if r["backend"] == "visionattn" else r["backend"],
-                      _f(r["ms"]), graph if isinstance(graph, str) else _f(graph), _f(ratio, "{:.2f}"),
+                      _f(r["ms"]), *graph_cells(r["ms"], r["graph_ms"], r["graph_error"]),
                       _f(r["x_timm_default"], "{:.2f}x"), _f(r["x_timm_eager"], "{:.2f}x"),
                       _f(r["peak_extra_mib"], "{:.1f}"), _f(r.get("dqkv_rel_err"), "{:.2e}"),
                       _f(r.get("dbias_rel_err"), "{:.2e}"), _f(r.get("dlogit_scale_rel_err"), "{:.2e}")])
@@ -679,7 +674,7 @@ def main_train(args, cases: list, outputs: OutputFiles) -> dict:
     """``--train``: forward + backward of every case and mode."""
     device = torch.device(args.device)
     rows = []
-    with tf32_disabled():
+    with tf32_flags():
         for model, st, batch in cases:
             for mode in args.modes:
                 new = run_case(model, st, batch, mode, device, args)
@@ -695,9 +690,7 @@ def main_train(args, cases: list, outputs: OutputFiles) -> dict:
               "precision": "fp32: FP32 inputs, TF32 off; bf16: bf16 qkv and dO, FP32 bias and parameters, "
                            "the forward under torch.autocast(bfloat16)",
               "rows": rows, "targets": train_targets(rows)}
-    outputs.write_json(args.out + ".json", result)
-    outputs.write_text(args.out + ".md", train_markdown(result))
-    train_plot(result, args.out + ".png", outputs)
+    write_results(outputs, args.out, result, train_markdown(result), train_plot)
     return result
 
 
@@ -711,8 +704,7 @@ def main(args) -> dict:
         cases = [parse_case(c, {m["name"]: m for m in cfg["models"]}) for c in args.cases]
     tool = "bench_window_train" if args.train else "bench_window"
     args.out = args.out or default_out("window_train" if args.train else "window_bench")
-    check_output(parser, args.out)
-    outputs = output_files(parser, [args.out + ".json", args.out + ".md", args.out + ".png"], tool=tool)
+    outputs = prefix_outputs(parser, args.out, tool=tool)
     if args.train:
         return main_train(args, cases, outputs)
     if not torch.cuda.is_available():
@@ -727,8 +719,7 @@ def main(args) -> dict:
     res: dict = {"environment": env, "config": cfg}
 
     def save():
-        outputs.write_json(args.out + ".json", res, indent=1)
-        outputs.write_text(args.out + ".md", to_markdown(res))
+        write_results(outputs, args.out, res, to_markdown(res), indent=1)
 
     if not args.no_sweep:
         res["sweep"] = bench_sweep(cfg, args)

@@ -17,8 +17,6 @@ import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -28,7 +26,7 @@ from visionattn.kernels._launch import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import ToolParser, check_output, default_out, environment, markdown_table, output_files  # noqa: E402
+from _harness import (ToolParser, default_out, environment, markdown_table, prefix_outputs, write_results)  # noqa: E402
 
 KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd", "varlen-bwd")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
@@ -273,8 +271,7 @@ def main(args) -> dict:
     unknown = [k for k in wanted if k not in KERNELS]
     if unknown or not wanted:
         parser.error(f"--kernels: unknown {unknown or 'empty list'}; choose from {', '.join(KERNELS)}")
-    check_output(parser, args.out)
-    outputs = output_files(parser, [args.out + ".md", args.out + ".json"], tool="check_kernels_offline")
+    outputs = prefix_outputs(parser, args.out, (".md", ".json"), tool="check_kernels_offline")
     jobs = []
     for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
                       ("pasa", _pasa_jobs), ("window", _window_jobs), ("backward", _backward_jobs),
@@ -316,8 +313,7 @@ def main(args) -> dict:
           "12 warps (8 / 20 with one / four consumer warpgroups); `setmaxnreg` then gives each consumer thread 240 "
           "(232 with one, 112-120 with four) and each producer 24"
           f"\n\n{table}\n")
-    outputs.write_text(args.out + ".md", md)
-    outputs.write_json(args.out + ".json", result)
+    write_results(outputs, args.out, result, md)
     print(md)
     return result
 

@@ -18,8 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, check_output, default_out, environment, markdown_table, output_files,  # noqa: E402
-                      positive_int)
+from _harness import (ToolParser, default_out, environment, markdown_table, positive_int, prefix_outputs,  # noqa: E402
+                      write_results)
 
 from visionattn.metrics import METRIC_NAMES, drift_metrics  # noqa: E402
 from visionattn.reference import blocked_attention_with_probs, oracle_attention  # noqa: E402
@@ -91,11 +91,9 @@ def build_parser() -> ToolParser:
 def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_output(parser, args.out)
-    outputs = output_files(parser, [args.out + ".json", args.out + ".md"], tool="drift_table")
+    outputs = prefix_outputs(parser, args.out, (".json", ".md"), tool="drift_table")
     results = run(args)
-    outputs.write_json(args.out + ".json", results)
-    outputs.write_text(args.out + ".md", to_markdown(results))
+    write_results(outputs, args.out, results, to_markdown(results))
     print(to_markdown(results))
     return results
 

@@ -21,7 +21,6 @@ Writes ``--out`` (JSON) and the same name with ``.md``. Needs the [eval] extra.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -34,9 +33,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers (_harness, ...)
-from _harness import (CorruptImageError, Stopwatch, ToolParser, add_common, check_device, check_output,  # noqa: E402
-                      default_out, environment, markdown_table, md_header, nonnegative_int, output_files, positive_int,
-                      read_rgb, tf32_disabled)
+from _harness import (CorruptImageError, ImageList, Stopwatch, ToolParser, add_common, check_device,  # noqa: E402
+                      check_output, comma_list, default_out, environment, json_object, markdown_table, md_header,
+                      nonnegative_int, output_files, positive_int, read_rgb, tf32_flags)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
 from visionattn.modes import MODES  # noqa: E402
@@ -263,21 +262,6 @@ def subsample(n: int, limit: int | None) -> list[int]:
     return [i * n // limit for i in range(limit)]
 
 
-class ImageListDataset(Dataset):
-    """(``transform(image)``, class index) of (path, target) items; a corrupt file raises its one-line
-    :class:`_harness.CorruptImageError`."""
-
-    def __init__(self, items: Sequence[tuple[str, int]], transform: Callable):
-        self.items, self.transform = list(items), transform
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int):
-        path, target = self.items[i]
-        return self.transform(read_rgb(path)), target
-
-
 class SyntheticCrops(Dataset):
     """``length`` random crops + horizontal flips of (path, target) photos through ``transform``, deterministic per
     index (every pass and worker sees the same tensor): item i crops photo ``i % len(sources)`` with
@@ -493,7 +477,7 @@ def build_parser() -> ToolParser:
     p.add_argument("--checkpoint", help="local .safetensors/.pth state dict to load (one --model only)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights instead of timm's pretrained ones (through the hub cache)")
-    p.add_argument("--model-kwargs", default="{}",
+    p.add_argument("--model-kwargs", type=json_object, default={},
                    help='JSON dict of extra timm.create_model arguments, e.g. \'{"depth": 2}\' for tiny test models')
     add_common(p, device="cuda" if torch.cuda.is_available() else "cpu", seed=0, warmup=(2, "untimed forwards per "
                "input shape and mode"), out=(default_out("eval_imagenet.json"), "output JSON path; markdown goes next "
@@ -501,26 +485,16 @@ def build_parser() -> ToolParser:
     return p
 
 
-def check_args(parser: ToolParser, args) -> tuple[list[str], dict]:
-    """Every argument checked before any work (exit 2 with one line); returns (modes, model kwargs)."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m != "native" and m not in NATIVE_HALF_MODES and m not in MODES]
-    if unknown or not modes:
-        parser.error(f"--modes: {unknown or 'empty'} not known; expected 'native', one of "
-                     f"{list(NATIVE_HALF_MODES)} or one of {list(MODES)}")
+def check_args(parser: ToolParser, args) -> list[str]:
+    """Every argument checked before any work (exit 2 with one line); returns the modes."""
+    modes = comma_list(parser, "--modes", args.modes, ["native", *NATIVE_HALF_MODES, *MODES])
     if args.checkpoint and len(args.model) > 1:
         parser.error("--checkpoint applies to one model; pass a single --model with it")
     if args.checkpoint and not os.path.isfile(args.checkpoint):
         parser.error(f"--checkpoint {args.checkpoint!r} does not exist; pass a .safetensors/.pth state dict")
-    try:
-        model_kwargs = json.loads(args.model_kwargs)
-    except json.JSONDecodeError as e:
-        parser.error(f"--model-kwargs must be a JSON object, e.g. '{{\"depth\": 2}}': {e}")
-    if not isinstance(model_kwargs, dict):
-        parser.error(f"--model-kwargs must be a JSON object, got {args.model_kwargs!r}")
     check_device(parser, args.device)
     for name in args.model:
-        problem = model_problem(name, args.img_size, **model_kwargs)
+        problem = model_problem(name, args.img_size, **args.model_kwargs)
         if problem:
             what, reason = problem
             flag = {"name": "--model", "input": "--img-size" if args.img_size else "--model"}.get(
@@ -533,7 +507,7 @@ def check_args(parser: ToolParser, args) -> tuple[list[str], dict]:
     if not os.path.isdir(folder):
         parser.error(f"{'--data' if args.data else '--synthetic-from'} {folder!r} is not a folder")
     check_output(parser, args.out)
-    return modes, model_kwargs
+    return modes
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -545,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    modes, model_kwargs = check_args(parser, args)
+    modes = check_args(parser, args)
     md = os.path.splitext(args.out)[0] + ".md"
     outputs = output_files(parser, [args.out, md], tool="eval_imagenet")
     pretrained = not args.random_weights and not args.checkpoint
@@ -562,13 +536,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
            "process_options": None, "modes": modes, "models": {}, "results": [],
            "data": {"layout": split.layout, "root": split.root, "labels_file": split.labels_file,
                     "notes": split.notes, "images": None}}
-    with tf32_disabled() as process_options:
+    with tf32_flags() as process_options:
         res["process_options"] = process_options
         for name in args.model:
             torch.manual_seed(args.seed)
             try:
                 model = create_timm_model(name, pretrained=pretrained, checkpoint=args.checkpoint,
-                                          img_size=args.img_size, **model_kwargs).to(device)
+                                          img_size=args.img_size, **args.model_kwargs).to(device)
             except WeightsUnavailableError as e:
                 parser.error(f"--model {name}: {e}")
             try:  # timm's eval transform; targets in the model's class order
@@ -578,13 +552,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 items = list(zip([p for p, _ in split.samples], targets_for(split.samples, model_synsets(model))))
                 dataset = (SyntheticCrops(items, args.limit or SYNTHETIC_DEFAULT, transform, seed=args.seed)
                            if args.synthetic_from else
-                           ImageListDataset([items[i] for i in subsample(len(items), args.limit)], transform))
+                           ImageList([items[i] for i in subsample(len(items), args.limit)], transform))
                 res["data"]["images"] = len(dataset)
                 res["models"][name] = {
                     "weights": f"checkpoint {args.checkpoint}" if args.checkpoint else
                                ("timm pretrained" if pretrained else f"random (seed {args.seed})"),
                     "input_size": list(data_cfg["input_size"]), "data_config": data_cfg,
-                    "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "model_kwargs": model_kwargs}
+                    "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "model_kwargs": args.model_kwargs}
                 loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False, num_workers=args.workers,
                                     pin_memory=device.type == "cuda", drop_last=False)
                 rows = evaluate_modes(model, loader, modes, device, warmup=args.warmup, desc=name)

@@ -28,15 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, default_out, environment, figure, load_config, markdown_table,  # noqa: E402
+from _harness import (REPO, ToolParser, default_out, environment, figure, load_config, markdown_table,  # noqa: E402
                       md_header, prefix_outputs, write_results)
 
 import visionattn  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.pasa import BENCHMARK_KINDS, benchmark_inputs  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------- the config's shape (pydantic)

@@ -18,8 +18,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, check_device, check_output, environment, markdown_table,  # noqa: E402
-                      nonnegative_int, output_files, percentile, positive_float, positive_int)
+from _harness import (ToolParser, check_device, check_output, comma_list, environment, markdown_table,  # noqa: E402
+                      nonnegative_int, output_files, percentile, positive_float, positive_int, write_results)
 
 DEFAULT_MODES = "fp32,tf32,fp16,bf16,pasa"
 
@@ -135,10 +135,7 @@ def main(argv=None) -> dict:
     if args.size % 14:
         parser.error(f"--size {args.size} must be a multiple of 14 (e.g. {max(14, args.size // 14 * 14)})")
     if args.task == "modes":
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in ATTN_MODES]
-        if bad or not modes:
-            parser.error(f"--modes: unknown {bad or 'empty list'}; choose from {', '.join(ATTN_MODES)}")
+        modes = comma_list(parser, "--modes", args.modes, ATTN_MODES)
         if not os.path.isdir(args.image_dir):
             parser.error(f"image_dir {args.image_dir!r} is not a folder")
     elif not os.path.isdir(args.data):
@@ -168,8 +165,7 @@ def main(argv=None) -> dict:
         return {"exit_code": 2, "error": str(exc)}
     res["environment"] = environment()
     md = (_markdown_accuracy if args.task == "accuracy" else _markdown_modes)(res)
-    outputs.write_json(stem + ".json", res)
-    outputs.write_text(stem + ".md", md)
+    write_results(outputs, stem, res, md)
     print(md)
     res["exit_code"] = 0
     return res

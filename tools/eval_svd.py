@@ -30,7 +30,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (Stopwatch, ToolParser, atomic_path, check_device, check_image,  # noqa: E402
                       check_output_folder, default_out, environment, markdown_table, md_header, nonnegative_float,
-                      nonnegative_int, output_folder, positive_int, read_rgb, tf32_disabled, write_json_atomic,
+                      nonnegative_int, output_folder, positive_int, read_rgb, tf32_flags, write_json_atomic,
                       write_text_atomic)
 
 from visionattn.metrics import psnr, ssim  # noqa: E402
@@ -445,7 +445,7 @@ def main(argv=None) -> dict:
     check_image(parser, "--image", args.image, example="tests/data/photos/apple.jpg")
     check_model(parser, args.model)
     check_output_folder(parser, args.out, tool=TOOL_ID, inputs=[args.image])
-    with tf32_disabled() as settings, output_folder(parser, args.out, tool=TOOL_ID, inputs=[args.image]) as tmp:
+    with tf32_flags() as settings, output_folder(parser, args.out, tool=TOOL_ID, inputs=[args.image]) as tmp:
         print(f"process-wide settings for this run: {settings}")
         try:
             res = evaluate(args, tmp)

@@ -20,26 +20,27 @@ temporary folder renamed into place, so an error, a corrupt image (exit 2, one l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (CorruptImageError, ToolParser, add_common, atomic_path, check_device,  # noqa: E402
-                      check_output_folder, default_out, environment, figure, markdown_table, md_header,
-                      nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, read_rgb,
+from _harness import (CorruptImageError, ImageList, ToolParser, add_common, atomic_path, check_device,  # noqa: E402
+                      check_output_folder, default_out, environment, figure, json_object, markdown_table, md_header,
+                      nonnegative_float, nonnegative_int, output_folder, positive_float, positive_int, tf32_flags,
                       write_json_atomic, write_text_atomic)
 from _timm_models import WeightsUnavailableError, create_timm_model, model_problem, weights_problem  # noqa: E402
 
+from visionattn.checks import has_backward  # noqa: E402
+from visionattn.modes import get_mode, mode_names  # noqa: E402
 
-TRAIN_MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16")
+TRAIN_MODES = tuple(m for m in mode_names() if has_backward(m))  # the modes with backward kernels
 # whose manifest an output folder holds (visionattn.recon.outdir): a later run replaces only such a folder
 TOOL_ID = "visionattn.finetune"
 
@@ -58,19 +59,9 @@ def precision(mode: str) -> Precision:
     if mode not in TRAIN_MODES:
         raise ValueError(f"mode {mode!r} cannot train: expected one of {', '.join(TRAIN_MODES)}"
                          + (" (pasa is forward-only; train in fp16)" if mode == "pasa" else ""))
-    half = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode)
-    return Precision(mode=mode, autocast=half, tf32=mode == "tf32", scaler=mode == "fp16")
-
-
-@contextlib.contextmanager
-def precision_flags(prec: Precision) -> Iterator[dict[str, bool]]:
-    """Set the process-wide TF32 flags ``prec`` asks for, restoring them after; yields them for the record."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = prec.tf32
-    try:
-        yield {"torch.backends.cuda.matmul.allow_tf32": prec.tf32, "torch.backends.cudnn.allow_tf32": prec.tf32}
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    dtype = get_mode(mode).compute_dtype
+    return Precision(mode=mode, autocast=None if dtype == torch.float32 else dtype, tf32=mode == "tf32",
+                     scaler=dtype == torch.float16)
 
 
 def autocast(device_type: str, prec: Precision):
@@ -207,21 +198,6 @@ def scan_folder(root: str, val_fraction: float, seed: int) -> dict[str, Any]:
     return split
 
 
-class _Samples(torch.utils.data.Dataset):
-    """``(transform(image), label)`` of ``(path, label)`` items, read by :func:`_harness.read_rgb` (a corrupt file
-    raises its one-line :class:`_harness.CorruptImageError`)."""
-
-    def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable):
-        self.samples, self.transform, self.loader = list(samples), transform, read_rgb
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, i: int):
-        path, label = self.samples[i]
-        return self.transform(self.loader(path)), label
-
-
 def datasets(split: dict[str, Any], model: torch.nn.Module, img_size: int) -> tuple[Any, Any, dict]:
     """Train and held-out datasets of ``split`` with timm's transforms for ``model`` at ``img_size``;
     also the data config used (mean, std, interpolation, crop)."""
@@ -229,20 +205,9 @@ def datasets(split: dict[str, Any], model: torch.nn.Module, img_size: int) -> tu
 
     cfg = resolve_model_data_config(model)
     cfg["input_size"] = (3, img_size, img_size)
-    train = _Samples(split["train"], create_transform(**cfg, is_training=True))
-    val = _Samples(split["val"], create_transform(**cfg, is_training=False))
+    train = ImageList(split["train"], create_transform(**cfg, is_training=True))
+    val = ImageList(split["val"], create_transform(**cfg, is_training=False))
     return train, val, {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
-
-
-def json_object(text: str) -> dict:
-    """argparse type: a JSON object (extra ``timm.create_model`` arguments), else a one-line error."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}': {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, e.g. '{{\"depth\": 2}}', got {text!r}")
-    return value
 
 
 def build_parser() -> ToolParser:
@@ -383,7 +348,7 @@ def _finetune(parser: ToolParser, args: argparse.Namespace, split: dict, out: st
             "mode": args.mode, "attention": attention}
     step = TrainStep(model, prec, lr=args.lr, weight_decay=args.weight_decay)
     best = -math.inf
-    with precision_flags(prec) as settings:
+    with tf32_flags(prec.tf32) as settings:
         res["process_settings"] = settings
         print(f"[finetune] {res['environment']['device']}: {args.model} {attention}, mode {args.mode}, "
               f"{len(train_set)} train / {len(val_set)} held-out images; TF32 {'on' if prec.tf32 else 'off'} "

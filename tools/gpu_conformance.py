@@ -49,8 +49,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, check_device, check_output, cores, default_out, environment,  # noqa: E402
-                      markdown_table, nonnegative_float, output_files, positive_int, run_chunks,
-                      run_worker, worker_env)
+                      markdown_table, nonnegative_float, output_files, positive_int, run_chunks, run_worker, worker_env,
+                      write_results)
 from visionattn.testing import conformance as conf  # noqa: E402
 from visionattn.testing.conformance import (FAMILIES, MODES, PROFILES, QUANTITIES, SHARED_SKELETONS,  # noqa: E402
                                             describe, draw_case, run_case)
@@ -392,8 +392,8 @@ def main(args) -> dict:
     if implied:
         print(f"gpu_conformance: {implied}", flush=True)
     args.out = check_output(parser, args.out, folder=True)
-    md_path, json_path = (os.path.join(args.out, f"gpu_conformance.{ext}") for ext in ("md", "json"))
-    outputs = output_files(parser, [md_path, json_path], tool="gpu_conformance")  # refuses before any case runs
+    prefix = os.path.join(args.out, "gpu_conformance")
+    outputs = output_files(parser, [prefix + ".md", prefix + ".json"], tool="gpu_conformance")  # before any case
     specs = select_cases(args)
     t0 = time.time()
     deadline = t0 + args.time_budget if args.time_budget > 0 and not (args.case or args.only) else None
@@ -471,8 +471,7 @@ def main(args) -> dict:
                                 "1e-5 (fp32, fp32-ieee) / 1e-6 relative; tf32 >= contract "
                                 "(visionattn.testing.conformance)"})
     report["environment"] = env
-    outputs.write_text(md_path, markdown(report, env))
-    outputs.write_json(json_path, report)
+    write_results(outputs, prefix, report, markdown(report, env))
     s = report["summary"]
     print(f"gpu_conformance: {s['cases_run']} cases in {s['seconds']} s: {s['pass']} passed, {s['failed']} failed, "
           f"{s['refused']} refused, {s['skipped']} skipped" + (f"; stopped early: {s['stopped_early']}"

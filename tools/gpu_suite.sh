@@ -59,11 +59,10 @@ for step in "$@"; do
     tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching \
         tests/tools ;;
     models) run models 120 python tools/bench_models.py --quick --out "$out/models_bench" ;;
-    models-graph) run models-graph 150 python tools/bench_models.py --quick --cuda-graph --out \
-        "$out/models_bench_graph" ;;
-    window-key) run window-key 200 python tools/bench_window.py --cuda-graph --models \
-        swin_base_224,swinv2_base_w16_256 \
-        --batches 64 --no-module --out "$out/window_key" ;;
+    models-graph) run models-graph 150 python tools/bench_models.py --quick --cuda-graph \
+        --out "$out/models_bench_graph" ;;
+    window-key) run window-key 200 python tools/bench_window.py --cuda-graph \
+        --models swin_base_224,swinv2_base_w16_256 --batches 64 --no-module --out "$out/window_key" ;;
     vggt-agree) run vggt-agree 250 python -m pytest -m gpu -q -rf --timeout=200 -p no:cacheprovider \
         tests/models/test_vggt_gpu.py ;;
     fastvggt) run fastvggt 300 python tools/bench_vggt.py --models fastvggt --frames 100 200 \
@@ -91,30 +90,25 @@ for step in "$@"; do
         --modes fp32,fp16,bf16 --no-share --rep-ms 150 --rounds 4 --out "$out/models_eager" ;;
     cold) run cold 240 python tools/bench_cold_start.py --modes fp16 --mode fp32 --frames 100 --other-frames 60 \
         --out "$out/cold_start" ;;
-    models-compile) run models-compile 280 python tools/bench_models.py --cases \
-        vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
-        --modes fp16 --no-share --compile default --out "$out/models_compile_default"
-      run models-compile-ro 280 python tools/bench_models.py --cases \
-          vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
-        --modes fp16 --no-share --compile reduce-overhead --out "$out/models_compile_ro" ;;
+    models-compile) cases=vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64
+      run models-compile 280 python tools/bench_models.py --cases "$cases" --modes fp16 --no-share --compile default \
+        --out "$out/models_compile_default"
+      run models-compile-ro 280 python tools/bench_models.py --cases "$cases" --modes fp16 --no-share \
+        --compile reduce-overhead --out "$out/models_compile_ro" ;;
     train-tests) run train-tests 400 python -m pytest -m gpu -q --timeout=200 -p no:cacheprovider \
         tests/kernels/test_elsa_bwd.py tests/kernels/test_window_bwd.py tests/api/test_window_grad.py \
         tests/api/test_op_layer.py ;;
-    train) run train 400 python tools/bench_train.py --cases \
-        vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 \
-        --modes fp32,bf16 --out "$out/train" ;;
+    train) run train 400 python tools/bench_train.py \
+        --cases vit_base_patch16_224:224:64,swin_base_patch4_window7_224:224:64 --modes fp32,bf16 --out "$out/train" ;;
     window-bwd) run window-bwd 300 python tools/bench_backward.py --shapes swin-b-s1 swin-b-s2 swin-b-s3 swin-b-s4 \
-        swinv2-b-s1 \
-        --modes fp32 bf16 --bias-splits 8 32 128 --fp32-products tf32x3 --out "$out/window_bwd" ;;
+        swinv2-b-s1 --modes fp32 bf16 --bias-splits 8 32 128 --fp32-products tf32x3 --out "$out/window_bwd" ;;
     bwd-products) run bwd-products 300 python tools/bench_backward.py --shapes long-4k vit-b16-224 vit-b16-224-relpos \
         --modes fp32 tf32 --fp32-products tf32x3 --out "$out/bwd_products" ;;
     bwd-configs) run bwd-configs 400 python tools/bench_backward.py --shapes vit-b16-224 vit-b16-224-relpos \
         --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,8,2 \
-        32,128,8,2/128,32,8,2 \
-        --out "$out/bwd_configs" ;;
-    bwd-sweep) run bwd-sweep-half 250 python tools/bench_backward.py --shapes long-4k long-16k vit-b16-224 --modes \
-        bf16 \
-        --configs 32,128,4,4/128,32,4,4 32,128,4,5/128,32,4,5 64,128,8,3/128,64,8,3 64,128,8,2/128,64,8,2 \
+        32,128,8,2/128,32,8,2 --out "$out/bwd_configs" ;;
+    bwd-sweep) run bwd-sweep-half 250 python tools/bench_backward.py --shapes long-4k long-16k vit-b16-224 \
+        --modes bf16 --configs 32,128,4,4/128,32,4,4 32,128,4,5/128,32,4,5 64,128,8,3/128,64,8,3 64,128,8,2/128,64,8,2 \
         32,128,8,3/128,32,8,3 64,64,4,3/64,64,4,3 --out "$out/bwd_sweep_half"
       run bwd-sweep-d128 150 python tools/bench_backward.py --shapes long-4k-d128 --modes bf16 --configs \
         32,128,8,3/128,32,8,3 64,64,4,2/64,64,4,2 64,128,8,2/128,64,8,2 32,64,4,3/64,32,4,3 --out "$out/bwd_sweep_d128"
@@ -123,9 +117,8 @@ for step in "$@"; do
         --out "$out/bwd_sweep_fp32" ;;
     bwd-bias) run bwd-bias 300 python tools/bench_backward.py --shapes vit-b16-224-relpos vit-b16-224-relpos-d32 \
         --modes fp16 bf16 --configs 32,128,4,3/128,32,4,3 32,128,4,3/128,32,8,3 --out "$out/bwd_bias" ;;
-    train-v2) run train-v2 400 python tools/bench_train.py --cases \
-        swinv2_base_window8_256:256:32,vit_base_patch16_224:1024:8 \
-        --modes fp32,bf16 --out "$out/train_v2" ;;
+    train-v2) run train-v2 400 python tools/bench_train.py \
+        --cases swinv2_base_window8_256:256:32,vit_base_patch16_224:1024:8 --modes fp32,bf16 --out "$out/train_v2" ;;
     fwd-bwd) run fwd-bwd 300 python tools/bench_attention.py --backward --no-flex --shapes "L-4k,ViT-B/16 224" \
         --out "$out/attention_fwd_bwd" ;;
     varlen) run varlen-tests 200 python -m pytest -m gpu -q --timeout=150 -p no:cacheprovider tests/api/test_varlen.py
@@ -143,8 +136,8 @@ for step in "$@"; do
         --out "$out/conformance" ;;
     memcheck|racecheck|initcheck) run "$step" 560 compute-sanitizer --tool "$step" --error-exitcode 9 \
         --print-limit 20 python tools/memcheck_cases.py ;;
-    racecheck-control) run racecheck-control 120 compute-sanitizer --tool racecheck --print-limit 5 python \
-        tools/memcheck_cases.py --control ;;
+    racecheck-control) run racecheck-control 120 compute-sanitizer --tool racecheck --print-limit 5 \
+        python tools/memcheck_cases.py --control ;;
     warmup-train) run warmup-train 560 python -m visionattn.warmup --training --jobs 16 ;;
     ring1) run ring1 200 torchrun --nproc-per-node 1 tools/bench_context_parallel.py --out "$out/ring1" ;;
     demo300) run demo300 500 python demos/reconstruct.py "${VIDEO:?set VIDEO to a video of >= 300 frames}" \

@@ -6,6 +6,8 @@ sizes. Prints a markdown table (relative L2 error per gradient).
 
 Needs a CUDA GPU; docs/benchmarks/gpu_conformance_h200.md holds a run.
 """
+import argparse
+
 import torch
 
 import visionattn as va
@@ -23,7 +25,7 @@ def rel(a, b):
 def dense(mode, shape, loss, D=64):
     B, H, N = shape
     g = torch.Generator(device=DEV).manual_seed(0)
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mode, torch.float32)
+    dt = va.get_mode(mode).compute_dtype
     leaves = [torch.randn(B, H, N, D, device=DEV, generator=g).to(dt).requires_grad_() for _ in range(3)]
     out = va.attention(*leaves, mode=mode)
     go = torch.ones_like(out) if loss == "sum" else torch.randn(out.shape, device=DEV, generator=g).to(dt)
@@ -66,6 +68,7 @@ ROWS = [
 ]
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help
     if not torch.cuda.is_available():
         raise SystemExit("grad_layouts: needs a CUDA GPU")
     print("| call (H200) | result |\n|---|---|")

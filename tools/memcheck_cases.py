@@ -28,8 +28,8 @@ import torch
 import visionattn as va
 
 FAMILIES = ("dense", "split", "packed", "window", "varlen")
-MODES = ("fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa")
-DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16, "pasa": torch.float16}
+# every production mode (not fp16-acc16, the unshifted FP16-accumulation baseline)
+MODES = tuple(m for m, spec in va.MODES.items() if spec.pasa_shift or not spec.half_scores)
 
 
 def _rand(*shape, dtype=torch.float32, grad=False, seed=0):
@@ -54,7 +54,7 @@ def cases(families, modes):
     from visionattn.ops import has_backward
 
     for mode in modes:
-        dt = DTYPE.get(mode, torch.float32)
+        dt = va.MODES[mode].compute_dtype
         grad = has_backward(mode)
         if "dense" in families:
             for n, d, extra in ((197, 64, {}), (300, 64, {}), (130, 128, {}), (97, 32, {"is_causal": True}),
@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 if __name__ == "__main__":
+    parsed = build_parser().parse_args()
     if not torch.cuda.is_available():
         print("memcheck_cases: needs a CUDA GPU", file=sys.stderr)
         sys.exit(2)
-    sys.exit(1 if main(build_parser().parse_args()).get("failed") else 0)
+    sys.exit(1 if main(parsed).get("failed") else 0)

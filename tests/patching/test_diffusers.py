@@ -22,7 +22,7 @@ from testdata import load_script  # noqa: E402
 from visionattn.patching.diffusers import (  # noqa: E402
     ELSAAttnProcessor, is_patched, overflow_counts, patch_diffusers, reset_overflow_counts, unpatch_diffusers)
 
-tf32_disabled = load_script("tools/_harness.py").tf32_disabled  # process-wide: tools and tests only
+tf32_flags = load_script("tools/_harness.py").tf32_flags  # process-wide: tools and tests only
 
 CONTRACT_MODES = ["fp32", "fp32-ieee", "tf32", "fp16", "bf16", "pasa"]
 
@@ -273,7 +273,7 @@ def test_gpu_patched_unet_within_contract(mode):
         oracle = copy.deepcopy(unet).double()(*unet_inputs(torch.float64)).sample
     unet.cuda()
     patch_diffusers(unet, mode)
-    with torch.no_grad(), tf32_disabled():  # cuDNN convolutions default to TF32 on the GPU
+    with torch.no_grad(), tf32_flags():  # cuDNN convolutions default to TF32 on the GPU
         y = unet(*[a.cuda() for a in unet_inputs()]).sample.cpu()
     assert overflow_counts(unet)["overflow_events"] == 0
     unpatch_diffusers(unet)

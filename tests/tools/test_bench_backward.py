@@ -1,7 +1,6 @@
 """tools/bench_backward.py on CPU (Triton's interpreter): a dense and a window shape with a bias gradient, the
 bias-splits sweep, the rows and their files, the graph columns (no CUDA graph on the CPU: "-"; a stand-in graph
 timer for their numbers and n/a), and the argument checks."""
-import argparse
 import json
 
 import pytest
@@ -61,11 +60,11 @@ def test_graph_columns_numbers_and_na(tmp_path, monkeypatch):
     monkeypatch.setitem(tool.SHAPES, "tiny-dense", (2, 2, 24, 8, True, 0))
     answers = iter([(0.5, 0.25, None), (0.75, None, "RuntimeError: not capturable")])
 
-    def timings(make, timer, device, args):
-        assert callable(make()) and device.type == "cpu"
+    def timings(make, timer, device, calls, repeats, graph):
+        assert callable(make()) and device.type == "cpu" and graph
         return next(answers)
 
-    monkeypatch.setattr(tool, "_timings", timings)
+    monkeypatch.setattr(tool, "eager_graph_timings", timings)
     out = tmp_path / "bwd"
     rows = tool.main(tool.build_parser().parse_args([
         "--device", "cpu", "--shapes", "tiny-dense", "--modes", "fp32", "--bias-splits", "1", "--calls", "1",
@@ -95,16 +94,15 @@ def test_timings_off_and_failures(monkeypatch):
                 return exc
 
     timer = lambda fn: 1.5  # noqa: E731
-    on = argparse.Namespace(no_graph=False, calls=2, repeats=3)
+    timings = harness.eager_graph_timings
     monkeypatch.setattr(harness, "eager_graph_ms", must_not_run)
-    assert tool._timings(lambda: None, timer, torch.device("cpu"), on) == (1.5, None, None)
-    assert tool._timings(lambda: None, timer, torch.device("cuda"), argparse.Namespace(no_graph=True)) == (
-        1.5, None, None)
+    assert timings(lambda: None, timer, torch.device("cpu"), 2, 3) == (1.5, None, None)
+    assert timings(lambda: None, timer, torch.device("cuda"), 2, 3, graph=False) == (1.5, None, None)
     monkeypatch.setattr(harness, "eager_graph_ms", lambda make, calls, repeats: (2.0, None, chained()))
-    assert tool._timings(lambda: None, timer, torch.device("cuda"), on) == (
+    assert timings(lambda: None, timer, torch.device("cuda"), 2, 3) == (
         2.0, None, "RuntimeError: CUDA error: operation not permitted when stream is capturing")
     monkeypatch.setattr(harness, "eager_graph_ms", lambda make, calls, repeats: (2.0, calls * repeats * 1.0, None))
-    assert tool._timings(lambda: None, timer, torch.device("cuda"), on) == (2.0, 6.0, None)
+    assert timings(lambda: None, timer, torch.device("cuda"), 2, 3) == (2.0, 6.0, None)
     assert tool.build_parser().parse_args(["--no-graph"]).no_graph
 
 

@@ -119,7 +119,7 @@ RUNS = {  # tool -> (arguments besides --out, files written under the prefix)
     "drift_table": (["--quick", "--block-size", "64"], [".json", ".md"]),
     "bench_varlen": (["--device", "cpu", "--lengths", "5,9", "--heads", "2", "--head-dim", "8", "--calls", "1",
                       "--repeats", "1", "--modes", "fp32", "--methods", "visionattn,sdpa-padded", "--quiet"],
-                     [".md", ".json"]),
+                     [".json", ".md"]),
     "eval_pasa": (["--cpu", "--quick"], [".json", ".md", ".png"]),
 }
 

@@ -97,7 +97,7 @@ def test_precision_per_mode():
     with pytest.raises(ValueError, match="forward-only"):
         tool.precision("pasa")
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    with tool.precision_flags(tool.precision("tf32")) as flags:
+    with tool.tf32_flags(tool.precision("tf32").tf32) as flags:
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 and all(flags.values())
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
 
