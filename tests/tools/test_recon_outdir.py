@@ -170,3 +170,52 @@ def test_unusable_out_fails_before_any_work(where, images, tmp_path, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --out") and "Traceback" not in err
     assert "inference" not in err
+
+
+_GUARDED_IMPORT = """
+import os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from visionattn.recon.outdir import Terminated, handle_sigterm, stop_signals_deferred
+sig = getattr(signal, sys.argv[2])
+deferred = sys.argv[3] == "deferred"
+# a module whose optional-import guard catches BaseException (as trimesh's do), with a stop signal arriving inside it
+with open(os.path.join(sys.argv[1], "guarded_lib.py"), "w") as f:
+    f.write("import os, signal, time\\n"
+            "try:\\n"
+            f"    os.kill(os.getpid(), {int(sig)})\\n"
+            "    time.sleep(0.2)\\n"
+            "except BaseException:\\n"
+            "    pass\\n")
+with handle_sigterm():
+    try:
+        if deferred:
+            with stop_signals_deferred():
+                import guarded_lib  # noqa: F401
+        else:
+            import guarded_lib  # noqa: F401
+    except KeyboardInterrupt as exc:  # Terminated is one
+        print(type(exc).__name__, getattr(exc, "signum", int(signal.SIGINT)))
+    else:
+        print("went on")
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_stop_signal_during_a_guarded_import_is_acted_on_after_it(sig, tmp_path):
+    """An import whose guards catch BaseException swallows the stop exception raised inside it, and the run goes
+    on (the cause of a demo that ignored SIGTERM while trimesh imported); stop_signals_deferred holds the signal
+    back and raises it once the import is done."""
+    import signal
+    import subprocess
+    import sys
+
+    def run(how):
+        proc = subprocess.run([sys.executable, "-c", _GUARDED_IMPORT, str(tmp_path), sig, how], capture_output=True,
+                              text=True, timeout=60, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr
+        (tmp_path / "guarded_lib.py").unlink()
+        return proc.stdout.strip()
+
+    assert run("plain") == "went on"
+    name = "KeyboardInterrupt" if sig == "SIGINT" else "Terminated"
+    assert run("deferred") == f"{name} {int(getattr(signal, sig))}"

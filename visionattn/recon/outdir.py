@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 __all__ = ["MANIFEST", "TOOL_ID", "OutputDirError", "OutputWriteError", "Terminated", "check_output_dir",
            "atomic_output_dir", "read_manifest", "manifest_name", "list_tree", "handle_sigterm", "stop_status",
-           "STOP_SIGNALS"]
+           "STOP_SIGNALS", "stop_signals_deferred"]
 
 TOOL_ID = "visionattn.recon"
 
@@ -101,19 +101,51 @@ def handle_sigterm(signals=STOP_SIGNALS):
     def _raise(signum, frame):
         raise Terminated(signum)
 
+    with _handled(signals, _raise):
+        yield
+
+
+@contextmanager
+def _handled(signals, handler):
+    """Set ``handler`` for each of ``signals`` not ignored when the block starts, and yield the handlers it
+    replaced ({signal: previous}), restored at the end; in a thread other than the main one (where handlers
+    cannot be set) nothing is set and the block gets ``{}``."""
     previous = {}
     try:
         for sig in signals:
             if signal.getsignal(sig) is not signal.SIG_IGN:
-                previous[sig] = signal.signal(sig, _raise)
+                previous[sig] = signal.signal(sig, handler)
     except ValueError:  # not the main thread: signals cannot be handled here
-        yield
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        yield {}
         return
     try:
-        yield
+        yield previous
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextmanager
+def stop_signals_deferred():
+    """Hold Ctrl-C, SIGTERM and SIGHUP back while the block runs, then act on the first that came as its
+    handler would have (raise :class:`KeyboardInterrupt` / :class:`Terminated`, or the default action).
+
+    For code that must not see the stop exception half-way: importing a library whose optional-dependency
+    guards catch ``BaseException`` (trimesh's do) would swallow it, and the run would go on as if no signal had
+    come. The signals' handlers run in the main thread only, so a recorder there holds them all back. Main thread
+    only (elsewhere a no-op: no signal is raised in another thread).
+    """
+    got = []
+    with _handled((signal.SIGINT, *STOP_SIGNALS), lambda signum, frame: got.append(signum)) as previous:
+        yield
+    if got:
+        handler = previous[got[0]]
+        if callable(handler):
+            handler(got[0], None)
+        else:  # the default action (SIG_DFL; None: a handler not set from Python), now that it is back
+            signal.raise_signal(got[0])
 
 
 def list_tree(folder: str) -> tuple[list[str], list[str]]:

@@ -1193,6 +1193,7 @@ def _reconstruct_into(tmp, t_start, stages, source, out_dir, model, mode, weight
     stages.add("decode_build", time.perf_counter() - t0)
     # the export's library (points.ply, scene.glb), imported here in the main thread while the kernels may still
     # compile, rather than by a writer on the export's critical path: part of the setup, as the other imports
+    # (stop signals wait for the import's end, see require_trimesh)
     t0 = time.perf_counter()
     require_trimesh()
     stages.add("setup", time.perf_counter() - t0)

@@ -25,9 +25,14 @@ def _trimesh_missing(why) -> MissingDependencyError:
 
 def require_trimesh():
     """Import and return trimesh (points.ply and scene.glb), or raise :class:`MissingDependencyError` naming the
-    fix."""
+    fix. A stop signal (Ctrl-C, SIGTERM, SIGHUP) during the import is acted on once it ends
+    (:func:`~visionattn.recon.outdir.stop_signals_deferred`): trimesh's optional-import guards catch
+    ``BaseException`` and would swallow the stop exception raised inside them."""
+    from .outdir import stop_signals_deferred
+
     try:
-        import trimesh
+        with stop_signals_deferred():
+            import trimesh
     except ImportError as exc:
         raise _trimesh_missing(exc) from exc
     return trimesh
