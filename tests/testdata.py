@@ -51,3 +51,13 @@ def open3d_or_skip():
         pytest.skip(f"open3d unavailable ({exc}); the point-cloud metrics need it: pip install -e '.[recon]' and "
                     f"apt-get install libusb-1.0-0")
     return open3d
+
+
+def default_stop_signals():
+    """For ``subprocess.Popen(preexec_fn=...)``: in the child, SIGINT and SIGHUP as from a terminal. A runner
+    started in the background ignores SIGINT (and one under nohup SIGHUP), children inherit that, and code that
+    keeps an ignored signal ignored would then never see it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)

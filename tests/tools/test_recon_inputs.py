@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from testdata import REPO
+from testdata import REPO, default_stop_signals
 
 from visionattn.recon.images import (ImageFolderError, list_images, load_images, preprocess_image, read_image,
                                      unique_names)
@@ -167,13 +167,6 @@ def _images_for_signal(tmp_path, n=48):  # enough work that the run outlasts the
     return src
 
 
-def _default_stop_signals():
-    """In the child: SIGINT and SIGHUP as from a terminal. A runner started in the background ignores SIGINT (and
-    one under nohup SIGHUP), children inherit that, and the demo keeps an ignored signal ignored."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_signal_during_the_run_removes_the_temp_folder_without_traceback(sig, tmp_path):
     src = _images_for_signal(tmp_path)
@@ -181,7 +174,7 @@ def test_signal_during_the_run_removes_the_temp_folder_without_traceback(sig, tm
     proc = subprocess.Popen([sys.executable, DEMO, str(src), "--out", str(out), "--weights", "random-tiny",
                              "--device", "cpu", "--size", "518", "--quiet"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_stop_signals)
+                            preexec_fn=default_stop_signals)
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:
         if [p for p in os.listdir(tmp_path) if p.startswith(".out.tmp-")]:

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from testdata import MULTIVIEW, REPO
+from testdata import MULTIVIEW, REPO, default_stop_signals
 
 from visionattn.recon.outdir import MANIFEST, OutputDirError, atomic_output_dir, check_output_dir, list_tree
 
@@ -211,7 +211,7 @@ def test_a_stop_signal_during_a_guarded_import_is_acted_on_after_it(sig, tmp_pat
 
     def run(how):
         proc = subprocess.run([sys.executable, "-c", _GUARDED_IMPORT, str(tmp_path), sig, how], capture_output=True,
-                              text=True, timeout=60, cwd=REPO)
+                              text=True, timeout=60, cwd=REPO, preexec_fn=default_stop_signals)
         assert proc.returncode == 0, proc.stderr
         (tmp_path / "guarded_lib.py").unlink()
         return proc.stdout.strip()
