@@ -494,7 +494,7 @@ def vggt_attention_shapes(frames: int, height: int, width: int, **config) -> lis
     The DINOv2 patch embed per chunk of ``patch_embed_chunk_size`` frames, the frame and global blocks and,
     with ``enable_camera``, the camera head's trunk (attention across frames). The track head's calls depend
     on the query points and are left out; FastVGGT's merged global calls are shorter than the global one
-    listed. With FP32 heads (``heads_dtype`` None or ``"fp32"``) the camera trunk's entry carries a fifth element,
+    listed. With FP32 heads (``heads_dtype`` None or a name of FP32) the camera trunk's entry carries a fifth element,
     ``torch.float32``: its inputs stay FP32 under autocast, so a half mode runs it with an FP32 output, a kernel
     variant of its own; the other calls take the autocast (or the mode's) dtype.
 
@@ -520,7 +520,8 @@ def vggt_attention_shapes(frames: int, height: int, width: int, **config) -> lis
     shapes += [(frames, heads, tokens, dim // heads), (1, heads, frames * tokens, dim // heads)]
     if cfg["enable_camera"]:
         camera = (1, heads, frames, 2 * dim // heads)
-        shapes.append(camera + (torch.float32,) if cfg["heads_dtype"] in (None, "fp32") else camera)
+        fp32_heads = cfg["heads_dtype"] is None or _DTYPES.get(cfg["heads_dtype"]) == torch.float32  # as VGGT reads it
+        shapes.append(camera + (torch.float32,) if fp32_heads else camera)
     return list(dict.fromkeys(shapes))
 
 

@@ -102,7 +102,7 @@ def warm_up(modes=DEFAULT_MODES, head_dims=DEFAULT_HEAD_DIMS, lengths=DEFAULT_LE
     return {"calls": calls, "seconds": time.perf_counter() - t0}
 
 
-def proxy_shapes(shapes) -> list[tuple[int, int, int, int]]:
+def proxy_shapes(shapes) -> list[tuple]:
     """Small self-attention shapes that build the kernel variants the given calls build, without their cost.
 
     A variant depends on the mode, the head dim, the length bucket (and for the Hopper fp16 / bf16 kernel the

@@ -310,7 +310,7 @@ def test_attention_shapes_are_the_calls_a_forward_makes(monkeypatch, frames, chu
         vggt_attention_shapes(frames, *hw, num_head=4)
 
 
-@pytest.mark.parametrize("heads_dtype", [None, "bf16"])
+@pytest.mark.parametrize("heads_dtype", [None, "float32", "bf16"])
 def test_attention_shapes_name_the_inputs_dtype_under_autocast(monkeypatch, heads_dtype):
     """Under bf16 autocast the aggregator's calls get bf16 inputs, the camera trunk's FP32 ones with FP32 heads
     (a kernel variant of its own in a half mode): vggt_attention_shapes marks exactly those with torch.float32."""
@@ -332,4 +332,4 @@ def test_attention_shapes_name_the_inputs_dtype_under_autocast(monkeypatch, head
         model(torch.rand(2, 3, 28, 42))
     expected = [(*s[:4], s[4] if len(s) > 4 else torch.bfloat16) for s in vggt_attention_shapes(2, 28, 42, **cfg)]
     assert sorted(set(seen), key=str) == sorted(expected, key=str)
-    assert any(d == torch.float32 for *_, d in expected) == (heads_dtype is None)
+    assert any(d == torch.float32 for *_, d in expected) == (heads_dtype != "bf16")

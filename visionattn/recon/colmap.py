@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 
-from .points import MissingDependencyError, thread_map
+from .points import MissingDependencyError, import_optional, thread_map
 
 __all__ = ["rotmat_to_quat", "quat_to_rotmat", "point_tracks", "colmap_observations", "write_colmap_binary",
            "write_colmap_text", "write_colmap_model", "require_pycolmap"]
@@ -32,13 +32,10 @@ _TRACK = np.dtype([("image_id", "<u4"), ("point2D_idx", "<u4")])
 
 
 def require_pycolmap():
-    """Import and return pycolmap, or raise :class:`MissingDependencyError` naming the install line."""
-    try:
-        import pycolmap
-    except ImportError as exc:
-        raise MissingDependencyError(f"this needs pycolmap, which failed to import ({exc}): "
-                                     "pip install pycolmap") from exc
-    return pycolmap
+    """Import and return pycolmap, or raise :class:`MissingDependencyError` naming the install line
+    (:func:`~visionattn.recon.points.import_optional`)."""
+    return import_optional("pycolmap", lambda exc: MissingDependencyError(
+        f"this needs pycolmap, which failed to import ({exc}): pip install pycolmap"))
 
 
 def rotmat_to_quat(R: np.ndarray) -> np.ndarray:

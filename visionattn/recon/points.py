@@ -10,8 +10,9 @@ import os
 
 import numpy as np
 
-__all__ = ["MissingDependencyError", "require_open3d", "require_trimesh", "check_trimesh", "rgba8", "select_points",
-           "confidence_threshold", "subsample", "write_ply", "worker_count", "thread_map", "thread_imap"]
+__all__ = ["MissingDependencyError", "import_optional", "require_open3d", "require_trimesh", "check_trimesh",
+           "rgba8", "select_points", "confidence_threshold", "subsample", "write_ply", "worker_count", "thread_map",
+           "thread_imap"]
 
 
 class MissingDependencyError(ImportError):
@@ -23,19 +24,27 @@ def _trimesh_missing(why) -> MissingDependencyError:
                                   "Install it with `pip install \"visionattn[recon]\"` (or `pip install trimesh`).")
 
 
-def require_trimesh():
-    """Import and return trimesh (points.ply and scene.glb), or raise :class:`MissingDependencyError` naming the
-    fix. A stop signal (Ctrl-C, SIGTERM, SIGHUP) during the import is acted on once it ends
-    (:func:`~visionattn.recon.outdir.stop_signals_deferred`): trimesh's optional-import guards catch
-    ``BaseException`` and would swallow the stop exception raised inside them."""
+def import_optional(name: str, missing):
+    """Import and return module ``name`` (an optional dependency), or raise ``missing(exc)`` (a
+    :class:`MissingDependencyError` naming the fix) from the ``ImportError``. A stop signal (Ctrl-C, SIGTERM,
+    SIGHUP) during the import is acted on once it ends (:func:`~visionattn.recon.outdir.stop_signals_deferred`):
+    a library's optional-import guards that catch ``BaseException`` (trimesh's do) would otherwise swallow the
+    stop exception raised inside them, and the run would go on."""
+    import importlib
+
     from .outdir import stop_signals_deferred
 
     try:
         with stop_signals_deferred():
-            import trimesh
+            return importlib.import_module(name)
     except ImportError as exc:
-        raise _trimesh_missing(exc) from exc
-    return trimesh
+        raise missing(exc) from exc
+
+
+def require_trimesh():
+    """Import and return trimesh (points.ply and scene.glb), or raise :class:`MissingDependencyError` naming the
+    fix (:func:`import_optional`)."""
+    return import_optional("trimesh", _trimesh_missing)
 
 
 def check_trimesh() -> None:
@@ -53,19 +62,14 @@ def check_trimesh() -> None:
 
 
 def require_open3d():
-    """Import and return open3d, or raise :class:`MissingDependencyError` naming the fix.
+    """Import and return open3d, or raise :class:`MissingDependencyError` naming the fix (:func:`import_optional`).
 
     open3d is the ``[recon]`` extra; its Linux wheels also need the system library
     libusb-1.0 (Debian/Ubuntu: ``apt-get install libusb-1.0-0``).
     """
-    try:
-        import open3d
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"the reconstruction outputs need open3d, which failed to import ({exc}). Install it with "
-            "`pip install \"visionattn[recon]\"`; on Debian/Ubuntu open3d also needs "
-            "`apt-get install libusb-1.0-0`.") from exc
-    return open3d
+    return import_optional("open3d", lambda exc: MissingDependencyError(
+        f"the reconstruction outputs need open3d, which failed to import ({exc}). Install it with "
+        "`pip install \"visionattn[recon]\"`; on Debian/Ubuntu open3d also needs `apt-get install libusb-1.0-0`."))
 
 
 def select_points(points: np.ndarray, colors: np.ndarray, conf: np.ndarray,
