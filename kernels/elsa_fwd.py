@@ -153,14 +153,16 @@ def program_tile(n_m_tiles, n_splits, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def partition_tiles(split, tiles_per_split, n_full, n_tiles, SPLIT: tl.constexpr):
-    """``(lo, mid, hi)``: the key tiles partition ``split`` folds, ``[lo, mid)`` interior and ``[mid, hi)``
-    boundary (:func:`key_tiles`' split at ``n_full``); without SPLIT every tile, ``lo = 0``."""
+def partition_tiles(split, tiles_per_split, n_splits, n_full, n_tiles, SPLIT: tl.constexpr):
+    """``(lo, mid, hi)``: the key tiles partition ``split`` of ``n_splits`` folds, ``[lo, mid)`` interior and
+    ``[mid, hi)`` boundary (:func:`key_tiles`' split at ``n_full``); without SPLIT every tile, ``lo = 0``. The
+    last partition also takes any tiles past ``n_splits * tiles_per_split`` (a ragged call's key bound below a
+    sequence's length, which the single pass reads whole too)."""
     lo = 0
     hi = n_tiles
     if SPLIT:
         lo = split * tiles_per_split
-        hi = tl.minimum(lo + tiles_per_split, n_tiles)
+        hi = tl.where(split == n_splits - 1, n_tiles, tl.minimum(lo + tiles_per_split, n_tiles))
     return lo, tl.maximum(tl.minimum(n_full, hi), lo), hi
 
 
@@ -346,7 +348,7 @@ def _elsa_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    lo_t, mid_t, hi_t = partition_tiles(split, tiles_per_split, n_full, n_tiles, SPLIT)
+    lo_t, mid_t, hi_t = partition_tiles(split, tiles_per_split, n_splits, n_full, n_tiles, SPLIT)
     for t in range(lo_t, mid_t):
         acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, b_base, msk_base,
                                    t * BLOCK_N, offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
@@ -536,21 +538,65 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, n_k: int
     return _CONFIGS[(_precision(mode, precision), _pad_dim(dmax), n_k is not None and n_k <= SHORT_KV)]
 
 
-def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, device: torch.device) -> int:
+MAX_SPLITS = 256  # KV partitions of one call at most (the merge reads one partial state per partition and row)
+SPLIT_OVERHEAD_TILES = 2  # a partition's fixed cost in key tiles: its query tile's load, the partial state it writes
+
+
+# (docs/tuning.md: split-KV partitions by a cost model)
+MAX_SPLITS = 256  # KV partitions of one call at most
+# by product precision: (programs of a split launch that one SM runs side by side, a partition's fixed cost in
+# key tiles — its query tile's load, the partial state it writes, its launch —, the merge's cost per partition in
+# key tiles — it folds the partitions of a row one after another)
+_SPLIT_COSTS = {"half": (1, 32, 1.0)}
+_SPLIT_COSTS_FP32 = (2, 24, 0.25)
+
+
+def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, device: torch.device,
+                      precision: str, ragged: tuple[int, int] | None = None) -> int:
     """Number of KV partitions P for the split-KV path (1 = single pass).
 
-    Split only when the single pass launches fewer programs than the GPU has SMs
-    (few queries, long KV; LeanAttention's regime): P fills the SMs about twice
-    while keeping at least two KV tiles per partition, at most 64 partitions.
+    Split only when the single pass leaves SMs idle: fewer programs than SMs (for a ragged batch: the longest
+    sequence's programs), the few-query, long-key calls of LeanAttention's regime. P (at most
+    :data:`MAX_SPLITS`, at least two key tiles per partition) then minimises a cost in key tiles:
+    ``max(critical path, total work / slots) + merge * P``, the critical path one partition of the longest
+    sequence plus a partition's fixed cost (rounded up to whole waves of programs for equal lengths), the total
+    work every key tile plus every busy partition's fixed cost; slots, fixed and merge costs by ``precision``
+    (the kernels' product precision: "half", "f16x3", "f16x1", "ieee"; fitted to H200 sweeps).
+
+    ``ragged = (sequences, total_keys)`` for a ragged batch (``batch_heads`` = heads x sequences, ``n_k`` the
+    longest sequence's keys, ``total_keys`` all sequences' keys together): every sequence is cut into
+    partitions of the longest one's size and the partitions past a sequence's keys exit at once, so the work
+    and the busy partitions are counted from the total keys: the partitions are sized by the batch's total work
+    rather than its average length (LeanAttention's balance across a heterogeneous batch).
     """
     if device.type != "cuda":
         return 1
-    programs = batch_heads * cdiv(n_q, config.block_m)
+    q_tiles = cdiv(n_q, config.block_m)
+    programs = batch_heads * q_tiles
     sms = sm_count(device)
-    if programs >= sms:
+    per_sequence = programs // ragged[0] if ragged is not None else programs
+    if per_sequence >= sms:
         return 1
+    per_sm, fixed, merge = _SPLIT_COSTS.get(precision, _SPLIT_COSTS_FP32)
+    slots = per_sm * sms
     n_tiles = cdiv(n_k, config.block_n)
-    return max(1, min(cdiv(2 * sms, programs), n_tiles // 2, 64))
+    best, best_cost = 1, None
+    p = 1
+    while p == 1 or p <= min(n_tiles // 2, MAX_SPLITS):
+        per_split = cdiv(n_tiles, p)
+        if ragged is None:
+            busy, work = programs * p, programs * n_tiles
+            critical = cdiv(busy, slots) * (per_split + fixed)
+        else:  # about half of the sequences end inside a partially filled partition
+            sequences, total_keys = ragged
+            key_tiles = cdiv(total_keys, config.block_n)
+            busy, work = per_sequence * (cdiv(key_tiles, per_split) + sequences // 2), per_sequence * key_tiles
+            critical = per_split + fixed
+        cost = max(critical, (work + busy * fixed) / slots) + merge * p
+        if best_cost is None or cost < best_cost:
+            best, best_cost = p, cost
+        p += 1
+    return best
 
 
 def kv_group(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -622,7 +668,7 @@ class _TritonPlan(DenseForwardRun):
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
         n_tiles = cdiv(Nk, cfg.block_n)
-        P = num_splits or choose_num_splits(B * H, Nq, Nk, cfg, q.device)
+        P = num_splits or choose_num_splits(B * H, Nq, Nk, cfg, q.device, precision)
         P = max(1, min(P, n_tiles))
         tiles_per_split = cdiv(n_tiles, P)
         P = cdiv(n_tiles, tiles_per_split)  # no empty trailing partitions
@@ -706,7 +752,7 @@ def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_spl
     B, H, Nq = q.shape[:3]
     cfg = module.config_for(q, k)
     tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
-    if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device) > 1:
+    if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device, "half") > 1:
         return None
     launch = module.planned_launch(q, k, v, cfg, True) if with_lse else module.planned_launch(q, k, v, cfg)
     return GluonForwardPlan(launch, q, v, out_dtype, with_lse)

@@ -21,10 +21,12 @@ starts past their sequence's end return at once. It needs no host-side tile tabl
 the lengths on the host every call); the cost is the early-exiting programs, a few microseconds at
 most for skewed batches. Short sequences are thereby packed into the same launch, long ones contribute
 many tiles. Splitting the keys of one very long sequence over several programs (LeanAttention /
-split-KV with the monoid merge) runs when the query tiles of all heads and sequences give fewer
-programs than the GPU has SMs (:func:`.elsa_fwd.choose_num_splits` on the average sequence): every
-sequence's keys are cut into the same number of partitions of ``tiles_per_split`` key tiles (partitions past
-a short sequence's keys hold the identity state), and :func:`.elsa_fwd._elsa_merge_kernel` folds them.
+split-KV with the monoid merge) runs when the longest sequence's query tiles give fewer programs than
+the GPU has SMs, with as many partitions as :func:`.elsa_fwd.choose_num_splits` finds cheapest from the
+batch's total keys (LeanAttention's balance: a batch of one long and many short sequences splits the long one
+finely): every sequence's keys are cut into partitions of ``tiles_per_split`` key tiles (partitions past a
+short sequence's keys hold the identity state; the last one takes any tiles past the key bound), and
+:func:`.elsa_fwd._elsa_merge_kernel` folds them.
 
 Specialisation: mode (product precision), head dims, causal, LSE and the tile config (chosen from the
 ``max_seqlen_k`` bucket <= / > :data:`.elsa_fwd.SHORT_KV`, like the dense kernel's short-KV rows);
@@ -109,7 +111,7 @@ def _varlen_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    lo_t, mid_t, hi_t = partition_tiles(split, tiles_per_split, n_full, n_tiles, SPLIT)
+    lo_t, mid_t, hi_t = partition_tiles(split, tiles_per_split, n_splits, n_full, n_tiles, SPLIT)
     # no bias / mask: their pointers and strides are unused placeholders (HAS_BIAS = HAS_MASK = False)
     for t in range(lo_t, mid_t):
         acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
@@ -263,7 +265,9 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
-    splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device)
+    splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device,
+                                             _precision(mode, None),
+                                             None if row_offsets is not None else (n_seq, k.shape[0]))
     key = (mode, total_q, H, D, None if row_offsets is not None else k.shape[0], row_offsets is not None, Dv,
            q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(), n_seq,
            n_m_tiles, max_seqlen_k > LAZY_V_MIN_KEYS, bool(is_causal), out_dtype, bool(with_lse),

@@ -95,6 +95,27 @@ def test_split_kv_partitions_match_the_oracle_and_the_single_pass(mode, causal):
         varlen_fwd.varlen_forward(q[:0], k, v, cu_q[:1], cu_k[:1], 0, 0, causal, 0.25, mode, num_splits=-1)
 
 
+def test_split_kv_reads_keys_past_a_low_key_bound():
+    """The split path's last partition folds every key tile of its sequence, as the single pass does, when
+    ``max_seqlen_k`` (trusted, not read from the offsets) is below a sequence's length: the partitions used to
+    stop at ``n_splits * tiles_per_split`` tiles and drop the rest of the keys silently."""
+    from visionattn.kernels import varlen_fwd
+    from visionattn.kernels.elsa_fwd import TileConfig
+
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K, dv=24)
+    cfg = TileConfig(16, 16, 4, 1)
+    oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 24)
+    low = max(LENS_K) // 2  # below the longest sequence's keys
+    for splits in (1, 2, 3):
+        varlen_fwd.PLANS.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(varlen_fwd, "get_config", lambda *a, **kw: cfg)
+            out, _ = varlen_fwd.varlen_forward(q, k, v, cu_q, cu_k, max(LENS_Q), low, False, 16 ** -0.5, "fp32",
+                                               num_splits=splits)
+        assert rel_l2(out.double(), oracle) <= MODES["fp32"].rel_tol, f"num_splits={splits}"
+    varlen_fwd.PLANS.clear()
+
+
 def test_reference_path_matches_oracle_and_kernel():
     q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K)
     ref = varlen_attention(q, k, v, cu_q, cu_k, backend="reference", is_causal=True)

@@ -114,8 +114,8 @@ def test_split_kv(mode, num_splits):
 
 def test_auto_split_is_chosen_when_grid_is_small():
     cfg = get_config("fp16", 64)
-    assert choose_num_splits(2, 64, 65536, cfg, torch.device("cuda")) > 1
-    assert choose_num_splits(64 * 12, 197, 197, cfg, torch.device("cuda")) == 1
+    assert choose_num_splits(2, 64, 65536, cfg, torch.device("cuda"), "half") > 1
+    assert choose_num_splits(64 * 12, 197, 197, cfg, torch.device("cuda"), "half") == 1
 
 
 def test_large_batch_heads():

@@ -134,7 +134,35 @@ def test_errors_name_the_argument():
         elsa_attention(q.half(), k.half(), v.half(), None, None, False, 1.0, "fp32")
     with pytest.raises(ValueError, match="mode"):
         elsa_attention(q, k, v, None, None, False, 1.0, "fp64")
-    assert elsa_fwd.choose_num_splits(1, 4, 4096, elsa_fwd.get_config("fp32", 16), torch.device("cpu")) == 1
+    assert elsa_fwd.choose_num_splits(1, 4, 4096, elsa_fwd.get_config("fp32", 16), torch.device("cpu"), "f16x3") == 1
+
+
+@pytest.mark.parametrize("precision", ["half", "f16x3", "f16x1", "ieee"])
+def test_split_count_rule(monkeypatch, precision):
+    """The split-KV partition count (a host decision: the GPU's SM count stubbed at 132): one pass whenever the
+    grid holds at least one program per SM (for a ragged batch: the longest sequence's programs); otherwise at
+    most MAX_SPLITS partitions of at least two key tiles each, more partitions for fewer programs or longer keys,
+    and a ragged batch whose other sequences are short splits at least as finely as the same longest sequence
+    among equally long ones (the work left over is smaller)."""
+    monkeypatch.setattr(elsa_fwd, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    cfg = elsa_fwd.TileConfig(128, 64, 4, 3)
+
+    def splits(bh, nq, nk, ragged=None):
+        return elsa_fwd.choose_num_splits(bh, nq, nk, cfg, cuda, precision, ragged)
+
+    assert splits(132, 1, 65536) == 1 and splits(2, 66 * 128, 65536) == 1  # 132 programs: every SM busy
+    for bh, nq, nk in [(1, 1, 65536), (1, 16, 16384), (16, 1, 65536), (12, 1, 4096), (64, 1, 4096)]:
+        p = splits(bh, nq, nk)
+        assert 2 <= p <= min(elsa_fwd.MAX_SPLITS, elsa_fwd.cdiv(nk, cfg.block_n) // 2), (bh, nq, nk, p)
+    assert splits(1, 1, 65536) >= splits(16, 1, 65536) >= splits(64, 1, 65536)
+    assert splits(16, 1, 65536) >= splits(16, 1, 8192)
+    assert splits(1, 1, 128) == 1  # two key tiles: nothing to split
+    # ragged: 8 sequences x 16 heads, one of 8192 keys; the others 512 keys each, or 8192 like the longest
+    short = splits(16 * 8, 16, 8192, (8, 8192 + 7 * 512))
+    equal = splits(16 * 8, 16, 8192, (8, 8 * 8192))
+    assert short >= equal and short >= 2
+    assert splits(132 * 4, 1, 8192, (4, 4 * 8192)) == 1  # the longest sequence alone fills the SMs
 
 
 def test_shared_memory_fallback_sequence_shrinks():

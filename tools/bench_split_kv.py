@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Few-query and ragged calls: visionattn's split-KV plan against Flash-Decoding's fixed split, same process.
+
+Calls that leave SMs idle in one pass — one or a few queries against long keys (class attention, attention-pooling
+heads), and ragged batches of one long and many short sequences — split the keys into P partitions merged by the
+(m, S, W) monoid. Each case is timed under every schedule: ``auto`` (:func:`visionattn.kernels.elsa_fwd.
+choose_num_splits`, the library's choice), ``flash-decoding`` (P = ceil(2 x SMs / programs) up to 64 and half the
+key tiles, from the average sequence: Flash-Decoding's rule, which the library used before) and each fixed P of
+``--splits``; eager and CUDA-graph milliseconds (:func:`_harness.eager_graph_ms`), the rel error vs a float64
+softmax, and auto's speed-up over flash-decoding. Dense cases: B x H heads of ``--queries`` queries against
+``--keys`` keys; ragged cases: H = 16 heads, ``--sequences`` sequences, one of ``--longest`` keys and the others
+drawn so that mean / max length is each ``--ratios`` value. Head dim 64. Writes OUT.md, OUT.json and OUT.png.
+
+  python tools/bench_split_kv.py --modes bf16,fp32 --out docs/benchmarks/split_kv_h200
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
+from _harness import (ToolParser, bars, check_device, comma_ints, comma_list, default_out, eager_graph_ms,  # noqa: E402
+                      environment, figure, markdown_table, md_header, positive_int, prefix_outputs, write_results)
+
+from visionattn.kernels._launch import sm_count  # noqa: E402
+from visionattn.kernels.elsa_fwd import _precision, cdiv, choose_num_splits, elsa_attention, get_config  # noqa: E402
+from visionattn.kernels.varlen_fwd import varlen_forward  # noqa: E402
+from visionattn.modes import MODES  # noqa: E402
+
+HEAD_DIM, SCALE = 64, 0.125
+SPLIT_MODES = ("fp32", "tf32", "fp16", "bf16")
+
+
+def flash_decoding_splits(programs: int, n_k: int, cfg, device: torch.device) -> int:
+    """Flash-Decoding's split count: about two programs per SM, at least two key tiles per partition, at most 64
+    partitions; no split once the programs fill the SMs (or off CUDA)."""
+    if device.type != "cuda" or programs >= sm_count(device):
+        return 1
+    return max(1, min(cdiv(2 * sm_count(device), programs), cdiv(n_k, cfg.block_n) // 2, 64))
+
+
+def _oracle(q, k, v):
+    return torch.softmax((q.double() @ k.double().transpose(-1, -2)) * SCALE, -1) @ v.double()
+
+
+def ragged_lengths(sequences: int, ratio: float, longest: int, generator: torch.Generator) -> list[int]:
+    """One sequence of ``longest`` keys and ``sequences - 1`` drawn uniformly around the length that makes
+    mean / max = ``ratio`` (clipped to [16, longest]); all ``longest`` at ratio 1 (the draw still advances
+    ``generator``, so every case's lengths depend on the case grid alone)."""
+    others = sequences - 1
+    mean_other = (ratio * sequences * longest - longest) / max(1, others)
+    draws = (torch.rand(others, generator=generator) * 2 * mean_other).tolist()
+    if ratio >= 1:
+        return [longest] * sequences
+    return [longest] + [int(min(longest, max(16, x))) for x in draws]
+
+
+def cases(args, mode: str, device: torch.device):
+    """``(label, programs, keys, run(P), reference, auto P, flash-decoding P)`` per case."""
+    dtype = MODES[mode].compute_dtype
+    precision = _precision(mode, None)
+    for b, h in args.batch_heads:
+        for nq in args.queries:
+            for nk in args.keys:
+                g = torch.Generator(device="cpu").manual_seed(args.seed)
+                q, k, v = (torch.randn(b, h, n, HEAD_DIM, generator=g).to(device, dtype) for n in (nq, nk, nk))
+                cfg = get_config(mode, HEAD_DIM, HEAD_DIM, nk)
+                yield (f"B={b} H={h} q={nq} k={nk}",
+                       lambda p, q=q, k=k, v=v: elsa_attention(q, k, v, None, None, False, SCALE, mode, num_splits=p),
+                       _oracle(q, k, v), choose_num_splits(b * h, nq, nk, cfg, device, precision),
+                       flash_decoding_splits(b * h * cdiv(nq, cfg.block_m), nk, cfg, device))
+    heads = 16
+    lengths = torch.Generator(device="cpu").manual_seed(args.seed)
+    for n_seq in args.sequences:
+        for ratio in args.ratios:
+            for nq in args.queries:
+                g = torch.Generator(device="cpu").manual_seed(args.seed)
+                lens = ragged_lengths(n_seq, ratio, args.longest, lengths)
+                total = sum(lens)
+                cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                cu_q = torch.arange(0, (n_seq + 1) * nq, nq, dtype=torch.int32, device=device)
+                q, k, v = (torch.randn(n, heads, HEAD_DIM, generator=g).to(device, dtype)
+                           for n in (n_seq * nq, total, total))
+                ref = torch.cat([_oracle(q[i * nq:(i + 1) * nq].transpose(0, 1), k[cu_k[i]:cu_k[i + 1]].transpose(0, 1),
+                                         v[cu_k[i]:cu_k[i + 1]].transpose(0, 1)).transpose(0, 1)
+                                 for i in range(n_seq)])
+                cfg = get_config(mode, HEAD_DIM, HEAD_DIM, args.longest)
+                yield (f"ragged n={n_seq} mean/max={total / n_seq / args.longest:.2f} q={nq}",
+                       lambda p, q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, nq=nq: varlen_forward(
+                           q, k, v, cu_q, cu_k, nq, args.longest, False, SCALE, mode, num_splits=p)[0],
+                       ref, choose_num_splits(heads * n_seq, nq, args.longest, cfg, device, precision, (n_seq, total)),
+                       flash_decoding_splits(heads * n_seq * cdiv(nq, cfg.block_m), args.longest, cfg, device))
+
+
+def run(args, device: torch.device) -> list[dict]:
+    rows = []
+    for mode in args.modes:
+        for label, call, ref, auto, flash in cases(args, mode, device):
+            schedules = {"auto": auto, "flash-decoding": flash, **{f"P={p}": p for p in args.splits}}
+            timed: dict[int, dict] = {}
+            for name, p in schedules.items():
+                if p not in timed:
+                    out = call(p)
+                    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+                    if device.type == "cuda":
+                        eager, graph, _ = eager_graph_ms(lambda call=call, p=p: (lambda: call(p)), calls=args.calls,
+                                                         repeats=args.repeats)
+                    else:
+                        eager, graph = None, None
+                    timed[p] = dict(eager_ms=eager, graph_ms=graph, max_rel_err=err)
+                rows.append(dict(case=label, mode=mode, schedule=name, splits=p, **timed[p]))
+            print(f"{mode} {label}: auto P={auto}, flash-decoding P={flash}", flush=True)
+    return rows
+
+
+def _speedups(rows: list[dict]) -> dict[tuple[str, str], float | None]:
+    by = {(r["case"], r["mode"], r["schedule"]): r for r in rows}
+    out = {}
+    for (case, mode, schedule), r in by.items():
+        if schedule == "auto":
+            flash = by[(case, mode, "flash-decoding")]
+            out[(case, mode)] = (flash["graph_ms"] / r["graph_ms"]) if r["graph_ms"] and flash["graph_ms"] else None
+    return out
+
+
+def _plot(result: dict, path: str, outputs) -> None:
+    speed = _speedups(result["rows"])
+    labels = list(dict.fromkeys(case for case, _ in speed))
+    with figure(path, outputs, figsize=(max(8, 0.45 * len(labels)), 4.5)) as (_, ax):
+        bars(ax, labels, {mode: [speed.get((c, mode)) for c in labels] for mode in result["modes"]}, fontsize=6)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylabel("auto vs flash-decoding (graph ms ratio)")
+        ax.tick_params(axis="x", labelrotation=90)
+        ax.legend(fontsize=8)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ToolParser(prog="bench_split_kv.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="bf16,fp32", help=f"comma-separated subset of {','.join(SPLIT_MODES)}")
+    p.add_argument("--batch-heads", default="1x1,1x16,4x16",
+                   help="dense cases: comma-separated BxH (default %(default)s)")
+    p.add_argument("--queries", default="1,16", help="queries per sequence (default %(default)s)")
+    p.add_argument("--keys", default="1024,4096,16384,65536", help="dense cases' keys (default %(default)s)")
+    p.add_argument("--sequences", default="8,16,32,64", help="ragged cases' sequence counts (default %(default)s)")
+    p.add_argument("--ratios", default="0.1,0.25,0.5,1.0",
+                   help="ragged cases' mean / max lengths (default %(default)s)")
+    p.add_argument("--longest", type=positive_int, default=8192, help="ragged cases' longest sequence (default 8192)")
+    p.add_argument("--splits", default="", help="fixed split counts timed beside auto and flash-decoding, e.g. 2,4")
+    p.add_argument("--calls", type=positive_int, default=20, help="calls per timing window (default 20)")
+    p.add_argument("--repeats", type=positive_int, default=7, help="timing windows, median reported (default 7)")
+    p.add_argument("--seed", type=int, default=7, help="seed of inputs and ragged lengths (default 7)")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu (Triton's interpreter, untimed: for tests)")
+    p.add_argument("--out", default=default_out("split_kv"), help="output prefix: OUT.md, OUT.json, OUT.png")
+    return p
+
+
+def _parse(parser, args):
+    args.modes = comma_list(parser, "--modes", args.modes, SPLIT_MODES)
+    pairs = []
+    for item in (x.strip() for x in args.batch_heads.split(",") if x.strip()):
+        b, _, h = item.partition("x")
+        if not (b.isdigit() and h.isdigit() and int(b) > 0 and int(h) > 0):
+            parser.error(f"--batch-heads {args.batch_heads!r}: expected comma-separated BxH, e.g. 1x16")
+        pairs.append((int(b), int(h)))
+    args.batch_heads = pairs
+    args.queries = comma_ints(parser, "--queries", args.queries)
+    args.keys = comma_ints(parser, "--keys", args.keys)
+    args.sequences = comma_ints(parser, "--sequences", args.sequences)
+    try:
+        args.ratios = [float(x) for x in args.ratios.split(",") if x.strip()]
+    except ValueError:
+        args.ratios = []
+    if not args.ratios or not all(0 < r <= 1 for r in args.ratios):
+        parser.error(f"--ratios {args.ratios!r}: expected comma-separated numbers in (0, 1]")
+    args.splits = comma_ints(parser, "--splits", args.splits) if args.splits.strip() else []
+
+
+def main(argv=None) -> dict:
+    """Parse and check ``argv`` (exit 2 with one line before any work), run every case, write the reports."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _parse(parser, args)
+    device = check_device(parser, args.device)
+    files = prefix_outputs(parser, args.out, tool="bench_split_kv")
+    rows = run(args, device)
+    env = environment()
+    result = dict(environment=env, modes=args.modes, rows=rows,
+                  sms=sm_count(device) if device.type == "cuda" else None)
+    speed = _speedups(rows)
+    table = [[r["case"], r["mode"], r["schedule"], r["splits"], r["eager_ms"], r["graph_ms"],
+              "" if r["schedule"] != "auto" or speed.get((r["case"], r["mode"])) is None
+              else f"{speed[(r['case'], r['mode'])]:.2f}x", f"{r['max_rel_err']:.1e}"] for r in rows]
+    md = "\n".join(md_header("Split-KV schedules on few-query and ragged calls", env,
+                             "eager: CUDA events around back-to-back calls; graph: the same calls replayed from a "
+                             "CUDA graph, in alternating windows; median of the windows",
+                             "auto vs flash-decoding: flash-decoding's graph ms over auto's")
+                   + [markdown_table(table, ["case", "mode", "schedule", "P", "eager ms", "graph ms",
+                                             "auto vs flash-decoding", "max rel err vs float64"])])
+    write_results(files, args.out, result, md, _plot if device.type == "cuda" else None)
+    print(md)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
