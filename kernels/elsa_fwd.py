@@ -57,6 +57,7 @@ plan per call signature, see :mod:`._launch`), :func:`elsa_attention` (the same,
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, replace
 
@@ -577,25 +578,32 @@ def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, 
     per_sequence = programs // ragged[0] if ragged is not None else programs
     if per_sequence >= sms:
         return 1
+    n_tiles = cdiv(n_k, config.block_n)
+    if ragged is None:
+        return _cheapest_split(programs, programs, n_tiles, None, 0, sms, precision)
+    return _cheapest_split(programs, per_sequence, n_tiles, cdiv(ragged[1], config.block_n), ragged[0], sms,
+                           precision)
+
+
+@functools.lru_cache(maxsize=4096)  # a varlen call asks before its plan lookup: the search runs once per signature
+def _cheapest_split(programs: int, per_sequence: int, n_tiles: int, key_tiles: int | None, sequences: int, sms: int,
+                    precision: str) -> int:
+    """:func:`choose_num_splits`' search over P for a call that leaves SMs idle (``key_tiles``: a ragged
+    batch's key tiles of all sequences, None for equal lengths)."""
     per_sm, fixed, merge = _SPLIT_COSTS.get(precision, _SPLIT_COSTS_FP32)
     slots = per_sm * sms
-    n_tiles = cdiv(n_k, config.block_n)
     best, best_cost = 1, None
-    p = 1
-    while p == 1 or p <= min(n_tiles // 2, MAX_SPLITS):
+    for p in range(1, max(1, min(n_tiles // 2, MAX_SPLITS)) + 1):
         per_split = cdiv(n_tiles, p)
-        if ragged is None:
+        if key_tiles is None:
             busy, work = programs * p, programs * n_tiles
             critical = cdiv(busy, slots) * (per_split + fixed)
         else:  # about half of the sequences end inside a partially filled partition
-            sequences, total_keys = ragged
-            key_tiles = cdiv(total_keys, config.block_n)
             busy, work = per_sequence * (cdiv(key_tiles, per_split) + sequences // 2), per_sequence * key_tiles
             critical = per_split + fixed
         cost = max(critical, (work + busy * fixed) / slots) + merge * p
         if best_cost is None or cost < best_cost:
             best, best_cost = p, cost
-        p += 1
     return best
 
 
