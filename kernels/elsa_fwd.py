@@ -539,10 +539,6 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, n_k: int
     return _CONFIGS[(_precision(mode, precision), _pad_dim(dmax), n_k is not None and n_k <= SHORT_KV)]
 
 
-MAX_SPLITS = 256  # KV partitions of one call at most (the merge reads one partial state per partition and row)
-SPLIT_OVERHEAD_TILES = 2  # a partition's fixed cost in key tiles: its query tile's load, the partial state it writes
-
-
 # (docs/tuning.md: split-KV partitions by a cost model)
 MAX_SPLITS = 256  # KV partitions of one call at most
 # by product precision: (programs of a split launch that one SM runs side by side, a partition's fixed cost in
