@@ -26,7 +26,7 @@ from visionattn.provenance import environment
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the tools belong to
 
 __all__ = ["REPO", "ToolParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "percentile",
-           "json_object", "add_common", "comma_list", "comma_ints", "default_out", "check_output",
+           "json_object", "add_common", "comma_list", "comma_ints", "comma_pairs", "default_out", "check_output",
            "check_output_folder", "output_folder", "output_files", "check_device", "failure_text", "first_error",
            "CorruptImageError", "read_rgb", "ImageList", "check_image", "load_config", "environment", "atomic_path",
            "write_text_atomic", "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header",
@@ -126,6 +126,18 @@ def comma_ints(parser: argparse.ArgumentParser, flag: str, text: str, low: int =
     if not items or min(items) < low:
         parser.error(f"{flag} {text!r}: expected comma-separated integers >= {low}")
     return items
+
+
+def comma_pairs(parser: argparse.ArgumentParser, flag: str, text: str, form: str = "HxW") -> list[tuple[int, int]]:
+    """The comma-separated ``AxB`` pairs of ``text`` (e.g. ``384x384,224x224``), or exit 2 with one line naming
+    ``flag`` and ``form`` when there are none or one is not two integers >= 1."""
+    try:
+        pairs = [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        parser.error(f"{flag} {text!r}: expected comma-separated {form} integers")
+    if not pairs or any(len(ab) != 2 or min(ab) < 1 for ab in pairs):
+        parser.error(f"{flag} {text!r}: expected comma-separated {form} with both >= 1")
+    return pairs
 
 
 def check_device(parser: argparse.ArgumentParser, name: str, flag: str = "--device"):

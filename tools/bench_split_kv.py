@@ -22,13 +22,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, bars, check_device, comma_ints, comma_list, default_out, eager_graph_ms,  # noqa: E402
-                      environment, figure, markdown_table, md_header, positive_int, prefix_outputs, write_results)
+from _harness import (ToolParser, bars, check_device, comma_ints, comma_list, comma_pairs, default_out,  # noqa: E402
+                      eager_graph_ms, environment, figure, markdown_table, md_header, positive_int, prefix_outputs,
+                      write_results)
 
-from visionattn.kernels._launch import sm_count  # noqa: E402
-from visionattn.kernels.elsa_fwd import _precision, cdiv, choose_num_splits, elsa_attention, get_config  # noqa: E402
+from visionattn.kernels._launch import cdiv, sm_count  # noqa: E402
+from visionattn.kernels.elsa_fwd import _precision, choose_num_splits, elsa_attention, get_config  # noqa: E402
 from visionattn.kernels.varlen_fwd import varlen_forward  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
+from visionattn.reference import oracle_attention  # noqa: E402
 
 HEAD_DIM, SCALE = 64, 0.125
 SPLIT_MODES = ("fp32", "tf32", "fp16", "bf16")
@@ -43,7 +45,7 @@ def flash_decoding_splits(programs: int, n_k: int, cfg, device: torch.device) ->
 
 
 def _oracle(q, k, v):
-    return torch.softmax((q.double() @ k.double().transpose(-1, -2)) * SCALE, -1) @ v.double()
+    return oracle_attention(q, k, v, scale=SCALE)
 
 
 def ragged_lengths(sequences: int, ratio: float, longest: int, generator: torch.Generator) -> list[int]:
@@ -159,13 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse(parser, args):
     args.modes = comma_list(parser, "--modes", args.modes, SPLIT_MODES)
-    pairs = []
-    for item in (x.strip() for x in args.batch_heads.split(",") if x.strip()):
-        b, _, h = item.partition("x")
-        if not (b.isdigit() and h.isdigit() and int(b) > 0 and int(h) > 0):
-            parser.error(f"--batch-heads {args.batch_heads!r}: expected comma-separated BxH, e.g. 1x16")
-        pairs.append((int(b), int(h)))
-    args.batch_heads = pairs
+    args.batch_heads = comma_pairs(parser, "--batch-heads", args.batch_heads, "BxH")
     args.queries = comma_ints(parser, "--queries", args.queries)
     args.keys = comma_ints(parser, "--keys", args.keys)
     args.sequences = comma_ints(parser, "--sequences", args.sequences)

@@ -56,9 +56,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, add_common, check_device, comma_ints, comma_list, default_out,  # noqa: E402
-                      eager_graph_timings, environment, graph_cells, markdown_table, peak_memory, per_call_ms,
-                      positive_int, prefix_outputs, write_results)
+from _harness import (ToolParser, add_common, check_device, comma_ints, comma_list, comma_pairs,  # noqa: E402
+                      default_out, eager_graph_timings, environment, graph_cells, markdown_table, peak_memory,
+                      per_call_ms, positive_int, prefix_outputs, write_results)
 
 import visionattn  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -97,16 +97,6 @@ parser.add_argument("--batch", type=positive_int, default=32, help="--naflex: im
 parser.add_argument("--naflex-sizes", default=NAFLEX_SIZES,
                     help="--naflex: comma-separated HxW image sizes in pixels, cycled over the batch "
                          "(default: %(default)s)")
-
-
-def _sizes(text: str) -> list[tuple[int, int]]:
-    try:
-        sizes = [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",") if item.strip()]
-    except ValueError:
-        parser.error(f"--naflex-sizes {text!r}: expected comma-separated HxW integers")
-    if not sizes or any(len(hw) != 2 or min(hw) < 1 for hw in sizes):
-        parser.error(f"--naflex-sizes {text!r}: expected comma-separated HxW with H, W >= 1")
-    return sizes
 
 
 def method_calls(method: str, seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], mode: str):
@@ -343,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--lengths {args.lengths!r}: expected integers >= 0, at least one > 0")
     modes = comma_list(parser, "--modes", args.modes, BENCH_MODES)
     methods = comma_list(parser, "--methods", args.methods, METHODS)
-    sizes = _sizes(args.naflex_sizes)
+    sizes = comma_pairs(parser, "--naflex-sizes", args.naflex_sizes)
     device = check_device(parser, args.device)
     outputs = prefix_outputs(parser, args.out, (".md", ".json"), tool="bench_varlen")
     env = environment({"tf32_matmul": torch.backends.cuda.matmul.allow_tf32})
