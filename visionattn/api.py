@@ -32,8 +32,8 @@ import torch
 from . import dispatch
 from .checks import (BACKWARD_MODES, FLOAT_DTYPES, KERNEL_DTYPES, cast_checked, caster, check_dense, check_devices,
                      check_flags, check_float16_range, check_operand, check_tensor, first_order_only, has_backward,
-                     mode_of, relaid_inputs)
-from .kernels._launch import PlanCache, recording
+                     mode_of)
+from .kernels._launch import PlanCache, recording, unit_last_stride
 from .modes import MODES, Mode
 from .reference import blocked_attention, cpu_block_size, no_keys_output
 
@@ -389,7 +389,7 @@ def _triton(q, k, v, bias, attn_mask, is_causal, scale, md: Mode, num_splits, ke
     :class:`_DenseFunction`)."""
     grad = _needs_grad(q, k, v, bias)
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        (q, k, v), _ = relaid_inputs(q, k, v)
+        q, k, v = (unit_last_stride(t) for t in (q, k, v))  # the only layout the kernels take
         key = None  # the runner would pass the caller's layout on
     if key is not None and not grad and q.dtype in KERNEL_DTYPES:
         return _planned(key, q, k, v, bias, attn_mask, is_causal, scale, md)

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 
 from . import dispatch
 from .checks import (BACKWARD_MODES, FLOAT_DTYPES, KERNEL_DTYPES, check_dense, check_devices, check_flags,
-                     check_float16_range, check_operand, first_order_only, relaid_inputs)
-from .kernels._launch import PlanCache, interpreting, qkv_key, recording, tensor_key
+                     check_float16_range, check_operand, first_order_only)
+from .kernels._launch import PlanCache, interpreting, qkv_key, recording, tensor_key, unit_last_stride
 from .modes import MODES, Mode, get_mode
 
 __all__ = ["window_attention", "window_attention_qkvpacked", "window_attention_reference", "validate_window_inputs",
@@ -591,7 +591,7 @@ def _triton(q, k, v, bias, mask, ls, num_windows, cosine, scale, md: Mode, key, 
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or _needs_grad(bias, ls))
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        (q, k, v), _ = relaid_inputs(q, k, v)
+        q, k, v = (unit_last_stride(t) for t in (q, k, v))  # the only layout the kernels take
         key = None  # the runner would pass the caller's layout on
     scale = float(scale)
     if grad:  # the backward kernels, from the LSE the forward saves
