@@ -567,7 +567,7 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, n_k: int
 MAX_SPLITS = 256  # KV partitions of one call at most
 # by product precision: (programs of a split launch that one SM runs side by side, a partition's fixed cost in
 # key tiles — its query tile's load, the partial state it writes, its launch —, the merge's cost per partition in
-# key tiles — it folds the partitions of a row one after another)
+# key tiles — the loads and weights of each partition's partial state, :func:`_elsa_merge_kernel`)
 _SPLIT_COSTS = {"half": (1, 32, 1.0)}
 _SPLIT_COSTS_FP32 = (2, 24, 0.25)
 
@@ -661,8 +661,8 @@ def unsupported_reason(q, k, v, bias, attn_mask, mode: str) -> str | None:
 
 # --------------------------------------------------------------------------- launch plans
 
-# FP32 elements of one merge program's [BLOCK_M, BLOCK_P, BLOCK_DV] tile of partial outputs: 64 registers a
-# thread at 4 warps, room for the products and sums beside them without spilling
+# FP32 elements of one merge program's [BLOCK_M, BLOCK_P, BLOCK_DV] tile of partial outputs, 1024 a warp (sm_90:
+# about 128 registers a thread at 8 warps, no spills; 4 warps on the same tile take 215-230)
 MERGE_TILE = 8192
 MERGE_MAX_BLOCK_P = 64  # partitions a merge program loads at once, at most (MAX_SPLITS = 256: four blocks)
 NOMINAL_SMS = 132  # SMs the merge's blocking assumes off CUDA (the interpreter runs an H200's blocking)
@@ -677,14 +677,14 @@ def merge_blocks(rows: int, batch_heads: int, head_dim_v: int, sms: int) -> tupl
     a row that does not exist. While the programs do not fill the SMs, the output columns are cut into slices
     of >= 32 (one 128-byte line a row) that separate programs merge. BLOCK_P fills the rest of the tile
     (``MERGE_TILE``), at most ``MERGE_MAX_BLOCK_P``; it does not depend on the partition count, so a call
-    with another P reuses the compiled merge. Fewer warps for small tiles (1024 elements a warp).
+    with another P reuses the compiled merge. One warp per 1024 elements of the tile (up to 8).
     """
     block_dv = pad_pow2(head_dim_v)
     block_m = max(1, min(64, pad_pow2(rows, 1), MERGE_TILE // 2 // block_dv))
     while block_dv > 32 and batch_heads * cdiv(rows, block_m) * cdiv(head_dim_v, block_dv) < sms:
         block_dv //= 2
     block_p = min(MERGE_MAX_BLOCK_P, MERGE_TILE // (block_m * block_dv))
-    return block_m, block_p, block_dv, max(1, min(4, block_m * block_p * block_dv // 1024))
+    return block_m, block_p, block_dv, max(1, min(8, block_m * block_p * block_dv // 1024))
 
 
 def merge_call(rows: int, batch_heads: int, head_dim_v: int, device: torch.device, with_lse: bool) -> KernelCall:

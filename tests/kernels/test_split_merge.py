@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from visionattn.kernels import elsa_fwd
+from visionattn.kernels._launch import cdiv
 from visionattn.metrics import rel_l2
 from visionattn.reference import oracle_attention
 
@@ -55,15 +56,11 @@ def _merge(ws_m, ws_s, ws_w, block_m, block_p, block_dv, num_warps=4):
     P, B, H, Nq, Dv = ws_w.shape
     out = torch.full((B, H, Nq, Dv), float("nan"))
     lse = torch.full((B, H, Nq), float("nan"))
-    grid = (triton_cdiv(Nq, block_m) * triton_cdiv(Dv, block_dv) * B * H,)
+    grid = (cdiv(Nq, block_m) * cdiv(Dv, block_dv) * B * H,)
     elsa_fwd._elsa_merge_kernel[grid](ws_m, ws_s, ws_w, out, lse, *out.stride(), B, H, Nq, Dv, P,
                                       BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_DV=block_dv, WRITE_LSE=True,
                                       num_warps=num_warps)
     return out, lse
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def _check(out, lse, ref, ref_lse, what):
@@ -85,11 +82,12 @@ def test_merge_blocks_of_partitions_match_float64(P, block_m, block_p, block_dv)
 
 
 def test_merge_of_rows_whose_partitions_are_all_empty():
-    """Every partition of every row the identity (-inf, 0, 0): O = 0 and LSE = -inf everywhere, no NaN."""
+    """Every partition of every row the identity (m = -inf, S = 0; O not read as a value): O = 0 and LSE = -inf
+    everywhere, no NaN."""
     P, Nq, Dv = 19, 3, 24
     ws_m = torch.full((P, 1, 2, Nq), float("-inf"))
     ws_s = torch.zeros(P, 1, 2, Nq)
-    ws_w = torch.zeros(P, 1, 2, Nq, Dv)
+    ws_w = torch.full((P, 1, 2, Nq, Dv), 3.0)  # identity partials drop out whatever their O holds
     out, lse = _merge(ws_m, ws_s, ws_w, 2, 8, 16)
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
@@ -101,13 +99,15 @@ def test_merge_of_one_visible_partition_is_exact():
     g = torch.Generator().manual_seed(7)
     ws_m = torch.full((P, 1, 1, Nq), float("-inf"))
     ws_s = torch.zeros(P, 1, 1, Nq)
-    ws_w = torch.zeros(P, 1, 1, Nq, Dv)
+    ws_w = torch.full((P, 1, 1, Nq, Dv), 5.0)  # identity partials drop out whatever their O holds
+    # sums S whose FP32 reciprocal does not give S * (1 / S) == 1: the weight must be b / S, or exactly 1
+    sums = (1.0240119695663452, 1.921460747718811, 3.761380672454834, 6.528764247894287)
     for row, p in enumerate((0, 7, 8, 20)):  # first, last of a block of 8, first of the next, last partition
         ws_m[p, 0, 0, row] = 3.7 + row
-        ws_s[p, 0, 0, row] = 1.0 + 5.3 * torch.rand(1, generator=g).item()
+        ws_s[p, 0, 0, row] = sums[row]
         ws_w[p, 0, 0, row] = torch.randn(Dv, generator=g)
     out, lse = _merge(ws_m, ws_s, ws_w, 4, 8, 32)
-    assert torch.equal(out, ws_w.sum(0))
+    assert torch.equal(out[0, 0], torch.stack([ws_w[p, 0, 0, row] for row, p in enumerate((0, 7, 8, 20))]))
     assert torch.all(torch.isfinite(lse))
 
 
@@ -130,9 +130,9 @@ def test_merge_blocks_choice():
     """Few rows: BLOCK_M their count's power of two and Dv in 32-column slices while the programs do not fill
     the SMs; many rows: whole Dv and at least two partitions a program. The tile stays within MERGE_TILE."""
     assert elsa_fwd.merge_blocks(1, 16, 128, 132) == (1, 64, 32, 2)
-    assert elsa_fwd.merge_blocks(5, 16, 64, 132) == (8, 32, 32, 4)
-    assert elsa_fwd.merge_blocks(4096, 64, 128, 132) == (32, 2, 128, 4)
-    assert elsa_fwd.merge_blocks(4096, 64, 256, 132) == (16, 2, 256, 4)
+    assert elsa_fwd.merge_blocks(5, 16, 64, 132) == (8, 32, 32, 8)
+    assert elsa_fwd.merge_blocks(4096, 64, 128, 132) == (32, 2, 128, 8)
+    assert elsa_fwd.merge_blocks(4096, 64, 256, 132) == (16, 2, 256, 8)
     for rows in (1, 2, 3, 16, 17, 64, 1000):
         for dv in (8, 16, 40, 64, 128, 256):
             for bh in (1, 16, 512):
@@ -140,7 +140,7 @@ def test_merge_blocks_choice():
                 for x in (bm, bp, bdv):
                     assert x & (x - 1) == 0, (rows, dv, bh)
                 assert bm <= 64 and 1 <= bp <= elsa_fwd.MERGE_MAX_BLOCK_P and bdv >= min(32, dv)
-                assert bm * bp * bdv <= elsa_fwd.MERGE_TILE and 1 <= warps <= 4
+                assert bm * bp * bdv <= elsa_fwd.MERGE_TILE and 1 <= warps <= 8 and warps * 1024 >= min(bm * bp * bdv, 8192)
 
 
 @pytest.mark.parametrize("Nq,splits", [(1, 3), (3, 17), (6, 40)])
