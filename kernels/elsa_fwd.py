@@ -378,55 +378,79 @@ def _elsa_fwd_kernel(
 
 @triton.jit(do_not_specialize=["B", "H", "Nq", "n_splits"])
 def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv, n_splits,
-                       BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_LSE: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       WRITE_LSE: tl.constexpr):
     """Fold the P partial states of each query row with the monoid merge; write W / S (and, with
     ``WRITE_LSE``, the row's log-sum-exp ``(m + log2 S) ln 2`` to ``Lse`` [B, H, Nq]).
 
-    The partials hold normalised outputs ``O_p = W_p / S_p`` (:func:`store_partial`), so the fold carries the
-    normalised ``O`` too: with weights ``a = 2^(m - m') S`` and ``b = 2^(m_p - m') S_p``,
-    ``O <- O (1 - t) + O_p t`` with ``t = b / (a + b)``, every step bounded by the largest |V|.
-    1-D grid cdiv(Nq, BLOCK_M) * H * B. Partials of a partition that saw no visible key are
-    the identity (-inf, 0, 0) and drop out.
+    The ELSA merge of P states ``(m_p, S_p, W_p)`` in one step:
+
+        m = max_p m_p,  S = sum_p 2^(m_p - m) S_p,  O = W / S = sum_p O_p c_p,  c_p = 2^(m_p - m) S_p / S,
+
+    with ``O_p = W_p / S_p`` the normalised partials :func:`store_partial` writes. Two passes over the
+    partitions, ``BLOCK_P`` of them at a time (a [BLOCK_M, BLOCK_P] tile of m / S, a [BLOCK_M, BLOCK_P, BLOCK_DV]
+    tile of O), so a row's partitions load side by side rather than in a chain of P dependent steps: the first
+    folds ``(m, S)`` block by block (``S`` rescaled by ``2^(m_old - m)`` when a block raises the max), the
+    second sums ``O_p c_p`` over each block's partition axis. Bounds: ``0 <= c_p <= 1`` (clamped; ``sum_p c_p``
+    is 1 up to rounding), so every product and partial sum stays within the largest |V| — ``W`` and
+    differences ``O_p - O`` are never formed, since they can pass FP32's range when V is near it. A partial
+    that is the whole of ``S`` (one partition saw every visible key of the row) gets ``c_p = 1`` exactly and
+    the others 0, so such rows match the single pass bit for bit. Partitions that saw no visible key are the
+    identity (-inf, 0, 0): ``c_p = 0``; a row without any visible key keeps ``m = -inf``, ``S = 0`` and writes
+    ``O = 0``, ``lse = -inf``. Fixed order and reduction trees, no atomics: deterministic.
+
+    1-D grid cdiv(Nq, BLOCK_M) * cdiv(Dv, BLOCK_DV) * H * B (:func:`merge_blocks`); the programs of one row
+    tile's ``Dv`` slices each fold ``(m, S)`` themselves (a few loads) and the first writes the LSE.
     """
     tiles = tl.cdiv(Nq, BLOCK_M)
+    dv_tiles = tl.cdiv(Dv, BLOCK_DV)
     pid0 = tl.program_id(0)
-    pid_m = pid0 % tiles
-    bh = (pid0 // tiles).to(tl.int64)
+    pid_dv = pid0 % dv_tiles
+    pid_m = (pid0 // dv_tiles) % tiles
+    bh = (pid0 // (dv_tiles * tiles)).to(tl.int64)
     off_h = bh % H
     off_b = bh // H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dv = pid_dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_p = tl.arange(0, BLOCK_P)
     row_ok = rows < Nq
     dv_ok = offs_dv < Dv
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_M], dtype=tl.float32)
-    w = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     plane = tl.cast(B, tl.int64) * H * Nq  # 64-bit: P * B * H * Nq rows of workspace
     base = (off_b * H + off_h) * Nq + rows
-    for p in range(0, n_splits):
-        row_id = p * plane + base
-        m_p = tl.load(WsM + row_id, mask=row_ok, other=float("-inf"))
-        s_p = tl.load(WsS + row_id, mask=row_ok, other=0.0)
-        w_p = tl.load(WsW + row_id[:, None] * Dv + offs_dv[None, :], mask=row_ok[:, None] & dv_ok[None, :],
-                      other=0.0)
-        m_new = tl.maximum(m, m_p)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.math.exp2(m - m_safe) * s
-        b = tl.math.exp2(m_p - m_safe) * s_p
-        s = a + b
-        # O <- O (1 - t) + O_p t, t = b / (a + b), exactly 0 for a partial that adds nothing (b = 0: a causal
-        # row's keys all in other partitions) and 1 for the first (a = 0), so such steps leave O as it is;
-        # O (a / s) + O_p (b / s) rounded O by about an ulp at every partition, P ulps in all. Weights, not
-        # O_p - O: that difference can pass FP32's range when V is near it
-        inv = 1.0 / tl.where(s > 0.0, s, 1.0)
-        t = tl.where(a > 0.0, b * inv, tl.where(b > 0.0, 1.0, 0.0))
-        w = w * (1.0 - t)[:, None] + w_p * t[:, None]
+    # pass 1: m = max_p m_p, S = sum_p 2^(m_p - m) S_p, online over blocks of partitions
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for p0 in range(0, n_splits, BLOCK_P):
+        parts = p0 + offs_p
+        ok = row_ok[:, None] & (parts < n_splits)[None, :]
+        row_id = parts[None, :].to(tl.int64) * plane + base[:, None]
+        m_p = tl.load(WsM + row_id, mask=ok, other=float("-inf"))
+        s_p = tl.load(WsS + row_id, mask=ok, other=0.0)
+        m_new = tl.maximum(m, tl.max(m_p, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: every term is 0 * 0
+        s = s * tl.math.exp2(m - m_safe) + tl.sum(tl.math.exp2(m_p - m_safe[:, None]) * s_p, axis=1)
         m = m_new
-    out = w
+    # pass 2: O = sum_p O_p c_p
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s_div = tl.where(s > 0.0, s, 1.0)
+    w = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for p0 in range(0, n_splits, BLOCK_P):
+        parts = p0 + offs_p
+        ok = row_ok[:, None] & (parts < n_splits)[None, :]
+        row_id = parts[None, :].to(tl.int64) * plane + base[:, None]
+        m_p = tl.load(WsM + row_id, mask=ok, other=float("-inf"))
+        s_p = tl.load(WsS + row_id, mask=ok, other=0.0)
+        b = tl.math.exp2(m_p - m_safe[:, None]) * s_p
+        # c_p = b / S: exactly 1 for the partial that is the whole sum and 0 for one that adds nothing; at most 1
+        # where exp2 / the division round up, so no term exceeds its |O_p|
+        c = tl.where((b == s[:, None]) & (s[:, None] > 0.0), 1.0, tl.minimum(b / s_div[:, None], 1.0))
+        o_p = tl.load(WsW + row_id[:, :, None] * Dv + offs_dv[None, None, :],
+                      mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0)
+        w += tl.sum(o_p * c[:, :, None], axis=1)
     if WRITE_LSE:
-        tl.store(Lse + base, (m + tl.math.log2(s)) * 0.6931471805599453, mask=row_ok)
+        tl.store(Lse + base, (m + tl.math.log2(s)) * 0.6931471805599453, mask=row_ok & (pid_dv == 0))
     o_ptrs = Out + off_b * sob + off_h * soh + rows[:, None].to(tl.int64) * som + offs_dv[None, :] * sod
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(o_ptrs, w.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
 # --------------------------------------------------------------------------- configuration
@@ -543,7 +567,7 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, n_k: int
 MAX_SPLITS = 256  # KV partitions of one call at most
 # by product precision: (programs of a split launch that one SM runs side by side, a partition's fixed cost in
 # key tiles — its query tile's load, the partial state it writes, its launch —, the merge's cost per partition in
-# key tiles — it folds the partitions of a row one after another)
+# key tiles — the loads and weights of each partition's partial state, :func:`_elsa_merge_kernel`)
 _SPLIT_COSTS = {"half": (1, 32, 1.0)}
 _SPLIT_COSTS_FP32 = (2, 24, 0.25)
 
@@ -637,6 +661,42 @@ def unsupported_reason(q, k, v, bias, attn_mask, mode: str) -> str | None:
 
 # --------------------------------------------------------------------------- launch plans
 
+# FP32 elements of one merge program's [BLOCK_M, BLOCK_P, BLOCK_DV] tile of partial outputs, 1024 a warp (sm_90:
+# about 128 registers a thread at 8 warps, no spills; 4 warps on the same tile take 215-230)
+MERGE_TILE = 8192
+MERGE_MAX_BLOCK_P = 64  # partitions a merge program loads at once, at most (MAX_SPLITS = 256: four blocks)
+NOMINAL_SMS = 132  # SMs the merge's blocking assumes off CUDA (the interpreter runs an H200's blocking)
+
+
+def merge_blocks(rows: int, batch_heads: int, head_dim_v: int, sms: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_P, BLOCK_DV, num_warps)`` of :func:`_elsa_merge_kernel` for ``rows`` query rows per
+    (batch, head), ``batch_heads`` of them, output head dim ``head_dim_v``, ``sms`` SMs.
+
+    The few-query calls that split have a handful of rows: BLOCK_M is their count's next power of two (at most
+    64, and at most ``MERGE_TILE / 2 / BLOCK_DV`` so that two partitions fit beside the rows), so no lane holds
+    a row that does not exist. While the programs do not fill the SMs, the output columns are cut into slices
+    of >= 32 (one 128-byte line a row) that separate programs merge. BLOCK_P fills the rest of the tile
+    (``MERGE_TILE``), at most ``MERGE_MAX_BLOCK_P``; it does not depend on the partition count, so a call
+    with another P reuses the compiled merge. One warp per 1024 elements of the tile (up to 8).
+    """
+    block_dv = pad_pow2(head_dim_v)
+    block_m = max(1, min(64, pad_pow2(rows, 1), MERGE_TILE // 2 // block_dv))
+    while block_dv > 32 and batch_heads * cdiv(rows, block_m) * cdiv(head_dim_v, block_dv) < sms:
+        block_dv //= 2
+    block_p = min(MERGE_MAX_BLOCK_P, MERGE_TILE // (block_m * block_dv))
+    return block_m, block_p, block_dv, max(1, min(8, block_m * block_p * block_dv // 1024))
+
+
+def merge_call(rows: int, batch_heads: int, head_dim_v: int, device: torch.device, with_lse: bool) -> KernelCall:
+    """The :func:`_elsa_merge_kernel` launch of a split plan (:func:`merge_blocks`' blocking on ``device``)."""
+    sms = sm_count(device) if device.type == "cuda" else NOMINAL_SMS
+    block_m, block_p, block_dv, num_warps = merge_blocks(rows, batch_heads, head_dim_v, sms)
+    grid = cdiv(rows, block_m) * cdiv(head_dim_v, block_dv) * batch_heads
+    return KernelCall(_elsa_merge_kernel, (grid,), dict(BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_DV=block_dv,
+                                                        WRITE_LSE=bool(with_lse)), dict(num_warps=num_warps))
+
+
+
 def _smaller_configs(cfg: TileConfig) -> list[TileConfig]:
     """Configs to try, in order, when ``cfg`` exceeds the GPU's shared memory.
 
@@ -694,11 +754,8 @@ class _TritonPlan(DenseForwardRun):
         self.merge = None
         self.ws_shape = self.ws_w_shape = None
         if P > 1:
-            merge_m = 64 if block_dv <= 128 else 32
             self.ws_shape, self.ws_w_shape = (P, B, H, Nq), (P, B, H, Nq, Dv)
-            self.merge = KernelCall(_elsa_merge_kernel, (cdiv(Nq, merge_m) * H * B,),
-                                    dict(BLOCK_M=merge_m, BLOCK_DV=block_dv, WRITE_LSE=bool(with_lse)),
-                                    dict(num_warps=4))
+            self.merge = merge_call(Nq, B * H, Dv, q.device, with_lse)
             self.merge_fixed = (*self.o_stride, B, H, Nq, Dv, P)
 
 

@@ -42,9 +42,9 @@ import triton.language as tl
 
 from ._launch import (OUT_DTYPES, KernelCall, PlanCache, VarlenForwardRun, cdiv, head_blocks, interpreting,
                       run_first_that_fits)
-from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, MAX_HEAD_DIM, TileConfig, _elsa_merge_kernel, _fold_tile,
+from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, MAX_HEAD_DIM, TileConfig, _fold_tile,
                        _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
-                       load_query_tile, partition_tiles, program_tile, store_partial)
+                       load_query_tile, merge_call, partition_tiles, program_tile, store_partial)
 from .modes import MODES
 from .split16 import SPLIT_EXP
 
@@ -172,11 +172,8 @@ class _VarlenPlan(VarlenForwardRun):
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         self.merge = self.ws_shape = self.ws_w_shape = None
         if P > 1:  # the packed rows as one batch entry of [1, H, total_q]: out [total_q, H, Dv], LSE [H, total_q]
-            merge_m = 64 if block_dv <= 128 else 32
             self.ws_shape, self.ws_w_shape = (P, H, total_q), (P, H, total_q, Dv)
-            self.merge = KernelCall(_elsa_merge_kernel, (cdiv(total_q, merge_m) * H,),
-                                    dict(BLOCK_M=merge_m, BLOCK_DV=block_dv, WRITE_LSE=bool(with_lse)),
-                                    dict(num_warps=4))
+            self.merge = merge_call(total_q, H, Dv, q.device, with_lse)
             self.merge_fixed = (0, Dv, H * Dv, 1, 1, H, total_q, Dv, P)
 
 
