@@ -696,7 +696,6 @@ def merge_call(rows: int, batch_heads: int, head_dim_v: int, device: torch.devic
                                                         WRITE_LSE=bool(with_lse)), dict(num_warps=num_warps))
 
 
-
 def _smaller_configs(cfg: TileConfig) -> list[TileConfig]:
     """Configs to try, in order, when ``cfg`` exceeds the GPU's shared memory.
 
