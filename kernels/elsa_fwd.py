@@ -566,10 +566,11 @@ def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, n_k: int
 # (docs/tuning.md: split-KV partitions by a cost model)
 MAX_SPLITS = 256  # KV partitions of one call at most
 # by product precision: (programs of a split launch that one SM runs side by side, a partition's fixed cost in
-# key tiles — its query tile's load, the partial state it writes, its launch —, the merge's cost per partition in
-# key tiles — the loads and weights of each partition's partial state, :func:`_elsa_merge_kernel`)
-_SPLIT_COSTS = {"half": (1, 32, 1.0)}
-_SPLIT_COSTS_FP32 = (2, 24, 0.25)
+# key tiles — its query tile's load, the partial state it writes —, the merge's cost per partition in key tiles —
+# the loads and weights of each partition's partial state, :func:`_elsa_merge_kernel` —, and a ragged launch's
+# cost per program that exits at once — a partition past its sequence's keys)
+_SPLIT_COSTS = {"half": (2, 48, 0.05, 4.0)}
+_SPLIT_COSTS_FP32 = (2, 48, 0.01, 0.5)
 
 
 def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, device: torch.device,
@@ -581,8 +582,10 @@ def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, 
     :data:`MAX_SPLITS`, at least two key tiles per partition) then minimises a cost in key tiles:
     ``max(critical path, total work / slots) + merge * P``, the critical path one partition of the longest
     sequence plus a partition's fixed cost (rounded up to whole waves of programs for equal lengths), the total
-    work every key tile plus every busy partition's fixed cost; slots, fixed and merge costs by ``precision``
-    (the kernels' product precision: "half", "f16x3", "f16x1", "ieee"; fitted to H200 sweeps).
+    work every key tile plus every busy partition's fixed cost (for a ragged batch also a cost for each program
+    that exits at once); slots and costs by ``precision`` (the kernels' product precision: "half", "f16x3",
+    "f16x1", "ieee"; fitted to H200 sweeps). The merge folds partitions in blocks, so its cost per partition is
+    small and few-query calls take up to :data:`MAX_SPLITS` partitions.
 
     ``ragged = (sequences, total_keys)`` for a ragged batch (``batch_heads`` = heads x sequences, ``n_k`` the
     longest sequence's keys, ``total_keys`` all sequences' keys together): every sequence is cut into
@@ -610,7 +613,7 @@ def _cheapest_split(programs: int, per_sequence: int, n_tiles: int, key_tiles: i
                     precision: str) -> int:
     """:func:`choose_num_splits`' search over P for a call that leaves SMs idle (``key_tiles``: a ragged
     batch's key tiles of all sequences, None for equal lengths)."""
-    per_sm, fixed, merge = _SPLIT_COSTS.get(precision, _SPLIT_COSTS_FP32)
+    per_sm, fixed, merge, idle = _SPLIT_COSTS.get(precision, _SPLIT_COSTS_FP32)
     slots = per_sm * sms
     best, best_cost = 1, None
     for p in range(1, max(1, min(n_tiles // 2, MAX_SPLITS)) + 1):
@@ -621,6 +624,7 @@ def _cheapest_split(programs: int, per_sequence: int, n_tiles: int, key_tiles: i
         else:  # about half of the sequences end inside a partially filled partition
             busy, work = per_sequence * (cdiv(key_tiles, per_split) + sequences // 2), per_sequence * key_tiles
             critical = per_split + fixed
+            work += idle * max(0, per_sequence * sequences * p - busy)  # the launch's programs that exit at once
         cost = max(critical, (work + busy * fixed) / slots) + merge * p
         if best_cost is None or cost < best_cost:
             best, best_cost = p, cost
