@@ -376,6 +376,18 @@ def _elsa_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
+@triton.jit
+def _partial_block(WsM, WsS, p0, offs_p, n_splits, row_ok, plane, base):
+    """A [BLOCK_M, BLOCK_P] block of partitions ``p0 + offs_p`` of the split workspace for
+    :func:`_elsa_merge_kernel`: ``(ok, row_id, m_p, S_p)``, masked entries the identity (-inf, 0)."""
+    parts = p0 + offs_p
+    ok = row_ok[:, None] & (parts < n_splits)[None, :]
+    row_id = parts[None, :].to(tl.int64) * plane + base[:, None]
+    m_p = tl.load(WsM + row_id, mask=ok, other=float("-inf"))
+    s_p = tl.load(WsS + row_id, mask=ok, other=0.0)
+    return ok, row_id, m_p, s_p
+
+
 @triton.jit(do_not_specialize=["B", "H", "Nq", "n_splits"])
 def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv, n_splits,
                        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -421,11 +433,7 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_M], dtype=tl.float32)
     for p0 in range(0, n_splits, BLOCK_P):
-        parts = p0 + offs_p
-        ok = row_ok[:, None] & (parts < n_splits)[None, :]
-        row_id = parts[None, :].to(tl.int64) * plane + base[:, None]
-        m_p = tl.load(WsM + row_id, mask=ok, other=float("-inf"))
-        s_p = tl.load(WsS + row_id, mask=ok, other=0.0)
+        _, _, m_p, s_p = _partial_block(WsM, WsS, p0, offs_p, n_splits, row_ok, plane, base)
         m_new = tl.maximum(m, tl.max(m_p, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: every term is 0 * 0
         s = s * tl.math.exp2(m - m_safe) + tl.sum(tl.math.exp2(m_p - m_safe[:, None]) * s_p, axis=1)
@@ -435,11 +443,7 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv
     s_div = tl.where(s > 0.0, s, 1.0)
     w = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for p0 in range(0, n_splits, BLOCK_P):
-        parts = p0 + offs_p
-        ok = row_ok[:, None] & (parts < n_splits)[None, :]
-        row_id = parts[None, :].to(tl.int64) * plane + base[:, None]
-        m_p = tl.load(WsM + row_id, mask=ok, other=float("-inf"))
-        s_p = tl.load(WsS + row_id, mask=ok, other=0.0)
+        ok, row_id, m_p, s_p = _partial_block(WsM, WsS, p0, offs_p, n_splits, row_ok, plane, base)
         b = tl.math.exp2(m_p - m_safe[:, None]) * s_p
         # c_p = b / S: exactly 1 for the partial that is the whole sum and 0 for one that adds nothing; at most 1
         # where exp2 / the division round up, so no term exceeds its |O_p|
