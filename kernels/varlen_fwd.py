@@ -140,6 +140,18 @@ def _varlen_fwd_kernel(
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
+def _register_cap(precision: str, cfg: TileConfig, block_d: int, block_dv: int) -> dict:
+    """Launch options that cap registers: ``maxnreg=128`` for the half-precision 8-warp tiles at head dims <= 64,
+    else none. Triton 3.6's ptxas gives the packed variant (``ROW_OFFSETS=False``) 138 registers per thread,
+    keeping ``cu_seqlens[s] * stride`` base addresses in per-thread registers through the key loop: above 128 an
+    SM holds one 256-thread program instead of two. At 128 the kernel compiles to 127 registers without spills
+    (docs/tuning.md: varlen half D<=64 register cap). Wider head dims need their registers, and 4-warp tiles fit
+    two programs per SM at 255."""
+    if precision == "half" and cfg.num_warps == 8 and max(block_d, block_dv) <= 64:
+        return {"maxnreg": 128}
+    return {}
+
+
 class _VarlenPlan(VarlenForwardRun):
     """The varlen kernel for one call signature (grid, constexprs, strides fixed), with the split-KV merge
     when it partitions the keys; a call allocates the output (and LSE / workspace) and launches."""
@@ -169,7 +181,8 @@ class _VarlenPlan(VarlenForwardRun):
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting(),
             LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse), SPLIT=P > 1,
             ROW_OFFSETS=bool(row_offsets)),
-            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                 **_register_cap(precision, cfg, block_d, block_dv)))
         self.merge = self.ws_shape = self.ws_w_shape = None
         if P > 1:  # the packed rows as one batch entry of [1, H, total_q]: out [total_q, H, Dv], LSE [H, total_q]
             self.ws_shape, self.ws_w_shape = (P, H, total_q), (P, H, total_q, Dv)
