@@ -1,0 +1,357 @@
+"""FP16 / BF16 attention backward for Hopper in Gluon: TMA producer warp, two consumer warpgroups (FlashAttention-3).
+
+The Triton single pass of :mod:`.elsa_bwd` (FlashAttention-2's Alg. 2 from the saved log-sum-exp, dQ added in
+key-tile order) issues its loads and its five tile products from the same warps. This kernel schedules them the way
+FlashAttention-3's backward does (Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony
+and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
+
+* one program per (key tile of ``BLOCK_N = 128`` keys, head, batch); ``K_j`` and ``V_j`` are TMA-loaded into shared
+  memory once, as two 64-row halves;
+* **warp specialization**: one producer warp TMA-loads the query tiles ``Q_i``, ``dO_i`` (``BLOCK_M = 64`` rows,
+  4-D [B, H, N, D] descriptors: strided views need no copy, rows past N arrive as zeros) into a ring of ``STAGES``
+  slots with ``ready`` / ``empty`` mbarriers; two consumer warpgroups (240 registers each after ``setmaxnreg``, the
+  producer 24) each own 64 of the tile's keys;
+* per query tile, consumer ``w`` (keys ``K_w``, ``V_w``): ``S^T = K_w Q_i^T`` and ``dP^T = V_w dO_i^T`` (async
+  wgmmas from shared memory), ``P^T = exp2(S^T scale log2(e) - lse_i log2(e))``, ``dS^T = P^T (dP^T - delta_i)``;
+  ``dV_w += P^T dO_i`` and ``dK_w += dS^T Q_i`` with the 16-bit ``P^T`` / ``dS^T`` as the wgmma's register operand;
+  ``dQ_i += scale dS_i K_w`` (``dS^T`` transposed through shared memory by a layout conversion) in FP32;
+* **deterministic dQ**: the FP32 accumulator gets each query tile's shares in a fixed order, as in
+  :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile) says how
+  many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``2 j + w``, adds, and passes the turn on;
+  the last turn writes dQ in the input dtype from the sum it completed (no conversion kernel). The order, not the
+  timing, fixes every sum: dQ is bit-for-bit reproducible. Key tile ``j`` waits only on key tile ``j - 1`` of its
+  head (a lower program id) and on its own first consumer, so the waits end as long as programs start in id order;
+* dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
+
+``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
+kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`); the consumers read them (64 floats per query tile, L2 hits)
+with plain loads issued before their products, not through the producer (a TMA row of them would need ``Nq`` to be
+a multiple of 4).
+
+Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x, q / k / v of one dtype (fp16 or bf16),
+[B, H, N, D] with equal heads for q and k / v (no grouped-query attention), Nq != Nk allowed, head dim 64 or 128
+for Q/K and V, no bias / mask / causal, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
+Everything else stays on :mod:`.elsa_bwd`'s Triton kernels; nothing dispatches here yet. Gluon cannot run under
+``TRITON_INTERPRET=1``: CPU tests compile the kernel offline for sm_90, ``pytest -m gpu`` checks its gradients.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import elsa_bwd
+from ._gluon import scope_reason
+from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
+
+try:  # Gluon is experimental: its API moves between Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # renamed from thread_barrier to barrier after triton 3.6
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _SPIN_PTX = gl.constexpr(SPIN_UNTIL_EQUAL_PTX)
+    _IMPORT_ERROR: str | None = None
+except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
+
+__all__ = ["half_backward", "unsupported_reason", "get_config", "kernel_constexprs", "descriptor_types",
+           "ordered_buffer_sizes", "grid_size", "HEAD_DIMS"]
+
+HEAD_DIMS = (64, 128)
+_DTYPES = (torch.float16, torch.bfloat16)
+# consumer warpgroups per program: each owns BLOCK_N / CONSUMERS keys of the key tile
+CONSUMERS = 2
+
+
+def get_config(head_dim: int) -> dict:
+    """Launch config: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program (split between the
+    two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12 warps: two consumer
+    warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer thread after
+    ``setmaxnreg`` (the producer keeps 24). The same at head dim 64 and 128 (128 needs 128 KiB of shared memory
+    for K, V and the ring)."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240}
+
+
+def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
+    """Programs of a call: one per (key tile, head, batch), the key tiles of a head consecutive (the ordered dQ
+    adds of key tile ``j`` wait on key tile ``j - 1``, a lower program id)."""
+    return cdiv(n_k, cfg["BLOCK_N"]) * B * H
+
+
+def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
+    """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters, one per
+    (batch * head, query tile of ``BLOCK_M`` rows); both zeroed before a launch, in one allocation."""
+    return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"])
+
+
+def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
+    """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
+    key tile is full (no key masking: two builds at most per head dim and dtype)."""
+    return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
+                CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0)
+
+
+def _tma_legal(t: torch.Tensor) -> bool:
+    return t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+
+
+def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
+    """Why :func:`half_backward` cannot run this call (the Triton kernels of :mod:`.elsa_bwd` then do), or ``None``.
+
+    Inputs as :func:`.elsa_bwd.elsa_backward` takes them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv],
+    grad_out [B, H, Nq, Dv]. Refused: Hkv != H (grouped-query attention), bias / mask / causal, scale <= 0, dtypes
+    other than one of fp16 / bf16 for q, k, v, head dims other than 64 / 128 (D = Dv), q / k / v strides that are not
+    TMA-legal, tensors off CUDA or on a GPU other than compute capability 9.x, a Triton without the Gluon Hopper API
+    (reported last). ``grad_out`` may be any float dtype and layout: :func:`half_backward` rounds it to q's dtype
+    and copies it where its strides are not TMA-legal.
+    """
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        return "grouped-query attention (fewer key / value heads than query heads)"
+    if not grad_out.dtype.is_floating_point or tuple(grad_out.shape) != (*q.shape[:3], v.shape[-1]):
+        return f"grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the output"
+    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, dtypes=_DTYPES, head_dims=HEAD_DIMS,
+                        stride_elems=8,
+                        stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",
+                        capable=lambda cc: cc[0] == 9, capable_text="not a compute capability 9.x GPU (wgmma and TMA "
+                        "are Hopper's)", import_error=_IMPORT_ERROR)
+
+
+if _IMPORT_ERROR is None:
+
+    @gluon.jit
+    def _program_tile(Nk, H, BLOCK_N: gl.constexpr):
+        # (key tile, batch * H + head, batch, head) of this program: key tiles of one head are consecutive ids
+        n_kt = gl.cdiv(Nk, BLOCK_N)
+        pid = gl.program_id(0)
+        bh = pid // n_kt
+        return pid % n_kt, bh, bh // H, bh % H
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq, Nk,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr):
+        # one warp: K_j, V_j (one 64-row half per consumer) once, then Q_i, dO_i into ring slot i % STAGES once
+        # both consumers freed it
+        j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
+        HALF: gl.constexpr = BLOCK_N // CONS
+        mbarrier.expect(kv_bar, CONS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for w in gl.static_range(CONS):
+            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N + w * HALF, 0], kv_bar,
+                                            k_smem.index(w))
+            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N + w * HALF, 0], kv_bar,
+                                            v_smem.index(w))
+        for i in range(gl.cdiv(Nq, BLOCK_M)):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, i * BLOCK_M, 0], bar, q_smem.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, i * BLOCK_M, 0], bar, do_smem.index(slot))
+
+    @gluon.jit
+    def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, turn, last_turn, offs, ok):
+        # add this consumer's share of a query tile's dQ into the FP32 accumulator in the fixed turn order (as
+        # elsa_bwd._dq_ordered_add): wait until the tile's counter says every earlier share is in, add; the last
+        # turn also writes dQ in DQ's dtype from the sum it completed; then pass the turn on
+        gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_ptr, turn], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+        if turn == last_turn:
+            gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
+        _cta_barrier()  # every thread of the warpgroup has issued its adds before the turn passes (release)
+        gl.atomic_xchg(sem_ptr, turn + 1, sem="release")
+
+    @gluon.jit
+    def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H,
+                  Nq, Nk, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr):
+        # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
+        HALF: gl.constexpr = BLOCK_N // CONS
+        # [keys, queries] tiles (S^T, dP^T) and [keys or queries, HEAD_D] accumulators (dK, dV, dQ share)
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_D, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        dtype: gl.constexpr = q_smem.dtype
+        j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
+        n_m = gl.cdiv(Nq, BLOCK_M)
+        turn = CONS * j + WG
+        last_turn = CONS * gl.cdiv(Nk, BLOCK_N) - 1
+        sem_base = Sem + bh * n_m
+        row_base = bh * Nq
+        dq_base = bh.to(gl.int64) * Nq * HEAD_D
+        offs_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        offs_ad = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+        st_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=st_layout)
+        dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=acc_layout)
+        dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
+        dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
+        key_ok = (j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))) < Nk
+        k_w = k_smem.index(WG).reshape([HALF, HEAD_D])
+        v_w = v_smem.index(WG).reshape([HALF, HEAD_D])
+        mbarrier.wait(kv_bar, 0)
+        for i in range(n_m):
+            slot = i % STAGES
+            # the row data and the turn counter first: their latency runs under the ring wait and the products
+            rows = i * BLOCK_M + offs_q
+            lse2 = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf")) * 1.4426950408889634
+            delta = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+            seen = gl.load(sem_base + i, volatile=True)
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            q_t = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+            do_t = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
+            s_tok = warpgroup_mma(k_w, q_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(v_w, do_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            p = gl.exp2(s * qk_scale - lse2[None, :])
+            if not EVEN_N:  # keys past Nk (zero rows of K) must not carry P: exp2(-lse) may be huge
+                p = gl.where(key_ok[:, None], p, 0.0)
+            p16 = gl.convert_layout(p.to(dtype), op_layout)
+            dv_tok = warpgroup_mma(p16, do_t, dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=[dp_tok])
+            ds16 = (p * (dp - delta[None, :])).to(dtype)
+            dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
+            # dS [queries, keys] as the left operand of dS K_w: transposed through shared memory
+            ds_t = gl.convert_layout(gl.permute(ds16, (1, 0)), op_layout)
+            dq_tok = warpgroup_mma(ds_t, k_w, dq_zero, use_acc=False, is_async=True)
+            dv = warpgroup_mma_wait(2, deps=[dv_tok])
+            dk = warpgroup_mma_wait(1, deps=[dk_tok])
+            part = warpgroup_mma_wait(0, deps=[dq_tok])
+            mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i
+            rows_q = i * BLOCK_M + offs_am
+            offs = dq_base + rows_q.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
+            _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i, seen, turn, last_turn, offs,
+                            (rows_q < Nq)[:, None])
+        offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+        out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
+        n_ok = (offs_n < Nk)[:, None]
+        gl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=n_ok)
+        gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok)
+
+    @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
+    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk,
+                         qk_scale, scale,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr):
+        # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
+        # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
+        # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
+        # Sem: int32 [B * H, cdiv(Nq, BLOCK_M)], zeroed. qk_scale = scale * log2(e).
+        CONS: gl.constexpr = 2
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [CONS] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [CONS] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=CONS)  # both consumers release a slot
+        gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem,
+                         H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem,
+                         H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
+                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
+    # the NVMMA (wgmma / TMA) shared layout of a descriptor block
+    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gdtype)
+
+
+def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
+    # every descriptor moves 64-row tiles: a Q / dO tile, one consumer's half of the K / V tile
+    rows = {"q_desc": cfg["BLOCK_M"], "k_desc": cfg["BLOCK_N"] // CONSUMERS, "v_desc": cfg["BLOCK_N"] // CONSUMERS,
+            "do_desc": cfg["BLOCK_M"]}
+    return {name: (1, 1, n, head_dim) for name, n in rows.items()}
+
+
+def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
+    """Signature types of the four descriptor arguments (``q_desc`` ...) for an offline compile."""
+    tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(block, dtype)!r}>"
+            for name, block in _descriptor_blocks(cfg, head_dim).items()}
+
+
+def _preprocess(q, out, grad_out, lse):
+    """``(delta, lse_row)``, FP32 [B * H, Nq], by :mod:`.elsa_bwd`'s preprocess kernel (its launch as the backward
+    plans make it, without the heads' magnitudes)."""
+    B, H, Nq, D = q.shape
+    Dv = out.shape[3]
+    delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
+    lse_row = torch.empty_like(delta)
+    block_d, block_dv = head_blocks(D, Dv, "")
+    pre_m = 64 if max(block_d, block_dv) <= 128 else 32
+    call = KernelCall(elsa_bwd._bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
+                      dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, BLOCK_D=block_d, HEAD_MAX=False), dict(num_warps=4))
+    # HEAD_MAX off: K / V, E and their strides are not read (q stands in; 0 keys)
+    call(q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
+         q, q, delta, *q.stride(), *q.stride(), *q.stride(), 0, D)
+    return delta, lse_row
+
+
+def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
+                  lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``out = softmax(scale q k^T) v`` with FP16 / BF16 tensor-core products on Hopper, Gluon kernel
+    (FlashAttention-3's backward schedule: Shah et al. 2024, arXiv:2407.08608, App. B.1).
+
+    Args:
+        q: [B, H, Nq, D] float16 or bfloat16 CUDA (compute capability 9.x); k, v: [B, H, Nk, D], same dtype
+            (Nq != Nk allowed); D in :data:`HEAD_DIMS`; TMA-legal strides (see :func:`unsupported_reason`).
+        out: the forward output [B, H, Nq, D], any float dtype and strides.
+        grad_out: dL/d out [B, H, Nq, D], any float dtype (rounded to q's dtype, as the Triton backward reads it)
+            and strides (copied when not TMA-legal).
+        lse: float32 [B, H, Nq], any strides: the natural-log log-sum-exp of each row's scaled logits
+            ``lse_i = log sum_j exp(scale q_i . k_j)`` (``-inf`` rows get zero gradients).
+        scale: the logit scale, > 0.
+
+    Returns:
+        ``(dq, dk, dv)``: contiguous, in q's dtype, FP32 accumulation, as :func:`.elsa_backward` returns them for
+        mode ``fp16`` / ``bf16``; dq is bit-for-bit reproducible (ordered adds), dk / dv are too (fixed order per
+        program). Nq == 0, Nk == 0 or B * H == 0 give zeros without a launch.
+
+    Raises:
+        ValueError: a call :func:`unsupported_reason` refuses (the message names the cause).
+        TypeError: ``lse`` is not float32.
+    """
+    reason = unsupported_reason(q, k, v, grad_out, None, None, False, scale)
+    if reason is not None:
+        raise ValueError(f"half_backward: {reason}; use kernels.elsa_bwd.elsa_backward")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"half_backward: lse must be float32, got {lse.dtype}")
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    if B * H == 0 or Nq == 0 or Nk == 0:
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), *(
+            torch.zeros((B, H, Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
+    grad_out = grad_out.to(q.dtype)
+    if not _tma_legal(grad_out):
+        grad_out = grad_out.contiguous()
+    cfg = get_config(D)
+    delta, lse_row = _preprocess(q, out, grad_out, lse)
+    n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
+    buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)
+    acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
+    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
+    dv = torch.empty_like(dk)
+    descs = [TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, q.dtype))
+             for t, block in zip((q, k, v, grad_out), _descriptor_blocks(cfg, D).values())]
+    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk),
+                      dict(num_warps=4, maxnreg=cfg["maxnreg"]))
+    call(*descs, lse_row, delta, dk, dv, dq, acc, sem, H, Nq, Nk, float(scale) * LOG2E, float(scale))
+    return dq, dk, dv
