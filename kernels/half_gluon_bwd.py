@@ -217,10 +217,10 @@ if _IMPORT_ERROR is None:
             dp = warpgroup_mma_wait(1, deps=[dp_tok])
             ds16 = (p * (dp - delta[None, :])).to(dtype)
             dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
+            dv = warpgroup_mma_wait(1, deps=[dv_tok])  # P^T's registers are free before the dQ share needs its own
             # dS [queries, keys] as the left operand of dS K_w: transposed through shared memory
             ds_t = gl.convert_layout(gl.permute(ds16, (1, 0)), op_layout)
             dq_tok = warpgroup_mma(ds_t, k_w, dq_zero, use_acc=False, is_async=True)
-            dv = warpgroup_mma_wait(2, deps=[dv_tok])
             dk = warpgroup_mma_wait(1, deps=[dk_tok])
             part = warpgroup_mma_wait(0, deps=[dq_tok])
             mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i
