@@ -85,8 +85,9 @@ def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
 
 def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
     """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters, one per
-    (batch * head, query tile of ``BLOCK_M`` rows); both zeroed before a launch, in one allocation."""
-    return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"])
+    (batch * head, query tile of ``BLOCK_M`` rows, 64 columns of dQ: the kernel adds a share in 64-column parts,
+    each with its own turn order); both zeroed before a launch, in one allocation."""
+    return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"]) * (head_dim // 64)
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
@@ -154,14 +155,17 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, turn, last_turn, offs, ok):
-        # add this consumer's share of a query tile's dQ into the FP32 accumulator in the fixed turn order (as
-        # elsa_bwd._dq_ordered_add): wait until the tile's counter says every earlier share is in, add; the last
-        # turn also writes dQ in DQ's dtype from the sum it completed; then pass the turn on
+        # add this consumer's share of a query tile's dQ columns into the FP32 accumulator in the fixed turn order
+        # (as elsa_bwd._dq_ordered_add): wait until the counter says every earlier share is in, add; the last turn
+        # also writes dQ in DQ's dtype from the sum it completed (only it reads the old values back: the other
+        # turns' adds are fire-and-forget reductions); then pass the turn on
         gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_ptr, turn], dtype=gl.int32, is_pure=False,
                                   pack=1)
-        old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
         if turn == last_turn:
+            old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
             gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
+        else:
+            gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
         _cta_barrier()  # every thread of the warpgroup has issued its adds before the turn passes (release)
         gl.atomic_xchg(sem_ptr, turn + 1, sem="release")
 
@@ -177,19 +181,26 @@ if _IMPORT_ERROR is None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        # the dQ share in DQ_SPLIT parts of DQ_COLS columns
+        DQ_COLS: gl.constexpr = 64
+        DQ_SPLIT: gl.constexpr = HEAD_D // DQ_COLS
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, DQ_COLS, 16])
+        op_dq: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
         turn = CONS * j + WG
         last_turn = CONS * gl.cdiv(Nk, BLOCK_N) - 1
-        sem_base = Sem + bh * n_m
+        sem_base = Sem + bh * n_m * DQ_SPLIT
         row_base = bh * Nq
         dq_base = bh.to(gl.int64) * Nq * HEAD_D
-        offs_q = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+        offs_qd = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
         offs_ad = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
         st_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=st_layout)
-        dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=acc_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
         dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
         dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
         key_ok = (j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))) < Nk
@@ -199,35 +210,52 @@ if _IMPORT_ERROR is None:
         for i in range(n_m):
             slot = i % STAGES
             # the row data and the turn counter first: their latency runs under the ring wait and the products
-            rows = i * BLOCK_M + offs_q
-            lse2 = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf")) * 1.4426950408889634
-            delta = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
-            seen = gl.load(sem_base + i, volatile=True)
+            # (in a compact layout, one register each: spread over S^T's columns only where used, through shared
+            # memory, so they hold no 16 registers per thread each across the products)
+            rows = i * BLOCK_M + offs_row
+            lse_c = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
+            delta_c = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+            seen0 = gl.load(sem_base + i * DQ_SPLIT, volatile=True)
+            if DQ_SPLIT == 2:
+                seen1 = gl.load(sem_base + i * DQ_SPLIT + 1, volatile=True)
+            else:
+                seen1 = seen0
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q_t = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
             do_t = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
             s_tok = warpgroup_mma(k_w, q_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v_w, do_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=[s_tok])
+            lse2 = gl.convert_layout(lse_c, gl.SliceLayout(0, st_layout)) * 1.4426950408889634
             p = gl.exp2(s * qk_scale - lse2[None, :])
             if not EVEN_N:  # keys past Nk (zero rows of K) must not carry P: exp2(-lse) may be huge
                 p = gl.where(key_ok[:, None], p, 0.0)
             p16 = gl.convert_layout(p.to(dtype), op_layout)
             dv_tok = warpgroup_mma(p16, do_t, dv, is_async=True)
             dp = warpgroup_mma_wait(1, deps=[dp_tok])
+            delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
             ds16 = (p * (dp - delta[None, :])).to(dtype)
             dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
             dv = warpgroup_mma_wait(1, deps=[dv_tok])  # P^T's registers are free before the dQ share needs its own
             # dS [queries, keys] as the left operand of dS K_w: transposed through shared memory
-            ds_t = gl.convert_layout(gl.permute(ds16, (1, 0)), op_layout)
-            dq_tok = warpgroup_mma(ds_t, k_w, dq_zero, use_acc=False, is_async=True)
+            ds_t = gl.convert_layout(gl.permute(ds16, (1, 0)), op_dq)
+            rows_q = i * BLOCK_M + offs_am
+            q_ok = (rows_q < Nq)[:, None]
+            row_offs = dq_base + rows_q.to(gl.int64)[:, None] * HEAD_D
+            # the share in DQ_COLS-column parts (one at D = 64, two at 128: half the accumulator registers), each
+            # with its own turn counter
+            dq_tok = warpgroup_mma(ds_t, k_w.slice(0, DQ_COLS, dim=1), dq_zero, use_acc=False, is_async=True)
             dk = warpgroup_mma_wait(1, deps=[dk_tok])
             part = warpgroup_mma_wait(0, deps=[dq_tok])
-            mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i
-            rows_q = i * BLOCK_M + offs_am
-            offs = dq_base + rows_q.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
-            _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i, seen, turn, last_turn, offs,
-                            (rows_q < Nq)[:, None])
+            mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K_w stays)
+            _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT, seen0, turn, last_turn,
+                            row_offs + offs_qd[None, :], q_ok)
+            if DQ_SPLIT == 2:
+                dq_tok = warpgroup_mma(ds_t, k_w.slice(DQ_COLS, DQ_COLS, dim=1), dq_zero, use_acc=False,
+                                       is_async=True)
+                part = warpgroup_mma_wait(0, deps=[dq_tok])
+                _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + 1, seen1, turn, last_turn,
+                                row_offs + (DQ_COLS + offs_qd)[None, :], q_ok)
         offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
         out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
         n_ok = (offs_n < Nk)[:, None]
