@@ -9,15 +9,17 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   memory once, as two 64-row halves;
 * **warp specialization**: one producer warp TMA-loads the query tiles ``Q_i``, ``dO_i`` (``BLOCK_M = 64`` rows,
   4-D [B, H, N, D] descriptors: strided views need no copy, rows past N arrive as zeros) into a ring of ``STAGES``
-  slots with ``ready`` / ``empty`` mbarriers; two consumer warpgroups (240 registers each after ``setmaxnreg``, the
-  producer 24) each own 64 of the tile's keys;
+  slots with ``ready`` / ``empty`` mbarriers; two consumer warpgroups (256 and 240 registers per thread after
+  ``setmaxnreg``, the producer 24) each own 64 of the tile's keys;
 * per query tile, consumer ``w`` (keys ``K_w``, ``V_w``): ``S^T = K_w Q_i^T`` and ``dP^T = V_w dO_i^T`` (async
   wgmmas from shared memory), ``P^T = exp2(S^T scale log2(e) - lse_i log2(e))``, ``dS^T = P^T (dP^T - delta_i)``;
   ``dV_w += P^T dO_i`` and ``dK_w += dS^T Q_i`` with the 16-bit ``P^T`` / ``dS^T`` as the wgmma's register operand;
-  ``dQ_i += scale dS_i K_w`` (``dS^T`` transposed through shared memory by a layout conversion) in FP32;
+  ``dQ_i += scale dS_i K_w`` (``dS^T`` transposed through shared memory by a layout conversion) in FP32, in parts
+  of 64 columns of dQ (one at D = 64, two at D = 128: half the registers; ptxas serialized the wgmmas otherwise);
 * **deterministic dQ**: the FP32 accumulator gets each query tile's shares in a fixed order, as in
-  :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile) says how
-  many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``2 j + w``, adds, and passes the turn on;
+  :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile, 64-column
+  part) says how many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``2 j + w``, adds, and
+  passes the turn on;
   the last turn writes dQ in the input dtype from the sum it completed (no conversion kernel). The order, not the
   timing, fixes every sum: dQ is bit-for-bit reproducible. Key tile ``j`` waits only on key tile ``j - 1`` of its
   head (a lower program id) and on its own first consumer, so the waits end as long as programs start in id order;
@@ -70,8 +72,9 @@ def get_config(head_dim: int) -> dict:
     """Launch config: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program (split between the
     two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12 warps: two consumer
     warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer thread after
-    ``setmaxnreg`` (the producer keeps 24). The same at head dim 64 and 128 (128 needs 128 KiB of shared memory
-    for K, V and the ring)."""
+    ``setmaxnreg`` (the first consumer gets 256, the producer keeps 24). The same at head dim 64 and 128.
+    Offline sm_90 compile (triton 3.6): 81,968 bytes of shared memory and no spills at D = 64; 147,504 bytes and
+    ~230 spill bytes (addresses, outside the wgmma chains) at D = 128."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240}
@@ -270,7 +273,7 @@ if _IMPORT_ERROR is None:
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
-        # Sem: int32 [B * H, cdiv(Nq, BLOCK_M)], zeroed. qk_scale = scale * log2(e).
+        # Sem: int32 [B * H, cdiv(Nq, BLOCK_M), HEAD_D // 64], zeroed. qk_scale = scale * log2(e).
         CONS: gl.constexpr = 2
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [CONS] + k_desc.block_type.shape, k_desc.layout)

@@ -20,15 +20,16 @@ import time
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, ieee_gluon, ieee_gluon_bwd, pasa_fwd,  # noqa: E402
-                                varlen_bwd, window_bwd, window_fwd)
+from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, half_gluon_bwd, ieee_gluon,  # noqa: E402
+                                ieee_gluon_bwd, pasa_fwd, varlen_bwd, window_bwd, window_fwd)
 from visionattn.kernels._launch import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (ToolParser, default_out, environment, markdown_table, prefix_outputs, write_results)  # noqa: E402
 
-KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd", "varlen-bwd")
+KERNELS = ("elsa", "ieee-gluon", "half-gluon", "pasa", "window", "backward", "ieee-gluon-bwd", "varlen-bwd",
+           "half-gluon-bwd")
 _TL = {"half": "*fp16", "f16x3": "*fp32", "f16x1": "*fp32", "tf32": "*fp32", "tf32x3": "*fp32", "ieee": "*fp32"}
 
 
@@ -125,6 +126,28 @@ def _half_gluon_jobs(quick: bool):
                                            O="*fp16" if dtype == torch.float16 else "*bf16", LSE="*fp32"),
                         constexprs=half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1,
                         float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
+
+
+def _half_gluon_bwd_jobs(quick: bool):
+    import torch
+
+    if half_gluon_bwd._IMPORT_ERROR is not None:
+        return
+    # full key tiles (EVEN_N) and a cut last one (keys masked)
+    for d in ((64,) if quick else half_gluon_bwd.HEAD_DIMS):
+        for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
+            for n_k in ((1024,) if quick else (1024, 1000)):
+                cfg = half_gluon_bwd.get_config(d)
+                tname = str(dtype).split(".")[-1]
+                t = "*fp16" if dtype == torch.float16 else "*bf16"
+                masked = "" if n_k % cfg["BLOCK_N"] == 0 else " masked"
+                yield ({"kernel": "half-gluon-bwd", "variant": f"D={d} {tname}{masked}",
+                        "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 12, cfg["STAGES"]]},
+                       dict(kernel=half_gluon_bwd._half_bwd_kernel,
+                            pointer_types=dict(half_gluon_bwd.descriptor_types(cfg, d, dtype), LseRow="*fp32",
+                                               Delta="*fp32", DK=t, DV=t, DQ=t, DQACC="*fp32", Sem="*i32"),
+                            constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
+                            float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
 
 
 def _window_jobs(quick: bool):
@@ -275,7 +298,8 @@ def main(args) -> dict:
     jobs = []
     for name, gen in (("elsa", _elsa_jobs), ("ieee-gluon", _ieee_gluon_jobs), ("half-gluon", _half_gluon_jobs),
                       ("pasa", _pasa_jobs), ("window", _window_jobs), ("backward", _backward_jobs),
-                      ("ieee-gluon-bwd", _ieee_gluon_bwd_jobs), ("varlen-bwd", _varlen_bwd_jobs)):
+                      ("ieee-gluon-bwd", _ieee_gluon_bwd_jobs), ("varlen-bwd", _varlen_bwd_jobs),
+                      ("half-gluon-bwd", _half_gluon_bwd_jobs)):
         if name in wanted:
             jobs += list(gen(args.quick))
     rows, t0 = [], time.perf_counter()
@@ -311,7 +335,8 @@ def main(args) -> dict:
           "* SASS instructions: a static count (`nvdisasm`; a loop body counts once), comparable between variants "
           "of one kernel at the same tiles\n* half-gluon (warp-specialized): registers are the launch cap over its "
           "12 warps (8 / 20 with one / four consumer warpgroups); `setmaxnreg` then gives each consumer thread 240 "
-          "(232 with one, 112-120 with four) and each producer 24"
+          "(232 with one, 112-120 with four) and each producer 24; half-gluon-bwd likewise over its two consumer "
+          "warpgroups (the first gets 256, the second 240)"
           f"\n\n{table}\n")
     write_results(outputs, args.out, result, md)
     print(md)
