@@ -1,7 +1,8 @@
 """Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory, registers, occupancy.
 
 Every config of the dense ELSA table, the Gluon fp32-ieee and fp16 / bf16 kernels, PASA, the window kernels at Swin /
-Swin-v2 window sizes and the backward kernels (dense, window fused / split, ragged) is compiled for sm_90
+Swin-v2 window sizes and the backward kernels (dense, window fused / split, ragged; the Gluon fp16 / bf16 one, not
+dispatched to yet) is compiled for sm_90
 (:func:`visionattn.kernels.introspect.compile_for_arch`): shared memory against the 232,448-byte limit (over it the
 launchers retry smaller configs: a slow first call), registers and spill bytes, programs per SM, wgmma use and the
 static SASS instruction count. The figures match the GPU's only for the same Triton version:
