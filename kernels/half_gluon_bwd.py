@@ -72,12 +72,14 @@ def get_config(head_dim: int) -> dict:
     """Launch config: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program (split between the
     two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12 warps: two consumer
     warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer thread after
-    ``setmaxnreg`` (the first consumer gets 256, the producer keeps 24). The same at head dim 64 and 128.
+    ``setmaxnreg`` (the first consumer gets 256, the producer keeps 24); ``dq_cols``: columns of each part of
+    the dQ share (64: one part at D = 64, two at 128; ``dq_cols = 128`` at D = 128 runs one part, whose
+    accumulator makes ptxas serialize the wgmmas). The same at head dim 64 and 128.
     Offline sm_90 compile (triton 3.6): 81,968 bytes of shared memory and no spills at D = 64; 147,504 bytes and
     ~230 spill bytes (addresses, outside the wgmma chains) at D = 128."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
@@ -88,16 +90,17 @@ def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
 
 def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
     """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters, one per
-    (batch * head, query tile of ``BLOCK_M`` rows, 64 columns of dQ: the kernel adds a share in 64-column parts,
-    each with its own turn order); both zeroed before a launch, in one allocation."""
-    return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"]) * (head_dim // 64)
+    (batch * head, query tile of ``BLOCK_M`` rows, ``dq_cols`` columns of dQ: the kernel adds a share in parts of
+    that many columns, each with its own turn order); both zeroed before a launch, in one allocation."""
+    return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"]) * cdiv(head_dim, cfg["dq_cols"])
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
     key tile is full (no key masking: two builds at most per head dim and dtype)."""
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
-                CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0)
+                CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
+                DQ_COLS=min(cfg["dq_cols"], head_dim))
 
 
 def _tma_legal(t: torch.Tensor) -> bool:
@@ -175,7 +178,8 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H,
                   Nq, Nk, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr):
+                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr,
+                  DQ_COLS: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
         HALF: gl.constexpr = BLOCK_N // CONS
         # [keys, queries] tiles (S^T, dP^T) and [keys or queries, HEAD_D] accumulators (dK, dV, dQ share)
@@ -185,8 +189,8 @@ if _IMPORT_ERROR is None:
                                                              instr_shape=[16, HEAD_D, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         # the dQ share in DQ_SPLIT parts of DQ_COLS columns
-        DQ_COLS: gl.constexpr = 64
         DQ_SPLIT: gl.constexpr = HEAD_D // DQ_COLS
+        gl.static_assert(DQ_SPLIT * DQ_COLS == HEAD_D and DQ_SPLIT <= 2, "dQ in one or two column parts")
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
         op_dq: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
@@ -269,11 +273,11 @@ if _IMPORT_ERROR is None:
     def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk,
                          qk_scale, scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
-        # Sem: int32 [B * H, cdiv(Nq, BLOCK_M), HEAD_D // 64], zeroed. qk_scale = scale * log2(e).
+        # Sem: int32 [B * H, cdiv(Nq, BLOCK_M), HEAD_D // DQ_COLS], zeroed. qk_scale = scale * log2(e).
         CONS: gl.constexpr = 2
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [CONS] + k_desc.block_type.shape, k_desc.layout)
@@ -289,9 +293,9 @@ if _IMPORT_ERROR is None:
             mbarrier.init(empty.index(s), count=CONS)  # both consumers release a slot
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem,
-                         H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N)),
+                         H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem,
-                         H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N)),
+                         H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -336,7 +340,8 @@ def _preprocess(q, out, grad_out, lse):
 
 
 def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
-                  lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  lse: torch.Tensor, scale: float, *, config: dict | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``out = softmax(scale q k^T) v`` with FP16 / BF16 tensor-core products on Hopper, Gluon kernel
     (FlashAttention-3's backward schedule: Shah et al. 2024, arXiv:2407.08608, App. B.1).
 
@@ -349,6 +354,7 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         lse: float32 [B, H, Nq], any strides: the natural-log log-sum-exp of each row's scaled logits
             ``lse_i = log sum_j exp(scale q_i . k_j)`` (``-inf`` rows get zero gradients).
         scale: the logit scale, > 0.
+        config: a :func:`get_config` dict to run instead of the head dim's (tools, tests).
 
     Returns:
         ``(dq, dk, dv)``: contiguous, in q's dtype, FP32 accumulation, as :func:`.elsa_backward` returns them for
@@ -372,7 +378,7 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     grad_out = grad_out.to(q.dtype)
     if not _tma_legal(grad_out):
         grad_out = grad_out.contiguous()
-    cfg = get_config(D)
+    cfg = config or get_config(D)
     delta, lse_row = _preprocess(q, out, grad_out, lse)
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
     buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)

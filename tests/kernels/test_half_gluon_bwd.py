@@ -76,6 +76,11 @@ def test_host_helpers():
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_D"] == d
     with pytest.raises(ValueError, match="head dim"):
         half_gluon_bwd.get_config(96)
+    # the dQ share in one 128-column part at D = 128: one counter per query tile
+    one = dict(half_gluon_bwd.get_config(128), dq_cols=128)
+    assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 1000, 128, one)[1] == math.ceil(1000 / 64)
+    assert half_gluon_bwd.kernel_constexprs(one, 128, 1000)["DQ_COLS"] == 128
+    assert half_gluon_bwd.kernel_constexprs(half_gluon_bwd.get_config(64), 64, 1000)["DQ_COLS"] == 64
 
 
 _CHILD = r"""
