@@ -20,8 +20,9 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile, 64-column
   part) says how many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``2 j + w``, adds, and
   passes the turn on; the last turn writes dQ in the input dtype from the sum it completed (no conversion
-  kernel). The order, not the timing, fixes every sum: dQ is bit-for-bit reproducible. Key tile ``j`` waits only on key tile ``j - 1`` of its
-  head (a lower program id) and on its own first consumer, so the waits end as long as programs start in id order;
+  kernel). The order, not the timing, fixes every sum: dQ is bit-for-bit reproducible. Key tile ``j`` waits
+  only on key tile ``j - 1`` of its head (a lower program id) and on its own first consumer, so the waits end as
+  long as programs start in id order;
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
