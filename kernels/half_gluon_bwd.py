@@ -49,7 +49,8 @@ from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # renamed from thread_barrier to barrier after triton 3.6
@@ -79,7 +80,8 @@ def get_config(head_dim: int) -> dict:
     ~230 spill bytes (addresses, outside the wgmma chains) at D = 128."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
+            "dq_halves": True, "dq_mode": "ordered"}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
@@ -92,7 +94,8 @@ def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> 
     """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters, one per
     (batch * head, query tile of ``BLOCK_M`` rows, ``dq_cols`` columns of dQ: the kernel adds a share in parts of
     that many columns, each with its own turn order); both zeroed before a launch, in one allocation."""
-    return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"]) * cdiv(head_dim, cfg["dq_cols"])
+    parts = CONSUMERS if cfg.get("dq_halves") else cdiv(head_dim, cfg["dq_cols"])
+    return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"]) * parts
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
@@ -100,7 +103,8 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
     key tile is full (no key masking: two builds at most per head dim and dtype)."""
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
-                DQ_COLS=min(cfg["dq_cols"], head_dim))
+                DQ_COLS=min(cfg["dq_cols"], head_dim), DQ_HALVES=bool(cfg.get("dq_halves", False)),
+                DQ_MODE=cfg.get("dq_mode", "ordered"))
 
 
 def _tma_legal(t: torch.Tensor) -> bool:
@@ -160,26 +164,35 @@ if _IMPORT_ERROR is None:
             tma.async_copy_global_to_shared(do_desc, [off_b, off_h, i * BLOCK_M, 0], bar, do_smem.index(slot))
 
     @gluon.jit
-    def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, turn, last_turn, offs, ok):
+    def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, turn, last_turn, offs, ok, Nq, DQ_MODE: gl.constexpr):
         # add this consumer's share of a query tile's dQ columns into the FP32 accumulator in the fixed turn order
         # (as elsa_bwd._dq_ordered_add): wait until the counter says every earlier share is in, add; the last turn
         # also writes dQ in DQ's dtype from the sum it completed (only it reads the old values back: the other
-        # turns' adds are fire-and-forget reductions); then pass the turn on
-        gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_ptr, turn], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        if turn == last_turn:
-            old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-            gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
-        else:
+        # turns' adds are fire-and-forget reductions); then pass the turn on.
+        # DQ_MODE (diagnosis only; dQ is wrong in all but "ordered"): "unordered" adds with plain atomics, no turns
+        # (not reproducible); "compute" computes the share and writes nothing (a store under a condition the
+        # compiler cannot decide, never true, keeps the product)
+        if DQ_MODE == "ordered":
+            gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_ptr, turn], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+            if turn == last_turn:
+                old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+                gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
+            else:
+                gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+            _cta_barrier()  # every thread of the warpgroup has issued its adds before the turn passes (release)
+            gl.atomic_xchg(sem_ptr, turn + 1, sem="release")
+        elif DQ_MODE == "unordered":
             gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-        _cta_barrier()  # every thread of the warpgroup has issued its adds before the turn passes (release)
-        gl.atomic_xchg(sem_ptr, turn + 1, sem="release")
+        else:
+            if Nq < 0:
+                gl.store(DQACC + offs, part, mask=ok)
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H,
-                  Nq, Nk, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr,
-                  DQ_COLS: gl.constexpr):
+    def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_bar, LseRow, Delta, DK, DV, DQ,
+                  DQACC, Sem, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr,
+                  EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr, DQ_HALVES: gl.constexpr, DQ_MODE: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
         HALF: gl.constexpr = BLOCK_N // CONS
         # [keys, queries] tiles (S^T, dP^T) and [keys or queries, HEAD_D] accumulators (dK, dV, dQ share)
@@ -188,26 +201,37 @@ if _IMPORT_ERROR is None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        # the dQ share in DQ_SPLIT parts of DQ_COLS columns
-        DQ_SPLIT: gl.constexpr = HEAD_D // DQ_COLS
-        gl.static_assert(DQ_SPLIT * DQ_COLS == HEAD_D and DQ_SPLIT <= 2, "dQ in one or two column parts")
+        # DQ_HALVES: both consumers put dS^T in shared memory and consumer w computes dQ's columns
+        # [w * HEAD_D / 2, + HEAD_D / 2) over all BLOCK_N keys: one turn per (key tile, query tile, half).
+        # Otherwise: each consumer its own keys' share, in DQ_SPLIT parts of DQ_COLS columns, turn CONS * j + w.
+        if DQ_HALVES:
+            DQC: gl.constexpr = HEAD_D // CONS
+            DQ_SPLIT: gl.constexpr = CONS
+        else:
+            DQC: gl.constexpr = DQ_COLS
+            DQ_SPLIT: gl.constexpr = HEAD_D // DQ_COLS
+            gl.static_assert(DQ_SPLIT * DQ_COLS == HEAD_D and DQ_SPLIT <= 2, "dQ in one or two column parts")
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, DQ_COLS, 16])
+                                                            instr_shape=[16, DQC, 16])
         op_dq: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
-        turn = CONS * j + WG
-        last_turn = CONS * gl.cdiv(Nk, BLOCK_N) - 1
+        if DQ_HALVES:
+            turn = j
+            last_turn = gl.cdiv(Nk, BLOCK_N) - 1
+        else:
+            turn = CONS * j + WG
+            last_turn = CONS * gl.cdiv(Nk, BLOCK_N) - 1
         sem_base = Sem + bh * n_m * DQ_SPLIT
         row_base = bh * Nq
         dq_base = bh.to(gl.int64) * Nq * HEAD_D
         offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
         offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        offs_qd = gl.arange(0, DQ_COLS, layout=gl.SliceLayout(0, dq_layout))
+        offs_qd = gl.arange(0, DQC, layout=gl.SliceLayout(0, dq_layout))
         offs_ad = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
         st_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=st_layout)
-        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=dq_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQC], gl.float32, layout=dq_layout)
         dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
         dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
         key_ok = (j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))) < Nk
@@ -222,11 +246,15 @@ if _IMPORT_ERROR is None:
             rows = i * BLOCK_M + offs_row
             lse_c = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
             delta_c = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
-            seen0 = gl.load(sem_base + i * DQ_SPLIT, volatile=True)
-            if DQ_SPLIT == 2:
-                seen1 = gl.load(sem_base + i * DQ_SPLIT + 1, volatile=True)
-            else:
+            if DQ_HALVES:
+                seen0 = gl.load(sem_base + i * DQ_SPLIT + WG, volatile=True)
                 seen1 = seen0
+            else:
+                seen0 = gl.load(sem_base + i * DQ_SPLIT, volatile=True)
+                if DQ_SPLIT == 2:
+                    seen1 = gl.load(sem_base + i * DQ_SPLIT + 1, volatile=True)
+                else:
+                    seen1 = seen0
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q_t = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
             do_t = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
@@ -242,27 +270,56 @@ if _IMPORT_ERROR is None:
             dp = warpgroup_mma_wait(1, deps=[dp_tok])
             delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
             ds16 = (p * (dp - delta[None, :])).to(dtype)
+            if DQ_HALVES:
+                if DQ_MODE != "skip":
+                    # dS^T of this consumer's keys into its slot of the double buffer (both consumers passed the
+                    # previous use of this slot: each arrives on ds_bar only after its dQ product of the tile
+                    # before retired)
+                    dslot = (i % 2) * CONS
+                    ds_smem.index(dslot + WG).store(ds16)
             dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
             dv = warpgroup_mma_wait(1, deps=[dv_tok])  # P^T's registers are free before the dQ share needs its own
-            # dS [queries, keys] as the left operand of dS K_w: transposed through shared memory
-            ds_t = gl.convert_layout(gl.permute(ds16, (1, 0)), op_dq)
             rows_q = i * BLOCK_M + offs_am
             q_ok = (rows_q < Nq)[:, None]
             row_offs = dq_base + rows_q.to(gl.int64)[:, None] * HEAD_D
-            # the share in DQ_COLS-column parts (one at D = 64, two at 128: half the accumulator registers), each
-            # with its own turn counter
-            dq_tok = warpgroup_mma(ds_t, k_w.slice(0, DQ_COLS, dim=1), dq_zero, use_acc=False, is_async=True)
-            dk = warpgroup_mma_wait(1, deps=[dk_tok])
-            part = warpgroup_mma_wait(0, deps=[dq_tok])
-            mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K_w stays)
-            _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT, seen0, turn, last_turn,
-                            row_offs + offs_qd[None, :], q_ok)
-            if DQ_SPLIT == 2:
-                dq_tok = warpgroup_mma(ds_t, k_w.slice(DQ_COLS, DQ_COLS, dim=1), dq_zero, use_acc=False,
+            if DQ_MODE == "skip":
+                dk = warpgroup_mma_wait(0, deps=[dk_tok])
+                mbarrier.arrive(empty.index(slot))
+            elif DQ_HALVES:
+                fence_async_shared()
+                _cta_barrier()  # every thread's dS^T is in shared memory before the other consumer reads it
+                mbarrier.arrive(ds_bar.index(i % 2))
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                dslot = (i % 2) * CONS
+                # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
+                dq_tok = warpgroup_mma(ds_smem.index(dslot).permute((1, 0)),
+                                       k_smem.index(0).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_zero,
+                                       use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(ds_smem.index(dslot + 1).permute((1, 0)),
+                                       k_smem.index(1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_tok,
                                        is_async=True)
+                dk = warpgroup_mma_wait(1, deps=[dk_tok])
+                mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
                 part = warpgroup_mma_wait(0, deps=[dq_tok])
-                _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + 1, seen1, turn, last_turn,
-                                row_offs + (DQ_COLS + offs_qd)[None, :], q_ok)
+                _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + WG, seen0, turn, last_turn,
+                                row_offs + (WG * DQC + offs_qd)[None, :], q_ok, Nq, DQ_MODE)
+            else:
+                # dS [queries, keys] as the left operand of dS K_w: transposed through shared memory
+                ds_t = gl.convert_layout(gl.permute(ds16, (1, 0)), op_dq)
+                # the share in DQ_COLS-column parts (one at D = 64, two at 128: half the accumulator registers),
+                # each with its own turn counter
+                dq_tok = warpgroup_mma(ds_t, k_w.slice(0, DQ_COLS, dim=1), dq_zero, use_acc=False, is_async=True)
+                dk = warpgroup_mma_wait(1, deps=[dk_tok])
+                part = warpgroup_mma_wait(0, deps=[dq_tok])
+                mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K_w stays)
+                _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT, seen0, turn, last_turn,
+                                row_offs + offs_qd[None, :], q_ok, Nq, DQ_MODE)
+                if DQ_SPLIT == 2:
+                    dq_tok = warpgroup_mma(ds_t, k_w.slice(DQ_COLS, DQ_COLS, dim=1), dq_zero, use_acc=False,
+                                           is_async=True)
+                    part = warpgroup_mma_wait(0, deps=[dq_tok])
+                    _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + 1, seen1, turn, last_turn,
+                                    row_offs + (DQ_COLS + offs_qd)[None, :], q_ok, Nq, DQ_MODE)
         offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
         out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
         n_ok = (offs_n < Nk)[:, None]
@@ -273,7 +330,8 @@ if _IMPORT_ERROR is None:
     def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk,
                          qk_scale, scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr,
+                         DQ_HALVES: gl.constexpr, DQ_MODE: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
@@ -287,15 +345,24 @@ if _IMPORT_ERROR is None:
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # dS^T of both consumers, double-buffered (DQ_HALVES; a stub otherwise)
+        DS_SLOTS: gl.constexpr = 2 * CONS if DQ_HALVES else 1
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // CONS, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [DS_SLOTS, BLOCK_N // CONS, BLOCK_M], ds_layout)
+        ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(2):
+            mbarrier.init(ds_bar.index(s), count=CONS)  # both consumers' dS^T are in
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=CONS)  # both consumers release a slot
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem,
-                         H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem,
-                         H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_bar, LseRow, Delta, DK, DV,
+                         DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
+                         DQ_COLS, DQ_HALVES, DQ_MODE)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_bar, LseRow, Delta, DK, DV,
+                         DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
+                         DQ_COLS, DQ_HALVES, DQ_MODE)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
         ], [4, 1], [CONSUMER_REGS, 24])

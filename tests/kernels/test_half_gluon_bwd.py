@@ -69,15 +69,18 @@ def test_host_helpers():
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == (64, 128, 2)
         assert half_gluon_bwd.grid_size(2, 3, 1000, cfg) == 8 * 6
         assert half_gluon_bwd.grid_size(1, 1, 128, cfg) == 1
-        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg) == (2 * 3 * 1000 * d,
-                                                                            6 * math.ceil(1000 / 64) * (d // 64))
+        # one counter per (head, query tile, half of dQ's columns)
+        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg) == (6000 * d, 6 * math.ceil(1000 / 64) * 2)
+        turns = dict(cfg, dq_halves=False)
+        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, turns) == (2 * 3 * 1000 * d,
+                                                                              6 * math.ceil(1000 / 64) * (d // 64))
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["EVEN_N"]
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["EVEN_N"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_D"] == d
     with pytest.raises(ValueError, match="head dim"):
         half_gluon_bwd.get_config(96)
     # the dQ share in one 128-column part at D = 128: one counter per query tile
-    one = dict(half_gluon_bwd.get_config(128), dq_cols=128)
+    one = dict(half_gluon_bwd.get_config(128), dq_cols=128, dq_halves=False)
     assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 1000, 128, one)[1] == math.ceil(1000 / 64)
     assert half_gluon_bwd.kernel_constexprs(one, 128, 1000)["DQ_COLS"] == 128
     assert half_gluon_bwd.kernel_constexprs(half_gluon_bwd.get_config(64), 64, 1000)["DQ_COLS"] == 64
@@ -103,12 +106,12 @@ print(json.dumps(out))
 @pytest.mark.timeout(600)
 @needs_gluon
 def test_compiles_for_hopper():
-    """The kernel builds for sm_90: five or six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer
+    """The kernel builds for sm_90: six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer
     warp padded to a warpgroup), shared memory under Hopper's 232,448 bytes, no register spills at head dim 64."""
     r = compile_in_child(_CHILD)
     for key, v in r.items():
-        # S^T, dP^T, dV, dK and the dQ share in 64-column parts (one at D = 64, two at 128), per consumer
-        assert v["wgmma"] == (10 if key.startswith("64-") else 12) and v["warps"] == 12, (key, v)
+        # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
+        assert v["wgmma"] == 12 and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         if key.startswith("64-"):
             assert v["local"] == 0, (key, v)
