@@ -14,15 +14,18 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
 * per query tile, consumer ``w`` (keys ``K_w``, ``V_w``): ``S^T = K_w Q_i^T`` and ``dP^T = V_w dO_i^T`` (async
   wgmmas from shared memory), ``P^T = exp2(S^T scale log2(e) - lse_i log2(e))``, ``dS^T = P^T (dP^T - delta_i)``;
   ``dV_w += P^T dO_i`` and ``dK_w += dS^T Q_i`` with the 16-bit ``P^T`` / ``dS^T`` as the wgmma's register operand;
-  ``dQ_i += scale dS_i K_w`` (``dS^T`` transposed through shared memory by a layout conversion) in FP32, in parts
-  of 64 columns of dQ (one at D = 64, two at D = 128: half the registers; ptxas serialized the wgmmas otherwise);
+  ``dQ_i += scale dS_i K_j`` in FP32, split by columns: both consumers store ``dS^T`` (16-bit) into a
+  double-buffered shared tile and meet on an mbarrier; consumer ``w`` then computes dQ's column half ``w`` over
+  all 128 keys (two wgmmas, ``dS`` as the transposed shared-memory operand), as FlashAttention-3 shares ``dS``
+  through shared memory (``dq_halves=False`` in the config: the previous path, each consumer its own keys' share,
+  ``dS^T`` transposed in registers, in parts of ``dq_cols`` columns);
 * **deterministic dQ**: the FP32 accumulator gets each query tile's shares in a fixed order, as in
-  :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile, 64-column
-  part) says how many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``2 j + w``, adds, and
-  passes the turn on; the last turn writes dQ in the input dtype from the sum it completed (no conversion
-  kernel). The order, not the timing, fixes every sum: dQ is bit-for-bit reproducible. Key tile ``j`` waits
-  only on key tile ``j - 1`` of its head (a lower program id) and on its own first consumer, so the waits end as
-  long as programs start in id order;
+  :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile, column
+  half) says how many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``j`` of its half
+  (previous path: turn ``2 j + w`` per part), adds, and passes the turn on; the last turn writes dQ in the input
+  dtype from the sum it completed (no conversion kernel). The order, not the timing, fixes every sum: dQ is
+  bit-for-bit reproducible. Key tile ``j`` waits only on key tile ``j - 1`` of its head (a lower program id), so
+  the waits end as long as programs start in id order;
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
@@ -73,11 +76,14 @@ def get_config(head_dim: int) -> dict:
     """Launch config: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program (split between the
     two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12 warps: two consumer
     warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer thread after
-    ``setmaxnreg`` (the first consumer gets 256, the producer keeps 24); ``dq_cols``: columns of each part of
-    the dQ share (64: one part at D = 64, two at 128; ``dq_cols = 128`` at D = 128 runs one part, whose
-    accumulator makes ptxas serialize the wgmmas). The same at head dim 64 and 128.
-    Offline sm_90 compile (triton 3.6): 81,968 bytes of shared memory and no spills at D = 64; 147,504 bytes and
-    ~230 spill bytes (addresses, outside the wgmma chains) at D = 128."""
+    ``setmaxnreg`` (the first consumer gets 256, the producer keeps 24); ``dq_halves``: dQ by column halves
+    over both consumers' keys (``dS^T`` shared through shared memory, one turn per key tile and half); with
+    ``dq_halves=False``, ``dq_cols``: columns of each part of a consumer's own share (64: one part at D = 64,
+    two at 128; 128 at D = 128 runs one part, whose accumulator makes ptxas serialize the wgmmas); ``dq_mode``:
+    ``"ordered"`` (the only correct one; ``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for
+    diagnosis, see ``_dq_ordered_add``). The same at head dim 64 and 128.
+    Offline sm_90 compile (triton 3.6), dq_halves: 98,880 bytes of shared memory and no spills at D = 64;
+    164,416 bytes and 296 bytes of local memory at D = 128 (previous path: 81,968 / none and 147,504 / 224)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
