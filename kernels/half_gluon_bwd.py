@@ -87,7 +87,7 @@ def get_config(head_dim: int) -> dict:
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
-            "dq_halves": True, "dq_mode": "ordered"}
+            "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_mode": "ordered"}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
@@ -100,7 +100,10 @@ def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> 
     """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters, one per
     (batch * head, query tile of ``BLOCK_M`` rows, ``dq_cols`` columns of dQ: the kernel adds a share in parts of
     that many columns, each with its own turn order); both zeroed before a launch, in one allocation."""
-    parts = CONSUMERS if cfg.get("dq_halves") else cdiv(head_dim, cfg["dq_cols"])
+    if cfg.get("dq_halves") and cfg.get("dq_writer"):
+        parts = 1  # the writer adds a query tile's whole dQ share in one turn
+    else:
+        parts = CONSUMERS if cfg.get("dq_halves") else cdiv(head_dim, cfg["dq_cols"])
     return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"]) * parts
 
 
@@ -110,7 +113,8 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
                 DQ_COLS=min(cfg["dq_cols"], head_dim), DQ_HALVES=bool(cfg.get("dq_halves", False)),
-                DQ_MODE=cfg.get("dq_mode", "ordered"))
+                DQ_WRITER=bool(cfg.get("dq_halves", False) and cfg.get("dq_writer", False)),
+                WRITER_REGS=cfg.get("writer_regs", 32), DQ_MODE=cfg.get("dq_mode", "ordered"))
 
 
 def _tma_legal(t: torch.Tensor) -> bool:
@@ -195,10 +199,11 @@ if _IMPORT_ERROR is None:
                 gl.store(DQACC + offs, part, mask=ok)
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_bar, LseRow, Delta, DK, DV, DQ,
-                  DQACC, Sem, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr,
-                  EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr, DQ_HALVES: gl.constexpr, DQ_MODE: gl.constexpr):
+    def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full, dq_empty,
+                  LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                  CONS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr, DQ_HALVES: gl.constexpr,
+                  DQ_WRITER: gl.constexpr, DQ_MODE: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
         HALF: gl.constexpr = BLOCK_N // CONS
         # [keys, queries] tiles (S^T, dP^T) and [keys or queries, HEAD_D] accumulators (dK, dV, dQ share)
@@ -252,7 +257,10 @@ if _IMPORT_ERROR is None:
             rows = i * BLOCK_M + offs_row
             lse_c = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
             delta_c = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
-            if DQ_HALVES:
+            if DQ_WRITER:
+                seen0 = 0  # the writer partition waits for the turns
+                seen1 = seen0
+            elif DQ_HALVES:
                 seen0 = gl.load(sem_base + i * DQ_SPLIT + WG, volatile=True)
                 seen1 = seen0
             else:
@@ -307,8 +315,16 @@ if _IMPORT_ERROR is None:
                 dk = warpgroup_mma_wait(1, deps=[dk_tok])
                 mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
                 part = warpgroup_mma_wait(0, deps=[dq_tok])
-                _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + WG, seen0, turn, last_turn,
-                                row_offs + (WG * DQC + offs_qd)[None, :], q_ok, Nq, DQ_MODE)
+                if DQ_WRITER:
+                    # hand the share to the writer partition through its ring (slot i % 2, this consumer's half)
+                    # and go on with the next query tile
+                    mbarrier.wait(dq_empty.index(i % 2), ((i // 2) & 1) ^ 1)
+                    dq_smem.index((i % 2) * CONS + WG).store(part * scale)
+                    _cta_barrier()  # every thread's share is in shared memory before the writer reads it
+                    mbarrier.arrive(dq_full.index(i % 2))
+                else:
+                    _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + WG, seen0, turn, last_turn,
+                                    row_offs + (WG * DQC + offs_qd)[None, :], q_ok, Nq, DQ_MODE)
             else:
                 # dS [queries, keys] as the left operand of dS K_w: transposed through shared memory
                 ds_t = gl.convert_layout(gl.permute(ds16, (1, 0)), op_dq)
@@ -332,12 +348,62 @@ if _IMPORT_ERROR is None:
         gl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=n_ok)
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok)
 
+    @gluon.jit
+    def _dq_writer(dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, DQ_MODE: gl.constexpr):
+        # two warps (FlashAttention-3's dQ writer): per query tile, wait for both consumers' column halves of the
+        # key tile's dQ share in ring slot i % 2, wait for turn j of the query tile (one int32 counter per query
+        # tile: key tile j adds after key tiles 0 .. j - 1, whatever the timing: bit-for-bit reproducible sums),
+        # add the share into the FP32 accumulator (reductions, 4 columns per thread), the last turn writing dQ in
+        # DQ's dtype from the sum it completed; then free the slot and pass the turn on. The consumers never wait
+        # on the turns, only on a free slot.
+        # DQ_MODE (diagnosis; dQ is wrong in all but "ordered"): "unordered" adds without turns; "compute" frees
+        # the slots and writes nothing (the consumers' cost of the hand-off alone)
+        j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
+        n_m = gl.cdiv(Nq, BLOCK_M)
+        turn = j
+        last_turn = gl.cdiv(Nk, BLOCK_N) - 1
+        DQC: gl.constexpr = HEAD_D // CONS
+        TPC: gl.constexpr = DQC // 4  # threads along a row of a half: 4 columns each
+        TPR: gl.constexpr = 32 // TPC
+        ROWS: gl.constexpr = 8  # rows per chunk (the shared tile's swizzle spans 8 rows)
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, TPC], [2, 1], [1, 0])
+        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        offs_c = gl.arange(0, DQC, layout=gl.SliceLayout(0, layout))
+        sem_base = Sem + bh * n_m
+        dq_base = bh.to(gl.int64) * Nq * HEAD_D
+        for i in range(n_m):
+            slot = i % 2
+            if DQ_MODE == "ordered":
+                seen = gl.load(sem_base + i, volatile=True)
+            mbarrier.wait(dq_full.index(slot), (i // 2) & 1)
+            if DQ_MODE == "ordered":
+                gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + i, turn], dtype=gl.int32,
+                                          is_pure=False, pack=1)
+            if DQ_MODE != "compute":
+                for w in gl.static_range(CONS):
+                    for r in gl.static_range(BLOCK_M // ROWS):
+                        part = dq_smem.index(slot * CONS + w).slice(r * ROWS, ROWS, dim=0).load(layout)
+                        rows = i * BLOCK_M + r * ROWS + offs_r
+                        offs = dq_base + rows.to(gl.int64)[:, None] * HEAD_D + (w * DQC + offs_c)[None, :]
+                        ok = (rows < Nq)[:, None]
+                        if DQ_MODE == "ordered" and turn == last_turn:
+                            old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+                            gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
+                        else:
+                            gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+            _cta_barrier()  # both warps have read the slot and issued their adds
+            mbarrier.arrive(dq_empty.index(slot))
+            if DQ_MODE == "ordered":
+                gl.atomic_xchg(sem_base + i, turn + 1, sem="release")
+
     @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
     def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk,
                          qk_scale, scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr,
-                         DQ_HALVES: gl.constexpr, DQ_MODE: gl.constexpr):
+                         DQ_HALVES: gl.constexpr, DQ_WRITER: gl.constexpr, WRITER_REGS: gl.constexpr,
+                         DQ_MODE: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
@@ -356,22 +422,46 @@ if _IMPORT_ERROR is None:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // CONS, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [DS_SLOTS, BLOCK_N // CONS, BLOCK_M], ds_layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        # DQ_WRITER: the consumers' FP32 dQ halves for the writer partition, a ring of two query tiles (a stub
+        # otherwise)
+        DQ_SLOTS: gl.constexpr = 2 * CONS if DQ_WRITER else 1
+        DQ_ROWS: gl.constexpr = BLOCK_M if DQ_WRITER else 8
+        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DQ_ROWS, HEAD_D // CONS], gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, DQ_ROWS, HEAD_D // CONS], dq_smem_layout)
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for s in gl.static_range(2):
             mbarrier.init(ds_bar.index(s), count=CONS)  # both consumers' dS^T are in
+            mbarrier.init(dq_full.index(s), count=CONS)  # both consumers' dQ halves are in
+            mbarrier.init(dq_empty.index(s), count=1)  # the writer is done with the slot
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=CONS)  # both consumers release a slot
-        gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_bar, LseRow, Delta, DK, DV,
-                         DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
-                         DQ_COLS, DQ_HALVES, DQ_MODE)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_bar, ready, empty, ds_bar, LseRow, Delta, DK, DV,
-                         DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
-                         DQ_COLS, DQ_HALVES, DQ_MODE)),
+        if DQ_WRITER:  # the dQ writer partition: two more warps (with the producer's, one warpgroup)
+            gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          DQ_MODE)),
+            ], [4, 1, 2], [CONSUMER_REGS, 24, WRITER_REGS])
+        else:
+            gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
+                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
+            ], [4, 1], [CONSUMER_REGS, 24])
 
 
 @functools.lru_cache(maxsize=None)

@@ -69,8 +69,15 @@ def test_host_helpers():
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == (64, 128, 2)
         assert half_gluon_bwd.grid_size(2, 3, 1000, cfg) == 8 * 6
         assert half_gluon_bwd.grid_size(1, 1, 128, cfg) == 1
-        # one counter per (head, query tile, half of dQ's columns)
-        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg) == (6000 * d, 6 * math.ceil(1000 / 64) * 2)
+        # the dQ writer: one counter per (head, query tile); the halves without it: one per column half too
+        assert cfg["dq_halves"] and cfg["dq_writer"]
+        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg) == (6000 * d, 6 * math.ceil(1000 / 64))
+        no_writer = dict(cfg, dq_writer=False)
+        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, no_writer) == (6000 * d,
+                                                                                 6 * math.ceil(1000 / 64) * 2)
+        assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_WRITER"]
+        assert not half_gluon_bwd.kernel_constexprs(no_writer, d, 1024)["DQ_WRITER"]
+        assert not half_gluon_bwd.kernel_constexprs(dict(cfg, dq_halves=False), d, 1024)["DQ_WRITER"]
         turns = dict(cfg, dq_halves=False)
         assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, turns) == (2 * 3 * 1000 * d,
                                                                               6 * math.ceil(1000 / 64) * (d // 64))
@@ -91,14 +98,15 @@ import json, torch
 from visionattn.kernels import half_gluon_bwd as g
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
-for d, dtype, n_k in ((64, torch.float16, 1024), (64, torch.bfloat16, 1000), (128, torch.float16, 1000)):
-    cfg = g.get_config(d)
+for d, dtype, n_k, writer in ((64, torch.float16, 1024, True), (64, torch.bfloat16, 1000, True),
+                               (128, torch.float16, 1000, True), (64, torch.bfloat16, 1000, False)):
+    cfg = dict(g.get_config(d), dq_writer=writer)
     t = "fp16" if dtype == torch.float16 else "bf16"
     ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK="*" + t, DV="*" + t, DQ="*" + t,
                 DQACC="*fp32", Sem="*i32")
     r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
                          float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    out[f"{d}-{t}-{n_k}"] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps}
+    out[f"{d}-{t}-{n_k}-{'writer' if writer else 'halves'}"] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps}
 print(json.dumps(out))
 """
 
@@ -106,15 +114,17 @@ print(json.dumps(out))
 @pytest.mark.timeout(600)
 @needs_gluon
 def test_compiles_for_hopper():
-    """The kernel builds for sm_90: six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer
-    warp padded to a warpgroup), shared memory under Hopper's 232,448 bytes, no register spills at head dim 64."""
+    """The kernel builds for sm_90: six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer warp
+    and the dQ writer's two padded to a warpgroup), shared memory under Hopper's 232,448 bytes; at head dim 64 no
+    register spills without the writer, with it at most 32 bytes (triton 3.6: values of the prologue that ptxas
+    keeps in local memory across the register reallocation, reloaded once per partition)."""
     r = compile_in_child(_CHILD)
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
         assert v["wgmma"] == 12 and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         if key.startswith("64-"):
-            assert v["local"] == 0, (key, v)
+            assert v["local"] <= (32 if key.endswith("writer") else 0), (key, v)
 
 
 def _reference(q, k, v, do, scale):
