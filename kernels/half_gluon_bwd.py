@@ -19,6 +19,11 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   all 128 keys (two wgmmas, ``dS`` as the transposed shared-memory operand), as FlashAttention-3 shares ``dS``
   through shared memory (``dq_halves=False`` in the config: the previous path, each consumer its own keys' share,
   ``dS^T`` transposed in registers, in parts of ``dq_cols`` columns);
+* **dQ writer** (FlashAttention-3's): the consumers store their FP32 dQ halves (scaled) into a shared-memory ring
+  of two query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; a third partition of two warps
+  (``writer_regs`` registers, sharing the producer's warpgroup) waits for a tile's two halves and its turn, adds
+  them into the accumulator with 4-wide FP32 reductions, frees the slot and passes the turn on (one counter per
+  query tile); ``dq_writer=False`` in the config: the consumers add their halves themselves, as below;
 * **deterministic dQ**: the FP32 accumulator gets each query tile's shares in a fixed order, as in
   :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile, column
   half) says how many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``j`` of its half
@@ -81,9 +86,14 @@ def get_config(head_dim: int) -> dict:
     ``dq_halves=False``, ``dq_cols``: columns of each part of a consumer's own share (64: one part at D = 64,
     two at 128; 128 at D = 128 runs one part, whose accumulator makes ptxas serialize the wgmmas); ``dq_mode``:
     ``"ordered"`` (the only correct one; ``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for
-    diagnosis, see ``_dq_ordered_add``). The same at head dim 64 and 128.
-    Offline sm_90 compile (triton 3.6), dq_halves: 98,880 bytes of shared memory and no spills at D = 64;
-    164,416 bytes and 296 bytes of local memory at D = 128 (previous path: 81,968 / none and 147,504 / 224)."""
+    diagnosis, see ``_dq_ordered_add`` and ``_dq_writer``); ``dq_writer`` (with ``dq_halves``): the consumers hand
+    their dQ halves to a writer partition of two warps with ``writer_regs`` registers per thread (its warpgroup,
+    shared with the producer, takes them from the second consumer's: 256 / 232 / 32 after ``setmaxnreg``).
+    The same at head dim 64 and 128.
+    Offline sm_90 compile (triton 3.6), dq_writer: 131,680 bytes of shared memory and 16 bytes of local memory at
+    D = 64 (prologue values kept across the register reallocation, reloaded once per partition); 229,984 bytes
+    and 40 at D = 128. Without the writer: 98,880 / none and 164,416 / 296; dq_halves=False: 81,968 / none and
+    147,504 / 224."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
@@ -358,7 +368,7 @@ if _IMPORT_ERROR is None:
         # DQ's dtype from the sum it completed; then free the slot and pass the turn on. The consumers never wait
         # on the turns, only on a free slot.
         # DQ_MODE (diagnosis; dQ is wrong in all but "ordered"): "unordered" adds without turns; "compute" frees
-        # the slots and writes nothing (the consumers' cost of the hand-off alone)
+        # the slots and writes nothing (the consumers' cost of the hand-off alone); "skip": nothing to do
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
         turn = j
@@ -372,7 +382,8 @@ if _IMPORT_ERROR is None:
         offs_c = gl.arange(0, DQC, layout=gl.SliceLayout(0, layout))
         sem_base = Sem + bh * n_m
         dq_base = bh.to(gl.int64) * Nq * HEAD_D
-        for i in range(n_m):
+        n_tiles = 0 if DQ_MODE == "skip" else n_m  # "skip": the consumers hand nothing over
+        for i in range(n_tiles):
             slot = i % 2
             if DQ_MODE == "ordered":
                 seen = gl.load(sem_base + i, volatile=True)
@@ -407,7 +418,7 @@ if _IMPORT_ERROR is None:
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
-        # Sem: int32 [B * H, cdiv(Nq, BLOCK_M), HEAD_D // DQ_COLS], zeroed. qk_scale = scale * log2(e).
+        # Sem: int32 counters (ordered_buffer_sizes), zeroed. qk_scale = scale * log2(e).
         CONS: gl.constexpr = 2
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [CONS] + k_desc.block_type.shape, k_desc.layout)

@@ -106,7 +106,8 @@ for d, dtype, n_k, writer in ((64, torch.float16, 1024, True), (64, torch.bfloat
                 DQACC="*fp32", Sem="*i32")
     r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
                          float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    out[f"{d}-{t}-{n_k}-{'writer' if writer else 'halves'}"] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps}
+    name = f"{d}-{t}-{n_k}-{'writer' if writer else 'halves'}"
+    out[name] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps}
 print(json.dumps(out))
 """
 
