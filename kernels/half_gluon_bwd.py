@@ -20,8 +20,8 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   through shared memory (``dq_halves=False`` in the config: the previous path, each consumer its own keys' share,
   ``dS^T`` transposed in registers, in parts of ``dq_cols`` columns);
 * **dQ writer** (FlashAttention-3's): the consumers store their FP32 dQ halves (scaled) into a shared-memory ring
-  of two query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; a third partition of two warps
-  (``writer_regs`` registers, sharing the producer's warpgroup) waits for a tile's two halves and its turn, adds
+  of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; a third partition of two
+  warps (``writer_regs`` registers, sharing the producer's warpgroup) waits for a tile's two halves and its turn, adds
   them into the accumulator with 4-wide FP32 reductions, frees the slot and passes the turn on (one counter per
   query tile); ``dq_writer=False`` in the config: the consumers add their halves themselves, as below;
 * **deterministic dQ**: the FP32 accumulator gets each query tile's shares in a fixed order, as in
@@ -88,16 +88,18 @@ def get_config(head_dim: int) -> dict:
     ``"ordered"`` (the only correct one; ``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for
     diagnosis, see ``_dq_ordered_add`` and ``_dq_writer``); ``dq_writer`` (with ``dq_halves``): the consumers hand
     their dQ halves to a writer partition of two warps with ``writer_regs`` registers per thread (its warpgroup,
-    shared with the producer, takes them from the second consumer's: 256 / 232 / 32 after ``setmaxnreg``).
-    The same at head dim 64 and 128.
-    Offline sm_90 compile (triton 3.6), dq_writer: 131,680 bytes of shared memory and 16 bytes of local memory at
-    D = 64 (prologue values kept across the register reallocation, reloaded once per partition); 229,984 bytes
-    and 40 at D = 128. Without the writer: 98,880 / none and 164,416 / 296; dq_halves=False: 81,968 / none and
-    147,504 / 224."""
+    shared with the producer, takes them from the second consumer's: 256 / 232 / 32 after ``setmaxnreg``) through
+    a ring of ``dq_ring`` query tiles (4 at D = 64, 2 at D = 128: what shared memory leaves; untimed choice).
+    Otherwise the same at head dim 64 and 128.
+    Offline sm_90 compile (triton 3.6), dq_writer: 164,480 bytes of shared memory (131,680 with a ring of 2) and
+    16 bytes of local memory at D = 64 (prologue values kept across the register reallocation, reloaded once per
+    partition); 229,984 bytes and 40 at D = 128. Without the writer: 98,880 / none and 164,416 / 296;
+    dq_halves=False: 81,968 / none and 147,504 / 224."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
-            "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_mode": "ordered"}
+            "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_ring": 4 if head_dim == 64 else 2,
+            "dq_mode": "ordered"}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
@@ -124,7 +126,8 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
                 DQ_COLS=min(cfg["dq_cols"], head_dim), DQ_HALVES=bool(cfg.get("dq_halves", False)),
                 DQ_WRITER=bool(cfg.get("dq_halves", False) and cfg.get("dq_writer", False)),
-                WRITER_REGS=cfg.get("writer_regs", 32), DQ_MODE=cfg.get("dq_mode", "ordered"))
+                WRITER_REGS=cfg.get("writer_regs", 32), DQ_RING=cfg.get("dq_ring", 2),
+                DQ_MODE=cfg.get("dq_mode", "ordered"))
 
 
 def _tma_legal(t: torch.Tensor) -> bool:
@@ -326,12 +329,13 @@ if _IMPORT_ERROR is None:
                 mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
                 part = warpgroup_mma_wait(0, deps=[dq_tok])
                 if DQ_WRITER:
-                    # hand the share to the writer partition through its ring (slot i % 2, this consumer's half)
-                    # and go on with the next query tile
-                    mbarrier.wait(dq_empty.index(i % 2), ((i // 2) & 1) ^ 1)
-                    dq_smem.index((i % 2) * CONS + WG).store(part * scale)
+                    # hand the share to the writer partition through its ring (slot i % DQ_RING, this consumer's
+                    # half) and go on with the next query tile
+                    DQ_RING: gl.constexpr = dq_full.shape[0]
+                    mbarrier.wait(dq_empty.index(i % DQ_RING), ((i // DQ_RING) & 1) ^ 1)
+                    dq_smem.index((i % DQ_RING) * CONS + WG).store(part * scale)
                     _cta_barrier()  # every thread's share is in shared memory before the writer reads it
-                    mbarrier.arrive(dq_full.index(i % 2))
+                    mbarrier.arrive(dq_full.index(i % DQ_RING))
                 else:
                     _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + WG, seen0, turn, last_turn,
                                     row_offs + (WG * DQC + offs_qd)[None, :], q_ok, Nq, DQ_MODE)
@@ -362,7 +366,7 @@ if _IMPORT_ERROR is None:
     def _dq_writer(dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, DQ_MODE: gl.constexpr):
         # two warps (FlashAttention-3's dQ writer): per query tile, wait for both consumers' column halves of the
-        # key tile's dQ share in ring slot i % 2, wait for turn j of the query tile (one int32 counter per query
+        # key tile's dQ share in ring slot i % DQ_RING, wait for turn j of the query tile (one int32 counter per query
         # tile: key tile j adds after key tiles 0 .. j - 1, whatever the timing: bit-for-bit reproducible sums),
         # add the share into the FP32 accumulator (reductions, 4 columns per thread), the last turn writing dQ in
         # DQ's dtype from the sum it completed; then free the slot and pass the turn on. The consumers never wait
@@ -382,12 +386,13 @@ if _IMPORT_ERROR is None:
         offs_c = gl.arange(0, DQC, layout=gl.SliceLayout(0, layout))
         sem_base = Sem + bh * n_m
         dq_base = bh.to(gl.int64) * Nq * HEAD_D
+        DQ_RING: gl.constexpr = dq_full.shape[0]
         n_tiles = 0 if DQ_MODE == "skip" else n_m  # "skip": the consumers hand nothing over
         for i in range(n_tiles):
-            slot = i % 2
+            slot = i % DQ_RING
             if DQ_MODE == "ordered":
                 seen = gl.load(sem_base + i, volatile=True)
-            mbarrier.wait(dq_full.index(slot), (i // 2) & 1)
+            mbarrier.wait(dq_full.index(slot), (i // DQ_RING) & 1)
             if DQ_MODE == "ordered":
                 gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + i, turn], dtype=gl.int32,
                                           is_pure=False, pack=1)
@@ -414,7 +419,7 @@ if _IMPORT_ERROR is None:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr,
                          DQ_HALVES: gl.constexpr, DQ_WRITER: gl.constexpr, WRITER_REGS: gl.constexpr,
-                         DQ_MODE: gl.constexpr):
+                         DQ_RING: gl.constexpr, DQ_MODE: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
@@ -433,17 +438,18 @@ if _IMPORT_ERROR is None:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // CONS, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [DS_SLOTS, BLOCK_N // CONS, BLOCK_M], ds_layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # DQ_WRITER: the consumers' FP32 dQ halves for the writer partition, a ring of two query tiles (a stub
+        # DQ_WRITER: the consumers' FP32 dQ halves for the writer partition, a ring of DQ_RING query tiles (a stub
         # otherwise)
-        DQ_SLOTS: gl.constexpr = 2 * CONS if DQ_WRITER else 1
+        DQ_SLOTS: gl.constexpr = DQ_RING * CONS if DQ_WRITER else 1
         DQ_ROWS: gl.constexpr = BLOCK_M if DQ_WRITER else 8
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DQ_ROWS, HEAD_D // CONS], gl.float32)
         dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, DQ_ROWS, HEAD_D // CONS], dq_smem_layout)
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_full = gl.allocate_shared_memory(gl.int64, [DQ_RING, 1], mbarrier.MBarrierLayout())
+        dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_RING, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for s in gl.static_range(2):
             mbarrier.init(ds_bar.index(s), count=CONS)  # both consumers' dS^T are in
+        for s in gl.static_range(DQ_RING):
             mbarrier.init(dq_full.index(s), count=CONS)  # both consumers' dQ halves are in
             mbarrier.init(dq_empty.index(s), count=1)  # the writer is done with the slot
         for s in gl.static_range(STAGES):

@@ -78,6 +78,7 @@ def test_host_helpers():
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(no_writer, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(dict(cfg, dq_halves=False), d, 1024)["DQ_WRITER"]
+        assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_RING"] == (4 if d == 64 else 2)
         turns = dict(cfg, dq_halves=False)
         assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, turns) == (2 * 3 * 1000 * d,
                                                                               6 * math.ceil(1000 / 64) * (d // 64))
