@@ -19,11 +19,15 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   all 128 keys (two wgmmas, ``dS`` as the transposed shared-memory operand), as FlashAttention-3 shares ``dS``
   through shared memory (``dq_halves=False`` in the config: the previous path, each consumer its own keys' share,
   ``dS^T`` transposed in registers, in parts of ``dq_cols`` columns);
-* **dQ writer** (FlashAttention-3's): the consumers store their FP32 dQ halves (scaled) into a shared-memory ring
-  of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; a third partition of two
-  warps (``writer_regs`` registers, sharing the producer's warpgroup) waits for a tile's two halves and its turn, adds
-  them into the accumulator with 4-wide FP32 reductions, frees the slot and passes the turn on (one counter per
-  query tile); ``dq_writer=False`` in the config: the consumers add their halves themselves, as below;
+* **dQ writers** (FlashAttention-3's dQ writer): the consumers store their FP32 dQ halves (scaled) into a
+  shared-memory ring of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; writer
+  partitions (``writer_regs`` registers, sharing the producer's warpgroup) wait for a tile's two halves and its
+  turn, add them into the accumulator with 4-wide FP32 reductions, free the slot and pass the turn on (one counter
+  per query tile). A tile costs a writer several times the consumers' time per tile (mostly the turn wait and the
+  release, which waits for the reductions to land), so ``dq_writers`` one-warp writers take the query tiles in
+  turn (writer ``w``: tiles ``i`` with ``i % dq_writers == w``), each tile whole, with up to ``dq_writers`` tiles
+  in flight; ``dq_writers=0``: one writer of two warps for every tile. ``dq_writer=False`` in the config: the
+  consumers add their halves themselves, as below;
 * **deterministic dQ**: the FP32 accumulator gets each query tile's shares in a fixed order, as in
   :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile, column
   half) says how many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``j`` of its half
@@ -87,18 +91,24 @@ def get_config(head_dim: int) -> dict:
     two at 128; 128 at D = 128 runs one part, whose accumulator makes ptxas serialize the wgmmas); ``dq_mode``:
     ``"ordered"`` (the only correct one; ``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for
     diagnosis, see ``_dq_ordered_add`` and ``_dq_writer``); ``dq_writer`` (with ``dq_halves``): the consumers hand
-    their dQ halves to a writer partition of two warps with ``writer_regs`` registers per thread (its warpgroup,
-    shared with the producer, takes them from the second consumer's: 256 / 232 / 32 after ``setmaxnreg``) through
-    a ring of ``dq_ring`` query tiles (4 at D = 64, 2 at D = 128: what shared memory leaves; untimed choice).
-    Otherwise the same at head dim 64 and 128.
-    Offline sm_90 compile (triton 3.6), dq_writer: 164,480 bytes of shared memory (131,680 with a ring of 2) and
-    16 bytes of local memory at D = 64 (prologue values kept across the register reallocation, reloaded once per
-    partition); 229,984 bytes and 40 at D = 128. Without the writer: 98,880 / none and 164,416 / 296;
-    dq_halves=False: 81,968 / none and 147,504 / 224."""
+    their dQ halves to writer partitions with ``writer_regs`` registers per thread (their warpgroup, shared with
+    the producer, takes them from the first consumer's: 232 / 240 / 32 after ``setmaxnreg``) through a ring of
+    ``dq_ring`` query tiles (4 at D = 64, 2 at D = 128: a third 32 KB tile does not fit at D = 128);
+    ``dq_writers``: 1, 2 or 3 writers of one warp each (the producer's warpgroup holds four warps), each adding
+    every ``dq_writers``-th query tile, or 0: one writer of two warps for every tile; 3 at D = 64, 2 at D = 128
+    (the ring must hold a tile per writer: ``dq_ring >= dq_writers``). The ring sizes and writer counts are
+    untimed choices. Otherwise the same at head dim 64 and 128.
+    Offline sm_90 compile (triton 3.6, bf16), shared memory / local memory per thread (prologue values kept
+    across the register reallocation, reloaded once per partition; no spills in the writers' loops):
+    D = 64, ring 4: 164,480 bytes (148,096 with a ring of 3, 131,680 with 2); 16 bytes with dq_writers=0, 24 / 48 /
+    72 with 1 / 2 / 3 writers. D = 128, ring 2: 229,984 bytes (a ring of 3: 262,784, over the 232,448 limit); 40
+    bytes with dq_writers=0 (part of it spills in the writer's loop), 40 / 72 with 1 / 2 writers. Without the
+    writer: 98,880 / none and 164,416 / 296; dq_halves=False: 81,968 / none and 147,504 / 224."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
-            "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_ring": 4 if head_dim == 64 else 2,
+            "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_writers": 3 if head_dim == 64 else 2,
+            "dq_ring": 4 if head_dim == 64 else 2,
             "dq_mode": "ordered"}
 
 
@@ -110,8 +120,9 @@ def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
 
 def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
     """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters, one per
-    (batch * head, query tile of ``BLOCK_M`` rows, ``dq_cols`` columns of dQ: the kernel adds a share in parts of
-    that many columns, each with its own turn order); both zeroed before a launch, in one allocation."""
+    (batch * head, query tile of ``BLOCK_M`` rows, part of dQ's columns with its own turn order: the whole row with
+    the dQ writers, whatever their number; a column half with ``dq_writer=False``; ``dq_cols`` columns with
+    ``dq_halves=False``); both zeroed before a launch, in one allocation."""
     if cfg.get("dq_halves") and cfg.get("dq_writer"):
         parts = 1  # the writer adds a query tile's whole dQ share in one turn
     else:
@@ -121,12 +132,19 @@ def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> 
 
 def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
-    key tile is full (no key masking: two builds at most per head dim and dtype)."""
+    key tile is full (no key masking: two builds at most per head dim and dtype). Raises ValueError for a
+    ``dq_writers`` outside 0 .. 3 or a ``dq_ring`` smaller than it (each writer needs a slot of its own in flight:
+    the ring's phase waits are exact only then, see ``_dq_writer``)."""
+    writers, ring = cfg.get("dq_writers", 0), cfg.get("dq_ring", 2)
+    if writers not in (0, 1, 2, 3):
+        raise ValueError(f"dq_writers {writers}: 0 (one writer of two warps), 1, 2 or 3 (writers of one warp)")
+    if cfg.get("dq_halves") and cfg.get("dq_writer") and ring < max(writers, 1):
+        raise ValueError(f"dq_ring {ring} < dq_writers {writers}: each writer needs a ring slot")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
                 DQ_COLS=min(cfg["dq_cols"], head_dim), DQ_HALVES=bool(cfg.get("dq_halves", False)),
                 DQ_WRITER=bool(cfg.get("dq_halves", False) and cfg.get("dq_writer", False)),
-                WRITER_REGS=cfg.get("writer_regs", 32), DQ_RING=cfg.get("dq_ring", 2),
+                WRITER_REGS=cfg.get("writer_regs", 32), DQ_RING=ring, DQ_WRITERS=writers,
                 DQ_MODE=cfg.get("dq_mode", "ordered"))
 
 
@@ -364,13 +382,22 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _dq_writer(dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, DQ_MODE: gl.constexpr):
-        # two warps (FlashAttention-3's dQ writer): per query tile, wait for both consumers' column halves of the
-        # key tile's dQ share in ring slot i % DQ_RING, wait for turn j of the query tile (one int32 counter per query
-        # tile: key tile j adds after key tiles 0 .. j - 1, whatever the timing: bit-for-bit reproducible sums),
-        # add the share into the FP32 accumulator (reductions, 4 columns per thread), the last turn writing dQ in
-        # DQ's dtype from the sum it completed; then free the slot and pass the turn on. The consumers never wait
-        # on the turns, only on a free slot.
+                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, DQ_MODE: gl.constexpr,
+                   WRITER: gl.constexpr, WRITERS: gl.constexpr, WARPS: gl.constexpr):
+        # FlashAttention-3's dQ writer, one of WRITERS partitions of WARPS warps each (two warps and WRITERS = 1, or
+        # one warp each): writer WRITER takes the query tiles i with i % WRITERS == WRITER, each in its own loop, so
+        # that up to WRITERS tiles' turn waits, adds and turn passes are in flight at once. Per query tile: wait for
+        # both consumers' column halves of the key tile's dQ share in ring slot i % DQ_RING, wait for turn j of the
+        # query tile (one int32 counter per query tile: key tile j adds after key tiles 0 .. j - 1, whatever the
+        # timing and the number of writers: bit-for-bit reproducible sums), add the share into the FP32
+        # accumulator (reductions, 4 columns per thread), the last turn writing dQ in DQ's dtype from the sum it
+        # completed; then free the slot and pass the turn on. The consumers never wait on the turns, only on a
+        # free slot.
+        # Ring slots: the uses of slot s (tiles s, s + DQ_RING, ...) fill (dq_full) and free (dq_empty) in strict
+        # alternation, so a phase-parity wait is exact as long as no waiter can run two phases ahead. A writer
+        # reaches tile i only after it freed its tile i - WRITERS, which the consumers filled after tile
+        # i - DQ_RING (they fill in tile order): with DQ_RING >= WRITERS (kernel_constexprs checks it) the
+        # previous use of the slot is filled by then, whichever writer owns it, and the wait sees the right phase.
         # DQ_MODE (diagnosis; dQ is wrong in all but "ordered"): "unordered" adds without turns; "compute" frees
         # the slots and writes nothing (the consumers' cost of the hand-off alone); "skip": nothing to do
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
@@ -378,17 +405,21 @@ if _IMPORT_ERROR is None:
         turn = j
         last_turn = gl.cdiv(Nk, BLOCK_N) - 1
         DQC: gl.constexpr = HEAD_D // CONS
-        TPC: gl.constexpr = DQC // 4  # threads along a row of a half: 4 columns each
+        # chunks of 8 rows (the shared tile's swizzle spans 8 rows: no finer row slices) by COLS columns: a half's
+        # columns for two warps, 32 for one (8 values per thread either way: 16 and their addresses overflow the
+        # 32 registers at D = 128)
+        COLS: gl.constexpr = DQC if WARPS > 1 else 32
+        TPC: gl.constexpr = COLS // 4  # threads along a row of a chunk: 4 columns each
         TPR: gl.constexpr = 32 // TPC
-        ROWS: gl.constexpr = 8  # rows per chunk (the shared tile's swizzle spans 8 rows)
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, TPC], [2, 1], [1, 0])
+        ROWS: gl.constexpr = 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, TPC], [WARPS, 1], [1, 0])
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        offs_c = gl.arange(0, DQC, layout=gl.SliceLayout(0, layout))
+        offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
         sem_base = Sem + bh * n_m
         dq_base = bh.to(gl.int64) * Nq * HEAD_D
         DQ_RING: gl.constexpr = dq_full.shape[0]
         n_tiles = 0 if DQ_MODE == "skip" else n_m  # "skip": the consumers hand nothing over
-        for i in range(n_tiles):
+        for i in range(WRITER, n_tiles, WRITERS):
             slot = i % DQ_RING
             if DQ_MODE == "ordered":
                 seen = gl.load(sem_base + i, volatile=True)
@@ -397,18 +428,30 @@ if _IMPORT_ERROR is None:
                 gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + i, turn], dtype=gl.int32,
                                           is_pure=False, pack=1)
             if DQ_MODE != "compute":
-                for w in gl.static_range(CONS):
-                    for r in gl.static_range(BLOCK_M // ROWS):
-                        part = dq_smem.index(slot * CONS + w).slice(r * ROWS, ROWS, dim=0).load(layout)
-                        rows = i * BLOCK_M + r * ROWS + offs_r
-                        offs = dq_base + rows.to(gl.int64)[:, None] * HEAD_D + (w * DQC + offs_c)[None, :]
-                        ok = (rows < Nq)[:, None]
-                        if DQ_MODE == "ordered" and turn == last_turn:
-                            old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-                            gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
-                        else:
-                            gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-            _cta_barrier()  # both warps have read the slot and issued their adds
+                for w in gl.static_range(CONS):  # consumer w's column half, in column chunks c
+                    for c in gl.static_range(DQC // COLS):
+                        for r in gl.static_range(BLOCK_M // ROWS):
+                            chunk = dq_smem.index(slot * CONS + w).slice(r * ROWS, ROWS, dim=0)
+                            if DQC != COLS:
+                                chunk = chunk.slice(c * COLS, COLS, dim=1)
+                            part = chunk.load(layout)
+                            rows = i * BLOCK_M + r * ROWS + offs_r
+                            offs = (dq_base + rows.to(gl.int64)[:, None] * HEAD_D
+                                    + (w * DQC + c * COLS + offs_c)[None, :])
+                            ok = (rows < Nq)[:, None]
+                            if DQ_MODE == "ordered" and turn == last_turn:
+                                old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+                                gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
+                            else:
+                                gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+            # the partition's barrier (bar.sync on its own named barrier for two warps; for one warp Triton emits a
+            # warp-wide bar.sync of 32 threads / a warp sync): every thread has read the slot and issued its adds.
+            # The turn passes by one thread's release exchange, and a release orders only what the releasing
+            # thread observed: the barrier makes the other threads' reductions precede it (barriers order the
+            # memory operations of the threads they synchronize), the release's cumulativity carries them to the
+            # next turn's reader; the same holds for one warp, where a warp barrier is what makes lane 0's release
+            # cover the other lanes' reductions (program order alone would not)
+            _cta_barrier()
             mbarrier.arrive(dq_empty.index(slot))
             if DQ_MODE == "ordered":
                 gl.atomic_xchg(sem_base + i, turn + 1, sem="release")
@@ -419,7 +462,7 @@ if _IMPORT_ERROR is None:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr,
                          DQ_HALVES: gl.constexpr, DQ_WRITER: gl.constexpr, WRITER_REGS: gl.constexpr,
-                         DQ_RING: gl.constexpr, DQ_MODE: gl.constexpr):
+                         DQ_RING: gl.constexpr, DQ_WRITERS: gl.constexpr, DQ_MODE: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
@@ -455,7 +498,9 @@ if _IMPORT_ERROR is None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=CONS)  # both consumers release a slot
-        if DQ_WRITER:  # the dQ writer partition: two more warps (with the producer's, one warpgroup)
+        # the dQ writers share the producer's warpgroup: DQ_WRITERS = 0, one partition of two warps; otherwise
+        # DQ_WRITERS partitions of one warp, writer w taking the query tiles i with i % DQ_WRITERS == w
+        if DQ_WRITER and DQ_WRITERS == 0:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
@@ -466,8 +511,54 @@ if _IMPORT_ERROR is None:
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE)),
+                          DQ_MODE, 0, 1, 2)),
             ], [4, 1, 2], [CONSUMER_REGS, 24, WRITER_REGS])
+        elif DQ_WRITER and DQ_WRITERS == 1:
+            gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
+                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          DQ_MODE, 0, 1, 1)),
+            ], [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
+        elif DQ_WRITER and DQ_WRITERS == 2:
+            gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
+                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          DQ_MODE, 0, 2, 1)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          DQ_MODE, 1, 2, 1)),
+            ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
+        elif DQ_WRITER:
+            gl.static_assert(DQ_WRITERS == 3, "dq_writers: 0 (one writer of two warps), 1, 2 or 3")
+            gl.warp_specialize([
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
+                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
+                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          DQ_MODE, 0, 3, 1)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          DQ_MODE, 1, 3, 1)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          DQ_MODE, 2, 3, 1)),
+            ], [4, 1, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS, WRITER_REGS])
         else:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
@@ -479,7 +570,6 @@ if _IMPORT_ERROR is None:
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             ], [4, 1], [CONSUMER_REGS, 24])
-
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
