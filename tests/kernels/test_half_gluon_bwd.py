@@ -79,6 +79,19 @@ def test_host_helpers():
         assert not half_gluon_bwd.kernel_constexprs(no_writer, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(dict(cfg, dq_halves=False), d, 1024)["DQ_WRITER"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_RING"] == (4 if d == 64 else 2)
+        # one-warp writers taking the query tiles in turn (0: the two-warp writer); one counter per query tile
+        # whatever their number; the ring holds a tile per writer
+        assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_WRITERS"] == (3 if d == 64 else 2)
+        for writers in (0, 1, 2, 3):
+            w_cfg = dict(cfg, dq_writers=writers, dq_ring=max(cfg["dq_ring"], writers))
+            assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, w_cfg) == (6000 * d, 6 * math.ceil(1000 / 64))
+            assert half_gluon_bwd.kernel_constexprs(w_cfg, d, 1024)["DQ_WRITERS"] == writers
+        with pytest.raises(ValueError, match="dq_ring"):
+            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=3, dq_ring=2), d, 1024)
+        with pytest.raises(ValueError, match="dq_writers"):
+            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=4, dq_ring=4), d, 1024)
+        # without the writer the ring and writer count do not matter
+        half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writer=False, dq_writers=3, dq_ring=2), d, 1024)
         turns = dict(cfg, dq_halves=False)
         assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, turns) == (2 * 3 * 1000 * d,
                                                                               6 * math.ceil(1000 / 64) * (d // 64))
@@ -99,16 +112,22 @@ import json, torch
 from visionattn.kernels import half_gluon_bwd as g
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
-for d, dtype, n_k, writer in ((64, torch.float16, 1024, True), (64, torch.bfloat16, 1000, True),
-                               (128, torch.float16, 1000, True), (64, torch.bfloat16, 1000, False)):
+# (head dim, dtype, keys, dq_writer, dq_writers: None = the default)
+for d, dtype, n_k, writer, writers in ((64, torch.float16, 1024, True, None), (64, torch.bfloat16, 1000, True, None),
+                                       (128, torch.float16, 1000, True, None), (64, torch.bfloat16, 1000, False, None),
+                                       (64, torch.bfloat16, 1000, True, 0), (64, torch.bfloat16, 1000, True, 1),
+                                       (128, torch.bfloat16, 1000, True, 0), (128, torch.bfloat16, 1000, True, 1)):
     cfg = dict(g.get_config(d), dq_writer=writer)
+    if writers is not None:
+        cfg["dq_writers"] = writers
     t = "fp16" if dtype == torch.float16 else "bf16"
     ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK="*" + t, DV="*" + t, DQ="*" + t,
                 DQACC="*fp32", Sem="*i32")
     r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
                          float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    name = f"{d}-{t}-{n_k}-{'writer' if writer else 'halves'}"
-    out[name] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps}
+    name = f"{d}-{t}-{n_k}-{'halves' if not writer else 'writers' + str(cfg['dq_writers'])}"
+    out[name] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
+                 "writers": cfg["dq_writers"] if writer else None}
 print(json.dumps(out))
 """
 
@@ -117,16 +136,18 @@ print(json.dumps(out))
 @needs_gluon
 def test_compiles_for_hopper():
     """The kernel builds for sm_90: six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer warp
-    and the dQ writer's two padded to a warpgroup), shared memory under Hopper's 232,448 bytes; at head dim 64 no
-    register spills without the writer, with it at most 32 bytes (triton 3.6: values of the prologue that ptxas
-    keeps in local memory across the register reallocation, reloaded once per partition)."""
+    and the dQ writers' warps padded to a warpgroup), shared memory under Hopper's 232,448 bytes; at head dim 64 no
+    register spills without the writer, with it at most 32 bytes per writer partition (triton 3.6 / 3.8: values of
+    the prologue that ptxas keeps in local memory across the register reallocation, reloaded once per
+    partition)."""
     r = compile_in_child(_CHILD)
+    assert {v["writers"] for v in r.values()} >= {0, 1, 2, 3}, r  # every writer count built
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
         assert v["wgmma"] == 12 and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         if key.startswith("64-"):
-            assert v["local"] <= (32 if key.endswith("writer") else 0), (key, v)
+            assert v["local"] <= (0 if v["writers"] is None else 32 * max(v["writers"], 1)), (key, v)
 
 
 def _reference(q, k, v, do, scale):
