@@ -9,8 +9,8 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   memory once, as two 64-row halves;
 * **warp specialization**: one producer warp TMA-loads the query tiles ``Q_i``, ``dO_i`` (``BLOCK_M = 64`` rows,
   4-D [B, H, N, D] descriptors: strided views need no copy, rows past N arrive as zeros) into a ring of ``STAGES``
-  slots with ``ready`` / ``empty`` mbarriers; two consumer warpgroups (256 and 240 registers per thread after
-  ``setmaxnreg``, the producer 24) each own 64 of the tile's keys;
+  slots with ``ready`` / ``empty`` mbarriers; two consumer warpgroups (240 registers per thread each after
+  ``setmaxnreg``, the producer 24; 232 for the first with the dQ writers) each own 64 of the tile's keys;
 * per query tile, consumer ``w`` (keys ``K_w``, ``V_w``): ``S^T = K_w Q_i^T`` and ``dP^T = V_w dO_i^T`` (async
   wgmmas from shared memory), ``P^T = exp2(S^T scale log2(e) - lse_i log2(e))``, ``dS^T = P^T (dP^T - delta_i)``;
   ``dV_w += P^T dO_i`` and ``dK_w += dS^T Q_i`` with the 16-bit ``P^T`` / ``dS^T`` as the wgmma's register operand;
@@ -85,7 +85,8 @@ def get_config(head_dim: int) -> dict:
     """Launch config: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program (split between the
     two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12 warps: two consumer
     warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer thread after
-    ``setmaxnreg`` (the first consumer gets 256, the producer keeps 24); ``dq_halves``: dQ by column halves
+    ``setmaxnreg`` (the first consumer gets what the others leave of ``maxnreg`` * 12 warps: 240; the producer
+    keeps 24); ``dq_halves``: dQ by column halves
     over both consumers' keys (``dS^T`` shared through shared memory, one turn per key tile and half); with
     ``dq_halves=False``, ``dq_cols``: columns of each part of a consumer's own share (64: one part at D = 64,
     two at 128; 128 at D = 128 runs one part, whose accumulator makes ptxas serialize the wgmmas); ``dq_mode``:
