@@ -21,20 +21,22 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   ``dS^T`` transposed in registers, in parts of ``dq_cols`` columns);
 * **dQ writers** (FlashAttention-3's dQ writer): the consumers store their FP32 dQ halves (scaled) into a
   shared-memory ring of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; writer
-  partitions (``writer_regs`` registers, sharing the producer's warpgroup) wait for a tile's two halves and its
-  turn, add them into the accumulator with 4-wide FP32 reductions, free the slot and pass the turn on (one counter
-  per query tile). A tile costs a writer several times the consumers' time per tile (mostly the turn wait and the
-  release, which waits for the reductions to land), so ``dq_writers`` one-warp writers take the query tiles in
-  turn (writer ``w``: tiles ``i`` with ``i % dq_writers == w``), each tile whole, with up to ``dq_writers`` tiles
-  in flight; ``dq_writers=0``: one writer of two warps for every tile. ``dq_writer=False`` in the config: the
-  consumers add their halves themselves, as below;
+  partitions (``writer_regs`` registers, sharing the producer's warpgroup) take the query tiles in groups of
+  ``dq_tiles_per_turn`` consecutive tiles (one counter per group): wait for the two halves of each of the group's
+  tiles and then for the group's turn, add them into the accumulator with 4-wide FP32 reductions, free the slots
+  and pass the turn on once. A turn costs a writer several times the consumers' time per tile (mostly the turn
+  wait and the release, which waits for the reductions to land), so a turn covers several tiles and
+  ``dq_writers`` one-warp writers take the groups in turn (writer ``w``: groups ``g`` with
+  ``g % dq_writers == w``), with up to ``dq_writers`` groups in flight; ``dq_writers=0``: one writer of two warps
+  for every group. ``dq_writer=False`` in the config: the consumers add their halves themselves, as below;
 * **deterministic dQ**: the FP32 accumulator gets each query tile's shares in a fixed order, as in
   :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile, column
   half) says how many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``j`` of its half
-  (previous path: turn ``2 j + w`` per part), adds, and passes the turn on; the last turn writes dQ in the input
-  dtype from the sum it completed (no conversion kernel). The order, not the timing, fixes every sum: dQ is
-  bit-for-bit reproducible. Key tile ``j`` waits only on key tile ``j - 1`` of its head (a lower program id), so
-  the waits end as long as programs start in id order;
+  (``dq_halves=False``: turn ``2 j + w`` per part; the dQ writers: turn ``j`` per group of query tiles), adds,
+  and passes the turn on; the last turn writes dQ in the input dtype from the sum it completed (no conversion
+  kernel). The order, not the timing, fixes every sum: dQ is bit-for-bit reproducible, and the dQ-writer
+  variants (any ``dq_writers`` and ``dq_tiles_per_turn``) give identical bits. Key tile ``j`` waits only on key
+  tile ``j - 1`` of its head (a lower program id), so the waits end as long as programs start in id order;
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
@@ -94,15 +96,20 @@ def get_config(head_dim: int) -> dict:
     diagnosis, see ``_dq_ordered_add`` and ``_dq_writer``); ``dq_writer`` (with ``dq_halves``): the consumers hand
     their dQ halves to writer partitions with ``writer_regs`` registers per thread (their warpgroup, shared with
     the producer, takes them from the first consumer's: 232 / 240 / 32 after ``setmaxnreg``) through a ring of
-    ``dq_ring`` query tiles (4 at D = 64, 2 at D = 128: a third 32 KB tile does not fit at D = 128);
+    ``dq_ring`` query tiles (6 at D = 64, 2 at D = 128: a third 32 KB tile does not fit at D = 128);
     ``dq_writers``: 1, 2 or 3 writers of one warp each (the producer's warpgroup holds four warps), each adding
-    every ``dq_writers``-th query tile, or 0: one writer of two warps for every tile; 3 at D = 64, 2 at D = 128
-    (the ring must hold a tile per writer: ``dq_ring >= dq_writers``). Backward alone on an H200 (bf16, B=1 H=16,
+    every ``dq_writers``-th group of query tiles, or 0: one writer of two warps for every group;
+    ``dq_tiles_per_turn``: query tiles per group and turn (1 to 4); the ring must hold a group per writer:
+    ``dq_ring >= dq_tiles_per_turn * max(dq_writers, 1)``. Defaults: D = 64, 3 writers x 2 tiles per turn, ring
+    of 6 (197,376 bytes of shared memory); D = 128, 2 writers x 1 tile, ring of 2 (a 32 KB slot per tile: a ring
+    of 3 does not fit, so more tiles per turn means 1 writer x 2 tiles, one chain instead of two). The D = 64
+    default with 2 tiles per turn is untimed. Backward alone on an H200 with one tile per turn (bf16, B=1 H=16,
     N=16384 D=64 / N=4096 D=128, TFLOP/s): ordered 116 / 72 with one one-warp writer, 188 / 118 with two, 225 / -
     with three, 119 / 131 with the two-warp writer; plain atomics (not reproducible) 327-431; the Triton backward
     315 / 320, cuDNN 472 / 512. Throughput grows with the number of turn chains in flight: each chain passes a
-    query tile on every ~5.8 us (turn wait, reductions, release) against ~1.3 us of consumer work, so the
-    ordered adds, not the products, bound the kernel. Otherwise the same at head dim 64 and 128.
+    turn on every ~5.8 us (turn wait, reductions, release) against ~1.3 us of consumer work per tile, so the
+    ordered adds, not the products, bound the kernel, and a turn that covers more tiles moves more rows per
+    wait. Otherwise the same at head dim 64 and 128.
     Offline sm_90 compile (triton 3.6, bf16), shared memory / local memory per thread (prologue values kept
     across the register reallocation, reloaded once per partition; no spills in the writers' loops):
     D = 64, ring 4: 164,480 bytes (148,096 with a ring of 3, 131,680 with 2); 16 bytes with dq_writers=0, 24 / 48 /
@@ -113,7 +120,7 @@ def get_config(head_dim: int) -> dict:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
             "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_writers": 3 if head_dim == 64 else 2,
-            "dq_ring": 4 if head_dim == 64 else 2,
+            "dq_tiles_per_turn": 2 if head_dim == 64 else 1, "dq_ring": 6 if head_dim == 64 else 2,
             "dq_mode": "ordered"}
 
 
@@ -124,33 +131,39 @@ def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
 
 
 def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
-    """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters, one per
-    (batch * head, query tile of ``BLOCK_M`` rows, part of dQ's columns with its own turn order: the whole row with
-    the dQ writers, whatever their number; a column half with ``dq_writer=False``; ``dq_cols`` columns with
+    """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters: with the
+    dQ writers (whatever their number), one per (batch * head, group of ``dq_tiles_per_turn`` query tiles of
+    ``BLOCK_M`` rows, the last group possibly partial); otherwise one per (batch * head, query tile, part of dQ's
+    columns with its own turn order: a column half with ``dq_writer=False``; ``dq_cols`` columns with
     ``dq_halves=False``); both zeroed before a launch, in one allocation."""
+    n_m = cdiv(n_q, cfg["BLOCK_M"])
     if cfg.get("dq_halves") and cfg.get("dq_writer"):
-        parts = 1  # the writer adds a query tile's whole dQ share in one turn
-    else:
-        parts = CONSUMERS if cfg.get("dq_halves") else cdiv(head_dim, cfg["dq_cols"])
-    return B * H * n_q * head_dim, B * H * cdiv(n_q, cfg["BLOCK_M"]) * parts
+        # the writer adds the whole dQ share of a group of dq_tiles_per_turn query tiles in one turn
+        return B * H * n_q * head_dim, B * H * cdiv(n_m, cfg.get("dq_tiles_per_turn", 1))
+    parts = CONSUMERS if cfg.get("dq_halves") else cdiv(head_dim, cfg["dq_cols"])
+    return B * H * n_q * head_dim, B * H * n_m * parts
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
     key tile is full (no key masking: two builds at most per head dim and dtype). Raises ValueError for a
-    ``dq_writers`` outside 0 .. 3 or a ``dq_ring`` smaller than it (each writer needs a slot of its own in flight:
-    the ring's phase waits are exact only then, see ``_dq_writer``)."""
-    writers, ring = cfg.get("dq_writers", 0), cfg.get("dq_ring", 2)
+    ``dq_writers`` outside 0 .. 3, a ``dq_tiles_per_turn`` outside 1 .. 4 or (with the writers) a ``dq_ring``
+    smaller than ``dq_tiles_per_turn * max(dq_writers, 1)`` (each writer needs slots of its own for a whole group in
+    flight: the ring's phase waits are exact only then, see ``_dq_writer``)."""
+    writers, ring, per_turn = cfg.get("dq_writers", 0), cfg.get("dq_ring", 2), cfg.get("dq_tiles_per_turn", 1)
+    writer = bool(cfg.get("dq_halves", False) and cfg.get("dq_writer", False))
     if writers not in (0, 1, 2, 3):
         raise ValueError(f"dq_writers {writers}: 0 (one writer of two warps), 1, 2 or 3 (writers of one warp)")
-    if cfg.get("dq_halves") and cfg.get("dq_writer") and ring < max(writers, 1):
-        raise ValueError(f"dq_ring {ring} < dq_writers {writers}: each writer needs a ring slot")
+    if per_turn not in (1, 2, 3, 4):
+        raise ValueError(f"dq_tiles_per_turn {per_turn}: 1 to 4 query tiles per turn")
+    if writer and ring < per_turn * max(writers, 1):
+        raise ValueError(f"dq_ring {ring} < dq_tiles_per_turn {per_turn} x dq_writers {writers}: each writer needs "
+                         "a ring slot per tile of its group")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
                 DQ_COLS=min(cfg["dq_cols"], head_dim), DQ_HALVES=bool(cfg.get("dq_halves", False)),
-                DQ_WRITER=bool(cfg.get("dq_halves", False) and cfg.get("dq_writer", False)),
-                WRITER_REGS=cfg.get("writer_regs", 32), DQ_RING=ring, DQ_WRITERS=writers,
-                DQ_MODE=cfg.get("dq_mode", "ordered"))
+                DQ_WRITER=writer, WRITER_REGS=cfg.get("writer_regs", 32), DQ_RING=ring, DQ_WRITERS=writers,
+                DQ_MODE=cfg.get("dq_mode", "ordered"), DQ_TPT=per_turn if writer else 1)
 
 
 def _tma_legal(t: torch.Tensor) -> bool:
@@ -388,25 +401,34 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _dq_writer(dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, DQ_MODE: gl.constexpr,
-                   WRITER: gl.constexpr, WRITERS: gl.constexpr, WARPS: gl.constexpr):
+                   WRITER: gl.constexpr, WRITERS: gl.constexpr, WARPS: gl.constexpr, TPT: gl.constexpr):
         # FlashAttention-3's dQ writer, one of WRITERS partitions of WARPS warps each (two warps and WRITERS = 1, or
-        # one warp each): writer WRITER takes the query tiles i with i % WRITERS == WRITER, each in its own loop, so
-        # that up to WRITERS tiles' turn waits, adds and turn passes are in flight at once. Per query tile: wait for
-        # both consumers' column halves of the key tile's dQ share in ring slot i % DQ_RING, wait for turn j of the
-        # query tile (one int32 counter per query tile: key tile j adds after key tiles 0 .. j - 1, whatever the
-        # timing and the number of writers: bit-for-bit reproducible sums), add the share into the FP32
-        # accumulator (reductions, 4 columns per thread), the last turn writing dQ in DQ's dtype from the sum it
-        # completed; then free the slot and pass the turn on. The consumers never wait on the turns, only on a
-        # free slot.
+        # one warp each). The query tiles form groups of TPT consecutive tiles (TPT * BLOCK_M rows, one turn
+        # counter each); writer WRITER takes the groups g with g % WRITERS == WRITER, each in its own loop, so that
+        # up to WRITERS groups' turn waits, adds and turn passes are in flight at once. Per group: wait for both
+        # consumers' column halves of the key tile's dQ share of each of its tiles i (ring slot i % DQ_RING), wait
+        # for turn j of the group once (key tile j adds after key tiles 0 .. j - 1, whatever the timing, the number
+        # of writers and TPT: every element gets the key tiles' shares in the order 0, 1, ..., so the sums are
+        # bit-for-bit those of TPT = 1 and reproducible), add the shares into the FP32 accumulator (reductions, 4
+        # columns per thread), the last turn writing dQ in DQ's dtype from the sums it completed; then free the
+        # group's slots and pass the turn on once. The consumers never wait on the turns, only on a free slot.
+        # The last group holds cdiv(Nq, BLOCK_M) - g * TPT < TPT tiles when TPT does not divide the tile count: the
+        # consumers never fill the missing tiles, so the writer waits for and adds only the group's real tiles
+        # (rows past Nq inside the last real tile are masked).
         # Ring slots: the uses of slot s (tiles s, s + DQ_RING, ...) fill (dq_full) and free (dq_empty) in strict
-        # alternation, so a phase-parity wait is exact as long as no waiter can run two phases ahead. A writer
-        # reaches tile i only after it freed its tile i - WRITERS, which the consumers filled after tile
-        # i - DQ_RING (they fill in tile order): with DQ_RING >= WRITERS (kernel_constexprs checks it) the
-        # previous use of the slot is filled by then, whichever writer owns it, and the wait sees the right phase.
+        # alternation, so a phase-parity wait on use k is exact as long as use k - 1 has completed its phase when
+        # the wait starts (parity cannot tell phase k - 1 from k + 1). A writer reaches group g only after it freed
+        # its group g - WRITERS, whose tiles end at tile (g - WRITERS + 1) * TPT - 1, so the consumers (who fill in
+        # tile order) have filled every tile up to that one; the previous use of the slot of tile i <= g * TPT +
+        # TPT - 1 is tile i - DQ_RING, filled by then when DQ_RING >= WRITERS * TPT (kernel_constexprs checks it),
+        # whichever writer owns it. A consumer's wait for the freeing of use k - 1 (before it fills use k) starts
+        # after its wait for the freeing of use k - 2, so it is exact too; and the fill of tile i waits only on
+        # the freeing of tile i - DQ_RING, whose group ends before tile i (DQ_RING >= TPT): no cycle.
         # DQ_MODE (diagnosis; dQ is wrong in all but "ordered"): "unordered" adds without turns; "compute" frees
         # the slots and writes nothing (the consumers' cost of the hand-off alone); "skip": nothing to do
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
+        n_g = gl.cdiv(n_m, TPT)
         turn = j
         last_turn = gl.cdiv(Nk, BLOCK_N) - 1
         DQC: gl.constexpr = HEAD_D // CONS
@@ -420,46 +442,59 @@ if _IMPORT_ERROR is None:
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, TPC], [WARPS, 1], [1, 0])
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        sem_base = Sem + bh * n_m
+        sem_base = Sem + bh * n_g
         dq_base = bh.to(gl.int64) * Nq * HEAD_D
         DQ_RING: gl.constexpr = dq_full.shape[0]
-        n_tiles = 0 if DQ_MODE == "skip" else n_m  # "skip": the consumers hand nothing over
-        for i in range(WRITER, n_tiles, WRITERS):
-            slot = i % DQ_RING
+        n_groups = 0 if DQ_MODE == "skip" else n_g  # "skip": the consumers hand nothing over
+        for g in range(WRITER, n_groups, WRITERS):
             if DQ_MODE == "ordered":
-                seen = gl.load(sem_base + i, volatile=True)
-            mbarrier.wait(dq_full.index(slot), (i // DQ_RING) & 1)
+                seen = gl.load(sem_base + g, volatile=True)
+            # the group's real tiles (fewer than TPT in a partial last group: the consumers never fill the missing
+            # ones), a runtime loop bound: one copy of the add code for any TPT
+            n_real = n_m - g * TPT
+            if n_real > TPT:
+                n_real = TPT
+            for t in range(n_real):
+                i = g * TPT + t
+                mbarrier.wait(dq_full.index(i % DQ_RING), (i // DQ_RING) & 1)
             if DQ_MODE == "ordered":
-                gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + i, turn], dtype=gl.int32,
+                gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + g, turn], dtype=gl.int32,
                                           is_pure=False, pack=1)
             if DQ_MODE != "compute":
-                for w in gl.static_range(CONS):  # consumer w's column half, in column chunks c
-                    for c in gl.static_range(DQC // COLS):
-                        for r in gl.static_range(BLOCK_M // ROWS):
-                            chunk = dq_smem.index(slot * CONS + w).slice(r * ROWS, ROWS, dim=0)
-                            if DQC != COLS:
-                                chunk = chunk.slice(c * COLS, COLS, dim=1)
-                            part = chunk.load(layout)
-                            rows = i * BLOCK_M + r * ROWS + offs_r
-                            offs = (dq_base + rows.to(gl.int64)[:, None] * HEAD_D
-                                    + (w * DQC + c * COLS + offs_c)[None, :])
-                            ok = (rows < Nq)[:, None]
-                            if DQ_MODE == "ordered" and turn == last_turn:
-                                old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-                                gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
-                            else:
-                                gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+                for t in range(n_real):
+                    i = g * TPT + t
+                    slot = i % DQ_RING
+                    # rows r, then consumer w's column half, in column chunks c (a chunk's row addresses serve
+                    # both halves at once: short live ranges)
+                    for r in gl.static_range(BLOCK_M // ROWS):
+                        for w in gl.static_range(CONS):
+                            for c in gl.static_range(DQC // COLS):
+                                chunk = dq_smem.index(slot * CONS + w).slice(r * ROWS, ROWS, dim=0)
+                                if DQC != COLS:
+                                    chunk = chunk.slice(c * COLS, COLS, dim=1)
+                                part = chunk.load(layout)
+                                rows = i * BLOCK_M + r * ROWS + offs_r
+                                offs = (dq_base + rows.to(gl.int64)[:, None] * HEAD_D
+                                        + (w * DQC + c * COLS + offs_c)[None, :])
+                                ok = (rows < Nq)[:, None]
+                                if DQ_MODE == "ordered" and turn == last_turn:
+                                    old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
+                                    gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
+                                else:
+                                    gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
             # the partition's barrier (bar.sync on its own named barrier for two warps; for one warp Triton emits a
-            # warp-wide bar.sync of 32 threads / a warp sync): every thread has read the slot and issued its adds.
+            # warp-wide bar.sync of 32 threads / a warp sync): every thread has read the slots and issued its adds.
             # The turn passes by one thread's release exchange, and a release orders only what the releasing
             # thread observed: the barrier makes the other threads' reductions precede it (barriers order the
             # memory operations of the threads they synchronize), the release's cumulativity carries them to the
             # next turn's reader; the same holds for one warp, where a warp barrier is what makes lane 0's release
             # cover the other lanes' reductions (program order alone would not)
             _cta_barrier()
-            mbarrier.arrive(dq_empty.index(slot))
+            for t in range(n_real):
+                i = g * TPT + t
+                mbarrier.arrive(dq_empty.index(i % DQ_RING))
             if DQ_MODE == "ordered":
-                gl.atomic_xchg(sem_base + i, turn + 1, sem="release")
+                gl.atomic_xchg(sem_base + g, turn + 1, sem="release")
 
     @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
     def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk,
@@ -467,7 +502,8 @@ if _IMPORT_ERROR is None:
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr,
                          DQ_HALVES: gl.constexpr, DQ_WRITER: gl.constexpr, WRITER_REGS: gl.constexpr,
-                         DQ_RING: gl.constexpr, DQ_WRITERS: gl.constexpr, DQ_MODE: gl.constexpr):
+                         DQ_RING: gl.constexpr, DQ_WRITERS: gl.constexpr, DQ_MODE: gl.constexpr,
+                         DQ_TPT: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
@@ -516,7 +552,7 @@ if _IMPORT_ERROR is None:
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 1, 2)),
+                          DQ_MODE, 0, 1, 2, DQ_TPT)),
             ], [4, 1, 2], [CONSUMER_REGS, 24, WRITER_REGS])
         elif DQ_WRITER and DQ_WRITERS == 1:
             gl.warp_specialize([
@@ -529,7 +565,7 @@ if _IMPORT_ERROR is None:
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 1, 1)),
+                          DQ_MODE, 0, 1, 1, DQ_TPT)),
             ], [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
         elif DQ_WRITER and DQ_WRITERS == 2:
             gl.warp_specialize([
@@ -542,9 +578,9 @@ if _IMPORT_ERROR is None:
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 2, 1)),
+                          DQ_MODE, 0, 2, 1, DQ_TPT)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 1, 2, 1)),
+                          DQ_MODE, 1, 2, 1, DQ_TPT)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
         elif DQ_WRITER:
             gl.static_assert(DQ_WRITERS == 3, "dq_writers: 0 (one writer of two warps), 1, 2 or 3")
@@ -558,11 +594,11 @@ if _IMPORT_ERROR is None:
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 3, 1)),
+                          DQ_MODE, 0, 3, 1, DQ_TPT)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 1, 3, 1)),
+                          DQ_MODE, 1, 3, 1, DQ_TPT)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 2, 3, 1)),
+                          DQ_MODE, 2, 3, 1, DQ_TPT)),
             ], [4, 1, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS, WRITER_REGS])
         else:
             gl.warp_specialize([

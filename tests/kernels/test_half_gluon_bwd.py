@@ -63,35 +63,57 @@ def test_half_backward_refuses_what_it_cannot_run():
 
 def test_host_helpers():
     """Grid: one program per (key tile of 128, head, batch); the ordered-dQ buffers: the FP32 accumulator and one
-    counter per (head, 64-row query tile, 64 columns of dQ); EVEN_N only when every key tile is full."""
+    counter per turn chain (with the dQ writers: per head and group of query tiles); the writers' config checks;
+    EVEN_N only when every key tile is full."""
     for d in (64, 128):
         cfg = half_gluon_bwd.get_config(d)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == (64, 128, 2)
         assert half_gluon_bwd.grid_size(2, 3, 1000, cfg) == 8 * 6
         assert half_gluon_bwd.grid_size(1, 1, 128, cfg) == 1
-        # the dQ writer: one counter per (head, query tile); the halves without it: one per column half too
+        # the dQ writer: one counter per (head, group of dq_tiles_per_turn query tiles); the halves without it: one
+        # per (head, query tile, column half)
         assert cfg["dq_halves"] and cfg["dq_writer"]
-        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg) == (6000 * d, 6 * math.ceil(1000 / 64))
+        per_turn = cfg["dq_tiles_per_turn"]
+        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg) == (
+            6000 * d, 6 * math.ceil(math.ceil(1000 / 64) / per_turn))
         no_writer = dict(cfg, dq_writer=False)
         assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, no_writer) == (6000 * d,
                                                                                  6 * math.ceil(1000 / 64) * 2)
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(no_writer, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(dict(cfg, dq_halves=False), d, 1024)["DQ_WRITER"]
-        assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_RING"] == (4 if d == 64 else 2)
-        # one-warp writers taking the query tiles in turn (0: the two-warp writer); one counter per query tile
-        # whatever their number; the ring holds a tile per writer
-        assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_WRITERS"] == (3 if d == 64 else 2)
-        for writers in (0, 1, 2, 3):
-            w_cfg = dict(cfg, dq_writers=writers, dq_ring=max(cfg["dq_ring"], writers))
-            assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, w_cfg) == (6000 * d, 6 * math.ceil(1000 / 64))
-            assert half_gluon_bwd.kernel_constexprs(w_cfg, d, 1024)["DQ_WRITERS"] == writers
+        # D = 64: 3 writers x 2 tiles per turn, ring of 6; D = 128: 2 writers x 1 tile, ring of 2
+        want = (6, 3, 2) if d == 64 else (2, 2, 1)
+        got = half_gluon_bwd.kernel_constexprs(cfg, d, 1024)
+        assert (got["DQ_RING"], got["DQ_WRITERS"], got["DQ_TPT"]) == want
+        # one-warp writers taking the groups of query tiles in turn (0: the two-warp writer); one counter per group
+        # whatever their number; the ring holds a group per writer
+        for per_turn in (1, 2):
+            for writers in (0, 1, 2, 3):
+                w_cfg = dict(cfg, dq_writers=writers, dq_tiles_per_turn=per_turn, dq_ring=per_turn * max(writers, 1))
+                # 1000 rows: 16 query tiles (the last partial), 8 groups of 2
+                assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, w_cfg) == (6000 * d, 6 * 16 // per_turn)
+                got = half_gluon_bwd.kernel_constexprs(w_cfg, d, 1024)
+                assert (got["DQ_WRITERS"], got["DQ_TPT"]) == (writers, per_turn)
+        # 15 full tiles and a partial one (1000 rows) vs 17 tiles (1025 rows: 9 groups of 2, the last partial)
+        two = dict(cfg, dq_tiles_per_turn=2, dq_writers=1, dq_ring=2)
+        assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 1025, d, two)[1] == 9
+        assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 64, d, two)[1] == 1
         with pytest.raises(ValueError, match="dq_ring"):
-            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=3, dq_ring=2), d, 1024)
+            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=3, dq_ring=2, dq_tiles_per_turn=1), d, 1024)
+        with pytest.raises(ValueError, match="dq_ring 4 < dq_tiles_per_turn 2 x dq_writers 3"):
+            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=3, dq_ring=4, dq_tiles_per_turn=2), d, 1024)
+        with pytest.raises(ValueError, match="dq_ring 1 < dq_tiles_per_turn 2 x dq_writers 0"):
+            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=0, dq_ring=1, dq_tiles_per_turn=2), d, 1024)
         with pytest.raises(ValueError, match="dq_writers"):
-            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=4, dq_ring=4), d, 1024)
-        # without the writer the ring and writer count do not matter
-        half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writer=False, dq_writers=3, dq_ring=2), d, 1024)
+            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=4, dq_ring=8), d, 1024)
+        for bad in (0, 5):
+            with pytest.raises(ValueError, match="dq_tiles_per_turn"):
+                half_gluon_bwd.kernel_constexprs(dict(cfg, dq_tiles_per_turn=bad, dq_ring=16), d, 1024)
+        # without the writer the ring, writer count and tiles per turn do not matter: one turn per query tile
+        no_w = dict(cfg, dq_writer=False, dq_writers=3, dq_ring=2, dq_tiles_per_turn=2)
+        assert half_gluon_bwd.kernel_constexprs(no_w, d, 1024)["DQ_TPT"] == 1
+        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, no_w)[1] == 6 * 16 * 2
         turns = dict(cfg, dq_halves=False)
         assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, turns) == (2 * 3 * 1000 * d,
                                                                               6 * math.ceil(1000 / 64) * (d // 64))
@@ -112,22 +134,25 @@ import json, torch
 from visionattn.kernels import half_gluon_bwd as g
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
-# (head dim, dtype, keys, dq_writer, dq_writers: None = the default)
-for d, dtype, n_k, writer, writers in ((64, torch.float16, 1024, True, None), (64, torch.bfloat16, 1000, True, None),
-                                       (128, torch.float16, 1000, True, None), (64, torch.bfloat16, 1000, False, None),
-                                       (64, torch.bfloat16, 1000, True, 0), (64, torch.bfloat16, 1000, True, 1),
-                                       (128, torch.bfloat16, 1000, True, 0), (128, torch.bfloat16, 1000, True, 1)):
+# (head dim, dtype, keys, dq_writer, dq_writers, dq_tiles_per_turn: None = the default); the ring: a group per writer
+for d, dtype, n_k, writer, writers, per_turn in (
+        (64, torch.float16, 1024, True, None, None), (64, torch.bfloat16, 1000, True, None, None),
+        (128, torch.float16, 1000, True, None, None), (64, torch.bfloat16, 1000, False, None, None),
+        (64, torch.bfloat16, 1000, True, 0, 1), (64, torch.bfloat16, 1000, True, 1, 1),
+        (64, torch.bfloat16, 1000, True, 3, 1), (64, torch.bfloat16, 1000, True, 2, 2),
+        (128, torch.bfloat16, 1000, True, 0, 1), (128, torch.bfloat16, 1000, True, 1, 1),
+        (128, torch.bfloat16, 1000, True, 1, 2)):
     cfg = dict(g.get_config(d), dq_writer=writer)
     if writers is not None:
-        cfg["dq_writers"] = writers
+        cfg.update(dq_writers=writers, dq_tiles_per_turn=per_turn, dq_ring=max(2, per_turn * max(writers, 1)))
     t = "fp16" if dtype == torch.float16 else "bf16"
     ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK="*" + t, DV="*" + t, DQ="*" + t,
                 DQACC="*fp32", Sem="*i32")
     r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
                          float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    name = f"{d}-{t}-{n_k}-{'halves' if not writer else 'writers' + str(cfg['dq_writers'])}"
+    name = f"{d}-{t}-{n_k}-" + ("halves" if not writer else f"writers{cfg['dq_writers']}x{cfg['dq_tiles_per_turn']}")
     out[name] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
-                 "writers": cfg["dq_writers"] if writer else None}
+                 "writers": cfg["dq_writers"] if writer else None, "per_turn": cfg["dq_tiles_per_turn"]}
 print(json.dumps(out))
 """
 
@@ -136,12 +161,14 @@ print(json.dumps(out))
 @needs_gluon
 def test_compiles_for_hopper():
     """The kernel builds for sm_90: six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer warp
-    and the dQ writers' warps padded to a warpgroup), shared memory under Hopper's 232,448 bytes; at head dim 64 no
+    and the dQ writers' warps padded to a warpgroup), shared memory under Hopper's 232,448 bytes, with one and two
+    query tiles per writer turn (the D = 64 default: 3 writers x 2 tiles, ring of 6); at head dim 64 no
     register spills without the writer, with it at most 32 bytes per writer partition (triton 3.6 / 3.8: values of
     the prologue that ptxas keeps in local memory across the register reallocation, reloaded once per
     partition)."""
     r = compile_in_child(_CHILD)
     assert {v["writers"] for v in r.values()} >= {0, 1, 2, 3}, r  # every writer count built
+    assert {v["per_turn"] for v in r.values()} == {1, 2}, r  # one and two query tiles per turn
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
         assert v["wgmma"] == 12 and v["warps"] == 12, (key, v)
