@@ -17,7 +17,7 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   ``dQ_i += scale dS_i K_j`` in FP32, split by columns: both consumers store ``dS^T`` (16-bit) into a
   double-buffered shared tile and meet on an mbarrier; consumer ``w`` then computes dQ's column half ``w`` over
   all 128 keys (two wgmmas, ``dS`` as the transposed shared-memory operand), as FlashAttention-3 shares ``dS``
-  through shared memory (``dq_halves=False`` in the config: the previous path, each consumer its own keys' share,
+  through shared memory (``dq_halves=False`` in the config: each consumer its own keys' share,
   ``dS^T`` transposed in registers, in parts of ``dq_cols`` columns);
 * **dQ writers** (FlashAttention-3's dQ writer): the consumers store their FP32 dQ halves (scaled) into a
   shared-memory ring of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; writer
@@ -101,7 +101,7 @@ def get_config(head_dim: int) -> dict:
     every ``dq_writers``-th group of query tiles, or 0: one writer of two warps for every group;
     ``dq_tiles_per_turn``: query tiles per group and turn (1 to 4); the ring must hold a group per writer:
     ``dq_ring >= dq_tiles_per_turn * max(dq_writers, 1)``. Defaults: D = 64, 3 writers x 2 tiles per turn, ring
-    of 6 (197,376 bytes of shared memory); D = 128, 2 writers x 1 tile, ring of 2 (a 32 KB slot per tile: a ring
+    of 6 (197,280 bytes of shared memory); D = 128, 2 writers x 1 tile, ring of 2 (a 32 KB slot per tile: a ring
     of 3 does not fit, so more tiles per turn means 1 writer x 2 tiles, one chain instead of two). The D = 64
     default with 2 tiles per turn is untimed. Backward alone on an H200 with one tile per turn (bf16, B=1 H=16,
     N=16384 D=64 / N=4096 D=128, TFLOP/s): ordered 116 / 72 with one one-warp writer, 188 / 118 with two, 225 / -
@@ -110,12 +110,13 @@ def get_config(head_dim: int) -> dict:
     turn on every ~5.8 us (turn wait, reductions, release) against ~1.3 us of consumer work per tile, so the
     ordered adds, not the products, bound the kernel, and a turn that covers more tiles moves more rows per
     wait. Otherwise the same at head dim 64 and 128.
-    Offline sm_90 compile (triton 3.6, bf16), shared memory / local memory per thread (prologue values kept
-    across the register reallocation, reloaded once per partition; no spills in the writers' loops):
-    D = 64, ring 4: 164,480 bytes (148,096 with a ring of 3, 131,680 with 2); 16 bytes with dq_writers=0, 24 / 48 /
-    72 with 1 / 2 / 3 writers. D = 128, ring 2: 229,984 bytes (a ring of 3: 262,784, over the 232,448 limit); 40
-    bytes with dq_writers=0 (part of it spills in the writer's loop), 40 / 72 with 1 / 2 writers. Without the
-    writer: 98,880 / none and 164,416 / 296; dq_halves=False: 81,968 / none and 147,504 / 224."""
+    Offline sm_90 compile (triton 3.6, bf16; 3.8 the same for the defaults), shared memory / local memory per
+    thread (values that ptxas keeps in local memory, mostly prologue values across the register reallocation):
+    D = 64, the default (3 writers x 2 tiles, ring 6): 197,280 bytes / 16; 2 writers x 2 tiles, ring 4: 164,480 /
+    16; one tile per turn, ring 4: 164,480 / 40 with 2 writers, 56 with 3; dq_writers=0 x 2 tiles, ring 2: 131,680
+    / none. D = 128, the default (2 writers x 1 tile, ring 2): 229,984 / 72 (a ring of 3: 262,784, over the
+    232,448 limit); 1 writer x 2 tiles: 229,984 / 32; dq_writers=0 x 2 tiles: 40. Without the writer: 98,880 /
+    none and 164,416 / 296; dq_halves=False: 81,968 / none and 147,504 / 224."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
@@ -419,11 +420,12 @@ if _IMPORT_ERROR is None:
         # alternation, so a phase-parity wait on use k is exact as long as use k - 1 has completed its phase when
         # the wait starts (parity cannot tell phase k - 1 from k + 1). A writer reaches group g only after it freed
         # its group g - WRITERS, whose tiles end at tile (g - WRITERS + 1) * TPT - 1, so the consumers (who fill in
-        # tile order) have filled every tile up to that one; the previous use of the slot of tile i <= g * TPT +
-        # TPT - 1 is tile i - DQ_RING, filled by then when DQ_RING >= WRITERS * TPT (kernel_constexprs checks it),
-        # whichever writer owns it. A consumer's wait for the freeing of use k - 1 (before it fills use k) starts
-        # after its wait for the freeing of use k - 2, so it is exact too; and the fill of tile i waits only on
-        # the freeing of tile i - DQ_RING, whose group ends before tile i (DQ_RING >= TPT): no cycle.
+        # tile order) have filled every tile up to that one; the previous use of the slot of tile
+        # i <= g * TPT + TPT - 1 is tile i - DQ_RING, filled by then when DQ_RING >= WRITERS * TPT
+        # (kernel_constexprs checks it), whichever writer owns it (for g < WRITERS, i < DQ_RING: the slot's first
+        # use). A consumer's wait for the freeing of use k - 1 (before it fills use k) starts after its wait for
+        # the freeing of use k - 2, so it is exact too; and the fill of tile i waits only on the freeing of tile
+        # i - DQ_RING, whose group ends before tile i (DQ_RING >= TPT): no cycle.
         # DQ_MODE (diagnosis; dQ is wrong in all but "ordered"): "unordered" adds without turns; "compute" frees
         # the slots and writes nothing (the consumers' cost of the hand-off alone); "skip": nothing to do
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
