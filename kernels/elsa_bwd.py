@@ -75,7 +75,10 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   the same power-of-two scaling, the right operand's per (batch, head)): its gradients err about as much as
   PyTorch's own TF32 backward.
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
-  FlashAttention-2 does), FP32 accumulation.
+  FlashAttention-2 does), FP32 accumulation; on Hopper, in scope (no bias / mask / causal / GQA, head dim 64 or
+  128, TMA-legal strides) and from :data:`.half_gluon_bwd.MIN_KEYS` keys and query rows,
+  :mod:`.half_gluon_bwd` (Gluon, warp-specialized, FlashAttention-3's schedule, one pass with ordered dQ adds
+  over several accumulators); else the two kernels here.
 
 The same kernels serve the window op (:mod:`.window_bwd`): an additive mask indexed by ``batch mod n``
 (Swin's shift mask), a logit scale per head (Swin-v2) and its gradient ``sum dS * q k^T``.
@@ -1153,6 +1156,7 @@ def _tensor_key(t: torch.Tensor | None):
 
 
 _GLUON_BWD = "fp32-ieee backward"  # the Gluon IEEE backward's name in elsa_fwd's record of Gluon failures
+_GLUON_HALF_BWD = "half backward"  # the Gluon fp16 / bf16 backward's (kernels/half_gluon_bwd.py)
 
 
 # call signature -> _BackwardPlan (see launch_backward); PLANS.hits / PLANS.builds count reuses and builds
@@ -1247,6 +1251,21 @@ class _BackwardPlan:
                 self.gluon = ieee_gluon_bwd.planned_launch(q, k, v, grad_out)
             elif reason == ieee_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                 elsa_fwd._gluon_failed(_GLUON_BWD, reason)
+        # fp16 / bf16 on Hopper from half_gluon_bwd.MIN_KEYS keys and query rows: the warp-specialized Gluon kernel
+        # (ordered dQ over several accumulators), under the same conditions as the IEEE one
+        self.half_gluon = None
+        self.half_gluon_ran = False
+        if (dtype != torch.float32 and q.device.type == "cuda" and config is None and default is None
+                and add_mask is None and head_scale is None and not bias_requires_grad
+                and _GLUON_HALF_BWD not in elsa_fwd._GLUON_FAILED):
+            from . import half_gluon_bwd  # lazy: it imports this module (the preprocess kernel)
+
+            if half_gluon_bwd.preferred(Nq, Nk):
+                reason = half_gluon_bwd.unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
+                if reason is None:
+                    self.half_gluon = half_gluon_bwd.planned_launch(q, k, v, grad_out)
+                elif reason == half_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
+                    elsa_fwd._gluon_failed(_GLUON_HALF_BWD, reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
         # (dQ given: the Triton kernels write it at its strides, the Gluon ones contiguous, copied after)
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
@@ -1297,13 +1316,16 @@ class _BackwardPlan:
         (a plan built with them needs them), else they are allocated contiguous."""
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
-        if grads is not None and (self.gluon is not None or self.ordered["ACC_IS_OUT"]):  # contiguous, then copied
+        if grads is not None and (self.gluon is not None or self.half_gluon is not None
+                                  or self.ordered["ACC_IS_OUT"]):  # contiguous, then copied
             result = self(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale)
             for into, got in zip(grads, result):
                 into.copy_(got)
             return (*grads, *result[3:])
         dq = grads[0] if grads is not None else None
-        if self.single_pass or self.gluon is not None:  # the Gluon IEEE kernel adds dQ in order too
+        if self.half_gluon is not None:  # it allocates dQ and its accumulators itself
+            acc = sem = head_max = q  # not read
+        elif self.single_pass or self.gluon is not None:  # the Gluon IEEE kernel adds dQ in order too
             dq, acc, sem, head_max = self._ordered_buffers(q.dtype, dq)
         else:
             if dq is None:  # every element written by the dQ kernel
@@ -1321,6 +1343,18 @@ class _BackwardPlan:
         delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
         lse_row = torch.empty_like(delta)
         self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail)
+        if self.half_gluon is not None:
+            try:
+                dq = self.half_gluon(q, k, v, grad_out, delta, lse_row, dk, dv, float(scale))
+                self.half_gluon_ran = True
+                return dq, dk, dv, None, None
+            except Exception as exc:  # a Triton release whose Gluon cannot build this kernel: the Triton ones
+                if self.half_gluon_ran:
+                    raise
+                elsa_fwd._gluon_failed(_GLUON_HALF_BWD, f"{type(exc).__name__}: {exc}")
+                self.half_gluon = None
+                dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
+                acc = sem = dq  # not read (the Triton kernels' two-kernel path: half precision never single-pass)
         if self.gluon is not None:
             try:
                 self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, sem, float(scale))

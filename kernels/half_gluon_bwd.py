@@ -29,14 +29,17 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   ``dq_writers`` one-warp writers take the groups in turn (writer ``w``: groups ``g`` with
   ``g % dq_writers == w``), with up to ``dq_writers`` groups in flight; ``dq_writers=0``: one writer of two warps
   for every group. ``dq_writer=False`` in the config: the consumers add their halves themselves, as below;
-* **deterministic dQ**: the FP32 accumulator gets each query tile's shares in a fixed order, as in
-  :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (batch * head, query tile, column
-  half) says how many shares were added; consumer ``w`` of key tile ``j`` waits for turn ``j`` of its half
-  (``dq_halves=False``: turn ``2 j + w`` per part; the dQ writers: turn ``j`` per group of query tiles), adds,
-  and passes the turn on; the last turn writes dQ in the input dtype from the sum it completed (no conversion
-  kernel). The order, not the timing, fixes every sum: dQ is bit-for-bit reproducible, and the dQ-writer
-  variants (any ``dq_writers`` and ``dq_tiles_per_turn``) give identical bits. Key tile ``j`` waits only on key
-  tile ``j - 1`` of its head (a lower program id), so the waits end as long as programs start in id order;
+* **deterministic dQ**: each FP32 accumulator gets each query tile's shares in a fixed order, as in
+  :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (accumulator, batch * head, query
+  tile, column half) says how many shares were added; consumer ``w`` of key tile ``j`` waits for its turn
+  (``dq_halves=False``: per part; the dQ writers: per group of query tiles), adds, and passes the turn on. With
+  one accumulator the turns run ``j = 0, 1, ...`` and the last one writes dQ in the input dtype from the sum it
+  completed; with ``dq_accumulators = A`` key tile ``j`` adds into accumulator ``j % A`` as its ``j // A``-th
+  turn, so every chain of turns is ``A`` times shorter (the turns' latency, not the products, bound the kernel),
+  and :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype. The order, not the
+  timing, fixes every sum: dQ is bit-for-bit reproducible, and for a given ``A`` the dQ-writer variants (any
+  ``dq_writers`` and ``dq_tiles_per_turn``) give identical bits. Key tile ``j`` waits only on key tile ``j - A``
+  of its head (a lower program id), so the waits end as long as programs start in id order;
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
@@ -47,7 +50,8 @@ memory) only where used; not through the producer (a TMA row of them would need 
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x, q / k / v of one dtype (fp16 or bf16),
 [B, H, N, D] with equal heads for q and k / v (no grouped-query attention), Nq != Nk allowed, head dim 64 or 128
 for Q/K and V, no bias / mask / causal, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
-Everything else stays on :mod:`.elsa_bwd`'s Triton kernels; nothing dispatches here yet. Gluon cannot run under
+Everything else stays on :mod:`.elsa_bwd`'s Triton kernels, which also keep the calls below :data:`MIN_KEYS`
+keys or query rows (where this kernel's per-program fixed costs lose to them). Gluon cannot run under
 ``TRITON_INTERPRET=1``: CPU tests compile the kernel offline for sm_90, ``pytest -m gpu`` checks its gradients.
 """
 from __future__ import annotations
@@ -55,6 +59,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from . import elsa_bwd
 from ._gluon import scope_reason
@@ -74,54 +80,51 @@ try:  # Gluon is experimental: its API moves between Triton releases
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
 
-__all__ = ["half_backward", "unsupported_reason", "get_config", "kernel_constexprs", "descriptor_types",
-           "ordered_buffer_sizes", "grid_size", "HEAD_DIMS"]
+__all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
+           "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "HEAD_DIMS", "MIN_KEYS"]
 
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
 # consumer warpgroups per program: each owns BLOCK_N / CONSUMERS keys of the key tile
 CONSUMERS = 2
+MAX_DQ_ACCUMULATORS = 64
+# the backward plans of elsa_bwd take this kernel from this many keys and query rows (both); below, the Triton
+# kernels are faster (docs/tuning.md: Hopper fp16 / bf16 backward)
+MIN_KEYS = 2048
+
+
+def preferred(n_q: int, n_k: int) -> bool:
+    """Whether :mod:`.elsa_bwd`'s backward plans run an in-scope call of ``n_q`` query rows and ``n_k`` keys here
+    rather than on the Triton kernels: from :data:`MIN_KEYS` of both."""
+    return min(n_q, n_k) >= MIN_KEYS
 
 
 def get_config(head_dim: int) -> dict:
-    """Launch config: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program (split between the
-    two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12 warps: two consumer
-    warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer thread after
-    ``setmaxnreg`` (the first consumer gets what the others leave of ``maxnreg`` * 12 warps: 240; the producer
-    keeps 24); ``dq_halves``: dQ by column halves
-    over both consumers' keys (``dS^T`` shared through shared memory, one turn per key tile and half); with
-    ``dq_halves=False``, ``dq_cols``: columns of each part of a consumer's own share (64: one part at D = 64,
-    two at 128; 128 at D = 128 runs one part, whose accumulator makes ptxas serialize the wgmmas); ``dq_mode``:
-    ``"ordered"`` (the only correct one; ``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for
-    diagnosis, see ``_dq_ordered_add`` and ``_dq_writer``); ``dq_writer`` (with ``dq_halves``): the consumers hand
-    their dQ halves to writer partitions with ``writer_regs`` registers per thread (their warpgroup, shared with
-    the producer, takes them from the first consumer's: 232 / 240 / 32 after ``setmaxnreg``) through a ring of
-    ``dq_ring`` query tiles (6 at D = 64, 2 at D = 128: a third 32 KB tile does not fit at D = 128);
-    ``dq_writers``: 1, 2 or 3 writers of one warp each (the producer's warpgroup holds four warps), each adding
-    every ``dq_writers``-th group of query tiles, or 0: one writer of two warps for every group;
-    ``dq_tiles_per_turn``: query tiles per group and turn (1 to 4); the ring must hold a group per writer:
-    ``dq_ring >= dq_tiles_per_turn * max(dq_writers, 1)``. Defaults: D = 64, 3 writers x 2 tiles per turn, ring
-    of 6 (197,280 bytes of shared memory); D = 128, 2 writers x 1 tile, ring of 2 (a 32 KB slot per tile: a ring
-    of 3 does not fit, so more tiles per turn means 1 writer x 2 tiles, one chain instead of two). The D = 64
-    default with 2 tiles per turn is untimed. Backward alone on an H200 with one tile per turn (bf16, B=1 H=16,
-    N=16384 D=64 / N=4096 D=128, TFLOP/s): ordered 116 / 72 with one one-warp writer, 188 / 118 with two, 225 / -
-    with three, 119 / 131 with the two-warp writer; plain atomics (not reproducible) 327-431; the Triton backward
-    315 / 320, cuDNN 472 / 512. Throughput grows with the number of turn chains in flight: each chain passes a
-    turn on every ~5.8 us (turn wait, reductions, release) against ~1.3 us of consumer work per tile, so the
-    ordered adds, not the products, bound the kernel, and a turn that covers more tiles moves more rows per
-    wait. Otherwise the same at head dim 64 and 128.
-    Offline sm_90 compile (triton 3.6, bf16; 3.8 the same for the defaults), shared memory / local memory per
-    thread (values that ptxas keeps in local memory, mostly prologue values across the register reallocation):
-    D = 64, the default (3 writers x 2 tiles, ring 6): 197,280 bytes / 16; 2 writers x 2 tiles, ring 4: 164,480 /
-    16; one tile per turn, ring 4: 164,480 / 40 with 2 writers, 56 with 3; dq_writers=0 x 2 tiles, ring 2: 131,680
-    / none. D = 128, the default (2 writers x 1 tile, ring 2): 229,984 / 72 (a ring of 3: 262,784, over the
-    232,448 limit); 1 writer x 2 tiles: 229,984 / 32; dq_writers=0 x 2 tiles: 40. Without the writer: 98,880 /
-    none and 164,416 / 296; dq_halves=False: 81,968 / none and 147,504 / 224."""
+    """Launch config of the head dim. Keys: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program
+    (split between the two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12
+    warps: two consumer warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer
+    thread after ``setmaxnreg``; ``dq_halves``: dQ by column halves over both consumers' keys (``dS^T`` shared
+    through shared memory), else each consumer its own keys' share in parts of ``dq_cols`` columns; ``dq_writer``
+    (with ``dq_halves``): the consumers hand their dQ halves to writer partitions (``writer_regs`` registers per
+    thread) through a shared-memory ring of ``dq_ring`` query tiles, else they add them themselves;
+    ``dq_writers``: 1, 2 or 3 writers of one warp each taking every ``dq_writers``-th group of
+    ``dq_tiles_per_turn`` query tiles, or 0: one writer of two warps (the ring must hold a group per writer:
+    ``dq_ring >= dq_tiles_per_turn * max(dq_writers, 1)``); ``dq_accumulators``: FP32 dQ accumulators the key
+    tiles take in turn (tile ``j`` adds into ``j % dq_accumulators``; a combine kernel sums them in index order),
+    which divides each query tile's chain of ordered turns by that many; ``dq_mode``: ``"ordered"``, the only
+    correct one (``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for diagnosis).
+
+    Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): three one-warp writers (D = 64; two at D = 128, where a
+    ring of three 32 KB tiles does not fit), one query tile per turn, four accumulators. The ordered turns, not
+    the products, bound this kernel: a turn passes from key tile ``j`` to ``j + 1`` every few microseconds (wait,
+    reductions, release) against ~1.3 us of products per tile, so with one accumulator the writers reach 225 TFLOP/s
+    (bf16, B=1 H=16 N=16384 D=64, H200) and the consumers adding their halves 242; four accumulators bring the
+    writers to 400 (plain unordered atomics: 413), 1.29x the Triton backward."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
             "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_writers": 3 if head_dim == 64 else 2,
-            "dq_tiles_per_turn": 2 if head_dim == 64 else 1, "dq_ring": 6 if head_dim == 64 else 2,
+            "dq_tiles_per_turn": 1, "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 4,
             "dq_mode": "ordered"}
 
 
@@ -138,11 +141,12 @@ def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> 
     columns with its own turn order: a column half with ``dq_writer=False``; ``dq_cols`` columns with
     ``dq_halves=False``); both zeroed before a launch, in one allocation."""
     n_m = cdiv(n_q, cfg["BLOCK_M"])
+    accs = cfg.get("dq_accumulators", 1)
     if cfg.get("dq_halves") and cfg.get("dq_writer"):
         # the writer adds the whole dQ share of a group of dq_tiles_per_turn query tiles in one turn
-        return B * H * n_q * head_dim, B * H * cdiv(n_m, cfg.get("dq_tiles_per_turn", 1))
+        return accs * B * H * n_q * head_dim, accs * B * H * cdiv(n_m, cfg.get("dq_tiles_per_turn", 1))
     parts = CONSUMERS if cfg.get("dq_halves") else cdiv(head_dim, cfg["dq_cols"])
-    return B * H * n_q * head_dim, B * H * n_m * parts
+    return accs * B * H * n_q * head_dim, accs * B * H * n_m * parts
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
@@ -153,6 +157,9 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
     flight: the ring's phase waits are exact only then, see ``_dq_writer``)."""
     writers, ring, per_turn = cfg.get("dq_writers", 0), cfg.get("dq_ring", 2), cfg.get("dq_tiles_per_turn", 1)
     writer = bool(cfg.get("dq_halves", False) and cfg.get("dq_writer", False))
+    accs = cfg.get("dq_accumulators", 1)
+    if not (isinstance(accs, int) and 1 <= accs <= MAX_DQ_ACCUMULATORS):
+        raise ValueError(f"dq_accumulators {accs!r}: 1 to {MAX_DQ_ACCUMULATORS} FP32 dQ accumulators")
     if writers not in (0, 1, 2, 3):
         raise ValueError(f"dq_writers {writers}: 0 (one writer of two warps), 1, 2 or 3 (writers of one warp)")
     if per_turn not in (1, 2, 3, 4):
@@ -164,7 +171,7 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
                 DQ_COLS=min(cfg["dq_cols"], head_dim), DQ_HALVES=bool(cfg.get("dq_halves", False)),
                 DQ_WRITER=writer, WRITER_REGS=cfg.get("writer_regs", 32), DQ_RING=ring, DQ_WRITERS=writers,
-                DQ_MODE=cfg.get("dq_mode", "ordered"), DQ_TPT=per_turn if writer else 1)
+                DQ_MODE=cfg.get("dq_mode", "ordered"), DQ_TPT=per_turn if writer else 1, DQ_ACCS=accs)
 
 
 def _tma_legal(t: torch.Tensor) -> bool:
@@ -201,6 +208,17 @@ if _IMPORT_ERROR is None:
         pid = gl.program_id(0)
         bh = pid // n_kt
         return pid % n_kt, bh, bh // H, bh % H
+
+    @gluon.jit
+    def _accumulator(j, Nk, Nq, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, DQ_ACCS: gl.constexpr):
+        # (accumulator, turn, key tiles adding into it, its element offset) of key tile j: the key tiles take the
+        # DQ_ACCS FP32 dQ accumulators [DQ_ACCS, B * H, Nq, HEAD_D] in turn (tile j adds into accumulator
+        # j % DQ_ACCS as its (j // DQ_ACCS)-th share): a chain of turns per accumulator is DQ_ACCS times shorter
+        n_kt = gl.cdiv(Nk, BLOCK_N)
+        acc_id = j % DQ_ACCS
+        n_in = (n_kt - 1 - acc_id) // DQ_ACCS + 1
+        acc_off = acc_id.to(gl.int64) * (gl.num_programs(0) // n_kt) * Nq * HEAD_D
+        return acc_id, j // DQ_ACCS, n_in, acc_off
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq, Nk,
@@ -253,7 +271,7 @@ if _IMPORT_ERROR is None:
                   LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                   CONS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr, DQ_HALVES: gl.constexpr,
-                  DQ_WRITER: gl.constexpr, DQ_MODE: gl.constexpr):
+                  DQ_WRITER: gl.constexpr, DQ_MODE: gl.constexpr, DQ_ACCS: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
         HALF: gl.constexpr = BLOCK_N // CONS
         # [keys, queries] tiles (S^T, dP^T) and [keys or queries, HEAD_D] accumulators (dK, dV, dQ share)
@@ -278,13 +296,17 @@ if _IMPORT_ERROR is None:
         dtype: gl.constexpr = q_smem.dtype
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
+        acc_id, jj, n_in, acc_off = _accumulator(j, Nk, Nq, BLOCK_N, HEAD_D, DQ_ACCS)
         if DQ_HALVES:
-            turn = j
-            last_turn = gl.cdiv(Nk, BLOCK_N) - 1
+            turn = jj
+            last_turn = n_in - 1
         else:
-            turn = CONS * j + WG
-            last_turn = CONS * gl.cdiv(Nk, BLOCK_N) - 1
-        sem_base = Sem + bh * n_m * DQ_SPLIT
+            turn = CONS * jj + WG
+            last_turn = CONS * n_in - 1
+        if DQ_ACCS > 1:
+            last_turn = -1  # the combine kernel writes dQ from the accumulators: no turn writes it
+        DQACC = DQACC + acc_off
+        sem_base = Sem + (acc_id * (gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)) + bh) * n_m * DQ_SPLIT
         row_base = bh * Nq
         dq_base = bh.to(gl.int64) * Nq * HEAD_D
         offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
@@ -402,7 +424,8 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _dq_writer(dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, DQ_MODE: gl.constexpr,
-                   WRITER: gl.constexpr, WRITERS: gl.constexpr, WARPS: gl.constexpr, TPT: gl.constexpr):
+                   WRITER: gl.constexpr, WRITERS: gl.constexpr, WARPS: gl.constexpr, TPT: gl.constexpr,
+                   DQ_ACCS: gl.constexpr):
         # FlashAttention-3's dQ writer, one of WRITERS partitions of WARPS warps each (two warps and WRITERS = 1, or
         # one warp each). The query tiles form groups of TPT consecutive tiles (TPT * BLOCK_M rows, one turn
         # counter each); writer WRITER takes the groups g with g % WRITERS == WRITER, each in its own loop, so that
@@ -431,8 +454,11 @@ if _IMPORT_ERROR is None:
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
         n_g = gl.cdiv(n_m, TPT)
-        turn = j
-        last_turn = gl.cdiv(Nk, BLOCK_N) - 1
+        acc_id, turn, n_in, acc_off = _accumulator(j, Nk, Nq, BLOCK_N, HEAD_D, DQ_ACCS)
+        last_turn = n_in - 1
+        if DQ_ACCS > 1:
+            last_turn = -1  # the combine kernel writes dQ from the accumulators: no turn writes it
+        DQACC = DQACC + acc_off
         DQC: gl.constexpr = HEAD_D // CONS
         # chunks of 8 rows (the shared tile's swizzle spans 8 rows: no finer row slices) by COLS columns: a half's
         # columns for two warps, 32 for one (8 values per thread either way: 16 and their addresses overflow the
@@ -444,7 +470,7 @@ if _IMPORT_ERROR is None:
         layout: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, TPC], [WARPS, 1], [1, 0])
         offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        sem_base = Sem + bh * n_g
+        sem_base = Sem + (acc_id * (gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)) + bh) * n_g
         dq_base = bh.to(gl.int64) * Nq * HEAD_D
         DQ_RING: gl.constexpr = dq_full.shape[0]
         n_groups = 0 if DQ_MODE == "skip" else n_g  # "skip": the consumers hand nothing over
@@ -505,7 +531,7 @@ if _IMPORT_ERROR is None:
                          CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr,
                          DQ_HALVES: gl.constexpr, DQ_WRITER: gl.constexpr, WRITER_REGS: gl.constexpr,
                          DQ_RING: gl.constexpr, DQ_WRITERS: gl.constexpr, DQ_MODE: gl.constexpr,
-                         DQ_TPT: gl.constexpr):
+                         DQ_TPT: gl.constexpr, DQ_ACCS: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
@@ -547,69 +573,69 @@ if _IMPORT_ERROR is None:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 1, 2, DQ_TPT)),
+                          DQ_MODE, 0, 1, 2, DQ_TPT, DQ_ACCS)),
             ], [4, 1, 2], [CONSUMER_REGS, 24, WRITER_REGS])
         elif DQ_WRITER and DQ_WRITERS == 1:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 1, 1, DQ_TPT)),
+                          DQ_MODE, 0, 1, 1, DQ_TPT, DQ_ACCS)),
             ], [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
         elif DQ_WRITER and DQ_WRITERS == 2:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 2, 1, DQ_TPT)),
+                          DQ_MODE, 0, 2, 1, DQ_TPT, DQ_ACCS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 1, 2, 1, DQ_TPT)),
+                          DQ_MODE, 1, 2, 1, DQ_TPT, DQ_ACCS)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
         elif DQ_WRITER:
             gl.static_assert(DQ_WRITERS == 3, "dq_writers: 0 (one writer of two warps), 1, 2 or 3")
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 3, 1, DQ_TPT)),
+                          DQ_MODE, 0, 3, 1, DQ_TPT, DQ_ACCS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 1, 3, 1, DQ_TPT)),
+                          DQ_MODE, 1, 3, 1, DQ_TPT, DQ_ACCS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 2, 3, 1, DQ_TPT)),
+                          DQ_MODE, 2, 3, 1, DQ_TPT, DQ_ACCS)),
             ], [4, 1, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS, WRITER_REGS])
         else:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             ], [4, 1], [CONSUMER_REGS, 24])
@@ -633,6 +659,27 @@ def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float1
     tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(block, dtype)!r}>"
             for name, block in _descriptor_blocks(cfg, head_dim).items()}
+
+
+@triton.jit
+def _dq_combine_kernel(ACC, DQ, n, ACCS: tl.constexpr, BLOCK: tl.constexpr):
+    # dQ = ((acc_0 + acc_1) + acc_2) + ... in the input dtype: a fixed order, so the sum is reproducible
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    total = tl.load(ACC + offs, mask=ok, other=0.0)
+    for a in tl.static_range(1, ACCS):
+        total += tl.load(ACC + (offs + a * n.to(tl.int64)), mask=ok, other=0.0)
+    tl.store(DQ + offs, total.to(DQ.dtype.element_ty), mask=ok)
+
+
+COMBINE_BLOCK = 1024
+
+
+def combine_accumulators(acc: torch.Tensor, dq: torch.Tensor, accs: int) -> None:
+    """``dq`` (contiguous, its dtype) = the sum of the ``accs`` FP32 accumulators ``acc`` [accs * dq.numel()], added
+    in index order."""
+    n = dq.numel()
+    _dq_combine_kernel[(cdiv(n, COMBINE_BLOCK),)](acc, dq, n, ACCS=accs, BLOCK=COMBINE_BLOCK, num_warps=4)
 
 
 def _preprocess(q, out, grad_out, lse):
@@ -688,20 +735,45 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     if B * H == 0 or Nq == 0 or Nk == 0:
         return torch.zeros_like(q, memory_format=torch.contiguous_format), *(
             torch.zeros((B, H, Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
-    grad_out = grad_out.to(q.dtype)
-    if not _tma_legal(grad_out):
-        grad_out = grad_out.contiguous()
-    cfg = config or get_config(D)
-    delta, lse_row = _preprocess(q, out, grad_out, lse)
-    n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
-    buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)
-    acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
-    dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
+    delta, lse_row = _preprocess(q, out, grad_out.to(q.dtype), lse)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
-    descs = [TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, q.dtype))
-             for t, block in zip((q, k, v, grad_out), _descriptor_blocks(cfg, D).values())]
+    dq = planned_launch(q, k, v, grad_out, config)(q, k, v, grad_out, delta, lse_row, dk, dv, scale)
+    return dq, dk, dv
+
+
+def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                   config: dict | None = None):
+    """The kernel's launch for this call signature (shapes, strides, dtypes), as a callable
+    ``(q, k, v, grad_out, delta, lse_row, dk, dv, scale) -> dq`` for any later call with the same signature,
+    without checks: for a caller that ran :func:`unsupported_reason` (the backward plans of :mod:`.elsa_bwd`).
+    ``delta``, ``lse_row``: FP32 [B * H, Nq] from :mod:`.elsa_bwd`'s preprocess kernel; ``dk``, ``dv``: [B, H, Nk,
+    D] contiguous, q's dtype, written; ``grad_out`` is rounded to q's dtype and copied contiguous where its dtype or
+    strides are not the kernel's. Each call zeroes its FP32 accumulators and counters (``dq_accumulators`` *
+    B * H * Nq * D floats) and returns dQ [B, H, Nq, D] contiguous in q's dtype. ``config``: a :func:`get_config`
+    dict (tools, tests); its ``dq_accumulators`` is capped at the key tiles."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    cfg = dict(config or get_config(D))
+    cfg["dq_accumulators"] = accs = min(cfg.get("dq_accumulators", 1), cdiv(Nk, cfg["BLOCK_N"]))
     call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
-    call(*descs, lse_row, delta, dk, dv, dq, acc, sem, H, Nq, Nk, float(scale) * LOG2E, float(scale))
-    return dq, dk, dv
+    n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
+    blocks = [list(block) for block in _descriptor_blocks(cfg, D).values()]
+    layouts = [_smem_layout(tuple(block), q.dtype) for block in blocks]
+    copy_grad = grad_out.dtype != q.dtype or not _tma_legal(grad_out)
+
+    def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
+        if copy_grad:
+            grad_out = grad_out.to(dtype=q.dtype, memory_format=torch.contiguous_format)
+        buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)
+        acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
+        dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
+        descs = [TensorDescriptor.from_tensor(t, block, layout)
+                 for t, block, layout in zip((q, k, v, grad_out), blocks, layouts)]
+        call(*descs, lse_row, delta, dk, dv, dq, acc, sem, H, Nq, Nk, float(scale) * LOG2E, float(scale))
+        if accs > 1:
+            combine_accumulators(acc, dq, accs)
+        return dq
+
+    return launch

@@ -66,7 +66,17 @@ def test_host_helpers():
     counter per turn chain (with the dQ writers: per head and group of query tiles); the writers' config checks;
     EVEN_N only when every key tile is full."""
     for d in (64, 128):
-        cfg = half_gluon_bwd.get_config(d)
+        default = half_gluon_bwd.get_config(d)
+        # the buffers below with one accumulator; dq_accumulators multiplies both
+        cfg = dict(default, dq_accumulators=1)
+        for accs in (2, 4):
+            got = half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, dict(default, dq_accumulators=accs))
+            assert got == tuple(accs * x for x in half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg))
+            assert half_gluon_bwd.kernel_constexprs(dict(default, dq_accumulators=accs), d, 1024)["DQ_ACCS"] == accs
+        assert default["dq_accumulators"] == 4
+        for bad in (0, half_gluon_bwd.MAX_DQ_ACCUMULATORS + 1, 2.0):
+            with pytest.raises(ValueError, match="dq_accumulators"):
+                half_gluon_bwd.kernel_constexprs(dict(default, dq_accumulators=bad), d, 1024)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == (64, 128, 2)
         assert half_gluon_bwd.grid_size(2, 3, 1000, cfg) == 8 * 6
         assert half_gluon_bwd.grid_size(1, 1, 128, cfg) == 1
@@ -82,8 +92,8 @@ def test_host_helpers():
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(no_writer, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(dict(cfg, dq_halves=False), d, 1024)["DQ_WRITER"]
-        # D = 64: 3 writers x 2 tiles per turn, ring of 6; D = 128: 2 writers x 1 tile, ring of 2
-        want = (6, 3, 2) if d == 64 else (2, 2, 1)
+        # D = 64: 3 writers, ring of 4; D = 128: 2 writers, ring of 2; one tile per turn
+        want = (4, 3, 1) if d == 64 else (2, 2, 1)
         got = half_gluon_bwd.kernel_constexprs(cfg, d, 1024)
         assert (got["DQ_RING"], got["DQ_WRITERS"], got["DQ_TPT"]) == want
         # one-warp writers taking the groups of query tiles in turn (0: the two-warp writer); one counter per group
@@ -123,10 +133,43 @@ def test_host_helpers():
     with pytest.raises(ValueError, match="head dim"):
         half_gluon_bwd.get_config(96)
     # the dQ share in one 128-column part at D = 128: one counter per query tile
-    one = dict(half_gluon_bwd.get_config(128), dq_cols=128, dq_halves=False)
+    one = dict(half_gluon_bwd.get_config(128), dq_cols=128, dq_halves=False, dq_accumulators=1)
     assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 1000, 128, one)[1] == math.ceil(1000 / 64)
     assert half_gluon_bwd.kernel_constexprs(one, 128, 1000)["DQ_COLS"] == 128
     assert half_gluon_bwd.kernel_constexprs(half_gluon_bwd.get_config(64), 64, 1000)["DQ_COLS"] == 64
+
+
+def test_preferred_from_min_keys():
+    """The backward plans take the Gluon kernel from MIN_KEYS keys and query rows, both."""
+    m = half_gluon_bwd.MIN_KEYS
+    assert half_gluon_bwd.preferred(m, m) and half_gluon_bwd.preferred(4 * m, m)
+    assert not half_gluon_bwd.preferred(m - 1, 4 * m) and not half_gluon_bwd.preferred(4 * m, m - 1)
+
+
+@pytest.mark.parametrize("accs", [1, 2, 5])
+def test_combine_accumulators_adds_in_index_order(accs):
+    """dQ = ((acc_0 + acc_1) + ...) elementwise in that order (FP32 sums are not associative: the order is part of
+    the result), rounded once to dQ's dtype; sizes that do not fill the last block."""
+    torch.manual_seed(0)
+    n = 3 * 5 * 7 * 64 + 0  # 6720: not a multiple of the 1024-element block
+    # magnitudes 2^-20 .. 2^20 so that another order would round differently
+    acc = torch.randn(accs, n) * torch.exp2(torch.randint(-20, 21, (accs, n)).float())
+    want = acc[0].clone()
+    for a in range(1, accs):
+        want = want + acc[a]
+    dq = torch.empty(3, 5, 7, 64)
+    half_gluon_bwd.combine_accumulators(acc.reshape(-1), dq, accs)
+    assert torch.equal(dq.reshape(-1), want)
+    if accs > 2:  # the order matters for these values: a reversed sum differs somewhere
+        rev = acc[-1].clone()
+        for a in range(accs - 2, -1, -1):
+            rev = rev + acc[a]
+        assert not torch.equal(rev, want)
+    half = torch.empty(3, 5, 7, 64, dtype=torch.bfloat16)
+    half_gluon_bwd.combine_accumulators(acc.reshape(-1), half, accs)
+    # one rounding to bfloat16 (the interpreter may truncate instead of rounding: within one unit in the last place)
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+    assert ((half.float().reshape(-1) - want).abs() <= ulp).all()
 
 
 _CHILD = r"""
@@ -141,8 +184,15 @@ for d, dtype, n_k, writer, writers, per_turn in (
         (64, torch.bfloat16, 1000, True, 0, 1), (64, torch.bfloat16, 1000, True, 1, 1),
         (64, torch.bfloat16, 1000, True, 3, 1), (64, torch.bfloat16, 1000, True, 2, 2),
         (128, torch.bfloat16, 1000, True, 0, 1), (128, torch.bfloat16, 1000, True, 1, 1),
-        (128, torch.bfloat16, 1000, True, 1, 2)):
-    cfg = dict(g.get_config(d), dq_writer=writer)
+        (128, torch.bfloat16, 1000, True, 1, 2), (64, torch.bfloat16, 1000, "1acc", None, None),
+        (64, torch.bfloat16, 1000, "halves 4acc", None, None)):
+    cfg = dict(g.get_config(d), dq_writer=writer is True)
+    if writer == "1acc":  # one accumulator: the last turn writes dQ
+        cfg.update(dq_writer=True, dq_accumulators=1)
+        writer = True
+    elif writer == "halves 4acc":
+        cfg.update(dq_accumulators=4)
+        writer = False
     if writers is not None:
         cfg.update(dq_writers=writers, dq_tiles_per_turn=per_turn, dq_ring=max(2, per_turn * max(writers, 1)))
     t = "fp16" if dtype == torch.float16 else "bf16"
@@ -151,8 +201,10 @@ for d, dtype, n_k, writer, writers, per_turn in (
     r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
                          float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
     name = f"{d}-{t}-{n_k}-" + ("halves" if not writer else f"writers{cfg['dq_writers']}x{cfg['dq_tiles_per_turn']}")
+    name += f"-{cfg['dq_accumulators']}acc"
     out[name] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
-                 "writers": cfg["dq_writers"] if writer else None, "per_turn": cfg["dq_tiles_per_turn"]}
+                 "writers": cfg["dq_writers"] if writer else None, "per_turn": cfg["dq_tiles_per_turn"],
+                 "accs": cfg["dq_accumulators"]}
 print(json.dumps(out))
 """
 
@@ -162,19 +214,21 @@ print(json.dumps(out))
 def test_compiles_for_hopper():
     """The kernel builds for sm_90: six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer warp
     and the dQ writers' warps padded to a warpgroup), shared memory under Hopper's 232,448 bytes, with one and two
-    query tiles per writer turn (the D = 64 default: 3 writers x 2 tiles, ring of 6); at head dim 64 no
-    register spills without the writer, with it at most 32 bytes per writer partition (triton 3.6 / 3.8: values of
-    the prologue that ptxas keeps in local memory across the register reallocation, reloaded once per
-    partition)."""
+    query tiles per writer turn and one or four dQ accumulators; at head dim 64 at most 48 bytes of register
+    spills without the writer (none with one accumulator), with it at most 32 bytes per writer partition (triton
+    3.6 / 3.8: values of the prologue that ptxas keeps in local memory across the register reallocation, reloaded
+    once per partition)."""
     r = compile_in_child(_CHILD)
     assert {v["writers"] for v in r.values()} >= {0, 1, 2, 3}, r  # every writer count built
     assert {v["per_turn"] for v in r.values()} == {1, 2}, r  # one and two query tiles per turn
+    assert {v["accs"] for v in r.values()} == {1, 4}, r
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
         assert v["wgmma"] == 12 and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         if key.startswith("64-"):
-            assert v["local"] <= (0 if v["writers"] is None else 32 * max(v["writers"], 1)), (key, v)
+            halves = 48 if v["accs"] > 1 else 0
+            assert v["local"] <= (halves if v["writers"] is None else 32 * max(v["writers"], 1)), (key, v)
 
 
 def _reference(q, k, v, do, scale):
@@ -215,3 +269,60 @@ def test_gradients_match_float64_and_are_reproducible(shape, dtype):
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a, b)
+
+
+def _needs_hopper():
+    if half_gluon_bwd._IMPORT_ERROR is not None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a compute capability 9.x GPU and Gluon")
+
+
+@pytest.mark.gpu
+def test_dq_writer_variants_give_the_same_bits_per_accumulator_count():
+    """For a given number of accumulators every element's shares arrive in the same order whoever adds them (the
+    one-warp writers, the two-warp writer, the consumers' halves): identical bits."""
+    _needs_hopper()
+    torch.manual_seed(0)
+    B, H, N, D = 1, 2, 1000, 64
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out64, lse64, _ = _reference(q, k, v, do, D ** -0.5)
+    base = half_gluon_bwd.get_config(D)
+    for accs in (1, 4):
+        runs = [half_gluon_bwd.half_backward(q, k, v, out64.to(q.dtype), do, lse64.float(), D ** -0.5,
+                                             config=dict(base, dq_accumulators=accs, **extra))
+                for extra in ({}, dict(dq_writers=0, dq_ring=2), dict(dq_writer=False))]
+        for run in runs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(runs[0], run)), accs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_plans_route_from_min_keys(dtype):
+    """elsa_backward runs the Gluon kernel from MIN_KEYS keys and query rows (its bits), the Triton kernels below
+    (the bits of an explicit Triton config); autograd through visionattn.attention reaches it too: gradients within
+    the contract of float64, reproducible."""
+    _needs_hopper()
+    import visionattn
+    from visionattn.kernels import elsa_bwd
+
+    mode = "fp16" if dtype == torch.float16 else "bf16"
+    D = 64
+    for n in (half_gluon_bwd.MIN_KEYS - 64, half_gluon_bwd.MIN_KEYS):  # the last one for autograd below
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(1, 2, n, D, device="cuda", dtype=dtype) for _ in range(4))
+        out64, lse64, ref = _reference(q, k, v, do, D ** -0.5)
+        out, lse = out64.to(dtype), lse64.float()
+        got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, mode)[:3]
+        if n >= half_gluon_bwd.MIN_KEYS:
+            want = half_gluon_bwd.half_backward(q, k, v, out, do, lse, D ** -0.5)
+        else:
+            cfg = elsa_bwd.get_config(mode, D)
+            want = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, mode, config=cfg)[:3]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+    runs = []
+    for _ in range(2):
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        visionattn.attention(qg, kg, vg, mode=mode).backward(do)
+        runs.append((qg.grad, kg.grad, vg.grad))
+    for got, want in zip(runs[0], ref):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
