@@ -88,6 +88,9 @@ _DTYPES = (torch.float16, torch.bfloat16)
 # consumer warpgroups per program: each owns BLOCK_N / CONSUMERS keys of the key tile
 CONSUMERS = 2
 MAX_DQ_ACCUMULATORS = 64
+# four dQ accumulators up to this many key tiles of 128 keys (8192 keys), two beyond (docs/tuning.md: Hopper
+# fp16 / bf16 backward)
+FOUR_ACCUMULATORS_MAX_KEY_TILES = 64
 # the backward plans of elsa_bwd take this kernel from this many keys and query rows (both); below, the Triton
 # kernels are faster (docs/tuning.md: Hopper fp16 / bf16 backward)
 MIN_KEYS = 2048
@@ -99,7 +102,7 @@ def preferred(n_q: int, n_k: int) -> bool:
     return min(n_q, n_k) >= MIN_KEYS
 
 
-def get_config(head_dim: int) -> dict:
+def get_config(head_dim: int, n_k: int | None = None) -> dict:
     """Launch config of the head dim. Keys: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program
     (split between the two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12
     warps: two consumer warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer
@@ -115,16 +118,19 @@ def get_config(head_dim: int) -> dict:
     correct one (``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for diagnosis).
 
     Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): three one-warp writers (D = 64; two at D = 128, where a
-    ring of three 32 KB tiles does not fit), one query tile per turn, four accumulators. The ordered turns, not
-    the products, bound this kernel: a turn passes from key tile ``j`` to ``j + 1`` every few microseconds (wait,
-    reductions, release) against ~1.3 us of products per tile, so with one accumulator the writers reach 225 TFLOP/s
-    (bf16, B=1 H=16 N=16384 D=64, H200) and the consumers adding their halves 242; four accumulators bring the
-    writers to 400 (plain unordered atomics: 413), 1.29x the Triton backward."""
+    ring of three 32 KB tiles does not fit), one query tile per turn, four accumulators up to
+    :data:`FOUR_ACCUMULATORS_MAX_KEY_TILES` key tiles of ``n_k`` keys (or when ``n_k`` is not given), two beyond.
+    The ordered turns, not the products, bound this kernel: a turn passes from key tile ``j`` to ``j + 1`` every
+    few microseconds (wait, reductions, release) against ~1.3 us of products per tile, so with one accumulator the
+    writers reach 225 TFLOP/s (bf16, B=1 H=16 N=16384 D=64, H200) and the consumers adding their halves 242; two
+    or four accumulators bring the writers to 400-405 (plain unordered atomics: 413), 1.3x the Triton backward.
+    From 8192 keys two are as fast as four (the writers' reductions bound it) at half the FP32 memory."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
             "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_writers": 3 if head_dim == 64 else 2,
-            "dq_tiles_per_turn": 1, "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 4,
+            "dq_tiles_per_turn": 1, "dq_ring": 4 if head_dim == 64 else 2,
+            "dq_accumulators": 4 if n_k is None or cdiv(n_k, 128) <= FOUR_ACCUMULATORS_MAX_KEY_TILES else 2,
             "dq_mode": "ordered"}
 
 
@@ -754,7 +760,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     dict (tools, tests); its ``dq_accumulators`` is capped at the key tiles."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    cfg = dict(config or get_config(D))
+    cfg = dict(config or get_config(D, Nk))
     cfg["dq_accumulators"] = accs = min(cfg.get("dq_accumulators", 1), cdiv(Nk, cfg["BLOCK_N"]))
     call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))

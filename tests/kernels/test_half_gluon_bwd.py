@@ -73,7 +73,10 @@ def test_host_helpers():
             got = half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, dict(default, dq_accumulators=accs))
             assert got == tuple(accs * x for x in half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg))
             assert half_gluon_bwd.kernel_constexprs(dict(default, dq_accumulators=accs), d, 1024)["DQ_ACCS"] == accs
+        # four accumulators up to 64 key tiles (8192 keys), two beyond (as fast there, half the memory)
         assert default["dq_accumulators"] == 4
+        assert half_gluon_bwd.get_config(d, 64 * 128)["dq_accumulators"] == 4
+        assert half_gluon_bwd.get_config(d, 64 * 128 + 1)["dq_accumulators"] == 2
         for bad in (0, half_gluon_bwd.MAX_DQ_ACCUMULATORS + 1, 2.0):
             with pytest.raises(ValueError, match="dq_accumulators"):
                 half_gluon_bwd.kernel_constexprs(dict(default, dq_accumulators=bad), d, 1024)
