@@ -773,7 +773,7 @@ _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (a
                         "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)",
                         "fp32-ieee backward": "mode 'fp32-ieee' trains on the Triton backward kernels (about 0.4x the "
                                               "speed)",
-                        "half backward": "modes 'fp16' / 'bf16' train on the Triton backward kernels (0.75-0.9x the "
+                        "half backward": "modes 'fp16' / 'bf16' train on the Triton backward kernels (about 0.8x the "
                                          "backward's speed at long sequences)"}
 
 

@@ -1,11 +1,10 @@
 """Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory, registers, occupancy.
 
 Every config of the dense ELSA table, the Gluon fp32-ieee and fp16 / bf16 kernels, PASA, the window kernels at Swin /
-Swin-v2 window sizes and the backward kernels (dense, window fused / split, ragged; the Gluon fp16 / bf16 one, not
-dispatched to yet) is compiled for sm_90
-(:func:`visionattn.kernels.introspect.compile_for_arch`): shared memory against the 232,448-byte limit (over it the
-launchers retry smaller configs: a slow first call), registers and spill bytes, programs per SM, wgmma use and the
-static SASS instruction count. The figures match the GPU's only for the same Triton version:
+Swin-v2 window sizes and the backward kernels (dense, Gluon fp32-ieee and fp16 / bf16, window fused / split, ragged)
+is compiled for sm_90 (:func:`visionattn.kernels.introspect.compile_for_arch`): shared memory against the 232,448-byte
+limit (over it the launchers retry smaller configs: a slow first call), registers and spill bytes, programs per SM,
+wgmma use and the static SASS instruction count. The figures match the GPU's only for the same Triton version:
 
     pip install --target /tmp/tri36 triton==3.6.0
     PYTHONPATH=/tmp/tri36:$PWD python tools/check_kernels_offline.py --out out/kernels_sm90_offline
@@ -138,7 +137,7 @@ def _half_gluon_bwd_jobs(quick: bool):
     for d in ((64,) if quick else half_gluon_bwd.HEAD_DIMS):
         for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
             for n_k in ((1024,) if quick else (1024, 1000)):
-                cfg = half_gluon_bwd.get_config(d)
+                cfg = half_gluon_bwd.get_config(d, n_k)
                 tname = str(dtype).split(".")[-1]
                 t = "*fp16" if dtype == torch.float16 else "*bf16"
                 masked = "" if n_k % cfg["BLOCK_N"] == 0 else " masked"
