@@ -1,5 +1,6 @@
-"""What the two Gluon kernels (:mod:`.ieee_gluon`, :mod:`.half_gluon`) share: the scope check and
-the online-softmax step of the (m, S, W) fold.
+"""What the Gluon kernels (:mod:`.ieee_gluon`, :mod:`.half_gluon`, :mod:`.half_gluon_bwd`) share: the scope check
+(with its Hopper TMA form), the NVMMA shared layouts of the TMA descriptors and the online-softmax step of the
+(m, S, W) fold.
 
 Gluon is Triton's explicit-layout dialect (``triton.experimental.gluon``); it is experimental and its
 API moves between releases, so every import is guarded and a missing piece becomes a reason string
@@ -7,6 +8,7 @@ API moves between releases, so every import is guarded and a missing piece becom
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -21,7 +23,15 @@ try:
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["scope_reason", "checked_call", "IMPORT_ERROR"]
+__all__ = ["scope_reason", "hopper_tma_scope_reason", "strides_aligned", "nvmma_layout", "checked_call",
+           "IMPORT_ERROR"]
+
+
+def strides_aligned(t: torch.Tensor, stride_elems: int) -> bool:
+    """Whether ``t`` has a unit last stride and every other stride, and its base address, a multiple of
+    ``stride_elems`` elements."""
+    return (t.stride(-1) == 1 and not any(s % stride_elems for s in t.stride()[:-1])
+            and not t.data_ptr() % (stride_elems * t.element_size()))
 
 
 def scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int, *,
@@ -51,15 +61,34 @@ def scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_sp
         return f"head dims ({D}, {Dv}); the Gluon kernel takes equal head dims in {head_dims}"
     if num_splits > 1:
         return "split-KV requested"
-    align = stride_elems * q.element_size()
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 or any(s % stride_elems for s in t.stride()[:-1]) or t.data_ptr() % align:
+        if not strides_aligned(t, stride_elems):
             return f"{name} {stride_text}"
     if q.device.type != "cuda":
         return f"tensors on {q.device.type}"
     if not capable(torch.cuda.get_device_capability(q.device)):
         return capable_text
     return import_error
+
+
+def hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int, *,
+                            dtypes: tuple[torch.dtype, ...], head_dims: tuple[int, ...],
+                            import_error: str | None) -> str | None:
+    """:func:`scope_reason` of a Hopper kernel that TMA-loads q / k / v (wgmma, TMA): strides and base addresses
+    multiples of 8 elements (16 bytes), compute capability 9.x."""
+    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=dtypes, head_dims=head_dims,
+                        stride_elems=8,
+                        stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",
+                        capable=lambda cc: cc[0] == 9, capable_text="not a compute capability 9.x GPU (wgmma and TMA "
+                        "are Hopper's)", import_error=import_error)
+
+
+@functools.lru_cache(maxsize=None)
+def nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The NVMMA (wgmma / TMA) shared layout of a float16 / bfloat16 descriptor block (cached: it is Python work on
+    every launch). Needs Gluon (:data:`IMPORT_ERROR` None)."""
+    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gdtype)
 
 
 def checked_call(caller: str, modes: str, reason: str | None, q: torch.Tensor, k: torch.Tensor,

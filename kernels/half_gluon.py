@@ -49,11 +49,9 @@ docs/tuning.md and docs/benchmarks/attention_h100_cudagraph.md.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ._gluon import checked_call, scope_reason
+from ._gluon import checked_call, hopper_tma_scope_reason, nvmma_layout
 from ._launch import KernelCall, PlannedLaunch, cdiv, heads_inner_layout, pad_pow2, sm_count
 
 try:  # Gluon is experimental: its API moves between Triton releases
@@ -175,11 +173,8 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
     grouped-query attention reads K / V head ``h // (H / Hkv)`` in place); ``num_splits`` 0 = automatic (the
     launcher splits only when the grid cannot fill the GPU).
     """
-    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=_DTYPES, head_dims=HEAD_DIMS,
-                        stride_elems=8,
-                        stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",
-                        capable=lambda cc: cc[0] == 9, capable_text="not a compute capability 9.x GPU (wgmma and TMA "
-                        "are Hopper's)", import_error=_IMPORT_ERROR)
+    return hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=_DTYPES,
+                                   head_dims=HEAD_DIMS, import_error=_IMPORT_ERROR)
 
 
 if _IMPORT_ERROR is None:
@@ -480,13 +475,6 @@ def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False) -> dict
                 CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"], WRITE_LSE=bool(write_lse))
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
-    # the NVMMA (wgmma / TMA) shared layout of a descriptor block; cached: it is Python work on every launch
-    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block), gdtype)
-
-
 def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
     # the TMA block of each descriptor argument: one consumer's Q tile, a K / V tile ([B, H, N, D] order)
     rows = {"q_desc": cfg["BLOCK_M"] // cfg["consumers"], "k_desc": cfg["BLOCK_N"], "v_desc": cfg["BLOCK_N"]}
@@ -496,7 +484,7 @@ def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
     """Signature types of the three descriptor arguments (``q_desc`` ...) for an offline compile."""
     tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(block, dtype)!r}>"
+    return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{nvmma_layout(block, dtype)!r}>"
             for name, block in _descriptor_blocks(cfg, head_dim).items()}
 
 
@@ -532,7 +520,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     the rows' natural-log log-sum-exp of ``scale q k^T`` (what the backward kernels recompute P from)."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    templates = [TensorDescriptor.from_tensor(t, list(block), _smem_layout(block, q.dtype))
+    templates = [TensorDescriptor.from_tensor(t, list(block), nvmma_layout(block, q.dtype))
                  for t, block in zip((q, k, v), _descriptor_blocks(cfg, D).values())]
     for t in templates:  # a cached plan must not keep this call's tensors (and what they view) alive
         t.base = None

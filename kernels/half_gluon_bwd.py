@@ -58,14 +58,12 @@ keys or query rows (where this kernel's per-program fixed costs lose to them). G
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from . import elsa_bwd
-from ._gluon import scope_reason
+from ._gluon import hopper_tma_scope_reason, nvmma_layout, strides_aligned
 from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
 
 try:  # Gluon is experimental: its API moves between Triton releases
@@ -182,10 +180,6 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
                 DQ_MODE=cfg.get("dq_mode", "ordered"), DQ_TPT=per_turn if writer else 1, DQ_ACCS=accs)
 
 
-def _tma_legal(t: torch.Tensor) -> bool:
-    return t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
-
-
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
     """Why :func:`half_backward` cannot run this call (the Triton kernels of :mod:`.elsa_bwd` then do), or ``None``.
 
@@ -200,11 +194,8 @@ def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scal
         return "grouped-query attention (fewer key / value heads than query heads)"
     if not grad_out.dtype.is_floating_point or tuple(grad_out.shape) != (*q.shape[:3], v.shape[-1]):
         return f"grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the output"
-    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, dtypes=_DTYPES, head_dims=HEAD_DIMS,
-                        stride_elems=8,
-                        stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",
-                        capable=lambda cc: cc[0] == 9, capable_text="not a compute capability 9.x GPU (wgmma and TMA "
-                        "are Hopper's)", import_error=_IMPORT_ERROR)
+    return hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, dtypes=_DTYPES,
+                                   head_dims=HEAD_DIMS, import_error=_IMPORT_ERROR)
 
 
 if _IMPORT_ERROR is None:
@@ -648,12 +639,6 @@ if _IMPORT_ERROR is None:
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             ], [4, 1], [CONSUMER_REGS, 24])
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
-    # the NVMMA (wgmma / TMA) shared layout of a descriptor block
-    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block), gdtype)
-
 
 def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
     # every descriptor moves 64-row tiles: a Q / dO tile, one consumer's half of the K / V tile
@@ -665,7 +650,7 @@ def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
     """Signature types of the four descriptor arguments (``q_desc`` ...) for an offline compile."""
     tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{_smem_layout(block, dtype)!r}>"
+    return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{nvmma_layout(block, dtype)!r}>"
             for name, block in _descriptor_blocks(cfg, head_dim).items()}
 
 
@@ -768,8 +753,8 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
     blocks = [list(block) for block in _descriptor_blocks(cfg, D).values()]
-    layouts = [_smem_layout(tuple(block), q.dtype) for block in blocks]
-    copy_grad = grad_out.dtype != q.dtype or not _tma_legal(grad_out)
+    layouts = [nvmma_layout(tuple(block), q.dtype) for block in blocks]
+    copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
         if copy_grad:
