@@ -1243,7 +1243,7 @@ class _BackwardPlan:
         # IEEE products: the Gluon FMA kernels (ieee_gluon_bwd) where they take the call and no tiles are given,
         # unless they failed to import or build once in this process (warned once, as the forward's Gluon kernels)
         self.gluon = None
-        self.gluon_ran = False
+        self.gluon_ran: set[str] = set()  # the Gluon launches (attribute names) that ran once (see _run_gluon)
         if (precision == "ieee" and config is None and default is None and add_mask is None and head_scale is None
                 and _GLUON_BWD not in elsa_fwd._GLUON_FAILED):
             reason = ieee_gluon_bwd.unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
@@ -1254,7 +1254,6 @@ class _BackwardPlan:
         # fp16 / bf16 on Hopper from half_gluon_bwd.MIN_KEYS keys and query rows: the warp-specialized Gluon kernel
         # (ordered dQ over several accumulators), under the same conditions as the IEEE one
         self.half_gluon = None
-        self.half_gluon_ran = False
         if (dtype != torch.float32 and q.device.type == "cuda" and config is None and default is None
                 and add_mask is None and head_scale is None and not bias_requires_grad
                 and _GLUON_HALF_BWD not in elsa_fwd._GLUON_FAILED):
@@ -1271,6 +1270,22 @@ class _BackwardPlan:
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
             not self.given_grads or self.gluon is not None), SPIN_ASM=not interpreting())
         self.dkdv = self.dq = None  # KernelCall, (KernelCall, G, per_chunk, n_m): fitted on the first run
+
+    def _run_gluon(self, attr: str, kernel: str, *args) -> tuple[bool, object]:
+        """``(True, result)`` of the Gluon launch held in ``self.<attr>`` on ``args``, or ``(False, None)`` when it
+        fails on its first call (a Triton release whose Gluon cannot build the kernel): the failure is recorded and
+        warned once under ``kernel`` (:func:`.elsa_fwd._gluon_failed`) and the launch dropped, so this plan and the
+        later ones run the Triton kernels. A failure after the launch once ran is raised."""
+        try:
+            result = getattr(self, attr)(*args)
+        except Exception as exc:
+            if attr in self.gluon_ran:
+                raise
+            elsa_fwd._gluon_failed(kernel, f"{type(exc).__name__}: {exc}")
+            setattr(self, attr, None)
+            return False, None
+        self.gluon_ran.add(attr)
+        return True, result
 
     def _ordered_buffers(self, dtype, dq=None):
         """``(dq, acc, sem, head_max)`` of a single-pass call from one zeroed allocation: the FP32 dQ accumulator
@@ -1344,27 +1359,15 @@ class _BackwardPlan:
         lse_row = torch.empty_like(delta)
         self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail)
         if self.half_gluon is not None:
-            try:
-                dq = self.half_gluon(q, k, v, grad_out, delta, lse_row, dk, dv, float(scale))
-                self.half_gluon_ran = True
-                return dq, dk, dv, None, None
-            except Exception as exc:  # a Triton release whose Gluon cannot build this kernel: the Triton ones
-                if self.half_gluon_ran:
-                    raise
-                elsa_fwd._gluon_failed(_GLUON_HALF_BWD, f"{type(exc).__name__}: {exc}")
-                self.half_gluon = None
-                dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
-                acc = sem = dq  # not read (the Triton kernels' two-kernel path: half precision never single-pass)
-        if self.gluon is not None:
-            try:
-                self.gluon(q, k, v, grad_out, delta, lse_row, dq, dk, dv, sem, float(scale))
-                self.gluon_ran = True
-                return dq, dk, dv, None, None
-            except Exception as exc:  # a Triton release whose Gluon cannot build these kernels: the Triton ones
-                if self.gluon_ran:
-                    raise
-                elsa_fwd._gluon_failed(_GLUON_BWD, f"{type(exc).__name__}: {exc}")
-                self.gluon = None
+            ran, gluon_dq = self._run_gluon("half_gluon", _GLUON_HALF_BWD, q, k, v, grad_out, delta, lse_row, dk, dv,
+                                            float(scale))
+            if ran:
+                return gluon_dq, dk, dv, None, None
+            dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
+            acc = sem = dq  # not read (the Triton kernels' two-kernel path: half precision never single-pass)
+        if self.gluon is not None and self._run_gluon("gluon", _GLUON_BWD, q, k, v, grad_out, delta, lse_row, dq, dk,
+                                                      dv, sem, float(scale))[0]:
+            return dq, dk, dv, None, None
         # absent tensors: q's pointer stands in (never read)
         tensors = (q if bias is None else bias.expand(self.shape4), q if add_mask is None else add_mask,
                    q if attn_mask is None else attn_mask.expand(self.shape4), q if head_scale is None else head_scale)

@@ -464,3 +464,30 @@ def test_gpu_deterministic_bias_grad():
         for a, b in zip(runs[0], r):
             assert torch.equal(a, b)
     assert math.isfinite(float(runs[0][3].abs().sum()))
+
+
+def test_gluon_backward_fallback_on_first_failure_only(monkeypatch):
+    """A backward plan's Gluon launch that fails on its first call is dropped with one warning naming the kernel
+    (the plan then runs the Triton kernels); its results pass through; a failure after it once ran is raised."""
+    import types
+
+    from visionattn.kernels import elsa_bwd, elsa_fwd
+
+    monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    run = elsa_bwd._BackwardPlan._run_gluon
+
+    def broken(*args):
+        raise RuntimeError("cannot build")
+
+    plan = types.SimpleNamespace(half_gluon=broken, gluon_ran=set())
+    with pytest.warns(RuntimeWarning, match="half backward.*cannot build"):
+        assert run(plan, "half_gluon", elsa_bwd._GLUON_HALF_BWD, 1, 2) == (False, None)
+    assert plan.half_gluon is None and elsa_bwd._GLUON_HALF_BWD in elsa_fwd._GLUON_FAILED
+
+    calls = []
+    plan = types.SimpleNamespace(gluon=lambda *args: calls.append(args) or "dq", gluon_ran=set())
+    assert run(plan, "gluon", elsa_bwd._GLUON_BWD, 3, 4) == (True, "dq") and calls == [(3, 4)]
+    plan.gluon = broken  # ran once: a later failure is the caller's error, not a build problem
+    with pytest.raises(RuntimeError, match="cannot build"):
+        run(plan, "gluon", elsa_bwd._GLUON_BWD)
+    assert plan.gluon is broken and elsa_bwd._GLUON_BWD not in elsa_fwd._GLUON_FAILED
