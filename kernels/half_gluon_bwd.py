@@ -81,7 +81,8 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
 
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
-           "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "HEAD_DIMS", "MIN_KEYS"]
+           "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
+           "MIN_KEYS"]
 
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -735,6 +736,13 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     return dq, dk, dv
 
 
+def tma_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous copy of ``t`` in ``dtype``, which a TMA descriptor takes: always a copy, since a
+    contiguous tensor of the right dtype at an address that is not 16-byte aligned (a view at an offset) would
+    otherwise come back as itself."""
+    return t.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
+
+
 def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                    config: dict | None = None):
     """The kernel's launch for this call signature (shapes, strides, dtypes), as a callable
@@ -758,7 +766,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
         if copy_grad:
-            grad_out = grad_out.to(dtype=q.dtype, memory_format=torch.contiguous_format)
+            grad_out = tma_copy(grad_out, q.dtype)
         buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)
         acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
         dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)

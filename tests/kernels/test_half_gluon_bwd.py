@@ -142,6 +142,19 @@ def test_host_helpers():
     assert half_gluon_bwd.kernel_constexprs(half_gluon_bwd.get_config(64), 64, 1000)["DQ_COLS"] == 64
 
 
+def test_grad_out_copies_are_tma_legal():
+    """The dO the kernel reads when the given one is not TMA-legal: a new, 16-byte-aligned contiguous copy in q's
+    dtype, also of a contiguous dO of the right dtype at an offset (``.to`` alone would return that view itself)."""
+    buf = torch.randn(1 * 2 * 64 * 64 + 1, dtype=torch.bfloat16)
+    shifted = buf[1:].view(1, 2, 64, 64)  # contiguous, 2 bytes past an aligned address
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16
+    for given in (shifted, shifted.float(), torch.randn(1, 64, 2, 64, dtype=torch.bfloat16).transpose(1, 2),
+                  torch.ones(1, 1, 1, 1, dtype=torch.bfloat16).expand(1, 2, 64, 64)):
+        got = half_gluon_bwd.tma_copy(given, torch.bfloat16)
+        assert got.data_ptr() != given.data_ptr() and got.is_contiguous() and got.data_ptr() % 16 == 0
+        assert got.dtype == torch.bfloat16 and torch.equal(got, given.to(torch.bfloat16))
+
+
 def test_preferred_from_min_keys():
     """The backward plans take the Gluon kernel from MIN_KEYS keys and query rows, both."""
     m = half_gluon_bwd.MIN_KEYS
