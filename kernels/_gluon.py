@@ -85,9 +85,9 @@ def hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: fl
 
 @functools.lru_cache(maxsize=None)
 def nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
-    """The NVMMA (wgmma / TMA) shared layout of a float16 / bfloat16 descriptor block (cached: it is Python work on
-    every launch). Needs Gluon (:data:`IMPORT_ERROR` None)."""
-    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}[dtype]
+    """The NVMMA (wgmma / TMA) shared layout of a float16 / bfloat16 / float32 descriptor block (cached: it is Python
+    work on every launch). Needs Gluon (:data:`IMPORT_ERROR` None)."""
+    gdtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gdtype)
 
 

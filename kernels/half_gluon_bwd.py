@@ -23,14 +23,16 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   shared-memory ring of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; writer
   partitions (``writer_regs`` registers, sharing the producer's warpgroup) take the query tiles in groups of
   ``dq_tiles_per_turn`` consecutive tiles (one counter per group): wait for the two halves of each of the group's
-  tiles and then for the group's turn, add them into the accumulator with 4-wide FP32 reductions, free the slots
-  and pass the turn on once. A turn costs a writer several times the consumers' time per tile (mostly the turn
-  wait and the release, which waits for the reductions to land), so ``dq_writers`` one-warp writers take the
-  groups in turn (writer ``w``: groups ``g`` with ``g % dq_writers == w``), with up to ``dq_writers`` groups in
-  flight, and the accumulators below shorten each chain of turns (groups of two tiles per turn measured slower
-  than one: 172 against 225 TFLOP/s with one accumulator, bf16 N=16384 D=64, H200); ``dq_writers=0``: one writer
-  of two warps for every group. ``dq_writer=False`` in the config: the consumers add their halves themselves, as
-  below;
+  tiles and then for the group's turn, add them into the accumulator, free the slots and pass the turn on once.
+  The add is one TMA bulk reduction (``cp.reduce.async.bulk.tensor``, FP32 ``add``) per consumer half, issued by
+  one thread, which the writer waits to complete (not only to read shared memory) before the turn passes
+  (``dq_tma=False``: the warp's 4-wide FP32 reductions, same order of adds, same bits, 0.8-1.0x the speed). A turn
+  costs a writer more than the consumers' time per tile (mostly the turn wait and the release, which waits for
+  the reductions to land), so ``dq_writers`` one-warp writers take the groups in turn (writer ``w``: groups ``g``
+  with ``g % dq_writers == w``), with up to ``dq_writers`` groups in flight, and the accumulators below shorten
+  each chain of turns (groups of two tiles per turn measured slower than one: 172 against 225 TFLOP/s with one
+  accumulator and the warps' reductions, bf16 N=16384 D=64, H200); ``dq_writers=0``: one writer of two warps for
+  every group. ``dq_writer=False`` in the config: the consumers add their halves themselves, as below;
 * **deterministic dQ**: each FP32 accumulator gets each query tile's shares in a fixed order, as in
   :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (accumulator, batch * head, query
   tile, column half) says how many shares were added; consumer ``w`` of key tile ``j`` waits for its turn
@@ -72,10 +74,27 @@ try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.language._core import builtin as _builtin
+    from triton._C.libtriton import ir as _ir
 
     # renamed from thread_barrier to barrier after triton 3.6
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _SPIN_PTX = gl.constexpr(SPIN_UNTIL_EQUAL_PTX)
+    # the bulk reductions this thread issued are complete (their writes performed, not only their shared-memory
+    # reads: cp.async.bulk.wait_group without .read), then ordered before the generic-proxy release that follows
+    _BULK_DONE_PTX = gl.constexpr("cp.async.bulk.wait_group 0;\n\tfence.proxy.async.global;\n\tmov.u32 $0, $1;")
+    # the turn's acquire (generic proxy) before the bulk reductions (async proxy) that follow it
+    _ASYNC_FENCE_PTX = gl.constexpr("fence.proxy.async.global;\n\tmov.u32 $0, $1;")
+
+    @_builtin
+    def _own_tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        # TMA bulk reduction (cp.reduce.async.bulk.tensor, .add) of a shared-memory tile into global memory: Gluon
+        # names it tma.async_atomic_add after triton 3.6; 3.6's builder has the op already
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _own_tma_reduce_add
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
@@ -89,9 +108,6 @@ _DTYPES = (torch.float16, torch.bfloat16)
 # consumer warpgroups per program: each owns BLOCK_N / CONSUMERS keys of the key tile
 CONSUMERS = 2
 MAX_DQ_ACCUMULATORS = 64
-# four dQ accumulators up to this many key tiles of 128 keys (8192 keys), two beyond (docs/tuning.md: Hopper
-# fp16 / bf16 backward)
-FOUR_ACCUMULATORS_MAX_KEY_TILES = 64
 # the backward plans of elsa_bwd take this kernel from this many keys and query rows (both); below, the Triton
 # kernels are faster (docs/tuning.md: Hopper fp16 / bf16 backward)
 MIN_KEYS = 2048
@@ -103,7 +119,7 @@ def preferred(n_q: int, n_k: int) -> bool:
     return min(n_q, n_k) >= MIN_KEYS
 
 
-def get_config(head_dim: int, n_k: int | None = None) -> dict:
+def get_config(head_dim: int) -> dict:
     """Launch config of the head dim. Keys: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program
     (split between the two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12
     warps: two consumer warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer
@@ -115,24 +131,23 @@ def get_config(head_dim: int, n_k: int | None = None) -> dict:
     ``dq_tiles_per_turn`` query tiles, or 0: one writer of two warps (the ring must hold a group per writer:
     ``dq_ring >= dq_tiles_per_turn * max(dq_writers, 1)``); ``dq_accumulators``: FP32 dQ accumulators the key
     tiles take in turn (tile ``j`` adds into ``j % dq_accumulators``; a combine kernel sums them in index order),
-    which divides each query tile's chain of ordered turns by that many; ``dq_mode``: ``"ordered"``, the only
-    correct one (``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for diagnosis).
+    which divides each query tile's chain of ordered turns by that many; ``dq_tma`` (with the writers): each
+    consumer half goes into the accumulator as one TMA bulk reduction issued by one thread, else as the writer
+    warp's 4-wide FP32 reductions (same order of adds: the same bits); ``dq_mode``: ``"ordered"``, the only correct
+    one (``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for diagnosis).
 
-    Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): three one-warp writers (D = 64; two at D = 128, where a
-    ring of three 32 KB tiles does not fit), one query tile per turn, four accumulators up to
-    :data:`FOUR_ACCUMULATORS_MAX_KEY_TILES` key tiles of ``n_k`` keys (or when ``n_k`` is not given), two beyond.
-    The ordered turns, not the products, bound this kernel: a turn passes from key tile ``j`` to ``j + 1`` every
-    few microseconds (wait, reductions, release) against ~1.3 us of products per tile, so with one accumulator the
-    writers reach 225 TFLOP/s (bf16, B=1 H=16 N=16384 D=64, H200) and the consumers adding their halves 242; two
-    or four accumulators bring the writers to 400-405 (plain unordered atomics: 413), 1.3x the Triton backward.
-    From 8192 keys two are as fast as four (the writers' reductions bound it) at half the FP32 memory."""
+    Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): two one-warp writers, one query tile per turn, a ring of
+    four query tiles (two at D = 128, where more do not fit), two accumulators, TMA bulk reductions. The ordered
+    turns, not the products, bound this kernel: a turn passes from key tile ``j`` to ``j + 1`` every few
+    microseconds (wait, reductions, release) against ~1.3 us of products per tile, so with one accumulator and the
+    warps' reductions the writers reach 225 TFLOP/s (bf16, B=1 H=16 N=16384 D=64, H200); two or four accumulators
+    bring them to 400-405, and the TMA bulk reductions, which leave the adds to the memory system, to 410-420 at
+    D = 64 and 510-520 at D = 128 (445 with the warps' reductions, B=1 H=8 N=16384)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
-            "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_writers": 3 if head_dim == 64 else 2,
-            "dq_tiles_per_turn": 1, "dq_ring": 4 if head_dim == 64 else 2,
-            "dq_accumulators": 4 if n_k is None or cdiv(n_k, 128) <= FOUR_ACCUMULATORS_MAX_KEY_TILES else 2,
-            "dq_mode": "ordered"}
+            "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_writers": 2, "dq_tiles_per_turn": 1,
+            "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2, "dq_mode": "ordered", "dq_tma": True}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
@@ -171,6 +186,7 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
         raise ValueError(f"dq_writers {writers}: 0 (one writer of two warps), 1, 2 or 3 (writers of one warp)")
     if per_turn not in (1, 2, 3, 4):
         raise ValueError(f"dq_tiles_per_turn {per_turn}: 1 to 4 query tiles per turn")
+    tma_adds = writer and bool(cfg.get("dq_tma", False))  # the writers' way of adding; nothing without them
     if writer and ring < per_turn * max(writers, 1):
         raise ValueError(f"dq_ring {ring} < dq_tiles_per_turn {per_turn} x dq_writers {writers}: each writer needs "
                          "a ring slot per tile of its group")
@@ -178,7 +194,8 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
                 DQ_COLS=min(cfg["dq_cols"], head_dim), DQ_HALVES=bool(cfg.get("dq_halves", False)),
                 DQ_WRITER=writer, WRITER_REGS=cfg.get("writer_regs", 32), DQ_RING=ring, DQ_WRITERS=writers,
-                DQ_MODE=cfg.get("dq_mode", "ordered"), DQ_TPT=per_turn if writer else 1, DQ_ACCS=accs)
+                DQ_MODE=cfg.get("dq_mode", "ordered"), DQ_TPT=per_turn if writer else 1, DQ_ACCS=accs,
+                DQ_TMA=tma_adds)
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -271,7 +288,7 @@ if _IMPORT_ERROR is None:
                   LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                   CONS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr, DQ_HALVES: gl.constexpr,
-                  DQ_WRITER: gl.constexpr, DQ_MODE: gl.constexpr, DQ_ACCS: gl.constexpr):
+                  DQ_WRITER: gl.constexpr, DQ_MODE: gl.constexpr, DQ_ACCS: gl.constexpr, DQ_TMA: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
         HALF: gl.constexpr = BLOCK_N // CONS
         # [keys, queries] tiles (S^T, dP^T) and [keys or queries, HEAD_D] accumulators (dK, dV, dQ share)
@@ -393,6 +410,8 @@ if _IMPORT_ERROR is None:
                     DQ_RING: gl.constexpr = dq_full.shape[0]
                     mbarrier.wait(dq_empty.index(i % DQ_RING), ((i // DQ_RING) & 1) ^ 1)
                     dq_smem.index((i % DQ_RING) * CONS + WG).store(part * scale)
+                    if DQ_TMA:
+                        fence_async_shared()  # the writer's bulk reductions read the share through the async proxy
                     _cta_barrier()  # every thread's share is in shared memory before the writer reads it
                     mbarrier.arrive(dq_full.index(i % DQ_RING))
                 else:
@@ -422,10 +441,10 @@ if _IMPORT_ERROR is None:
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok)
 
     @gluon.jit
-    def _dq_writer(dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
+    def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, DQ_MODE: gl.constexpr,
                    WRITER: gl.constexpr, WRITERS: gl.constexpr, WARPS: gl.constexpr, TPT: gl.constexpr,
-                   DQ_ACCS: gl.constexpr):
+                   DQ_ACCS: gl.constexpr, DQ_TMA: gl.constexpr):
         # FlashAttention-3's dQ writer, one of WRITERS partitions of WARPS warps each (two warps and WRITERS = 1, or
         # one warp each). The query tiles form groups of TPT consecutive tiles (TPT * BLOCK_M rows, one turn
         # counter each); writer WRITER takes the groups g with g % WRITERS == WRITER, each in its own loop, so that
@@ -449,6 +468,9 @@ if _IMPORT_ERROR is None:
         # use). A consumer's wait for the freeing of use k - 1 (before it fills use k) starts after its wait for
         # the freeing of use k - 2, so it is exact too; and the fill of tile i waits only on the freeing of tile
         # i - DQ_RING, whose group ends before tile i (DQ_RING >= TPT): no cycle.
+        # DQ_TMA: one thread adds each consumer half as one TMA bulk reduction (dqacc_desc: the accumulators as
+        # [DQ_ACCS * B * H, Nq, HEAD_D], rows past Nq clipped) instead of the warp's 4-wide reductions, and waits
+        # for the reductions to complete before the slots free and the turn passes; the combine kernel writes dQ.
         # DQ_MODE (diagnosis; dQ is wrong in all but "ordered"): "unordered" adds without turns; "compute" frees
         # the slots and writes nothing (the consumers' cost of the hand-off alone); "skip": nothing to do
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
@@ -456,8 +478,9 @@ if _IMPORT_ERROR is None:
         n_g = gl.cdiv(n_m, TPT)
         acc_id, turn, n_in, acc_off = _accumulator(j, Nk, Nq, BLOCK_N, HEAD_D, DQ_ACCS)
         last_turn = n_in - 1
-        if DQ_ACCS > 1:
+        if DQ_ACCS > 1 or DQ_TMA:
             last_turn = -1  # the combine kernel writes dQ from the accumulators: no turn writes it
+        acc_row = acc_id * (gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)) + bh
         DQACC = DQACC + acc_off
         DQC: gl.constexpr = HEAD_D // CONS
         # chunks of 8 rows (the shared tile's swizzle spans 8 rows: no finer row slices) by COLS columns: a half's
@@ -486,9 +509,20 @@ if _IMPORT_ERROR is None:
                 i = g * TPT + t
                 mbarrier.wait(dq_full.index(i % DQ_RING), (i // DQ_RING) & 1)
             if DQ_MODE == "ordered":
-                gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + g, turn], dtype=gl.int32,
-                                          is_pure=False, pack=1)
-            if DQ_MODE != "compute":
+                seen = gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + g, turn], dtype=gl.int32,
+                                                 is_pure=False, pack=1)
+            if DQ_TMA and DQ_MODE != "compute":
+                if DQ_MODE == "ordered":
+                    seen = gl.inline_asm_elementwise(_ASYNC_FENCE_PTX, "=r,r", [seen], dtype=gl.int32,
+                                                     is_pure=False, pack=1)
+                for t in range(n_real):
+                    i = g * TPT + t
+                    for w in gl.static_range(CONS):
+                        _tma_reduce_add(dqacc_desc, [acc_row, i * BLOCK_M, w * DQC],
+                                        dq_smem.index((i % DQ_RING) * CONS + w).reshape([1, BLOCK_M, DQC]))
+                seen = gl.inline_asm_elementwise(_BULK_DONE_PTX, "=r,r", [seen], dtype=gl.int32, is_pure=False,
+                                                 pack=1)
+            elif DQ_MODE != "compute":
                 for t in range(n_real):
                     i = g * TPT + t
                     slot = i % DQ_RING
@@ -525,13 +559,13 @@ if _IMPORT_ERROR is None:
                 gl.atomic_xchg(sem_base + g, turn + 1, sem="release")
 
     @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
-    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk,
-                         qk_scale, scale,
+    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq,
+                         Nk, qk_scale, scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr,
                          DQ_HALVES: gl.constexpr, DQ_WRITER: gl.constexpr, WRITER_REGS: gl.constexpr,
                          DQ_RING: gl.constexpr, DQ_WRITERS: gl.constexpr, DQ_MODE: gl.constexpr,
-                         DQ_TPT: gl.constexpr, DQ_ACCS: gl.constexpr):
+                         DQ_TPT: gl.constexpr, DQ_ACCS: gl.constexpr, DQ_TMA: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
         # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
@@ -573,86 +607,101 @@ if _IMPORT_ERROR is None:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 1, 2, DQ_TPT, DQ_ACCS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
+                          CONS, DQ_MODE, 0, 1, 2, DQ_TPT, DQ_ACCS, DQ_TMA)),
             ], [4, 1, 2], [CONSUMER_REGS, 24, WRITER_REGS])
         elif DQ_WRITER and DQ_WRITERS == 1:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 1, 1, DQ_TPT, DQ_ACCS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
+                          CONS, DQ_MODE, 0, 1, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
             ], [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
         elif DQ_WRITER and DQ_WRITERS == 2:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 2, 1, DQ_TPT, DQ_ACCS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 1, 2, 1, DQ_TPT, DQ_ACCS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
+                          CONS, DQ_MODE, 0, 2, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
+                          CONS, DQ_MODE, 1, 2, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
             ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
         elif DQ_WRITER:
             gl.static_assert(DQ_WRITERS == 3, "dq_writers: 0 (one writer of two warps), 1, 2 or 3")
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 0, 3, 1, DQ_TPT, DQ_ACCS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 1, 3, 1, DQ_TPT, DQ_ACCS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          DQ_MODE, 2, 3, 1, DQ_TPT, DQ_ACCS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
+                          CONS, DQ_MODE, 0, 3, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
+                          CONS, DQ_MODE, 1, 3, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
+                          CONS, DQ_MODE, 2, 3, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
             ], [4, 1, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS, WRITER_REGS])
         else:
             gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS)),
+                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
+                         DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
-    # every descriptor moves 64-row tiles: a Q / dO tile, one consumer's half of the K / V tile
+    # every descriptor moves 64-row tiles: a Q / dO tile, one consumer's half of the K / V tile (input dtype), one
+    # consumer's FP32 column half of a query tile's dQ share (the accumulators, [accumulators * B * H, Nq, D])
     rows = {"q_desc": cfg["BLOCK_M"], "k_desc": cfg["BLOCK_N"] // CONSUMERS, "v_desc": cfg["BLOCK_N"] // CONSUMERS,
             "do_desc": cfg["BLOCK_M"]}
-    return {name: (1, 1, n, head_dim) for name, n in rows.items()}
+    return {**{name: (1, 1, n, head_dim) for name, n in rows.items()},
+            "dqacc_desc": (1, cfg["BLOCK_M"], head_dim // CONSUMERS)}
 
 
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
-    """Signature types of the four descriptor arguments (``q_desc`` ...) for an offline compile."""
-    tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{nvmma_layout(block, dtype)!r}>"
-            for name, block in _descriptor_blocks(cfg, head_dim).items()}
+    """Signature types of the five descriptor arguments (``q_desc`` ... ``dqacc_desc``) for an offline compile."""
+    tnames = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+    types = {}
+    for name, block in _descriptor_blocks(cfg, head_dim).items():
+        dt = torch.float32 if name == "dqacc_desc" else dtype
+        types[name] = f"tensordesc<{tnames[dt]}[{','.join(map(str, block))}],{nvmma_layout(block, dt)!r}>"
+    return types
 
 
 @triton.jit
@@ -755,14 +804,16 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     dict (tools, tests); its ``dq_accumulators`` is capped at the key tiles."""
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    cfg = dict(config or get_config(D, Nk))
+    cfg = dict(config or get_config(D))
     cfg["dq_accumulators"] = accs = min(cfg.get("dq_accumulators", 1), cdiv(Nk, cfg["BLOCK_N"]))
-    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk),
+    constexprs = kernel_constexprs(cfg, D, Nk)
+    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), constexprs,
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
     blocks = [list(block) for block in _descriptor_blocks(cfg, D).values()]
-    layouts = [nvmma_layout(tuple(block), q.dtype) for block in blocks]
+    layouts = [nvmma_layout(tuple(block), q.dtype if i < 4 else torch.float32) for i, block in enumerate(blocks)]
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
+    combine = accs > 1 or constexprs["DQ_TMA"]  # else the last turn of each query tile writes dQ
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
         if copy_grad:
@@ -770,10 +821,10 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
         buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)
         acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
         dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
-        descs = [TensorDescriptor.from_tensor(t, block, layout)
-                 for t, block, layout in zip((q, k, v, grad_out), blocks, layouts)]
+        descs = [TensorDescriptor.from_tensor(t, block, layout) for t, block, layout
+                 in zip((q, k, v, grad_out, acc.view(accs * B * H, Nq, D)), blocks, layouts)]
         call(*descs, lse_row, delta, dk, dv, dq, acc, sem, H, Nq, Nk, float(scale) * LOG2E, float(scale))
-        if accs > 1:
+        if combine:
             combine_accumulators(acc, dq, accs)
         return dq
 

@@ -137,7 +137,7 @@ def _half_gluon_bwd_jobs(quick: bool):
     for d in ((64,) if quick else half_gluon_bwd.HEAD_DIMS):
         for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
             for n_k in ((1024,) if quick else (1024, 1000)):
-                cfg = half_gluon_bwd.get_config(d, n_k)
+                cfg = half_gluon_bwd.get_config(d)
                 tname = str(dtype).split(".")[-1]
                 t = "*fp16" if dtype == torch.float16 else "*bf16"
                 masked = "" if n_k % cfg["BLOCK_N"] == 0 else " masked"

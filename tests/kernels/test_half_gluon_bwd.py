@@ -73,10 +73,10 @@ def test_host_helpers():
             got = half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, dict(default, dq_accumulators=accs))
             assert got == tuple(accs * x for x in half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg))
             assert half_gluon_bwd.kernel_constexprs(dict(default, dq_accumulators=accs), d, 1024)["DQ_ACCS"] == accs
-        # four accumulators up to 64 key tiles (8192 keys), two beyond (as fast there, half the memory)
-        assert default["dq_accumulators"] == 4
-        assert half_gluon_bwd.get_config(d, 64 * 128)["dq_accumulators"] == 4
-        assert half_gluon_bwd.get_config(d, 64 * 128 + 1)["dq_accumulators"] == 2
+        # two accumulators, added by TMA bulk reductions (the writers' way of adding: nothing without them)
+        assert default["dq_accumulators"] == 2 and half_gluon_bwd.kernel_constexprs(default, d, 1024)["DQ_TMA"]
+        assert not half_gluon_bwd.kernel_constexprs(dict(default, dq_tma=False), d, 1024)["DQ_TMA"]
+        assert not half_gluon_bwd.kernel_constexprs(dict(default, dq_writer=False), d, 1024)["DQ_TMA"]
         for bad in (0, half_gluon_bwd.MAX_DQ_ACCUMULATORS + 1, 2.0):
             with pytest.raises(ValueError, match="dq_accumulators"):
                 half_gluon_bwd.kernel_constexprs(dict(default, dq_accumulators=bad), d, 1024)
@@ -95,8 +95,8 @@ def test_host_helpers():
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(no_writer, d, 1024)["DQ_WRITER"]
         assert not half_gluon_bwd.kernel_constexprs(dict(cfg, dq_halves=False), d, 1024)["DQ_WRITER"]
-        # D = 64: 3 writers, ring of 4; D = 128: 2 writers, ring of 2; one tile per turn
-        want = (4, 3, 1) if d == 64 else (2, 2, 1)
+        # 2 writers, a ring of 4 (D = 64) or 2 (D = 128); one tile per turn
+        want = (4, 2, 1) if d == 64 else (2, 2, 1)
         got = half_gluon_bwd.kernel_constexprs(cfg, d, 1024)
         assert (got["DQ_RING"], got["DQ_WRITERS"], got["DQ_TPT"]) == want
         # one-warp writers taking the groups of query tiles in turn (0: the two-warp writer); one counter per group
@@ -201,7 +201,8 @@ for d, dtype, n_k, writer, writers, per_turn in (
         (64, torch.bfloat16, 1000, True, 3, 1), (64, torch.bfloat16, 1000, True, 2, 2),
         (128, torch.bfloat16, 1000, True, 0, 1), (128, torch.bfloat16, 1000, True, 1, 1),
         (128, torch.bfloat16, 1000, True, 1, 2), (64, torch.bfloat16, 1000, "1acc", None, None),
-        (64, torch.bfloat16, 1000, "halves 4acc", None, None)):
+        (64, torch.bfloat16, 1000, "halves 4acc", None, None), (64, torch.bfloat16, 1000, "atomics", None, None),
+        (128, torch.bfloat16, 1024, "atomics", None, None)):
     cfg = dict(g.get_config(d), dq_writer=writer is True)
     if writer == "1acc":  # one accumulator: the last turn writes dQ
         cfg.update(dq_writer=True, dq_accumulators=1)
@@ -209,6 +210,9 @@ for d, dtype, n_k, writer, writers, per_turn in (
     elif writer == "halves 4acc":
         cfg.update(dq_accumulators=4)
         writer = False
+    elif writer == "atomics":  # the writers add with the warp's reductions, not TMA bulk reductions
+        cfg.update(dq_writer=True, dq_tma=False)
+        writer = True
     if writers is not None:
         cfg.update(dq_writers=writers, dq_tiles_per_turn=per_turn, dq_ring=max(2, per_turn * max(writers, 1)))
     t = "fp16" if dtype == torch.float16 else "bf16"
@@ -217,10 +221,12 @@ for d, dtype, n_k, writer, writers, per_turn in (
     r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
                          float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
     name = f"{d}-{t}-{n_k}-" + ("halves" if not writer else f"writers{cfg['dq_writers']}x{cfg['dq_tiles_per_turn']}")
-    name += f"-{cfg['dq_accumulators']}acc"
+    tma_adds = g.kernel_constexprs(cfg, d, n_k)["DQ_TMA"]
+    name += f"-{cfg['dq_accumulators']}acc" + ("-tma" if tma_adds else "")
     out[name] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
                  "writers": cfg["dq_writers"] if writer else None, "per_turn": cfg["dq_tiles_per_turn"],
-                 "accs": cfg["dq_accumulators"]}
+                 "accs": cfg["dq_accumulators"], "tma": tma_adds, "bulk_reduce": "ttng.async_tma_reduce" in r.ttgir,
+                 "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir}
 print(json.dumps(out))
 """
 
@@ -230,14 +236,19 @@ print(json.dumps(out))
 def test_compiles_for_hopper():
     """The kernel builds for sm_90: six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer warp
     and the dQ writers' warps padded to a warpgroup), shared memory under Hopper's 232,448 bytes, with one and two
-    query tiles per writer turn and one or four dQ accumulators; at head dim 64 at most 48 bytes of register
-    spills without the writer (none with one accumulator), with it at most 32 bytes per writer partition (triton
-    3.6 / 3.8: values of the prologue that ptxas keeps in local memory across the register reallocation, reloaded
-    once per partition)."""
+    query tiles per writer turn and one, two or four dQ accumulators; the TMA bulk reductions (the default) wait
+    for their completion, not only for their shared-memory reads, before a turn passes (``wait_group`` without
+    ``.read``: the next key tile's reductions must find these in the accumulator); at head dim 64 at most 48 bytes
+    of register spills without the writer (none with one accumulator), with it at most 32 bytes per writer
+    partition (triton 3.6 / 3.8: values of the prologue that ptxas keeps in local memory across the register
+    reallocation, reloaded once per partition)."""
     r = compile_in_child(_CHILD)
     assert {v["writers"] for v in r.values()} >= {0, 1, 2, 3}, r  # every writer count built
     assert {v["per_turn"] for v in r.values()} == {1, 2}, r  # one and two query tiles per turn
-    assert {v["accs"] for v in r.values()} == {1, 4}, r
+    assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
+    assert {v["tma"] for v in r.values() if v["writers"] is not None} == {True, False}, r
+    for key, v in r.items():
+        assert v["bulk_reduce"] == v["completion_wait"] == v["tma"], (key, v)
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
         assert v["wgmma"] == 12 and v["warps"] == 12, (key, v)
@@ -294,8 +305,9 @@ def _needs_hopper():
 
 @pytest.mark.gpu
 def test_dq_writer_variants_give_the_same_bits_per_accumulator_count():
-    """For a given number of accumulators every element's shares arrive in the same order whoever adds them (the
-    one-warp writers, the two-warp writer, the consumers' halves): identical bits."""
+    """For a given number of accumulators every element's shares arrive in the same order whoever adds them and
+    however (the one-warp writers by TMA bulk reductions or by the warp's reductions, the two-warp writer, the
+    consumers' halves): identical bits."""
     _needs_hopper()
     torch.manual_seed(0)
     B, H, N, D = 1, 2, 1000, 64
@@ -305,7 +317,8 @@ def test_dq_writer_variants_give_the_same_bits_per_accumulator_count():
     for accs in (1, 4):
         runs = [half_gluon_bwd.half_backward(q, k, v, out64.to(q.dtype), do, lse64.float(), D ** -0.5,
                                              config=dict(base, dq_accumulators=accs, **extra))
-                for extra in ({}, dict(dq_writers=0, dq_ring=2), dict(dq_writer=False))]
+                for extra in ({}, dict(dq_tma=False), dict(dq_writers=3), dict(dq_writers=0, dq_ring=2),
+                              dict(dq_writer=False))]
         for run in runs[1:]:
             assert all(torch.equal(a, b) for a, b in zip(runs[0], run)), accs
 
