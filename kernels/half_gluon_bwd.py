@@ -10,40 +10,28 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
 * **warp specialization**: one producer warp TMA-loads the query tiles ``Q_i``, ``dO_i`` (``BLOCK_M = 64`` rows,
   4-D [B, H, N, D] descriptors: strided views need no copy, rows past N arrive as zeros) into a ring of ``STAGES``
   slots with ``ready`` / ``empty`` mbarriers; two consumer warpgroups (240 registers per thread each after
-  ``setmaxnreg``, the producer 24; 232 for the first with the dQ writers) each own 64 of the tile's keys;
+  ``setmaxnreg``, the producer 24, the dQ writers below 32) each own 64 of the tile's keys;
 * per query tile, consumer ``w`` (keys ``K_w``, ``V_w``): ``S^T = K_w Q_i^T`` and ``dP^T = V_w dO_i^T`` (async
   wgmmas from shared memory), ``P^T = exp2(S^T scale log2(e) - lse_i log2(e))``, ``dS^T = P^T (dP^T - delta_i)``;
   ``dV_w += P^T dO_i`` and ``dK_w += dS^T Q_i`` with the 16-bit ``P^T`` / ``dS^T`` as the wgmma's register operand;
   ``dQ_i += scale dS_i K_j`` in FP32, split by columns: both consumers store ``dS^T`` (16-bit) into a
   double-buffered shared tile and meet on an mbarrier; consumer ``w`` then computes dQ's column half ``w`` over
   all 128 keys (two wgmmas, ``dS`` as the transposed shared-memory operand), as FlashAttention-3 shares ``dS``
-  through shared memory (``dq_halves=False`` in the config: each consumer its own keys' share,
-  ``dS^T`` transposed in registers, in parts of ``dq_cols`` columns);
+  through shared memory;
 * **dQ writers** (FlashAttention-3's dQ writer): the consumers store their FP32 dQ halves (scaled) into a
-  shared-memory ring of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; writer
-  partitions (``writer_regs`` registers, sharing the producer's warpgroup) take the query tiles in groups of
-  ``dq_tiles_per_turn`` consecutive tiles (one counter per group): wait for the two halves of each of the group's
-  tiles and then for the group's turn, add them into the accumulator, free the slots and pass the turn on once.
-  The add is one TMA bulk reduction (``cp.reduce.async.bulk.tensor``, FP32 ``add``) per consumer half, issued by
-  one thread, which the writer waits to complete (not only to read shared memory) before the turn passes
-  (``dq_tma=False``: the warp's 4-wide FP32 reductions, same order of adds, same bits, 0.8-1.0x the speed). A turn
-  costs a writer more than the consumers' time per tile (mostly the turn wait and the release, which waits for
-  the reductions to land), so ``dq_writers`` one-warp writers take the groups in turn (writer ``w``: groups ``g``
-  with ``g % dq_writers == w``), with up to ``dq_writers`` groups in flight, and the accumulators below shorten
-  each chain of turns (groups of two tiles per turn measured slower than one: 172 against 225 TFLOP/s with one
-  accumulator and the warps' reductions, bf16 N=16384 D=64, H200); ``dq_writers=0``: one writer of two warps for
-  every group. ``dq_writer=False`` in the config: the consumers add their halves themselves, as below;
+  shared-memory ring of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; two
+  one-warp writer partitions (sharing the producer's warpgroup; query tile ``i`` is writer ``i % 2``'s, so two
+  tiles' turns are in flight) wait for both halves of a tile, then for its turn, add each half into an FP32
+  accumulator as one TMA bulk reduction (``cp.reduce.async.bulk.tensor``, ``add``) issued by one thread, wait
+  for the reductions to complete (not only to read shared memory), free the slot and pass the turn on;
 * **deterministic dQ**: each FP32 accumulator gets each query tile's shares in a fixed order, as in
-  :mod:`.elsa_bwd`'s single pass (``_dq_ordered_add``): an int32 counter per (accumulator, batch * head, query
-  tile, column half) says how many shares were added; consumer ``w`` of key tile ``j`` waits for its turn
-  (``dq_halves=False``: per part; the dQ writers: per group of query tiles), adds, and passes the turn on. With
-  one accumulator the turns run ``j = 0, 1, ...`` and the last one writes dQ in the input dtype from the sum it
-  completed; with ``dq_accumulators = A`` key tile ``j`` adds into accumulator ``j % A`` as its ``j // A``-th
-  turn, so every chain of turns is ``A`` times shorter (the turns' latency, not the products, bound the kernel),
-  and :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype. The order, not the
-  timing, fixes every sum: dQ is bit-for-bit reproducible, and for a given ``A`` the dQ-writer variants (any
-  ``dq_writers`` and ``dq_tiles_per_turn``) give identical bits. Key tile ``j`` waits only on key tile ``j - A``
-  of its head (a lower program id), so the waits end as long as programs start in id order;
+  :mod:`.elsa_bwd`'s single pass: an int32 counter per (accumulator, batch * head, query tile) says how many
+  shares were added, and the writer of key tile ``j`` waits until it reads ``j``'s turn. With
+  ``dq_accumulators = A`` key tile ``j`` adds into accumulator ``j % A`` as its ``j // A``-th turn, so every chain
+  of turns is ``A`` times shorter (the turns' latency, not the products, bound the kernel), and
+  :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype. The order, not the
+  timing, fixes every sum: dQ is bit-for-bit reproducible. Key tile ``j`` waits only on key tile ``j - A`` of its
+  head (a lower program id), so the waits end as long as programs start in id order;
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
@@ -108,6 +96,8 @@ _DTYPES = (torch.float16, torch.bfloat16)
 # consumer warpgroups per program: each owns BLOCK_N / CONSUMERS keys of the key tile
 CONSUMERS = 2
 MAX_DQ_ACCUMULATORS = 64
+# one-warp dQ writer partitions: query tile i is writer i % DQ_WRITERS's (docs/tuning.md: Hopper fp16 / bf16 backward)
+DQ_WRITERS = 2
 # the backward plans of elsa_bwd take this kernel from this many keys and query rows (both); below, the Triton
 # kernels are faster (docs/tuning.md: Hopper fp16 / bf16 backward)
 MIN_KEYS = 2048
@@ -122,80 +112,50 @@ def preferred(n_q: int, n_k: int) -> bool:
 def get_config(head_dim: int) -> dict:
     """Launch config of the head dim. Keys: ``BLOCK_M`` query rows per streamed tile, ``BLOCK_N`` keys per program
     (split between the two consumer warpgroups), ``STAGES`` slots of the Q / dO ring, ``maxnreg`` at launch (12
-    warps: two consumer warpgroups, the producer warp padded to a warpgroup) and ``consumer_regs`` per consumer
-    thread after ``setmaxnreg``; ``dq_halves``: dQ by column halves over both consumers' keys (``dS^T`` shared
-    through shared memory), else each consumer its own keys' share in parts of ``dq_cols`` columns; ``dq_writer``
-    (with ``dq_halves``): the consumers hand their dQ halves to writer partitions (``writer_regs`` registers per
-    thread) through a shared-memory ring of ``dq_ring`` query tiles, else they add them themselves;
-    ``dq_writers``: 1, 2 or 3 writers of one warp each taking every ``dq_writers``-th group of
-    ``dq_tiles_per_turn`` query tiles, or 0: one writer of two warps (the ring must hold a group per writer:
-    ``dq_ring >= dq_tiles_per_turn * max(dq_writers, 1)``); ``dq_accumulators``: FP32 dQ accumulators the key
-    tiles take in turn (tile ``j`` adds into ``j % dq_accumulators``; a combine kernel sums them in index order),
-    which divides each query tile's chain of ordered turns by that many; ``dq_tma`` (with the writers): each
-    consumer half goes into the accumulator as one TMA bulk reduction issued by one thread, else as the writer
-    warp's 4-wide FP32 reductions (same order of adds: the same bits); ``dq_mode``: ``"ordered"``, the only correct
-    one (``"skip"``, ``"unordered"``, ``"compute"`` bound the dQ cost for diagnosis).
+    warps: two consumer warpgroups, the producer warp and the two dQ writers' warps padded to a warpgroup),
+    ``consumer_regs`` / ``writer_regs`` per consumer / writer thread after ``setmaxnreg``, ``dq_ring`` query tiles
+    in the consumers' FP32 dQ hand-off ring (at least the two writers' tiles in flight), ``dq_accumulators`` FP32
+    dQ accumulators the key tiles take in turn (tile ``j`` adds into ``j % dq_accumulators``; the combine kernel
+    sums them in index order), which divides each query tile's chain of ordered turns by that many.
 
-    Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): two one-warp writers, one query tile per turn, a ring of
-    four query tiles (two at D = 128, where more do not fit), two accumulators, TMA bulk reductions. The ordered
-    turns, not the products, bound this kernel: a turn passes from key tile ``j`` to ``j + 1`` every few
-    microseconds (wait, reductions, release) against ~1.3 us of products per tile, so with one accumulator and the
-    warps' reductions the writers reach 225 TFLOP/s (bf16, B=1 H=16 N=16384 D=64, H200); two or four accumulators
-    bring them to 400-405, and the TMA bulk reductions, which leave the adds to the memory system, to 410-420 at
-    D = 64 and 510-520 at D = 128 (445 with the warps' reductions, B=1 H=8 N=16384)."""
+    Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): a ring of four query tiles (two at D = 128, where more
+    do not fit in shared memory), two accumulators. The ordered turns, not the products, bound this kernel: a
+    turn passes from key tile ``j`` to ``j + 1`` every few microseconds (wait, reductions, release) against ~1.3 us
+    of products per tile; two accumulators and the TMA bulk reductions bring the backward to 410-420 TFLOP/s at
+    D = 64 and 510-520 at D = 128 (bf16, B=1 H=16 / 8 N=16384, H200)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "dq_cols": 64,
-            "dq_halves": True, "dq_writer": True, "writer_regs": 32, "dq_writers": 2, "dq_tiles_per_turn": 1,
-            "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2, "dq_mode": "ordered", "dq_tma": True}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "writer_regs": 32,
+            "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
     """Programs of a call: one per (key tile, head, batch), the key tiles of a head consecutive (the ordered dQ
-    adds of key tile ``j`` wait on key tile ``j - 1``, a lower program id)."""
+    adds of key tile ``j`` wait on key tile ``j - dq_accumulators``, a lower program id)."""
     return cdiv(n_k, cfg["BLOCK_N"]) * B * H
 
 
 def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
-    """``(accumulator, counters)``: FP32 elements of the dQ accumulator [B, H, Nq, D] and int32 counters: with the
-    dQ writers (whatever their number), one per (batch * head, group of ``dq_tiles_per_turn`` query tiles of
-    ``BLOCK_M`` rows, the last group possibly partial); otherwise one per (batch * head, query tile, part of dQ's
-    columns with its own turn order: a column half with ``dq_writer=False``; ``dq_cols`` columns with
-    ``dq_halves=False``); both zeroed before a launch, in one allocation."""
-    n_m = cdiv(n_q, cfg["BLOCK_M"])
-    accs = cfg.get("dq_accumulators", 1)
-    if cfg.get("dq_halves") and cfg.get("dq_writer"):
-        # the writer adds the whole dQ share of a group of dq_tiles_per_turn query tiles in one turn
-        return accs * B * H * n_q * head_dim, accs * B * H * cdiv(n_m, cfg.get("dq_tiles_per_turn", 1))
-    parts = CONSUMERS if cfg.get("dq_halves") else cdiv(head_dim, cfg["dq_cols"])
-    return accs * B * H * n_q * head_dim, accs * B * H * n_m * parts
+    """``(accumulators, counters)``: FP32 elements of the dQ accumulators [dq_accumulators * B * H, Nq, D] and int32
+    turn counters, one per (accumulator, batch * head, query tile of ``BLOCK_M`` rows); both zeroed before a
+    launch, in one allocation."""
+    accs = cfg["dq_accumulators"]
+    return accs * B * H * n_q * head_dim, accs * B * H * cdiv(n_q, cfg["BLOCK_M"])
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
     key tile is full (no key masking: two builds at most per head dim and dtype). Raises ValueError for a
-    ``dq_writers`` outside 0 .. 3, a ``dq_tiles_per_turn`` outside 1 .. 4 or (with the writers) a ``dq_ring``
-    smaller than ``dq_tiles_per_turn * max(dq_writers, 1)`` (each writer needs slots of its own for a whole group in
-    flight: the ring's phase waits are exact only then, see ``_dq_writer``)."""
-    writers, ring, per_turn = cfg.get("dq_writers", 0), cfg.get("dq_ring", 2), cfg.get("dq_tiles_per_turn", 1)
-    writer = bool(cfg.get("dq_halves", False) and cfg.get("dq_writer", False))
-    accs = cfg.get("dq_accumulators", 1)
+    ``dq_accumulators`` outside 1 .. :data:`MAX_DQ_ACCUMULATORS` or a ``dq_ring`` smaller than the
+    :data:`DQ_WRITERS` writers' tiles in flight (the ring's phase waits are exact only then, see ``_dq_writer``)."""
+    accs, ring = cfg["dq_accumulators"], cfg["dq_ring"]
     if not (isinstance(accs, int) and 1 <= accs <= MAX_DQ_ACCUMULATORS):
         raise ValueError(f"dq_accumulators {accs!r}: 1 to {MAX_DQ_ACCUMULATORS} FP32 dQ accumulators")
-    if writers not in (0, 1, 2, 3):
-        raise ValueError(f"dq_writers {writers}: 0 (one writer of two warps), 1, 2 or 3 (writers of one warp)")
-    if per_turn not in (1, 2, 3, 4):
-        raise ValueError(f"dq_tiles_per_turn {per_turn}: 1 to 4 query tiles per turn")
-    tma_adds = writer and bool(cfg.get("dq_tma", False))  # the writers' way of adding; nothing without them
-    if writer and ring < per_turn * max(writers, 1):
-        raise ValueError(f"dq_ring {ring} < dq_tiles_per_turn {per_turn} x dq_writers {writers}: each writer needs "
-                         "a ring slot per tile of its group")
+    if not (isinstance(ring, int) and ring >= DQ_WRITERS):
+        raise ValueError(f"dq_ring {ring!r} < {DQ_WRITERS}: the ring holds a query tile per dQ writer")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
-                CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0,
-                DQ_COLS=min(cfg["dq_cols"], head_dim), DQ_HALVES=bool(cfg.get("dq_halves", False)),
-                DQ_WRITER=writer, WRITER_REGS=cfg.get("writer_regs", 32), DQ_RING=ring, DQ_WRITERS=writers,
-                DQ_MODE=cfg.get("dq_mode", "ordered"), DQ_TPT=per_turn if writer else 1, DQ_ACCS=accs,
-                DQ_TMA=tma_adds)
+                CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0, WRITER_REGS=cfg["writer_regs"],
+                DQ_RING=ring, DQ_ACCS=accs)
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -227,17 +187,6 @@ if _IMPORT_ERROR is None:
         return pid % n_kt, bh, bh // H, bh % H
 
     @gluon.jit
-    def _accumulator(j, Nk, Nq, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, DQ_ACCS: gl.constexpr):
-        # (accumulator, turn, key tiles adding into it, its element offset) of key tile j: the key tiles take the
-        # DQ_ACCS FP32 dQ accumulators [DQ_ACCS, B * H, Nq, HEAD_D] in turn (tile j adds into accumulator
-        # j % DQ_ACCS as its (j // DQ_ACCS)-th share): a chain of turns per accumulator is DQ_ACCS times shorter
-        n_kt = gl.cdiv(Nk, BLOCK_N)
-        acc_id = j % DQ_ACCS
-        n_in = (n_kt - 1 - acc_id) // DQ_ACCS + 1
-        acc_off = acc_id.to(gl.int64) * (gl.num_programs(0) // n_kt) * Nq * HEAD_D
-        return acc_id, j // DQ_ACCS, n_in, acc_off
-
-    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq, Nk,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr):
         # one warp: K_j, V_j (one 64-row half per consumer) once, then Q_i, dO_i into ring slot i % STAGES once
@@ -259,76 +208,29 @@ if _IMPORT_ERROR is None:
             tma.async_copy_global_to_shared(do_desc, [off_b, off_h, i * BLOCK_M, 0], bar, do_smem.index(slot))
 
     @gluon.jit
-    def _dq_ordered_add(part, DQ, DQACC, sem_ptr, seen, turn, last_turn, offs, ok, Nq, DQ_MODE: gl.constexpr):
-        # add this consumer's share of a query tile's dQ columns into the FP32 accumulator in the fixed turn order
-        # (as elsa_bwd._dq_ordered_add): wait until the counter says every earlier share is in, add; the last turn
-        # also writes dQ in DQ's dtype from the sum it completed (only it reads the old values back: the other
-        # turns' adds are fire-and-forget reductions); then pass the turn on.
-        # DQ_MODE (diagnosis only; dQ is wrong in all but "ordered"): "unordered" adds with plain atomics, no turns
-        # (not reproducible); "compute" computes the share and writes nothing (a store under a condition the
-        # compiler cannot decide, never true, keeps the product)
-        if DQ_MODE == "ordered":
-            gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_ptr, turn], dtype=gl.int32, is_pure=False,
-                                      pack=1)
-            if turn == last_turn:
-                old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-                gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
-            else:
-                gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-            _cta_barrier()  # every thread of the warpgroup has issued its adds before the turn passes (release)
-            gl.atomic_xchg(sem_ptr, turn + 1, sem="release")
-        elif DQ_MODE == "unordered":
-            gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-        else:
-            if Nq < 0:
-                gl.store(DQACC + offs, part, mask=ok)
-
-    @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full, dq_empty,
-                  LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                  CONS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr, DQ_HALVES: gl.constexpr,
-                  DQ_WRITER: gl.constexpr, DQ_MODE: gl.constexpr, DQ_ACCS: gl.constexpr, DQ_TMA: gl.constexpr):
+                  LseRow, Delta, DK, DV, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr,
+                  EVEN_N: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
         HALF: gl.constexpr = BLOCK_N // CONS
-        # [keys, queries] tiles (S^T, dP^T) and [keys or queries, HEAD_D] accumulators (dK, dV, dQ share)
+        # dQ's columns [WG * DQC, + DQC) over all BLOCK_N keys are this consumer's (dS^T of both through shared
+        # memory)
+        DQC: gl.constexpr = HEAD_D // CONS
+        # [keys, queries] tiles (S^T, dP^T), [keys, HEAD_D] accumulators (dK, dV), the [queries, DQC] dQ share
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, HEAD_D, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        # DQ_HALVES: both consumers put dS^T in shared memory and consumer w computes dQ's columns
-        # [w * HEAD_D / 2, + HEAD_D / 2) over all BLOCK_N keys: one turn per (key tile, query tile, half).
-        # Otherwise: each consumer its own keys' share, in DQ_SPLIT parts of DQ_COLS columns, turn CONS * j + w.
-        if DQ_HALVES:
-            DQC: gl.constexpr = HEAD_D // CONS
-            DQ_SPLIT: gl.constexpr = CONS
-        else:
-            DQC: gl.constexpr = DQ_COLS
-            DQ_SPLIT: gl.constexpr = HEAD_D // DQ_COLS
-            gl.static_assert(DQ_SPLIT * DQ_COLS == HEAD_D and DQ_SPLIT <= 2, "dQ in one or two column parts")
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQC, 16])
-        op_dq: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
         dtype: gl.constexpr = q_smem.dtype
+        DQ_RING: gl.constexpr = dq_full.shape[0]
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
-        acc_id, jj, n_in, acc_off = _accumulator(j, Nk, Nq, BLOCK_N, HEAD_D, DQ_ACCS)
-        if DQ_HALVES:
-            turn = jj
-            last_turn = n_in - 1
-        else:
-            turn = CONS * jj + WG
-            last_turn = CONS * n_in - 1
-        if DQ_ACCS > 1:
-            last_turn = -1  # the combine kernel writes dQ from the accumulators: no turn writes it
-        DQACC = DQACC + acc_off
-        sem_base = Sem + (acc_id * (gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)) + bh) * n_m * DQ_SPLIT
         row_base = bh * Nq
-        dq_base = bh.to(gl.int64) * Nq * HEAD_D
         offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-        offs_qd = gl.arange(0, DQC, layout=gl.SliceLayout(0, dq_layout))
         offs_ad = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
         st_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=st_layout)
         dq_zero = gl.zeros([BLOCK_M, DQC], gl.float32, layout=dq_layout)
@@ -340,24 +242,12 @@ if _IMPORT_ERROR is None:
         mbarrier.wait(kv_bar, 0)
         for i in range(n_m):
             slot = i % STAGES
-            # the row data and the turn counter first: their latency runs under the ring wait and the products
-            # (in a compact layout, one register each: spread over S^T's columns only where used, through shared
-            # memory, so they hold no 16 registers per thread each across the products)
+            # the row data first: their latency runs under the ring wait and the products (in a compact layout,
+            # one register each: spread over S^T's columns only where used, through shared memory, so they hold
+            # no 16 registers per thread each across the products)
             rows = i * BLOCK_M + offs_row
             lse_c = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
             delta_c = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
-            if DQ_WRITER:
-                seen0 = 0  # the writer partition waits for the turns
-                seen1 = seen0
-            elif DQ_HALVES:
-                seen0 = gl.load(sem_base + i * DQ_SPLIT + WG, volatile=True)
-                seen1 = seen0
-            else:
-                seen0 = gl.load(sem_base + i * DQ_SPLIT, volatile=True)
-                if DQ_SPLIT == 2:
-                    seen1 = gl.load(sem_base + i * DQ_SPLIT + 1, volatile=True)
-                else:
-                    seen1 = seen0
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q_t = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
             do_t = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
@@ -373,67 +263,33 @@ if _IMPORT_ERROR is None:
             dp = warpgroup_mma_wait(1, deps=[dp_tok])
             delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
             ds16 = (p * (dp - delta[None, :])).to(dtype)
-            if DQ_HALVES:
-                if DQ_MODE != "skip":
-                    # dS^T of this consumer's keys into its slot of the double buffer (both consumers passed the
-                    # previous use of this slot: each arrives on ds_bar only after its dQ product of the tile
-                    # before retired)
-                    dslot = (i % 2) * CONS
-                    ds_smem.index(dslot + WG).store(ds16)
+            # dS^T of this consumer's keys into its slot of the double buffer (both consumers passed the previous
+            # use of this slot: each arrives on ds_bar only after its dQ product of the tile before retired)
+            dslot = (i % 2) * CONS
+            ds_smem.index(dslot + WG).store(ds16)
             dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
             dv = warpgroup_mma_wait(1, deps=[dv_tok])  # P^T's registers are free before the dQ share needs its own
-            rows_q = i * BLOCK_M + offs_am
-            q_ok = (rows_q < Nq)[:, None]
-            row_offs = dq_base + rows_q.to(gl.int64)[:, None] * HEAD_D
-            if DQ_MODE == "skip":
-                dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                mbarrier.arrive(empty.index(slot))
-            elif DQ_HALVES:
-                fence_async_shared()
-                _cta_barrier()  # every thread's dS^T is in shared memory before the other consumer reads it
-                mbarrier.arrive(ds_bar.index(i % 2))
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-                dslot = (i % 2) * CONS
-                # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
-                dq_tok = warpgroup_mma(ds_smem.index(dslot).permute((1, 0)),
-                                       k_smem.index(0).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_zero,
-                                       use_acc=False, is_async=True)
-                dq_tok = warpgroup_mma(ds_smem.index(dslot + 1).permute((1, 0)),
-                                       k_smem.index(1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_tok,
-                                       is_async=True)
-                dk = warpgroup_mma_wait(1, deps=[dk_tok])
-                mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
-                part = warpgroup_mma_wait(0, deps=[dq_tok])
-                if DQ_WRITER:
-                    # hand the share to the writer partition through its ring (slot i % DQ_RING, this consumer's
-                    # half) and go on with the next query tile
-                    DQ_RING: gl.constexpr = dq_full.shape[0]
-                    mbarrier.wait(dq_empty.index(i % DQ_RING), ((i // DQ_RING) & 1) ^ 1)
-                    dq_smem.index((i % DQ_RING) * CONS + WG).store(part * scale)
-                    if DQ_TMA:
-                        fence_async_shared()  # the writer's bulk reductions read the share through the async proxy
-                    _cta_barrier()  # every thread's share is in shared memory before the writer reads it
-                    mbarrier.arrive(dq_full.index(i % DQ_RING))
-                else:
-                    _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + WG, seen0, turn, last_turn,
-                                    row_offs + (WG * DQC + offs_qd)[None, :], q_ok, Nq, DQ_MODE)
-            else:
-                # dS [queries, keys] as the left operand of dS K_w: transposed through shared memory
-                ds_t = gl.convert_layout(gl.permute(ds16, (1, 0)), op_dq)
-                # the share in DQ_COLS-column parts (one at D = 64, two at 128: half the accumulator registers),
-                # each with its own turn counter
-                dq_tok = warpgroup_mma(ds_t, k_w.slice(0, DQ_COLS, dim=1), dq_zero, use_acc=False, is_async=True)
-                dk = warpgroup_mma_wait(1, deps=[dk_tok])
-                part = warpgroup_mma_wait(0, deps=[dq_tok])
-                mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K_w stays)
-                _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT, seen0, turn, last_turn,
-                                row_offs + offs_qd[None, :], q_ok, Nq, DQ_MODE)
-                if DQ_SPLIT == 2:
-                    dq_tok = warpgroup_mma(ds_t, k_w.slice(DQ_COLS, DQ_COLS, dim=1), dq_zero, use_acc=False,
-                                           is_async=True)
-                    part = warpgroup_mma_wait(0, deps=[dq_tok])
-                    _dq_ordered_add(part * scale, DQ, DQACC, sem_base + i * DQ_SPLIT + 1, seen1, turn, last_turn,
-                                    row_offs + (DQ_COLS + offs_qd)[None, :], q_ok, Nq, DQ_MODE)
+            fence_async_shared()
+            _cta_barrier()  # every thread's dS^T is in shared memory before the other consumer reads it
+            mbarrier.arrive(ds_bar.index(i % 2))
+            mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+            # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
+            dq_tok = warpgroup_mma(ds_smem.index(dslot).permute((1, 0)),
+                                   k_smem.index(0).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_zero,
+                                   use_acc=False, is_async=True)
+            dq_tok = warpgroup_mma(ds_smem.index(dslot + 1).permute((1, 0)),
+                                   k_smem.index(1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_tok,
+                                   is_async=True)
+            dk = warpgroup_mma_wait(1, deps=[dk_tok])
+            mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
+            part = warpgroup_mma_wait(0, deps=[dq_tok])
+            # hand the share to the writers through their ring (slot i % DQ_RING, this consumer's half) and go on
+            # with the next query tile
+            mbarrier.wait(dq_empty.index(i % DQ_RING), ((i // DQ_RING) & 1) ^ 1)
+            dq_smem.index((i % DQ_RING) * CONS + WG).store(part * scale)
+            fence_async_shared()  # the writer's bulk reductions read the share through the async proxy
+            _cta_barrier()  # every thread's share is in shared memory before the writer reads it
+            mbarrier.arrive(dq_full.index(i % DQ_RING))
         offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
         out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
         n_ok = (offs_n < Nk)[:, None]
@@ -441,135 +297,60 @@ if _IMPORT_ERROR is None:
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok)
 
     @gluon.jit
-    def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, DQ_MODE: gl.constexpr,
-                   WRITER: gl.constexpr, WRITERS: gl.constexpr, WARPS: gl.constexpr, TPT: gl.constexpr,
-                   DQ_ACCS: gl.constexpr, DQ_TMA: gl.constexpr):
-        # FlashAttention-3's dQ writer, one of WRITERS partitions of WARPS warps each (two warps and WRITERS = 1, or
-        # one warp each). The query tiles form groups of TPT consecutive tiles (TPT * BLOCK_M rows, one turn
-        # counter each); writer WRITER takes the groups g with g % WRITERS == WRITER, each in its own loop, so that
-        # up to WRITERS groups' turn waits, adds and turn passes are in flight at once. Per group: wait for both
-        # consumers' column halves of the key tile's dQ share of each of its tiles i (ring slot i % DQ_RING), wait
-        # for turn j of the group once (key tile j adds after key tiles 0 .. j - 1, whatever the timing, the number
-        # of writers and TPT: every element gets the key tiles' shares in the order 0, 1, ..., so the sums are
-        # bit-for-bit those of TPT = 1 and reproducible), add the shares into the FP32 accumulator (reductions, 4
-        # columns per thread), the last turn writing dQ in DQ's dtype from the sums it completed; then free the
-        # group's slots and pass the turn on once. The consumers never wait on the turns, only on a free slot.
-        # The last group holds cdiv(Nq, BLOCK_M) - g * TPT < TPT tiles when TPT does not divide the tile count: the
-        # consumers never fill the missing tiles, so the writer waits for and adds only the group's real tiles
-        # (rows past Nq inside the last real tile are masked).
+    def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, WRITER: gl.constexpr,
+                   WRITERS: gl.constexpr, DQ_ACCS: gl.constexpr):
+        # FlashAttention-3's dQ writer, one of WRITERS one-warp partitions: writer WRITER takes the query tiles i
+        # with i % WRITERS == WRITER, so that WRITERS tiles' turn waits, reductions and turn passes are in flight
+        # at once. Key tile j adds into accumulator j % DQ_ACCS as its turn j // DQ_ACCS (dqacc_desc: the
+        # accumulators as [DQ_ACCS * B * H, Nq, HEAD_D], rows past Nq clipped). Per query tile: wait for both
+        # consumers' column halves (ring slot i % DQ_RING), wait for the turn (every key tile before this one that
+        # adds into the accumulator has added: the order, not the timing, fixes every sum), add each half as one
+        # TMA bulk reduction issued by one thread, wait for the reductions to complete (their writes, not only
+        # their shared-memory reads), free the slot and pass the turn on; the combine kernel writes dQ.
         # Ring slots: the uses of slot s (tiles s, s + DQ_RING, ...) fill (dq_full) and free (dq_empty) in strict
         # alternation, so a phase-parity wait on use k is exact as long as use k - 1 has completed its phase when
-        # the wait starts (parity cannot tell phase k - 1 from k + 1). A writer reaches group g only after it freed
-        # its group g - WRITERS, whose tiles end at tile (g - WRITERS + 1) * TPT - 1, so the consumers (who fill in
-        # tile order) have filled every tile up to that one; the previous use of the slot of tile
-        # i <= g * TPT + TPT - 1 is tile i - DQ_RING, filled by then when DQ_RING >= WRITERS * TPT
-        # (kernel_constexprs checks it), whichever writer owns it (for g < WRITERS, i < DQ_RING: the slot's first
-        # use). A consumer's wait for the freeing of use k - 1 (before it fills use k) starts after its wait for
-        # the freeing of use k - 2, so it is exact too; and the fill of tile i waits only on the freeing of tile
-        # i - DQ_RING, whose group ends before tile i (DQ_RING >= TPT): no cycle.
-        # DQ_TMA: one thread adds each consumer half as one TMA bulk reduction (dqacc_desc: the accumulators as
-        # [DQ_ACCS * B * H, Nq, HEAD_D], rows past Nq clipped) instead of the warp's 4-wide reductions, and waits
-        # for the reductions to complete before the slots free and the turn passes; the combine kernel writes dQ.
-        # DQ_MODE (diagnosis; dQ is wrong in all but "ordered"): "unordered" adds without turns; "compute" frees
-        # the slots and writes nothing (the consumers' cost of the hand-off alone); "skip": nothing to do
+        # the wait starts (parity cannot tell phase k - 1 from k + 1). A writer reaches tile i only after it freed
+        # its tile i - WRITERS, so the consumers (who fill in tile order) have filled every tile up to that one;
+        # the previous use of tile i's slot is tile i - DQ_RING, filled by then when DQ_RING >= WRITERS
+        # (kernel_constexprs checks it), whichever writer owns it. A consumer's wait for the freeing of use k - 1
+        # (before it fills use k) starts after its wait for the freeing of use k - 2, so it is exact too.
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
-        n_g = gl.cdiv(n_m, TPT)
-        acc_id, turn, n_in, acc_off = _accumulator(j, Nk, Nq, BLOCK_N, HEAD_D, DQ_ACCS)
-        last_turn = n_in - 1
-        if DQ_ACCS > 1 or DQ_TMA:
-            last_turn = -1  # the combine kernel writes dQ from the accumulators: no turn writes it
+        acc_id = j % DQ_ACCS
+        turn = j // DQ_ACCS
         acc_row = acc_id * (gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)) + bh
-        DQACC = DQACC + acc_off
+        sem_base = Sem + acc_row * n_m  # one counter per (accumulator, batch * head, query tile)
         DQC: gl.constexpr = HEAD_D // CONS
-        # chunks of 8 rows (the shared tile's swizzle spans 8 rows: no finer row slices) by COLS columns: a half's
-        # columns for two warps, 32 for one (8 values per thread either way: 16 and their addresses overflow the
-        # 32 registers at D = 128)
-        COLS: gl.constexpr = DQC if WARPS > 1 else 32
-        TPC: gl.constexpr = COLS // 4  # threads along a row of a chunk: 4 columns each
-        TPR: gl.constexpr = 32 // TPC
-        ROWS: gl.constexpr = 8
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [TPR, TPC], [WARPS, 1], [1, 0])
-        offs_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        offs_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-        sem_base = Sem + (acc_id * (gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)) + bh) * n_g
-        dq_base = bh.to(gl.int64) * Nq * HEAD_D
         DQ_RING: gl.constexpr = dq_full.shape[0]
-        n_groups = 0 if DQ_MODE == "skip" else n_g  # "skip": the consumers hand nothing over
-        for g in range(WRITER, n_groups, WRITERS):
-            if DQ_MODE == "ordered":
-                seen = gl.load(sem_base + g, volatile=True)
-            # the group's real tiles (fewer than TPT in a partial last group: the consumers never fill the missing
-            # ones), a runtime loop bound: one copy of the add code for any TPT
-            n_real = n_m - g * TPT
-            if n_real > TPT:
-                n_real = TPT
-            for t in range(n_real):
-                i = g * TPT + t
-                mbarrier.wait(dq_full.index(i % DQ_RING), (i // DQ_RING) & 1)
-            if DQ_MODE == "ordered":
-                seen = gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + g, turn], dtype=gl.int32,
-                                                 is_pure=False, pack=1)
-            if DQ_TMA and DQ_MODE != "compute":
-                if DQ_MODE == "ordered":
-                    seen = gl.inline_asm_elementwise(_ASYNC_FENCE_PTX, "=r,r", [seen], dtype=gl.int32,
-                                                     is_pure=False, pack=1)
-                for t in range(n_real):
-                    i = g * TPT + t
-                    for w in gl.static_range(CONS):
-                        _tma_reduce_add(dqacc_desc, [acc_row, i * BLOCK_M, w * DQC],
-                                        dq_smem.index((i % DQ_RING) * CONS + w).reshape([1, BLOCK_M, DQC]))
-                seen = gl.inline_asm_elementwise(_BULK_DONE_PTX, "=r,r", [seen], dtype=gl.int32, is_pure=False,
-                                                 pack=1)
-            elif DQ_MODE != "compute":
-                for t in range(n_real):
-                    i = g * TPT + t
-                    slot = i % DQ_RING
-                    # rows r, then consumer w's column half, in column chunks c (a chunk's row addresses serve
-                    # both halves at once: short live ranges)
-                    for r in gl.static_range(BLOCK_M // ROWS):
-                        for w in gl.static_range(CONS):
-                            for c in gl.static_range(DQC // COLS):
-                                chunk = dq_smem.index(slot * CONS + w).slice(r * ROWS, ROWS, dim=0)
-                                if DQC != COLS:
-                                    chunk = chunk.slice(c * COLS, COLS, dim=1)
-                                part = chunk.load(layout)
-                                rows = i * BLOCK_M + r * ROWS + offs_r
-                                offs = (dq_base + rows.to(gl.int64)[:, None] * HEAD_D
-                                        + (w * DQC + c * COLS + offs_c)[None, :])
-                                ok = (rows < Nq)[:, None]
-                                if DQ_MODE == "ordered" and turn == last_turn:
-                                    old = gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-                                    gl.store(DQ + offs, (old + part).to(DQ.dtype.element_ty), mask=ok)
-                                else:
-                                    gl.atomic_add(DQACC + offs, part, mask=ok, sem="relaxed")
-            # the partition's barrier (bar.sync on its own named barrier for two warps; for one warp Triton emits a
-            # warp-wide bar.sync of 32 threads / a warp sync): every thread has read the slots and issued its adds.
-            # The turn passes by one thread's release exchange, and a release orders only what the releasing
-            # thread observed: the barrier makes the other threads' reductions precede it (barriers order the
-            # memory operations of the threads they synchronize), the release's cumulativity carries them to the
-            # next turn's reader; the same holds for one warp, where a warp barrier is what makes lane 0's release
-            # cover the other lanes' reductions (program order alone would not)
+        for i in range(WRITER, n_m, WRITERS):
+            seen = gl.load(sem_base + i, volatile=True)
+            slot = i % DQ_RING
+            mbarrier.wait(dq_full.index(slot), (i // DQ_RING) & 1)
+            seen = gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + i, turn], dtype=gl.int32,
+                                             is_pure=False, pack=1)
+            seen = gl.inline_asm_elementwise(_ASYNC_FENCE_PTX, "=r,r", [seen], dtype=gl.int32, is_pure=False,
+                                             pack=1)
+            for w in gl.static_range(CONS):
+                _tma_reduce_add(dqacc_desc, [acc_row, i * BLOCK_M, w * DQC],
+                                dq_smem.index(slot * CONS + w).reshape([1, BLOCK_M, DQC]))
+            seen = gl.inline_asm_elementwise(_BULK_DONE_PTX, "=r,r", [seen], dtype=gl.int32, is_pure=False, pack=1)
+            # the warp's barrier: every lane is past the completion wait before lane 0's release (a release orders
+            # only what the releasing thread observed; the barrier makes the issuing lane's completed reductions
+            # precede it)
             _cta_barrier()
-            for t in range(n_real):
-                i = g * TPT + t
-                mbarrier.arrive(dq_empty.index(i % DQ_RING))
-            if DQ_MODE == "ordered":
-                gl.atomic_xchg(sem_base + g, turn + 1, sem="release")
+            mbarrier.arrive(dq_empty.index(slot))
+            gl.atomic_xchg(sem_base + i, turn + 1, sem="release")
 
     @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
-    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq,
-                         Nk, qk_scale, scale,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr, DQ_COLS: gl.constexpr,
-                         DQ_HALVES: gl.constexpr, DQ_WRITER: gl.constexpr, WRITER_REGS: gl.constexpr,
-                         DQ_RING: gl.constexpr, DQ_WRITERS: gl.constexpr, DQ_MODE: gl.constexpr,
-                         DQ_TPT: gl.constexpr, DQ_ACCS: gl.constexpr, DQ_TMA: gl.constexpr):
+    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, LseRow, Delta, DK, DV, Sem, H, Nq, Nk,
+                         qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
+                         WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
-        # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; DQ: [B, H, Nq, D] contiguous,
-        # input dtype (written by each query tile's last turn); DQACC: FP32 [B, H, Nq, D] contiguous, zeroed;
-        # Sem: int32 counters (ordered_buffer_sizes), zeroed. qk_scale = scale * log2(e).
+        # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; dqacc_desc: the FP32 dQ
+        # accumulators [DQ_ACCS * B * H, Nq, D], zeroed; Sem: int32 counters (ordered_buffer_sizes), zeroed.
+        # qk_scale = scale * log2(e).
         CONS: gl.constexpr = 2
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [CONS] + k_desc.block_type.shape, k_desc.layout)
@@ -579,17 +360,13 @@ if _IMPORT_ERROR is None:
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        # dS^T of both consumers, double-buffered (DQ_HALVES; a stub otherwise)
-        DS_SLOTS: gl.constexpr = 2 * CONS if DQ_HALVES else 1
+        # dS^T of both consumers, double-buffered
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // CONS, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [DS_SLOTS, BLOCK_N // CONS, BLOCK_M], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONS, BLOCK_N // CONS, BLOCK_M], ds_layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        # DQ_WRITER: the consumers' FP32 dQ halves for the writer partition, a ring of DQ_RING query tiles (a stub
-        # otherwise)
-        DQ_SLOTS: gl.constexpr = DQ_RING * CONS if DQ_WRITER else 1
-        DQ_ROWS: gl.constexpr = BLOCK_M if DQ_WRITER else 8
-        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DQ_ROWS, HEAD_D // CONS], gl.float32)
-        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_SLOTS, DQ_ROWS, HEAD_D // CONS], dq_smem_layout)
+        # the consumers' FP32 dQ halves for the writers, a ring of DQ_RING query tiles
+        dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D // CONS], gl.float32)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_RING * CONS, BLOCK_M, HEAD_D // CONS], dq_smem_layout)
         dq_full = gl.allocate_shared_memory(gl.int64, [DQ_RING, 1], mbarrier.MBarrierLayout())
         dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_RING, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
@@ -601,88 +378,23 @@ if _IMPORT_ERROR is None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=CONS)  # both consumers release a slot
-        # the dQ writers share the producer's warpgroup: DQ_WRITERS = 0, one partition of two warps; otherwise
-        # DQ_WRITERS partitions of one warp, writer w taking the query tiles i with i % DQ_WRITERS == w
-        if DQ_WRITER and DQ_WRITERS == 0:
-            gl.warp_specialize([
+        # two consumer warpgroups, the producer warp and DQ_WRITERS = 2 one-warp dQ writers (sharing the producer's
+        # warpgroup); a partition list's tuples stay literal: the Gluon frontend turns the constexpr members of an
+        # assigned tuple into tensors
+        gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
+                         dq_empty, LseRow, Delta, DK, DV, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D,
+                         STAGES, CONS, EVEN_N)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
+                         dq_empty, LseRow, Delta, DK, DV, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D,
+                         STAGES, CONS, EVEN_N)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
-                          CONS, DQ_MODE, 0, 1, 2, DQ_TPT, DQ_ACCS, DQ_TMA)),
-            ], [4, 1, 2], [CONSUMER_REGS, 24, WRITER_REGS])
-        elif DQ_WRITER and DQ_WRITERS == 1:
-            gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
-            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
-                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
-                          CONS, DQ_MODE, 0, 1, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
-            ], [4, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS])
-        elif DQ_WRITER and DQ_WRITERS == 2:
-            gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
-            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
-                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
-                          CONS, DQ_MODE, 0, 2, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
-                          CONS, DQ_MODE, 1, 2, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
-            ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
-        elif DQ_WRITER:
-            gl.static_assert(DQ_WRITERS == 3, "dq_writers: 0 (one writer of two warps), 1, 2 or 3")
-            gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
-            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
-                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
-                          CONS, DQ_MODE, 0, 3, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
-                          CONS, DQ_MODE, 1, 3, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, DQ, DQACC, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D,
-                          CONS, DQ_MODE, 2, 3, 1, DQ_TPT, DQ_ACCS, DQ_TMA)),
-            ], [4, 1, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS, WRITER_REGS])
-        else:
-            gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, DQ, DQACC, Sem, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M,
-                         BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, DQ_COLS, DQ_HALVES, DQ_WRITER, DQ_MODE, DQ_ACCS,
-                         DQ_TMA)),
-            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
-                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
-            ], [4, 1], [CONSUMER_REGS, 24])
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 0,
+                          2, DQ_ACCS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 1,
+                          2, DQ_ACCS)),
+        ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
 
 
 def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
@@ -813,16 +525,14 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     cfg = dict(config or get_config(D))
-    cfg["dq_accumulators"] = accs = min(cfg.get("dq_accumulators", 1), cdiv(Nk, cfg["BLOCK_N"]))
-    constexprs = kernel_constexprs(cfg, D, Nk)
-    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), constexprs,
+    cfg["dq_accumulators"] = accs = min(cfg["dq_accumulators"], cdiv(Nk, cfg["BLOCK_N"]))
+    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
     blocks = [list(block) for block in _descriptor_blocks(cfg, D).values()]
     layouts = [nvmma_layout(tuple(block), q.dtype if i < 4 else torch.float32) for i, block in enumerate(blocks)]
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
-    # else the last turn of each query tile writes dQ
-    combine = _combine_call(B * H * Nq * D, accs) if accs > 1 or constexprs["DQ_TMA"] else None
+    combine = _combine_call(B * H * Nq * D, accs)
     direct = []  # the descriptor-encoding launch, once the first call has compiled the kernel
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
@@ -832,7 +542,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
         acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
         dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
         bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D))
-        args = (lse_row, delta, dk, dv, dq, acc, sem, H, Nq, Nk, float(scale) * LOG2E, float(scale))
+        args = (lse_row, delta, dk, dv, sem, H, Nq, Nk, float(scale) * LOG2E, float(scale))
         if direct and direct[0] is not None:
             direct[0](*bases, *args)
         else:
@@ -842,8 +552,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
                 for d in descs:  # the plan keeps no tensor of this call alive
                     d.base = None
                 direct.append(call.with_descriptors(descs))
-        if combine is not None:
-            combine(acc, dq, dq.numel())
+        combine(acc, dq, dq.numel())
         return dq
 
     return launch

@@ -145,7 +145,7 @@ def _half_gluon_bwd_jobs(quick: bool):
                         "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 12, cfg["STAGES"]]},
                        dict(kernel=half_gluon_bwd._half_bwd_kernel,
                             pointer_types=dict(half_gluon_bwd.descriptor_types(cfg, d, dtype), LseRow="*fp32",
-                                               Delta="*fp32", DK=t, DV=t, DQ=t, DQACC="*fp32", Sem="*i32"),
+                                               Delta="*fp32", DK=t, DV=t, Sem="*i32"),
                             constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
                             float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
 

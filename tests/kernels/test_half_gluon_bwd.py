@@ -5,7 +5,6 @@ kernel is compiled offline for sm_90 (in a child process with TRITON_INTERPRET=0
 gradients against the float64 oracle and their bit-for-bit reproducibility.
 """
 import importlib
-import math
 
 import pytest
 import torch
@@ -62,84 +61,33 @@ def test_half_backward_refuses_what_it_cannot_run():
 
 
 def test_host_helpers():
-    """Grid: one program per (key tile of 128, head, batch); the ordered-dQ buffers: the FP32 accumulator and one
-    counter per turn chain (with the dQ writers: per head and group of query tiles); the writers' config checks;
-    EVEN_N only when every key tile is full."""
+    """Grid: one program per (key tile of 128, head, batch); the ordered-dQ buffers: the FP32 accumulators and one
+    turn counter per (accumulator, head, query tile); the config checks; EVEN_N only when every key tile is
+    full."""
     for d in (64, 128):
-        default = half_gluon_bwd.get_config(d)
-        # the buffers below with one accumulator; dq_accumulators multiplies both
-        cfg = dict(default, dq_accumulators=1)
-        for accs in (2, 4):
-            got = half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, dict(default, dq_accumulators=accs))
-            assert got == tuple(accs * x for x in half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg))
-            assert half_gluon_bwd.kernel_constexprs(dict(default, dq_accumulators=accs), d, 1024)["DQ_ACCS"] == accs
-        # two accumulators, added by TMA bulk reductions (the writers' way of adding: nothing without them)
-        assert default["dq_accumulators"] == 2 and half_gluon_bwd.kernel_constexprs(default, d, 1024)["DQ_TMA"]
-        assert not half_gluon_bwd.kernel_constexprs(dict(default, dq_tma=False), d, 1024)["DQ_TMA"]
-        assert not half_gluon_bwd.kernel_constexprs(dict(default, dq_writer=False), d, 1024)["DQ_TMA"]
-        for bad in (0, half_gluon_bwd.MAX_DQ_ACCUMULATORS + 1, 2.0):
-            with pytest.raises(ValueError, match="dq_accumulators"):
-                half_gluon_bwd.kernel_constexprs(dict(default, dq_accumulators=bad), d, 1024)
+        cfg = half_gluon_bwd.get_config(d)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == (64, 128, 2)
+        assert (cfg["dq_accumulators"], cfg["dq_ring"]) == (2, 4 if d == 64 else 2)
         assert half_gluon_bwd.grid_size(2, 3, 1000, cfg) == 8 * 6
         assert half_gluon_bwd.grid_size(1, 1, 128, cfg) == 1
-        # the dQ writer: one counter per (head, group of dq_tiles_per_turn query tiles); the halves without it: one
-        # per (head, query tile, column half)
-        assert cfg["dq_halves"] and cfg["dq_writer"]
-        per_turn = cfg["dq_tiles_per_turn"]
-        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, cfg) == (
-            6000 * d, 6 * math.ceil(math.ceil(1000 / 64) / per_turn))
-        no_writer = dict(cfg, dq_writer=False)
-        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, no_writer) == (6000 * d,
-                                                                                 6 * math.ceil(1000 / 64) * 2)
-        assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["DQ_WRITER"]
-        assert not half_gluon_bwd.kernel_constexprs(no_writer, d, 1024)["DQ_WRITER"]
-        assert not half_gluon_bwd.kernel_constexprs(dict(cfg, dq_halves=False), d, 1024)["DQ_WRITER"]
-        # 2 writers, a ring of 4 (D = 64) or 2 (D = 128); one tile per turn
-        want = (4, 2, 1) if d == 64 else (2, 2, 1)
-        got = half_gluon_bwd.kernel_constexprs(cfg, d, 1024)
-        assert (got["DQ_RING"], got["DQ_WRITERS"], got["DQ_TPT"]) == want
-        # one-warp writers taking the groups of query tiles in turn (0: the two-warp writer); one counter per group
-        # whatever their number; the ring holds a group per writer
-        for per_turn in (1, 2):
-            for writers in (0, 1, 2, 3):
-                w_cfg = dict(cfg, dq_writers=writers, dq_tiles_per_turn=per_turn, dq_ring=per_turn * max(writers, 1))
-                # 1000 rows: 16 query tiles (the last partial), 8 groups of 2
-                assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, w_cfg) == (6000 * d, 6 * 16 // per_turn)
-                got = half_gluon_bwd.kernel_constexprs(w_cfg, d, 1024)
-                assert (got["DQ_WRITERS"], got["DQ_TPT"]) == (writers, per_turn)
-        # 15 full tiles and a partial one (1000 rows) vs 17 tiles (1025 rows: 9 groups of 2, the last partial)
-        two = dict(cfg, dq_tiles_per_turn=2, dq_writers=1, dq_ring=2)
-        assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 1025, d, two)[1] == 9
-        assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 64, d, two)[1] == 1
-        with pytest.raises(ValueError, match="dq_ring"):
-            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=3, dq_ring=2, dq_tiles_per_turn=1), d, 1024)
-        with pytest.raises(ValueError, match="dq_ring 4 < dq_tiles_per_turn 2 x dq_writers 3"):
-            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=3, dq_ring=4, dq_tiles_per_turn=2), d, 1024)
-        with pytest.raises(ValueError, match="dq_ring 1 < dq_tiles_per_turn 2 x dq_writers 0"):
-            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=0, dq_ring=1, dq_tiles_per_turn=2), d, 1024)
-        with pytest.raises(ValueError, match="dq_writers"):
-            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_writers=4, dq_ring=8), d, 1024)
-        for bad in (0, 5):
-            with pytest.raises(ValueError, match="dq_tiles_per_turn"):
-                half_gluon_bwd.kernel_constexprs(dict(cfg, dq_tiles_per_turn=bad, dq_ring=16), d, 1024)
-        # without the writer the ring, writer count and tiles per turn do not matter: one turn per query tile
-        no_w = dict(cfg, dq_writer=False, dq_writers=3, dq_ring=2, dq_tiles_per_turn=2)
-        assert half_gluon_bwd.kernel_constexprs(no_w, d, 1024)["DQ_TPT"] == 1
-        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, no_w)[1] == 6 * 16 * 2
-        turns = dict(cfg, dq_halves=False)
-        assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, turns) == (2 * 3 * 1000 * d,
-                                                                              6 * math.ceil(1000 / 64) * (d // 64))
+        # 1000 rows: 16 query tiles (the last partial); accumulators [accs * B * H, Nq, D]
+        for accs in (1, 2, 4):
+            acc_cfg = dict(cfg, dq_accumulators=accs)
+            assert half_gluon_bwd.ordered_buffer_sizes(2, 3, 1000, d, acc_cfg) == (accs * 6000 * d, accs * 6 * 16)
+            assert half_gluon_bwd.kernel_constexprs(acc_cfg, d, 1024)["DQ_ACCS"] == accs
+        assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 1025, d, cfg)[1] == 2 * 17
+        for bad in (0, half_gluon_bwd.MAX_DQ_ACCUMULATORS + 1, 2.0):
+            with pytest.raises(ValueError, match="dq_accumulators"):
+                half_gluon_bwd.kernel_constexprs(dict(cfg, dq_accumulators=bad), d, 1024)
+        # the ring holds a query tile per writer (two): its phase waits are exact only then
+        assert half_gluon_bwd.kernel_constexprs(dict(cfg, dq_ring=2), d, 1024)["DQ_RING"] == 2
+        with pytest.raises(ValueError, match="dq_ring 1 < 2"):
+            half_gluon_bwd.kernel_constexprs(dict(cfg, dq_ring=1), d, 1024)
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["EVEN_N"]
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["EVEN_N"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_D"] == d
-    with pytest.raises(ValueError, match="head dim"):
+    with pytest.raises(ValueError, match="head dim 96"):
         half_gluon_bwd.get_config(96)
-    # the dQ share in one 128-column part at D = 128: one counter per query tile
-    one = dict(half_gluon_bwd.get_config(128), dq_cols=128, dq_halves=False, dq_accumulators=1)
-    assert half_gluon_bwd.ordered_buffer_sizes(1, 1, 1000, 128, one)[1] == math.ceil(1000 / 64)
-    assert half_gluon_bwd.kernel_constexprs(one, 128, 1000)["DQ_COLS"] == 128
-    assert half_gluon_bwd.kernel_constexprs(half_gluon_bwd.get_config(64), 64, 1000)["DQ_COLS"] == 64
 
 
 def test_grad_out_copies_are_tma_legal():
@@ -193,40 +141,22 @@ import json, torch
 from visionattn.kernels import half_gluon_bwd as g
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
-# (head dim, dtype, keys, dq_writer, dq_writers, dq_tiles_per_turn: None = the default); the ring: a group per writer
-for d, dtype, n_k, writer, writers, per_turn in (
-        (64, torch.float16, 1024, True, None, None), (64, torch.bfloat16, 1000, True, None, None),
-        (128, torch.float16, 1000, True, None, None), (64, torch.bfloat16, 1000, False, None, None),
-        (64, torch.bfloat16, 1000, True, 0, 1), (64, torch.bfloat16, 1000, True, 1, 1),
-        (64, torch.bfloat16, 1000, True, 3, 1), (64, torch.bfloat16, 1000, True, 2, 2),
-        (128, torch.bfloat16, 1000, True, 0, 1), (128, torch.bfloat16, 1000, True, 1, 1),
-        (128, torch.bfloat16, 1000, True, 1, 2), (64, torch.bfloat16, 1000, "1acc", None, None),
-        (64, torch.bfloat16, 1000, "halves 4acc", None, None), (64, torch.bfloat16, 1000, "atomics", None, None),
-        (128, torch.bfloat16, 1024, "atomics", None, None)):
-    cfg = dict(g.get_config(d), dq_writer=writer is True)
-    if writer == "1acc":  # one accumulator: the last turn writes dQ
-        cfg.update(dq_writer=True, dq_accumulators=1)
-        writer = True
-    elif writer == "halves 4acc":
-        cfg.update(dq_accumulators=4)
-        writer = False
-    elif writer == "atomics":  # the writers add with the warp's reductions, not TMA bulk reductions
-        cfg.update(dq_writer=True, dq_tma=False)
-        writer = True
-    if writers is not None:
-        cfg.update(dq_writers=writers, dq_tiles_per_turn=per_turn, dq_ring=max(2, per_turn * max(writers, 1)))
+# (head dim, dtype, keys, dQ accumulators: None = the default)
+for d, dtype, n_k, accs in ((64, torch.float16, 1024, None), (64, torch.bfloat16, 1000, None),
+                            (128, torch.float16, 1000, None), (128, torch.bfloat16, 1024, None),
+                            (64, torch.bfloat16, 1000, 1), (128, torch.bfloat16, 1000, 4)):
+    cfg = g.get_config(d)
+    if accs is not None:
+        cfg["dq_accumulators"] = accs
     t = "fp16" if dtype == torch.float16 else "bf16"
-    ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK="*" + t, DV="*" + t, DQ="*" + t,
-                DQACC="*fp32", Sem="*i32")
+    ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK="*" + t, DV="*" + t,
+                Sem="*i32")
     r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
                          float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    name = f"{d}-{t}-{n_k}-" + ("halves" if not writer else f"writers{cfg['dq_writers']}x{cfg['dq_tiles_per_turn']}")
-    tma_adds = g.kernel_constexprs(cfg, d, n_k)["DQ_TMA"]
-    name += f"-{cfg['dq_accumulators']}acc" + ("-tma" if tma_adds else "")
-    out[name] = {"wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
-                 "writers": cfg["dq_writers"] if writer else None, "per_turn": cfg["dq_tiles_per_turn"],
-                 "accs": cfg["dq_accumulators"], "tma": tma_adds, "bulk_reduce": "ttng.async_tma_reduce" in r.ttgir,
-                 "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir}
+    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc"] = {
+        "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
+        "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
+        "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir}
 print(json.dumps(out))
 """
 
@@ -234,28 +164,22 @@ print(json.dumps(out))
 @pytest.mark.timeout(600)
 @needs_gluon
 def test_compiles_for_hopper():
-    """The kernel builds for sm_90: six wgmmas per consumer warpgroup (two consumers), 12 warps (the producer warp
-    and the dQ writers' warps padded to a warpgroup), shared memory under Hopper's 232,448 bytes, with one and two
-    query tiles per writer turn and one, two or four dQ accumulators; the TMA bulk reductions (the default) wait
-    for their completion, not only for their shared-memory reads, before a turn passes (``wait_group`` without
-    ``.read``: the next key tile's reductions must find these in the accumulator); at head dim 64 at most 48 bytes
-    of register spills without the writer (none with one accumulator), with it at most 32 bytes per writer
-    partition (triton 3.6 / 3.8: values of the prologue that ptxas keeps in local memory across the register
-    reallocation, reloaded once per partition)."""
+    """The kernel builds for sm_90 with one, two or four dQ accumulators, full and cut key tiles: six wgmmas per
+    consumer warpgroup (two consumers), 12 warps (the producer warp and the two dQ writers' warps padded to a
+    warpgroup), shared memory under Hopper's 232,448 bytes; each writer adds both consumer halves by TMA bulk
+    reductions and waits for their completion, not only for their shared-memory reads, before a turn passes
+    (``wait_group`` without ``.read``: the next key tile's reductions must find these in the accumulator); at
+    head dim 64 at most 32 bytes of register spills per writer (triton 3.6 / 3.8: values of the prologue that ptxas
+    keeps in local memory across the register reallocation, reloaded once per partition)."""
     r = compile_in_child(_CHILD)
-    assert {v["writers"] for v in r.values()} >= {0, 1, 2, 3}, r  # every writer count built
-    assert {v["per_turn"] for v in r.values()} == {1, 2}, r  # one and two query tiles per turn
     assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
-    assert {v["tma"] for v in r.values() if v["writers"] is not None} == {True, False}, r
-    for key, v in r.items():
-        assert v["bulk_reduce"] == v["completion_wait"] == v["tma"], (key, v)
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
         assert v["wgmma"] == 12 and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
+        assert v["bulk_reduce"] == 2 * 2 and v["completion_wait"], (key, v)  # two halves in each of two writers
         if key.startswith("64-"):
-            halves = 48 if v["accs"] > 1 else 0
-            assert v["local"] <= (halves if v["writers"] is None else 32 * max(v["writers"], 1)), (key, v)
+            assert v["local"] <= 32 * 2, (key, v)
 
 
 def _reference(q, k, v, do, scale):
@@ -304,10 +228,9 @@ def _needs_hopper():
 
 
 @pytest.mark.gpu
-def test_dq_writer_variants_give_the_same_bits_per_accumulator_count():
-    """For a given number of accumulators every element's shares arrive in the same order whoever adds them and
-    however (the one-warp writers by TMA bulk reductions or by the warp's reductions, the two-warp writer, the
-    consumers' halves): identical bits."""
+def test_dq_ring_depth_keeps_the_bits_per_accumulator_count():
+    """For a given number of accumulators every element's shares arrive in the same order however far the
+    consumers run ahead of the writers (hand-off rings of two and four query tiles): identical bits."""
     _needs_hopper()
     torch.manual_seed(0)
     B, H, N, D = 1, 2, 1000, 64
@@ -316,11 +239,9 @@ def test_dq_writer_variants_give_the_same_bits_per_accumulator_count():
     base = half_gluon_bwd.get_config(D)
     for accs in (1, 4):
         runs = [half_gluon_bwd.half_backward(q, k, v, out64.to(q.dtype), do, lse64.float(), D ** -0.5,
-                                             config=dict(base, dq_accumulators=accs, **extra))
-                for extra in ({}, dict(dq_tma=False), dict(dq_writers=3), dict(dq_writers=0, dq_ring=2),
-                              dict(dq_writer=False))]
-        for run in runs[1:]:
-            assert all(torch.equal(a, b) for a, b in zip(runs[0], run)), accs
+                                             config=dict(base, dq_accumulators=accs, dq_ring=ring))
+                for ring in (2, 4)]
+        assert all(torch.equal(a, b) for a, b in zip(*runs)), accs
 
 
 @pytest.mark.gpu
