@@ -335,8 +335,8 @@ def main(args) -> dict:
           "* SASS instructions: a static count (`nvdisasm`; a loop body counts once), comparable between variants "
           "of one kernel at the same tiles\n* half-gluon (warp-specialized): registers are the launch cap over its "
           "12 warps (8 / 20 with one / four consumer warpgroups); `setmaxnreg` then gives each consumer thread 240 "
-          "(232 with one, 112-120 with four) and each producer 24; half-gluon-bwd likewise over its two consumer "
-          "warpgroups (the first gets 256, the second 240)"
+          "(232 with one, 112-120 with four) and each producer 24; half-gluon-bwd likewise: 240 per consumer "
+          "thread, 24 for the producer, 32 for each of the two dQ writers"
           f"\n\n{table}\n")
     write_results(outputs, args.out, result, md)
     print(md)
