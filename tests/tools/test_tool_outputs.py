@@ -117,3 +117,27 @@ def test_bench_attention_report_has_graph_columns(backward, tmp_path):
     assert [(r["ms"], r["graph ms"], r["eager / graph"]) for r in table] == [
         ("0.5", "0.25", "2.00"), ("0.5", "n/a", "n/a"), ("-", "-", "-")]
     assert table[2][list(table[2])[-1]] == "RuntimeError: no kernel"
+
+
+def test_bench_attention_backward_targets_use_graph_replay_and_the_bars():
+    """Forward + backward targets: the ratio to cuDNN by graph replay where both sides were captured (eager
+    otherwise), against 1.05x at long sequences and 1.0x at ViT-B/16 224; fp32 / tf32 against 3x / 5x
+    SDPA-efficient."""
+    mod = _load("bench_attention")
+
+    def rec(backend, dtype, n, b, eager, graph=None):
+        r = {"shape": f"N={n}", "B": b, "H": 12 if n == 197 else 8, "N": n, "D": 64, "dtype": dtype,
+             "backend": backend, "ms": 1.0, "tflops": eager, "peak_mib": 1.0}
+        return r if graph is None else {**r, "tflops_graph": graph}
+
+    records = [rec("bf16", "bf16", 4096, 1, 300.0, 420.0), rec("sdpa-cudnn", "bf16", 4096, 1, 400.0, 400.0),
+               rec("bf16", "bf16", 197, 64, 50.0), rec("sdpa-cudnn", "bf16", 197, 64, 49.0, 80.0),
+               rec("fp32", "fp32", 4096, 1, 90.0, 90.0), rec("sdpa-efficient", "fp32", 4096, 1, 31.0, 31.0),
+               rec("tf32", "fp32", 4096, 1, 150.0, 150.0)]
+    got = {(t["shape"], t["mode"], t["vs"]): t for t in mod._targets_backward(records) if "ratio" in t}
+    long = got[("N=4096", "bf16", "sdpa-cudnn")]
+    assert (long["timing"], long["need_ratio"], long["met"]) == ("graph", 1.05, True)  # 1.05x by graph, 0.75 eager
+    vit = got[("N=197", "bf16", "sdpa-cudnn")]
+    assert (vit["timing"], vit["need_ratio"], vit["met"]) == ("eager", 1.0, True)  # no graph of ours: eager
+    assert not got[("N=4096", "fp32", "sdpa-efficient")]["met"]  # 2.9x < 3x
+    assert got[("N=4096", "tf32", "sdpa-efficient")]["need_ratio"] == 5.0
