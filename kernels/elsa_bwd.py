@@ -345,6 +345,15 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
                                                    + offs_dv[None, :] * svd, key_ok, offs_dv, Dv))
 
 
+def _preprocess_call(B: int, H: int, Nq: int, block_d: int, block_dv: int, head_max: bool) -> KernelCall:
+    """The launch of :func:`_bwd_preprocess_kernel` over ``B * H`` heads of ``Nq`` rows: 64-row programs (32 when a
+    head dim's block passes 128), ``HEAD_MAX`` as given (the backward plans and :mod:`.half_gluon_bwd` launch it
+    so)."""
+    pre_m = 64 if max(block_d, block_dv) <= 128 else 32
+    return KernelCall(_bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
+                      dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, BLOCK_D=block_d, HEAD_MAX=head_max), dict(num_warps=4))
+
+
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, delta_base, start_m, offs_m,
                offs_d, offs_dv, cols, col_ok, Nq, D, Dv, sqm, sqd, sdm, sdd, sbm, sbn, sam, san, smm, smn, scale,
@@ -1204,13 +1213,10 @@ class _BackwardPlan:
         self.explicit = config is not None
         BLOCK_D, BLOCK_DV = head_blocks(D, Dv, "/".join(product_flags(precision).values()))
         self.dims = (B, H, Nq, Nk, D, Dv)
-        pre_m = 64 if max(BLOCK_D, BLOCK_DV) <= 128 else 32
         # HEAD_SCALED products scale each right operand by one power of two per head (:func:`_mmh`): the
         # preprocess finds the heads' largest magnitudes
         self.head_b = precision in HEAD_SCALED
-        self.pre = KernelCall(_bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
-                              dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=BLOCK_D, HEAD_MAX=self.head_b),
-                              dict(num_warps=4))
+        self.pre = _preprocess_call(B, H, Nq, BLOCK_D, BLOCK_DV, self.head_b)
         self.pre_fixed = (*out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv)
         # the preprocess reads K / V at the query head's index: with GQA it reads none of them (0 keys) and the
         # K / V heads' largest magnitudes come from torch (_gqa_kv_max), into every query head's row of E

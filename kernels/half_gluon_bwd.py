@@ -397,23 +397,21 @@ if _IMPORT_ERROR is None:
         ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
 
 
-def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
-    # every descriptor moves 64-row tiles: a Q / dO tile, one consumer's half of the K / V tile (input dtype), one
-    # consumer's FP32 column half of a query tile's dQ share (the accumulators, [accumulators * B * H, Nq, D])
+def _descriptors(cfg: dict, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    # (block, dtype) of each descriptor argument, in the kernel's order: every descriptor moves 64-row tiles, a Q /
+    # dO tile and one consumer's half of the K / V tile in the input dtype, one consumer's FP32 column half of a
+    # query tile's dQ share (the accumulators, [accumulators * B * H, Nq, D])
     rows = {"q_desc": cfg["BLOCK_M"], "k_desc": cfg["BLOCK_N"] // CONSUMERS, "v_desc": cfg["BLOCK_N"] // CONSUMERS,
             "do_desc": cfg["BLOCK_M"]}
-    return {**{name: (1, 1, n, head_dim) for name, n in rows.items()},
-            "dqacc_desc": (1, cfg["BLOCK_M"], head_dim // CONSUMERS)}
+    return {**{name: ((1, 1, n, head_dim), dtype) for name, n in rows.items()},
+            "dqacc_desc": ((1, cfg["BLOCK_M"], head_dim // CONSUMERS), torch.float32)}
 
 
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
     """Signature types of the five descriptor arguments (``q_desc`` ... ``dqacc_desc``) for an offline compile."""
     tnames = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-    types = {}
-    for name, block in _descriptor_blocks(cfg, head_dim).items():
-        dt = torch.float32 if name == "dqacc_desc" else dtype
-        types[name] = f"tensordesc<{tnames[dt]}[{','.join(map(str, block))}],{nvmma_layout(block, dt)!r}>"
-    return types
+    return {name: f"tensordesc<{tnames[dt]}[{','.join(map(str, block))}],{nvmma_layout(block, dt)!r}>"
+            for name, (block, dt) in _descriptors(cfg, head_dim, dtype).items()}
 
 
 @triton.jit
@@ -449,10 +447,7 @@ def _preprocess(q, out, grad_out, lse):
     Dv = out.shape[3]
     delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
     lse_row = torch.empty_like(delta)
-    block_d, block_dv = head_blocks(D, Dv, "")
-    pre_m = 64 if max(block_d, block_dv) <= 128 else 32
-    call = KernelCall(elsa_bwd._bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
-                      dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, BLOCK_D=block_d, HEAD_MAX=False), dict(num_warps=4))
+    call = elsa_bwd._preprocess_call(B, H, Nq, *head_blocks(D, Dv, ""), head_max=False)
     # HEAD_MAX off: K / V, E and their strides are not read (q stands in; 0 keys)
     call(q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
          q, q, delta, *q.stride(), *q.stride(), *q.stride(), 0, D)
@@ -529,8 +524,9 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
-    blocks = [list(block) for block in _descriptor_blocks(cfg, D).values()]
-    layouts = [nvmma_layout(tuple(block), q.dtype if i < 4 else torch.float32) for i, block in enumerate(blocks)]
+    specs = _descriptors(cfg, D, q.dtype).values()
+    blocks = [list(block) for block, _ in specs]
+    layouts = [nvmma_layout(block, dt) for block, dt in specs]
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
     combine = _combine_call(B * H * Nq * D, accs)
     direct = []  # the descriptor-encoding launch, once the first call has compiled the kernel
