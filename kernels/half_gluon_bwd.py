@@ -490,7 +490,7 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     if B * H == 0 or Nq == 0 or Nk == 0:
         return torch.zeros_like(q, memory_format=torch.contiguous_format), *(
             torch.zeros((B, H, Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
-    delta, lse_row = _preprocess(q, out, grad_out.to(q.dtype), lse)
+    delta, lse_row = _preprocess(q, out, grad_out, lse)  # the kernel rounds dO to q's dtype as it reads it
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
     dq = planned_launch(q, k, v, grad_out, config)(q, k, v, grad_out, delta, lse_row, dk, dv, scale)
