@@ -1166,6 +1166,7 @@ def _tensor_key(t: torch.Tensor | None):
 
 _GLUON_BWD = "fp32-ieee backward"  # the Gluon IEEE backward's name in elsa_fwd's record of Gluon failures
 _GLUON_HALF_BWD = "half backward"  # the Gluon fp16 / bf16 backward's (kernels/half_gluon_bwd.py)
+_GLUON_TF32_BWD = "tf32 backward"  # its HEAD_SCALES build for mode tf32 (half_gluon_bwd.tf32_backward)
 
 
 # call signature -> _BackwardPlan (see launch_backward); PLANS.hits / PLANS.builds count reuses and builds
@@ -1271,6 +1272,20 @@ class _BackwardPlan:
                     self.half_gluon = half_gluon_bwd.planned_launch(q, k, v, grad_out)
                 elif reason == half_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                     elsa_fwd._gluon_failed(_GLUON_HALF_BWD, reason)
+        # tf32 (f16x1 products) on Hopper, same conditions: the same kernel on FP16 copies of q, k, v, dO scaled per
+        # head by powers of two (the preprocess finds the heads' magnitudes: f16x1 is HEAD_SCALED)
+        self.tf32_gluon = None
+        if (precision == "f16x1" and q.device.type == "cuda" and config is None and default is None
+                and add_mask is None and head_scale is None and not bias_requires_grad
+                and _GLUON_TF32_BWD not in elsa_fwd._GLUON_FAILED):
+            from . import half_gluon_bwd
+
+            if half_gluon_bwd.preferred(Nq, Nk):
+                reason = half_gluon_bwd.tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
+                if reason is None:
+                    self.tf32_gluon = half_gluon_bwd.tf32_planned_launch(q, k, v, grad_out)
+                elif reason == half_gluon_bwd._IMPORT_ERROR:
+                    elsa_fwd._gluon_failed(_GLUON_TF32_BWD, reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
         # (dQ given: the Triton kernels write it at its strides, the Gluon ones contiguous, copied after)
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
@@ -1338,7 +1353,7 @@ class _BackwardPlan:
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
         if grads is not None and (self.gluon is not None or self.half_gluon is not None
-                                  or self.ordered["ACC_IS_OUT"]):  # contiguous, then copied
+                                  or self.tf32_gluon is not None or self.ordered["ACC_IS_OUT"]):  # contiguous, copied
             result = self(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale)
             for into, got in zip(grads, result):
                 into.copy_(got)
@@ -1346,6 +1361,9 @@ class _BackwardPlan:
         dq = grads[0] if grads is not None else None
         if self.half_gluon is not None:  # it allocates dQ and its accumulators itself
             acc = sem = head_max = q  # not read
+        elif self.tf32_gluon is not None:  # so does its tf32 build, which scales by the heads' magnitudes
+            acc = sem = q  # not read
+            head_max = torch.zeros(B * H * 4, device=dev, dtype=torch.int32)
         elif self.single_pass or self.gluon is not None:  # the Gluon IEEE kernel adds dQ in order too
             dq, acc, sem, head_max = self._ordered_buffers(q.dtype, dq)
         else:
@@ -1371,6 +1389,14 @@ class _BackwardPlan:
                 return gluon_dq, dk, dv, None, None
             dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
             acc = sem = dq  # not read (the Triton kernels' two-kernel path: half precision never single-pass)
+        if self.tf32_gluon is not None:
+            ran, gluon_dq = self._run_gluon("tf32_gluon", _GLUON_TF32_BWD, q, k, v, grad_out, delta, lse_row,
+                                            head_max.view(B * H, 4), dk, dv, float(scale))
+            if ran:
+                return gluon_dq, dk, dv, None, None
+            # the Triton kernels: the preprocess found the heads' magnitudes into head_max already
+            dq, acc, sem, _ = self._ordered_buffers(q.dtype) if self.single_pass else (
+                torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype), q, q, None)
         if self.gluon is not None and self._run_gluon("gluon", _GLUON_BWD, q, k, v, grad_out, delta, lse_row, dq, dk,
                                                       dv, sem, float(scale))[0]:
             return dq, dk, dv, None, None

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from . import elsa_bwd
-from ._gluon import hopper_tma_scope_reason, nvmma_layout, strides_aligned
+from ._gluon import hopper_tma_scope_reason, nvmma_layout, scope_reason, strides_aligned
 from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
 
 try:  # Gluon is experimental: its API moves between Triton releases
@@ -89,7 +89,8 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
            "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
-           "MIN_KEYS"]
+           "MIN_KEYS", "tf32_backward", "tf32_planned_launch", "tf32_operands", "tf32_unsupported_reason",
+           "TF32_SCALE_EXPONENTS", "TF32_SHIFT_LIMIT"]
 
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -101,6 +102,15 @@ DQ_WRITERS = 2
 # the backward plans of elsa_bwd take this kernel from this many keys and query rows (both); below, the Triton
 # kernels are faster (docs/tuning.md: Hopper fp16 / bf16 backward)
 MIN_KEYS = 2048
+# mode tf32 (tf32_backward): the largest magnitude of each head's q, k, v, dO is scaled below 2^e by a power of two
+# before the rounding to FP16. 2^8 for q and k keeps FP16's normal range for entries down to 2^-22 of their head's
+# largest; v and dO at 2^4, 2^3 bound dP^T - delta by 2 * 128 * 2^7 = 2^15 at head dim <= 128, so dS^T = P^T (dP^T -
+# delta) (P <= 1) stays under FP16's largest, 65504
+TF32_SCALE_EXPONENTS = (8, 8, 4, 3)
+# the scaling shifts a head by at most 2^62 either way: the products of the heads' multipliers stay in FP32's range
+TF32_SHIFT_LIMIT = 62
+# FP32 multipliers per head in the Scales rows: qk_scale, delta's, dQ's, dK's, dV's (padded to 8)
+SCALES_ROW = tl.constexpr(8)
 
 
 def preferred(n_q: int, n_k: int) -> bool:
@@ -143,9 +153,10 @@ def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> 
     return accs * B * H * n_q * head_dim, accs * B * H * cdiv(n_q, cfg["BLOCK_M"])
 
 
-def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
+def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = False) -> dict:
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
-    key tile is full (no key masking: two builds at most per head dim and dtype). Raises ValueError for a
+    key tile is full (no key masking: two builds at most per head dim and dtype), ``HEAD_SCALES`` for mode tf32's
+    per-head scaled operands (:func:`tf32_backward`). Raises ValueError for a
     ``dq_accumulators`` outside 1 .. :data:`MAX_DQ_ACCUMULATORS` or a ``dq_ring`` smaller than the
     :data:`DQ_WRITERS` writers' tiles in flight (the ring's phase waits are exact only then, see ``_dq_writer``)."""
     accs, ring = cfg["dq_accumulators"], cfg["dq_ring"]
@@ -155,7 +166,7 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int) -> dict:
         raise ValueError(f"dq_ring {ring!r} < {DQ_WRITERS}: the ring holds a query tile per dQ writer")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0, WRITER_REGS=cfg["writer_regs"],
-                DQ_RING=ring, DQ_ACCS=accs)
+                DQ_RING=ring, DQ_ACCS=accs, HEAD_SCALES=bool(head_scales))
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -209,9 +220,9 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full, dq_empty,
-                  LseRow, Delta, DK, DV, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr,
-                  EVEN_N: gl.constexpr):
+                  LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                  CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
         HALF: gl.constexpr = BLOCK_N // CONS
         # dQ's columns [WG * DQC, + DQC) over all BLOCK_N keys are this consumer's (dS^T of both through shared
@@ -230,6 +241,19 @@ if _IMPORT_ERROR is None:
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
         row_base = bh * Nq
+        # the multipliers of dQ's and dK's products (dV's is 1), and delta's (1): with HEAD_SCALES the head's row of
+        # Scales (its operands were scaled by powers of two, see _tf32_operands_kernel)
+        dq_scale = scale
+        dk_scale = scale
+        dv_scale = 1.0
+        delta_mult = 1.0
+        if HEAD_SCALES:
+            head = Scales + bh * SCALES_ROW
+            qk_scale = gl.load(head)
+            delta_mult = gl.load(head + 1)
+            dq_scale = gl.load(head + 2)
+            dk_scale = gl.load(head + 3)
+            dv_scale = gl.load(head + 4)
         offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
         offs_ad = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
         st_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=st_layout)
@@ -248,6 +272,8 @@ if _IMPORT_ERROR is None:
             rows = i * BLOCK_M + offs_row
             lse_c = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
             delta_c = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+            if HEAD_SCALES:
+                delta_c = delta_c * delta_mult
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q_t = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
             do_t = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
@@ -286,14 +312,16 @@ if _IMPORT_ERROR is None:
             # hand the share to the writers through their ring (slot i % DQ_RING, this consumer's half) and go on
             # with the next query tile
             mbarrier.wait(dq_empty.index(i % DQ_RING), ((i // DQ_RING) & 1) ^ 1)
-            dq_smem.index((i % DQ_RING) * CONS + WG).store(part * scale)
+            dq_smem.index((i % DQ_RING) * CONS + WG).store(part * dq_scale)
             fence_async_shared()  # the writer's bulk reductions read the share through the async proxy
             _cta_barrier()  # every thread's share is in shared memory before the writer reads it
             mbarrier.arrive(dq_full.index(i % DQ_RING))
         offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
         out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
         n_ok = (offs_n < Nk)[:, None]
-        gl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=n_ok)
+        gl.store(DK + out, (dk * dk_scale).to(DK.dtype.element_ty), mask=n_ok)
+        if HEAD_SCALES:
+            dv = dv * dv_scale
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok)
 
     @gluon.jit
@@ -343,14 +371,17 @@ if _IMPORT_ERROR is None:
             gl.atomic_xchg(sem_base + i, turn + 1, sem="release")
 
     @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
-    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, LseRow, Delta, DK, DV, Sem, H, Nq, Nk,
-                         qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, LseRow, Delta, DK, DV, Sem, Scales, H, Nq,
+                         Nk, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
-                         WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr):
+                         WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr,
+                         HEAD_SCALES: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; dqacc_desc: the FP32 dQ
         # accumulators [DQ_ACCS * B * H, Nq, D], zeroed; Sem: int32 counters (ordered_buffer_sizes), zeroed.
-        # qk_scale = scale * log2(e).
+        # qk_scale = scale * log2(e). HEAD_SCALES (mode tf32): the operands are FP16 copies scaled per head by
+        # powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW], _tf32_operands_kernel) holds each
+        # head's multipliers, which replace qk_scale and scale; else Scales is not read.
         CONS: gl.constexpr = 2
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [CONS] + k_desc.block_type.shape, k_desc.layout)
@@ -383,11 +414,11 @@ if _IMPORT_ERROR is None:
         # assigned tuple into tensors
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D,
-                         STAGES, CONS, EVEN_N)),
+                         dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N,
+                         HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D,
-                         STAGES, CONS, EVEN_N)),
+                         dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N,
+                         HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
                          Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 0,
@@ -440,17 +471,20 @@ def combine_accumulators(acc: torch.Tensor, dq: torch.Tensor, accs: int) -> None
     _combine_call(dq.numel(), accs)(acc, dq, dq.numel())
 
 
-def _preprocess(q, out, grad_out, lse):
+def _preprocess(q, out, grad_out, lse, k=None, v=None, head_max=None):
     """``(delta, lse_row)``, FP32 [B * H, Nq], by :mod:`.elsa_bwd`'s preprocess kernel (its launch as the backward
-    plans make it, without the heads' magnitudes)."""
+    plans make it); with ``head_max`` (int32 [B * H, 4], zeroed) also the heads' largest magnitudes of q, k, v, dO
+    into it."""
     B, H, Nq, D = q.shape
     Dv = out.shape[3]
     delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
     lse_row = torch.empty_like(delta)
-    call = elsa_bwd._preprocess_call(B, H, Nq, *head_blocks(D, Dv, ""), head_max=False)
-    # HEAD_MAX off: K / V, E and their strides are not read (q stands in; 0 keys)
+    call = elsa_bwd._preprocess_call(B, H, Nq, *head_blocks(D, Dv, ""), head_max=head_max is not None)
+    if head_max is None:  # HEAD_MAX off: K / V, E and their strides are not read (q stands in; 0 keys)
+        k = v = q
+        head_max = delta
     call(q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
-         q, q, delta, *q.stride(), *q.stride(), *q.stride(), 0, D)
+         k, v, head_max, *q.stride(), *k.stride(), *v.stride(), k.shape[2] if k is not q else 0, D)
     return delta, lse_row
 
 
@@ -518,27 +552,39 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
     stride), skipping the descriptor objects' construction (tens of microseconds of host time per call)."""
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    cfg = dict(config or get_config(D))
-    cfg["dq_accumulators"] = accs = min(cfg["dq_accumulators"], cdiv(Nk, cfg["BLOCK_N"]))
-    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk),
-                      dict(num_warps=4, maxnreg=cfg["maxnreg"]))
-    n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
-    specs = _descriptors(cfg, D, q.dtype).values()
-    blocks = [list(block) for block, _ in specs]
-    layouts = [nvmma_layout(block, dt) for block, dt in specs]
+    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False)
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
-    combine = _combine_call(B * H * Nq * D, accs)
-    direct = []  # the descriptor-encoding launch, once the first call has compiled the kernel
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
         if copy_grad:
             grad_out = tma_copy(grad_out, q.dtype)
+        return run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, delta)
+
+    return launch
+
+
+def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, dq_dtype: torch.dtype,
+                 config: dict | None, head_scales: bool):
+    # the launches of one signature (operands [B, H, N, D] of ``dtype`` at TMA-legal strides, which the first call
+    # fixes): a callable (q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales) -> dq [B, H, Nq, D] contiguous
+    # in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor)
+    cfg = dict(config or get_config(D))
+    cfg["dq_accumulators"] = accs = min(cfg["dq_accumulators"], cdiv(Nk, cfg["BLOCK_N"]))
+    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk, head_scales),
+                      dict(num_warps=4, maxnreg=cfg["maxnreg"]))
+    n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
+    specs = _descriptors(cfg, D, dtype).values()
+    blocks = [list(block) for block, _ in specs]
+    layouts = [nvmma_layout(block, dt) for block, dt in specs]
+    combine = _combine_call(B * H * Nq * D, accs)
+    direct = []  # the descriptor-encoding launch, once the first call has compiled the kernel
+
+    def run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales):
         buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)
         acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
-        dq = torch.empty((B, H, Nq, D), device=q.device, dtype=q.dtype)
+        dq = torch.empty((B, H, Nq, D), device=q.device, dtype=dq_dtype)
         bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D))
-        args = (lse_row, delta, dk, dv, sem, H, Nq, Nk, float(scale) * LOG2E, float(scale))
+        args = (lse_row, delta, dk, dv, sem, scales, H, Nq, Nk, float(scale) * LOG2E, float(scale))
         if direct and direct[0] is not None:
             direct[0](*bases, *args)
         else:
@@ -551,4 +597,189 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
         combine(acc, dq, dq.numel())
         return dq
 
+    return run
+
+
+# ---- mode tf32 on the same kernel: FP32 inputs as FP16 operands scaled per head by powers of two ----
+
+_TF32_DTYPES = (torch.float32,)
+
+
+def tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
+    """Why :func:`tf32_backward` cannot run this call (:mod:`.elsa_bwd`'s Triton kernels then do), or ``None``:
+    as :func:`unsupported_reason`, for float32 q / k / v at any strides (the kernel reads FP16 copies)."""
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        return "grouped-query attention (fewer key / value heads than query heads)"
+    if not grad_out.dtype.is_floating_point or tuple(grad_out.shape) != (*q.shape[:3], v.shape[-1]):
+        return f"grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the output"
+    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, dtypes=_TF32_DTYPES, head_dims=HEAD_DIMS,
+                        stride_elems=1, stride_text="", capable=lambda cc: cc[0] == 9,
+                        capable_text="not a compute capability 9.x GPU (wgmma and TMA are Hopper's)",
+                        import_error=_IMPORT_ERROR)
+
+
+@triton.jit
+def _pow2(e):
+    # 2^e, exact, for an int32 e in [-126, 127]
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _head_shift(bits, TARGET: tl.constexpr, LIMIT: tl.constexpr):
+    # the power of two that scales a head whose largest magnitude has the FP32 bit pattern `bits` to below
+    # 2^TARGET (and to at least 2^(TARGET - 1)), clamped to +-LIMIT; 0 for an all-zero or non-finite head
+    ex = (bits >> 23) & 255
+    shift = tl.minimum(tl.maximum(TARGET - 1 - (ex - 127), -LIMIT), LIMIT)
+    return tl.where((bits == 0) | (ex == 255), 0, shift)
+
+
+@triton.jit
+def _scaled_rows(X, sxm, sxd, Y, rows, n, offs_d, mult, HEAD_D: tl.constexpr):
+    # rows [rows] of one head of X (strided, any float dtype), times mult, rounded to FP16 into Y (contiguous rows)
+    ok = (rows < n)[:, None]
+    x = tl.load(X + rows[:, None] * sxm + offs_d[None, :] * sxd, mask=ok, other=0.0)
+    tl.store(Y + rows[:, None] * HEAD_D + offs_d[None, :], (x.to(tl.float32) * mult).to(tl.float16), mask=ok)
+
+
+@triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_rows"])
+def _tf32_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
+                          sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
+                          H, Nq, Nk, n_rows, qk_scale, scale, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          TQ: tl.constexpr, TK: tl.constexpr, TV: tl.constexpr, TDO: tl.constexpr,
+                          LIMIT: tl.constexpr, ROW: tl.constexpr):
+    """The FP16 operands of mode tf32's Gluon backward: head ``bh``'s q, k, v, dO times ``2^s_q``, ``2^s_k``,
+    ``2^s_v``, ``2^s_do`` (:func:`_head_shift` of their largest magnitudes, whose FP32 bit patterns E [B * H, 4]
+    holds, from :mod:`.elsa_bwd`'s preprocess), rounded to FP16 into contiguous [B, H, N, HEAD_D] copies; the first
+    program of each head writes its row of Scales (FP32 [B * H, ROW]): ``qk_scale 2^-(s_q + s_k)`` (the logits'
+    log2-domain multiplier), ``2^(s_v + s_do)`` (delta's), ``scale 2^-(s_v + s_do + s_k)`` (dQ's),
+    ``scale 2^-(s_v + s_do + s_q)`` (dK's), ``2^-s_do`` (dV's). 1-D grid cdiv(n_rows, BLOCK_M) * H * B, n_rows =
+    max(Nq, Nk)."""
+    tiles = tl.cdiv(n_rows, BLOCK_M)
+    pid = tl.program_id(0)
+    t = pid % tiles
+    bh = (pid // tiles).to(tl.int64)
+    off_b = bh // H
+    off_h = bh % H
+    e = E + bh * 4
+    s_q = _head_shift(tl.load(e), TQ, LIMIT)
+    s_k = _head_shift(tl.load(e + 1), TK, LIMIT)
+    s_v = _head_shift(tl.load(e + 2), TV, LIMIT)
+    s_do = _head_shift(tl.load(e + 3), TDO, LIMIT)
+    rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    if t * BLOCK_M < Nq:
+        _scaled_rows(Q + off_b * sqb + off_h * sqh, sqm, sqd, Q16 + bh * Nq * HEAD_D, rows, Nq, offs_d, _pow2(s_q), HEAD_D)
+        _scaled_rows(DO + off_b * sdb + off_h * sdh, sdm, sdd, DO16 + bh * Nq * HEAD_D, rows, Nq, offs_d,
+                     _pow2(s_do), HEAD_D)
+    if t * BLOCK_M < Nk:
+        _scaled_rows(K + off_b * skb + off_h * skh, skn, skd, K16 + bh * Nk * HEAD_D, rows, Nk, offs_d, _pow2(s_k), HEAD_D)
+        _scaled_rows(V + off_b * svb + off_h * svh, svn, svd, V16 + bh * Nk * HEAD_D, rows, Nk, offs_d, _pow2(s_v), HEAD_D)
+    if t == 0:
+        # each multiplier as a product of powers in range (their sum of shifts may not be): it rounds only where
+        # the gradient itself falls below FP32's normal range
+        inv_vdo = _pow2(-s_v) * _pow2(-s_do)
+        row = Scales + bh * ROW
+        tl.store(row, qk_scale * _pow2(-s_q) * _pow2(-s_k))
+        tl.store(row + 1, _pow2(s_v) * _pow2(s_do))
+        tl.store(row + 2, scale * inv_vdo * _pow2(-s_k))
+        tl.store(row + 3, scale * inv_vdo * _pow2(-s_q))
+        tl.store(row + 4, _pow2(-s_do))
+
+
+TF32_OPERANDS_BLOCK = 64
+
+
+def _tf32_operands_call(B: int, H: int, Nq: int, Nk: int, D: int) -> KernelCall:
+    # the launch of _tf32_operands_kernel for one signature
+    return KernelCall(_tf32_operands_kernel, (cdiv(max(Nq, Nk), TF32_OPERANDS_BLOCK) * B * H,),
+                      dict(HEAD_D=D, BLOCK_M=TF32_OPERANDS_BLOCK, TQ=TF32_SCALE_EXPONENTS[0],
+                           TK=TF32_SCALE_EXPONENTS[1], TV=TF32_SCALE_EXPONENTS[2], TDO=TF32_SCALE_EXPONENTS[3],
+                           LIMIT=TF32_SHIFT_LIMIT, ROW=SCALES_ROW.value), dict(num_warps=4))
+
+
+def tf32_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, head_max: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q16, k16, v16, do16, scales)``: mode tf32's operands for the Gluon backward, by
+    :func:`_tf32_operands_kernel` (runs under ``TRITON_INTERPRET=1`` too).
+
+    Args:
+        q: float32 [B, H, Nq, D], any strides; k, v: [B, H, Nk, D]; grad_out: [B, H, Nq, D], any float dtype.
+        head_max: int32 [B * H, 4], the FP32 bit patterns of each head's largest magnitude of q, k, v, dO (as
+            :func:`.elsa_bwd._bwd_preprocess_kernel` finds them with ``HEAD_MAX``).
+        scale: the logit scale.
+
+    Returns:
+        contiguous float16 copies of q, k, v, dO, each head times a power of two (its largest magnitude in
+        ``[2^(e - 1), 2^e)``, e from :data:`TF32_SCALE_EXPONENTS`; an all-zero or non-finite head unscaled; shifts
+        within :data:`TF32_SHIFT_LIMIT`), and the FP32 [B * H, 8] multipliers the kernel's HEAD_SCALES build reads.
+    """
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    ops = torch.empty(2 * B * H * (Nq + Nk) * D, device=q.device, dtype=torch.float16)
+    nq, nk = B * H * Nq * D, B * H * Nk * D
+    q16, do16 = ops[:nq].view(B, H, Nq, D), ops[nq:2 * nq].view(B, H, Nq, D)
+    k16, v16 = ops[2 * nq:2 * nq + nk].view(B, H, Nk, D), ops[2 * nq + nk:].view(B, H, Nk, D)
+    scales = torch.empty((B * H, SCALES_ROW.value), device=q.device, dtype=torch.float32)
+    _tf32_operands_call(B, H, Nq, Nk, D)(q, k, v, grad_out, head_max, q16, k16, v16, do16, scales, *q.stride(),
+                                         *k.stride(), *v.stride(), *grad_out.stride(), H, Nq, Nk, max(Nq, Nk),
+                                         float(scale) * LOG2E, float(scale))
+    return q16, k16, v16, do16, scales
+
+
+def tf32_planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                        config: dict | None = None):
+    """As :func:`planned_launch`, for mode tf32 (float32 q / k / v, any strides): a callable ``(q, k, v, grad_out,
+    delta, lse_row, head_max, dk, dv, scale) -> dq`` that makes the scaled FP16 operands (:func:`tf32_operands`,
+    from ``head_max``, the preprocess's int32 [B * H, 4]) and runs the HEAD_SCALES build; ``dk``, ``dv``: float32
+    [B, H, Nk, D] contiguous, written; dQ float32 [B, H, Nq, D] contiguous."""
+    B, H, Nq, D = q.shape
+    run = _kernel_plan(B, H, Nq, k.shape[2], D, torch.float16, torch.float32, config, head_scales=True)
+
+    def launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale):
+        q16, k16, v16, do16, scales = tf32_operands(q, k, v, grad_out, head_max, scale)
+        return run(q16, k16, v16, do16, delta, lse_row, dk, dv, scale, scales)
+
     return launch
+
+
+def tf32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
+                  lse: torch.Tensor, scale: float, *, config: dict | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of ``out = softmax(scale q k^T) v`` for mode ``tf32`` on the Gluon kernel of :func:`half_backward`:
+    q, k, v, dO are scaled per (batch, head) by powers of two (:data:`TF32_SCALE_EXPONENTS`: range, not rounding, is
+    what FP16 lacks against TF32; both keep 11 significant bits) and rounded to FP16; the kernel multiplies its
+    logits, delta and FP32 gradients by the heads' inverse scales (exact: powers of two).
+
+    Args:
+        q: [B, H, Nq, D] float32 CUDA (compute capability 9.x), any strides; k, v: [B, H, Nk, D] float32; D in
+            :data:`HEAD_DIMS`.
+        out: the forward output [B, H, Nq, D]; grad_out: dL/d out, same shape, any float dtype and strides.
+        lse: float32 [B, H, Nq], the natural-log log-sum-exp of each row's scaled logits.
+        scale: the logit scale, > 0.
+        config: a :func:`get_config` dict to run instead of the head dim's (tools, tests).
+
+    Returns:
+        ``(dq, dk, dv)``: float32, contiguous, within mode tf32's contract; bit-for-bit reproducible (ordered dQ
+        adds). Heads whose largest magnitude lies outside ``2^-54 .. 2^54`` or so lose precision (the shifts are
+        capped at :data:`TF32_SHIFT_LIMIT`). Nq == 0, Nk == 0 or B * H == 0 give zeros without a launch.
+
+    Raises:
+        ValueError: a call :func:`tf32_unsupported_reason` refuses (the message names the cause).
+        TypeError: ``lse`` is not float32.
+    """
+    reason = tf32_unsupported_reason(q, k, v, grad_out, None, None, False, scale)
+    if reason is not None:
+        raise ValueError(f"tf32_backward: {reason}; use kernels.elsa_bwd.elsa_backward(mode='tf32')")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"tf32_backward: lse must be float32, got {lse.dtype}")
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    if B * H == 0 or Nq == 0 or Nk == 0:
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), *(
+            torch.zeros((B, H, Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
+    head_max = torch.zeros((B * H, 4), device=q.device, dtype=torch.int32)
+    delta, lse_row = _preprocess(q, out, grad_out, lse, k, v, head_max)
+    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=torch.float32)
+    dv = torch.empty_like(dk)
+    dq = tf32_planned_launch(q, k, v, grad_out, config)(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale)
+    return dq, dk, dv

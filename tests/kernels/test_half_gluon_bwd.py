@@ -141,19 +141,21 @@ import json, torch
 from visionattn.kernels import half_gluon_bwd as g
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
-# (head dim, dtype, keys, dQ accumulators: None = the default)
-for d, dtype, n_k, accs in ((64, torch.float16, 1024, None), (64, torch.bfloat16, 1000, None),
-                            (128, torch.float16, 1000, None), (128, torch.bfloat16, 1024, None),
-                            (64, torch.bfloat16, 1000, 1), (128, torch.bfloat16, 1000, 4)):
+# (head dim, dtype, keys, dQ accumulators: None = the default, mode tf32's HEAD_SCALES build)
+for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, torch.bfloat16, 1000, None, False),
+                                  (128, torch.float16, 1000, None, False), (128, torch.bfloat16, 1024, None, False),
+                                  (64, torch.bfloat16, 1000, 1, False), (128, torch.bfloat16, 1000, 4, False),
+                                  (64, torch.float16, 1000, None, True), (128, torch.float16, 1024, None, True)):
     cfg = g.get_config(d)
     if accs is not None:
         cfg["dq_accumulators"] = accs
     t = "fp16" if dtype == torch.float16 else "bf16"
-    ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK="*" + t, DV="*" + t,
-                Sem="*i32")
-    r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
-                         float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc"] = {
+    grads = "*fp32" if tf32 else "*" + t
+    ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK=grads, DV=grads,
+                Sem="*i32", Scales="*fp32")
+    r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k, tf32), num_warps=4,
+                         num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
+    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + "-tf32" * tf32] = {
         "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
         "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
         "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir}
@@ -170,7 +172,8 @@ def test_compiles_for_hopper():
     reductions and waits for their completion, not only for their shared-memory reads, before a turn passes
     (``wait_group`` without ``.read``: the next key tile's reductions must find these in the accumulator); at
     head dim 64 at most 32 bytes of register spills per writer (triton 3.6 / 3.8: values of the prologue that ptxas
-    keeps in local memory across the register reallocation, reloaded once per partition)."""
+    keeps in local memory across the register reallocation, reloaded once per partition). Mode tf32's HEAD_SCALES
+    builds (FP16 operands, FP32 dK / dV, the heads' multipliers) have the same products."""
     r = compile_in_child(_CHILD)
     assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
     for key, v in r.items():
@@ -297,3 +300,178 @@ def test_planned_launch_repeats_bits_on_new_tensors():
         dk, dv = torch.empty_like(kc), torch.empty_like(vc)
         dq = launch(qc, kc, vc, doc, delta.clone(), lse_row.clone(), dk, dv, D ** -0.5)
         assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), want))
+
+
+# ---- mode tf32 on the same kernel (HEAD_SCALES): scaled FP16 operands ----
+
+# each head's magnitudes (q, k, v, dO) span 1e-6 .. 1e6 over the heads; the logits stay moderate (q * k = 1)
+_MAGNITUDES = ((1e-6, 1e6, 1e-6, 1e3), (1e-2, 1e2, 1.0, 1e-5), (1.0, 1.0, 1e6, 1e-3), (1e5, 1e-5, 1e-4, 1e6))
+
+
+def _magnitude_heads(n_q=96, n_k=160, d=64, seed=0):
+    torch.manual_seed(seed)
+    m = torch.tensor(_MAGNITUDES, dtype=torch.float32).T[:, None, :, None, None]  # [4 tensors, 1, H, 1, 1]
+    q = torch.randn(1, len(_MAGNITUDES), n_q, d) * m[0]
+    k = torch.randn(1, len(_MAGNITUDES), n_k, d) * m[1]
+    v = torch.randn(1, len(_MAGNITUDES), n_k, d) * m[2]
+    do = torch.randn(1, len(_MAGNITUDES), n_q, d) * m[3]
+    return q, k, v, do
+
+
+def _tf32_inputs(q, k, v, do, scale):
+    out64, lse64, ref = _reference(q, k, v, do, scale)
+    head_max = torch.zeros(q.shape[0] * q.shape[1], 4, dtype=torch.int32)
+    delta, lse_row = half_gluon_bwd._preprocess(q, out64.float(), do, lse64.float(), k, v, head_max)
+    return out64, lse64, ref, head_max, delta, lse_row
+
+
+def test_tf32_unsupported_reasons():
+    """tf32 takes float32 q / k / v at any strides (the kernel reads FP16 copies); fp16 inputs, GQA, bias and a
+    mismatched dO are refused by name; on the CPU everything else fits."""
+    q, k, v, do = (t.float() for t in _qkv(n_q=100, n_k=300))
+    reason = half_gluon_bwd.tf32_unsupported_reason
+    assert reason(q, k, v, do, None, None, False, 0.125) == "tensors on cpu"
+    wide = torch.randn(1, 2, 100, 70)[..., 3:67]  # no TMA-legal strides: still in scope
+    assert reason(wide, k, v, do, None, None, False, 0.125) == "tensors on cpu"
+    assert "dtypes" in reason(q.half(), k.half(), v.half(), do, None, None, False, 0.125)
+    assert "bias" in reason(q, k, v, do, torch.zeros(100, 300), None, False, 0.125)
+    qg, kg, vg, dog = (t.float() for t in _qkv(h=4, h_kv=2))
+    assert "grouped-query" in reason(qg, kg, vg, dog, None, None, False, 0.125)
+    assert "grad_out" in reason(q, k, v, do[:, :, :50], None, None, False, 0.125)
+    with pytest.raises(ValueError, match="tensors on cpu"):
+        half_gluon_bwd.tf32_backward(q, k, v, q, do, torch.zeros(1, 2, 100), 0.125)
+
+
+def test_tf32_operands_scale_each_head_by_a_power_of_two():
+    """The operand kernel (interpreted): each head of q, k, v, dO times 2^s, its largest magnitude in [2^(e-1),
+    2^e) for e = TF32_SCALE_EXPONENTS, rounded to FP16 (strided inputs read in place); the Scales rows hold the
+    inverse powers the kernel needs: logits' qk_scale 2^-(s_q + s_k), delta's 2^(s_v + s_do), dQ's
+    scale 2^-(s_v + s_do + s_k), dK's scale 2^-(s_v + s_do + s_q), dV's 2^-s_do. An all-zero head is unscaled."""
+    q, k, v, do = _magnitude_heads()
+    v = v.transpose(2, 3).contiguous().transpose(2, 3)  # strided: read in place
+    v[0, 1] = 0.0
+    scale = 0.125
+    *_, head_max, _, _ = _tf32_inputs(q, k, v, do, scale)
+    q16, k16, v16, do16, scales = half_gluon_bwd.tf32_operands(q, k, v, do, head_max, scale)
+    shifts = []
+    for t, t16, e in zip((q, k, v, do), (q16, k16, v16, do16), half_gluon_bwd.TF32_SCALE_EXPONENTS):
+        peak = t.abs().amax(dim=(2, 3))[0]  # [H]
+        s = torch.where(peak > 0, e - torch.frexp(peak)[1], 0)  # peak = m 2^x, m in [0.5, 1): floor(log2) = x - 1
+        shifts.append(s)
+        mult = torch.exp2(s.double()).float()[None, :, None, None]
+        assert t16.dtype == torch.float16 and t16.is_contiguous()
+        assert torch.equal(t16, (t * mult).half())
+        scaled = t16.float().abs().amax(dim=(2, 3))[0]
+        live = peak > 0
+        assert (scaled[live] < 2.0 ** e).all() and (scaled[live] >= 2.0 ** (e - 1) * (1 - 2 ** -11)).all()
+    assert shifts[2][1] == 0  # the zero head
+    s_q, s_k, s_v, s_do = (s.double() for s in shifts)
+    want = torch.stack([scale * 1.4426950408889634 * torch.exp2(-s_q - s_k), torch.exp2(s_v + s_do),
+                        scale * torch.exp2(-s_v - s_do - s_k), scale * torch.exp2(-s_v - s_do - s_q),
+                        torch.exp2(-s_do)], 1)
+    assert torch.allclose(scales[:, :5].double(), want, rtol=1e-6, atol=0)
+
+
+def _kernel_model(q16, k16, v16, do16, scales, delta, lse_row, scale_rows=True):
+    # the HEAD_SCALES kernel's arithmetic in float64 with its roundings to FP16 (P^T, dS^T) and its multipliers
+    B, H = q16.shape[:2]
+    sc = scales.double().view(B, H, -1, 1, 1)
+    qk, dmult, dqm, dkm, dvm = (sc[:, :, c] for c in range(5))
+    q, k, v, do = (t.double() for t in (q16, k16, v16, do16))
+    lse2 = lse_row.double().view(B, H, -1, 1) * 1.4426950408889634
+    p = torch.exp2(q @ k.transpose(-1, -2) * qk - lse2)
+    dp = do @ v.transpose(-1, -2)
+    ds16 = (p * (dp - delta.double().view(B, H, -1, 1) * dmult)).half().double()
+    p16 = p.half().double()
+    return ds16 @ k * dqm, ds16.transpose(-1, -2) @ q * dkm, p16.transpose(-1, -2) @ do * dvm
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_tf32_kernel_model_keeps_the_contract_over_head_magnitudes(d):
+    """The kernel's arithmetic (a float64 model of its FP16 roundings, on the operand kernel's real outputs) keeps
+    mode tf32's contract (3e-3 of each head's largest gradient) for heads of magnitude 1e-6 .. 1e6, within twice
+    the Triton tf32 backward's error; the same model without the per-head scales (plain FP16 roundings) breaks it:
+    the scaling is what keeps the heads in FP16's range."""
+    from visionattn.kernels import elsa_bwd
+
+    q, k, v, do = _magnitude_heads(d=d)
+    scale = d ** -0.5
+    out64, lse64, ref, head_max, delta, lse_row = _tf32_inputs(q, k, v, do, scale)
+    ops = half_gluon_bwd.tf32_operands(q, k, v, do, head_max, scale)
+    got = _kernel_model(*ops, delta, lse_row)
+    tri = elsa_bwd.elsa_backward(q, k, v, out64.float(), do, lse64.float(), None, None, False, scale, "tf32")[:3]
+    H = q.shape[1]
+    for name, g, t, want in zip("qkv", got, tri, ref):
+        peak = want.abs().amax(dim=(0, 2, 3))
+        err = ((g - want).abs().amax(dim=(0, 2, 3)) / peak)
+        tri_err = ((t.double() - want).abs().amax(dim=(0, 2, 3)) / peak)
+        assert (err <= 3e-3).all() and (err <= torch.clamp(2 * tri_err, min=5e-4)).all(), (name, err, tri_err)
+    # unscaled: the same roundings on q, k, v, dO as they come, multipliers for unit scales
+    B = q.shape[0]
+    unit = torch.zeros(B * H, 8)
+    unit[:, 0], unit[:, 1], unit[:, 2], unit[:, 3], unit[:, 4] = scale * 1.4426950408889634, 1.0, scale, scale, 1.0
+    plain = _kernel_model(q.half(), k.half(), v.half(), do.half(), unit, delta, lse_row)
+    errs = [((g - w).abs().amax() / w.abs().amax()).item() for g, w in zip(plain, ref)]
+    assert any(not e <= 3e-3 for e in errs), errs  # NaN (overflow) or out of contract
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 4, 1000, 1000, 64), (1, 4, 384, 520, 128), (1, 4, 2100, 2048, 64)])
+def test_tf32_gradients_match_float64_and_are_reproducible(shape):
+    """tf32_backward on heads of magnitude 1e-6 .. 1e6: each head's dQ, dK, dV within mode tf32's contract (3e-3
+    of its largest) and twice the Triton tf32 backward's error of the float64 oracle, float32, bit-for-bit equal
+    over repeated runs; a strided (heads-inner) q gives the same bits."""
+    from visionattn.kernels import elsa_bwd
+
+    _needs_hopper()
+    B, H, Nq, Nk, D = shape
+    q, k, v, do = (t.cuda() for t in _magnitude_heads(Nq, Nk, D))
+    scale = D ** -0.5
+    out64, lse64, ref = _reference(q, k, v, do, scale)
+    out, lse = out64.float(), lse64.float()
+    runs = [half_gluon_bwd.tf32_backward(q, k, v, out, do, lse, scale) for _ in range(3)]
+    tri = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, "tf32",
+                                 config=elsa_bwd.get_config("tf32", D))[:3]
+    for name, got, want, t in zip("qkv", runs[0], ref, tri):
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        peak = want.abs().amax(dim=(0, 2, 3))
+        err = (got.double() - want).abs().amax(dim=(0, 2, 3)) / peak
+        tri_err = (t.double() - want).abs().amax(dim=(0, 2, 3)) / peak
+        assert (err <= 3e-3).all() and (err <= torch.clamp(2 * tri_err, min=5e-4)).all(), (name, err, tri_err)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+    q_inner = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert all(torch.equal(a, b) for a, b in
+               zip(half_gluon_bwd.tf32_backward(q_inner, k, v, out, do, lse, scale), runs[0]))
+
+
+@pytest.mark.gpu
+def test_tf32_backward_plans_route_from_min_keys():
+    """elsa_backward(mode='tf32') runs the HEAD_SCALES build from MIN_KEYS keys and query rows (tf32_backward's
+    bits), the Triton kernels below; autograd through visionattn.attention(mode='tf32') reaches it: gradients within
+    the contract, reproducible."""
+    _needs_hopper()
+    import visionattn
+    from visionattn.kernels import elsa_bwd
+
+    D = 128
+    for n in (half_gluon_bwd.MIN_KEYS - 64, half_gluon_bwd.MIN_KEYS):
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(1, 2, n, D, device="cuda") for _ in range(4))
+        out64, lse64, ref = _reference(q, k, v, do, D ** -0.5)
+        out, lse = out64.float(), lse64.float()
+        got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, "tf32")[:3]
+        if n >= half_gluon_bwd.MIN_KEYS:
+            want = half_gluon_bwd.tf32_backward(q, k, v, out, do, lse, D ** -0.5)
+        else:
+            cfg = elsa_bwd.get_config("tf32", D)
+            want = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, "tf32", config=cfg)[:3]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+    runs = []
+    for _ in range(2):
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        visionattn.attention(qg, kg, vg, mode="tf32").backward(do)
+        runs.append((qg.grad, kg.grad, vg.grad))
+    for got, want in zip(runs[0], ref):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 3e-3
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
