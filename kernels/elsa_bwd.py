@@ -447,6 +447,10 @@ def _dkdv_step(dk, dv, k, v, q_base, do_base, b_base, a_base, m_base, lse_base, 
                              sbn, sam, san, smm, smn, scale, DIAGONAL, HAS_BIAS, HAS_ADD, HAS_MASK, EVEN_D, EVEN_DV,
                              PRECISION, GRAD_PRECISION, DOT_UPCAST, e_q, e_do, HEAD_B)
     if DQ_ORDERED:
+        # keys past Nk (zero rows of K, logit 0) carry P = exp(-lse): past FP32's range for lse < -88 (a row whose
+        # every key lies far below zero, e.g. under an additive mask), where inf * 0 in dS K would poison the row,
+        # and short of it their large dS would set the row's split scale; keys past Nk add nothing to dQ
+        dst = tl.where(col_ok[:, None], dst, 0.0)
         part = _mmh(tl.trans(dst.to(k.dtype)), k, e_k, GRAD_PRECISION, HEAD_B, DOT_UPCAST) * scale  # [rows, D]
         _dq_ordered_add(part, DQ, DQACC, sem_base + t, seen, dq_base, sgqm, t * BLOCK_M, offs_m, offs_d, turn, n_n,
                         Nq, D, BLOCK_M, BLOCK_N, IS_CAUSAL, ACC_IS_OUT, SPIN_ASM)

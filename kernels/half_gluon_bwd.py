@@ -89,7 +89,8 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
            "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
-           "MIN_KEYS", "tf32_backward", "tf32_planned_launch", "tf32_operands", "tf32_unsupported_reason",
+           "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_operands",
+           "tf32_unsupported_reason",
            "TF32_SCALE_EXPONENTS", "TF32_SHIFT_LIMIT"]
 
 HEAD_DIMS = (64, 128)
@@ -576,13 +577,15 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
     specs = _descriptors(cfg, D, dtype).values()
     blocks = [list(block) for block, _ in specs]
     layouts = [nvmma_layout(block, dt) for block, dt in specs]
-    combine = _combine_call(B * H * Nq * D, accs)
+    # one FP32 accumulator for an FP32 dQ is dQ itself: no combine
+    combine = None if accs == 1 and dq_dtype == torch.float32 else _combine_call(B * H * Nq * D, accs)
     direct = []  # the descriptor-encoding launch, once the first call has compiled the kernel
 
     def run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales):
         buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)
         acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
-        dq = torch.empty((B, H, Nq, D), device=q.device, dtype=dq_dtype)
+        dq = acc.view(B, H, Nq, D) if combine is None else torch.empty((B, H, Nq, D), device=q.device,
+                                                                         dtype=dq_dtype)
         bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D))
         args = (lse_row, delta, dk, dv, sem, scales, H, Nq, Nk, float(scale) * LOG2E, float(scale))
         if direct and direct[0] is not None:
@@ -594,7 +597,8 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
                 for d in descs:  # the plan keeps no tensor of this call alive
                     d.base = None
                 direct.append(call.with_descriptors(descs))
-        combine(acc, dq, dq.numel())
+        if combine is not None:
+            combine(acc, dq, dq.numel())
         return dq
 
     return run
@@ -603,6 +607,12 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
 # ---- mode tf32 on the same kernel: FP32 inputs as FP16 operands scaled per head by powers of two ----
 
 _TF32_DTYPES = (torch.float32,)
+
+
+def tf32_config(head_dim: int) -> dict:
+    """:func:`get_config` for mode tf32: one dQ accumulator, which is then the FP32 dQ itself (no combine, no second
+    FP32 buffer: the peak memory of a tf32 backward stays at SDPA-efficient's or below; docs/tuning.md)."""
+    return dict(get_config(head_dim), dq_accumulators=1)
 
 
 def tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -698,7 +708,8 @@ def _tf32_operands_call(B: int, H: int, Nq: int, Nk: int, D: int) -> KernelCall:
 
 
 def tf32_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, head_max: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  scale: float, _call: KernelCall | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q16, k16, v16, do16, scales)``: mode tf32's operands for the Gluon backward, by
     :func:`_tf32_operands_kernel` (runs under ``TRITON_INTERPRET=1`` too).
 
@@ -707,6 +718,7 @@ def tf32_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
         head_max: int32 [B * H, 4], the FP32 bit patterns of each head's largest magnitude of q, k, v, dO (as
             :func:`.elsa_bwd._bwd_preprocess_kernel` finds them with ``HEAD_MAX``).
         scale: the logit scale.
+        _call: the operand kernel's kept launch for this signature (a plan's; else one is made).
 
     Returns:
         contiguous float16 copies of q, k, v, dO, each head times a power of two (its largest magnitude in
@@ -720,9 +732,9 @@ def tf32_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: t
     q16, do16 = ops[:nq].view(B, H, Nq, D), ops[nq:2 * nq].view(B, H, Nq, D)
     k16, v16 = ops[2 * nq:2 * nq + nk].view(B, H, Nk, D), ops[2 * nq + nk:].view(B, H, Nk, D)
     scales = torch.empty((B * H, SCALES_ROW.value), device=q.device, dtype=torch.float32)
-    _tf32_operands_call(B, H, Nq, Nk, D)(q, k, v, grad_out, head_max, q16, k16, v16, do16, scales, *q.stride(),
-                                         *k.stride(), *v.stride(), *grad_out.stride(), H, Nq, Nk, max(Nq, Nk),
-                                         float(scale) * LOG2E, float(scale))
+    call = _call or _tf32_operands_call(B, H, Nq, Nk, D)
+    call(q, k, v, grad_out, head_max, q16, k16, v16, do16, scales, *q.stride(), *k.stride(), *v.stride(),
+         *grad_out.stride(), H, Nq, Nk, max(Nq, Nk), float(scale) * LOG2E, float(scale))
     return q16, k16, v16, do16, scales
 
 
@@ -733,10 +745,12 @@ def tf32_planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_
     from ``head_max``, the preprocess's int32 [B * H, 4]) and runs the HEAD_SCALES build; ``dk``, ``dv``: float32
     [B, H, Nk, D] contiguous, written; dQ float32 [B, H, Nq, D] contiguous."""
     B, H, Nq, D = q.shape
-    run = _kernel_plan(B, H, Nq, k.shape[2], D, torch.float16, torch.float32, config, head_scales=True)
+    Nk = k.shape[2]
+    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, config or tf32_config(D), head_scales=True)
+    operands = _tf32_operands_call(B, H, Nq, Nk, D)
 
     def launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale):
-        q16, k16, v16, do16, scales = tf32_operands(q, k, v, grad_out, head_max, scale)
+        q16, k16, v16, do16, scales = tf32_operands(q, k, v, grad_out, head_max, scale, operands)
         return run(q16, k16, v16, do16, delta, lse_row, dk, dv, scale, scales)
 
     return launch
@@ -756,7 +770,7 @@ def tf32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         out: the forward output [B, H, Nq, D]; grad_out: dL/d out, same shape, any float dtype and strides.
         lse: float32 [B, H, Nq], the natural-log log-sum-exp of each row's scaled logits.
         scale: the logit scale, > 0.
-        config: a :func:`get_config` dict to run instead of the head dim's (tools, tests).
+        config: a :func:`get_config` dict to run instead of :func:`tf32_config`'s (tools, tests).
 
     Returns:
         ``(dq, dk, dv)``: float32, contiguous, within mode tf32's contract; bit-for-bit reproducible (ordered dQ

@@ -240,6 +240,28 @@ def test_single_pass_meets_the_bounds(mode, Nq, Nk, D, Dv, causal):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("far", [-30.0, -100.0])
+def test_rows_whose_every_key_lies_far_below_zero(mode, far):
+    """A bias (no gradient asked: the single pass may run) that puts every key of some rows far below zero (lse ~
+    far): the keys past Nk of the last key tile (zero rows of K, logit 0 beside them) carry P = exp(-lse), past
+    FP32's range from -88; they must add nothing to the single pass's ordered dQ (inf * 0 was NaN there; short of
+    it their dS set the row's split scale and rounded the real entries away). Every gradient finite and within
+    the mode's bound, single pass and two kernels."""
+    q, k, v, do = _inputs(2, 2, 5, 3, 48, seed=3)
+    bias = torch.randn(2, 1, 5, 3, generator=torch.Generator().manual_seed(4)) * 4
+    bias[:, :, 3:] = far  # rows 3, 4: every key
+    bias[:, :, 1, :2] = far
+    dtype = BWD_MODES[mode][0]
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out64, lse, gold = autograd_grads(torch.float64, q, k, v, do, bias, None, True, 0.35)
+    bounds = mode_bounds(mode, gold, lambda: autograd_grads(dtype, q, k, v, do, bias, None, True, 0.35)[2], False)
+    for config in (SMALL_SINGLE, SMALL):
+        got = elsa_backward(q, k, v, out64.to(dtype), do.to(dtype), lse, bias, None, True, 0.35, mode,
+                            config=config)
+        assert_gradients(mode, ("dq", "dk", "dv"), got[:3], gold[:3], bounds[:3])
+
+
 @cpu_only
 @pytest.mark.parametrize("single_pass", [True, False])
 def test_f16x3_head_equals_f16x3_in_range(single_pass):

@@ -86,6 +86,10 @@ def test_host_helpers():
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1024)["EVEN_N"]
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["EVEN_N"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_D"] == d
+        # mode tf32: one accumulator (the FP32 dQ itself), the HEAD_SCALES build
+        assert half_gluon_bwd.tf32_config(d) == dict(cfg, dq_accumulators=1)
+        assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True)["HEAD_SCALES"]
+        assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_SCALES"]
     with pytest.raises(ValueError, match="head dim 96"):
         half_gluon_bwd.get_config(96)
 
