@@ -1276,15 +1276,16 @@ class _BackwardPlan:
                     self.half_gluon = half_gluon_bwd.planned_launch(q, k, v, grad_out)
                 elif reason == half_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                     elsa_fwd._gluon_failed(_GLUON_HALF_BWD, reason)
-        # tf32 (f16x1 products) on Hopper, same conditions: the same kernel on FP16 copies of q, k, v, dO scaled per
-        # head by powers of two (the preprocess finds the heads' magnitudes: f16x1 is HEAD_SCALED)
+        # tf32 (f16x1 products) on Hopper, same conditions, from a few waves of its programs: the same kernel on FP16
+        # copies of q, k, v, dO scaled per head by powers of two (the preprocess finds the heads' magnitudes: f16x1
+        # is HEAD_SCALED)
         self.tf32_gluon = None
         if (precision == "f16x1" and q.device.type == "cuda" and config is None and default is None
                 and add_mask is None and head_scale is None and not bias_requires_grad
                 and _GLUON_TF32_BWD not in elsa_fwd._GLUON_FAILED):
             from . import half_gluon_bwd
 
-            if half_gluon_bwd.preferred(Nq, Nk):
+            if half_gluon_bwd.tf32_preferred(B, H, Nq, Nk, sm_count(q.device)):
                 reason = half_gluon_bwd.tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
                 if reason is None:
                     self.tf32_gluon = half_gluon_bwd.tf32_planned_launch(q, k, v, grad_out)

@@ -89,8 +89,8 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
            "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
-           "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_operands",
-           "tf32_unsupported_reason",
+           "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_operands", "tf32_preferred",
+           "tf32_unsupported_reason", "TF32_MIN_WAVES", "TF32_MIN_QUERIES",
            "TF32_SCALE_EXPONENTS", "TF32_SHIFT_LIMIT"]
 
 HEAD_DIMS = (64, 128)
@@ -607,6 +607,21 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
 # ---- mode tf32 on the same kernel: FP32 inputs as FP16 operands scaled per head by powers of two ----
 
 _TF32_DTYPES = (torch.float32,)
+
+
+# mode tf32's backward plans take this kernel when its grid fills the GPU this many times over, and from this many
+# query rows: against the Triton f16x1 kernels (their FP16 products of split-FP16 hi parts run at 60-130 TFLOP/s)
+# it is 1.06-5.6x faster from 3 waves of programs (ViT-B/16 224 bs64 1.10x, B=8 H=12 N=1025 1.79x, D=128 4.2-5.6x)
+# and 0.74-0.93x below (B=1 H=16 N=1536 / 2048, D=64) (docs/tuning.md: tf32 on the Gluon backward)
+TF32_MIN_WAVES = 3
+TF32_MIN_QUERIES = 128
+
+
+def tf32_preferred(B: int, H: int, n_q: int, n_k: int, sms: int) -> bool:
+    """Whether :mod:`.elsa_bwd`'s backward plans run an in-scope tf32 call here rather than on the Triton kernels:
+    from :data:`TF32_MIN_WAVES` waves of programs on ``sms`` multiprocessors and :data:`TF32_MIN_QUERIES` query
+    rows (few query rows against many keys would serialise each query tile's chain of ordered dQ turns)."""
+    return grid_size(B, H, n_k, get_config(64)) >= TF32_MIN_WAVES * sms and n_q >= TF32_MIN_QUERIES
 
 
 def tf32_config(head_dim: int) -> dict:

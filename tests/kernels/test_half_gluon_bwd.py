@@ -449,28 +449,43 @@ def test_tf32_gradients_match_float64_and_are_reproducible(shape):
                zip(half_gluon_bwd.tf32_backward(q_inner, k, v, out, do, lse, scale), runs[0]))
 
 
+def test_tf32_preferred_from_three_waves():
+    """tf32 takes the Gluon kernel from TF32_MIN_WAVES waves of its programs (one per 128 keys and head) and
+    TF32_MIN_QUERIES query rows: ViT-B/16 224 at batch 64 and 1024 px at batch 8 on 132 SMs, not one head group
+    of 2048 tokens, nor few queries against many keys."""
+    pref = half_gluon_bwd.tf32_preferred
+    assert pref(64, 12, 197, 197, 132) and pref(8, 12, 1025, 1025, 132) and pref(8, 12, 4097, 4097, 132)
+    assert not pref(1, 16, 2048, 2048, 132) and not pref(1, 16, 1536, 1536, 132)
+    assert not pref(8, 16, 64, 65536, 132)
+    waves = half_gluon_bwd.TF32_MIN_WAVES
+    assert pref(1, 1, 128, 128 * waves * 100, 100) and not pref(1, 1, 128, 128 * waves * 100 - 128, 100)
+
+
 @pytest.mark.gpu
-def test_tf32_backward_plans_route_from_min_keys():
-    """elsa_backward(mode='tf32') runs the HEAD_SCALES build from MIN_KEYS keys and query rows (tf32_backward's
-    bits), the Triton kernels below; autograd through visionattn.attention(mode='tf32') reaches it: gradients within
-    the contract, reproducible."""
+def test_tf32_backward_plans_route_by_waves():
+    """elsa_backward(mode='tf32') runs the HEAD_SCALES build where tf32_preferred says (tf32_backward's bits), the
+    Triton kernels elsewhere; autograd through visionattn.attention(mode='tf32') reaches it: gradients within the
+    contract, reproducible."""
     _needs_hopper()
     import visionattn
     from visionattn.kernels import elsa_bwd
+    from visionattn.kernels._launch import sm_count
 
-    D = 128
-    for n in (half_gluon_bwd.MIN_KEYS - 64, half_gluon_bwd.MIN_KEYS):
+    D, n = 128, 1024
+    for B, H in ((1, 4), (4, 16)):  # 32 and 512 programs: on each side of 3 waves on 100-170 SMs
         torch.manual_seed(0)
-        q, k, v, do = (torch.randn(1, 2, n, D, device="cuda") for _ in range(4))
+        q, k, v, do = (torch.randn(B, H, n, D, device="cuda") for _ in range(4))
         out64, lse64, ref = _reference(q, k, v, do, D ** -0.5)
         out, lse = out64.float(), lse64.float()
         got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, "tf32")[:3]
-        if n >= half_gluon_bwd.MIN_KEYS:
+        gluon = half_gluon_bwd.tf32_preferred(B, H, n, n, sm_count(q.device))
+        assert gluon == (H == 16), (B, H)
+        if gluon:
             want = half_gluon_bwd.tf32_backward(q, k, v, out, do, lse, D ** -0.5)
         else:
             cfg = elsa_bwd.get_config("tf32", D)
             want = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, "tf32", config=cfg)[:3]
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), n
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (B, H)
     runs = []
     for _ in range(2):
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
