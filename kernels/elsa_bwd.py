@@ -1285,7 +1285,7 @@ class _BackwardPlan:
                 and _GLUON_TF32_BWD not in elsa_fwd._GLUON_FAILED):
             from . import half_gluon_bwd
 
-            if half_gluon_bwd.tf32_preferred(B, H, Nq, Nk, sm_count(q.device)):
+            if half_gluon_bwd.tf32_preferred(B, H, Nq, Nk, D, sm_count(q.device)):
                 reason = half_gluon_bwd.tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
                 if reason is None:
                     self.tf32_gluon = half_gluon_bwd.tf32_planned_launch(q, k, v, grad_out)

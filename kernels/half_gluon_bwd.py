@@ -90,7 +90,7 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
            "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
            "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_operands", "tf32_preferred",
-           "tf32_unsupported_reason", "TF32_MIN_WAVES", "TF32_MIN_QUERIES",
+           "tf32_unsupported_reason", "TF32_MIN_WAVES", "TF32_MIN_QUERIES", "TF32_LONG", "TF32_LONG_D128",
            "TF32_SCALE_EXPONENTS", "TF32_SHIFT_LIMIT"]
 
 HEAD_DIMS = (64, 128)
@@ -609,19 +609,27 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
 _TF32_DTYPES = (torch.float32,)
 
 
-# mode tf32's backward plans take this kernel when its grid fills the GPU this many times over, and from this many
-# query rows: against the Triton f16x1 kernels (their FP16 products of split-FP16 hi parts run at 60-130 TFLOP/s)
-# it is 1.06-5.6x faster from 3 waves of programs (ViT-B/16 224 bs64 1.10x, B=8 H=12 N=1025 1.79x, D=128 4.2-5.6x)
-# and 0.74-0.93x below (B=1 H=16 N=1536 / 2048, D=64) (docs/tuning.md: tf32 on the Gluon backward)
+# mode tf32's backward plans take this kernel (tf32_preferred) from TF32_MIN_QUERIES query rows when its grid fills
+# the GPU TF32_MIN_WAVES times over or the sequences are long (TF32_LONG keys and query rows at head dim 64,
+# TF32_LONG_D128 at 128): against the Triton f16x1 kernels (FP16 products of split-FP16 hi parts at 60-130 TFLOP/s)
+# it measured 1.06-5.6x faster there (ViT-B/16 224 bs64 1.10x, B=8 H=12 N=1025 1.79x, B=1 H=8 N=4096 fwd+bwd 1.7x,
+# head dim 128 4.2-5.6x) and 0.74-0.93x with fewer programs at head dim 64 (B=1 H=16 N=1536 / 2048)
+# (docs/tuning.md: tf32 on the Gluon backward)
 TF32_MIN_WAVES = 3
 TF32_MIN_QUERIES = 128
+TF32_LONG = 4096
+TF32_LONG_D128 = 1024
 
 
-def tf32_preferred(B: int, H: int, n_q: int, n_k: int, sms: int) -> bool:
+def tf32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) -> bool:
     """Whether :mod:`.elsa_bwd`'s backward plans run an in-scope tf32 call here rather than on the Triton kernels:
-    from :data:`TF32_MIN_WAVES` waves of programs on ``sms`` multiprocessors and :data:`TF32_MIN_QUERIES` query
-    rows (few query rows against many keys would serialise each query tile's chain of ordered dQ turns)."""
-    return grid_size(B, H, n_k, get_config(64)) >= TF32_MIN_WAVES * sms and n_q >= TF32_MIN_QUERIES
+    from :data:`TF32_MIN_QUERIES` query rows (few rows against many keys would serialise each query tile's chain of
+    ordered dQ turns), when the grid (one program per 128 keys and head) fills ``sms`` multiprocessors
+    :data:`TF32_MIN_WAVES` times or both lengths reach :data:`TF32_LONG` (:data:`TF32_LONG_D128` at head dim 128,
+    where the Triton kernels are slowest)."""
+    long = TF32_LONG_D128 if head_dim == 128 else TF32_LONG
+    return n_q >= TF32_MIN_QUERIES and (grid_size(B, H, n_k, get_config(64)) >= TF32_MIN_WAVES * sms
+                                        or min(n_q, n_k) >= long)
 
 
 def tf32_config(head_dim: int) -> dict:

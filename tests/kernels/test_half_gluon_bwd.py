@@ -449,16 +449,19 @@ def test_tf32_gradients_match_float64_and_are_reproducible(shape):
                zip(half_gluon_bwd.tf32_backward(q_inner, k, v, out, do, lse, scale), runs[0]))
 
 
-def test_tf32_preferred_from_three_waves():
-    """tf32 takes the Gluon kernel from TF32_MIN_WAVES waves of its programs (one per 128 keys and head) and
-    TF32_MIN_QUERIES query rows: ViT-B/16 224 at batch 64 and 1024 px at batch 8 on 132 SMs, not one head group
-    of 2048 tokens, nor few queries against many keys."""
+def test_tf32_preferred_from_three_waves_or_long_sequences():
+    """tf32 takes the Gluon kernel from TF32_MIN_QUERIES query rows when its grid (one program per 128 keys and head)
+    fills the GPU TF32_MIN_WAVES times (ViT-B/16 224 at batch 64, 1024 px at batch 8 on 132 SMs) or both lengths
+    reach TF32_LONG (TF32_LONG_D128 at head dim 128); not one head group of 2048 tokens at head dim 64, nor few
+    queries against many keys."""
     pref = half_gluon_bwd.tf32_preferred
-    assert pref(64, 12, 197, 197, 132) and pref(8, 12, 1025, 1025, 132) and pref(8, 12, 4097, 4097, 132)
-    assert not pref(1, 16, 2048, 2048, 132) and not pref(1, 16, 1536, 1536, 132)
-    assert not pref(8, 16, 64, 65536, 132)
+    assert pref(64, 12, 197, 197, 64, 132) and pref(8, 12, 1025, 1025, 64, 132)
+    assert pref(1, 8, 4096, 4096, 64, 132) and pref(1, 8, 1024, 1024, 128, 132)
+    assert not pref(1, 16, 2048, 2048, 64, 132) and not pref(1, 16, 1536, 1536, 64, 132)
+    assert not pref(1, 8, 1000, 1000, 128, 132) and not pref(8, 16, 64, 65536, 64, 132)
     waves = half_gluon_bwd.TF32_MIN_WAVES
-    assert pref(1, 1, 128, 128 * waves * 100, 100) and not pref(1, 1, 128, 128 * waves * 100 - 128, 100)
+    assert pref(1, 1, 128, 128 * waves * 100, 64, 100)
+    assert not pref(1, 1, 128, 128 * waves * 100 - 128, 64, 1000)
 
 
 @pytest.mark.gpu
@@ -471,14 +474,14 @@ def test_tf32_backward_plans_route_by_waves():
     from visionattn.kernels import elsa_bwd
     from visionattn.kernels._launch import sm_count
 
-    D, n = 128, 1024
+    D, n = 64, 1024
     for B, H in ((1, 4), (4, 16)):  # 32 and 512 programs: on each side of 3 waves on 100-170 SMs
         torch.manual_seed(0)
         q, k, v, do = (torch.randn(B, H, n, D, device="cuda") for _ in range(4))
         out64, lse64, ref = _reference(q, k, v, do, D ** -0.5)
         out, lse = out64.float(), lse64.float()
         got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, "tf32")[:3]
-        gluon = half_gluon_bwd.tf32_preferred(B, H, n, n, sm_count(q.device))
+        gluon = half_gluon_bwd.tf32_preferred(B, H, n, n, D, sm_count(q.device))
         assert gluon == (H == 16), (B, H)
         if gluon:
             want = half_gluon_bwd.tf32_backward(q, k, v, out, do, lse, D ** -0.5)
