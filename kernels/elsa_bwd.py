@@ -73,7 +73,10 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   ``tl.dot``'s ``input_precision="ieee"`` here.
 * ``tf32``: ``"f16x1"``, the hi parts alone (one FP16 product of operands rounded to 11 significant bits after
   the same power-of-two scaling, the right operand's per (batch, head)): its gradients err about as much as
-  PyTorch's own TF32 backward.
+  PyTorch's own TF32 backward. On Hopper, in the Gluon kernel's scope and where
+  :func:`.half_gluon_bwd.tf32_preferred` says (its grid three waves of SMs or long sequences),
+  :func:`.half_gluon_bwd.tf32_backward` instead: the fp16 / bf16 Gluon kernel on FP16 copies of q, k, v, dO scaled
+  per (batch, head) by powers of two.
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
   FlashAttention-2 does), FP32 accumulation; on Hopper, in scope (no bias / mask / causal / GQA, head dim 64 or
   128, TMA-legal strides) and from :data:`.half_gluon_bwd.MIN_KEYS` keys and query rows,

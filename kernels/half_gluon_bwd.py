@@ -39,6 +39,11 @@ kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`); the consumers read them (64 f
 with plain loads issued before their products, one register per thread, spread over S^T's columns (through shared
 memory) only where used; not through the producer (a TMA row of them would need ``Nq`` to be a multiple of 4).
 
+Mode ``tf32`` (:func:`tf32_backward`) runs the same kernel on FP16 copies of q, k, v, dO, each (batch, head) scaled
+by a power of two (:func:`_tf32_operands_kernel`; FP16 keeps TF32's 11 significant bits, the scales give it the
+range): the ``HEAD_SCALES`` build reads each head's multipliers for its logits, delta and FP32 gradients, and one
+FP32 dQ accumulator is dQ itself.
+
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x, q / k / v of one dtype (fp16 or bf16),
 [B, H, N, D] with equal heads for q and k / v (no grouped-query attention), Nq != Nk allowed, head dim 64 or 128
 for Q/K and V, no bias / mask / causal, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
