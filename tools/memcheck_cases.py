@@ -5,7 +5,7 @@
 
 Each case runs forward (and backward where the mode has backward kernels) on the GPU once, at a size that takes the
 variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128), the
-Gluon half backward and its tf32 build (from 2048 keys and query rows), the Gluon IEEE-FP32 forward and backward,
+Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward,
 the single-pass and two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled windows,
 Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels. Outputs and gradients must be finite;
 the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``,
@@ -69,9 +69,12 @@ def cases(families, modes):
                 if extra.get("bias"):
                     leaves.append(_rand(3, n, n, grad=grad, seed=4))
                 yield f"dense {mode} N={n} D={d} {sorted(extra)}", dense, leaves
-            if mode in ("fp16", "bf16", "tf32"):  # from half_gluon_bwd.MIN_KEYS: the Gluon backward (a partial key
-                # tile; tf32 on its HEAD_SCALES build)
-                for n, d in ((2100, 64), (2100, 128)):
+            # the Gluon backward (a partial key tile): fp16 / bf16 from half_gluon_bwd.MIN_KEYS; tf32 (its HEAD_SCALES
+            # build) and fp32 (its split-FP16 build, head dim 64) where tf32_preferred routes there
+            gluon_bwd = {"fp16": ((2100, 64), (2100, 128)), "bf16": ((2100, 64), (2100, 128)),
+                         "tf32": ((4100, 64), (1100, 128)), "fp32": ((4100, 64),)}
+            if mode in gluon_bwd:
+                for n, d in gluon_bwd[mode]:
                     yield (f"dense {mode} N={n} D={d} (Gluon backward)", lambda q, k, v, mode=mode:
                            va.attention(q, k, v, mode=mode), [_rand(1, 2, n, d, dtype=dt, grad=grad, seed=s)
                                                               for s in range(3)])
