@@ -174,27 +174,32 @@ def _fwd_bwd_runner(name, do, gqa=False):
 
 
 def _measure(fn, q, k, v, rep, graph_only=False):
-    """(timings, peak extra MiB, output) of ``fn(q, k, v)``: ``{"eager": ms, "graph": ms}``, timed in alternating
-    eager and graph windows (:func:`_harness.eager_graph_ms`); with ``graph_only`` the graph alone
-    (``triton.testing.do_bench_cudagraph``). The two calls here compile and fill the launch caches first. Raises if
-    the backend refuses; where only the capture fails (and eager is timed), ``{"eager": ms, "graph_error": why}``."""
+    """(timings, peak extra MiB, output) of ``fn(q, k, v)``: ``{"first": ms, "eager": ms, "graph": ms}``: the first
+    call of this backend at this shape in the process, wall clock to its completion (compiles with the Triton cache
+    as found, plans, launch caches), then eager and graph timed in alternating windows
+    (:func:`_harness.eager_graph_ms`); with ``graph_only`` the graph alone (``triton.testing.do_bench_cudagraph``).
+    Raises if the backend refuses; where only the capture fails (and eager is timed), ``graph_error`` (why) replaces
+    ``graph``."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
     out = fn(q, k, v)  # first call: compile + correctness sample
     torch.cuda.synchronize()
+    first = (time.perf_counter() - start) * 1e3
     del out
     torch.cuda.reset_peak_memory_stats()
     out = fn(q, k, v)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     if graph_only:
-        return {"graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}, peak, out
+        return {"first": first, "graph": kernel_ms(lambda: fn(q, k, v), 0, rep, True)}, peak, out
     one = max(eager_ms(lambda: fn(q, k, v), calls=3, warmup=1, repeats=1), 0.005)
     eager, graph, error = eager_graph_timings(lambda: (lambda: fn(q, k, v)), None, "cuda",
                                               int(min(200, max(10, rep / one))), 5)
-    return {"eager": eager, **({"graph": graph} if graph is not None else {"graph_error": error})}, peak, out
+    return {"first": first, "eager": eager,
+            **({"graph": graph} if graph is not None else {"graph_error": error})}, peak, out
 
 
 def _graph_fields(timings: dict, flops: float) -> dict:
@@ -293,7 +298,9 @@ def grad_errors(grads, ref: dict, rows) -> dict:
 
 GRAPH_TIMING = ("graph: replays of a CUDA graph of the same calls, each replay timed right after an eager window "
                 "(_harness.eager_graph_ms: both readings see the same GPU state; median of 5) -- graph ms "
-                "column, n/a where the calls cannot be captured (graph_error in the JSON)")
+                "column, n/a where the calls cannot be captured (graph_error in the JSON); first call: the backend's "
+                "first call at the shape in the process, wall clock to its completion (compiles, with the Triton "
+                "cache as found; plans) -- first call ms column")
 
 
 def run_sweep(args, cfg) -> dict:
@@ -349,7 +356,7 @@ def run_sweep(args, cfg) -> dict:
                 torch.cuda.empty_cache()
                 continue
             ms = timings.get("eager", timings.get("graph"))  # what an eager model sees, unless graph-only
-            rec.update(ms=ms, tflops=flops / ms / 1e9, peak_mib=peak)
+            rec.update(ms=ms, tflops=flops / ms / 1e9, ms_first=timings["first"], peak_mib=peak)
             rec.update(grad_errors(out, ref, rows) if args.backward else {"rel_err": rel_l2(out[:, :, rows], ref)})
             rec.update(_graph_fields(timings, flops))
             del out
@@ -482,7 +489,7 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
         r0 = rs[0]
         lines += [f"## {shape} (B={r0['B']}, H={r0['H']}, N={r0['N']}, D={r0['D']})", ""]
         grads = ("dq", "dk", "dv") if "flops" in result else ()  # forward + backward: the gradients' errors
-        header = ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph", "peak extra MiB",
+        header = ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph", "first call ms", "peak extra MiB",
                   *([f"d{g[1].upper()} rel err" for g in grads] or ["rel err"])]
         rows = []
         for r in rs:
@@ -490,7 +497,8 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
             errs = ([f"{r[f'rel_err_{g}']:.2e}" if f"rel_err_{g}" in r else "-" for g in grads] if grads
                     else [f"{r['rel_err']:.2e}"] if "ms" in r else [])
             graph = graph_cells(r.get("ms_eager"), r.get("ms_graph"), r.get("graph_error"))
-            rows.append([r["dtype"], name, r["ms"], r["tflops"], *graph, r["peak_mib"], *errs] if "ms" in r
+            first = f"{r['ms_first']:.1f}" if "ms_first" in r else "-"  # results written before it was timed
+            rows.append([r["dtype"], name, r["ms"], r["tflops"], *graph, first, r["peak_mib"], *errs] if "ms" in r
                         else [r["dtype"], name, *["-"] * (len(header) - 3), r["skipped"]])
         lines.append(markdown_table(rows, header))
     lines += ["## Targets", ""]

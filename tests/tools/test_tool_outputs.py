@@ -1,7 +1,7 @@
 """Every tool writes under out/ (git-ignored) unless --out names another place, and an --out that
 cannot be written stops the tool at once: exit status 2, one line naming --out, before any work. bench_attention's
 report (it needs a GPU to run) from stand-in records: its forward and forward + backward tables carry the graph
-timing beside the eager one."""
+timing beside the eager one, and the first call apart."""
 import hashlib
 import os
 
@@ -90,12 +90,13 @@ def test_bench_attention_report_has_graph_columns(backward, tmp_path):
     mod = _load("bench_attention")
     flops = 2e9
     shape = {"shape": "tiny", "B": 2, "H": 2, "N": 64, "D": 16, "dtype": "fp16"}
-    timed = {"eager": 0.5, "graph": 0.25}
-    failed = {"eager": 0.5, "graph_error": "RuntimeError: operation not permitted when stream is capturing"}
+    timed = {"first": 1234.5, "eager": 0.5, "graph": 0.25}
+    failed = {"first": 3.25, "eager": 0.5,
+              "graph_error": "RuntimeError: operation not permitted when stream is capturing"}
     records = []
     for backend, timings in (("fp16", timed), ("sdpa-flash", failed)):
         rec = {**shape, "backend": backend, "ours": backend == "fp16", "ms": timings["eager"],
-               "tflops": flops / timings["eager"] / 1e9, "peak_mib": 1.0}
+               "tflops": flops / timings["eager"] / 1e9, "ms_first": timings["first"], "peak_mib": 1.0}
         rec.update({"rel_err_dq": 1e-3, "rel_err_dk": 1e-3, "rel_err_dv": 1e-3, "rel_err": 1e-3} if backward
                    else {"rel_err": 1e-3})
         rec.update(mod._graph_fields(timings, flops))
@@ -113,9 +114,9 @@ def test_bench_attention_report_has_graph_columns(backward, tmp_path):
     md = open(paths["md"]).read()
     assert "graph ms column, n/a where the calls cannot be captured" in md
     table = _md_tables(md)[0]
-    assert list(table[0])[:6] == ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph"]
-    assert [(r["ms"], r["graph ms"], r["eager / graph"]) for r in table] == [
-        ("0.5", "0.25", "2.00"), ("0.5", "n/a", "n/a"), ("-", "-", "-")]
+    assert list(table[0])[:7] == ["inputs", "backend", "ms", "TFLOP/s", "graph ms", "eager / graph", "first call ms"]
+    assert [(r["ms"], r["graph ms"], r["eager / graph"], r["first call ms"]) for r in table] == [
+        ("0.5", "0.25", "2.00", "1234.5"), ("0.5", "n/a", "n/a", "3.2"), ("-", "-", "-", "-")]
     assert table[2][list(table[2])[-1]] == "RuntimeError: no kernel"
 
 
