@@ -1279,9 +1279,9 @@ class _BackwardPlan:
                     self.half_gluon = half_gluon_bwd.planned_launch(q, k, v, grad_out)
                 elif reason == half_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                     elsa_fwd._gluon_failed(_GLUON_HALF_BWD, reason)
-        # tf32 (f16x1 products) on Hopper, same conditions, from a few waves of its programs: the same kernel on FP16
-        # copies of q, k, v, dO scaled per head by powers of two (the preprocess finds the heads' magnitudes: f16x1
-        # is HEAD_SCALED)
+        # tf32 (f16x1 products) on Hopper, same conditions, where tf32_preferred says: the same kernel on FP16 copies
+        # of q, k, v, dO scaled per head by powers of two (the preprocess finds the heads' magnitudes: f16x1 is
+        # HEAD_SCALED)
         self.tf32_gluon = None
         if (precision == "f16x1" and q.device.type == "cuda" and config is None and default is None
                 and add_mask is None and head_scale is None and not bias_requires_grad

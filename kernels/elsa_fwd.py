@@ -766,15 +766,17 @@ class _TritonPlan(DenseForwardRun):
             self.merge_fixed = (*self.o_stride, B, H, Nq, Dv, P)
 
 
-# Gluon kernel ("fp32-ieee" / "half"; "fp32-ieee backward": kernels/ieee_gluon_bwd.py) -> why it could not run in
-# this process (first failure; warned once)
+# Gluon kernel ("fp32-ieee" / "half"; "fp32-ieee backward": kernels/ieee_gluon_bwd.py; "half backward" / "tf32
+# backward": kernels/half_gluon_bwd.py) -> why it could not run in this process (first failure; warned once)
 _GLUON_FAILED: dict[str, str] = {}
 _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (about half the speed)",
                         "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)",
                         "fp32-ieee backward": "mode 'fp32-ieee' trains on the Triton backward kernels (about 0.4x the "
                                               "speed)",
                         "half backward": "modes 'fp16' / 'bf16' train on the Triton backward kernels (about 0.8x the "
-                                         "backward's speed at long sequences)"}
+                                         "backward's speed at long sequences)",
+                        "tf32 backward": "mode 'tf32' trains on the Triton backward kernels (0.15-0.9x the backward's "
+                                         "speed where the Gluon one runs)"}
 
 
 def _gluon_failed(kernel: str, why: str) -> None:
