@@ -376,7 +376,7 @@ def test_tf32_operands_scale_each_head_by_a_power_of_two():
     assert torch.allclose(scales[:, :5].double(), want, rtol=1e-6, atol=0)
 
 
-def _kernel_model(q16, k16, v16, do16, scales, delta, lse_row, scale_rows=True):
+def _kernel_model(q16, k16, v16, do16, scales, delta, lse_row):
     # the HEAD_SCALES kernel's arithmetic in float64 with its roundings to FP16 (P^T, dS^T) and its multipliers
     B, H = q16.shape[:2]
     sc = scales.double().view(B, H, -1, 1, 1)
