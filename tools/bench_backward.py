@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 
 import torch
 
@@ -153,6 +154,16 @@ def _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend):
     return run
 
 
+def _first_ms(fn, device) -> float:
+    """Wall-clock ms of ``fn()`` to its completion: a cell's first call (compiles with the Triton cache as found,
+    plans, launch caches)."""
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
 def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel, config=None, products=None):
     """A callable running visionattn's backward alone: the window backward (``kernel``: fused / split) for a
     window shape, else the dense one; ``config``: the split kernels' tiles (None = default); ``products``: the
@@ -194,11 +205,11 @@ def main(args) -> dict:
                                                                   scale, mode), **kw):
                 """One visionattn cell: compile, then time eager, measure, time graph (kernel: the window path)."""
                 ours = _ours(*inputs, splits, kernel, **kw)
-                ours()  # compile
+                first = _first_ms(ours, device)  # compiles
                 name = "visionattn" + ("" if kernel is None else f"-{kernel}") + suffix
                 ms, graph, why = timings(lambda: ours)
                 cells[name] = {"ms": ms, "mb": peak_memory(ours, device)["peak_extra_mib"], "splits": splits,
-                               "graph_ms": graph, "graph_error": why}
+                               "graph_ms": graph, "graph_error": why, "first_ms": first}
 
             # window shapes: both window kernel paths where the fused one applies (the dense kernel: one path)
             kernels = [None] if not windows else ["fused", "split"] if N <= FUSED_MAX_TOKENS else ["split"]
@@ -219,7 +230,7 @@ def main(args) -> dict:
                 for name, backend in backends.items():
                     try:
                         fn = _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend)
-                        fn()
+                        first = _first_ms(fn, device)
                         mb = peak_memory(fn, device)["peak_extra_mib"]
                     except RuntimeError as exc:  # backend not available for this dtype / bias
                         cells[name] = {"error": str(exc).splitlines()[0][:120]}
@@ -227,7 +238,7 @@ def main(args) -> dict:
                     del fn  # the timing builds its own forward on the capture stream
                     ms, graph, why = timings(functools.partial(_sdpa_backward, q, k, v, do, bias, shift_full, scale,
                                                                backend))
-                    cells[name] = {"ms": ms, "mb": mb, "graph_ms": graph, "graph_error": why}
+                    cells[name] = {"ms": ms, "mb": mb, "graph_ms": graph, "graph_error": why, "first_ms": first}
             ref = cells.get("sdpa-efficient", {}).get("ms")
             for name, cell in cells.items():
                 ms, graph = cell.get("ms"), cell.get("graph_ms")
@@ -237,7 +248,7 @@ def main(args) -> dict:
                              "peak_extra_mb": cell.get("mb"), "vs_sdpa_efficient": ref / ms if ms and ref else None,
                              "error": cell.get("error"), "graph_ms": graph,
                              "eager_over_graph": ms / graph if ms and graph else None,
-                             "graph_error": cell.get("graph_error")})
+                             "graph_error": cell.get("graph_error"), "first_ms": cell.get("first_ms")})
                 text = f"{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s" if ms else f"n/a ({rows[-1]['error']})"
                 if graph:
                     text += f", graph {graph:8.3f} ms"
@@ -255,15 +266,18 @@ def main(args) -> dict:
                   + ("not timed (--no-graph)" if args.no_graph else
                      f"the same {args.calls} calls captured in one CUDA graph, median of {args.repeats} replays "
                      "(GPU time without the launch path) -- graph ms column, n/a where the calls cannot be captured "
-                     "(graph_error in the JSON)"))
+                     "(graph_error in the JSON)")
+                  + "; first call: the cell's first call, wall clock to its completion (compiles with the Triton "
+                    "cache as found) -- first call ms column")
     env = environment({"timing": timing, "flops": "10 * B * H * N^2 * D per backward", "allow_tf32": False})
     table = markdown_table(
         [(r["shape"], r["mode"], r["kernel"], r["ms"] if r["ms"] else "n/a", r["tflops"] or "n/a",
           *graph_cells(r["ms"], r["graph_ms"], r["graph_error"]),
+          f"{r['first_ms']:.1f}" if r.get("first_ms") is not None else "-",
           r["vs_sdpa_efficient"] or "", r["peak_extra_mb"] if r["peak_extra_mb"] is not None else "")
          for r in rows],
-        ["shape", "mode", "kernel", "ms", "TFLOP/s", "graph ms", "eager / graph", "x SDPA-efficient",
-         "peak extra MiB"])
+        ["shape", "mode", "kernel", "ms", "TFLOP/s", "graph ms", "eager / graph", "first call ms",
+         "x SDPA-efficient", "peak extra MiB"])
     md = ("# Attention backward: visionattn vs SDPA (eager and CUDA-graph replay)\n\n"
           + "\n".join(f"- {k}: {v}" for k, v in env.items()))
     result = {"environment": env, "rows": rows}

@@ -1,6 +1,6 @@
 """tools/bench_backward.py on CPU (Triton's interpreter): a dense and a window shape with a bias gradient, the
 bias-splits sweep, the rows and their files, the graph columns (no CUDA graph on the CPU: "-"; a stand-in graph
-timer for their numbers and n/a), and the argument checks."""
+timer for their numbers and n/a), the first call apart, and the argument checks."""
 import json
 
 import pytest
@@ -43,8 +43,11 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
     assert "visionattn-split splits=2" in md and "CPU wall clock" in md and "no CUDA graph" in md
     table = _table(md)
     assert list(table[0]) == ["shape", "mode", "kernel", "ms", "TFLOP/s", "graph ms", "eager / graph",
-                              "x SDPA-efficient", "peak extra MiB"]
+                              "first call ms", "x SDPA-efficient", "peak extra MiB"]
     assert len(table) == len(res["rows"]) and all(r["graph ms"] == r["eager / graph"] == "-" for r in table)
+    # the first call of each cell timed apart (it compiles: longer than a timed call of the same cell)
+    assert all(r["first_ms"] > 0 for r in res["rows"])
+    assert [t["first call ms"] for t in table] == [f"{r['first_ms']:.1f}" for r in res["rows"]]
 
 
 def _table(md):
