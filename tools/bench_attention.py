@@ -33,9 +33,9 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (OutputFiles, REPO, ToolParser, check_output, default_out, eager_graph_timings,  # noqa: E402
-                      eager_ms, environment, figure, graph_cells, host_us, kernel_ms, markdown_table, md_header,
-                      output_files, tf32_flags, write_results)
+from _harness import (OutputFiles, REPO, ToolParser, call_ms, check_output, default_out,  # noqa: E402
+                      eager_graph_timings, eager_ms, environment, figure, graph_cells, host_us, kernel_ms,
+                      markdown_table, md_header, output_files, tf32_flags, write_results)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -184,11 +184,7 @@ def _measure(fn, q, k, v, rep, graph_only=False):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    out = fn(q, k, v)  # first call: compile + correctness sample
-    torch.cuda.synchronize()
-    first = (time.perf_counter() - start) * 1e3
-    del out
+    first = call_ms(lambda: fn(q, k, v), "cuda")  # the first call: compiles with the Triton cache as found
     torch.cuda.reset_peak_memory_stats()
     out = fn(q, k, v)
     torch.cuda.synchronize()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
 
 import torch
 
@@ -154,16 +153,6 @@ def _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend):
     return run
 
 
-def _first_ms(fn, device) -> float:
-    """Wall-clock ms of ``fn()`` to its completion: a cell's first call (compiles with the Triton cache as found,
-    plans, launch caches)."""
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3
-
-
 def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kernel, config=None, products=None):
     """A callable running visionattn's backward alone: the window backward (``kernel``: fused / split) for a
     window shape, else the dense one; ``config``: the split kernels' tiles (None = default); ``products``: the
@@ -181,7 +170,7 @@ def _ours(q, k, v, do, out, lse, bias, shift, windows, scale, mode, splits, kern
 def main(args) -> dict:
     from visionattn.kernels.elsa_bwd import BWD_MODES
     from visionattn.kernels.window_bwd import FUSED_MAX_TOKENS
-    from _harness import environment, graph_cells, markdown_table, peak_memory, per_call_ms
+    from _harness import call_ms, environment, graph_cells, markdown_table, peak_memory, per_call_ms
     from torch.nn.attention import SDPBackend
 
     parser = build_parser()
@@ -205,7 +194,7 @@ def main(args) -> dict:
                                                                   scale, mode), **kw):
                 """One visionattn cell: compile, then time eager, measure, time graph (kernel: the window path)."""
                 ours = _ours(*inputs, splits, kernel, **kw)
-                first = _first_ms(ours, device)  # compiles
+                first = call_ms(ours, device)  # the first call: compiles with the Triton cache as found
                 name = "visionattn" + ("" if kernel is None else f"-{kernel}") + suffix
                 ms, graph, why = timings(lambda: ours)
                 cells[name] = {"ms": ms, "mb": peak_memory(ours, device)["peak_extra_mib"], "splits": splits,
@@ -230,7 +219,7 @@ def main(args) -> dict:
                 for name, backend in backends.items():
                     try:
                         fn = _sdpa_backward(q, k, v, do, bias, shift_full, scale, backend)
-                        first = _first_ms(fn, device)
+                        first = call_ms(fn, device)
                         mb = peak_memory(fn, device)["peak_extra_mib"]
                     except RuntimeError as exc:  # backend not available for this dtype / bias
                         cells[name] = {"error": str(exc).splitlines()[0][:120]}
