@@ -520,21 +520,33 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         ValueError: a call :func:`unsupported_reason` refuses (the message names the cause).
         TypeError: ``lse`` is not float32.
     """
-    reason = unsupported_reason(q, k, v, grad_out, None, None, False, scale)
-    if reason is not None:
-        raise ValueError(f"half_backward: {reason}; use kernels.elsa_bwd.elsa_backward")
-    if lse.dtype != torch.float32:
-        raise TypeError(f"half_backward: lse must be float32, got {lse.dtype}")
+    empty = _checked_call("half_backward", unsupported_reason(q, k, v, grad_out, None, None, False, scale),
+                          "kernels.elsa_bwd.elsa_backward", q, k, lse)
+    if empty is not None:
+        return empty
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    if B * H == 0 or Nq == 0 or Nk == 0:
-        return torch.zeros_like(q, memory_format=torch.contiguous_format), *(
-            torch.zeros((B, H, Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
     delta, lse_row = _preprocess(q, out, grad_out, lse)  # the kernel rounds dO to q's dtype as it reads it
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
     dq = planned_launch(q, k, v, grad_out, config)(q, k, v, grad_out, delta, lse_row, dk, dv, scale)
     return dq, dk, dv
+
+
+def _checked_call(name: str, reason: str | None, instead: str, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor):
+    # the checks of a public entry (half_backward, tf32_backward): raise ValueError for a call its scope refuses
+    # (``reason``; the message points at ``instead``) and TypeError for a non-float32 lse; for a call with nothing to
+    # compute (Nq, Nk or B * H zero) the zero gradients (dq like q, dk / dv [B, H, Nk, D]), else None
+    if reason is not None:
+        raise ValueError(f"{name}: {reason}; use {instead}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"{name}: lse must be float32, got {lse.dtype}")
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    if B * H == 0 or Nq == 0 or Nk == 0:
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), *(
+            torch.zeros((B, H, Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
+    return None
 
 
 def tma_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -812,16 +824,12 @@ def tf32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         ValueError: a call :func:`tf32_unsupported_reason` refuses (the message names the cause).
         TypeError: ``lse`` is not float32.
     """
-    reason = tf32_unsupported_reason(q, k, v, grad_out, None, None, False, scale)
-    if reason is not None:
-        raise ValueError(f"tf32_backward: {reason}; use kernels.elsa_bwd.elsa_backward(mode='tf32')")
-    if lse.dtype != torch.float32:
-        raise TypeError(f"tf32_backward: lse must be float32, got {lse.dtype}")
+    empty = _checked_call("tf32_backward", tf32_unsupported_reason(q, k, v, grad_out, None, None, False, scale),
+                          "kernels.elsa_bwd.elsa_backward(mode='tf32')", q, k, lse)
+    if empty is not None:
+        return empty
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    if B * H == 0 or Nq == 0 or Nk == 0:
-        return torch.zeros_like(q, memory_format=torch.contiguous_format), *(
-            torch.zeros((B, H, Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
     head_max = torch.zeros((B * H, 4), device=q.device, dtype=torch.int32)
     delta, lse_row = _preprocess(q, out, grad_out, lse, k, v, head_max)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=torch.float32)
