@@ -1174,6 +1174,7 @@ def _tensor_key(t: torch.Tensor | None):
 _GLUON_BWD = "fp32-ieee backward"  # the Gluon IEEE backward's name in elsa_fwd's record of Gluon failures
 _GLUON_HALF_BWD = "half backward"  # the Gluon fp16 / bf16 backward's (kernels/half_gluon_bwd.py)
 _GLUON_TF32_BWD = "tf32 backward"  # its HEAD_SCALES build for mode tf32 (half_gluon_bwd.tf32_backward)
+_GLUON_FP32_BWD = "fp32 backward"  # its split-FP16 build for mode fp32 (half_gluon_bwd.fp32_backward)
 
 
 # call signature -> _BackwardPlan (see launch_backward); PLANS.hits / PLANS.builds count reuses and builds
@@ -1279,21 +1280,26 @@ class _BackwardPlan:
                     self.half_gluon = half_gluon_bwd.planned_launch(q, k, v, grad_out)
                 elif reason == half_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                     elsa_fwd._gluon_failed(_GLUON_HALF_BWD, reason)
-        # tf32 (f16x1 products) on Hopper, same conditions, where tf32_preferred says: the same kernel on FP16 copies
-        # of q, k, v, dO scaled per head by powers of two (the preprocess finds the heads' magnitudes: f16x1 is
-        # HEAD_SCALED)
+        # tf32 (f16x1 products) on Hopper, same conditions, where tf32_preferred says: the same kernel on FP16
+        # copies of q, k, v, dO scaled per head by powers of two (the preprocess finds the heads' magnitudes: f16x1
+        # is HEAD_SCALED)
+        # fp32 (f16x3-head) at head dim 64 likewise, on the kernel's split-FP16 build (hi / lo operand parts, three
+        # wgmmas per product)
         self.tf32_gluon = None
-        if (precision == "f16x1" and q.device.type == "cuda" and config is None and default is None
-                and add_mask is None and head_scale is None and not bias_requires_grad
-                and _GLUON_TF32_BWD not in elsa_fwd._GLUON_FAILED):
-            from . import half_gluon_bwd
+        split = precision == "f16x3-head"
+        self.scaled_key = _GLUON_FP32_BWD if split else _GLUON_TF32_BWD
+        if ((precision == "f16x1" or split and D == Dv == 64) and q.device.type == "cuda" and config is None
+                and default is None and add_mask is None and head_scale is None and not bias_requires_grad
+                and self.scaled_key not in elsa_fwd._GLUON_FAILED):
+            from . import half_gluon_bwd as hg
 
-            if half_gluon_bwd.tf32_preferred(B, H, Nq, Nk, D, sm_count(q.device)):
-                reason = half_gluon_bwd.tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
+            if hg.tf32_preferred(B, H, Nq, Nk, D, sm_count(q.device)):
+                reason = (hg.fp32_unsupported_reason if split else hg.tf32_unsupported_reason)(
+                    q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
                 if reason is None:
-                    self.tf32_gluon = half_gluon_bwd.tf32_planned_launch(q, k, v, grad_out)
-                elif reason == half_gluon_bwd._IMPORT_ERROR:
-                    elsa_fwd._gluon_failed(_GLUON_TF32_BWD, reason)
+                    self.tf32_gluon = (hg.fp32_planned_launch if split else hg.tf32_planned_launch)(q, k, v, grad_out)
+                elif reason == hg._IMPORT_ERROR:
+                    elsa_fwd._gluon_failed(self.scaled_key, reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
         # (dQ given: the Triton kernels write it at its strides, the Gluon ones contiguous, copied after)
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
@@ -1398,7 +1404,7 @@ class _BackwardPlan:
             dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
             acc = sem = dq  # not read (the Triton kernels' two-kernel path: half precision never single-pass)
         if self.tf32_gluon is not None:
-            ran, gluon_dq = self._run_gluon("tf32_gluon", _GLUON_TF32_BWD, q, k, v, grad_out, delta, lse_row,
+            ran, gluon_dq = self._run_gluon("tf32_gluon", self.scaled_key, q, k, v, grad_out, delta, lse_row,
                                             head_max.view(B * H, 4), dk, dv, float(scale))
             if ran:
                 return gluon_dq, dk, dv, None, None

@@ -40,9 +40,11 @@ with plain loads issued before their products, one register per thread, spread o
 memory) only where used; not through the producer (a TMA row of them would need ``Nq`` to be a multiple of 4).
 
 Mode ``tf32`` (:func:`tf32_backward`) runs the same kernel on FP16 copies of q, k, v, dO, each (batch, head) scaled
-by a power of two (:func:`_tf32_operands_kernel`; FP16 keeps TF32's 11 significant bits, the scales give it the
+by a power of two (:func:`_scaled_operands_kernel`; FP16 keeps TF32's 11 significant bits, the scales give it the
 range): the ``HEAD_SCALES`` build reads each head's multipliers for its logits, delta and FP32 gradients, and one
-FP32 dQ accumulator is dQ itself.
+FP32 dQ accumulator is dQ itself. Mode ``fp32`` (:func:`fp32_backward`, head dim 64) splits those copies into hi
+and lo FP16 parts and forms every product as three wgmmas (``PARTS = 2``); each query tile's dK / dV products
+are formed in fresh accumulators and added in FP32, and dS's lo part is kept times 2^:data:`DS_LO_EXP`.
 
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x, q / k / v of one dtype (fp16 or bf16),
 [B, H, N, D] with equal heads for q and k / v (no grouped-query attention), Nq != Nk allowed, head dim 64 or 128
@@ -95,6 +97,8 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
            "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
            "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_operands", "tf32_preferred",
+           "fp32_backward", "fp32_config", "fp32_planned_launch", "fp32_unsupported_reason", "scaled_operands",
+           "FP32_HEAD_DIMS", "P_SPLIT_EXP",
            "tf32_unsupported_reason", "TF32_MIN_WAVES", "TF32_MIN_QUERIES", "TF32_LONG", "TF32_LONG_D128",
            "TF32_SCALE_EXPONENTS", "TF32_SHIFT_LIMIT"]
 
@@ -117,6 +121,16 @@ TF32_SCALE_EXPONENTS = (8, 8, 4, 3)
 TF32_SHIFT_LIMIT = 62
 # FP32 multipliers per head in the Scales rows: qk_scale, delta's, dQ's, dK's, dV's (padded to 8)
 SCALES_ROW = tl.constexpr(8)
+# mode fp32 (PARTS = 2): P^T is scaled by 2^P_SPLIT_EXP (P <= 1 stays under FP16's 65504) before its hi / lo split,
+# so that its lo part stays out of FP16's subnormals; dV's multiplier undoes it
+P_SPLIT_EXP = 15
+P_SPLIT_SCALE = tl.constexpr(2.0 ** P_SPLIT_EXP)
+# dS's lo part is kept times 2^DS_LO_EXP: dS takes P's magnitude (~1 / Nk), far below its bound, and its unscaled
+# lo part (2^-11 of it) would be FP16-subnormal from a few thousand keys; the lo products are accumulated apart and
+# multiplied back
+DS_LO_EXP = 11
+DS_LO_SCALE = tl.constexpr(2.0 ** DS_LO_EXP)
+DS_LO_INV = tl.constexpr(2.0 ** -DS_LO_EXP)
 
 
 def preferred(n_q: int, n_k: int) -> bool:
@@ -159,10 +173,11 @@ def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> 
     return accs * B * H * n_q * head_dim, accs * B * H * cdiv(n_q, cfg["BLOCK_M"])
 
 
-def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = False) -> dict:
+def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = False, split: bool = False) -> dict:
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
     key tile is full (no key masking: two builds at most per head dim and dtype), ``HEAD_SCALES`` for mode tf32's
-    per-head scaled operands (:func:`tf32_backward`). Raises ValueError for a
+    and fp32's per-head scaled operands (:func:`tf32_backward`), ``PARTS`` 2 for fp32's split-FP16 products
+    (``split``, :func:`fp32_backward`; with head_scales only), else 1. Raises ValueError for a
     ``dq_accumulators`` outside 1 .. :data:`MAX_DQ_ACCUMULATORS` or a ``dq_ring`` smaller than the
     :data:`DQ_WRITERS` writers' tiles in flight (the ring's phase waits are exact only then, see ``_dq_writer``)."""
     accs, ring = cfg["dq_accumulators"], cfg["dq_ring"]
@@ -172,7 +187,7 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = Fa
         raise ValueError(f"dq_ring {ring!r} < {DQ_WRITERS}: the ring holds a query tile per dQ writer")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0, WRITER_REGS=cfg["writer_regs"],
-                DQ_RING=ring, DQ_ACCS=accs, HEAD_SCALES=bool(head_scales))
+                DQ_RING=ring, DQ_ACCS=accs, HEAD_SCALES=bool(head_scales or split), PARTS=2 if split else 1)
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -205,31 +220,67 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq, Nk,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr,
+                  HEAD_D: gl.constexpr, PARTS: gl.constexpr):
         # one warp: K_j, V_j (one 64-row half per consumer) once, then Q_i, dO_i into ring slot i % STAGES once
-        # both consumers freed it
+        # both consumers freed it; PARTS = 2 (split-FP16): each tile's hi and lo parts, columns [0, HEAD_D) and
+        # [HEAD_D, 2 HEAD_D) of its tensor, into consecutive buffers
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         HALF: gl.constexpr = BLOCK_N // CONS
-        mbarrier.expect(kv_bar, CONS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        mbarrier.expect(kv_bar, CONS * PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for w in gl.static_range(CONS):
-            tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N + w * HALF, 0], kv_bar,
-                                            k_smem.index(w))
-            tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N + w * HALF, 0], kv_bar,
-                                            v_smem.index(w))
+            for part in gl.static_range(PARTS):
+                tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
+                                                k_smem.index(w * PARTS + part))
+                tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
+                                                v_smem.index(w * PARTS + part))
         for i in range(gl.cdiv(Nq, BLOCK_M)):
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             bar = ready.index(slot)
-            mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, off_h, i * BLOCK_M, 0], bar, q_smem.index(slot))
-            tma.async_copy_global_to_shared(do_desc, [off_b, off_h, i * BLOCK_M, 0], bar, do_smem.index(slot))
+            mbarrier.expect(bar, PARTS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+            for part in gl.static_range(PARTS):
+                tma.async_copy_global_to_shared(q_desc, [off_b, off_h, i * BLOCK_M, part * HEAD_D], bar,
+                                                q_smem.index(slot * PARTS + part))
+                tma.async_copy_global_to_shared(do_desc, [off_b, off_h, i * BLOCK_M, part * HEAD_D], bar,
+                                                do_smem.index(slot * PARTS + part))
+
+    @gluon.jit
+    def _mma(a, a_lo, b, b_lo, acc, USE_ACC: gl.constexpr, PARTS: gl.constexpr):
+        # acc + a b as async wgmmas: one (PARTS = 1), or the split-FP16 product a_lo b + a b_lo + a b (PARTS = 2:
+        # hi and lo parts; the small terms first, as split16.split_scores sums them)
+        if PARTS == 2:
+            acc = warpgroup_mma(a_lo, b, acc, use_acc=USE_ACC, is_async=True)
+            acc = warpgroup_mma(a, b_lo, acc, is_async=True)
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a, b, acc, use_acc=USE_ACC, is_async=True)
+        return acc
+
+    @gluon.jit
+    def _split(x, dtype: gl.constexpr, PARTS: gl.constexpr):
+        # (hi, lo): x rounded to dtype and, with PARTS = 2, the rounding's remainder rounded (lo = hi at PARTS = 1)
+        hi = x.to(dtype)
+        lo = hi
+        if PARTS == 2:
+            lo = (x - hi.to(gl.float32)).to(dtype)
+        return hi, lo
+
+    @gluon.jit
+    def _split_ds(x, dtype: gl.constexpr):
+        # dS's (hi, lo * 2^DS_LO_EXP) (mode fp32)
+        hi = x.to(dtype)
+        return hi, ((x - hi.to(gl.float32)) * DS_LO_SCALE).to(dtype)
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full, dq_empty,
                   LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                  CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr):
-        # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile
+                  CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr):
+        # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile.
+        # PARTS = 2 (mode fp32): every product of split-FP16 operands, three wgmmas; operands' hi / lo parts in
+        # consecutive shared buffers, P^T scaled by 2^P_SPLIT_EXP before its split (P^T's lo part would fall into
+        # FP16's subnormals) and dV's multiplier undoes it; dS's lo part kept times 2^DS_LO_EXP (see the loop)
         HALF: gl.constexpr = BLOCK_N // CONS
         # dQ's columns [WG * DQC, + DQC) over all BLOCK_N keys are this consumer's (dS^T of both through shared
         # memory)
@@ -248,7 +299,7 @@ if _IMPORT_ERROR is None:
         n_m = gl.cdiv(Nq, BLOCK_M)
         row_base = bh * Nq
         # the multipliers of dQ's and dK's products (dV's is 1), and delta's (1): with HEAD_SCALES the head's row of
-        # Scales (its operands were scaled by powers of two, see _tf32_operands_kernel)
+        # Scales (its operands were scaled by powers of two, see _scaled_operands_kernel)
         dq_scale = scale
         dk_scale = scale
         dv_scale = 1.0
@@ -266,9 +317,15 @@ if _IMPORT_ERROR is None:
         dq_zero = gl.zeros([BLOCK_M, DQC], gl.float32, layout=dq_layout)
         dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
         dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
+        acc_zero = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
         key_ok = (j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))) < Nk
-        k_w = k_smem.index(WG).reshape([HALF, HEAD_D])
-        v_w = v_smem.index(WG).reshape([HALF, HEAD_D])
+        # the wgmma groups one product issues; the hi part's buffer and the lo part's (the hi one at PARTS = 1)
+        NMMA: gl.constexpr = 2 * PARTS - 1
+        LO: gl.constexpr = PARTS - 1
+        k_w = k_smem.index(WG * PARTS).reshape([HALF, HEAD_D])
+        k_wl = k_smem.index(WG * PARTS + LO).reshape([HALF, HEAD_D])
+        v_w = v_smem.index(WG * PARTS).reshape([HALF, HEAD_D])
+        v_wl = v_smem.index(WG * PARTS + LO).reshape([HALF, HEAD_D])
         mbarrier.wait(kv_bar, 0)
         for i in range(n_m):
             slot = i % STAGES
@@ -281,40 +338,86 @@ if _IMPORT_ERROR is None:
             if HEAD_SCALES:
                 delta_c = delta_c * delta_mult
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            q_t = q_smem.index(slot).reshape([BLOCK_M, HEAD_D])
-            do_t = do_smem.index(slot).reshape([BLOCK_M, HEAD_D])
-            s_tok = warpgroup_mma(k_w, q_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(v_w, do_t.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(1, deps=[s_tok])
+            q_t = q_smem.index(slot * PARTS).reshape([BLOCK_M, HEAD_D])
+            q_l = q_smem.index(slot * PARTS + LO).reshape([BLOCK_M, HEAD_D])
+            do_t = do_smem.index(slot * PARTS).reshape([BLOCK_M, HEAD_D])
+            do_l = do_smem.index(slot * PARTS + LO).reshape([BLOCK_M, HEAD_D])
+            s_tok = _mma(k_w, k_wl, q_t.permute((1, 0)), q_l.permute((1, 0)), st_zero, False, PARTS)
+            dp_tok = _mma(v_w, v_wl, do_t.permute((1, 0)), do_l.permute((1, 0)), st_zero, False, PARTS)
+            s = warpgroup_mma_wait(NMMA, deps=[s_tok])
             lse2 = gl.convert_layout(lse_c, gl.SliceLayout(0, st_layout)) * 1.4426950408889634
             p = gl.exp2(s * qk_scale - lse2[None, :])
             if not EVEN_N:  # keys past Nk (zero rows of K) must not carry P: exp2(-lse) may be huge
                 p = gl.where(key_ok[:, None], p, 0.0)
-            p16 = gl.convert_layout(p.to(dtype), op_layout)
-            dv_tok = warpgroup_mma(p16, do_t, dv, is_async=True)
-            dp = warpgroup_mma_wait(1, deps=[dp_tok])
-            delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
-            ds16 = (p * (dp - delta[None, :])).to(dtype)
-            # dS^T of this consumer's keys into its slot of the double buffer (both consumers passed the previous
-            # use of this slot: each arrives on ds_bar only after its dQ product of the tile before retired)
-            dslot = (i % 2) * CONS
-            ds_smem.index(dslot + WG).store(ds16)
-            dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
-            dv = warpgroup_mma_wait(1, deps=[dv_tok])  # P^T's registers are free before the dQ share needs its own
-            fence_async_shared()
-            _cta_barrier()  # every thread's dS^T is in shared memory before the other consumer reads it
-            mbarrier.arrive(ds_bar.index(i % 2))
-            mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
-            # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
-            dq_tok = warpgroup_mma(ds_smem.index(dslot).permute((1, 0)),
-                                   k_smem.index(0).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_zero,
-                                   use_acc=False, is_async=True)
-            dq_tok = warpgroup_mma(ds_smem.index(dslot + 1).permute((1, 0)),
-                                   k_smem.index(1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_tok,
-                                   is_async=True)
-            dk = warpgroup_mma_wait(1, deps=[dk_tok])
-            mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
-            part = warpgroup_mma_wait(0, deps=[dq_tok])
+            if PARTS == 2:
+                # mode fp32. dS first, so that the FP32 P^T and dP^T retire before dV's product; each query tile's
+                # dV and dK products formed apart and added in FP32 (the wgmma accumulator's own additions keep
+                # fewer bits than FP32's round-to-nearest: over hundreds of query tiles dK and dV would leave fp32's
+                # bound); dK's dS^T operands from shared memory (in registers beside dV's they spill)
+                dp = warpgroup_mma_wait(0, deps=[dp_tok])
+                delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
+                ds16, ds16l = _split_ds(p * (dp - delta[None, :]), dtype)
+                p16, p16l = _split(p * P_SPLIT_SCALE, dtype, PARTS)
+                dv_tok = _mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_t, do_l,
+                              acc_zero, False, PARTS)
+                dslot = (i % 2) * CONS * PARTS
+                ds_smem.index(dslot + WG * PARTS).store(ds16)
+                ds_smem.index(dslot + WG * PARTS + 1).store(ds16l)
+                fence_async_shared()
+                _cta_barrier()  # every thread's dS^T is in shared memory before the wgmmas and the other consumer
+                dv = dv + warpgroup_mma_wait(0, deps=[dv_tok])
+                # dS's lo terms apart (2^DS_LO_EXP too large), scaled back after the wait
+                ds_w = ds_smem.index(dslot + WG * PARTS)
+                dk_lo_tok = warpgroup_mma(ds_smem.index(dslot + WG * PARTS + 1), q_t, acc_zero, use_acc=False,
+                                          is_async=True)
+                dk_tok = warpgroup_mma(ds_w, q_l, acc_zero, use_acc=False, is_async=True)
+                dk_tok = warpgroup_mma(ds_w, q_t, dk_tok, is_async=True)
+                mbarrier.arrive(ds_bar.index(i % 2))
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
+                dq_lo_tok = dq_zero
+                for c in gl.static_range(CONS):
+                    k_c = k_smem.index(c * PARTS).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
+                    dq_lo_tok = warpgroup_mma(ds_smem.index(dslot + c * PARTS + 1).permute((1, 0)), k_c, dq_lo_tok,
+                                              use_acc=c > 0, is_async=True)
+                dq_tok = dq_zero
+                for c in gl.static_range(CONS):
+                    dsc = ds_smem.index(dslot + c * PARTS).permute((1, 0))
+                    k_c = k_smem.index(c * PARTS).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
+                    k_cl = k_smem.index(c * PARTS + 1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
+                    dq_tok = warpgroup_mma(dsc, k_cl, dq_tok, use_acc=c > 0, is_async=True)
+                    dq_tok = warpgroup_mma(dsc, k_c, dq_tok, is_async=True)
+                dk_lo, dk_part = warpgroup_mma_wait(3 * CONS, deps=[dk_lo_tok, dk_tok])
+                dk = dk + (dk_part + dk_lo * DS_LO_INV)
+                mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
+                dq_lo, part = warpgroup_mma_wait(0, deps=[dq_lo_tok, dq_tok])
+                part = part + dq_lo * DS_LO_INV
+            else:
+                p16 = gl.convert_layout(p.to(dtype), op_layout)
+                dv_tok = warpgroup_mma(p16, do_t, dv, is_async=True)
+                dp = warpgroup_mma_wait(1, deps=[dp_tok])
+                delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
+                ds16 = (p * (dp - delta[None, :])).to(dtype)
+                # dS^T of this consumer's keys into its slot of the double buffer (both consumers passed the previous
+                # use of this slot: each arrives on ds_bar only after its dQ product of the tile before retired)
+                dslot = (i % 2) * CONS
+                ds_smem.index(dslot + WG).store(ds16)
+                dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
+                dv = warpgroup_mma_wait(1, deps=[dv_tok])  # P^T's registers are free before the dQ share needs its own
+                fence_async_shared()
+                _cta_barrier()  # every thread's dS^T is in shared memory before the other consumer reads it
+                mbarrier.arrive(ds_bar.index(i % 2))
+                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
+                dq_tok = warpgroup_mma(ds_smem.index(dslot).permute((1, 0)),
+                                       k_smem.index(0).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_zero,
+                                       use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(ds_smem.index(dslot + 1).permute((1, 0)),
+                                       k_smem.index(1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_tok,
+                                       is_async=True)
+                dk = warpgroup_mma_wait(1, deps=[dk_tok])
+                mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
+                part = warpgroup_mma_wait(0, deps=[dq_tok])
             # hand the share to the writers through their ring (slot i % DQ_RING, this consumer's half) and go on
             # with the next query tile
             mbarrier.wait(dq_empty.index(i % DQ_RING), ((i // DQ_RING) & 1) ^ 1)
@@ -381,25 +484,25 @@ if _IMPORT_ERROR is None:
                          Nk, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
                          WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr,
-                         HEAD_SCALES: gl.constexpr):
+                         HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; dqacc_desc: the FP32 dQ
         # accumulators [DQ_ACCS * B * H, Nq, D], zeroed; Sem: int32 counters (ordered_buffer_sizes), zeroed.
         # qk_scale = scale * log2(e). HEAD_SCALES (mode tf32): the operands are FP16 copies scaled per head by
-        # powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW], _tf32_operands_kernel) holds each
+        # powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW], _scaled_operands_kernel) holds each
         # head's multipliers, which replace qk_scale and scale; else Scales is not read.
         CONS: gl.constexpr = 2
         dtype: gl.constexpr = q_desc.dtype
-        k_smem = gl.allocate_shared_memory(dtype, [CONS] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [CONS] + v_desc.block_type.shape, v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [CONS * PARTS] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [CONS * PARTS] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + q_desc.block_type.shape, q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + do_desc.block_type.shape, do_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         # dS^T of both consumers, double-buffered
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // CONS, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONS, BLOCK_N // CONS, BLOCK_M], ds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONS * PARTS, BLOCK_N // CONS, BLOCK_M], ds_layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # the consumers' FP32 dQ halves for the writers, a ring of DQ_RING query tiles
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D // CONS], gl.float32)
@@ -421,12 +524,12 @@ if _IMPORT_ERROR is None:
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES)),
+                         HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
                          dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES)),
+                         HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
-                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS)),
+                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS, HEAD_D, PARTS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 0,
                           2, DQ_ACCS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 1,
@@ -582,13 +685,14 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
 
 
 def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, dq_dtype: torch.dtype,
-                 config: dict | None, head_scales: bool):
+                 config: dict | None, head_scales: bool, split: bool = False):
     # the launches of one signature (operands [B, H, N, D] of ``dtype`` at TMA-legal strides, which the first call
     # fixes): a callable (q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales) -> dq [B, H, Nq, D] contiguous
-    # in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor)
+    # in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor); ``split``: the
+    # operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2)
     cfg = dict(config or get_config(D))
     cfg["dq_accumulators"] = accs = min(cfg["dq_accumulators"], cdiv(Nk, cfg["BLOCK_N"]))
-    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk, head_scales),
+    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk, head_scales, split),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
     specs = _descriptors(cfg, D, dtype).values()
@@ -684,26 +788,33 @@ def _head_shift(bits, TARGET: tl.constexpr, LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _scaled_rows(X, sxm, sxd, Y, rows, n, offs_d, mult, HEAD_D: tl.constexpr):
-    # rows [rows] of one head of X (strided, any float dtype), times mult, rounded to FP16 into Y (contiguous rows)
+def _scaled_rows(X, sxm, sxd, Y, rows, n, offs_d, mult, HEAD_D: tl.constexpr, PARTS: tl.constexpr):
+    # rows [rows] of one head of X (strided, any float dtype) times mult, rounded to FP16 into Y (rows of PARTS *
+    # HEAD_D): the hi part in columns [0, HEAD_D), with PARTS = 2 the lo part (the rounding's remainder, rounded)
+    # in [HEAD_D, 2 HEAD_D)
     ok = (rows < n)[:, None]
-    x = tl.load(X + rows[:, None] * sxm + offs_d[None, :] * sxd, mask=ok, other=0.0)
-    tl.store(Y + rows[:, None] * HEAD_D + offs_d[None, :], (x.to(tl.float32) * mult).to(tl.float16), mask=ok)
+    x = tl.load(X + rows[:, None] * sxm + offs_d[None, :] * sxd, mask=ok, other=0.0).to(tl.float32) * mult
+    hi = x.to(tl.float16)
+    y = Y + rows[:, None] * (PARTS * HEAD_D) + offs_d[None, :]
+    tl.store(y, hi, mask=ok)
+    if PARTS == 2:
+        tl.store(y + HEAD_D, (x - hi.to(tl.float32)).to(tl.float16), mask=ok)
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_rows"])
-def _tf32_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
-                          sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                          H, Nq, Nk, n_rows, qk_scale, scale, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                          TQ: tl.constexpr, TK: tl.constexpr, TV: tl.constexpr, TDO: tl.constexpr,
-                          LIMIT: tl.constexpr, ROW: tl.constexpr):
-    """The FP16 operands of mode tf32's Gluon backward: head ``bh``'s q, k, v, dO times ``2^s_q``, ``2^s_k``,
-    ``2^s_v``, ``2^s_do`` (:func:`_head_shift` of their largest magnitudes, whose FP32 bit patterns E [B * H, 4]
-    holds, from :mod:`.elsa_bwd`'s preprocess), rounded to FP16 into contiguous [B, H, N, HEAD_D] copies; the first
-    program of each head writes its row of Scales (FP32 [B * H, ROW]): ``qk_scale 2^-(s_q + s_k)`` (the logits'
-    log2-domain multiplier), ``2^(s_v + s_do)`` (delta's), ``scale 2^-(s_v + s_do + s_k)`` (dQ's),
-    ``scale 2^-(s_v + s_do + s_q)`` (dK's), ``2^-s_do`` (dV's). 1-D grid cdiv(n_rows, BLOCK_M) * H * B, n_rows =
-    max(Nq, Nk)."""
+def _scaled_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
+                            sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
+                            H, Nq, Nk, n_rows, qk_scale, scale, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                            TQ: tl.constexpr, TK: tl.constexpr, TV: tl.constexpr, TDO: tl.constexpr,
+                            LIMIT: tl.constexpr, ROW: tl.constexpr, PARTS: tl.constexpr, P_EXP: tl.constexpr):
+    """The FP16 operands of the Gluon backward's HEAD_SCALES builds: head ``bh``'s q, k, v, dO times ``2^s_q``,
+    ``2^s_k``, ``2^s_v``, ``2^s_do`` (:func:`_head_shift` of their largest magnitudes, whose FP32 bit patterns E
+    [B * H, 4] holds, from :mod:`.elsa_bwd`'s preprocess), rounded to FP16 (``PARTS = 2``: split into hi and lo
+    parts, mode fp32) into contiguous [B, H, N, PARTS * HEAD_D] copies; the first program of each head writes its
+    row of Scales (FP32 [B * H, ROW]): ``qk_scale 2^-(s_q + s_k)`` (the logits' log2-domain multiplier),
+    ``2^(s_v + s_do)`` (delta's), ``scale 2^-(s_v + s_do + s_k)`` (dQ's), ``scale 2^-(s_v + s_do + s_q)`` (dK's),
+    ``2^-(s_do + P_EXP)`` (dV's: P^T enters dV scaled by ``2^P_EXP``). 1-D grid cdiv(n_rows, BLOCK_M) * H * B,
+    n_rows = max(Nq, Nk)."""
     tiles = tl.cdiv(n_rows, BLOCK_M)
     pid = tl.program_id(0)
     t = pid % tiles
@@ -717,16 +828,17 @@ def _tf32_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
     s_do = _head_shift(tl.load(e + 3), TDO, LIMIT)
     rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
+    W: tl.constexpr = PARTS * HEAD_D
     if t * BLOCK_M < Nq:
-        _scaled_rows(Q + off_b * sqb + off_h * sqh, sqm, sqd, Q16 + bh * Nq * HEAD_D, rows, Nq, offs_d, _pow2(s_q),
-                     HEAD_D)
-        _scaled_rows(DO + off_b * sdb + off_h * sdh, sdm, sdd, DO16 + bh * Nq * HEAD_D, rows, Nq, offs_d,
-                     _pow2(s_do), HEAD_D)
+        _scaled_rows(Q + off_b * sqb + off_h * sqh, sqm, sqd, Q16 + bh * Nq * W, rows, Nq, offs_d, _pow2(s_q), HEAD_D,
+                     PARTS)
+        _scaled_rows(DO + off_b * sdb + off_h * sdh, sdm, sdd, DO16 + bh * Nq * W, rows, Nq, offs_d, _pow2(s_do),
+                     HEAD_D, PARTS)
     if t * BLOCK_M < Nk:
-        _scaled_rows(K + off_b * skb + off_h * skh, skn, skd, K16 + bh * Nk * HEAD_D, rows, Nk, offs_d, _pow2(s_k),
-                     HEAD_D)
-        _scaled_rows(V + off_b * svb + off_h * svh, svn, svd, V16 + bh * Nk * HEAD_D, rows, Nk, offs_d, _pow2(s_v),
-                     HEAD_D)
+        _scaled_rows(K + off_b * skb + off_h * skh, skn, skd, K16 + bh * Nk * W, rows, Nk, offs_d, _pow2(s_k), HEAD_D,
+                     PARTS)
+        _scaled_rows(V + off_b * svb + off_h * svh, svn, svd, V16 + bh * Nk * W, rows, Nk, offs_d, _pow2(s_v), HEAD_D,
+                     PARTS)
     if t == 0:
         # each multiplier as a product of powers in range (their sum of shifts may not be): it rounds only where
         # the gradient itself falls below FP32's normal range
@@ -736,67 +848,104 @@ def _tf32_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
         tl.store(row + 1, _pow2(s_v) * _pow2(s_do))
         tl.store(row + 2, scale * inv_vdo * _pow2(-s_k))
         tl.store(row + 3, scale * inv_vdo * _pow2(-s_q))
-        tl.store(row + 4, _pow2(-s_do))
+        tl.store(row + 4, _pow2(-s_do - P_EXP))  # within range: shifts are capped at LIMIT < 126 - P_EXP
 
 
-TF32_OPERANDS_BLOCK = 64
+SCALED_OPERANDS_BLOCK = 64
 
 
-def _tf32_operands_call(B: int, H: int, Nq: int, Nk: int, D: int) -> KernelCall:
-    # the launch of _tf32_operands_kernel for one signature
-    return KernelCall(_tf32_operands_kernel, (cdiv(max(Nq, Nk), TF32_OPERANDS_BLOCK) * B * H,),
-                      dict(HEAD_D=D, BLOCK_M=TF32_OPERANDS_BLOCK, TQ=TF32_SCALE_EXPONENTS[0],
+def _scaled_operands_call(B: int, H: int, Nq: int, Nk: int, D: int, split: bool) -> KernelCall:
+    # the launch of _scaled_operands_kernel for one signature
+    return KernelCall(_scaled_operands_kernel, (cdiv(max(Nq, Nk), SCALED_OPERANDS_BLOCK) * B * H,),
+                      dict(HEAD_D=D, BLOCK_M=SCALED_OPERANDS_BLOCK, TQ=TF32_SCALE_EXPONENTS[0],
                            TK=TF32_SCALE_EXPONENTS[1], TV=TF32_SCALE_EXPONENTS[2], TDO=TF32_SCALE_EXPONENTS[3],
-                           LIMIT=TF32_SHIFT_LIMIT, ROW=SCALES_ROW.value), dict(num_warps=4))
+                           LIMIT=TF32_SHIFT_LIMIT, ROW=SCALES_ROW.value, PARTS=2 if split else 1,
+                           P_EXP=P_SPLIT_EXP if split else 0), dict(num_warps=4))
 
 
-def tf32_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, head_max: torch.Tensor,
-                  scale: float, _call: KernelCall | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q16, k16, v16, do16, scales)``: mode tf32's operands for the Gluon backward, by
-    :func:`_tf32_operands_kernel` (runs under ``TRITON_INTERPRET=1`` too).
+def scaled_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                    head_max: torch.Tensor, scale: float, split: bool = False, _call: KernelCall | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q16, k16, v16, do16, scales)``: the operands of the Gluon backward's HEAD_SCALES builds (mode tf32, and
+    mode fp32 with ``split``), by :func:`_scaled_operands_kernel` (runs under ``TRITON_INTERPRET=1`` too).
 
     Args:
         q: float32 [B, H, Nq, D], any strides; k, v: [B, H, Nk, D]; grad_out: [B, H, Nq, D], any float dtype.
         head_max: int32 [B * H, 4], the FP32 bit patterns of each head's largest magnitude of q, k, v, dO (as
             :func:`.elsa_bwd._bwd_preprocess_kernel` finds them with ``HEAD_MAX``).
         scale: the logit scale.
+        split: hi and lo FP16 parts of each scaled operand (22 significant bits, as 3xTF32 keeps), for fp32.
         _call: the operand kernel's kept launch for this signature (a plan's; else one is made).
 
     Returns:
         contiguous float16 copies of q, k, v, dO, each head times a power of two (its largest magnitude in
         ``[2^(e - 1), 2^e)``, e from :data:`TF32_SCALE_EXPONENTS`; an all-zero or non-finite head unscaled; shifts
-        within :data:`TF32_SHIFT_LIMIT`), and the FP32 [B * H, 8] multipliers the kernel's HEAD_SCALES build reads.
+        within :data:`TF32_SHIFT_LIMIT`), [B, H, N, D], or with ``split`` [B, H, N, 2 D] (hi parts in the first D
+        columns, lo parts in the last), and the FP32 [B * H, 8] multipliers the kernel's HEAD_SCALES build reads.
     """
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    ops = torch.empty(2 * B * H * (Nq + Nk) * D, device=q.device, dtype=torch.float16)
-    nq, nk = B * H * Nq * D, B * H * Nk * D
-    q16, do16 = ops[:nq].view(B, H, Nq, D), ops[nq:2 * nq].view(B, H, Nq, D)
-    k16, v16 = ops[2 * nq:2 * nq + nk].view(B, H, Nk, D), ops[2 * nq + nk:].view(B, H, Nk, D)
+    W = 2 * D if split else D
+    ops = torch.empty(2 * B * H * (Nq + Nk) * W, device=q.device, dtype=torch.float16)
+    nq, nk = B * H * Nq * W, B * H * Nk * W
+    q16, do16 = ops[:nq].view(B, H, Nq, W), ops[nq:2 * nq].view(B, H, Nq, W)
+    k16, v16 = ops[2 * nq:2 * nq + nk].view(B, H, Nk, W), ops[2 * nq + nk:].view(B, H, Nk, W)
     scales = torch.empty((B * H, SCALES_ROW.value), device=q.device, dtype=torch.float32)
-    call = _call or _tf32_operands_call(B, H, Nq, Nk, D)
+    call = _call or _scaled_operands_call(B, H, Nq, Nk, D, split)
     call(q, k, v, grad_out, head_max, q16, k16, v16, do16, scales, *q.stride(), *k.stride(), *v.stride(),
          *grad_out.stride(), H, Nq, Nk, max(Nq, Nk), float(scale) * LOG2E, float(scale))
     return q16, k16, v16, do16, scales
 
 
-def tf32_planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
-                        config: dict | None = None):
-    """As :func:`planned_launch`, for mode tf32 (float32 q / k / v, any strides): a callable ``(q, k, v, grad_out,
-    delta, lse_row, head_max, dk, dv, scale) -> dq`` that makes the scaled FP16 operands (:func:`tf32_operands`,
-    from ``head_max``, the preprocess's int32 [B * H, 4]) and runs the HEAD_SCALES build; ``dk``, ``dv``: float32
-    [B, H, Nk, D] contiguous, written; dQ float32 [B, H, Nq, D] contiguous."""
+def tf32_operands(q, k, v, grad_out, head_max, scale, _call=None):
+    """:func:`scaled_operands` for mode tf32 (one FP16 part)."""
+    return scaled_operands(q, k, v, grad_out, head_max, scale, False, _call)
+
+
+def _scaled_planned_launch(q, k, v, grad_out, config, split: bool):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, config or tf32_config(D), head_scales=True)
-    operands = _tf32_operands_call(B, H, Nq, Nk, D)
+    cfg = config or (fp32_config(D) if split else tf32_config(D))
+    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, cfg, head_scales=True, split=split)
+    operands = _scaled_operands_call(B, H, Nq, Nk, D, split)
 
     def launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale):
-        q16, k16, v16, do16, scales = tf32_operands(q, k, v, grad_out, head_max, scale, operands)
+        q16, k16, v16, do16, scales = scaled_operands(q, k, v, grad_out, head_max, scale, split, operands)
         return run(q16, k16, v16, do16, delta, lse_row, dk, dv, scale, scales)
 
     return launch
+
+
+def tf32_planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                        config: dict | None = None):
+    """As :func:`planned_launch`, for mode tf32 (float32 q / k / v, any strides): a callable ``(q, k, v, grad_out,
+    delta, lse_row, head_max, dk, dv, scale) -> dq`` that makes the scaled FP16 operands (:func:`scaled_operands`,
+    from ``head_max``, the preprocess's int32 [B * H, 4]) and runs the HEAD_SCALES build; ``dk``, ``dv``: float32
+    [B, H, Nk, D] contiguous, written; dQ float32 [B, H, Nq, D] contiguous."""
+    return _scaled_planned_launch(q, k, v, grad_out, config, split=False)
+
+
+def fp32_planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                        config: dict | None = None):
+    """:func:`tf32_planned_launch` for mode fp32: split-FP16 operands and products (``PARTS = 2``), head dim 64."""
+    return _scaled_planned_launch(q, k, v, grad_out, config, split=True)
+
+
+def _scaled_backward(name: str, q, k, v, out, grad_out, lse, scale, config, split: bool):
+    reason = (fp32_unsupported_reason if split else tf32_unsupported_reason)(q, k, v, grad_out, None, None, False,
+                                                                             scale)
+    mode = "fp32" if split else "tf32"
+    empty = _checked_call(name, reason, f"kernels.elsa_bwd.elsa_backward(mode='{mode}')", q, k, lse)
+    if empty is not None:
+        return empty
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    head_max = torch.zeros((B * H, 4), device=q.device, dtype=torch.int32)
+    delta, lse_row = _preprocess(q, out, grad_out, lse, k, v, head_max)
+    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=torch.float32)
+    dv = torch.empty_like(dk)
+    launch = _scaled_planned_launch(q, k, v, grad_out, config, split)
+    return launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale), dk, dv
 
 
 def tf32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
@@ -824,15 +973,41 @@ def tf32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         ValueError: a call :func:`tf32_unsupported_reason` refuses (the message names the cause).
         TypeError: ``lse`` is not float32.
     """
-    empty = _checked_call("tf32_backward", tf32_unsupported_reason(q, k, v, grad_out, None, None, False, scale),
-                          "kernels.elsa_bwd.elsa_backward(mode='tf32')", q, k, lse)
-    if empty is not None:
-        return empty
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    head_max = torch.zeros((B * H, 4), device=q.device, dtype=torch.int32)
-    delta, lse_row = _preprocess(q, out, grad_out, lse, k, v, head_max)
-    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=torch.float32)
-    dv = torch.empty_like(dk)
-    dq = tf32_planned_launch(q, k, v, grad_out, config)(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale)
-    return dq, dk, dv
+    return _scaled_backward("tf32_backward", q, k, v, out, grad_out, lse, scale, config, split=False)
+
+
+# ---- mode fp32 on the same kernel: split-FP16 operands and products (PARTS = 2) ----
+
+FP32_HEAD_DIMS = (64,)
+
+
+def fp32_config(head_dim: int) -> dict:
+    """:func:`get_config` for mode fp32 (split-FP16, head dim 64): one dQ accumulator (the FP32 dQ itself) and a dQ
+    hand-off ring of two query tiles, since the hi and lo parts of K, V, the Q / dO ring and dS^T fill the rest of
+    shared memory."""
+    if head_dim not in FP32_HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim}; the split-FP16 Gluon backward takes {FP32_HEAD_DIMS}")
+    return dict(get_config(head_dim), dq_accumulators=1, dq_ring=2)
+
+
+def fp32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
+    """Why :func:`fp32_backward` cannot run this call, or ``None``: as :func:`tf32_unsupported_reason`, at head dim
+    64 only."""
+    if q.shape[-1] not in FP32_HEAD_DIMS or v.shape[-1] not in FP32_HEAD_DIMS:
+        return f"head dims ({q.shape[-1]}, {v.shape[-1]}); the split-FP16 Gluon backward takes {FP32_HEAD_DIMS}"
+    return tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, scale)
+
+
+def fp32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
+                  lse: torch.Tensor, scale: float, *, config: dict | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`tf32_backward` for mode ``fp32``: the operands scaled per head as there, each split into hi and lo
+    FP16 parts (22 significant bits, as 3xTF32 keeps), every product of the kernel as three wgmmas (lo hi + hi lo +
+    hi hi, FP32 accumulation), P^T scaled by 2^:data:`P_SPLIT_EXP` before its split and dS's lo part kept times
+    2^:data:`DS_LO_EXP` (its products accumulated apart and multiplied back: dS ~ P ~ 1 / Nk, and its unscaled lo
+    part would be FP16-subnormal); each query tile's dK and dV products formed in fresh accumulators and added in
+    FP32 (summed inside the wgmma accumulator over hundreds of query tiles they leave the contract: 1e-4 of the
+    largest at 32768 tokens on an H200). Head dim 64 (the hi and lo tiles fill shared memory at 128). Same
+    arguments, returns and errors (:func:`fp32_unsupported_reason`); the gradients within mode fp32's contract
+    (2e-6 of each head's largest), bit-for-bit reproducible."""
+    return _scaled_backward("fp32_backward", q, k, v, out, grad_out, lse, scale, config, split=True)

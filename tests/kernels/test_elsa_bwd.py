@@ -516,18 +516,19 @@ def test_gluon_backward_fallback_on_first_failure_only(monkeypatch):
 
 
 @cpu_only
+@pytest.mark.parametrize("mode", ["tf32", "fp32"])
 @pytest.mark.parametrize("n", [40, 300])
-def test_tf32_gluon_launch_failing_on_its_first_call_falls_back_to_the_triton_kernels(n, monkeypatch):
-    """A tf32 plan whose Gluon launch fails on its first call (a Triton whose Gluon cannot build it) warns once and
-    runs the Triton kernels on the heads' magnitudes its preprocess already found: the bits of a plan without the
-    Gluon launch, single pass (40 keys) and two kernels (300)."""
+def test_scaled_gluon_launch_failing_on_its_first_call_falls_back_to_the_triton_kernels(n, mode, monkeypatch):
+    """A tf32 / fp32 plan whose Gluon launch fails on its first call (a Triton whose Gluon cannot build it) warns
+    once, under its mode's own key, and runs the Triton kernels on the heads' magnitudes its preprocess already
+    found: the bits of a plan without the Gluon launch, single pass (40 keys) and two kernels (300)."""
     from visionattn.kernels import elsa_bwd, elsa_fwd
 
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
     q, k, v, do = _inputs(1, 2, n, n, 64, seed=n)
     out64, lse, _ = autograd_grads(torch.float64, q, k, v, do, None, None, False, 0.125)
     out = out64.float()
-    args = (q, k, v, out, do, lse, None, None, None, None, False, "tf32", False, False, None, None, None)
+    args = (q, k, v, out, do, lse, None, None, None, None, False, mode, False, False, None, None, None)
     want = elsa_bwd._BackwardPlan(*args)(q, k, v, out, do, lse, None, None, None, None, 0.125)
     plan = elsa_bwd._BackwardPlan(*args)
     assert plan.tf32_gluon is None and plan.single_pass == (n == 40)
@@ -536,7 +537,8 @@ def test_tf32_gluon_launch_failing_on_its_first_call_falls_back_to_the_triton_ke
         raise RuntimeError("cannot build")
 
     plan.tf32_gluon = broken
-    with pytest.warns(RuntimeWarning, match="tf32 backward.*cannot build"):
+    with pytest.warns(RuntimeWarning, match=f"{mode} backward.*cannot build"):
         got = plan(q, k, v, out, do, lse, None, None, None, None, 0.125)
-    assert plan.tf32_gluon is None and elsa_bwd._GLUON_TF32_BWD in elsa_fwd._GLUON_FAILED
+    key = elsa_bwd._GLUON_TF32_BWD if mode == "tf32" else elsa_bwd._GLUON_FP32_BWD
+    assert plan.tf32_gluon is None and plan.scaled_key == key and set(elsa_fwd._GLUON_FAILED) == {key}
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))

@@ -149,17 +149,19 @@ out = {}
 for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, torch.bfloat16, 1000, None, False),
                                   (128, torch.float16, 1000, None, False), (128, torch.bfloat16, 1024, None, False),
                                   (64, torch.bfloat16, 1000, 1, False), (128, torch.bfloat16, 1000, 4, False),
-                                  (64, torch.float16, 1000, None, True), (128, torch.float16, 1024, None, True)):
-    cfg = g.get_config(d)
+                                  (64, torch.float16, 1000, None, True), (128, torch.float16, 1024, None, True),
+                                  (64, torch.float16, 1000, None, "split"), (64, torch.float16, 1024, None, "split")):
+    split = tf32 == "split"
+    cfg = g.fp32_config(d) if split else g.get_config(d)
     if accs is not None:
         cfg["dq_accumulators"] = accs
     t = "fp16" if dtype == torch.float16 else "bf16"
     grads = "*fp32" if tf32 else "*" + t
     ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK=grads, DV=grads,
                 Sem="*i32", Scales="*fp32")
-    r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k, tf32), num_warps=4,
+    r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k, bool(tf32), split), num_warps=4,
                          num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + "-tf32" * tf32] = {
+    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32)] = {
         "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
         "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
         "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir}
@@ -177,12 +179,13 @@ def test_compiles_for_hopper():
     (``wait_group`` without ``.read``: the next key tile's reductions must find these in the accumulator); at
     head dim 64 at most 32 bytes of register spills per writer (triton 3.6 / 3.8: values of the prologue that ptxas
     keeps in local memory across the register reallocation, reloaded once per partition). Mode tf32's HEAD_SCALES
-    builds (FP16 operands, FP32 dK / dV, the heads' multipliers) have the same products."""
+    builds (FP16 operands, FP32 dK / dV, the heads' multipliers) have the same products; mode fp32's split build
+    three wgmmas for each (hi and lo parts), its shared memory still under the limit."""
     r = compile_in_child(_CHILD)
     assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
-        assert v["wgmma"] == 12 and v["warps"] == 12, (key, v)
+        assert v["wgmma"] == 12 * (3 if key.endswith("split") else 1) and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         assert v["bulk_reduce"] == 2 * 2 and v["completion_wait"], (key, v)  # two halves in each of two writers
         if key.startswith("64-"):
@@ -344,6 +347,16 @@ def test_tf32_unsupported_reasons():
     assert "grad_out" in reason(q, k, v, do[:, :, :50], None, None, False, 0.125)
     with pytest.raises(ValueError, match="tensors on cpu"):
         half_gluon_bwd.tf32_backward(q, k, v, q, do, torch.zeros(1, 2, 100), 0.125)
+    # fp32's split build: head dim 64 only, else as tf32
+    split = half_gluon_bwd.fp32_unsupported_reason
+    assert split(q, k, v, do, None, None, False, 0.125) == "tensors on cpu"
+    q2, k2, v2, do2 = (t.float() for t in _qkv(d=128))
+    assert "head dims (128, 128)" in split(q2, k2, v2, do2, None, None, False, 0.125)
+    assert "bias" in split(q, k, v, do, torch.zeros(100, 300), None, False, 0.125)
+    with pytest.raises(ValueError, match="head dim 128"):
+        half_gluon_bwd.fp32_config(128)
+    with pytest.raises(ValueError, match="tensors on cpu"):
+        half_gluon_bwd.fp32_backward(q, k, v, q, do, torch.zeros(1, 2, 100), 0.125)
 
 
 def test_tf32_operands_scale_each_head_by_a_power_of_two():
@@ -376,18 +389,42 @@ def test_tf32_operands_scale_each_head_by_a_power_of_two():
     assert torch.allclose(scales[:, :5].double(), want, rtol=1e-6, atol=0)
 
 
-def _kernel_model(q16, k16, v16, do16, scales, delta, lse_row):
-    # the HEAD_SCALES kernel's arithmetic in float64 with its roundings to FP16 (P^T, dS^T) and its multipliers
+def _parts(t16, split):
+    # (hi, lo) of an operand copy as float64: [.., 2 D] hi / lo halves with split, else (t, 0)
+    if not split:
+        return t16.double(), torch.zeros_like(t16, dtype=torch.float64)
+    d = t16.shape[-1] // 2
+    return t16[..., :d].double(), t16[..., d:].double()
+
+
+def _halves(x, split, lo_exp=0):
+    # x (float64 holding FP32 values) rounded to FP16, and with split the remainder rounded too (times 2^lo_exp,
+    # as the kernel keeps dS's lo part; the value returned is the part's own)
+    x = x.float()
+    hi = x.half()
+    lo = ((x - hi.float()) * 2.0 ** lo_exp).half().double() * 2.0 ** -lo_exp if split else torch.zeros_like(x)
+    return hi.double(), lo.double()
+
+
+def _mm(a, b, split):
+    # the kernel's product of (hi, lo) pairs: a_lo b_hi + a_hi b_lo + a_hi b_hi (float64 model of its wgmmas)
+    return a[0] @ b[0] + (a[1] @ b[0] + a[0] @ b[1] if split else 0)
+
+
+def _kernel_model(q16, k16, v16, do16, scales, delta, lse_row, split=False):
+    # the HEAD_SCALES kernel's arithmetic in float64 with its roundings to FP16 (P^T, dS^T; with split their hi and
+    # lo parts, P^T scaled by 2^P_SPLIT_EXP first, dS's lo part kept times 2^DS_LO_EXP) and its multipliers
     B, H = q16.shape[:2]
     sc = scales.double().view(B, H, -1, 1, 1)
     qk, dmult, dqm, dkm, dvm = (sc[:, :, c] for c in range(5))
-    q, k, v, do = (t.double() for t in (q16, k16, v16, do16))
+    q, k, v, do = (_parts(t, split) for t in (q16, k16, v16, do16))
+    tr = lambda a: (a[0].transpose(-1, -2), a[1].transpose(-1, -2))  # noqa: E731
     lse2 = lse_row.double().view(B, H, -1, 1) * 1.4426950408889634
-    p = torch.exp2(q @ k.transpose(-1, -2) * qk - lse2)
-    dp = do @ v.transpose(-1, -2)
-    ds16 = (p * (dp - delta.double().view(B, H, -1, 1) * dmult)).half().double()
-    p16 = p.half().double()
-    return ds16 @ k * dqm, ds16.transpose(-1, -2) @ q * dkm, p16.transpose(-1, -2) @ do * dvm
+    p = torch.exp2(_mm(q, tr(k), split) * qk - lse2)
+    dp = _mm(do, tr(v), split)
+    ds = _halves(p * (dp - delta.double().view(B, H, -1, 1) * dmult), split, half_gluon_bwd.DS_LO_EXP)
+    ps = _halves(p * 2.0 ** (half_gluon_bwd.P_SPLIT_EXP if split else 0), split)
+    return _mm(ds, k, split) * dqm, _mm(tr(ds), q, split) * dkm, _mm(tr(ps), do, split) * dvm
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -417,6 +454,65 @@ def test_tf32_kernel_model_keeps_the_contract_over_head_magnitudes(d):
     plain = _kernel_model(q.half(), k.half(), v.half(), do.half(), unit, delta, lse_row)
     errs = [((g - w).abs().amax() / w.abs().amax()).item() for g, w in zip(plain, ref)]
     assert any(not e <= 3e-3 for e in errs), errs  # NaN (overflow) or out of contract
+
+
+def test_fp32_split_operands_and_kernel_model_keep_the_fp32_contract():
+    """Mode fp32's split build: the operand kernel (interpreted) writes each scaled operand's hi part and the
+    remainder's rounding as lo part (hi + lo = the scaled FP32 value to 22 bits); the kernel's arithmetic (a float64
+    model of its three-wgmma products and its FP16 roundings of P^T, scaled by 2^P_SPLIT_EXP, and dS^T) keeps mode
+    fp32's 2e-6 of each head's largest gradient over heads of magnitude 1e-6 .. 1e6, where the tf32 build's one
+    part does not; without P^T's scale its lo part falls into FP16's subnormals and dV leaves the contract (1024
+    keys: P ~ 1e-3)."""
+    q, k, v, do = _magnitude_heads(n_k=1024, d=64)
+    scale = 0.125
+    out64, lse64, ref, head_max, delta, lse_row = _tf32_inputs(q, k, v, do, scale)
+    ops = half_gluon_bwd.scaled_operands(q, k, v, do, head_max, scale, split=True)
+    one = half_gluon_bwd.scaled_operands(q, k, v, do, head_max, scale)
+    for t16, t1, t in zip(ops[:4], one[:4], (q, k, v, do)):
+        assert t16.shape == (*t.shape[:3], 128) and torch.equal(t16[..., :64], t1)  # the hi part is tf32's operand
+        ratio = t1.float().abs().amax(dim=(2, 3)) / t.abs().amax(dim=(2, 3))  # the head's power of two, rounded
+        mult = torch.exp2(torch.round(torch.log2(ratio)))[:, :, None, None]
+        assert torch.equal(t16[..., 64:], (t * mult - t1.float()).half())
+    assert torch.equal(ops[4][:, :4], one[4][:, :4]) and torch.equal(ops[4][:, 4], one[4][:, 4] * 2.0 ** -15)
+    got = _kernel_model(*ops, delta, lse_row, split=True)
+    tf32 = _kernel_model(*one, delta, lse_row)
+    for name, g, t, want in zip("qkv", got, tf32, ref):
+        peak = want.abs().amax(dim=(0, 2, 3))
+        err = (g - want).abs().amax(dim=(0, 2, 3)) / peak
+        assert (err <= 2e-6).all() and ((t - want).abs().amax(dim=(0, 2, 3)) / peak > 2e-5).all(), (name, err)
+    unscaled = ops[4].clone()
+    unscaled[:, 4] *= 2.0 ** 15
+    p_exp = half_gluon_bwd.P_SPLIT_EXP
+    try:
+        half_gluon_bwd.P_SPLIT_EXP = 0  # the model's P^T without its scale
+        dv = _kernel_model(*ops[:4], unscaled, delta, lse_row, split=True)[2]
+    finally:
+        half_gluon_bwd.P_SPLIT_EXP = p_exp
+    assert ((dv - ref[2]).abs().amax() / ref[2].abs().amax()).item() > 2e-6
+
+
+def test_fp32_split_keeps_the_lo_part_of_ds_out_of_the_subnormals_at_many_keys():
+    """dS takes P's magnitude (~1 / Nk) far below its bound, so at thousands of keys the rounding remainder of its
+    hi part (2^-11 of it) falls into FP16's subnormals and loses its bits: in the float64 model of the split kernel
+    dQ (a sum over the keys) leaves mode fp32's 2e-6 at 8192 keys with dS's lo part kept as it is, and dQ and dK
+    keep it with the lo part kept times 2^DS_LO_EXP (the kernel's, multiplied back after its products)."""
+    q, k, v, do = _magnitude_heads(n_q=64, n_k=8192, d=64)
+    scale = 0.125
+    out64, lse64, ref, head_max, delta, lse_row = _tf32_inputs(q, k, v, do, scale)
+    ops = half_gluon_bwd.scaled_operands(q, k, v, do, head_max, scale, split=True)
+
+    def worst(model):
+        return [((g - w).abs().amax(dim=(0, 2, 3)) / w.abs().amax(dim=(0, 2, 3))).max().item()
+                for g, w in zip(model[:2], ref[:2])]
+
+    kept = worst(_kernel_model(*ops, delta, lse_row, split=True))
+    lo_exp = half_gluon_bwd.DS_LO_EXP
+    try:
+        half_gluon_bwd.DS_LO_EXP = 0  # dS's lo part as the remainder rounds
+        plain = worst(_kernel_model(*ops, delta, lse_row, split=True))
+    finally:
+        half_gluon_bwd.DS_LO_EXP = lo_exp
+    assert max(kept) <= 2e-6 and plain[0] > 2e-6, (kept, plain)
 
 
 @pytest.mark.gpu
@@ -497,3 +593,31 @@ def test_tf32_backward_plans_route_by_waves():
     for got, want in zip(runs[0], ref):
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 3e-3
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 4, 1000, 1000), (1, 4, 2100, 2048), (2, 4, 320, 900), (1, 2, 8192, 8192)])
+def test_fp32_split_gradients_match_float64_and_are_reproducible(shape):
+    """fp32_backward (split-FP16 operands and products) on heads of magnitude 1e-6 .. 1e6: each head's dQ, dK, dV
+    within mode fp32's 2e-6 of its largest of the float64 oracle, float32, bit-for-bit equal over repeated runs;
+    elsa_backward(mode='fp32') gives its bits where tf32_preferred routes there."""
+    from visionattn.kernels import elsa_bwd
+    from visionattn.kernels._launch import sm_count
+
+    _needs_hopper()
+    B, H, Nq, Nk = shape
+    q, k, v, do = (t.cuda() for t in _magnitude_heads(Nq, Nk, 64))
+    q, k, v, do = (t.repeat(B, 1, 1, 1) for t in (q, k, v, do))
+    scale = 0.125
+    out64, lse64, ref = _reference(q, k, v, do, scale)
+    out, lse = out64.float(), lse64.float()
+    runs = [half_gluon_bwd.fp32_backward(q, k, v, out, do, lse, scale) for _ in range(3)]
+    for name, got, want in zip("qkv", runs[0], ref):
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        err = (got.double() - want).abs().amax(dim=(0, 2, 3)) / want.abs().amax(dim=(0, 2, 3))
+        assert (err <= 2e-6).all(), (name, err)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+    if half_gluon_bwd.tf32_preferred(B, H, Nq, Nk, 64, sm_count(q.device)):
+        got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, "fp32")[:3]
+        assert all(torch.equal(a, b) for a, b in zip(got, runs[0]))
