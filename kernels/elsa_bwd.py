@@ -67,7 +67,9 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   override) scales each right operand once per (batch, head) instead, as tf32 does: no per-tile column
   maxima or their transposes (offline sm_90, head dim 64: about a fifth fewer instructions); the span then
   counts from the head's largest entry, not each tile column's (one token 10^6 times the others: up to 9x the
-  per-column scales' error, within the bound).
+  per-column scales' error, within the bound). On Hopper at head dim 64, in the Gluon kernel's scope and where
+  :func:`.half_gluon_bwd.tf32_preferred` says, :func:`.half_gluon_bwd.fp32_backward` instead: that kernel's
+  split-FP16 build (three wgmmas per product, each query tile's dK / dV products added in FP32).
 * ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32,
   64 or 128, 16-byte-aligned rows), :mod:`.ieee_gluon_bwd` (Gluon, register-blocked FMA, single pass); else
   ``tl.dot``'s ``input_precision="ieee"`` here.
