@@ -97,8 +97,8 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
            "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
            "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_operands", "tf32_preferred",
-           "fp32_backward", "fp32_config", "fp32_planned_launch", "fp32_unsupported_reason", "scaled_operands",
-           "FP32_HEAD_DIMS", "P_SPLIT_EXP",
+           "fp32_preferred", "fp32_backward", "fp32_config", "fp32_planned_launch", "fp32_unsupported_reason",
+           "scaled_operands", "FP32_HEAD_DIMS", "P_SPLIT_EXP", "DS_LO_EXP", "FP32_MIN_WAVES", "FP32_LONG",
            "tf32_unsupported_reason", "TF32_MIN_WAVES", "TF32_MIN_QUERIES", "TF32_LONG", "TF32_LONG_D128",
            "TF32_SCALE_EXPONENTS", "TF32_SHIFT_LIMIT"]
 
@@ -751,6 +751,24 @@ def tf32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) 
     long = TF32_LONG_D128 if head_dim == 128 else TF32_LONG
     return n_q >= TF32_MIN_QUERIES and (grid_size(B, H, n_k, get_config(64)) >= TF32_MIN_WAVES * sms
                                         or min(n_q, n_k) >= long)
+
+
+# mode fp32's backward plans take the split build (fp32_preferred) from TF32_MIN_QUERIES query rows when its grid
+# fills the GPU FP32_MIN_WAVES times over or both lengths reach FP32_LONG: against the Triton f16x3-head kernels (at
+# 28-76 TFLOP/s) it measured 1.1-2.1x faster there (B=16 H=12 N=197 1.10x, B=1 H=12 N=1025 1.13x, B=1 H=16
+# N=1536 2.07x) and 0.78-0.91x below (B=8 H=12 N=197, B=2 H=12 N=577: 192 / 120 programs of few query tiles)
+# (docs/tuning.md: fp32 on the Gluon backward)
+FP32_MIN_WAVES = 2
+FP32_LONG = 1024
+
+
+def fp32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) -> bool:
+    """:func:`tf32_preferred` for mode fp32's split build (head dim 64; the caller checks it): from
+    :data:`TF32_MIN_QUERIES` query rows, when the grid fills ``sms`` multiprocessors :data:`FP32_MIN_WAVES` times or
+    both lengths reach :data:`FP32_LONG` (the Triton f16x3 kernels it replaces are slower than tf32's f16x1, so the
+    break-even comes earlier)."""
+    return n_q >= TF32_MIN_QUERIES and (grid_size(B, H, n_k, get_config(64)) >= FP32_MIN_WAVES * sms
+                                        or min(n_q, n_k) >= FP32_LONG)
 
 
 def tf32_config(head_dim: int) -> dict:

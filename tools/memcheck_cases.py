@@ -5,8 +5,8 @@
 
 Each case runs forward (and backward where the mode has backward kernels) on the GPU once, at a size that takes the
 variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128), the
-Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward,
-the single-pass and two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled windows,
+Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the single-pass and
+two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled windows,
 Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels. Outputs and gradients must be finite;
 the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``,
 ``initcheck``). Exit 0 when every case ran, 1 when one raised or returned a non-finite value (each printed).
@@ -70,7 +70,7 @@ def cases(families, modes):
                     leaves.append(_rand(3, n, n, grad=grad, seed=4))
                 yield f"dense {mode} N={n} D={d} {sorted(extra)}", dense, leaves
             # the Gluon backward (a partial key tile): fp16 / bf16 from half_gluon_bwd.MIN_KEYS; tf32 (its HEAD_SCALES
-            # build) and fp32 (its split-FP16 build, head dim 64) where tf32_preferred routes there
+            # build) and fp32 (its split-FP16 build, head dim 64) where tf32_preferred / fp32_preferred route there
             gluon_bwd = {"fp16": ((2100, 64), (2100, 128)), "bf16": ((2100, 64), (2100, 128)),
                          "tf32": ((4100, 64), (1100, 128)), "fp32": ((4100, 64),)}
             if mode in gluon_bwd:

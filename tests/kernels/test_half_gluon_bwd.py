@@ -560,6 +560,20 @@ def test_tf32_preferred_from_three_waves_or_long_sequences():
     assert not pref(1, 1, 128, 128 * waves * 100 - 128, 64, 1000)
 
 
+def test_fp32_preferred_from_two_waves_or_1024_tokens():
+    """fp32's split build takes over from the Triton kernels earlier than tf32's: from TF32_MIN_QUERIES query rows
+    when its grid fills the GPU FP32_MIN_WAVES times (ViT-B/16 224 from batch 16 on 132 SMs) or both lengths reach
+    FP32_LONG (one head group of 1025 or 1536 tokens, which tf32 leaves to Triton); not ViT-B/16 224 at batch 8,
+    nor 577 tokens at batch 2, nor few queries against many keys."""
+    pref = half_gluon_bwd.fp32_preferred
+    assert pref(16, 12, 197, 197, 64, 132) and pref(1, 12, 1025, 1025, 64, 132) and pref(1, 16, 1536, 1536, 64, 132)
+    assert not half_gluon_bwd.tf32_preferred(1, 16, 1536, 1536, 64, 132)
+    assert not pref(8, 12, 197, 197, 64, 132) and not pref(2, 12, 577, 577, 64, 132)
+    assert not pref(8, 16, 64, 65536, 64, 132) and not pref(1, 1, 1000, 1000, 64, 132)
+    waves = half_gluon_bwd.FP32_MIN_WAVES
+    assert pref(1, 1, 128, 128 * waves * 100, 64, 100) and not pref(1, 1, 128, 128 * waves * 100 - 128, 64, 100)
+
+
 @pytest.mark.gpu
 def test_tf32_backward_plans_route_by_waves():
     """elsa_backward(mode='tf32') runs the HEAD_SCALES build where tf32_preferred says (tf32_backward's bits), the
@@ -596,11 +610,12 @@ def test_tf32_backward_plans_route_by_waves():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 4, 1000, 1000), (1, 4, 2100, 2048), (2, 4, 320, 900), (1, 2, 8192, 8192)])
+@pytest.mark.parametrize("shape", [(1, 4, 1000, 1000), (1, 4, 2100, 2048), (2, 4, 320, 900), (1, 4, 1100, 1100),
+                                   (1, 2, 8192, 8192)])
 def test_fp32_split_gradients_match_float64_and_are_reproducible(shape):
     """fp32_backward (split-FP16 operands and products) on heads of magnitude 1e-6 .. 1e6: each head's dQ, dK, dV
     within mode fp32's 2e-6 of its largest of the float64 oracle, float32, bit-for-bit equal over repeated runs;
-    elsa_backward(mode='fp32') gives its bits where tf32_preferred routes there."""
+    elsa_backward(mode='fp32') gives its bits where fp32_preferred routes there."""
     from visionattn.kernels import elsa_bwd
     from visionattn.kernels._launch import sm_count
 
@@ -618,6 +633,6 @@ def test_fp32_split_gradients_match_float64_and_are_reproducible(shape):
         assert (err <= 2e-6).all(), (name, err)
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
-    if half_gluon_bwd.tf32_preferred(B, H, Nq, Nk, 64, sm_count(q.device)):
+    if half_gluon_bwd.fp32_preferred(B, H, Nq, Nk, 64, sm_count(q.device)):
         got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, "fp32")[:3]
         assert all(torch.equal(a, b) for a, b in zip(got, runs[0]))
