@@ -141,7 +141,7 @@ def test_combine_accumulators_adds_in_index_order(accs):
 
 
 _CHILD = r"""
-import json, torch
+import json, re, torch
 from visionattn.kernels import half_gluon_bwd as g
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
@@ -164,7 +164,8 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
     out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32)] = {
         "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
         "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
-        "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir}
+        "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir,
+        "fresh": len(re.findall(r"ttng\.warp_group_dot [^,]+, [^,]+, [^,]+, %false(_[0-9]+)? ", r.ttgir))}
 print(json.dumps(out))
 """
 
@@ -180,7 +181,9 @@ def test_compiles_for_hopper():
     head dim 64 at most 32 bytes of register spills per writer (triton 3.6 / 3.8: values of the prologue that ptxas
     keeps in local memory across the register reallocation, reloaded once per partition). Mode tf32's HEAD_SCALES
     builds (FP16 operands, FP32 dK / dV, the heads' multipliers) have the same products; mode fp32's split build
-    three wgmmas for each (hi and lo parts), its shared memory still under the limit."""
+    three wgmmas for each (hi and lo parts), its shared memory still under the limit, and every query tile's dK /
+    dV products and dS's lo terms start on a zero accumulator (summed in the wgmma accumulator across query tiles
+    the split products leave fp32's bound on the GPU)."""
     r = compile_in_child(_CHILD)
     assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
     for key, v in r.items():
@@ -188,6 +191,9 @@ def test_compiles_for_hopper():
         assert v["wgmma"] == 12 * (3 if key.endswith("split") else 1) and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         assert v["bulk_reduce"] == 2 * 2 and v["completion_wait"], (key, v)  # two halves in each of two writers
+        # product chains started on a zero accumulator, per consumer: S^T, dP^T and the dQ share; the split build
+        # also each query tile's dV, dK and dS's lo terms of dK and dQ apart (not summed in the wgmma accumulator)
+        assert v["fresh"] == 2 * (7 if key.endswith("split") else 3), (key, v)
         if key.startswith("64-"):
             assert v["local"] <= 32 * 2, (key, v)
 
