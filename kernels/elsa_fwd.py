@@ -777,7 +777,7 @@ _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (a
                                          "backward's speed at long sequences)",
                         "tf32 backward": "mode 'tf32' trains on the Triton backward kernels (0.15-0.9x the backward's "
                                          "speed where the Gluon one runs)",
-                        "fp32 backward": "mode 'fp32' trains on the Triton backward kernels (about 0.5x the backward's "
+                        "fp32 backward": "mode 'fp32' trains on the Triton backward kernels (0.45-0.9x the backward's "
                                          "speed where the Gluon one runs)"}
 
 
