@@ -488,9 +488,10 @@ if _IMPORT_ERROR is None:
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; dqacc_desc: the FP32 dQ
         # accumulators [DQ_ACCS * B * H, Nq, D], zeroed; Sem: int32 counters (ordered_buffer_sizes), zeroed.
-        # qk_scale = scale * log2(e). HEAD_SCALES (mode tf32): the operands are FP16 copies scaled per head by
-        # powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW], _scaled_operands_kernel) holds each
-        # head's multipliers, which replace qk_scale and scale; else Scales is not read.
+        # qk_scale = scale * log2(e). HEAD_SCALES (modes tf32 / fp32): the operands are FP16 copies scaled per head
+        # by powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW], _scaled_operands_kernel) holds each
+        # head's multipliers, which replace qk_scale and scale; else Scales is not read. PARTS = 2 (mode fp32): the
+        # operand copies are [B, H, N, 2 HEAD_D], hi parts then lo parts, each loaded into its own buffer.
         CONS: gl.constexpr = 2
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [CONS * PARTS] + k_desc.block_type.shape, k_desc.layout)
