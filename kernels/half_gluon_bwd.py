@@ -258,19 +258,10 @@ if _IMPORT_ERROR is None:
         return acc
 
     @gluon.jit
-    def _split(x, dtype: gl.constexpr, PARTS: gl.constexpr):
-        # (hi, lo): x rounded to dtype and, with PARTS = 2, the rounding's remainder rounded (lo = hi at PARTS = 1)
+    def _split(x, dtype: gl.constexpr, LO_SCALE: gl.constexpr):
+        # (hi, lo) of FP32 x (mode fp32): x rounded to dtype, and the rounding's remainder times LO_SCALE rounded
         hi = x.to(dtype)
-        lo = hi
-        if PARTS == 2:
-            lo = (x - hi.to(gl.float32)).to(dtype)
-        return hi, lo
-
-    @gluon.jit
-    def _split_ds(x, dtype: gl.constexpr):
-        # dS's (hi, lo * 2^DS_LO_EXP) (mode fp32)
-        hi = x.to(dtype)
-        return hi, ((x - hi.to(gl.float32)) * DS_LO_SCALE).to(dtype)
+        return hi, ((x - hi.to(gl.float32)) * LO_SCALE).to(dtype)
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full, dq_empty,
@@ -356,8 +347,8 @@ if _IMPORT_ERROR is None:
                 # bound); dK's dS^T operands from shared memory (in registers beside dV's they spill)
                 dp = warpgroup_mma_wait(0, deps=[dp_tok])
                 delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
-                ds16, ds16l = _split_ds(p * (dp - delta[None, :]), dtype)
-                p16, p16l = _split(p * P_SPLIT_SCALE, dtype, PARTS)
+                ds16, ds16l = _split(p * (dp - delta[None, :]), dtype, DS_LO_SCALE)
+                p16, p16l = _split(p * P_SPLIT_SCALE, dtype, 1.0)
                 dv_tok = _mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_t, do_l,
                               acc_zero, False, PARTS)
                 dslot = (i % 2) * CONS * PARTS
