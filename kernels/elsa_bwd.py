@@ -1287,7 +1287,7 @@ class _BackwardPlan:
         # is HEAD_SCALED)
         # fp32 (f16x3-head) at head dim 64 likewise where fp32_preferred says, on the kernel's split-FP16 build (hi
         # / lo operand parts, three wgmmas per product)
-        self.tf32_gluon = None
+        self.scaled_gluon = None
         split = precision == "f16x3-head"
         self.scaled_key = _GLUON_FP32_BWD if split else _GLUON_TF32_BWD
         if ((precision == "f16x1" or split and D == Dv == 64) and q.device.type == "cuda" and config is None
@@ -1299,7 +1299,8 @@ class _BackwardPlan:
                 reason = (hg.fp32_unsupported_reason if split else hg.tf32_unsupported_reason)(
                     q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
                 if reason is None:
-                    self.tf32_gluon = (hg.fp32_planned_launch if split else hg.tf32_planned_launch)(q, k, v, grad_out)
+                    launch = hg.fp32_planned_launch if split else hg.tf32_planned_launch
+                    self.scaled_gluon = launch(q, k, v, grad_out)
                 elif reason == hg._IMPORT_ERROR:
                     elsa_fwd._gluon_failed(self.scaled_key, reason)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
@@ -1369,7 +1370,8 @@ class _BackwardPlan:
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
         if grads is not None and (self.gluon is not None or self.half_gluon is not None
-                                  or self.tf32_gluon is not None or self.ordered["ACC_IS_OUT"]):  # contiguous, copied
+                                  or self.scaled_gluon is not None
+                                  or self.ordered["ACC_IS_OUT"]):  # contiguous, then copied
             result = self(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale)
             for into, got in zip(grads, result):
                 into.copy_(got)
@@ -1377,7 +1379,7 @@ class _BackwardPlan:
         dq = grads[0] if grads is not None else None
         if self.half_gluon is not None:  # it allocates dQ and its accumulators itself
             acc = sem = head_max = q  # not read
-        elif self.tf32_gluon is not None:  # so does its tf32 build, which scales by the heads' magnitudes
+        elif self.scaled_gluon is not None:  # so do its tf32 / fp32 builds, scaling by the heads' magnitudes
             acc = sem = q  # not read
             head_max = torch.zeros(B * H * 4, device=dev, dtype=torch.int32)
         elif self.single_pass or self.gluon is not None:  # the Gluon IEEE kernel adds dQ in order too
@@ -1405,8 +1407,8 @@ class _BackwardPlan:
                 return gluon_dq, dk, dv, None, None
             dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
             acc = sem = dq  # not read (the Triton kernels' two-kernel path: half precision never single-pass)
-        if self.tf32_gluon is not None:
-            ran, gluon_dq = self._run_gluon("tf32_gluon", self.scaled_key, q, k, v, grad_out, delta, lse_row,
+        if self.scaled_gluon is not None:
+            ran, gluon_dq = self._run_gluon("scaled_gluon", self.scaled_key, q, k, v, grad_out, delta, lse_row,
                                             head_max.view(B * H, 4), dk, dv, float(scale))
             if ran:
                 return gluon_dq, dk, dv, None, None

@@ -96,7 +96,7 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
 
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
            "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
-           "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_operands", "tf32_preferred",
+           "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_preferred",
            "fp32_preferred", "fp32_backward", "fp32_config", "fp32_planned_launch", "fp32_unsupported_reason",
            "scaled_operands", "FP32_HEAD_DIMS", "P_SPLIT_EXP", "DS_LO_EXP", "FP32_MIN_WAVES", "FP32_LONG",
            "tf32_unsupported_reason", "TF32_MIN_WAVES", "TF32_MIN_QUERIES", "TF32_LONG", "TF32_LONG_D128",
@@ -740,8 +740,13 @@ def tf32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) 
     ordered dQ turns), when the grid (one program per 128 keys and head) fills ``sms`` multiprocessors
     :data:`TF32_MIN_WAVES` times or both lengths reach :data:`TF32_LONG` (:data:`TF32_LONG_D128` at head dim 128,
     where the Triton kernels are slowest)."""
-    long = TF32_LONG_D128 if head_dim == 128 else TF32_LONG
-    return n_q >= TF32_MIN_QUERIES and (grid_size(B, H, n_k, get_config(64)) >= TF32_MIN_WAVES * sms
+    return _scaled_preferred(B, H, n_q, n_k, sms, TF32_MIN_WAVES, TF32_LONG_D128 if head_dim == 128 else TF32_LONG)
+
+
+def _scaled_preferred(B: int, H: int, n_q: int, n_k: int, sms: int, waves: int, long: int) -> bool:
+    # the HEAD_SCALES builds' rule: from TF32_MIN_QUERIES query rows, a grid of `waves` times `sms` programs or both
+    # lengths from `long`
+    return n_q >= TF32_MIN_QUERIES and (grid_size(B, H, n_k, get_config(64)) >= waves * sms
                                         or min(n_q, n_k) >= long)
 
 
@@ -759,8 +764,7 @@ def fp32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) 
     :data:`TF32_MIN_QUERIES` query rows, when the grid fills ``sms`` multiprocessors :data:`FP32_MIN_WAVES` times or
     both lengths reach :data:`FP32_LONG` (the Triton f16x3 kernels it replaces are slower than tf32's f16x1, so the
     break-even comes earlier)."""
-    return n_q >= TF32_MIN_QUERIES and (grid_size(B, H, n_k, get_config(64)) >= FP32_MIN_WAVES * sms
-                                        or min(n_q, n_k) >= FP32_LONG)
+    return _scaled_preferred(B, H, n_q, n_k, sms, FP32_MIN_WAVES, FP32_LONG)
 
 
 def tf32_config(head_dim: int) -> dict:
@@ -905,11 +909,6 @@ def scaled_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out:
     call(q, k, v, grad_out, head_max, q16, k16, v16, do16, scales, *q.stride(), *k.stride(), *v.stride(),
          *grad_out.stride(), H, Nq, Nk, max(Nq, Nk), float(scale) * LOG2E, float(scale))
     return q16, k16, v16, do16, scales
-
-
-def tf32_operands(q, k, v, grad_out, head_max, scale, _call=None):
-    """:func:`scaled_operands` for mode tf32 (one FP16 part)."""
-    return scaled_operands(q, k, v, grad_out, head_max, scale, False, _call)
 
 
 def _scaled_planned_launch(q, k, v, grad_out, config, split: bool):

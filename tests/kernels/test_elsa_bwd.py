@@ -531,14 +531,14 @@ def test_scaled_gluon_launch_failing_on_its_first_call_falls_back_to_the_triton_
     args = (q, k, v, out, do, lse, None, None, None, None, False, mode, False, False, None, None, None)
     want = elsa_bwd._BackwardPlan(*args)(q, k, v, out, do, lse, None, None, None, None, 0.125)
     plan = elsa_bwd._BackwardPlan(*args)
-    assert plan.tf32_gluon is None and plan.single_pass == (n == 40)
+    assert plan.scaled_gluon is None and plan.single_pass == (n == 40)
 
     def broken(*a):
         raise RuntimeError("cannot build")
 
-    plan.tf32_gluon = broken
+    plan.scaled_gluon = broken
     with pytest.warns(RuntimeWarning, match=f"{mode} backward.*cannot build"):
         got = plan(q, k, v, out, do, lse, None, None, None, None, 0.125)
     key = elsa_bwd._GLUON_TF32_BWD if mode == "tf32" else elsa_bwd._GLUON_FP32_BWD
-    assert plan.tf32_gluon is None and plan.scaled_key == key and set(elsa_fwd._GLUON_FAILED) == {key}
+    assert plan.scaled_gluon is None and plan.scaled_key == key and set(elsa_fwd._GLUON_FAILED) == {key}
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3]))

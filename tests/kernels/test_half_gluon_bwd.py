@@ -375,7 +375,7 @@ def test_tf32_operands_scale_each_head_by_a_power_of_two():
     v[0, 1] = 0.0
     scale = 0.125
     *_, head_max, _, _ = _tf32_inputs(q, k, v, do, scale)
-    q16, k16, v16, do16, scales = half_gluon_bwd.tf32_operands(q, k, v, do, head_max, scale)
+    q16, k16, v16, do16, scales = half_gluon_bwd.scaled_operands(q, k, v, do, head_max, scale)
     shifts = []
     for t, t16, e in zip((q, k, v, do), (q16, k16, v16, do16), half_gluon_bwd.TF32_SCALE_EXPONENTS):
         peak = t.abs().amax(dim=(2, 3))[0]  # [H]
@@ -444,7 +444,7 @@ def test_tf32_kernel_model_keeps_the_contract_over_head_magnitudes(d):
     q, k, v, do = _magnitude_heads(d=d)
     scale = d ** -0.5
     out64, lse64, ref, head_max, delta, lse_row = _tf32_inputs(q, k, v, do, scale)
-    ops = half_gluon_bwd.tf32_operands(q, k, v, do, head_max, scale)
+    ops = half_gluon_bwd.scaled_operands(q, k, v, do, head_max, scale)
     got = _kernel_model(*ops, delta, lse_row)
     tri = elsa_bwd.elsa_backward(q, k, v, out64.float(), do, lse64.float(), None, None, False, scale, "tf32")[:3]
     H = q.shape[1]
