@@ -616,8 +616,7 @@ def test_tf32_backward_plans_route_by_waves():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 4, 1000, 1000), (1, 4, 2100, 2048), (2, 4, 320, 900), (1, 4, 1100, 1100),
-                                   (1, 2, 8192, 8192)])
+@pytest.mark.parametrize("shape", [(1, 1000, 1000), (1, 2100, 2048), (2, 320, 900), (1, 1100, 1100), (1, 8192, 8192)])
 def test_fp32_split_gradients_match_float64_and_are_reproducible(shape):
     """fp32_backward (split-FP16 operands and products) on heads of magnitude 1e-6 .. 1e6: each head's dQ, dK, dV
     within mode fp32's 2e-6 of its largest of the float64 oracle, float32, bit-for-bit equal over repeated runs;
@@ -626,9 +625,9 @@ def test_fp32_split_gradients_match_float64_and_are_reproducible(shape):
     from visionattn.kernels._launch import sm_count
 
     _needs_hopper()
-    B, H, Nq, Nk = shape
-    q, k, v, do = (t.cuda() for t in _magnitude_heads(Nq, Nk, 64))
-    q, k, v, do = (t.repeat(B, 1, 1, 1) for t in (q, k, v, do))
+    B, Nq, Nk = shape  # the heads: one per row of _MAGNITUDES
+    q, k, v, do = (t.cuda().repeat(B, 1, 1, 1) for t in _magnitude_heads(Nq, Nk, 64))
+    H = q.shape[1]
     scale = 0.125
     out64, lse64, ref = _reference(q, k, v, do, scale)
     out, lse = out64.float(), lse64.float()
