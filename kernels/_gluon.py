@@ -18,6 +18,7 @@ from ._launch import allocate_output
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
     IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
@@ -129,3 +130,37 @@ if IMPORT_ERROR is None:
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         return p, m_new, alpha
+
+    @gluon.jit
+    def split_mma(a, a_lo, b, b_lo, acc, USE_ACC: gl.constexpr, PARTS: gl.constexpr):
+        """``acc + a b`` as async Hopper wgmmas: one (``PARTS = 1``), or the split-FP16 product ``a_lo b + a b_lo +
+        a b`` of hi parts ``a``, ``b`` and lo parts ``a_lo``, ``b_lo`` (``PARTS = 2``: three wgmmas, the small terms
+        first, as :func:`.split16.split_scores` sums them; FP32 accumulation). Returns the last wgmma's token."""
+        if PARTS == 2:
+            acc = warpgroup_mma(a_lo, b, acc, use_acc=USE_ACC, is_async=True)
+            acc = warpgroup_mma(a, b_lo, acc, is_async=True)
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a, b, acc, use_acc=USE_ACC, is_async=True)
+        return acc
+
+    @gluon.jit
+    def split_parts(x, dtype: gl.constexpr, LO_SCALE: gl.constexpr):
+        """``(hi, lo)`` of FP32 ``x``: ``x`` rounded to ``dtype``, and the rounding's remainder times ``LO_SCALE``
+        (a power of two that keeps it out of FP16's subnormals where ``x`` is small) rounded."""
+        hi = x.to(dtype)
+        return hi, ((x - hi.to(gl.float32)) * LO_SCALE).to(dtype)
+
+    @gluon.jit
+    def tma_load_parts(a_desc, b_desc, off_b, off_h, row, bar, a_smem, b_smem, slot, PARTS: gl.constexpr):
+        """TMA-load rows ``[row, row + block)`` of head ``(off_b, off_h)`` of two [B, H, N, PARTS * D] tensors
+        into ring slot ``slot`` of ``a_smem`` / ``b_smem``, expected on mbarrier ``bar``: each of the ``PARTS``
+        column blocks ``[part * D, (part + 1) * D)`` (mode fp32's hi and lo parts) into buffer ``slot * PARTS +
+        part``."""
+        HEAD_D: gl.constexpr = a_desc.block_type.shape[3]
+        mbarrier.expect(bar, PARTS * (a_desc.block_type.nbytes + b_desc.block_type.nbytes))
+        for part in gl.static_range(PARTS):
+            tma.async_copy_global_to_shared(a_desc, [off_b, off_h, row, part * HEAD_D], bar,
+                                            a_smem.index(slot * PARTS + part))
+            tma.async_copy_global_to_shared(b_desc, [off_b, off_h, row, part * HEAD_D], bar,
+                                            b_smem.index(slot * PARTS + part))

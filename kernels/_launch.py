@@ -564,30 +564,33 @@ def _rebased(template, base: torch.Tensor):
 
 
 class PlannedLaunch:
-    """A Gluon forward kernel's launch for one call signature: ``launch(q, k, v, scale, out, lse=None)`` calls
-    ``call(q', k', v', out, lse or out, *fixed, scale * log2(e))``, where q', k', v' are the tensors themselves
-    or, with ``templates`` (host-side TMA descriptors of the first call's shapes, strides and blocks, their
-    ``base`` cleared so that a cached plan keeps no tensor alive), descriptors copied onto them. After the
-    first call a descriptor launch goes through :meth:`KernelCall.with_descriptors` where the Triton release
-    allows it. Without an LSE the kernel never reads that pointer: the output's stands in."""
+    """A Gluon forward kernel's launch for one call signature: ``launch(q, k, v, scale, out, lse=None, scales=None)``
+    calls ``call(q', k', v', out, lse or out, *fixed, scale * log2(e))`` (with ``scales_arg``: ``call(q', k', v',
+    out, lse or out, scales or out, ...)``), where q', k', v' are the tensors themselves or, with ``templates``
+    (host-side TMA descriptors of the first call's shapes, strides and blocks, their ``base`` cleared so that a
+    cached plan keeps no tensor alive), descriptors copied onto them. After the first call a descriptor launch goes
+    through :meth:`KernelCall.with_descriptors` where the Triton release allows it. Without an LSE (or scales) the
+    kernel never reads that pointer: the output's stands in."""
 
-    __slots__ = ("call", "fixed", "templates", "_direct", "_tried")
+    __slots__ = ("call", "fixed", "templates", "scales_arg", "_direct", "_tried")
 
-    def __init__(self, call: KernelCall, fixed: tuple, templates=None):
-        self.call, self.fixed, self.templates = call, fixed, templates
+    def __init__(self, call: KernelCall, fixed: tuple, templates=None, scales_arg: bool = False):
+        self.call, self.fixed, self.templates, self.scales_arg = call, fixed, templates, scales_arg
         self._direct, self._tried = None, False
 
-    def __call__(self, q, k, v, scale, out, lse=None):
-        lse_t = out if lse is None else lse
+    def __call__(self, q, k, v, scale, out, lse=None, scales=None):
+        ptrs = (out, out if lse is None else lse)
+        if self.scales_arg:
+            ptrs += (out if scales is None else scales,)
         direct = self._direct
         if direct is not None:
-            direct(q, k, v, out, lse_t, *self.fixed, scale * LOG2E)
+            direct(q, k, v, *ptrs, *self.fixed, scale * LOG2E)
             return
         if self.templates is None:
-            self.call(q, k, v, out, lse_t, *self.fixed, scale * LOG2E)
+            self.call(q, k, v, *ptrs, *self.fixed, scale * LOG2E)
             return
         tq, tk, tv = self.templates
-        self.call(_rebased(tq, q), _rebased(tk, k), _rebased(tv, v), out, lse_t, *self.fixed, scale * LOG2E)
+        self.call(_rebased(tq, q), _rebased(tk, k), _rebased(tv, v), *ptrs, *self.fixed, scale * LOG2E)
         if not self._tried and self.call.slow_reason is None:
             self._tried = True
             self._direct = self.call.with_descriptors(self.templates)

@@ -27,7 +27,9 @@ Modes (:data:`.modes.MODES` whose ``kernels`` name the dense family) and their p
   power of two and split into two FP16 parts of 11 significant bits each (the same
   22 bits 3xTF32 keeps), and hi*hi + hi*lo + lo*hi run on the FP16 tensor cores,
   which are twice as fast as TF32's, at 3xTF32's accuracy (docs/tuning.md: fp32 products:
-  split-FP16 (f16x3)).
+  split-FP16 (f16x3)). On Hopper, calls within its scope (D = Dv = 64, no bias / mask / causal, from
+  :data:`.fp32_gluon.MIN_KEYS` keys) run the same products on the warp-specialized Gluon kernel of :mod:`.half_gluon`
+  (:mod:`.fp32_gluon`: operands scaled per head and split once, up front).
 * ``fp32-ieee``: ``"ieee"``, FP32 FMA, no tensor cores. On CUDA, calls within its scope (D = Dv in
   {32, 64, 128}, no bias / mask / causal) run the Gluon kernel of :mod:`.ieee_gluon` instead, about twice as
   fast (docs/tuning.md: fp32-ieee on a Gluon register-blocked FMA kernel (not `tl.dot(..., "ieee")`)).
@@ -766,11 +768,13 @@ class _TritonPlan(DenseForwardRun):
             self.merge_fixed = (*self.o_stride, B, H, Nq, Dv, P)
 
 
-# Gluon kernel ("fp32-ieee" / "half"; "fp32-ieee backward": kernels/ieee_gluon_bwd.py; "half backward" / "tf32
-# backward": kernels/half_gluon_bwd.py) -> why it could not run in this process (first failure; warned once)
+# Gluon kernel ("fp32-ieee" / "half" / "fp32"; "fp32-ieee backward": kernels/ieee_gluon_bwd.py; "half backward" /
+# "tf32 backward" / "fp32 backward": kernels/half_gluon_bwd.py) -> why it could not run in this process (first
+# failure; warned once)
 _GLUON_FAILED: dict[str, str] = {}
 _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (about half the speed)",
                         "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)",
+                        "fp32": "mode 'fp32' uses the Triton kernel (0.6-0.85x the speed from 256 keys)",
                         "fp32-ieee backward": "mode 'fp32-ieee' trains on the Triton backward kernels (about 0.4x the "
                                               "speed)",
                         "half backward": "modes 'fp16' / 'bf16' train on the Triton backward kernels (about 0.8x the "
@@ -802,6 +806,10 @@ def _gluon_kernel(kernel: str):
         from . import half_gluon
 
         return half_gluon, half_gluon.preferred
+    if kernel == "fp32":
+        from . import fp32_gluon
+
+        return fp32_gluon, fp32_gluon.preferred
     from . import ieee_gluon
 
     return ieee_gluon, lambda n_q, n_k, head_dim: True
@@ -809,10 +817,10 @@ def _gluon_kernel(kernel: str):
 
 def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype, with_lse=False):
     """A :class:`._launch.GluonForwardPlan` on ``kernel`` ("fp32-ieee": the FMA kernel of :mod:`.ieee_gluon`, ~2x this
-    module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`; both also write the
-    LSE when asked), or ``None`` when it does not take the call: tensors off CUDA, lengths it is not preferred
-    at, outside its scope, where the split-KV path would run (few query tiles), or after it failed to import or
-    compile once in this process (warned once)."""
+    module's IEEE loop; "half": the warp-specialized Hopper kernel of :mod:`.half_gluon`; "fp32": the same kernel's
+    split-FP16 build, :mod:`.fp32_gluon`; "half" and "fp32" also write the LSE when asked), or ``None`` when it does
+    not take the call: tensors off CUDA, lengths it is not preferred at, outside its scope, where the split-KV path
+    would run (few query tiles), or after it failed to import or compile once in this process (warned once)."""
     if kernel in _GLUON_FAILED or not _gluon_device(q.device):
         return None
     module, preferred = _gluon_kernel(kernel)
@@ -852,9 +860,8 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
     """Build the plan of a call signature by running it once: ``(plan, (out, lse))``.
 
     Order: nothing to compute -> :class:`._launch.EmptyForwardPlan`; a Gluon kernel that takes the call (not with an
-    explicit ``config`` / ``precision``; with the LSE wanted only the half kernel, which writes it);
-    else the Triton kernel with the table's config, and on out-of-shared-memory (bias / mask tiles add to
-    it) the next smaller of :func:`_smaller_configs`.
+    explicit ``config`` / ``precision``); else the Triton kernel with the table's config, and on out-of-shared-memory
+    (bias / mask tiles add to it) the next smaller of :func:`_smaller_configs`.
     """
     if mode not in DENSE_MODES:
         raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(DENSE_MODES)}")
@@ -867,7 +874,8 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
         plan = EmptyForwardPlan(q, k, v, out_dtype, with_lse)
         return plan, plan(q, k, v, bias, attn_mask, scale)
     prec = _precision(mode, precision)
-    gluon = "fp32-ieee" if prec == "ieee" else "half" if dtype != torch.float32 else None
+    gluon = ("fp32-ieee" if prec == "ieee" else "half" if dtype != torch.float32
+             else "fp32" if prec == "f16x3" else None)
     if gluon is not None and config is None and precision is None:
         plan = _gluon_plan(gluon, q, k, v, bias, attn_mask, is_causal, scale, num_splits, out_dtype, with_lse)
         if plan is not None:

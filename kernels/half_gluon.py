@@ -53,6 +53,7 @@ import torch
 
 from ._gluon import checked_call, hopper_tma_scope_reason, nvmma_layout
 from ._launch import KernelCall, PlannedLaunch, cdiv, heads_inner_layout, pad_pow2, sm_count
+from .scaled_fp16 import P_SPLIT_EXP
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -60,14 +61,15 @@ try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._gluon import softmax_tile
+    from ._gluon import softmax_tile, split_mma, split_parts, tma_load_parts
 
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
 
 __all__ = ["half_attention", "launch", "unsupported_reason", "get_config", "kernel_constexprs", "descriptor_types",
-           "HEAD_DIMS", "preferred", "config_for", "planned_launch", "FOUR_CONSUMER_ROWS", "FOUR_CONSUMER_MAX_KEYS"]
+           "HEAD_DIMS", "preferred", "config_for", "planned_launch", "FOUR_CONSUMER_ROWS", "FOUR_CONSUMER_MAX_KEYS",
+           "last_key_tile"]
 
 HEAD_DIMS = (64, 128)
 
@@ -133,6 +135,7 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     * D = 64, ``n_q`` in :data:`FOUR_CONSUMER_ROWS` and at most :data:`FOUR_CONSUMER_MAX_KEYS` keys: four consumer
       warpgroups (256 rows: a whole head) per CTA over 64-key tiles, 4 stages; 96 registers per thread at launch
       (20 warps), 112-120 per consumer thread and 24 per producer thread after ``setmaxnreg``.
+    * ``parts``: 1 (:func:`.fp32_gluon.fp32_config` sets 2: mode fp32's split operands).
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
       flight (2 at D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the
       last key tile multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64) two power-of-two
@@ -150,11 +153,17 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     else:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 168, "consumer_regs": 240, "consumers": 2,
                "ctas_per_sm": 1}
-    block_n = cfg["BLOCK_N"]
+    return dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 else 1, parts=1,
+                **last_key_tile(n_k, cfg["BLOCK_N"], head_dim))
+
+
+def last_key_tile(n_k: int, block_n: int, head_dim: int) -> dict:
+    """The config entries for the last of ``n_k`` keys' ``block_n``-key tiles: ``one_tile`` (every key in one
+    tile) and ``tail_keys``, the keys that tile multiplies (:func:`get_config`; the whole tile past
+    :data:`TAIL_CUT_MAX_KEYS` keys)."""
     rem = n_k - (cdiv(n_k, block_n) - 1) * block_n
     tail = _tail_keys(rem, split=head_dim <= 64) if n_k <= TAIL_CUT_MAX_KEYS else (block_n, 0)
-    return dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 else 1,
-                one_tile=n_k <= block_n, tail_keys=tail)
+    return dict(one_tile=n_k <= block_n, tail_keys=tail)
 
 
 def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
@@ -178,6 +187,7 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
 
 
 if _IMPORT_ERROR is None:
+    _P_SPLIT_SCALE = gl.constexpr(2.0 ** P_SPLIT_EXP)  # mode fp32: P's multiplier before its hi / lo split
 
     @gluon.jit
     def _tile_coords(tile, tiles_m, H, ROWS: gl.constexpr):
@@ -201,10 +211,12 @@ if _IMPORT_ERROR is None:
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP, Nq, Nk,
                   n_work,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                  CONSUMERS: gl.constexpr):
+                  CONSUMERS: gl.constexpr, PARTS: gl.constexpr):
         # one warp: per work tile, each consumer's Q tile into a free Q buffer, then K / V tile t into ring slot
         # g % STAGES (g counts KV tiles over every work tile) once every consumer freed it; query head h reads K / V
-        # head h // GROUP (grouped-query attention; GROUP = 1 folds away)
+        # head h // GROUP (grouped-query attention; GROUP = 1 folds away). PARTS = 2 (mode fp32): each tile's hi and
+        # lo parts, columns [0, HEAD_D) and [HEAD_D, 2 HEAD_D) of the split copies, into consecutive buffers
+        HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
         tiles_m = gl.cdiv(Nq, CONSUMERS * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
@@ -213,44 +225,57 @@ if _IMPORT_ERROR is None:
             qb = i % Q_BUFS
             q_bar = q_ready.index(qb)
             mbarrier.wait(q_empty.index(qb), ((i // Q_BUFS) & 1) ^ 1)
-            mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+            mbarrier.expect(q_bar, CONSUMERS * PARTS * q_desc.block_type.nbytes)
             for c in gl.static_range(CONSUMERS):
-                tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, 0], q_bar,
-                                                q_smem.index(CONSUMERS * qb + c))
+                for part in gl.static_range(PARTS):
+                    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m + c * BLOCK_M, part * HEAD_D], q_bar,
+                                                    q_smem.index((CONSUMERS * qb + c) * PARTS + part))
             off_kv = off_h // GROUP
             for t in range(n_tiles):
                 g = i * n_tiles + t
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
-                bar = ready.index(slot)
-                mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [off_b, off_kv, t * BLOCK_N, 0], bar, k_smem.index(slot))
-                tma.async_copy_global_to_shared(v_desc, [off_b, off_kv, t * BLOCK_N, 0], bar, v_smem.index(slot))
+                tma_load_parts(k_desc, v_desc, off_b, off_kv, t * BLOCK_N, ready.index(slot), k_smem, v_smem, slot,
+                               PARTS)
             i += 1
 
     @gluon.jit
-    def _step(acc, p16, m_i, l_i, t, g, turns, q_t, k_smem, v_smem, l_smem, ready, empty, my_turn, other_turn, Nk,
-              qk_scale, offs_sn, s_zero, WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, TAIL: gl.constexpr, PINGPONG: gl.constexpr, SPLIT_AT: gl.constexpr):
+    def _step(acc, p16, p_lo, m_i, l_i, t, g, turns, q_t, q_l, k_smem, v_smem, l_smem, ready, empty, my_turn,
+              other_turn, Nk, qk_scale, offs_sn, s_zero, o_zero, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr, PINGPONG: gl.constexpr,
+              SPLIT_AT: gl.constexpr, PARTS: gl.constexpr):
         # S_{t+1} = Q K_{t+1}^T and O += P_t V_t in flight together; the softmax of S_{t+1} runs under P_t V_t.
         # g: KV tile t's count over the program's work tiles (ring slot and phase); turns: this group's turns
         # taken before this step. SPLIT_AT > 0: the second part of a last tile split in two (no ping-pong): its
-        # keys [SPLIT_AT, SPLIT_AT + n) against P V of the first part, all in ring slot g
+        # keys [SPLIT_AT, SPLIT_AT + n) against P V of the first part, all in ring slot g.
+        # PARTS = 2 (mode fp32): q_l, p_lo and the second buffer of each K / V slot hold the lo parts; every product is
+        # three wgmmas (split_mma), P_t V_t formed in a fresh accumulator and added to acc in FP32 (summed in the
+        # wgmma accumulator tile after tile, its error would grow with the keys), P scaled by 2^P_SPLIT_EXP
+        LO: gl.constexpr = PARTS - 1
         if SPLIT_AT > 0:
-            k_t = k_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D]).slice(SPLIT_AT, s_zero.shape[1])
-            v_t = v_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D]).slice(0, SPLIT_AT)
+            ks = (g % STAGES) * PARTS
+            k_t = k_smem.index(ks).reshape([BLOCK_N, HEAD_D]).slice(SPLIT_AT, s_zero.shape[1])
+            k_l = k_smem.index(ks + LO).reshape([BLOCK_N, HEAD_D]).slice(SPLIT_AT, s_zero.shape[1])
+            v_t = v_smem.index(ks).reshape([BLOCK_N, HEAD_D]).slice(0, SPLIT_AT)
+            v_l = v_smem.index(ks + LO).reshape([BLOCK_N, HEAD_D]).slice(0, SPLIT_AT)
         else:
             nxt = (g + 1) % STAGES
             mbarrier.wait(ready.index(nxt), ((g + 1) // STAGES) & 1)
-            k_t = k_smem.index(nxt).reshape([BLOCK_N, HEAD_D]).slice(0, s_zero.shape[1])  # a cut last tile: its keys
-            v_t = v_smem.index(g % STAGES).reshape([BLOCK_N, HEAD_D])
+            # a cut last tile: its keys
+            k_t = k_smem.index(nxt * PARTS).reshape([BLOCK_N, HEAD_D]).slice(0, s_zero.shape[1])
+            k_l = k_smem.index(nxt * PARTS + LO).reshape([BLOCK_N, HEAD_D]).slice(0, s_zero.shape[1])
+            v_t = v_smem.index((g % STAGES) * PARTS).reshape([BLOCK_N, HEAD_D])
+            v_l = v_smem.index((g % STAGES) * PARTS + LO).reshape([BLOCK_N, HEAD_D])
         if PINGPONG:
             mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
-        s_tok = warpgroup_mma(q_t, k_t.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        o_tok = warpgroup_mma(p16, v_t, acc, is_async=True)
+        s_tok = split_mma(q_t, q_l, k_t.permute((1, 0)), k_l.permute((1, 0)), s_zero, False, PARTS)
+        if PARTS == 2:
+            o_tok = split_mma(p16, p_lo, v_t, v_l, o_zero, False, PARTS)
+        else:
+            o_tok = warpgroup_mma(p16, v_t, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
+        s = warpgroup_mma_wait(2 * PARTS - 1, deps=[s_tok])  # P_t V_t's wgmmas stay in flight
         rows: gl.constexpr = gl.SliceLayout(1, s.type.layout)  # the tail tile's S has a narrower wgmma layout
         p, m_new, alpha = softmax_tile(s, gl.convert_layout(m_i, rows), t + 1, Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
         m_i = gl.convert_layout(m_new, m_i.type.layout)
@@ -260,35 +285,60 @@ if _IMPORT_ERROR is None:
         l_smem.store(l_i.to(gl.float16))
         # P_t is not in the deps: ptxas keeps the registers an in-flight wgmma reads, and listing a 16-bit
         # tensor there makes the compiler repack it (docs/tuning.md: P_t left out of the deps of the wgmma wait)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        if PARTS == 2:
+            acc = acc + warpgroup_mma_wait(0, deps=[o_tok])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
         if SPLIT_AT == 0:
             mbarrier.arrive(empty.index(g % STAGES))  # this group is done with K_t and V_t
-        p16 = gl.convert_layout(p.to(p16.dtype), p16.type.layout)
+        p_layout: gl.constexpr = p16.type.layout
+        p16, p_lo = _p_operands(p, p16.dtype, p_layout, PARTS)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
-        return acc, p16, m_i, l_i
+        return acc, p16, p_lo, m_i, l_i
 
     @gluon.jit
-    def _last_pv(acc, p16, v_smem, q_free, empty, last, my_turn, other_turn, turns, WG: gl.constexpr,
-                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PINGPONG: gl.constexpr, V_START: gl.constexpr):
-        # O += P V of a work tile's last KV tile (ring slot ``last``; P [BLOCK_M, keys from V_START on])
+    def _p_operands(p, dtype: gl.constexpr, layout: gl.constexpr, PARTS: gl.constexpr):
+        # P's wgmma register operands: P rounded to dtype (twice the same tensor at PARTS = 1), or the hi and lo parts
+        # of P times 2^P_SPLIT_EXP (PARTS = 2)
+        if PARTS == 2:
+            hi, lo = split_parts(p * _P_SPLIT_SCALE, dtype, 1.0)
+            return gl.convert_layout(hi, layout), gl.convert_layout(lo, layout)
+        p16 = gl.convert_layout(p.to(dtype), layout)
+        return p16, p16
+
+    @gluon.jit
+    def _last_pv(acc, p16, p_lo, v_smem, o_zero, q_free, empty, last, my_turn, other_turn, turns, WG: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PINGPONG: gl.constexpr, V_START: gl.constexpr,
+                 PARTS: gl.constexpr):
+        # O += P V of a work tile's last KV tile (ring slot ``last``; P [BLOCK_M, keys from V_START on]); PARTS as in
+        # _step
         mbarrier.arrive(q_free)  # every Q K^T of this work tile is done: the producer may load the next Q
         if PINGPONG:
             mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
-        v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_D]).slice(V_START, p16.shape[1])
-        o_tok = warpgroup_mma(p16, v_t, acc, is_async=True)
+        v_t = v_smem.index(last * PARTS).reshape([BLOCK_N, HEAD_D]).slice(V_START, p16.shape[1])
+        if PARTS == 2:
+            v_l = v_smem.index(last * PARTS + 1).reshape([BLOCK_N, HEAD_D]).slice(V_START, p16.shape[1])
+            o_tok = split_mma(p16, p_lo, v_t, v_l, o_zero, False, PARTS)
+        else:
+            o_tok = warpgroup_mma(p16, v_t, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(other_turn)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        if PARTS == 2:
+            acc = acc + warpgroup_mma_wait(0, deps=[o_tok])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(empty.index(last))
         return acc
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob, soh, som, H,
-                  Nq, Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales, sob, soh,
+                  som, H, Nq, Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                   Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr, CONSUMERS: gl.constexpr,
-                  ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr):
-        # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles
+                  ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr, PARTS: gl.constexpr):
+        # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles.
+        # PARTS = 2 (mode fp32): split operands scaled per head; each head's Scales row replaces qk_scale (its
+        # logits' multiplier) and undoes v's and P's scales on the output
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -302,6 +352,8 @@ if _IMPORT_ERROR is None:
         offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+        o_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)  # P V's fresh accumulator (PARTS = 2)
+        LO: gl.constexpr = PARTS - 1
         # the last KV tile of a work tile (2+ tiles): S and P V on its first TAIL_N keys only (:func:`get_config`)
         s_tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                 instr_shape=[16, TAIL_N, 16])
@@ -312,6 +364,11 @@ if _IMPORT_ERROR is None:
         i = 0
         for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
             off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, CONSUMERS * BLOCK_M)
+            if PARTS == 2:
+                head_scales = Scales + (off_b * H + off_h) * 2
+                qk = gl.load(head_scales)
+            else:
+                qk = qk_scale
             g0 = i * n_tiles
             turns = i * (n_tiles + 1)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -319,33 +376,36 @@ if _IMPORT_ERROR is None:
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
             qb = i % Q_BUFS
             mbarrier.wait(q_ready.index(qb), (i // Q_BUFS) & 1)
-            q_t = q_smem.index(CONSUMERS * qb + WG).reshape([BLOCK_M, HEAD_D])
+            q_t = q_smem.index((CONSUMERS * qb + WG) * PARTS).reshape([BLOCK_M, HEAD_D])
+            q_l = q_smem.index((CONSUMERS * qb + WG) * PARTS + LO).reshape([BLOCK_M, HEAD_D])
             mbarrier.wait(ready.index(g0 % STAGES), (g0 // STAGES) & 1)
             if PINGPONG:
                 mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
+            k_0 = k_smem.index((g0 % STAGES) * PARTS).reshape([BLOCK_N, HEAD_D])
+            k_0l = k_smem.index((g0 % STAGES) * PARTS + LO).reshape([BLOCK_N, HEAD_D])
             if ONE_TILE:  # every key in the first tile: S on its first TAIL_N keys only
-                s_tok = warpgroup_mma(q_t, k_smem.index(g0 % STAGES).reshape([BLOCK_N, HEAD_D]).slice(0, TAIL_N)
-                                      .permute((1, 0)), s_zero_tail, use_acc=False, is_async=True)
+                s_tok = split_mma(q_t, q_l, k_0.slice(0, TAIL_N).permute((1, 0)), k_0l.slice(0, TAIL_N).permute((1, 0)),
+                                  s_zero_tail, False, PARTS)
             else:
-                s_tok = warpgroup_mma(q_t, k_smem.index(g0 % STAGES).reshape([BLOCK_N, HEAD_D]).permute((1, 0)),
-                                      s_zero, use_acc=False, is_async=True)
+                s_tok = split_mma(q_t, q_l, k_0.permute((1, 0)), k_0l.permute((1, 0)), s_zero, False, PARTS)
             if PINGPONG:
                 mbarrier.arrive(other_turn)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             if ONE_TILE:
                 p, m_i, alpha = softmax_tile(s, gl.convert_layout(m_i, gl.SliceLayout(1, s_tail_layout)), 0, Nk,
-                                             qk_scale, offs_sn_tail, BLOCK_N, True)
+                                             qk, offs_sn_tail, BLOCK_N, True)
                 m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
                 l_i = _fold_parts(l_i, alpha, p)
             else:
-                p, m_i, alpha = softmax_tile(s, m_i, 0, Nk, qk_scale, offs_sn, BLOCK_N, True)
+                p, m_i, alpha = softmax_tile(s, m_i, 0, Nk, qk, offs_sn, BLOCK_N, True)
                 l_i = _fold_parts(l_i, alpha, p)
-            p16 = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+            p16, p_lo = _p_operands(p, q_smem.dtype, p_layout, PARTS)
             if not ONE_TILE:
                 for t in range(0, n_tiles - 2):
-                    acc, p16, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem,
-                                               l_mine, ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn, s_zero,
-                                               WG, BLOCK_N, HEAD_D, STAGES, False, PINGPONG, 0)
+                    acc, p16, p_lo, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, t, g0 + t, turns + t + 1, q_t, q_l,
+                                                     k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, Nk, qk,
+                                                     offs_sn, s_zero, o_zero, WG, BLOCK_N, HEAD_D, STAGES, False,
+                                                     PINGPONG, 0, PARTS)
             last = (g0 + n_tiles - 1) % STAGES
             if ONE_TILE:
                 if TAIL_N2 > 0:  # the one tile in two parts: keys [0, TAIL_N) done, then [TAIL_N, + TAIL_N2)
@@ -353,38 +413,44 @@ if _IMPORT_ERROR is None:
                                                                         instr_shape=[16, TAIL_N2, 16])
                     offs_sn1 = TAIL_N + gl.arange(0, TAIL_N2, layout=gl.SliceLayout(0, s1_layout))
                     s_zero1 = gl.zeros([BLOCK_M, TAIL_N2], gl.float32, layout=s1_layout)
-                    acc, p_one, m_i, l_i = _step(acc, p16, m_i, l_i, -1, g0, 0, q_t, k_smem, v_smem, l_mine, ready,
-                                                 empty, my_turn, other_turn, Nk, qk_scale, offs_sn1, s_zero1, WG,
-                                                 BLOCK_N, HEAD_D, STAGES, True, False, TAIL_N)
-                    acc = _last_pv(acc, p_one, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
-                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N)
+                    acc, p_one, p_onel, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, -1, g0, 0, q_t, q_l, k_smem, v_smem,
+                                                         l_mine, ready, empty, my_turn, other_turn, Nk, qk, offs_sn1,
+                                                         s_zero1, o_zero, WG, BLOCK_N, HEAD_D, STAGES, True, False,
+                                                         TAIL_N, PARTS)
+                    acc = _last_pv(acc, p_one, p_onel, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS)
                 else:
-                    acc = _last_pv(acc, p16, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
-                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0)
+                    acc = _last_pv(acc, p16, p_lo, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn, other_turn,
+                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS)
             elif n_tiles > 1:
                 t = n_tiles - 2
-                acc, p_tail, m_i, l_i = _step(acc, p16, m_i, l_i, t, g0 + t, turns + t + 1, q_t, k_smem, v_smem,
-                                              l_mine, ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn_tail,
-                                              s_zero_tail, WG, BLOCK_N, HEAD_D, STAGES, True, PINGPONG, 0)
+                acc, p_tail, p_taill, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, t, g0 + t, turns + t + 1, q_t, q_l,
+                                                       k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, Nk,
+                                                       qk, offs_sn_tail, s_zero_tail, o_zero, WG, BLOCK_N, HEAD_D,
+                                                       STAGES, True, PINGPONG, 0, PARTS)
                 if TAIL_N2 > 0:  # the last tile in two parts: keys [0, TAIL_N) done, now [TAIL_N, TAIL_N + TAIL_N2)
                     s2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                         instr_shape=[16, TAIL_N2, 16])
                     offs_sn2 = TAIL_N + gl.arange(0, TAIL_N2, layout=gl.SliceLayout(0, s2_layout))
                     s_zero2 = gl.zeros([BLOCK_M, TAIL_N2], gl.float32, layout=s2_layout)
-                    acc, p_tail2, m_i, l_i = _step(acc, p_tail, m_i, l_i, t, g0 + t + 1, 0, q_t, k_smem, v_smem,
-                                                   l_mine, ready, empty, my_turn, other_turn, Nk, qk_scale, offs_sn2,
-                                                   s_zero2, WG, BLOCK_N, HEAD_D, STAGES, True, False, TAIL_N)
-                    acc = _last_pv(acc, p_tail2, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
-                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N)
+                    acc, p_tail2, p_tail2l, m_i, l_i = _step(acc, p_tail, p_taill, m_i, l_i, t, g0 + t + 1, 0, q_t, q_l,
+                                                             k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn,
+                                                             Nk, qk, offs_sn2, s_zero2, o_zero, WG, BLOCK_N, HEAD_D,
+                                                             STAGES, True, False, TAIL_N, PARTS)
+                    acc = _last_pv(acc, p_tail2, p_tail2l, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS)
                 else:
-                    acc = _last_pv(acc, p_tail, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
-                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0)
+                    acc = _last_pv(acc, p_tail, p_taill, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS)
             else:
-                acc = _last_pv(acc, p16, v_smem, q_empty.index(qb), empty, last, my_turn, other_turn,
-                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0)
+                acc = _last_pv(acc, p16, p_lo, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn, other_turn,
+                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS)
             # the epilogue overlaps the producer's loads for the next work tile
             l_row = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, o_layout))
-            out = acc / l_row[:, None]
+            if PARTS == 2:
+                out = acc * (gl.load(head_scales + 1) / l_row)[:, None]
+            else:
+                out = acc / l_row[:, None]
             offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
             gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som
                      + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
@@ -394,21 +460,25 @@ if _IMPORT_ERROR is None:
             i += 1
 
     @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
-    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, sob, soh, som, H, GROUP, Nq, Nk, n_work, qk_scale,
+    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, Scales, sob, soh, som, H, GROUP, Nq, Nk, n_work, qk_scale,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
                          PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
-                         CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr):
+                         CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr,
+                         PARTS: gl.constexpr):
         # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
         # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
-        # programs per SM, so a tile's epilogue overlaps the next tile's loads).
+        # programs per SM, so a tile's epilogue overlaps the next tile's loads). PARTS = 2 (mode fp32, fp32_attention):
+        # q / k / v descriptors over the split copies (hi, lo columns), two shared buffers per tile, and Scales
+        # (FP32 [B * H, 2]) holding each head's logit and output multipliers; PARTS = 1 never reads Scales.
         gl.static_assert(not (PINGPONG and (CONSUMERS != 2 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
                          "one part per last key tile (the turn counts)")
         gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2 or CONSUMERS == 4, "1, 2 or 4 consumer warpgroups")
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFS * PARTS] + q_desc.block_type.shape,
+                                           q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + v_desc.block_type.shape, v_desc.layout)
         # [rows, 4] partial row sums, stored as FP16 (never read back): 256 bytes more than one FP32 per row, so two
         # one-consumer CTAs still share an SM (FP32 parts would need 768 and leave one)
         l_smem = gl.allocate_shared_memory(gl.float16, [CONSUMERS * BLOCK_M, 4],
@@ -429,39 +499,39 @@ if _IMPORT_ERROR is None:
         # one branch per consumer count: the partition list is built at trace time, one entry per warpgroup
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
-                             soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
-                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
             ], [1], [24])
         elif CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
-                             soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
-                             soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
-                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
-                             soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
-                             soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
-                             soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, sob,
-                             soh, som, H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
-                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS)),
+                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -472,7 +542,7 @@ def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False) -> dict
     return dict(BLOCK_M=cfg["BLOCK_M"] // cfg["consumers"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim,
                 STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"],
                 Q_BUFS=cfg["q_buffers"], TAIL_N=cfg["tail_keys"][0], TAIL_N2=cfg["tail_keys"][1],
-                CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"], WRITE_LSE=bool(write_lse))
+                CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"], WRITE_LSE=bool(write_lse), PARTS=cfg["parts"])
 
 
 def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
@@ -511,14 +581,19 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                         q, k, out_dtype or q.dtype, lambda out: launch(q, k, v, scale, out, cfg))
 
 
-def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict, write_lse: bool = False):
+def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict, write_lse: bool = False,
+                   out_strides: tuple[int, int, int] | None = None):
     """The launch of :func:`half_attention`'s kernel for this call signature (shapes, strides, alignment,
-    ``cfg``), as a callable ``(q, k, v, scale, out, lse=None) -> None`` for later calls with the same signature,
-    without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the dense
-    launcher's plans). The TMA descriptors are built and validated once, here; a call copies them onto its
+    ``cfg``), as a callable ``(q, k, v, scale, out, lse=None, scales=None) -> None`` for later calls with the same
+    signature, without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the
+    dense launcher's plans). The TMA descriptors are built and validated once, here; a call copies them onto its
     tensors. With ``write_lse`` every call passes ``lse``, a contiguous float32 [B, H, Nq] buffer that receives
-    the rows' natural-log log-sum-exp of ``scale q k^T`` (what the backward kernels recompute P from)."""
+    the rows' natural-log log-sum-exp of ``scale q k^T`` (what the backward kernels recompute P from). A config
+    with ``parts = 2`` takes the split copies [B, H, N, 2 D] of :class:`.scaled_fp16.ForwardOperands` and their
+    ``scales`` (:mod:`.fp32_gluon`). ``out_strides``: the (batch, head, row) strides of ``out`` where it is not the
+    plan's own heads-inner buffer (a view of a larger one)."""
     B, H, Nq, D = q.shape
+    D //= cfg["parts"]
     Nk = k.shape[2]
     templates = [TensorDescriptor.from_tensor(t, list(block), nvmma_layout(block, q.dtype))
                  for t, block in zip((q, k, v), _descriptor_blocks(cfg, D).values())]
@@ -529,8 +604,8 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D, write_lse),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     # out: the plan's heads-inner buffer; k / v may have fewer heads (grouped-query attention)
-    fixed = (*heads_inner_layout(B, H, Nq, D)[1][:3], H, H // k.shape[1], Nq, Nk, n_work)
-    return PlannedLaunch(call, fixed, templates)
+    fixed = (*(out_strides or heads_inner_layout(B, H, Nq, D)[1][:3]), H, H // k.shape[1], Nq, Nk, n_work)
+    return PlannedLaunch(call, fixed, templates, scales_arg=True)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:

@@ -62,6 +62,8 @@ import triton.language as tl
 from . import elsa_bwd
 from ._gluon import hopper_tma_scope_reason, nvmma_layout, scope_reason, strides_aligned
 from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
+from .scaled_fp16 import P_SPLIT_EXP, SHIFT_LIMIT, head_shift, scaled_rows
+from .split16 import pow2
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -71,6 +73,8 @@ try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.experimental.gluon.language._core import builtin as _builtin
     from triton._C.libtriton import ir as _ir
+
+    from ._gluon import split_mma, split_parts, tma_load_parts
 
     # renamed from thread_barrier to barrier after triton 3.6
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -117,13 +121,12 @@ MIN_KEYS = 2048
 # largest; v and dO at 2^4, 2^3 bound dP^T - delta by 2 * 128 * 2^7 = 2^15 at head dim <= 128, so dS^T = P^T (dP^T -
 # delta) (P <= 1) stays under FP16's largest, 65504
 TF32_SCALE_EXPONENTS = (8, 8, 4, 3)
-# the scaling shifts a head by at most 2^62 either way: the products of the heads' multipliers stay in FP32's range
-TF32_SHIFT_LIMIT = 62
+# the scaling shifts a head by at most 2^62 either way (scaled_fp16.SHIFT_LIMIT)
+TF32_SHIFT_LIMIT = SHIFT_LIMIT
 # FP32 multipliers per head in the Scales rows: qk_scale, delta's, dQ's, dK's, dV's (padded to 8)
 SCALES_ROW = tl.constexpr(8)
-# mode fp32 (PARTS = 2): P^T is scaled by 2^P_SPLIT_EXP (P <= 1 stays under FP16's 65504) before its hi / lo split,
-# so that its lo part stays out of FP16's subnormals; dV's multiplier undoes it
-P_SPLIT_EXP = 15
+# mode fp32 (PARTS = 2): P^T is scaled by 2^P_SPLIT_EXP (scaled_fp16's, as the forward scales P) before its hi / lo
+# split, so that its lo part stays out of FP16's subnormals; dV's multiplier undoes it
 P_SPLIT_SCALE = tl.constexpr(2.0 ** P_SPLIT_EXP)
 # dS's lo part is kept times 2^DS_LO_EXP: dS takes P's magnitude (~1 / Nk), far below its bound, and its unscaled
 # lo part (2^-11 of it) would be FP16-subnormal from a few thousand keys; the lo products are accumulated apart and
@@ -237,31 +240,7 @@ if _IMPORT_ERROR is None:
         for i in range(gl.cdiv(Nq, BLOCK_M)):
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, PARTS * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
-            for part in gl.static_range(PARTS):
-                tma.async_copy_global_to_shared(q_desc, [off_b, off_h, i * BLOCK_M, part * HEAD_D], bar,
-                                                q_smem.index(slot * PARTS + part))
-                tma.async_copy_global_to_shared(do_desc, [off_b, off_h, i * BLOCK_M, part * HEAD_D], bar,
-                                                do_smem.index(slot * PARTS + part))
-
-    @gluon.jit
-    def _mma(a, a_lo, b, b_lo, acc, USE_ACC: gl.constexpr, PARTS: gl.constexpr):
-        # acc + a b as async wgmmas: one (PARTS = 1), or the split-FP16 product a_lo b + a b_lo + a b (PARTS = 2:
-        # hi and lo parts; the small terms first, as split16.split_scores sums them)
-        if PARTS == 2:
-            acc = warpgroup_mma(a_lo, b, acc, use_acc=USE_ACC, is_async=True)
-            acc = warpgroup_mma(a, b_lo, acc, is_async=True)
-            acc = warpgroup_mma(a, b, acc, is_async=True)
-        else:
-            acc = warpgroup_mma(a, b, acc, use_acc=USE_ACC, is_async=True)
-        return acc
-
-    @gluon.jit
-    def _split(x, dtype: gl.constexpr, LO_SCALE: gl.constexpr):
-        # (hi, lo) of FP32 x (mode fp32): x rounded to dtype, and the rounding's remainder times LO_SCALE rounded
-        hi = x.to(dtype)
-        return hi, ((x - hi.to(gl.float32)) * LO_SCALE).to(dtype)
+            tma_load_parts(q_desc, do_desc, off_b, off_h, i * BLOCK_M, ready.index(slot), q_smem, do_smem, slot, PARTS)
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full, dq_empty,
@@ -333,8 +312,8 @@ if _IMPORT_ERROR is None:
             q_l = q_smem.index(slot * PARTS + LO).reshape([BLOCK_M, HEAD_D])
             do_t = do_smem.index(slot * PARTS).reshape([BLOCK_M, HEAD_D])
             do_l = do_smem.index(slot * PARTS + LO).reshape([BLOCK_M, HEAD_D])
-            s_tok = _mma(k_w, k_wl, q_t.permute((1, 0)), q_l.permute((1, 0)), st_zero, False, PARTS)
-            dp_tok = _mma(v_w, v_wl, do_t.permute((1, 0)), do_l.permute((1, 0)), st_zero, False, PARTS)
+            s_tok = split_mma(k_w, k_wl, q_t.permute((1, 0)), q_l.permute((1, 0)), st_zero, False, PARTS)
+            dp_tok = split_mma(v_w, v_wl, do_t.permute((1, 0)), do_l.permute((1, 0)), st_zero, False, PARTS)
             s = warpgroup_mma_wait(NMMA, deps=[s_tok])
             lse2 = gl.convert_layout(lse_c, gl.SliceLayout(0, st_layout)) * 1.4426950408889634
             p = gl.exp2(s * qk_scale - lse2[None, :])
@@ -347,10 +326,10 @@ if _IMPORT_ERROR is None:
                 # bound); dK's dS^T operands from shared memory (in registers beside dV's they spill)
                 dp = warpgroup_mma_wait(0, deps=[dp_tok])
                 delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
-                ds16, ds16l = _split(p * (dp - delta[None, :]), dtype, DS_LO_SCALE)
-                p16, p16l = _split(p * P_SPLIT_SCALE, dtype, 1.0)
-                dv_tok = _mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_t, do_l,
-                              acc_zero, False, PARTS)
+                ds16, ds16l = split_parts(p * (dp - delta[None, :]), dtype, DS_LO_SCALE)
+                p16, p16l = split_parts(p * P_SPLIT_SCALE, dtype, 1.0)
+                dv_tok = split_mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_t,
+                                   do_l, acc_zero, False, PARTS)
                 dslot = (i % 2) * CONS * PARTS
                 ds_smem.index(dslot + WG * PARTS).store(ds16)
                 ds_smem.index(dslot + WG * PARTS + 1).store(ds16l)
@@ -786,35 +765,6 @@ def tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool,
                         import_error=_IMPORT_ERROR)
 
 
-@triton.jit
-def _pow2(e):
-    # 2^e, exact, for an int32 e in [-126, 127]
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _head_shift(bits, TARGET: tl.constexpr, LIMIT: tl.constexpr):
-    # the power of two that scales a head whose largest magnitude has the FP32 bit pattern `bits` to below
-    # 2^TARGET (and to at least 2^(TARGET - 1)), clamped to +-LIMIT; 0 for an all-zero or non-finite head
-    ex = (bits >> 23) & 255
-    shift = tl.minimum(tl.maximum(TARGET - 1 - (ex - 127), -LIMIT), LIMIT)
-    return tl.where((bits == 0) | (ex == 255), 0, shift)
-
-
-@triton.jit
-def _scaled_rows(X, sxm, sxd, Y, rows, n, offs_d, mult, HEAD_D: tl.constexpr, PARTS: tl.constexpr):
-    # rows [rows] of one head of X (strided, any float dtype) times mult, rounded to FP16 into Y (rows of PARTS *
-    # HEAD_D): the hi part in columns [0, HEAD_D), with PARTS = 2 the lo part (the rounding's remainder, rounded)
-    # in [HEAD_D, 2 HEAD_D)
-    ok = (rows < n)[:, None]
-    x = tl.load(X + rows[:, None] * sxm + offs_d[None, :] * sxd, mask=ok, other=0.0).to(tl.float32) * mult
-    hi = x.to(tl.float16)
-    y = Y + rows[:, None] * (PARTS * HEAD_D) + offs_d[None, :]
-    tl.store(y, hi, mask=ok)
-    if PARTS == 2:
-        tl.store(y + HEAD_D, (x - hi.to(tl.float32)).to(tl.float16), mask=ok)
-
-
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_rows"])
 def _scaled_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
                             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
@@ -822,47 +772,42 @@ def _scaled_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
                             TQ: tl.constexpr, TK: tl.constexpr, TV: tl.constexpr, TDO: tl.constexpr,
                             LIMIT: tl.constexpr, ROW: tl.constexpr, PARTS: tl.constexpr, P_EXP: tl.constexpr):
     """The FP16 operands of the Gluon backward's HEAD_SCALES builds: head ``bh``'s q, k, v, dO times ``2^s_q``,
-    ``2^s_k``, ``2^s_v``, ``2^s_do`` (:func:`_head_shift` of their largest magnitudes, whose FP32 bit patterns E
-    [B * H, 4] holds, from :mod:`.elsa_bwd`'s preprocess), rounded to FP16 (``PARTS = 2``: split into hi and lo
-    parts, mode fp32) into contiguous [B, H, N, PARTS * HEAD_D] copies; the first program of each head writes its
+    ``2^s_k``, ``2^s_v``, ``2^s_do`` (:func:`.scaled_fp16.head_shift` of their largest magnitudes, whose FP32 bit
+    patterns E [B * H, 4] holds, from :mod:`.elsa_bwd`'s preprocess), rounded to FP16 (``PARTS = 2``: split into hi
+    and lo parts, mode fp32) into contiguous [B, H, N, PARTS * HEAD_D] copies; the first program of each head writes its
     row of Scales (FP32 [B * H, ROW]): ``qk_scale 2^-(s_q + s_k)`` (the logits' log2-domain multiplier),
     ``2^(s_v + s_do)`` (delta's), ``scale 2^-(s_v + s_do + s_k)`` (dQ's), ``scale 2^-(s_v + s_do + s_q)`` (dK's),
     ``2^-(s_do + P_EXP)`` (dV's: P^T enters dV scaled by ``2^P_EXP``). 1-D grid cdiv(n_rows, BLOCK_M) * H * B,
     n_rows = max(Nq, Nk)."""
-    tiles = tl.cdiv(n_rows, BLOCK_M)
-    pid = tl.program_id(0)
-    t = pid % tiles
-    bh = (pid // tiles).to(tl.int64)
-    off_b = bh // H
-    off_h = bh % H
+    t, off_b, off_h, bh = elsa_bwd._tile_and_head(n_rows, BLOCK_M, H)
     e = E + bh * 4
-    s_q = _head_shift(tl.load(e), TQ, LIMIT)
-    s_k = _head_shift(tl.load(e + 1), TK, LIMIT)
-    s_v = _head_shift(tl.load(e + 2), TV, LIMIT)
-    s_do = _head_shift(tl.load(e + 3), TDO, LIMIT)
+    s_q = head_shift(tl.load(e), TQ, LIMIT)
+    s_k = head_shift(tl.load(e + 1), TK, LIMIT)
+    s_v = head_shift(tl.load(e + 2), TV, LIMIT)
+    s_do = head_shift(tl.load(e + 3), TDO, LIMIT)
     rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     W: tl.constexpr = PARTS * HEAD_D
     if t * BLOCK_M < Nq:
-        _scaled_rows(Q + off_b * sqb + off_h * sqh, sqm, sqd, Q16 + bh * Nq * W, rows, Nq, offs_d, _pow2(s_q), HEAD_D,
+        scaled_rows(Q + off_b * sqb + off_h * sqh, sqm, sqd, Q16 + bh * Nq * W, rows, Nq, offs_d, pow2(s_q), HEAD_D,
                      PARTS)
-        _scaled_rows(DO + off_b * sdb + off_h * sdh, sdm, sdd, DO16 + bh * Nq * W, rows, Nq, offs_d, _pow2(s_do),
+        scaled_rows(DO + off_b * sdb + off_h * sdh, sdm, sdd, DO16 + bh * Nq * W, rows, Nq, offs_d, pow2(s_do),
                      HEAD_D, PARTS)
     if t * BLOCK_M < Nk:
-        _scaled_rows(K + off_b * skb + off_h * skh, skn, skd, K16 + bh * Nk * W, rows, Nk, offs_d, _pow2(s_k), HEAD_D,
+        scaled_rows(K + off_b * skb + off_h * skh, skn, skd, K16 + bh * Nk * W, rows, Nk, offs_d, pow2(s_k), HEAD_D,
                      PARTS)
-        _scaled_rows(V + off_b * svb + off_h * svh, svn, svd, V16 + bh * Nk * W, rows, Nk, offs_d, _pow2(s_v), HEAD_D,
+        scaled_rows(V + off_b * svb + off_h * svh, svn, svd, V16 + bh * Nk * W, rows, Nk, offs_d, pow2(s_v), HEAD_D,
                      PARTS)
     if t == 0:
         # each multiplier as a product of powers in range (their sum of shifts may not be): it rounds only where
         # the gradient itself falls below FP32's normal range
-        inv_vdo = _pow2(-s_v) * _pow2(-s_do)
+        inv_vdo = pow2(-s_v) * pow2(-s_do)
         row = Scales + bh * ROW
-        tl.store(row, qk_scale * _pow2(-s_q) * _pow2(-s_k))
-        tl.store(row + 1, _pow2(s_v) * _pow2(s_do))
-        tl.store(row + 2, scale * inv_vdo * _pow2(-s_k))
-        tl.store(row + 3, scale * inv_vdo * _pow2(-s_q))
-        tl.store(row + 4, _pow2(-s_do - P_EXP))  # within range: shifts are capped at LIMIT < 126 - P_EXP
+        tl.store(row, qk_scale * pow2(-s_q) * pow2(-s_k))
+        tl.store(row + 1, pow2(s_v) * pow2(s_do))
+        tl.store(row + 2, scale * inv_vdo * pow2(-s_k))
+        tl.store(row + 3, scale * inv_vdo * pow2(-s_q))
+        tl.store(row + 4, pow2(-s_do - P_EXP))  # within range: shifts are capped at LIMIT < 126 - P_EXP
 
 
 SCALED_OPERANDS_BLOCK = 64

@@ -4,11 +4,11 @@
     compute-sanitizer --tool racecheck --error-exitcode 9 python tools/memcheck_cases.py --families window dense
 
 Each case runs forward (and backward where the mode has backward kernels) on the GPU once, at a size that takes the
-variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128), the
-Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the single-pass and
-two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled windows,
-Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels. Outputs and gradients must be finite;
-the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``,
+variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128) and its
+fp32 split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
+single-pass and two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled
+windows, Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels. Outputs and gradients must be
+finite; the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``,
 ``initcheck``). Exit 0 when every case ran, 1 when one raised or returned a non-finite value (each printed).
 
 ``--control`` runs instead the smallest warp-specialized Gluon kernel (one mbarrier initialised before
@@ -78,6 +78,12 @@ def cases(families, modes):
                     yield (f"dense {mode} N={n} D={d} (Gluon backward)", lambda q, k, v, mode=mode:
                            va.attention(q, k, v, mode=mode), [_rand(1, 2, n, d, dtype=dt, grad=grad, seed=s)
                                                               for s in range(3)])
+            if mode == "fp32":  # the Gluon forward's split-FP16 build, where its grid fills the GPU (a cut last key
+                # tile in two parts; a masked one)
+                for b, h, n in ((4, 12, 300), (1, 4, 4100)):
+                    yield (f"dense fp32 B={b} H={h} N={n} D=64 (Gluon forward)", lambda q, k, v:
+                           va.attention(q, k, v, mode="fp32"), [_rand(b, h, n, 64, grad=grad, seed=s)
+                                                                for s in range(3)])
         if "split" in families:
             yield (f"split-KV {mode} N=1000 D=64 num_splits=4",
                    lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode, num_splits=4),

@@ -159,9 +159,9 @@ def test_dispatch_takes_the_lengths_the_kernel_is_preferred_at(monkeypatch):
 
 
 def test_the_launcher_offers_each_mode_to_its_gluon_kernel(monkeypatch):
-    """fp16 / bf16 calls go to the Hopper kernel's dispatch, fp32-ieee calls to the FMA kernel's, with the wish for
-    the log-sum-exp (training) passed on; the other FP32 modes and explicit tile configs go straight to the Triton
-    kernel, and so does an fp32-ieee call that wants the LSE (the FMA kernel does not write it)."""
+    """fp16 / bf16 calls go to the Hopper kernel's dispatch, fp32 calls to its split build's, fp32-ieee calls to the
+    FMA kernel's, with the wish for the log-sum-exp (training) passed on; tf32 and explicit tile configs go straight
+    to the Triton kernel, and so does an fp32-ieee call that wants the LSE (the FMA kernel does not write it)."""
     from visionattn.kernels._launch import PlanCache
 
     seen = []
@@ -173,21 +173,21 @@ def test_the_launcher_offers_each_mode_to_its_gluon_kernel(monkeypatch):
 
     monkeypatch.setattr(elsa_fwd, "_gluon_plan", gluon)
     monkeypatch.setattr(elsa_fwd, "PLANS", PlanCache())
-    for mode, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32-ieee", torch.float32)):
+    for mode, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32-ieee", torch.float32),
+                        ("fp32", torch.float32)):
         q, k, v = _qkv(16, 16, 16, dtype)
         assert (elsa_fwd._launch(q, k, v, None, None, False, 0.25, mode, 0) == 7.0).all()
         out, lse = elsa_fwd.dense_forward(q, k, v, None, None, False, 0.25, mode, 0, None, with_lse=True)
         assert (out == 7.0).all() and lse.shape == q.shape[:3]
     assert seen == [("half", torch.float16, False), ("half", torch.float16, True), ("half", torch.bfloat16, False),
                     ("half", torch.bfloat16, True), ("fp32-ieee", torch.float32, False),
-                    ("fp32-ieee", torch.float32, True)]
+                    ("fp32-ieee", torch.float32, True), ("fp32", torch.float32, False), ("fp32", torch.float32, True)]
     q, k, v = _qkv(16, 16, 16, torch.float32)
-    for mode in ("fp32", "tf32"):
-        assert isinstance(elsa_fwd._launch(q, k, v, None, None, False, 0.25, mode, 0), torch.Tensor)
+    assert isinstance(elsa_fwd._launch(q, k, v, None, None, False, 0.25, "tf32", 0), torch.Tensor)
     q, k, v = _qkv(16, 16, 16, torch.float16)
     cfg = elsa_fwd.get_config("fp16", 16)
     assert isinstance(elsa_fwd._launch(q, k, v, None, None, False, 0.25, "fp16", 0, config=cfg), torch.Tensor)
-    assert len(seen) == 6
+    assert len(seen) == 8
     monkeypatch.undo()
     q, k, v = _qkv(16, 16, 16, torch.float32)  # the real dispatch: no LSE from the FMA kernel
     assert elsa_fwd._gluon_plan("fp32-ieee", q, k, v, None, None, False, 0.25, 0, torch.float32, True) is None

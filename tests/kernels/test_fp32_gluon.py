@@ -1,0 +1,293 @@
+"""Mode fp32's forward on the Hopper Gluon kernel (visionattn.kernels.fp32_gluon: split-FP16 operands scaled per
+head, ``PARTS = 2`` of visionattn.kernels.half_gluon) and its operand pass (visionattn.kernels.scaled_fp16).
+
+On CPU the operand kernels run under the interpreter against float64, the kernel is compiled offline for sm_90
+and the dispatch is checked; ``pytest -m gpu`` checks the results on a Hopper GPU against the float64 oracle.
+"""
+import warnings
+
+import pytest
+import torch
+
+from offline_compile import compile_in_child
+from visionattn.kernels import elsa_fwd, fp32_gluon, half_gluon, scaled_fp16
+
+# each head's magnitudes (q, k, v) span 1e-6 .. 1e6 over the heads; the logits stay moderate (q * k = 1)
+_MAGNITUDES = ((1e-6, 1e6, 1e-6), (1e-2, 1e2, 1.0), (1.0, 1.0, 1e6), (1e5, 1e-5, 1e-4))
+
+
+def _magnitude_heads(n_q, n_k, d=64, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    m = torch.tensor(_MAGNITUDES, dtype=torch.float32, device=device).T[:, None, :, None, None]
+    return tuple(torch.randn(1, len(_MAGNITUDES), n, d, device=device, generator=g) * m[i]
+                 for i, n in enumerate((n_q, n_k, n_k)))
+
+
+def test_forward_operands_keep_22_bits_of_each_head_and_its_multipliers():
+    """The operand pass (interpreter): each head of q, k, v scaled by one power of two to below 2^14 (its largest
+    at least 2^13), hi + lo equal to the scaled FP32 input within 2^-22 of each entry (or the lo part's subnormal
+    floor, 2^-38 of the head's largest), strided inputs read in place, an all-zero head left unscaled, and each
+    head's Scales row: the logit multiplier ``scale log2(e) 2^-(s_q + s_k)`` and the output's ``2^-(s_v + 15)``."""
+    n_q, n_k = 70, 130
+    q, k, v = _magnitude_heads(n_q, n_k)
+    q = q.transpose(2, 3).contiguous().transpose(2, 3)  # strided: head dim not contiguous
+    k[0, 1] = 0.0
+    scale = 0.125
+    q16, k16, v16, scales = scaled_fp16.ForwardOperands(1, 4, n_q, n_k, 64)(q, k, v, scale)
+    T = scaled_fp16.FORWARD_SCALE_EXPONENT
+    shifts = []
+    for x, x16 in ((q, q16), (k, k16), (v, v16)):
+        assert x16.dtype == torch.float16 and x16.shape == (*x.shape[:3], 128) and x16.is_contiguous()
+        hi, lo = x16[..., :64].double(), x16[..., 64:].double()
+        split = hi + lo
+        head_max = x.double().abs().amax(dim=(2, 3))[0]
+        s = []
+        for h in range(4):
+            if head_max[h] == 0:
+                assert (split[0, h] == 0).all()
+                s.append(0)
+                continue
+            m = split[0, h].abs().max().item()
+            assert 2 ** (T - 1) <= m <= 2 ** T, (h, m)
+            shift = round(torch.log2(split[0, h].abs().max() / head_max[h]).item())
+            s.append(shift)
+            err = (split[0, h] * 2.0 ** -shift - x[0, h].double()).abs()
+            bound = x[0, h].double().abs() * 2.0 ** -22 + head_max[h] * 2.0 ** -(T + 23)
+            assert (err <= bound).all(), (h, (err / bound).max())
+        shifts.append(s)
+    log2e = 1.4426950408889634
+    for h in range(4):
+        sq, sk, sv = shifts[0][h], shifts[1][h], shifts[2][h]
+        assert scales[h, 0].item() == pytest.approx(scale * log2e * 2.0 ** -(sq + sk), rel=1e-6)
+        assert scales[h, 1].item() == 2.0 ** -(sv + scaled_fp16.P_SPLIT_EXP)
+
+
+_CHILD = r"""
+import json, torch
+from visionattn.kernels import fp32_gluon, half_gluon
+from visionattn.kernels.introspect import compile_for_arch
+out = {}
+for n_k, parts in ((4096, 2), (1066, 2), (100, 2), (4096, 1)):
+    cfg = fp32_gluon.get_config(n_k) if parts == 2 else half_gluon.get_config(n_k, 64)
+    r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, 64, torch.float16),
+                         O="*fp32", LSE="*fp32", Scales="*fp32"), half_gluon.kernel_constexprs(cfg, 64, True),
+                         num_warps=4, num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
+    out[f"{n_k}_{parts}"] = {"shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes,
+                             "ws": r.ttgir.count("ttg.warp_specialize"), "programs": r.programs_per_sm}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(half_gluon._IMPORT_ERROR is not None, reason="this Triton has no Gluon Hopper API")
+def test_the_split_build_compiles_with_three_wgmmas_per_product_within_shared_memory():
+    """With the installed Triton the ``PARTS = 2`` build compiles for sm_90 (full tiles, a last tile cut in two
+    parts, one cut tile): three wgmmas for each of the half build's, the hi and lo tiles of Q (two buffers) and of
+    the 4-slot K / V ring within the 227 KiB of shared memory, one program per SM at the launch register cap, and
+    no spills (the consumers hold S, P's hi and lo parts, the output and P V's fresh accumulator: at 128-key tiles
+    they spilled 160 bytes)."""
+    from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
+
+    r = compile_in_child(_CHILD)
+    half = r.pop("4096_1")
+    for key, v in r.items():
+        cfg = fp32_gluon.get_config(int(key.split("_")[0]))
+        tiles = 2 * 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * 64 + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * 64)
+        assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
+        assert v["ws"] == 1 and v["regs"] == cfg["maxnreg"] and v["programs"] == 1, (key, v)
+        assert v["local"] == 0, (key, v)
+    assert r["4096_2"]["wgmma"] == 3 * half["wgmma"], (r, half)
+
+
+def test_config_and_preference():
+    """The split build takes two consumer warpgroups of 64 rows, 64-key tiles in 4 stages and ``parts = 2`` at every
+    key count, its last key tile cut to the keys it holds (in 16-key steps, one or two parts, up to 2048 keys), head
+    dim 64 only; the launcher prefers it from MIN_KEYS keys."""
+    for n_k, one_tile, tail in ((20, True, (32, 0)), (100, False, (32, 16)), (1066, False, (32, 16)),
+                                (4096, False, (64, 0)), (4097, False, (64, 0)), (65536, False, (64, 0))):
+        cfg = fp32_gluon.get_config(n_k)
+        assert cfg["parts"] == 2 and cfg["STAGES"] == 4 and cfg["consumers"] == 2 and cfg["BLOCK_N"] == 64
+        assert cfg["BLOCK_M"] == 128 and not cfg["PINGPONG"]
+        assert (cfg["one_tile"], cfg["tail_keys"]) == (one_tile, tail), n_k
+        assert half_gluon.kernel_constexprs(cfg, 64)["PARTS"] == 2
+    with pytest.raises(ValueError, match="head dim 128"):
+        fp32_gluon.get_config(4096, 128)
+    assert not fp32_gluon.preferred(4096, fp32_gluon.MIN_KEYS - 1, 64)
+    assert fp32_gluon.preferred(1, fp32_gluon.MIN_KEYS, 64)
+
+
+def test_large_calls_run_in_chunks_whose_copies_fit_the_budget(monkeypatch):
+    """A call whose split copies pass CHUNK_BYTES runs in near-equal chunks covering every (batch, head) once, each
+    within the budget (or one head): whole batch items while a chunk holds all heads, else heads of one batch item;
+    calls within the budget run in one chunk. A call whose chunks would hold fewer than CHUNK_MIN_WAVES waves of work
+    tiles (few query rows, very many keys) is refused by name (the Triton kernel's split-KV takes it)."""
+    cases = [(8, 12, 4097, 4097), (1, 16, 16384, 16384), (64, 12, 197, 197), (1, 16, 208200, 208200),
+             (200, 16, 1041, 1041), (2, 16, 1_000_000, 1_000_000), (3, 5, 70000, 70000), (1, 1, 4_000_000, 4_000_000),
+             (4, 16, 20000, 20000), (64, 12, 1025, 200), (2, 8, 300, 600_000)]
+    for B, H, Nq, Nk in cases:
+        parts = fp32_gluon.chunks(B, H, Nq, Nk, 64)
+        covered = sorted((b, h) for bs, hs in parts for b in range(B)[bs] for h in range(H)[hs])
+        assert covered == [(b, h) for b in range(B) for h in range(H)], (B, H)
+        assert all(len(range(B)[bs]) == 1 or len(range(H)[hs]) == H for bs, hs in parts)
+        sizes = [len(range(B)[bs]) * len(range(H)[hs]) for bs, hs in parts]
+        head_bytes = 4 * 64 * (Nq + 2 * Nk)
+        assert all(n * head_bytes <= fp32_gluon.CHUNK_BYTES or n == 1 for n in sizes), (B, H, Nq, sizes)
+        assert len(set(sizes)) <= 2 and max(sizes) - min(sizes) <= 1 + max(sizes) // 8, (B, H, sizes)
+        assert (len(parts) == 1) is (B * H * head_bytes <= fp32_gluon.CHUNK_BYTES or B * H == 1), (B, H, Nq)
+    assert len(fp32_gluon.chunks(1, 16, 208200, 208200, 64)) == 6  # VGGT's global attention at 200 frames
+    monkeypatch.setattr(fp32_gluon, "scope_reason", lambda *a, **kw: None)  # as if on a Hopper GPU
+    monkeypatch.setattr(fp32_gluon, "sm_count", lambda device: 132)
+    for (Nq, Nk), refused in (((208200, 208200), False), ((1024, 1_000_000), True), ((300, 2048), False)):
+        q, k = torch.empty(1, 16, Nq, 64, device="meta"), torch.empty(1, 16, Nk, 64, device="meta")
+        reason = fp32_gluon.unsupported_reason(q, k, k, None, None, False, 0.125, 0)
+        assert (reason is not None and "too few query tiles" in reason) is refused, (Nq, Nk, reason)
+
+
+def test_unsupported_reasons_name_the_cause():
+    """float32 with a contiguous head dim (other strides any) is in scope on a capable GPU; fp16 inputs, head dim
+    128, grouped-query attention, bias / causal, split-KV, a strided head dim and tensors off CUDA are refused by
+    name."""
+    q, k, v = (torch.randn(1, 2, n, 64) for n in (64, 2048, 2048))
+    reason = fp32_gluon.unsupported_reason
+    assert "dtypes" in reason(q.half(), k.half(), v.half(), None, None, False, 0.125, 0)
+    q128 = torch.randn(1, 2, 64, 128)
+    assert "head dims" in reason(q128, q128, q128, None, None, False, 0.125, 0)
+    assert "grouped-query" in reason(q, k[:, :1], v[:, :1], None, None, False, 0.125, 0)
+    assert "causal" in reason(q, k, v, None, None, True, 0.125, 0)
+    assert "split-KV" in reason(q, k, v, None, None, False, 0.125, 2)
+    assert "head-dim stride" in reason(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None, None, False,
+                                       0.125, 0)
+    assert "tensors on cpu" in reason(q, torch.randn(1, 2048, 2, 64).transpose(1, 2), v, None, None, False, 0.125, 0)
+    with pytest.raises(ValueError, match="fp32_attention: tensors on cpu"):
+        fp32_gluon.fp32_attention(q, k, v, 0.125)
+
+
+def test_fp32_calls_take_the_split_build_where_preferred(monkeypatch):
+    """The launcher hands an in-scope fp32 call (float32, head dim 64) from MIN_KEYS keys to the split build with
+    its config (and the LSE wish of a training call); fewer keys, tf32 / fp32-ieee and an explicit product precision
+    keep their kernels."""
+    taken = []
+    monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    monkeypatch.setattr(elsa_fwd, "_gluon_device", lambda device: True)  # as if on a Hopper GPU
+    monkeypatch.setattr(fp32_gluon, "unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(fp32_gluon, "planned_launch",
+                        lambda q, k, v, cfg, lse=False: taken.append((k.shape[2], cfg["parts"], lse)) or
+                        (lambda *a: None))
+    monkeypatch.setattr(elsa_fwd, "choose_num_splits", lambda *a: 1)  # as if the grid fills the GPU
+    for n_k in (fp32_gluon.MIN_KEYS - 1, fp32_gluon.MIN_KEYS):
+        q, k, v = (torch.randn(1, 2, n, 64) for n in (64, n_k, n_k))
+        plan = elsa_fwd._gluon_plan("fp32", q, k, v, None, None, False, 0.125, 0, torch.float32, True)
+        assert (plan is not None) is (n_k >= fp32_gluon.MIN_KEYS)
+    assert taken == [(fp32_gluon.MIN_KEYS, 2, True)]
+    seen = []
+    monkeypatch.setattr(elsa_fwd, "_gluon_plan", lambda kernel, *a: seen.append(kernel))
+    q, k, v = (torch.randn(1, 2, 16, 64) for _ in range(3))
+    for mode in ("fp32", "tf32", "fp32-ieee"):
+        elsa_fwd._plan_and_run(q, k, v, None, None, False, 0.125, mode, 0, None, False)
+    elsa_fwd._plan_and_run(q, k, v, None, None, False, 0.125, "fp32", 0, None, False, precision="f16x3")
+    assert seen == ["fp32", "fp32-ieee"]
+
+
+def test_a_failing_split_build_warns_once_and_the_triton_kernel_takes_over(monkeypatch):
+    """No silent fallback: if the split build cannot run, the first call it would take warns with the reason and
+    that call and every later one run on the Triton kernel."""
+    calls = []
+    monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
+    monkeypatch.setattr(elsa_fwd, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(fp32_gluon, "unsupported_reason", lambda *a: None)
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("no such Gluon op")
+
+    monkeypatch.setattr(fp32_gluon, "planned_launch", lambda *a: broken)
+    q, k, v = (torch.randn(1, 2, n, 64) for n in (16, 1024, 1024))
+    with pytest.warns(RuntimeWarning, match="Gluon fp32 kernel cannot run .RuntimeError: no such Gluon op"):
+        plan, (out, _) = elsa_fwd._plan_and_run(q, k, v, None, None, False, 0.125, "fp32", 1, None, False)
+    assert isinstance(plan, elsa_fwd._TritonPlan) and torch.isfinite(out).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan, _ = elsa_fwd._plan_and_run(q, k, v, None, None, False, 0.125, "fp32", 1, None, False)
+    assert isinstance(plan, elsa_fwd._TritonPlan) and calls == [1]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-only (wgmma, TMA)")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("B,H,Nq,Nk", [(1, 8, 4096, 4096), (2, 3, 1000, 2049), (1, 1, 1, 2048), (2, 3, 300, 1066),
+                                       (1, 2, 500, 10410), (8, 12, 4097, 4097), (1, 4, 129, 65536), (2, 70, 1000, 2049),
+                                       (2, 3, 300, 100), (1, 2, 64, 1024), (2, 3, 257, 129)])
+def test_matches_the_oracle_and_is_what_fp32_dispatches_to(B, H, Nq, Nk):
+    """Within mode fp32's contract and near the Triton kernel's error vs the float64 oracle at odd row / key counts
+    (TMA zero-fills the tails; the last key tile masked, cut, or split in two parts; one key tile), with programs
+    that take several work tiles; ``elsa_attention`` returns exactly this kernel's output where it dispatches to
+    it, and a training call's LSE is as close to float64 as the Triton kernel's."""
+    from visionattn.kernels._launch import GluonForwardPlan
+    from visionattn.kernels.elsa_fwd import _launch, elsa_attention, get_config
+    from visionattn.metrics import rel_l2
+    from visionattn.reference import oracle_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, 64, device="cuda", generator=g) for n in (Nq, Nk, Nk))
+    scale = 0.125
+    y = fp32_gluon.fp32_attention(q, k, v, scale)
+    rows = torch.randperm(Nq, device="cuda")[:256]
+    ref = oracle_attention(q[:, :, rows], k, v, scale=scale)
+    err = rel_l2(y[:, :, rows], ref)
+    triton_y = _launch(q, k, v, None, None, False, scale, "fp32", 1, config=get_config("fp32", 64, 64, Nk))
+    triton_err = rel_l2(triton_y[:, :, rows], ref)
+    assert torch.isfinite(y).all() and err <= 2e-6 and err <= 1.5 * triton_err + 1e-7, (err, triton_err)
+    assert torch.equal(fp32_gluon.fp32_attention(q, k, v, scale), y)  # bit-identical repeats
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if fp32_gluon.preferred(Nq, Nk, 64) and B * H * -(-Nq // 128) >= sms:
+        assert torch.equal(elsa_attention(q, k, v, None, None, False, scale, "fp32"), y)
+        plan, (y_lse, lse) = elsa_fwd.plan_for(q, k, v, None, None, False, scale, "fp32", 0, None, True)
+        assert isinstance(plan, GluonForwardPlan) and torch.equal(y_lse, y)
+        lse_ref = torch.logsumexp(scale * q[:, :, rows].double() @ k.double().transpose(-1, -2), dim=-1)
+        _, (_, triton_lse) = elsa_fwd._plan_and_run(q, k, v, None, None, False, scale, "fp32", 1, None, True,
+                                                    config=get_config("fp32", 64, 64, Nk))
+        lse_err = (lse[:, :, rows].double() - lse_ref).abs().max().item()
+        triton_lse_err = (triton_lse[:, :, rows].double() - lse_ref).abs().max().item()
+        assert lse_err <= 2 * triton_lse_err + 1e-6, (lse_err, triton_lse_err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("B,H", [(4, 3), (1, 6)])
+def test_chunked_calls_equal_the_whole_call(monkeypatch, B, H):
+    """A call run in chunks (of batch items; of heads) gives bit for bit the output and LSE of the same call in one
+    launch: each head's scales and work tiles do not depend on the other heads."""
+    q, k, v = (torch.randn(B, H, n, 64, device="cuda") for n in (300, 1100, 1100))
+    cfg = fp32_gluon.config_for(q, k)
+    out, lse = (torch.empty(B, 300, H, 64, device="cuda").transpose(1, 2), torch.empty(B, H, 300, device="cuda"))
+    fp32_gluon.planned_launch(q, k, v, cfg, True)(q, k, v, 0.125, out, lse)
+    monkeypatch.setattr(fp32_gluon, "CHUNK_BYTES", 1)
+    assert len(fp32_gluon.chunks(B, H, 300, 1100, 64)) == B * H
+    out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    fp32_gluon.planned_launch(q, k, v, cfg, True)(q, k, v, 0.125, out2, lse2)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("n_q,n_k", [(1000, 4100), (4096, 16384)])
+def test_heads_of_any_magnitude_stay_within_the_contract(n_q, n_k):
+    """Heads whose q, k, v magnitudes span 1e-6 .. 1e6 (each head scaled by its own powers of two), strided
+    ``unbind`` views of a packed qkv, and long key counts (P V summed per tile in a fresh accumulator): every head
+    within 2e-6 of float64."""
+    from visionattn.metrics import rel_l2
+    from visionattn.reference import oracle_attention
+
+    q, k, v = _magnitude_heads(n_q, n_k, device="cuda")
+    k = torch.stack([k, v], 0).permute(1, 2, 3, 0, 4).unbind(3)[0]  # a strided view (stride 128 between keys)
+    y = fp32_gluon.fp32_attention(q, k, v, 0.125)
+    rows = torch.arange(0, n_q, 7, device="cuda")
+    ref = oracle_attention(q[:, :, rows], k, v, scale=0.125)
+    for h in range(len(_MAGNITUDES)):
+        assert rel_l2(y[:, h, rows], ref[:, h]) <= 2e-6, h
