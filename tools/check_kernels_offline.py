@@ -1,10 +1,11 @@
 """Compile every shipped kernel config for Hopper on this machine (no GPU): shared memory, registers, occupancy.
 
-Every config of the dense ELSA table, the Gluon fp32-ieee and fp16 / bf16 kernels, PASA, the window kernels at Swin /
-Swin-v2 window sizes and the backward kernels (dense, Gluon fp32-ieee and fp16 / bf16, window fused / split, ragged)
-is compiled for sm_90 (:func:`visionattn.kernels.introspect.compile_for_arch`): shared memory against the 232,448-byte
-limit (over it the launchers retry smaller configs: a slow first call), registers and spill bytes, programs per SM,
-wgmma use and the static SASS instruction count. The figures match the GPU's only for the same Triton version:
+Every config of the dense ELSA table, the Gluon fp32-ieee and fp16 / bf16 kernels (and the latter's fp32 build),
+PASA, the window kernels at Swin / Swin-v2 window sizes and the backward kernels (dense, Gluon fp32-ieee and fp16 /
+bf16, window fused / split, ragged) is compiled for sm_90 (:func:`visionattn.kernels.introspect.compile_for_arch`):
+shared memory against the 232,448-byte limit (over it the launchers retry smaller configs: a slow first call),
+registers and spill bytes, programs per SM, wgmma use and the static SASS instruction count. The figures match the
+GPU's only for the same Triton version:
 
     pip install --target /tmp/tri36 triton==3.6.0
     PYTHONPATH=/tmp/tri36:$PWD python tools/check_kernels_offline.py --out out/kernels_sm90_offline
@@ -20,7 +21,7 @@ import time
 import triton  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, half_gluon_bwd, ieee_gluon,  # noqa: E402
+from visionattn.kernels import (elsa_bwd, elsa_fwd, fp32_gluon, half_gluon, half_gluon_bwd, ieee_gluon,  # noqa: E402
                                 ieee_gluon_bwd, pasa_fwd, varlen_bwd, window_bwd, window_fwd)
 from visionattn.kernels._launch import pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
@@ -123,9 +124,20 @@ def _half_gluon_jobs(quick: bool):
                     "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 4 * cfg["consumers"] + 4, cfg["STAGES"]]},
                    dict(kernel=half_gluon._half_fwd_kernel,
                         pointer_types=dict(half_gluon.descriptor_types(cfg, d, dtype),
-                                           O="*fp16" if dtype == torch.float16 else "*bf16", LSE="*fp32"),
+                                           O="*fp16" if dtype == torch.float16 else "*bf16", LSE="*fp32",
+                                           Scales="*fp32"),
                         constexprs=half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1,
                         float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
+    # mode fp32's split build (fp32_gluon): hi / lo FP16 operands, 64-key tiles; 1066 keys: a last tile in two parts
+    for n_k in ((4096,) if quick else (4096, 1066)):
+        cfg = fp32_gluon.get_config(n_k)
+        yield ({"kernel": "half-gluon", "variant": f"D=64 fp32 split{' cut tail' if n_k <= 2048 else ''}",
+                "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 4 * cfg["consumers"] + 4, cfg["STAGES"]]},
+               dict(kernel=half_gluon._half_fwd_kernel,
+                    pointer_types=dict(half_gluon.descriptor_types(cfg, 64, torch.float16), O="*fp32", LSE="*fp32",
+                                       Scales="*fp32"),
+                    constexprs=half_gluon.kernel_constexprs(cfg, 64), num_warps=4, num_stages=1,
+                    float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
 
 
 def _half_gluon_bwd_jobs(quick: bool):
