@@ -34,6 +34,11 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
   across a row's four threads once, in the epilogue: two shuffles per row and key tile fewer (docs/tuning.md:
   P's row sums kept per thread ([rows, 4] parts, summed once in the epilogue)).
 
+Mode ``fp32`` runs a build of this kernel with ``PARTS = 2`` (:mod:`.fp32_gluon`): its q / k / v are FP16 copies
+scaled per head and split into hi and lo parts, each tile loaded as two buffers, every product three wgmmas, each
+key tile's ``P V`` formed in a fresh accumulator and added in FP32, and each head's multipliers read from ``Scales``.
+The ``PARTS = 1`` builds compile to the same code as without it.
+
 The fold is the (m, S, W) recurrence of :mod:`.elsa_fwd` (ELSA supplement, Alg. 1) in base 2:
 FP32 scores and state, P rounded to the input dtype before ``P @ V``, FP32 accumulation, one
 division and rounding at the end. Results match the Triton kernel's error (rel err ~2.7e-4 fp16,
@@ -53,7 +58,7 @@ import torch
 
 from ._gluon import checked_call, hopper_tma_scope_reason, nvmma_layout
 from ._launch import KernelCall, PlannedLaunch, cdiv, heads_inner_layout, pad_pow2, sm_count
-from .scaled_fp16 import P_SPLIT_EXP
+from .scaled_fp16 import FORWARD_SCALES_ROW, P_SPLIT_EXP
 
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
@@ -135,7 +140,7 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     * D = 64, ``n_q`` in :data:`FOUR_CONSUMER_ROWS` and at most :data:`FOUR_CONSUMER_MAX_KEYS` keys: four consumer
       warpgroups (256 rows: a whole head) per CTA over 64-key tiles, 4 stages; 96 registers per thread at launch
       (20 warps), 112-120 per consumer thread and 24 per producer thread after ``setmaxnreg``.
-    * ``parts``: 1 (:func:`.fp32_gluon.fp32_config` sets 2: mode fp32's split operands).
+    * ``parts``: 1 (:func:`.fp32_gluon.get_config` sets 2: mode fp32's split operands).
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
       flight (2 at D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the
       last key tile multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64) two power-of-two
@@ -188,6 +193,7 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
 
 if _IMPORT_ERROR is None:
     _P_SPLIT_SCALE = gl.constexpr(2.0 ** P_SPLIT_EXP)  # mode fp32: P's multiplier before its hi / lo split
+    _SCALES_ROW = gl.constexpr(FORWARD_SCALES_ROW)  # mode fp32: each head's multipliers (logits', output's)
 
     @gluon.jit
     def _tile_coords(tile, tiles_m, H, ROWS: gl.constexpr):
@@ -365,7 +371,7 @@ if _IMPORT_ERROR is None:
         for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
             off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, CONSUMERS * BLOCK_M)
             if PARTS == 2:
-                head_scales = Scales + (off_b * H + off_h) * 2
+                head_scales = Scales + (off_b * H + off_h) * _SCALES_ROW
                 qk = gl.load(head_scales)
             else:
                 qk = qk_scale
