@@ -62,6 +62,53 @@ def test_forward_operands_keep_22_bits_of_each_head_and_its_multipliers():
         assert scales[h, 1].item() == 2.0 ** -(sv + scaled_fp16.P_SPLIT_EXP)
 
 
+def _model_of_the_build(q16, k16, v16, scales, block_n=64):
+    """The split build's arithmetic in torch, one head at a time: S from the three FP16 x FP16 products (exact in
+    FP32, summed in FP32), the base-2 online softmax with the head's logit multiplier, P times 2^15 split into hi
+    and lo FP16 parts, each key tile's three P V products summed apart and added to the running output in FP32, the
+    output multiplier and one division at the end."""
+    B, H, Nq, W = q16.shape
+    D = W // 2
+    out = torch.empty(B, H, Nq, D)
+    for b in range(B):
+        for h in range(H):
+            qh, ql = q16[b, h, :, :D].float(), q16[b, h, :, D:].float()
+            qk, o_mult = scales[b * H + h].tolist()
+            m = torch.full((Nq,), float("-inf"))
+            l, acc = torch.zeros(Nq), torch.zeros(Nq, D)
+            for t in range(0, k16.shape[2], block_n):
+                kh, kl = k16[b, h, t:t + block_n, :D].float(), k16[b, h, t:t + block_n, D:].float()
+                vh, vl = v16[b, h, t:t + block_n, :D].float(), v16[b, h, t:t + block_n, D:].float()
+                s = ql @ kh.T + qh @ kl.T + qh @ kh.T
+                m_new = torch.maximum(m, s.amax(1) * qk)
+                p = torch.exp2(s * qk - m_new[:, None])
+                alpha = torch.exp2(m - m_new)
+                ps = p * 2.0 ** scaled_fp16.P_SPLIT_EXP
+                p_hi = ps.half().float()
+                p_lo = (ps - p_hi).half().float()
+                acc = acc * alpha[:, None] + (p_lo @ vh + p_hi @ vl + p_hi @ vh)
+                l, m = l * alpha + p.sum(1), m_new
+            out[b, h] = acc * (o_mult / l)[:, None]
+    return out
+
+
+@pytest.mark.parametrize("n_q,n_k", [(40, 300), (70, 1000)])
+def test_the_operands_scales_and_products_reproduce_attention_within_the_contract(n_q, n_k):
+    """A model of the split build on the operand pass's output (interpreter): with each head's scales as the kernel
+    applies them (the logit multiplier inside the base-2 softmax, the output multiplier at the end), the three-part
+    products and P's 2^15 split give every head, of magnitudes 1e-6 .. 1e6, within mode fp32's 2e-6 of float64: the
+    host's bookkeeping of the scales, which the GPU kernel trusts, checked where CI runs."""
+    from visionattn.metrics import rel_l2
+    from visionattn.reference import oracle_attention
+
+    q, k, v = _magnitude_heads(n_q, n_k)
+    q16, k16, v16, scales = scaled_fp16.ForwardOperands(1, len(_MAGNITUDES), n_q, n_k, 64)(q, k, v, 0.125)
+    y = _model_of_the_build(q16, k16, v16, scales)
+    ref = oracle_attention(q, k, v, scale=0.125)
+    for h in range(len(_MAGNITUDES)):
+        assert rel_l2(y[:, h], ref[:, h]) <= 2e-6, h
+
+
 _CHILD = r"""
 import json, torch
 from visionattn.kernels import fp32_gluon, half_gluon
