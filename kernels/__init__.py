@@ -5,7 +5,7 @@ Entry points used by :mod:`visionattn.ops` (the op layer) and by tools:
 * :func:`elsa_attention` / :func:`.elsa_fwd.dense_forward` — dense ELSA forward (single pass /
   split-KV + merge), modes fp32, fp32-ieee, tf32, fp16, bf16 (fp32-ieee on CUDA mostly through the
   Gluon kernel of :mod:`.ieee_gluon`; fp16 / bf16 on Hopper mostly through the warp-specialized
-  Gluon kernel of :mod:`.half_gluon`);
+  Gluon kernel of :mod:`.half_gluon`, fp32 from 256 keys through its split-FP16 build, :mod:`.fp32_gluon`);
 * :func:`pasa_attention` — FP16-score-accumulation forward with PASA shifting
   (``shift=True``) or without (the ``fp16-acc16`` baseline);
 * :func:`window_attention_fwd` — Swin / Swin-v2 window attention;
