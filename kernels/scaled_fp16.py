@@ -1,5 +1,5 @@
 """FP32 operands as FP16 copies scaled per (batch, head) by powers of two: the inputs of the Gluon Hopper kernels'
-FP32-class builds (:mod:`.half_gluon`'s fp32 forward, :mod:`.half_gluon_bwd`'s tf32 / fp32 backward).
+FP32-class builds (mode fp32's forward, :mod:`.fp32_gluon`; :mod:`.half_gluon_bwd`'s tf32 / fp32 backward).
 
 FP16 keeps TF32's 11 significant bits; what it lacks against FP32 is range. Each head of an operand is multiplied by
 the power of two that puts its largest magnitude in ``[2^(T - 1), 2^T)`` (exact; T chosen per operand by the
