@@ -24,8 +24,8 @@ try:
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["scope_reason", "hopper_tma_scope_reason", "strides_aligned", "nvmma_layout", "checked_call",
-           "IMPORT_ERROR"]
+__all__ = ["scope_reason", "hopper_tma_scope_reason", "hopper_copies_scope_reason", "strides_aligned",
+           "nvmma_layout", "checked_call", "IMPORT_ERROR"]
 
 
 def strides_aligned(t: torch.Tensor, stride_elems: int) -> bool:
@@ -80,8 +80,27 @@ def hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: fl
     return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=dtypes, head_dims=head_dims,
                         stride_elems=8,
                         stride_text="strides are not TMA-legal (contiguous head dim, 16-byte-aligned base and strides)",
-                        capable=lambda cc: cc[0] == 9, capable_text="not a compute capability 9.x GPU (wgmma and TMA "
-                        "are Hopper's)", import_error=import_error)
+                        capable=_hopper, capable_text=_HOPPER_TEXT, import_error=import_error)
+
+
+def hopper_copies_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int, *,
+                               head_dims: tuple[int, ...], import_error: str | None) -> str | None:
+    """:func:`scope_reason` of a Hopper kernel that reads FP16 copies of float32 q / k / v made per (batch, head) by
+    a Triton operand pass (:mod:`.scaled_fp16`; the tf32 / fp32 builds): any strides but a unit head-dim stride (the
+    pass reads rows), equal heads for q and k / v (no grouped-query attention), compute capability 9.x."""
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        return "grouped-query attention (fewer key / value heads than query heads)"
+    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=(torch.float32,),
+                        head_dims=head_dims, stride_elems=1,
+                        stride_text="has a head-dim stride other than 1 (the operand pass reads rows)",
+                        capable=_hopper, capable_text=_HOPPER_TEXT, import_error=import_error)
+
+
+def _hopper(cc: tuple[int, int]) -> bool:
+    return cc[0] == 9
+
+
+_HOPPER_TEXT = "not a compute capability 9.x GPU (wgmma and TMA are Hopper's)"
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import half_gluon
-from ._gluon import checked_call, scope_reason
+from ._gluon import checked_call, hopper_copies_scope_reason
 from ._launch import heads_inner_layout, sm_count
 from .scaled_fp16 import ForwardOperands
 
@@ -37,7 +37,6 @@ __all__ = ["fp32_attention", "planned_launch", "unsupported_reason", "preferred"
            "chunks", "HEAD_DIMS", "MIN_KEYS", "CHUNK_BYTES", "CHUNK_MIN_WAVES"]
 
 HEAD_DIMS = (64,)
-_DTYPES = (torch.float32,)
 # key tile and K / V ring slots (get_config)
 BLOCK_N, STAGES = 64, 4
 # the dense launcher takes this kernel from this many keys: below, the operand pass costs more than the kernel
@@ -78,14 +77,8 @@ def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, 
     dense launcher sees them: q [B, H, Nq, D], k / v [B, Hkv, Nk, D]; ``num_splits`` 0 = automatic. Besides the
     kernel's scope: a call whose :func:`chunks` would each hold fewer than :data:`CHUNK_MIN_WAVES` waves of work
     tiles."""
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        return "grouped-query attention (fewer key / value heads than query heads)"
-    reason = scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=_DTYPES, head_dims=HEAD_DIMS,
-                          stride_elems=1,
-                          stride_text="has a head-dim stride other than 1 (the operand pass reads rows)",
-                          capable=lambda cc: cc[0] == 9,
-                          capable_text="not a compute capability 9.x GPU (wgmma and TMA are Hopper's)",
-                          import_error=_IMPORT_ERROR)
+    reason = hopper_copies_scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, head_dims=HEAD_DIMS,
+                                        import_error=_IMPORT_ERROR)
     B, H, Nq, D = q.shape
     parts = chunks(B, H, Nq, k.shape[2], D) if reason is None else [None]
     if len(parts) > 1:

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from . import elsa_bwd
-from ._gluon import hopper_tma_scope_reason, nvmma_layout, scope_reason, strides_aligned
+from ._gluon import hopper_copies_scope_reason, hopper_tma_scope_reason, nvmma_layout, strides_aligned
 from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
 from .scaled_fp16 import P_SPLIT_EXP, SHIFT_LIMIT, head_shift, scaled_rows
 from .split16 import pow2
@@ -698,9 +698,6 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
 
 # ---- mode tf32 on the same kernel: FP32 inputs as FP16 operands scaled per head by powers of two ----
 
-_TF32_DTYPES = (torch.float32,)
-
-
 # mode tf32's backward plans take this kernel (tf32_preferred) from TF32_MIN_QUERIES query rows when its grid fills
 # the GPU TF32_MIN_WAVES times over or the sequences are long (TF32_LONG keys and query rows at head dim 64,
 # TF32_LONG_D128 at 128): against the Triton f16x1 kernels (FP16 products of split-FP16 hi parts at 60-130 TFLOP/s)
@@ -754,15 +751,12 @@ def tf32_config(head_dim: int) -> dict:
 
 def tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
     """Why :func:`tf32_backward` cannot run this call (:mod:`.elsa_bwd`'s Triton kernels then do), or ``None``:
-    as :func:`unsupported_reason`, for float32 q / k / v at any strides (the kernel reads FP16 copies)."""
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        return "grouped-query attention (fewer key / value heads than query heads)"
+    as :func:`unsupported_reason`, for float32 q / k / v at any strides with a unit head-dim stride (the kernel reads
+    FP16 copies: :func:`._gluon.hopper_copies_scope_reason`)."""
     if not grad_out.dtype.is_floating_point or tuple(grad_out.shape) != (*q.shape[:3], v.shape[-1]):
         return f"grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the output"
-    return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, dtypes=_TF32_DTYPES, head_dims=HEAD_DIMS,
-                        stride_elems=1, stride_text="", capable=lambda cc: cc[0] == 9,
-                        capable_text="not a compute capability 9.x GPU (wgmma and TMA are Hopper's)",
-                        import_error=_IMPORT_ERROR)
+    return hopper_copies_scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, head_dims=HEAD_DIMS,
+                                      import_error=_IMPORT_ERROR)
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_rows"])

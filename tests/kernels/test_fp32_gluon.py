@@ -182,7 +182,7 @@ def test_large_calls_run_in_chunks_whose_copies_fit_the_budget(monkeypatch):
         assert len(set(sizes)) <= 2 and max(sizes) - min(sizes) <= 1 + max(sizes) // 8, (B, H, sizes)
         assert (len(parts) == 1) is (B * H * head_bytes <= fp32_gluon.CHUNK_BYTES or B * H == 1), (B, H, Nq)
     assert len(fp32_gluon.chunks(1, 16, 208200, 208200, 64)) == 6  # VGGT's global attention at 200 frames
-    monkeypatch.setattr(fp32_gluon, "scope_reason", lambda *a, **kw: None)  # as if on a Hopper GPU
+    monkeypatch.setattr(fp32_gluon, "hopper_copies_scope_reason", lambda *a, **kw: None)  # as if on a Hopper GPU
     monkeypatch.setattr(fp32_gluon, "sm_count", lambda device: 132)
     for (Nq, Nk), refused in (((208200, 208200), False), ((1024, 1_000_000), True), ((300, 2048), False)):
         q, k = torch.empty(1, 16, Nq, 64, device="meta"), torch.empty(1, 16, Nk, 64, device="meta")

@@ -346,6 +346,8 @@ def test_tf32_unsupported_reasons():
     assert reason(q, k, v, do, None, None, False, 0.125) == "tensors on cpu"
     wide = torch.randn(1, 2, 100, 70)[..., 3:67]  # no TMA-legal strides: still in scope
     assert reason(wide, k, v, do, None, None, False, 0.125) == "tensors on cpu"
+    assert "head-dim stride" in reason(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, do, None, None, False,
+                                       0.125)  # the operand pass reads rows
     assert "dtypes" in reason(q.half(), k.half(), v.half(), do, None, None, False, 0.125)
     assert "bias" in reason(q, k, v, do, torch.zeros(100, 300), None, False, 0.125)
     qg, kg, vg, dog = (t.float() for t in _qkv(h=4, h_kv=2))
