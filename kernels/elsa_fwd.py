@@ -390,6 +390,39 @@ def _partial_block(WsM, WsS, p0, offs_p, n_splits, row_ok, plane, base):
     return ok, row_id, m_p, s_p
 
 
+@triton.jit
+def merge_partials(WsM, WsS, WsW, n_splits, row_ok, plane, base, offs_dv, dv_ok, Dv, BLOCK_M: tl.constexpr,
+                   BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """``(m, S, O)`` of ``BLOCK_M`` rows folded from their ``n_splits`` partial states, partial ``p`` of row ``r``
+    at workspace row ``p * plane + base[r]`` (:func:`store_partial`'s layout): :func:`_elsa_merge_kernel`'s two
+    passes, shared with the stream-K merge (:mod:`.stream_k`). ``O`` [BLOCK_M, BLOCK_DV] covers columns
+    ``offs_dv``."""
+    offs_p = tl.arange(0, BLOCK_P)
+    # pass 1: m = max_p m_p, S = sum_p 2^(m_p - m) S_p, online over blocks of partitions
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for p0 in range(0, n_splits, BLOCK_P):
+        _, _, m_p, s_p = _partial_block(WsM, WsS, p0, offs_p, n_splits, row_ok, plane, base)
+        m_new = tl.maximum(m, tl.max(m_p, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: every term is 0 * 0
+        s = s * tl.math.exp2(m - m_safe) + tl.sum(tl.math.exp2(m_p - m_safe[:, None]) * s_p, axis=1)
+        m = m_new
+    # pass 2: O = sum_p O_p c_p
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s_div = tl.where(s > 0.0, s, 1.0)
+    w = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for p0 in range(0, n_splits, BLOCK_P):
+        ok, row_id, m_p, s_p = _partial_block(WsM, WsS, p0, offs_p, n_splits, row_ok, plane, base)
+        b = tl.math.exp2(m_p - m_safe[:, None]) * s_p
+        # c_p = b / S: exactly 1 for the partial that is the whole sum and 0 for one that adds nothing; at most 1
+        # where exp2 / the division round up, so no term exceeds its |O_p|
+        c = tl.where((b == s[:, None]) & (s[:, None] > 0.0), 1.0, tl.minimum(b / s_div[:, None], 1.0))
+        o_p = tl.load(WsW + row_id[:, :, None] * Dv + offs_dv[None, None, :],
+                      mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0)
+        w += tl.sum(o_p * c[:, :, None], axis=1)
+    return m, s, w
+
+
 @triton.jit(do_not_specialize=["B", "H", "Nq", "n_splits"])
 def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv, n_splits,
                        BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -426,33 +459,12 @@ def _elsa_merge_kernel(WsM, WsS, WsW, Out, Lse, sob, soh, som, sod, B, H, Nq, Dv
     off_b = bh // H
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = pid_dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    offs_p = tl.arange(0, BLOCK_P)
     row_ok = rows < Nq
     dv_ok = offs_dv < Dv
     plane = tl.cast(B, tl.int64) * H * Nq  # 64-bit: P * B * H * Nq rows of workspace
     base = (off_b * H + off_h) * Nq + rows
-    # pass 1: m = max_p m_p, S = sum_p 2^(m_p - m) S_p, online over blocks of partitions
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for p0 in range(0, n_splits, BLOCK_P):
-        _, _, m_p, s_p = _partial_block(WsM, WsS, p0, offs_p, n_splits, row_ok, plane, base)
-        m_new = tl.maximum(m, tl.max(m_p, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: every term is 0 * 0
-        s = s * tl.math.exp2(m - m_safe) + tl.sum(tl.math.exp2(m_p - m_safe[:, None]) * s_p, axis=1)
-        m = m_new
-    # pass 2: O = sum_p O_p c_p
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s_div = tl.where(s > 0.0, s, 1.0)
-    w = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for p0 in range(0, n_splits, BLOCK_P):
-        ok, row_id, m_p, s_p = _partial_block(WsM, WsS, p0, offs_p, n_splits, row_ok, plane, base)
-        b = tl.math.exp2(m_p - m_safe[:, None]) * s_p
-        # c_p = b / S: exactly 1 for the partial that is the whole sum and 0 for one that adds nothing; at most 1
-        # where exp2 / the division round up, so no term exceeds its |O_p|
-        c = tl.where((b == s[:, None]) & (s[:, None] > 0.0), 1.0, tl.minimum(b / s_div[:, None], 1.0))
-        o_p = tl.load(WsW + row_id[:, :, None] * Dv + offs_dv[None, None, :],
-                      mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0)
-        w += tl.sum(o_p * c[:, :, None], axis=1)
+    m, s, w = merge_partials(WsM, WsS, WsW, n_splits, row_ok, plane, base, offs_dv, dv_ok, Dv, BLOCK_M, BLOCK_P,
+                             BLOCK_DV)
     if WRITE_LSE:
         tl.store(Lse + base, (m + tl.math.log2(s)) * 0.6931471805599453, mask=row_ok & (pid_dv == 0))
     o_ptrs = Out + off_b * sob + off_h * soh + rows[:, None].to(tl.int64) * som + offs_dv[None, :] * sod
@@ -860,7 +872,8 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
     """Build the plan of a call signature by running it once: ``(plan, (out, lse))``.
 
     Order: nothing to compute -> :class:`._launch.EmptyForwardPlan`; a Gluon kernel that takes the call (not with an
-    explicit ``config`` / ``precision``); else the Triton kernel with the table's config, and on out-of-shared-memory
+    explicit ``config`` / ``precision``); the stream-K schedule where the single pass leaves SMs idle
+    (:func:`.stream_k.dense_plan`; not with an explicit ``num_splits``); else the Triton kernel with the table's config, and on out-of-shared-memory
     (bias / mask tiles add to it) the next smaller of :func:`_smaller_configs`.
     """
     if mode not in DENSE_MODES:
@@ -883,6 +896,12 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
                 return plan, plan(q, k, v, bias, attn_mask, scale)
             except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
                 _gluon_failed(gluon, f"{type(exc).__name__}: {exc}")
+    if config is None and precision is None and num_splits == 0 and (q.is_cuda or interpreting()):
+        from . import stream_k  # the stream-K schedule of calls the single pass leaves SMs idle in
+
+        plan = stream_k.dense_plan(q, k, v, bias, attn_mask, is_causal, mode, out_dtype, with_lse)
+        if plan is not None:
+            return plan, plan(q, k, v, bias, attn_mask, scale)
     result = []
 
     def run(cfg):

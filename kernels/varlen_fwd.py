@@ -51,6 +51,31 @@ from .split16 import SPLIT_EXP
 __all__ = ["varlen_forward", "plan_for", "varlen_unsupported_reason", "PLANS"]
 
 
+@triton.jit
+def sequence_tile(Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs_m, offs_d, row_ok, D, qk_scale,
+                  sqt, sqh, sqd, skt, skh, svt, svh, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  EVEN_D: tl.constexpr, PRECISION: tl.constexpr, ROW_OFFSETS: tl.constexpr):
+    """The query tile of sequence ``seq`` from row ``start_m64`` of head ``off_h`` and where its keys / values start:
+    ``(q, q_lo, q_inv, v_exp, k_base, v_base)`` (:func:`.elsa_fwd.load_query_tile`'s parts, the initial V column
+    exponents, the head's K / V base pointers). Rows from ``RowOff`` [n_seq, 3] (``ROW_OFFSETS``) or ``cu_seqlens``
+    starts ``q_start`` / ``k_start`` times the token strides. Shared by :func:`_varlen_fwd_kernel` and the stream-K
+    kernel (:mod:`.stream_k`)."""
+    if ROW_OFFSETS:  # multiples of 16 elements (the host checks): vector loads stay as aligned as packed ones
+        q_row0 = tl.multiple_of(tl.load(RowOff + seq * 3), 16)
+        k_row0 = tl.multiple_of(tl.load(RowOff + seq * 3 + 1), 16)
+        v_row0 = tl.multiple_of(tl.load(RowOff + seq * 3 + 2), 16)
+    else:
+        q_row0 = q_start * sqt
+        k_row0 = k_start * skt
+        v_row0 = k_start * svt
+    q_ptrs = Q + q_row0 + start_m64 * sqt + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd
+    q, q_lo, q_inv = load_query_tile(q_ptrs, row_ok, offs_d, D, qk_scale, BLOCK_M, EVEN_D, PRECISION)
+    v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
+    k_base = K + k_row0 + off_h * skh
+    v_base = V + v_row0 + off_h * svh
+    return q, q_lo, q_inv, v_exp, k_base, v_base
+
+
 @triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles", "n_splits", "tiles_per_split"])
 def _varlen_fwd_kernel(
     Q, K, V, CuQ, CuK, RowOff, Out, Lse, WsM, WsS, WsW, qk_scale,
@@ -92,19 +117,9 @@ def _varlen_fwd_kernel(
     rows = start_m + offs_m
     row_ok = rows < Lq
 
-    if ROW_OFFSETS:  # multiples of 16 elements (the host checks): vector loads stay as aligned as packed ones
-        q_row0 = tl.multiple_of(tl.load(RowOff + seq * 3), 16)
-        k_row0 = tl.multiple_of(tl.load(RowOff + seq * 3 + 1), 16)
-        v_row0 = tl.multiple_of(tl.load(RowOff + seq * 3 + 2), 16)
-    else:
-        q_row0 = q_start * sqt
-        k_row0 = k_start * skt
-        v_row0 = k_start * svt
-    q_ptrs = Q + q_row0 + start_m64 * sqt + off_h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd
-    q, q_lo, q_inv = load_query_tile(q_ptrs, row_ok, offs_d, D, qk_scale, BLOCK_M, EVEN_D, PRECISION)
-    v_exp = tl.full([BLOCK_DV], SPLIT_EXP - 126, dtype=tl.int32)
-    k_base = K + k_row0 + off_h * skh
-    v_base = V + v_row0 + off_h * svh
+    q, q_lo, q_inv, v_exp, k_base, v_base = sequence_tile(
+        Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs_m, offs_d, row_ok, D, qk_scale,
+        sqt, sqh, sqd, skt, skh, svt, svh, BLOCK_M, BLOCK_DV, EVEN_D, PRECISION, ROW_OFFSETS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -209,7 +224,8 @@ def varlen_unsupported_reason(q, v, mode: str) -> str | None:
 def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
                    scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False,
-                   num_splits: int = 0, row_offsets: torch.Tensor | None = None, total_q: int | None = None):
+                   num_splits: int = 0, row_offsets: torch.Tensor | None = None, total_q: int | None = None,
+                   lengths: tuple | None = None, schedule: str = "auto"):
     """Packed ragged attention on the varlen kernel: ``(out, lse)``, ``lse`` None unless ``with_lse``.
 
     Args:
@@ -231,6 +247,10 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
             multiple of 16; all sequences share ``q`` / ``k`` / ``v``'s strides), with ``total_q`` the packed
             output's rows (the sum of the query lengths). ``cu_seqlens_*`` then only give the lengths and the
             output rows; ``q`` / ``k`` / ``v`` are any tensors of the call with the common strides.
+        lengths: ``(lens_q, lens_k)``, the per-sequence lengths on the host (tuples of ints, those ``cu_seqlens_*``
+            hold), when the caller has them: they let the stream-K schedule (:mod:`.stream_k`) run.
+        schedule: ``"auto"`` (stream-K where :func:`.stream_k.choose` picks it and ``lengths`` are given, else the
+            single pass / split-KV plan), ``"stream-k"`` (needs ``lengths``), ``"split-kv"`` (never stream-K).
 
     Returns:
         out [total_q, H, Dv] contiguous in ``out_dtype`` (zeros for rows of a sequence without keys);
@@ -238,17 +258,19 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         keys), or None.
 
     Raises:
-        ValueError: a mode without a dense kernel; ``num_splits`` < 0. TypeError: q / k / v not in the mode's
-            compute dtype, or an unsupported ``out_dtype``.
+        ValueError: a mode without a dense kernel; ``num_splits`` < 0; an unknown ``schedule``, or ``"stream-k"``
+            without ``lengths`` or with ``num_splits``. TypeError: q / k / v not in the mode's compute dtype, or an
+            unsupported ``out_dtype``.
     """
     return plan_for(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode,
-                    out_dtype, with_lse, num_splits, row_offsets, total_q)[1]
+                    out_dtype, with_lse, num_splits, row_offsets, total_q, lengths, schedule)[1]
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
              scale: float, mode: str, out_dtype: torch.dtype | None = None, with_lse: bool = False,
-             num_splits: int = 0, row_offsets: torch.Tensor | None = None, total_q: int | None = None):
+             num_splits: int = 0, row_offsets: torch.Tensor | None = None, total_q: int | None = None,
+             lengths: tuple | None = None, schedule: str = "auto"):
     """``(plan, (out, lse))``: :func:`varlen_forward`'s result and the cached launch plan that produced it (None
     for an empty call); a plan takes ``(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, row_offsets)`` of any later
     call with the same signature. Arguments as :func:`varlen_forward`."""
@@ -272,6 +294,9 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
         lse = torch.full((H, total_q), float("-inf"), device=q.device) if with_lse else None
         return None, (out, lse)
     max_seqlen_k = max(int(max_seqlen_k), 0)
+    if _stream_k(q, v, H, mode, num_splits, lengths, schedule):
+        return _stream_plan_for(q, k, v, lengths, total_q, is_causal, scale, mode, out_dtype, with_lse,
+                                cu_seqlens_q, cu_seqlens_k, row_offsets)
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
@@ -298,3 +323,47 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     plan, res = result[-1]
     PLANS.put(key, plan)
     return plan, res
+
+
+SCHEDULES = ("auto", "stream-k", "split-kv")
+
+
+def _stream_k(q, v, heads: int, mode: str, num_splits: int, lengths, schedule: str) -> bool:
+    """Whether the call runs the stream-K schedule (:mod:`.stream_k`): asked for, or ``"auto"`` with host-side
+    lengths, no explicit split count and :func:`.stream_k.choose`'s rule."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}; expected one of {SCHEDULES}")
+    if schedule == "stream-k":
+        if lengths is None or num_splits:
+            raise ValueError("schedule='stream-k' partitions by the sequence lengths: pass lengths=(lens_q, lens_k) "
+                             "and no num_splits")
+        return True
+    if schedule == "split-kv" or lengths is None or num_splits:
+        return False
+    from . import stream_k
+
+    return stream_k.choose(lengths[0], lengths[1], heads, mode, q.shape[2], v.shape[2], q.device)
+
+
+def _stream_plan_for(q, k, v, lengths, total_q: int, is_causal: bool, scale: float, mode: str, out_dtype,
+                     with_lse: bool, cu_q, cu_k, row_offsets):
+    """``(plan, (out, lse))`` of the stream-K schedule, the plan cached by the call signature and the lengths."""
+    from . import stream_k
+
+    lens_q, lens_k = tuple(int(x) for x in lengths[0]), tuple(int(x) for x in lengths[1])
+    if len(lens_q) != cu_q.shape[0] - 1 or len(lens_k) != cu_k.shape[0] - 1:
+        raise ValueError(f"lengths list {len(lens_q)} / {len(lens_k)} sequences, cu_seqlens "
+                         f"{cu_q.shape[0] - 1}; expected one length per sequence")
+    key = ("stream-k", mode, total_q, q.shape[1:], v.shape[2], q.stride(), k.stride(), v.stride(), q.dtype,
+           q.get_device(), row_offsets is not None, bool(is_causal), out_dtype, bool(with_lse),
+           q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, lens_q, lens_k)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = stream_k.stream_plan(q, k, v, lens_q, lens_k, total_q, is_causal, mode, out_dtype, with_lse,
+                                    row_offsets is not None)
+        if plan is None:  # no query rows
+            out = torch.zeros((total_q, q.shape[1], v.shape[2]), dtype=out_dtype, device=q.device)
+            lse = torch.full((q.shape[1], total_q), float("-inf"), device=q.device) if with_lse else None
+            return None, (out, lse)
+        PLANS.put(key, plan)
+    return plan, plan(q, k, v, cu_q, cu_k, float(scale), row_offsets)

@@ -1,15 +1,18 @@
 #!/usr/bin/env python
-"""Few-query and ragged calls: visionattn's split-KV plan against Flash-Decoding's fixed split, same process.
+"""Few-query and ragged calls: the split-KV plan, Flash-Decoding's fixed split and the stream-K schedule, same process.
 
 Calls that leave SMs idle in one pass — one or a few queries against long keys (class attention, attention-pooling
 heads), and ragged batches of one long and many short sequences — split the keys into P partitions merged by the
-(m, S, W) monoid. Each case is timed under every schedule: ``auto`` (:func:`visionattn.kernels.elsa_fwd.
-choose_num_splits`, the library's choice), ``flash-decoding`` (P = ceil(2 x SMs / programs) up to 64 and half the
-key tiles, from the average sequence: Flash-Decoding's rule, which the library used before) and each fixed P of
-``--splits``; eager and CUDA-graph milliseconds (:func:`_harness.eager_graph_ms`), the rel error vs a float64
-softmax, and auto's speed-up over flash-decoding. Dense cases: B x H heads of ``--queries`` queries against
-``--keys`` keys; ragged cases: H = 16 heads, ``--sequences`` sequences, one of ``--longest`` keys and the others
-drawn so that mean / max length is each ``--ratios`` value. Head dim 64. Writes OUT.md, OUT.json and OUT.png.
+(m, S, W) monoid, or share the key-tile iterations equally between programs (stream-K, :mod:`visionattn.kernels.
+stream_k`). Each case is timed under every schedule: ``auto`` (:func:`visionattn.kernels.elsa_fwd.choose_num_splits`,
+the split-KV plan's choice), ``flash-decoding`` (P = ceil(2 x SMs / programs) up to 64 and half the key tiles, from
+the average sequence: Flash-Decoding's rule, which the library used before), each fixed P of ``--splits``, and
+``stream-k`` (the same data packed, with the lengths on the host); eager and CUDA-graph milliseconds
+(:func:`_harness.eager_graph_ms`), the rel error vs a float64 softmax, auto's speed-up over flash-decoding and
+stream-K's over auto. Dense cases: B x H heads of ``--queries`` queries against ``--keys`` keys; ragged cases: H = 16
+heads, ``--sequences`` sequences, one of ``--longest`` keys and the others drawn so that mean / max length is each
+``--ratios`` value; ``--self-lengths``: self-attention over sequences of those lengths. Head dim 64. Writes OUT.md,
+OUT.json and OUT.png.
 
   python tools/bench_split_kv.py --modes bf16,fp32 --out docs/benchmarks/split_kv_h200
 """
@@ -70,10 +73,13 @@ def cases(args, mode: str, device: torch.device):
                 g = torch.Generator(device="cpu").manual_seed(args.seed)
                 q, k, v = (torch.randn(b, h, n, HEAD_DIM, generator=g).to(device, dtype) for n in (nq, nk, nk))
                 cfg = get_config(mode, HEAD_DIM, HEAD_DIM, nk)
+                packed = [t.transpose(1, 2).reshape(b * t.shape[2], h, HEAD_DIM) for t in (q, k, v)]
                 yield (f"B={b} H={h} q={nq} k={nk}",
                        lambda p, q=q, k=k, v=v: elsa_attention(q, k, v, None, None, False, SCALE, mode, num_splits=p),
                        _oracle(q, k, v), choose_num_splits(b * h, nq, nk, cfg, device, precision),
-                       flash_decoding_splits(b * h * cdiv(nq, cfg.block_m), nk, cfg, device))
+                       flash_decoding_splits(b * h * cdiv(nq, cfg.block_m), nk, cfg, device),
+                       _stream_call(packed, [nq] * b, [nk] * b, mode, device,
+                                    lambda out, b=b, nq=nq, h=h: out.view(b, nq, h, HEAD_DIM).transpose(1, 2)))
     heads = 16
     lengths = torch.Generator(device="cpu").manual_seed(args.seed)
     for n_seq in args.sequences:
@@ -92,30 +98,66 @@ def cases(args, mode: str, device: torch.device):
                 cfg = get_config(mode, HEAD_DIM, HEAD_DIM, args.longest)
                 yield (f"ragged n={n_seq} mean/max={total / n_seq / args.longest:.2f} q={nq}",
                        lambda p, q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, nq=nq: varlen_forward(
-                           q, k, v, cu_q, cu_k, nq, args.longest, False, SCALE, mode, num_splits=p)[0],
+                           q, k, v, cu_q, cu_k, nq, args.longest, False, SCALE, mode, num_splits=p,
+                           schedule="split-kv")[0],
                        ref, choose_num_splits(heads * n_seq, nq, args.longest, cfg, device, precision, (n_seq, total)),
-                       flash_decoding_splits(heads * n_seq * cdiv(nq, cfg.block_m), args.longest, cfg, device))
+                       flash_decoding_splits(heads * n_seq * cdiv(nq, cfg.block_m), args.longest, cfg, device),
+                       _stream_call((q, k, v), [nq] * n_seq, lens, mode, device, lambda out: out))
+    if args.self_lengths:  # self-attention over sequences of these lengths (the ELSA supplement's Table 2)
+        lens = args.self_lengths
+        g = torch.Generator(device="cpu").manual_seed(args.seed)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        q, k, v = (torch.randn(sum(lens), heads, HEAD_DIM, generator=g).to(device, dtype) for _ in range(3))
+        ref = torch.cat([_oracle(*(t[cu[i]:cu[i + 1]].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+                         for i in range(len(lens))])
+        cfg = get_config(mode, HEAD_DIM, HEAD_DIM, max(lens))
+        yield (f"self-attention n={len(lens)} longest={max(lens)} tokens={sum(lens)}",
+               lambda p, q=q, k=k, v=v: varlen_forward(q, k, v, cu, cu, max(lens), max(lens), False, SCALE, mode,
+                                                       num_splits=p, schedule="split-kv")[0],
+               ref, choose_num_splits(heads * len(lens), cdiv(sum(lens), len(lens)), max(lens), cfg, device,
+                                      precision, (len(lens), sum(lens))),
+               flash_decoding_splits(heads * len(lens) * cdiv(max(lens), cfg.block_m), max(lens), cfg, device),
+               _stream_call((q, k, v), lens, lens, mode, device, lambda out: out))
+
+
+def _stream_call(packed, lens_q, lens_k, mode, device, shape):
+    """The stream-K schedule's call on packed q / k / v [total, H, D] of these lengths (its plan built once, as
+    the library caches it), output shaped by ``shape`` like the case's reference."""
+    q, k, v = packed
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for x in (lens_q, lens_k))
+    lengths = (tuple(lens_q), tuple(lens_k))
+    return lambda: shape(varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), False, SCALE, mode,
+                                        lengths=lengths, schedule="stream-k")[0])
 
 
 def run(args, device: torch.device) -> list[dict]:
     rows = []
     for mode in args.modes:
-        for label, call, ref, auto, flash in cases(args, mode, device):
-            schedules = {"auto": auto, "flash-decoding": flash, **{f"P={p}": p for p in args.splits}}
-            timed: dict[int, dict] = {}
+        for label, call, ref, auto, flash, stream in cases(args, mode, device):
+            schedules = {"auto": auto, "flash-decoding": flash, **{f"P={p}": p for p in args.splits},
+                         "stream-k": "stream-k"}
+            timed: dict = {}
             for name, p in schedules.items():
+                fn = (lambda _, stream=stream: stream()) if p == "stream-k" else call
                 if p not in timed:
-                    out = call(p)
+                    out = fn(p)
                     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
                     if device.type == "cuda":
-                        eager, graph, _ = eager_graph_ms(lambda call=call, p=p: (lambda: call(p)), calls=args.calls,
+                        eager, graph, _ = eager_graph_ms(lambda fn=fn, p=p: (lambda: fn(p)), calls=args.calls,
                                                          repeats=args.repeats)
                     else:
                         eager, graph = None, None
                     timed[p] = dict(eager_ms=eager, graph_ms=graph, max_rel_err=err)
                 rows.append(dict(case=label, mode=mode, schedule=name, splits=p, **timed[p]))
-            print(f"{mode} {label}: auto P={auto}, flash-decoding P={flash}", flush=True)
+            print(f"{mode} {label}: auto P={auto}, flash-decoding P={flash}, stream-k vs auto "
+                  f"{_ratio(timed[auto], timed['stream-k'])}", flush=True)
     return rows
+
+
+def _ratio(base: dict, new: dict) -> str:
+    """``base``'s graph ms over ``new``'s, formatted (n/a off CUDA)."""
+    return f"{base['graph_ms'] / new['graph_ms']:.2f}x" if base["graph_ms"] and new["graph_ms"] else "n/a"
 
 
 def _speedups(rows: list[dict]) -> dict[tuple[str, str], float | None]:
@@ -150,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ratios", default="0.1,0.25,0.5,1.0",
                    help="ragged cases' mean / max lengths (default %(default)s)")
     p.add_argument("--longest", type=positive_int, default=8192, help="ragged cases' longest sequence (default 8192)")
+    p.add_argument("--self-lengths", default="785,500,708,542,1732,262,1039,557",
+                   help="a self-attention ragged case of these sequence lengths, H = 16 (default: the ELSA "
+                        "supplement's Table 2 batch; '' for none)")
     p.add_argument("--splits", default="", help="fixed split counts timed beside auto and flash-decoding, e.g. 2,4")
     p.add_argument("--calls", type=positive_int, default=20, help="calls per timing window (default 20)")
     p.add_argument("--repeats", type=positive_int, default=7, help="timing windows, median reported (default 7)")
@@ -172,6 +217,8 @@ def _parse(parser, args):
     if not args.ratios or not all(0 < r <= 1 for r in args.ratios):
         parser.error(f"--ratios {args.ratios!r}: expected comma-separated numbers in (0, 1]")
     args.splits = comma_ints(parser, "--splits", args.splits) if args.splits.strip() else []
+    args.self_lengths = (comma_ints(parser, "--self-lengths", args.self_lengths) if args.self_lengths.strip()
+                         else [])
 
 
 def main(argv=None) -> dict:
@@ -186,15 +233,22 @@ def main(argv=None) -> dict:
     result = dict(environment=env, modes=args.modes, rows=rows,
                   sms=sm_count(device) if device.type == "cuda" else None)
     speed = _speedups(rows)
+    by = {(r["case"], r["mode"], r["schedule"]): r for r in rows}
     table = [[r["case"], r["mode"], r["schedule"], r["splits"], r["eager_ms"], r["graph_ms"],
               "" if r["schedule"] != "auto" or speed.get((r["case"], r["mode"])) is None
-              else f"{speed[(r['case'], r['mode'])]:.2f}x", f"{r['max_rel_err']:.1e}"] for r in rows]
+              else f"{speed[(r['case'], r['mode'])]:.2f}x",
+              _ratio(by[(r["case"], r["mode"], "auto")], r) if r["schedule"] == "stream-k" else "",
+              f"{r['max_rel_err']:.1e}"] for r in rows]
     md = "\n".join(md_header("Split-KV schedules on few-query and ragged calls", env,
                              "eager: CUDA events around back-to-back calls; graph: the same calls replayed from a "
                              "CUDA graph, in alternating windows; median of the windows",
-                             "auto vs flash-decoding: flash-decoding's graph ms over auto's")
+                             "auto vs flash-decoding: flash-decoding's graph ms over auto's",
+                             "auto: the split-KV plan's automatic P (elsa_fwd.choose_num_splits); stream-k: the "
+                             "stream-K schedule (kernels/stream_k.py) on the same data, packed; stream-k vs auto: "
+                             "auto's graph ms over stream-k's")
                    + [markdown_table(table, ["case", "mode", "schedule", "P", "eager ms", "graph ms",
-                                             "auto vs flash-decoding", "max rel err vs float64"])])
+                                             "auto vs flash-decoding", "stream-k vs auto",
+                                             "max rel err vs float64"])])
     write_results(files, args.out, result, md, _plot if device.type == "cuda" else None)
     print(md)
     return result

@@ -7,9 +7,9 @@ Each case runs forward (and backward where the mode has backward kernels) on the
 variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128) and its
 fp32 split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
 single-pass and two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled
-windows, Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels. Outputs and gradients must be
-finite; the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``,
-``initcheck``). Exit 0 when every case ran, 1 when one raised or returned a non-finite value (each printed).
+windows, Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels (also the stream-K schedule and
+its merge). Outputs and gradients must be finite; the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT
+memcheck`` runs it (also ``racecheck``, ``initcheck``). Exit 0 when every case ran, 1 when one raised or returned a non-finite value (each printed).
 
 ``--control`` runs instead the smallest warp-specialized Gluon kernel (one mbarrier initialised before
 ``gl.warp_specialize``, one partition arriving, the other waiting; none of our data in shared memory): racecheck
@@ -115,6 +115,19 @@ def cases(families, modes):
             yield (f"varlen {mode} lengths {lens}",
                    lambda q, k, v, mode=mode: va.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), mode=mode),
                    [_rand(sum(lens), 2, 64, dtype=dt, grad=grad, seed=s) for s in range(3)])
+            # the stream-K schedule (forward only): few queries against uneven keys, shares cut inside jobs
+            from visionattn.kernels import stream_k
+
+            for lq, lk, programs in (([1, 0, 7, 3], [5000, 3, 0, 700], None), ([40, 16], [40, 333], 5)):
+                cq, ck = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                          for x in (lq, lk))
+
+                def stream(q, k, v, lq=lq, lk=lk, cq=cq, ck=ck, programs=programs, mode=mode):
+                    plan = stream_k.stream_plan(q, k, v, lq, lk, sum(lq), False, mode, q.dtype, True, False,
+                                                programs=programs)
+                    return plan(q, k, v, cq, ck, 0.125)[0]
+                yield (f"varlen stream-K {mode} lengths {lq} x {lk}", stream,
+                       [_rand(sum(x), 2, 64, dtype=dt, seed=s) for s, x in enumerate((lq, lk, lk))])
 
 
 def control() -> None:

@@ -272,7 +272,7 @@ def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
 
 # (mode, device, every sequence's address, shape, strides and dtype) -> how the kernel reads them in place:
 # (indices of the q / k / v base tensors and their strides, the device offsets — int32 cu_seqlens_q / _k, int64
-# row offsets —, query lengths, key maximum, the kernel's launch plan per causal flag); see
+# row offsets —, query and key lengths, the kernel's launch plan per causal flag); see
 # _sequences. Holds no caller tensor; the caching allocator hands a loop the same addresses call after call.
 CALLS = PlanCache(max_size=256)
 
@@ -304,7 +304,7 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
     table = host.to(first.device, non_blocking=True)
     cu_dev, off_dev = table[:4 * len(cu)].view(torch.int32), table[4 * len(cu):].view(torch.int64)
     bases = tuple(p[:2] for p in placed)
-    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, max(lens_k), {}
+    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, lens_k, {}
 
 
 def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causal: bool, backend):
@@ -340,7 +340,8 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
                                max(lens_k) if max_seqlen_k is None else max_seqlen_k,
                                mode=md, scale=scale, is_causal=is_causal, backend=backend)
         return list(out.split_with_sizes(lens_q))
-    bases, (cu_q, cu_k, row_offsets), lens_q, max_k, launches = plan
+    bases, (cu_q, cu_k, row_offsets), lens_q, lens_k, launches = plan
+    max_k = max(lens_k)
     for which, given, longest in (("q", max_seqlen_q, max(lens_q)), ("k", max_seqlen_k, max_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < longest):
             raise ValueError(f"max_seqlen_{which}={given!r}; expected None or an int >= the longest sequence "
@@ -356,7 +357,7 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
         out_dtype = first.dtype if first.dtype in KERNEL_DTYPES else torch.float32
         launch, (out, _) = varlen_fwd.plan_for(q, k, v, cu_q, cu_k, max(lens_q), max_k, bool(is_causal),
                                                float(scale), md.name, out_dtype, row_offsets=row_offsets,
-                                               total_q=sum(lens_q))
+                                               total_q=sum(lens_q), lengths=(tuple(lens_q), tuple(lens_k)))
         if launch is not None:
             launches[bool(is_causal)] = launch
     return list(out.split_with_sizes(lens_q))

@@ -19,7 +19,7 @@ def test_help_lists_every_flag():
     res = subprocess.run([sys.executable, TOOL, "--help"], capture_output=True, text=True)
     assert res.returncode == 0
     for flag in ("--modes", "--batch-heads", "--queries", "--keys", "--sequences", "--ratios", "--longest",
-                 "--splits", "--calls", "--repeats", "--seed", "--device", "--out"):
+                 "--self-lengths", "--splits", "--calls", "--repeats", "--seed", "--device", "--out"):
         assert flag in res.stdout
 
 
@@ -50,12 +50,13 @@ def test_tiny_cpu_run_every_schedule_matches_float64(tmp_path):
     out = str(tmp_path / "sk")
     res = bench_split_kv.main(["--device", "cpu", "--modes", "fp32,bf16", "--batch-heads", "1x2", "--queries", "3",
                                "--keys", "100", "--sequences", "3", "--ratios", "0.3,1", "--longest", "90",
-                               "--splits", "2,3", "--out", out])
+                               "--splits", "2,3", "--self-lengths", "40,17", "--out", out])
     rows = res["rows"]
-    assert {r["schedule"] for r in rows} == {"auto", "flash-decoding", "P=2", "P=3"}
-    assert {r["case"].split()[0] for r in rows} == {"B=1", "ragged"}
+    assert {r["schedule"] for r in rows} == {"auto", "flash-decoding", "P=2", "P=3", "stream-k"}
+    assert {r["case"].split()[0] for r in rows} == {"B=1", "ragged", "self-attention"}
     for r in rows:
         assert r["max_rel_err"] <= (1e-5 if r["mode"] == "fp32" else 2e-2), r
-    assert [r["splits"] for r in rows if r["schedule"] == "P=3"] == [3] * 6
+    assert [r["splits"] for r in rows if r["schedule"] == "P=3"] == [3] * 8
+    assert len([r for r in rows if r["schedule"] == "stream-k"]) == 8
     assert json.load(open(out + ".json"))["modes"] == ["fp32", "bf16"]
-    assert "flash-decoding" in open(out + ".md").read()
+    assert "flash-decoding" in open(out + ".md").read() and "stream-k vs auto" in open(out + ".md").read()

@@ -1,0 +1,446 @@
+"""Stream-K (LeanAttention) schedule of the ragged forward: equal shares of key-tile iterations per program.
+
+The varlen kernel (:mod:`.varlen_fwd`) gives each (query tile, head, sequence) one program, optionally cut into
+P equal key partitions (split-KV): over a batch of uneven lengths the longest sequence's programs set the time
+while the others' SMs idle, and cutting every sequence by the longest one's partition size launches programs that
+exit at once. LeanAttention's stream-K schedule (LeanAttention, Sec. 4 and its appendix) instead lays every
+*iteration* — one key tile of one (sequence, head, query tile) "job" — on one line, jobs back to back, and gives
+each of G programs a contiguous equal share: ``[g T / G, (g + 1) T / G)`` of the ``T`` iterations. A program folds
+the ELSA state ``(m, S, W)`` over its share, job by job: a job it covers whole writes its output directly; a job cut
+at the share's start or end leaves a partial state, and :func:`_stream_merge_kernel` folds each cut job's
+partials with the monoid merge (:func:`.elsa_fwd.merge_partials`, the split-KV merge's arithmetic), in program
+order: deterministic, no atomics. Every SM gets the same work whatever the lengths, and no program is empty.
+
+The partition is computed on the host from the sequence lengths (:func:`partition`; once per call signature, the
+plan caches it with its device table), so it needs the lengths on the host: lists of sequences, and packed calls
+whose offsets the caller read on the host. The query tile follows the longest query sequence (16 to 128 rows):
+few-query calls (class attention, attention pooling, one query per sequence) fold 16-row tiles instead of
+128-row ones.
+
+Rule (:func:`choose`): stream-K where the varlen kernel's single pass leaves SMs idle — the longest sequence's
+programs (heads x query tiles) fewer than the SMs, LeanAttention's regime — and the lengths are known; the
+single pass / split-KV plan otherwise. Dense calls (:func:`dense_plan`, their batch items as equal sequences) take
+it where the split-KV plan would split them, from :data:`DENSE_MIN_JOBS` jobs, fp16 / bf16 from
+:data:`DENSE_HALF_MIN_KEYS` keys (docs/tuning.md: stream-K for ragged and few-query calls).
+
+Entry points: :func:`partition` (pure host code), :func:`choose`, :func:`stream_plan`, :func:`dense_plan`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import KernelCall, cdiv, head_blocks, interpreting, pad_pow2, sm_count
+from .elsa_fwd import (LAZY_V_MIN_KEYS, _fold_tile, _precision, final_state, get_config, key_tiles,
+                       merge_partials, store_partial, NOMINAL_SMS)
+from .varlen_fwd import _register_cap, sequence_tile
+
+__all__ = ["Partition", "partition", "choose", "stream_plan", "dense_plan", "dense_prefers", "query_block",
+           "PROGRAMS_PER_SM"]
+
+# programs of the stream-K kernel one SM runs side by side (two 4-warp programs of <= 64 rows, one of the 128-row
+# 8-warp tiles' pair), so G = PROGRAMS_PER_SM * SMs shares fill the GPU in one wave
+PROGRAMS_PER_SM = 2
+# dense fp16 / bf16 calls take stream-K from this many keys; below it the split-KV plan is as fast (0.94-1.08x at
+# 4096 keys, 1.22-1.26x at 65536), while the FP32-class modes' 16-row tiles pay from 4096 keys (1.33-1.69x)
+# (docs/tuning.md: stream-K for ragged and few-query calls)
+DENSE_HALF_MIN_KEYS = 16384
+# dense calls take stream-K from this many jobs (batch x heads x query tiles): with fewer, the shares cut a job into
+# one-iteration pieces that one merge program folds in series (0.30-0.95x the split-KV plan at one head of 16
+# queries), where split-KV's partitions are as balanced
+DENSE_MIN_JOBS = 16
+# split-job rows: int32 columns of the merge table (sequence, head, first query row, first slot, partial count)
+_SPLIT_COLS = 5
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A stream-K partition of one call's iterations (:func:`partition`).
+
+    Attributes:
+        block_m, block_n: the query rows and keys of one iteration's tile.
+        programs: G, the programs of the launch (each a contiguous share of the iterations).
+        iterations: T, key tiles of every job together (a job without keys counts one, which writes zeros).
+        jobs: J, the (sequence, head, query tile) jobs, in the order their iterations run.
+        slots: partial states the programs store (at most 2 G): each cut job's pieces.
+        split_jobs: S, the jobs cut between programs, which the merge folds.
+        table: int32 [G + 1 | G | G | J + 1 | 3 J | 5 S] on the host: program iteration starts (and T), each
+            program's first job, its first partial slot, the jobs' iteration starts (and T), each job's (sequence,
+            head, first query row), each cut job's (sequence, head, first query row, first slot, partial count).
+            Slots of one cut job are consecutive, in program order.
+    """
+
+    block_m: int
+    block_n: int
+    programs: int
+    iterations: int
+    jobs: int
+    slots: int
+    split_jobs: int
+    table: torch.Tensor
+
+    def sections(self) -> tuple[int, ...]:
+        """Lengths of the table's six sections, in order."""
+        G, J = self.programs, self.jobs
+        return (G + 1, G, G, J + 1, 3 * J, _SPLIT_COLS * self.split_jobs)
+
+
+def _job_tiles(lq: int, lk: int, block_m: int, block_n: int, is_causal: bool) -> list[int]:
+    """Key tiles of each query tile of one sequence, as :func:`.elsa_fwd.key_tiles` counts them (causal: up to the
+    tile's last row), at least 1 (a job without keys still writes its zero rows)."""
+    out = []
+    for start in range(0, lq, block_m):
+        hi = min(lk, start + block_m) if is_causal else lk
+        out.append(max(1, cdiv(hi, block_n)))
+    return out
+
+
+def partition(lens_q, lens_k, heads: int, block_m: int, block_n: int, is_causal: bool, programs: int) -> Partition:
+    """Cut the iterations of a ragged call into ``programs`` contiguous equal shares (stream-K).
+
+    Args:
+        lens_q, lens_k: per-sequence query and key lengths (ints >= 0, one per sequence).
+        heads: H; block_m / block_n: the tile's query rows and keys; is_causal: top-left causal per sequence.
+        programs: the programs wanted (fewer when there are fewer iterations).
+
+    Jobs run sequence by sequence, head by head, query tile by query tile, so the jobs of one (sequence, head)
+    share its K / V tiles in L2 and a program's share is a run of adjacent jobs. Program ``g`` takes
+    iterations ``[g T // G, (g + 1) T // G)``.
+
+    Returns:
+        A :class:`Partition` (``jobs == 0`` and no programs when no sequence has a query row).
+
+    Raises:
+        ValueError: lengths of different counts or negative, ``heads`` / ``programs`` / block sizes below 1.
+    """
+    lens_q, lens_k = [int(x) for x in lens_q], [int(x) for x in lens_k]
+    if len(lens_q) != len(lens_k):
+        raise ValueError(f"{len(lens_q)} query lengths but {len(lens_k)} key lengths; expected one of each per "
+                         f"sequence")
+    if any(x < 0 for x in lens_q + lens_k):
+        raise ValueError("sequence lengths must be >= 0")
+    if min(heads, block_m, block_n, programs) < 1:
+        raise ValueError(f"heads={heads}, block_m={block_m}, block_n={block_n}, programs={programs}; expected >= 1")
+    seq_col, heads_col, start_col, tiles_col = [], [], [], []
+    for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        tiles = _job_tiles(lq, lk, block_m, block_n, is_causal)
+        for h in range(heads):
+            seq_col += [s] * len(tiles)
+            heads_col += [h] * len(tiles)
+            start_col += range(0, lq, block_m)
+            tiles_col += tiles
+    J = len(tiles_col)
+    if J == 0:
+        return Partition(block_m, block_n, 0, 0, 0, 0, 0, torch.zeros(2, dtype=torch.int32))
+    job_it = torch.zeros(J + 1, dtype=torch.int64)
+    job_it[1:] = torch.tensor(tiles_col, dtype=torch.int64).cumsum(0)
+    T = int(job_it[-1])
+    G = min(int(programs), T)
+    prog_it = torch.arange(G + 1, dtype=torch.int64) * T // G
+    start, end = prog_it[:-1], prog_it[1:]
+    first = torch.searchsorted(job_it, start, right=True) - 1  # the job holding each share's first iteration
+    last = torch.searchsorted(job_it, end - 1, right=True) - 1  # ... and its last
+    first_cut = (start > job_it[first]) | (end < job_it[first + 1])
+    last_cut = (last != first) & (end < job_it[last + 1])
+    pieces = first_cut.long() + last_cut.long()
+    prog_slot = torch.zeros(G, dtype=torch.int64)
+    prog_slot[1:] = pieces.cumsum(0)[:-1]
+    # the cut jobs in slot order: (job of each slot); a cut job's slots are consecutive
+    slot_job = torch.stack([torch.where(first_cut, first, -1), torch.where(last_cut, last, -1)], 1).reshape(-1)
+    slot_job = slot_job[slot_job >= 0]
+    split, counts = torch.unique_consecutive(slot_job, return_counts=True)
+    slot_lo = torch.zeros_like(counts)
+    slot_lo[1:] = counts.cumsum(0)[:-1]
+    seq_t, start_t = torch.tensor(seq_col, dtype=torch.int64), torch.tensor(start_col, dtype=torch.int64)
+    heads_t = torch.tensor(heads_col, dtype=torch.int64)
+    info = torch.stack([seq_t, heads_t, start_t], 1).reshape(-1)
+    merge = torch.stack([seq_t[split], heads_t[split], start_t[split], slot_lo, counts], 1).reshape(-1)
+    table = torch.cat([prog_it, first, prog_slot, job_it, info, merge]).to(torch.int32)
+    return Partition(block_m, block_n, G, T, J, int(pieces.sum()), int(split.numel()), table)
+
+
+def query_block(max_seqlen_q: int, config_block_m: int) -> int:
+    """The stream-K tile's query rows: the longest query sequence's power of two, 16 to the config's rows."""
+    return max(16, min(config_block_m, pad_pow2(max(1, max_seqlen_q))))
+
+
+def choose(lens_q, lens_k, heads: int, mode: str, head_dim: int, head_dim_v: int, device: torch.device) -> bool:
+    """Whether stream-K runs a ragged call of these host-side lengths (the module's rule): on CUDA, when the varlen
+    kernel's single pass gives the longest query sequence fewer programs (``heads x`` its query tiles) than the GPU
+    has SMs, and at least one sequence has queries and keys."""
+    if device.type != "cuda" or not lens_q or max(lens_q) == 0 or max(lens_k, default=0) == 0:
+        return False
+    cfg = get_config(mode, head_dim, head_dim_v, max(lens_k))
+    return heads * cdiv(max(lens_q), cfg.block_m) < sm_count(device)
+
+
+@triton.jit(do_not_specialize=["H", "total_q"])
+def _stream_fwd_kernel(
+    Q, K, V, CuQ, CuK, RowOff, Out, Lse, WsM, WsS, WsW, ProgIt, ProgJob, ProgSlot, JobIt, JobInfo, qk_scale,
+    sqt, sqh, sqd, skt, skh, skd, svt, svh, svd, sot, soh, sod,
+    H, total_q, D, Dv,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, LAZY_V: tl.constexpr, WRITE_LSE: tl.constexpr, ROW_OFFSETS: tl.constexpr,
+):
+    """Program ``g`` folds iterations ``[ProgIt[g], ProgIt[g + 1])``, job after job (tables of :func:`partition`).
+
+    Per job: the query tile's rows and the key tiles of the share (interior tiles, then boundary ones, as the varlen
+    kernel's :func:`.elsa_fwd.partition_tiles`); a job covered whole writes ``W / S`` (and the LSE) to ``Out``
+    [total_q, H, Dv] like :func:`.varlen_fwd._varlen_fwd_kernel`, a cut one its partial state to the next slot
+    (:func:`.elsa_fwd.store_partial`, rows ``slot * BLOCK_M + r``). Arguments, layouts and ``ROW_OFFSETS`` as the
+    varlen kernel's."""
+    g = tl.program_id(0)
+    it = tl.load(ProgIt + g)
+    end = tl.load(ProgIt + g + 1)
+    job = tl.load(ProgJob + g)
+    slot = tl.load(ProgSlot + g).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < Dv
+    while it < end:
+        j_lo = tl.load(JobIt + job)
+        j_hi = tl.load(JobIt + job + 1)
+        seg_end = tl.minimum(end, j_hi)
+        seq = tl.load(JobInfo + 3 * job)
+        off_h = tl.load(JobInfo + 3 * job + 1).to(tl.int64)
+        start_m = tl.load(JobInfo + 3 * job + 2)
+        q_start = tl.load(CuQ + seq).to(tl.int64)
+        Lq = tl.load(CuQ + seq + 1) - tl.load(CuQ + seq)
+        k_start = tl.load(CuK + seq).to(tl.int64)
+        Nk = tl.load(CuK + seq + 1) - tl.load(CuK + seq)
+        start_m64 = start_m.to(tl.int64)
+        rows = start_m + offs_m
+        row_ok = rows < Lq
+        q, q_lo, q_inv, v_exp, k_base, v_base = sequence_tile(
+            Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs_m, offs_d, row_ok, D, qk_scale,
+            sqt, sqh, sqd, skt, skh, svt, svh, BLOCK_M, BLOCK_DV, EVEN_D, PRECISION, ROW_OFFSETS)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+        lo_t = it - j_lo
+        hi_t = tl.minimum(seg_end - j_lo, n_tiles)  # a job without keys has one iteration and no tile
+        mid_t = tl.maximum(tl.minimum(n_full, hi_t), lo_t)
+        for t in range(lo_t, mid_t):
+            acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q,
+                                              t * BLOCK_N, offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+                                              skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
+                                              False, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION,
+                                              DOT_UPCAST, LAZY_V)
+        for t in range(mid_t, hi_t):
+            acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q,
+                                              t * BLOCK_N, offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+                                              skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
+                                              True, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION,
+                                              DOT_UPCAST, LAZY_V)
+        lse, acc, l_i, m_i, v_unscale = final_state(acc, l_i, m_i, v_exp, PRECISION)
+        if (it == j_lo) & (seg_end == j_hi):  # the whole job: its output
+            if WRITE_LSE:
+                tl.store(Lse + off_h * total_q + q_start + start_m64 + offs_m, lse, mask=row_ok)
+            l_div = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: W = 0, S = 0 -> output 0
+            out = acc / l_div[:, None] * v_unscale[None, :]
+            o_ptrs = (Out + (q_start + start_m64) * sot + off_h * soh + offs_m[:, None] * sot
+                      + offs_dv[None, :] * sod)
+            tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        else:  # a piece: its partial state, for the merge
+            store_partial(WsM, WsS, WsW, slot * BLOCK_M + offs_m, m_i, l_i, acc, v_unscale, offs_dv, row_ok, Dv)
+            slot += 1
+        it = seg_end
+        job += 1
+
+
+@triton.jit(do_not_specialize=["total_q"])
+def _stream_merge_kernel(WsM, WsS, WsW, Out, Lse, CuQ, Split, sot, soh, total_q, Dv,
+                         TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         WRITE_LSE: tl.constexpr):
+    """Fold each cut job's partial states (``Split`` rows of :func:`partition`: sequence, head, first query row,
+    first slot, count) with :func:`.elsa_fwd.merge_partials`; write ``W / S`` to ``Out`` [total_q, H, Dv] and, with
+    ``WRITE_LSE``, the LSE to ``Lse`` [H, total_q]. 1-D grid: cut jobs x ``TILE_M / BLOCK_M`` row blocks x
+    ``Dv`` slices (``TILE_M`` the forward's query tile)."""
+    dv_tiles = tl.cdiv(Dv, BLOCK_DV)
+    pid0 = tl.program_id(0)
+    pid_dv = pid0 % dv_tiles
+    pid_m = (pid0 // dv_tiles) % (TILE_M // BLOCK_M)
+    job = pid0 // (dv_tiles * (TILE_M // BLOCK_M))
+    seq = tl.load(Split + 5 * job)
+    off_h = tl.load(Split + 5 * job + 1).to(tl.int64)
+    start_m = tl.load(Split + 5 * job + 2)
+    slot_lo = tl.load(Split + 5 * job + 3).to(tl.int64)
+    n_parts = tl.load(Split + 5 * job + 4)
+    q_start = tl.load(CuQ + seq).to(tl.int64)
+    Lq = tl.load(CuQ + seq + 1) - tl.load(CuQ + seq)
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = pid_dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    row_ok = start_m + local < Lq
+    dv_ok = offs_dv < Dv
+    plane = tl.full([], TILE_M, dtype=tl.int64)
+    base = slot_lo * TILE_M + local
+    m, s, w = merge_partials(WsM, WsS, WsW, n_parts, row_ok, plane, base, offs_dv, dv_ok, Dv, BLOCK_M, BLOCK_P,
+                             BLOCK_DV)
+    rows = q_start + start_m + local
+    if WRITE_LSE:
+        tl.store(Lse + off_h * total_q + rows, (m + tl.math.log2(s)) * 0.6931471805599453,
+                 mask=row_ok & (pid_dv == 0))
+    o_ptrs = Out + rows[:, None] * sot + off_h * soh + offs_dv[None, :]
+    tl.store(o_ptrs, w.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+
+
+# FP32 elements of one merge program's [BLOCK_M, BLOCK_P, BLOCK_DV] tile, as the split-KV merge's (elsa_fwd.MERGE_TILE)
+_MERGE_TILE = 8192
+
+
+def _merge_blocks(tile_m: int, rows: int, head_dim_v: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_P, BLOCK_DV, num_warps)`` of the stream-K merge: rows up to the query tile's valid ones (a
+    divisor of ``tile_m``), head dim slices of at most 64, partitions filling the rest of the tile."""
+    block_dv = min(64, pad_pow2(head_dim_v))
+    block_m = max(1, min(tile_m, pad_pow2(rows, 1), _MERGE_TILE // 2 // block_dv))
+    block_p = max(2, min(64, _MERGE_TILE // (block_m * block_dv)))
+    return block_m, block_p, block_dv, max(1, min(8, block_m * block_p * block_dv // 1024))
+
+
+class StreamPlan:
+    """The stream-K launches of one call signature (lengths included): the partition's device table, the forward
+    and, when jobs are cut, the merge. Calling it with ``(q, k, v, cu_q, cu_k, scale, row_offsets)`` returns
+    ``(out [total_q, H, Dv], lse [H, total_q] or None)``, as :class:`._launch.VarlenForwardRun`."""
+
+    __slots__ = ("part", "table", "views", "main", "merge", "fixed", "merge_fixed", "o_shape", "o_dtype", "device",
+                 "with_lse", "ws_rows", "dv")
+
+    def __init__(self, part: Partition, heads: int, head_dim: int, head_dim_v: int, strides: tuple, device,
+                 dtype: torch.dtype, total_q: int, is_causal: bool, mode: str, out_dtype, with_lse: bool,
+                 max_seqlen_k: int, max_rows: int, row_offsets: bool):
+        H, D, Dv = heads, head_dim, head_dim_v
+        precision = _precision(mode, None)
+        block_d, block_dv = head_blocks(D, Dv, precision)
+        cfg = get_config(mode, D, Dv, max_seqlen_k)
+        self.part, self.device, self.o_dtype, self.with_lse, self.dv = part, device, out_dtype, with_lse, Dv
+        self.o_shape = (total_q, H, Dv)
+        self.ws_rows = part.slots * part.block_m
+        table = part.table.pin_memory() if device.type == "cuda" else part.table
+        self.table = table.to(device, non_blocking=True)
+        self.views, at = [], 0
+        for n in part.sections():
+            self.views.append(self.table[at:at + n])
+            at += n
+        warps = 4 if part.block_m <= 64 else cfg.num_warps
+        cap = _register_cap(precision, replace(cfg, num_warps=warps), block_d, block_dv)  # the varlen kernel's cap
+        self.fixed = (*strides, H * Dv, Dv, 1, H, total_q, D, Dv)
+        self.main = KernelCall(_stream_fwd_kernel, (part.programs,), dict(
+            BLOCK_M=part.block_m, BLOCK_N=part.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            PRECISION=precision, IS_CAUSAL=bool(is_causal), EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
+            DOT_UPCAST=dtype == torch.bfloat16 and interpreting(),
+            LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse),
+            ROW_OFFSETS=bool(row_offsets)), dict(num_warps=warps, num_stages=cfg.num_stages, **cap))
+        self.merge = None
+        if part.split_jobs:
+            bm, bp, bdv, nw = _merge_blocks(part.block_m, max_rows, Dv)
+            grid = part.split_jobs * (part.block_m // bm) * cdiv(Dv, bdv)
+            self.merge = KernelCall(_stream_merge_kernel, (grid,), dict(TILE_M=part.block_m, BLOCK_M=bm, BLOCK_P=bp,
+                                                                        BLOCK_DV=bdv, WRITE_LSE=bool(with_lse)),
+                                    dict(num_warps=nw))
+            self.merge_fixed = (H * Dv, Dv, total_q, Dv)
+
+    def __call__(self, q, k, v, cu_q, cu_k, scale, row_offsets=None):
+        dev = self.device
+        out = torch.empty(self.o_shape, dtype=self.o_dtype, device=dev)
+        lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=dev) if self.with_lse \
+            else None
+        dummy = 0 if self.main._fast is not None else q  # unused pointers: null on the direct path
+        ws = [dummy] * 3
+        if self.merge is not None:
+            ws = [torch.empty(self.ws_rows, dtype=torch.float32, device=dev),
+                  torch.empty(self.ws_rows, dtype=torch.float32, device=dev),
+                  torch.empty(self.ws_rows * self.dv, dtype=torch.float32, device=dev)]
+        prog_it, prog_job, prog_slot, job_it, job_info, split = self.views
+        self.main(q, k, v, cu_q, cu_k, dummy if row_offsets is None else row_offsets, out,
+                  dummy if lse is None else lse, *ws, prog_it, prog_job, prog_slot, job_it, job_info,
+                  scale * 1.4426950408889634, *self.fixed)
+        if self.merge is not None:
+            merge_lse = lse if lse is not None else (0 if self.merge._fast is not None else q)
+            self.merge(*ws, out, merge_lse, cu_q, split, *self.merge_fixed)
+        return out, lse
+
+
+def stream_plan(q, k, v, lens_q, lens_k, total_q: int, is_causal: bool, mode: str, out_dtype, with_lse: bool,
+                row_offsets: bool, programs: int | None = None) -> StreamPlan | None:
+    """The :class:`StreamPlan` of a ragged call (q [total_q, H, D], k [total_k, H, D], v [total_k, H, Dv], or any
+    tensors with those strides read through ``row_offsets``) with host-side lengths ``lens_q`` / ``lens_k``; None
+    when no sequence has a query row. ``programs``: G (default :data:`PROGRAMS_PER_SM` per SM; tools and tests
+    choose others)."""
+    return _plan(q, v, q.shape[1], q.stride(), k.stride(), v.stride(), lens_q, lens_k, total_q, is_causal, mode,
+                 out_dtype, with_lse, row_offsets, programs)
+
+
+def _plan(q, v, heads, sq, sk, sv, lens_q, lens_k, total_q, is_causal, mode, out_dtype, with_lse, row_offsets,
+          programs=None):
+    """:func:`stream_plan` with the token / head / head-dim strides ``sq`` / ``sk`` / ``sv`` given."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    max_k = max(lens_k, default=0)
+    cfg = get_config(mode, D, Dv, max_k)
+    block_m = query_block(max(lens_q, default=0), cfg.block_m)
+    if programs is None:
+        sms = sm_count(q.device) if q.device.type == "cuda" else NOMINAL_SMS
+        programs = PROGRAMS_PER_SM * sms
+    part = partition(lens_q, lens_k, heads, block_m, cfg.block_n, is_causal, programs)
+    if part.jobs == 0:
+        return None
+    return StreamPlan(part, heads, D, Dv, (*sq, *sk, *sv), q.device, q.dtype, total_q, is_causal, mode,
+                      out_dtype, with_lse, max_k, min(block_m, max(lens_q)), row_offsets)
+
+
+def dense_prefers(jobs: int, n_k: int, precision: str) -> bool:
+    """Whether a dense call the split-KV plan would split runs faster on stream-K: at least :data:`DENSE_MIN_JOBS`
+    jobs, and fp16 / bf16 (``precision`` "half") from :data:`DENSE_HALF_MIN_KEYS` keys."""
+    return jobs >= DENSE_MIN_JOBS and (precision != "half" or n_k >= DENSE_HALF_MIN_KEYS)
+
+
+class DenseStreamPlan:
+    """The stream-K schedule of a dense call q [B, H, Nq, D], k / v [B, H, Nk, D | Dv] (a plan of
+    :mod:`.elsa_fwd`'s cache): its B batch items as B sequences of equal lengths, read in place through row offsets
+    (``b`` times the batch strides), the output [B, H, Nq, Dv] a view of the packed [B Nq, H, Dv] one (the dense
+    kernels' heads-inner layout). Called as :class:`._launch.DenseForwardRun` plans are: ``(out, None)``."""
+
+    __slots__ = ("stream", "cu_q", "cu_k", "row_offsets", "shape")
+
+    def __init__(self, stream: StreamPlan, cu_q, cu_k, row_offsets, shape):
+        self.stream, self.cu_q, self.cu_k, self.row_offsets, self.shape = stream, cu_q, cu_k, row_offsets, shape
+
+    def __call__(self, q, k, v, bias, attn_mask, scale):
+        out, _ = self.stream(q, k, v, self.cu_q, self.cu_k, scale, self.row_offsets)
+        B, Nq, H, Dv = self.shape
+        return out.view(B, Nq, H, Dv).transpose(1, 2), None
+
+
+def dense_plan(q, k, v, bias, attn_mask, is_causal: bool, mode: str, out_dtype, with_lse: bool,
+               programs: int | None = None, rule: bool = True):
+    """A :class:`DenseStreamPlan` for a dense call where the single pass leaves SMs idle (the split-KV plan's
+    regime: :func:`.elsa_fwd.choose_num_splits` would split) and :func:`dense_prefers` it, or None: a bias, a mask, the LSE (training calls keep
+    the split-KV plan), grouped key / value heads, batch strides that are not multiples of 16 elements (the row
+    offsets' aligned loads), or off CUDA. ``rule=False`` skips the regime test (tests, in the interpreter);
+    ``programs`` as :func:`stream_plan`'s."""
+    from .elsa_fwd import choose_num_splits
+
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    if (bias is not None or attn_mask is not None or with_lse or k.shape[1] != H
+            or (B > 1 and any(t.stride(0) % 16 for t in (q, k, v)))):
+        return None
+    cfg = get_config(mode, D, v.shape[3], Nk)
+    precision = _precision(mode, None)
+    jobs = B * H * cdiv(Nq, query_block(Nq, cfg.block_m))
+    if rule and (choose_num_splits(B * H, Nq, Nk, cfg, q.device, precision) <= 1  # (1 off CUDA)
+                 or not dense_prefers(jobs, Nk, precision)):
+        return None
+    stream = _plan(q, v, H, q.stride()[2:0:-1] + q.stride()[3:], k.stride()[2:0:-1] + k.stride()[3:],
+                   v.stride()[2:0:-1] + v.stride()[3:], [Nq] * B, [Nk] * B, B * Nq, is_causal, mode, out_dtype,
+                   False, True, programs)
+    cu_q, cu_k = (torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=q.device) for n in (Nq, Nk))
+    offsets = torch.tensor([[b * t.stride(0) for t in (q, k, v)] for b in range(B)], dtype=torch.int64,
+                           device=q.device)
+    return DenseStreamPlan(stream, cu_q, cu_k, offsets, (B, Nq, H, v.shape[3]))
