@@ -873,8 +873,8 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
 
     Order: nothing to compute -> :class:`._launch.EmptyForwardPlan`; a Gluon kernel that takes the call (not with an
     explicit ``config`` / ``precision``); the stream-K schedule where the single pass leaves SMs idle
-    (:func:`.stream_k.dense_plan`; not with an explicit ``num_splits``); else the Triton kernel with the table's config, and on out-of-shared-memory
-    (bias / mask tiles add to it) the next smaller of :func:`_smaller_configs`.
+    (:func:`.stream_k.dense_plan`; not with an explicit ``num_splits``); else the Triton kernel with the table's config,
+    and on out-of-shared-memory (bias / mask tiles add to it) the next smaller of :func:`_smaller_configs`.
     """
     if mode not in DENSE_MODES:
         raise ValueError(f"mode={mode!r} has no dense ELSA kernel; expected one of {list(DENSE_MODES)}")

@@ -419,11 +419,11 @@ class DenseStreamPlan:
 
 def dense_plan(q, k, v, bias, attn_mask, is_causal: bool, mode: str, out_dtype, with_lse: bool,
                programs: int | None = None, rule: bool = True):
-    """A :class:`DenseStreamPlan` for a dense call where the single pass leaves SMs idle (the split-KV plan's
-    regime: :func:`.elsa_fwd.choose_num_splits` would split) and :func:`dense_prefers` it, or None: a bias, a mask, the LSE (training calls keep
-    the split-KV plan), grouped key / value heads, batch strides that are not multiples of 16 elements (the row
-    offsets' aligned loads), or off CUDA. ``rule=False`` skips the regime test (tests, in the interpreter);
-    ``programs`` as :func:`stream_plan`'s."""
+    """A :class:`DenseStreamPlan` for a dense call where the single pass leaves SMs idle (the split-KV plan's regime:
+    :func:`.elsa_fwd.choose_num_splits` would split) and :func:`dense_prefers` it, or None: a bias, a mask, the LSE
+    (training calls keep the split-KV plan), grouped key / value heads, batch strides that are not multiples of 16
+    elements (the row offsets' aligned loads), or off CUDA. ``rule=False`` skips the regime test (tests, in the
+    interpreter); ``programs`` as :func:`stream_plan`'s."""
     from .elsa_fwd import choose_num_splits
 
     B, H, Nq, D = q.shape

@@ -4,12 +4,13 @@
     compute-sanitizer --tool racecheck --error-exitcode 9 python tools/memcheck_cases.py --families window dense
 
 Each case runs forward (and backward where the mode has backward kernels) on the GPU once, at a size that takes the
-variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128) and its
-fp32 split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
+variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128) and its fp32
+split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
 single-pass and two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled
 windows, Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels (also the stream-K schedule and
 its merge). Outputs and gradients must be finite; the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT
-memcheck`` runs it (also ``racecheck``, ``initcheck``). Exit 0 when every case ran, 1 when one raised or returned a non-finite value (each printed).
+memcheck`` runs it (also ``racecheck``, ``initcheck``). Exit 0 when every case ran, 1 when one raised or returned a
+non-finite value (each printed).
 
 ``--control`` runs instead the smallest warp-specialized Gluon kernel (one mbarrier initialised before
 ``gl.warp_specialize``, one partition arriving, the other waiting; none of our data in shared memory): racecheck
