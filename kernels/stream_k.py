@@ -12,8 +12,9 @@ partials with the monoid merge (:func:`.elsa_fwd.merge_partials`, the split-KV m
 order: deterministic, no atomics. Every SM gets the same work whatever the lengths, and no program is empty.
 
 The partition is computed on the host from the sequence lengths (:func:`partition`; once per call signature, the
-plan caches it with its device table), so it needs the lengths on the host: lists of sequences, and packed calls
-whose offsets the caller read on the host. The query tile follows the longest query sequence (16 to 128 rows):
+plan caches it with its device table), so it needs the lengths on the host: lists of sequences
+(:func:`visionattn.varlen_attention`), callers of :func:`.varlen_fwd.varlen_forward` that pass them, and dense calls
+(equal lengths). The query tile follows the longest query sequence (16 to 128 rows):
 few-query calls (class attention, attention pooling, one query per sequence) fold 16-row tiles instead of
 128-row ones.
 
@@ -41,15 +42,15 @@ from .varlen_fwd import _register_cap, sequence_tile
 __all__ = ["Partition", "partition", "choose", "stream_plan", "dense_plan", "dense_prefers", "query_block",
            "PROGRAMS_PER_SM"]
 
-# programs of the stream-K kernel one SM runs side by side (two 4-warp programs of <= 64 rows, one of the 128-row
-# 8-warp tiles' pair), so G = PROGRAMS_PER_SM * SMs shares fill the GPU in one wave
+# G = PROGRAMS_PER_SM x SMs programs, one wave at two programs an SM: of 1, 2, 3, 4, 6 and 8 an SM, 2 was the fastest
+# in fp32 and within 0.8-1.25x of the fastest in bf16 (docs/tuning.md: stream-K for ragged and few-query calls)
 PROGRAMS_PER_SM = 2
-# dense fp16 / bf16 calls take stream-K from this many keys; below it the split-KV plan is as fast (0.94-1.08x at
-# 4096 keys, 1.22-1.26x at 65536), while the FP32-class modes' 16-row tiles pay from 4096 keys (1.33-1.69x)
-# (docs/tuning.md: stream-K for ragged and few-query calls)
+# dense fp16 / bf16 calls take stream-K from this many keys; below it the split-KV plan is as fast (stream-K
+# 0.87-1.11x at 1024-4096 keys, 1.02-1.22x from 16384), while the FP32-class modes' 16-row tiles pay from 1024 keys
+# (1.17-1.69x) (docs/tuning.md: stream-K for ragged and few-query calls)
 DENSE_HALF_MIN_KEYS = 16384
 # dense calls take stream-K from this many jobs (batch x heads x query tiles): with fewer, the shares cut a job into
-# one-iteration pieces that one merge program folds in series (0.30-0.95x the split-KV plan at one head of 16
+# one-iteration pieces that one merge program folds in series (0.30-1.39x the split-KV plan at one head of 16
 # queries), where split-KV's partitions are as balanced
 DENSE_MIN_JOBS = 16
 # split-job rows: int32 columns of the merge table (sequence, head, first query row, first slot, partial count)
@@ -114,7 +115,8 @@ def partition(lens_q, lens_k, heads: int, block_m: int, block_n: int, is_causal:
         A :class:`Partition` (``jobs == 0`` and no programs when no sequence has a query row).
 
     Raises:
-        ValueError: lengths of different counts or negative, ``heads`` / ``programs`` / block sizes below 1.
+        ValueError: lengths of different counts or negative, ``heads`` / ``programs`` / block sizes below 1, 2^31
+            iterations or more.
     """
     lens_q, lens_k = [int(x) for x in lens_q], [int(x) for x in lens_k]
     if len(lens_q) != len(lens_k):
@@ -138,6 +140,9 @@ def partition(lens_q, lens_k, heads: int, block_m: int, block_n: int, is_causal:
     job_it = torch.zeros(J + 1, dtype=torch.int64)
     job_it[1:] = torch.tensor(tiles_col, dtype=torch.int64).cumsum(0)
     T = int(job_it[-1])
+    if T >= 2 ** 31:
+        raise ValueError(f"{T} key-tile iterations pass the int32 table's range; such a call fills the GPU without "
+                         f"stream-K (schedule='split-kv')")
     G = min(int(programs), T)
     prog_it = torch.arange(G + 1, dtype=torch.int64) * T // G
     start, end = prog_it[:-1], prog_it[1:]
@@ -170,11 +175,14 @@ def query_block(max_seqlen_q: int, config_block_m: int) -> int:
 def choose(lens_q, lens_k, heads: int, mode: str, head_dim: int, head_dim_v: int, device: torch.device) -> bool:
     """Whether stream-K runs a ragged call of these host-side lengths (the module's rule): on CUDA, when the varlen
     kernel's single pass gives the longest query sequence fewer programs (``heads x`` its query tiles) than the GPU
-    has SMs, and at least one sequence has queries and keys."""
+    has SMs, at least one sequence has queries and keys, and the iterations fit the partition's int32 table."""
     if device.type != "cuda" or not lens_q or max(lens_q) == 0 or max(lens_k, default=0) == 0:
         return False
     cfg = get_config(mode, head_dim, head_dim_v, max(lens_k))
-    return heads * cdiv(max(lens_q), cfg.block_m) < sm_count(device)
+    if heads * cdiv(max(lens_q), cfg.block_m) >= sm_count(device):
+        return False
+    # the partition's int32 table: at most one iteration per 16 queries x key tile
+    return heads * sum(cdiv(a, 16) * cdiv(b, cfg.block_n) for a, b in zip(lens_q, lens_k)) < 2 ** 31
 
 
 @triton.jit(do_not_specialize=["H", "total_q"])
@@ -436,6 +444,8 @@ def dense_plan(q, k, v, bias, attn_mask, is_causal: bool, mode: str, out_dtype, 
     jobs = B * H * cdiv(Nq, query_block(Nq, cfg.block_m))
     if rule and (choose_num_splits(B * H, Nq, Nk, cfg, q.device, precision) <= 1  # (1 off CUDA)
                  or not dense_prefers(jobs, Nk, precision)):
+        return None
+    if jobs * cdiv(Nk, cfg.block_n) >= 2 ** 31:  # past the partition's int32 table
         return None
     stream = _plan(q, v, H, q.stride()[2:0:-1] + q.stride()[3:], k.stride()[2:0:-1] + k.stride()[3:],
                    v.stride()[2:0:-1] + v.stride()[3:], [Nq] * B, [Nk] * B, B * Nq, is_causal, mode, out_dtype,

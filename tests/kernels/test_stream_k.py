@@ -93,6 +93,8 @@ def test_partition_of_calls_without_queries_and_bad_arguments():
         stream_k.partition([1, -2], [3, 4], 1, 16, 16, False, 4)
     with pytest.raises(ValueError, match="programs=0"):
         stream_k.partition([1], [3], 1, 16, 16, False, 0)
+    with pytest.raises(ValueError, match="int32"):
+        stream_k.partition([16], [2 ** 31 * 16], 1, 16, 16, False, 4)
 
 
 def test_query_block_follows_the_longest_query_sequence():
