@@ -896,8 +896,8 @@ def _plan_and_run(q, k, v, bias, attn_mask, is_causal, scale, mode, num_splits, 
                 return plan, plan(q, k, v, bias, attn_mask, scale)
             except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
                 _gluon_failed(gluon, f"{type(exc).__name__}: {exc}")
-    if config is None and precision is None and num_splits == 0 and (q.is_cuda or interpreting()):
-        from . import stream_k  # the stream-K schedule of calls the single pass leaves SMs idle in
+    if config is None and precision is None and num_splits == 0 and q.is_cuda:
+        from . import stream_k  # the stream-K schedule of calls the single pass leaves SMs idle in (never off CUDA)
 
         plan = stream_k.dense_plan(q, k, v, bias, attn_mask, is_causal, mode, out_dtype, with_lse)
         if plan is not None:
