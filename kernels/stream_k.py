@@ -19,9 +19,10 @@ few-query calls (class attention, attention pooling, one query per sequence) fol
 128-row ones.
 
 Rule (:func:`choose`): stream-K where the varlen kernel's single pass leaves SMs idle — the longest sequence's
-programs (heads x query tiles) fewer than the SMs, LeanAttention's regime — and the lengths are known; the
-single pass / split-KV plan otherwise. Dense calls (:func:`dense_plan`, their batch items as equal sequences) take
-it where the split-KV plan would split them, from :data:`DENSE_MIN_JOBS` jobs, fp16 / bf16 from
+programs (heads x query tiles) fewer than the SMs, LeanAttention's regime — for few-query calls (at most
+:data:`MAX_QUERY_ROWS` queries a sequence) whose lengths are known; the single pass / split-KV plan otherwise.
+Dense calls (:func:`dense_plan`, their batch items as equal sequences) take it where the split-KV plan would split
+them, up to :data:`MAX_QUERY_ROWS` queries, from :data:`DENSE_MIN_JOBS` jobs, fp16 / bf16 from
 :data:`DENSE_HALF_MIN_KEYS` keys (docs/tuning.md: stream-K for ragged and few-query calls).
 
 Entry points: :func:`partition` (pure host code), :func:`choose`, :func:`stream_plan`, :func:`dense_plan`.
@@ -39,8 +40,9 @@ from .elsa_fwd import (LAZY_V_MIN_KEYS, _fold_tile, _precision, final_state, get
                        merge_partials, store_partial, NOMINAL_SMS)
 from .varlen_fwd import _register_cap, sequence_tile
 
-__all__ = ["Partition", "partition", "choose", "stream_plan", "dense_plan", "dense_prefers", "query_block",
-           "PROGRAMS_PER_SM"]
+__all__ = ["Partition", "partition", "choose", "ragged_prefers", "stream_plan", "dense_plan", "dense_prefers",
+           "query_block",
+           "PROGRAMS_PER_SM", "MAX_QUERY_ROWS"]
 
 # G = PROGRAMS_PER_SM x SMs programs, one wave at two programs an SM: of 1, 2, 3, 4, 6 and 8 an SM, 2 was the fastest
 # in fp32 and within 0.8-1.25x of the fastest in bf16 (docs/tuning.md: stream-K for ragged and few-query calls)
@@ -53,6 +55,11 @@ DENSE_HALF_MIN_KEYS = 16384
 # one-iteration pieces that one merge program folds in series (0.30-1.39x the split-KV plan at one head of 16
 # queries), where split-KV's partitions are as balanced
 DENSE_MIN_JOBS = 16
+# stream-K runs calls whose longest query sequence fits a tile of this many rows (few-query calls: 16-row tiles for up
+# to 16 queries); with full 128-row tiles (self-attention) the single pass has programs enough to balance itself and
+# the pieces' partial states cost more than the balance gains (the ELSA supplement's Table 2 batch: 0.73x bf16,
+# 0.80x fp32) (docs/tuning.md: stream-K for ragged and few-query calls)
+MAX_QUERY_ROWS = 64
 # split-job rows: int32 columns of the merge table (sequence, head, first query row, first slot, partial count)
 _SPLIT_COLS = 5
 
@@ -173,16 +180,23 @@ def query_block(max_seqlen_q: int, config_block_m: int) -> int:
 
 
 def choose(lens_q, lens_k, heads: int, mode: str, head_dim: int, head_dim_v: int, device: torch.device) -> bool:
-    """Whether stream-K runs a ragged call of these host-side lengths (the module's rule): on CUDA, when the varlen
-    kernel's single pass gives the longest query sequence fewer programs (``heads x`` its query tiles) than the GPU
-    has SMs, at least one sequence has queries and keys, and the iterations fit the partition's int32 table."""
-    if device.type != "cuda" or not lens_q or max(lens_q) == 0 or max(lens_k, default=0) == 0:
+    """Whether stream-K runs a ragged call of these host-side lengths on ``device`` (the module's rule, on CUDA:
+    :func:`ragged_prefers` with the mode's tile config and the GPU's SM count)."""
+    if device.type != "cuda" or max(lens_k, default=0) == 0:
         return False
     cfg = get_config(mode, head_dim, head_dim_v, max(lens_k))
-    if heads * cdiv(max(lens_q), cfg.block_m) >= sm_count(device):
+    return ragged_prefers(lens_q, lens_k, heads, cfg.block_m, cfg.block_n, sm_count(device))
+
+
+def ragged_prefers(lens_q, lens_k, heads: int, block_m: int, block_n: int, sms: int) -> bool:
+    """The rule for a ragged call: the varlen kernel's single pass (``block_m``-row query tiles) gives the longest
+    query sequence fewer programs (``heads x`` its query tiles) than ``sms``, no sequence has more than
+    :data:`MAX_QUERY_ROWS` queries, at least one has queries and keys, and the iterations fit the partition's int32
+    table (at most one per 16 queries x ``block_n`` keys)."""
+    longest = max(lens_q, default=0)
+    if not 0 < longest <= MAX_QUERY_ROWS or max(lens_k, default=0) == 0 or heads * cdiv(longest, block_m) >= sms:
         return False
-    # the partition's int32 table: at most one iteration per 16 queries x key tile
-    return heads * sum(cdiv(a, 16) * cdiv(b, cfg.block_n) for a, b in zip(lens_q, lens_k)) < 2 ** 31
+    return heads * sum(cdiv(a, 16) * cdiv(b, block_n) for a, b in zip(lens_q, lens_k)) < 2 ** 31
 
 
 @triton.jit(do_not_specialize=["H", "total_q"])
@@ -402,10 +416,12 @@ def _plan(q, v, heads, sq, sk, sv, lens_q, lens_k, total_q, is_causal, mode, out
                       out_dtype, with_lse, max_k, min(block_m, max(lens_q)), row_offsets)
 
 
-def dense_prefers(jobs: int, n_k: int, precision: str) -> bool:
-    """Whether a dense call the split-KV plan would split runs faster on stream-K: at least :data:`DENSE_MIN_JOBS`
-    jobs, and fp16 / bf16 (``precision`` "half") from :data:`DENSE_HALF_MIN_KEYS` keys."""
-    return jobs >= DENSE_MIN_JOBS and (precision != "half" or n_k >= DENSE_HALF_MIN_KEYS)
+def dense_prefers(jobs: int, n_q: int, n_k: int, precision: str) -> bool:
+    """Whether a dense call the split-KV plan would split runs faster on stream-K: at most :data:`MAX_QUERY_ROWS`
+    queries, at least :data:`DENSE_MIN_JOBS` jobs, and fp16 / bf16 (``precision`` "half") from
+    :data:`DENSE_HALF_MIN_KEYS` keys."""
+    return (n_q <= MAX_QUERY_ROWS and jobs >= DENSE_MIN_JOBS
+            and (precision != "half" or n_k >= DENSE_HALF_MIN_KEYS))
 
 
 class DenseStreamPlan:
@@ -443,7 +459,7 @@ def dense_plan(q, k, v, bias, attn_mask, is_causal: bool, mode: str, out_dtype, 
     precision = _precision(mode, None)
     jobs = B * H * cdiv(Nq, query_block(Nq, cfg.block_m))
     if rule and (choose_num_splits(B * H, Nq, Nk, cfg, q.device, precision) <= 1  # (1 off CUDA)
-                 or not dense_prefers(jobs, Nk, precision)):
+                 or not dense_prefers(jobs, Nq, Nk, precision)):
         return None
     if jobs * cdiv(Nk, cfg.block_n) >= 2 ** 31:  # past the partition's int32 table
         return None

@@ -170,8 +170,8 @@ def varlen_attention(
             offsets come from their lengths. Listed sequences in the mode's compute dtype that share one layout
             and start at multiples of 16 elements from each other are read in place (no packed copy: only their
             row offsets travel to the GPU); others, and calls that need gradients, are packed with ``torch.cat``
-            first. Their lengths being on the host, calls whose longest sequence leaves SMs idle (few queries,
-            uneven keys) run the stream-K schedule (:mod:`visionattn.kernels.stream_k`).
+            first. Their lengths being on the host, few-query calls (up to 64 queries a sequence) whose longest
+            sequence leaves SMs idle run the stream-K schedule (:mod:`visionattn.kernels.stream_k`).
         k: [total_k, H, D], same dtype and device; v: [total_k, H, Dv].
         cu_seqlens_q, cu_seqlens_k: int32 [n_seq + 1] on q's device, from 0 to total_q / total_k,
             non-decreasing (FlashAttention's convention). Sequences of 0 queries contribute nothing; a

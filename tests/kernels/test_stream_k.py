@@ -208,9 +208,18 @@ def test_dense_calls_as_equal_sequences_in_the_interpreter(mode, causal):
 def test_rule_needs_cuda_and_idle_sms():
     cpu = torch.device("cpu")
     assert not stream_k.choose([1] * 8, [4096] * 8, 16, "bf16", 64, 64, cpu)  # never off CUDA
-    # dense calls: enough jobs to share out, and fp16 / bf16 only over long keys
-    assert stream_k.dense_prefers(16, 1024, "f16x3") and not stream_k.dense_prefers(15, 65536, "f16x3")
-    assert stream_k.dense_prefers(64, 16384, "half") and not stream_k.dense_prefers(64, 16383, "half")
+    # ragged calls: few queries, the longest sequence's single-pass programs fewer than the SMs
+    assert stream_k.ragged_prefers([1] * 8, [8192, 16, 300, 0, 5, 5, 5, 5], 16, 128, 64, 132)
+    assert stream_k.ragged_prefers([64, 3], [100, 100], 8, 128, 64, 132)
+    assert not stream_k.ragged_prefers([65, 3], [100, 100], 8, 128, 64, 132)  # self-attention tiles: the single pass
+    assert not stream_k.ragged_prefers([16] * 4, [100] * 4, 132, 128, 64, 132)  # the heads fill the SMs
+    assert not stream_k.ragged_prefers([0, 0], [5, 5], 1, 128, 64, 132)  # no queries
+    assert not stream_k.ragged_prefers([1], [0], 1, 128, 64, 132)  # no keys
+    assert not stream_k.ragged_prefers([16], [2 ** 31 * 64], 1, 128, 64, 132)  # past the int32 table
+    # dense calls: few queries, enough jobs to share out, and fp16 / bf16 only over long keys
+    assert stream_k.dense_prefers(16, 1, 1024, "f16x3") and not stream_k.dense_prefers(15, 1, 65536, "f16x3")
+    assert stream_k.dense_prefers(64, 64, 16384, "half") and not stream_k.dense_prefers(64, 16, 16383, "half")
+    assert not stream_k.dense_prefers(64, 65, 65536, "f16x3")  # self-attention tiles: the single pass
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
@@ -293,6 +302,8 @@ def test_dense_few_query_calls_take_stream_k_on_the_gpu(mode):
 def test_rule_picks_stream_k_for_a_few_query_list_on_the_gpu():
     lens_q, lens_k = GPU_CASES[0]
     assert stream_k.choose(lens_q, lens_k, 16, "bf16", 64, 64, torch.device("cuda"))
+    table2 = [785, 500, 708, 542, 1732, 262, 1039, 557]  # self-attention: the single pass
+    assert not stream_k.choose(table2[:3], table2[:3], 2, "bf16", 64, 64, torch.device("cuda"))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     many = [cdiv(sms * 128, 16)] * 2  # the longest sequence's query tiles fill the SMs: the single pass
     assert not stream_k.choose(many, many, 16, "bf16", 64, 64, torch.device("cuda"))
