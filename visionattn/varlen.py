@@ -81,6 +81,12 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
             devices, meta tensors (no data), offsets not 1-D, not starting at 0, not ending at the packed total,
             decreasing, with different sequence counts for q and k, a maximum below the longest sequence.
     """
+    return _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)[:2]
+
+
+def _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """:func:`validate_varlen_inputs`' checks: ``(max_seqlen_q, max_seqlen_k, lengths)``, ``lengths`` the
+    per-sequence ``(lens_q, lens_k)`` tuples where the offsets were read on the host, else None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "[total, H, D] (packed sequences)")
     if not (q.dtype == k.dtype == v.dtype):
@@ -108,7 +114,7 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         for which, given in (("q", max_seqlen_q), ("k", max_seqlen_k)):
             if isinstance(given, bool) or not isinstance(given, int) or given < 0:
                 raise TypeError(f"max_seqlen_{which} must be an int >= 0 or None, got {given!r}")
-        return max_seqlen_q, max_seqlen_k
+        return max_seqlen_q, max_seqlen_k, None
     lens = {"q": torch.diff(cu_seqlens_q).tolist(), "k": torch.diff(cu_seqlens_k).tolist()}
     out = []
     for which, given in (("q", max_seqlen_q), ("k", max_seqlen_k)):
@@ -121,7 +127,7 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
         if given < longest:
             raise ValueError(f"max_seqlen_{which}={given} is below the longest sequence ({longest} rows)")
         out.append(given)
-    return out[0], out[1]
+    return out[0], out[1], (tuple(lens["q"]), tuple(lens["k"]))
 
 
 def _unpack_jagged(q, k, v):
@@ -171,7 +177,8 @@ def varlen_attention(
             and start at multiples of 16 elements from each other are read in place (no packed copy: only their
             row offsets travel to the GPU); others, and calls that need gradients, are packed with ``torch.cat``
             first. Their lengths being on the host, few-query calls (up to 64 queries a sequence) whose longest
-            sequence leaves SMs idle run the stream-K schedule (:mod:`visionattn.kernels.stream_k`).
+            sequence leaves SMs idle run the stream-K schedule (:mod:`visionattn.kernels.stream_k`); so do packed
+            calls without gradients whose offsets are read on the host (a maximum not given).
         k: [total_k, H, D], same dtype and device; v: [total_k, H, Dv].
         cu_seqlens_q, cu_seqlens_k: int32 [n_seq + 1] on q's device, from 0 to total_q / total_k,
             non-decreasing (FlashAttention's convention). Sequences of 0 queries contribute nothing; a
@@ -215,10 +222,10 @@ def varlen_attention(
         max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else mk
     elif cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for packed [total, H, D] inputs")
-    max_seqlen_q, max_seqlen_k = validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                        max_seqlen_k)
+    max_seqlen_q, max_seqlen_k, lengths = _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                     max_seqlen_k)
     scale = check_flags(is_causal, scale, q.shape[-1])
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md, lengths)
     out = dispatch.choose(BACKENDS, dispatch.preferred(backend, q.device.type, "varlen_attention"), *args).plan(*args)
     return wrap(out) if wrap is not None else out
 
@@ -365,7 +372,7 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
 
 
 def _triton_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float,
-                        md: Mode) -> str | None:
+                        md: Mode, lengths=None) -> str | None:
     """Why the varlen kernel cannot run this call (device, head dims, mode; gradients in a mode without a backward),
     or None."""
     from .kernels.varlen_fwd import varlen_unsupported_reason  # imports Triton: only on the kernel path
@@ -377,18 +384,21 @@ def _triton_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: 
     return reason
 
 
-def _triton(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode):
-    """The varlen kernel's output in q's dtype."""
+def _triton(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode, lengths=None):
+    """The varlen kernel's output in q's dtype (``lengths``: host-side ``(lens_q, lens_k)`` where the offsets were
+    read, which let an eager call without gradients take the stream-K schedule)."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     dtype = md.compute_dtype
     # the kernels take unit last strides only (visionattn.kernels._launch.unit_last_stride)
     qc, kc, vc = (unit_last_stride(cast_checked(t, dtype, n, md.name)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     out_dtype = q.dtype if q.dtype in KERNEL_DTYPES else torch.float32
-    out = varlen_kernel(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad)
+    out = varlen_kernel(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad,
+                        lengths)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode) -> torch.Tensor:
+def _reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode,
+               lengths=None) -> torch.Tensor:
     """Per-sequence :func:`visionattn.reference.blocked_attention` on views: [total_q, H, Dv] in q's dtype."""
     check_float16_range(md, q=q, k=k, v=v)
     with torch.autocast(q.device.type, enabled=False):  # the mode fixes the arithmetic, not an autocast
@@ -511,12 +521,14 @@ class _VarlenFunction(torch.autograd.Function):
 
 
 def varlen_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
-           scale: float, mode: str, out_dtype: torch.dtype | None, grad: bool = False) -> torch.Tensor:
+           scale: float, mode: str, out_dtype: torch.dtype | None, grad: bool = False,
+           lengths: tuple | None = None) -> torch.Tensor:
     """Packed ragged attention on the varlen kernels, inputs validated and cast to the mode's dtype:
     q [total_q, H, D], k [total_k, H, D], v [total_k, H, Dv], int32 offsets [n_seq + 1] -> [total_q, H, Dv] in
     ``out_dtype``. ``grad``: the inputs need gradients (``mode`` in :data:`BACKWARD_MODES`): eager calls run
     :class:`_VarlenFunction`, compiled ones ``visionattn::varlen_attention_lse`` with its autograd formula;
-    otherwise ``visionattn::varlen_attention`` under ``torch.compile``.
+    otherwise ``visionattn::varlen_attention`` under ``torch.compile``. ``lengths``: host-side ``(lens_q, lens_k)``,
+    handed to the kernel layer by eager calls without gradients (the stream-K schedule's partition).
 
     Raises:
         ValueError: ``grad`` in a mode without backward kernels.
@@ -535,7 +547,7 @@ def varlen_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_se
     from .kernels import varlen_fwd
 
     return varlen_fwd.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-                                     scale, mode, out_dtype)[0]
+                                     scale, mode, out_dtype, lengths=lengths)[0]
 
 
 def varlen_kernel_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,

@@ -238,6 +238,26 @@ def test_list_path_runs_stream_k_when_the_rule_picks_it(monkeypatch, kernel_laun
     varlen_fwd.PLANS.clear()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
+def test_packed_calls_hand_host_lengths_on_when_the_offsets_were_read(monkeypatch, kernel_launches):
+    """A packed call whose offsets the public function read on the host (a maximum not given) hands the lengths to
+    the kernel layer: the stream kernel runs where the rule picks it (forced here; CPU offsets are always read).
+    With gradients the varlen kernel runs, as before (its LSE feeds the varlen backward)."""
+    monkeypatch.setattr(stream_k, "choose", lambda *a: True)
+    varlen_fwd.PLANS.clear()
+    q, k, v, cu_q, cu_k = _packed(LENS_Q, LENS_K, 2, 16, torch.float32, seed=6)
+    ref, _ = _oracle(q, k, v, cu_q, cu_k, 0.25, False)
+    out = visionattn.varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", scale=0.25)
+    assert rel_l2(out.double(), ref) <= MODES["fp32"].rel_tol
+    assert [name for name, *_ in kernel_launches if name.endswith("fwd_kernel")] == ["_stream_fwd_kernel"]
+    kernel_launches.clear()
+    q.requires_grad_()
+    out = visionattn.varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", scale=0.25)
+    assert rel_l2(out.detach().double(), ref) <= MODES["fp32"].rel_tol
+    assert [name for name, *_ in kernel_launches if name.endswith("fwd_kernel")] == ["_varlen_fwd_kernel"]
+    varlen_fwd.PLANS.clear()
+
+
 GPU_CASES = [([1] * 8, [8192, 40, 100, 16, 300, 1000, 16, 64]),  # one long, many short keys
              ([16] * 32, [random.Random(s).randint(16, 8192) for s in range(32)]),
              ([785, 500, 708, 542, 1732, 262, 1039, 557], [785, 500, 708, 542, 1732, 262, 1039, 557]),
