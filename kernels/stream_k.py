@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import KernelCall, cdiv, head_blocks, interpreting, pad_pow2, sm_count
+from ._launch import LOG2E, KernelCall, cdiv, head_blocks, interpreting, pad_pow2, sm_count
 from .elsa_fwd import (LAZY_V_MIN_KEYS, _fold_tile, _precision, final_state, get_config, key_tiles,
                        merge_partials, store_partial, NOMINAL_SMS)
 from .varlen_fwd import _register_cap, sequence_tile
@@ -382,7 +382,7 @@ class StreamPlan:
         prog_it, prog_job, prog_slot, job_it, job_info, split = self.views
         self.main(q, k, v, cu_q, cu_k, dummy if row_offsets is None else row_offsets, out,
                   dummy if lse is None else lse, *ws, prog_it, prog_job, prog_slot, job_it, job_info,
-                  scale * 1.4426950408889634, *self.fixed)
+                  scale * LOG2E, *self.fixed)
         if self.merge is not None:
             merge_lse = lse if lse is not None else (0 if self.merge._fast is not None else q)
             self.merge(*ws, out, merge_lse, cu_q, split, *self.merge_fixed)

@@ -290,9 +290,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     Dv = v.shape[2]
     n_seq = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or H == 0 or Dv == 0 or n_seq <= 0 or max_seqlen_q <= 0:
-        out = torch.zeros((total_q, H, Dv), dtype=out_dtype, device=q.device)
-        lse = torch.full((H, total_q), float("-inf"), device=q.device) if with_lse else None
-        return None, (out, lse)
+        return None, _without_keys(total_q, H, Dv, out_dtype, with_lse, q.device)
     max_seqlen_k = max(int(max_seqlen_k), 0)
     if _stream_k(q, v, H, mode, num_splits, lengths, schedule):
         return _stream_plan_for(q, k, v, lengths, total_q, is_causal, scale, mode, out_dtype, with_lse,
@@ -323,6 +321,13 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     plan, res = result[-1]
     PLANS.put(key, plan)
     return plan, res
+
+
+def _without_keys(total_q: int, heads: int, head_dim_v: int, out_dtype, with_lse: bool, device):
+    """``(out, lse)`` of a call with nothing to fold: zeros [total_q, H, Dv] and, with ``with_lse``, -inf [H, total_q]
+    (no visible key), without a launch."""
+    out = torch.zeros((total_q, heads, head_dim_v), dtype=out_dtype, device=device)
+    return out, torch.full((heads, total_q), float("-inf"), device=device) if with_lse else None
 
 
 SCHEDULES = ("auto", "stream-k", "split-kv")
@@ -362,8 +367,6 @@ def _stream_plan_for(q, k, v, lengths, total_q: int, is_causal: bool, scale: flo
         plan = stream_k.stream_plan(q, k, v, lens_q, lens_k, total_q, is_causal, mode, out_dtype, with_lse,
                                     row_offsets is not None)
         if plan is None:  # no query rows
-            out = torch.zeros((total_q, q.shape[1], v.shape[2]), dtype=out_dtype, device=q.device)
-            lse = torch.full((q.shape[1], total_q), float("-inf"), device=q.device) if with_lse else None
-            return None, (out, lse)
+            return None, _without_keys(total_q, q.shape[1], v.shape[2], out_dtype, with_lse, q.device)
         PLANS.put(key, plan)
     return plan, plan(q, k, v, cu_q, cu_k, float(scale), row_offsets)
