@@ -198,10 +198,12 @@ def _mm(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 def _mm_acc(acc, a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """``acc + a @ b``. FP32 operands: the tile product is formed apart and then added (an FMA dot or the
     3xTF32 terms accumulating into a large ``acc`` over thousands of tiles lose the low bits of each tile);
-    half operands accumulate in the MMA. Known gap: for ``tl.dot``'s own FP32 precisions ("ieee", "tf32") the
-    compiler folds the add back into the dot (``dot(a, b, 0) + acc -> dot(a, b, acc)``), so those products still
-    round into the large sum on the GPU (tests/kernels/test_conformance_defects.py pins it)."""
-    if a.dtype == tl.float32 or DOT_UPCAST:
+    half operands accumulate in the MMA. ``tl.dot``'s own FP32 precisions ("ieee", "tf32") start from
+    ``acc * 0.0``, as the forward's tile fold does: from a constant zero the compiler folds
+    ``dot(a, b, 0) + acc`` back into ``dot(a, b, acc)``, which rounds every product into the large sum."""
+    if a.dtype == tl.float32 and not DOT_UPCAST and PRECISION != "f16x3" and PRECISION != "f16x1":
+        acc += tl.dot(a, b, acc * 0.0, input_precision=PRECISION)
+    elif a.dtype == tl.float32 or DOT_UPCAST:
         acc += _mm(a, b, PRECISION, DOT_UPCAST)
     else:
         acc = tl.dot(a, b, acc)

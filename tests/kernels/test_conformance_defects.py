@@ -114,9 +114,6 @@ print(json.dumps(out))
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason="known, not yet mended: the fix (start the dot from acc * 0.0, as the forward's "
-                   "_fold_tile does) changes the backward kernels' code, which lands after a GPU conformance and "
-                   "memcheck run")
 def test_fp32_backward_tile_products_are_added_to_the_accumulator_after_the_dot(tmp_path):
     """fp32-ieee varlen dV was 1.35e-5 from float64 over 1024 queries at head dim 16 on the GPU (bound 1.16e-5,
     PyTorch's own 7.8e-7; the interpreter passed): the backward forms each tile's product apart and adds it
