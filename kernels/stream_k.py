@@ -41,7 +41,7 @@ from .elsa_fwd import (LAZY_V_MIN_KEYS, _fold_tile, _precision, final_state, get
 from .varlen_fwd import _register_cap, sequence_tile
 
 __all__ = ["Partition", "partition", "choose", "ragged_prefers", "stream_plan", "dense_plan", "dense_prefers",
-           "query_block",
+           "query_block", "key_block", "HALF_KEY_BLOCK",
            "PROGRAMS_PER_SM", "MAX_QUERY_ROWS"]
 
 # G = PROGRAMS_PER_SM x SMs programs, one wave at two programs an SM: of 1, 2, 3, 4, 6 and 8 an SM, 2 was the fastest
@@ -177,6 +177,20 @@ def partition(lens_q, lens_k, heads: int, block_m: int, block_n: int, is_causal:
 def query_block(max_seqlen_q: int, config_block_m: int) -> int:
     """The stream-K tile's query rows: the longest query sequence's power of two, 16 to the config's rows."""
     return max(16, min(config_block_m, pad_pow2(max(1, max_seqlen_q))))
+
+
+# fp16 / bf16 query tiles of at most 64 rows at head dims <= 64 fold key tiles of this many keys (the config's 64
+# otherwise): their programs stream K / V with little arithmetic a key, and the longer tile keeps more bytes in
+# flight (docs/tuning.md: stream-K for ragged and few-query calls)
+HALF_KEY_BLOCK = 128
+
+
+def key_block(precision: str, block_m: int, head_dim: int, head_dim_v: int, config_block_n: int) -> int:
+    """The stream-K tile's keys: :data:`HALF_KEY_BLOCK` for ``precision`` "half" with ``block_m`` <= 64 query rows
+    and head dims <= 64, else the config's ``config_block_n``."""
+    if precision == "half" and block_m <= 64 and max(head_dim, head_dim_v) <= 64:
+        return max(config_block_n, HALF_KEY_BLOCK)
+    return config_block_n
 
 
 def choose(lens_q, lens_k, heads: int, mode: str, head_dim: int, head_dim_v: int, device: torch.device) -> bool:
@@ -406,10 +420,11 @@ def _plan(q, v, heads, sq, sk, sv, lens_q, lens_k, total_q, is_causal, mode, out
     max_k = max(lens_k, default=0)
     cfg = get_config(mode, D, Dv, max_k)
     block_m = query_block(max(lens_q, default=0), cfg.block_m)
+    block_n = key_block(_precision(mode, None), block_m, D, Dv, cfg.block_n)
     if programs is None:
         sms = sm_count(q.device) if q.device.type == "cuda" else NOMINAL_SMS
         programs = PROGRAMS_PER_SM * sms
-    part = partition(lens_q, lens_k, heads, block_m, cfg.block_n, is_causal, programs)
+    part = partition(lens_q, lens_k, heads, block_m, block_n, is_causal, programs)
     if part.jobs == 0:
         return None
     return StreamPlan(part, heads, D, Dv, (*sq, *sk, *sv), q.device, q.dtype, total_q, is_causal, mode,

@@ -78,13 +78,13 @@ def sequence_tile(Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs
 
 @triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles", "n_splits", "tiles_per_split"])
 def _varlen_fwd_kernel(
-    Q, K, V, CuQ, CuK, RowOff, Out, Lse, WsM, WsS, WsW, qk_scale,
+    Q, K, V, CuQ, CuK, RowOff, Order, Out, Lse, WsM, WsS, WsW, qk_scale,
     sqt, sqh, sqd, skt, skh, skd, svt, svh, svd, sot, soh, sod,
     H, total_q, n_m_tiles, D, Dv, n_splits, tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, LAZY_V: tl.constexpr, WRITE_LSE: tl.constexpr, SPLIT: tl.constexpr,
-    ROW_OFFSETS: tl.constexpr,
+    ROW_OFFSETS: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """One (query tile, [KV partition,] head, sequence) program; 1-D grid ``n_m_tiles * P * H * n_seq``.
 
@@ -98,10 +98,14 @@ def _varlen_fwd_kernel(
     ``ROW_OFFSETS`` (sequences read where they lie, not packed): ``RowOff`` [n_seq, 3] int64 holds the element
     offset of sequence ``s``'s first query / key / value row from ``Q`` / ``K`` / ``V``; else that row is
     ``cu_seqlens[s]`` rows into the packed tensor. The output is packed either way.
+    ``ORDERED``: the programs visit the sequences in the order of ``Order`` (int32 [n_seq], a permutation:
+    :func:`longest_first`) instead of ``0 .. n_seq - 1``.
     """
     pid_m, split, sh = program_tile(n_m_tiles, n_splits, SPLIT)
     off_h = (sh % H).to(tl.int64)
     seq = sh // H
+    if ORDERED:
+        seq = tl.load(Order + seq)
     q_start = tl.load(CuQ + seq).to(tl.int64)
     Lq = tl.load(CuQ + seq + 1) - tl.load(CuQ + seq)
     start_m = pid_m * BLOCK_M
@@ -175,7 +179,8 @@ class _VarlenPlan(VarlenForwardRun):
                  "ws_shape", "ws_w_shape")
 
     def __init__(self, q, k, v, n_seq, rows_bound, is_causal, mode, cfg: TileConfig, out_dtype, with_lse,
-                 max_seqlen_k, splits: int, total_q: int | None = None, row_offsets: bool = False):
+                 max_seqlen_k, splits: int, total_q: int | None = None, row_offsets: bool = False,
+                 ordered: bool = False):
         _, H, D = q.shape
         total_q = q.shape[0] if total_q is None else total_q
         Dv = v.shape[2]
@@ -195,7 +200,7 @@ class _VarlenPlan(VarlenForwardRun):
             PRECISION=precision, IS_CAUSAL=bool(is_causal), EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting(),
             LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse), SPLIT=P > 1,
-            ROW_OFFSETS=bool(row_offsets)),
+            ROW_OFFSETS=bool(row_offsets), ORDERED=bool(ordered)),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  **_register_cap(precision, cfg, block_d, block_dv)))
         self.merge = self.ws_shape = self.ws_w_shape = None
@@ -296,6 +301,8 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
         return _stream_plan_for(q, k, v, lengths, total_q, is_causal, scale, mode, out_dtype, with_lse,
                                 cu_seqlens_q, cu_seqlens_k, row_offsets)
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
+    order = None if lengths is None else longest_first(lengths[0], lengths[1])
+    order_t = None if order is None else _order_tensor(order, q.device)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
     splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device,
@@ -305,22 +312,47 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
            q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(), n_seq,
            n_m_tiles, max_seqlen_k > LAZY_V_MIN_KEYS, bool(is_causal), out_dtype, bool(with_lse),
            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, num_splits,
-           max_seqlen_k if splits > 1 else None)
+           max_seqlen_k if splits > 1 else None, order is not None)
     plan = PLANS.get(key)
     if plan is not None:
-        return plan, plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets)
+        return plan, plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets, order_t)
     result = []
 
     def run(cfg):
         # rows_bound: the key's query-length bucket, so a smaller fallback config covers every call of the key
         p = _VarlenPlan(q, k, v, n_seq, n_m_tiles * cfg0.block_m, is_causal, mode, cfg, out_dtype, with_lse,
-                        max_seqlen_k, splits, total_q, row_offsets is not None)
-        result.append((p, p(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets)))
+                        max_seqlen_k, splits, total_q, row_offsets is not None, order is not None)
+        result.append((p, p(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets, order_t)))
 
     run_first_that_fits(run, cfg0, _smaller_configs)
     plan, res = result[-1]
     PLANS.put(key, plan)
     return plan, res
+
+
+def longest_first(lens_q, lens_k) -> tuple[int, ...] | None:
+    """The order in which the varlen grid visits the sequences of these host-side lengths: by key count, then query
+    count, longest first (ties in their given order), or None where that is their given order. A program's work
+    grows with its sequence's keys and the GPU starts programs roughly in grid order, so the longest ones start
+    first and the short ones fill the SMs at the end (Graham's longest-processing-time rule; started last, a long
+    sequence's programs run alone past the others; docs/tuning.md: varlen sequence order)."""
+    order = sorted(range(len(lens_k)), key=lambda s: (-lens_k[s], -lens_q[s]))
+    return None if all(s == i for i, s in enumerate(order)) else tuple(order)
+
+
+# (order, device) -> int32 [n_seq] device copy of a longest_first order
+_ORDERS = PlanCache(max_size=64)
+
+
+def _order_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``order`` as an int32 tensor on ``device``, copied once per order (asynchronously, from pinned memory)."""
+    key = (order, device)
+    t = _ORDERS.get(key)
+    if t is None:
+        host = torch.tensor(order, dtype=torch.int32)
+        t = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        _ORDERS.put(key, t)
+    return t
 
 
 def _without_keys(total_q: int, heads: int, head_dim_v: int, out_dtype, with_lse: bool, device):

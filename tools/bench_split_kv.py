@@ -64,9 +64,12 @@ def ragged_lengths(sequences: int, ratio: float, longest: int, generator: torch.
 
 
 def cases(args, mode: str, device: torch.device):
-    """``(label, programs, keys, run(P), reference, auto P, flash-decoding P)`` per case."""
+    """``(label, run(P), reference, auto P, flash-decoding P, stream-K call, K / V bytes)`` per case; ragged calls
+    pass their lengths on the host, as list calls and packed calls whose offsets are read do (the grid then visits
+    the sequences longest first)."""
     dtype = MODES[mode].compute_dtype
     precision = _precision(mode, None)
+    kv_bytes = lambda keys, heads: 2 * keys * heads * HEAD_DIM * dtype.itemsize  # noqa: E731
     for b, h in args.batch_heads:
         for nq in args.queries:
             for nk in args.keys:
@@ -79,7 +82,8 @@ def cases(args, mode: str, device: torch.device):
                        _oracle(q, k, v), choose_num_splits(b * h, nq, nk, cfg, device, precision),
                        flash_decoding_splits(b * h * cdiv(nq, cfg.block_m), nk, cfg, device),
                        _stream_call(packed, [nq] * b, [nk] * b, mode, device,
-                                    lambda out, b=b, nq=nq, h=h: out.view(b, nq, h, HEAD_DIM).transpose(1, 2)))
+                                    lambda out, b=b, nq=nq, h=h: out.view(b, nq, h, HEAD_DIM).transpose(1, 2)),
+                       kv_bytes(b * nk, h))
     heads = 16
     lengths = torch.Generator(device="cpu").manual_seed(args.seed)
     for n_seq in args.sequences:
@@ -96,13 +100,15 @@ def cases(args, mode: str, device: torch.device):
                                          v[cu_k[i]:cu_k[i + 1]].transpose(0, 1)).transpose(0, 1)
                                  for i in range(n_seq)])
                 cfg = get_config(mode, HEAD_DIM, HEAD_DIM, args.longest)
+                on_host = ((nq,) * n_seq, tuple(lens))
                 yield (f"ragged n={n_seq} mean/max={total / n_seq / args.longest:.2f} q={nq}",
-                       lambda p, q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, nq=nq: varlen_forward(
+                       lambda p, q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, nq=nq, on_host=on_host: varlen_forward(
                            q, k, v, cu_q, cu_k, nq, args.longest, False, SCALE, mode, num_splits=p,
-                           schedule="split-kv")[0],
+                           lengths=on_host, schedule="split-kv")[0],
                        ref, choose_num_splits(heads * n_seq, nq, args.longest, cfg, device, precision, (n_seq, total)),
                        flash_decoding_splits(heads * n_seq * cdiv(nq, cfg.block_m), args.longest, cfg, device),
-                       _stream_call((q, k, v), [nq] * n_seq, lens, mode, device, lambda out: out))
+                       _stream_call((q, k, v), [nq] * n_seq, lens, mode, device, lambda out: out),
+                       kv_bytes(total, heads))
     if args.self_lengths:  # self-attention over sequences of these lengths (the ELSA supplement's Table 2)
         lens = args.self_lengths
         g = torch.Generator(device="cpu").manual_seed(args.seed)
@@ -113,11 +119,12 @@ def cases(args, mode: str, device: torch.device):
         cfg = get_config(mode, HEAD_DIM, HEAD_DIM, max(lens))
         yield (f"self-attention n={len(lens)} longest={max(lens)} tokens={sum(lens)}",
                lambda p, q=q, k=k, v=v: varlen_forward(q, k, v, cu, cu, max(lens), max(lens), False, SCALE, mode,
-                                                       num_splits=p, schedule="split-kv")[0],
+                                                       num_splits=p, lengths=(tuple(lens), tuple(lens)),
+                                                       schedule="split-kv")[0],
                ref, choose_num_splits(heads * len(lens), cdiv(sum(lens), len(lens)), max(lens), cfg, device,
                                       precision, (len(lens), sum(lens))),
                flash_decoding_splits(heads * len(lens) * cdiv(max(lens), cfg.block_m), max(lens), cfg, device),
-               _stream_call((q, k, v), lens, lens, mode, device, lambda out: out))
+               _stream_call((q, k, v), lens, lens, mode, device, lambda out: out), kv_bytes(sum(lens), heads))
 
 
 def _stream_call(packed, lens_q, lens_k, mode, device, shape):
@@ -134,7 +141,7 @@ def _stream_call(packed, lens_q, lens_k, mode, device, shape):
 def run(args, device: torch.device) -> list[dict]:
     rows = []
     for mode in args.modes:
-        for label, call, ref, auto, flash, stream in cases(args, mode, device):
+        for label, call, ref, auto, flash, stream, kv in cases(args, mode, device):
             schedules = {"auto": auto, "flash-decoding": flash, **{f"P={p}": p for p in args.splits},
                          "stream-k": "stream-k"}
             timed: dict = {}
@@ -148,7 +155,8 @@ def run(args, device: torch.device) -> list[dict]:
                                                          repeats=args.repeats)
                     else:
                         eager, graph = None, None
-                    timed[p] = dict(eager_ms=eager, graph_ms=graph, max_rel_err=err)
+                    timed[p] = dict(eager_ms=eager, graph_ms=graph, max_rel_err=err,
+                                    kv_gb_per_s=kv / graph / 1e6 if graph else None)
                 rows.append(dict(case=label, mode=mode, schedule=name, splits=p, **timed[p]))
             print(f"{mode} {label}: auto P={auto}, flash-decoding P={flash}, stream-k vs auto "
                   f"{_ratio(timed[auto], timed['stream-k'])}", flush=True)
@@ -238,16 +246,18 @@ def main(argv=None) -> dict:
               "" if r["schedule"] != "auto" or speed.get((r["case"], r["mode"])) is None
               else f"{speed[(r['case'], r['mode'])]:.2f}x",
               _ratio(by[(r["case"], r["mode"], "auto")], r) if r["schedule"] == "stream-k" else "",
-              f"{r['max_rel_err']:.1e}"] for r in rows]
+              r["kv_gb_per_s"] or "", f"{r['max_rel_err']:.1e}"] for r in rows]
     md = "\n".join(md_header("Split-KV schedules on few-query and ragged calls", env,
                              "eager: CUDA events around back-to-back calls; graph: the same calls replayed from a "
                              "CUDA graph, in alternating windows; median of the windows",
                              "auto vs flash-decoding: flash-decoding's graph ms over auto's",
                              "auto: the split-KV plan's automatic P (elsa_fwd.choose_num_splits); stream-k: the "
                              "stream-K schedule (kernels/stream_k.py) on the same data, packed; stream-k vs auto: "
-                             "auto's graph ms over stream-k's")
+                             "auto's graph ms over stream-k's",
+                             "K/V GB/s: the keys' and values' bytes, each counted once, over the graph time; a call near the "
+                             "memory's peak (4.8 TB/s on an H200) has little left for any schedule to gain")
                    + [markdown_table(table, ["case", "mode", "schedule", "P", "eager ms", "graph ms",
-                                             "auto vs flash-decoding", "stream-k vs auto",
+                                             "auto vs flash-decoding", "stream-k vs auto", "K/V GB/s",
                                              "max rel err vs float64"])])
     write_results(files, args.out, result, md, _plot if device.type == "cuda" else None)
     print(md)

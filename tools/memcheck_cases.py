@@ -116,8 +116,15 @@ def cases(families, modes):
             yield (f"varlen {mode} lengths {lens}",
                    lambda q, k, v, mode=mode: va.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), mode=mode),
                    [_rand(sum(lens), 2, 64, dtype=dt, grad=grad, seed=s) for s in range(3)])
+            # the sequences visited longest first through the order table (host-side lengths; forward only)
+            from visionattn.kernels import stream_k, varlen_fwd
+
+            yield (f"varlen ordered {mode} lengths {lens}",
+                   lambda q, k, v, mode=mode: varlen_fwd.varlen_forward(
+                       q, k, v, cu, cu, max(lens), max(lens), False, 0.125, mode, lengths=(lens, lens),
+                       schedule="split-kv")[0],
+                   [_rand(sum(lens), 2, 64, dtype=dt, seed=s) for s in range(3)])
             # the stream-K schedule (forward only): few queries against uneven keys, shares cut inside jobs
-            from visionattn.kernels import stream_k
 
             for lq, lk, programs in (([1, 0, 7, 3], [5000, 3, 0, 700], None), ([40, 16], [40, 333], 5)):
                 cq, ck = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")

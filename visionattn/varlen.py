@@ -280,7 +280,7 @@ def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
 
 # (mode, device, every sequence's address, shape, strides and dtype) -> how the kernel reads them in place:
 # (indices of the q / k / v base tensors and their strides, the device offsets — int32 cu_seqlens_q / _k, int64
-# row offsets —, query and key lengths, the kernel's launch plan per causal flag); see
+# row offsets —, query and key lengths, the kernel's launch plan per causal flag, the sequences' order); see
 # _sequences. Holds no caller tensor; the caching allocator hands a loop the same addresses call after call.
 CALLS = PlanCache(max_size=256)
 
@@ -290,15 +290,20 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
     packed: not in the mode's compute dtype, a backend other than the kernels, or no common layout."""
     if first.dtype != md.compute_dtype:
         return None
-    from .kernels.varlen_fwd import varlen_unsupported_reason  # lazy: importing triton is slow
+    from .kernels import varlen_fwd  # lazy: importing triton is slow
 
-    if varlen_unsupported_reason(first, vs[0], md.name) is not None:
+    if varlen_fwd.varlen_unsupported_reason(first, vs[0], md.name) is not None:
         return None
     placed = [_row_offsets(ts) for ts in (qs, ks, vs)]
     if any(p is None for p in placed):
         return None
     lens_q, lens_k = [t.shape[0] for t in qs], [t.shape[0] for t in ks]
     n = len(qs)
+    # the kernel visits the sequences in table order: longest first (varlen_fwd.longest_first), the output packed
+    # in that order too
+    order = varlen_fwd.longest_first(lens_q, lens_k) or tuple(range(n))
+    lens_q, lens_k = [lens_q[s] for s in order], [lens_k[s] for s in order]
+    placed = [(base, strides, [offsets[s] for s in order]) for base, strides, offsets in placed]
     cu = [0] * (2 * n + 2 + (2 * n + 2) % 2)  # int32 cu_seqlens_q, cu_seqlens_k (an even count: 8-byte aligned)
     for i in range(n):
         cu[i + 1] = cu[i] + lens_q[i]
@@ -312,7 +317,7 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
     table = host.to(first.device, non_blocking=True)
     cu_dev, off_dev = table[:4 * len(cu)].view(torch.int32), table[4 * len(cu):].view(torch.int64)
     bases = tuple(p[:2] for p in placed)
-    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, lens_k, {}
+    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, lens_k, {}, order
 
 
 def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causal: bool, backend):
@@ -348,7 +353,7 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
                                max(lens_k) if max_seqlen_k is None else max_seqlen_k,
                                mode=md, scale=scale, is_causal=is_causal, backend=backend)
         return list(out.split_with_sizes(lens_q))
-    bases, (cu_q, cu_k, row_offsets), lens_q, lens_k, launches = plan
+    bases, (cu_q, cu_k, row_offsets), lens_q, lens_k, launches, order = plan
     max_k = max(lens_k)
     for which, given, longest in (("q", max_seqlen_q, max(lens_q)), ("k", max_seqlen_k, max_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < longest):
@@ -368,7 +373,10 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
                                                total_q=sum(lens_q), lengths=(tuple(lens_q), tuple(lens_k)))
         if launch is not None:
             launches[bool(is_causal)] = launch
-    return list(out.split_with_sizes(lens_q))
+    outs = [None] * len(order)
+    for s, piece in zip(order, out.split_with_sizes(lens_q)):
+        outs[s] = piece
+    return outs
 
 
 def _triton_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float,

@@ -95,6 +95,39 @@ def test_split_kv_partitions_match_the_oracle_and_the_single_pass(mode, causal):
         varlen_fwd.varlen_forward(q[:0], k, v, cu_q[:1], cu_k[:1], 0, 0, causal, 0.25, mode, num_splits=-1)
 
 
+def test_longest_first_orders_by_keys_then_queries():
+    from visionattn.kernels.varlen_fwd import longest_first
+
+    order = longest_first(LENS_Q, LENS_K)
+    assert sorted(order) == list(range(len(LENS_K)))
+    keys = [(LENS_K[s], LENS_Q[s]) for s in order]
+    assert keys == sorted(keys, reverse=True)
+    assert longest_first([1, 9, 2], [5, 5, 5]) == (1, 2, 0)  # equal keys: more queries first
+    assert longest_first([3, 3, 1], [8, 8, 2]) is None  # ties keep their order; sorted already: no table
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("splits", [0, 3])
+def test_host_lengths_visit_the_longest_sequences_first(mode, splits):
+    """With host-side lengths the varlen kernel runs the sequences longest first through an order table (the
+    single pass and the split-KV partitions): the output is bit-identical to the call without lengths (same
+    arithmetic per program) and within the mode's contract of the oracle."""
+    from visionattn.kernels import varlen_fwd
+
+    dtype = MODES[mode].compute_dtype
+    q, k, v, cu_q, cu_k = (t.to(dtype) if t.is_floating_point() else t for t in packed(LENS_Q, LENS_K, dv=24))
+    varlen_fwd.PLANS.clear()
+    args = (q, k, v, cu_q, cu_k, max(LENS_Q), max(LENS_K), False, 0.25, mode)
+    plain, lse = varlen_fwd.varlen_forward(*args, with_lse=True, num_splits=splits)
+    plan, (ordered, lse_o) = varlen_fwd.plan_for(*args, with_lse=True, num_splits=splits,
+                                                 lengths=(tuple(LENS_Q), tuple(LENS_K)), schedule="split-kv")
+    varlen_fwd.PLANS.clear()
+    assert plan.main.constexprs["ORDERED"] and (plan.merge is not None) == (splits > 1)
+    assert torch.equal(ordered, plain) and torch.equal(lse_o, lse)
+    oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 24)
+    assert rel_l2(ordered.double(), oracle) <= MODES[mode].rel_tol
+
+
 def test_split_kv_reads_keys_past_a_low_key_bound():
     """The split path's last partition folds every key tile of its sequence, as the single pass does, when
     ``max_seqlen_k`` (trusted, not read from the offsets) is below a sequence's length: the partitions used to
@@ -217,6 +250,12 @@ def test_list_of_sequences_is_read_in_place_and_equals_the_packed_call(monkeypat
     monkeypatch.setattr(vl, "CALLS", placed)
     outs = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")
     assert in_place() and (placed.builds, placed.hits) == (1, 0)
+    # the table lists the sequences longest first, so the kernel's plan needs no order of its own
+    from visionattn.kernels.varlen_fwd import longest_first
+
+    (plan,) = placed.plans.values()
+    assert plan[-1] == longest_first(LENS_Q, LENS_K) and plan[2] == [LENS_Q[s] for s in plan[-1]]
+    assert not any(launch.main.constexprs.get("ORDERED") for launch in plan[4].values())
     again = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")  # the same list: its plan
     assert (placed.builds, placed.hits) == (1, 1) and all(torch.equal(a, b) for a, b in zip(outs, again))
     assert [o.shape for o in outs] == [(n, 2, 24) for n in LENS_Q]

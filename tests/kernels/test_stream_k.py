@@ -102,6 +102,17 @@ def test_query_block_follows_the_longest_query_sequence():
     assert stream_k.query_block(100, 64) == 64
 
 
+def test_half_few_query_tiles_fold_longer_key_tiles():
+    long_tile = stream_k.HALF_KEY_BLOCK
+    assert [stream_k.key_block("half", m, 64, 64, 64) for m in (16, 64, 128)] == [long_tile, long_tile, 64]
+    assert stream_k.key_block("half", 16, 128, 128, 128) == 128 and stream_k.key_block("half", 16, 64, 128, 64) == 64
+    assert stream_k.key_block("f16x3", 16, 64, 64, 64) == 64
+    q, k, v, _, _ = _packed([3, 1], [300, 20], 2, 64, torch.bfloat16, seed=0)
+    plan = stream_k.stream_plan(q, k, v, [3, 1], [300, 20], 4, False, "bf16", torch.bfloat16, False, False,
+                                programs=3)
+    assert plan.part.block_n == long_tile and plan.main.constexprs["BLOCK_N"] == long_tile
+
+
 def _packed(lens_q, lens_k, heads, d, dtype, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(lens_q), heads, d, generator=g)
