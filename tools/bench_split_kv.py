@@ -8,8 +8,9 @@ stream_k`). Each case is timed under every schedule: ``auto`` (:func:`visionattn
 the split-KV plan's choice), ``flash-decoding`` (P = ceil(2 x SMs / programs) up to 64 and half the key tiles, from
 the average sequence: Flash-Decoding's rule, which the library used before), each fixed P of ``--splits``, and
 ``stream-k`` (the same data packed, with the lengths on the host); eager and CUDA-graph milliseconds
-(:func:`_harness.eager_graph_ms`), the rel error vs a float64 softmax, auto's speed-up over flash-decoding and
-stream-K's over auto. Dense cases: B x H heads of ``--queries`` queries against ``--keys`` keys; ragged cases: H = 16
+(:func:`_harness.eager_graph_ms`), the rel error vs a float64 softmax, auto's speed-up over flash-decoding,
+stream-K's over auto and the keys' and values' bytes per second (each read once: how near a call runs to the memory's
+peak). Ragged calls hand the kernels their lengths on the host, as list calls do. Dense cases: B x H heads of ``--queries`` queries against ``--keys`` keys; ragged cases: H = 16
 heads, ``--sequences`` sequences, one of ``--longest`` keys and the others drawn so that mean / max length is each
 ``--ratios`` value; ``--self-lengths``: self-attention over sequences of those lengths. Head dim 64. Writes OUT.md,
 OUT.json and OUT.png.
@@ -254,8 +255,8 @@ def main(argv=None) -> dict:
                              "auto: the split-KV plan's automatic P (elsa_fwd.choose_num_splits); stream-k: the "
                              "stream-K schedule (kernels/stream_k.py) on the same data, packed; stream-k vs auto: "
                              "auto's graph ms over stream-k's",
-                             "K/V GB/s: the keys' and values' bytes, each counted once, over the graph time; a call near the "
-                             "memory's peak (4.8 TB/s on an H200) has little left for any schedule to gain")
+                             "K/V GB/s: the keys' and values' bytes, each counted once, over the graph time; a call "
+                             "near the memory's peak (4.8 TB/s on an H200) has little left for any schedule to gain")
                    + [markdown_table(table, ["case", "mode", "schedule", "P", "eager ms", "graph ms",
                                              "auto vs flash-decoding", "stream-k vs auto", "K/V GB/s",
                                              "max rel err vs float64"])])
