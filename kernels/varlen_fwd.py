@@ -303,6 +303,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
     order = None if lengths is None else longest_first(lengths[0], lengths[1])
     order_t = None if order is None else _order_tensor(order, q.device)
+    order = None if order_t is None else order
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
     splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device,
@@ -344,10 +345,14 @@ def longest_first(lens_q, lens_k) -> tuple[int, ...] | None:
 _ORDERS = PlanCache(max_size=64)
 
 
-def _order_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``order`` as an int32 tensor on ``device``, copied once per order (asynchronously, from pinned memory)."""
+def _order_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """``order`` as an int32 tensor on ``device``, copied once per order (asynchronously, from pinned memory); None
+    for an order not seen before while a CUDA graph is captured (the capture would keep a copy from a host buffer
+    that is freed after it: the call then runs in the given order, with the same result)."""
     key = (order, device)
     t = _ORDERS.get(key)
+    if t is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
     if t is None:
         host = torch.tensor(order, dtype=torch.int32)
         t = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)

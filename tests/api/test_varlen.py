@@ -128,6 +128,17 @@ def test_host_lengths_visit_the_longest_sequences_first(mode, splits):
     assert rel_l2(ordered.double(), oracle) <= MODES[mode].rel_tol
 
 
+def test_no_new_order_table_while_a_cuda_graph_is_captured(monkeypatch):
+    """A captured copy from a temporary pinned buffer would read freed memory on replay: under capture an order not
+    seen before is not made (the call runs in the given order); one made before is a device tensor and kept."""
+    from visionattn.kernels import varlen_fwd
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert varlen_fwd._order_tensor((2, 0, 1), torch.device("cuda")) is None
+    cpu = varlen_fwd._order_tensor((2, 0, 1), torch.device("cpu"))
+    assert cpu.dtype == torch.int32 and cpu.tolist() == [2, 0, 1]
+
+
 def test_split_kv_reads_keys_past_a_low_key_bound():
     """The split path's last partition folds every key tile of its sequence, as the single pass does, when
     ``max_seqlen_k`` (trusted, not read from the offsets) is below a sequence's length: the partitions used to
