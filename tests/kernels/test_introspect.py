@@ -105,17 +105,17 @@ for mode in ("bf16", "fp16"):
     precision = _precision(mode, None)
     block_d, block_dv = head_blocks(64, 64, precision)
     elt = "*bf16" if mode == "bf16" else "*fp16"
-    for row_offsets in (False, True):
-        ptr = dict(Q=elt, K=elt, V=elt, CuQ="*i32", CuK="*i32", RowOff="*i64" if row_offsets else elt, Out=elt,
-                   Lse=elt, WsM=elt, WsS=elt, WsW=elt)
+    for row_offsets, ordered in ((False, False), (True, False), (False, True)):
+        ptr = dict(Q=elt, K=elt, V=elt, CuQ="*i32", CuK="*i32", RowOff="*i64" if row_offsets else elt,
+                   Order="*i32" if ordered else elt, Out=elt, Lse=elt, WsM=elt, WsS=elt, WsW=elt)
         const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                      PRECISION=precision, IS_CAUSAL=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False, LAZY_V=False,
-                     WRITE_LSE=False, SPLIT=False, ROW_OFFSETS=row_offsets)
+                     WRITE_LSE=False, SPLIT=False, ROW_OFFSETS=row_offsets, ORDERED=ordered)
         options = varlen_fwd._register_cap(precision, cfg, block_d, block_dv)  # as _VarlenPlan launches it
         r = compile_for_arch(varlen_fwd._varlen_fwd_kernel, ptr, const, num_warps=cfg.num_warps,
                              num_stages=cfg.num_stages, unit_ints=("sqd", "skd", "svd", "sod"),
                              float_args=("qk_scale",), **options)
-        out[f"{mode}-{'rows' if row_offsets else 'packed'}"] = {"regs": r.registers, "local": r.local_bytes,
+        out[f"{mode}-{'rows' if row_offsets else 'packed'}{'-ordered' if ordered else ''}"] = {"regs": r.registers, "local": r.local_bytes,
                                                                   "programs": r.programs_per_sm,
                                                                   "warps": cfg.num_warps}
 print(json.dumps(out))
@@ -125,7 +125,7 @@ print(json.dumps(out))
 @pytest.mark.timeout(600)
 def test_varlen_half_long_key_tiles_fit_two_programs_per_sm():
     """The ragged forward's fp16 / bf16 long-key tiles (8 warps) as launched (with their register cap) hold two
-    programs per SM, packed or read in place, without spills: triton 3.6's ptxas gave the packed launch 138
+    programs per SM, packed, read in place or through the longest-first order table, without spills: triton 3.6's ptxas gave the packed launch 138
     registers uncapped (one program per SM, the Table 2 batch 0.111 ms against 0.080 ms at two)."""
     r = compile_in_child(_VARLEN_CHILD)
     for name, v in r.items():
