@@ -341,8 +341,9 @@ def longest_first(lens_q, lens_k) -> tuple[int, ...] | None:
     return None if all(s == i for i, s in enumerate(order)) else tuple(order)
 
 
-# (order, device) -> int32 [n_seq] device copy of a longest_first order
-_ORDERS = PlanCache(max_size=64)
+# (order, device) -> int32 [n_seq] device copy of a longest_first order; as many as the plans (a CUDA graph that
+# launched with one keeps reading it: a few hundred bytes each, 2 MiB at most)
+_ORDERS = PlanCache(max_size=4096)
 
 
 def _order_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
