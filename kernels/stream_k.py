@@ -42,23 +42,29 @@ from .varlen_fwd import _register_cap, sequence_tile
 
 __all__ = ["Partition", "partition", "choose", "ragged_prefers", "stream_plan", "dense_plan", "dense_prefers",
            "query_block", "key_block", "HALF_KEY_BLOCK",
-           "PROGRAMS_PER_SM", "MAX_QUERY_ROWS"]
+           "PROGRAMS_PER_SM", "MAX_QUERY_ROWS", "JOB_COSTS", "JOB_COST_FP32"]
 
 # G = PROGRAMS_PER_SM x SMs programs, one wave at two programs an SM: of 1, 2, 3, 4, 6 and 8 an SM, 2 was the fastest
 # in fp32 and within 0.8-1.25x of the fastest in bf16 (docs/tuning.md: stream-K for ragged and few-query calls)
 PROGRAMS_PER_SM = 2
+# the fixed cost of starting a job (its query tile's load and set-up, its output or partial state's store), in key-tile
+# iterations, by product precision (fp16 / bf16 "half", the FP32-class modes): the shares equalise iterations plus this
+# per job begun, so a program that takes many short jobs no longer runs past one inside a long job (0-4 swept: 3 and 2
+# the fastest; docs/tuning.md: stream-K for ragged and few-query calls)
+JOB_COSTS = {"half": 3}
+JOB_COST_FP32 = 2
 # dense fp16 / bf16 calls take stream-K from this many keys; below it the split-KV plan is as fast (stream-K
-# 0.87-1.11x at 1024-4096 keys, 1.02-1.22x from 16384), while the FP32-class modes' 16-row tiles pay from 1024 keys
-# (1.17-1.69x) (docs/tuning.md: stream-K for ragged and few-query calls)
+# 0.85-1.12x at 1024-4096 keys, 1.05-1.27x from 16384), while the FP32-class modes' 16-row tiles pay from 1024 keys
+# (1.09-1.71x) (docs/tuning.md: stream-K for ragged and few-query calls)
 DENSE_HALF_MIN_KEYS = 16384
 # dense calls take stream-K from this many jobs (batch x heads x query tiles): with fewer, the shares cut a job into
-# one-iteration pieces that one merge program folds in series (0.30-1.39x the split-KV plan at one head of 16
-# queries), where split-KV's partitions are as balanced
+# one-iteration pieces that one merge program folds in series (0.50-1.28x the split-KV plan at one head), where
+# split-KV's partitions are as balanced
 DENSE_MIN_JOBS = 16
 # stream-K runs calls whose longest query sequence fits a tile of this many rows (few-query calls: 16-row tiles for up
 # to 16 queries); with full 128-row tiles (self-attention) the single pass has programs enough to balance itself and
-# the pieces' partial states cost more than the balance gains (the ELSA supplement's Table 2 batch: 0.73x bf16,
-# 0.80x fp32) (docs/tuning.md: stream-K for ragged and few-query calls)
+# the pieces' partial states cost more than the balance gains (the ELSA supplement's Table 2 batch: 0.87x bf16,
+# 0.90x fp32) (docs/tuning.md: stream-K for ragged and few-query calls)
 MAX_QUERY_ROWS = 64
 # split-job rows: int32 columns of the merge table (sequence, head, first query row, first slot, partial count)
 _SPLIT_COLS = 5
@@ -106,17 +112,23 @@ def _job_tiles(lq: int, lk: int, block_m: int, block_n: int, is_causal: bool) ->
     return out
 
 
-def partition(lens_q, lens_k, heads: int, block_m: int, block_n: int, is_causal: bool, programs: int) -> Partition:
-    """Cut the iterations of a ragged call into ``programs`` contiguous equal shares (stream-K).
+def partition(lens_q, lens_k, heads: int, block_m: int, block_n: int, is_causal: bool, programs: int,
+              job_cost: int = 0) -> Partition:
+    """Cut the iterations of a ragged call into ``programs`` contiguous shares of equal cost (stream-K).
 
     Args:
         lens_q, lens_k: per-sequence query and key lengths (ints >= 0, one per sequence).
         heads: H; block_m / block_n: the tile's query rows and keys; is_causal: top-left causal per sequence.
         programs: the programs wanted (fewer when there are fewer iterations).
+        job_cost: the cost of starting a job, in iterations (int >= 0; :data:`JOB_COSTS`).
 
     Jobs run sequence by sequence, head by head, query tile by query tile, so the jobs of one (sequence, head)
-    share its K / V tiles in L2 and a program's share is a run of adjacent jobs. Program ``g`` takes
-    iterations ``[g T // G, (g + 1) T // G)``.
+    share its K / V tiles in L2 and a program's share is a run of adjacent jobs. The cost of a share is its
+    iterations plus ``job_cost`` for each job that begins in it, ``W = T + job_cost J`` in all; program ``g``'s
+    share ends at the iteration where that running cost reaches ``(g + 1) W // G`` (with ``job_cost = 0``:
+    iterations ``[g T // G, (g + 1) T // G)``). A boundary that falls inside a job's start-up cost moves to the
+    job's first iteration, so each share's cost is within ``job_cost + 1`` of ``W / G``; shares left empty are
+    dropped (fewer programs).
 
     Returns:
         A :class:`Partition` (``jobs == 0`` and no programs when no sequence has a query row).
@@ -133,6 +145,8 @@ def partition(lens_q, lens_k, heads: int, block_m: int, block_n: int, is_causal:
         raise ValueError("sequence lengths must be >= 0")
     if min(heads, block_m, block_n, programs) < 1:
         raise ValueError(f"heads={heads}, block_m={block_m}, block_n={block_n}, programs={programs}; expected >= 1")
+    if isinstance(job_cost, bool) or not isinstance(job_cost, int) or job_cost < 0:
+        raise ValueError(f"job_cost={job_cost!r}; expected an int >= 0 (key-tile iterations)")
     seq_col, heads_col, start_col, tiles_col = [], [], [], []
     for s, (lq, lk) in enumerate(zip(lens_q, lens_k)):
         tiles = _job_tiles(lq, lk, block_m, block_n, is_causal)
@@ -151,7 +165,12 @@ def partition(lens_q, lens_k, heads: int, block_m: int, block_n: int, is_causal:
         raise ValueError(f"{T} key-tile iterations pass the int32 table's range; such a call fills the GPU without "
                          f"stream-K (schedule='split-kv')")
     G = min(int(programs), T)
-    prog_it = torch.arange(G + 1, dtype=torch.int64) * T // G
+    prog_it = torch.arange(G + 1, dtype=torch.int64) * (T + job_cost * J) // G  # the boundaries' running costs
+    if job_cost:
+        job_at = job_it + job_cost * torch.arange(J + 1, dtype=torch.int64)  # running cost where each job begins
+        j = torch.searchsorted(job_at, prog_it, right=True) - 1
+        prog_it = torch.unique_consecutive(job_it[j] + (prog_it - job_at[j] - job_cost).clamp(min=0))
+        G = prog_it.numel() - 1
     start, end = prog_it[:-1], prog_it[1:]
     first = torch.searchsorted(job_it, start, right=True) - 1  # the job holding each share's first iteration
     last = torch.searchsorted(job_it, end - 1, right=True) - 1  # ... and its last
@@ -420,11 +439,13 @@ def _plan(q, v, heads, sq, sk, sv, lens_q, lens_k, total_q, is_causal, mode, out
     max_k = max(lens_k, default=0)
     cfg = get_config(mode, D, Dv, max_k)
     block_m = query_block(max(lens_q, default=0), cfg.block_m)
-    block_n = key_block(_precision(mode, None), block_m, D, Dv, cfg.block_n)
+    precision = _precision(mode, None)
+    block_n = key_block(precision, block_m, D, Dv, cfg.block_n)
     if programs is None:
         sms = sm_count(q.device) if q.device.type == "cuda" else NOMINAL_SMS
         programs = PROGRAMS_PER_SM * sms
-    part = partition(lens_q, lens_k, heads, block_m, block_n, is_causal, programs)
+    part = partition(lens_q, lens_k, heads, block_m, block_n, is_causal, programs,
+                     JOB_COSTS.get(precision, JOB_COST_FP32))
     if part.jobs == 0:
         return None
     return StreamPlan(part, heads, D, Dv, (*sq, *sk, *sv), q.device, q.dtype, total_q, is_causal, mode,

@@ -63,18 +63,29 @@ CASES = [([5, 0, 17, 1, 40, 3], [7, 3, 0, 1, 33, 70], 2, 16, 16),
 @pytest.mark.parametrize("case", range(len(CASES)))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("programs", [1, 2, 7, 132, 264, 10 ** 6])
-def test_partition_folds_every_key_tile_once_in_equal_shares(case, causal, programs):
+@pytest.mark.parametrize("job_cost", [0, 2, 5])
+def test_partition_folds_every_key_tile_once_in_equal_shares(case, causal, programs, job_cost):
     lens_q, lens_k, heads, block_m, block_n = CASES[case]
-    part = stream_k.partition(lens_q, lens_k, heads, block_m, block_n, causal, programs)
+    part = stream_k.partition(lens_q, lens_k, heads, block_m, block_n, causal, programs, job_cost)
     jobs = _jobs(lens_q, lens_k, heads, block_m, block_n, causal)
     T = sum(j[3] for j in jobs)
-    assert (part.jobs, part.iterations, part.programs) == (len(jobs), T, min(programs, T))
+    assert (part.jobs, part.iterations) == (len(jobs), T)
+    assert part.programs == min(programs, T) if job_cost == 0 else 1 <= part.programs <= min(programs, T)
     G, J = part.programs, part.jobs
     info = part.table[3 * G + 1 + J + 1:3 * G + 1 + J + 1 + 3 * J].view(J, 3).tolist()
     assert [tuple(r) for r in info] == [j[:3] for j in jobs]
     covered, whole, pieces, shares = _walk(part)
     assert sorted(covered) == [(j, i) for j, job in enumerate(jobs) for i in range(job[3])]  # each tile once
-    assert max(shares) - min(shares) <= 1  # equal shares
+    assert min(shares) >= 1
+    # equal costs: a share's iterations plus job_cost per job begun in it, within job_cost + 1 of the mean
+    starts = [sum(j[3] for j in jobs[:n]) for n in range(J)]
+    bounds = part.table[:G + 1].tolist()
+    costs = [hi - lo + job_cost * sum(lo <= a < hi for a in starts) for lo, hi in zip(bounds, bounds[1:])]
+    assert sum(costs) == T + job_cost * J
+    mean = (T + job_cost * J) / min(programs, T)
+    assert all(c <= mean + job_cost + 1 for c in costs), (costs, mean)
+    if G == min(programs, T):  # no share dropped: none below the mean either
+        assert all(c >= mean - job_cost - 1 for c in costs), (costs, mean)
     assert sorted(whole + list(pieces)) == list(range(J))  # every job written whole or merged
     assert all(len(s) >= 2 for s in pieces.values())  # a cut job has a piece on each side of a cut
     merge = part.table[3 * G + 1 + J + 1 + 3 * J:].view(-1, 5).tolist()
@@ -95,6 +106,20 @@ def test_partition_of_calls_without_queries_and_bad_arguments():
         stream_k.partition([1], [3], 1, 16, 16, False, 0)
     with pytest.raises(ValueError, match="int32"):
         stream_k.partition([16], [2 ** 31 * 16], 1, 16, 16, False, 4)
+    with pytest.raises(ValueError, match="job_cost"):
+        stream_k.partition([1], [3], 1, 16, 16, False, 4, -1)
+
+
+def test_job_cost_gives_programs_of_many_short_jobs_fewer_iterations():
+    """One long sequence among short ones, one query each: with a cost per job begun, the programs whose shares hold
+    the short sequences' jobs take fewer iterations than those inside the long one's, and the costs even out."""
+    lens_k = [8192] + [300] * 40
+    plain = stream_k.partition([1] * 41, lens_k, 4, 16, 128, False, 16)
+    costed = stream_k.partition([1] * 41, lens_k, 4, 16, 128, False, 16, job_cost=2)
+    its = lambda p: [b - a for a, b in zip(p.table[:p.programs].tolist(), p.table[1:p.programs + 1].tolist())]  # noqa
+    assert max(its(plain)) - min(its(plain)) <= 1
+    assert its(costed)[0] > its(costed)[-1]  # the first shares lie in the long sequence's jobs
+
 
 
 def test_query_block_follows_the_longest_query_sequence():
@@ -166,7 +191,7 @@ def test_stream_forward_matches_float64_in_the_interpreter(mode, causal, program
     plan = stream_k.stream_plan(q, k, v, LENS_Q, LENS_K, q.shape[0], causal, mode, dtype, True, False,
                                 programs=programs)
     part = plan.part
-    assert part.programs == min(programs, part.iterations) and (plan.merge is None) == (part.split_jobs == 0)
+    assert 1 <= part.programs <= min(programs, part.iterations) and (plan.merge is None) == (part.split_jobs == 0)
     assert part.split_jobs > 0 or programs == 1  # shares cut inside jobs, causal too
     out, lse = plan(q, k, v, cu_q, cu_k, 0.25)
     _check(out, lse, *_oracle(q, k, v, cu_q, cu_k, 0.25, causal), mode)
