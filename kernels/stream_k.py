@@ -364,8 +364,8 @@ class StreamPlan:
     and, when jobs are cut, the merge. Calling it with ``(q, k, v, cu_q, cu_k, scale, row_offsets)`` returns
     ``(out [total_q, H, Dv], lse [H, total_q] or None)``, as :class:`._launch.VarlenForwardRun`."""
 
-    __slots__ = ("part", "table", "views", "main", "merge", "fixed", "merge_fixed", "o_shape", "o_dtype", "device",
-                 "with_lse", "ws_rows", "dv")
+    __slots__ = ("part", "table", "host_table", "views", "main", "merge", "fixed", "merge_fixed", "o_shape", "o_dtype",
+                 "device", "with_lse", "ws_rows", "dv")
 
     def __init__(self, part: Partition, heads: int, head_dim: int, head_dim_v: int, strides: tuple, device,
                  dtype: torch.dtype, total_q: int, is_causal: bool, mode: str, out_dtype, with_lse: bool,
@@ -377,8 +377,9 @@ class StreamPlan:
         self.part, self.device, self.o_dtype, self.with_lse, self.dv = part, device, out_dtype, with_lse, Dv
         self.o_shape = (total_q, H, Dv)
         self.ws_rows = part.slots * part.block_m
-        table = part.table.pin_memory() if device.type == "cuda" else part.table
-        self.table = table.to(device, non_blocking=True)
+        # the pinned source stays with the plan: a copy made while a CUDA graph is captured reads it at every replay
+        self.host_table = part.table.pin_memory() if device.type == "cuda" else part.table
+        self.table = self.host_table.to(device, non_blocking=True)
         self.views, at = [], 0
         for n in part.sections():
             self.views.append(self.table[at:at + n])

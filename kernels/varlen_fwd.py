@@ -303,7 +303,6 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
     order = None if lengths is None else longest_first(lengths[0], lengths[1])
     order_t = None if order is None else _order_tensor(order, q.device)
-    order = None if order_t is None else order
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
     splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device,
@@ -341,24 +340,21 @@ def longest_first(lens_q, lens_k) -> tuple[int, ...] | None:
     return None if all(s == i for i, s in enumerate(order)) else tuple(order)
 
 
-# (order, device) -> int32 [n_seq] device copy of a longest_first order; as many as the plans (a CUDA graph that
-# launched with one keeps reading it: a few hundred bytes each, 2 MiB at most)
+# (order, device) -> (int32 [n_seq] device copy of a longest_first order, its pinned host source); as many as the plans
+# (a CUDA graph that launched with one keeps reading it: a few hundred bytes each, 2 MiB at most)
 _ORDERS = PlanCache(max_size=4096)
 
 
-def _order_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
-    """``order`` as an int32 tensor on ``device``, copied once per order (asynchronously, from pinned memory); None
-    for an order not seen before while a CUDA graph is captured (the capture would keep a copy from a host buffer
-    that is freed after it: the call then runs in the given order, with the same result)."""
+def _order_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``order`` as an int32 tensor on ``device``, copied once per order (asynchronously, from pinned memory). The
+    pinned source is kept with the copy: a copy made while a CUDA graph is captured reads it again at every replay."""
     key = (order, device)
-    t = _ORDERS.get(key)
-    if t is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if t is None:
+    kept = _ORDERS.get(key)
+    if kept is None:
         host = torch.tensor(order, dtype=torch.int32)
-        t = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-        _ORDERS.put(key, t)
-    return t
+        host = host.pin_memory() if device.type == "cuda" else host
+        kept = _ORDERS.put(key, (host.to(device, non_blocking=True), host))
+    return kept[0]
 
 
 def _without_keys(total_q: int, heads: int, head_dim_v: int, out_dtype, with_lse: bool, device):

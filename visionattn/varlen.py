@@ -280,7 +280,8 @@ def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
 
 # (mode, device, every sequence's address, shape, strides and dtype) -> how the kernel reads them in place:
 # (indices of the q / k / v base tensors and their strides, the device offsets — int32 cu_seqlens_q / _k, int64
-# row offsets —, query and key lengths, the kernel's launch plan per causal flag, the sequences' order); see
+# row offsets —, query and key lengths, the kernel's launch plan per causal flag, the sequences' order, the tables'
+# pinned host source); see
 # _sequences. Holds no caller tensor; the caching allocator hands a loop the same addresses call after call.
 CALLS = PlanCache(max_size=256)
 
@@ -309,7 +310,8 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
         cu[i + 1] = cu[i] + lens_q[i]
         cu[n + 2 + i] = cu[n + 1 + i] + lens_k[i]
     offsets = [x for row in zip(placed[0][2], placed[1][2], placed[2][2]) for x in row]  # int64 [n, 3]
-    # one host-to-device copy of both, asynchronous from pinned memory (not one that waits for the stream)
+    # one host-to-device copy of both, asynchronous from pinned memory (not one that waits for the stream); the
+    # pinned source stays with the plan: a copy made while a CUDA graph is captured reads it at every replay
     host = torch.cat([torch.tensor(cu, dtype=torch.int32).view(torch.uint8),
                       torch.tensor(offsets, dtype=torch.int64).view(torch.uint8)])
     if first.is_cuda:
@@ -317,7 +319,7 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
     table = host.to(first.device, non_blocking=True)
     cu_dev, off_dev = table[:4 * len(cu)].view(torch.int32), table[4 * len(cu):].view(torch.int64)
     bases = tuple(p[:2] for p in placed)
-    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, lens_k, {}, order
+    return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, lens_k, {}, order, host
 
 
 def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causal: bool, backend):
@@ -353,7 +355,7 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
                                max(lens_k) if max_seqlen_k is None else max_seqlen_k,
                                mode=md, scale=scale, is_causal=is_causal, backend=backend)
         return list(out.split_with_sizes(lens_q))
-    bases, (cu_q, cu_k, row_offsets), lens_q, lens_k, launches, order = plan
+    bases, (cu_q, cu_k, row_offsets), lens_q, lens_k, launches, order, _ = plan
     max_k = max(lens_k)
     for which, given, longest in (("q", max_seqlen_q, max(lens_q)), ("k", max_seqlen_k, max_k)):
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < longest):

@@ -128,15 +128,23 @@ def test_host_lengths_visit_the_longest_sequences_first(mode, splits):
     assert rel_l2(ordered.double(), oracle) <= MODES[mode].rel_tol
 
 
-def test_no_new_order_table_while_a_cuda_graph_is_captured(monkeypatch):
-    """A captured copy from a temporary pinned buffer would read freed memory on replay: under capture an order not
-    seen before is not made (the call runs in the given order); one made before is a device tensor and kept."""
-    from visionattn.kernels import varlen_fwd
+def test_device_tables_keep_their_host_source():
+    """A host-to-device copy captured in a CUDA graph reads its source again at every replay: the order table, the
+    stream-K partition's table and a list's in-place table keep theirs (equal to the device copy) with the copy."""
+    from visionattn.kernels import stream_k, varlen_fwd
 
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert varlen_fwd._order_tensor((2, 0, 1), torch.device("cuda")) is None
-    cpu = varlen_fwd._order_tensor((2, 0, 1), torch.device("cpu"))
-    assert cpu.dtype == torch.int32 and cpu.tolist() == [2, 0, 1]
+    order = varlen_fwd._order_tensor((2, 0, 1), torch.device("cpu"))
+    device_copy, host = varlen_fwd._ORDERS.get(((2, 0, 1), torch.device("cpu")))
+    assert device_copy is order and host.tolist() == order.tolist() == [2, 0, 1] and host.dtype == torch.int32
+    q, k, v, _, _ = packed([3, 1], [40, 20])
+    plan = stream_k.stream_plan(q, k, v, [3, 1], [40, 20], 4, False, "fp32", torch.float32, False, False, programs=3)
+    assert torch.equal(plan.host_table, plan.table.cpu()) and torch.equal(plan.host_table, plan.part.table)
+    import visionattn.varlen as vl
+
+    seqs = [[t.clone() for t in torch.split(x, lens)] for x, lens in zip((q, k, v), ([3, 1], [40, 20], [40, 20]))]
+    plan = vl._in_place_plan(*seqs, seqs[0][0], MODES["fp32"])
+    cu_q = plan[1][0]
+    assert plan[-1][:4 * 3].view(torch.int32).tolist() == cu_q.tolist() == [0, 3, 4]  # the source: int32 offsets first
 
 
 def test_split_kv_reads_keys_past_a_low_key_bound():
@@ -265,7 +273,7 @@ def test_list_of_sequences_is_read_in_place_and_equals_the_packed_call(monkeypat
     from visionattn.kernels.varlen_fwd import longest_first
 
     (plan,) = placed.plans.values()
-    assert plan[-1] == longest_first(LENS_Q, LENS_K) and plan[2] == [LENS_Q[s] for s in plan[-1]]
+    assert plan[5] == longest_first(LENS_Q, LENS_K) and plan[2] == [LENS_Q[s] for s in plan[5]]
     assert not any(launch.main.constexprs.get("ORDERED") for launch in plan[4].values())
     again = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")  # the same list: its plan
     assert (placed.builds, placed.hits) == (1, 1) and all(torch.equal(a, b) for a, b in zip(outs, again))
