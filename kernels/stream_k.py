@@ -424,17 +424,17 @@ class StreamPlan:
 
 
 def stream_plan(q, k, v, lens_q, lens_k, total_q: int, is_causal: bool, mode: str, out_dtype, with_lse: bool,
-                row_offsets: bool, programs: int | None = None) -> StreamPlan | None:
+                row_offsets: bool, programs: int | None = None, job_cost: int | None = None) -> StreamPlan | None:
     """The :class:`StreamPlan` of a ragged call (q [total_q, H, D], k [total_k, H, D], v [total_k, H, Dv], or any
     tensors with those strides read through ``row_offsets``) with host-side lengths ``lens_q`` / ``lens_k``; None
-    when no sequence has a query row. ``programs``: G (default :data:`PROGRAMS_PER_SM` per SM; tools and tests
-    choose others)."""
+    when no sequence has a query row. ``programs``: G (default :data:`PROGRAMS_PER_SM` per SM), ``job_cost``: the
+    partition's start-up cost per job (default the mode's :data:`JOB_COSTS` entry); tools and tests choose others."""
     return _plan(q, v, q.shape[1], q.stride(), k.stride(), v.stride(), lens_q, lens_k, total_q, is_causal, mode,
-                 out_dtype, with_lse, row_offsets, programs)
+                 out_dtype, with_lse, row_offsets, programs, job_cost)
 
 
 def _plan(q, v, heads, sq, sk, sv, lens_q, lens_k, total_q, is_causal, mode, out_dtype, with_lse, row_offsets,
-          programs=None):
+          programs=None, job_cost=None):
     """:func:`stream_plan` with the token / head / head-dim strides ``sq`` / ``sk`` / ``sv`` given."""
     D, Dv = q.shape[-1], v.shape[-1]
     max_k = max(lens_k, default=0)
@@ -445,8 +445,9 @@ def _plan(q, v, heads, sq, sk, sv, lens_q, lens_k, total_q, is_causal, mode, out
     if programs is None:
         sms = sm_count(q.device) if q.device.type == "cuda" else NOMINAL_SMS
         programs = PROGRAMS_PER_SM * sms
-    part = partition(lens_q, lens_k, heads, block_m, block_n, is_causal, programs,
-                     JOB_COSTS.get(precision, JOB_COST_FP32))
+    if job_cost is None:
+        job_cost = JOB_COSTS.get(precision, JOB_COST_FP32)
+    part = partition(lens_q, lens_k, heads, block_m, block_n, is_causal, programs, job_cost)
     if part.jobs == 0:
         return None
     return StreamPlan(part, heads, D, Dv, (*sq, *sk, *sv), q.device, q.dtype, total_q, is_causal, mode,

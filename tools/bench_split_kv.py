@@ -7,13 +7,14 @@ heads), and ragged batches of one long and many short sequences — split the ke
 stream_k`). Each case is timed under every schedule: ``auto`` (:func:`visionattn.kernels.elsa_fwd.choose_num_splits`,
 the split-KV plan's choice), ``flash-decoding`` (P = ceil(2 x SMs / programs) up to 64 and half the key tiles, from
 the average sequence: Flash-Decoding's rule, which the library used before), each fixed P of ``--splits``, and
-``stream-k`` (the same data packed, with the lengths on the host); eager and CUDA-graph milliseconds
-(:func:`_harness.eager_graph_ms`), the rel error vs a float64 softmax, auto's speed-up over flash-decoding,
-stream-K's over auto and the keys' and values' bytes per second (each read once: how near a call runs to the memory's
-peak). Ragged calls hand the kernels their lengths on the host, as list calls do. Dense cases: B x H heads of ``--queries`` queries against ``--keys`` keys; ragged cases: H = 16
-heads, ``--sequences`` sequences, one of ``--longest`` keys and the others drawn so that mean / max length is each
-``--ratios`` value; ``--self-lengths``: self-attention over sequences of those lengths. Head dim 64. Writes OUT.md,
-OUT.json and OUT.png.
+``stream-k`` (the same data packed, with the lengths on the host; with ``--job-costs``, also at each of those start-up
+costs per job, ``stream-k cost=C``); eager and CUDA-graph milliseconds (:func:`_harness.eager_graph_ms`), the rel
+error vs a float64 softmax, auto's speed-up over flash-decoding, stream-K's over auto and the keys' and values' bytes
+per second (each read once: how near a call runs to the memory's peak). Ragged calls hand the kernels their lengths
+on the host, as list calls do. Dense cases: B x H heads of ``--queries`` queries against ``--keys`` keys; ragged
+cases: H = 16 heads, ``--sequences`` sequences, one of ``--longest`` keys and the others drawn so that mean / max
+length is each ``--ratios`` value; ``--self-lengths``: self-attention over sequences of those lengths. Head dim 64.
+Writes OUT.md, OUT.json and OUT.png.
 
   python tools/bench_split_kv.py --modes bf16,fp32 --out docs/benchmarks/split_kv_h200
 """
@@ -30,6 +31,7 @@ from _harness import (ToolParser, bars, check_device, comma_ints, comma_list, co
                       eager_graph_ms, environment, figure, markdown_table, md_header, positive_int, prefix_outputs,
                       write_results)
 
+from visionattn.kernels import stream_k  # noqa: E402
 from visionattn.kernels._launch import cdiv, sm_count  # noqa: E402
 from visionattn.kernels.elsa_fwd import _precision, choose_num_splits, elsa_attention, get_config  # noqa: E402
 from visionattn.kernels.varlen_fwd import varlen_forward  # noqa: E402
@@ -129,14 +131,25 @@ def cases(args, mode: str, device: torch.device):
 
 
 def _stream_call(packed, lens_q, lens_k, mode, device, shape):
-    """The stream-K schedule's call on packed q / k / v [total, H, D] of these lengths (its plan built once, as
-    the library caches it), output shaped by ``shape`` like the case's reference."""
+    """``call(job_cost=None)``: the stream-K schedule's call on packed q / k / v [total, H, D] of these lengths, output
+    shaped by ``shape`` like the case's reference; the library's call (its plan built once and cached) or, with a
+    ``job_cost``, a plan of that start-up cost per job (built once per cost)."""
     q, k, v = packed
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
                   for x in (lens_q, lens_k))
     lengths = (tuple(lens_q), tuple(lens_k))
-    return lambda: shape(varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), False, SCALE, mode,
+    plans = {}
+
+    def call(job_cost=None):
+        if job_cost is None:
+            return shape(varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), False, SCALE, mode,
                                         lengths=lengths, schedule="stream-k")[0])
+        if job_cost not in plans:
+            plans[job_cost] = stream_k.stream_plan(q, k, v, lens_q, lens_k, sum(lens_q), False, mode, q.dtype, False,
+                                                   False, job_cost=job_cost)
+        return shape(plans[job_cost](q, k, v, cu_q, cu_k, SCALE)[0])
+
+    return call
 
 
 def run(args, device: torch.device) -> list[dict]:
@@ -144,10 +157,15 @@ def run(args, device: torch.device) -> list[dict]:
     for mode in args.modes:
         for label, call, ref, auto, flash, stream, kv in cases(args, mode, device):
             schedules = {"auto": auto, "flash-decoding": flash, **{f"P={p}": p for p in args.splits},
-                         "stream-k": "stream-k"}
+                         "stream-k": "stream-k", **{f"stream-k cost={c}": f"cost={c}" for c in args.job_costs}}
             timed: dict = {}
             for name, p in schedules.items():
-                fn = (lambda _, stream=stream: stream()) if p == "stream-k" else call
+                if p == "stream-k":
+                    fn = lambda _, stream=stream: stream()  # noqa: E731
+                elif isinstance(p, str):  # "cost=C": stream-K at that start-up cost per job
+                    fn = lambda p, stream=stream: stream(int(p.split("=")[1]))  # noqa: E731
+                else:
+                    fn = call
                 if p not in timed:
                     out = fn(p)
                     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
@@ -205,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a self-attention ragged case of these sequence lengths, H = 16 (default: the ELSA "
                         "supplement's Table 2 batch; '' for none)")
     p.add_argument("--splits", default="", help="fixed split counts timed beside auto and flash-decoding, e.g. 2,4")
+    p.add_argument("--job-costs", default="",
+                   help="stream-K start-up costs per job (key-tile iterations) timed beside the default, e.g. 0,2,4")
     p.add_argument("--calls", type=positive_int, default=20, help="calls per timing window (default 20)")
     p.add_argument("--repeats", type=positive_int, default=7, help="timing windows, median reported (default 7)")
     p.add_argument("--seed", type=int, default=7, help="seed of inputs and ragged lengths (default 7)")
@@ -226,6 +246,8 @@ def _parse(parser, args):
     if not args.ratios or not all(0 < r <= 1 for r in args.ratios):
         parser.error(f"--ratios {args.ratios!r}: expected comma-separated numbers in (0, 1]")
     args.splits = comma_ints(parser, "--splits", args.splits) if args.splits.strip() else []
+    args.job_costs = (comma_ints(parser, "--job-costs", args.job_costs, low=0) if args.job_costs.strip()
+                      else [])
     args.self_lengths = (comma_ints(parser, "--self-lengths", args.self_lengths) if args.self_lengths.strip()
                          else [])
 
@@ -246,7 +268,7 @@ def main(argv=None) -> dict:
     table = [[r["case"], r["mode"], r["schedule"], r["splits"], r["eager_ms"], r["graph_ms"],
               "" if r["schedule"] != "auto" or speed.get((r["case"], r["mode"])) is None
               else f"{speed[(r['case'], r['mode'])]:.2f}x",
-              _ratio(by[(r["case"], r["mode"], "auto")], r) if r["schedule"] == "stream-k" else "",
+              _ratio(by[(r["case"], r["mode"], "auto")], r) if r["schedule"].startswith("stream-k") else "",
               r["kv_gb_per_s"] or "", f"{r['max_rel_err']:.1e}"] for r in rows]
     md = "\n".join(md_header("Split-KV schedules on few-query and ragged calls", env,
                              "eager: CUDA events around back-to-back calls; graph: the same calls replayed from a "

@@ -19,13 +19,13 @@ def test_help_lists_every_flag():
     res = subprocess.run([sys.executable, TOOL, "--help"], capture_output=True, text=True)
     assert res.returncode == 0
     for flag in ("--modes", "--batch-heads", "--queries", "--keys", "--sequences", "--ratios", "--longest",
-                 "--self-lengths", "--splits", "--calls", "--repeats", "--seed", "--device", "--out"):
+                 "--self-lengths", "--splits", "--job-costs", "--calls", "--repeats", "--seed", "--device", "--out"):
         assert flag in res.stdout
 
 
 @pytest.mark.parametrize("args", [["--modes", "pasa"], ["--batch-heads", "2"], ["--batch-heads", "0x4"],
                                   ["--ratios", "0"], ["--ratios", "1.5"], ["--ratios", "x"], ["--keys", "0"],
-                                  ["--splits", "0"], ["--sequences", "a"]])
+                                  ["--splits", "0"], ["--sequences", "a"], ["--job-costs", "-1"]])
 def test_bad_arguments_exit_2(args, capsys, tmp_path):
     with pytest.raises(SystemExit) as exc:
         bench_split_kv.main(args + ["--device", "cpu", "--out", str(tmp_path / "x")])
@@ -60,3 +60,14 @@ def test_tiny_cpu_run_every_schedule_matches_float64(tmp_path):
     assert len([r for r in rows if r["schedule"] == "stream-k"]) == 8
     assert json.load(open(out + ".json"))["modes"] == ["fp32", "bf16"]
     assert "flash-decoding" in open(out + ".md").read() and "stream-k vs auto" in open(out + ".md").read()
+
+
+def test_job_cost_sweep_rows_match_float64(tmp_path):
+    out = str(tmp_path / "jc")
+    res = bench_split_kv.main(["--device", "cpu", "--modes", "bf16", "--batch-heads", "1x2", "--queries", "1",
+                               "--keys", "100", "--sequences", "3", "--ratios", "0.3", "--longest", "90",
+                               "--self-lengths", "", "--job-costs", "0,3", "--out", out])
+    rows = [r for r in res["rows"] if r["schedule"].startswith("stream-k cost=")]
+    assert {r["schedule"] for r in rows} == {"stream-k cost=0", "stream-k cost=3"} and len(rows) == 4
+    assert all(r["max_rel_err"] <= 2e-2 for r in rows), rows
+    assert "stream-k cost=3" in open(out + ".md").read()
