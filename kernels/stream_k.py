@@ -1,11 +1,13 @@
-"""Stream-K (LeanAttention) schedule of the ragged forward: equal shares of key-tile iterations per program.
+"""Stream-K (LeanAttention) schedule of the ragged forward: shares of key-tile iterations of equal cost per program.
 
 The varlen kernel (:mod:`.varlen_fwd`) gives each (query tile, head, sequence) one program, optionally cut into
 P equal key partitions (split-KV): over a batch of uneven lengths the longest sequence's programs set the time
 while the others' SMs idle, and cutting every sequence by the longest one's partition size launches programs that
 exit at once. LeanAttention's stream-K schedule (LeanAttention, Sec. 4 and its appendix) instead lays every
 *iteration* — one key tile of one (sequence, head, query tile) "job" — on one line, jobs back to back, and gives
-each of G programs a contiguous equal share: ``[g T / G, (g + 1) T / G)`` of the ``T`` iterations. A program folds
+each of G programs a contiguous equal share: ``[g T / G, (g + 1) T / G)`` of the ``T`` iterations. Here a share's
+cost also counts a start-up cost for each job begun in it (:data:`JOB_COSTS`; a program whose share holds many short
+jobs takes fewer iterations than one inside a long job: :func:`partition`). A program folds
 the ELSA state ``(m, S, W)`` over its share, job by job: a job it covers whole writes its output directly; a job cut
 at the share's start or end leaves a partial state, and :func:`_stream_merge_kernel` folds each cut job's
 partials with the monoid merge (:func:`.elsa_fwd.merge_partials`, the split-KV merge's arithmetic), in program
