@@ -3,8 +3,8 @@
 CPU: the host partition walked as the kernel walks it (every key tile of every job folded once, shares of equal
 cost, each cut job's slots consecutive in the merge table), the kernel and merge in the interpreter against the
 float64 oracle (every dense mode, causal, sequences without queries or keys, the LSE, shares cut anywhere), the
-schedule arguments and the rule, the list path's wiring. GPU (``-m gpu``): the compiled kernels against the oracle at the
-benchmark's shapes, bit-identical repeats, and the rule's choice on a few-query list.
+schedule arguments and the rule, the list path's wiring. GPU (``-m gpu``): the compiled kernels against the oracle
+at the benchmark's shapes, bit-identical repeats, and the rule's choice on a few-query list.
 """
 import random
 
