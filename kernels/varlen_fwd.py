@@ -301,7 +301,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
         return _stream_plan_for(q, k, v, lengths, total_q, is_causal, scale, mode, out_dtype, with_lse,
                                 cu_seqlens_q, cu_seqlens_k, row_offsets)
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
-    order = None if lengths is None else longest_first(lengths[0], lengths[1])
+    order = None if lengths is None else longest_first(*_host_lengths(lengths, n_seq))
     order_t = None if order is None else _order_tensor(order, q.device)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
@@ -357,6 +357,18 @@ def _order_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return kept[0]
 
 
+def _host_lengths(lengths, n_seq: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``lengths`` = ``(lens_q, lens_k)`` as tuples of ints, one per sequence of the call's ``n_seq``.
+
+    Raises:
+        ValueError: another count (the order table and the stream-K partition index the sequences by them)."""
+    lens_q, lens_k = tuple(int(x) for x in lengths[0]), tuple(int(x) for x in lengths[1])
+    if len(lens_q) != n_seq or len(lens_k) != n_seq:
+        raise ValueError(f"lengths list {len(lens_q)} / {len(lens_k)} sequences, cu_seqlens {n_seq}; expected one "
+                         f"length per sequence")
+    return lens_q, lens_k
+
+
 def _without_keys(total_q: int, heads: int, head_dim_v: int, out_dtype, with_lse: bool, device):
     """``(out, lse)`` of a call with nothing to fold: zeros [total_q, H, Dv] and, with ``with_lse``, -inf [H, total_q]
     (no visible key), without a launch."""
@@ -389,10 +401,7 @@ def _stream_plan_for(q, k, v, lengths, total_q: int, is_causal: bool, scale: flo
     """``(plan, (out, lse))`` of the stream-K schedule, the plan cached by the call signature and the lengths."""
     from . import stream_k
 
-    lens_q, lens_k = tuple(int(x) for x in lengths[0]), tuple(int(x) for x in lengths[1])
-    if len(lens_q) != cu_q.shape[0] - 1 or len(lens_k) != cu_k.shape[0] - 1:
-        raise ValueError(f"lengths list {len(lens_q)} / {len(lens_k)} sequences, cu_seqlens "
-                         f"{cu_q.shape[0] - 1}; expected one length per sequence")
+    lens_q, lens_k = _host_lengths(lengths, cu_q.shape[0] - 1)
     key = ("stream-k", mode, total_q, q.shape[1:], v.shape[2], q.stride(), k.stride(), v.stride(), q.dtype,
            q.get_device(), row_offsets is not None, bool(is_causal), out_dtype, bool(with_lse),
            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, lens_q, lens_k)

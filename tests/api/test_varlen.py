@@ -126,6 +126,9 @@ def test_host_lengths_visit_the_longest_sequences_first(mode, splits):
     assert torch.equal(ordered, plain) and torch.equal(lse_o, lse)
     oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 24)
     assert rel_l2(ordered.double(), oracle) <= MODES[mode].rel_tol
+    # the order table is indexed by sequence: lengths of another count are refused, not read past
+    with pytest.raises(ValueError, match="one length per sequence"):
+        varlen_fwd.varlen_forward(*args, num_splits=splits, lengths=((1, 2), (3, 4)), schedule="split-kv")
 
 
 def test_device_tables_keep_their_host_source():
