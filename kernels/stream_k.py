@@ -38,9 +38,8 @@ import triton
 import triton.language as tl
 
 from ._launch import LOG2E, KernelCall, cdiv, head_blocks, interpreting, pad_pow2, sm_count
-from .elsa_fwd import (LAZY_V_MIN_KEYS, _fold_tile, _precision, final_state, get_config, key_tiles,
-                       merge_partials, store_partial, NOMINAL_SMS)
-from .varlen_fwd import _register_cap, sequence_tile
+from .elsa_fwd import LAZY_V_MIN_KEYS, _precision, get_config, key_tiles, merge_partials, store_partial, NOMINAL_SMS
+from .varlen_fwd import _register_cap, fold_query_tile, sequence_span, store_output
 
 __all__ = ["Partition", "partition", "choose", "ragged_prefers", "stream_plan", "dense_plan", "dense_prefers",
            "query_block", "key_block", "HALF_KEY_BLOCK",
@@ -246,8 +245,9 @@ def _stream_fwd_kernel(
     """Program ``g`` folds iterations ``[ProgIt[g], ProgIt[g + 1])``, job after job (tables of :func:`partition`).
 
     Per job: the query tile's rows and the key tiles of the share (interior tiles, then boundary ones, as the varlen
-    kernel's :func:`.elsa_fwd.partition_tiles`); a job covered whole writes ``W / S`` (and the LSE) to ``Out``
-    [total_q, H, Dv] like :func:`.varlen_fwd._varlen_fwd_kernel`, a cut one its partial state to the next slot
+    kernel's :func:`.elsa_fwd.partition_tiles`), folded by :func:`.varlen_fwd.fold_query_tile`; a job covered whole
+    writes ``W / S`` (and the LSE) to ``Out`` [total_q, H, Dv] (:func:`.varlen_fwd.store_output`, as
+    :func:`.varlen_fwd._varlen_fwd_kernel`), a cut one its partial state to the next slot
     (:func:`.elsa_fwd.store_partial`, rows ``slot * BLOCK_M + r``). Arguments, layouts and ``ROW_OFFSETS`` as the
     varlen kernel's."""
     g = tl.program_id(0)
@@ -267,44 +267,22 @@ def _stream_fwd_kernel(
         seq = tl.load(JobInfo + 3 * job)
         off_h = tl.load(JobInfo + 3 * job + 1).to(tl.int64)
         start_m = tl.load(JobInfo + 3 * job + 2)
-        q_start = tl.load(CuQ + seq).to(tl.int64)
-        Lq = tl.load(CuQ + seq + 1) - tl.load(CuQ + seq)
-        k_start = tl.load(CuK + seq).to(tl.int64)
-        Nk = tl.load(CuK + seq + 1) - tl.load(CuK + seq)
+        q_start, Lq = sequence_span(CuQ, seq)
+        k_start, Nk = sequence_span(CuK, seq)
         start_m64 = start_m.to(tl.int64)
         rows = start_m + offs_m
         row_ok = rows < Lq
-        q, q_lo, q_inv, v_exp, k_base, v_base = sequence_tile(
-            Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs_m, offs_d, row_ok, D, qk_scale,
-            sqt, sqh, sqd, skt, skh, svt, svh, BLOCK_M, BLOCK_DV, EVEN_D, PRECISION, ROW_OFFSETS)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
         lo_t = it - j_lo
         hi_t = tl.minimum(seg_end - j_lo, n_tiles)  # a job without keys has one iteration and no tile
         mid_t = tl.maximum(tl.minimum(n_full, hi_t), lo_t)
-        for t in range(lo_t, mid_t):
-            acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q,
-                                              t * BLOCK_N, offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
-                                              skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
-                                              False, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION,
-                                              DOT_UPCAST, LAZY_V)
-        for t in range(mid_t, hi_t):
-            acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q,
-                                              t * BLOCK_N, offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
-                                              skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
-                                              True, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION,
-                                              DOT_UPCAST, LAZY_V)
-        lse, acc, l_i, m_i, v_unscale = final_state(acc, l_i, m_i, v_exp, PRECISION)
+        lse, acc, l_i, m_i, v_unscale = fold_query_tile(
+            Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, lo_t, mid_t, hi_t, offs_m, offs_n, offs_d,
+            offs_dv, rows, row_ok, Nk, D, Dv, qk_scale, sqt, sqh, sqd, skt, skh, skd, svt, svh, svd,
+            BLOCK_M, BLOCK_N, BLOCK_DV, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST, LAZY_V, ROW_OFFSETS)
         if (it == j_lo) & (seg_end == j_hi):  # the whole job: its output
-            if WRITE_LSE:
-                tl.store(Lse + off_h * total_q + q_start + start_m64 + offs_m, lse, mask=row_ok)
-            l_div = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: W = 0, S = 0 -> output 0
-            out = acc / l_div[:, None] * v_unscale[None, :]
-            o_ptrs = (Out + (q_start + start_m64) * sot + off_h * soh + offs_m[:, None] * sot
-                      + offs_dv[None, :] * sod)
-            tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+            store_output(Out, Lse, lse, acc, l_i, v_unscale, q_start, start_m64, off_h, offs_m, offs_dv, row_ok,
+                         dv_ok, total_q, sot, soh, sod, WRITE_LSE)
         else:  # a piece: its partial state, for the merge
             store_partial(WsM, WsS, WsW, slot * BLOCK_M + offs_m, m_i, l_i, acc, v_unscale, offs_dv, row_ok, Dv)
             slot += 1

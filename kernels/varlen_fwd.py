@@ -52,14 +52,21 @@ __all__ = ["varlen_forward", "plan_for", "varlen_unsupported_reason", "PLANS"]
 
 
 @triton.jit
+def sequence_span(Cu, seq):
+    """``(start, length)`` of sequence ``seq`` in the ``cu_seqlens`` offsets ``Cu`` [n_seq + 1]: its first row in the
+    packed tensor (int64) and its row count. Shared by :func:`_varlen_fwd_kernel` and the stream-K kernel
+    (:mod:`.stream_k`)."""
+    return tl.load(Cu + seq).to(tl.int64), tl.load(Cu + seq + 1) - tl.load(Cu + seq)
+
+
+@triton.jit
 def sequence_tile(Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs_m, offs_d, row_ok, D, qk_scale,
                   sqt, sqh, sqd, skt, skh, svt, svh, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
                   EVEN_D: tl.constexpr, PRECISION: tl.constexpr, ROW_OFFSETS: tl.constexpr):
     """The query tile of sequence ``seq`` from row ``start_m64`` of head ``off_h`` and where its keys / values start:
     ``(q, q_lo, q_inv, v_exp, k_base, v_base)`` (:func:`.elsa_fwd.load_query_tile`'s parts, the initial V column
     exponents, the head's K / V base pointers). Rows from ``RowOff`` [n_seq, 3] (``ROW_OFFSETS``) or ``cu_seqlens``
-    starts ``q_start`` / ``k_start`` times the token strides. Shared by :func:`_varlen_fwd_kernel` and the stream-K
-    kernel (:mod:`.stream_k`)."""
+    starts ``q_start`` / ``k_start`` times the token strides. For :func:`fold_query_tile`."""
     if ROW_OFFSETS:  # multiples of 16 elements (the host checks): vector loads stay as aligned as packed ones
         q_row0 = tl.multiple_of(tl.load(RowOff + seq * 3), 16)
         k_row0 = tl.multiple_of(tl.load(RowOff + seq * 3 + 1), 16)
@@ -74,6 +81,56 @@ def sequence_tile(Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs
     k_base = K + k_row0 + off_h * skh
     v_base = V + v_row0 + off_h * svh
     return q, q_lo, q_inv, v_exp, k_base, v_base
+
+
+@triton.jit
+def fold_query_tile(Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, lo_t, mid_t, hi_t,
+                    offs_m, offs_n, offs_d, offs_dv, rows, row_ok, Nk, D, Dv, qk_scale,
+                    sqt, sqh, sqd, skt, skh, skd, svt, svh, svd,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                    EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+                    LAZY_V: tl.constexpr, ROW_OFFSETS: tl.constexpr):
+    """The ELSA state of the query tile of sequence ``seq`` from row ``start_m64`` of head ``off_h`` (its
+    :func:`sequence_tile`), folded from the empty state over key tiles ``[lo_t, mid_t)`` interior (unmasked) and
+    ``[mid_t, hi_t)`` boundary (masked) with :func:`.elsa_fwd._fold_tile`: :func:`.elsa_fwd.final_state`'s
+    ``(lse, acc, l_i, m_i, v_unscale)``, ``acc`` [BLOCK_M, BLOCK_DV]. Shared by :func:`_varlen_fwd_kernel` and the
+    stream-K kernel (:mod:`.stream_k`)."""
+    q, q_lo, q_inv, v_exp, k_base, v_base = sequence_tile(
+        Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs_m, offs_d, row_ok, D, qk_scale,
+        sqt, sqh, sqd, skt, skh, svt, svh, BLOCK_M, BLOCK_DV, EVEN_D, PRECISION, ROW_OFFSETS)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    # no bias / mask: their pointers and strides are unused placeholders (HAS_BIAS = HAS_MASK = False)
+    for t in range(lo_t, mid_t):
+        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
+                                          offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+                                          skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
+                                          False, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST,
+                                          LAZY_V)
+    for t in range(mid_t, hi_t):
+        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
+                                          offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
+                                          skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
+                                          True, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST,
+                                          LAZY_V)
+    return final_state(acc, l_i, m_i, v_exp, PRECISION)
+
+
+@triton.jit
+def store_output(Out, Lse, lse, acc, l_i, v_unscale, q_start, start_m64, off_h, offs_m, offs_dv, row_ok, dv_ok,
+                 total_q, sot, soh, sod, WRITE_LSE: tl.constexpr):
+    """The query tile's normalised output ``W / S`` (0 without a visible key) to ``Out`` [total_q, H, Dv] at packed
+    rows ``q_start + start_m64 + offs_m`` of head ``off_h`` (columns ``dv_ok``) and, with ``WRITE_LSE``, its LSE
+    ``lse`` [BLOCK_M] to ``Lse`` [H, total_q] (-inf without a visible key); ``acc``, ``l_i``, ``v_unscale`` as
+    :func:`.elsa_fwd.final_state` returns them. Shared by :func:`_varlen_fwd_kernel` and the stream-K kernel
+    (:mod:`.stream_k`)."""
+    if WRITE_LSE:
+        tl.store(Lse + off_h * total_q + q_start + start_m64 + offs_m, lse, mask=row_ok)
+    l_div = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: W = 0, S = 0 -> output 0
+    out = acc / l_div[:, None] * v_unscale[None, :]
+    o_ptrs = Out + (q_start + start_m64) * sot + off_h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles", "n_splits", "tiles_per_split"])
@@ -106,13 +163,11 @@ def _varlen_fwd_kernel(
     seq = sh // H
     if ORDERED:
         seq = tl.load(Order + seq)
-    q_start = tl.load(CuQ + seq).to(tl.int64)
-    Lq = tl.load(CuQ + seq + 1) - tl.load(CuQ + seq)
+    q_start, Lq = sequence_span(CuQ, seq)
     start_m = pid_m * BLOCK_M
     if start_m >= Lq:
         return
-    k_start = tl.load(CuK + seq).to(tl.int64)
-    Nk = tl.load(CuK + seq + 1) - tl.load(CuK + seq)
+    k_start, Nk = sequence_span(CuK, seq)
     start_m64 = start_m.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -120,43 +175,20 @@ def _varlen_fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     rows = start_m + offs_m
     row_ok = rows < Lq
-
-    q, q_lo, q_inv, v_exp, k_base, v_base = sequence_tile(
-        Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, offs_m, offs_d, row_ok, D, qk_scale,
-        sqt, sqh, sqd, skt, skh, svt, svh, BLOCK_M, BLOCK_DV, EVEN_D, PRECISION, ROW_OFFSETS)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    dv_ok = offs_dv < Dv
 
     n_full, n_tiles = key_tiles(start_m, Nk, BLOCK_M, BLOCK_N, IS_CAUSAL)
     lo_t, mid_t, hi_t = partition_tiles(split, tiles_per_split, n_splits, n_full, n_tiles, SPLIT)
-    # no bias / mask: their pointers and strides are unused placeholders (HAS_BIAS = HAS_MASK = False)
-    for t in range(lo_t, mid_t):
-        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
-                                          offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
-                                          skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
-                                          False, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST,
-                                          LAZY_V)
-    for t in range(mid_t, hi_t):
-        acc, l_i, m_i, v_exp = _fold_tile(acc, l_i, m_i, v_exp, q, q_lo, q_inv, k_base, v_base, Q, Q, t * BLOCK_N,
-                                          offs_m, offs_n, offs_d, offs_dv, row_ok, rows, Nk, D, Dv,
-                                          skt, skd, svt, svd, 0, 0, 0, 0, qk_scale,
-                                          True, IS_CAUSAL, False, False, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST,
-                                          LAZY_V)
-
-    dv_ok = offs_dv < Dv
-    lse, acc, l_i, m_i, v_unscale = final_state(acc, l_i, m_i, v_exp, PRECISION)
-    if WRITE_LSE and not SPLIT:  # -inf for a sequence without keys
-        tl.store(Lse + off_h * total_q + q_start + start_m64 + offs_m, lse, mask=row_ok)
+    lse, acc, l_i, m_i, v_unscale = fold_query_tile(
+        Q, K, V, RowOff, seq, q_start, k_start, start_m64, off_h, lo_t, mid_t, hi_t, offs_m, offs_n, offs_d, offs_dv,
+        rows, row_ok, Nk, D, Dv, qk_scale, sqt, sqh, sqd, skt, skh, skd, svt, svh, svd,
+        BLOCK_M, BLOCK_N, BLOCK_DV, IS_CAUSAL, EVEN_D, EVEN_DV, PRECISION, DOT_UPCAST, LAZY_V, ROW_OFFSETS)
     if SPLIT:  # workspace [P, H, total_q] (m, S) and [P, H, total_q, Dv] (W)
         store_partial(WsM, WsS, WsW, (split * H + off_h) * total_q + q_start + start_m64 + offs_m, m_i, l_i, acc,
                       v_unscale, offs_dv, row_ok, Dv)
     else:
-        l_div = tl.where(l_i > 0.0, l_i, 1.0)  # no visible key: W = 0, S = 0 -> output 0
-        out = acc / l_div[:, None] * v_unscale[None, :]
-        o_ptrs = Out + (q_start + start_m64) * sot + off_h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        store_output(Out, Lse, lse, acc, l_i, v_unscale, q_start, start_m64, off_h, offs_m, offs_dv, row_ok, dv_ok,
+                     total_q, sot, soh, sod, WRITE_LSE)
 
 
 def _register_cap(precision: str, cfg: TileConfig, block_d: int, block_dv: int) -> dict:
