@@ -340,22 +340,20 @@ def pad_pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
-def head_blocks(head_dim: int, head_dim_v: int, precision: str) -> tuple[int, int]:
-    """``(BLOCK_D, BLOCK_DV)``, the tile widths of a kernel's q / k rows and v / output rows.
+def head_blocks(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_DV)``, the tile widths of a kernel's q / k rows and v / output rows: both the larger head
+    dim padded to a power of two >= 16 (:func:`pad_pow2`), for every kind of product.
 
-    Each head dim is padded to a power of two >= 16 (:func:`pad_pow2`), and where ``precision`` (a kernel's
-    ``PRECISION`` string, or the backward's ``"SCORES/GRADS"`` products) multiplies in split FP16
-    (``"f16x3"`` / ``"f16x1"``, :mod:`.split16`) both to the larger of the two: on the GPU, Triton 3.6 compiles
-    a split-FP16 kernel whose V tile is narrower or wider than its K tile (e.g. D = 64, Dv = 16) into code
-    that addresses shared memory out of range (compute-sanitizer: "Out-of-range shared or local address" in
-    :func:`.split16.fold_pv`), giving NaN, wrong outputs or an illegal-address error, where the interpreter
-    computes the same kernel correctly. Equal widths compile correctly; the padded columns are masked loads
-    and stores like any padded head dim.
+    On the GPU, Triton 3.6 compiles a kernel whose V tile is narrower or wider than its K tile into code that
+    addresses shared memory out of range, where the interpreter computes the same kernel correctly: split-FP16
+    products (e.g. D = 64, Dv = 16: compute-sanitizer "Out-of-range shared or local address" in
+    :func:`.split16.fold_pv`, NaN or wrong outputs), native fp16 / bf16 products (the varlen forward at D = 72,
+    Dv = 32 with a V not 16-byte aligned: relative errors 0.8-2.1 and an illegal address) and PASA's (D = 256,
+    Dv = 32: "Invalid __shared__ read" in its P V product). Equal widths compile correctly; the padded columns are
+    masked loads and stores like any padded head dim, extra work only where D != Dv.
     """
-    block_d, block_dv = pad_pow2(head_dim), pad_pow2(head_dim_v)
-    if "f16x" in precision:
-        block_d = block_dv = max(block_d, block_dv)
-    return block_d, block_dv
+    block = pad_pow2(max(head_dim, head_dim_v))
+    return block, block
 
 
 # dtypes the kernels can write their output in (the FP32 state is divided and rounded once to it)

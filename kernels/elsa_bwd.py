@@ -1226,7 +1226,7 @@ class _BackwardPlan:
         mask4 = attn_mask.expand(shape4) if attn_mask is not None else None
         self.cfg = config or default or get_config(mode, D, Dv, bool(bias_requires_grad), products, Nk)
         self.explicit = config is not None
-        BLOCK_D, BLOCK_DV = head_blocks(D, Dv, "/".join(product_flags(precision).values()))
+        BLOCK_D, BLOCK_DV = head_blocks(D, Dv)
         self.dims = (B, H, Nq, Nk, D, Dv)
         # HEAD_SCALED products scale each right operand by one power of two per head (:func:`_mmh`): the
         # preprocess finds the heads' largest magnitudes

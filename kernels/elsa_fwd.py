@@ -757,7 +757,7 @@ class _TritonPlan(DenseForwardRun):
         P = max(1, min(P, n_tiles))
         tiles_per_split = cdiv(n_tiles, P)
         P = cdiv(n_tiles, tiles_per_split)  # no empty trailing partitions
-        block_d, block_dv = head_blocks(D, Dv, precision)
+        block_d, block_dv = head_blocks(D, Dv)
         self.config, self.device, self.o_dtype = cfg, q.device, out_dtype
         self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)  # as SDPA's flash path returns
         self.lse_shape = (B, H, Nq) if with_lse else None

@@ -559,7 +559,7 @@ def _preprocess(q, out, grad_out, lse, k=None, v=None, head_max=None):
     Dv = out.shape[3]
     delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
     lse_row = torch.empty_like(delta)
-    call = elsa_bwd._preprocess_call(B, H, Nq, *head_blocks(D, Dv, ""), head_max=head_max is not None)
+    call = elsa_bwd._preprocess_call(B, H, Nq, *head_blocks(D, Dv), head_max=head_max is not None)
     if head_max is None:  # HEAD_MAX off: K / V, E and their strides are not read (q stands in; 0 keys)
         k = v = q
         head_max = delta

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (OUT_DTYPES, KernelCall, PlanCache, allocate_output, cdiv, heads_inner_layout, interpreting,
-                      pad_pow2, run_first_that_fits)
+from ._launch import (OUT_DTYPES, KernelCall, PlanCache, allocate_output, cdiv, head_blocks, heads_inner_layout,
+                      interpreting, pad_pow2, run_first_that_fits)
 from ._launch import LOG2E
 from .elsa_fwd import load_kv_tile
 from .pasa_math import optimal_beta, shift_coefficients
@@ -546,7 +546,7 @@ class _PasaPlan:
     def __init__(self, q, k, v, bias, attn_mask, is_causal, shift, beta, cfg, out_dtype):
         B, H, Nq, D = q.shape
         Nk, Dv = k.shape[2], v.shape[3]
-        block_d, block_dv = pad_pow2(D), pad_pow2(Dv)
+        block_d, block_dv = head_blocks(D, Dv)  # equal widths (its docstring: a Triton 3.6 miscompile)
         block_n = cfg.get("BLOCK_N", BLOCK_N)
         self.device, self.o_dtype, self.shift = q.device, out_dtype, bool(shift)
         self.o_shape, self.o_stride = heads_inner_layout(B, H, Nq, Dv)

@@ -352,7 +352,7 @@ class StreamPlan:
                  max_seqlen_k: int, max_rows: int, row_offsets: bool):
         H, D, Dv = heads, head_dim, head_dim_v
         precision = _precision(mode, None)
-        block_d, block_dv = head_blocks(D, Dv, precision)
+        block_d, block_dv = head_blocks(D, Dv)
         cfg = get_config(mode, D, Dv, max_seqlen_k)
         self.part, self.device, self.o_dtype, self.with_lse, self.dv = part, device, out_dtype, with_lse, Dv
         self.o_shape = (total_q, H, Dv)

@@ -256,7 +256,7 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if empty:
         return dq, dk, dv
     cfg = config or get_config(mode, D, Dv)
-    BLOCK_D, BLOCK_DV = head_blocks(D, Dv, "/".join(product_flags(precision).values()))
+    BLOCK_D, BLOCK_DV = head_blocks(D, Dv)
 
     # delta and the row lse: per row, so the packed rows are one batch entry [1, H, total_q] of the dense kernel
     delta = torch.empty((H, total_q), device=q.device, dtype=torch.float32)

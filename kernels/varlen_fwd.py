@@ -217,7 +217,7 @@ class _VarlenPlan(VarlenForwardRun):
         total_q = q.shape[0] if total_q is None else total_q
         Dv = v.shape[2]
         precision = _precision(mode, None)
-        block_d, block_dv = head_blocks(D, Dv, precision)
+        block_d, block_dv = head_blocks(D, Dv)
         n_m_tiles = cdiv(rows_bound, cfg.block_m)
         # KV partitions (decided by varlen_forward, which keys the plan on them)
         n_kv_tiles = max(1, cdiv(max_seqlen_k, cfg.block_n))

@@ -214,7 +214,7 @@ class _FusedPlan:
                       *sa, *(int(x) for st in grad_strides for x in st), H, N, D, Dv)  # the arguments before scale0
         self.fixed_tail = (n_add, BW, per_chunk)  # and after it
         precision = fp32_products(mode, products)[1]
-        block_d, block_dv = head_blocks(D, Dv, "/".join(product_flags(precision).values()))
+        block_d, block_dv = head_blocks(D, Dv)
         warps, stages = fused_launch(block, N, q.dtype != torch.float32, precision)
         num_stages = stages if num_stages is None else num_stages
         self.call = KernelCall(_window_bwd_fused_kernel, (H * G,), dict(

@@ -480,7 +480,7 @@ class _WindowPlan(WindowForwardRun):
         lse_str = (H * N, N) if with_lse else (0, 0)
         strides = (*q.stride(), *k.stride(), *v.stride(), *self.o_stride, *b_str, *m_str, ls_str, *lse_str)
         flags = mode_constexprs(mode, precision, bias is not None, mask is not None, cosine, with_lse, normalized)
-        block_d, block_dv = head_blocks(D, DV, flags["IN_PREC"])
+        block_d, block_dv = head_blocks(D, DV)
         options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         n_slot = n_slot_mask if mask is not None else 1
         if cfg["kernel"] == "small":

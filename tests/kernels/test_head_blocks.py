@@ -1,12 +1,14 @@
-"""Tile widths of the head dims: split-FP16 kernels get equal q / k and v tile widths.
+"""Tile widths of the head dims: every kernel gets equal q / k and v tile widths.
 
-On the GPU, Triton 3.6 compiles a split-FP16 kernel (``fp32`` / ``tf32`` modes, :mod:`visionattn.kernels.split16`)
-whose V tile is narrower or wider than its K tile into code that addresses shared memory out of range
-(compute-sanitizer: "Out-of-range shared or local address" in ``split16.fold_pv``): D = 64 with Dv = 16 returned
-NaN in the dense forward, D = 128 with Dv = 16 wrong outputs (relative error ~1), D = 48 with Dv = 32 an illegal
-address, and likewise in the backward, the window and the varlen kernels. The interpreter computes the same
-kernels correctly, so these tests check the cause: every interpreted launch with split-FP16 products gets
-``BLOCK_D == BLOCK_DV`` (:func:`visionattn.kernels._launch.head_blocks`), and the results stay exact.
+On the GPU, Triton 3.6 compiles a kernel whose V tile is narrower or wider than its K tile into code that addresses
+shared memory out of range. Split-FP16 products (``fp32`` / ``tf32`` modes, :mod:`visionattn.kernels.split16`):
+compute-sanitizer "Out-of-range shared or local address" in ``split16.fold_pv``; D = 64 with Dv = 16 returned NaN in
+the dense forward, D = 128 with Dv = 16 wrong outputs (relative error ~1), D = 48 with Dv = 32 an illegal address,
+and likewise in the backward, the window and the varlen kernels. Native fp16 / bf16 products: the varlen forward at
+D = 72, Dv = 32 with a V not 16-byte aligned returned relative errors 0.8-2.1 in every sequence (an illegal address
+in a longer process); PASA at D = 256, Dv = 32: "Invalid __shared__ read" in its P V product. The interpreter
+computes the same kernels correctly, so these tests check the cause: every interpreted launch that has both widths
+gets ``BLOCK_D == BLOCK_DV`` (:func:`visionattn.kernels._launch.head_blocks`), and the results stay exact.
 """
 import pytest
 import torch
@@ -15,30 +17,22 @@ import visionattn as va
 from visionattn.kernels._launch import head_blocks
 from visionattn.metrics import rel_l2
 
-SPLIT_KEYS = ("PRECISION", "GRAD_PRECISION", "IN_PREC")
-
-
 @pytest.fixture
 def launches(kernel_launches):
     """The interpreted kernel launches (tests/conftest.py)."""
     return kernel_launches
 
 
-def _split16_widths(seen):
-    """``[(kernel, BLOCK_D, BLOCK_DV)]`` of the launches with split-FP16 products and both widths."""
-    out = []
-    for name, _, kw in seen:
-        split = any("f16x" in str(kw.get(key, "")) for key in SPLIT_KEYS) or kw.get("SPLIT16") is True
-        if split and "BLOCK_D" in kw and "BLOCK_DV" in kw:
-            out.append((name, kw["BLOCK_D"], kw["BLOCK_DV"]))
-    return out
+def _widths(seen):
+    """``[(kernel, BLOCK_D, BLOCK_DV)]`` of the launches with both widths."""
+    return [(name, kw["BLOCK_D"], kw["BLOCK_DV"]) for name, _, kw in seen if "BLOCK_D" in kw and "BLOCK_DV" in kw]
 
 
 def _check(seen):
-    widths = _split16_widths(seen)
-    assert widths, "no split-FP16 kernel ran: the test would pass vacuously"
+    widths = _widths(seen)
+    assert widths, "no kernel with both widths ran: the test would pass vacuously"
     bad = [w for w in widths if w[1] != w[2]]
-    assert not bad, f"split-FP16 launches with BLOCK_D != BLOCK_DV: {bad}"
+    assert not bad, f"launches with BLOCK_D != BLOCK_DV: {bad}"
 
 
 def _leaves(*shapes, seed=0):
@@ -54,12 +48,45 @@ def _ref64(q, k, v, grad_out, **kw):
 
 
 def test_head_blocks_rule():
-    assert head_blocks(64, 16, "f16x3") == (64, 64)
-    assert head_blocks(16, 48, "f16x1") == (64, 64)
-    assert head_blocks(72, 32, "f16x3/f16x3") == (128, 128)
-    assert head_blocks(64, 16, "half") == (64, 16)        # native half products: widths as padded
-    assert head_blocks(64, 16, "ieee") == (64, 16)
-    assert head_blocks(8, 8, "f16x3") == (16, 16)
+    assert head_blocks(64, 16) == (64, 64)
+    assert head_blocks(16, 48) == (64, 64)
+    assert head_blocks(72, 32) == (128, 128)
+    assert head_blocks(256, 32) == (256, 256)
+    assert head_blocks(64, 64) == (64, 64)
+    assert head_blocks(8, 8) == (16, 16)
+
+
+def test_varlen_half_misaligned_value_equal_widths(launches):
+    """The GPU case: fp16 varlen forward at D = 72, Dv = 32, V one element off 16-byte alignment, sequences
+    longest first (lengths on the host) including empty ones."""
+    lens = [9, 0, 33, 1, 20]
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(sum(lens), 2, 72, generator=g).half() for _ in range(2))
+    base = torch.randn(sum(lens) * 2 * 32 + 1, generator=g).half()
+    v = base[1:].view(sum(lens), 2, 32)
+    assert v.data_ptr() % 16 != 0
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = va.varlen_attention(q, k, v, cu, cu, mode="fp16")
+    _check(launches)
+    for s in range(len(lens)):
+        a, b = cu[s].item(), cu[s + 1].item()
+        if a == b:
+            continue
+        ref = torch.nn.functional.scaled_dot_product_attention(*(t[a:b].double().transpose(0, 1) for t in (q, k, v)))
+        assert rel_l2(out[a:b].transpose(0, 1), ref) < 2e-3, s
+
+
+@pytest.mark.parametrize("mode", ["fp16", "pasa"])
+def test_dense_half_and_pasa_equal_widths(launches, mode):
+    """Native half and PASA products: the dense forward (and PASA's) at D = 64, Dv = 16 and D = 32, Dv = 64."""
+    for d, dv in ((64, 16), (32, 64)):
+        g = torch.Generator().manual_seed(d)
+        q, k = (torch.randn(1, 2, 40, d, generator=g).half() for _ in range(2))
+        v = torch.randn(1, 2, 40, dv, generator=g).half()
+        out = va.attention(q, k, v, mode=mode)
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+        assert rel_l2(out, ref) < 3e-3, (d, dv)
+    _check(launches)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "tf32"])

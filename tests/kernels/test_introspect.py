@@ -103,7 +103,7 @@ out = {}
 for mode in ("bf16", "fp16"):
     cfg = get_config(mode, 64, 64, 1732)  # the ragged Table 2 batch's longest sequence: the long-key tiles
     precision = _precision(mode, None)
-    block_d, block_dv = head_blocks(64, 64, precision)
+    block_d, block_dv = head_blocks(64, 64)
     elt = "*bf16" if mode == "bf16" else "*fp16"
     for row_offsets, ordered in ((False, False), (True, False), (False, True)):
         ptr = dict(Q=elt, K=elt, V=elt, CuQ="*i32", CuK="*i32", RowOff="*i64" if row_offsets else elt,
