@@ -66,12 +66,14 @@ def _l2norm_bwd_kernel(DY, X, Norm, DX, sdb, sdh, sdn, sxb, sxh, sxn, n_rows, N,
     tl.store(DX + r64[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
 
 
-_PLANS = PlanCache()  # (kernel, shape, strides, dtype, device, what else it reads) -> KernelCall
+# (kernel, shape, strides, dtype, device, 16-byte alignment class, what else it reads) -> KernelCall: the compiled
+# kernel assumes its first call's pointer alignment (a 16-byte aligned q's kernel run on a misaligned k faults)
+_PLANS = PlanCache()
 
 
 def _call(kernel, x: torch.Tensor, *extra) -> KernelCall:
     B, H, N, D = x.shape
-    key = (kernel, x.shape, x.stride(), x.dtype, x.device, *extra)
+    key = (kernel, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, *extra)
     call = _PLANS.get(key)
     if call is None:
         call = _PLANS.put(key, KernelCall(kernel, (cdiv(B * H * N, _ROWS),),
@@ -97,8 +99,8 @@ class _L2Normalize(torch.autograd.Function):
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         dx = torch.empty((B, H, N, D), device=x.device, dtype=x.dtype)
-        _call(_l2norm_bwd_kernel, dy, x.stride(), x.dtype)(dy, x, norm, dx, *dy.stride()[:3], *x.stride()[:3],
-                                                           B * H * N, N, H, D, ctx.eps)
+        call = _call(_l2norm_bwd_kernel, dy, x.stride(), x.dtype, x.data_ptr() & 15)
+        call(dy, x, norm, dx, *dy.stride()[:3], *x.stride()[:3], B * H * N, N, H, D, ctx.eps)
         return dx, None, None
 
 

@@ -80,3 +80,26 @@ def test_swinv2_stage1_size(dtype, tol):
     assert torch.equal(runs[0], runs[1])
     y64, dx64 = _oracle(qkv, dy)
     assert rel_l2(l2_normalize(q).detach(), y64) <= tol and rel_l2(runs[0], dx64) <= tol
+
+
+def test_misaligned_rows_get_their_own_compiled_kernel():
+    """A plan's compiled kernel assumes its first call's 16-byte pointer alignment: Swin-v2's k (aligned) and a q
+    one element off, same shape and strides, must not share one (on the GPU the shared kernel's backward faulted:
+    "misaligned address"). Forward and backward each build one plan per alignment class, and both stay exact."""
+    from visionattn.kernels import l2norm
+
+    l2norm._PLANS.clear()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    base = torch.randn(2 * 3 * 7 * 32 + 1, generator=g, device=DEV)
+    shifted = base[1:].view(2, 3, 7, 32).detach().requires_grad_()
+    aligned = base[:-1].clone().view(2, 3, 7, 32).requires_grad_()
+    assert aligned.data_ptr() % 16 == 0 and shifted.data_ptr() % 16 != 0
+    dy = torch.randn(2, 3, 7, 32, generator=g, device=DEV)
+    for x in (aligned, shifted):
+        y = l2_normalize(x)
+        y.backward(dy)
+        x64 = x.detach().double().requires_grad_()
+        ref = F.normalize(x64, dim=-1, eps=1e-12)
+        ref.backward(dy.double())
+        assert rel_l2(y, ref) < 1e-6 and rel_l2(x.grad, x64.grad) < 1e-6
+    assert l2norm._PLANS.builds == 4  # forward and backward, each aligned and misaligned
