@@ -94,10 +94,19 @@ def _run_all(fn, variants):
             out.float().square().sum().backward()
 
 
+def _other_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values with its two middle dims swapped in memory (heads inner for [B, H, N, D], as a projection's
+    output is laid out), same shape."""
+    out = t.detach().transpose(-3, -2).contiguous().transpose(-3, -2)
+    return out.requires_grad_(t.requires_grad)
+
+
 def _variants(q, k, v):
-    """Aligned inputs, then one misaligned at a time, then all three misaligned: the order a cache meets them."""
+    """Aligned inputs, then one misaligned at a time, all three misaligned, then another memory layout of each: the
+    order a cache meets them."""
     return [(q, k, v), (_shifted(q), k, v), (q, _shifted(k), v), (q, k, _shifted(v)),
-            (_shifted(q), _shifted(k), _shifted(v))]
+            (_shifted(q), _shifted(k), _shifted(v)), (_other_layout(q), k, v),
+            (_other_layout(q), _other_layout(k), _other_layout(v))]
 
 
 @pytest.mark.parametrize("mode", ["fp32", "tf32", "fp32-ieee", "fp16", "bf16"])
