@@ -8,13 +8,13 @@ stream_k`). Each case is timed under every schedule: ``auto`` (:func:`visionattn
 the split-KV plan's choice), ``flash-decoding`` (P = ceil(2 x SMs / programs) up to 64 and half the key tiles, from
 the average sequence: Flash-Decoding's rule, which the library used before), each fixed P of ``--splits``, and
 ``stream-k`` (the same data packed, with the lengths on the host; with ``--job-costs``, also at each of those start-up
-costs per job, ``stream-k cost=C``); eager and CUDA-graph milliseconds (:func:`_harness.eager_graph_ms`), the rel
-error vs a float64 softmax, auto's speed-up over flash-decoding, stream-K's over auto and the keys' and values' bytes
-per second (each read once: how near a call runs to the memory's peak). Ragged calls hand the kernels their lengths
-on the host, as list calls do. Dense cases: B x H heads of ``--queries`` queries against ``--keys`` keys; ragged
-cases: H = 16 heads, ``--sequences`` sequences, one of ``--longest`` keys and the others drawn so that mean / max
-length is each ``--ratios`` value; ``--self-lengths``: self-attention over sequences of those lengths. Head dim 64.
-Writes OUT.md, OUT.json and OUT.png.
+costs per job, ``stream-k cost=C``); the first call's milliseconds apart, eager and CUDA-graph milliseconds
+(:func:`_harness.eager_graph_ms`), the rel error vs a float64 softmax, auto's speed-up over flash-decoding, stream-K's
+over auto and the keys' and values' bytes per second (each read once: how near a call runs to the memory's peak).
+Ragged calls hand the kernels their lengths on the host, as list calls do. Dense cases: B x H heads of ``--queries``
+queries against ``--keys`` keys; ragged cases: H = 16 heads, ``--sequences`` sequences, one of ``--longest`` keys and
+the others drawn so that mean / max length is each ``--ratios`` value; ``--self-lengths``: self-attention over
+sequences of those lengths. Head dim 64. Writes OUT.md, OUT.json and OUT.png.
 
   python tools/bench_split_kv.py --modes bf16,fp32 --out docs/benchmarks/split_kv_h200
 """
@@ -27,9 +27,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
-from _harness import (ToolParser, bars, check_device, comma_ints, comma_list, comma_pairs, default_out,  # noqa: E402
-                      eager_graph_ms, environment, figure, markdown_table, md_header, positive_int, prefix_outputs,
-                      write_results)
+from _harness import (ToolParser, bars, call_ms, check_device, comma_ints, comma_list, comma_pairs,  # noqa: E402
+                      default_out, eager_graph_ms, environment, figure, markdown_table, md_header, positive_int,
+                      prefix_outputs, write_results)
 
 from visionattn.kernels import stream_k  # noqa: E402
 from visionattn.kernels._launch import cdiv, sm_count  # noqa: E402
@@ -167,14 +167,16 @@ def run(args, device: torch.device) -> list[dict]:
                 else:
                     fn = call
                 if p not in timed:
-                    out = fn(p)
+                    held = []
+                    first = call_ms(lambda fn=fn, p=p: held.append(fn(p)), device)
+                    out = held[0]
                     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
                     if device.type == "cuda":
                         eager, graph, _ = eager_graph_ms(lambda fn=fn, p=p: (lambda: fn(p)), calls=args.calls,
                                                          repeats=args.repeats)
                     else:
                         eager, graph = None, None
-                    timed[p] = dict(eager_ms=eager, graph_ms=graph, max_rel_err=err,
+                    timed[p] = dict(first_ms=first, eager_ms=eager, graph_ms=graph, max_rel_err=err,
                                     kv_gb_per_s=kv / graph / 1e6 if graph else None)
                 rows.append(dict(case=label, mode=mode, schedule=name, splits=p, **timed[p]))
             print(f"{mode} {label}: auto P={auto}, flash-decoding P={flash}, stream-k vs auto "
@@ -265,12 +267,15 @@ def main(argv=None) -> dict:
                   sms=sm_count(device) if device.type == "cuda" else None)
     speed = _speedups(rows)
     by = {(r["case"], r["mode"], r["schedule"]): r for r in rows}
-    table = [[r["case"], r["mode"], r["schedule"], r["splits"], r["eager_ms"], r["graph_ms"],
+    table = [[r["case"], r["mode"], r["schedule"], r["splits"], r["first_ms"], r["eager_ms"], r["graph_ms"],
               "" if r["schedule"] != "auto" or speed.get((r["case"], r["mode"])) is None
               else f"{speed[(r['case'], r['mode'])]:.2f}x",
               _ratio(by[(r["case"], r["mode"], "auto")], r) if r["schedule"].startswith("stream-k") else "",
               r["kv_gb_per_s"] or "", f"{r['max_rel_err']:.1e}"] for r in rows]
     md = "\n".join(md_header("Split-KV schedules on few-query and ragged calls", env,
+                             "first call: the schedule's first call on the case in the process, wall clock to its "
+                             "completion (compiles with the Triton cache as found, the plan built); a schedule "
+                             "sharing a kernel variant with an earlier case or schedule finds it compiled",
                              "eager: CUDA events around back-to-back calls; graph: the same calls replayed from a "
                              "CUDA graph, in alternating windows; median of the windows",
                              "auto vs flash-decoding: flash-decoding's graph ms over auto's",
@@ -279,7 +284,7 @@ def main(argv=None) -> dict:
                              "auto's graph ms over stream-k's",
                              "K/V GB/s: the keys' and values' bytes, each counted once, over the graph time; a call "
                              "near the memory's peak (4.8 TB/s on an H200) has little left for any schedule to gain")
-                   + [markdown_table(table, ["case", "mode", "schedule", "P", "eager ms", "graph ms",
+                   + [markdown_table(table, ["case", "mode", "schedule", "P", "first call ms", "eager ms", "graph ms",
                                              "auto vs flash-decoding", "stream-k vs auto", "K/V GB/s",
                                              "max rel err vs float64"])])
     write_results(files, args.out, result, md, _plot if device.type == "cuda" else None)
