@@ -611,7 +611,7 @@ def choose_num_splits(batch_heads: int, n_q: int, n_k: int, config: TileConfig, 
     and the busy partitions are counted from the total keys: the partitions are sized by the batch's total work
     rather than its average length (LeanAttention's balance across a heterogeneous batch).
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or n_k <= 0:  # no keys: nothing to split (and no partition size to divide by)
         return 1
     q_tiles = cdiv(n_q, config.block_m)
     programs = batch_heads * q_tiles

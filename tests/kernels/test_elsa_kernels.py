@@ -163,6 +163,7 @@ def test_split_count_rule(monkeypatch, precision):
     equal = splits(16 * 8, 16, 8192, (8, 8 * 8192))
     assert short >= equal and short >= 2
     assert splits(132 * 4, 1, 8192, (4, 4 * 8192)) == 1  # the longest sequence alone fills the SMs
+    assert splits(12, 63, 0) == 1 and splits(12, 63, 0, (1, 0)) == 1  # no keys (a ragged batch's too): one pass
 
 
 def test_shared_memory_fallback_sequence_shrinks():
