@@ -328,14 +328,15 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
     1-D grid cdiv(Nq, BLOCK_M) * H * B."""
     pid_m, off_b, off_h, bh = _tile_and_head(Nq, BLOCK_M, H)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r64 = rows.to(tl.int64)  # 64-bit row offsets: a million rows times a strided row overflow int32
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = rows < Nq
     ok = row_ok[:, None] & (offs_dv < Dv)[None, :]
-    o = tl.load(O + off_b * sob + off_h * soh + rows[:, None] * som + offs_dv[None, :] * sod, mask=ok, other=0.0)
-    do = tl.load(DO + off_b * sdb + off_h * sdh + rows[:, None] * sdm + offs_dv[None, :] * sdd, mask=ok, other=0.0)
+    o = tl.load(O + off_b * sob + off_h * soh + r64[:, None] * som + offs_dv[None, :] * sod, mask=ok, other=0.0)
+    do = tl.load(DO + off_b * sdb + off_h * sdh + r64[:, None] * sdm + offs_dv[None, :] * sdd, mask=ok, other=0.0)
     do = do.to(Q.dtype.element_ty).to(tl.float32)  # Q: only its element type (the compute dtype) is read
     delta = tl.sum(o.to(tl.float32) * do, 1)
-    lse = tl.load(LSE + off_b * slb + off_h * slh + rows * slm, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + off_b * slb + off_h * slh + r64 * slm, mask=row_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse)
     tl.store(Delta + bh * Nq + rows, delta, mask=row_ok)
     tl.store(LseRow + bh * Nq + rows, lse, mask=row_ok)
@@ -343,14 +344,15 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
         offs_d = tl.arange(0, BLOCK_D)
         e_base = E + bh * 4
         tl.atomic_max(e_base + 3, tl.max(tl.max(tl.abs(do), 1), 0).to(tl.int32, bitcast=True))
-        tl.atomic_max(e_base, _tile_absmax(Q + off_b * sqb + off_h * sqh + rows[:, None] * sqm + offs_d[None, :] * sqd,
+        tl.atomic_max(e_base, _tile_absmax(Q + off_b * sqb + off_h * sqh + r64[:, None] * sqm + offs_d[None, :] * sqd,
                                            row_ok, offs_d, D))
         for t in range(pid_m, tl.cdiv(Nk, BLOCK_M), tl.cdiv(Nq, BLOCK_M)):
             keys = t * BLOCK_M + tl.arange(0, BLOCK_M)
             key_ok = keys < Nk
-            tl.atomic_max(e_base + 1, _tile_absmax(K + off_b * skb + off_h * skh + keys[:, None] * skn
+            k64 = keys.to(tl.int64)[:, None]
+            tl.atomic_max(e_base + 1, _tile_absmax(K + off_b * skb + off_h * skh + k64 * skn
                                                    + offs_d[None, :] * skd, key_ok, offs_d, D))
-            tl.atomic_max(e_base + 2, _tile_absmax(V + off_b * svb + off_h * svh + keys[:, None] * svn
+            tl.atomic_max(e_base + 2, _tile_absmax(V + off_b * svb + off_h * svh + k64 * svn
                                                    + offs_dv[None, :] * svd, key_ok, offs_dv, Dv))
 
 

@@ -210,9 +210,10 @@ def _pasa_shift_keys_kernel(
         if pid_n == 0:
             tl.store(MU + pid_bh.to(tl.int64) * D + offs_c, mu_c, mask=offs_c < D)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)[:, None]  # 64-bit row offsets: a million keys times a strided row overflow int32
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_n[:, None] < N_K) & (offs_d[None, :] < D)
-    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kn
+    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + n64 * stride_kn
                 + offs_d[None, :] * stride_kd, mask=ok, other=0.0).to(tl.float32)
     full = (N_K - pid_n * BLOCK_N) >= BLOCK_N
     a = tl.where(full, a_full, a_tail)
@@ -220,7 +221,7 @@ def _pasa_shift_keys_kernel(
     ksum = tl.sum(k, axis=0)
     kp = (scale * (a * k - b * ksum[None, :])).to(tl.float16)
     # KP is a contiguous [B*H, N_K, D] buffer
-    tl.store(KP + pid_bh.to(tl.int64) * N_K * D + offs_n[:, None] * D + offs_d[None, :], kp, mask=ok)
+    tl.store(KP + pid_bh.to(tl.int64) * N_K * D + n64 * D + offs_d[None, :], kp, mask=ok)
     if RECOVER:
         # MU [B*H, D], C [B*H, N_K]: contiguous FP32 buffers
         if CENTER:
@@ -250,7 +251,7 @@ def _pasa_shift_keys_kernel(
 
 
 @triton.jit
-def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row_ok,
+def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, loc_m, offs_d, offs_dv, row_ok,
                k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
                stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
                N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
@@ -263,10 +264,13 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row
     natural units. BOUNDARY blocks mask keys >= N_K and (causal) keys after the query; interior
     blocks are full and entirely visible, so their loads and scores need no key mask.
     """
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    loc_n = tl.arange(0, BLOCK_N)
+    offs_n = start_n + loc_n
     col_ok = offs_n < N_K
     d_ok = offs_d < D
-    k = load_kv_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    # 64-bit tile offsets (a million keys times a strided row overflow int32), 32-bit within the tile
+    start_n64 = start_n + tl.zeros([], dtype=tl.int64)
+    k = load_kv_tile(k_base + start_n64 * stride_kn + loc_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                      col_ok, offs_d, D, BOUNDARY, EVEN_D)
     # FP16 score accumulation: the product whose overflow PASA prevents.
     s = tl.dot(qs, tl.trans(k), out_dtype=tl.float16).to(tl.float32)
@@ -297,11 +301,11 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row
         s = s * post_scale
         row = tl.zeros_like(m_i)
         m_old = m_i
-    if HAS_BIAS:
-        s += tl.load(b_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
+    if HAS_BIAS:  # b_base / mk_base: the tile's first row; loc_m: rows within the tile
+        s += tl.load(b_base + start_n64 * stride_bn + loc_m[:, None] * stride_bm + loc_n[None, :] * stride_bn,
                      mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32) * _LOG2E
     if HAS_MASK:
-        mk = tl.load(mk_base + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+        mk = tl.load(mk_base + start_n64 * stride_mn + loc_m[:, None] * stride_mm + loc_n[None, :] * stride_mn,
                      mask=row_ok[:, None] & col_ok[None, :], other=0)
         s = tl.where(mk != 0, s, float("-inf"))
     if BOUNDARY:
@@ -314,7 +318,7 @@ def _pasa_tile(acc, l_i, m_i, F, j, qs, q, start_n, offs_m, offs_d, offs_dv, row
     alpha = tl.math.exp2(m_old - m_safe)
     p = tl.math.exp2(s - (m_safe - row)[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = load_kv_tile(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = load_kv_tile(v_base + start_n64 * stride_vn + loc_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                      col_ok, offs_dv, DV, BOUNDARY, EVEN_DV)
     acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
     return acc, l_i, m_new, F, j
@@ -341,11 +345,13 @@ def _pasa_fwd_kernel(
     off_b = (pid_bh // H).to(tl.int64)
     off_h = (pid_bh % H).to(tl.int64)
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    start_m64 = start_m.to(tl.int64)  # 64-bit tile offsets: a million rows times a strided row overflow int32
+    loc_m = tl.arange(0, BLOCK_M)
+    offs_m = start_m + loc_m
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < N_Q
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + start_m64 * stride_qm + loc_m[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     if RECOVER:
         # query centering: q' = fl16(q - mu) feeds the FP16 product (R uses the uncentred q)
@@ -359,8 +365,8 @@ def _pasa_fwd_kernel(
     n_blocks = tl.cdiv(N_K, BLOCK_N)
     w_base = W + pid_bh.to(tl.int64) * n_blocks * 3 * D
     winv_base = W_INV + pid_bh.to(tl.int64) * n_blocks
-    b_base = BIAS + off_b * stride_bb + off_h * stride_bh
-    mk_base = MASK + off_b * stride_mb + off_h * stride_mh
+    b_base = BIAS + off_b * stride_bb + off_h * stride_bh + start_m64 * stride_bm
+    mk_base = MASK + off_b * stride_mb + off_h * stride_mh + start_m64 * stride_mm
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -377,21 +383,21 @@ def _pasa_fwd_kernel(
     n_full = tl.minimum(n_full, n_tiles)
     for t in range(0, n_full):
         acc, l_i, m_i, F, j = _pasa_tile(
-            acc, l_i, m_i, F, j, qs, q, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
+            acc, l_i, m_i, F, j, qs, q, t * BLOCK_N, offs_m, loc_m, offs_d, offs_dv, row_ok,
             k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
             False, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
     for t in range(n_full, n_tiles):
         acc, l_i, m_i, F, j = _pasa_tile(
-            acc, l_i, m_i, F, j, qs, q, t * BLOCK_N, offs_m, offs_d, offs_dv, row_ok,
+            acc, l_i, m_i, F, j, qs, q, t * BLOCK_N, offs_m, loc_m, offs_d, offs_dv, row_ok,
             k_base, v_base, c_base, w_base, winv_base, b_base, mk_base,
             stride_kn, stride_kd, stride_vn, stride_vd, stride_bm, stride_bn, stride_mm, stride_mn,
             N_K, D, DV, post_scale, inv_a_full, inv_a_tail,
             True, RECOVER, HAS_BIAS, HAS_MASK, IS_CAUSAL, BLOCK_N, EVEN_D, EVEN_DV)
     # l == 0 only for fully masked rows (-> zeros); an overflow (NaN/inf) propagates.
     out = tl.where(l_i[:, None] == 0.0, 0.0, acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None])
-    tl.store(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om
+    tl.store(O + off_b * stride_ob + off_h * stride_oh + start_m64 * stride_om + loc_m[:, None] * stride_om
              + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
 

@@ -53,9 +53,10 @@ def scaled_rows(X, sxm, sxd, Y, rows, n, offs_d, mult, HEAD_D: tl.constexpr, PAR
     (contiguous rows of ``PARTS * HEAD_D``): the hi part in columns ``[0, HEAD_D)``, with ``PARTS = 2`` the lo part
     (the rounding's remainder, rounded) in ``[HEAD_D, 2 HEAD_D)``."""
     ok = (rows < n)[:, None]
-    x = tl.load(X + rows[:, None] * sxm + offs_d[None, :] * sxd, mask=ok, other=0.0).to(tl.float32) * mult
+    r64 = rows.to(tl.int64)[:, None]  # 64-bit row offsets: a packed projection's row stride times a million rows
+    x = tl.load(X + r64 * sxm + offs_d[None, :] * sxd, mask=ok, other=0.0).to(tl.float32) * mult
     hi = x.to(tl.float16)
-    y = Y + rows[:, None] * (PARTS * HEAD_D) + offs_d[None, :]
+    y = Y + r64 * (PARTS * HEAD_D) + offs_d[None, :]
     tl.store(y, hi, mask=ok)
     if PARTS == 2:
         tl.store(y + HEAD_D, (x - hi.to(tl.float32)).to(tl.float16), mask=ok)
@@ -64,7 +65,7 @@ def scaled_rows(X, sxm, sxd, Y, rows, n, offs_d, mult, HEAD_D: tl.constexpr, PAR
 @triton.jit
 def _rows_absmax(X, sxm, sxd, rows, n, offs_d):
     # the largest |x| of rows ``rows`` (< n) of one head, as its FP32 bit pattern (int32; orders as the magnitudes do)
-    x = tl.load(X + rows[:, None] * sxm + offs_d[None, :] * sxd, mask=(rows < n)[:, None], other=0.0)
+    x = tl.load(X + rows.to(tl.int64)[:, None] * sxm + offs_d[None, :] * sxd, mask=(rows < n)[:, None], other=0.0)
     return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0).to(tl.int32, bitcast=True)
 
 
