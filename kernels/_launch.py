@@ -118,14 +118,19 @@ class KernelCall:
     path (``slow_reason`` says why).
 
     Raises:
-        ValueError: a constexpr parameter precedes a runtime one in ``fn``'s signature, or ``constexprs``
-            does not name exactly ``fn``'s constexpr parameters.
+        ValueError: a constexpr parameter precedes a runtime one in ``fn``'s signature, ``constexprs``
+            does not name exactly ``fn``'s constexpr parameters, or ``grid`` exceeds CUDA's launch limits
+            (2^31 - 1 programs on the first axis, 65,535 on the others: the kernels take 1-D grids).
     """
 
     __slots__ = ("fn", "grid", "constexprs", "options", "_tail", "_fast", "_grid3", "_parts", "slow_reason")
 
     def __init__(self, fn, grid: tuple[int, ...], constexprs: dict[str, Any], options: dict[str, Any]):
         self.fn, self.grid, self.constexprs, self.options = fn, tuple(grid), constexprs, options
+        if any(g > limit for g, limit in zip(self.grid, (2 ** 31 - 1, 65_535, 65_535))):
+            name = getattr(getattr(fn, "fn", fn), "__name__", fn)
+            raise ValueError(f"{name}: launch grid {self.grid} exceeds CUDA's limits (2^31 - 1 programs on axis 0, "
+                             f"65,535 on axes 1 and 2)")
         names = list(getattr(fn, "arg_names", []))
         is_constexpr = [p.is_constexpr for p in getattr(fn, "params", [])]
         if names and is_constexpr:

@@ -173,15 +173,16 @@ def _window_small_kernel(
     Q, K, V, O, BIAS, MASK, LS, LSE,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
     sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls, sl_b, sl_h,
-    n_img, n_slot, N, D, DV, scale,
+    n_img, n_slot, H, N, D, DV, scale,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IMGS: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
     IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
     WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    # program (pid0 = h * n_slot + w, pid1 = image chunk); window index b = img * n_slot + w
-    pid0 = tl.program_id(0)
-    pid1 = tl.program_id(1)
+    # program pid1 * H * n_slot + pid0 (pid0 = h * n_slot + w, pid1 = image chunk) on a 1-D grid (a second grid
+    # axis holds at most 65,535 image chunks); window index b = img * n_slot + w
+    pid0 = tl.program_id(0) % (H * n_slot)
+    pid1 = tl.program_id(0) // (H * n_slot)
     h = pid0 // n_slot
     w = pid0 % n_slot
     offs_n = tl.arange(0, BLOCK_N)
@@ -264,9 +265,10 @@ def _window_tiled_kernel(
     IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
     WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    # program (pid0 = query block, pid1 = b * H + h); ELSA fold over key blocks.
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # program pid_bh * cdiv(N, BLOCK_M) + pid_m (pid_m the query block, pid_bh = b * H + h) on a 1-D grid (a second
+    # grid axis holds at most 65,535 windows x heads); ELSA fold over key blocks.
+    pid_m = tl.program_id(0) % tl.cdiv(N, BLOCK_M)
+    pid_bh = tl.program_id(0) // tl.cdiv(N, BLOCK_M)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     w = b % n_mask
@@ -488,11 +490,11 @@ class _WindowPlan(WindowForwardRun):
                 raise ValueError(f"config kernel='small' needs N <= {SMALL_MAX_N}, got N={N}")
             n_img = BW // n_slot
             imgs = int(cfg["imgs"])
-            self.call = KernelCall(_window_small_kernel, (H * n_slot, cdiv(n_img, imgs)), dict(
+            self.call = KernelCall(_window_small_kernel, (H * n_slot * cdiv(n_img, imgs),), dict(
                 BLOCK_N=pad_pow2(N), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags), options)
-            self.fixed = (*strides, n_img, n_slot, N, D, DV)
+            self.fixed = (*strides, n_img, n_slot, H, N, D, DV)
         elif cfg["kernel"] == "tiled":
-            self.call = KernelCall(_window_tiled_kernel, (cdiv(N, cfg["block_m"]), BW * H), dict(
+            self.call = KernelCall(_window_tiled_kernel, (cdiv(N, cfg["block_m"]) * BW * H,), dict(
                 BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, **flags),
                 options)
             self.fixed = (*strides, H, n_slot, N, D, DV)
