@@ -120,14 +120,14 @@ class KernelCall:
     Raises:
         ValueError: a constexpr parameter precedes a runtime one in ``fn``'s signature, ``constexprs``
             does not name exactly ``fn``'s constexpr parameters, or ``grid`` exceeds CUDA's launch limits
-            (2^31 - 1 programs on the first axis, 65,535 on the others: the kernels take 1-D grids).
+            (:data:`GRID_AXIS_LIMITS`; :func:`over_axes_1_2` spreads a long second axis over the third).
     """
 
     __slots__ = ("fn", "grid", "constexprs", "options", "_tail", "_fast", "_grid3", "_parts", "slow_reason")
 
     def __init__(self, fn, grid: tuple[int, ...], constexprs: dict[str, Any], options: dict[str, Any]):
         self.fn, self.grid, self.constexprs, self.options = fn, tuple(grid), constexprs, options
-        if any(g > limit for g, limit in zip(self.grid, (2 ** 31 - 1, 65_535, 65_535))):
+        if any(g > limit for g, limit in zip(self.grid, GRID_AXIS_LIMITS)):
             name = getattr(getattr(fn, "fn", fn), "__name__", fn)
             raise ValueError(f"{name}: launch grid {self.grid} exceeds CUDA's limits (2^31 - 1 programs on axis 0, "
                              f"65,535 on axes 1 and 2)")
@@ -333,6 +333,18 @@ def launch(fn, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any], o
 # the JIT call path (~2 us each), and a launcher calls them several times per attention call. These are the
 # plain-integer equivalents, with the output layouts, the SM count and the config fallback the plans share.
 C = TypeVar("C")
+
+
+GRID_AXIS_LIMITS = (2 ** 31 - 1, 65_535, 65_535)  # CUDA's programs per launch grid axis (x, y, z)
+
+
+def over_axes_1_2(n: int) -> tuple[int, int]:
+    """Grid axes 1 and 2 ``(y, z)`` holding ``n`` programs where axis 1 alone holds at most 65,535: ``y * z >= n``
+    (fewer than ``z`` programs past ``n``, which the kernel skips), ``z = 1`` up to 65,535 programs. The kernel reads
+    its index as ``program_id(1) + program_id(2) * num_programs(1)`` (axis 1 fastest: programs keep their order; no
+    division decodes it), and where ``z = 1`` as ``program_id(1)`` alone, compiled as before."""
+    z = max(1, cdiv(n, GRID_AXIS_LIMITS[1]))
+    return cdiv(n, z), z
 
 
 def cdiv(a: int, b: int) -> int:

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from ._launch import (KernelCall, PlanCache, WindowForwardRun, cdiv, head_blocks, heads_inner_layout, interpreting,
-                      pad_pow2, run_first_that_fits, sm_count)
+                      over_axes_1_2, pad_pow2, run_first_that_fits, sm_count)
 from .modes import MODES
 from .split16 import SPLIT_EXP, exponent, fold_pv, pow2, pv_unscale, split_rows, split_scores
 
@@ -168,21 +168,31 @@ def _lse(m, l):
 
 
 # ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _index_over_axes_1_2(SPILL: tl.constexpr):
+    # this program's index along grid axes 1 and 2 read as one axis, axis 1 fastest (:func:`._launch.over_axes_1_2`);
+    # grids that fit axis 1 (SPILL False) compile without the sum and the bound check that it brings
+    index = tl.program_id(1)
+    if SPILL:
+        index += tl.program_id(2) * tl.num_programs(1)
+    return index
+
+
 @triton.jit(do_not_specialize=["n_img"])  # a new batch size compiles nothing new
 def _window_small_kernel(
     Q, K, V, O, BIAS, MASK, LS, LSE,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
     sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls, sl_b, sl_h,
-    n_img, n_slot, H, N, D, DV, scale,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IMGS: tl.constexpr,
+    n_img, n_slot, N, D, DV, scale,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IMGS: tl.constexpr, SPILL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
     IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
     WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    # program pid1 * H * n_slot + pid0 (pid0 = h * n_slot + w, pid1 = image chunk) on a 1-D grid (a second grid
-    # axis holds at most 65,535 image chunks); window index b = img * n_slot + w
-    pid0 = tl.program_id(0) % (H * n_slot)
-    pid1 = tl.program_id(0) // (H * n_slot)
+    # program (pid0 = h * n_slot + w, pid1 = image chunk over grid axes 1 and 2); window index b = img * n_slot + w;
+    # a chunk past the images (the axes' rounding) has no images to fold
+    pid0 = tl.program_id(0)
+    pid1 = _index_over_axes_1_2(SPILL)
     h = pid0 // n_slot
     w = pid0 % n_slot
     offs_n = tl.arange(0, BLOCK_N)
@@ -254,21 +264,23 @@ def _window_small_kernel(
             tl.store(LSE + b * sl_b + h * sl_h + offs_n, _lse(m, l), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_bh"])  # a new batch size compiles nothing new
 def _window_tiled_kernel(
     Q, K, V, O, BIAS, MASK, LS, LSE,
     sq_b, sq_h, sq_n, sq_d, sk_b, sk_h, sk_n, sk_d, sv_b, sv_h, sv_n, sv_d, so_b, so_h, so_n, so_d,
     sb_h, sb_i, sb_j, sm_w, sm_i, sm_j, s_ls, sl_b, sl_h,
-    H, n_mask, N, D, DV, scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    n_bh, H, n_mask, N, D, DV, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPILL: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, COSINE: tl.constexpr, COMPUTE: tl.constexpr,
     IN_PREC: tl.constexpr, HALF_SCORES: tl.constexpr, PASA_SHIFT: tl.constexpr, SPLIT16: tl.constexpr,
     WRITE_LSE: tl.constexpr, NORMALIZE: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
-    # program pid_bh * cdiv(N, BLOCK_M) + pid_m (pid_m the query block, pid_bh = b * H + h) on a 1-D grid (a second
-    # grid axis holds at most 65,535 windows x heads); ELSA fold over key blocks.
-    pid_m = tl.program_id(0) % tl.cdiv(N, BLOCK_M)
-    pid_bh = tl.program_id(0) // tl.cdiv(N, BLOCK_M)
+    # program (pid_m = query block, pid_bh = b * H + h over grid axes 1 and 2); ELSA fold over key blocks.
+    pid_m = tl.program_id(0)
+    pid_bh = _index_over_axes_1_2(SPILL)
+    if SPILL:
+        if pid_bh >= n_bh:  # past the windows x heads (the axes' rounding)
+            return
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     w = b % n_mask
@@ -490,14 +502,17 @@ class _WindowPlan(WindowForwardRun):
                 raise ValueError(f"config kernel='small' needs N <= {SMALL_MAX_N}, got N={N}")
             n_img = BW // n_slot
             imgs = int(cfg["imgs"])
-            self.call = KernelCall(_window_small_kernel, (H * n_slot * cdiv(n_img, imgs),), dict(
-                BLOCK_N=pad_pow2(N), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, **flags), options)
-            self.fixed = (*strides, n_img, n_slot, H, N, D, DV)
-        elif cfg["kernel"] == "tiled":
-            self.call = KernelCall(_window_tiled_kernel, (cdiv(N, cfg["block_m"]) * BW * H,), dict(
-                BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv, **flags),
+            axes = over_axes_1_2(cdiv(n_img, imgs))
+            self.call = KernelCall(_window_small_kernel, (H * n_slot, *axes), dict(
+                BLOCK_N=pad_pow2(N), BLOCK_D=block_d, BLOCK_DV=block_dv, IMGS=imgs, SPILL=axes[1] > 1, **flags),
                 options)
-            self.fixed = (*strides, H, n_slot, N, D, DV)
+            self.fixed = (*strides, n_img, n_slot, N, D, DV)
+        elif cfg["kernel"] == "tiled":
+            axes = over_axes_1_2(BW * H)
+            self.call = KernelCall(_window_tiled_kernel, (cdiv(N, cfg["block_m"]), *axes), dict(
+                BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_D=block_d, BLOCK_DV=block_dv,
+                SPILL=axes[1] > 1, **flags), options)
+            self.fixed = (*strides, BW * H, H, n_slot, N, D, DV)
         else:
             raise ValueError(f"config kernel={cfg['kernel']!r}; expected 'small' or 'tiled'")
 

@@ -172,7 +172,7 @@ def _window_jobs(quick: bool):
             pointers = {n_: ptr for n_ in ("Q", "K", "V", "O")}
             pointers.update(BIAS="*fp32", MASK="*fp32", LS="*fp32")
             const = dict(window_fwd.mode_constexprs(mode, None, True, True, False),
-                         BLOCK_N=pad_pow2(n), BLOCK_D=32, BLOCK_DV=32)
+                         BLOCK_N=pad_pow2(n), BLOCK_D=32, BLOCK_DV=32, SPILL=False)
             if cfg["kernel"] == "small":
                 kernel, const["IMGS"] = window_fwd._window_small_kernel, cfg["imgs"]
             else:
