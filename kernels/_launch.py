@@ -513,7 +513,7 @@ class VarlenForwardRun:
 
     __slots__ = ()
 
-    def __call__(self, q, k, v, cu_q, cu_k, scale, row_offsets=None, order=None):
+    def __call__(self, q, k, v, cu_q, cu_k, scale, row_offsets=None, tiles=None):
         dev = self.device
         out = torch.empty(self.o_shape, dtype=self.o_dtype, device=dev)
         lse = None
@@ -521,7 +521,7 @@ class VarlenForwardRun:
             lse = torch.empty((self.o_shape[1], self.o_shape[0]), dtype=torch.float32, device=dev)
         dummy = 0 if self.main._fast is not None else q  # unused pointers: null on the direct path
         launch_partitions(self, (q, k, v, cu_q, cu_k, dummy if row_offsets is None else row_offsets,
-                                 dummy if order is None else order), out, lse, dummy, scale * LOG2E)
+                                 dummy if tiles is None else tiles), out, lse, dummy, scale * LOG2E)
         return out, lse
 
 

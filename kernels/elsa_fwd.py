@@ -143,8 +143,13 @@ def key_tiles(start_m, Nk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUS
 def program_tile(n_m_tiles, n_splits, SPLIT: tl.constexpr):
     """``(pid_m, split, rest)`` of this program in a 1-D grid ``n_m_tiles * P * rest``: the query tile, its KV
     partition (0 without SPLIT) and the index of its (head, batch / sequence) group."""
+    return tile_of_program(tl.program_id(0), n_m_tiles, n_splits, SPLIT)
+
+
+@triton.jit
+def tile_of_program(pid0, n_m_tiles, n_splits, SPLIT: tl.constexpr):
+    """:func:`program_tile` of program ``pid0`` (a grid position, or one that a table maps a program to)."""
     tiles = n_m_tiles * n_splits
-    pid0 = tl.program_id(0)
     pid = pid0 % tiles
     if SPLIT:
         pid_m = pid // n_splits

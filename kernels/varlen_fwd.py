@@ -16,11 +16,12 @@ query ``i`` iff ``j <= i``, both counted from the sequence's start), as :func:`v
 
 Work mapping: one program per (query tile, head, sequence) on a 1-D grid of
 ``cdiv(max_seqlen_q, BLOCK_M) * H * n_seq`` programs, FlashAttention's choice: programs whose tile
-starts past their sequence's end return at once. It needs no host-side tile table and, given
-``max_seqlen_q``, no device-to-host synchronisation (a table sized by the exact tile count would need
-the lengths on the host every call); the cost is the early-exiting programs, a few microseconds at
-most for skewed batches. Short sequences are thereby packed into the same launch, long ones contribute
-many tiles. Splitting the keys of one very long sequence over several programs (LeanAttention /
+starts past their sequence's end return at once. It needs, given ``max_seqlen_q``, no device-to-host
+synchronisation; the cost is the early-exiting programs (~1-2 ns each on an H200, docs/tuning.md). Where the
+caller has the lengths on the host (a list of sequences, or ``lengths``), a tile table of the real query tiles
+(:func:`tile_table`, longest sequences first) sizes the grid instead: no program exits at once. Short sequences
+are thereby packed into the same launch, long ones contribute many tiles. Splitting the keys of one very long
+sequence over several programs (LeanAttention /
 split-KV with the monoid merge) runs when the longest sequence's query tiles give fewer programs than
 the GPU has SMs, with as many partitions as :func:`.elsa_fwd.choose_num_splits` finds cheapest from the
 batch's total keys (LeanAttention's balance: a batch of one long and many short sequences splits the long one
@@ -44,7 +45,7 @@ from ._launch import (OUT_DTYPES, KernelCall, PlanCache, VarlenForwardRun, cdiv,
                       run_first_that_fits)
 from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, MAX_HEAD_DIM, TileConfig, _fold_tile,
                        _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
-                       load_query_tile, merge_call, partition_tiles, program_tile, store_partial)
+                       load_query_tile, merge_call, partition_tiles, store_partial, tile_of_program)
 from .modes import MODES
 from .split16 import SPLIT_EXP
 
@@ -135,13 +136,13 @@ def store_output(Out, Lse, lse, acc, l_i, v_unscale, q_start, start_m64, off_h, 
 
 @triton.jit(do_not_specialize=["H", "total_q", "n_m_tiles", "n_splits", "tiles_per_split"])
 def _varlen_fwd_kernel(
-    Q, K, V, CuQ, CuK, RowOff, Order, Out, Lse, WsM, WsS, WsW, qk_scale,
+    Q, K, V, CuQ, CuK, RowOff, Tiles, Out, Lse, WsM, WsS, WsW, qk_scale,
     sqt, sqh, sqd, skt, skh, skd, svt, svh, svd, sot, soh, sod,
     H, total_q, n_m_tiles, D, Dv, n_splits, tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     DOT_UPCAST: tl.constexpr, LAZY_V: tl.constexpr, WRITE_LSE: tl.constexpr, SPLIT: tl.constexpr,
-    ROW_OFFSETS: tl.constexpr, ORDERED: tl.constexpr,
+    ROW_OFFSETS: tl.constexpr, TILED: tl.constexpr,
 ):
     """One (query tile, [KV partition,] head, sequence) program; 1-D grid ``n_m_tiles * P * H * n_seq``.
 
@@ -155,14 +156,19 @@ def _varlen_fwd_kernel(
     ``ROW_OFFSETS`` (sequences read where they lie, not packed): ``RowOff`` [n_seq, 3] int64 holds the element
     offset of sequence ``s``'s first query / key / value row from ``Q`` / ``K`` / ``V``; else that row is
     ``cu_seqlens[s]`` rows into the packed tensor. The output is packed either way.
-    ``ORDERED``: the programs visit the sequences in the order of ``Order`` (int32 [n_seq], a permutation:
-    :func:`longest_first`) instead of ``0 .. n_seq - 1``.
+    ``TILED``: the grid holds only the real query tiles, ``P`` programs for each entry of ``Tiles`` (int32, the
+    grid position ``(seq * H + head) * n_m_tiles + tile`` that the program stands for: :func:`tile_table`), in the
+    table's order.
     """
-    pid_m, split, sh = program_tile(n_m_tiles, n_splits, SPLIT)
+    pid0 = tl.program_id(0)
+    if TILED:
+        if SPLIT:
+            pid0 = tl.load(Tiles + pid0 // n_splits) * n_splits + pid0 % n_splits
+        else:
+            pid0 = tl.load(Tiles + pid0)
+    pid_m, split, sh = tile_of_program(pid0, n_m_tiles, n_splits, SPLIT)
     off_h = (sh % H).to(tl.int64)
     seq = sh // H
-    if ORDERED:
-        seq = tl.load(Order + seq)
     q_start, Lq = sequence_span(CuQ, seq)
     start_m = pid_m * BLOCK_M
     if start_m >= Lq:
@@ -208,17 +214,17 @@ class _VarlenPlan(VarlenForwardRun):
     when it partitions the keys; a call allocates the output (and LSE / workspace) and launches."""
 
     __slots__ = ("main", "merge", "fixed", "merge_fixed", "o_shape", "o_dtype", "device", "with_lse", "config",
-                 "ws_shape", "ws_w_shape")
+                 "ws_shape", "ws_w_shape", "n_m_tiles")
 
     def __init__(self, q, k, v, n_seq, rows_bound, is_causal, mode, cfg: TileConfig, out_dtype, with_lse,
                  max_seqlen_k, splits: int, total_q: int | None = None, row_offsets: bool = False,
-                 ordered: bool = False):
+                 tiles: int | None = None):
         _, H, D = q.shape
         total_q = q.shape[0] if total_q is None else total_q
         Dv = v.shape[2]
         precision = _precision(mode, None)
         block_d, block_dv = head_blocks(D, Dv)
-        n_m_tiles = cdiv(rows_bound, cfg.block_m)
+        n_m_tiles = self.n_m_tiles = cdiv(rows_bound, cfg.block_m)
         # KV partitions (decided by varlen_forward, which keys the plan on them)
         n_kv_tiles = max(1, cdiv(max_seqlen_k, cfg.block_n))
         tiles_per_split = cdiv(n_kv_tiles, max(1, min(splits, n_kv_tiles)))
@@ -227,12 +233,13 @@ class _VarlenPlan(VarlenForwardRun):
         self.o_shape = (total_q, H, Dv)
         self.fixed = (*q.stride(), *k.stride(), *v.stride(), H * Dv, Dv, 1, H, total_q, n_m_tiles, D, Dv, P,
                       tiles_per_split)
-        self.main = KernelCall(_varlen_fwd_kernel, (n_m_tiles * P * H * n_seq,), dict(
+        # with a tile table (``tiles`` entries: :func:`tile_table`) only the real query tiles' programs
+        self.main = KernelCall(_varlen_fwd_kernel, ((n_m_tiles * H * n_seq if tiles is None else tiles) * P,), dict(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
             PRECISION=precision, IS_CAUSAL=bool(is_causal), EVEN_D=D == block_d, EVEN_DV=Dv == block_dv,
             DOT_UPCAST=q.dtype == torch.bfloat16 and interpreting(),
             LAZY_V=precision == "f16x3" and max_seqlen_k > LAZY_V_MIN_KEYS, WRITE_LSE=bool(with_lse), SPLIT=P > 1,
-            ROW_OFFSETS=bool(row_offsets), ORDERED=bool(ordered)),
+            ROW_OFFSETS=bool(row_offsets), TILED=tiles is not None),
             dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                  **_register_cap(precision, cfg, block_d, block_dv)))
         self.merge = self.ws_shape = self.ws_w_shape = None
@@ -333,9 +340,11 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
         return _stream_plan_for(q, k, v, lengths, total_q, is_causal, scale, mode, out_dtype, with_lse,
                                 cu_seqlens_q, cu_seqlens_k, row_offsets)
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
-    order = None if lengths is None else longest_first(*_host_lengths(lengths, n_seq))
-    order_t = None if order is None else _order_tensor(order, q.device)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
+    lens_q, order = None, None
+    if lengths is not None:
+        lens_q, lens_k = _host_lengths(lengths, n_seq)
+        order = _table_order(lens_q, lens_k, cfg0.block_m, n_m_tiles)
     # a split plan's partitions depend on the exact key bound; a single pass only on its bucket
     splits = num_splits or choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max_seqlen_k, cfg0, q.device,
                                              _precision(mode, None),
@@ -344,17 +353,23 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
            q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(), n_seq,
            n_m_tiles, max_seqlen_k > LAZY_V_MIN_KEYS, bool(is_causal), out_dtype, bool(with_lse),
            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, num_splits,
-           max_seqlen_k if splits > 1 else None, order is not None)
+           max_seqlen_k if splits > 1 else None,
+           None if order is None else H * sum(min(cdiv(n, cfg0.block_m), n_m_tiles) for n in lens_q))
     plan = PLANS.get(key)
     if plan is not None:
-        return plan, plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets, order_t)
+        tiles = None if order is None else _tile_tensor(lens_q, order, H, plan.config.block_m, plan.n_m_tiles,
+                                                        q.device)
+        return plan, plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets, tiles)
     result = []
 
     def run(cfg):
         # rows_bound: the key's query-length bucket, so a smaller fallback config covers every call of the key
-        p = _VarlenPlan(q, k, v, n_seq, n_m_tiles * cfg0.block_m, is_causal, mode, cfg, out_dtype, with_lse,
-                        max_seqlen_k, splits, total_q, row_offsets is not None, order is not None)
-        result.append((p, p(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets, order_t)))
+        rows_bound = n_m_tiles * cfg0.block_m
+        tiles = None if order is None else _tile_tensor(lens_q, order, H, cfg.block_m, cdiv(rows_bound, cfg.block_m),
+                                                        q.device)
+        p = _VarlenPlan(q, k, v, n_seq, rows_bound, is_causal, mode, cfg, out_dtype, with_lse, max_seqlen_k, splits,
+                        total_q, row_offsets is not None, None if tiles is None else tiles.numel())
+        result.append((p, p(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets, tiles)))
 
     run_first_that_fits(run, cfg0, _smaller_configs)
     plan, res = result[-1]
@@ -372,20 +387,54 @@ def longest_first(lens_q, lens_k) -> tuple[int, ...] | None:
     return None if all(s == i for i, s in enumerate(order)) else tuple(order)
 
 
-# (order, device) -> (int32 [n_seq] device copy of a longest_first order, its pinned host source); as many as the plans
-# (a CUDA graph that launched with one keeps reading it: a few hundred bytes each, 2 MiB at most)
-_ORDERS = PlanCache(max_size=4096)
+def _table_order(lens_q, lens_k, block_m: int, n_m_tiles: int) -> tuple[int, ...] | None:
+    """The sequence order of a call's tile table (:func:`longest_first`), or None where the grid's own order
+    holds no tile past a sequence (nothing for a table to skip or reorder)."""
+    order = longest_first(lens_q, lens_k)
+    if order is None and all(cdiv(n, block_m) >= n_m_tiles for n in lens_q):
+        return None
+    return order or tuple(range(len(lens_q)))
 
 
-def _order_tensor(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``order`` as an int32 tensor on ``device``, copied once per order (asynchronously, from pinned memory). The
-    pinned source is kept with the copy: a copy made while a CUDA graph is captured reads it again at every replay."""
-    key = (order, device)
-    kept = _ORDERS.get(key)
+def plan_tiles(plan, lengths) -> torch.Tensor | None:
+    """The tile table that ``plan`` (a :func:`plan_for` plan) launches with for host ``lengths`` = ``(lens_q,
+    lens_k)``, those it was planned for or others of the same signature; None for a plan without one."""
+    if not isinstance(plan, _VarlenPlan) or not plan.main.constexprs["TILED"]:
+        return None
+    lens_q, lens_k = _host_lengths(lengths, len(lengths[0]))
+    order = _table_order(lens_q, lens_k, plan.config.block_m, plan.n_m_tiles) or tuple(range(len(lens_q)))
+    return _tile_tensor(lens_q, order, plan.o_shape[1], plan.config.block_m, plan.n_m_tiles, plan.device)
+
+
+def tile_table(lens_q, order, heads: int, block_m: int, n_m_tiles: int) -> torch.Tensor:
+    """The varlen grid positions of the real query tiles of sequences of ``lens_q`` queries (host ints), visited in
+    ``order`` (a permutation of the sequences): int32 [heads * sum_s min(cdiv(lens_q[s], block_m), n_m_tiles)], entry
+    ``(s * heads + h) * n_m_tiles + m`` for tile ``m`` of head ``h`` of sequence ``s``; a sequence's tiles of one head
+    adjacent (they share K / V in L2), its heads next. The kernel's grid then holds no program past its sequence's
+    queries (``cdiv(max_seqlen_q, block_m) * heads * n_seq`` programs hold ~1 ns each of them: docs/tuning.md)."""
+    seqs = torch.tensor(order, dtype=torch.int64)
+    tiles = torch.tensor([min(cdiv(lens_q[s], block_m), n_m_tiles) for s in order], dtype=torch.int64)
+    groups = (seqs[:, None] * heads + torch.arange(heads)).reshape(-1) * n_m_tiles  # first position per (seq, head)
+    counts = tiles.repeat_interleave(heads)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(int(counts.sum())) - starts.repeat_interleave(counts)  # the tile within its (seq, head)
+    return (groups.repeat_interleave(counts) + rank).to(torch.int32)
+
+
+# (lengths, order, heads, tiles, device) -> (int32 device copy of a tile_table, its pinned host source); as many as the
+# plans (a CUDA graph that launched with one keeps reading it: 4 bytes per real query tile and head)
+_TILES = PlanCache(max_size=4096)
+
+
+def _tile_tensor(lens_q, order, heads: int, block_m: int, n_m_tiles: int, device: torch.device) -> torch.Tensor:
+    """:func:`tile_table` on ``device``, copied once per signature (asynchronously, from pinned memory). The pinned
+    source is kept with the copy: a copy made while a CUDA graph is captured reads it again at every replay."""
+    key = (lens_q, order, heads, block_m, n_m_tiles, device)
+    kept = _TILES.get(key)
     if kept is None:
-        host = torch.tensor(order, dtype=torch.int32)
+        host = tile_table(lens_q, order, heads, block_m, n_m_tiles)
         host = host.pin_memory() if device.type == "cuda" else host
-        kept = _ORDERS.put(key, (host.to(device, non_blocking=True), host))
+        kept = _TILES.put(key, (host.to(device, non_blocking=True), host))
     return kept[0]
 
 

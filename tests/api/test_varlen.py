@@ -95,6 +95,20 @@ def test_split_kv_partitions_match_the_oracle_and_the_single_pass(mode, causal):
         varlen_fwd.varlen_forward(q[:0], k, v, cu_q[:1], cu_k[:1], 0, 0, causal, 0.25, mode, num_splits=-1)
 
 
+def test_tile_table_lists_every_real_query_tile_once():
+    """The tile table holds each (sequence, head, query tile) of the host lengths once, as its grid position
+    ``(s * H + h) * n_m_tiles + m``, in the given sequence order, a sequence's tiles of one head adjacent, no tile
+    past a sequence's queries or the grid's bound."""
+    from visionattn.kernels.varlen_fwd import tile_table
+
+    lens_q, order, heads, block_m, bound = (5, 0, 17, 16, 40), (2, 4, 3, 0, 1), 3, 8, 4
+    table = tile_table(lens_q, order, heads, block_m, bound)
+    assert table.dtype == torch.int32
+    decoded = [(int(e) // bound // heads, int(e) // bound % heads, int(e) % bound) for e in table]
+    want = [(s, h, m) for s in order for h in range(heads) for m in range(min(-(-lens_q[s] // block_m), bound))]
+    assert decoded == want and len(set(decoded)) == len(decoded) == heads * (1 + 3 + 2 + 4)
+
+
 def test_longest_first_orders_by_keys_then_queries():
     from visionattn.kernels.varlen_fwd import longest_first
 
@@ -109,9 +123,9 @@ def test_longest_first_orders_by_keys_then_queries():
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 @pytest.mark.parametrize("splits", [0, 3])
 def test_host_lengths_visit_the_longest_sequences_first(mode, splits):
-    """With host-side lengths the varlen kernel runs the sequences longest first through an order table (the
-    single pass and the split-KV partitions): the output is bit-identical to the call without lengths (same
-    arithmetic per program) and within the mode's contract of the oracle."""
+    """With host-side lengths the varlen kernel runs the real query tiles only, longest sequences first, through a
+    tile table (the single pass and the split-KV partitions): the output is bit-identical to the call without
+    lengths (same arithmetic per program) and within the mode's contract of the oracle."""
     from visionattn.kernels import varlen_fwd
 
     dtype = MODES[mode].compute_dtype
@@ -122,23 +136,26 @@ def test_host_lengths_visit_the_longest_sequences_first(mode, splits):
     plan, (ordered, lse_o) = varlen_fwd.plan_for(*args, with_lse=True, num_splits=splits,
                                                  lengths=(tuple(LENS_Q), tuple(LENS_K)), schedule="split-kv")
     varlen_fwd.PLANS.clear()
-    assert plan.main.constexprs["ORDERED"] and (plan.merge is not None) == (splits > 1)
+    assert plan.main.constexprs["TILED"] and (plan.merge is not None) == (splits > 1)
+    parts = plan.fixed[-2]
+    assert plan.main.grid == (2 * sum(-(-n // plan.config.block_m) for n in LENS_Q) * parts,)  # H = 2
     assert torch.equal(ordered, plain) and torch.equal(lse_o, lse)
     oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 24)
     assert rel_l2(ordered.double(), oracle) <= MODES[mode].rel_tol
-    # the order table is indexed by sequence: lengths of another count are refused, not read past
+    # the tile table is built from one length per sequence: lengths of another count are refused
     with pytest.raises(ValueError, match="one length per sequence"):
         varlen_fwd.varlen_forward(*args, num_splits=splits, lengths=((1, 2), (3, 4)), schedule="split-kv")
 
 
 def test_device_tables_keep_their_host_source():
-    """A host-to-device copy captured in a CUDA graph reads its source again at every replay: the order table, the
+    """A host-to-device copy captured in a CUDA graph reads its source again at every replay: the tile table, the
     stream-K partition's table and a list's in-place table keep theirs (equal to the device copy) with the copy."""
     from visionattn.kernels import stream_k, varlen_fwd
 
-    order = varlen_fwd._order_tensor((2, 0, 1), torch.device("cpu"))
-    device_copy, host = varlen_fwd._ORDERS.get(((2, 0, 1), torch.device("cpu")))
-    assert device_copy is order and host.tolist() == order.tolist() == [2, 0, 1] and host.dtype == torch.int32
+    tiles = varlen_fwd._tile_tensor((3, 9, 1), (1, 0, 2), 2, 4, 3, torch.device("cpu"))
+    device_copy, host = varlen_fwd._TILES.get(((3, 9, 1), (1, 0, 2), 2, 4, 3, torch.device("cpu")))
+    assert device_copy is tiles and host.tolist() == tiles.tolist() == [6, 7, 8, 9, 10, 11, 0, 3, 12, 15]
+    assert host.dtype == torch.int32
     q, k, v, _, _ = packed([3, 1], [40, 20])
     plan = stream_k.stream_plan(q, k, v, [3, 1], [40, 20], 4, False, "fp32", torch.float32, False, False, programs=3)
     assert torch.equal(plan.host_table, plan.table.cpu()) and torch.equal(plan.host_table, plan.part.table)
@@ -272,12 +289,12 @@ def test_list_of_sequences_is_read_in_place_and_equals_the_packed_call(monkeypat
     monkeypatch.setattr(vl, "CALLS", placed)
     outs = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")
     assert in_place() and (placed.builds, placed.hits) == (1, 0)
-    # the table lists the sequences longest first, so the kernel's plan needs no order of its own
+    # the table lists the sequences longest first; the kernel's tile table keeps that order
     from visionattn.kernels.varlen_fwd import longest_first
 
     (plan,) = placed.plans.values()
     assert plan[5] == longest_first(LENS_Q, LENS_K) and plan[2] == [LENS_Q[s] for s in plan[5]]
-    assert not any(launch.main.constexprs.get("ORDERED") for launch in plan[4].values())
+    assert all(launch[0].main.constexprs["TILED"] and len(launch) == 2 for launch in plan[4].values())
     again = varlen_attention(*split, mode=mode, is_causal=causal, backend="triton")  # the same list: its plan
     assert (placed.builds, placed.hits) == (1, 1) and all(torch.equal(a, b) for a, b in zip(outs, again))
     assert [o.shape for o in outs] == [(n, 2, 24) for n in LENS_Q]

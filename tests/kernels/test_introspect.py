@@ -107,10 +107,10 @@ for mode in ("bf16", "fp16"):
     elt = "*bf16" if mode == "bf16" else "*fp16"
     for row_offsets, ordered in ((False, False), (True, False), (False, True)):
         ptr = dict(Q=elt, K=elt, V=elt, CuQ="*i32", CuK="*i32", RowOff="*i64" if row_offsets else elt,
-                   Order="*i32" if ordered else elt, Out=elt, Lse=elt, WsM=elt, WsS=elt, WsW=elt)
+                   Tiles="*i32" if ordered else elt, Out=elt, Lse=elt, WsM=elt, WsS=elt, WsW=elt)
         const = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                      PRECISION=precision, IS_CAUSAL=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False, LAZY_V=False,
-                     WRITE_LSE=False, SPLIT=False, ROW_OFFSETS=row_offsets, ORDERED=ordered)
+                     WRITE_LSE=False, SPLIT=False, ROW_OFFSETS=row_offsets, TILED=ordered)
         options = varlen_fwd._register_cap(precision, cfg, block_d, block_dv)  # as _VarlenPlan launches it
         r = compile_for_arch(varlen_fwd._varlen_fwd_kernel, ptr, const, num_warps=cfg.num_warps,
                              num_stages=cfg.num_stages, unit_ints=("sqd", "skd", "svd", "sod"),
