@@ -291,8 +291,9 @@ def varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
             multiple of 16; all sequences share ``q`` / ``k`` / ``v``'s strides), with ``total_q`` the packed
             output's rows (the sum of the query lengths). ``cu_seqlens_*`` then only give the lengths and the
             output rows; ``q`` / ``k`` / ``v`` are any tensors of the call with the common strides.
-        lengths: ``(lens_q, lens_k)``, the per-sequence lengths on the host (tuples of ints, those ``cu_seqlens_*``
-            hold), when the caller has them: they let the stream-K schedule (:mod:`.stream_k`) run.
+        lengths: ``(lens_q, lens_k)``, the per-sequence lengths on the host (tuples of ints, exactly those
+            ``cu_seqlens_*`` hold: the grid then covers these query tiles only, :func:`tile_table`), when the caller
+            has them: they also let the stream-K schedule (:mod:`.stream_k`) run.
         schedule: ``"auto"`` (stream-K where :func:`.stream_k.choose` picks it and ``lengths`` are given, else the
             single pass / split-KV plan), ``"stream-k"`` (needs ``lengths``), ``"split-kv"`` (never stream-K).
 
