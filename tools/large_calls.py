@@ -158,9 +158,10 @@ def main(argv=None) -> int:
     device = "cpu (interpreter sizes)"
     if args.device == "cuda":
         import torch
-        device = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
-    md = (f"# Calls at the index limits\n\nDevice: {device}. Command: `python tools/large_calls.py`\n\n"
-          + "\n".join(rows))
+        import triton
+        device = f"{torch.cuda.get_device_name()} (torch {torch.__version__}, triton {triton.__version__})"
+    command = " ".join(["python", "tools/large_calls.py", *(sys.argv[1:] if argv is None else argv)])
+    md = f"# Calls at the index limits\n\nDevice: {device}. Command: `{command}`\n\n" + "\n".join(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     for suffix, text in ((".md", md + "\n"), (".json", json.dumps({"device": device, "cases": results}, indent=1))):
         tmp = args.out + suffix + ".tmp"
