@@ -37,6 +37,8 @@ Entry point: :func:`varlen_forward`.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -355,7 +357,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
            n_m_tiles, max_seqlen_k > LAZY_V_MIN_KEYS, bool(is_causal), out_dtype, bool(with_lse),
            q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, num_splits,
            max_seqlen_k if splits > 1 else None,
-           None if order is None else H * sum(min(cdiv(n, cfg0.block_m), n_m_tiles) for n in lens_q))
+           None if order is None else _tile_counts(lens_q, n_m_tiles * cfg0.block_m, cfg0))
     plan = PLANS.get(key)
     if plan is not None:
         tiles = None if order is None else _tile_tensor(lens_q, order, H, plan.config.block_m, plan.n_m_tiles,
@@ -388,6 +390,17 @@ def longest_first(lens_q, lens_k) -> tuple[int, ...] | None:
     return None if all(s == i for i, s in enumerate(order)) else tuple(order)
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every call with host lengths
+def _tile_counts(lens_q: tuple[int, ...], rows_bound: int, config: TileConfig) -> tuple[int, ...]:
+    """Query tiles per head of sequences of ``lens_q`` queries (at most ``rows_bound`` a sequence), at ``config``'s
+    tile height and each shared-memory fallback's (:func:`.elsa_fwd._smaller_configs`): a plan's grid holds its
+    config's count, so the plan key holds them all (two calls with equal counts at one height may differ at
+    another)."""
+    heights = sorted({c.block_m for c in (config, *_smaller_configs(config))})
+    return tuple(sum(min(cdiv(n, m), cdiv(rows_bound, m)) for n in lens_q) for m in heights)
+
+
+@functools.lru_cache(maxsize=4096)  # asked on every call with host lengths
 def _table_order(lens_q, lens_k, block_m: int, n_m_tiles: int) -> tuple[int, ...] | None:
     """The sequence order of a call's tile table (:func:`longest_first`), or None where the grid's own order
     holds no tile past a sequence (nothing for a table to skip or reorder)."""

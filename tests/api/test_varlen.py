@@ -109,6 +109,39 @@ def test_tile_table_lists_every_real_query_tile_once():
     assert decoded == want and len(set(decoded)) == len(decoded) == heads * (1 + 3 + 2 + 4)
 
 
+def test_tile_table_plan_after_a_shared_memory_fallback(monkeypatch):
+    """A plan whose config fell back to smaller query tiles (the GPU's shared memory does not hold the first one)
+    has a grid of its own tile count: two calls whose lengths give equal counts at the first config's tile height
+    but not at the fallback's get their own plans, every row computed (the plan key holds the counts at every
+    height; on the first height alone the second call reused the first's grid, one tile short)."""
+    from triton.runtime.errors import OutOfResources
+
+    from visionattn.kernels import elsa_fwd, varlen_fwd
+
+    class FallingBack(varlen_fwd._VarlenPlan):
+        __slots__ = ()
+
+        def __call__(self, *args):
+            if self.config.block_m > 16:  # as if only 16-row tiles fit the shared memory
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return super().__call__(*args)
+
+    monkeypatch.setattr(varlen_fwd, "_VarlenPlan", FallingBack)
+    varlen_fwd.PLANS.clear()
+    height = elsa_fwd.get_config("fp32", 16, 16, 64).block_m
+    assert height >= 32
+    # equal totals, longest last (a table, in its own order), one tile + one tile at the first height each; 16-row
+    # tiles 1 + height / 16 against 2 + height / 16
+    for lens in ((16, height), (24, height - 8)):
+        q, k, v, cu_q, cu_k = packed(lens, lens)
+        out = varlen_fwd.varlen_forward(q, k, v, cu_q, cu_k, height, height, False, 0.25, "fp32",
+                                        lengths=(lens, lens), schedule="split-kv")[0]
+        oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 16)
+        assert rel_l2(out.double(), oracle) <= MODES["fp32"].rel_tol, lens
+    assert len(varlen_fwd.PLANS.plans) == 2 and all(p.config.block_m == 16 for p in varlen_fwd.PLANS.plans.values())
+    varlen_fwd.PLANS.clear()
+
+
 def test_longest_first_orders_by_keys_then_queries():
     from visionattn.kernels.varlen_fwd import longest_first
 
