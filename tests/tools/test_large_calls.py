@@ -22,3 +22,4 @@ def test_verdicts():
     assert large_calls._verdict("dense_fp32", {"errors": {"out": 0.3}}) == "fail"
     assert large_calls._verdict("varlen_bf16", {"errors": {"out": 1e-3, "finite": False}}) == "fail"
     assert large_calls._verdict("window_small", {"crash": "illegal memory access"}) == "crash"
+    assert large_calls._verdict("varlen_bf16", {"skipped": "out of memory on a 24 GB GPU"}) == "skipped"
