@@ -250,6 +250,11 @@ class _VarlenPlan(VarlenForwardRun):
             self.merge = merge_call(total_q, H, Dv, q.device, with_lse)
             self.merge_fixed = (0, Dv, H * Dv, 1, 1, H, total_q, Dv, P)
 
+    def tile_tensor(self, lens_q, order) -> torch.Tensor:
+        """This plan's tile table (:func:`tile_table` at its tile height and bound) for sequences of ``lens_q``
+        queries in ``order``, on its device."""
+        return _tile_tensor(lens_q, order, self.o_shape[1], self.config.block_m, self.n_m_tiles, self.device)
+
 
 # call signature -> plan; PLANS.hits / PLANS.builds count reuses and builds
 PLANS = PlanCache()
@@ -360,8 +365,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
            None if order is None else _tile_counts(lens_q, n_m_tiles * cfg0.block_m, cfg0))
     plan = PLANS.get(key)
     if plan is not None:
-        tiles = None if order is None else _tile_tensor(lens_q, order, H, plan.config.block_m, plan.n_m_tiles,
-                                                        q.device)
+        tiles = None if order is None else plan.tile_tensor(lens_q, order)
         return plan, plan(q, k, v, cu_seqlens_q, cu_seqlens_k, float(scale), row_offsets, tiles)
     result = []
 
@@ -416,8 +420,7 @@ def plan_tiles(plan, lengths) -> torch.Tensor | None:
     if not isinstance(plan, _VarlenPlan) or not plan.main.constexprs["TILED"]:
         return None
     lens_q, lens_k = _host_lengths(lengths, len(lengths[0]))
-    order = _table_order(lens_q, lens_k, plan.config.block_m, plan.n_m_tiles) or tuple(range(len(lens_q)))
-    return _tile_tensor(lens_q, order, plan.o_shape[1], plan.config.block_m, plan.n_m_tiles, plan.device)
+    return plan.tile_tensor(lens_q, longest_first(lens_q, lens_k) or tuple(range(len(lens_q))))
 
 
 def tile_table(lens_q, order, heads: int, block_m: int, n_m_tiles: int) -> torch.Tensor:
