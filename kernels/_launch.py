@@ -579,9 +579,10 @@ def _rebased(template, base: torch.Tensor):
 
 
 class PlannedLaunch:
-    """A Gluon forward kernel's launch for one call signature: ``launch(q, k, v, scale, out, lse=None, scales=None)``
-    calls ``call(q', k', v', out, lse or out, *fixed, scale * log2(e))`` (with ``scales_arg``: ``call(q', k', v',
-    out, lse or out, scales or out, ...)``), where q', k', v' are the tensors themselves or, with ``templates``
+    """A Gluon forward kernel's launch for one call signature: ``launch(q, k, v, scale, out, lse=None, scales=None,
+    extra=())`` calls ``call(q', k', v', out, lse or out, *extra, *fixed, scale * log2(e))`` (with ``scales_arg``:
+    ``call(q', k', v', out, lse or out, scales or out, *extra, ...)``; ``extra``: per-call tensors), where q', k', v'
+    are the tensors themselves or, with ``templates``
     (host-side TMA descriptors of the first call's shapes, strides and blocks, their ``base`` cleared so that a
     cached plan keeps no tensor alive), descriptors copied onto them. After the first call a descriptor launch goes
     through :meth:`KernelCall.with_descriptors` where the Triton release allows it. Without an LSE (or scales) the
@@ -593,10 +594,11 @@ class PlannedLaunch:
         self.call, self.fixed, self.templates, self.scales_arg = call, fixed, templates, scales_arg
         self._direct, self._tried = None, False
 
-    def __call__(self, q, k, v, scale, out, lse=None, scales=None):
+    def __call__(self, q, k, v, scale, out, lse=None, scales=None, extra=()):
         ptrs = (out, out if lse is None else lse)
         if self.scales_arg:
             ptrs += (out if scales is None else scales,)
+        ptrs += extra
         direct = self._direct
         if direct is not None:
             direct(q, k, v, *ptrs, *self.fixed, scale * LOG2E)

@@ -792,6 +792,7 @@ _GLUON_FAILED: dict[str, str] = {}
 _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (about half the speed)",
                         "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)",
                         "fp32": "mode 'fp32' uses the Triton kernel (0.55-0.9x the speed from 256 keys)",
+                        "varlen half": "varlen calls in modes 'fp16' / 'bf16' use the Triton varlen kernel",
                         "fp32-ieee backward": "mode 'fp32-ieee' trains on the Triton backward kernels (about 0.4x the "
                                               "speed)",
                         "half backward": "modes 'fp16' / 'bf16' train on the Triton backward kernels (about 0.8x the "

@@ -347,6 +347,11 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     if _stream_k(q, v, H, mode, num_splits, lengths, schedule):
         return _stream_plan_for(q, k, v, lengths, total_q, is_causal, scale, mode, out_dtype, with_lse,
                                 cu_seqlens_q, cu_seqlens_k, row_offsets)
+    if lengths is not None and not num_splits and _precision(mode, None) == "half":
+        found = _gluon_plan_for(q, k, v, lengths, n_seq, total_q, is_causal, scale, out_dtype, with_lse,
+                                cu_seqlens_q, cu_seqlens_k, row_offsets)
+        if found is not None:
+            return found
     cfg0 = get_config(mode, D, Dv, max_seqlen_k)
     n_m_tiles = max(1, cdiv(max_seqlen_q, cfg0.block_m))
     lens_q, order = None, None
@@ -382,6 +387,43 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     plan, res = result[-1]
     PLANS.put(key, plan)
     return plan, res
+
+
+def _gluon_plan_for(q, k, v, lengths, n_seq: int, total_q: int, is_causal: bool, scale: float, out_dtype,
+                    with_lse: bool, cu_q, cu_k, row_offsets):
+    """``(plan, (out, lse))`` on the warp-specialized Gluon kernel (:mod:`.varlen_gluon`) for an fp16 / bf16 call
+    with host lengths that it takes and that the single pass runs (where the split-KV plan would split the keys,
+    few query tiles, the Triton kernel keeps the call); else None. A Gluon build that fails warns once and leaves
+    the rest of the process on the Triton kernel."""
+    from . import elsa_fwd, varlen_gluon
+
+    if "varlen half" in elsa_fwd._GLUON_FAILED or not elsa_fwd._gluon_device(q.device):
+        return None
+    lens_q, lens_k = _host_lengths(lengths, n_seq)
+    _, H, D = q.shape
+    cfg = varlen_gluon.get_config(lens_q, lens_k, D)
+    reason = varlen_gluon.unsupported_reason(q, k, v, lens_q, lens_k, is_causal, scale, row_offsets, cfg["BLOCK_N"])
+    if reason is not None:
+        if reason == varlen_gluon._IMPORT_ERROR:  # reported last: the call was otherwise in scope
+            elsa_fwd._gluon_failed("varlen half", reason)
+        return None
+    tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
+    if choose_num_splits(H * n_seq, cdiv(total_q, n_seq), max(lens_k), tiles, q.device, "half",
+                         (n_seq, k.shape[0])) > 1:
+        return None
+    key = ("gluon", total_q, H, D, k.shape[0], q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(),
+           out_dtype, bool(with_lse), q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, cfg["consumers"])
+    plan = PLANS.get(key)
+    if plan is not None:
+        return plan, plan(q, k, v, cu_q, cu_k, float(scale), None, plan.work(lens_q, lens_k))
+    try:
+        plan = varlen_gluon.VarlenGluonPlan(q, k, v, out_dtype, with_lse, cfg)
+        result = plan(q, k, v, cu_q, cu_k, float(scale), None, plan.work(lens_q, lens_k))
+    except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
+        elsa_fwd._gluon_failed("varlen half", f"{type(exc).__name__}: {exc}")
+        return None
+    PLANS.put(key, plan)
+    return plan, result
 
 
 def longest_first(lens_q, lens_k) -> tuple[int, ...] | None:
