@@ -41,7 +41,7 @@ if _IMPORT_ERROR is None:
     from .half_gluon import _fold_parts, _last_pv, _p_operands, _row_parts, _step
 
 __all__ = ["unsupported_reason", "get_config", "assign", "kernel_constexprs", "descriptor_types", "VarlenGluonPlan",
-           "HEAD_DIMS", "START_COST_TILES"]
+           "HEAD_DIMS", "START_COST_TILES", "ONE_CONSUMER_BELOW"]
 
 HEAD_DIMS = half_gluon.HEAD_DIMS
 
@@ -49,18 +49,25 @@ HEAD_DIMS = half_gluon.HEAD_DIMS
 START_COST_TILES = 1
 
 
+# D = 64 batches whose query rows meet fewer keys than this on average (work-weighted) run one consumer warpgroup
+# per CTA: finer work tiles (64 rows) on twice the programs balance a ragged batch better, where the dense kernel
+# switches at :data:`.half_gluon.ONE_CONSUMER_BELOW` (docs/tuning.md: varlen fp16 / bf16 on the Gluon kernel)
+ONE_CONSUMER_BELOW = 4096
+
+
 def get_config(lens_q, lens_k, head_dim: int, consumers: int | None = None) -> dict:
-    """Launch config for sequences of ``lens_q`` queries and ``lens_k`` keys: :func:`.half_gluon.get_config` at the
-    batch's work-weighted mean key count ``sum(nq nk^2) / sum(nq nk)`` (the keys a query row meets on average), so
-    D = 64 below :data:`.half_gluon.ONE_CONSUMER_BELOW` takes one consumer warpgroup and 64 query rows per CTA, two
-    CTAs per SM, else two consumers and 128 rows, one CTA per SM (ping-pong at D = 128, which always takes two);
-    every key tile whole (the last one shifted to end at its sequence's last key). ``consumers`` (1 or 2) overrides
-    the choice at D = 64 (docs/tuning.md: varlen fp16 / bf16 on the Gluon kernel)."""
-    work = sum(nq * nk for nq, nk in zip(lens_q, lens_k))
-    n_k = sum(nq * nk * nk for nq, nk in zip(lens_q, lens_k)) // max(work, 1)
-    if consumers is not None:
-        n_k = half_gluon.ONE_CONSUMER_BELOW - 1 if consumers == 1 else half_gluon.ONE_CONSUMER_BELOW
-    cfg = half_gluon.get_config(n_k, head_dim)  # without query rows: never the four-consumer build
+    """Launch config for sequences of ``lens_q`` queries and ``lens_k`` keys, from :func:`.half_gluon.get_config`:
+    at D = 64 one consumer warpgroup and 64 query rows per CTA, two CTAs per SM, while the batch's work-weighted
+    mean key count ``sum(nq nk^2) / sum(nq nk)`` (the keys a query row meets on average) is below
+    :data:`ONE_CONSUMER_BELOW`, else two consumers and 128 rows, one CTA per SM; at D = 128 two consumers taking
+    turns (ping-pong). Every key tile is whole (the last one shifted to end at its sequence's last key).
+    ``consumers`` (1 or 2) overrides the choice at D = 64."""
+    if consumers is None:
+        work = sum(nq * nk for nq, nk in zip(lens_q, lens_k))
+        mean_keys = sum(nq * nk * nk for nq, nk in zip(lens_q, lens_k)) // max(work, 1)
+        consumers = 1 if mean_keys < ONE_CONSUMER_BELOW else 2
+    below = half_gluon.ONE_CONSUMER_BELOW
+    cfg = half_gluon.get_config(below - 1 if consumers == 1 else below, head_dim)  # no query rows: no four consumers
     return dict(cfg, tail_keys=(cfg["BLOCK_N"], 0), one_tile=False)
 
 

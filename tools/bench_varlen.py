@@ -17,8 +17,10 @@ the Python launch path counts):
 
 Methods: ``visionattn-list`` (:func:`visionattn.varlen_attention` on the list of per-sequence tensors, read
 where they lie: no conversion, the row-offset table it sends to the GPU is part of the call), ``visionattn``
-(the same on packed tensors and int32 ``cu_seqlens``, maxima given), ``visionattn-jagged`` (the same on jagged
-nested tensors), ``sdpa-padded``
+(the same on packed tensors and int32 ``cu_seqlens``, maxima given), ``visionattn-host`` (the same with the
+offsets on the CPU: the lengths reach the kernels without a synchronisation, so fp16 / bf16 run the
+warp-specialized Gluon varlen kernel on Hopper, the other modes the tile table), ``visionattn-jagged`` (the same on
+jagged nested tensors), ``sdpa-padded``
 (``F.scaled_dot_product_attention`` on a [B, H, Lmax, D] padded batch with a boolean key mask),
 ``sdpa-per-seq`` (one SDPA call per sequence), ``nested`` (SDPA on jagged nested tensors). SDPA runs with
 PyTorch's defaults: its own backend choice, FP32 matmuls without TF32 (this tool sets no global flags).
@@ -65,7 +67,8 @@ from visionattn.metrics import rel_l2  # noqa: E402
 from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
 
-METHODS = ("visionattn-list", "visionattn", "visionattn-jagged", "sdpa-padded", "sdpa-per-seq", "nested")
+METHODS = ("visionattn-list", "visionattn", "visionattn-host", "visionattn-jagged", "sdpa-padded", "sdpa-per-seq",
+           "nested")
 NESTED_METHODS = ("visionattn-jagged", "nested")  # timed after the others (see bench)
 BENCH_MODES = tuple(m for m, spec in MODES.items() if not spec.half_scores)  # the varlen kernels' modes
 ISSUE_LENGTHS = "785,500,708,542,1732,262,1039,557"
@@ -124,6 +127,11 @@ def method_calls(method: str, seqs: list[tuple[torch.Tensor, torch.Tensor, torch
         def attend(x):
             q, k, v, cu = x
             return visionattn.varlen_attention(q, k, v, cu, cu, lmax, lmax, mode=mode)
+        return packed, attend, lambda out: out
+    if method == "visionattn-host":
+        def attend(x):
+            q, k, v, _ = x
+            return visionattn.varlen_attention(q, k, v, cu_host, cu_host, lmax, lmax, mode=mode)
         return packed, attend, lambda out: out
     if method == "visionattn-list":
         return (lambda: seqs), (lambda x: visionattn.varlen_attention(*map(list, zip(*x)), mode=mode)), torch.cat

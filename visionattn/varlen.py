@@ -39,9 +39,10 @@ from .reference import blocked_attention, cpu_block_size
 __all__ = ["varlen_attention", "validate_varlen_inputs", "varlen_kernel", "varlen_kernel_lse", "BACKENDS", "CALLS"]
 
 
-def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool = True) -> int:
-    """Validate ``cu`` (int32 [n_seq + 1], on ``device``; with ``values``: 0 .. total, non-decreasing, read on
-    the host, one synchronisation on CUDA); return n_seq."""
+def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool = True) -> list[int] | int:
+    """Validate ``cu`` (int32 [n_seq + 1], on ``device`` or, for a CUDA ``device``, on the CPU (host offsets); with
+    ``values``: 0 .. total, non-decreasing, read on the host: one synchronisation for offsets on CUDA). Returns the
+    offsets as a list where read, else n_seq."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int32 offsets, got {type(cu).__name__}")
     check_dense(name, cu)
@@ -49,8 +50,9 @@ def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool
         raise TypeError(f"{name} has dtype {cu.dtype}; expected torch.int32 (FlashAttention's convention)")
     if cu.dim() != 1 or cu.shape[0] < 1:
         raise ValueError(f"{name} must be 1-D [n_seq + 1] with at least one entry, got shape {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device}, the packed tensors on {device}")
+    if cu.device != device and not (cu.device.type == "cpu" and device.type == "cuda"):
+        raise ValueError(f"{name} is on {cu.device}, the packed tensors on {device}; pass the offsets on {device} "
+                         f"(or on the CPU)")
     if not values:
         return cu.shape[0] - 1
     host = cu.tolist()
@@ -61,18 +63,36 @@ def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool
     if any(b < a for a, b in zip(host, host[1:])):
         raise ValueError(f"{name} must be non-decreasing (offsets of consecutive sequences), got {host[:16]}"
                          f"{' ...' if len(host) > 16 else ''}")
-    return len(host) - 1
+    return host
+
+
+# (host offsets, device) -> (int32 device copy, its pinned host source): offsets given on the CPU for CUDA tensors,
+# copied once per distinct offsets (a CUDA graph that captured the copy's users keeps reading it)
+_DEVICE_OFFSETS = PlanCache(max_size=4096)
+
+
+def _on_device(cu: torch.Tensor, host: list[int], device: torch.device) -> torch.Tensor:
+    """``cu`` on ``device``: itself, or for host offsets a cached copy, made once per distinct offsets
+    (asynchronously, from pinned memory)."""
+    if cu.device == device:
+        return cu
+    key = (tuple(host), device)
+    kept = _DEVICE_OFFSETS.get(key)
+    if kept is None:
+        pinned = cu.clone().pin_memory()
+        kept = _DEVICE_OFFSETS.put(key, (pinned.to(device, non_blocking=True), pinned))
+    return kept[0]
 
 
 def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None):
     """Check packed q / k / v and their offsets; return ``(max_seqlen_q, max_seqlen_k)`` as ints.
 
-    Offsets on the CPU, or with a maximum missing, are read on the host (one synchronisation on CUDA) and
-    their values checked; the given maxima must bound the true lengths, missing ones are computed. With both
-    maxima given for CUDA tensors the offsets' values are trusted, as FlashAttention trusts them (no
-    synchronisation, so eager calls queue back to back and CUDA graphs can capture them): only their dtype,
-    shape and device are checked, and a maximum below a true length leaves that sequence's later rows
-    unwritten.
+    Offsets on the CPU (for CUDA tensors too), or with a maximum missing, are read on the host (one
+    synchronisation for offsets on CUDA) and their values checked; the given maxima must bound the true lengths,
+    missing ones are computed. With both maxima given for CUDA tensors and offsets on CUDA, the offsets' values are
+    trusted, as FlashAttention trusts them (no synchronisation, so eager calls queue back to back and CUDA graphs
+    can capture them): only their dtype, shape and device are checked, and a maximum below a true length leaves
+    that sequence's later rows unwritten.
 
     Raises:
         TypeError: a non-tensor, a nested or sparse tensor, non-float q / k / v, mixed q / k / v dtypes, offsets
@@ -85,8 +105,9 @@ def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=Non
 
 
 def _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
-    """:func:`validate_varlen_inputs`' checks: ``(max_seqlen_q, max_seqlen_k, lengths)``, ``lengths`` the
-    per-sequence ``(lens_q, lens_k)`` tuples where the offsets were read on the host, else None."""
+    """:func:`validate_varlen_inputs`' checks: ``(max_seqlen_q, max_seqlen_k, lengths, (cu_seqlens_q,
+    cu_seqlens_k))``, ``lengths`` the per-sequence ``(lens_q, lens_k)`` tuples where the offsets were read on the
+    host, else None; the offsets on q's device (host offsets of CUDA tensors: cached copies)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "[total, H, D] (packed sequences)")
     if not (q.dtype == k.dtype == v.dtype):
@@ -105,17 +126,21 @@ def _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         raise ValueError("q and k have head_dim 0; attention needs head_dim >= 1")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"k has {k.shape[0]} rows but v has {v.shape[0]}")
-    values = q.device.type == "cpu" or max_seqlen_q is None or max_seqlen_k is None
-    n_q = _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, values)
-    n_k = _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, values)
-    if n_q != n_k:
-        raise ValueError(f"cu_seqlens_q describes {n_q} sequences, cu_seqlens_k {n_k}")
+    values = (q.device.type == "cpu" or max_seqlen_q is None or max_seqlen_k is None
+              or getattr(cu_seqlens_q, "device", q.device).type == "cpu"
+              or getattr(cu_seqlens_k, "device", q.device).type == "cpu")
+    host_q = _check_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, values)
+    host_k = _check_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, values)
     if not values:
+        if host_q != host_k:
+            raise ValueError(f"cu_seqlens_q describes {host_q} sequences, cu_seqlens_k {host_k}")
         for which, given in (("q", max_seqlen_q), ("k", max_seqlen_k)):
             if isinstance(given, bool) or not isinstance(given, int) or given < 0:
                 raise TypeError(f"max_seqlen_{which} must be an int >= 0 or None, got {given!r}")
-        return max_seqlen_q, max_seqlen_k, None
-    lens = {"q": torch.diff(cu_seqlens_q).tolist(), "k": torch.diff(cu_seqlens_k).tolist()}
+        return max_seqlen_q, max_seqlen_k, None, (cu_seqlens_q, cu_seqlens_k)
+    if len(host_q) != len(host_k):
+        raise ValueError(f"cu_seqlens_q describes {len(host_q) - 1} sequences, cu_seqlens_k {len(host_k) - 1}")
+    lens = {"q": [b - a for a, b in zip(host_q, host_q[1:])], "k": [b - a for a, b in zip(host_k, host_k[1:])]}
     out = []
     for which, given in (("q", max_seqlen_q), ("k", max_seqlen_k)):
         longest = max(lens[which], default=0)
@@ -127,7 +152,8 @@ def _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         if given < longest:
             raise ValueError(f"max_seqlen_{which}={given} is below the longest sequence ({longest} rows)")
         out.append(given)
-    return out[0], out[1], (tuple(lens["q"]), tuple(lens["k"]))
+    offsets = (_on_device(cu_seqlens_q, host_q, q.device), _on_device(cu_seqlens_k, host_k, q.device))
+    return out[0], out[1], (tuple(lens["q"]), tuple(lens["k"])), offsets
 
 
 def _unpack_jagged(q, k, v):
@@ -182,7 +208,9 @@ def varlen_attention(
         k: [total_k, H, D], same dtype and device; v: [total_k, H, Dv].
         cu_seqlens_q, cu_seqlens_k: int32 [n_seq + 1] on q's device, from 0 to total_q / total_k,
             non-decreasing (FlashAttention's convention). Sequences of 0 queries contribute nothing; a
-            sequence with 0 keys gives zero output rows.
+            sequence with 0 keys gives zero output rows. For CUDA tensors the offsets may also be given on the
+            CPU: their values are then read without a synchronisation (the lengths reach the kernels, as when a
+            maximum is left out) and copied to the GPU once per distinct offsets.
         max_seqlen_q, max_seqlen_k: bounds of the per-sequence lengths (ints), as FlashAttention takes them;
             None = computed from the offsets on the host (one synchronisation on CUDA). With both given on
             CUDA the offsets' values are trusted, not read (see :func:`validate_varlen_inputs`).
@@ -222,8 +250,9 @@ def varlen_attention(
         max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else mk
     elif cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for packed [total, H, D] inputs")
-    max_seqlen_q, max_seqlen_k, lengths = _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                     max_seqlen_k)
+    max_seqlen_q, max_seqlen_k, lengths, offsets = _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                              max_seqlen_k)
+    cu_seqlens_q, cu_seqlens_k = offsets
     scale = check_flags(is_causal, scale, q.shape[-1])
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md, lengths)
     out = dispatch.choose(BACKENDS, dispatch.preferred(backend, q.device.type, "varlen_attention"), *args).plan(*args)

@@ -451,6 +451,35 @@ def test_gpu_list_of_sequences_in_place(monkeypatch, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_gpu_offsets_on_the_host_need_no_synchronisation(mode):
+    """Offsets given on the CPU for CUDA tensors: the lengths reach the kernels (bf16: the Gluon varlen kernel) with
+    no synchronisation after the first call (CUDA's sync debug mode raises on one), outputs at the oracle's
+    tolerance, the offsets copied to the GPU once."""
+    from visionattn import varlen as varlen_module
+    from visionattn.kernels import varlen_fwd
+
+    q, k, v, cu_q, cu_k = packed(TABLE2_LENS, TABLE2_LENS, h=16, d=64, device="cuda")
+    dtype = MODES[mode].compute_dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    host = cu_q.cpu()
+    varlen_fwd.PLANS.clear()
+    first = varlen_attention(q, k, v, host, host, max(TABLE2_LENS), max(TABLE2_LENS), mode=mode)
+    torch.cuda.synchronize()
+    copies = varlen_module._DEVICE_OFFSETS.builds
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = varlen_attention(q, k, v, host, host, max(TABLE2_LENS), max(TABLE2_LENS), mode=mode)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, first) and varlen_module._DEVICE_OFFSETS.builds == copies
+    oracle = per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 64)
+    assert rel_l2(first.double(), oracle) <= MODES[mode].rel_tol
+    kinds = {type(p).__name__ for p in varlen_fwd.PLANS.plans.values()}
+    assert kinds == ({"VarlenGluonPlan"} if mode == "bf16" else {"_VarlenPlan"})
+
+
+@pytest.mark.gpu
 def test_gpu_zero_lengths_and_new_lengths_compile_nothing():
     from visionattn.kernels.varlen_fwd import _varlen_fwd_kernel
     lens_q, lens_k = [785, 0, 1, 300, 0], [500, 10, 0, 1732, 0]

@@ -59,10 +59,13 @@ def test_compiles_for_hopper_warp_specialized_without_spills():
 
 def test_consumers_by_the_work_weighted_key_count():
     """D = 64: one consumer warpgroup (64 rows, two CTAs per SM) while the keys a query row meets on average stay
-    below ONE_CONSUMER_BELOW (the Table 2 batch: 1,240 although its longest sequence has 1,732), two beyond; D = 128
-    always two, taking turns (ping-pong); every config keeps whole 128-key tiles."""
+    below the varlen ONE_CONSUMER_BELOW (the Table 2 batch: 1,246 although its longest sequence has 1,732; one
+    4,096-key sequence among 40 short ones: 3,222), two beyond; D = 128 always two, taking turns (ping-pong); every
+    config keeps whole 128-key tiles."""
     cfg = varlen_gluon.get_config(TABLE2, TABLE2, 64)
     assert (cfg["consumers"], cfg["ctas_per_sm"], cfg["BLOCK_M"]) == (1, 2, 64)
+    skew = (4096,) + (300,) * 40
+    assert varlen_gluon.get_config(skew, skew, 64)["consumers"] == 1
     long = (4096, 3000, 8192, 2048)
     assert varlen_gluon.get_config(long, long, 64)["consumers"] == 2
     assert varlen_gluon.get_config((1, 1, 1), (8192, 8192, 100), 64)["consumers"] == 2
@@ -310,3 +313,40 @@ def test_a_non_finite_value_stays_in_its_own_sequence():
     cu = torch.tensor([0, 300, 700], dtype=torch.int32, device="cuda")
     out, _ = varlen_fwd.varlen_forward(q, k, v, cu, cu, 400, 400, False, 0.125, "bf16", lengths=((300, 400),) * 2)
     assert torch.isfinite(out[:300]).all() and torch.isnan(out[300:]).all()
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_randomized_ragged_batches_match_float64(monkeypatch):
+    """40 random ragged batches (1-12 sequences of 128-3000 keys, lengths at key-tile boundaries and one past them,
+    queries equal to the keys or drawn apart, some sequences without queries), fp16 and bf16, head dims 64 and 128,
+    one or two consumer warpgroups: every output and LSE at the Triton varlen kernel's error level vs float64, on
+    the Gluon plan."""
+    rng = random.Random(5)
+    real = varlen_gluon.get_config
+    ran = 0
+    for case in range(40):
+        dtype = rng.choice([torch.float16, torch.bfloat16])
+        d, consumers = rng.choice([(64, 1), (64, 2), (64, None), (128, None)])
+        n = rng.randint(1, 12)
+        lens_k = tuple(rng.choice([128, 129, 255, 256, 257, 1024, 1025, rng.randint(128, 3000)]) for _ in range(n))
+        lens_q = lens_k if rng.random() < 0.5 else tuple(rng.choice([0, 1, 63, 64, 65, 128, k]) for k in lens_k)
+        lens_q = lens_q if sum(lens_q) else (1,) + lens_q[1:]
+        monkeypatch.setattr(varlen_gluon, "get_config", lambda lq, lk, hd, c=None: real(lq, lk, hd, consumers))
+        monkeypatch.setattr(varlen_fwd, "PLANS", PlanCache())
+        gen = torch.Generator().manual_seed(case)
+        q = torch.randn(sum(lens_q), 16, d, generator=gen).to("cuda", dtype)
+        k, v = (torch.randn(sum(lens_k), 16, d, generator=gen).to("cuda", dtype) for _ in range(2))
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                      for x in (lens_q, lens_k))
+        out, lse = varlen_fwd.varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), False, d ** -0.5,
+                                             "fp16" if dtype == torch.float16 else "bf16", with_lse=True,
+                                             lengths=(lens_q, lens_k))
+        ran += [type(p).__name__ for p in varlen_fwd.PLANS.plans.values()] == ["VarlenGluonPlan"]
+        ref, ref_lse = _oracle(q, k, v, lens_q, lens_k, d ** -0.5)
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < (4e-3 if dtype == torch.bfloat16 else 1e-3), (case, lens_q, lens_k, d, consumers, err)
+        finite = torch.isfinite(ref_lse)
+        assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() < 1e-4, (case, lens_q, lens_k)
+        assert (lse[~finite] == float("-inf")).all()
+    assert ran >= 25  # the rest: too few query tiles, where the split-KV plan keeps the call
