@@ -389,16 +389,50 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
     return plan, res
 
 
+# (call signature, lengths) -> (Gluon plan, its work tables), or None where the call stays on the Triton kernel:
+# the checks and the work assignment run once per signature and lengths (host time of an eager call)
+_GLUON_ROUTES = PlanCache()
+
+
 def _gluon_plan_for(q, k, v, lengths, n_seq: int, total_q: int, is_causal: bool, scale: float, out_dtype,
                     with_lse: bool, cu_q, cu_k, row_offsets):
     """``(plan, (out, lse))`` on the warp-specialized Gluon kernel (:mod:`.varlen_gluon`) for an fp16 / bf16 call
     with host lengths that it takes and that the single pass runs (where the split-KV plan would split the keys,
     few query tiles, the Triton kernel keeps the call); else None. A Gluon build that fails warns once and leaves
     the rest of the process on the Triton kernel."""
-    from . import elsa_fwd, varlen_gluon
+    from . import elsa_fwd
 
     if "varlen half" in elsa_fwd._GLUON_FAILED or not elsa_fwd._gluon_device(q.device):
         return None
+    route_key = (tuple(lengths[0]), tuple(lengths[1]), q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+                 q.dtype, q.device, bool(is_causal), scale > 0, bool(with_lse), out_dtype, row_offsets is None,
+                 q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15)
+    route = _GLUON_ROUTES.get(route_key)
+    if route is None:
+        route = _gluon_route(q, k, v, lengths, n_seq, total_q, is_causal, scale, out_dtype, with_lse, row_offsets)
+        if route is None:
+            _GLUON_ROUTES.put(route_key, False)
+            return None
+        plan, work = route
+        try:
+            result = plan(q, k, v, cu_q, cu_k, float(scale), None, work)
+        except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
+            elsa_fwd._gluon_failed("varlen half", f"{type(exc).__name__}: {exc}")
+            return None
+        _GLUON_ROUTES.put(route_key, route)
+        return plan, result
+    if route is False:
+        return None
+    plan, work = route
+    return plan, plan(q, k, v, cu_q, cu_k, float(scale), None, work)
+
+
+def _gluon_route(q, k, v, lengths, n_seq: int, total_q: int, is_causal: bool, scale: float, out_dtype,
+                 with_lse: bool, row_offsets):
+    """``(plan, work)`` of :func:`_gluon_plan_for`'s call (the plan from :data:`PLANS` or new; an import error warned
+    once), or None where the Gluon kernel does not take it."""
+    from . import elsa_fwd, varlen_gluon
+
     lens_q, lens_k = _host_lengths(lengths, n_seq)
     _, H, D = q.shape
     cfg = varlen_gluon.get_config(lens_q, lens_k, D)
@@ -414,16 +448,13 @@ def _gluon_plan_for(q, k, v, lengths, n_seq: int, total_q: int, is_causal: bool,
     key = ("gluon", total_q, H, D, k.shape[0], q.stride(), k.stride(), v.stride(), q.dtype, q.get_device(),
            out_dtype, bool(with_lse), q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, cfg["consumers"])
     plan = PLANS.get(key)
-    if plan is not None:
-        return plan, plan(q, k, v, cu_q, cu_k, float(scale), None, plan.work(lens_q, lens_k))
-    try:
-        plan = varlen_gluon.VarlenGluonPlan(q, k, v, out_dtype, with_lse, cfg)
-        result = plan(q, k, v, cu_q, cu_k, float(scale), None, plan.work(lens_q, lens_k))
-    except Exception as exc:  # a Triton release whose Gluon cannot build this kernel
-        elsa_fwd._gluon_failed("varlen half", f"{type(exc).__name__}: {exc}")
-        return None
-    PLANS.put(key, plan)
-    return plan, result
+    if plan is None:
+        try:
+            plan = PLANS.put(key, varlen_gluon.VarlenGluonPlan(q, k, v, out_dtype, with_lse, cfg))
+        except Exception as exc:  # a Triton release whose Gluon API cannot describe these tensors
+            elsa_fwd._gluon_failed("varlen half", f"{type(exc).__name__}: {exc}")
+            return None
+    return plan, plan.work(lens_q, lens_k)
 
 
 def longest_first(lens_q, lens_k) -> tuple[int, ...] | None:

@@ -354,5 +354,7 @@ class VarlenGluonPlan:
             call = KernelCall(_varlen_fwd_kernel, (programs,), constexprs,
                               dict(num_warps=4, maxnreg=self.config["maxnreg"]))
             launch = self.launches[(programs, n_m)] = PlannedLaunch(call, (soh, som, H, n_m, total_q), templates)
-        launch(_as4(q), _as4(k), _as4(v), scale, out, lse, extra=(tiles, starts, cu_q, cu_k))
+        # the descriptors take their shape and strides from the templates (the [1, H, total, D] views): the packed
+        # tensors themselves stand for those views
+        launch(q, k, v, scale, out, lse, extra=(tiles, starts, cu_q, cu_k))
         return out, lse

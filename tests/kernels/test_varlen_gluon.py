@@ -202,6 +202,7 @@ def as_if_on_hopper(monkeypatch):
     monkeypatch.setattr(varlen_gluon, "unsupported_reason", lambda *a: None)
     monkeypatch.setattr(varlen_gluon, "VarlenGluonPlan", lambda *a: _StandIn(*a, seen))
     monkeypatch.setattr(varlen_fwd, "PLANS", PlanCache())
+    monkeypatch.setattr(varlen_fwd, "_GLUON_ROUTES", PlanCache())
     return seen
 
 
@@ -284,6 +285,7 @@ def test_gluon_varlen_matches_float64_and_repeats_bit_identically(dtype, head_di
     real = varlen_gluon.get_config
     monkeypatch.setattr(varlen_gluon, "get_config", lambda lq, lk, d, c=None: real(lq, lk, d, consumers))
     monkeypatch.setattr(varlen_fwd, "PLANS", PlanCache())
+    monkeypatch.setattr(varlen_fwd, "_GLUON_ROUTES", PlanCache())
     lens_q, lens_k = (64, 0, 65, 1, 700, 128, 1733), (128, 300, 129, 256, 700, 383, 1733)
     gen = torch.Generator().manual_seed(head_dim)
     q = torch.randn(sum(lens_q), 16, head_dim, generator=gen).to("cuda", dtype)
@@ -334,6 +336,7 @@ def test_randomized_ragged_batches_match_float64(monkeypatch):
         lens_q = lens_q if sum(lens_q) else (1,) + lens_q[1:]
         monkeypatch.setattr(varlen_gluon, "get_config", lambda lq, lk, hd, c=None: real(lq, lk, hd, consumers))
         monkeypatch.setattr(varlen_fwd, "PLANS", PlanCache())
+        monkeypatch.setattr(varlen_fwd, "_GLUON_ROUTES", PlanCache())
         gen = torch.Generator().manual_seed(case)
         q = torch.randn(sum(lens_q), 16, d, generator=gen).to("cuda", dtype)
         k, v = (torch.randn(sum(lens_k), 16, d, generator=gen).to("cuda", dtype) for _ in range(2))
