@@ -785,14 +785,15 @@ class _TritonPlan(DenseForwardRun):
             self.merge_fixed = (*self.o_stride, B, H, Nq, Dv, P)
 
 
-# Gluon kernel ("fp32-ieee" / "half" / "fp32"; "fp32-ieee backward": kernels/ieee_gluon_bwd.py; "half backward" /
-# "tf32 backward" / "fp32 backward": kernels/half_gluon_bwd.py) -> why it could not run in this process (first
-# failure; warned once)
+# Gluon kernel ("fp32-ieee" / "half" / "fp32"; "varlen half": kernels/varlen_gluon.py; "fp32-ieee backward":
+# kernels/ieee_gluon_bwd.py; "half backward" / "tf32 backward" / "fp32 backward": kernels/half_gluon_bwd.py) -> why it
+# could not run in this process (first failure; warned once)
 _GLUON_FAILED: dict[str, str] = {}
 _GLUON_FALLBACK_COST = {"fp32-ieee": "mode 'fp32-ieee' uses the Triton kernel (about half the speed)",
                         "half": "modes 'fp16' / 'bf16' use the Triton kernel (0.8-0.95x the speed at long sequences)",
                         "fp32": "mode 'fp32' uses the Triton kernel (0.55-0.9x the speed from 256 keys)",
-                        "varlen half": "varlen calls in modes 'fp16' / 'bf16' use the Triton varlen kernel",
+                        "varlen half": "varlen calls in modes 'fp16' / 'bf16' use the Triton varlen kernel (0.78-0.97x "
+                                       "the speed)",
                         "fp32-ieee backward": "mode 'fp32-ieee' trains on the Triton backward kernels (about 0.4x the "
                                               "speed)",
                         "half backward": "modes 'fp16' / 'bf16' train on the Triton backward kernels (about 0.8x the "
