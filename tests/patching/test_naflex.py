@@ -149,6 +149,16 @@ def test_half_mode_caller_mask_and_unpatch():
         assert torch.equal(model(b), y0)
 
 
+def test_key_padding_keeps_its_offsets_on_the_host_too():
+    """The packing holds the valid tokens' offsets on the mask's device and on the CPU (what the attention calls
+    pass: the lengths without a synchronisation per layer), equal, with the longest image's count."""
+    valid = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    kp = naflex.KeyPadding.from_valid(valid, symmetric=True)
+    assert kp.cu_seqlens_host.device.type == "cpu" and kp.cu_seqlens_host.dtype == torch.int32
+    assert kp.cu_seqlens_host.tolist() == kp.cu_seqlens.tolist() == [0, 2, 7, 7, 10]
+    assert kp.max_seqlen == 5 and kp.rows.tolist() == [0, 1, 5, 6, 7, 8, 9, 15, 17, 19]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 def test_gpu_naflex_base_batch(mode):

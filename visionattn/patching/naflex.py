@@ -58,7 +58,9 @@ class KeyPadding:
 
     Attributes:
         rows: int64 [total], the flat indices ``b * N + i`` of the valid tokens, image by image.
-        cu_seqlens: int32 [B + 1], offsets of each image's valid tokens in the packed order.
+        cu_seqlens: int32 [B + 1], offsets of each image's valid tokens in the packed order, on the mask's device.
+        cu_seqlens_host: the same offsets on the CPU: the attention calls pass these, so the kernels know the lengths
+            without a synchronisation per layer (:func:`visionattn.varlen_attention`'s host offsets).
         max_seqlen: the most valid tokens of one image.
         batch, length: B and N of the padded batch.
         symmetric: the mask masks padded query rows too (timm's default); False: key-only mask.
@@ -66,6 +68,7 @@ class KeyPadding:
 
     rows: torch.Tensor
     cu_seqlens: torch.Tensor
+    cu_seqlens_host: torch.Tensor
     max_seqlen: int
     batch: int
     length: int
@@ -82,11 +85,11 @@ class KeyPadding:
             raise ValueError(f"valid must be a bool [B, N] tensor, got {getattr(valid, 'dtype', type(valid))} "
                              f"{tuple(getattr(valid, 'shape', ()))}")
         B, N = valid.shape
-        lens = valid.sum(1, dtype=torch.int32)
-        cu = torch.zeros(B + 1, dtype=torch.int32, device=valid.device)
-        cu[1:] = torch.cumsum(lens, 0)
         rows = valid.reshape(-1).nonzero().squeeze(1)
-        return cls(rows, cu, int(lens.max()) if B else 0, B, N, symmetric)
+        lens = valid.sum(1, dtype=torch.int32).cpu()
+        cu_host = torch.zeros(B + 1, dtype=torch.int32)
+        cu_host[1:] = torch.cumsum(lens, 0)
+        return cls(rows, cu_host.to(valid.device), cu_host, int(lens.max()) if B else 0, B, N, symmetric)
 
 
 # a mask built by a patched NaFlexVit -> its packing; entries vanish with the mask (weak keys, by identity)
@@ -136,14 +139,14 @@ def key_padding_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp:
     flat = lambda t: t.transpose(1, 2).reshape(B * N, H, t.shape[3])  # noqa: E731  [B * N, H, .], a view for qkv
     kv = [flat(t).index_select(0, kp.rows) for t in (k, v)]
     if kp.symmetric:
-        out = varlen_attention(flat(q).index_select(0, kp.rows), *kv, kp.cu_seqlens, kp.cu_seqlens, kp.max_seqlen,
-                               kp.max_seqlen, mode=md, scale=scale, backend=backend)
+        out = varlen_attention(flat(q).index_select(0, kp.rows), *kv, kp.cu_seqlens_host, kp.cu_seqlens_host,
+                               kp.max_seqlen, kp.max_seqlen, mode=md, scale=scale, backend=backend)
         # padded rows: SDPA's uniform attention over the N keys of a row whose every logit is finfo.min
         full = v.mean(2, dtype=torch.float32).to(out.dtype)[:, None].expand(B, N, H, Dv).reshape(B * N, H, Dv)
         out = full.index_copy(0, kp.rows, out)
     else:
-        cu_q = torch.arange(0, (B + 1) * N, N, dtype=torch.int32, device=q.device)
-        out = varlen_attention(flat(q), *kv, cu_q, kp.cu_seqlens, N, kp.max_seqlen, mode=md, scale=scale,
+        cu_q = torch.arange(0, (B + 1) * N, N, dtype=torch.int32)
+        out = varlen_attention(flat(q), *kv, cu_q, kp.cu_seqlens_host, N, kp.max_seqlen, mode=md, scale=scale,
                                backend=backend)
     return out.view(B, N, H, Dv).transpose(1, 2)
 
