@@ -8,9 +8,9 @@ variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 fr
 split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
 single-pass and two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled
 windows, Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels (also the stream-K schedule and
-its merge). Outputs and gradients must be finite; the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT
-memcheck`` runs it (also ``racecheck``, ``initcheck``). Exit 0 when every case ran, 1 when one raised or returned a
-non-finite value (each printed).
+its merge, and the Gluon varlen kernel). Outputs and gradients must be finite; the sanitizer reports the memory
+errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``, ``initcheck``). Exit 0 when every case ran, 1
+when one raised or returned a non-finite value (each printed).
 
 ``--control`` runs instead the smallest warp-specialized Gluon kernel (one mbarrier initialised before
 ``gl.warp_specialize``, one partition arriving, the other waiting; none of our data in shared memory): racecheck
@@ -124,6 +124,19 @@ def cases(families, modes):
                        q, k, v, cu, cu, max(lens), max(lens), False, 0.125, mode, lengths=(lens, lens),
                        schedule="split-kv")[0],
                    [_rand(sum(lens), 2, 64, dtype=dt, seed=s) for s in range(3)])
+            if mode in ("fp16", "bf16"):  # the Gluon varlen kernel (Hopper; forward only): whole and shifted key tiles
+                lq, lk = [5, 0, 130, 64, 700, 1500], [128, 300, 129, 1000, 257, 1500]
+                cq, ck = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                          for x in (lq, lk))
+                for d in (64, 128):
+                    def gluon_varlen(q, k, v, lq=lq, lk=lk, cq=cq, ck=ck, mode=mode):
+                        plan, (out, _) = varlen_fwd.plan_for(q, k, v, cq, ck, max(lq), max(lk), False, 0.125, mode,
+                                                             lengths=(lq, lk))
+                        if torch.cuda.get_device_capability()[0] == 9 and type(plan).__name__ != "VarlenGluonPlan":
+                            raise AssertionError(f"planned {type(plan).__name__}, not the Gluon varlen kernel")
+                        return out
+                    yield (f"varlen gluon {mode} D={d} lengths {lq} x {lk}", gluon_varlen,
+                           [_rand(sum(x), 16, d, dtype=dt, seed=s) for s, x in enumerate((lq, lk, lk))])
             # the stream-K schedule (forward only): few queries against uneven keys, shares cut inside jobs
 
             for lq, lk, programs in (([1, 0, 7, 3], [5000, 3, 0, 700], None), ([40, 16], [40, 333], 5)):
