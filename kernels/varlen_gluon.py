@@ -9,7 +9,7 @@ ping-pong at D = 128) over a table of work tiles (sequence, head, query tile) in
   and share K / V in L2. The assignment is built once per signature and lengths.
 * **K / V rows of the sequence only**: the packed tensors are TMA-read as one [1, H, total, D] tensor, so a key
   tile reaching past its sequence's keys would read the next sequence's rows, and a non-finite value there would
-  reach this sequence's output through ``0 x inf``. The last key tile therefore ends at the sequence's last key
+  reach this sequence's output through ``0 x NaN``. The last key tile therefore ends at the sequence's last key
   (it starts ``BLOCK_N - rem`` keys early, those keys folded already and masked out of it); sequences with queries
   need at least ``BLOCK_N`` keys (:func:`unsupported_reason`; shorter ones run on the Triton kernel). Query rows
   past a sequence's end are read (other sequences' queries) but never written.
@@ -71,6 +71,11 @@ def get_config(lens_q, lens_k, head_dim: int, consumers: int | None = None) -> d
     return dict(cfg, tail_keys=(cfg["BLOCK_N"], 0), one_tile=False)
 
 
+def _as4(t: torch.Tensor) -> torch.Tensor:
+    # packed [total, H, D] as the [1, H, total, D] view the descriptors read
+    return t.unsqueeze(0).transpose(1, 2)
+
+
 def unsupported_reason(q, k, v, lens_q, lens_k, is_causal: bool, scale: float, row_offsets, block_n: int = 128):
     """Why :class:`VarlenGluonPlan` cannot run this call (the Triton varlen kernel then does), or ``None``.
 
@@ -84,8 +89,7 @@ def unsupported_reason(q, k, v, lens_q, lens_k, is_causal: bool, scale: float, r
         return "grouped-query attention"
     if any(nq and nk < block_n for nq, nk in zip(lens_q, lens_k)):
         return f"a sequence with fewer than {block_n} keys (a key tile would reach the next sequence's rows)"
-    as4 = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)]  # [1, H, total, D] views: what the descriptors read
-    return hopper_tma_scope_reason(*as4, None, None, is_causal, scale, 1, dtypes=(torch.float16, torch.bfloat16),
+    return hopper_tma_scope_reason(_as4(q), _as4(k), _as4(v), None, None, is_causal, scale, 1, dtypes=(torch.float16, torch.bfloat16),
                                    head_dims=HEAD_DIMS, import_error=_IMPORT_ERROR)
 
 
@@ -292,11 +296,6 @@ def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False) -> dict
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
     """Signature types of the three descriptor arguments for an offline compile (as :mod:`.half_gluon`'s)."""
     return half_gluon.descriptor_types(cfg, head_dim, dtype)
-
-
-def _as4(t: torch.Tensor) -> torch.Tensor:
-    # packed [total, H, D] as the [1, H, total, D] view the descriptors read
-    return t.unsqueeze(0).transpose(1, 2)
 
 
 # (lengths, heads, rows, key tile, programs, device) -> (int32 device tables of :func:`assign`, their pinned host
