@@ -487,4 +487,11 @@ def dense_plan(q, k, v, bias, attn_mask, is_causal: bool, mode: str, out_dtype, 
     cu_q, cu_k = (torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=q.device) for n in (Nq, Nk))
     offsets = torch.tensor([[b * t.stride(0) for t in (q, k, v)] for b in range(B)], dtype=torch.int64,
                            device=q.device)
+    _DENSE_TABLES.append((stream.table, stream.host_table, cu_q, cu_k, offsets))
     return DenseStreamPlan(stream, cu_q, cu_k, offsets, (B, Nq, H, v.shape[3]))
+
+
+# the device tables of every dense stream-K plan, kept for the process: a CUDA graph may replay a plan's launches
+# after the plan caches drop it, and checking for a capture on every dense call's cache lookup costs ~1 us of host
+# time; one entry per dense signature that takes stream-K (few-query calls), a few KB each
+_DENSE_TABLES: list = []

@@ -257,7 +257,7 @@ class _VarlenPlan(VarlenForwardRun):
 
 
 # call signature -> plan; PLANS.hits / PLANS.builds count reuses and builds
-PLANS = PlanCache()
+PLANS = PlanCache(graph_safe=True)  # stream-K plans hold their partition tables
 
 
 def varlen_unsupported_reason(q, v, mode: str) -> str | None:
@@ -391,7 +391,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: to
 
 # (call signature, lengths) -> (Gluon plan, its work tables), or None where the call stays on the Triton kernel:
 # the checks and the work assignment run once per signature and lengths (host time of an eager call)
-_GLUON_ROUTES = PlanCache()
+_GLUON_ROUTES = PlanCache(graph_safe=True)
 
 
 def _gluon_plan_for(q, k, v, lengths, n_seq: int, total_q: int, is_causal: bool, scale: float, out_dtype,
@@ -512,8 +512,8 @@ def tile_table(lens_q, order, heads: int, block_m: int, n_m_tiles: int) -> torch
 
 
 # (lengths, order, heads, tiles, device) -> (int32 device copy of a tile_table, its pinned host source); as many as the
-# plans (a CUDA graph that launched with one keeps reading it: 4 bytes per real query tile and head)
-_TILES = PlanCache(max_size=4096)
+# plans, 4 bytes per real query tile and head; the entries a CUDA graph captured are never dropped (graph_safe)
+_TILES = PlanCache(max_size=4096, graph_safe=True)
 
 
 def _tile_tensor(lens_q, order, heads: int, block_m: int, n_m_tiles: int, device: torch.device) -> torch.Tensor:

@@ -299,8 +299,8 @@ def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float1
 
 
 # (lengths, heads, rows, key tile, programs, device) -> (int32 device tables of :func:`assign`, their pinned host
-# sources); as many as the plans (a CUDA graph that launched with them keeps reading them)
-_WORK = PlanCache(max_size=4096)
+# sources); the entries a CUDA graph captured are never dropped (graph_safe)
+_WORK = PlanCache(max_size=4096, graph_safe=True)
 
 
 class VarlenGluonPlan:

@@ -67,8 +67,8 @@ def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool
 
 
 # (host offsets, device) -> (int32 device copy, its pinned host source): offsets given on the CPU for CUDA tensors,
-# copied once per distinct offsets (a CUDA graph that captured the copy's users keeps reading it)
-_DEVICE_OFFSETS = PlanCache(max_size=4096)
+# copied once per distinct offsets; the entries a CUDA graph captured are never dropped (graph_safe)
+_DEVICE_OFFSETS = PlanCache(max_size=4096, graph_safe=True)
 
 
 def _on_device(cu: torch.Tensor, host: list[int], device: torch.device) -> torch.Tensor:
@@ -312,7 +312,7 @@ def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
 # row offsets —, query and key lengths, the kernel's launch plan (and tile table) per causal flag, the sequences'
 # order, the tables' pinned host source); see _sequences. Holds no caller tensor; the caching allocator hands a loop
 # the same addresses call after call.
-CALLS = PlanCache(max_size=256)
+CALLS = PlanCache(max_size=256, graph_safe=True)
 
 
 def _in_place_plan(qs, ks, vs, first, md: Mode):

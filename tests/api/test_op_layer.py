@@ -103,6 +103,31 @@ def test_the_plan_is_built_once_per_key_and_rebuilt_when_the_key_changes(monkeyp
     assert rel_l2(dq, dq_ref) <= 1e-5
 
 
+def test_entries_a_cuda_graph_captured_are_never_dropped(monkeypatch):
+    """A cache whose plans hold device tables (graph_safe) keeps every entry found or stored while a CUDA graph is
+    captured through its evictions (the graph reads those tables at every replay); other entries go oldest first,
+    as in a cache without graph safety."""
+    from visionattn.kernels import _launch
+
+    capturing = [False]
+    monkeypatch.setattr(_launch, "graph_capturing", lambda: capturing[0])
+    safe, plain = PlanCache(max_size=4, graph_safe=True), PlanCache(max_size=4)
+    for cache in (safe, plain):
+        for i in range(3):
+            cache.put(i, f"plan {i}")
+        capturing[0] = True
+        cache.get(0)  # a capture launches with plan 0
+        cache.put("captured", "built during the capture")
+        capturing[0] = False
+        for i in range(3, 12):
+            cache.put(i, f"plan {i}")
+    assert {0, "captured"} <= set(safe.plans) and safe.pinned == {0, "captured"}
+    assert 0 not in plain.plans and "captured" not in plain.plans and not plain.pinned
+    assert len(safe.plans) <= 4 + len(safe.pinned) and len(plain.plans) <= 4
+    safe.clear()
+    assert not safe.plans and not safe.pinned
+
+
 @pytest.mark.parametrize("mode", ["fp32", "bf16"])
 def test_the_eager_backward_reuses_its_plan_through_the_forwards(monkeypatch, mode):
     """An eager training call finds its backward plan through the forward plan: built once, hit on the next call,

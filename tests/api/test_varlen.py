@@ -481,6 +481,42 @@ def test_gpu_offsets_on_the_host_need_no_synchronisation(mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_gpu_a_captured_graph_keeps_its_tables_through_cache_churn(monkeypatch, mode):
+    """A CUDA graph captured from calls with host offsets (the tile table in fp32, the Gluon kernel's work tables in
+    bf16, the offsets' device copy) replays the same output after later calls with other lengths overflow every
+    cache that holds such tables: the entries the capture used are pinned, not freed and reused."""
+    from visionattn import varlen as varlen_module
+    from visionattn.kernels import varlen_fwd, varlen_gluon
+
+    for cache in (varlen_fwd.PLANS, varlen_fwd._TILES, varlen_fwd._GLUON_ROUTES, varlen_gluon._WORK,
+                  varlen_module._DEVICE_OFFSETS):
+        monkeypatch.setattr(cache, "max_size", 2)
+    dtype = MODES[mode].compute_dtype
+    q, k, v, cu_q, _ = packed(TABLE2_LENS, TABLE2_LENS, h=16, d=64, device="cuda")
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    host = cu_q.cpu()
+    call = lambda: varlen_attention(q, k, v, host, host, max(TABLE2_LENS), max(TABLE2_LENS), mode=mode)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        want = call().clone()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = call()
+    for i in range(12):  # other lengths: new tables, each cache past its size
+        lens = [n + 7 * (i + 1) for n in TABLE2_LENS]
+        a, b, c, _, _ = packed(lens, lens, h=16, d=64, device="cuda")
+        offsets = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        varlen_attention(a.to(dtype), b.to(dtype), c.to(dtype), offsets, offsets, max(lens), max(lens), mode=mode)
+    got.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_zero_lengths_and_new_lengths_compile_nothing():
     from visionattn.kernels.varlen_fwd import _varlen_fwd_kernel
     lens_q, lens_k = [785, 0, 1, 300, 0], [500, 10, 0, 1732, 0]

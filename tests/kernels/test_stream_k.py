@@ -234,6 +234,9 @@ def test_dense_calls_as_equal_sequences_in_the_interpreter(mode, causal):
     ref = oracle_attention(q.double(), k.double(), v.double(), scale=0.25, is_causal=causal)
     assert rel_l2(out.double(), ref) <= MODES[mode].rel_tol
     assert plan.stream.part.split_jobs > 0 or causal  # shares cut inside jobs (causal: one key tile a job)
+    # its device tables outlive the plan caches (a CUDA graph may replay them): kept by the module
+    kept = stream_k._DENSE_TABLES[-1]
+    assert kept[0] is plan.stream.table and kept[2] is plan.cu_q and kept[4] is plan.row_offsets
     for refused in (dict(bias=torch.zeros(5, 150)), dict(with_lse=True)):
         kw = {"bias": None, "attn_mask": None, "with_lse": False, **refused}
         assert stream_k.dense_plan(q, k, v, kw["bias"], kw["attn_mask"], causal, mode, dtype, kw["with_lse"],
