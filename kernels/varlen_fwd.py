@@ -397,8 +397,9 @@ _GLUON_ROUTES = PlanCache(graph_safe=True)
 def _gluon_plan_for(q, k, v, lengths, n_seq: int, total_q: int, is_causal: bool, scale: float, out_dtype,
                     with_lse: bool, cu_q, cu_k, row_offsets):
     """``(plan, (out, lse))`` on the warp-specialized Gluon kernel (:mod:`.varlen_gluon`) for an fp16 / bf16 call
-    with host lengths that it takes and that the single pass runs (where the split-KV plan would split the keys,
-    few query tiles, the Triton kernel keeps the call); else None. A Gluon build that fails warns once and leaves
+    with host lengths that it takes and prefers (more than 64 queries in the longest sequence) and that the single
+    pass runs (where the split-KV plan would split the keys, few query tiles, the Triton kernel keeps the call); else
+    None. A Gluon build that fails warns once and leaves
     the rest of the process on the Triton kernel."""
     from . import elsa_fwd
 
@@ -434,6 +435,8 @@ def _gluon_route(q, k, v, lengths, n_seq: int, total_q: int, is_causal: bool, sc
     from . import elsa_fwd, varlen_gluon
 
     lens_q, lens_k = _host_lengths(lengths, n_seq)
+    if not varlen_gluon.preferred(lens_q):
+        return None
     _, H, D = q.shape
     cfg = varlen_gluon.get_config(lens_q, lens_k, D)
     reason = varlen_gluon.unsupported_reason(q, k, v, lens_q, lens_k, is_causal, scale, row_offsets, cfg["BLOCK_N"])

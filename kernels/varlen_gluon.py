@@ -40,8 +40,8 @@ if _IMPORT_ERROR is None:
     from ._gluon import softmax_tile, split_mma
     from .half_gluon import _fold_parts, _last_pv, _p_operands, _row_parts, _step
 
-__all__ = ["unsupported_reason", "get_config", "assign", "kernel_constexprs", "descriptor_types", "VarlenGluonPlan",
-           "HEAD_DIMS", "START_COST_TILES", "ONE_CONSUMER_BELOW"]
+__all__ = ["unsupported_reason", "preferred", "get_config", "assign", "kernel_constexprs", "descriptor_types", "VarlenGluonPlan",
+           "HEAD_DIMS", "START_COST_TILES", "ONE_CONSUMER_BELOW", "FEW_QUERY_ROWS"]
 
 HEAD_DIMS = half_gluon.HEAD_DIMS
 
@@ -69,6 +69,18 @@ def get_config(lens_q, lens_k, head_dim: int, consumers: int | None = None) -> d
     below = half_gluon.ONE_CONSUMER_BELOW
     cfg = half_gluon.get_config(below - 1 if consumers == 1 else below, head_dim)  # no query rows: no four consumers
     return dict(cfg, tail_keys=(cfg["BLOCK_N"], 0), one_tile=False)
+
+
+# the longest query sequence must pass this many rows: few-query calls (a 64-row work tile of 1-64 real rows) keep the
+# Triton kernels and their stream-K / split-KV schedules, which are measured there (docs/benchmarks/split_kv_h200.md);
+# this kernel is measured on self-attention batches
+FEW_QUERY_ROWS = 64
+
+
+def preferred(lens_q) -> bool:
+    """Whether the launcher offers an in-scope call of these query lengths to this kernel: its longest query
+    sequence has more than :data:`FEW_QUERY_ROWS` rows."""
+    return max(lens_q, default=0) > FEW_QUERY_ROWS
 
 
 def _as4(t: torch.Tensor) -> torch.Tensor:

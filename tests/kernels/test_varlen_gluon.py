@@ -214,8 +214,8 @@ def _packed(lens, dtype=torch.float16, heads=2):
 
 def test_dispatch_takes_half_calls_with_host_lengths_and_plans_once_per_signature(as_if_on_hopper, monkeypatch):
     """fp16 / bf16 calls with host lengths run on the Gluon plan (one plan per signature, the work tables asked per
-    call's lengths, the LSE passed on); calls without host lengths, with an explicit num_splits, in an FP32 mode, or
-    where the split-KV rule would split the keys stay on the Triton kernel."""
+    call's lengths, the LSE passed on); calls without host lengths, with an explicit num_splits, in an FP32 mode, of
+    at most 64 queries a sequence, or where the split-KV rule would split the keys stay on the Triton kernel."""
     seen = as_if_on_hopper
     for dtype, mode in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
         q, k, v, cu = _packed(TABLE2, dtype)
@@ -233,6 +233,12 @@ def test_dispatch_takes_half_calls_with_host_lengths_and_plans_once_per_signatur
     q32, k32, v32, _ = _packed(lens, torch.float32)
     out, _ = varlen_fwd.varlen_forward(q32, k32, v32, cu, cu, 300, 300, False, 0.125, "fp32", lengths=(lens, lens))
     assert not (out == 7.0).all()
+    few = (64, 16, 1)  # few-query calls keep the Triton kernels (and their stream-K / split-KV schedules)
+    qf, kf, vf = (torch.randn(sum(few), 2, 64).half() for _ in range(3))
+    cf = torch.tensor([0, *torch.tensor(few).cumsum(0).tolist()], dtype=torch.int32)
+    out, _ = varlen_fwd.varlen_forward(qf, kf, vf, cf, cf, 64, 64, False, 0.125, "fp16", lengths=(few, few),
+                                       schedule="split-kv")
+    assert not (out == 7.0).all() and not varlen_gluon.preferred(few) and varlen_gluon.preferred((65, 1))
     monkeypatch.setattr(varlen_fwd, "choose_num_splits", lambda *a: 4)  # as if few query tiles
     out, _ = varlen_fwd.varlen_forward(q, k, v, cu, cu, 300, 300, False, 0.125, "fp16", lengths=(lens, lens))
     assert not (out == 7.0).all() and seen == []
