@@ -399,8 +399,7 @@ def _gluon_plan_for(q, k, v, lengths, n_seq: int, total_q: int, is_causal: bool,
     """``(plan, (out, lse))`` on the warp-specialized Gluon kernel (:mod:`.varlen_gluon`) for an fp16 / bf16 call
     with host lengths that it takes and prefers (more than 64 queries in the longest sequence) and that the single
     pass runs (where the split-KV plan would split the keys, few query tiles, the Triton kernel keeps the call); else
-    None. A Gluon build that fails warns once and leaves
-    the rest of the process on the Triton kernel."""
+    None. A Gluon build that fails warns once and leaves the rest of the process on the Triton kernel."""
     from . import elsa_fwd
 
     if "varlen half" in elsa_fwd._GLUON_FAILED or not elsa_fwd._gluon_device(q.device):
