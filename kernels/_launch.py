@@ -261,6 +261,15 @@ def tensor_key(t: torch.Tensor | None):
         return None
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, t.requires_grad
 
+def device_table(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(copy on device, its source)`` of a host-built table (offsets, tiles, partitions) that launches read: for
+    CUDA, one asynchronous copy from pinned memory (not one that waits for the stream). The caller keeps the pinned
+    source with the copy: a copy made while a CUDA graph is captured reads it again at every replay."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True), host
+
+
 def graph_capturing() -> bool:
     """Whether the current CUDA stream is capturing a CUDA graph (False, without a query, before CUDA is used)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()

@@ -465,21 +465,12 @@ if _IMPORT_ERROR is None:
                 gl.store(LSE + (off_b * H + off_h).to(gl.int64) * Nq + offs_om, lse, mask=offs_om < Nq)
             i += 1
 
-    @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
-    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, Scales, sob, soh, som, H, GROUP, Nq, Nk, n_work, qk_scale,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
-                         CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr,
-                         PARTS: gl.constexpr):
-        # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
-        # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
-        # programs per SM, so a tile's epilogue overlaps the next tile's loads). PARTS = 2 (mode fp32, fp32_attention):
-        # q / k / v descriptors over the split copies (hi, lo columns), two shared buffers per tile, and Scales
-        # (FP32 [B * H, 2]) holding each head's logit and output multipliers; PARTS = 1 never reads Scales.
-        gl.static_assert(not (PINGPONG and (CONSUMERS != 2 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
-                         "one part per last key tile (the turn counts)")
-        gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2 or CONSUMERS == 4, "1, 2 or 4 consumer warpgroups")
+    @gluon.jit
+    def _shared_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                        CONSUMERS: gl.constexpr, PARTS: gl.constexpr):
+        # a forward kernel's shared memory, its mbarriers initialised: (q_smem, k_smem, v_smem, l_smem, q_ready,
+        # q_empty, ready, empty, turn); PARTS buffers per tile (mode fp32's hi and lo parts). Also the varlen kernel's
+        # (:mod:`.varlen_gluon`)
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFS * PARTS] + q_desc.block_type.shape,
                                            q_desc.layout)
@@ -502,6 +493,25 @@ if _IMPORT_ERROR is None:
             mbarrier.init(empty.index(i), count=CONSUMERS)  # every consumer releases a slot
         mbarrier.init(turn.index(0), count=1)
         mbarrier.init(turn.index(1), count=1)
+        return q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn
+
+    @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
+    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, Scales, sob, soh, som, H, GROUP, Nq, Nk, n_work, qk_scale,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
+                         CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr,
+                         PARTS: gl.constexpr):
+        # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
+        # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
+        # programs per SM, so a tile's epilogue overlaps the next tile's loads). PARTS = 2 (mode fp32, fp32_attention):
+        # q / k / v descriptors over the split copies (hi, lo columns), two shared buffers per tile, and Scales
+        # (FP32 [B * H, 2]) holding each head's logit and output multipliers; PARTS = 1 never reads Scales.
+        gl.static_assert(not (PINGPONG and (CONSUMERS != 2 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
+                         "one part per last key tile (the turn counts)")
+        gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2 or CONSUMERS == 4, "1, 2 or 4 consumer warpgroups")
+        q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn = _shared_buffers(
+            q_desc, k_desc, v_desc, BLOCK_M, STAGES, Q_BUFS, CONSUMERS, PARTS)
         # one branch per consumer count: the partition list is built at trace time, one entry per warpgroup
         if CONSUMERS == 1:
             gl.warp_specialize([

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LOG2E, KernelCall, cdiv, head_blocks, interpreting, pad_pow2, sm_count
+from ._launch import LOG2E, KernelCall, cdiv, device_table, head_blocks, interpreting, pad_pow2, sm_count
 from .elsa_fwd import LAZY_V_MIN_KEYS, _precision, get_config, key_tiles, merge_partials, store_partial, NOMINAL_SMS
 from .varlen_fwd import _register_cap, fold_query_tile, sequence_span, store_output
 
@@ -357,9 +357,7 @@ class StreamPlan:
         self.part, self.device, self.o_dtype, self.with_lse, self.dv = part, device, out_dtype, with_lse, Dv
         self.o_shape = (total_q, H, Dv)
         self.ws_rows = part.slots * part.block_m
-        # the pinned source stays with the plan: a copy made while a CUDA graph is captured reads it at every replay
-        self.host_table = part.table.pin_memory() if device.type == "cuda" else part.table
-        self.table = self.host_table.to(device, non_blocking=True)
+        self.table, self.host_table = device_table(part.table, device)  # the pinned source stays with the plan
         self.views, at = [], 0
         for n in part.sections():
             self.views.append(self.table[at:at + n])

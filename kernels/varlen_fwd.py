@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (OUT_DTYPES, KernelCall, PlanCache, VarlenForwardRun, cdiv, head_blocks, interpreting,
-                      run_first_that_fits)
+from ._launch import (OUT_DTYPES, KernelCall, PlanCache, VarlenForwardRun, cdiv, device_table, head_blocks,
+                      interpreting, run_first_that_fits)
 from .elsa_fwd import (DENSE_MODES, LAZY_V_MIN_KEYS, MAX_HEAD_DIM, TileConfig, _fold_tile,
                        _precision, _smaller_configs, choose_num_splits, final_state, get_config, key_tiles,
                        load_query_tile, merge_call, partition_tiles, store_partial, tile_of_program)
@@ -524,9 +524,7 @@ def _tile_tensor(lens_q, order, heads: int, block_m: int, n_m_tiles: int, device
     key = (lens_q, order, heads, block_m, n_m_tiles, device)
     kept = _TILES.get(key)
     if kept is None:
-        host = tile_table(lens_q, order, heads, block_m, n_m_tiles)
-        host = host.pin_memory() if device.type == "cuda" else host
-        kept = _TILES.put(key, (host.to(device, non_blocking=True), host))
+        kept = _TILES.put(key, device_table(tile_table(lens_q, order, heads, block_m, n_m_tiles), device))
     return kept[0]
 
 

@@ -28,7 +28,7 @@ import torch
 
 from . import half_gluon
 from ._gluon import hopper_tma_scope_reason, nvmma_layout
-from ._launch import KernelCall, PlanCache, PlannedLaunch, cdiv, sm_count
+from ._launch import KernelCall, PlanCache, PlannedLaunch, cdiv, device_table, sm_count
 
 _IMPORT_ERROR = half_gluon._IMPORT_ERROR
 if _IMPORT_ERROR is None:
@@ -38,10 +38,10 @@ if _IMPORT_ERROR is None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._gluon import softmax_tile, split_mma
-    from .half_gluon import _fold_parts, _last_pv, _p_operands, _row_parts, _step
+    from .half_gluon import _fold_parts, _last_pv, _p_operands, _row_parts, _shared_buffers, _step
 
-__all__ = ["unsupported_reason", "preferred", "get_config", "assign", "kernel_constexprs", "descriptor_types", "VarlenGluonPlan",
-           "HEAD_DIMS", "START_COST_TILES", "ONE_CONSUMER_BELOW", "FEW_QUERY_ROWS"]
+__all__ = ["unsupported_reason", "preferred", "get_config", "assign", "kernel_constexprs", "descriptor_types",
+           "VarlenGluonPlan", "HEAD_DIMS", "START_COST_TILES", "ONE_CONSUMER_BELOW", "FEW_QUERY_ROWS"]
 
 HEAD_DIMS = half_gluon.HEAD_DIMS
 
@@ -101,8 +101,9 @@ def unsupported_reason(q, k, v, lens_q, lens_k, is_causal: bool, scale: float, r
         return "grouped-query attention"
     if any(nq and nk < block_n for nq, nk in zip(lens_q, lens_k)):
         return f"a sequence with fewer than {block_n} keys (a key tile would reach the next sequence's rows)"
-    return hopper_tma_scope_reason(_as4(q), _as4(k), _as4(v), None, None, is_causal, scale, 1, dtypes=(torch.float16, torch.bfloat16),
-                                   head_dims=HEAD_DIMS, import_error=_IMPORT_ERROR)
+    return hopper_tma_scope_reason(_as4(q), _as4(k), _as4(v), None, None, is_causal, scale, 1,
+                                   dtypes=(torch.float16, torch.bfloat16), head_dims=HEAD_DIMS,
+                                   import_error=_IMPORT_ERROR)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -258,25 +259,8 @@ if _IMPORT_ERROR is None:
         # of the packed q / k / v; O [total_q, H, D] (row stride som, head stride soh), LSE [H, total_q]
         gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2, "1 or 2 consumer warpgroups")
         gl.static_assert(not PINGPONG or CONSUMERS == 2, "ping-pong needs two consumers")
-        dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS * Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        l_smem = gl.allocate_shared_memory(gl.float16, [CONSUMERS * BLOCK_M, 4],
-                                           gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(Q_BUFS):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=CONSUMERS)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=CONSUMERS)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn = _shared_buffers(
+            q_desc, k_desc, v_desc, BLOCK_M, STAGES, Q_BUFS, CONSUMERS, 1)
         if CONSUMERS == 1:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Tiles,
@@ -345,9 +329,7 @@ class VarlenGluonPlan:
         kept = _WORK.get(key)
         if kept is None:
             tiles, starts = assign(lens_q, lens_k, H, rows, cfg["BLOCK_N"], programs)
-            host = torch.tensor(tiles + starts, dtype=torch.int32)
-            host = host.pin_memory() if self.device.type == "cuda" else host
-            dev = host.to(self.device, non_blocking=True)
+            dev, host = device_table(torch.tensor(tiles + starts, dtype=torch.int32), self.device)
             n_m = max(1, max(cdiv(n, rows) for n in lens_q))
             kept = _WORK.put(key, (dev[:len(tiles)], dev[len(tiles):], n_m, host))
         return kept[:3]

@@ -32,7 +32,7 @@ import torch
 from . import dispatch
 from .checks import (BACKWARD_MODES, KERNEL_DTYPES, cast_checked, check_dense, check_devices, check_flags,
                      check_float16_range, check_tensor, first_order_only, has_backward)
-from .kernels._launch import PlanCache, recording, unit_last_stride
+from .kernels._launch import PlanCache, device_table, recording, unit_last_stride
 from .modes import Mode, get_mode
 from .reference import blocked_attention, cpu_block_size
 
@@ -79,8 +79,7 @@ def _on_device(cu: torch.Tensor, host: list[int], device: torch.device) -> torch
     key = (tuple(host), device)
     kept = _DEVICE_OFFSETS.get(key)
     if kept is None:
-        pinned = cu.clone().pin_memory()
-        kept = _DEVICE_OFFSETS.put(key, (pinned.to(device, non_blocking=True), pinned))
+        kept = _DEVICE_OFFSETS.put(key, device_table(cu.clone(), device))  # a copy: the caller's tensor may change
     return kept[0]
 
 
@@ -339,13 +338,9 @@ def _in_place_plan(qs, ks, vs, first, md: Mode):
         cu[i + 1] = cu[i] + lens_q[i]
         cu[n + 2 + i] = cu[n + 1 + i] + lens_k[i]
     offsets = [x for row in zip(placed[0][2], placed[1][2], placed[2][2]) for x in row]  # int64 [n, 3]
-    # one host-to-device copy of both, asynchronous from pinned memory (not one that waits for the stream); the
-    # pinned source stays with the plan: a copy made while a CUDA graph is captured reads it at every replay
-    host = torch.cat([torch.tensor(cu, dtype=torch.int32).view(torch.uint8),
-                      torch.tensor(offsets, dtype=torch.int64).view(torch.uint8)])
-    if first.is_cuda:
-        host = host.pin_memory()
-    table = host.to(first.device, non_blocking=True)
+    # one host-to-device copy of both; the pinned source stays with the plan
+    table, host = device_table(torch.cat([torch.tensor(cu, dtype=torch.int32).view(torch.uint8),
+                                          torch.tensor(offsets, dtype=torch.int64).view(torch.uint8)]), first.device)
     cu_dev, off_dev = table[:4 * len(cu)].view(torch.int32), table[4 * len(cu):].view(torch.int64)
     bases = tuple(p[:2] for p in placed)
     return bases, (cu_dev[:n + 1], cu_dev[n + 1:2 * n + 2], off_dev), lens_q, lens_k, {}, order, host
