@@ -35,9 +35,12 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
-kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`); the consumers read them (64 floats per query tile, L2 hits)
-with plain loads issued before their products, one register per thread, spread over S^T's columns (through shared
-memory) only where used; not through the producer (a TMA row of them would need ``Nq`` to be a multiple of 4).
+kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`), 64 floats per query tile (L2 hits). At head dim 64 the producer
+warp loads them into the query tile's ring slot with plain loads (a TMA copy would need ``bh * Nq`` to be a
+multiple of 4) and arrives on the slot's barrier after them, and each consumer holds its K / V rows in registers as
+the left operands of S^T's and dP^T's wgmmas (a 64 x 64 x 16 wgmma reading both operands from shared memory takes
+all of its bandwidth); at 128 (where K / V in registers spill) each consumer loads the rows itself before its
+products and spreads them over S^T's columns through shared memory (:func:`get_config`).
 
 Mode ``tf32`` (:func:`tf32_backward`) runs the same kernel on FP16 copies of q, k, v, dO, each (batch, head) scaled
 by a power of two (:func:`_scaled_operands_kernel`; FP16 keeps TF32's 11 significant bits, the scales give it the
@@ -151,15 +154,22 @@ def get_config(head_dim: int) -> dict:
     dQ accumulators the key tiles take in turn (tile ``j`` adds into ``j % dq_accumulators``; the combine kernel
     sums them in index order), which divides each query tile's chain of ordered turns by that many.
 
+    ``producer_rows``: the producer warp also loads each query tile's lse and delta rows into the ring slot, from
+    which the consumers read the columns they need (else each consumer loads them and spreads them over S^T's
+    columns through shared memory, its own loads' latency and a barrier on its path); ``kv_in_registers``: each
+    consumer holds its K and V rows in registers as the left operands of S^T's and dP^T's wgmmas (else both
+    operands of those products come from shared memory; ignored by the split build).
+
     Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): a ring of four query tiles (two at D = 128, where more
-    do not fit in shared memory), two accumulators. The ordered turns, not the products, bound this kernel: a
-    turn passes from key tile ``j`` to ``j + 1`` every few microseconds (wait, reductions, release) against ~1.3 us
-    of products per tile; two accumulators and the TMA bulk reductions bring the backward to 410-420 TFLOP/s at
-    D = 64 and 510-520 at D = 128 (bf16, B=1 H=16 / 8 N=16384, H200)."""
+    do not fit in shared memory), two accumulators; at D = 64 the rows from the producer and K / V in registers
+    (together 5-7 % faster, apart neither; at D = 128 K / V in registers spill and the rows alone measured no
+    steady gain). Two accumulators and the TMA bulk reductions bring the backward to 410-420 TFLOP/s at D = 64
+    (440 with the two D = 64 options) and 510-520 at D = 128 (bf16, B=1 H=16 / 8 N=16384, H200)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "writer_regs": 32,
-            "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2}
+            "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2, "producer_rows": head_dim == 64,
+            "kv_in_registers": head_dim == 64}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
@@ -180,7 +190,8 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = Fa
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
     key tile is full (no key masking: two builds at most per head dim and dtype), ``HEAD_SCALES`` for mode tf32's
     and fp32's per-head scaled operands (:func:`tf32_backward`), ``PARTS`` 2 for fp32's split-FP16 products
-    (``split``, :func:`fp32_backward`; with head_scales only), else 1. Raises ValueError for a
+    (``split``, :func:`fp32_backward`; with head_scales only), else 1; ``PRODUCER_ROWS`` and ``KV_IN_REGS`` from
+    the config's ``producer_rows`` and ``kv_in_registers`` (the latter never with ``split``). Raises ValueError for a
     ``dq_accumulators`` outside 1 .. :data:`MAX_DQ_ACCUMULATORS` or a ``dq_ring`` smaller than the
     :data:`DQ_WRITERS` writers' tiles in flight (the ring's phase waits are exact only then, see ``_dq_writer``)."""
     accs, ring = cfg["dq_accumulators"], cfg["dq_ring"]
@@ -190,7 +201,8 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = Fa
         raise ValueError(f"dq_ring {ring!r} < {DQ_WRITERS}: the ring holds a query tile per dQ writer")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0, WRITER_REGS=cfg["writer_regs"],
-                DQ_RING=ring, DQ_ACCS=accs, HEAD_SCALES=bool(head_scales or split), PARTS=2 if split else 1)
+                DQ_RING=ring, DQ_ACCS=accs, HEAD_SCALES=bool(head_scales or split), PARTS=2 if split else 1,
+                PRODUCER_ROWS=cfg["producer_rows"], KV_IN_REGS=cfg["kv_in_registers"] and not split)
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -222,14 +234,17 @@ if _IMPORT_ERROR is None:
         return pid % n_kt, bh, bh // H, bh % H
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq, Nk,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr,
-                  HEAD_D: gl.constexpr, PARTS: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem, lse_smem,
+                  delta_smem, kv_bar, ready, empty, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, CONS: gl.constexpr, HEAD_D: gl.constexpr, PARTS: gl.constexpr,
+                  PRODUCER_ROWS: gl.constexpr):
         # one warp: K_j, V_j (one 64-row half per consumer) once, then Q_i, dO_i into ring slot i % STAGES once
         # both consumers freed it; PARTS = 2 (split-FP16): each tile's hi and lo parts, columns [0, HEAD_D) and
-        # [HEAD_D, 2 HEAD_D) of its tensor, into consecutive buffers
+        # [HEAD_D, 2 HEAD_D) of its tensor, into consecutive buffers; PRODUCER_ROWS: the tile's lse and delta rows too
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         HALF: gl.constexpr = BLOCK_N // CONS
+        row_base = bh * Nq
+        offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         mbarrier.expect(kv_bar, CONS * PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for w in gl.static_range(CONS):
             for part in gl.static_range(PARTS):
@@ -241,12 +256,24 @@ if _IMPORT_ERROR is None:
             slot = i % STAGES
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             tma_load_parts(q_desc, do_desc, off_b, off_h, i * BLOCK_M, ready.index(slot), q_smem, do_smem, slot, PARTS)
+            if PRODUCER_ROWS:
+                # plain loads (a row's offset bh * Nq + i * BLOCK_M need not be 16-byte aligned, as a TMA copy's
+                # must; this warp runs STAGES tiles ahead, so their latency is off the consumers' path), the slot's
+                # second arrival
+                rows = i * BLOCK_M + offs_row
+                lse = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
+                delta = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+                lse_smem.index(slot).store(lse)
+                delta_smem.index(slot).store(delta)
+                _cta_barrier()  # every lane's rows are in shared memory before the arrival
+                mbarrier.arrive(ready.index(slot))
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full, dq_empty,
-                  LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, WG: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                  CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr):
+    def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
+                  ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale,
+                  WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                  STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr,
+                  PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, KV_IN_REGS: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile.
         # PARTS = 2 (mode fp32): every product of split-FP16 operands, three wgmmas; operands' hi / lo parts in
         # consecutive shared buffers, P^T scaled by 2^P_SPLIT_EXP before its split (P^T's lo part would fall into
@@ -297,16 +324,24 @@ if _IMPORT_ERROR is None:
         v_w = v_smem.index(WG * PARTS).reshape([HALF, HEAD_D])
         v_wl = v_smem.index(WG * PARTS + LO).reshape([HALF, HEAD_D])
         mbarrier.wait(kv_bar, 0)
+        if KV_IN_REGS:
+            # K_w and V_w as the register operands of S^T's and dP^T's wgmmas: each product then reads only Q^T /
+            # dO^T from shared memory (a 64 x 64 x 16 wgmma reading both operands takes all of its bandwidth)
+            kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
+            k_w = k_w.load(kv_op)
+            v_w = v_w.load(kv_op)
         for i in range(n_m):
             slot = i % STAGES
-            # the row data first: their latency runs under the ring wait and the products (in a compact layout,
-            # one register each: spread over S^T's columns only where used, through shared memory, so they hold
-            # no 16 registers per thread each across the products)
-            rows = i * BLOCK_M + offs_row
-            lse_c = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
-            delta_c = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
-            if HEAD_SCALES:
-                delta_c = delta_c * delta_mult
+            # without PRODUCER_ROWS the row data first: their latency runs under the ring wait and the products (in
+            # a compact layout, one register each: spread over S^T's columns only where used, through shared memory,
+            # so they hold no 16 registers per thread each across the products); with it, the slot holds them and
+            # each thread reads the columns it needs when it needs them
+            if not PRODUCER_ROWS:
+                rows = i * BLOCK_M + offs_row
+                lse_c = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
+                delta_c = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
+                if HEAD_SCALES:
+                    delta_c = delta_c * delta_mult
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q_t = q_smem.index(slot * PARTS).reshape([BLOCK_M, HEAD_D])
             q_l = q_smem.index(slot * PARTS + LO).reshape([BLOCK_M, HEAD_D])
@@ -315,7 +350,10 @@ if _IMPORT_ERROR is None:
             s_tok = split_mma(k_w, k_wl, q_t.permute((1, 0)), q_l.permute((1, 0)), st_zero, False, PARTS)
             dp_tok = split_mma(v_w, v_wl, do_t.permute((1, 0)), do_l.permute((1, 0)), st_zero, False, PARTS)
             s = warpgroup_mma_wait(NMMA, deps=[s_tok])
-            lse2 = gl.convert_layout(lse_c, gl.SliceLayout(0, st_layout)) * 1.4426950408889634
+            if PRODUCER_ROWS:
+                lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, st_layout)) * 1.4426950408889634
+            else:
+                lse2 = gl.convert_layout(lse_c, gl.SliceLayout(0, st_layout)) * 1.4426950408889634
             p = gl.exp2(s * qk_scale - lse2[None, :])
             if not EVEN_N:  # keys past Nk (zero rows of K) must not carry P: exp2(-lse) may be huge
                 p = gl.where(key_ok[:, None], p, 0.0)
@@ -325,7 +363,12 @@ if _IMPORT_ERROR is None:
                 # fewer bits than FP32's round-to-nearest: over hundreds of query tiles dK and dV would leave fp32's
                 # bound); dK's dS^T operands from shared memory (in registers beside dV's they spill)
                 dp = warpgroup_mma_wait(0, deps=[dp_tok])
-                delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
+                if PRODUCER_ROWS:
+                    delta = delta_smem.index(slot).load(gl.SliceLayout(0, st_layout))
+                    if HEAD_SCALES:
+                        delta = delta * delta_mult
+                else:
+                    delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
                 ds16, ds16l = split_parts(p * (dp - delta[None, :]), dtype, DS_LO_SCALE)
                 p16, p16l = split_parts(p * P_SPLIT_SCALE, dtype, 1.0)
                 dv_tok = split_mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_t,
@@ -366,7 +409,12 @@ if _IMPORT_ERROR is None:
                 p16 = gl.convert_layout(p.to(dtype), op_layout)
                 dv_tok = warpgroup_mma(p16, do_t, dv, is_async=True)
                 dp = warpgroup_mma_wait(1, deps=[dp_tok])
-                delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
+                if PRODUCER_ROWS:
+                    delta = delta_smem.index(slot).load(gl.SliceLayout(0, st_layout))
+                    if HEAD_SCALES:
+                        delta = delta * delta_mult
+                else:
+                    delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
                 ds16 = (p * (dp - delta[None, :])).to(dtype)
                 # dS^T of this consumer's keys into its slot of the double buffer (both consumers passed the previous
                 # use of this slot: each arrives on ds_bar only after its dQ product of the tile before retired)
@@ -454,7 +502,8 @@ if _IMPORT_ERROR is None:
                          Nk, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
                          WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr,
-                         HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr):
+                         HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr,
+                         KV_IN_REGS: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; dqacc_desc: the FP32 dQ
         # accumulators [DQ_ACCS * B * H, Nq, D], zeroed; Sem: int32 counters (ordered_buffer_sizes), zeroed.
@@ -471,6 +520,10 @@ if _IMPORT_ERROR is None:
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        # each slot's lse and delta rows (PRODUCER_ROWS), which the consumers read as broadcast vectors
+        rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows_layout)
+        delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows_layout)
         # dS^T of both consumers, double-buffered
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // CONS, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2 * CONS * PARTS, BLOCK_N // CONS, BLOCK_M], ds_layout)
@@ -487,20 +540,24 @@ if _IMPORT_ERROR is None:
             mbarrier.init(dq_full.index(s), count=CONS)  # both consumers' dQ halves are in
             mbarrier.init(dq_empty.index(s), count=1)  # the writer is done with the slot
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
+            # the TMA loads' expect-arrival (and the producer's after the row data)
+            mbarrier.init(ready.index(s), count=2 if PRODUCER_ROWS else 1)
             mbarrier.init(empty.index(s), count=CONS)  # both consumers release a slot
         # two consumer warpgroups, the producer warp and DQ_WRITERS = 2 one-warp dQ writers (sharing the producer's
         # warpgroup); a partition list's tuples stay literal: the Gluon frontend turns the constexpr members of an
         # assigned tuple into tensors
         gl.warp_specialize([
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, 0, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, kv_bar, ready, empty, ds_bar, dq_full,
-                         dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale, 1, BLOCK_M, BLOCK_N,
-                         HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS)),
-            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, H, Nq,
-                         Nk, BLOCK_M, BLOCK_N, STAGES, CONS, HEAD_D, PARTS)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
+                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale,
+                         0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS, PRODUCER_ROWS,
+                         KV_IN_REGS)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
+                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale,
+                         1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS, PRODUCER_ROWS,
+                         KV_IN_REGS)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem,
+                         lse_smem, delta_smem, kv_bar, ready, empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CONS, HEAD_D,
+                         PARTS, PRODUCER_ROWS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 0,
                           2, DQ_ACCS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 1,
@@ -932,10 +989,11 @@ FP32_HEAD_DIMS = (64,)
 def fp32_config(head_dim: int) -> dict:
     """:func:`get_config` for mode fp32 (split-FP16, head dim 64): one dQ accumulator (the FP32 dQ itself) and a dQ
     hand-off ring of two query tiles, since the hi and lo parts of K, V, the Q / dO ring and dS^T fill the rest of
-    shared memory."""
+    shared memory; the consumers load their own row data and read K / V from shared memory (the options measured for
+    the half builds only)."""
     if head_dim not in FP32_HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the split-FP16 Gluon backward takes {FP32_HEAD_DIMS}")
-    return dict(get_config(head_dim), dq_accumulators=1, dq_ring=2)
+    return dict(get_config(head_dim), dq_accumulators=1, dq_ring=2, producer_rows=False, kv_in_registers=False)
 
 
 def fp32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:

@@ -88,10 +88,17 @@ def test_host_helpers():
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_D"] == d
         # mode tf32: one accumulator (the FP32 dQ itself), the HEAD_SCALES build
         assert half_gluon_bwd.tf32_config(d) == dict(cfg, dq_accumulators=1)
+        # head dim 64: the producer loads the row data, K / V in registers; never in the split build (mode fp32)
+        assert cfg["producer_rows"] == cfg["kv_in_registers"] == (d == 64)
+        flags = half_gluon_bwd.kernel_constexprs(cfg, d, 1000)
+        assert flags["PRODUCER_ROWS"] == flags["KV_IN_REGS"] == (d == 64)
+        assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True, split=True)["KV_IN_REGS"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True)["HEAD_SCALES"]
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_SCALES"]
     with pytest.raises(ValueError, match="head dim 96"):
         half_gluon_bwd.get_config(96)
+    fp32 = half_gluon_bwd.fp32_config(64)
+    assert not fp32["producer_rows"] and not fp32["kv_in_registers"]
 
 
 def test_grad_out_copies_are_tma_legal():
@@ -165,7 +172,8 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
         "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
         "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
         "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir,
-        "fresh": len(re.findall(r"ttng\.warp_group_dot [^,]+, [^,]+, [^,]+, %false(_[0-9]+)? ", r.ttgir))}
+        "fresh": len(re.findall(r"ttng\.warp_group_dot [^,]+, [^,]+, [^,]+, %false(_[0-9]+)? ", r.ttgir)),
+        "register_lhs": len(re.findall(r"ttng\.warp_group_dot .*isAsync = true} : tensor<", r.ttgir))}
 print(json.dumps(out))
 """
 
@@ -194,6 +202,10 @@ def test_compiles_for_hopper():
         # product chains started on a zero accumulator, per consumer: S^T, dP^T and the dQ share; the split build
         # also each query tile's dV, dK and dS's lo terms of dK and dQ apart (not summed in the wgmma accumulator)
         assert v["fresh"] == 2 * (7 if key.endswith("split") else 3), (key, v)
+        # left operands from registers, per consumer: P^T (dV) and dS^T (dK); at head dim 64 also K_w (S^T) and V_w
+        # (dP^T) (kv_in_registers); the split build's three dV wgmmas (its dK reads dS^T from shared memory)
+        want = 3 if key.endswith("split") else 4 if key.startswith("64-") else 2
+        assert v["register_lhs"] == 2 * want, (key, v)
         if key.startswith("64-"):
             assert v["local"] <= 32 * 2, (key, v)
 
@@ -241,6 +253,35 @@ def test_gradients_match_float64_and_are_reproducible(shape, dtype):
 def _needs_hopper():
     if half_gluon_bwd._IMPORT_ERROR is not None or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a compute capability 9.x GPU and Gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 3, 777, 1300), (1, 2, 1000, 1000), (1, 3, 130, 4100)])
+def test_row_data_and_register_operands_change_no_bit(shape):
+    """The head-dim-64 options (the producer loading lse / delta into the ring slot; K / V as register operands)
+    move data, not arithmetic: fp16 / bf16 and tf32 gradients bit-identical with and without them, also where a
+    head's rows start at offsets that are not multiples of 4 floats (B * H > 1, Nq = 777) and with one query tile
+    against many keys."""
+    _needs_hopper()
+    B, H, Nq, Nk = shape
+    torch.manual_seed(0)
+    q, do = (torch.randn(B, H, Nq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, H, Nk, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out64, lse64, _ = _reference(q, k, v, do, 0.125)
+    out, lse = out64.to(q.dtype), lse64.float()
+    base = half_gluon_bwd.get_config(64)
+    assert base["producer_rows"] and base["kv_in_registers"]
+    for opts in ({}, {"producer_rows": False}, {"kv_in_registers": False}):
+        plain = dict(base, producer_rows=False, kv_in_registers=False)
+        got = half_gluon_bwd.half_backward(q, k, v, out, do, lse, 0.125, config=dict(base, **opts))
+        want = half_gluon_bwd.half_backward(q, k, v, out, do, lse, 0.125, config=plain)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), opts
+    q32, k32, v32, do32, out32 = (t.float() for t in (q, k, v, do, out))
+    tf32 = half_gluon_bwd.tf32_config(64)
+    got = half_gluon_bwd.tf32_backward(q32, k32, v32, out32, do32, lse, 0.125)
+    want = half_gluon_bwd.tf32_backward(q32, k32, v32, out32, do32, lse, 0.125,
+                                        config=dict(tf32, producer_rows=False, kv_in_registers=False))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.gpu
