@@ -477,6 +477,48 @@ def _draw_gqa(rng: random.Random, spec: dict) -> None:
         spec["Hkv"] = spec["H"] // rng.choice(divisors)
 
 
+# share of the dense fwd+bwd cases, in a mode that has a Hopper Gluon backward, redrawn into that kernel's scope
+# (``profile`` full only; a stream of its own, so every other case is drawn as without it): head dim 64 / 128 for
+# q, k and v, both lengths from the length where the backward plans take the Gluon kernel, no bias / mask / causal,
+# equal heads, layouts whose strides TMA takes. The rest of the draws land there rarely (one run of 459 dense
+# cases drew 88 long-sequence fwd+bwd cases, none of them in that scope)
+GLUON_BACKWARD_SHARE = 0.25
+# per mode: head dim -> the least length (queries and keys) at which the backward plans run the Gluon kernel for
+# one or two heads on an H200 (half_gluon_bwd.preferred, tf32_preferred, fp32_preferred; a CPU test checks them)
+GLUON_BACKWARD_SCOPE = {"fp16": {64: 2048, 128: 2048}, "bf16": {64: 2048, 128: 2048}, "tf32": {64: 4096, 128: 1024},
+                        "fp32": {64: 1024}}
+# the Gluon-scope cases' work cap, times the profile's: their lengths are fixed by the scope, so B * H cannot
+# shrink them under it (their oracle and tensors stay within elem_cap and tensor_cap)
+GLUON_WORK_ALLOWANCE = 4
+
+
+def _draw_gluon_backward(rng: random.Random, prof: Profile, spec: dict) -> None:
+    """Redraw a dense fwd+bwd case (:data:`GLUON_BACKWARD_SHARE` of those in a :data:`GLUON_BACKWARD_SCOPE` mode)
+    into the Gluon backward's scope: lengths at the scope's least length, or one to two tiles past it (a cut last
+    key / query tile), B = 1 and one or two heads within the oracle caps."""
+    scope = GLUON_BACKWARD_SCOPE.get(spec["mode"])
+    if not scope or prof.name != "full" or not spec["grad"] or rng.random() >= GLUON_BACKWARD_SHARE:
+        return
+    d = rng.choice(sorted(scope))
+    low = scope[d]
+    nq = low + rng.choice((0, 1, 63, 129))
+    self_attn = rng.random() < 0.5
+    nk = nq if self_attn else low + rng.choice((0, 1, 64, 127))
+    h = 2 if rng.random() < 0.5 else 1
+    while h > 1 and (h * nq * nk > prof.elem_cap or h * max(nq, nk) * d > prof.tensor_cap
+                     or h * nq * nk * d > GLUON_WORK_ALLOWANCE * prof.work_cap):
+        h -= 1
+    spec.pop("Hkv", None)
+    spec.update(B=1, H=h, Nq=nq, Nk=nk, D=d, Dv=d, skeleton=None, bias=None, mask=None, causal=False,
+                dtype=str(get_mode(spec["mode"]).compute_dtype).removeprefix("torch."), needs=["q", "k", "v"],
+                gluon_backward=True)
+    if self_attn and rng.random() < 0.3:
+        spec["layouts"] = "packed"  # timm's qkv.unbind views: TMA-legal strides
+    else:
+        spec["layouts"] = {name: rng.choice(("contiguous", "contiguous", "transposed")) for name in ("q", "k", "v")}
+    spec["grad_out"] = _draw_grad_out(rng, h * nq * d, spec["dtype"])
+
+
 def draw_case(seed: int, index: int, profile: str) -> dict:
     """The case ``seed:index`` of ``profile``: a JSON-serialisable description, drawn by its own
     ``random.Random(f"{seed}:{index}")`` (nothing else changes it). Its family, mode and lengths come from that
@@ -513,6 +555,8 @@ def draw_case(seed: int, index: int, profile: str) -> dict:
             spec["refusal_words"] = "no varlen path"
     if family in ("dense", "split-kv") and spec["layouts"] != "packed":
         _draw_gqa(random.Random(f"{seed}:{index}:gqa"), spec)
+    if family == "dense":
+        _draw_gluon_backward(random.Random(f"{seed}:{index}:gluon-backward"), prof, spec)
     # (the window calls cast inside their kernel and document no such refusal)
     if (mode in ("fp16", "pasa") and spec["dtype"] in ("float32", "float64") and rng.random() < 0.1
             and not spec["expect_refusal"] and family not in ("window", "window-qkvpacked")):
@@ -527,6 +571,7 @@ def describe(spec: dict) -> str:
     """One line naming everything a case draws."""
     parts = [spec["family"], spec["mode"], "fwd+bwd" if spec["grad"] else "fwd",
              f"skeleton{spec['skeleton']}" if spec.get("skeleton") is not None else "",
+             "gluon-backward-scope" if spec.get("gluon_backward") else "",
              f"B={spec['B']} H={spec['H']}" + (f" Hkv={spec['Hkv']}" if "Hkv" in spec else "")
              + f" Nq={spec['Nq']} Nk={spec['Nk']} D={spec['D']} Dv={spec['Dv']}",
              f"in={spec['dtype']}"]
