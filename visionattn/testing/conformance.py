@@ -28,6 +28,9 @@ product B * H * Nq * Nk * max(D, Dv), the oracle's B * H * Nq * Nk and the large
 max(D, Dv) capped (see :data:`PROFILES`: one case of ``full`` peaks at about 3 GiB, measured on the CPU, so a
 dozen worker processes fit on one GPU; the caps do not depend on how many share it, so an id is the same case
 whatever ran it).
+A quarter of the dense fwd+bwd cases in the modes with a Hopper Gluon backward are drawn into that kernel's scope
+(:data:`GLUON_BACKWARD_SCOPE`: lengths from where the backward plans take it, head dim 64 / 128, nothing else that
+would keep them on the Triton kernels), with a larger work cap (:data:`GLUON_WORK_ALLOWANCE`).
 Layouts of q / k / v, bias, mask and the output gradient: contiguous, transposed ([B, N, H, D] memory), D-major,
 sliced from a larger tensor, strided last dim, stride-0 expanded (batch or heads), misaligned (data pointer off
 16 bytes), timm's ``qkv.unbind`` views; bias / mask broadcast patterns [Nq, Nk], [H, Nq, Nk], [B, 1, Nq, Nk],
@@ -480,8 +483,8 @@ def _draw_gqa(rng: random.Random, spec: dict) -> None:
 # share of the dense fwd+bwd cases, in a mode that has a Hopper Gluon backward, redrawn into that kernel's scope
 # (``profile`` full only; a stream of its own, so every other case is drawn as without it): head dim 64 / 128 for
 # q, k and v, both lengths from the length where the backward plans take the Gluon kernel, no bias / mask / causal,
-# equal heads, layouts whose strides TMA takes. The rest of the draws land there rarely (one run of 459 dense
-# cases drew 88 long-sequence fwd+bwd cases, none of them in that scope)
+# equal heads, layouts whose strides TMA takes. The other draws land there rarely: a long sequence seldom comes
+# with a head dim of 64 / 128, no bias, mask, causal flag or grouped heads and such layouts all at once
 GLUON_BACKWARD_SHARE = 0.25
 # per mode: head dim -> the least length (queries and keys) at which the backward plans run the Gluon kernel for
 # one or two heads on an H200 (half_gluon_bwd.preferred, tf32_preferred, fp32_preferred; a CPU test checks them)
