@@ -269,6 +269,20 @@ if _IMPORT_ERROR is None:
                 mbarrier.arrive(ready.index(slot))
 
     @gluon.jit
+    def _delta_columns(delta_smem, slot, delta_c, delta_mult, cols: gl.constexpr, PRODUCER_ROWS: gl.constexpr,
+                       HEAD_SCALES: gl.constexpr):
+        # delta over S^T's columns (layout ``cols``): from ring slot ``slot`` of the producer's rows (times the
+        # head's multiplier with HEAD_SCALES), else the consumer's own compact load ``delta_c`` (already scaled)
+        # spread over the columns
+        if PRODUCER_ROWS:
+            delta = delta_smem.index(slot).load(cols)
+            if HEAD_SCALES:
+                delta = delta * delta_mult
+        else:
+            delta = gl.convert_layout(delta_c, cols)
+        return delta
+
+    @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
                   ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
@@ -336,6 +350,7 @@ if _IMPORT_ERROR is None:
             # a compact layout, one register each: spread over S^T's columns only where used, through shared memory,
             # so they hold no 16 registers per thread each across the products); with it, the slot holds them and
             # each thread reads the columns it needs when it needs them
+            delta_c = None  # (PRODUCER_ROWS: not loaded here)
             if not PRODUCER_ROWS:
                 rows = i * BLOCK_M + offs_row
                 lse_c = gl.load(LseRow + row_base + rows, mask=rows < Nq, other=float("inf"))
@@ -363,12 +378,8 @@ if _IMPORT_ERROR is None:
                 # fewer bits than FP32's round-to-nearest: over hundreds of query tiles dK and dV would leave fp32's
                 # bound); dK's dS^T operands from shared memory (in registers beside dV's they spill)
                 dp = warpgroup_mma_wait(0, deps=[dp_tok])
-                if PRODUCER_ROWS:
-                    delta = delta_smem.index(slot).load(gl.SliceLayout(0, st_layout))
-                    if HEAD_SCALES:
-                        delta = delta * delta_mult
-                else:
-                    delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
+                delta = _delta_columns(delta_smem, slot, delta_c, delta_mult, gl.SliceLayout(0, st_layout),
+                                       PRODUCER_ROWS, HEAD_SCALES)
                 ds16, ds16l = split_parts(p * (dp - delta[None, :]), dtype, DS_LO_SCALE)
                 p16, p16l = split_parts(p * P_SPLIT_SCALE, dtype, 1.0)
                 dv_tok = split_mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_t,
@@ -409,12 +420,8 @@ if _IMPORT_ERROR is None:
                 p16 = gl.convert_layout(p.to(dtype), op_layout)
                 dv_tok = warpgroup_mma(p16, do_t, dv, is_async=True)
                 dp = warpgroup_mma_wait(1, deps=[dp_tok])
-                if PRODUCER_ROWS:
-                    delta = delta_smem.index(slot).load(gl.SliceLayout(0, st_layout))
-                    if HEAD_SCALES:
-                        delta = delta * delta_mult
-                else:
-                    delta = gl.convert_layout(delta_c, gl.SliceLayout(0, st_layout))
+                delta = _delta_columns(delta_smem, slot, delta_c, delta_mult, gl.SliceLayout(0, st_layout),
+                                       PRODUCER_ROWS, HEAD_SCALES)
                 ds16 = (p * (dp - delta[None, :])).to(dtype)
                 # dS^T of this consumer's keys into its slot of the double buffer (both consumers passed the previous
                 # use of this slot: each arrives on ds_bar only after its dQ product of the tile before retired)
