@@ -335,9 +335,14 @@ def _draw_grad_out(rng: random.Random, numel: int, out_dtype: str, listed: bool 
     return {"kind": kind}
 
 
+def _compute_dtype(mode: str) -> str:
+    """The name of the mode's compute dtype, as a case spec holds dtypes (``"float16"``)."""
+    return str(get_mode(mode).compute_dtype).removeprefix("torch.")
+
+
 def _dtype_for(rng: random.Random, mode: str) -> str:
     """The input dtype: the mode's compute dtype mostly, sometimes FP32 into a half mode or FP64 (cast paths)."""
-    compute = str(get_mode(mode).compute_dtype).removeprefix("torch.")
+    compute = _compute_dtype(mode)
     r = rng.random()
     if r < 0.8:
         return compute
@@ -513,7 +518,7 @@ def _draw_gluon_backward(rng: random.Random, prof: Profile, spec: dict) -> None:
         h -= 1
     spec.pop("Hkv", None)
     spec.update(B=1, H=h, Nq=nq, Nk=nk, D=d, Dv=d, skeleton=None, bias=None, mask=None, causal=False,
-                dtype=str(get_mode(spec["mode"]).compute_dtype).removeprefix("torch."), needs=["q", "k", "v"],
+                dtype=_compute_dtype(spec["mode"]), needs=["q", "k", "v"],
                 gluon_backward=True)
     if self_attn and rng.random() < 0.3:
         spec["layouts"] = "packed"  # timm's qkv.unbind views: TMA-legal strides
