@@ -20,18 +20,24 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   through shared memory;
 * **dQ writers** (FlashAttention-3's dQ writer): the consumers store their FP32 dQ halves (scaled) into a
   shared-memory ring of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; two
-  one-warp writer partitions (sharing the producer's warpgroup; query tile ``i`` is writer ``i % 2``'s, so two
-  tiles' turns are in flight) wait for both halves of a tile, then for its turn, add each half into an FP32
+  one-warp writer partitions (sharing the producer's warpgroup; a program's step ``t`` is writer ``t % 2``'s, so
+  two tiles' turns are in flight) wait for both halves of a tile, then for its turn, add each half into an FP32
   accumulator as one TMA bulk reduction (``cp.reduce.async.bulk.tensor``, ``add``) issued by one thread, wait
   for the reductions to complete (not only to read shared memory), free the slot and pass the turn on;
 * **deterministic dQ**: each FP32 accumulator gets each query tile's shares in a fixed order, as in
   :mod:`.elsa_bwd`'s single pass: an int32 counter per (accumulator, batch * head, query tile) says how many
-  shares were added, and the writer of key tile ``j`` waits until it reads ``j``'s turn. With
-  ``dq_accumulators = A`` key tile ``j`` adds into accumulator ``j % A`` as its ``j // A``-th turn, so every chain
-  of turns is ``A`` times shorter (the turns' latency, not the products, bound the kernel), and
-  :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype. The order, not the
-  timing, fixes every sum: dQ is bit-for-bit reproducible. Key tile ``j`` waits only on key tile ``j - A`` of its
-  head (a lower program id), so the waits end as long as programs start in id order;
+  shares were added, and the writer of key tile ``j`` waits until it reads ``j``'s turn. With ``A``
+  accumulators key tile ``j`` adds into accumulator ``j % A`` (a chain of turns ``A`` times shorter), and
+  :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype. The order, a function
+  of the shape alone, not the timing, fixes every sum: dQ is bit-for-bit reproducible;
+* **rotated sweeps** (:func:`rotation_step`): where a head's key tiles fit in one wave, the key tile of turn
+  ``p`` in its chain sweeps the query tiles from tile ``-p * ROT`` on, and each query tile's turns follow the
+  order in which the chain reaches it (:func:`query_order`): the chain's key tiles, started together, work on
+  tiles ``ROT`` apart and their writers find their turns come, where sweeping in one order they would pass each
+  query tile one after another, the chain starting skewed by its length times a turn's latency (10-13 % of the
+  kernel's time with 256-512 programs; one accumulator then suffices, :func:`dq_schedule`). Every wait is on a
+  share that comes at an earlier step of a program of the same head, so the waits end as long as programs start
+  in id order; without rotation key tile ``j`` waits on key tile ``j - A`` (a lower program id);
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
@@ -64,7 +70,7 @@ import triton.language as tl
 
 from . import elsa_bwd
 from ._gluon import hopper_copies_scope_reason, hopper_tma_scope_reason, nvmma_layout, strides_aligned
-from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
+from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks, sm_count
 from .scaled_fp16 import P_SPLIT_EXP, SHIFT_LIMIT, head_shift, scaled_rows
 from .split16 import pow2
 
@@ -102,12 +108,12 @@ except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on th
     _IMPORT_ERROR = f"Gluon Hopper API unavailable in this Triton ({exc})"
 
 __all__ = ["half_backward", "planned_launch", "preferred", "unsupported_reason", "get_config", "kernel_constexprs",
-           "descriptor_types", "ordered_buffer_sizes", "grid_size", "combine_accumulators", "tma_copy", "HEAD_DIMS",
-           "MIN_KEYS", "tf32_backward", "tf32_config", "tf32_planned_launch", "tf32_preferred",
-           "fp32_preferred", "fp32_backward", "fp32_config", "fp32_planned_launch", "fp32_unsupported_reason",
-           "scaled_operands", "FP32_HEAD_DIMS", "P_SPLIT_EXP", "DS_LO_EXP", "FP32_MIN_WAVES", "FP32_LONG",
-           "tf32_unsupported_reason", "TF32_MIN_WAVES", "TF32_MIN_QUERIES", "TF32_LONG", "TF32_LONG_D128",
-           "TF32_SCALE_EXPONENTS", "TF32_SHIFT_LIMIT"]
+           "rotation_step", "dq_schedule", "query_order", "descriptor_types", "ordered_buffer_sizes", "grid_size",
+           "combine_accumulators", "tma_copy", "HEAD_DIMS", "MIN_KEYS", "tf32_backward", "tf32_config",
+           "tf32_planned_launch", "tf32_preferred", "fp32_preferred", "fp32_backward", "fp32_config",
+           "fp32_planned_launch", "fp32_unsupported_reason", "scaled_operands", "FP32_HEAD_DIMS", "P_SPLIT_EXP",
+           "DS_LO_EXP", "FP32_MIN_WAVES", "FP32_LONG", "tf32_unsupported_reason", "TF32_MIN_WAVES", "TF32_MIN_QUERIES",
+           "TF32_LONG", "TF32_LONG_D128", "TF32_SCALE_EXPONENTS", "TF32_SHIFT_LIMIT"]
 
 HEAD_DIMS = (64, 128)
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -158,24 +164,81 @@ def get_config(head_dim: int) -> dict:
     which the consumers read the columns they need (else each consumer loads them and spreads them over S^T's
     columns through shared memory, its own loads' latency and a barrier on its path); ``kv_in_registers``: each
     consumer holds its K and V rows in registers as the left operands of S^T's and dP^T's wgmmas (else both
-    operands of those products come from shared memory; ignored by the split build).
+    operands of those products come from shared memory; ignored by the split build); ``rotate``: each key tile
+    sweeps the query tiles from its own starting tile (:func:`rotation_step`), else every key tile from the first;
+    ``rotated_dq_accumulators``: the accumulators of a call whose sweeps rotate with that many (:func:`dq_schedule`;
+    ``dq_accumulators`` is then the count of the calls whose sweeps do not).
 
     Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): a ring of four query tiles (two at D = 128, where more
-    do not fit in shared memory), two accumulators; at D = 64 the rows from the producer and K / V in registers
-    (together 5-7 % faster, apart neither; at D = 128 K / V in registers spill and the rows alone measured no
-    steady gain). Two accumulators and the TMA bulk reductions bring the backward to 410-420 TFLOP/s at D = 64
-    (440 with the two D = 64 options) and 510-520 at D = 128 (bf16, B=1 H=16 / 8 N=16384, H200)."""
+    do not fit in shared memory), rotated sweeps with one accumulator (the turns then do not wait; a second one only
+    adds its zeroing and its read in the combine), two accumulators where the sweeps do not rotate; at D = 64 the
+    rows from the producer and K / V in registers (together 5-7 % faster, apart neither; at D = 128 K / V in
+    registers spill and the rows alone measured no steady gain). Two accumulators and the TMA bulk reductions bring
+    the backward to 410-420 TFLOP/s at D = 64 (440 with the two D = 64 options) and 510-520 at D = 128 (bf16, B=1
+    H=16 / 8 N=16384, H200)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "writer_regs": 32,
             "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2, "producer_rows": head_dim == 64,
-            "kv_in_registers": head_dim == 64}
+            "kv_in_registers": head_dim == 64, "rotate": True, "rotated_dq_accumulators": 1}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
     """Programs of a call: one per (key tile, head, batch), the key tiles of a head consecutive (the ordered dQ
     adds of key tile ``j`` wait on key tile ``j - dq_accumulators``, a lower program id)."""
     return cdiv(n_k, cfg["BLOCK_N"]) * B * H
+
+
+def rotation_step(n_q: int, n_k: int, cfg: dict, sms: int) -> int:
+    """The kernel's ``ROT``: how many query tiles apart the key tiles of one accumulator's chain start their sweeps
+    (0: all from the first query tile). Key tile ``j``, turn ``p = j // dq_accumulators`` of its chain, sweeps
+    the query tiles from tile ``-p * ROT`` (mod the query tiles): the tiles of a chain, started together (one wave),
+    then reach each query tile ``ROT`` steps apart, and each query tile takes their dQ shares in that order
+    (:func:`query_order`), so a tile's writer finds its turn come instead of waiting for the chain's tiles before
+    it to pass the same query tile one after another (a wave's chain then starts skewed by its length times a
+    turn's latency). ``ROT = n_q_tiles // chain`` (the chain's starts spread over the query tiles) where the
+    config's ``rotate`` is set, the chain has two or more tiles and a head's key tiles fit in one wave of ``sms``
+    programs: the chain's first tile waits at its last query tiles for the turns of its last tile (which reaches
+    them first), a program that may start only a wave later where the head's key tiles exceed a wave
+    (docs/tuning.md: Hopper fp16 / bf16 backward: rotated sweeps)."""
+    n_m, n_kt = cdiv(n_q, cfg["BLOCK_M"]), cdiv(n_k, cfg["BLOCK_N"])
+    chain = cdiv(n_kt, min(cfg["dq_accumulators"], n_kt))
+    if not cfg.get("rotate", False) or chain < 2 or n_kt > sms:
+        return 0
+    return n_m // chain
+
+
+def dq_schedule(n_q: int, n_k: int, cfg: dict, sms: int) -> tuple[int, int]:
+    """``(dq_accumulators, ROT)`` of a call of ``n_q`` query rows and ``n_k`` keys on a GPU of ``sms`` SMs: the
+    config's ``rotated_dq_accumulators`` where the sweeps rotate with that many (:func:`rotation_step` > 0), else
+    its ``dq_accumulators`` and their rotation (0 unless the chain is shorter but long enough); both capped at the
+    key tiles."""
+    n_kt = cdiv(n_k, cfg["BLOCK_N"])
+    rotated = min(cfg.get("rotated_dq_accumulators") or cfg["dq_accumulators"], n_kt)
+    rot = rotation_step(n_q, n_k, dict(cfg, dq_accumulators=rotated), sms)
+    if rot > 0:
+        return rotated, rot
+    accs = min(cfg["dq_accumulators"], n_kt)
+    return accs, rotation_step(n_q, n_k, dict(cfg, dq_accumulators=accs), sms)
+
+
+def query_order(n_q_tiles: int, n_k_tiles: int, accs: int, rot: int) -> tuple[list[list[int]], dict]:
+    """The kernel's schedule (``_query_tile``, ``_query_turn``) in Python, for tests: ``(sweeps, turns)``, where
+    ``sweeps[j]`` lists the query tiles key tile ``j`` visits, step by step, and ``turns[(a, i)]`` the key tiles
+    adding into accumulator ``a``'s query tile ``i``, in their turns' order (``rot`` from :func:`rotation_step`)."""
+    sweeps = [[(t + n_q_tiles - (j // accs * rot) % n_q_tiles) % n_q_tiles for t in range(n_q_tiles)]
+              for j in range(n_k_tiles)]
+    turns = {}
+    for a in range(min(accs, n_k_tiles)):
+        chain = range(a, n_k_tiles, accs)
+        n_p = len(chain)
+        for i in range(n_q_tiles):
+            p0 = min(-(-(n_q_tiles - i) // rot), n_p) if rot > 0 else n_p
+            order = [None] * n_p
+            for j in chain:
+                order[(j // accs - p0 + n_p) % n_p] = j
+            turns[(a, i)] = order
+    return sweeps, turns
 
 
 def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
@@ -234,13 +297,34 @@ if _IMPORT_ERROR is None:
         return pid % n_kt, bh, bh // H, bh % H
 
     @gluon.jit
+    def _query_tile(t, j, n_m, ROT, DQ_ACCS: gl.constexpr):
+        # the query tile of key tile j's step t: key tile j, turn p = j // DQ_ACCS of its accumulator's chain,
+        # starts at query tile -p * ROT (mod n_m), so that the tiles of a chain reach each query tile ROT steps
+        # apart, in the order of their turns there (query_order; ROT = 0: every key tile in index order)
+        p = j // DQ_ACCS
+        return (t + n_m - (p * ROT) % n_m) % n_m
+
+    @gluon.jit
+    def _query_turn(i, j, n_m, n_kt, ROT, DQ_ACCS: gl.constexpr):
+        # key tile j's turn at query tile i among the key tiles of its accumulator (j % DQ_ACCS): the order in which
+        # the rotated sweeps (_query_tile) reach tile i. The chain's turns p >= p0 reach it after wrapping past the
+        # last query tile, hence first: p0, ..., P - 1, 0, ..., p0 - 1 (query_order's rule)
+        p = j // DQ_ACCS
+        P = (n_kt - j % DQ_ACCS + DQ_ACCS - 1) // DQ_ACCS
+        p0 = P
+        if ROT > 0:
+            p0 = gl.minimum((n_m - i + ROT - 1) // ROT, P)
+        return (p - p0 + P) % P
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                  delta_smem, kv_bar, ready, empty, H, Nq, Nk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  delta_smem, kv_bar, ready, empty, H, Nq, Nk, ROT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CONS: gl.constexpr, HEAD_D: gl.constexpr, PARTS: gl.constexpr,
-                  PRODUCER_ROWS: gl.constexpr):
-        # one warp: K_j, V_j (one 64-row half per consumer) once, then Q_i, dO_i into ring slot i % STAGES once
-        # both consumers freed it; PARTS = 2 (split-FP16): each tile's hi and lo parts, columns [0, HEAD_D) and
-        # [HEAD_D, 2 HEAD_D) of its tensor, into consecutive buffers; PRODUCER_ROWS: the tile's lse and delta rows too
+                  PRODUCER_ROWS: gl.constexpr, DQ_ACCS: gl.constexpr):
+        # one warp: K_j, V_j (one 64-row half per consumer) once, then, step t, query tile i = _query_tile(t): Q_i,
+        # dO_i into ring slot t % STAGES once both consumers freed it; PARTS = 2 (split-FP16): each tile's hi and lo
+        # parts, columns [0, HEAD_D) and [HEAD_D, 2 HEAD_D) of its tensor, into consecutive buffers; PRODUCER_ROWS:
+        # the tile's lse and delta rows too
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         HALF: gl.constexpr = BLOCK_N // CONS
         row_base = bh * Nq
@@ -252,9 +336,11 @@ if _IMPORT_ERROR is None:
                                                 k_smem.index(w * PARTS + part))
                 tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
                                                 v_smem.index(w * PARTS + part))
-        for i in range(gl.cdiv(Nq, BLOCK_M)):
-            slot = i % STAGES
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        n_m = gl.cdiv(Nq, BLOCK_M)
+        for t in range(n_m):
+            i = _query_tile(t, j, n_m, ROT, DQ_ACCS)
+            slot = t % STAGES
+            mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
             tma_load_parts(q_desc, do_desc, off_b, off_h, i * BLOCK_M, ready.index(slot), q_smem, do_smem, slot, PARTS)
             if PRODUCER_ROWS:
                 # plain loads (a row's offset bh * Nq + i * BLOCK_M need not be 16-byte aligned, as a TMA copy's
@@ -284,11 +370,13 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-                  ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale,
+                  ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, ROT, qk_scale, scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr,
-                  PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, KV_IN_REGS: gl.constexpr):
-        # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile.
+                  PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, KV_IN_REGS: gl.constexpr,
+                  DQ_ACCS: gl.constexpr):
+        # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile (step t:
+        # tile _query_tile(t); the rings and barriers go by t).
         # PARTS = 2 (mode fp32): every product of split-FP16 operands, three wgmmas; operands' hi / lo parts in
         # consecutive shared buffers, P^T scaled by 2^P_SPLIT_EXP before its split (P^T's lo part would fall into
         # FP16's subnormals) and dV's multiplier undoes it; dS's lo part kept times 2^DS_LO_EXP (see the loop)
@@ -344,8 +432,9 @@ if _IMPORT_ERROR is None:
             kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
             k_w = k_w.load(kv_op)
             v_w = v_w.load(kv_op)
-        for i in range(n_m):
-            slot = i % STAGES
+        for t in range(n_m):
+            i = _query_tile(t, j, n_m, ROT, DQ_ACCS)
+            slot = t % STAGES
             # without PRODUCER_ROWS the row data first: their latency runs under the ring wait and the products (in
             # a compact layout, one register each: spread over S^T's columns only where used, through shared memory,
             # so they hold no 16 registers per thread each across the products); with it, the slot holds them and
@@ -357,7 +446,7 @@ if _IMPORT_ERROR is None:
                 delta_c = gl.load(Delta + row_base + rows, mask=rows < Nq, other=0.0)
                 if HEAD_SCALES:
                     delta_c = delta_c * delta_mult
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
             q_t = q_smem.index(slot * PARTS).reshape([BLOCK_M, HEAD_D])
             q_l = q_smem.index(slot * PARTS + LO).reshape([BLOCK_M, HEAD_D])
             do_t = do_smem.index(slot * PARTS).reshape([BLOCK_M, HEAD_D])
@@ -384,7 +473,7 @@ if _IMPORT_ERROR is None:
                 p16, p16l = split_parts(p * P_SPLIT_SCALE, dtype, 1.0)
                 dv_tok = split_mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_t,
                                    do_l, acc_zero, False, PARTS)
-                dslot = (i % 2) * CONS * PARTS
+                dslot = (t % 2) * CONS * PARTS
                 ds_smem.index(dslot + WG * PARTS).store(ds16)
                 ds_smem.index(dslot + WG * PARTS + 1).store(ds16l)
                 fence_async_shared()
@@ -396,8 +485,8 @@ if _IMPORT_ERROR is None:
                                           is_async=True)
                 dk_tok = warpgroup_mma(ds_w, q_l, acc_zero, use_acc=False, is_async=True)
                 dk_tok = warpgroup_mma(ds_w, q_t, dk_tok, is_async=True)
-                mbarrier.arrive(ds_bar.index(i % 2))
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                mbarrier.arrive(ds_bar.index(t % 2))
+                mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
                 # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
                 dq_lo_tok = dq_zero
                 for c in gl.static_range(CONS):
@@ -425,14 +514,14 @@ if _IMPORT_ERROR is None:
                 ds16 = (p * (dp - delta[None, :])).to(dtype)
                 # dS^T of this consumer's keys into its slot of the double buffer (both consumers passed the previous
                 # use of this slot: each arrives on ds_bar only after its dQ product of the tile before retired)
-                dslot = (i % 2) * CONS
+                dslot = (t % 2) * CONS
                 ds_smem.index(dslot + WG).store(ds16)
                 dk_tok = warpgroup_mma(gl.convert_layout(ds16, op_layout), q_t, dk, is_async=True)
                 dv = warpgroup_mma_wait(1, deps=[dv_tok])  # P^T's registers are free before the dQ share needs its own
                 fence_async_shared()
                 _cta_barrier()  # every thread's dS^T is in shared memory before the other consumer reads it
-                mbarrier.arrive(ds_bar.index(i % 2))
-                mbarrier.wait(ds_bar.index(i % 2), (i // 2) & 1)
+                mbarrier.arrive(ds_bar.index(t % 2))
+                mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
                 # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
                 dq_tok = warpgroup_mma(ds_smem.index(dslot).permute((1, 0)),
                                        k_smem.index(0).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_zero,
@@ -443,13 +532,13 @@ if _IMPORT_ERROR is None:
                 dk = warpgroup_mma_wait(1, deps=[dk_tok])
                 mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
                 part = warpgroup_mma_wait(0, deps=[dq_tok])
-            # hand the share to the writers through their ring (slot i % DQ_RING, this consumer's half) and go on
+            # hand the share to the writers through their ring (slot t % DQ_RING, this consumer's half) and go on
             # with the next query tile
-            mbarrier.wait(dq_empty.index(i % DQ_RING), ((i // DQ_RING) & 1) ^ 1)
-            dq_smem.index((i % DQ_RING) * CONS + WG).store(part * dq_scale)
+            mbarrier.wait(dq_empty.index(t % DQ_RING), ((t // DQ_RING) & 1) ^ 1)
+            dq_smem.index((t % DQ_RING) * CONS + WG).store(part * dq_scale)
             fence_async_shared()  # the writer's bulk reductions read the share through the async proxy
             _cta_barrier()  # every thread's share is in shared memory before the writer reads it
-            mbarrier.arrive(dq_full.index(i % DQ_RING))
+            mbarrier.arrive(dq_full.index(t % DQ_RING))
         offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
         out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
         n_ok = (offs_n < Nk)[:, None]
@@ -459,36 +548,39 @@ if _IMPORT_ERROR is None:
         gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok)
 
     @gluon.jit
-    def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M: gl.constexpr,
+    def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, WRITER: gl.constexpr,
                    WRITERS: gl.constexpr, DQ_ACCS: gl.constexpr):
-        # FlashAttention-3's dQ writer, one of WRITERS one-warp partitions: writer WRITER takes the query tiles i
-        # with i % WRITERS == WRITER, so that WRITERS tiles' turn waits, reductions and turn passes are in flight
-        # at once. Key tile j adds into accumulator j % DQ_ACCS as its turn j // DQ_ACCS (dqacc_desc: the
-        # accumulators as [DQ_ACCS * B * H, Nq, HEAD_D], rows past Nq clipped). Per query tile: wait for both
-        # consumers' column halves (ring slot i % DQ_RING), wait for the turn (every key tile before this one that
-        # adds into the accumulator has added: the order, not the timing, fixes every sum), add each half as one
+        # FlashAttention-3's dQ writer, one of WRITERS one-warp partitions: writer WRITER takes the steps t with
+        # t % WRITERS == WRITER (query tile i = _query_tile(t)), so that WRITERS tiles' turn waits, reductions and
+        # turn passes are in flight at once. Key tile j adds into accumulator j % DQ_ACCS at its turn there,
+        # _query_turn(i) (dqacc_desc: the accumulators as [DQ_ACCS * B * H, Nq, HEAD_D], rows past Nq clipped). Per
+        # step: wait for both consumers' column halves (ring slot t % DQ_RING), wait for the turn (every key tile
+        # before this one in tile i's order that adds into the accumulator has added: the order, a function of the
+        # shape alone, not the timing, fixes every sum), add each half as one
         # TMA bulk reduction issued by one thread, wait for the reductions to complete (their writes, not only
         # their shared-memory reads), free the slot and pass the turn on; the combine kernel writes dQ.
-        # Ring slots: the uses of slot s (tiles s, s + DQ_RING, ...) fill (dq_full) and free (dq_empty) in strict
+        # Ring slots: the uses of slot s (steps s, s + DQ_RING, ...) fill (dq_full) and free (dq_empty) in strict
         # alternation, so a phase-parity wait on use k is exact as long as use k - 1 has completed its phase when
-        # the wait starts (parity cannot tell phase k - 1 from k + 1). A writer reaches tile i only after it freed
-        # its tile i - WRITERS, so the consumers (who fill in tile order) have filled every tile up to that one;
-        # the previous use of tile i's slot is tile i - DQ_RING, filled by then when DQ_RING >= WRITERS
+        # the wait starts (parity cannot tell phase k - 1 from k + 1). A writer reaches step t only after it freed
+        # its step t - WRITERS, so the consumers (who fill in step order) have filled every step up to that one;
+        # the previous use of step t's slot is step t - DQ_RING, filled by then when DQ_RING >= WRITERS
         # (kernel_constexprs checks it), whichever writer owns it. A consumer's wait for the freeing of use k - 1
         # (before it fills use k) starts after its wait for the freeing of use k - 2, so it is exact too.
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
         acc_id = j % DQ_ACCS
-        turn = j // DQ_ACCS
-        acc_row = acc_id * (gl.num_programs(0) // gl.cdiv(Nk, BLOCK_N)) + bh
+        n_kt = gl.cdiv(Nk, BLOCK_N)
+        acc_row = acc_id * (gl.num_programs(0) // n_kt) + bh
         sem_base = Sem + acc_row * n_m  # one counter per (accumulator, batch * head, query tile)
         DQC: gl.constexpr = HEAD_D // CONS
         DQ_RING: gl.constexpr = dq_full.shape[0]
-        for i in range(WRITER, n_m, WRITERS):
+        for t in range(WRITER, n_m, WRITERS):
+            i = _query_tile(t, j, n_m, ROT, DQ_ACCS)
+            turn = _query_turn(i, j, n_m, n_kt, ROT, DQ_ACCS)
             seen = gl.load(sem_base + i, volatile=True)
-            slot = i % DQ_RING
-            mbarrier.wait(dq_full.index(slot), (i // DQ_RING) & 1)
+            slot = t % DQ_RING
+            mbarrier.wait(dq_full.index(slot), (t // DQ_RING) & 1)
             seen = gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + i, turn], dtype=gl.int32,
                                              is_pure=False, pack=1)
             seen = gl.inline_asm_elementwise(_ASYNC_FENCE_PTX, "=r,r", [seen], dtype=gl.int32, is_pure=False,
@@ -504,9 +596,9 @@ if _IMPORT_ERROR is None:
             mbarrier.arrive(dq_empty.index(slot))
             gl.atomic_xchg(sem_base + i, turn + 1, sem="release")
 
-    @gluon.jit(do_not_specialize=["Nq", "Nk"])  # a new length compiles nothing new
+    @gluon.jit(do_not_specialize=["Nq", "Nk", "ROT"])  # a new length compiles nothing new
     def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, LseRow, Delta, DK, DV, Sem, Scales, H, Nq,
-                         Nk, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                         Nk, ROT, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
                          WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr,
                          HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr,
@@ -555,20 +647,20 @@ if _IMPORT_ERROR is None:
         # assigned tuple into tensors
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
-                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale,
-                         0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS, PRODUCER_ROWS,
-                         KV_IN_REGS)),
+                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, ROT, qk_scale,
+                         scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS, PRODUCER_ROWS,
+                         KV_IN_REGS, DQ_ACCS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
-                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, qk_scale, scale,
-                         1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS, PRODUCER_ROWS,
-                         KV_IN_REGS)),
+                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, ROT, qk_scale,
+                         scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS, PRODUCER_ROWS,
+                         KV_IN_REGS, DQ_ACCS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem,
-                         lse_smem, delta_smem, kv_bar, ready, empty, H, Nq, Nk, BLOCK_M, BLOCK_N, STAGES, CONS, HEAD_D,
-                         PARTS, PRODUCER_ROWS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 0,
-                          2, DQ_ACCS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, BLOCK_M, BLOCK_N, HEAD_D, CONS, 1,
-                          2, DQ_ACCS)),
+                         lse_smem, delta_smem, kv_bar, ready, empty, H, Nq, Nk, ROT, BLOCK_M, BLOCK_N, STAGES, CONS,
+                         HEAD_D, PARTS, PRODUCER_ROWS, DQ_ACCS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, ROT, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          0, 2, DQ_ACCS)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, ROT, BLOCK_M, BLOCK_N, HEAD_D, CONS,
+                          1, 2, DQ_ACCS)),
         ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
 
 
@@ -701,14 +793,14 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     without checks: for a caller that ran :func:`unsupported_reason` (the backward plans of :mod:`.elsa_bwd`).
     ``delta``, ``lse_row``: FP32 [B * H, Nq] from :mod:`.elsa_bwd`'s preprocess kernel; ``dk``, ``dv``: [B, H, Nk,
     D] contiguous, q's dtype, written; ``grad_out`` is rounded to q's dtype and copied contiguous where its dtype or
-    strides are not the kernel's. Each call zeroes its FP32 accumulators and counters (``dq_accumulators`` *
-    B * H * Nq * D floats) and returns dQ [B, H, Nq, D] contiguous in q's dtype. ``config``: a :func:`get_config`
-    dict (tools, tests); its ``dq_accumulators`` is capped at the key tiles. The first call builds (and validates)
+    strides are not the kernel's. Each call zeroes its FP32 accumulators and counters (accumulators *
+    B * H * Nq * D floats, :func:`dq_schedule`) and returns dQ [B, H, Nq, D] contiguous in q's dtype. ``config``: a
+    :func:`get_config` dict (tools, tests). The first call builds (and validates)
     the five TMA descriptors; later calls encode them onto their tensors through
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
     stride), skipping the descriptor objects' construction (tens of microseconds of host time per call)."""
     B, H, Nq, D = q.shape
-    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False)
+    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False, sms=sm_count(q.device))
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
@@ -720,13 +812,14 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
 
 
 def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, dq_dtype: torch.dtype,
-                 config: dict | None, head_scales: bool, split: bool = False):
+                 config: dict | None, head_scales: bool, split: bool = False, sms: int = 0):
     # the launches of one signature (operands [B, H, N, D] of ``dtype`` at TMA-legal strides, which the first call
     # fixes): a callable (q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales) -> dq [B, H, Nq, D] contiguous
     # in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor); ``split``: the
-    # operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2)
+    # operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2); ``sms``: the GPU's SMs (rotation_step)
     cfg = dict(config or get_config(D))
-    cfg["dq_accumulators"] = accs = min(cfg["dq_accumulators"], cdiv(Nk, cfg["BLOCK_N"]))
+    accs, rot = dq_schedule(Nq, Nk, cfg, sms)
+    cfg["dq_accumulators"] = accs
     call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk, head_scales, split),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
@@ -743,7 +836,7 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
         dq = acc.view(B, H, Nq, D) if combine is None else torch.empty((B, H, Nq, D), device=q.device,
                                                                          dtype=dq_dtype)
         bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D))
-        args = (lse_row, delta, dk, dv, sem, scales, H, Nq, Nk, float(scale) * LOG2E, float(scale))
+        args = (lse_row, delta, dk, dv, sem, scales, H, Nq, Nk, rot, float(scale) * LOG2E, float(scale))
         if direct and direct[0] is not None:
             direct[0](*bases, *args)
         else:
@@ -810,7 +903,7 @@ def fp32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) 
 def tf32_config(head_dim: int) -> dict:
     """:func:`get_config` for mode tf32: one dQ accumulator, which is then the FP32 dQ itself (no combine, no second
     FP32 buffer: the peak memory of a tf32 backward stays at SDPA-efficient's or below; docs/tuning.md)."""
-    return dict(get_config(head_dim), dq_accumulators=1)
+    return dict(get_config(head_dim), dq_accumulators=1, rotated_dq_accumulators=1)
 
 
 def tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -918,7 +1011,8 @@ def _scaled_planned_launch(q, k, v, grad_out, config, split: bool):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     cfg = config or (fp32_config(D) if split else tf32_config(D))
-    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, cfg, head_scales=True, split=split)
+    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, cfg, head_scales=True, split=split,
+                       sms=sm_count(q.device))
     operands = _scaled_operands_call(B, H, Nq, Nk, D, split)
 
     def launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale):
@@ -1000,7 +1094,8 @@ def fp32_config(head_dim: int) -> dict:
     the half builds only)."""
     if head_dim not in FP32_HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the split-FP16 Gluon backward takes {FP32_HEAD_DIMS}")
-    return dict(get_config(head_dim), dq_accumulators=1, dq_ring=2, producer_rows=False, kv_in_registers=False)
+    return dict(get_config(head_dim), dq_accumulators=1, rotated_dq_accumulators=1, dq_ring=2, producer_rows=False,
+                kv_in_registers=False)
 
 
 def fp32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:

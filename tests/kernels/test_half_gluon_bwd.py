@@ -68,6 +68,13 @@ def test_host_helpers():
         cfg = half_gluon_bwd.get_config(d)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == (64, 128, 2)
         assert (cfg["dq_accumulators"], cfg["dq_ring"]) == (2, 4 if d == 64 else 2)
+        # rotated sweeps with one accumulator where a head's key tiles fit in a wave (132 SMs) and the query tiles
+        # cover the chain; else two accumulators, rotated where their shorter chains fit
+        assert cfg["rotate"] and cfg["rotated_dq_accumulators"] == 1
+        for (n_q, n_k), want in {(4096, 4096): (1, 2), (16384, 16384): (1, 2), (32768, 32768): (2, 0),
+                                 (2048, 8192): (2, 1), (130, 4100): (2, 0), (100, 100): (1, 0)}.items():
+            assert half_gluon_bwd.dq_schedule(n_q, n_k, cfg, 132) == want, (n_q, n_k)
+        assert half_gluon_bwd.dq_schedule(4096, 4096, dict(cfg, rotate=False), 132) == (2, 0)
         assert half_gluon_bwd.grid_size(2, 3, 1000, cfg) == 8 * 6
         assert half_gluon_bwd.grid_size(1, 1, 128, cfg) == 1
         # 1000 rows: 16 query tiles (the last partial); accumulators [accs * B * H, Nq, D]
@@ -99,6 +106,46 @@ def test_host_helpers():
         half_gluon_bwd.get_config(96)
     fp32 = half_gluon_bwd.fp32_config(64)
     assert not fp32["producer_rows"] and not fp32["kv_in_registers"]
+
+
+@pytest.mark.parametrize("n_q, n_k, accs", [(4096, 4096, 2), (4096, 4096, 1), (1000, 1000, 2), (300, 520, 2),
+                                             (16384, 16384, 2), (8192, 2048, 4), (130, 4100, 2), (2048, 8192, 1),
+                                             (4097, 4097, 2), (64, 64, 2)])
+def test_rotated_query_order_visits_every_tile_in_turn_order(n_q, n_k, accs):
+    """The rotated schedule (rotation_step, query_order: the kernel's _query_tile / _query_turn): every key tile
+    visits every query tile once; each query tile's turns in an accumulator are a permutation of its chain, in the
+    order in which the chain's key tiles reach that tile (no writer waits for a share that comes at a later step:
+    the chain runs without the skew, and every wait is on an earlier step, so the waits end); the chain's tiles
+    start ROT query tiles apart. Without rotation (ROT = 0, or the config's rotate off) every key tile sweeps in
+    index order and the turns follow the key tiles' index (the unrotated kernel's order)."""
+    cfg = dict(half_gluon_bwd.get_config(64), dq_accumulators=accs)
+    n_m, n_kt = -(-n_q // cfg["BLOCK_M"]), -(-n_k // cfg["BLOCK_N"])
+    a_eff = min(accs, n_kt)
+    chain = -(-n_kt // a_eff)
+    rot = half_gluon_bwd.rotation_step(n_q, n_k, cfg, sms=132)
+    assert rot == (n_m // chain if chain >= 2 else 0)
+    assert half_gluon_bwd.rotation_step(n_q, n_k, dict(cfg, rotate=False), sms=132) == 0
+    # a head's key tiles beyond one wave: no rotation (the chain's first tile would wait a wave for its last)
+    assert half_gluon_bwd.rotation_step(n_q, n_k, cfg, sms=n_kt - 1) == 0
+    for r in sorted({rot, 0}):
+        sweeps, turns = half_gluon_bwd.query_order(n_m, n_kt, a_eff, r)
+        for j, sweep in enumerate(sweeps):
+            assert sorted(sweep) == list(range(n_m)), j
+            assert sweep[0] == (-(j // a_eff) * r) % n_m
+        for a in range(a_eff):
+            chain_tiles = list(range(a, n_kt, a_eff))
+            for i in range(n_m):
+                order = turns[(a, i)]
+                assert sorted(order) == chain_tiles
+                steps = [sweeps[j].index(i) for j in order]
+                if r:
+                    assert steps == sorted(steps) and len(set(steps)) == len(steps), (a, i, steps)
+                else:
+                    assert order == chain_tiles and set(steps) == {i}
+        if r:  # at any step the chain's tiles are at distinct query tiles
+            for t in range(n_m):
+                at = [sweeps[j][t] for j in range(0, n_kt, a_eff)]
+                assert len(set(at)) == len(at)
 
 
 def test_grad_out_copies_are_tma_legal():
@@ -285,6 +332,34 @@ def test_row_data_and_register_operands_change_no_bit(shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape, accs", [((1, 2, 1000, 1000, 64), 2), ((2, 2, 300, 520, 64), 2),
+                                         ((1, 2, 2048, 2048, 128), 2), ((1, 3, 2100, 3000, 64), 1),
+                                         ((2, 2, 777, 1300, 64), 4)])
+def test_rotated_sweeps_match_float64_like_the_unrotated(shape, accs):
+    """The rotated query order (each key tile from its own starting tile, dQ shares added in the order the tiles
+    arrive: rotation_step > 0 at these shapes) changes only the order of FP32 additions: gradients within the same
+    bound of the float64 oracle as the unrotated kernel's, bit-for-bit reproducible."""
+    _needs_hopper()
+    B, H, Nq, Nk, D = shape
+    torch.manual_seed(0)
+    q, do = (torch.randn(B, H, Nq, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, H, Nk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out64, lse64, ref = _reference(q, k, v, do, D ** -0.5)
+    out, lse = out64.to(q.dtype), lse64.float()
+    cfg = dict(half_gluon_bwd.get_config(D), dq_accumulators=accs, rotated_dq_accumulators=accs)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    got_accs, rot = half_gluon_bwd.dq_schedule(Nq, Nk, cfg, sms)
+    assert got_accs == accs and rot > 0
+    rotated = [half_gluon_bwd.half_backward(q, k, v, out, do, lse, D ** -0.5, config=cfg) for _ in range(2)]
+    plain = half_gluon_bwd.half_backward(q, k, v, out, do, lse, D ** -0.5, config=dict(cfg, rotate=False))
+    assert all(torch.equal(a, b) for a, b in zip(*rotated))
+    for name, got, base, want in zip("qkv", rotated[0], plain, ref):
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        base_err = ((base.double() - want).abs().max() / want.abs().max()).item()
+        assert err <= max(1.5 * base_err, 8e-3), (name, err, base_err)
+
+
+@pytest.mark.gpu
 def test_dq_ring_depth_keeps_the_bits_per_accumulator_count():
     """For a given number of accumulators every element's shares arrive in the same order however far the
     consumers run ahead of the writers (hand-off rings of two and four query tiles): identical bits."""
@@ -296,7 +371,8 @@ def test_dq_ring_depth_keeps_the_bits_per_accumulator_count():
     base = half_gluon_bwd.get_config(D)
     for accs in (1, 4):
         runs = [half_gluon_bwd.half_backward(q, k, v, out64.to(q.dtype), do, lse64.float(), D ** -0.5,
-                                             config=dict(base, dq_accumulators=accs, dq_ring=ring))
+                                             config=dict(base, dq_accumulators=accs, rotated_dq_accumulators=accs,
+                                                         dq_ring=ring))
                 for ring in (2, 4)]
         assert all(torch.equal(a, b) for a, b in zip(*runs)), accs
 
