@@ -30,14 +30,16 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   accumulators key tile ``j`` adds into accumulator ``j % A`` (a chain of turns ``A`` times shorter), and
   :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype. The order, a function
   of the shape alone, not the timing, fixes every sum: dQ is bit-for-bit reproducible;
-* **rotated sweeps** (:func:`rotation_step`): where a head's key tiles fit in one wave, the key tile of turn
-  ``p`` in its chain sweeps the query tiles from tile ``-p * ROT`` on, and each query tile's turns follow the
-  order in which the chain reaches it (:func:`query_order`): the chain's key tiles, started together, work on
-  tiles ``ROT`` apart and their writers find their turns come, where sweeping in one order they would pass each
-  query tile one after another, the chain starting skewed by its length times a turn's latency (10-13 % of the
-  kernel's time with 256-512 programs; one accumulator then suffices, :func:`dq_schedule`). Every wait is on a
-  share that comes at an earlier step of a program of the same head, so the waits end as long as programs start
-  in id order; without rotation key tile ``j`` waits on key tile ``j - A`` (a lower program id);
+* **rotated sweeps** (config ``rotate``, off by default; :func:`rotation_step`): where a head's key tiles fit in
+  one wave, the key tile of turn ``p`` in its chain sweeps the query tiles from tile ``-p * ROT`` on, and each
+  query tile's turns follow the order in which the chain reaches it (:func:`query_order`): the chain's key tiles,
+  started together, work on tiles ``ROT`` apart and their writers find their turns come, where sweeping in one
+  order they pass each query tile one after another, the chain starting skewed by its length times a turn's
+  latency (10-13 % of the kernel's time with 256-512 programs; one accumulator then suffices, :func:`dq_schedule`).
+  Each wait is on a share that comes at an earlier step, but the chain's first key tile waits at its last query
+  tiles for its last key tile, a higher program id: the waits end only while a head's programs are on the GPU at
+  once, which is why the option is off. In one order key tile ``j`` waits on key tile ``j - A`` (a lower program
+  id), so the waits end as long as programs start in id order;
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
@@ -170,17 +172,19 @@ def get_config(head_dim: int) -> dict:
     ``dq_accumulators`` is then the count of the calls whose sweeps do not).
 
     Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): a ring of four query tiles (two at D = 128, where more
-    do not fit in shared memory), rotated sweeps with one accumulator (the turns then do not wait; a second one only
-    adds its zeroing and its read in the combine), two accumulators where the sweeps do not rotate; at D = 64 the
-    rows from the producer and K / V in registers (together 5-7 % faster, apart neither; at D = 128 K / V in
-    registers spill and the rows alone measured no steady gain). Two accumulators and the TMA bulk reductions bring
-    the backward to 410-420 TFLOP/s at D = 64 (440 with the two D = 64 options) and 510-520 at D = 128 (bf16, B=1
-    H=16 / 8 N=16384, H200)."""
+    do not fit in shared memory), two accumulators, the sweeps in one order (rotated sweeps, with one accumulator,
+    measured 4-13 % faster from 256 to 3,000 programs, but their order makes a chain's first key tile wait for its
+    last, a higher program id: they need a head's programs on the GPU at once, which SM limits (MPS, green contexts)
+    or another such kernel on another stream can prevent, and would then hang, docs/tuning.md: Hopper fp16 / bf16
+    backward: rotated sweeps); at D = 64 the rows from the producer and K / V in registers (together 5-7 % faster,
+    apart neither; at D = 128 K / V in registers spill and the rows alone measured no steady gain). Two accumulators
+    and the TMA bulk reductions bring the backward to 410-420 TFLOP/s at D = 64 (440 with the two D = 64 options)
+    and 510-520 at D = 128 (bf16, B=1 H=16 / 8 N=16384, H200)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "writer_regs": 32,
             "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2, "producer_rows": head_dim == 64,
-            "kv_in_registers": head_dim == 64, "rotate": True, "rotated_dq_accumulators": 1}
+            "kv_in_registers": head_dim == 64, "rotate": False, "rotated_dq_accumulators": 1}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
@@ -199,8 +203,10 @@ def rotation_step(n_q: int, n_k: int, cfg: dict, sms: int) -> int:
     turn's latency). ``ROT = n_q_tiles // chain`` (the chain's starts spread over the query tiles) where the
     config's ``rotate`` is set, the chain has two or more tiles and a head's key tiles fit in one wave of ``sms``
     programs: the chain's first tile waits at its last query tiles for the turns of its last tile (which reaches
-    them first), a program that may start only a wave later where the head's key tiles exceed a wave
-    (docs/tuning.md: Hopper fp16 / bf16 backward: rotated sweeps)."""
+    them first), a program that may start only a wave later where the head's key tiles exceed a wave, and never
+    where fewer SMs than the head's key tiles take the kernel's programs (MPS limits, green contexts, another such
+    kernel on another stream): then the kernel hangs, which is why ``rotate`` is off by default (docs/tuning.md:
+    Hopper fp16 / bf16 backward: rotated sweeps)."""
     n_m, n_kt = cdiv(n_q, cfg["BLOCK_M"]), cdiv(n_k, cfg["BLOCK_N"])
     chain = cdiv(n_kt, min(cfg["dq_accumulators"], n_kt))
     if not cfg.get("rotate", False) or chain < 2 or n_kt > sms:

@@ -68,13 +68,15 @@ def test_host_helpers():
         cfg = half_gluon_bwd.get_config(d)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == (64, 128, 2)
         assert (cfg["dq_accumulators"], cfg["dq_ring"]) == (2, 4 if d == 64 else 2)
-        # rotated sweeps with one accumulator where a head's key tiles fit in a wave (132 SMs) and the query tiles
-        # cover the chain; else two accumulators, rotated where their shorter chains fit
-        assert cfg["rotate"] and cfg["rotated_dq_accumulators"] == 1
+        # rotated sweeps off by default (their order needs a head's programs on the GPU at once): two accumulators
+        # in one order; with them, one accumulator where a head's key tiles fit in a wave (132 SMs) and the query
+        # tiles cover the chain, else two accumulators, rotated where their shorter chains fit
+        assert not cfg["rotate"] and cfg["rotated_dq_accumulators"] == 1
+        rotated = dict(cfg, rotate=True)
         for (n_q, n_k), want in {(4096, 4096): (1, 2), (16384, 16384): (1, 2), (32768, 32768): (2, 0),
                                  (2048, 8192): (2, 1), (130, 4100): (2, 0), (100, 100): (1, 0)}.items():
-            assert half_gluon_bwd.dq_schedule(n_q, n_k, cfg, 132) == want, (n_q, n_k)
-        assert half_gluon_bwd.dq_schedule(4096, 4096, dict(cfg, rotate=False), 132) == (2, 0)
+            assert half_gluon_bwd.dq_schedule(n_q, n_k, rotated, 132) == want, (n_q, n_k)
+            assert half_gluon_bwd.dq_schedule(n_q, n_k, cfg, 132) == (min(2, -(-n_k // 128)), 0), (n_q, n_k)
         assert half_gluon_bwd.grid_size(2, 3, 1000, cfg) == 8 * 6
         assert half_gluon_bwd.grid_size(1, 1, 128, cfg) == 1
         # 1000 rows: 16 query tiles (the last partial); accumulators [accs * B * H, Nq, D]
@@ -112,13 +114,14 @@ def test_host_helpers():
                                              (16384, 16384, 2), (8192, 2048, 4), (130, 4100, 2), (2048, 8192, 1),
                                              (4097, 4097, 2), (64, 64, 2)])
 def test_rotated_query_order_visits_every_tile_in_turn_order(n_q, n_k, accs):
-    """The rotated schedule (rotation_step, query_order: the kernel's _query_tile / _query_turn): every key tile
-    visits every query tile once; each query tile's turns in an accumulator are a permutation of its chain, in the
-    order in which the chain's key tiles reach that tile (no writer waits for a share that comes at a later step:
-    the chain runs without the skew, and every wait is on an earlier step, so the waits end); the chain's tiles
-    start ROT query tiles apart. Without rotation (ROT = 0, or the config's rotate off) every key tile sweeps in
-    index order and the turns follow the key tiles' index (the unrotated kernel's order)."""
-    cfg = dict(half_gluon_bwd.get_config(64), dq_accumulators=accs)
+    """The rotated schedule (config rotate; rotation_step, query_order: the kernel's _query_tile / _query_turn):
+    every key tile visits every query tile once; each query tile's turns in an accumulator are a permutation of
+    its chain, in the order in which the chain's key tiles reach that tile (no writer waits for a share that comes
+    at a later step: the chain runs without the skew, and with every program of the head on the GPU the waits
+    end); the chain's tiles start ROT query tiles apart. Without rotation (ROT = 0, or the config's rotate off)
+    every key tile sweeps in index order and the turns follow the key tiles' index (the unrotated kernel's
+    order)."""
+    cfg = dict(half_gluon_bwd.get_config(64), dq_accumulators=accs, rotate=True)
     n_m, n_kt = -(-n_q // cfg["BLOCK_M"]), -(-n_k // cfg["BLOCK_N"])
     a_eff = min(accs, n_kt)
     chain = -(-n_kt // a_eff)
@@ -346,7 +349,7 @@ def test_rotated_sweeps_match_float64_like_the_unrotated(shape, accs):
     k, v = (torch.randn(B, H, Nk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out64, lse64, ref = _reference(q, k, v, do, D ** -0.5)
     out, lse = out64.to(q.dtype), lse64.float()
-    cfg = dict(half_gluon_bwd.get_config(D), dq_accumulators=accs, rotated_dq_accumulators=accs)
+    cfg = dict(half_gluon_bwd.get_config(D), dq_accumulators=accs, rotated_dq_accumulators=accs, rotate=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     got_accs, rot = half_gluon_bwd.dq_schedule(Nq, Nk, cfg, sms)
     assert got_accs == accs and rot > 0
