@@ -30,16 +30,14 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   accumulators key tile ``j`` adds into accumulator ``j % A`` (a chain of turns ``A`` times shorter), and
   :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype. The order, a function
   of the shape alone, not the timing, fixes every sum: dQ is bit-for-bit reproducible;
-* **rotated sweeps** (config ``rotate``, off by default; :func:`rotation_step`): where a head's key tiles fit in
-  one wave, the key tile of turn ``p`` in its chain sweeps the query tiles from tile ``-p * ROT`` on, and each
-  query tile's turns follow the order in which the chain reaches it (:func:`query_order`): the chain's key tiles,
-  started together, work on tiles ``ROT`` apart and their writers find their turns come, where sweeping in one
-  order they pass each query tile one after another, the chain starting skewed by its length times a turn's
-  latency (10-13 % of the kernel's time with 256-512 programs; one accumulator then suffices, :func:`dq_schedule`).
-  Each wait is on a share that comes at an earlier step, but the chain's first key tile waits at its last query
-  tiles for its last key tile, a higher program id: the waits end only while a head's programs are on the GPU at
-  once, which is why the option is off. In one order key tile ``j`` waits on key tile ``j - A`` (a lower program
-  id), so the waits end as long as programs start in id order;
+* **rotated sweeps** (config ``rotate``; :func:`rotation_step`): the key tile of turn ``p`` in its chain
+  sweeps the query tiles from tile ``-p * ROT`` on: the chain's key tiles, started together, work on tiles ``ROT``
+  apart, where sweeping in one order they pass each query tile one after another, the chain starting skewed by
+  its length times a turn's latency (10-13 % of the kernel's time with 256-512 programs). Each query tile takes
+  the shares of the chain's tiles that reach it after wrapping past the last query tile into a second
+  accumulator; both take their shares in key-tile order, which is the order in which they arrive
+  (:func:`query_order`). Every wait, rotated or not (key tile ``j`` then waits on key tile ``j - A``), is on a
+  lower program id, so the waits end as long as programs start in id order;
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
@@ -72,7 +70,7 @@ import triton.language as tl
 
 from . import elsa_bwd
 from ._gluon import hopper_copies_scope_reason, hopper_tma_scope_reason, nvmma_layout, strides_aligned
-from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks, sm_count
+from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
 from .scaled_fp16 import P_SPLIT_EXP, SHIFT_LIMIT, head_shift, scaled_rows
 from .split16 import pow2
 
@@ -168,23 +166,21 @@ def get_config(head_dim: int) -> dict:
     consumer holds its K and V rows in registers as the left operands of S^T's and dP^T's wgmmas (else both
     operands of those products come from shared memory; ignored by the split build); ``rotate``: each key tile
     sweeps the query tiles from its own starting tile (:func:`rotation_step`), else every key tile from the first;
-    ``rotated_dq_accumulators``: the accumulators of a call whose sweeps rotate with that many (:func:`dq_schedule`;
-    ``dq_accumulators`` is then the count of the calls whose sweeps do not).
+    ``rotated_dq_accumulators``: the chains of a call whose sweeps rotate with that many (:func:`dq_schedule`;
+    ``dq_accumulators`` is then the chains of the calls whose sweeps do not).
 
     Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): a ring of four query tiles (two at D = 128, where more
-    do not fit in shared memory), two accumulators, the sweeps in one order (rotated sweeps, with one accumulator,
-    measured 4-13 % faster from 256 to 3,000 programs, but their order makes a chain's first key tile wait for its
-    last, a higher program id: they need a head's programs on the GPU at once, which SM limits (MPS, green contexts)
-    or another such kernel on another stream can prevent, and would then hang, docs/tuning.md: Hopper fp16 / bf16
-    backward: rotated sweeps); at D = 64 the rows from the producer and K / V in registers (together 5-7 % faster,
-    apart neither; at D = 128 K / V in registers spill and the rows alone measured no steady gain). Two accumulators
-    and the TMA bulk reductions bring the backward to 410-420 TFLOP/s at D = 64 (440 with the two D = 64 options)
-    and 510-520 at D = 128 (bf16, B=1 H=16 / 8 N=16384, H200)."""
+    do not fit in shared memory), rotated sweeps of one chain (two accumulators: the shares in turn and the wrapped
+    ones) where the query tiles cover the chain, else two chains in one order (two accumulators); at D = 64 the rows
+    from the producer and K / V in registers (together 5-7 % faster, apart neither; at D = 128 K / V in registers
+    spill and the rows alone measured no steady gain). Two accumulators and the TMA bulk reductions bring the
+    backward to 410-420 TFLOP/s at D = 64 (440 with the two D = 64 options) and 510-520 at D = 128 (bf16, B=1 H=16 /
+    8 N=16384, H200)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "writer_regs": 32,
             "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2, "producer_rows": head_dim == 64,
-            "kv_in_registers": head_dim == 64, "rotate": False, "rotated_dq_accumulators": 1}
+            "kv_in_registers": head_dim == 64, "rotate": True, "rotated_dq_accumulators": 1}
 
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
@@ -193,57 +189,56 @@ def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
     return cdiv(n_k, cfg["BLOCK_N"]) * B * H
 
 
-def rotation_step(n_q: int, n_k: int, cfg: dict, sms: int) -> int:
+def rotation_step(n_q: int, n_k: int, cfg: dict) -> int:
     """The kernel's ``ROT``: how many query tiles apart the key tiles of one accumulator's chain start their sweeps
     (0: all from the first query tile). Key tile ``j``, turn ``p = j // dq_accumulators`` of its chain, sweeps
     the query tiles from tile ``-p * ROT`` (mod the query tiles): the tiles of a chain, started together (one wave),
-    then reach each query tile ``ROT`` steps apart, and each query tile takes their dQ shares in that order
-    (:func:`query_order`), so a tile's writer finds its turn come instead of waiting for the chain's tiles before
-    it to pass the same query tile one after another (a wave's chain then starts skewed by its length times a
-    turn's latency). ``ROT = n_q_tiles // chain`` (the chain's starts spread over the query tiles) where the
-    config's ``rotate`` is set, the chain has two or more tiles and a head's key tiles fit in one wave of ``sms``
-    programs: the chain's first tile waits at its last query tiles for the turns of its last tile (which reaches
-    them first), a program that may start only a wave later where the head's key tiles exceed a wave, and never
-    where fewer SMs than the head's key tiles take the kernel's programs (MPS limits, green contexts, another such
-    kernel on another stream): then the kernel hangs, which is why ``rotate`` is off by default (docs/tuning.md:
-    Hopper fp16 / bf16 backward: rotated sweeps)."""
+    then reach each query tile ``ROT`` steps apart, where sweeping in one order they pass each query tile one after
+    another (a wave's chain then starts skewed by its length times a turn's latency). Each query tile takes the
+    shares of the chain's tiles that reach it after wrapping past the last query tile into an accumulator of its
+    own, and both accumulators take their shares in key-tile order, which is also the order in which they arrive
+    (:func:`query_order`), so every wait is on a lower program id that got there earlier: the waits end as long as
+    programs start in id order. ``ROT = n_q_tiles // chain`` (the chain's starts spread over the query tiles)
+    where the config's ``rotate`` is set and the chain has two or more tiles (docs/tuning.md: Hopper fp16 / bf16
+    backward: rotated sweeps)."""
     n_m, n_kt = cdiv(n_q, cfg["BLOCK_M"]), cdiv(n_k, cfg["BLOCK_N"])
     chain = cdiv(n_kt, min(cfg["dq_accumulators"], n_kt))
-    if not cfg.get("rotate", False) or chain < 2 or n_kt > sms:
+    if not cfg.get("rotate", False) or chain < 2:
         return 0
     return n_m // chain
 
 
-def dq_schedule(n_q: int, n_k: int, cfg: dict, sms: int) -> tuple[int, int]:
-    """``(dq_accumulators, ROT)`` of a call of ``n_q`` query rows and ``n_k`` keys on a GPU of ``sms`` SMs: the
-    config's ``rotated_dq_accumulators`` where the sweeps rotate with that many (:func:`rotation_step` > 0), else
-    its ``dq_accumulators`` and their rotation (0 unless the chain is shorter but long enough); both capped at the
-    key tiles."""
+def dq_schedule(n_q: int, n_k: int, cfg: dict) -> tuple[int, int, int]:
+    """``(chains, ROT, accumulators)`` of a call of ``n_q`` query rows and ``n_k`` keys: the config's
+    ``rotated_dq_accumulators`` chains where the sweeps rotate with that many (:func:`rotation_step` > 0), else its
+    ``dq_accumulators`` and their rotation (0 unless the chains are shorter but long enough), both capped at the key
+    tiles; FP32 dQ accumulators: a chain's two (its shares in turn and those that wrapped) where the sweeps rotate,
+    else one."""
     n_kt = cdiv(n_k, cfg["BLOCK_N"])
-    rotated = min(cfg.get("rotated_dq_accumulators") or cfg["dq_accumulators"], n_kt)
-    rot = rotation_step(n_q, n_k, dict(cfg, dq_accumulators=rotated), sms)
-    if rot > 0:
-        return rotated, rot
-    accs = min(cfg["dq_accumulators"], n_kt)
-    return accs, rotation_step(n_q, n_k, dict(cfg, dq_accumulators=accs), sms)
+    chains = min(cfg.get("rotated_dq_accumulators") or cfg["dq_accumulators"], n_kt)
+    rot = rotation_step(n_q, n_k, dict(cfg, dq_accumulators=chains))
+    if rot == 0:
+        chains = min(cfg["dq_accumulators"], n_kt)
+        rot = rotation_step(n_q, n_k, dict(cfg, dq_accumulators=chains))
+    return chains, rot, chains * (2 if rot else 1)
 
 
-def query_order(n_q_tiles: int, n_k_tiles: int, accs: int, rot: int) -> tuple[list[list[int]], dict]:
+def query_order(n_q_tiles: int, n_k_tiles: int, chains: int, rot: int) -> tuple[list[list[int]], dict]:
     """The kernel's schedule (``_query_tile``, ``_query_turn``) in Python, for tests: ``(sweeps, turns)``, where
-    ``sweeps[j]`` lists the query tiles key tile ``j`` visits, step by step, and ``turns[(a, i)]`` the key tiles
-    adding into accumulator ``a``'s query tile ``i``, in their turns' order (``rot`` from :func:`rotation_step`)."""
-    sweeps = [[(t + n_q_tiles - (j // accs * rot) % n_q_tiles) % n_q_tiles for t in range(n_q_tiles)]
+    ``sweeps[j]`` lists the query tiles key tile ``j`` visits, step by step, and ``turns[(acc, i)]`` the key tiles
+    adding into accumulator ``acc``'s query tile ``i``, in their turns' order: chain ``a``'s shares into ``a``,
+    those of its tiles that reach tile ``i`` after wrapping into ``chains + a`` (``rot`` from
+    :func:`rotation_step`)."""
+    sweeps = [[(t + n_q_tiles - (j // chains * rot) % n_q_tiles) % n_q_tiles for t in range(n_q_tiles)]
               for j in range(n_k_tiles)]
     turns = {}
-    for a in range(min(accs, n_k_tiles)):
-        chain = range(a, n_k_tiles, accs)
-        n_p = len(chain)
+    for a in range(min(chains, n_k_tiles)):
+        chain = list(range(a, n_k_tiles, chains))
         for i in range(n_q_tiles):
-            p0 = min(-(-(n_q_tiles - i) // rot), n_p) if rot > 0 else n_p
-            order = [None] * n_p
-            for j in chain:
-                order[(j // accs - p0 + n_p) % n_p] = j
-            turns[(a, i)] = order
+            p0 = min(-(-(n_q_tiles - i) // rot), len(chain)) if rot > 0 else len(chain)
+            turns[(a, i)] = chain[:p0]
+            if p0 < len(chain):
+                turns[(chains + a, i)] = chain[p0:]
     return sweeps, turns
 
 
@@ -312,15 +307,19 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _query_turn(i, j, n_m, n_kt, ROT, DQ_ACCS: gl.constexpr):
-        # key tile j's turn at query tile i among the key tiles of its accumulator (j % DQ_ACCS): the order in which
-        # the rotated sweeps (_query_tile) reach tile i. The chain's turns p >= p0 reach it after wrapping past the
-        # last query tile, hence first: p0, ..., P - 1, 0, ..., p0 - 1 (query_order's rule)
+        # (accumulator, turn) of key tile j's dQ share at query tile i. Chain j % DQ_ACCS, turn p = j // DQ_ACCS:
+        # the chain's tiles p >= p0 reach tile i after wrapping past the last query tile (_query_tile), before the
+        # others; they add into an accumulator of their own (DQ_ACCS further on), in turn p - p0, the others in
+        # turn p: both orders are the chain's key-tile order and the order in which the chain reaches the tile, so
+        # every wait is on a lower program id that got there ROT steps earlier (query_order's rule; ROT = 0: no
+        # tile wraps)
         p = j // DQ_ACCS
         P = (n_kt - j % DQ_ACCS + DQ_ACCS - 1) // DQ_ACCS
         p0 = P
         if ROT > 0:
             p0 = gl.minimum((n_m - i + ROT - 1) // ROT, P)
-        return (p - p0 + P) % P
+        wrapped = (p >= p0).to(gl.int32)
+        return j % DQ_ACCS + DQ_ACCS * wrapped, p - p0 * wrapped
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem, lse_smem,
@@ -559,8 +558,9 @@ if _IMPORT_ERROR is None:
                    WRITERS: gl.constexpr, DQ_ACCS: gl.constexpr):
         # FlashAttention-3's dQ writer, one of WRITERS one-warp partitions: writer WRITER takes the steps t with
         # t % WRITERS == WRITER (query tile i = _query_tile(t)), so that WRITERS tiles' turn waits, reductions and
-        # turn passes are in flight at once. Key tile j adds into accumulator j % DQ_ACCS at its turn there,
-        # _query_turn(i) (dqacc_desc: the accumulators as [DQ_ACCS * B * H, Nq, HEAD_D], rows past Nq clipped). Per
+        # turn passes are in flight at once. Key tile j adds into the accumulator and at the turn _query_turn(i) says
+        # (dqacc_desc: the accumulators as [A * B * H, Nq, HEAD_D], A = DQ_ACCS, twice that with ROT > 0, rows past
+        # Nq clipped). Per
         # step: wait for both consumers' column halves (ring slot t % DQ_RING), wait for the turn (every key tile
         # before this one in tile i's order that adds into the accumulator has added: the order, a function of the
         # shape alone, not the timing, fixes every sum), add each half as one
@@ -575,19 +575,19 @@ if _IMPORT_ERROR is None:
         # (before it fills use k) starts after its wait for the freeing of use k - 2, so it is exact too.
         j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
         n_m = gl.cdiv(Nq, BLOCK_M)
-        acc_id = j % DQ_ACCS
         n_kt = gl.cdiv(Nk, BLOCK_N)
-        acc_row = acc_id * (gl.num_programs(0) // n_kt) + bh
-        sem_base = Sem + acc_row * n_m  # one counter per (accumulator, batch * head, query tile)
+        n_bh = gl.num_programs(0) // n_kt
         DQC: gl.constexpr = HEAD_D // CONS
         DQ_RING: gl.constexpr = dq_full.shape[0]
         for t in range(WRITER, n_m, WRITERS):
             i = _query_tile(t, j, n_m, ROT, DQ_ACCS)
-            turn = _query_turn(i, j, n_m, n_kt, ROT, DQ_ACCS)
-            seen = gl.load(sem_base + i, volatile=True)
+            acc_id, turn = _query_turn(i, j, n_m, n_kt, ROT, DQ_ACCS)
+            acc_row = acc_id * n_bh + bh
+            sem = Sem + acc_row * n_m + i  # one counter per (accumulator, batch * head, query tile)
+            seen = gl.load(sem, volatile=True)
             slot = t % DQ_RING
             mbarrier.wait(dq_full.index(slot), (t // DQ_RING) & 1)
-            seen = gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem_base + i, turn], dtype=gl.int32,
+            seen = gl.inline_asm_elementwise(_SPIN_PTX, "=r,r,l,r", [seen, sem, turn], dtype=gl.int32,
                                              is_pure=False, pack=1)
             seen = gl.inline_asm_elementwise(_ASYNC_FENCE_PTX, "=r,r", [seen], dtype=gl.int32, is_pure=False,
                                              pack=1)
@@ -600,7 +600,7 @@ if _IMPORT_ERROR is None:
             # precede it)
             _cta_barrier()
             mbarrier.arrive(dq_empty.index(slot))
-            gl.atomic_xchg(sem_base + i, turn + 1, sem="release")
+            gl.atomic_xchg(sem, turn + 1, sem="release")
 
     @gluon.jit(do_not_specialize=["Nq", "Nk", "ROT"])  # a new length compiles nothing new
     def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, LseRow, Delta, DK, DV, Sem, Scales, H, Nq,
@@ -611,7 +611,8 @@ if _IMPORT_ERROR is None:
                          KV_IN_REGS: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; dqacc_desc: the FP32 dQ
-        # accumulators [DQ_ACCS * B * H, Nq, D], zeroed; Sem: int32 counters (ordered_buffer_sizes), zeroed.
+        # accumulators [A * B * H, Nq, D] (A = DQ_ACCS, twice that with ROT > 0: dq_schedule), zeroed; Sem: int32
+        # counters (ordered_buffer_sizes), zeroed; ROT: rotation_step's.
         # qk_scale = scale * log2(e). HEAD_SCALES (modes tf32 / fp32): the operands are FP16 copies scaled per head
         # by powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW], _scaled_operands_kernel) holds each
         # head's multipliers, which replace qk_scale and scale; else Scales is not read. PARTS = 2 (mode fp32): the
@@ -806,7 +807,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
     stride), skipping the descriptor objects' construction (tens of microseconds of host time per call)."""
     B, H, Nq, D = q.shape
-    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False, sms=sm_count(q.device))
+    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False)
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
@@ -818,17 +819,17 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
 
 
 def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, dq_dtype: torch.dtype,
-                 config: dict | None, head_scales: bool, split: bool = False, sms: int = 0):
+                 config: dict | None, head_scales: bool, split: bool = False):
     # the launches of one signature (operands [B, H, N, D] of ``dtype`` at TMA-legal strides, which the first call
     # fixes): a callable (q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales) -> dq [B, H, Nq, D] contiguous
     # in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor); ``split``: the
-    # operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2); ``sms``: the GPU's SMs (rotation_step)
+    # operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2)
     cfg = dict(config or get_config(D))
-    accs, rot = dq_schedule(Nq, Nk, cfg, sms)
-    cfg["dq_accumulators"] = accs
+    chains, rot, accs = dq_schedule(Nq, Nk, cfg)
+    cfg["dq_accumulators"] = chains
     call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk, head_scales, split),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
-    n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, cfg)
+    n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, dict(cfg, dq_accumulators=accs))
     specs = _descriptors(cfg, D, dtype).values()
     blocks = [list(block) for block, _ in specs]
     layouts = [nvmma_layout(block, dt) for block, dt in specs]
@@ -909,7 +910,7 @@ def fp32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) 
 def tf32_config(head_dim: int) -> dict:
     """:func:`get_config` for mode tf32: one dQ accumulator, which is then the FP32 dQ itself (no combine, no second
     FP32 buffer: the peak memory of a tf32 backward stays at SDPA-efficient's or below; docs/tuning.md)."""
-    return dict(get_config(head_dim), dq_accumulators=1, rotated_dq_accumulators=1)
+    return dict(get_config(head_dim), dq_accumulators=1, rotated_dq_accumulators=1, rotate=False)
 
 
 def tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -1017,8 +1018,7 @@ def _scaled_planned_launch(q, k, v, grad_out, config, split: bool):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     cfg = config or (fp32_config(D) if split else tf32_config(D))
-    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, cfg, head_scales=True, split=split,
-                       sms=sm_count(q.device))
+    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, cfg, head_scales=True, split=split)
     operands = _scaled_operands_call(B, H, Nq, Nk, D, split)
 
     def launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale):
@@ -1100,8 +1100,8 @@ def fp32_config(head_dim: int) -> dict:
     the half builds only)."""
     if head_dim not in FP32_HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the split-FP16 Gluon backward takes {FP32_HEAD_DIMS}")
-    return dict(get_config(head_dim), dq_accumulators=1, rotated_dq_accumulators=1, dq_ring=2, producer_rows=False,
-                kv_in_registers=False)
+    return dict(get_config(head_dim), dq_accumulators=1, rotated_dq_accumulators=1, rotate=False, dq_ring=2,
+                producer_rows=False, kv_in_registers=False)
 
 
 def fp32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:

@@ -68,15 +68,16 @@ def test_host_helpers():
         cfg = half_gluon_bwd.get_config(d)
         assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]) == (64, 128, 2)
         assert (cfg["dq_accumulators"], cfg["dq_ring"]) == (2, 4 if d == 64 else 2)
-        # rotated sweeps off by default (their order needs a head's programs on the GPU at once): two accumulators
-        # in one order; with them, one accumulator where a head's key tiles fit in a wave (132 SMs) and the query
-        # tiles cover the chain, else two accumulators, rotated where their shorter chains fit
-        assert not cfg["rotate"] and cfg["rotated_dq_accumulators"] == 1
-        rotated = dict(cfg, rotate=True)
-        for (n_q, n_k), want in {(4096, 4096): (1, 2), (16384, 16384): (1, 2), (32768, 32768): (2, 0),
-                                 (2048, 8192): (2, 1), (130, 4100): (2, 0), (100, 100): (1, 0)}.items():
-            assert half_gluon_bwd.dq_schedule(n_q, n_k, rotated, 132) == want, (n_q, n_k)
-            assert half_gluon_bwd.dq_schedule(n_q, n_k, cfg, 132) == (min(2, -(-n_k // 128)), 0), (n_q, n_k)
+        # rotated sweeps of one chain (two accumulators: the shares in turn, the wrapped ones) where the query tiles
+        # cover the chain; else two chains, rotated where they are short enough, else in one order
+        assert cfg["rotate"] and cfg["rotated_dq_accumulators"] == 1
+        for (n_q, n_k), want in {(4096, 4096): (1, 2, 2), (16384, 16384): (1, 2, 2), (65536, 65536): (1, 2, 2),
+                                 (2048, 8192): (2, 1, 4), (130, 4100): (2, 0, 2), (100, 100): (1, 0, 1)}.items():
+            assert half_gluon_bwd.dq_schedule(n_q, n_k, cfg) == want, (n_q, n_k)
+            assert half_gluon_bwd.dq_schedule(n_q, n_k, dict(cfg, rotate=False)) == (
+                min(2, -(-n_k // 128)), 0, min(2, -(-n_k // 128))), (n_q, n_k)
+        # modes tf32 / fp32 keep one accumulator, dQ itself (their peak memory): in one order
+        assert half_gluon_bwd.dq_schedule(4096, 4096, half_gluon_bwd.tf32_config(d)) == (1, 0, 1)
         assert half_gluon_bwd.grid_size(2, 3, 1000, cfg) == 8 * 6
         assert half_gluon_bwd.grid_size(1, 1, 128, cfg) == 1
         # 1000 rows: 16 query tiles (the last partial); accumulators [accs * B * H, Nq, D]
@@ -96,7 +97,7 @@ def test_host_helpers():
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["EVEN_N"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_D"] == d
         # mode tf32: one accumulator (the FP32 dQ itself), the HEAD_SCALES build
-        assert half_gluon_bwd.tf32_config(d) == dict(cfg, dq_accumulators=1)
+        assert half_gluon_bwd.tf32_config(d) == dict(cfg, dq_accumulators=1, rotate=False)
         # head dim 64: the producer loads the row data, K / V in registers; never in the split build (mode fp32)
         assert cfg["producer_rows"] == cfg["kv_in_registers"] == (d == 64)
         flags = half_gluon_bwd.kernel_constexprs(cfg, d, 1000)
@@ -115,39 +116,42 @@ def test_host_helpers():
                                              (4097, 4097, 2), (64, 64, 2)])
 def test_rotated_query_order_visits_every_tile_in_turn_order(n_q, n_k, accs):
     """The rotated schedule (config rotate; rotation_step, query_order: the kernel's _query_tile / _query_turn):
-    every key tile visits every query tile once; each query tile's turns in an accumulator are a permutation of
-    its chain, in the order in which the chain's key tiles reach that tile (no writer waits for a share that comes
-    at a later step: the chain runs without the skew, and with every program of the head on the GPU the waits
-    end); the chain's tiles start ROT query tiles apart. Without rotation (ROT = 0, or the config's rotate off)
-    every key tile sweeps in index order and the turns follow the key tiles' index (the unrotated kernel's
-    order)."""
-    cfg = dict(half_gluon_bwd.get_config(64), dq_accumulators=accs, rotate=True)
+    every key tile visits every query tile once; at each query tile a chain's key tiles split into the shares in
+    turn and the wrapped ones, each list in key-tile order (every wait on a lower program id: the waits end as long
+    as programs start in id order) and in the order in which the key tiles reach that tile (no writer waits for a
+    share that comes at a later step: the chain runs without the skew); the chain's tiles start ROT query tiles
+    apart and are at distinct query tiles at every step. Without rotation (ROT = 0, or the config's rotate off)
+    every key tile sweeps in index order and adds into its chain's accumulator in index order (the unrotated
+    kernel's order)."""
+    cfg = dict(half_gluon_bwd.get_config(64), dq_accumulators=accs, rotated_dq_accumulators=accs)
     n_m, n_kt = -(-n_q // cfg["BLOCK_M"]), -(-n_k // cfg["BLOCK_N"])
-    a_eff = min(accs, n_kt)
-    chain = -(-n_kt // a_eff)
-    rot = half_gluon_bwd.rotation_step(n_q, n_k, cfg, sms=132)
+    chains = min(accs, n_kt)
+    chain = -(-n_kt // chains)
+    rot = half_gluon_bwd.rotation_step(n_q, n_k, cfg)
     assert rot == (n_m // chain if chain >= 2 else 0)
-    assert half_gluon_bwd.rotation_step(n_q, n_k, dict(cfg, rotate=False), sms=132) == 0
-    # a head's key tiles beyond one wave: no rotation (the chain's first tile would wait a wave for its last)
-    assert half_gluon_bwd.rotation_step(n_q, n_k, cfg, sms=n_kt - 1) == 0
+    assert half_gluon_bwd.rotation_step(n_q, n_k, dict(cfg, rotate=False)) == 0
+    assert half_gluon_bwd.dq_schedule(n_q, n_k, cfg) == (chains, rot, chains * (2 if rot else 1))
     for r in sorted({rot, 0}):
-        sweeps, turns = half_gluon_bwd.query_order(n_m, n_kt, a_eff, r)
+        sweeps, turns = half_gluon_bwd.query_order(n_m, n_kt, chains, r)
         for j, sweep in enumerate(sweeps):
             assert sorted(sweep) == list(range(n_m)), j
-            assert sweep[0] == (-(j // a_eff) * r) % n_m
-        for a in range(a_eff):
-            chain_tiles = list(range(a, n_kt, a_eff))
+            assert sweep[0] == (-(j // chains) * r) % n_m
+        assert {acc for acc, _ in turns} <= set(range(2 * chains if r else chains))
+        for a in range(chains):
+            chain_tiles = list(range(a, n_kt, chains))
             for i in range(n_m):
-                order = turns[(a, i)]
-                assert sorted(order) == chain_tiles
-                steps = [sweeps[j].index(i) for j in order]
-                if r:
-                    assert steps == sorted(steps) and len(set(steps)) == len(steps), (a, i, steps)
-                else:
-                    assert order == chain_tiles and set(steps) == {i}
+                in_turn, wrapped = turns[(a, i)], turns.get((chains + a, i), [])
+                assert sorted(in_turn + wrapped) == chain_tiles
+                for order in (in_turn, wrapped):
+                    assert order == sorted(order)  # key-tile order: waits on lower program ids only
+                    steps = [sweeps[j].index(i) for j in order]
+                    assert steps == sorted(steps), (a, i, steps)
+                    assert not r or len(set(steps)) == len(steps), (a, i, steps)  # rotated: ROT steps apart
+                if not r:
+                    assert not wrapped and {sweeps[j].index(i) for j in in_turn} == {i}
         if r:  # at any step the chain's tiles are at distinct query tiles
             for t in range(n_m):
-                at = [sweeps[j][t] for j in range(0, n_kt, a_eff)]
+                at = [sweeps[j][t] for j in range(0, n_kt, chains)]
                 assert len(set(at)) == len(at)
 
 
@@ -367,17 +371,16 @@ def test_rotated_sweeps_match_float64_like_the_unrotated(shape, accs):
     k, v = (torch.randn(B, H, Nk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out64, lse64, ref = _reference(q, k, v, do, D ** -0.5)
     out, lse = out64.to(q.dtype), lse64.float()
-    cfg = dict(half_gluon_bwd.get_config(D), dq_accumulators=accs, rotated_dq_accumulators=accs, rotate=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    got_accs, rot = half_gluon_bwd.dq_schedule(Nq, Nk, cfg, sms)
-    assert got_accs == accs and rot > 0
+    cfg = dict(half_gluon_bwd.get_config(D), dq_accumulators=accs, rotated_dq_accumulators=accs)
+    chains, rot, _ = half_gluon_bwd.dq_schedule(Nq, Nk, cfg)
+    assert chains == accs and rot > 0
     rotated = [half_gluon_bwd.half_backward(q, k, v, out, do, lse, D ** -0.5, config=cfg) for _ in range(2)]
     plain = half_gluon_bwd.half_backward(q, k, v, out, do, lse, D ** -0.5, config=dict(cfg, rotate=False))
     assert all(torch.equal(a, b) for a, b in zip(*rotated))
     for name, got, base, want in zip("qkv", rotated[0], plain, ref):
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         base_err = ((base.double() - want).abs().max() / want.abs().max()).item()
-        assert err <= max(1.5 * base_err, 8e-3), (name, err, base_err)
+        assert base_err <= 1.6e-2 and err <= max(1.5 * base_err, 8e-3), (name, err, base_err)
 
 
 @pytest.mark.gpu
