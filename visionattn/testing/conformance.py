@@ -89,8 +89,10 @@ whether cuBLAS picks TF32 for a shape. With ``x`` ours and ``g`` the oracle's:
   value ``|a| |b| / sqrt(Dv)``; on an H200, rows seeing one key left up to 0.66 u w at Dv = 160 in fp32-ieee and
   4 u w at Dv = 64 in bf16), ``c`` is,
   elementwise, the larger of the gradient of ``<S, W>`` (S the logits; one rounding of ``D_i`` per row,
-  coherent over its keys) and the RMS of the gradients of ``<S, W r>`` over 4 random signs ``r_ij = +-1`` (one
-  rounding per ``dP_ij``), and ``u`` the roundoff of those dot products: 2^-21 for FP32 accumulation
+  coherent over its keys) and the RMS of the gradients of ``<S, W r>`` over :data:`CANCEL_DRAWS` random signs
+  ``r_ij = +-1`` (one rounding per ``dP_ij``; few draws leave some elements' RMS far below its expectation: with
+  4, a dK summed over the rows of a key shared by a batch had an element at 1 / 56 of the median, where a
+  kernel's residue is not small), and ``u`` the roundoff of those dot products: 2^-21 for FP32 accumulation
   (fp32-ieee; fp16 / bf16, whose half inputs multiply exactly in FP32), 2^-20 for fp32 (split-FP16 products
   with one power-of-two scale per head: 22 significant bits at the head's largest element, fewer below it),
   2^-11 for tf32. Where the gradient does not cancel, ``8 u |c|`` is about ``8 u sqrt(Dv) |g|`` elementwise
@@ -1133,7 +1135,13 @@ def _ds_rounding(th: dict, live, p, go64, v, out, dtype) -> dict:
     return {n: g.detach() for n, g in zip(names, got) if g is not None}
 
 
-def _cancellation_floors(th: dict, live, weight, draws: int = 4) -> dict:
+# random-sign draws of the cancellation floor's RMS term: an element's RMS over n draws falls below a quarter of its
+# expectation with probability ~ (n / 32)^(n / 2) / (n / 2)! (4 draws: ~1 / 140, over the thousands of elements of a
+# gradient a certainty; 16 draws: ~1e-7)
+CANCEL_DRAWS = 16
+
+
+def _cancellation_floors(th: dict, live, weight, draws: int = CANCEL_DRAWS) -> dict:
     """The vectors ``c`` of the cancellation floor (module docstring) by theta name: elementwise the larger of
     the gradient of ``<S, W>`` (one rounding of ``D_i`` per row: coherent over the row's keys) and the RMS over
     ``draws`` random-sign versions ``<S, W r>``, ``r_ij = +-1`` (one rounding per ``dP_ij``: incoherent), with
