@@ -560,11 +560,10 @@ if _IMPORT_ERROR is None:
         # t % WRITERS == WRITER (query tile i = _query_tile(t)), so that WRITERS tiles' turn waits, reductions and
         # turn passes are in flight at once. Key tile j adds into the accumulator and at the turn _query_turn(i) says
         # (dqacc_desc: the accumulators as [A * B * H, Nq, HEAD_D], A = DQ_ACCS, twice that with ROT > 0, rows past
-        # Nq clipped). Per
-        # step: wait for both consumers' column halves (ring slot t % DQ_RING), wait for the turn (every key tile
-        # before this one in tile i's order that adds into the accumulator has added: the order, a function of the
-        # shape alone, not the timing, fixes every sum), add each half as one
-        # TMA bulk reduction issued by one thread, wait for the reductions to complete (their writes, not only
+        # Nq clipped). Per step: wait for both consumers' column halves (ring slot t % DQ_RING), wait for the turn
+        # (every key tile before this one in tile i's order that adds into the accumulator has added: the order, a
+        # function of the shape alone, not the timing, fixes every sum), add each half as one TMA bulk reduction
+        # issued by one thread, wait for the reductions to complete (their writes, not only
         # their shared-memory reads), free the slot and pass the turn on; the combine kernel writes dQ.
         # Ring slots: the uses of slot s (steps s, s + DQ_RING, ...) fill (dq_full) and free (dq_empty) in strict
         # alternation, so a phase-parity wait on use k is exact as long as use k - 1 has completed its phase when
@@ -910,7 +909,7 @@ def fp32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) 
 def tf32_config(head_dim: int) -> dict:
     """:func:`get_config` for mode tf32: one dQ accumulator, which is then the FP32 dQ itself (no combine, no second
     FP32 buffer: the peak memory of a tf32 backward stays at SDPA-efficient's or below; docs/tuning.md)."""
-    return dict(get_config(head_dim), dq_accumulators=1, rotated_dq_accumulators=1, rotate=False)
+    return dict(get_config(head_dim), dq_accumulators=1, rotate=False)
 
 
 def tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -1100,8 +1099,8 @@ def fp32_config(head_dim: int) -> dict:
     the half builds only)."""
     if head_dim not in FP32_HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the split-FP16 Gluon backward takes {FP32_HEAD_DIMS}")
-    return dict(get_config(head_dim), dq_accumulators=1, rotated_dq_accumulators=1, rotate=False, dq_ring=2,
-                producer_rows=False, kv_in_registers=False)
+    return dict(get_config(head_dim), dq_accumulators=1, rotate=False, dq_ring=2, producer_rows=False,
+                kv_in_registers=False)
 
 
 def fp32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
