@@ -108,6 +108,7 @@ for tools and tuning :func:`get_config`, :class:`BwdConfig`, :class:`KernelTiles
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -123,7 +124,8 @@ from .split16 import SPLIT_EXP, exponent, pow2, split_rows, split_scores
 
 __all__ = ["elsa_backward", "backward_after_forward", "launch_backward", "bias_grad_shape", "autograd_bias",
            "reduce_bias_grad",
-           "get_config", "BwdConfig", "SINGLE_PASS_MAX_KEYS",
+           "get_config", "BwdConfig", "SINGLE_PASS_MAX_KEYS", "HEAD_MAX_ROWS", "HEAD_MAX_KEYS", "HEAD_DIM",
+           "head_tiles",
            "KernelTiles", "BWD_MODES", "MAX_HEAD_DIM", "BIAS_WORKSPACE_BYTES", "FP32_PRODUCTS", "BACKWARD_PRODUCTS",
            "fp32_products", "product_flags", "HEAD_SCALED"]
 
@@ -780,6 +782,102 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
                  mask=row_ok[:, None] & (offs_n < Nk)[None, :])
 
 
+@triton.jit
+def _head_key_tile(dq, q, do, lse, delta, start_n, rows, row_ok, offs_n, offs_d, offs_dv, k_base, v_base, b_base,
+                   m_base, dk_base, dv_base, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn, sgkn, sgvn, scale,
+                   BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """One key tile of :func:`_bwd_head_kernel`: its dK / dV rows, complete (every query row of the head is in
+    the program), stored; ``dq + dS K`` returned. BOUNDARY tiles mask keys >= Nk and (causal) keys after the
+    query."""
+    cols = start_n + offs_n
+    col_ok = cols < Nk
+    cols64 = cols.to(tl.int64)
+    k = load_kv_tile(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, col_ok, offs_d, D, BOUNDARY, EVEN_D)
+    v = load_kv_tile(v_base + cols64[:, None] * svn + offs_dv[None, :] * svd, col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
+    s = _mm(q, tl.trans(k), PRECISION, DOT_UPCAST) * scale
+    rows64 = rows.to(tl.int64)
+    s = _bias_mask(s, b_base + rows64[:, None] * sbm + cols64[None, :] * sbn, b_base,
+                   m_base + rows64[:, None] * smm + cols64[None, :] * smn, row_ok[:, None] & col_ok[None, :],
+                   HAS_BIAS, False, HAS_MASK)
+    if BOUNDARY:
+        valid = col_ok[None, :]
+        if IS_CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        s = tl.where(valid, s, float("-inf"))
+    p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
+    dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
+    ds = (p * (dp - delta[:, None])).to(q.dtype)
+    dv = _mm(tl.trans(p.to(q.dtype)), do, PRECISION, DOT_UPCAST)
+    dk = _mm(tl.trans(ds), q, PRECISION, DOT_UPCAST) * scale
+    tl.store(dv_base + cols64[:, None] * sgvn + offs_dv[None, :], dv.to(dv_base.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_dv < Dv)[None, :])
+    tl.store(dk_base + cols64[:, None] * sgkn + offs_d[None, :], dk.to(dk_base.dtype.element_ty),
+             mask=col_ok[:, None] & (offs_d < D)[None, :])
+    return _mm_acc(dq, ds, k, PRECISION, DOT_UPCAST)
+
+
+@triton.jit(do_not_specialize=["H", "Nq", "Nk"])  # lengths are runtime values: a new one compiles nothing new
+def _bwd_head_kernel(Q, K, V, O, DO, LSE, Bias, Mask, DQ, DK, DV,
+                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+                     sdb, sdh, sdm, sdd, slb, slh, slm, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
+                     sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """dQ, dK, dV of one (batch, head) whose ``Nq <= BLOCK_M`` query rows all fit one tile (half operands).
+
+    1-D grid B * H. The program holds the head's q, dO (and forms ``delta = rowsum(dO * O)`` and the row lse
+    itself: no preprocess launch) and the dQ accumulator, and streams the key tiles: each key tile's dK / dV is
+    the sum over every query row, so it is complete after its step and stored; no other program adds to it. Five
+    tile products per key tile (the two-kernel path's dQ kernel recomputes S and dP: seven), one launch instead
+    of three, no ordered adds; every sum has a fixed order (reproducible). Keys >= Nk are masked in the last
+    tile; query rows >= Nq read ``lse = +inf`` and dO = 0, so their P and dS are 0; a row whose keys are all
+    masked (``lse = -inf``) reads ``+inf`` too and gets zero gradients."""
+    bh = tl.program_id(0).to(tl.int64)
+    off_b = bh // H
+    off_h = bh % H
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < Nq
+    rows64 = rows.to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = load_kv_tile(Q + off_b * sqb + off_h * sqh + rows64[:, None] * sqm + offs_d[None, :] * sqd, row_ok, offs_d,
+                     D, True, EVEN_D)
+    ok_v = row_ok[:, None] & (offs_dv < Dv)[None, :]
+    o = tl.load(O + off_b * sob + off_h * soh + rows64[:, None] * som + offs_dv[None, :] * sod, mask=ok_v,
+                other=0.0)
+    do = tl.load(DO + off_b * sdb + off_h * sdh + rows64[:, None] * sdm + offs_dv[None, :] * sdd, mask=ok_v,
+                 other=0.0).to(q.dtype)  # rounded to the compute dtype, as the other kernels read it
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + off_b * slb + off_h * slh + rows64 * slm, mask=row_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    k_base = K + off_b * skb + off_h * skh
+    v_base = V + off_b * svb + off_h * svh
+    b_base = Bias + off_b * sbb + off_h * sbh
+    m_base = Mask + off_b * smb + off_h * smh
+    dk_base = DK + off_b * sgkb + off_h * sgkh
+    dv_base = DV + off_b * sgvb + off_h * sgvh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    n_full = Nk // BLOCK_N
+    if IS_CAUSAL:
+        n_full = 0  # every tile may cross a row's diagonal: masked per element
+    for t in range(0, n_full):
+        dq = _head_key_tile(dq, q, do, lse, delta, t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, k_base,
+                            v_base, b_base, m_base, dk_base, dv_base, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm,
+                            smn, sgkn, sgvn, scale, False, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION,
+                            DOT_UPCAST)
+    for t in range(n_full, tl.cdiv(Nk, BLOCK_N)):  # causal: keys no query row sees get their zero rows here
+        dq = _head_key_tile(dq, q, do, lse, delta, t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, k_base,
+                            v_base, b_base, m_base, dk_base, dv_base, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm,
+                            smn, sgkn, sgvn, scale, True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION,
+                            DOT_UPCAST)
+    dq = dq * scale
+    tl.store(DQ + off_b * sgqb + off_h * sgqh + rows64[:, None] * sgqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_d < D)[None, :])
+
+
 # --------------------------------------------------------------------------- configuration
 
 @dataclass(frozen=True)
@@ -864,6 +962,26 @@ _BIAS_GRAD_CONFIGS: dict[tuple[str, int], BwdConfig] = {
 _SINGLE_PASS: dict[tuple[str, int], KernelTiles] = {("fp32", 64): KernelTiles(32, 64, 4, 2, tail=16),
                                                     ("f16x1", 64): KernelTiles(64, 64, 4, 2, tail=16)}
 SINGLE_PASS_MAX_KEYS = 256
+
+# The whole-head backward (:func:`_bwd_head_kernel`, one program per (batch, head) holding every query row) for
+# fp16 / bf16 calls of at most this many query rows and keys at head dims that pad to HEAD_DIM, without a bias or
+# logit-scale gradient or grouped heads (docs/tuning.md: "whole-head half backward": at head dim 32 the two
+# kernels measured faster; 128 would hold twice the q, dO and FP32 dQ registers); tiles tried in order until one
+# fits shared memory
+HEAD_MAX_ROWS = 256
+HEAD_MAX_KEYS = 256
+HEAD_DIM = 64
+
+
+def head_tiles(n_q: int) -> list[KernelTiles]:
+    """Tiles of the whole-head backward for ``n_q`` query rows, in the order a plan tries them: one query tile of
+    ``max(64, pad_pow2(n_q))`` rows (8 warps at 256 rows, 4 below), 32-key tiles in 3 stages, then fewer stages
+    and 16-key tiles for GPUs with less shared memory (256 rows x 32 keys: 188 / 180 KB in 3 / 2 stages, x 16
+    keys: 156 KB in 2, with triton 3.6)."""
+    block_m = max(64, pad_pow2(n_q))
+    warps = 8 if block_m > 128 else 4
+    return [KernelTiles(block_m, 32, warps, 3), KernelTiles(block_m, 32, warps, 2), KernelTiles(block_m, 16, warps, 2),
+            KernelTiles(block_m, 16, warps, 1)]
 
 
 def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_grad: bool = False,
@@ -1202,6 +1320,18 @@ def _gqa_kv_max(head_max: torch.Tensor, k: torch.Tensor, v: torch.Tensor, B: int
         rows[:, :, :, col] = peak[:, :, None]
 
 
+_HEAD_WARNED: list[bool] = []
+
+
+def _head_does_not_fit(t: KernelTiles) -> None:
+    """Warn, once per process, that the whole-head backward's smallest tiles exceed this GPU's shared memory."""
+    if not _HEAD_WARNED:
+        _HEAD_WARNED.append(True)
+        warnings.warn(f"visionattn: the whole-head fp16 / bf16 backward ({t.block_m} query rows, {t.block_n}-key "
+                      f"tiles) needs more shared memory than this GPU has; short calls run the two-kernel backward "
+                      f"(a few tens of percent slower) instead", RuntimeWarning, stacklevel=4)
+
+
 class _BackwardPlan:
     """The preprocess, dK/dV and dQ launches of one backward call signature: grids, constexprs and every
     integer argument fixed when the plan is built, tiles fitted to shared memory on its first run; a call
@@ -1309,6 +1439,15 @@ class _BackwardPlan:
                     self.scaled_gluon = launch(q, k, v, grad_out)
                 elif reason == hg._IMPORT_ERROR:
                     elsa_fwd._gluon_failed(self.scaled_key, reason)
+        # fp16 / bf16 short calls: the whole-head kernel (its tiles fitted on the first run; None if none fits)
+        self.head = None
+        self.head_tiles = (head_tiles(Nq) if dtype != torch.float32 and config is None and default is None
+                           and add_mask is None and head_scale is None and not bias_requires_grad
+                           and not head_scale_requires_grad and self.group == 1 and Nq <= HEAD_MAX_ROWS
+                           and Nk <= HEAD_MAX_KEYS and BLOCK_D == BLOCK_DV == HEAD_DIM
+                           and self.half_gluon is None else [])
+        self.head_strides = (*q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(), *lse.stride(),
+                             *sb, *sm)
         # the dK/dV kernel's ordered dQ: accumulate in place when dQ is FP32; SPIN_ASM off in the interpreter
         # (dQ given: the Triton kernels write it at its strides, the Gluon ones contiguous, copied after)
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
@@ -1355,6 +1494,46 @@ class _BackwardPlan:
                                **self.ordered),
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))
 
+    def _head_call(self, t: KernelTiles) -> KernelCall:
+        B, H = self.dims[:2]
+        f = self.flags
+        return KernelCall(_bwd_head_kernel, (B * H,),
+                          dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **self.blocks, PRECISION=f["PRECISION"],
+                               IS_CAUSAL=f["IS_CAUSAL"], HAS_BIAS=f["HAS_BIAS"], HAS_MASK=f["HAS_MASK"],
+                               EVEN_D=f["EVEN_D"], EVEN_DV=f["EVEN_DV"], DOT_UPCAST=f["DOT_UPCAST"]),
+                          dict(num_warps=t.num_warps, num_stages=t.num_stages))
+
+    def _run_head(self, q, k, v, out, grad_out, lse, bias, attn_mask, scale, grads) -> tuple | None:
+        """The whole-head kernel's ``(dq, dk, dv, None, None)``, or None where none of its tiles fits this GPU's
+        shared memory (warned once; the plan then runs the two kernels)."""
+        from triton.runtime.errors import OutOfResources
+
+        B, H, Nq, Nk, D, Dv = self.dims
+        dev = self.device
+        if grads is not None:
+            dq, dk, dv = grads
+        else:
+            dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
+            dk = torch.empty((B, H, Nk, D), device=dev, dtype=q.dtype)
+            dv = torch.empty((B, H, Nk, Dv), device=dev, dtype=q.dtype)
+        args = (q, k, v, out, grad_out, lse, q if bias is None else bias.expand(self.shape4),
+                q if attn_mask is None else attn_mask.expand(self.shape4), dq, dk, dv, *self.head_strides,
+                *self.g_strides, H, Nq, Nk, D, Dv, float(scale))
+        if self.head is not None:
+            self.head(*args)
+            return dq, dk, dv, None, None
+        for t in self.head_tiles:
+            call = self._head_call(t)
+            try:
+                call(*args)
+            except OutOfResources:
+                continue
+            self.head = call
+            return dq, dk, dv, None, None
+        _head_does_not_fit(self.head_tiles[-1])
+        self.head_tiles = []
+        return None
+
     def _dq_call(self, t: KernelTiles):
         B, H, Nq, Nk, D, Dv = self.dims
         n_m = cdiv(Nq, t.block_m)
@@ -1382,6 +1561,10 @@ class _BackwardPlan:
             for into, got in zip(grads, result):
                 into.copy_(got)
             return (*grads, *result[3:])
+        if self.head_tiles:
+            result = self._run_head(q, k, v, out, grad_out, lse, bias, attn_mask, scale, grads)
+            if result is not None:
+                return result
         dq = grads[0] if grads is not None else None
         if self.half_gluon is not None:  # it allocates dQ and its accumulators itself
             acc = sem = head_max = q  # not read

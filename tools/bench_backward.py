@@ -62,7 +62,8 @@ def build_parser() -> ToolParser:
     p.add_argument("--configs", nargs="+", type=_config, default=[], metavar="M,N,W,S[/M,N,W,S]",
                    help="tiles to time beside the default, each block_m, block_n, warps, stages: dK/dV then dQ "
                         "tiles for the two-kernel backward (e.g. 32,128,4,3/128,32,8,3); one tile set for the "
-                        "single-pass backward (the dK/dV kernel with the ordered dQ accumulation, e.g. 64,128,8,2)")
+                        "single-pass backward (the dK/dV kernel with the ordered dQ accumulation, e.g. 64,128,8,2); "
+                        "a fifth number sets a kernel's narrow last tile (e.g. 32,128,4,3,16/128,32,4,3,16)")
     p.add_argument("--fp32-products", nargs="+", choices=("f16x3", "f16x3-head", "tf32x3", "ieee"),
                    default=[],
                    help="FP32 modes: also time the backward (and each --configs tile set) with these products "
@@ -76,7 +77,8 @@ def build_parser() -> ToolParser:
 
 def _config(text: str):
     """``M,N,W,S/M,N,W,S`` -> :class:`visionattn.kernels.elsa_bwd.BwdConfig` (dK/dV tiles, then dQ tiles);
-    ``M,N,W,S`` -> the single-pass backward with those tiles."""
+    ``M,N,W,S`` -> the single-pass backward with those tiles; a fifth number ``,T`` on a kernel's tiles sets its
+    narrow last tile (``KernelTiles.tail``)."""
     import argparse
 
     from visionattn.kernels.elsa_bwd import BwdConfig, KernelTiles
@@ -91,14 +93,16 @@ def _config(text: str):
     dkdv, dq = tiles if len(tiles) == 2 else tiles * 2
     for t in (dkdv, dq):
         if min(t.block_m, t.block_n) < 16 or t.block_m & (t.block_m - 1) or t.block_n & (t.block_n - 1) \
-                or t.num_warps not in (1, 2, 4, 8, 16) or t.num_stages < 1:
+                or t.num_warps not in (1, 2, 4, 8, 16) or t.num_stages < 1 \
+                or t.tail and (t.tail < 16 or t.tail & (t.tail - 1)):
             raise argparse.ArgumentTypeError(f"{text!r}: blocks must be powers of two >= 16, warps 1-16 (a power "
-                                             f"of two), stages >= 1")
+                                             f"of two), stages >= 1, a tail 0 or a power of two >= 16")
     return BwdConfig(dkdv, dq, single_pass=len(tiles) == 1)
 
 
 def _config_text(cfg) -> str:
-    return "/".join(",".join(str(x) for x in (t.block_m, t.block_n, t.num_warps, t.num_stages))
+    return "/".join(",".join(str(x) for x in (t.block_m, t.block_n, t.num_warps, t.num_stages)
+                             + ((t.tail,) if t.tail else ()))
                     for t in ((cfg.dkdv,) if cfg.single_pass else (cfg.dkdv, cfg.dq)))
 
 

@@ -319,6 +319,129 @@ def test_tail_tiles(single_pass, Nq, Nk, causal):
     check_mode("fp32", q, k, v, do, bias=bias, causal=causal, config=tail)
 
 
+def _backward_plans(clear: bool = False):
+    """The cached backward plans (after emptying the cache when ``clear``)."""
+    from visionattn.kernels import elsa_bwd
+
+    if clear:
+        elsa_bwd.PLANS.clear()
+    return list(elsa_bwd.PLANS.plans.values())
+
+
+@cpu_only
+@pytest.mark.parametrize("Nq,Nk,D,causal,extras", [(37, 37, 64, False, False), (37, 37, 64, True, False),
+                                                   (70, 100, 40, True, False), (100, 70, 48, False, True),
+                                                   (16, 256, 64, False, False), (256, 33, 40, True, True)])
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_whole_head_backward_meets_the_bounds(mode, Nq, Nk, D, causal, extras):
+    """fp16 / bf16 calls of at most HEAD_MAX_ROWS query rows and HEAD_MAX_KEYS keys at head dims padding to
+    HEAD_DIM run the whole-head kernel (one program per head, every query row held, key tiles streamed): the mode's
+    bound against float64 autograd, Nq != Nk both ways, causal (keys after the last query row get zero rows), padded
+    head dims (40, 48), a bias without its
+    gradient and a bool mask with a fully masked row (exactly zero dQ there); bit-identical on a repeat."""
+    from visionattn.kernels.elsa_bwd import HEAD_MAX_KEYS, HEAD_MAX_ROWS
+
+    assert Nq <= HEAD_MAX_ROWS and Nk <= HEAD_MAX_KEYS
+    q, k, v, do = _inputs(2, 2, Nq, Nk, D, seed=Nq + Nk)
+    dtype = BWD_MODES[mode][0]
+    mask = bias = None
+    if extras:
+        g = torch.Generator().manual_seed(1)
+        mask = torch.rand(Nq, Nk, generator=g) > 0.3
+        mask[5] = False
+        bias = torch.randn(2, Nq, Nk, generator=g)
+    qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+    out64, lse, gold = autograd_grads(torch.float64, qc, kc, vc, do, bias, mask, causal, D ** -0.5)
+    _backward_plans(clear=True)
+    run = lambda: elsa_backward(qc, kc, vc, out64.to(dtype), do.to(dtype), lse, bias, mask, causal,  # noqa: E731
+                                D ** -0.5, mode)
+    got = run()
+    assert [p.head is not None for p in _backward_plans()] == [True]
+    bounds = mode_bounds(mode, gold[:3], lambda: autograd_grads(dtype, qc, kc, vc, do, bias, mask, causal,
+                                                                 D ** -0.5)[2][:3], False)
+    assert_gradients(mode, ("dq", "dk", "dv"), got[:3], gold[:3], bounds)
+    if extras:
+        assert (got[0][:, :, 5] == 0).all()
+    for a, b in zip(got[:3], run()[:3]):
+        assert torch.equal(a, b)
+
+
+@cpu_only
+@pytest.mark.parametrize("case", ["rows", "keys", "head dim 32", "head dim 65", "bias grad", "gqa", "fp32", "tiles"])
+def test_whole_head_backward_scope(case):
+    """The whole-head kernel takes fp16 / bf16 calls within HEAD_MAX_ROWS x HEAD_MAX_KEYS at head dims padding to
+    HEAD_DIM without a bias gradient, grouped heads or explicit tiles; the two kernels take the rest (and still meet
+    the bound)."""
+    from visionattn.kernels.elsa_bwd import HEAD_MAX_KEYS, HEAD_MAX_ROWS
+
+    Nq, Nk, D, Hkv, mode, bias, config = 24, 24, 64, 2, "bf16", None, None
+    if case == "rows":
+        Nq = HEAD_MAX_ROWS + 1
+    elif case == "keys":
+        Nk = HEAD_MAX_KEYS + 1
+    elif case.startswith("head dim"):
+        D = int(case.split()[-1])
+    elif case == "bias grad":
+        bias = torch.randn(2, Nq, Nk)
+    elif case == "gqa":
+        Hkv = 1
+    elif case == "fp32":
+        mode = "fp32"
+    else:
+        config = SMALL
+    q, k, v, do = _inputs(1, 2, Nq, Nk, D, seed=4)
+    k, v = k[:, :Hkv], v[:, :Hkv]
+    dtype = BWD_MODES[mode][0]
+    qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+    out, lse, gold = autograd_grads(torch.float64, qc, kc, vc, do, bias, None, False, 0.25)
+    _backward_plans(clear=True)
+    got = elsa_backward(qc, kc, vc, out.to(dtype), do.to(dtype), lse, bias, None, False, 0.25, mode,
+                        bias is not None, config=config)
+    assert [p.head is not None for p in _backward_plans()] == [False]
+    for x, g in zip(got, gold):
+        assert g is None or rel_l2(x, g) < 2e-2
+
+
+@cpu_only
+def test_whole_head_backward_that_fits_no_tiles_warns_once_and_runs_the_two_kernels(monkeypatch):
+    """On a GPU whose shared memory takes none of the whole-head kernel's tiles, the plan warns once, runs the
+    two kernels (the bound holds) and does not try the whole-head kernel again."""
+    from triton.runtime.errors import OutOfResources
+
+    from visionattn.kernels import elsa_bwd
+
+    tried = []
+
+    def no_fit(self, t):
+        tried.append(t)
+
+        def call(*args):
+            raise OutOfResources(240000, 232448, "shared memory")
+        return call
+
+    monkeypatch.setattr(elsa_bwd._BackwardPlan, "_head_call", no_fit)
+    monkeypatch.setattr(elsa_bwd, "_HEAD_WARNED", [])
+    q, k, v, do = _inputs(1, 2, 30, 30, 64, seed=6)
+    _backward_plans(clear=True)
+    with pytest.warns(RuntimeWarning, match="whole-head .* two-kernel backward"):
+        check_mode("fp16", q, k, v, do, scale=0.25)
+    assert tried == elsa_bwd.head_tiles(30)
+    check_mode("fp16", q, k, v, do, scale=0.25)  # the same plan: no new attempt
+    assert len(tried) == len(elsa_bwd.head_tiles(30))
+
+
+def test_whole_head_tiles():
+    """One query tile covering the rows (at least 64), 8 warps at 256 rows; 32-key tiles first, smaller after."""
+    from visionattn.kernels.elsa_bwd import head_tiles
+
+    for n, m, w in ((1, 64, 4), (64, 64, 4), (65, 128, 4), (197, 256, 8), (256, 256, 8)):
+        tiles = head_tiles(n)
+        assert {t.block_m for t in tiles} == {m} and {t.num_warps for t in tiles} == {w}
+        assert tiles[0].block_n == 32 and tiles[-1].block_n == 16
+        assert [t.num_stages * t.block_n for t in tiles] == sorted((t.num_stages * t.block_n for t in tiles),
+                                                                   reverse=True)
+
+
 def test_single_pass_is_picked_where_it_measured_faster():
     """Split-FP16 products at head dim 64 up to SINGLE_PASS_MAX_KEYS keys without a bias gradient; the two kernels
     everywhere else."""
@@ -472,6 +595,37 @@ def test_gpu_f16x3_head_products(B, H, N, D):
     q, k, v, do = _inputs(B, H, N, N, D, seed=N + B, device="cuda")
     bias = torch.randn(H, N, N, device="cuda") if B == 8 else None
     check_mode("fp32", q, k, v, do, bias=bias, scale=D ** -0.5, chunk=1024, products="f16x3-head")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+@pytest.mark.parametrize("B,H,Nq,Nk,causal,extras", [(64, 12, 197, 197, False, False), (256, 16, 64, 64, False, False),
+                                                     (8, 12, 145, 231, True, True), (4, 6, 256, 17, False, True)])
+def test_gpu_whole_head_backward(mode, B, H, Nq, Nk, causal, extras):
+    """The whole-head kernel at ViT-B/16 224 (64 x 12 heads of 197 tokens), 64-token heads, causal with a bias and
+    a mask (one fully masked row: zero dQ), few keys: the mode's bound, bit-identical over repeated runs, and the
+    plan did run it."""
+    q, k, v, do = _inputs(B, H, Nq, Nk, 64, seed=Nq + Nk, device="cuda")
+    dtype = BWD_MODES[mode][0]
+    mask = bias = None
+    if extras:
+        mask = torch.rand(Nq, Nk, device="cuda") > 0.3
+        mask[5] = False
+        bias = torch.randn(H, Nq, Nk, device="cuda")
+    qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+    out64, lse, gold = autograd_grads(torch.float64, qc, kc, vc, do, bias, mask, causal, 0.125)
+    _backward_plans(clear=True)
+    runs = [elsa_backward(qc, kc, vc, out64.to(dtype), do.to(dtype), lse, bias, mask, causal, 0.125, mode)
+            for _ in range(3)]
+    assert [p.head is not None for p in _backward_plans()] == [True]
+    bounds = mode_bounds(mode, gold[:3], lambda: autograd_grads(dtype, qc, kc, vc, do, bias, mask, causal,
+                                                                 0.125)[2][:3], True)
+    assert_gradients(mode, ("dq", "dk", "dv"), runs[0][:3], gold[:3], bounds)
+    if extras:
+        assert (runs[0][0][:, :, 5] == 0).all()
+    for r in runs[1:]:
+        for a, b in zip(runs[0][:3], r[:3]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
