@@ -28,6 +28,12 @@ Three kernels, every gradient bit-for-bit reproducible:
   ``dQ_i`` accumulator and streams the key tiles (causal: up to the diagonal). It also writes ``dS`` when the
   bias needs a gradient (below).
 
+**Whole head** (fp16 / bf16, at most :data:`HEAD_MAX_ROWS` query rows and :data:`HEAD_MAX_KEYS` keys, head dims
+padding to :data:`HEAD_DIM`, no bias or logit-scale gradient, no grouped heads, no explicit tiles):
+:func:`_bwd_head_kernel` alone, one program per (batch, head) holding every query row and streaming the key
+tiles; each key tile's dK / dV is complete after its step (no other program adds to it), ``delta`` and the row lse
+are formed in the kernel: one launch, five tile products per key tile, every sum in a fixed order.
+
 **Single pass** (:attr:`BwdConfig.single_pass`; by default split-FP16 products at head dim 64 up to
 :data:`SINGLE_PASS_MAX_KEYS` keys, where it measured faster): the dK/dV kernel also forms each query tile's
 ``dS K`` and adds it into an FP32 dQ accumulator, so no dQ kernel recomputes the scores (five tile products
