@@ -28,7 +28,8 @@ Three kernels, every gradient bit-for-bit reproducible:
   ``dQ_i`` accumulator and streams the key tiles (causal: up to the diagonal). It also writes ``dS`` when the
   bias needs a gradient (below).
 
-**Whole head** (fp16 / bf16, at most :data:`HEAD_MAX_ROWS` query rows and :data:`HEAD_MAX_KEYS` keys, head dims
+**Whole head** (fp16 / bf16, at most :data:`HEAD_MAX_ROWS` query rows (256 and a 16-row tail) and
+:data:`HEAD_MAX_KEYS` keys, head dims
 padding to :data:`HEAD_DIM`, no bias or logit-scale gradient, no grouped heads, no explicit tiles):
 :func:`_bwd_head_kernel` alone, one program per (batch, head) holding every query row and streaming the key
 tiles; each key tile's dK / dV is complete after its step (no other program adds to it), ``delta`` and the row lse
@@ -789,20 +790,34 @@ def _bwd_dq_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DQ, DB, DHS,
 
 
 @triton.jit
-def _head_key_tile(dq, q, do, lse, delta, start_n, rows, row_ok, offs_n, offs_d, offs_dv, k_base, v_base, b_base,
-                   m_base, dk_base, dv_base, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn, sgkn, sgvn, scale,
-                   BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                   EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """One key tile of :func:`_bwd_head_kernel`: its dK / dV rows, complete (every query row of the head is in
-    the program), stored; ``dq + dS K`` returned. BOUNDARY tiles mask keys >= Nk and (causal) keys after the
-    query."""
-    cols = start_n + offs_n
-    col_ok = cols < Nk
-    cols64 = cols.to(tl.int64)
-    k = load_kv_tile(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, col_ok, offs_d, D, BOUNDARY, EVEN_D)
-    v = load_kv_tile(v_base + cols64[:, None] * svn + offs_dv[None, :] * svd, col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
+def _head_rows(Q, O, DO, LSE, off_b, off_h, rows, Nq, D, Dv, sqb, sqh, sqm, sqd, sob, soh, som, sod, sdb, sdh, sdm,
+               sdd, slb, slh, slm, offs_d, offs_dv, EVEN_D: tl.constexpr):
+    """``(q, dO, lse, delta, row_ok)`` of query ``rows`` of one head for :func:`_bwd_head_kernel`: dO rounded to the
+    compute dtype (as the other kernels read it), ``delta = rowsum(dO * O)``, lse ``+inf`` for rows past Nq and for
+    rows whose keys are all masked (``-inf``), so their P and dS are 0."""
+    row_ok = rows < Nq
+    rows64 = rows.to(tl.int64)
+    q = load_kv_tile(Q + off_b * sqb + off_h * sqh + rows64[:, None] * sqm + offs_d[None, :] * sqd, row_ok, offs_d,
+                     D, True, EVEN_D)
+    ok_v = row_ok[:, None] & (offs_dv < Dv)[None, :]
+    o = tl.load(O + off_b * sob + off_h * soh + rows64[:, None] * som + offs_dv[None, :] * sod, mask=ok_v,
+                other=0.0)
+    do = tl.load(DO + off_b * sdb + off_h * sdh + rows64[:, None] * sdm + offs_dv[None, :] * sdd, mask=ok_v,
+                 other=0.0).to(q.dtype)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(LSE + off_b * slb + off_h * slh + rows64 * slm, mask=row_ok, other=float("inf"))
+    return q, do, tl.where(lse == float("-inf"), float("inf"), lse), delta, row_ok
+
+
+@triton.jit
+def _head_scores(q, do, lse, delta, k, v, rows, row_ok, cols, col_ok, b_base, m_base, sbm, sbn, smm, smn, scale,
+                 BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+                 PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``(P, dS)`` of query ``rows`` against the key tile ``cols``, rounded to the compute dtype for their products.
+    BOUNDARY tiles mask keys >= Nk (``col_ok``) and (causal) keys after the query."""
     s = _mm(q, tl.trans(k), PRECISION, DOT_UPCAST) * scale
     rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
     s = _bias_mask(s, b_base + rows64[:, None] * sbm + cols64[None, :] * sbn, b_base,
                    m_base + rows64[:, None] * smm + cols64[None, :] * smn, row_ok[:, None] & col_ok[None, :],
                    HAS_BIAS, False, HAS_MASK)
@@ -813,14 +828,41 @@ def _head_key_tile(dq, q, do, lse, delta, start_n, rows, row_ok, offs_n, offs_d,
         s = tl.where(valid, s, float("-inf"))
     p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
     dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
-    ds = (p * (dp - delta[:, None])).to(q.dtype)
-    dv = _mm(tl.trans(p.to(q.dtype)), do, PRECISION, DOT_UPCAST)
-    dk = _mm(tl.trans(ds), q, PRECISION, DOT_UPCAST) * scale
+    return p.to(q.dtype), (p * (dp - delta[:, None])).to(q.dtype)
+
+
+@triton.jit
+def _head_key_tile(dq, dq_t, q, do, lse, delta, rows, row_ok, q_t, do_t, lse_t, delta_t, rows_t, row_ok_t, start_n,
+                   offs_n, offs_d, offs_dv, k_base, v_base, b_base, m_base, dk_base, dv_base, Nk, D, Dv, skn, skd,
+                   svn, svd, sbm, sbn, smm, smn, sgkn, sgvn, scale,
+                   TAIL_M: tl.constexpr, BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr):
+    """One key tile of :func:`_bwd_head_kernel`: its dK / dV rows, complete (every query row of the head is in
+    the program: the main tile, then with TAIL_M the tail rows), stored; ``(dq + dS K, dq_t + dS_t K)``
+    returned."""
+    cols = start_n + offs_n
+    col_ok = cols < Nk
+    cols64 = cols.to(tl.int64)
+    k = load_kv_tile(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, col_ok, offs_d, D, BOUNDARY, EVEN_D)
+    v = load_kv_tile(v_base + cols64[:, None] * svn + offs_dv[None, :] * svd, col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
+    p, ds = _head_scores(q, do, lse, delta, k, v, rows, row_ok, cols, col_ok, b_base, m_base, sbm, sbn, smm, smn,
+                         scale, BOUNDARY, IS_CAUSAL, HAS_BIAS, HAS_MASK, PRECISION, DOT_UPCAST)
+    dv = _mm(tl.trans(p), do, PRECISION, DOT_UPCAST)
+    dk = _mm(tl.trans(ds), q, PRECISION, DOT_UPCAST)
+    dq = _mm_acc(dq, ds, k, PRECISION, DOT_UPCAST)
+    if TAIL_M > 0:
+        p_t, ds_t = _head_scores(q_t, do_t, lse_t, delta_t, k, v, rows_t, row_ok_t, cols, col_ok, b_base, m_base,
+                                 sbm, sbn, smm, smn, scale, True, IS_CAUSAL, HAS_BIAS, HAS_MASK, PRECISION,
+                                 DOT_UPCAST)
+        dv = _mm_acc(dv, tl.trans(p_t), do_t, PRECISION, DOT_UPCAST)
+        dk = _mm_acc(dk, tl.trans(ds_t), q_t, PRECISION, DOT_UPCAST)
+        dq_t = _mm_acc(dq_t, ds_t, k, PRECISION, DOT_UPCAST)
     tl.store(dv_base + cols64[:, None] * sgvn + offs_dv[None, :], dv.to(dv_base.dtype.element_ty),
              mask=col_ok[:, None] & (offs_dv < Dv)[None, :])
-    tl.store(dk_base + cols64[:, None] * sgkn + offs_d[None, :], dk.to(dk_base.dtype.element_ty),
+    tl.store(dk_base + cols64[:, None] * sgkn + offs_d[None, :], (dk * scale).to(dk_base.dtype.element_ty),
              mask=col_ok[:, None] & (offs_d < D)[None, :])
-    return _mm_acc(dq, ds, k, PRECISION, DOT_UPCAST)
+    return dq, dq_t
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk"])  # lengths are runtime values: a new one compiles nothing new
@@ -828,10 +870,13 @@ def _bwd_head_kernel(Q, K, V, O, DO, LSE, Bias, Mask, DQ, DK, DV,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
                      sdb, sdh, sdm, sdd, slb, slh, slm, sbb, sbh, sbm, sbn, smb, smh, smm, smn,
                      sgqb, sgqh, sgqm, sgkb, sgkh, sgkn, sgvb, sgvh, sgvn, H, Nq, Nk, D, Dv, scale,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """dQ, dK, dV of one (batch, head) whose ``Nq <= BLOCK_M`` query rows all fit one tile (half operands).
+                     BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                     DOT_UPCAST: tl.constexpr):
+    """dQ, dK, dV of one (batch, head) whose ``Nq <= BLOCK_M + TAIL_M`` query rows the program holds whole (half
+    operands): a tile of BLOCK_M rows and, with TAIL_M (0 = none), one of the TAIL_M rows after it (ViT-L/14's 257
+    tokens: 256 + 16 rows instead of a 512-row tile).
 
     1-D grid B * H. The program holds the head's q, dO (and forms ``delta = rowsum(dO * O)`` and the row lse
     itself: no preprocess launch) and the dQ accumulator, and streams the key tiles: each key tile's dK / dV is
@@ -843,45 +888,48 @@ def _bwd_head_kernel(Q, K, V, O, DO, LSE, Bias, Mask, DQ, DK, DV,
     bh = tl.program_id(0).to(tl.int64)
     off_b = bh // H
     off_h = bh % H
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < Nq
-    rows64 = rows.to(tl.int64)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = load_kv_tile(Q + off_b * sqb + off_h * sqh + rows64[:, None] * sqm + offs_d[None, :] * sqd, row_ok, offs_d,
-                     D, True, EVEN_D)
-    ok_v = row_ok[:, None] & (offs_dv < Dv)[None, :]
-    o = tl.load(O + off_b * sob + off_h * soh + rows64[:, None] * som + offs_dv[None, :] * sod, mask=ok_v,
-                other=0.0)
-    do = tl.load(DO + off_b * sdb + off_h * sdh + rows64[:, None] * sdm + offs_dv[None, :] * sdd, mask=ok_v,
-                 other=0.0).to(q.dtype)  # rounded to the compute dtype, as the other kernels read it
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse = tl.load(LSE + off_b * slb + off_h * slh + rows64 * slm, mask=row_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    rows = tl.arange(0, BLOCK_M)
+    q, do, lse, delta, row_ok = _head_rows(Q, O, DO, LSE, off_b, off_h, rows, Nq, D, Dv, sqb, sqh, sqm, sqd, sob,
+                                           soh, som, sod, sdb, sdh, sdm, sdd, slb, slh, slm, offs_d, offs_dv, EVEN_D)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if TAIL_M > 0:
+        rows_t = BLOCK_M + tl.arange(0, TAIL_M)
+        q_t, do_t, lse_t, delta_t, row_ok_t = _head_rows(Q, O, DO, LSE, off_b, off_h, rows_t, Nq, D, Dv, sqb, sqh,
+                                                         sqm, sqd, sob, soh, som, sod, sdb, sdh, sdm, sdd, slb, slh,
+                                                         slm, offs_d, offs_dv, EVEN_D)
+        dq_t = tl.zeros([TAIL_M, BLOCK_D], dtype=tl.float32)
+    else:  # stand-ins, never read
+        rows_t, q_t, do_t, lse_t, delta_t, row_ok_t, dq_t = rows, q, do, lse, delta, row_ok, dq
     k_base = K + off_b * skb + off_h * skh
     v_base = V + off_b * svb + off_h * svh
     b_base = Bias + off_b * sbb + off_h * sbh
     m_base = Mask + off_b * smb + off_h * smh
     dk_base = DK + off_b * sgkb + off_h * sgkh
     dv_base = DV + off_b * sgvb + off_h * sgvh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     n_full = Nk // BLOCK_N
     if IS_CAUSAL:
         n_full = 0  # every tile may cross a row's diagonal: masked per element
     for t in range(0, n_full):
-        dq = _head_key_tile(dq, q, do, lse, delta, t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, k_base,
-                            v_base, b_base, m_base, dk_base, dv_base, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm,
-                            smn, sgkn, sgvn, scale, False, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION,
-                            DOT_UPCAST)
+        dq, dq_t = _head_key_tile(dq, dq_t, q, do, lse, delta, rows, row_ok, q_t, do_t, lse_t, delta_t, rows_t,
+                                  row_ok_t, t * BLOCK_N, offs_n, offs_d, offs_dv, k_base, v_base, b_base, m_base,
+                                  dk_base, dv_base, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn, sgkn, sgvn,
+                                  scale, TAIL_M, False, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION,
+                                  DOT_UPCAST)
     for t in range(n_full, tl.cdiv(Nk, BLOCK_N)):  # causal: keys no query row sees get their zero rows here
-        dq = _head_key_tile(dq, q, do, lse, delta, t * BLOCK_N, rows, row_ok, offs_n, offs_d, offs_dv, k_base,
-                            v_base, b_base, m_base, dk_base, dv_base, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm,
-                            smn, sgkn, sgvn, scale, True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION,
-                            DOT_UPCAST)
-    dq = dq * scale
-    tl.store(DQ + off_b * sgqb + off_h * sgqh + rows64[:, None] * sgqm + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+        dq, dq_t = _head_key_tile(dq, dq_t, q, do, lse, delta, rows, row_ok, q_t, do_t, lse_t, delta_t, rows_t,
+                                  row_ok_t, t * BLOCK_N, offs_n, offs_d, offs_dv, k_base, v_base, b_base, m_base,
+                                  dk_base, dv_base, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, smm, smn, sgkn, sgvn,
+                                  scale, TAIL_M, True, IS_CAUSAL, HAS_BIAS, HAS_MASK, EVEN_D, EVEN_DV, PRECISION,
+                                  DOT_UPCAST)
+    dq_base = DQ + off_b * sgqb + off_h * sgqh
+    tl.store(dq_base + rows.to(tl.int64)[:, None] * sgqm + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d < D)[None, :])
+    if TAIL_M > 0:
+        tl.store(dq_base + rows_t.to(tl.int64)[:, None] * sgqm + offs_d[None, :],
+                 (dq_t * scale).to(DQ.dtype.element_ty), mask=row_ok_t[:, None] & (offs_d < D)[None, :])
 
 
 # --------------------------------------------------------------------------- configuration
@@ -896,7 +944,8 @@ class KernelTiles:
         num_warps: warps per program.
         num_stages: software-pipelining depth of the streamed loop.
         tail: rows of the narrow tile a last key tile and a last query tile run with when their valid rows fit
-            it (the dK/dV kernel only; 0 = off): :func:`_bwd_dkdv_kernel`'s TAIL.
+            it (the dK/dV kernel only; 0 = off): :func:`_bwd_dkdv_kernel`'s TAIL; in the whole-head kernel's
+            tiles (:func:`head_tiles`) the rows of the tail tile held after the ``block_m`` rows (its TAIL_M).
     """
 
     block_m: int
@@ -974,20 +1023,21 @@ SINGLE_PASS_MAX_KEYS = 256
 # logit-scale gradient or grouped heads (docs/tuning.md: "whole-head half backward": at head dim 32 the two
 # kernels measured faster; 128 would hold twice the q, dO and FP32 dQ registers); tiles tried in order until one
 # fits shared memory
-HEAD_MAX_ROWS = 256
-HEAD_MAX_KEYS = 256
+HEAD_MAX_ROWS = 256 + 16
+HEAD_MAX_KEYS = 256 + 16
 HEAD_DIM = 64
 
 
 def head_tiles(n_q: int) -> list[KernelTiles]:
     """Tiles of the whole-head backward for ``n_q`` query rows, in the order a plan tries them: one query tile of
-    ``max(64, pad_pow2(n_q))`` rows (8 warps at 256 rows, 4 below), 32-key tiles in 3 stages, then fewer stages
-    and 16-key tiles for GPUs with less shared memory (256 rows x 32 keys: 188 / 180 KB in 3 / 2 stages, x 16
-    keys: 156 KB in 2, with triton 3.6)."""
-    block_m = max(64, pad_pow2(n_q))
+    ``max(64, pad_pow2(n_q))`` rows up to 256 (8 warps at 256 rows, 4 below) and past 256 rows a 16-row tail tile
+    after it (``tail``: ViT-L/14's 257 tokens, 261 with four register tokens); 32-key tiles in 3 stages, then fewer
+    stages and 16-key tiles for GPUs with less shared memory (256 rows x 32 keys: 188 / 180 KB in 3 / 2 stages,
+    x 16 keys: 156 KB in 2, with triton 3.6)."""
+    block_m = max(64, pad_pow2(min(n_q, 256)))
     warps = 8 if block_m > 128 else 4
-    return [KernelTiles(block_m, 32, warps, 3), KernelTiles(block_m, 32, warps, 2), KernelTiles(block_m, 16, warps, 2),
-            KernelTiles(block_m, 16, warps, 1)]
+    tail = 16 if n_q > block_m else 0
+    return [KernelTiles(block_m, n, warps, stages, tail) for n, stages in ((32, 3), (32, 2), (16, 2), (16, 1))]
 
 
 def get_config(mode: str, head_dim: int, head_dim_v: int | None = None, bias_grad: bool = False,
@@ -1504,7 +1554,8 @@ class _BackwardPlan:
         B, H = self.dims[:2]
         f = self.flags
         return KernelCall(_bwd_head_kernel, (B * H,),
-                          dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, **self.blocks, PRECISION=f["PRECISION"],
+                          dict(BLOCK_M=t.block_m, TAIL_M=t.tail, BLOCK_N=t.block_n, **self.blocks,
+                               PRECISION=f["PRECISION"],
                                IS_CAUSAL=f["IS_CAUSAL"], HAS_BIAS=f["HAS_BIAS"], HAS_MASK=f["HAS_MASK"],
                                EVEN_D=f["EVEN_D"], EVEN_DV=f["EVEN_DV"], DOT_UPCAST=f["DOT_UPCAST"]),
                           dict(num_warps=t.num_warps, num_stages=t.num_stages))

@@ -6,9 +6,9 @@
 Each case runs forward (and backward where the mode has backward kernels) on the GPU once, at a size that takes the
 variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128) and its fp32
 split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
-single-pass and two-kernel backward, split-KV with its merge, PASA, the window kernels (small packed windows, tiled
-windows, Swin-v2 cosine, the fused backward, packed qkv) and the ragged-batch kernels (also the stream-K schedule and
-its merge, and the Gluon varlen kernel). Outputs and gradients must be finite; the sanitizer reports the memory
+single-pass, two-kernel and whole-head backward (its 16-row tail tile too), split-KV with its merge, PASA, the
+window kernels (small packed windows, tiled windows, Swin-v2 cosine, the fused backward, packed qkv) and the
+ragged-batch kernels (also the stream-K schedule and its merge, and the Gluon varlen kernel). Outputs and gradients must be finite; the sanitizer reports the memory
 errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``, ``initcheck``). Exit 0 when every case ran, 1
 when one raised or returned a non-finite value (each printed).
 
@@ -58,8 +58,8 @@ def cases(families, modes):
         dt = va.MODES[mode].compute_dtype
         grad = has_backward(mode)
         if "dense" in families:
-            for n, d, extra in ((197, 64, {}), (300, 64, {}), (130, 128, {}), (97, 32, {"is_causal": True}),
-                                (150, 80, {}), (70, 64, {"bias": True})):
+            for n, d, extra in ((197, 64, {}), (261, 64, {}), (300, 64, {}), (130, 128, {}),
+                                (97, 32, {"is_causal": True}), (150, 80, {}), (70, 64, {"bias": True})):
                 def dense(q, k, v, *b, extra=extra, mode=mode):
                     kw = {"is_causal": extra.get("is_causal", False)}
                     if b:

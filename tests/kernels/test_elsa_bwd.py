@@ -331,13 +331,14 @@ def _backward_plans(clear: bool = False):
 @cpu_only
 @pytest.mark.parametrize("Nq,Nk,D,causal,extras", [(37, 37, 64, False, False), (37, 37, 64, True, False),
                                                    (70, 100, 40, True, False), (100, 70, 48, False, True),
-                                                   (16, 256, 64, False, False), (256, 33, 40, True, True)])
+                                                   (16, 256, 64, False, False), (256, 33, 40, True, True),
+                                                   (257, 257, 64, False, False), (272, 100, 48, True, True)])
 @pytest.mark.parametrize("mode", ["fp16", "bf16"])
 def test_whole_head_backward_meets_the_bounds(mode, Nq, Nk, D, causal, extras):
     """fp16 / bf16 calls of at most HEAD_MAX_ROWS query rows and HEAD_MAX_KEYS keys at head dims padding to
     HEAD_DIM run the whole-head kernel (one program per head, every query row held, key tiles streamed): the mode's
     bound against float64 autograd, Nq != Nk both ways, causal (keys after the last query row get zero rows), padded
-    head dims (40, 48), a bias without its
+    head dims (40, 48), rows past 256 in the 16-row tail tile (257, 272), a bias without its
     gradient and a bool mask with a fully masked row (exactly zero dQ there); bit-identical on a repeat."""
     from visionattn.kernels.elsa_bwd import HEAD_MAX_KEYS, HEAD_MAX_ROWS
 
@@ -431,12 +432,15 @@ def test_whole_head_backward_that_fits_no_tiles_warns_once_and_runs_the_two_kern
 
 
 def test_whole_head_tiles():
-    """One query tile covering the rows (at least 64), 8 warps at 256 rows; 32-key tiles first, smaller after."""
-    from visionattn.kernels.elsa_bwd import head_tiles
+    """One query tile covering the rows (at least 64), 8 warps at 256 rows, past 256 a 16-row tail tile after it;
+    32-key tiles first, smaller after."""
+    from visionattn.kernels.elsa_bwd import HEAD_MAX_ROWS, head_tiles
 
-    for n, m, w in ((1, 64, 4), (64, 64, 4), (65, 128, 4), (197, 256, 8), (256, 256, 8)):
+    for n, m, w, tail in ((1, 64, 4, 0), (64, 64, 4, 0), (65, 128, 4, 0), (197, 256, 8, 0), (256, 256, 8, 0),
+                          (257, 256, 8, 16), (HEAD_MAX_ROWS, 256, 8, 16)):
         tiles = head_tiles(n)
         assert {t.block_m for t in tiles} == {m} and {t.num_warps for t in tiles} == {w}
+        assert {t.tail for t in tiles} == {tail} and m + tail >= n
         assert tiles[0].block_n == 32 and tiles[-1].block_n == 16
         assert [t.num_stages * t.block_n for t in tiles] == sorted((t.num_stages * t.block_n for t in tiles),
                                                                    reverse=True)
@@ -600,11 +604,12 @@ def test_gpu_f16x3_head_products(B, H, N, D):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp16", "bf16"])
 @pytest.mark.parametrize("B,H,Nq,Nk,causal,extras", [(64, 12, 197, 197, False, False), (256, 16, 64, 64, False, False),
-                                                     (8, 12, 145, 231, True, True), (4, 6, 256, 17, False, True)])
+                                                     (8, 12, 145, 231, True, True), (4, 6, 256, 17, False, True),
+                                                     (32, 16, 257, 257, False, False), (4, 4, 272, 261, True, True)])
 def test_gpu_whole_head_backward(mode, B, H, Nq, Nk, causal, extras):
     """The whole-head kernel at ViT-B/16 224 (64 x 12 heads of 197 tokens), 64-token heads, causal with a bias and
-    a mask (one fully masked row: zero dQ), few keys: the mode's bound, bit-identical over repeated runs, and the
-    plan did run it."""
+    a mask (one fully masked row: zero dQ), few keys, ViT-L/14 224 (257 tokens: the 16-row tail tile), 272 rows:
+    the mode's bound, bit-identical over repeated runs, and the plan did run it."""
     q, k, v, do = _inputs(B, H, Nq, Nk, 64, seed=Nq + Nk, device="cuda")
     dtype = BWD_MODES[mode][0]
     mask = bias = None
