@@ -262,6 +262,20 @@ def _backward_jobs(quick: bool):
                 tiles = elsa_bwd.get_config(mode, 64, 64, False, products, 197)
                 yield from _split_bwd_jobs("dense D=64 N=197 single pass", mode, tiles, 64, False, False, False,
                                            products)
+        if mode == "bf16":  # the whole-head backward at ViT-B/16 224 (197 rows) and ViT-L/14 224 (257: the tail tile)
+            names = ("Q", "K", "V", "O", "DO", "LSE", "Bias", "Mask", "DQ", "DK", "DV")
+            for n in (197, 257):
+                t = elsa_bwd.head_tiles(n)[0]
+                yield ({"kernel": "bwd-whole-head", "variant": f"dense D=64 N={n} bf16",
+                        "config": [t.block_m, t.block_n, t.num_warps, t.num_stages, t.tail]},
+                       dict(kernel=elsa_bwd._bwd_head_kernel,
+                            pointer_types=_bwd_pointers(mode, names, ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")),
+                            constexprs=dict(BLOCK_M=t.block_m, TAIL_M=t.tail, BLOCK_N=t.block_n, BLOCK_D=64,
+                                            BLOCK_DV=64, PRECISION=elsa_bwd.BWD_MODES[mode][1], IS_CAUSAL=False,
+                                            HAS_BIAS=False, HAS_MASK=False, EVEN_D=True, EVEN_DV=True,
+                                            DOT_UPCAST=False),
+                            num_warps=t.num_warps, num_stages=t.num_stages,
+                            unit_ints=("sqd", "skd", "svd", "sod", "sdd", "sbn", "smn"), float_args=("scale",)))
         if mode == "tf32":
             continue
         for n in ((49, 144) if quick else (49, 64, 144, 256)):

@@ -93,6 +93,36 @@ def test_instruction_counts_show_the_per_head_scales_saving():
         assert r[f"{kernel} f16x3-head"] < r[f"{kernel} f16x3"], r
 
 
+_HEAD_CHILD = r"""
+import json, sys
+sys.path.insert(0, TOOLS)
+import check_kernels_offline as tool
+from visionattn.kernels.introspect import compile_for_arch
+out = {}
+for meta, job in tool._backward_jobs(quick=True):
+    if meta["kernel"] == "bwd-whole-head":
+        r = compile_for_arch(**job)
+        out[meta["variant"]] = [r.shared_bytes, r.local_bytes, r.registers]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_whole_head_backward_first_tiles_fit_hopper_without_spills():
+    """The whole-head backward's first tiles at ViT-B/16 224 (256 rows) and ViT-L/14 224 (256 + the 16-row tail)
+    compile for sm_90 within its shared memory and without spilling registers, so those calls run the tiles that
+    were timed (an over-limit first tile would fall back to slower ones on the GPU)."""
+    import os
+
+    from testdata import REPO
+    from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
+
+    r = compile_in_child(_HEAD_CHILD.replace("TOOLS", repr(os.path.join(REPO, "tools"))))
+    assert set(r) == {"dense D=64 N=197 bf16", "dense D=64 N=257 bf16"}, r
+    for variant, (shared, spill, registers) in r.items():
+        assert shared <= HOPPER_SHARED_LIMIT and spill == 0 and registers <= 255, (variant, r)
+
+
 _VARLEN_CHILD = r"""
 import json
 from visionattn.kernels import varlen_fwd
