@@ -29,11 +29,11 @@ Three kernels, every gradient bit-for-bit reproducible:
   bias needs a gradient (below).
 
 **Whole head** (fp16 / bf16, at most :data:`HEAD_MAX_ROWS` query rows (256 and a 16-row tail) and
-:data:`HEAD_MAX_KEYS` keys, head dims
-padding to :data:`HEAD_DIM`, no bias or logit-scale gradient, no grouped heads, no explicit tiles):
-:func:`_bwd_head_kernel` alone, one program per (batch, head) holding every query row and streaming the key
-tiles; each key tile's dK / dV is complete after its step (no other program adds to it), ``delta`` and the row lse
-are formed in the kernel: one launch, five tile products per key tile, every sum in a fixed order.
+:data:`HEAD_MAX_KEYS` keys, head dims padding to :data:`HEAD_DIM`, no bias or logit-scale gradient, no grouped
+heads, no explicit tiles): :func:`_bwd_head_kernel` alone, one program per (batch, head) holding every query row
+and streaming the key tiles; each key tile's dK / dV is complete after its step (no other program adds to it),
+``delta`` and the row lse are formed in the kernel: one launch, five tile products per key tile, every sum in a
+fixed order.
 
 **Single pass** (:attr:`BwdConfig.single_pass`; by default split-FP16 products at head dim 64 up to
 :data:`SINGLE_PASS_MAX_KEYS` keys, where it measured faster): the dK/dV kernel also forms each query tile's
@@ -1033,7 +1033,12 @@ def head_tiles(n_q: int) -> list[KernelTiles]:
     ``max(64, pad_pow2(n_q))`` rows up to 256 (8 warps at 256 rows, 4 below) and past 256 rows a 16-row tail tile
     after it (``tail``: ViT-L/14's 257 tokens, 261 with four register tokens); 32-key tiles in 3 stages, then fewer
     stages and 16-key tiles for GPUs with less shared memory (256 rows x 32 keys: 188 / 180 KB in 3 / 2 stages,
-    x 16 keys: 156 KB in 2, with triton 3.6)."""
+    x 16 keys: 156 KB in 2, with triton 3.6).
+
+    Raises:
+        ValueError: ``n_q`` outside 1 .. :data:`HEAD_MAX_ROWS`."""
+    if not 1 <= n_q <= HEAD_MAX_ROWS:
+        raise ValueError(f"n_q={n_q}: the whole-head backward holds 1 to {HEAD_MAX_ROWS} query rows")
     block_m = max(64, pad_pow2(min(n_q, 256)))
     warps = 8 if block_m > 128 else 4
     tail = 16 if n_q > block_m else 0

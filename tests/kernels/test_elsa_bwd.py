@@ -444,6 +444,9 @@ def test_whole_head_tiles():
         assert tiles[0].block_n == 32 and tiles[-1].block_n == 16
         assert [t.num_stages * t.block_n for t in tiles] == sorted((t.num_stages * t.block_n for t in tiles),
                                                                    reverse=True)
+    for n in (0, HEAD_MAX_ROWS + 1):
+        with pytest.raises(ValueError, match="n_q"):
+            head_tiles(n)
 
 
 def test_single_pass_is_picked_where_it_measured_faster():
