@@ -332,7 +332,8 @@ def _backward_plans(clear: bool = False):
 @pytest.mark.parametrize("Nq,Nk,D,causal,extras", [(37, 37, 64, False, False), (37, 37, 64, True, False),
                                                    (70, 100, 40, True, False), (100, 70, 48, False, True),
                                                    (16, 256, 64, False, False), (256, 33, 40, True, True),
-                                                   (257, 257, 64, False, False), (272, 100, 48, True, True)])
+                                                   (257, 257, 64, False, False), (272, 100, 48, True, True),
+                                                   (1, 5, 40, False, False), (3, 2, 64, True, False)])
 @pytest.mark.parametrize("mode", ["fp16", "bf16"])
 def test_whole_head_backward_meets_the_bounds(mode, Nq, Nk, D, causal, extras):
     """fp16 / bf16 calls of at most HEAD_MAX_ROWS query rows and HEAD_MAX_KEYS keys at head dims padding to
