@@ -35,6 +35,8 @@ SHAPES = {
     "long-16k": (1, 8, 16384, 64, False, 0),
     "vit-b16-224": (64, 12, 197, 64, False, 0),
     "vit-b16-1024": (8, 12, 4097, 64, False, 0),  # ViT-B/16 at 1024 px, batch 8: 64 x 64 patches + CLS
+    "vit-l14-224": (32, 16, 257, 64, False, 0),  # ViT-L/14 at 224 px (CLIP, DINOv2), batch 32: 16 x 16 patches + CLS
+    "heads-64": (256, 16, 64, 64, False, 0),  # 64-token heads (8 x 8 feature maps)
     "vit-b16-224-relpos": (64, 12, 197, 64, True, 0),
     "vit-b16-224-relpos-d32": (64, 24, 197, 32, True, 0),
     "long-4k-d128": (1, 8, 4096, 128, False, 0),
