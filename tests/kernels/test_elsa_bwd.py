@@ -372,8 +372,8 @@ def test_whole_head_backward_meets_the_bounds(mode, Nq, Nk, D, causal, extras):
 @pytest.mark.parametrize("case", ["rows", "keys", "head dim 32", "head dim 65", "bias grad", "gqa", "fp32", "tiles"])
 def test_whole_head_backward_scope(case):
     """The whole-head kernel takes fp16 / bf16 calls within HEAD_MAX_ROWS x HEAD_MAX_KEYS at head dims padding to
-    HEAD_DIM without a bias gradient, grouped heads or explicit tiles; the two kernels take the rest (and still meet
-    the bound)."""
+    HEAD_DIM without a bias gradient, grouped heads or explicit tiles; the two kernels take the rest (gradients within
+    2e-2 of the float64 oracle: the path check; the bounds are the other tests')."""
     from visionattn.kernels.elsa_bwd import HEAD_MAX_KEYS, HEAD_MAX_ROWS
 
     Nq, Nk, D, Hkv, mode, bias, config = 24, 24, 64, 2, "bf16", None, None
