@@ -15,23 +15,25 @@
 # eager), models-compile (ViT-B and Swin-B fp16 under torch.compile default / reduce-overhead, patched vs unpatched),
 # cold (first-call cost with an empty Triton cache), train-tests (backward and window-gradient GPU tests), train
 # (training steps), window-bwd (the window backward alone at Swin-B's four stage shapes vs SDPA, with a bias-splits
-# sweep), bwd-configs (the dense backward at ViT-B shapes with register-spill-free dQ tiles beside the default:
-# check_kernels_offline's spill column), bwd-bias (the half backward with a relative-position-bias gradient, D = 64 and
-# 32: the bias-gradient tiles beside the plain ones), bwd-sweep (dense backward tile sweep at long sequences: bf16 D =
-# 64 / 128, fp32), train-v2 (training steps of Swin-v2-B 256 px and ViT-B/16 at 1024 px), bwd-products (the fp32 / tf32
-# backward with split-FP16 products, the default, beside tl.dot's 3xTF32), fwd-bwd (attention forward + backward vs
-# SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200 (VGGT-1B at 200 frames, bf16 / fp32 vs SDPA, peak beside
-# estimate_memory), vggt-tests (VGGT GPU tests incl. training), families (the timm families beyond ViT / Swin, patched
-# vs unpatched), naflex (NaFlexViT padded batch), ring1 (the context-parallel ring on one rank vs attention), demo300
-# (the demo on VIDEO, 300 frames, full-size random weights), train-bound / train-bound-1024 / vggt-bound /
-# integrations-bound (the attention-free bounds: training steps, VGGT and FastVGGT bf16 at 200 frames, the transformers
-# / diffusers cells; integrations need transformers and diffusers installed), fastvggt-official (FastVGGT against the
-# official code at FASTVGGT, a checkout of mystorm16/FastVGGT), conformance (the randomized conformance suite: every
-# family and mode against the float64 oracle, any layout, ~2000 cases), memcheck / racecheck / initcheck
-# (compute-sanitizer over tools/memcheck_cases.py: a small case of every kernel family and variant, forward and
-# backward), racecheck-control (racecheck over the warp-specialization control kernel alone), warmup-train (python -m
-# visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to OUT_DIR/STEP.log and a failing step
-# does not stop the next one. Machine-wide settings are left alone.
+# sweep), bwd-short (the half backward at ViT-B/16 224, ViT-L/14 224 and 64-token heads: the whole-head kernel, the
+# default there, beside the two kernels and SDPA), bwd-configs (the dense backward at ViT-B shapes with
+# register-spill-free dQ tiles beside the default: check_kernels_offline's spill column), bwd-bias (the half backward
+# with a relative-position-bias gradient, D = 64 and 32: the bias-gradient tiles beside the plain ones), bwd-sweep
+# (dense backward tile sweep at long sequences: bf16 D = 64 / 128, fp32), train-v2 (training steps of Swin-v2-B 256 px
+# and ViT-B/16 at 1024 px), bwd-products (the fp32 / tf32 backward with split-FP16 products, the default, beside
+# tl.dot's 3xTF32), fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2), vggt200
+# (VGGT-1B at 200 frames, bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl.
+# training), families (the timm families beyond ViT / Swin, patched vs unpatched), naflex (NaFlexViT padded batch),
+# ring1 (the context-parallel ring on one rank vs attention), demo300 (the demo on VIDEO, 300 frames, full-size random
+# weights), train-bound / train-bound-1024 / vggt-bound / integrations-bound (the attention-free bounds: training
+# steps, VGGT and FastVGGT bf16 at 200 frames, the transformers / diffusers cells; integrations need transformers and
+# diffusers installed), fastvggt-official (FastVGGT against the official code at FASTVGGT, a checkout of
+# mystorm16/FastVGGT), conformance (the randomized conformance suite: every family and mode against the float64 oracle,
+# any layout, ~2000 cases), memcheck / racecheck / initcheck (compute-sanitizer over tools/memcheck_cases.py: a small
+# case of every kernel family and variant, forward and backward), racecheck-control (racecheck over the
+# warp-specialization control kernel alone), warmup-train (python -m visionattn.warmup --training --jobs 16, every mode
+# to the end). Every step logs to OUT_DIR/STEP.log and a failing step does not stop the next one. Machine-wide settings
+# are left alone.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
 mkdir -p "$out"
@@ -107,6 +109,8 @@ for step in "$@"; do
     bwd-configs) run bwd-configs 400 python tools/bench_backward.py --shapes vit-b16-224 vit-b16-224-relpos \
         --modes fp32 bf16 --configs 32,128,4,3/128,32,8,3 32,64,4,2/128,32,8,3 32,64,4,2/64,32,8,2 \
         32,128,8,2/128,32,8,2 --out "$out/bwd_configs" ;;
+    bwd-short) run bwd-short 300 python tools/bench_backward.py --modes bf16 fp16 --shapes vit-b16-224 vit-l14-224 \
+        heads-64 --configs 32,128,4,3/128,32,4,3 --out "$out/bwd_short" ;;
     bwd-sweep) run bwd-sweep-half 250 python tools/bench_backward.py --shapes long-4k long-16k vit-b16-224 \
         --modes bf16 --configs 32,128,4,4/128,32,4,4 32,128,4,5/128,32,4,5 64,128,8,3/128,64,8,3 64,128,8,2/128,64,8,2 \
         32,128,8,3/128,32,8,3 64,64,4,3/64,64,4,3 --out "$out/bwd_sweep_half"
