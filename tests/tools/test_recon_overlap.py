@@ -69,6 +69,42 @@ def test_a_failing_build_stops_the_decode_and_waits_for_it(tmp_path, monkeypatch
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".")]
 
 
+def test_a_second_signal_while_the_decode_is_stopped_does_not_cut_the_wait_short(monkeypatch):
+    """A stop signal raises in the build; a second one (SIGHUP twice, say) whose handler raises while the decode is
+    being told to stop must not let the error out before the decode has finished: the caller then removes the
+    folder the decode writes into, and a frame written after that keeps the folder alive."""
+
+    class SecondSignal(Exception):
+        """What a stop signal's handler raises (a KeyboardInterrupt here would stop the test run itself)."""
+
+    real_set = threading.Event.set
+    interrupted, finished = [], []
+
+    def set_interrupted_once(self):
+        # get_ident, not current_thread(): a starting thread sets an Event before it is registered as a thread
+        if threading.get_ident() == threading.main_thread().ident and not interrupted:
+            interrupted.append(True)
+            raise SecondSignal  # the second signal, as the stop is being set
+        return real_set(self)
+
+    monkeypatch.setattr(threading.Event, "set", set_interrupted_once)
+
+    def decode(stop):
+        for _ in range(400):  # at most 2 s: a stop that never comes fails the test instead of hanging it
+            if stop.is_set():
+                break
+            time.sleep(0.005)
+        time.sleep(0.2)  # the frame in flight
+        finished.append("decode")
+
+    def build():
+        raise OSError("build failed")
+
+    with pytest.raises(OSError, match="build failed"):
+        pipeline._beside(decode, build)
+    assert interrupted and finished == ["decode"]
+
+
 def test_when_both_fail_the_build_error_carries_the_decode_error(tmp_path, monkeypatch):
     src = _frames(tmp_path)
     done = threading.Event()

@@ -1114,11 +1114,13 @@ def _beside(background, foreground):
         seconds = time.perf_counter() - t0
         done.wait()
     except BaseException as exc:
-        stop.set()
-        while not done.is_set():
+        while True:  # a second stop signal (its handler raises again) cuts neither the stop nor the wait short
             try:
-                done.wait()
-            except BaseException:  # noqa: B012 -- a second signal while waiting: keep waiting, raise the first
+                stop.set()
+                while not done.is_set():
+                    done.wait()
+                break
+            except BaseException:  # noqa: B012 -- keep stopping and waiting, raise the first
                 continue
         other = box.get("error")
         if other is not None and not isinstance(other, DecodeStopped) and hasattr(exc, "add_note"):
