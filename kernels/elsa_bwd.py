@@ -631,6 +631,34 @@ def _bwd_dkdv_kernel(Q, K, V, DO, Bias, Add, Mask, HS, Delta, LseRow, DK, DV, DQ
 
 
 @triton.jit
+def _tile_scores(q, do, lse, delta, k, v, rows, row_ok, cols, col_ok, b_base, a_base, m_base, sbm, sbn, sam, san, smm,
+                 smn, scale, e_k, e_v, BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_ADD: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, HEAD_B: tl.constexpr,
+                 DOT_UPCAST: tl.constexpr):
+    """``(qk, P, dS)`` in FP32 of query ``rows`` against the key tile ``cols`` ([rows, keys]; ``qk = q k^T``,
+    unscaled): the logits ``scale * qk`` plus the bias and additive-mask tiles, ``-inf`` where the bool mask drops
+    a key and, in BOUNDARY tiles, for keys >= Nk and (causal) keys after the query; ``P = exp(s - lse)``,
+    ``dS = P (dO v^T - delta)``. Products as :func:`_mmh` forms them (``e_k``, ``e_v``: the K / V exponents with
+    HEAD_B)."""
+    qk = _mmh(q, tl.trans(k), e_k, PRECISION, HEAD_B, DOT_UPCAST)
+    s = qk * scale
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    s = _bias_mask(s, b_base + rows64[:, None] * sbm + cols64[None, :] * sbn,
+                   a_base + rows64[:, None] * sam + cols64[None, :] * san,
+                   m_base + rows64[:, None] * smm + cols64[None, :] * smn, row_ok[:, None] & col_ok[None, :],
+                   HAS_BIAS, HAS_ADD, HAS_MASK)
+    if BOUNDARY:
+        valid = col_ok[None, :]
+        if IS_CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        s = tl.where(valid, s, float("-inf"))
+    p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
+    dp = _mmh(do, tl.trans(v), e_v, PRECISION, HEAD_B, DOT_UPCAST)
+    return qk, p, p * (dp - delta[:, None])
+
+
+@triton.jit
 def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_base, a_base, m_base, db_base,
              start_n, rows, row_ok, offs_n, offs_d, offs_dv, Nk, D, Dv, skn, skd, svn, svd, sbm, sbn, sam, san, smm,
              smn, db_old, scale,
@@ -652,21 +680,9 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
     cols64 = cols.to(tl.int64)
     k = load_kv_tile(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, col_ok, offs_d, D, BOUNDARY, EVEN_D)
     v = load_kv_tile(v_base + cols64[:, None] * svn + offs_dv[None, :] * svd, col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
-    qk = _mmh(q, tl.trans(k), e_k, PRECISION, HEAD_B, DOT_UPCAST)
-    s = qk * scale
-    ok = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    s = _bias_mask(s, b_base + rows64[:, None] * sbm + cols64[None, :] * sbn,
-                   a_base + rows64[:, None] * sam + cols64[None, :] * san,
-                   m_base + rows64[:, None] * smm + cols64[None, :] * smn, ok, HAS_BIAS, HAS_ADD, HAS_MASK)
-    if BOUNDARY:
-        valid = col_ok[None, :]
-        if IS_CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None])
-        s = tl.where(valid, s, float("-inf"))
-    p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
-    dp = _mmh(do, tl.trans(v), e_v, PRECISION, HEAD_B, DOT_UPCAST)
-    ds = p * (dp - delta[:, None])
+    qk, p, ds = _tile_scores(q, do, lse, delta, k, v, rows, row_ok, cols, col_ok, b_base, a_base, m_base, sbm, sbn,
+                             sam, san, smm, smn, scale, e_k, e_v, BOUNDARY, IS_CAUSAL, HAS_BIAS, HAS_ADD, HAS_MASK,
+                             PRECISION, HEAD_B, DOT_UPCAST)
     dq = _mmh_acc(dq, ds.to(q.dtype), k, e_k, GRAD_PRECISION, HEAD_B, DOT_UPCAST)
     if WRITE_DHS:
         hs_a += tl.sum(ds * qk, 1)
@@ -674,7 +690,8 @@ def _dq_tile(dq, hs_a, hs_z, hs_w, hs_p, q, do, lse, delta, k_base, v_base, b_ba
         hs_w += tl.sum(p * qk, 1)
         hs_p += tl.sum(p, 1)
     if WRITE_DB:
-        db_ptrs = db_base + rows64[:, None] * Nk + cols64[None, :]
+        ok = row_ok[:, None] & col_ok[None, :]
+        db_ptrs = db_base + rows.to(tl.int64)[:, None] * Nk + cols64[None, :]
         old = tl.load(db_ptrs, mask=ok & db_old, other=0.0)
         tl.store(db_ptrs, old + ds, mask=ok)
     return dq, hs_a, hs_z, hs_w, hs_p, ds
@@ -810,28 +827,6 @@ def _head_rows(Q, O, DO, LSE, off_b, off_h, rows, Nq, D, Dv, sqb, sqh, sqm, sqd,
 
 
 @triton.jit
-def _head_scores(q, do, lse, delta, k, v, rows, row_ok, cols, col_ok, b_base, m_base, sbm, sbn, smm, smn, scale,
-                 BOUNDARY: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
-                 PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """``(P, dS)`` of query ``rows`` against the key tile ``cols``, rounded to the compute dtype for their products.
-    BOUNDARY tiles mask keys >= Nk (``col_ok``) and (causal) keys after the query."""
-    s = _mm(q, tl.trans(k), PRECISION, DOT_UPCAST) * scale
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
-    s = _bias_mask(s, b_base + rows64[:, None] * sbm + cols64[None, :] * sbn, b_base,
-                   m_base + rows64[:, None] * smm + cols64[None, :] * smn, row_ok[:, None] & col_ok[None, :],
-                   HAS_BIAS, False, HAS_MASK)
-    if BOUNDARY:
-        valid = col_ok[None, :]
-        if IS_CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None])
-        s = tl.where(valid, s, float("-inf"))
-    p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
-    dp = _mm(do, tl.trans(v), PRECISION, DOT_UPCAST)
-    return p.to(q.dtype), (p * (dp - delta[:, None])).to(q.dtype)
-
-
-@triton.jit
 def _head_key_tile(dq, dq_t, q, do, lse, delta, rows, row_ok, q_t, do_t, lse_t, delta_t, rows_t, row_ok_t, start_n,
                    offs_n, offs_d, offs_dv, k_base, v_base, b_base, m_base, dk_base, dv_base, Nk, D, Dv, skn, skd,
                    svn, svd, sbm, sbn, smm, smn, sgkn, sgvn, scale,
@@ -846,15 +841,18 @@ def _head_key_tile(dq, dq_t, q, do, lse, delta, rows, row_ok, q_t, do_t, lse_t, 
     cols64 = cols.to(tl.int64)
     k = load_kv_tile(k_base + cols64[:, None] * skn + offs_d[None, :] * skd, col_ok, offs_d, D, BOUNDARY, EVEN_D)
     v = load_kv_tile(v_base + cols64[:, None] * svn + offs_dv[None, :] * svd, col_ok, offs_dv, Dv, BOUNDARY, EVEN_DV)
-    p, ds = _head_scores(q, do, lse, delta, k, v, rows, row_ok, cols, col_ok, b_base, m_base, sbm, sbn, smm, smn,
-                         scale, BOUNDARY, IS_CAUSAL, HAS_BIAS, HAS_MASK, PRECISION, DOT_UPCAST)
+    _, p, ds = _tile_scores(q, do, lse, delta, k, v, rows, row_ok, cols, col_ok, b_base, b_base, m_base, sbm, sbn,
+                            0, 0, smm, smn, scale, 0, 0, BOUNDARY, IS_CAUSAL, HAS_BIAS, False, HAS_MASK, PRECISION,
+                            False, DOT_UPCAST)
+    p, ds = p.to(q.dtype), ds.to(q.dtype)  # rounded to the compute dtype for their products
     dv = _mm(tl.trans(p), do, PRECISION, DOT_UPCAST)
     dk = _mm(tl.trans(ds), q, PRECISION, DOT_UPCAST)
     dq = _mm_acc(dq, ds, k, PRECISION, DOT_UPCAST)
     if TAIL_M > 0:
-        p_t, ds_t = _head_scores(q_t, do_t, lse_t, delta_t, k, v, rows_t, row_ok_t, cols, col_ok, b_base, m_base,
-                                 sbm, sbn, smm, smn, scale, True, IS_CAUSAL, HAS_BIAS, HAS_MASK, PRECISION,
-                                 DOT_UPCAST)
+        _, p_t, ds_t = _tile_scores(q_t, do_t, lse_t, delta_t, k, v, rows_t, row_ok_t, cols, col_ok, b_base, b_base,
+                                    m_base, sbm, sbn, 0, 0, smm, smn, scale, 0, 0, True, IS_CAUSAL, HAS_BIAS, False,
+                                    HAS_MASK, PRECISION, False, DOT_UPCAST)
+        p_t, ds_t = p_t.to(q.dtype), ds_t.to(q.dtype)
         dv = _mm_acc(dv, tl.trans(p_t), do_t, PRECISION, DOT_UPCAST)
         dk = _mm_acc(dk, tl.trans(ds_t), q_t, PRECISION, DOT_UPCAST)
         dq_t = _mm_acc(dq_t, ds_t, k, PRECISION, DOT_UPCAST)
