@@ -1,4 +1,4 @@
-"""FP16 / BF16 attention forward for Hopper in Gluon: TMA producer warp, one, two or four consumer warpgroups.
+"""FP16 / BF16 attention forward for Hopper in Gluon: TMA producer warp, one to four consumer warpgroups.
 
 The Triton kernel of :mod:`.elsa_fwd` issues its loads and both GEMMs from the same warps, in
 lockstep. This kernel schedules the way FlashAttention-3 does (Shah et al. 2024, Sec. 3.1-3.2),
@@ -26,6 +26,11 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
 * **one consumer per CTA below 1536 keys** (D = 64): 64-row work tiles, two CTAs per SM that drift out of
   phase, so one's softmax runs under the other's products where a work tile has too few key tiles to
   overlap within (docs/tuning.md: one consumer warpgroup per CTA below 1536 keys (D=64));
+* **three consumers per CTA where their waves finish first** (D = 64, from 1536 keys): 192-row work tiles, each
+  K / V tile read from shared memory serving 192 rows; 7 % more rows per second than two consumers where both fill
+  whole waves of SMs, so :func:`three_consumers_faster` weighs that against the rounding of each count's work tiles
+  into waves (ViT-B/16 at 1024 px: 16 waves of 192 rows against 24 of 128; 8 heads of 16384 keep two: 6 waves of 192
+  rows against 8 of 128) (docs/tuning.md: three consumers per CTA at D=64 where the work tiles' waves allow);
 * **four consumers per CTA at 193-224 query rows** (D = 64, <= 256 keys): a work tile is a whole head, four 64-row
   chains of dependent products side by side over one K / V ring of 64-key tiles. ViT-B/16 at 224 (197 rows)
   would otherwise pay a whole chain for its last 5 rows (docs/tuning.md: four consumers per CTA at 193-224
@@ -125,8 +130,28 @@ TAIL_CUT_MAX_KEYS = 2048
 FOUR_CONSUMER_ROWS = range(193, 225)
 FOUR_CONSUMER_MAX_KEYS = 256
 
+# Long D = 64 calls: three consumer warpgroups (192 query rows per work tile) form a row's products this much faster
+# than two (128 rows: each K / V tile read from shared memory serves more rows, and a third chain of softmax work
+# hides under the others' products), measured where both grids fill their waves; the choice between them weighs it
+# against the rounding of the work tiles into waves of SMs (:func:`three_consumers_faster`; docs/tuning.md: three
+# consumers per CTA at D=64 where the work tiles' waves allow).
+THREE_CONSUMER_ROW_SPEED = 1.07
 
-def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = None, n_q: int | None = None) -> dict:
+
+def three_consumers_faster(n_q: int, heads: int, sms: int) -> bool:
+    """Whether a long D = 64 call of ``heads`` (batch x heads) heads of ``n_q`` query rows finishes sooner on
+    three consumer warpgroups per CTA than on two, on ``sms`` SMs (one persistent CTA each): each count's time is
+    taken as its waves of work tiles, ``ceil(heads * ceil(n_q / rows) / sms)``, times its rows per tile over its
+    speed per row (:data:`THREE_CONSUMER_ROW_SPEED`). E.g. on 132 SMs: ViT-B/16 at 1024 px (96 heads of 4097 rows)
+    and 16 heads of 16384 take three; 8 heads of 16384 (6 waves of 192 rows against 8 of 128) and of 4096 keep two."""
+    def cost(rows: int, speed: float) -> float:
+        return cdiv(heads * cdiv(n_q, rows), sms) * rows / speed
+
+    return cost(192, THREE_CONSUMER_ROW_SPEED) < cost(128, 1.0)
+
+
+def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = None, n_q: int | None = None,
+               heads: int | None = None, sms: int | None = None) -> dict:
     """Launch config by head dim, key count and (for one case) query count, tuned on an H100.
 
     * Long calls: 128 query rows per CTA (64 per consumer warpgroup) and 128-key tiles with 3 stages: 2 stages
@@ -137,9 +162,13 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     * D = 64 below ``one_consumer_below`` keys (default :data:`ONE_CONSUMER_BELOW`): one consumer warpgroup
       (64 rows) per CTA at 128 registers per thread (232 per consumer thread after ``setmaxnreg``), so two
       CTAs share an SM and run out of phase: one's softmax under the other's products.
-    * D = 64, ``n_q`` in :data:`FOUR_CONSUMER_ROWS` and at most :data:`FOUR_CONSUMER_MAX_KEYS` keys: four consumer
+    * D = 64, ``n_q`` in :data:`FOUR_CONSUMER_ROWS`, at most :data:`FOUR_CONSUMER_MAX_KEYS` keys and (given
+      ``heads`` and ``sms``) at least one head per SM: four consumer
       warpgroups (256 rows: a whole head) per CTA over 64-key tiles, 4 stages; 96 registers per thread at launch
       (20 warps), 112-120 per consumer thread and 24 per producer thread after ``setmaxnreg``.
+    * D = 64 from ``one_consumer_below`` keys, given ``n_q``, ``heads`` (batch x heads) and ``sms``: three consumer
+      warpgroups (192 rows) per CTA where :func:`three_consumers_faster` says so; 128 registers per thread at launch
+      (16 warps), 160 per consumer thread and 24 per producer thread after ``setmaxnreg``.
     * ``parts``: 1 (:func:`.fp32_gluon.get_config` sets 2: mode fp32's split operands).
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
       flight (2 at D = 64; at D = 128 two would need 256 KiB of shared memory). ``tail_keys``: the keys the
@@ -149,12 +178,16 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     """
     if one_consumer_below is None:
         one_consumer_below = ONE_CONSUMER_BELOW
-    if head_dim <= 64 and n_q in FOUR_CONSUMER_ROWS and n_k <= FOUR_CONSUMER_MAX_KEYS:
+    fills = heads is None or sms is None or heads >= sms  # every SM gets a head
+    if head_dim <= 64 and n_q in FOUR_CONSUMER_ROWS and n_k <= FOUR_CONSUMER_MAX_KEYS and fills:
         cfg = {"BLOCK_M": 256, "BLOCK_N": 64, "STAGES": 4, "maxnreg": 96, "consumer_regs": 112, "consumers": 4,
                "ctas_per_sm": 1}
     elif head_dim <= 64 and n_k < one_consumer_below:
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 128, "consumer_regs": 240,  # it takes 232
                "consumers": 1, "ctas_per_sm": 2}
+    elif head_dim <= 64 and n_q and heads and sms and three_consumers_faster(n_q, heads, sms):
+        cfg = {"BLOCK_M": 192, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 128, "consumer_regs": 160, "consumers": 3,
+               "ctas_per_sm": 1}
     else:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 168, "consumer_regs": 240, "consumers": 2,
                "ctas_per_sm": 1}
@@ -173,11 +206,14 @@ def last_key_tile(n_k: int, block_n: int, head_dim: int) -> dict:
 
 def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:
     """:func:`get_config` for a call's q [B, H, Nq, D] and k [B, H, Nk, D] on q's device: four consumers (one head
-    per work tile) only where the B * H heads give every SM one; fewer heads take 64-row work tiles instead (off
-    CUDA, where nothing launches, the SM count is not asked)."""
+    per work tile) only where the B * H heads give every SM one; fewer heads take 64-row work tiles instead; three
+    consumers where their waves of work tiles finish first (off CUDA, where nothing launches, the SM count is not
+    asked: neither four nor three)."""
     B, H, n_q, head_dim = q.shape
-    fills = q.device.type != "cuda" or B * H >= sm_count(q.device)
-    return get_config(k.shape[2], head_dim, n_q=n_q if fills else None)
+    if q.device.type != "cuda":
+        return get_config(k.shape[2], head_dim, n_q=n_q)
+    sms = sm_count(q.device)
+    return get_config(k.shape[2], head_dim, n_q=n_q, heads=B * H, sms=sms)
 
 
 def unsupported_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int) -> str | None:
@@ -478,7 +514,9 @@ if _IMPORT_ERROR is None:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + v_desc.block_type.shape, v_desc.layout)
         # [rows, 4] partial row sums, stored as FP16 (never read back): 256 bytes more than one FP32 per row, so two
         # one-consumer CTAs still share an SM (FP32 parts would need 768 and leave one)
-        l_smem = gl.allocate_shared_memory(gl.float16, [CONSUMERS * BLOCK_M, 4],
+        # (rows padded to a power of two: three consumers' 192 rows take 256)
+        L_ROWS: gl.constexpr = (4 if CONSUMERS == 3 else CONSUMERS) * BLOCK_M
+        l_smem = gl.allocate_shared_memory(gl.float16, [L_ROWS, 4],
                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
         q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
@@ -509,7 +547,8 @@ if _IMPORT_ERROR is None:
         # (FP32 [B * H, 2]) holding each head's logit and output multipliers; PARTS = 1 never reads Scales.
         gl.static_assert(not (PINGPONG and (CONSUMERS != 2 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
                          "one part per last key tile (the turn counts)")
-        gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2 or CONSUMERS == 4, "1, 2 or 4 consumer warpgroups")
+        gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2 or CONSUMERS == 3 or CONSUMERS == 4,
+                         "1, 2, 3 or 4 consumer warpgroups")
         q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn = _shared_buffers(
             q_desc, k_desc, v_desc, BLOCK_M, STAGES, Q_BUFS, CONSUMERS, PARTS)
         # one branch per consumer count: the partition list is built at trace time, one entry per warpgroup
@@ -532,6 +571,20 @@ if _IMPORT_ERROR is None:
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
                              Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
             ], [4, 1], [CONSUMER_REGS, 24])
+        elif CONSUMERS == 3:
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
+                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
+                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
+                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,

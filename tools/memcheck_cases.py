@@ -79,6 +79,11 @@ def cases(families, modes):
                     yield (f"dense {mode} N={n} D={d} (Gluon backward)", lambda q, k, v, mode=mode:
                            va.attention(q, k, v, mode=mode), [_rand(1, 2, n, d, dtype=dt, grad=grad, seed=s)
                                                               for s in range(3)])
+            if mode in ("fp16", "bf16"):  # the Gluon forward's three consumer warpgroups where the SMs allow (140
+                # heads of 1700 rows on 132 SMs; a last key tile in two parts)
+                yield (f"dense {mode} B=2 H=70 N=1700 D=64 (Gluon forward, three consumers)",
+                       lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode),
+                       [_rand(2, 70, 1700, 64, dtype=dt, grad=grad, seed=s) for s in range(3)])
             if mode == "fp32":  # the Gluon forward's split-FP16 build, where its grid fills the GPU (a cut last key
                 # tile in two parts; a masked one)
                 for b, h, n in ((4, 12, 300), (1, 4, 4100)):

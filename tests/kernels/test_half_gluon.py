@@ -20,10 +20,11 @@ from visionattn.kernels.introspect import compile_for_arch
 out = {}
 for d in half_gluon.HEAD_DIMS:
     for (dt, tname), n_k, n_q in (((torch.float16, "fp16"), 4096, None), ((torch.bfloat16, "bf16"), 1066, None),
-                                  ((torch.float16, "four"), 197, 197)):
+                                  ((torch.float16, "four"), 197, 197), ((torch.bfloat16, "three"), 4097, 4097)):
         if d > 64 and n_q:
             continue
-        cfg = half_gluon.get_config(n_k, d, n_q=n_q)  # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys)
+        # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys); ViT-B/16 at 1024 px on 132 SMs: three consumers
+        cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=96 if n_q == 4097 else None, sms=132)
         r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
                              O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32"),
                              half_gluon.kernel_constexprs(cfg, d, tname == "bf16"), num_warps=4, num_stages=1,
@@ -46,22 +47,26 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
     one warp-specialized region (two consumer warpgroups + the producer's at 4096 keys; at D = 64 and 1066
     keys one consumer warpgroup, 128 registers and two CTAs per SM, and a last key tile in two parts; at 197
     rows and keys four consumer warpgroups at 96 registers), the
-    launch register cap, the Q / K / V tiles within the 227 KiB of shared memory, and no spills beyond a few words:
+    launch register cap (three consumer warpgroups at 4097 rows, 96 heads and 132 SMs: 128 registers, 16 warps),
+    the Q / K / V tiles within the 227 KiB of shared memory, and no spills beyond a few words:
     none with Triton 3.6 (the GPU runs'), while the ptxas of Triton 3.8 keeps 4 words in the stack frame at D = 128
-    and 16 in the four-consumer build (112-120 registers per consumer thread; lengths are not specialised on, as
+    and 16 in the four-consumer build (112-120 registers per consumer thread), 22 in the three-consumer one (160
+    registers per consumer thread; none with Triton 3.6; lengths are not specialised on, as
     at run time, where 197 keys are not a multiple of 16 either)."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
-    assert set(r) == {"64_fp16", "64_bf16", "64_four", "128_fp16", "128_bf16"}
+    assert set(r) == {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16"}
     for key, v in r.items():
         d = int(key.split("_")[0])
-        cfg = half_gluon.get_config(v["n_k"], d, n_q=v["n_q"])  # the shape the child compiled
+        # the shape the child compiled
+        cfg = half_gluon.get_config(v["n_k"], d, n_q=v["n_q"], heads=96 if v["n_q"] == 4097 else None, sms=132)
+        assert cfg["consumers"] == {"four": 4, "three": 3}.get(key.split("_")[1], cfg["consumers"])
         tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)  # Q, K / V ring
         assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
         warps = 4 * cfg["consumers"] + 4  # the producer warp is padded to a warpgroup
         assert v["wgmma"] > 0 and v["ws"] == 1 and v["warps"] == warps, (key, v)
-        assert v["local"] <= (0 if key in ("64_fp16", "64_bf16") else 64), (key, v)
+        assert v["local"] <= (0 if key in ("64_fp16", "64_bf16") else 96 if key == "64_three" else 64), (key, v)
         assert v["regs"] == cfg["maxnreg"] and v["programs"] == cfg["ctas_per_sm"], (key, v)
 
 
@@ -117,20 +122,44 @@ def test_the_last_key_tile_is_cut_to_the_keys_it_holds():
 
 def test_consumer_warpgroups_per_cta_by_length_within_the_register_file():
     """D = 64: four consumer warpgroups (a whole head, 64-key tiles) at 193-224 query rows and <= 256 keys, else
-    one (64 query rows) per CTA and two CTAs per SM below ONE_CONSUMER_BELOW keys; two consumers (128 rows), one
-    CTA per SM, otherwise and at D = 128. Launch registers fit the register file, and after ``setmaxnreg`` the
+    one (64 query rows) per CTA and two CTAs per SM below ONE_CONSUMER_BELOW keys; three (192 rows) where
+    ``three_consumers_faster`` says so; two consumers (128 rows), one CTA per SM, otherwise and at D = 128. Launch registers fit the register file, and after ``setmaxnreg`` the
     default partition (a consumer) keeps at least what the other consumers get."""
     below = half_gluon.ONE_CONSUMER_BELOW
     cases = [(64, below - 1, None, (1, 2, 64)), (64, below, None, (2, 1, 128)), (128, 256, None, (2, 1, 128)),
              (64, 197, 197, (4, 1, 256)), (64, 256, 224, (4, 1, 256)), (64, 197, 192, (1, 2, 64)),
              (64, 257, 200, (1, 2, 64)), (64, 197, 225, (1, 2, 64)), (128, 197, 197, (2, 1, 128))]
-    for d, n_k, n_q, expected in cases:
-        cfg = half_gluon.get_config(n_k, d, n_q=n_q)
-        assert (cfg["consumers"], cfg["ctas_per_sm"], cfg["BLOCK_M"]) == expected, (d, n_k, n_q)
+    # with the heads (batch x heads) and SMs: three consumers (192 rows) where their waves finish first (ViT-B/16 at
+    # 1024 px, 16 heads of 16384 rows); 8 heads of 16384 or 4096 rows keep two; four only where the heads fill the SMs
+    sized = [(64, 4097, 4097, 96, (3, 1, 192)), (64, 16384, 16384, 16, (3, 1, 192)), (64, 16384, 16384, 8, (2, 1, 128)),
+             (64, 4096, 4096, 8, (2, 1, 128)), (128, 4097, 4097, 96, (2, 1, 128)), (64, 1024, 4097, 96, (1, 2, 64)),
+             (64, 197, 197, 768, (4, 1, 256)), (64, 197, 197, 96, (1, 2, 64))]
+    for d, n_k, n_q, heads, expected in [(d, n_k, n_q, None, e) for d, n_k, n_q, e in cases] + sized:
+        cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=heads, sms=132)
+        assert (cfg["consumers"], cfg["ctas_per_sm"], cfg["BLOCK_M"]) == expected, (d, n_k, n_q, heads)
         threads = 32 * (4 * cfg["consumers"] + 4)  # the producer warp is padded to a warpgroup
         assert cfg["maxnreg"] * threads * cfg["ctas_per_sm"] <= 65536
         workers = 128 * (24 + (cfg["consumers"] - 1) * cfg["consumer_regs"])
         assert (cfg["maxnreg"] * threads - workers) // 128 >= min(cfg["consumer_regs"], 232), (d, n_k, n_q)
+
+
+def test_three_consumers_only_where_their_waves_of_work_tiles_finish_first():
+    """The waves model behind the three-consumer choice: within one wave of SMs for both counts two consumers (128
+    rows per CTA, a shorter chain each) always win; where both counts' work tiles fill whole waves, three do (their
+    per-row speed); and the choice is what the model's two costs say, for lengths and head counts around the
+    wave boundaries."""
+    sms = 132
+    for heads in (1, 8, 16, 33, 96, 140):
+        for n_q in (1536, 2047, 4096, 4097, 8192, 16384, 32768):
+            tiles2, tiles3 = heads * -(-n_q // 128), heads * -(-n_q // 192)
+            three = half_gluon.three_consumers_faster(n_q, heads, sms)
+            if tiles2 <= sms:
+                assert not three, (heads, n_q)
+            if tiles2 % sms == 0 and tiles3 % sms == 0:
+                assert three, (heads, n_q)
+            waves2, waves3 = -(-tiles2 // sms), -(-tiles3 // sms)
+            assert three == (waves3 * 192 / half_gluon.THREE_CONSUMER_ROW_SPEED < waves2 * 128), (heads, n_q)
+    assert half_gluon.THREE_CONSUMER_ROW_SPEED > 1  # else three never pay: 192 rows per tile, 1.5x 128
 
 
 @needs_gluon
@@ -275,12 +304,14 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-on
                                          (2, 3, 300, 1050, 64), (1, 2, 500, 10410, 64), (64, 12, 197, 197, 128),
                                          (8, 12, 197, 197, 64), (2, 3, 300, 1066, 64), (16, 12, 197, 197, 64),
                                          (2, 80, 210, 256, 64), (2, 70, 193, 100, 64), (1, 140, 224, 17, 64),
-                                         (64, 12, 50, 50, 64), (8, 12, 80, 80, 64), (2, 6, 300, 25, 128)])
+                                         (64, 12, 50, 50, 64), (8, 12, 80, 80, 64), (2, 6, 300, 25, 128),
+                                         (2, 70, 1100, 2100, 64), (2, 70, 1700, 1570, 64), (1, 16, 16384, 16384, 64)])
 def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, dtype):
     """Same error vs the float64 oracle as the Triton kernel, odd row / key counts (TMA zero-fills the
     tails, the last key tile is masked and cut to 16 / 32 / 64 / 128 keys or split in two parts: 64 + 16, 32 + 16),
-    one or two key tiles, one, two or four consumer warpgroups per CTA (four: 193-224 rows, 64-key tiles, where
-    the heads fill the SMs; 8 x 12 heads at 197 rows take one consumer), programs that take several work tiles (the
+    one or two key tiles, one, two, three or four consumer warpgroups per CTA (four: 193-224 rows, 64-key tiles, where
+    the heads fill the SMs; 8 x 12 heads at 197 rows take one consumer; three: 140 heads of 1100 or 1700 rows (a
+    last key tile in two parts) and 16 heads of 16384 on 132 SMs), programs that take several work tiles (the
     persistent grid: barrier phases carried from tile to tile), and ``elsa_attention`` returns exactly this
     kernel's output where it dispatches to it, as does a call that wants the log-sum-exp, whose LSE is as accurate
     as the Triton kernel's."""
@@ -303,6 +334,8 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     four = D == 64 and Nq in half_gluon.FOUR_CONSUMER_ROWS and Nk <= half_gluon.FOUR_CONSUMER_MAX_KEYS and B * H >= sms
     assert (half_gluon.config_for(q, k)["consumers"] == 4) is four
+    three = D == 64 and Nk >= half_gluon.ONE_CONSUMER_BELOW and half_gluon.three_consumers_faster(Nq, B * H, sms)
+    assert (half_gluon.config_for(q, k)["consumers"] == 3) is three
     if B * H * -(-Nq // 128) >= sms and half_gluon.preferred(Nq, Nk, D):
         assert torch.equal(elsa_attention(q, k, v, None, None, False, scale, mode), y)
         # training calls take the same kernel with the LSE write: the same output, and an LSE as close to the
