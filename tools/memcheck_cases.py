@@ -16,7 +16,11 @@ when one raised or returned a non-finite value (each printed).
 ``gl.warp_specialize``, one partition arriving, the other waiting; none of our data in shared memory): racecheck
 reports on it the same pair of sites it reports on the Gluon half kernel (a read at the kernel's first line
 against writes at the kernel's first line and at the ``warp_specialize`` call), so those hazards lie in Triton's
-partition hand-off, not in the attention kernel's own shared-memory traffic.
+partition hand-off, not in the attention kernel's own shared-memory traffic. ``--control-data`` runs a second control
+kernel that hands data through shared memory the way the Gluon backward's producer warp hands a query tile's lse /
+delta rows to its consumers: one warp stores 32 floats, passes a barrier of its warp and arrives on an mbarrier; a
+warpgroup waits on it, reads them and writes them out: whether racecheck follows such a hand-off (a report between
+that store and that read) or not (docs/benchmarks/gpu_conformance_h200.md reads the backward's reports against it).
 """
 from __future__ import annotations
 
@@ -187,9 +191,46 @@ def control() -> None:
     print("memcheck_cases: control kernel ran", flush=True)
 
 
+def control_data() -> None:
+    """Run the data hand-off control kernel (module docstring) once."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+    barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    @gluon.jit
+    def reader(out, rows, bar):
+        mbarrier.wait(bar, 0)
+        vals = rows.load(gl.SliceLayout(0, gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])))
+        offs = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])))
+        gl.store(out + gl.program_id(0) * 32 + offs, vals)
+
+    @gluon.jit
+    def writer(out, rows, bar):
+        offs = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        rows.store((offs + gl.program_id(0)).to(gl.float32))
+        barrier()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def kernel(out):
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        rows = gl.allocate_shared_memory(gl.float32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        mbarrier.init(bar, count=1)
+        gl.warp_specialize([(reader, (out, rows, bar)), (writer, (out, rows, bar))], [1], [24])
+
+    out = torch.zeros(8, 32, device="cuda")
+    kernel[(8,)](out, num_warps=4)
+    torch.cuda.synchronize()
+    want = torch.arange(32.0, device="cuda") + torch.arange(8.0, device="cuda")[:, None]
+    assert torch.equal(out, want), "data hand-off control kernel output"
+    print("memcheck_cases: data hand-off control kernel ran", flush=True)
+
+
 def main(args) -> dict:
-    if args.control:
-        control()
+    if args.control or args.control_data:
+        control() if args.control else control_data()
         return {"cases": 1, "failed": []}
     ran, failed, t0 = 0, [], time.perf_counter()
     for name, fn, leaves in cases(args.families, args.modes):
@@ -209,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="precision modes to run")
     p.add_argument("--control", action="store_true",
                    help="run only the warp-specialization control kernel (racecheck's baseline)")
+    p.add_argument("--control-data", action="store_true",
+                   help="run only the data hand-off control kernel (a warp's stores read by a warpgroup after an "
+                        "mbarrier)")
     return p
 
 
