@@ -113,13 +113,14 @@ def _half_gluon_jobs(quick: bool):
     if half_gluon._IMPORT_ERROR is not None:
         return
     # 4096 keys: two consumer warpgroups per CTA; 1025 keys at D = 64: one per CTA, two CTAs per SM, a cut last tile;
-    # 197 rows and keys at D = 64: four per CTA
-    for d, n_k, n_q in ((64, 4096, None), (64, 1025, None), (64, 197, 197), (128, 4096, None)):
+    # 197 rows and keys at D = 64: four per CTA; ViT-B/16 at 1024 px (96 heads of 4097 rows) on 132 SMs: three
+    for d, n_k, n_q, heads in ((64, 4096, None, None), (64, 1025, None, None), (64, 197, 197, None),
+                               (64, 4097, 4097, 96), (128, 4096, None, None)):
         for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
-            cfg = half_gluon.get_config(n_k, d, n_q=n_q)
+            cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=heads, sms=132)
             tname = str(dtype).split(".")[-1]
             shape = (" ping-pong" if cfg["PINGPONG"] else " one consumer" if cfg["consumers"] == 1
-                     else " four consumers" if cfg["consumers"] == 4 else "")
+                     else {3: " three consumers", 4: " four consumers"}.get(cfg["consumers"], ""))
             yield ({"kernel": "half-gluon", "variant": f"D={d} {tname}{shape}",
                     "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 4 * cfg["consumers"] + 4, cfg["STAGES"]]},
                    dict(kernel=half_gluon._half_fwd_kernel,
@@ -360,9 +361,9 @@ def main(args) -> dict:
           "program, 64 warps, 32 programs; 0 over the limit)\n"
           "* SASS instructions: a static count (`nvdisasm`; a loop body counts once), comparable between variants "
           "of one kernel at the same tiles\n* half-gluon (warp-specialized): registers are the launch cap over its "
-          "12 warps (8 / 20 with one / four consumer warpgroups); `setmaxnreg` then gives each consumer thread 240 "
-          "(232 with one, 112-120 with four) and each producer 24; half-gluon-bwd likewise: 240 per consumer "
-          "thread, 24 for the producer, 32 for each of the two dQ writers"
+          "12 warps (8 / 16 / 20 with one / three / four consumer warpgroups); `setmaxnreg` then gives each consumer "
+          "thread 240 (232 with one, 160 with three, 112-120 with four) and each producer 24; half-gluon-bwd likewise: "
+          "240 per consumer thread, 24 for the producer, 32 for each of the two dQ writers"
           f"\n\n{table}\n")
     write_results(outputs, args.out, result, md)
     print(md)

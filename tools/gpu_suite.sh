@@ -31,9 +31,9 @@
 # mystorm16/FastVGGT), conformance (the randomized conformance suite: every family and mode against the float64 oracle,
 # any layout, ~2000 cases), memcheck / racecheck / initcheck (compute-sanitizer over tools/memcheck_cases.py: a small
 # case of every kernel family and variant, forward and backward), racecheck-control (racecheck over the
-# warp-specialization control kernels alone: the bare hand-off, then data handed through an mbarrier), warmup-train (python -m visionattn.warmup --training --jobs 16, every mode
-# to the end). Every step logs to OUT_DIR/STEP.log and a failing step does not stop the next one. Machine-wide settings
-# are left alone.
+# warp-specialization control kernels alone: the bare hand-off, then data handed through an mbarrier), warmup-train
+# (python -m visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to OUT_DIR/STEP.log and a
+# failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR STEP...}; shift
 mkdir -p "$out"

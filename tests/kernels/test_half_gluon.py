@@ -123,8 +123,9 @@ def test_the_last_key_tile_is_cut_to_the_keys_it_holds():
 def test_consumer_warpgroups_per_cta_by_length_within_the_register_file():
     """D = 64: four consumer warpgroups (a whole head, 64-key tiles) at 193-224 query rows and <= 256 keys, else
     one (64 query rows) per CTA and two CTAs per SM below ONE_CONSUMER_BELOW keys; three (192 rows) where
-    ``three_consumers_faster`` says so; two consumers (128 rows), one CTA per SM, otherwise and at D = 128. Launch registers fit the register file, and after ``setmaxnreg`` the
-    default partition (a consumer) keeps at least what the other consumers get."""
+    ``three_consumers_faster`` says so; two consumers (128 rows), one CTA per SM, otherwise and at D = 128. Launch
+    registers fit the register file, and after ``setmaxnreg`` the default partition (a consumer) keeps at least
+    what the other consumers get."""
     below = half_gluon.ONE_CONSUMER_BELOW
     cases = [(64, below - 1, None, (1, 2, 64)), (64, below, None, (2, 1, 128)), (128, 256, None, (2, 1, 128)),
              (64, 197, 197, (4, 1, 256)), (64, 256, 224, (4, 1, 256)), (64, 197, 192, (1, 2, 64)),
