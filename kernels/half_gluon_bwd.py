@@ -22,13 +22,15 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   shared-memory ring of ``dq_ring`` query tiles (mbarriers ``dq_full`` / ``dq_empty``) and go on at once; two
   one-warp writer partitions (sharing the producer's warpgroup; a program's step ``t`` is writer ``t % 2``'s, so
   two tiles' turns are in flight) wait for both halves of a tile, then for its turn, add each half into an FP32
-  accumulator as one TMA bulk reduction (``cp.reduce.async.bulk.tensor``, ``add``) issued by one thread, wait
-  for the reductions to complete (not only to read shared memory), free the slot and pass the turn on;
+  accumulator as one TMA bulk reduction (``cp.reduce.async.bulk.tensor``, ``add``) issued by one thread (the
+  first share of an accumulator tile as a TMA store: the accumulators are not zeroed), wait for the reductions to
+  complete (not only to read shared memory), free the slot and pass the turn on;
 * **deterministic dQ**: each FP32 accumulator gets each query tile's shares in a fixed order, as in
   :mod:`.elsa_bwd`'s single pass: an int32 counter per (accumulator, batch * head, query tile) says how many
   shares were added, and the writer of key tile ``j`` waits until it reads ``j``'s turn. With ``A``
   accumulators key tile ``j`` adds into accumulator ``j % A`` (a chain of turns ``A`` times shorter), and
-  :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype. The order, a function
+  :func:`combine_accumulators` writes ``dQ = ((acc_0 + acc_1) + ...)`` in the input dtype, over the accumulator
+  tiles whose counters say they took a share (the others were never written). The order, a function
   of the shape alone, not the timing, fixes every sum: dQ is bit-for-bit reproducible;
 * **rotated sweeps** (config ``rotate``; :func:`rotation_step`): the key tile of turn ``p`` in its chain
   sweeps the query tiles from tile ``-p * ROT`` on: the chain's key tiles, started together, work on tiles ``ROT``
@@ -244,8 +246,8 @@ def query_order(n_q_tiles: int, n_k_tiles: int, chains: int, rot: int) -> tuple[
 
 def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
     """``(accumulators, counters)``: FP32 elements of the dQ accumulators [dq_accumulators * B * H, Nq, D] and int32
-    turn counters, one per (accumulator, batch * head, query tile of ``BLOCK_M`` rows); both zeroed before a
-    launch, in one allocation."""
+    turn counters, one per (accumulator, batch * head, query tile of ``BLOCK_M`` rows); in one allocation, of
+    which a launch zeroes only the counters (each accumulator tile's first share is stored)."""
     accs = cfg["dq_accumulators"]
     return accs * B * H * n_q * head_dim, accs * B * H * cdiv(n_q, cfg["BLOCK_M"])
 
@@ -507,6 +509,7 @@ if _IMPORT_ERROR is None:
                     dq_tok = warpgroup_mma(dsc, k_c, dq_tok, is_async=True)
                 dk_lo, dk_part = warpgroup_mma_wait(3 * CONS, deps=[dk_lo_tok, dk_tok])
                 dk = dk + (dk_part + dk_lo * DS_LO_INV)
+                _cta_barrier()  # every thread's reads of the slot's rows precede the one-thread release below
                 mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
                 dq_lo, part = warpgroup_mma_wait(0, deps=[dq_lo_tok, dq_tok])
                 part = part + dq_lo * DS_LO_INV
@@ -535,6 +538,9 @@ if _IMPORT_ERROR is None:
                                        k_smem.index(1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1), dq_tok,
                                        is_async=True)
                 dk = warpgroup_mma_wait(1, deps=[dk_tok])
+                # every thread's reads of the slot (its lse / delta rows; Q_i and dO_i through the wgmmas waited
+                # above) precede the one-thread release: the producer then overwrites the slot
+                _cta_barrier()
                 mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
                 part = warpgroup_mma_wait(0, deps=[dq_tok])
             # hand the share to the writers through their ring (slot t % DQ_RING, this consumer's half) and go on
@@ -590,9 +596,16 @@ if _IMPORT_ERROR is None:
                                              is_pure=False, pack=1)
             seen = gl.inline_asm_elementwise(_ASYNC_FENCE_PTX, "=r,r", [seen], dtype=gl.int32, is_pure=False,
                                              pack=1)
-            for w in gl.static_range(CONS):
-                _tma_reduce_add(dqacc_desc, [acc_row, i * BLOCK_M, w * DQC],
-                                dq_smem.index(slot * CONS + w).reshape([1, BLOCK_M, DQC]))
+            # the first share of each accumulator tile is stored, the later ones added: the accumulators need no
+            # zeroing pass (an accumulator tile with no share keeps its counter at 0, which the combine reads)
+            if turn == 0:
+                for w in gl.static_range(CONS):
+                    tma.async_copy_shared_to_global(dqacc_desc, [acc_row, i * BLOCK_M, w * DQC],
+                                                    dq_smem.index(slot * CONS + w).reshape([1, BLOCK_M, DQC]))
+            else:
+                for w in gl.static_range(CONS):
+                    _tma_reduce_add(dqacc_desc, [acc_row, i * BLOCK_M, w * DQC],
+                                    dq_smem.index(slot * CONS + w).reshape([1, BLOCK_M, DQC]))
             seen = gl.inline_asm_elementwise(_BULK_DONE_PTX, "=r,r", [seen], dtype=gl.int32, is_pure=False, pack=1)
             # the warp's barrier: every lane is past the completion wait before lane 0's release (a release orders
             # only what the releasing thread observed; the barrier makes the issuing lane's completed reductions
@@ -610,8 +623,8 @@ if _IMPORT_ERROR is None:
                          KV_IN_REGS: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
         # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; dqacc_desc: the FP32 dQ
-        # accumulators [A * B * H, Nq, D] (A = DQ_ACCS, twice that with ROT > 0: dq_schedule), zeroed; Sem: int32
-        # counters (ordered_buffer_sizes), zeroed; ROT: rotation_step's.
+        # accumulators [A * B * H, Nq, D] (A = DQ_ACCS, twice that with ROT > 0: dq_schedule), not zeroed (each
+        # tile's first share is stored); Sem: int32 counters (ordered_buffer_sizes), zeroed; ROT: rotation_step's.
         # qk_scale = scale * log2(e). HEAD_SCALES (modes tf32 / fp32): the operands are FP16 copies scaled per head
         # by powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW], _scaled_operands_kernel) holds each
         # head's multipliers, which replace qk_scale and scale; else Scales is not read. PARTS = 2 (mode fp32): the
@@ -688,29 +701,39 @@ def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float1
 
 
 @triton.jit
-def _dq_combine_kernel(ACC, DQ, n, ACCS: tl.constexpr, BLOCK: tl.constexpr):
-    # dQ = ((acc_0 + acc_1) + acc_2) + ... in the input dtype: a fixed order, so the sum is reproducible
+def _dq_combine_kernel(ACC, DQ, Sem, n, Nq, n_m, n_bh, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, ACCS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    # dQ = ((acc_0 + acc_1) + acc_2) + ... in the input dtype: a fixed order, so the sum is reproducible. An
+    # accumulator's query tile whose turn counter (Sem: int32 [ACCS, n_bh, n_m]) is 0 took no share and was never
+    # written (the kernel stores each tile's first share instead of zeroing): it counts as 0, unread
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    total = tl.load(ACC + offs, mask=ok, other=0.0)
-    for a in tl.static_range(1, ACCS):
-        total += tl.load(ACC + (offs + a * n.to(tl.int64)), mask=ok, other=0.0)
+    row = offs // HEAD_D
+    bh = row // Nq
+    tile = bh * n_m + (row - bh * Nq) // BLOCK_M
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for a in tl.static_range(ACCS):
+        took = tl.load(Sem + (a * n_bh * n_m + tile), mask=ok, other=0) > 0
+        total += tl.load(ACC + (offs + a * n.to(tl.int64)), mask=took, other=0.0)
     tl.store(DQ + offs, total.to(DQ.dtype.element_ty), mask=ok)
 
 
 COMBINE_BLOCK = 1024
 
 
-def _combine_call(n: int, accs: int) -> KernelCall:
+def _combine_call(n: int, head_dim: int, block_m: int, accs: int) -> KernelCall:
     # the combine kernel's launch over n elements of dQ (a plan keeps it: KernelCall's direct launch after the first)
-    return KernelCall(_dq_combine_kernel, (cdiv(n, COMBINE_BLOCK),), dict(ACCS=accs, BLOCK=COMBINE_BLOCK),
-                      dict(num_warps=4))
+    return KernelCall(_dq_combine_kernel, (cdiv(n, COMBINE_BLOCK),),
+                      dict(HEAD_D=head_dim, BLOCK_M=block_m, ACCS=accs, BLOCK=COMBINE_BLOCK), dict(num_warps=4))
 
 
-def combine_accumulators(acc: torch.Tensor, dq: torch.Tensor, accs: int) -> None:
-    """``dq`` (contiguous, its dtype) = the sum of the ``accs`` FP32 accumulators ``acc`` [accs * dq.numel()], added
-    in index order."""
-    _combine_call(dq.numel(), accs)(acc, dq, dq.numel())
+def combine_accumulators(acc: torch.Tensor, dq: torch.Tensor, sem: torch.Tensor, accs: int, block_m: int) -> None:
+    """``dq`` ([B, H, Nq, D] contiguous, its dtype) = the sum of the ``accs`` FP32 accumulators ``acc`` [accs *
+    dq.numel()], added in index order, each query tile of ``block_m`` rows of an accumulator only where its int32
+    turn counter ``sem`` [accs, B * H, cdiv(Nq, block_m)] is positive (a tile that took no share is not read and
+    counts as 0)."""
+    B, H, Nq, D = dq.shape
+    _combine_call(dq.numel(), D, block_m, accs)(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, block_m), B * H)
 
 
 def _preprocess(q, out, grad_out, lse, k=None, v=None, head_max=None):
@@ -799,8 +822,9 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     without checks: for a caller that ran :func:`unsupported_reason` (the backward plans of :mod:`.elsa_bwd`).
     ``delta``, ``lse_row``: FP32 [B * H, Nq] from :mod:`.elsa_bwd`'s preprocess kernel; ``dk``, ``dv``: [B, H, Nk,
     D] contiguous, q's dtype, written; ``grad_out`` is rounded to q's dtype and copied contiguous where its dtype or
-    strides are not the kernel's. Each call zeroes its FP32 accumulators and counters (accumulators *
-    B * H * Nq * D floats, :func:`dq_schedule`) and returns dQ [B, H, Nq, D] contiguous in q's dtype. ``config``: a
+    strides are not the kernel's. Each call allocates its FP32 accumulators (accumulators * B * H * Nq * D floats,
+    :func:`dq_schedule`; not zeroed: each tile's first share is stored), zeroes its turn counters and returns dQ
+    [B, H, Nq, D] contiguous in q's dtype. ``config``: a
     :func:`get_config` dict (tools, tests). The first call builds (and validates)
     the five TMA descriptors; later calls encode them onto their tensors through
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
@@ -833,12 +857,14 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
     blocks = [list(block) for block, _ in specs]
     layouts = [nvmma_layout(block, dt) for block, dt in specs]
     # one FP32 accumulator for an FP32 dQ is dQ itself: no combine
-    combine = None if accs == 1 and dq_dtype == torch.float32 else _combine_call(B * H * Nq * D, accs)
+    combine = (None if accs == 1 and dq_dtype == torch.float32
+               else _combine_call(B * H * Nq * D, D, cfg["BLOCK_M"], accs))
     direct = []  # the descriptor-encoding launch, once the first call has compiled the kernel
 
     def run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales):
-        buf = torch.zeros(n_acc + n_sem, device=q.device, dtype=torch.float32)
+        buf = torch.empty(n_acc + n_sem, device=q.device, dtype=torch.float32)
         acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
+        sem.zero_()  # the accumulators are not zeroed: the kernel stores each tile's first share
         dq = acc.view(B, H, Nq, D) if combine is None else torch.empty((B, H, Nq, D), device=q.device,
                                                                          dtype=dq_dtype)
         bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D))
@@ -853,7 +879,7 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
                     d.base = None
                 direct.append(call.with_descriptors(descs))
         if combine is not None:
-            combine(acc, dq, dq.numel())
+            combine(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, cfg["BLOCK_M"]), B * H)
         return dq
 
     return run

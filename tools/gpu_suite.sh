@@ -31,7 +31,8 @@
 # mystorm16/FastVGGT), conformance (the randomized conformance suite: every family and mode against the float64 oracle,
 # any layout, ~2000 cases), memcheck / racecheck / initcheck (compute-sanitizer over tools/memcheck_cases.py: a small
 # case of every kernel family and variant, forward and backward), racecheck-control (racecheck over the
-# warp-specialization control kernels alone: the bare hand-off, then data handed through an mbarrier), warmup-train
+# warp-specialization control kernels alone: the bare hand-off, data handed through an mbarrier, then a ring slot
+# reused over four rounds, with and without TMA bytes in each phase), warmup-train
 # (python -m visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to OUT_DIR/STEP.log and a
 # failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
@@ -143,7 +144,11 @@ for step in "$@"; do
     racecheck-control) run racecheck-control 120 compute-sanitizer --tool racecheck --print-limit 5 \
         python tools/memcheck_cases.py --control
       run racecheck-control-data 120 compute-sanitizer --tool racecheck --print-limit 5 \
-        python tools/memcheck_cases.py --control-data ;;
+        python tools/memcheck_cases.py --control-data
+      for ring in plain tma; do
+        run "racecheck-control-ring-$ring" 120 compute-sanitizer --tool racecheck --print-limit 5 \
+          python tools/memcheck_cases.py --control-ring "$ring"
+      done ;;
     warmup-train) run warmup-train 560 python -m visionattn.warmup --training --jobs 16 ;;
     ring1) run ring1 200 torchrun --nproc-per-node 1 tools/bench_context_parallel.py --out "$out/ring1" ;;
     demo300) run demo300 500 python demos/reconstruct.py "${VIDEO:?set VIDEO to a video of >= 300 frames}" \

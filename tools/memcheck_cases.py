@@ -21,6 +21,9 @@ kernel that hands data through shared memory the way the Gluon backward's produc
 delta rows to its consumers: one warp stores 32 floats, passes a barrier of its warp and arrives on an mbarrier; a
 warpgroup waits on it, reads them and writes them out: whether racecheck follows such a hand-off (a report between
 that store and that read) or not (docs/benchmarks/gpu_conformance_h200.md reads the backward's reports against it).
+``--control-ring plain|tma`` runs the whole ring of that hand-off: four rounds through one slot, the warpgroup
+passing a barrier of its own and releasing the slot on an ``empty`` mbarrier (one thread) before the warp rewrites
+it; with ``tma`` a TMA copy's bytes also complete each ``ready`` phase, as the query tile's do in the backward.
 """
 from __future__ import annotations
 
@@ -228,9 +231,69 @@ def control_data() -> None:
     print("memcheck_cases: data hand-off control kernel ran", flush=True)
 
 
+def control_ring(tma_bytes: bool) -> None:
+    """Run the ring control kernel (module docstring) once; ``tma_bytes``: a TMA copy also completes each phase."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from visionattn.kernels._gluon import nvmma_layout
+
+    barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    rounds = 4
+
+    @gluon.jit
+    def reader(out, rows, tile, desc, ready, empty, ROUNDS: gl.constexpr, TMA: gl.constexpr):
+        layout: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0]))
+        offs = gl.arange(0, 32, layout=layout)
+        for r in range(ROUNDS):
+            mbarrier.wait(ready, r & 1)
+            vals = rows.load(layout)
+            gl.store(out + (gl.program_id(0) * ROUNDS + r) * 32 + offs, vals)
+            barrier()  # every thread's read precedes the one-thread release (the backward's consumer does the same)
+            mbarrier.arrive(empty, count=1)
+
+    @gluon.jit
+    def writer(out, rows, tile, desc, ready, empty, ROUNDS: gl.constexpr, TMA: gl.constexpr):
+        offs = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        for r in range(ROUNDS):
+            mbarrier.wait(empty, (r & 1) ^ 1)
+            if TMA:  # the backward's producer: the slot's TMA bytes first, then its rows and a second arrival
+                mbarrier.expect(ready, desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc, [0, 0], ready, tile)
+            rows.store((offs + gl.program_id(0) + 100 * r).to(gl.float32))
+            barrier()
+            mbarrier.arrive(ready, count=1)
+
+    @gluon.jit
+    def kernel(out, desc, ROUNDS: gl.constexpr, TMA: gl.constexpr):
+        ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        rows = gl.allocate_shared_memory(gl.float32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tile = gl.allocate_shared_memory(desc.dtype, desc.block_type.shape, desc.layout)
+        mbarrier.init(ready, count=2 if TMA else 1)
+        mbarrier.init(empty, count=1)
+        gl.warp_specialize([(reader, (out, rows, tile, desc, ready, empty, ROUNDS, TMA)),
+                            (writer, (out, rows, tile, desc, ready, empty, ROUNDS, TMA))], [1], [24])
+
+    src = torch.ones(64, 64, device="cuda", dtype=torch.float16)
+    desc = TensorDescriptor.from_tensor(src, [64, 64], nvmma_layout((64, 64), torch.float16))
+    out = torch.zeros(8, rounds, 32, device="cuda")
+    kernel[(8,)](out, desc, ROUNDS=rounds, TMA=tma_bytes, num_warps=4)
+    torch.cuda.synchronize()
+    want = (torch.arange(32.0, device="cuda") + torch.arange(8.0, device="cuda")[:, None, None]
+            + 100 * torch.arange(float(rounds), device="cuda")[:, None])
+    assert torch.equal(out, want), "ring control kernel output"
+    print(f"memcheck_cases: ring control kernel ran ({'with' if tma_bytes else 'without'} TMA bytes)", flush=True)
+
+
 def main(args) -> dict:
     if args.control or args.control_data:
         control() if args.control else control_data()
+        return {"cases": 1, "failed": []}
+    if args.control_ring:
+        control_ring(args.control_ring == "tma")
         return {"cases": 1, "failed": []}
     ran, failed, t0 = 0, [], time.perf_counter()
     for name, fn, leaves in cases(args.families, args.modes):
@@ -253,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-data", action="store_true",
                    help="run only the data hand-off control kernel (a warp's stores read by a warpgroup after an "
                         "mbarrier)")
+    p.add_argument("--control-ring", choices=("plain", "tma"), default=None,
+                   help="run only the ring control kernel: four rounds of rows handed through one ring slot with "
+                        "ready / empty mbarriers, the slot rewritten after the readers' one-thread release; tma: "
+                        "a TMA copy's bytes also complete each ready phase, as in the Gluon backward")
     return p
 
 

@@ -196,11 +196,12 @@ def test_combine_accumulators_adds_in_index_order(accs):
     n = 3 * 5 * 7 * 64 + 0  # 6720: not a multiple of the 1024-element block
     # magnitudes 2^-20 .. 2^20 so that another order would round differently
     acc = torch.randn(accs, n) * torch.exp2(torch.randint(-20, 21, (accs, n)).float())
+    sem = torch.ones(accs, 15, 1, dtype=torch.int32)  # every tile took a share
     want = acc[0].clone()
     for a in range(1, accs):
         want = want + acc[a]
     dq = torch.empty(3, 5, 7, 64)
-    half_gluon_bwd.combine_accumulators(acc.reshape(-1), dq, accs)
+    half_gluon_bwd.combine_accumulators(acc.reshape(-1), dq, sem, accs, 64)
     assert torch.equal(dq.reshape(-1), want)
     if accs > 2:  # the order matters for these values: a reversed sum differs somewhere
         rev = acc[-1].clone()
@@ -208,10 +209,31 @@ def test_combine_accumulators_adds_in_index_order(accs):
             rev = rev + acc[a]
         assert not torch.equal(rev, want)
     half = torch.empty(3, 5, 7, 64, dtype=torch.bfloat16)
-    half_gluon_bwd.combine_accumulators(acc.reshape(-1), half, accs)
+    half_gluon_bwd.combine_accumulators(acc.reshape(-1), half, sem, accs, 64)
     # one rounding to bfloat16 (the interpreter may truncate instead of rounding: within one unit in the last place)
     ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
     assert ((half.float().reshape(-1) - want).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_combine_skips_accumulator_tiles_without_shares(head_dim):
+    """The kernel stores each accumulator tile's first share and never zeroes the accumulators: a query tile whose
+    turn counter is 0 holds whatever the allocation held (NaN here) and must count as 0; tiles are ``block_m`` rows
+    of one (batch, head), so a tile's rows follow Nq, not the flat index (Nq = 100 leaves a 36-row last tile)."""
+    torch.manual_seed(1)
+    B, H, Nq, block_m, accs = 2, 3, 100, 64, 3
+    n_m = -(-Nq // block_m)
+    acc = torch.randn(accs, B * H, Nq, head_dim)
+    sem = torch.randint(0, 3, (accs, B * H, n_m), dtype=torch.int32)
+    sem[0] = 1  # the first accumulator always takes a share
+    took = sem.repeat_interleave(block_m, dim=2)[:, :, :Nq, None].expand_as(acc) > 0
+    acc = torch.where(took, acc, torch.nan)
+    want = torch.where(took, acc, 0.0)
+    want = (want[0] + want[1]) + want[2]
+    dq = torch.empty(B, H, Nq, head_dim)
+    half_gluon_bwd.combine_accumulators(acc.reshape(-1), dq, sem, accs, block_m)
+    assert not (sem > 0).all() and not (sem == 0)[1:].all()  # both kinds of tile occur
+    assert torch.equal(dq.reshape(B * H, Nq, head_dim), want)
 
 
 _CHILD = r"""
