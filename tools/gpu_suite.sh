@@ -3,8 +3,11 @@
 #
 #   bash tools/gpu_suite.sh OUT_DIR STEP [STEP ...]
 #
-# Steps: tests (pytest -m gpu, over 10 min on a fresh machine: tests-k (tests/kernels, ~6 min), tests-a (tests/api, ~5
-# min: every mode's kernels compile, the one-rank ring alone ~2 min) and tests-m split it), models (bench_models
+# Steps: tests (pytest -m gpu, over 10 min on a fresh machine: tests-k (tests/kernels, ~6 min with a warm Triton
+# cache, far longer cold), tests-a (tests/api, ~5 min: every mode's kernels compile, the one-rank ring alone ~2 min)
+# and tests-m split it; tests-par runs tests/kernels and tests/api but the multi-process ones in TEST_JOBS (default
+# 8) pytest-xdist workers, compile-bound work spread over the cores, then tests-seq the rest one test at a time (the
+# VGGT-1B tests hold ~24 GB each: run side by side they run out of memory)), models (bench_models
 # --quick), models-graph (the same with CUDA-graph timing on both sides), window-key (bench_window --cuda-graph: Swin-B
 # / Swin-v2-B batch 64, every stage, the key case's launch-config sweep, whole models), imagenet (eval_imagenet, random
 # weights, 512 synthetic crops of tests/data/photos), recon (per-mode VGGT-1B agreement + timing on
@@ -61,6 +64,11 @@ for step in "$@"; do
     tests-a) run tests-a 560 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/api ;;
     tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching \
         tests/tools ;;
+    tests-par) run tests-par 560 python -m pytest -m gpu -q -rfE -n "${TEST_JOBS:-8}" --timeout=250 -p no:cacheprovider \
+        tests/kernels tests/api --ignore=tests/api/test_distributed.py --ignore=tests/api/test_distributed_hostile.py \
+        --ignore=tests/api/test_ulysses.py
+      run tests-seq 560 python -m pytest -m gpu -q -rfE --timeout=250 -p no:cacheprovider tests/models tests/patching \
+        tests/tools tests/api/test_distributed.py tests/api/test_distributed_hostile.py tests/api/test_ulysses.py ;;
     models) run models 120 python tools/bench_models.py --quick --out "$out/models_bench" ;;
     models-graph) run models-graph 150 python tools/bench_models.py --quick --cuda-graph \
         --out "$out/models_bench_graph" ;;
