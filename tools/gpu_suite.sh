@@ -64,9 +64,9 @@ for step in "$@"; do
     tests-a) run tests-a 560 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/api ;;
     tests-m) run tests-m 300 python -m pytest -m gpu -q --timeout=250 -p no:cacheprovider tests/models tests/patching \
         tests/tools ;;
-    tests-par) run tests-par 560 python -m pytest -m gpu -q -rfE -n "${TEST_JOBS:-8}" --timeout=250 -p no:cacheprovider \
-        tests/kernels tests/api --ignore=tests/api/test_distributed.py --ignore=tests/api/test_distributed_hostile.py \
-        --ignore=tests/api/test_ulysses.py
+    tests-par) run tests-par 560 python -m pytest -m gpu -q -rfE -n "${TEST_JOBS:-8}" --timeout=250 \
+        -p no:cacheprovider tests/kernels tests/api --ignore=tests/api/test_distributed.py \
+        --ignore=tests/api/test_distributed_hostile.py --ignore=tests/api/test_ulysses.py
       run tests-seq 560 python -m pytest -m gpu -q -rfE --timeout=250 -p no:cacheprovider tests/models tests/patching \
         tests/tools tests/api/test_distributed.py tests/api/test_distributed_hostile.py tests/api/test_ulysses.py ;;
     models) run models 120 python tools/bench_models.py --quick --out "$out/models_bench" ;;

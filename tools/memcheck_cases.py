@@ -8,8 +8,9 @@ variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 fr
 split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
 single-pass, two-kernel and whole-head backward (its 16-row tail tile too), split-KV with its merge, PASA, the
 window kernels (small packed windows, tiled windows, Swin-v2 cosine, the fused backward, packed qkv) and the
-ragged-batch kernels (also the stream-K schedule and its merge, and the Gluon varlen kernel). Outputs and gradients must be finite; the sanitizer reports the memory
-errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also ``racecheck``, ``initcheck``). Exit 0 when every case ran, 1
+ragged-batch kernels (also the stream-K schedule and its merge, and the Gluon varlen kernel). Outputs and gradients
+must be finite; the sanitizer reports the memory errors. ``tools/gpu_suite.sh OUT memcheck`` runs it (also
+``racecheck``, ``initcheck``). Exit 0 when every case ran, 1
 when one raised or returned a non-finite value (each printed).
 
 ``--control`` runs instead the smallest warp-specialized Gluon kernel (one mbarrier initialised before
