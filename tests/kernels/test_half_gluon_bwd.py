@@ -168,6 +168,45 @@ def test_default_dq_order_waits_only_on_lower_program_ids():
             assert all(order == sorted(order) for order in turns.values()), (n_q, n_k)
 
 
+@pytest.mark.parametrize("n_q,n_k", [(1000, 2100), (4097, 4097), (640, 9000)])
+def test_stored_first_shares_and_the_combine_give_every_share_once(n_q, n_k):
+    """The writers' rule over the default schedule (query_order: the kernel's _query_tile / _query_turn): each
+    accumulator tile's first share stored, the later ones added, nothing zeroed (the unwritten tiles hold NaN), each
+    tile's counter the shares it took; then the combine. Every query row's dQ is the sum of every key tile's share
+    exactly once (float64 sum within FP32 rounding, no NaN: no unwritten tile is read), bit-identical to the
+    accumulators' fixed order; rotated schedules (two accumulators, some tiles with no wrapped share) and plain ones."""
+    cfg = half_gluon_bwd.get_config(64)
+    chains, rot, accs = half_gluon_bwd.dq_schedule(n_q, n_k, cfg)
+    block_m = cfg["BLOCK_M"]
+    n_m, n_kt, bh, d = -(-n_q // block_m), -(-n_k // cfg["BLOCK_N"]), 2, 64
+    _, turns = half_gluon_bwd.query_order(n_m, n_kt, chains, rot)
+    g = torch.Generator().manual_seed(n_q + n_k)
+    shares = torch.randn(n_kt, bh, n_q, d, generator=g) * torch.exp2(torch.randint(-8, 9, (n_kt, 1, n_q, 1),
+                                                                                   generator=g).float())
+    acc = torch.full((accs, bh, n_q, d), float("nan"))
+    sem = torch.zeros(accs, bh, n_m, dtype=torch.int32)
+    for (a, i), order in turns.items():
+        rows = slice(i * block_m, min((i + 1) * block_m, n_q))
+        for turn, j in enumerate(order):
+            if turn == 0:
+                acc[a, :, rows] = shares[j, :, rows]
+            else:
+                acc[a, :, rows] += shares[j, :, rows]
+        sem[a, :, i] = len(order)
+    assert (sem.sum(0) == n_kt).all()  # every key tile's share of every query tile, once
+    if rot:
+        assert (sem[chains:] == 0).any() and (sem[chains:] > 0).any()  # tiles with and without wrapped shares
+    dq = torch.empty(1, bh, n_q, d)
+    half_gluon_bwd.combine_accumulators(acc.reshape(-1), dq, sem, accs, block_m)
+    want = torch.zeros(bh, n_q, d)
+    for a in range(accs):
+        took = sem[a].repeat_interleave(block_m, dim=1)[:, :n_q, None] > 0
+        want = want + torch.where(took, acc[a], 0.0)
+    assert torch.equal(dq[0], want)
+    exact = shares.double().sum(0)
+    assert ((dq[0].double() - exact).abs() <= 1e-5 * shares.double().abs().sum(0) + 1e-30).all()
+
+
 def test_grad_out_copies_are_tma_legal():
     """The dO the kernel reads when the given one is not TMA-legal: a new, 16-byte-aligned contiguous copy in q's
     dtype, also of a contiguous dO of the right dtype at an offset (``.to`` alone would return that view itself)."""
