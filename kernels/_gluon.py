@@ -20,12 +20,15 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
+    # a barrier of the calling warps (the CTA's, or a warp-specialized partition's): renamed from thread_barrier to
+    # barrier after triton 3.6
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
 __all__ = ["scope_reason", "hopper_tma_scope_reason", "hopper_copies_scope_reason", "strides_aligned",
-           "nvmma_layout", "checked_call", "IMPORT_ERROR"]
+           "nvmma_layout", "checked_call", "cta_barrier", "IMPORT_ERROR"]
 
 
 def strides_aligned(t: torch.Tensor, stride_elems: int) -> bool:

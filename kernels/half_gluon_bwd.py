@@ -87,8 +87,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
 
     from ._gluon import split_mma, split_parts, tma_load_parts
 
-    # renamed from thread_barrier to barrier after triton 3.6
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from ._gluon import cta_barrier as _cta_barrier
     _SPIN_PTX = gl.constexpr(SPIN_UNTIL_EQUAL_PTX)
     # the bulk reductions this thread issued are complete (their writes performed, not only their shared-memory
     # reads: cp.async.bulk.wait_group without .read), then ordered before the generic-proxy release that follows

@@ -32,8 +32,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
 
     from ._gluon import online_softmax
 
-    # renamed from thread_barrier to barrier after triton 3.6
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from ._gluon import cta_barrier as _cta_barrier
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"

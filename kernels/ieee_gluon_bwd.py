@@ -43,8 +43,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
 
     from .ieee_gluon import fma_layout, issue_pair, row_load_layout
 
-    # renamed from thread_barrier to barrier after triton 3.6
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from ._gluon import cta_barrier as _cta_barrier
     _SPIN_PTX = gl.constexpr(SPIN_UNTIL_EQUAL_PTX)
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton

@@ -201,7 +201,7 @@ def control_data() -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-    barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from visionattn.kernels._gluon import cta_barrier as barrier
 
     @gluon.jit
     def reader(out, rows, bar):
@@ -241,7 +241,7 @@ def control_ring(tma_bytes: bool) -> None:
 
     from visionattn.kernels._gluon import nvmma_layout
 
-    barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    from visionattn.kernels._gluon import cta_barrier as barrier
     rounds = 4
 
     @gluon.jit
