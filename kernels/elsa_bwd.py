@@ -323,18 +323,25 @@ def _tile_absmax(ptrs, rows_ok, offs_c, n_c):
     return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0).to(tl.int32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["H", "Nq", "Nk"])  # lengths are runtime values: a new one compiles nothing new
+# lengths are runtime values: a new one compiles nothing new
+@triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_zero"])
 def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
                            sob, soh, som, sod, sdb, sdh, sdm, sdd, slb, slh, slm,
                            H, Nq, Dv, K, V, E, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, Nk, D,
-                           BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                           HEAD_MAX: tl.constexpr):
+                           Zero, n_zero, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                           HEAD_MAX: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     """Per row: ``delta = sum_d dO * O`` (dO rounded to the compute dtype, as the other kernels read it) and
     ``lse`` (``+inf`` where ``lse = -inf``). Both FP32, contiguous [B * H, Nq].
     HEAD_MAX: also the largest magnitude of each head's q, dO (this program's query rows) and k, v (key tiles
     ``pid_m``, ``pid_m + cdiv(Nq, BLOCK_M)``, ...), atomically maxed as int32 bit patterns (order-free, so
     reproducible) into ``E`` [B * H, 4] (q, k, v, dO; zeroed by the caller).
+    ZERO_BLOCK > 0: program ``p`` also zeroes the int32 ``Zero[p * ZERO_BLOCK : (p + 1) * ZERO_BLOCK]`` below
+    ``n_zero`` (the Gluon backward's dQ turn counters, which the next launch on the stream reads: no memset of
+    its own).
     1-D grid cdiv(Nq, BLOCK_M) * H * B."""
+    if ZERO_BLOCK > 0:
+        offs_z = tl.program_id(0) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(Zero + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.int32), mask=offs_z < n_zero)
     pid_m, off_b, off_h, bh = _tile_and_head(Nq, BLOCK_M, H)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     r64 = rows.to(tl.int64)  # 64-bit row offsets: a million rows times a strided row overflow int32
@@ -365,13 +372,39 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
                                                    + offs_dv[None, :] * svd, key_ok, offs_dv, Dv))
 
 
-def _preprocess_call(B: int, H: int, Nq: int, block_d: int, block_dv: int, head_max: bool) -> KernelCall:
+def _preprocess_call(B: int, H: int, Nq: int, block_d: int, block_dv: int, head_max: bool,
+                     n_zero: int = 0) -> KernelCall:
     """The launch of :func:`_bwd_preprocess_kernel` over ``B * H`` heads of ``Nq`` rows: 64-row programs (32 when a
-    head dim's block passes 128), ``HEAD_MAX`` as given (the backward plans and :mod:`.half_gluon_bwd` launch it
-    so)."""
+    head dim's block passes 128), ``HEAD_MAX`` as given, zeroing ``n_zero`` int32 counters (its last two arguments:
+    the counters, ``n_zero``; any tensor and 0 when ``n_zero`` is 0) (the backward plans and
+    :mod:`.half_gluon_bwd` launch it so)."""
     pre_m = 64 if max(block_d, block_dv) <= 128 else 32
-    return KernelCall(_bwd_preprocess_kernel, (cdiv(Nq, pre_m) * B * H,),
-                      dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, BLOCK_D=block_d, HEAD_MAX=head_max), dict(num_warps=4))
+    grid = cdiv(Nq, pre_m) * B * H
+    zero_block = pad_pow2(cdiv(n_zero, grid)) if n_zero else 0
+    return KernelCall(_bwd_preprocess_kernel, (grid,),
+                      dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, BLOCK_D=block_d, HEAD_MAX=head_max,
+                           ZERO_BLOCK=zero_block), dict(num_warps=4))
+
+
+class Scratch:
+    """One backward call's FP32 scratch as one allocation: ``delta`` and the row lse (``rows = B * H * Nq`` each,
+    which :func:`_bwd_preprocess_kernel` writes), the Gluon backward's int32 dQ turn counters (``counters``, which
+    the preprocess zeroes) and its FP32 dQ accumulators (``accumulators``, never zeroed: each tile's first share is
+    stored); each part starts at a multiple of :attr:`ALIGN` elements (TMA bases need 16 bytes). One allocation and
+    no memset where there were four allocations and a memset launch: host time of every eager backward."""
+
+    ALIGN = 32  # elements: 128 bytes
+
+    def __init__(self, rows: int, counters: int = 0, accumulators: int = 0):
+        self.counters = counters
+        self.sizes = [rows, -rows % self.ALIGN, rows, -rows % self.ALIGN, counters, -counters % self.ALIGN,
+                      accumulators]
+
+    def allocate(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(delta, lse_row, counters, accumulators)``: flat views of one new FP32 allocation (the counters
+        int32), not initialised."""
+        parts = torch.empty(sum(self.sizes), device=device, dtype=torch.float32).split(self.sizes)
+        return parts[0], parts[2], parts[4].view(torch.int32), parts[6]
 
 
 @triton.jit
@@ -1422,7 +1455,6 @@ class _BackwardPlan:
         # HEAD_SCALED products scale each right operand by one power of two per head (:func:`_mmh`): the
         # preprocess finds the heads' largest magnitudes
         self.head_b = precision in HEAD_SCALED
-        self.pre = _preprocess_call(B, H, Nq, BLOCK_D, BLOCK_DV, self.head_b)
         self.pre_fixed = (*out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv)
         # the preprocess reads K / V at the query head's index: with GQA it reads none of them (0 keys) and the
         # K / V heads' largest magnitudes come from torch (_gqa_kv_max), into every query head's row of E
@@ -1512,6 +1544,11 @@ class _BackwardPlan:
         self.ordered = dict(DQ_ORDERED=self.single_pass, ACC_IS_OUT=dtype == torch.float32 and (
             not self.given_grads or self.gluon is not None), SPIN_ASM=not interpreting())
         self.dkdv = self.dq = None  # KernelCall, (KernelCall, G, per_chunk, n_m): fitted on the first run
+        # delta, the row lse and a Gluon launch's dQ counters and accumulators: one allocation, the counters
+        # zeroed by the preprocess
+        gluon = self.half_gluon if self.half_gluon is not None else self.scaled_gluon
+        self.scratch = Scratch(B * H * Nq, *(() if gluon is None else gluon.scratch))
+        self.pre = _preprocess_call(B, H, Nq, BLOCK_D, BLOCK_DV, self.head_b, self.scratch.counters)
 
     def _run_gluon(self, attr: str, kernel: str, *args) -> tuple[bool, object]:
         """``(True, result)`` of the Gluon launch held in ``self.<attr>`` on ``args``, or ``(False, None)`` when it
@@ -1645,20 +1682,21 @@ class _BackwardPlan:
             dv = torch.empty((B, self.hkv, Nk, Dv), device=dev, dtype=q.dtype)
         if self.head_b and self.group > 1:
             _gqa_kv_max(head_max, k, v, B, self.hkv, self.group)
-        # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H, Nq]
-        delta = torch.empty((B * H, Nq), device=dev, dtype=torch.float32)
-        lse_row = torch.empty_like(delta)
-        self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail)
+        # preprocess: delta and the row lse (+inf for empty rows), FP32 [B * H * Nq], and a Gluon launch's zeroed
+        # dQ counters
+        delta, lse_row, counters, accumulators = self.scratch.allocate(dev)
+        self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail, counters,
+                 self.scratch.counters)
         if self.half_gluon is not None:
             ran, gluon_dq = self._run_gluon("half_gluon", _GLUON_HALF_BWD, q, k, v, grad_out, delta, lse_row, dk, dv,
-                                            float(scale))
+                                            float(scale), accumulators, counters)
             if ran:
                 return gluon_dq, dk, dv, None, None
             dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
             acc = sem = dq  # not read (the Triton kernels' two-kernel path: half precision never single-pass)
         if self.scaled_gluon is not None:
             ran, gluon_dq = self._run_gluon("scaled_gluon", self.scaled_key, q, k, v, grad_out, delta, lse_row,
-                                            head_max.view(B * H, 4), dk, dv, float(scale))
+                                            head_max.view(B * H, 4), dk, dv, float(scale), accumulators, counters)
             if ran:
                 return gluon_dq, dk, dv, None, None
             # the Triton kernels: the preprocess found the heads' magnitudes into head_max already

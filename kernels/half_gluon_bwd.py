@@ -43,12 +43,13 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
-kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`), 64 floats per query tile (L2 hits). At head dim 64 the producer
-warp loads them into the query tile's ring slot with plain loads (a TMA copy would need ``bh * Nq`` to be a
-multiple of 4) and arrives on the slot's barrier after them, and each consumer holds its K / V rows in registers as
-the left operands of S^T's and dP^T's wgmmas (a 64 x 64 x 16 wgmma reading both operands from shared memory takes
-all of its bandwidth); at 128 (where K / V in registers spill) each consumer loads the rows itself before its
-products and spreads them over S^T's columns through shared memory (:func:`get_config`).
+kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`), 64 floats per query tile (L2 hits); the same launch zeroes the
+turn counters, which share one allocation with them and the accumulators (:class:`.elsa_bwd.Scratch`). At head dim
+64 the producer warp loads them into the query tile's ring slot with plain loads (a TMA copy would need ``bh * Nq``
+to be a multiple of 4) and arrives on the slot's barrier after them, and each consumer holds its K / V rows in
+registers as the left operands of S^T's and dP^T's wgmmas (a 64 x 64 x 16 wgmma reading both operands from shared
+memory takes all of its bandwidth); at 128 (where K / V in registers spill) each consumer loads the rows itself
+before its products and spreads them over S^T's columns through shared memory (:func:`get_config`).
 
 Mode ``tf32`` (:func:`tf32_backward`) runs the same kernel on FP16 copies of q, k, v, dO, each (batch, head) scaled
 by a power of two (:func:`_scaled_operands_kernel`; FP16 keeps TF32's 11 significant bits, the scales give it the
@@ -245,8 +246,8 @@ def query_order(n_q_tiles: int, n_k_tiles: int, chains: int, rot: int) -> tuple[
 
 def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> tuple[int, int]:
     """``(accumulators, counters)``: FP32 elements of the dQ accumulators [dq_accumulators * B * H, Nq, D] and int32
-    turn counters, one per (accumulator, batch * head, query tile of ``BLOCK_M`` rows); in one allocation, of
-    which a launch zeroes only the counters (each accumulator tile's first share is stored)."""
+    turn counters, one per (accumulator, batch * head, query tile of ``BLOCK_M`` rows); the preprocess zeroes the
+    counters only (each accumulator tile's first share is stored)."""
     accs = cfg["dq_accumulators"]
     return accs * B * H * n_q * head_dim, accs * B * H * cdiv(n_q, cfg["BLOCK_M"])
 
@@ -735,21 +736,25 @@ def combine_accumulators(acc: torch.Tensor, dq: torch.Tensor, sem: torch.Tensor,
     _combine_call(dq.numel(), D, block_m, accs)(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, block_m), B * H)
 
 
-def _preprocess(q, out, grad_out, lse, k=None, v=None, head_max=None):
-    """``(delta, lse_row)``, FP32 [B * H, Nq], by :mod:`.elsa_bwd`'s preprocess kernel (its launch as the backward
-    plans make it); with ``head_max`` (int32 [B * H, 4], zeroed) also the heads' largest magnitudes of q, k, v, dO
-    into it."""
+def _preprocess(q, out, grad_out, lse, k=None, v=None, head_max=None, scratch=(0, 0)):
+    """``(delta, lse_row, counters, accumulators)`` of one call by :mod:`.elsa_bwd`'s preprocess kernel (its launch
+    as the backward plans make it): delta and the row lse FP32 [B * H * Nq] and, from a launch's ``scratch`` (its
+    ``(counters, accumulators)`` sizes), its zeroed int32 dQ counters and uninitialised FP32 dQ accumulators, all in
+    one :class:`.elsa_bwd.Scratch` allocation; with ``head_max`` (int32 [B * H, 4], zeroed) also the heads' largest
+    magnitudes of q, k, v, dO into it."""
     B, H, Nq, D = q.shape
     Dv = out.shape[3]
-    delta = torch.empty((B * H, Nq), device=q.device, dtype=torch.float32)
-    lse_row = torch.empty_like(delta)
-    call = elsa_bwd._preprocess_call(B, H, Nq, *head_blocks(D, Dv), head_max=head_max is not None)
+    layout = elsa_bwd.Scratch(B * H * Nq, *scratch)
+    delta, lse_row, counters, accumulators = layout.allocate(q.device)
+    call = elsa_bwd._preprocess_call(B, H, Nq, *head_blocks(D, Dv), head_max=head_max is not None,
+                                     n_zero=layout.counters)
     if head_max is None:  # HEAD_MAX off: K / V, E and their strides are not read (q stands in; 0 keys)
         k = v = q
         head_max = delta
     call(q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
-         k, v, head_max, *q.stride(), *k.stride(), *v.stride(), k.shape[2] if k is not q else 0, D)
-    return delta, lse_row
+         k, v, head_max, *q.stride(), *k.stride(), *v.stride(), k.shape[2] if k is not q else 0, D, counters,
+         layout.counters)
+    return delta, lse_row, counters, accumulators
 
 
 def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,
@@ -784,10 +789,12 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         return empty
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    delta, lse_row = _preprocess(q, out, grad_out, lse)  # the kernel rounds dO to q's dtype as it reads it
+    launch = planned_launch(q, k, v, grad_out, config)
+    # the kernel rounds dO to q's dtype as it reads it
+    delta, lse_row, counters, accumulators = _preprocess(q, out, grad_out, lse, scratch=launch.scratch)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
-    dq = planned_launch(q, k, v, grad_out, config)(q, k, v, grad_out, delta, lse_row, dk, dv, scale)
+    dq = launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters)
     return dq, dk, dv
 
 
@@ -817,13 +824,14 @@ def tma_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                    config: dict | None = None):
     """The kernel's launch for this call signature (shapes, strides, dtypes), as a callable
-    ``(q, k, v, grad_out, delta, lse_row, dk, dv, scale) -> dq`` for any later call with the same signature,
-    without checks: for a caller that ran :func:`unsupported_reason` (the backward plans of :mod:`.elsa_bwd`).
-    ``delta``, ``lse_row``: FP32 [B * H, Nq] from :mod:`.elsa_bwd`'s preprocess kernel; ``dk``, ``dv``: [B, H, Nk,
-    D] contiguous, q's dtype, written; ``grad_out`` is rounded to q's dtype and copied contiguous where its dtype or
-    strides are not the kernel's. Each call allocates its FP32 accumulators (accumulators * B * H * Nq * D floats,
-    :func:`dq_schedule`; not zeroed: each tile's first share is stored), zeroes its turn counters and returns dQ
-    [B, H, Nq, D] contiguous in q's dtype. ``config``: a
+    ``(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters) -> dq`` for any later call with the
+    same signature, without checks: for a caller that ran :func:`unsupported_reason` (the backward plans of
+    :mod:`.elsa_bwd`). ``delta``, ``lse_row``: FP32 [B * H * Nq] from :mod:`.elsa_bwd`'s preprocess kernel; ``dk``,
+    ``dv``: [B, H, Nk, D] contiguous, q's dtype, written; ``grad_out`` is rounded to q's dtype and copied contiguous
+    where its dtype or strides are not the kernel's; ``accumulators`` (FP32, any contents: each tile's first share
+    is stored) and ``counters`` (int32, zeroed) flat, 16-byte aligned, of the sizes in the callable's ``scratch``
+    attribute ``(counters, accumulators)`` (:func:`dq_schedule`), e.g. from the preprocess's
+    :class:`.elsa_bwd.Scratch`. Returns dQ [B, H, Nq, D] contiguous in q's dtype. ``config``: a
     :func:`get_config` dict (tools, tests). The first call builds (and validates)
     the five TMA descriptors; later calls encode them onto their tensors through
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
@@ -832,20 +840,23 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False)
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
 
-    def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale):
+    def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters):
         if copy_grad:
             grad_out = tma_copy(grad_out, q.dtype)
-        return run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, delta)
+        return run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, delta, accumulators, counters)
 
+    launch.scratch = run.scratch
     return launch
 
 
 def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, dq_dtype: torch.dtype,
                  config: dict | None, head_scales: bool, split: bool = False):
     # the launches of one signature (operands [B, H, N, D] of ``dtype`` at TMA-legal strides, which the first call
-    # fixes): a callable (q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales) -> dq [B, H, Nq, D] contiguous
-    # in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor); ``split``: the
-    # operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2)
+    # fixes): a callable (q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales, accumulators, counters) -> dq
+    # [B, H, Nq, D] contiguous in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor);
+    # ``split``: the operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2); its ``scratch``: the sizes (counters,
+    # accumulators) of the caller's zeroed counters and accumulators (none where dQ, FP32, is the one accumulator:
+    # the run allocates it as dQ)
     cfg = dict(config or get_config(D))
     chains, rot, accs = dq_schedule(Nq, Nk, cfg)
     cfg["dq_accumulators"] = chains
@@ -860,17 +871,16 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
                else _combine_call(B * H * Nq * D, D, cfg["BLOCK_M"], accs))
     direct = []  # the descriptor-encoding launch, once the first call has compiled the kernel
 
-    def run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales):
-        buf = torch.empty(n_acc + n_sem, device=q.device, dtype=torch.float32)
-        acc, sem = buf[:n_acc], buf[n_acc:].view(torch.int32)
-        sem.zero_()  # the accumulators are not zeroed: the kernel stores each tile's first share
-        dq = acc.view(B, H, Nq, D) if combine is None else torch.empty((B, H, Nq, D), device=q.device,
-                                                                         dtype=dq_dtype)
-        bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D))
-        args = (lse_row, delta, dk, dv, sem, scales, H, Nq, Nk, rot, float(scale) * LOG2E, float(scale))
-        if direct and direct[0] is not None:
-            direct[0](*bases, *args)
+    def run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales, acc, sem):
+        if combine is None:  # dQ is the accumulator (its tiles' first shares stored: not zeroed)
+            acc = dq = torch.empty((B, H, Nq, D), device=q.device, dtype=torch.float32)
         else:
+            dq = torch.empty((B, H, Nq, D), device=q.device, dtype=dq_dtype)
+        args = (lse_row, delta, dk, dv, sem, scales, H, Nq, Nk, rot, float(scale) * LOG2E, float(scale))
+        if direct and direct[0] is not None:  # the descriptors read only the bases' addresses
+            direct[0](q, k, v, grad_out, acc, *args)
+        else:
+            bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D))
             descs = [TensorDescriptor.from_tensor(t, block, layout) for t, block, layout in zip(bases, blocks, layouts)]
             call(*descs, *args)
             if not direct and call.slow_reason is None:
@@ -881,6 +891,7 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
             combine(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, cfg["BLOCK_M"]), B * H)
         return dq
 
+    run.scratch = (n_sem, 0 if combine is None else n_acc)
     return run
 
 
@@ -1045,19 +1056,21 @@ def _scaled_planned_launch(q, k, v, grad_out, config, split: bool):
     run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, cfg, head_scales=True, split=split)
     operands = _scaled_operands_call(B, H, Nq, Nk, D, split)
 
-    def launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale):
+    def launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale, accumulators, counters):
         q16, k16, v16, do16, scales = scaled_operands(q, k, v, grad_out, head_max, scale, split, operands)
-        return run(q16, k16, v16, do16, delta, lse_row, dk, dv, scale, scales)
+        return run(q16, k16, v16, do16, delta, lse_row, dk, dv, scale, scales, accumulators, counters)
 
+    launch.scratch = run.scratch
     return launch
 
 
 def tf32_planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                         config: dict | None = None):
     """As :func:`planned_launch`, for mode tf32 (float32 q / k / v, any strides): a callable ``(q, k, v, grad_out,
-    delta, lse_row, head_max, dk, dv, scale) -> dq`` that makes the scaled FP16 operands (:func:`scaled_operands`,
-    from ``head_max``, the preprocess's int32 [B * H, 4]) and runs the HEAD_SCALES build; ``dk``, ``dv``: float32
-    [B, H, Nk, D] contiguous, written; dQ float32 [B, H, Nq, D] contiguous."""
+    delta, lse_row, head_max, dk, dv, scale, accumulators, counters) -> dq`` (its ``scratch`` as there) that makes
+    the scaled FP16 operands (:func:`scaled_operands`, from ``head_max``, the preprocess's int32 [B * H, 4]) and runs
+    the HEAD_SCALES build; ``dk``, ``dv``: float32 [B, H, Nk, D] contiguous, written; dQ float32 [B, H, Nq, D]
+    contiguous."""
     return _scaled_planned_launch(q, k, v, grad_out, config, split=False)
 
 
@@ -1077,11 +1090,11 @@ def _scaled_backward(name: str, q, k, v, out, grad_out, lse, scale, config, spli
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     head_max = torch.zeros((B * H, 4), device=q.device, dtype=torch.int32)
-    delta, lse_row = _preprocess(q, out, grad_out, lse, k, v, head_max)
+    launch = _scaled_planned_launch(q, k, v, grad_out, config, split)
+    delta, lse_row, counters, accumulators = _preprocess(q, out, grad_out, lse, k, v, head_max, launch.scratch)
     dk = torch.empty((B, H, Nk, D), device=q.device, dtype=torch.float32)
     dv = torch.empty_like(dk)
-    launch = _scaled_planned_launch(q, k, v, grad_out, config, split)
-    return launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale), dk, dv
+    return launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale, accumulators, counters), dk, dv
 
 
 def tf32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor,

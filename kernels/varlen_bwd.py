@@ -271,8 +271,8 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     launch(_bwd_preprocess_kernel, (cdiv(total_q, pre_m) * H,),
            (q, out, grad_out, lse, delta, lse_row, 0, so[1], so[0], so[2], 0, sd[1], sd[0], sd[2],
             0, *lse.stride(), H, total_q, Dv, k, v, head_max, 0, sq[1], sq[0], sq[2], 0, sk[1], sk[0], sk[2],
-            0, sv[1], sv[0], sv[2], total_k, D),
-           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=BLOCK_D, HEAD_MAX=head_b), dict(num_warps=4))
+            0, sv[1], sv[0], sv[2], total_k, D, delta, 0),
+           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=BLOCK_D, HEAD_MAX=head_b, ZERO_BLOCK=0), dict(num_warps=4))
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
     flags = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **product_flags(precision), IS_CAUSAL=bool(is_causal),

@@ -35,7 +35,8 @@
 # any layout, ~2000 cases), memcheck / racecheck / initcheck (compute-sanitizer over tools/memcheck_cases.py: a small
 # case of every kernel family and variant, forward and backward), racecheck-control (racecheck over the
 # warp-specialization control kernels alone: the bare hand-off, data handed through an mbarrier, then a ring slot
-# reused over four rounds, with and without TMA bytes in each phase), warmup-train
+# reused over four rounds, with and without TMA bytes in each phase), initcheck-control (initcheck over a tile written
+# by plain stores, then by a TMA store: whether initcheck counts TMA stores as initialising), warmup-train
 # (python -m visionattn.warmup --training --jobs 16, every mode to the end). Every step logs to OUT_DIR/STEP.log and a
 # failing step does not stop the next one. Machine-wide settings are left alone.
 set -uo pipefail
@@ -156,6 +157,10 @@ for step in "$@"; do
       for ring in plain tma; do
         run "racecheck-control-ring-$ring" 120 compute-sanitizer --tool racecheck --print-limit 5 \
           python tools/memcheck_cases.py --control-ring "$ring"
+      done ;;
+    initcheck-control) for how in store tma; do
+        run "initcheck-control-$how" 120 compute-sanitizer --tool initcheck --print-limit 5 \
+          python tools/memcheck_cases.py --control-init "$how"
       done ;;
     warmup-train) run warmup-train 560 python -m visionattn.warmup --training --jobs 16 ;;
     ring1) run ring1 200 torchrun --nproc-per-node 1 tools/bench_context_parallel.py --out "$out/ring1" ;;

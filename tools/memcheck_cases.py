@@ -25,6 +25,10 @@ that store and that read) or not (docs/benchmarks/gpu_conformance_h200.md reads 
 ``--control-ring plain|tma`` runs the whole ring of that hand-off: four rounds through one slot, the warpgroup
 passing a barrier of its own and releasing the slot on an ``empty`` mbarrier (one thread) before the warp rewrites
 it; with ``tma`` a TMA copy's bytes also complete each ``ready`` phase, as the query tile's do in the backward.
+``--control-init store|tma`` writes every element of a new (uninitialised) FP32 tile with plain stores or, as the
+Gluon backward stores each dQ accumulator tile's first share, through shared memory and a TMA store, then reads it
+back with torch: whether initcheck counts a TMA store as initialising the memory it writes (a report on the read
+after ``tma`` but not after ``store`` places the backward's combine reports on the tool).
 """
 from __future__ import annotations
 
@@ -289,7 +293,42 @@ def control_ring(tma_bytes: bool) -> None:
     print(f"memcheck_cases: ring control kernel ran ({'with' if tma_bytes else 'without'} TMA bytes)", flush=True)
 
 
+def control_init(tma_store: bool) -> None:
+    """Run the initialisation control kernel (module docstring) once; ``tma_store``: a TMA store writes the tile."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from visionattn.kernels._gluon import nvmma_layout
+
+    @gluon.jit
+    def kernel(out, desc, TMA: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        vals = (rows[:, None] * 64 + cols[None, :]).to(gl.float32)
+        if TMA:
+            tile = gl.allocate_shared_memory(gl.float32, [64, 64], desc.layout)
+            tile.store(vals)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(desc, [0, 0], tile)
+            tma.store_wait(0)
+        else:
+            gl.store(out + rows[:, None] * 64 + cols[None, :], vals)
+
+    out = torch.empty(64, 64, device="cuda")
+    desc = TensorDescriptor.from_tensor(out, [64, 64], nvmma_layout((64, 64), torch.float32))
+    kernel[(1,)](out, desc, TMA=tma_store, num_warps=4)
+    torch.cuda.synchronize()
+    assert torch.equal(out.clone(), torch.arange(4096.0, device="cuda").view(64, 64)), "init control kernel output"
+    print(f"memcheck_cases: init control kernel ran ({'TMA store' if tma_store else 'plain stores'})", flush=True)
+
+
 def main(args) -> dict:
+    if args.control_init:
+        control_init(args.control_init == "tma")
+        return {"cases": 1, "failed": []}
     if args.control or args.control_data:
         control() if args.control else control_data()
         return {"cases": 1, "failed": []}
@@ -321,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only the ring control kernel: four rounds of rows handed through one ring slot with "
                         "ready / empty mbarriers, the slot rewritten after the readers' one-thread release; tma: "
                         "a TMA copy's bytes also complete each ready phase, as in the Gluon backward")
+    p.add_argument("--control-init", choices=("store", "tma"), default=None,
+                   help="run only the initialisation control kernel: a new FP32 tile written by plain stores or by a "
+                        "TMA store (as the Gluon backward's first dQ share), read back by torch")
     return p
 
 

@@ -220,6 +220,36 @@ def test_deterministic():
 
 
 @cpu_only
+@pytest.mark.parametrize("B,H,Nq,counters", [(1, 1, 97, 13), (2, 3, 200, 37), (1, 2, 64, 0)])
+def test_preprocess_zeroes_the_counters_beside_delta(B, H, Nq, counters):
+    """The preprocess kernel writes delta = rowsum(dO * O) and the row lse (+inf for -inf) into one Scratch
+    allocation and zeroes the Gluon backward's int32 counters there (whatever they held: nothing else zeroes them
+    before the kernel that reads them), none past their count; every part starts 128 bytes in (TMA bases need 16,
+    and a kernel compiled for one pointer's alignment class runs on later calls' pointers)."""
+    from visionattn.kernels.elsa_bwd import Scratch, _preprocess_call
+
+    torch.manual_seed(0)
+    D = 40
+    q, out, do = (torch.randn(B, H, Nq, D) for _ in range(3))
+    lse = torch.randn(B, H, Nq)
+    lse[0, 0, 3] = float("-inf")
+    layout = Scratch(B * H * Nq, counters, accumulators=5)
+    delta, lse_row, sem, acc = layout.allocate("cpu")
+    base = delta.data_ptr()
+    assert [t.numel() for t in (delta, lse_row, sem, acc)] == [B * H * Nq, B * H * Nq, counters, 5]
+    assert sem.dtype == torch.int32 and all((t.data_ptr() - base) % 128 == 0 for t in (lse_row, sem, acc) if t.numel())
+    below = torch.full((counters + 9,), -7, dtype=torch.int32)  # counters, then memory past them
+    call = _preprocess_call(B, H, Nq, 64, 64, head_max=False, n_zero=counters)
+    call(q, out, do, lse, delta, lse_row, *out.stride(), *do.stride(), *lse.stride(), H, Nq, D, q, q, delta,
+         *q.stride(), *q.stride(), *q.stride(), 0, D, below, counters)
+    assert torch.equal(below[:counters], torch.zeros(counters, dtype=torch.int32))
+    assert torch.equal(below[counters:], torch.full((9,), -7, dtype=torch.int32))
+    want = (out.double() * do.double()).sum(-1).reshape(-1)
+    assert torch.allclose(delta.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lse_row, torch.where(lse == float("-inf"), float("inf"), lse).reshape(-1))
+
+
+@cpu_only
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("Nq,Nk,D,Dv,causal", [(40, 40, 32, 32, True), (45, 23, 16, 40, False),
                                                (23, 61, 40, 16, True)])

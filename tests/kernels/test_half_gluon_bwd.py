@@ -531,11 +531,11 @@ def test_planned_launch_repeats_bits_on_new_tensors():
     out, lse = out64.to(q.dtype), lse64.float()
     want = half_gluon_bwd.half_backward(q, k, v, out, do, lse, D ** -0.5)
     launch = half_gluon_bwd.planned_launch(q, k, v, do)
-    delta, lse_row = half_gluon_bwd._preprocess(q, out, do, lse)
     for _ in range(3):
         qc, kc, vc, doc = (t.clone() for t in (q, k, v, do))
+        delta, lse_row, counters, accumulators = half_gluon_bwd._preprocess(qc, out, doc, lse, scratch=launch.scratch)
         dk, dv = torch.empty_like(kc), torch.empty_like(vc)
-        dq = launch(qc, kc, vc, doc, delta.clone(), lse_row.clone(), dk, dv, D ** -0.5)
+        dq = launch(qc, kc, vc, doc, delta, lse_row, dk, dv, D ** -0.5, accumulators, counters)
         assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), want))
 
 
@@ -558,7 +558,7 @@ def _magnitude_heads(n_q=96, n_k=160, d=64, seed=0):
 def _tf32_inputs(q, k, v, do, scale):
     out64, lse64, ref = _reference(q, k, v, do, scale)
     head_max = torch.zeros(q.shape[0] * q.shape[1], 4, dtype=torch.int32)
-    delta, lse_row = half_gluon_bwd._preprocess(q, out64.float(), do, lse64.float(), k, v, head_max)
+    delta, lse_row = half_gluon_bwd._preprocess(q, out64.float(), do, lse64.float(), k, v, head_max)[:2]
     return out64, lse64, ref, head_max, delta, lse_row
 
 

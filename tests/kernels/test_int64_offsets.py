@@ -39,9 +39,9 @@ out["pasa_shift_keys"] = widened(
     ("scale", "a_full", "b_full", "a_tail", "b_tail", "w_full", "w_tail", "inv_a_full", "inv_a_tail"),
     ("stride_kn",))
 p = {n: "*fp32" for n in ("Q", "O", "DO", "LSE", "Delta", "LseRow", "K", "V")}
-p["E"] = "*i32"
+p["E"] = p["Zero"] = "*i32"
 out["bwd_preprocess"] = widened(
-    elsa_bwd._bwd_preprocess_kernel, p, dict(BLOCK_M=64, BLOCK_DV=64, BLOCK_D=64, HEAD_MAX=True),
+    elsa_bwd._bwd_preprocess_kernel, p, dict(BLOCK_M=64, BLOCK_DV=64, BLOCK_D=64, HEAD_MAX=True, ZERO_BLOCK=16),
     ("sod", "sdd", "sqd", "skd", "svd"), (), ("som", "sdm", "sqm", "skn", "svn"))
 p = {n: "*fp32" for n in ("Q", "K", "V", "Scales")}
 p.update(E="*i32", Q16="*fp16", K16="*fp16", V16="*fp16")
