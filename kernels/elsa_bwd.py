@@ -375,9 +375,9 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
 def _preprocess_call(B: int, H: int, Nq: int, block_d: int, block_dv: int, head_max: bool,
                      n_zero: int = 0) -> KernelCall:
     """The launch of :func:`_bwd_preprocess_kernel` over ``B * H`` heads of ``Nq`` rows: 64-row programs (32 when a
-    head dim's block passes 128), ``HEAD_MAX`` as given, zeroing ``n_zero`` int32 counters (its last two arguments:
-    the counters, ``n_zero``; any tensor and 0 when ``n_zero`` is 0) (the backward plans and
-    :mod:`.half_gluon_bwd` launch it so)."""
+    head dim's block passes 128), ``HEAD_MAX`` as given, zeroing the ``n_zero`` int32 counters its last two
+    arguments give (the counters and ``n_zero``; any tensor and 0 when there are none). The backward plans and
+    :mod:`.half_gluon_bwd` launch it so."""
     pre_m = 64 if max(block_d, block_dv) <= 128 else 32
     grid = cdiv(Nq, pre_m) * B * H
     zero_block = pad_pow2(cdiv(n_zero, grid)) if n_zero else 0
@@ -391,7 +391,7 @@ class Scratch:
     which :func:`_bwd_preprocess_kernel` writes), the Gluon backward's int32 dQ turn counters (``counters``, which
     the preprocess zeroes) and its FP32 dQ accumulators (``accumulators``, never zeroed: each tile's first share is
     stored); each part starts at a multiple of :attr:`ALIGN` elements (TMA bases need 16 bytes). One allocation and
-    no memset where there were four allocations and a memset launch: host time of every eager backward."""
+    no memset launch, since each allocation and launch costs host time in every eager backward."""
 
     ALIGN = 32  # elements: 128 bytes
 
