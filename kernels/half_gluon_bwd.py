@@ -86,9 +86,8 @@ try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental.gluon.language._core import builtin as _builtin
     from triton._C.libtriton import ir as _ir
 
-    from ._gluon import split_mma, split_parts, tma_load_parts
+    from ._gluon import cta_barrier as _cta_barrier, split_mma, split_parts, tma_load_parts
 
-    from ._gluon import cta_barrier as _cta_barrier
     _SPIN_PTX = gl.constexpr(SPIN_UNTIL_EQUAL_PTX)
     # the bulk reductions this thread issued are complete (their writes performed, not only their shared-memory
     # reads: cp.async.bulk.wait_group without .read), then ordered before the generic-proxy release that follows

@@ -30,9 +30,8 @@ try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from ._gluon import online_softmax
+    from ._gluon import cta_barrier as _cta_barrier, online_softmax
 
-    from ._gluon import cta_barrier as _cta_barrier
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     _IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
