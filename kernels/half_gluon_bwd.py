@@ -44,12 +44,13 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
 kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`), 64 floats per query tile (L2 hits); the same launch zeroes the
-turn counters, which share one allocation with them and the accumulators (:class:`.elsa_bwd.Scratch`). At head dim
-64 the producer warp loads them into the query tile's ring slot with plain loads (a TMA copy would need ``bh * Nq``
-to be a multiple of 4) and arrives on the slot's barrier after them, and each consumer holds its K / V rows in
-registers as the left operands of S^T's and dP^T's wgmmas (a 64 x 64 x 16 wgmma reading both operands from shared
-memory takes all of its bandwidth); at 128 (where K / V in registers spill) each consumer loads the rows itself
-before its products and spreads them over S^T's columns through shared memory (:func:`get_config`).
+turn counters, which share one allocation with them and the accumulators (:class:`.elsa_bwd.Scratch`). The
+producer warp loads them into the query tile's ring slot with plain loads (a TMA copy would need ``bh * Nq`` to be a
+multiple of 4) and arrives on the slot's barrier after them (else each consumer loads the rows itself before its
+products and spreads them over S^T's columns through shared memory, which at head dim 128 also costs spills), and at
+head dim 64 each consumer holds its K / V rows in registers as the left operands of S^T's and dP^T's wgmmas (a
+64 x 64 x 16 wgmma reading both operands from shared memory takes all of its bandwidth; at 128 they spill;
+:func:`get_config`).
 
 Mode ``tf32`` (:func:`tf32_backward`) runs the same kernel on FP16 copies of q, k, v, dO, each (batch, head) scaled
 by a power of two (:func:`_scaled_operands_kernel`; FP16 keeps TF32's 11 significant bits, the scales give it the
@@ -172,15 +173,15 @@ def get_config(head_dim: int) -> dict:
 
     Defaults (docs/tuning.md: Hopper fp16 / bf16 backward): a ring of four query tiles (two at D = 128, where more
     do not fit in shared memory), rotated sweeps of one chain (two accumulators: the shares in turn and the wrapped
-    ones) where the query tiles cover the chain, else two chains in one order (two accumulators); at D = 64 the rows
-    from the producer and K / V in registers (together 5-7 % faster, apart neither; at D = 128 K / V in registers
-    spill and the rows alone measured no steady gain). Two accumulators and the TMA bulk reductions bring the
+    ones) where the query tiles cover the chain, else two chains in one order (two accumulators); the rows from the
+    producer (at D = 128 4-8 % faster: the consumers' spills go), at D = 64 with K / V in registers (together 5-7 %
+    faster, apart neither; at D = 128 K / V in registers spill). Two accumulators and the TMA bulk reductions bring the
     backward to 410-420 TFLOP/s at D = 64 (440 with the two D = 64 options) and 510-520 at D = 128 (bf16, B=1 H=16 /
     8 N=16384, H200)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the Gluon backward takes {HEAD_DIMS}")
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "maxnreg": 168, "consumer_regs": 240, "writer_regs": 32,
-            "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2, "producer_rows": head_dim == 64,
+            "dq_ring": 4 if head_dim == 64 else 2, "dq_accumulators": 2, "producer_rows": True,
             "kv_in_registers": head_dim == 64, "rotate": True, "rotated_dq_accumulators": 1}
 
 

@@ -98,10 +98,11 @@ def test_host_helpers():
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_D"] == d
         # mode tf32: one accumulator (the FP32 dQ itself), the HEAD_SCALES build
         assert half_gluon_bwd.tf32_config(d) == dict(cfg, dq_accumulators=1, rotate=False)
-        # head dim 64: the producer loads the row data, K / V in registers; never in the split build (mode fp32)
-        assert cfg["producer_rows"] == cfg["kv_in_registers"] == (d == 64)
+        # the producer loads the row data; K / V in registers at head dim 64 (they spill at 128); never in the
+        # split build (mode fp32)
+        assert cfg["producer_rows"] and cfg["kv_in_registers"] == (d == 64)
         flags = half_gluon_bwd.kernel_constexprs(cfg, d, 1000)
-        assert flags["PRODUCER_ROWS"] == flags["KV_IN_REGS"] == (d == 64)
+        assert flags["PRODUCER_ROWS"] and flags["KV_IN_REGS"] == (d == 64)
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True, split=True)["KV_IN_REGS"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True)["HEAD_SCALES"]
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_SCALES"]
@@ -384,30 +385,32 @@ def _needs_hopper():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("shape", [(2, 3, 777, 1300), (1, 2, 1000, 1000), (1, 3, 130, 4100)])
-def test_row_data_and_register_operands_change_no_bit(shape):
-    """The head-dim-64 options (the producer loading lse / delta into the ring slot; K / V as register operands)
-    move data, not arithmetic: fp16 / bf16 and tf32 gradients bit-identical with and without them, also where a
-    head's rows start at offsets that are not multiples of 4 floats (B * H > 1, Nq = 777) and with one query tile
-    against many keys."""
+def test_row_data_and_register_operands_change_no_bit(shape, head_dim):
+    """The data-movement options (the producer loading lse / delta into the ring slot; at head dim 64 also K / V as
+    register operands) move data, not arithmetic: fp16 / bf16 and tf32 gradients bit-identical with and without
+    them, also where a head's rows start at offsets that are not multiples of 4 floats (B * H > 1, Nq = 777) and
+    with one query tile against many keys."""
     _needs_hopper()
     B, H, Nq, Nk = shape
+    scale = head_dim ** -0.5
     torch.manual_seed(0)
-    q, do = (torch.randn(B, H, Nq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(B, H, Nk, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out64, lse64, _ = _reference(q, k, v, do, 0.125)
+    q, do = (torch.randn(B, H, Nq, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, H, Nk, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out64, lse64, _ = _reference(q, k, v, do, scale)
     out, lse = out64.to(q.dtype), lse64.float()
-    base = half_gluon_bwd.get_config(64)
-    assert base["producer_rows"] and base["kv_in_registers"]
+    base = half_gluon_bwd.get_config(head_dim)
+    assert base["producer_rows"] and base["kv_in_registers"] == (head_dim == 64)
+    plain = dict(base, producer_rows=False, kv_in_registers=False)
     for opts in ({}, {"producer_rows": False}, {"kv_in_registers": False}):
-        plain = dict(base, producer_rows=False, kv_in_registers=False)
-        got = half_gluon_bwd.half_backward(q, k, v, out, do, lse, 0.125, config=dict(base, **opts))
-        want = half_gluon_bwd.half_backward(q, k, v, out, do, lse, 0.125, config=plain)
+        got = half_gluon_bwd.half_backward(q, k, v, out, do, lse, scale, config=dict(base, **opts))
+        want = half_gluon_bwd.half_backward(q, k, v, out, do, lse, scale, config=plain)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), opts
     q32, k32, v32, do32, out32 = (t.float() for t in (q, k, v, do, out))
-    tf32 = half_gluon_bwd.tf32_config(64)
-    got = half_gluon_bwd.tf32_backward(q32, k32, v32, out32, do32, lse, 0.125)
-    want = half_gluon_bwd.tf32_backward(q32, k32, v32, out32, do32, lse, 0.125,
+    tf32 = half_gluon_bwd.tf32_config(head_dim)
+    got = half_gluon_bwd.tf32_backward(q32, k32, v32, out32, do32, lse, scale)
+    want = half_gluon_bwd.tf32_backward(q32, k32, v32, out32, do32, lse, scale,
                                         config=dict(tf32, producer_rows=False, kv_in_registers=False))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
