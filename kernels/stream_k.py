@@ -292,17 +292,18 @@ def _stream_fwd_kernel(
 
 @triton.jit(do_not_specialize=["total_q"])
 def _stream_merge_kernel(WsM, WsS, WsW, Out, Lse, CuQ, Split, sot, soh, total_q, Dv,
-                         TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
-                         WRITE_LSE: tl.constexpr):
+                         TILE_M: tl.constexpr, ROW_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Fold each cut job's partial states (``Split`` rows of :func:`partition`: sequence, head, first query row,
     first slot, count) with :func:`.elsa_fwd.merge_partials`; write ``W / S`` to ``Out`` [total_q, H, Dv] and, with
-    ``WRITE_LSE``, the LSE to ``Lse`` [H, total_q]. 1-D grid: cut jobs x ``TILE_M / BLOCK_M`` row blocks x
-    ``Dv`` slices (``TILE_M`` the forward's query tile)."""
+    ``WRITE_LSE``, the LSE to ``Lse`` [H, total_q]. 1-D grid: cut jobs x ``ROW_BLOCKS`` blocks of ``BLOCK_M`` rows
+    x ``Dv`` slices; the row blocks cover the rows a job can hold (the forward's query tile of ``TILE_M`` rows, or
+    the call's longest query sequence where that is shorter: :func:`merge_row_blocks`)."""
     dv_tiles = tl.cdiv(Dv, BLOCK_DV)
     pid0 = tl.program_id(0)
     pid_dv = pid0 % dv_tiles
-    pid_m = (pid0 // dv_tiles) % (TILE_M // BLOCK_M)
-    job = pid0 // (dv_tiles * (TILE_M // BLOCK_M))
+    pid_m = (pid0 // dv_tiles) % ROW_BLOCKS
+    job = pid0 // (dv_tiles * ROW_BLOCKS)
     seq = tl.load(Split + 5 * job)
     off_h = tl.load(Split + 5 * job + 1).to(tl.int64)
     start_m = tl.load(Split + 5 * job + 2)
@@ -337,6 +338,14 @@ def _merge_blocks(tile_m: int, rows: int, head_dim_v: int) -> tuple[int, int, in
     block_m = max(1, min(tile_m, pad_pow2(rows, 1), _MERGE_TILE // 2 // block_dv))
     block_p = max(2, min(64, _MERGE_TILE // (block_m * block_dv)))
     return block_m, block_p, block_dv, max(1, min(8, block_m * block_p * block_dv // 1024))
+
+
+def merge_row_blocks(tile_m: int, rows: int, block_m: int) -> int:
+    """Row blocks of ``block_m`` rows per cut job in the stream-K merge's grid: enough for the rows a job can hold,
+    ``min(tile_m, rows)`` (``rows`` the call's longest query sequence). A few-query call's 16-row tile holds one to
+    a few rows; programs for the rest would only loop over the partials with every load masked (one query a
+    sequence: 16 programs a job where 1 has rows, the merge 3x slower)."""
+    return cdiv(min(tile_m, rows), block_m)
 
 
 class StreamPlan:
@@ -374,10 +383,11 @@ class StreamPlan:
         self.merge = None
         if part.split_jobs:
             bm, bp, bdv, nw = _merge_blocks(part.block_m, max_rows, Dv)
-            grid = part.split_jobs * (part.block_m // bm) * cdiv(Dv, bdv)
-            self.merge = KernelCall(_stream_merge_kernel, (grid,), dict(TILE_M=part.block_m, BLOCK_M=bm, BLOCK_P=bp,
-                                                                        BLOCK_DV=bdv, WRITE_LSE=bool(with_lse)),
-                                    dict(num_warps=nw))
+            row_blocks = merge_row_blocks(part.block_m, max_rows, bm)
+            grid = part.split_jobs * row_blocks * cdiv(Dv, bdv)
+            self.merge = KernelCall(_stream_merge_kernel, (grid,), dict(
+                TILE_M=part.block_m, ROW_BLOCKS=row_blocks, BLOCK_M=bm, BLOCK_P=bp, BLOCK_DV=bdv,
+                WRITE_LSE=bool(with_lse)), dict(num_warps=nw))
             self.merge_fixed = (H * Dv, Dv, total_q, Dv)
 
     def __call__(self, q, k, v, cu_q, cu_k, scale, row_offsets=None):

@@ -197,6 +197,28 @@ def test_stream_forward_matches_float64_in_the_interpreter(mode, causal, program
     _check(out, lse, *_oracle(q, k, v, cu_q, cu_k, 0.25, causal), mode)
 
 
+@pytest.mark.parametrize("rows, tile_m, block_m, want", [(1, 16, 1, 1), (3, 16, 4, 1), (16, 16, 16, 1),
+                                                        (100, 128, 64, 2), (128, 128, 64, 2), (40, 64, 64, 1)])
+def test_merge_grid_covers_only_the_rows_a_job_can_hold(rows, tile_m, block_m, want):
+    assert stream_k.merge_row_blocks(tile_m, rows, block_m) == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_one_query_a_sequence_merges_one_row_block_a_job(mode):
+    """One query per sequence (decoding, class attention): the forward's 16-row query tile holds one row, so the
+    merge launches one row block per cut job (not one per row of the tile, whose programs would loop over the
+    partials with every load masked), and the merged rows equal the float64 oracle's."""
+    dtype = MODES[mode].compute_dtype
+    lens_q, lens_k = [1] * 5, [900, 40, 17, 700, 300]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 2, 16, dtype, seed=4)
+    plan = stream_k.stream_plan(q, k, v, lens_q, lens_k, q.shape[0], False, mode, dtype, True, False, programs=9)
+    assert plan.merge is not None and plan.part.block_m == 16
+    assert plan.merge.grid == (plan.part.split_jobs,) and plan.merge.constexprs["ROW_BLOCKS"] == 1
+    out, lse = plan(q, k, v, cu_q, cu_k, 0.25)
+    _check(out, lse, *_oracle(q, k, v, cu_q, cu_k, 0.25, False), mode)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test")
 def test_schedule_arguments_through_varlen_forward():
     q, k, v, cu_q, cu_k = _packed(LENS_Q, LENS_K, 2, 16, torch.float32, seed=3)
