@@ -372,18 +372,24 @@ def _bwd_preprocess_kernel(Q, O, DO, LSE, Delta, LseRow,
                                                    + offs_dv[None, :] * svd, key_ok, offs_dv, Dv))
 
 
-def _preprocess_call(B: int, H: int, Nq: int, block_d: int, block_dv: int, head_max: bool,
-                     n_zero: int = 0) -> KernelCall:
-    """The launch of :func:`_bwd_preprocess_kernel` over ``B * H`` heads of ``Nq`` rows: 64-row programs (32 when a
-    head dim's block passes 128), ``HEAD_MAX`` as given, zeroing the ``n_zero`` int32 counters its last two
-    arguments give (the counters and ``n_zero``; any tensor and 0 when there are none). The backward plans and
-    :mod:`.half_gluon_bwd` launch it so."""
+def preprocess_launch(B: int, H: int, Nq: int, block_d: int, block_dv: int, head_max: bool,
+                      n_zero: int = 0) -> tuple[tuple[int], dict, dict]:
+    """``(grid, constexprs, options)`` of :func:`_bwd_preprocess_kernel` over ``B * H`` heads of ``Nq`` rows: 64-row
+    programs (32 when a head dim's block passes 128), ``HEAD_MAX`` as given, zeroing the ``n_zero`` int32 counters
+    its last two arguments give (the counters and ``n_zero``; any tensor and 0 when there are none). Every backward
+    launches it so: the dense plans and :mod:`.half_gluon_bwd` through :func:`_preprocess_call`, the varlen
+    backward over its packed rows as one batch entry."""
     pre_m = 64 if max(block_d, block_dv) <= 128 else 32
     grid = cdiv(Nq, pre_m) * B * H
     zero_block = pad_pow2(cdiv(n_zero, grid)) if n_zero else 0
-    return KernelCall(_bwd_preprocess_kernel, (grid,),
-                      dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, BLOCK_D=block_d, HEAD_MAX=head_max,
-                           ZERO_BLOCK=zero_block), dict(num_warps=4))
+    return ((grid,), dict(BLOCK_M=pre_m, BLOCK_DV=block_dv, BLOCK_D=block_d, HEAD_MAX=head_max,
+                          ZERO_BLOCK=zero_block), dict(num_warps=4))
+
+
+def _preprocess_call(B: int, H: int, Nq: int, block_d: int, block_dv: int, head_max: bool,
+                     n_zero: int = 0) -> KernelCall:
+    """:func:`preprocess_launch`'s launch as a kept :class:`._launch.KernelCall`."""
+    return KernelCall(_bwd_preprocess_kernel, *preprocess_launch(B, H, Nq, block_d, block_dv, head_max, n_zero))
 
 
 class Scratch:

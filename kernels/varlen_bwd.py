@@ -14,8 +14,9 @@ the dense backward's (:mod:`.elsa_bwd`), recomputing the probabilities from the 
 Three kernels, no atomics, so every gradient is bit-for-bit reproducible:
 
 * ``delta`` and the row ``lse`` (``+inf`` for rows without keys, so their P and gradients are exactly 0) by the
-  dense :func:`.elsa_bwd._bwd_preprocess_kernel` itself: both are per row, independent of the sequences, so the
-  packed rows are one batch entry of ``total_q`` rows.
+  dense :func:`.elsa_bwd._bwd_preprocess_kernel` itself, launched as the dense backward launches it
+  (:func:`.elsa_bwd.preprocess_launch`): both are per row, independent of the sequences, so the packed rows are one
+  batch entry of ``total_q`` rows.
 * :func:`_varlen_dkdv_kernel`: one program per (key tile, head, sequence) on ``cdiv(max_seqlen_k, BLOCK_N) * H *
   n_seq`` programs holds ``K_j, V_j`` and streams its sequence's query tiles through the dense kernel's
   :func:`.elsa_bwd._dkdv_tile` (causal: from the diagonal on).
@@ -45,7 +46,7 @@ import triton.language as tl
 from ._launch import cdiv, head_blocks, interpreting, launch, unit_last_stride
 from .elsa_bwd import (BWD_MODES, HEAD_SCALED, MAX_HEAD_DIM, BwdConfig, KernelTiles, _bwd_preprocess_kernel,
                        _dkdv_query_tiles, _dkdv_tile, _dq_tile, _head_exponents, _run_fitting, get_config,
-                       product_flags)
+                       preprocess_launch, product_flags)
 from .elsa_fwd import key_tiles, load_kv_tile
 
 __all__ = ["varlen_backward"]
@@ -261,18 +262,17 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     # delta and the row lse: per row, so the packed rows are one batch entry [1, H, total_q] of the dense kernel
     delta = torch.empty((H, total_q), device=q.device, dtype=torch.float32)
     lse_row = torch.empty_like(delta)
-    pre_m = 64 if BLOCK_DV <= 128 else 32
     so, sd = out.stride(), grad_out.stride()
     # HEAD_SCALED products: each head's largest magnitudes over the whole packed batch (one batch entry of
     # total_q query rows and total_k key rows), int32 [H, 4]
     head_b = precision in HEAD_SCALED
     head_max = torch.zeros(H * 4, device=q.device, dtype=torch.int32) if head_b else delta  # delta: never read
     sq, sk, sv = q.stride(), k.stride(), v.stride()
-    launch(_bwd_preprocess_kernel, (cdiv(total_q, pre_m) * H,),
+    grid, constexprs, options = preprocess_launch(1, H, total_q, BLOCK_D, BLOCK_DV, head_b)
+    launch(_bwd_preprocess_kernel, grid,
            (q, out, grad_out, lse, delta, lse_row, 0, so[1], so[0], so[2], 0, sd[1], sd[0], sd[2],
             0, *lse.stride(), H, total_q, Dv, k, v, head_max, 0, sq[1], sq[0], sq[2], 0, sk[1], sk[0], sk[2],
-            0, sv[1], sv[0], sv[2], total_k, D, delta, 0),
-           dict(BLOCK_M=pre_m, BLOCK_DV=BLOCK_DV, BLOCK_D=BLOCK_D, HEAD_MAX=head_b, ZERO_BLOCK=0), dict(num_warps=4))
+            0, sv[1], sv[0], sv[2], total_k, D, delta, 0), constexprs, options)
 
     strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
     flags = dict(BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, **product_flags(precision), IS_CAUSAL=bool(is_causal),
