@@ -148,6 +148,16 @@ def test_tf32_right_operands_scaled_per_head(scales):
 
 
 @cpu_only
+@pytest.mark.parametrize("mode", ["tf32", "fp32"])
+def test_wide_query_head_dim(mode):
+    """A query / key head dim past 128 (160, padded to 256) beside a value head dim of 32: the preprocess then runs
+    32-row programs, as the dense backward's (elsa_bwd.preprocess_launch, whichever head dim passes 128), and its
+    per-head maxima of q and k read the wide tiles; the gradients keep the mode's bound."""
+    q, k, v, do, cu_q, cu_k = packed([5, 40, 1], [33, 12, 7], d=160, dv=32, seed=5)
+    check_mode(mode, q, k, v, do, cu_q, cu_k, False, 160 ** -0.5)
+
+
+@cpu_only
 def test_deterministic():
     """Two runs are bit-identical (no atomics: each gradient row has one writer, fixed loop order)."""
     q, k, v, do, cu_q, cu_k = packed(LENS_Q, LENS_K, seed=3)
