@@ -14,7 +14,9 @@ over auto and the keys' and values' bytes per second (each read once: how near a
 Ragged calls hand the kernels their lengths on the host, as list calls do. Dense cases: B x H heads of ``--queries``
 queries against ``--keys`` keys; ragged cases: H = 16 heads, ``--sequences`` sequences, one of ``--longest`` keys and
 the others drawn so that mean / max length is each ``--ratios`` value; ``--self-lengths``: self-attention over
-sequences of those lengths. Head dim 64. Writes OUT.md, OUT.json and OUT.png.
+sequences of those lengths. Head dim 64. Writes OUT.md, OUT.json and OUT.png; on CUDA the report ends with the
+stream-K bar's cells (:func:`targets`: >= 1.5x the split-KV plan where mean / max <= 0.25 or the query tiles fill
+under a quarter of the SMs), each met or not and why.
 
   python tools/bench_split_kv.py --modes bf16,fp32 --out docs/benchmarks/split_kv_h200
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 import torch
@@ -254,6 +257,126 @@ def _parse(parser, args):
                          else [])
 
 
+# the stream-K schedule's bar: >= TARGET_SPEEDUP x the split-KV plan where a ragged batch's mean / max length is at
+# most TARGET_RATIO or a dense call's query tiles fill under TARGET_SM_SHARE of the SMs (LeanAttention's regime)
+TARGET_SPEEDUP, TARGET_RATIO, TARGET_SM_SHARE = 1.5, 0.25, 0.25
+
+
+def _case_fields(label: str) -> dict:
+    """The numbers a case label holds (``B=1 H=16 q=1 k=65536``, ``ragged n=8 mean/max=0.13 q=1``,
+    ``self-attention n=8 longest=1732 tokens=6125``), by name, and its kind."""
+    fields = {k: float(v) if "." in v else int(v) for k, v in re.findall(r"([A-Za-z/]+)=([0-9.]+)", label)}
+    kind = "ragged" if label.startswith("ragged") else "self" if label.startswith("self") else "dense"
+    return dict(fields, kind=kind)
+
+
+def library_schedule(label: str, mode: str, auto_splits: int, sms: int, longest: int) -> str:
+    """``"stream-k"`` where the library's default call takes the stream-K schedule for this case, else
+    ``"split-kv"``: dense calls where the split-KV plan splits (``auto_splits`` > 1) and
+    :func:`.stream_k.dense_prefers` holds; ragged and self-attention calls (H = 16, lengths on the host) where
+    :func:`.stream_k.ragged_prefers` holds for their query lengths (``longest``: the ragged cases' longest
+    sequence)."""
+    f = _case_fields(label)
+    precision = _precision(mode, None)
+    if f["kind"] == "dense":
+        cfg = get_config(mode, HEAD_DIM, HEAD_DIM, f["k"])
+        jobs = f["B"] * f["H"] * cdiv(f["q"], stream_k.query_block(f["q"], cfg.block_m))
+        routed = auto_splits > 1 and stream_k.dense_prefers(jobs, f["q"], f["k"], precision)
+        return "stream-k" if routed else "split-kv"
+    n_q = f["longest"] if f["kind"] == "self" else f["q"]
+    cfg = get_config(mode, HEAD_DIM, HEAD_DIM, f["longest"] if f["kind"] == "self" else longest)
+    routed = stream_k.ragged_prefers([n_q] * f["n"], [1] * f["n"], 16, cfg.block_m, cfg.block_n, sms)
+    return "stream-k" if routed else "split-kv"
+
+
+def targets(result: dict) -> list[dict]:
+    """The bar's cells (:data:`TARGET_SPEEDUP` x the split-KV plan, graph replay): ragged cases at mean / max <=
+    :data:`TARGET_RATIO`, dense cases whose B x H x query tiles fill under :data:`TARGET_SM_SHARE` of the SMs. Per
+    cell: the schedule the library runs, its speed-up over the split-KV plan (1.0 where that plan runs) and over
+    Flash-Decoding's split count, the split-KV plan's K / V bandwidth, the bandwidth the bar needs and the run's best
+    (any schedule, same mode): a bar past the best any call reaches is out of reach for a schedule alone. Empty
+    without graph timings or an SM count (CPU runs)."""
+    sms, longest = result.get("sms"), result.get("longest", 8192)
+    if not sms or not all(r.get("graph_ms") for r in result["rows"]):
+        return []
+    by = {(r["case"], r["mode"], r["schedule"]): r for r in result["rows"]}
+    best: dict[str, float] = {}
+    for r in result["rows"]:
+        best[r["mode"]] = max(best.get(r["mode"], 0.0), r["kv_gb_per_s"] or 0.0)
+    out = []
+    for (case, mode, schedule), auto in by.items():
+        if schedule != "auto" or (case, mode, "stream-k") not in by:
+            continue
+        f = _case_fields(case)
+        if f["kind"] == "ragged":
+            if f["mean/max"] > TARGET_RATIO:
+                continue
+        elif f["kind"] != "dense" or f["B"] * f["H"] * cdiv(f["q"], stream_k.MAX_QUERY_ROWS) >= TARGET_SM_SHARE * sms:
+            continue
+        runs = library_schedule(case, mode, auto["splits"], sms, longest)
+        ours = by[(case, mode, "stream-k")] if runs == "stream-k" else auto
+        flash = by.get((case, mode, "flash-decoding"), auto)
+        speedup = auto["graph_ms"] / ours["graph_ms"]
+        need = TARGET_SPEEDUP * auto["kv_gb_per_s"]
+        if speedup >= TARGET_SPEEDUP:
+            status = "met"
+        elif need > best[mode]:
+            status = "NOT met (needs K / V read faster than any call of this run reads them)"
+        elif runs == "split-kv":
+            status = "NOT met (the split-KV plan runs: stream-K not routed)"
+        else:
+            status = "NOT met"
+        out.append(dict(case=case, mode=mode, runs=runs, speedup=speedup,
+                        vs_flash_decoding=flash["graph_ms"] / ours["graph_ms"], split_kv_gb_per_s=auto["kv_gb_per_s"],
+                        need_gb_per_s=need, best_gb_per_s=best[mode], met=speedup >= TARGET_SPEEDUP, status=status))
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The report of a run (:func:`main`'s result, or its JSON read back): every case and schedule, then the bar's
+    cells (:func:`targets`)."""
+    rows = result["rows"]
+    speed = _speedups(rows)
+    by = {(r["case"], r["mode"], r["schedule"]): r for r in rows}
+    table = [[r["case"], r["mode"], r["schedule"], r["splits"], r["first_ms"], r["eager_ms"], r["graph_ms"],
+              "" if r["schedule"] != "auto" or speed.get((r["case"], r["mode"])) is None
+              else f"{speed[(r['case'], r['mode'])]:.2f}x",
+              _ratio(by[(r["case"], r["mode"], "auto")], r) if r["schedule"].startswith("stream-k") else "",
+              r["kv_gb_per_s"] or "", f"{r['max_rel_err']:.1e}"] for r in rows]
+    lines = md_header("Split-KV schedules on few-query and ragged calls", result["environment"],
+                      "first call: the schedule's first call on the case in the process, wall clock to its "
+                      "completion (compiles with the Triton cache as found, the plan built); a schedule "
+                      "sharing a kernel variant with an earlier case or schedule finds it compiled",
+                      "eager: CUDA events around back-to-back calls; graph: the same calls replayed from a "
+                      "CUDA graph, in alternating windows; median of the windows",
+                      "auto vs flash-decoding: flash-decoding's graph ms over auto's",
+                      "auto: the split-KV plan's automatic P (elsa_fwd.choose_num_splits); stream-k: the "
+                      "stream-K schedule (kernels/stream_k.py) on the same data, packed; stream-k vs auto: "
+                      "auto's graph ms over stream-k's",
+                      "K/V GB/s: the keys' and values' bytes, each counted once, over the graph time; a call "
+                      "near the memory's peak (4.8 TB/s on an H200) has little left for any schedule to gain")
+    lines.append(markdown_table(table, ["case", "mode", "schedule", "P", "first call ms", "eager ms", "graph ms",
+                                        "auto vs flash-decoding", "stream-k vs auto", "K/V GB/s",
+                                        "max rel err vs float64"]))
+    cells = targets(result)
+    if cells:
+        lines += [f"## Targets: >= {TARGET_SPEEDUP}x the split-KV plan where mean / max <= {TARGET_RATIO} or the "
+                  f"query tiles fill under {TARGET_SM_SHARE:.0%} of the SMs", "",
+                  "runs: the schedule the library's default call takes (stream-k where its rule routes the case); "
+                  "speed-ups by graph replay; need: the split-KV plan's K / V bandwidth times the bar; best: the "
+                  "highest K / V bandwidth of any call of this mode in the run", ""]
+        for mode in result["modes"]:
+            mine = [c for c in cells if c["mode"] == mode]
+            if mine:
+                lines.append(f"* {mode}: {sum(c['met'] for c in mine)} of {len(mine)} cells met")
+        lines += ["", markdown_table([[c["case"], c["mode"], c["runs"], f"{c['speedup']:.2f}x",
+                                       f"{c['vs_flash_decoding']:.2f}x", c["split_kv_gb_per_s"],
+                                       c["need_gb_per_s"], c["best_gb_per_s"], c["status"]] for c in cells],
+                                     ["case", "mode", "runs", "vs split-KV plan", "vs flash-decoding",
+                                      "split-KV K/V GB/s", "need GB/s", "best GB/s", "status"])]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     """Parse and check ``argv`` (exit 2 with one line before any work), run every case, write the reports."""
     parser = build_parser()
@@ -264,29 +387,8 @@ def main(argv=None) -> dict:
     rows = run(args, device)
     env = environment()
     result = dict(environment=env, modes=args.modes, rows=rows,
-                  sms=sm_count(device) if device.type == "cuda" else None)
-    speed = _speedups(rows)
-    by = {(r["case"], r["mode"], r["schedule"]): r for r in rows}
-    table = [[r["case"], r["mode"], r["schedule"], r["splits"], r["first_ms"], r["eager_ms"], r["graph_ms"],
-              "" if r["schedule"] != "auto" or speed.get((r["case"], r["mode"])) is None
-              else f"{speed[(r['case'], r['mode'])]:.2f}x",
-              _ratio(by[(r["case"], r["mode"], "auto")], r) if r["schedule"].startswith("stream-k") else "",
-              r["kv_gb_per_s"] or "", f"{r['max_rel_err']:.1e}"] for r in rows]
-    md = "\n".join(md_header("Split-KV schedules on few-query and ragged calls", env,
-                             "first call: the schedule's first call on the case in the process, wall clock to its "
-                             "completion (compiles with the Triton cache as found, the plan built); a schedule "
-                             "sharing a kernel variant with an earlier case or schedule finds it compiled",
-                             "eager: CUDA events around back-to-back calls; graph: the same calls replayed from a "
-                             "CUDA graph, in alternating windows; median of the windows",
-                             "auto vs flash-decoding: flash-decoding's graph ms over auto's",
-                             "auto: the split-KV plan's automatic P (elsa_fwd.choose_num_splits); stream-k: the "
-                             "stream-K schedule (kernels/stream_k.py) on the same data, packed; stream-k vs auto: "
-                             "auto's graph ms over stream-k's",
-                             "K/V GB/s: the keys' and values' bytes, each counted once, over the graph time; a call "
-                             "near the memory's peak (4.8 TB/s on an H200) has little left for any schedule to gain")
-                   + [markdown_table(table, ["case", "mode", "schedule", "P", "first call ms", "eager ms", "graph ms",
-                                             "auto vs flash-decoding", "stream-k vs auto", "K/V GB/s",
-                                             "max rel err vs float64"])])
+                  sms=sm_count(device) if device.type == "cuda" else None, longest=args.longest)
+    md = markdown(result)
     write_results(files, args.out, result, md, _plot if device.type == "cuda" else None)
     print(md)
     return result

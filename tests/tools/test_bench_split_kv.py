@@ -72,3 +72,45 @@ def test_job_cost_sweep_rows_match_float64(tmp_path):
     assert {r["schedule"] for r in rows} == {"stream-k cost=0", "stream-k cost=3"} and len(rows) == 4
     assert all(r["max_rel_err"] <= 2e-2 for r in rows), rows
     assert "stream-k cost=3" in open(out + ".md").read()
+
+
+def _row(case, mode, schedule, graph_ms, kv, splits=1):
+    return dict(case=case, mode=mode, schedule=schedule, splits=splits, first_ms=1.0, eager_ms=graph_ms,
+                graph_ms=graph_ms, max_rel_err=1e-3, kv_gb_per_s=kv)
+
+
+def test_targets_name_each_cell_of_the_bar_and_why_it_is_short():
+    """The targets section lists ragged cases at mean / max <= 0.25 and dense cases of few query tiles (not a ragged
+    case at 0.5, not 4 x 16 heads): met at >= 1.5x the split-KV plan by the schedule the library runs; short where
+    the bar needs more K / V bandwidth than the run's best call reads, or where the split-KV plan runs (one head)."""
+    rows = []
+    for case, auto_ms, stream_ms, kv in [("ragged n=8 mean/max=0.20 q=1", 0.10, 0.05, 1000.0),
+                                        ("ragged n=16 mean/max=0.22 q=1", 0.10, 0.09, 3500.0),
+                                        ("ragged n=16 mean/max=0.50 q=1", 0.10, 0.05, 1000.0),
+                                        ("B=1 H=1 q=1 k=65536", 0.02, 0.01, 900.0),
+                                        ("B=4 H=16 q=1 k=65536", 0.30, 0.20, 3000.0)]:
+        flash_ms = 2 * auto_ms
+        rows += [_row(case, "bf16", "auto", auto_ms, kv, splits=8), _row(case, "bf16", "flash-decoding", flash_ms,
+                                                                          kv * auto_ms / flash_ms, splits=4),
+                 _row(case, "bf16", "stream-k", stream_ms, kv * auto_ms / stream_ms, splits="stream-k")]
+    result = dict(environment={}, modes=["bf16"], rows=rows, sms=132, longest=8192)
+    cells = {c["case"]: c for c in bench_split_kv.targets(result)}
+    assert set(cells) == {"ragged n=8 mean/max=0.20 q=1", "ragged n=16 mean/max=0.22 q=1", "B=1 H=1 q=1 k=65536"}
+    met = cells["ragged n=8 mean/max=0.20 q=1"]
+    assert met["met"] and met["runs"] == "stream-k" and abs(met["speedup"] - 2.0) < 1e-9
+    assert abs(met["vs_flash_decoding"] - 4.0) < 1e-9
+    bound = cells["ragged n=16 mean/max=0.22 q=1"]
+    assert not bound["met"] and bound["need_gb_per_s"] == 1.5 * 3500.0 > bound["best_gb_per_s"]
+    assert "faster than any call" in bound["status"]
+    one_head = cells["B=1 H=1 q=1 k=65536"]  # one job: the rule keeps the split-KV plan
+    assert one_head["runs"] == "split-kv" and one_head["speedup"] == 1.0 and "not routed" in one_head["status"]
+    md = bench_split_kv.markdown(result)
+    assert "## Targets" in md and "* bf16: 1 of 3 cells met" in md
+
+
+def test_cpu_runs_have_no_targets_section(tmp_path):
+    out = str(tmp_path / "sk")
+    bench_split_kv.main(["--device", "cpu", "--modes", "fp32", "--batch-heads", "1x1", "--queries", "1",
+                         "--keys", "64", "--sequences", "2", "--ratios", "0.2", "--longest", "64",
+                         "--self-lengths", "", "--out", out])
+    assert "## Targets" not in open(out + ".md").read()
