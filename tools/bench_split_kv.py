@@ -42,6 +42,7 @@ from visionattn.modes import MODES  # noqa: E402
 from visionattn.reference import oracle_attention  # noqa: E402
 
 HEAD_DIM, SCALE = 64, 0.125
+RAGGED_HEADS = 16  # heads of the ragged and self-attention cases
 SPLIT_MODES = ("fp32", "tf32", "fp16", "bf16")
 
 
@@ -90,7 +91,7 @@ def cases(args, mode: str, device: torch.device):
                        _stream_call(packed, [nq] * b, [nk] * b, mode, device,
                                     lambda out, b=b, nq=nq, h=h: out.view(b, nq, h, HEAD_DIM).transpose(1, 2)),
                        kv_bytes(b * nk, h))
-    heads = 16
+    heads = RAGGED_HEADS
     lengths = torch.Generator(device="cpu").manual_seed(args.seed)
     for n_seq in args.sequences:
         for ratio in args.ratios:
@@ -273,9 +274,9 @@ def _case_fields(label: str) -> dict:
 def library_schedule(label: str, mode: str, auto_splits: int, sms: int, longest: int) -> str:
     """``"stream-k"`` where the library's default call takes the stream-K schedule for this case, else
     ``"split-kv"``: dense calls where the split-KV plan splits (``auto_splits`` > 1) and
-    :func:`.stream_k.dense_prefers` holds; ragged and self-attention calls (H = 16, lengths on the host) where
-    :func:`.stream_k.ragged_prefers` holds for their query lengths (``longest``: the ragged cases' longest
-    sequence)."""
+    :func:`.stream_k.dense_prefers` holds; ragged and self-attention calls (:data:`RAGGED_HEADS` heads, lengths on
+    the host) where :func:`.stream_k.ragged_prefers` holds for their query lengths (``longest``: the ragged cases'
+    longest sequence)."""
     f = _case_fields(label)
     precision = _precision(mode, None)
     if f["kind"] == "dense":
@@ -285,7 +286,7 @@ def library_schedule(label: str, mode: str, auto_splits: int, sms: int, longest:
         return "stream-k" if routed else "split-kv"
     n_q = f["longest"] if f["kind"] == "self" else f["q"]
     cfg = get_config(mode, HEAD_DIM, HEAD_DIM, f["longest"] if f["kind"] == "self" else longest)
-    routed = stream_k.ragged_prefers([n_q] * f["n"], [1] * f["n"], 16, cfg.block_m, cfg.block_n, sms)
+    routed = stream_k.ragged_prefers([n_q] * f["n"], [1] * f["n"], RAGGED_HEADS, cfg.block_m, cfg.block_n, sms)
     return "stream-k" if routed else "split-kv"
 
 
