@@ -40,7 +40,8 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   accumulator; both take their shares in key-tile order, which is the order in which they arrive
   (:func:`query_order`). Every wait, rotated or not (key tile ``j`` then waits on key tile ``j - A``), is on a
   lower program id, so the waits end as long as programs start in id order;
-* dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype.
+* dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype through shared
+  memory (the consumer's V half, its own and free by then) as TMA stores.
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
 kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`), 64 floats per query tile (L2 hits); the same launch zeroes the
@@ -377,7 +378,8 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-                  ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, ROT, qk_scale, scale,
+                  ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H, Nq, Nk, ROT, qk_scale,
+                  scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr,
                   PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, KV_IN_REGS: gl.constexpr,
@@ -550,13 +552,29 @@ if _IMPORT_ERROR is None:
             fence_async_shared()  # the writer's bulk reductions read the share through the async proxy
             _cta_barrier()  # every thread's share is in shared memory before the writer reads it
             mbarrier.arrive(dq_full.index(t % DQ_RING))
-        offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
-        out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
-        n_ok = (offs_n < Nk)[:, None]
-        gl.store(DK + out, (dk * dk_scale).to(DK.dtype.element_ty), mask=n_ok)
         if HEAD_SCALES:
+            offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+            out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
+            n_ok = (offs_n < Nk)[:, None]
+            gl.store(DK + out, (dk * dk_scale).to(DK.dtype.element_ty), mask=n_ok)
             dv = dv * dv_scale
-        gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok)
+            gl.store(DV + out, dv.to(DV.dtype.element_ty), mask=n_ok)
+        else:
+            # through shared memory and TMA stores: the wgmma accumulator layout's 4-byte stores of every program of a
+            # wave, which end together, take ~5 us at head dim 128 (docs/tuning.md: dK / dV by TMA stores). V_w is
+            # this consumer's alone (dP^T's left operand), free once its last dP^T retired; rows past Nk are clipped
+            stage = v_smem.index(WG * PARTS)
+            stage.reshape([HALF, HEAD_D]).store(dv.to(dtype))
+            fence_async_shared()
+            _cta_barrier()
+            tma.async_copy_shared_to_global(dv_desc, [off_b, off_h, j * BLOCK_N + WG * HALF, 0], stage)
+            tma.store_wait(0)  # the store has read the stage
+            _cta_barrier()
+            stage.reshape([HALF, HEAD_D]).store((dk * dk_scale).to(dtype))
+            fence_async_shared()
+            _cta_barrier()
+            tma.async_copy_shared_to_global(dk_desc, [off_b, off_h, j * BLOCK_N + WG * HALF, 0], stage)
+            tma.store_wait(0)
 
     @gluon.jit
     def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
@@ -615,14 +633,15 @@ if _IMPORT_ERROR is None:
             gl.atomic_xchg(sem, turn + 1, sem="release")
 
     @gluon.jit(do_not_specialize=["Nq", "Nk", "ROT"])  # a new length compiles nothing new
-    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, LseRow, Delta, DK, DV, Sem, Scales, H, Nq,
-                         Nk, ROT, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
+    def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, dk_desc, dv_desc, LseRow, Delta, DK, DV, Sem,
+                         Scales, H, Nq, Nk, ROT, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
                          WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr,
                          HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr,
                          KV_IN_REGS: gl.constexpr):
         # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
-        # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype; dqacc_desc: the FP32 dQ
+        # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype, and dk_desc / dv_desc over them
+        # (HALF-row tiles; the HEAD_SCALES builds store with plain stores and do not read them); dqacc_desc: the FP32 dQ
         # accumulators [A * B * H, Nq, D] (A = DQ_ACCS, twice that with ROT > 0: dq_schedule), not zeroed (each
         # tile's first share is stored); Sem: int32 counters (ordered_buffer_sizes), zeroed; ROT: rotation_step's.
         # qk_scale = scale * log2(e). HEAD_SCALES (modes tf32 / fp32): the operands are FP16 copies scaled per head
@@ -666,13 +685,13 @@ if _IMPORT_ERROR is None:
         # assigned tuple into tensors
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
-                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, ROT, qk_scale,
-                         scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS, PRODUCER_ROWS,
-                         KV_IN_REGS, DQ_ACCS)),
+                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H, Nq,
+                         Nk, ROT, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES,
+                         PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
-                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, Scales, H, Nq, Nk, ROT, qk_scale,
-                         scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES, PARTS, PRODUCER_ROWS,
-                         KV_IN_REGS, DQ_ACCS)),
+                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H, Nq,
+                         Nk, ROT, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES,
+                         PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem,
                          lse_smem, delta_smem, kv_bar, ready, empty, H, Nq, Nk, ROT, BLOCK_M, BLOCK_N, STAGES, CONS,
                          HEAD_D, PARTS, PRODUCER_ROWS, DQ_ACCS)),
@@ -686,15 +705,17 @@ if _IMPORT_ERROR is None:
 def _descriptors(cfg: dict, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     # (block, dtype) of each descriptor argument, in the kernel's order: every descriptor moves 64-row tiles, a Q /
     # dO tile and one consumer's half of the K / V tile in the input dtype, one consumer's FP32 column half of a
-    # query tile's dQ share (the accumulators, [accumulators * B * H, Nq, D])
+    # query tile's dQ share (the accumulators, [accumulators * B * H, Nq, D]), one consumer's rows of dK and dV
     rows = {"q_desc": cfg["BLOCK_M"], "k_desc": cfg["BLOCK_N"] // CONSUMERS, "v_desc": cfg["BLOCK_N"] // CONSUMERS,
             "do_desc": cfg["BLOCK_M"]}
     return {**{name: ((1, 1, n, head_dim), dtype) for name, n in rows.items()},
-            "dqacc_desc": ((1, cfg["BLOCK_M"], head_dim // CONSUMERS), torch.float32)}
+            "dqacc_desc": ((1, cfg["BLOCK_M"], head_dim // CONSUMERS), torch.float32),
+            "dk_desc": ((1, 1, cfg["BLOCK_N"] // CONSUMERS, head_dim), dtype),
+            "dv_desc": ((1, 1, cfg["BLOCK_N"] // CONSUMERS, head_dim), dtype)}
 
 
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
-    """Signature types of the five descriptor arguments (``q_desc`` ... ``dqacc_desc``) for an offline compile."""
+    """Signature types of the seven descriptor arguments (``q_desc`` ... ``dv_desc``) for an offline compile."""
     tnames = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
     return {name: f"tensordesc<{tnames[dt]}[{','.join(map(str, block))}],{nvmma_layout(block, dt)!r}>"
             for name, (block, dt) in _descriptors(cfg, head_dim, dtype).items()}
@@ -833,7 +854,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     attribute ``(counters, accumulators)`` (:func:`dq_schedule`), e.g. from the preprocess's
     :class:`.elsa_bwd.Scratch`. Returns dQ [B, H, Nq, D] contiguous in q's dtype. ``config``: a
     :func:`get_config` dict (tools, tests). The first call builds (and validates)
-    the five TMA descriptors; later calls encode them onto their tensors through
+    the seven TMA descriptors; later calls encode them onto their tensors through
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
     stride), skipping the descriptor objects' construction (tens of microseconds of host time per call)."""
     B, H, Nq, D = q.shape
@@ -877,10 +898,13 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
         else:
             dq = torch.empty((B, H, Nq, D), device=q.device, dtype=dq_dtype)
         args = (lse_row, delta, dk, dv, sem, scales, H, Nq, Nk, rot, float(scale) * LOG2E, float(scale))
+        # dK / dV's descriptors (the HEAD_SCALES builds store their FP32 dK / dV with plain stores and never read
+        # them: q's tiles stand in)
+        stores = (q, q) if head_scales else (dk, dv)
         if direct and direct[0] is not None:  # the descriptors read only the bases' addresses
-            direct[0](q, k, v, grad_out, acc, *args)
+            direct[0](q, k, v, grad_out, acc, *stores, *args)
         else:
-            bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D))
+            bases = (q, k, v, grad_out, acc.view(accs * B * H, Nq, D), *stores)
             descs = [TensorDescriptor.from_tensor(t, block, layout) for t, block, layout in zip(bases, blocks, layouts)]
             call(*descs, *args)
             if not direct and call.slow_reason is None:

@@ -300,6 +300,7 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
     out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32)] = {
         "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
         "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
+        "bulk_store": r.ttgir.count("ttng.async_tma_copy_local_to_global"),
         "completion_wait": "cp.async.bulk.wait_group 0;" in r.ttgir,
         "fresh": len(re.findall(r"ttng\.warp_group_dot [^,]+, [^,]+, [^,]+, %false(_[0-9]+)? ", r.ttgir)),
         "register_lhs": len(re.findall(r"ttng\.warp_group_dot .*isAsync = true} : tensor<", r.ttgir))}
@@ -313,11 +314,13 @@ def test_compiles_for_hopper():
     """The kernel builds for sm_90 with one, two or four dQ accumulators, full and cut key tiles: six wgmmas per
     consumer warpgroup (two consumers), 12 warps (the producer warp and the two dQ writers' warps padded to a
     warpgroup), shared memory under Hopper's 232,448 bytes; each writer adds both consumer halves by TMA bulk
-    reductions and waits for their completion, not only for their shared-memory reads, before a turn passes
+    reductions (the first share of an accumulator tile as a TMA store) and waits for their completion, not only for
+    their shared-memory reads, before a turn passes
     (``wait_group`` without ``.read``: the next key tile's reductions must find these in the accumulator); at
     head dim 64 at most 32 bytes of register spills per writer (triton 3.6 / 3.8: values of the prologue that ptxas
     keeps in local memory across the register reallocation, reloaded once per partition). Mode tf32's HEAD_SCALES
-    builds (FP16 operands, FP32 dK / dV, the heads' multipliers) have the same products; mode fp32's split build
+    builds (FP16 operands, FP32 dK / dV by plain stores, the heads' multipliers) have the same products, the fp16 /
+    bf16 builds write dK and dV by TMA stores (two per consumer); mode fp32's split build
     three wgmmas for each (hi and lo parts), its shared memory still under the limit, and every query tile's dK /
     dV products and dS's lo terms start on a zero accumulator (summed in the wgmma accumulator across query tiles
     the split products leave fp32's bound on the GPU)."""
@@ -328,6 +331,8 @@ def test_compiles_for_hopper():
         assert v["wgmma"] == 12 * (3 if key.endswith("split") else 1) and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         assert v["bulk_reduce"] == 2 * 2 and v["completion_wait"], (key, v)  # two halves in each of two writers
+        # the writers' first shares (two halves each) and, in the fp16 / bf16 builds, each consumer's dK and dV tiles
+        assert v["bulk_store"] == 2 * 2 + (0 if key.endswith(("tf32", "split")) else 2 * 2), (key, v)
         # product chains started on a zero accumulator, per consumer: S^T, dP^T and the dQ share; the split build
         # also each query tile's dV, dK and dS's lo terms of dK and dQ apart (not summed in the wgmma accumulator)
         assert v["fresh"] == 2 * (7 if key.endswith("split") else 3), (key, v)
