@@ -613,14 +613,20 @@ class PlannedLaunch:
     ``call(q', k', v', out, lse or out, scales or out, *extra, ...)``; ``extra``: per-call tensors), where q', k', v'
     are the tensors themselves or, with ``templates``
     (host-side TMA descriptors of the first call's shapes, strides and blocks, their ``base`` cleared so that a
-    cached plan keeps no tensor alive), descriptors copied onto them. After the first call a descriptor launch goes
-    through :meth:`KernelCall.with_descriptors` where the Triton release allows it. Without an LSE (or scales) the
-    kernel never reads that pointer: the output's stands in."""
+    cached plan keeps no tensor alive), descriptors copied onto them. With ``o_base`` ("out" or "q") a fourth
+    template follows them, rebased onto each call's ``out`` (a kernel writing O by TMA stores) or onto ``q`` (a
+    build that never reads it), and its descriptor comes before ``out``. After the first call a descriptor launch
+    goes through :meth:`KernelCall.with_descriptors` where the Triton release allows it. Without an LSE (or scales)
+    the kernel never reads that pointer: the output's stands in."""
 
-    __slots__ = ("call", "fixed", "templates", "scales_arg", "_direct", "_tried")
+    __slots__ = ("call", "fixed", "templates", "scales_arg", "o_base", "_direct", "_tried")
 
-    def __init__(self, call: KernelCall, fixed: tuple, templates=None, scales_arg: bool = False):
-        self.call, self.fixed, self.templates, self.scales_arg = call, fixed, templates, scales_arg
+    def __init__(self, call: KernelCall, fixed: tuple, templates=None, scales_arg: bool = False,
+                 o_base: str | None = None):
+        if o_base not in (None, "out", "q"):
+            raise ValueError(f"o_base {o_base!r}: 'out', 'q' or None")
+        self.call, self.fixed, self.templates, self.scales_arg, self.o_base = call, fixed, templates, scales_arg, \
+            o_base
         self._direct, self._tried = None, False
 
     def __call__(self, q, k, v, scale, out, lse=None, scales=None, extra=()):
@@ -628,15 +634,15 @@ class PlannedLaunch:
         if self.scales_arg:
             ptrs += (out if scales is None else scales,)
         ptrs += extra
+        bases = (q, k, v) if self.o_base is None else (q, k, v, out if self.o_base == "out" else q)
         direct = self._direct
         if direct is not None:
-            direct(q, k, v, *ptrs, *self.fixed, scale * LOG2E)
+            direct(*bases, *ptrs, *self.fixed, scale * LOG2E)
             return
         if self.templates is None:
             self.call(q, k, v, *ptrs, *self.fixed, scale * LOG2E)
             return
-        tq, tk, tv = self.templates
-        self.call(_rebased(tq, q), _rebased(tk, k), _rebased(tv, v), *ptrs, *self.fixed, scale * LOG2E)
+        self.call(*(_rebased(t, b) for t, b in zip(self.templates, bases)), *ptrs, *self.fixed, scale * LOG2E)
         if not self._tried and self.call.slow_reason is None:
             self._tried = True
             self._direct = self.call.with_descriptors(self.templates)

@@ -855,7 +855,9 @@ def _gluon_plan(kernel: str, q, k, v, bias, attn_mask, is_causal, scale, num_spl
     tiles = TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
     if num_splits == 0 and choose_num_splits(B * H, Nq, k.shape[2], tiles, q.device, "half") > 1:
         return None
-    launch = module.planned_launch(q, k, v, cfg, True) if with_lse else module.planned_launch(q, k, v, cfg)
+    # the fp16 / bf16 kernel writes O by TMA stores where its output is in the inputs' dtype (half_gluon.tma_output)
+    extra = {"out_dtype": out_dtype} if kernel == "half" else {}
+    launch = module.planned_launch(q, k, v, cfg, with_lse, **extra)
     return GluonForwardPlan(launch, q, v, out_dtype, with_lse)
 
 

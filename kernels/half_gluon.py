@@ -38,6 +38,12 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
 * **row sums kept per thread**: each thread adds up its own columns of P's rows into [rows, 4] parts, summed
   across a row's four threads once, in the epilogue: two shuffles per row and key tile fewer (docs/tuning.md:
   P's row sums kept per thread ([rows, 4] parts, summed once in the epilogue)).
+* **O by TMA stores** (D = 64, O in the inputs' dtype: :func:`tma_output`): each consumer stages its O tile in
+  its own Q tile of the work tile (free after the last ``Q K^T``; Q is double-buffered, so the next work tile's Q
+  loads into the other buffer meanwhile), writes it with one TMA store (rows past N clipped) and frees the Q buffer
+  once the store has read it. Stores from the wgmma accumulator layout (4 bytes a thread and row) took 1-1.6 us a
+  work tile at 197-1025 rows, a fifth of a ViT-B/16 224 work tile (docs/tuning.md: O by a TMA store); D = 128 (one
+  Q buffer, no shared memory left) stores from registers.
 
 Mode ``fp32`` runs a build of this kernel with ``PARTS = 2`` (:mod:`.fp32_gluon`): its q / k / v are FP16 copies
 scaled per head and split into hi and lo parts, each tile loaded as two buffers, every product three wgmmas, each
@@ -68,10 +74,11 @@ from .scaled_fp16 import FORWARD_SCALES_ROW, P_SPLIT_EXP
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._gluon import softmax_tile, split_mma, split_parts, tma_load_parts
+    from ._gluon import cta_barrier as _cta_barrier, softmax_tile, split_mma, split_parts, tma_load_parts
 
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
@@ -351,10 +358,11 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _last_pv(acc, p16, p_lo, v_smem, o_zero, q_free, empty, last, my_turn, other_turn, turns, WG: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PINGPONG: gl.constexpr, V_START: gl.constexpr,
-                 PARTS: gl.constexpr):
+                 PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
         # O += P V of a work tile's last KV tile (ring slot ``last``; P [BLOCK_M, keys from V_START on]); PARTS as in
-        # _step
-        mbarrier.arrive(q_free)  # every Q K^T of this work tile is done: the producer may load the next Q
+        # _step; TMA_OUT: the epilogue stages O in this consumer's Q tile and frees it itself
+        if not TMA_OUT:
+            mbarrier.arrive(q_free)  # every Q K^T of this work tile is done: the producer may load the next Q
         if PINGPONG:
             mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
         v_t = v_smem.index(last * PARTS).reshape([BLOCK_N, HEAD_D]).slice(V_START, p16.shape[1])
@@ -373,14 +381,16 @@ if _IMPORT_ERROR is None:
         return acc
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales, sob, soh,
-                  som, H, Nq, Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE, Scales, sob,
+                  soh, som, H, Nq, Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
                   Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr, CONSUMERS: gl.constexpr,
-                  ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr, PARTS: gl.constexpr):
+                  ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
         # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles.
         # PARTS = 2 (mode fp32): split operands scaled per head; each head's Scales row replaces qk_scale (its
-        # logits' multiplier) and undoes v's and P's scales on the output
+        # logits' multiplier) and undoes v's and P's scales on the output. TMA_OUT: O goes through this consumer's Q
+        # tile (free after the last Q K^T; same block and layout as o_desc's) as a TMA store, and the Q buffer is
+        # released after it (else O is stored from registers and Q released before the last P V)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -460,10 +470,10 @@ if _IMPORT_ERROR is None:
                                                          s_zero1, o_zero, WG, BLOCK_N, HEAD_D, STAGES, True, False,
                                                          TAIL_N, PARTS)
                     acc = _last_pv(acc, p_one, p_onel, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
-                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS)
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS, TMA_OUT)
                 else:
                     acc = _last_pv(acc, p16, p_lo, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn, other_turn,
-                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS)
+                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT)
             elif n_tiles > 1:
                 t = n_tiles - 2
                 acc, p_tail, p_taill, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, t, g0 + t, turns + t + 1, q_t, q_l,
@@ -480,13 +490,13 @@ if _IMPORT_ERROR is None:
                                                              Nk, qk, offs_sn2, s_zero2, o_zero, WG, BLOCK_N, HEAD_D,
                                                              STAGES, True, False, TAIL_N, PARTS)
                     acc = _last_pv(acc, p_tail2, p_tail2l, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
-                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS)
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS, TMA_OUT)
                 else:
                     acc = _last_pv(acc, p_tail, p_taill, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
-                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS)
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT)
             else:
                 acc = _last_pv(acc, p16, p_lo, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn, other_turn,
-                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS)
+                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT)
             # the epilogue overlaps the producer's loads for the next work tile
             l_row = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, o_layout))
             if PARTS == 2:
@@ -494,8 +504,20 @@ if _IMPORT_ERROR is None:
             else:
                 out = acc / l_row[:, None]
             offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-            gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som
-                     + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
+            if TMA_OUT:
+                # the accumulator layout's 4-byte stores take 1-1.6 us a work tile at 197-1025 rows, where the TMA
+                # store of the staged tile takes ~0.3 (docs/tuning.md: O by a TMA store); rows past Nq are clipped
+                stage = q_smem.index(CONSUMERS * qb + WG)
+                stage.reshape([BLOCK_M, HEAD_D]).store(out.to(q_smem.dtype))
+                fence_async_shared()
+                _cta_barrier()  # every thread's rows are in shared memory before the store reads them
+                tma.async_copy_shared_to_global(o_desc, [off_b, off_h, start_m + WG * BLOCK_M, 0], stage)
+                tma.store_wait(0)  # the store has read the tile
+                _cta_barrier()
+                mbarrier.arrive(q_empty.index(qb))  # the producer may load a later work tile's Q into it
+            else:
+                gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som
+                         + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
             if WRITE_LSE:  # natural-log LSE of the scaled logits for the backward: m and log2 S are in log2 units
                 lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_row)) * 0.6931471805599453
                 gl.store(LSE + (off_b * H + off_h).to(gl.int64) * Nq + offs_om, lse, mask=offs_om < Nq)
@@ -534,17 +556,20 @@ if _IMPORT_ERROR is None:
         return q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn
 
     @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
-    def _half_fwd_kernel(q_desc, k_desc, v_desc, O, LSE, Scales, sob, soh, som, H, GROUP, Nq, Nk, n_work, qk_scale,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-                         PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    def _half_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, Scales, sob, soh, som, H, GROUP, Nq, Nk, n_work,
+                         qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                         STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                          Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
                          CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr,
-                         PARTS: gl.constexpr):
+                         PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
         # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
         # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
         # programs per SM, so a tile's epilogue overlaps the next tile's loads). PARTS = 2 (mode fp32, fp32_attention):
         # q / k / v descriptors over the split copies (hi, lo columns), two shared buffers per tile, and Scales
-        # (FP32 [B * H, 2]) holding each head's logit and output multipliers; PARTS = 1 never reads Scales.
+        # (FP32 [B * H, 2]) holding each head's logit and output multipliers; PARTS = 1 never reads Scales. o_desc:
+        # O ([B, H, Nq, D] at strides sob, soh, som) in q's block and layout, written by TMA_OUT builds (Q
+        # double-buffered, O in q's dtype, PARTS = 1); the others store through O and never read it.
+        gl.static_assert(not TMA_OUT or (Q_BUFS >= 2 and PARTS == 1), "O staged in a double-buffered Q tile")
         gl.static_assert(not (PINGPONG and (CONSUMERS != 2 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
                          "one part per last key tile (the turn counts)")
         gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2 or CONSUMERS == 3 or CONSUMERS == 4,
@@ -554,64 +579,75 @@ if _IMPORT_ERROR is None:
         # one branch per consumer count: the partition list is built at trace time, one entry per warpgroup
         if CONSUMERS == 1:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
                              Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
             ], [1], [24])
         elif CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
                              Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
             ], [4, 1], [CONSUMER_REGS, 24])
         elif CONSUMERS == 3:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
                              Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
-                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, O, LSE, Scales,
-                             sob, soh, som, H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG,
-                             Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
+                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
                              Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
-def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False) -> dict:
+def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False, tma_out: bool = False) -> dict:
     """The constexpr arguments of :func:`_half_fwd_kernel` for a :func:`get_config` dict (launches,
     offline compiles and their tests build the kernel from this one mapping); ``write_lse``: also write the
-    per-row log-sum-exp the backward reads."""
+    per-row log-sum-exp the backward reads; ``tma_out``: write O by TMA stores (:func:`tma_output`)."""
     return dict(BLOCK_M=cfg["BLOCK_M"] // cfg["consumers"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim,
                 STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"],
                 Q_BUFS=cfg["q_buffers"], TAIL_N=cfg["tail_keys"][0], TAIL_N2=cfg["tail_keys"][1],
-                CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"], WRITE_LSE=bool(write_lse), PARTS=cfg["parts"])
+                CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"], WRITE_LSE=bool(write_lse), PARTS=cfg["parts"],
+                TMA_OUT=bool(tma_out))
+
+
+def tma_output(cfg: dict, out_dtype: torch.dtype, in_dtype: torch.dtype, out_strides: tuple[int, int, int]) -> bool:
+    """Whether a launch writes O by TMA stores through the consumers' Q tiles: Q double-buffered (the next work
+    tile's Q then loads into the other buffer while this one holds O), one part (fp16 / bf16), O in the inputs'
+    dtype (the staged tile is a Q tile) at 16-byte-aligned (batch, head, row) strides ``out_strides`` (elements).
+    Short and mid-length calls gain most: the accumulator layout's 4-byte stores take 1-1.6 us a work tile there
+    (docs/tuning.md: O by a TMA store)."""
+    return (cfg["q_buffers"] >= 2 and cfg["parts"] == 1 and out_dtype == in_dtype
+            and all(s * out_dtype.itemsize % 16 == 0 for s in out_strides))
 
 
 def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
@@ -621,10 +657,12 @@ def _descriptor_blocks(cfg: dict, head_dim: int) -> dict[str, tuple[int, ...]]:
 
 
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
-    """Signature types of the three descriptor arguments (``q_desc`` ...) for an offline compile."""
+    """Signature types of the four descriptor arguments (``q_desc`` ... ``o_desc``, O's in q's block) for an
+    offline compile."""
     tname = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    return {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{nvmma_layout(block, dtype)!r}>"
-            for name, block in _descriptor_blocks(cfg, head_dim).items()}
+    types = {name: f"tensordesc<{tname}[{','.join(map(str, block))}],{nvmma_layout(block, dtype)!r}>"
+             for name, block in _descriptor_blocks(cfg, head_dim).items()}
+    return dict(types, o_desc=types["q_desc"])
 
 
 def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -651,7 +689,7 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict, write_lse: bool = False,
-                   out_strides: tuple[int, int, int] | None = None):
+                   out_strides: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None):
     """The launch of :func:`half_attention`'s kernel for this call signature (shapes, strides, alignment,
     ``cfg``), as a callable ``(q, k, v, scale, out, lse=None, scales=None) -> None`` for later calls with the same
     signature, without checks: for a caller that ran :func:`unsupported_reason` and :func:`get_config` already (the
@@ -660,7 +698,9 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     the rows' natural-log log-sum-exp of ``scale q k^T`` (what the backward kernels recompute P from). A config
     with ``parts = 2`` takes the split copies [B, H, N, 2 D] of :class:`.scaled_fp16.ForwardOperands` and their
     ``scales`` (:mod:`.fp32_gluon`). ``out_strides``: the (batch, head, row) strides of ``out`` where it is not the
-    plan's own heads-inner buffer (a view of a larger one)."""
+    plan's own heads-inner buffer (a view of a larger one). ``out_dtype``: ``out``'s (q's by default); where
+    :func:`tma_output` allows, for the plan's own buffer only (a view may sit at an unaligned offset), O is written
+    by TMA stores through a fourth descriptor rebased onto each call's ``out``."""
     B, H, Nq, D = q.shape
     D //= cfg["parts"]
     Nk = k.shape[2]
@@ -668,15 +708,23 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
                  for t, block in zip((q, k, v), _descriptor_blocks(cfg, D).values())]
     for t in templates:  # a cached plan must not keep this call's tensors (and what they view) alive
         t.base = None
+    strides = out_strides or heads_inner_layout(B, H, Nq, D)[1][:3]
+    tma_out = out_strides is None and tma_output(cfg, out_dtype or q.dtype, q.dtype, strides)
+    if tma_out:  # O [B, H, Nq, D] at the plan's strides, in Q's block and layout (q only stands in for the check)
+        o_template = TensorDescriptor(q, [B, H, Nq, D], [*strides, 1], list(templates[0].block_shape),
+                                      templates[0].layout)
+        o_template.base = None
+    else:  # never read: q's descriptor stands in
+        o_template = templates[0]
     n_work = cdiv(Nq, cfg["BLOCK_M"]) * B * H
     grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
-    call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D, write_lse),
+    call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D, write_lse, tma_out),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     # out: the plan's heads-inner buffer; k / v may have fewer heads (grouped-query attention)
-    fixed = (*(out_strides or heads_inner_layout(B, H, Nq, D)[1][:3]), H, H // k.shape[1], Nq, Nk, n_work)
-    return PlannedLaunch(call, fixed, templates, scales_arg=True)
+    fixed = (*strides, H, H // k.shape[1], Nq, Nk, n_work)
+    return PlannedLaunch(call, fixed, [*templates, o_template], scales_arg=True, o_base="out" if tma_out else "q")
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
     """One :func:`planned_launch` into ``out`` (heads-inner, as :func:`._launch.allocate_output` makes it)."""
-    planned_launch(q, k, v, cfg)(q, k, v, float(scale), out)
+    planned_launch(q, k, v, cfg, out_dtype=out.dtype)(q, k, v, float(scale), out)

@@ -234,7 +234,7 @@ if _IMPORT_ERROR is None:
                                                  qk_scale, offs_new, s_zero, o_zero, WG, BLOCK_N, HEAD_D, STAGES,
                                                  True, PINGPONG, 0, 1)
             acc = _last_pv(acc, p16, p_lo, v_smem, o_zero, q_empty.index(qb), empty, (g0 + n_tiles - 1) % STAGES,
-                           my_turn, other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, 1)
+                           my_turn, other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, 1, False)
             # the epilogue overlaps the producer's loads for the next work tile
             l_row = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, o_layout))
             out = acc / l_row[:, None]
@@ -290,8 +290,10 @@ def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False) -> dict
 
 
 def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float16) -> dict[str, str]:
-    """Signature types of the three descriptor arguments for an offline compile (as :mod:`.half_gluon`'s)."""
-    return half_gluon.descriptor_types(cfg, head_dim, dtype)
+    """Signature types of the three descriptor arguments for an offline compile (:mod:`.half_gluon`'s q / k / v
+    ones: this kernel stores O from registers)."""
+    types = half_gluon.descriptor_types(cfg, head_dim, dtype)
+    return {name: types[name] for name in ("q_desc", "k_desc", "v_desc")}
 
 
 # (lengths, heads, rows, key tile, programs, device) -> (int32 device tables of :func:`assign`, their pinned host

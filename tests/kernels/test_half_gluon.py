@@ -31,7 +31,17 @@ for d in half_gluon.HEAD_DIMS:
                              float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
         out[f"{d}_{tname}"] = {"n_k": n_k, "n_q": n_q, "shared": r.shared_bytes, "wgmma": r.wgmma,
                                "regs": r.registers, "local": r.local_bytes, "warps": r.num_warps,
-                               "ws": r.ttgir.count("ttg.warp_specialize"), "programs": r.programs_per_sm}
+                               "ws": r.ttgir.count("ttg.warp_specialize"), "programs": r.programs_per_sm,
+                               "consumers": cfg["consumers"],
+                               "bulk_store": r.ttgir.count("ttng.async_tma_copy_local_to_global")}
+        if half_gluon.tma_output(cfg, dt, dt, (4096 * d, d, 8 * d)):  # O by TMA stores (D = 64)
+            r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
+                                 O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32"),
+                                 half_gluon.kernel_constexprs(cfg, d, tname == "bf16", tma_out=True), num_warps=4,
+                                 num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
+            out[f"{d}_{tname}_tma"] = dict(out[f"{d}_{tname}"], shared=r.shared_bytes, local=r.local_bytes,
+                                           wgmma=r.wgmma, programs=r.programs_per_sm,
+                                           bulk_store=r.ttgir.count("ttng.async_tma_copy_local_to_global"))
 print(json.dumps(out))
 """
 
@@ -52,12 +62,24 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
     none with Triton 3.6 (the GPU runs'), while the ptxas of Triton 3.8 keeps 4 words in the stack frame at D = 128
     and 16 in the four-consumer build (112-120 registers per consumer thread), 22 in the three-consumer one (160
     registers per consumer thread; none with Triton 3.6; lengths are not specialised on, as
-    at run time, where 197 keys are not a multiple of 16 either)."""
+    at run time, where 197 keys are not a multiple of 16 either). The head dim 64 builds that write O by TMA stores
+    (:func:`.half_gluon.tma_output`) issue one per consumer and take no more shared memory or CTAs per SM than those
+    storing from registers, and at most 8 words more of stack frame (Triton 3.8 in the three- and four-consumer
+    builds; none with Triton 3.6)."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
-    assert set(r) == {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16"}
+    plain = {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16"}
+    assert set(r) == plain | {f"{key}_tma" for key in plain if key.startswith("64")}
     for key, v in r.items():
+        # O by TMA stores (head dim 64: one per consumer, staged in its Q tile, no more shared memory or
+        # registers), else from registers
+        if key.endswith("_tma"):
+            plain_build = r[key[:-4]]
+            assert v["bulk_store"] == v["consumers"] and v["shared"] <= plain_build["shared"], (key, v)
+            assert v["local"] <= plain_build["local"] + 32 and v["programs"] == plain_build["programs"], (key, v)
+            continue
+        assert v["bulk_store"] == 0, (key, v)
         d = int(key.split("_")[0])
         # the shape the child compiled
         cfg = half_gluon.get_config(v["n_k"], d, n_q=v["n_q"], heads=96 if v["n_q"] == 4097 else None, sms=132)
@@ -175,7 +197,7 @@ def test_dispatch_takes_the_lengths_the_kernel_is_preferred_at(monkeypatch):
     monkeypatch.setattr(half_gluon, "unsupported_reason",
                         lambda *a: "split-KV requested" if a[-1] > 1 else None)
     monkeypatch.setattr(half_gluon, "planned_launch",
-                        lambda q, k, v, cfg: taken.append((q.shape, cfg)) or (lambda *a: None))
+                        lambda q, k, v, cfg, *a, **kw: taken.append((q.shape, cfg)) or (lambda *a: None))
     monkeypatch.setattr(elsa_fwd, "choose_num_splits", lambda *a: 1)  # as if the grid fills the GPU
     cases = [(64, 64, 64, True), (64, 65, 64, False), (64, 128, 64, False), (64, 129, 64, True),
              (197, 197, 64, True), (64, 100, 128, True), (16, 16, 128, True)]
@@ -230,7 +252,7 @@ def test_a_bad_out_dtype_is_refused_before_any_gluon_kernel_is_tried(monkeypatch
     monkeypatch.setattr(elsa_fwd, "_GLUON_FAILED", {})
     monkeypatch.setattr(elsa_fwd, "_gluon_device", lambda device: True)  # as if on a Hopper GPU
     monkeypatch.setattr(half_gluon, "unsupported_reason", lambda *a: None)
-    monkeypatch.setattr(half_gluon, "planned_launch", lambda *a: pytest.fail("planned with a bad out_dtype"))
+    monkeypatch.setattr(half_gluon, "planned_launch", lambda *a, **kw: pytest.fail("planned with a bad out_dtype"))
     q, k, v = _qkv(16, 2048)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -255,7 +277,7 @@ def test_a_failing_gluon_kernel_warns_once_and_the_triton_kernel_takes_over(monk
         calls.append(1)
         raise RuntimeError("no such Gluon op")
 
-    monkeypatch.setattr(module, "planned_launch", lambda *a: broken)
+    monkeypatch.setattr(module, "planned_launch", lambda *a, **kw: broken)
     q, k, v = _qkv(16, 256, 64, dtype)
     with pytest.warns(RuntimeWarning, match=f"Gluon {kernel} kernel cannot run .RuntimeError: no such Gluon op"):
         plan, (out, _) = elsa_fwd._plan_and_run(q, k, v, None, None, False, 0.125, mode, 1, None, False)
@@ -405,6 +427,31 @@ def test_later_calls_encode_the_tensor_maps_themselves_with_the_same_results(wri
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("B, H, N, dtype", [(64, 12, 197, torch.float16), (3, 12, 1025, torch.bfloat16),
+                                            (2, 8, 4097, torch.float16), (2, 4, 100, torch.bfloat16)])
+def test_o_by_tma_stores_equals_o_stored_from_registers(B, H, N, dtype):
+    """The TMA_OUT build (O staged in the consumer's Q tile, one TMA store per consumer, rows past N clipped by the
+    descriptor) writes the same bits as the build storing from registers, on every consumer count the shapes take
+    (four at 197 rows, one at 1025, three at 4097 on an H100 / H200, the short call's one), batches side by side in
+    the heads-inner buffer (a row past N would land on the next batch item's rows), first and direct launches."""
+    from visionattn.kernels._launch import heads_inner_layout, heads_inner_output
+
+    D = 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(dtype).permute(2, 0, 3, 1, 4).unbind(0)
+    cfg = half_gluon.config_for(q, k)
+    tma = half_gluon.planned_launch(q, k, v, cfg)
+    plain = half_gluon.planned_launch(q, k, v, cfg, out_strides=heads_inner_layout(B, H, N, D)[1][:3])
+    assert tma.o_base == "out" and plain.o_base == "q"
+    for _ in range(2):  # the first call, then the direct descriptor launch
+        outs = [heads_inner_output(q, N, D, dtype) for _ in range(2)]
+        tma(q, k, v, D ** -0.5, outs[0])
+        plain(q, k, v, D ** -0.5, outs[1])
+        assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_inside_torch_compile_and_a_cuda_graph():
     """The Gluon path through visionattn.attention under torch.compile (the custom op) and replayed from a
     captured CUDA graph with new inputs (the TMA descriptors are kernel parameters, captured by value)."""
@@ -451,6 +498,35 @@ def test_a_cached_launch_plan_keeps_no_tensor_of_its_first_call_alive(monkeypatc
     del qkv, q, k, v
     gc.collect()
     assert callable(launch) and ref() is None
+
+
+@needs_gluon
+def test_o_is_written_by_tma_stores_where_a_q_tile_can_hold_it(monkeypatch):
+    """``tma_output``: head dim 64 (Q double-buffered: the consumer's Q tile holds O while the next work tile's Q
+    loads into the other buffer), O in the inputs' dtype at 16-byte-aligned strides; not at head dim 128 (one Q
+    buffer), for a float32 output, the split build or an unaligned row stride. A plan then rebases its fourth
+    descriptor onto each call's output and builds the TMA_OUT kernel; otherwise q's descriptor stands in, unread,
+    as for a plan writing into a view of a larger buffer (``out_strides``: its offset may be unaligned)."""
+    from visionattn.kernels._launch import heads_inner_layout
+
+    monkeypatch.setattr(half_gluon, "sm_count", lambda device: 132)  # the plans are built on CPU tensors here
+    cfg64, cfg128 = half_gluon.get_config(4096, 64), half_gluon.get_config(4096, 128)
+    s64, s128 = heads_inner_layout(1, 8, 4096, 64)[1][:3], heads_inner_layout(1, 8, 4096, 128)[1][:3]
+    f16 = torch.float16
+    assert half_gluon.tma_output(cfg64, f16, f16, s64)
+    assert half_gluon.tma_output(cfg64, torch.bfloat16, torch.bfloat16, s64)
+    assert not half_gluon.tma_output(cfg128, f16, f16, s128)
+    assert not half_gluon.tma_output(cfg64, torch.float32, f16, s64)
+    assert not half_gluon.tma_output(dict(cfg64, parts=2), f16, f16, s64)
+    assert not half_gluon.tma_output(cfg64, f16, f16, (s64[0], s64[1], 8 * 64 + 4))  # rows 1032 bytes apart
+    q, k, v = _qkv(n_q=4096, n_k=4096)
+    for kwargs, o_base in (({}, "out"), ({"out_dtype": torch.float32}, "q"), ({"out_strides": s64}, "q")):
+        plan = half_gluon.planned_launch(q, k, v, cfg64, **kwargs)
+        assert plan.o_base == o_base and plan.call.constexprs["TMA_OUT"] == (o_base == "out"), kwargs
+        assert len(plan.templates) == 4 and all(t.base is None for t in plan.templates)
+    q, k, v = _qkv(n_q=4096, n_k=4096, d=128)
+    plan = half_gluon.planned_launch(q, k, v, cfg128)
+    assert plan.o_base == "q" and not plan.call.constexprs["TMA_OUT"]
 
 
 def test_direct_descriptor_launches_are_offered_only_where_the_launcher_layout_is_known():
