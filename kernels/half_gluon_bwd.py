@@ -41,7 +41,8 @@ and Low-precision", Sec. 3 and App. B.1), on Hopper's wgmma and TMA:
   (:func:`query_order`). Every wait, rotated or not (key tile ``j`` then waits on key tile ``j - A``), is on a
   lower program id, so the waits end as long as programs start in id order;
 * dK is scaled by the softmax scale once, at the end; dK, dV are written in the input dtype through shared
-  memory (the consumer's V half, its own and free by then) as TMA stores.
+  memory (the consumer's V half, its own and free by then) as TMA stores (the HEAD_SCALES builds below write their
+  FP32 dK / dV from registers).
 
 ``delta = rowsum(dO * O)`` and the row ``lse`` (``+inf`` for empty rows) come from :mod:`.elsa_bwd`'s preprocess
 kernel (:func:`.elsa_bwd._bwd_preprocess_kernel`), 64 floats per query tile (L2 hits); the same launch zeroes the

@@ -23,7 +23,7 @@ from tqdm import tqdm  # noqa: E402
 
 from visionattn.kernels import (elsa_bwd, elsa_fwd, fp32_gluon, half_gluon, half_gluon_bwd, ieee_gluon,  # noqa: E402
                                 ieee_gluon_bwd, pasa_fwd, varlen_bwd, window_bwd, window_fwd)
-from visionattn.kernels._launch import pad_pow2  # noqa: E402
+from visionattn.kernels._launch import heads_inner_layout, pad_pow2  # noqa: E402
 from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT, compile_for_arch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
@@ -118,6 +118,8 @@ def _half_gluon_jobs(quick: bool):
                                (64, 4097, 4097, 96), (128, 4096, None, None)):
         for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
             cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=heads, sms=132)
+            # as a launch builds it: O by TMA stores where the plan's own output allows (head dim 64)
+            tma_out = half_gluon.tma_output(cfg, dtype, dtype, heads_inner_layout(1, heads or 8, n_q or n_k, d)[1][:3])
             tname = str(dtype).split(".")[-1]
             shape = (" ping-pong" if cfg["PINGPONG"] else " one consumer" if cfg["consumers"] == 1
                      else {3: " three consumers", 4: " four consumers"}.get(cfg["consumers"], ""))
@@ -127,8 +129,8 @@ def _half_gluon_jobs(quick: bool):
                         pointer_types=dict(half_gluon.descriptor_types(cfg, d, dtype),
                                            O="*fp16" if dtype == torch.float16 else "*bf16", LSE="*fp32",
                                            Scales="*fp32"),
-                        constexprs=half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1,
-                        float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
+                        constexprs=half_gluon.kernel_constexprs(cfg, d, tma_out=tma_out), num_warps=4,
+                        num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
     # mode fp32's split build (fp32_gluon): hi / lo FP16 operands, 64-key tiles; 1066 keys: a last tile in two parts
     for n_k in ((4096,) if quick else (4096, 1066)):
         cfg = fp32_gluon.get_config(n_k)
