@@ -18,7 +18,7 @@ from ._launch import allocate_output
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
     # a barrier of the calling warps (the CTA's, or a warp-specialized partition's): renamed from thread_barrier to
     # barrier after triton 3.6
@@ -186,3 +186,16 @@ if IMPORT_ERROR is None:
                                             a_smem.index(slot * PARTS + part))
             tma.async_copy_global_to_shared(b_desc, [off_b, off_h, row, part * HEAD_D], bar,
                                             b_smem.index(slot * PARTS + part))
+
+    @gluon.jit
+    def tma_store_rows(desc, off_b, off_h, row, stage, tile):
+        """Write register tile ``tile`` [rows, D] as rows ``[row, row + rows)`` of head ``(off_b, off_h)`` of a
+        [B, H, N, D] tensor through ``stage`` (a shared buffer of ``desc``'s block and layout, the caller's to reuse):
+        every thread's part stored and fenced for the async proxy, the calling warps' barrier, one TMA store (rows
+        past N clipped), then the wait until the store has read the stage. The stage is free again once the
+        calling warps pass another barrier."""
+        stage.reshape([tile.shape[0], tile.shape[1]]).store(tile)
+        fence_async_shared()
+        cta_barrier()  # every thread's part is in shared memory before the store reads it
+        tma.async_copy_shared_to_global(desc, [off_b, off_h, row, 0], stage)
+        tma.store_wait(0)

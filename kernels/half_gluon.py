@@ -74,11 +74,11 @@ from .scaled_fp16 import FORWARD_SCALES_ROW, P_SPLIT_EXP
 try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._gluon import cta_barrier as _cta_barrier, softmax_tile, split_mma, split_parts, tma_load_parts
+    from ._gluon import (cta_barrier as _cta_barrier, softmax_tile, split_mma, split_parts, tma_load_parts,
+                         tma_store_rows)
 
     _IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
@@ -507,13 +507,9 @@ if _IMPORT_ERROR is None:
             if TMA_OUT:
                 # the accumulator layout's 4-byte stores take 1-1.6 us a work tile at 197-1025 rows, where the TMA
                 # store of the staged tile takes ~0.3 (docs/tuning.md: O by a TMA store); rows past Nq are clipped
-                stage = q_smem.index(CONSUMERS * qb + WG)
-                stage.reshape([BLOCK_M, HEAD_D]).store(out.to(q_smem.dtype))
-                fence_async_shared()
-                _cta_barrier()  # every thread's rows are in shared memory before the store reads them
-                tma.async_copy_shared_to_global(o_desc, [off_b, off_h, start_m + WG * BLOCK_M, 0], stage)
-                tma.store_wait(0)  # the store has read the tile
-                _cta_barrier()
+                tma_store_rows(o_desc, off_b, off_h, start_m + WG * BLOCK_M, q_smem.index(CONSUMERS * qb + WG),
+                               out.to(q_smem.dtype))
+                _cta_barrier()  # every thread is past the store's read
                 mbarrier.arrive(q_empty.index(qb))  # the producer may load a later work tile's Q into it
             else:
                 gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som

@@ -89,7 +89,7 @@ try:  # Gluon is experimental: its API moves between Triton releases
     from triton.experimental.gluon.language._core import builtin as _builtin
     from triton._C.libtriton import ir as _ir
 
-    from ._gluon import cta_barrier as _cta_barrier, split_mma, split_parts, tma_load_parts
+    from ._gluon import cta_barrier as _cta_barrier, split_mma, split_parts, tma_load_parts, tma_store_rows
 
     _SPIN_PTX = gl.constexpr(SPIN_UNTIL_EQUAL_PTX)
     # the bulk reductions this thread issued are complete (their writes performed, not only their shared-memory
@@ -565,17 +565,9 @@ if _IMPORT_ERROR is None:
             # wave, which end together, take ~5 us at head dim 128 (docs/tuning.md: dK / dV by TMA stores). V_w is
             # this consumer's alone (dP^T's left operand), free once its last dP^T retired; rows past Nk are clipped
             stage = v_smem.index(WG * PARTS)
-            stage.reshape([HALF, HEAD_D]).store(dv.to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            tma.async_copy_shared_to_global(dv_desc, [off_b, off_h, j * BLOCK_N + WG * HALF, 0], stage)
-            tma.store_wait(0)  # the store has read the stage
-            _cta_barrier()
-            stage.reshape([HALF, HEAD_D]).store((dk * dk_scale).to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            tma.async_copy_shared_to_global(dk_desc, [off_b, off_h, j * BLOCK_N + WG * HALF, 0], stage)
-            tma.store_wait(0)
+            tma_store_rows(dv_desc, off_b, off_h, j * BLOCK_N + WG * HALF, stage, dv.to(dtype))
+            _cta_barrier()  # every thread is past the store's read: the stage takes dK
+            tma_store_rows(dk_desc, off_b, off_h, j * BLOCK_N + WG * HALF, stage, (dk * dk_scale).to(dtype))
 
     @gluon.jit
     def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
