@@ -25,23 +25,17 @@ for d in half_gluon.HEAD_DIMS:
             continue
         # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys); ViT-B/16 at 1024 px on 132 SMs: three consumers
         cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=96 if n_q == 4097 else None, sms=132)
-        r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
-                             O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32"),
-                             half_gluon.kernel_constexprs(cfg, d, tname == "bf16"), num_warps=4, num_stages=1,
-                             float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
-        out[f"{d}_{tname}"] = {"n_k": n_k, "n_q": n_q, "shared": r.shared_bytes, "wgmma": r.wgmma,
-                               "regs": r.registers, "local": r.local_bytes, "warps": r.num_warps,
-                               "ws": r.ttgir.count("ttg.warp_specialize"), "programs": r.programs_per_sm,
-                               "consumers": cfg["consumers"],
-                               "bulk_store": r.ttgir.count("ttng.async_tma_copy_local_to_global")}
-        if half_gluon.tma_output(cfg, dt, dt, (4096 * d, d, 8 * d)):  # O by TMA stores (D = 64)
+        # O from registers, and (head dim 64) by TMA stores, as the plan's own output takes it
+        for tma in ((False, True) if half_gluon.tma_output(cfg, dt, dt, (4096 * d, d, 8 * d)) else (False,)):
             r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
                                  O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32"),
-                                 half_gluon.kernel_constexprs(cfg, d, tname == "bf16", tma_out=True), num_warps=4,
+                                 half_gluon.kernel_constexprs(cfg, d, tname == "bf16", tma_out=tma), num_warps=4,
                                  num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
-            out[f"{d}_{tname}_tma"] = dict(out[f"{d}_{tname}"], shared=r.shared_bytes, local=r.local_bytes,
-                                           wgmma=r.wgmma, programs=r.programs_per_sm,
-                                           bulk_store=r.ttgir.count("ttng.async_tma_copy_local_to_global"))
+            out[f"{d}_{tname}" + "_tma" * tma] = {
+                "n_k": n_k, "n_q": n_q, "shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers,
+                "local": r.local_bytes, "warps": r.num_warps, "ws": r.ttgir.count("ttg.warp_specialize"),
+                "programs": r.programs_per_sm, "consumers": cfg["consumers"],
+                "bulk_store": r.ttgir.count("ttng.async_tma_copy_local_to_global")}
 print(json.dumps(out))
 """
 
