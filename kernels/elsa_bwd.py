@@ -87,9 +87,9 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   :func:`.half_gluon_bwd.tf32_backward` instead: the fp16 / bf16 Gluon kernel on FP16 copies of q, k, v, dO scaled
   per (batch, head) by powers of two.
 * ``fp16`` / ``bf16``: half operands (``P`` and ``dS`` rounded to the input dtype before their products, as
-  FlashAttention-2 does), FP32 accumulation; on Hopper, in scope (no bias / mask / causal / GQA, head dim 64 or
-  128, TMA-legal strides) and from :data:`.half_gluon_bwd.MIN_KEYS` keys and query rows,
-  :mod:`.half_gluon_bwd` (Gluon, warp-specialized, FlashAttention-3's schedule, one pass with ordered dQ adds
+  FlashAttention-2 does), FP32 accumulation; on Hopper, in scope (no bias / mask / causal, head dim 64 or 128,
+  TMA-legal strides; grouped-query attention included) and from :data:`.half_gluon_bwd.MIN_KEYS` keys and query
+  rows, :mod:`.half_gluon_bwd` (Gluon, warp-specialized, FlashAttention-3's schedule, one pass with ordered dQ adds
   over several accumulators); else the two kernels here.
 
 The same kernels serve the window op (:mod:`.window_bwd`): an additive mask indexed by ``batch mod n``
@@ -100,7 +100,8 @@ MQA, SDPA's ``enable_gqa``): query head ``h`` reads K / V head ``h // G``, G = H
 program's head index (the kernels' ``GROUP`` argument; 1, the equal-heads case, is specialised to a constant).
 ``dK_j = scale * sum_(h in group) sum_i dS_hij q_hi`` (and dV) is reduced inside the dK / dV kernel: one program
 per (key tile, K / V head, batch) streams the query tiles of the group's G query heads one head after another,
-in head order, into the same registers. Why this rather than FlashAttention-2's [B, H, Nk, D] dK / dV partials
+in head order, into the same registers (the fp16 / bf16 Gluon kernel of :mod:`.half_gluon_bwd` likewise, its dQ
+turns per query head). Why this rather than FlashAttention-2's [B, H, Nk, D] dK / dV partials
 summed afterwards: no O(H Nk D) buffer, no second pass over it, and the sum order is fixed by the loop, so the
 gradients stay bit-for-bit reproducible without atomics. The cost is G times fewer dK / dV programs, each G times
 longer: B * Hkv * cdiv(Nk, BLOCK_N) programs can underfill the GPU for multi-query attention at small batch (to be

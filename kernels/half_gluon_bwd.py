@@ -62,7 +62,9 @@ and lo FP16 parts and forms every product as three wgmmas (``PARTS = 2``); each 
 are formed in fresh accumulators and added in FP32, and dS's lo part is kept times 2^:data:`DS_LO_EXP`.
 
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x, q / k / v of one dtype (fp16 or bf16),
-[B, H, N, D] with equal heads for q and k / v (no grouped-query attention), Nq != Nk allowed, head dim 64 or 128
+q [B, H, Nq, D], k / v [B, Hkv, Nk, D] with Hkv dividing H (grouped-query attention: one program per key tile of a
+K / V head sweeps the query tiles of the group's query heads one head after another; the tf32 / fp32 builds take
+equal heads), Nq != Nk allowed, head dim 64 or 128
 for Q/K and V, no bias / mask / causal, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
 Everything else stays on :mod:`.elsa_bwd`'s Triton kernels, which also keep the calls below :data:`MIN_KEYS`
 keys or query rows (where this kernel's per-program fixed costs lose to them). Gluon cannot run under
@@ -189,7 +191,8 @@ def get_config(head_dim: int) -> dict:
 
 def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
     """Programs of a call: one per (key tile, head, batch), the key tiles of a head consecutive (the ordered dQ
-    adds of key tile ``j`` wait on key tile ``j - dq_accumulators``, a lower program id)."""
+    adds of key tile ``j`` wait on key tile ``j - dq_accumulators``, a lower program id). ``H``: the K / V heads
+    (grouped-query attention: a program sweeps its K / V head's query heads)."""
     return cdiv(n_k, cfg["BLOCK_N"]) * B * H
 
 
@@ -254,12 +257,15 @@ def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> 
     return accs * B * H * n_q * head_dim, accs * B * H * cdiv(n_q, cfg["BLOCK_M"])
 
 
-def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = False, split: bool = False) -> dict:
+def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = False, split: bool = False,
+                      gqa: bool = False) -> dict:
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
     key tile is full (no key masking: two builds at most per head dim and dtype), ``HEAD_SCALES`` for mode tf32's
     and fp32's per-head scaled operands (:func:`tf32_backward`), ``PARTS`` 2 for fp32's split-FP16 products
     (``split``, :func:`fp32_backward`; with head_scales only), else 1; ``PRODUCER_ROWS`` and ``KV_IN_REGS`` from
-    the config's ``producer_rows`` and ``kv_in_registers`` (the latter never with ``split``). Raises ValueError for a
+    the config's ``producer_rows`` and ``kv_in_registers`` (the latter never with ``split``), ``GQA`` for grouped-query
+    attention (fewer K / V heads than query heads; not with head_scales, whose multipliers are per query head, nor
+    ``split``). Raises ValueError for a
     ``dq_accumulators`` outside 1 .. :data:`MAX_DQ_ACCUMULATORS` or a ``dq_ring`` smaller than the
     :data:`DQ_WRITERS` writers' tiles in flight (the ring's phase waits are exact only then, see ``_dq_writer``)."""
     accs, ring = cfg["dq_accumulators"], cfg["dq_ring"]
@@ -267,24 +273,30 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = Fa
         raise ValueError(f"dq_accumulators {accs!r}: 1 to {MAX_DQ_ACCUMULATORS} FP32 dQ accumulators")
     if not (isinstance(ring, int) and ring >= DQ_WRITERS):
         raise ValueError(f"dq_ring {ring!r} < {DQ_WRITERS}: the ring holds a query tile per dQ writer")
+    if gqa and (head_scales or split):
+        raise ValueError("grouped-query attention runs the fp16 / bf16 build only (the tf32 / fp32 builds scale per "
+                         "query head)")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0, WRITER_REGS=cfg["writer_regs"],
                 DQ_RING=ring, DQ_ACCS=accs, HEAD_SCALES=bool(head_scales or split), PARTS=2 if split else 1,
-                PRODUCER_ROWS=cfg["producer_rows"], KV_IN_REGS=cfg["kv_in_registers"] and not split)
+                PRODUCER_ROWS=cfg["producer_rows"], KV_IN_REGS=cfg["kv_in_registers"] and not split, GQA=bool(gqa))
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
     """Why :func:`half_backward` cannot run this call (the Triton kernels of :mod:`.elsa_bwd` then do), or ``None``.
 
     Inputs as :func:`.elsa_bwd.elsa_backward` takes them: q [B, H, Nq, D], k [B, Hkv, Nk, D], v [B, Hkv, Nk, Dv],
-    grad_out [B, H, Nq, Dv]. Refused: Hkv != H (grouped-query attention), bias / mask / causal, scale <= 0, dtypes
+    grad_out [B, H, Nq, Dv]; Hkv dividing H (grouped-query attention: query head ``h`` reads K / V head
+    ``h // (H / Hkv)`` in place, and dK / dV add over each group in a fixed order). Refused: k and v of different head
+    counts, or Hkv not dividing H, bias / mask / causal, scale <= 0, dtypes
     other than one of fp16 / bf16 for q, k, v, head dims other than 64 / 128 (D = Dv), q / k / v strides that are not
     TMA-legal, tensors off CUDA or on a GPU other than compute capability 9.x, a Triton without the Gluon Hopper API
     (reported last). ``grad_out`` may be any float dtype and layout: :func:`half_backward` rounds it to q's dtype
     and copies it where its strides are not TMA-legal.
     """
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        return "grouped-query attention (fewer key / value heads than query heads)"
+    h, h_kv = q.shape[1], k.shape[1]
+    if v.shape[1] != h_kv or h_kv == 0 or h % h_kv:
+        return f"key / value heads ({h_kv}, {v.shape[1]}) that do not divide the {h} query heads as one count"
     if not grad_out.dtype.is_floating_point or tuple(grad_out.shape) != (*q.shape[:3], v.shape[-1]):
         return f"grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the output"
     return hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, dtypes=_DTYPES,
@@ -294,12 +306,29 @@ def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scal
 if _IMPORT_ERROR is None:
 
     @gluon.jit
-    def _program_tile(Nk, H, BLOCK_N: gl.constexpr):
-        # (key tile, batch * H + head, batch, head) of this program: key tiles of one head are consecutive ids
+    def _program_tile(Nk, H, GROUP, BLOCK_N: gl.constexpr, GQA: gl.constexpr):
+        # (key tile, batch * Hkv + K / V head, batch, K / V head) of this program (Hkv = H / GROUP K / V heads with
+        # GQA, else H): the key tiles of one K / V head are consecutive ids
         n_kt = gl.cdiv(Nk, BLOCK_N)
         pid = gl.program_id(0)
         bh = pid // n_kt
-        return pid % n_kt, bh, bh // H, bh % H
+        if GQA:
+            h_kv = H // GROUP
+            return pid % n_kt, bh, bh // h_kv, bh % h_kv
+        else:
+            return pid % n_kt, bh, bh // H, bh % H
+
+    @gluon.jit
+    def _step_head(t, n_m, off_b, off_h, H, GROUP, GQA: gl.constexpr):
+        # (step within its query head's sweep, query head, batch * H + query head) of a program's step t: with GQA
+        # the program of K / V head off_h sweeps the query tiles of its GROUP query heads off_h * GROUP + g one head
+        # after another (n_m steps each), so dK / dV add over the group in a fixed order
+        if GQA:
+            g = t // n_m
+            head = off_h * GROUP + g
+            return t - g * n_m, head, off_b * H + head
+        else:
+            return t, off_h, off_b * H + off_h
 
     @gluon.jit
     def _query_tile(t, j, n_m, ROT, DQ_ACCS: gl.constexpr):
@@ -327,16 +356,15 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                  delta_smem, kv_bar, ready, empty, H, Nq, Nk, ROT, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CONS: gl.constexpr, HEAD_D: gl.constexpr, PARTS: gl.constexpr,
-                  PRODUCER_ROWS: gl.constexpr, DQ_ACCS: gl.constexpr):
+                  delta_smem, kv_bar, ready, empty, H, GROUP, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr, HEAD_D: gl.constexpr,
+                  PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, DQ_ACCS: gl.constexpr, GQA: gl.constexpr):
         # one warp: K_j, V_j (one 64-row half per consumer) once, then, step t, query tile i = _query_tile(t): Q_i,
         # dO_i into ring slot t % STAGES once both consumers freed it; PARTS = 2 (split-FP16): each tile's hi and lo
         # parts, columns [0, HEAD_D) and [HEAD_D, 2 HEAD_D) of its tensor, into consecutive buffers; PRODUCER_ROWS:
-        # the tile's lse and delta rows too
-        j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
+        # the tile's lse and delta rows too; with GQA the steps go over the group's query heads (_step_head)
+        j, bh, off_b, off_h = _program_tile(Nk, H, GROUP, BLOCK_N, GQA)
         HALF: gl.constexpr = BLOCK_N // CONS
-        row_base = bh * Nq
         offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         mbarrier.expect(kv_bar, CONS * PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for w in gl.static_range(CONS):
@@ -346,11 +374,14 @@ if _IMPORT_ERROR is None:
                 tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
                                                 v_smem.index(w * PARTS + part))
         n_m = gl.cdiv(Nq, BLOCK_M)
-        for t in range(n_m):
-            i = _query_tile(t, j, n_m, ROT, DQ_ACCS)
+        n_steps = n_m * GROUP if GQA else n_m
+        for t in range(n_steps):
+            tq, q_head, q_bh = _step_head(t, n_m, off_b, off_h, H, GROUP, GQA)
+            i = _query_tile(tq, j, n_m, ROT, DQ_ACCS)
+            row_base = q_bh * Nq
             slot = t % STAGES
             mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
-            tma_load_parts(q_desc, do_desc, off_b, off_h, i * BLOCK_M, ready.index(slot), q_smem, do_smem, slot, PARTS)
+            tma_load_parts(q_desc, do_desc, off_b, q_head, i * BLOCK_M, ready.index(slot), q_smem, do_smem, slot, PARTS)
             if PRODUCER_ROWS:
                 # plain loads (a row's offset bh * Nq + i * BLOCK_M need not be 16-byte aligned, as a TMA copy's
                 # must; this warp runs STAGES tiles ahead, so their latency is off the consumers' path), the slot's
@@ -379,14 +410,15 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready, empty,
-                  ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H, Nq, Nk, ROT, qk_scale,
-                  scale,
+                  ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H, GROUP, Nq, Nk, ROT,
+                  qk_scale, scale,
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr,
                   PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, KV_IN_REGS: gl.constexpr,
-                  DQ_ACCS: gl.constexpr):
+                  DQ_ACCS: gl.constexpr, GQA: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile (step t:
-        # tile _query_tile(t); the rings and barriers go by t).
+        # tile _query_tile(t); the rings and barriers go by t; with GQA every query head of the group in turn,
+        # _step_head).
         # PARTS = 2 (mode fp32): every product of split-FP16 operands, three wgmmas; operands' hi / lo parts in
         # consecutive shared buffers, P^T scaled by 2^P_SPLIT_EXP before its split (P^T's lo part would fall into
         # FP16's subnormals) and dV's multiplier undoes it; dS's lo part kept times 2^DS_LO_EXP (see the loop)
@@ -404,9 +436,10 @@ if _IMPORT_ERROR is None:
                                                             instr_shape=[16, DQC, 16])
         dtype: gl.constexpr = q_smem.dtype
         DQ_RING: gl.constexpr = dq_full.shape[0]
-        j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
+        gl.static_assert(not (GQA and HEAD_SCALES), "the per-head multipliers are the query head's")
+        j, bh, off_b, off_h = _program_tile(Nk, H, GROUP, BLOCK_N, GQA)
         n_m = gl.cdiv(Nq, BLOCK_M)
-        row_base = bh * Nq
+        n_steps = n_m * GROUP if GQA else n_m
         # the multipliers of dQ's and dK's products (dV's is 1), and delta's (1): with HEAD_SCALES the head's row of
         # Scales (its operands were scaled by powers of two, see _scaled_operands_kernel)
         dq_scale = scale
@@ -442,8 +475,10 @@ if _IMPORT_ERROR is None:
             kv_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=st_layout, k_width=2)
             k_w = k_w.load(kv_op)
             v_w = v_w.load(kv_op)
-        for t in range(n_m):
-            i = _query_tile(t, j, n_m, ROT, DQ_ACCS)
+        for t in range(n_steps):
+            tq, q_head, q_bh = _step_head(t, n_m, off_b, off_h, H, GROUP, GQA)
+            i = _query_tile(tq, j, n_m, ROT, DQ_ACCS)
+            row_base = q_bh * Nq
             slot = t % STAGES
             # without PRODUCER_ROWS the row data first: their latency runs under the ring wait and the products (in
             # a compact layout, one register each: spread over S^T's columns only where used, through shared memory,
@@ -570,9 +605,9 @@ if _IMPORT_ERROR is None:
             tma_store_rows(dk_desc, off_b, off_h, j * BLOCK_N + WG * HALF, stage, (dk * dk_scale).to(dtype))
 
     @gluon.jit
-    def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
+    def _dq_writer(dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, GROUP, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, CONS: gl.constexpr, WRITER: gl.constexpr,
-                   WRITERS: gl.constexpr, DQ_ACCS: gl.constexpr):
+                   WRITERS: gl.constexpr, DQ_ACCS: gl.constexpr, GQA: gl.constexpr):
         # FlashAttention-3's dQ writer, one of WRITERS one-warp partitions: writer WRITER takes the steps t with
         # t % WRITERS == WRITER (query tile i = _query_tile(t)), so that WRITERS tiles' turn waits, reductions and
         # turn passes are in flight at once. Key tile j adds into the accumulator and at the turn _query_turn(i) says
@@ -588,17 +623,21 @@ if _IMPORT_ERROR is None:
         # its step t - WRITERS, so the consumers (who fill in step order) have filled every step up to that one;
         # the previous use of step t's slot is step t - DQ_RING, filled by then when DQ_RING >= WRITERS
         # (kernel_constexprs checks it), whichever writer owns it. A consumer's wait for the freeing of use k - 1
-        # (before it fills use k) starts after its wait for the freeing of use k - 2, so it is exact too.
-        j, bh, off_b, off_h = _program_tile(Nk, H, BLOCK_N)
+        # (before it fills use k) starts after its wait for the freeing of use k - 2, so it is exact too. With GQA
+        # the steps run over the group's query heads (_step_head), the writers alternating across the heads' seams
+        # as within a head, and each query head's tiles keep their own accumulator rows, counters and chains.
+        j, bh, off_b, off_h = _program_tile(Nk, H, GROUP, BLOCK_N, GQA)
         n_m = gl.cdiv(Nq, BLOCK_M)
         n_kt = gl.cdiv(Nk, BLOCK_N)
-        n_bh = gl.num_programs(0) // n_kt
+        n_bh = gl.num_programs(0) // n_kt * GROUP if GQA else gl.num_programs(0) // n_kt  # batch * H query heads
+        n_steps = n_m * GROUP if GQA else n_m
         DQC: gl.constexpr = HEAD_D // CONS
         DQ_RING: gl.constexpr = dq_full.shape[0]
-        for t in range(WRITER, n_m, WRITERS):
-            i = _query_tile(t, j, n_m, ROT, DQ_ACCS)
+        for t in range(WRITER, n_steps, WRITERS):
+            tq, q_head, q_bh = _step_head(t, n_m, off_b, off_h, H, GROUP, GQA)
+            i = _query_tile(tq, j, n_m, ROT, DQ_ACCS)
             acc_id, turn = _query_turn(i, j, n_m, n_kt, ROT, DQ_ACCS)
-            acc_row = acc_id * n_bh + bh
+            acc_row = acc_id * n_bh + q_bh
             sem = Sem + acc_row * n_m + i  # one counter per (accumulator, batch * head, query tile)
             seen = gl.load(sem, volatile=True)
             slot = t % DQ_RING
@@ -625,22 +664,27 @@ if _IMPORT_ERROR is None:
             mbarrier.arrive(dq_empty.index(slot))
             gl.atomic_xchg(sem, turn + 1, sem="release")
 
-    @gluon.jit(do_not_specialize=["Nq", "Nk", "ROT"])  # a new length compiles nothing new
+    # a new length or group size compiles nothing new
+    @gluon.jit(do_not_specialize=["GROUP", "Nq", "Nk", "ROT"])
     def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, dk_desc, dv_desc, LseRow, Delta, DK, DV, Sem,
-                         Scales, H, Nq, Nk, ROT, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         Scales, H, GROUP, Nq, Nk, ROT, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
                          WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr,
                          HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr,
-                         KV_IN_REGS: gl.constexpr):
-        # One (key tile, head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * H * B. LseRow, Delta: FP32 [B * H, Nq]
-        # from elsa_bwd's preprocess; DK, DV: [B, H, Nk, D] contiguous, input dtype, and dk_desc / dv_desc over them
-        # (HALF-row tiles; the HEAD_SCALES builds store with plain stores and do not read them); dqacc_desc: the FP32 dQ
-        # accumulators [A * B * H, Nq, D] (A = DQ_ACCS, twice that with ROT > 0: dq_schedule), not zeroed (each
-        # tile's first share is stored); Sem: int32 counters (ordered_buffer_sizes), zeroed; ROT: rotation_step's.
-        # qk_scale = scale * log2(e). HEAD_SCALES (modes tf32 / fp32): the operands are FP16 copies scaled per head
-        # by powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW], _scaled_operands_kernel) holds each
-        # head's multipliers, which replace qk_scale and scale; else Scales is not read. PARTS = 2 (mode fp32): the
-        # operand copies are [B, H, N, 2 HEAD_D], hi parts then lo parts, each loaded into its own buffer.
+                         KV_IN_REGS: gl.constexpr, GQA: gl.constexpr):
+        # One (key tile, K / V head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * Hkv * B. H: query heads; GQA
+        # (grouped-query attention): GROUP = H / Hkv query heads per K / V head, query head h reading K / V head
+        # h // GROUP, the program sweeping the group's query heads one after another (dK / dV [B, Hkv, Nk, D] add
+        # over the group in that fixed order; dQ's turns stay per query head); else GROUP is 1 and Hkv = H. LseRow,
+        # Delta: FP32 [B * H, Nq] from elsa_bwd's preprocess; DK, DV: [B, Hkv, Nk, D] contiguous, input dtype, and
+        # dk_desc / dv_desc over them (HALF-row tiles; the HEAD_SCALES builds store with plain stores and do not read
+        # them); dqacc_desc: the FP32 dQ accumulators [A * B * H, Nq, D] (A = DQ_ACCS, twice that with ROT > 0:
+        # dq_schedule), not zeroed (each tile's first share is stored); Sem: int32 counters (ordered_buffer_sizes),
+        # zeroed; ROT: rotation_step's. qk_scale = scale * log2(e). HEAD_SCALES (modes tf32 / fp32): the operands
+        # are FP16 copies scaled per head by powers of two, DK / DV FP32, and Scales (FP32 [B * H, SCALES_ROW],
+        # _scaled_operands_kernel) holds each head's multipliers, which replace qk_scale and scale; else Scales is
+        # not read. PARTS = 2 (mode fp32): the operand copies are [B, H, N, 2 HEAD_D], hi parts then lo parts, each
+        # loaded into its own buffer.
         CONS: gl.constexpr = 2
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [CONS * PARTS] + k_desc.block_type.shape, k_desc.layout)
@@ -678,20 +722,20 @@ if _IMPORT_ERROR is None:
         # assigned tuple into tensors
         gl.warp_specialize([
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
-                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H, Nq,
-                         Nk, ROT, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES,
-                         PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS)),
+                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H,
+                         GROUP, Nq, Nk, ROT, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
+                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
-                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H, Nq,
-                         Nk, ROT, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N, HEAD_SCALES,
-                         PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS)),
+                         empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H,
+                         GROUP, Nq, Nk, ROT, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
+                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem,
-                         lse_smem, delta_smem, kv_bar, ready, empty, H, Nq, Nk, ROT, BLOCK_M, BLOCK_N, STAGES, CONS,
-                         HEAD_D, PARTS, PRODUCER_ROWS, DQ_ACCS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, ROT, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          0, 2, DQ_ACCS)),
-            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, Nq, Nk, ROT, BLOCK_M, BLOCK_N, HEAD_D, CONS,
-                          1, 2, DQ_ACCS)),
+                         lse_smem, delta_smem, kv_bar, ready, empty, H, GROUP, Nq, Nk, ROT, BLOCK_M, BLOCK_N, STAGES,
+                         CONS, HEAD_D, PARTS, PRODUCER_ROWS, DQ_ACCS, GQA)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, GROUP, Nq, Nk, ROT, BLOCK_M, BLOCK_N,
+                          HEAD_D, CONS, 0, 2, DQ_ACCS, GQA)),
+            (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, GROUP, Nq, Nk, ROT, BLOCK_M, BLOCK_N,
+                          HEAD_D, CONS, 1, 2, DQ_ACCS, GQA)),
         ], [4, 1, 1, 1], [CONSUMER_REGS, 24, WRITER_REGS, WRITER_REGS])
 
 
@@ -778,8 +822,9 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     (FlashAttention-3's backward schedule: Shah et al. 2024, arXiv:2407.08608, App. B.1).
 
     Args:
-        q: [B, H, Nq, D] float16 or bfloat16 CUDA (compute capability 9.x); k, v: [B, H, Nk, D], same dtype
-            (Nq != Nk allowed); D in :data:`HEAD_DIMS`; TMA-legal strides (see :func:`unsupported_reason`).
+        q: [B, H, Nq, D] float16 or bfloat16 CUDA (compute capability 9.x); k, v: [B, Hkv, Nk, D], same dtype
+            (Nq != Nk allowed; Hkv dividing H: grouped-query attention); D in :data:`HEAD_DIMS`; TMA-legal strides
+            (see :func:`unsupported_reason`).
         out: the forward output [B, H, Nq, D], any float dtype and strides.
         grad_out: dL/d out [B, H, Nq, D], any float dtype (rounded to q's dtype, as the Triton backward reads it)
             and strides (copied when not TMA-legal).
@@ -789,9 +834,10 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         config: a :func:`get_config` dict to run instead of the head dim's (tools, tests).
 
     Returns:
-        ``(dq, dk, dv)``: contiguous, in q's dtype, FP32 accumulation, as :func:`.elsa_backward` returns them for
-        mode ``fp16`` / ``bf16``; dq is bit-for-bit reproducible (ordered adds), dk / dv are too (fixed order per
-        program). Nq == 0, Nk == 0 or B * H == 0 give zeros without a launch.
+        ``(dq, dk, dv)``: dq like q, dk / dv [B, Hkv, Nk, D], contiguous, in q's dtype, FP32 accumulation, as
+        :func:`.elsa_backward` returns them for mode ``fp16`` / ``bf16``; dq is bit-for-bit reproducible (ordered
+        adds), dk / dv are too (fixed order per program, over the group's query heads in index order). Nq == 0,
+        Nk == 0 or B * H == 0 give zeros without a launch.
 
     Raises:
         ValueError: a call :func:`unsupported_reason` refuses (the message names the cause).
@@ -806,7 +852,7 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     launch = planned_launch(q, k, v, grad_out, config)
     # the kernel rounds dO to q's dtype as it reads it
     delta, lse_row, counters, accumulators = _preprocess(q, out, grad_out, lse, scratch=launch.scratch)
-    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=q.dtype)
+    dk = torch.empty((B, k.shape[1], Nk, D), device=q.device, dtype=q.dtype)
     dv = torch.empty_like(dk)
     dq = launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters)
     return dq, dk, dv
@@ -815,7 +861,7 @@ def half_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 def _checked_call(name: str, reason: str | None, instead: str, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor):
     # the checks of a public entry (half_backward, tf32_backward): raise ValueError for a call its scope refuses
     # (``reason``; the message points at ``instead``) and TypeError for a non-float32 lse; for a call with nothing to
-    # compute (Nq, Nk or B * H zero) the zero gradients (dq like q, dk / dv [B, H, Nk, D]), else None
+    # compute (Nq, Nk or B * H zero) the zero gradients (dq like q, dk / dv [B, Hkv, Nk, D]), else None
     if reason is not None:
         raise ValueError(f"{name}: {reason}; use {instead}")
     if lse.dtype != torch.float32:
@@ -824,7 +870,7 @@ def _checked_call(name: str, reason: str | None, instead: str, q: torch.Tensor, 
     Nk = k.shape[2]
     if B * H == 0 or Nq == 0 or Nk == 0:
         return torch.zeros_like(q, memory_format=torch.contiguous_format), *(
-            torch.zeros((B, H, Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
+            torch.zeros((B, k.shape[1], Nk, D), device=q.device, dtype=q.dtype) for _ in range(2))
     return None
 
 
@@ -841,7 +887,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     ``(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters) -> dq`` for any later call with the
     same signature, without checks: for a caller that ran :func:`unsupported_reason` (the backward plans of
     :mod:`.elsa_bwd`). ``delta``, ``lse_row``: FP32 [B * H * Nq] from :mod:`.elsa_bwd`'s preprocess kernel; ``dk``,
-    ``dv``: [B, H, Nk, D] contiguous, q's dtype, written; ``grad_out`` is rounded to q's dtype and copied contiguous
+    ``dv``: [B, Hkv, Nk, D] contiguous, q's dtype, written; ``grad_out`` is rounded to q's dtype and copied contiguous
     where its dtype or strides are not the kernel's; ``accumulators`` (FP32, any contents: each tile's first share
     is stored) and ``counters`` (int32, zeroed) flat, 16-byte aligned, of the sizes in the callable's ``scratch``
     attribute ``(counters, accumulators)`` (:func:`dq_schedule`), e.g. from the preprocess's
@@ -851,7 +897,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
     stride), skipping the descriptor objects' construction (tens of microseconds of host time per call)."""
     B, H, Nq, D = q.shape
-    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False)
+    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False, h_kv=k.shape[1])
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters):
@@ -864,17 +910,19 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
 
 
 def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, dq_dtype: torch.dtype,
-                 config: dict | None, head_scales: bool, split: bool = False):
+                 config: dict | None, head_scales: bool, split: bool = False, h_kv: int | None = None):
     # the launches of one signature (operands [B, H, N, D] of ``dtype`` at TMA-legal strides, which the first call
     # fixes): a callable (q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales, accumulators, counters) -> dq
     # [B, H, Nq, D] contiguous in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor);
     # ``split``: the operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2); its ``scratch``: the sizes (counters,
     # accumulators) of the caller's zeroed counters and accumulators (none where dQ, FP32, is the one accumulator:
-    # the run allocates it as dQ)
+    # the run allocates it as dQ); ``h_kv``: K / V heads (grouped-query attention, dk / dv [B, h_kv, Nk, D]), H if None
+    h_kv = h_kv or H
     cfg = dict(config or get_config(D))
     chains, rot, accs = dq_schedule(Nq, Nk, cfg)
     cfg["dq_accumulators"] = chains
-    call = KernelCall(_half_bwd_kernel, (grid_size(B, H, Nk, cfg),), kernel_constexprs(cfg, D, Nk, head_scales, split),
+    call = KernelCall(_half_bwd_kernel, (grid_size(B, h_kv, Nk, cfg),),
+                      kernel_constexprs(cfg, D, Nk, head_scales, split, gqa=h_kv != H),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, dict(cfg, dq_accumulators=accs))
     specs = _descriptors(cfg, D, dtype).values()
@@ -890,7 +938,7 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
             acc = dq = torch.empty((B, H, Nq, D), device=q.device, dtype=torch.float32)
         else:
             dq = torch.empty((B, H, Nq, D), device=q.device, dtype=dq_dtype)
-        args = (lse_row, delta, dk, dv, sem, scales, H, Nq, Nk, rot, float(scale) * LOG2E, float(scale))
+        args = (lse_row, delta, dk, dv, sem, scales, H, H // h_kv, Nq, Nk, rot, float(scale) * LOG2E, float(scale))
         # dK / dV's descriptors (the HEAD_SCALES builds store their FP32 dK / dV with plain stores and never read
         # them: q's tiles stand in)
         stores = (q, q) if head_scales else (dk, dv)

@@ -41,8 +41,12 @@ def test_unsupported_reasons_name_the_cause():
     assert "dtypes" in reason(q, k.bfloat16(), v, do, None, None, False, 0.125)
     q32, k32, v32, do32 = _qkv(d=32)
     assert "head dims (32, 32)" in reason(q32, k32, v32, do32, None, None, False, 0.125)
+    # grouped-query attention is in scope; K / V heads that do not divide the query heads, or differ, are not
     qg, kg, vg, dog = _qkv(h=4, h_kv=2)
-    assert "grouped-query" in reason(qg, kg, vg, dog, None, None, False, 0.125)
+    assert reason(qg, kg, vg, dog, None, None, False, 0.125) == "tensors on cpu"
+    q3, k3, v3, do3 = _qkv(h=4, h_kv=3)
+    assert "do not divide the 4 query heads" in reason(q3, k3, v3, do3, None, None, False, 0.125)
+    assert "(2, 4)" in reason(qg, kg, _qkv(h=4)[2], dog, None, None, False, 0.125)
     assert "grad_out" in reason(q, k, v, do[:, :, :64], None, None, False, 0.125)
     # a view whose row stride is not a multiple of 8 elements: not TMA-legal
     wide = torch.randn(1, 2, 128, 68, dtype=torch.float16)[..., :64]
@@ -106,6 +110,12 @@ def test_host_helpers():
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True, split=True)["KV_IN_REGS"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True)["HEAD_SCALES"]
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_SCALES"]
+        # grouped-query attention: the fp16 / bf16 build only (the scaled builds' multipliers are per query head)
+        assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000, gqa=True)["GQA"]
+        assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["GQA"]
+        for scaled in (dict(head_scales=True), dict(head_scales=True, split=True)):
+            with pytest.raises(ValueError, match="fp16 / bf16 build only"):
+                half_gluon_bwd.kernel_constexprs(cfg, d, 1000, gqa=True, **scaled)
     with pytest.raises(ValueError, match="head dim 96"):
         half_gluon_bwd.get_config(96)
     fp32 = half_gluon_bwd.fp32_config(64)
@@ -286,8 +296,10 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
                                   (128, torch.float16, 1000, None, False), (128, torch.bfloat16, 1024, None, False),
                                   (64, torch.bfloat16, 1000, 1, False), (128, torch.bfloat16, 1000, 4, False),
                                   (64, torch.float16, 1000, None, True), (128, torch.float16, 1024, None, True),
-                                  (64, torch.float16, 1000, None, "split"), (64, torch.float16, 1024, None, "split")):
-    split = tf32 == "split"
+                                  (64, torch.float16, 1000, None, "split"), (64, torch.float16, 1024, None, "split"),
+                                  (64, torch.bfloat16, 1000, None, "gqa"), (128, torch.float16, 1024, None, "gqa")):
+    split, gqa = tf32 == "split", tf32 == "gqa"
+    tf32 = tf32 is True or split
     cfg = g.fp32_config(d) if split else g.get_config(d)
     if accs is not None:
         cfg["dq_accumulators"] = accs
@@ -295,9 +307,9 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
     grads = "*fp32" if tf32 else "*" + t
     ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK=grads, DV=grads,
                 Sem="*i32", Scales="*fp32")
-    r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k, bool(tf32), split), num_warps=4,
+    r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k, tf32, split, gqa), num_warps=4,
                          num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32)] = {
+    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32 + "-gqa" * gqa)] = {
         "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
         "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
         "bulk_store": r.ttgir.count("ttng.async_tma_copy_local_to_global"),
@@ -323,9 +335,11 @@ def test_compiles_for_hopper():
     bf16 builds write dK and dV by TMA stores (two per consumer); mode fp32's split build
     three wgmmas for each (hi and lo parts), its shared memory still under the limit, and every query tile's dK /
     dV products and dS's lo terms start on a zero accumulator (summed in the wgmma accumulator across query tiles
-    the split products leave fp32's bound on the GPU)."""
+    the split products leave fp32's bound on the GPU). The grouped-query builds (a program sweeping its K / V
+    head's query heads) have the fp16 / bf16 builds' products and stores."""
     r = compile_in_child(_CHILD)
     assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
+    assert sum(key.endswith("gqa") for key in r) == 2, r
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
         assert v["wgmma"] == 12 * (3 if key.endswith("split") else 1) and v["warps"] == 12, (key, v)
@@ -472,6 +486,53 @@ def test_rotated_sweeps_match_float64_like_the_unrotated(shape, accs):
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         base_err = ((base.double() - want).abs().max() / want.abs().max()).item()
         assert base_err <= 1.6e-2 and err <= max(1.5 * base_err, 8e-3), (name, err, base_err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 300, 520, 64), (1, 4, 1, 1000, 1000, 128), (2, 6, 3, 777, 777, 64),
+                                   (1, 8, 2, 2048, 2048, 128)])
+def test_grouped_query_gradients_match_sdpa_enable_gqa(shape, dtype):
+    """Grouped-query / multi-query attention (Hkv K / V heads dividing H; rotated sweeps at the last shape): dQ,
+    dK [B, Hkv, Nk, D], dV within the Triton backward's error of SDPA ``enable_gqa=True`` in float64, bit-for-bit
+    reproducible; dQ bit-identical to the equal-heads kernel on K / V repeated per query head (each query head's
+    dQ takes the same shares in the same turns), dK / dV within rounding of the sums of its per-head gradients."""
+    _needs_hopper()
+    import torch.nn.functional as F
+    from visionattn.kernels import elsa_bwd
+
+    B, H, Hkv, Nq, Nk, D = shape
+    G, scale = H // Hkv, D ** -0.5
+    torch.manual_seed(0)
+    q, do = (torch.randn(B, H, Nq, D, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", dtype=dtype) for _ in range(2))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out64 = F.scaled_dot_product_attention(*leaves, scale=scale, enable_gqa=True)
+    out64.backward(do.double())
+    with torch.no_grad():
+        lse = torch.logsumexp((leaves[0] @ leaves[1].repeat_interleave(G, 1).transpose(-1, -2)) * scale, -1).float()
+    out = out64.detach().to(dtype)
+    runs = [half_gluon_bwd.half_backward(q, k, v, out, do, lse, scale) for _ in range(2)]
+    mode = "fp16" if dtype == torch.float16 else "bf16"
+    triton = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, mode,
+                                    config=elsa_bwd.get_config(mode, D))[:3]
+    for name, got, leaf, tri in zip("qkv", runs[0], leaves, triton):
+        want = leaf.grad
+        assert got.dtype == dtype and got.shape == want.shape, name
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        tri_err = ((tri.double() - want).abs().max() / want.abs().max()).item()
+        assert err <= max(2 * tri_err, 2e-3 if dtype == torch.float16 else 1.6e-2), (name, err, tri_err)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    if min(Nq, Nk) >= half_gluon_bwd.MIN_KEYS:  # the backward plans route grouped calls here too
+        routed = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, mode)[:3]
+        assert all(torch.equal(a, b) for a, b in zip(routed, runs[0]))
+    kr, vr = (t.repeat_interleave(G, 1) for t in (k, v))
+    dq, dk, dv = half_gluon_bwd.half_backward(q, kr, vr, out, do, lse, scale)
+    assert torch.equal(runs[0][0], dq)
+    for got, per_head in ((runs[0][1], dk), (runs[0][2], dv)):
+        summed = per_head.float().view(B, Hkv, G, Nk, D).sum(2)
+        tol = 4 * G * torch.finfo(dtype).eps * summed.abs().max().item()
+        assert (got.float() - summed).abs().max().item() <= tol
 
 
 @pytest.mark.gpu
