@@ -101,8 +101,8 @@ program's head index (the kernels' ``GROUP`` argument; 1, the equal-heads case, 
 ``dK_j = scale * sum_(h in group) sum_i dS_hij q_hi`` (and dV) is reduced inside the dK / dV kernel: one program
 per (key tile, K / V head, batch) streams the query tiles of the group's G query heads one head after another,
 in head order, into the same registers (the fp16 / bf16 Gluon kernel of :mod:`.half_gluon_bwd` likewise, its dQ
-turns per query head). Why this rather than FlashAttention-2's [B, H, Nk, D] dK / dV partials
-summed afterwards: no O(H Nk D) buffer, no second pass over it, and the sum order is fixed by the loop, so the
+turns per query head, the groups cut into parts with FP32 partials where its programs would leave SMs idle). Why
+this rather than FlashAttention-2's [B, H, Nk, D] dK / dV partials summed afterwards: no O(H Nk D) buffer, no second pass over it, and the sum order is fixed by the loop, so the
 gradients stay bit-for-bit reproducible without atomics. The cost is G times fewer dK / dV programs, each G times
 longer: B * Hkv * cdiv(Nk, BLOCK_N) programs can underfill the GPU for multi-query attention at small batch (to be
 measured against SDPA on the GPU). The dQ kernel stays one program per query head. The preprocess reads K / V at

@@ -63,8 +63,9 @@ are formed in fresh accumulators and added in FP32, and dS's lo part is kept tim
 
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x, q / k / v of one dtype (fp16 or bf16),
 q [B, H, Nq, D], k / v [B, Hkv, Nk, D] with Hkv dividing H (grouped-query attention: one program per key tile of a
-K / V head sweeps the query tiles of the group's query heads one head after another; the tf32 / fp32 builds take
-equal heads), Nq != Nk allowed, head dim 64 or 128
+K / V head sweeps the query tiles of the group's query heads one head after another, or of one of the group's
+:func:`kv_split` parts, with FP32 dK / dV partials summed afterwards, where the K / V heads' programs would leave SMs
+idle; the tf32 / fp32 builds take equal heads), Nq != Nk allowed, head dim 64 or 128
 for Q/K and V, no bias / mask / causal, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
 Everything else stays on :mod:`.elsa_bwd`'s Triton kernels, which also keep the calls below :data:`MIN_KEYS`
 keys or query rows (where this kernel's per-program fixed costs lose to them). Gluon cannot run under
@@ -78,7 +79,7 @@ import triton.language as tl
 
 from . import elsa_bwd
 from ._gluon import hopper_copies_scope_reason, hopper_tma_scope_reason, nvmma_layout, strides_aligned
-from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks
+from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks, sm_count
 from .scaled_fp16 import P_SPLIT_EXP, SHIFT_LIMIT, head_shift, scaled_rows
 from .split16 import pow2
 
@@ -196,6 +197,19 @@ def grid_size(B: int, H: int, n_k: int, cfg: dict) -> int:
     return cdiv(n_k, cfg["BLOCK_N"]) * B * H
 
 
+def kv_split(B: int, h_kv: int, group: int, n_k: int, cfg: dict, sms: int) -> int:
+    """Parts S to cut each K / V head's ``group`` query heads into (grouped-query attention): a program per (key tile,
+    part) sweeps ``group / S`` query heads and writes FP32 dK / dV partials that the host sums over the parts. S is
+    the divisor of ``group`` with the fewest waves of programs times query heads per program,
+    ``cdiv(B * h_kv * S * key tiles, sms) * group / S``, the smallest on ties: 1 wherever the K / V heads' programs
+    fill the SMs' waves as well as a cut would, more where they leave SMs idle (e.g. 2 K / V heads of 8 query heads
+    each, 4096 keys, 64 programs on 132 SMs: S = 2; docs/tuning.md: grouped-query attention on the Hopper fp16 /
+    bf16 Gluon backward)."""
+    n_kt = cdiv(n_k, cfg["BLOCK_N"])
+    costs = {s: cdiv(B * h_kv * s * n_kt, sms) * (group // s) for s in range(1, group + 1) if group % s == 0}
+    return min(costs, key=lambda s: (costs[s], s))
+
+
 def rotation_step(n_q: int, n_k: int, cfg: dict) -> int:
     """The kernel's ``ROT``: how many query tiles apart the key tiles of one accumulator's chain start their sweeps
     (0: all from the first query tile). Key tile ``j``, turn ``p = j // dq_accumulators`` of its chain, sweeps
@@ -258,14 +272,15 @@ def ordered_buffer_sizes(B: int, H: int, n_q: int, head_dim: int, cfg: dict) -> 
 
 
 def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = False, split: bool = False,
-                      gqa: bool = False) -> dict:
+                      gqa: bool = False, kv_partials: bool = False) -> dict:
     """The constexpr arguments of :func:`_half_bwd_kernel` (launches and offline compiles): ``EVEN_N`` when every
     key tile is full (no key masking: two builds at most per head dim and dtype), ``HEAD_SCALES`` for mode tf32's
     and fp32's per-head scaled operands (:func:`tf32_backward`), ``PARTS`` 2 for fp32's split-FP16 products
     (``split``, :func:`fp32_backward`; with head_scales only), else 1; ``PRODUCER_ROWS`` and ``KV_IN_REGS`` from
     the config's ``producer_rows`` and ``kv_in_registers`` (the latter never with ``split``), ``GQA`` for grouped-query
     attention (fewer K / V heads than query heads; not with head_scales, whose multipliers are per query head, nor
-    ``split``). Raises ValueError for a
+    ``split``), ``KV_PARTIALS`` for its groups cut into parts with FP32 dK / dV partials (:func:`kv_split`; with
+    ``gqa`` only). Raises ValueError for a
     ``dq_accumulators`` outside 1 .. :data:`MAX_DQ_ACCUMULATORS` or a ``dq_ring`` smaller than the
     :data:`DQ_WRITERS` writers' tiles in flight (the ring's phase waits are exact only then, see ``_dq_writer``)."""
     accs, ring = cfg["dq_accumulators"], cfg["dq_ring"]
@@ -276,10 +291,13 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = Fa
     if gqa and (head_scales or split):
         raise ValueError("grouped-query attention runs the fp16 / bf16 build only (the tf32 / fp32 builds scale per "
                          "query head)")
+    if kv_partials and not gqa:
+        raise ValueError("kv_partials cuts the query heads of grouped-query attention: pass gqa=True")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0, WRITER_REGS=cfg["writer_regs"],
                 DQ_RING=ring, DQ_ACCS=accs, HEAD_SCALES=bool(head_scales or split), PARTS=2 if split else 1,
-                PRODUCER_ROWS=cfg["producer_rows"], KV_IN_REGS=cfg["kv_in_registers"] and not split, GQA=bool(gqa))
+                PRODUCER_ROWS=cfg["producer_rows"], KV_IN_REGS=cfg["kv_in_registers"] and not split, GQA=bool(gqa),
+                KV_PARTIALS=bool(kv_partials))
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -356,22 +374,26 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem, lse_smem,
-                  delta_smem, kv_bar, ready, empty, H, GROUP, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
+                  delta_smem, kv_bar, ready, empty, H, GROUP, KV_SPLIT, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr, HEAD_D: gl.constexpr,
-                  PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, DQ_ACCS: gl.constexpr, GQA: gl.constexpr):
+                  PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, DQ_ACCS: gl.constexpr, GQA: gl.constexpr,
+                  KV_PARTIALS: gl.constexpr):
         # one warp: K_j, V_j (one 64-row half per consumer) once, then, step t, query tile i = _query_tile(t): Q_i,
         # dO_i into ring slot t % STAGES once both consumers freed it; PARTS = 2 (split-FP16): each tile's hi and lo
         # parts, columns [0, HEAD_D) and [HEAD_D, 2 HEAD_D) of its tensor, into consecutive buffers; PRODUCER_ROWS:
-        # the tile's lse and delta rows too; with GQA the steps go over the group's query heads (_step_head)
+        # the tile's lse and delta rows too; with GQA the steps go over the group's query heads (_step_head), with
+        # KV_PARTIALS over one of the KV_SPLIT parts of the group (off_h then numbers the parts: K / V head
+        # off_h // KV_SPLIT)
         j, bh, off_b, off_h = _program_tile(Nk, H, GROUP, BLOCK_N, GQA)
+        kv_h = off_h // KV_SPLIT if KV_PARTIALS else off_h
         HALF: gl.constexpr = BLOCK_N // CONS
         offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
         mbarrier.expect(kv_bar, CONS * PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for w in gl.static_range(CONS):
             for part in gl.static_range(PARTS):
-                tma.async_copy_global_to_shared(k_desc, [off_b, off_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
+                tma.async_copy_global_to_shared(k_desc, [off_b, kv_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
                                                 k_smem.index(w * PARTS + part))
-                tma.async_copy_global_to_shared(v_desc, [off_b, off_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
+                tma.async_copy_global_to_shared(v_desc, [off_b, kv_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
                                                 v_smem.index(w * PARTS + part))
         n_m = gl.cdiv(Nq, BLOCK_M)
         n_steps = n_m * GROUP if GQA else n_m
@@ -415,7 +437,7 @@ if _IMPORT_ERROR is None:
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr,
                   PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, KV_IN_REGS: gl.constexpr,
-                  DQ_ACCS: gl.constexpr, GQA: gl.constexpr):
+                  DQ_ACCS: gl.constexpr, GQA: gl.constexpr, KV_PARTIALS: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile (step t:
         # tile _query_tile(t); the rings and barriers go by t; with GQA every query head of the group in turn,
         # _step_head).
@@ -588,7 +610,7 @@ if _IMPORT_ERROR is None:
             fence_async_shared()  # the writer's bulk reductions read the share through the async proxy
             _cta_barrier()  # every thread's share is in shared memory before the writer reads it
             mbarrier.arrive(dq_full.index(t % DQ_RING))
-        if HEAD_SCALES:
+        if HEAD_SCALES or KV_PARTIALS:  # FP32 dK / dV (KV_PARTIALS: this part's of the group, [B, Hkv * KV_SPLIT, ..])
             offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
             out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
             n_ok = (offs_n < Nk)[:, None]
@@ -665,17 +687,21 @@ if _IMPORT_ERROR is None:
             gl.atomic_xchg(sem, turn + 1, sem="release")
 
     # a new length or group size compiles nothing new
-    @gluon.jit(do_not_specialize=["GROUP", "Nq", "Nk", "ROT"])
+    @gluon.jit(do_not_specialize=["GROUP", "KV_SPLIT", "Nq", "Nk", "ROT"])
     def _half_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dqacc_desc, dk_desc, dv_desc, LseRow, Delta, DK, DV, Sem,
-                         Scales, H, GROUP, Nq, Nk, ROT, qk_scale, scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         Scales, H, GROUP, KV_SPLIT, Nq, Nk, ROT, qk_scale, scale, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr,
                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
                          WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr,
                          HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr,
-                         KV_IN_REGS: gl.constexpr, GQA: gl.constexpr):
+                         KV_IN_REGS: gl.constexpr, GQA: gl.constexpr, KV_PARTIALS: gl.constexpr):
         # One (key tile, K / V head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * Hkv * B. H: query heads; GQA
         # (grouped-query attention): GROUP = H / Hkv query heads per K / V head, query head h reading K / V head
         # h // GROUP, the program sweeping the group's query heads one after another (dK / dV [B, Hkv, Nk, D] add
-        # over the group in that fixed order; dQ's turns stay per query head); else GROUP is 1 and Hkv = H. LseRow,
+        # over the group in that fixed order; dQ's turns stay per query head); else GROUP is 1 and Hkv = H.
+        # KV_PARTIALS (GQA whose K / V heads' programs would leave SMs idle): each group cut into KV_SPLIT parts of
+        # GROUP query heads, a program per (key tile, part) writing its part's FP32 dK / dV into DK / DV [B, Hkv *
+        # KV_SPLIT, Nk, D] (register stores), which the host sums over the parts in order; else KV_SPLIT is 1. LseRow,
         # Delta: FP32 [B * H, Nq] from elsa_bwd's preprocess; DK, DV: [B, Hkv, Nk, D] contiguous, input dtype, and
         # dk_desc / dv_desc over them (HALF-row tiles; the HEAD_SCALES builds store with plain stores and do not read
         # them); dqacc_desc: the FP32 dQ accumulators [A * B * H, Nq, D] (A = DQ_ACCS, twice that with ROT > 0:
@@ -724,14 +750,14 @@ if _IMPORT_ERROR is None:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H,
                          GROUP, Nq, Nk, ROT, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
-                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA)),
+                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA, KV_PARTIALS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H,
                          GROUP, Nq, Nk, ROT, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
-                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA)),
+                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA, KV_PARTIALS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem,
-                         lse_smem, delta_smem, kv_bar, ready, empty, H, GROUP, Nq, Nk, ROT, BLOCK_M, BLOCK_N, STAGES,
-                         CONS, HEAD_D, PARTS, PRODUCER_ROWS, DQ_ACCS, GQA)),
+                         lse_smem, delta_smem, kv_bar, ready, empty, H, GROUP, KV_SPLIT, Nq, Nk, ROT, BLOCK_M,
+                         BLOCK_N, STAGES, CONS, HEAD_D, PARTS, PRODUCER_ROWS, DQ_ACCS, GQA, KV_PARTIALS)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, GROUP, Nq, Nk, ROT, BLOCK_M, BLOCK_N,
                           HEAD_D, CONS, 0, 2, DQ_ACCS, GQA)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, GROUP, Nq, Nk, ROT, BLOCK_M, BLOCK_N,
@@ -897,7 +923,10 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
     stride), skipping the descriptor objects' construction (tens of microseconds of host time per call)."""
     B, H, Nq, D = q.shape
-    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False, h_kv=k.shape[1])
+    h_kv, cfg = k.shape[1], config or get_config(D)
+    parts = kv_split(B, h_kv, H // h_kv, k.shape[2], cfg, sm_count(q.device)) if h_kv != H else 1
+    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False, h_kv=h_kv,
+                       kv_split=parts)
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters):
@@ -910,19 +939,22 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
 
 
 def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, dq_dtype: torch.dtype,
-                 config: dict | None, head_scales: bool, split: bool = False, h_kv: int | None = None):
+                 config: dict | None, head_scales: bool, split: bool = False, h_kv: int | None = None,
+                 kv_split: int = 1):
     # the launches of one signature (operands [B, H, N, D] of ``dtype`` at TMA-legal strides, which the first call
     # fixes): a callable (q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales, accumulators, counters) -> dq
     # [B, H, Nq, D] contiguous in dq_dtype; ``scales``: the Scales rows with head_scales, else not read (any tensor);
     # ``split``: the operands are [B, H, N, 2 D] hi / lo parts (PARTS = 2); its ``scratch``: the sizes (counters,
     # accumulators) of the caller's zeroed counters and accumulators (none where dQ, FP32, is the one accumulator:
-    # the run allocates it as dQ); ``h_kv``: K / V heads (grouped-query attention, dk / dv [B, h_kv, Nk, D]), H if None
+    # the run allocates it as dQ); ``h_kv``: K / V heads (grouped-query attention, dk / dv [B, h_kv, Nk, D]), H if None;
+    # ``kv_split``: parts of each group (kv_split), whose FP32 dK / dV partials [B, h_kv * kv_split, Nk, D] the run
+    # allocates and sums in part order
     h_kv = h_kv or H
     cfg = dict(config or get_config(D))
     chains, rot, accs = dq_schedule(Nq, Nk, cfg)
     cfg["dq_accumulators"] = chains
-    call = KernelCall(_half_bwd_kernel, (grid_size(B, h_kv, Nk, cfg),),
-                      kernel_constexprs(cfg, D, Nk, head_scales, split, gqa=h_kv != H),
+    call = KernelCall(_half_bwd_kernel, (grid_size(B, h_kv * kv_split, Nk, cfg),),
+                      kernel_constexprs(cfg, D, Nk, head_scales, split, gqa=h_kv != H, kv_partials=kv_split > 1),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     n_acc, n_sem = ordered_buffer_sizes(B, H, Nq, D, dict(cfg, dq_accumulators=accs))
     specs = _descriptors(cfg, D, dtype).values()
@@ -938,10 +970,14 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
             acc = dq = torch.empty((B, H, Nq, D), device=q.device, dtype=torch.float32)
         else:
             dq = torch.empty((B, H, Nq, D), device=q.device, dtype=dq_dtype)
-        args = (lse_row, delta, dk, dv, sem, scales, H, H // h_kv, Nq, Nk, rot, float(scale) * LOG2E, float(scale))
-        # dK / dV's descriptors (the HEAD_SCALES builds store their FP32 dK / dV with plain stores and never read
-        # them: q's tiles stand in)
-        stores = (q, q) if head_scales else (dk, dv)
+        dk_out, dv_out = dk, dv
+        if kv_split > 1:  # each part's FP32 dK / dV, summed below
+            dk, dv = (torch.empty((B, h_kv * kv_split, Nk, D), device=q.device, dtype=torch.float32) for _ in "kv")
+        args = (lse_row, delta, dk, dv, sem, scales, H, H // h_kv // kv_split, kv_split, Nq, Nk, rot,
+                float(scale) * LOG2E, float(scale))
+        # dK / dV's descriptors (the HEAD_SCALES and KV_PARTIALS builds store their FP32 dK / dV with plain stores
+        # and never read them: q's tiles stand in)
+        stores = (q, q) if head_scales or kv_split > 1 else (dk, dv)
         if direct and direct[0] is not None:  # the descriptors read only the bases' addresses
             direct[0](q, k, v, grad_out, acc, *stores, *args)
         else:
@@ -954,6 +990,9 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
                 direct.append(call.with_descriptors(descs))
         if combine is not None:
             combine(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, cfg["BLOCK_M"]), B * H)
+        if kv_split > 1:  # the parts' FP32 sum (a reduction of fixed order), then the gradients' dtype (one rounding)
+            for part, out in ((dk, dk_out), (dv, dv_out)):
+                out.copy_(part.view(B, h_kv, kv_split, Nk, D).sum(dim=2))
         return dq
 
     run.scratch = (n_sem, 0 if combine is None else n_acc)

@@ -92,12 +92,11 @@ def cases(families, modes):
                            va.attention(q, k, v, mode=mode), [_rand(1, 2, n, d, dtype=dt, grad=grad, seed=s)
                                                               for s in range(3)])
             if mode in ("fp16", "bf16"):  # grouped-query attention on the Gluon backward: a program sweeps its K / V
-                # head's query heads (4 over 2, 2 over 1; partial key and query tiles)
-                for h, h_kv, d in ((4, 2, 64), (2, 1, 128)):
-                    yield (f"dense {mode} H={h} Hkv={h_kv} N=2100 D={d} (Gluon backward, grouped-query)",
+                # head's query heads (8 over 4 whole; 2 over 1 with partial tiles, cut into parts: FP32 partials)
+                for h, h_kv, n, d in ((8, 4, 4096, 64), (2, 1, 2100, 128)):
+                    yield (f"dense {mode} H={h} Hkv={h_kv} N={n} D={d} (Gluon backward, grouped-query)",
                            lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode, enable_gqa=True),
-                           [_rand(1, hh, 2100, d, dtype=dt, grad=grad, seed=s)
-                            for s, hh in enumerate((h, h_kv, h_kv))])
+                           [_rand(1, hh, n, d, dtype=dt, grad=grad, seed=s) for s, hh in enumerate((h, h_kv, h_kv))])
             if mode in ("fp16", "bf16"):  # the Gluon forward's three consumer warpgroups where the SMs allow (140
                 # heads of 1700 rows on 132 SMs; a last key tile in two parts)
                 yield (f"dense {mode} B=2 H=70 N=1700 D=64 (Gluon forward, three consumers)",

@@ -64,6 +64,24 @@ def test_half_backward_refuses_what_it_cannot_run():
         half_gluon_bwd.half_backward(q, k, v, q, do, lse, 0.125)
 
 
+def test_kv_split_cuts_groups_only_where_programs_leave_sms_idle():
+    """kv_split: the group's query heads stay whole where the K / V heads' programs fill the SMs' waves as well as a
+    cut would (ties keep 1), and are cut where they leave SMs idle, into the fewest parts of the fewest waves times
+    heads per program."""
+    cfg = half_gluon_bwd.get_config(128)
+    split = half_gluon_bwd.kv_split
+    # (B, Hkv, group, keys) -> parts on 132 SMs
+    for args, want in {(1, 8, 4, 8192): 1, (2, 4, 8, 4096): 1, (4, 1, 16, 4096): 1, (8, 4, 3, 4097): 1,
+                       (1, 2, 8, 4096): 2, (1, 2, 8, 2048): 4, (1, 1, 7, 2048): 7, (1, 4, 7, 8192): 1}.items():
+        assert split(*args, cfg, 132) == want, args
+    # the choice minimises waves x heads per program over the divisors, the smallest on ties
+    for B, h_kv, group, n_k in ((1, 2, 12, 1000), (3, 1, 16, 3000), (1, 3, 6, 700)):
+        n_kt = -(-n_k // 128)
+        costs = {s: -(-B * h_kv * s * n_kt // 132) * group // s for s in range(1, group + 1) if group % s == 0}
+        got = split(B, h_kv, group, n_k, cfg, 132)
+        assert costs[got] == min(costs.values()) and got == min(s for s in costs if costs[s] == costs[got])
+
+
 def test_host_helpers():
     """Grid: one program per (key tile of 128, head, batch); the ordered-dQ buffers: the FP32 accumulators and one
     turn counter per (accumulator, head, query tile); the config checks; EVEN_N only when every key tile is
@@ -297,19 +315,21 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
                                   (64, torch.bfloat16, 1000, 1, False), (128, torch.bfloat16, 1000, 4, False),
                                   (64, torch.float16, 1000, None, True), (128, torch.float16, 1024, None, True),
                                   (64, torch.float16, 1000, None, "split"), (64, torch.float16, 1024, None, "split"),
-                                  (64, torch.bfloat16, 1000, None, "gqa"), (128, torch.float16, 1024, None, "gqa")):
-    split, gqa = tf32 == "split", tf32 == "gqa"
+                                  (64, torch.bfloat16, 1000, None, "gqa"), (128, torch.float16, 1024, None, "gqa"),
+                                  (128, torch.bfloat16, 1000, None, "gqa-parts")):
+    split, gqa, parts = tf32 == "split", tf32 in ("gqa", "gqa-parts"), tf32 == "gqa-parts"
     tf32 = tf32 is True or split
     cfg = g.fp32_config(d) if split else g.get_config(d)
     if accs is not None:
         cfg["dq_accumulators"] = accs
     t = "fp16" if dtype == torch.float16 else "bf16"
-    grads = "*fp32" if tf32 else "*" + t
+    grads = "*fp32" if tf32 or parts else "*" + t
     ptrs = dict(g.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32", DK=grads, DV=grads,
                 Sem="*i32", Scales="*fp32")
-    r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k, tf32, split, gqa), num_warps=4,
-                         num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32 + "-gqa" * gqa)] = {
+    r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k, tf32, split, gqa, parts),
+                         num_warps=4, num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
+    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32 + "-gqa" * gqa
+                                                        + "-parts" * parts)] = {
         "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
         "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
         "bulk_store": r.ttgir.count("ttng.async_tma_copy_local_to_global"),
@@ -336,17 +356,18 @@ def test_compiles_for_hopper():
     three wgmmas for each (hi and lo parts), its shared memory still under the limit, and every query tile's dK /
     dV products and dS's lo terms start on a zero accumulator (summed in the wgmma accumulator across query tiles
     the split products leave fp32's bound on the GPU). The grouped-query builds (a program sweeping its K / V
-    head's query heads) have the fp16 / bf16 builds' products and stores."""
+    head's query heads) have the fp16 / bf16 builds' products and stores, those of groups cut into parts their
+    FP32 dK / dV partials by plain stores."""
     r = compile_in_child(_CHILD)
     assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
-    assert sum(key.endswith("gqa") for key in r) == 2, r
+    assert sum("-gqa" in key for key in r) == 3, r
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
         assert v["wgmma"] == 12 * (3 if key.endswith("split") else 1) and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         assert v["bulk_reduce"] == 2 * 2 and v["completion_wait"], (key, v)  # two halves in each of two writers
         # the writers' first shares (two halves each) and, in the fp16 / bf16 builds, each consumer's dK and dV tiles
-        assert v["bulk_store"] == 2 * 2 + (0 if key.endswith(("tf32", "split")) else 2 * 2), (key, v)
+        assert v["bulk_store"] == 2 * 2 + (0 if key.endswith(("tf32", "split", "parts")) else 2 * 2), (key, v)
         # product chains started on a zero accumulator, per consumer: S^T, dP^T and the dQ share; the split build
         # also each query tile's dV, dK and dS's lo terms of dK and dQ apart (not summed in the wgmma accumulator)
         assert v["fresh"] == 2 * (7 if key.endswith("split") else 3), (key, v)
@@ -490,19 +511,25 @@ def test_rotated_sweeps_match_float64_like_the_unrotated(shape, accs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 8, 2, 300, 520, 64), (1, 4, 1, 1000, 1000, 128), (2, 6, 3, 777, 777, 64),
-                                   (1, 8, 2, 2048, 2048, 128)])
-def test_grouped_query_gradients_match_sdpa_enable_gqa(shape, dtype):
-    """Grouped-query / multi-query attention (Hkv K / V heads dividing H; rotated sweeps at the last shape): dQ,
-    dK [B, Hkv, Nk, D], dV within the Triton backward's error of SDPA ``enable_gqa=True`` in float64, bit-for-bit
-    reproducible; dQ bit-identical to the equal-heads kernel on K / V repeated per query head (each query head's
-    dQ takes the same shares in the same turns), dK / dV within rounding of the sums of its per-head gradients."""
+@pytest.mark.parametrize("shape, cut", [((4, 8, 2, 1000, 4096, 64), False), ((2, 8, 1, 640, 8192, 128), False),
+                                        ((2, 8, 2, 300, 520, 64), True), ((1, 4, 1, 1000, 1000, 128), True),
+                                        ((2, 6, 3, 777, 777, 64), True), ((1, 8, 2, 2048, 2048, 128), True)])
+def test_grouped_query_gradients_match_sdpa_enable_gqa(shape, cut, dtype):
+    """Grouped-query / multi-query attention (Hkv K / V heads dividing H; rotated sweeps at the first shape; ``cut``:
+    on 132 SMs the K / V heads' programs leave SMs idle and kv_split cuts the groups into parts with FP32 dK / dV
+    partials): dQ, dK [B, Hkv, Nk, D], dV within the Triton backward's error of SDPA ``enable_gqa=True`` in float64,
+    bit-for-bit reproducible; dQ bit-identical to the equal-heads kernel on K / V repeated per query head (each
+    query head's dQ takes the same shares in the same turns), dK / dV within rounding of the sums of its per-head
+    gradients."""
     _needs_hopper()
     import torch.nn.functional as F
     from visionattn.kernels import elsa_bwd
 
     B, H, Hkv, Nq, Nk, D = shape
     G, scale = H // Hkv, D ** -0.5
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if sms == 132:
+        assert (half_gluon_bwd.kv_split(B, Hkv, G, Nk, half_gluon_bwd.get_config(D), sms) > 1) == cut
     torch.manual_seed(0)
     q, do = (torch.randn(B, H, Nq, D, device="cuda", dtype=dtype) for _ in range(2))
     k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", dtype=dtype) for _ in range(2))
