@@ -102,8 +102,9 @@ program's head index (the kernels' ``GROUP`` argument; 1, the equal-heads case, 
 per (key tile, K / V head, batch) streams the query tiles of the group's G query heads one head after another,
 in head order, into the same registers (the fp16 / bf16 Gluon kernel of :mod:`.half_gluon_bwd` likewise, its dQ
 turns per query head, the groups cut into parts with FP32 partials where its programs would leave SMs idle). Why
-this rather than FlashAttention-2's [B, H, Nk, D] dK / dV partials summed afterwards: no O(H Nk D) buffer, no second pass over it, and the sum order is fixed by the loop, so the
-gradients stay bit-for-bit reproducible without atomics. The cost is G times fewer dK / dV programs, each G times
+this rather than FlashAttention-2's [B, H, Nk, D] dK / dV partials summed afterwards: no O(H Nk D) buffer, no
+second pass over it, and the sum order is fixed by the loop, so the gradients stay bit-for-bit reproducible without
+atomics. The cost is G times fewer dK / dV programs, each G times
 longer: B * Hkv * cdiv(Nk, BLOCK_N) programs can underfill the GPU for multi-query attention at small batch (to be
 measured against SDPA on the GPU). The dQ kernel stays one program per query head. The preprocess reads K / V at
 the query head's index, so with G > 1 it reads none of them, and per-head right-operand scales
