@@ -129,9 +129,11 @@ CONSUMERS = 2
 MAX_DQ_ACCUMULATORS = 64
 # one-warp dQ writer partitions: query tile i is writer i % DQ_WRITERS's (docs/tuning.md: Hopper fp16 / bf16 backward)
 DQ_WRITERS = 2
-# the backward plans of elsa_bwd take this kernel from this many keys and query rows (both); below, the Triton
-# kernels are faster (docs/tuning.md: Hopper fp16 / bf16 backward)
-MIN_KEYS = 2048
+# the backward plans of elsa_bwd take this kernel from this many keys and query rows (both): past the whole-head
+# kernel's rows and keys (elsa_bwd.HEAD_MAX_ROWS, its 0.92x at 257), 1.2-1.9x the Triton kernels from 273 tokens up
+# (ViT-B/16 at 384 px 1.23-1.32x); with 64-128 query rows against 4096 keys the Triton kernels keep a 12 % lead
+# (docs/tuning.md: Hopper fp16 / bf16 backward from 273 keys and query rows)
+MIN_KEYS = 273
 # mode tf32 (tf32_backward): the largest magnitude of each head's q, k, v, dO is scaled below 2^e by a power of two
 # before the rounding to FP16. 2^8 for q and k keeps FP16's normal range for entries down to 2^-22 of their head's
 # largest; v and dO at 2^4, 2^3 bound dP^T - delta by 2 * 128 * 2^7 = 2^15 at head dim <= 128, so dS^T = P^T (dP^T -

@@ -156,13 +156,21 @@ def _half_gluon_bwd_jobs(quick: bool):
                 tname = str(dtype).split(".")[-1]
                 t = "*fp16" if dtype == torch.float16 else "*bf16"
                 masked = "" if n_k % cfg["BLOCK_N"] == 0 else " masked"
-                yield ({"kernel": "half-gluon-bwd", "variant": f"D={d} {tname}{masked}",
-                        "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 12, cfg["STAGES"]]},
-                       dict(kernel=half_gluon_bwd._half_bwd_kernel,
-                            pointer_types=dict(half_gluon_bwd.descriptor_types(cfg, d, dtype), LseRow="*fp32",
-                                               Delta="*fp32", DK=t, DV=t, Sem="*i32"),
-                            constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k), num_warps=4, num_stages=1,
-                            float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
+                # grouped-query attention (bf16, full key tiles): whole groups, and groups cut into parts (FP32
+                # dK / dV partials)
+                gqa = ((False, False),) if quick or dtype != torch.bfloat16 or masked else (
+                    (False, False), (True, False), (True, True))
+                for grouped, parts in gqa:
+                    label = " grouped-query" * grouped + " (parts)" * parts
+                    grads = "*fp32" if parts else t
+                    yield ({"kernel": "half-gluon-bwd", "variant": f"D={d} {tname}{masked}{label}",
+                            "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 12, cfg["STAGES"]]},
+                           dict(kernel=half_gluon_bwd._half_bwd_kernel,
+                                pointer_types=dict(half_gluon_bwd.descriptor_types(cfg, d, dtype), LseRow="*fp32",
+                                                   Delta="*fp32", DK=grads, DV=grads, Sem="*i32"),
+                                constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k, gqa=grouped,
+                                                                            kv_partials=parts),
+                                num_warps=4, num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
 
 
 def _window_jobs(quick: bool):

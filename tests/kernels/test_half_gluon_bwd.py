@@ -592,16 +592,18 @@ def test_backward_plans_route_from_min_keys(dtype):
 
     mode = "fp16" if dtype == torch.float16 else "bf16"
     D = 64
-    for n in (half_gluon_bwd.MIN_KEYS - 64, half_gluon_bwd.MIN_KEYS):  # the last one for autograd below
+    for n in (half_gluon_bwd.MIN_KEYS - 1, half_gluon_bwd.MIN_KEYS):  # the last one for autograd below
         torch.manual_seed(0)
-        q, k, v, do = (torch.randn(1, 2, n, D, device="cuda", dtype=dtype) for _ in range(4))
+        q, do = (torch.randn(1, 2, n, D, device="cuda", dtype=dtype) for _ in range(2))
+        # keys past the whole-head kernel's: below MIN_KEYS query rows the Triton kernels run
+        k, v = (torch.randn(1, 2, n + 700, D, device="cuda", dtype=dtype) for _ in range(2))
         out64, lse64, ref = _reference(q, k, v, do, D ** -0.5)
         out, lse = out64.to(dtype), lse64.float()
         got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, mode)[:3]
         if n >= half_gluon_bwd.MIN_KEYS:
             want = half_gluon_bwd.half_backward(q, k, v, out, do, lse, D ** -0.5)
         else:
-            cfg = elsa_bwd.get_config(mode, D)
+            cfg = elsa_bwd.get_config(mode, D, n_keys=k.shape[2])
             want = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, D ** -0.5, mode, config=cfg)[:3]
         assert all(torch.equal(a, b) for a, b in zip(got, want)), n
     runs = []
