@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, REPO, ToolParser, call_ms, check_output, default_out,  # noqa: E402
-                      eager_graph_timings, eager_ms, environment, figure, graph_cells, host_us, kernel_ms,
+                      bars, eager_graph_timings, eager_ms, environment, figure, graph_cells, host_us, kernel_ms,
                       markdown_table, md_header, output_files, tf32_flags, write_results)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
@@ -520,10 +520,14 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
 
 
 def _plot(result, path, outputs):
+    """TFLOP/s against N for the B=1 H=8 D=64 sweep where the table has two or more of its lengths; else (named
+    shapes: ViT sizes, grouped-query heads) bars of graph-replay TFLOP/s (eager where the calls could not be
+    captured) per shape and backend."""
     recs = [r for r in result["records"] if "ms" in r and r["B"] == 1 and r["H"] == 8 and r["D"] == 64]
-    groups = [g for g in GROUPS if any(r["dtype"] == g for r in recs)]
-    if not groups:
+    if len({r["N"] for r in recs}) < 2:
+        _plot_bars(result, path, outputs)
         return
+    groups = [g for g in GROUPS if any(r["dtype"] == g for r in recs)]
     with figure(path, outputs, 1, len(groups), figsize=(5.5 * len(groups), 4.2), squeeze=False) as (fig, axes):
         for ax, group in zip(axes[0], groups):
             gr = [r for r in recs if r["dtype"] == group]
@@ -538,6 +542,26 @@ def _plot(result, path, outputs):
             ax.set_title(f"{group} inputs")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+        fig.suptitle(result["environment"]["device"] + (", forward + backward" if "flops" in result else ""))
+
+
+def _plot_bars(result, path, outputs):
+    recs = [r for r in result["records"] if "ms" in r]
+    groups = [g for g in GROUPS if any(r["dtype"] == g for r in recs)]
+    if not groups:
+        return
+    shapes = list(dict.fromkeys(r["shape"] for r in recs))
+    width = max(5.5, 1.6 * len(shapes))
+    with figure(path, outputs, 1, len(groups), figsize=(width * len(groups), 4.4), squeeze=False) as (fig, axes):
+        for ax, group in zip(axes[0], groups):
+            gr = [r for r in recs if r["dtype"] == group]
+            cells = {(r["backend"], r["shape"]): r.get("tflops_graph") or r["tflops"] for r in gr}
+            bars(ax, shapes, {("visionattn " + b) if b in MODES else b: [cells.get((b, s)) for s in shapes]
+                              for b in dict.fromkeys(r["backend"] for r in gr)})
+            ax.set_ylabel("TFLOP/s (graph replay)")
+            ax.set_title(f"{group} inputs")
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)  # below: off the bars
         fig.suptitle(result["environment"]["device"] + (", forward + backward" if "flops" in result else ""))
 
 

@@ -120,6 +120,42 @@ def test_bench_attention_report_has_graph_columns(backward, tmp_path):
     assert table[2][list(table[2])[-1]] == "RuntimeError: no kernel"
 
 
+def test_bench_attention_plots_named_shapes_as_bars(tmp_path, monkeypatch):
+    """A table of named shapes (no B=1 H=8 D=64 sweep of two or more lengths) gets bars of graph-replay TFLOP/s per
+    shape and backend (eager where the capture failed); a sweep gets its TFLOP/s-vs-N lines; both a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mod = _load("bench_attention")
+    env = {k: "x" for k in ("device", "command", "torch", "cuda", "triton", "timm", "python")}
+    drawn = []
+    real_bars = mod.bars
+
+    def spy(ax, labels, series, **kw):
+        drawn.append((list(labels), {k: list(v) for k, v in series.items()}))
+        real_bars(ax, labels, series, **kw)
+
+    monkeypatch.setattr(mod, "bars", spy)
+    for sweep, out in ((False, "named"), (True, "sweep")):
+        records = []
+        for shape, n in (("ViT-B/16 384", 577), ("GQA4-8k", 8192)):
+            dims = {"B": 1, "H": 8, "D": 64} if sweep else {"B": 32, "H": 12, "D": 64}
+            for backend, graph in (("bf16", 300.0), ("sdpa-cudnn", None)):
+                rec = {"shape": shape, "N": n, "dtype": "bf16", "backend": backend, "ours": backend == "bf16",
+                       "ms": 1.0, "tflops": 100.0, "ms_first": 1.0, "peak_mib": 1.0, "rel_err": 1e-3, **dims}
+                if graph is not None:
+                    rec["tflops_graph"] = graph
+                records.append(rec)
+        result = {"environment": env, "tf32_matmul": "off", "records": records, "targets": [], "timing": "t"}
+        paths = mod.write_report(result, str(tmp_path / out))
+        assert os.path.getsize(paths["png"]) > 0 and plt.imread(paths["png"]).ndim == 3
+    # bars for the named shapes only: graph TFLOP/s where timed, eager's otherwise; ours labelled as visionattn
+    assert drawn == [(["ViT-B/16 384", "GQA4-8k"], {"visionattn bf16": [300.0, 300.0],
+                                                     "sdpa-cudnn": [100.0, 100.0]})]
+
+
 def test_bench_attention_backward_targets_use_graph_replay_and_the_bars():
     """Forward + backward targets: the ratio to cuDNN by graph replay where both sides were captured (eager
     otherwise), against 1.05x at long sequences and 1.0x at ViT-B/16 224; fp32 / tf32 against 3x / 5x
