@@ -384,8 +384,16 @@ def _get(records, shape, dtype, backend):
     return None
 
 
+# grouped-query shapes' bars (fewer K / V heads; every length): fp16 / bf16 >= 1.0x SDPA with enable_gqa (cuDNN,
+# flash), fp32 >= 2.5x SDPA-efficient on K / V repeated per query head (it refuses enable_gqa)
+GQA_RULES = [("fp32", "fp32", "sdpa-efficient-repeat-kv", 2.5, 2.5, None),
+             ("fp16", "fp16", "sdpa-flash", 1.0, 1.0, None), ("fp16", "fp16", "sdpa-cudnn", 1.0, 1.0, None),
+             ("bf16", "bf16", "sdpa-flash", 1.0, 1.0, None), ("bf16", "bf16", "sdpa-cudnn", 1.0, 1.0, None)]
+
+
 def _targets(records) -> list[dict]:
-    """Speed targets per shape: (ours, baseline, required ratio or absolute TFLOP/s)."""
+    """Speed targets per shape: (ours, baseline, required ratio or absolute TFLOP/s); grouped-query shapes
+    :data:`GQA_RULES`'s bars."""
     rules = [
         ("fp32", "fp32", "sdpa-efficient", 2.0, None), ("fp32-ieee", "fp32", "flex-ieee", 1.3, 25.0),
         ("tf32", "fp32", "flex-tf32", 1.4, 180.0),
@@ -396,7 +404,9 @@ def _targets(records) -> list[dict]:
     ]
     out = []
     for shape in dict.fromkeys(r["shape"] for r in records):
-        for mode, dtype, base, ratio, absolute in rules:
+        first = next(r for r in records if r["shape"] == shape)
+        grouped = first.get("Hkv", first["H"]) != first["H"]  # grouped-query: GQA_RULES's bars at every length
+        for mode, dtype, base, ratio, absolute in ([g[:4] + (None,) for g in GQA_RULES] if grouped else rules):
             ours, other = _get(records, shape, dtype, mode), _get(records, shape, dtype, base)
             if ours is None:
                 continue
@@ -437,7 +447,7 @@ def _targets_backward(records) -> list[dict]:
     by CUDA-graph replay where both sides have it (the kernels' speed; the eager columns stand beside it in the
     tables), else eager; absolute TFLOP/s, and peak extra memory <= SDPA-efficient's at every shape. The bars:
     fp16 / bf16 >= 1.05x cuDNN at long sequences and >= 1.0x at ViT-B/16 224, fp32 >= 3x and tf32 >= 5x
-    SDPA-efficient at long sequences."""
+    SDPA-efficient at long sequences; grouped-query shapes :data:`GQA_RULES`'s at every length."""
     rules = [  # (mode, input dtype, baseline, need at N >= 4096, need at ViT-B/16 224, absolute TFLOP/s at N >= 4096)
         ("fp32", "fp32", "sdpa-efficient", 3.0, 2.0, None), ("fp32-ieee", "fp32", None, None, None, 20.0),
         ("tf32", "fp32", "sdpa-efficient", 5.0, 4.0, None),
@@ -446,12 +456,14 @@ def _targets_backward(records) -> list[dict]:
     ]
     out = []
     for shape in dict.fromkeys(r["shape"] for r in records):
-        for mode, dtype, base, need_long, need_vit, absolute in rules:
+        first = next(r for r in records if r["shape"] == shape)
+        grouped = first.get("Hkv", first["H"]) != first["H"]
+        for mode, dtype, base, need_long, need_vit, absolute in (GQA_RULES if grouped else rules):
             ours = _get(records, shape, dtype, mode)
             if ours is None:
                 continue
             long, vit = ours["N"] >= 4096, (ours["B"], ours["H"], ours["N"], ours["D"]) == (64, 12, 197, 64)
-            need = need_long if long else need_vit if vit else None
+            need = need_long if long else need_vit if vit or grouped else None
             other = _get(records, shape, dtype, base) if base else None
             if need is not None and other is not None:
                 key = "tflops_graph" if "tflops_graph" in ours and "tflops_graph" in other else "tflops"

@@ -178,3 +178,15 @@ def test_bench_attention_backward_targets_use_graph_replay_and_the_bars():
     assert (vit["timing"], vit["need_ratio"], vit["met"]) == ("eager", 1.0, True)  # no graph of ours: eager
     assert not got[("N=4096", "fp32", "sdpa-efficient")]["met"]  # 2.9x < 3x
     assert got[("N=4096", "tf32", "sdpa-efficient")]["need_ratio"] == 5.0
+    # grouped-query shapes (fewer K / V heads), at every length: >= 1.0x SDPA enable_gqa (cuDNN, flash) in half
+    # precision, >= 2.5x SDPA-efficient on repeated K / V in fp32; not the equal-heads bars
+    grouped = []
+    for n in (1025, 16384):
+        for backend, dtype, graph in (("bf16", "bf16", 408.0), ("sdpa-cudnn", "bf16", 400.0),
+                                      ("sdpa-flash", "bf16", 300.0), ("fp32", "fp32", 100.0),
+                                      ("sdpa-efficient-repeat-kv", "fp32", 41.0)):
+            grouped.append({**rec(backend, dtype, n, 1, graph, graph), "shape": f"GQA N={n}", "H": 16, "Hkv": 4})
+    got = {(t["shape"], t["mode"], t["vs"]): t for t in mod._targets_backward(grouped) if "ratio" in t}
+    for n in (1025, 16384):
+        assert [(t["vs"], t["need_ratio"], t["met"]) for (shape, _, _), t in got.items() if shape == f"GQA N={n}"] == [
+            ("sdpa-efficient-repeat-kv", 2.5, False), ("sdpa-flash", 1.0, True), ("sdpa-cudnn", 1.0, True)]
