@@ -391,6 +391,12 @@ GQA_RULES = [("fp32", "fp32", "sdpa-efficient-repeat-kv", 2.5, 2.5, None),
              ("bf16", "bf16", "sdpa-flash", 1.0, 1.0, None), ("bf16", "bf16", "sdpa-cudnn", 1.0, 1.0, None)]
 
 
+def _grouped(records, shape) -> bool:
+    """Whether ``shape``'s records have fewer K / V heads than query heads (grouped-query attention)."""
+    first = next(r for r in records if r["shape"] == shape)
+    return first.get("Hkv", first["H"]) != first["H"]
+
+
 def _targets(records) -> list[dict]:
     """Speed targets per shape: (ours, baseline, required ratio or absolute TFLOP/s); grouped-query shapes
     :data:`GQA_RULES`'s bars."""
@@ -404,8 +410,7 @@ def _targets(records) -> list[dict]:
     ]
     out = []
     for shape in dict.fromkeys(r["shape"] for r in records):
-        first = next(r for r in records if r["shape"] == shape)
-        grouped = first.get("Hkv", first["H"]) != first["H"]  # grouped-query: GQA_RULES's bars at every length
+        grouped = _grouped(records, shape)  # GQA_RULES's bars at every length
         for mode, dtype, base, ratio, absolute in ([g[:4] + (None,) for g in GQA_RULES] if grouped else rules):
             ours, other = _get(records, shape, dtype, mode), _get(records, shape, dtype, base)
             if ours is None:
@@ -456,8 +461,7 @@ def _targets_backward(records) -> list[dict]:
     ]
     out = []
     for shape in dict.fromkeys(r["shape"] for r in records):
-        first = next(r for r in records if r["shape"] == shape)
-        grouped = first.get("Hkv", first["H"]) != first["H"]
+        grouped = _grouped(records, shape)
         for mode, dtype, base, need_long, need_vit, absolute in (GQA_RULES if grouped else rules):
             ours = _get(records, shape, dtype, mode)
             if ours is None:
