@@ -927,8 +927,7 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     B, H, Nq, D = q.shape
     h_kv, cfg = k.shape[1], config or get_config(D)
     parts = kv_split(B, h_kv, H // h_kv, k.shape[2], cfg, sm_count(q.device)) if h_kv != H else 1
-    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, config, head_scales=False, h_kv=h_kv,
-                       kv_split=parts)
+    run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, cfg, head_scales=False, h_kv=h_kv, kv_split=parts)
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
 
     def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters):
