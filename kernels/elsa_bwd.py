@@ -1392,6 +1392,13 @@ def check_grads(grads, q, k, v) -> None:
                          "stride in the last dim")
 
 
+def _grads_tma_legal(dk: torch.Tensor, dv: torch.Tensor) -> bool:
+    """:func:`.half_gluon_bwd.grads_tma_legal` (imported on use: that module imports this one)."""
+    from .half_gluon_bwd import grads_tma_legal
+
+    return grads_tma_legal(dk, dv)
+
+
 def _tensor_key(t: torch.Tensor | None):
     # what a backward plan depends on of an optional tensor: shape, strides, dtype, 16-byte alignment
     return None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() & 15)
@@ -1505,7 +1512,7 @@ class _BackwardPlan:
                 elsa_fwd._gluon_failed(_GLUON_BWD, reason)
         # fp16 / bf16 on Hopper from half_gluon_bwd.MIN_KEYS keys and query rows: the warp-specialized Gluon kernel
         # (ordered dQ over several accumulators), under the same conditions as the IEEE one
-        self.half_gluon = None
+        self.half_gluon = self.half_gluon_given = None
         if (dtype != torch.float32 and q.device.type == "cuda" and config is None and default is None
                 and add_mask is None and head_scale is None and not bias_requires_grad
                 and _GLUON_HALF_BWD not in elsa_fwd._GLUON_FAILED):
@@ -1515,6 +1522,10 @@ class _BackwardPlan:
                 reason = half_gluon_bwd.unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, 1.0)
                 if reason is None:
                     self.half_gluon = half_gluon_bwd.planned_launch(q, k, v, grad_out)
+                    # given gradients (e.g. slices of a packed [B, N, 3, H, D] buffer) are written in place by a
+                    # launch of their own (its TMA descriptors fix their strides), where TMA-legal: no copies
+                    if self.given_grads:
+                        self.half_gluon_given = half_gluon_bwd.planned_launch(q, k, v, grad_out)
                 elif reason == half_gluon_bwd._IMPORT_ERROR:  # reported last: the call was otherwise in scope
                     elsa_fwd._gluon_failed(_GLUON_HALF_BWD, reason)
         # tf32 (f16x1 products) on Hopper, same conditions, where tf32_preferred says: the same kernel on FP16
@@ -1659,9 +1670,11 @@ class _BackwardPlan:
         (a plan built with them needs them), else they are allocated contiguous."""
         B, H, Nq, Nk, D, Dv = self.dims
         dev = self.device
-        if grads is not None and (self.gluon is not None or self.half_gluon is not None
-                                  or self.scaled_gluon is not None
-                                  or self.ordered["ACC_IS_OUT"]):  # contiguous, then copied
+        in_place = (grads is not None and self.half_gluon_given is not None
+                    and _grads_tma_legal(grads[1], grads[2]))  # the Gluon fp16 / bf16 backward writes into them
+        if grads is not None and not in_place and (self.gluon is not None or self.half_gluon is not None
+                                                   or self.scaled_gluon is not None
+                                                   or self.ordered["ACC_IS_OUT"]):  # contiguous, then copied
             result = self(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head_scale, scale)
             for into, got in zip(grads, result):
                 into.copy_(got)
@@ -1696,11 +1709,13 @@ class _BackwardPlan:
         self.pre(q, out, grad_out, lse, delta, lse_row, *self.pre_fixed, k, v, head_max, *self.pre_tail, counters,
                  self.scratch.counters)
         if self.half_gluon is not None:
-            ran, gluon_dq = self._run_gluon("half_gluon", _GLUON_HALF_BWD, q, k, v, grad_out, delta, lse_row, dk, dv,
-                                            float(scale), accumulators, counters)
+            attr, given = ("half_gluon_given", (grads[0],)) if in_place else ("half_gluon", ())
+            ran, gluon_dq = self._run_gluon(attr, _GLUON_HALF_BWD, q, k, v, grad_out, delta, lse_row, dk, dv,
+                                            float(scale), accumulators, counters, *given)
             if ran:
                 return gluon_dq, dk, dv, None, None
-            dq = torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
+            self.half_gluon = self.half_gluon_given = None  # the Triton kernels from here on (warned once)
+            dq = grads[0] if grads is not None else torch.empty((B, H, Nq, D), device=dev, dtype=q.dtype)
             acc = sem = dq  # not read (the Triton kernels' two-kernel path: half precision never single-pass)
         if self.scaled_gluon is not None:
             ran, gluon_dq = self._run_gluon("scaled_gluon", self.scaled_key, q, k, v, grad_out, delta, lse_row,

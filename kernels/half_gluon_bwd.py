@@ -787,21 +787,24 @@ def descriptor_types(cfg: dict, head_dim: int, dtype: torch.dtype = torch.float1
 
 
 @triton.jit
-def _dq_combine_kernel(ACC, DQ, Sem, n, Nq, n_m, n_bh, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, ACCS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _dq_combine_kernel(ACC, DQ, Sem, n, Nq, n_m, n_bh, H, sdb, sdh, sdm, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       ACCS: tl.constexpr, BLOCK: tl.constexpr):
     # dQ = ((acc_0 + acc_1) + acc_2) + ... in the input dtype: a fixed order, so the sum is reproducible. An
     # accumulator's query tile whose turn counter (Sem: int32 [ACCS, n_bh, n_m]) is 0 took no share and was never
-    # written (the kernel stores each tile's first share instead of zeroing): it counts as 0, unread
+    # written (the kernel stores each tile's first share instead of zeroing): it counts as 0, unread. DQ [B, H, Nq,
+    # HEAD_D] at strides (sdb, sdh, sdm, 1): contiguous, or e.g. a slice of a packed [B, Nq, 3, H, D] gradient
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     row = offs // HEAD_D
     bh = row // Nq
-    tile = bh * n_m + (row - bh * Nq) // BLOCK_M
+    m = row - bh * Nq
+    tile = bh * n_m + m // BLOCK_M
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for a in tl.static_range(ACCS):
         took = tl.load(Sem + (a * n_bh * n_m + tile), mask=ok, other=0) > 0
         total += tl.load(ACC + (offs + a * n.to(tl.int64)), mask=took, other=0.0)
-    tl.store(DQ + offs, total.to(DQ.dtype.element_ty), mask=ok)
+    out = (bh // H) * sdb + (bh % H) * sdh + m * sdm + (offs - row * HEAD_D)
+    tl.store(DQ + out, total.to(DQ.dtype.element_ty), mask=ok)
 
 
 COMBINE_BLOCK = 1024
@@ -814,12 +817,13 @@ def _combine_call(n: int, head_dim: int, block_m: int, accs: int) -> KernelCall:
 
 
 def combine_accumulators(acc: torch.Tensor, dq: torch.Tensor, sem: torch.Tensor, accs: int, block_m: int) -> None:
-    """``dq`` ([B, H, Nq, D] contiguous, its dtype) = the sum of the ``accs`` FP32 accumulators ``acc`` [accs *
-    dq.numel()], added in index order, each query tile of ``block_m`` rows of an accumulator only where its int32
-    turn counter ``sem`` [accs, B * H, cdiv(Nq, block_m)] is positive (a tile that took no share is not read and
-    counts as 0)."""
+    """``dq`` ([B, H, Nq, D] at any strides with a unit last one, its dtype) = the sum of the ``accs`` FP32
+    accumulators ``acc`` [accs * dq.numel()] (contiguous [B, H, Nq, D] each), added in index order, each query tile
+    of ``block_m`` rows of an accumulator only where its int32 turn counter ``sem`` [accs, B * H, cdiv(Nq, block_m)]
+    is positive (a tile that took no share is not read and counts as 0)."""
     B, H, Nq, D = dq.shape
-    _combine_call(dq.numel(), D, block_m, accs)(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, block_m), B * H)
+    _combine_call(dq.numel(), D, block_m, accs)(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, block_m), B * H, H,
+                                                *dq.stride()[:3])
 
 
 def _preprocess(q, out, grad_out, lse, k=None, v=None, head_max=None, scratch=(0, 0)):
@@ -909,6 +913,12 @@ def tma_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)
 
 
+def grads_tma_legal(dk: torch.Tensor, dv: torch.Tensor) -> bool:
+    """Whether the kernel can write dK / dV of these layouts by TMA stores (16-byte aligned bases and strides, unit
+    last stride), e.g. the K and V slices of a packed [B, N, 3, H, D] gradient at head dim 64 / 128."""
+    return all(t.stride(3) == 1 and strides_aligned(t, 8) for t in (dk, dv))
+
+
 def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                    config: dict | None = None):
     """The kernel's launch for this call signature (shapes, strides, dtypes), as a callable
@@ -919,7 +929,9 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     where its dtype or strides are not the kernel's; ``accumulators`` (FP32, any contents: each tile's first share
     is stored) and ``counters`` (int32, zeroed) flat, 16-byte aligned, of the sizes in the callable's ``scratch``
     attribute ``(counters, accumulators)`` (:func:`dq_schedule`), e.g. from the preprocess's
-    :class:`.elsa_bwd.Scratch`. Returns dQ [B, H, Nq, D] contiguous in q's dtype. ``config``: a
+    :class:`.elsa_bwd.Scratch`. Returns dQ [B, H, Nq, D] contiguous in q's dtype, or the call's ``dq`` (any strides
+    with a unit last one: e.g. a slice of a packed [B, Nq, 3, H, D] gradient) written; ``dk`` / ``dv`` may be such
+    slices too where their strides are TMA-legal (:func:`grads_tma_legal`), fixed by the first call. ``config``: a
     :func:`get_config` dict (tools, tests). The first call builds (and validates)
     the seven TMA descriptors; later calls encode them onto their tensors through
     :meth:`.KernelCall.with_descriptors` where the Triton release allows it (the signature fixes every shape and
@@ -930,10 +942,10 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: 
     run = _kernel_plan(B, H, Nq, k.shape[2], D, q.dtype, q.dtype, cfg, head_scales=False, h_kv=h_kv, kv_split=parts)
     copy_grad = grad_out.dtype != q.dtype or not strides_aligned(grad_out, 8)
 
-    def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters):
+    def launch(q, k, v, grad_out, delta, lse_row, dk, dv, scale, accumulators, counters, dq=None):
         if copy_grad:
             grad_out = tma_copy(grad_out, q.dtype)
-        return run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, delta, accumulators, counters)
+        return run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, delta, accumulators, counters, dq)
 
     launch.scratch = run.scratch
     return launch
@@ -966,10 +978,10 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
                else _combine_call(B * H * Nq * D, D, cfg["BLOCK_M"], accs))
     direct = []  # the descriptor-encoding launch, once the first call has compiled the kernel
 
-    def run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales, acc, sem):
+    def run(q, k, v, grad_out, delta, lse_row, dk, dv, scale, scales, acc, sem, dq=None):
         if combine is None:  # dQ is the accumulator (its tiles' first shares stored: not zeroed)
             acc = dq = torch.empty((B, H, Nq, D), device=q.device, dtype=torch.float32)
-        else:
+        elif dq is None:
             dq = torch.empty((B, H, Nq, D), device=q.device, dtype=dq_dtype)
         dk_out, dv_out = dk, dv
         if kv_split > 1:  # each part's FP32 dK / dV, summed below
@@ -990,7 +1002,7 @@ def _kernel_plan(B: int, H: int, Nq: int, Nk: int, D: int, dtype: torch.dtype, d
                     d.base = None
                 direct.append(call.with_descriptors(descs))
         if combine is not None:
-            combine(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, cfg["BLOCK_M"]), B * H)
+            combine(acc, dq, sem, dq.numel(), Nq, cdiv(Nq, cfg["BLOCK_M"]), B * H, H, *dq.stride()[:3])
         if kv_split > 1:  # the parts' FP32 sum (a reduction of fixed order), then the gradients' dtype (one rounding)
             for part, out in ((dk, dk_out), (dv, dv_out)):
                 out.copy_(part.view(B, h_kv, kv_split, Nk, D).sum(dim=2))

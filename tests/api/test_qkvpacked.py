@@ -115,8 +115,11 @@ def test_bad_packed_inputs_name_the_argument():
 @pytest.mark.parametrize("N,D", [(197, 64), (1025, 64), (577, 128)])
 def test_gpu_packed_gradients_equal_the_unpacked_call_bit_for_bit(mode, N, D):
     """At ViT shapes on the GPU: the Gluon forward kernels, the single-pass and two-kernel Triton backward writing
-    the packed gradient, and the Gluon IEEE backward (contiguous, then copied into it) give the unpacked call's
-    results bit for bit."""
+    the packed gradient, the Gluon IEEE backward (contiguous, then copied into it) and, on Hopper in fp16 / bf16 from
+    half_gluon_bwd.MIN_KEYS tokens, the Gluon backward writing the packed gradient in place (its own launch, TMA
+    descriptors on the K / V slices, dQ through its strides) give the unpacked call's results bit for bit."""
+    from visionattn.kernels import elsa_bwd, half_gluon_bwd
+
     dtype = DTYPES[mode]
     qkv, grad_out = _packed(4, N, 6, D, dtype, seed=N)
     out = attention_qkvpacked(qkv, mode=mode)
@@ -125,3 +128,6 @@ def test_gpu_packed_gradients_equal_the_unpacked_call_bit_for_bit(mode, N, D):
     ref_out, ref_dqkv, _ = _unpacked_grads(qkv, grad_out, mode=mode)
     assert torch.equal(out, ref_out)
     assert torch.equal(qkv.grad, ref_dqkv)
+    if (mode in ("fp16", "bf16") and N >= half_gluon_bwd.MIN_KEYS and half_gluon_bwd._IMPORT_ERROR is None
+            and torch.cuda.get_device_capability()[0] == 9):
+        assert any("half_gluon_given" in plan.gluon_ran for plan in elsa_bwd.AFTER_FORWARD.plans.values())

@@ -256,6 +256,27 @@ def test_preferred_from_min_keys():
     assert not half_gluon_bwd.preferred(m - 1, 4 * m) and not half_gluon_bwd.preferred(4 * m, m - 1)
 
 
+def test_combine_writes_dq_through_its_strides():
+    """The combine writes dQ through its strides: into the Q slice of a packed [B, N, 3, H, D] gradient (viewed
+    [B, H, N, D]) the same bits as into a contiguous dQ, and nothing into the K / V slices; grads_tma_legal takes
+    such slices at head dim 64 in half precision and refuses a row stride that is not a multiple of 16 bytes."""
+    torch.manual_seed(0)
+    B, H, N, D = 2, 3, 70, 64
+    acc = torch.randn(2 * B * H * N * D)
+    sem = torch.ones(2, B * H, -(-N // 64), dtype=torch.int32)
+    flat = torch.empty(B, H, N, D)
+    half_gluon_bwd.combine_accumulators(acc, flat, sem, 2, 64)
+    packed = torch.full((B, N, 3, H, D), 7.0)
+    dq = packed[:, :, 0].transpose(1, 2)  # [B, H, N, D] at strides (3 N H D, D, 3 H D, 1)
+    half_gluon_bwd.combine_accumulators(acc, dq, sem, 2, 64)
+    assert torch.equal(dq, flat) and bool((packed[:, :, 1:] == 7.0).all())
+    grads = torch.empty(B, N, 3, H, D, dtype=torch.bfloat16).unbind(2)
+    dk, dv = (g.transpose(1, 2) for g in grads[1:])
+    assert half_gluon_bwd.grads_tma_legal(dk, dv)
+    odd = torch.empty(B, N, 3, H, D + 4, dtype=torch.bfloat16)[..., :D].unbind(2)
+    assert not half_gluon_bwd.grads_tma_legal(*(g.transpose(1, 2) for g in odd[1:]))
+
+
 @pytest.mark.parametrize("accs", [1, 2, 5])
 def test_combine_accumulators_adds_in_index_order(accs):
     """dQ = ((acc_0 + acc_1) + ...) elementwise in that order (FP32 sums are not associative: the order is part of
