@@ -87,12 +87,17 @@ def hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: fl
 
 
 def hopper_copies_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int, *,
-                               head_dims: tuple[int, ...], import_error: str | None) -> str | None:
+                               head_dims: tuple[int, ...], import_error: str | None,
+                               grouped: bool = False) -> str | None:
     """:func:`scope_reason` of a Hopper kernel that reads FP16 copies of float32 q / k / v made per (batch, head) by
     a Triton operand pass (:mod:`.scaled_fp16`; the tf32 / fp32 builds): any strides but a unit head-dim stride (the
-    pass reads rows), equal heads for q and k / v (no grouped-query attention), compute capability 9.x."""
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+    pass reads rows), compute capability 9.x; equal heads for q and k / v unless ``grouped`` (then k / v heads
+    dividing q's: grouped-query attention)."""
+    h, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
+    if not grouped and (h_k != h or h_v != h):
         return "grouped-query attention (fewer key / value heads than query heads)"
+    if h_k != h_v or h_k < 1 or h % h_k:
+        return f"key / value heads ({h_k}, {h_v}) that are not one count dividing the {h} query heads"
     return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=(torch.float32,),
                         head_dims=head_dims, stride_elems=1,
                         stride_text="has a head-dim stride other than 1 (the operand pass reads rows)",

@@ -70,45 +70,51 @@ def _rows_absmax(X, sxm, sxd, rows, n, offs_d):
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_rows"])
-def _head_max_kernel(Q, K, V, E, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, Nq, Nk, n_rows,
+def _head_max_kernel(Q, K, V, E, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, Nq, Nk, n_rows,
                      HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr):
     """Each head's largest magnitude of q, k and v, atomically maxed (order-free: reproducible) as FP32 bit patterns
-    into E (int32 [B * H, 4], zeroed by the caller; columns q, k, v). 1-D grid cdiv(n_rows, BLOCK_M) * H * B,
-    n_rows = max(Nq, Nk)."""
+    into E (int32 [B * H, 4], zeroed by the caller; columns q, k, v). 1-D grid cdiv(n_rows, BLOCK_M) * H * B over
+    q's H heads, n_rows = max(Nq, Nk); k / v have H / GROUP heads (grouped-query attention): K / V head ``h //
+    GROUP``'s maxima go to the row of its first query head ``h - h % GROUP``, whose programs alone read it."""
     t, off_b, off_h, bh = _tile_and_head(n_rows, BLOCK_M, H)
     rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     e = E + bh * 4
     if t * BLOCK_M < Nq:
         tl.atomic_max(e, _rows_absmax(Q + off_b * sqb + off_h * sqh, sqm, sqd, rows, Nq, offs_d))
-    if t * BLOCK_M < Nk:
-        tl.atomic_max(e + 1, _rows_absmax(K + off_b * skb + off_h * skh, skn, skd, rows, Nk, offs_d))
-        tl.atomic_max(e + 2, _rows_absmax(V + off_b * svb + off_h * svh, svn, svd, rows, Nk, offs_d))
+    if (t * BLOCK_M < Nk) & (off_h % GROUP == 0):
+        h_kv = off_h // GROUP
+        tl.atomic_max(e + 1, _rows_absmax(K + off_b * skb + h_kv * skh, skn, skd, rows, Nk, offs_d))
+        tl.atomic_max(e + 2, _rows_absmax(V + off_b * svb + h_kv * svh, svn, svd, rows, Nk, offs_d))
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_rows"])
 def _forward_operands_kernel(Q, K, V, E, Q16, K16, V16, Scales, sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-                             svb, svh, svn, svd, H, Nq, Nk, n_rows, qk_scale, HEAD_D: tl.constexpr,
+                             svb, svh, svn, svd, H, GROUP, Nq, Nk, n_rows, qk_scale, HEAD_D: tl.constexpr,
                              BLOCK_M: tl.constexpr, TARGET: tl.constexpr, LIMIT: tl.constexpr, P_EXP: tl.constexpr):
-    """Head ``bh``'s q, k, v times ``2^s_q``, ``2^s_k``, ``2^s_v`` (:func:`head_shift` of E's magnitudes, TARGET
-    each), split into hi and lo FP16 parts in contiguous [B, H, N, 2 HEAD_D] copies; the first program of each head
-    writes its Scales row (FP32 [B * H, 2]): ``qk_scale 2^-(s_q + s_k)`` (the logits' log2-domain multiplier) and
-    ``2^-(s_v + P_EXP)`` (the output's: P enters P V scaled by ``2^P_EXP``). Grid as :func:`_head_max_kernel`."""
+    """Query head ``bh``'s q times ``2^s_q`` and its K / V head's k, v times ``2^s_k``, ``2^s_v`` (:func:`head_shift`
+    of E's magnitudes, TARGET each; K / V head ``h // GROUP``'s from the row of its first query head, which alone
+    writes its copies), split into hi and lo FP16 parts in contiguous [B, H, Nq, 2 HEAD_D] / [B, H / GROUP, Nk,
+    2 HEAD_D] copies; the first program of each query head writes its Scales row (FP32 [B * H, 2]): ``qk_scale
+    2^-(s_q + s_k)`` (the logits' log2-domain multiplier) and ``2^-(s_v + P_EXP)`` (the output's: P enters P V
+    scaled by ``2^P_EXP``). Grid as :func:`_head_max_kernel`."""
     t, off_b, off_h, bh = _tile_and_head(n_rows, BLOCK_M, H)
-    e = E + bh * 4
-    s_q = head_shift(tl.load(e), TARGET, LIMIT)
-    s_k = head_shift(tl.load(e + 1), TARGET, LIMIT)
-    s_v = head_shift(tl.load(e + 2), TARGET, LIMIT)
+    lead = bh - off_h % GROUP  # the row of the K / V head's first query head
+    bh_kv = off_b * (H // GROUP) + off_h // GROUP
+    s_q = head_shift(tl.load(E + bh * 4), TARGET, LIMIT)
+    s_k = head_shift(tl.load(E + lead * 4 + 1), TARGET, LIMIT)
+    s_v = head_shift(tl.load(E + lead * 4 + 2), TARGET, LIMIT)
     rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     if t * BLOCK_M < Nq:
         scaled_rows(Q + off_b * sqb + off_h * sqh, sqm, sqd, Q16 + bh * Nq * 2 * HEAD_D, rows, Nq, offs_d, pow2(s_q),
                     HEAD_D, 2)
-    if t * BLOCK_M < Nk:
-        scaled_rows(K + off_b * skb + off_h * skh, skn, skd, K16 + bh * Nk * 2 * HEAD_D, rows, Nk, offs_d, pow2(s_k),
-                    HEAD_D, 2)
-        scaled_rows(V + off_b * svb + off_h * svh, svn, svd, V16 + bh * Nk * 2 * HEAD_D, rows, Nk, offs_d, pow2(s_v),
-                    HEAD_D, 2)
+    if (t * BLOCK_M < Nk) & (off_h % GROUP == 0):
+        h_kv = off_h // GROUP
+        scaled_rows(K + off_b * skb + h_kv * skh, skn, skd, K16 + bh_kv * Nk * 2 * HEAD_D, rows, Nk, offs_d,
+                    pow2(s_k), HEAD_D, 2)
+        scaled_rows(V + off_b * svb + h_kv * svh, svn, svd, V16 + bh_kv * Nk * 2 * HEAD_D, rows, Nk, offs_d,
+                    pow2(s_v), HEAD_D, 2)
     if t == 0:
         # each multiplier a product of powers in range (their sum of shifts may not be)
         row = Scales + bh * 2
@@ -120,24 +126,34 @@ _BLOCK_M = 64
 
 
 class ForwardOperands:
-    """The operands of the fp32 Gluon forward (:func:`.half_gluon.fp32_attention`) for one call signature.
+    """The operands of the fp32 Gluon forward (:func:`.fp32_gluon.fp32_attention`) for one call signature.
 
     Args:
-        B, H, Nq, Nk, D: the call's batch, heads, query rows, keys and head dim (q [B, H, Nq, D], k / v [B, H, Nk,
-            D]).
+        B, H, Nq, Nk, D: the call's batch, query heads, query rows, keys and head dim (q [B, H, Nq, D], k / v [B,
+            h_kv, Nk, D]).
+        h_kv: key / value heads (dividing H: grouped-query attention, K / V head ``h // (H / h_kv)`` serving query
+            head h); H by default.
 
     Calling it with ``(q, k, v, scale)`` (float32 CUDA or CPU tensors of those shapes, any strides; ``scale`` the
-    logit scale) returns ``(q16, k16, v16, scales)``: contiguous float16 [B, H, N, 2 D] copies (hi parts in
-    columns ``[0, D)``, lo parts in ``[D, 2 D)``), each head scaled to below 2^:data:`FORWARD_SCALE_EXPONENT`,
-    and the float32 [B * H, :data:`FORWARD_SCALES_ROW`] rows of each head's logit multiplier (``scale log2(e)``
-    times the inverse scales of q and k) and output multiplier (the inverse of v's scale and of P's
-    2^:data:`P_SPLIT_EXP`). Three launches: zeroing, :func:`_head_max_kernel`, :func:`_forward_operands_kernel`.
+    logit scale) returns ``(q16, k16, v16, scales)``: contiguous float16 [B, H, Nq, 2 D] / [B, h_kv, Nk, 2 D] copies
+    (hi parts in columns ``[0, D)``, lo parts in ``[D, 2 D)``), each head scaled to below
+    2^:data:`FORWARD_SCALE_EXPONENT`, and the float32 [B * H, :data:`FORWARD_SCALES_ROW`] rows of each query head's
+    logit multiplier (``scale log2(e)`` times the inverse scales of q and of its K / V head's k) and output
+    multiplier (the inverse of its v's scale and of P's 2^:data:`P_SPLIT_EXP`). Three launches: zeroing,
+    :func:`_head_max_kernel`, :func:`_forward_operands_kernel`.
+
+    Raises:
+        ValueError: ``h_kv`` does not divide ``H``.
     """
 
-    __slots__ = ("shape", "max_call", "split_call")
+    __slots__ = ("shape", "h_kv", "max_call", "split_call")
 
-    def __init__(self, B: int, H: int, Nq: int, Nk: int, D: int):
+    def __init__(self, B: int, H: int, Nq: int, Nk: int, D: int, h_kv: int | None = None):
+        h_kv = H if h_kv is None else h_kv
+        if h_kv < 1 or H % h_kv:
+            raise ValueError(f"{h_kv} key / value heads do not divide the {H} query heads")
         self.shape = (B, H, Nq, Nk, D)
+        self.h_kv = h_kv
         grid = (cdiv(max(Nq, Nk), _BLOCK_M) * B * H,)
         self.max_call = KernelCall(_head_max_kernel, grid, dict(HEAD_D=D, BLOCK_M=_BLOCK_M), dict(num_warps=4))
         self.split_call = KernelCall(_forward_operands_kernel, grid,
@@ -146,15 +162,17 @@ class ForwardOperands:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         B, H, Nq, Nk, D = self.shape
+        h_kv = self.h_kv
         dev = q.device
-        ops = torch.empty(2 * B * H * (Nq + 2 * Nk) * D, device=dev, dtype=torch.float16)
-        nq, nk = B * H * Nq * 2 * D, B * H * Nk * 2 * D
+        nq, nk = B * H * Nq * 2 * D, B * h_kv * Nk * 2 * D
+        ops = torch.empty(nq + 2 * nk, device=dev, dtype=torch.float16)
         q16 = ops[:nq].view(B, H, Nq, 2 * D)
-        k16, v16 = ops[nq:nq + nk].view(B, H, Nk, 2 * D), ops[nq + nk:].view(B, H, Nk, 2 * D)
+        k16, v16 = ops[nq:nq + nk].view(B, h_kv, Nk, 2 * D), ops[nq + nk:].view(B, h_kv, Nk, 2 * D)
         head_max = torch.zeros((B * H, 4), device=dev, dtype=torch.int32)
         scales = torch.empty((B * H, FORWARD_SCALES_ROW), device=dev, dtype=torch.float32)
         strides = (*q.stride(), *k.stride(), *v.stride())
-        self.max_call(q, k, v, head_max, *strides, H, Nq, Nk, max(Nq, Nk))
-        self.split_call(q, k, v, head_max, q16, k16, v16, scales, *strides, H, Nq, Nk, max(Nq, Nk),
+        group = H // h_kv
+        self.max_call(q, k, v, head_max, *strides, H, group, Nq, Nk, max(Nq, Nk))
+        self.split_call(q, k, v, head_max, q16, k16, v16, scales, *strides, H, group, Nq, Nk, max(Nq, Nk),
                         float(scale) * LOG2E)
         return q16, k16, v16, scales

@@ -103,11 +103,15 @@ def cases(families, modes):
                        lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode),
                        [_rand(2, 70, 1700, 64, dtype=dt, grad=grad, seed=s) for s in range(3)])
             if mode == "fp32":  # the Gluon forward's split-FP16 build, where its grid fills the GPU (a cut last key
-                # tile in two parts; a masked one)
-                for b, h, n in ((4, 12, 300), (1, 4, 4100)):
-                    yield (f"dense fp32 B={b} H={h} N={n} D=64 (Gluon forward)", lambda q, k, v:
-                           va.attention(q, k, v, mode="fp32"), [_rand(b, h, n, 64, grad=grad, seed=s)
+                # tile in two parts; a masked one; head dim 128's 32-key tiles), and with grouped-query K / V heads
+                for b, h, n, d in ((4, 12, 300, 64), (1, 4, 4100, 64), (4, 12, 300, 128), (1, 4, 4100, 128)):
+                    yield (f"dense fp32 B={b} H={h} N={n} D={d} (Gluon forward)", lambda q, k, v:
+                           va.attention(q, k, v, mode="fp32"), [_rand(b, h, n, d, grad=grad, seed=s)
                                                                 for s in range(3)])
+                for h_kv, d in ((4, 128), (2, 64)):
+                    yield (f"dense fp32 B=2 H=16 Hkv={h_kv} N=1100 D={d} (Gluon forward, grouped-query)",
+                           lambda q, k, v: va.attention(q, k, v, mode="fp32", enable_gqa=True),
+                           [_rand(2, h, 1100, d, grad=grad, seed=s) for s, h in enumerate((16, h_kv, h_kv))])
         if "split" in families:
             yield (f"split-KV {mode} N=1000 D=64 num_splits=4",
                    lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode, num_splits=4),

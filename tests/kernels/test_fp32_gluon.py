@@ -69,6 +69,7 @@ def _model_of_the_build(q16, k16, v16, scales, block_n=64):
     output multiplier and one division at the end."""
     B, H, Nq, W = q16.shape
     D = W // 2
+    group = H // k16.shape[1]  # grouped-query attention: query head h reads K / V head h // group
     out = torch.empty(B, H, Nq, D)
     for b in range(B):
         for h in range(H):
@@ -77,8 +78,9 @@ def _model_of_the_build(q16, k16, v16, scales, block_n=64):
             m = torch.full((Nq,), float("-inf"))
             l, acc = torch.zeros(Nq), torch.zeros(Nq, D)
             for t in range(0, k16.shape[2], block_n):
-                kh, kl = k16[b, h, t:t + block_n, :D].float(), k16[b, h, t:t + block_n, D:].float()
-                vh, vl = v16[b, h, t:t + block_n, :D].float(), v16[b, h, t:t + block_n, D:].float()
+                kv = h // group
+                kh, kl = k16[b, kv, t:t + block_n, :D].float(), k16[b, kv, t:t + block_n, D:].float()
+                vh, vl = v16[b, kv, t:t + block_n, :D].float(), v16[b, kv, t:t + block_n, D:].float()
                 s = ql @ kh.T + qh @ kl.T + qh @ kh.T
                 m_new = torch.maximum(m, s.amax(1) * qk)
                 p = torch.exp2(s * qk - m_new[:, None])
@@ -92,19 +94,41 @@ def _model_of_the_build(q16, k16, v16, scales, block_n=64):
     return out
 
 
-@pytest.mark.parametrize("n_q,n_k", [(40, 300), (70, 1000)])
-def test_the_operands_scales_and_products_reproduce_attention_within_the_contract(n_q, n_k):
+def test_grouped_operands_copy_each_key_value_head_once_with_the_query_heads_scales():
+    """Grouped-query attention (interpreter): with K / V heads serving two query heads each, the operand pass gives
+    bit for bit the query copies and Scales rows of the equal-heads pass on K / V repeated per query head, and one
+    copy of each K / V head (the repeated run's copy of its first query head); a group count that does not divide
+    the query heads is refused by name."""
+    n_q, n_k, group = 40, 90, 2
+    q, k, v = _magnitude_heads(n_q, n_k)
+    k, v = k[:, ::group].clone(), v[:, ::group] * 3.0
+    grouped = scaled_fp16.ForwardOperands(1, 4, n_q, n_k, 64, h_kv=2)(q, k, v, 0.125)
+    repeated = scaled_fp16.ForwardOperands(1, 4, n_q, n_k, 64)(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), 0.125)
+    assert grouped[1].shape == (1, 2, n_k, 128) and grouped[2].shape == (1, 2, n_k, 128)
+    assert torch.equal(grouped[0], repeated[0]) and torch.equal(grouped[3], repeated[3])
+    for i in (1, 2):
+        assert torch.equal(grouped[i], repeated[i][:, ::group])
+    with pytest.raises(ValueError, match="3 key / value heads do not divide the 4 query heads"):
+        scaled_fp16.ForwardOperands(1, 4, n_q, n_k, 64, h_kv=3)
+
+
+@pytest.mark.parametrize("n_q,n_k,d,h_kv", [(40, 300, 64, 4), (70, 1000, 64, 4), (33, 200, 128, 2)])
+def test_the_operands_scales_and_products_reproduce_attention_within_the_contract(n_q, n_k, d, h_kv):
     """A model of the split build on the operand pass's output (interpreter): with each head's scales as the kernel
     applies them (the logit multiplier inside the base-2 softmax, the output multiplier at the end), the three-part
     products and P's 2^15 split give every head, of magnitudes 1e-6 .. 1e6, within mode fp32's 2e-6 of float64: the
-    host's bookkeeping of the scales, which the GPU kernel trusts, checked where CI runs."""
+    host's bookkeeping of the scales, which the GPU kernel trusts, checked where CI runs; at head dim 128 and with
+    K / V heads serving several query heads (grouped-query attention) too."""
     from visionattn.metrics import rel_l2
     from visionattn.reference import oracle_attention
 
-    q, k, v = _magnitude_heads(n_q, n_k)
-    q16, k16, v16, scales = scaled_fp16.ForwardOperands(1, len(_MAGNITUDES), n_q, n_k, 64)(q, k, v, 0.125)
-    y = _model_of_the_build(q16, k16, v16, scales)
-    ref = oracle_attention(q, k, v, scale=0.125)
+    q, k, v = _magnitude_heads(n_q, n_k, d)
+    group = len(_MAGNITUDES) // h_kv
+    k, v = k[:, ::group], v[:, ::group]  # grouped-query attention at h_kv < 4
+    q16, k16, v16, scales = scaled_fp16.ForwardOperands(1, len(_MAGNITUDES), n_q, n_k, d, h_kv)(q, k, v, 0.125)
+    y = _model_of_the_build(q16, k16, v16, scales, fp32_gluon.TILES[d][0])
+    ref = oracle_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale=0.125)
     for h in range(len(_MAGNITUDES)):
         assert rel_l2(y[:, h], ref[:, h]) <= 2e-6, h
 
@@ -114,12 +138,13 @@ import json, torch
 from visionattn.kernels import fp32_gluon, half_gluon
 from visionattn.kernels.introspect import compile_for_arch
 out = {}
-for n_k, parts in ((4096, 2), (1066, 2), (100, 2), (4096, 1)):
-    cfg = fp32_gluon.get_config(n_k) if parts == 2 else half_gluon.get_config(n_k, 64)
-    r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, 64, torch.float16),
-                         O="*fp32", LSE="*fp32", Scales="*fp32"), half_gluon.kernel_constexprs(cfg, 64, True),
+for n_k, parts, d in ((4096, 2, 64), (1066, 2, 64), (100, 2, 64), (4096, 1, 64), (4096, 2, 128), (1066, 2, 128),
+                      (4096, 1, 128)):
+    cfg = fp32_gluon.get_config(n_k, d) if parts == 2 else half_gluon.get_config(n_k, d)
+    r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, torch.float16),
+                         O="*fp32", LSE="*fp32", Scales="*fp32"), half_gluon.kernel_constexprs(cfg, d, True),
                          num_warps=4, num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
-    out[f"{n_k}_{parts}"] = {"shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes,
+    out[f"{n_k}_{parts}_{d}"] = {"shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes,
                              "ws": r.ttgir.count("ttg.warp_specialize"), "programs": r.programs_per_sm}
 print(json.dumps(out))
 """
@@ -128,37 +153,47 @@ print(json.dumps(out))
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(half_gluon._IMPORT_ERROR is not None, reason="this Triton has no Gluon Hopper API")
 def test_the_split_build_compiles_with_three_wgmmas_per_product_within_shared_memory():
-    """With the installed Triton the ``PARTS = 2`` build compiles for sm_90 (full tiles, a last tile cut in two
-    parts, one cut tile): three wgmmas for each of the half build's, the hi and lo tiles of Q (two buffers) and of
-    the 4-slot K / V ring within the 227 KiB of shared memory, one program per SM at the launch register cap, and
-    no spills (the consumers hold S, P's hi and lo parts, the output and P V's fresh accumulator: at 128-key tiles
-    they spilled 160 bytes)."""
+    """With the installed Triton the ``PARTS = 2`` build compiles for sm_90 at head dims 64 and 128 (full tiles, a
+    last tile cut in two parts, one cut tile): three wgmmas for each of the half build's, the hi and lo tiles of Q
+    and of the K / V ring within the 227 KiB of shared memory, one program per SM at the launch register cap. Head
+    dim 64 spills nothing (the consumers hold S, P's hi and lo parts, the output and P V's fresh accumulator: at
+    128-key tiles they spilled 160 bytes); head dim 128 at most 96 bytes a thread (two 64 x 128 FP32 accumulators:
+    its 64-key tiles spill 160)."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
-    half = r.pop("4096_1")
+    half = {d: r.pop(f"4096_1_{d}") for d in (64, 128)}
     for key, v in r.items():
-        cfg = fp32_gluon.get_config(int(key.split("_")[0]))
-        tiles = 2 * 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * 64 + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * 64)
+        n_k, _, d = map(int, key.split("_"))
+        cfg = fp32_gluon.get_config(n_k, d)
+        tiles = 2 * 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)
         assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
         assert v["ws"] == 1 and v["regs"] == cfg["maxnreg"] and v["programs"] == 1, (key, v)
-        assert v["local"] == 0, (key, v)
-    assert r["4096_2"]["wgmma"] == 3 * half["wgmma"], (r, half)
+        assert v["local"] <= (0 if d == 64 else 96), (key, v)
+    for d in (64, 128):
+        assert r[f"4096_2_{d}"]["wgmma"] == 3 * half[d]["wgmma"], (d, r, half)
 
 
 def test_config_and_preference():
-    """The split build takes two consumer warpgroups of 64 rows, 64-key tiles in 4 stages and ``parts = 2`` at every
-    key count, its last key tile cut to the keys it holds (in 16-key steps, one or two parts, up to 2048 keys), head
-    dim 64 only; the launcher prefers it from MIN_KEYS keys."""
+    """The split build takes two consumer warpgroups of 64 rows, ``parts = 2`` and its head dim's key tiles (64 keys
+    in 4 stages at head dim 64, 32 keys in 4 stages with one Q buffer at 128) at every key count, its last key tile
+    cut to the keys it holds (in 16-key steps, one or two parts at head dim 64, one at 128, up to 2048 keys); other
+    head dims are refused; the launcher prefers it from MIN_KEYS keys."""
     for n_k, one_tile, tail in ((20, True, (32, 0)), (100, False, (32, 16)), (1066, False, (32, 16)),
                                 (4096, False, (64, 0)), (4097, False, (64, 0)), (65536, False, (64, 0))):
         cfg = fp32_gluon.get_config(n_k)
         assert cfg["parts"] == 2 and cfg["STAGES"] == 4 and cfg["consumers"] == 2 and cfg["BLOCK_N"] == 64
-        assert cfg["BLOCK_M"] == 128 and not cfg["PINGPONG"]
+        assert cfg["BLOCK_M"] == 128 and not cfg["PINGPONG"] and cfg["q_buffers"] == 2
         assert (cfg["one_tile"], cfg["tail_keys"]) == (one_tile, tail), n_k
         assert half_gluon.kernel_constexprs(cfg, 64)["PARTS"] == 2
-    with pytest.raises(ValueError, match="head dim 128"):
-        fp32_gluon.get_config(4096, 128)
+    for n_k, one_tile, tail in ((20, True, (32, 0)), (100, False, (16, 0)), (1066, False, (16, 0)),
+                                (4096, False, (32, 0)), (65536, False, (32, 0))):
+        cfg = fp32_gluon.get_config(n_k, 128)
+        assert cfg["parts"] == 2 and (cfg["BLOCK_N"], cfg["STAGES"]) == fp32_gluon.TILES[128] == (32, 4)
+        assert cfg["BLOCK_M"] == 128 and cfg["consumers"] == 2 and cfg["q_buffers"] == 1
+        assert (cfg["one_tile"], cfg["tail_keys"]) == (one_tile, tail), n_k
+    with pytest.raises(ValueError, match="head dim 96"):
+        fp32_gluon.get_config(4096, 96)
     assert not fp32_gluon.preferred(4096, fp32_gluon.MIN_KEYS - 1, 64)
     assert fp32_gluon.preferred(1, fp32_gluon.MIN_KEYS, 64)
 
@@ -182,6 +217,15 @@ def test_large_calls_run_in_chunks_whose_copies_fit_the_budget(monkeypatch):
         assert len(set(sizes)) <= 2 and max(sizes) - min(sizes) <= 1 + max(sizes) // 8, (B, H, sizes)
         assert (len(parts) == 1) is (B * H * head_bytes <= fp32_gluon.CHUNK_BYTES or B * H == 1), (B, H, Nq)
     assert len(fp32_gluon.chunks(1, 16, 208200, 208200, 64)) == 6  # VGGT's global attention at 200 frames
+    for B, H, group, Nq, Nk in ((1, 32, 4, 300_000, 300_000), (3, 16, 8, 70000, 70000), (2, 8, 2, 4096, 4096),
+                                (5, 12, 3, 100_000, 100_000)):
+        parts = fp32_gluon.chunks(B, H, Nq, Nk, 128, group)
+        covered = sorted((b, h) for bs, hs in parts for b in range(B)[bs] for h in range(H)[hs])
+        assert covered == [(b, h) for b in range(B) for h in range(H)], (B, H, group)
+        assert all(hs.start % group == 0 and hs.stop % group == 0 for _, hs in parts)  # whole groups
+        unit = 4 * 128 * (group * Nq + 2 * Nk)  # a K / V head and its query heads
+        assert all(len(range(B)[bs]) * len(range(H)[hs]) // group * unit <= fp32_gluon.CHUNK_BYTES
+                   or len(range(H)[hs]) == group for bs, hs in parts), (B, H, group, parts)
     monkeypatch.setattr(fp32_gluon, "hopper_copies_scope_reason", lambda *a, **kw: None)  # as if on a Hopper GPU
     monkeypatch.setattr(fp32_gluon, "sm_count", lambda device: 132)
     for (Nq, Nk), refused in (((208200, 208200), False), ((1024, 1_000_000), True), ((300, 2048), False)):
@@ -191,15 +235,19 @@ def test_large_calls_run_in_chunks_whose_copies_fit_the_budget(monkeypatch):
 
 
 def test_unsupported_reasons_name_the_cause():
-    """float32 with a contiguous head dim (other strides any) is in scope on a capable GPU; fp16 inputs, head dim
-    128, grouped-query attention, bias / causal, split-KV, a strided head dim and tensors off CUDA are refused by
-    name."""
+    """float32 with a contiguous head dim (other strides any) and key / value heads dividing the query heads is in
+    scope on a capable GPU; fp16 inputs, head dim 96, head counts that do not divide, bias / causal, split-KV, a
+    strided head dim and tensors off CUDA are refused by name."""
     q, k, v = (torch.randn(1, 2, n, 64) for n in (64, 2048, 2048))
     reason = fp32_gluon.unsupported_reason
     assert "dtypes" in reason(q.half(), k.half(), v.half(), None, None, False, 0.125, 0)
+    q96 = torch.randn(1, 2, 64, 96)
+    assert "head dims" in reason(q96, q96, q96, None, None, False, 0.125, 0)
     q128 = torch.randn(1, 2, 64, 128)
-    assert "head dims" in reason(q128, q128, q128, None, None, False, 0.125, 0)
-    assert "grouped-query" in reason(q, k[:, :1], v[:, :1], None, None, False, 0.125, 0)
+    assert "tensors on cpu" in reason(q128, q128, q128, None, None, False, 0.125, 0)
+    assert "tensors on cpu" in reason(q, k[:, :1], v[:, :1], None, None, False, 0.125, 0)  # grouped: in scope
+    q3 = torch.randn(1, 3, 64, 64)
+    assert "not one count dividing the 3 query heads" in reason(q3, k, v, None, None, False, 0.125, 0)
     assert "causal" in reason(q, k, v, None, None, True, 0.125, 0)
     assert "split-KV" in reason(q, k, v, None, None, False, 0.125, 2)
     assert "head-dim stride" in reason(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None, None, False,
@@ -267,38 +315,47 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-on
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("B,H,Nq,Nk", [(1, 8, 4096, 4096), (2, 3, 1000, 2049), (1, 1, 1, 2048), (2, 3, 300, 1066),
-                                       (1, 2, 500, 10410), (8, 12, 4097, 4097), (1, 4, 129, 65536), (2, 70, 1000, 2049),
-                                       (2, 3, 300, 100), (1, 2, 64, 1024), (2, 3, 257, 129)])
-def test_matches_the_oracle_and_is_what_fp32_dispatches_to(B, H, Nq, Nk):
-    """Within mode fp32's contract and near the Triton kernel's error vs the float64 oracle at odd row / key counts
-    (TMA zero-fills the tails; the last key tile masked, cut, or split in two parts; one key tile), with programs
-    that take several work tiles; ``elsa_attention`` returns exactly this kernel's output where it dispatches to
-    it, and a training call's LSE is as close to float64 as the Triton kernel's."""
+@pytest.mark.parametrize("B,H,Nq,Nk,D,group", [
+    (1, 8, 4096, 4096, 64, 1), (2, 3, 1000, 2049, 64, 1), (1, 1, 1, 2048, 64, 1), (2, 3, 300, 1066, 64, 1),
+    (1, 2, 500, 10410, 64, 1), (8, 12, 4097, 4097, 64, 1), (1, 4, 129, 65536, 64, 1), (2, 70, 1000, 2049, 64, 1),
+    (2, 3, 300, 100, 64, 1), (1, 2, 64, 1024, 64, 1), (2, 3, 257, 129, 64, 1),
+    (1, 8, 4096, 4096, 128, 1), (2, 3, 1000, 2049, 128, 1), (2, 3, 300, 1066, 128, 1), (1, 4, 129, 20000, 128, 1),
+    (2, 3, 257, 129, 128, 1), (1, 2, 70, 40, 128, 1),
+    (1, 32, 1024, 8192, 128, 4), (2, 16, 1000, 2049, 64, 8), (4, 16, 700, 4096, 64, 16), (2, 6, 300, 1066, 128, 3)])
+def test_matches_the_oracle_and_is_what_fp32_dispatches_to(B, H, Nq, Nk, D, group):
+    """Within mode fp32's contract and near the Triton kernel's error vs the float64 oracle at head dims 64 and 128,
+    odd row / key counts (TMA zero-fills the tails; the last key tile masked, cut, or split in two parts; one key
+    tile), K / V heads serving ``group`` query heads each (grouped-query attention, against the oracle on K / V
+    repeated), with programs that take several work tiles; ``elsa_attention`` returns exactly this kernel's output
+    where it dispatches to it, and a training call's LSE is as close to float64 as the Triton kernel's."""
     from visionattn.kernels._launch import GluonForwardPlan
     from visionattn.kernels.elsa_fwd import _launch, elsa_attention, get_config
     from visionattn.metrics import rel_l2
     from visionattn.reference import oracle_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, n, 64, device="cuda", generator=g) for n in (Nq, Nk, Nk))
-    scale = 0.125
+    q, k, v = (torch.randn(B, h, n, D, device="cuda", generator=g) for h, n in ((H, Nq), (H // group, Nk),
+                                                                                (H // group, Nk)))
+    scale = D ** -0.5
     y = fp32_gluon.fp32_attention(q, k, v, scale)
     rows = torch.randperm(Nq, device="cuda")[:256]
-    ref = oracle_attention(q[:, :, rows], k, v, scale=scale)
+    k_rep, v_rep = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    ref = oracle_attention(q[:, :, rows], k_rep, v_rep, scale=scale)
     err = rel_l2(y[:, :, rows], ref)
-    triton_y = _launch(q, k, v, None, None, False, scale, "fp32", 1, config=get_config("fp32", 64, 64, Nk))
+    triton_y = _launch(q, k, v, None, None, False, scale, "fp32", 1, config=get_config("fp32", D, D, Nk))
     triton_err = rel_l2(triton_y[:, :, rows], ref)
     assert torch.isfinite(y).all() and err <= 2e-6 and err <= 1.5 * triton_err + 1e-7, (err, triton_err)
     assert torch.equal(fp32_gluon.fp32_attention(q, k, v, scale), y)  # bit-identical repeats
+    if group > 1:  # each query head's output is the equal-heads build's on its repeated K / V head
+        assert torch.equal(fp32_gluon.fp32_attention(q, k_rep, v_rep, scale), y)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if fp32_gluon.preferred(Nq, Nk, 64) and B * H * -(-Nq // 128) >= sms:
+    if fp32_gluon.preferred(Nq, Nk, D) and B * H * -(-Nq // 128) >= sms:
         assert torch.equal(elsa_attention(q, k, v, None, None, False, scale, "fp32"), y)
         plan, (y_lse, lse) = elsa_fwd.plan_for(q, k, v, None, None, False, scale, "fp32", 0, None, True)
         assert isinstance(plan, GluonForwardPlan) and torch.equal(y_lse, y)
-        lse_ref = torch.logsumexp(scale * q[:, :, rows].double() @ k.double().transpose(-1, -2), dim=-1)
+        lse_ref = torch.logsumexp(scale * q[:, :, rows].double() @ k_rep.double().transpose(-1, -2), dim=-1)
         _, (_, triton_lse) = elsa_fwd._plan_and_run(q, k, v, None, None, False, scale, "fp32", 1, None, True,
-                                                    config=get_config("fp32", 64, 64, Nk))
+                                                    config=get_config("fp32", D, D, Nk))
         lse_err = (lse[:, :, rows].double() - lse_ref).abs().max().item()
         triton_lse_err = (triton_lse[:, :, rows].double() - lse_ref).abs().max().item()
         assert lse_err <= 2 * triton_lse_err + 1e-6, (lse_err, triton_lse_err)
@@ -306,16 +363,17 @@ def test_matches_the_oracle_and_is_what_fp32_dispatches_to(B, H, Nq, Nk):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("B,H", [(4, 3), (1, 6)])
-def test_chunked_calls_equal_the_whole_call(monkeypatch, B, H):
-    """A call run in chunks (of batch items; of heads) gives bit for bit the output and LSE of the same call in one
-    launch: each head's scales and work tiles do not depend on the other heads."""
-    q, k, v = (torch.randn(B, H, n, 64, device="cuda") for n in (300, 1100, 1100))
+@pytest.mark.parametrize("B,H,group,D", [(4, 3, 1, 64), (1, 6, 1, 64), (2, 6, 3, 128)])
+def test_chunked_calls_equal_the_whole_call(monkeypatch, B, H, group, D):
+    """A call run in chunks (of batch items; of heads; of whole query-head groups with their K / V head) gives bit
+    for bit the output and LSE of the same call in one launch: each head's scales and work tiles do not depend on
+    the other heads."""
+    q, k, v = (torch.randn(B, h, n, D, device="cuda") for h, n in ((H, 300), (H // group, 1100), (H // group, 1100)))
     cfg = fp32_gluon.config_for(q, k)
-    out, lse = (torch.empty(B, 300, H, 64, device="cuda").transpose(1, 2), torch.empty(B, H, 300, device="cuda"))
+    out, lse = (torch.empty(B, 300, H, D, device="cuda").transpose(1, 2), torch.empty(B, H, 300, device="cuda"))
     fp32_gluon.planned_launch(q, k, v, cfg, True)(q, k, v, 0.125, out, lse)
     monkeypatch.setattr(fp32_gluon, "CHUNK_BYTES", 1)
-    assert len(fp32_gluon.chunks(B, H, 300, 1100, 64)) == B * H
+    assert len(fp32_gluon.chunks(B, H, 300, 1100, D, group)) == B * H // group
     out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
     fp32_gluon.planned_launch(q, k, v, cfg, True)(q, k, v, 0.125, out2, lse2)
     assert torch.equal(out2, out) and torch.equal(lse2, lse)
@@ -323,16 +381,16 @@ def test_chunked_calls_equal_the_whole_call(monkeypatch, B, H):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("n_q,n_k", [(1000, 4100), (4096, 16384)])
-def test_heads_of_any_magnitude_stay_within_the_contract(n_q, n_k):
+@pytest.mark.parametrize("n_q,n_k,d", [(1000, 4100, 64), (4096, 16384, 64), (1000, 4100, 128)])
+def test_heads_of_any_magnitude_stay_within_the_contract(n_q, n_k, d):
     """Heads whose q, k, v magnitudes span 1e-6 .. 1e6 (each head scaled by its own powers of two), strided
     ``unbind`` views of a packed qkv, and long key counts (P V summed per tile in a fresh accumulator): every head
     within 2e-6 of float64."""
     from visionattn.metrics import rel_l2
     from visionattn.reference import oracle_attention
 
-    q, k, v = _magnitude_heads(n_q, n_k, device="cuda")
-    k = torch.stack([k, v], 0).permute(1, 2, 3, 0, 4).unbind(3)[0]  # a strided view (stride 128 between keys)
+    q, k, v = _magnitude_heads(n_q, n_k, d, device="cuda")
+    k = torch.stack([k, v], 0).permute(1, 2, 3, 0, 4).unbind(3)[0]  # a strided view (stride 2 d between keys)
     y = fp32_gluon.fp32_attention(q, k, v, 0.125)
     rows = torch.arange(0, n_q, 7, device="cuda")
     ref = oracle_attention(q[:, :, rows], k, v, scale=0.125)
