@@ -131,16 +131,18 @@ def _half_gluon_jobs(quick: bool):
                                            Scales="*fp32"),
                         constexprs=half_gluon.kernel_constexprs(cfg, d, tma_out=tma_out), num_warps=4,
                         num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
-    # mode fp32's split build (fp32_gluon): hi / lo FP16 operands, 64-key tiles; 1066 keys: a last tile in two parts
-    for n_k in ((4096,) if quick else (4096, 1066)):
-        cfg = fp32_gluon.get_config(n_k)
-        yield ({"kernel": "half-gluon", "variant": f"D=64 fp32 split{' cut tail' if n_k <= 2048 else ''}",
-                "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 4 * cfg["consumers"] + 4, cfg["STAGES"]]},
-               dict(kernel=half_gluon._half_fwd_kernel,
-                    pointer_types=dict(half_gluon.descriptor_types(cfg, 64, torch.float16), O="*fp32", LSE="*fp32",
-                                       Scales="*fp32"),
-                    constexprs=half_gluon.kernel_constexprs(cfg, 64), num_warps=4, num_stages=1,
-                    float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
+    # mode fp32's split build (fp32_gluon): hi / lo FP16 operands, 64-key tiles at D=64 (1066 keys: a last tile in two
+    # parts), 32-key tiles at D=128 (1066 keys: a cut last tile)
+    for d in ((64,) if quick else fp32_gluon.HEAD_DIMS):
+        for n_k in ((4096,) if quick else (4096, 1066)):
+            cfg = fp32_gluon.get_config(n_k, d)
+            yield ({"kernel": "half-gluon", "variant": f"D={d} fp32 split{' cut tail' if n_k <= 2048 else ''}",
+                    "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 4 * cfg["consumers"] + 4, cfg["STAGES"]]},
+                   dict(kernel=half_gluon._half_fwd_kernel,
+                        pointer_types=dict(half_gluon.descriptor_types(cfg, d, torch.float16), O="*fp32", LSE="*fp32",
+                                           Scales="*fp32"),
+                        constexprs=half_gluon.kernel_constexprs(cfg, d), num_warps=4, num_stages=1,
+                        float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
 
 
 def _half_gluon_bwd_jobs(quick: bool):

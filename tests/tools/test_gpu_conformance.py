@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -477,7 +478,7 @@ def test_profiles_respect_their_caps():
         for i in range(400):
             s = conf.draw_case(3, i, profile)
             work = s["B"] * s["H"] * s["Nq"] * s["Nk"]
-            allowance = conf.GLUON_WORK_ALLOWANCE if s.get("gluon_backward") else 1
+            allowance = conf.GLUON_WORK_ALLOWANCE if s.get("gluon_backward") or s.get("gluon_forward") else 1
             assert work * max(s["D"], s["Dv"]) <= allowance * prof.work_cap and work <= prof.elem_cap, s
             assert s["B"] * s["H"] * max(s["Nq"], s["Nk"]) * max(s["D"], s["Dv"]) <= prof.tensor_cap, s
             ns.update((s["Nq"], s["Nk"]))
@@ -488,30 +489,77 @@ def test_profiles_respect_their_caps():
 def test_some_dense_cases_reach_the_gluon_backward():
     """A share of the dense fwd+bwd cases in the modes with a Hopper Gluon backward lies in that kernel's scope, where
     the backward plans' own rules (at an H200's 132 SMs) run it: head dim 64 / 128 for q, k and v, no bias / mask /
-    causal, equal heads, TMA-legal layouts, the input in the mode's compute dtype."""
+    causal, TMA-legal layouts, the input in the mode's compute dtype, equal heads but in fp16 / bf16 (grouped-query
+    heads there too); the scope's least lengths are the plans' thresholds (one less is not routed), and every listed
+    length and the grouped heads are reached."""
     from visionattn.kernels import half_gluon_bwd as hg
 
-    reached = {}
+    routes = {"fp16": lambda B, H, nq, nk, d: hg.preferred(nq, nk), "bf16": lambda B, H, nq, nk, d: hg.preferred(nq, nk),
+              "tf32": lambda B, H, nq, nk, d: hg.tf32_preferred(B, H, nq, nk, d, 132),
+              "fp32": lambda B, H, nq, nk, d: hg.fp32_preferred(B, H, nq, nk, d, 132)}
+    for mode, dims in conf.GLUON_BACKWARD_SCOPE.items():
+        for d, lows in dims.items():
+            low = min(lows)
+            assert routes[mode](1, 1, low, low, d) and not routes[mode](1, 1, low - 1, low - 1, d), (mode, d, low)
+    reached, grouped = {}, set()
     for i in range(2000):
         s = conf.draw_case(0, i, "full")
         if not s.get("gluon_backward"):
             continue
         assert s["family"] == "dense" and s["grad"] and s["mode"] in conf.GLUON_BACKWARD_SCOPE, s
         assert s["D"] == s["Dv"] in conf.GLUON_BACKWARD_SCOPE[s["mode"]], s
-        assert not s["bias"] and not s["mask"] and not s["causal"] and "Hkv" not in s, s
+        assert not s["bias"] and not s["mask"] and not s["causal"], s
+        if "Hkv" in s:
+            assert s["mode"] in ("fp16", "bf16") and s["H"] % s["Hkv"] == 0 and s["Hkv"] < s["H"], s
+            assert s["layouts"] != "packed", s
+            grouped.add(s["mode"])
         assert s["layouts"] == "packed" or set(s["layouts"].values()) <= {"contiguous", "transposed"}, s
         assert s["dtype"] == str(va.get_mode(s["mode"]).compute_dtype).removeprefix("torch."), s
         B, H, nq, nk, d = s["B"], s["H"], s["Nq"], s["Nk"], s["D"]
-        routed = {"fp16": lambda: hg.preferred(nq, nk), "bf16": lambda: hg.preferred(nq, nk),
-                  "tf32": lambda: hg.tf32_preferred(B, H, nq, nk, d, 132),
-                  "fp32": lambda: hg.fp32_preferred(B, H, nq, nk, d, 132)}[s["mode"]]()
-        assert routed, s
-        reached.setdefault(s["mode"], set()).add(d)
-    assert reached == {m: set(dims) for m, dims in conf.GLUON_BACKWARD_SCOPE.items()}, reached
+        assert routes[s["mode"]](B, H, nq, nk, d), s
+        low = max(x for x in conf.GLUON_BACKWARD_SCOPE[s["mode"]][d] if x <= min(nq, nk))
+        reached.setdefault(s["mode"], set()).add((d, low))
+    assert reached == {m: {(d, x) for d, xs in dims.items() for x in xs}
+                       for m, dims in conf.GLUON_BACKWARD_SCOPE.items()}, reached
+    assert grouped == {"fp16", "bf16"}
+
+
+def test_some_dense_fp32_cases_reach_the_gluon_forward():
+    """A share of the other dense fp32 cases lies in the scope of fp32's Gluon forward, where the forward plans' own
+    rules run it on an H200: the scope's head dims and least key count are the kernel's (one key less is not
+    preferred), the call is in the kernel's scope but for the device (CPU tensors built as the suite builds them,
+    grouped-query heads included), and its query tiles give each of the 132 SMs one, so the plan splits no keys
+    (elsa_fwd.choose_num_splits with the kernel's tiles); head dims 64 and 128, grouped and equal heads and
+    forward-only and fwd+bwd cases all occur."""
+    from visionattn.kernels import elsa_fwd, fp32_gluon
+
+    assert conf.GLUON_FORWARD_SCOPE == {"fp32": {d: fp32_gluon.MIN_KEYS for d in fp32_gluon.HEAD_DIMS}}
+    assert not fp32_gluon.preferred(1, fp32_gluon.MIN_KEYS - 1, 64)
+    seen = set()
+    for i in range(6000):
+        s = conf.draw_case(0, i, "full")
+        if not s.get("gluon_forward"):
+            continue
+        assert s["family"] == "dense" and s["mode"] == "fp32" and not s.get("gluon_backward"), s
+        assert not s["bias"] and not s["mask"] and not s["causal"] and s["dtype"] == "float32", s
+        B, H, nq, nk, d = s["B"], s["H"], s["Nq"], s["Nk"], s["D"]
+        assert s["Dv"] == d and fp32_gluon.preferred(nq, nk, d), s
+        cfg = fp32_gluon.get_config(nk, d)
+        assert B * H * -(-nq // cfg["BLOCK_M"]) >= conf.GLUON_FORWARD_SMS, s
+        prob = conf._dense_problem(s, torch.Generator().manual_seed(0), "cpu")
+        q, k, v = (prob.theta[n] for n in ("q", "k", "v"))
+        reason = fp32_gluon.unsupported_reason(q, k, v, None, None, False, d ** -0.5, 0)
+        assert reason == "tensors on cpu", (s, reason)
+        tiles = elsa_fwd.TileConfig(cfg["BLOCK_M"], cfg["BLOCK_N"], 4, cfg["STAGES"])
+        cuda = torch.device("cuda")
+        with mock.patch.object(elsa_fwd, "sm_count", lambda device: conf.GLUON_FORWARD_SMS):
+            assert elsa_fwd.choose_num_splits(B * H, nq, nk, tiles, cuda, "half") == 1, s
+        seen.add((d, "Hkv" in s, s["grad"]))
+    assert seen == {(d, g, grad) for d in (64, 128) for g in (False, True) for grad in (False, True)}, seen
 
 
 # describe() of cases 0:0 .. 0:299 per profile: the case ids are stable (a change to the drawing changes these)
-CASE_DIGESTS = {"full": "9831ca002d9d916ad2999303488051e086bde22728a144e0a59ae255dc14fcb4",
+CASE_DIGESTS = {"full": "2b3b00b934370025e5c6bb98da9dc6db289b49a1caba5eeb8556238a0e7fa7f2",
                 "tiny": "a59a1b410a3ce08d99234c7a8e444c83664686afa5f13b768f4baf92a2f8439d"}
 
 

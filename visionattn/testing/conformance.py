@@ -29,8 +29,11 @@ max(D, Dv) capped (see :data:`PROFILES`: one case of ``full`` peaks at about 3 G
 dozen worker processes fit on one GPU; the caps do not depend on how many share it, so an id is the same case
 whatever ran it).
 A quarter of the dense fwd+bwd cases in the modes with a Hopper Gluon backward are drawn into that kernel's scope
-(:data:`GLUON_BACKWARD_SCOPE`: lengths from where the backward plans take it, head dim 64 / 128, nothing else that
-would keep them on the Triton kernels), with a larger work cap (:data:`GLUON_WORK_ALLOWANCE`).
+(:data:`GLUON_BACKWARD_SCOPE`: lengths from where the backward plans take it and a long one, head dim 64 / 128,
+grouped-query heads in fp16 / bf16, nothing else that would keep them on the Triton kernels), and a third of the
+other dense fp32 cases into the scope of its Gluon forward (:data:`GLUON_FORWARD_SCOPE`: head dim 64 / 128, keys
+from where the forward plans take it, enough query tiles to fill an H200 without split-KV, grouped-query heads),
+both with a larger work cap (:data:`GLUON_WORK_ALLOWANCE`).
 Layouts of q / k / v, bias, mask and the output gradient: contiguous, transposed ([B, N, H, D] memory), D-major,
 sliced from a larger tensor, strided last dim, stride-0 expanded (batch or heads), misaligned (data pointer off
 16 bytes), timm's ``qkv.unbind`` views; bias / mask broadcast patterns [Nq, Nk], [H, Nq, Nk], [B, 1, Nq, Nk],
@@ -489,44 +492,94 @@ def _draw_gqa(rng: random.Random, spec: dict) -> None:
 
 # share of the dense fwd+bwd cases, in a mode that has a Hopper Gluon backward, redrawn into that kernel's scope
 # (``profile`` full only; a stream of its own, so every other case is drawn as without it): head dim 64 / 128 for
-# q, k and v, both lengths from the length where the backward plans take the Gluon kernel, no bias / mask / causal,
-# equal heads, layouts whose strides TMA takes. The other draws land there rarely: a long sequence seldom comes
-# with a head dim of 64 / 128, no bias, mask, causal flag or grouped heads and such layouts all at once
+# q, k and v, both lengths from a length where the backward plans take the Gluon kernel, no bias / mask / causal,
+# equal heads (fp16 / bf16: grouped-query heads in GLUON_GQA_SHARE of them), layouts whose strides TMA takes. The
+# other draws land there rarely: a long sequence seldom comes with a head dim of 64 / 128, no bias, mask, causal
+# flag or grouped heads and such layouts all at once
 GLUON_BACKWARD_SHARE = 0.25
-# per mode: head dim -> the least length (queries and keys) at which the backward plans run the Gluon kernel for
-# one or two heads on an H200 (half_gluon_bwd.preferred, tf32_preferred, fp32_preferred; a CPU test checks them)
-GLUON_BACKWARD_SCOPE = {"fp16": {64: 2048, 128: 2048}, "bf16": {64: 2048, 128: 2048}, "tf32": {64: 4096, 128: 1024},
-                        "fp32": {64: 1024}}
+# per mode: head dim -> lengths (queries and keys) from which the redrawn cases start: the least at which the
+# backward plans run the Gluon kernel for one to four heads on an H200 (half_gluon_bwd.preferred, tf32_preferred,
+# fp32_preferred; a CPU test checks them) and, for fp16 / bf16, a long one (many key tiles' ordered dQ turns)
+GLUON_BACKWARD_SCOPE = {"fp16": {64: (273, 2048), 128: (273, 2048)}, "bf16": {64: (273, 2048), 128: (273, 2048)},
+                        "tf32": {64: (4096,), 128: (1024,)}, "fp32": {64: (1024,)}}
+# share of the redrawn fp16 / bf16 backward cases (two or four heads) with grouped-query key / value heads
+GLUON_GQA_SHARE = 0.3
 # the Gluon-scope cases' work cap, times the profile's: their lengths are fixed by the scope, so B * H cannot
 # shrink them under it (their oracle and tensors stay within elem_cap and tensor_cap)
 GLUON_WORK_ALLOWANCE = 4
 
 
+def _divisor_above_one(rng: random.Random, h: int) -> int:
+    return rng.choice([g for g in range(2, h + 1) if h % g == 0])
+
+
 def _draw_gluon_backward(rng: random.Random, prof: Profile, spec: dict) -> None:
     """Redraw a dense fwd+bwd case (:data:`GLUON_BACKWARD_SHARE` of those in a :data:`GLUON_BACKWARD_SCOPE` mode)
-    into the Gluon backward's scope: lengths at the scope's least length, or one to two tiles past it (a cut last
-    key / query tile), B = 1 and one or two heads within the oracle caps."""
+    into the Gluon backward's scope: lengths at one of the scope's lengths, or one to two tiles past it (a cut last
+    key / query tile), B = 1 and one to four heads within the oracle caps (fp16 / bf16: grouped-query key / value
+    heads in :data:`GLUON_GQA_SHARE` of those with two or four)."""
     scope = GLUON_BACKWARD_SCOPE.get(spec["mode"])
     if not scope or prof.name != "full" or not spec["grad"] or rng.random() >= GLUON_BACKWARD_SHARE:
         return
     d = rng.choice(sorted(scope))
-    low = scope[d]
+    low = rng.choice(scope[d])
     nq = low + rng.choice((0, 1, 63, 129))
     self_attn = rng.random() < 0.5
     nk = nq if self_attn else low + rng.choice((0, 1, 64, 127))
-    h = 2 if rng.random() < 0.5 else 1
+    h = rng.choice((1, 2, 4))
     while h > 1 and (h * nq * nk > prof.elem_cap or h * max(nq, nk) * d > prof.tensor_cap
                      or h * nq * nk * d > GLUON_WORK_ALLOWANCE * prof.work_cap):
-        h -= 1
+        h //= 2
     spec.pop("Hkv", None)
     spec.update(B=1, H=h, Nq=nq, Nk=nk, D=d, Dv=d, skeleton=None, bias=None, mask=None, causal=False,
                 dtype=_compute_dtype(spec["mode"]), needs=["q", "k", "v"],
                 gluon_backward=True)
-    if self_attn and rng.random() < 0.3:
+    grouped = spec["mode"] in ("fp16", "bf16") and h > 1 and rng.random() < GLUON_GQA_SHARE
+    if grouped:
+        spec["Hkv"] = h // _divisor_above_one(rng, h)
+    if self_attn and not grouped and rng.random() < 0.3:
         spec["layouts"] = "packed"  # timm's qkv.unbind views: TMA-legal strides
     else:
         spec["layouts"] = {name: rng.choice(("contiguous", "contiguous", "transposed")) for name in ("q", "k", "v")}
     spec["grad_out"] = _draw_grad_out(rng, h * nq * d, spec["dtype"])
+
+
+# share of the other dense fp32 cases redrawn into the scope of fp32's Gluon forward (its split-FP16 build;
+# ``profile`` full only, a stream of its own): head dim 64 / 128, keys from GLUON_FORWARD_SCOPE's least count (one
+# or two tiles past it), as many heads as give an H200's 132 SMs a query tile each (the dense plan then splits no
+# keys), grouped-query heads in GLUON_GQA_SHARE of them, no bias / mask / causal, q / k / v with a unit head-dim
+# stride (the operand pass reads rows: any other strides, any alignment). Forward only or fwd+bwd as drawn (the
+# backward of a head-dim-128 or grouped case runs the Triton kernels on the Gluon forward's LSE)
+GLUON_FORWARD_SHARE = 0.33
+# per mode: head dim -> the least key count at which the forward plans run the Gluon kernel (fp32_gluon.MIN_KEYS;
+# a CPU test checks it)
+GLUON_FORWARD_SCOPE = {"fp32": {64: 256, 128: 256}}
+# the SMs whose query tiles the redrawn forward cases fill (an H200's), and the kernel's query rows per tile
+GLUON_FORWARD_SMS, GLUON_FORWARD_ROWS = 132, 128
+
+
+def _draw_gluon_forward(rng: random.Random, prof: Profile, spec: dict) -> None:
+    """Redraw a dense case (:data:`GLUON_FORWARD_SHARE` of those in a :data:`GLUON_FORWARD_SCOPE` mode, not already
+    redrawn for the backward) into the Gluon forward's scope (see :data:`GLUON_FORWARD_SHARE`)."""
+    scope = GLUON_FORWARD_SCOPE.get(spec["mode"])
+    if not scope or prof.name != "full" or spec.get("gluon_backward") or rng.random() >= GLUON_FORWARD_SHARE:
+        return
+    d = rng.choice(sorted(scope))
+    nk = scope[d] + rng.choice((0, 1, 63, 129))
+    nq = nk if rng.random() < 0.5 else rng.choice((128, 129, 255, 300, 511))
+    h = rng.choice((2, 4, 6, 8, 12, 16))
+    tiles = -(-nq // GLUON_FORWARD_ROWS)
+    b = -(-GLUON_FORWARD_SMS // (h * tiles))  # one query tile per SM at least
+    spec.pop("Hkv", None)
+    spec.update(B=b, H=h, Nq=nq, Nk=nk, D=d, Dv=d, skeleton=None, bias=None, mask=None, causal=False,
+                dtype=_compute_dtype(spec["mode"]), gluon_forward=True)
+    if rng.random() < GLUON_GQA_SHARE:
+        spec["Hkv"] = h // _divisor_above_one(rng, h)
+    spec["layouts"] = {name: rng.choice(("contiguous", "transposed", "sliced", "misaligned"))
+                       for name in ("q", "k", "v")}
+    if spec["grad"]:
+        spec["needs"] = ["q", "k", "v"]
+        spec["grad_out"] = _draw_grad_out(rng, b * h * nq * d, spec["dtype"])
 
 
 def draw_case(seed: int, index: int, profile: str) -> dict:
@@ -567,6 +620,7 @@ def draw_case(seed: int, index: int, profile: str) -> dict:
         _draw_gqa(random.Random(f"{seed}:{index}:gqa"), spec)
     if family == "dense":
         _draw_gluon_backward(random.Random(f"{seed}:{index}:gluon-backward"), prof, spec)
+        _draw_gluon_forward(random.Random(f"{seed}:{index}:gluon-forward"), prof, spec)
     # (the window calls cast inside their kernel and document no such refusal)
     if (mode in ("fp16", "pasa") and spec["dtype"] in ("float32", "float64") and rng.random() < 0.1
             and not spec["expect_refusal"] and family not in ("window", "window-qkvpacked")):
@@ -582,6 +636,7 @@ def describe(spec: dict) -> str:
     parts = [spec["family"], spec["mode"], "fwd+bwd" if spec["grad"] else "fwd",
              f"skeleton{spec['skeleton']}" if spec.get("skeleton") is not None else "",
              "gluon-backward-scope" if spec.get("gluon_backward") else "",
+             "gluon-forward-scope" if spec.get("gluon_forward") else "",
              f"B={spec['B']} H={spec['H']}" + (f" Hkv={spec['Hkv']}" if "Hkv" in spec else "")
              + f" Nq={spec['Nq']} Nk={spec['Nk']} D={spec['D']} Dv={spec['Dv']}",
              f"in={spec['dtype']}"]
