@@ -144,8 +144,9 @@ for n_k, parts, d in ((4096, 2, 64), (1066, 2, 64), (100, 2, 64), (4096, 1, 64),
     r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, torch.float16),
                          O="*fp32", LSE="*fp32", Scales="*fp32"), half_gluon.kernel_constexprs(cfg, d, True),
                          num_warps=4, num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
-    out[f"{n_k}_{parts}_{d}"] = {"shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers, "local": r.local_bytes,
-                             "ws": r.ttgir.count("ttg.warp_specialize"), "programs": r.programs_per_sm}
+    out[f"{n_k}_{parts}_{d}"] = {"shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers,
+                                 "local": r.local_bytes, "ws": r.ttgir.count("ttg.warp_specialize"),
+                                 "programs": r.programs_per_sm}
 print(json.dumps(out))
 """
 

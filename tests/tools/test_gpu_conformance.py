@@ -494,7 +494,8 @@ def test_some_dense_cases_reach_the_gluon_backward():
     length and the grouped heads are reached."""
     from visionattn.kernels import half_gluon_bwd as hg
 
-    routes = {"fp16": lambda B, H, nq, nk, d: hg.preferred(nq, nk), "bf16": lambda B, H, nq, nk, d: hg.preferred(nq, nk),
+    routes = {"fp16": lambda B, H, nq, nk, d: hg.preferred(nq, nk),
+              "bf16": lambda B, H, nq, nk, d: hg.preferred(nq, nk),
               "tf32": lambda B, H, nq, nk, d: hg.tf32_preferred(B, H, nq, nk, d, 132),
               "fp32": lambda B, H, nq, nk, d: hg.fp32_preferred(B, H, nq, nk, d, 132)}
     for mode, dims in conf.GLUON_BACKWARD_SCOPE.items():
