@@ -27,7 +27,8 @@ try:
 except (ImportError, AttributeError) as exc:  # pragma: no cover - depends on the installed Triton
     IMPORT_ERROR = f"Gluon unavailable in this Triton ({exc})"
 
-__all__ = ["scope_reason", "hopper_tma_scope_reason", "hopper_copies_scope_reason", "strides_aligned",
+__all__ = ["scope_reason", "hopper_tma_scope_reason", "hopper_copies_scope_reason", "kv_heads_reason",
+           "strides_aligned",
            "nvmma_layout", "checked_call", "cta_barrier", "IMPORT_ERROR"]
 
 
@@ -86,6 +87,15 @@ def hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: fl
                         capable=_hopper, capable_text=_HOPPER_TEXT, import_error=import_error)
 
 
+def kv_heads_reason(q, k, v) -> str | None:
+    """Why k / v [B, Hkv, N, D] cannot serve q [B, H, N, D]'s heads as grouped-query attention reads them (one head
+    count Hkv for k and v, dividing H: query head h reads K / V head h // (H / Hkv)), or ``None``."""
+    h, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
+    if h_k != h_v or h_k < 1 or h % h_k:
+        return f"key / value heads ({h_k}, {h_v}) that do not divide the {h} query heads as one count"
+    return None
+
+
 def hopper_copies_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale: float, num_splits: int, *,
                                head_dims: tuple[int, ...], import_error: str | None,
                                grouped: bool = False) -> str | None:
@@ -93,11 +103,11 @@ def hopper_copies_scope_reason(q, k, v, bias, attn_mask, is_causal: bool, scale:
     a Triton operand pass (:mod:`.scaled_fp16`; the tf32 / fp32 builds): any strides but a unit head-dim stride (the
     pass reads rows), compute capability 9.x; equal heads for q and k / v unless ``grouped`` (then k / v heads
     dividing q's: grouped-query attention)."""
-    h, h_k, h_v = q.shape[1], k.shape[1], v.shape[1]
-    if not grouped and (h_k != h or h_v != h):
+    if not grouped and (k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]):
         return "grouped-query attention (fewer key / value heads than query heads)"
-    if h_k != h_v or h_k < 1 or h % h_k:
-        return f"key / value heads ({h_k}, {h_v}) that are not one count dividing the {h} query heads"
+    reason = kv_heads_reason(q, k, v)
+    if reason is not None:
+        return reason
     return scope_reason(q, k, v, bias, attn_mask, is_causal, scale, num_splits, dtypes=(torch.float32,),
                         head_dims=head_dims, stride_elems=1,
                         stride_text="has a head-dim stride other than 1 (the operand pass reads rows)",

@@ -78,7 +78,8 @@ import triton
 import triton.language as tl
 
 from . import elsa_bwd
-from ._gluon import hopper_copies_scope_reason, hopper_tma_scope_reason, nvmma_layout, strides_aligned
+from ._gluon import (hopper_copies_scope_reason, hopper_tma_scope_reason, kv_heads_reason, nvmma_layout,
+                      strides_aligned)
 from ._launch import LOG2E, SPIN_UNTIL_EQUAL_PTX, KernelCall, cdiv, head_blocks, sm_count
 from .scaled_fp16 import P_SPLIT_EXP, SHIFT_LIMIT, head_shift, scaled_rows
 from .split16 import pow2
@@ -314,9 +315,9 @@ def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scal
     (reported last). ``grad_out`` may be any float dtype and layout: :func:`half_backward` rounds it to q's dtype
     and copies it where its strides are not TMA-legal.
     """
-    h, h_kv = q.shape[1], k.shape[1]
-    if v.shape[1] != h_kv or h_kv == 0 or h % h_kv:
-        return f"key / value heads ({h_kv}, {v.shape[1]}) that do not divide the {h} query heads as one count"
+    reason = kv_heads_reason(q, k, v)
+    if reason is not None:
+        return reason
     if not grad_out.dtype.is_floating_point or tuple(grad_out.shape) != (*q.shape[:3], v.shape[-1]):
         return f"grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the output"
     return hopper_tma_scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, dtypes=_DTYPES,

@@ -248,7 +248,7 @@ def test_unsupported_reasons_name_the_cause():
     assert "tensors on cpu" in reason(q128, q128, q128, None, None, False, 0.125, 0)
     assert "tensors on cpu" in reason(q, k[:, :1], v[:, :1], None, None, False, 0.125, 0)  # grouped: in scope
     q3 = torch.randn(1, 3, 64, 64)
-    assert "not one count dividing the 3 query heads" in reason(q3, k, v, None, None, False, 0.125, 0)
+    assert "do not divide the 3 query heads" in reason(q3, k, v, None, None, False, 0.125, 0)
     assert "causal" in reason(q, k, v, None, None, True, 0.125, 0)
     assert "split-KV" in reason(q, k, v, None, None, False, 0.125, 2)
     assert "head-dim stride" in reason(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, None, None, False,

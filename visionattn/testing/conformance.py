@@ -482,12 +482,16 @@ def _draw_varlen(rng: random.Random, lengths: random.Random, prof: Profile, spec
 GQA_SHARE = 0.3
 
 
+def _divisor_above_one(rng: random.Random, h: int) -> int:
+    # a divisor of h above 1, drawn (h > 1)
+    return rng.choice([g for g in range(2, h + 1) if h % g == 0])
+
+
 def _draw_gqa(rng: random.Random, spec: dict) -> None:
     """Grouped-query attention for some dense / split-KV cases: ``Hkv`` = H / G key / value heads, G a divisor of H
     above 1 (G = H: multi-query). Its own stream, so the rest of a case is drawn as without it."""
-    divisors = [g for g in range(2, spec["H"] + 1) if spec["H"] % g == 0]
-    if divisors and rng.random() < GQA_SHARE:
-        spec["Hkv"] = spec["H"] // rng.choice(divisors)
+    if spec["H"] > 1 and rng.random() < GQA_SHARE:
+        spec["Hkv"] = spec["H"] // _divisor_above_one(rng, spec["H"])
 
 
 # share of the dense fwd+bwd cases, in a mode that has a Hopper Gluon backward, redrawn into that kernel's scope
@@ -507,10 +511,6 @@ GLUON_GQA_SHARE = 0.3
 # the Gluon-scope cases' work cap, times the profile's: their lengths are fixed by the scope, so B * H cannot
 # shrink them under it (their oracle and tensors stay within elem_cap and tensor_cap)
 GLUON_WORK_ALLOWANCE = 4
-
-
-def _divisor_above_one(rng: random.Random, h: int) -> int:
-    return rng.choice([g for g in range(2, h + 1) if h % g == 0])
 
 
 def _draw_gluon_backward(rng: random.Random, prof: Profile, spec: dict) -> None:
