@@ -65,7 +65,8 @@ Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x, q / 
 q [B, H, Nq, D], k / v [B, Hkv, Nk, D] with Hkv dividing H (grouped-query attention: one program per key tile of a
 K / V head sweeps the query tiles of the group's query heads one head after another, or of one of the group's
 :func:`kv_split` parts, with FP32 dK / dV partials summed afterwards, where the K / V heads' programs would leave SMs
-idle; the tf32 / fp32 builds take equal heads), Nq != Nk allowed, head dim 64 or 128
+idle; in the tf32 / fp32 builds each query head's multipliers are taken at its first step and the dK / dV
+accumulators rescaled to them, powers of two), Nq != Nk allowed, head dim 64 or 128
 for Q/K and V, no bias / mask / causal, TMA-legal strides (contiguous head dim, 16-byte-aligned base and strides).
 Everything else stays on :mod:`.elsa_bwd`'s Triton kernels, which also keep the calls below :data:`MIN_KEYS`
 keys or query rows (where this kernel's per-program fixed costs lose to them). Gluon cannot run under
@@ -281,9 +282,9 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = Fa
     and fp32's per-head scaled operands (:func:`tf32_backward`), ``PARTS`` 2 for fp32's split-FP16 products
     (``split``, :func:`fp32_backward`; with head_scales only), else 1; ``PRODUCER_ROWS`` and ``KV_IN_REGS`` from
     the config's ``producer_rows`` and ``kv_in_registers`` (the latter never with ``split``), ``GQA`` for grouped-query
-    attention (fewer K / V heads than query heads; not with head_scales, whose multipliers are per query head, nor
-    ``split``), ``KV_PARTIALS`` for its groups cut into parts with FP32 dK / dV partials (:func:`kv_split`; with
-    ``gqa`` only). Raises ValueError for a
+    attention (fewer K / V heads than query heads; with head_scales each query head's multipliers are taken at its
+    first step and the dK / dV accumulators rescaled to them), ``KV_PARTIALS`` for its groups cut into parts with
+    FP32 dK / dV partials (:func:`kv_split`; with ``gqa`` only). Raises ValueError for a
     ``dq_accumulators`` outside 1 .. :data:`MAX_DQ_ACCUMULATORS` or a ``dq_ring`` smaller than the
     :data:`DQ_WRITERS` writers' tiles in flight (the ring's phase waits are exact only then, see ``_dq_writer``)."""
     accs, ring = cfg["dq_accumulators"], cfg["dq_ring"]
@@ -291,9 +292,6 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = Fa
         raise ValueError(f"dq_accumulators {accs!r}: 1 to {MAX_DQ_ACCUMULATORS} FP32 dQ accumulators")
     if not (isinstance(ring, int) and ring >= DQ_WRITERS):
         raise ValueError(f"dq_ring {ring!r} < {DQ_WRITERS}: the ring holds a query tile per dQ writer")
-    if gqa and (head_scales or split):
-        raise ValueError("grouped-query attention runs the fp16 / bf16 build only (the tf32 / fp32 builds scale per "
-                         "query head)")
     if kv_partials and not gqa:
         raise ValueError("kv_partials cuts the query heads of grouped-query attention: pass gqa=True")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
@@ -461,18 +459,19 @@ if _IMPORT_ERROR is None:
                                                             instr_shape=[16, DQC, 16])
         dtype: gl.constexpr = q_smem.dtype
         DQ_RING: gl.constexpr = dq_full.shape[0]
-        gl.static_assert(not (GQA and HEAD_SCALES), "the per-head multipliers are the query head's")
         j, bh, off_b, off_h = _program_tile(Nk, H, GROUP, BLOCK_N, GQA)
         n_m = gl.cdiv(Nq, BLOCK_M)
         n_steps = n_m * GROUP if GQA else n_m
-        # the multipliers of dQ's and dK's products (dV's is 1), and delta's (1): with HEAD_SCALES the head's row of
-        # Scales (its operands were scaled by powers of two, see _scaled_operands_kernel)
+        # the multipliers of dQ's and dK's products (dV's is 1), and delta's (1): with HEAD_SCALES the query head's
+        # row of Scales (its operands were scaled by powers of two, see _scaled_operands_kernel); with GQA too, each
+        # query head of the group its own row, taken at its first step (the dK / dV accumulators are then rescaled
+        # from the previous head's multipliers to its own: powers of two, exact)
         dq_scale = scale
         dk_scale = scale
         dv_scale = 1.0
         delta_mult = 1.0
         if HEAD_SCALES:
-            head = Scales + bh * SCALES_ROW
+            head = Scales + _step_head(0, n_m, off_b, off_h, H, GROUP, GQA)[2] * SCALES_ROW
             qk_scale = gl.load(head)
             delta_mult = gl.load(head + 1)
             dq_scale = gl.load(head + 2)
@@ -502,6 +501,18 @@ if _IMPORT_ERROR is None:
             v_w = v_w.load(kv_op)
         for t in range(n_steps):
             tq, q_head, q_bh = _step_head(t, n_m, off_b, off_h, H, GROUP, GQA)
+            if HEAD_SCALES and GQA:
+                if (tq == 0) & (t > 0):  # the next query head of the group: its multipliers
+                    head = Scales + q_bh * SCALES_ROW
+                    qk_scale = gl.load(head)
+                    delta_mult = gl.load(head + 1)
+                    dq_scale = gl.load(head + 2)
+                    dk_next = gl.load(head + 3)
+                    dv_next = gl.load(head + 4)
+                    dk = dk * (dk_scale / dk_next)
+                    dv = dv * (dv_scale / dv_next)
+                    dk_scale = dk_next
+                    dv_scale = dv_next
             i = _query_tile(tq, j, n_m, ROT, DQ_ACCS)
             row_base = q_bh * Nq
             slot = t % STAGES
@@ -832,19 +843,23 @@ def _preprocess(q, out, grad_out, lse, k=None, v=None, head_max=None, scratch=(0
     as the backward plans make it): delta and the row lse FP32 [B * H * Nq] and, from a launch's ``scratch`` (its
     ``(counters, accumulators)`` sizes), its zeroed int32 dQ counters and uninitialised FP32 dQ accumulators, all in
     one :class:`.elsa_bwd.Scratch` allocation; with ``head_max`` (int32 [B * H, 4], zeroed) also the heads' largest
-    magnitudes of q, k, v, dO into it."""
+    magnitudes of q, k, v, dO into it (with grouped-query K / V heads, each query head's row holding its K / V
+    head's, by :func:`.elsa_bwd._gqa_kv_max`, as the backward plans do)."""
     B, H, Nq, D = q.shape
     Dv = out.shape[3]
     layout = elsa_bwd.Scratch(B * H * Nq, *scratch)
     delta, lse_row, counters, accumulators = layout.allocate(q.device)
     call = elsa_bwd._preprocess_call(B, H, Nq, *head_blocks(D, Dv), head_max=head_max is not None,
                                      n_zero=layout.counters)
+    keys = 0 if head_max is None else k.shape[2]
     if head_max is None:  # HEAD_MAX off: K / V, E and their strides are not read (q stands in; 0 keys)
         k = v = q
         head_max = delta
+    elif k.shape[1] != H:  # the K / V maxima per K / V head, not in the kernel (it reads K / V head h)
+        elsa_bwd._gqa_kv_max(head_max, k, v, B, k.shape[1], H // k.shape[1])
+        keys = 0
     call(q, out, grad_out, lse, delta, lse_row, *out.stride(), *grad_out.stride(), *lse.stride(), H, Nq, Dv,
-         k, v, head_max, *q.stride(), *k.stride(), *v.stride(), k.shape[2] if k is not q else 0, D, counters,
-         layout.counters)
+         k, v, head_max, *q.stride(), *k.stride(), *v.stride(), keys, D, counters, layout.counters)
     return delta, lse_row, counters, accumulators
 
 
@@ -1073,13 +1088,13 @@ def tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool,
     if not grad_out.dtype.is_floating_point or tuple(grad_out.shape) != (*q.shape[:3], v.shape[-1]):
         return f"grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the output"
     return hopper_copies_scope_reason(q, k, v, bias, attn_mask, is_causal, scale, 1, head_dims=HEAD_DIMS,
-                                      import_error=_IMPORT_ERROR)
+                                      import_error=_IMPORT_ERROR, grouped=True)
 
 
 @triton.jit(do_not_specialize=["H", "Nq", "Nk", "n_rows"])
 def _scaled_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
                             sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
-                            H, Nq, Nk, n_rows, qk_scale, scale, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                            H, GROUP, Nq, Nk, n_rows, qk_scale, scale, HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr,
                             TQ: tl.constexpr, TK: tl.constexpr, TV: tl.constexpr, TDO: tl.constexpr,
                             LIMIT: tl.constexpr, ROW: tl.constexpr, PARTS: tl.constexpr, P_EXP: tl.constexpr):
     """The FP16 operands of the Gluon backward's HEAD_SCALES builds: head ``bh``'s q, k, v, dO times ``2^s_q``,
@@ -1089,7 +1104,9 @@ def _scaled_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
     row of Scales (FP32 [B * H, ROW]): ``qk_scale 2^-(s_q + s_k)`` (the logits' log2-domain multiplier),
     ``2^(s_v + s_do)`` (delta's), ``scale 2^-(s_v + s_do + s_k)`` (dQ's), ``scale 2^-(s_v + s_do + s_q)`` (dK's),
     ``2^-(s_do + P_EXP)`` (dV's: P^T enters dV scaled by ``2^P_EXP``). 1-D grid cdiv(n_rows, BLOCK_M) * H * B,
-    n_rows = max(Nq, Nk)."""
+    n_rows = max(Nq, Nk). Grouped-query attention: k / v have H / GROUP heads, K / V head ``h // GROUP`` copied into
+    [B, H / GROUP, Nk, PARTS * HEAD_D] by the programs of its first query head (every query head's row of E holds its
+    K / V head's magnitudes: :func:`.elsa_bwd._gqa_kv_max`)."""
     t, off_b, off_h, bh = elsa_bwd._tile_and_head(n_rows, BLOCK_M, H)
     e = E + bh * 4
     s_q = head_shift(tl.load(e), TQ, LIMIT)
@@ -1104,11 +1121,13 @@ def _scaled_operands_kernel(Q, K, V, DO, E, Q16, K16, V16, DO16, Scales,
                      PARTS)
         scaled_rows(DO + off_b * sdb + off_h * sdh, sdm, sdd, DO16 + bh * Nq * W, rows, Nq, offs_d, pow2(s_do),
                      HEAD_D, PARTS)
-    if t * BLOCK_M < Nk:
-        scaled_rows(K + off_b * skb + off_h * skh, skn, skd, K16 + bh * Nk * W, rows, Nk, offs_d, pow2(s_k), HEAD_D,
-                     PARTS)
-        scaled_rows(V + off_b * svb + off_h * svh, svn, svd, V16 + bh * Nk * W, rows, Nk, offs_d, pow2(s_v), HEAD_D,
-                     PARTS)
+    if (t * BLOCK_M < Nk) & (off_h % GROUP == 0):
+        h_kv = off_h // GROUP
+        bh_kv = off_b * (H // GROUP) + h_kv
+        scaled_rows(K + off_b * skb + h_kv * skh, skn, skd, K16 + bh_kv * Nk * W, rows, Nk, offs_d, pow2(s_k),
+                    HEAD_D, PARTS)
+        scaled_rows(V + off_b * svb + h_kv * svh, svn, svd, V16 + bh_kv * Nk * W, rows, Nk, offs_d, pow2(s_v),
+                    HEAD_D, PARTS)
     if t == 0:
         # each multiplier as a product of powers in range (their sum of shifts may not be): it rounds only where
         # the gradient itself falls below FP32's normal range
@@ -1140,9 +1159,11 @@ def scaled_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out:
     mode fp32 with ``split``), by :func:`_scaled_operands_kernel` (runs under ``TRITON_INTERPRET=1`` too).
 
     Args:
-        q: float32 [B, H, Nq, D], any strides; k, v: [B, H, Nk, D]; grad_out: [B, H, Nq, D], any float dtype.
-        head_max: int32 [B * H, 4], the FP32 bit patterns of each head's largest magnitude of q, k, v, dO (as
-            :func:`.elsa_bwd._bwd_preprocess_kernel` finds them with ``HEAD_MAX``).
+        q: float32 [B, H, Nq, D], any strides; k, v: [B, Hkv, Nk, D], Hkv dividing H (grouped-query attention);
+            grad_out: [B, H, Nq, D], any float dtype.
+        head_max: int32 [B * H, 4], the FP32 bit patterns of each query head's largest magnitude of q, its K / V
+            head's k and v, and dO (as :func:`.elsa_bwd._bwd_preprocess_kernel` finds them with ``HEAD_MAX``, the
+            K / V columns from :func:`.elsa_bwd._gqa_kv_max` with grouped heads).
         scale: the logit scale.
         split: hi and lo FP16 parts of each scaled operand (22 significant bits, as 3xTF32 keeps), for fp32.
         _call: the operand kernel's kept launch for this signature (a plan's; else one is made).
@@ -1150,20 +1171,21 @@ def scaled_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out:
     Returns:
         contiguous float16 copies of q, k, v, dO, each head times a power of two (its largest magnitude in
         ``[2^(e - 1), 2^e)``, e from :data:`TF32_SCALE_EXPONENTS`; an all-zero or non-finite head unscaled; shifts
-        within :data:`TF32_SHIFT_LIMIT`), [B, H, N, D], or with ``split`` [B, H, N, 2 D] (hi parts in the first D
-        columns, lo parts in the last), and the FP32 [B * H, 8] multipliers the kernel's HEAD_SCALES build reads.
+        within :data:`TF32_SHIFT_LIMIT`), [B, H or Hkv, N, D], or with ``split`` [B, H or Hkv, N, 2 D] (hi parts in
+        the first D columns, lo parts in the last), and the FP32 [B * H, 8] multipliers of each query head the
+        kernel's HEAD_SCALES build reads.
     """
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+    h_kv, Nk = k.shape[1], k.shape[2]
     W = 2 * D if split else D
-    ops = torch.empty(2 * B * H * (Nq + Nk) * W, device=q.device, dtype=torch.float16)
-    nq, nk = B * H * Nq * W, B * H * Nk * W
+    nq, nk = B * H * Nq * W, B * h_kv * Nk * W
+    ops = torch.empty(2 * (nq + nk), device=q.device, dtype=torch.float16)
     q16, do16 = ops[:nq].view(B, H, Nq, W), ops[nq:2 * nq].view(B, H, Nq, W)
-    k16, v16 = ops[2 * nq:2 * nq + nk].view(B, H, Nk, W), ops[2 * nq + nk:].view(B, H, Nk, W)
+    k16, v16 = ops[2 * nq:2 * nq + nk].view(B, h_kv, Nk, W), ops[2 * nq + nk:].view(B, h_kv, Nk, W)
     scales = torch.empty((B * H, SCALES_ROW.value), device=q.device, dtype=torch.float32)
     call = _call or _scaled_operands_call(B, H, Nq, Nk, D, split)
     call(q, k, v, grad_out, head_max, q16, k16, v16, do16, scales, *q.stride(), *k.stride(), *v.stride(),
-         *grad_out.stride(), H, Nq, Nk, max(Nq, Nk), float(scale) * LOG2E, float(scale))
+         *grad_out.stride(), H, H // h_kv, Nq, Nk, max(Nq, Nk), float(scale) * LOG2E, float(scale))
     return q16, k16, v16, do16, scales
 
 
@@ -1171,7 +1193,10 @@ def _scaled_planned_launch(q, k, v, grad_out, config, split: bool):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     cfg = config or (fp32_config(D) if split else tf32_config(D))
-    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, cfg, head_scales=True, split=split)
+    h_kv = k.shape[1]
+    parts = kv_split(B, h_kv, H // h_kv, Nk, cfg, sm_count(q.device)) if h_kv != H else 1
+    run = _kernel_plan(B, H, Nq, Nk, D, torch.float16, torch.float32, cfg, head_scales=True, split=split, h_kv=h_kv,
+                       kv_split=parts)
     operands = _scaled_operands_call(B, H, Nq, Nk, D, split)
 
     def launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale, accumulators, counters):
@@ -1210,7 +1235,7 @@ def _scaled_backward(name: str, q, k, v, out, grad_out, lse, scale, config, spli
     head_max = torch.zeros((B * H, 4), device=q.device, dtype=torch.int32)
     launch = _scaled_planned_launch(q, k, v, grad_out, config, split)
     delta, lse_row, counters, accumulators = _preprocess(q, out, grad_out, lse, k, v, head_max, launch.scratch)
-    dk = torch.empty((B, H, Nk, D), device=q.device, dtype=torch.float32)
+    dk = torch.empty((B, k.shape[1], Nk, D), device=q.device, dtype=torch.float32)
     dv = torch.empty_like(dk)
     return launch(q, k, v, grad_out, delta, lse_row, head_max, dk, dv, scale, accumulators, counters), dk, dv
 
@@ -1224,7 +1249,8 @@ def tf32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     logits, delta and FP32 gradients by the heads' inverse scales (exact: powers of two).
 
     Args:
-        q: [B, H, Nq, D] float32 CUDA (compute capability 9.x), any strides; k, v: [B, H, Nk, D] float32; D in
+        q: [B, H, Nq, D] float32 CUDA (compute capability 9.x), any strides; k, v: [B, Hkv, Nk, D] float32, Hkv
+            dividing H (grouped-query attention: dk, dv [B, Hkv, Nk, D]); D in
             :data:`HEAD_DIMS`.
         out: the forward output [B, H, Nq, D]; grad_out: dL/d out, same shape, any float dtype and strides.
         lse: float32 [B, H, Nq], the natural-log log-sum-exp of each row's scaled logits.

@@ -91,9 +91,13 @@ def cases(families, modes):
                     yield (f"dense {mode} N={n} D={d} (Gluon backward)", lambda q, k, v, mode=mode:
                            va.attention(q, k, v, mode=mode), [_rand(1, 2, n, d, dtype=dt, grad=grad, seed=s)
                                                               for s in range(3)])
-            if mode in ("fp16", "bf16"):  # grouped-query attention on the Gluon backward: a program sweeps its K / V
-                # head's query heads (8 over 4 whole; 2 over 1 with partial tiles, cut into parts: FP32 partials)
-                for h, h_kv, n, d in ((8, 4, 4096, 64), (2, 1, 2100, 128)):
+            # grouped-query attention on the Gluon backward: a program sweeps its K / V head's query heads (fp16 /
+            # bf16: 8 over 4 whole; 2 over 1 with partial tiles, cut into parts: FP32 partials; tf32 / fp32: the
+            # accumulators rescaled at each query head's first step, 8 over 2 where the rules route there)
+            gluon_gqa = {"fp16": ((8, 4, 4096, 64), (2, 1, 2100, 128)), "bf16": ((8, 4, 4096, 64), (2, 1, 2100, 128)),
+                         "tf32": ((8, 2, 4100, 64), (8, 2, 1100, 128)), "fp32": ((8, 2, 4100, 64),)}
+            if mode in gluon_gqa:
+                for h, h_kv, n, d in gluon_gqa[mode]:
                     yield (f"dense {mode} H={h} Hkv={h_kv} N={n} D={d} (Gluon backward, grouped-query)",
                            lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode, enable_gqa=True),
                            [_rand(1, hh, n, d, dtype=dt, grad=grad, seed=s) for s, hh in enumerate((h, h_kv, h_kv))])

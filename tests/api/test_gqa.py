@@ -253,20 +253,24 @@ def test_cached_call_without_enable_gqa_still_raises():
 
 
 def test_gluon_kernels_take_grouped_heads_where_they_can():
-    """The Gluon forward kernels (fp32-ieee; Hopper fp16 / bf16) and the fp16 / bf16 Gluon backward read K / V head
-    h // G in place, so their scopes do not refuse grouped calls; the fp32-ieee Gluon backward and the tf32 / fp32
-    builds of the Hopper backward (per-head operand scales) give them to the Triton kernels, their scopes naming
-    grouped-query attention first. Each forward plan passes the group size G = H / Hkv to its kernel."""
+    """The Gluon forward kernels (fp32's split build, fp32-ieee, Hopper fp16 / bf16) and the Hopper Gluon backward
+    in every build (fp16 / bf16; tf32 / fp32, each query head's operand scales taken at its first step) read K / V
+    head h // G in place, so their scopes do not refuse grouped calls; the fp32-ieee Gluon backward gives them to
+    the Triton kernels, its scope naming grouped-query attention first. Each forward plan passes the group size G =
+    H / Hkv to its kernel."""
+    from visionattn.kernels import fp32_gluon
+
     q, k = torch.randn(1, 4, 64, 64), torch.randn(1, 2, 64, 64)
     qh, kh = q.half(), k.half()
     for reason in (ieee_gluon.unsupported_reason(q, k, k, None, None, False, 0.125, 0),
+                   fp32_gluon.unsupported_reason(q, k, k, None, None, False, 0.125, 0),
                    half_gluon.unsupported_reason(qh, kh, kh, None, None, False, 0.125, 0),
-                   half_gluon_bwd.unsupported_reason(qh, kh, kh, qh, None, None, False, 0.125)):
-        assert reason is None or "grouped-query" not in reason
-    for reason in (ieee_gluon_bwd.unsupported_reason(q, k, k, q, None, None, False, 0.125),
+                   half_gluon_bwd.unsupported_reason(qh, kh, kh, qh, None, None, False, 0.125),
                    half_gluon_bwd.tf32_unsupported_reason(q, k, k, q, None, None, False, 0.125),
                    half_gluon_bwd.fp32_unsupported_reason(q, k, k, q, None, None, False, 0.125)):
-        assert reason is not None and "grouped-query" in reason
+        assert reason is None or "grouped-query" not in reason
+    reason = ieee_gluon_bwd.unsupported_reason(q, k, k, q, None, None, False, 0.125)
+    assert reason is not None and "grouped-query" in reason
     import inspect
 
     for kernel in (ieee_gluon, half_gluon):

@@ -128,12 +128,13 @@ def test_host_helpers():
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True, split=True)["KV_IN_REGS"]
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000, head_scales=True)["HEAD_SCALES"]
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["HEAD_SCALES"]
-        # grouped-query attention: the fp16 / bf16 build only (the scaled builds' multipliers are per query head)
+        # grouped-query attention: every build (the scaled ones take each query head's multipliers at its first
+        # step)
         assert half_gluon_bwd.kernel_constexprs(cfg, d, 1000, gqa=True)["GQA"]
         assert not half_gluon_bwd.kernel_constexprs(cfg, d, 1000)["GQA"]
         for scaled in (dict(head_scales=True), dict(head_scales=True, split=True)):
-            with pytest.raises(ValueError, match="fp16 / bf16 build only"):
-                half_gluon_bwd.kernel_constexprs(cfg, d, 1000, gqa=True, **scaled)
+            flags = half_gluon_bwd.kernel_constexprs(cfg, d, 1000, gqa=True, **scaled)
+            assert flags["GQA"] and flags["HEAD_SCALES"]
     with pytest.raises(ValueError, match="head dim 96"):
         half_gluon_bwd.get_config(96)
     fp32 = half_gluon_bwd.fp32_config(64)
@@ -337,9 +338,13 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
                                   (64, torch.float16, 1000, None, True), (128, torch.float16, 1024, None, True),
                                   (64, torch.float16, 1000, None, "split"), (64, torch.float16, 1024, None, "split"),
                                   (64, torch.bfloat16, 1000, None, "gqa"), (128, torch.float16, 1024, None, "gqa"),
-                                  (128, torch.bfloat16, 1000, None, "gqa-parts")):
-    split, gqa, parts = tf32 == "split", tf32 in ("gqa", "gqa-parts"), tf32 == "gqa-parts"
-    tf32 = tf32 is True or split
+                                  (128, torch.bfloat16, 1000, None, "gqa-parts"),
+                                  (128, torch.float16, 1000, None, "tf32-gqa-parts"),
+                                  (64, torch.float16, 1024, None, "split-gqa")):
+    label = tf32
+    split, gqa = tf32 in ("split", "split-gqa"), tf32 in ("gqa", "gqa-parts", "tf32-gqa-parts", "split-gqa")
+    parts = tf32 in ("gqa-parts", "tf32-gqa-parts")
+    tf32 = tf32 is True or split or label == "tf32-gqa-parts"
     cfg = g.fp32_config(d) if split else g.get_config(d)
     if accs is not None:
         cfg["dq_accumulators"] = accs
@@ -349,8 +354,8 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
                 Sem="*i32", Scales="*fp32")
     r = compile_for_arch(g._half_bwd_kernel, ptrs, g.kernel_constexprs(cfg, d, n_k, tf32, split, gqa, parts),
                          num_warps=4, num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"])
-    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32 + "-gqa" * gqa
-                                                        + "-parts" * parts)] = {
+    out[f"{d}-{t}-{n_k}-{cfg['dq_accumulators']}acc" + ("-split" if split else "-tf32" * tf32) + "-gqa" * gqa
+        + "-parts" * parts] = {
         "wgmma": r.wgmma, "local": r.local_bytes, "shared": r.shared_bytes, "warps": r.num_warps,
         "accs": cfg["dq_accumulators"], "bulk_reduce": r.ttgir.count("ttng.async_tma_reduce"),
         "bulk_store": r.ttgir.count("ttng.async_tma_copy_local_to_global"),
@@ -377,24 +382,26 @@ def test_compiles_for_hopper():
     three wgmmas for each (hi and lo parts), its shared memory still under the limit, and every query tile's dK /
     dV products and dS's lo terms start on a zero accumulator (summed in the wgmma accumulator across query tiles
     the split products leave fp32's bound on the GPU). The grouped-query builds (a program sweeping its K / V
-    head's query heads) have the fp16 / bf16 builds' products and stores, those of groups cut into parts their
-    FP32 dK / dV partials by plain stores."""
+    head's query heads; tf32 / fp32 too) have their equal-heads builds' products and stores, those of groups cut
+    into parts their FP32 dK / dV partials by plain stores."""
     r = compile_in_child(_CHILD)
     assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
-    assert sum("-gqa" in key for key in r) == 3, r
+    assert sum("-gqa" in key for key in r) == 5, r
     for key, v in r.items():
         # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
-        assert v["wgmma"] == 12 * (3 if key.endswith("split") else 1) and v["warps"] == 12, (key, v)
+        split = "-split" in key
+        assert v["wgmma"] == 12 * (3 if split else 1) and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         assert v["bulk_reduce"] == 2 * 2 and v["completion_wait"], (key, v)  # two halves in each of two writers
         # the writers' first shares (two halves each) and, in the fp16 / bf16 builds, each consumer's dK and dV tiles
-        assert v["bulk_store"] == 2 * 2 + (0 if key.endswith(("tf32", "split", "parts")) else 2 * 2), (key, v)
+        plain = any(x in key for x in ("-tf32", "-split", "-parts"))  # FP32 dK / dV by plain stores
+        assert v["bulk_store"] == 2 * 2 + (0 if plain else 2 * 2), (key, v)
         # product chains started on a zero accumulator, per consumer: S^T, dP^T and the dQ share; the split build
         # also each query tile's dV, dK and dS's lo terms of dK and dQ apart (not summed in the wgmma accumulator)
-        assert v["fresh"] == 2 * (7 if key.endswith("split") else 3), (key, v)
+        assert v["fresh"] == 2 * (7 if split else 3), (key, v)
         # left operands from registers, per consumer: P^T (dV) and dS^T (dK); at head dim 64 also K_w (S^T) and V_w
         # (dP^T) (kv_in_registers); the split build's three dV wgmmas (its dK reads dS^T from shared memory)
-        want = 3 if key.endswith("split") else 4 if key.startswith("64-") else 2
+        want = 3 if split else 4 if key.startswith("64-") else 2
         assert v["register_lhs"] == 2 * want, (key, v)
         if key.startswith("64-"):
             assert v["local"] <= 32 * 2, (key, v)
@@ -682,8 +689,9 @@ def _tf32_inputs(q, k, v, do, scale):
 
 
 def test_tf32_unsupported_reasons():
-    """tf32 takes float32 q / k / v at any strides (the kernel reads FP16 copies); fp16 inputs, GQA, bias and a
-    mismatched dO are refused by name; on the CPU everything else fits."""
+    """tf32 takes float32 q / k / v at any strides (the kernel reads FP16 copies) and grouped-query K / V heads;
+    fp16 inputs, head counts that do not divide, bias and a mismatched dO are refused by name; on the CPU everything
+    else fits."""
     q, k, v, do = (t.float() for t in _qkv(n_q=100, n_k=300))
     reason = half_gluon_bwd.tf32_unsupported_reason
     assert reason(q, k, v, do, None, None, False, 0.125) == "tensors on cpu"
@@ -694,7 +702,9 @@ def test_tf32_unsupported_reasons():
     assert "dtypes" in reason(q.half(), k.half(), v.half(), do, None, None, False, 0.125)
     assert "bias" in reason(q, k, v, do, torch.zeros(100, 300), None, False, 0.125)
     qg, kg, vg, dog = (t.float() for t in _qkv(h=4, h_kv=2))
-    assert "grouped-query" in reason(qg, kg, vg, dog, None, None, False, 0.125)
+    assert reason(qg, kg, vg, dog, None, None, False, 0.125) == "tensors on cpu"
+    qg, kg, vg, dog = (t.float() for t in _qkv(h=3, h_kv=2))
+    assert "do not divide the 3 query heads" in reason(qg, kg, vg, dog, None, None, False, 0.125)
     assert "grad_out" in reason(q, k, v, do[:, :, :50], None, None, False, 0.125)
     with pytest.raises(ValueError, match="tensors on cpu"):
         half_gluon_bwd.tf32_backward(q, k, v, q, do, torch.zeros(1, 2, 100), 0.125)
@@ -864,6 +874,124 @@ def test_fp32_split_keeps_the_lo_part_of_ds_out_of_the_subnormals_at_many_keys()
     finally:
         half_gluon_bwd.DS_LO_EXP = lo_exp
     assert max(kept) <= 2e-6 and plain[0] > 2e-6, (kept, plain)
+
+
+# grouped-query heads of many magnitudes: K / V heads (k, v) cycling through these, the query heads of a group with
+# q at c / k (moderate logits) for c cycling through _GROUPED_Q and dO cycling through _GROUPED_DO, so that the query
+# heads of one group have multipliers far apart (the kernel's accumulators cross those seams)
+_GROUPED_KV = ((1e6, 1e-6), (1e-5, 1e-4), (1.0, 1e6))
+_GROUPED_Q = (1.0, 0.3, 2.0)
+_GROUPED_DO = (1e3, 1e-5, 1e6, 1e-3)
+
+
+def _grouped_magnitude_heads(n_q=96, n_k=160, d=64, b=1, h=4, h_kv=2, seed=0, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    group = h // h_kv
+    kv = torch.tensor([_GROUPED_KV[j % len(_GROUPED_KV)] for j in range(h_kv)], device=device)
+    q_m = torch.tensor([_GROUPED_Q[i % len(_GROUPED_Q)] for i in range(h)], device=device) / \
+        kv[:, 0].repeat_interleave(group)
+    do_m = torch.tensor([_GROUPED_DO[i % len(_GROUPED_DO)] for i in range(h)], device=device)
+    rand = lambda hh, n: torch.randn(b, hh, n, d, generator=g, device=device)  # noqa: E731
+    return (rand(h, n_q) * q_m[:, None, None], rand(h_kv, n_k) * kv[:, 0, None, None],
+            rand(h_kv, n_k) * kv[:, 1, None, None], rand(h, n_q) * do_m[:, None, None])
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_grouped_scaled_operands_copy_each_key_value_head_once(split):
+    """Grouped-query attention in the tf32 / fp32 builds (interpreted operand pass): the preprocess's head maxima
+    equal the equal-heads run's on K / V repeated per query head (each query head's row holding its K / V head's),
+    and the operand kernel gives that run's q / dO copies and Scales rows bit for bit and one copy of each K / V
+    head (the repeated run's copy of its first query head)."""
+    q, k, v, do = _grouped_magnitude_heads()
+    scale = 0.125
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    out64, lse64, _ = _reference(q, kr, vr, do, scale)
+    maxima = []
+    for kk, vv in ((k, v), (kr, vr)):
+        head_max = torch.zeros(q.shape[0] * q.shape[1], 4, dtype=torch.int32)
+        half_gluon_bwd._preprocess(q, out64.float(), do, lse64.float(), kk, vv, head_max)
+        maxima.append(head_max)
+    assert torch.equal(*maxima)
+    grouped = half_gluon_bwd.scaled_operands(q, k, v, do, maxima[0], scale, split)
+    repeated = half_gluon_bwd.scaled_operands(q, kr, vr, do, maxima[1], scale, split)
+    assert grouped[1].shape[1] == grouped[2].shape[1] == 2
+    for i in (0, 3):
+        assert torch.equal(grouped[i], repeated[i])
+    assert torch.equal(grouped[4][:, :5], repeated[4][:, :5])  # the rows' five multipliers (the rest unused)
+    for i in (1, 2):
+        assert torch.equal(grouped[i], repeated[i][:, ::2])
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_grouped_kernel_model_keeps_the_contract(split):
+    """The HEAD_SCALES kernels' arithmetic with grouped-query heads (the float64 model of their roundings, on the
+    operand pass's real outputs: each query head's products on its K / V head's copy, its own multipliers, the
+    group's dK / dV summed over its query heads in true units, as the kernel's accumulators hold them after each
+    exact power-of-two rescale) keeps the mode's contract against the float64 gradients of SDPA's enable_gqa
+    semantics (K / V repeated, their gradients summed over the group): tf32 3e-3, fp32 2e-6 of each head's
+    largest."""
+    q, k, v, do = _grouped_magnitude_heads(n_k=1024 if split else 160)
+    scale = 0.125
+    group = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(group, 1) for t in (k, v))
+    out64, lse64, (dq64, dk64, dv64) = _reference(q, kr, vr, do, scale)
+    head_max = torch.zeros(q.shape[0] * q.shape[1], 4, dtype=torch.int32)
+    delta, lse_row = half_gluon_bwd._preprocess(q, out64.float(), do, lse64.float(), k, v, head_max)[:2]
+    q16, k16, v16, do16, scales = half_gluon_bwd.scaled_operands(q, k, v, do, head_max, scale, split)
+    k16r, v16r = (t.repeat_interleave(group, 1) for t in (k16, v16))  # each query head's K / V copy
+    dq, dk_h, dv_h = _kernel_model(q16, k16r, v16r, do16, scales, delta, lse_row, split=split)
+    dk, dv = (t.view(t.shape[0], -1, group, *t.shape[2:]).sum(2) for t in (dk_h, dv_h))
+    want = (dq64, *(t.view(t.shape[0], -1, group, *t.shape[2:]).sum(2) for t in (dk64, dv64)))
+    bound = 2e-6 if split else 3e-3
+    for name, got, ref in zip("qkv", (dq, dk, dv), want):
+        err = (got - ref).abs().amax(dim=(0, 2, 3)) / ref.abs().amax(dim=(0, 2, 3))
+        assert (err <= bound).all(), (name, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("shape", [(1, 8, 2, 1024, 1024, 64), (2, 8, 4, 2100, 2048, 64), (1, 16, 2, 4096, 4096, 64),
+                                   (1, 8, 2, 1100, 1024, 128)])
+def test_grouped_scaled_gradients_match_sdpa_enable_gqa(shape, split):
+    """The tf32 / fp32 builds with grouped-query K / V heads (a program per key tile and K / V head sweeping its query
+    heads, the accumulators rescaled to each head's multipliers; groups cut into parts where the SMs idle): dQ,
+    dK [B, Hkv, Nk, D], dV within the mode's contract of float64 SDPA ``enable_gqa=True`` per head in L2 (heads of
+    magnitude 1e-6 .. 1e6), dQ bit-equal to the equal-heads build on K / V repeated per query head, bit-for-bit
+    reproducible, and what elsa_backward returns where its rules route there. The contract is a relative L2 error, as
+    :mod:`visionattn.modes` states it: at thousands of keys the largest elementwise error of fp32's equal-heads build
+    on these heads reaches 2.5e-6 of a head's largest gradient (L2 1.2e-6), and the grouped build's is the same."""
+    import torch.nn.functional as F
+    from visionattn.kernels import elsa_bwd
+    from visionattn.kernels._launch import sm_count
+
+    _needs_hopper()
+    B, H, h_kv, Nq, Nk, D = shape
+    if split and D != 64:
+        pytest.skip("fp32's split build is head dim 64")
+    q, k, v, do = _grouped_magnitude_heads(Nq, Nk, D, B, H, h_kv, device="cuda")
+    scale = D ** -0.5
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out64 = F.scaled_dot_product_attention(*leaves, scale=scale, enable_gqa=True)
+    out64.backward(do.double())
+    lse = torch.logsumexp(scale * leaves[0].detach() @ leaves[1].detach().repeat_interleave(H // h_kv, 1)
+                          .transpose(-1, -2), dim=-1).float()
+    out = out64.detach().float()
+    backward = half_gluon_bwd.fp32_backward if split else half_gluon_bwd.tf32_backward
+    runs = [backward(q, k, v, out, do, lse, scale) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    kr, vr = k.repeat_interleave(H // h_kv, 1), v.repeat_interleave(H // h_kv, 1)
+    assert torch.equal(backward(q, kr, vr, out, do, lse, scale)[0], runs[0][0])
+    bound = 2e-6 if split else 3e-3
+    for name, got, leaf in zip("qkv", runs[0], leaves):
+        want = leaf.grad
+        assert got.shape == want.shape and got.dtype == torch.float32, name
+        err = (got.double() - want).norm(dim=(2, 3)) / want.norm(dim=(2, 3))
+        assert (err <= bound).all(), (name, err)
+    mode = "fp32" if split else "tf32"
+    rule = half_gluon_bwd.fp32_preferred if split else half_gluon_bwd.tf32_preferred
+    if rule(B, H, Nq, Nk, D, sm_count(q.device)):
+        got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, mode)[:3]
+        assert all(torch.equal(a, b) for a, b in zip(got, runs[0]))
 
 
 @pytest.mark.gpu
