@@ -11,6 +11,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist workers (``-n N``) share the machine's cores: each takes its share of torch's CPU threads, else N
+# workers x all cores oversubscribe it (a patched-model test's float64 oracle took ~230 s at -n 8 on 16 cores)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
