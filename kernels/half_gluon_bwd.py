@@ -509,6 +509,8 @@ if _IMPORT_ERROR is None:
                     dq_scale = gl.load(head + 2)
                     dk_next = gl.load(head + 3)
                     dv_next = gl.load(head + 4)
+                    # exact while the accumulators stay in FP32's range: query heads of one group whose largest
+                    # |q| |dO| differ by more than ~2^90 can overflow them here (such inputs are not refused)
                     dk = dk * (dk_scale / dk_next)
                     dv = dv * (dv_scale / dv_next)
                     dk_scale = dk_next
