@@ -497,16 +497,16 @@ def _draw_gqa(rng: random.Random, spec: dict) -> None:
 # share of the dense fwd+bwd cases, in a mode that has a Hopper Gluon backward, redrawn into that kernel's scope
 # (``profile`` full only; a stream of its own, so every other case is drawn as without it): head dim 64 / 128 for
 # q, k and v, both lengths from a length where the backward plans take the Gluon kernel, no bias / mask / causal,
-# equal heads (fp16 / bf16: grouped-query heads in GLUON_GQA_SHARE of them), layouts whose strides TMA takes. The
-# other draws land there rarely: a long sequence seldom comes with a head dim of 64 / 128, no bias, mask, causal
-# flag or grouped heads and such layouts all at once
+# grouped-query heads in GLUON_GQA_SHARE of them, layouts whose strides TMA takes. The other draws land there
+# rarely: a long sequence seldom comes with a head dim of 64 / 128, no bias, mask, causal flag or grouped heads and
+# such layouts all at once
 GLUON_BACKWARD_SHARE = 0.25
 # per mode: head dim -> lengths (queries and keys) from which the redrawn cases start: the least at which the
 # backward plans run the Gluon kernel for one to four heads on an H200 (half_gluon_bwd.preferred, tf32_preferred,
 # fp32_preferred; a CPU test checks them) and, for fp16 / bf16, a long one (many key tiles' ordered dQ turns)
 GLUON_BACKWARD_SCOPE = {"fp16": {64: (273, 2048), 128: (273, 2048)}, "bf16": {64: (273, 2048), 128: (273, 2048)},
                         "tf32": {64: (4096,), 128: (1024,)}, "fp32": {64: (1024,)}}
-# share of the redrawn fp16 / bf16 backward cases (two or four heads) with grouped-query key / value heads
+# share of the redrawn backward cases of two or four heads with grouped-query key / value heads
 GLUON_GQA_SHARE = 0.3
 # the Gluon-scope cases' work cap, times the profile's: their lengths are fixed by the scope, so B * H cannot
 # shrink them under it (their oracle and tensors stay within elem_cap and tensor_cap)
@@ -516,8 +516,8 @@ GLUON_WORK_ALLOWANCE = 4
 def _draw_gluon_backward(rng: random.Random, prof: Profile, spec: dict) -> None:
     """Redraw a dense fwd+bwd case (:data:`GLUON_BACKWARD_SHARE` of those in a :data:`GLUON_BACKWARD_SCOPE` mode)
     into the Gluon backward's scope: lengths at one of the scope's lengths, or one to two tiles past it (a cut last
-    key / query tile), B = 1 and one to four heads within the oracle caps (fp16 / bf16: grouped-query key / value
-    heads in :data:`GLUON_GQA_SHARE` of those with two or four)."""
+    key / query tile), B = 1 and one to four heads within the oracle caps (grouped-query key / value heads in
+    :data:`GLUON_GQA_SHARE` of those with two or four)."""
     scope = GLUON_BACKWARD_SCOPE.get(spec["mode"])
     if not scope or prof.name != "full" or not spec["grad"] or rng.random() >= GLUON_BACKWARD_SHARE:
         return
@@ -534,7 +534,7 @@ def _draw_gluon_backward(rng: random.Random, prof: Profile, spec: dict) -> None:
     spec.update(B=1, H=h, Nq=nq, Nk=nk, D=d, Dv=d, skeleton=None, bias=None, mask=None, causal=False,
                 dtype=_compute_dtype(spec["mode"]), needs=["q", "k", "v"],
                 gluon_backward=True)
-    grouped = spec["mode"] in ("fp16", "bf16") and h > 1 and rng.random() < GLUON_GQA_SHARE
+    grouped = h > 1 and rng.random() < GLUON_GQA_SHARE
     if grouped:
         spec["Hkv"] = h // _divisor_above_one(rng, h)
     if self_attn and not grouped and rng.random() < 0.3:
