@@ -559,8 +559,33 @@ def test_some_dense_fp32_cases_reach_the_gluon_forward():
     assert seen == {(d, g, grad) for d in (64, 128) for g in (False, True) for grad in (False, True)}, seen
 
 
+def test_some_varlen_cases_reach_the_stream_k_schedule():
+    """A share of the forward-only varlen cases lies in the stream-K schedule's scope, where the list path's rule
+    takes it on an H200 (stream_k.ragged_prefers at 132 SMs with the mode's tile config), with jobs cut between
+    programs at the default program count in most of them (the merge's path)."""
+    from visionattn.kernels import stream_k
+    from visionattn.kernels.elsa_fwd import _precision, get_config
+
+    seen, cut = 0, 0
+    for i in range(3000):
+        s = conf.draw_case(0, i, "full")
+        if not s.get("stream_k"):
+            continue
+        assert s["family"] == "varlen" and not s["grad"] and s["form"] == "list" and not s["causal"], s
+        assert max(s["lens_q"]) <= stream_k.MAX_QUERY_ROWS and len(s["lens_q"]) == len(s["lens_k"]) >= 2, s
+        assert "stream-k-scope" in conf.describe(s)
+        cfg = get_config(s["mode"], s["D"], s["Dv"], max(s["lens_k"]))
+        assert stream_k.ragged_prefers(s["lens_q"], s["lens_k"], s["H"], cfg.block_m, cfg.block_n, 132), s
+        block_m = stream_k.query_block(max(s["lens_q"]), cfg.block_m)
+        block_n = stream_k.key_block(_precision(s["mode"], None), block_m, s["D"], s["Dv"], cfg.block_n)
+        part = stream_k.partition(s["lens_q"], s["lens_k"], s["H"], block_m, block_n, False, 264)
+        seen += 1
+        cut += part.split_jobs > 0
+    assert seen >= 20 and cut >= 0.8 * seen, (seen, cut)
+
+
 # describe() of cases 0:0 .. 0:299 per profile: the case ids are stable (a change to the drawing changes these)
-CASE_DIGESTS = {"full": "0baec2fc1c1386f766eecb99f1cacc05043338df196372cad299368f91d0543e",
+CASE_DIGESTS = {"full": "cc7242d1cd5d4689f714ce41aa2566eaa054d5364db7579b96f027cd4760c513",
                 "tiny": "a59a1b410a3ce08d99234c7a8e444c83664686afa5f13b768f4baf92a2f8439d"}
 
 

@@ -14,7 +14,8 @@ same tensors (:func:`draw_case`, :func:`run_case`). Families (:data:`FAMILIES`):
   (``cosine=True`` with ``logit_scale``, some heads above the log(100) clamp), gradients of q, k, v, the bias
   and the logit scale;
 * ``varlen``: :func:`visionattn.varlen_attention` on packed tensors with ``cu_seqlens`` or on lists of sequences,
-  lengths including 0 and 1, query lengths differing from key lengths, causal within each sequence;
+  lengths including 0 and 1, query lengths differing from key lengths, causal within each sequence; a share of the
+  forward-only cases as few-query lists against uneven keys, the stream-K schedule's scope;
 * ``split-kv``: the dense forward with ``num_splits`` forced above 1 (more splits than key tiles included);
 * ``ring``: the ring of :mod:`visionattn.distributed` (``_context_parallel`` with ``scheme="ring"``, the
   machinery the public ``context_parallel_attention`` runs on more than one rank: exchange, per-shard forward
@@ -478,6 +479,38 @@ def _draw_varlen(rng: random.Random, lengths: random.Random, prof: Profile, spec
         spec["grad_out"] = _draw_grad_out(rng, sum(lens_q) * h * dv, spec["dtype"], listed=spec["form"] == "list")
 
 
+# share of the forward-only varlen cases (``profile`` full only; a stream of its own) redrawn into the scope of the
+# stream-K schedule (kernels/stream_k.py), which the list path's rule takes on a GPU: lists of sequences (lengths on
+# the host) of at most 64 queries each against uneven keys, one sequence much longer than the rest, so that the
+# schedule's shares cut jobs between programs (their partial states folded by the merge). The other draws reach it
+# rarely: few queries seldom come with long keys, a list and no gradients at once
+STREAM_K_SHARE = 0.3
+
+
+def _draw_stream_k(rng: random.Random, prof: Profile, spec: dict) -> None:
+    """Redraw a forward-only varlen case (:data:`STREAM_K_SHARE` of them) into the stream-K schedule's scope (see
+    there): 2 to 16 sequences of 1 to 64 queries, one of 700 to 5000 keys and the others 0 to that, 1 to 16 heads,
+    within the oracle's caps."""
+    if prof.name != "full" or spec["grad"] or spec["expect_refusal"] or rng.random() >= STREAM_K_SHARE:
+        return
+    count = rng.randint(2, max(2, min(16, prof.max_seqs)))
+    longest = rng.choice((700, 2000, 5000))
+    lens_q = [rng.choice((1, 1, 2, 7, 16, 33, 64)) for _ in range(count)]
+    lens_k = [longest] + [rng.randint(0, longest) for _ in range(count - 1)]
+    h = rng.choice((1, 2, 4, 8, 16))
+    d, dv = spec["D"], spec["Dv"]
+    while _over(prof, h, sum(lens_q), sum(lens_k), max(d, dv)):
+        if h > 1:
+            h //= 2
+            continue
+        i = max(range(count), key=lambda j: lens_k[j])
+        lens_k[i] //= 2
+    spec.update(H=h, Nq=sum(lens_q), Nk=sum(lens_k), lens_q=lens_q, lens_k=lens_k, form="list", causal=False,
+                stream_k=True)
+    spec["layouts"] = {name: _pick_layout(rng, (t, h, dd), (1,))
+                       for name, t, dd in (("q", sum(lens_q), d), ("k", sum(lens_k), d), ("v", sum(lens_k), dv))}
+
+
 # share of the dense and split-KV cases with grouped-query key / value heads (enable_gqa=True)
 GQA_SHARE = 0.3
 
@@ -616,6 +649,7 @@ def draw_case(seed: int, index: int, profile: str) -> dict:
         if mode in ("pasa",):
             spec["expect_refusal"] = "varlen_attention has no PASA path (documented ValueError)"
             spec["refusal_words"] = "no varlen path"
+        _draw_stream_k(random.Random(f"{seed}:{index}:stream-k"), prof, spec)
     if family in ("dense", "split-kv") and spec["layouts"] != "packed":
         _draw_gqa(random.Random(f"{seed}:{index}:gqa"), spec)
     if family == "dense":
@@ -637,6 +671,7 @@ def describe(spec: dict) -> str:
              f"skeleton{spec['skeleton']}" if spec.get("skeleton") is not None else "",
              "gluon-backward-scope" if spec.get("gluon_backward") else "",
              "gluon-forward-scope" if spec.get("gluon_forward") else "",
+             "stream-k-scope" if spec.get("stream_k") else "",
              f"B={spec['B']} H={spec['H']}" + (f" Hkv={spec['Hkv']}" if "Hkv" in spec else "")
              + f" Nq={spec['Nq']} Nk={spec['Nk']} D={spec['D']} Dv={spec['Dv']}",
              f"in={spec['dtype']}"]
