@@ -1,7 +1,7 @@
 """Every tool writes under out/ (git-ignored) unless --out names another place, and an --out that
 cannot be written stops the tool at once: exit status 2, one line naming --out, before any work. bench_attention's
 report (it needs a GPU to run) from stand-in records: its forward and forward + backward tables carry the graph
-timing beside the eager one, and the first call apart."""
+timing beside the eager one, and the first call apart. The index of docs/benchmarks names every committed result."""
 import hashlib
 import os
 
@@ -190,3 +190,26 @@ def test_bench_attention_backward_targets_use_graph_replay_and_the_bars():
     for n in (1025, 16384):
         assert [(t["vs"], t["need_ratio"], t["met"]) for (shape, _, _), t in got.items() if shape == f"GQA N={n}"] == [
             ("sdpa-efficient-repeat-kv", 2.5, False), ("sdpa-flash", 1.0, True), ("sdpa-cudnn", 1.0, True)]
+
+
+def test_every_committed_result_is_indexed():
+    """docs/benchmarks/README.md indexes every committed result: each file there is named by the index or by a
+    result page it links (in a table cell, ``(.json, .png)`` after links to ``.md`` pages names their siblings), and
+    every link the pages hold resolves to a committed file."""
+    import re
+
+    folder = os.path.join(REPO, "docs", "benchmarks")
+    files = set(os.listdir(folder))
+    named, broken = set(), []
+    for page in sorted(f for f in files if f.endswith(".md")):
+        with open(os.path.join(folder, page), encoding="utf-8") as fh:
+            for cell in fh.read().replace("\n", "|").split("|"):
+                targets = [t for t in re.findall(r"\]\(([^)#\s]+)\)", cell) if "/" not in t and ":" not in t]
+                siblings = [ext for group in re.findall(r"\((\.[a-z]+(?:, \.[a-z]+)*)\)", cell)
+                            for ext in re.findall(r"\.([a-z]+)", group)]
+                targets += [f"{t[:-3]}.{ext}" for t in targets if t.endswith(".md") for ext in siblings]
+                for target in targets:
+                    (named.add(target) if target in files else broken.append(f"{page} -> {target}"))
+    assert not broken, f"links to files that are not committed: {broken}"
+    unindexed = sorted(files - named - {"README.md"})
+    assert not unindexed, f"results no index page names: {unindexed}"
