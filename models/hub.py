@@ -166,7 +166,11 @@ def load_state_dict_file(path: str, device: str | torch.device = "cpu") -> dict[
 
     The tensors are created on ``device``: safetensors copies each one from the file straight to it (no host
     copy of the whole checkpoint first); a ``.pt`` is read with ``map_location=device``. A ``.pt`` holding
-    ``{"model": state_dict}`` or ``{"state_dict": ...}`` is unwrapped.
+    ``{"model": state_dict}`` or ``{"state_dict": ...}`` is unwrapped. On the CPU every tensor owns its memory:
+    safetensors hands back views of its memory map of the file, which a model loaded with ``assign=True`` would
+    keep as its parameters (sharing storage with the file: a write to it in place changes them, a truncation
+    faults them) at the file's byte offsets rather than the allocator's 64-byte alignment (CPU matrix products
+    then take other code paths, whose sums differ in the last bits).
 
     Raises:
         ValueError: unknown extension or not a state dict.
@@ -175,7 +179,8 @@ def load_state_dict_file(path: str, device: str | torch.device = "cpu") -> dict[
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
 
-        return load_file(path, device=str(device))
+        sd = load_file(path, device=str(device))
+        return {name: t.clone() for name, t in sd.items()} if device.type == "cpu" else sd
     if path.endswith((".pt", ".pth", ".bin")):
         sd = torch.load(path, map_location=device, weights_only=True)
         for key in ("model", "state_dict"):

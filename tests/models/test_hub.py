@@ -95,3 +95,22 @@ def test_save_pretrained_round_trip_bit_exact(tmp_path):
         a, b = model(x), loaded(x)
     assert all(torch.equal(a[k], b[k]) for k in ("pose_enc", "depth", "world_points"))
     assert VGGT.from_pretrained(tmp_path / "tiny", attn_mode=None).attn_mode is None  # kwargs win
+
+
+def test_loaded_cpu_weights_own_their_memory(tmp_path):
+    """A model loaded on the CPU shares no storage with its checkpoint file: the file written over in place (or
+    truncated) afterwards leaves the parameters as loaded, and each parameter sits at the allocator's 64-byte
+    alignment, not at the file's byte offset (safetensors hands back views of its memory map)."""
+    torch.manual_seed(0)
+    model = VGGT(**vggt_tiny_config()).eval()
+    path = model.save_pretrained(tmp_path / "tiny")
+    loaded = VGGT.from_pretrained(tmp_path / "tiny", local_files_only=True)
+    assert all(p.data_ptr() % 64 == 0 for p in loaded.parameters())
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:  # another writer reuses the file in place
+        f.write(b"\x00" * size)
+    sd, sd2 = model.state_dict(), loaded.state_dict()
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd)
+    with open(path, "wb"):  # truncated: a mapped parameter would fault on its next read
+        pass
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd)
