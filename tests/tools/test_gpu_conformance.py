@@ -115,6 +115,27 @@ def _skeleton_of(spec: dict) -> dict:
     return out
 
 
+def test_interpreted_bf16_underflow_is_not_counted():
+    """The interpreter casts FP32 values below 2^-126 to bfloat16 values up to ~2^-126 away (module docstring):
+    a gradient whose exact value is ~1e-42 everywhere comes out ~1e-38. On the interpreter in bf16 those
+    differences are not counted; on a GPU, in another mode, or at any size a real defect has, they still fail."""
+    g = torch.Generator().manual_seed(0)
+    gold = 1e-42 * torch.rand(2, 1, 31, 8, generator=g, dtype=torch.float64)
+    ours = gold + 2.7e-38 * torch.rand(gold.shape, generator=g, dtype=torch.float64)
+    zero = torch.zeros_like(gold)  # PyTorch's bf16 gradient: flushed to 0
+    assert conf.check_quantity("dk", ours, gold, zero, "bf16", interpreted=True)["ok"]
+    assert not conf.check_quantity("dk", ours, gold, zero, "bf16")["ok"]
+    assert not conf.check_quantity("dk", ours, gold, zero, "fp16", interpreted=True)["ok"]
+    assert not conf.check_quantity("dk", gold + 1e-30, gold, zero, "bf16", interpreted=True)["ok"]
+
+
+def test_case_behind_a_minus_100_bias_passes_in_the_interpreter(tmp_path):
+    """Case 4242:260 (ring, bf16, one key of 31 not behind a -100 bias): its exact dQ / dK are ~1e-41, which the
+    interpreter's bfloat16 casts of the underflowing dS turn into ~1e-38. Runs here in about two seconds."""
+    report = tool.main(_args("--case", "4242:260", "--out", str(tmp_path / "c260")))
+    assert report["summary"]["failed"] == 0, report["failures"]
+
+
 def test_check_quantity_flags_perturbed_results():
     """The comparison itself: an error above the rule's bound fails, below passes; NaN, a wrong shape and nonzero
     values where the oracle is exactly 0 fail; the cancellation floor absorbs only a residue of its own size."""
