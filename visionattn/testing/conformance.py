@@ -110,9 +110,9 @@ bf16 rounding errors there are twice the GPU's and biased toward zero, so they d
 gradient whose exact value is ~1e-42 comes out ~1e-38, which no relative rule accepts when the whole gradient is
 that small. On the interpreter bf16's PyTorch term is therefore doubled, its gradient bound is never below
 4x the bf16 contract (4e-2), elementwise differences up to :data:`INTERPRETER_BF16_UNDERFLOW` (2^-126 for each of
-up to 1024 summed terms) are not counted, and the window families skip bf16 (the interpreter's bf16 ``tl.dot`` is wrong; the
-dense kernels upcast there, the window forward kernel does not): a smoke test of the plumbing; judge bf16
-accuracy on a GPU.
+up to 1024 summed terms) are not counted, and the window families skip bf16 (the interpreter's bf16 ``tl.dot`` is
+wrong; the dense kernels upcast there, the window forward kernel does not): a smoke test of the plumbing; judge
+bf16 accuracy on a GPU.
 
 
 Exceptions. A ``ValueError`` / ``TypeError`` raised for a combination the API documents as refused (varlen in a
