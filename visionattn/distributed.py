@@ -755,7 +755,10 @@ class _RingFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         md, bias, attn_mask, is_causal, scale, group, rank, world, k_lens, k_starts, q0 = ctx.ring
         qc, cur = _ring_inputs(q, k, v, md)  # the forward's casts again (they passed the range check there)
-        grad_out = grad_out.contiguous()
+        # the output and its gradient in the compute dtype too, as the single-device backward takes them (its autograd
+        # hands the kernels the compute dtype); Triton's interpreter also casts float64 to bfloat16 wrongly (1.0 -> 0,
+        # -2.5 -> NaN), so a float64 pair made NaN gradients there
+        out, grad_out = out.to(qc.dtype), grad_out.to(qc.dtype).contiguous()
         B, H, nq, d = q.shape
         width = cur.shape[-1]
         acc = torch.zeros((B, H, k_lens[rank], width), dtype=torch.float32, device=q.device)

@@ -136,6 +136,14 @@ def test_case_behind_a_minus_100_bias_passes_in_the_interpreter(tmp_path):
     assert report["summary"]["failed"] == 0, report["failures"]
 
 
+def test_ring_cases_with_float64_inputs_pass_in_the_interpreter(tmp_path):
+    """Ring cases with float64 inputs in bf16 (2026:266, 31337:97, 31337:277): the ring backward hands the kernels
+    the output and its gradient in the compute dtype, as the single-device backward does; in float64 they met the
+    interpreter's float64 -> bfloat16 cast (1.0 -> 0, -2.5 -> NaN) and gave NaN gradients."""
+    report = tool.main(_args("--case", "2026:266,31337:97,31337:277", "--out", str(tmp_path / "ring64")))
+    assert report["summary"]["failed"] == 0 and report["summary"]["pass"] == 3, report["failures"]
+
+
 def test_check_quantity_flags_perturbed_results():
     """The comparison itself: an error above the rule's bound fails, below passes; NaN, a wrong shape and nonzero
     values where the oracle is exactly 0 fail; the cancellation floor absorbs only a residue of its own size."""
