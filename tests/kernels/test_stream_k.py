@@ -4,12 +4,14 @@ CPU: the host partition walked as the kernel walks it (every key tile of every j
 cost, each cut job's slots consecutive in the merge table), the kernel and merge in the interpreter against the
 float64 oracle (every dense mode, causal, sequences without queries or keys, the LSE, shares cut anywhere), the
 schedule arguments and the rule, the list path's wiring. GPU (``-m gpu``): the compiled kernels against the oracle
-at the benchmark's shapes, bit-identical repeats, and the rule's choice on a few-query list.
+at the benchmark's shapes, bit-identical repeats, and the rule's choice on a few-query list. The compiled kernels
+also build offline for sm_90 on the CPU (the interpreter runs code that a compile can reject).
 """
 import random
 
 import pytest
 import torch
+from offline_compile import compile_in_child
 
 import visionattn
 from visionattn.kernels import stream_k, varlen_fwd
@@ -388,3 +390,43 @@ def test_rule_picks_stream_k_for_a_few_query_list_on_the_gpu():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     many = [cdiv(sms * 128, 16)] * 2  # the longest sequence's query tiles fill the SMs: the single pass
     assert not stream_k.choose(many, many, 16, "bf16", 64, 64, torch.device("cuda"))
+
+
+_COMPILE_CHILD = r"""
+import json
+from visionattn.kernels import elsa_fwd, stream_k
+from visionattn.kernels.elsa_fwd import _precision
+from visionattn.kernels.introspect import compile_for_arch
+
+out = {}
+for mode, t in (("bf16", "bf16"), ("fp32", "fp32")):
+    p = {n: "*" + t for n in ("Q", "K", "V", "Out")}
+    p.update({n: "*fp32" for n in ("Lse", "WsM", "WsS", "WsW")})
+    p.update({n: "*i32" for n in ("CuQ", "CuK", "RowOff", "ProgIt", "ProgJob", "ProgSlot", "JobIt", "JobInfo")})
+    r = compile_for_arch(stream_k._stream_fwd_kernel, p, dict(
+        BLOCK_M=16, BLOCK_N=128 if mode == "bf16" else 64, BLOCK_D=64, BLOCK_DV=64, PRECISION=_precision(mode, None),
+        IS_CAUSAL=False, EVEN_D=True, EVEN_DV=True, DOT_UPCAST=False, LAZY_V=False, WRITE_LSE=True,
+        ROW_OFFSETS=False), num_warps=4, num_stages=2, unit_ints=("sqd", "skd", "svd", "sod"),
+        float_args=("qk_scale",))
+    out[f"stream_fwd_{mode}"] = r.local_bytes
+    r = compile_for_arch(stream_k._stream_merge_kernel, dict(WsM="*fp32", WsS="*fp32", WsW="*fp32", Out="*" + t,
+                         Lse="*fp32", CuQ="*i32", Split="*i32"),
+                         dict(TILE_M=16, ROW_BLOCKS=1, BLOCK_M=16, BLOCK_P=8, BLOCK_DV=64, WRITE_LSE=True),
+                         num_warps=4, num_stages=1)
+    out[f"stream_merge_{mode}"] = r.local_bytes
+    r = compile_for_arch(elsa_fwd._elsa_merge_kernel, dict(WsM="*fp32", WsS="*fp32", WsW="*fp32", Out="*" + t,
+                         Lse="*fp32"), dict(BLOCK_M=16, BLOCK_P=8, BLOCK_DV=64, WRITE_LSE=True), num_warps=4,
+                         num_stages=1, unit_ints=("sod",))
+    out[f"split_merge_{mode}"] = r.local_bytes
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_forward_and_merges_compile_for_hopper():
+    """The stream-K forward, its merge and the split-KV merge (which share :func:`.elsa_fwd.merge_partials`) build
+    for sm_90 in bf16 and fp32 with no spills (the interpreter runs code that a compile rejects:
+    test_jit_signatures.py)."""
+    spills = compile_in_child(_COMPILE_CHILD)
+    assert len(spills) == 6, spills
+    assert all(v == 0 for v in spills.values()), spills
