@@ -128,8 +128,11 @@ def _die(rank: int, where: str) -> dict:
     scheme = "auto"
     q, k, v = (t[:, :2] if ulysses else t for t in _inputs(4))
     collective = "_all_to_all" if ulysses else "_pass_on"
-    if rank == 1 and where == "before the call":
-        os._exit(0)
+    if where == "before the call":
+        # the group set up on both ranks first: the death is the call's to meet, not init_process_group's
+        dist.barrier()
+        if rank == 1:
+            os._exit(0)
     if rank == 1 and where in ("in the ring", "in the ulysses all-to-all"):
         setattr(vd, collective, lambda *a: os._exit(0))
     backward = where.endswith("backward")
@@ -179,9 +182,13 @@ def _worker(rank: int, world: int, init: str, out_dir: str, task: str):
         else:
             result = _die(rank, task[4:])
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        if died:
+            # a group whose peer died cannot be destroyed cleanly, and gloo's teardown at interpreter exit may abort
+            # the process after its result is written: the rank leaves without it
+            os._exit(0)
     finally:
         gc.collect()
-        if not died:  # a group whose peer died cannot be destroyed cleanly; the process exits with it
+        if not died:
             dist.destroy_process_group()
 
 

@@ -209,7 +209,10 @@ def test_every_committed_result_is_indexed():
                             for ext in re.findall(r"\.([a-z]+)", group)]
                 targets += [f"{t[:-3]}.{ext}" for t in targets if t.endswith(".md") for ext in siblings]
                 for target in targets:
-                    (named.add(target) if target in files else broken.append(f"{page} -> {target}"))
+                    if target in files:
+                        named.add(target)
+                    else:
+                        broken.append(f"{page} -> {target}")
     assert not broken, f"links to files that are not committed: {broken}"
     unindexed = sorted(files - named - {"README.md"})
     assert not unindexed, f"results no index page names: {unindexed}"
