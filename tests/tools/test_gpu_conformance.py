@@ -129,6 +129,25 @@ def test_interpreted_bf16_underflow_is_not_counted():
     assert not conf.check_quantity("dk", gold + 1e-30, gold, zero, "bf16", interpreted=True)["ok"]
 
 
+def test_interpreted_bf16_rounding_term_truncates():
+    """``r``'s casts: to nearest for a GPU (torch's cast), the FP32 value's low 16 bits dropped for the interpreter's
+    bfloat16 (always toward zero, never farther than one bfloat16 step)."""
+    x = torch.tensor([1 + 3 * 2.0 ** -9, -(1 + 3 * 2.0 ** -9), 3.0e-3, 0.0], dtype=torch.float64)
+    assert conf._to_half(x, torch.bfloat16, False).tolist() == x.to(torch.bfloat16).double().tolist()
+    t = conf._to_half(x, torch.bfloat16, True)
+    assert t[:2].tolist() == [1.0, -1.0] and t[3] == 0
+    assert bool((t.abs() <= x.abs()).all()) and bool(((x - t).abs() <= x.abs() * 2.0 ** -7).all())
+    assert t.float().to(torch.bfloat16).double().tolist() == t.tolist()  # a bfloat16 value
+
+
+def test_cancelling_bf16_cases_pass_in_the_interpreter(tmp_path):
+    """bf16 cases whose dQ / dK / dBias cancel (6161:602: varlen, one-query sequences; 8080:148: ring, a -100
+    bias; 8080:985: one query, 16 keys, a 4x bias with its gradient): the interpreter's truncating casts of O and dS
+    moved them 1.06-1.6x past a bound whose ``r`` rounded to nearest. Runs here in a few seconds."""
+    report = tool.main(_args("--case", "6161:602,8080:148,8080:985", "--out", str(tmp_path / "cancel")))
+    assert report["summary"]["failed"] == 0 and report["summary"]["pass"] == 3, report["failures"]
+
+
 def test_case_behind_a_minus_100_bias_passes_in_the_interpreter(tmp_path):
     """Case 4242:260 (ring, bf16, one key of 31 not behind a -100 bias): its exact dQ / dK are ~1e-41, which the
     interpreter's bfloat16 casts of the underflowing dS turn into ~1e-38. Runs here in about two seconds."""

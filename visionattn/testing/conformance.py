@@ -108,7 +108,10 @@ bf16 rounding errors there are twice the GPU's and biased toward zero, so they d
 (dBias, dV). The same cast maps an FP32 value below FP32's smallest normal (2^-126) to a bfloat16 value up to about
 2^-126 away (2.6e-42 becomes 9.5e-39, where the GPU rounds it to 0): behind a -100 bias P underflows, and a
 gradient whose exact value is ~1e-42 comes out ~1e-38, which no relative rule accepts when the whole gradient is
-that small. On the interpreter bf16's PyTorch term is therefore doubled, its gradient bound is never below
+that small. On the interpreter bf16's PyTorch term is therefore doubled, ``r`` is formed with the interpreter's
+truncating casts (where a row's ``dP - D`` cancels, dropped bits all of one sign move dQ by many times what rounding
+to nearest does: one query against 16 keys under a 4x bias, dQ 3.0x its norm off the oracle, as a float64 model of
+the truncating backward predicts, against 0.26x rounding to nearest), its gradient bound is never below
 4x the bf16 contract (4e-2), elementwise differences up to :data:`INTERPRETER_BF16_UNDERFLOW` (2^-126 for each of
 up to 1024 summed terms) are not counted, and the window families skip bf16 (the interpreter's bf16 ``tl.dot`` is
 wrong; the dense kernels upcast there, the window forward kernel does not): a smoke test of the plumbing; judge
@@ -1178,11 +1181,13 @@ def _grads(out, theta: dict, go):
     return {n: (g if g is not None else torch.zeros_like(theta[n])) for n, g in zip(names, got)}
 
 
-def oracle(prob: Problem, go64, need_grads: bool, ds_dtype: torch.dtype | None = None) -> dict:
+def oracle(prob: Problem, go64, need_grads: bool, ds_dtype: torch.dtype | None = None,
+           truncate: bool = False) -> dict:
     """The float64 oracle on the case's device: ``out`` [B, H, Nq, Dv], ``dead`` [B, H, Nq] (rows with no visible
     key), and with ``need_grads`` the gradients and cancellation floors by theta name (module docstring); with
     ``ds_dtype`` (a half dtype) also ``ds_rounding``: by theta name, the change of the gradient when the exact
-    ``dS`` is rounded to ``ds_dtype`` before its products (module docstring)."""
+    ``dS`` is rounded to ``ds_dtype`` before its products (module docstring; ``truncate``: cast as Triton's
+    interpreter casts FP32 to bfloat16, :func:`_to_half`)."""
     from visionattn.reference import oracle_attention, scores_and_mask
 
     th = {n: t.detach().double().requires_grad_(t.requires_grad) for n, t in prob.theta.items()}
@@ -1208,23 +1213,32 @@ def oracle(prob: Problem, go64, need_grads: bool, ds_dtype: torch.dtype | None =
         # window's normalisation and logit scale lie on both paths), so the gradients come last
         res["floors"] = _cancellation_floors(th, live, weight)
         res["ds_rounding"] = ({} if ds_dtype is None else
-                              _ds_rounding(th, live, p.detach(), go64, args["v"], out.detach(), ds_dtype))
+                              _ds_rounding(th, live, p.detach(), go64, args["v"], out.detach(), ds_dtype, truncate))
         res["grads"] = _grads(out, th, go64)
     return res
 
 
-def _ds_rounding(th: dict, live, p, go64, v, out, dtype) -> dict:
+def _to_half(x, dtype: torch.dtype, truncate: bool):
+    """``x`` cast to the half ``dtype`` (back in float64) as a kernel casts it: to nearest, or with ``truncate`` as
+    Triton's interpreter casts FP32 to bfloat16, the FP32 value's low 16 bits dropped (module docstring)."""
+    if not truncate:
+        return x.to(dtype).double()
+    return (x.float().contiguous().view(torch.int32) & -65536).view(torch.float32).double()
+
+
+def _ds_rounding(th: dict, live, p, go64, v, out, dtype, truncate: bool = False) -> dict:
     """By theta name, the gradient of ``<S, round(dS') - dS>``: how far dQ / dK / dBias (/ dLogitScale) move when a
     FlashAttention-style half backward forms ``dS' = P (dO V^T - D')`` with ``D'_i = dO_i . round(O_i)`` from the
     output it stored in ``dtype`` and rounds ``dS'`` to ``dtype`` for the tensor cores, against the exact
-    ``dS = P (dO V^T - D)`` (the module docstring's ``r``); ``live``: the logits S with masked ones as 0."""
+    ``dS = P (dO V^T - D)`` (the module docstring's ``r``); ``live``: the logits S with masked ones as 0;
+    ``truncate``: both casts as the interpreter's bfloat16 casts (:func:`_to_half`)."""
     names = [n for n, t in th.items() if t.requires_grad]
     if not names or not live.requires_grad:
         return {}
     dp = go64 @ v.detach().transpose(-1, -2)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-    stored = (go64 * out.to(dtype).double()).sum(-1, keepdim=True)  # D' from the stored half output
-    kernel = (p * (dp - stored)).to(dtype).double()
+    stored = (go64 * _to_half(out, dtype, truncate)).sum(-1, keepdim=True)  # D' from the stored half output
+    kernel = _to_half(p * (dp - stored), dtype, truncate)
     got = torch.autograd.grad((live * (kernel - ds)).sum(), [th[n] for n in names], allow_unused=True,
                               retain_graph=True)
     return {n: g.detach() for n, g in zip(names, got) if g is not None}
@@ -1521,12 +1535,13 @@ def _check(prob: Problem, spec: dict, out, grads: dict, device, metrics: dict) -
         shape = tuple(got_out.shape)
         go64 = (torch.full(shape, prob.grad_out_value, dtype=torch.float64, device=device)
                 if prob.grad_out is None else prob.canon(prob.grad_out).double())
-    compute = va.get_mode(mode).compute_dtype
-    gold = oracle(prob, go64, spec["grad"], compute if compute in (torch.float16, torch.bfloat16) else None)
-    ref = torch_reference(prob, mode, go64, spec["grad"])
     from visionattn.kernels._launch import interpreting
 
     interpreted = interpreting() and device.type == "cpu"
+    compute = va.get_mode(mode).compute_dtype
+    gold = oracle(prob, go64, spec["grad"], compute if compute in (torch.float16, torch.bfloat16) else None,
+                  truncate=interpreted and compute == torch.bfloat16)
+    ref = torch_reference(prob, mode, go64, spec["grad"])
     metrics["out"] = check_quantity("out", got_out, gold["out"], ref["out"], mode, interpreted=interpreted)
     why = dead_rows_ok("out", got_out, gold["dead"])
     if why:
