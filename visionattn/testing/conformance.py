@@ -1109,9 +1109,15 @@ def _attach_grad_out(prob: Problem, spec: dict, gen, device) -> None:
 
 
 # ----------------------------------------------------------------------------- references
+def _drop_low_bits(x, bits: int):
+    """``x`` in FP32 with the low ``bits`` bits of its mantissa cleared (a cut toward zero): TF32 as the tensor cores
+    read FP32 registers (13 bits), bfloat16 as Triton's interpreter casts FP32 (16 bits)."""
+    return (x.float().contiguous().view(torch.int32) & -(1 << bits)).view(torch.float32)
+
+
 class _TF32Matmul:
-    """``a @ b`` with both operands rounded to TF32 (11 significant bits, round to nearest even), forward and
-    backward: PyTorch's TF32 matmul, emulated so it is the same on every device and for every shape."""
+    """``a @ b`` with both operands cut to TF32 (11 significant bits, the 13 low mantissa bits dropped), forward
+    and backward: PyTorch's TF32 matmul, emulated so it is the same on every device and for every shape."""
 
     fn = None
 
@@ -1120,10 +1126,7 @@ class _TF32Matmul:
         if cls.fn is None:
 
             def rnd(x):
-                x = x.float().contiguous()
-                i = x.view(torch.int32)
-                i = i & ~0x1FFF
-                return i.view(torch.float32)
+                return _drop_low_bits(x, 13)
 
             class Fn(torch.autograd.Function):
                 @staticmethod
@@ -1223,7 +1226,7 @@ def _to_half(x, dtype: torch.dtype, truncate: bool):
     Triton's interpreter casts FP32 to bfloat16, the FP32 value's low 16 bits dropped (module docstring)."""
     if not truncate:
         return x.to(dtype).double()
-    return (x.float().contiguous().view(torch.int32) & -65536).view(torch.float32).double()
+    return _drop_low_bits(x, 16).double()
 
 
 def _ds_rounding(th: dict, live, p, go64, v, out, dtype, truncate: bool = False) -> dict:
