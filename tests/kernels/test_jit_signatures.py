@@ -21,8 +21,8 @@ def _jit_functions(path: Path):
 
 
 def test_jit_functions_declare_no_parameter_defaults():
-    found = [path.name for path in KERNELS.glob("*.py") for _ in _jit_functions(path)]
+    found = [(path, fn) for path in sorted(KERNELS.glob("*.py")) for fn in _jit_functions(path)]
     assert len(found) > 20, f"the scan found only {len(found)} JIT functions under {KERNELS}"
-    with_defaults = [f"{path.name}:{fn.lineno} {fn.name}" for path in sorted(KERNELS.glob("*.py"))
-                     for fn in _jit_functions(path) if fn.args.defaults or any(fn.args.kw_defaults)]
+    with_defaults = [f"{path.name}:{fn.lineno} {fn.name}" for path, fn in found
+                     if fn.args.defaults or any(fn.args.kw_defaults)]
     assert not with_defaults, f"JIT functions with parameter defaults (pass the value at every call): {with_defaults}"
