@@ -19,12 +19,14 @@ This module holds the varlen family whole: the public function and its checks; t
 ``visionattn::varlen_attention_backward``) with fake implementations, recorded by ``torch.compile``; eager calls
 run the same implementations without the torch dispatcher (about 18 us of host time per op call, measured on CPU,
 against 0.8 us for the direct call) through :class:`_VarlenFunction`, whose backward is the same kernel call;
-:data:`BACKENDS` (the varlen kernel, then the reference), read by :func:`visionattn.dispatch.choose`; and
-:data:`CALLS`, the cache of in-place plans of lists of sequences, keyed at the public call. Kernel modules are
-imported inside the functions that launch them (importing Triton is slow; CPU calls never need it).
+:data:`BACKENDS` (the varlen kernel, then the reference), read by :func:`visionattn.dispatch.choose`;
+:data:`CALLS`, the cache of in-place plans of lists of sequences, and :data:`RUNS`, the runners of packed calls
+without gradients, both keyed at the public call. Kernel modules are imported inside the functions that launch
+them (importing Triton is slow; CPU calls never need it).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -32,11 +34,12 @@ import torch
 from . import dispatch
 from .checks import (BACKWARD_MODES, KERNEL_DTYPES, cast_checked, check_dense, check_devices, check_flags,
                      check_float16_range, check_tensor, first_order_only, has_backward)
-from .kernels._launch import PlanCache, device_table, recording, unit_last_stride
+from .kernels._launch import PlanCache, device_table, qkv_key, recording, tensor_key, unit_last_stride
 from .modes import Mode, get_mode
 from .reference import blocked_attention, cpu_block_size
 
-__all__ = ["varlen_attention", "validate_varlen_inputs", "varlen_kernel", "varlen_kernel_lse", "BACKENDS", "CALLS"]
+__all__ = ["varlen_attention", "validate_varlen_inputs", "varlen_kernel", "varlen_kernel_lse", "BACKENDS", "CALLS",
+           "RUNS"]
 
 
 def _check_offsets(name: str, cu, total: int, device: torch.device, values: bool = True) -> list[int] | int:
@@ -81,6 +84,33 @@ def _on_device(cu: torch.Tensor, host: list[int], device: torch.device) -> torch
     if kept is None:
         kept = _DEVICE_OFFSETS.put(key, device_table(cu.clone(), device))  # a copy: the caller's tensor may change
     return kept[0]
+
+
+# (public call signature, offsets, maxima) -> run(q, k, v, cu_seqlens_q, cu_seqlens_k, scale): packed calls without
+# gradients that the kernels ran, launched again from their plan without the checks and planning of a first call
+# (most of an eager few-query call's host time); the runners of host offsets hold their device copies, so a CUDA
+# graph that captured one is kept (graph_safe)
+RUNS = PlanCache(max_size=1024, graph_safe=True)
+
+
+def _run_key(q, k, v, cu_q, cu_k, max_q, max_k, mode, backend, is_causal) -> tuple:
+    """The :data:`RUNS` key of a packed call: everything its runner depends on. Offsets on the CPU enter by value
+    (each call reads them on the host anyway: new values are a new key, checked as a first call); offsets on CUDA
+    only with both maxima given, their values trusted as :func:`validate_varlen_inputs` trusts them. Raises
+    TypeError where no runner applies (a :class:`Mode` object, inputs that need gradients, a ``torch.func``
+    transform, CUDA offsets without both maxima): the call then takes the checked path."""
+    if (type(mode) is not str or torch._C._functorch.peek_interpreter_stack() is not None
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        raise TypeError("no runner")
+    if cu_q.device.type == "cpu" and cu_k.device.type == "cpu":
+        offsets = (tuple(cu_q.tolist()), tuple(cu_k.tolist()))
+    elif (type(max_q) is int and type(max_k) is int and q.device.type == "cuda" and cu_q.device.type == "cuda"
+          and cu_k.device.type == "cuda"):
+        offsets = None
+    else:
+        raise TypeError("no runner")
+    return (mode, backend, dispatch._backend, is_causal is True, is_causal is False, qkv_key(q, k, v),
+            tensor_key(cu_q), tensor_key(cu_k), offsets, max_q, max_k)
 
 
 def validate_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None):
@@ -236,7 +266,7 @@ def varlen_attention(
     md = get_mode(mode)
     if md.half_scores:
         raise ValueError(f"mode={md.name!r} has no varlen path; expected one of fp32, fp32-ieee, tf32, fp16, bf16")
-    wrap = None
+    wrap = key = None
     if isinstance(q, (list, tuple)):
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("lists of sequences carry their lengths; pass cu_seqlens_q / cu_seqlens_k = None")
@@ -249,11 +279,16 @@ def varlen_attention(
         max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else mk
     elif cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("cu_seqlens_q and cu_seqlens_k are required for packed [total, H, D] inputs")
+    else:  # a packed call seen before was checked and planned then: launch from its plan
+        key, run = RUNS.lookup(_run_key, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mode, backend,
+                               is_causal)
+        if run is not None and (scale is None or (type(scale) is float and math.isfinite(scale))):
+            return run(q, k, v, cu_seqlens_q, cu_seqlens_k, q.shape[-1] ** -0.5 if scale is None else scale)
     max_seqlen_q, max_seqlen_k, lengths, offsets = _validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                               max_seqlen_k)
     cu_seqlens_q, cu_seqlens_k = offsets
     scale = check_flags(is_causal, scale, q.shape[-1])
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md, lengths)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, md, lengths, key)
     out = dispatch.choose(BACKENDS, dispatch.preferred(backend, q.device.type, "varlen_attention"), *args).plan(*args)
     return wrap(out) if wrap is not None else out
 
@@ -407,7 +442,7 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
 
 
 def _triton_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float,
-                        md: Mode, lengths=None) -> str | None:
+                        md: Mode, lengths=None, key=None) -> str | None:
     """Why the varlen kernel cannot run this call (device, head dims, mode; gradients in a mode without a backward),
     or None."""
     from .kernels.varlen_fwd import varlen_unsupported_reason  # imports Triton: only on the kernel path
@@ -419,21 +454,45 @@ def _triton_unsupported(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: 
     return reason
 
 
-def _triton(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode, lengths=None):
+def _triton(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode, lengths=None,
+            key=None):
     """The varlen kernel's output in q's dtype (``lengths``: host-side ``(lens_q, lens_k)`` where the offsets were
-    read, which let an eager call without gradients take the stream-K schedule)."""
+    read, which let an eager call without gradients take the stream-K schedule). ``key``: the call's :data:`RUNS` key
+    (None: keep no runner); an eager call without gradients whose q / k / v the kernels read as they are keeps its
+    runner there."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     dtype = md.compute_dtype
     # the kernels take unit last strides only (visionattn.kernels._launch.unit_last_stride)
     qc, kc, vc = (unit_last_stride(cast_checked(t, dtype, n, md.name)) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     out_dtype = q.dtype if q.dtype in KERNEL_DTYPES else torch.float32
+    if key is not None and not grad and not recording() and qc is q and kc is k and vc is v:
+        from .kernels import varlen_fwd
+
+        run, out = varlen_fwd.forward_runner(q, k, v, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale),
+                                             md.name, out_dtype, lengths)
+        if run is not None:  # host lengths <=> the key holds the offsets' values (_run_key)
+            RUNS.put(key, _packed_runner(run, cu_q, cu_k, by_value=lengths is not None))
+        return out
     out = varlen_kernel(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad,
                         lengths)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
+def _packed_runner(run, cu_q: torch.Tensor, cu_k: torch.Tensor, by_value: bool):
+    """The :data:`RUNS` runner of a packed call: ``run`` (:func:`.kernels.varlen_fwd.forward_runner`) on the call's
+    offsets, or where they entered the key by value (host offsets) on their device copies ``cu_q`` / ``cu_k``, which
+    it holds."""
+    if not by_value:
+        return run
+
+    def from_host(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+        return run(q, k, v, cu_q, cu_k, scale)
+
+    return from_host
+
+
 def _reference(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale: float, md: Mode,
-               lengths=None) -> torch.Tensor:
+               lengths=None, key=None) -> torch.Tensor:
     """Per-sequence :func:`visionattn.reference.blocked_attention` on views: [total_q, H, Dv] in q's dtype."""
     check_float16_range(md, q=q, k=k, v=v)
     with torch.autocast(q.device.type, enabled=False):  # the mode fixes the arithmetic, not an autocast

@@ -410,6 +410,42 @@ def test_validation_errors_name_the_argument():
         varlen_attention(q, k, v, cu_q, cu_k, is_causal=1)
 
 
+def test_packed_calls_without_gradients_launch_from_a_runner_that_follows_new_offsets():
+    """A packed call without gradients keeps a runner (``varlen.RUNS``) that a later call of the same signature and
+    offsets launches from (same output, any scale); new values in the same offsets tensors are a new call, checked
+    and planned, whose output follows them; bad new values still raise; a call that needs gradients keeps none."""
+    from visionattn import varlen as varlen_module
+
+    q, k, v, cu_q, cu_k = packed(LENS_Q, LENS_K, dv=24, seed=3)
+    tol = MODES["fp32"].rel_tol
+
+    def oracle(scale=None):
+        return per_sequence(lambda a, b, c: oracle_attention(a, b, c, scale=scale), q, k, v, cu_q, cu_k, 24)
+
+    runs = varlen_module.RUNS
+    runs.plans.clear()
+    builds, hits = runs.builds, runs.hits
+    first = varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", backend="triton")
+    assert (runs.builds, runs.hits) == (builds + 1, hits)
+    again = varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", backend="triton")
+    assert runs.hits == hits + 1 and torch.equal(again, first)
+    assert rel_l2(again.double(), oracle()) <= tol
+    scaled = varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", backend="triton", scale=0.3)
+    assert runs.hits == hits + 2 and rel_l2(scaled.double(), oracle(0.3)) <= tol
+    # the same tensors, other offsets (same totals): a new key, the output of the new sequences
+    cu_q.copy_(offsets([20, 6, 0, 30, 1, 9]))
+    cu_k.copy_(offsets([50, 1, 40, 0, 20, 3]))
+    moved = varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", backend="triton")
+    assert runs.builds == builds + 2 and rel_l2(moved.double(), oracle()) <= tol
+    assert not torch.equal(moved, first)
+    cu_k[2] = cu_k[1] - 1
+    with pytest.raises(ValueError, match="non-decreasing"):
+        varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", backend="triton")
+    cu_k.copy_(offsets([50, 1, 40, 0, 20, 3]))
+    varlen_attention(q.clone().requires_grad_(), k, v, cu_q, cu_k, mode="fp32", backend="triton").sum().backward()
+    assert runs.builds == builds + 2
+
+
 def test_import_does_not_load_triton():
     import subprocess
     import sys
@@ -514,6 +550,41 @@ def test_gpu_a_captured_graph_keeps_its_tables_through_cache_churn(monkeypatch, 
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_gpu_packed_runners_on_device_offsets_and_on_stream_k_lengths(mode):
+    """Offsets on the GPU with both maxima given (values trusted, not read): the runner launches later calls with the
+    caller's offsets, so new values in the same tensors give the new sequences' output. Host offsets of a few-query
+    ragged batch (the stream-K schedule): later calls launch from the runner, bit-identical to the first."""
+    from visionattn import varlen as varlen_module
+    from visionattn.kernels import varlen_fwd
+
+    dtype = MODES[mode].compute_dtype
+    runs = varlen_module.RUNS
+    q, k, v, cu_q, cu_k = packed(TABLE2_LENS, TABLE2_LENS, h=16, d=64, device="cuda")
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    longest = max(TABLE2_LENS)
+    first = varlen_attention(q, k, v, cu_q, cu_k, longest, longest, mode=mode)
+    hits = runs.hits
+    moved_lens = [longest, 262, 1039, 557, 785, 500, 708, 542]  # a permutation: same totals and maximum
+    cu_q.copy_(offsets(moved_lens, "cuda"))
+    cu_k.copy_(offsets(moved_lens, "cuda"))
+    moved = varlen_attention(q, k, v, cu_q, cu_k, longest, longest, mode=mode)
+    assert runs.hits == hits + 1 and not torch.equal(moved, first)
+    assert rel_l2(moved.double(), per_sequence(oracle_attention, q, k, v, cu_q, cu_k, 64)) <= MODES[mode].rel_tol
+    lens_q, lens_k = [1, 4, 16, 2, 1, 9, 3, 1], [4096, 300, 2048, 77, 9000, 512, 1024, 128]
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, h=16, d=64)
+    q, k, v = q.to("cuda", dtype), k.to("cuda", dtype), v.to("cuda", dtype)
+    varlen_fwd.PLANS.clear()
+    first = varlen_attention(q, k, v, cu_q, cu_k, mode=mode)
+    assert {type(p).__name__ for p in varlen_fwd.PLANS.plans.values()} == {"StreamPlan"}
+    hits = runs.hits
+    again = varlen_attention(q, k, v, cu_q, cu_k, mode=mode)
+    assert runs.hits == hits + 1 and torch.equal(again, first)
+    oracle = per_sequence(oracle_attention, q, k, v, cu_q.cuda(), cu_k.cuda(), 64)
+    assert rel_l2(again.double(), oracle) <= MODES[mode].rel_tol
 
 
 @pytest.mark.gpu
