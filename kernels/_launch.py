@@ -406,6 +406,14 @@ def head_blocks(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def kernel_grad_out(grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad_out`` as the backward kernels read it: a float64 one rounded to ``dtype`` (the compute dtype) by torch
+    first, one correctly rounded cast as the GPU kernels' own; narrower ones as given (the kernels round them). The
+    interpreter's float64 -> bfloat16 cast is wrong (1.0 -> 0, -2.5 -> NaN), so a direct backward call with a float64
+    gradient under ``TRITON_INTERPRET=1`` would give NaN gradients."""
+    return grad_out.to(dtype) if grad_out.dtype == torch.float64 else grad_out
+
+
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dim has unit stride, else the same values laid out so that it has: a view
     with that stride set to 1 when the last dim has size 1 (no copy; the stride of a size-1 dim is never used),

@@ -568,6 +568,35 @@ def test_errors_name_the_argument():
         elsa_backward(**args(q=big, k=big, v=big, out=big, grad_out=big))
 
 
+@cpu_only
+@pytest.mark.parametrize("entry", ["dense", "window", "varlen"])
+def test_a_float64_grad_out_is_rounded_once_to_the_compute_dtype(entry):
+    """A float64 grad_out in bf16 gives the gradients of that gradient rounded to bfloat16 first, bit for bit and
+    finite (the GPU kernels round it once; the interpreter's own float64 -> bfloat16 cast gave NaN gradients)."""
+    from visionattn.kernels import varlen_bwd, window_bwd
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g).bfloat16() for _ in range(3))
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.25
+    out = torch.softmax(s, -1) @ v.double()
+    lse = torch.logsumexp(s, -1).float()
+    grad_out = torch.randn(1, 2, 24, 16, generator=g, dtype=torch.float64)
+
+    def grads(do):
+        if entry == "dense":
+            return elsa_backward(q, k, v, out, do, lse, None, None, False, 0.25, "bf16")[:3]
+        if entry == "window":
+            return window_bwd.window_backward(q, k, v, out, do, lse, None, None, 1, 0.25, "bf16")[:3]
+        cu = torch.tensor([0, 24], dtype=torch.int32)
+        packed = lambda t: t[0].transpose(0, 1)  # noqa: E731  [N, H, D]
+        return varlen_bwd.varlen_backward(packed(q), packed(k), packed(v), packed(out), packed(do), lse[0], cu, cu,
+                                          24, 24, False, 0.25, "bf16")
+
+    wide, rounded = grads(grad_out), grads(grad_out.bfloat16())
+    for a, b in zip(wide, rounded):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 def test_reduce_bias_grad():
     g = torch.arange(24.0).reshape(2, 3, 2, 2)
     assert torch.equal(reduce_bias_grad(g, (3, 2, 2)), g.sum(0))
