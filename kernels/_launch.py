@@ -515,12 +515,30 @@ def launch_partitions(plan, inputs: tuple, out: torch.Tensor, lse: torch.Tensor 
     if plan.merge is None:
         plan.main(*inputs, out, lse_t, dummy, dummy, dummy, scale_log2, *plan.fixed)
         return
-    ws_m = torch.empty(plan.ws_shape, dtype=torch.float32, device=plan.device)
-    ws_s = torch.empty(plan.ws_shape, dtype=torch.float32, device=plan.device)
-    ws_w = torch.empty(plan.ws_w_shape, dtype=torch.float32, device=plan.device)
+    rows = functools.reduce(lambda a, b: a * b, plan.ws_shape, 1)
+    ws_m, ws_s, ws_w, _ws = partials_workspace(rows, plan.ws_w_shape[-1], plan.device, plan.main, plan.merge)
     plan.main(*inputs, out, lse_t, ws_m, ws_s, ws_w, scale_log2, *plan.fixed)
     merge_lse = lse if lse is not None else (0 if plan.merge._fast is not None else inputs[0])
     plan.merge(ws_m, ws_s, ws_w, out, merge_lse, *plan.merge_fixed)
+
+
+# the parts of a partials workspace start at multiples of this many FP32 entries (128 bytes): the kernels' pointers keep
+# the 16-byte alignment Triton specialised them on at the first call
+_WORKSPACE_ALIGN = 32
+
+
+def partials_workspace(rows: int, dv: int, device: torch.device, *calls: KernelCall) -> tuple:
+    """The FP32 workspace of a forward whose cut partitions a merge folds (split-KV, stream-K): ``(ws_m, ws_s, ws_w,
+    base)``, the running maxima and sums [rows] and the weighted sums [rows, dv] as parts of one allocation ``base``
+    (one allocator call instead of three: docs/tuning.md, split-KV and stream-K workspaces). Where every one of
+    ``calls`` launches directly (:attr:`KernelCall._fast`), the parts are addresses, else views (a JIT launch reads the
+    pointers' types from tensors). Keep ``base`` until the launches are queued."""
+    step = -(-rows // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+    base = torch.empty(2 * step + rows * dv, dtype=torch.float32, device=device)
+    if all(call._fast is not None for call in calls):
+        at = base.data_ptr()
+        return at, at + 4 * step, at + 8 * step, base
+    return base[:rows], base[step:step + rows], base[2 * step:], base
 
 
 class DenseForwardRun:

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import LOG2E, KernelCall, cdiv, device_table, head_blocks, interpreting, pad_pow2, sm_count
+from ._launch import (LOG2E, KernelCall, cdiv, device_table, head_blocks, interpreting, pad_pow2, partials_workspace,
+                      sm_count)
 from .elsa_fwd import LAZY_V_MIN_KEYS, _precision, get_config, key_tiles, merge_partials, store_partial, NOMINAL_SMS
 from .varlen_fwd import _register_cap, fold_query_tile, sequence_span, store_output
 
@@ -398,9 +399,7 @@ class StreamPlan:
         dummy = 0 if self.main._fast is not None else q  # unused pointers: null on the direct path
         ws = [dummy] * 3
         if self.merge is not None:
-            ws = [torch.empty(self.ws_rows, dtype=torch.float32, device=dev),
-                  torch.empty(self.ws_rows, dtype=torch.float32, device=dev),
-                  torch.empty(self.ws_rows * self.dv, dtype=torch.float32, device=dev)]
+            *ws, _ws = partials_workspace(self.ws_rows, self.dv, dev, self.main, self.merge)
         prog_it, prog_job, prog_slot, job_it, job_info, split = self.views
         self.main(q, k, v, cu_q, cu_k, dummy if row_offsets is None else row_offsets, out,
                   dummy if lse is None else lse, *ws, prog_it, prog_job, prog_slot, job_it, job_info,

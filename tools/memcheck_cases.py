@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 9 python tools/memcheck_cases.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python tools/memcheck_cases.py --families window dense
 
-Each case runs forward (and backward where the mode has backward kernels) on the GPU once, at a size that takes the
+Each case runs forward (and backward where the mode has backward kernels) on the GPU twice (the first call through
+Triton's JIT launch, the second as every later call launches: directly), at a size that takes the
 variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128) and its fp32
 split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
 single-pass, two-kernel and whole-head backward (its 16-row tail tile too), split-KV with its merge, PASA, the
@@ -51,15 +52,20 @@ def _rand(*shape, dtype=torch.float32, grad=False, seed=0):
 
 
 def _run(fn, leaves) -> None:
-    out = fn(*leaves)
-    grads = []
-    if any(t.requires_grad for t in leaves):
-        out.sum().backward()  # a stride-0 output gradient, the most common loss
-        grads = [t.grad for t in leaves if t.requires_grad]
-    torch.cuda.synchronize()
-    for t in (out, *grads):
-        if not torch.isfinite(t).all():
-            raise AssertionError("non-finite values")
+    # twice: the first call compiles, plans and launches through Triton's JIT path, the second (as every later call
+    # of the signature) launches directly, with raw addresses where a plan passes them (unused pointers, workspaces)
+    for _ in range(2):
+        for t in leaves:
+            t.grad = None
+        out = fn(*leaves)
+        grads = []
+        if any(t.requires_grad for t in leaves):
+            out.sum().backward()  # a stride-0 output gradient, the most common loss
+            grads = [t.grad for t in leaves if t.requires_grad]
+        torch.cuda.synchronize()
+        for t in (out, *grads):
+            if not torch.isfinite(t).all():
+                raise AssertionError("non-finite values")
 
 
 def cases(families, modes):

@@ -160,3 +160,23 @@ def test_split_forward_with_lse_matches_oracle(Nq, splits):
     logits = (q.double() @ k.double().transpose(-1, -2) * 0.25).masked_fill(~mask, float("-inf"))
     ref_lse = torch.logsumexp(logits, -1)
     _check(out, lse, ref, ref_lse, f"Nq={Nq} P={splits}")
+
+
+@pytest.mark.parametrize("rows, dv", [(1, 1), (33, 64), (64, 24)])
+def test_partials_workspace_parts_are_disjoint_aligned_and_the_same_as_addresses(rows, dv):
+    """The split-KV / stream-K workspace from one allocation: m, S [rows] and W [rows, dv] as disjoint parts, each at
+    a multiple of 128 bytes from the allocation (Triton specialises the pointers' 16-byte alignment at the first
+    call); views while any launch is JIT, the same offsets as raw addresses once every launch is direct."""
+    from types import SimpleNamespace
+
+    from visionattn.kernels._launch import partials_workspace
+
+    direct, jit = SimpleNamespace(_fast=print), SimpleNamespace(_fast=None)
+    *views, base = partials_workspace(rows, dv, torch.device("cpu"), direct, jit)
+    assert [t.numel() for t in views] == [rows, rows, rows * dv]
+    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in views)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= base.data_ptr() + 4 * base.numel()
+    assert all((t.data_ptr() - base.data_ptr()) % 128 == 0 for t in views)
+    *addresses, base2 = partials_workspace(rows, dv, torch.device("cpu"), direct, direct)
+    assert addresses == [base2.data_ptr() + t.data_ptr() - base.data_ptr() for t in views]
