@@ -32,6 +32,7 @@ plan (one slow call), never a new compile (lengths are not specialised on).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any, Callable, TypeVar
 
@@ -515,7 +516,7 @@ def launch_partitions(plan, inputs: tuple, out: torch.Tensor, lse: torch.Tensor 
     if plan.merge is None:
         plan.main(*inputs, out, lse_t, dummy, dummy, dummy, scale_log2, *plan.fixed)
         return
-    rows = functools.reduce(lambda a, b: a * b, plan.ws_shape, 1)
+    rows = math.prod(plan.ws_shape)
     ws_m, ws_s, ws_w, _ws = partials_workspace(rows, plan.ws_w_shape[-1], plan.device, plan.main, plan.merge)
     plan.main(*inputs, out, lse_t, ws_m, ws_s, ws_w, scale_log2, *plan.fixed)
     merge_lse = lse if lse is not None else (0 if plan.merge._fast is not None else inputs[0])

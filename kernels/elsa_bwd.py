@@ -1321,8 +1321,8 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
 
     Returns (dq, dk, dv, dbias or None, dhead_scale or None).
     """
-    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
     grad_out = kernel_grad_out(grad_out, q.dtype)
+    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
     q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]

@@ -242,8 +242,8 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         TypeError: a non-tensor argument; q / k / v not in the mode's compute dtype; a non-float out / grad_out.
     """
     _check(q, k, v, out, grad_out, lse, cu_seqlens_q, cu_seqlens_k, mode)
-    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
     grad_out = kernel_grad_out(grad_out, q.dtype)
+    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
     q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
     dtype, precision = BWD_MODES[mode]
     total_q, H, D = q.shape

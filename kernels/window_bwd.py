@@ -327,8 +327,8 @@ def _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_
     """:func:`window_backward`'s ``(result, plan)``: the fused kernel's plan that ran, None for the split kernels
     or an empty call."""
     _check_inputs(q, k, v, out, grad_out, lse, None, None, mode)
-    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
     grad_out = kernel_grad_out(grad_out, q.dtype)
+    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
     q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
     BW, H, N, _ = q.shape
     if k.shape[2] != N:

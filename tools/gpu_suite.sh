@@ -25,7 +25,8 @@
 # (dense backward tile sweep at long sequences: bf16 D = 64 / 128, fp32), train-v2 (training steps of Swin-v2-B 256 px
 # and ViT-B/16 at 1024 px), bwd-products (the fp32 / tf32 backward with split-FP16 products, the default, beside
 # tl.dot's 3xTF32), fwd-bwd (attention forward + backward vs SDPA), varlen (ragged-batch GPU tests + Table 2),
-# stream-k (the stream-K schedule's GPU tests, memcheck over the ragged / stream-K cases in bf16 and fp32,
+# stream-k (the stream-K schedule's GPU tests, memcheck over the split-KV and ragged / stream-K cases in bf16 and fp32,
+# each run twice so that the direct launches with raw workspace addresses are checked too,
 # bench_split_kv in bf16 and in fp32, a run each to stay within a step's time), vggt200 (VGGT-1B at 200 frames,
 # bf16 / fp32 vs SDPA, peak beside estimate_memory), vggt-tests (VGGT GPU tests incl.
 # training), families (the timm families beyond ViT / Swin, patched vs unpatched), naflex (NaFlexViT padded batch),
@@ -142,7 +143,7 @@ for step in "$@"; do
     stream-k) run stream-k-tests 300 python -m pytest -m gpu -q -rf --timeout=200 -p no:cacheprovider \
         tests/kernels/test_stream_k.py tests/api/test_varlen.py
       run stream-k-memcheck 300 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
-        python tools/memcheck_cases.py --families varlen --modes bf16 fp32
+        python tools/memcheck_cases.py --families split varlen --modes bf16 fp32 --calls 2
       for mode in bf16 fp32; do
         run "split-kv-$mode" 300 python tools/bench_split_kv.py --modes "$mode" --calls 10 --repeats 5 \
           --out "$out/split_kv_$mode"

@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 9 python tools/memcheck_cases.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python tools/memcheck_cases.py --families window dense
 
-Each case runs forward (and backward where the mode has backward kernels) on the GPU twice (the first call through
-Triton's JIT launch, the second as every later call launches: directly), at a size that takes the
+Each case runs forward (and backward where the mode has backward kernels) on the GPU once (``--calls 2``: twice, the
+second call launching directly as every later call does), at a size that takes the
 variant it names: the dense Triton kernel, the Gluon half kernel (head dim 64 from 256 keys, head dim 128) and its fp32
 split build, the Gluon half backward and its tf32 / fp32 builds, the Gluon IEEE-FP32 forward and backward, the
 single-pass, two-kernel and whole-head backward (its 16-row tail tile too), split-KV with its merge, PASA, the
@@ -51,10 +51,10 @@ def _rand(*shape, dtype=torch.float32, grad=False, seed=0):
     return torch.randn(*shape, device="cuda", generator=g).to(dtype).requires_grad_(grad)
 
 
-def _run(fn, leaves) -> None:
-    # twice: the first call compiles, plans and launches through Triton's JIT path, the second (as every later call
-    # of the signature) launches directly, with raw addresses where a plan passes them (unused pointers, workspaces)
-    for _ in range(2):
+def _run(fn, leaves, calls: int = 1) -> None:
+    # the first call compiles, plans and launches through Triton's JIT path, a second (as every later call of the
+    # signature) launches directly, with raw addresses where a plan passes them (unused pointers, workspaces)
+    for _ in range(calls):
         for t in leaves:
             t.grad = None
         out = fn(*leaves)
@@ -360,7 +360,7 @@ def main(args) -> dict:
     ran, failed, t0 = 0, [], time.perf_counter()
     for name, fn, leaves in cases(args.families, args.modes):
         try:
-            _run(fn, leaves)
+            _run(fn, leaves, args.calls)
         except Exception as exc:  # report every case, then fail
             failed.append(name)
             print(f"FAILED {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
@@ -373,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="kernel families to run")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="precision modes to run")
+    p.add_argument("--calls", type=int, choices=(1, 2), default=1,
+                   help="calls per case: 1 (default; the first call launches through Triton's JIT path), 2 also "
+                        "checks the direct launch of every later call (raw addresses for unused pointers and "
+                        "workspaces); 2 doubles the sanitizer's time (the whole set then takes over 560 s on an H200)")
     p.add_argument("--control", action="store_true",
                    help="run only the warp-specialization control kernel (racecheck's baseline)")
     p.add_argument("--control-data", action="store_true",
