@@ -239,7 +239,9 @@ def varlen_attention(
             non-decreasing (FlashAttention's convention). Sequences of 0 queries contribute nothing; a
             sequence with 0 keys gives zero output rows. For CUDA tensors the offsets may also be given on the
             CPU: their values are then read without a synchronisation (the lengths reach the kernels, as when a
-            maximum is left out) and copied to the GPU once per distinct offsets.
+            maximum is left out) and copied to the GPU once per distinct offsets. A call without gradients that
+            repeats an earlier one's layouts, mode and offsets (their values when on the CPU; on the GPU, with both
+            maxima given) launches from that call's plan without its checks and planning (:data:`RUNS`).
         max_seqlen_q, max_seqlen_k: bounds of the per-sequence lengths (ints), as FlashAttention takes them;
             None = computed from the offsets on the host (one synchronisation on CUDA). With both given on
             CUDA the offsets' values are trusted, not read (see :func:`validate_varlen_inputs`).
