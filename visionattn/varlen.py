@@ -472,19 +472,20 @@ def _triton(q, k, v, cu_q, cu_k, max_q: int, max_k: int, is_causal: bool, scale:
 
         run, out = varlen_fwd.forward_runner(q, k, v, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale),
                                              md.name, out_dtype, lengths)
-        if run is not None:  # host lengths <=> the key holds the offsets' values (_run_key)
-            RUNS.put(key, _packed_runner(run, cu_q, cu_k, by_value=lengths is not None))
+        if run is not None:  # CUDA tensors with host lengths: the key holds the CPU offsets' values (_run_key)
+            RUNS.put(key, _packed_runner(run, cu_q, cu_k, held=lengths is not None and q.device.type == "cuda"))
         return out
     out = varlen_kernel(qc, kc, vc, cu_q, cu_k, max_q, max_k, bool(is_causal), float(scale), md.name, out_dtype, grad,
                         lengths)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _packed_runner(run, cu_q: torch.Tensor, cu_k: torch.Tensor, by_value: bool):
-    """The :data:`RUNS` runner of a packed call: ``run`` (:func:`.kernels.varlen_fwd.forward_runner`) on the call's
-    offsets, or where they entered the key by value (host offsets) on their device copies ``cu_q`` / ``cu_k``, which
-    it holds."""
-    if not by_value:
+def _packed_runner(run, cu_q: torch.Tensor, cu_k: torch.Tensor, held: bool):
+    """The :data:`RUNS` runner of a packed call: ``run`` (:func:`.kernels.varlen_fwd.forward_runner`) on each call's
+    own offsets, or with ``held`` (offsets given on the CPU for CUDA tensors, which entered the key by value) on the
+    device copies ``cu_q`` / ``cu_k`` the first call made, which it holds (copies of the library's own: a caller's
+    tensor may change after the call)."""
+    if not held:
         return run
 
     def from_host(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):

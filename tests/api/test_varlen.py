@@ -438,6 +438,11 @@ def test_packed_calls_without_gradients_launch_from_a_runner_that_follows_new_of
     moved = varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", backend="triton")
     assert runs.builds == builds + 2 and rel_l2(moved.double(), oracle()) <= tol
     assert not torch.equal(moved, first)
+    # the first offsets again, in new tensors, while the first call's tensors hold other values: the runner of the
+    # first offsets reads this call's tensors, not the first call's
+    cu_q2, cu_k2 = offsets(LENS_Q), offsets(LENS_K)
+    back = varlen_attention(q, k, v, cu_q2, cu_k2, mode="fp32", backend="triton")
+    assert runs.builds == builds + 2 and torch.equal(back, first)
     cu_k[2] = cu_k[1] - 1
     with pytest.raises(ValueError, match="non-decreasing"):
         varlen_attention(q, k, v, cu_q, cu_k, mode="fp32", backend="triton")
