@@ -14,8 +14,8 @@ What lives here:
   (tests read them to prove a second call reuses the plan).
 * The host-side helpers the kernel modules build plans with: integer tile math (:func:`cdiv`,
   :func:`pad_pow2`, :func:`head_blocks`), the layouts the kernels read and write (:func:`unit_last_stride`,
-  :func:`heads_inner_layout`, :data:`OUT_DTYPES`), the GPU's SM count and the out-of-shared-memory config
-  fallback (:func:`run_first_that_fits`). A first call's plan is thus built from its kernel module and this one.
+  :func:`backward_operands`, :func:`heads_inner_layout`, :data:`OUT_DTYPES`), the GPU's SM count and the
+  out-of-shared-memory config fallback (:func:`run_first_that_fits`). A first call's plan is thus built from its kernel module and this one.
 * The plans' runs: what a repeat call executes once a kernel module has built its plan
   (:class:`DenseForwardRun`, :class:`GluonForwardPlan`, :class:`EmptyForwardPlan`, :class:`PlannedLaunch`,
   :class:`WindowForwardRun`, :class:`VarlenForwardRun`). The kernel modules choose and build (kernels,
@@ -42,7 +42,7 @@ __all__ = ["KernelCall", "PlanCache", "launch", "interpreting", "recording", "qk
            "SPIN_UNTIL_EQUAL_PTX", "LOG2E", "launch_partitions", "DenseForwardRun", "GluonForwardPlan",
            "EmptyForwardPlan", "PlannedLaunch", "WindowForwardRun", "VarlenForwardRun", "cdiv", "pad_pow2",
            "head_blocks", "OUT_DTYPES", "unit_last_stride", "heads_inner_layout", "heads_inner_output",
-           "allocate_output", "sm_count", "run_first_that_fits"]
+           "allocate_output", "sm_count", "run_first_that_fits", "backward_operands"]
 
 # the kernels exponentiate with exp2: a softmax scale reaches them as scale * log2(e)
 LOG2E = 1.4426950408889634
@@ -407,12 +407,19 @@ def head_blocks(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def kernel_grad_out(grad_out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``grad_out`` as the backward kernels read it: a float64 one rounded to ``dtype`` (the compute dtype) by torch
-    first, one correctly rounded cast as the GPU kernels' own; narrower ones as given (the kernels round them). The
-    interpreter's float64 -> bfloat16 cast is wrong (1.0 -> 0, -2.5 -> NaN), so a direct backward call with a float64
-    gradient under ``TRITON_INTERPRET=1`` would give NaN gradients."""
-    return grad_out.to(dtype) if grad_out.dtype == torch.float64 else grad_out
+def backward_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, out, grad_out)`` as the backward kernels read them, for every backward entry point.
+
+    * Each with a unit last stride (:func:`unit_last_stride`: out.sum()'s dO is stride 0).
+    * A float64 ``grad_out`` rounded to ``q.dtype`` (the compute dtype) by torch first, one correctly rounded cast
+      as the GPU kernels' own; narrower ones as given (the kernels round them). The interpreter's float64 ->
+      bfloat16 cast is wrong (1.0 -> 0, -2.5 -> NaN), so a direct backward call with a float64 gradient under
+      ``TRITON_INTERPRET=1`` would give NaN gradients.
+    """
+    if grad_out.dtype == torch.float64:
+        grad_out = grad_out.to(q.dtype)
+    return tuple(unit_last_stride(t) for t in (q, k, v, out, grad_out))
 
 
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:

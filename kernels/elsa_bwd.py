@@ -125,7 +125,7 @@ import triton
 import triton.language as tl
 
 from . import elsa_fwd, ieee_gluon_bwd
-from ._launch import (SPIN_UNTIL_EQUAL_PTX, KernelCall, PlanCache, cdiv, head_blocks, interpreting, kernel_grad_out,
+from ._launch import (SPIN_UNTIL_EQUAL_PTX, KernelCall, PlanCache, backward_operands, cdiv, head_blocks, interpreting,
                       pad_pow2, run_first_that_fits, sm_count, unit_last_stride)
 from .elsa_fwd import key_tiles, load_kv_tile
 from .modes import MODES
@@ -1321,9 +1321,7 @@ def launch_backward(q, k, v, out, grad_out, lse, bias, add_mask, attn_mask, head
 
     Returns (dq, dk, dv, dbias or None, dhead_scale or None).
     """
-    grad_out = kernel_grad_out(grad_out, q.dtype)
-    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
-    q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
+    q, k, v, out, grad_out = backward_operands(q, k, v, out, grad_out)
     B, H, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[3]
     if B * H == 0 or Nq == 0 or Nk == 0 or D == 0 or Dv == 0:

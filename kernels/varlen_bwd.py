@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import cdiv, head_blocks, interpreting, kernel_grad_out, launch, unit_last_stride
+from ._launch import backward_operands, cdiv, head_blocks, interpreting, launch
 from .elsa_bwd import (BWD_MODES, HEAD_SCALED, MAX_HEAD_DIM, BwdConfig, KernelTiles, _bwd_preprocess_kernel,
                        _dkdv_query_tiles, _dkdv_tile, _dq_tile, _head_exponents, _run_fitting, get_config,
                        preprocess_launch, product_flags)
@@ -242,9 +242,7 @@ def varlen_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         TypeError: a non-tensor argument; q / k / v not in the mode's compute dtype; a non-float out / grad_out.
     """
     _check(q, k, v, out, grad_out, lse, cu_seqlens_q, cu_seqlens_k, mode)
-    grad_out = kernel_grad_out(grad_out, q.dtype)
-    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
-    q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
+    q, k, v, out, grad_out = backward_operands(q, k, v, out, grad_out)
     dtype, precision = BWD_MODES[mode]
     total_q, H, D = q.shape
     total_k, Dv = k.shape[0], v.shape[2]

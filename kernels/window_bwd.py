@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (KernelCall, PlanCache, cdiv, head_blocks, interpreting, kernel_grad_out, pad_pow2,
+from ._launch import (KernelCall, PlanCache, backward_operands, cdiv, head_blocks, interpreting, pad_pow2,
                       run_first_that_fits, unit_last_stride)
 from .elsa_bwd import (BWD_MODES, BwdConfig, KernelTiles, _bias_mask, _bias_splits, _check_inputs, _head_scale,
                        _head_scale_grad, _mm, _tensor_key, autograd_bias, check_grads, fp32_products, launch_backward,
@@ -327,9 +327,7 @@ def _window_backward(q, k, v, out, grad_out, lse, relative_position_bias, shift_
     """:func:`window_backward`'s ``(result, plan)``: the fused kernel's plan that ran, None for the split kernels
     or an empty call."""
     _check_inputs(q, k, v, out, grad_out, lse, None, None, mode)
-    grad_out = kernel_grad_out(grad_out, q.dtype)
-    # the kernels are built for unit last strides (:func:`._launch.unit_last_stride`): out.sum()'s dO is stride 0
-    q, k, v, out, grad_out = (unit_last_stride(t) for t in (q, k, v, out, grad_out))
+    q, k, v, out, grad_out = backward_operands(q, k, v, out, grad_out)
     BW, H, N, _ = q.shape
     if k.shape[2] != N:
         raise ValueError(f"k has {k.shape[2]} tokens, q {N}: windows attend within themselves (Nq == Nk)")
