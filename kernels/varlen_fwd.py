@@ -491,22 +491,24 @@ def _table_order(lens_q, lens_k, block_m: int, n_m_tiles: int) -> tuple[int, ...
 
 def forward_runner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, is_causal: bool, scale: float,
-                   mode: str, out_dtype: torch.dtype | None = None, lengths: tuple | None = None):
-    """``(run, out)``: :func:`varlen_forward`'s output of this call (no LSE, packed q / k / v, the automatic
-    schedule) and ``run(q, k, v, cu_seqlens_q, cu_seqlens_k, scale) -> out``, which launches a later call of the same
-    signature, maxima and ``lengths`` from the same plan (its tile table or work tables included) without planning
-    again; ``run`` is None where the call launches nothing (no query rows, heads or value columns). Arguments as
-    :func:`varlen_forward`."""
+                   mode: str, out_dtype: torch.dtype | None = None, lengths: tuple | None = None,
+                   row_offsets: torch.Tensor | None = None, total_q: int | None = None):
+    """``(run, out)``: :func:`varlen_forward`'s output of this call (no LSE, the automatic schedule; q / k / v packed,
+    or read in place at ``row_offsets`` as :func:`plan_for` takes them) and ``run(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    scale) -> out``, which launches a later call of the same signature, maxima, ``lengths`` and ``row_offsets`` from
+    the same plan (its tile table or work tables included) without planning again; ``run`` is None where the call
+    launches nothing (no query rows, heads or value columns). Arguments as :func:`varlen_forward` and
+    :func:`plan_for`."""
     plan, (out, _) = plan_for(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, mode,
-                              out_dtype, lengths=lengths)
+                              out_dtype, row_offsets=row_offsets, total_q=total_q, lengths=lengths)
     if plan is None:
         return None, out
     if isinstance(plan, _VarlenPlan):
-        extra = (None, None if lengths is None else plan_tiles(plan, lengths))
+        extra = (row_offsets, None if lengths is None else plan_tiles(plan, lengths))
     elif hasattr(plan, "work"):  # the Gluon kernel's plan (varlen_gluon.VarlenGluonPlan): its work tables
-        extra = (None, plan.work(*_host_lengths(lengths, len(lengths[0]))))
+        extra = (row_offsets, plan.work(*_host_lengths(lengths, len(lengths[0]))))
     else:  # the stream-K plan (its partition is the plan's own)
-        extra = (None,)
+        extra = (row_offsets,)
 
     def run(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
         return plan(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, *extra)[0]

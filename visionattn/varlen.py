@@ -345,9 +345,9 @@ def _row_offsets(ts) -> tuple[int, tuple[int, ...], list[int]] | None:
 
 # (mode, device, every sequence's address, shape, strides and dtype) -> how the kernel reads them in place:
 # (indices of the q / k / v base tensors and their strides, the device offsets — int32 cu_seqlens_q / _k, int64
-# row offsets —, query and key lengths, the kernel's launch plan (and tile table) per causal flag, the sequences'
-# order, the tables' pinned host source); see _sequences. Holds no caller tensor; the caching allocator hands a loop
-# the same addresses call after call.
+# row offsets —, query and key lengths, the kernel's runner (varlen_fwd.forward_runner) per causal flag, the
+# sequences' order, the tables' pinned host source); see _sequences. Holds no caller tensor; the caching allocator
+# hands a loop the same addresses call after call.
 CALLS = PlanCache(max_size=256, graph_safe=True)
 
 
@@ -424,19 +424,18 @@ def _sequences(qs, ks, vs, max_seqlen_q, max_seqlen_k, md: Mode, scale, is_causa
                              f"({longest} rows)")
     q, k, v = (ts[i] if ts[i].stride() == st else ts[i].as_strided(ts[i].shape, st)
                for ts, (i, st) in zip((qs, ks, vs), bases))
-    launch = launches.get(bool(is_causal))  # the kernel's plan (and tile table), found once per (list layout, causal)
-    if launch is not None:
-        out = launch[0](q, k, v, cu_q, cu_k, float(scale), row_offsets, *launch[1:])[0]
+    run = launches.get(bool(is_causal))  # the kernel's runner, found once per (list layout, causal)
+    if run is not None:
+        out = run(q, k, v, cu_q, cu_k, float(scale))
     else:
         from .kernels import varlen_fwd
 
         out_dtype = first.dtype if first.dtype in KERNEL_DTYPES else torch.float32
-        launch, (out, _) = varlen_fwd.plan_for(q, k, v, cu_q, cu_k, max(lens_q), max_k, bool(is_causal),
-                                               float(scale), md.name, out_dtype, row_offsets=row_offsets,
-                                               total_q=sum(lens_q), lengths=(tuple(lens_q), tuple(lens_k)))
-        if launch is not None:
-            tiles = varlen_fwd.plan_tiles(launch, (lens_q, lens_k))
-            launches[bool(is_causal)] = (launch,) if tiles is None else (launch, tiles)
+        run, out = varlen_fwd.forward_runner(q, k, v, cu_q, cu_k, max(lens_q), max_k, bool(is_causal), float(scale),
+                                             md.name, out_dtype, (tuple(lens_q), tuple(lens_k)), row_offsets,
+                                             sum(lens_q))
+        if run is not None:
+            launches[bool(is_causal)] = run
     outs = [None] * len(order)
     for s, piece in zip(order, out.split_with_sizes(lens_q)):
         outs[s] = piece
