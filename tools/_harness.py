@@ -301,13 +301,14 @@ def first_error(err: BaseException) -> BaseException:
     return err
 
 
-def eager_graph_timings(make, timer, device, calls: int, repeats: int,
-                        graph: bool = True) -> tuple[float, float | None, str | None]:
+def eager_graph_timings(make, timer, device, calls: int, repeats: int, graph: bool = True,
+                        warmup: int = 3) -> tuple[float, float | None, str | None]:
     """(eager ms, graph ms, why the capture failed) per call of ``fn = make()``: on CUDA with ``graph``
-    :func:`eager_graph_ms` (the failure as :func:`failure_text` of its first error); else ``timer(fn)`` alone."""
+    :func:`eager_graph_ms` after ``warmup`` untimed calls (the failure as :func:`failure_text` of its first error);
+    else ``timer(fn)`` alone."""
     if torch.device(device).type != "cuda" or not graph:
         return timer(make()), None, None
-    eager, graph, error = eager_graph_ms(make, calls, repeats)
+    eager, graph, error = eager_graph_ms(make, calls, repeats, warmup)
     return eager, graph, None if error is None else failure_text(first_error(error), device)
 
 

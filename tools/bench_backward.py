@@ -70,7 +70,8 @@ def build_parser() -> ToolParser:
                    default=[],
                    help="FP32 modes: also time the backward (and each --configs tile set) with these products "
                         "(default: the mode's own only)")
-    add_common(p, calls=20, repeats=5, device=("cuda", "device (cpu: Triton's interpreter, for a smoke test)"))
+    add_common(p, calls=20, repeats=5, warmup=3,
+               device=("cuda", "device (cpu: Triton's interpreter, for a smoke test)"))
     p.add_argument("--no-sdpa", action="store_true", help="time visionattn's backward only")
     p.add_argument("--no-graph", action="store_true",
                    help="eager timing only: skip the CUDA-graph replays (graph ms and eager / graph show '-')")
@@ -184,9 +185,9 @@ def main(args) -> dict:
     device = check_device(parser, args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
-    timer = per_call_ms(device, args.calls, args.repeats)
+    timer = per_call_ms(device, args.calls, args.repeats, args.warmup)
     timings = functools.partial(eager_graph_timings, timer=timer, device=device, calls=args.calls,
-                                repeats=args.repeats, graph=not args.no_graph)
+                                repeats=args.repeats, graph=not args.no_graph, warmup=args.warmup)
     rows = []
     for shape in args.shapes:
         B, H, N, D, relpos, windows = SHAPES[shape]

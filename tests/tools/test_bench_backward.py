@@ -21,7 +21,7 @@ def test_tiny_dense_and_window_rows(tmp_path, monkeypatch):
     args = tool.build_parser().parse_args([
         "--device", "cpu", "--shapes", "tiny-dense", "tiny-window", "--modes", "fp32", "bf16", "--bias-splits", "1",
         "2", "--configs", "16,32,4,1/32,16,4,1", "--fp32-products", "tf32x3", "--calls", "1", "--repeats", "1",
-        "--no-sdpa", "--out", str(out)])
+        "--warmup", "0", "--no-sdpa", "--out", str(out)])
     res = tool.main(args)
     ours = [(r["shape"], r["mode"], r["kernel"], r["bias_splits"]) for r in res["rows"]]
     expected = [(s, m, name + ("" if g is None else f" splits={g}"), g) for m in ("fp32", "bf16")
@@ -63,8 +63,8 @@ def test_graph_columns_numbers_and_na(tmp_path, monkeypatch):
     monkeypatch.setitem(tool.SHAPES, "tiny-dense", (2, 2, 24, 8, True, 0))
     answers = iter([(0.5, 0.25, None), (0.75, None, "RuntimeError: not capturable")])
 
-    def timings(make, timer, device, calls, repeats, graph):
-        assert callable(make()) and device.type == "cpu" and graph
+    def timings(make, timer, device, calls, repeats, graph, warmup):
+        assert callable(make()) and device.type == "cpu" and graph and warmup == 3
         return next(answers)
 
     monkeypatch.setattr(tool, "eager_graph_timings", timings)
@@ -101,11 +101,13 @@ def test_timings_off_and_failures(monkeypatch):
     monkeypatch.setattr(harness, "eager_graph_ms", must_not_run)
     assert timings(lambda: None, timer, torch.device("cpu"), 2, 3) == (1.5, None, None)
     assert timings(lambda: None, timer, torch.device("cuda"), 2, 3, graph=False) == (1.5, None, None)
-    monkeypatch.setattr(harness, "eager_graph_ms", lambda make, calls, repeats: (2.0, None, chained()))
+    monkeypatch.setattr(harness, "eager_graph_ms", lambda make, calls, repeats, warmup: (2.0, None, chained()))
     assert timings(lambda: None, timer, torch.device("cuda"), 2, 3) == (
         2.0, None, "RuntimeError: CUDA error: operation not permitted when stream is capturing")
-    monkeypatch.setattr(harness, "eager_graph_ms", lambda make, calls, repeats: (2.0, calls * repeats * 1.0, None))
-    assert timings(lambda: None, timer, torch.device("cuda"), 2, 3) == (2.0, 6.0, None)
+    monkeypatch.setattr(harness, "eager_graph_ms",
+                        lambda make, calls, repeats, warmup: (2.0, calls * repeats * 10.0 + warmup, None))
+    assert timings(lambda: None, timer, torch.device("cuda"), 2, 3) == (2.0, 63.0, None)
+    assert timings(lambda: None, timer, torch.device("cuda"), 2, 3, warmup=0) == (2.0, 60.0, None)
     assert tool.build_parser().parse_args(["--no-graph"]).no_graph
 
 
