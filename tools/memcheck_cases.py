@@ -188,6 +188,20 @@ def cases(families, modes):
                     return plan(q, k, v, cq, ck, 0.125)[0]
                 yield (f"varlen stream-K {mode} lengths {lq} x {lk}", stream,
                        [_rand(sum(x), 2, 64, dtype=dt, seed=s) for s, x in enumerate((lq, lk, lk))])
+            # lists of per-sequence tensors, each its own allocation, read in place at their row offsets (forward
+            # only): the tile-table kernel, and few queries against uneven keys on the stream-K schedule; a second
+            # call (--calls 2) launches from the list's runner
+            for lq, lk in (([77, 1, 300], [77, 1, 300]), ([1, 7, 3], [5000, 3, 700])):
+                def listed(*flat, n=len(lq), mode=mode):
+                    from visionattn import varlen as vl
+
+                    seen = vl.CALLS.builds + vl.CALLS.hits
+                    outs = va.varlen_attention(list(flat[:n]), list(flat[n:2 * n]), list(flat[2 * n:]), mode=mode)
+                    if vl.CALLS.builds + vl.CALLS.hits != seen + 1:
+                        raise AssertionError("the list was packed, not read in place")
+                    return torch.cat(outs)
+                yield (f"varlen list {mode} lengths {lq} x {lk}", listed,
+                       [_rand(n, 2, 64, dtype=dt, seed=i) for i, n in enumerate(lq + lk + lk)])
 
 
 def control() -> None:
