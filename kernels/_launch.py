@@ -15,7 +15,8 @@ What lives here:
 * The host-side helpers the kernel modules build plans with: integer tile math (:func:`cdiv`,
   :func:`pad_pow2`, :func:`head_blocks`), the layouts the kernels read and write (:func:`unit_last_stride`,
   :func:`backward_operands`, :func:`heads_inner_layout`, :data:`OUT_DTYPES`), the GPU's SM count and the
-  out-of-shared-memory config fallback (:func:`run_first_that_fits`). A first call's plan is thus built from its kernel module and this one.
+  out-of-shared-memory config fallback (:func:`run_first_that_fits`). A first call's plan is thus built from its
+  kernel module and this one.
 * The plans' runs: what a repeat call executes once a kernel module has built its plan
   (:class:`DenseForwardRun`, :class:`GluonForwardPlan`, :class:`EmptyForwardPlan`, :class:`PlannedLaunch`,
   :class:`WindowForwardRun`, :class:`VarlenForwardRun`). The kernel modules choose and build (kernels,
