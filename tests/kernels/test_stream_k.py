@@ -298,6 +298,13 @@ def test_list_path_runs_stream_k_when_the_rule_picks_it(monkeypatch, kernel_laun
     assert "_stream_fwd_kernel" in names and "_varlen_fwd_kernel" not in names
     ref, _ = _oracle(q, k, v, cu_q, cu_k, 0.25, False)
     assert rel_l2(torch.cat(outs).double(), ref) <= MODES["fp32"].rel_tol
+    # the same list again: the list's runner launches the stream kernel from its plan (no plan lookup), same bits
+    kernel_launches.clear()
+    looked_up = varlen_fwd.PLANS.hits + varlen_fwd.PLANS.builds
+    again = visionattn.varlen_attention(qs, ks, vs, mode="fp32", scale=0.25)
+    assert varlen_fwd.PLANS.hits + varlen_fwd.PLANS.builds == looked_up
+    assert "_stream_fwd_kernel" in [name for name, *_ in kernel_launches]
+    assert all(torch.equal(a, b) for a, b in zip(outs, again))
     varlen_fwd.PLANS.clear()
 
 
