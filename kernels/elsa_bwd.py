@@ -74,7 +74,7 @@ Modes (:mod:`visionattn.modes`; products by ``tl.dot``, accumulation and softmax
   override) scales each right operand once per (batch, head) instead, as tf32 does: no per-tile column
   maxima or their transposes (offline sm_90, head dim 64: about a fifth fewer instructions); the span then
   counts from the head's largest entry, not each tile column's (one token 10^6 times the others: up to 9x the
-  per-column scales' error, within the bound). On Hopper at head dim 64, in the Gluon kernel's scope and where
+  per-column scales' error, within the bound). On Hopper at head dims 64 and 128, in the Gluon kernel's scope and where
   :func:`.half_gluon_bwd.fp32_preferred` says, :func:`.half_gluon_bwd.fp32_backward` instead: that kernel's
   split-FP16 build (three wgmmas per product, each query tile's dK / dV products added in FP32).
 * ``fp32-ieee``: FP32 FMA products, same accumulation: on CUDA, in scope (no bias / mask / causal, head dim 32,
@@ -1530,12 +1530,12 @@ class _BackwardPlan:
         # tf32 (f16x1 products) on Hopper, same conditions, where tf32_preferred says: the same kernel on FP16
         # copies of q, k, v, dO scaled per head by powers of two (the preprocess finds the heads' magnitudes: f16x1
         # is HEAD_SCALED)
-        # fp32 (f16x3-head) at head dim 64 likewise where fp32_preferred says, on the kernel's split-FP16 build (hi
-        # / lo operand parts, three wgmmas per product)
+        # fp32 (f16x3-head) at head dims 64 and 128 likewise where fp32_preferred says, on the kernel's split-FP16
+        # build (hi / lo operand parts, three wgmmas per product; fp32_unsupported_reason names the head dims)
         self.scaled_gluon = None
         split = precision == "f16x3-head"
         self.scaled_key = _GLUON_FP32_BWD if split else _GLUON_TF32_BWD
-        if ((precision == "f16x1" or split and D == Dv == 64) and q.device.type == "cuda" and config is None
+        if ((precision == "f16x1" or split) and q.device.type == "cuda" and config is None
                 and default is None and add_mask is None and head_scale is None and not bias_requires_grad
                 and self.scaled_key not in elsa_fwd._GLUON_FAILED):
             from . import half_gluon_bwd as hg

@@ -57,9 +57,12 @@ head dim 64 each consumer holds its K / V rows in registers as the left operands
 Mode ``tf32`` (:func:`tf32_backward`) runs the same kernel on FP16 copies of q, k, v, dO, each (batch, head) scaled
 by a power of two (:func:`_scaled_operands_kernel`; FP16 keeps TF32's 11 significant bits, the scales give it the
 range): the ``HEAD_SCALES`` build reads each head's multipliers for its logits, delta and FP32 gradients, and one
-FP32 dQ accumulator is dQ itself. Mode ``fp32`` (:func:`fp32_backward`, head dim 64) splits those copies into hi
-and lo FP16 parts and forms every product as three wgmmas (``PARTS = 2``); each query tile's dK / dV products
-are formed in fresh accumulators and added in FP32, and dS's lo part is kept times 2^:data:`DS_LO_EXP`.
+FP32 dQ accumulator is dQ itself. Mode ``fp32`` (:func:`fp32_backward`) splits those copies into hi and lo FP16
+parts and forms every product as three wgmmas (``PARTS = 2``); each query tile's dK / dV products are formed in
+fresh accumulators and added in FP32, and dS's lo part is kept times 2^:data:`DS_LO_EXP`. At head dim 128 the hi
+and lo tiles of this layout do not fit in shared memory: the ``DSPLIT`` build runs programs of 64 keys and 32-row
+query tiles whose two consumers split the head dim instead of the keys (each forms S^T and dP^T over all 64 keys,
+then dV, dK and the transposed dQ share ``dQ^T = K^T dS^T`` on its own half of the columns, from its own dS^T).
 
 Scope (:func:`unsupported_reason`): CUDA tensors of compute capability 9.x, q / k / v of one dtype (fp16 or bf16),
 q [B, H, Nq, D], k / v [B, Hkv, Nk, D] with Hkv dividing H (grouped-query attention: one program per key tile of a
@@ -294,11 +297,14 @@ def kernel_constexprs(cfg: dict, head_dim: int, n_k: int, head_scales: bool = Fa
         raise ValueError(f"dq_ring {ring!r} < {DQ_WRITERS}: the ring holds a query tile per dQ writer")
     if kv_partials and not gqa:
         raise ValueError("kv_partials cuts the query heads of grouped-query attention: pass gqa=True")
+    dsplit = bool(cfg.get("dsplit", False))
+    if dsplit and not split:
+        raise ValueError("dsplit (the consumers split the head dim) is the split-FP16 build's: pass split=True")
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_D=head_dim, STAGES=cfg["STAGES"],
                 CONSUMER_REGS=cfg["consumer_regs"], EVEN_N=n_k % cfg["BLOCK_N"] == 0, WRITER_REGS=cfg["writer_regs"],
                 DQ_RING=ring, DQ_ACCS=accs, HEAD_SCALES=bool(head_scales or split), PARTS=2 if split else 1,
                 PRODUCER_ROWS=cfg["producer_rows"], KV_IN_REGS=cfg["kv_in_registers"] and not split, GQA=bool(gqa),
-                KV_PARTIALS=bool(kv_partials))
+                KV_PARTIALS=bool(kv_partials), DSPLIT=dsplit)
 
 
 def unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
@@ -378,19 +384,20 @@ if _IMPORT_ERROR is None:
                   delta_smem, kv_bar, ready, empty, H, GROUP, KV_SPLIT, Nq, Nk, ROT, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONS: gl.constexpr, HEAD_D: gl.constexpr,
                   PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, DQ_ACCS: gl.constexpr, GQA: gl.constexpr,
-                  KV_PARTIALS: gl.constexpr):
+                  KV_PARTIALS: gl.constexpr, DSPLIT: gl.constexpr):
         # one warp: K_j, V_j (one 64-row half per consumer) once, then, step t, query tile i = _query_tile(t): Q_i,
         # dO_i into ring slot t % STAGES once both consumers freed it; PARTS = 2 (split-FP16): each tile's hi and lo
         # parts, columns [0, HEAD_D) and [HEAD_D, 2 HEAD_D) of its tensor, into consecutive buffers; PRODUCER_ROWS:
         # the tile's lse and delta rows too; with GQA the steps go over the group's query heads (_step_head), with
         # KV_PARTIALS over one of the KV_SPLIT parts of the group (off_h then numbers the parts: K / V head
-        # off_h // KV_SPLIT)
+        # off_h // KV_SPLIT); DSPLIT: the whole key tile as one box per part (both consumers read all its keys)
         j, bh, off_b, off_h = _program_tile(Nk, H, GROUP, BLOCK_N, GQA)
         kv_h = off_h // KV_SPLIT if KV_PARTIALS else off_h
-        HALF: gl.constexpr = BLOCK_N // CONS
+        KV_BOXES: gl.constexpr = 1 if DSPLIT else CONS
+        HALF: gl.constexpr = BLOCK_N // KV_BOXES
         offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0]))
-        mbarrier.expect(kv_bar, CONS * PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-        for w in gl.static_range(CONS):
+        mbarrier.expect(kv_bar, KV_BOXES * PARTS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for w in gl.static_range(KV_BOXES):
             for part in gl.static_range(PARTS):
                 tma.async_copy_global_to_shared(k_desc, [off_b, kv_h, j * BLOCK_N + w * HALF, part * HEAD_D], kv_bar,
                                                 k_smem.index(w * PARTS + part))
@@ -438,22 +445,31 @@ if _IMPORT_ERROR is None:
                   WG: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                   STAGES: gl.constexpr, CONS: gl.constexpr, EVEN_N: gl.constexpr, HEAD_SCALES: gl.constexpr,
                   PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr, KV_IN_REGS: gl.constexpr,
-                  DQ_ACCS: gl.constexpr, GQA: gl.constexpr, KV_PARTIALS: gl.constexpr):
+                  DQ_ACCS: gl.constexpr, GQA: gl.constexpr, KV_PARTIALS: gl.constexpr, DSPLIT: gl.constexpr):
         # one warpgroup: keys [j * BLOCK_N + WG * HALF, + HALF) of the program's key tile, every query tile (step t:
         # tile _query_tile(t); the rings and barriers go by t; with GQA every query head of the group in turn,
         # _step_head).
         # PARTS = 2 (mode fp32): every product of split-FP16 operands, three wgmmas; operands' hi / lo parts in
         # consecutive shared buffers, P^T scaled by 2^P_SPLIT_EXP before its split (P^T's lo part would fall into
-        # FP16's subnormals) and dV's multiplier undoes it; dS's lo part kept times 2^DS_LO_EXP (see the loop)
-        HALF: gl.constexpr = BLOCK_N // CONS
+        # FP16's subnormals) and dV's multiplier undoes it; dS's lo part kept times 2^DS_LO_EXP (see the loop).
+        # DSPLIT (mode fp32 at head dim 128, PARTS = 2): both consumers form S^T and dP^T over all BLOCK_N keys
+        # of the tile and split the head dim instead: consumer WG owns columns [WG * DQC, + DQC) of dK, dV and
+        # the dQ share, so that its accumulators are those of head dim 64 (docs/tuning.md: fp32 on the Gluon
+        # backward at head dim 128)
+        HALF: gl.constexpr = BLOCK_N if DSPLIT else BLOCK_N // CONS
+        # the shared buffer of this consumer's K / V rows: the tile's one box with DSPLIT, else its own half
+        KV_BOX: gl.constexpr = 0 if DSPLIT else WG
         # dQ's columns [WG * DQC, + DQC) over all BLOCK_N keys are this consumer's (dS^T of both through shared
-        # memory)
+        # memory; DSPLIT: its own dS^T holds all the keys)
         DQC: gl.constexpr = HEAD_D // CONS
-        # [keys, queries] tiles (S^T, dP^T), [keys, HEAD_D] accumulators (dK, dV), the [queries, DQC] dQ share
+        # the columns of this consumer's dK / dV accumulators
+        ACC_D: gl.constexpr = DQC if DSPLIT else HEAD_D
+        # [keys, queries] tiles (S^T, dP^T; DSPLIT: also the dQ share's transpose [DQC, queries]), [keys, ACC_D]
+        # accumulators (dK, dV), the [queries, DQC] dQ share
         st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_D, 16])
+                                                             instr_shape=[16, ACC_D, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQC, 16])
@@ -478,20 +494,21 @@ if _IMPORT_ERROR is None:
             dk_scale = gl.load(head + 3)
             dv_scale = gl.load(head + 4)
         offs_row = gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        offs_ad = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+        offs_ad = (WG * DQC if DSPLIT else 0) + gl.arange(0, ACC_D, layout=gl.SliceLayout(0, acc_layout))
         st_zero = gl.zeros([HALF, BLOCK_M], gl.float32, layout=st_layout)
         dq_zero = gl.zeros([BLOCK_M, DQC], gl.float32, layout=dq_layout)
-        dk = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
-        dv = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
-        acc_zero = gl.zeros([HALF, HEAD_D], gl.float32, layout=acc_layout)
-        key_ok = (j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))) < Nk
+        dqt_zero = gl.zeros([DQC, BLOCK_M], gl.float32, layout=st_layout)  # DSPLIT's transposed dQ share
+        dk = gl.zeros([HALF, ACC_D], gl.float32, layout=acc_layout)
+        dv = gl.zeros([HALF, ACC_D], gl.float32, layout=acc_layout)
+        acc_zero = gl.zeros([HALF, ACC_D], gl.float32, layout=acc_layout)
+        key_ok = (j * BLOCK_N + KV_BOX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))) < Nk
         # the wgmma groups one product issues; the hi part's buffer and the lo part's (the hi one at PARTS = 1)
         NMMA: gl.constexpr = 2 * PARTS - 1
         LO: gl.constexpr = PARTS - 1
-        k_w = k_smem.index(WG * PARTS).reshape([HALF, HEAD_D])
-        k_wl = k_smem.index(WG * PARTS + LO).reshape([HALF, HEAD_D])
-        v_w = v_smem.index(WG * PARTS).reshape([HALF, HEAD_D])
-        v_wl = v_smem.index(WG * PARTS + LO).reshape([HALF, HEAD_D])
+        k_w = k_smem.index(KV_BOX * PARTS).reshape([HALF, HEAD_D])
+        k_wl = k_smem.index(KV_BOX * PARTS + LO).reshape([HALF, HEAD_D])
+        v_w = v_smem.index(KV_BOX * PARTS).reshape([HALF, HEAD_D])
+        v_wl = v_smem.index(KV_BOX * PARTS + LO).reshape([HALF, HEAD_D])
         mbarrier.wait(kv_bar, 0)
         if KV_IN_REGS:
             # K_w and V_w as the register operands of S^T's and dP^T's wgmmas: each product then reads only Q^T /
@@ -544,7 +561,44 @@ if _IMPORT_ERROR is None:
             p = gl.exp2(s * qk_scale - lse2[None, :])
             if not EVEN_N:  # keys past Nk (zero rows of K) must not carry P: exp2(-lse) may be huge
                 p = gl.where(key_ok[:, None], p, 0.0)
-            if PARTS == 2:
+            if DSPLIT:
+                # mode fp32 at head dim 128: the PARTS = 2 branch below on this consumer's columns. dV and dK read
+                # dO_i's and Q_i's columns [WG * DQC, + DQC); its own dS^T, over all the tile's keys, serves dK and
+                # the transposed dQ share dQ_i^T[cols] = K[:, cols]^T dS^T (a wgmma's rows are at least 64, the
+                # query tile's 32), so no dS^T passes between the consumers
+                dp = warpgroup_mma_wait(0, deps=[dp_tok])
+                delta = _delta_columns(delta_smem, slot, delta_c, delta_mult, gl.SliceLayout(0, st_layout),
+                                       PRODUCER_ROWS, HEAD_SCALES)
+                ds16, ds16l = split_parts(p * (dp - delta[None, :]), dtype, DS_LO_SCALE)
+                p16, p16l = split_parts(p * P_SPLIT_SCALE, dtype, 1.0)
+                dv_tok = split_mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout),
+                                   do_t.slice(WG * DQC, DQC, dim=1), do_l.slice(WG * DQC, DQC, dim=1), acc_zero,
+                                   False, PARTS)
+                # this consumer's dS^T buffers: free, its wgmmas of the previous query tile retired below
+                ds_w = ds_smem.index(WG * PARTS)
+                ds_wl = ds_smem.index(WG * PARTS + 1)
+                ds_w.store(ds16)
+                ds_wl.store(ds16l)
+                fence_async_shared()
+                _cta_barrier()  # every thread's dS^T is in shared memory before the wgmmas read it
+                dv = dv + warpgroup_mma_wait(0, deps=[dv_tok])
+                q_c = q_t.slice(WG * DQC, DQC, dim=1)
+                dk_lo_tok = warpgroup_mma(ds_wl, q_c, acc_zero, use_acc=False, is_async=True)
+                dk_tok = warpgroup_mma(ds_w, q_l.slice(WG * DQC, DQC, dim=1), acc_zero, use_acc=False,
+                                       is_async=True)
+                dk_tok = warpgroup_mma(ds_w, q_c, dk_tok, is_async=True)
+                k_c = k_w.slice(WG * DQC, DQC, dim=1).permute((1, 0))
+                dq_lo_tok = warpgroup_mma(k_c, ds_wl, dqt_zero, use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(k_wl.slice(WG * DQC, DQC, dim=1).permute((1, 0)), ds_w, dqt_zero,
+                                       use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(k_c, ds_w, dq_tok, is_async=True)
+                dk_lo, dk_part = warpgroup_mma_wait(3, deps=[dk_lo_tok, dk_tok])
+                dk = dk + (dk_part + dk_lo * DS_LO_INV)
+                _cta_barrier()  # every thread's reads of the slot's rows precede the one-thread release below
+                mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
+                dq_lo, part = warpgroup_mma_wait(0, deps=[dq_lo_tok, dq_tok])
+                part = gl.permute(part + dq_lo * DS_LO_INV, (1, 0))
+            elif PARTS == 2:
                 # mode fp32. dS first, so that the FP32 P^T and dP^T retire before dV's product; each query tile's
                 # dV and dK products formed apart and added in FP32 (the wgmma accumulator's own additions keep
                 # fewer bits than FP32's round-to-nearest: over hundreds of query tiles dK and dV would leave fp32's
@@ -627,7 +681,7 @@ if _IMPORT_ERROR is None:
             _cta_barrier()  # every thread's share is in shared memory before the writer reads it
             mbarrier.arrive(dq_full.index(t % DQ_RING))
         if HEAD_SCALES or KV_PARTIALS:  # FP32 dK / dV (KV_PARTIALS: this part's of the group, [B, Hkv * KV_SPLIT, ..])
-            offs_n = j * BLOCK_N + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+            offs_n = j * BLOCK_N + KV_BOX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
             out = bh.to(gl.int64) * Nk * HEAD_D + offs_n.to(gl.int64)[:, None] * HEAD_D + offs_ad[None, :]
             n_ok = (offs_n < Nk)[:, None]
             gl.store(DK + out, (dk * dk_scale).to(DK.dtype.element_ty), mask=n_ok)
@@ -710,7 +764,8 @@ if _IMPORT_ERROR is None:
                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EVEN_N: gl.constexpr,
                          WRITER_REGS: gl.constexpr, DQ_RING: gl.constexpr, DQ_ACCS: gl.constexpr,
                          HEAD_SCALES: gl.constexpr, PARTS: gl.constexpr, PRODUCER_ROWS: gl.constexpr,
-                         KV_IN_REGS: gl.constexpr, GQA: gl.constexpr, KV_PARTIALS: gl.constexpr):
+                         KV_IN_REGS: gl.constexpr, GQA: gl.constexpr, KV_PARTIALS: gl.constexpr,
+                         DSPLIT: gl.constexpr):
         # One (key tile, K / V head, batch) program, 1-D grid cdiv(Nk, BLOCK_N) * Hkv * B. H: query heads; GQA
         # (grouped-query attention): GROUP = H / Hkv query heads per K / V head, query head h reading K / V head
         # h // GROUP, the program sweeping the group's query heads one after another (dK / dV [B, Hkv, Nk, D] add
@@ -728,9 +783,11 @@ if _IMPORT_ERROR is None:
         # not read. PARTS = 2 (mode fp32): the operand copies are [B, H, N, 2 HEAD_D], hi parts then lo parts, each
         # loaded into its own buffer.
         CONS: gl.constexpr = 2
+        # K / V boxes per part: one per consumer (its keys), or the whole tile (DSPLIT: each consumer reads every key)
+        KV_BOXES: gl.constexpr = 1 if DSPLIT else CONS
         dtype: gl.constexpr = q_desc.dtype
-        k_smem = gl.allocate_shared_memory(dtype, [CONS * PARTS] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [CONS * PARTS] + v_desc.block_type.shape, v_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [KV_BOXES * PARTS] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [KV_BOXES * PARTS] + v_desc.block_type.shape, v_desc.layout)
         q_smem = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + q_desc.block_type.shape, q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [STAGES * PARTS] + do_desc.block_type.shape, do_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -740,9 +797,11 @@ if _IMPORT_ERROR is None:
         rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows_layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], rows_layout)
-        # dS^T of both consumers, double-buffered
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N // CONS, BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [2 * CONS * PARTS, BLOCK_N // CONS, BLOCK_M], ds_layout)
+        # dS^T of both consumers, double-buffered (DSPLIT: each consumer's own dS^T of all the tile's keys, read by
+        # its own wgmmas only: one buffer per part)
+        DS_ROWS: gl.constexpr = BLOCK_N if DSPLIT else BLOCK_N // CONS
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([DS_ROWS, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [(1 if DSPLIT else 2) * CONS * PARTS, DS_ROWS, BLOCK_M], ds_layout)
         ds_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         # the consumers' FP32 dQ halves for the writers, a ring of DQ_RING query tiles
         dq_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D // CONS], gl.float32)
@@ -766,14 +825,15 @@ if _IMPORT_ERROR is None:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H,
                          GROUP, Nq, Nk, ROT, qk_scale, scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
-                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA, KV_PARTIALS)),
+                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA, KV_PARTIALS, DSPLIT)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_bar, ready,
                          empty, ds_bar, dq_full, dq_empty, LseRow, Delta, DK, DV, dk_desc, dv_desc, Scales, H,
                          GROUP, Nq, Nk, ROT, qk_scale, scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES, CONS, EVEN_N,
-                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA, KV_PARTIALS)),
+                         HEAD_SCALES, PARTS, PRODUCER_ROWS, KV_IN_REGS, DQ_ACCS, GQA, KV_PARTIALS, DSPLIT)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, LseRow, Delta, k_smem, v_smem, q_smem, do_smem,
                          lse_smem, delta_smem, kv_bar, ready, empty, H, GROUP, KV_SPLIT, Nq, Nk, ROT, BLOCK_M,
-                         BLOCK_N, STAGES, CONS, HEAD_D, PARTS, PRODUCER_ROWS, DQ_ACCS, GQA, KV_PARTIALS)),
+                         BLOCK_N, STAGES, CONS, HEAD_D, PARTS, PRODUCER_ROWS, DQ_ACCS, GQA, KV_PARTIALS,
+                         DSPLIT)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, GROUP, Nq, Nk, ROT, BLOCK_M, BLOCK_N,
                           HEAD_D, CONS, 0, 2, DQ_ACCS, GQA)),
             (_dq_writer, (dq_smem, dq_full, dq_empty, dqacc_desc, Sem, H, GROUP, Nq, Nk, ROT, BLOCK_M, BLOCK_N,
@@ -782,11 +842,11 @@ if _IMPORT_ERROR is None:
 
 
 def _descriptors(cfg: dict, head_dim: int, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    # (block, dtype) of each descriptor argument, in the kernel's order: every descriptor moves 64-row tiles, a Q /
-    # dO tile and one consumer's half of the K / V tile in the input dtype, one consumer's FP32 column half of a
+    # (block, dtype) of each descriptor argument, in the kernel's order: a Q / dO tile and one consumer's half of the
+    # K / V tile (the whole tile with the config's dsplit) in the input dtype, one consumer's FP32 column half of a
     # query tile's dQ share (the accumulators, [accumulators * B * H, Nq, D]), one consumer's rows of dK and dV
-    rows = {"q_desc": cfg["BLOCK_M"], "k_desc": cfg["BLOCK_N"] // CONSUMERS, "v_desc": cfg["BLOCK_N"] // CONSUMERS,
-            "do_desc": cfg["BLOCK_M"]}
+    kv_rows = cfg["BLOCK_N"] if cfg.get("dsplit") else cfg["BLOCK_N"] // CONSUMERS
+    rows = {"q_desc": cfg["BLOCK_M"], "k_desc": kv_rows, "v_desc": kv_rows, "do_desc": cfg["BLOCK_M"]}
     return {**{name: ((1, 1, n, head_dim), dtype) for name, n in rows.items()},
             "dqacc_desc": ((1, cfg["BLOCK_M"], head_dim // CONSUMERS), torch.float32),
             "dk_desc": ((1, 1, cfg["BLOCK_N"] // CONSUMERS, head_dim), dtype),
@@ -1060,20 +1120,23 @@ def _scaled_preferred(B: int, H: int, n_q: int, n_k: int, sms: int, waves: int, 
                                         or min(n_q, n_k) >= long)
 
 
-# mode fp32's backward plans take the split build (fp32_preferred) from TF32_MIN_QUERIES query rows when its grid
-# fills the GPU FP32_MIN_WAVES times over or both lengths reach FP32_LONG: against the Triton f16x3-head kernels (at
-# 28-76 TFLOP/s) it measured 1.1-2.1x faster there (B=16 H=12 N=197 1.10x, B=1 H=12 N=1025 1.13x, B=1 H=16
-# N=1536 2.07x) and 0.78-0.91x below (B=8 H=12 N=197, B=2 H=12 N=577: 192 / 120 programs of few query tiles)
-# (docs/tuning.md: fp32 on the Gluon backward)
+# mode fp32's backward plans take the split build (fp32_preferred) from TF32_MIN_QUERIES query rows; at head dim 64
+# when its grid fills the GPU FP32_MIN_WAVES times over or both lengths reach FP32_LONG: against the Triton
+# f16x3-head kernels (at 28-76 TFLOP/s) it measured 1.1-2.1x faster there (B=16 H=12 N=197 1.10x, B=1 H=12 N=1025
+# 1.13x, B=1 H=16 N=1536 2.07x) and 0.78-0.91x below (B=8 H=12 N=197, B=2 H=12 N=577: 192 / 120 programs of few
+# query tiles); at head dim 128, where the Triton kernels run at 30-35 TFLOP/s, 1.35-3.1x faster at every grid
+# measured, one head of 256 tokens included (docs/tuning.md: fp32 on the Gluon backward)
 FP32_MIN_WAVES = 2
 FP32_LONG = 1024
 
 
 def fp32_preferred(B: int, H: int, n_q: int, n_k: int, head_dim: int, sms: int) -> bool:
-    """:func:`tf32_preferred` for mode fp32's split build (head dim 64; the caller checks it): from
-    :data:`TF32_MIN_QUERIES` query rows, when the grid fills ``sms`` multiprocessors :data:`FP32_MIN_WAVES` times or
-    both lengths reach :data:`FP32_LONG` (the Triton f16x3 kernels it replaces are slower than tf32's f16x1, so the
-    break-even comes earlier)."""
+    """:func:`tf32_preferred` for mode fp32's split build (head dims 64 and 128; the caller checks them): from
+    :data:`TF32_MIN_QUERIES` query rows, at head dim 64 when the grid fills ``sms`` multiprocessors
+    :data:`FP32_MIN_WAVES` times or both lengths reach :data:`FP32_LONG` (the Triton f16x3 kernels it replaces are
+    slower than tf32's f16x1, so the break-even comes earlier), at head dim 128 at any grid."""
+    if head_dim == 128:
+        return n_q >= TF32_MIN_QUERIES
     return _scaled_preferred(B, H, n_q, n_k, sms, FP32_MIN_WAVES, FP32_LONG)
 
 
@@ -1221,7 +1284,8 @@ def tf32_planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_
 
 def fp32_planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                         config: dict | None = None):
-    """:func:`tf32_planned_launch` for mode fp32: split-FP16 operands and products (``PARTS = 2``), head dim 64."""
+    """:func:`tf32_planned_launch` for mode fp32: split-FP16 operands and products (``PARTS = 2``), head dims 64 and
+    128 (:func:`fp32_config`)."""
     return _scaled_planned_launch(q, k, v, grad_out, config, split=True)
 
 
@@ -1273,23 +1337,34 @@ def tf32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 # ---- mode fp32 on the same kernel: split-FP16 operands and products (PARTS = 2) ----
 
-FP32_HEAD_DIMS = (64,)
+FP32_HEAD_DIMS = (64, 128)
 
 
 def fp32_config(head_dim: int) -> dict:
-    """:func:`get_config` for mode fp32 (split-FP16, head dim 64): one dQ accumulator (the FP32 dQ itself) and a dQ
+    """:func:`get_config` for mode fp32 (split-FP16). Head dim 64: one dQ accumulator (the FP32 dQ itself) and a dQ
     hand-off ring of two query tiles, since the hi and lo parts of K, V, the Q / dO ring and dS^T fill the rest of
     shared memory; the consumers load their own row data and read K / V from shared memory (the options measured for
-    the half builds only)."""
+    the half builds only). Head dim 128 (``dsplit``): programs of 64 keys whose two consumers split the head dim
+    (each forms S^T and dP^T over all the keys and owns half of dK's, dV's and dQ's columns: its accumulators are
+    those of head dim 64), 32-row query tiles in three stages (the hi and lo parts of a 128-key tile and 64-row
+    query tiles would need 256 KB of shared memory), the producer's row data and rotated sweeps (two FP32 dQ
+    accumulators and the combine: a chain has twice the key tiles of head dim 64's; 5-15 % faster from 1024
+    tokens), the dQ writers at 24 registers and the second consumer at 232, which leaves the first (the partition
+    that holds the kernel's prologue values) 248 (its 64-bit shared-memory descriptors spill at 232 or 240: 4-6 %
+    faster; docs/tuning.md: fp32 on the Gluon backward at head dim 128)."""
     if head_dim not in FP32_HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the split-FP16 Gluon backward takes {FP32_HEAD_DIMS}")
-    return dict(get_config(head_dim), dq_accumulators=1, rotate=False, dq_ring=2, producer_rows=False,
-                kv_in_registers=False)
+    cfg = dict(get_config(head_dim), dq_accumulators=1, rotate=False, dq_ring=2, producer_rows=False,
+               kv_in_registers=False)
+    if head_dim == 128:
+        cfg.update(BLOCK_M=32, BLOCK_N=64, STAGES=3, dsplit=True, producer_rows=True, rotate=True, writer_regs=24,
+                   consumer_regs=232)
+    return cfg
 
 
 def fp32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal: bool, scale: float) -> str | None:
-    """Why :func:`fp32_backward` cannot run this call, or ``None``: as :func:`tf32_unsupported_reason`, at head dim
-    64 only."""
+    """Why :func:`fp32_backward` cannot run this call, or ``None``: as :func:`tf32_unsupported_reason`, at head dims
+    :data:`FP32_HEAD_DIMS` (64, 128)."""
     if q.shape[-1] not in FP32_HEAD_DIMS or v.shape[-1] not in FP32_HEAD_DIMS:
         return f"head dims ({q.shape[-1]}, {v.shape[-1]}); the split-FP16 Gluon backward takes {FP32_HEAD_DIMS}"
     return tf32_unsupported_reason(q, k, v, grad_out, bias, attn_mask, is_causal, scale)
@@ -1304,7 +1379,7 @@ def fp32_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     2^:data:`DS_LO_EXP` (its products accumulated apart and multiplied back: dS ~ P ~ 1 / Nk, and its unscaled lo
     part would be FP16-subnormal); each query tile's dK and dV products formed in fresh accumulators and added in
     FP32 (summed inside the wgmma accumulator over hundreds of query tiles they leave the contract: 1e-4 of the
-    largest at 32768 tokens on an H200). Head dim 64 (the hi and lo tiles fill shared memory at 128). Same
-    arguments, returns and errors (:func:`fp32_unsupported_reason`); the gradients within mode fp32's contract
-    (2e-6 of each head's largest), bit-for-bit reproducible."""
+    largest at 32768 tokens on an H200). Head dims 64 and 128 (at 128 the consumers split the head dim:
+    :func:`fp32_config`). Same arguments, returns and errors (:func:`fp32_unsupported_reason`); the gradients within
+    mode fp32's contract (2e-6 relative L2 per head), bit-for-bit reproducible."""
     return _scaled_backward("fp32_backward", q, k, v, out, grad_out, lse, scale, config, split=True)

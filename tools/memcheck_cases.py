@@ -89,9 +89,10 @@ def cases(families, modes):
                     leaves.append(_rand(3, n, n, grad=grad, seed=4))
                 yield f"dense {mode} N={n} D={d} {sorted(extra)}", dense, leaves
             # the Gluon backward (a partial key tile): fp16 / bf16 from half_gluon_bwd.MIN_KEYS; tf32 (its HEAD_SCALES
-            # build) and fp32 (its split-FP16 build, head dim 64) where tf32_preferred / fp32_preferred route there
+            # build) and fp32 (its split-FP16 build; at head dim 128 the consumers split the head dim) where
+            # tf32_preferred / fp32_preferred route there
             gluon_bwd = {"fp16": ((2100, 64), (2100, 128)), "bf16": ((2100, 64), (2100, 128)),
-                         "tf32": ((4100, 64), (1100, 128)), "fp32": ((4100, 64),)}
+                         "tf32": ((4100, 64), (1100, 128)), "fp32": ((4100, 64), (1100, 128))}
             if mode in gluon_bwd:
                 for n, d in gluon_bwd[mode]:
                     yield (f"dense {mode} N={n} D={d} (Gluon backward)", lambda q, k, v, mode=mode:
@@ -101,7 +102,7 @@ def cases(families, modes):
             # bf16: 8 over 4 whole; 2 over 1 with partial tiles, cut into parts: FP32 partials; tf32 / fp32: the
             # accumulators rescaled at each query head's first step, 8 over 2 where the rules route there)
             gluon_gqa = {"fp16": ((8, 4, 4096, 64), (2, 1, 2100, 128)), "bf16": ((8, 4, 4096, 64), (2, 1, 2100, 128)),
-                         "tf32": ((8, 2, 4100, 64), (8, 2, 1100, 128)), "fp32": ((8, 2, 4100, 64),)}
+                         "tf32": ((8, 2, 4100, 64), (8, 2, 1100, 128)), "fp32": ((8, 2, 4100, 64), (8, 2, 1100, 128))}
             if mode in gluon_gqa:
                 for h, h_kv, n, d in gluon_gqa[mode]:
                     yield (f"dense {mode} H={h} Hkv={h_kv} N={n} D={d} (Gluon backward, grouped-query)",

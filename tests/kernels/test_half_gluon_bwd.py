@@ -138,7 +138,18 @@ def test_host_helpers():
     with pytest.raises(ValueError, match="head dim 96"):
         half_gluon_bwd.get_config(96)
     fp32 = half_gluon_bwd.fp32_config(64)
-    assert not fp32["producer_rows"] and not fp32["kv_in_registers"]
+    assert not fp32["producer_rows"] and not fp32["kv_in_registers"] and not fp32.get("dsplit")
+    # head dim 128: 64-key programs whose consumers split the head dim, 32-row query tiles (shared memory), the
+    # consumers' dK / dV accumulators as at head dim 64; the split build only
+    wide = half_gluon_bwd.fp32_config(128)
+    assert wide["dsplit"] and (wide["BLOCK_M"], wide["BLOCK_N"]) == (32, 64)
+    assert half_gluon_bwd.kernel_constexprs(wide, 128, 1000, head_scales=True, split=True)["DSPLIT"]
+    assert not half_gluon_bwd.kernel_constexprs(fp32, 64, 1000, head_scales=True, split=True)["DSPLIT"]
+    with pytest.raises(ValueError, match="dsplit"):
+        half_gluon_bwd.kernel_constexprs(wide, 128, 1000, head_scales=True)
+    blocks = half_gluon_bwd._descriptors(wide, 128, torch.float16)
+    assert blocks["k_desc"][0] == (1, 1, 64, 128) and blocks["q_desc"][0] == (1, 1, 32, 128)
+    assert blocks["dqacc_desc"][0] == (1, 32, 64)
 
 
 @pytest.mark.parametrize("n_q, n_k, accs", [(4096, 4096, 2), (4096, 4096, 1), (1000, 1000, 2), (300, 520, 2),
@@ -340,7 +351,9 @@ for d, dtype, n_k, accs, tf32 in ((64, torch.float16, 1024, None, False), (64, t
                                   (64, torch.bfloat16, 1000, None, "gqa"), (128, torch.float16, 1024, None, "gqa"),
                                   (128, torch.bfloat16, 1000, None, "gqa-parts"),
                                   (128, torch.float16, 1000, None, "tf32-gqa-parts"),
-                                  (64, torch.float16, 1024, None, "split-gqa")):
+                                  (64, torch.float16, 1024, None, "split-gqa"),
+                                  (128, torch.float16, 1000, None, "split"), (128, torch.float16, 1024, None, "split"),
+                                  (128, torch.float16, 1024, None, "split-gqa")):
     label = tf32
     split, gqa = tf32 in ("split", "split-gqa"), tf32 in ("gqa", "gqa-parts", "tf32-gqa-parts", "split-gqa")
     parts = tf32 in ("gqa-parts", "tf32-gqa-parts")
@@ -381,16 +394,19 @@ def test_compiles_for_hopper():
     bf16 builds write dK and dV by TMA stores (two per consumer); mode fp32's split build
     three wgmmas for each (hi and lo parts), its shared memory still under the limit, and every query tile's dK /
     dV products and dS's lo terms start on a zero accumulator (summed in the wgmma accumulator across query tiles
-    the split products leave fp32's bound on the GPU). The grouped-query builds (a program sweeping its K / V
-    head's query heads; tf32 / fp32 too) have their equal-heads builds' products and stores, those of groups cut
-    into parts their FP32 dK / dV partials by plain stores."""
+    the split products leave fp32's bound on the GPU); at head dim 128 its consumers split the head dim (dsplit):
+    five products each, dQ's share over the tile's keys from the consumer's own dS^T in one product. The
+    grouped-query builds (a program sweeping its K / V head's query heads; tf32 / fp32 too) have their equal-heads
+    builds' products and stores, those of groups cut into parts their FP32 dK / dV partials by plain stores."""
     r = compile_in_child(_CHILD)
     assert {v["accs"] for v in r.values()} == {1, 2, 4}, r
-    assert sum("-gqa" in key for key in r) == 5, r
+    assert sum("-gqa" in key for key in r) == 6, r
     for key, v in r.items():
-        # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer
+        # S^T, dP^T, dV, dK and dQ's half of the columns over both consumers' keys (two wgmmas), per consumer;
+        # dsplit: dQ's columns in one product
         split = "-split" in key
-        assert v["wgmma"] == 12 * (3 if split else 1) and v["warps"] == 12, (key, v)
+        products = 5 if key.startswith("128-") and split else 6
+        assert v["wgmma"] == 2 * products * (3 if split else 1) and v["warps"] == 12, (key, v)
         assert 0 < v["shared"] <= 232448, (key, v)
         assert v["bulk_reduce"] == 2 * 2 and v["completion_wait"], (key, v)  # two halves in each of two writers
         # the writers' first shares (two halves each) and, in the fp16 / bf16 builds, each consumer's dK and dV tiles
@@ -708,14 +724,16 @@ def test_tf32_unsupported_reasons():
     assert "grad_out" in reason(q, k, v, do[:, :, :50], None, None, False, 0.125)
     with pytest.raises(ValueError, match="tensors on cpu"):
         half_gluon_bwd.tf32_backward(q, k, v, q, do, torch.zeros(1, 2, 100), 0.125)
-    # fp32's split build: head dim 64 only, else as tf32
+    # fp32's split build: head dims 64 and 128, else as tf32
     split = half_gluon_bwd.fp32_unsupported_reason
     assert split(q, k, v, do, None, None, False, 0.125) == "tensors on cpu"
     q2, k2, v2, do2 = (t.float() for t in _qkv(d=128))
-    assert "head dims (128, 128)" in split(q2, k2, v2, do2, None, None, False, 0.125)
+    assert split(q2, k2, v2, do2, None, None, False, 0.125) == "tensors on cpu"
+    q3, k3, v3, do3 = (t.float() for t in _qkv(d=32))
+    assert "head dims (32, 32)" in split(q3, k3, v3, do3, None, None, False, 0.125)
     assert "bias" in split(q, k, v, do, torch.zeros(100, 300), None, False, 0.125)
-    with pytest.raises(ValueError, match="head dim 128"):
-        half_gluon_bwd.fp32_config(128)
+    with pytest.raises(ValueError, match="head dim 96"):
+        half_gluon_bwd.fp32_config(96)
     with pytest.raises(ValueError, match="tensors on cpu"):
         half_gluon_bwd.fp32_backward(q, k, v, q, do, torch.zeros(1, 2, 100), 0.125)
 
@@ -966,8 +984,6 @@ def test_grouped_scaled_gradients_match_sdpa_enable_gqa(shape, split):
 
     _needs_hopper()
     B, H, h_kv, Nq, Nk, D = shape
-    if split and D != 64:
-        pytest.skip("fp32's split build is head dim 64")
     q, k, v, do = _grouped_magnitude_heads(Nq, Nk, D, B, H, h_kv, device="cuda")
     scale = D ** -0.5
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
@@ -1043,8 +1059,12 @@ def test_fp32_preferred_from_two_waves_or_1024_tokens():
     """fp32's split build takes over from the Triton kernels earlier than tf32's: from TF32_MIN_QUERIES query rows
     when its grid fills the GPU FP32_MIN_WAVES times (ViT-B/16 224 from batch 16 on 132 SMs) or both lengths reach
     FP32_LONG (one head group of 1025 or 1536 tokens, which tf32 leaves to Triton); not ViT-B/16 224 at batch 8,
-    nor 577 tokens at batch 2, nor few queries against many keys."""
+    nor 577 tokens at batch 2, nor few queries against many keys. At head dim 128 (the Triton kernels' slowest) it
+    takes every grid from TF32_MIN_QUERIES query rows."""
     pref = half_gluon_bwd.fp32_preferred
+    low = half_gluon_bwd.TF32_MIN_QUERIES
+    assert pref(1, 1, low, low, 128, 132) and pref(8, 12, 197, 197, 128, 132) and pref(1, 1, low, 65536, 128, 132)
+    assert not pref(1, 1, low - 1, 4096, 128, 132) and not pref(8, 16, 64, 65536, 128, 132)
     assert pref(16, 12, 197, 197, 64, 132) and pref(1, 12, 1025, 1025, 64, 132) and pref(1, 16, 1536, 1536, 64, 132)
     assert not half_gluon_bwd.tf32_preferred(1, 16, 1536, 1536, 64, 132)
     assert not pref(8, 12, 197, 197, 64, 132) and not pref(2, 12, 577, 577, 64, 132)
@@ -1089,28 +1109,42 @@ def test_tf32_backward_plans_route_by_waves():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 1000, 1000), (1, 2100, 2048), (2, 320, 900), (1, 1100, 1100), (1, 8192, 8192)])
+@pytest.mark.parametrize("shape", [(1, 1000, 1000, 64), (1, 2100, 2048, 64), (2, 320, 900, 64), (1, 1100, 1100, 64),
+                                   (1, 8192, 8192, 64), (1, 1000, 1000, 128), (1, 2048, 2100, 128), (2, 33, 700, 128),
+                                   (1, 4097, 4097, 128), (1, 8192, 8192, 128)])
 def test_fp32_split_gradients_match_float64_and_are_reproducible(shape):
-    """fp32_backward (split-FP16 operands and products) on heads of magnitude 1e-6 .. 1e6: each head's dQ, dK, dV
-    within mode fp32's 2e-6 of its largest of the float64 oracle, float32, bit-for-bit equal over repeated runs;
-    elsa_backward(mode='fp32') gives its bits where fp32_preferred routes there."""
+    """fp32_backward (split-FP16 operands and products; at head dim 128 the consumers split the head dim) on heads
+    of magnitude 1e-6 .. 1e6: each head's dQ, dK, dV within 2e-6 of its largest of the float64 oracle (at head dim
+    128, whose logits sum twice as many products, within the larger of that and twice the Triton f16x3-head kernels'
+    error, the same split-FP16 arithmetic in another implementation, as the tf32 test bounds tf32's, and each head's
+    L2 error within the mode's 2e-6),
+    float32, bit-for-bit equal over repeated runs; elsa_backward(mode='fp32') gives its bits where fp32_preferred
+    routes there."""
     from visionattn.kernels import elsa_bwd
     from visionattn.kernels._launch import sm_count
 
     _needs_hopper()
-    B, Nq, Nk = shape  # the heads: one per row of _MAGNITUDES
-    q, k, v, do = (t.cuda().repeat(B, 1, 1, 1) for t in _magnitude_heads(Nq, Nk, 64))
+    B, Nq, Nk, D = shape  # the heads: one per row of _MAGNITUDES
+    q, k, v, do = (t.cuda().repeat(B, 1, 1, 1) for t in _magnitude_heads(Nq, Nk, D))
     H = q.shape[1]
     scale = 0.125
     out64, lse64, ref = _reference(q, k, v, do, scale)
     out, lse = out64.float(), lse64.float()
     runs = [half_gluon_bwd.fp32_backward(q, k, v, out, do, lse, scale) for _ in range(3)]
-    for name, got, want in zip("qkv", runs[0], ref):
+    tri = (None if D == 64 else elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, "fp32",
+                                                       config=elsa_bwd.get_config("fp32", D))[:3])
+    for i, (name, got, want) in enumerate(zip("qkv", runs[0], ref)):
         assert got.dtype == torch.float32 and got.shape == want.shape, name
-        err = (got.double() - want).abs().amax(dim=(0, 2, 3)) / want.abs().amax(dim=(0, 2, 3))
-        assert (err <= 2e-6).all(), (name, err)
+        peak = want.abs().amax(dim=(0, 2, 3))
+        err = (got.double() - want).abs().amax(dim=(0, 2, 3)) / peak
+        bound = torch.full_like(err, 2e-6)
+        if tri is not None:
+            bound = torch.maximum(bound, 2 * (tri[i].double() - want).abs().amax(dim=(0, 2, 3)) / peak)
+            l2 = (got.double() - want).norm(dim=(2, 3)) / want.norm(dim=(2, 3))
+            assert (l2 <= 2e-6).all(), (name, l2)
+        assert (err <= bound).all(), (name, err, bound)
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
-    if half_gluon_bwd.fp32_preferred(B, H, Nq, Nk, 64, sm_count(q.device)):
+    if half_gluon_bwd.fp32_preferred(B, H, Nq, Nk, D, sm_count(q.device)):
         got = elsa_bwd.elsa_backward(q, k, v, out, do, lse, None, None, False, scale, "fp32")[:3]
         assert all(torch.equal(a, b) for a, b in zip(got, runs[0]))

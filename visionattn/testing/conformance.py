@@ -546,7 +546,7 @@ GLUON_BACKWARD_SHARE = 0.25
 # backward plans run the Gluon kernel for one to four heads on an H200 (half_gluon_bwd.preferred, tf32_preferred,
 # fp32_preferred; a CPU test checks them) and, for fp16 / bf16, a long one (many key tiles' ordered dQ turns)
 GLUON_BACKWARD_SCOPE = {"fp16": {64: (273, 2048), 128: (273, 2048)}, "bf16": {64: (273, 2048), 128: (273, 2048)},
-                        "tf32": {64: (4096,), 128: (1024,)}, "fp32": {64: (1024,)}}
+                        "tf32": {64: (4096,), 128: (1024,)}, "fp32": {64: (1024,), 128: (128, 1024)}}
 # share of the redrawn backward cases of two or four heads with grouped-query key / value heads
 GLUON_GQA_SHARE = 0.3
 # the Gluon-scope cases' work cap, times the profile's: their lengths are fixed by the scope, so B * H cannot
