@@ -590,7 +590,8 @@ def _draw_gluon_backward(rng: random.Random, prof: Profile, spec: dict) -> None:
 # or two tiles past it), as many heads as give an H200's 132 SMs a query tile each (the dense plan then splits no
 # keys), grouped-query heads in GLUON_GQA_SHARE of them, no bias / mask / causal, q / k / v with a unit head-dim
 # stride (the operand pass reads rows: any other strides, any alignment). Forward only or fwd+bwd as drawn (the
-# backward of a head-dim-128 or grouped case runs the Triton kernels on the Gluon forward's LSE)
+# backward, from the Gluon forward's LSE, is what fp32_preferred picks: at head dim 128 the Gluon split build from
+# 128 query rows, at 64 the Triton kernels below its grid and length thresholds)
 GLUON_FORWARD_SHARE = 0.33
 # per mode: head dim -> the least key count at which the forward plans run the Gluon kernel (fp32_gluon.MIN_KEYS;
 # a CPU test checks it)
