@@ -2,10 +2,10 @@
 
 Every config of the dense ELSA table, the Gluon fp32-ieee and fp16 / bf16 kernels (and the latter's fp32 build),
 PASA, the window kernels at Swin / Swin-v2 window sizes and the backward kernels (dense, Gluon fp32-ieee and fp16 /
-bf16, window fused / split, ragged) is compiled for sm_90 (:func:`visionattn.kernels.introspect.compile_for_arch`):
-shared memory against the 232,448-byte limit (over it the launchers retry smaller configs: a slow first call),
-registers and spill bytes, programs per SM, wgmma use and the static SASS instruction count. The figures match the
-GPU's only for the same Triton version:
+bf16 with the latter's tf32 and fp32 builds, window fused / split, ragged) is compiled for sm_90
+(:func:`visionattn.kernels.introspect.compile_for_arch`): shared memory against the 232,448-byte limit (over it the
+launchers retry smaller configs: a slow first call), registers and spill bytes, programs per SM, wgmma use and the
+static SASS instruction count. The figures match the GPU's only for the same Triton version:
 
     pip install --target /tmp/tri36 triton==3.6.0
     PYTHONPATH=/tmp/tri36:$PWD python tools/check_kernels_offline.py --out out/kernels_sm90_offline
@@ -173,6 +173,21 @@ def _half_gluon_bwd_jobs(quick: bool):
                                 constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k, gqa=grouped,
                                                                             kv_partials=parts),
                                 num_warps=4, num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
+    # modes tf32 (the HEAD_SCALES build) and fp32 (the split build; at head dim 128 its consumers split the head
+    # dim): FP16 operand copies, FP32 dK / dV by plain stores, full and cut key tiles
+    for d in ((64,) if quick else half_gluon_bwd.HEAD_DIMS):
+        for mode, split in (("tf32", False), ("fp32", True)):
+            cfg = half_gluon_bwd.fp32_config(d) if split else half_gluon_bwd.tf32_config(d)
+            for n_k in ((1024,) if quick else (1024, 1000)):
+                masked = "" if n_k % cfg["BLOCK_N"] == 0 else " masked"
+                yield ({"kernel": "half-gluon-bwd", "variant": f"D={d} {mode}{' dsplit' * bool(cfg.get('dsplit'))}"
+                        f"{masked}", "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 12, cfg["STAGES"]]},
+                       dict(kernel=half_gluon_bwd._half_bwd_kernel,
+                            pointer_types=dict(half_gluon_bwd.descriptor_types(cfg, d, torch.float16),
+                                               LseRow="*fp32", Delta="*fp32", DK="*fp32", DV="*fp32", Sem="*i32",
+                                               Scales="*fp32"),
+                            constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k, head_scales=True, split=split),
+                            num_warps=4, num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
 
 
 def _window_jobs(quick: bool):
@@ -375,7 +390,8 @@ def main(args) -> dict:
           "of one kernel at the same tiles\n* half-gluon (warp-specialized): registers are the launch cap over its "
           "12 warps (8 / 16 / 20 with one / three / four consumer warpgroups); `setmaxnreg` then gives each consumer "
           "thread 240 (232 with one, 160 with three, 112-120 with four) and each producer 24; half-gluon-bwd likewise: "
-          "240 per consumer thread, 24 for the producer, 32 for each of the two dQ writers"
+          "240 per consumer thread, 24 for the producer, 32 for each of the two dQ writers (the fp32 dsplit build: "
+          "232 for the second consumer, which leaves the first 248, and 24 for each writer)"
           f"\n\n{table}\n")
     write_results(outputs, args.out, result, md)
     print(md)
