@@ -1124,7 +1124,7 @@ def _scaled_preferred(B: int, H: int, n_q: int, n_k: int, sms: int, waves: int, 
 # when its grid fills the GPU FP32_MIN_WAVES times over or both lengths reach FP32_LONG: against the Triton
 # f16x3-head kernels (at 28-76 TFLOP/s) it measured 1.1-2.1x faster there (B=16 H=12 N=197 1.10x, B=1 H=12 N=1025
 # 1.13x, B=1 H=16 N=1536 2.07x) and 0.78-0.91x below (B=8 H=12 N=197, B=2 H=12 N=577: 192 / 120 programs of few
-# query tiles); at head dim 128, where the Triton kernels run at 30-35 TFLOP/s, 1.35-3.1x faster at every grid
+# query tiles); at head dim 128, where the Triton kernels run at 30-35 TFLOP/s, 1.35-3.2x faster at every grid
 # measured, one head of 256 tokens included (docs/tuning.md: fp32 on the Gluon backward)
 FP32_MIN_WAVES = 2
 FP32_LONG = 1024
@@ -1348,7 +1348,7 @@ def fp32_config(head_dim: int) -> dict:
     (each forms S^T and dP^T over all the keys and owns half of dK's, dV's and dQ's columns: its accumulators are
     those of head dim 64), 32-row query tiles in three stages (the hi and lo parts of a 128-key tile and 64-row
     query tiles would need 256 KB of shared memory), the producer's row data and rotated sweeps (two FP32 dQ
-    accumulators and the combine: a chain has twice the key tiles of head dim 64's; 5-15 % faster from 1024
+    accumulators and the combine: a chain has twice the key tiles of head dim 64's; 2-18 % faster from 1024
     tokens), the dQ writers at 24 registers and the second consumer at 232, which leaves the first (the partition
     that holds the kernel's prologue values) 248 (its 64-bit shared-memory descriptors spill at 232 or 240: 4-6 %
     faster; docs/tuning.md: fp32 on the Gluon backward at head dim 128)."""

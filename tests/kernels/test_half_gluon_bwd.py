@@ -1117,9 +1117,8 @@ def test_fp32_split_gradients_match_float64_and_are_reproducible(shape):
     of magnitude 1e-6 .. 1e6: each head's dQ, dK, dV within 2e-6 of its largest of the float64 oracle (at head dim
     128, whose logits sum twice as many products, within the larger of that and twice the Triton f16x3-head kernels'
     error, the same split-FP16 arithmetic in another implementation, as the tf32 test bounds tf32's, and each head's
-    L2 error within the mode's 2e-6),
-    float32, bit-for-bit equal over repeated runs; elsa_backward(mode='fp32') gives its bits where fp32_preferred
-    routes there."""
+    L2 error within the mode's 2e-6), float32, bit-for-bit equal over repeated runs; elsa_backward(mode='fp32')
+    gives its bits where fp32_preferred routes there."""
     from visionattn.kernels import elsa_bwd
     from visionattn.kernels._launch import sm_count
 
