@@ -561,88 +561,72 @@ if _IMPORT_ERROR is None:
             p = gl.exp2(s * qk_scale - lse2[None, :])
             if not EVEN_N:  # keys past Nk (zero rows of K) must not carry P: exp2(-lse) may be huge
                 p = gl.where(key_ok[:, None], p, 0.0)
-            if DSPLIT:
-                # mode fp32 at head dim 128: the PARTS = 2 branch below on this consumer's columns. dV and dK read
-                # dO_i's and Q_i's columns [WG * DQC, + DQC); its own dS^T, over all the tile's keys, serves dK and
-                # the transposed dQ share dQ_i^T[cols] = K[:, cols]^T dS^T (a wgmma's rows are at least 64, the
-                # query tile's 32), so no dS^T passes between the consumers
-                dp = warpgroup_mma_wait(0, deps=[dp_tok])
-                delta = _delta_columns(delta_smem, slot, delta_c, delta_mult, gl.SliceLayout(0, st_layout),
-                                       PRODUCER_ROWS, HEAD_SCALES)
-                ds16, ds16l = split_parts(p * (dp - delta[None, :]), dtype, DS_LO_SCALE)
-                p16, p16l = split_parts(p * P_SPLIT_SCALE, dtype, 1.0)
-                dv_tok = split_mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout),
-                                   do_t.slice(WG * DQC, DQC, dim=1), do_l.slice(WG * DQC, DQC, dim=1), acc_zero,
-                                   False, PARTS)
-                # this consumer's dS^T buffers: free, its wgmmas of the previous query tile retired below
-                ds_w = ds_smem.index(WG * PARTS)
-                ds_wl = ds_smem.index(WG * PARTS + 1)
-                ds_w.store(ds16)
-                ds_wl.store(ds16l)
-                fence_async_shared()
-                _cta_barrier()  # every thread's dS^T is in shared memory before the wgmmas read it
-                dv = dv + warpgroup_mma_wait(0, deps=[dv_tok])
-                q_c = q_t.slice(WG * DQC, DQC, dim=1)
-                dk_lo_tok = warpgroup_mma(ds_wl, q_c, acc_zero, use_acc=False, is_async=True)
-                dk_tok = warpgroup_mma(ds_w, q_l.slice(WG * DQC, DQC, dim=1), acc_zero, use_acc=False,
-                                       is_async=True)
-                dk_tok = warpgroup_mma(ds_w, q_c, dk_tok, is_async=True)
-                k_c = k_w.slice(WG * DQC, DQC, dim=1).permute((1, 0))
-                dq_lo_tok = warpgroup_mma(k_c, ds_wl, dqt_zero, use_acc=False, is_async=True)
-                dq_tok = warpgroup_mma(k_wl.slice(WG * DQC, DQC, dim=1).permute((1, 0)), ds_w, dqt_zero,
-                                       use_acc=False, is_async=True)
-                dq_tok = warpgroup_mma(k_c, ds_w, dq_tok, is_async=True)
-                dk_lo, dk_part = warpgroup_mma_wait(3, deps=[dk_lo_tok, dk_tok])
-                dk = dk + (dk_part + dk_lo * DS_LO_INV)
-                _cta_barrier()  # every thread's reads of the slot's rows precede the one-thread release below
-                mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
-                dq_lo, part = warpgroup_mma_wait(0, deps=[dq_lo_tok, dq_tok])
-                part = gl.permute(part + dq_lo * DS_LO_INV, (1, 0))
-            elif PARTS == 2:
+            if PARTS == 2:
                 # mode fp32. dS first, so that the FP32 P^T and dP^T retire before dV's product; each query tile's
                 # dV and dK products formed apart and added in FP32 (the wgmma accumulator's own additions keep
                 # fewer bits than FP32's round-to-nearest: over hundreds of query tiles dK and dV would leave fp32's
-                # bound); dK's dS^T operands from shared memory (in registers beside dV's they spill)
+                # bound); dK's dS^T operands from shared memory (in registers beside dV's they spill). DSPLIT (head
+                # dim 128): dV and dK read dO_i's and Q_i's columns [WG * DQC, + DQC) only, and this consumer's own
+                # dS^T, over all the tile's keys, serves the transposed dQ share dQ_i^T[cols] = K[:, cols]^T dS^T (a
+                # wgmma's rows are at least 64, the query tile's 32): no dS^T passes between the consumers, and its
+                # one buffer is free once this consumer's wgmmas of the previous query tile retired
+                do_c, do_cl, q_c, q_cl = do_t, do_l, q_t, q_l
+                dslot = (t % 2) * CONS * PARTS
+                if DSPLIT:
+                    do_c = do_t.slice(WG * DQC, DQC, dim=1)
+                    do_cl = do_l.slice(WG * DQC, DQC, dim=1)
+                    q_c = q_t.slice(WG * DQC, DQC, dim=1)
+                    q_cl = q_l.slice(WG * DQC, DQC, dim=1)
+                    dslot = 0
                 dp = warpgroup_mma_wait(0, deps=[dp_tok])
                 delta = _delta_columns(delta_smem, slot, delta_c, delta_mult, gl.SliceLayout(0, st_layout),
                                        PRODUCER_ROWS, HEAD_SCALES)
                 ds16, ds16l = split_parts(p * (dp - delta[None, :]), dtype, DS_LO_SCALE)
                 p16, p16l = split_parts(p * P_SPLIT_SCALE, dtype, 1.0)
-                dv_tok = split_mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_t,
-                                   do_l, acc_zero, False, PARTS)
-                dslot = (t % 2) * CONS * PARTS
-                ds_smem.index(dslot + WG * PARTS).store(ds16)
-                ds_smem.index(dslot + WG * PARTS + 1).store(ds16l)
+                dv_tok = split_mma(gl.convert_layout(p16, op_layout), gl.convert_layout(p16l, op_layout), do_c,
+                                   do_cl, acc_zero, False, PARTS)
+                ds_w = ds_smem.index(dslot + WG * PARTS)
+                ds_wl = ds_smem.index(dslot + WG * PARTS + 1)
+                ds_w.store(ds16)
+                ds_wl.store(ds16l)
                 fence_async_shared()
                 _cta_barrier()  # every thread's dS^T is in shared memory before the wgmmas and the other consumer
                 dv = dv + warpgroup_mma_wait(0, deps=[dv_tok])
                 # dS's lo terms apart (2^DS_LO_EXP too large), scaled back after the wait
-                ds_w = ds_smem.index(dslot + WG * PARTS)
-                dk_lo_tok = warpgroup_mma(ds_smem.index(dslot + WG * PARTS + 1), q_t, acc_zero, use_acc=False,
-                                          is_async=True)
-                dk_tok = warpgroup_mma(ds_w, q_l, acc_zero, use_acc=False, is_async=True)
-                dk_tok = warpgroup_mma(ds_w, q_t, dk_tok, is_async=True)
-                mbarrier.arrive(ds_bar.index(t % 2))
-                mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
-                # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
-                dq_lo_tok = dq_zero
-                for c in gl.static_range(CONS):
-                    k_c = k_smem.index(c * PARTS).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
-                    dq_lo_tok = warpgroup_mma(ds_smem.index(dslot + c * PARTS + 1).permute((1, 0)), k_c, dq_lo_tok,
-                                              use_acc=c > 0, is_async=True)
-                dq_tok = dq_zero
-                for c in gl.static_range(CONS):
-                    dsc = ds_smem.index(dslot + c * PARTS).permute((1, 0))
-                    k_c = k_smem.index(c * PARTS).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
-                    k_cl = k_smem.index(c * PARTS + 1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
-                    dq_tok = warpgroup_mma(dsc, k_cl, dq_tok, use_acc=c > 0, is_async=True)
-                    dq_tok = warpgroup_mma(dsc, k_c, dq_tok, is_async=True)
-                dk_lo, dk_part = warpgroup_mma_wait(3 * CONS, deps=[dk_lo_tok, dk_tok])
+                dk_lo_tok = warpgroup_mma(ds_wl, q_c, acc_zero, use_acc=False, is_async=True)
+                dk_tok = warpgroup_mma(ds_w, q_cl, acc_zero, use_acc=False, is_async=True)
+                dk_tok = warpgroup_mma(ds_w, q_c, dk_tok, is_async=True)
+                if DSPLIT:
+                    k_c = k_w.slice(WG * DQC, DQC, dim=1).permute((1, 0))
+                    dq_lo_tok = warpgroup_mma(k_c, ds_wl, dqt_zero, use_acc=False, is_async=True)
+                    dq_tok = warpgroup_mma(k_wl.slice(WG * DQC, DQC, dim=1).permute((1, 0)), ds_w, dqt_zero,
+                                           use_acc=False, is_async=True)
+                    dq_tok = warpgroup_mma(k_c, ds_w, dq_tok, is_async=True)
+                else:
+                    mbarrier.arrive(ds_bar.index(t % 2))
+                    mbarrier.wait(ds_bar.index(t % 2), (t // 2) & 1)
+                    # dQ[:, half WG] = dS_0 K_0[:, half] + dS_1 K_1[:, half] (dS from its transpose in shared memory)
+                    dq_lo_tok = dq_zero
+                    for c in gl.static_range(CONS):
+                        k_c = k_smem.index(c * PARTS).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
+                        dq_lo_tok = warpgroup_mma(ds_smem.index(dslot + c * PARTS + 1).permute((1, 0)), k_c,
+                                                  dq_lo_tok, use_acc=c > 0, is_async=True)
+                    dq_tok = dq_zero
+                    for c in gl.static_range(CONS):
+                        dsc = ds_smem.index(dslot + c * PARTS).permute((1, 0))
+                        k_c = k_smem.index(c * PARTS).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
+                        k_cl = k_smem.index(c * PARTS + 1).reshape([HALF, HEAD_D]).slice(WG * DQC, DQC, dim=1)
+                        dq_tok = warpgroup_mma(dsc, k_cl, dq_tok, use_acc=c > 0, is_async=True)
+                        dq_tok = warpgroup_mma(dsc, k_c, dq_tok, is_async=True)
+                # dK's three wgmmas retired, dQ's (three with DSPLIT, else three per consumer's keys) in flight
+                dk_lo, dk_part = warpgroup_mma_wait(3 if DSPLIT else 3 * CONS, deps=[dk_lo_tok, dk_tok])
                 dk = dk + (dk_part + dk_lo * DS_LO_INV)
                 _cta_barrier()  # every thread's reads of the slot's rows precede the one-thread release below
                 mbarrier.arrive(empty.index(slot))  # this warpgroup is done with Q_i and dO_i (K stays)
                 dq_lo, part = warpgroup_mma_wait(0, deps=[dq_lo_tok, dq_tok])
                 part = part + dq_lo * DS_LO_INV
+                if DSPLIT:  # the share as the writers' ring holds it, [queries, DQC]
+                    part = gl.permute(part, (1, 0))
             else:
                 p16 = gl.convert_layout(p.to(dtype), op_layout)
                 dv_tok = warpgroup_mma(p16, do_t, dv, is_async=True)
