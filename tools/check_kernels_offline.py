@@ -145,6 +145,18 @@ def _half_gluon_jobs(quick: bool):
                         float_args=("qk_scale",), maxnreg=cfg["maxnreg"], unit_ints=("GROUP",)))
 
 
+def _half_bwd_job(cfg: dict, d: int, dtype, n_k: int, variant: str, grads: str, pointers: dict, **builds):
+    # (meta, compile job) of one build of the Gluon backward: the kernel's descriptor, row-data and counter arguments,
+    # dK / dV of type `grads`, the constexprs of kernel_constexprs(cfg, d, n_k, **builds)
+    return ({"kernel": "half-gluon-bwd", "variant": variant, "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 12,
+                                                                         cfg["STAGES"]]},
+            dict(kernel=half_gluon_bwd._half_bwd_kernel,
+                 pointer_types=dict(half_gluon_bwd.descriptor_types(cfg, d, dtype), LseRow="*fp32", Delta="*fp32",
+                                    DK=grads, DV=grads, Sem="*i32", **pointers),
+                 constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k, **builds), num_warps=4, num_stages=1,
+                 float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
+
+
 def _half_gluon_bwd_jobs(quick: bool):
     import torch
 
@@ -164,15 +176,8 @@ def _half_gluon_bwd_jobs(quick: bool):
                     (False, False), (True, False), (True, True))
                 for grouped, parts in gqa:
                     label = " grouped-query" * grouped + " (parts)" * parts
-                    grads = "*fp32" if parts else t
-                    yield ({"kernel": "half-gluon-bwd", "variant": f"D={d} {tname}{masked}{label}",
-                            "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 12, cfg["STAGES"]]},
-                           dict(kernel=half_gluon_bwd._half_bwd_kernel,
-                                pointer_types=dict(half_gluon_bwd.descriptor_types(cfg, d, dtype), LseRow="*fp32",
-                                                   Delta="*fp32", DK=grads, DV=grads, Sem="*i32"),
-                                constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k, gqa=grouped,
-                                                                            kv_partials=parts),
-                                num_warps=4, num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
+                    yield _half_bwd_job(cfg, d, dtype, n_k, f"D={d} {tname}{masked}{label}",
+                                        "*fp32" if parts else t, {}, gqa=grouped, kv_partials=parts)
     # modes tf32 (the HEAD_SCALES build) and fp32 (the split build; at head dim 128 its consumers split the head
     # dim): FP16 operand copies, FP32 dK / dV by plain stores, full and cut key tiles
     for d in ((64,) if quick else half_gluon_bwd.HEAD_DIMS):
@@ -180,14 +185,9 @@ def _half_gluon_bwd_jobs(quick: bool):
             cfg = half_gluon_bwd.fp32_config(d) if split else half_gluon_bwd.tf32_config(d)
             for n_k in ((1024,) if quick else (1024, 1000)):
                 masked = "" if n_k % cfg["BLOCK_N"] == 0 else " masked"
-                yield ({"kernel": "half-gluon-bwd", "variant": f"D={d} {mode}{' dsplit' * bool(cfg.get('dsplit'))}"
-                        f"{masked}", "config": [cfg["BLOCK_M"], cfg["BLOCK_N"], 12, cfg["STAGES"]]},
-                       dict(kernel=half_gluon_bwd._half_bwd_kernel,
-                            pointer_types=dict(half_gluon_bwd.descriptor_types(cfg, d, torch.float16),
-                                               LseRow="*fp32", Delta="*fp32", DK="*fp32", DV="*fp32", Sem="*i32",
-                                               Scales="*fp32"),
-                            constexprs=half_gluon_bwd.kernel_constexprs(cfg, d, n_k, head_scales=True, split=split),
-                            num_warps=4, num_stages=1, float_args=("qk_scale", "scale"), maxnreg=cfg["maxnreg"]))
+                yield _half_bwd_job(cfg, d, torch.float16, n_k,
+                                    f"D={d} {mode}{' dsplit' * bool(cfg.get('dsplit'))}{masked}", "*fp32",
+                                    {"Scales": "*fp32"}, head_scales=True, split=split)
 
 
 def _window_jobs(quick: bool):
