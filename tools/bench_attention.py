@@ -35,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 from _harness import (OutputFiles, REPO, ToolParser, call_ms, check_output, default_out,  # noqa: E402
                       bars, eager_graph_timings, eager_ms, environment, figure, graph_cells, host_us, kernel_ms,
-                      markdown_table, md_header, output_files, tf32_flags, write_results)
+                      kernel_times, markdown_table, md_header, output_files, tf32_flags, write_results)
 
 from visionattn.kernels import elsa_fwd  # noqa: E402
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -62,6 +62,9 @@ def build_parser() -> ToolParser:
     p.add_argument("--cuda-graph", action="store_true",
                    help="time only CUDA-graph replays (GPU time without the Python launch path), not eager calls")
     p.add_argument("--no-host", action="store_true", help="skip the host-overhead table (tiny calls)")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="also profile each backend's call kernel by kernel (torch.profiler, 10 CUDA-graph replays): a "
+                        "table per shape of each kernel's GPU time, to see where two backends' totals part")
     p.add_argument("--modes", default=None, help="comma-separated visionattn modes (default: the config's)")
     p.add_argument("--shapes", default=None, help="comma-separated shape names from the config (default: all)")
     p.add_argument("--backward", action="store_true",
@@ -355,6 +358,8 @@ def run_sweep(args, cfg) -> dict:
             rec.update(ms=ms, tflops=flops / ms / 1e9, ms_first=timings["first"], peak_mib=peak)
             rec.update(grad_errors(out, ref, rows) if args.backward else {"rel_err": rel_l2(out[:, :, rows], ref)})
             rec.update(_graph_fields(timings, flops))
+            if args.kernel_times:
+                rec["kernels"] = kernel_times(lambda: fn(q, k, v), "cuda")
             del out
             records.append(rec)
         del q, k, v, do, ref
@@ -513,6 +518,7 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
             rows.append([r["dtype"], name, r["ms"], r["tflops"], *graph, first, r["peak_mib"], *errs] if "ms" in r
                         else [r["dtype"], name, *["-"] * (len(header) - 3), r["skipped"]])
         lines.append(markdown_table(rows, header))
+        lines += _kernel_table(rs)
     lines += ["## Targets", ""]
     trows = []
     for t in result["targets"]:
@@ -533,6 +539,22 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
     stem = os.path.join(out_dir, result.get("files", "bench"))
     write_results(outputs or OutputFiles(TOOL), stem, result, "\n".join(lines), _plot)
     return {ext: f"{stem}.{ext}" for ext in ("md", "json", "png")}
+
+
+def _kernel_table(records) -> list[str]:
+    """The markdown lines of one shape's per-kernel GPU times (``--kernel-times``): each backend's kernels, largest
+    first, and their sum; nothing where no record has them."""
+    rows = []
+    for r in records:
+        if "kernels" not in r:
+            continue
+        name = f"visionattn {r['backend']}" if r["ours"] else r["backend"]
+        rows += [[r["dtype"], name, kt["name"][:90], f"{kt['us']:.2f}", f"{kt['calls']:g}"] for kt in r["kernels"]]
+        rows.append([r["dtype"], name, "**all kernels**", f"{sum(kt['us'] for kt in r['kernels']):.2f}", ""])
+    if not rows:
+        return []
+    return ["", "GPU time per call, kernel by kernel (torch.profiler over 10 CUDA-graph replays after 2 eager calls; "
+            "names cut at 90 characters):", "", markdown_table(rows, ["inputs", "backend", "kernel", "us", "launches"])]
 
 
 def _plot(result, path, outputs):

@@ -1,7 +1,8 @@
 """Every tool writes under out/ (git-ignored) unless --out names another place, and an --out that
 cannot be written stops the tool at once: exit status 2, one line naming --out, before any work. bench_attention's
 report (it needs a GPU to run) from stand-in records: its forward and forward + backward tables carry the graph
-timing beside the eager one, and the first call apart. The index of docs/benchmarks names every committed result."""
+timing beside the eager one, the first call apart, and (--kernel-times) each backend's kernels. The index of
+docs/benchmarks names every committed result."""
 import hashlib
 import os
 
@@ -118,6 +119,37 @@ def test_bench_attention_report_has_graph_columns(backward, tmp_path):
     assert [(r["ms"], r["graph ms"], r["eager / graph"], r["first call ms"]) for r in table] == [
         ("0.5", "0.25", "2.00", "1234.5"), ("0.5", "n/a", "n/a", "3.2"), ("-", "-", "-", "-")]
     assert table[2][list(table[2])[-1]] == "RuntimeError: no kernel"
+
+
+def test_bench_attention_kernel_times_follow_the_call_and_reach_the_report(tmp_path):
+    """``--kernel-times``: the profiler helper counts what one call runs (here on the CPU: two matmuls and one
+    softmax a call, by their ATen operators), and the report adds a per-kernel table under the shape's table, each
+    backend's rows largest first and their sum."""
+    import torch
+
+    mod = _load("bench_attention")
+    a = torch.randn(256, 256)
+
+    def call():
+        torch.softmax(torch.mm(torch.mm(a, a), a), dim=-1)
+
+    rows = mod.kernel_times(call, "cpu", calls=4, warmup=1)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["aten::mm"]["calls"] == 2 and by_name["aten::softmax"]["calls"] == 1
+    assert [r["us"] for r in rows] == sorted((r["us"] for r in rows), reverse=True) and rows[0]["us"] > 0
+
+    env = {k: "x" for k in ("device", "command", "torch", "cuda", "triton", "timm", "python")}
+    shape = {"shape": "tiny", "B": 2, "H": 2, "N": 64, "D": 16, "dtype": "fp16"}
+    timings = {"first": 2.0, "eager": 0.5, "graph": 0.25}
+    records = [{**shape, "backend": "fp16", "ours": True, "ms": 0.5, "tflops": 4.0, "ms_first": 2.0, "peak_mib": 1.0,
+                "rel_err": 1e-3, **mod._graph_fields(timings, 2e9), "kernels": rows},
+               {**shape, "backend": "sdpa-cudnn", "ours": False, "skipped": "RuntimeError: no kernel"}]
+    md = open(mod.write_report({"environment": env, "tf32_matmul": "off", "records": records, "targets": [],
+                                "timing": "eager"}, str(tmp_path))["md"]).read()
+    table = _md_tables(md)[1]
+    assert [r["kernel"] for r in table] == [r["name"] for r in rows] + ["**all kernels**"]
+    assert {r["backend"] for r in table} == {"visionattn fp16"}
+    assert float(table[-1]["us"]) == pytest.approx(sum(float(r["us"]) for r in table[:-1]), abs=0.01 * len(rows))
 
 
 def test_bench_attention_plots_named_shapes_as_bars(tmp_path, monkeypatch):
