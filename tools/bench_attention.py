@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 import time
 import zlib
@@ -557,10 +558,29 @@ def _kernel_table(records) -> list[str]:
             "names cut at 90 characters):", "", markdown_table(rows, ["inputs", "backend", "kernel", "us", "launches"])]
 
 
+# the parts of a forward + backward call that the kernel-time plot stacks, by the kernel function's name (its text
+# before any template or argument list): the passes first, as the forward and backward kernels' own names carry
+# fwd / bwd too (FlashAttention's flash_bwd_dot_do_o_kernel, visionattn's _bwd_preprocess_kernel)
+KERNEL_PARTS = (("passes (dO.O, dQ conversion, memsets, copies)",
+                 re.compile(r"preprocess|combine|convert|dot_do|memset|memcpy|elementwise|fill", re.I)),
+                ("forward", re.compile(r"fprop|fwd|cutlassF")), ("backward", re.compile(r"bprop|bwd|cutlassB")))
+
+
+def kernel_part(name: str) -> str:
+    """Which of :data:`KERNEL_PARTS` a profiled kernel is: its function name matched in order (the passes for a name
+    none matches)."""
+    stem = re.split(r"[<(]", name.removeprefix("void "), maxsplit=1)[0]
+    return next((part for part, pattern in KERNEL_PARTS if pattern.search(stem)), KERNEL_PARTS[0][0])
+
+
 def _plot(result, path, outputs):
-    """TFLOP/s against N for the B=1 H=8 D=64 sweep where the table has two or more of its lengths; else (named
-    shapes: ViT sizes, grouped-query heads) bars of graph-replay TFLOP/s (eager where the calls could not be
-    captured) per shape and backend."""
+    """With ``--kernel-times``: each shape's GPU time per call, our modes beside the fastest baseline, stacked by
+    :func:`kernel_part`. Else TFLOP/s against N for the B=1 H=8 D=64 sweep where the table has two or more of its
+    lengths; else (named shapes: ViT sizes, grouped-query heads) bars of graph-replay TFLOP/s (eager where the
+    calls could not be captured) per shape and backend."""
+    if any("kernels" in r for r in result["records"]):
+        _plot_kernels(result, path, outputs)
+        return
     recs = [r for r in result["records"] if "ms" in r and r["B"] == 1 and r["H"] == 8 and r["D"] == 64]
     if len({r["N"] for r in recs}) < 2:
         _plot_bars(result, path, outputs)
@@ -581,6 +601,41 @@ def _plot(result, path, outputs):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.suptitle(result["environment"]["device"] + (", forward + backward" if "flops" in result else ""))
+
+
+def _plot_kernels(result, path, outputs):
+    recs = [r for r in result["records"] if "kernels" in r]
+    shapes = list(dict.fromkeys(r["shape"] for r in recs))
+    cols = min(3, len(shapes))
+    rows_n = -(-len(shapes) // cols)
+    colors = dict(zip((part for part, _ in KERNEL_PARTS), ("#999999", "tab:blue", "tab:orange")))
+    with figure(path, outputs, rows_n, cols, figsize=(5.2 * cols, 2.6 * rows_n), squeeze=False) as (fig, axes):
+        for ax, shape in zip(axes.flat, shapes):
+            bars_here = []
+            for group in GROUPS:
+                gr = [r for r in recs if r["shape"] == shape and r["dtype"] == group]
+                base = [r for r in gr if not r["ours"]]
+                fastest = min(base, key=lambda r: sum(k["us"] for k in r["kernels"])) if base else None
+                bars_here += [(f"{group} {'visionattn ' + r['backend'] if r['ours'] else r['backend']}", r)
+                              for r in [*(r for r in gr if r["ours"]), *([fastest] if fastest else [])]]
+            for y, (label, r) in enumerate(bars_here):
+                left = 0.0
+                for part, _ in KERNEL_PARTS[1:] + KERNEL_PARTS[:1]:
+                    us = sum(k["us"] for k in r["kernels"] if kernel_part(k["name"]) == part)
+                    ax.barh(y, us, left=left, color=colors[part], label=part if y == 0 else None)
+                    left += us
+                ax.text(left, y, f" {left:.0f}", va="center", fontsize=7)
+            ax.set_yticks(range(len(bars_here)), [label for label, _ in bars_here], fontsize=7)
+            ax.invert_yaxis()
+            ax.set_xlabel("GPU time per call (us)")
+            ax.set_title(shape, fontsize=9)
+            ax.grid(axis="x", alpha=0.3)
+            ax.set_xlim(0, ax.get_xlim()[1] * 1.1)  # room for the totals
+        for ax in list(axes.flat)[len(shapes):]:
+            ax.axis("off")
+        fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="upper right", ncol=3, fontsize=7, frameon=False)
+        fig.suptitle(result["environment"]["device"] + ", forward + backward kernel by kernel (CUDA-graph replays)",
+                     x=0.01, ha="left", fontsize=10)
 
 
 def _plot_bars(result, path, outputs):

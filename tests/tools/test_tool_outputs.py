@@ -124,7 +124,7 @@ def test_bench_attention_report_has_graph_columns(backward, tmp_path):
 def test_bench_attention_kernel_times_follow_the_call_and_reach_the_report(tmp_path):
     """``--kernel-times``: the profiler helper counts what one call runs (here on the CPU: two matmuls and one
     softmax a call, by their ATen operators), and the report adds a per-kernel table under the shape's table, each
-    backend's rows largest first and their sum."""
+    backend's rows largest first and their sum, and draws the kernel times as its plot."""
     import torch
 
     mod = _load("bench_attention")
@@ -144,12 +144,36 @@ def test_bench_attention_kernel_times_follow_the_call_and_reach_the_report(tmp_p
     records = [{**shape, "backend": "fp16", "ours": True, "ms": 0.5, "tflops": 4.0, "ms_first": 2.0, "peak_mib": 1.0,
                 "rel_err": 1e-3, **mod._graph_fields(timings, 2e9), "kernels": rows},
                {**shape, "backend": "sdpa-cudnn", "ours": False, "skipped": "RuntimeError: no kernel"}]
-    md = open(mod.write_report({"environment": env, "tf32_matmul": "off", "records": records, "targets": [],
-                                "timing": "eager"}, str(tmp_path))["md"]).read()
-    table = _md_tables(md)[1]
+    paths = mod.write_report({"environment": env, "tf32_matmul": "off", "records": records, "targets": [],
+                              "timing": "eager"}, str(tmp_path))
+    assert os.path.getsize(paths["png"]) > 0  # the stacked kernel-time bars
+    table = _md_tables(open(paths["md"]).read())[1]
     assert [r["kernel"] for r in table] == [r["name"] for r in rows] + ["**all kernels**"]
     assert {r["backend"] for r in table} == {"visionattn fp16"}
     assert float(table[-1]["us"]) == pytest.approx(sum(float(r["us"]) for r in table[:-1]), abs=0.01 * len(rows))
+
+
+@pytest.mark.parametrize("name, part", [
+    ("_half_fwd_kernel", "forward"), ("_half_bwd_kernel", "backward"), ("_bwd_head_kernel", "backward"),
+    ("_bwd_preprocess_kernel", "passes"), ("_dq_combine_kernel", "passes"), ("Memset (Device)", "passes"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64_4x1x1_cga1x1x1_kernel0_0",
+     "forward"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1_cga1x1x1_kernel0_0",
+     "backward"),
+    ("void cudnn::fusion::convert_dq_to_16bits<false>(void const*, void*, unsigned int)", "passes"),
+    ("void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<64, 128, 128, 8> >(Params)",
+     "passes"),
+    ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64> >(Params)",
+     "backward"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4> >(Params)", "forward"),
+    ("fmha_cutlassB_f16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<...>::Params)",
+     "backward"),
+    ("fmha_cutlassF_f16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)", "forward")])
+def test_bench_attention_kernel_parts_name_the_kernels_of_every_backend(name, part):
+    """The kernel-time plot stacks each call's forward, backward and passes: profiled names of visionattn's, cuDNN's,
+    FlashAttention's and the memory-efficient kernels; a pass's name holds its direction too (flash_bwd_dot_do_o,
+    _bwd_preprocess), and the template and argument lists (other kernels' traits) do not decide."""
+    assert _load("bench_attention").kernel_part(name).split()[0] == part
 
 
 def test_bench_attention_plots_named_shapes_as_bars(tmp_path, monkeypatch):
