@@ -634,8 +634,8 @@ def _plot_kernels(result, path, outputs):
         for ax in list(axes.flat)[len(shapes):]:
             ax.axis("off")
         fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="upper right", ncol=3, fontsize=7, frameon=False)
-        fig.suptitle(result["environment"]["device"] + ", forward + backward kernel by kernel (CUDA-graph replays)",
-                     x=0.01, ha="left", fontsize=10)
+        fig.suptitle(f"{result['environment']['device']}, {'forward + backward' if 'flops' in result else 'forward'} "
+                     "kernel by kernel (CUDA-graph replays)", x=0.01, ha="left", fontsize=10)
 
 
 def _plot_bars(result, path, outputs):
