@@ -31,8 +31,9 @@ __all__ = ["REPO", "ToolParser", "positive_int", "nonnegative_int", "positive_fl
            "CorruptImageError", "read_rgb", "ImageList", "check_image", "load_config", "environment", "atomic_path",
            "write_text_atomic", "write_json_atomic", "OutputFiles", "markdown_table", "figure", "bars", "md_header",
            "write_results", "prefix_outputs", "tf32_flags", "Stopwatch", "call_ms", "sample_ms", "kernel_ms",
-           "eager_ms", "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us", "per_call_ms", "peak_memory",
-           "AttentionFree", "attention_free", "cores", "worker_env", "run_worker", "run_isolated", "run_chunks"]
+           "eager_ms", "captured_graph", "eager_graph_ms", "eager_graph_timings", "graph_cells", "host_us",
+           "per_call_ms", "kernel_times", "peak_memory", "AttentionFree", "attention_free", "cores", "worker_env",
+           "run_worker", "run_isolated", "run_chunks"]
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -716,7 +717,7 @@ def eager_ms(fn: Callable[[], Any], calls: int = 50, warmup: int = 5, repeats: i
     return _median(times)
 
 
-def _captured(fn: Callable[[], Any], stream, warmup: int, calls: int):
+def captured_graph(fn: Callable[[], Any], stream, warmup: int, calls: int):
     """``(graph, None)``: ``calls`` calls of ``fn`` captured in one CUDA graph on ``stream`` (a side stream, current)
     after ``warmup`` eager ones (compiles settle outside the capture), replayed once (the first replay uploads the
     graph); ``(None, the exception)`` where the calls cannot be captured."""
@@ -750,7 +751,7 @@ def eager_graph_ms(make: Callable[[], Callable[[], Any]], calls: int = 50, repea
     try:
         with torch.cuda.stream(stream):
             fn = make()
-            graph, error = _captured(fn, stream, warmup, calls)
+            graph, error = captured_graph(fn, stream, warmup, calls)
             if graph is None:  # a launch path that cannot be captured: eager timing still stands
                 torch.cuda.synchronize()
 
@@ -808,7 +809,7 @@ def kernel_times(fn: Callable[[], Any], device: str | torch.device, calls: int =
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            graph, _ = _captured(fn, stream, warmup, 1)
+            graph, _ = captured_graph(fn, stream, warmup, 1)
             run = fn if graph is None else graph.replay  # a launch path that cannot be captured: eager calls
             torch.cuda.synchronize()
     else:

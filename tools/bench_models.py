@@ -28,9 +28,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the tools' shared helpers
 
-from _harness import (REPO, ToolParser, add_common, check_device, comma_list, default_out, environment,  # noqa: E402
-                      failure_text, figure, markdown_table, md_header, peak_memory, positive_float, positive_int,
-                      prefix_outputs, sample_ms, tf32_flags, write_results)
+from _harness import (REPO, ToolParser, add_common, captured_graph, check_device, comma_list, default_out,  # noqa: E402
+                      environment, failure_text, figure, markdown_table, md_header, peak_memory, positive_float,
+                      positive_int, prefix_outputs, sample_ms, tf32_flags, write_results)
 from _timm_models import create_timm_model  # noqa: E402
 
 from visionattn.metrics import rel_l2  # noqa: E402
@@ -95,17 +95,16 @@ parser.add_argument("--case-slice", type=_arg(_slice),
 
 # ----------------------------------------------------------------------------- measurement
 def graphed(fn):
-    """``fn``'s GPU work captured once in a CUDA graph (after two warm-up calls on a side stream); returns the
-    graph's replay, which holds the graph and its memory pool."""
+    """``fn``'s GPU work captured once in a CUDA graph (after two warm-up calls, on a side stream:
+    :func:`_harness.captured_graph`); returns the graph's replay, which holds the graph and its memory pool. Raises
+    what the capture raised where ``fn`` cannot be captured."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
+        graph, error = captured_graph(fn, side, warmup=2, calls=1)
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    if graph is None:
+        raise error
     return graph.replay
 
 

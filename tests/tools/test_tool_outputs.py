@@ -248,6 +248,40 @@ def test_bench_attention_backward_targets_use_graph_replay_and_the_bars():
             ("sdpa-efficient-repeat-kv", 2.5, False), ("sdpa-flash", 1.0, True), ("sdpa-cudnn", 1.0, True)]
 
 
+
+def test_bench_attention_forward_targets_use_graph_replay_where_both_sides_have_it(tmp_path):
+    """Forward targets from 4096 tokens: the ratio by graph replay where ours and the baseline were both captured (a
+    slow host moves the eager columns of every backend), eager otherwise and below 4096 tokens (the launch path is a
+    part of a ViT-sized call's time); the table names which."""
+    mod = _load("bench_attention")
+
+    def rec(backend, dtype, eager, graph=None):
+        r = {"shape": "L-4k", "B": 1, "H": 8, "N": 4096, "D": 64, "dtype": dtype, "backend": backend, "ms": 1.0,
+             "tflops": eager, "peak_mib": 1.0, "rel_err": 1e-3, "ours": backend in ("bf16", "tf32")}
+        return r if graph is None else {**r, "tflops_graph": graph}
+
+    # eager: ours 0.9x cuDNN (a slow launch path), graph: 1.02x; flash has no graph reading
+    records = [rec("bf16", "bf16", 360.0, 440.0), rec("sdpa-cudnn", "bf16", 400.0, 431.0),
+               rec("sdpa-flash", "bf16", 290.0), rec("tf32", "fp32", 200.0, 210.0)]
+    got = {(t["mode"], t["vs"]): t for t in mod._targets(records) if "ours_tflops" in t}
+    cudnn = got[("bf16", "sdpa-cudnn")]
+    assert (cudnn["timing"], cudnn["ours_tflops"], cudnn["base_tflops"], cudnn["met"]) == ("graph", 440.0, 431.0,
+                                                                                           True)
+    flash = got[("bf16", "sdpa-flash")]
+    assert (flash["timing"], flash["ours_tflops"], flash["met"]) == ("eager", 360.0, True)  # 1.24x >= 1.2x
+    absolute = got[("tf32", "flex-tf32")]  # no flex record: the absolute bar, on our graph reading
+    assert (absolute["timing"], absolute["ours_tflops"], absolute["met"]) == ("graph", 210.0, True)
+    short = [{**r, "shape": "ViT", "N": 197} for r in records[:2]]
+    (vit,) = [t for t in mod._targets(short) if t["vs"] == "sdpa-cudnn"]
+    assert (vit["timing"], vit["ratio"], vit["met"]) == ("eager", 0.9, False)
+    env = {k: "x" for k in ("device", "command", "torch", "cuda", "triton", "timm", "python")}
+    paths = mod.write_report({"environment": env, "tf32_matmul": "off", "records": records,
+                              "targets": mod._targets(records)}, str(tmp_path))
+    rows = {(r["mode"], r["vs"]): r for r in _md_tables(open(paths["md"]).read())[-1]}
+    assert rows[("bf16", "sdpa-cudnn")]["TFLOP/s or memory"] == "440.0 vs 431.0 (graph)"
+    assert rows[("bf16", "sdpa-flash")]["TFLOP/s or memory"] == "360.0 vs 290.0 (eager)"
+    assert rows[("tf32", "absolute")]["TFLOP/s or memory"] == "210.0 (graph)"
+
 def test_every_committed_result_is_indexed():
     """docs/benchmarks/README.md indexes every committed result: each file there is named by the index or by a
     result page it links (in a table cell, ``(.json, .png)`` after links to ``.md`` pages names their siblings), and
