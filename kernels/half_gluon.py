@@ -18,7 +18,9 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
   barrier phases run on across tiles, so the producer loads the next tile's Q and K / V while the
   consumers finish the last one's ``P V`` and store it (docs/tuning.md: persistent grid, next tile's loads
   under the current tile's P V). At D = 64 Q is double-buffered, so the next tile's Q load starts with the
-  current tile; D = 128 has no shared memory left for it (docs/tuning.md: double-buffered Q at D=64);
+  current tile; D = 128 has no shared memory left for it (docs/tuning.md: double-buffered Q at D=64), and
+  frees each Q tile at its last ``Q K^T``, a step before the last ``P V`` (docs/tuning.md: Q freed at the last
+  Q K^T);
 * **cut last key tile**: the last of a row's key tiles multiplies only the keys it holds, rounded up
   to 16 in one or (D = 64) two power-of-two parts: 1025 keys cost 8 tiles and 16 keys, not 9 tiles;
   197 keys cost 128 + 64 + 16 (docs/tuning.md: cut last key tile (16-key steps, one or two power-of-two
@@ -292,14 +294,15 @@ if _IMPORT_ERROR is None:
     def _step(acc, p16, p_lo, m_i, l_i, t, g, turns, q_t, q_l, k_smem, v_smem, l_smem, ready, empty, my_turn,
               other_turn, Nk, qk_scale, offs_sn, s_zero, o_zero, WG: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, STAGES: gl.constexpr, TAIL: gl.constexpr, PINGPONG: gl.constexpr,
-              SPLIT_AT: gl.constexpr, PARTS: gl.constexpr):
+              SPLIT_AT: gl.constexpr, PARTS: gl.constexpr, q_free, FREE_Q: gl.constexpr):
         # S_{t+1} = Q K_{t+1}^T and O += P_t V_t in flight together; the softmax of S_{t+1} runs under P_t V_t.
         # g: KV tile t's count over the program's work tiles (ring slot and phase); turns: this group's turns
         # taken before this step. SPLIT_AT > 0: the second part of a last tile split in two (no ping-pong): its
         # keys [SPLIT_AT, SPLIT_AT + n) against P V of the first part, all in ring slot g.
         # PARTS = 2 (mode fp32): q_l, p_lo and the second buffer of each K / V slot hold the lo parts; every product is
         # three wgmmas (split_mma), P_t V_t formed in a fresh accumulator and added to acc in FP32 (summed in the
-        # wgmma accumulator tile after tile, its error would grow with the keys), P scaled by 2^P_SPLIT_EXP
+        # wgmma accumulator tile after tile, its error would grow with the keys), P scaled by 2^P_SPLIT_EXP.
+        # FREE_Q: this step's S is the work tile's last Q K^T; it releases the Q tile (q_free) once S is formed
         LO: gl.constexpr = PARTS - 1
         if SPLIT_AT > 0:
             ks = (g % STAGES) * PARTS
@@ -325,6 +328,8 @@ if _IMPORT_ERROR is None:
         if PINGPONG:
             mbarrier.arrive(other_turn)
         s = warpgroup_mma_wait(2 * PARTS - 1, deps=[s_tok])  # P_t V_t's wgmmas stay in flight
+        if FREE_Q:
+            mbarrier.arrive(q_free)  # every Q K^T of this work tile is done: the producer may load the next Q
         rows: gl.constexpr = gl.SliceLayout(1, s.type.layout)  # the tail tile's S has a narrower wgmma layout
         p, m_new, alpha = softmax_tile(s, gl.convert_layout(m_i, rows), t + 1, Nk, qk_scale, offs_sn, BLOCK_N, TAIL)
         m_i = gl.convert_layout(m_new, m_i.type.layout)
@@ -358,10 +363,11 @@ if _IMPORT_ERROR is None:
     @gluon.jit
     def _last_pv(acc, p16, p_lo, v_smem, o_zero, q_free, empty, last, my_turn, other_turn, turns, WG: gl.constexpr,
                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, PINGPONG: gl.constexpr, V_START: gl.constexpr,
-                 PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
+                 PARTS: gl.constexpr, TMA_OUT: gl.constexpr, Q_FREED: gl.constexpr):
         # O += P V of a work tile's last KV tile (ring slot ``last``; P [BLOCK_M, keys from V_START on]); PARTS as in
-        # _step; TMA_OUT: the epilogue stages O in this consumer's Q tile and frees it itself
-        if not TMA_OUT:
+        # _step; TMA_OUT: the epilogue stages O in this consumer's Q tile and frees it itself; Q_FREED: the step of
+        # the last Q K^T freed it
+        if not TMA_OUT and not Q_FREED:
             mbarrier.arrive(q_free)  # every Q K^T of this work tile is done: the producer may load the next Q
         if PINGPONG:
             mbarrier.wait(my_turn, (turns + (WG == 0)) & 1)
@@ -411,6 +417,10 @@ if _IMPORT_ERROR is None:
                                                                 instr_shape=[16, TAIL_N, 16])
         offs_sn_tail = gl.arange(0, TAIL_N, layout=gl.SliceLayout(0, s_tail_layout))
         s_zero_tail = gl.zeros([BLOCK_M, TAIL_N], gl.float32, layout=s_tail_layout)
+        # without TMA_OUT the step of the last Q K^T frees the Q tile, a step before the last P V: the producer's load
+        # of the next work tile's Q runs under that step's softmax and P V and the epilogue (docs/tuning.md: Q freed
+        # at the last Q K^T)
+        EARLY_Q: gl.constexpr = not TMA_OUT
         tiles_m = gl.cdiv(Nq, CONSUMERS * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
@@ -457,7 +467,7 @@ if _IMPORT_ERROR is None:
                     acc, p16, p_lo, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, t, g0 + t, turns + t + 1, q_t, q_l,
                                                      k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, Nk, qk,
                                                      offs_sn, s_zero, o_zero, WG, BLOCK_N, HEAD_D, STAGES, False,
-                                                     PINGPONG, 0, PARTS)
+                                                     PINGPONG, 0, PARTS, q_empty.index(qb), False)
             last = (g0 + n_tiles - 1) % STAGES
             if ONE_TILE:
                 if TAIL_N2 > 0:  # the one tile in two parts: keys [0, TAIL_N) done, then [TAIL_N, + TAIL_N2)
@@ -468,18 +478,20 @@ if _IMPORT_ERROR is None:
                     acc, p_one, p_onel, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, -1, g0, 0, q_t, q_l, k_smem, v_smem,
                                                          l_mine, ready, empty, my_turn, other_turn, Nk, qk, offs_sn1,
                                                          s_zero1, o_zero, WG, BLOCK_N, HEAD_D, STAGES, True, False,
-                                                         TAIL_N, PARTS)
+                                                         TAIL_N, PARTS, q_empty.index(qb), EARLY_Q)
                     acc = _last_pv(acc, p_one, p_onel, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
-                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS, TMA_OUT)
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS, TMA_OUT,
+                                   EARLY_Q)
                 else:
                     acc = _last_pv(acc, p16, p_lo, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn, other_turn,
-                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT)
+                                   turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT, False)
             elif n_tiles > 1:
                 t = n_tiles - 2
                 acc, p_tail, p_taill, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, t, g0 + t, turns + t + 1, q_t, q_l,
                                                        k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, Nk,
                                                        qk, offs_sn_tail, s_zero_tail, o_zero, WG, BLOCK_N, HEAD_D,
-                                                       STAGES, True, PINGPONG, 0, PARTS)
+                                                       STAGES, True, PINGPONG, 0, PARTS, q_empty.index(qb),
+                                                       EARLY_Q and TAIL_N2 == 0)
                 if TAIL_N2 > 0:  # the last tile in two parts: keys [0, TAIL_N) done, now [TAIL_N, TAIL_N + TAIL_N2)
                     s2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                         instr_shape=[16, TAIL_N2, 16])
@@ -488,15 +500,18 @@ if _IMPORT_ERROR is None:
                     acc, p_tail2, p_tail2l, m_i, l_i = _step(acc, p_tail, p_taill, m_i, l_i, t, g0 + t + 1, 0, q_t, q_l,
                                                              k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn,
                                                              Nk, qk, offs_sn2, s_zero2, o_zero, WG, BLOCK_N, HEAD_D,
-                                                             STAGES, True, False, TAIL_N, PARTS)
+                                                             STAGES, True, False, TAIL_N, PARTS, q_empty.index(qb),
+                                                             EARLY_Q)
                     acc = _last_pv(acc, p_tail2, p_tail2l, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
-                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS, TMA_OUT)
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, TAIL_N, PARTS, TMA_OUT,
+                                   EARLY_Q)
                 else:
                     acc = _last_pv(acc, p_tail, p_taill, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
-                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT)
+                                   other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT,
+                                   EARLY_Q)
             else:
                 acc = _last_pv(acc, p16, p_lo, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn, other_turn,
-                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT)
+                               turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, PARTS, TMA_OUT, False)
             # the epilogue overlaps the producer's loads for the next work tile
             l_row = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, o_layout))
             if PARTS == 2:

@@ -226,15 +226,15 @@ if _IMPORT_ERROR is None:
                 acc, p16, p_lo, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, t, g0 + t, turns + t + 1, q_t, q_t,
                                                  k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, n_k,
                                                  qk_scale, offs_sn, s_zero, o_zero, WG, BLOCK_N, HEAD_D, STAGES,
-                                                 False, PINGPONG, 0, 1)
+                                                 False, PINGPONG, 0, 1, q_empty.index(qb), False)
             if n_tiles > 1:  # the last key tile, shifted: _step masks with tile index t + 1 = 0 and limit rem
                 t = n_tiles - 2
                 acc, p16, p_lo, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, -1, g0 + t, turns + t + 1, q_t, q_t,
                                                  k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, rem,
                                                  qk_scale, offs_new, s_zero, o_zero, WG, BLOCK_N, HEAD_D, STAGES,
-                                                 True, PINGPONG, 0, 1)
+                                                 True, PINGPONG, 0, 1, q_empty.index(qb), False)
             acc = _last_pv(acc, p16, p_lo, v_smem, o_zero, q_empty.index(qb), empty, (g0 + n_tiles - 1) % STAGES,
-                           my_turn, other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, 1, False)
+                           my_turn, other_turn, turns + n_tiles, WG, BLOCK_N, HEAD_D, PINGPONG, 0, 1, False, False)
             # the epilogue overlaps the producer's loads for the next work tile
             l_row = gl.convert_layout(gl.sum(l_i, axis=1), gl.SliceLayout(1, o_layout))
             out = acc / l_row[:, None]
