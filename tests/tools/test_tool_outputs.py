@@ -248,7 +248,6 @@ def test_bench_attention_backward_targets_use_graph_replay_and_the_bars():
             ("sdpa-efficient-repeat-kv", 2.5, False), ("sdpa-flash", 1.0, True), ("sdpa-cudnn", 1.0, True)]
 
 
-
 def test_bench_attention_forward_targets_use_graph_replay_where_both_sides_have_it(tmp_path):
     """Forward targets from 4096 tokens: the ratio by graph replay where ours and the baseline were both captured (a
     slow host moves the eager columns of every backend), eager otherwise and below 4096 tokens (the launch path is a
@@ -281,6 +280,7 @@ def test_bench_attention_forward_targets_use_graph_replay_where_both_sides_have_
     assert rows[("bf16", "sdpa-cudnn")]["TFLOP/s or memory"] == "440.0 vs 431.0 (graph)"
     assert rows[("bf16", "sdpa-flash")]["TFLOP/s or memory"] == "360.0 vs 290.0 (eager)"
     assert rows[("tf32", "absolute")]["TFLOP/s or memory"] == "210.0 (graph)"
+
 
 def test_every_committed_result_is_indexed():
     """docs/benchmarks/README.md indexes every committed result: each file there is named by the index or by a
