@@ -39,8 +39,8 @@ __all__ = ["fp32_attention", "planned_launch", "unsupported_reason", "preferred"
            "chunks", "HEAD_DIMS", "TILES", "MIN_KEYS", "CHUNK_BYTES", "CHUNK_MIN_WAVES"]
 
 HEAD_DIMS = (64, 128)
-# key tile and K / V ring slots by head dim (get_config)
-TILES = {64: (64, 4), 128: (32, 4)}
+# key tile, K / V ring slots and Q buffers by head dim (get_config)
+TILES = {64: (64, 4, 2), 128: (32, 4, 1)}
 # the dense launcher takes this kernel from this many keys: below, the operand pass costs more than the kernel
 # gains (docs/tuning.md: fp32 forward on the Gluon kernel)
 MIN_KEYS = 256
@@ -67,9 +67,10 @@ def get_config(n_k: int, head_dim: int = 64) -> dict:
     """
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim {head_dim}; the split-FP16 Gluon forward takes {HEAD_DIMS}")
-    block_n, stages = TILES[head_dim]
+    block_n, stages, q_buffers = TILES[head_dim]
     cfg = half_gluon.get_config(n_k, head_dim, one_consumer_below=0)
-    return dict(cfg, BLOCK_N=block_n, STAGES=stages, parts=2, **half_gluon.last_key_tile(n_k, block_n, head_dim))
+    return dict(cfg, BLOCK_N=block_n, STAGES=stages, q_buffers=q_buffers, parts=2,
+                **half_gluon.last_key_tile(n_k, block_n, head_dim))
 
 
 def config_for(q: torch.Tensor, k: torch.Tensor) -> dict:

@@ -20,12 +20,14 @@ from visionattn.kernels.introspect import compile_for_arch
 out = {}
 for d in half_gluon.HEAD_DIMS:
     for (dt, tname), n_k, n_q in (((torch.float16, "fp16"), 4096, None), ((torch.bfloat16, "bf16"), 1066, None),
-                                  ((torch.float16, "four"), 197, 197), ((torch.bfloat16, "three"), 4097, 4097)):
-        if d > 64 and n_q:
+                                  ((torch.float16, "four"), 197, 197), ((torch.bfloat16, "three"), 4097, 4097),
+                                  ((torch.float16, "short"), 300, None)):
+        if (d > 64 and n_q) or (d == 64 and tname == "short"):
             continue
-        # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys); ViT-B/16 at 1024 px on 132 SMs: three consumers
+        # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys); ViT-B/16 at 1024 px on 132 SMs: three consumers;
+        # 300 keys at D = 128: three key tiles, two stages and two Q buffers
         cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=96 if n_q == 4097 else None, sms=132)
-        # O from registers, and (head dim 64) by TMA stores, as the plan's own output takes it
+        # O from registers, and (two Q buffers) by TMA stores, as the plan's own output takes it
         for tma in ((False, True) if half_gluon.tma_output(cfg, dt, dt, (4096 * d, d, 8 * d)) else (False,)):
             r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
                                  O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32"),
@@ -56,17 +58,18 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
     none with Triton 3.6 (the GPU runs'), while the ptxas of Triton 3.8 keeps 4 words in the stack frame at D = 128
     and 16 in the four-consumer build (112-120 registers per consumer thread), 22 in the three-consumer one (160
     registers per consumer thread; none with Triton 3.6; lengths are not specialised on, as
-    at run time, where 197 keys are not a multiple of 16 either). The head dim 64 builds that write O by TMA stores
-    (:func:`.half_gluon.tma_output`) issue one per consumer and take no more shared memory or CTAs per SM than those
+    at run time, where 197 keys are not a multiple of 16 either). The builds that write O by TMA stores (two Q buffers:
+    head dim 64, and head dim 128 at 300 keys; :func:`.half_gluon.tma_output`) issue one per consumer and take no more
+    shared memory or CTAs per SM than those
     storing from registers, and at most 8 words more of stack frame (Triton 3.8 in the three- and four-consumer
     builds; none with Triton 3.6)."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
-    plain = {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16"}
-    assert set(r) == plain | {f"{key}_tma" for key in plain if key.startswith("64")}
+    plain = {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16", "128_short"}
+    assert set(r) == plain | {f"{key}_tma" for key in plain if key.startswith("64") or key == "128_short"}
     for key, v in r.items():
-        # O by TMA stores (head dim 64: one per consumer, staged in its Q tile, no more shared memory or
+        # O by TMA stores (two Q buffers: one per consumer, staged in its Q tile, no more shared memory or
         # registers), else from registers
         if key.endswith("_tma"):
             plain_build = r[key[:-4]]
@@ -158,6 +161,23 @@ def test_consumer_warpgroups_per_cta_by_length_within_the_register_file():
         assert cfg["maxnreg"] * threads * cfg["ctas_per_sm"] <= 65536
         workers = 128 * (24 + (cfg["consumers"] - 1) * cfg["consumer_regs"])
         assert (cfg["maxnreg"] * threads - workers) // 128 >= min(cfg["consumer_regs"], 232), (d, n_k, n_q)
+
+
+def test_head_dim_128_calls_of_up_to_three_key_tiles_double_buffer_q_over_two_stages():
+    """D = 128 at up to D128_SHORT_TILES key tiles: two K / V stages and two Q buffers, so that O can leave by TMA
+    stores through the Q tiles (the plan's own output in the inputs' dtype); from one tile more three stages and one
+    Q buffer. Either way the Q tiles and the ring fit the SM's shared memory (2 x 64 x 128 x 2 bytes a Q tile or K /
+    V tile half); D = 64 keeps its two Q buffers at every length."""
+    from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
+
+    bound = half_gluon.D128_SHORT_TILES * 128
+    for n_k, short in ((1, True), (130, True), (300, True), (bound, True), (bound + 1, False), (4096, False)):
+        cfg = half_gluon.get_config(n_k, 128)
+        assert (cfg["STAGES"], cfg["q_buffers"]) == ((2, 2) if short else (3, 1)), n_k
+        assert half_gluon.tma_output(cfg, torch.bfloat16, torch.bfloat16, (8 * n_k * 128, 128, 8 * 128)) is short
+        tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * 128 + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * 128)
+        assert tiles <= HOPPER_SHARED_LIMIT, (n_k, tiles)
+    assert all(half_gluon.get_config(n_k, 64)["q_buffers"] == 2 for n_k in (100, 300, 1066, 4096))
 
 
 def test_three_consumers_only_where_their_waves_of_work_tiles_finish_first():
