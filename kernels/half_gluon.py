@@ -192,9 +192,8 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
       through them).
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
       flight (2 at D = 64; at D = 128 only with two stages: beside three, two would need 256 KiB of shared memory).
-      ``tail_keys``: the keys the
-      last key tile multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64) two power-of-two
-      parts; one kernel build per distinct pair. ``one_tile``: every key in one tile, cut the same way
+      ``tail_keys``: the keys the last key tile multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64)
+      two power-of-two parts; one kernel build per distinct pair. ``one_tile``: every key in one tile, cut the same way
       (docs/tuning.md: cut last key tile (16-key steps, one or two power-of-two parts)).
     """
     if one_consumer_below is None:

@@ -403,6 +403,14 @@ def _grouped(records, shape) -> bool:
     return first.get("Hkv", first["H"]) != first["H"]
 
 
+def _reading(ours: dict, other: dict | None = None, graph: bool = True) -> tuple[str, str]:
+    """``(record key, timing name)`` a target compares: ``tflops_graph`` / "graph" where ``graph`` allows it and
+    ``ours`` and ``other`` (when given) were both captured, else ``tflops`` / "eager"."""
+    if graph and "tflops_graph" in ours and (other is None or "tflops_graph" in other):
+        return "tflops_graph", "graph"
+    return "tflops", "eager"
+
+
 def _targets(records) -> list[dict]:
     """Speed targets per shape: (ours, baseline, required ratio or absolute TFLOP/s); grouped-query shapes
     :data:`GQA_RULES`'s bars. From 4096 tokens by CUDA-graph replay where both sides have it (the kernels' speed,
@@ -425,10 +433,8 @@ def _targets(records) -> list[dict]:
                 continue
             vit = ours["N"] < 4096
             need = 1.0 if (vit and base == "sdpa-cudnn") else ratio
-            both_graph = "tflops_graph" in ours and (other is None or "tflops_graph" in other)
-            key = "tflops_graph" if both_graph and not vit else "tflops"
-            row = {"shape": shape, "mode": mode, "vs": base, "ours_tflops": ours[key],
-                   "timing": "graph" if key == "tflops_graph" else "eager"}
+            key, timing = _reading(ours, other, graph=not vit)
+            row = {"shape": shape, "mode": mode, "vs": base, "ours_tflops": ours[key], "timing": timing}
             if other is not None:
                 row.update(base_tflops=other[key], ratio=ours[key] / other[key], need_ratio=need,
                            met=ours[key] / other[key] >= need)
@@ -481,16 +487,15 @@ def _targets_backward(records) -> list[dict]:
             need = need_long if long else need_vit if vit or grouped else None
             other = _get(records, shape, dtype, base) if base else None
             if need is not None and other is not None:
-                key = "tflops_graph" if "tflops_graph" in ours and "tflops_graph" in other else "tflops"
+                key, timing = _reading(ours, other)
                 ratio = ours[key] / other[key]
                 out.append({"shape": shape, "mode": mode, "vs": base, "ours_tflops": ours[key],
-                            "base_tflops": other[key], "timing": "graph" if key == "tflops_graph" else "eager",
-                            "ratio": ratio, "need_ratio": need, "met": ratio >= need})
+                            "base_tflops": other[key], "timing": timing, "ratio": ratio, "need_ratio": need,
+                            "met": ratio >= need})
             elif absolute is not None and long:
-                key = "tflops_graph" if "tflops_graph" in ours else "tflops"
+                key, timing = _reading(ours)
                 out.append({"shape": shape, "mode": mode, "vs": "absolute", "ours_tflops": ours[key],
-                            "timing": "graph" if key == "tflops_graph" else "eager", "need_tflops": absolute,
-                            "met": ours[key] >= absolute})
+                            "timing": timing, "need_tflops": absolute, "met": ours[key] >= absolute})
         out += _memory_targets(records, shape, (("fp32", "fp32"), ("fp32-ieee", "fp32"), ("tf32", "fp32"),
                                                 ("fp16", "fp16"), ("bf16", "bf16")), 1.0)
     return out

@@ -119,7 +119,7 @@ def _half_gluon_jobs(quick: bool):
                                (64, 4097, 4097, 96), (128, 4096, None, None), (128, 300, None, None)):
         for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
             cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=heads, sms=132)
-            # as a launch builds it: O by TMA stores where the plan's own output allows (head dim 64)
+            # as a launch builds it: O by TMA stores where the plan's own output allows (two Q buffers)
             tma_out = half_gluon.tma_output(cfg, dtype, dtype, heads_inner_layout(1, heads or 8, n_q or n_k, d)[1][:3])
             tname = str(dtype).split(".")[-1]
             shape = (" ping-pong" if cfg["PINGPONG"] else " one consumer" if cfg["consumers"] == 1
