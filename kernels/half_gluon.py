@@ -18,8 +18,8 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
   barrier phases run on across tiles, so the producer loads the next tile's Q and K / V while the
   consumers finish the last one's ``P V`` and store it (docs/tuning.md: persistent grid, next tile's loads
   under the current tile's P V). At D = 64 Q is double-buffered, so the next tile's Q load starts with the
-  current tile; D = 128 has no shared memory left for it beside three K / V stages (docs/tuning.md:
-  double-buffered Q at D=64; up to 3 key tiles it runs two stages and two Q buffers, see below), and frees each
+  current tile; D = 128 has no shared memory left for it beside three 128-key K / V stages (docs/tuning.md:
+  double-buffered Q at D=64; up to 1024 keys it runs 64-key tiles and two Q buffers, see below), and frees each
   Q tile at its last ``Q K^T``, a step before the last ``P V`` (docs/tuning.md: Q freed at the last Q K^T);
 * **cut last key tile**: the last of a row's key tiles multiplies only the keys it holds, rounded up
   to 16 in one or (D = 64) two power-of-two parts: 1025 keys cost 8 tiles and 16 keys, not 9 tiles;
@@ -45,9 +45,9 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
   loads into the other buffer meanwhile), writes it with one TMA store (rows past N clipped) and frees the Q buffer
   once the store has read it. Stores from the wgmma accumulator layout (4 bytes a thread and row) took 1-1.6 us a
   work tile at 197-1025 rows, a fifth of a ViT-B/16 224 work tile (docs/tuning.md: O by a TMA store). D = 128 has
-  two Q buffers only at up to :data:`D128_SHORT_TILES` key tiles, over two K / V stages instead of three
-  (docs/tuning.md: head dim 128 at up to 3 key tiles: two stages, two Q buffers); longer calls store O from
-  registers.
+  two Q buffers only at up to :data:`D128_SHORT_KEYS` keys, beside a four-slot ring of 64-key tiles instead of three
+  slots of 128 keys (docs/tuning.md: head dim 128 up to 1024 keys: 64-key tiles in four stages, two Q buffers);
+  longer calls store O from registers.
 
 Mode ``fp32`` runs a build of this kernel with ``PARTS = 2`` (:mod:`.fp32_gluon`): its q / k / v are FP16 copies
 scaled per head and split into hi and lo parts, each tile loaded as two buffers, every product three wgmmas, each
@@ -148,12 +148,13 @@ FOUR_CONSUMER_MAX_KEYS = 256
 # consumers per CTA at D=64 where the work tiles' waves allow).
 THREE_CONSUMER_ROW_SPEED = 1.07
 
-# D = 128 calls of at most this many key tiles take two K / V stages instead of three and give the freed shared memory
-# to a second Q buffer, so that O leaves by TMA stores through the consumer's Q tile (:func:`tma_output`) and the next
-# work tile's Q loads under the current one: with so few key tiles a third stage has little to hide, while the Q load
-# and the O store (1-1.4 us each) sit on every work tile's path; from 4 key tiles the third stage wins (docs/tuning.md:
-# head dim 128 at up to 3 key tiles: two stages, two Q buffers)
-D128_SHORT_TILES = 3
+# D = 128 calls of at most this many keys run two Q buffers, so that O leaves by TMA stores through the consumer's Q
+# tile (:func:`tma_output`) and the next work tile's Q loads under the current one: a short work tile spends a large
+# share of its time on the Q load and the O store (1-1.4 us each). Beside them, 64-key tiles fit a four-deep K / V
+# ring in the shared memory of three 128-key stages and one Q buffer: 1.11-1.16x at 200-577 keys, even at 1024; from
+# 1536 keys the 128-key tiles' longer products win, and a call of one key tile keeps it whole in two stages
+# (docs/tuning.md: head dim 128 up to 1024 keys: 64-key tiles in four stages, two Q buffers)
+D128_SHORT_KEYS = 1024
 
 
 def three_consumers_faster(n_q: int, heads: int, sms: int) -> bool:
@@ -188,10 +189,11 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
       warpgroups (192 rows) per CTA where :func:`three_consumers_faster` says so; 128 registers per thread at launch
       (16 warps), 160 per consumer thread and 24 per producer thread after ``setmaxnreg``.
     * ``parts``: 1 (:func:`.fp32_gluon.get_config` sets 2: mode fp32's split operands).
-    * D = 128 at up to :data:`D128_SHORT_TILES` key tiles: two K / V stages and two Q buffers (O by TMA stores
-      through them).
+    * D = 128 at up to :data:`D128_SHORT_KEYS` keys: two Q buffers (O by TMA stores through them) beside 64-key
+      tiles in four K / V stages; a call of one key tile (up to 128 keys) keeps its 128-key tile, in two stages.
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
-      flight (2 at D = 64; at D = 128 only with two stages: beside three, two would need 256 KiB of shared memory).
+      flight (2 at D = 64; at D = 128 only with 64-key tiles: beside three 128-key stages, two would need
+      256 KiB of shared memory).
       ``tail_keys``: the keys the last key tile multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64)
       two power-of-two parts; one kernel build per distinct pair. ``one_tile``: every key in one tile, cut the same way
       (docs/tuning.md: cut last key tile (16-key steps, one or two power-of-two parts)).
@@ -211,9 +213,11 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     else:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 168, "consumer_regs": 240, "consumers": 2,
                "ctas_per_sm": 1}
-    short_d128 = head_dim > 64 and n_k <= D128_SHORT_TILES * cfg["BLOCK_N"]
-    if short_d128:
-        cfg["STAGES"] = 2
+    short_d128 = head_dim > 64 and n_k <= D128_SHORT_KEYS
+    if short_d128 and n_k <= 128:  # one key tile: whole, in two stages (two 64-key tiles run 4-9 % slower)
+        cfg.update(STAGES=2)
+    elif short_d128:
+        cfg.update(BLOCK_N=64, STAGES=4)
     return dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 or short_d128 else 1,
                 parts=1, **last_key_tile(n_k, cfg["BLOCK_N"], head_dim))
 

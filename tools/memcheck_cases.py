@@ -76,7 +76,7 @@ def cases(families, modes):
         dt = va.MODES[mode].compute_dtype
         grad = has_backward(mode)
         if "dense" in families:
-            for n, d, extra in ((197, 64, {}), (261, 64, {}), (300, 64, {}), (130, 128, {}),
+            for n, d, extra in ((197, 64, {}), (261, 64, {}), (300, 64, {}), (130, 128, {}), (700, 128, {}),
                                 (97, 32, {"is_causal": True}), (150, 80, {}), (70, 64, {"bias": True})):
                 def dense(q, k, v, *b, extra=extra, mode=mode):
                     kw = {"is_causal": extra.get("is_causal", False)}

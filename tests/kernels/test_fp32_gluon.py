@@ -190,7 +190,7 @@ def test_config_and_preference():
     for n_k, one_tile, tail in ((20, True, (32, 0)), (100, False, (16, 0)), (1066, False, (16, 0)),
                                 (4096, False, (32, 0)), (65536, False, (32, 0))):
         cfg = fp32_gluon.get_config(n_k, 128)
-        # one Q buffer at every length, also where the fp16 / bf16 config takes two (up to 3 key tiles of 128): two
+        # one Q buffer at every length, also where the fp16 / bf16 config takes two (up to 1024 keys): two
         # hi / lo Q buffers do not fit beside the ring
         assert cfg["parts"] == 2 and (cfg["BLOCK_N"], cfg["STAGES"], cfg["q_buffers"]) == fp32_gluon.TILES[128]
         assert fp32_gluon.TILES[128] == (32, 4, 1) and cfg["BLOCK_M"] == 128 and cfg["consumers"] == 2

@@ -21,11 +21,12 @@ out = {}
 for d in half_gluon.HEAD_DIMS:
     for (dt, tname), n_k, n_q in (((torch.float16, "fp16"), 4096, None), ((torch.bfloat16, "bf16"), 1066, None),
                                   ((torch.float16, "four"), 197, 197), ((torch.bfloat16, "three"), 4097, 4097),
-                                  ((torch.float16, "short"), 300, None)):
-        if (d > 64 and n_q) or (d == 64 and tname == "short"):
+                                  ((torch.float16, "short"), 300, None), ((torch.bfloat16, "one"), 100, None)):
+        if (d > 64 and n_q) or (d == 64 and tname in ("short", "one")):
             continue
         # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys); ViT-B/16 at 1024 px on 132 SMs: three consumers;
-        # 300 keys at D = 128: three key tiles, two stages and two Q buffers
+        # 300 keys at D = 128: 64-key tiles, four stages and two Q buffers; 100 keys: one 128-key tile, two stages
+        # and two Q buffers
         cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=96 if n_q == 4097 else None, sms=132)
         # O from registers, and (two Q buffers) by TMA stores, as the plan's own output takes it
         for tma in ((False, True) if half_gluon.tma_output(cfg, dt, dt, (4096 * d, d, 8 * d)) else (False,)):
@@ -59,15 +60,14 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
     and 16 in the four-consumer build (112-120 registers per consumer thread), 22 in the three-consumer one (160
     registers per consumer thread; none with Triton 3.6; lengths are not specialised on, as
     at run time, where 197 keys are not a multiple of 16 either). The builds that write O by TMA stores (two Q buffers:
-    head dim 64, and head dim 128 at 300 keys; :func:`.half_gluon.tma_output`) issue one per consumer and take no more
-    shared memory or CTAs per SM than those
-    storing from registers, and at most 8 words more of stack frame (Triton 3.8 in the three- and four-consumer
+    head dim 64, and head dim 128 at 100 and 300 keys; :func:`.half_gluon.tma_output`) issue one per consumer and take
+    no more shared memory or CTAs per SM than those storing from registers, and at most 8 words more of stack frame (Triton 3.8 in the three- and four-consumer
     builds; none with Triton 3.6)."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
-    plain = {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16", "128_short"}
-    assert set(r) == plain | {f"{key}_tma" for key in plain if key.startswith("64") or key == "128_short"}
+    plain = {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16", "128_short", "128_one"}
+    assert set(r) == plain | {f"{key}_tma" for key in plain if key.startswith("64") or key in ("128_short", "128_one")}
     for key, v in r.items():
         # O by TMA stores (two Q buffers: one per consumer, staged in its Q tile, no more shared memory or
         # registers), else from registers
@@ -163,17 +163,22 @@ def test_consumer_warpgroups_per_cta_by_length_within_the_register_file():
         assert (cfg["maxnreg"] * threads - workers) // 128 >= min(cfg["consumer_regs"], 232), (d, n_k, n_q)
 
 
-def test_head_dim_128_calls_of_up_to_three_key_tiles_double_buffer_q_over_two_stages():
-    """D = 128 at up to D128_SHORT_TILES key tiles: two K / V stages and two Q buffers, so that O can leave by TMA
-    stores through the Q tiles (the plan's own output in the inputs' dtype); from one tile more three stages and one
-    Q buffer. Either way the Q tiles and the ring fit the SM's shared memory (2 x 64 x 128 x 2 bytes a Q tile or K /
-    V tile half); D = 64 keeps its two Q buffers at every length."""
+def test_head_dim_128_calls_of_up_to_1024_keys_double_buffer_q():
+    """D = 128 at up to D128_SHORT_KEYS keys: two Q buffers, so that O can leave by TMA stores through the Q tiles
+    (the plan's own output in the inputs' dtype), beside 64-key tiles in four K / V stages, or, for a call of one
+    key tile (up to 128 keys), that 128-key tile in two stages; from one key more 128-key tiles in three stages and
+    one Q buffer. Either way the Q tiles and the ring fit the SM's shared memory (64 x 128 x 2 bytes a consumer's Q
+    tile, BLOCK_N x 128 x 2 a K or V tile); D = 64 keeps its two Q buffers at every length."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
-    bound = half_gluon.D128_SHORT_TILES * 128
-    for n_k, short in ((1, True), (130, True), (300, True), (bound, True), (bound + 1, False), (4096, False)):
+    bound = half_gluon.D128_SHORT_KEYS
+    for n_k, tiles in ((1, (128, 2, 2)), (97, (128, 2, 2)), (128, (128, 2, 2)), (129, (64, 4, 2)), (300, (64, 4, 2)),
+                       (577, (64, 4, 2)), (bound, (64, 4, 2)), (bound + 1, (128, 3, 1)), (1536, (128, 3, 1)),
+                       (4096, (128, 3, 1))):
         cfg = half_gluon.get_config(n_k, 128)
-        assert (cfg["STAGES"], cfg["q_buffers"]) == ((2, 2) if short else (3, 1)), n_k
+        assert (cfg["BLOCK_N"], cfg["STAGES"], cfg["q_buffers"]) == tiles, n_k
+        assert cfg["one_tile"] is (n_k <= 128) and sum(cfg["tail_keys"]) <= cfg["BLOCK_N"], n_k
+        short = n_k <= bound
         assert half_gluon.tma_output(cfg, torch.bfloat16, torch.bfloat16, (8 * n_k * 128, 128, 8 * 128)) is short
         tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * 128 + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * 128)
         assert tiles <= HOPPER_SHARED_LIMIT, (n_k, tiles)
@@ -342,13 +347,16 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-on
                                          (8, 12, 197, 197, 64), (2, 3, 300, 1066, 64), (16, 12, 197, 197, 64),
                                          (2, 80, 210, 256, 64), (2, 70, 193, 100, 64), (1, 140, 224, 17, 64),
                                          (64, 12, 50, 50, 64), (8, 12, 80, 80, 64), (2, 6, 300, 25, 128),
-                                         (2, 70, 1100, 2100, 64), (2, 70, 1700, 1570, 64), (1, 16, 16384, 16384, 64)])
+                                         (2, 70, 1100, 2100, 64), (2, 70, 1700, 1570, 64), (1, 16, 16384, 16384, 64),
+                                         (4, 40, 384, 384, 128), (4, 40, 385, 385, 128), (2, 70, 129, 129, 128),
+                                         (2, 70, 1000, 1000, 128), (1, 80, 1025, 1025, 128)])
 def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, dtype):
     """Same error vs the float64 oracle as the Triton kernel, odd row / key counts (TMA zero-fills the
     tails, the last key tile is masked and cut to 16 / 32 / 64 / 128 keys or split in two parts: 64 + 16, 32 + 16),
     one or two key tiles, one, two, three or four consumer warpgroups per CTA (four: 193-224 rows, 64-key tiles, where
     the heads fill the SMs; 8 x 12 heads at 197 rows take one consumer; three: 140 heads of 1100 or 1700 rows (a
-    last key tile in two parts) and 16 heads of 16384 on 132 SMs), programs that take several work tiles (the
+    last key tile in two parts) and 16 heads of 16384 on 132 SMs), head dim 128 up to 1024 keys (64-key tiles,
+    four stages, two Q buffers: 129-1000 keys) and just past them (1025), programs that take several work tiles (the
     persistent grid: barrier phases carried from tile to tile), and ``elsa_attention`` returns exactly this
     kernel's output where it dispatches to it, as does a call that wants the log-sum-exp, whose LSE is as accurate
     as the Triton kernel's."""
@@ -441,16 +449,18 @@ def test_later_calls_encode_the_tensor_maps_themselves_with_the_same_results(wri
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("B, H, N, dtype", [(64, 12, 197, torch.float16), (3, 12, 1025, torch.bfloat16),
-                                            (2, 8, 4097, torch.float16), (2, 4, 100, torch.bfloat16)])
-def test_o_by_tma_stores_equals_o_stored_from_registers(B, H, N, dtype):
+@pytest.mark.parametrize("B, H, N, D, dtype", [(64, 12, 197, 64, torch.float16), (3, 12, 1025, 64, torch.bfloat16),
+                                               (2, 8, 4097, 64, torch.float16), (2, 4, 100, 64, torch.bfloat16),
+                                               (16, 12, 300, 128, torch.bfloat16), (3, 8, 384, 128, torch.float16),
+                                               (2, 4, 97, 128, torch.float16)])
+def test_o_by_tma_stores_equals_o_stored_from_registers(B, H, N, D, dtype):
     """The TMA_OUT build (O staged in the consumer's Q tile, one TMA store per consumer, rows past N clipped by the
     descriptor) writes the same bits as the build storing from registers, on every consumer count the shapes take
-    (four at 197 rows, one at 1025, three at 4097 on an H100 / H200, the short call's one), batches side by side in
-    the heads-inner buffer (a row past N would land on the next batch item's rows), first and direct launches."""
+    (four at 197 rows, one at 1025, three at 4097 on an H100 / H200, the short call's one; head dim 128 up to 1024
+    keys, two consumers), batches side by side in the heads-inner buffer (a row past N would land on the
+    next batch item's rows), first and direct launches."""
     from visionattn.kernels._launch import heads_inner_layout, heads_inner_output
 
-    D = 64
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = torch.randn(B, N, 3, H, D, device="cuda", generator=g).to(dtype).permute(2, 0, 3, 1, 4).unbind(0)
     cfg = half_gluon.config_for(q, k)
