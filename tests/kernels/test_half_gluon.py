@@ -61,8 +61,8 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
     registers per consumer thread; none with Triton 3.6; lengths are not specialised on, as
     at run time, where 197 keys are not a multiple of 16 either). The builds that write O by TMA stores (two Q buffers:
     head dim 64, and head dim 128 at 100 and 300 keys; :func:`.half_gluon.tma_output`) issue one per consumer and take
-    no more shared memory or CTAs per SM than those storing from registers, and at most 8 words more of stack frame (Triton 3.8 in the three- and four-consumer
-    builds; none with Triton 3.6)."""
+    no more shared memory or CTAs per SM than those storing from registers, and at most 8 words more of stack frame
+    (Triton 3.8 in the three- and four-consumer builds; none with Triton 3.6)."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
@@ -172,11 +172,12 @@ def test_head_dim_128_calls_of_up_to_1024_keys_double_buffer_q():
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     bound = half_gluon.D128_SHORT_KEYS
-    for n_k, tiles in ((1, (128, 2, 2)), (97, (128, 2, 2)), (128, (128, 2, 2)), (129, (64, 4, 2)), (300, (64, 4, 2)),
-                       (577, (64, 4, 2)), (bound, (64, 4, 2)), (bound + 1, (128, 3, 1)), (1536, (128, 3, 1)),
-                       (4096, (128, 3, 1))):
+    # keys -> (key tile, K / V stages, Q buffers)
+    for n_k, expected in ((1, (128, 2, 2)), (97, (128, 2, 2)), (128, (128, 2, 2)), (129, (64, 4, 2)),
+                          (300, (64, 4, 2)), (577, (64, 4, 2)), (bound, (64, 4, 2)), (bound + 1, (128, 3, 1)),
+                          (1536, (128, 3, 1)), (4096, (128, 3, 1))):
         cfg = half_gluon.get_config(n_k, 128)
-        assert (cfg["BLOCK_N"], cfg["STAGES"], cfg["q_buffers"]) == tiles, n_k
+        assert (cfg["BLOCK_N"], cfg["STAGES"], cfg["q_buffers"]) == expected, n_k
         assert cfg["one_tile"] is (n_k <= 128) and sum(cfg["tail_keys"]) <= cfg["BLOCK_N"], n_k
         short = n_k <= bound
         assert half_gluon.tma_output(cfg, torch.bfloat16, torch.bfloat16, (8 * n_k * 128, 128, 8 * 128)) is short
