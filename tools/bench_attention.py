@@ -555,6 +555,11 @@ def write_report(result: dict, out_dir: str, outputs: OutputFiles | None = None)
     return {ext: f"{stem}.{ext}" for ext in ("md", "json", "png")}
 
 
+def _kernel_us(record: dict) -> float:
+    """A record's GPU time per call summed over its kernels (``--kernel-times``), us."""
+    return sum(kt["us"] for kt in record["kernels"])
+
+
 def _kernel_table(records) -> list[str]:
     """The markdown lines of one shape's per-kernel GPU times (``--kernel-times``): each backend's kernels, largest
     first, and their sum; nothing where no record has them."""
@@ -564,7 +569,7 @@ def _kernel_table(records) -> list[str]:
             continue
         name = f"visionattn {r['backend']}" if r["ours"] else r["backend"]
         rows += [[r["dtype"], name, kt["name"][:90], f"{kt['us']:.2f}", f"{kt['calls']:g}"] for kt in r["kernels"]]
-        rows.append([r["dtype"], name, "**all kernels**", f"{sum(kt['us'] for kt in r['kernels']):.2f}", ""])
+        rows.append([r["dtype"], name, "**all kernels**", f"{_kernel_us(r):.2f}", ""])
     if not rows:
         return []
     return ["", "GPU time per call, kernel by kernel (torch.profiler over 10 CUDA-graph replays after 2 eager calls; "
@@ -628,7 +633,7 @@ def _plot_kernels(result, path, outputs):
             for group in GROUPS:
                 gr = [r for r in recs if r["shape"] == shape and r["dtype"] == group]
                 base = [r for r in gr if not r["ours"]]
-                fastest = min(base, key=lambda r: sum(k["us"] for k in r["kernels"])) if base else None
+                fastest = min(base, key=_kernel_us) if base else None
                 bars_here += [(f"{group} {'visionattn ' + r['backend'] if r['ours'] else r['backend']}", r)
                               for r in [*(r for r in gr if r["ours"]), *([fastest] if fastest else [])]]
             for y, (label, r) in enumerate(bars_here):
