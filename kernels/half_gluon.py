@@ -153,8 +153,8 @@ THREE_CONSUMER_ROW_SPEED = 1.07
 # share of its time on the Q load and the O store (1-1.4 us each). Beside them, 64-key tiles fit a four-deep K / V
 # ring in the shared memory of three 128-key stages and one Q buffer: 1.03-1.15x at 129-577 keys (1.11-1.15x at 200,
 # 257, 384, 577), even at 1024; from 1536 keys the 128-key tiles' longer products win, and a call of one key tile
-# keeps it whole in two stages
-# (docs/tuning.md: head dim 128 up to 1024 keys: 64-key tiles in four stages, two Q buffers)
+# keeps it whole in two stages (docs/tuning.md: head dim 128 up to 1024 keys: 64-key tiles in four stages, two Q
+# buffers)
 D128_SHORT_KEYS = 1024
 
 
