@@ -215,7 +215,7 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 168, "consumer_regs": 240, "consumers": 2,
                "ctas_per_sm": 1}
     short_d128 = head_dim > 64 and n_k <= D128_SHORT_KEYS
-    if short_d128 and n_k <= 128:  # one key tile: whole, in two stages (two 64-key tiles run 4-9 % slower)
+    if short_d128 and n_k <= cfg["BLOCK_N"]:  # one key tile: whole, in two stages (two 64-key tiles run 4-9 % slower)
         cfg.update(STAGES=2)
     elif short_d128:
         cfg.update(BLOCK_N=64, STAGES=4)
