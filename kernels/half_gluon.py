@@ -48,6 +48,12 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
   two Q buffers only at up to :data:`D128_SHORT_KEYS` keys, beside a four-slot ring of 64-key tiles instead of three
   slots of 128 keys (docs/tuning.md: head dim 128 up to 1024 keys: 64-key tiles in four stages, two Q buffers);
   longer calls store O from registers.
+* **key pieces for a little-filled last round** (D = 128 past 1024 keys, the last key tile whole): where the work tiles
+  leave a last round of the persistent grid on at most a third of the SMs, each of those work tiles runs as
+  :func:`key_pieces` items over consecutive key ranges; a piece's rows leave as partial states (m, S, O / S) and
+  :func:`_piece_merge_kernel` folds them with the monoid merge of :func:`.elsa_fwd.merge_partials`. The round then
+  takes a piece's key tiles plus the merge instead of all of a work tile's: Flux at 512 px (24 heads of 1536 tokens,
+  288 work tiles on 132 SMs) 1.09x (docs/tuning.md: key pieces for the last round of head-dim-128 work tiles).
 
 Mode ``fp32`` runs a build of this kernel with ``PARTS = 2`` (:mod:`.fp32_gluon`): its q / k / v are FP16 copies
 scaled per head and split into hi and lo parts, each tile loaded as two buffers, every product three wgmmas, each
@@ -70,9 +76,12 @@ docs/tuning.md and docs/benchmarks/attention_h100_cudagraph.md.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from ._gluon import checked_call, hopper_tma_scope_reason, nvmma_layout
 from ._launch import KernelCall, PlannedLaunch, cdiv, heads_inner_layout, pad_pow2, sm_count
+from .elsa_fwd import merge_partials
 from .scaled_fp16 import FORWARD_SCALES_ROW, P_SPLIT_EXP
 
 try:  # Gluon is experimental: its API moves between Triton releases
@@ -158,6 +167,44 @@ THREE_CONSUMER_ROW_SPEED = 1.07
 D128_SHORT_KEYS = 1024
 
 
+# Key pieces of a last, part-filled round of work tiles (:func:`key_pieces`): only where that round fills at most
+# this share of the SMs, and at a fixed cost, in key tiles of the long head-dim-128 build, of the pieces' start-up
+# (the Q load, the first product without overlap, the epilogue) and the merge launch. Measured on an H200 (bf16,
+# graph replay): a last round of 24 / 36 work tiles on 132 SMs 1.09x with 4 / 3 pieces, of 56-60 work tiles 0.92-0.99x
+# with 2 (docs/tuning.md: key pieces for the last round of head-dim-128 work tiles)
+PIECE_MAX_FILL = 1 / 3
+PIECE_COST_TILES = 5.0
+
+
+def key_pieces(n_q: int, n_k: int, heads: int, sms: int, cfg: dict) -> tuple[int, int]:
+    """``(pieces, piece_tiles)``: how the long head-dim-128 build (128-key tiles, O from registers, the last key tile
+    whole) cuts each work tile of a part-filled last round of its persistent grid along the keys. ``heads`` (batch x
+    heads) heads of ``n_q`` query rows make ``cdiv(n_q, BLOCK_M) * heads`` work tiles; the ``rem`` of them past the
+    last multiple of ``sms`` form the last round, which takes as long as a whole work tile while the other SMs idle.
+    Cut into ``P`` items of ``piece_tiles = cdiv(key tiles, P)`` key tiles (``rem * P <= sms``), whose partial states
+    a merge launch folds with the monoid merge, the round costs ``piece_tiles`` + :data:`PIECE_COST_TILES` key tiles
+    instead of all of them: the cheapest ``P`` where that is less and ``rem <= sms *`` :data:`PIECE_MAX_FILL`, else
+    ``(1, key tiles)`` (no cut). E.g. on 132 SMs Flux at 512 px (24 heads of 1536 tokens: 288 work tiles, 24 in the
+    last round, 12 key tiles) runs 4 pieces of 3 key tiles."""
+    n_kt = cdiv(n_k, cfg["BLOCK_N"])
+    whole = (1, n_kt)
+    if (cfg["BLOCK_N"] != 128 or cfg["q_buffers"] != 1 or cfg["parts"] != 1 or cfg["one_tile"]
+            or tuple(cfg["tail_keys"]) != (cfg["BLOCK_N"], 0)):
+        return whole
+    rem = cdiv(n_q, cfg["BLOCK_M"]) * heads % sms
+    if rem == 0 or rem > sms * PIECE_MAX_FILL:
+        return whole
+    best, best_cost = whole, float(n_kt)
+    for p in range(2, n_kt + 1):
+        tiles = cdiv(n_kt, p)
+        p = cdiv(n_kt, tiles)  # no empty piece
+        if rem * p > sms:
+            break
+        if tiles + PIECE_COST_TILES < best_cost:
+            best, best_cost = (p, tiles), tiles + PIECE_COST_TILES
+    return best
+
+
 def three_consumers_faster(n_q: int, heads: int, sms: int) -> bool:
     """Whether a long D = 64 call of ``heads`` (batch x heads) heads of ``n_q`` query rows finishes sooner on
     three consumer warpgroups per CTA than on two, on ``sms`` SMs (one persistent CTA each): each count's time is
@@ -198,6 +245,8 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
       ``tail_keys``: the keys the last key tile multiplies, ``n_k``'s remainder rounded up to 16 in one or (D = 64)
       two power-of-two parts; one kernel build per distinct pair. ``one_tile``: every key in one tile, cut the same way
       (docs/tuning.md: cut last key tile (16-key steps, one or two power-of-two parts)).
+    * ``pieces`` / ``piece_tiles``: at D = 128, given ``n_q``, ``heads`` and ``sms``, the work tiles of a part-filled
+      last round of the persistent grid cut along the keys (:func:`key_pieces`; ``(1, 0)``: none).
     """
     if one_consumer_below is None:
         one_consumer_below = ONE_CONSUMER_BELOW
@@ -219,8 +268,12 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
         cfg.update(STAGES=2)
     elif short_d128:
         cfg.update(BLOCK_N=64, STAGES=4)
-    return dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 or short_d128 else 1,
-                parts=1, **last_key_tile(n_k, cfg["BLOCK_N"], head_dim))
+    cfg = dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 or short_d128 else 1,
+               parts=1, **last_key_tile(n_k, cfg["BLOCK_N"], head_dim))
+    pieces = (1, 0)
+    if head_dim > 64 and n_q and heads and sms:
+        pieces = key_pieces(n_q, n_k, heads, sms, cfg)
+    return dict(cfg, pieces=pieces[0], piece_tiles=pieces[1] if pieces[0] > 1 else 0)
 
 
 def last_key_tile(n_k: int, block_n: int, head_dim: int) -> dict:
@@ -278,19 +331,50 @@ if _IMPORT_ERROR is None:
         return l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + parts
 
     @gluon.jit
+    def _n_items(n_work, n_whole, pieces, PIECES: gl.constexpr):
+        # work items of a launch: the work tiles, or (PIECES) the first n_whole whole and each later one in pieces
+        if PIECES:
+            return n_whole + (n_work - n_whole) * pieces
+        return n_work
+
+    @gluon.jit
+    def _work_item(item, n_whole, pieces, piece_tiles, Nk, BLOCK_N: gl.constexpr):
+        # PIECES: work item -> (work tile, its first key, its keys): items below n_whole are whole work tiles; item
+        # n_whole + j is piece j % pieces (piece_tiles key tiles, the last piece the rest) of work tile
+        # n_whole + j // pieces
+        tile = item
+        k0 = item * 0
+        n_k = Nk
+        if item >= n_whole:
+            j = item - n_whole
+            tile = n_whole + j // pieces
+            k0 = (j % pieces) * (piece_tiles * BLOCK_N)
+            n_k = gl.minimum(Nk - k0, piece_tiles * BLOCK_N)
+        return tile, k0, n_k
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP, Nq, Nk,
-                  n_work,
+                  n_work, n_whole, pieces, piece_tiles,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                  CONSUMERS: gl.constexpr, PARTS: gl.constexpr):
-        # one warp: per work tile, each consumer's Q tile into a free Q buffer, then K / V tile t into ring slot
-        # g % STAGES (g counts KV tiles over every work tile) once every consumer freed it; query head h reads K / V
+                  CONSUMERS: gl.constexpr, PARTS: gl.constexpr, PIECES: gl.constexpr):
+        # one warp: per work item, each consumer's Q tile into a free Q buffer, then its K / V tile t into ring slot
+        # g % STAGES (g counts KV tiles over every work item) once every consumer freed it; query head h reads K / V
         # head h // GROUP (grouped-query attention; GROUP = 1 folds away). PARTS = 2 (mode fp32): each tile's hi and
         # lo parts, columns [0, HEAD_D) and [HEAD_D, 2 HEAD_D) of the split copies, into consecutive buffers
         HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
         tiles_m = gl.cdiv(Nq, CONSUMERS * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
-        for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        g_run = 0  # PIECES: KV tiles of the earlier items (their key counts differ)
+        for item in range(gl.program_id(0), _n_items(n_work, n_whole, pieces, PIECES), gl.num_programs(0)):
+            tile = item
+            k0 = 0
+            g0 = i * n_tiles
+            if PIECES:
+                tile, k0, n_k = _work_item(item, n_whole, pieces, piece_tiles, Nk, BLOCK_N)
+                n_tiles = gl.cdiv(n_k, BLOCK_N)
+                g0 = g_run
+                g_run += n_tiles
             off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, CONSUMERS * BLOCK_M)
             qb = i % Q_BUFS
             q_bar = q_ready.index(qb)
@@ -302,11 +386,11 @@ if _IMPORT_ERROR is None:
                                                     q_smem.index((CONSUMERS * qb + c) * PARTS + part))
             off_kv = off_h // GROUP
             for t in range(n_tiles):
-                g = i * n_tiles + t
+                g = g0 + t
                 slot = g % STAGES
                 mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
-                tma_load_parts(k_desc, v_desc, off_b, off_kv, t * BLOCK_N, ready.index(slot), k_smem, v_smem, slot,
-                               PARTS)
+                tma_load_parts(k_desc, v_desc, off_b, off_kv, k0 + t * BLOCK_N, ready.index(slot), k_smem, v_smem,
+                               slot, PARTS)
             i += 1
 
     @gluon.jit
@@ -407,15 +491,17 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE, Scales, sob,
-                  soh, som, H, Nq, Nk, n_work, qk_scale, WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                  Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr, CONSUMERS: gl.constexpr,
-                  ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
-        # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work tiles.
+                  soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, WG: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr, Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
+                  CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr, PARTS: gl.constexpr,
+                  TMA_OUT: gl.constexpr, PIECES: gl.constexpr):
+        # one warpgroup: query rows [start_m + WG * BLOCK_M, + BLOCK_M) of each of the program's work items.
         # PARTS = 2 (mode fp32): split operands scaled per head; each head's Scales row replaces qk_scale (its
         # logits' multiplier) and undoes v's and P's scales on the output. TMA_OUT: O goes through this consumer's Q
         # tile (free after the last Q K^T; same block and layout as o_desc's) as a TMA store, and the Q buffer is
-        # released after it (else O is stored from registers and Q released before the last P V)
+        # released after it (else O is stored from registers and Q released before the last P V). PIECES: a piece's
+        # rows leave as a partial state (m, S, O / S) in the workspace at Scales (:func:`_store_piece`)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -427,7 +513,6 @@ if _IMPORT_ERROR is None:
         other_turn = turn.index(1 - WG % 2)
         l_mine = l_smem.slice(WG * BLOCK_M, BLOCK_M)
         offs_sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        offs_od = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
         o_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)  # P V's fresh accumulator (PARTS = 2)
         LO: gl.constexpr = PARTS - 1
@@ -443,15 +528,26 @@ if _IMPORT_ERROR is None:
         tiles_m = gl.cdiv(Nq, CONSUMERS * BLOCK_M)
         n_tiles = gl.cdiv(Nk, BLOCK_N)
         i = 0
-        for tile in range(gl.program_id(0), n_work, gl.num_programs(0)):
+        g_run = 0  # PIECES: KV tiles of the earlier items (their key counts differ)
+        turns_run = 0  # PIECES: this group's turns taken in them
+        for item in range(gl.program_id(0), _n_items(n_work, n_whole, pieces, PIECES), gl.num_programs(0)):
+            tile = item
+            n_k = Nk  # the keys of this item: all but in a piece
+            g0 = i * n_tiles  # KV tiles of the earlier work items (ring slot and phase)
+            turns = i * (n_tiles + 1)  # this group's turns taken in them
+            if PIECES:
+                tile, k0, n_k = _work_item(item, n_whole, pieces, piece_tiles, Nk, BLOCK_N)
+                n_tiles = gl.cdiv(n_k, BLOCK_N)
+                g0 = g_run
+                turns = turns_run
+                g_run += n_tiles
+                turns_run += n_tiles + 1
             off_b, off_h, start_m = _tile_coords(tile, tiles_m, H, CONSUMERS * BLOCK_M)
             if PARTS == 2:
                 head_scales = Scales + (off_b * H + off_h) * _SCALES_ROW
                 qk = gl.load(head_scales)
             else:
                 qk = qk_scale
-            g0 = i * n_tiles
-            turns = i * (n_tiles + 1)
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
             l_i = _row_parts(s_zero)  # [BLOCK_M, 4] zeros in the layout the row parts take
             acc = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=o_layout)
@@ -473,18 +569,18 @@ if _IMPORT_ERROR is None:
                 mbarrier.arrive(other_turn)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             if ONE_TILE:
-                p, m_i, alpha = softmax_tile(s, gl.convert_layout(m_i, gl.SliceLayout(1, s_tail_layout)), 0, Nk,
+                p, m_i, alpha = softmax_tile(s, gl.convert_layout(m_i, gl.SliceLayout(1, s_tail_layout)), 0, n_k,
                                              qk, offs_sn_tail, BLOCK_N, True)
                 m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
                 l_i = _fold_parts(l_i, alpha, p)
             else:
-                p, m_i, alpha = softmax_tile(s, m_i, 0, Nk, qk, offs_sn, BLOCK_N, True)
+                p, m_i, alpha = softmax_tile(s, m_i, 0, n_k, qk, offs_sn, BLOCK_N, True)
                 l_i = _fold_parts(l_i, alpha, p)
             p16, p_lo = _p_operands(p, q_smem.dtype, p_layout, PARTS)
             if not ONE_TILE:
                 for t in range(0, n_tiles - 2):
                     acc, p16, p_lo, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, t, g0 + t, turns + t + 1, q_t, q_l,
-                                                     k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, Nk, qk,
+                                                     k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, n_k, qk,
                                                      offs_sn, s_zero, o_zero, WG, BLOCK_N, HEAD_D, STAGES, False,
                                                      PINGPONG, 0, PARTS, q_empty.index(qb), False)
             last = (g0 + n_tiles - 1) % STAGES
@@ -495,7 +591,7 @@ if _IMPORT_ERROR is None:
                     offs_sn1 = TAIL_N + gl.arange(0, TAIL_N2, layout=gl.SliceLayout(0, s1_layout))
                     s_zero1 = gl.zeros([BLOCK_M, TAIL_N2], gl.float32, layout=s1_layout)
                     acc, p_one, p_onel, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, -1, g0, 0, q_t, q_l, k_smem, v_smem,
-                                                         l_mine, ready, empty, my_turn, other_turn, Nk, qk, offs_sn1,
+                                                         l_mine, ready, empty, my_turn, other_turn, n_k, qk, offs_sn1,
                                                          s_zero1, o_zero, WG, BLOCK_N, HEAD_D, STAGES, True, False,
                                                          TAIL_N, PARTS, q_empty.index(qb), EARLY_Q)
                     acc = _last_pv(acc, p_one, p_onel, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
@@ -507,7 +603,7 @@ if _IMPORT_ERROR is None:
             elif n_tiles > 1:
                 t = n_tiles - 2
                 acc, p_tail, p_taill, m_i, l_i = _step(acc, p16, p_lo, m_i, l_i, t, g0 + t, turns + t + 1, q_t, q_l,
-                                                       k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, Nk,
+                                                       k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn, n_k,
                                                        qk, offs_sn_tail, s_zero_tail, o_zero, WG, BLOCK_N, HEAD_D,
                                                        STAGES, True, PINGPONG, 0, PARTS, q_empty.index(qb),
                                                        EARLY_Q and TAIL_N2 == 0)
@@ -518,7 +614,7 @@ if _IMPORT_ERROR is None:
                     s_zero2 = gl.zeros([BLOCK_M, TAIL_N2], gl.float32, layout=s2_layout)
                     acc, p_tail2, p_tail2l, m_i, l_i = _step(acc, p_tail, p_taill, m_i, l_i, t, g0 + t + 1, 0, q_t, q_l,
                                                              k_smem, v_smem, l_mine, ready, empty, my_turn, other_turn,
-                                                             Nk, qk, offs_sn2, s_zero2, o_zero, WG, BLOCK_N, HEAD_D,
+                                                             n_k, qk, offs_sn2, s_zero2, o_zero, WG, BLOCK_N, HEAD_D,
                                                              STAGES, True, False, TAIL_N, PARTS, q_empty.index(qb),
                                                              EARLY_Q)
                     acc = _last_pv(acc, p_tail2, p_tail2l, v_smem, o_zero, q_empty.index(qb), empty, last, my_turn,
@@ -537,21 +633,55 @@ if _IMPORT_ERROR is None:
                 out = acc * (gl.load(head_scales + 1) / l_row)[:, None]
             else:
                 out = acc / l_row[:, None]
-            offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-            if TMA_OUT:
-                # the accumulator layout's 4-byte stores take 1-1.6 us a work tile at 197-1025 rows, where the TMA
-                # store of the staged tile takes ~0.3 (docs/tuning.md: O by a TMA store); rows past Nq are clipped
-                tma_store_rows(o_desc, off_b, off_h, start_m + WG * BLOCK_M, q_smem.index(CONSUMERS * qb + WG),
-                               out.to(q_smem.dtype))
-                _cta_barrier()  # every thread is past the store's read
-                mbarrier.arrive(q_empty.index(qb))  # the producer may load a later work tile's Q into it
+            if PIECES:
+                if item >= n_whole:  # the merge launch folds the pieces' states into O (and the LSE)
+                    _store_piece(Scales, m_i, l_row, out, item - n_whole, pieces, n_work - n_whole, WG, BLOCK_M,
+                                 CONSUMERS * BLOCK_M)
+                else:
+                    _store_out(out, m_i, l_row, o_desc, O, LSE, sob, soh, som, H, Nq, off_b, off_h, start_m, q_smem,
+                               q_empty, qb, WG, BLOCK_M, CONSUMERS, WRITE_LSE, TMA_OUT)
             else:
-                gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som
-                         + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
-            if WRITE_LSE:  # natural-log LSE of the scaled logits for the backward: m and log2 S are in log2 units
-                lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_row)) * 0.6931471805599453
-                gl.store(LSE + (off_b * H + off_h).to(gl.int64) * Nq + offs_om, lse, mask=offs_om < Nq)
+                _store_out(out, m_i, l_row, o_desc, O, LSE, sob, soh, som, H, Nq, off_b, off_h, start_m, q_smem,
+                           q_empty, qb, WG, BLOCK_M, CONSUMERS, WRITE_LSE, TMA_OUT)
             i += 1
+
+    @gluon.jit
+    def _store_out(out, m_i, l_row, o_desc, O, LSE, sob, soh, som, H, Nq, off_b, off_h, start_m, q_smem, q_empty, qb,
+                   WG: gl.constexpr, BLOCK_M: gl.constexpr, CONSUMERS: gl.constexpr, WRITE_LSE: gl.constexpr,
+                   TMA_OUT: gl.constexpr):
+        # a consumer's rows of a whole work tile: O = W / S (out, FP32 [BLOCK_M, D] in the wgmma layout) and the LSE
+        o_layout: gl.constexpr = out.type.layout
+        offs_om = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        if TMA_OUT:
+            # the accumulator layout's 4-byte stores take 1-1.6 us a work tile at 197-1025 rows, where the TMA
+            # store of the staged tile takes ~0.3 (docs/tuning.md: O by a TMA store); rows past Nq are clipped
+            tma_store_rows(o_desc, off_b, off_h, start_m + WG * BLOCK_M, q_smem.index(CONSUMERS * qb + WG),
+                           out.to(q_smem.dtype))
+            _cta_barrier()  # every thread is past the store's read
+            mbarrier.arrive(q_empty.index(qb))  # the producer may load a later work tile's Q into it
+        else:
+            offs_od = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, o_layout))
+            gl.store(O + off_b.to(gl.int64) * sob + off_h.to(gl.int64) * soh + offs_om.to(gl.int64)[:, None] * som
+                     + offs_od[None, :], out.to(O.dtype.element_ty), mask=(offs_om < Nq)[:, None])
+        if WRITE_LSE:  # natural-log LSE of the scaled logits for the backward: m and log2 S are in log2 units
+            lse = (gl.convert_layout(m_i, gl.SliceLayout(1, o_layout)) + gl.log2(l_row)) * 0.6931471805599453
+            gl.store(LSE + (off_b * H + off_h).to(gl.int64) * Nq + offs_om, lse, mask=offs_om < Nq)
+
+    @gluon.jit
+    def _store_piece(Ws, m_i, l_row, out, j, pieces, split_tiles, WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                     ROWS: gl.constexpr):
+        # piece j % pieces of the split work tile j // pieces: its rows' partial state (m in log2 units, S, O / S)
+        # into the three parts of the workspace (:func:`piece_workspace`), row (j % pieces) * plane + (j // pieces)
+        # * ROWS + the row in the work tile, as :func:`_piece_merge_kernel` reads them
+        layout: gl.constexpr = out.type.layout
+        HEAD_D: gl.constexpr = out.shape[1]
+        plane = split_tiles * ROWS
+        rows = ((j % pieces) * plane + (j // pieces) * ROWS + WG * BLOCK_M
+                + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)))
+        gl.store(Ws + rows, gl.convert_layout(m_i, gl.SliceLayout(1, layout)))
+        gl.store(Ws + pieces * plane + rows, l_row)
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+        gl.store(Ws + 2 * pieces * plane + rows[:, None] * HEAD_D + cols[None, :], out)
 
     @gluon.jit
     def _shared_buffers(q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
@@ -587,11 +717,11 @@ if _IMPORT_ERROR is None:
 
     @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
     def _half_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, Scales, sob, soh, som, H, GROUP, Nq, Nk, n_work,
-                         qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                         STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr, TAIL_N2: gl.constexpr,
-                         CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr, WRITE_LSE: gl.constexpr,
-                         PARTS: gl.constexpr, TMA_OUT: gl.constexpr):
+                         n_whole, pieces, piece_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, Q_BUFS: gl.constexpr, TAIL_N: gl.constexpr,
+                         TAIL_N2: gl.constexpr, CONSUMERS: gl.constexpr, ONE_TILE: gl.constexpr,
+                         WRITE_LSE: gl.constexpr, PARTS: gl.constexpr, TMA_OUT: gl.constexpr, PIECES: gl.constexpr):
         # Work tile = (CONSUMERS * BLOCK_M query rows, head, batch), n_work of them; program p takes tiles p,
         # p + grid, ... (one tile each when the grid covers them all; otherwise a persistent grid of 1 or 2
         # programs per SM, so a tile's epilogue overlaps the next tile's loads). PARTS = 2 (mode fp32, fp32_attention):
@@ -599,7 +729,12 @@ if _IMPORT_ERROR is None:
         # (FP32 [B * H, 2]) holding each head's logit and output multipliers; PARTS = 1 never reads Scales. o_desc:
         # O ([B, H, Nq, D] at strides sob, soh, som) in q's block and layout, written by TMA_OUT builds (Q
         # double-buffered, O in q's dtype, PARTS = 1); the others store through O and never read it.
+        # PIECES (key_pieces): the work tiles from n_whole on run as `pieces` items each, piece_tiles key tiles apiece
+        # (the last the rest), whose partial states go to the FP32 workspace passed as Scales (PARTS = 1 has no other
+        # use for it) for _piece_merge_kernel; without PIECES, n_whole, pieces and piece_tiles are never read.
         gl.static_assert(not TMA_OUT or (Q_BUFS >= 2 and PARTS == 1), "O staged in a double-buffered Q tile")
+        gl.static_assert(not PIECES or (PARTS == 1 and not TMA_OUT and not ONE_TILE and TAIL_N == BLOCK_N
+                                        and TAIL_N2 == 0), "pieces: one part, O from registers, whole last key tiles")
         gl.static_assert(not (PINGPONG and (CONSUMERS != 2 or TAIL_N2 > 0)), "ping-pong needs two consumers and "
                          "one part per last key tile (the turn counts)")
         gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2 or CONSUMERS == 3 or CONSUMERS == 4,
@@ -610,52 +745,66 @@ if _IMPORT_ERROR is None:
         if CONSUMERS == 1:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 0,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
-                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
+                             Nq, Nk, n_work, n_whole, pieces, piece_tiles, BLOCK_M, BLOCK_N, STAGES, Q_BUFS,
+                             CONSUMERS, PARTS, PIECES)),
             ], [1], [24])
         elif CONSUMERS == 2:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 0,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 1,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
-                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
+                             Nq, Nk, n_work, n_whole, pieces, piece_tiles, BLOCK_M, BLOCK_N, STAGES, Q_BUFS,
+                             CONSUMERS, PARTS, PIECES)),
             ], [4, 1], [CONSUMER_REGS, 24])
         elif CONSUMERS == 3:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 0,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 1,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 2,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
-                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
+                             Nq, Nk, n_work, n_whole, pieces, piece_tiles, BLOCK_M, BLOCK_N, STAGES, Q_BUFS,
+                             CONSUMERS, PARTS, PIECES)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 0, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 0,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 1, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 1,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 2, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 2,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_consumer, (q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn, o_desc, O, LSE,
-                             Scales, sob, soh, som, H, Nq, Nk, n_work, qk_scale, 3, BLOCK_M, BLOCK_N, HEAD_D, STAGES,
-                             PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS, ONE_TILE, WRITE_LSE, PARTS, TMA_OUT)),
+                             Scales, sob, soh, som, H, Nq, Nk, n_work, n_whole, pieces, piece_tiles, qk_scale, 3,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, PINGPONG, Q_BUFS, TAIL_N, TAIL_N2, CONSUMERS,
+                             ONE_TILE, WRITE_LSE, PARTS, TMA_OUT, PIECES)),
                 (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, H, GROUP,
-                             Nq, Nk, n_work, BLOCK_M, BLOCK_N, STAGES, Q_BUFS, CONSUMERS, PARTS)),
+                             Nq, Nk, n_work, n_whole, pieces, piece_tiles, BLOCK_M, BLOCK_N, STAGES, Q_BUFS,
+                             CONSUMERS, PARTS, PIECES)),
             ], [4, 4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
@@ -667,7 +816,7 @@ def kernel_constexprs(cfg: dict, head_dim: int, write_lse: bool = False, tma_out
                 STAGES=cfg["STAGES"], PINGPONG=cfg["PINGPONG"], CONSUMER_REGS=cfg["consumer_regs"],
                 Q_BUFS=cfg["q_buffers"], TAIL_N=cfg["tail_keys"][0], TAIL_N2=cfg["tail_keys"][1],
                 CONSUMERS=cfg["consumers"], ONE_TILE=cfg["one_tile"], WRITE_LSE=bool(write_lse), PARTS=cfg["parts"],
-                TMA_OUT=bool(tma_out))
+                TMA_OUT=bool(tma_out), PIECES=cfg.get("pieces", 1) > 1)
 
 
 def tma_output(cfg: dict, out_dtype: torch.dtype, in_dtype: torch.dtype, out_strides: tuple[int, int, int]) -> bool:
@@ -718,6 +867,67 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                         q, k, out_dtype or q.dtype, lambda out: launch(q, k, v, scale, out, cfg))
 
 
+@triton.jit
+def _piece_merge_kernel(Ws, Out, Lse, sob, soh, som, H, Nq, n_work, n_whole, pieces, ROWS: tl.constexpr,
+                        HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """O (and with ``WRITE_LSE`` the natural-log LSE) of ``BLOCK_M`` rows of the work tiles from ``n_whole`` on, folded
+    from their ``pieces`` partial states in the workspace ``Ws`` (:func:`piece_workspace`) by
+    :func:`.elsa_fwd.merge_partials` (the ELSA monoid merge, deterministic). Row ``r`` of the split tiles is row
+    ``r % ROWS`` of work tile ``n_whole + r // ROWS`` (batch-major, head, query tile: the forward kernel's order);
+    rows past ``Nq`` are not written."""
+    plane = (n_work - n_whole) * ROWS
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < plane
+    offs_d = tl.arange(0, HEAD_D)
+    m, s, w = merge_partials(Ws, Ws + pieces * plane, Ws + 2 * pieces * plane, pieces, row_ok, plane, r, offs_d,
+                             offs_d < HEAD_D, HEAD_D, BLOCK_M, BLOCK_P, HEAD_D)
+    tile = n_whole + r // ROWS
+    tiles_m = tl.cdiv(Nq, ROWS)
+    bh = (tile // tiles_m).to(tl.int64)
+    row = (tile % tiles_m) * ROWS + r % ROWS
+    ok = row_ok & (row < Nq)
+    o_rows = (bh // H) * sob + (bh % H) * soh + row.to(tl.int64) * som
+    tl.store(Out + o_rows[:, None] + offs_d[None, :], w.to(Out.dtype.element_ty), mask=ok[:, None])
+    if WRITE_LSE:  # as the forward kernel writes it: (m + log2 S) ln 2
+        tl.store(Lse + bh * Nq + row, (m + tl.math.log2(s)) * 0.6931471805599453, mask=ok)
+
+
+def piece_workspace(cfg: dict, n_work: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """The FP32 workspace of a launch with key pieces: ``pieces x rows`` partial states, rows the split work tiles'
+    (those past :func:`whole_tiles`), as three parts (m [P, rows], S [P, rows], O / S [P, rows, head dim]) that the
+    kernel's pieces write and :func:`_piece_merge_kernel` reads."""
+    rows = (n_work - whole_tiles(cfg, n_work, device)) * cfg["BLOCK_M"] * cfg["pieces"]
+    return torch.empty(rows * (2 + head_dim), dtype=torch.float32, device=device)
+
+
+def whole_tiles(cfg: dict, n_work: int, device: torch.device) -> int:
+    """Work tiles a launch runs whole: all, or with key pieces those of the persistent grid's full rounds."""
+    if cfg.get("pieces", 1) <= 1:
+        return n_work
+    return n_work // sm_count(device) * sm_count(device)
+
+
+class _PiecesLaunch:
+    """A launch with key pieces: the forward kernel (whole work tiles and pieces; the pieces' partial states into a
+    workspace allocated per call) then the merge launch writing the split tiles' rows of O (and the LSE)."""
+
+    __slots__ = ("kernel", "merge", "merge_fixed", "cfg", "n_work", "head_dim")
+
+    def __init__(self, kernel: PlannedLaunch, merge: KernelCall, merge_fixed: tuple, cfg: dict, n_work: int,
+                 head_dim: int):
+        self.kernel, self.merge, self.merge_fixed = kernel, merge, merge_fixed
+        self.cfg, self.n_work, self.head_dim = cfg, n_work, head_dim
+
+    def __call__(self, q, k, v, scale, out, lse=None, scales=None):
+        ws = piece_workspace(self.cfg, self.n_work, self.head_dim, q.device)
+        self.kernel(q, k, v, scale, out, lse, ws)
+        self.merge(ws, out, out if lse is None else lse, *self.merge_fixed)
+
+    def descriptors_direct(self) -> bool:
+        """Whether the forward kernel's calls take the direct descriptor launch (:class:`._launch.PlannedLaunch`)."""
+        return self.kernel.descriptors_direct()
+
+
 def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict, write_lse: bool = False,
                    out_strides: tuple[int, int, int] | None = None, out_dtype: torch.dtype | None = None):
     """The launch of :func:`half_attention`'s kernel for this call signature (shapes, strides, alignment,
@@ -747,12 +957,24 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     else:  # never read: q's descriptor stands in
         o_template = templates[0]
     n_work = cdiv(Nq, cfg["BLOCK_M"]) * B * H
-    grid = min(n_work, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_work
+    pieces = cfg.get("pieces", 1)
+    n_whole = whole_tiles(cfg, n_work, q.device)
+    n_items = n_whole + (n_work - n_whole) * pieces
+    grid = min(n_items, cfg["ctas_per_sm"] * sm_count(q.device)) if cfg["persistent"] else n_items
     call = KernelCall(_half_fwd_kernel, (grid,), kernel_constexprs(cfg, D, write_lse, tma_out),
                       dict(num_warps=4, maxnreg=cfg["maxnreg"]))
     # out: the plan's heads-inner buffer; k / v may have fewer heads (grouped-query attention)
-    fixed = (*strides, H, H // k.shape[1], Nq, Nk, n_work)
-    return PlannedLaunch(call, fixed, [*templates, o_template], scales_arg=True, o_base="out" if tma_out else "q")
+    fixed = (*strides, H, H // k.shape[1], Nq, Nk, n_work, n_whole, pieces, cfg.get("piece_tiles") or 0)
+    kernel = PlannedLaunch(call, fixed, [*templates, o_template], scales_arg=True, o_base="out" if tma_out else "q")
+    if pieces <= 1:
+        return kernel
+    rows = (n_work - n_whole) * cfg["BLOCK_M"]
+    block_p = pad_pow2(pieces)
+    block_m = max(1, min(16, 8192 // (block_p * D)))
+    merge = KernelCall(_piece_merge_kernel, (cdiv(rows, block_m),),
+                       dict(ROWS=cfg["BLOCK_M"], HEAD_D=D, BLOCK_M=block_m, BLOCK_P=block_p, WRITE_LSE=bool(write_lse)),
+                       dict(num_warps=4))
+    return _PiecesLaunch(kernel, merge, (*strides, H, Nq, n_work, n_whole, pieces), cfg, n_work, D)
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:

@@ -113,6 +113,13 @@ def cases(families, modes):
                 yield (f"dense {mode} B=2 H=70 N=1700 D=64 (Gluon forward, three consumers)",
                        lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode),
                        [_rand(2, 70, 1700, 64, dtype=dt, grad=grad, seed=s) for s in range(3)])
+                # head dim 128's key pieces for a little-filled last round (24 heads of 1536 rows on 132 SMs: 24 of
+                # 288 work tiles in 4 pieces each, merged), also over grouped-query K / V heads
+                for h_kv in (24, 8):
+                    yield (f"dense {mode} H=24 Hkv={h_kv} N=1536 D=128 (Gluon forward, key pieces)",
+                           lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode, enable_gqa=True),
+                           [_rand(1, hh, 1536, 128, dtype=dt, grad=grad, seed=s)
+                            for s, hh in enumerate((24, h_kv, h_kv))])
             if mode == "fp32":  # the Gluon forward's split-FP16 build, where its grid fills the GPU (a cut last key
                 # tile in two parts; a masked one; head dim 128's 32-key tiles), and with grouped-query K / V heads
                 for b, h, n, d in ((4, 12, 300, 64), (1, 4, 4100, 64), (4, 12, 300, 128), (1, 4, 4100, 128)):

@@ -21,23 +21,24 @@ out = {}
 for d in half_gluon.HEAD_DIMS:
     for (dt, tname), n_k, n_q in (((torch.float16, "fp16"), 4096, None), ((torch.bfloat16, "bf16"), 1066, None),
                                   ((torch.float16, "four"), 197, 197), ((torch.bfloat16, "three"), 4097, 4097),
-                                  ((torch.float16, "short"), 300, None), ((torch.bfloat16, "one"), 100, None)):
-        if (d > 64 and n_q) or (d == 64 and tname in ("short", "one")):
+                                  ((torch.float16, "short"), 300, None), ((torch.bfloat16, "one"), 100, None),
+                                  ((torch.bfloat16, "pieces"), 1536, 1536)):
+        if (d > 64 and n_q and tname != "pieces") or (d == 64 and tname in ("short", "one", "pieces")):
             continue
         # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys); ViT-B/16 at 1024 px on 132 SMs: three consumers;
         # 300 keys at D = 128: 64-key tiles, four stages and two Q buffers; 100 keys: one 128-key tile, two stages
-        # and two Q buffers
-        cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=96 if n_q == 4097 else None, sms=132)
+        # and two Q buffers; Flux at 512 px (24 heads of 1536 tokens) on 132 SMs: key pieces for the last round
+        cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads={4097: 96, 1536: 24}.get(n_q), sms=132)
         # O from registers, and (two Q buffers) by TMA stores, as the plan's own output takes it
         for tma in ((False, True) if half_gluon.tma_output(cfg, dt, dt, (4096 * d, d, 8 * d)) else (False,)):
             r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
-                                 O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32"),
-                                 half_gluon.kernel_constexprs(cfg, d, tname == "bf16", tma_out=tma), num_warps=4,
-                                 num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
+                                 O="*" + ("bf16" if dt == torch.bfloat16 else "fp16"), LSE="*fp32", Scales="*fp32"),
+                                 half_gluon.kernel_constexprs(cfg, d, tname in ("bf16", "pieces"), tma_out=tma),
+                                 num_warps=4, num_stages=1, float_args=("qk_scale",), maxnreg=cfg["maxnreg"])
             out[f"{d}_{tname}" + "_tma" * tma] = {
                 "n_k": n_k, "n_q": n_q, "shared": r.shared_bytes, "wgmma": r.wgmma, "regs": r.registers,
                 "local": r.local_bytes, "warps": r.num_warps, "ws": r.ttgir.count("ttg.warp_specialize"),
-                "programs": r.programs_per_sm, "consumers": cfg["consumers"],
+                "programs": r.programs_per_sm, "consumers": cfg["consumers"], "pieces": cfg["pieces"],
                 "bulk_store": r.ttgir.count("ttng.async_tma_copy_local_to_global")}
 print(json.dumps(out))
 """
@@ -54,19 +55,23 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
     one warp-specialized region (two consumer warpgroups + the producer's at 4096 keys; at D = 64 and 1066
     keys one consumer warpgroup, 128 registers and two CTAs per SM, and a last key tile in two parts; at 197
     rows and keys four consumer warpgroups at 96 registers), the
-    launch register cap (three consumer warpgroups at 4097 rows, 96 heads and 132 SMs: 128 registers, 16 warps),
-    the Q / K / V tiles within the 227 KiB of shared memory, and no spills beyond a few words:
-    none with Triton 3.6 (the GPU runs'), while the ptxas of Triton 3.8 keeps 4 words in the stack frame at D = 128
-    and 16 in the four-consumer build (112-120 registers per consumer thread), 22 in the three-consumer one (160
-    registers per consumer thread; none with Triton 3.6; lengths are not specialised on, as
-    at run time, where 197 keys are not a multiple of 16 either). The builds that write O by TMA stores (two Q buffers:
-    head dim 64, and head dim 128 at 100 and 300 keys; :func:`.half_gluon.tma_output`) issue one per consumer and take
-    no more shared memory or CTAs per SM than those storing from registers, and at most 8 words more of stack frame
-    (Triton 3.8 in the three- and four-consumer builds; none with Triton 3.6)."""
+    launch register cap (three consumer warpgroups at 4097 rows, 96 heads and 132 SMs: 128 registers, 16 warps), the
+    build with key pieces (head dim 128, 24 heads of 1536 rows on 132 SMs: the pieces' partial-state epilogue beside
+    the whole tiles' and the LSE write), the Q / K / V tiles within the 227 KiB of shared memory, and no spills beyond
+    a few words: none with Triton 3.6 (the GPU runs'), while the ptxas of Triton 3.8 keeps 4 words in the stack frame
+    at D = 128 (8 in the build with key pieces) and 16 in the four-consumer build (112-120 registers per consumer
+    thread), 22 in the three-consumer one (160 registers per consumer thread; none with Triton 3.6; lengths are not
+    specialised on, as at run time, where 197 keys are not a multiple of 16 either). The builds that write O by TMA
+    stores (two Q buffers: head dim 64, and head dim 128 at 100 and 300 keys; :func:`.half_gluon.tma_output`) issue
+    one per consumer and take no more shared memory or CTAs per SM than those storing from registers, and at most 12
+    words more of stack frame (Triton 3.8: 6 in the four-consumer build, 12 in the three-consumer one; none with
+    Triton 3.6). Every pointer argument is typed as a launch passes it (``Scales`` a float32 pointer: the pieces'
+    workspace, else the output's address standing in)."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     r = compile_in_child(_CHILD)
-    plain = {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16", "128_short", "128_one"}
+    plain = {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16", "128_short", "128_one",
+             "128_pieces"}
     assert set(r) == plain | {f"{key}_tma" for key in plain if key.startswith("64") or key in ("128_short", "128_one")}
     for key, v in r.items():
         # O by TMA stores (two Q buffers: one per consumer, staged in its Q tile, no more shared memory or
@@ -74,13 +79,14 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
         if key.endswith("_tma"):
             plain_build = r[key[:-4]]
             assert v["bulk_store"] == v["consumers"] and v["shared"] <= plain_build["shared"], (key, v)
-            assert v["local"] <= plain_build["local"] + 32 and v["programs"] == plain_build["programs"], (key, v)
+            assert v["local"] <= plain_build["local"] + 48 and v["programs"] == plain_build["programs"], (key, v)
             continue
         assert v["bulk_store"] == 0, (key, v)
         d = int(key.split("_")[0])
         # the shape the child compiled
-        cfg = half_gluon.get_config(v["n_k"], d, n_q=v["n_q"], heads=96 if v["n_q"] == 4097 else None, sms=132)
+        cfg = half_gluon.get_config(v["n_k"], d, n_q=v["n_q"], heads={4097: 96, 1536: 24}.get(v["n_q"]), sms=132)
         assert cfg["consumers"] == {"four": 4, "three": 3}.get(key.split("_")[1], cfg["consumers"])
+        assert (v["pieces"] > 1) is (key == "128_pieces"), (key, v)
         tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)  # Q, K / V ring
         assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
         warps = 4 * cfg["consumers"] + 4  # the producer warp is padded to a warpgroup
@@ -203,6 +209,103 @@ def test_three_consumers_only_where_their_waves_of_work_tiles_finish_first():
             waves2, waves3 = -(-tiles2 // sms), -(-tiles3 // sms)
             assert three == (waves3 * 192 / half_gluon.THREE_CONSUMER_ROW_SPEED < waves2 * 128), (heads, n_q)
     assert half_gluon.THREE_CONSUMER_ROW_SPEED > 1  # else three never pay: 192 rows per tile, 1.5x 128
+
+
+def test_key_pieces_cut_only_a_little_filled_last_round_of_long_head_dim_128_tiles():
+    """key_pieces: pieces only for the long head-dim-128 build whose last key tile runs whole, and only where the
+    persistent grid's last round is filled at most PIECE_MAX_FILL; the pieces cover the key tiles without an empty
+    one, all of them fit the SMs in one round, and the cut is the cheapest by the stated cost (so never one that
+    costs more than running the round whole). Head dim 64, short head-dim-128 calls and lengths whose last tile is
+    cut keep whole work tiles."""
+    sms = 132
+    cut_any = False
+    for heads in (1, 6, 8, 20, 24, 33, 40, 96):
+        for n in (1025, 1100, 1500, 1536, 2048, 2100, 2304, 4096, 4608, 16384):
+            cfg = half_gluon.get_config(n, 128, n_q=n, heads=heads, sms=sms)
+            pieces, tiles = cfg["pieces"], cfg["piece_tiles"]
+            n_kt = -(-n // 128)
+            rem = -(-n // 128) * heads % sms
+            if pieces == 1:
+                assert tiles == 0
+                continue
+            cut_any = True
+            assert cfg["BLOCK_N"] == 128 and cfg["q_buffers"] == 1 and cfg["tail_keys"] == (128, 0), (heads, n)
+            assert 0 < rem <= sms * half_gluon.PIECE_MAX_FILL and rem * pieces <= sms, (heads, n)
+            assert (pieces - 1) * tiles < n_kt <= pieces * tiles, (heads, n)
+            assert tiles + half_gluon.PIECE_COST_TILES < n_kt, (heads, n)
+            fitting = [-(-n_kt // p) for p in range(2, n_kt + 1) if rem * -(-n_kt // -(-n_kt // p)) <= sms]
+            assert tiles == min(fitting), (heads, n)
+    assert cut_any
+    # Flux at 512 px on 132 SMs: 288 work tiles, 24 in the last round, 12 key tiles -> 4 pieces of 3
+    flux = half_gluon.get_config(1536, 128, n_q=1536, heads=24, sms=sms)
+    assert (flux["pieces"], flux["piece_tiles"]) == (4, 3)
+    for cfg in (half_gluon.get_config(1536, 64, n_q=1536, heads=24, sms=sms),  # head dim 64
+                half_gluon.get_config(1000, 128, n_q=1000, heads=24, sms=sms),  # the short build
+                half_gluon.get_config(1040, 128, n_q=1040, heads=3, sms=sms),  # a last key tile cut to 16 keys
+                half_gluon.get_config(1536, 128, n_q=1536, heads=40, sms=sms),  # 84 of 132 SMs: too full
+                half_gluon.get_config(1536, 128)):  # no SM count
+        assert cfg["pieces"] == 1 and cfg["piece_tiles"] == 0
+    assert half_gluon.kernel_constexprs(flux, 128)["PIECES"] and not half_gluon.kernel_constexprs(cfg, 128)["PIECES"]
+
+
+@pytest.mark.parametrize("write_lse", [False, True])
+def test_the_piece_merge_gives_the_softmax_of_all_keys(write_lse):
+    """_piece_merge_kernel (Triton; the interpreter on CPU) folds the partial states the forward kernel's pieces
+    write (m in log2 units, S, O / S per piece, :func:`.half_gluon._store_piece`'s layout) into the rows of the split
+    work tiles: their O equals the float64 softmax over all keys within float32 rounding, their LSE the float64 one;
+    rows of whole work tiles and rows past Nq are left as they were."""
+    from visionattn.kernels._launch import cdiv, pad_pow2
+
+    torch.manual_seed(0)
+    B, H, n_q, n_k, d, rows_t = 2, 3, 200, 300, 16, 128
+    q, k, v = (torch.randn(B, H, n, d, dtype=torch.float64) for n in (n_q, n_k, n_k))
+    scale = d ** -0.5
+    s = scale * q @ k.transpose(-1, -2)
+    tiles_m = cdiv(n_q, rows_t)
+    n_work = B * H * tiles_m
+    n_whole, pieces, piece_keys = 7, 3, 128  # work tiles 7..11 split into key ranges [0, 128), [128, 256), [256, 300)
+    plane = (n_work - n_whole) * rows_t
+    ws = torch.full((pieces * plane * (2 + d),), float("nan"), dtype=torch.float32)
+    wm, wsum, wo = ws[:pieces * plane], ws[pieces * plane:2 * pieces * plane], ws[2 * pieces * plane:]
+    log2e = 1.4426950408889634
+    for j in range(n_work - n_whole):
+        tile = n_whole + j
+        bh, m0 = divmod(tile, tiles_m)
+        b, h = divmod(bh, H)
+        for p in range(pieces):
+            keys = slice(p * piece_keys, min(n_k, (p + 1) * piece_keys))
+            for r in range(rows_t):
+                row = m0 * rows_t + r
+                if row >= n_q:  # a row past Nq: the kernel writes what its zero query gives; any finite state
+                    m, ssum, o = 0.0, 1.0, torch.zeros(d)
+                else:
+                    z = s[b, h, row, keys] * log2e
+                    m = z.max().item()
+                    pz = torch.exp2(z - m)
+                    ssum, o = pz.sum().item(), (pz @ v[b, h, keys]) / pz.sum()
+                rid = p * plane + j * rows_t + r
+                wm[rid], wsum[rid], wo[rid * d:(rid + 1) * d] = m, ssum, o.float()
+    out = torch.full((B, n_q, H, d), 7.0).transpose(1, 2)  # heads-inner, as the plans allocate it
+    lse = torch.full((B, H, n_q), 7.0)
+    block_p = pad_pow2(pieces)
+    block_m = 8
+    half_gluon._piece_merge_kernel[(cdiv(plane, block_m),)](
+        ws, out, lse, out.stride(0), out.stride(1), out.stride(2), H, n_q, n_work, n_whole, pieces, ROWS=rows_t,
+        HEAD_D=d, BLOCK_M=block_m, BLOCK_P=block_p, WRITE_LSE=write_lse)
+    ref = torch.softmax(s, -1) @ v
+    ref_lse = torch.logsumexp(s, -1)
+    split = torch.zeros(B, H, n_q, dtype=torch.bool)
+    for tile in range(n_whole, n_work):
+        bh, m0 = divmod(tile, tiles_m)
+        split[bh // H, bh % H, m0 * rows_t:(m0 + 1) * rows_t] = True
+    assert split.any() and (~split).any()
+    assert torch.allclose(out[split].double(), ref[split], rtol=1e-5, atol=1e-6)
+    assert (out[~split] == 7.0).all()
+    if write_lse:
+        assert torch.allclose(lse[split].double(), ref_lse[split], rtol=1e-6, atol=1e-5)
+        assert (lse[~split] == 7.0).all()
+    else:
+        assert (lse == 7.0).all()
 
 
 @needs_gluon
@@ -394,6 +497,63 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
         lse_err = (lse[:, :, rows].double() - lse_ref).abs().max().item()
         triton_lse_err = (triton_lse[:, :, rows].double() - lse_ref).abs().max().item()
         assert lse_err <= 2 * triton_lse_err + 1e-5, (lse_err, triton_lse_err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,H,H_kv,Nq,Nk", [(1, 24, 24, 1536, 1536), (2, 12, 12, 2304, 2304), (2, 3, 3, 300, 2100),
+                                             (1, 24, 8, 1536, 1536), (2, 12, 12, 2200, 2500)])
+def test_key_pieces_match_the_oracle_and_leave_whole_tiles_bit_equal(B, H, H_kv, Nq, Nk, dtype):
+    """Head dim 128 with key pieces for a little-filled last round (the rule's P where it cuts on this GPU, else 4
+    pieces forced): O within the whole-tile build's error vs the float64 oracle on the split tiles' rows, the rows of
+    whole work tiles bit-equal to the whole-tile build's (the same kernel and fold), the LSE within the whole-tile
+    build's error, repeated calls bit-identical; also with every work tile split (300 query rows: fewer work tiles
+    than SMs), over grouped-query K / V heads, and with more query rows than keys' tiles cover."""
+    from visionattn.kernels._launch import allocate_output, cdiv
+    from visionattn.metrics import rel_l2
+
+    D = 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, Nq, D, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(B, H_kv, Nk, D, device="cuda", generator=g).to(dtype) for _ in range(2))
+    scale = D ** -0.5
+    lib = half_gluon.config_for(q, k)
+    n_kt = cdiv(Nk, 128)
+    pieces = dict(lib, pieces=4, piece_tiles=cdiv(n_kt, 4)) if lib["pieces"] == 1 else lib
+    whole = dict(lib, pieces=1, piece_tiles=0)
+
+    def run(cfg):
+        out, _ = allocate_output(q, Nq, D, dtype)
+        lse = torch.empty(B, H, Nq, device="cuda", dtype=torch.float32)
+        half_gluon.planned_launch(q, k, v, cfg, write_lse=True, out_dtype=dtype)(q, k, v, scale, out, lse)
+        return out, lse
+
+    (y, lse), (y_whole, lse_whole) = run(pieces), run(whole)
+    y2, lse2 = run(pieces)
+    assert torch.equal(y, y2) and torch.equal(lse, lse2)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles_m = cdiv(Nq, 128)
+    n_work = B * H * tiles_m
+    n_whole = half_gluon.whole_tiles(pieces, n_work, q.device)
+    assert n_whole == n_work // sms * sms
+    split = torch.zeros(B, H, Nq, dtype=torch.bool, device="cuda")
+    for tile in range(n_whole, n_work):
+        bh, m0 = divmod(tile, tiles_m)
+        split[bh // H, bh % H, m0 * 128:(m0 + 1) * 128] = True
+    assert torch.equal(y[~split], y_whole[~split])
+    assert torch.equal(lse[~split], lse_whole[~split])
+    kr, vr = (t.repeat_interleave(H // H_kv, dim=1) for t in (k, v))
+    rows = torch.nonzero(split[-1, -1]).flatten()[:256]  # the last work tile is always split
+    assert rows.numel() > 0
+    s64 = scale * q[-1:, -1:, rows].double() @ kr[-1:, -1:].double().transpose(-1, -2)
+    ref = torch.softmax(s64, -1) @ vr[-1:, -1:].double()
+    err, err_whole = rel_l2(y[-1:, -1:, rows], ref), rel_l2(y_whole[-1:, -1:, rows], ref)
+    assert torch.isfinite(y).all() and err <= 1.25 * err_whole + 1e-5, (err, err_whole)
+    lse_ref = torch.logsumexp(s64, -1)
+    lse_err = (lse[-1:, -1:, rows].double() - lse_ref).abs().max().item()
+    lse_err_whole = (lse_whole[-1:, -1:, rows].double() - lse_ref).abs().max().item()
+    assert lse_err <= 2 * lse_err_whole + 1e-5, (lse_err, lse_err_whole)
 
 
 @pytest.mark.gpu
