@@ -716,7 +716,8 @@ if _IMPORT_ERROR is None:
         mbarrier.init(turn.index(1), count=1)
         return q_smem, k_smem, v_smem, l_smem, q_ready, q_empty, ready, empty, turn
 
-    @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work"])  # a new length compiles nothing new
+    # lengths and work counts are not specialised on: a new length compiles nothing new
+    @gluon.jit(do_not_specialize=["Nq", "Nk", "n_work", "n_whole", "pieces", "piece_tiles"])
     def _half_fwd_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, Scales, sob, soh, som, H, GROUP, Nq, Nk, n_work,
                          n_whole, pieces, piece_tiles, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          HEAD_D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
@@ -868,7 +869,7 @@ def half_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                         q, k, out_dtype or q.dtype, lambda out: launch(q, k, v, scale, out, cfg))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Nq", "n_work", "n_whole", "pieces"])
 def _piece_merge_kernel(Ws, Out, Lse, sob, soh, som, H, Nq, n_work, n_whole, pieces, ROWS: tl.constexpr,
                         HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, WRITE_LSE: tl.constexpr):
     """O (and with ``WRITE_LSE`` the natural-log LSE) of ``BLOCK_M`` rows of the work tiles from ``n_whole`` on, folded

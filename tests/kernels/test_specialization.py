@@ -7,14 +7,15 @@ import inspect
 
 import pytest
 
-from visionattn.kernels import elsa_bwd, elsa_fwd, pasa_fwd, varlen_bwd, varlen_fwd, window_bwd, window_fwd
+from visionattn.kernels import (elsa_bwd, elsa_fwd, half_gluon, pasa_fwd, varlen_bwd, varlen_fwd, window_bwd,
+                                window_fwd)
 
 # argument names that carry a length, a count of sequences / images / windows, or a split of them; head counts,
 # head dims, strides and the window size N of the window kernels (model constants) may be specialised on
 LENGTHS = {"B", "Nq", "Nk", "N_Q", "N_K", "total_q", "n_tiles", "n_m_tiles", "n_splits", "tiles_per_split",
            "CHUNK", "N_CHUNKS", "PLANE", "n_add", "B_OUT", "H_OUT", "R_H", "n_red", "per_chunk", "BW", "n_img",
-           "n_work"}
-MODULES = (elsa_fwd, elsa_bwd, pasa_fwd, varlen_fwd, varlen_bwd, window_fwd, window_bwd)
+           "n_work", "n_whole", "pieces", "piece_tiles"}
+MODULES = (elsa_fwd, elsa_bwd, half_gluon, pasa_fwd, varlen_fwd, varlen_bwd, window_fwd, window_bwd)
 
 
 def _kernels():
@@ -38,7 +39,7 @@ KERNELS = dict(_kernels())
 def test_every_launched_kernel_is_found():
     assert {"elsa_fwd._elsa_fwd_kernel", "elsa_bwd._bwd_dq_kernel", "elsa_bwd._bwd_dkdv_kernel",
             "window_bwd._window_bwd_fused_kernel", "varlen_fwd._varlen_fwd_kernel",
-            "pasa_fwd._pasa_fwd_kernel"} <= set(KERNELS)
+            "pasa_fwd._pasa_fwd_kernel", "half_gluon._piece_merge_kernel"} <= set(KERNELS)
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
