@@ -894,12 +894,11 @@ def _piece_merge_kernel(Ws, Out, Lse, sob, soh, som, H, Nq, n_work, n_whole, pie
         tl.store(Lse + bh * Nq + row, (m + tl.math.log2(s)) * 0.6931471805599453, mask=ok)
 
 
-def piece_workspace(cfg: dict, n_work: int, head_dim: int, device: torch.device) -> torch.Tensor:
-    """The FP32 workspace of a launch with key pieces: ``pieces x rows`` partial states, rows the split work tiles'
-    (those past :func:`whole_tiles`), as three parts (m [P, rows], S [P, rows], O / S [P, rows, head dim]) that the
-    kernel's pieces write and :func:`_piece_merge_kernel` reads."""
-    rows = (n_work - whole_tiles(cfg, n_work, device)) * cfg["BLOCK_M"] * cfg["pieces"]
-    return torch.empty(rows * (2 + head_dim), dtype=torch.float32, device=device)
+def piece_workspace(cfg: dict, n_work: int, head_dim: int, device: torch.device) -> int:
+    """FP32 elements of the workspace of a launch with key pieces: ``pieces x rows`` partial states, rows the split
+    work tiles' (those past :func:`whole_tiles`), in three parts (m [P, rows], S [P, rows], O / S [P, rows, head
+    dim]) that the kernel's pieces write and :func:`_piece_merge_kernel` reads; each call allocates its own."""
+    return (n_work - whole_tiles(cfg, n_work, device)) * cfg["BLOCK_M"] * cfg["pieces"] * (2 + head_dim)
 
 
 def whole_tiles(cfg: dict, n_work: int, device: torch.device) -> int:
@@ -911,17 +910,16 @@ def whole_tiles(cfg: dict, n_work: int, device: torch.device) -> int:
 
 class _PiecesLaunch:
     """A launch with key pieces: the forward kernel (whole work tiles and pieces; the pieces' partial states into a
-    workspace allocated per call) then the merge launch writing the split tiles' rows of O (and the LSE)."""
+    workspace of ``ws_numel`` FP32 elements allocated per call) then the merge launch writing the split tiles' rows of
+    O (and the LSE)."""
 
-    __slots__ = ("kernel", "merge", "merge_fixed", "cfg", "n_work", "head_dim")
+    __slots__ = ("kernel", "merge", "merge_fixed", "ws_numel")
 
-    def __init__(self, kernel: PlannedLaunch, merge: KernelCall, merge_fixed: tuple, cfg: dict, n_work: int,
-                 head_dim: int):
-        self.kernel, self.merge, self.merge_fixed = kernel, merge, merge_fixed
-        self.cfg, self.n_work, self.head_dim = cfg, n_work, head_dim
+    def __init__(self, kernel: PlannedLaunch, merge: KernelCall, merge_fixed: tuple, ws_numel: int):
+        self.kernel, self.merge, self.merge_fixed, self.ws_numel = kernel, merge, merge_fixed, ws_numel
 
     def __call__(self, q, k, v, scale, out, lse=None, scales=None):
-        ws = piece_workspace(self.cfg, self.n_work, self.head_dim, q.device)
+        ws = torch.empty(self.ws_numel, dtype=torch.float32, device=q.device)
         self.kernel(q, k, v, scale, out, lse, ws)
         self.merge(ws, out, out if lse is None else lse, *self.merge_fixed)
 
@@ -976,7 +974,8 @@ def planned_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: dict,
     merge = KernelCall(_piece_merge_kernel, (cdiv(rows, block_m),),
                        dict(ROWS=cfg["BLOCK_M"], HEAD_D=D, BLOCK_M=block_m, BLOCK_P=block_p, WRITE_LSE=bool(write_lse)),
                        dict(num_warps=4))
-    return _PiecesLaunch(kernel, merge, (*strides, H, Nq, n_work, n_whole, pieces), cfg, n_work, D)
+    return _PiecesLaunch(kernel, merge, (*strides, H, Nq, n_work, n_whole, pieces),
+                         piece_workspace(cfg, n_work, D, q.device))
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor, cfg: dict) -> None:
