@@ -509,7 +509,7 @@ def test_key_pieces_match_the_oracle_and_leave_whole_tiles_bit_equal(B, H, H_kv,
     pieces forced): O within the whole-tile build's error vs the float64 oracle on the split tiles' rows, the rows of
     whole work tiles bit-equal to the whole-tile build's (the same kernel and fold), the LSE within the whole-tile
     build's error, repeated calls bit-identical; also with every work tile split (300 query rows: fewer work tiles
-    than SMs), over grouped-query K / V heads, and with more query rows than keys' tiles cover."""
+    than SMs), over grouped-query K / V heads, and with query rows and keys of different counts."""
     from visionattn.kernels._launch import allocate_output, cdiv
     from visionattn.metrics import rel_l2
 
