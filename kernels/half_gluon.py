@@ -184,11 +184,11 @@ def key_pieces(n_q: int, n_k: int, heads: int, sms: int, cfg: dict) -> tuple[int
     Cut into ``P`` items of ``piece_tiles = cdiv(key tiles, P)`` key tiles (``rem * P <= sms``), whose partial states
     a merge launch folds with the monoid merge, the round costs ``piece_tiles`` + :data:`PIECE_COST_TILES` key tiles
     instead of all of them: the cheapest ``P`` where that is less and ``rem <= sms *`` :data:`PIECE_MAX_FILL`, else
-    ``(1, key tiles)`` (no cut). E.g. on 132 SMs Flux at 512 px (24 heads of 1536 tokens: 288 work tiles, 24 in the
+    ``(1, 0)`` (no cut). E.g. on 132 SMs Flux at 512 px (24 heads of 1536 tokens: 288 work tiles, 24 in the
     last round, 12 key tiles) runs 4 pieces of 3 key tiles. The pieces' states take a transient FP32 workspace of
     ``rem * P * 128 * (D + 2) * 4`` bytes, at most 8.4 MiB at D = 128 on 132 SMs (:func:`piece_workspace`)."""
     n_kt = cdiv(n_k, cfg["BLOCK_N"])
-    whole = (1, n_kt)
+    whole = (1, 0)
     if (cfg["BLOCK_N"] != 128 or cfg["q_buffers"] != 1 or cfg["parts"] != 1 or cfg["one_tile"]
             or tuple(cfg["tail_keys"]) != (cfg["BLOCK_N"], 0)):
         return whole
@@ -271,10 +271,8 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
         cfg.update(BLOCK_N=64, STAGES=4)
     cfg = dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 or short_d128 else 1,
                parts=1, **last_key_tile(n_k, cfg["BLOCK_N"], head_dim))
-    pieces = (1, 0)
-    if head_dim > 64 and n_q and heads and sms:
-        pieces = key_pieces(n_q, n_k, heads, sms, cfg)
-    return dict(cfg, pieces=pieces[0], piece_tiles=pieces[1] if pieces[0] > 1 else 0)
+    pieces, piece_tiles = key_pieces(n_q, n_k, heads, sms, cfg) if head_dim > 64 and n_q and heads and sms else (1, 0)
+    return dict(cfg, pieces=pieces, piece_tiles=piece_tiles)
 
 
 def last_key_tile(n_k: int, block_n: int, head_dim: int) -> dict:
