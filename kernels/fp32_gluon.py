@@ -69,7 +69,8 @@ def get_config(n_k: int, head_dim: int = 64) -> dict:
         raise ValueError(f"head dim {head_dim}; the split-FP16 Gluon forward takes {HEAD_DIMS}")
     block_n, stages, q_buffers = TILES[head_dim]
     cfg = half_gluon.get_config(n_k, head_dim, one_consumer_below=0)
-    return dict(cfg, BLOCK_N=block_n, STAGES=stages, q_buffers=q_buffers, parts=2,
+    # the consumers take turns at head dim 128 at every length (the fp16 / bf16 build drops them for its 64-key tiles)
+    return dict(cfg, BLOCK_N=block_n, STAGES=stages, q_buffers=q_buffers, parts=2, PINGPONG=head_dim > 64,
                 **half_gluon.last_key_tile(n_k, block_n, head_dim))
 
 

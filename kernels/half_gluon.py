@@ -11,9 +11,11 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
   warpgroups get 240 registers each (one alone: 232; four: 112-120), the producer 24;
 * **intra-warpgroup overlap**: each consumer issues ``S_{t+1} = Q K_{t+1}^T`` and
   ``O += P_t V_t`` as async wgmmas and runs the softmax of ``S_{t+1}`` while ``P_t V_t`` is in flight;
-* **ping-pong** (D = 128 only): two ``turn`` mbarriers make the consumers take turns issuing
+* **ping-pong** (D = 128 over 128-key tiles): two ``turn`` mbarriers make the consumers take turns issuing
   their wgmmas, so one group's softmax overlaps the other's GEMMs. At D = 64 the GEMMs are too
-  short for it to pay, as in FlashAttention-3 (docs/tuning.md: ping-pong between consumers at D=128 only);
+  short for it to pay, as in FlashAttention-3 (docs/tuning.md: ping-pong between consumers at D=128 only), and
+  D = 128's 64-key tiles run 2-5 % faster without the turns (docs/tuning.md: no ping-pong for head dim 128's 64-key
+  tiles);
 * **persistent grid**: one program per SM takes work tiles (128 query rows of one head) in turn; the
   barrier phases run on across tiles, so the producer loads the next tile's Q and K / V while the
   consumers finish the last one's ``P V`` and store it (docs/tuning.md: persistent grid, next tile's loads
@@ -28,7 +30,8 @@ warp-specialized Gluon kernel (FlashAttention-3 schedule) beside the Triton kern
 * **one consumer per CTA below 1536 keys** (D = 64): 64-row work tiles, two CTAs per SM that drift out of
   phase, so one's softmax runs under the other's products where a work tile has too few key tiles to
   overlap within (docs/tuning.md: one consumer warpgroup per CTA below 1536 keys (D=64));
-* **three consumers per CTA where their waves finish first** (D = 64, from 1536 keys): 192-row work tiles, each
+* **three consumers per CTA where their waves finish first** (D = 64 from 1536 keys, D = 128 over 64-key tiles:
+  129-1024 keys; docs/tuning.md: three consumers for head dim 128's 64-key tiles): 192-row work tiles, each
   K / V tile read from shared memory serving 192 rows; 7 % more rows per second than two consumers where both fill
   whole waves of SMs, so :func:`three_consumers_faster` weighs that against the rounding of each count's work tiles
   into waves (ViT-B/16 at 1024 px: 16 waves of 192 rows against 24 of 128; 8 heads of 16384 keep two: 6 waves of 192
@@ -154,7 +157,8 @@ FOUR_CONSUMER_MAX_KEYS = 256
 # than two (128 rows: each K / V tile read from shared memory serves more rows, and a third chain of softmax work
 # hides under the others' products), measured where both grids fill their waves; the choice between them weighs it
 # against the rounding of the work tiles into waves of SMs (:func:`three_consumers_faster`; docs/tuning.md: three
-# consumers per CTA at D=64 where the work tiles' waves allow).
+# consumers per CTA at D=64 where the work tiles' waves allow). D = 128's 64-key tiles measure the same speed
+# (1.05-1.08x at 257-384 rows; docs/tuning.md: three consumers for head dim 128's 64-key tiles).
 THREE_CONSUMER_ROW_SPEED = 1.07
 
 # D = 128 calls of at most this many keys run two Q buffers, so that O leaves by TMA stores through the consumer's Q
@@ -207,11 +211,13 @@ def key_pieces(n_q: int, n_k: int, heads: int, sms: int, cfg: dict) -> tuple[int
 
 
 def three_consumers_faster(n_q: int, heads: int, sms: int) -> bool:
-    """Whether a long D = 64 call of ``heads`` (batch x heads) heads of ``n_q`` query rows finishes sooner on
-    three consumer warpgroups per CTA than on two, on ``sms`` SMs (one persistent CTA each): each count's time is
-    taken as its waves of work tiles, ``ceil(heads * ceil(n_q / rows) / sms)``, times its rows per tile over its
-    speed per row (:data:`THREE_CONSUMER_ROW_SPEED`). E.g. on 132 SMs: ViT-B/16 at 1024 px (96 heads of 4097 rows)
-    and 16 heads of 16384 take three; 8 heads of 16384 (6 waves of 192 rows against 8 of 128) and of 4096 keep two."""
+    """Whether a call of ``heads`` (batch x heads) heads of ``n_q`` query rows (D = 64 from ``one_consumer_below``
+    keys; D = 128 over 64-key tiles) finishes sooner on three consumer warpgroups per CTA than on two, on ``sms``
+    SMs (one persistent CTA each): each count's time is taken as its waves of work tiles,
+    ``ceil(heads * ceil(n_q / rows) / sms)``, times its rows per tile over its speed per row
+    (:data:`THREE_CONSUMER_ROW_SPEED`). E.g. on 132 SMs: ViT-B/16 at 1024 px (96 heads of 4097 rows) and 16 heads of
+    16384 take three; 8 heads of 16384 (6 waves of 192 rows against 8 of 128) and of 4096 keep two; at D = 128, 512
+    heads of 257 or 384 rows take three, 128 heads of 577 and 64 of 1024 keep two."""
     def cost(rows: int, speed: float) -> float:
         return cdiv(heads * cdiv(n_q, rows), sms) * rows / speed
 
@@ -234,12 +240,15 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
       ``heads`` and ``sms``) at least one head per SM: four consumer
       warpgroups (256 rows: a whole head) per CTA over 64-key tiles, 4 stages; 96 registers per thread at launch
       (20 warps), 112-120 per consumer thread and 24 per producer thread after ``setmaxnreg``.
-    * D = 64 from ``one_consumer_below`` keys, given ``n_q``, ``heads`` (batch x heads) and ``sms``: three consumer
-      warpgroups (192 rows) per CTA where :func:`three_consumers_faster` says so; 128 registers per thread at launch
-      (16 warps), 160 per consumer thread and 24 per producer thread after ``setmaxnreg``.
+    * D = 64 from ``one_consumer_below`` keys (D = 128 over 64-key tiles, below), given ``n_q``, ``heads`` (batch x
+      heads) and ``sms``: three consumer warpgroups (192 rows) per CTA where :func:`three_consumers_faster` says so;
+      128 registers per thread at launch (16 warps), 160 per consumer thread and 24 per producer thread after
+      ``setmaxnreg``.
     * ``parts``: 1 (:func:`.fp32_gluon.get_config` sets 2: mode fp32's split operands).
     * D = 128 at up to :data:`D128_SHORT_KEYS` keys: two Q buffers (O by TMA stores through them) beside 64-key
-      tiles in four K / V stages; a call of one key tile (up to 128 keys) keeps its 128-key tile, in two stages.
+      tiles in four K / V stages, the consumers not in ping-pong, three of them (192 rows; 128 registers per thread
+      at launch, 160 per consumer thread) where :func:`three_consumers_faster` says so; a call of one key tile (up
+      to 128 keys) keeps its 128-key tile, in two stages, two consumers in ping-pong.
     * ``persistent``: ``ctas_per_sm`` programs per SM loop over the work tiles. ``q_buffers``: Q tiles in
       flight (2 at D = 64; at D = 128 only with 64-key tiles: beside three 128-key stages, two would need
       256 KiB of shared memory).
@@ -269,7 +278,11 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
         cfg.update(STAGES=2)
     elif short_d128:
         cfg.update(BLOCK_N=64, STAGES=4)
-    cfg = dict(cfg, PINGPONG=head_dim > 64, persistent=True, q_buffers=2 if head_dim <= 64 or short_d128 else 1,
+        if n_q and heads and sms and three_consumers_faster(n_q, heads, sms):
+            cfg.update(BLOCK_M=192, maxnreg=128, consumer_regs=160, consumers=3)
+    # ping-pong at D = 128 over 128-key tiles only (docs/tuning.md: no ping-pong for head dim 128's 64-key tiles)
+    ping_pong = head_dim > 64 and cfg["BLOCK_N"] == 128
+    cfg = dict(cfg, PINGPONG=ping_pong, persistent=True, q_buffers=2 if head_dim <= 64 or short_d128 else 1,
                parts=1, **last_key_tile(n_k, cfg["BLOCK_N"], head_dim))
     pieces, piece_tiles = key_pieces(n_q, n_k, heads, sms, cfg) if head_dim > 64 and n_q and heads and sms else (1, 0)
     return dict(cfg, pieces=pieces, piece_tiles=piece_tiles)

@@ -115,10 +115,11 @@ def _half_gluon_jobs(quick: bool):
     # 4096 keys: two consumer warpgroups per CTA; 1025 keys at D = 64: one per CTA, two CTAs per SM, a cut last tile;
     # 197 rows and keys at D = 64: four per CTA; ViT-B/16 at 1024 px (96 heads of 4097 rows) on 132 SMs: three; 300
     # keys at D = 128: 64-key tiles, four stages and two Q buffers; 100 keys at D = 128: one 128-key tile, two stages;
-    # Flux at 512 px (24 heads of 1536 tokens) at D = 128 on 132 SMs: key pieces for the last round
+    # Flux at 512 px (24 heads of 1536 tokens) at D = 128 on 132 SMs: key pieces for the last round; 512 heads of 300
+    # rows at D = 128 on 132 SMs: three consumers over 64-key tiles
     for d, n_k, n_q, heads in ((64, 4096, None, None), (64, 1025, None, None), (64, 197, 197, None),
                                (64, 4097, 4097, 96), (128, 4096, None, None), (128, 300, None, None),
-                               (128, 100, None, None), (128, 1536, 1536, 24)):
+                               (128, 100, None, None), (128, 1536, 1536, 24), (128, 300, 300, 512)):
         for dtype in ((torch.float16,) if quick else (torch.float16, torch.bfloat16)):
             cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=heads, sms=132)
             # as a launch builds it: O by TMA stores where the plan's own output allows (two Q buffers)

@@ -113,6 +113,13 @@ def cases(families, modes):
                 yield (f"dense {mode} B=2 H=70 N=1700 D=64 (Gluon forward, three consumers)",
                        lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode),
                        [_rand(2, 70, 1700, 64, dtype=dt, grad=grad, seed=s) for s in range(3)])
+                # and head dim 128's 64-key tiles in three consumers (320 heads of 513 rows: a last work tile of 129
+                # rows, a last key tile cut to 16 keys), also over grouped-query K / V heads
+                for h_kv in (40, 10):
+                    yield (f"dense {mode} B=8 H=40 Hkv={h_kv} N=513 D=128 (Gluon forward, three consumers)",
+                           lambda q, k, v, mode=mode: va.attention(q, k, v, mode=mode, enable_gqa=True),
+                           [_rand(8, hh, 513, 128, dtype=dt, grad=grad, seed=s)
+                            for s, hh in enumerate((40, h_kv, h_kv))])
                 # head dim 128's key pieces for a little-filled last round (24 heads of 1536 rows on 132 SMs: 24 of
                 # 288 work tiles in 4 pieces each, merged), also over grouped-query K / V heads
                 for h_kv in (24, 8):

@@ -177,9 +177,9 @@ def test_the_split_build_compiles_with_three_wgmmas_per_product_within_shared_me
 
 def test_config_and_preference():
     """The split build takes two consumer warpgroups of 64 rows, ``parts = 2`` and its head dim's key tiles (64 keys
-    in 4 stages at head dim 64, 32 keys in 4 stages with one Q buffer at 128) at every key count, its last key tile
-    cut to the keys it holds (in 16-key steps, one or two parts at head dim 64, one at 128, up to 2048 keys); other
-    head dims are refused; the launcher prefers it from MIN_KEYS keys."""
+    in 4 stages at head dim 64, 32 keys in 4 stages with one Q buffer and ping-pong at 128) at every key count, its
+    last key tile cut to the keys it holds (in 16-key steps, one or two parts at head dim 64, one at 128, up to 2048
+    keys); other head dims are refused; the launcher prefers it from MIN_KEYS keys."""
     for n_k, one_tile, tail in ((20, True, (32, 0)), (100, False, (32, 16)), (1066, False, (32, 16)),
                                 (4096, False, (64, 0)), (4097, False, (64, 0)), (65536, False, (64, 0))):
         cfg = fp32_gluon.get_config(n_k)
@@ -194,6 +194,7 @@ def test_config_and_preference():
         # hi / lo Q buffers do not fit beside the ring
         assert cfg["parts"] == 2 and (cfg["BLOCK_N"], cfg["STAGES"], cfg["q_buffers"]) == fp32_gluon.TILES[128]
         assert fp32_gluon.TILES[128] == (32, 4, 1) and cfg["BLOCK_M"] == 128 and cfg["consumers"] == 2
+        assert cfg["PINGPONG"], n_k  # at every length, also where the fp16 / bf16 64-key tiles go without
         assert (cfg["one_tile"], cfg["tail_keys"]) == (one_tile, tail), n_k
     with pytest.raises(ValueError, match="head dim 96"):
         fp32_gluon.get_config(4096, 96)

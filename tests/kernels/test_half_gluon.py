@@ -22,13 +22,15 @@ for d in half_gluon.HEAD_DIMS:
     for (dt, tname), n_k, n_q in (((torch.float16, "fp16"), 4096, None), ((torch.bfloat16, "bf16"), 1066, None),
                                   ((torch.float16, "four"), 197, 197), ((torch.bfloat16, "three"), 4097, 4097),
                                   ((torch.float16, "short"), 300, None), ((torch.bfloat16, "one"), 100, None),
-                                  ((torch.bfloat16, "pieces"), 1536, 1536)):
-        if (d > 64 and n_q and tname != "pieces") or (d == 64 and tname in ("short", "one", "pieces")):
+                                  ((torch.bfloat16, "pieces"), 1536, 1536), ((torch.bfloat16, "short3"), 300, 300)):
+        if (d > 64 and n_q and tname not in ("pieces", "short3")) or (d == 64 and tname in ("short", "one", "pieces",
+                                                                                             "short3")):
             continue
         # 1066 keys: a 42-key last tile (D = 64: 32 + 16 keys); ViT-B/16 at 1024 px on 132 SMs: three consumers;
         # 300 keys at D = 128: 64-key tiles, four stages and two Q buffers; 100 keys: one 128-key tile, two stages
-        # and two Q buffers; Flux at 512 px (24 heads of 1536 tokens) on 132 SMs: key pieces for the last round
-        cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads={4097: 96, 1536: 24}.get(n_q), sms=132)
+        # and two Q buffers; Flux at 512 px (24 heads of 1536 tokens) on 132 SMs: key pieces for the last round;
+        # 512 heads of 300 rows at D = 128 on 132 SMs: three consumers over 64-key tiles
+        cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads={4097: 96, 1536: 24, 300: 512}.get(n_q), sms=132)
         # O from registers, and (two Q buffers) by TMA stores, as the plan's own output takes it
         for tma in ((False, True) if half_gluon.tma_output(cfg, dt, dt, (4096 * d, d, 8 * d)) else (False,)):
             r = compile_for_arch(half_gluon._half_fwd_kernel, dict(half_gluon.descriptor_types(cfg, d, dt),
@@ -59,7 +61,8 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
     build with key pieces (head dim 128, 24 heads of 1536 rows on 132 SMs: the pieces' partial-state epilogue beside
     the whole tiles' and the LSE write), the Q / K / V tiles within the 227 KiB of shared memory, and no spills beyond
     a few words: none with Triton 3.6 (the GPU runs'), while the ptxas of Triton 3.8 keeps 4 words in the stack frame
-    at D = 128 (8 in the build with key pieces) and 16 in the four-consumer build (112-120 registers per consumer
+    at D = 128 (8 in the build with key pieces, 12 in the three-consumer build over 64-key tiles: 512 heads of 300
+    rows on 132 SMs) and 16 in the four-consumer build (112-120 registers per consumer
     thread), 22 in the three-consumer one (160 registers per consumer thread; none with Triton 3.6; lengths are not
     specialised on, as at run time, where 197 keys are not a multiple of 16 either). The builds that write O by TMA
     stores (two Q buffers: head dim 64, and head dim 128 at 100 and 300 keys; :func:`.half_gluon.tma_output`) issue
@@ -71,8 +74,9 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
 
     r = compile_in_child(_CHILD)
     plain = {"64_fp16", "64_bf16", "64_four", "64_three", "128_fp16", "128_bf16", "128_short", "128_one",
-             "128_pieces"}
-    assert set(r) == plain | {f"{key}_tma" for key in plain if key.startswith("64") or key in ("128_short", "128_one")}
+             "128_pieces", "128_short3"}
+    short = ("128_short", "128_one", "128_short3")
+    assert set(r) == plain | {f"{key}_tma" for key in plain if key.startswith("64") or key in short}
     for key, v in r.items():
         # O by TMA stores (two Q buffers: one per consumer, staged in its Q tile, no more shared memory or
         # registers), else from registers
@@ -84,8 +88,9 @@ def test_compiles_for_hopper_warp_specialized_with_at_most_a_few_spilled_words()
         assert v["bulk_store"] == 0, (key, v)
         d = int(key.split("_")[0])
         # the shape the child compiled
-        cfg = half_gluon.get_config(v["n_k"], d, n_q=v["n_q"], heads={4097: 96, 1536: 24}.get(v["n_q"]), sms=132)
-        assert cfg["consumers"] == {"four": 4, "three": 3}.get(key.split("_")[1], cfg["consumers"])
+        cfg = half_gluon.get_config(v["n_k"], d, n_q=v["n_q"], heads={4097: 96, 1536: 24, 300: 512}.get(v["n_q"]),
+                                    sms=132)
+        assert cfg["consumers"] == {"four": 4, "three": 3, "short3": 3}.get(key.split("_")[1], cfg["consumers"])
         assert (v["pieces"] > 1) is (key == "128_pieces"), (key, v)
         tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * d + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * d)  # Q, K / V ring
         assert tiles < v["shared"] <= HOPPER_SHARED_LIMIT, (key, v)
@@ -148,9 +153,9 @@ def test_the_last_key_tile_is_cut_to_the_keys_it_holds():
 def test_consumer_warpgroups_per_cta_by_length_within_the_register_file():
     """D = 64: four consumer warpgroups (a whole head, 64-key tiles) at 193-224 query rows and <= 256 keys, else
     one (64 query rows) per CTA and two CTAs per SM below ONE_CONSUMER_BELOW keys; three (192 rows) where
-    ``three_consumers_faster`` says so; two consumers (128 rows), one CTA per SM, otherwise and at D = 128. Launch
-    registers fit the register file, and after ``setmaxnreg`` the default partition (a consumer) keeps at least
-    what the other consumers get."""
+    ``three_consumers_faster`` says so, at D = 128 only over 64-key tiles (129 to D128_SHORT_KEYS keys); two
+    consumers (128 rows), one CTA per SM, otherwise. Launch registers fit the register file, and after
+    ``setmaxnreg`` the default partition (a consumer) keeps at least what the other consumers get."""
     below = half_gluon.ONE_CONSUMER_BELOW
     cases = [(64, below - 1, None, (1, 2, 64)), (64, below, None, (2, 1, 128)), (128, 256, None, (2, 1, 128)),
              (64, 197, 197, (4, 1, 256)), (64, 256, 224, (4, 1, 256)), (64, 197, 192, (1, 2, 64)),
@@ -159,7 +164,12 @@ def test_consumer_warpgroups_per_cta_by_length_within_the_register_file():
     # 1024 px, 16 heads of 16384 rows); 8 heads of 16384 or 4096 rows keep two; four only where the heads fill the SMs
     sized = [(64, 4097, 4097, 96, (3, 1, 192)), (64, 16384, 16384, 16, (3, 1, 192)), (64, 16384, 16384, 8, (2, 1, 128)),
              (64, 4096, 4096, 8, (2, 1, 128)), (128, 4097, 4097, 96, (2, 1, 128)), (64, 1024, 4097, 96, (1, 2, 64)),
-             (64, 197, 197, 768, (4, 1, 256)), (64, 197, 197, 96, (1, 2, 64))]
+             (64, 197, 197, 768, (4, 1, 256)), (64, 197, 197, 96, (1, 2, 64)),
+             # D = 128 over 64-key tiles: 512 heads of 129-384 rows and 256 of 513 take three; 128 heads of 577, 64 of
+             # 1024 and 256 of 449 keep two; one key tile (97) and 128-key tiles (1025) always two
+             (128, 129, 129, 512, (3, 1, 192)), (128, 257, 257, 512, (3, 1, 192)), (128, 384, 384, 512, (3, 1, 192)),
+             (128, 513, 513, 256, (3, 1, 192)), (128, 449, 449, 256, (2, 1, 128)), (128, 577, 577, 128, (2, 1, 128)),
+             (128, 1024, 1024, 64, (2, 1, 128)), (128, 97, 97, 512, (2, 1, 128)), (128, 1025, 1025, 512, (2, 1, 128))]
     for d, n_k, n_q, heads, expected in [(d, n_k, n_q, None, e) for d, n_k, n_q, e in cases] + sized:
         cfg = half_gluon.get_config(n_k, d, n_q=n_q, heads=heads, sms=132)
         assert (cfg["consumers"], cfg["ctas_per_sm"], cfg["BLOCK_M"]) == expected, (d, n_k, n_q, heads)
@@ -171,10 +181,12 @@ def test_consumer_warpgroups_per_cta_by_length_within_the_register_file():
 
 def test_head_dim_128_calls_of_up_to_1024_keys_double_buffer_q():
     """D = 128 at up to D128_SHORT_KEYS keys: two Q buffers, so that O can leave by TMA stores through the Q tiles
-    (the plan's own output in the inputs' dtype), beside 64-key tiles in four K / V stages, or, for a call of one
-    key tile (up to 128 keys), that 128-key tile in two stages; from one key more 128-key tiles in three stages and
-    one Q buffer. Either way the Q tiles and the ring fit the SM's shared memory (64 x 128 x 2 bytes a consumer's Q
-    tile, BLOCK_N x 128 x 2 a K or V tile); D = 64 keeps its two Q buffers at every length."""
+    (the plan's own output in the inputs' dtype), beside 64-key tiles in four K / V stages with the consumers not in
+    ping-pong, or, for a call of one key tile (up to 128 keys), that 128-key tile in two stages; from one key more
+    128-key tiles in three stages and one Q buffer. The 128-key tiles keep ping-pong. Either way the Q tiles and the
+    ring fit the SM's shared memory (64 x 128 x 2 bytes a consumer's Q tile, BLOCK_N x 128 x 2 a K or V tile), also
+    with three consumers (512 heads of as many rows as keys on 132 SMs); D = 64 keeps its two Q buffers at every
+    length."""
     from visionattn.kernels.introspect import HOPPER_SHARED_LIMIT
 
     bound = half_gluon.D128_SHORT_KEYS
@@ -182,13 +194,14 @@ def test_head_dim_128_calls_of_up_to_1024_keys_double_buffer_q():
     for n_k, expected in ((1, (128, 2, 2)), (97, (128, 2, 2)), (128, (128, 2, 2)), (129, (64, 4, 2)),
                           (300, (64, 4, 2)), (577, (64, 4, 2)), (bound, (64, 4, 2)), (bound + 1, (128, 3, 1)),
                           (1536, (128, 3, 1)), (4096, (128, 3, 1))):
-        cfg = half_gluon.get_config(n_k, 128)
-        assert (cfg["BLOCK_N"], cfg["STAGES"], cfg["q_buffers"]) == expected, n_k
-        assert cfg["one_tile"] is (n_k <= 128) and sum(cfg["tail_keys"]) <= cfg["BLOCK_N"], n_k
-        short = n_k <= bound
-        assert half_gluon.tma_output(cfg, torch.bfloat16, torch.bfloat16, (8 * n_k * 128, 128, 8 * 128)) is short
-        tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * 128 + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * 128)
-        assert tiles <= HOPPER_SHARED_LIMIT, (n_k, tiles)
+        for cfg in (half_gluon.get_config(n_k, 128), half_gluon.get_config(n_k, 128, n_q=n_k, heads=512, sms=132)):
+            assert (cfg["BLOCK_N"], cfg["STAGES"], cfg["q_buffers"]) == expected, n_k
+            assert cfg["PINGPONG"] is (cfg["BLOCK_N"] == 128), n_k
+            assert cfg["one_tile"] is (n_k <= 128) and sum(cfg["tail_keys"]) <= cfg["BLOCK_N"], n_k
+            short = n_k <= bound
+            assert half_gluon.tma_output(cfg, torch.bfloat16, torch.bfloat16, (8 * n_k * 128, 128, 8 * 128)) is short
+            tiles = 2 * (cfg["q_buffers"] * cfg["BLOCK_M"] * 128 + cfg["STAGES"] * 2 * cfg["BLOCK_N"] * 128)
+            assert tiles <= HOPPER_SHARED_LIMIT, (n_k, tiles)
     assert all(half_gluon.get_config(n_k, 64)["q_buffers"] == 2 for n_k in (100, 300, 1066, 4096))
 
 
@@ -453,14 +466,15 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the kernel is Hopper-on
                                          (64, 12, 50, 50, 64), (8, 12, 80, 80, 64), (2, 6, 300, 25, 128),
                                          (2, 70, 1100, 2100, 64), (2, 70, 1700, 1570, 64), (1, 16, 16384, 16384, 64),
                                          (4, 40, 384, 384, 128), (4, 40, 385, 385, 128), (2, 70, 129, 129, 128),
-                                         (2, 70, 1000, 1000, 128), (1, 80, 1025, 1025, 128)])
+                                         (2, 70, 1000, 1000, 128), (1, 80, 1025, 1025, 128), (8, 40, 513, 513, 128)])
 def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, dtype):
     """Same error vs the float64 oracle as the Triton kernel, odd row / key counts (TMA zero-fills the
     tails, the last key tile is masked and cut to 16 / 32 / 64 / 128 keys or split in two parts: 64 + 16, 32 + 16),
     one or two key tiles, one, two, three or four consumer warpgroups per CTA (four: 193-224 rows, 64-key tiles, where
     the heads fill the SMs; 8 x 12 heads at 197 rows take one consumer; three: 140 heads of 1100 or 1700 rows (a
     last key tile in two parts) and 16 heads of 16384 on 132 SMs), head dim 128 up to 1024 keys (64-key tiles,
-    four stages, two Q buffers: 129-1000 keys) and just past them (1025), programs that take several work tiles (the
+    four stages, two Q buffers: 129-1000 keys; three consumers at 140 heads of 129 rows and 320 of 513 on 132 SMs)
+    and just past them (1025), programs that take several work tiles (the
     persistent grid: barrier phases carried from tile to tile), and ``elsa_attention`` returns exactly this
     kernel's output where it dispatches to it, as does a call that wants the log-sum-exp, whose LSE is as accurate
     as the Triton kernel's."""
@@ -483,7 +497,8 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     four = D == 64 and Nq in half_gluon.FOUR_CONSUMER_ROWS and Nk <= half_gluon.FOUR_CONSUMER_MAX_KEYS and B * H >= sms
     assert (half_gluon.config_for(q, k)["consumers"] == 4) is four
-    three = D == 64 and Nk >= half_gluon.ONE_CONSUMER_BELOW and half_gluon.three_consumers_faster(Nq, B * H, sms)
+    three = ((Nk >= half_gluon.ONE_CONSUMER_BELOW if D == 64 else 128 < Nk <= half_gluon.D128_SHORT_KEYS)
+             and half_gluon.three_consumers_faster(Nq, B * H, sms))
     assert (half_gluon.config_for(q, k)["consumers"] == 3) is three
     if B * H * -(-Nq // 128) >= sms and half_gluon.preferred(Nq, Nk, D):
         assert torch.equal(elsa_attention(q, k, v, None, None, False, scale, mode), y)
