@@ -573,6 +573,41 @@ def test_key_pieces_match_the_oracle_and_leave_whole_tiles_bit_equal(B, H, H_kv,
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,H,H_kv,N", [(8, 40, 10, 513), (4, 128, 128, 300)])
+def test_three_consumers_at_head_dim_128_match_two_bit_for_bit(B, H, H_kv, N, dtype):
+    """Head dim 128's 64-key tiles on three consumer warpgroups (the rule's config for these heads on 132 SMs):
+    O and the LSE bit-equal to the two-consumer build's (each row folds the same key tiles in the same order), over
+    grouped-query K / V heads and with a last work tile of 129 rows (513) or 108 (300), and O within the dtype's
+    unit roundoff of the float64 oracle (rel. L2) on rows of the last work tile."""
+    from visionattn.kernels._launch import allocate_output
+    from visionattn.metrics import rel_l2
+
+    D = 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, N, D, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(B, H_kv, N, D, device="cuda", generator=g).to(dtype) for _ in range(2))
+    scale = D ** -0.5
+    three = half_gluon.get_config(N, D, n_q=N, heads=B * H, sms=132)
+    two = half_gluon.get_config(N, D)
+    assert (three["consumers"], two["consumers"]) == (3, 2) and not three["PINGPONG"] and not two["PINGPONG"]
+
+    def run(cfg):
+        out, _ = allocate_output(q, N, D, dtype)
+        lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
+        half_gluon.planned_launch(q, k, v, cfg, write_lse=True, out_dtype=dtype)(q, k, v, scale, out, lse)
+        return out, lse
+
+    (y, lse), (y_two, lse_two) = run(three), run(two)
+    assert torch.isfinite(y).all() and torch.equal(y, y_two) and torch.equal(lse, lse_two)
+    rows = torch.arange(N // 192 * 192, N, device="cuda")
+    kr, vr = (t.repeat_interleave(H // H_kv, dim=1)[-1:, -1:].double() for t in (k, v))
+    ref = torch.softmax(scale * q[-1:, -1:, rows].double() @ kr.transpose(-1, -2), -1) @ vr
+    assert rel_l2(y[-1:, -1:, rows], ref) <= 2.0 ** -(torch.finfo(dtype).nmant + 1)
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_unbind_views_and_float32_output():
     """timm-style qkv.unbind views (strided, no copy) and a float32 output divided once from W / S."""
     from visionattn.metrics import rel_l2
