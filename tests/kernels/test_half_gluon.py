@@ -514,6 +514,17 @@ def test_matches_the_oracle_and_is_what_half_modes_dispatch_to(B, H, Nq, Nk, D, 
         assert lse_err <= 2 * triton_lse_err + 1e-5, (lse_err, triton_lse_err)
 
 
+def _launch_with_lse(q, k, v, scale, cfg):
+    # (O, LSE) of one planned launch of config cfg into the plan's own output
+    from visionattn.kernels._launch import allocate_output
+
+    B, H, Nq, D = q.shape
+    out, _ = allocate_output(q, Nq, v.shape[-1], q.dtype)
+    lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
+    half_gluon.planned_launch(q, k, v, cfg, write_lse=True, out_dtype=q.dtype)(q, k, v, scale, out, lse)
+    return out, lse
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -525,7 +536,7 @@ def test_key_pieces_match_the_oracle_and_leave_whole_tiles_bit_equal(B, H, H_kv,
     whole work tiles bit-equal to the whole-tile build's (the same kernel and fold), the LSE within the whole-tile
     build's error, repeated calls bit-identical; also with every work tile split (300 query rows: fewer work tiles
     than SMs), over grouped-query K / V heads, and with query rows and keys of different counts."""
-    from visionattn.kernels._launch import allocate_output, cdiv
+    from visionattn.kernels._launch import cdiv
     from visionattn.metrics import rel_l2
 
     D = 128
@@ -539,10 +550,7 @@ def test_key_pieces_match_the_oracle_and_leave_whole_tiles_bit_equal(B, H, H_kv,
     whole = dict(lib, pieces=1, piece_tiles=0)
 
     def run(cfg):
-        out, _ = allocate_output(q, Nq, D, dtype)
-        lse = torch.empty(B, H, Nq, device="cuda", dtype=torch.float32)
-        half_gluon.planned_launch(q, k, v, cfg, write_lse=True, out_dtype=dtype)(q, k, v, scale, out, lse)
-        return out, lse
+        return _launch_with_lse(q, k, v, scale, cfg)
 
     (y, lse), (y_whole, lse_whole) = run(pieces), run(whole)
     y2, lse2 = run(pieces)
@@ -580,7 +588,6 @@ def test_three_consumers_at_head_dim_128_match_two_bit_for_bit(B, H, H_kv, N, dt
     O and the LSE bit-equal to the two-consumer build's (each row folds the same key tiles in the same order), over
     grouped-query K / V heads and with a last work tile of 129 rows (513) or 108 (300), and O within the dtype's
     unit roundoff of the float64 oracle (rel. L2) on rows of the last work tile."""
-    from visionattn.kernels._launch import allocate_output
     from visionattn.metrics import rel_l2
 
     D = 128
@@ -592,13 +599,7 @@ def test_three_consumers_at_head_dim_128_match_two_bit_for_bit(B, H, H_kv, N, dt
     two = half_gluon.get_config(N, D)
     assert (three["consumers"], two["consumers"]) == (3, 2) and not three["PINGPONG"] and not two["PINGPONG"]
 
-    def run(cfg):
-        out, _ = allocate_output(q, N, D, dtype)
-        lse = torch.empty(B, H, N, device="cuda", dtype=torch.float32)
-        half_gluon.planned_launch(q, k, v, cfg, write_lse=True, out_dtype=dtype)(q, k, v, scale, out, lse)
-        return out, lse
-
-    (y, lse), (y_two, lse_two) = run(three), run(two)
+    (y, lse), (y_two, lse_two) = _launch_with_lse(q, k, v, scale, three), _launch_with_lse(q, k, v, scale, two)
     assert torch.isfinite(y).all() and torch.equal(y, y_two) and torch.equal(lse, lse_two)
     rows = torch.arange(N // 192 * 192, N, device="cuda")
     kr, vr = (t.repeat_interleave(H // H_kv, dim=1)[-1:, -1:].double() for t in (k, v))
