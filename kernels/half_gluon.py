@@ -160,6 +160,9 @@ FOUR_CONSUMER_MAX_KEYS = 256
 # consumers per CTA at D=64 where the work tiles' waves allow). D = 128's 64-key tiles measure the same speed
 # (1.05-1.08x at 257-384 rows; docs/tuning.md: three consumers for head dim 128's 64-key tiles).
 THREE_CONSUMER_ROW_SPEED = 1.07
+# their rows and registers, at either head dim (get_config): 192 rows, 16 warps at 128 registers each at launch,
+# 160 per consumer thread after setmaxnreg
+_THREE_CONSUMERS = {"BLOCK_M": 192, "maxnreg": 128, "consumer_regs": 160, "consumers": 3, "ctas_per_sm": 1}
 
 # D = 128 calls of at most this many keys run two Q buffers, so that O leaves by TMA stores through the consumer's Q
 # tile (:func:`tma_output`) and the next work tile's Q loads under the current one: a short work tile spends a large
@@ -268,8 +271,7 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
         cfg = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 128, "consumer_regs": 240,  # it takes 232
                "consumers": 1, "ctas_per_sm": 2}
     elif head_dim <= 64 and n_q and heads and sms and three_consumers_faster(n_q, heads, sms):
-        cfg = {"BLOCK_M": 192, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 128, "consumer_regs": 160, "consumers": 3,
-               "ctas_per_sm": 1}
+        cfg = dict(_THREE_CONSUMERS, BLOCK_N=128, STAGES=3)
     else:
         cfg = {"BLOCK_M": 128, "BLOCK_N": 128, "STAGES": 3, "maxnreg": 168, "consumer_regs": 240, "consumers": 2,
                "ctas_per_sm": 1}
@@ -279,7 +281,7 @@ def get_config(n_k: int, head_dim: int = 64, one_consumer_below: int | None = No
     elif short_d128:
         cfg.update(BLOCK_N=64, STAGES=4)
         if n_q and heads and sms and three_consumers_faster(n_q, heads, sms):
-            cfg.update(BLOCK_M=192, maxnreg=128, consumer_regs=160, consumers=3)
+            cfg.update(_THREE_CONSUMERS)
     # ping-pong at D = 128 over 128-key tiles only (docs/tuning.md: no ping-pong for head dim 128's 64-key tiles)
     ping_pong = head_dim > 64 and cfg["BLOCK_N"] == 128
     cfg = dict(cfg, PINGPONG=ping_pong, persistent=True, q_buffers=2 if head_dim <= 64 or short_d128 else 1,
